@@ -1,0 +1,52 @@
+//! The accept loop.
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+/// Accepts connections until `shutdown` fires, handing each to `on_conn`.
+///
+/// Errors that concern one connection (it was reset before we accepted it)
+/// are skipped. Resource errors (EMFILE, ENFILE, ENOBUFS, ENOMEM) pause the
+/// loop with an exponential back-off from 10 ms to 1 s instead of spinning;
+/// the loop never exits on its own.
+pub async fn accept_loop<F>(listener: &TcpListener, shutdown: &CancellationToken, mut on_conn: F)
+where
+    F: FnMut(TcpStream, SocketAddr),
+{
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        let accepted = tokio::select! {
+            biased;
+            () = shutdown.cancelled() => return,
+            r = listener.accept() => r,
+        };
+        match accepted {
+            Ok((stream, peer)) => {
+                backoff = Duration::from_millis(10);
+                on_conn(stream, peer);
+            }
+            Err(e) if is_connection_error(&e) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, pause_ms = backoff.as_millis() as u64, "accept failed; pausing");
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
+fn is_connection_error(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+    )
+}

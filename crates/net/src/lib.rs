@@ -1,0 +1,14 @@
+//! seedlink's networking runtime, shared by every role.
+//!
+//! - [`accept`]: an accept loop that never exits on resource errors and never spins.
+//! - [`copy`]: moves bytes between two TCP sockets with `splice(2)` on Linux (buffered
+//!   fallback elsewhere and when no pipe is free), propagating half-close and resets.
+//! - [`sockopt`]: keepalive, linger and file-descriptor limits.
+//! - [`lifecycle`]: the process phase (starting, serving, draining) that readiness reports.
+
+pub mod accept;
+pub mod copy;
+pub mod lifecycle;
+pub mod sockopt;
+#[cfg(target_os = "linux")]
+mod splice;

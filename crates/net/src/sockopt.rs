@@ -1,0 +1,75 @@
+//! Socket options and process limits.
+
+use std::time::Duration;
+
+use socket2::{SockRef, TcpKeepalive};
+use tokio::net::TcpStream;
+
+/// TCP keepalive settings applied to both sides of every proxied connection.
+#[derive(Debug, Clone, Copy)]
+pub struct Keepalive {
+    /// Idle time before the first probe.
+    pub time: Duration,
+    /// Interval between probes.
+    pub interval: Duration,
+    /// Unanswered probes before the connection is dropped.
+    pub retries: u32,
+}
+
+/// Enables keepalive and disables Nagle on `stream`. Failures are returned for
+/// logging; the connection is usable either way.
+pub fn tune(stream: &TcpStream, ka: Keepalive) -> std::io::Result<()> {
+    let sock = SockRef::from(stream);
+    sock.set_nodelay(true)?;
+    let params = TcpKeepalive::new()
+        .with_time(ka.time)
+        .with_interval(ka.interval);
+    #[cfg(any(target_os = "linux", target_os = "macos", target_os = "freebsd"))]
+    let params = params.with_retries(ka.retries);
+    sock.set_tcp_keepalive(&params)
+}
+
+/// Arms `SO_LINGER` with a zero timeout so that closing the socket sends RST.
+pub fn arm_reset(stream: &TcpStream) {
+    let _ = SockRef::from(stream).set_linger(Some(Duration::ZERO));
+}
+
+/// Raises the soft open-file limit to the hard limit and returns the limit in
+/// force afterwards.
+pub fn raise_nofile_limit() -> u64 {
+    #[cfg(unix)]
+    {
+        rlimit::raise()
+    }
+    #[cfg(not(unix))]
+    {
+        8192
+    }
+}
+
+#[cfg(unix)]
+mod rlimit {
+    #![allow(unsafe_code)]
+
+    pub fn raise() -> u64 {
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `lim` is a valid rlimit for getrlimit to fill.
+        if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+            return 1024;
+        }
+        if lim.rlim_cur < lim.rlim_max {
+            let want = libc::rlimit {
+                rlim_cur: lim.rlim_max,
+                rlim_max: lim.rlim_max,
+            };
+            // SAFETY: `want` is a valid rlimit; failure leaves the old limit.
+            if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } == 0 {
+                lim.rlim_cur = lim.rlim_max;
+            }
+        }
+        lim.rlim_cur
+    }
+}

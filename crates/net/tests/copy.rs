@@ -1,0 +1,161 @@
+//! Byte-exactness, half-close and reset propagation on both copy paths,
+//! over real loopback sockets.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::RngCore;
+use seedlink_net::copy::{Copier, CopyMode, Transfer};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// Returns (client end, proxy's client-side socket, proxy's upstream socket, upstream end).
+async fn wire() -> (TcpStream, TcpStream, TcpStream, TcpStream) {
+    let l1 = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let l2 = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (client, accepted) =
+        tokio::join!(TcpStream::connect(l1.local_addr().unwrap()), l1.accept());
+    let (proxy_up, accepted_up) =
+        tokio::join!(TcpStream::connect(l2.local_addr().unwrap()), l2.accept());
+    (
+        client.unwrap(),
+        accepted.unwrap().0,
+        proxy_up.unwrap(),
+        accepted_up.unwrap().0,
+    )
+}
+
+fn spawn_proxy(
+    mode: CopyMode,
+    a: TcpStream,
+    b: TcpStream,
+) -> tokio::task::JoinHandle<(std::io::Result<()>, Arc<Transfer>)> {
+    let copier = Arc::new(Copier::new(mode, 4));
+    let t = Arc::new(Transfer::default());
+    tokio::spawn(async move {
+        let r = copier.run(&a, &b, &t).await;
+        (r, t)
+    })
+}
+
+async fn half_close_and_exact(mode: CopyMode) {
+    let (mut client, pa, pb, mut upstream) = wire().await;
+    let proxy = spawn_proxy(mode, pa, pb);
+    let mut up_data = vec![0u8; 3 * 1024 * 1024 + 17];
+    rand::rng().fill_bytes(&mut up_data);
+    let mut down_data = vec![0u8; 2 * 1024 * 1024 + 5];
+    rand::rng().fill_bytes(&mut down_data);
+
+    // Client sends everything then half-closes; the upstream must see EOF
+    // after exactly those bytes, and can still answer afterwards.
+    let up_copy = up_data.clone();
+    let writer = tokio::spawn(async move {
+        client.write_all(&up_copy).await.unwrap();
+        client.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        client.read_to_end(&mut got).await.unwrap();
+        got
+    });
+    let mut got = Vec::new();
+    upstream.read_to_end(&mut got).await.unwrap();
+    assert!(got == up_data, "upstream received different bytes");
+    upstream.write_all(&down_data).await.unwrap();
+    upstream.shutdown().await.unwrap();
+    let back = tokio::time::timeout(Duration::from_secs(20), writer)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(back == down_data, "client received different bytes");
+    let (r, t) = tokio::time::timeout(Duration::from_secs(5), proxy)
+        .await
+        .unwrap()
+        .unwrap();
+    r.unwrap();
+    assert_eq!(
+        t.to_upstream.load(std::sync::atomic::Ordering::Relaxed),
+        up_data.len() as u64
+    );
+    assert_eq!(
+        t.to_client.load(std::sync::atomic::Ordering::Relaxed),
+        down_data.len() as u64
+    );
+}
+
+async fn reset_propagates(mode: CopyMode) {
+    let (mut client, pa, pb, upstream) = wire().await;
+    let proxy = spawn_proxy(mode, pa, pb);
+    client.write_all(b"hello").await.unwrap();
+    let mut upstream = upstream;
+    let mut buf = [0u8; 5];
+    upstream.read_exact(&mut buf).await.unwrap();
+    // The upstream resets.
+    socket2::SockRef::from(&upstream)
+        .set_linger(Some(Duration::ZERO))
+        .unwrap();
+    drop(upstream);
+    let mut rest = Vec::new();
+    let err = tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut rest))
+        .await
+        .unwrap()
+        .expect_err("client must see a reset, not a clean end");
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset);
+    let (r, _) = proxy.await.unwrap();
+    assert!(r.is_err());
+}
+
+#[tokio::test]
+async fn splice_half_close_and_byte_exact() {
+    half_close_and_exact(CopyMode::Splice).await;
+}
+
+#[tokio::test]
+async fn buffered_half_close_and_byte_exact() {
+    half_close_and_exact(CopyMode::Buffered).await;
+}
+
+#[tokio::test]
+async fn splice_reset_reaches_client_as_reset() {
+    reset_propagates(CopyMode::Splice).await;
+}
+
+#[tokio::test]
+async fn buffered_reset_reaches_client_as_reset() {
+    reset_propagates(CopyMode::Buffered).await;
+}
+
+/// With a pool of one pipe, several concurrent transfers must still all be
+/// byte-exact (the others fall back to the buffered path chunk by chunk).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipe_pool_exhaustion_falls_back() {
+    let copier = Arc::new(Copier::new(CopyMode::Splice, 1));
+    let mut tasks = Vec::new();
+    for _ in 0..6 {
+        let copier = copier.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut client, pa, pb, mut upstream) = wire().await;
+            let t = Arc::new(Transfer::default());
+            let p = tokio::spawn(async move { copier.run(&pa, &pb, &t).await });
+            let mut data = vec![0u8; 512 * 1024];
+            rand::rng().fill_bytes(&mut data);
+            let d2 = data.clone();
+            let w = tokio::spawn(async move {
+                client.write_all(&d2).await.unwrap();
+                client.shutdown().await.unwrap();
+                client
+            });
+            let mut got = Vec::new();
+            upstream.read_to_end(&mut got).await.unwrap();
+            assert!(got == data);
+            drop(upstream);
+            drop(w.await.unwrap());
+            p.await.unwrap().unwrap();
+        }));
+    }
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(30), t)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+}

@@ -1,0 +1,244 @@
+//! PROXY protocol v1 and v2 headers, as sent by load balancers.
+//!
+//! Framing (how many bytes belong to the header, size caps, the v1 CRLF rule)
+//! is done here so that "need more bytes" is answered exactly; the fields are
+//! decoded by the `ppp` crate. On top of `ppp` this module enforces what a
+//! gateway that bases ACLs on the carried address must insist on: TCP only,
+//! matching address families, unicast addresses.
+
+use std::net::{IpAddr, SocketAddr};
+
+use crate::Parse;
+
+/// The 12-byte signature that starts every v2 header.
+pub const V2_SIGNATURE: [u8; 12] = *b"\r\n\r\n\0\r\nQUIT\n";
+const V1_PREFIX: &[u8] = b"PROXY ";
+/// Maximum v1 header length including CRLF (spec §2.1).
+pub const V1_MAX_LEN: usize = 107;
+const V2_FIXED: usize = 16;
+
+/// What a PROXY header says about the connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Addresses {
+    /// v2 LOCAL (e.g. a load balancer health check) or v1 `UNKNOWN`:
+    /// the socket's own addresses apply.
+    Local,
+    /// The original client (`source`) and the address it connected to.
+    Proxied {
+        /// The original client.
+        source: SocketAddr,
+        /// The address the client connected to.
+        destination: SocketAddr,
+    },
+}
+
+/// A parsed header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProxyHeader {
+    /// 1 or 2.
+    pub version: u8,
+    /// The carried addresses.
+    pub addresses: Addresses,
+    /// Header length in bytes; the payload starts right after.
+    pub len: usize,
+}
+
+/// Why bytes were rejected as a PROXY header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reject {
+    /// Does not start with a PROXY signature.
+    NotProxy,
+    /// Violates the specification.
+    Malformed(&'static str),
+    /// A v2 header longer than the configured cap.
+    TooLarge,
+    /// Well-formed but carries an address a gateway must not trust.
+    BadAddress(&'static str),
+}
+
+impl Reject {
+    /// Stable, low-cardinality label for metrics and logs.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Reject::NotProxy => "proxy_missing",
+            Reject::Malformed(_) => "proxy_malformed",
+            Reject::TooLarge => "proxy_too_large",
+            Reject::BadAddress(_) => "proxy_bad_address",
+        }
+    }
+
+    /// Human-readable detail for logs.
+    pub fn detail(&self) -> &'static str {
+        match self {
+            Reject::NotProxy => "no PROXY protocol signature",
+            Reject::Malformed(why) | Reject::BadAddress(why) => why,
+            Reject::TooLarge => "PROXY v2 header larger than the configured cap",
+        }
+    }
+}
+
+/// Says whether `buf` starts with a PROXY signature (v1 or v2): `Done(())`
+/// if it does, `Invalid` if it cannot, `Incomplete` if too few bytes are
+/// known to tell.
+pub fn detect(buf: &[u8]) -> Parse<(), ()> {
+    for sig in [&V2_SIGNATURE[..], V1_PREFIX] {
+        let n = buf.len().min(sig.len());
+        if buf[..n] == sig[..n] {
+            return if n == sig.len() {
+                Parse::Done(())
+            } else {
+                Parse::Incomplete
+            };
+        }
+    }
+    Parse::Invalid(())
+}
+
+/// Parses a PROXY header at the start of `buf`; `max_v2_len` caps v2 headers
+/// (fixed part, addresses and TLVs).
+pub fn parse(buf: &[u8], max_v2_len: usize) -> Parse<ProxyHeader, Reject> {
+    match detect(buf) {
+        Parse::Incomplete => return Parse::Incomplete,
+        Parse::Invalid(()) => return Parse::Invalid(Reject::NotProxy),
+        Parse::Done(()) => {}
+    }
+    if buf.starts_with(&V2_SIGNATURE) {
+        parse_v2(buf, max_v2_len)
+    } else {
+        parse_v1(buf)
+    }
+}
+
+fn parse_v1(buf: &[u8]) -> Parse<ProxyHeader, Reject> {
+    let window = &buf[..buf.len().min(V1_MAX_LEN)];
+    let Some(lf) = window.iter().position(|&b| b == b'\n') else {
+        return if buf.len() >= V1_MAX_LEN {
+            Parse::Invalid(Reject::Malformed("v1 header has no CRLF within 107 bytes"))
+        } else {
+            Parse::Incomplete
+        };
+    };
+    if lf == 0 || window[lf - 1] != b'\r' {
+        return Parse::Invalid(Reject::Malformed("v1 header line ends without CR"));
+    }
+    let len = lf + 1;
+    let Ok(text) = std::str::from_utf8(&buf[..len]) else {
+        return Parse::Invalid(Reject::Malformed("v1 header is not ASCII"));
+    };
+    let header = match ppp::v1::Header::try_from(text) {
+        Ok(h) => h,
+        Err(_) => return Parse::Invalid(Reject::Malformed("v1 header fields invalid")),
+    };
+    let addresses = match header.addresses {
+        ppp::v1::Addresses::Unknown => Addresses::Local,
+        ppp::v1::Addresses::Tcp4(a) => Addresses::Proxied {
+            source: SocketAddr::new(a.source_address.into(), a.source_port),
+            destination: SocketAddr::new(a.destination_address.into(), a.destination_port),
+        },
+        ppp::v1::Addresses::Tcp6(a) => Addresses::Proxied {
+            source: SocketAddr::new(a.source_address.into(), a.source_port),
+            destination: SocketAddr::new(a.destination_address.into(), a.destination_port),
+        },
+    };
+    finish(1, addresses, len)
+}
+
+fn parse_v2(buf: &[u8], max_len: usize) -> Parse<ProxyHeader, Reject> {
+    if buf.len() < V2_FIXED {
+        return Parse::Incomplete;
+    }
+    let version = buf[12] >> 4;
+    let command = buf[12] & 0x0f;
+    if version != 2 {
+        return Parse::Invalid(Reject::Malformed("v2 header with a version other than 2"));
+    }
+    if command > 1 {
+        return Parse::Invalid(Reject::Malformed("v2 header with an unknown command"));
+    }
+    let len = V2_FIXED + usize::from(u16::from_be_bytes([buf[14], buf[15]]));
+    if len > max_len {
+        return Parse::Invalid(Reject::TooLarge);
+    }
+    if buf.len() < len {
+        return Parse::Incomplete;
+    }
+    // Minimum address block per family (spec §2.2): a shorter block is an
+    // error even for LOCAL, where the addresses are otherwise ignored.
+    let family = buf[13] >> 4;
+    let transport = buf[13] & 0x0f;
+    let need = match family {
+        0 => 0,
+        1 => 12,
+        2 => 36,
+        3 => 216,
+        _ => {
+            return Parse::Invalid(Reject::Malformed(
+                "v2 header with an unknown address family",
+            ))
+        }
+    };
+    if len - V2_FIXED < need {
+        return Parse::Invalid(Reject::Malformed(
+            "v2 address block shorter than its family needs",
+        ));
+    }
+    if command == 0 {
+        return finish(2, Addresses::Local, len);
+    }
+    if transport != 1 || !(family == 1 || family == 2) {
+        return Parse::Invalid(Reject::Malformed(
+            "v2 PROXY command for a transport other than TCP over IPv4/IPv6",
+        ));
+    }
+    let header = match ppp::v2::Header::try_from(&buf[..len]) {
+        Ok(h) => h,
+        Err(_) => return Parse::Invalid(Reject::Malformed("v2 header fields invalid")),
+    };
+    let addresses = match header.addresses {
+        ppp::v2::Addresses::IPv4(a) => Addresses::Proxied {
+            source: SocketAddr::new(a.source_address.into(), a.source_port),
+            destination: SocketAddr::new(a.destination_address.into(), a.destination_port),
+        },
+        ppp::v2::Addresses::IPv6(a) => Addresses::Proxied {
+            source: SocketAddr::new(a.source_address.into(), a.source_port),
+            destination: SocketAddr::new(a.destination_address.into(), a.destination_port),
+        },
+        _ => return Parse::Invalid(Reject::Malformed("v2 header address family mismatch")),
+    };
+    finish(2, addresses, len)
+}
+
+fn finish(version: u8, addresses: Addresses, len: usize) -> Parse<ProxyHeader, Reject> {
+    if let Addresses::Proxied {
+        source,
+        destination,
+    } = addresses
+    {
+        if let Err(why) = check_unicast(source.ip()).and(check_unicast(destination.ip())) {
+            return Parse::Invalid(Reject::BadAddress(why));
+        }
+    }
+    Parse::Done(ProxyHeader {
+        version,
+        addresses,
+        len,
+    })
+}
+
+fn check_unicast(ip: IpAddr) -> Result<(), &'static str> {
+    if ip.is_unspecified() {
+        return Err("unspecified address in PROXY header");
+    }
+    if ip.is_multicast() {
+        return Err("multicast address in PROXY header");
+    }
+    if let IpAddr::V4(v4) = ip {
+        if v4.is_broadcast() {
+            return Err("broadcast address in PROXY header");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;
