@@ -1,0 +1,498 @@
+//! Validation and compilation of a [`ConfigFile`] into a [`Snapshot`].
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use ipnet::IpNet;
+
+use crate::model::{ConfigFile, Limits, Listener, Protocol, ProxyMode, Timeouts, Upstream};
+use crate::routes::{normalize_host, CidrSet, ControlPlane, Endpoint, RouteTable};
+
+/// One problem in a configuration, located by its path in the file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Where, e.g. `control_planes[2].hostnames[0]`; empty for the whole file.
+    pub path: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// Every problem found in a configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Errors(pub Vec<ConfigError>);
+
+impl fmt::Display for Errors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            if e.path.is_empty() {
+                write!(f, "{}", e.message)?;
+            } else {
+                write!(f, "{}: {}", e.path, e.message)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Errors {}
+
+/// A validated listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListenerSpec {
+    /// Unique name.
+    pub name: String,
+    /// Address to bind.
+    pub address: SocketAddr,
+    /// Protocol spoken.
+    pub protocol: Protocol,
+    /// PROXY protocol handling.
+    pub proxy_protocol: ProxyMode,
+}
+
+/// One immutable, fully validated configuration. Connections keep the
+/// snapshot they started with; a reload swaps in a new one.
+#[derive(Debug)]
+pub struct Snapshot {
+    /// The effective configuration, for the admin dump.
+    pub file: ConfigFile,
+    /// Listeners.
+    pub listeners: Vec<ListenerSpec>,
+    /// Admin endpoint address.
+    pub admin: SocketAddr,
+    /// SNI routes.
+    pub routes: RouteTable,
+    /// Control planes by name.
+    pub control_planes: HashMap<String, Arc<ControlPlane>>,
+    /// Peers whose PROXY headers are believed.
+    pub trusted_lbs: CidrSet,
+    /// Clients allowed to every control plane.
+    pub always_allowed: CidrSet,
+    /// Deadlines.
+    pub timeouts: Timeouts,
+    /// Limits.
+    pub limits: Limits,
+    /// Upstream behaviour.
+    pub upstream: Upstream,
+}
+
+/// Parses YAML text. Syntax, type and unknown-key errors stop the parser, so
+/// only the first is reported, with its line and column.
+pub fn parse(text: &str) -> Result<ConfigFile, Errors> {
+    serde_norway::from_str(text).map_err(|e| {
+        Errors(vec![ConfigError {
+            path: String::new(),
+            message: e.to_string(),
+        }])
+    })
+}
+
+/// Reads, parses and compiles the file at `path`, reusing live endpoint
+/// state from `previous`.
+pub fn load(path: &Path, previous: Option<&Snapshot>) -> Result<Snapshot, Errors> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        Errors(vec![ConfigError {
+            path: String::new(),
+            message: format!("cannot read {}: {e}", path.display()),
+        }])
+    })?;
+    compile(parse(&text)?, previous)
+}
+
+struct Collector(Vec<ConfigError>);
+
+impl Collector {
+    fn err(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(ConfigError {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+}
+
+/// Validates `file` completely and compiles it. On failure every problem is
+/// listed, in file order.
+pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot, Errors> {
+    let mut c = Collector(Vec::new());
+
+    let admin = match file.admin.listen.parse::<SocketAddr>() {
+        Ok(a) => a,
+        Err(_) => {
+            c.err(
+                "admin.listen",
+                format!("{:?} is not an ip:port address", file.admin.listen),
+            );
+            SocketAddr::from(([127, 0, 0, 1], 0))
+        }
+    };
+    let listeners = check_listeners(&mut c, &file.listeners);
+    let trusted_lbs = cidrs(
+        &mut c,
+        "trusted_load_balancers",
+        &file.trusted_load_balancers,
+    );
+    let always_allowed = cidrs(&mut c, "always_allowed", &file.always_allowed);
+    for l in &listeners {
+        if l.proxy_protocol != ProxyMode::Off && trusted_lbs.is_empty() {
+            c.err(
+                format!("listeners[{}].proxy_protocol", l.name),
+                format!(
+                    "is {:?} but trusted_load_balancers is empty: no PROXY header could ever be accepted (refusing to start; fail closed)",
+                    l.proxy_protocol
+                ),
+            );
+        }
+    }
+    check_settings(&mut c, &file);
+
+    let mut control_planes = HashMap::new();
+    let mut routes = RouteTable::default();
+    let mut owner: HashMap<String, String> = HashMap::new();
+    for (i, cp) in file.control_planes.iter().enumerate() {
+        let at = format!("control_planes[{i}]");
+        if !valid_name(&cp.name) {
+            c.err(
+                format!("{at}.name"),
+                format!(
+                    "{:?} must be 1-253 characters of a-z, A-Z, 0-9, '-', '_', '.'",
+                    cp.name
+                ),
+            );
+        } else if control_planes.contains_key(&cp.name) {
+            c.err(
+                format!("{at}.name"),
+                format!("duplicate control plane name {:?}", cp.name),
+            );
+        }
+        if cp.hostnames.is_empty() {
+            c.err(
+                format!("{at}.hostnames"),
+                "at least one host name is required",
+            );
+        }
+        if cp.endpoints.is_empty() {
+            c.err(
+                format!("{at}.endpoints"),
+                "at least one endpoint is required",
+            );
+        }
+        let prev = previous.and_then(|p| p.control_planes.get(&cp.name));
+        let mut endpoints = Vec::new();
+        let mut seen_ep = HashSet::new();
+        for (j, ep) in cp.endpoints.iter().enumerate() {
+            if let Err(why) = check_endpoint(ep) {
+                c.err(format!("{at}.endpoints[{j}]"), format!("{ep:?} {why}"));
+                continue;
+            }
+            if !seen_ep.insert(ep.clone()) {
+                c.err(
+                    format!("{at}.endpoints[{j}]"),
+                    format!("duplicate endpoint {ep:?}"),
+                );
+                continue;
+            }
+            let state = prev
+                .and_then(|p| p.endpoints.iter().find(|e| &e.address == ep))
+                .map(|e| e.state.clone())
+                .unwrap_or_default();
+            endpoints.push(Endpoint {
+                address: ep.clone(),
+                state,
+            });
+        }
+        let acl = cp
+            .acl
+            .as_ref()
+            .map(|a| cidrs(&mut c, &format!("{at}.acl.allow"), &a.allow));
+        let compiled = Arc::new(ControlPlane {
+            name: cp.name.clone(),
+            endpoints,
+            acl,
+        });
+        for (j, h) in cp.hostnames.iter().enumerate() {
+            let path = format!("{at}.hostnames[{j}]");
+            let Some(pattern) = check_host_pattern(&mut c, &path, h) else {
+                continue;
+            };
+            if let Some(other) = owner.get(&pattern) {
+                c.err(
+                    path,
+                    format!("host name {pattern:?} is already used by control plane {other:?}"),
+                );
+                continue;
+            }
+            owner.insert(pattern.clone(), cp.name.clone());
+            match pattern.strip_prefix("*.") {
+                Some(parent) => routes.wildcard.insert(parent.to_string(), compiled.clone()),
+                None => routes.exact.insert(pattern, compiled.clone()),
+            };
+        }
+        control_planes.entry(cp.name.clone()).or_insert(compiled);
+    }
+
+    if !c.0.is_empty() {
+        return Err(Errors(c.0));
+    }
+    Ok(Snapshot {
+        listeners,
+        admin,
+        routes,
+        control_planes,
+        trusted_lbs,
+        always_allowed,
+        timeouts: file.timeouts.clone(),
+        limits: file.limits.clone(),
+        upstream: file.upstream.clone(),
+        file,
+    })
+}
+
+fn check_listeners(c: &mut Collector, ls: &[Listener]) -> Vec<ListenerSpec> {
+    if ls.is_empty() {
+        c.err("listeners", "at least one listener is required");
+    }
+    let mut names = HashSet::new();
+    let mut addrs = HashSet::new();
+    let mut out = Vec::new();
+    for (i, l) in ls.iter().enumerate() {
+        let at = format!("listeners[{i}]");
+        if !valid_name(&l.name) {
+            c.err(
+                format!("{at}.name"),
+                format!("{:?} is not a valid name", l.name),
+            );
+        } else if !names.insert(l.name.clone()) {
+            c.err(
+                format!("{at}.name"),
+                format!("duplicate listener name {:?}", l.name),
+            );
+        }
+        match l.address.parse::<SocketAddr>() {
+            Ok(a) => {
+                if a.port() != 0 && !addrs.insert(a) {
+                    c.err(
+                        format!("{at}.address"),
+                        format!("{a} is used by another listener"),
+                    );
+                }
+                out.push(ListenerSpec {
+                    name: l.name.clone(),
+                    address: a,
+                    protocol: l.protocol,
+                    proxy_protocol: l.proxy_protocol,
+                });
+            }
+            Err(_) => c.err(
+                format!("{at}.address"),
+                format!("{:?} is not an ip:port address", l.address),
+            ),
+        }
+    }
+    out
+}
+
+fn check_settings(c: &mut Collector, f: &ConfigFile) {
+    let t = &f.timeouts;
+    for (name, d) in [
+        ("client_hello", t.client_hello),
+        ("upstream_connect", t.upstream_connect),
+        ("keepalive_time", t.keepalive_time),
+        ("keepalive_interval", t.keepalive_interval),
+    ] {
+        if d.is_zero() {
+            c.err(format!("timeouts.{name}"), "must be greater than zero");
+        }
+    }
+    if t.keepalive_retries == 0 {
+        c.err("timeouts.keepalive_retries", "must be at least 1");
+    }
+    let l = &f.limits;
+    if l.max_connections == Some(0) {
+        c.err(
+            "limits.max_connections",
+            "must be at least 1 (omit it to derive from the open-file limit)",
+        );
+    }
+    if l.max_unrouted_per_source == 0 {
+        c.err("limits.max_unrouted_per_source", "must be at least 1");
+    }
+    if !(1024..=65_536).contains(&l.client_hello_max_bytes) {
+        c.err(
+            "limits.client_hello_max_bytes",
+            "must be between 1024 and 65536",
+        );
+    }
+    if !(232..=65_551).contains(&l.proxy_header_max_bytes) {
+        c.err(
+            "limits.proxy_header_max_bytes",
+            "must be between 232 and 65551",
+        );
+    }
+    let u = &f.upstream;
+    if !(1..=16).contains(&u.connect_attempts) {
+        c.err("upstream.connect_attempts", "must be between 1 and 16");
+    }
+    if u.eject_base.is_zero() || u.eject_base > u.eject_max {
+        c.err(
+            "upstream.eject_base",
+            "must be greater than zero and not above eject_max",
+        );
+    }
+}
+
+fn cidrs(c: &mut Collector, path: &str, items: &[String]) -> CidrSet {
+    let mut nets = Vec::new();
+    for (i, s) in items.iter().enumerate() {
+        match parse_cidr(s) {
+            Ok(n) => nets.push(n),
+            Err(why) => c.err(format!("{path}[{i}]"), why),
+        }
+    }
+    CidrSet::new(nets)
+}
+
+/// Parses `a.b.c.d/n`, `x::y/n` or a bare address; rejects host bits set.
+pub fn parse_cidr(s: &str) -> Result<IpNet, String> {
+    let s = s.trim();
+    if let Ok(ip) = s.parse::<std::net::IpAddr>() {
+        return Ok(IpNet::from(ip));
+    }
+    let net: IpNet = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a CIDR (like 10.0.0.0/8 or 2001:db8::/32)"))?;
+    if net.trunc() != net {
+        return Err(format!(
+            "{s:?} has host bits set; did you mean {}?",
+            net.trunc()
+        ));
+    }
+    Ok(net)
+}
+
+fn valid_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+fn valid_hostname(h: &str) -> bool {
+    h.len() <= 253
+        && h.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
+}
+
+/// Validates a host name pattern and returns its normalised form.
+fn check_host_pattern(c: &mut Collector, path: &str, h: &str) -> Option<String> {
+    let Some(n) = normalize_host(h) else {
+        c.err(path, format!("{h:?} is not a host name"));
+        return None;
+    };
+    if let Some(parent) = n.strip_prefix("*.") {
+        if !valid_hostname(parent) || !parent.contains('.') {
+            c.err(path, format!("{h:?}: a wildcard needs at least two labels after \"*.\", e.g. \"*.example.com\""));
+            return None;
+        }
+    } else if n.contains('*') {
+        c.err(
+            path,
+            format!("{h:?}: '*' is only allowed as the whole leftmost label (\"*.example.com\")"),
+        );
+        return None;
+    } else if !valid_hostname(&n) {
+        c.err(path, format!("{h:?} is not a valid host name"));
+        return None;
+    }
+    Some(n)
+}
+
+fn check_endpoint(ep: &str) -> Result<(), &'static str> {
+    if let Ok(a) = ep.parse::<SocketAddr>() {
+        return if a.port() == 0 {
+            Err("has port 0")
+        } else {
+            Ok(())
+        };
+    }
+    let (host, port) = ep.rsplit_once(':').ok_or("is not host:port")?;
+    match port.parse::<u16>() {
+        Ok(0) | Err(_) => return Err("has no valid port"),
+        Ok(_) => {}
+    }
+    let host = host.strip_suffix('.').unwrap_or(host);
+    if host.is_empty() || !valid_hostname(host) {
+        return Err("has an invalid host (use an IP, [IPv6] or a DNS name)");
+    }
+    Ok(())
+}
+
+/// Control-plane names added, removed and changed between two snapshots.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Diff {
+    /// Present only in the new snapshot.
+    pub added: Vec<String>,
+    /// Present only in the old snapshot.
+    pub removed: Vec<String>,
+    /// Present in both with a different definition.
+    pub changed: Vec<String>,
+}
+
+/// Computes what a reload changes, by control-plane name (sorted).
+pub fn diff(old: &ConfigFile, new: &ConfigFile) -> Diff {
+    let o: HashMap<_, _> = old.control_planes.iter().map(|c| (&c.name, c)).collect();
+    let n: HashMap<_, _> = new.control_planes.iter().map(|c| (&c.name, c)).collect();
+    let mut d = Diff::default();
+    for (name, cp) in &n {
+        match o.get(name) {
+            None => d.added.push((*name).clone()),
+            Some(prev) if prev != cp => d.changed.push((*name).clone()),
+            Some(_) => {}
+        }
+    }
+    d.removed = o
+        .keys()
+        .filter(|k| !n.contains_key(*k))
+        .map(|k| (*k).clone())
+        .collect();
+    d.added.sort();
+    d.removed.sort();
+    d.changed.sort();
+    d
+}
+
+/// Settings a reload cannot change (they need a restart), as a list of the
+/// differing keys.
+pub fn restart_only_changes(old: &ConfigFile, new: &ConfigFile) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    if old.listeners != new.listeners {
+        out.push("listeners");
+    }
+    if old.admin != new.admin {
+        out.push("admin");
+    }
+    if old.limits.max_connections != new.limits.max_connections {
+        out.push("limits.max_connections");
+    }
+    if old.limits.splice_pipes != new.limits.splice_pipes {
+        out.push("limits.splice_pipes");
+    }
+    if old.limits.copy != new.limits.copy {
+        out.push("limits.copy");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

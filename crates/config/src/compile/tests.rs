@@ -1,0 +1,191 @@
+use super::*;
+use crate::routes::EndpointState;
+
+const EXAMPLE: &str = include_str!("../../../../examples/gateway.yaml");
+
+fn ok(text: &str) -> Snapshot {
+    match parse(text).and_then(|f| compile(f, None)) {
+        Ok(s) => s,
+        Err(e) => panic!("config rejected:\n{e}"),
+    }
+}
+
+fn errors(text: &str) -> Vec<ConfigError> {
+    match parse(text).and_then(|f| compile(f, None)) {
+        Ok(_) => panic!("config accepted"),
+        Err(e) => e.0,
+    }
+}
+
+const MINIMAL: &str = "
+listeners: [{name: tls, address: '127.0.0.1:0'}]
+control_planes:
+  - name: a
+    hostnames: [api.a.example.com, '*.wild.example.com']
+    endpoints: ['127.0.0.1:1']
+";
+
+#[test]
+fn example_file_is_valid() {
+    let s = ok(EXAMPLE);
+    assert_eq!(s.control_planes.len(), 2);
+    assert!(s.routes.lookup("x.beta.example.com").is_some());
+}
+
+#[test]
+fn lookup_case_trailing_dot_and_wildcard_depth() {
+    let s = ok(MINIMAL);
+    for yes in [
+        "api.a.example.com",
+        "API.A.Example.COM",
+        "api.a.example.com.",
+        "x.wild.example.com",
+    ] {
+        assert!(s.routes.lookup(yes).is_some(), "{yes}");
+    }
+    for no in [
+        "api.a.example.com..",
+        "wild.example.com",
+        "a.b.wild.example.com",
+        "example.com",
+        "",
+        ".",
+    ] {
+        assert!(s.routes.lookup(no).is_none(), "{no}");
+    }
+}
+
+#[test]
+fn exact_beats_wildcard() {
+    let s = ok("
+listeners: [{name: tls, address: '127.0.0.1:0'}]
+control_planes:
+  - {name: w, hostnames: ['*.example.com'], endpoints: ['127.0.0.1:1']}
+  - {name: e, hostnames: [x.example.com], endpoints: ['127.0.0.1:2']}
+");
+    assert_eq!(s.routes.lookup("x.example.com").unwrap().name, "e");
+    assert_eq!(s.routes.lookup("y.example.com").unwrap().name, "w");
+}
+
+#[test]
+fn every_problem_is_listed_with_its_path() {
+    let errs = errors(
+        "
+listeners:
+  - {name: tls, address: 'nope', proxy_protocol: required}
+  - {name: tls, address: '127.0.0.1:1'}
+trusted_load_balancers: []
+always_allowed: ['10.0.0.1/8', 'banana']
+control_planes:
+  - name: a
+    hostnames: [API.x.example.com, '*.com', 'a.*.example.com']
+    endpoints: ['127.0.0.1:0', 'host-only']
+    acl: {allow: ['300.1.1.1/32']}
+  - name: a
+    hostnames: [api.x.example.com.]
+    endpoints: []
+",
+    );
+    let text: Vec<String> = errs
+        .iter()
+        .map(|e| format!("{}: {}", e.path, e.message))
+        .collect();
+    let want = [
+        "listeners[0].address",
+        "listeners[1].name",
+        "always_allowed[0]",
+        "always_allowed[1]",
+        "control_planes[0].hostnames[1]",
+        "control_planes[0].hostnames[2]",
+        "control_planes[0].endpoints[0]",
+        "control_planes[0].endpoints[1]",
+        "control_planes[0].acl.allow[0]",
+        "control_planes[1].name",
+        "control_planes[1].endpoints",
+        "control_planes[1].hostnames[0]",
+    ];
+    for w in want {
+        assert!(
+            text.iter().any(|t| t.starts_with(w)),
+            "missing {w} in {text:#?}"
+        );
+    }
+    assert!(
+        text.iter().any(|t| t.contains("did you mean 10.0.0.0/8")),
+        "{text:#?}"
+    );
+    assert!(
+        text.iter()
+            .any(|t| t.contains("already used by control plane \"a\"")),
+        "{text:#?}"
+    );
+}
+
+#[test]
+fn required_proxy_without_trusted_lbs_fails_closed() {
+    let errs = errors("listeners: [{name: tls, address: '127.0.0.1:0', proxy_protocol: required}]");
+    assert!(errs[0].message.contains("fail closed"), "{errs:?}");
+}
+
+#[test]
+fn unknown_keys_and_duplicate_keys_rejected() {
+    let e = errors("listeners: []\nbogus: 1\n");
+    assert!(e[0].message.contains("unknown field"), "{e:?}");
+    let e = errors("listeners: [{name: tls, address: '127.0.0.1:0', colour: red}]");
+    assert!(e[0].message.contains("unknown field"), "{e:?}");
+    let e = errors("listeners: []\nlisteners: []\n");
+    assert!(e[0].message.contains("duplicate"), "{e:?}");
+}
+
+#[test]
+fn acl_ipv4_mapped_and_ipv6() {
+    let s = ok("
+listeners: [{name: tls, address: '127.0.0.1:0'}]
+control_planes:
+  - {name: a, hostnames: [a.example.com], endpoints: ['127.0.0.1:1'], acl: {allow: [192.0.2.0/24, '2001:db8::/32']}}
+");
+    let acl = s.control_planes["a"].acl.as_ref().unwrap();
+    assert!(acl.contains("192.0.2.7".parse().unwrap()));
+    assert!(acl.contains("::ffff:192.0.2.7".parse().unwrap()));
+    assert!(acl.contains("2001:db8::5".parse().unwrap()));
+    assert!(!acl.contains("198.51.100.1".parse().unwrap()));
+}
+
+#[test]
+fn endpoint_state_survives_reload_when_unchanged() {
+    let first = ok(MINIMAL);
+    first.control_planes["a"].endpoints[0]
+        .state
+        .active
+        .store(7, std::sync::atomic::Ordering::Relaxed);
+    let second = compile(parse(MINIMAL).unwrap(), Some(&first)).unwrap();
+    let st: &EndpointState = &second.control_planes["a"].endpoints[0].state;
+    assert_eq!(st.active.load(std::sync::atomic::Ordering::Relaxed), 7);
+}
+
+#[test]
+fn diff_names_added_removed_changed() {
+    let a = parse(MINIMAL).unwrap();
+    let mut b = a.clone();
+    b.control_planes[0].endpoints.push("127.0.0.1:2".into());
+    b.control_planes.push(crate::model::ControlPlane {
+        name: "new".into(),
+        hostnames: vec!["n.example.com".into()],
+        endpoints: vec!["127.0.0.1:3".into()],
+        acl: None,
+    });
+    let d = diff(&a, &b);
+    assert_eq!(d.added, vec!["new".to_string()]);
+    assert_eq!(d.changed, vec!["a".to_string()]);
+    let d = diff(&b, &a);
+    assert_eq!(d.removed, vec!["new".to_string()]);
+}
+
+#[test]
+fn restart_only_settings_detected() {
+    let a = parse(MINIMAL).unwrap();
+    let mut b = a.clone();
+    b.listeners[0].address = "127.0.0.1:9".into();
+    assert_eq!(restart_only_changes(&a, &b), vec!["listeners"]);
+    assert!(restart_only_changes(&a, &a).is_empty());
+}

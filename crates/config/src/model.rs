@@ -1,0 +1,273 @@
+//! The configuration file as written. Values that need semantic checks
+//! (addresses, CIDRs, host names) are kept as strings here so that
+//! [`crate::compile`] can report every bad one, not just the first.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// The whole configuration file.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    /// The admin HTTP endpoint.
+    #[serde(default)]
+    pub admin: Admin,
+    /// Listening sockets.
+    pub listeners: Vec<Listener>,
+    /// CIDRs of load balancers whose PROXY protocol headers are believed.
+    #[serde(default)]
+    pub trusted_load_balancers: Vec<String>,
+    /// CIDRs allowed to reach every control plane, whatever its ACL.
+    #[serde(default)]
+    pub always_allowed: Vec<String>,
+    /// Deadlines.
+    #[serde(default)]
+    pub timeouts: Timeouts,
+    /// Resource limits.
+    #[serde(default)]
+    pub limits: Limits,
+    /// Upstream connection behaviour.
+    #[serde(default)]
+    pub upstream: Upstream,
+    /// The control planes reachable through the gateway.
+    #[serde(default)]
+    pub control_planes: Vec<ControlPlane>,
+}
+
+/// The admin endpoint.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Admin {
+    /// `host:port` of the admin HTTP server.
+    pub listen: String,
+}
+
+impl Default for Admin {
+    fn default() -> Self {
+        Admin {
+            listen: "127.0.0.1:9901".into(),
+        }
+    }
+}
+
+/// One listening socket.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Listener {
+    /// Unique name, used in metrics and logs.
+    pub name: String,
+    /// `ip:port` to bind.
+    pub address: String,
+    /// What the listener speaks.
+    #[serde(default)]
+    pub protocol: Protocol,
+    /// Whether a PROXY protocol header from the load balancer is expected.
+    #[serde(default)]
+    pub proxy_protocol: ProxyMode,
+}
+
+/// Listener protocols.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Protocol {
+    /// TLS passthrough routed by SNI.
+    #[default]
+    Tls,
+}
+
+/// PROXY protocol handling on a listener.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProxyMode {
+    /// Never parsed; a PROXY header is treated as bad protocol input.
+    #[default]
+    Off,
+    /// Every connection must come from a trusted load balancer and start
+    /// with a PROXY header.
+    Required,
+    /// Parsed when present and the peer is trusted; connections without it
+    /// are accepted as direct (Gardener's rollout mode).
+    Optional,
+}
+
+/// Deadlines. Durations are written like `5s`, `250ms`, `2m`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timeouts {
+    /// Absolute deadline to receive the PROXY header and the ClientHello.
+    #[serde(with = "humantime_serde")]
+    pub client_hello: Duration,
+    /// Deadline for one upstream connect attempt.
+    #[serde(with = "humantime_serde")]
+    pub upstream_connect: Duration,
+    /// How long draining waits for connections before closing them.
+    #[serde(with = "humantime_serde")]
+    pub drain: Duration,
+    /// Open connections of a removed control plane are closed this long
+    /// after the removal; unset means they run until they end.
+    #[serde(with = "humantime_serde::option")]
+    pub removed_control_plane_grace: Option<Duration>,
+    /// TCP keepalive idle time, both sides.
+    #[serde(with = "humantime_serde")]
+    pub keepalive_time: Duration,
+    /// TCP keepalive probe interval.
+    #[serde(with = "humantime_serde")]
+    pub keepalive_interval: Duration,
+    /// TCP keepalive probes before giving up.
+    pub keepalive_retries: u32,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            client_hello: Duration::from_secs(5),
+            upstream_connect: Duration::from_secs(5),
+            drain: Duration::from_secs(30),
+            removed_control_plane_grace: None,
+            keepalive_time: Duration::from_secs(60),
+            keepalive_interval: Duration::from_secs(15),
+            keepalive_retries: 4,
+        }
+    }
+}
+
+/// Resource limits.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Concurrent connections; unset derives it from the open-file limit.
+    pub max_connections: Option<u64>,
+    /// Concurrent not-yet-routed connections per source address.
+    pub max_unrouted_per_source: u32,
+    /// Cap on the ClientHello size.
+    pub client_hello_max_bytes: usize,
+    /// Cap on a PROXY v2 header (fixed part, addresses and TLVs).
+    pub proxy_header_max_bytes: usize,
+    /// Pipes (two descriptors each) shared by all splice copies.
+    pub splice_pipes: usize,
+    /// How bytes are moved.
+    pub copy: CopyMode,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: None,
+            max_unrouted_per_source: 64,
+            client_hello_max_bytes: 16 * 1024,
+            proxy_header_max_bytes: 536,
+            splice_pipes: 256,
+            copy: CopyMode::Splice,
+        }
+    }
+}
+
+/// Copy implementation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CopyMode {
+    /// `splice(2)` on Linux, buffered elsewhere.
+    #[default]
+    Splice,
+    /// Always through a user-space buffer.
+    Buffered,
+}
+
+/// Upstream connection behaviour.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Upstream {
+    /// Endpoint choice.
+    pub balance: Balance,
+    /// Endpoints tried per connection before giving up.
+    pub connect_attempts: u32,
+    /// First ejection after a failed connect; doubles per consecutive failure.
+    #[serde(with = "humantime_serde")]
+    pub eject_base: Duration,
+    /// Longest ejection.
+    #[serde(with = "humantime_serde")]
+    pub eject_max: Duration,
+}
+
+impl Default for Upstream {
+    fn default() -> Self {
+        Upstream {
+            balance: Balance::LeastConnections,
+            connect_attempts: 3,
+            eject_base: Duration::from_secs(2),
+            eject_max: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Endpoint choice.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Balance {
+    /// The endpoint with the fewest active connections.
+    #[default]
+    LeastConnections,
+    /// The less loaded of two endpoints picked at random.
+    PowerOfTwoChoices,
+}
+
+/// One control plane (one shoot's kube-apiserver).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ControlPlane {
+    /// Unique name, e.g. the shoot namespace `shoot--project--name`.
+    pub name: String,
+    /// SNI host names: exact, or `*.` wildcards matching exactly one label.
+    pub hostnames: Vec<String>,
+    /// `host:port` upstream endpoints.
+    pub endpoints: Vec<String>,
+    /// Client-IP allow-list; absent means every client is allowed.
+    #[serde(default)]
+    pub acl: Option<Acl>,
+}
+
+/// A client-IP allow-list.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Acl {
+    /// Allowed client CIDRs (IPv4 and IPv6); a bare address means /32 or /128.
+    pub allow: Vec<String>,
+}
+
+/// serde adapters for `humantime` durations.
+mod humantime_serde {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(*d).to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s)
+            .map_err(|e| serde::de::Error::custom(format!("invalid duration {s:?}: {e}")))
+    }
+
+    pub mod option {
+        use super::*;
+
+        pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+            match d {
+                Some(d) => super::serialize(d, s),
+                None => s.serialize_none(),
+            }
+        }
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+            match Option::<String>::deserialize(d)? {
+                None => Ok(None),
+                Some(s) => humantime::parse_duration(&s)
+                    .map(Some)
+                    .map_err(|e| serde::de::Error::custom(format!("invalid duration {s:?}: {e}"))),
+            }
+        }
+    }
+}

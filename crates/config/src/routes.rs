@@ -1,0 +1,124 @@
+//! The compiled, immutable route table and the runtime objects it points to.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use ipnet::IpNet;
+
+/// A set of CIDRs. Membership is a linear scan of this set only, so the
+/// cost of an ACL check depends on the size of one control plane's list,
+/// never on the number of control planes.
+#[derive(Debug, Clone, Default)]
+pub struct CidrSet {
+    nets: Vec<IpNet>,
+}
+
+impl CidrSet {
+    /// A set of the given networks.
+    pub fn new(nets: Vec<IpNet>) -> CidrSet {
+        CidrSet { nets }
+    }
+
+    /// Whether `ip` (IPv4-mapped IPv6 addresses count as IPv4) is inside.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = canonical(ip);
+        self.nets.iter().any(|n| n.contains(&ip))
+    }
+
+    /// Whether the set is empty.
+    pub fn is_empty(&self) -> bool {
+        self.nets.is_empty()
+    }
+}
+
+/// Maps IPv4-mapped IPv6 addresses (`::ffff:a.b.c.d`) to IPv4.
+pub fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+/// Normalises a host name for lookup: ASCII lower case and one trailing dot
+/// removed. Returns `None` for names that cannot match any route.
+pub fn normalize_host(name: &str) -> Option<String> {
+    let name = name.strip_suffix('.').unwrap_or(name);
+    if name.is_empty() || name.ends_with('.') {
+        return None;
+    }
+    Some(name.to_ascii_lowercase())
+}
+
+/// Live state of one upstream endpoint, carried over reloads for as long as
+/// the same control plane keeps the same endpoint.
+#[derive(Debug, Default)]
+pub struct EndpointState {
+    /// Connections currently open to this endpoint.
+    pub active: AtomicU32,
+    /// Consecutive failed connects.
+    pub failures: AtomicU32,
+    /// Ejected until this many milliseconds after the process clock's base.
+    pub ejected_until_ms: AtomicU64,
+}
+
+/// One upstream endpoint.
+#[derive(Debug)]
+pub struct Endpoint {
+    /// `host:port` as configured.
+    pub address: String,
+    /// Shared live state.
+    pub state: Arc<EndpointState>,
+}
+
+impl Endpoint {
+    /// Whether the endpoint is ejected at `now_ms`.
+    pub fn ejected(&self, now_ms: u64) -> bool {
+        self.state.ejected_until_ms.load(Ordering::Relaxed) > now_ms
+    }
+}
+
+/// A compiled control plane.
+#[derive(Debug)]
+pub struct ControlPlane {
+    /// Unique name.
+    pub name: String,
+    /// Upstream endpoints (at least one).
+    pub endpoints: Vec<Endpoint>,
+    /// Allow-list; `None` allows every client.
+    pub acl: Option<CidrSet>,
+}
+
+/// SNI → control plane. Exact names win over wildcards; a wildcard
+/// `*.example.com` matches exactly one extra label (`a.example.com`, not
+/// `example.com` nor `a.b.example.com`).
+#[derive(Debug, Default)]
+pub struct RouteTable {
+    pub(crate) exact: HashMap<String, Arc<ControlPlane>>,
+    /// Keyed by the part after `*.`.
+    pub(crate) wildcard: HashMap<String, Arc<ControlPlane>>,
+}
+
+impl RouteTable {
+    /// Finds the control plane for an SNI host name (any case, one optional
+    /// trailing dot). Two hash lookups at most, whatever the table size.
+    pub fn lookup(&self, sni: &str) -> Option<&Arc<ControlPlane>> {
+        let host = normalize_host(sni)?;
+        if let Some(cp) = self.exact.get(&host) {
+            return Some(cp);
+        }
+        let (_, parent) = host.split_once('.')?;
+        self.wildcard.get(parent)
+    }
+
+    /// Number of host names routed.
+    pub fn len(&self) -> usize {
+        self.exact.len() + self.wildcard.len()
+    }
+
+    /// Whether no host name is routed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
