@@ -34,6 +34,18 @@ pub struct Copier {
     pipes: crate::splice::PipePool,
 }
 
+/// Something that counts bytes as they move (an atomic, a metric, both).
+pub trait Tally: Sync {
+    /// Records `n` more bytes.
+    fn add(&self, n: u64);
+}
+
+impl Tally for AtomicU64 {
+    fn add(&self, n: u64) {
+        self.fetch_add(n, Ordering::Relaxed);
+    }
+}
+
 /// Byte counts of one proxied connection, readable while it runs.
 #[derive(Debug, Default)]
 pub struct Transfer {
@@ -63,16 +75,17 @@ impl Copier {
         self.mode
     }
 
-    /// Copies in both directions until both have ended. `on_bytes` is called
-    /// with each chunk's size and direction (`true` = toward the upstream).
+    /// Copies in both directions until both have ended, counting each chunk
+    /// as it moves.
     pub async fn run(
         &self,
         client: &TcpStream,
         upstream: &TcpStream,
-        transfer: &Transfer,
+        to_upstream: &dyn Tally,
+        to_client: &dyn Tally,
     ) -> io::Result<()> {
-        let up = self.one_way(client, upstream, &transfer.to_upstream);
-        let down = self.one_way(upstream, client, &transfer.to_client);
+        let up = self.one_way(client, upstream, to_upstream);
+        let down = self.one_way(upstream, client, to_client);
         match tokio::try_join!(up, down) {
             Ok(_) => Ok(()),
             Err(e) => {
@@ -84,7 +97,7 @@ impl Copier {
         }
     }
 
-    async fn one_way(&self, src: &TcpStream, dst: &TcpStream, count: &AtomicU64) -> io::Result<()> {
+    async fn one_way(&self, src: &TcpStream, dst: &TcpStream, count: &dyn Tally) -> io::Result<()> {
         loop {
             src.readable().await?;
             let moved = match self.mode {
@@ -105,7 +118,7 @@ impl Copier {
                     }
                 }
                 Ok(Some(n)) => {
-                    count.fetch_add(n as u64, Ordering::Relaxed);
+                    count.add(n as u64);
                 }
                 Ok(None) => {}
                 Err(e) => return Err(e),

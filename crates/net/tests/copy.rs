@@ -34,7 +34,7 @@ fn spawn_proxy(
     let copier = Arc::new(Copier::new(mode, 4));
     let t = Arc::new(Transfer::default());
     tokio::spawn(async move {
-        let r = copier.run(&a, &b, &t).await;
+        let r = copier.run(&a, &b, &t.to_upstream, &t.to_client).await;
         (r, t)
     })
 }
@@ -135,7 +135,10 @@ async fn pipe_pool_exhaustion_falls_back() {
         tasks.push(tokio::spawn(async move {
             let (mut client, pa, pb, mut upstream) = wire().await;
             let t = Arc::new(Transfer::default());
-            let p = tokio::spawn(async move { copier.run(&pa, &pb, &t).await });
+            let p =
+                tokio::spawn(
+                    async move { copier.run(&pa, &pb, &t.to_upstream, &t.to_client).await },
+                );
             let mut data = vec![0u8; 512 * 1024];
             rand::rng().fill_bytes(&mut data);
             let d2 = data.clone();

@@ -1,0 +1,345 @@
+//! `seedlink gateway`: one shared entry for every control plane.
+//!
+//! A [`Gateway`] holds the configuration snapshot in force (swapped
+//! atomically on reload), the metrics, the copy engine and the lifecycle.
+//! [`Gateway::bind`] opens the sockets, [`Gateway::serve`] runs the accept
+//! loops and the admin endpoint, [`signals::run_until_stopped`] adds
+//! SIGHUP/SIGTERM handling and the file watcher.
+
+pub mod admin;
+mod conn;
+pub mod metrics;
+pub mod signals;
+pub mod upstream;
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use seedlink_config::compile::{diff, restart_only_changes, ConfigError, ListenerSpec};
+use seedlink_config::{Errors, Snapshot};
+use seedlink_net::copy::{Copier, CopyMode};
+use seedlink_net::lifecycle::Lifecycle;
+use tokio::net::{TcpListener, TcpSocket};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::{ReasonLabels, ResultLabels};
+
+/// Descriptors kept free for the process itself (logs, admin, watcher, DNS).
+const FD_RESERVE: u64 = 128;
+
+/// Shared state of a running gateway.
+pub struct Gateway {
+    snapshot: ArcSwap<Snapshot>,
+    generation: AtomicU64,
+    config_path: Option<PathBuf>,
+    /// Metrics served on `/metrics`.
+    pub metrics: metrics::Metrics,
+    copier: Copier,
+    /// Phase, drain signals and connection tasks.
+    pub lifecycle: Lifecycle,
+    permits: Arc<Semaphore>,
+    max_connections: u64,
+    sources: Sources,
+    closers: Mutex<HashMap<String, CancellationToken>>,
+}
+
+/// Per-listener context handed to each connection.
+pub struct ListenerCtx {
+    /// The listener's configuration.
+    pub spec: ListenerSpec,
+}
+
+/// Sockets bound for a gateway, before serving.
+pub struct Bound {
+    /// Listener sockets, in configuration order.
+    pub listeners: Vec<(ListenerSpec, TcpListener)>,
+    /// The admin socket.
+    pub admin: TcpListener,
+}
+
+impl Bound {
+    /// The actual addresses (useful when configured with port 0), as a JSON
+    /// object `{"listeners": {name: addr}, "admin": addr}`.
+    pub fn describe(&self) -> serde_json::Value {
+        let listeners: serde_json::Map<String, serde_json::Value> = self
+            .listeners
+            .iter()
+            .map(|(s, l)| {
+                let addr = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+                (s.name.clone(), serde_json::Value::String(addr))
+            })
+            .collect();
+        serde_json::json!({
+            "listeners": listeners,
+            "admin": self.admin.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+        })
+    }
+}
+
+impl Gateway {
+    /// A gateway for `snapshot`; `config_path` is re-read on reload.
+    pub fn new(snapshot: Snapshot, config_path: Option<PathBuf>) -> Arc<Gateway> {
+        let nofile = seedlink_net::sockopt::raise_nofile_limit();
+        let pipes = snapshot.limits.splice_pipes;
+        let derived = nofile.saturating_sub(FD_RESERVE + 2 * pipes as u64) / 2;
+        let max_connections = snapshot.limits.max_connections.unwrap_or(derived).max(1);
+        let mode = match snapshot.limits.copy {
+            seedlink_config::model::CopyMode::Splice => CopyMode::Splice,
+            seedlink_config::model::CopyMode::Buffered => CopyMode::Buffered,
+        };
+        let metrics = metrics::Metrics::new();
+        metrics.config_generation.set(1);
+        metrics
+            .max_connections
+            .set(i64::try_from(max_connections).unwrap_or(i64::MAX));
+        tracing::info!(max_connections, nofile, splice_pipes = pipes, "limits");
+        Arc::new(Gateway {
+            snapshot: ArcSwap::from_pointee(snapshot),
+            generation: AtomicU64::new(1),
+            config_path,
+            metrics,
+            copier: Copier::new(mode, pipes),
+            lifecycle: Lifecycle::new(),
+            permits: Arc::new(Semaphore::new(
+                usize::try_from(max_connections)
+                    .unwrap_or(usize::MAX)
+                    .min(Semaphore::MAX_PERMITS),
+            )),
+            max_connections,
+            sources: Sources::default(),
+            closers: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The snapshot in force.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.snapshot.load_full()
+    }
+
+    /// The configuration generation in force (1 = initial).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// The concurrent-connection cap in force.
+    pub fn max_connections(&self) -> u64 {
+        self.max_connections
+    }
+
+    /// Binds every listener and the admin socket of the current snapshot.
+    pub async fn bind(&self) -> std::io::Result<Bound> {
+        let snap = self.snapshot();
+        let mut listeners = Vec::new();
+        for spec in &snap.listeners {
+            let l = bind_tcp(spec.address).map_err(|e| {
+                std::io::Error::new(
+                    e.kind(),
+                    format!("listener {} on {}: {e}", spec.name, spec.address),
+                )
+            })?;
+            listeners.push((spec.clone(), l));
+        }
+        let admin = bind_tcp(snap.admin)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("admin on {}: {e}", snap.admin)))?;
+        Ok(Bound { listeners, admin })
+    }
+
+    /// Starts the accept loops and the admin server, then reports ready.
+    pub fn serve(self: &Arc<Self>, bound: Bound) {
+        for (spec, listener) in bound.listeners {
+            let gw = self.clone();
+            let lctx = Arc::new(ListenerCtx { spec });
+            tokio::spawn(async move {
+                let stop = gw.lifecycle.stop_accepting.clone();
+                seedlink_net::accept::accept_loop(&listener, &stop, |stream, peer| {
+                    gw.accept(&lctx, stream, peer);
+                })
+                .await;
+            });
+        }
+        let gw = self.clone();
+        tokio::spawn(async move { admin::serve(gw, bound.admin).await });
+        self.lifecycle.serving();
+    }
+
+    fn accept(
+        self: &Arc<Self>,
+        lctx: &Arc<ListenerCtx>,
+        stream: tokio::net::TcpStream,
+        peer: SocketAddr,
+    ) {
+        // At the cap: accept and close at once, counted; never queue.
+        let Ok(permit) = self.permits.clone().try_acquire_owned() else {
+            self.metrics
+                .refused
+                .get_or_create(&ReasonLabels {
+                    listener: lctx.spec.name.clone(),
+                    reason: "max_connections".into(),
+                })
+                .inc();
+            drop(stream);
+            return;
+        };
+        let gw = self.clone();
+        let lctx = lctx.clone();
+        self.lifecycle.tasks.spawn(async move {
+            conn::serve(gw, lctx, stream, peer).await;
+            drop(permit);
+        });
+    }
+
+    /// The token that closes open connections of control plane `name` if it
+    /// is removed and the removal grace passes.
+    fn closer_for(&self, name: &str) -> CancellationToken {
+        match self.closers.lock() {
+            Ok(mut m) => m.entry(name.to_string()).or_default().clone(),
+            Err(_) => CancellationToken::new(),
+        }
+    }
+
+    /// Re-reads the configuration file and swaps it in if it is valid and
+    /// changes nothing that needs a restart. On failure the snapshot in force
+    /// stays and the reasons are returned (and logged, and counted).
+    pub fn reload(self: &Arc<Self>) -> Result<u64, Errors> {
+        let result = self.try_reload();
+        let label = if result.is_ok() { "success" } else { "failure" };
+        self.metrics
+            .reloads
+            .get_or_create(&ResultLabels {
+                result: label.into(),
+            })
+            .inc();
+        match &result {
+            Ok(g) => tracing::info!(generation = g, "configuration reloaded"),
+            Err(e) => tracing::error!(problems = %e.to_string().replace('\n', "; "),
+                generation = self.generation(), "configuration rejected; keeping the one in force"),
+        }
+        result
+    }
+
+    fn try_reload(self: &Arc<Self>) -> Result<u64, Errors> {
+        let Some(path) = &self.config_path else {
+            return Err(one_error("no configuration file to reload"));
+        };
+        let old = self.snapshot();
+        let new = seedlink_config::load(path, Some(&old))?;
+        let fixed = restart_only_changes(&old.file, &new.file);
+        if !fixed.is_empty() {
+            return Err(Errors(
+                fixed
+                    .into_iter()
+                    .map(|k| ConfigError {
+                        path: k.to_string(),
+                        message: "cannot change on reload; restart the gateway to apply".into(),
+                    })
+                    .collect(),
+            ));
+        }
+        let d = diff(&old.file, &new.file);
+        self.snapshot.store(Arc::new(new));
+        let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        self.metrics
+            .config_generation
+            .set(i64::try_from(generation).unwrap_or(i64::MAX));
+        tracing::info!(added = ?d.added, removed = ?d.removed, changed = ?d.changed, "routes updated");
+        let grace = self.snapshot().timeouts.removed_control_plane_grace;
+        for name in d.removed {
+            self.retire(name, grace);
+        }
+        Ok(generation)
+    }
+
+    /// A control plane was removed: its open connections continue; with a
+    /// grace period they are closed when it ends, unless it came back.
+    fn retire(self: &Arc<Self>, name: String, grace: Option<Duration>) {
+        let Some(grace) = grace else {
+            if let Ok(mut m) = self.closers.lock() {
+                m.remove(&name);
+            }
+            return;
+        };
+        let gw = self.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = tokio::time::sleep(grace) => {}
+                () = gw.lifecycle.close_all.cancelled() => return,
+            }
+            if gw.snapshot().control_planes.contains_key(&name) {
+                return;
+            }
+            let token = gw.closers.lock().ok().and_then(|mut m| m.remove(&name));
+            if let Some(t) = token {
+                tracing::info!(control_plane = %name, "closing connections of a removed control plane");
+                t.cancel();
+            }
+        });
+    }
+
+    /// Drains: not ready, stop accepting, wait up to the configured deadline,
+    /// then close what is left. Returns how many connections were closed.
+    pub async fn drain(&self) -> usize {
+        let deadline = self.snapshot().timeouts.drain;
+        self.lifecycle.drain(deadline).await
+    }
+}
+
+fn one_error(msg: &str) -> Errors {
+    Errors(vec![ConfigError {
+        path: String::new(),
+        message: msg.into(),
+    }])
+}
+
+fn bind_tcp(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let sock = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    sock.set_reuseaddr(true)?;
+    sock.bind(addr)?;
+    sock.listen(4096)
+}
+
+/// Counts not-yet-routed connections per source address.
+#[derive(Default)]
+struct Sources {
+    counts: Mutex<HashMap<IpAddr, u32>>,
+}
+
+/// Holds one unrouted slot for a source; released on drop.
+pub(crate) struct SourceGuard<'a> {
+    sources: &'a Sources,
+    ip: IpAddr,
+}
+
+impl Sources {
+    fn enter(&self, ip: IpAddr, max: u32) -> Option<SourceGuard<'_>> {
+        let mut m = self.counts.lock().ok()?;
+        let n = m.entry(ip).or_insert(0);
+        if *n >= max {
+            return None;
+        }
+        *n += 1;
+        Some(SourceGuard { sources: self, ip })
+    }
+}
+
+impl Drop for SourceGuard<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.sources.counts.lock() {
+            if let Some(n) = m.get_mut(&self.ip) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(&self.ip);
+                }
+            }
+        }
+    }
+}

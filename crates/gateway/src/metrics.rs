@@ -1,0 +1,188 @@
+//! The gateway's Prometheus metrics.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// Labels of finished connections.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ConnLabels {
+    /// Listener name.
+    pub listener: String,
+    /// Control plane name; empty when the connection was never routed.
+    pub control_plane: String,
+    /// How it ended (`ok`, `reset`, `acl_denied`, `unknown_sni`, ...).
+    pub outcome: String,
+}
+
+/// Labels with a listener and a reason.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// Listener name.
+    pub listener: String,
+    /// Stable reason code.
+    pub reason: String,
+}
+
+/// Labels with a listener only.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ListenerLabels {
+    /// Listener name.
+    pub listener: String,
+}
+
+/// Labels of byte counters.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ByteLabels {
+    /// Listener name.
+    pub listener: String,
+    /// Control plane name.
+    pub control_plane: String,
+    /// `to_upstream` or `to_client`.
+    pub direction: String,
+}
+
+/// Labels with a control plane only.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CpLabels {
+    /// Control plane name.
+    pub control_plane: String,
+}
+
+/// Labels of upstream endpoint events.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointLabels {
+    /// Control plane name.
+    pub control_plane: String,
+    /// Endpoint as configured.
+    pub endpoint: String,
+}
+
+/// Labels of reloads.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `success` or `failure`.
+    pub result: String,
+}
+
+/// Every metric the gateway exports.
+pub struct Metrics {
+    /// The registry served on `/metrics`.
+    pub registry: Registry,
+    /// Finished connections.
+    pub connections: Family<ConnLabels, Counter>,
+    /// Open connections.
+    pub active: Family<ListenerLabels, Gauge>,
+    /// Bytes moved.
+    pub bytes: Family<ByteLabels, Counter>,
+    /// Connections rejected while detecting the protocol.
+    pub detect_failures: Family<ReasonLabels, Counter>,
+    /// Connections refused before detection (limits).
+    pub refused: Family<ReasonLabels, Counter>,
+    /// ACL denials.
+    pub acl_denied: Family<CpLabels, Counter>,
+    /// Failed upstream connect attempts.
+    pub upstream_connect_failures: Family<EndpointLabels, Counter>,
+    /// Endpoint ejections.
+    pub upstream_ejections: Family<EndpointLabels, Counter>,
+    /// Configuration reloads.
+    pub reloads: Family<ResultLabels, Counter>,
+    /// Generation of the configuration in force (1 = initial).
+    pub config_generation: Gauge,
+    /// Maximum concurrent connections in force.
+    pub max_connections: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Creates and registers every metric under the `seedlink_gateway_` prefix.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("seedlink_gateway");
+        let m = Metrics {
+            connections: Family::default(),
+            active: Family::default(),
+            bytes: Family::default(),
+            detect_failures: Family::default(),
+            refused: Family::default(),
+            acl_denied: Family::default(),
+            upstream_connect_failures: Family::default(),
+            upstream_ejections: Family::default(),
+            reloads: Family::default(),
+            config_generation: Gauge::default(),
+            max_connections: Gauge::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "connections",
+            "Finished connections by listener, control plane and outcome",
+            m.connections.clone(),
+        );
+        registry.register(
+            "active_connections",
+            "Open connections by listener",
+            m.active.clone(),
+        );
+        registry.register(
+            "bytes",
+            "Bytes moved by listener, control plane and direction",
+            m.bytes.clone(),
+        );
+        registry.register(
+            "detect_failures",
+            "Connections closed during PROXY/ClientHello detection, by reason",
+            m.detect_failures.clone(),
+        );
+        registry.register(
+            "refused",
+            "Connections closed at accept because of a limit, by reason",
+            m.refused.clone(),
+        );
+        registry.register(
+            "acl_denied",
+            "Connections denied by a control plane's ACL",
+            m.acl_denied.clone(),
+        );
+        registry.register(
+            "upstream_connect_failures",
+            "Failed upstream connect attempts",
+            m.upstream_connect_failures.clone(),
+        );
+        registry.register(
+            "upstream_ejections",
+            "Upstream endpoints ejected after a failed connect",
+            m.upstream_ejections.clone(),
+        );
+        registry.register(
+            "config_reloads",
+            "Configuration reloads by result",
+            m.reloads.clone(),
+        );
+        registry.register(
+            "config_generation",
+            "Generation of the configuration in force",
+            m.config_generation.clone(),
+        );
+        registry.register(
+            "max_connections",
+            "Concurrent connection cap in force",
+            m.max_connections.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// Renders the OpenMetrics text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}

@@ -1,0 +1,6 @@
+//! Library side of the `seedlink` binary: the quickstart and the demo
+//! control planes (TLS servers that require client certificates) that the
+//! quickstart and the end-to-end tests share.
+
+pub mod demo;
+pub mod quickstart;

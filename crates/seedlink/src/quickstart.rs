@@ -1,0 +1,193 @@
+//! `seedlink quickstart`: a gateway with demo control planes on loopback.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use seedlink_gateway::Gateway;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::demo::{self, Pki};
+
+/// The demo control planes: (name, SNI host, ACL).
+const PLANES: &[(&str, &str, Option<&str>)] = &[
+    (
+        "shoot--demo--alpha",
+        "api.alpha.demo.seedlink.test",
+        Some("127.0.0.0/8"),
+    ),
+    ("shoot--demo--beta", "api.beta.demo.seedlink.test", None),
+    // Only TEST-NET-1 may reach gamma, so loopback clients are denied.
+    (
+        "shoot--demo--gamma",
+        "api.gamma.demo.seedlink.test",
+        Some("192.0.2.0/24"),
+    ),
+];
+
+/// Options of the quickstart.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Gateway TLS port on 127.0.0.1 (0 picks a free one).
+    pub port: u16,
+    /// Admin port on 127.0.0.1 (0 picks a free one).
+    pub admin_port: u16,
+    /// Run the walkthrough unattended and exit.
+    pub check: bool,
+}
+
+/// Runs the quickstart; returns the process exit code.
+pub async fn run(opts: Options) -> anyhow::Result<i32> {
+    let dir = tempfile::Builder::new()
+        .prefix("seedlink-quickstart-")
+        .tempdir()?;
+    let hosts: Vec<&str> = PLANES.iter().map(|p| p.1).collect();
+    let pki = Pki::generate(&hosts)?;
+    let files = pki.write_client_files(dir.path())?;
+    let stop = CancellationToken::new();
+
+    let mut yaml = format!(
+        "# Written by `seedlink quickstart`; edit it and the gateway reloads.\n\
+         admin: {{listen: '127.0.0.1:{}'}}\n\
+         listeners:\n  - {{name: tls, address: '127.0.0.1:{}', protocol: tls}}\n\
+         timeouts: {{drain: 2s}}\n\
+         control_planes:\n",
+        opts.admin_port, opts.port
+    );
+    for (i, (name, host, acl)) in PLANES.iter().enumerate() {
+        let backend = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = backend.local_addr()?;
+        tokio::spawn(demo::serve_demo_apiserver(
+            backend,
+            name.to_string(),
+            pki.server_config(i)?,
+            stop.clone(),
+        ));
+        yaml.push_str(&format!(
+            "  - name: {name}\n    hostnames: [{host}]\n    endpoints: ['{addr}']\n"
+        ));
+        if let Some(acl) = acl {
+            yaml.push_str(&format!("    acl: {{allow: ['{acl}']}}\n"));
+        }
+    }
+    let config_path = dir.path().join("gateway.yaml");
+    std::fs::write(&config_path, &yaml)?;
+    let snapshot = seedlink_config::load(&config_path, None).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let gw = Gateway::new(snapshot, Some(config_path.clone()));
+    let bound = gw.bind().await?;
+    let tls_addr = bound.listeners[0].1.local_addr()?;
+    let admin_addr = bound.admin.local_addr()?;
+    gw.serve(bound);
+
+    println!(
+        "seedlink quickstart: a gateway on {tls_addr} routes TLS by SNI, without terminating it,"
+    );
+    println!("to three demo kube-apiservers that require a client certificate.");
+    println!(
+        "  config (edit it: the gateway reloads): {}",
+        config_path.display()
+    );
+    println!("  admin: http://{admin_addr}/metrics  /readyz  /config\n");
+    for (name, host, acl) in PLANES {
+        let verdict = match acl {
+            Some("127.0.0.0/8") | None => "allowed",
+            Some(_) => "denied by its ACL (only 192.0.2.0/24 may connect)",
+        };
+        println!("# {name}: {verdict}");
+        println!(
+            "curl --cacert {} --cert {} --key {} --resolve {host}:{port}:127.0.0.1 https://{host}:{port}/\n",
+            files.ca.display(),
+            files.cert.display(),
+            files.key.display(),
+            port = tls_addr.port()
+        );
+    }
+
+    if opts.check {
+        let ok = walkthrough(&gw, &pki, tls_addr).await;
+        stop.cancel();
+        return Ok(if ok { 0 } else { 1 });
+    }
+    println!("Press Ctrl-C to stop.");
+    let code = seedlink_gateway::signals::run_until_stopped(gw).await?;
+    stop.cancel();
+    drop(dir);
+    Ok(code)
+}
+
+/// The unattended walkthrough: every step must behave as printed.
+async fn walkthrough(gw: &Arc<Gateway>, pki: &Pki, addr: SocketAddr) -> bool {
+    let mut all = true;
+    let mut step = |name: &str, ok: bool, detail: String| {
+        println!("[{}] {name}: {detail}", if ok { "PASS" } else { "FAIL" });
+        all &= ok;
+    };
+    let get = |host: &'static str, cert: bool| async move {
+        let cfg = pki
+            .client_config(cert, &[b"seedlink-demo"])
+            .context("client config")?;
+        tokio::time::timeout(Duration::from_secs(10), demo::https_get(addr, host, cfg))
+            .await
+            .context("timed out")?
+    };
+    for (name, host, acl) in PLANES {
+        let r = get(host, true).await;
+        if acl.is_none() || *acl == Some("127.0.0.0/8") {
+            let ok = matches!(&r, Ok(body) if body.contains(name) && body.contains("alpn=seedlink-demo") && body.contains("client_certs=1"));
+            step(
+                &format!("{name} reachable with a client certificate"),
+                ok,
+                show(&r),
+            );
+        } else {
+            step(&format!("{name} denied by ACL"), r.is_err(), show(&r));
+        }
+    }
+    let r = get(PLANES[0].1, false).await;
+    step(
+        "kube-apiserver rejects a client without certificate (end-to-end mTLS)",
+        r.is_err(),
+        show(&r),
+    );
+    let r = get("api.unknown.demo.seedlink.test", true).await;
+    step(
+        "unknown SNI is closed without an upstream",
+        r.is_err(),
+        show(&r),
+    );
+    let metrics = gw.metrics.encode();
+    let denied = metrics.lines().any(|l| {
+        l.starts_with("seedlink_gateway_acl_denied_total{control_plane=\"shoot--demo--gamma\"} 1")
+    });
+    step(
+        "ACL denial counted in metrics",
+        denied,
+        "seedlink_gateway_acl_denied_total".into(),
+    );
+    let unknown = metrics
+        .lines()
+        .any(|l| l.contains("reason=\"unknown_sni\"") && l.ends_with(" 1"));
+    step(
+        "unknown SNI counted in metrics",
+        unknown,
+        "seedlink_gateway_detect_failures_total".into(),
+    );
+    println!(
+        "{}",
+        if all {
+            "quickstart check: all steps passed"
+        } else {
+            "quickstart check: FAILED"
+        }
+    );
+    all
+}
+
+fn show(r: &anyhow::Result<String>) -> String {
+    match r {
+        Ok(body) => body.trim().to_string(),
+        Err(e) => format!("refused ({e:#})"),
+    }
+}
