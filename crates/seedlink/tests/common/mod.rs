@@ -1,0 +1,291 @@
+//! Helpers for end-to-end tests: the real `seedlink` binary, demo backends,
+//! an echo backend, metrics scraping. Everything binds port 0 and waits for
+//! readiness by polling with a bounded deadline, never by sleeping blindly.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+/// A captured ClientHello (openssl s_client, SNI api.alpha.example.com).
+pub const HELLO_ALPHA: &[u8] = include_bytes!("../../../proto/testdata/openssl_client_hello.bin");
+/// A captured ClientHello (curl, SNI api.beta.example.com).
+pub const HELLO_BETA: &[u8] = include_bytes!("../../../proto/testdata/curl_client_hello.bin");
+
+/// A running `seedlink gateway` process.
+pub struct Gw {
+    pub child: Child,
+    pub tls: SocketAddr,
+    pub listeners: serde_json::Value,
+    pub admin: SocketAddr,
+    pub config: PathBuf,
+    pub dir: tempfile::TempDir,
+}
+
+impl Gw {
+    /// Writes `yaml` to a fresh directory and starts the gateway on it.
+    pub fn start(yaml: &str) -> Gw {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("gateway.yaml");
+        std::fs::write(&config, yaml).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_seedlink"))
+            .args(["gateway", "--config"])
+            .arg(&config)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn seedlink");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut r = BufReader::new(stdout);
+            let mut line = String::new();
+            let _ = r.read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("gateway did not report ready within 20 s");
+        let v: serde_json::Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad ready line {line:?}: {e}"));
+        let listeners = v["listeners"].clone();
+        let tls = listeners
+            .as_object()
+            .and_then(|m| m.values().next())
+            .and_then(|a| a.as_str())
+            .unwrap()
+            .parse()
+            .unwrap();
+        let admin = v["admin"].as_str().unwrap().parse().unwrap();
+        Gw {
+            child,
+            tls,
+            listeners,
+            admin,
+            config,
+            dir,
+        }
+    }
+
+    /// Address of the listener called `name`.
+    pub fn listener(&self, name: &str) -> SocketAddr {
+        self.listeners[name].as_str().unwrap().parse().unwrap()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .arg(format!("-{sig}"))
+            .arg(self.pid().to_string())
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    }
+
+    /// Replaces the configuration file atomically (write + rename), as
+    /// editors and ConfigMap updates do.
+    pub fn write_config(&self, yaml: &str) {
+        let tmp = self.dir.path().join(".gateway.yaml.tmp");
+        std::fs::write(&tmp, yaml).unwrap();
+        std::fs::rename(&tmp, &self.config).unwrap();
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, String) {
+        http_get(self.admin, path).await
+    }
+
+    pub async fn metrics(&self) -> String {
+        self.get("/metrics").await.1
+    }
+
+    /// Sum of all samples whose line starts with `prefix` (name plus any
+    /// label text).
+    pub async fn metric(&self, prefix: &str) -> f64 {
+        sum_metric(&self.metrics().await, prefix)
+    }
+
+    /// Polls until `metric(prefix) >= want`, for at most 10 s.
+    pub async fn wait_metric(&self, prefix: &str, want: f64) {
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            let v = self.metric(prefix).await;
+            if v >= want {
+                return;
+            }
+            assert!(
+                Instant::now() < end,
+                "metric {prefix} stayed at {v}, wanted {want}\n{}",
+                self.metrics().await
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Waits for the process to exit, at most `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<i32> {
+        let end = Instant::now() + limit;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st.code();
+            }
+            if Instant::now() > end {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Gw {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn sum_metric(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A minimal HTTP/1.1 GET for the admin endpoint.
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let fut = async {
+        let mut s = TcpStream::connect(addr).await?;
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n").as_bytes(),
+        )
+        .await?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await?;
+        Ok::<_, std::io::Error>(String::from_utf8_lossy(&out).into_owned())
+    };
+    let text = tokio::time::timeout(Duration::from_secs(10), fut)
+        .await
+        .unwrap()
+        .unwrap();
+    let code = text.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+/// Starts a demo kube-apiserver for host `i` of `pki`; returns its address.
+pub async fn demo_backend(
+    pki: &seedlink::demo::Pki,
+    i: usize,
+    name: &str,
+    stop: &CancellationToken,
+) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(seedlink::demo::serve_demo_apiserver(
+        l,
+        name.into(),
+        pki.server_config(i).unwrap(),
+        stop.clone(),
+    ));
+    addr
+}
+
+/// A TCP echo server: echoes every byte until EOF, then half-closes.
+pub async fn echo_backend(stop: &CancellationToken) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let stop = stop.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut s, _) = tokio::select! {
+                () = stop.cancelled() => return,
+                r = l.accept() => match r { Ok(x) => x, Err(_) => continue },
+            };
+            tokio::spawn(async move {
+                let (mut r, mut w) = s.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+                let _ = w.shutdown().await;
+            });
+        }
+    });
+    addr
+}
+
+/// Sends `hello`, then reads back exactly as many bytes (from an echo backend).
+pub async fn echo_roundtrip(s: &mut TcpStream, data: &[u8]) -> std::io::Result<()> {
+    s.write_all(data).await?;
+    let mut back = vec![0u8; data.len()];
+    tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut back))
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "echo timed out"))??;
+    assert_eq!(back, data);
+    Ok(())
+}
+
+/// Reads until the peer closes; returns the bytes and whether it was a clean FIN.
+pub async fn read_until_closed(
+    s: &mut TcpStream,
+    limit: Duration,
+) -> (Vec<u8>, std::io::Result<()>) {
+    let mut out = Vec::new();
+    let r = tokio::time::timeout(limit, s.read_to_end(&mut out)).await;
+    match r {
+        Ok(Ok(_)) => (out, Ok(())),
+        Ok(Err(e)) => (out, Err(e)),
+        Err(_) => (
+            out,
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "not closed in time",
+            )),
+        ),
+    }
+}
+
+/// Finds a free loopback port for peers that cannot bind port 0 and report it.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Polls until something accepts connections on `addr` (at most 10 s).
+pub async fn wait_listening(addr: SocketAddr) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(addr).await.is_err() {
+        assert!(Instant::now() < end, "nothing listening on {addr}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Fails loudly when a required external tool is missing (never skips).
+pub fn require(tool: &str) -> PathBuf {
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "required test peer `{tool}` is not installed; run scripts/install-peers"
+    );
+    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+}
+
+pub fn write_pki(pki: &seedlink::demo::Pki, dir: &Path) -> seedlink::demo::ClientFiles {
+    pki.write_client_files(dir).unwrap()
+}

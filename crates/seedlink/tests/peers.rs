@@ -1,0 +1,266 @@
+//! End to end with peers nobody here wrote: curl, openssl s_client and
+//! HAProxy in front as the opaque LoadBalancer.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use tokio_util::sync::CancellationToken;
+
+const ALPHA: &str = "api.alpha.test.seedlink";
+const BETA: &str = "api.beta.test.seedlink";
+
+fn curl(
+    files: &seedlink::demo::ClientFiles,
+    host: &str,
+    port: u16,
+    extra: &[&str],
+) -> std::process::Output {
+    let mut c = Command::new(require("curl"));
+    c.args(["-sS", "--max-time", "10", "--cacert"])
+        .arg(&files.ca)
+        .arg("--cert")
+        .arg(&files.cert)
+        .arg("--key")
+        .arg(&files.key)
+        .arg("--resolve")
+        .arg(format!("{host}:{port}:127.0.0.1"))
+        .args(extra)
+        .arg(format!("https://{host}:{port}/"));
+    c.output().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curl_and_openssl_with_client_certificates_end_to_end() {
+    let stop = CancellationToken::new();
+    let pki = seedlink::demo::Pki::generate(&[ALPHA, BETA]).unwrap();
+    let a = demo_backend(&pki, 0, "alpha", &stop).await;
+    let b = demo_backend(&pki, 1, "beta", &stop).await;
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '127.0.0.1:0'}}]
+control_planes:
+  - {{name: alpha, hostnames: [{ALPHA}], endpoints: ['{a}']}}
+  - {{name: beta, hostnames: ['*.beta.test.seedlink'], endpoints: ['{b}']}}
+"
+    ));
+    let files = write_pki(&pki, gw.dir.path());
+    let port = gw.tls.port();
+
+    // curl with a client certificate: TLS ends at the demo kube-apiserver,
+    // which requires and verifies the certificate.
+    let out = curl(&files, ALPHA, port, &["--http1.1"]);
+    let body = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "curl failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(body.contains("hello from alpha"), "{body}");
+    assert!(!body.contains("client_certs=0"), "{body}");
+    assert!(
+        body.contains("alpn=http/1.1"),
+        "ALPN must pass untouched: {body}"
+    );
+    // A wildcard route.
+    let out = curl(&files, BETA, port, &[]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("hello from beta"));
+
+    // Wrong SNI: the gateway closes without an upstream; curl fails.
+    let out = curl(&files, "api.nope.other", port, &[]);
+    assert!(!out.status.success());
+    // Without a client certificate the kube-apiserver refuses: mTLS is end to end.
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "10", "--cacert"])
+        .arg(&files.ca)
+        .arg("--resolve")
+        .arg(format!("{ALPHA}:{port}:127.0.0.1"))
+        .arg(format!("https://{ALPHA}:{port}/"))
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "a client without certificate must be refused by the upstream"
+    );
+
+    // openssl s_client, with a custom ALPN.
+    let s_client = |servername: &str| {
+        let mut child = Command::new(require("openssl"))
+            .args([
+                "s_client",
+                "-connect",
+                &gw.tls.to_string(),
+                "-servername",
+                servername,
+                "-alpn",
+                "seedlink-demo",
+                "-quiet",
+                "-CAfile",
+            ])
+            .arg(&files.ca)
+            .arg("-cert")
+            .arg(&files.cert)
+            .arg("-key")
+            .arg(&files.key)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        let _ = stdin.write_all(
+            format!("GET / HTTP/1.1\r\nhost: {servername}\r\nconnection: close\r\n\r\n").as_bytes(),
+        );
+        // Keep stdin open until the server closes so s_client does not
+        // send close_notify before the response.
+        let out = wait_output(child, Duration::from_secs(15));
+        drop(stdin);
+        out
+    };
+    let out = s_client(ALPHA);
+    assert!(
+        out.contains("hello from alpha") && out.contains("alpn=seedlink-demo"),
+        "openssl output: {out}"
+    );
+    // Case and one trailing dot do not matter for routing.
+    let out = s_client("API.Beta.TEST.seedlink.");
+    assert!(out.contains("hello from beta"), "openssl output: {out}");
+    let out = s_client("api.wrong.example");
+    assert!(
+        !out.contains("hello from"),
+        "wrong SNI must not reach any upstream: {out}"
+    );
+
+    assert!(
+        gw.metric(
+            "seedlink_gateway_detect_failures_total{listener=\"tls\",reason=\"unknown_sni\"}"
+        )
+        .await
+            >= 2.0
+    );
+    stop.cancel();
+}
+
+fn wait_output(mut child: std::process::Child, limit: Duration) -> String {
+    use std::io::Read;
+    let end = std::time::Instant::now() + limit;
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        if std::time::Instant::now() > end {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut s = String::new();
+    if let Some(mut o) = child.stdout.take() {
+        let _ = o.read_to_string(&mut s);
+    }
+    s
+}
+
+/// HAProxy runs as the LoadBalancer: `send-proxy-v2` and `send-proxy` to the
+/// gateway from 127.0.0.9 (trusted) and from 127.0.0.10 (not trusted).
+/// Clients connect from 127.0.0.5 (allowed by alpha's ACL) and 127.0.0.6
+/// (denied); the ACL must see those addresses, not HAProxy's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn haproxy_proxy_protocol_carries_the_client_ip_to_the_acl() {
+    let haproxy = require("haproxy");
+    let stop = CancellationToken::new();
+    let pki = seedlink::demo::Pki::generate(&[ALPHA]).unwrap();
+    let a = demo_backend(&pki, 0, "alpha", &stop).await;
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners:
+  - {{name: lb, address: '127.0.0.1:0', proxy_protocol: required}}
+trusted_load_balancers: [127.0.0.9/32]
+control_planes:
+  - {{name: alpha, hostnames: [{ALPHA}], endpoints: ['{a}'], acl: {{allow: [127.0.0.5/32]}}}}
+"
+    ));
+    let files = write_pki(&pki, gw.dir.path());
+    let [v2, v1, untrusted] = [free_port(), free_port(), free_port()];
+    let cfg = format!(
+        "global
+  maxconn 100
+defaults
+  mode tcp
+  timeout connect 5s
+  timeout client 30s
+  timeout server 30s
+frontend v2
+  bind 127.0.0.1:{v2}
+  default_backend gw_v2
+frontend v1
+  bind 127.0.0.1:{v1}
+  default_backend gw_v1
+frontend untrusted
+  bind 127.0.0.1:{untrusted}
+  default_backend gw_untrusted
+backend gw_v2
+  server gw {gwaddr} send-proxy-v2 source 127.0.0.9
+backend gw_v1
+  server gw {gwaddr} send-proxy source 127.0.0.9
+backend gw_untrusted
+  server gw {gwaddr} send-proxy-v2 source 127.0.0.10
+",
+        gwaddr = gw.tls
+    );
+    let cfg_path = gw.dir.path().join("haproxy.cfg");
+    std::fs::write(&cfg_path, cfg).unwrap();
+    let mut hap = Command::new(haproxy)
+        .arg("-db")
+        .arg("-f")
+        .arg(&cfg_path)
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    for p in [v2, v1, untrusted] {
+        wait_listening(format!("127.0.0.1:{p}").parse().unwrap()).await;
+    }
+
+    for (port, kind) in [(v2, "v2"), (v1, "v1")] {
+        let out = curl(&files, ALPHA, port, &["--interface", "127.0.0.5"]);
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("hello from alpha"),
+            "PROXY {kind}: allowed client refused: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let out = curl(&files, ALPHA, port, &["--interface", "127.0.0.6"]);
+        assert!(
+            !out.status.success(),
+            "PROXY {kind}: denied client got through"
+        );
+    }
+    gw.wait_metric(
+        "seedlink_gateway_acl_denied_total{control_plane=\"alpha\"}",
+        2.0,
+    )
+    .await;
+
+    // The same header from a peer that is not a trusted LB is rejected.
+    let out = curl(&files, ALPHA, untrusted, &["--interface", "127.0.0.5"]);
+    assert!(!out.status.success());
+    gw.wait_metric(
+        "seedlink_gateway_detect_failures_total{listener=\"lb\",reason=\"proxy_untrusted_peer\"}",
+        1.0,
+    )
+    .await;
+    // And a direct connection without PROXY header on a `required` listener.
+    let out = curl(&files, ALPHA, gw.tls.port(), &["--interface", "127.0.0.5"]);
+    assert!(!out.status.success());
+    gw.wait_metric(
+        "seedlink_gateway_detect_failures_total{listener=\"lb\",reason=\"proxy_untrusted_peer\"}",
+        2.0,
+    )
+    .await;
+    let _ = hap.kill();
+    let _ = hap.wait();
+    stop.cancel();
+}
