@@ -3,7 +3,7 @@
 //! A [`Gateway`] holds the configuration snapshot in force (swapped
 //! atomically on reload), the metrics, the copy engine and the lifecycle.
 //! [`Gateway::bind`] opens the sockets, [`Gateway::serve`] runs the accept
-//! loops and the admin endpoint, [`signals::run_until_stopped`] adds
+//! loops and the admin endpoint, [`signals::Supervisor`] adds
 //! SIGHUP/SIGTERM handling and the file watcher.
 
 pub mod admin;
@@ -229,6 +229,11 @@ impl Gateway {
         };
         let old = self.snapshot();
         let new = seedlink_config::load(path, Some(&old))?;
+        if new.file == old.file {
+            // Watchers and SIGHUP often report the same write twice.
+            tracing::debug!("configuration unchanged");
+            return Ok(self.generation());
+        }
         let fixed = restart_only_changes(&old.file, &new.file);
         if !fixed.is_empty() {
             return Err(Errors(

@@ -9,58 +9,83 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::signal::unix::{signal, SignalKind};
+use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use crate::Gateway;
 
-/// Runs until the gateway has drained after SIGTERM/SIGINT, reloading on
-/// SIGHUP and on configuration file changes. Returns the process exit code.
-pub async fn run_until_stopped(gw: Arc<Gateway>) -> std::io::Result<i32> {
-    let mut hup = signal(SignalKind::hangup())?;
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
+/// Signal handlers and the configuration watcher, installed before the
+/// gateway reports ready so that no signal or file change is missed.
+pub struct Supervisor {
+    gw: Arc<Gateway>,
+    hup: Signal,
+    term: Signal,
+    int: Signal,
+    _watch: Option<seedlink_config::watch::FileWatch>,
+    changes: tokio::sync::mpsc::Receiver<()>,
+}
 
-    let (_watch, mut changes) = match gw.config_path.as_deref() {
-        Some(p) => match seedlink_config::watch::watch(p) {
-            Ok((w, rx)) => (Some(w), rx),
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot watch the configuration file; reload with SIGHUP");
-                (None, tokio::sync::mpsc::channel(1).1)
-            }
-        },
-        None => (None, tokio::sync::mpsc::channel(1).1),
-    };
-
-    loop {
-        tokio::select! {
-            _ = hup.recv() => {
-                let _ = gw.reload();
-            }
-            Some(()) = changes.recv() => {
-                // Editors write in several steps; let the burst settle.
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                while changes.try_recv().is_ok() {}
-                let _ = gw.reload();
-            }
-            _ = term.recv() => break,
-            _ = int.recv() => break,
-        }
+impl Supervisor {
+    /// Installs SIGHUP/SIGTERM/SIGINT handlers and watches the configuration
+    /// file (if any). Must be called inside a tokio runtime.
+    pub fn install(gw: Arc<Gateway>) -> std::io::Result<Supervisor> {
+        let hup = signal(SignalKind::hangup())?;
+        let term = signal(SignalKind::terminate())?;
+        let int = signal(SignalKind::interrupt())?;
+        let (watch, changes) = match gw.config_path.as_deref() {
+            Some(p) => match seedlink_config::watch::watch(p) {
+                Ok((w, rx)) => (Some(w), rx),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot watch the configuration file; reload with SIGHUP");
+                    (None, tokio::sync::mpsc::channel(1).1)
+                }
+            },
+            None => (None, tokio::sync::mpsc::channel(1).1),
+        };
+        Ok(Supervisor {
+            gw,
+            hup,
+            term,
+            int,
+            _watch: watch,
+            changes,
+        })
     }
-    tracing::info!(deadline = ?gw.snapshot().timeouts.drain, open = gw.lifecycle.tasks.len(), "draining");
-    let drain = gw.drain();
-    tokio::pin!(drain);
-    tokio::select! {
-        closed = &mut drain => {
-            tracing::info!(closed_at_deadline = closed, "drained; exiting");
-            Ok(0)
+
+    /// Runs until the gateway has drained after SIGTERM/SIGINT, reloading on
+    /// SIGHUP and on configuration file changes. Returns the exit code.
+    pub async fn run(mut self) -> i32 {
+        let gw = self.gw.clone();
+        loop {
+            tokio::select! {
+                _ = self.hup.recv() => {
+                    let _ = gw.reload();
+                }
+                Some(()) = self.changes.recv() => {
+                    // Editors write in several steps; let the burst settle.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    while self.changes.try_recv().is_ok() {}
+                    let _ = gw.reload();
+                }
+                _ = self.term.recv() => break,
+                _ = self.int.recv() => break,
+            }
         }
-        _ = term.recv() => {
-            tracing::warn!("second signal; exiting now");
-            Ok(1)
-        }
-        _ = int.recv() => {
-            tracing::warn!("second signal; exiting now");
-            Ok(1)
+        tracing::info!(deadline = ?gw.snapshot().timeouts.drain, open = gw.lifecycle.tasks.len(), "draining");
+        let drain = gw.drain();
+        tokio::pin!(drain);
+        tokio::select! {
+            closed = &mut drain => {
+                tracing::info!(closed_at_deadline = closed, "drained; exiting");
+                0
+            }
+            _ = self.term.recv() => {
+                tracing::warn!("second signal; exiting now");
+                1
+            }
+            _ = self.int.recv() => {
+                tracing::warn!("second signal; exiting now");
+                1
+            }
         }
     }
 }

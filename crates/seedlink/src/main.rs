@@ -127,6 +127,7 @@ async fn gateway(config: PathBuf) -> anyhow::Result<i32> {
         }
     };
     let gw = Gateway::new(snapshot, Some(config));
+    let supervisor = seedlink_gateway::signals::Supervisor::install(gw.clone())?;
     let bound = gw.bind().await?;
     let mut ready = bound.describe();
     ready["event"] = "ready".into();
@@ -135,5 +136,5 @@ async fn gateway(config: PathBuf) -> anyhow::Result<i32> {
     // addresses (listeners may be configured with port 0).
     println!("{ready}");
     tracing::info!(addresses = %ready, "gateway serving");
-    Ok(seedlink_gateway::signals::run_until_stopped(gw).await?)
+    Ok(supervisor.run().await)
 }

@@ -76,6 +76,7 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
     std::fs::write(&config_path, &yaml)?;
     let snapshot = seedlink_config::load(&config_path, None).map_err(|e| anyhow::anyhow!("{e}"))?;
     let gw = Gateway::new(snapshot, Some(config_path.clone()));
+    let supervisor = seedlink_gateway::signals::Supervisor::install(gw.clone())?;
     let bound = gw.bind().await?;
     let tls_addr = bound.listeners[0].1.local_addr()?;
     let admin_addr = bound.admin.local_addr()?;
@@ -111,7 +112,7 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
         return Ok(if ok { 0 } else { 1 });
     }
     println!("Press Ctrl-C to stop.");
-    let code = seedlink_gateway::signals::run_until_stopped(gw).await?;
+    let code = supervisor.run().await;
     stop.cancel();
     drop(dir);
     Ok(code)

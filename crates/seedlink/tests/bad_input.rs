@@ -30,7 +30,12 @@ async fn expect_closed(addr: std::net::SocketAddr, bytes: &[u8], half_close: boo
         s.shutdown().await.unwrap();
     }
     let (data, r) = read_until_closed(&mut s, Duration::from_secs(10)).await;
-    r.unwrap_or_else(|e| panic!("expected a clean close for {:?}: {e}", &bytes[..bytes.len().min(16)]));
+    r.unwrap_or_else(|e| {
+        panic!(
+            "expected a clean close for {:?}: {e}",
+            &bytes[..bytes.len().min(16)]
+        )
+    });
     assert!(data.is_empty());
 }
 
@@ -51,7 +56,9 @@ control_planes:
     ));
     let tls = gw.listener("tls");
     let lb = gw.listener("lb");
-    let reason = |l: &str, r: &str| format!("seedlink_gateway_detect_failures_total{{listener=\"{l}\",reason=\"{r}\"}}");
+    let reason = |l: &str, r: &str| {
+        format!("seedlink_gateway_detect_failures_total{{listener=\"{l}\",reason=\"{r}\"}}")
+    };
 
     // A silent connection is held while the rest runs: the gateway must keep
     // serving others, then close it at the deadline.
@@ -68,7 +75,17 @@ control_planes:
     let mut body = vec![3, 3];
     body.extend_from_slice(&[0; 32]);
     body.extend_from_slice(&[0, 0, 2, 0x13, 0x01, 1, 0]);
-    let mut no_sni = vec![22, 3, 1, 0, u8::try_from(body.len() + 4).unwrap(), 1, 0, 0, u8::try_from(body.len()).unwrap()];
+    let mut no_sni = vec![
+        22,
+        3,
+        1,
+        0,
+        u8::try_from(body.len() + 4).unwrap(),
+        1,
+        0,
+        0,
+        u8::try_from(body.len()).unwrap(),
+    ];
     no_sni.extend_from_slice(&body);
     expect_closed(tls, &no_sni, false).await;
     // A hello with a session id longer than 32 bytes.
@@ -85,11 +102,17 @@ control_planes:
         good.flush().await.unwrap();
     }
     let mut back = vec![0u8; HELLO_ALPHA.len()];
-    tokio::time::timeout(Duration::from_secs(10), tokio::io::AsyncReadExt::read_exact(&mut good, &mut back))
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(back, HELLO_ALPHA, "the upstream received the hello byte-exact, once");
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::io::AsyncReadExt::read_exact(&mut good, &mut back),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(
+        back, HELLO_ALPHA,
+        "the upstream received the hello byte-exact, once"
+    );
     echo_roundtrip(&mut good, b"after the hello").await.unwrap();
 
     // PROXY listener: garbage, v1 without CRLF, v2 with a short address block,
@@ -99,7 +122,12 @@ control_planes:
     no_crlf.resize(110, b'x');
     expect_closed(lb, &no_crlf, false).await;
     expect_closed(lb, &v2_header(0x11, &[10, 0, 0, 1, 10, 0, 0, 2]), false).await;
-    expect_closed(lb, &v2_header(0x11, &[224, 0, 0, 1, 10, 0, 0, 2, 0, 1, 1, 187]), false).await;
+    expect_closed(
+        lb,
+        &v2_header(0x11, &[224, 0, 0, 1, 10, 0, 0, 2, 0, 1, 1, 187]),
+        false,
+    )
+    .await;
     expect_closed(lb, b"\x16\x03\x01\x00\x05hello", false).await;
     // LOCAL (an LB health check) is accepted, then the LB closes.
     expect_closed(lb, &v2_header(0x00, &[]), true).await;
@@ -109,11 +137,17 @@ control_planes:
     msg.extend_from_slice(HELLO_ALPHA);
     ok.write_all(&msg).await.unwrap();
     let mut back = vec![0u8; HELLO_ALPHA.len()];
-    tokio::time::timeout(Duration::from_secs(10), tokio::io::AsyncReadExt::read_exact(&mut ok, &mut back))
-        .await
-        .unwrap()
-        .unwrap();
-    assert_eq!(back, HELLO_ALPHA, "the PROXY header is not forwarded upstream");
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        tokio::io::AsyncReadExt::read_exact(&mut ok, &mut back),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(
+        back, HELLO_ALPHA,
+        "the PROXY header is not forwarded upstream"
+    );
 
     // The silent connection is closed at the deadline.
     let (_, r) = read_until_closed(&mut silent, Duration::from_secs(10)).await;
@@ -155,11 +189,16 @@ control_planes:
     // Two unrouted connections from 127.0.0.1 fill its per-source quota...
     let _a = TcpStream::connect(gw.tls).await.unwrap();
     let _b = TcpStream::connect(gw.tls).await.unwrap();
-    gw.wait_metric("seedlink_gateway_active_connections{listener=\"tls\"}", 2.0).await;
+    gw.wait_metric("seedlink_gateway_active_connections{listener=\"tls\"}", 2.0)
+        .await;
     let mut c = TcpStream::connect(gw.tls).await.unwrap();
     let (_, r) = read_until_closed(&mut c, Duration::from_secs(5)).await;
     r.unwrap();
-    gw.wait_metric("seedlink_gateway_detect_failures_total{listener=\"tls\",reason=\"per_source_limit\"}", 1.0).await;
+    gw.wait_metric(
+        "seedlink_gateway_detect_failures_total{listener=\"tls\",reason=\"per_source_limit\"}",
+        1.0,
+    )
+    .await;
     // ...while another source address is still served.
     let from = |ip: &str| {
         let sock = tokio::net::TcpSocket::new_v4().unwrap();
@@ -171,11 +210,16 @@ control_planes:
     let mut e = from("127.0.0.3").await.unwrap();
     echo_roundtrip(&mut e, HELLO_ALPHA).await.unwrap();
     // All count against max_connections (4): a, b, d, e are open.
-    gw.wait_metric("seedlink_gateway_active_connections{listener=\"tls\"}", 4.0).await;
+    gw.wait_metric("seedlink_gateway_active_connections{listener=\"tls\"}", 4.0)
+        .await;
     let mut f = from("127.0.0.4").await.unwrap();
     let (_, r) = read_until_closed(&mut f, Duration::from_secs(5)).await;
     let _ = r;
-    gw.wait_metric("seedlink_gateway_refused_total{listener=\"tls\",reason=\"max_connections\"}", 1.0).await;
+    gw.wait_metric(
+        "seedlink_gateway_refused_total{listener=\"tls\",reason=\"max_connections\"}",
+        1.0,
+    )
+    .await;
     // The open ones are unaffected.
     echo_roundtrip(&mut e, b"still here").await.unwrap();
     stop.cancel();

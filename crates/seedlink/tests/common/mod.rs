@@ -37,7 +37,7 @@ impl Gw {
         let mut child = Command::new(env!("CARGO_BIN_EXE_seedlink"))
             .args(["gateway", "--config"])
             .arg(&config)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

@@ -1,0 +1,305 @@
+//! Live reload under load, removal grace, drain on SIGTERM, and the
+//! configuration checker, against the real binary.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+
+const ALPHA: &str = "api.alpha.reload.test";
+const BETA: &str = "api.beta.reload.test";
+
+async fn generation(gw: &Gw) -> u64 {
+    let (_, body) = gw.get("/config").await;
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    v["generation"].as_u64().unwrap()
+}
+
+async fn wait_generation(gw: &Gw, want: u64) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while generation(gw).await < want {
+        assert!(Instant::now() < end, "generation never reached {want}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_reloads_under_load_lose_no_connection() {
+    let stop = CancellationToken::new();
+    let pki = Arc::new(seedlink::demo::Pki::generate(&[ALPHA, BETA]).unwrap());
+    let a = demo_backend(&pki, 0, "alpha", &stop).await;
+    let b = demo_backend(&pki, 1, "beta", &stop).await;
+    let echo = echo_backend(&stop).await;
+    let config = |i: usize| -> String {
+        // Valid variants: beta's ACL changes, gamma comes and goes, delta
+        // (where a long-lived connection lives) changes its endpoint list.
+        let mut y = format!(
+            "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '127.0.0.1:0'}}]
+control_planes:
+  - {{name: alpha, hostnames: [{ALPHA}], endpoints: ['{a}']}}
+  - {{name: beta, hostnames: [{BETA}], endpoints: ['{b}'], acl: {{allow: [127.0.0.0/8, '10.{i}.0.0/16']}}}}
+  - {{name: delta, hostnames: [api.beta.example.com], endpoints: ['{echo}'{extra}]}}
+",
+            extra = if i % 2 == 1 { ", '127.0.0.1:9'" } else { "" }
+        );
+        if i % 3 != 2 {
+            y.push_str(&format!(
+                "  - {{name: gamma, hostnames: [api.alpha.example.com], endpoints: ['{echo}']}}\n"
+            ));
+        }
+        y
+    };
+    let gw = Gw::start(&config(0));
+    // Long-lived connections: gamma will be removed, delta changed.
+    let mut gamma = TcpStream::connect(gw.tls).await.unwrap();
+    echo_roundtrip(&mut gamma, HELLO_ALPHA).await.unwrap();
+    let mut delta = TcpStream::connect(gw.tls).await.unwrap();
+    echo_roundtrip(&mut delta, HELLO_BETA).await.unwrap();
+
+    let done = Arc::new(AtomicBool::new(false));
+    let ok = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let mut workers = Vec::new();
+    for w in 0..4 {
+        let (pki, done, ok, failed, addr) = (
+            pki.clone(),
+            done.clone(),
+            ok.clone(),
+            failed.clone(),
+            gw.tls,
+        );
+        workers.push(tokio::spawn(async move {
+            let started = Instant::now();
+            // Bounded: stops when reloads are done, after 2,000 requests per
+            // worker, or after 90 s.
+            for n in 0..2_000u32 {
+                if done.load(Ordering::Acquire) || started.elapsed() > Duration::from_secs(90) {
+                    break;
+                }
+                let host = if (n + w) % 2 == 0 { ALPHA } else { BETA };
+                let cfg = pki.client_config(true, &[b"http/1.1"]).unwrap();
+                match tokio::time::timeout(
+                    Duration::from_secs(10),
+                    seedlink::demo::https_get(addr, host, cfg),
+                )
+                .await
+                {
+                    Ok(Ok(body)) if body.contains("hello from") => {
+                        ok.fetch_add(1, Ordering::Relaxed)
+                    }
+                    other => {
+                        eprintln!("request to {host} failed: {other:?}");
+                        failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+            }
+        }));
+    }
+
+    let invalid = [
+        "listeners: [ {name: tls".to_string(),
+        config(1).replace("api.beta.example.com", ALPHA),
+        config(1) + "surprise: true\n",
+        config(1).replace("127.0.0.0/8", "127.0.0.300/8"),
+        config(1).replace("'127.0.0.1:0'}]", "'127.0.0.1:1'}]"),
+    ];
+    let mut want_gen = 1;
+    let mut failures = 0.0;
+    for i in 1..=20usize {
+        if i % 4 == 0 {
+            gw.write_config(&invalid[i / 4 - 1]);
+            if i % 8 == 0 {
+                gw.signal("HUP");
+            }
+            failures += 1.0;
+            gw.wait_metric(
+                "seedlink_gateway_config_reloads_total{result=\"failure\"}",
+                failures,
+            )
+            .await;
+            failures = gw
+                .metric("seedlink_gateway_config_reloads_total{result=\"failure\"}")
+                .await;
+            assert_eq!(
+                generation(&gw).await,
+                want_gen,
+                "an invalid config must not be swapped in"
+            );
+        } else {
+            gw.write_config(&config(i));
+            if i % 2 == 0 {
+                gw.signal("HUP");
+            }
+            want_gen += 1;
+            wait_generation(&gw, want_gen).await;
+        }
+    }
+    done.store(true, Ordering::Release);
+    for w in workers {
+        w.await.unwrap();
+    }
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    eprintln!("reload under load: {ok} requests ok, {failed} failed, generation {want_gen}");
+    assert_eq!(failed, 0, "requests failed during reloads");
+    assert!(ok >= 20, "the load loop made too few requests ({ok})");
+    // Long-lived connections were never touched, even the removed and the changed one.
+    echo_roundtrip(&mut gamma, b"gamma still open")
+        .await
+        .unwrap();
+    echo_roundtrip(&mut delta, b"delta still open")
+        .await
+        .unwrap();
+    assert!(
+        gw.metric("seedlink_gateway_config_reloads_total{result=\"failure\"}")
+            .await
+            >= 5.0
+    );
+    assert_eq!(
+        gw.metric("seedlink_gateway_config_generation").await,
+        want_gen as f64
+    );
+    stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removed_control_plane_is_closed_after_its_grace() {
+    let stop = CancellationToken::new();
+    let echo = echo_backend(&stop).await;
+    let base = format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '127.0.0.1:0'}}]
+timeouts: {{removed_control_plane_grace: 300ms}}
+control_planes:
+  - {{name: keep, hostnames: [api.beta.example.com], endpoints: ['{echo}']}}
+"
+    );
+    let gw = Gw::start(&format!(
+        "{base}  - {{name: gone, hostnames: [api.alpha.example.com], endpoints: ['{echo}']}}\n"
+    ));
+    let mut gone = TcpStream::connect(gw.tls).await.unwrap();
+    echo_roundtrip(&mut gone, HELLO_ALPHA).await.unwrap();
+    let mut keep = TcpStream::connect(gw.tls).await.unwrap();
+    echo_roundtrip(&mut keep, HELLO_BETA).await.unwrap();
+    gw.write_config(&base);
+    wait_generation(&gw, 2).await;
+    let (_, r) = read_until_closed(&mut gone, Duration::from_secs(10)).await;
+    assert!(r.is_err(), "closed by reset, not a clean end");
+    gw.wait_metric("seedlink_gateway_connections_total{listener=\"tls\",control_plane=\"gone\",outcome=\"closed_removed\"}", 1.0)
+        .await;
+    echo_roundtrip(&mut keep, b"unaffected").await.unwrap();
+    stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_then_exits_zero() {
+    let stop = CancellationToken::new();
+    let echo = echo_backend(&stop).await;
+    let yaml = format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '127.0.0.1:0'}}]
+timeouts: {{drain: 30s}}
+control_planes:
+  - {{name: a, hostnames: [api.alpha.example.com], endpoints: ['{echo}']}}
+"
+    );
+    let mut gw = Gw::start(&yaml);
+    assert_eq!(gw.get("/readyz").await.0, 200);
+    let mut open = TcpStream::connect(gw.tls).await.unwrap();
+    echo_roundtrip(&mut open, HELLO_ALPHA).await.unwrap();
+    gw.signal("TERM");
+    let end = Instant::now() + Duration::from_secs(10);
+    while gw.get("/readyz").await != (503, "draining\n".to_string()) {
+        assert!(Instant::now() < end, "readiness never went false");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        TcpStream::connect(gw.tls).await.is_err(),
+        "a draining gateway must not accept"
+    );
+    echo_roundtrip(&mut open, b"still served while draining")
+        .await
+        .unwrap();
+    drop(open);
+    assert_eq!(gw.wait_exit(Duration::from_secs(10)), Some(0));
+
+    // Deadline: a connection that never ends is closed, and the exit is 0.
+    let mut gw = Gw::start(&yaml.replace("drain: 30s", "drain: 300ms"));
+    let mut open = TcpStream::connect(gw.tls).await.unwrap();
+    echo_roundtrip(&mut open, HELLO_ALPHA).await.unwrap();
+    gw.signal("TERM");
+    assert_eq!(gw.wait_exit(Duration::from_secs(10)), Some(0));
+    let (_, r) = read_until_closed(&mut open, Duration::from_secs(5)).await;
+    assert!(r.is_err(), "closed at the deadline by reset");
+
+    // A second signal exits at once.
+    let mut gw = Gw::start(&yaml);
+    let mut open = TcpStream::connect(gw.tls).await.unwrap();
+    echo_roundtrip(&mut open, HELLO_ALPHA).await.unwrap();
+    gw.signal("TERM");
+    let end = Instant::now() + Duration::from_secs(10);
+    while gw.get("/readyz").await.0 != 503 {
+        assert!(Instant::now() < end);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    gw.signal("TERM");
+    assert_eq!(gw.wait_exit(Duration::from_secs(5)), Some(1));
+    stop.cancel();
+}
+
+#[test]
+fn check_config_lists_every_problem_and_gateway_fails_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "listeners: [{name: lb, address: '0.0.0.0:1', proxy_protocol: required}]
+always_allowed: [10.0.0.1/8]
+control_planes:
+  - {name: a, hostnames: ['*.com'], endpoints: ['nohost']}
+",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_seedlink"))
+        .arg("check-config")
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in [
+        "4 problem(s)",
+        "listeners[lb].proxy_protocol",
+        "always_allowed[0]",
+        "hostnames[0]",
+        "endpoints[0]",
+    ] {
+        assert!(err.contains(needle), "missing {needle:?} in:\n{err}");
+    }
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/gateway.yaml");
+    let out = Command::new(env!("CARGO_BIN_EXE_seedlink"))
+        .arg("check-config")
+        .arg(example)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The gateway refuses to start on the bad file (required PROXY without trusted LBs).
+    let out = Command::new(env!("CARGO_BIN_EXE_seedlink"))
+        .args(["gateway", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("fail closed"));
+}
