@@ -333,6 +333,12 @@ fn check_settings(c: &mut Collector, f: &ConfigFile) {
             "must be between 232 and 65551",
         );
     }
+    if l.workers.is_some_and(|w| w == 0 || w > 256) {
+        c.err(
+            "limits.workers",
+            "must be between 1 and 256 (omit it for one per CPU)",
+        );
+    }
     let u = &f.upstream;
     if !(1..=16).contains(&u.connect_attempts) {
         c.err("upstream.connect_attempts", "must be between 1 and 16");
@@ -490,6 +496,20 @@ pub fn restart_only_changes(old: &ConfigFile, new: &ConfigFile) -> Vec<&'static 
     }
     if old.limits.copy != new.limits.copy {
         out.push("limits.copy");
+    }
+    if old.limits.workers != new.limits.workers {
+        out.push("limits.workers");
+    }
+    if (
+        old.timeouts.keepalive_time,
+        old.timeouts.keepalive_interval,
+        old.timeouts.keepalive_retries,
+    ) != (
+        new.timeouts.keepalive_time,
+        new.timeouts.keepalive_interval,
+        new.timeouts.keepalive_retries,
+    ) {
+        out.push("timeouts.keepalive_*");
     }
     out
 }

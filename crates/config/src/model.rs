@@ -148,6 +148,9 @@ pub struct Limits {
     pub splice_pipes: usize,
     /// How bytes are moved.
     pub copy: CopyMode,
+    /// Worker threads (each a single-threaded event loop with its own
+    /// `SO_REUSEPORT` accept socket); unset means one per CPU.
+    pub workers: Option<usize>,
 }
 
 impl Default for Limits {
@@ -159,6 +162,7 @@ impl Default for Limits {
             proxy_header_max_bytes: 536,
             splice_pipes: 256,
             copy: CopyMode::Splice,
+            workers: None,
         }
     }
 }

@@ -6,12 +6,13 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use bytes::BufMut;
 use prometheus_client::metrics::counter::Counter;
 use seedlink_config::model::ProxyMode;
 use seedlink_config::routes::canonical;
 use seedlink_config::Snapshot;
 use seedlink_net::copy::{write_all, Tally};
-use seedlink_net::sockopt::{self, Keepalive};
+use seedlink_net::sockopt;
 use seedlink_proto::{client_hello, proxy_header, Parse};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
@@ -158,6 +159,7 @@ async fn run(
         &cp,
         &snap.upstream,
         snap.timeouts.upstream_connect,
+        crate::keepalive(snap),
         &gw.metrics,
     )
     .await
@@ -168,16 +170,6 @@ async fn run(
             return (cp.name.clone(), "upstream_unavailable");
         }
     };
-    let ka = Keepalive {
-        time: snap.timeouts.keepalive_time,
-        interval: snap.timeouts.keepalive_interval,
-        retries: snap.timeouts.keepalive_retries,
-    };
-    for s in [&stream, &upstream] {
-        if let Err(e) = sockopt::tune(s, ka) {
-            tracing::debug!(error = %e, "setting keepalive failed");
-        }
-    }
     let labels = |direction: &str| ByteLabels {
         listener: lctx.spec.name.clone(),
         control_plane: cp.name.clone(),
@@ -340,31 +332,23 @@ async fn detect<'g>(
 }
 
 /// Appends what the socket has (at least one byte) without letting `buf`
-/// grow past `cap` plus one read.
+/// grow past `cap` plus one read. Reads into spare capacity: no zeroing.
 async fn read_more(stream: &TcpStream, buf: &mut Vec<u8>, cap: usize) -> Result<(), Refusal> {
-    let want = cap.saturating_sub(buf.len()).clamp(1, 16 * 1024);
-    buf.reserve(want);
+    let want = cap.saturating_sub(buf.len()).clamp(1, 4096);
+    if buf.capacity() - buf.len() < want {
+        buf.reserve(want);
+    }
     loop {
         if stream.readable().await.is_err() {
             return Err(Refusal::ReadError);
         }
-        let start = buf.len();
-        buf.resize(start + want, 0);
-        let r = stream.try_read(&mut buf[start..]);
-        match r {
-            Ok(0) => {
-                buf.truncate(start);
-                return Err(Refusal::Eof);
-            }
-            Ok(n) => {
-                buf.truncate(start + n);
-                return Ok(());
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => buf.truncate(start),
-            Err(_) => {
-                buf.truncate(start);
-                return Err(Refusal::ReadError);
-            }
+        let room = buf.capacity() - buf.len();
+        let mut limited = (&mut *buf).limit(room.min(want));
+        match stream.try_read_buf(&mut limited) {
+            Ok(0) => return Err(Refusal::Eof),
+            Ok(_) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => return Err(Refusal::ReadError),
         }
     }
 }

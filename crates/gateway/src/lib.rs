@@ -24,7 +24,8 @@ use seedlink_config::compile::{diff, restart_only_changes, ConfigError, Listener
 use seedlink_config::{Errors, Snapshot};
 use seedlink_net::copy::{Copier, CopyMode};
 use seedlink_net::lifecycle::Lifecycle;
-use tokio::net::{TcpListener, TcpSocket};
+use seedlink_net::sockopt::Keepalive;
+use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
@@ -45,6 +46,7 @@ pub struct Gateway {
     pub lifecycle: Lifecycle,
     permits: Arc<Semaphore>,
     max_connections: u64,
+    workers: usize,
     sources: Sources,
     closers: Mutex<HashMap<String, CancellationToken>>,
 }
@@ -57,10 +59,11 @@ pub struct ListenerCtx {
 
 /// Sockets bound for a gateway, before serving.
 pub struct Bound {
-    /// Listener sockets, in configuration order.
-    pub listeners: Vec<(ListenerSpec, TcpListener)>,
+    /// Listener sockets in configuration order: one `SO_REUSEPORT` socket
+    /// per worker thread, all on the same address.
+    pub listeners: Vec<(ListenerSpec, Vec<std::net::TcpListener>)>,
     /// The admin socket.
-    pub admin: TcpListener,
+    pub admin: std::net::TcpListener,
 }
 
 impl Bound {
@@ -71,7 +74,11 @@ impl Bound {
             .listeners
             .iter()
             .map(|(s, l)| {
-                let addr = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+                let addr = l
+                    .first()
+                    .and_then(|l| l.local_addr().ok())
+                    .map(|a| a.to_string())
+                    .unwrap_or_default();
                 (s.name.clone(), serde_json::Value::String(addr))
             })
             .collect();
@@ -93,6 +100,10 @@ impl Gateway {
             seedlink_config::model::CopyMode::Splice => CopyMode::Splice,
             seedlink_config::model::CopyMode::Buffered => CopyMode::Buffered,
         };
+        let workers = snapshot
+            .limits
+            .workers
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
         let metrics = metrics::Metrics::new();
         metrics.config_generation.set(1);
         metrics
@@ -112,6 +123,7 @@ impl Gateway {
                     .min(Semaphore::MAX_PERMITS),
             )),
             max_connections,
+            workers,
             sources: Sources::default(),
             closers: Mutex::new(HashMap::new()),
         })
@@ -132,40 +144,92 @@ impl Gateway {
         self.max_connections
     }
 
-    /// Binds every listener and the admin socket of the current snapshot.
-    pub async fn bind(&self) -> std::io::Result<Bound> {
+    /// Worker threads serving connections.
+    pub fn workers(&self) -> usize {
+        self.workers
+    }
+
+    /// Binds every listener (one `SO_REUSEPORT` socket per worker) and the
+    /// admin socket of the current snapshot. Needs no runtime.
+    pub fn bind(&self) -> std::io::Result<Bound> {
         let snap = self.snapshot();
+        let ka = keepalive(&snap);
         let mut listeners = Vec::new();
         for spec in &snap.listeners {
-            let l = bind_tcp(spec.address).map_err(|e| {
+            let ctx = |e: std::io::Error| {
                 std::io::Error::new(
                     e.kind(),
                     format!("listener {} on {}: {e}", spec.name, spec.address),
                 )
-            })?;
-            listeners.push((spec.clone(), l));
+            };
+            let first = bind_tcp(spec.address, true, Some(ka)).map_err(ctx)?;
+            // With port 0 the kernel picked a port; the others join it.
+            let actual = first.local_addr().map_err(ctx)?;
+            let mut socks = vec![first];
+            for _ in 1..self.workers {
+                socks.push(bind_tcp(actual, true, Some(ka)).map_err(ctx)?);
+            }
+            listeners.push((spec.clone(), socks));
         }
-        let admin = bind_tcp(snap.admin)
+        let admin = bind_tcp(snap.admin, false, None)
             .map_err(|e| std::io::Error::new(e.kind(), format!("admin on {}: {e}", snap.admin)))?;
         Ok(Bound { listeners, admin })
     }
 
-    /// Starts the accept loops and the admin server, then reports ready.
-    pub fn serve(self: &Arc<Self>, bound: Bound) {
-        for (spec, listener) in bound.listeners {
-            let gw = self.clone();
+    /// Starts one worker thread per configured worker, each a single-threaded
+    /// runtime with its own accept socket per listener (the kernel spreads
+    /// connections with `SO_REUSEPORT`; a connection never changes thread,
+    /// so the data path has no cross-thread wake-ups). The admin server runs
+    /// on the caller's runtime. Then reports ready.
+    pub fn serve(self: &Arc<Self>, bound: Bound) -> std::io::Result<()> {
+        let mut per_worker: Vec<Vec<(Arc<ListenerCtx>, std::net::TcpListener)>> =
+            (0..self.workers).map(|_| Vec::new()).collect();
+        for (spec, socks) in bound.listeners {
             let lctx = Arc::new(ListenerCtx { spec });
-            tokio::spawn(async move {
+            for (w, sock) in socks.into_iter().enumerate() {
+                per_worker[w].push((lctx.clone(), sock));
+            }
+        }
+        for (w, mine) in per_worker.into_iter().enumerate() {
+            let gw = self.clone();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            std::thread::Builder::new()
+                .name(format!("seedlink-worker-{w}"))
+                .spawn(move || rt.block_on(gw.worker(mine)))?;
+        }
+        let admin = TcpListener::from_std(bound.admin)?;
+        let gw = self.clone();
+        tokio::spawn(async move { admin::serve(gw, admin).await });
+        self.lifecycle.serving();
+        Ok(())
+    }
+
+    async fn worker(self: Arc<Self>, mine: Vec<(Arc<ListenerCtx>, std::net::TcpListener)>) {
+        let mut loops = Vec::new();
+        for (lctx, sock) in mine {
+            let listener = match TcpListener::from_std(sock) {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::error!(listener = %lctx.spec.name, error = %e, "cannot register listener");
+                    continue;
+                }
+            };
+            let gw = self.clone();
+            loops.push(tokio::spawn(async move {
                 let stop = gw.lifecycle.stop_accepting.clone();
                 seedlink_net::accept::accept_loop(&listener, &stop, |stream, peer| {
                     gw.accept(&lctx, stream, peer);
                 })
                 .await;
-            });
+            }));
         }
-        let gw = self.clone();
-        tokio::spawn(async move { admin::serve(gw, bound.admin).await });
-        self.lifecycle.serving();
+        for l in loops {
+            let _ = l.await;
+        }
+        // Keep driving this thread's connections until the drain ends.
+        self.lifecycle.tasks.wait().await;
     }
 
     fn accept(
@@ -294,6 +358,15 @@ impl Gateway {
     }
 }
 
+/// Keepalive settings of a snapshot.
+pub(crate) fn keepalive(snap: &Snapshot) -> Keepalive {
+    Keepalive {
+        time: snap.timeouts.keepalive_time,
+        interval: snap.timeouts.keepalive_interval,
+        retries: snap.timeouts.keepalive_retries,
+    }
+}
+
 fn one_error(msg: &str) -> Errors {
     Errors(vec![ConfigError {
         path: String::new(),
@@ -301,15 +374,33 @@ fn one_error(msg: &str) -> Errors {
     }])
 }
 
-fn bind_tcp(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    let sock = if addr.is_ipv4() {
-        TcpSocket::new_v4()?
-    } else {
-        TcpSocket::new_v6()?
-    };
-    sock.set_reuseaddr(true)?;
-    sock.bind(addr)?;
-    sock.listen(4096)
+/// Binds a listening socket. With `ka`, keepalive and `TCP_NODELAY` are set
+/// on it so that accepted sockets inherit them.
+fn bind_tcp(
+    addr: SocketAddr,
+    reuse_port: bool,
+    ka: Option<Keepalive>,
+) -> std::io::Result<std::net::TcpListener> {
+    use socket2::{Domain, Socket, Type};
+    let sock = Socket::new(
+        Domain::for_address(addr),
+        Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    if let Some(ka) = ka {
+        seedlink_net::sockopt::tune(socket2::SockRef::from(&sock), ka)?;
+    }
+    sock.set_reuse_address(true)?;
+    #[cfg(unix)]
+    if reuse_port {
+        sock.set_reuse_port(true)?;
+    }
+    #[cfg(not(unix))]
+    let _ = reuse_port;
+    sock.set_nonblocking(true)?;
+    sock.bind(&addr.into())?;
+    sock.listen(4096)?;
+    Ok(sock.into())
 }
 
 /// Counts not-yet-routed connections per source address.
@@ -346,5 +437,32 @@ impl Drop for SourceGuard<'_> {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Accepted sockets inherit keepalive and no-delay from the listener,
+    /// which is why the per-connection path does not set them.
+    #[tokio::test]
+    async fn accepted_sockets_inherit_keepalive_and_nodelay() {
+        let ka = Keepalive {
+            time: Duration::from_secs(61),
+            interval: Duration::from_secs(16),
+            retries: 5,
+        };
+        let l = bind_tcp("127.0.0.1:0".parse().unwrap(), true, Some(ka)).unwrap();
+        let l = TcpListener::from_std(l).unwrap();
+        let addr = l.local_addr().unwrap();
+        let (_c, accepted) = tokio::join!(tokio::net::TcpStream::connect(addr), l.accept());
+        let (s, _) = accepted.unwrap();
+        let sock = socket2::SockRef::from(&s);
+        assert!(sock.nodelay().unwrap());
+        assert!(sock.keepalive().unwrap());
+        assert_eq!(sock.keepalive_time().unwrap(), Duration::from_secs(61));
+        assert_eq!(sock.keepalive_interval().unwrap(), Duration::from_secs(16));
+        assert_eq!(sock.keepalive_retries().unwrap(), 5);
     }
 }

@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use rand::Rng;
 use seedlink_config::model::{Balance, Upstream};
 use seedlink_config::routes::{ControlPlane, EndpointState};
-use tokio::net::TcpStream;
+use seedlink_net::sockopt::Keepalive;
+use tokio::net::{TcpSocket, TcpStream};
 
 use crate::metrics::{EndpointLabels, Metrics};
 
@@ -48,6 +49,7 @@ pub async fn connect(
     cp: &ControlPlane,
     settings: &Upstream,
     timeout: Duration,
+    ka: Keepalive,
     metrics: &Metrics,
 ) -> Result<(TcpStream, ActiveGuard, String), ConnectError> {
     let attempts = usize::try_from(settings.connect_attempts)
@@ -65,7 +67,7 @@ pub async fn connect(
         };
         tried.push(i);
         let ep = &cp.endpoints[i];
-        let result = match tokio::time::timeout(timeout, connect_host(&ep.address)).await {
+        let result = match tokio::time::timeout(timeout, connect_host(&ep.address, ka)).await {
             Ok(r) => r,
             Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out")),
         };
@@ -112,21 +114,32 @@ pub async fn connect(
     Err(last)
 }
 
-async fn connect_host(address: &str) -> io::Result<TcpStream> {
+async fn connect_host(address: &str, ka: Keepalive) -> io::Result<TcpStream> {
     if let Ok(sa) = address.parse::<std::net::SocketAddr>() {
-        return TcpStream::connect(sa).await;
+        return connect_tuned(sa, ka).await;
     }
     let mut last = io::Error::new(
         io::ErrorKind::NotFound,
         format!("{address} resolved to no address"),
     );
     for sa in tokio::net::lookup_host(address).await? {
-        match TcpStream::connect(sa).await {
+        match connect_tuned(sa, ka).await {
             Ok(s) => return Ok(s),
             Err(e) => last = e,
         }
     }
     Err(last)
+}
+
+/// Connects with keepalive and `TCP_NODELAY` set before the SYN.
+async fn connect_tuned(sa: std::net::SocketAddr, ka: Keepalive) -> io::Result<TcpStream> {
+    let sock = if sa.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    seedlink_net::sockopt::tune(socket2::SockRef::from(&sock), ka)?;
+    sock.connect(sa).await
 }
 
 /// Chooses an endpoint not yet tried. Healthy endpoints come first; when all
@@ -258,9 +271,19 @@ mod tests {
         c.endpoints[1].state.active.store(3, Ordering::Relaxed);
         let m = Metrics::new();
         let settings = Upstream::default();
-        let (_s, _g, ep) = connect(&c, &settings, Duration::from_secs(2), &m)
+        let ka = Keepalive {
+            time: Duration::from_secs(60),
+            interval: Duration::from_secs(15),
+            retries: 4,
+        };
+        let (s, _g, ep) = connect(&c, &settings, Duration::from_secs(2), ka, &m)
             .await
             .unwrap();
+        // Keepalive and no-delay are set on the upstream side.
+        let sock = socket2::SockRef::from(&s);
+        assert!(sock.keepalive().unwrap());
+        assert!(sock.nodelay().unwrap());
+        assert_eq!(sock.keepalive_time().unwrap(), Duration::from_secs(60));
         assert_eq!(ep, good.local_addr().unwrap().to_string());
         assert!(c.endpoints[0].ejected(now_ms()));
         assert_eq!(c.endpoints[0].state.failures.load(Ordering::Relaxed), 1);

@@ -16,10 +16,10 @@ pub struct Keepalive {
     pub retries: u32,
 }
 
-/// Enables keepalive and disables Nagle on `stream`. Failures are returned for
-/// logging; the connection is usable either way.
-pub fn tune(stream: &TcpStream, ka: Keepalive) -> std::io::Result<()> {
-    let sock = SockRef::from(stream);
+/// Enables keepalive and disables Nagle on a socket. Set on a listening
+/// socket, Linux copies both to every accepted socket, which saves five
+/// system calls per connection.
+pub fn tune(sock: SockRef<'_>, ka: Keepalive) -> std::io::Result<()> {
     sock.set_nodelay(true)?;
     let params = TcpKeepalive::new()
         .with_time(ka.time)

@@ -128,10 +128,10 @@ async fn gateway(config: PathBuf) -> anyhow::Result<i32> {
     };
     let gw = Gateway::new(snapshot, Some(config));
     let supervisor = seedlink_gateway::signals::Supervisor::install(gw.clone())?;
-    let bound = gw.bind().await?;
+    let bound = gw.bind()?;
     let mut ready = bound.describe();
     ready["event"] = "ready".into();
-    gw.serve(bound);
+    gw.serve(bound)?;
     // One machine-readable line on stdout tells scripts and tests the bound
     // addresses (listeners may be configured with port 0).
     println!("{ready}");

@@ -1,0 +1,267 @@
+//! `seedlink-bench`: runs seedlink's gateway side by side with HAProxy
+//! (`req_ssl_sni`), nginx stream (`ssl_preread`) and Envoy (`tls_inspector` +
+//! `tcp_proxy`) on loopback, interleaved and repeated, and prints medians and
+//! ratios. See docs/PERFORMANCE.md.
+//!
+//! Every proxy routes a real captured ClientHello by SNI to the same
+//! in-process backend, which then serves one of three scripted exchanges:
+//! bulk download, one byte then close, one byte then stay idle.
+
+mod peers;
+mod workload;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+
+/// Benchmark options.
+#[derive(Parser, Debug, Clone)]
+#[command(about = "seedlink gateway vs HAProxy, nginx and Envoy on loopback")]
+pub struct Opts {
+    /// The seedlink binary (build it with `cargo build --release -p seedlink`).
+    #[arg(long, default_value = "target/release/seedlink")]
+    pub seedlink: PathBuf,
+    /// Proxies to compare, comma-separated (seedlink,haproxy,nginx,envoy).
+    #[arg(
+        long,
+        default_value = "seedlink,haproxy,nginx,envoy",
+        value_delimiter = ','
+    )]
+    pub proxies: Vec<String>,
+    /// Rounds; each round runs every target once per workload, in rotated order.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// MiB downloaded per bulk run.
+    #[arg(long, default_value_t = 2048)]
+    pub bulk_mib: u64,
+    /// Seconds per connection-rate run.
+    #[arg(long, default_value_t = 4.0)]
+    pub rate_secs: f64,
+    /// Concurrent clients in the connection-rate run.
+    #[arg(long, default_value_t = 16)]
+    pub rate_concurrency: usize,
+    /// Sequential connections in the latency run.
+    #[arg(long, default_value_t = 400)]
+    pub latency_conns: usize,
+    /// Connections held open for the idle-memory run.
+    #[arg(long, default_value_t = 3000)]
+    pub idle_conns: usize,
+    /// Worker threads each proxy may use.
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// Print the results as JSON too.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One measurement of one target in one round.
+#[derive(Debug, Default, Clone)]
+pub struct Sample {
+    /// Bulk throughput, Gbit/s.
+    pub gbps: Option<f64>,
+    /// Proxy CPU seconds per GB moved.
+    pub cpu_s_per_gb: Option<f64>,
+    /// New connections per second.
+    pub conn_rate: Option<f64>,
+    /// Proxy CPU microseconds per connection in the rate run.
+    pub cpu_us_per_conn: Option<f64>,
+    /// p50 / p99 connect-to-first-byte under the rate load, µs.
+    pub rate_p50_us: Option<f64>,
+    /// p99 under load, µs.
+    pub rate_p99_us: Option<f64>,
+    /// Single-connection p50 connect-to-first-byte, µs.
+    pub single_p50_us: Option<f64>,
+    /// Proxy RSS growth per idle proxied connection, KiB.
+    pub idle_kib: Option<f64>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let opts = Opts::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(run(opts))
+}
+
+async fn run(opts: Opts) -> anyhow::Result<()> {
+    raise_nofile();
+    let backend = workload::Backend::start().await?;
+    let dir = tempfile::tempdir()?;
+    let mut targets: Vec<(String, Option<peers::Proxy>)> = vec![("direct".into(), None)];
+    for (i, name) in opts.proxies.iter().enumerate() {
+        let p = peers::Proxy::start(name, &opts, backend.addr, dir.path(), i)
+            .await
+            .map_err(|e| anyhow::anyhow!("starting {name}: {e:#}"))?;
+        eprintln!(
+            "bench: {name} listening on {} (pid {})",
+            p.addr,
+            p.pids()[0]
+        );
+        targets.push((name.clone(), Some(p)));
+    }
+    let mut samples: BTreeMap<String, Vec<Sample>> = BTreeMap::new();
+    for round in 0..opts.rounds {
+        // Rotate the order each round so no target always runs first.
+        let n = targets.len();
+        for k in 0..n {
+            let (name, proxy) = &targets[(k + round) % n];
+            let addr: SocketAddr = proxy.as_ref().map_or(backend.addr, |p| p.addr);
+            let pids = proxy.as_ref().map(|p| p.pids()).unwrap_or_default();
+            let s = workload::measure(&opts, addr, &pids, proxy.is_some()).await?;
+            eprintln!("bench: round {} {name}: {s:?}", round + 1);
+            samples.entry(name.clone()).or_default().push(s);
+        }
+    }
+    let names: Vec<String> = targets.iter().map(|t| t.0.clone()).collect();
+    report(&opts, &names, &samples);
+    drop(targets);
+    Ok(())
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let m = v.len() / 2;
+    Some(if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    })
+}
+
+type Metric = (&'static str, fn(&Sample) -> Option<f64>, bool);
+
+const METRICS: &[Metric] = &[
+    ("bulk Gbit/s", |s| s.gbps, true),
+    ("proxy CPU s/GB", |s| s.cpu_s_per_gb, false),
+    ("new conn/s", |s| s.conn_rate, true),
+    ("proxy CPU µs/conn", |s| s.cpu_us_per_conn, false),
+    ("p50 under load µs", |s| s.rate_p50_us, false),
+    ("p99 under load µs", |s| s.rate_p99_us, false),
+    ("single-conn p50 µs", |s| s.single_p50_us, false),
+    ("idle RSS KiB/conn", |s| s.idle_kib, false),
+];
+
+fn report(opts: &Opts, names: &[String], samples: &BTreeMap<String, Vec<Sample>>) {
+    let med = |name: &str, f: fn(&Sample) -> Option<f64>| {
+        median(
+            samples
+                .get(name)
+                .map(|v| v.iter().filter_map(f).collect())
+                .unwrap_or_default(),
+        )
+    };
+    println!(
+        "\n## seedlink-bench: medians of {} interleaved rounds ({} MiB bulk, {} s × {} clients rate, {} idle conns, {} proxy threads)\n",
+        opts.rounds, opts.bulk_mib, opts.rate_secs, opts.rate_concurrency, opts.idle_conns, opts.threads
+    );
+    print!("| metric |");
+    for n in names {
+        print!(" {n} |");
+    }
+    println!();
+    println!("|---|{}", "---|".repeat(names.len()));
+    for (label, f, _) in METRICS {
+        print!("| {label} |");
+        for n in names {
+            match med(n, *f) {
+                Some(v) => print!(" {} |", fmt(v)),
+                None => print!(" – |"),
+            }
+        }
+        println!();
+    }
+    println!("\n### Ratios to direct (throughput and rate: higher is better; latency: lower is better)\n");
+    print!("| metric |");
+    for n in names.iter().skip(1) {
+        print!(" {n} |");
+    }
+    println!();
+    println!("|---|{}", "---|".repeat(names.len() - 1));
+    for (label, f, _) in METRICS.iter().filter(|m| {
+        !matches!(
+            m.0,
+            "proxy CPU s/GB" | "proxy CPU µs/conn" | "idle RSS KiB/conn"
+        )
+    }) {
+        print!("| {label} |");
+        for n in names.iter().skip(1) {
+            match (med(n, *f), med("direct", *f)) {
+                (Some(v), Some(d)) if d > 0.0 => print!(" {:.2}× |", v / d),
+                _ => print!(" – |"),
+            }
+        }
+        println!();
+    }
+    if names.iter().any(|n| n == "seedlink") {
+        println!("\n### seedlink relative to each peer (>1 means seedlink is better)\n");
+        let peers: Vec<&String> = names
+            .iter()
+            .filter(|n| *n != "direct" && *n != "seedlink")
+            .collect();
+        print!("| metric |");
+        for p in &peers {
+            print!(" vs {p} |");
+        }
+        println!();
+        println!("|---|{}", "---|".repeat(peers.len()));
+        for (label, f, higher_better) in METRICS {
+            print!("| {label} |");
+            for p in &peers {
+                match (med("seedlink", *f), med(p, *f)) {
+                    (Some(s), Some(o)) if s > 0.0 && o > 0.0 => {
+                        let r = if *higher_better { s / o } else { o / s };
+                        print!(" {r:.2}× |");
+                    }
+                    _ => print!(" – |"),
+                }
+            }
+            println!();
+        }
+    }
+    if opts.json {
+        let mut out = serde_json::Map::new();
+        for n in names {
+            let mut m = serde_json::Map::new();
+            for (label, f, _) in METRICS {
+                m.insert(
+                    label.to_string(),
+                    med(n, *f).map_or(serde_json::Value::Null, |v| v.into()),
+                );
+            }
+            out.insert(n.clone(), m.into());
+        }
+        println!("\n{}", serde_json::Value::Object(out));
+    }
+}
+
+fn fmt(v: f64) -> String {
+    if v >= 100.0 {
+        format!("{v:.0}")
+    } else if v >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+#[allow(unsafe_code)]
+fn raise_nofile() {
+    // The bench holds both ends of every idle connection.
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit on a valid local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 {
+            l.rlim_cur = l.rlim_max;
+            let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+        }
+    }
+}

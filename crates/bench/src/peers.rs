@@ -1,0 +1,265 @@
+//! Starting and observing the proxies under test.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+use crate::Opts;
+
+/// The SNI every proxy routes to the backend.
+pub const SNI: &str = "api.alpha.example.com";
+
+/// A running proxy process.
+pub struct Proxy {
+    child: Child,
+    /// Where it listens.
+    pub addr: SocketAddr,
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn which(tool: &str) -> anyhow::Result<String> {
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .output()?;
+    if !out.status.success() {
+        bail!("`{tool}` is not installed; run scripts/install-peers --bench");
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+impl Proxy {
+    /// Starts proxy `name` routing SNI [`SNI`] to `backend`.
+    pub async fn start(
+        name: &str,
+        opts: &Opts,
+        backend: SocketAddr,
+        dir: &Path,
+        idx: usize,
+    ) -> anyhow::Result<Proxy> {
+        let port = free_port()?;
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+        let t = opts.threads;
+        let child = match name {
+            "seedlink" => {
+                let cfg = dir.join("seedlink.yaml");
+                std::fs::write(
+                    &cfg,
+                    format!(
+                        "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '{addr}'}}]
+limits: {{max_unrouted_per_source: 100000}}
+control_planes:
+  - {{name: bench, hostnames: [{SNI}], endpoints: ['{backend}']}}
+"
+                    ),
+                )?;
+                let mut c = Command::new(&opts.seedlink)
+                    .args(["gateway", "--config"])
+                    .arg(&cfg)
+                    .env("RUST_LOG", "error")
+                    .env("TOKIO_WORKER_THREADS", t.to_string())
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .with_context(|| format!("running {}", opts.seedlink.display()))?;
+                // The ready line on stdout.
+                let out = c.stdout.take().context("stdout")?;
+                let mut line = String::new();
+                BufReader::new(out).read_line(&mut line)?;
+                if !line.contains("ready") {
+                    bail!("seedlink did not start: {line:?}");
+                }
+                c
+            }
+            "haproxy" => {
+                let cfg = dir.join("haproxy.cfg");
+                std::fs::write(
+                    &cfg,
+                    format!(
+                        "global
+  maxconn 9000
+  nbthread {t}
+defaults
+  mode tcp
+  timeout connect 5s
+  timeout client 60s
+  timeout server 60s
+frontend tls
+  bind {addr}
+  tcp-request inspect-delay 5s
+  tcp-request content accept if {{ req_ssl_hello_type 1 }}
+  use_backend b if {{ req_ssl_sni -i {SNI} }}
+backend b
+  server s {backend}
+"
+                    ),
+                )?;
+                Command::new(which("haproxy")?)
+                    .arg("-db")
+                    .arg("-f")
+                    .arg(&cfg)
+                    .stdout(Stdio::null())
+                    .spawn()?
+            }
+            "nginx" => {
+                let cfg = dir.join("nginx.conf");
+                let prefix = dir.join(format!("nginx-{idx}"));
+                std::fs::create_dir_all(prefix.join("logs"))?;
+                let module = ["/usr/lib/nginx/modules/ngx_stream_module.so"]
+                    .iter()
+                    .find(|p| Path::new(p).exists())
+                    .map(|p| format!("load_module {p};"))
+                    .unwrap_or_default();
+                std::fs::write(
+                    &cfg,
+                    format!(
+                        "{module}
+daemon off;
+worker_processes {t};
+worker_rlimit_nofile 20000;
+pid {pid};
+error_log {err} error;
+events {{ worker_connections 10000; }}
+stream {{
+  map $ssl_preread_server_name $up {{ {SNI} b; default blackhole; }}
+  upstream b {{ server {backend}; }}
+  upstream blackhole {{ server 127.0.0.1:1; }}
+  server {{ listen {addr}; ssl_preread on; proxy_pass $up; }}
+}}
+",
+                        pid = prefix.join("nginx.pid").display(),
+                        err = prefix.join("logs/error.log").display()
+                    ),
+                )?;
+                Command::new(which("nginx")?)
+                    .arg("-p")
+                    .arg(&prefix)
+                    .arg("-c")
+                    .arg(&cfg)
+                    .stdout(Stdio::null())
+                    .spawn()?
+            }
+            "envoy" => {
+                let cfg = dir.join("envoy.yaml");
+                std::fs::write(
+                    &cfg,
+                    format!(
+                        "static_resources:
+  listeners:
+  - name: tls
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    listener_filters:
+    - name: envoy.filters.listener.tls_inspector
+      typed_config: {{'@type': type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector}}
+    filter_chains:
+    - filter_chain_match: {{server_names: [{SNI}]}}
+      filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          '@type': type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: tls
+          cluster: b
+  clusters:
+  - name: b
+    type: STATIC
+    connect_timeout: 5s
+    circuit_breakers:
+      thresholds: [{{max_connections: 1000000, max_pending_requests: 1000000, max_requests: 1000000}}]
+    load_assignment:
+      cluster_name: b
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: {ip}, port_value: {bport}}}}}}}
+",
+                        ip = backend.ip(),
+                        bport = backend.port()
+                    ),
+                )?;
+                Command::new(which("envoy")?)
+                    .arg("-c")
+                    .arg(&cfg)
+                    .args(["--concurrency", &t.to_string(), "-l", "error", "--base-id"])
+                    .arg((1000 + idx).to_string())
+                    .stdout(Stdio::null())
+                    .spawn()?
+            }
+            other => bail!("unknown proxy {other:?}"),
+        };
+        let p = Proxy { child, addr };
+        let end = Instant::now() + Duration::from_secs(20);
+        while tokio::net::TcpStream::connect(addr).await.is_err() {
+            if Instant::now() > end {
+                bail!("{name} did not listen on {addr} within 20 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(p)
+    }
+
+    /// The process and its direct children (nginx workers).
+    pub fn pids(&self) -> Vec<u32> {
+        let root = self.child.id();
+        let mut pids = vec![root];
+        if let Ok(rd) = std::fs::read_dir("/proc") {
+            for e in rd.flatten() {
+                let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                    continue;
+                };
+                if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+                    if stat_field(&stat, 4) == Some(u64::from(root)) {
+                        pids.push(pid);
+                    }
+                }
+            }
+        }
+        pids
+    }
+}
+
+impl Drop for Proxy {
+    /// Stops the proxy and its workers, also when the bench fails midway.
+    fn drop(&mut self) {
+        for pid in self.pids().into_iter().skip(1) {
+            let _ = Command::new("kill").arg(pid.to_string()).status();
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Field `n` (1-based, as in proc(5)) of /proc/PID/stat.
+fn stat_field(stat: &str, n: usize) -> Option<u64> {
+    // The command name (field 2) may contain spaces; skip past its ')'.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    rest.split(' ').nth(n - 3)?.parse().ok()
+}
+
+/// CPU seconds (user + system) used so far by `pids`.
+pub fn cpu_seconds(pids: &[u32]) -> f64 {
+    let tick = 100.0;
+    pids.iter()
+        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
+        .map(|s| (stat_field(&s, 14).unwrap_or(0) + stat_field(&s, 15).unwrap_or(0)) as f64 / tick)
+        .sum()
+}
+
+/// Resident memory of `pids`, KiB.
+pub fn rss_kib(pids: &[u32]) -> f64 {
+    pids.iter()
+        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/status")).ok())
+        .filter_map(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        })
+        .sum()
+}

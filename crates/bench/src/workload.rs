@@ -1,0 +1,278 @@
+//! The backend and the four measurements.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+
+use crate::peers::{cpu_seconds, rss_kib};
+use crate::{Opts, Sample};
+
+/// A real ClientHello (openssl s_client) with SNI `api.alpha.example.com`.
+pub const HELLO: &[u8] = include_bytes!("../../proto/testdata/openssl_client_hello.bin");
+
+const BULK: u8 = b'B';
+const ONE_AND_CLOSE: u8 = b'C';
+const ONE_AND_IDLE: u8 = b'I';
+
+/// The in-process backend every proxy forwards to.
+pub struct Backend {
+    /// Its address.
+    pub addr: SocketAddr,
+}
+
+impl Backend {
+    /// Starts the backend on an ephemeral loopback port.
+    pub async fn start() -> anyhow::Result<Backend> {
+        let l = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = l.local_addr()?;
+        tokio::spawn(async move {
+            loop {
+                let Ok((s, _)) = l.accept().await else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                tokio::spawn(async move {
+                    let _ = serve(s).await;
+                });
+            }
+        });
+        Ok(Backend { addr })
+    }
+}
+
+/// Reads the hello and a command byte (plus 8 length bytes for bulk), then
+/// plays its part.
+async fn serve(mut s: TcpStream) -> anyhow::Result<()> {
+    s.set_nodelay(true)?;
+    let mut head = vec![0u8; HELLO.len() + 1];
+    s.read_exact(&mut head).await?;
+    if head[..HELLO.len()] != *HELLO {
+        bail!("backend received something other than the hello");
+    }
+    match head[HELLO.len()] {
+        BULK => {
+            let mut len = [0u8; 8];
+            s.read_exact(&mut len).await?;
+            let mut left = u64::from_be_bytes(len);
+            let chunk = vec![0x5au8; 256 * 1024];
+            while left > 0 {
+                let n = usize::try_from(left.min(chunk.len() as u64))?;
+                s.write_all(&chunk[..n]).await?;
+                left -= n as u64;
+            }
+            s.shutdown().await?;
+            let mut sink = [0u8; 64];
+            while s.read(&mut sink).await? > 0 {}
+        }
+        ONE_AND_CLOSE => {
+            s.write_all(b"x").await?;
+            s.shutdown().await?;
+            let mut sink = [0u8; 64];
+            while s.read(&mut sink).await? > 0 {}
+        }
+        ONE_AND_IDLE => {
+            s.write_all(b"x").await?;
+            let mut sink = [0u8; 64];
+            while s.read(&mut sink).await? > 0 {}
+        }
+        _ => bail!("unknown command"),
+    }
+    Ok(())
+}
+
+/// Runs every workload against `addr`; `pids` are the proxy's processes
+/// (empty for the direct baseline).
+pub async fn measure(
+    opts: &Opts,
+    addr: SocketAddr,
+    pids: &[u32],
+    proxied: bool,
+) -> anyhow::Result<Sample> {
+    let mut s = Sample::default();
+    // Bulk download.
+    let bytes = opts.bulk_mib * 1024 * 1024;
+    let cpu0 = cpu_seconds(pids);
+    let t0 = Instant::now();
+    let got = bulk(addr, bytes).await.context("bulk")?;
+    let secs = t0.elapsed().as_secs_f64();
+    let cpu = cpu_seconds(pids) - cpu0;
+    if got != bytes {
+        bail!("bulk: received {got} of {bytes} bytes");
+    }
+    s.gbps = Some(bytes as f64 * 8.0 / secs / 1e9);
+    if proxied {
+        s.cpu_s_per_gb = Some(cpu / (bytes as f64 / 1e9));
+    }
+    // Connection rate under concurrency.
+    let cpu0 = cpu_seconds(pids);
+    let t0 = Instant::now();
+    let (rate, p50, p99) = rate(
+        addr,
+        opts.rate_concurrency,
+        Duration::from_secs_f64(opts.rate_secs),
+    )
+    .await?;
+    let conns = rate * t0.elapsed().as_secs_f64();
+    if proxied && conns > 0.0 {
+        s.cpu_us_per_conn = Some((cpu_seconds(pids) - cpu0) * 1e6 / conns);
+    }
+    s.conn_rate = Some(rate);
+    s.rate_p50_us = Some(p50);
+    s.rate_p99_us = Some(p99);
+    // Single-connection latency.
+    let mut lat = Vec::with_capacity(opts.latency_conns);
+    for i in 0..opts.latency_conns {
+        lat.push(one_conn(addr, src_ip(i)).await?);
+    }
+    s.single_p50_us = Some(percentile(&mut lat, 0.50));
+    // Idle memory.
+    if proxied {
+        match idle(addr, pids, opts.idle_conns).await {
+            Ok(k) => s.idle_kib = Some(k),
+            Err(e) => eprintln!("bench: idle run failed: {e:#}"),
+        }
+    }
+    Ok(s)
+}
+
+async fn bulk(addr: SocketAddr, bytes: u64) -> anyhow::Result<u64> {
+    let mut c = TcpStream::connect(addr).await?;
+    c.set_nodelay(true)?;
+    let mut msg = HELLO.to_vec();
+    msg.push(BULK);
+    msg.extend_from_slice(&bytes.to_be_bytes());
+    c.write_all(&msg).await?;
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut got = 0u64;
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(30), c.read(&mut buf)).await??;
+        if n == 0 {
+            break;
+        }
+        got += n as u64;
+    }
+    Ok(got)
+}
+
+/// Spreads clients over 127.0.0.2–127.0.0.201 so the rate runs do not
+/// exhaust one source address's ephemeral ports.
+fn src_ip(i: usize) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(
+        127,
+        0,
+        0,
+        2 + u8::try_from(i % 200).unwrap_or(0),
+    ))
+}
+
+/// One connection: connect, send the hello, wait for the first byte, close.
+/// Returns connect-to-first-byte in µs.
+async fn one_conn(addr: SocketAddr, src: IpAddr) -> anyhow::Result<f64> {
+    let sock = TcpSocket::new_v4()?;
+    sock.bind(SocketAddr::new(src, 0))?;
+    let t0 = Instant::now();
+    let mut c = tokio::time::timeout(Duration::from_secs(10), sock.connect(addr)).await??;
+    c.set_nodelay(true)?;
+    let mut msg = HELLO.to_vec();
+    msg.push(ONE_AND_CLOSE);
+    c.write_all(&msg).await?;
+    let mut b = [0u8; 1];
+    tokio::time::timeout(Duration::from_secs(10), c.read_exact(&mut b)).await??;
+    let us = t0.elapsed().as_secs_f64() * 1e6;
+    // Wait for the backend's close to come through, then close.
+    let mut sink = [0u8; 16];
+    let _ = tokio::time::timeout(Duration::from_secs(10), c.read(&mut sink)).await;
+    Ok(us)
+}
+
+async fn rate(addr: SocketAddr, conc: usize, dur: Duration) -> anyhow::Result<(f64, f64, f64)> {
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..conc {
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            let mut errors = 0u32;
+            let mut i = w;
+            while start.elapsed() < dur {
+                match one_conn(addr, src_ip(i)).await {
+                    Ok(us) => lat.push(us),
+                    Err(_) => errors += 1,
+                }
+                i += conc;
+            }
+            (lat, errors)
+        }));
+    }
+    let mut all = Vec::new();
+    let mut errors = 0;
+    for t in tasks {
+        let (l, e) = t.await?;
+        all.extend(l);
+        errors += e;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    if errors > 0 {
+        eprintln!("bench: {errors} failed connections during the rate run");
+    }
+    let n = all.len() as f64;
+    Ok((
+        n / secs,
+        percentile(&mut all, 0.50),
+        percentile(&mut all, 0.99),
+    ))
+}
+
+async fn idle(addr: SocketAddr, pids: &[u32], n: usize) -> anyhow::Result<f64> {
+    // Let memory from the previous runs settle before the baseline.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = rss_kib(pids);
+    let held = Arc::new(tokio::sync::Mutex::new(Vec::with_capacity(n)));
+    let mut tasks = Vec::new();
+    let per = n.div_ceil(8);
+    for w in 0..8 {
+        let held = held.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in (w * per)..((w + 1) * per).min(n) {
+                let sock = TcpSocket::new_v4()?;
+                sock.bind(SocketAddr::new(src_ip(i), 0))?;
+                let mut c = sock.connect(addr).await?;
+                let mut msg = HELLO.to_vec();
+                msg.push(ONE_AND_IDLE);
+                c.write_all(&msg).await?;
+                let mut b = [0u8; 1];
+                tokio::time::timeout(Duration::from_secs(10), c.read_exact(&mut b)).await??;
+                held.lock().await.push(c);
+            }
+            Ok::<_, anyhow::Error>(())
+        }));
+    }
+    let mut failed = 0;
+    for t in tasks {
+        if let Err(e) = t.await? {
+            eprintln!("bench: idle connection failed: {e:#}");
+            failed += 1;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = rss_kib(pids);
+    let opened = held.lock().await.len();
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    if opened == 0 || failed > 0 {
+        bail!("idle run: only {opened} of {n} connections opened");
+    }
+    Ok((after - before) / opened as f64)
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let i = ((v.len() - 1) as f64 * p).round() as usize;
+    v[i]
+}
