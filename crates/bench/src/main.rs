@@ -110,7 +110,16 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
             let (name, proxy) = &targets[(k + round) % n];
             let addr: SocketAddr = proxy.as_ref().map_or(backend.addr, |p| p.addr);
             let pids = proxy.as_ref().map(|p| p.pids()).unwrap_or_default();
-            let s = workload::measure(&opts, addr, &pids, proxy.is_some()).await?;
+            let mut s = workload::measure(&opts, addr, &pids, proxy.is_some()).await?;
+            if proxy.is_some() {
+                let fresh =
+                    peers::Proxy::start(name, &opts, backend.addr, dir.path(), 100 + round * n + k)
+                        .await?;
+                match workload::idle(fresh.addr, &fresh.pids(), opts.idle_conns).await {
+                    Ok(kib) => s.idle_kib = Some(kib),
+                    Err(e) => eprintln!("bench: idle run of {name} failed: {e:#}"),
+                }
+            }
             eprintln!("bench: round {} {name}: {s:?}", round + 1);
             samples.entry(name.clone()).or_default().push(s);
         }

@@ -51,7 +51,7 @@ impl Proxy {
         let t = opts.threads;
         let child = match name {
             "seedlink" => {
-                let cfg = dir.join("seedlink.yaml");
+                let cfg = dir.join(format!("seedlink-{idx}.yaml"));
                 std::fs::write(
                     &cfg,
                     format!(
@@ -81,7 +81,7 @@ control_planes:
                 c
             }
             "haproxy" => {
-                let cfg = dir.join("haproxy.cfg");
+                let cfg = dir.join(format!("haproxy-{idx}.cfg"));
                 std::fs::write(
                     &cfg,
                     format!(
@@ -111,7 +111,7 @@ backend b
                     .spawn()?
             }
             "nginx" => {
-                let cfg = dir.join("nginx.conf");
+                let cfg = dir.join(format!("nginx-{idx}.conf"));
                 let prefix = dir.join(format!("nginx-{idx}"));
                 std::fs::create_dir_all(prefix.join("logs"))?;
                 let module = ["/usr/lib/nginx/modules/ngx_stream_module.so"]
@@ -149,7 +149,7 @@ stream {{
                     .spawn()?
             }
             "envoy" => {
-                let cfg = dir.join("envoy.yaml");
+                let cfg = dir.join(format!("envoy-{idx}.yaml"));
                 std::fs::write(
                     &cfg,
                     format!(

@@ -84,7 +84,7 @@ async fn serve(mut s: TcpStream) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs every workload against `addr`; `pids` are the proxy's processes
+/// Runs the bulk, rate and latency workloads against `addr`; `pids` are the proxy's processes
 /// (empty for the direct baseline).
 pub async fn measure(
     opts: &Opts,
@@ -129,13 +129,6 @@ pub async fn measure(
         lat.push(one_conn(addr, src_ip(i)).await?);
     }
     s.single_p50_us = Some(percentile(&mut lat, 0.50));
-    // Idle memory.
-    if proxied {
-        match idle(addr, pids, opts.idle_conns).await {
-            Ok(k) => s.idle_kib = Some(k),
-            Err(e) => eprintln!("bench: idle run failed: {e:#}"),
-        }
-    }
     Ok(s)
 }
 
@@ -226,7 +219,10 @@ async fn rate(addr: SocketAddr, conc: usize, dur: Duration) -> anyhow::Result<(f
     ))
 }
 
-async fn idle(addr: SocketAddr, pids: &[u32], n: usize) -> anyhow::Result<f64> {
+/// RSS growth per idle proxied connection. Run against a freshly started
+/// proxy: memory that an allocator keeps after earlier runs would otherwise
+/// hide the growth.
+pub async fn idle(addr: SocketAddr, pids: &[u32], n: usize) -> anyhow::Result<f64> {
     // Let memory from the previous runs settle before the baseline.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let before = rss_kib(pids);

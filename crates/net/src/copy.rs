@@ -139,7 +139,7 @@ async fn splice_chunk(
     let src_fd = src.as_raw_fd();
     let dst_fd = dst.as_raw_fd();
     let n = match src.try_io(Interest::READABLE, || {
-        lease.pipe().fill_from(src_fd, crate::splice::CHUNK)
+        lease.pipe().fill_from(src_fd, lease.pipe().capacity)
     }) {
         Ok(n) => n,
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
