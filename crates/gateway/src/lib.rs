@@ -207,6 +207,23 @@ impl Gateway {
     }
 
     async fn worker(self: Arc<Self>, mine: Vec<(Arc<ListenerCtx>, std::net::TcpListener)>) {
+        // tokio's timer wakes the event loop (an eventfd write, then an extra
+        // epoll_wait and read) whenever a new timer expires earlier than any
+        // pending one. Every connection arms a deadline; this short periodic
+        // tick keeps an earlier timer pending so those deadlines never cause
+        // that wake-up: three fewer system calls per connection for twenty
+        // idle wake-ups a second.
+        let stop = self.lifecycle.close_all.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(50));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    () = stop.cancelled() => return,
+                }
+            }
+        });
         let mut loops = Vec::new();
         for (lctx, sock) in mine {
             let listener = match TcpListener::from_std(sock) {

@@ -106,12 +106,15 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
         );
     }
 
+    // The same walkthrough in both modes, so a newcomer sees every path
+    // (including the ACL denial) work before trying the commands above.
+    println!("Walkthrough:");
+    let ok = walkthrough(&gw, &pki, tls_addr).await;
     if opts.check {
-        let ok = walkthrough(&gw, &pki, tls_addr).await;
         stop.cancel();
         return Ok(if ok { 0 } else { 1 });
     }
-    println!("Press Ctrl-C to stop.");
+    println!("\nThe gateway keeps running; try the curl commands above. Press Ctrl-C to stop.");
     let code = supervisor.run().await;
     stop.cancel();
     drop(dir);
