@@ -6,6 +6,8 @@
 //! so the caller owns deadlines, size caps and buffering.
 
 pub mod client_hello;
+pub mod connect_head;
+pub mod destination;
 pub mod proxy_header;
 
 /// Outcome of feeding the bytes received so far to a parser.

@@ -1,0 +1,195 @@
+//! The head of an HTTP/1.x request on a CONNECT listener.
+//!
+//! Two layers: a strict byte scan written here (CRLF only, no bare CR or LF,
+//! no control bytes, no obs-fold, per-line and header-count caps, a total
+//! cap) that finds where the head ends, then `httparse` for the tokens. The
+//! scan stops at the blank line: bytes after the head are never looked at.
+
+use crate::Parse;
+
+/// Size caps for a request head.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// The whole head, request line to blank line inclusive.
+    pub max_head_bytes: usize,
+    /// One line (request line or header line), without CRLF.
+    pub max_line_bytes: usize,
+    /// Header lines.
+    pub max_headers: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_head_bytes: 8192,
+            max_line_bytes: 4096,
+            max_headers: 32,
+        }
+    }
+}
+
+/// A parsed request head.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Head {
+    /// The method, as sent (case-sensitive per RFC 9110).
+    pub method: String,
+    /// The request target, as sent (logged, never used for routing).
+    pub target: String,
+    /// Minor version: 0 for HTTP/1.0, 1 for HTTP/1.1.
+    pub minor_version: u8,
+    /// Header fields in order; names lower-cased, values as sent (trimmed).
+    pub headers: Vec<(String, String)>,
+    /// Length of the head in bytes, blank line included.
+    pub len: usize,
+}
+
+impl Head {
+    /// Every value of header `name` (any case), in order.
+    pub fn values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.headers
+            .iter()
+            .filter(move |(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Why bytes were rejected as a request head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reject {
+    /// No blank line within the head cap.
+    TooLarge,
+    /// A line longer than the line cap.
+    LineTooLong,
+    /// More header lines than allowed.
+    TooManyHeaders,
+    /// A CR not followed by LF, or an LF not preceded by CR.
+    BareLineEnding,
+    /// A control byte (other than HT inside a line) or DEL.
+    ControlByte,
+    /// A header line starting with whitespace (obsolete line folding).
+    ObsFold,
+    /// Not an HTTP/1.0 or HTTP/1.1 request head.
+    Malformed(&'static str),
+}
+
+impl Reject {
+    /// Stable, low-cardinality label for metrics and logs.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Reject::TooLarge => "head_too_large",
+            Reject::LineTooLong => "line_too_long",
+            Reject::TooManyHeaders => "too_many_headers",
+            Reject::BareLineEnding => "bare_cr_lf",
+            Reject::ControlByte => "control_byte",
+            Reject::ObsFold => "obs_fold",
+            Reject::Malformed(_) => "malformed_head",
+        }
+    }
+}
+
+/// Parses the request head at the start of `buf`.
+pub fn parse(buf: &[u8], limits: &Limits) -> Parse<Head, Reject> {
+    let end = match scan(buf, limits) {
+        Parse::Done(end) => end,
+        Parse::Incomplete => return Parse::Incomplete,
+        Parse::Invalid(r) => return Parse::Invalid(r),
+    };
+    let mut headers = vec![httparse::EMPTY_HEADER; limits.max_headers.max(1)];
+    let mut req = httparse::Request::new(&mut headers);
+    match req.parse(&buf[..end]) {
+        Ok(httparse::Status::Complete(n)) if n == end => {}
+        Ok(_) => {
+            return Parse::Invalid(Reject::Malformed(
+                "request head did not end at the blank line",
+            ))
+        }
+        Err(httparse::Error::Version) => {
+            return Parse::Invalid(Reject::Malformed("not HTTP/1.0 or HTTP/1.1"))
+        }
+        Err(httparse::Error::TooManyHeaders) => return Parse::Invalid(Reject::TooManyHeaders),
+        Err(_) => return Parse::Invalid(Reject::Malformed("invalid request line or header")),
+    }
+    let (Some(method), Some(target), Some(minor)) = (req.method, req.path, req.version) else {
+        return Parse::Invalid(Reject::Malformed("incomplete request line"));
+    };
+    let mut out = Vec::with_capacity(req.headers.len());
+    for h in req.headers.iter() {
+        let Ok(value) = std::str::from_utf8(h.value) else {
+            return Parse::Invalid(Reject::Malformed("header value is not UTF-8"));
+        };
+        out.push((
+            h.name.to_ascii_lowercase(),
+            value.trim_matches([' ', '\t']).to_string(),
+        ));
+    }
+    Parse::Done(Head {
+        method: method.to_string(),
+        target: target.to_string(),
+        minor_version: minor,
+        headers: out,
+        len: end,
+    })
+}
+
+/// Finds the end of the head (index after the blank line's LF) while
+/// enforcing the byte-level rules and caps.
+fn scan(buf: &[u8], limits: &Limits) -> Parse<usize, Reject> {
+    let window = &buf[..buf.len().min(limits.max_head_bytes)];
+    let mut line_start = 0;
+    let mut lines = 0usize;
+    let mut i = 0;
+    while i < window.len() {
+        let b = window[i];
+        match b {
+            b'\r' => {
+                let Some(&next) = window.get(i + 1) else {
+                    return more(buf, limits);
+                };
+                if next != b'\n' {
+                    return Parse::Invalid(Reject::BareLineEnding);
+                }
+                let line_len = i - line_start;
+                if line_len == 0 {
+                    if lines == 0 {
+                        return Parse::Invalid(Reject::Malformed(
+                            "empty line before the request line",
+                        ));
+                    }
+                    return Parse::Done(i + 2);
+                }
+                lines += 1;
+                if lines > limits.max_headers + 1 {
+                    return Parse::Invalid(Reject::TooManyHeaders);
+                }
+                i += 2;
+                line_start = i;
+                if let Some(&first) = window.get(i) {
+                    if lines >= 1 && (first == b' ' || first == b'\t') {
+                        return Parse::Invalid(Reject::ObsFold);
+                    }
+                }
+                continue;
+            }
+            b'\n' => return Parse::Invalid(Reject::BareLineEnding),
+            b'\t' => {}
+            0..=0x1f | 0x7f => return Parse::Invalid(Reject::ControlByte),
+            _ => {}
+        }
+        if i - line_start >= limits.max_line_bytes {
+            return Parse::Invalid(Reject::LineTooLong);
+        }
+        i += 1;
+    }
+    more(buf, limits)
+}
+
+fn more<T>(buf: &[u8], limits: &Limits) -> Parse<T, Reject> {
+    if buf.len() >= limits.max_head_bytes {
+        Parse::Invalid(Reject::TooLarge)
+    } else {
+        Parse::Incomplete
+    }
+}
+
+#[cfg(test)]
+mod tests;
