@@ -8,8 +8,12 @@ use std::sync::Arc;
 
 use ipnet::IpNet;
 
-use crate::model::{ConfigFile, Limits, Listener, Protocol, ProxyMode, Timeouts, Upstream};
-use crate::routes::{normalize_host, CidrSet, ControlPlane, Endpoint, RouteTable};
+use crate::model::{
+    ConfigFile, InvalidRequest, Limits, Listener, Protocol, ProxyMode, Timeouts, Upstream,
+};
+use crate::routes::{
+    normalize_host, CidrSet, ControlPlane, DestinationRoute, Endpoint, RouteTable,
+};
 
 /// One problem in a configuration, located by its path in the file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +57,10 @@ pub struct ListenerSpec {
     pub protocol: Protocol,
     /// PROXY protocol handling.
     pub proxy_protocol: ProxyMode,
+    /// `http-connect`: the destination header, lower case.
+    pub destination_header: String,
+    /// `http-connect`: the answer to an unusable request.
+    pub on_invalid_request: InvalidRequest,
 }
 
 /// One immutable, fully validated configuration. Connections keep the
@@ -153,6 +161,7 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
     let mut control_planes = HashMap::new();
     let mut routes = RouteTable::default();
     let mut owner: HashMap<String, String> = HashMap::new();
+    let mut dest_owner: HashMap<String, String> = HashMap::new();
     for (i, cp) in file.control_planes.iter().enumerate() {
         let at = format!("control_planes[{i}]");
         if !valid_name(&cp.name) {
@@ -169,10 +178,10 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
                 format!("duplicate control plane name {:?}", cp.name),
             );
         }
-        if cp.hostnames.is_empty() {
+        if cp.hostnames.is_empty() && cp.destinations.is_empty() {
             c.err(
                 format!("{at}.hostnames"),
-                "at least one host name is required",
+                "at least one host name or destination is required",
             );
         }
         if cp.endpoints.is_empty() {
@@ -214,6 +223,63 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
             endpoints,
             acl,
         });
+        for (j, d) in cp.destinations.iter().enumerate() {
+            let path = format!("{at}.destinations[{j}]");
+            let canonical = match seedlink_proto::destination::parse(&d.name) {
+                Ok(dest) => dest.canonical(),
+                Err(why) => {
+                    c.err(format!("{path}.name"), format!("{:?}: {why}", d.name));
+                    continue;
+                }
+            };
+            if let Some(other) = dest_owner.get(&canonical) {
+                c.err(
+                    format!("{path}.name"),
+                    format!("destination {canonical:?} is already used by control plane {other:?}"),
+                );
+                continue;
+            }
+            dest_owner.insert(canonical.clone(), cp.name.clone());
+            let prev_route = previous.and_then(|p| p.routes.destination(&canonical));
+            let endpoints = match &d.endpoints {
+                None => compiled
+                    .endpoints
+                    .iter()
+                    .map(|e| Endpoint {
+                        address: e.address.clone(),
+                        state: e.state.clone(),
+                    })
+                    .collect(),
+                Some(list) => {
+                    if list.is_empty() {
+                        c.err(format!("{path}.endpoints"), "at least one endpoint is required (or omit it to use the control plane's)");
+                    }
+                    let mut out = Vec::new();
+                    for (k, ep) in list.iter().enumerate() {
+                        if let Err(why) = check_endpoint(ep) {
+                            c.err(format!("{path}.endpoints[{k}]"), format!("{ep:?} {why}"));
+                            continue;
+                        }
+                        let state = prev_route
+                            .and_then(|r| r.endpoints.iter().find(|e| &e.address == ep))
+                            .map(|e| e.state.clone())
+                            .unwrap_or_default();
+                        out.push(Endpoint {
+                            address: ep.clone(),
+                            state,
+                        });
+                    }
+                    out
+                }
+            };
+            routes.destinations.insert(
+                canonical,
+                DestinationRoute {
+                    control_plane: compiled.clone(),
+                    endpoints,
+                },
+            );
+        }
         for (j, h) in cp.hostnames.iter().enumerate() {
             let path = format!("{at}.hostnames[{j}]");
             let Some(pattern) = check_host_pattern(&mut c, &path, h) else {
@@ -272,6 +338,13 @@ fn check_listeners(c: &mut Collector, ls: &[Listener]) -> Vec<ListenerSpec> {
                 format!("duplicate listener name {:?}", l.name),
             );
         }
+        let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+        if l.destination_header.is_empty() || !l.destination_header.bytes().all(token) {
+            c.err(
+                format!("{at}.destination_header"),
+                format!("{:?} is not a valid header name", l.destination_header),
+            );
+        }
         match l.address.parse::<SocketAddr>() {
             Ok(a) => {
                 if a.port() != 0 && !addrs.insert(a) {
@@ -285,6 +358,8 @@ fn check_listeners(c: &mut Collector, ls: &[Listener]) -> Vec<ListenerSpec> {
                     address: a,
                     protocol: l.protocol,
                     proxy_protocol: l.proxy_protocol,
+                    destination_header: l.destination_header.to_ascii_lowercase(),
+                    on_invalid_request: l.on_invalid_request,
                 });
             }
             Err(_) => c.err(

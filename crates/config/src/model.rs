@@ -65,6 +65,29 @@ pub struct Listener {
     /// Whether a PROXY protocol header from the load balancer is expected.
     #[serde(default)]
     pub proxy_protocol: ProxyMode,
+    /// `http-connect` only: the header that names the destination.
+    #[serde(default = "default_destination_header")]
+    pub destination_header: String,
+    /// `http-connect` only: the answer to a request without a usable
+    /// destination header, or that is not CONNECT.
+    #[serde(default)]
+    pub on_invalid_request: InvalidRequest,
+}
+
+fn default_destination_header() -> String {
+    "X-Gardener-Destination".into()
+}
+
+/// The answer to a CONNECT request without a usable destination header, or
+/// to a method other than CONNECT.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum InvalidRequest {
+    /// Gardener's behaviour: `301` to `https://<host>:443<path>`.
+    #[default]
+    Redirect,
+    /// `400` (header missing, duplicated or malformed) or `405` (method).
+    Status,
 }
 
 /// Listener protocols.
@@ -74,6 +97,8 @@ pub enum Protocol {
     /// TLS passthrough routed by SNI.
     #[default]
     Tls,
+    /// HTTP/1.x CONNECT routed by a destination header.
+    HttpConnect,
 }
 
 /// PROXY protocol handling on a listener.
@@ -229,6 +254,20 @@ pub struct ControlPlane {
     /// Client-IP allow-list; absent means every client is allowed.
     #[serde(default)]
     pub acl: Option<Acl>,
+    /// Destinations reachable through `http-connect` listeners.
+    #[serde(default)]
+    pub destinations: Vec<DestinationCfg>,
+}
+
+/// One destination of a control plane, named as CONNECT requests name it.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DestinationCfg {
+    /// `outbound|<port>||<fqdn>` or `<namespace>--kube-apiserver-socket`.
+    pub name: String,
+    /// `host:port` endpoints; absent means the control plane's endpoints.
+    #[serde(default)]
+    pub endpoints: Option<Vec<String>>,
 }
 
 /// A client-IP allow-list.

@@ -90,6 +90,15 @@ pub struct ControlPlane {
     pub acl: Option<CidrSet>,
 }
 
+/// A destination served through `http-connect` listeners.
+#[derive(Debug)]
+pub struct DestinationRoute {
+    /// Whose ACL applies and whose name labels metrics.
+    pub control_plane: Arc<ControlPlane>,
+    /// Where connections go.
+    pub endpoints: Vec<Endpoint>,
+}
+
 /// SNI → control plane. Exact names win over wildcards; a wildcard
 /// `*.example.com` matches exactly one extra label (`a.example.com`, not
 /// `example.com` nor `a.b.example.com`).
@@ -98,6 +107,8 @@ pub struct RouteTable {
     pub(crate) exact: HashMap<String, Arc<ControlPlane>>,
     /// Keyed by the part after `*.`.
     pub(crate) wildcard: HashMap<String, Arc<ControlPlane>>,
+    /// Canonical destination string → route.
+    pub(crate) destinations: HashMap<String, DestinationRoute>,
 }
 
 impl RouteTable {
@@ -110,6 +121,16 @@ impl RouteTable {
         }
         let (_, parent) = host.split_once('.')?;
         self.wildcard.get(parent)
+    }
+
+    /// Finds a destination by its canonical string (one hash lookup).
+    pub fn destination(&self, canonical: &str) -> Option<&DestinationRoute> {
+        self.destinations.get(canonical)
+    }
+
+    /// Number of destinations served.
+    pub fn destination_count(&self) -> usize {
+        self.destinations.len()
     }
 
     /// Number of host names routed.

@@ -1,23 +1,28 @@
-//! One connection on a TLS listener, top to bottom:
+//! One connection, top to bottom:
 //! limits → PROXY header (if configured and the peer is trusted) →
-//! ClientHello under one absolute deadline → route by SNI → ACL →
-//! upstream connect → replay the bytes read → copy until both sides end.
+//! the first message under one absolute deadline (a TLS ClientHello on `tls`
+//! listeners, a CONNECT request head on `http-connect` listeners) → route
+//! (by SNI, or by the destination header) → ACL → upstream connect →
+//! (CONNECT: `200`) → replay the bytes read → copy until both sides end.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::BufMut;
 use prometheus_client::metrics::counter::Counter;
-use seedlink_config::model::ProxyMode;
+use seedlink_config::model::{InvalidRequest, Protocol, ProxyMode};
 use seedlink_config::routes::canonical;
+use seedlink_config::routes::{ControlPlane, Endpoint};
 use seedlink_config::Snapshot;
 use seedlink_net::copy::{write_all, Tally};
 use seedlink_net::sockopt;
-use seedlink_proto::{client_hello, proxy_header, Parse};
+use seedlink_proto::{client_hello, connect_head, destination, proxy_header, Parse};
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use crate::metrics::{ByteLabels, ConnLabels, CpLabels, ListenerLabels, ReasonLabels};
+use crate::metrics::{
+    ByteLabels, ConnLabels, CpLabels, ListenerLabels, ReasonLabels, RoutedLabels,
+};
 use crate::{upstream, Gateway, ListenerCtx, SourceGuard};
 
 /// Why a connection ended before being proxied; `reason()` is the metric label.
@@ -31,9 +36,12 @@ enum Refusal {
     ProxyMissing,
     Proxy(proxy_header::Reject),
     Hello(client_hello::Reject),
+    Head(connect_head::Reject),
     LbHealthCheck,
     NoSni,
     UnknownSni,
+    UnknownDestination,
+    Connect(BadConnect),
 }
 
 impl Refusal {
@@ -47,20 +55,28 @@ impl Refusal {
             Refusal::ProxyMissing => "proxy_missing",
             Refusal::Proxy(r) => r.reason(),
             Refusal::Hello(r) => r.reason(),
+            Refusal::Head(r) => r.reason(),
             Refusal::LbHealthCheck => "lb_health_check",
             Refusal::NoSni => "no_sni",
             Refusal::UnknownSni => "unknown_sni",
+            Refusal::UnknownDestination => "unknown_destination",
+            Refusal::Connect(bad) => bad.reason(),
         }
     }
+}
+
+/// The first message, per listener protocol.
+enum Request {
+    Tls { sni: String, alpn: Vec<String> },
+    Connect(connect_head::Head),
 }
 
 /// What detection learned.
 struct Detected {
     client: SocketAddr,
-    sni: String,
-    alpn: Vec<String>,
-    /// Bytes read from the client after any PROXY header: the ClientHello
-    /// and whatever followed it; replayed to the upstream verbatim.
+    request: Request,
+    /// Bytes to send upstream once connected: for TLS the ClientHello and
+    /// whatever followed it, for CONNECT only what followed the head.
     replay: Vec<u8>,
 }
 
@@ -138,9 +154,37 @@ async fn run(
     drop(guard);
     let client = detected.client;
 
-    let Some(cp) = snap.routes.lookup(&detected.sni).cloned() else {
-        tracing::debug!(listener = %lctx.spec.name, %peer, %client, sni = %detected.sni, "unknown SNI");
-        return refuse(gw, lctx, client, Refusal::UnknownSni);
+    let (cp, endpoints, protocol): (Arc<ControlPlane>, &[Endpoint], String) = match &detected
+        .request
+    {
+        Request::Tls { sni, .. } => {
+            let Some(cp) = snap.routes.lookup(sni) else {
+                tracing::debug!(listener = %lctx.spec.name, %peer, %client, %sni, "unknown SNI");
+                return refuse(gw, lctx, client, Refusal::UnknownSni);
+            };
+            (cp.clone(), cp.endpoints.as_slice(), "tls-sni".to_string())
+        }
+        Request::Connect(head) => {
+            let canonical = match check_connect(head, &lctx.spec.destination_header) {
+                Ok(c) => c,
+                Err(bad) => return reject_connect(gw, lctx, &stream, client, head, bad).await,
+            };
+            let Some(route) = snap.routes.destination(&canonical) else {
+                tracing::info!(listener = %lctx.spec.name, %client, destination = %canonical, target = %head.target, "unknown destination");
+                let _ = write_all(
+                    &stream,
+                    status_line(head, "503 Service Unavailable").as_bytes(),
+                )
+                .await;
+                return refuse(gw, lctx, client, Refusal::UnknownDestination);
+            };
+            let protocol = format!("http-connect:{}", lctx.spec.destination_header);
+            (
+                route.control_plane.clone(),
+                route.endpoints.as_slice(),
+                protocol,
+            )
+        }
     };
     let allowed = snap.always_allowed.contains(client.ip())
         || cp.acl.as_ref().is_none_or(|acl| acl.contains(client.ip()));
@@ -152,11 +196,15 @@ async fn run(
             })
             .inc();
         tracing::info!(listener = %lctx.spec.name, %client, %peer, control_plane = %cp.name, "ACL denied");
+        if let Request::Connect(head) = &detected.request {
+            let _ = write_all(&stream, status_line(head, "403 Forbidden").as_bytes()).await;
+        }
         return (cp.name.clone(), "acl_denied");
     }
 
     let (upstream, _active, endpoint) = match upstream::connect(
-        &cp,
+        &cp.name,
+        endpoints,
         &snap.upstream,
         snap.timeouts.upstream_connect,
         crate::keepalive(snap),
@@ -167,6 +215,13 @@ async fn run(
         Ok(u) => u,
         Err(e) => {
             tracing::warn!(listener = %lctx.spec.name, %client, control_plane = %cp.name, error = %e, "no upstream");
+            if let Request::Connect(head) = &detected.request {
+                let _ = write_all(
+                    &stream,
+                    status_line(head, "503 Service Unavailable").as_bytes(),
+                )
+                .await;
+            }
             return (cp.name.clone(), "upstream_unavailable");
         }
     };
@@ -190,16 +245,41 @@ async fn run(
         local: 0.into(),
     };
 
+    if let Request::Connect(head) = &detected.request {
+        // Only now, with the upstream connected, does the client hear 200;
+        // what it pipelined after the head goes upstream right after.
+        let ok = if head.minor_version == 0 {
+            "HTTP/1.0 200 Connection established\r\n\r\n"
+        } else {
+            "HTTP/1.1 200 Connection established\r\n\r\n"
+        };
+        if write_all(&stream, ok.as_bytes()).await.is_err() {
+            return (cp.name.clone(), "client_error");
+        }
+    }
+    gw.metrics
+        .routed
+        .get_or_create(&RoutedLabels {
+            listener: lctx.spec.name.clone(),
+            protocol,
+            control_plane: cp.name.clone(),
+        })
+        .inc();
     if let Err(e) = write_all(&upstream, &detected.replay).await {
         tracing::debug!(control_plane = %cp.name, error = %e, "upstream write failed");
         sockopt::arm_reset(&stream);
         return (cp.name.clone(), "upstream_error");
     }
     up.add(detected.replay.len() as u64);
-    drop(detected.replay);
-
-    tracing::debug!(listener = %lctx.spec.name, %client, %peer, sni = %detected.sni,
-        alpn = ?detected.alpn, control_plane = %cp.name, %endpoint, "proxying");
+    match &detected.request {
+        Request::Tls { sni, alpn } => {
+            tracing::debug!(listener = %lctx.spec.name, %client, %peer, %sni,
+            ?alpn, control_plane = %cp.name, %endpoint, "proxying")
+        }
+        Request::Connect(head) => tracing::debug!(listener = %lctx.spec.name, %client, %peer,
+            target = %head.target, control_plane = %cp.name, %endpoint, "tunnelling"),
+    }
+    drop(detected);
     let closer = gw.closer_for(&cp.name);
     let outcome = tokio::select! {
         r = gw.copier.run(&stream, &upstream, &up, &down) => match r {
@@ -304,6 +384,27 @@ async fn detect<'g>(
         }
     }
 
+    if lctx.spec.protocol == Protocol::HttpConnect {
+        let limits = connect_head::Limits::default();
+        loop {
+            match connect_head::parse(&buf, &limits) {
+                Parse::Done(head) => {
+                    let replay = buf.split_off(head.len);
+                    return Ok(Detected {
+                        client,
+                        request: Request::Connect(head),
+                        replay,
+                    });
+                }
+                Parse::Invalid(r) => {
+                    // A 400 for a broken head; nothing after it is read.
+                    let _ = write_all(stream, b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").await;
+                    return Err(Refusal::Head(r));
+                }
+                Parse::Incomplete => read_more(stream, &mut buf, limits.max_head_bytes).await?,
+            }
+        }
+    }
     loop {
         match client_hello::parse(&buf, hello_cap) {
             Parse::Done(h) => {
@@ -312,8 +413,7 @@ async fn detect<'g>(
                 };
                 return Ok(Detected {
                     client,
-                    sni,
-                    alpn: h.alpn,
+                    request: Request::Tls { sni, alpn: h.alpn },
                     replay: buf,
                 });
             }
@@ -351,4 +451,118 @@ async fn read_more(stream: &TcpStream, buf: &mut Vec<u8>, cap: usize) -> Result<
             Err(_) => return Err(Refusal::ReadError),
         }
     }
+}
+
+/// Why a well-formed request head cannot be tunnelled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BadConnect {
+    NotConnect,
+    FramingHeader,
+    MissingDestination,
+    DuplicateDestination,
+    MalformedDestination,
+}
+
+impl BadConnect {
+    fn reason(&self) -> &'static str {
+        match self {
+            BadConnect::NotConnect => "not_connect",
+            BadConnect::FramingHeader => "framing_header_on_connect",
+            BadConnect::MissingDestination => "destination_missing",
+            BadConnect::DuplicateDestination => "destination_duplicated",
+            BadConnect::MalformedDestination => "destination_malformed",
+        }
+    }
+}
+
+/// Checks a CONNECT head and returns the canonical destination it names.
+/// The request-line target is never used for routing.
+fn check_connect(head: &connect_head::Head, header: &str) -> Result<String, BadConnect> {
+    if head.method != "CONNECT" {
+        return Err(BadConnect::NotConnect);
+    }
+    if head.values("content-length").next().is_some()
+        || head.values("transfer-encoding").next().is_some()
+    {
+        return Err(BadConnect::FramingHeader);
+    }
+    let mut values = head.values(header);
+    let Some(value) = values.next() else {
+        return Err(BadConnect::MissingDestination);
+    };
+    if values.next().is_some() {
+        return Err(BadConnect::DuplicateDestination);
+    }
+    destination::parse(value)
+        .map(|d| d.canonical())
+        .map_err(|_| BadConnect::MalformedDestination)
+}
+
+/// Answers an unusable request as configured; the connection then closes.
+async fn reject_connect(
+    gw: &Gateway,
+    lctx: &ListenerCtx,
+    stream: &TcpStream,
+    client: SocketAddr,
+    head: &connect_head::Head,
+    bad: BadConnect,
+) -> (String, &'static str) {
+    let reply = match (bad, lctx.spec.on_invalid_request) {
+        // Smuggling-shaped requests always get a plain 400.
+        (BadConnect::FramingHeader, _) => status_line(head, "400 Bad Request"),
+        (_, InvalidRequest::Redirect) => match redirect_location(head) {
+            Some(loc) => format!(
+                "HTTP/1.1 301 Moved Permanently\r\nlocation: {loc}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+            ),
+            None => status_line(head, "400 Bad Request"),
+        },
+        (BadConnect::NotConnect, InvalidRequest::Status) => {
+            status_line(head, "405 Method Not Allowed")
+        }
+        (_, InvalidRequest::Status) => status_line(head, "400 Bad Request"),
+    };
+    let _ = write_all(stream, reply.as_bytes()).await;
+    refuse(gw, lctx, client, Refusal::Connect(bad))
+}
+
+/// A bodiless response that closes the connection.
+fn status_line(head: &connect_head::Head, status: &str) -> String {
+    let minor = if head.minor_version == 0 { 0 } else { 1 };
+    format!("HTTP/1.{minor} {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+}
+
+/// Gardener's redirect target `https://<host>:443<path>`; `None` when the
+/// request names no usable host.
+fn redirect_location(head: &connect_head::Head) -> Option<String> {
+    let authority = match head.values("host").next() {
+        Some(h) => h.to_string(),
+        None if head.method == "CONNECT" => head.target.clone(),
+        None => return None,
+    };
+    // Strip a port: `host:port` or `[v6]:port`.
+    let host = match authority.rsplit_once(':') {
+        Some((h, p))
+            if p.bytes().all(|b| b.is_ascii_digit()) && (!h.contains(':') || h.ends_with(']')) =>
+        {
+            h
+        }
+        _ => authority.as_str(),
+    };
+    let valid = !host.is_empty()
+        && host.len() <= 255
+        && host.bytes().all(|b| {
+            b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'[' | b']' | b':')
+        });
+    if !valid {
+        return None;
+    }
+    let path = if head.method != "CONNECT"
+        && head.target.starts_with('/')
+        && !head.target.bytes().any(|b| b <= b' ' || b == 0x7f)
+    {
+        head.target.as_str()
+    } else {
+        "/"
+    };
+    Some(format!("https://{host}:443{path}"))
 }

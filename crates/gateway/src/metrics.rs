@@ -60,6 +60,17 @@ pub struct EndpointLabels {
     pub endpoint: String,
 }
 
+/// Labels of routed connections, for migration telemetry.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RoutedLabels {
+    /// Listener name.
+    pub listener: String,
+    /// `tls-sni` or `http-connect:<destination header>`.
+    pub protocol: String,
+    /// Control plane name.
+    pub control_plane: String,
+}
+
 /// Labels of reloads.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
@@ -75,6 +86,8 @@ pub struct Metrics {
     pub connections: Family<ConnLabels, Counter>,
     /// Open connections.
     pub active: Family<ListenerLabels, Gauge>,
+    /// Connections routed, by listener, protocol and control plane.
+    pub routed: Family<RoutedLabels, Counter>,
     /// Bytes moved.
     pub bytes: Family<ByteLabels, Counter>,
     /// Connections rejected while detecting the protocol.
@@ -108,6 +121,7 @@ impl Metrics {
         let m = Metrics {
             connections: Family::default(),
             active: Family::default(),
+            routed: Family::default(),
             bytes: Family::default(),
             detect_failures: Family::default(),
             refused: Family::default(),
@@ -128,6 +142,11 @@ impl Metrics {
             "active_connections",
             "Open connections by listener",
             m.active.clone(),
+        );
+        registry.register(
+            "routed",
+            "Connections routed, by listener, protocol (tls-sni, http-connect:<header>) and control plane",
+            m.routed.clone(),
         );
         registry.register(
             "bytes",

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use rand::Rng;
 use seedlink_config::model::{Balance, Upstream};
-use seedlink_config::routes::{ControlPlane, EndpointState};
+use seedlink_config::routes::{Endpoint, EndpointState};
 use seedlink_net::sockopt::Keepalive;
 use tokio::net::{TcpSocket, TcpStream};
 
@@ -46,7 +46,8 @@ pub struct ConnectError {
 /// `settings.connect_attempts` distinct endpoints. Nothing has been sent to
 /// any upstream yet, so a retry loses no client byte.
 pub async fn connect(
-    cp: &ControlPlane,
+    cp_name: &str,
+    endpoints: &[Endpoint],
     settings: &Upstream,
     timeout: Duration,
     ka: Keepalive,
@@ -54,7 +55,7 @@ pub async fn connect(
 ) -> Result<(TcpStream, ActiveGuard, String), ConnectError> {
     let attempts = usize::try_from(settings.connect_attempts)
         .unwrap_or(1)
-        .clamp(1, cp.endpoints.len().max(1));
+        .clamp(1, endpoints.len().max(1));
     let mut tried: Vec<usize> = Vec::with_capacity(attempts);
     let mut last = ConnectError {
         attempts: 0,
@@ -62,11 +63,11 @@ pub async fn connect(
         source: io::Error::new(io::ErrorKind::NotFound, "no endpoints"),
     };
     for _ in 0..attempts {
-        let Some(i) = pick(cp, settings.balance, &tried, now_ms()) else {
+        let Some(i) = pick(endpoints, settings.balance, &tried, now_ms()) else {
             break;
         };
         tried.push(i);
-        let ep = &cp.endpoints[i];
+        let ep = &endpoints[i];
         let result = match tokio::time::timeout(timeout, connect_host(&ep.address, ka)).await {
             Ok(r) => r,
             Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out")),
@@ -80,7 +81,7 @@ pub async fn connect(
             }
             Err(e) => {
                 let labels = EndpointLabels {
-                    control_plane: cp.name.clone(),
+                    control_plane: cp_name.to_string(),
                     endpoint: ep.address.clone(),
                 };
                 metrics
@@ -100,7 +101,7 @@ pub async fn connect(
                     now_ms().saturating_add(u64::try_from(backoff.as_millis()).unwrap_or(u64::MAX));
                 ep.state.ejected_until_ms.store(until, Ordering::Relaxed);
                 metrics.upstream_ejections.get_or_create(&labels).inc();
-                tracing::warn!(control_plane = %cp.name, endpoint = %ep.address, error = %e,
+                tracing::warn!(control_plane = %cp_name, endpoint = %ep.address, error = %e,
                     eject_ms = backoff.as_millis() as u64, "upstream connect failed; endpoint ejected");
                 last = ConnectError {
                     attempts: tried.len(),
@@ -145,21 +146,17 @@ async fn connect_tuned(sa: std::net::SocketAddr, ka: Keepalive) -> io::Result<Tc
 /// Chooses an endpoint not yet tried. Healthy endpoints come first; when all
 /// remaining ones are ejected, the one whose ejection ends soonest is tried
 /// rather than failing without an attempt.
-pub fn pick(cp: &ControlPlane, balance: Balance, tried: &[usize], now: u64) -> Option<usize> {
-    let untried = (0..cp.endpoints.len()).filter(|i| !tried.contains(i));
+pub fn pick(endpoints: &[Endpoint], balance: Balance, tried: &[usize], now: u64) -> Option<usize> {
+    let untried = (0..endpoints.len()).filter(|i| !tried.contains(i));
     let healthy: Vec<usize> = untried
         .clone()
-        .filter(|&i| !cp.endpoints[i].ejected(now))
+        .filter(|&i| !endpoints[i].ejected(now))
         .collect();
     if healthy.is_empty() {
-        return untried.min_by_key(|&i| {
-            cp.endpoints[i]
-                .state
-                .ejected_until_ms
-                .load(Ordering::Relaxed)
-        });
+        return untried
+            .min_by_key(|&i| endpoints[i].state.ejected_until_ms.load(Ordering::Relaxed));
     }
-    let load = |i: usize| cp.endpoints[i].state.active.load(Ordering::Relaxed);
+    let load = |i: usize| endpoints[i].state.active.load(Ordering::Relaxed);
     let mut rng = rand::rng();
     match balance {
         Balance::LeastConnections => {
@@ -187,7 +184,7 @@ pub fn pick(cp: &ControlPlane, balance: Balance, tried: &[usize], now: u64) -> O
 #[cfg(test)]
 mod tests {
     use super::*;
-    use seedlink_config::routes::Endpoint;
+    use seedlink_config::routes::ControlPlane;
 
     fn cp(n: usize) -> ControlPlane {
         ControlPlane {
@@ -213,13 +210,25 @@ mod tests {
             .ejected_until_ms
             .store(1000, Ordering::Relaxed);
         for _ in 0..50 {
-            assert_eq!(pick(&c, Balance::LeastConnections, &[], 10), Some(1));
+            assert_eq!(
+                pick(&c.endpoints, Balance::LeastConnections, &[], 10),
+                Some(1)
+            );
         }
-        assert_eq!(pick(&c, Balance::LeastConnections, &[1], 10), Some(0));
+        assert_eq!(
+            pick(&c.endpoints, Balance::LeastConnections, &[1], 10),
+            Some(0)
+        );
         // After the ejection ends it is the least loaded again.
-        assert_eq!(pick(&c, Balance::LeastConnections, &[], 2000), Some(2));
+        assert_eq!(
+            pick(&c.endpoints, Balance::LeastConnections, &[], 2000),
+            Some(2)
+        );
         // All tried: nothing left.
-        assert_eq!(pick(&c, Balance::LeastConnections, &[0, 1, 2], 10), None);
+        assert_eq!(
+            pick(&c.endpoints, Balance::LeastConnections, &[0, 1, 2], 10),
+            None
+        );
     }
 
     #[test]
@@ -233,7 +242,10 @@ mod tests {
             .state
             .ejected_until_ms
             .store(500, Ordering::Relaxed);
-        assert_eq!(pick(&c, Balance::PowerOfTwoChoices, &[], 10), Some(1));
+        assert_eq!(
+            pick(&c.endpoints, Balance::PowerOfTwoChoices, &[], 10),
+            Some(1)
+        );
     }
 
     #[test]
@@ -241,7 +253,10 @@ mod tests {
         let c = cp(2);
         c.endpoints[0].state.active.store(9, Ordering::Relaxed);
         for _ in 0..50 {
-            assert_eq!(pick(&c, Balance::PowerOfTwoChoices, &[], 0), Some(1));
+            assert_eq!(
+                pick(&c.endpoints, Balance::PowerOfTwoChoices, &[], 0),
+                Some(1)
+            );
         }
     }
 
@@ -276,9 +291,16 @@ mod tests {
             interval: Duration::from_secs(15),
             retries: 4,
         };
-        let (s, _g, ep) = connect(&c, &settings, Duration::from_secs(2), ka, &m)
-            .await
-            .unwrap();
+        let (s, _g, ep) = connect(
+            &c.name,
+            &c.endpoints,
+            &settings,
+            Duration::from_secs(2),
+            ka,
+            &m,
+        )
+        .await
+        .unwrap();
         // Keepalive and no-delay are set on the upstream side.
         let sock = socket2::SockRef::from(&s);
         assert!(sock.keepalive().unwrap());
