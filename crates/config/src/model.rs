@@ -248,6 +248,7 @@ pub struct ControlPlane {
     /// Unique name, e.g. the shoot namespace `shoot--project--name`.
     pub name: String,
     /// SNI host names: exact, or `*.` wildcards matching exactly one label.
+    #[serde(default)]
     pub hostnames: Vec<String>,
     /// `host:port` upstream endpoints.
     pub endpoints: Vec<String>,

@@ -171,7 +171,7 @@ async fn run(
             };
             let Some(route) = snap.routes.destination(&canonical) else {
                 tracing::info!(listener = %lctx.spec.name, %client, destination = %canonical, target = %head.target, "unknown destination");
-                let _ = write_all(
+                respond_and_close(
                     &stream,
                     status_line(head, "503 Service Unavailable").as_bytes(),
                 )
@@ -197,7 +197,7 @@ async fn run(
             .inc();
         tracing::info!(listener = %lctx.spec.name, %client, %peer, control_plane = %cp.name, "ACL denied");
         if let Request::Connect(head) = &detected.request {
-            let _ = write_all(&stream, status_line(head, "403 Forbidden").as_bytes()).await;
+            respond_and_close(&stream, status_line(head, "403 Forbidden").as_bytes()).await;
         }
         return (cp.name.clone(), "acl_denied");
     }
@@ -216,7 +216,7 @@ async fn run(
         Err(e) => {
             tracing::warn!(listener = %lctx.spec.name, %client, control_plane = %cp.name, error = %e, "no upstream");
             if let Request::Connect(head) = &detected.request {
-                let _ = write_all(
+                respond_and_close(
                     &stream,
                     status_line(head, "503 Service Unavailable").as_bytes(),
                 )
@@ -398,7 +398,7 @@ async fn detect<'g>(
                 }
                 Parse::Invalid(r) => {
                     // A 400 for a broken head; nothing after it is read.
-                    let _ = write_all(stream, b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").await;
+                    respond_and_close(stream, b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").await;
                     return Err(Refusal::Head(r));
                 }
                 Parse::Incomplete => read_more(stream, &mut buf, limits.max_head_bytes).await?,
@@ -521,7 +521,7 @@ async fn reject_connect(
         }
         (_, InvalidRequest::Status) => status_line(head, "400 Bad Request"),
     };
-    let _ = write_all(stream, reply.as_bytes()).await;
+    respond_and_close(stream, reply.as_bytes()).await;
     refuse(gw, lctx, client, Refusal::Connect(bad))
 }
 
@@ -565,4 +565,31 @@ fn redirect_location(head: &connect_head::Head) -> Option<String> {
         "/"
     };
     Some(format!("https://{host}:443{path}"))
+}
+
+/// Sends a final response and closes without losing it: half-close, then
+/// read and discard (never parse) what the client already sent, bounded to
+/// 64 KiB and one second. Closing with unread bytes would make the kernel
+/// send RST, which can destroy the response before the client reads it.
+async fn respond_and_close(stream: &TcpStream, response: &[u8]) {
+    if write_all(stream, response).await.is_err() {
+        return;
+    }
+    let _ = socket2::SockRef::from(stream).shutdown(std::net::Shutdown::Write);
+    let drain = async {
+        let mut sink = [0u8; 4096];
+        let mut total = 0usize;
+        while total < 64 * 1024 {
+            if stream.readable().await.is_err() {
+                return;
+            }
+            match stream.try_read(&mut sink) {
+                Ok(0) => return,
+                Ok(n) => total += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => return,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), drain).await;
 }

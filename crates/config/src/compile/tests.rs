@@ -190,3 +190,50 @@ fn restart_only_settings_detected() {
     assert_eq!(restart_only_changes(&a, &b), vec!["listeners"]);
     assert!(restart_only_changes(&a, &a).is_empty());
 }
+
+#[test]
+fn destinations_are_validated_and_unique() {
+    let s = ok("
+listeners: [{name: c, address: '127.0.0.1:0', protocol: http-connect}]
+control_planes:
+  - name: a
+    endpoints: ['127.0.0.1:1']
+    destinations:
+      - {name: 'OUTBOUND|443||kube-apiserver.shoot--a.svc.cluster.local'}
+      - {name: 'outbound|1194||vpn-seed-server.shoot--a.svc.cluster.local', endpoints: ['127.0.0.1:2']}
+");
+    let r = s
+        .routes
+        .destination("outbound|443||kube-apiserver.shoot--a.svc.cluster.local")
+        .unwrap();
+    assert_eq!(r.control_plane.name, "a");
+    assert_eq!(r.endpoints[0].address, "127.0.0.1:1");
+    let r = s
+        .routes
+        .destination("outbound|1194||vpn-seed-server.shoot--a.svc.cluster.local")
+        .unwrap();
+    assert_eq!(r.endpoints[0].address, "127.0.0.1:2");
+    assert_eq!(s.listeners[0].destination_header, "x-gardener-destination");
+
+    let errs = errors("
+listeners: [{name: c, address: '127.0.0.1:0', protocol: http-connect, destination_header: 'bad header'}]
+control_planes:
+  - name: a
+    endpoints: ['127.0.0.1:1']
+    destinations: [{name: 'shoot--a--kube-apiserver-socket'}, {name: 'outbound|443|v1|x.y'}]
+  - name: b
+    endpoints: ['127.0.0.1:1']
+    destinations: [{name: 'SHOOT--A--kube-apiserver-socket', endpoints: []}]
+");
+    let text: Vec<String> = errs
+        .iter()
+        .map(|e| format!("{}: {}", e.path, e.message))
+        .collect();
+    for w in [
+        "listeners[0].destination_header",
+        "control_planes[0].destinations[1].name",
+        "control_planes[1].destinations[0].name: destination \"shoot--a--kube-apiserver-socket\" is already used by control plane \"a\"",
+    ] {
+        assert!(text.iter().any(|t| t.starts_with(w)), "missing {w} in {text:#?}");
+    }
+}
