@@ -178,10 +178,11 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
                 format!("duplicate control plane name {:?}", cp.name),
             );
         }
-        if cp.hostnames.is_empty() && cp.destinations.is_empty() {
+        if cp.hostnames.is_empty() && cp.destinations.is_empty() && cp.service_addresses.is_empty()
+        {
             c.err(
                 format!("{at}.hostnames"),
-                "at least one host name or destination is required",
+                "at least one host name, destination or service address is required",
             );
         }
         if cp.endpoints.is_empty() {
@@ -279,6 +280,26 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
                     endpoints,
                 },
             );
+        }
+        for (j, a) in cp.service_addresses.iter().enumerate() {
+            let path = format!("{at}.service_addresses[{j}]");
+            let Ok(sa) = a.parse::<SocketAddr>() else {
+                c.err(path, format!("{a:?} is not an ip:port address"));
+                continue;
+            };
+            let sa = SocketAddr::new(crate::routes::canonical(sa.ip()), sa.port());
+            if sa.port() == 0 || sa.ip().is_unspecified() {
+                c.err(path, format!("{a:?} needs a specific address and port"));
+                continue;
+            }
+            if let Some(other) = routes.services.get(&sa) {
+                c.err(
+                    path,
+                    format!("{sa} is already used by control plane {:?}", other.name),
+                );
+                continue;
+            }
+            routes.services.insert(sa, compiled.clone());
         }
         for (j, h) in cp.hostnames.iter().enumerate() {
             let path = format!("{at}.hostnames[{j}]");

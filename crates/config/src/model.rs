@@ -99,6 +99,9 @@ pub enum Protocol {
     Tls,
     /// HTTP/1.x CONNECT routed by a destination header.
     HttpConnect,
+    /// Legacy (GEP-08): a PROXY header from a node proxy whose destination
+    /// address selects the control plane.
+    Proxy,
 }
 
 /// PROXY protocol handling on a listener.
@@ -258,6 +261,10 @@ pub struct ControlPlane {
     /// Destinations reachable through `http-connect` listeners.
     #[serde(default)]
     pub destinations: Vec<DestinationCfg>,
+    /// In-cluster service addresses (`ip:port`) that legacy node proxies put
+    /// in the destination of their PROXY header (`proxy` listeners).
+    #[serde(default)]
+    pub service_addresses: Vec<String>,
 }
 
 /// One destination of a control plane, named as CONNECT requests name it.

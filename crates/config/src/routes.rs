@@ -109,6 +109,8 @@ pub struct RouteTable {
     pub(crate) wildcard: HashMap<String, Arc<ControlPlane>>,
     /// Canonical destination string → route.
     pub(crate) destinations: HashMap<String, DestinationRoute>,
+    /// In-cluster service address → control plane (legacy PROXY path).
+    pub(crate) services: HashMap<std::net::SocketAddr, Arc<ControlPlane>>,
 }
 
 impl RouteTable {
@@ -126,6 +128,15 @@ impl RouteTable {
     /// Finds a destination by its canonical string (one hash lookup).
     pub fn destination(&self, canonical: &str) -> Option<&DestinationRoute> {
         self.destinations.get(canonical)
+    }
+
+    /// Finds the control plane whose in-cluster service address is `addr`
+    /// (IPv4-mapped IPv6 addresses count as IPv4).
+    pub fn service(&self, addr: std::net::SocketAddr) -> Option<&Arc<ControlPlane>> {
+        self.services.get(&std::net::SocketAddr::new(
+            canonical(addr.ip()),
+            addr.port(),
+        ))
     }
 
     /// Number of destinations served.

@@ -42,6 +42,8 @@ enum Refusal {
     UnknownSni,
     UnknownDestination,
     Connect(BadConnect),
+    InnerProxyLocal,
+    UnknownService,
 }
 
 impl Refusal {
@@ -60,6 +62,8 @@ impl Refusal {
             Refusal::NoSni => "no_sni",
             Refusal::UnknownSni => "unknown_sni",
             Refusal::UnknownDestination => "unknown_destination",
+            Refusal::InnerProxyLocal => "proxy_no_destination",
+            Refusal::UnknownService => "unknown_service_address",
             Refusal::Connect(bad) => bad.reason(),
         }
     }
@@ -67,8 +71,15 @@ impl Refusal {
 
 /// The first message, per listener protocol.
 enum Request {
-    Tls { sni: String, alpn: Vec<String> },
+    Tls {
+        sni: String,
+        alpn: Vec<String>,
+    },
     Connect(connect_head::Head),
+    /// Legacy GEP-08 path: the node proxy's PROXY header named this address.
+    Legacy {
+        destination: SocketAddr,
+    },
 }
 
 /// What detection learned.
@@ -163,6 +174,17 @@ async fn run(
                 return refuse(gw, lctx, client, Refusal::UnknownSni);
             };
             (cp.clone(), cp.endpoints.as_slice(), "tls-sni".to_string())
+        }
+        Request::Legacy { destination } => {
+            let Some(cp) = snap.routes.service(*destination) else {
+                tracing::debug!(listener = %lctx.spec.name, %peer, %client, %destination, "unknown service address");
+                return refuse(gw, lctx, client, Refusal::UnknownService);
+            };
+            (
+                cp.clone(),
+                cp.endpoints.as_slice(),
+                "proxy-protocol".to_string(),
+            )
         }
         Request::Connect(head) => {
             let canonical = match check_connect(head, &lctx.spec.destination_header) {
@@ -278,6 +300,10 @@ async fn run(
         }
         Request::Connect(head) => tracing::debug!(listener = %lctx.spec.name, %client, %peer,
             target = %head.target, control_plane = %cp.name, %endpoint, "tunnelling"),
+        Request::Legacy { destination } => {
+            tracing::debug!(listener = %lctx.spec.name, %client, %peer,
+            %destination, control_plane = %cp.name, %endpoint, "proxying legacy")
+        }
     }
     drop(detected);
     let closer = gw.closer_for(&cp.name);
@@ -334,7 +360,10 @@ async fn detect<'g>(
     if mode == ProxyMode::Required && !trusted {
         return Err(Refusal::UntrustedProxy);
     }
-    if mode != ProxyMode::Off {
+    // On a legacy `proxy` listener a header from a peer that is not a
+    // trusted LB is the node proxy's own (the inner one), read below.
+    let outer = mode != ProxyMode::Off && (trusted || lctx.spec.protocol != Protocol::Proxy);
+    if outer {
         let header = loop {
             let present = match proxy_header::detect(&buf) {
                 Parse::Done(()) => true,
@@ -384,6 +413,30 @@ async fn detect<'g>(
         }
     }
 
+    if lctx.spec.protocol == Protocol::Proxy {
+        // The node proxy's header: its destination picks the control plane;
+        // its source is not believed (the outer header or the peer is).
+        loop {
+            match proxy_header::parse(&buf, proxy_cap) {
+                Parse::Done(h) => {
+                    let replay = buf.split_off(h.len);
+                    return match h.addresses {
+                        proxy_header::Addresses::Proxied { destination, .. } => Ok(Detected {
+                            client,
+                            request: Request::Legacy { destination },
+                            replay,
+                        }),
+                        proxy_header::Addresses::Local => Err(Refusal::InnerProxyLocal),
+                    };
+                }
+                Parse::Invalid(proxy_header::Reject::NotProxy) => {
+                    return Err(Refusal::ProxyMissing)
+                }
+                Parse::Invalid(r) => return Err(Refusal::Proxy(r)),
+                Parse::Incomplete => read_more(stream, &mut buf, proxy_cap).await?,
+            }
+        }
+    }
     if lctx.spec.protocol == Protocol::HttpConnect {
         let limits = connect_head::Limits::default();
         loop {

@@ -174,6 +174,7 @@ fn diff_names_added_removed_changed() {
         endpoints: vec!["127.0.0.1:3".into()],
         acl: None,
         destinations: Vec::new(),
+        service_addresses: Vec::new(),
     });
     let d = diff(&a, &b);
     assert_eq!(d.added, vec!["new".to_string()]);
