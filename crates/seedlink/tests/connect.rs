@@ -280,3 +280,87 @@ async fn status_mode_and_legacy_header_listener() {
     .await;
     stop.cancel();
 }
+
+/// Envoy as Gardener's shoot-side apiserver-proxy (`tcp_proxy` +
+/// `tunneling_config` with `hostname` and `headers_to_add`, HTTP/1.1 CONNECT)
+/// in front of the gateway; curl reaches a TLS server that requires a client
+/// certificate through Envoy's listener.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_apiserver_proxy_shape_through_the_gateway() {
+    let envoy = require("envoy");
+    let stop = CancellationToken::new();
+    let (gw, pki) = setup(&stop, "").await;
+    let files = write_pki(&pki, gw.dir.path());
+    let port = free_port();
+    let gw_connect = gw.listener("connect");
+    let cfg = gw.dir.path().join("envoy.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "static_resources:
+  listeners:
+  - name: kube_apiserver
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    per_connection_buffer_limit_bytes: 32768
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          '@type': type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: kube_apiserver
+          cluster: kube_apiserver
+          tunneling_config:
+            hostname: 'api.internal.example.com.:443'
+            headers_to_add:
+            - header: {{key: X-Gardener-Destination, value: '{DEST_ALPHA}'}}
+  clusters:
+  - name: kube_apiserver
+    type: STATIC
+    connect_timeout: 5s
+    per_connection_buffer_limit_bytes: 32768
+    load_assignment:
+      cluster_name: kube_apiserver
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: {ip}, port_value: {gport}}}}}}}
+",
+            ip = gw_connect.ip(),
+            gport = gw_connect.port()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(envoy)
+        .arg("-c")
+        .arg(&cfg)
+        .args(["--concurrency", "1", "-l", "error", "--use-dynamic-base-id"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_listening(format!("127.0.0.1:{port}").parse().unwrap()).await;
+    let out = Command::new("curl")
+        .args(["-sS", "--max-time", "10", "--cacert"])
+        .arg(&files.ca)
+        .arg("--cert")
+        .arg(&files.cert)
+        .arg("--key")
+        .arg(&files.key)
+        .arg("--resolve")
+        .arg(format!("{ALPHA}:{port}:127.0.0.1"))
+        .arg(format!("https://{ALPHA}:{port}/"))
+        .output()
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let body = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        body.contains("hello from alpha") && !body.contains("client_certs=0"),
+        "through Envoy: {body} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    gw.wait_metric(
+        "seedlink_gateway_routed_total{listener=\"connect\",protocol=\"http-connect:x-gardener-destination\",control_plane=\"alpha\"}",
+        1.0,
+    )
+    .await;
+    stop.cancel();
+}
