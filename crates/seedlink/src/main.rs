@@ -22,6 +22,9 @@ enum Command {
         #[arg(long, short)]
         config: PathBuf,
     },
+    /// Serve the kube-apiserver address on a shoot node and tunnel every
+    /// connection to the seed gateway.
+    NodeProxy(NodeProxyArgs),
     /// Validate a configuration file; lists every problem and exits non-zero if any.
     CheckConfig {
         /// Configuration file (YAML).
@@ -39,6 +42,44 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         admin_port: u16,
     },
+}
+
+/// `seedlink node-proxy` options.
+#[derive(clap::Args)]
+struct NodeProxyArgs {
+    /// The advertised kube-apiserver address to listen on (IPv4 or IPv6).
+    #[arg(long)]
+    address: std::net::IpAddr,
+    /// Port to listen on.
+    #[arg(long, default_value_t = 443)]
+    port: u16,
+    /// The gateway, `host:port`; a DNS name (a trailing dot is fine) is re-resolved.
+    #[arg(long)]
+    gateway: String,
+    /// How to reach the gateway: `connect` (HTTP/1.1 CONNECT, GEP-30), `proxy-v2` or `proxy-v1` (GEP-08 legacy port).
+    #[arg(long, default_value = "connect")]
+    mode: String,
+    /// Destination header value, e.g. `outbound|443||kube-apiserver.<ns>.svc.cluster.local`.
+    #[arg(long, required_if_eq("mode", "connect"))]
+    destination: Option<String>,
+    /// Destination header name.
+    #[arg(long, default_value = "X-Gardener-Destination")]
+    header: String,
+    /// CONNECT request target (the gateway logs it, never routes by it); default: the gateway host with port 443.
+    #[arg(long)]
+    authority: Option<String>,
+    /// Admin endpoint (`/healthz`, `/readyz`, `/metrics`).
+    #[arg(long, default_value = "127.0.0.1:16910")]
+    admin: std::net::SocketAddr,
+    /// Concurrent tunnels.
+    #[arg(long, default_value_t = 10_000)]
+    max_connections: usize,
+    /// Connect timeout per gateway address, seconds.
+    #[arg(long, default_value_t = 5.0)]
+    connect_timeout: f64,
+    /// Drain deadline on SIGTERM, seconds.
+    #[arg(long, default_value_t = 30.0)]
+    drain: f64,
 }
 
 fn main() -> ExitCode {
@@ -68,6 +109,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Command::CheckConfig { file } => Ok(check_config(&file)),
         Command::Gateway { config } => runtime()?.block_on(gateway(config)),
+        Command::NodeProxy(args) => runtime()?.block_on(node_proxy(args)),
         Command::Quickstart {
             check,
             port,
@@ -137,4 +179,79 @@ async fn gateway(config: PathBuf) -> anyhow::Result<i32> {
     println!("{ready}");
     tracing::info!(addresses = %ready, "gateway serving");
     Ok(supervisor.run().await)
+}
+
+fn secs(v: f64, what: &str) -> anyhow::Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(v)
+        .map_err(|_| anyhow::anyhow!("--{what}: {v} is not a valid number of seconds"))
+}
+
+async fn node_proxy(a: NodeProxyArgs) -> anyhow::Result<i32> {
+    use seedlink_node_proxy::{Mode, NodeProxy, Options};
+    let mode = match a.mode.as_str() {
+        "connect" => Mode::Connect,
+        "proxy-v2" => Mode::ProxyV2,
+        "proxy-v1" => Mode::ProxyV1,
+        other => anyhow::bail!("--mode: {other:?} is not connect, proxy-v2 or proxy-v1"),
+    };
+    let destination = a.destination.clone().unwrap_or_default();
+    if mode == Mode::Connect {
+        if let Err(why) = seedlink_proto_destination(&destination) {
+            anyhow::bail!("--destination {destination:?}: {why}");
+        }
+    }
+    let (gw_host, _) = a
+        .gateway
+        .rsplit_once(':')
+        .ok_or_else(|| anyhow::anyhow!("--gateway {:?} is not host:port", a.gateway))?;
+    let authority = a
+        .authority
+        .clone()
+        .unwrap_or_else(|| format!("{gw_host}:443"));
+    let opts = Options {
+        gateway: a.gateway.clone(),
+        mode,
+        header: (a.header.clone(), destination),
+        authority,
+        connect_timeout: secs(a.connect_timeout, "connect-timeout")?,
+        handshake_timeout: std::time::Duration::from_secs(10),
+        resolve_ttl: std::time::Duration::from_secs(30),
+        max_connections: a.max_connections,
+        drain: secs(a.drain, "drain")?,
+        probe_interval: std::time::Duration::from_secs(10),
+    };
+    let np = NodeProxy::new(opts, false);
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    let listen = std::net::SocketAddr::new(a.address, a.port);
+    let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
+        anyhow::anyhow!("listening on {listen}: {e} (is the address on an interface?)")
+    })?;
+    let admin = tokio::net::TcpListener::bind(a.admin)
+        .await
+        .map_err(|e| anyhow::anyhow!("admin on {}: {e}", a.admin))?;
+    let ready = serde_json::json!({
+        "event": "ready",
+        "listen": listener.local_addr()?.to_string(),
+        "admin": admin.local_addr()?.to_string(),
+    });
+    np.serve(listener, admin);
+    println!("{ready}");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tracing::info!("draining");
+    tokio::select! {
+        closed = np.drain() => {
+            tracing::info!(closed_at_deadline = closed, "drained; exiting");
+            Ok(0)
+        }
+        _ = term.recv() => Ok(1),
+        _ = int.recv() => Ok(1),
+    }
+}
+
+fn seedlink_proto_destination(d: &str) -> Result<(), &'static str> {
+    seedlink_proto::destination::parse(d).map(|_| ())
 }

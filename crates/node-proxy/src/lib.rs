@@ -1,0 +1,216 @@
+//! `seedlink node-proxy`: runs on every shoot node (host network), listens
+//! on the advertised kube-apiserver address and carries each connection to
+//! the seed's gateway: HTTP/1.1 CONNECT with the destination header
+//! (GEP-30), or, in legacy mode, a PROXY protocol header (GEP-08).
+//!
+//! Nothing the client sends is forwarded before the gateway's `200`.
+
+pub mod admin;
+pub mod tunnel;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use seedlink_net::lifecycle::Lifecycle;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+/// How connections are carried to the gateway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// HTTP/1.1 CONNECT with the destination header (GEP-30).
+    Connect,
+    /// A PROXY protocol v2 header, then the bytes (GEP-08 legacy port).
+    ProxyV2,
+    /// A PROXY protocol v1 header, then the bytes.
+    ProxyV1,
+}
+
+/// Everything the node-proxy needs to run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// `host:port` of the gateway; a DNS name (a trailing dot is fine) is
+    /// re-resolved every `resolve_ttl`.
+    pub gateway: String,
+    /// How connections are carried.
+    pub mode: Mode,
+    /// Header name and value naming the destination (CONNECT mode).
+    pub header: (String, String),
+    /// Request target of the CONNECT (logged by the gateway, not used).
+    pub authority: String,
+    /// TCP connect deadline per gateway address.
+    pub connect_timeout: Duration,
+    /// Deadline for the gateway's answer to CONNECT.
+    pub handshake_timeout: Duration,
+    /// How long a resolution of the gateway name is reused.
+    pub resolve_ttl: Duration,
+    /// Concurrent tunnels; more are accepted and closed at once.
+    pub max_connections: usize,
+    /// How long a drain waits for tunnels to end.
+    pub drain: Duration,
+    /// How often the gateway is probed for readiness.
+    pub probe_interval: Duration,
+}
+
+/// Labels with an outcome.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// How the tunnel ended.
+    pub outcome: String,
+}
+
+/// Metrics of the node-proxy.
+pub struct Metrics {
+    /// Registry served on `/metrics`.
+    pub registry: Registry,
+    /// Finished tunnels by outcome.
+    pub tunnels: Family<OutcomeLabels, Counter>,
+    /// Open tunnels.
+    pub active: Gauge,
+    /// Failed connects to gateway addresses.
+    pub gateway_connect_failures: Counter,
+    /// Times the address had to be put back on the interface.
+    pub address_reasserted: Counter,
+}
+
+impl Metrics {
+    fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("seedlink_node_proxy");
+        let tunnels = Family::<OutcomeLabels, Counter>::default();
+        let active = Gauge::default();
+        let gateway_connect_failures = Counter::default();
+        let address_reasserted = Counter::default();
+        registry.register("tunnels", "Finished tunnels by outcome", tunnels.clone());
+        registry.register("active_tunnels", "Open tunnels", active.clone());
+        registry.register(
+            "gateway_connect_failures",
+            "Failed TCP connects to a gateway address",
+            gateway_connect_failures.clone(),
+        );
+        registry.register(
+            "address_reasserted",
+            "Times the advertised address was missing and put back",
+            address_reasserted.clone(),
+        );
+        Metrics {
+            registry,
+            tunnels,
+            active,
+            gateway_connect_failures,
+            address_reasserted,
+        }
+    }
+}
+
+/// Shared state of a running node-proxy.
+pub struct NodeProxy {
+    /// Configuration.
+    pub opts: Options,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Phase and drain.
+    pub lifecycle: Lifecycle,
+    /// The advertised address is on its interface (or not managed).
+    pub address_ok: AtomicBool,
+    /// The gateway answered recently.
+    pub gateway_ok: AtomicBool,
+    resolver: tunnel::Resolver,
+    permits: Arc<Semaphore>,
+    copier: seedlink_net::copy::Copier,
+}
+
+impl NodeProxy {
+    /// A node-proxy with `opts`; `address_managed` says whether readiness
+    /// must wait for the interface manager to confirm the address.
+    pub fn new(opts: Options, address_managed: bool) -> Arc<NodeProxy> {
+        Arc::new(NodeProxy {
+            permits: Arc::new(Semaphore::new(
+                opts.max_connections.clamp(1, Semaphore::MAX_PERMITS),
+            )),
+            resolver: tunnel::Resolver::new(opts.gateway.clone(), opts.resolve_ttl),
+            opts,
+            metrics: Metrics::new(),
+            lifecycle: Lifecycle::new(),
+            address_ok: AtomicBool::new(!address_managed),
+            gateway_ok: AtomicBool::new(false),
+            copier: seedlink_net::copy::Copier::new(seedlink_net::copy::CopyMode::Splice, 64),
+        })
+    }
+
+    /// Ready when the address is in place and the gateway answered.
+    pub fn ready(&self) -> bool {
+        self.lifecycle.phase() == seedlink_net::lifecycle::Phase::Serving
+            && self.address_ok.load(Ordering::Acquire)
+            && self.gateway_ok.load(Ordering::Acquire)
+    }
+
+    /// Accepts on `listener` until draining, and probes the gateway.
+    pub fn serve(self: &Arc<Self>, listener: TcpListener, admin: TcpListener) {
+        let np = self.clone();
+        tokio::spawn(async move {
+            let stop = np.lifecycle.stop_accepting.clone();
+            seedlink_net::accept::accept_loop(&listener, &stop, |stream, peer| {
+                np.accept(stream, peer)
+            })
+            .await;
+        });
+        let np = self.clone();
+        tokio::spawn(async move { np.probe_loop().await });
+        let np = self.clone();
+        tokio::spawn(async move { admin::serve(np, admin).await });
+        self.lifecycle.serving();
+    }
+
+    fn accept(self: &Arc<Self>, stream: tokio::net::TcpStream, peer: SocketAddr) {
+        let Ok(permit) = self.permits.clone().try_acquire_owned() else {
+            self.count("refused_max_connections");
+            drop(stream);
+            return;
+        };
+        let np = self.clone();
+        self.lifecycle.tasks.spawn(async move {
+            np.metrics.active.inc();
+            let outcome = tokio::select! {
+                o = tunnel::carry(&np, stream, peer) => o,
+                () = np.lifecycle.close_all.cancelled() => "closed_drain",
+            };
+            np.metrics.active.dec();
+            np.count(outcome);
+            drop(permit);
+        });
+    }
+
+    fn count(&self, outcome: &str) {
+        self.metrics
+            .tunnels
+            .get_or_create(&OutcomeLabels {
+                outcome: outcome.to_string(),
+            })
+            .inc();
+    }
+
+    /// Marks the gateway reachable when a TCP connect succeeds; every
+    /// `probe_interval`.
+    async fn probe_loop(&self) {
+        loop {
+            let ok = self.resolver.connect(self).await.is_ok();
+            self.gateway_ok.store(ok, Ordering::Release);
+            tokio::select! {
+                () = tokio::time::sleep(self.opts.probe_interval) => {}
+                () = self.lifecycle.close_all.cancelled() => return,
+            }
+        }
+    }
+
+    /// Drains: not ready, stop accepting, wait, close the rest.
+    pub async fn drain(&self) -> usize {
+        self.lifecycle.drain(self.opts.drain).await
+    }
+}

@@ -1,0 +1,229 @@
+//! `seedlink node-proxy` in front of `seedlink gateway`: curl reaches a TLS
+//! server that requires a client certificate through the node-proxy's
+//! address, in CONNECT mode and in legacy PROXY v2 mode.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use tokio_util::sync::CancellationToken;
+
+const ALPHA: &str = "api.alpha.node.test";
+const DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
+
+struct NodeProxy {
+    child: Child,
+    listen: SocketAddr,
+    admin: SocketAddr,
+}
+
+impl Drop for NodeProxy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn node_proxy(args: &[&str]) -> NodeProxy {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_seedlink"))
+        .arg("node-proxy")
+        .args(["--port", "0", "--admin", "127.0.0.1:0"])
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(out).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("node-proxy did not report ready");
+    let v: serde_json::Value =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    NodeProxy {
+        child,
+        listen: v["listen"].as_str().unwrap().parse().unwrap(),
+        admin: v["admin"].as_str().unwrap().parse().unwrap(),
+    }
+}
+
+fn curl(files: &seedlink::demo::ClientFiles, at: SocketAddr) -> String {
+    let out = Command::new(require("curl"))
+        .args(["-sS", "--max-time", "10", "--cacert"])
+        .arg(&files.ca)
+        .arg("--cert")
+        .arg(&files.cert)
+        .arg("--key")
+        .arg(&files.key)
+        .arg("--resolve")
+        .arg(format!("{ALPHA}:{}:{}", at.port(), at.ip()))
+        .arg(format!("https://{ALPHA}:{}/", at.port()))
+        .output()
+        .unwrap();
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+async fn wait_ready(admin: SocketAddr) {
+    let end = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        if http_get(admin, "/readyz").await.0 == 200 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "node-proxy never became ready: {:?}",
+            http_get(admin, "/readyz").await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_proxy_connect_and_legacy_modes_through_the_gateway() {
+    let stop = CancellationToken::new();
+    let pki = seedlink::demo::Pki::generate(&[ALPHA]).unwrap();
+    let a = demo_backend(&pki, 0, "alpha", &stop).await;
+    // The legacy path routes by the node-proxy's listen address, which is
+    // only known after it started: a fixed port on a dedicated loopback IP.
+    let legacy_port = free_port();
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners:
+  - {{name: connect, address: '127.0.0.1:0', protocol: http-connect}}
+  - {{name: legacy, address: '127.0.0.1:0', protocol: proxy}}
+control_planes:
+  - name: alpha
+    endpoints: ['{a}']
+    destinations: [{{name: '{DEST}'}}]
+    service_addresses: ['127.0.0.67:{legacy_port}']
+"
+    ));
+    let files = write_pki(&pki, gw.dir.path());
+
+    // GEP-30: HTTP/1.1 CONNECT with X-Gardener-Destination; the gateway is
+    // named with a trailing-dot FQDN.
+    let gw_connect = format!("localhost.:{}", gw.listener("connect").port());
+    let np = node_proxy(&[
+        "--address",
+        "127.0.0.66",
+        "--gateway",
+        &gw_connect,
+        "--destination",
+        DEST,
+    ]);
+    wait_ready(np.admin).await;
+    let body = curl(&files, np.listen);
+    assert!(
+        body.contains("hello from alpha") && !body.contains("client_certs=0"),
+        "{body}"
+    );
+    let m = http_get(np.admin, "/metrics").await.1;
+    assert!(
+        sum_metric(&m, "seedlink_node_proxy_tunnels_total{outcome=\"ok\"}") >= 1.0,
+        "{m}"
+    );
+    gw.wait_metric(
+        "seedlink_gateway_routed_total{listener=\"connect\",protocol=\"http-connect:x-gardener-destination\",control_plane=\"alpha\"}",
+        1.0,
+    )
+    .await;
+
+    // GEP-08 legacy: PROXY v2 to the legacy port, routed by destination.
+    let legacy = Command::new(env!("CARGO_BIN_EXE_seedlink"))
+        .args([
+            "node-proxy",
+            "--address",
+            "127.0.0.67",
+            "--port",
+            &legacy_port.to_string(),
+            "--admin",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--mode",
+            "proxy-v2",
+            "--gateway",
+            &gw.listener("legacy").to_string(),
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut legacy = NodeProxy {
+        child: legacy,
+        listen: format!("127.0.0.67:{legacy_port}").parse().unwrap(),
+        admin: np.admin,
+    };
+    let out = legacy.child.stdout.take().unwrap();
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line).unwrap();
+    assert!(line.contains("ready"), "{line}");
+    let body = curl(&files, legacy.listen);
+    assert!(body.contains("hello from alpha"), "{body}");
+    gw.wait_metric(
+        "seedlink_gateway_routed_total{listener=\"legacy\",protocol=\"proxy-protocol\",control_plane=\"alpha\"}",
+        1.0,
+    )
+    .await;
+    stop.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_proxy_not_ready_without_gateway_and_refuses_bad_destination() {
+    let dead = free_port();
+    let np = node_proxy(&[
+        "--address",
+        "127.0.0.68",
+        "--gateway",
+        &format!("127.0.0.1:{dead}"),
+        "--destination",
+        DEST,
+    ]);
+    let (code, body) = http_get(np.admin, "/readyz").await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("gateway_ok=false"), "{body}");
+    // A client is closed, counted, and nothing hangs.
+    let mut s = tokio::net::TcpStream::connect(np.listen).await.unwrap();
+    let (_, r) = read_until_closed(&mut s, Duration::from_secs(15)).await;
+    let _ = r;
+    let m = http_get(np.admin, "/metrics").await.1;
+    assert!(
+        sum_metric(
+            &m,
+            "seedlink_node_proxy_tunnels_total{outcome=\"gateway_unreachable\"}"
+        ) >= 1.0,
+        "{m}"
+    );
+    // A malformed destination is refused at start with a clear error.
+    let out = Command::new(env!("CARGO_BIN_EXE_seedlink"))
+        .args([
+            "node-proxy",
+            "--address",
+            "127.0.0.69",
+            "--gateway",
+            "127.0.0.1:1",
+            "--destination",
+            "outbound|443||",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--destination"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
