@@ -6,6 +6,7 @@
 //! Nothing the client sends is forwarded before the gateway's `200`.
 
 pub mod admin;
+pub mod netif;
 pub mod tunnel;
 
 use std::net::SocketAddr;
@@ -207,6 +208,41 @@ impl NodeProxy {
                 () = self.lifecycle.close_all.cancelled() => return,
             }
         }
+    }
+
+    /// Keeps `iface` in place: checks now, then every `every`; readiness
+    /// follows the result. Returns the first check's result, so a start-up
+    /// failure (e.g. no `dummy` support) is reported at once.
+    pub async fn manage_interface(
+        self: &Arc<Self>,
+        iface: netif::Interface,
+        every: Duration,
+    ) -> Result<(), netif::NetifError> {
+        netif::ensure(&iface).await?;
+        self.address_ok.store(true, Ordering::Release);
+        let np = self.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    () = tokio::time::sleep(every) => {}
+                    () = np.lifecycle.close_all.cancelled() => return,
+                }
+                match netif::ensure(&iface).await {
+                    Ok(changed) => {
+                        if changed {
+                            tracing::warn!(address = %iface.address, link = %iface.name, "address was missing; put back");
+                            np.metrics.address_reasserted.inc();
+                        }
+                        np.address_ok.store(true, Ordering::Release);
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot keep the advertised address");
+                        np.address_ok.store(false, Ordering::Release);
+                    }
+                }
+            }
+        });
+        Ok(())
     }
 
     /// Drains: not ready, stop accepting, wait, close the rest.

@@ -24,7 +24,7 @@ enum Command {
     },
     /// Serve the kube-apiserver address on a shoot node and tunnel every
     /// connection to the seed gateway.
-    NodeProxy(NodeProxyArgs),
+    NodeProxy(Box<NodeProxyArgs>),
     /// Validate a configuration file; lists every problem and exits non-zero if any.
     CheckConfig {
         /// Configuration file (YAML).
@@ -80,6 +80,17 @@ struct NodeProxyArgs {
     /// Drain deadline on SIGTERM, seconds.
     #[arg(long, default_value_t = 30.0)]
     drain: f64,
+    /// Link that carries the address.
+    #[arg(long, default_value = "apiserver-proxy")]
+    interface: String,
+    /// How that link comes to exist: `dummy` (created if missing), `bridge`
+    /// (a port-less bridge, for kernels without dummy), `existing`, or `none`
+    /// (do not manage the address at all).
+    #[arg(long, default_value = "dummy")]
+    link_kind: String,
+    /// How often the address is re-asserted, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    resync: f64,
 }
 
 fn main() -> ExitCode {
@@ -109,7 +120,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Command::CheckConfig { file } => Ok(check_config(&file)),
         Command::Gateway { config } => runtime()?.block_on(gateway(config)),
-        Command::NodeProxy(args) => runtime()?.block_on(node_proxy(args)),
+        Command::NodeProxy(args) => runtime()?.block_on(node_proxy(*args)),
         Command::Quickstart {
             check,
             port,
@@ -220,7 +231,25 @@ async fn node_proxy(a: NodeProxyArgs) -> anyhow::Result<i32> {
         drain: secs(a.drain, "drain")?,
         probe_interval: std::time::Duration::from_secs(10),
     };
-    let np = NodeProxy::new(opts, false);
+    use seedlink_node_proxy::netif::{Interface, LinkKind};
+    let kind = match a.link_kind.as_str() {
+        "dummy" => Some(LinkKind::Dummy),
+        "bridge" => Some(LinkKind::Bridge),
+        "existing" => Some(LinkKind::Existing),
+        "none" => None,
+        other => anyhow::bail!("--link-kind: {other:?} is not dummy, bridge, existing or none"),
+    };
+    let np = NodeProxy::new(opts, kind.is_some());
+    if let Some(kind) = kind {
+        let iface = Interface {
+            name: a.interface.clone(),
+            kind,
+            address: a.address,
+        };
+        np.manage_interface(iface, secs(a.resync, "resync")?)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     let listen = std::net::SocketAddr::new(a.address, a.port);

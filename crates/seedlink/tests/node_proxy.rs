@@ -118,6 +118,8 @@ control_planes:
     // named with a trailing-dot FQDN.
     let gw_connect = format!("localhost.:{}", gw.listener("connect").port());
     let np = node_proxy(&[
+        "--link-kind",
+        "none",
         "--address",
         "127.0.0.66",
         "--gateway",
@@ -146,6 +148,8 @@ control_planes:
     let legacy = Command::new(env!("CARGO_BIN_EXE_seedlink"))
         .args([
             "node-proxy",
+            "--link-kind",
+            "none",
             "--address",
             "127.0.0.67",
             "--port",
@@ -185,6 +189,8 @@ control_planes:
 async fn node_proxy_not_ready_without_gateway_and_refuses_bad_destination() {
     let dead = free_port();
     let np = node_proxy(&[
+        "--link-kind",
+        "none",
         "--address",
         "127.0.0.68",
         "--gateway",
@@ -211,6 +217,8 @@ async fn node_proxy_not_ready_without_gateway_and_refuses_bad_destination() {
     let out = Command::new(env!("CARGO_BIN_EXE_seedlink"))
         .args([
             "node-proxy",
+            "--link-kind",
+            "none",
             "--address",
             "127.0.0.69",
             "--gateway",
