@@ -51,7 +51,7 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
     let mut yaml = format!(
         "# Written by `seedlink quickstart`; edit it and the gateway reloads.\n\
          admin: {{listen: '127.0.0.1:{}'}}\n\
-         listeners:\n  - {{name: tls, address: '127.0.0.1:{}', protocol: tls}}\n\
+         listeners:\n  - {{name: tls, address: '127.0.0.1:{}', protocol: tls}}\n  - {{name: http-proxy, address: '127.0.0.1:0', protocol: http-connect}}\n\
          timeouts: {{drain: 2s}}\n\
          control_planes:\n",
         opts.admin_port, opts.port
@@ -66,7 +66,8 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
             stop.clone(),
         ));
         yaml.push_str(&format!(
-            "  - name: {name}\n    hostnames: [{host}]\n    endpoints: ['{addr}']\n"
+            "  - name: {name}\n    hostnames: [{host}]\n    endpoints: ['{addr}']\n    destinations: [{{name: '{}'}}]\n",
+            destination(name)
         ));
         if let Some(acl) = acl {
             yaml.push_str(&format!("    acl: {{allow: ['{acl}']}}\n"));
@@ -80,7 +81,11 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
     let bound = gw.bind()?;
     let tls_addr = bound.listeners[0].1[0].local_addr()?;
     let admin_addr = bound.admin.local_addr()?;
+    let connect_addr = bound.listeners[1].1[0].local_addr()?;
     gw.serve(bound)?;
+    // The in-cluster path: a node-proxy on a loopback address standing in
+    // for the `kubernetes` service IP, tunnelling to the gateway by CONNECT.
+    let node_addr = start_node_proxy(connect_addr, PLANES[0].0).await?;
 
     println!(
         "seedlink quickstart: a gateway on {tls_addr} routes TLS by SNI, without terminating it,"
@@ -106,10 +111,26 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
         );
     }
 
+    println!(
+        "# in-cluster path: node-proxy on {node_addr} (the `kubernetes` service address) → CONNECT with\n\
+         # X-Gardener-Destination: {} → gateway {connect_addr} → {}",
+        destination(PLANES[0].0),
+        PLANES[0].0
+    );
+    println!(
+        "curl --cacert {} --cert {} --key {} --resolve {host}:{port}:{ip} https://{host}:{port}/\n",
+        files.ca.display(),
+        files.cert.display(),
+        files.key.display(),
+        host = PLANES[0].1,
+        ip = node_addr.ip(),
+        port = node_addr.port()
+    );
+
     // The same walkthrough in both modes, so a newcomer sees every path
     // (including the ACL denial) work before trying the commands above.
     println!("Walkthrough:");
-    let ok = walkthrough(&gw, &pki, tls_addr).await;
+    let ok = walkthrough(&gw, &pki, tls_addr, node_addr).await;
     if opts.check {
         stop.cancel();
         return Ok(if ok { 0 } else { 1 });
@@ -122,7 +143,7 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
 }
 
 /// The unattended walkthrough: every step must behave as printed.
-async fn walkthrough(gw: &Arc<Gateway>, pki: &Pki, addr: SocketAddr) -> bool {
+async fn walkthrough(gw: &Arc<Gateway>, pki: &Pki, addr: SocketAddr, node: SocketAddr) -> bool {
     let mut all = true;
     let mut step = |name: &str, ok: bool, detail: String| {
         println!("[{}] {name}: {detail}", if ok { "PASS" } else { "FAIL" });
@@ -161,6 +182,23 @@ async fn walkthrough(gw: &Arc<Gateway>, pki: &Pki, addr: SocketAddr) -> bool {
         r.is_err(),
         show(&r),
     );
+    let cfg = pki.client_config(true, &[b"seedlink-demo"]);
+    let r = match cfg {
+        Ok(cfg) => tokio::time::timeout(
+            Duration::from_secs(10),
+            demo::https_get(node, PLANES[0].1, cfg),
+        )
+        .await
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("timed out"))),
+        Err(e) => Err(e),
+    };
+    let ok =
+        matches!(&r, Ok(body) if body.contains(PLANES[0].0) && body.contains("client_certs=1"));
+    step(
+        "in-cluster path: node-proxy → CONNECT → gateway → kube-apiserver (mTLS end to end)",
+        ok,
+        show(&r),
+    );
     let metrics = gw.metrics.encode();
     let denied = metrics.lines().any(|l| {
         l.starts_with("seedlink_gateway_acl_denied_total{control_plane=\"shoot--demo--gamma\"} 1")
@@ -194,4 +232,33 @@ fn show(r: &anyhow::Result<String>) -> String {
         Ok(body) => body.trim().to_string(),
         Err(e) => format!("refused ({e:#})"),
     }
+}
+
+/// The destination name of a demo control plane.
+fn destination(name: &str) -> String {
+    format!("outbound|443||kube-apiserver.{name}.svc.cluster.local")
+}
+
+/// Starts a node-proxy on 127.0.0.2 (any free port) tunnelling to the
+/// gateway's CONNECT listener for control plane `name`; returns its address.
+async fn start_node_proxy(gateway: SocketAddr, name: &str) -> anyhow::Result<SocketAddr> {
+    use seedlink_node_proxy::{Mode, NodeProxy, Options};
+    let opts = Options {
+        gateway: gateway.to_string(),
+        mode: Mode::Connect,
+        header: ("X-Gardener-Destination".into(), destination(name)),
+        authority: "api.internal.demo.seedlink.test:443".into(),
+        connect_timeout: Duration::from_secs(5),
+        handshake_timeout: Duration::from_secs(10),
+        resolve_ttl: Duration::from_secs(30),
+        max_connections: 1000,
+        drain: Duration::from_secs(2),
+        probe_interval: Duration::from_secs(10),
+    };
+    let np = NodeProxy::new(opts, false);
+    let listener = TcpListener::bind("127.0.0.2:0").await?;
+    let addr = listener.local_addr()?;
+    let admin = TcpListener::bind("127.0.0.1:0").await?;
+    np.serve(listener, admin);
+    Ok(addr)
 }
