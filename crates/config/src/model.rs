@@ -102,6 +102,8 @@ pub enum Protocol {
     /// Legacy (GEP-08): a PROXY header from a node proxy whose destination
     /// address selects the control plane.
     Proxy,
+    /// One port for all: the protocol is told from the first bytes.
+    Auto,
 }
 
 /// PROXY protocol handling on a listener.

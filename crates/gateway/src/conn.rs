@@ -44,6 +44,8 @@ enum Refusal {
     Connect(BadConnect),
     InnerProxyLocal,
     UnknownService,
+    Unrecognized,
+    Http2Unsupported,
 }
 
 impl Refusal {
@@ -64,6 +66,8 @@ impl Refusal {
             Refusal::UnknownDestination => "unknown_destination",
             Refusal::InnerProxyLocal => "proxy_no_destination",
             Refusal::UnknownService => "unknown_service_address",
+            Refusal::Unrecognized => "unrecognized_protocol",
+            Refusal::Http2Unsupported => "http2_not_supported",
             Refusal::Connect(bad) => bad.reason(),
         }
     }
@@ -362,7 +366,8 @@ async fn detect<'g>(
     }
     // On a legacy `proxy` listener a header from a peer that is not a
     // trusted LB is the node proxy's own (the inner one), read below.
-    let outer = mode != ProxyMode::Off && (trusted || lctx.spec.protocol != Protocol::Proxy);
+    let may_be_inner = matches!(lctx.spec.protocol, Protocol::Proxy | Protocol::Auto);
+    let outer = mode != ProxyMode::Off && (trusted || !may_be_inner);
     if outer {
         let header = loop {
             let present = match proxy_header::detect(&buf) {
@@ -413,7 +418,17 @@ async fn detect<'g>(
         }
     }
 
-    if lctx.spec.protocol == Protocol::Proxy {
+    let protocol = match lctx.spec.protocol {
+        Protocol::Auto => loop {
+            match classify(&buf) {
+                Parse::Done(p) => break p,
+                Parse::Invalid(r) => return Err(r),
+                Parse::Incomplete => read_more(stream, &mut buf, 64).await?,
+            }
+        },
+        p => p,
+    };
+    if protocol == Protocol::Proxy {
         // The node proxy's header: its destination picks the control plane;
         // its source is not believed (the outer header or the peer is).
         loop {
@@ -437,7 +452,7 @@ async fn detect<'g>(
             }
         }
     }
-    if lctx.spec.protocol == Protocol::HttpConnect {
+    if protocol == Protocol::HttpConnect {
         let limits = connect_head::Limits::default();
         loop {
             match connect_head::parse(&buf, &limits) {
@@ -645,4 +660,104 @@ async fn respond_and_close(stream: &TcpStream, response: &[u8]) {
         }
     };
     let _ = tokio::time::timeout(std::time::Duration::from_secs(1), drain).await;
+}
+
+/// The HTTP/2 client connection preface.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Tells the protocol of an `auto` listener's connection from its first
+/// bytes: a TLS record (0x16), a PROXY v1/v2 header (the legacy path), the
+/// HTTP/2 preface, or an HTTP/1 request line (a token of uppercase letters
+/// and a space). Bias: bytes that begin like a PROXY header or the HTTP/2
+/// preface are waited for until they can be told apart; a request whose
+/// method is literally `PROXY` is read as a PROXY header.
+fn classify(buf: &[u8]) -> Parse<Protocol, Refusal> {
+    let Some(&first) = buf.first() else {
+        return Parse::Incomplete;
+    };
+    if first == 0x16 {
+        return Parse::Done(Protocol::Tls);
+    }
+    match proxy_header::detect(buf) {
+        Parse::Done(()) => return Parse::Done(Protocol::Proxy),
+        Parse::Incomplete => return Parse::Incomplete,
+        Parse::Invalid(()) => {}
+    }
+    let n = buf.len().min(H2_PREFACE.len());
+    if buf[..n] == H2_PREFACE[..n] {
+        return if n == H2_PREFACE.len() {
+            Parse::Invalid(Refusal::Http2Unsupported)
+        } else {
+            Parse::Incomplete
+        };
+    }
+    // An HTTP/1 method: 1–20 uppercase letters, then a space.
+    for (i, &b) in buf.iter().enumerate().take(21) {
+        match b {
+            b'A'..=b'Z' => {}
+            b' ' if i > 0 => return Parse::Done(Protocol::HttpConnect),
+            _ => return Parse::Invalid(Refusal::Unrecognized),
+        }
+    }
+    if buf.len() > 20 {
+        Parse::Invalid(Refusal::Unrecognized)
+    } else {
+        Parse::Incomplete
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classify_first_bytes() {
+        assert_eq!(classify(b"\x16\x03\x01"), Parse::Done(Protocol::Tls));
+        assert_eq!(
+            classify(b"CONNECT a:443 HTTP/1.1"),
+            Parse::Done(Protocol::HttpConnect)
+        );
+        assert_eq!(
+            classify(b"GET / HTTP/1.1"),
+            Parse::Done(Protocol::HttpConnect)
+        );
+        assert_eq!(classify(b"PROXY TCP4 "), Parse::Done(Protocol::Proxy));
+        assert_eq!(
+            classify(&proxy_header::V2_SIGNATURE),
+            Parse::Done(Protocol::Proxy)
+        );
+        assert_eq!(
+            classify(H2_PREFACE),
+            Parse::Invalid(Refusal::Http2Unsupported)
+        );
+        // Ambiguous prefixes wait for more bytes.
+        for p in [
+            &b""[..],
+            b"P",
+            b"PR",
+            b"PRO",
+            b"PROX",
+            b"PROXY",
+            b"PRI * HTTP/2",
+            b"\r\n\r\n",
+            b"CONN",
+        ] {
+            assert_eq!(
+                classify(p),
+                Parse::Incomplete,
+                "{:?}",
+                String::from_utf8_lossy(p)
+            );
+        }
+        assert_eq!(
+            classify(b"POST / HTTP/1.1"),
+            Parse::Done(Protocol::HttpConnect)
+        );
+        assert_eq!(classify(b"\x00\x01"), Parse::Invalid(Refusal::Unrecognized));
+        assert_eq!(
+            classify(b"get / HTTP/1.1"),
+            Parse::Invalid(Refusal::Unrecognized)
+        );
+        assert_eq!(classify(&[b'A'; 30]), Parse::Invalid(Refusal::Unrecognized));
+    }
 }
