@@ -45,7 +45,6 @@ enum Refusal {
     InnerProxyLocal,
     UnknownService,
     Unrecognized,
-    Http2Unsupported,
 }
 
 impl Refusal {
@@ -67,7 +66,6 @@ impl Refusal {
             Refusal::InnerProxyLocal => "proxy_no_destination",
             Refusal::UnknownService => "unknown_service_address",
             Refusal::Unrecognized => "unrecognized_protocol",
-            Refusal::Http2Unsupported => "http2_not_supported",
             Refusal::Connect(bad) => bad.reason(),
         }
     }
@@ -80,6 +78,8 @@ enum Request {
         alpn: Vec<String>,
     },
     Connect(connect_head::Head),
+    /// HTTP/2 with prior knowledge: streams carry CONNECT tunnels.
+    Http2,
     /// Legacy GEP-08 path: the node proxy's PROXY header named this address.
     Legacy {
         destination: SocketAddr,
@@ -135,9 +135,9 @@ pub async fn serve(gw: Arc<Gateway>, lctx: Arc<ListenerCtx>, stream: TcpStream, 
 }
 
 async fn run(
-    gw: &Gateway,
-    lctx: &ListenerCtx,
-    snap: &Snapshot,
+    gw: &Arc<Gateway>,
+    lctx: &Arc<ListenerCtx>,
+    snap: &Arc<Snapshot>,
     stream: TcpStream,
     peer: SocketAddr,
 ) -> (String, &'static str) {
@@ -168,6 +168,19 @@ async fn run(
     };
     drop(guard);
     let client = detected.client;
+    if matches!(detected.request, Request::Http2) {
+        let Detected { replay, .. } = detected;
+        let outcome = crate::h2conn::serve(
+            gw.clone(),
+            lctx.clone(),
+            snap.clone(),
+            stream,
+            client,
+            replay,
+        )
+        .await;
+        return (String::new(), outcome);
+    }
 
     let (cp, endpoints, protocol): (Arc<ControlPlane>, &[Endpoint], String) = match &detected
         .request
@@ -179,6 +192,8 @@ async fn run(
             };
             (cp.clone(), cp.endpoints.as_slice(), "tls-sni".to_string())
         }
+        // Served above; kept exhaustive.
+        Request::Http2 => return refuse(gw, lctx, client, Refusal::Unrecognized),
         Request::Legacy { destination } => {
             let Some(cp) = snap.routes.service(*destination) else {
                 tracing::debug!(listener = %lctx.spec.name, %peer, %client, %destination, "unknown service address");
@@ -304,6 +319,7 @@ async fn run(
         }
         Request::Connect(head) => tracing::debug!(listener = %lctx.spec.name, %client, %peer,
             target = %head.target, control_plane = %cp.name, %endpoint, "tunnelling"),
+        Request::Http2 => {}
         Request::Legacy { destination } => {
             tracing::debug!(listener = %lctx.spec.name, %client, %peer,
             %destination, control_plane = %cp.name, %endpoint, "proxying legacy")
@@ -453,6 +469,21 @@ async fn detect<'g>(
         }
     }
     if protocol == Protocol::HttpConnect {
+        // h2c with prior knowledge on the same listener.
+        loop {
+            let n = buf.len().min(H2_PREFACE.len());
+            if buf[..n] != H2_PREFACE[..n] {
+                break;
+            }
+            if n == H2_PREFACE.len() {
+                return Ok(Detected {
+                    client,
+                    request: Request::Http2,
+                    replay: buf,
+                });
+            }
+            read_more(stream, &mut buf, H2_PREFACE.len()).await?;
+        }
         let limits = connect_head::Limits::default();
         loop {
             match connect_head::parse(&buf, &limits) {
@@ -686,7 +717,7 @@ fn classify(buf: &[u8]) -> Parse<Protocol, Refusal> {
     let n = buf.len().min(H2_PREFACE.len());
     if buf[..n] == H2_PREFACE[..n] {
         return if n == H2_PREFACE.len() {
-            Parse::Invalid(Refusal::Http2Unsupported)
+            Parse::Done(Protocol::HttpConnect)
         } else {
             Parse::Incomplete
         };
@@ -726,10 +757,7 @@ mod tests {
             classify(&proxy_header::V2_SIGNATURE),
             Parse::Done(Protocol::Proxy)
         );
-        assert_eq!(
-            classify(H2_PREFACE),
-            Parse::Invalid(Refusal::Http2Unsupported)
-        );
+        assert_eq!(classify(H2_PREFACE), Parse::Done(Protocol::HttpConnect));
         // Ambiguous prefixes wait for more bytes.
         for p in [
             &b""[..],

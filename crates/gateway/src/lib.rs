@@ -8,6 +8,7 @@
 
 pub mod admin;
 mod conn;
+mod h2conn;
 pub mod metrics;
 pub mod signals;
 pub mod upstream;

@@ -9,6 +9,7 @@
 pub mod accept;
 pub mod copy;
 pub mod lifecycle;
+pub mod prefixed;
 pub mod sockopt;
 #[cfg(target_os = "linux")]
 mod splice;

@@ -364,3 +364,121 @@ async fn envoy_apiserver_proxy_shape_through_the_gateway() {
     .await;
     stop.cancel();
 }
+
+/// Envoy as Kubermatic's envoy-agent: `tcp_proxy` tunnelling over explicit
+/// HTTP/2 (HTTP/2 CONNECT, routed by `:authority`), many tunnels multiplexed
+/// on one connection to the gateway.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_agent_http2_connect_many_streams() {
+    let envoy = require("envoy");
+    let stop = CancellationToken::new();
+    let pki = seedlink::demo::Pki::generate(&[ALPHA]).unwrap();
+    let a = demo_backend(&pki, 0, "alpha", &stop).await;
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tunneling, address: '127.0.0.1:0', protocol: http-connect}}]
+control_planes:
+  - name: alpha
+    endpoints: ['{a}']
+    destinations: [{{name: 'outbound|443||apiserver-external.cluster-abc.svc.cluster.local'}}]
+"
+    ));
+    let files = write_pki(&pki, gw.dir.path());
+    let port = free_port();
+    let gwa = gw.listener("tunneling");
+    let cfg = gw.dir.path().join("envoy-agent.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "static_resources:
+  listeners:
+  - name: apiserver
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          '@type': type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: apiserver
+          cluster: proxy_cluster
+          tunneling_config: {{hostname: 'apiserver-external.cluster-abc.svc.cluster.local:443'}}
+  clusters:
+  - name: proxy_cluster
+    type: STATIC
+    connect_timeout: 5s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        '@type': type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http2_protocol_options:
+            connection_keepalive: {{interval: 30s, timeout: 5s}}
+    load_assignment:
+      cluster_name: proxy_cluster
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: {ip}, port_value: {gport}}}}}}}
+",
+            ip = gwa.ip(),
+            gport = gwa.port()
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(envoy)
+        .arg("-c")
+        .arg(&cfg)
+        .args(["--concurrency", "1", "-l", "error", "--use-dynamic-base-id"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    wait_listening(format!("127.0.0.1:{port}").parse().unwrap()).await;
+    // 16 clients at once: one HTTP/2 connection, 16 streams.
+    let mut handles = Vec::new();
+    for _ in 0..16 {
+        let files = files.clone();
+        handles.push(std::thread::spawn(move || {
+            Command::new("curl")
+                .args(["-sS", "--max-time", "15", "--cacert"])
+                .arg(&files.ca)
+                .arg("--cert")
+                .arg(&files.cert)
+                .arg("--key")
+                .arg(&files.key)
+                .arg("--resolve")
+                .arg(format!("{ALPHA}:{port}:127.0.0.1"))
+                .arg(format!("https://{ALPHA}:{port}/"))
+                .output()
+                .unwrap()
+        }));
+    }
+    let mut ok = 0;
+    for h in handles {
+        let out = h.join().unwrap();
+        if String::from_utf8_lossy(&out.stdout).contains("hello from alpha") {
+            ok += 1;
+        } else {
+            eprintln!(
+                "curl via envoy-agent: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(ok, 16);
+    gw.wait_metric(
+        "seedlink_gateway_routed_total{listener=\"tunneling\",protocol=\"http2-connect\",control_plane=\"alpha\"}",
+        16.0,
+    )
+    .await;
+    // Envoy multiplexed the tunnels: far fewer TCP connections than streams.
+    let conns = gw
+        .metric("seedlink_gateway_connections_total{listener=\"tunneling\"")
+        .await
+        + gw.metric("seedlink_gateway_active_connections{listener=\"tunneling\"}")
+            .await;
+    assert!(
+        conns <= 4.0,
+        "expected multiplexing, saw {conns} connections"
+    );
+    stop.cancel();
+}

@@ -1,0 +1,233 @@
+//! HTTP/2 CONNECT (h2c with prior knowledge), Kubermatic's tunnelling
+//! strategy: many tunnels multiplexed on one connection, each a stream whose
+//! `:authority` (`<service>.<namespace>.svc.cluster.local:<port>`) or
+//! destination header names a configured destination. h2's flow control
+//! backpressures each tunnel on its own.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use h2::server::SendResponse;
+use h2::{RecvStream, SendStream};
+use http::{Method, Request, Response, StatusCode};
+use seedlink_config::Snapshot;
+use seedlink_net::copy::write_all;
+use seedlink_net::prefixed::Prefixed;
+use seedlink_proto::destination;
+use tokio::net::TcpStream;
+
+use crate::metrics::{CpLabels, RoutedLabels};
+use crate::{upstream, Gateway, ListenerCtx};
+
+/// Concurrent streams per connection.
+const MAX_STREAMS: u32 = 250;
+/// Keepalive ping interval and how long a pong may take.
+const PING_EVERY: Duration = Duration::from_secs(30);
+const PONG_WITHIN: Duration = Duration::from_secs(10);
+/// Bytes read from an upstream per DATA frame batch.
+const CHUNK: usize = 16 * 1024;
+
+/// Serves one HTTP/2 connection whose first `prefix` bytes were already read.
+pub(crate) async fn serve(
+    gw: Arc<Gateway>,
+    lctx: Arc<ListenerCtx>,
+    snap: Arc<Snapshot>,
+    stream: TcpStream,
+    client: SocketAddr,
+    prefix: Vec<u8>,
+) -> &'static str {
+    let io = Prefixed::new(prefix, stream);
+    let mut builder = h2::server::Builder::new();
+    builder
+        .max_concurrent_streams(MAX_STREAMS)
+        .initial_window_size(256 * 1024)
+        .initial_connection_window_size(4 * 1024 * 1024)
+        .max_send_buffer_size(256 * 1024)
+        // HTTP/2 rapid-reset and error-flood limits.
+        .max_pending_accept_reset_streams(20)
+        .max_local_error_reset_streams(Some(256));
+    let mut conn = match tokio::time::timeout(
+        snap.timeouts.client_hello,
+        builder.handshake::<_, Bytes>(io),
+    )
+    .await
+    {
+        Ok(Ok(c)) => c,
+        Ok(Err(_)) => return "h2_handshake_error",
+        Err(_) => return "timeout",
+    };
+    let mut pings = conn.ping_pong();
+    let keepalive = async move {
+        let Some(p) = pings.as_mut() else {
+            return std::future::pending::<()>().await;
+        };
+        loop {
+            tokio::time::sleep(PING_EVERY).await;
+            match tokio::time::timeout(PONG_WITHIN, p.ping(h2::Ping::opaque())).await {
+                Ok(Ok(_)) => {}
+                _ => return,
+            }
+        }
+    };
+    tokio::pin!(keepalive);
+    let tasks = tokio_util::task::TaskTracker::new();
+    let outcome = loop {
+        tokio::select! {
+            next = conn.accept() => match next {
+                Some(Ok((req, respond))) => {
+                    let (gw, lctx, snap) = (gw.clone(), lctx.clone(), snap.clone());
+                    tasks.spawn(async move { tunnel(&gw, &lctx, &snap, client, req, respond).await });
+                }
+                Some(Err(e)) => {
+                    tracing::debug!(%client, error = %e, "h2 connection error");
+                    break if e.is_go_away() || e.is_reset() { "h2_protocol_error" } else { "h2_error" };
+                }
+                None => break "ok",
+            },
+            () = &mut keepalive => break "h2_ping_timeout",
+            () = gw.lifecycle.close_all.cancelled() => break "closed_drain",
+        }
+    };
+    tasks.close();
+    outcome
+}
+
+/// Why a stream is refused, with its status.
+fn refuse(respond: &mut SendResponse<Bytes>, status: StatusCode) {
+    let mut r = Response::new(());
+    *r.status_mut() = status;
+    let _ = respond.send_response(r, true);
+}
+
+async fn tunnel(
+    gw: &Gateway,
+    lctx: &ListenerCtx,
+    snap: &Snapshot,
+    client: SocketAddr,
+    req: Request<RecvStream>,
+    mut respond: SendResponse<Bytes>,
+) {
+    if req.method() != Method::CONNECT {
+        return refuse(&mut respond, StatusCode::METHOD_NOT_ALLOWED);
+    }
+    // The destination header wins; otherwise `:authority` names the service.
+    let named = match req.headers().get(lctx.spec.destination_header.as_str()) {
+        Some(v) => v
+            .to_str()
+            .ok()
+            .map(|s| destination::parse(s).map(|d| d.canonical())),
+        None => req.uri().authority().map(|a| {
+            destination::parse(&format!(
+                "outbound|{}||{}",
+                a.port_u16().unwrap_or(443),
+                a.host()
+            ))
+            .map(|d| d.canonical())
+        }),
+    };
+    let Some(Ok(canonical)) = named else {
+        return refuse(&mut respond, StatusCode::BAD_REQUEST);
+    };
+    let Some(route) = snap.routes.destination(&canonical) else {
+        return refuse(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
+    };
+    let cp = &route.control_plane;
+    let allowed = snap.always_allowed.contains(client.ip())
+        || cp.acl.as_ref().is_none_or(|acl| acl.contains(client.ip()));
+    if !allowed {
+        gw.metrics
+            .acl_denied
+            .get_or_create(&CpLabels {
+                control_plane: cp.name.clone(),
+            })
+            .inc();
+        return refuse(&mut respond, StatusCode::FORBIDDEN);
+    }
+    let upstream = match upstream::connect(
+        &cp.name,
+        &route.endpoints,
+        &snap.upstream,
+        snap.timeouts.upstream_connect,
+        crate::keepalive(snap),
+        &gw.metrics,
+    )
+    .await
+    {
+        Ok((s, guard, _)) => (s, guard),
+        Err(_) => return refuse(&mut respond, StatusCode::SERVICE_UNAVAILABLE),
+    };
+    let (upstream, _guard) = upstream;
+    let Ok(send) = respond.send_response(Response::new(()), false) else {
+        return;
+    };
+    gw.metrics
+        .routed
+        .get_or_create(&RoutedLabels {
+            listener: lctx.spec.name.clone(),
+            protocol: "http2-connect".into(),
+            control_plane: cp.name.clone(),
+        })
+        .inc();
+    let recv = req.into_body();
+    let closer = gw.closer_for(&cp.name);
+    tokio::select! {
+        _ = async { tokio::join!(client_to_upstream(recv, &upstream), upstream_to_client(&upstream, send)) } => {}
+        () = closer.cancelled() => {}
+    }
+}
+
+/// DATA frames → upstream; END_STREAM → half-close the upstream.
+async fn client_to_upstream(mut recv: RecvStream, upstream: &TcpStream) {
+    while let Some(chunk) = recv.data().await {
+        let Ok(chunk) = chunk else {
+            seedlink_net::sockopt::arm_reset(upstream);
+            return;
+        };
+        let n = chunk.len();
+        if write_all(upstream, &chunk).await.is_err() {
+            return;
+        }
+        // Only now may the client send more: per-stream backpressure.
+        let _ = recv.flow_control().release_capacity(n);
+    }
+    let _ = socket2::SockRef::from(upstream).shutdown(std::net::Shutdown::Write);
+}
+
+/// Upstream bytes → DATA frames, as the stream's window allows; EOF →
+/// END_STREAM; an upstream error → RST_STREAM.
+async fn upstream_to_client(upstream: &TcpStream, mut send: SendStream<Bytes>) {
+    let mut buf = vec![0u8; CHUNK];
+    loop {
+        if upstream.readable().await.is_err() {
+            send.send_reset(h2::Reason::CANCEL);
+            return;
+        }
+        let n = match upstream.try_read(&mut buf) {
+            Ok(0) => {
+                let _ = send.send_data(Bytes::new(), true);
+                return;
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(_) => {
+                send.send_reset(h2::Reason::CONNECT_ERROR);
+                return;
+            }
+        };
+        let mut data = Bytes::copy_from_slice(&buf[..n]);
+        while !data.is_empty() {
+            send.reserve_capacity(data.len());
+            let granted = match std::future::poll_fn(|cx| send.poll_capacity(cx)).await {
+                Some(Ok(g)) if g > 0 => g,
+                Some(Ok(_)) => continue,
+                _ => return,
+            };
+            let part = data.split_to(granted.min(data.len()));
+            if send.send_data(part, false).is_err() {
+                return;
+            }
+        }
+    }
+}
