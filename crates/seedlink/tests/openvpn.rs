@@ -1,0 +1,264 @@
+//! OpenVPN through the gateway, as Gardener's reversed VPN does: the client
+//! (shoot side) uses `http-proxy` with `CUSTOM-HEADER X-Gardener-Destination`
+//! to reach the server (seed side) through the gateway's CONNECT listener,
+//! each in its own network namespace; a ping crosses the tunnel. The same
+//! with the legacy `Reversed-VPN` header on the legacy listener.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use common::require;
+
+const DEST: &str = "outbound|1194||vpn-seed-server.shoot--dev--a.svc.cluster.local";
+
+struct Netns(String);
+
+impl Netns {
+    fn new(tag: &str) -> Netns {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "sl-{tag}{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        assert!(Command::new(require("ip"))
+            .args(["netns", "add", &name])
+            .status()
+            .unwrap()
+            .success());
+        let ns = Netns(name);
+        ns.run(&["ip", "link", "set", "lo", "up"]);
+        ns
+    }
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.0]).args(args);
+        c
+    }
+    fn run(&self, args: &[&str]) -> String {
+        let out = self.cmd(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_log(path: &Path, needle: &str) {
+    let end = Instant::now() + Duration::from_secs(40);
+    loop {
+        let log = std::fs::read_to_string(path).unwrap_or_default();
+        if log.contains(needle) {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "{needle:?} not seen in {}:\n{log}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Client namespace ⇄ seed namespace over a veth pair (addresses from the
+/// benchmarking range, only inside these namespaces).
+fn topology() -> (Netns, Netns) {
+    let client = Netns::new("c");
+    let seed = Netns::new("s");
+    let (vc, vs) = (
+        format!("vc{}", std::process::id() % 100000),
+        format!("vs{}", std::process::id() % 100000),
+    );
+    client.run(&[
+        "ip", "link", "add", &vc, "type", "veth", "peer", "name", &vs,
+    ]);
+    client.run(&["ip", "link", "set", &vs, "netns", &seed.0]);
+    client.run(&["ip", "addr", "add", "198.18.1.1/24", "dev", &vc]);
+    client.run(&["ip", "link", "set", &vc, "up"]);
+    seed.run(&["ip", "addr", "add", "198.18.1.2/24", "dev", &vs]);
+    seed.run(&["ip", "link", "set", &vs, "up"]);
+    (client, seed)
+}
+
+#[test]
+fn openvpn_through_the_gateway_connect_and_legacy_header() {
+    let openvpn = require("openvpn");
+    require("ping");
+    let (client, seed) = topology();
+    let dir = tempfile::tempdir().unwrap();
+    let pki = seedlink::demo::Pki::generate(&["vpn-seed-server"]).unwrap();
+    let files = pki.write_client_files(dir.path()).unwrap();
+    let (srv_cert, srv_key) = (
+        dir.path().join("server.pem"),
+        dir.path().join("server-key.pem"),
+    );
+    std::fs::write(&srv_cert, &pki.servers[0].1.cert_pem).unwrap();
+    std::fs::write(&srv_key, &pki.servers[0].1.key_pem).unwrap();
+
+    // The gateway, in the seed namespace.
+    let cfg = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "admin: {{listen: '127.0.0.1:9901'}}
+listeners:
+  - {{name: http-proxy, address: '198.18.1.2:8443', protocol: http-connect}}
+  - {{name: tls-tunnel, address: '198.18.1.2:8132', protocol: http-connect, destination_header: Reversed-VPN}}
+control_planes:
+  - name: shoot--dev--a
+    endpoints: ['127.0.0.1:1194']
+    destinations: [{{name: '{DEST}'}}]
+"
+        ),
+    )
+    .unwrap();
+    let mut gw = seed
+        .cmd(&[
+            env!("CARGO_BIN_EXE_seedlink"),
+            "gateway",
+            "--config",
+            cfg.to_str().unwrap(),
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = gw.stdout.take().unwrap();
+    let _gw = Proc(gw);
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line).unwrap();
+    assert!(line.contains("ready"), "{line}");
+
+    for (port, header, round) in [
+        ("8443", "X-Gardener-Destination", 1),
+        ("8132", "Reversed-VPN", 2),
+    ] {
+        // vpn-seed-server: TCP server on 1194 in the seed namespace.
+        let slog = dir.path().join(format!("server{round}.log"));
+        let server = seed
+            .cmd(&[
+                openvpn.to_str().unwrap(),
+                "--dev",
+                "tun",
+                "--proto",
+                "tcp-server",
+                "--local",
+                "127.0.0.1",
+                "--port",
+                "1194",
+                "--tls-server",
+                "--dh",
+                "none",
+                "--ca",
+                files.ca.to_str().unwrap(),
+                "--cert",
+                srv_cert.to_str().unwrap(),
+                "--key",
+                srv_key.to_str().unwrap(),
+                "--ifconfig",
+                "198.18.0.1",
+                "198.18.0.2",
+                "--verb",
+                "3",
+                "--log",
+                slog.to_str().unwrap(),
+            ])
+            .spawn()
+            .unwrap();
+        let _server = Proc(server);
+        wait_log(&slog, "Listening for incoming TCP connection");
+        // vpn-shoot: through the gateway's CONNECT proxy, as Gardener configures it.
+        let clog = dir.path().join(format!("client{round}.log"));
+        let vpn = client
+            .cmd(&[
+                openvpn.to_str().unwrap(),
+                "--dev",
+                "tun",
+                "--proto",
+                "tcp-client",
+                "--remote",
+                "198.18.1.2",
+                "1194",
+                "--http-proxy",
+                "198.18.1.2",
+                port,
+                "--http-proxy-option",
+                "CUSTOM-HEADER",
+                header,
+                DEST,
+                "--tls-client",
+                "--ca",
+                files.ca.to_str().unwrap(),
+                "--cert",
+                files.cert.to_str().unwrap(),
+                "--key",
+                files.key.to_str().unwrap(),
+                "--ifconfig",
+                "198.18.0.2",
+                "198.18.0.1",
+                "--connect-retry",
+                "1",
+                "5",
+                "--verb",
+                "3",
+                "--log",
+                clog.to_str().unwrap(),
+            ])
+            .spawn()
+            .unwrap();
+        let _vpn = Proc(vpn);
+        wait_log(&clog, "Initialization Sequence Completed");
+        let ping = client
+            .cmd(&["ping", "-c", "3", "-W", "2", "198.18.0.1"])
+            .output()
+            .unwrap();
+        assert!(
+            ping.status.success(),
+            "ping across the tunnel ({header}): {}{}{}",
+            String::from_utf8_lossy(&ping.stdout),
+            String::from_utf8_lossy(&ping.stderr),
+            std::fs::read_to_string(&clog).unwrap_or_default()
+        );
+    }
+    let metrics = seed.run(&[
+        "curl",
+        "-s",
+        "--max-time",
+        "5",
+        "http://127.0.0.1:9901/metrics",
+    ]);
+    for l in [
+        "http-proxy\",protocol=\"http-connect:x-gardener-destination\"",
+        "tls-tunnel\",protocol=\"http-connect:reversed-vpn\"",
+    ] {
+        assert!(
+            metrics
+                .lines()
+                .any(|m| m.contains(l) && m.starts_with("seedlink_gateway_routed_total")),
+            "{l}\n{metrics}"
+        );
+    }
+}
