@@ -47,7 +47,7 @@ impl fmt::Display for Errors {
 impl std::error::Error for Errors {}
 
 /// A validated listener.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct ListenerSpec {
     /// Unique name.
     pub name: String,
@@ -61,6 +61,33 @@ pub struct ListenerSpec {
     pub destination_header: String,
     /// `http-connect`: the answer to an unusable request.
     pub on_invalid_request: InvalidRequest,
+    /// `http-connect`: the compiled destination guard (full match).
+    pub destination_regex: Option<regex::Regex>,
+}
+
+impl PartialEq for ListenerSpec {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+            && self.address == other.address
+            && self.protocol == other.protocol
+            && self.proxy_protocol == other.proxy_protocol
+            && self.destination_header == other.destination_header
+            && self.on_invalid_request == other.on_invalid_request
+            && self.destination_regex.as_ref().map(|r| r.as_str())
+                == other.destination_regex.as_ref().map(|r| r.as_str())
+    }
+}
+
+impl Eq for ListenerSpec {}
+
+/// Compiles a destination guard with Envoy `safe_regex` semantics: RE2
+/// syntax, matched against the whole value. The size limit keeps a hostile
+/// configuration from building a huge automaton.
+pub fn destination_regex(pattern: &str) -> Result<regex::Regex, String> {
+    regex::RegexBuilder::new(&format!("^(?:{pattern})$"))
+        .size_limit(1 << 20)
+        .build()
+        .map_err(|e| format!("invalid regular expression: {e}"))
 }
 
 /// One immutable, fully validated configuration. Connections keep the
@@ -381,6 +408,14 @@ fn check_listeners(c: &mut Collector, ls: &[Listener]) -> Vec<ListenerSpec> {
                     proxy_protocol: l.proxy_protocol,
                     destination_header: l.destination_header.to_ascii_lowercase(),
                     on_invalid_request: l.on_invalid_request,
+                    destination_regex: match l.destination_regex.as_deref().map(destination_regex) {
+                        None => None,
+                        Some(Ok(r)) => Some(r),
+                        Some(Err(why)) => {
+                            c.err(format!("{at}.destination_regex"), why);
+                            None
+                        }
+                    },
                 });
             }
             Err(_) => c.err(

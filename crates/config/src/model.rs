@@ -72,6 +72,11 @@ pub struct Listener {
     /// destination header, or that is not CONNECT.
     #[serde(default)]
     pub on_invalid_request: InvalidRequest,
+    /// `http-connect` only: an extra guard, a regular expression (RE2
+    /// syntax, full match, like Envoy's `safe_regex`) the destination header
+    /// must match, e.g. Gardener's.
+    #[serde(default)]
+    pub destination_regex: Option<String>,
 }
 
 fn default_destination_header() -> String {

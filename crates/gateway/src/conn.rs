@@ -206,7 +206,11 @@ async fn run(
             )
         }
         Request::Connect(head) => {
-            let canonical = match check_connect(head, &lctx.spec.destination_header) {
+            let canonical = match check_connect(
+                head,
+                &lctx.spec.destination_header,
+                lctx.spec.destination_regex.as_ref(),
+            ) {
                 Ok(c) => c,
                 Err(bad) => return reject_connect(gw, lctx, &stream, client, head, bad).await,
             };
@@ -576,7 +580,11 @@ impl BadConnect {
 
 /// Checks a CONNECT head and returns the canonical destination it names.
 /// The request-line target is never used for routing.
-fn check_connect(head: &connect_head::Head, header: &str) -> Result<String, BadConnect> {
+fn check_connect(
+    head: &connect_head::Head,
+    header: &str,
+    guard: Option<&regex::Regex>,
+) -> Result<String, BadConnect> {
     if head.method != "CONNECT" {
         return Err(BadConnect::NotConnect);
     }
@@ -591,6 +599,9 @@ fn check_connect(head: &connect_head::Head, header: &str) -> Result<String, BadC
     };
     if values.next().is_some() {
         return Err(BadConnect::DuplicateDestination);
+    }
+    if guard.is_some_and(|re| !re.is_match(value)) {
+        return Err(BadConnect::MalformedDestination);
     }
     destination::parse(value)
         .map(|d| d.canonical())
@@ -740,6 +751,32 @@ fn classify(buf: &[u8]) -> Parse<Protocol, Refusal> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn destination_guard_applies_before_the_grammar() {
+        let head = |v: &str| {
+            let raw = format!("CONNECT x:443 HTTP/1.1\r\nX-Gardener-Destination: {v}\r\n\r\n");
+            match connect_head::parse(raw.as_bytes(), &connect_head::Limits::default()) {
+                Parse::Done(h) => h,
+                other => panic!("{other:?}"),
+            }
+        };
+        let guard =
+            seedlink_config::compile::destination_regex(r"outbound\|443\|\|kube-apiserver\..*")
+                .unwrap();
+        let ok = "outbound|443||kube-apiserver.ns.svc.cluster.local";
+        let vpn = "outbound|1194||vpn-seed-server.ns.svc.cluster.local";
+        let h = "x-gardener-destination";
+        assert_eq!(
+            check_connect(&head(ok), h, Some(&guard)),
+            Ok(ok.to_string())
+        );
+        assert_eq!(
+            check_connect(&head(vpn), h, Some(&guard)),
+            Err(BadConnect::MalformedDestination)
+        );
+        assert_eq!(check_connect(&head(vpn), h, None), Ok(vpn.to_string()));
+    }
 
     #[test]
     fn classify_first_bytes() {

@@ -238,3 +238,20 @@ control_planes:
         assert!(text.iter().any(|t| t.starts_with(w)), "missing {w} in {text:#?}");
     }
 }
+
+#[test]
+fn destination_regex_is_compiled_or_reported() {
+    let s = ok("listeners: [{name: c, address: '127.0.0.1:0', protocol: http-connect, destination_regex: 'outbound\\|.*'}]");
+    let re = s.listeners[0].destination_regex.as_ref().unwrap();
+    assert!(re.is_match("outbound|443||a.b"));
+    assert!(
+        !re.is_match("xoutbound|443||a.b"),
+        "full match, like Envoy's safe_regex"
+    );
+    let e = errors("listeners: [{name: c, address: '127.0.0.1:0', protocol: http-connect, destination_regex: '(unclosed'}]");
+    assert!(
+        e[0].path == "listeners[0].destination_regex"
+            && e[0].message.contains("invalid regular expression"),
+        "{e:?}"
+    );
+}
