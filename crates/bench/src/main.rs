@@ -51,6 +51,11 @@ pub struct Opts {
     /// Worker threads each proxy may use.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
+    /// `sni` (TLS passthrough) or `connect` (HTTP CONNECT tunnels with the
+    /// destination header; seedlink's http-connect listener vs Envoy as
+    /// Gardener's ingress).
+    #[arg(long, default_value = "sni")]
+    pub scenario: String,
     /// Print the results as JSON too.
     #[arg(long)]
     pub json: bool,
@@ -88,6 +93,11 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(opts: Opts) -> anyhow::Result<()> {
     raise_nofile();
+    match opts.scenario.as_str() {
+        "sni" => {}
+        "connect" => peers::set_tunnel_destination(),
+        other => anyhow::bail!("--scenario {other:?}: use sni or connect"),
+    }
     let backend = workload::Backend::start().await?;
     let dir = tempfile::tempdir()?;
     let mut targets: Vec<(String, Option<peers::Proxy>)> = vec![("direct".into(), None)];
@@ -115,7 +125,14 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
                 let fresh =
                     peers::Proxy::start(name, &opts, backend.addr, dir.path(), 100 + round * n + k)
                         .await?;
-                match workload::idle(fresh.addr, &fresh.pids(), opts.idle_conns).await {
+                match workload::idle(
+                    fresh.addr,
+                    &fresh.pids(),
+                    opts.idle_conns,
+                    peers::tunnel_destination().is_some(),
+                )
+                .await
+                {
                     Ok(kib) => s.idle_kib = Some(kib),
                     Err(e) => eprintln!("bench: idle run of {name} failed: {e:#}"),
                 }
@@ -166,8 +183,8 @@ fn report(opts: &Opts, names: &[String], samples: &BTreeMap<String, Vec<Sample>>
         )
     };
     println!(
-        "\n## seedlink-bench: medians of {} interleaved rounds ({} MiB bulk, {} s × {} clients rate, {} idle conns, {} proxy threads)\n",
-        opts.rounds, opts.bulk_mib, opts.rate_secs, opts.rate_concurrency, opts.idle_conns, opts.threads
+        "\n## seedlink-bench ({} scenario): medians of {} interleaved rounds ({} MiB bulk, {} s × {} clients rate, {} idle conns, {} proxy threads)\n",
+        opts.scenario, opts.rounds, opts.bulk_mib, opts.rate_secs, opts.rate_concurrency, opts.idle_conns, opts.threads
     );
     print!("| metric |");
     for n in names {

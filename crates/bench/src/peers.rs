@@ -13,6 +13,22 @@ use crate::Opts;
 /// The SNI every proxy routes to the backend.
 pub const SNI: &str = "api.alpha.example.com";
 
+/// The destination the CONNECT scenario asks for (and the name of Envoy's
+/// cluster for it).
+pub const DEST: &str = "outbound|443||kube-apiserver.shoot--bench--a.svc.cluster.local";
+
+static TUNNEL: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+
+/// Switches the bench to the CONNECT scenario.
+pub fn set_tunnel_destination() {
+    let _ = TUNNEL.set(DEST);
+}
+
+/// The destination when running the CONNECT scenario.
+pub fn tunnel_destination() -> Option<&'static str> {
+    TUNNEL.get().copied()
+}
+
 /// A running proxy process.
 pub struct Proxy {
     child: Child,
@@ -49,6 +65,9 @@ impl Proxy {
         let port = free_port()?;
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let t = opts.threads;
+        if tunnel_destination().is_some() && matches!(name, "haproxy" | "nginx") {
+            bail!("{name} has no CONNECT-by-header routing; the connect scenario compares seedlink and envoy");
+        }
         let child = match name {
             "seedlink" => {
                 let cfg = dir.join(format!("seedlink-{idx}.yaml"));
@@ -56,11 +75,12 @@ impl Proxy {
                     &cfg,
                     format!(
                         "admin: {{listen: '127.0.0.1:0'}}
-listeners: [{{name: tls, address: '{addr}'}}]
+listeners: [{{name: tls, address: '{addr}', protocol: {proto}}}]
 limits: {{max_unrouted_per_source: 100000}}
 control_planes:
-  - {{name: bench, hostnames: [{SNI}], endpoints: ['{backend}']}}
-"
+  - {{name: bench, hostnames: [{SNI}], endpoints: ['{backend}'], destinations: [{{name: '{DEST}'}}]}}
+",
+                        proto = if tunnel_destination().is_some() { "http-connect" } else { "tls" }
                     ),
                 )?;
                 let mut c = Command::new(&opts.seedlink)
@@ -145,6 +165,17 @@ stream {{
                     .arg(&prefix)
                     .arg("-c")
                     .arg(&cfg)
+                    .stdout(Stdio::null())
+                    .spawn()?
+            }
+            "envoy" if tunnel_destination().is_some() => {
+                let cfg = dir.join(format!("envoy-{idx}.yaml"));
+                std::fs::write(&cfg, envoy_ingress(port, backend))?;
+                Command::new(which("envoy")?)
+                    .arg("-c")
+                    .arg(&cfg)
+                    .args(["--concurrency", &t.to_string(), "-l", "error", "--base-id"])
+                    .arg((1000 + idx).to_string())
                     .stdout(Stdio::null())
                     .spawn()?
             }
@@ -262,4 +293,60 @@ pub fn rss_kib(pids: &[u32]) -> f64 {
                 .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
         })
         .sum()
+}
+
+/// Envoy configured as Gardener's istio ingress `http-proxy` port: CONNECT
+/// routed by `cluster_header: X-Gardener-Destination` (behind Gardener's
+/// regex), a cluster named like the destination.
+fn envoy_ingress(port: u16, backend: SocketAddr) -> String {
+    format!(
+        "layered_runtime:
+  layers:
+  - name: static
+    static_layer: {{re2.max_program_size.error_level: 1000}}
+static_resources:
+  listeners:
+  - name: http_proxy
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    per_connection_buffer_limit_bytes: 32768
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          '@type': type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: http_proxy
+          http_protocol_options: {{accept_http_10: true}}
+          upgrade_configs: [{{upgrade_type: CONNECT}}]
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config: {{'@type': type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+          route_config:
+            virtual_hosts:
+            - name: http-proxy
+              domains: ['*']
+              routes:
+              - match:
+                  connect_matcher: {{}}
+                  headers: [{{name: X-Gardener-Destination, string_match: {{safe_regex: {{regex: '^(outbound\\|(1194\\|\\|vpn-seed-server(-[0-4])?|443\\|\\|kube-apiserver)\\..*\\.svc\\.cluster\\.local|(shoot-[a-z0-9]+(-[a-z0-9]+)*|shoot--[a-z0-9]+(-[a-z0-9]+)*--[a-z0-9]+(-[a-z0-9]+)*)--kube-apiserver-socket)$'}}}}}}]
+                route:
+                  cluster_header: X-Gardener-Destination
+                  upgrade_configs: [{{upgrade_type: CONNECT, connect_config: {{}}}}]
+              - match: {{connect_matcher: {{}}}}
+                redirect: {{https_redirect: true, port_redirect: 443}}
+  clusters:
+  - name: '{DEST}'
+    type: STATIC
+    connect_timeout: 5s
+    per_connection_buffer_limit_bytes: 32768
+    circuit_breakers:
+      thresholds: [{{max_connections: 1000000, max_pending_requests: 1000000, max_requests: 1000000}}]
+    load_assignment:
+      cluster_name: '{DEST}'
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: {ip}, port_value: {bport}}}}}}}
+",
+        ip = backend.ip(),
+        bport = backend.port()
+    )
 }

@@ -97,7 +97,8 @@ pub async fn measure(
     let bytes = opts.bulk_mib * 1024 * 1024;
     let cpu0 = cpu_seconds(pids);
     let t0 = Instant::now();
-    let got = bulk(addr, bytes).await.context("bulk")?;
+    let tunnel = proxied && crate::peers::tunnel_destination().is_some();
+    let got = bulk(addr, bytes, tunnel).await.context("bulk")?;
     let secs = t0.elapsed().as_secs_f64();
     let cpu = cpu_seconds(pids) - cpu0;
     if got != bytes {
@@ -114,6 +115,7 @@ pub async fn measure(
         addr,
         opts.rate_concurrency,
         Duration::from_secs_f64(opts.rate_secs),
+        tunnel,
     )
     .await?;
     let conns = rate * t0.elapsed().as_secs_f64();
@@ -126,14 +128,17 @@ pub async fn measure(
     // Single-connection latency.
     let mut lat = Vec::with_capacity(opts.latency_conns);
     for i in 0..opts.latency_conns {
-        lat.push(one_conn(addr, src_ip(i)).await?);
+        lat.push(one_conn(addr, src_ip(i), tunnel).await?);
     }
     s.single_p50_us = Some(percentile(&mut lat, 0.50));
     Ok(s)
 }
 
-async fn bulk(addr: SocketAddr, bytes: u64) -> anyhow::Result<u64> {
+async fn bulk(addr: SocketAddr, bytes: u64, tunnel: bool) -> anyhow::Result<u64> {
     let mut c = TcpStream::connect(addr).await?;
+    if tunnel {
+        open_tunnel(&mut c).await?;
+    }
     c.set_nodelay(true)?;
     let mut msg = HELLO.to_vec();
     msg.push(BULK);
@@ -164,25 +169,37 @@ fn src_ip(i: usize) -> IpAddr {
 
 /// One connection: connect, send the hello, wait for the first byte, close.
 /// Returns connect-to-first-byte in µs.
-async fn one_conn(addr: SocketAddr, src: IpAddr) -> anyhow::Result<f64> {
+async fn one_conn(addr: SocketAddr, src: IpAddr, tunnel: bool) -> anyhow::Result<f64> {
     let sock = TcpSocket::new_v4()?;
     sock.bind(SocketAddr::new(src, 0))?;
     let t0 = Instant::now();
     let mut c = tokio::time::timeout(Duration::from_secs(10), sock.connect(addr)).await??;
     c.set_nodelay(true)?;
+    if tunnel {
+        open_tunnel(&mut c).await?;
+    }
     let mut msg = HELLO.to_vec();
     msg.push(ONE_AND_CLOSE);
     c.write_all(&msg).await?;
     let mut b = [0u8; 1];
     tokio::time::timeout(Duration::from_secs(10), c.read_exact(&mut b)).await??;
     let us = t0.elapsed().as_secs_f64() * 1e6;
-    // Wait for the backend's close to come through, then close.
-    let mut sink = [0u8; 16];
-    let _ = tokio::time::timeout(Duration::from_secs(10), c.read(&mut sink)).await;
+    // Wait for the backend's close to come through, then close. Through a
+    // CONNECT tunnel the close is not always relayed (Envoy keeps the
+    // tunnel open), so there the client closes right after the byte.
+    if !tunnel {
+        let mut sink = [0u8; 16];
+        let _ = tokio::time::timeout(Duration::from_secs(10), c.read(&mut sink)).await;
+    }
     Ok(us)
 }
 
-async fn rate(addr: SocketAddr, conc: usize, dur: Duration) -> anyhow::Result<(f64, f64, f64)> {
+async fn rate(
+    addr: SocketAddr,
+    conc: usize,
+    dur: Duration,
+    tunnel: bool,
+) -> anyhow::Result<(f64, f64, f64)> {
     let start = Instant::now();
     let mut tasks = Vec::new();
     for w in 0..conc {
@@ -191,7 +208,7 @@ async fn rate(addr: SocketAddr, conc: usize, dur: Duration) -> anyhow::Result<(f
             let mut errors = 0u32;
             let mut i = w;
             while start.elapsed() < dur {
-                match one_conn(addr, src_ip(i)).await {
+                match one_conn(addr, src_ip(i), tunnel).await {
                     Ok(us) => lat.push(us),
                     Err(_) => errors += 1,
                 }
@@ -222,7 +239,7 @@ async fn rate(addr: SocketAddr, conc: usize, dur: Duration) -> anyhow::Result<(f
 /// RSS growth per idle proxied connection. Run against a freshly started
 /// proxy: memory that an allocator keeps after earlier runs would otherwise
 /// hide the growth.
-pub async fn idle(addr: SocketAddr, pids: &[u32], n: usize) -> anyhow::Result<f64> {
+pub async fn idle(addr: SocketAddr, pids: &[u32], n: usize, tunnel: bool) -> anyhow::Result<f64> {
     // Let memory from the previous runs settle before the baseline.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let before = rss_kib(pids);
@@ -236,6 +253,9 @@ pub async fn idle(addr: SocketAddr, pids: &[u32], n: usize) -> anyhow::Result<f6
                 let sock = TcpSocket::new_v4()?;
                 sock.bind(SocketAddr::new(src_ip(i), 0))?;
                 let mut c = sock.connect(addr).await?;
+                if tunnel {
+                    open_tunnel(&mut c).await?;
+                }
                 let mut msg = HELLO.to_vec();
                 msg.push(ONE_AND_IDLE);
                 c.write_all(&msg).await?;
@@ -271,4 +291,31 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     let i = ((v.len() - 1) as f64 * p).round() as usize;
     v[i]
+}
+
+/// CONNECT scenario: asks the proxy for a tunnel to the backend (the
+/// destination header names it) and waits for `200` before the workload's
+/// own bytes, as node proxies do.
+async fn open_tunnel(c: &mut TcpStream) -> anyhow::Result<()> {
+    let Some(dest) = crate::peers::tunnel_destination() else {
+        return Ok(());
+    };
+    let head = format!("CONNECT backend:443 HTTP/1.1\r\nHost: backend:443\r\nX-Gardener-Destination: {dest}\r\n\r\n");
+    c.write_all(head.as_bytes()).await?;
+    let mut got = Vec::with_capacity(128);
+    let mut byte = [0u8; 1];
+    while !got.ends_with(b"\r\n\r\n") {
+        if got.len() > 4096 {
+            bail!("CONNECT answer too long");
+        }
+        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut byte)).await??;
+        if n == 0 {
+            bail!("proxy closed during CONNECT");
+        }
+        got.push(byte[0]);
+    }
+    if !got.starts_with(b"HTTP/1.1 200") && !got.starts_with(b"HTTP/1.0 200") {
+        bail!("CONNECT refused: {}", String::from_utf8_lossy(&got));
+    }
+    Ok(())
 }
