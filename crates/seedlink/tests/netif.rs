@@ -5,66 +5,12 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::require;
+use common::{Netns, Proc};
 
 const DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
-
-/// A network namespace that exists for the life of the value.
-struct Netns(String);
-
-impl Netns {
-    fn new() -> Netns {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let name = format!(
-            "seedlink-t{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        );
-        let ok = Command::new(require("ip"))
-            .args(["netns", "add", &name])
-            .status()
-            .unwrap();
-        assert!(ok.success(), "ip netns add {name} failed");
-        let ns = Netns(name);
-        ns.run(&["ip", "link", "set", "lo", "up"]);
-        ns
-    }
-
-    fn cmd(&self, args: &[&str]) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.0]).args(args);
-        c
-    }
-
-    fn run(&self, args: &[&str]) -> String {
-        let out: Output = self.cmd(args).output().unwrap();
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn node_proxy(ns: &Netns, extra: &[&str]) -> Command {
     let mut c = ns.cmd(&[
@@ -91,7 +37,7 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
 
 #[test]
 fn bridge_link_takes_the_address_from_lo_and_keeps_it() {
-    let ns = Netns::new();
+    let ns = Netns::new("t");
     ns.run(&["ip", "addr", "add", "240.0.0.10/32", "dev", "lo"]);
     let mut child = node_proxy(
         &ns,
@@ -176,7 +122,7 @@ fn bridge_link_takes_the_address_from_lo_and_keeps_it() {
 
 #[test]
 fn dummy_link_works_or_fails_clearly_and_existing_must_exist() {
-    let ns = Netns::new();
+    let ns = Netns::new("t");
     // What does this kernel say about dummy links?
     let probe = ns
         .cmd(&["ip", "link", "add", "probe0", "type", "dummy"])

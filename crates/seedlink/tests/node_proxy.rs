@@ -58,23 +58,7 @@ fn node_proxy(args: &[&str]) -> NodeProxy {
 }
 
 fn curl(files: &seedlink::demo::ClientFiles, at: SocketAddr) -> String {
-    let out = Command::new(require("curl"))
-        .args(["-sS", "--max-time", "10", "--cacert"])
-        .arg(&files.ca)
-        .arg("--cert")
-        .arg(&files.cert)
-        .arg("--key")
-        .arg(&files.key)
-        .arg("--resolve")
-        .arg(format!("{ALPHA}:{}:{}", at.port(), at.ip()))
-        .arg(format!("https://{ALPHA}:{}/", at.port()))
-        .output()
-        .unwrap();
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    curl_mtls(files, ALPHA, at.ip(), at.port())
 }
 
 async fn wait_ready(admin: SocketAddr) {

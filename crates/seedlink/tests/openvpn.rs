@@ -9,63 +9,12 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::require;
+use common::{require, Netns, Proc};
 
 const DEST: &str = "outbound|1194||vpn-seed-server.shoot--dev--a.svc.cluster.local";
-
-struct Netns(String);
-
-impl Netns {
-    fn new(tag: &str) -> Netns {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let name = format!(
-            "sl-{tag}{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        );
-        assert!(Command::new(require("ip"))
-            .args(["netns", "add", &name])
-            .status()
-            .unwrap()
-            .success());
-        let ns = Netns(name);
-        ns.run(&["ip", "link", "set", "lo", "up"]);
-        ns
-    }
-    fn cmd(&self, args: &[&str]) -> Command {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.0]).args(args);
-        c
-    }
-    fn run(&self, args: &[&str]) -> String {
-        let out = self.cmd(args).output().unwrap();
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
-    }
-}
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn wait_log(path: &Path, needle: &str) {
     let end = Instant::now() + Duration::from_secs(40);

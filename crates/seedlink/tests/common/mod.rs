@@ -289,3 +289,84 @@ pub fn require(tool: &str) -> PathBuf {
 pub fn write_pki(pki: &seedlink::demo::Pki, dir: &Path) -> seedlink::demo::ClientFiles {
     pki.write_client_files(dir).unwrap()
 }
+
+/// curl with the demo client certificate to `https://host:port/`, resolving
+/// `host` to `ip`; returns stdout and stderr together.
+pub fn curl_mtls(
+    files: &seedlink::demo::ClientFiles,
+    host: &str,
+    ip: std::net::IpAddr,
+    port: u16,
+) -> String {
+    let out = Command::new(require("curl"))
+        .args(["-sS", "--max-time", "10", "--cacert"])
+        .arg(&files.ca)
+        .arg("--cert")
+        .arg(&files.cert)
+        .arg("--key")
+        .arg(&files.key)
+        .arg("--resolve")
+        .arg(format!("{host}:{port}:{ip}"))
+        .arg(format!("https://{host}:{port}/"))
+        .output()
+        .unwrap();
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// A child process killed when dropped.
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A network namespace that exists for the life of the value, with `lo` up.
+pub struct Netns(pub String);
+
+impl Netns {
+    pub fn new(tag: &str) -> Netns {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let name = format!(
+            "sl-{tag}{}-{}",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let ok = Command::new(require("ip"))
+            .args(["netns", "add", &name])
+            .status()
+            .unwrap();
+        assert!(ok.success(), "ip netns add {name} failed");
+        let ns = Netns(name);
+        ns.run(&["ip", "link", "set", "lo", "up"]);
+        ns
+    }
+
+    pub fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.0]).args(args);
+        c
+    }
+
+    pub fn run(&self, args: &[&str]) -> String {
+        let out = self.cmd(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+    }
+}
