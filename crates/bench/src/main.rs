@@ -51,9 +51,10 @@ pub struct Opts {
     /// Worker threads each proxy may use.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
-    /// `sni` (TLS passthrough) or `connect` (HTTP CONNECT tunnels with the
+    /// `sni` (TLS passthrough), `connect` (HTTP CONNECT tunnels with the
     /// destination header; seedlink's http-connect listener vs Envoy as
-    /// Gardener's ingress).
+    /// Gardener's ingress) or `node-proxy` (seedlink node-proxy vs Envoy with
+    /// Gardener's apiserver-proxy config, both in front of one seedlink gateway).
     #[arg(long, default_value = "sni")]
     pub scenario: String,
     /// Print the results as JSON too.
@@ -94,12 +95,22 @@ fn main() -> anyhow::Result<()> {
 async fn run(opts: Opts) -> anyhow::Result<()> {
     raise_nofile();
     match opts.scenario.as_str() {
-        "sni" => {}
+        "sni" | "node-proxy" => {}
         "connect" => peers::set_tunnel_destination(),
-        other => anyhow::bail!("--scenario {other:?}: use sni or connect"),
+        other => anyhow::bail!("--scenario {other:?}: use sni, connect or node-proxy"),
     }
     let backend = workload::Backend::start().await?;
     let dir = tempfile::tempdir()?;
+    // node-proxy scenario: one seedlink gateway (not measured) that every
+    // node proxy tunnels to; the measured proxy is the node proxy.
+    let _gateway = if opts.scenario == "node-proxy" {
+        let g =
+            peers::Proxy::start_gateway_for_node_proxies(&opts, backend.addr, dir.path()).await?;
+        eprintln!("bench: gateway for node proxies on {}", g.addr);
+        Some(g)
+    } else {
+        None
+    };
     let mut targets: Vec<(String, Option<peers::Proxy>)> = vec![("direct".into(), None)];
     for (i, name) in opts.proxies.iter().enumerate() {
         let p = peers::Proxy::start(name, &opts, backend.addr, dir.path(), i)

@@ -18,10 +18,16 @@ pub const SNI: &str = "api.alpha.example.com";
 pub const DEST: &str = "outbound|443||kube-apiserver.shoot--bench--a.svc.cluster.local";
 
 static TUNNEL: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+static NODE_GATEWAY: std::sync::OnceLock<SocketAddr> = std::sync::OnceLock::new();
 
 /// Switches the bench to the CONNECT scenario.
 pub fn set_tunnel_destination() {
     let _ = TUNNEL.set(DEST);
+}
+
+/// Whether the node-proxy scenario is running.
+pub fn node_proxy_scenario() -> bool {
+    NODE_GATEWAY.get().is_some()
 }
 
 /// The destination when running the CONNECT scenario.
@@ -65,6 +71,9 @@ impl Proxy {
         let port = free_port()?;
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let t = opts.threads;
+        if let Some(gw) = NODE_GATEWAY.get() {
+            return Proxy::start_node_proxy(name, opts, *gw, dir, idx, addr).await;
+        }
         if tunnel_destination().is_some() && matches!(name, "haproxy" | "nginx") {
             bail!("{name} has no CONNECT-by-header routing; the connect scenario compares seedlink and envoy");
         }
@@ -224,6 +233,151 @@ stream {{
                     .spawn()?
             }
             other => bail!("unknown proxy {other:?}"),
+        };
+        let p = Proxy { child, addr };
+        let end = Instant::now() + Duration::from_secs(20);
+        while tokio::net::TcpStream::connect(addr).await.is_err() {
+            if Instant::now() > end {
+                bail!("{name} did not listen on {addr} within 20 s");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(p)
+    }
+
+    /// Starts the (unmeasured) gateway that node proxies tunnel to.
+    pub async fn start_gateway_for_node_proxies(
+        opts: &Opts,
+        backend: SocketAddr,
+        dir: &Path,
+    ) -> anyhow::Result<Proxy> {
+        let port = free_port()?;
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+        let cfg = dir.join("node-gateway.yaml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: http-proxy, address: '{addr}', protocol: http-connect}}]
+limits: {{max_unrouted_per_source: 100000}}
+control_planes:
+  - {{name: bench, endpoints: ['{backend}'], destinations: [{{name: '{DEST}'}}]}}
+"
+            ),
+        )?;
+        let mut c = Command::new(&opts.seedlink)
+            .args(["gateway", "--config"])
+            .arg(&cfg)
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let out = c.stdout.take().context("stdout")?;
+        let mut line = String::new();
+        BufReader::new(out).read_line(&mut line)?;
+        if !line.contains("ready") {
+            bail!("gateway did not start: {line:?}");
+        }
+        let _ = NODE_GATEWAY.set(addr);
+        Ok(Proxy { child: c, addr })
+    }
+
+    async fn start_node_proxy(
+        name: &str,
+        opts: &Opts,
+        gateway: SocketAddr,
+        dir: &Path,
+        idx: usize,
+        addr: SocketAddr,
+    ) -> anyhow::Result<Proxy> {
+        let child = match name {
+            "seedlink" => {
+                let mut c = Command::new(&opts.seedlink)
+                    .args([
+                        "node-proxy",
+                        "--link-kind",
+                        "none",
+                        "--address",
+                        "127.0.0.1",
+                        "--admin",
+                        "127.0.0.1:0",
+                    ])
+                    .args([
+                        "--port",
+                        &addr.port().to_string(),
+                        "--gateway",
+                        &gateway.to_string(),
+                        "--destination",
+                        DEST,
+                    ])
+                    .env("RUST_LOG", "error")
+                    .stdout(Stdio::piped())
+                    .spawn()?;
+                let out = c.stdout.take().context("stdout")?;
+                let mut line = String::new();
+                BufReader::new(out).read_line(&mut line)?;
+                if !line.contains("ready") {
+                    bail!("node-proxy did not start: {line:?}");
+                }
+                c
+            }
+            "envoy" => {
+                // Gardener's apiserver-proxy bootstrap (tcp_proxy with
+                // tunneling_config), on loopback instead of the service IP.
+                let cfg = dir.join(format!("envoy-apiserver-proxy-{idx}.yaml"));
+                std::fs::write(
+                    &cfg,
+                    format!(
+                        "static_resources:
+  listeners:
+  - name: kube_apiserver
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    per_connection_buffer_limit_bytes: 32768
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          '@type': type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: kube_apiserver
+          cluster: kube_apiserver
+          tunneling_config:
+            hostname: 'api.internal.example.com.:443'
+            headers_to_add:
+            - header: {{key: X-Gardener-Destination, value: '{DEST}'}}
+  clusters:
+  - name: kube_apiserver
+    type: STATIC
+    connect_timeout: 5s
+    per_connection_buffer_limit_bytes: 32768
+    circuit_breakers:
+      thresholds: [{{max_connections: 1000000, max_pending_requests: 1000000, max_requests: 1000000}}]
+    load_assignment:
+      cluster_name: kube_apiserver
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: {ip}, port_value: {gport}}}}}}}
+",
+                        port = addr.port(),
+                        ip = gateway.ip(),
+                        gport = gateway.port()
+                    ),
+                )?;
+                Command::new(which("envoy")?)
+                    .arg("-c")
+                    .arg(&cfg)
+                    .args([
+                        "--concurrency",
+                        &opts.threads.to_string(),
+                        "-l",
+                        "error",
+                        "--base-id",
+                    ])
+                    .arg((1000 + idx).to_string())
+                    .stdout(Stdio::null())
+                    .spawn()?
+            }
+            other => bail!(
+                "{other} is not a node proxy; the node-proxy scenario compares seedlink and envoy"
+            ),
         };
         let p = Proxy { child, addr };
         let end = Instant::now() + Duration::from_secs(20);

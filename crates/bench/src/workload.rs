@@ -187,7 +187,7 @@ async fn one_conn(addr: SocketAddr, src: IpAddr, tunnel: bool) -> anyhow::Result
     // Wait for the backend's close to come through, then close. Through a
     // CONNECT tunnel the close is not always relayed (Envoy keeps the
     // tunnel open), so there the client closes right after the byte.
-    if !tunnel {
+    if !tunnel && !crate::peers::node_proxy_scenario() {
         let mut sink = [0u8; 16];
         let _ = tokio::time::timeout(Duration::from_secs(10), c.read(&mut sink)).await;
     }
