@@ -20,9 +20,7 @@ use seedlink_proto::{client_hello, connect_head, destination, proxy_header, Pars
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use crate::metrics::{
-    ByteLabels, ConnLabels, CpLabels, ListenerLabels, ReasonLabels, RoutedLabels,
-};
+use crate::metrics::{ByteLabels, ConnLabels, ListenerLabels, ReasonLabels, RoutedLabels};
 use crate::{upstream, Gateway, ListenerCtx, SourceGuard};
 
 /// Why a connection ended before being proxied; `reason()` is the metric label.
@@ -231,15 +229,7 @@ async fn run(
             )
         }
     };
-    let allowed = snap.always_allowed.contains(client.ip())
-        || cp.acl.as_ref().is_none_or(|acl| acl.contains(client.ip()));
-    if !allowed {
-        gw.metrics
-            .acl_denied
-            .get_or_create(&CpLabels {
-                control_plane: cp.name.clone(),
-            })
-            .inc();
+    if !gw.admit(snap, &cp, client) {
         tracing::info!(listener = %lctx.spec.name, %client, %peer, control_plane = %cp.name, "ACL denied");
         if let Request::Connect(head) = &detected.request {
             respond_and_close(&stream, status_line(head, "403 Forbidden").as_bytes()).await;

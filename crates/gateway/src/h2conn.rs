@@ -18,7 +18,7 @@ use seedlink_net::prefixed::Prefixed;
 use seedlink_proto::destination;
 use tokio::net::TcpStream;
 
-use crate::metrics::{CpLabels, RoutedLabels};
+use crate::metrics::RoutedLabels;
 use crate::{upstream, Gateway, ListenerCtx};
 
 /// Concurrent streams per connection.
@@ -134,15 +134,7 @@ async fn tunnel(
         return refuse(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
     };
     let cp = &route.control_plane;
-    let allowed = snap.always_allowed.contains(client.ip())
-        || cp.acl.as_ref().is_none_or(|acl| acl.contains(client.ip()));
-    if !allowed {
-        gw.metrics
-            .acl_denied
-            .get_or_create(&CpLabels {
-                control_plane: cp.name.clone(),
-            })
-            .inc();
+    if !gw.admit(snap, cp, client) {
         return refuse(&mut respond, StatusCode::FORBIDDEN);
     }
     let upstream = match upstream::connect(
