@@ -11,7 +11,7 @@ use std::io::{BufRead, BufReader};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{require, Netns, Proc};
+use common::{netns_pair, require, Proc};
 
 const DEST: &str = "outbound|443||kube-apiserver.shoot--dev--n.svc.cluster.local";
 const HOST: &str = "api.n.netns.test";
@@ -26,20 +26,7 @@ fn ready_line(child: &mut std::process::Child) -> String {
 #[test]
 fn node_proxy_in_a_node_namespace_reaches_the_seed() {
     let openssl = require("openssl");
-    let node = Netns::new("n");
-    let seed = Netns::new("d");
-    let (vn, vs) = (
-        format!("vn{}", std::process::id() % 100000),
-        format!("vd{}", std::process::id() % 100000),
-    );
-    node.run(&[
-        "ip", "link", "add", &vn, "type", "veth", "peer", "name", &vs,
-    ]);
-    node.run(&["ip", "link", "set", &vs, "netns", &seed.0]);
-    node.run(&["ip", "addr", "add", "198.18.2.1/24", "dev", &vn]);
-    node.run(&["ip", "link", "set", &vn, "up"]);
-    seed.run(&["ip", "addr", "add", "198.18.2.2/24", "dev", &vs]);
-    seed.run(&["ip", "link", "set", &vs, "up"]);
+    let (node, seed) = netns_pair("n", "d", 2);
 
     let dir = tempfile::tempdir().unwrap();
     let pki = seedlink::demo::Pki::generate(&[HOST]).unwrap();

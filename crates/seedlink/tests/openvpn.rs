@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{require, Netns, Proc};
+use common::{netns_pair, require, Proc};
 
 const DEST: &str = "outbound|1194||vpn-seed-server.shoot--dev--a.svc.cluster.local";
 
@@ -32,31 +32,11 @@ fn wait_log(path: &Path, needle: &str) {
     }
 }
 
-/// Client namespace ⇄ seed namespace over a veth pair (addresses from the
-/// benchmarking range, only inside these namespaces).
-fn topology() -> (Netns, Netns) {
-    let client = Netns::new("c");
-    let seed = Netns::new("s");
-    let (vc, vs) = (
-        format!("vc{}", std::process::id() % 100000),
-        format!("vs{}", std::process::id() % 100000),
-    );
-    client.run(&[
-        "ip", "link", "add", &vc, "type", "veth", "peer", "name", &vs,
-    ]);
-    client.run(&["ip", "link", "set", &vs, "netns", &seed.0]);
-    client.run(&["ip", "addr", "add", "198.18.1.1/24", "dev", &vc]);
-    client.run(&["ip", "link", "set", &vc, "up"]);
-    seed.run(&["ip", "addr", "add", "198.18.1.2/24", "dev", &vs]);
-    seed.run(&["ip", "link", "set", &vs, "up"]);
-    (client, seed)
-}
-
 #[test]
 fn openvpn_through_the_gateway_connect_and_legacy_header() {
     let openvpn = require("openvpn");
     require("ping");
-    let (client, seed) = topology();
+    let (client, seed) = netns_pair("c", "s", 1);
     let dir = tempfile::tempdir().unwrap();
     let pki = seedlink::demo::Pki::generate(&["vpn-seed-server"]).unwrap();
     let files = pki.write_client_files(dir.path()).unwrap();

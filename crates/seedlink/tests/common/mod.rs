@@ -370,3 +370,35 @@ impl Drop for Netns {
         let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
     }
 }
+
+/// Two new namespaces joined by a veth pair: `198.18.<net>.1/24` on the
+/// first, `198.18.<net>.2/24` on the second (the benchmarking range, only
+/// inside these namespaces).
+pub fn netns_pair(a: &str, b: &str, net: u8) -> (Netns, Netns) {
+    let (na, nb) = (Netns::new(a), Netns::new(b));
+    let id = std::process::id() % 100_000;
+    let (va, vb) = (format!("v{a}{id}{net}"), format!("v{b}{id}{net}"));
+    na.run(&[
+        "ip", "link", "add", &va, "type", "veth", "peer", "name", &vb,
+    ]);
+    na.run(&["ip", "link", "set", &vb, "netns", &nb.0]);
+    na.run(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("198.18.{net}.1/24"),
+        "dev",
+        &va,
+    ]);
+    na.run(&["ip", "link", "set", &va, "up"]);
+    nb.run(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("198.18.{net}.2/24"),
+        "dev",
+        &vb,
+    ]);
+    nb.run(&["ip", "link", "set", &vb, "up"]);
+    (na, nb)
+}
