@@ -337,25 +337,12 @@ async fn envoy_apiserver_proxy_shape_through_the_gateway() {
         .spawn()
         .unwrap();
     wait_listening(format!("127.0.0.1:{port}").parse().unwrap()).await;
-    let out = Command::new("curl")
-        .args(["-sS", "--max-time", "10", "--cacert"])
-        .arg(&files.ca)
-        .arg("--cert")
-        .arg(&files.cert)
-        .arg("--key")
-        .arg(&files.key)
-        .arg("--resolve")
-        .arg(format!("{ALPHA}:{port}:127.0.0.1"))
-        .arg(format!("https://{ALPHA}:{port}/"))
-        .output()
-        .unwrap();
+    let body = curl_mtls(&files, ALPHA, std::net::Ipv4Addr::LOCALHOST.into(), port);
     let _ = child.kill();
     let _ = child.wait();
-    let body = String::from_utf8_lossy(&out.stdout);
     assert!(
         body.contains("hello from alpha") && !body.contains("client_certs=0"),
-        "through Envoy: {body} {}",
-        String::from_utf8_lossy(&out.stderr)
+        "through Envoy: {body}"
     );
     gw.wait_metric(
         "seedlink_gateway_routed_total{listener=\"connect\",protocol=\"http-connect:x-gardener-destination\",control_plane=\"alpha\"}",
@@ -436,30 +423,16 @@ control_planes:
     for _ in 0..16 {
         let files = files.clone();
         handles.push(std::thread::spawn(move || {
-            Command::new("curl")
-                .args(["-sS", "--max-time", "15", "--cacert"])
-                .arg(&files.ca)
-                .arg("--cert")
-                .arg(&files.cert)
-                .arg("--key")
-                .arg(&files.key)
-                .arg("--resolve")
-                .arg(format!("{ALPHA}:{port}:127.0.0.1"))
-                .arg(format!("https://{ALPHA}:{port}/"))
-                .output()
-                .unwrap()
+            curl_mtls(&files, ALPHA, std::net::Ipv4Addr::LOCALHOST.into(), port)
         }));
     }
     let mut ok = 0;
     for h in handles {
         let out = h.join().unwrap();
-        if String::from_utf8_lossy(&out.stdout).contains("hello from alpha") {
+        if out.contains("hello from alpha") {
             ok += 1;
         } else {
-            eprintln!(
-                "curl via envoy-agent: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
+            eprintln!("curl via envoy-agent: {out}");
         }
     }
     let _ = child.kill();
