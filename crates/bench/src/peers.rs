@@ -180,13 +180,7 @@ stream {{
             "envoy" if tunnel_destination().is_some() => {
                 let cfg = dir.join(format!("envoy-{idx}.yaml"));
                 std::fs::write(&cfg, envoy_ingress(port, backend))?;
-                Command::new(which("envoy")?)
-                    .arg("-c")
-                    .arg(&cfg)
-                    .args(["--concurrency", &t.to_string(), "-l", "error", "--base-id"])
-                    .arg((1000 + idx).to_string())
-                    .stdout(Stdio::null())
-                    .spawn()?
+                spawn_envoy(&cfg, t, idx)?
             }
             "envoy" => {
                 let cfg = dir.join(format!("envoy-{idx}.yaml"));
@@ -224,13 +218,7 @@ stream {{
                         bport = backend.port()
                     ),
                 )?;
-                Command::new(which("envoy")?)
-                    .arg("-c")
-                    .arg(&cfg)
-                    .args(["--concurrency", &t.to_string(), "-l", "error", "--base-id"])
-                    .arg((1000 + idx).to_string())
-                    .stdout(Stdio::null())
-                    .spawn()?
+                spawn_envoy(&cfg, t, idx)?
             }
             other => bail!("unknown proxy {other:?}"),
         };
@@ -361,19 +349,7 @@ control_planes:
                         gport = gateway.port()
                     ),
                 )?;
-                Command::new(which("envoy")?)
-                    .arg("-c")
-                    .arg(&cfg)
-                    .args([
-                        "--concurrency",
-                        &opts.threads.to_string(),
-                        "-l",
-                        "error",
-                        "--base-id",
-                    ])
-                    .arg((1000 + idx).to_string())
-                    .stdout(Stdio::null())
-                    .spawn()?
+                spawn_envoy(&cfg, opts.threads, idx)?
             }
             other => bail!(
                 "{other} is not a node proxy; the node-proxy scenario compares seedlink and envoy"
@@ -419,6 +395,23 @@ impl Drop for Proxy {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Starts Envoy on `cfg` with `threads` workers and a base id unique per proxy.
+fn spawn_envoy(cfg: &Path, threads: usize, idx: usize) -> anyhow::Result<Child> {
+    Ok(Command::new(which("envoy")?)
+        .arg("-c")
+        .arg(cfg)
+        .args([
+            "--concurrency",
+            &threads.to_string(),
+            "-l",
+            "error",
+            "--base-id",
+        ])
+        .arg((1000 + idx).to_string())
+        .stdout(Stdio::null())
+        .spawn()?)
 }
 
 /// Field `n` (1-based, as in proc(5)) of /proc/PID/stat.
