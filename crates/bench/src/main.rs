@@ -54,9 +54,16 @@ pub struct Opts {
     /// `sni` (TLS passthrough), `connect` (HTTP CONNECT tunnels with the
     /// destination header; seedlink's http-connect listener vs Envoy as
     /// Gardener's ingress) or `node-proxy` (seedlink node-proxy vs Envoy with
-    /// Gardener's apiserver-proxy config, both in front of one seedlink gateway).
+    /// Gardener's apiserver-proxy config, both in front of one seedlink gateway)
+    /// or `node-proxy-h2` (seedlink node-proxy in HTTP/2 CONNECT mode vs Envoy
+    /// as Kubermatic's envoy-agent, tunnels multiplexed on one h2 connection
+    /// to the gateway).
     #[arg(long, default_value = "sni")]
     pub scenario: String,
+    /// Concurrent bulk downloads in the many-streams run (each `bulk_mib /
+    /// streams`); 0 skips it. Default: 16 in the node-proxy-h2 scenario, else 0.
+    #[arg(long)]
+    pub streams: Option<usize>,
     /// Print the results as JSON too.
     #[arg(long)]
     pub json: bool,
@@ -69,6 +76,10 @@ pub struct Sample {
     pub gbps: Option<f64>,
     /// Proxy CPU seconds per GB moved.
     pub cpu_s_per_gb: Option<f64>,
+    /// Aggregate throughput of `streams` concurrent bulk downloads, Gbit/s.
+    pub streams_gbps: Option<f64>,
+    /// Proxy CPU seconds per GB in the many-streams run.
+    pub streams_cpu_s_per_gb: Option<f64>,
     /// New connections per second.
     pub conn_rate: Option<f64>,
     /// Proxy CPU microseconds per connection in the rate run.
@@ -84,7 +95,14 @@ pub struct Sample {
 }
 
 fn main() -> anyhow::Result<()> {
-    let opts = Opts::parse();
+    let mut opts = Opts::parse();
+    if opts.streams.is_none() {
+        opts.streams = Some(if opts.scenario == "node-proxy-h2" {
+            16
+        } else {
+            0
+        });
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -95,15 +113,17 @@ fn main() -> anyhow::Result<()> {
 async fn run(opts: Opts) -> anyhow::Result<()> {
     raise_nofile();
     match opts.scenario.as_str() {
-        "sni" | "node-proxy" => {}
+        "sni" | "node-proxy" | "node-proxy-h2" => {}
         "connect" => peers::set_tunnel_destination(),
-        other => anyhow::bail!("--scenario {other:?}: use sni, connect or node-proxy"),
+        other => {
+            anyhow::bail!("--scenario {other:?}: use sni, connect, node-proxy or node-proxy-h2")
+        }
     }
     let backend = workload::Backend::start().await?;
     let dir = tempfile::tempdir()?;
     // node-proxy scenario: one seedlink gateway (not measured) that every
     // node proxy tunnels to; the measured proxy is the node proxy.
-    let _gateway = if opts.scenario == "node-proxy" {
+    let _gateway = if opts.scenario.starts_with("node-proxy") {
         let g =
             peers::Proxy::start_gateway_for_node_proxies(&opts, backend.addr, dir.path()).await?;
         eprintln!("bench: gateway for node proxies on {}", g.addr);
@@ -176,6 +196,8 @@ type Metric = (&'static str, fn(&Sample) -> Option<f64>, bool);
 const METRICS: &[Metric] = &[
     ("bulk Gbit/s", |s| s.gbps, true),
     ("proxy CPU s/GB", |s| s.cpu_s_per_gb, false),
+    ("many-streams bulk Gbit/s", |s| s.streams_gbps, true),
+    ("many-streams CPU s/GB", |s| s.streams_cpu_s_per_gb, false),
     ("new conn/s", |s| s.conn_rate, true),
     ("proxy CPU µs/conn", |s| s.cpu_us_per_conn, false),
     ("p50 under load µs", |s| s.rate_p50_us, false),
@@ -194,8 +216,8 @@ fn report(opts: &Opts, names: &[String], samples: &BTreeMap<String, Vec<Sample>>
         )
     };
     println!(
-        "\n## seedlink-bench ({} scenario): medians of {} interleaved rounds ({} MiB bulk, {} s × {} clients rate, {} idle conns, {} proxy threads)\n",
-        opts.scenario, opts.rounds, opts.bulk_mib, opts.rate_secs, opts.rate_concurrency, opts.idle_conns, opts.threads
+        "\n## seedlink-bench ({} scenario): medians of {} interleaved rounds ({} MiB bulk, {} streams, {} s × {} clients rate, {} idle conns, {} proxy threads)\n",
+        opts.scenario, opts.rounds, opts.bulk_mib, opts.streams.unwrap_or(0), opts.rate_secs, opts.rate_concurrency, opts.idle_conns, opts.threads
     );
     print!("| metric |");
     for n in names {
@@ -223,7 +245,7 @@ fn report(opts: &Opts, names: &[String], samples: &BTreeMap<String, Vec<Sample>>
     for (label, f, _) in METRICS.iter().filter(|m| {
         !matches!(
             m.0,
-            "proxy CPU s/GB" | "proxy CPU µs/conn" | "idle RSS KiB/conn"
+            "proxy CPU s/GB" | "many-streams CPU s/GB" | "proxy CPU µs/conn" | "idle RSS KiB/conn"
         )
     }) {
         print!("| {label} |");

@@ -19,6 +19,7 @@ pub const DEST: &str = "outbound|443||kube-apiserver.shoot--bench--a.svc.cluster
 
 static TUNNEL: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
 static NODE_GATEWAY: std::sync::OnceLock<SocketAddr> = std::sync::OnceLock::new();
+static NODE_H2: std::sync::OnceLock<()> = std::sync::OnceLock::new();
 
 /// Switches the bench to the CONNECT scenario.
 pub fn set_tunnel_destination() {
@@ -266,6 +267,9 @@ control_planes:
             bail!("gateway did not start: {line:?}");
         }
         let _ = NODE_GATEWAY.set(addr);
+        if opts.scenario == "node-proxy-h2" {
+            let _ = NODE_H2.set(());
+        }
         Ok(Proxy { child: c, addr })
     }
 
@@ -296,6 +300,12 @@ control_planes:
                         &gateway.to_string(),
                         "--destination",
                         DEST,
+                        "--mode",
+                        if NODE_H2.get().is_some() {
+                            "http2-connect"
+                        } else {
+                            "connect"
+                        },
                     ])
                     .env("RUST_LOG", "error")
                     .stdout(Stdio::piped())
@@ -336,7 +346,7 @@ control_planes:
     type: STATIC
     connect_timeout: 5s
     per_connection_buffer_limit_bytes: 32768
-    circuit_breakers:
+{h2}    circuit_breakers:
       thresholds: [{{max_connections: 1000000, max_pending_requests: 1000000, max_requests: 1000000}}]
     load_assignment:
       cluster_name: kube_apiserver
@@ -346,7 +356,20 @@ control_planes:
 ",
                         port = addr.port(),
                         ip = gateway.ip(),
-                        gport = gateway.port()
+                        gport = gateway.port(),
+                        // Kubermatic's envoy-agent: the tunnels are HTTP/2
+                        // CONNECT streams on one upstream connection.
+                        h2 = if NODE_H2.get().is_some() {
+                            "    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        '@type': type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config:
+          http2_protocol_options:
+            connection_keepalive: {interval: 30s, timeout: 5s}
+"
+                        } else {
+                            ""
+                        }
                     ),
                 )?;
                 spawn_envoy(&cfg, opts.threads, idx)?

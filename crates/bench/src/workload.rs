@@ -108,6 +108,32 @@ pub async fn measure(
     if proxied {
         s.cpu_s_per_gb = Some(cpu / (bytes as f64 / 1e9));
     }
+    // Many concurrent bulk downloads (streams on one h2 connection in the
+    // node-proxy-h2 scenario).
+    let streams = opts.streams.unwrap_or(0);
+    if streams > 0 {
+        let each = bytes / streams as u64;
+        let cpu0 = cpu_seconds(pids);
+        let t0 = Instant::now();
+        let runs: Vec<_> = (0..streams)
+            .map(|_| tokio::spawn(bulk(addr, each, tunnel)))
+            .collect();
+        let mut got = 0;
+        for r in runs {
+            got += r.await.context("stream task")?.context("stream bulk")?;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        if got != each * streams as u64 {
+            bail!(
+                "many-streams bulk: received {got} of {} bytes",
+                each * streams as u64
+            );
+        }
+        s.streams_gbps = Some(got as f64 * 8.0 / secs / 1e9);
+        if proxied {
+            s.streams_cpu_s_per_gb = Some((cpu_seconds(pids) - cpu0) / (got as f64 / 1e9));
+        }
+    }
     // Connection rate under concurrency.
     let cpu0 = cpu_seconds(pids);
     let t0 = Instant::now();

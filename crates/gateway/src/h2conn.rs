@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use h2::server::SendResponse;
-use h2::{RecvStream, SendStream};
+use h2::RecvStream;
 use http::{Method, Request, Response, StatusCode};
 use seedlink_config::Snapshot;
-use seedlink_net::copy::write_all;
+use seedlink_net::h2copy;
 use seedlink_net::prefixed::Prefixed;
 use seedlink_proto::destination;
 use tokio::net::TcpStream;
@@ -26,8 +26,6 @@ const MAX_STREAMS: u32 = 250;
 /// Keepalive ping interval and how long a pong may take.
 const PING_EVERY: Duration = Duration::from_secs(30);
 const PONG_WITHIN: Duration = Duration::from_secs(10);
-/// Bytes read from an upstream per DATA frame batch.
-const CHUNK: usize = 16 * 1024;
 
 /// Serves one HTTP/2 connection whose first `prefix` bytes were already read.
 pub(crate) async fn serve(
@@ -42,9 +40,10 @@ pub(crate) async fn serve(
     let mut builder = h2::server::Builder::new();
     builder
         .max_concurrent_streams(MAX_STREAMS)
-        .initial_window_size(256 * 1024)
-        .initial_connection_window_size(4 * 1024 * 1024)
+        .initial_window_size(1024 * 1024)
+        .initial_connection_window_size(16 * 1024 * 1024)
         .max_send_buffer_size(256 * 1024)
+        .max_frame_size(h2copy::MAX_FRAME)
         // HTTP/2 rapid-reset and error-flood limits.
         .max_pending_accept_reset_streams(20)
         .max_local_error_reset_streams(Some(256));
@@ -165,61 +164,7 @@ async fn tunnel(
     let recv = req.into_body();
     let closer = gw.closer_for(&cp.name);
     tokio::select! {
-        _ = async { tokio::join!(client_to_upstream(recv, &upstream), upstream_to_client(&upstream, send)) } => {}
+        _ = async { tokio::join!(h2copy::stream_to_socket(recv, &upstream), h2copy::socket_to_stream(&upstream, send)) } => {}
         () = closer.cancelled() => {}
-    }
-}
-
-/// DATA frames → upstream; END_STREAM → half-close the upstream.
-async fn client_to_upstream(mut recv: RecvStream, upstream: &TcpStream) {
-    while let Some(chunk) = recv.data().await {
-        let Ok(chunk) = chunk else {
-            seedlink_net::sockopt::arm_reset(upstream);
-            return;
-        };
-        let n = chunk.len();
-        if write_all(upstream, &chunk).await.is_err() {
-            return;
-        }
-        // Only now may the client send more: per-stream backpressure.
-        let _ = recv.flow_control().release_capacity(n);
-    }
-    let _ = socket2::SockRef::from(upstream).shutdown(std::net::Shutdown::Write);
-}
-
-/// Upstream bytes → DATA frames, as the stream's window allows; EOF →
-/// END_STREAM; an upstream error → RST_STREAM.
-async fn upstream_to_client(upstream: &TcpStream, mut send: SendStream<Bytes>) {
-    let mut buf = vec![0u8; CHUNK];
-    loop {
-        if upstream.readable().await.is_err() {
-            send.send_reset(h2::Reason::CANCEL);
-            return;
-        }
-        let n = match upstream.try_read(&mut buf) {
-            Ok(0) => {
-                let _ = send.send_data(Bytes::new(), true);
-                return;
-            }
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(_) => {
-                send.send_reset(h2::Reason::CONNECT_ERROR);
-                return;
-            }
-        };
-        let mut data = Bytes::copy_from_slice(&buf[..n]);
-        while !data.is_empty() {
-            send.reserve_capacity(data.len());
-            let granted = match std::future::poll_fn(|cx| send.poll_capacity(cx)).await {
-                Some(Ok(g)) if g > 0 => g,
-                Some(Ok(_)) => continue,
-                _ => return,
-            };
-            let part = data.split_to(granted.min(data.len()));
-            if send.send_data(part, false).is_err() {
-                return;
-            }
-        }
     }
 }

@@ -3,11 +3,13 @@
 //! - [`accept`]: an accept loop that never exits on resource errors and never spins.
 //! - [`copy`]: moves bytes between two TCP sockets with `splice(2)` on Linux (buffered
 //!   fallback elsewhere and when no pipe is free), propagating half-close and resets.
+//! - [`h2copy`]: moves bytes between a socket and an HTTP/2 CONNECT stream, within h2 flow control.
 //! - [`sockopt`]: keepalive, linger and file-descriptor limits.
 //! - [`lifecycle`]: the process phase (starting, serving, draining) that readiness reports.
 
 pub mod accept;
 pub mod copy;
+pub mod h2copy;
 pub mod lifecycle;
 pub mod prefixed;
 pub mod sockopt;

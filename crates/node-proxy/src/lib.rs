@@ -1,7 +1,8 @@
 //! `seedlink node-proxy`: runs on every shoot node (host network), listens
 //! on the advertised kube-apiserver address and carries each connection to
 //! the seed's gateway: HTTP/1.1 CONNECT with the destination header
-//! (GEP-30), or, in legacy mode, a PROXY protocol header (GEP-08).
+//! (GEP-30), HTTP/2 CONNECT streams on one shared connection (Kubermatic's
+//! strategy), or, in legacy mode, a PROXY protocol header (GEP-08).
 //!
 //! Nothing the client sends is forwarded before the gateway's `200`.
 
@@ -32,6 +33,9 @@ pub enum Mode {
     ProxyV2,
     /// A PROXY protocol v1 header, then the bytes.
     ProxyV1,
+    /// HTTP/2 CONNECT (h2c with prior knowledge): every tunnel is a stream
+    /// on one shared connection to the gateway, with h2 flow control.
+    Http2Connect,
 }
 
 /// Everything the node-proxy needs to run.
@@ -123,6 +127,7 @@ pub struct NodeProxy {
     /// The gateway answered recently.
     pub gateway_ok: AtomicBool,
     resolver: tunnel::Resolver,
+    h2: tunnel::H2Session,
     permits: Arc<Semaphore>,
     copier: seedlink_net::copy::Copier,
 }
@@ -136,6 +141,7 @@ impl NodeProxy {
                 opts.max_connections.clamp(1, Semaphore::MAX_PERMITS),
             )),
             resolver: tunnel::Resolver::new(opts.gateway.clone(), opts.resolve_ttl),
+            h2: tunnel::H2Session::default(),
             opts,
             metrics: Metrics::new(),
             lifecycle: Lifecycle::new(),
@@ -197,11 +203,16 @@ impl NodeProxy {
             .inc();
     }
 
-    /// Marks the gateway reachable when a TCP connect succeeds; every
-    /// `probe_interval`.
+    /// Marks the gateway reachable when a TCP connect succeeds (in HTTP/2
+    /// mode: when the shared connection is up, set up anew if it failed);
+    /// every `probe_interval`.
     async fn probe_loop(&self) {
         loop {
-            let ok = self.resolver.connect(self).await.is_ok();
+            let ok = if self.opts.mode == Mode::Http2Connect {
+                self.h2.probe(self).await
+            } else {
+                self.resolver.connect(self).await.is_ok()
+            };
             self.gateway_ok.store(ok, Ordering::Release);
             tokio::select! {
                 () = tokio::time::sleep(self.opts.probe_interval) => {}

@@ -3,11 +3,16 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+use h2::client::SendRequest;
+use http::{Method, Request, StatusCode};
 use seedlink_net::copy::{write_all, Transfer};
+use seedlink_net::h2copy;
 use tokio::net::TcpStream;
 
 use crate::{Mode, NodeProxy};
@@ -108,6 +113,9 @@ async fn lookup(target: &str, deadline: Duration) -> io::Result<Vec<SocketAddr>>
 /// Carries one client connection; returns the outcome label.
 pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> &'static str {
     let _ = client.set_nodelay(true);
+    if np.opts.mode == Mode::Http2Connect {
+        return h2_carry(np, client, peer).await;
+    }
     let gateway = match np.resolver.connect(np).await {
         Ok(s) => s,
         Err(e) => {
@@ -145,6 +153,8 @@ pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> &'sta
             }
             Vec::new()
         }
+        // Carried as a stream on the shared connection by `h2_carry`.
+        Mode::Http2Connect => return "mode_error",
         Mode::ProxyV1 => {
             let header = match (peer, local) {
                 (SocketAddr::V4(s), SocketAddr::V4(d)) => {
@@ -220,4 +230,166 @@ async fn connect_handshake(np: &NodeProxy, gateway: &TcpStream) -> Result<Vec<u8
             Err(_) => return Err("gateway_error"),
         }
     }
+}
+
+/// Keepalive ping interval on the shared HTTP/2 connection, and how long a
+/// pong may take before the connection is given up.
+const H2_PING_EVERY: Duration = Duration::from_secs(30);
+const H2_PONG_WITHIN: Duration = Duration::from_secs(10);
+
+/// The HTTP/2 connections to the gateway that tunnels share in
+/// [`Mode::Http2Connect`]: a tunnel takes a stream on the first live
+/// connection below the gateway's concurrent-stream limit; a new connection
+/// is opened only when all are full, and a failed one is replaced.
+#[derive(Default)]
+pub struct H2Session {
+    conns: tokio::sync::Mutex<Vec<H2Conn>>,
+}
+
+struct H2Conn {
+    send: SendRequest<Bytes>,
+    task: tokio::task::JoinHandle<()>,
+    streams: Arc<AtomicUsize>,
+}
+
+/// One stream slot on a shared connection; released on drop.
+struct StreamSlot(Arc<AtomicUsize>);
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl H2Session {
+    /// Whether a connection is up (set up now if none is), within the
+    /// handshake deadline.
+    pub async fn probe(&self, np: &NodeProxy) -> bool {
+        let up = async {
+            let mut conns = self.conns.lock().await;
+            conns.retain(|c| !c.task.is_finished());
+            if conns.is_empty() {
+                conns.push(open_h2(np).await?);
+            }
+            Ok::<(), &'static str>(())
+        };
+        matches!(
+            tokio::time::timeout(np.opts.handshake_timeout, up).await,
+            Ok(Ok(()))
+        )
+    }
+
+    /// A stream slot on a live connection with room, connecting first if
+    /// every connection is full or gone.
+    async fn slot(&self, np: &NodeProxy) -> Result<(SendRequest<Bytes>, StreamSlot), &'static str> {
+        let mut conns = self.conns.lock().await;
+        conns.retain(|c| !c.task.is_finished());
+        let room = conns
+            .iter()
+            .find(|c| c.streams.load(Ordering::Acquire) < c.send.current_max_send_streams().max(1));
+        let conn = match room {
+            Some(c) => c,
+            None => {
+                conns.push(open_h2(np).await?);
+                conns.last().ok_or("gateway_error")?
+            }
+        };
+        conn.streams.fetch_add(1, Ordering::AcqRel);
+        Ok((conn.send.clone(), StreamSlot(conn.streams.clone())))
+    }
+}
+
+/// Opens one h2c connection to the gateway and spawns its driver, which
+/// also pings it and gives it up when a pong is late.
+async fn open_h2(np: &NodeProxy) -> Result<H2Conn, &'static str> {
+    let tcp = np.resolver.connect(np).await.map_err(|e| {
+        tracing::warn!(error = %e, "gateway unreachable");
+        "gateway_unreachable"
+    })?;
+    let mut builder = h2::client::Builder::new();
+    builder
+        .initial_window_size(1024 * 1024)
+        .initial_connection_window_size(16 * 1024 * 1024)
+        .max_send_buffer_size(256 * 1024)
+        .max_frame_size(h2copy::MAX_FRAME)
+        .enable_push(false);
+    let (send, mut conn) =
+        match tokio::time::timeout(np.opts.handshake_timeout, builder.handshake(tcp)).await {
+            Ok(Ok(pair)) => pair,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "HTTP/2 handshake with the gateway failed");
+                return Err("gateway_error");
+            }
+            Err(_) => return Err("gateway_timeout"),
+        };
+    let mut pings = conn.ping_pong();
+    let task = tokio::spawn(async move {
+        let keepalive = async move {
+            let Some(p) = pings.as_mut() else {
+                return std::future::pending::<()>().await;
+            };
+            loop {
+                tokio::time::sleep(H2_PING_EVERY).await;
+                match tokio::time::timeout(H2_PONG_WITHIN, p.ping(h2::Ping::opaque())).await {
+                    Ok(Ok(_)) => {}
+                    _ => return,
+                }
+            }
+        };
+        tokio::select! {
+            r = &mut conn => if let Err(e) = r {
+                tracing::warn!(error = %e, "HTTP/2 connection to the gateway ended");
+            },
+            () = keepalive => tracing::warn!("HTTP/2 gateway connection missed a keepalive pong; reconnecting"),
+        }
+    });
+    Ok(H2Conn {
+        send,
+        task,
+        streams: Arc::new(AtomicUsize::new(0)),
+    })
+}
+
+/// Carries one client connection as a stream on the shared HTTP/2
+/// connection: CONNECT with the destination header, wait for `200`, copy.
+async fn h2_carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> &'static str {
+    let deadline = np.opts.handshake_timeout;
+    let opened = tokio::time::timeout(deadline, async {
+        let (send, slot) = np.h2.slot(np).await?;
+        let mut send = send.ready().await.map_err(|_| "gateway_error")?;
+        let (name, value) = &np.opts.header;
+        let req = Request::builder()
+            .method(Method::CONNECT)
+            .uri(np.opts.authority.as_str())
+            .header(name.as_str(), value.as_str())
+            .body(())
+            .map_err(|_| "bad_request_options")?;
+        let (resp, stream) = send.send_request(req, false).map_err(|_| "gateway_error")?;
+        let resp = resp.await.map_err(|_| "gateway_error")?;
+        match resp.status() {
+            StatusCode::OK => Ok((resp.into_body(), stream, slot)),
+            StatusCode::FORBIDDEN => Err("gateway_forbidden"),
+            StatusCode::SERVICE_UNAVAILABLE => Err("gateway_unavailable"),
+            _ => Err("gateway_refused"),
+        }
+    })
+    .await;
+    let (recv, send, _slot) = match opened {
+        Ok(Ok(pair)) => pair,
+        Ok(Err(why)) => {
+            if why == "gateway_unreachable" {
+                np.gateway_ok.store(false, Ordering::Release);
+            } else {
+                tracing::warn!(%peer, reason = why, "gateway refused the tunnel");
+            }
+            return why;
+        }
+        Err(_) => return "gateway_timeout",
+    };
+    np.gateway_ok.store(true, Ordering::Release);
+    tokio::join!(
+        h2copy::stream_to_socket(recv, &client),
+        h2copy::socket_to_stream(&client, send)
+    );
+    "ok"
 }

@@ -56,11 +56,12 @@ struct NodeProxyArgs {
     /// The gateway, `host:port`; a DNS name (a trailing dot is fine) is re-resolved.
     #[arg(long)]
     gateway: String,
-    /// How to reach the gateway: `connect` (HTTP/1.1 CONNECT, GEP-30), `proxy-v2` or `proxy-v1` (GEP-08 legacy port).
+    /// How to reach the gateway: `connect` (HTTP/1.1 CONNECT, GEP-30), `http2-connect` (streams on one
+    /// shared h2c connection), `proxy-v2` or `proxy-v1` (GEP-08 legacy port).
     #[arg(long, default_value = "connect")]
     mode: String,
     /// Destination header value, e.g. `outbound|443||kube-apiserver.<ns>.svc.cluster.local`.
-    #[arg(long, required_if_eq("mode", "connect"))]
+    #[arg(long, required_if_eq_any([("mode", "connect"), ("mode", "http2-connect")]))]
     destination: Option<String>,
     /// Destination header name.
     #[arg(long, default_value = "X-Gardener-Destination")]
@@ -201,12 +202,15 @@ async fn node_proxy(a: NodeProxyArgs) -> anyhow::Result<i32> {
     use seedlink_node_proxy::{Mode, NodeProxy, Options};
     let mode = match a.mode.as_str() {
         "connect" => Mode::Connect,
+        "http2-connect" => Mode::Http2Connect,
         "proxy-v2" => Mode::ProxyV2,
         "proxy-v1" => Mode::ProxyV1,
-        other => anyhow::bail!("--mode: {other:?} is not connect, proxy-v2 or proxy-v1"),
+        other => {
+            anyhow::bail!("--mode: {other:?} is not connect, http2-connect, proxy-v2 or proxy-v1")
+        }
     };
     let destination = a.destination.clone().unwrap_or_default();
-    if mode == Mode::Connect {
+    if matches!(mode, Mode::Connect | Mode::Http2Connect) {
         if let Err(why) = seedlink_proto_destination(&destination) {
             anyhow::bail!("--destination {destination:?}: {why}");
         }

@@ -219,3 +219,76 @@ async fn node_proxy_not_ready_without_gateway_and_refuses_bad_destination() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_proxy_http2_mode_multiplexes_tunnels_on_one_connection() {
+    let stop = CancellationToken::new();
+    let pki = seedlink::demo::Pki::generate(&[ALPHA]).unwrap();
+    let a = demo_backend(&pki, 0, "alpha", &stop).await;
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners:
+  - {{name: connect, address: '127.0.0.1:0', protocol: http-connect}}
+control_planes:
+  - name: alpha
+    endpoints: ['{a}']
+    destinations: [{{name: '{DEST}'}}]
+"
+    ));
+    let files = write_pki(&pki, gw.dir.path());
+    let np = node_proxy(&[
+        "--link-kind",
+        "none",
+        "--address",
+        "127.0.0.70",
+        "--mode",
+        "http2-connect",
+        "--gateway",
+        &gw.listener("connect").to_string(),
+        "--destination",
+        DEST,
+    ]);
+    wait_ready(np.admin).await;
+    // Eight curls at once, each a stream on the node-proxy's one connection.
+    let listen = np.listen;
+    let handles: Vec<_> = (0..8)
+        .map(|_| {
+            let files = files.clone();
+            std::thread::spawn(move || curl(&files, listen))
+        })
+        .collect();
+    for h in handles {
+        let body = h.join().unwrap();
+        assert!(
+            body.contains("hello from alpha") && !body.contains("client_certs=0"),
+            "{body}"
+        );
+    }
+    gw.wait_metric(
+        "seedlink_gateway_routed_total{listener=\"connect\",protocol=\"http2-connect\",control_plane=\"alpha\"}",
+        8.0,
+    )
+    .await;
+    // One TCP connection carried them all and stays open for the next.
+    let m = gw.metrics().await;
+    assert_eq!(
+        sum_metric(
+            &m,
+            "seedlink_gateway_active_connections{listener=\"connect\"}"
+        ),
+        1.0,
+        "{m}"
+    );
+    assert_eq!(
+        sum_metric(&m, "seedlink_gateway_connections_total{"),
+        0.0,
+        "no gateway connection may have ended: {m}"
+    );
+    let m = http_get(np.admin, "/metrics").await.1;
+    assert_eq!(
+        sum_metric(&m, "seedlink_node_proxy_tunnels_total{outcome=\"ok\"}"),
+        8.0,
+        "{m}"
+    );
+    stop.cancel();
+}
