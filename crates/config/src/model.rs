@@ -293,25 +293,29 @@ pub struct Acl {
     pub allow: Vec<String>,
 }
 
-/// serde adapters for `humantime` durations.
-mod humantime_serde {
+/// serde adapters for `humantime` durations (`5s`, `250ms`), shared by every role's configuration.
+pub mod humantime_serde {
     use std::time::Duration;
 
     use serde::{Deserialize, Deserializer, Serializer};
 
+    /// Writes a duration as `5s`.
     pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&humantime::format_duration(*d).to_string())
     }
 
+    /// Reads `5s`, `250ms`, `1h`.
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
         let s = String::deserialize(d)?;
         humantime::parse_duration(&s)
             .map_err(|e| serde::de::Error::custom(format!("invalid duration {s:?}: {e}")))
     }
 
+    /// The same for `Option<Duration>`.
     pub mod option {
         use super::*;
 
+        /// Writes a duration as `5s`, or nothing.
         pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
             match d {
                 Some(d) => super::serialize(d, s),
@@ -319,6 +323,7 @@ mod humantime_serde {
             }
         }
 
+        /// Reads an optional duration.
         pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
             match Option::<String>::deserialize(d)? {
                 None => Ok(None),

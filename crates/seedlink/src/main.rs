@@ -1,5 +1,7 @@
 //! The `seedlink` binary: a thin command-line front over the role libraries.
 
+mod tunnel_cmd;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -25,6 +27,14 @@ enum Command {
     /// Serve the kube-apiserver address on a shoot node and tunnel every
     /// connection to the seed gateway.
     NodeProxy(Box<NodeProxyArgs>),
+    /// Run the reverse-tunnel server (Konnectivity-compatible, many clusters).
+    TunnelServer {
+        /// Configuration file (YAML).
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Run the reverse-tunnel agent in a shoot: dials out to the tunnel server.
+    TunnelAgent(Box<tunnel_cmd::AgentArgs>),
     /// Validate a configuration file; lists every problem and exits non-zero if any.
     CheckConfig {
         /// Configuration file (YAML).
@@ -122,6 +132,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::CheckConfig { file } => Ok(check_config(&file)),
         Command::Gateway { config } => runtime()?.block_on(gateway(config)),
         Command::NodeProxy(args) => runtime()?.block_on(node_proxy(*args)),
+        Command::TunnelServer { config } => runtime()?.block_on(tunnel_cmd::server(config)),
+        Command::TunnelAgent(args) => runtime()?.block_on(tunnel_cmd::agent(*args)),
         Command::Quickstart {
             check,
             port,

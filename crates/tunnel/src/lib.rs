@@ -1,4 +1,13 @@
 //! seedlink's reverse tunnel: `tunnel-server` (in the seed) and
-//! `tunnel-agent` (in the shoot), wire-compatible with Konnectivity.
+//! `tunnel-agent` (in the shoot), wire-compatible with Konnectivity
+//! (apiserver-network-proxy). See docs/TUNNEL.md.
 
+pub mod admin;
+pub mod agent;
+pub mod config;
+pub mod dialerr;
+pub mod grpc;
 pub mod proto;
+pub mod queue;
+pub mod server;
+pub mod tls;

@@ -235,8 +235,8 @@ pub async fn echo_roundtrip(s: &mut TcpStream, data: &[u8]) -> std::io::Result<(
 }
 
 /// Reads until the peer closes; returns the bytes and whether it was a clean FIN.
-pub async fn read_until_closed(
-    s: &mut TcpStream,
+pub async fn read_until_closed<S: tokio::io::AsyncRead + Unpin>(
+    s: &mut S,
     limit: Duration,
 ) -> (Vec<u8>, std::io::Result<()>) {
     let mut out = Vec::new();

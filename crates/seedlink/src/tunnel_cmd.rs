@@ -1,0 +1,199 @@
+//! `seedlink tunnel-server` and `seedlink tunnel-agent`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use seedlink_tunnel::agent::{Agent, AgentOptions, DEFAULT_DENY};
+use seedlink_tunnel::config::ServerConfig;
+use seedlink_tunnel::grpc::H2Settings;
+use seedlink_tunnel::server::run::TunnelServer;
+use tokio::signal::unix::{signal, SignalKind};
+
+/// `seedlink tunnel-agent` options.
+#[derive(clap::Args, Debug)]
+pub struct AgentArgs {
+    /// The tunnel server (or the gateway in front of it), `host:port`.
+    #[arg(long)]
+    pub server: String,
+    /// TLS server name (SNI); default: the host of --server.
+    #[arg(long)]
+    pub server_name: Option<String>,
+    /// CA certificate of the server (PEM).
+    #[arg(long)]
+    pub ca_cert: PathBuf,
+    /// Client certificate (PEM); it decides the agent's cluster.
+    #[arg(long, requires = "agent_key")]
+    pub agent_cert: Option<PathBuf>,
+    /// Its key (PEM).
+    #[arg(long, requires = "agent_cert")]
+    pub agent_key: Option<PathBuf>,
+    /// Extra ALPN protocols to offer (comma-separated), for routing by ALPN.
+    #[arg(long, value_delimiter = ',')]
+    pub alpn_proto: Vec<String>,
+    /// Agent ID (default: env PROXY_AGENT_ID or a random ID).
+    #[arg(long, env = "PROXY_AGENT_ID")]
+    pub agent_id: Option<String>,
+    /// Agent identifiers, URL query form: host=…&ipv4=…&cidr=…&default-route=true.
+    #[arg(long, default_value = "")]
+    pub agent_identifiers: String,
+    /// ServiceAccount token file, sent as `authorization: Bearer`.
+    #[arg(long)]
+    pub service_account_token_path: Option<PathBuf>,
+    /// Allowed destination networks (comma-separated CIDRs; default: all but the denied).
+    #[arg(long, value_delimiter = ',')]
+    pub allow_cidr: Vec<ipnet::IpNet>,
+    /// Allowed destination ports (comma-separated; default: all).
+    #[arg(long, value_delimiter = ',')]
+    pub allow_port: Vec<u16>,
+    /// Denied destination networks (default: link-local and cloud metadata addresses).
+    #[arg(long, value_delimiter = ',')]
+    pub deny_cidr: Option<Vec<ipnet::IpNet>>,
+    /// Destination dial timeout, seconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub dial_timeout: f64,
+    /// First reconnect delay and replica-discovery interval, seconds.
+    #[arg(long, default_value_t = 1.0)]
+    pub sync_interval: f64,
+    /// Largest reconnect delay, seconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub sync_interval_cap: f64,
+    /// HTTP/2 PING interval towards the server, seconds.
+    #[arg(long, default_value_t = 10.0)]
+    pub keepalive_time: f64,
+    /// Admin endpoint (`/healthz`, `/readyz`, `/metrics`).
+    #[arg(long, default_value = "127.0.0.1:8093")]
+    pub admin: std::net::SocketAddr,
+    /// Drain deadline after the first SIGTERM, seconds.
+    #[arg(long, default_value_t = 30.0)]
+    pub drain: f64,
+}
+
+fn secs(v: f64, what: &str) -> anyhow::Result<Duration> {
+    Duration::try_from_secs_f64(v)
+        .map_err(|_| anyhow::anyhow!("--{what}: {v} is not a valid number of seconds"))
+}
+
+/// Runs the tunnel server until SIGTERM/SIGINT (drain), a second one (exit 1).
+pub async fn server(config: PathBuf) -> anyhow::Result<i32> {
+    let text = std::fs::read_to_string(&config)
+        .with_context(|| format!("reading {}", config.display()))?;
+    let cfg = ServerConfig::parse(&text).with_context(|| format!("{}", config.display()))?;
+    let srv = TunnelServer::from_config(&cfg)?;
+    let bound = srv.start().await?;
+    let frontends: serde_json::Map<String, serde_json::Value> = bound
+        .frontends
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone().into()))
+        .collect();
+    println!(
+        "{}",
+        serde_json::json!({
+            "event": "ready",
+            "agents": bound.agents.to_string(),
+            "admin": bound.admin.map(|a| a.to_string()),
+            "frontends": frontends,
+            "server_id": srv.server_id,
+        })
+    );
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+    tracing::info!("draining");
+    tokio::select! {
+        () = srv.stop(Duration::from_secs(30)) => Ok(0),
+        _ = term.recv() => Ok(1),
+        _ = int.recv() => Ok(1),
+    }
+}
+
+/// Runs the tunnel agent: first SIGTERM drains, the second (or the drain
+/// deadline) exits.
+pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
+    let host = a
+        .server
+        .rsplit_once(':')
+        .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']').to_string())
+        .ok_or_else(|| anyhow::anyhow!("--server {:?} is not host:port", a.server))?;
+    let deny = match a.deny_cidr {
+        Some(d) => d,
+        None => DEFAULT_DENY.iter().filter_map(|s| s.parse().ok()).collect(),
+    };
+    let agent_id = a.agent_id.unwrap_or_else(|| {
+        let b: [u8; 8] = rand::random();
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    });
+    let opts = AgentOptions {
+        server: a.server.clone(),
+        server_name: a.server_name.unwrap_or(host),
+        ca: a.ca_cert,
+        identity: a.agent_cert.zip(a.agent_key),
+        alpn: a.alpn_proto,
+        agent_id,
+        identifiers: a.agent_identifiers,
+        token_path: a.service_account_token_path,
+        allow: a.allow_cidr,
+        allow_ports: a.allow_port,
+        deny,
+        dial_timeout: secs(a.dial_timeout, "dial-timeout")?,
+        sync_interval: secs(a.sync_interval, "sync-interval")?,
+        sync_interval_cap: secs(a.sync_interval_cap, "sync-interval-cap")?,
+        keepalive: H2Settings {
+            keepalive: secs(a.keepalive_time, "keepalive-time")?,
+            keepalive_timeout: Duration::from_secs(5),
+        },
+        stall_timeout: Duration::from_secs(10),
+        queue_bytes: 4 * 1024 * 1024,
+    };
+    let agent = Agent::new(opts)?;
+    let admin = tokio::net::TcpListener::bind(a.admin)
+        .await
+        .with_context(|| format!("--admin {}", a.admin))?;
+    let admin_addr = admin.local_addr()?;
+    {
+        let agent = agent.clone();
+        let route = move |path: &str| -> seedlink_tunnel::admin::Answer {
+            use seedlink_tunnel::admin::{encode, METRICS, TEXT};
+            match path {
+                "/healthz" => (200, TEXT, "ok\n".into()),
+                "/readyz" | "/ready" => {
+                    let body = format!("server streams: {}\n", agent.session_count());
+                    if agent.ready() {
+                        (200, TEXT, body)
+                    } else {
+                        (503, TEXT, format!("[-]server-connected failed\n{body}"))
+                    }
+                }
+                "/metrics" => (200, METRICS, encode(&agent.metrics.registry)),
+                _ => (
+                    404,
+                    TEXT,
+                    "not found; try /healthz /readyz /metrics\n".into(),
+                ),
+            }
+        };
+        tokio::spawn(seedlink_tunnel::admin::serve(admin, Arc::new(route)));
+    }
+    {
+        let agent = agent.clone();
+        tokio::spawn(async move { agent.run().await });
+    }
+    println!(
+        "{}",
+        serde_json::json!({"event": "ready", "admin": admin_addr.to_string(), "agent_id": agent.opts.agent_id})
+    );
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+    tracing::info!("draining: DRAIN sent to every server");
+    agent.drain();
+    let deadline = secs(a.drain, "drain")?;
+    tokio::select! {
+        () = tokio::time::sleep(deadline) => {}
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    agent.shutdown.cancel();
+    Ok(0)
+}

@@ -1,0 +1,627 @@
+//! `seedlink tunnel-agent`: dials out to the tunnel-server (TLS with SNI and
+//! optional ALPN, so it can pass through seedlink's SNI gateway), keeps one
+//! `AgentService/Connect` stream per server replica, and opens the
+//! connections the server asks for, within a destination policy.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use bytes::BytesMut;
+use futures_util::StreamExt;
+use ipnet::IpNet;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_rustls::TlsConnector;
+use tokio_util::sync::CancellationToken;
+
+use crate::grpc::{self, H2Settings};
+use crate::proto::{Packet, PacketType, Payload, AGENT_CONNECT_PATH};
+use crate::queue::{self, PumpEnd, QueueTx};
+use crate::{dialerr, tls};
+
+/// Bytes read from a destination per DATA packet.
+const CHUNK: usize = 32 * 1024;
+/// Packets queued towards the server per stream before senders wait.
+const TO_SERVER_QUEUE: usize = 256;
+
+/// Destinations denied unless an allow rule names them exactly: link-local
+/// (cloud metadata lives there) and well-known metadata addresses.
+pub const DEFAULT_DENY: &[&str] = &[
+    "169.254.0.0/16",
+    "fe80::/10",
+    "100.100.100.200/32",
+    "fd00:ec2::254/128",
+];
+
+/// Agent options.
+#[derive(Debug, Clone)]
+pub struct AgentOptions {
+    /// Server `host:port` (a LoadBalancer or the gateway).
+    pub server: String,
+    /// TLS server name (SNI); default: the host of `server`.
+    pub server_name: String,
+    /// CA of the server's certificate.
+    pub ca: PathBuf,
+    /// Client certificate and key (the cluster's agent identity).
+    pub identity: Option<(PathBuf, PathBuf)>,
+    /// ALPN protocols offered besides `h2` (to be routed by ALPN).
+    pub alpn: Vec<String>,
+    /// `agentid`.
+    pub agent_id: String,
+    /// `agentidentifiers` (URL query form).
+    pub identifiers: String,
+    /// A ServiceAccount token file sent as `authorization: Bearer`, re-read per connect.
+    pub token_path: Option<PathBuf>,
+    /// Allowed destination networks (empty: all but the denied).
+    pub allow: Vec<IpNet>,
+    /// Allowed destination ports (empty: all).
+    pub allow_ports: Vec<u16>,
+    /// Denied networks (checked first).
+    pub deny: Vec<IpNet>,
+    /// Deadline for a destination dial (and its name lookup).
+    pub dial_timeout: Duration,
+    /// First retry delay and the delay between replica-discovery dials.
+    pub sync_interval: Duration,
+    /// Largest retry delay.
+    pub sync_interval_cap: Duration,
+    /// HTTP/2 PING interval and timeout.
+    pub keepalive: H2Settings,
+    /// A destination that accepts no byte for this long is closed.
+    pub stall_timeout: Duration,
+    /// Per-connection queue budget towards a destination.
+    pub queue_bytes: usize,
+}
+
+/// `outcome` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Outcome {
+    /// What happened.
+    pub outcome: String,
+}
+
+/// Agent metrics (`seedlink_tunnel_agent_`).
+pub struct AgentMetrics {
+    /// Registry for `/metrics`.
+    pub registry: Registry,
+    /// Open server streams.
+    pub servers: Gauge,
+    /// Server connection attempts by outcome.
+    pub server_connects: Family<Outcome, Counter>,
+    /// Dials by outcome.
+    pub dials: Family<Outcome, Counter>,
+    /// Open destination connections.
+    pub endpoints: Gauge,
+    /// Destination connections ended by outcome.
+    pub endpoint_closes: Family<Outcome, Counter>,
+    /// Packets from servers that referred to nothing known, or were unexpected.
+    pub bad_packets: Family<Outcome, Counter>,
+}
+
+impl AgentMetrics {
+    fn new() -> AgentMetrics {
+        let mut registry = Registry::with_prefix("seedlink_tunnel_agent");
+        let m = AgentMetrics {
+            registry: Registry::default(),
+            servers: Gauge::default(),
+            server_connects: Family::default(),
+            dials: Family::default(),
+            endpoints: Gauge::default(),
+            endpoint_closes: Family::default(),
+            bad_packets: Family::default(),
+        };
+        registry.register(
+            "open_server_connections",
+            "Open streams to server replicas",
+            m.servers.clone(),
+        );
+        registry.register(
+            "server_connects",
+            "Connection attempts to the server by outcome",
+            m.server_connects.clone(),
+        );
+        registry.register("dials", "Destination dials by outcome", m.dials.clone());
+        registry.register(
+            "open_endpoint_connections",
+            "Open destination connections",
+            m.endpoints.clone(),
+        );
+        registry.register(
+            "endpoint_closes",
+            "Destination connections ended, by outcome",
+            m.endpoint_closes.clone(),
+        );
+        registry.register(
+            "bad_packets",
+            "Server packets that were unexpected or named unknown IDs",
+            m.bad_packets.clone(),
+        );
+        AgentMetrics { registry, ..m }
+    }
+
+    fn count(f: &Family<Outcome, Counter>, o: &str) {
+        f.get_or_create(&Outcome {
+            outcome: o.to_string(),
+        })
+        .inc();
+    }
+}
+
+/// A running agent.
+pub struct Agent {
+    /// Options.
+    pub opts: AgentOptions,
+    /// Metrics.
+    pub metrics: AgentMetrics,
+    tls: TlsConnector,
+    sessions: Mutex<HashMap<String, Arc<Session>>>,
+    known_count: AtomicI64,
+    draining: AtomicBool,
+    /// Cancelled to stop everything.
+    pub shutdown: CancellationToken,
+}
+
+struct ConnEntry {
+    queue: QueueTx,
+    cancel: CancellationToken,
+}
+
+/// One stream to one server replica.
+struct Session {
+    server_id: String,
+    to_server: mpsc::Sender<Packet>,
+    conns: Mutex<HashMap<i64, ConnEntry>>,
+    pending: Mutex<HashMap<i64, CancellationToken>>,
+    next_id: AtomicI64,
+    gone: CancellationToken,
+}
+
+impl Session {
+    fn send_soon(&self, p: Packet) {
+        if let Err(mpsc::error::TrySendError::Full(p)) = self.to_server.try_send(p) {
+            let tx = self.to_server.clone();
+            tokio::spawn(async move {
+                let _ = tx.send(p).await;
+            });
+        }
+    }
+}
+
+impl Agent {
+    /// Builds the agent (reads the TLS files).
+    pub fn new(opts: AgentOptions) -> anyhow::Result<Arc<Agent>> {
+        let mut alpn = vec!["h2".to_string()];
+        alpn.extend(opts.alpn.iter().cloned());
+        let ident = opts
+            .identity
+            .as_ref()
+            .map(|(c, k)| (c.as_path(), k.as_path()));
+        let cfg = tls::client_config(&opts.ca, ident, &alpn)?;
+        Ok(Arc::new(Agent {
+            opts,
+            metrics: AgentMetrics::new(),
+            tls: TlsConnector::from(Arc::new(cfg)),
+            sessions: Mutex::new(HashMap::new()),
+            known_count: AtomicI64::new(1),
+            draining: AtomicBool::new(false),
+            shutdown: CancellationToken::new(),
+        }))
+    }
+
+    /// Streams open to server replicas.
+    pub fn session_count(&self) -> usize {
+        self.sessions.lock().map(|s| s.len()).unwrap_or(0)
+    }
+
+    /// Ready: at least one server stream and not draining.
+    pub fn ready(&self) -> bool {
+        self.session_count() > 0 && !self.draining.load(Ordering::Acquire)
+    }
+
+    /// Keeps a stream to every server replica until shut down: connects,
+    /// learns `serverid`/`servercount`, and keeps dialing (the address is
+    /// usually a LoadBalancer) to find missing or replaced replicas.
+    /// Failures back off exponentially (×1.5, capped) with ±10 % jitter.
+    pub async fn run(self: &Arc<Self>) {
+        let mut delay = self.opts.sync_interval;
+        loop {
+            if self.draining.load(Ordering::Acquire) {
+                self.shutdown.cancelled().await;
+                return;
+            }
+            let wait = match self.connect_once().await {
+                Ok(new) => {
+                    AgentMetrics::count(
+                        &self.metrics.server_connects,
+                        if new { "ok" } else { "duplicate" },
+                    );
+                    delay = self.opts.sync_interval;
+                    let have = i64::try_from(self.session_count()).unwrap_or(i64::MAX);
+                    if have >= self.known_count.load(Ordering::Acquire) {
+                        self.opts.sync_interval_cap
+                    } else {
+                        self.opts.sync_interval
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(server = %self.opts.server, error = %format!("{e:#}"), "cannot connect to the tunnel server");
+                    AgentMetrics::count(&self.metrics.server_connects, "error");
+                    let d = delay;
+                    delay = delay.mul_f64(1.5).min(self.opts.sync_interval_cap);
+                    d
+                }
+            };
+            let jitter = 0.9 + rand::random::<f64>() * 0.2;
+            tokio::select! {
+                () = tokio::time::sleep(wait.mul_f64(jitter)) => {}
+                () = self.shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    /// One connection attempt; `Ok(true)` for a new replica, `Ok(false)` for
+    /// one we already have (closed again).
+    async fn connect_once(self: &Arc<Self>) -> anyhow::Result<bool> {
+        let t = self.opts.dial_timeout.max(Duration::from_secs(5));
+        let tcp = tokio::time::timeout(t, TcpStream::connect(&self.opts.server))
+            .await
+            .context("connect timed out")?
+            .with_context(|| format!("connecting to {}", self.opts.server))?;
+        let _ = tcp.set_nodelay(true);
+        let name = rustls::pki_types::ServerName::try_from(self.opts.server_name.clone())
+            .context("server name")?;
+        let tls = tokio::time::timeout(t, self.tls.connect(name, tcp))
+            .await
+            .context("TLS handshake timed out")?
+            .context("TLS handshake")?;
+        let origin: http::Uri = format!("https://{}", self.opts.server_name)
+            .parse()
+            .context("server name as URI")?;
+        let mut client = grpc::connect(tls, origin, self.opts.keepalive)
+            .await
+            .context("HTTP/2 handshake")?;
+        let mut meta = vec![("agentid", self.opts.agent_id.clone())];
+        if !self.opts.identifiers.is_empty() {
+            meta.push(("agentidentifiers", self.opts.identifiers.clone()));
+        }
+        if let Some(p) = &self.opts.token_path {
+            let token =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            meta.push(("authorization", format!("Bearer {}", token.trim())));
+        }
+        let (tx, rx) = mpsc::channel::<Packet>(TO_SERVER_QUEUE);
+        let outbound =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|p| (p, rx)) },
+            );
+        let resp = tokio::time::timeout(
+            t,
+            grpc::open_stream(&mut client, AGENT_CONNECT_PATH, outbound, &meta),
+        )
+        .await
+        .context("server did not answer")?
+        .map_err(|s| anyhow::anyhow!("server refused the stream: {} {}", s.code(), s.message()))?;
+        let one = |k: &str| -> anyhow::Result<String> {
+            let v: Vec<_> = resp.metadata().get_all(k).iter().collect();
+            match v.as_slice() {
+                [one] => Ok(one.to_str().context("not ASCII")?.to_string()),
+                _ => anyhow::bail!("expected one {k} header, got {}", v.len()),
+            }
+        };
+        let server_id = one("serverid")?;
+        let count: i64 = one("servercount")?.parse().context("servercount")?;
+        self.known_count.store(count.max(1), Ordering::Release);
+        let session = Arc::new(Session {
+            server_id: server_id.clone(),
+            to_server: tx,
+            conns: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashMap::new()),
+            next_id: AtomicI64::new(1),
+            gone: CancellationToken::new(),
+        });
+        {
+            let Ok(mut s) = self.sessions.lock() else {
+                anyhow::bail!("session table poisoned");
+            };
+            if s.contains_key(&server_id) {
+                return Ok(false);
+            }
+            s.insert(server_id.clone(), session.clone());
+        }
+        self.metrics.servers.inc();
+        tracing::info!(server_id, servercount = count, "connected to tunnel server");
+        let inbound = resp.into_inner();
+        let agent = self.clone();
+        tokio::spawn(async move {
+            agent.serve_session(session.clone(), inbound).await;
+            if let Ok(mut s) = agent.sessions.lock() {
+                s.remove(&session.server_id);
+            }
+            agent.metrics.servers.dec();
+            session.gone.cancel();
+            let conns: Vec<_> = session
+                .conns
+                .lock()
+                .map(|mut c| c.drain().collect())
+                .unwrap_or_default();
+            for (_, c) in conns {
+                c.cancel.cancel();
+                c.queue.abort();
+            }
+            tracing::warn!(server_id = %session.server_id, "stream to tunnel server ended");
+        });
+        Ok(true)
+    }
+
+    async fn serve_session(
+        self: &Arc<Self>,
+        s: Arc<Session>,
+        mut inbound: tonic::Streaming<Packet>,
+    ) {
+        loop {
+            let p = tokio::select! {
+                m = inbound.next() => match m {
+                    Some(Ok(p)) => p,
+                    Some(Err(e)) => {
+                        tracing::info!(error = %e, "server stream failed");
+                        return;
+                    }
+                    None => return,
+                },
+                () = self.shutdown.cancelled() => return,
+            };
+            match (p.kind(), p.payload) {
+                (Some(PacketType::DialReq), Some(Payload::DialRequest(d))) => {
+                    let cancel = CancellationToken::new();
+                    if let Ok(mut m) = s.pending.lock() {
+                        m.insert(d.random, cancel.clone());
+                    }
+                    let (agent, s) = (self.clone(), s.clone());
+                    tokio::spawn(async move {
+                        agent.dial(s, d.address, d.protocol, d.random, cancel).await
+                    });
+                }
+                (Some(PacketType::Data), Some(Payload::Data(d))) => {
+                    let pushed = s
+                        .conns
+                        .lock()
+                        .ok()
+                        .and_then(|c| c.get(&d.connect_id).map(|e| e.queue.push(d.data)));
+                    match pushed {
+                        Some(Ok(())) => {}
+                        Some(Err(_)) => {
+                            if let Some(e) = s
+                                .conns
+                                .lock()
+                                .ok()
+                                .and_then(|mut c| c.remove(&d.connect_id))
+                            {
+                                e.cancel.cancel();
+                                e.queue.abort();
+                            }
+                            AgentMetrics::count(&self.metrics.endpoint_closes, "overflow");
+                            s.send_soon(Packet::close_rsp(
+                                d.connect_id,
+                                "destination too slow: queue overflow".into(),
+                            ));
+                        }
+                        None => {
+                            AgentMetrics::count(&self.metrics.bad_packets, "unknown_connect_id");
+                            s.send_soon(Packet::close_rsp(
+                                d.connect_id,
+                                "unrecognized connectID".into(),
+                            ));
+                        }
+                    }
+                }
+                (Some(PacketType::CloseReq), Some(Payload::CloseRequest(c))) => {
+                    match s
+                        .conns
+                        .lock()
+                        .ok()
+                        .and_then(|mut m| m.remove(&c.connect_id))
+                    {
+                        Some(e) => {
+                            e.cancel.cancel();
+                            s.send_soon(Packet::close_rsp(c.connect_id, String::new()));
+                        }
+                        None => {
+                            AgentMetrics::count(&self.metrics.bad_packets, "unknown_connect_id");
+                            s.send_soon(Packet::close_rsp(
+                                c.connect_id,
+                                "Unknown connectID".into(),
+                            ));
+                        }
+                    }
+                }
+                (Some(PacketType::DialCls), Some(Payload::CloseDial(c))) => {
+                    if let Some(t) = s.pending.lock().ok().and_then(|mut m| m.remove(&c.random)) {
+                        t.cancel();
+                    }
+                }
+                _ => AgentMetrics::count(&self.metrics.bad_packets, "unexpected"),
+            }
+        }
+    }
+
+    /// Whether the policy lets the agent connect to `addr`.
+    pub fn allowed(&self, addr: &SocketAddr) -> bool {
+        let ip = match addr.ip() {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+            v4 => v4,
+        };
+        if self.opts.deny.iter().any(|n| n.contains(&ip))
+            && !self
+                .opts
+                .allow
+                .iter()
+                .any(|n| n.prefix_len() == n.max_prefix_len() && n.contains(&ip))
+        {
+            return false;
+        }
+        (self.opts.allow.is_empty() || self.opts.allow.iter().any(|n| n.contains(&ip)))
+            && (self.opts.allow_ports.is_empty() || self.opts.allow_ports.contains(&addr.port()))
+    }
+
+    async fn dial(
+        self: Arc<Self>,
+        s: Arc<Session>,
+        address: String,
+        protocol: String,
+        random: i64,
+        cancel: CancellationToken,
+    ) {
+        let outcome = tokio::select! {
+            r = tokio::time::timeout(self.opts.dial_timeout, self.open(&address, &protocol)) => match r {
+                Ok(r) => r,
+                Err(_) => Err(format!("dial tcp {address}: i/o timeout")),
+            },
+            () = cancel.cancelled() => {
+                AgentMetrics::count(&self.metrics.dials, "cancelled");
+                return;
+            }
+            () = s.gone.cancelled() => return,
+        };
+        let still_wanted = s
+            .pending
+            .lock()
+            .ok()
+            .and_then(|mut m| m.remove(&random))
+            .is_some();
+        let stream = match outcome {
+            Ok(stream) if still_wanted => stream,
+            Ok(_) => {
+                AgentMetrics::count(&self.metrics.dials, "cancelled");
+                return;
+            }
+            Err(text) => {
+                AgentMetrics::count(
+                    &self.metrics.dials,
+                    match dialerr::classify(&text) {
+                        dialerr::Kind::Forbidden => "forbidden",
+                        dialerr::Kind::Timeout => "timeout",
+                        dialerr::Kind::Refused => "refused",
+                        _ => "error",
+                    },
+                );
+                s.send_soon(Packet::dial_rsp(random, 0, text));
+                return;
+            }
+        };
+        AgentMetrics::count(&self.metrics.dials, "ok");
+        let id = s.next_id.fetch_add(1, Ordering::AcqRel);
+        let (qtx, mut qrx) = queue::queue(self.opts.queue_bytes);
+        let cancel = CancellationToken::new();
+        if let Ok(mut c) = s.conns.lock() {
+            c.insert(
+                id,
+                ConnEntry {
+                    queue: qtx,
+                    cancel: cancel.clone(),
+                },
+            );
+        }
+        if s.to_server
+            .send(Packet::dial_rsp(random, id, String::new()))
+            .await
+            .is_err()
+        {
+            return;
+        }
+        self.metrics.endpoints.inc();
+        let (mut rd, mut wr) = stream.into_split();
+        let stall = self.opts.stall_timeout;
+        let up = async {
+            loop {
+                let mut b = BytesMut::with_capacity(CHUNK);
+                match rd.read_buf(&mut b).await {
+                    Ok(0) | Err(_) => return "remote_closed",
+                    Ok(_) => {
+                        if s.to_server
+                            .send(Packet::data(id, b.freeze()))
+                            .await
+                            .is_err()
+                        {
+                            return "server_gone";
+                        }
+                    }
+                }
+            }
+        };
+        let down = async {
+            match qrx.pump(&mut wr, stall).await {
+                PumpEnd::Finished | PumpEnd::Aborted => "closed",
+                PumpEnd::Stalled => "stalled",
+                PumpEnd::WriteError => "write_error",
+            }
+        };
+        let outcome = tokio::select! {
+            o = up => o,
+            o = down => o,
+            () = cancel.cancelled() => "close_req",
+        };
+        if outcome != "close_req" {
+            // Closed from this side: tell the server (unsolicited CLOSE_RSP).
+            if s.conns
+                .lock()
+                .ok()
+                .and_then(|mut c| c.remove(&id))
+                .is_some()
+            {
+                s.send_soon(Packet::close_rsp(id, String::new()));
+            }
+        }
+        self.metrics.endpoints.dec();
+        AgentMetrics::count(&self.metrics.endpoint_closes, outcome);
+    }
+
+    /// Resolves (within policy) and connects.
+    async fn open(&self, address: &str, protocol: &str) -> Result<TcpStream, String> {
+        if protocol != "tcp" {
+            return Err(format!("protocol {protocol:?} is not supported"));
+        }
+        let addrs: Vec<SocketAddr> = tokio::net::lookup_host(address)
+            .await
+            .map_err(|e| format!("dial tcp {address}: lookup: {e}"))?
+            .collect();
+        let allowed: Vec<SocketAddr> = addrs.iter().copied().filter(|a| self.allowed(a)).collect();
+        if allowed.is_empty() {
+            return Err(format!("dial tcp {address}: {}", dialerr::FORBIDDEN));
+        }
+        let mut last = String::new();
+        for a in allowed {
+            match TcpStream::connect(a).await {
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    return Ok(s);
+                }
+                Err(e) => last = dialerr::text(address, &e),
+            }
+        }
+        Err(last)
+    }
+
+    /// First SIGTERM: DRAIN to every server, no new connections to servers.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Release);
+        let sessions: Vec<_> = self
+            .sessions
+            .lock()
+            .map(|s| s.values().cloned().collect())
+            .unwrap_or_default();
+        for s in sessions {
+            s.send_soon(Packet::drain());
+        }
+    }
+}

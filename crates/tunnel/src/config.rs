@@ -1,0 +1,201 @@
+//! `seedlink tunnel-server` configuration (YAML). Unknown keys are errors;
+//! every problem is reported with its path. See docs/TUNNEL.md.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use seedlink_config::model::humantime_serde;
+use serde::Deserialize;
+
+/// The whole file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// This replica's ID, sent to agents as `serverid` (default: random).
+    #[serde(default)]
+    pub server_id: Option<String>,
+    /// Replicas behind the agents' address, sent as `servercount`.
+    #[serde(default = "one")]
+    pub server_count: u32,
+    /// The agent endpoint.
+    pub agents: AgentEndpoint,
+    /// Admin endpoint: `/healthz`, `/readyz`, `/metrics`.
+    #[serde(default)]
+    pub admin: Option<Admin>,
+    /// Deadline for an agent's answer to a dial.
+    #[serde(default = "ten_s", with = "humantime_serde")]
+    pub dial_timeout: Duration,
+    /// A tunneled connection whose frontend (or destination) accepts no byte
+    /// for this long is closed; only that connection.
+    #[serde(default = "ten_s", with = "humantime_serde")]
+    pub stall_timeout: Duration,
+    /// Bytes queued per tunneled connection towards a slow frontend before
+    /// that connection is closed (standard Konnectivity protocol only).
+    #[serde(default = "queue_default")]
+    pub queue_bytes: usize,
+    /// The clusters served.
+    pub clusters: Vec<Cluster>,
+}
+
+/// Where agents connect.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentEndpoint {
+    /// Listen address (Konnectivity's conventional port is 8132 or 8091).
+    pub listen: SocketAddr,
+    /// Server certificate (PEM).
+    pub cert: PathBuf,
+    /// Its key (PEM).
+    pub key: PathBuf,
+    /// HTTP/2 PING interval towards agents; a frozen agent is detected
+    /// within this plus `keepalive_timeout`.
+    #[serde(default = "ten_s", with = "humantime_serde")]
+    pub keepalive: Duration,
+    /// How long a PING may go unanswered.
+    #[serde(default = "five_s", with = "humantime_serde")]
+    pub keepalive_timeout: Duration,
+}
+
+/// The admin endpoint.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Admin {
+    /// Listen address.
+    pub listen: SocketAddr,
+}
+
+/// One cluster: its agents' trust, its frontends, its routing.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cluster {
+    /// Name (a label on every metric).
+    pub name: String,
+    /// CA whose client certificates identify this cluster's agents.
+    pub agent_ca: PathBuf,
+    /// Backend choice, tried in order: `destHost`, `cidr`, `defaultRoute`, `default`.
+    #[serde(default = "default_strategies")]
+    pub strategies: Vec<String>,
+    /// Frontends for this cluster's kube-apiserver.
+    pub frontends: Vec<Frontend>,
+}
+
+/// A frontend.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Frontend {
+    /// Name (a metric label).
+    pub name: String,
+    /// `http-connect` or `grpc`.
+    pub protocol: FrontendProtocol,
+    /// A Unix socket path (no TLS).
+    #[serde(default)]
+    pub unix: Option<PathBuf>,
+    /// A TCP address (mTLS required: `cert`, `key`, `client_ca`).
+    #[serde(default)]
+    pub tcp: Option<SocketAddr>,
+    /// Server certificate for `tcp`.
+    #[serde(default)]
+    pub cert: Option<PathBuf>,
+    /// Its key.
+    #[serde(default)]
+    pub key: Option<PathBuf>,
+    /// CA of the clients (kube-apiserver) for `tcp`.
+    #[serde(default)]
+    pub client_ca: Option<PathBuf>,
+}
+
+/// Frontend protocols.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FrontendProtocol {
+    /// HTTP/1.1 CONNECT (kube-apiserver `proxyProtocol: HTTPConnect`).
+    HttpConnect,
+    /// gRPC `ProxyService` (kube-apiserver `proxyProtocol: GRPC`).
+    Grpc,
+}
+
+fn one() -> u32 {
+    1
+}
+fn ten_s() -> Duration {
+    Duration::from_secs(10)
+}
+fn five_s() -> Duration {
+    Duration::from_secs(5)
+}
+fn queue_default() -> usize {
+    4 * 1024 * 1024
+}
+fn default_strategies() -> Vec<String> {
+    vec!["default".into()]
+}
+
+/// Known strategy names.
+pub const STRATEGIES: &[&str] = &["default", "destHost", "defaultRoute", "cidr"];
+
+impl ServerConfig {
+    /// Parses and checks a configuration; all problems at once.
+    pub fn parse(text: &str) -> anyhow::Result<ServerConfig> {
+        let cfg: ServerConfig = serde_norway::from_str(text)?;
+        let mut errs = Vec::new();
+        if cfg.server_count == 0 {
+            errs.push("server_count: must be at least 1".to_string());
+        }
+        if cfg.clusters.is_empty() {
+            errs.push("clusters: at least one cluster is needed".to_string());
+        }
+        if cfg.queue_bytes < 64 * 1024 {
+            errs.push("queue_bytes: at least 65536".to_string());
+        }
+        let mut names = HashSet::new();
+        let mut binds = HashSet::new();
+        for (i, c) in cfg.clusters.iter().enumerate() {
+            let at = format!("clusters[{i}] ({})", c.name);
+            if c.name.is_empty() || !names.insert(c.name.clone()) {
+                errs.push(format!("{at}.name: empty or used twice"));
+            }
+            if c.strategies.is_empty() {
+                errs.push(format!("{at}.strategies: empty"));
+            }
+            for s in &c.strategies {
+                if !STRATEGIES.contains(&s.as_str()) {
+                    errs.push(format!(
+                        "{at}.strategies: {s:?} is not one of {}",
+                        STRATEGIES.join(", ")
+                    ));
+                }
+            }
+            for (j, f) in c.frontends.iter().enumerate() {
+                let at = format!("{at}.frontends[{j}] ({})", f.name);
+                match (&f.unix, &f.tcp) {
+                    (Some(p), None) => {
+                        if !binds.insert(p.display().to_string()) {
+                            errs.push(format!("{at}.unix: path used twice"));
+                        }
+                        if f.cert.is_some() || f.key.is_some() || f.client_ca.is_some() {
+                            errs.push(format!("{at}: cert/key/client_ca only apply to tcp"));
+                        }
+                    }
+                    (None, Some(a)) => {
+                        if !binds.insert(a.to_string()) || *a == cfg.agents.listen {
+                            errs.push(format!("{at}.tcp: address used twice"));
+                        }
+                        if f.cert.is_none() || f.key.is_none() || f.client_ca.is_none() {
+                            errs.push(format!(
+                                "{at}: a tcp frontend needs cert, key and client_ca (mTLS is mandatory)"
+                            ));
+                        }
+                    }
+                    _ => errs.push(format!("{at}: exactly one of unix and tcp")),
+                }
+            }
+        }
+        if errs.is_empty() {
+            Ok(cfg)
+        } else {
+            anyhow::bail!("{}", errs.join("\n"))
+        }
+    }
+}

@@ -1,0 +1,174 @@
+//! gRPC over HTTP/2 for the two Konnectivity services, on connections we
+//! accept or dial ourselves (after our own TLS handshake, so the peer's
+//! certificate is known): hyper for HTTP/2, tonic's codec layer for gRPC
+//! framing and status, prost for the messages. tonic's own transport is not
+//! used because its server router pulls in axum and hides the connection.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures_util::Stream;
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tonic::codec::Streaming;
+use tonic::{Request, Response, Status};
+
+use crate::proto::Packet;
+
+/// Outbound packets of one stream.
+pub type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
+
+/// Future of a stream handler.
+pub type HandlerFuture =
+    Pin<Box<dyn Future<Output = Result<Response<PacketStream>, Status>> + Send>>;
+
+/// A bidirectional-streaming handler.
+pub type Handler = Arc<dyn Fn(Request<Streaming<Packet>>) -> HandlerFuture + Send + Sync>;
+
+/// Largest message accepted (gRPC's customary 4 MiB).
+pub const MAX_MESSAGE: usize = 4 * 1024 * 1024;
+
+/// HTTP/2 settings of one side.
+#[derive(Clone, Copy, Debug)]
+pub struct H2Settings {
+    /// PING interval (detects a frozen peer).
+    pub keepalive: Duration,
+    /// How long a PING may go unanswered.
+    pub keepalive_timeout: Duration,
+}
+
+struct Svc(Handler);
+
+impl tonic::server::StreamingService<Packet> for Svc {
+    type Response = Packet;
+    type ResponseStream = PacketStream;
+    type Future = HandlerFuture;
+
+    fn call(&mut self, request: Request<Streaming<Packet>>) -> Self::Future {
+        (self.0)(request)
+    }
+}
+
+/// Serves gRPC on one accepted connection: `routes` maps method paths to
+/// handlers; others get `UNIMPLEMENTED`. Returns when the connection ends.
+pub async fn serve<IO>(io: IO, routes: Vec<(&'static str, Handler)>, h2: H2Settings)
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let routes = Arc::new(routes);
+    let service = hyper::service::service_fn(move |req: http::Request<Incoming>| {
+        let routes = routes.clone();
+        async move {
+            let handler = routes
+                .iter()
+                .find(|(p, _)| *p == req.uri().path())
+                .map(|(_, h)| h.clone());
+            let resp = match handler {
+                Some(h) => {
+                    let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::default())
+                        .max_decoding_message_size(MAX_MESSAGE);
+                    grpc.streaming(Svc(h), req).await
+                }
+                None => {
+                    Status::unimplemented(format!("no method {}", req.uri().path())).into_http()
+                }
+            };
+            Ok::<_, std::convert::Infallible>(resp)
+        }
+    });
+    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    builder
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(Some(h2.keepalive))
+        .keep_alive_timeout(h2.keepalive_timeout)
+        .initial_stream_window_size(1024 * 1024)
+        .initial_connection_window_size(16 * 1024 * 1024)
+        .max_frame_size(256 * 1024)
+        .max_concurrent_streams(1000)
+        .max_pending_accept_reset_streams(20)
+        .max_local_error_reset_streams(256);
+    if let Err(e) = builder.serve_connection(TokioIo::new(io), service).await {
+        tracing::debug!(error = %e, "gRPC connection ended");
+    }
+}
+
+/// A gRPC client on one dialled connection.
+pub type Client = tonic::client::Grpc<H2Client>;
+
+/// hyper's HTTP/2 sender as the tower service tonic's client expects.
+#[derive(Clone)]
+pub struct H2Client(hyper::client::conn::http2::SendRequest<tonic::body::Body>);
+
+impl tower_service::Service<http::Request<tonic::body::Body>> for H2Client {
+    type Response = http::Response<Incoming>;
+    type Error = hyper::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        Box::pin(self.0.send_request(req))
+    }
+}
+
+/// HTTP/2 handshake on `io` (already TLS if wanted) and a gRPC client on
+/// it; the connection is driven by a spawned task that ends with it.
+pub async fn connect<IO>(io: IO, origin: http::Uri, h2: H2Settings) -> Result<Client, hyper::Error>
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(Some(h2.keepalive))
+        .keep_alive_timeout(h2.keepalive_timeout)
+        .keep_alive_while_idle(true)
+        .initial_stream_window_size(1024 * 1024)
+        .initial_connection_window_size(16 * 1024 * 1024)
+        .max_frame_size(256 * 1024)
+        .handshake(TokioIo::new(io))
+        .await?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "gRPC client connection ended");
+        }
+    });
+    Ok(tonic::client::Grpc::with_origin(H2Client(send), origin)
+        .max_decoding_message_size(MAX_MESSAGE))
+}
+
+/// Opens a bidirectional stream on `path` sending `outbound`, with request
+/// metadata `meta`.
+pub async fn open_stream<S>(
+    client: &mut Client,
+    path: &'static str,
+    outbound: S,
+    meta: &[(&'static str, String)],
+) -> Result<Response<Streaming<Packet>>, Status>
+where
+    S: Stream<Item = Packet> + Send + 'static,
+{
+    client
+        .ready()
+        .await
+        .map_err(|e| Status::unavailable(format!("connection not ready: {e}")))?;
+    let mut req = Request::new(outbound);
+    for (k, v) in meta {
+        let v = v
+            .parse()
+            .map_err(|_| Status::invalid_argument(format!("metadata {k} is not ASCII")))?;
+        req.metadata_mut().insert(*k, v);
+    }
+    client
+        .streaming(
+            req,
+            http::uri::PathAndQuery::from_static(path),
+            tonic_prost::ProstCodec::default(),
+        )
+        .await
+}

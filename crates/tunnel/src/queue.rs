@@ -1,0 +1,182 @@
+//! The per-connection queue between a shared stream's receive loop and one
+//! tunneled connection's socket. The receive loop never waits on it: a
+//! push either fits the byte budget or fails, and the caller closes only
+//! that connection. The socket side writes with a stall deadline. This is
+//! what keeps one slow reader from blocking every other connection on a
+//! Konnectivity stream, which has no per-connection flow control.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+struct Shared {
+    queued: AtomicUsize,
+    aborted: AtomicBool,
+}
+
+/// The receive loop's end.
+pub struct QueueTx {
+    tx: mpsc::UnboundedSender<Bytes>,
+    shared: Arc<Shared>,
+    limit: usize,
+}
+
+/// The socket writer's end.
+pub struct QueueRx {
+    rx: mpsc::UnboundedReceiver<Bytes>,
+    shared: Arc<Shared>,
+}
+
+/// A queue with a budget of `limit` bytes.
+pub fn queue(limit: usize) -> (QueueTx, QueueRx) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let shared = Arc::new(Shared {
+        queued: AtomicUsize::new(0),
+        aborted: AtomicBool::new(false),
+    });
+    (
+        QueueTx {
+            tx,
+            shared: shared.clone(),
+            limit,
+        },
+        QueueRx { rx, shared },
+    )
+}
+
+/// Why a push failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PushError {
+    /// The budget is used up: the reader is too slow.
+    Overflow,
+    /// The writer is gone.
+    Closed,
+}
+
+impl QueueTx {
+    /// Queues `data` if it fits the budget; never waits.
+    pub fn push(&self, data: Bytes) -> Result<(), PushError> {
+        let n = data.len();
+        let before = self.shared.queued.fetch_add(n, Ordering::AcqRel);
+        if before + n > self.limit && before > 0 {
+            self.shared.queued.fetch_sub(n, Ordering::AcqRel);
+            return Err(PushError::Overflow);
+        }
+        self.tx.send(data).map_err(|_| {
+            self.shared.queued.fetch_sub(n, Ordering::AcqRel);
+            PushError::Closed
+        })
+    }
+
+    /// Ends the connection abnormally: the writer resets instead of
+    /// finishing cleanly, after nothing more.
+    pub fn abort(self) {
+        self.shared.aborted.store(true, Ordering::Release);
+    }
+}
+
+/// How the writer ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PumpEnd {
+    /// The sender closed normally and everything was written.
+    Finished,
+    /// The sender aborted (overflow, agent gone).
+    Aborted,
+    /// No byte could be written for the stall deadline.
+    Stalled,
+    /// The socket failed.
+    WriteError,
+}
+
+/// What [`QueueRx::recv`] got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recv {
+    /// Bytes to deliver.
+    Data(Bytes),
+    /// The sender closed normally; everything was delivered.
+    Finished,
+    /// The sender aborted (overflow, agent gone).
+    Aborted,
+}
+
+impl QueueRx {
+    /// The next bytes, or how the sender ended.
+    pub async fn recv(&mut self) -> Recv {
+        match self.rx.recv().await {
+            _ if self.shared.aborted.load(Ordering::Acquire) => Recv::Aborted,
+            Some(data) => {
+                self.shared.queued.fetch_sub(data.len(), Ordering::AcqRel);
+                Recv::Data(data)
+            }
+            None => Recv::Finished,
+        }
+    }
+
+    /// Writes queued bytes to `w` until the sender closes or aborts; each
+    /// write must make progress within `stall`.
+    pub async fn pump<W: AsyncWrite + Unpin>(&mut self, w: &mut W, stall: Duration) -> PumpEnd {
+        loop {
+            let data = match self.recv().await {
+                Recv::Data(d) => d,
+                Recv::Finished => return PumpEnd::Finished,
+                Recv::Aborted => return PumpEnd::Aborted,
+            };
+            match tokio::time::timeout(stall, w.write_all(&data)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return PumpEnd::WriteError,
+                Err(_) => return PumpEnd::Stalled,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[tokio::test]
+    async fn push_fails_past_the_budget_and_the_writer_sees_an_abort() {
+        let (tx, mut rx) = queue(10);
+        tx.push(Bytes::from_static(b"0123456789")).unwrap();
+        assert_eq!(tx.push(Bytes::from_static(b"x")), Err(PushError::Overflow));
+        // A single message larger than the budget passes when nothing is queued.
+        let (big_tx, _big_rx) = queue(4);
+        big_tx.push(Bytes::from_static(b"too large")).unwrap();
+        tx.abort();
+        let mut out = Vec::new();
+        assert_eq!(
+            rx.pump(&mut out, Duration::from_secs(1)).await,
+            PumpEnd::Aborted
+        );
+    }
+
+    #[tokio::test]
+    async fn a_clean_close_writes_everything() {
+        let (tx, mut rx) = queue(100);
+        tx.push(Bytes::from_static(b"ab")).unwrap();
+        tx.push(Bytes::from_static(b"cd")).unwrap();
+        drop(tx);
+        let mut out = Vec::new();
+        assert_eq!(
+            rx.pump(&mut out, Duration::from_secs(1)).await,
+            PumpEnd::Finished
+        );
+        assert_eq!(out, b"abcd");
+    }
+
+    #[tokio::test]
+    async fn a_reader_that_never_reads_is_a_stall() {
+        let (tx, mut rx) = queue(1 << 20);
+        let (mut w, _r) = tokio::io::duplex(4);
+        tx.push(Bytes::from(vec![0u8; 64])).unwrap();
+        assert_eq!(
+            rx.pump(&mut w, Duration::from_millis(50)).await,
+            PumpEnd::Stalled
+        );
+    }
+}

@@ -1,0 +1,40 @@
+//! tunnel-server admin: `/healthz`, `/readyz` (at least one agent, not
+//! shutting down; per-cluster agent counts in the body), `/metrics`.
+
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+
+use crate::admin::{self, Answer, METRICS, TEXT};
+use crate::server::run::TunnelServer;
+
+/// Serves the admin endpoint.
+pub async fn serve(srv: Arc<TunnelServer>, listener: TcpListener) {
+    let route = move |path: &str| -> Answer {
+        match path {
+            "/healthz" => (200, TEXT, "ok\n".into()),
+            "/readyz" | "/ready" => {
+                let mut body = String::new();
+                for c in &srv.registry.clusters {
+                    body.push_str(&format!("cluster {} agents={}\n", c.name, c.agent_count()));
+                }
+                if srv.ready() {
+                    (200, TEXT, body)
+                } else {
+                    (
+                        503,
+                        TEXT,
+                        format!("no connection to any proxy agent\n{body}"),
+                    )
+                }
+            }
+            "/metrics" => (200, METRICS, admin::encode(&srv.metrics.registry)),
+            _ => (
+                404,
+                TEXT,
+                "not found; try /healthz /readyz /metrics\n".into(),
+            ),
+        }
+    };
+    admin::serve(listener, Arc::new(route)).await;
+}

@@ -1,0 +1,147 @@
+//! The agent endpoint: TLS with a client certificate from one of the
+//! clusters' CAs (the certificate decides the cluster, nothing the agent
+//! says does), then gRPC `AgentService/Connect`.
+
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use tokio::net::TcpStream;
+use tonic::{Response, Status};
+
+use super::{attach, detach, on_agent_packet, Handled, Identifiers};
+use crate::grpc::{self, Handler, PacketStream};
+use crate::proto::AGENT_CONNECT_PATH;
+use crate::server::run::TunnelServer;
+
+/// Serves one accepted agent connection.
+pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std::net::SocketAddr) {
+    let _ = tcp.set_nodelay(true);
+    let tls = match tokio::time::timeout(srv.settings.handshake_timeout, srv.agent_tls.accept(tcp))
+        .await
+    {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            tracing::info!(%peer, error = %e, "agent TLS handshake failed");
+            srv.metrics.agent_stream("", "tls_failed");
+            return;
+        }
+        Err(_) => {
+            srv.metrics.agent_stream("", "tls_timeout");
+            return;
+        }
+    };
+    let certs: Vec<_> = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .map(|c| c.iter().map(|c| c.clone().into_owned()).collect())
+        .unwrap_or_default();
+    let Some(cluster) = srv.registry.cluster_for_cert(&certs).cloned() else {
+        tracing::warn!(%peer, "agent certificate matches no cluster");
+        srv.metrics.agent_stream("", "unknown_cluster");
+        return;
+    };
+    let handler: Handler = {
+        let srv = srv.clone();
+        let cluster = cluster.clone();
+        Arc::new(
+            move |req: tonic::Request<tonic::Streaming<crate::proto::Packet>>| {
+                let srv = srv.clone();
+                let cluster = cluster.clone();
+                Box::pin(async move {
+                    let meta = req.metadata();
+                    let ids: Vec<_> = meta.get_all("agentid").iter().collect();
+                    let [agent_id] = ids.as_slice() else {
+                        srv.metrics.agent_stream(&cluster.name, "bad_agent_id");
+                        return Err(Status::invalid_argument("expected one agent ID"));
+                    };
+                    let Ok(agent_id) = agent_id.to_str() else {
+                        return Err(Status::invalid_argument("agent ID is not ASCII"));
+                    };
+                    let idents: Vec<_> = meta.get_all("agentidentifiers").iter().collect();
+                    let ids = match idents.as_slice() {
+                        [] => Identifiers::default(),
+                        [one] => {
+                            let (ids, ignored) = Identifiers::parse(one.to_str().unwrap_or(""));
+                            if !ignored.is_empty() {
+                                tracing::info!(
+                                    agent = agent_id,
+                                    ?ignored,
+                                    "ignored agent identifiers"
+                                );
+                            }
+                            ids
+                        }
+                        _ => {
+                            srv.metrics.agent_stream(&cluster.name, "bad_identifiers");
+                            return Err(Status::invalid_argument(
+                                "expected at most one agentidentifiers",
+                            ));
+                        }
+                    };
+                    let agent_id = agent_id.to_string();
+                    let (link, to_agent) = attach(&cluster, agent_id.clone(), ids);
+                    srv.metrics.agent(&cluster.name, 1);
+                    tracing::info!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, "agent connected");
+                    let mut inbound = req.into_inner();
+                    // Receive loop: never waits on a connection (see queue.rs).
+                    {
+                        let (srv, cluster, link) = (srv.clone(), cluster.clone(), link.clone());
+                        tokio::spawn(async move {
+                            let why = loop {
+                                tokio::select! {
+                                    m = inbound.next() => match m {
+                                        Some(Ok(p)) => {
+                                            let h = on_agent_packet(&link, p);
+                                            srv.metrics.agent_packet(&cluster.name, match h {
+                                                Handled::Ok => "ok",
+                                                Handled::Unrecognized => "unrecognized",
+                                                Handled::Overflow => "overflow",
+                                                Handled::Unexpected => "unexpected",
+                                            });
+                                        }
+                                        Some(Err(e)) => {
+                                            tracing::info!(agent = %link.agent_id, error = %e, "agent stream failed");
+                                            break "stream_error";
+                                        }
+                                        None => break "closed",
+                                    },
+                                    () = srv.shutdown.cancelled() => break "server_shutdown",
+                                }
+                            };
+                            detach(&cluster, &link);
+                            srv.metrics.agent(&cluster.name, -1);
+                            srv.metrics.agent_stream(&cluster.name, why);
+                            tracing::info!(cluster = %cluster.name, agent = %link.agent_id, uid = link.uid, why, "agent disconnected");
+                        });
+                    }
+                    let gone = link.gone.clone();
+                    let out: PacketStream = Box::pin(futures_util::stream::unfold(
+                        (to_agent, gone),
+                        |(mut rx, gone)| async move {
+                            tokio::select! {
+                                p = rx.recv() => p.map(|p| (Ok(p), (rx, gone))),
+                                () = gone.cancelled() => None,
+                            }
+                        },
+                    ));
+                    let mut resp = Response::new(out);
+                    let id = srv
+                        .server_id
+                        .parse()
+                        .map_err(|_| Status::internal("server ID"))?;
+                    resp.metadata_mut().insert("serverid", id);
+                    resp.metadata_mut().insert(
+                        "servercount",
+                        srv.server_count
+                            .to_string()
+                            .parse()
+                            .map_err(|_| Status::internal("server count"))?,
+                    );
+                    Ok(resp)
+                })
+            },
+        )
+    };
+    grpc::serve(tls, vec![(AGENT_CONNECT_PATH, handler)], srv.agent_h2).await;
+}

@@ -1,0 +1,312 @@
+//! Frontends for kube-apiserver's egress dialer, each bound to one cluster:
+//! HTTP/1.1 CONNECT (over a Unix socket or TCP+mTLS) and gRPC
+//! `ProxyService/Proxy` (one stream per tunneled connection).
+
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::StreamExt;
+use seedlink_proto::connect_head;
+use seedlink_proto::Parse;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tonic::{Response, Status};
+
+use super::{dial, Cluster, DialError, Tunnel};
+use crate::grpc::{Handler, PacketStream};
+use crate::proto::{Packet, PacketType, Payload};
+use crate::queue::{PumpEnd, Recv};
+use crate::server::run::TunnelServer;
+
+/// Bytes read from a frontend per DATA packet (upstream's size).
+const CHUNK: usize = 32 * 1024;
+
+/// The exact success answer kube-apiserver expects (nothing more).
+const ESTABLISHED: &[u8] = b"HTTP/1.1 200 Connection Established\r\n\r\n";
+
+fn status_line(code: u16) -> &'static str {
+    match code {
+        400 => "400 Bad Request",
+        405 => "405 Method Not Allowed",
+        500 => "500 Internal Server Error",
+        503 => "503 Service Unavailable",
+        504 => "504 Gateway Timeout",
+        _ => "502 Bad Gateway",
+    }
+}
+
+async fn answer<S: AsyncWrite + Unpin>(io: &mut S, code: u16, body: &str) {
+    let msg = format!(
+        "HTTP/1.1 {}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        status_line(code),
+        body.len()
+    );
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        let _ = io.write_all(msg.as_bytes()).await;
+        let _ = io.shutdown().await;
+    })
+    .await;
+}
+
+/// Serves one HTTP CONNECT frontend connection; returns the outcome label.
+pub async fn serve_http_connect<S>(srv: &TunnelServer, cluster: &Cluster, mut io: S) -> &'static str
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let limits = connect_head::Limits::default();
+    let mut buf = BytesMut::with_capacity(1024);
+    let head = tokio::time::timeout(srv.settings.handshake_timeout, async {
+        loop {
+            match connect_head::parse(&buf, &limits) {
+                Parse::Done(h) => return Ok(h),
+                Parse::Invalid(r) => return Err(r.reason()),
+                Parse::Incomplete => {}
+            }
+            if buf.len() >= limits.max_head_bytes {
+                return Err("head_too_large");
+            }
+            buf.reserve(1024);
+            match io.read_buf(&mut buf).await {
+                Ok(0) | Err(_) => return Err("closed"),
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    let head = match head {
+        Ok(Ok(h)) => h,
+        Ok(Err("closed")) => return "closed",
+        Ok(Err(why)) => {
+            answer(&mut io, 400, "malformed request\n").await;
+            return why;
+        }
+        Err(_) => return "head_timeout",
+    };
+    if !head.method.eq_ignore_ascii_case("CONNECT") {
+        answer(&mut io, 405, "this proxy only supports CONNECT passthrough").await;
+        return "not_connect";
+    }
+    let target = head.target.clone();
+    if target
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .is_none()
+    {
+        answer(&mut io, 400, "CONNECT target must be host:port\n").await;
+        return "bad_target";
+    }
+    let leftover = buf.split_off(head.len).freeze();
+    let cancel = srv.shutdown.child_token();
+    let tunnel = match dial(cluster, &target, srv.dial_settings(), &cancel, &srv.metrics).await {
+        Ok(t) => t,
+        Err(e) => {
+            let body = match &e {
+                DialError::NoAgent => {
+                    "currently no tunnels available: No agent available".to_string()
+                }
+                e => e.to_string(),
+            };
+            answer(&mut io, e.http_status(), &body).await;
+            return e.reason();
+        }
+    };
+    if io.write_all(ESTABLISHED).await.is_err() {
+        return "write_error";
+    }
+    srv.metrics.established(&cluster.name, 1);
+    let out = carry_stream(srv, tunnel, io, leftover).await;
+    srv.metrics.established(&cluster.name, -1);
+    out
+}
+
+/// Copies between a frontend stream and its tunnel until either ends.
+async fn carry_stream<S>(srv: &TunnelServer, tunnel: Tunnel, io: S, leftover: Bytes) -> &'static str
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let Tunnel { tx, mut rx } = tunnel;
+    let (mut rd, mut wr) = tokio::io::split(io);
+    let stall = srv.settings.stall_timeout;
+    let up = async {
+        if !leftover.is_empty() && tx.send(leftover).await.is_err() {
+            return "agent_gone";
+        }
+        loop {
+            let mut b = BytesMut::with_capacity(CHUNK);
+            match rd.read_buf(&mut b).await {
+                Ok(0) => return "ok",
+                Ok(_) => {
+                    if tx.send(b.freeze()).await.is_err() {
+                        return "agent_gone";
+                    }
+                }
+                Err(_) => return "read_error",
+            }
+        }
+    };
+    let down = async {
+        match rx.pump(&mut wr, stall).await {
+            PumpEnd::Finished => {
+                let _ = wr.shutdown().await;
+                "ok"
+            }
+            PumpEnd::Aborted => "aborted",
+            PumpEnd::Stalled => "stalled",
+            PumpEnd::WriteError => "write_error",
+        }
+    };
+    tokio::pin!(up, down);
+    // The frontend's EOF ends the connection (Konnectivity has no
+    // half-close): CLOSE_REQ now; what the agent already sent is still
+    // delivered, within the stall deadline.
+    tokio::select! {
+        u = &mut up => {
+            tx.close();
+            let rest = tokio::time::timeout(stall, &mut down).await.unwrap_or("stalled");
+            if u == "ok" { rest } else { u }
+        }
+        d = &mut down => d,
+    }
+}
+
+/// The gRPC `ProxyService/Proxy` handler of one cluster.
+pub fn grpc_handler(srv: Arc<TunnelServer>, cluster: Arc<Cluster>, frontend: Arc<str>) -> Handler {
+    Arc::new(move |req: tonic::Request<tonic::Streaming<Packet>>| {
+        let (srv, cluster, frontend) = (srv.clone(), cluster.clone(), frontend.clone());
+        Box::pin(async move {
+            let (out_tx, out_rx) = mpsc::channel::<Result<Packet, Status>>(16);
+            let inbound = req.into_inner();
+            tokio::spawn(async move {
+                let outcome = grpc_session(&srv, &cluster, inbound, out_tx).await;
+                srv.metrics.frontend_conn(&cluster.name, &frontend, outcome);
+            });
+            let out: PacketStream =
+                Box::pin(futures_util::stream::unfold(out_rx, |mut rx| async move {
+                    rx.recv().await.map(|p| (p, rx))
+                }));
+            Ok(Response::new(out))
+        })
+    })
+}
+
+async fn grpc_session(
+    srv: &TunnelServer,
+    cluster: &Cluster,
+    mut inbound: tonic::Streaming<Packet>,
+    out: mpsc::Sender<Result<Packet, Status>>,
+) -> &'static str {
+    let first = match tokio::time::timeout(srv.settings.handshake_timeout, inbound.next()).await {
+        Ok(Some(Ok(p))) => p,
+        Ok(_) => return "closed",
+        Err(_) => return "head_timeout",
+    };
+    let (Some(PacketType::DialReq), Some(Payload::DialRequest(req))) =
+        (first.kind(), first.payload)
+    else {
+        let _ = out
+            .send(Err(Status::invalid_argument(
+                "the first packet must be DIAL_REQ",
+            )))
+            .await;
+        return "bad_first_packet";
+    };
+    if req.protocol != "tcp" {
+        let _ = out
+            .send(Ok(Packet::dial_rsp(
+                req.random,
+                0,
+                format!("protocol {:?} is not supported", req.protocol),
+            )))
+            .await;
+        return "bad_protocol";
+    }
+    // The frontend's dial ID is echoed to it; the agent gets a fresh one.
+    let cancel = srv.shutdown.child_token();
+    let dialing = dial(
+        cluster,
+        &req.address,
+        srv.dial_settings(),
+        &cancel,
+        &srv.metrics,
+    );
+    tokio::pin!(dialing);
+    let dialed = loop {
+        tokio::select! {
+            r = &mut dialing => break r,
+            m = inbound.next() => match m {
+                Some(Ok(p)) if p.kind() == Some(PacketType::DialCls) => cancel.cancel(),
+                Some(Ok(_)) => {}
+                _ => cancel.cancel(),
+            },
+        }
+    };
+    let mut tunnel = match dialed {
+        Ok(t) => t,
+        Err(e) => {
+            let _ = out
+                .send(Ok(Packet::dial_rsp(req.random, 0, e.to_string())))
+                .await;
+            return e.reason();
+        }
+    };
+    let cid = tunnel.tx.connect_id;
+    if out
+        .send(Ok(Packet::dial_rsp(req.random, cid, String::new())))
+        .await
+        .is_err()
+    {
+        return "closed";
+    }
+    srv.metrics.established(&cluster.name, 1);
+    let outcome = grpc_carry(&mut tunnel, &mut inbound, &out, cid).await;
+    srv.metrics.established(&cluster.name, -1);
+    outcome
+}
+
+async fn grpc_carry(
+    tunnel: &mut Tunnel,
+    inbound: &mut tonic::Streaming<Packet>,
+    out: &mpsc::Sender<Result<Packet, Status>>,
+    cid: i64,
+) -> &'static str {
+    loop {
+        tokio::select! {
+            m = inbound.next() => match m {
+                Some(Ok(p)) => match (p.kind(), p.payload) {
+                    (Some(PacketType::Data), Some(Payload::Data(d))) if d.connect_id == cid => {
+                        match tunnel.tx.send(d.data).await {
+                            Ok(()) => {}
+                            Err(_) => {
+                                let _ = out.send(Ok(Packet::close_rsp(cid, "backend connection closed".into()))).await;
+                                return "agent_gone";
+                            }
+                        }
+                    }
+                    (Some(PacketType::CloseReq), _) => {
+                        let _ = out.send(Ok(Packet::close_rsp(cid, String::new()))).await;
+                        return "ok";
+                    }
+                    // A DATA for another connection ends this one (as upstream).
+                    (Some(PacketType::Data), _) => return "wrong_connect_id",
+                    _ => {}
+                },
+                _ => return "frontend_gone",
+            },
+            r = tunnel.rx.recv() => match r {
+                Recv::Data(b) => {
+                    if out.send(Ok(Packet::data(cid, b))).await.is_err() {
+                        return "frontend_gone";
+                    }
+                }
+                Recv::Finished => {
+                    let _ = out.send(Ok(Packet::close_rsp(cid, String::new()))).await;
+                    return "ok";
+                }
+                Recv::Aborted => {
+                    let _ = out.send(Ok(Packet::close_rsp(cid, "connection aborted".into()))).await;
+                    return "aborted";
+                }
+            },
+        }
+    }
+}

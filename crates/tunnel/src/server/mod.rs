@@ -1,0 +1,616 @@
+//! `seedlink tunnel-server`: agents of many clusters connect to one agent
+//! endpoint; each cluster's frontends (kube-apiserver's egress dialer) dial
+//! through that cluster's agents only.
+//!
+//! Every agent stream is an [`AgentLink`]. A dial picks a link of the
+//! frontend's cluster, registers a pending dial under a fresh random ID *on
+//! that link*, and waits (bounded) for the link's receive loop to resolve
+//! it. Established connections live in the link's table too, so an agent
+//! can only ever answer, feed or close what was sent to it.
+
+pub mod admin;
+pub mod agents;
+pub mod frontend;
+pub mod metrics;
+pub mod run;
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use ipnet::IpNet;
+use rustls::server::danger::ClientCertVerifier;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::proto::Packet;
+use crate::queue::{self, QueueRx, QueueTx};
+
+/// Packets queued towards one agent stream before senders wait.
+const TO_AGENT_QUEUE: usize = 256;
+
+/// What an agent says about itself (`agentidentifiers`).
+#[derive(Debug, Clone, Default)]
+pub struct Identifiers {
+    /// `host=` values.
+    pub hosts: Vec<String>,
+    /// `ipv4=` / `ipv6=` values.
+    pub ips: Vec<IpAddr>,
+    /// `cidr=` values.
+    pub cidrs: Vec<IpNet>,
+    /// `default-route=true`.
+    pub default_route: bool,
+}
+
+impl Identifiers {
+    /// Parses the URL-query form; unknown keys and unparsable values are
+    /// ignored (as upstream does), and reported back for logging.
+    pub fn parse(s: &str) -> (Identifiers, Vec<String>) {
+        let mut out = Identifiers::default();
+        let mut ignored = Vec::new();
+        for (k, v) in form_urlencoded::parse(s.as_bytes()) {
+            match k.as_ref() {
+                "host" => out.hosts.push(v.to_ascii_lowercase()),
+                "ipv4" | "ipv6" => match v.parse() {
+                    Ok(ip) => out.ips.push(ip),
+                    Err(_) => ignored.push(format!("{k}={v}")),
+                },
+                "cidr" => match v.parse() {
+                    Ok(n) => out.cidrs.push(n),
+                    Err(_) => ignored.push(format!("{k}={v}")),
+                },
+                "default-route" => out.default_route = v.eq_ignore_ascii_case("true"),
+                _ => ignored.push(k.to_string()),
+            }
+        }
+        (out, ignored)
+    }
+}
+
+/// How a backend is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// Any agent of the cluster.
+    Default,
+    /// An agent whose `host`/`ipv4`/`ipv6` identifier equals the destination host.
+    DestHost,
+    /// An agent advertising `default-route=true`.
+    DefaultRoute,
+    /// An agent whose `cidr` identifier contains the destination IP.
+    Cidr,
+}
+
+impl Strategy {
+    /// From its configuration name.
+    pub fn from_name(s: &str) -> Option<Strategy> {
+        Some(match s {
+            "default" => Strategy::Default,
+            "destHost" => Strategy::DestHost,
+            "defaultRoute" => Strategy::DefaultRoute,
+            "cidr" => Strategy::Cidr,
+            _ => return None,
+        })
+    }
+
+    fn matches(self, ids: &Identifiers, host: &str) -> bool {
+        match self {
+            Strategy::Default => true,
+            Strategy::DefaultRoute => ids.default_route,
+            Strategy::DestHost => {
+                let h = host.trim_start_matches('[').trim_end_matches(']');
+                match h.parse::<IpAddr>() {
+                    Ok(ip) => ids.ips.contains(&ip),
+                    Err(_) => ids.hosts.iter().any(|x| x.eq_ignore_ascii_case(h)),
+                }
+            }
+            Strategy::Cidr => {
+                let h = host.trim_start_matches('[').trim_end_matches(']');
+                h.parse::<IpAddr>()
+                    .is_ok_and(|ip| ids.cidrs.iter().any(|n| n.contains(&ip)))
+            }
+        }
+    }
+}
+
+/// Why a dial failed; mapped to HTTP statuses and gRPC errors in one place.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DialError {
+    /// No agent of the cluster can take it.
+    #[error("No agent available")]
+    NoAgent,
+    /// The agent did not answer within the dial timeout.
+    #[error("timed out waiting for backend dial")]
+    Timeout,
+    /// The agent's stream ended while the dial was pending.
+    #[error("backend connection closed")]
+    AgentGone,
+    /// The agent cancelled the dial (DIAL_CLS).
+    #[error("dial closed by the agent")]
+    Cancelled,
+    /// The agent answered with an error.
+    #[error("{0}")]
+    Agent(String),
+    /// The agent broke the protocol (a DIAL_RSP without connection ID).
+    #[error("agent protocol error: {0}")]
+    Protocol(&'static str),
+}
+
+impl DialError {
+    /// The HTTP status an HTTP-CONNECT frontend answers with (as upstream
+    /// documents: 500 no agent, 502 other failures, 503 resource
+    /// exhaustion at the agent, 504 timeouts).
+    pub fn http_status(&self) -> u16 {
+        match self {
+            DialError::NoAgent => 500,
+            DialError::Timeout => 504,
+            DialError::Agent(text) => match crate::dialerr::classify(text) {
+                crate::dialerr::Kind::Timeout => 504,
+                crate::dialerr::Kind::Exhausted => 503,
+                _ => 502,
+            },
+            DialError::AgentGone | DialError::Cancelled | DialError::Protocol(_) => 502,
+        }
+    }
+
+    /// Label for `dial_failures_total{reason}` (Konnectivity's reasons where
+    /// they mean the same).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            DialError::NoAgent => "no_agent",
+            DialError::Timeout => "backend_dial_timeout",
+            DialError::AgentGone => "backend_close",
+            DialError::Cancelled => "dial_closed",
+            DialError::Agent(_) => "error_response",
+            DialError::Protocol(_) => "protocol_error",
+        }
+    }
+}
+
+/// A dial waiting for its DIAL_RSP.
+struct Pending {
+    reply: oneshot::Sender<Result<i64, DialError>>,
+    queue: QueueTx,
+}
+
+/// One agent stream.
+pub struct AgentLink {
+    /// Server-local unique number (logs, tie-breaks).
+    pub uid: u64,
+    /// The agent's `agentid`.
+    pub agent_id: String,
+    /// Its cluster (from its credentials).
+    pub cluster: Arc<str>,
+    /// Its identifiers.
+    pub ids: Identifiers,
+    to_agent: mpsc::Sender<Packet>,
+    draining: AtomicBool,
+    pending: Mutex<HashMap<i64, Pending>>,
+    conns: Mutex<HashMap<i64, QueueTx>>,
+    /// Cancelled when the stream ends.
+    pub gone: CancellationToken,
+}
+
+impl AgentLink {
+    fn conn_count(&self) -> usize {
+        self.conns.lock().map(|c| c.len()).unwrap_or(0)
+            + self.pending.lock().map(|p| p.len()).unwrap_or(0)
+    }
+
+    /// Whether the agent announced DRAIN.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
+    /// Sends a packet to the agent, waiting for room (per-stream
+    /// backpressure). Fails when the stream is gone.
+    pub async fn send(&self, p: Packet) -> Result<(), DialError> {
+        tokio::select! {
+            r = self.to_agent.send(p) => r.map_err(|_| DialError::AgentGone),
+            () = self.gone.cancelled() => Err(DialError::AgentGone),
+        }
+    }
+
+    /// Sends a control packet without waiting; if the queue is full it is
+    /// sent from a task (control packets must not be lost).
+    fn send_soon(&self, p: Packet) {
+        if let Err(mpsc::error::TrySendError::Full(p)) = self.to_agent.try_send(p) {
+            let tx = self.to_agent.clone();
+            tokio::spawn(async move {
+                let _ = tx.send(p).await;
+            });
+        }
+    }
+
+    /// Forgets connection `id` (frontend side closed it) and tells the agent.
+    pub fn close_conn(&self, id: i64) {
+        let had = self.conns.lock().ok().and_then(|mut c| c.remove(&id));
+        if had.is_some() {
+            self.send_soon(Packet::close_req(id));
+        }
+    }
+
+    /// The stream ended: fail every pending dial at once and abort every
+    /// established connection.
+    fn fail_all(&self) {
+        self.gone.cancel();
+        if let Ok(mut p) = self.pending.lock() {
+            for (_, d) in p.drain() {
+                let _ = d.reply.send(Err(DialError::AgentGone));
+                d.queue.abort();
+            }
+        }
+        if let Ok(mut c) = self.conns.lock() {
+            for (_, q) in c.drain() {
+                q.abort();
+            }
+        }
+    }
+}
+
+/// One cluster's agents and settings.
+pub struct Cluster {
+    /// Name.
+    pub name: Arc<str>,
+    /// Backend choice, in order.
+    pub strategies: Vec<Strategy>,
+    /// Accepts this cluster's agent certificates.
+    pub verifier: Arc<dyn ClientCertVerifier>,
+    agents: Mutex<Vec<Arc<AgentLink>>>,
+}
+
+impl Cluster {
+    /// A cluster with no agents yet.
+    pub fn new(
+        name: &str,
+        strategies: Vec<Strategy>,
+        verifier: Arc<dyn ClientCertVerifier>,
+    ) -> Cluster {
+        Cluster {
+            name: name.into(),
+            strategies,
+            verifier,
+            agents: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Connected agent streams.
+    pub fn agent_count(&self) -> usize {
+        self.agents.lock().map(|a| a.len()).unwrap_or(0)
+    }
+
+    /// Chooses an agent for `host`: strategies in order; within one, a
+    /// non-draining agent if any, the less loaded of two random picks.
+    pub fn pick(&self, host: &str) -> Option<Arc<AgentLink>> {
+        let agents = self.agents.lock().ok()?;
+        for s in &self.strategies {
+            let fit: Vec<&Arc<AgentLink>> =
+                agents.iter().filter(|a| s.matches(&a.ids, host)).collect();
+            if fit.is_empty() {
+                continue;
+            }
+            let live: Vec<&Arc<AgentLink>> =
+                fit.iter().copied().filter(|a| !a.draining()).collect();
+            let pool = if live.is_empty() { fit } else { live };
+            let a = pool[rand::random_range(0..pool.len())];
+            let b = pool[rand::random_range(0..pool.len())];
+            return Some(
+                if b.conn_count() < a.conn_count() {
+                    b
+                } else {
+                    a
+                }
+                .clone(),
+            );
+        }
+        None
+    }
+}
+
+/// Settings every dial uses.
+#[derive(Debug, Clone, Copy)]
+pub struct DialSettings {
+    /// Deadline for the agent's answer.
+    pub timeout: Duration,
+    /// Per-connection queue budget.
+    pub queue_bytes: usize,
+}
+
+/// An established tunneled connection, frontend side.
+pub struct Tunnel {
+    /// Towards the agent.
+    pub tx: TunnelTx,
+    /// Bytes from the agent.
+    pub rx: QueueRx,
+}
+
+/// The sending half of a [`Tunnel`]; dropping it closes the connection
+/// (CLOSE_REQ to the agent).
+pub struct TunnelTx {
+    /// The agent carrying it.
+    pub link: Arc<AgentLink>,
+    /// The agent's connection ID.
+    pub connect_id: i64,
+}
+
+impl TunnelTx {
+    /// Sends frontend bytes to the agent.
+    pub async fn send(&self, data: Bytes) -> Result<(), DialError> {
+        self.link.send(Packet::data(self.connect_id, data)).await
+    }
+
+    /// Closes now (CLOSE_REQ); bytes already queued from the agent are
+    /// still delivered.
+    pub fn close(&self) {
+        self.link.close_conn(self.connect_id);
+    }
+}
+
+impl Drop for TunnelTx {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+static NEXT_UID: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh dial ID: random (the thread-local generator is a CSPRNG),
+/// positive, never 0.
+pub fn dial_id() -> i64 {
+    loop {
+        let v = rand::random::<i64>() & i64::MAX;
+        if v != 0 {
+            return v;
+        }
+    }
+}
+
+/// Dials `address` through an agent of `cluster`, with a fresh dial ID.
+/// `cancel` aborts a pending dial (the agent is sent DIAL_CLS).
+pub async fn dial(
+    cluster: &Cluster,
+    address: &str,
+    settings: DialSettings,
+    cancel: &CancellationToken,
+    metrics: &metrics::Metrics,
+) -> Result<Tunnel, DialError> {
+    let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
+    let Some(link) = cluster.pick(host) else {
+        metrics.dial_failure(&cluster.name, DialError::NoAgent.reason());
+        return Err(DialError::NoAgent);
+    };
+    let random = dial_id();
+    let (reply_tx, reply_rx) = oneshot::channel();
+    let (qtx, qrx) = queue::queue(settings.queue_bytes);
+    if let Ok(mut p) = link.pending.lock() {
+        p.insert(
+            random,
+            Pending {
+                reply: reply_tx,
+                queue: qtx,
+            },
+        );
+    }
+    metrics.pending(&cluster.name, 1);
+    let started = std::time::Instant::now();
+    let sent = tokio::time::timeout(
+        settings.timeout,
+        link.send(Packet::dial_req(address, random)),
+    );
+    let outcome = match sent.await {
+        Ok(Ok(())) => tokio::select! {
+            r = tokio::time::timeout(settings.timeout.saturating_sub(started.elapsed()), reply_rx) => match r {
+                Ok(Ok(r)) => r,
+                Ok(Err(_)) => Err(DialError::AgentGone),
+                Err(_) => Err(DialError::Timeout),
+            },
+            () = cancel.cancelled() => Err(DialError::Cancelled),
+        },
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(DialError::Timeout),
+    };
+    metrics.pending(&cluster.name, -1);
+    match outcome {
+        Ok(connect_id) => {
+            metrics.dial_ok(&cluster.name, started.elapsed());
+            Ok(Tunnel {
+                tx: TunnelTx { link, connect_id },
+                rx: qrx,
+            })
+        }
+        Err(e) => {
+            // Still pending (timeout, cancel): forget it and tell the agent.
+            let was_pending = link.pending.lock().ok().and_then(|mut p| p.remove(&random));
+            if was_pending.is_some() && !link.gone.is_cancelled() {
+                link.send_soon(Packet::dial_cls(random));
+            }
+            metrics.dial_failure(&cluster.name, e.reason());
+            Err(e)
+        }
+    }
+}
+
+/// All clusters, by name.
+pub struct Registry {
+    /// The clusters.
+    pub clusters: Vec<Arc<Cluster>>,
+}
+
+impl Registry {
+    /// A cluster by name.
+    pub fn cluster(&self, name: &str) -> Option<&Arc<Cluster>> {
+        self.clusters.iter().find(|c| &*c.name == name)
+    }
+
+    /// The cluster whose CA issued `certs`, the first in configuration order.
+    pub fn cluster_for_cert(
+        &self,
+        certs: &[rustls::pki_types::CertificateDer<'_>],
+    ) -> Option<&Arc<Cluster>> {
+        self.clusters
+            .iter()
+            .find(|c| crate::tls::accepts(c.verifier.as_ref(), certs))
+    }
+
+    /// Whether any cluster has an agent.
+    pub fn any_agent(&self) -> bool {
+        self.clusters.iter().any(|c| c.agent_count() > 0)
+    }
+}
+
+/// Registers a new agent stream in `cluster`; the returned receiver feeds
+/// the stream to the agent.
+pub fn attach(
+    cluster: &Cluster,
+    agent_id: String,
+    ids: Identifiers,
+) -> (Arc<AgentLink>, mpsc::Receiver<Packet>) {
+    let (tx, rx) = mpsc::channel(TO_AGENT_QUEUE);
+    let link = Arc::new(AgentLink {
+        uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+        agent_id,
+        cluster: cluster.name.clone(),
+        ids,
+        to_agent: tx,
+        draining: AtomicBool::new(false),
+        pending: Mutex::new(HashMap::new()),
+        conns: Mutex::new(HashMap::new()),
+        gone: CancellationToken::new(),
+    });
+    if let Ok(mut a) = cluster.agents.lock() {
+        a.push(link.clone());
+    }
+    (link, rx)
+}
+
+/// Removes an ended agent stream and fails everything that depended on it.
+pub fn detach(cluster: &Cluster, link: &Arc<AgentLink>) {
+    if let Ok(mut a) = cluster.agents.lock() {
+        a.retain(|x| !Arc::ptr_eq(x, link));
+    }
+    link.fail_all();
+}
+
+/// What the receive loop did with one packet from an agent (for counters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handled {
+    /// As expected.
+    Ok,
+    /// Referred to a dial or connection this agent does not have.
+    Unrecognized,
+    /// A connection's queue overflowed; that connection was closed.
+    Overflow,
+    /// A packet kind an agent must not send, or an unknown kind.
+    Unexpected,
+}
+
+/// Applies one packet from the agent of `link`. Never waits.
+pub fn on_agent_packet(link: &AgentLink, p: Packet) -> Handled {
+    use crate::proto::{PacketType as T, Payload};
+    match (p.kind(), p.payload) {
+        (Some(T::DialRsp), Some(Payload::DialResponse(r))) => {
+            let pending = link
+                .pending
+                .lock()
+                .ok()
+                .and_then(|mut m| m.remove(&r.random));
+            let Some(pending) = pending else {
+                // Not a dial of this agent's (or already given up): make
+                // sure the connection it opened does not leak.
+                if r.connect_id != 0 && r.error.is_empty() {
+                    link.send_soon(Packet::close_req(r.connect_id));
+                }
+                return Handled::Unrecognized;
+            };
+            if !r.error.is_empty() {
+                let _ = pending.reply.send(Err(DialError::Agent(r.error)));
+                return Handled::Ok;
+            }
+            if r.connect_id == 0 {
+                let _ = pending
+                    .reply
+                    .send(Err(DialError::Protocol("DIAL_RSP without connectID")));
+                return Handled::Unexpected;
+            }
+            let dup = link
+                .conns
+                .lock()
+                .map(|mut c| match c.entry(r.connect_id) {
+                    std::collections::hash_map::Entry::Occupied(_) => true,
+                    std::collections::hash_map::Entry::Vacant(v) => {
+                        v.insert(pending.queue);
+                        false
+                    }
+                })
+                .unwrap_or(true);
+            if dup {
+                return Handled::Unexpected;
+            }
+            if pending.reply.send(Ok(r.connect_id)).is_err() {
+                // The frontend gave up in the meantime.
+                link.close_conn(r.connect_id);
+            }
+            Handled::Ok
+        }
+        (Some(T::Data), Some(Payload::Data(d))) => {
+            let pushed = link
+                .conns
+                .lock()
+                .ok()
+                .and_then(|c| c.get(&d.connect_id).map(|q| q.push(d.data)));
+            match pushed {
+                Some(Ok(())) => Handled::Ok,
+                Some(Err(_)) => {
+                    let q = link
+                        .conns
+                        .lock()
+                        .ok()
+                        .and_then(|mut c| c.remove(&d.connect_id));
+                    if let Some(q) = q {
+                        q.abort();
+                    }
+                    link.send_soon(Packet::close_req(d.connect_id));
+                    Handled::Overflow
+                }
+                None => {
+                    link.send_soon(Packet::close_req(d.connect_id));
+                    Handled::Unrecognized
+                }
+            }
+        }
+        (Some(T::CloseRsp), Some(Payload::CloseResponse(c))) => {
+            // Dropping the queue's sender ends the connection cleanly after
+            // what is queued.
+            match link
+                .conns
+                .lock()
+                .ok()
+                .and_then(|mut m| m.remove(&c.connect_id))
+            {
+                Some(_) => Handled::Ok,
+                None => Handled::Unrecognized,
+            }
+        }
+        (Some(T::DialCls), Some(Payload::CloseDial(c))) => {
+            match link
+                .pending
+                .lock()
+                .ok()
+                .and_then(|mut m| m.remove(&c.random))
+            {
+                Some(p) => {
+                    let _ = p.reply.send(Err(DialError::Cancelled));
+                    Handled::Ok
+                }
+                None => Handled::Unrecognized,
+            }
+        }
+        (Some(T::Drain), _) => {
+            link.draining.store(true, Ordering::Release);
+            Handled::Ok
+        }
+        _ => Handled::Unexpected,
+    }
+}

@@ -1,0 +1,316 @@
+//! Building a tunnel-server from its configuration and running its
+//! listeners: the agent endpoint, every cluster's frontends, the admin
+//! endpoint.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::net::{TcpListener, UnixListener};
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::metrics::Metrics;
+use super::{Cluster, DialSettings, Registry, Strategy};
+use crate::config::{FrontendProtocol, ServerConfig};
+use crate::grpc::H2Settings;
+use crate::proto::PROXY_PATH;
+use crate::tls;
+
+/// Timeouts and budgets.
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    /// TLS handshake, request head, first gRPC packet.
+    pub handshake_timeout: Duration,
+    /// Agent's answer to a dial.
+    pub dial_timeout: Duration,
+    /// No progress writing to a frontend.
+    pub stall_timeout: Duration,
+    /// Per-connection queue budget.
+    pub queue_bytes: usize,
+}
+
+enum Transport {
+    Unix(PathBuf),
+    Tcp(SocketAddr, TlsAcceptor),
+}
+
+struct FrontendSpec {
+    cluster: Arc<Cluster>,
+    name: Arc<str>,
+    protocol: FrontendProtocol,
+    transport: Transport,
+}
+
+/// A configured tunnel-server.
+pub struct TunnelServer {
+    /// Clusters and their agents.
+    pub registry: Registry,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Timeouts and budgets.
+    pub settings: Settings,
+    /// `serverid` sent to agents.
+    pub server_id: String,
+    /// `servercount` sent to agents.
+    pub server_count: u32,
+    /// TLS for the agent endpoint.
+    pub agent_tls: TlsAcceptor,
+    /// HTTP/2 keepalive towards agents.
+    pub agent_h2: H2Settings,
+    /// Cancelled on shutdown.
+    pub shutdown: CancellationToken,
+    /// Frontend and agent connection tasks.
+    pub tasks: TaskTracker,
+    agent_listen: SocketAddr,
+    admin_listen: Option<SocketAddr>,
+    frontends: Vec<FrontendSpec>,
+}
+
+/// Where a started server listens.
+#[derive(Debug, Clone)]
+pub struct Bound {
+    /// Agent endpoint.
+    pub agents: SocketAddr,
+    /// Admin endpoint.
+    pub admin: Option<SocketAddr>,
+    /// `(cluster/frontend, address or socket path)`.
+    pub frontends: Vec<(String, String)>,
+}
+
+/// A random ID in UUID form.
+fn random_id() -> String {
+    let b: [u8; 16] = rand::random();
+    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
+impl TunnelServer {
+    /// Builds the server (reads every certificate; nothing is bound yet).
+    pub fn from_config(cfg: &ServerConfig) -> anyhow::Result<Arc<TunnelServer>> {
+        let mut clusters = Vec::new();
+        let mut frontends = Vec::new();
+        for c in &cfg.clusters {
+            let roots = tls::load_roots(&c.agent_ca)
+                .with_context(|| format!("cluster {}: agent_ca", c.name))?;
+            let verifier = tls::client_verifier(roots)?;
+            let strategies = c
+                .strategies
+                .iter()
+                .filter_map(|s| Strategy::from_name(s))
+                .collect();
+            let cluster = Arc::new(Cluster::new(&c.name, strategies, verifier));
+            for f in &c.frontends {
+                let transport = match (&f.unix, &f.tcp, &f.cert, &f.key, &f.client_ca) {
+                    (Some(p), None, ..) => Transport::Unix(p.clone()),
+                    (None, Some(a), Some(cert), Some(key), Some(ca)) => {
+                        let v = tls::client_verifier(tls::load_roots(ca)?)?;
+                        let alpn: &[&[u8]] = match f.protocol {
+                            FrontendProtocol::Grpc => &[b"h2"],
+                            FrontendProtocol::HttpConnect => &[b"http/1.1"],
+                        };
+                        let sc = tls::server_config(cert, key, Some(v), alpn)
+                            .with_context(|| format!("cluster {} frontend {}", c.name, f.name))?;
+                        Transport::Tcp(*a, TlsAcceptor::from(Arc::new(sc)))
+                    }
+                    _ => anyhow::bail!(
+                        "cluster {} frontend {}: unix, or tcp with cert, key and client_ca",
+                        c.name,
+                        f.name
+                    ),
+                };
+                frontends.push(FrontendSpec {
+                    cluster: cluster.clone(),
+                    name: f.name.as_str().into(),
+                    protocol: f.protocol,
+                    transport,
+                });
+            }
+            clusters.push(cluster);
+        }
+        let any = tls::AnyOf(clusters.iter().map(|c| c.verifier.clone()).collect());
+        let agent_tls = tls::server_config(
+            &cfg.agents.cert,
+            &cfg.agents.key,
+            Some(Arc::new(any)),
+            &[b"h2"],
+        )
+        .context("agents: TLS")?;
+        Ok(Arc::new(TunnelServer {
+            registry: Registry { clusters },
+            metrics: Metrics::new(),
+            settings: Settings {
+                handshake_timeout: Duration::from_secs(10),
+                dial_timeout: cfg.dial_timeout,
+                stall_timeout: cfg.stall_timeout,
+                queue_bytes: cfg.queue_bytes,
+            },
+            server_id: cfg.server_id.clone().unwrap_or_else(random_id),
+            server_count: cfg.server_count,
+            agent_tls: TlsAcceptor::from(Arc::new(agent_tls)),
+            agent_h2: H2Settings {
+                keepalive: cfg.agents.keepalive,
+                keepalive_timeout: cfg.agents.keepalive_timeout,
+            },
+            shutdown: CancellationToken::new(),
+            tasks: TaskTracker::new(),
+            agent_listen: cfg.agents.listen,
+            admin_listen: cfg.admin.as_ref().map(|a| a.listen),
+            frontends,
+        }))
+    }
+
+    /// Settings for one dial.
+    pub fn dial_settings(&self) -> DialSettings {
+        DialSettings {
+            timeout: self.settings.dial_timeout,
+            queue_bytes: self.settings.queue_bytes,
+        }
+    }
+
+    /// Binds every listener and serves until [`TunnelServer::shutdown`].
+    pub async fn start(self: &Arc<Self>) -> anyhow::Result<Bound> {
+        let agents = TcpListener::bind(self.agent_listen)
+            .await
+            .with_context(|| format!("agents: listening on {}", self.agent_listen))?;
+        let mut bound = Bound {
+            agents: agents.local_addr()?,
+            admin: None,
+            frontends: Vec::new(),
+        };
+        {
+            let srv = self.clone();
+            tokio::spawn(async move {
+                let stop = srv.shutdown.clone();
+                seedlink_net::accept::accept_loop(&agents, &stop, |tcp, peer| {
+                    let srv2 = srv.clone();
+                    srv.tasks
+                        .spawn(super::agents::serve_agent_conn(srv2, tcp, peer));
+                })
+                .await;
+            });
+        }
+        for f in &self.frontends {
+            let label = format!("{}/{}", f.cluster.name, f.name);
+            match &f.transport {
+                Transport::Unix(path) => {
+                    // Like upstream's --delete-existing-uds-file (default true).
+                    let _ = std::fs::remove_file(path);
+                    let l = UnixListener::bind(path)
+                        .with_context(|| format!("{label}: listening on {}", path.display()))?;
+                    use std::os::unix::fs::PermissionsExt;
+                    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+                        .with_context(|| format!("{label}: permissions of {}", path.display()))?;
+                    bound.frontends.push((label, path.display().to_string()));
+                    self.spawn_unix(l, f);
+                }
+                Transport::Tcp(addr, acceptor) => {
+                    let l = TcpListener::bind(addr)
+                        .await
+                        .with_context(|| format!("{label}: listening on {addr}"))?;
+                    bound.frontends.push((label, l.local_addr()?.to_string()));
+                    self.spawn_tcp(l, acceptor.clone(), f);
+                }
+            }
+        }
+        if let Some(a) = self.admin_listen {
+            let l = TcpListener::bind(a)
+                .await
+                .with_context(|| format!("admin: listening on {a}"))?;
+            bound.admin = Some(l.local_addr()?);
+            tokio::spawn(super::admin::serve(self.clone(), l));
+        }
+        Ok(bound)
+    }
+
+    fn spawn_unix(self: &Arc<Self>, l: UnixListener, f: &FrontendSpec) {
+        let (srv, cluster, name, proto) =
+            (self.clone(), f.cluster.clone(), f.name.clone(), f.protocol);
+        tokio::spawn(async move {
+            loop {
+                let accepted = tokio::select! {
+                    a = l.accept() => a,
+                    () = srv.shutdown.cancelled() => return,
+                };
+                let s = match accepted {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "frontend accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let (srv2, cluster, name) = (srv.clone(), cluster.clone(), name.clone());
+                srv.tasks
+                    .spawn(async move { serve_frontend(srv2, cluster, name, proto, s).await });
+            }
+        });
+    }
+
+    fn spawn_tcp(self: &Arc<Self>, l: TcpListener, acceptor: TlsAcceptor, f: &FrontendSpec) {
+        let (srv, cluster, name, proto) =
+            (self.clone(), f.cluster.clone(), f.name.clone(), f.protocol);
+        tokio::spawn(async move {
+            let stop = srv.shutdown.clone();
+            seedlink_net::accept::accept_loop(&l, &stop, |tcp, _| {
+                let (srv2, cluster, name, acceptor) =
+                    (srv.clone(), cluster.clone(), name.clone(), acceptor.clone());
+                srv.tasks.spawn(async move {
+                    let _ = tcp.set_nodelay(true);
+                    let hs = srv2.settings.handshake_timeout;
+                    match tokio::time::timeout(hs, acceptor.accept(tcp)).await {
+                        Ok(Ok(tls)) => serve_frontend(srv2, cluster, name, proto, tls).await,
+                        _ => srv2
+                            .metrics
+                            .frontend_conn(&cluster.name, &name, "tls_failed"),
+                    }
+                });
+            })
+            .await;
+        });
+    }
+
+    /// Ready: serving and at least one agent connected.
+    pub fn ready(&self) -> bool {
+        !self.shutdown.is_cancelled() && self.registry.any_agent()
+    }
+
+    /// Stops accepting, ends every agent stream and frontend connection
+    /// after `grace`.
+    pub async fn stop(&self, grace: Duration) {
+        self.tasks.close();
+        let _ = tokio::time::timeout(grace, self.tasks.wait()).await;
+        self.shutdown.cancel();
+    }
+}
+
+async fn serve_frontend<S>(
+    srv: Arc<TunnelServer>,
+    cluster: Arc<Cluster>,
+    name: Arc<str>,
+    proto: FrontendProtocol,
+    io: S,
+) where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    match proto {
+        FrontendProtocol::HttpConnect => {
+            let outcome = super::frontend::serve_http_connect(&srv, &cluster, io).await;
+            srv.metrics.frontend_conn(&cluster.name, &name, outcome);
+        }
+        FrontendProtocol::Grpc => {
+            let h = super::frontend::grpc_handler(srv.clone(), cluster, name);
+            crate::grpc::serve(io, vec![(PROXY_PATH, h)], srv.agent_h2).await;
+        }
+    }
+}

@@ -1,0 +1,181 @@
+//! TLS material for the tunnel roles: PEM files, server configurations that
+//! require client certificates from one or more CAs, and telling which CA
+//! (so which cluster) a verified client certificate belongs to.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
+use rustls::server::danger::ClientCertVerifier;
+use rustls::server::WebPkiClientVerifier;
+use rustls::RootCertStore;
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Every certificate in a PEM file.
+pub fn load_certs(path: &Path) -> anyhow::Result<Vec<CertificateDer<'static>>> {
+    let certs: Vec<_> = CertificateDer::pem_file_iter(path)
+        .with_context(|| format!("reading certificates from {}", path.display()))?
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("parsing certificates in {}", path.display()))?;
+    if certs.is_empty() {
+        anyhow::bail!("{}: no certificate found", path.display());
+    }
+    Ok(certs)
+}
+
+/// The private key in a PEM file.
+pub fn load_key(path: &Path) -> anyhow::Result<PrivateKeyDer<'static>> {
+    PrivateKeyDer::from_pem_file(path)
+        .with_context(|| format!("reading a private key from {}", path.display()))
+}
+
+/// A root store with every certificate of `path`.
+pub fn load_roots(path: &Path) -> anyhow::Result<RootCertStore> {
+    let mut roots = RootCertStore::empty();
+    for c in load_certs(path)? {
+        roots
+            .add(c)
+            .with_context(|| format!("{}: not a usable CA certificate", path.display()))?;
+    }
+    Ok(roots)
+}
+
+/// A verifier accepting client certificates issued by `roots`.
+pub fn client_verifier(roots: RootCertStore) -> anyhow::Result<Arc<dyn ClientCertVerifier>> {
+    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+        .build()
+        .context("building a client certificate verifier")
+}
+
+/// A server configuration for `cert`/`key`; with `clients`, a client
+/// certificate that it accepts is required.
+pub fn server_config(
+    cert: &Path,
+    key: &Path,
+    clients: Option<Arc<dyn ClientCertVerifier>>,
+    alpn: &[&[u8]],
+) -> anyhow::Result<rustls::ServerConfig> {
+    let builder = rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .context("TLS versions")?;
+    let builder = match clients {
+        Some(v) => builder.with_client_cert_verifier(v),
+        None => builder.with_no_client_auth(),
+    };
+    let mut cfg = builder
+        .with_single_cert(load_certs(cert)?, load_key(key)?)
+        .with_context(|| {
+            format!(
+                "{} / {}: certificate and key",
+                cert.display(),
+                key.display()
+            )
+        })?;
+    cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(cfg)
+}
+
+/// A client configuration trusting `ca`, presenting `cert`/`key` if given.
+pub fn client_config(
+    ca: &Path,
+    identity: Option<(&Path, &Path)>,
+    alpn: &[String],
+) -> anyhow::Result<rustls::ClientConfig> {
+    let builder = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .context("TLS versions")?
+        .with_root_certificates(load_roots(ca)?);
+    let mut cfg = match identity {
+        Some((cert, key)) => builder
+            .with_client_auth_cert(load_certs(cert)?, load_key(key)?)
+            .with_context(|| {
+                format!("{} / {}: client certificate", cert.display(), key.display())
+            })?,
+        None => builder.with_no_client_auth(),
+    };
+    cfg.alpn_protocols = alpn.iter().map(|p| p.as_bytes().to_vec()).collect();
+    Ok(cfg)
+}
+
+/// Whether `verifier` accepts the presented chain (`certs[0]` is the
+/// end-entity certificate).
+pub fn accepts(verifier: &dyn ClientCertVerifier, certs: &[CertificateDer<'_>]) -> bool {
+    let Some((end, intermediates)) = certs.split_first() else {
+        return false;
+    };
+    verifier
+        .verify_client_cert(end, intermediates, UnixTime::now())
+        .is_ok()
+}
+
+/// Accepts a client certificate issued by any of several verifiers (one per
+/// cluster); which one is decided after the handshake with [`accepts`].
+#[derive(Debug)]
+pub struct AnyOf(pub Vec<Arc<dyn ClientCertVerifier>>);
+
+impl ClientCertVerifier for AnyOf {
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        &[]
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        let mut last = rustls::Error::General("no client CA configured".into());
+        for v in &self.0 {
+            match v.verify_client_cert(end_entity, intermediates, now) {
+                Ok(ok) => return Ok(ok),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        let p = provider();
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &p.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        let p = provider();
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &p.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        provider()
+            .signature_verification_algorithms
+            .supported_schemes()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        true
+    }
+}
