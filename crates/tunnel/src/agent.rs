@@ -21,10 +21,10 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
-use tokio::sync::mpsc;
 use tokio_rustls::TlsConnector;
 use tokio_util::sync::CancellationToken;
 
+use crate::fair::FairQueue;
 use crate::grpc::{self, H2Settings};
 use crate::proto::{Packet, PacketType, Payload, AGENT_CONNECT_PATH};
 use crate::queue::{self, PumpEnd, QueueTx};
@@ -32,8 +32,6 @@ use crate::{dialerr, tls};
 
 /// Bytes read from a destination per DATA packet.
 const CHUNK: usize = 32 * 1024;
-/// Packets queued towards the server per stream before senders wait.
-const TO_SERVER_QUEUE: usize = 256;
 
 /// Destinations denied unless an allow rule names them exactly: link-local
 /// (cloud metadata lives there) and well-known metadata addresses.
@@ -179,7 +177,7 @@ struct ConnEntry {
 /// One stream to one server replica.
 struct Session {
     server_id: String,
-    to_server: mpsc::Sender<Packet>,
+    to_server: Arc<FairQueue>,
     conns: Mutex<HashMap<i64, ConnEntry>>,
     pending: Mutex<HashMap<i64, CancellationToken>>,
     next_id: AtomicI64,
@@ -188,12 +186,7 @@ struct Session {
 
 impl Session {
     fn send_soon(&self, p: Packet) {
-        if let Err(mpsc::error::TrySendError::Full(p)) = self.to_server.try_send(p) {
-            let tx = self.to_server.clone();
-            tokio::spawn(async move {
-                let _ = tx.send(p).await;
-            });
-        }
+        let _ = self.to_server.control(p);
     }
 }
 
@@ -299,12 +292,23 @@ impl Agent {
                 std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             meta.push(("authorization", format!("Bearer {}", token.trim())));
         }
-        let (tx, rx) = mpsc::channel::<Packet>(TO_SERVER_QUEUE);
+        let tx = FairQueue::new();
         let outbound =
             futures_util::stream::unfold(
-                rx,
-                |mut rx| async move { rx.recv().await.map(|p| (p, rx)) },
+                tx.clone(),
+                |q| async move { q.next().await.map(|p| (p, q)) },
             );
+        // Until the stream is kept, any early return must end it: a queue
+        // that is never closed would keep the request stream open forever.
+        struct CloseOnDrop(Option<Arc<FairQueue>>);
+        impl Drop for CloseOnDrop {
+            fn drop(&mut self) {
+                if let Some(q) = self.0.take() {
+                    q.close();
+                }
+            }
+        }
+        let mut guard = CloseOnDrop(Some(tx.clone()));
         let resp = tokio::time::timeout(
             t,
             grpc::open_stream(&mut client, AGENT_CONNECT_PATH, outbound, &meta),
@@ -338,6 +342,7 @@ impl Agent {
                 return Ok(false);
             }
             s.insert(server_id.clone(), session.clone());
+            guard.0 = None;
         }
         self.metrics.servers.inc();
         tracing::info!(server_id, servercount = count, "connected to tunnel server");
@@ -350,6 +355,7 @@ impl Agent {
             }
             agent.metrics.servers.dec();
             session.gone.cancel();
+            session.to_server.close();
             let conns: Vec<_> = session
                 .conns
                 .lock()
@@ -411,10 +417,13 @@ impl Agent {
                                 e.queue.abort();
                             }
                             AgentMetrics::count(&self.metrics.endpoint_closes, "overflow");
-                            s.send_soon(Packet::close_rsp(
+                            s.to_server.finish(
                                 d.connect_id,
-                                "destination too slow: queue overflow".into(),
-                            ));
+                                Some(Packet::close_rsp(
+                                    d.connect_id,
+                                    "destination too slow: queue overflow".into(),
+                                )),
+                            );
                         }
                         None => {
                             AgentMetrics::count(&self.metrics.bad_packets, "unknown_connect_id");
@@ -434,7 +443,10 @@ impl Agent {
                     {
                         Some(e) => {
                             e.cancel.cancel();
-                            s.send_soon(Packet::close_rsp(c.connect_id, String::new()));
+                            s.to_server.finish(
+                                c.connect_id,
+                                Some(Packet::close_rsp(c.connect_id, String::new())),
+                            );
                         }
                         None => {
                             AgentMetrics::count(&self.metrics.bad_packets, "unknown_connect_id");
@@ -533,8 +545,7 @@ impl Agent {
             );
         }
         if s.to_server
-            .send(Packet::dial_rsp(random, id, String::new()))
-            .await
+            .control(Packet::dial_rsp(random, id, String::new()))
             .is_err()
         {
             return;
@@ -549,7 +560,7 @@ impl Agent {
                     Ok(0) | Err(_) => return "remote_closed",
                     Ok(_) => {
                         if s.to_server
-                            .send(Packet::data(id, b.freeze()))
+                            .data(id, Packet::data(id, b.freeze()))
                             .await
                             .is_err()
                         {
@@ -579,9 +590,11 @@ impl Agent {
                 .and_then(|mut c| c.remove(&id))
                 .is_some()
             {
-                s.send_soon(Packet::close_rsp(id, String::new()));
+                s.to_server
+                    .finish(id, Some(Packet::close_rsp(id, String::new())));
             }
         }
+        s.to_server.finish(id, None);
         self.metrics.endpoints.dec();
         AgentMetrics::count(&self.metrics.endpoint_closes, outcome);
     }

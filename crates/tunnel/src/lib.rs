@@ -6,6 +6,7 @@ pub mod admin;
 pub mod agent;
 pub mod config;
 pub mod dialerr;
+pub mod fair;
 pub mod grpc;
 pub mod proto;
 pub mod queue;

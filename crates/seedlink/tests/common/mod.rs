@@ -3,6 +3,8 @@
 //! readiness by polling with a bounded deadline, never by sleeping blindly.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod tunnel_env;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

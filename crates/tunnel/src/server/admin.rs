@@ -28,7 +28,12 @@ pub async fn serve(srv: Arc<TunnelServer>, listener: TcpListener) {
                     )
                 }
             }
-            "/metrics" => (200, METRICS, admin::encode(&srv.metrics.registry)),
+            "/metrics" => {
+                srv.metrics
+                    .tasks
+                    .set(i64::try_from(srv.tasks.len()).unwrap_or(i64::MAX));
+                (200, METRICS, admin::encode(&srv.metrics.registry))
+            }
             _ => (
                 404,
                 TEXT,

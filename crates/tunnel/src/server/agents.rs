@@ -115,16 +115,10 @@ pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std:
                             tracing::info!(cluster = %cluster.name, agent = %link.agent_id, uid = link.uid, why, "agent disconnected");
                         });
                     }
-                    let gone = link.gone.clone();
-                    let out: PacketStream = Box::pin(futures_util::stream::unfold(
-                        (to_agent, gone),
-                        |(mut rx, gone)| async move {
-                            tokio::select! {
-                                p = rx.recv() => p.map(|p| (Ok(p), (rx, gone))),
-                                () = gone.cancelled() => None,
-                            }
-                        },
-                    ));
+                    let out: PacketStream =
+                        Box::pin(futures_util::stream::unfold(to_agent, |q| async move {
+                            q.next().await.map(|p| (Ok(p), q))
+                        }));
                     let mut resp = Response::new(out);
                     let id = srv
                         .server_id

@@ -95,9 +95,31 @@ where
         answer(&mut io, 400, "CONNECT target must be host:port\n").await;
         return "bad_target";
     }
-    let leftover = buf.split_off(head.len).freeze();
+    let mut leftover = buf.split_off(head.len);
     let cancel = srv.shutdown.child_token();
-    let tunnel = match dial(cluster, &target, srv.dial_settings(), &cancel, &srv.metrics).await {
+    // While the agent dials, a frontend that hangs up cancels the dial
+    // (kube-apiserver closes the connection when its context ends); bytes it
+    // pipelines meanwhile are kept, up to one chunk.
+    let dialing = dial(cluster, &target, srv.dial_settings(), &cancel, &srv.metrics);
+    tokio::pin!(dialing);
+    let mut watching = true;
+    let dialed = loop {
+        tokio::select! {
+            r = &mut dialing => break r,
+            n = io.read_buf(&mut leftover), if watching && leftover.len() < CHUNK => match n {
+                Ok(0) | Err(_) => {
+                    cancel.cancel();
+                    watching = false;
+                }
+                Ok(_) => {}
+            },
+        }
+    };
+    if !watching {
+        return "frontend_gone";
+    }
+    let leftover = leftover.freeze();
+    let tunnel = match dialed {
         Ok(t) => t,
         Err(e) => {
             let body = match &e {

@@ -59,6 +59,8 @@ pub struct Metrics {
     pending: Family<ClusterLabel, Gauge>,
     established: Family<ClusterLabel, Gauge>,
     frontend_conns: Family<FrontendLabels, Counter>,
+    /// Live connection tasks (agent streams, frontends), set at scrape time.
+    pub tasks: Gauge,
     k_backends: Gauge,
     k_pending: Gauge,
     k_established: Gauge,
@@ -92,6 +94,7 @@ impl Metrics {
             pending: Family::default(),
             established: Family::default(),
             frontend_conns: Family::default(),
+            tasks: Gauge::default(),
             k_backends: Gauge::default(),
             k_pending: Gauge::default(),
             k_established: Gauge::default(),

@@ -23,14 +23,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use ipnet::IpNet;
 use rustls::server::danger::ClientCertVerifier;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
+use crate::fair::FairQueue;
 use crate::proto::Packet;
 use crate::queue::{self, QueueRx, QueueTx};
-
-/// Packets queued towards one agent stream before senders wait.
-const TO_AGENT_QUEUE: usize = 256;
 
 /// What an agent says about itself (`agentidentifiers`).
 #[derive(Debug, Clone, Default)]
@@ -185,10 +183,13 @@ pub struct AgentLink {
     pub cluster: Arc<str>,
     /// Its identifiers.
     pub ids: Identifiers,
-    to_agent: mpsc::Sender<Packet>,
+    to_agent: Arc<FairQueue>,
     draining: AtomicBool,
     pending: Mutex<HashMap<i64, Pending>>,
     conns: Mutex<HashMap<i64, QueueTx>>,
+    /// Connections this side closed (CLOSE_REQ sent), until the agent's
+    /// CLOSE_RSP: late DATA and the CLOSE_RSP for them are expected.
+    closing: Mutex<HashMap<i64, std::time::Instant>>,
     /// Cancelled when the stream ends.
     pub gone: CancellationToken,
 }
@@ -204,38 +205,63 @@ impl AgentLink {
         self.draining.load(Ordering::Acquire)
     }
 
-    /// Sends a packet to the agent, waiting for room (per-stream
-    /// backpressure). Fails when the stream is gone.
-    pub async fn send(&self, p: Packet) -> Result<(), DialError> {
+    /// Queues DATA of connection `id` for the agent, waiting while that
+    /// connection has enough queued (backpressure to its frontend only).
+    pub async fn send_data(&self, id: i64, data: Bytes) -> Result<(), DialError> {
         tokio::select! {
-            r = self.to_agent.send(p) => r.map_err(|_| DialError::AgentGone),
+            r = self.to_agent.data(id, Packet::data(id, data)) => r.map_err(|_| DialError::AgentGone),
             () = self.gone.cancelled() => Err(DialError::AgentGone),
         }
     }
 
-    /// Sends a control packet without waiting; if the queue is full it is
-    /// sent from a task (control packets must not be lost).
+    /// Queues a control packet; never waits.
     fn send_soon(&self, p: Packet) {
-        if let Err(mpsc::error::TrySendError::Full(p)) = self.to_agent.try_send(p) {
-            let tx = self.to_agent.clone();
-            tokio::spawn(async move {
-                let _ = tx.send(p).await;
-            });
-        }
+        let _ = self.to_agent.control(p);
     }
 
-    /// Forgets connection `id` (frontend side closed it) and tells the agent.
+    /// Forgets connection `id` (frontend side closed it) and tells the agent
+    /// after the data already queued for it.
     pub fn close_conn(&self, id: i64) {
         let had = self.conns.lock().ok().and_then(|mut c| c.remove(&id));
         if had.is_some() {
-            self.send_soon(Packet::close_req(id));
+            self.closing_started(id);
+        } else {
+            self.to_agent.finish(id, None);
         }
+    }
+
+    /// Sends CLOSE_REQ for `id` (after its queued DATA) and remembers it
+    /// until the CLOSE_RSP (or a minute, for agents that never answer).
+    fn closing_started(&self, id: i64) {
+        if let Ok(mut c) = self.closing.lock() {
+            if c.len() >= 4096 {
+                c.retain(|_, at| at.elapsed() < Duration::from_secs(60));
+            }
+            c.insert(id, std::time::Instant::now());
+        }
+        self.to_agent.finish(id, Some(Packet::close_req(id)));
+    }
+
+    fn closing_done(&self, id: i64) -> bool {
+        self.closing
+            .lock()
+            .ok()
+            .and_then(|mut c| c.remove(&id))
+            .is_some()
+    }
+
+    fn is_closing(&self, id: i64) -> bool {
+        self.closing
+            .lock()
+            .map(|c| c.contains_key(&id))
+            .unwrap_or(false)
     }
 
     /// The stream ended: fail every pending dial at once and abort every
     /// established connection.
     fn fail_all(&self) {
         self.gone.cancel();
+        self.to_agent.close();
         if let Ok(mut p) = self.pending.lock() {
             for (_, d) in p.drain() {
                 let _ = d.reply.send(Err(DialError::AgentGone));
@@ -338,7 +364,7 @@ pub struct TunnelTx {
 impl TunnelTx {
     /// Sends frontend bytes to the agent.
     pub async fn send(&self, data: Bytes) -> Result<(), DialError> {
-        self.link.send(Packet::data(self.connect_id, data)).await
+        self.link.send_data(self.connect_id, data).await
     }
 
     /// Closes now (CLOSE_REQ); bytes already queued from the agent are
@@ -395,21 +421,15 @@ pub async fn dial(
     }
     metrics.pending(&cluster.name, 1);
     let started = std::time::Instant::now();
-    let sent = tokio::time::timeout(
-        settings.timeout,
-        link.send(Packet::dial_req(address, random)),
-    );
-    let outcome = match sent.await {
-        Ok(Ok(())) => tokio::select! {
-            r = tokio::time::timeout(settings.timeout.saturating_sub(started.elapsed()), reply_rx) => match r {
-                Ok(Ok(r)) => r,
-                Ok(Err(_)) => Err(DialError::AgentGone),
-                Err(_) => Err(DialError::Timeout),
-            },
-            () = cancel.cancelled() => Err(DialError::Cancelled),
+    link.send_soon(Packet::dial_req(address, random));
+    let outcome = tokio::select! {
+        r = tokio::time::timeout(settings.timeout, reply_rx) => match r {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(DialError::AgentGone),
+            Err(_) => Err(DialError::Timeout),
         },
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err(DialError::Timeout),
+        () = cancel.cancelled() => Err(DialError::Cancelled),
+        () = link.gone.cancelled() => Err(DialError::AgentGone),
     };
     metrics.pending(&cluster.name, -1);
     match outcome {
@@ -460,29 +480,30 @@ impl Registry {
     }
 }
 
-/// Registers a new agent stream in `cluster`; the returned receiver feeds
-/// the stream to the agent.
+/// Registers a new agent stream in `cluster`; the returned queue feeds the
+/// stream to the agent.
 pub fn attach(
     cluster: &Cluster,
     agent_id: String,
     ids: Identifiers,
-) -> (Arc<AgentLink>, mpsc::Receiver<Packet>) {
-    let (tx, rx) = mpsc::channel(TO_AGENT_QUEUE);
+) -> (Arc<AgentLink>, Arc<FairQueue>) {
+    let tx = FairQueue::new();
     let link = Arc::new(AgentLink {
         uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
         agent_id,
         cluster: cluster.name.clone(),
         ids,
-        to_agent: tx,
+        to_agent: tx.clone(),
         draining: AtomicBool::new(false),
         pending: Mutex::new(HashMap::new()),
         conns: Mutex::new(HashMap::new()),
+        closing: Mutex::new(HashMap::new()),
         gone: CancellationToken::new(),
     });
     if let Ok(mut a) = cluster.agents.lock() {
         a.push(link.clone());
     }
-    (link, rx)
+    (link, tx)
 }
 
 /// Removes an ended agent stream and fails everything that depended on it.
@@ -570,10 +591,12 @@ pub fn on_agent_packet(link: &AgentLink, p: Packet) -> Handled {
                         .and_then(|mut c| c.remove(&d.connect_id));
                     if let Some(q) = q {
                         q.abort();
+                        link.closing_started(d.connect_id);
                     }
-                    link.send_soon(Packet::close_req(d.connect_id));
                     Handled::Overflow
                 }
+                // In flight when this side closed it: dropped, expected.
+                None if link.is_closing(d.connect_id) => Handled::Ok,
                 None => {
                     link.send_soon(Packet::close_req(d.connect_id));
                     Handled::Unrecognized
@@ -583,14 +606,16 @@ pub fn on_agent_packet(link: &AgentLink, p: Packet) -> Handled {
         (Some(T::CloseRsp), Some(Payload::CloseResponse(c))) => {
             // Dropping the queue's sender ends the connection cleanly after
             // what is queued.
-            match link
+            let open = link
                 .conns
                 .lock()
                 .ok()
                 .and_then(|mut m| m.remove(&c.connect_id))
-            {
-                Some(_) => Handled::Ok,
-                None => Handled::Unrecognized,
+                .is_some();
+            if open || link.closing_done(c.connect_id) {
+                Handled::Ok
+            } else {
+                Handled::Unrecognized
             }
         }
         (Some(T::DialCls), Some(Payload::CloseDial(c))) => {

@@ -1,0 +1,394 @@
+//! A tunnel test bed: a "seed" and a "shoot" network namespace joined by a
+//! veth pair (`198.18.<net>.1` / `.2`), certificates for both sides, the
+//! shoot's services on its own loopback (Python `http.server` on 8000 with
+//! `hello.txt`, a TCP echo server on 7007, a "firehose" on 7008 that sends
+//! until the reader stops, a SYN sink on 7009 whose backlog is full so
+//! connects hang), and helpers to run `seedlink tunnel-server` in the seed
+//! and `seedlink tunnel-agent` in the shoot.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+use super::{netns_pair, require, Netns, Proc};
+
+const SERVICES: &str = "import socket,threading,time
+def srv(port, backlog):
+  s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('127.0.0.1',port));s.listen(backlog);return s
+def echo(c):
+  while True:
+    d=c.recv(65536)
+    if not d: break
+    c.sendall(d)
+  c.close()
+def fire(c):
+  b=b'x'*65536
+  try:
+    while True: c.sendall(b)
+  except Exception: c.close()
+def loop(s,f):
+  while True:
+    c,_=s.accept();threading.Thread(target=f,args=(c,),daemon=True).start()
+e=srv(7007,512);f=srv(7008,64);sink=srv(7009,0)
+held=[]
+for _ in range(8):
+  try:
+    x=socket.socket();x.setblocking(False);x.connect_ex(('127.0.0.1',7009));held.append(x)
+  except Exception: pass
+threading.Thread(target=loop,args=(f,fire),daemon=True).start()
+print('up',flush=True)
+loop(e,echo)";
+
+/// PEM files of both sides.
+pub struct Files {
+    pub seed_ca: String,
+    pub tun_crt: String,
+    pub tun_key: String,
+    pub fe_crt: String,
+    pub fe_key: String,
+    pub kas_crt: String,
+    pub kas_key: String,
+    pub agent_ca: String,
+    pub agent_crt: String,
+    pub agent_key: String,
+}
+
+/// The test bed.
+pub struct TunnelEnv {
+    pub net: u8,
+    pub seed: Netns,
+    pub shoot: Netns,
+    pub dir: tempfile::TempDir,
+    pub files: Files,
+    pub uds: String,
+    pub grpc_uds: String,
+    pub fe_port: u16,
+    _services: Vec<Proc>,
+}
+
+/// A started process and what its ready line said.
+pub struct Started {
+    pub proc: Proc,
+    pub ready: serde_json::Value,
+}
+
+impl Started {
+    pub fn admin(&self) -> String {
+        self.ready["admin"].as_str().unwrap_or_default().to_string()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.proc.0.id()
+    }
+}
+
+/// Reads the first stdout line of `p` as JSON, within 20 s.
+pub fn ready_line(p: &mut Proc) -> serde_json::Value {
+    let out = p.0.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(out).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("no ready line");
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"))
+}
+
+/// Open file descriptors of a process.
+pub fn fd_count(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+impl TunnelEnv {
+    pub fn new(net: u8) -> TunnelEnv {
+        require("curl");
+        require("python3");
+        let (seed, shoot) = netns_pair("seed", "shoot", net);
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_path_buf();
+        let seedpki =
+            seedlink::demo::Pki::generate(&["tunnel.seedlink.test", "frontend.seedlink.test"])
+                .unwrap();
+        let shootpki = seedlink::demo::Pki::generate(&[]).unwrap();
+        let w = |name: &str, text: &str| {
+            std::fs::write(d.join(name), text).unwrap();
+            d.join(name).display().to_string()
+        };
+        let files = Files {
+            seed_ca: w("seed-ca.pem", &seedpki.ca_pem),
+            tun_crt: w("tun.pem", &seedpki.servers[0].1.cert_pem),
+            tun_key: w("tun-key.pem", &seedpki.servers[0].1.key_pem),
+            fe_crt: w("fe.pem", &seedpki.servers[1].1.cert_pem),
+            fe_key: w("fe-key.pem", &seedpki.servers[1].1.key_pem),
+            kas_crt: w("kas.pem", &seedpki.client.cert_pem),
+            kas_key: w("kas-key.pem", &seedpki.client.key_pem),
+            agent_ca: w("agent-ca.pem", &shootpki.ca_pem),
+            agent_crt: w("agent.pem", &shootpki.client.cert_pem),
+            agent_key: w("agent-key.pem", &shootpki.client.key_pem),
+        };
+        std::fs::write(d.join("hello.txt"), "hello from the shoot\n").unwrap();
+        let http = Proc(
+            shoot
+                .cmd(&[
+                    "python3",
+                    "-m",
+                    "http.server",
+                    "8000",
+                    "--bind",
+                    "127.0.0.1",
+                    "--directory",
+                ])
+                .arg(&d)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        let mut svc = Proc(
+            shoot
+                .cmd(&["python3", "-c", SERVICES])
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let out = svc.0.stdout.take().unwrap();
+        let mut line = String::new();
+        BufReader::new(out).read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "up");
+        TunnelEnv {
+            net,
+            uds: d.join("kas.sock").display().to_string(),
+            grpc_uds: d.join("kas-grpc.sock").display().to_string(),
+            fe_port: super::free_port(),
+            seed,
+            shoot,
+            dir,
+            files,
+            _services: vec![http, svc],
+        }
+    }
+
+    /// The seed-side address agents dial.
+    pub fn agent_endpoint(&self, port: u16) -> String {
+        format!("198.18.{}.1:{port}", self.net)
+    }
+
+    /// A server configuration; `extra` is appended at top level, `sockets`
+    /// suffixes the socket names (for a second replica).
+    pub fn server_yaml(&self, listen: &str, extra: &str, sockets: &str) -> String {
+        let f = &self.files;
+        let dir = self.dir.path().display();
+        let fe = if sockets.is_empty() {
+            format!(
+                "      - {{name: tcp, protocol: http-connect, tcp: '127.0.0.1:{}', cert: '{}', key: '{}', client_ca: '{}'}}\n",
+                self.fe_port, f.fe_crt, f.fe_key, f.seed_ca
+            )
+        } else {
+            String::new()
+        };
+        format!(
+            "agents: {{listen: '{listen}', cert: '{}', key: '{}', keepalive: 1s, keepalive_timeout: 1s}}
+admin: {{listen: '127.0.0.1:0'}}
+dial_timeout: 10s
+stall_timeout: 2s
+{extra}
+clusters:
+  - name: shoot--dev--a
+    agent_ca: '{}'
+    frontends:
+      - {{name: uds, protocol: http-connect, unix: '{dir}/kas{sockets}.sock'}}
+      - {{name: grpc, protocol: grpc, unix: '{dir}/kas-grpc{sockets}.sock'}}
+{fe}",
+            f.tun_crt, f.tun_key, f.agent_ca
+        )
+    }
+
+    /// Starts `seedlink tunnel-server` in the seed namespace.
+    pub fn server(&self, yaml: &str, name: &str) -> Started {
+        let cfg = self.dir.path().join(format!("{name}.yaml"));
+        std::fs::write(&cfg, yaml).unwrap();
+        let mut proc = Proc(
+            self.seed
+                .cmd(&[env!("CARGO_BIN_EXE_seedlink"), "tunnel-server", "--config"])
+                .arg(&cfg)
+                .env(
+                    "RUST_LOG",
+                    std::env::var("SERVER_LOG").unwrap_or_else(|_| "warn".into()),
+                )
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let ready = ready_line(&mut proc);
+        assert_eq!(ready["event"], "ready", "{ready}");
+        Started { proc, ready }
+    }
+
+    /// Starts `seedlink tunnel-agent` in the shoot namespace, dialing `server`.
+    pub fn agent(&self, server: &str, extra: &[&str]) -> Started {
+        let f = &self.files;
+        let mut proc = Proc(
+            self.shoot
+                .cmd(&[
+                    env!("CARGO_BIN_EXE_seedlink"),
+                    "tunnel-agent",
+                    "--server",
+                    server,
+                ])
+                .args([
+                    "--server-name",
+                    "tunnel.seedlink.test",
+                    "--ca-cert",
+                    &f.seed_ca,
+                ])
+                .args(["--agent-cert", &f.agent_crt, "--agent-key", &f.agent_key])
+                .args([
+                    "--admin",
+                    "127.0.0.1:0",
+                    "--sync-interval",
+                    "0.2",
+                    "--sync-interval-cap",
+                    "2",
+                ])
+                .args(extra)
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let ready = ready_line(&mut proc);
+        Started { proc, ready }
+    }
+
+    /// `GET path` on an admin endpoint inside `ns`.
+    pub fn admin_get(ns: &Netns, admin: &str, path: &str) -> String {
+        let out = ns
+            .cmd(&[
+                "curl",
+                "-s",
+                "--max-time",
+                "5",
+                &format!("http://{admin}{path}"),
+            ])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Sum of the samples of `prefix` on the seed-side admin `admin`.
+    pub fn server_metric(&self, admin: &str, prefix: &str) -> f64 {
+        super::sum_metric(&Self::admin_get(&self.seed, admin, "/metrics"), prefix)
+    }
+
+    /// Sum of the samples of `prefix` on the shoot-side admin `admin`.
+    pub fn agent_metric(&self, admin: &str, prefix: &str) -> f64 {
+        super::sum_metric(&Self::admin_get(&self.shoot, admin, "/metrics"), prefix)
+    }
+
+    /// Waits (≤ `limit`) until `f` holds.
+    pub async fn until(limit: Duration, what: &str, mut f: impl FnMut() -> bool) {
+        let end = std::time::Instant::now() + limit;
+        while !f() {
+            assert!(
+                std::time::Instant::now() < end,
+                "timed out waiting for {what}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub fn socket(&self, suffix: &str) -> PathBuf {
+        self.dir.path().join(format!("kas{suffix}.sock"))
+    }
+}
+
+/// kube-apiserver's HTTP-CONNECT dialer: `CONNECT`, `Host: 127.0.0.1`; the
+/// answer must be exactly the 200 line and an empty line. On failure, the
+/// answer text.
+pub async fn kas_connect(uds: &str, target: &str) -> Result<UnixStream, String> {
+    let mut s = UnixStream::connect(uds).await.map_err(|e| e.to_string())?;
+    s.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let want = b"HTTP/1.1 200 Connection Established\r\n\r\n";
+    let mut got = Vec::new();
+    let mut b = [0u8; 1];
+    // Byte by byte, so nothing after the answer is consumed.
+    while got.len() < want.len() {
+        match tokio::time::timeout(Duration::from_secs(15), s.read(&mut b)).await {
+            Ok(Ok(1)) => got.push(b[0]),
+            _ => break,
+        }
+        if !want.starts_with(&got) {
+            let mut rest = Vec::new();
+            let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+            got.extend_from_slice(&rest);
+            return Err(String::from_utf8_lossy(&got).into_owned());
+        }
+    }
+    if got != want {
+        return Err(format!(
+            "incomplete answer: {:?}",
+            String::from_utf8_lossy(&got)
+        ));
+    }
+    Ok(s)
+}
+
+/// Retries [`kas_connect`] until it works (agents connect asynchronously).
+pub async fn kas_connect_eventually(uds: &str, target: &str, limit: Duration) -> UnixStream {
+    let end = std::time::Instant::now() + limit;
+    loop {
+        match kas_connect(uds, target).await {
+            Ok(s) => return s,
+            Err(e) => {
+                assert!(std::time::Instant::now() < end, "tunnel never worked: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// One echo round trip of `n` bytes; returns its duration.
+pub async fn echo_rtt(s: &mut UnixStream, n: usize) -> Duration {
+    let msg = vec![b'e'; n];
+    let t0 = std::time::Instant::now();
+    s.write_all(&msg).await.unwrap();
+    let mut back = vec![0u8; n];
+    tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut back))
+        .await
+        .expect("echo timed out")
+        .unwrap();
+    assert_eq!(back, msg);
+    t0.elapsed()
+}
+
+/// Checks a connection is usable end to end by fetching `hello.txt`.
+pub async fn fetch_hello(mut s: UnixStream) -> String {
+    s.write_all(b"GET /hello.txt HTTP/1.0\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let (body, _) = super::read_until_closed(&mut s, Duration::from_secs(10)).await;
+    String::from_utf8_lossy(&body).into_owned()
+}
+
+/// A gRPC `ProxyService` client over a Unix socket.
+pub async fn grpc_client(path: &str) -> seedlink_tunnel::grpc::Client {
+    let io = UnixStream::connect(path).await.unwrap();
+    let h2 = seedlink_tunnel::grpc::H2Settings {
+        keepalive: Duration::from_secs(30),
+        keepalive_timeout: Duration::from_secs(10),
+    };
+    seedlink_tunnel::grpc::connect(io, "http://localhost".parse().unwrap(), h2)
+        .await
+        .unwrap()
+}

@@ -1,0 +1,450 @@
+//! Tunnel faults: a frozen agent, a restarted server, two replicas behind
+//! HAProxy, a dial cancelled while the agent is still connecting, 1,000
+//! open/close cycles without leaks, a frontend that stops reading, and a
+//! malicious agent.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::tunnel_env::*;
+use common::*;
+use futures_util::StreamExt;
+use seedlink_tunnel::proto::Packet;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const AGENTS: &str = "seedlink_tunnel_server_agents{";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_agent_is_dropped_by_keepalive_and_comes_back() {
+    let env = TunnelEnv::new(42);
+    let ep = env.agent_endpoint(8132);
+    let server = env.server(&env.server_yaml(&ep, "", ""), "server");
+    let agent = env.agent(&ep, &["--keepalive-time", "1"]);
+    let mut held =
+        kas_connect_eventually(&env.uds, "127.0.0.1:7007", Duration::from_secs(20)).await;
+    echo_rtt(&mut held, 10).await;
+
+    // SIGSTOP: the agent answers no PING (1 s interval, 1 s timeout).
+    let pid = agent.pid().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let t0 = Instant::now();
+    let _ = read_until_closed(&mut held, Duration::from_secs(10)).await;
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_secs(4),
+        "frozen agent noticed after {took:?}"
+    );
+    assert_eq!(env.server_metric(&server.admin(), AGENTS), 0.0);
+
+    // SIGCONT: the agent finds its stream dead and reconnects.
+    assert!(std::process::Command::new("kill")
+        .args(["-CONT", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(15)).await;
+    assert!(fetch_hello(s).await.contains("hello from the shoot"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_returns_after_a_server_restart() {
+    let env = TunnelEnv::new(43);
+    let ep = env.agent_endpoint(8132);
+    let yaml = env.server_yaml(&ep, "", "");
+    let server = env.server(&yaml, "server");
+    let agent = env.agent(&ep, &[]);
+    let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
+    assert!(fetch_hello(s).await.contains("hello"));
+    drop(server);
+    // The agent backs off (cap 2 s in the test bed) while the server is down.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let t0 = Instant::now();
+    let server = env.server(&yaml, "server");
+    let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(10)).await;
+    let took = t0.elapsed();
+    assert!(fetch_hello(s).await.contains("hello"));
+    // Back within the back-off cap (2 s) plus jitter and the TLS dial.
+    assert!(took < Duration::from_secs(5), "agent back after {took:?}");
+    assert_eq!(env.server_metric(&server.admin(), AGENTS), 1.0);
+    assert!(
+        env.agent_metric(
+            &agent.admin(),
+            "seedlink_tunnel_agent_server_connects_total{outcome=\"error\"}"
+        ) >= 1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_holds_a_stream_to_each_replica_behind_haproxy() {
+    let haproxy = require("haproxy");
+    let env = TunnelEnv::new(44);
+    let (a, b) = (env.agent_endpoint(8141), env.agent_endpoint(8142));
+    let s1 = env.server(
+        &env.server_yaml(&a, "server_id: replica-1\nserver_count: 2", "-1"),
+        "s1",
+    );
+    let s2 = env.server(
+        &env.server_yaml(&b, "server_id: replica-2\nserver_count: 2", "-2"),
+        "s2",
+    );
+    let lb = env.agent_endpoint(8132);
+    let cfg = env.dir.path().join("haproxy.cfg");
+    std::fs::write(
+        &cfg,
+        format!(
+            "defaults
+  mode tcp
+  timeout connect 2s
+  timeout client 60s
+  timeout server 60s
+frontend lb
+  bind {lb}
+  default_backend replicas
+backend replicas
+  balance roundrobin
+  server r1 {a}
+  server r2 {b}
+"
+        ),
+    )
+    .unwrap();
+    let _lb = Proc(
+        env.seed
+            .cmd(&[
+                haproxy.to_str().unwrap(),
+                "-db",
+                "-f",
+                cfg.to_str().unwrap(),
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let agent = env.agent(&lb, &[]);
+    TunnelEnv::until(Duration::from_secs(15), "a stream to both replicas", || {
+        env.server_metric(&s1.admin(), AGENTS) == 1.0
+            && env.server_metric(&s2.admin(), AGENTS) == 1.0
+    })
+    .await;
+    for sock in ["-1", "-2"] {
+        let path = env.socket(sock).display().to_string();
+        let s = kas_connect_eventually(&path, "127.0.0.1:8000", Duration::from_secs(5)).await;
+        assert!(fetch_hello(s).await.contains("hello"), "via replica {sock}");
+    }
+    assert_eq!(
+        env.agent_metric(
+            &agent.admin(),
+            "seedlink_tunnel_agent_open_server_connections"
+        ),
+        2.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dial_cancelled_while_the_agent_connects_is_cancelled_on_the_agent() {
+    let env = TunnelEnv::new(45);
+    let ep = env.agent_endpoint(8132);
+    let server = env.server(&env.server_yaml(&ep, "", ""), "server");
+    let agent = env.agent(&ep, &["--dial-timeout", "20"]);
+    let _ = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
+    // 127.0.0.1:7009 has a full backlog: the agent's connect hangs.
+    let mut s = tokio::net::UnixStream::connect(&env.uds).await.unwrap();
+    s.write_all(b"CONNECT 127.0.0.1:7009 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        env.server_metric(&server.admin(), "seedlink_tunnel_server_pending_dials{"),
+        1.0
+    );
+    drop(s); // kube-apiserver gives up
+    TunnelEnv::until(
+        Duration::from_secs(5),
+        "the agent to cancel its dial",
+        || {
+            env.agent_metric(
+                &agent.admin(),
+                "seedlink_tunnel_agent_dials_total{outcome=\"cancelled\"}",
+            ) == 1.0
+        },
+    )
+    .await;
+    assert_eq!(
+        env.server_metric(&server.admin(), "seedlink_tunnel_server_pending_dials{"),
+        0.0
+    );
+    assert_eq!(
+        env.server_metric(&server.admin(), "seedlink_tunnel_server_dial_failures_total{cluster=\"shoot--dev--a\",reason=\"dial_closed\"}"),
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_open_close_cycles_leave_nothing_behind() {
+    let env = TunnelEnv::new(46);
+    let ep = env.agent_endpoint(8132);
+    let server = env.server(&env.server_yaml(&ep, "", ""), "server");
+    let agent = env.agent(&ep, &[]);
+    let _ = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
+    let settle = || async {
+        TunnelEnv::until(Duration::from_secs(10), "connections to drain", || {
+            env.server_metric(
+                &server.admin(),
+                "seedlink_tunnel_server_established_connections{",
+            ) == 0.0
+                && env.agent_metric(
+                    &agent.admin(),
+                    "seedlink_tunnel_agent_open_endpoint_connections",
+                ) == 0.0
+        })
+        .await;
+    };
+    settle().await;
+    let (srv_fds, agent_fds) = (fd_count(server.pid()), fd_count(agent.pid()));
+    let tasks = env.server_metric(&server.admin(), "seedlink_tunnel_server_tasks");
+    let mut workers = Vec::new();
+    for w in 0..8 {
+        let uds = env.uds.clone();
+        workers.push(tokio::spawn(async move {
+            for _ in 0..125 {
+                let mut s = kas_connect(&uds, "127.0.0.1:7007")
+                    .await
+                    .unwrap_or_else(|e| panic!("worker {w}: {e}"));
+                echo_rtt(&mut s, 100).await;
+            }
+        }));
+    }
+    for w in workers {
+        w.await.unwrap();
+    }
+    settle().await;
+    let ok = env.server_metric(&server.admin(), "seedlink_tunnel_server_dials_total{");
+    assert!(ok >= 1000.0, "{ok}");
+    TunnelEnv::until(
+        Duration::from_secs(10),
+        "fds and tasks back to their start values",
+        || {
+            fd_count(server.pid()) <= srv_fds
+                && fd_count(agent.pid()) <= agent_fds
+                && env.server_metric(&server.admin(), "seedlink_tunnel_server_tasks") <= tasks
+        },
+    )
+    .await;
+    assert_eq!(
+        env.server_metric(&server.admin(), "seedlink_tunnel_server_pending_dials{"),
+        0.0
+    );
+    assert_eq!(
+        env.server_metric(&server.admin(), "seedlink_tunnel_server_agent_packets_total{cluster=\"shoot--dev--a\",reason=\"unrecognized\"}"),
+        0.0
+    );
+}
+
+/// A frontend that stops reading a fast stream: only its own connection is
+/// affected (closed after the stall deadline or when its queue is full);
+/// echo round trips on another connection of the same agent stream keep
+/// their latency.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_frontend_does_not_block_other_connections() {
+    let env = TunnelEnv::new(47);
+    let ep = env.agent_endpoint(8132);
+    let server = env.server(&env.server_yaml(&ep, "queue_bytes: 1048576", ""), "server");
+    let _agent = env.agent(&ep, &[]);
+    let mut echo =
+        kas_connect_eventually(&env.uds, "127.0.0.1:7007", Duration::from_secs(20)).await;
+    let mut idle = Vec::new();
+    for _ in 0..200 {
+        idle.push(echo_rtt(&mut echo, 1024).await);
+    }
+    // The firehose sends as fast as it can; this frontend never reads.
+    let stalled = kas_connect(&env.uds, "127.0.0.1:7008").await.unwrap();
+    let mut busy = Vec::new();
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(3) {
+        busy.push(echo_rtt(&mut echo, 1024).await);
+    }
+    let p99 = |v: &mut Vec<Duration>| {
+        v.sort();
+        v[(v.len() * 99 / 100).min(v.len() - 1)]
+    };
+    let (pi, pb) = (p99(&mut idle), p99(&mut busy));
+    eprintln!(
+        "echo p99 idle {pi:?}, with a stalled neighbour {pb:?} ({} round trips)",
+        busy.len()
+    );
+    // 2× the idle p99, plus 2 ms for scheduling noise on a shared 2-core machine.
+    assert!(
+        pb <= pi * 2 + Duration::from_millis(2),
+        "p99 {pb:?} vs idle {pi:?}"
+    );
+    let closed = env.server_metric(&server.admin(), "seedlink_tunnel_server_frontend_connections_total{cluster=\"shoot--dev--a\",frontend=\"uds\",outcome=\"stalled\"}")
+        + env.server_metric(&server.admin(), "seedlink_tunnel_server_frontend_connections_total{cluster=\"shoot--dev--a\",frontend=\"uds\",outcome=\"aborted\"}");
+    assert_eq!(closed, 1.0, "the stalled connection alone is closed");
+    drop(stalled);
+    echo_rtt(&mut echo, 1024).await;
+}
+
+/// An agent of the same cluster that misbehaves: it copies the real
+/// agent's ID, sends DATA and CLOSE for connection IDs it does not own
+/// (including the real connection's), answers dials it never got, sends
+/// unknown packet types and an oversized message, and reconnects in a
+/// storm. The real agent's connection sees none of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malicious_agent_cannot_touch_other_agents_connections() {
+    let env = TunnelEnv::new(48);
+    let ep = env.agent_endpoint(8132);
+    let server = env.server(&env.server_yaml(&ep, "", ""), "server");
+    let _agent = env.agent(&ep, &["--agent-id", "real"]);
+    let mut echo =
+        kas_connect_eventually(&env.uds, "127.0.0.1:7007", Duration::from_secs(20)).await;
+    echo_rtt(&mut echo, 64).await;
+
+    let f = &env.files;
+    let fake = FakeAgent {
+        netns: env.seed.0.clone(),
+        ca: f.seed_ca.clone(),
+        cert: f.agent_crt.clone(),
+        key: f.agent_key.clone(),
+        endpoint: ep.clone(),
+    };
+    // Packets: DATA and CLOSE_RSP for the real connection's ID (1) and
+    // others, a DIAL_RSP for a dial it never got, an unknown type, then an
+    // oversized DATA (over the 4 MiB message limit).
+    let mut script = Vec::new();
+    for id in 1..=20i64 {
+        script.push(Packet::data(id, bytes::Bytes::from_static(b"INJECTED")));
+        script.push(Packet::close_rsp(id, String::new()));
+        script.push(Packet::dial_rsp(id * 7919, id, String::new()));
+    }
+    script.push(Packet {
+        r#type: 42,
+        payload: None,
+    });
+    fake.run(script, true);
+    // A reconnect storm.
+    for _ in 0..50 {
+        fake.run(Vec::new(), false);
+    }
+    // The real connection is intact and nothing was injected into it.
+    echo_rtt(&mut echo, 64).await;
+    let mut extra = [0u8; 16];
+    let r = tokio::time::timeout(Duration::from_millis(300), echo.read(&mut extra)).await;
+    assert!(r.is_err(), "unexpected bytes on the real connection: {r:?}");
+    echo_rtt(&mut echo, 4096).await;
+    let unrec = env.server_metric(&server.admin(), "seedlink_tunnel_server_agent_packets_total{cluster=\"shoot--dev--a\",reason=\"unrecognized\"}");
+    assert!(unrec >= 60.0, "{unrec}");
+    let unexpected = env.server_metric(&server.admin(), "seedlink_tunnel_server_agent_packets_total{cluster=\"shoot--dev--a\",reason=\"unexpected\"}");
+    assert!(unexpected >= 1.0, "{unexpected}");
+    TunnelEnv::until(
+        Duration::from_secs(10),
+        "only the real agent to remain",
+        || env.server_metric(&server.admin(), AGENTS) == 1.0,
+    )
+    .await;
+    // New dials still work (they may only land on the real agent now).
+    let s = kas_connect(&env.uds, "127.0.0.1:8000").await.unwrap();
+    assert!(fetch_hello(s).await.contains("hello"));
+}
+
+/// An agent written for the test: valid cluster certificate, hostile
+/// packets. It runs on a thread that joined the seed namespace, where the
+/// agent endpoint is routable.
+struct FakeAgent {
+    netns: String,
+    ca: String,
+    cert: String,
+    key: String,
+    endpoint: String,
+}
+
+impl FakeAgent {
+    /// Connects as agent `real`, sends `script` (then a 5 MiB DATA if
+    /// `oversized`), and disconnects.
+    fn run(&self, script: Vec<Packet>, oversized: bool) {
+        let (netns, ca, cert, key, ep) = (
+            self.netns.clone(),
+            self.ca.clone(),
+            self.cert.clone(),
+            self.key.clone(),
+            self.endpoint.clone(),
+        );
+        std::thread::spawn(move || {
+            enter_netns(&netns);
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let cfg = seedlink_tunnel::tls::client_config(
+                    std::path::Path::new(&ca),
+                    Some((std::path::Path::new(&cert), std::path::Path::new(&key))),
+                    &["h2".to_string()],
+                )
+                .unwrap();
+                let tcp = tokio::net::TcpStream::connect(&ep).await.unwrap();
+                let name = rustls::pki_types::ServerName::try_from("tunnel.seedlink.test").unwrap();
+                let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
+                    .connect(name, tcp)
+                    .await
+                    .unwrap();
+                let h2 = seedlink_tunnel::grpc::H2Settings {
+                    keepalive: Duration::from_secs(30),
+                    keepalive_timeout: Duration::from_secs(10),
+                };
+                let mut client = seedlink_tunnel::grpc::connect(
+                    tls,
+                    "https://tunnel.seedlink.test".parse().unwrap(),
+                    h2,
+                )
+                .await
+                .unwrap();
+                let (tx, rx) = tokio::sync::mpsc::channel::<Packet>(64);
+                let out = futures_util::stream::unfold(rx, |mut rx| async move {
+                    rx.recv().await.map(|p| (p, rx))
+                });
+                let resp = seedlink_tunnel::grpc::open_stream(
+                    &mut client,
+                    seedlink_tunnel::proto::AGENT_CONNECT_PATH,
+                    out,
+                    &[("agentid", "real".to_string())],
+                )
+                .await
+                .unwrap();
+                assert!(resp.metadata().get("serverid").is_some());
+                let mut inbound = resp.into_inner();
+                for p in script {
+                    tx.send(p).await.unwrap();
+                }
+                if oversized {
+                    let big = bytes::Bytes::from(vec![0u8; 5 * 1024 * 1024]);
+                    let _ = tx.send(Packet::data(1, big)).await;
+                }
+                // Read what the server answers (CLOSE_REQs) for a moment.
+                let linger = if oversized { 300 } else { 20 };
+                let _ = tokio::time::timeout(Duration::from_millis(linger), async {
+                    while let Some(Ok(_)) = inbound.next().await {}
+                })
+                .await;
+            });
+        })
+        .join()
+        .unwrap();
+    }
+}
+
+/// Moves the calling thread into network namespace `name`.
+#[allow(unsafe_code)]
+fn enter_netns(name: &str) {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(format!("/run/netns/{name}")).unwrap();
+    // SAFETY: setns on a valid namespace fd for this thread only.
+    let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+    assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+}
