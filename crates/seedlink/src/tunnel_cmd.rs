@@ -65,6 +65,10 @@ pub struct AgentArgs {
     /// Admin endpoint (`/healthz`, `/readyz`, `/metrics`).
     #[arg(long, default_value = "127.0.0.1:8093")]
     pub admin: std::net::SocketAddr,
+    /// Offer per-connection flow control to the server (used only when the
+    /// server is seedlink; `false` forces the plain Konnectivity protocol).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub flow_control: bool,
     /// Drain deadline after the first SIGTERM, seconds.
     #[arg(long, default_value_t = 30.0)]
     pub drain: f64,
@@ -145,6 +149,7 @@ pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
         },
         stall_timeout: Duration::from_secs(10),
         queue_bytes: 4 * 1024 * 1024,
+        flow_control: a.flow_control,
     };
     let agent = Agent::new(opts)?;
     let admin = tokio::net::TcpListener::bind(a.admin)

@@ -247,24 +247,19 @@ async fn a_thousand_open_close_cycles_leave_nothing_behind() {
     );
 }
 
-/// A frontend that stops reading a fast stream: only its own connection is
-/// affected (closed after the stall deadline or when its queue is full);
-/// echo round trips on another connection of the same agent stream keep
-/// their latency.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_frontend_does_not_block_other_connections() {
-    let env = TunnelEnv::new(47);
-    let ep = env.agent_endpoint(8132);
-    let server = env.server(&env.server_yaml(&ep, "queue_bytes: 1048576", ""), "server");
-    let _agent = env.agent(&ep, &[]);
+/// Echo round trips on one connection while another connection of the
+/// same agent stream has a frontend that stopped reading a fast stream.
+async fn echo_p99_beside_a_stalled_reader(
+    env: &TunnelEnv,
+    target: &str,
+) -> (Duration, Duration, tokio::net::UnixStream) {
     let mut echo =
         kas_connect_eventually(&env.uds, "127.0.0.1:7007", Duration::from_secs(20)).await;
     let mut idle = Vec::new();
     for _ in 0..200 {
         idle.push(echo_rtt(&mut echo, 1024).await);
     }
-    // The firehose sends as fast as it can; this frontend never reads.
-    let stalled = kas_connect(&env.uds, "127.0.0.1:7008").await.unwrap();
+    let stalled = kas_connect(&env.uds, target).await.unwrap();
     let mut busy = Vec::new();
     let t0 = Instant::now();
     while t0.elapsed() < Duration::from_secs(3) {
@@ -276,7 +271,7 @@ async fn a_stalled_frontend_does_not_block_other_connections() {
     };
     let (pi, pb) = (p99(&mut idle), p99(&mut busy));
     eprintln!(
-        "echo p99 idle {pi:?}, with a stalled neighbour {pb:?} ({} round trips)",
+        "{target}: echo p99 idle {pi:?}, beside a stalled reader {pb:?} ({} round trips)",
         busy.len()
     );
     // 2× the idle p99, plus 2 ms for scheduling noise on a shared 2-core machine.
@@ -284,11 +279,55 @@ async fn a_stalled_frontend_does_not_block_other_connections() {
         pb <= pi * 2 + Duration::from_millis(2),
         "p99 {pb:?} vs idle {pi:?}"
     );
-    let closed = env.server_metric(&server.admin(), "seedlink_tunnel_server_frontend_connections_total{cluster=\"shoot--dev--a\",frontend=\"uds\",outcome=\"stalled\"}")
-        + env.server_metric(&server.admin(), "seedlink_tunnel_server_frontend_connections_total{cluster=\"shoot--dev--a\",frontend=\"uds\",outcome=\"aborted\"}");
-    assert_eq!(closed, 1.0, "the stalled connection alone is closed");
+    (pi, pb, stalled)
+}
+
+/// Plain Konnectivity protocol (flow control off): the stalled connection
+/// alone is closed (its queue overflows or its writes stall); the others
+/// keep their latency.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_frontend_is_closed_alone_over_the_standard_protocol() {
+    let env = TunnelEnv::new(47);
+    let ep = env.agent_endpoint(8132);
+    let server = env.server(&env.server_yaml(&ep, "queue_bytes: 1048576", ""), "server");
+    let _agent = env.agent(&ep, &["--flow-control", "false"]);
+    let (_, _, stalled) = echo_p99_beside_a_stalled_reader(&env, "127.0.0.1:7008").await;
+    let m = |o: &str| {
+        env.server_metric(
+            &server.admin(),
+            &format!("seedlink_tunnel_server_frontend_connections_total{{cluster=\"shoot--dev--a\",frontend=\"uds\",outcome=\"{o}\"}}"),
+        )
+    };
+    assert_eq!(
+        m("stalled") + m("aborted"),
+        1.0,
+        "the stalled connection alone is closed"
+    );
     drop(stalled);
-    echo_rtt(&mut echo, 1024).await;
+}
+
+/// seedlink agent and server negotiate per-connection flow control: the
+/// stalled connection is held back, not closed, and when its reader
+/// returns every byte arrives in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_frontend_resumes_losslessly_with_flow_control() {
+    let env = TunnelEnv::new(49);
+    let ep = env.agent_endpoint(8132);
+    let server = env.server(&env.server_yaml(&ep, "", ""), "server");
+    let _agent = env.agent(&ep, &[]);
+    let (_, _, mut stalled) = echo_p99_beside_a_stalled_reader(&env, "127.0.0.1:7010").await;
+    // The reader returns: 8 MiB of the pattern, complete and in order.
+    let (got, end) = read_until_closed(&mut stalled, Duration::from_secs(20)).await;
+    assert!(end.is_ok(), "{end:?}");
+    assert_eq!(got.len(), 8 * 1024 * 1024);
+    assert!(
+        got.iter()
+            .enumerate()
+            .all(|(i, b)| usize::from(*b) == i % 251),
+        "corrupted stream"
+    );
+    let closed = env.server_metric(&server.admin(), "seedlink_tunnel_server_frontend_connections_total{cluster=\"shoot--dev--a\",frontend=\"uds\",outcome=\"stalled\"}");
+    assert_eq!(closed, 0.0);
 }
 
 /// An agent of the same cluster that misbehaves: it copies the real

@@ -25,6 +25,7 @@ use tokio_rustls::TlsConnector;
 use tokio_util::sync::CancellationToken;
 
 use crate::fair::FairQueue;
+use crate::flow::{self, SendCredit};
 use crate::grpc::{self, H2Settings};
 use crate::proto::{Packet, PacketType, Payload, AGENT_CONNECT_PATH};
 use crate::queue::{self, PumpEnd, QueueTx};
@@ -79,6 +80,8 @@ pub struct AgentOptions {
     pub stall_timeout: Duration,
     /// Per-connection queue budget towards a destination.
     pub queue_bytes: usize,
+    /// Offer per-connection flow control (used when the server is seedlink).
+    pub flow_control: bool,
 }
 
 /// `outcome` label.
@@ -172,6 +175,8 @@ pub struct Agent {
 struct ConnEntry {
     queue: QueueTx,
     cancel: CancellationToken,
+    /// Window towards the server (flow control negotiated).
+    credit: Option<SendCredit>,
 }
 
 /// One stream to one server replica.
@@ -182,6 +187,8 @@ struct Session {
     pending: Mutex<HashMap<i64, CancellationToken>>,
     next_id: AtomicI64,
     gone: CancellationToken,
+    /// Per-connection flow control negotiated.
+    flow: bool,
 }
 
 impl Session {
@@ -287,6 +294,9 @@ impl Agent {
         if !self.opts.identifiers.is_empty() {
             meta.push(("agentidentifiers", self.opts.identifiers.clone()));
         }
+        if self.opts.flow_control {
+            meta.push((flow::HEADER, flow::VERSION.to_string()));
+        }
         if let Some(p) = &self.opts.token_path {
             let token =
                 std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
@@ -326,6 +336,12 @@ impl Agent {
         let server_id = one("serverid")?;
         let count: i64 = one("servercount")?.parse().context("servercount")?;
         self.known_count.store(count.max(1), Ordering::Release);
+        let flow = self.opts.flow_control
+            && resp
+                .metadata()
+                .get(flow::HEADER)
+                .and_then(|v| v.to_str().ok())
+                == Some(flow::VERSION);
         let session = Arc::new(Session {
             server_id: server_id.clone(),
             to_server: tx,
@@ -333,6 +349,7 @@ impl Agent {
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicI64::new(1),
             gone: CancellationToken::new(),
+            flow,
         });
         {
             let Ok(mut s) = self.sessions.lock() else {
@@ -345,7 +362,12 @@ impl Agent {
             guard.0 = None;
         }
         self.metrics.servers.inc();
-        tracing::info!(server_id, servercount = count, "connected to tunnel server");
+        tracing::info!(
+            server_id,
+            servercount = count,
+            flow,
+            "connected to tunnel server"
+        );
         let inbound = resp.into_inner();
         let agent = self.clone();
         tokio::spawn(async move {
@@ -457,6 +479,19 @@ impl Agent {
                         }
                     }
                 }
+                (Some(PacketType::WindowUpdate), Some(Payload::WindowUpdate(w))) if s.flow => {
+                    let credit = s
+                        .conns
+                        .lock()
+                        .ok()
+                        .and_then(|c| c.get(&w.connect_id).and_then(|e| e.credit.clone()));
+                    match credit {
+                        Some(c) if c.give(w.bytes) => {}
+                        Some(_) => AgentMetrics::count(&self.metrics.bad_packets, "bad_window"),
+                        // Closed meanwhile.
+                        None => {}
+                    }
+                }
                 (Some(PacketType::DialCls), Some(Payload::CloseDial(c))) => {
                     if let Some(t) = s.pending.lock().ok().and_then(|mut m| m.remove(&c.random)) {
                         t.cancel();
@@ -533,14 +568,21 @@ impl Agent {
         };
         AgentMetrics::count(&self.metrics.dials, "ok");
         let id = s.next_id.fetch_add(1, Ordering::AcqRel);
-        let (qtx, mut qrx) = queue::queue(self.opts.queue_bytes);
+        let budget = if s.flow {
+            2 * flow::WINDOW
+        } else {
+            self.opts.queue_bytes
+        };
+        let (qtx, mut qrx) = queue::queue(budget);
         let cancel = CancellationToken::new();
+        let credit = s.flow.then(SendCredit::new);
         if let Ok(mut c) = s.conns.lock() {
             c.insert(
                 id,
                 ConnEntry {
                     queue: qtx,
                     cancel: cancel.clone(),
+                    credit: credit.clone(),
                 },
             );
         }
@@ -558,7 +600,14 @@ impl Agent {
                 let mut b = BytesMut::with_capacity(CHUNK);
                 match rd.read_buf(&mut b).await {
                     Ok(0) | Err(_) => return "remote_closed",
-                    Ok(_) => {
+                    Ok(n) => {
+                        // Within the window: a server-side reader that
+                        // stopped holds this connection back, nothing else.
+                        if let Some(c) = &credit {
+                            if c.take(n).await.is_err() {
+                                return "closed";
+                            }
+                        }
                         if s.to_server
                             .data(id, Packet::data(id, b.freeze()))
                             .await
@@ -570,8 +619,17 @@ impl Agent {
                 }
             }
         };
+        let mut unacked = flow::Unacked::default();
         let down = async {
-            match qrx.pump(&mut wr, stall).await {
+            let deadline = (!s.flow).then_some(stall);
+            let written = |n| {
+                if s.flow {
+                    if let Some(k) = unacked.written(n) {
+                        s.send_soon(Packet::window_update(id, k));
+                    }
+                }
+            };
+            match qrx.pump(&mut wr, deadline, written).await {
                 PumpEnd::Finished | PumpEnd::Aborted => "closed",
                 PumpEnd::Stalled => "stalled",
                 PumpEnd::WriteError => "write_error",
@@ -595,6 +653,9 @@ impl Agent {
             }
         }
         s.to_server.finish(id, None);
+        if let Some(c) = credit {
+            c.close();
+        }
         self.metrics.endpoints.dec();
         AgentMetrics::count(&self.metrics.endpoint_closes, outcome);
     }

@@ -7,6 +7,7 @@ pub mod agent;
 pub mod config;
 pub mod dialerr;
 pub mod fair;
+pub mod flow;
 pub mod grpc;
 pub mod proto;
 pub mod queue;

@@ -28,6 +28,9 @@ pub enum PacketType {
     DialCls = 5,
     /// The agent is going away.
     Drain = 6,
+    /// seedlink extension (only after negotiation, see `flow`): reopen a
+    /// connection's window.
+    WindowUpdate = 100,
 }
 
 /// One message on either service.
@@ -37,7 +40,7 @@ pub struct Packet {
     #[prost(enumeration = "PacketType", tag = "1")]
     pub r#type: i32,
     /// The payload.
-    #[prost(oneof = "Payload", tags = "2, 3, 4, 5, 6, 7, 8")]
+    #[prost(oneof = "Payload", tags = "2, 3, 4, 5, 6, 7, 8, 100")]
     pub payload: Option<Payload>,
 }
 
@@ -65,6 +68,20 @@ pub enum Payload {
     /// DRAIN.
     #[prost(message, tag = "8")]
     Drain(Drain),
+    /// WINDOW_UPDATE (seedlink extension).
+    #[prost(message, tag = "100")]
+    WindowUpdate(WindowUpdate),
+}
+
+/// Reopens `bytes` of connection `connect_id`'s window (seedlink extension).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct WindowUpdate {
+    /// The connection.
+    #[prost(int64, tag = "1")]
+    pub connect_id: i64,
+    /// Bytes written by the receiver since its last update.
+    #[prost(int64, tag = "2")]
+    pub bytes: i64,
 }
 
 /// Open a connection to `address`.
@@ -205,6 +222,14 @@ impl Packet {
         Packet::of(
             PacketType::DialCls,
             Payload::CloseDial(CloseDial { random }),
+        )
+    }
+
+    /// WINDOW_UPDATE (seedlink extension).
+    pub fn window_update(connect_id: i64, bytes: i64) -> Packet {
+        Packet::of(
+            PacketType::WindowUpdate,
+            Payload::WindowUpdate(WindowUpdate { connect_id, bytes }),
         )
     }
 

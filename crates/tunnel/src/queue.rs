@@ -116,20 +116,34 @@ impl QueueRx {
         }
     }
 
-    /// Writes queued bytes to `w` until the sender closes or aborts; each
-    /// write must make progress within `stall`.
-    pub async fn pump<W: AsyncWrite + Unpin>(&mut self, w: &mut W, stall: Duration) -> PumpEnd {
+    /// Writes queued bytes to `w` until the sender closes or aborts; with a
+    /// `stall` deadline each write must make progress within it (without,
+    /// a slow reader just waits: flow control holds the sender back).
+    /// `written` is told every chunk written (to return flow-control credit).
+    pub async fn pump<W: AsyncWrite + Unpin>(
+        &mut self,
+        w: &mut W,
+        stall: Option<Duration>,
+        mut written: impl FnMut(usize),
+    ) -> PumpEnd {
         loop {
             let data = match self.recv().await {
                 Recv::Data(d) => d,
                 Recv::Finished => return PumpEnd::Finished,
                 Recv::Aborted => return PumpEnd::Aborted,
             };
-            match tokio::time::timeout(stall, w.write_all(&data)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(_)) => return PumpEnd::WriteError,
-                Err(_) => return PumpEnd::Stalled,
+            let write = w.write_all(&data);
+            let r = match stall {
+                Some(s) => match tokio::time::timeout(s, write).await {
+                    Ok(r) => r,
+                    Err(_) => return PumpEnd::Stalled,
+                },
+                None => write.await,
+            };
+            if r.is_err() {
+                return PumpEnd::WriteError;
             }
+            written(data.len());
         }
     }
 }
@@ -150,7 +164,8 @@ mod tests {
         tx.abort();
         let mut out = Vec::new();
         assert_eq!(
-            rx.pump(&mut out, Duration::from_secs(1)).await,
+            rx.pump(&mut out, Some(Duration::from_secs(1)), |_| {})
+                .await,
             PumpEnd::Aborted
         );
     }
@@ -163,7 +178,8 @@ mod tests {
         drop(tx);
         let mut out = Vec::new();
         assert_eq!(
-            rx.pump(&mut out, Duration::from_secs(1)).await,
+            rx.pump(&mut out, Some(Duration::from_secs(1)), |_| {})
+                .await,
             PumpEnd::Finished
         );
         assert_eq!(out, b"abcd");
@@ -175,7 +191,8 @@ mod tests {
         let (mut w, _r) = tokio::io::duplex(4);
         tx.push(Bytes::from(vec![0u8; 64])).unwrap();
         assert_eq!(
-            rx.pump(&mut w, Duration::from_millis(50)).await,
+            rx.pump(&mut w, Some(Duration::from_millis(50)), |_| {})
+                .await,
             PumpEnd::Stalled
         );
     }

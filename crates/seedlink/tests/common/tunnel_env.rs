@@ -3,7 +3,7 @@
 //! shoot's services on its own loopback (Python `http.server` on 8000 with
 //! `hello.txt`, a TCP echo server on 7007, a "firehose" on 7008 that sends
 //! until the reader stops, a SYN sink on 7009 whose backlog is full so
-//! connects hang), and helpers to run `seedlink tunnel-server` in the seed
+//! connects hang, and 8 MiB of a known pattern on 7010), and helpers to run `seedlink tunnel-server` in the seed
 //! and `seedlink tunnel-agent` in the shoot.
 
 use std::io::{BufRead, BufReader};
@@ -33,7 +33,13 @@ def fire(c):
 def loop(s,f):
   while True:
     c,_=s.accept();threading.Thread(target=f,args=(c,),daemon=True).start()
-e=srv(7007,512);f=srv(7008,64);sink=srv(7009,0)
+PATTERN=bytes(i%251 for i in range(8*1024*1024))
+def pattern(c):
+  try: c.sendall(PATTERN)
+  except Exception: pass
+  c.close()
+e=srv(7007,512);f=srv(7008,64);sink=srv(7009,0);pat=srv(7010,64)
+threading.Thread(target=loop,args=(pat,pattern),daemon=True).start()
 held=[]
 for _ in range(8):
   try:

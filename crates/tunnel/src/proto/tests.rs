@@ -36,9 +36,17 @@ fn proto_fields() -> BTreeMap<(String, String), u32> {
     out
 }
 
-/// The field number of the first (single-byte) tag of an encoding.
+/// The field number of the first tag of an encoding (a varint).
 fn first_field(bytes: &[u8]) -> u32 {
-    u32::from(bytes[0] >> 3)
+    let (mut v, mut shift) = (0u32, 0);
+    for b in bytes {
+        v |= u32::from(b & 0x7f) << shift;
+        if b & 0x80 == 0 {
+            break;
+        }
+        shift += 7;
+    }
+    v >> 3
 }
 
 fn tag_of<M: Message>(m: M) -> u32 {
@@ -92,6 +100,27 @@ fn field_numbers_match_the_proto_file() {
             tag_of(pk(Payload::CloseDial(CloseDial::default()))),
             "Packet",
             "closeDial",
+        ),
+        (
+            tag_of(pk(Payload::WindowUpdate(WindowUpdate::default()))),
+            "Packet",
+            "windowUpdate",
+        ),
+        (
+            tag_of(WindowUpdate {
+                connect_id: 1,
+                bytes: 0,
+            }),
+            "WindowUpdate",
+            "connectID",
+        ),
+        (
+            tag_of(WindowUpdate {
+                connect_id: 0,
+                bytes: 1,
+            }),
+            "WindowUpdate",
+            "bytes",
         ),
         (
             tag_of(pk(Payload::Drain(Drain::default()))),
@@ -211,6 +240,7 @@ fn enum_values_match_the_proto_file() {
         ("DATA", PacketType::Data),
         ("DIAL_CLS", PacketType::DialCls),
         ("DRAIN", PacketType::Drain),
+        ("WINDOW_UPDATE", PacketType::WindowUpdate),
     ] {
         assert!(
             text.contains(&format!("  {name} = {};", t as i32)),

@@ -80,9 +80,11 @@ pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std:
                         }
                     };
                     let agent_id = agent_id.to_string();
-                    let (link, to_agent) = attach(&cluster, agent_id.clone(), ids);
+                    let flow = meta.get(crate::flow::HEADER).and_then(|v| v.to_str().ok())
+                        == Some(crate::flow::VERSION);
+                    let (link, to_agent) = attach(&cluster, agent_id.clone(), ids, flow);
                     srv.metrics.agent(&cluster.name, 1);
-                    tracing::info!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, "agent connected");
+                    tracing::info!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, flow, "agent connected");
                     let mut inbound = req.into_inner();
                     // Receive loop: never waits on a connection (see queue.rs).
                     {
@@ -132,6 +134,12 @@ pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std:
                             .parse()
                             .map_err(|_| Status::internal("server count"))?,
                     );
+                    if flow {
+                        resp.metadata_mut().insert(
+                            crate::flow::HEADER,
+                            tonic::metadata::MetadataValue::from_static(crate::flow::VERSION),
+                        );
+                    }
                     Ok(resp)
                 })
             },

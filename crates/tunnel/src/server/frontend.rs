@@ -166,8 +166,16 @@ where
             }
         }
     };
+    let flow = tx.link.flow;
+    let mut unacked = crate::flow::Unacked::default();
     let down = async {
-        match rx.pump(&mut wr, stall).await {
+        // With flow control a slow frontend only holds its own connection
+        // back; without, it has `stall` to make progress.
+        let deadline = (!flow).then_some(stall);
+        match rx
+            .pump(&mut wr, deadline, |n| tx.consumed(&mut unacked, n))
+            .await
+        {
             PumpEnd::Finished => {
                 let _ = wr.shutdown().await;
                 "ok"
@@ -291,12 +299,21 @@ async fn grpc_carry(
     out: &mpsc::Sender<Result<Packet, Status>>,
     cid: i64,
 ) -> &'static str {
+    let mut unacked = crate::flow::Unacked::default();
     loop {
         tokio::select! {
             m = inbound.next() => match m {
                 Some(Ok(p)) => match (p.kind(), p.payload) {
                     (Some(PacketType::Data), Some(Payload::Data(d))) if d.connect_id == cid => {
-                        match tunnel.tx.send(d.data).await {
+                        // konnectivity-client sends each write unchunked:
+                        // split into window-sized pieces (no copy).
+                        let mut data = d.data;
+                        let mut sent = Ok(());
+                        while !data.is_empty() && sent.is_ok() {
+                            let part = data.split_to(data.len().min(CHUNK));
+                            sent = tunnel.tx.send(part).await;
+                        }
+                        match sent {
                             Ok(()) => {}
                             Err(_) => {
                                 let _ = out.send(Ok(Packet::close_rsp(cid, "backend connection closed".into()))).await;
@@ -316,9 +333,11 @@ async fn grpc_carry(
             },
             r = tunnel.rx.recv() => match r {
                 Recv::Data(b) => {
+                    let n = b.len();
                     if out.send(Ok(Packet::data(cid, b))).await.is_err() {
                         return "frontend_gone";
                     }
+                    tunnel.tx.consumed(&mut unacked, n);
                 }
                 Recv::Finished => {
                     let _ = out.send(Ok(Packet::close_rsp(cid, String::new()))).await;

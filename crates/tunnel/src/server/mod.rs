@@ -27,6 +27,7 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::fair::FairQueue;
+use crate::flow::{self, SendCredit, Unacked};
 use crate::proto::Packet;
 use crate::queue::{self, QueueRx, QueueTx};
 
@@ -192,6 +193,9 @@ pub struct AgentLink {
     closing: Mutex<HashMap<i64, std::time::Instant>>,
     /// Cancelled when the stream ends.
     pub gone: CancellationToken,
+    /// Per-connection flow control negotiated (seedlink agent).
+    pub flow: bool,
+    credits: Mutex<HashMap<i64, SendCredit>>,
 }
 
 impl AgentLink {
@@ -222,6 +226,9 @@ impl AgentLink {
     /// Forgets connection `id` (frontend side closed it) and tells the agent
     /// after the data already queued for it.
     pub fn close_conn(&self, id: i64) {
+        if let Some(c) = self.credits.lock().ok().and_then(|mut c| c.remove(&id)) {
+            c.close();
+        }
         let had = self.conns.lock().ok().and_then(|mut c| c.remove(&id));
         if had.is_some() {
             self.closing_started(id);
@@ -273,6 +280,11 @@ impl AgentLink {
                 q.abort();
             }
         }
+        if let Ok(mut c) = self.credits.lock() {
+            for (_, cr) in c.drain() {
+                cr.close();
+            }
+        }
     }
 }
 
@@ -311,9 +323,19 @@ impl Cluster {
     /// non-draining agent if any, the less loaded of two random picks.
     pub fn pick(&self, host: &str) -> Option<Arc<AgentLink>> {
         let agents = self.agents.lock().ok()?;
+        // One stream per agent and server: an agent that dials again to find
+        // other replicas briefly has a second stream here, which it closes;
+        // dials use its first (as upstream does).
+        let first = |a: &Arc<AgentLink>| {
+            !agents
+                .iter()
+                .any(|b| b.agent_id == a.agent_id && b.uid < a.uid)
+        };
         for s in &self.strategies {
-            let fit: Vec<&Arc<AgentLink>> =
-                agents.iter().filter(|a| s.matches(&a.ids, host)).collect();
+            let fit: Vec<&Arc<AgentLink>> = agents
+                .iter()
+                .filter(|a| first(a) && s.matches(&a.ids, host))
+                .collect();
             if fit.is_empty() {
                 continue;
             }
@@ -359,12 +381,32 @@ pub struct TunnelTx {
     pub link: Arc<AgentLink>,
     /// The agent's connection ID.
     pub connect_id: i64,
+    /// Window towards the agent (flow control negotiated).
+    pub credit: Option<SendCredit>,
 }
 
 impl TunnelTx {
-    /// Sends frontend bytes to the agent.
+    /// Sends frontend bytes to the agent (within the connection's window
+    /// when flow control is on).
     pub async fn send(&self, data: Bytes) -> Result<(), DialError> {
+        if let Some(c) = &self.credit {
+            tokio::select! {
+                r = c.take(data.len()) => r.map_err(|()| DialError::AgentGone)?,
+                () = self.link.gone.cancelled() => return Err(DialError::AgentGone),
+            }
+        }
         self.link.send_data(self.connect_id, data).await
+    }
+
+    /// The frontend wrote `n` bytes the agent sent: returns window to the
+    /// agent when enough has gathered (flow control only).
+    pub fn consumed(&self, unacked: &mut Unacked, n: usize) {
+        if self.link.flow {
+            if let Some(k) = unacked.written(n) {
+                self.link
+                    .send_soon(Packet::window_update(self.connect_id, k));
+            }
+        }
     }
 
     /// Closes now (CLOSE_REQ); bytes already queued from the agent are
@@ -409,7 +451,13 @@ pub async fn dial(
     };
     let random = dial_id();
     let (reply_tx, reply_rx) = oneshot::channel();
-    let (qtx, qrx) = queue::queue(settings.queue_bytes);
+    // With flow control the agent never has more than a window in flight.
+    let budget = if link.flow {
+        2 * flow::WINDOW
+    } else {
+        settings.queue_bytes
+    };
+    let (qtx, qrx) = queue::queue(budget);
     if let Ok(mut p) = link.pending.lock() {
         p.insert(
             random,
@@ -435,8 +483,19 @@ pub async fn dial(
     match outcome {
         Ok(connect_id) => {
             metrics.dial_ok(&cluster.name, started.elapsed());
+            let credit = link.flow.then(|| {
+                let c = SendCredit::new();
+                if let Ok(mut m) = link.credits.lock() {
+                    m.insert(connect_id, c.clone());
+                }
+                c
+            });
             Ok(Tunnel {
-                tx: TunnelTx { link, connect_id },
+                tx: TunnelTx {
+                    link,
+                    connect_id,
+                    credit,
+                },
                 rx: qrx,
             })
         }
@@ -486,6 +545,7 @@ pub fn attach(
     cluster: &Cluster,
     agent_id: String,
     ids: Identifiers,
+    flow: bool,
 ) -> (Arc<AgentLink>, Arc<FairQueue>) {
     let tx = FairQueue::new();
     let link = Arc::new(AgentLink {
@@ -499,6 +559,8 @@ pub fn attach(
         conns: Mutex::new(HashMap::new()),
         closing: Mutex::new(HashMap::new()),
         gone: CancellationToken::new(),
+        flow,
+        credits: Mutex::new(HashMap::new()),
     });
     if let Ok(mut a) = cluster.agents.lock() {
         a.push(link.clone());
@@ -629,6 +691,23 @@ pub fn on_agent_packet(link: &AgentLink, p: Packet) -> Handled {
                     let _ = p.reply.send(Err(DialError::Cancelled));
                     Handled::Ok
                 }
+                None => Handled::Unrecognized,
+            }
+        }
+        (Some(T::WindowUpdate), Some(Payload::WindowUpdate(w))) if link.flow => {
+            let credit = link
+                .credits
+                .lock()
+                .ok()
+                .and_then(|c| c.get(&w.connect_id).cloned());
+            match credit {
+                Some(c) if c.give(w.bytes) => Handled::Ok,
+                Some(_) => {
+                    // More window than was ever used: close that connection.
+                    link.close_conn(w.connect_id);
+                    Handled::Unexpected
+                }
+                None if link.is_closing(w.connect_id) => Handled::Ok,
                 None => Handled::Unrecognized,
             }
         }
