@@ -204,3 +204,80 @@ async fn frontends_reach_shoot_services_only_through_the_agent() {
     );
     assert!(t0.elapsed() < Duration::from_secs(2));
 }
+
+/// An agent without a client certificate, authenticated by a projected
+/// ServiceAccount token checked against the cluster issuer's public key;
+/// a token for another audience is refused and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_authenticated_by_a_serviceaccount_token() {
+    let env = TunnelEnv::new(50);
+    let ep = env.agent_endpoint(8132);
+    let d = env.dir.path();
+    let issuer_key = rcgen::KeyPair::generate().unwrap();
+    let keys = d.join("sa.pub");
+    std::fs::write(&keys, issuer_key.public_key_pem()).unwrap();
+    let yaml = env.server_yaml(&ep, "", "").replace(
+        &format!("agent_ca: '{}'", env.files.agent_ca),
+        &format!(
+            "agent_token: {{issuer: 'https://issuer.shoot', keys: '{}'}}",
+            keys.display()
+        ),
+    );
+    let server = env.server(&yaml, "server");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let sign = |aud: &str| {
+        let claims = serde_json::json!({
+            "iss": "https://issuer.shoot", "aud": [aud], "exp": now + 600,
+            "sub": "system:serviceaccount:kube-system:konnectivity-agent",
+        });
+        let k =
+            jsonwebtoken::EncodingKey::from_ec_pem(issuer_key.serialize_pem().as_bytes()).unwrap();
+        jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256),
+            &claims,
+            &k,
+        )
+        .unwrap()
+    };
+    let good = d.join("good.token");
+    std::fs::write(&good, sign("system:konnectivity-server")).unwrap();
+    let bad = d.join("bad.token");
+    std::fs::write(&bad, sign("https://kubernetes.default.svc")).unwrap();
+
+    let _agent = env.agent_bare(
+        &ep,
+        &["--service-account-token-path", good.to_str().unwrap()],
+    );
+    let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
+    assert!(fetch_hello(s).await.contains("hello from the shoot"));
+
+    let _wrong = env.agent_bare(
+        &ep,
+        &["--service-account-token-path", bad.to_str().unwrap()],
+    );
+    let admin = server.admin();
+    TunnelEnv::until(
+        Duration::from_secs(10),
+        "the bad token to be refused",
+        || {
+            env.server_metric(
+                &admin,
+                "seedlink_tunnel_server_agent_streams_total{cluster=\"\",reason=\"bad_token\"}",
+            ) >= 1.0
+        },
+    )
+    .await;
+    assert_eq!(
+        env.server_metric(&admin, "seedlink_tunnel_server_agents{"),
+        1.0
+    );
+    // Neither a certificate nor a token: refused.
+    let _none = env.agent_bare(&ep, &[]);
+    TunnelEnv::until(Duration::from_secs(10), "the credential-less agent to be refused", || {
+        env.server_metric(&admin, "seedlink_tunnel_server_agent_streams_total{cluster=\"\",reason=\"no_credentials\"}") >= 1.0
+    })
+    .await;
+}

@@ -73,12 +73,40 @@ pub struct Cluster {
     /// Name (a label on every metric).
     pub name: String,
     /// CA whose client certificates identify this cluster's agents.
-    pub agent_ca: PathBuf,
+    #[serde(default)]
+    pub agent_ca: Option<PathBuf>,
+    /// ServiceAccount tokens that identify this cluster's agents.
+    #[serde(default)]
+    pub agent_token: Option<TokenAuth>,
     /// Backend choice, tried in order: `destHost`, `cidr`, `defaultRoute`, `default`.
     #[serde(default = "default_strategies")]
     pub strategies: Vec<String>,
     /// Frontends for this cluster's kube-apiserver.
     pub frontends: Vec<Frontend>,
+}
+
+/// Agent authentication by ServiceAccount token, checked locally.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenAuth {
+    /// The token issuer (`iss`), as the cluster's API server issues them.
+    pub issuer: String,
+    /// The issuer's public keys (PEM; RSA or EC), the API server's
+    /// `--service-account-key-file`.
+    pub keys: PathBuf,
+    /// Required audience.
+    #[serde(default = "default_audience")]
+    pub audience: String,
+    /// The agents' ServiceAccount, `<namespace>/<name>`.
+    #[serde(default = "default_service_account")]
+    pub service_account: String,
+}
+
+fn default_audience() -> String {
+    "system:konnectivity-server".into()
+}
+fn default_service_account() -> String {
+    "kube-system/konnectivity-agent".into()
 }
 
 /// A frontend.
@@ -155,6 +183,16 @@ impl ServerConfig {
             let at = format!("clusters[{i}] ({})", c.name);
             if c.name.is_empty() || !names.insert(c.name.clone()) {
                 errs.push(format!("{at}.name: empty or used twice"));
+            }
+            if c.agent_ca.is_none() && c.agent_token.is_none() {
+                errs.push(format!("{at}: agent_ca or agent_token (or both) is needed"));
+            }
+            if let Some(t) = &c.agent_token {
+                if !t.service_account.contains('/') {
+                    errs.push(format!(
+                        "{at}.agent_token.service_account: <namespace>/<name>"
+                    ));
+                }
             }
             if c.strategies.is_empty() {
                 errs.push(format!("{at}.strategies: empty"));

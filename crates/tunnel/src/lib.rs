@@ -13,3 +13,4 @@ pub mod proto;
 pub mod queue;
 pub mod server;
 pub mod tls;
+pub mod token;

@@ -116,7 +116,12 @@ pub fn accepts(verifier: &dyn ClientCertVerifier, certs: &[CertificateDer<'_>]) 
 /// Accepts a client certificate issued by any of several verifiers (one per
 /// cluster); which one is decided after the handshake with [`accepts`].
 #[derive(Debug)]
-pub struct AnyOf(pub Vec<Arc<dyn ClientCertVerifier>>);
+pub struct AnyOf {
+    /// One verifier per cluster with a client CA.
+    pub verifiers: Vec<Arc<dyn ClientCertVerifier>>,
+    /// Whether a client certificate is required (no cluster takes tokens).
+    pub mandatory: bool,
+}
 
 impl ClientCertVerifier for AnyOf {
     fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
@@ -130,7 +135,7 @@ impl ClientCertVerifier for AnyOf {
         now: UnixTime,
     ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
         let mut last = rustls::Error::General("no client CA configured".into());
-        for v in &self.0 {
+        for v in &self.verifiers {
             match v.verify_client_cert(end_entity, intermediates, now) {
                 Ok(ok) => return Ok(ok),
                 Err(e) => last = e,
@@ -176,6 +181,6 @@ impl ClientCertVerifier for AnyOf {
     }
 
     fn client_auth_mandatory(&self) -> bool {
-        true
+        self.mandatory
     }
 }

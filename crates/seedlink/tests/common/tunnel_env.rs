@@ -239,8 +239,17 @@ clusters:
         Started { proc, ready }
     }
 
-    /// Starts `seedlink tunnel-agent` in the shoot namespace, dialing `server`.
+    /// Starts `seedlink tunnel-agent` in the shoot namespace, dialing
+    /// `server`, with the cluster's client certificate.
     pub fn agent(&self, server: &str, extra: &[&str]) -> Started {
+        let f = &self.files;
+        let mut args = vec!["--agent-cert", &f.agent_crt, "--agent-key", &f.agent_key];
+        args.extend_from_slice(extra);
+        self.agent_bare(server, &args)
+    }
+
+    /// Starts `seedlink tunnel-agent` with only `extra` as credentials.
+    pub fn agent_bare(&self, server: &str, extra: &[&str]) -> Started {
         let f = &self.files;
         let mut proc = Proc(
             self.shoot
@@ -256,7 +265,6 @@ clusters:
                     "--ca-cert",
                     &f.seed_ca,
                 ])
-                .args(["--agent-cert", &f.agent_crt, "--agent-key", &f.agent_key])
                 .args([
                     "--admin",
                     "127.0.0.1:0",

@@ -36,20 +36,64 @@ pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std:
         .peer_certificates()
         .map(|c| c.iter().map(|c| c.clone().into_owned()).collect())
         .unwrap_or_default();
-    let Some(cluster) = srv.registry.cluster_for_cert(&certs).cloned() else {
-        tracing::warn!(%peer, "agent certificate matches no cluster");
-        srv.metrics.agent_stream("", "unknown_cluster");
-        return;
+    // A certificate decides the cluster at once; without one, the token
+    // in the stream's metadata must.
+    let cert_cluster = if certs.is_empty() {
+        None
+    } else {
+        match srv.registry.cluster_for_cert(&certs).cloned() {
+            Some(c) => Some(c),
+            None => {
+                tracing::warn!(%peer, "agent certificate matches no cluster");
+                srv.metrics.agent_stream("", "unknown_cluster");
+                return;
+            }
+        }
     };
     let handler: Handler = {
         let srv = srv.clone();
-        let cluster = cluster.clone();
         Arc::new(
             move |req: tonic::Request<tonic::Streaming<crate::proto::Packet>>| {
                 let srv = srv.clone();
-                let cluster = cluster.clone();
+                let cert_cluster = cert_cluster.clone();
                 Box::pin(async move {
                     let meta = req.metadata();
+                    let auth: Vec<_> = meta.get_all("authorization").iter().collect();
+                    let auth = match auth.as_slice() {
+                        [] => None,
+                        [one] => Some(one.to_str().unwrap_or_default().to_string()),
+                        _ => {
+                            srv.metrics.agent_stream("", "bad_token");
+                            return Err(Status::unauthenticated("expected one authorization"));
+                        }
+                    };
+                    let cluster = match (cert_cluster, auth) {
+                        // The certificate decides; a token, if the cluster
+                        // checks tokens, must be valid for it too.
+                        (Some(c), Some(a)) if c.token.is_some() => {
+                            if let Some(Err(e)) = c.token.as_ref().map(|t| t.check(&a)) {
+                                tracing::warn!(%peer, cluster = %c.name, error = %e, "agent token refused");
+                                srv.metrics.agent_stream(&c.name, "bad_token");
+                                return Err(Status::unauthenticated("token refused"));
+                            }
+                            c
+                        }
+                        (Some(c), _) => c,
+                        (None, Some(a)) => match srv.registry.cluster_for_token(&a) {
+                            Ok(c) => c.clone(),
+                            Err(e) => {
+                                tracing::warn!(%peer, error = %e, "agent token refused");
+                                srv.metrics.agent_stream("", "bad_token");
+                                return Err(Status::unauthenticated("token refused"));
+                            }
+                        },
+                        (None, None) => {
+                            srv.metrics.agent_stream("", "no_credentials");
+                            return Err(Status::unauthenticated(
+                                "a client certificate or a ServiceAccount token is required",
+                            ));
+                        }
+                    };
                     let ids: Vec<_> = meta.get_all("agentid").iter().collect();
                     let [agent_id] = ids.as_slice() else {
                         srv.metrics.agent_stream(&cluster.name, "bad_agent_id");

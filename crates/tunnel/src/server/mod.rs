@@ -30,6 +30,7 @@ use crate::fair::FairQueue;
 use crate::flow::{self, SendCredit, Unacked};
 use crate::proto::Packet;
 use crate::queue::{self, QueueRx, QueueTx};
+use crate::token::{TokenError, TokenValidator};
 
 /// What an agent says about itself (`agentidentifiers`).
 #[derive(Debug, Clone, Default)]
@@ -295,7 +296,9 @@ pub struct Cluster {
     /// Backend choice, in order.
     pub strategies: Vec<Strategy>,
     /// Accepts this cluster's agent certificates.
-    pub verifier: Arc<dyn ClientCertVerifier>,
+    pub verifier: Option<Arc<dyn ClientCertVerifier>>,
+    /// Accepts this cluster's agent tokens.
+    pub token: Option<TokenValidator>,
     agents: Mutex<Vec<Arc<AgentLink>>>,
 }
 
@@ -304,12 +307,14 @@ impl Cluster {
     pub fn new(
         name: &str,
         strategies: Vec<Strategy>,
-        verifier: Arc<dyn ClientCertVerifier>,
+        verifier: Option<Arc<dyn ClientCertVerifier>>,
+        token: Option<TokenValidator>,
     ) -> Cluster {
         Cluster {
             name: name.into(),
             strategies,
             verifier,
+            token,
             agents: Mutex::new(Vec::new()),
         }
     }
@@ -528,9 +533,26 @@ impl Registry {
         &self,
         certs: &[rustls::pki_types::CertificateDer<'_>],
     ) -> Option<&Arc<Cluster>> {
-        self.clusters
-            .iter()
-            .find(|c| crate::tls::accepts(c.verifier.as_ref(), certs))
+        self.clusters.iter().find(|c| {
+            c.verifier
+                .as_ref()
+                .is_some_and(|v| crate::tls::accepts(v.as_ref(), certs))
+        })
+    }
+
+    /// The cluster whose token issuer accepts `authorization`, or the last
+    /// reason for refusal.
+    pub fn cluster_for_token(&self, authorization: &str) -> Result<&Arc<Cluster>, TokenError> {
+        let mut last = TokenError::Invalid("no cluster accepts tokens".into());
+        for c in &self.clusters {
+            if let Some(v) = &c.token {
+                match v.check(authorization) {
+                    Ok(()) => return Ok(c),
+                    Err(e) => last = e,
+                }
+            }
+        }
+        Err(last)
     }
 
     /// Whether any cluster has an agent.

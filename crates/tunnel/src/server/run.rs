@@ -19,6 +19,7 @@ use crate::config::{FrontendProtocol, ServerConfig};
 use crate::grpc::H2Settings;
 use crate::proto::PROXY_PATH;
 use crate::tls;
+use crate::token::TokenValidator;
 
 /// Timeouts and budgets.
 #[derive(Debug, Clone, Copy)]
@@ -101,15 +102,25 @@ impl TunnelServer {
         let mut clusters = Vec::new();
         let mut frontends = Vec::new();
         for c in &cfg.clusters {
-            let roots = tls::load_roots(&c.agent_ca)
-                .with_context(|| format!("cluster {}: agent_ca", c.name))?;
-            let verifier = tls::client_verifier(roots)?;
+            let verifier = match &c.agent_ca {
+                Some(ca) => Some(tls::client_verifier(
+                    tls::load_roots(ca).with_context(|| format!("cluster {}: agent_ca", c.name))?,
+                )?),
+                None => None,
+            };
+            let token = match &c.agent_token {
+                Some(t) => Some(
+                    TokenValidator::new(&t.keys, &t.issuer, &t.audience, &t.service_account)
+                        .with_context(|| format!("cluster {}: agent_token", c.name))?,
+                ),
+                None => None,
+            };
             let strategies = c
                 .strategies
                 .iter()
                 .filter_map(|s| Strategy::from_name(s))
                 .collect();
-            let cluster = Arc::new(Cluster::new(&c.name, strategies, verifier));
+            let cluster = Arc::new(Cluster::new(&c.name, strategies, verifier, token));
             for f in &c.frontends {
                 let transport = match (&f.unix, &f.tcp, &f.cert, &f.key, &f.client_ca) {
                     (Some(p), None, ..) => Transport::Unix(p.clone()),
@@ -138,7 +149,10 @@ impl TunnelServer {
             }
             clusters.push(cluster);
         }
-        let any = tls::AnyOf(clusters.iter().map(|c| c.verifier.clone()).collect());
+        let any = tls::AnyOf {
+            verifiers: clusters.iter().filter_map(|c| c.verifier.clone()).collect(),
+            mandatory: clusters.iter().all(|c| c.token.is_none()),
+        };
         let agent_tls = tls::server_config(
             &cfg.agents.cert,
             &cfg.agents.key,
