@@ -4,3 +4,4 @@
 
 pub mod demo;
 pub mod quickstart;
+pub mod quickstart_tunnel;

@@ -27,6 +27,9 @@ const PLANES: &[(&str, &str, Option<&str>)] = &[
     ),
 ];
 
+/// Host name of the demo tunnel-server's agent endpoint.
+const TUNNEL_HOST: &str = "tunnel.demo.seedlink.test";
+
 /// Options of the quickstart.
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -43,7 +46,9 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
     let dir = tempfile::Builder::new()
         .prefix("seedlink-quickstart-")
         .tempdir()?;
-    let hosts: Vec<&str> = PLANES.iter().map(|p| p.1).collect();
+    let mut hosts: Vec<&str> = PLANES.iter().map(|p| p.1).collect();
+    // The reverse tunnel's server certificate (the last host).
+    hosts.push(TUNNEL_HOST);
     let pki = Pki::generate(&hosts)?;
     let files = pki.write_client_files(dir.path())?;
     let stop = CancellationToken::new();
@@ -86,6 +91,10 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
     // The in-cluster path: a node-proxy on a loopback address standing in
     // for the `kubernetes` service IP, tunnelling to the gateway by CONNECT.
     let node_addr = start_node_proxy(connect_addr, PLANES[0].0).await?;
+    // The reverse tunnel: control plane → shoot pod, through an agent that
+    // dialled out.
+    let tunnel =
+        crate::quickstart_tunnel::start(&pki, PLANES.len(), PLANES[0].0, dir.path(), &stop).await?;
 
     println!(
         "seedlink quickstart: a gateway on {tls_addr} routes TLS by SNI, without terminating it,"
@@ -127,10 +136,24 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
         port = node_addr.port()
     );
 
+    println!(
+        "# reverse tunnel: tunnel-agent (allowed only 127.0.0.3) dialled out to the tunnel-server;\n\
+         # kube-apiserver's egress dialer uses {} (HTTP CONNECT); with curl through the mTLS frontend:",
+        tunnel.uds.display()
+    );
+    println!(
+        "curl -p -x https://{TUNNEL_HOST}:{port} --resolve {TUNNEL_HOST}:{port}:127.0.0.1 --proxy-cacert {} --proxy-cert {} --proxy-key {} http://{pod}/\n",
+        files.ca.display(),
+        files.cert.display(),
+        files.key.display(),
+        port = tunnel.tcp.rsplit_once(':').map_or("", |(_, p)| p),
+        pod = tunnel.pod
+    );
+
     // The same walkthrough in both modes, so a newcomer sees every path
     // (including the ACL denial) work before trying the commands above.
     println!("Walkthrough:");
-    let ok = walkthrough(&gw, &pki, tls_addr, node_addr).await;
+    let ok = walkthrough(&gw, &pki, tls_addr, node_addr, &tunnel).await;
     if opts.check {
         stop.cancel();
         return Ok(if ok { 0 } else { 1 });
@@ -143,7 +166,13 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
 }
 
 /// The unattended walkthrough: every step must behave as printed.
-async fn walkthrough(gw: &Arc<Gateway>, pki: &Pki, addr: SocketAddr, node: SocketAddr) -> bool {
+async fn walkthrough(
+    gw: &Arc<Gateway>,
+    pki: &Pki,
+    addr: SocketAddr,
+    node: SocketAddr,
+    tunnel: &crate::quickstart_tunnel::TunnelDemo,
+) -> bool {
     let mut all = true;
     let mut step = |name: &str, ok: bool, detail: String| {
         println!("[{}] {name}: {detail}", if ok { "PASS" } else { "FAIL" });
@@ -197,6 +226,20 @@ async fn walkthrough(gw: &Arc<Gateway>, pki: &Pki, addr: SocketAddr, node: Socke
     step(
         "in-cluster path: node-proxy → CONNECT → gateway → kube-apiserver (mTLS end to end)",
         ok,
+        show(&r),
+    );
+    let r = crate::quickstart_tunnel::get_through(&tunnel.uds, tunnel.pod).await;
+    let ok = matches!(&r, Ok(body) if body.contains("reached through the reverse tunnel"));
+    step(
+        "reverse tunnel: CONNECT on the kube-apiserver socket → tunnel-server → agent → shoot pod",
+        ok,
+        show(&r),
+    );
+    let outside: SocketAddr = ([127, 0, 0, 1], tunnel.pod.port()).into();
+    let r = crate::quickstart_tunnel::get_through(&tunnel.uds, outside).await;
+    step(
+        "reverse tunnel: a destination outside the agent's policy is refused",
+        matches!(&r, Err(e) if e.to_string().contains("502")),
         show(&r),
     );
     let metrics = gw.metrics.encode();

@@ -217,7 +217,8 @@ impl ServerConfig {
                         }
                     }
                     (None, Some(a)) => {
-                        if !binds.insert(a.to_string()) || *a == cfg.agents.listen {
+                        // Port 0 (any free port) never clashes.
+                        if a.port() != 0 && (!binds.insert(a.to_string()) || *a == cfg.agents.listen) {
                             errs.push(format!("{at}.tcp: address used twice"));
                         }
                         if f.cert.is_none() || f.key.is_none() || f.client_ca.is_none() {
