@@ -218,7 +218,9 @@ impl ServerConfig {
                     }
                     (None, Some(a)) => {
                         // Port 0 (any free port) never clashes.
-                        if a.port() != 0 && (!binds.insert(a.to_string()) || *a == cfg.agents.listen) {
+                        if a.port() != 0
+                            && (!binds.insert(a.to_string()) || *a == cfg.agents.listen)
+                        {
                             errs.push(format!("{at}.tcp: address used twice"));
                         }
                         if f.cert.is_none() || f.key.is_none() || f.client_ca.is_none() {

@@ -171,6 +171,11 @@ impl FairQueue {
         Some(None)
     }
 
+    /// The next packet if one is waiting (never waits).
+    pub fn try_next(&self) -> Option<Packet> {
+        self.pop().flatten()
+    }
+
     /// The next packet to send: control first, then one DATA packet from
     /// the next connection in turn. `None` once closed.
     pub async fn next(&self) -> Option<Packet> {

@@ -11,6 +11,7 @@
 pub mod admin;
 pub mod agents;
 pub mod frontend;
+pub mod harness;
 pub mod metrics;
 pub mod run;
 
@@ -18,7 +19,7 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use ipnet::IpNet;
@@ -232,7 +233,7 @@ impl AgentLink {
         }
         let had = self.conns.lock().ok().and_then(|mut c| c.remove(&id));
         if had.is_some() {
-            self.closing_started(id);
+            self.closing_started(id, Instant::now());
         } else {
             self.to_agent.finish(id, None);
         }
@@ -240,12 +241,12 @@ impl AgentLink {
 
     /// Sends CLOSE_REQ for `id` (after its queued DATA) and remembers it
     /// until the CLOSE_RSP (or a minute, for agents that never answer).
-    fn closing_started(&self, id: i64) {
+    fn closing_started(&self, id: i64, now: Instant) {
         if let Ok(mut c) = self.closing.lock() {
             if c.len() >= 4096 {
-                c.retain(|_, at| at.elapsed() < Duration::from_secs(60));
+                c.retain(|_, at| now.saturating_duration_since(*at) < Duration::from_secs(60));
             }
-            c.insert(id, std::time::Instant::now());
+            c.insert(id, now);
         }
         self.to_agent.finish(id, Some(Packet::close_req(id)));
     }
@@ -613,6 +614,11 @@ pub enum Handled {
 
 /// Applies one packet from the agent of `link`. Never waits.
 pub fn on_agent_packet(link: &AgentLink, p: Packet) -> Handled {
+    on_agent_packet_at(link, p, Instant::now())
+}
+
+/// [`on_agent_packet`] at time `now` (deterministic, for the fuzzer).
+pub fn on_agent_packet_at(link: &AgentLink, p: Packet, now: Instant) -> Handled {
     use crate::proto::{PacketType as T, Payload};
     match (p.kind(), p.payload) {
         (Some(T::DialRsp), Some(Payload::DialResponse(r))) => {
@@ -639,17 +645,19 @@ pub fn on_agent_packet(link: &AgentLink, p: Packet) -> Handled {
                     .send(Err(DialError::Protocol("DIAL_RSP without connectID")));
                 return Handled::Unexpected;
             }
-            let dup = link
-                .conns
-                .lock()
-                .map(|mut c| match c.entry(r.connect_id) {
-                    std::collections::hash_map::Entry::Occupied(_) => true,
-                    std::collections::hash_map::Entry::Vacant(v) => {
-                        v.insert(pending.queue);
-                        false
-                    }
-                })
-                .unwrap_or(true);
+            // An ID still open or still closing is not a new connection.
+            let dup = link.is_closing(r.connect_id)
+                || link
+                    .conns
+                    .lock()
+                    .map(|mut c| match c.entry(r.connect_id) {
+                        std::collections::hash_map::Entry::Occupied(_) => true,
+                        std::collections::hash_map::Entry::Vacant(v) => {
+                            v.insert(pending.queue);
+                            false
+                        }
+                    })
+                    .unwrap_or(true);
             if dup {
                 return Handled::Unexpected;
             }
@@ -675,7 +683,7 @@ pub fn on_agent_packet(link: &AgentLink, p: Packet) -> Handled {
                         .and_then(|mut c| c.remove(&d.connect_id));
                     if let Some(q) = q {
                         q.abort();
-                        link.closing_started(d.connect_id);
+                        link.closing_started(d.connect_id, now);
                     }
                     Handled::Overflow
                 }
