@@ -8,7 +8,13 @@
 //! bulk download, one byte then close, one byte then stay idle.
 
 mod peers;
+mod tunnel;
 mod workload;
+
+/// Set in the reverse-tunnel scenario.
+pub static TUNNEL_SCENARIO: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+/// The CONNECT request target (default `backend:443`).
+pub static CONNECT_TARGET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -57,7 +63,8 @@ pub struct Opts {
     /// Gardener's apiserver-proxy config, both in front of one seedlink gateway)
     /// or `node-proxy-h2` (seedlink node-proxy in HTTP/2 CONNECT mode vs Envoy
     /// as Kubermatic's envoy-agent, tunnels multiplexed on one h2 connection
-    /// to the gateway).
+    /// to the gateway), or `tunnel` (seedlink tunnel-server + tunnel-agent,
+    /// HTTP CONNECT frontend, vs rathole's server + client).
     #[arg(long, default_value = "sni")]
     pub scenario: String,
     /// Concurrent bulk downloads in the many-streams run (each `bulk_mib /
@@ -90,6 +97,8 @@ pub struct Sample {
     pub rate_p99_us: Option<f64>,
     /// Single-connection p50 connect-to-first-byte, µs.
     pub single_p50_us: Option<f64>,
+    /// Echo p99 beside a stalled reader ÷ echo p99 alone (tunnel scenario).
+    pub hol_p99_ratio: Option<f64>,
     /// Proxy RSS growth per idle proxied connection, KiB.
     pub idle_kib: Option<f64>,
 }
@@ -114,12 +123,17 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
     raise_nofile();
     match opts.scenario.as_str() {
         "sni" | "node-proxy" | "node-proxy-h2" => {}
+        "tunnel" => {
+            peers::set_tunnel_destination();
+            let _ = TUNNEL_SCENARIO.set(());
+        }
         "connect" => peers::set_tunnel_destination(),
         other => {
             anyhow::bail!("--scenario {other:?}: use sni, connect, node-proxy or node-proxy-h2")
         }
     }
     let backend = workload::Backend::start().await?;
+    let _ = CONNECT_TARGET.set(backend.addr.to_string());
     let dir = tempfile::tempdir()?;
     // node-proxy scenario: one seedlink gateway (not measured) that every
     // node proxy tunnels to; the measured proxy is the node proxy.
@@ -151,18 +165,14 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
             let (name, proxy) = &targets[(k + round) % n];
             let addr: SocketAddr = proxy.as_ref().map_or(backend.addr, |p| p.addr);
             let pids = proxy.as_ref().map(|p| p.pids()).unwrap_or_default();
-            let mut s = workload::measure(&opts, addr, &pids, proxy.is_some()).await?;
+            let connect = proxy.as_ref().is_some_and(|p| p.connect);
+            let mut s = workload::measure(&opts, addr, &pids, proxy.is_some(), connect).await?;
             if proxy.is_some() {
                 let fresh =
                     peers::Proxy::start(name, &opts, backend.addr, dir.path(), 100 + round * n + k)
                         .await?;
-                match workload::idle(
-                    fresh.addr,
-                    &fresh.pids(),
-                    opts.idle_conns,
-                    peers::tunnel_destination().is_some(),
-                )
-                .await
+                match workload::idle(fresh.addr, &fresh.pids(), opts.idle_conns, fresh.connect)
+                    .await
                 {
                     Ok(kib) => s.idle_kib = Some(kib),
                     Err(e) => eprintln!("bench: idle run of {name} failed: {e:#}"),
@@ -204,6 +214,7 @@ const METRICS: &[Metric] = &[
     ("p99 under load µs", |s| s.rate_p99_us, false),
     ("single-conn p50 µs", |s| s.single_p50_us, false),
     ("idle RSS KiB/conn", |s| s.idle_kib, false),
+    ("head-of-line p99 ratio", |s| s.hol_p99_ratio, false),
 ];
 
 fn report(opts: &Opts, names: &[String], samples: &BTreeMap<String, Vec<Sample>>) {

@@ -36,11 +36,14 @@ pub fn tunnel_destination() -> Option<&'static str> {
     TUNNEL.get().copied()
 }
 
-/// A running proxy process.
+/// A running proxy process (and, for tunnels, its second process).
 pub struct Proxy {
     child: Child,
+    extra: Vec<Child>,
     /// Where it listens.
     pub addr: SocketAddr,
+    /// Whether clients must open an HTTP CONNECT tunnel first.
+    pub connect: bool,
 }
 
 fn free_port() -> anyhow::Result<u16> {
@@ -72,6 +75,9 @@ impl Proxy {
         let port = free_port()?;
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let t = opts.threads;
+        if crate::TUNNEL_SCENARIO.get().is_some() {
+            return crate::tunnel::start(name, opts, backend, dir, idx).await;
+        }
         if let Some(gw) = NODE_GATEWAY.get() {
             return Proxy::start_node_proxy(name, opts, *gw, dir, idx, addr).await;
         }
@@ -223,7 +229,12 @@ stream {{
             }
             other => bail!("unknown proxy {other:?}"),
         };
-        let p = Proxy { child, addr };
+        let p = Proxy {
+            child,
+            extra: Vec::new(),
+            addr,
+            connect: tunnel_destination().is_some(),
+        };
         let end = Instant::now() + Duration::from_secs(20);
         while tokio::net::TcpStream::connect(addr).await.is_err() {
             if Instant::now() > end {
@@ -270,7 +281,12 @@ control_planes:
         if opts.scenario == "node-proxy-h2" {
             let _ = NODE_H2.set(());
         }
-        Ok(Proxy { child: c, addr })
+        Ok(Proxy {
+            child: c,
+            extra: Vec::new(),
+            addr,
+            connect: true,
+        })
     }
 
     async fn start_node_proxy(
@@ -378,7 +394,12 @@ control_planes:
                 "{other} is not a node proxy; the node-proxy scenario compares seedlink and envoy"
             ),
         };
-        let p = Proxy { child, addr };
+        let p = Proxy {
+            child,
+            extra: Vec::new(),
+            addr,
+            connect: tunnel_destination().is_some(),
+        };
         let end = Instant::now() + Duration::from_secs(20);
         while tokio::net::TcpStream::connect(addr).await.is_err() {
             if Instant::now() > end {
@@ -389,10 +410,26 @@ control_planes:
         Ok(p)
     }
 
-    /// The process and its direct children (nginx workers).
+    /// A proxy made of `child` and `extra` processes.
+    pub fn from_children(
+        child: Child,
+        extra: Vec<Child>,
+        addr: SocketAddr,
+        connect: bool,
+    ) -> Proxy {
+        Proxy {
+            child,
+            extra,
+            addr,
+            connect,
+        }
+    }
+
+    /// The processes and the first one's direct children (nginx workers).
     pub fn pids(&self) -> Vec<u32> {
         let root = self.child.id();
         let mut pids = vec![root];
+        pids.extend(self.extra.iter().map(Child::id));
         if let Ok(rd) = std::fs::read_dir("/proc") {
             for e in rd.flatten() {
                 let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
@@ -417,6 +454,10 @@ impl Drop for Proxy {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        for c in &mut self.extra {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 }
 

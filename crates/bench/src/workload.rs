@@ -17,6 +17,7 @@ pub const HELLO: &[u8] = include_bytes!("../../proto/testdata/openssl_client_hel
 const BULK: u8 = b'B';
 const ONE_AND_CLOSE: u8 = b'C';
 const ONE_AND_IDLE: u8 = b'I';
+const ECHO: u8 = b'E';
 
 /// The in-process backend every proxy forwards to.
 pub struct Backend {
@@ -79,6 +80,16 @@ async fn serve(mut s: TcpStream) -> anyhow::Result<()> {
             let mut sink = [0u8; 64];
             while s.read(&mut sink).await? > 0 {}
         }
+        ECHO => {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = s.read(&mut buf).await?;
+                if n == 0 {
+                    break;
+                }
+                s.write_all(&buf[..n]).await?;
+            }
+        }
         _ => bail!("unknown command"),
     }
     Ok(())
@@ -91,13 +102,14 @@ pub async fn measure(
     addr: SocketAddr,
     pids: &[u32],
     proxied: bool,
+    connect: bool,
 ) -> anyhow::Result<Sample> {
     let mut s = Sample::default();
     // Bulk download.
     let bytes = opts.bulk_mib * 1024 * 1024;
     let cpu0 = cpu_seconds(pids);
     let t0 = Instant::now();
-    let tunnel = proxied && crate::peers::tunnel_destination().is_some();
+    let tunnel = proxied && connect;
     let got = bulk(addr, bytes, tunnel).await.context("bulk")?;
     let secs = t0.elapsed().as_secs_f64();
     let cpu = cpu_seconds(pids) - cpu0;
@@ -157,7 +169,60 @@ pub async fn measure(
         lat.push(one_conn(addr, src_ip(i), tunnel).await?);
     }
     s.single_p50_us = Some(percentile(&mut lat, 0.50));
+    if crate::TUNNEL_SCENARIO.get().is_some() {
+        s.hol_p99_ratio = Some(hol(addr, tunnel).await.context("head-of-line run")?);
+    }
     Ok(s)
+}
+
+/// Opens a connection, and if `connect`, its tunnel; sends the hello and `cmd`.
+async fn open(addr: SocketAddr, connect: bool, cmd: &[u8]) -> anyhow::Result<TcpStream> {
+    let mut c = TcpStream::connect(addr).await?;
+    c.set_nodelay(true)?;
+    if connect {
+        open_tunnel(&mut c).await?;
+    }
+    let mut msg = HELLO.to_vec();
+    msg.extend_from_slice(cmd);
+    c.write_all(&msg).await?;
+    Ok(c)
+}
+
+/// Reachability probe: one byte through.
+pub async fn probe(addr: SocketAddr, connect: bool) -> anyhow::Result<()> {
+    let mut c = open(addr, connect, &[ONE_AND_CLOSE]).await?;
+    let mut b = [0u8; 1];
+    tokio::time::timeout(Duration::from_secs(2), c.read_exact(&mut b)).await??;
+    Ok(())
+}
+
+/// Head-of-line figure: p99 of 1 KiB echo round trips while another
+/// connection through the same tunnel has a 4 GiB download its reader
+/// never reads, divided by the p99 without it.
+async fn hol(addr: SocketAddr, connect: bool) -> anyhow::Result<f64> {
+    async fn rtts(c: &mut TcpStream, for_: Duration, min: usize) -> anyhow::Result<Vec<f64>> {
+        let msg = [7u8; 1024];
+        let mut back = [0u8; 1024];
+        let mut v = Vec::new();
+        let t = Instant::now();
+        while t.elapsed() < for_ || v.len() < min {
+            let t0 = Instant::now();
+            c.write_all(&msg).await?;
+            tokio::time::timeout(Duration::from_secs(10), c.read_exact(&mut back)).await??;
+            v.push(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        Ok(v)
+    }
+    let mut echo = open(addr, connect, &[ECHO]).await?;
+    let mut idle = rtts(&mut echo, Duration::from_secs(1), 200).await?;
+    let mut cmd = vec![BULK];
+    cmd.extend_from_slice(&(4u64 << 30).to_be_bytes());
+    let stalled = open(addr, connect, &cmd).await?;
+    let mut busy = rtts(&mut echo, Duration::from_secs(3), 200).await?;
+    drop(stalled);
+    let (pi, pb) = (percentile(&mut idle, 0.99), percentile(&mut busy, 0.99));
+    eprintln!("bench: head-of-line: echo p99 {pi:.0} µs idle, {pb:.0} µs beside a stalled reader");
+    Ok(pb / pi.max(1.0))
 }
 
 async fn bulk(addr: SocketAddr, bytes: u64, tunnel: bool) -> anyhow::Result<u64> {
@@ -326,7 +391,12 @@ async fn open_tunnel(c: &mut TcpStream) -> anyhow::Result<()> {
     let Some(dest) = crate::peers::tunnel_destination() else {
         return Ok(());
     };
-    let head = format!("CONNECT backend:443 HTTP/1.1\r\nHost: backend:443\r\nX-Gardener-Destination: {dest}\r\n\r\n");
+    let target = crate::CONNECT_TARGET
+        .get()
+        .map_or("backend:443", String::as_str);
+    let head = format!(
+        "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nX-Gardener-Destination: {dest}\r\n\r\n"
+    );
     c.write_all(head.as_bytes()).await?;
     let mut got = Vec::with_capacity(128);
     let mut byte = [0u8; 1];

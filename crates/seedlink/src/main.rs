@@ -132,8 +132,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::CheckConfig { file } => Ok(check_config(&file)),
         Command::Gateway { config } => runtime()?.block_on(gateway(config)),
         Command::NodeProxy(args) => runtime()?.block_on(node_proxy(*args)),
-        Command::TunnelServer { config } => runtime()?.block_on(tunnel_cmd::server(config)),
-        Command::TunnelAgent(args) => runtime()?.block_on(tunnel_cmd::agent(*args)),
+        Command::TunnelServer { config } => tunnel_runtime()?.block_on(tunnel_cmd::server(config)),
+        Command::TunnelAgent(args) => tunnel_runtime()?.block_on(tunnel_cmd::agent(*args)),
         Command::Quickstart {
             check,
             port,
@@ -143,6 +143,22 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             admin_port,
             check,
         })),
+    }
+}
+
+/// The tunnel roles run on one thread unless `TOKIO_WORKER_THREADS` asks
+/// for more: every tunneled byte hops between a few tasks (socket, queue,
+/// HTTP/2, TLS), and on one thread those hops are plain function calls,
+/// not cross-thread wake-ups (measured: see docs/PERFORMANCE.md).
+fn tunnel_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    match std::env::var("TOKIO_WORKER_THREADS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        Some(n) if n > 1 => runtime(),
+        _ => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
     }
 }
 

@@ -120,7 +120,8 @@ pub struct Frontend {
     /// A Unix socket path (no TLS).
     #[serde(default)]
     pub unix: Option<PathBuf>,
-    /// A TCP address (mTLS required: `cert`, `key`, `client_ca`).
+    /// A TCP address: mTLS with `cert`, `key`, `client_ca`; plain TCP is
+    /// accepted only on a loopback address.
     #[serde(default)]
     pub tcp: Option<SocketAddr>,
     /// Server certificate for `tcp`.
@@ -223,9 +224,14 @@ impl ServerConfig {
                         {
                             errs.push(format!("{at}.tcp: address used twice"));
                         }
-                        if f.cert.is_none() || f.key.is_none() || f.client_ca.is_none() {
+                        let tls = [f.cert.is_some(), f.key.is_some(), f.client_ca.is_some()];
+                        // Plain TCP only on loopback (a kube-apiserver in the
+                        // same network namespace); anywhere else mTLS.
+                        if tls.iter().any(|x| !x)
+                            && !(tls.iter().all(|x| !x) && a.ip().is_loopback())
+                        {
                             errs.push(format!(
-                                "{at}: a tcp frontend needs cert, key and client_ca (mTLS is mandatory)"
+                                "{at}: a tcp frontend needs cert, key and client_ca (mTLS), unless it listens on loopback without any of them"
                             ));
                         }
                     }

@@ -16,8 +16,10 @@ use tokio::sync::Semaphore;
 pub const HEADER: &str = "seedlink-flow-control";
 /// Its value.
 pub const VERSION: &str = "v1";
-/// Bytes a sender may have unacknowledged per connection and direction.
-pub const WINDOW: usize = 256 * 1024;
+/// Bytes a sender may have unacknowledged per connection and direction
+/// (measured on loopback: 256 KiB held one download to ≈ 2.4 Gbit/s, 2 MiB
+/// reached ≈ 3.4). Memory is only used while a reader lags.
+pub const WINDOW: usize = 2 * 1024 * 1024;
 /// Credit is returned once this much was written (a quarter window).
 pub const RETURN_AT: usize = WINDOW / 4;
 

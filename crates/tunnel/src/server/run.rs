@@ -37,6 +37,8 @@ pub struct Settings {
 enum Transport {
     Unix(PathBuf),
     Tcp(SocketAddr, TlsAcceptor),
+    /// Loopback only (checked by the configuration).
+    TcpPlain(SocketAddr),
 }
 
 struct FrontendSpec {
@@ -134,6 +136,9 @@ impl TunnelServer {
                             .with_context(|| format!("cluster {} frontend {}", c.name, f.name))?;
                         Transport::Tcp(*a, TlsAcceptor::from(Arc::new(sc)))
                     }
+                    (None, Some(a), None, None, None) if a.ip().is_loopback() => {
+                        Transport::TcpPlain(*a)
+                    }
                     _ => anyhow::bail!(
                         "cluster {} frontend {}: unix, or tcp with cert, key and client_ca",
                         c.name,
@@ -228,6 +233,13 @@ impl TunnelServer {
                     bound.frontends.push((label, path.display().to_string()));
                     self.spawn_unix(l, f);
                 }
+                Transport::TcpPlain(addr) => {
+                    let l = TcpListener::bind(addr)
+                        .await
+                        .with_context(|| format!("{label}: listening on {addr}"))?;
+                    bound.frontends.push((label, l.local_addr()?.to_string()));
+                    self.spawn_tcp_plain(l, f);
+                }
                 Transport::Tcp(addr, acceptor) => {
                     let l = TcpListener::bind(addr)
                         .await
@@ -289,6 +301,21 @@ impl TunnelServer {
                             .frontend_conn(&cluster.name, &name, "tls_failed"),
                     }
                 });
+            })
+            .await;
+        });
+    }
+
+    fn spawn_tcp_plain(self: &Arc<Self>, l: TcpListener, f: &FrontendSpec) {
+        let (srv, cluster, name, proto) =
+            (self.clone(), f.cluster.clone(), f.name.clone(), f.protocol);
+        tokio::spawn(async move {
+            let stop = srv.shutdown.clone();
+            seedlink_net::accept::accept_loop(&l, &stop, |tcp, _| {
+                let _ = tcp.set_nodelay(true);
+                let (srv2, cluster, name) = (srv.clone(), cluster.clone(), name.clone());
+                srv.tasks
+                    .spawn(serve_frontend(srv2, cluster, name, proto, tcp));
             })
             .await;
         });
