@@ -32,6 +32,10 @@ enum Command {
         /// Configuration file (YAML).
         #[arg(long, short)]
         config: PathBuf,
+        /// Drain deadline on SIGTERM, seconds: open frontend connections may
+        /// finish within it.
+        #[arg(long, default_value_t = 30.0)]
+        drain: f64,
     },
     /// Run the reverse-tunnel agent in a shoot: dials out to the tunnel server.
     TunnelAgent(Box<tunnel_cmd::AgentArgs>),
@@ -132,7 +136,9 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::CheckConfig { file } => Ok(check_config(&file)),
         Command::Gateway { config } => runtime()?.block_on(gateway(config)),
         Command::NodeProxy(args) => runtime()?.block_on(node_proxy(*args)),
-        Command::TunnelServer { config } => tunnel_runtime()?.block_on(tunnel_cmd::server(config)),
+        Command::TunnelServer { config, drain } => {
+            tunnel_runtime()?.block_on(tunnel_cmd::server(config, drain))
+        }
         Command::TunnelAgent(args) => tunnel_runtime()?.block_on(tunnel_cmd::agent(*args)),
         Command::Quickstart {
             check,

@@ -79,8 +79,9 @@ fn secs(v: f64, what: &str) -> anyhow::Result<Duration> {
         .map_err(|_| anyhow::anyhow!("--{what}: {v} is not a valid number of seconds"))
 }
 
-/// Runs the tunnel server until SIGTERM/SIGINT (drain), a second one (exit 1).
-pub async fn server(config: PathBuf) -> anyhow::Result<i32> {
+/// Runs the tunnel server until SIGTERM/SIGINT (drain up to `drain`
+/// seconds), a second one (exit 1).
+pub async fn server(config: PathBuf, drain: f64) -> anyhow::Result<i32> {
     let text = std::fs::read_to_string(&config)
         .with_context(|| format!("reading {}", config.display()))?;
     let cfg = ServerConfig::parse(&text).with_context(|| format!("{}", config.display()))?;
@@ -106,7 +107,7 @@ pub async fn server(config: PathBuf) -> anyhow::Result<i32> {
     tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
     tracing::info!("draining");
     tokio::select! {
-        () = srv.stop(Duration::from_secs(30)) => Ok(0),
+        () = srv.stop(secs(drain, "drain")?) => Ok(0),
         _ = term.recv() => Ok(1),
         _ = int.recv() => Ok(1),
     }

@@ -487,3 +487,99 @@ fn enter_netns(name: &str) {
     let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
     assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
 }
+
+fn signal(pid: u32, sig: &str) {
+    assert!(std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+}
+
+/// SIGTERM on the server: not ready, new frontends refused, an open
+/// tunneled connection keeps working until it ends; then the server exits 0
+/// well before the drain deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_drain_lets_open_connections_finish() {
+    let env = TunnelEnv::new(51);
+    let ep = env.agent_endpoint(8132);
+    let mut server = env.server_with(&env.server_yaml(&ep, "", ""), "server", &["--drain", "20"]);
+    let _agent = env.agent(&ep, &[]);
+    let mut echo =
+        kas_connect_eventually(&env.uds, "127.0.0.1:7007", Duration::from_secs(20)).await;
+    echo_rtt(&mut echo, 100).await;
+    signal(server.pid(), "-TERM");
+    let admin = server.admin();
+    TunnelEnv::until(Duration::from_secs(5), "readiness to drop", || {
+        TunnelEnv::admin_get(&env.seed, &admin, "/readyz").starts_with("draining")
+    })
+    .await;
+    assert!(
+        kas_connect(&env.uds, "127.0.0.1:8000").await.is_err(),
+        "new frontends are refused while draining"
+    );
+    for _ in 0..10 {
+        echo_rtt(&mut echo, 1000).await;
+    }
+    let t0 = Instant::now();
+    drop(echo);
+    let code = loop {
+        if let Some(st) = server.proc.0.try_wait().unwrap() {
+            break st.code();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "server did not exit after its last connection"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(code, Some(0));
+}
+
+/// SIGTERM on one of two agents: it sends DRAIN, the server sends new dials
+/// to the other agent; the draining agent exits at its drain deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_agent_gets_no_new_dials() {
+    let env = TunnelEnv::new(52);
+    let ep = env.agent_endpoint(8132);
+    let server = env.server(&env.server_yaml(&ep, "", ""), "server");
+    let mut a = env.agent(&ep, &["--agent-id", "a", "--drain", "3"]);
+    let b = env.agent(&ep, &["--agent-id", "b"]);
+    TunnelEnv::until(Duration::from_secs(15), "two agents", || {
+        env.server_metric(&server.admin(), "seedlink_tunnel_server_agents{") == 2.0
+    })
+    .await;
+    signal(a.pid(), "-TERM");
+    TunnelEnv::until(Duration::from_secs(5), "the DRAIN to arrive", || {
+        TunnelEnv::admin_get(&env.shoot, &a.admin(), "/readyz").contains("failed")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let ok = "seedlink_tunnel_agent_dials_total{outcome=\"ok\"}";
+    let (a0, b0) = (
+        env.agent_metric(&a.admin(), ok),
+        env.agent_metric(&b.admin(), ok),
+    );
+    for _ in 0..20 {
+        let s = kas_connect(&env.uds, "127.0.0.1:8000").await.unwrap();
+        assert!(fetch_hello(s).await.contains("hello"));
+    }
+    assert_eq!(
+        env.agent_metric(&a.admin(), ok),
+        a0,
+        "the draining agent got dials"
+    );
+    assert_eq!(env.agent_metric(&b.admin(), ok), b0 + 20.0);
+    let t0 = Instant::now();
+    let code = loop {
+        if let Some(st) = a.proc.0.try_wait().unwrap() {
+            break st.code();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "agent did not exit at its drain deadline"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(code, Some(0));
+}

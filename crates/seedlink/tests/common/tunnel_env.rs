@@ -220,12 +220,18 @@ clusters:
 
     /// Starts `seedlink tunnel-server` in the seed namespace.
     pub fn server(&self, yaml: &str, name: &str) -> Started {
+        self.server_with(yaml, name, &[])
+    }
+
+    /// Starts `seedlink tunnel-server` with extra arguments.
+    pub fn server_with(&self, yaml: &str, name: &str, extra: &[&str]) -> Started {
         let cfg = self.dir.path().join(format!("{name}.yaml"));
         std::fs::write(&cfg, yaml).unwrap();
         let mut proc = Proc(
             self.seed
                 .cmd(&[env!("CARGO_BIN_EXE_seedlink"), "tunnel-server", "--config"])
                 .arg(&cfg)
+                .args(extra)
                 .env(
                     "RUST_LOG",
                     std::env::var("SERVER_LOG").unwrap_or_else(|_| "warn".into()),

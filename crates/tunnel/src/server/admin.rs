@@ -20,6 +20,8 @@ pub async fn serve(srv: Arc<TunnelServer>, listener: TcpListener) {
                 }
                 if srv.ready() {
                     (200, TEXT, body)
+                } else if srv.accepting.is_cancelled() {
+                    (503, TEXT, format!("draining\n{body}"))
                 } else {
                     (
                         503,
@@ -29,9 +31,9 @@ pub async fn serve(srv: Arc<TunnelServer>, listener: TcpListener) {
                 }
             }
             "/metrics" => {
-                srv.metrics
-                    .tasks
-                    .set(i64::try_from(srv.tasks.len()).unwrap_or(i64::MAX));
+                srv.metrics.tasks.set(
+                    i64::try_from(srv.tasks.len() + srv.frontend_tasks.len()).unwrap_or(i64::MAX),
+                );
                 (200, METRICS, admin::encode(&srv.metrics.registry))
             }
             _ => (

@@ -64,10 +64,14 @@ pub struct TunnelServer {
     pub agent_tls: TlsAcceptor,
     /// HTTP/2 keepalive towards agents.
     pub agent_h2: H2Settings,
-    /// Cancelled on shutdown.
+    /// Cancelled on shutdown: ends agent streams and frontend connections.
     pub shutdown: CancellationToken,
-    /// Frontend and agent connection tasks.
+    /// Cancelled when draining starts: listeners stop accepting.
+    pub accepting: CancellationToken,
+    /// Agent connection tasks.
     pub tasks: TaskTracker,
+    /// Frontend connection tasks (a drain waits for these).
+    pub frontend_tasks: TaskTracker,
     agent_listen: SocketAddr,
     admin_listen: Option<SocketAddr>,
     frontends: Vec<FrontendSpec>,
@@ -182,7 +186,9 @@ impl TunnelServer {
                 keepalive_timeout: cfg.agents.keepalive_timeout,
             },
             shutdown: CancellationToken::new(),
+            accepting: CancellationToken::new(),
             tasks: TaskTracker::new(),
+            frontend_tasks: TaskTracker::new(),
             agent_listen: cfg.agents.listen,
             admin_listen: cfg.admin.as_ref().map(|a| a.listen),
             frontends,
@@ -210,7 +216,7 @@ impl TunnelServer {
         {
             let srv = self.clone();
             tokio::spawn(async move {
-                let stop = srv.shutdown.clone();
+                let stop = srv.accepting.clone();
                 seedlink_net::accept::accept_loop(&agents, &stop, |tcp, peer| {
                     let srv2 = srv.clone();
                     srv.tasks
@@ -266,7 +272,7 @@ impl TunnelServer {
             loop {
                 let accepted = tokio::select! {
                     a = l.accept() => a,
-                    () = srv.shutdown.cancelled() => return,
+                    () = srv.accepting.cancelled() => return,
                 };
                 let s = match accepted {
                     Ok((s, _)) => s,
@@ -277,7 +283,7 @@ impl TunnelServer {
                     }
                 };
                 let (srv2, cluster, name) = (srv.clone(), cluster.clone(), name.clone());
-                srv.tasks
+                srv.frontend_tasks
                     .spawn(async move { serve_frontend(srv2, cluster, name, proto, s).await });
             }
         });
@@ -287,11 +293,11 @@ impl TunnelServer {
         let (srv, cluster, name, proto) =
             (self.clone(), f.cluster.clone(), f.name.clone(), f.protocol);
         tokio::spawn(async move {
-            let stop = srv.shutdown.clone();
+            let stop = srv.accepting.clone();
             seedlink_net::accept::accept_loop(&l, &stop, |tcp, _| {
                 let (srv2, cluster, name, acceptor) =
                     (srv.clone(), cluster.clone(), name.clone(), acceptor.clone());
-                srv.tasks.spawn(async move {
+                srv.frontend_tasks.spawn(async move {
                     let _ = tcp.set_nodelay(true);
                     let hs = srv2.settings.handshake_timeout;
                     match tokio::time::timeout(hs, acceptor.accept(tcp)).await {
@@ -310,28 +316,32 @@ impl TunnelServer {
         let (srv, cluster, name, proto) =
             (self.clone(), f.cluster.clone(), f.name.clone(), f.protocol);
         tokio::spawn(async move {
-            let stop = srv.shutdown.clone();
+            let stop = srv.accepting.clone();
             seedlink_net::accept::accept_loop(&l, &stop, |tcp, _| {
                 let _ = tcp.set_nodelay(true);
                 let (srv2, cluster, name) = (srv.clone(), cluster.clone(), name.clone());
-                srv.tasks
+                srv.frontend_tasks
                     .spawn(serve_frontend(srv2, cluster, name, proto, tcp));
             })
             .await;
         });
     }
 
-    /// Ready: serving and at least one agent connected.
+    /// Ready: not draining and at least one agent connected.
     pub fn ready(&self) -> bool {
-        !self.shutdown.is_cancelled() && self.registry.any_agent()
+        !self.accepting.is_cancelled() && self.registry.any_agent()
     }
 
-    /// Stops accepting, ends every agent stream and frontend connection
-    /// after `grace`.
+    /// Drains: not ready, listeners closed (new frontends and agents are
+    /// refused), open frontend connections may finish within `grace`; then
+    /// every agent stream and remaining connection is ended.
     pub async fn stop(&self, grace: Duration) {
-        self.tasks.close();
-        let _ = tokio::time::timeout(grace, self.tasks.wait()).await;
+        self.accepting.cancel();
+        self.frontend_tasks.close();
+        let _ = tokio::time::timeout(grace, self.frontend_tasks.wait()).await;
         self.shutdown.cancel();
+        self.tasks.close();
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.tasks.wait()).await;
     }
 }
 
