@@ -281,3 +281,53 @@ async fn an_agent_authenticated_by_a_serviceaccount_token() {
     })
     .await;
 }
+
+/// Wire compatibility with an independent gRPC stack: Google's grpcio with
+/// protoc-generated code from our .proto, as a kube-apiserver-like gRPC
+/// frontend client (Unix socket) and as a proxy-agent-like agent (TLS with
+/// a client certificate) in place of seedlink's own agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpcio_frontend_and_grpcio_agent_interoperate() {
+    let env = TunnelEnv::new(53);
+    let ep = env.agent_endpoint(8132);
+    let server = env.server(&env.server_yaml(&ep, "", ""), "server");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/peers/grpcio_konnectivity.py"
+    );
+    let f = &env.files;
+    let mut agent = Proc(
+        env.shoot
+            .cmd(&["python3", script, "agent", &ep, "tunnel.seedlink.test"])
+            .args([&f.seed_ca, &f.agent_crt, &f.agent_key])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let out = agent.0.stdout.take().unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line).unwrap();
+    assert!(
+        line.starts_with("connected ") && line.trim().ends_with(" 1"),
+        "{line:?}"
+    );
+    assert!(
+        line.contains(server.ready["server_id"].as_str().unwrap()),
+        "{line}"
+    );
+    // Our HTTP CONNECT frontend through the grpcio agent.
+    let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
+    assert!(fetch_hello(s).await.contains("hello from the shoot"));
+    // The grpcio client through our gRPC frontend and the grpcio agent.
+    let out = env
+        .seed
+        .cmd(&["python3", script, "client", &env.grpc_uds, "127.0.0.1:7007"])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success() && text.starts_with("OK "), "{text}");
+}

@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod agent;
+pub mod authority;
 pub mod config;
 pub mod dialerr;
 pub mod fair;

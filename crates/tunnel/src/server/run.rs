@@ -360,8 +360,19 @@ async fn serve_frontend<S>(
             srv.metrics.frontend_conn(&cluster.name, &name, outcome);
         }
         FrontendProtocol::Grpc => {
+            // kube-apiserver's gRPC client names the socket path as
+            // `:authority`; see `authority` for why and how it is rewritten.
+            let (rd, wr) = tokio::io::split(io);
+            let (to_server, from_client) = tokio::io::duplex(256 * 1024);
+            let fix = tokio::spawn(async move {
+                if let Err(e) = crate::authority::rewrite(rd, to_server).await {
+                    tracing::debug!(error = %e, "gRPC frontend connection ended");
+                }
+            });
             let h = super::frontend::grpc_handler(srv.clone(), cluster, name);
+            let io = tokio::io::join(from_client, wr);
             crate::grpc::serve(io, vec![(PROXY_PATH, h)], srv.agent_h2).await;
+            fix.abort();
         }
     }
 }

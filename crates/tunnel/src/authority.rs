@@ -1,0 +1,288 @@
+//! Makes kube-apiserver's gRPC-over-Unix-socket requests acceptable to the
+//! HTTP/2 server: grpc-go (and grpcio ≥ 1.57) put the socket *path* in
+//! `:authority` when dialling a Unix socket by path, which is not a valid
+//! authority, and the h2 crate refuses such requests (hyperium/h2#487). Go's
+//! HTTP/2 server, which upstream Konnectivity uses, does not check.
+//!
+//! No crate rewrites headers between a client and an h2 server, so this is
+//! hand-written: the client's bytes pass through a task that parses HTTP/2
+//! frames, decodes each header block (HPACK via `loona-hpack`, keeping the
+//! client's dynamic table), replaces an invalid `:authority` by `localhost`,
+//! re-encodes the block for the server (a second HPACK context, mirrored by
+//! the server's decoder) and forwards everything else untouched.
+
+use std::io;
+
+use loona_hpack::{Decoder, Encoder};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const HEADERS: u8 = 0x1;
+const CONTINUATION: u8 = 0x9;
+const END_STREAM: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
+const PADDED: u8 = 0x8;
+const PRIORITY: u8 = 0x20;
+/// Frames emitted here stay within HTTP/2's default maximum frame size.
+const OUT_FRAME: usize = 16 * 1024;
+/// Largest frame accepted from the client (the server advertises 256 KiB).
+const MAX_IN_FRAME: usize = 256 * 1024;
+/// Largest header block accepted (the server's header list limit is 16 KiB).
+const MAX_BLOCK: usize = 64 * 1024;
+
+fn bad(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what.to_string())
+}
+
+struct Block {
+    flags: u8,
+    stream: [u8; 4],
+    priority: Option<[u8; 5]>,
+    fragment: Vec<u8>,
+}
+
+/// Copies `r` to `w`, rewriting header blocks as described above, until
+/// `r` ends or a frame is malformed (then the connection is ended).
+pub async fn rewrite<R, W>(mut r: R, mut w: W) -> io::Result<()>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let mut preface = [0u8; 24];
+    r.read_exact(&mut preface).await?;
+    if &preface != PREFACE {
+        return Err(bad("not an HTTP/2 connection"));
+    }
+    w.write_all(&preface).await?;
+    let mut dec = Decoder::new();
+    let mut enc = Encoder::new();
+    let mut open: Option<Block> = None;
+    loop {
+        let mut h = [0u8; 9];
+        match r.read_exact(&mut h).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return w.shutdown().await,
+            Err(e) => return Err(e),
+        }
+        let len = usize::from(h[0]) << 16 | usize::from(h[1]) << 8 | usize::from(h[2]);
+        let (typ, flags) = (h[3], h[4]);
+        if len > MAX_IN_FRAME {
+            return Err(bad("frame too large"));
+        }
+        let mut payload = vec![0u8; len];
+        r.read_exact(&mut payload).await?;
+        match (typ, open.as_mut()) {
+            (HEADERS, None) => {
+                let mut p: &[u8] = &payload;
+                let mut pad = 0usize;
+                if flags & PADDED != 0 {
+                    let (&n, rest) = p.split_first().ok_or_else(|| bad("padding"))?;
+                    pad = usize::from(n);
+                    p = rest;
+                }
+                let priority = if flags & PRIORITY != 0 {
+                    let (pr, rest) = p.split_at_checked(5).ok_or_else(|| bad("priority"))?;
+                    p = rest;
+                    let mut a = [0u8; 5];
+                    a.copy_from_slice(pr);
+                    Some(a)
+                } else {
+                    None
+                };
+                let frag = p
+                    .get(..p.len().checked_sub(pad).ok_or_else(|| bad("padding"))?)
+                    .ok_or_else(|| bad("padding"))?;
+                let mut stream = [0u8; 4];
+                stream.copy_from_slice(&h[5..9]);
+                open = Some(Block {
+                    flags,
+                    stream,
+                    priority,
+                    fragment: frag.to_vec(),
+                });
+            }
+            (CONTINUATION, Some(b)) => {
+                if h[5..9] != b.stream {
+                    return Err(bad("CONTINUATION on another stream"));
+                }
+                b.fragment.extend_from_slice(&payload);
+                if b.fragment.len() > MAX_BLOCK {
+                    return Err(bad("header block too large"));
+                }
+            }
+            (_, Some(_)) | (CONTINUATION, None) => return Err(bad("frame inside a header block")),
+            _ => {
+                w.write_all(&h).await?;
+                w.write_all(&payload).await?;
+                continue;
+            }
+        }
+        if flags & END_HEADERS != 0 {
+            if let Some(b) = open.take() {
+                emit(&mut w, &mut dec, &mut enc, b).await?;
+            }
+        }
+    }
+}
+
+async fn emit<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    dec: &mut Decoder<'_>,
+    enc: &mut Encoder<'_>,
+    b: Block,
+) -> io::Result<()> {
+    let mut headers = dec
+        .decode(&b.fragment)
+        .map_err(|e| bad(&format!("HPACK: {e:?}")))?;
+    for (name, value) in &mut headers {
+        if name.as_slice() == b":authority"
+            && std::str::from_utf8(value)
+                .map_or(true, |v| v.parse::<http::uri::Authority>().is_err())
+        {
+            *value = b"localhost".to_vec();
+        }
+    }
+    let mut out: Vec<u8> = b.priority.map(|p| p.to_vec()).unwrap_or_default();
+    enc.encode_into(
+        headers.iter().map(|(n, v)| (n.as_slice(), v.as_slice())),
+        &mut out,
+    )?;
+    let parts: Vec<&[u8]> = if out.is_empty() {
+        vec![&[]]
+    } else {
+        out.chunks(OUT_FRAME).collect()
+    };
+    let mut chunks = parts.into_iter().peekable();
+    let mut first = true;
+    while let Some(chunk) = chunks.next() {
+        let last = chunks.peek().is_none();
+        let (typ, mut flags) = if first {
+            (HEADERS, b.flags & (END_STREAM | PRIORITY))
+        } else {
+            (CONTINUATION, 0)
+        };
+        if last {
+            flags |= END_HEADERS;
+        }
+        let n = chunk.len();
+        let head = [
+            ((n >> 16) & 0xff) as u8,
+            ((n >> 8) & 0xff) as u8,
+            (n & 0xff) as u8,
+            typ,
+            flags,
+            b.stream[0],
+            b.stream[1],
+            b.stream[2],
+            b.stream[3],
+        ];
+        w.write_all(&head).await?;
+        w.write_all(chunk).await?;
+        first = false;
+    }
+    w.flush().await
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn frame(typ: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let n = payload.len();
+        let mut f = vec![(n >> 16) as u8, (n >> 8) as u8, n as u8, typ, flags];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    /// Splits `bytes` (after the preface) into (type, flags, payload).
+    fn frames(mut bytes: &[u8]) -> Vec<(u8, u8, Vec<u8>)> {
+        let mut out = Vec::new();
+        while bytes.len() >= 9 {
+            let n =
+                usize::from(bytes[0]) << 16 | usize::from(bytes[1]) << 8 | usize::from(bytes[2]);
+            out.push((bytes[3], bytes[4], bytes[9..9 + n].to_vec()));
+            bytes = &bytes[9 + n..];
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn a_socket_path_authority_becomes_localhost_and_the_rest_passes() {
+        let mut enc = Encoder::new();
+        let headers: Vec<(&[u8], &[u8])> = vec![
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", b"/ProxyService/Proxy"),
+            (
+                b":authority",
+                b"/etc/kubernetes/konnectivity-server/konnectivity-server.socket",
+            ),
+            (b"content-type", b"application/grpc"),
+        ];
+        let block = enc.encode(headers.clone());
+        let (a, b) = block.split_at(10);
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(0x4, 0, 0, &[])); // SETTINGS
+        input.extend(frame(HEADERS, 0, 1, a)); // split over a CONTINUATION
+        input.extend(frame(CONTINUATION, END_HEADERS, 1, b));
+        input.extend(frame(0x0, END_STREAM, 1, b"grpc-bytes")); // DATA
+                                                                // A second request whose valid authority must stay (and whose block
+                                                                // uses the client's dynamic table).
+        let block2 = enc.encode(vec![
+            (b":method".as_slice(), b"POST".as_slice()),
+            (b":authority", b"localhost:8090"),
+            (b"content-type", b"application/grpc"),
+        ]);
+        input.extend(frame(
+            HEADERS,
+            END_HEADERS | PADDED,
+            3,
+            &[&[2u8][..], &block2, &[0, 0]].concat(),
+        ));
+        let mut out = Vec::new();
+        rewrite(input.as_slice(), &mut out).await.unwrap();
+        assert_eq!(&out[..24], PREFACE);
+        let fs = frames(&out[24..]);
+        assert_eq!(fs.len(), 4, "{fs:?}");
+        assert_eq!((fs[0].0, fs[0].1), (0x4, 0));
+        assert_eq!((fs[1].0, fs[1].1), (HEADERS, END_HEADERS));
+        assert_eq!(
+            (fs[2].0, fs[2].1, fs[2].2.as_slice()),
+            (0x0, END_STREAM, b"grpc-bytes".as_slice())
+        );
+        assert_eq!((fs[3].0, fs[3].1), (HEADERS, END_HEADERS));
+        let mut dec = Decoder::new();
+        let got = dec.decode(&fs[1].2).unwrap();
+        let want: Vec<(Vec<u8>, Vec<u8>)> = headers
+            .iter()
+            .map(|(n, v)| {
+                let v: &[u8] = if *n == b":authority" { b"localhost" } else { v };
+                (n.to_vec(), v.to_vec())
+            })
+            .collect();
+        assert_eq!(got, want);
+        let got2 = dec.decode(&fs[3].2).unwrap();
+        assert!(
+            got2.contains(&(b":authority".to_vec(), b"localhost:8090".to_vec())),
+            "{got2:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn malformed_input_ends_the_connection() {
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(CONTINUATION, END_HEADERS, 1, b"x"));
+        let mut out = Vec::new();
+        assert!(rewrite(input.as_slice(), &mut out).await.is_err());
+        assert!(
+            rewrite(&b"GET / HTTP/1.1\r\n\r\n-----"[..], &mut Vec::new())
+                .await
+                .is_err()
+        );
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, END_HEADERS | PADDED, 1, &[200, 1, 2]));
+        assert!(rewrite(input.as_slice(), &mut Vec::new()).await.is_err());
+    }
+}
