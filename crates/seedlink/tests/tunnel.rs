@@ -288,6 +288,11 @@ async fn an_agent_authenticated_by_a_serviceaccount_token() {
 /// a client certificate) in place of seedlink's own agent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpcio_frontend_and_grpcio_agent_interoperate() {
+    let ok = std::process::Command::new("python3")
+        .args(["-c", "import grpc, grpc_tools"])
+        .status()
+        .unwrap();
+    assert!(ok.success(), "required test peer grpcio/grpcio-tools is not installed; run scripts/install-peers");
     let env = TunnelEnv::new(53);
     let ep = env.agent_endpoint(8132);
     let server = env.server(&env.server_yaml(&ep, "", ""), "server");
