@@ -292,7 +292,10 @@ async fn grpcio_frontend_and_grpcio_agent_interoperate() {
         .args(["-c", "import grpc, grpc_tools"])
         .status()
         .unwrap();
-    assert!(ok.success(), "required test peer grpcio/grpcio-tools is not installed; run scripts/install-peers");
+    assert!(
+        ok.success(),
+        "required test peer grpcio/grpcio-tools is not installed; run scripts/install-peers"
+    );
     let env = TunnelEnv::new(53);
     let ep = env.agent_endpoint(8132);
     let server = env.server(&env.server_yaml(&ep, "", ""), "server");

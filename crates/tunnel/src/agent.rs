@@ -19,7 +19,6 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 use tokio_util::sync::CancellationToken;
@@ -593,13 +592,20 @@ impl Agent {
             return;
         }
         self.metrics.endpoints.inc();
-        let (mut rd, mut wr) = stream.into_split();
+        let (rd, mut wr) = stream.into_split();
         let stall = self.opts.stall_timeout;
         let up = async {
             loop {
+                // No buffer while the destination is quiet: an idle
+                // connection holds none.
+                if rd.readable().await.is_err() {
+                    return "remote_closed";
+                }
                 let mut b = BytesMut::with_capacity(CHUNK);
-                match rd.read_buf(&mut b).await {
-                    Ok(0) | Err(_) => return "remote_closed",
+                match rd.try_read_buf(&mut b) {
+                    Ok(0) => return "remote_closed",
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                    Err(_) => return "remote_closed",
                     Ok(n) => {
                         // Within the window: a server-side reader that
                         // stopped holds this connection back, nothing else.

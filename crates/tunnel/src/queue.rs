@@ -5,46 +5,56 @@
 //! what keeps one slow reader from blocking every other connection on a
 //! Konnectivity stream, which has no per-connection flow control.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
+use tokio::sync::Notify;
 
+/// A `VecDeque` allocates nothing until the first push, so an idle
+/// connection's queue costs a few dozen bytes (a channel would allocate a
+/// block of slots up front).
 struct Shared {
     queued: AtomicUsize,
     aborted: AtomicBool,
+    /// The sender is gone (normally or aborted).
+    closed: AtomicBool,
+    /// The reader is gone.
+    reader_gone: AtomicBool,
+    items: Mutex<VecDeque<Bytes>>,
+    ready: Notify,
 }
 
 /// The receive loop's end.
 pub struct QueueTx {
-    tx: mpsc::UnboundedSender<Bytes>,
     shared: Arc<Shared>,
     limit: usize,
 }
 
 /// The socket writer's end.
 pub struct QueueRx {
-    rx: mpsc::UnboundedReceiver<Bytes>,
     shared: Arc<Shared>,
 }
 
 /// A queue with a budget of `limit` bytes.
 pub fn queue(limit: usize) -> (QueueTx, QueueRx) {
-    let (tx, rx) = mpsc::unbounded_channel();
     let shared = Arc::new(Shared {
         queued: AtomicUsize::new(0),
         aborted: AtomicBool::new(false),
+        closed: AtomicBool::new(false),
+        reader_gone: AtomicBool::new(false),
+        items: Mutex::new(VecDeque::new()),
+        ready: Notify::new(),
     });
     (
         QueueTx {
-            tx,
             shared: shared.clone(),
             limit,
         },
-        QueueRx { rx, shared },
+        QueueRx { shared },
     )
 }
 
@@ -60,22 +70,40 @@ pub enum PushError {
 impl QueueTx {
     /// Queues `data` if it fits the budget; never waits.
     pub fn push(&self, data: Bytes) -> Result<(), PushError> {
+        if self.shared.reader_gone.load(Ordering::Acquire) {
+            return Err(PushError::Closed);
+        }
         let n = data.len();
         let before = self.shared.queued.fetch_add(n, Ordering::AcqRel);
         if before + n > self.limit && before > 0 {
             self.shared.queued.fetch_sub(n, Ordering::AcqRel);
             return Err(PushError::Overflow);
         }
-        self.tx.send(data).map_err(|_| {
-            self.shared.queued.fetch_sub(n, Ordering::AcqRel);
-            PushError::Closed
-        })
+        match self.shared.items.lock() {
+            Ok(mut q) => q.push_back(data),
+            Err(_) => return Err(PushError::Closed),
+        }
+        self.shared.ready.notify_one();
+        Ok(())
     }
 
     /// Ends the connection abnormally: the writer resets instead of
     /// finishing cleanly, after nothing more.
     pub fn abort(self) {
         self.shared.aborted.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for QueueTx {
+    fn drop(&mut self) {
+        self.shared.closed.store(true, Ordering::Release);
+        self.shared.ready.notify_one();
+    }
+}
+
+impl Drop for QueueRx {
+    fn drop(&mut self) {
+        self.shared.reader_gone.store(true, Ordering::Release);
     }
 }
 
@@ -106,13 +134,39 @@ pub enum Recv {
 impl QueueRx {
     /// The next bytes, or how the sender ended.
     pub async fn recv(&mut self) -> Recv {
-        match self.rx.recv().await {
-            _ if self.shared.aborted.load(Ordering::Acquire) => Recv::Aborted,
-            Some(data) => {
-                self.shared.queued.fetch_sub(data.len(), Ordering::AcqRel);
-                Recv::Data(data)
+        loop {
+            let notified = self.shared.ready.notified();
+            if self.shared.aborted.load(Ordering::Acquire) {
+                return Recv::Aborted;
             }
-            None => Recv::Finished,
+            let item = self
+                .shared
+                .items
+                .lock()
+                .ok()
+                .and_then(|mut q| q.pop_front());
+            if let Some(data) = item {
+                self.shared.queued.fetch_sub(data.len(), Ordering::AcqRel);
+                return Recv::Data(data);
+            }
+            if self.shared.closed.load(Ordering::Acquire) {
+                // Closed after the last push: re-check once for a push that
+                // raced with the close.
+                let item = self
+                    .shared
+                    .items
+                    .lock()
+                    .ok()
+                    .and_then(|mut q| q.pop_front());
+                return match item {
+                    Some(data) => {
+                        self.shared.queued.fetch_sub(data.len(), Ordering::AcqRel);
+                        Recv::Data(data)
+                    }
+                    None => Recv::Finished,
+                };
+            }
+            notified.await;
         }
     }
 

@@ -153,11 +153,15 @@ where
         if !leftover.is_empty() && tx.send(leftover).await.is_err() {
             return "agent_gone";
         }
+        // Small reads until the frontend sends in bulk: an idle connection
+        // then holds 2 KiB instead of a full chunk.
+        let mut cap = 2048;
         loop {
-            let mut b = BytesMut::with_capacity(CHUNK);
+            let mut b = BytesMut::with_capacity(cap);
             match rd.read_buf(&mut b).await {
                 Ok(0) => return "ok",
-                Ok(_) => {
+                Ok(n) => {
+                    cap = if n == cap { CHUNK } else { 2048.max(n) };
                     if tx.send(b.freeze()).await.is_err() {
                         return "agent_gone";
                     }
