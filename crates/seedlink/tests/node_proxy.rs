@@ -38,18 +38,7 @@ fn node_proxy(args: &[&str]) -> NodeProxy {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let out = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(out).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let line = rx
-        .recv_timeout(Duration::from_secs(20))
-        .expect("node-proxy did not report ready");
-    let v: serde_json::Value =
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    let v = common::tunnel_env::ready_line(&mut child);
     NodeProxy {
         child,
         listen: v["listen"].as_str().unwrap().parse().unwrap(),

@@ -92,9 +92,9 @@ impl Started {
     }
 }
 
-/// Reads the first stdout line of `p` as JSON, within 20 s.
-pub fn ready_line(p: &mut Proc) -> serde_json::Value {
-    let out = p.0.stdout.take().unwrap();
+/// Reads the first stdout line of `c` (the ready line) as JSON, within 20 s.
+pub fn ready_line(c: &mut std::process::Child) -> serde_json::Value {
+    let out = c.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut line = String::new();
@@ -240,7 +240,7 @@ clusters:
                 .spawn()
                 .unwrap(),
         );
-        let ready = ready_line(&mut proc);
+        let ready = ready_line(&mut proc.0);
         assert_eq!(ready["event"], "ready", "{ready}");
         Started { proc, ready }
     }
@@ -285,7 +285,7 @@ clusters:
                 .spawn()
                 .unwrap(),
         );
-        let ready = ready_line(&mut proc);
+        let ready = ready_line(&mut proc.0);
         Started { proc, ready }
     }
 
