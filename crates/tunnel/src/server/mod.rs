@@ -748,3 +748,99 @@ pub fn on_agent_packet_at(link: &AgentLink, p: Packet, now: Instant) -> Handled 
         _ => Handled::Unexpected,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn cluster(strategies: &[Strategy]) -> Cluster {
+        Cluster::new("c", strategies.to_vec(), None, None)
+    }
+
+    #[test]
+    fn identifiers_parse_like_upstream_and_report_what_they_ignore() {
+        let (ids, ignored) = Identifiers::parse(
+            "host=Node1&ipv4=10.0.0.5&ipv6=fd00::1&cidr=10.1.0.0/16&default-route=true&uid=x&ipv4=bad",
+        );
+        assert_eq!(ids.hosts, vec!["node1"]);
+        assert_eq!(ids.ips.len(), 2);
+        assert_eq!(ids.cidrs.len(), 1);
+        assert!(ids.default_route);
+        assert_eq!(ignored, vec!["uid".to_string(), "ipv4=bad".to_string()]);
+    }
+
+    #[test]
+    fn strategies_pick_in_order_and_prefer_non_draining_agents() {
+        let c = cluster(&[Strategy::DestHost, Strategy::Cidr, Strategy::DefaultRoute]);
+        let (a, _) = attach(
+            &c,
+            "a".into(),
+            Identifiers::parse("host=node-a&ipv4=10.0.0.5").0,
+            false,
+        );
+        let (b, _) = attach(
+            &c,
+            "b".into(),
+            Identifiers::parse("cidr=10.1.0.0/16").0,
+            false,
+        );
+        let (d, _) = attach(
+            &c,
+            "d".into(),
+            Identifiers::parse("default-route=true").0,
+            false,
+        );
+        assert_eq!(c.pick("10.0.0.5").unwrap().agent_id, "a");
+        assert_eq!(c.pick("NODE-A").unwrap().agent_id, "a");
+        assert_eq!(c.pick("10.1.2.3").unwrap().agent_id, "b");
+        assert_eq!(c.pick("192.168.1.1").unwrap().agent_id, "d");
+        assert_eq!(c.pick("[fd00::1]").unwrap().agent_id, "d");
+        // No `default` strategy: nothing matches without default-route.
+        detach(&c, &d);
+        assert!(c.pick("192.168.1.1").is_none());
+        // A draining agent is used only when no other fits.
+        let (a2, _) = attach(
+            &c,
+            "a2".into(),
+            Identifiers::parse("ipv4=10.0.0.5").0,
+            false,
+        );
+        a.draining.store(true, Ordering::Release);
+        for _ in 0..20 {
+            assert_eq!(c.pick("10.0.0.5").unwrap().agent_id, "a2");
+        }
+        a2.draining.store(true, Ordering::Release);
+        assert!(c.pick("10.0.0.5").is_some());
+        let _ = b;
+    }
+
+    #[test]
+    fn only_an_agents_first_stream_takes_dials() {
+        let c = cluster(&[Strategy::Default]);
+        let (first, _) = attach(&c, "x".into(), Identifiers::default(), false);
+        let (_second, _) = attach(&c, "x".into(), Identifiers::default(), false);
+        for _ in 0..20 {
+            assert_eq!(c.pick("h").unwrap().uid, first.uid);
+        }
+    }
+
+    #[test]
+    fn dial_errors_map_to_upstream_statuses() {
+        assert_eq!(DialError::NoAgent.http_status(), 500);
+        assert_eq!(DialError::Timeout.http_status(), 504);
+        assert_eq!(DialError::AgentGone.http_status(), 502);
+        assert_eq!(
+            DialError::Agent("dial tcp 1.2.3.4:5: i/o timeout".into()).http_status(),
+            504
+        );
+        assert_eq!(
+            DialError::Agent("socket: too many open files".into()).http_status(),
+            503
+        );
+        assert_eq!(
+            DialError::Agent("connect: connection refused".into()).http_status(),
+            502
+        );
+    }
+}
