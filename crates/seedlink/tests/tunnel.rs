@@ -292,12 +292,21 @@ async fn grpcio_frontend_and_grpcio_agent_interoperate() {
     );
     let env = TunnelEnv::new(53);
     let ep = env.agent_endpoint(8132);
-    let server = env.server(&env.server_yaml(&ep, "", ""), "server");
+    // Plus a gRPC frontend over TCP with mutual TLS.
+    let f = &env.files;
+    let grpc_port = free_port();
+    let yaml = format!(
+        "{}      - {{name: grpc-tcp, protocol: grpc, tcp: '127.0.0.1:{grpc_port}', cert: '{}', key: '{}', client_ca: '{}'}}\n",
+        env.server_yaml(&ep, "", ""),
+        f.fe_crt,
+        f.fe_key,
+        f.seed_ca
+    );
+    let server = env.server(&yaml, "server");
     let script = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/peers/grpcio_konnectivity.py"
     );
-    let f = &env.files;
     let mut agent = Proc(
         env.shoot
             .cmd(&["python3", script, "agent", &ep, "tunnel.seedlink.test"])
@@ -324,6 +333,25 @@ async fn grpcio_frontend_and_grpcio_agent_interoperate() {
     let out = env
         .seed
         .cmd(&["python3", script, "client", &env.grpc_uds, "127.0.0.1:7007"])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success() && text.starts_with("OK "), "{text}");
+    // The grpcio client over TCP with its client certificate.
+    let out = env
+        .seed
+        .cmd(&[
+            "python3",
+            script,
+            "tls-client",
+            &format!("127.0.0.1:{grpc_port}"),
+            "frontend.seedlink.test",
+        ])
+        .args([&f.seed_ca, &f.kas_crt, &f.kas_key, "127.0.0.1:7007"])
         .output()
         .unwrap();
     let text = format!(

@@ -6,6 +6,8 @@ against an independent gRPC stack.
       ProxyService/Proxy over a Unix socket, like kube-apiserver's
       konnectivity-client: DIAL_REQ, echo one message, CLOSE_REQ.
       Prints "OK <connectID>".
+  grpcio_konnectivity.py tls-client HOST:PORT SERVER_NAME CA CERT KEY ADDRESS
+      The same over TCP with mutual TLS.
   grpcio_konnectivity.py agent SERVER SERVER_NAME CA CERT KEY
       AgentService/Connect with TLS and a client certificate, like
       proxy-agent: checks the serverid/servercount headers, answers
@@ -33,8 +35,8 @@ import konnectivity_pb2 as pb  # noqa: E402
 import konnectivity_pb2_grpc as pbg  # noqa: E402
 
 
-def client(uds, address):
-    ch = grpc.insecure_channel("unix://" + uds)
+def client(uds, address, ch=None):
+    ch = ch or grpc.insecure_channel("unix://" + uds)
     stub = pbg.ProxyServiceStub(ch)
     out = queue.Queue()
     out.put(pb.Packet(type=pb.DIAL_REQ, dialRequest=pb.DialRequest(protocol="tcp", address=address, random=77)))
@@ -114,8 +116,16 @@ def agent(server, name, ca, cert, key):
             out.put(pb.Packet(type=pb.CLOSE_RSP, closeResponse=pb.CloseResponse(connectID=p.closeRequest.connectID)))
 
 
+def tls_client(target, name, ca, cert, key, address):
+    creds = grpc.ssl_channel_credentials(open(ca, "rb").read(), open(key, "rb").read(), open(cert, "rb").read())
+    ch = grpc.secure_channel(target, creds, options=[("grpc.ssl_target_name_override", name)])
+    client(None, address, ch)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "client":
         client(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "tls-client":
+        tls_client(*sys.argv[2:8])
     else:
         agent(*sys.argv[2:7])
