@@ -184,6 +184,32 @@ async fn a_dial_cancelled_while_the_agent_connects_is_cancelled_on_the_agent() {
         env.server_metric(&server.admin(), "seedlink_tunnel_server_dial_failures_total{cluster=\"shoot--dev--a\",reason=\"dial_closed\"}"),
         1.0
     );
+    // A dial pending when the agent dies fails at once (502), not at the
+    // dial timeout.
+    let pending = tokio::spawn({
+        let uds = env.uds.clone();
+        async move {
+            let t = kas_connect(&uds, "127.0.0.1:7009")
+                .await
+                .err()
+                .unwrap_or_default();
+            (t, Instant::now())
+        }
+    });
+    TunnelEnv::until(Duration::from_secs(5), "the dial to be pending", || {
+        env.server_metric(&server.admin(), "seedlink_tunnel_server_pending_dials{") == 1.0
+    })
+    .await;
+    let mut agent = agent;
+    let killed = Instant::now();
+    let _ = agent.proc.0.kill();
+    let (answer, at) = pending.await.unwrap();
+    assert!(answer.contains("502"), "{answer}");
+    assert!(
+        at.duration_since(killed) < Duration::from_secs(1),
+        "answered after {:?}",
+        at.duration_since(killed)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
