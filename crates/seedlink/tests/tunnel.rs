@@ -361,3 +361,52 @@ async fn grpcio_frontend_and_grpcio_agent_interoperate() {
     );
     assert!(out.status.success() && text.starts_with("OK "), "{text}");
 }
+
+/// The agent reaches the tunnel-server through seedlink's SNI gateway (no
+/// LoadBalancer of its own): the gateway routes the agent's TLS by its SNI
+/// without terminating it, so the client certificate still decides the
+/// cluster; the agent also offers an extra ALPN protocol.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_reach_the_tunnel_server_through_the_sni_gateway() {
+    let env = TunnelEnv::new(54);
+    let ep = env.agent_endpoint(8132);
+    let _server = env.server(&env.server_yaml(&ep, "", ""), "server");
+    let gw_addr = env.agent_endpoint(8443);
+    let cfg = env.dir.path().join("gateway.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '{gw_addr}', protocol: tls}}]
+control_planes:
+  - {{name: tunnel, hostnames: [tunnel.seedlink.test], endpoints: ['{ep}']}}
+"
+        ),
+    )
+    .unwrap();
+    let mut gw = Proc(
+        env.seed
+            .cmd(&[
+                env!("CARGO_BIN_EXE_seedlink"),
+                "gateway",
+                "--config",
+                cfg.to_str().unwrap(),
+            ])
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let ready = ready_line(&mut gw.0);
+    assert_eq!(ready["event"], "ready", "{ready}");
+    let agent = env.agent(&gw_addr, &["--alpn-proto", "konnectivity"]);
+    let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
+    assert!(fetch_hello(s).await.contains("hello from the shoot"));
+    assert_eq!(
+        env.agent_metric(
+            &agent.admin(),
+            "seedlink_tunnel_agent_open_server_connections"
+        ),
+        1.0
+    );
+}
