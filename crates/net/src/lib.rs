@@ -1,6 +1,7 @@
 //! seedlink's networking runtime, shared by every role.
 //!
 //! - [`accept`]: an accept loop that never exits on resource errors and never spins.
+//! - [`admin`]: a small HTTP/1.1 admin endpoint (health, readiness, metrics).
 //! - [`copy`]: moves bytes between two TCP sockets with `splice(2)` on Linux (buffered
 //!   fallback elsewhere and when no pipe is free), propagating half-close and resets.
 //! - [`h2copy`]: moves bytes between a socket and an HTTP/2 CONNECT stream, within h2 flow control.
@@ -8,6 +9,7 @@
 //! - [`lifecycle`]: the process phase (starting, serving, draining) that readiness reports.
 
 pub mod accept;
+pub mod admin;
 pub mod copy;
 pub mod h2copy;
 pub mod lifecycle;

@@ -159,8 +159,8 @@ pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
     let admin_addr = admin.local_addr()?;
     {
         let agent = agent.clone();
-        let route = move |path: &str| -> seedlink_tunnel::admin::Answer {
-            use seedlink_tunnel::admin::{encode, METRICS, TEXT};
+        let route = move |path: &str| -> seedlink_net::admin::Answer {
+            use seedlink_net::admin::{encode, METRICS, TEXT};
             match path {
                 "/healthz" => (200, TEXT, "ok\n".into()),
                 "/readyz" | "/ready" => {
@@ -179,7 +179,7 @@ pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
                 ),
             }
         };
-        tokio::spawn(seedlink_tunnel::admin::serve(admin, Arc::new(route)));
+        tokio::spawn(seedlink_net::admin::serve(admin, 32, Arc::new(route)));
     }
     {
         let agent = agent.clone();

@@ -2,7 +2,6 @@
 //! `tunnel-agent` (in the shoot), wire-compatible with Konnectivity
 //! (apiserver-network-proxy). See docs/TUNNEL.md.
 
-pub mod admin;
 pub mod agent;
 pub mod authority;
 pub mod config;

@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 
-use crate::admin::{self, Answer, METRICS, TEXT};
 use crate::server::run::TunnelServer;
+use seedlink_net::admin::{self, Answer, METRICS, TEXT};
 
 /// Serves the admin endpoint.
 pub async fn serve(srv: Arc<TunnelServer>, listener: TcpListener) {
@@ -43,5 +43,5 @@ pub async fn serve(srv: Arc<TunnelServer>, listener: TcpListener) {
             ),
         }
     };
-    admin::serve(listener, Arc::new(route)).await;
+    admin::serve(listener, 32, Arc::new(route)).await;
 }

@@ -1,6 +1,6 @@
-//! The admin HTTP endpoint of the tunnel roles: a route function from path
-//! to `(status, content type, body)`, served over HTTP/1.1 with bounded
-//! connections and timeouts.
+//! A small admin HTTP endpoint shared by the node-proxy and the tunnel
+//! roles: a route function from path to `(status, content type, body)`,
+//! served over HTTP/1.1 with bounded connections and timeouts.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -20,11 +20,16 @@ pub const TEXT: &str = "text/plain; charset=utf-8";
 /// Prometheus content type.
 pub const METRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Serves `route` on `listener` until the process ends.
-pub async fn serve(listener: TcpListener, route: Arc<dyn Fn(&str) -> Answer + Send + Sync>) {
+/// Serves `route` on `listener` until the process ends, at most `slots`
+/// connections at once (more are closed at accept).
+pub async fn serve(
+    listener: TcpListener,
+    slots: usize,
+    route: Arc<dyn Fn(&str) -> Answer + Send + Sync>,
+) {
     let never = tokio_util::sync::CancellationToken::new();
-    let slots = Arc::new(tokio::sync::Semaphore::new(32));
-    seedlink_net::accept::accept_loop(&listener, &never, |stream, _| {
+    let slots = Arc::new(tokio::sync::Semaphore::new(slots));
+    crate::accept::accept_loop(&listener, &never, |stream, _| {
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             return;
         };
