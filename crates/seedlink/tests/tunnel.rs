@@ -276,6 +276,158 @@ async fn an_agent_authenticated_by_a_serviceaccount_token() {
     .await;
 }
 
+/// Agent tokens checked by TokenReview at the cluster's API server (a
+/// stand-in for kube-apiserver's endpoint in the seed namespace): the right
+/// ServiceAccount is let in and its answer cached (a second agent and every
+/// re-sync stream cost no review), another ServiceAccount is refused, an
+/// API server failure is counted as unavailable and not cached, and a token
+/// of a foreign issuer is refused without being shown to the API server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_tokens_checked_by_tokenreview() {
+    let env = TunnelEnv::new(55);
+    let ep = env.agent_endpoint(8132);
+    let d = env.dir.path();
+    let api = seedlink::demo::Pki::generate(&["127.0.0.1"]).unwrap();
+    let w = |name: &str, text: &str| {
+        std::fs::write(d.join(name), text).unwrap();
+        d.join(name).display().to_string()
+    };
+    let api_ca = w("api-ca.pem", &api.ca_pem);
+    let api_crt = w("api.pem", &api.servers[0].1.cert_pem);
+    let api_key = w("api-key.pem", &api.servers[0].1.key_pem);
+    let caller = w("caller.token", "caller-secret\n");
+    let log = d.join("reviews.log");
+    let signer = rcgen::KeyPair::generate().unwrap();
+    let jwt = |iss: &str, sub: &str, n: u32| {
+        let claims = serde_json::json!({
+            "iss": iss, "aud": ["system:konnectivity-server"], "sub": sub, "jti": n,
+            "exp": std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() + 600,
+        });
+        let k = jsonwebtoken::EncodingKey::from_ec_pem(signer.serialize_pem().as_bytes()).unwrap();
+        jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256),
+            &claims,
+            &k,
+        )
+        .unwrap()
+    };
+    let agent_sa = "system:serviceaccount:kube-system:konnectivity-agent";
+    let good = jwt("https://issuer.shoot", agent_sa, 1);
+    let other = jwt(
+        "https://issuer.shoot",
+        "system:serviceaccount:default:default",
+        2,
+    );
+    let broken = jwt("https://issuer.shoot", agent_sa, 3);
+    let foreign = jwt("https://issuer.elsewhere", agent_sa, 4);
+    let table = serde_json::json!({
+        &good: {"username": agent_sa, "audiences": ["system:konnectivity-server"]},
+        &other: {"username": "system:serviceaccount:default:default",
+                 "audiences": ["system:konnectivity-server"]},
+        &broken: "error:500",
+    });
+    let table = w("table.json", &table.to_string());
+    let mut apiserver = Proc(
+        env.seed
+            .cmd(&[
+                "python3",
+                concat!(
+                    env!("CARGO_MANIFEST_DIR"),
+                    "/tests/peers/tokenreview_apiserver.py"
+                ),
+                "6443",
+                &api_crt,
+                &api_key,
+                "caller-secret",
+                &table,
+                log.to_str().unwrap(),
+            ])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(apiserver.0.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "up");
+    let yaml = env.server_yaml(&ep, "", "").replace(
+        &format!("agent_ca: '{}'", env.files.agent_ca),
+        &format!(
+            "agent_token: {{issuer: 'https://issuer.shoot', review: {{url: 'https://127.0.0.1:6443', ca: '{api_ca}', token_file: '{caller}'}}}}"
+        ),
+    );
+    let server = env.server(&yaml, "server");
+    let admin = server.admin();
+    let reviews_of = |t: &str| {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| *l == t)
+            .count()
+    };
+    let tok = |name: &str, t: &str| w(name, t);
+
+    let good_path = tok("good.token", &good);
+    let _a1 = env.agent_bare(&ep, &["--service-account-token-path", &good_path]);
+    let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
+    assert!(fetch_hello(s).await.contains("hello from the shoot"));
+    let _a2 = env.agent_bare(&ep, &["--service-account-token-path", &good_path]);
+    TunnelEnv::until(Duration::from_secs(10), "the second agent", || {
+        env.server_metric(&admin, "seedlink_tunnel_server_agents{") >= 2.0
+    })
+    .await;
+    assert_eq!(reviews_of(&good), 1, "the acceptance is cached");
+    assert!(
+        env.server_metric(
+            &admin,
+            "seedlink_tunnel_server_token_reviews_total{cluster=\"shoot--dev--a\",reason=\"cached\"}"
+        ) >= 1.0
+    );
+
+    let other_path = tok("other.token", &other);
+    let _a3 = env.agent_bare(&ep, &["--service-account-token-path", &other_path]);
+    let broken_path = tok("broken.token", &broken);
+    let _a4 = env.agent_bare(&ep, &["--service-account-token-path", &broken_path]);
+    let foreign_path = tok("foreign.token", &foreign);
+    let _a5 = env.agent_bare(&ep, &["--service-account-token-path", &foreign_path]);
+    TunnelEnv::until(Duration::from_secs(15), "refusals to be counted", || {
+        let m = |r: &str| {
+            env.server_metric(
+                &admin,
+                &format!(
+                    "seedlink_tunnel_server_agent_streams_total{{cluster=\"\",reason=\"{r}\"}}"
+                ),
+            )
+        };
+        // other SA, foreign issuer; broken: API server failed.
+        m("bad_token") >= 2.0 && m("token_review_unavailable") >= 1.0
+    })
+    .await;
+    assert!(reviews_of(&other) >= 1);
+    assert!(reviews_of(&broken) >= 1);
+    assert_eq!(
+        reviews_of(&foreign),
+        0,
+        "a foreign token never reaches this API server"
+    );
+    let r = |x: &str| {
+        env.server_metric(
+            &admin,
+            &format!("seedlink_tunnel_server_token_reviews_total{{cluster=\"shoot--dev--a\",reason=\"{x}\"}}"),
+        )
+    };
+    assert_eq!(r("accepted"), 1.0);
+    assert!(r("refused") >= 1.0 && r("unavailable") >= 1.0);
+    assert_eq!(
+        env.server_metric(&admin, "seedlink_tunnel_server_agents{"),
+        2.0
+    );
+}
+
 /// Wire compatibility with an independent gRPC stack: Google's grpcio with
 /// protoc-generated code from our .proto, as a kube-apiserver-like gRPC
 /// frontend client (Unix socket) and as a proxy-agent-like agent (TLS with

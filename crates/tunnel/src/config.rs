@@ -85,21 +85,65 @@ pub struct Cluster {
     pub frontends: Vec<Frontend>,
 }
 
-/// Agent authentication by ServiceAccount token, checked locally.
+/// Agent authentication by ServiceAccount token: checked locally against
+/// the issuer's public keys (`keys`) or by a TokenReview at the cluster's
+/// API server (`review`); exactly one of the two.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TokenAuth {
     /// The token issuer (`iss`), as the cluster's API server issues them.
+    /// A token is only ever checked by the cluster with its issuer, so
+    /// issuers are unique across clusters.
     pub issuer: String,
     /// The issuer's public keys (PEM; RSA or EC), the API server's
     /// `--service-account-key-file`.
-    pub keys: PathBuf,
+    #[serde(default)]
+    pub keys: Option<PathBuf>,
+    /// Ask the cluster's API server instead (TokenReview).
+    #[serde(default)]
+    pub review: Option<TokenReview>,
     /// Required audience.
     #[serde(default = "default_audience")]
     pub audience: String,
     /// The agents' ServiceAccount, `<namespace>/<name>`.
     #[serde(default = "default_service_account")]
     pub service_account: String,
+}
+
+/// A TokenReview client for one cluster's API server.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenReview {
+    /// The API server, `https://host[:port]`.
+    pub url: String,
+    /// CA that issued the API server's certificate (PEM).
+    pub ca: PathBuf,
+    /// This server's own bearer token (its identity needs
+    /// `system:auth-delegator`); read again for every review, so a rotated
+    /// projected token is picked up.
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// Or a client certificate for the API server.
+    #[serde(default)]
+    pub cert: Option<PathBuf>,
+    /// Its key.
+    #[serde(default)]
+    pub key: Option<PathBuf>,
+    /// Deadline for one review (connect, TLS, request, answer).
+    #[serde(default = "default_review_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+    /// How long an accepted token is trusted without asking again (never
+    /// beyond its `exp`); refusals are remembered for 5 s to blunt
+    /// reconnect storms. 0 disables the cache.
+    #[serde(default = "default_review_cache", with = "humantime_serde")]
+    pub cache_ttl: Duration,
+}
+
+fn default_review_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+fn default_review_cache() -> Duration {
+    Duration::from_secs(60)
 }
 
 fn default_audience() -> String {
@@ -180,6 +224,7 @@ impl ServerConfig {
         }
         let mut names = HashSet::new();
         let mut binds = HashSet::new();
+        let mut issuers = HashSet::new();
         for (i, c) in cfg.clusters.iter().enumerate() {
             let at = format!("clusters[{i}] ({})", c.name);
             if c.name.is_empty() || !names.insert(c.name.clone()) {
@@ -193,6 +238,30 @@ impl ServerConfig {
                     errs.push(format!(
                         "{at}.agent_token.service_account: <namespace>/<name>"
                     ));
+                }
+                if t.keys.is_some() == t.review.is_some() {
+                    errs.push(format!(
+                        "{at}.agent_token: exactly one of keys (local check) or review (TokenReview)"
+                    ));
+                }
+                if !issuers.insert(t.issuer.clone()) {
+                    errs.push(format!("{at}.agent_token.issuer: used by another cluster"));
+                }
+                if let Some(r) = &t.review {
+                    if !r.url.starts_with("https://") {
+                        errs.push(format!("{at}.agent_token.review.url: must be https://"));
+                    }
+                    if r.cert.is_some() != r.key.is_some() {
+                        errs.push(format!("{at}.agent_token.review: cert and key go together"));
+                    }
+                    if r.token_file.is_none() && r.cert.is_none() {
+                        errs.push(format!(
+                            "{at}.agent_token.review: token_file or cert/key is needed to authenticate to the API server"
+                        ));
+                    }
+                    if r.timeout.is_zero() {
+                        errs.push(format!("{at}.agent_token.review.timeout: must be > 0"));
+                    }
                 }
             }
             if c.strategies.is_empty() {
@@ -244,5 +313,70 @@ impl ServerConfig {
         } else {
             anyhow::bail!("{}", errs.join("\n"))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn cfg(token: &str) -> String {
+        format!(
+            "agents: {{listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}}
+clusters:
+  - name: a
+    agent_token: {token}
+    frontends: [{{name: f, protocol: http-connect, unix: /tmp/a.sock}}]
+"
+        )
+    }
+
+    fn err(token: &str) -> String {
+        format!("{:#}", ServerConfig::parse(&cfg(token)).unwrap_err())
+    }
+
+    #[test]
+    fn token_checks_are_validated() {
+        let ok = ServerConfig::parse(&cfg(
+            "{issuer: i, review: {url: 'https://10.0.0.1:443', ca: ca.pem, token_file: t}}",
+        ))
+        .unwrap();
+        let r = ok.clusters[0]
+            .agent_token
+            .as_ref()
+            .unwrap()
+            .review
+            .as_ref()
+            .unwrap();
+        assert_eq!(r.timeout, Duration::from_secs(5));
+        assert_eq!(r.cache_ttl, Duration::from_secs(60));
+        ServerConfig::parse(&cfg("{issuer: i, keys: sa.pub}")).unwrap();
+        assert!(err("{issuer: i}").contains("exactly one of keys"));
+        assert!(
+            err("{issuer: i, keys: k, review: {url: 'https://a', ca: c, token_file: t}}")
+                .contains("exactly one of keys")
+        );
+        assert!(
+            err("{issuer: i, review: {url: 'http://a', ca: c, token_file: t}}")
+                .contains("must be https://")
+        );
+        assert!(err("{issuer: i, review: {url: 'https://a', ca: c}}")
+            .contains("token_file or cert/key"));
+        assert!(
+            err("{issuer: i, review: {url: 'https://a', ca: c, cert: x}}")
+                .contains("cert and key go together")
+        );
+        assert!(
+            err("{issuer: i, review: {url: 'https://a', ca: c, token_file: t, timeout: 0s}}")
+                .contains("timeout")
+        );
+        let two = "agents: {listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}
+clusters:
+  - {name: a, agent_token: {issuer: i, keys: k}, frontends: [{name: f, protocol: grpc, unix: /a}]}
+  - {name: b, agent_token: {issuer: i, keys: k}, frontends: [{name: f, protocol: grpc, unix: /b}]}
+";
+        assert!(format!("{:#}", ServerConfig::parse(two).unwrap_err())
+            .contains("used by another cluster"));
     }
 }

@@ -14,3 +14,4 @@ pub mod queue;
 pub mod server;
 pub mod tls;
 pub mod token;
+pub mod tokenreview;

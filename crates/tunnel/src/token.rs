@@ -1,9 +1,13 @@
-//! ServiceAccount token authentication of agents, validated locally: the
-//! signature against the issuer's public keys (PEM, as in the API server's
-//! `--service-account-key-file`), the issuer, the audience (Konnectivity's
-//! convention `system:konnectivity-server`), the expiry and the subject
-//! `system:serviceaccount:<namespace>:<name>`. Each cluster has its own
-//! issuer keys, so a token decides its cluster; no API server is asked.
+//! ServiceAccount token authentication of agents. A token is routed to the
+//! cluster whose configured issuer equals its (not yet verified) `iss`
+//! claim, and only that cluster checks it, in one of two ways:
+//! - locally: the signature against the issuer's public keys (PEM, as in
+//!   the API server's `--service-account-key-file`), the issuer, the
+//!   audience (Konnectivity's convention `system:konnectivity-server`), the
+//!   expiry and the subject `system:serviceaccount:<namespace>:<name>`; no
+//!   API server is asked;
+//! - by a TokenReview at that cluster's API server (`tokenreview.rs`), which
+//!   also honours revocation (a deleted ServiceAccount or pod).
 
 use std::path::Path;
 
@@ -11,11 +15,19 @@ use anyhow::Context;
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde::Deserialize;
 
+use crate::tokenreview::TokenReviewer;
+
 /// How one cluster's agent tokens are checked.
 pub struct TokenValidator {
-    keys: Vec<(DecodingKey, Vec<Algorithm>)>,
-    validation_base: (String, String),
+    issuer: String,
+    audience: String,
     subject: String,
+    method: Method,
+}
+
+enum Method {
+    Local(Vec<(DecodingKey, Vec<Algorithm>)>),
+    Review(Box<TokenReviewer>),
 }
 
 /// Why a token was refused (for logs and metrics; the agent only learns
@@ -31,11 +43,52 @@ pub enum TokenError {
     /// Signed and valid, but for another ServiceAccount.
     #[error("token is for {0}, not the agent's ServiceAccount")]
     WrongSubject(String),
+    /// The API server could not be asked (TokenReview); not cached.
+    #[error("token could not be reviewed: {0}")]
+    Unavailable(String),
 }
 
 #[derive(Deserialize)]
 struct Claims {
     sub: String,
+}
+
+/// Claims read before the token is verified: only used to route it to the
+/// cluster that then verifies it.
+#[derive(Deserialize)]
+struct Unverified {
+    iss: String,
+    #[serde(default)]
+    exp: Option<u64>,
+}
+
+/// The bearer token in an `authorization` value.
+pub fn bearer(authorization: &str) -> Result<&str, TokenError> {
+    authorization
+        .strip_prefix("Bearer ")
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .ok_or(TokenError::Malformed)
+}
+
+/// The token's `iss` and `exp`, without checking anything.
+fn unverified(token: &str) -> Result<Unverified, TokenError> {
+    let mut v = Validation::new(Algorithm::RS256);
+    v.insecure_disable_signature_validation();
+    v.validate_exp = false;
+    v.validate_aud = false;
+    v.required_spec_claims.clear();
+    let header =
+        jsonwebtoken::decode_header(token).map_err(|e| TokenError::Invalid(e.to_string()))?;
+    v.algorithms = vec![header.alg];
+    jsonwebtoken::decode::<Unverified>(token, &DecodingKey::from_secret(&[]), &v)
+        .map(|d| d.claims)
+        .map_err(|e| TokenError::Invalid(format!("not a ServiceAccount token: {e}")))
+}
+
+/// The issuer a token claims (to route it to its cluster).
+pub fn claimed_issuer(authorization: &str) -> Result<String, TokenError> {
+    Ok(unverified(bearer(authorization)?)?.iss)
 }
 
 /// Reads every PEM public key (RSA or EC) in `path`.
@@ -82,10 +135,39 @@ fn split_pem(text: &[u8]) -> Vec<Vec<u8>> {
 }
 
 impl TokenValidator {
-    /// A validator for tokens of `issuer` signed by a key in `keys`,
+    /// Checks tokens of `issuer` locally against the public keys in `keys`,
     /// for `audience`, of ServiceAccount `namespace/name`.
     pub fn new(
         keys: &Path,
+        issuer: &str,
+        audience: &str,
+        service_account: &str,
+    ) -> anyhow::Result<TokenValidator> {
+        Self::build(
+            Method::Local(load_keys(keys)?),
+            issuer,
+            audience,
+            service_account,
+        )
+    }
+
+    /// Checks tokens of `issuer` by TokenReview at the cluster's API server.
+    pub fn with_review(
+        reviewer: TokenReviewer,
+        issuer: &str,
+        audience: &str,
+        service_account: &str,
+    ) -> anyhow::Result<TokenValidator> {
+        Self::build(
+            Method::Review(Box::new(reviewer)),
+            issuer,
+            audience,
+            service_account,
+        )
+    }
+
+    fn build(
+        method: Method,
         issuer: &str,
         audience: &str,
         service_account: &str,
@@ -94,28 +176,52 @@ impl TokenValidator {
             .split_once('/')
             .context("service_account must be <namespace>/<name>")?;
         Ok(TokenValidator {
-            keys: load_keys(keys)?,
-            validation_base: (issuer.to_string(), audience.to_string()),
+            issuer: issuer.to_string(),
+            audience: audience.to_string(),
             subject: format!("system:serviceaccount:{ns}:{name}"),
+            method,
         })
     }
 
+    /// The issuer whose tokens this checks.
+    pub fn issuer(&self) -> &str {
+        &self.issuer
+    }
+
     /// Checks an `authorization` header value.
-    pub fn check(&self, authorization: &str) -> Result<(), TokenError> {
-        let token = authorization
-            .strip_prefix("Bearer ")
-            .filter(|t| !t.is_empty())
-            .ok_or(TokenError::Malformed)?;
+    pub async fn check(&self, authorization: &str) -> Result<(), TokenError> {
+        let token = bearer(authorization)?;
+        match &self.method {
+            Method::Local(keys) => self.check_local(keys, token),
+            Method::Review(r) => {
+                let claims = unverified(token)?;
+                if claims.iss != self.issuer {
+                    return Err(TokenError::Invalid(format!(
+                        "issuer {:?} is not {:?}",
+                        claims.iss, self.issuer
+                    )));
+                }
+                r.check(token, &self.audience, &self.subject, claims.exp)
+                    .await
+            }
+        }
+    }
+
+    fn check_local(
+        &self,
+        keys: &[(DecodingKey, Vec<Algorithm>)],
+        token: &str,
+    ) -> Result<(), TokenError> {
         let header =
             jsonwebtoken::decode_header(token).map_err(|e| TokenError::Invalid(e.to_string()))?;
         let mut last = TokenError::Invalid("no key for the token's algorithm".into());
-        for (key, algs) in &self.keys {
+        for (key, algs) in keys {
             if !algs.contains(&header.alg) {
                 continue;
             }
             let mut v = Validation::new(header.alg);
-            v.set_issuer(&[&self.validation_base.0]);
-            v.set_audience(&[&self.validation_base.1]);
+            v.set_issuer(&[&self.issuer]);
+            v.set_audience(&[&self.audience]);
             v.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
             v.leeway = 30;
             match jsonwebtoken::decode::<Claims>(token, key, &v) {
@@ -150,8 +256,8 @@ mod tests {
             .as_secs()
     }
 
-    #[test]
-    fn valid_wrong_audience_expired_wrong_key_wrong_subject() {
+    #[tokio::test]
+    async fn valid_wrong_audience_expired_wrong_key_wrong_subject() {
         let dir = tempfile::tempdir().unwrap();
         let (private, public) = key();
         let (other_private, _) = key();
@@ -166,40 +272,42 @@ mod tests {
         .unwrap();
         let good = serde_json::json!({"iss": "https://issuer.a", "aud": ["system:konnectivity-server"], "exp": now() + 600, "sub": "system:serviceaccount:kube-system:konnectivity-agent"});
         assert_eq!(
-            v.check(&format!("Bearer {}", sign(&private, good.clone()))),
+            v.check(&format!("Bearer {}", sign(&private, good.clone())))
+                .await,
             Ok(())
         );
         let mut c = good.clone();
         c["aud"] = serde_json::json!(["api"]);
         assert!(matches!(
-            v.check(&format!("Bearer {}", sign(&private, c))),
+            v.check(&format!("Bearer {}", sign(&private, c))).await,
             Err(TokenError::Invalid(_))
         ));
         let mut c = good.clone();
         c["exp"] = serde_json::json!(now() - 3600);
         assert!(matches!(
-            v.check(&format!("Bearer {}", sign(&private, c))),
+            v.check(&format!("Bearer {}", sign(&private, c))).await,
             Err(TokenError::Invalid(_))
         ));
         let mut c = good.clone();
         c["iss"] = serde_json::json!("https://issuer.b");
         assert!(matches!(
-            v.check(&format!("Bearer {}", sign(&private, c))),
+            v.check(&format!("Bearer {}", sign(&private, c))).await,
             Err(TokenError::Invalid(_))
         ));
         assert!(matches!(
-            v.check(&format!("Bearer {}", sign(&other_private, good.clone()))),
+            v.check(&format!("Bearer {}", sign(&other_private, good.clone())))
+                .await,
             Err(TokenError::Invalid(_))
         ));
         let mut c = good;
         c["sub"] = serde_json::json!("system:serviceaccount:default:default");
         assert!(matches!(
-            v.check(&format!("Bearer {}", sign(&private, c))),
+            v.check(&format!("Bearer {}", sign(&private, c))).await,
             Err(TokenError::WrongSubject(_))
         ));
-        assert_eq!(v.check("Basic abc"), Err(TokenError::Malformed));
+        assert_eq!(v.check("Basic abc").await, Err(TokenError::Malformed));
         assert!(matches!(
-            v.check("Bearer not.a.jwt"),
+            v.check("Bearer not.a.jwt").await,
             Err(TokenError::Invalid(_))
         ));
     }

@@ -71,20 +71,22 @@ pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std:
                         // The certificate decides; a token, if the cluster
                         // checks tokens, must be valid for it too.
                         (Some(c), Some(a)) if c.token.is_some() => {
-                            if let Some(Err(e)) = c.token.as_ref().map(|t| t.check(&a)) {
+                            let checked = match c.token.as_ref() {
+                                Some(t) => t.check(&a).await,
+                                None => Ok(()),
+                            };
+                            if let Err(e) = checked {
                                 tracing::warn!(%peer, cluster = %c.name, error = %e, "agent token refused");
-                                srv.metrics.agent_stream(&c.name, "bad_token");
-                                return Err(Status::unauthenticated("token refused"));
+                                return Err(token_refused(&srv, &c.name, &e));
                             }
                             c
                         }
                         (Some(c), _) => c,
-                        (None, Some(a)) => match srv.registry.cluster_for_token(&a) {
+                        (None, Some(a)) => match srv.registry.cluster_for_token(&a).await {
                             Ok(c) => c.clone(),
                             Err(e) => {
                                 tracing::warn!(%peer, error = %e, "agent token refused");
-                                srv.metrics.agent_stream("", "bad_token");
-                                return Err(Status::unauthenticated("token refused"));
+                                return Err(token_refused(&srv, "", &e));
                             }
                         },
                         (None, None) => {
@@ -190,4 +192,18 @@ pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std:
         )
     };
     grpc::serve(tls, vec![(AGENT_CONNECT_PATH, handler)], srv.agent_h2).await;
+}
+
+/// Counts a refused token and answers the agent: `UNAVAILABLE` when the
+/// API server could not be asked (the agent retries with back-off), else
+/// `UNAUTHENTICATED`.
+fn token_refused(srv: &TunnelServer, cluster: &str, e: &crate::token::TokenError) -> Status {
+    if matches!(e, crate::token::TokenError::Unavailable(_)) {
+        srv.metrics
+            .agent_stream(cluster, "token_review_unavailable");
+        Status::unavailable("token could not be reviewed")
+    } else {
+        srv.metrics.agent_stream(cluster, "bad_token");
+        Status::unauthenticated("token refused")
+    }
 }

@@ -59,6 +59,9 @@ pub struct Metrics {
     pending: Family<ClusterLabel, Gauge>,
     established: Family<ClusterLabel, Gauge>,
     frontend_conns: Family<FrontendLabels, Counter>,
+    /// TokenReviews by outcome (`reason` label: accepted, refused,
+    /// unavailable, cached).
+    pub token_reviews: Family<ClusterReason, Counter>,
     /// Live connection tasks (agent streams, frontends), set at scrape time.
     pub tasks: Gauge,
     k_backends: Gauge,
@@ -94,6 +97,7 @@ impl Metrics {
             pending: Family::default(),
             established: Family::default(),
             frontend_conns: Family::default(),
+            token_reviews: Family::default(),
             tasks: Gauge::default(),
             k_backends: Gauge::default(),
             k_pending: Gauge::default(),
@@ -134,6 +138,11 @@ impl Metrics {
                 "frontend_connections",
                 "Finished frontend connections by outcome",
                 m.frontend_conns.clone(),
+            );
+            r.register(
+                "token_reviews",
+                "Agent token checks by TokenReview, by outcome (accepted, refused, unavailable, cached)",
+                m.token_reviews.clone(),
             );
         }
         {

@@ -541,19 +541,25 @@ impl Registry {
         })
     }
 
-    /// The cluster whose token issuer accepts `authorization`, or the last
-    /// reason for refusal.
-    pub fn cluster_for_token(&self, authorization: &str) -> Result<&Arc<Cluster>, TokenError> {
-        let mut last = TokenError::Invalid("no cluster accepts tokens".into());
-        for c in &self.clusters {
-            if let Some(v) = &c.token {
-                match v.check(authorization) {
-                    Ok(()) => return Ok(c),
-                    Err(e) => last = e,
-                }
-            }
-        }
-        Err(last)
+    /// The cluster whose issuer the token in `authorization` claims, once
+    /// that cluster accepted it; a token is never shown to another
+    /// cluster's API server.
+    pub async fn cluster_for_token(
+        &self,
+        authorization: &str,
+    ) -> Result<&Arc<Cluster>, TokenError> {
+        let iss = crate::token::claimed_issuer(authorization)?;
+        let Some((c, v)) = self.clusters.iter().find_map(|c| {
+            c.token
+                .as_ref()
+                .filter(|v| v.issuer() == iss)
+                .map(|v| (c, v))
+        }) else {
+            return Err(TokenError::Invalid(format!(
+                "no cluster has issuer {iss:?}"
+            )));
+        };
+        v.check(authorization).await.map(|()| c)
     }
 
     /// Whether any cluster has an agent.

@@ -20,6 +20,7 @@ use crate::grpc::H2Settings;
 use crate::proto::PROXY_PATH;
 use crate::tls;
 use crate::token::TokenValidator;
+use crate::tokenreview::TokenReviewer;
 
 /// Timeouts and budgets.
 #[derive(Debug, Clone, Copy)]
@@ -105,6 +106,7 @@ fn random_id() -> String {
 impl TunnelServer {
     /// Builds the server (reads every certificate; nothing is bound yet).
     pub fn from_config(cfg: &ServerConfig) -> anyhow::Result<Arc<TunnelServer>> {
+        let metrics = Metrics::new();
         let mut clusters = Vec::new();
         let mut frontends = Vec::new();
         for c in &cfg.clusters {
@@ -116,8 +118,25 @@ impl TunnelServer {
             };
             let token = match &c.agent_token {
                 Some(t) => Some(
-                    TokenValidator::new(&t.keys, &t.issuer, &t.audience, &t.service_account)
-                        .with_context(|| format!("cluster {}: agent_token", c.name))?,
+                    match (&t.keys, &t.review) {
+                        (Some(keys), None) => {
+                            TokenValidator::new(keys, &t.issuer, &t.audience, &t.service_account)
+                        }
+                        (None, Some(r)) => {
+                            TokenReviewer::new(&c.name, r, metrics.token_reviews.clone()).and_then(
+                                |r| {
+                                    TokenValidator::with_review(
+                                        r,
+                                        &t.issuer,
+                                        &t.audience,
+                                        &t.service_account,
+                                    )
+                                },
+                            )
+                        }
+                        _ => Err(anyhow::anyhow!("exactly one of keys or review")),
+                    }
+                    .with_context(|| format!("cluster {}: agent_token", c.name))?,
                 ),
                 None => None,
             };
@@ -171,7 +190,7 @@ impl TunnelServer {
         .context("agents: TLS")?;
         Ok(Arc::new(TunnelServer {
             registry: Registry { clusters },
-            metrics: Metrics::new(),
+            metrics,
             settings: Settings {
                 handshake_timeout: Duration::from_secs(10),
                 dial_timeout: cfg.dial_timeout,

@@ -1,0 +1,298 @@
+//! A TokenReview client: asks a cluster's API server whether an agent's
+//! ServiceAccount token is valid (`POST /apis/authentication.k8s.io/v1/tokenreviews`
+//! with the expected audience), as Konnectivity's proxy-server does with
+//! `--agent-namespace`/`--agent-service-account`/`--authentication-audience`.
+//! Unlike upstream, answers are cached (accepted tokens for `cache_ttl` but
+//! never beyond their `exp`, refusals for 5 s) and concurrent reviews per
+//! cluster are bounded, so a reconnect storm does not become an API storm.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use serde::Deserialize;
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+
+use crate::server::metrics::ClusterReason;
+use crate::token::TokenError;
+
+/// How long a refusal is remembered.
+const REFUSAL_TTL: Duration = Duration::from_secs(5);
+/// Cached answers at most (then expired ones are dropped, and if that is
+/// not enough, all).
+const CACHE_MAX: usize = 4096;
+/// Reviews in flight per cluster at most; more wait (within the deadline).
+const CONCURRENT: usize = 8;
+/// Largest answer read.
+const MAX_ANSWER: usize = 1024 * 1024;
+
+/// A remembered answer and until when it holds.
+type Cached = (Instant, Result<(), TokenError>);
+
+/// TokenReview client for one cluster.
+pub struct TokenReviewer {
+    cluster: String,
+    host: String,
+    port: u16,
+    authority: String,
+    path: String,
+    server_name: rustls::pki_types::ServerName<'static>,
+    tls: TlsConnector,
+    token_file: Option<PathBuf>,
+    timeout: Duration,
+    cache_ttl: Duration,
+    cache: Mutex<HashMap<String, Cached>>,
+    gate: tokio::sync::Semaphore,
+    outcomes: Family<ClusterReason, Counter>,
+}
+
+#[derive(Deserialize, Default)]
+struct Review {
+    #[serde(default)]
+    status: ReviewStatus,
+}
+
+#[derive(Deserialize, Default)]
+struct ReviewStatus {
+    #[serde(default)]
+    authenticated: bool,
+    #[serde(default)]
+    user: ReviewUser,
+    #[serde(default)]
+    audiences: Vec<String>,
+    #[serde(default)]
+    error: String,
+}
+
+#[derive(Deserialize, Default)]
+struct ReviewUser {
+    #[serde(default)]
+    username: String,
+}
+
+/// The `status` of a Kubernetes error answer.
+#[derive(Deserialize, Default)]
+struct ApiStatus {
+    #[serde(default)]
+    message: String,
+}
+
+impl TokenReviewer {
+    /// A reviewer for `cluster` as configured; `outcomes` counts reviews by
+    /// outcome (`accepted`, `refused`, `unavailable`, `cached`).
+    pub fn new(
+        cluster: &str,
+        cfg: &crate::config::TokenReview,
+        outcomes: Family<ClusterReason, Counter>,
+    ) -> anyhow::Result<TokenReviewer> {
+        let uri: http::Uri = cfg
+            .url
+            .parse()
+            .with_context(|| format!("review url {:?}", cfg.url))?;
+        if uri.scheme_str() != Some("https") {
+            anyhow::bail!("review url {:?}: must be https://", cfg.url);
+        }
+        let auth = uri
+            .authority()
+            .with_context(|| format!("review url {:?}: no host", cfg.url))?;
+        let host = auth.host().trim_start_matches('[').trim_end_matches(']');
+        let server_name = rustls::pki_types::ServerName::try_from(host.to_string())
+            .with_context(|| format!("review url {:?}: host", cfg.url))?;
+        let identity = match (&cfg.cert, &cfg.key) {
+            (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
+            _ => None,
+        };
+        let tls = crate::tls::client_config(&cfg.ca, identity, &["http/1.1".to_string()])?;
+        Ok(TokenReviewer {
+            cluster: cluster.to_string(),
+            host: host.to_string(),
+            port: auth.port_u16().unwrap_or(443),
+            authority: auth.as_str().to_string(),
+            path: format!(
+                "{}/apis/authentication.k8s.io/v1/tokenreviews",
+                uri.path().trim_end_matches('/')
+            ),
+            server_name,
+            tls: TlsConnector::from(Arc::new(tls)),
+            token_file: cfg.token_file.clone(),
+            timeout: cfg.timeout,
+            cache_ttl: cfg.cache_ttl,
+            cache: Mutex::new(HashMap::new()),
+            gate: tokio::sync::Semaphore::new(CONCURRENT),
+            outcomes,
+        })
+    }
+
+    fn count(&self, outcome: &str) {
+        self.outcomes
+            .get_or_create(&ClusterReason {
+                cluster: self.cluster.clone(),
+                reason: outcome.into(),
+            })
+            .inc();
+    }
+
+    /// Whether `token` is a valid token of `subject` for `audience`;
+    /// `exp` (seconds since the epoch, from the token) bounds how long an
+    /// acceptance is cached.
+    pub async fn check(
+        &self,
+        token: &str,
+        audience: &str,
+        subject: &str,
+        exp: Option<u64>,
+    ) -> Result<(), TokenError> {
+        let now = Instant::now();
+        if let Ok(cache) = self.cache.lock() {
+            if let Some((until, answer)) = cache.get(token) {
+                if *until > now {
+                    self.count("cached");
+                    return answer.clone();
+                }
+            }
+        }
+        let answer = match tokio::time::timeout(self.timeout, async {
+            let _permit = self
+                .gate
+                .acquire()
+                .await
+                .map_err(|_| TokenError::Unavailable("reviewer closed".into()))?;
+            self.review(token, audience, subject).await
+        })
+        .await
+        {
+            Ok(a) => a,
+            Err(_) => Err(TokenError::Unavailable(format!(
+                "no TokenReview answer within {:?}",
+                self.timeout
+            ))),
+        };
+        let ttl = match &answer {
+            Ok(()) => {
+                self.count("accepted");
+                let left = exp.map_or(self.cache_ttl, |e| {
+                    let now = SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .map_or(0, |d| d.as_secs());
+                    Duration::from_secs(e.saturating_sub(now))
+                });
+                Some(self.cache_ttl.min(left))
+            }
+            Err(TokenError::Unavailable(_)) => {
+                self.count("unavailable");
+                None
+            }
+            Err(_) => {
+                self.count("refused");
+                Some(REFUSAL_TTL.min(self.cache_ttl))
+            }
+        };
+        if let Some(ttl) = ttl.filter(|t| !t.is_zero()) {
+            if let Ok(mut cache) = self.cache.lock() {
+                if cache.len() >= CACHE_MAX {
+                    cache.retain(|_, (until, _)| *until > now);
+                    if cache.len() >= CACHE_MAX {
+                        cache.clear();
+                    }
+                }
+                cache.insert(token.to_string(), (now + ttl, answer.clone()));
+            }
+        }
+        answer
+    }
+
+    async fn review(&self, token: &str, audience: &str, subject: &str) -> Result<(), TokenError> {
+        let unavailable = |what: &str, e: &dyn std::fmt::Display| {
+            TokenError::Unavailable(format!("TokenReview at {}: {what}: {e}", self.authority))
+        };
+        let own = match &self.token_file {
+            Some(p) => {
+                let t = tokio::fs::read_to_string(p)
+                    .await
+                    .map_err(|e| unavailable(&format!("reading {}", p.display()), &e))?;
+                Some(t.trim().to_string())
+            }
+            None => None,
+        };
+        let body = serde_json::json!({
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "spec": {"token": token, "audiences": [audience]},
+        })
+        .to_string();
+        let tcp = TcpStream::connect((self.host.as_str(), self.port))
+            .await
+            .map_err(|e| unavailable("connect", &e))?;
+        let _ = tcp.set_nodelay(true);
+        let tls = self
+            .tls
+            .connect(self.server_name.clone(), tcp)
+            .await
+            .map_err(|e| unavailable("TLS", &e))?;
+        let (mut send, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+                .await
+                .map_err(|e| unavailable("HTTP", &e))?;
+        let driver = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let mut req = http::Request::post(self.path.as_str())
+            .header(http::header::HOST, self.authority.as_str())
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .header(http::header::ACCEPT, "application/json");
+        if let Some(t) = own {
+            req = req.header(http::header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        let req = req
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| unavailable("request", &e))?;
+        let result = async {
+            let resp = send
+                .send_request(req)
+                .await
+                .map_err(|e| unavailable("request", &e))?;
+            let status = resp.status();
+            let bytes = Limited::new(resp.into_body(), MAX_ANSWER)
+                .collect()
+                .await
+                .map_err(|e| unavailable("answer", &e))?
+                .to_bytes();
+            if !status.is_success() {
+                let msg = serde_json::from_slice::<ApiStatus>(&bytes)
+                    .map(|s| s.message)
+                    .unwrap_or_default();
+                return Err(unavailable(&format!("HTTP {status}"), &msg));
+            }
+            let review: Review =
+                serde_json::from_slice(&bytes).map_err(|e| unavailable("answer", &e))?;
+            let s = review.status;
+            if !s.authenticated {
+                return Err(TokenError::Invalid(if s.error.is_empty() {
+                    "not authenticated".into()
+                } else {
+                    s.error
+                }));
+            }
+            if !s.audiences.iter().any(|a| a == audience) {
+                return Err(TokenError::Invalid(format!(
+                    "token is not for audience {audience} (reviewed audiences {:?})",
+                    s.audiences
+                )));
+            }
+            if s.user.username != subject {
+                return Err(TokenError::WrongSubject(s.user.username));
+            }
+            Ok(())
+        }
+        .await;
+        driver.abort();
+        result
+    }
+}
