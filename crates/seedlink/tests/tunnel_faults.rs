@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 
 use common::tunnel_env::*;
 use common::*;
-use futures_util::StreamExt;
 use seedlink_tunnel::proto::Packet;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -378,6 +377,7 @@ async fn a_malicious_agent_cannot_touch_other_agents_connections() {
         cert: f.agent_crt.clone(),
         key: f.agent_key.clone(),
         endpoint: ep.clone(),
+        agent_id: "real".into(),
     };
     // Packets: DATA and CLOSE_RSP for the real connection's ID (1) and
     // others, a DIAL_RSP for a dial it never got, an unknown type, then an
@@ -416,102 +416,6 @@ async fn a_malicious_agent_cannot_touch_other_agents_connections() {
     // New dials still work (they may only land on the real agent now).
     let s = kas_connect(&env.uds, "127.0.0.1:8000").await.unwrap();
     assert!(fetch_hello(s).await.contains("hello"));
-}
-
-/// An agent written for the test: valid cluster certificate, hostile
-/// packets. It runs on a thread that joined the seed namespace, where the
-/// agent endpoint is routable.
-struct FakeAgent {
-    netns: String,
-    ca: String,
-    cert: String,
-    key: String,
-    endpoint: String,
-}
-
-impl FakeAgent {
-    /// Connects as agent `real`, sends `script` (then a 5 MiB DATA if
-    /// `oversized`), and disconnects.
-    fn run(&self, script: Vec<Packet>, oversized: bool) {
-        let (netns, ca, cert, key, ep) = (
-            self.netns.clone(),
-            self.ca.clone(),
-            self.cert.clone(),
-            self.key.clone(),
-            self.endpoint.clone(),
-        );
-        std::thread::spawn(move || {
-            enter_netns(&netns);
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                let cfg = seedlink_tunnel::tls::client_config(
-                    std::path::Path::new(&ca),
-                    Some((std::path::Path::new(&cert), std::path::Path::new(&key))),
-                    &["h2".to_string()],
-                )
-                .unwrap();
-                let tcp = tokio::net::TcpStream::connect(&ep).await.unwrap();
-                let name = rustls::pki_types::ServerName::try_from("tunnel.seedlink.test").unwrap();
-                let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
-                    .connect(name, tcp)
-                    .await
-                    .unwrap();
-                let h2 = seedlink_tunnel::grpc::H2Settings {
-                    keepalive: Duration::from_secs(30),
-                    keepalive_timeout: Duration::from_secs(10),
-                };
-                let mut client = seedlink_tunnel::grpc::connect(
-                    tls,
-                    "https://tunnel.seedlink.test".parse().unwrap(),
-                    h2,
-                )
-                .await
-                .unwrap();
-                let (tx, rx) = tokio::sync::mpsc::channel::<Packet>(64);
-                let out = futures_util::stream::unfold(rx, |mut rx| async move {
-                    rx.recv().await.map(|p| (p, rx))
-                });
-                let resp = seedlink_tunnel::grpc::open_stream(
-                    &mut client,
-                    seedlink_tunnel::proto::AGENT_CONNECT_PATH,
-                    out,
-                    &[("agentid", "real".to_string())],
-                )
-                .await
-                .unwrap();
-                assert!(resp.metadata().get("serverid").is_some());
-                let mut inbound = resp.into_inner();
-                for p in script {
-                    tx.send(p).await.unwrap();
-                }
-                if oversized {
-                    let big = bytes::Bytes::from(vec![0u8; 5 * 1024 * 1024]);
-                    let _ = tx.send(Packet::data(1, big)).await;
-                }
-                // Read what the server answers (CLOSE_REQs) for a moment.
-                let linger = if oversized { 300 } else { 20 };
-                let _ = tokio::time::timeout(Duration::from_millis(linger), async {
-                    while let Some(Ok(_)) = inbound.next().await {}
-                })
-                .await;
-            });
-        })
-        .join()
-        .unwrap();
-    }
-}
-
-/// Moves the calling thread into network namespace `name`.
-#[allow(unsafe_code)]
-fn enter_netns(name: &str) {
-    use std::os::fd::AsRawFd;
-    let f = std::fs::File::open(format!("/run/netns/{name}")).unwrap();
-    // SAFETY: setns on a valid namespace fd for this thread only.
-    let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-    assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
 }
 
 fn signal(pid: u32, sig: &str) {

@@ -378,8 +378,15 @@ impl Drop for Netns {
 /// inside these namespaces).
 pub fn netns_pair(a: &str, b: &str, net: u8) -> (Netns, Netns) {
     let (na, nb) = (Netns::new(a), Netns::new(b));
+    netns_link(&na, &nb, net);
+    (na, nb)
+}
+
+/// Joins two namespaces by a veth pair: `198.18.<net>.1/24` in `na`,
+/// `.2` in `nb`.
+pub fn netns_link(na: &Netns, nb: &Netns, net: u8) {
     let id = std::process::id() % 100_000;
-    let (va, vb) = (format!("v{a}{id}{net}"), format!("v{b}{id}{net}"));
+    let (va, vb) = (format!("va{id}n{net}"), format!("vb{id}n{net}"));
     na.run(&[
         "ip", "link", "add", &va, "type", "veth", "peer", "name", &vb,
     ]);
@@ -402,5 +409,4 @@ pub fn netns_pair(a: &str, b: &str, net: u8) -> (Netns, Netns) {
         &vb,
     ]);
     nb.run(&["ip", "link", "set", &vb, "up"]);
-    (na, nb)
 }

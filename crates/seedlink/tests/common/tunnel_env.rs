@@ -141,35 +141,7 @@ impl TunnelEnv {
             agent_crt: w("agent.pem", &shootpki.client.cert_pem),
             agent_key: w("agent-key.pem", &shootpki.client.key_pem),
         };
-        std::fs::write(d.join("hello.txt"), "hello from the shoot\n").unwrap();
-        let http = Proc(
-            shoot
-                .cmd(&[
-                    "python3",
-                    "-m",
-                    "http.server",
-                    "8000",
-                    "--bind",
-                    "127.0.0.1",
-                    "--directory",
-                ])
-                .arg(&d)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap(),
-        );
-        let mut svc = Proc(
-            shoot
-                .cmd(&["python3", "-c", SERVICES])
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap(),
-        );
-        let out = svc.0.stdout.take().unwrap();
-        let mut line = String::new();
-        BufReader::new(out).read_line(&mut line).unwrap();
-        assert_eq!(line.trim(), "up");
+        let services = shoot_services(&shoot, &d, "hello from the shoot");
         TunnelEnv {
             net,
             uds: d.join("kas.sock").display().to_string(),
@@ -179,7 +151,7 @@ impl TunnelEnv {
             shoot,
             dir,
             files,
-            _services: vec![http, svc],
+            _services: services,
         }
     }
 
@@ -256,34 +228,39 @@ clusters:
 
     /// Starts `seedlink tunnel-agent` with only `extra` as credentials.
     pub fn agent_bare(&self, server: &str, extra: &[&str]) -> Started {
+        self.agent_in(&self.shoot, server, extra)
+    }
+
+    /// Starts `seedlink tunnel-agent` in namespace `ns` with only `extra`
+    /// as credentials.
+    pub fn agent_in(&self, ns: &Netns, server: &str, extra: &[&str]) -> Started {
         let f = &self.files;
         let mut proc = Proc(
-            self.shoot
-                .cmd(&[
-                    env!("CARGO_BIN_EXE_seedlink"),
-                    "tunnel-agent",
-                    "--server",
-                    server,
-                ])
-                .args([
-                    "--server-name",
-                    "tunnel.seedlink.test",
-                    "--ca-cert",
-                    &f.seed_ca,
-                ])
-                .args([
-                    "--admin",
-                    "127.0.0.1:0",
-                    "--sync-interval",
-                    "0.2",
-                    "--sync-interval-cap",
-                    "2",
-                ])
-                .args(extra)
-                .env("RUST_LOG", "warn")
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap(),
+            ns.cmd(&[
+                env!("CARGO_BIN_EXE_seedlink"),
+                "tunnel-agent",
+                "--server",
+                server,
+            ])
+            .args([
+                "--server-name",
+                "tunnel.seedlink.test",
+                "--ca-cert",
+                &f.seed_ca,
+            ])
+            .args([
+                "--admin",
+                "127.0.0.1:0",
+                "--sync-interval",
+                "0.2",
+                "--sync-interval-cap",
+                "2",
+            ])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
         );
         let ready = ready_line(&mut proc.0);
         Started { proc, ready }
@@ -411,4 +388,138 @@ pub async fn grpc_client(path: &str) -> seedlink_tunnel::grpc::Client {
     seedlink_tunnel::grpc::connect(io, "http://localhost".parse().unwrap(), h2)
         .await
         .unwrap()
+}
+
+/// Starts the shoot's services in `ns` (see the module comment); `hello`
+/// is the content of `hello.txt`, served from `dir`.
+pub fn shoot_services(ns: &Netns, dir: &std::path::Path, hello: &str) -> Vec<Proc> {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("hello.txt"), format!("{hello}\n")).unwrap();
+    let http = Proc(
+        ns.cmd(&[
+            "python3",
+            "-m",
+            "http.server",
+            "8000",
+            "--bind",
+            "127.0.0.1",
+            "--directory",
+        ])
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap(),
+    );
+    let mut svc = Proc(
+        ns.cmd(&["python3", "-c", SERVICES])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let out = svc.0.stdout.take().unwrap();
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "up");
+    vec![http, svc]
+}
+
+/// An agent written for the tests: a valid cluster certificate, hostile
+/// packets. It runs on a thread that joined the seed namespace, where the
+/// agent endpoint is routable.
+pub struct FakeAgent {
+    pub netns: String,
+    pub ca: String,
+    pub cert: String,
+    pub key: String,
+    pub endpoint: String,
+    pub agent_id: String,
+}
+
+impl FakeAgent {
+    /// Connects as `agent_id`, sends `script` (then a 5 MiB DATA if
+    /// `oversized`), and disconnects.
+    pub fn run(&self, script: Vec<seedlink_tunnel::proto::Packet>, oversized: bool) {
+        use futures_util::StreamExt;
+        use seedlink_tunnel::proto::Packet;
+        let (netns, ca, cert, key, ep, id) = (
+            self.netns.clone(),
+            self.ca.clone(),
+            self.cert.clone(),
+            self.key.clone(),
+            self.endpoint.clone(),
+            self.agent_id.clone(),
+        );
+        std::thread::spawn(move || {
+            enter_netns(&netns);
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let cfg = seedlink_tunnel::tls::client_config(
+                    std::path::Path::new(&ca),
+                    Some((std::path::Path::new(&cert), std::path::Path::new(&key))),
+                    &["h2".to_string()],
+                )
+                .unwrap();
+                let tcp = tokio::net::TcpStream::connect(&ep).await.unwrap();
+                let name = rustls::pki_types::ServerName::try_from("tunnel.seedlink.test").unwrap();
+                let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
+                    .connect(name, tcp)
+                    .await
+                    .unwrap();
+                let h2 = seedlink_tunnel::grpc::H2Settings {
+                    keepalive: Duration::from_secs(30),
+                    keepalive_timeout: Duration::from_secs(10),
+                };
+                let mut client = seedlink_tunnel::grpc::connect(
+                    tls,
+                    "https://tunnel.seedlink.test".parse().unwrap(),
+                    h2,
+                )
+                .await
+                .unwrap();
+                let (tx, rx) = tokio::sync::mpsc::channel::<Packet>(64);
+                let out = futures_util::stream::unfold(rx, |mut rx| async move {
+                    rx.recv().await.map(|p| (p, rx))
+                });
+                let resp = seedlink_tunnel::grpc::open_stream(
+                    &mut client,
+                    seedlink_tunnel::proto::AGENT_CONNECT_PATH,
+                    out,
+                    &[("agentid", id)],
+                )
+                .await
+                .unwrap();
+                assert!(resp.metadata().get("serverid").is_some());
+                let mut inbound = resp.into_inner();
+                for p in script {
+                    tx.send(p).await.unwrap();
+                }
+                if oversized {
+                    let big = bytes::Bytes::from(vec![0u8; 5 * 1024 * 1024]);
+                    let _ = tx.send(Packet::data(1, big)).await;
+                }
+                // Read what the server answers (CLOSE_REQs) for a moment.
+                let linger = if oversized { 300 } else { 20 };
+                let _ = tokio::time::timeout(Duration::from_millis(linger), async {
+                    while let Some(Ok(_)) = inbound.next().await {}
+                })
+                .await;
+            });
+        })
+        .join()
+        .unwrap();
+    }
+}
+
+/// Moves the calling thread into network namespace `name`.
+#[allow(unsafe_code)]
+pub fn enter_netns(name: &str) {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(format!("/run/netns/{name}")).unwrap();
+    // SAFETY: setns on a valid namespace fd for this thread only.
+    let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+    assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
 }

@@ -1,0 +1,203 @@
+//! One `seedlink tunnel-server` for several clusters: each cluster's
+//! "shoot" is its own network namespace (services answering with the
+//! cluster's name), its agents carry its own client CA, and its frontend is
+//! its own Unix socket. Every frontend must reach exactly its own cluster's
+//! services, and an agent of one cluster must not be able to touch another
+//! cluster's dials or connections, whatever it claims to be.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::tunnel_env::*;
+use common::*;
+use seedlink_tunnel::proto::Packet;
+use tokio::io::AsyncReadExt;
+
+/// A cluster beyond the test bed's own (`shoot--dev--a`): its namespace,
+/// linked to the seed, its services and its agents' PKI.
+struct Tenant {
+    name: String,
+    ns: Netns,
+    net: u8,
+    ca: String,
+    crt: String,
+    key: String,
+    _services: Vec<Proc>,
+}
+
+impl Tenant {
+    fn new(env: &TunnelEnv, name: &str, net: u8) -> Tenant {
+        let ns = Netns::new(name);
+        netns_link(&env.seed, &ns, net);
+        let d = env.dir.path().join(name);
+        let services = shoot_services(&ns, &d, &format!("hello from {name}"));
+        let pki = seedlink::demo::Pki::generate(&[]).unwrap();
+        let w = |f: &str, text: &str| {
+            std::fs::write(d.join(f), text).unwrap();
+            d.join(f).display().to_string()
+        };
+        Tenant {
+            name: name.to_string(),
+            ca: w("agent-ca.pem", &pki.ca_pem),
+            crt: w("agent.pem", &pki.client.cert_pem),
+            key: w("agent-key.pem", &pki.client.key_pem),
+            ns,
+            net,
+            _services: services,
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("198.18.{}.1:8132", self.net)
+    }
+
+    fn yaml(&self, env: &TunnelEnv) -> String {
+        format!(
+            "  - name: {n}
+    agent_ca: '{ca}'
+    frontends:
+      - {{name: uds, protocol: http-connect, unix: '{d}/kas-{n}.sock'}}
+",
+            n = self.name,
+            ca = self.ca,
+            d = env.dir.path().display()
+        )
+    }
+
+    fn uds(&self, env: &TunnelEnv) -> String {
+        format!("{}/kas-{}.sock", env.dir.path().display(), self.name)
+    }
+
+    fn agent(&self, env: &TunnelEnv, extra: &[&str]) -> Started {
+        let mut args = vec!["--agent-cert", &self.crt, "--agent-key", &self.key];
+        args.extend_from_slice(extra);
+        env.agent_in(&self.ns, &self.endpoint(), &args)
+    }
+}
+
+const A: &str = "shoot--dev--a";
+
+async fn hello_via(uds: &str) -> String {
+    let s = kas_connect_eventually(uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
+    fetch_hello(s).await
+}
+
+/// Three clusters with two agents each on one server; cluster A also has
+/// an agent that copies B's agent ID and identifiers. Every frontend reaches
+/// only its own cluster's services; B's and C's agents get exactly their
+/// own clusters' dials; a hostile agent of A (A's certificate, B's agent
+/// ID) sends DATA/CLOSE for B's connection IDs and answers guessed dial IDs:
+/// all refused and counted, B's open connection untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_clusters_each_reach_only_their_own_shoot() {
+    let env = TunnelEnv::new(56);
+    let b = Tenant::new(&env, "b", 57);
+    let c = Tenant::new(&env, "c", 58);
+    let yaml = format!(
+        "{}{}{}",
+        env.server_yaml("0.0.0.0:8132", "", ""),
+        b.yaml(&env),
+        c.yaml(&env)
+    );
+    let server = env.server(&yaml, "server");
+    let admin = server.admin();
+    let ep_a = env.agent_endpoint(8132);
+    let ids = ["--agent-identifiers", "host=kas.b"];
+    let _a: Vec<_> = (0..2)
+        .map(|i| env.agent(&ep_a, &["--agent-id", &format!("a{i}")]))
+        .collect();
+    // Copies B's first agent's ID and identifiers.
+    let _copycat = env.agent(&ep_a, &["--agent-id", "b0", ids[0], ids[1]]);
+    let b_agents: Vec<_> = (0..2)
+        .map(|i| b.agent(&env, &["--agent-id", &format!("b{i}"), ids[0], ids[1]]))
+        .collect();
+    let c_agents: Vec<_> = (0..2)
+        .map(|i| c.agent(&env, &["--agent-id", &format!("c{i}")]))
+        .collect();
+    let agents_of = |cl: &str| {
+        env.server_metric(
+            &admin,
+            &format!("seedlink_tunnel_server_agents{{cluster=\"{cl}\"}}"),
+        )
+    };
+    TunnelEnv::until(Duration::from_secs(20), "all agents", || {
+        agents_of(A) == 3.0 && agents_of("b") == 2.0 && agents_of("c") == 2.0
+    })
+    .await;
+
+    const N: usize = 12;
+    for _ in 0..N {
+        assert!(hello_via(&env.uds).await.contains("hello from the shoot"));
+        let hb = hello_via(&b.uds(&env)).await;
+        assert!(hb.contains("hello from b"), "{hb}");
+        let hc = hello_via(&c.uds(&env)).await;
+        assert!(hc.contains("hello from c"), "{hc}");
+    }
+    // B's and C's agents answered exactly their clusters' dials.
+    let dials = |agents: &[Started], ns: &Netns| -> f64 {
+        agents
+            .iter()
+            .map(|a| {
+                sum_metric(
+                    &TunnelEnv::admin_get(ns, &a.admin(), "/metrics"),
+                    "seedlink_tunnel_agent_dials_total{outcome=\"ok\"}",
+                )
+            })
+            .sum()
+    };
+    assert_eq!(dials(&b_agents, &b.ns), N as f64);
+    assert_eq!(dials(&c_agents, &c.ns), N as f64);
+    for cl in [A, "b", "c"] {
+        assert_eq!(
+            env.server_metric(
+                &admin,
+                &format!("seedlink_tunnel_server_dials_total{{cluster=\"{cl}\"}}")
+            ),
+            N as f64,
+            "{cl}"
+        );
+    }
+
+    // A hostile agent of A, claiming to be b0, while a B connection is open.
+    let mut echo = kas_connect(&b.uds(&env), "127.0.0.1:7007").await.unwrap();
+    echo_rtt(&mut echo, 64).await;
+    let fake = FakeAgent {
+        netns: env.seed.0.clone(),
+        ca: env.files.seed_ca.clone(),
+        cert: env.files.agent_crt.clone(),
+        key: env.files.agent_key.clone(),
+        endpoint: ep_a.clone(),
+        agent_id: "b0".into(),
+    };
+    let mut script = Vec::new();
+    for id in 1..=40i64 {
+        script.push(Packet::data(id, bytes::Bytes::from_static(b"INJECTED")));
+        script.push(Packet::close_rsp(id, String::new()));
+        script.push(Packet::dial_rsp(id * 104_729, id, String::new()));
+    }
+    fake.run(script, false);
+    echo_rtt(&mut echo, 64).await;
+    let mut extra = [0u8; 16];
+    let r = tokio::time::timeout(Duration::from_millis(300), echo.read(&mut extra)).await;
+    assert!(r.is_err(), "bytes injected into B's connection: {r:?}");
+    echo_rtt(&mut echo, 4096).await;
+    let packets = |cl: &str, reason: &str| {
+        env.server_metric(
+            &admin,
+            &format!(
+                "seedlink_tunnel_server_agent_packets_total{{cluster=\"{cl}\",reason=\"{reason}\"}}"
+            ),
+        )
+    };
+    assert!(
+        packets(A, "unrecognized") >= 120.0,
+        "{}",
+        packets(A, "unrecognized")
+    );
+    assert_eq!(packets("b", "unrecognized"), 0.0);
+    // B still works, through B's agents only.
+    assert!(hello_via(&b.uds(&env)).await.contains("hello from b"));
+    assert_eq!(dials(&b_agents, &b.ns), N as f64 + 2.0);
+}
