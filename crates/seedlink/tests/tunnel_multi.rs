@@ -54,10 +54,15 @@ impl Tenant {
     }
 
     fn yaml(&self, env: &TunnelEnv) -> String {
+        self.yaml_with(env, "")
+    }
+
+    /// The cluster's configuration with `extra` lines (4-space indented).
+    fn yaml_with(&self, env: &TunnelEnv, extra: &str) -> String {
         format!(
             "  - name: {n}
     agent_ca: '{ca}'
-    frontends:
+{extra}    frontends:
       - {{name: uds, protocol: http-connect, unix: '{d}/kas-{n}.sock'}}
 ",
             n = self.name,
@@ -200,4 +205,98 @@ async fn three_clusters_each_reach_only_their_own_shoot() {
     // B still works, through B's agents only.
     assert!(hello_via(&b.uds(&env)).await.contains("hello from b"));
     assert_eq!(dials(&b_agents, &b.ns), N as f64 + 2.0);
+}
+
+/// Limits per cluster: B may hold 3 connections, C may dial 5 at once and
+/// then one per 2 s and have one agent stream. B and C hitting their
+/// limits is answered 503 and counted, and does not touch A.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_cluster_limits_refuse_and_count_without_touching_others() {
+    let env = TunnelEnv::new(59);
+    let b = Tenant::new(&env, "b", 60);
+    let c = Tenant::new(&env, "c", 61);
+    let yaml = format!(
+        "{}{}{}",
+        env.server_yaml("0.0.0.0:8132", "", ""),
+        b.yaml_with(&env, "    limits: {max_connections: 3}\n"),
+        c.yaml_with(
+            &env,
+            "    limits: {dial_rate: 0.5, dial_burst: 5, max_agents: 1}\n"
+        )
+    );
+    let server = env.server(&yaml, "server");
+    let admin = server.admin();
+    let _a = env.agent(&env.agent_endpoint(8132), &[]);
+    let _b = b.agent(&env, &[]);
+    let _c: Vec<_> = (0..2)
+        .map(|i| c.agent(&env, &["--agent-id", &format!("c{i}")]))
+        .collect();
+    let m = |name: &str| env.server_metric(&admin, name);
+    TunnelEnv::until(Duration::from_secs(20), "agents, one of C's refused", || {
+        m("seedlink_tunnel_server_agents{cluster=\"shoot--dev--a\"}") == 1.0
+            && m("seedlink_tunnel_server_agents{cluster=\"b\"}") == 1.0
+            && m("seedlink_tunnel_server_agents{cluster=\"c\"}") == 1.0
+            && m("seedlink_tunnel_server_agent_streams_total{cluster=\"c\",reason=\"limit_agents\"}") >= 1.0
+    })
+    .await;
+
+    // B: three connections, the fourth refused; A unaffected; a slot frees.
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(
+            kas_connect_eventually(&b.uds(&env), "127.0.0.1:7007", Duration::from_secs(20)).await,
+        );
+    }
+    let refused = kas_connect(&b.uds(&env), "127.0.0.1:7007").await.err();
+    assert!(
+        refused
+            .as_deref()
+            .is_some_and(|r| r.starts_with("HTTP/1.1 503")),
+        "{refused:?}"
+    );
+    assert_eq!(
+        m("seedlink_tunnel_server_dial_failures_total{cluster=\"b\",reason=\"limit_connections\"}"),
+        1.0
+    );
+    for _ in 0..5 {
+        assert!(hello_via(&env.uds).await.contains("hello from the shoot"));
+    }
+    for s in &mut held {
+        echo_rtt(s, 64).await;
+    }
+    drop(held.pop());
+    TunnelEnv::until(Duration::from_secs(5), "B's slot to free", || {
+        m("seedlink_tunnel_server_established_connections{cluster=\"b\"}") == 2.0
+    })
+    .await;
+    let mut again = kas_connect(&b.uds(&env), "127.0.0.1:7007").await.unwrap();
+    echo_rtt(&mut again, 64).await;
+
+    // C: a burst of 12 dials; the bucket holds 5 (+1 per 2 s).
+    let mut ok = 0;
+    let mut limited = 0;
+    for _ in 0..12 {
+        match kas_connect(&c.uds(&env), "127.0.0.1:8000").await {
+            Ok(s) => {
+                assert!(fetch_hello(s).await.contains("hello from c"));
+                ok += 1;
+            }
+            Err(e) if e.starts_with("HTTP/1.1 503") => limited += 1,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(
+        (5..=8).contains(&ok) && ok + limited == 12,
+        "{ok} ok, {limited} limited"
+    );
+    assert_eq!(
+        m("seedlink_tunnel_server_dial_failures_total{cluster=\"c\",reason=\"limit_dial_rate\"}"),
+        f64::from(limited)
+    );
+    // A never saw a refusal.
+    assert!(hello_via(&env.uds).await.contains("hello from the shoot"));
+    assert_eq!(
+        m("seedlink_tunnel_server_dial_failures_total{cluster=\"shoot--dev--a\""),
+        0.0
+    );
 }

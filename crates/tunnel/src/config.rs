@@ -83,6 +83,47 @@ pub struct Cluster {
     pub strategies: Vec<String>,
     /// Frontends for this cluster's kube-apiserver.
     pub frontends: Vec<Frontend>,
+    /// Limits, so one cluster cannot starve the others.
+    #[serde(default)]
+    pub limits: ClusterLimits,
+}
+
+/// Per-cluster limits; 0 switches one off.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterLimits {
+    /// Tunneled connections open or being dialled at once.
+    pub max_connections: usize,
+    /// New dials per second, sustained.
+    pub dial_rate: f64,
+    /// Dials allowed in a burst above the rate.
+    pub dial_burst: f64,
+    /// Agent streams at once (an agent briefly holds a second stream while
+    /// it looks for other replicas).
+    pub max_agents: usize,
+}
+
+impl Default for ClusterLimits {
+    fn default() -> Self {
+        ClusterLimits {
+            max_connections: 5000,
+            dial_rate: 200.0,
+            dial_burst: 400.0,
+            max_agents: 32,
+        }
+    }
+}
+
+impl ClusterLimits {
+    /// As the server's limit type.
+    pub fn to_limits(self) -> crate::server::limits::Limits {
+        crate::server::limits::Limits {
+            max_connections: self.max_connections,
+            dial_rate: self.dial_rate,
+            dial_burst: self.dial_burst,
+            max_agents: self.max_agents,
+        }
+    }
 }
 
 /// Agent authentication by ServiceAccount token: checked locally against
@@ -263,6 +304,11 @@ impl ServerConfig {
                         errs.push(format!("{at}.agent_token.review.timeout: must be > 0"));
                     }
                 }
+            }
+            let l = &c.limits;
+            let sane = |v: f64| v >= 0.0 && v.is_finite();
+            if !sane(l.dial_rate) || !sane(l.dial_burst) {
+                errs.push(format!("{at}.limits: dial_rate and dial_burst must be ≥ 0"));
             }
             if c.strategies.is_empty() {
                 errs.push(format!("{at}.strategies: empty"));

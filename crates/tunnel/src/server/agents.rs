@@ -96,6 +96,14 @@ pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std:
                             ));
                         }
                     };
+                    let max = cluster.gate.limits().max_agents;
+                    if max > 0 && cluster.agent_count() >= max {
+                        tracing::warn!(%peer, cluster = %cluster.name, max, "agent stream refused: limit");
+                        srv.metrics.agent_stream(&cluster.name, "limit_agents");
+                        return Err(Status::resource_exhausted(
+                            "too many agent streams for this cluster",
+                        ));
+                    }
                     let ids: Vec<_> = meta.get_all("agentid").iter().collect();
                     let [agent_id] = ids.as_slice() else {
                         srv.metrics.agent_stream(&cluster.name, "bad_agent_id");

@@ -77,6 +77,7 @@ impl Harness {
             vec![Strategy::Default],
             Some(Arc::new(NoCerts)),
             None,
+            super::limits::Limits::UNLIMITED,
         );
         let (link, out) = attach(&cluster, "agent".into(), Identifiers::default(), flow);
         let mut replies = Vec::new();

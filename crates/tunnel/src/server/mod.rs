@@ -12,6 +12,7 @@ pub mod admin;
 pub mod agents;
 pub mod frontend;
 pub mod harness;
+pub mod limits;
 pub mod metrics;
 pub mod run;
 
@@ -137,6 +138,9 @@ pub enum DialError {
     /// The agent broke the protocol (a DIAL_RSP without connection ID).
     #[error("agent protocol error: {0}")]
     Protocol(&'static str),
+    /// A limit of the cluster refused the dial.
+    #[error("cluster limit reached: {}", .0.reason())]
+    Limited(limits::Limited),
 }
 
 impl DialError {
@@ -153,6 +157,7 @@ impl DialError {
                 _ => 502,
             },
             DialError::AgentGone | DialError::Cancelled | DialError::Protocol(_) => 502,
+            DialError::Limited(_) => 503,
         }
     }
 
@@ -166,6 +171,7 @@ impl DialError {
             DialError::Cancelled => "dial_closed",
             DialError::Agent(_) => "error_response",
             DialError::Protocol(_) => "protocol_error",
+            DialError::Limited(l) => l.reason(),
         }
     }
 }
@@ -300,6 +306,8 @@ pub struct Cluster {
     pub verifier: Option<Arc<dyn ClientCertVerifier>>,
     /// Accepts this cluster's agent tokens.
     pub token: Option<TokenValidator>,
+    /// Limits (connections, dial rate, agent streams).
+    pub gate: limits::Gate,
     agents: Mutex<Vec<Arc<AgentLink>>>,
 }
 
@@ -310,12 +318,14 @@ impl Cluster {
         strategies: Vec<Strategy>,
         verifier: Option<Arc<dyn ClientCertVerifier>>,
         token: Option<TokenValidator>,
+        limits: limits::Limits,
     ) -> Cluster {
         Cluster {
             name: name.into(),
             strategies,
             verifier,
             token,
+            gate: limits::Gate::new(limits),
             agents: Mutex::new(Vec::new()),
         }
     }
@@ -389,6 +399,8 @@ pub struct TunnelTx {
     pub connect_id: i64,
     /// Window towards the agent (flow control negotiated).
     pub credit: Option<SendCredit>,
+    /// The cluster's connection slot, freed with the connection.
+    _permit: limits::ConnPermit,
 }
 
 impl TunnelTx {
@@ -451,6 +463,13 @@ pub async fn dial(
     metrics: &metrics::Metrics,
 ) -> Result<Tunnel, DialError> {
     let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
+    let permit = match cluster.gate.admit(std::time::Instant::now()) {
+        Ok(p) => p,
+        Err(l) => {
+            metrics.dial_failure(&cluster.name, l.reason());
+            return Err(DialError::Limited(l));
+        }
+    };
     let Some(link) = cluster.pick(host) else {
         metrics.dial_failure(&cluster.name, DialError::NoAgent.reason());
         return Err(DialError::NoAgent);
@@ -501,6 +520,7 @@ pub async fn dial(
                     link,
                     connect_id,
                     credit,
+                    _permit: permit,
                 },
                 rx: qrx,
             })
@@ -761,7 +781,13 @@ mod tests {
     use super::*;
 
     fn cluster(strategies: &[Strategy]) -> Cluster {
-        Cluster::new("c", strategies.to_vec(), None, None)
+        Cluster::new(
+            "c",
+            strategies.to_vec(),
+            None,
+            None,
+            limits::Limits::UNLIMITED,
+        )
     }
 
     #[test]

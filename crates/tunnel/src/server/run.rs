@@ -145,7 +145,13 @@ impl TunnelServer {
                 .iter()
                 .filter_map(|s| Strategy::from_name(s))
                 .collect();
-            let cluster = Arc::new(Cluster::new(&c.name, strategies, verifier, token));
+            let cluster = Arc::new(Cluster::new(
+                &c.name,
+                strategies,
+                verifier,
+                token,
+                c.limits.to_limits(),
+            ));
             for f in &c.frontends {
                 let transport = match (&f.unix, &f.tcp, &f.cert, &f.key, &f.client_ca) {
                     (Some(p), None, ..) => Transport::Unix(p.clone()),
