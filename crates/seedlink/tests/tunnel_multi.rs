@@ -300,3 +300,160 @@ async fn per_cluster_limits_refuse_and_count_without_touching_others() {
         0.0
     );
 }
+
+/// Prometheus (the Debian package) scrapes shoot targets through the
+/// tunnel server's forward-proxy frontends: a shared one where the proxy
+/// credentials (`http://<cluster>:<password>@…` in `proxy_url`) choose the
+/// cluster, and a per-cluster listener. Its own API shows `up == 1` for
+/// targets only the agents can reach (with each cluster's own values),
+/// `up == 0` for a destination the agent's policy forbids (link-local) and
+/// for a wrong password. curl reaches the same through both request forms
+/// (absolute-form GET and CONNECT).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_scrapes_shoots_through_the_proxy_frontends() {
+    let prometheus = require("prometheus");
+    let env = TunnelEnv::new(62);
+    let b = Tenant::new(&env, "b", 63);
+    let d = env.dir.path();
+    std::fs::write(d.join("metrics"), "shoot_value 1\n").unwrap();
+    std::fs::write(d.join("b").join("metrics"), "shoot_value 2\n").unwrap();
+    std::fs::write(d.join("pw-a"), "secret-a\n").unwrap();
+    std::fs::write(d.join("pw-b"), "secret-b\n").unwrap();
+    let yaml = format!(
+        "{}      - {{name: prom, protocol: http-proxy, tcp: '127.0.0.1:3129'}}\n    proxy_password_file: '{}'\n{}proxy_frontends:\n  - {{name: shared, protocol: http-proxy, tcp: '0.0.0.0:3128'}}\n",
+        env.server_yaml("0.0.0.0:8132", "", ""),
+        d.join("pw-a").display(),
+        b.yaml_with(
+            &env,
+            &format!("    proxy_password_file: '{}'\n", d.join("pw-b").display())
+        ),
+    );
+    let server = env.server(&yaml, "server");
+    let _a = env.agent(&env.agent_endpoint(8132), &[]);
+    let _b = b.agent(&env, &[]);
+    assert!(hello_via(&env.uds).await.contains("hello from the shoot"));
+    assert!(hello_via(&b.uds(&env)).await.contains("hello from b"));
+
+    // curl, absolute-form GET and CONNECT (-p), through the shared frontend.
+    let curl = |args: &[&str]| {
+        let out = env
+            .seed
+            .cmd(&["curl", "-s", "--max-time", "10"])
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let via_b = "http://b:secret-b@127.0.0.1:3128";
+    assert!(curl(&["-x", via_b, "http://127.0.0.1:8000/hello.txt"]).contains("hello from b"));
+    assert!(curl(&["-p", "-x", via_b, "http://127.0.0.1:8000/hello.txt"]).contains("hello from b"));
+    assert!(curl(&[
+        "-x",
+        "http://127.0.0.1:3129",
+        "http://127.0.0.1:8000/hello.txt"
+    ])
+    .contains("hello from the shoot"));
+    let denied = curl(&[
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "-x",
+        "http://b:wrong@127.0.0.1:3128",
+        "http://127.0.0.1:8000/hello.txt",
+    ]);
+    assert_eq!(denied, "407");
+
+    let cfg = d.join("prometheus.yml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "global: {{scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}}
+scrape_configs:
+  - job_name: a
+    proxy_url: 'http://shoot--dev--a:secret-a@127.0.0.1:3128'
+    static_configs: [{{targets: ['127.0.0.1:8000', '169.254.169.254:80']}}]
+  - job_name: b
+    proxy_url: '{via_b}'
+    static_configs: [{{targets: ['127.0.0.1:8000']}}]
+  - job_name: a-listener
+    proxy_url: 'http://127.0.0.1:3129'
+    static_configs: [{{targets: ['127.0.0.1:8000']}}]
+  - job_name: wrong-password
+    proxy_url: 'http://b:wrong@127.0.0.1:3128'
+    static_configs: [{{targets: ['127.0.0.1:8000']}}]
+"
+        ),
+    )
+    .unwrap();
+    let _prom = Proc(
+        env.seed
+            .cmd(&[prometheus.to_str().unwrap(), "--config.file"])
+            .arg(&cfg)
+            .arg("--storage.tsdb.path")
+            .arg(d.join("tsdb"))
+            .args(["--web.listen-address", "127.0.0.1:9090"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let query = |q: &str| -> Vec<(String, String, f64)> {
+        let text = TunnelEnv::admin_get(
+            &env.seed,
+            "127.0.0.1:9090",
+            &format!("/api/v1/query?query={q}"),
+        );
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+        v["data"]["result"]
+            .as_array()
+            .map(|r| {
+                r.iter()
+                    .map(|s| {
+                        (
+                            s["metric"]["job"].as_str().unwrap_or("").to_string(),
+                            s["metric"]["instance"].as_str().unwrap_or("").to_string(),
+                            s["value"][1]
+                                .as_str()
+                                .and_then(|x| x.parse().ok())
+                                .unwrap_or(-1.0),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let want_up = [
+        ("a", "127.0.0.1:8000", 1.0),
+        ("a", "169.254.169.254:80", 0.0),
+        ("b", "127.0.0.1:8000", 1.0),
+        ("a-listener", "127.0.0.1:8000", 1.0),
+        ("wrong-password", "127.0.0.1:8000", 0.0),
+    ];
+    let end = std::time::Instant::now() + Duration::from_secs(40);
+    let last = loop {
+        let now = query("up");
+        let all = want_up
+            .iter()
+            .all(|(j, i, v)| now.iter().any(|(lj, li, lv)| lj == j && li == i && lv == v));
+        if all {
+            break now;
+        }
+        assert!(std::time::Instant::now() < end, "Prometheus `up`: {now:?}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_eq!(last.len(), want_up.len(), "{last:?}");
+    // Each cluster's own value: the right shoot was scraped.
+    let values = query("shoot_value");
+    for (job, want) in [("a", 1.0), ("b", 2.0), ("a-listener", 1.0)] {
+        assert!(
+            values
+                .iter()
+                .any(|(j, i, v)| j == job && i == "127.0.0.1:8000" && *v == want),
+            "{job}: {values:?}"
+        );
+    }
+    let m = |name: &str| env.server_metric(&server.admin(), name);
+    assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"b\",frontend=\"shared\",outcome=\"ok\"}") >= 2.0);
+    assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"\",frontend=\"shared\",outcome=\"proxy_auth_required\"}") >= 1.0);
+}

@@ -37,6 +37,12 @@ pub struct ServerConfig {
     pub queue_bytes: usize,
     /// The clusters served.
     pub clusters: Vec<Cluster>,
+    /// HTTP forward-proxy frontends shared by all clusters (protocol
+    /// `http-proxy`): each request names its cluster by proxy credentials
+    /// (`Proxy-Authorization: Basic <cluster>:<password>`, the cluster's
+    /// `proxy_password_file`).
+    #[serde(default)]
+    pub proxy_frontends: Vec<Frontend>,
 }
 
 /// Where agents connect.
@@ -83,6 +89,9 @@ pub struct Cluster {
     pub strategies: Vec<String>,
     /// Frontends for this cluster's kube-apiserver.
     pub frontends: Vec<Frontend>,
+    /// Password that selects this cluster on a shared proxy frontend.
+    #[serde(default)]
+    pub proxy_password_file: Option<PathBuf>,
     /// Limits, so one cluster cannot starve the others.
     #[serde(default)]
     pub limits: ClusterLimits,
@@ -228,6 +237,9 @@ pub enum FrontendProtocol {
     HttpConnect,
     /// gRPC `ProxyService` (kube-apiserver `proxyProtocol: GRPC`).
     Grpc,
+    /// An HTTP forward proxy (Prometheus `proxy_url`): absolute-form
+    /// requests (`GET http://host:port/path`) and `CONNECT`.
+    HttpProxy,
 }
 
 fn one() -> u32 {
@@ -248,6 +260,45 @@ fn default_strategies() -> Vec<String> {
 
 /// Known strategy names.
 pub const STRATEGIES: &[&str] = &["default", "destHost", "defaultRoute", "cidr"];
+
+/// Checks one frontend; `authenticated` frontends (shared proxies, every
+/// request carries a cluster's password) may listen in plain TCP anywhere.
+fn check_frontend(
+    f: &Frontend,
+    at: &str,
+    authenticated: bool,
+    agents: SocketAddr,
+    binds: &mut HashSet<String>,
+    errs: &mut Vec<String>,
+) {
+    match (&f.unix, &f.tcp) {
+        (Some(p), None) => {
+            if !binds.insert(p.display().to_string()) {
+                errs.push(format!("{at}.unix: path used twice"));
+            }
+            if f.cert.is_some() || f.key.is_some() || f.client_ca.is_some() {
+                errs.push(format!("{at}: cert/key/client_ca only apply to tcp"));
+            }
+        }
+        (None, Some(a)) => {
+            // Port 0 (any free port) never clashes.
+            if a.port() != 0 && (!binds.insert(a.to_string()) || *a == agents) {
+                errs.push(format!("{at}.tcp: address used twice"));
+            }
+            let tls = [f.cert.is_some(), f.key.is_some(), f.client_ca.is_some()];
+            let plain = tls.iter().all(|x| !x);
+            // Plain TCP only on loopback (a kube-apiserver in the same
+            // network namespace) or with per-request credentials; anywhere
+            // else mTLS.
+            if !tls.iter().all(|x| *x) && !(plain && (a.ip().is_loopback() || authenticated)) {
+                errs.push(format!(
+                    "{at}: a tcp frontend needs cert, key and client_ca (mTLS), unless it listens on loopback without any of them"
+                ));
+            }
+        }
+        _ => errs.push(format!("{at}: exactly one of unix and tcp")),
+    }
+}
 
 impl ServerConfig {
     /// Parses and checks a configuration; all problems at once.
@@ -323,36 +374,23 @@ impl ServerConfig {
             }
             for (j, f) in c.frontends.iter().enumerate() {
                 let at = format!("{at}.frontends[{j}] ({})", f.name);
-                match (&f.unix, &f.tcp) {
-                    (Some(p), None) => {
-                        if !binds.insert(p.display().to_string()) {
-                            errs.push(format!("{at}.unix: path used twice"));
-                        }
-                        if f.cert.is_some() || f.key.is_some() || f.client_ca.is_some() {
-                            errs.push(format!("{at}: cert/key/client_ca only apply to tcp"));
-                        }
-                    }
-                    (None, Some(a)) => {
-                        // Port 0 (any free port) never clashes.
-                        if a.port() != 0
-                            && (!binds.insert(a.to_string()) || *a == cfg.agents.listen)
-                        {
-                            errs.push(format!("{at}.tcp: address used twice"));
-                        }
-                        let tls = [f.cert.is_some(), f.key.is_some(), f.client_ca.is_some()];
-                        // Plain TCP only on loopback (a kube-apiserver in the
-                        // same network namespace); anywhere else mTLS.
-                        if tls.iter().any(|x| !x)
-                            && !(tls.iter().all(|x| !x) && a.ip().is_loopback())
-                        {
-                            errs.push(format!(
-                                "{at}: a tcp frontend needs cert, key and client_ca (mTLS), unless it listens on loopback without any of them"
-                            ));
-                        }
-                    }
-                    _ => errs.push(format!("{at}: exactly one of unix and tcp")),
-                }
+                check_frontend(f, &at, false, cfg.agents.listen, &mut binds, &mut errs);
             }
+        }
+        for (j, f) in cfg.proxy_frontends.iter().enumerate() {
+            let at = format!("proxy_frontends[{j}] ({})", f.name);
+            if f.protocol != FrontendProtocol::HttpProxy {
+                errs.push(format!("{at}.protocol: must be http-proxy"));
+            }
+            check_frontend(f, &at, true, cfg.agents.listen, &mut binds, &mut errs);
+        }
+        if !cfg.proxy_frontends.is_empty()
+            && cfg.clusters.iter().all(|c| c.proxy_password_file.is_none())
+        {
+            errs.push(
+                "proxy_frontends: no cluster has a proxy_password_file, so no request could name one"
+                    .into(),
+            );
         }
         if errs.is_empty() {
             Ok(cfg)
@@ -424,5 +462,33 @@ clusters:
 ";
         assert!(format!("{:#}", ServerConfig::parse(two).unwrap_err())
             .contains("used by another cluster"));
+    }
+
+    #[test]
+    fn shared_proxy_frontends_need_passwords_and_may_be_plain() {
+        let base = "agents: {listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}
+clusters:
+  - name: a
+    agent_ca: ca.pem
+    frontends: [{name: p, protocol: http-proxy, tcp: '10.0.0.1:3129'}]
+";
+        // A per-cluster proxy listener off loopback needs mTLS.
+        assert!(format!("{:#}", ServerConfig::parse(base).unwrap_err()).contains("mTLS"));
+        let base = base.replace("10.0.0.1:3129", "127.0.0.1:3129");
+        let shared = format!(
+            "{base}proxy_frontends: [{{name: s, protocol: http-proxy, tcp: '0.0.0.0:3128'}}]\n"
+        );
+        assert!(format!("{:#}", ServerConfig::parse(&shared).unwrap_err())
+            .contains("no cluster has a proxy_password_file"));
+        let with_pw = shared.replace(
+            "    agent_ca: ca.pem\n",
+            "    agent_ca: ca.pem\n    proxy_password_file: pw\n",
+        );
+        let cfg = ServerConfig::parse(&with_pw).unwrap();
+        assert_eq!(cfg.proxy_frontends.len(), 1);
+        let grpc = with_pw.replace("{name: s, protocol: http-proxy", "{name: s, protocol: grpc");
+        assert!(
+            format!("{:#}", ServerConfig::parse(&grpc).unwrap_err()).contains("must be http-proxy")
+        );
     }
 }

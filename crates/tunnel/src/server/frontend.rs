@@ -48,8 +48,13 @@ async fn answer<S: AsyncWrite + Unpin>(io: &mut S, code: u16, body: &str) {
     .await;
 }
 
-/// Serves one HTTP CONNECT frontend connection; returns the outcome label.
-pub async fn serve_http_connect<S>(srv: &TunnelServer, cluster: &Cluster, mut io: S) -> &'static str
+/// Reads a request head within the handshake deadline: the head and the
+/// buffer it was read into (bytes after `head.len` already belong to what
+/// follows), or an outcome label (a malformed head was answered 400).
+async fn read_head<S>(
+    srv: &TunnelServer,
+    io: &mut S,
+) -> Result<(connect_head::Head, BytesMut), &'static str>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -73,20 +78,44 @@ where
         }
     })
     .await;
-    let head = match head {
-        Ok(Ok(h)) => h,
-        Ok(Err("closed")) => return "closed",
+    match head {
+        Ok(Ok(h)) => Ok((h, buf)),
+        Ok(Err("closed")) => Err("closed"),
         Ok(Err(why)) => {
-            answer(&mut io, 400, "malformed request\n").await;
-            return why;
+            answer(io, 400, "malformed request\n").await;
+            Err(why)
         }
-        Err(_) => return "head_timeout",
+        Err(_) => Err("head_timeout"),
+    }
+}
+
+/// Serves one HTTP CONNECT frontend connection; returns the outcome label.
+pub async fn serve_http_connect<S>(srv: &TunnelServer, cluster: &Cluster, mut io: S) -> &'static str
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let (head, mut buf) = match read_head(srv, &mut io).await {
+        Ok(h) => h,
+        Err(why) => return why,
     };
     if !head.method.eq_ignore_ascii_case("CONNECT") {
         answer(&mut io, 405, "this proxy only supports CONNECT passthrough").await;
         return "not_connect";
     }
-    let target = head.target.clone();
+    connect_method(srv, cluster, io, &head.target, buf.split_off(head.len)).await
+}
+
+/// Answers a `CONNECT target` whose head was read: dial, 200, carry.
+async fn connect_method<S>(
+    srv: &TunnelServer,
+    cluster: &Cluster,
+    mut io: S,
+    target: &str,
+    leftover: BytesMut,
+) -> &'static str
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     if target
         .rsplit_once(':')
         .and_then(|(_, p)| p.parse::<u16>().ok())
@@ -95,12 +124,30 @@ where
         answer(&mut io, 400, "CONNECT target must be host:port\n").await;
         return "bad_target";
     }
-    let mut leftover = buf.split_off(head.len);
+    dial_and_carry(srv, cluster, io, target, leftover, true).await
+}
+
+/// Dials `target` through the cluster's agents and carries the
+/// connection; `leftover` is sent first. With `established` the frontend
+/// is first answered `200 Connection Established` (CONNECT); without, the
+/// destination's own answer is the first thing it reads (a forwarded
+/// request).
+async fn dial_and_carry<S>(
+    srv: &TunnelServer,
+    cluster: &Cluster,
+    mut io: S,
+    target: &str,
+    mut leftover: BytesMut,
+    established: bool,
+) -> &'static str
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     let cancel = srv.shutdown.child_token();
     // While the agent dials, a frontend that hangs up cancels the dial
     // (kube-apiserver closes the connection when its context ends); bytes it
     // pipelines meanwhile are kept, up to one chunk.
-    let dialing = dial(cluster, &target, srv.dial_settings(), &cancel, &srv.metrics);
+    let dialing = dial(cluster, target, srv.dial_settings(), &cancel, &srv.metrics);
     tokio::pin!(dialing);
     let mut watching = true;
     let dialed = loop {
@@ -132,13 +179,129 @@ where
             return e.reason();
         }
     };
-    if io.write_all(ESTABLISHED).await.is_err() {
+    if established && io.write_all(ESTABLISHED).await.is_err() {
         return "write_error";
     }
     srv.metrics.established(&cluster.name, 1);
     let out = carry_stream(srv, tunnel, io, leftover).await;
     srv.metrics.established(&cluster.name, -1);
     out
+}
+
+/// Who chooses the cluster of a forward-proxy request.
+pub enum ProxyCluster<'a> {
+    /// The frontend belongs to this cluster.
+    Fixed(&'a Arc<Cluster>),
+    /// `Proxy-Authorization: Basic <cluster>:<password>` on every request.
+    ByCredentials,
+}
+
+/// Hop-by-hop headers a forward proxy does not pass on (RFC 9110 §7.6.1),
+/// and its own credentials.
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "proxy-connection",
+    "keep-alive",
+    "proxy-authorization",
+    "proxy-authenticate",
+    "te",
+    "trailer",
+    "upgrade",
+];
+
+/// Serves one HTTP forward-proxy connection (Prometheus `proxy_url`):
+/// `CONNECT host:port` as on the CONNECT frontend, or one absolute-form
+/// request (`GET http://host:port/path HTTP/1.1`) forwarded in origin form
+/// with `Connection: close`, the answer passed back as it comes. One
+/// request per connection: the connection ends with the answer. Returns
+/// the cluster's name ("" if none was chosen) and the outcome label.
+pub async fn serve_http_proxy<S>(
+    srv: &TunnelServer,
+    choice: ProxyCluster<'_>,
+    mut io: S,
+) -> (String, &'static str)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let (head, mut buf) = match read_head(srv, &mut io).await {
+        Ok(h) => h,
+        Err(why) => return (String::new(), why),
+    };
+    let cluster = match choice {
+        ProxyCluster::Fixed(c) => c.clone(),
+        ProxyCluster::ByCredentials => {
+            match srv
+                .registry
+                .cluster_for_proxy_credentials(head.values("proxy-authorization").next())
+            {
+                Some(c) => c,
+                None => {
+                    let msg = "HTTP/1.1 407 Proxy Authentication Required\r\nProxy-Authenticate: Basic realm=\"seedlink\"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+                    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                        let _ = io.write_all(msg.as_bytes()).await;
+                        let _ = io.shutdown().await;
+                    })
+                    .await;
+                    return (String::new(), "proxy_auth_required");
+                }
+            }
+        }
+    };
+    let name = cluster.name.to_string();
+    let leftover = buf.split_off(head.len);
+    if head.method.eq_ignore_ascii_case("CONNECT") {
+        let out = connect_method(srv, &cluster, io, &head.target, leftover).await;
+        return (name, out);
+    }
+    let Some((target, request)) = origin_form(&head) else {
+        answer(
+            &mut io,
+            400,
+            "a forward proxy takes CONNECT or an absolute http:// URL\n",
+        )
+        .await;
+        return (name, "bad_target");
+    };
+    let mut first = BytesMut::from(request.as_bytes());
+    first.extend_from_slice(&leftover);
+    let out = dial_and_carry(srv, &cluster, io, &target, first, false).await;
+    (name, out)
+}
+
+/// For an absolute-form request: `host:port` to dial and the request head
+/// rewritten for the destination (origin form, hop-by-hop headers dropped,
+/// `Host` kept or added, `Connection: close`).
+fn origin_form(head: &connect_head::Head) -> Option<(String, String)> {
+    let uri: http::Uri = head.target.parse().ok()?;
+    if uri.scheme_str() != Some("http") {
+        return None;
+    }
+    let auth = uri.authority()?;
+    let host = auth.host();
+    let port = auth.port_u16().unwrap_or(80);
+    let target = if host.starts_with('[') {
+        format!("{host}:{port}")
+    } else if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    let path = uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut out = format!("{} {path} HTTP/1.{}\r\n", head.method, head.minor_version);
+    let mut has_host = false;
+    for (k, v) in &head.headers {
+        let lower = k.to_ascii_lowercase();
+        if HOP_BY_HOP.contains(&lower.as_str()) {
+            continue;
+        }
+        has_host |= lower == "host";
+        out.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if !has_host {
+        out.push_str(&format!("Host: {}\r\n", auth.as_str()));
+    }
+    out.push_str("Connection: close\r\n\r\n");
+    Some((target, out))
 }
 
 /// Copies between a frontend stream and its tunnel until either ends.

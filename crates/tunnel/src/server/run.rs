@@ -43,10 +43,37 @@ enum Transport {
 }
 
 struct FrontendSpec {
-    cluster: Arc<Cluster>,
+    /// `None`: a shared proxy frontend (the request names the cluster).
+    cluster: Option<Arc<Cluster>>,
     name: Arc<str>,
     protocol: FrontendProtocol,
     transport: Transport,
+}
+
+/// How a configured frontend listens; `authenticated` frontends (every
+/// request carries a cluster's password) may use plain TCP anywhere.
+fn transport(
+    f: &crate::config::Frontend,
+    what: &str,
+    authenticated: bool,
+) -> anyhow::Result<Transport> {
+    Ok(match (&f.unix, &f.tcp, &f.cert, &f.key, &f.client_ca) {
+        (Some(p), None, ..) => Transport::Unix(p.clone()),
+        (None, Some(a), Some(cert), Some(key), Some(ca)) => {
+            let v = tls::client_verifier(tls::load_roots(ca)?)?;
+            let alpn: &[&[u8]] = match f.protocol {
+                FrontendProtocol::Grpc => &[b"h2"],
+                FrontendProtocol::HttpConnect | FrontendProtocol::HttpProxy => &[b"http/1.1"],
+            };
+            let sc =
+                tls::server_config(cert, key, Some(v), alpn).with_context(|| what.to_string())?;
+            Transport::Tcp(*a, TlsAcceptor::from(Arc::new(sc)))
+        }
+        (None, Some(a), None, None, None) if a.ip().is_loopback() || authenticated => {
+            Transport::TcpPlain(*a)
+        }
+        _ => anyhow::bail!("{what}: unix, or tcp with cert, key and client_ca"),
+    })
 }
 
 /// A configured tunnel-server.
@@ -145,43 +172,44 @@ impl TunnelServer {
                 .iter()
                 .filter_map(|s| Strategy::from_name(s))
                 .collect();
-            let cluster = Arc::new(Cluster::new(
-                &c.name,
-                strategies,
-                verifier,
-                token,
-                c.limits.to_limits(),
-            ));
-            for f in &c.frontends {
-                let transport = match (&f.unix, &f.tcp, &f.cert, &f.key, &f.client_ca) {
-                    (Some(p), None, ..) => Transport::Unix(p.clone()),
-                    (None, Some(a), Some(cert), Some(key), Some(ca)) => {
-                        let v = tls::client_verifier(tls::load_roots(ca)?)?;
-                        let alpn: &[&[u8]] = match f.protocol {
-                            FrontendProtocol::Grpc => &[b"h2"],
-                            FrontendProtocol::HttpConnect => &[b"http/1.1"],
-                        };
-                        let sc = tls::server_config(cert, key, Some(v), alpn)
-                            .with_context(|| format!("cluster {} frontend {}", c.name, f.name))?;
-                        Transport::Tcp(*a, TlsAcceptor::from(Arc::new(sc)))
-                    }
-                    (None, Some(a), None, None, None) if a.ip().is_loopback() => {
-                        Transport::TcpPlain(*a)
-                    }
-                    _ => anyhow::bail!(
-                        "cluster {} frontend {}: unix, or tcp with cert, key and client_ca",
+            let mut cluster =
+                Cluster::new(&c.name, strategies, verifier, token, c.limits.to_limits());
+            if let Some(p) = &c.proxy_password_file {
+                let text = std::fs::read_to_string(p).with_context(|| {
+                    format!("cluster {}: proxy_password_file {}", c.name, p.display())
+                })?;
+                let pw = text.trim();
+                if pw.is_empty() {
+                    anyhow::bail!(
+                        "cluster {}: proxy_password_file {} is empty",
                         c.name,
-                        f.name
-                    ),
-                };
+                        p.display()
+                    );
+                }
+                cluster.proxy_password = Some(pw.to_string());
+            }
+            let cluster = Arc::new(cluster);
+            for f in &c.frontends {
                 frontends.push(FrontendSpec {
-                    cluster: cluster.clone(),
+                    cluster: Some(cluster.clone()),
                     name: f.name.as_str().into(),
                     protocol: f.protocol,
-                    transport,
+                    transport: transport(
+                        f,
+                        &format!("cluster {} frontend {}", c.name, f.name),
+                        false,
+                    )?,
                 });
             }
             clusters.push(cluster);
+        }
+        for f in &cfg.proxy_frontends {
+            frontends.push(FrontendSpec {
+                cluster: None,
+                name: f.name.as_str().into(),
+                protocol: f.protocol,
+                transport: transport(f, &format!("proxy frontend {}", f.name), true)?,
+            });
         }
         let any = tls::AnyOf {
             verifiers: clusters.iter().filter_map(|c| c.verifier.clone()).collect(),
@@ -251,7 +279,11 @@ impl TunnelServer {
             });
         }
         for f in &self.frontends {
-            let label = format!("{}/{}", f.cluster.name, f.name);
+            let label = format!(
+                "{}/{}",
+                f.cluster.as_ref().map_or("shared", |c| &*c.name),
+                f.name
+            );
             match &f.transport {
                 Transport::Unix(path) => {
                     // Like upstream's --delete-existing-uds-file (default true).
@@ -327,9 +359,11 @@ impl TunnelServer {
                     let hs = srv2.settings.handshake_timeout;
                     match tokio::time::timeout(hs, acceptor.accept(tcp)).await {
                         Ok(Ok(tls)) => serve_frontend(srv2, cluster, name, proto, tls).await,
-                        _ => srv2
-                            .metrics
-                            .frontend_conn(&cluster.name, &name, "tls_failed"),
+                        _ => srv2.metrics.frontend_conn(
+                            cluster.as_ref().map_or("", |c| &*c.name),
+                            &name,
+                            "tls_failed",
+                        ),
                     }
                 });
             })
@@ -372,15 +406,30 @@ impl TunnelServer {
 
 async fn serve_frontend<S>(
     srv: Arc<TunnelServer>,
-    cluster: Arc<Cluster>,
+    cluster: Option<Arc<Cluster>>,
     name: Arc<str>,
     proto: FrontendProtocol,
     io: S,
 ) where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    use super::frontend::ProxyCluster;
+    let cluster = match (proto, cluster) {
+        (FrontendProtocol::HttpProxy, c) => {
+            let choice = match &c {
+                Some(c) => ProxyCluster::Fixed(c),
+                None => ProxyCluster::ByCredentials,
+            };
+            let (cl, outcome) = super::frontend::serve_http_proxy(&srv, choice, io).await;
+            srv.metrics.frontend_conn(&cl, &name, outcome);
+            return;
+        }
+        (_, Some(c)) => c,
+        // Only proxy frontends are shared (the configuration says so).
+        (_, None) => return,
+    };
     match proto {
-        FrontendProtocol::HttpConnect => {
+        FrontendProtocol::HttpConnect | FrontendProtocol::HttpProxy => {
             let outcome = super::frontend::serve_http_connect(&srv, &cluster, io).await;
             srv.metrics.frontend_conn(&cluster.name, &name, outcome);
         }
