@@ -3,5 +3,6 @@
 //! quickstart and the end-to-end tests share.
 
 pub mod demo;
+pub mod egress;
 pub mod quickstart;
 pub mod quickstart_tunnel;

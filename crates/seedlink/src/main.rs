@@ -39,6 +39,9 @@ enum Command {
     },
     /// Run the reverse-tunnel agent in a shoot: dials out to the tunnel server.
     TunnelAgent(Box<tunnel_cmd::AgentArgs>),
+    /// Print (or write) kube-apiserver's EgressSelectorConfiguration and the
+    /// agent's command line for one cluster of a tunnel-server configuration.
+    TunnelConfig(Box<TunnelConfigArgs>),
     /// Validate a configuration file; lists every problem and exits non-zero if any.
     CheckConfig {
         /// Configuration file (YAML).
@@ -140,6 +143,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             tunnel_runtime()?.block_on(tunnel_cmd::server(config, drain))
         }
         Command::TunnelAgent(args) => tunnel_runtime()?.block_on(tunnel_cmd::agent(*args)),
+        Command::TunnelConfig(args) => tunnel_config(*args),
         Command::Quickstart {
             check,
             port,
@@ -321,4 +325,85 @@ async fn node_proxy(a: NodeProxyArgs) -> anyhow::Result<i32> {
 
 fn seedlink_proto_destination(d: &str) -> Result<(), &'static str> {
     seedlink_proto::destination::parse(d).map(|_| ())
+}
+
+/// `seedlink tunnel-config` options.
+#[derive(clap::Args)]
+struct TunnelConfigArgs {
+    /// The tunnel-server configuration (YAML).
+    #[arg(long, short)]
+    config: PathBuf,
+    /// The cluster.
+    #[arg(long)]
+    cluster: String,
+    /// The frontend kube-apiserver uses (default: the cluster's first
+    /// http-connect or grpc frontend).
+    #[arg(long)]
+    frontend: Option<String>,
+    /// Where agents reach the server (or the gateway in front of it),
+    /// `host:port` (default: the agent endpoint, unless it is a wildcard).
+    #[arg(long)]
+    agent_server: Option<String>,
+    /// TLS server name the agents ask for (default: the host of --agent-server).
+    #[arg(long)]
+    server_name: Option<String>,
+    /// CA bundle path as kube-apiserver sees it (TCP+mTLS frontends).
+    #[arg(long, default_value = "/etc/kubernetes/tunnel/ca.crt")]
+    kas_ca: PathBuf,
+    /// kube-apiserver's client certificate path (TCP+mTLS frontends).
+    #[arg(long, default_value = "/etc/kubernetes/tunnel/client.crt")]
+    kas_cert: PathBuf,
+    /// Its key path.
+    #[arg(long, default_value = "/etc/kubernetes/tunnel/client.key")]
+    kas_key: PathBuf,
+    /// The server's CA path as the agent sees it.
+    #[arg(long, default_value = "/etc/seedlink/tunnel-ca.crt")]
+    agent_ca_cert: PathBuf,
+    /// The agent's client certificate path (clusters trusting a CA).
+    #[arg(long, default_value = "/etc/seedlink/agent.crt")]
+    agent_cert: PathBuf,
+    /// Its key path.
+    #[arg(long, default_value = "/etc/seedlink/agent.key")]
+    agent_key: PathBuf,
+    /// The agent's projected token path (clusters trusting tokens).
+    #[arg(
+        long,
+        default_value = "/var/run/secrets/tokens/konnectivity-agent-token"
+    )]
+    agent_token: PathBuf,
+    /// Write egress-selector-configuration.yaml, tunnel-agent.args and
+    /// proxy-agent.args into this directory instead of printing.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+fn tunnel_config(a: TunnelConfigArgs) -> anyhow::Result<i32> {
+    use anyhow::Context;
+    let text = std::fs::read_to_string(&a.config)
+        .with_context(|| format!("reading {}", a.config.display()))?;
+    let cfg = seedlink_tunnel::config::ServerConfig::parse(&text)
+        .with_context(|| format!("{}", a.config.display()))?;
+    let opts = seedlink::egress::Options {
+        cluster: a.cluster,
+        frontend: a.frontend,
+        agent_server: a.agent_server,
+        server_name: a.server_name,
+        kas_ca: a.kas_ca,
+        kas_cert: a.kas_cert,
+        kas_key: a.kas_key,
+        agent_ca_cert: a.agent_ca_cert,
+        agent_cert: a.agent_cert,
+        agent_key: a.agent_key,
+        agent_token: a.agent_token,
+    };
+    let r = seedlink::egress::render(&cfg, &opts)?;
+    match a.out {
+        Some(dir) => {
+            for f in r.write(&dir)? {
+                println!("wrote {}", f.display());
+            }
+        }
+        None => print!("{}", r.text()),
+    }
+    Ok(0)
 }

@@ -457,3 +457,59 @@ scrape_configs:
     assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"b\",frontend=\"shared\",outcome=\"ok\"}") >= 2.0);
     assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"\",frontend=\"shared\",outcome=\"proxy_auth_required\"}") >= 1.0);
 }
+
+/// `seedlink tunnel-config` output is usable as is: the agent arguments it
+/// writes for cluster B start an agent that joins B, and the Unix socket its
+/// EgressSelectorConfiguration names reaches B's shoot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_config_output_drives_a_real_agent() {
+    let env = TunnelEnv::new(64);
+    let b = Tenant::new(&env, "b", 65);
+    let yaml = format!(
+        "{}{}",
+        env.server_yaml("0.0.0.0:8132", "", ""),
+        b.yaml(&env)
+    );
+    let _server = env.server(&yaml, "server");
+    let cfg = env.dir.path().join("server.yaml");
+    let out = env.dir.path().join("generated");
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_seedlink"))
+        .args(["tunnel-config", "--config"])
+        .arg(&cfg)
+        .args(["--cluster", "b", "--agent-server", &b.endpoint()])
+        .args(["--server-name", "tunnel.seedlink.test"])
+        .args(["--agent-ca-cert", &env.files.seed_ca])
+        .args(["--agent-cert", &b.crt, "--agent-key", &b.key, "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let egress: serde_json::Value = serde_norway::from_str(
+        &std::fs::read_to_string(out.join("egress-selector-configuration.yaml")).unwrap(),
+    )
+    .unwrap();
+    let conn = &egress["egressSelections"][0]["connection"];
+    assert_eq!(conn["proxyProtocol"], "HTTPConnect");
+    let uds = conn["transport"]["uds"]["udsName"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(uds, b.uds(&env));
+    let args = std::fs::read_to_string(out.join("tunnel-agent.args")).unwrap();
+    let mut agent = Proc(
+        b.ns.cmd(&[env!("CARGO_BIN_EXE_seedlink"), "tunnel-agent"])
+            .args(args.lines())
+            .args(["--admin", "127.0.0.1:0"])
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let ready = ready_line(&mut agent.0);
+    assert_eq!(ready["event"], "ready", "{ready}");
+    assert!(hello_via(&uds).await.contains("hello from b"));
+}

@@ -1,0 +1,374 @@
+//! `seedlink tunnel-config`: what an operator needs for one cluster of a
+//! tunnel-server configuration, derived from that configuration so the
+//! pieces cannot disagree: kube-apiserver's `EgressSelectorConfiguration`
+//! for the chosen frontend, and the agent's command line (seedlink's
+//! `tunnel-agent`, and upstream's `proxy-agent`, which works against the
+//! same server).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use seedlink_tunnel::config::{Frontend, FrontendProtocol, ServerConfig};
+
+/// What to render.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// The cluster (its `name` in the server configuration).
+    pub cluster: String,
+    /// The frontend kube-apiserver uses (default: the cluster's first
+    /// CONNECT or gRPC frontend).
+    pub frontend: Option<String>,
+    /// Where agents reach the server (or the gateway in front of it),
+    /// `host:port` (default: the agent endpoint's address, if it is not a
+    /// wildcard).
+    pub agent_server: Option<String>,
+    /// TLS server name agents ask for (default: the host of `agent_server`).
+    pub server_name: Option<String>,
+    /// Paths as kube-apiserver sees them, for a TCP+mTLS frontend.
+    pub kas_ca: PathBuf,
+    /// kube-apiserver's client certificate for the frontend.
+    pub kas_cert: PathBuf,
+    /// Its key.
+    pub kas_key: PathBuf,
+    /// Paths as the agent sees them: the server's CA.
+    pub agent_ca_cert: PathBuf,
+    /// The agent's client certificate (certificate trust).
+    pub agent_cert: PathBuf,
+    /// Its key.
+    pub agent_key: PathBuf,
+    /// The agent's projected ServiceAccount token (token trust).
+    pub agent_token: PathBuf,
+}
+
+impl Options {
+    /// Defaults for every path (conventional mount points).
+    pub fn new(cluster: &str) -> Options {
+        Options {
+            cluster: cluster.to_string(),
+            kas_ca: "/etc/kubernetes/tunnel/ca.crt".into(),
+            kas_cert: "/etc/kubernetes/tunnel/client.crt".into(),
+            kas_key: "/etc/kubernetes/tunnel/client.key".into(),
+            agent_ca_cert: "/etc/seedlink/tunnel-ca.crt".into(),
+            agent_cert: "/etc/seedlink/agent.crt".into(),
+            agent_key: "/etc/seedlink/agent.key".into(),
+            agent_token: "/var/run/secrets/tokens/konnectivity-agent-token".into(),
+            ..Options::default()
+        }
+    }
+}
+
+/// The rendered pieces.
+#[derive(Debug, Clone)]
+pub struct Rendered {
+    /// kube-apiserver's `--egress-selector-config-file` content.
+    pub egress_selector: String,
+    /// `seedlink tunnel-agent` arguments.
+    pub tunnel_agent_args: Vec<String>,
+    /// Upstream `proxy-agent` arguments.
+    pub proxy_agent_args: Vec<String>,
+}
+
+/// A YAML single-quoted scalar.
+fn q(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
+}
+
+fn path(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// Renders `opts.cluster`'s pieces from `cfg`.
+pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
+    let Some(cluster) = cfg.clusters.iter().find(|c| c.name == opts.cluster) else {
+        let names: Vec<_> = cfg.clusters.iter().map(|c| c.name.as_str()).collect();
+        bail!(
+            "no cluster {:?} in the configuration (clusters: {})",
+            opts.cluster,
+            names.join(", ")
+        );
+    };
+    let for_kas = |f: &&Frontend| f.protocol != FrontendProtocol::HttpProxy;
+    let frontend = match &opts.frontend {
+        Some(n) => cluster
+            .frontends
+            .iter()
+            .find(|f| &f.name == n)
+            .with_context(|| format!("cluster {}: no frontend {n:?}", cluster.name))?,
+        None => cluster.frontends.iter().find(for_kas).with_context(|| {
+            format!(
+                "cluster {}: no http-connect or grpc frontend for kube-apiserver",
+                cluster.name
+            )
+        })?,
+    };
+    let proto = match frontend.protocol {
+        FrontendProtocol::HttpConnect => "HTTPConnect",
+        FrontendProtocol::Grpc => "GRPC",
+        FrontendProtocol::HttpProxy => bail!(
+            "frontend {} is an http-proxy (for Prometheus), not for kube-apiserver",
+            frontend.name
+        ),
+    };
+    let transport = match (&frontend.unix, &frontend.tcp) {
+        (Some(p), _) => format!("      uds:\n        udsName: {}\n", q(&path(p))),
+        (None, Some(_)) if frontend.protocol == FrontendProtocol::Grpc => bail!(
+            "frontend {}: kube-apiserver speaks gRPC to an egress proxy only over a Unix socket; \
+             use a unix gRPC frontend or an http-connect frontend",
+            frontend.name
+        ),
+        (None, Some(a)) if frontend.cert.is_some() => format!(
+            "      tcp:\n        url: {}\n        tlsConfig:\n          caBundle: {}\n          clientCert: {}\n          clientKey: {}\n",
+            q(&format!("https://{a}")),
+            q(&path(&opts.kas_ca)),
+            q(&path(&opts.kas_cert)),
+            q(&path(&opts.kas_key))
+        ),
+        (None, Some(a)) => format!("      tcp:\n        url: {}\n", q(&format!("http://{a}"))),
+        (None, None) => bail!("frontend {}: neither unix nor tcp", frontend.name),
+    };
+    let mut egress = String::new();
+    let _ = writeln!(
+        egress,
+        "# kube-apiserver --egress-selector-config-file for cluster {} (frontend {}),\n\
+         # generated by `seedlink tunnel-config` from the tunnel-server configuration.",
+        cluster.name, frontend.name
+    );
+    egress.push_str(
+        "apiVersion: apiserver.k8s.io/v1beta1\nkind: EgressSelectorConfiguration\negressSelections:\n- name: cluster\n  connection:\n",
+    );
+    let _ = writeln!(egress, "    proxyProtocol: {proto}\n    transport:");
+    egress.push_str(&transport);
+
+    let server = match &opts.agent_server {
+        Some(s) => s.clone(),
+        None if !cfg.agents.listen.ip().is_unspecified() => cfg.agents.listen.to_string(),
+        None => bail!(
+            "agents listen on {}; say where agents reach the server with --agent-server host:port",
+            cfg.agents.listen
+        ),
+    };
+    let (host, port) = server
+        .rsplit_once(':')
+        .filter(|(_, p)| p.parse::<u16>().is_ok())
+        .with_context(|| format!("--agent-server {server:?} is not host:port"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let name = opts.server_name.clone().unwrap_or_else(|| host.to_string());
+    let mut agent = vec![
+        format!("--server={server}"),
+        format!("--server-name={name}"),
+        format!("--ca-cert={}", path(&opts.agent_ca_cert)),
+    ];
+    let mut upstream = vec![
+        format!("--proxy-server-host={host}"),
+        format!("--proxy-server-port={port}"),
+        format!("--ca-cert={}", path(&opts.agent_ca_cert)),
+    ];
+    if cluster.agent_ca.is_some() {
+        for v in [&mut agent, &mut upstream] {
+            v.push(format!("--agent-cert={}", path(&opts.agent_cert)));
+            v.push(format!("--agent-key={}", path(&opts.agent_key)));
+        }
+    } else if cluster.agent_token.is_some() {
+        for v in [&mut agent, &mut upstream] {
+            v.push(format!(
+                "--service-account-token-path={}",
+                path(&opts.agent_token)
+            ));
+        }
+    }
+    if let Some(t) = &cluster.agent_token {
+        // The projected token must be issued for the server's audience.
+        let note = format!(
+            "# project the token with audience {} and ServiceAccount {}",
+            t.audience, t.service_account
+        );
+        agent.push(note.clone());
+        upstream.push(note);
+    }
+    Ok(Rendered {
+        egress_selector: egress,
+        tunnel_agent_args: agent,
+        proxy_agent_args: upstream,
+    })
+}
+
+impl Rendered {
+    /// Everything as one text for a terminal.
+    pub fn text(&self) -> String {
+        // One argument per line, continued with `\` except the last.
+        let args = |v: &[String]| {
+            let real: Vec<_> = v.iter().filter(|a| !a.starts_with('#')).collect();
+            let mut out = String::new();
+            for (i, a) in real.iter().enumerate() {
+                let cont = if i + 1 < real.len() { " \\" } else { "" };
+                out.push_str(&format!("#   {a}{cont}\n"));
+            }
+            for a in v.iter().filter(|a| a.starts_with('#')) {
+                out.push_str(&format!("{a}\n"));
+            }
+            out
+        };
+        format!(
+            "{}---\n# seedlink tunnel-agent (in the shoot):\n# seedlink tunnel-agent \\\n{}#\n# or upstream Konnectivity (works against the same server):\n# proxy-agent \\\n{}",
+            self.egress_selector,
+            args(&self.tunnel_agent_args),
+            args(&self.proxy_agent_args),
+        )
+    }
+
+    /// Writes `egress-selector-configuration.yaml`, `tunnel-agent.args` and
+    /// `proxy-agent.args` (one argument per line) into `dir`.
+    pub fn write(&self, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let only_args = |v: &[String]| {
+            v.iter()
+                .filter(|a| !a.starts_with('#'))
+                .map(|a| format!("{a}\n"))
+                .collect::<String>()
+        };
+        let files = [
+            (
+                "egress-selector-configuration.yaml",
+                self.egress_selector.clone(),
+            ),
+            ("tunnel-agent.args", only_args(&self.tunnel_agent_args)),
+            ("proxy-agent.args", only_args(&self.proxy_agent_args)),
+        ];
+        let mut out = Vec::new();
+        for (name, text) in files {
+            let p = dir.join(name);
+            std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))?;
+            out.push(p);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    const CFG: &str = "agents: {listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}
+clusters:
+  - name: a
+    agent_ca: ca.pem
+    frontends:
+      - {name: uds, protocol: http-connect, unix: /run/seedlink/a.sock}
+      - {name: grpc, protocol: grpc, unix: \"/run/seedlink/it's.sock\"}
+      - {name: tcp, protocol: http-connect, tcp: '10.0.0.5:8090', cert: f.pem, key: f-key.pem, client_ca: kas-ca.pem}
+      - {name: local, protocol: http-connect, tcp: '127.0.0.1:8091'}
+      - {name: grpc-tcp, protocol: grpc, tcp: '10.0.0.5:8092', cert: f.pem, key: f-key.pem, client_ca: kas-ca.pem}
+      - {name: prom, protocol: http-proxy, tcp: '127.0.0.1:3129'}
+  - name: b
+    agent_token: {issuer: 'https://b', keys: sa.pub}
+    frontends: [{name: uds, protocol: http-connect, unix: /run/seedlink/b.sock}]
+";
+
+    fn yaml(s: &str) -> serde_json::Value {
+        serde_norway::from_str(s).unwrap()
+    }
+
+    fn opts(cluster: &str, frontend: Option<&str>) -> Options {
+        Options {
+            frontend: frontend.map(str::to_string),
+            agent_server: Some("tunnel.seed.example.com:443".into()),
+            ..Options::new(cluster)
+        }
+    }
+
+    #[test]
+    fn every_frontend_kind_renders_or_says_why_not() {
+        let cfg = ServerConfig::parse(CFG).unwrap();
+        let r = render(&cfg, &opts("a", None)).unwrap();
+        let v = yaml(&r.egress_selector);
+        assert_eq!(v["kind"], "EgressSelectorConfiguration");
+        let c = &v["egressSelections"][0];
+        assert_eq!(c["name"], "cluster");
+        assert_eq!(c["connection"]["proxyProtocol"], "HTTPConnect");
+        assert_eq!(
+            c["connection"]["transport"]["uds"]["udsName"],
+            "/run/seedlink/a.sock"
+        );
+        assert!(r
+            .tunnel_agent_args
+            .contains(&"--server=tunnel.seed.example.com:443".to_string()));
+        assert!(r
+            .tunnel_agent_args
+            .contains(&"--server-name=tunnel.seed.example.com".to_string()));
+        assert!(r
+            .tunnel_agent_args
+            .iter()
+            .any(|a| a.starts_with("--agent-cert=")));
+        assert!(r
+            .proxy_agent_args
+            .contains(&"--proxy-server-port=443".to_string()));
+
+        let g = yaml(
+            &render(&cfg, &opts("a", Some("grpc")))
+                .unwrap()
+                .egress_selector,
+        );
+        let c = &g["egressSelections"][0]["connection"];
+        assert_eq!(c["proxyProtocol"], "GRPC");
+        assert_eq!(c["transport"]["uds"]["udsName"], "/run/seedlink/it's.sock");
+
+        let t = yaml(
+            &render(&cfg, &opts("a", Some("tcp")))
+                .unwrap()
+                .egress_selector,
+        );
+        let tcp = &t["egressSelections"][0]["connection"]["transport"]["tcp"];
+        assert_eq!(tcp["url"], "https://10.0.0.5:8090");
+        assert_eq!(
+            tcp["tlsConfig"]["clientCert"],
+            "/etc/kubernetes/tunnel/client.crt"
+        );
+
+        let l = yaml(
+            &render(&cfg, &opts("a", Some("local")))
+                .unwrap()
+                .egress_selector,
+        );
+        let tcp = &l["egressSelections"][0]["connection"]["transport"]["tcp"];
+        assert_eq!(tcp["url"], "http://127.0.0.1:8091");
+        assert!(tcp.get("tlsConfig").is_none());
+
+        let e = |c: &str, f: Option<&str>| format!("{:#}", render(&cfg, &opts(c, f)).unwrap_err());
+        assert!(e("a", Some("grpc-tcp")).contains("only over a Unix socket"));
+        assert!(e("a", Some("prom")).contains("http-proxy"));
+        assert!(e("a", Some("nope")).contains("no frontend"));
+        assert!(e("z", None).contains("clusters: a, b"));
+        let mut o = opts("a", None);
+        o.agent_server = None;
+        assert!(format!("{:#}", render(&cfg, &o).unwrap_err()).contains("--agent-server"));
+
+        let b = render(&cfg, &opts("b", None)).unwrap();
+        assert!(b
+            .tunnel_agent_args
+            .iter()
+            .any(|a| a.starts_with("--service-account-token-path=")));
+        assert!(b
+            .tunnel_agent_args
+            .iter()
+            .any(|a| a.contains("audience system:konnectivity-server")));
+        assert!(!b
+            .tunnel_agent_args
+            .iter()
+            .any(|a| a.starts_with("--agent-cert")));
+    }
+
+    #[test]
+    fn written_files_hold_only_arguments() {
+        let cfg = ServerConfig::parse(CFG).unwrap();
+        let r = render(&cfg, &opts("b", None)).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let files = r.write(dir.path()).unwrap();
+        assert_eq!(files.len(), 3);
+        let args = std::fs::read_to_string(dir.path().join("tunnel-agent.args")).unwrap();
+        assert!(args.lines().all(|l| l.starts_with("--")), "{args}");
+        yaml(&std::fs::read_to_string(&files[0]).unwrap());
+        assert!(r.text().contains("# seedlink tunnel-agent"));
+    }
+}
