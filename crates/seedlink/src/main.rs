@@ -27,7 +27,8 @@ enum Command {
     /// Serve the kube-apiserver address on a shoot node and tunnel every
     /// connection to the seed gateway.
     NodeProxy(Box<NodeProxyArgs>),
-    /// Run the reverse-tunnel server (Konnectivity-compatible, many clusters).
+    /// Run the reverse-tunnel server (Konnectivity-compatible, many clusters;
+    /// reloads its configuration on SIGHUP and when a file changes).
     TunnelServer {
         /// Configuration file (YAML).
         #[arg(long, short)]
@@ -36,6 +37,10 @@ enum Command {
         /// finish within it.
         #[arg(long, default_value_t = 30.0)]
         drain: f64,
+        /// Seconds between checks of the configuration and every file it
+        /// names (certificates, keys, CAs); a change reloads. 0: only SIGHUP.
+        #[arg(long, default_value_t = 2.0)]
+        reload_interval: f64,
     },
     /// Run the reverse-tunnel agent in a shoot: dials out to the tunnel server.
     TunnelAgent(Box<tunnel_cmd::AgentArgs>),
@@ -139,9 +144,11 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::CheckConfig { file } => Ok(check_config(&file)),
         Command::Gateway { config } => runtime()?.block_on(gateway(config)),
         Command::NodeProxy(args) => runtime()?.block_on(node_proxy(*args)),
-        Command::TunnelServer { config, drain } => {
-            tunnel_runtime()?.block_on(tunnel_cmd::server(config, drain))
-        }
+        Command::TunnelServer {
+            config,
+            drain,
+            reload_interval,
+        } => tunnel_runtime()?.block_on(tunnel_cmd::server(config, drain, reload_interval)),
         Command::TunnelAgent(args) => tunnel_runtime()?.block_on(tunnel_cmd::agent(*args)),
         Command::TunnelConfig(args) => tunnel_config(*args),
         Command::Quickstart {

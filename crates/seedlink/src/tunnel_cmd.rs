@@ -79,9 +79,71 @@ fn secs(v: f64, what: &str) -> anyhow::Result<Duration> {
         .map_err(|_| anyhow::anyhow!("--{what}: {v} is not a valid number of seconds"))
 }
 
+/// Content hash of the configuration file and every file it names (a
+/// missing file hashes as missing).
+fn fingerprint(config: &std::path::Path, cfg: &ServerConfig) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for p in std::iter::once(config.to_path_buf()).chain(cfg.files()) {
+        p.hash(&mut h);
+        std::fs::read(&p).ok().hash(&mut h);
+    }
+    h.finish()
+}
+
+/// The fingerprint now; for a configuration that does not parse, a hash
+/// of its text (so a broken file is reported once, not on every check).
+fn current_fingerprint(config: &std::path::Path) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let text = std::fs::read_to_string(config).unwrap_or_default();
+    match ServerConfig::parse(&text) {
+        Ok(cfg) => fingerprint(config, &cfg),
+        Err(_) => {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            ("unparsable", &text).hash(&mut h);
+            h.finish()
+        }
+    }
+}
+
+/// Reloads from `config`; logs what changed or why nothing did. Returns
+/// the new fingerprint if the reload was applied.
+async fn reload(srv: &Arc<TunnelServer>, config: &std::path::Path) -> Option<u64> {
+    let parsed = std::fs::read_to_string(config)
+        .with_context(|| format!("reading {}", config.display()))
+        .and_then(|t| ServerConfig::parse(&t).with_context(|| format!("{}", config.display())));
+    let cfg = match parsed {
+        Ok(c) => c,
+        Err(e) => {
+            srv.metrics.reload("error");
+            tracing::warn!(error = %format!("{e:#}"), "reload refused; the running configuration stays");
+            return None;
+        }
+    };
+    match srv.reload(&cfg).await {
+        Ok(r) => {
+            tracing::info!(
+                added = ?r.added,
+                removed = ?r.removed,
+                agents_rekeyed = r.agents_rekeyed,
+                started = ?r.frontends_started,
+                stopped = ?r.frontends_stopped,
+                "configuration reloaded"
+            );
+            Some(fingerprint(config, &cfg))
+        }
+        Err(e) => {
+            tracing::warn!(error = %format!("{e:#}"), "reload failed");
+            None
+        }
+    }
+}
+
 /// Runs the tunnel server until SIGTERM/SIGINT (drain up to `drain`
-/// seconds), a second one (exit 1).
-pub async fn server(config: PathBuf, drain: f64) -> anyhow::Result<i32> {
+/// seconds), a second one (exit 1). SIGHUP, or a change of the
+/// configuration or a file it names (checked every `reload_interval`
+/// seconds; 0 = only on SIGHUP), reloads it.
+pub async fn server(config: PathBuf, drain: f64, reload_interval: f64) -> anyhow::Result<i32> {
     let text = std::fs::read_to_string(&config)
         .with_context(|| format!("reading {}", config.display()))?;
     let cfg = ServerConfig::parse(&text).with_context(|| format!("{}", config.display()))?;
@@ -104,7 +166,34 @@ pub async fn server(config: PathBuf, drain: f64) -> anyhow::Result<i32> {
     );
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+    let mut hup = signal(SignalKind::hangup())?;
+    let mut seen = fingerprint(&config, &cfg);
+    let every = secs(reload_interval, "reload-interval")?;
+    let mut tick = tokio::time::interval(if every.is_zero() {
+        Duration::from_secs(3600)
+    } else {
+        every
+    });
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            _ = hup.recv() => {
+                tracing::info!("SIGHUP: reloading");
+                seen = reload(&srv, &config).await.unwrap_or(seen);
+            }
+            _ = tick.tick(), if !every.is_zero() => {
+                // The files are read again only if the configuration or a
+                // file it names changed (Kubernetes swaps Secret volumes by
+                // a symlink, so contents are compared, not events).
+                let now = current_fingerprint(&config);
+                if now != seen {
+                    seen = reload(&srv, &config).await.unwrap_or(now);
+                }
+            }
+        }
+    }
     tracing::info!("draining");
     tokio::select! {
         () = srv.stop(secs(drain, "drain")?) => Ok(0),

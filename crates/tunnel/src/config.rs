@@ -115,9 +115,9 @@ pub struct ClusterLimits {
 impl Default for ClusterLimits {
     fn default() -> Self {
         ClusterLimits {
-            max_connections: 5000,
-            dial_rate: 200.0,
-            dial_burst: 400.0,
+            max_connections: 10_000,
+            dial_rate: 1000.0,
+            dial_burst: 2000.0,
             max_agents: 32,
         }
     }
@@ -204,7 +204,7 @@ fn default_service_account() -> String {
 }
 
 /// A frontend.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Frontend {
     /// Name (a metric label).
@@ -301,6 +301,36 @@ fn check_frontend(
 }
 
 impl ServerConfig {
+    /// Every file the configuration refers to (certificates, keys, CAs,
+    /// token keys, passwords), for change detection. A TokenReview
+    /// `token_file` is not listed: it is read again for every review.
+    pub fn files(&self) -> Vec<PathBuf> {
+        let mut out = vec![self.agents.cert.clone(), self.agents.key.clone()];
+        let fe = |f: &Frontend, out: &mut Vec<PathBuf>| {
+            out.extend(f.cert.iter().chain(&f.key).chain(&f.client_ca).cloned());
+        };
+        for c in &self.clusters {
+            out.extend(c.agent_ca.iter().cloned());
+            out.extend(c.proxy_password_file.iter().cloned());
+            if let Some(t) = &c.agent_token {
+                out.extend(t.keys.iter().cloned());
+                if let Some(r) = &t.review {
+                    out.push(r.ca.clone());
+                    out.extend(r.cert.iter().chain(&r.key).cloned());
+                }
+            }
+            for f in &c.frontends {
+                fe(f, &mut out);
+            }
+        }
+        for f in &self.proxy_frontends {
+            fe(f, &mut out);
+        }
+        out.sort();
+        out.dedup();
+        out
+    }
+
     /// Parses and checks a configuration; all problems at once.
     pub fn parse(text: &str) -> anyhow::Result<ServerConfig> {
         let cfg: ServerConfig = serde_norway::from_str(text)?;

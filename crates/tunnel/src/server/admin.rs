@@ -15,7 +15,7 @@ pub async fn serve(srv: Arc<TunnelServer>, listener: TcpListener) {
             "/healthz" => (200, TEXT, "ok\n".into()),
             "/readyz" | "/ready" => {
                 let mut body = String::new();
-                for c in &srv.registry.clusters {
+                for c in srv.registry.clusters().iter() {
                     body.push_str(&format!("cluster {} agents={}\n", c.name, c.agent_count()));
                 }
                 if srv.ready() {

@@ -16,8 +16,11 @@ use crate::server::run::TunnelServer;
 /// Serves one accepted agent connection.
 pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std::net::SocketAddr) {
     let _ = tcp.set_nodelay(true);
-    let tls = match tokio::time::timeout(srv.settings.handshake_timeout, srv.agent_tls.accept(tcp))
-        .await
+    let tls = match tokio::time::timeout(
+        srv.settings.handshake_timeout,
+        srv.agent_tls.load_full().accept(tcp),
+    )
+    .await
     {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
@@ -41,7 +44,7 @@ pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std:
     let cert_cluster = if certs.is_empty() {
         None
     } else {
-        match srv.registry.cluster_for_cert(&certs).cloned() {
+        match srv.registry.cluster_for_cert(&certs) {
             Some(c) => Some(c),
             None => {
                 tracing::warn!(%peer, "agent certificate matches no cluster");
@@ -56,6 +59,7 @@ pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std:
             move |req: tonic::Request<tonic::Streaming<crate::proto::Packet>>| {
                 let srv = srv.clone();
                 let cert_cluster = cert_cluster.clone();
+                let certs = certs.clone();
                 Box::pin(async move {
                     let meta = req.metadata();
                     let auth: Vec<_> = meta.get_all("authorization").iter().collect();
@@ -70,8 +74,9 @@ pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std:
                     let cluster = match (cert_cluster, auth) {
                         // The certificate decides; a token, if the cluster
                         // checks tokens, must be valid for it too.
-                        (Some(c), Some(a)) if c.token.is_some() => {
-                            let checked = match c.token.as_ref() {
+                        (Some(c), Some(a)) if c.conf.load().token.is_some() => {
+                            let token = c.conf.load().token.clone();
+                            let checked = match token {
                                 Some(t) => t.check(&a).await,
                                 None => Ok(()),
                             };
@@ -83,7 +88,7 @@ pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std:
                         }
                         (Some(c), _) => c,
                         (None, Some(a)) => match srv.registry.cluster_for_token(&a).await {
-                            Ok(c) => c.clone(),
+                            Ok(c) => c,
                             Err(e) => {
                                 tracing::warn!(%peer, error = %e, "agent token refused");
                                 return Err(token_refused(&srv, "", &e));
@@ -137,6 +142,7 @@ pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std:
                     let flow = meta.get(crate::flow::HEADER).and_then(|v| v.to_str().ok())
                         == Some(crate::flow::VERSION);
                     let (link, to_agent) = attach(&cluster, agent_id.clone(), ids, flow);
+                    let _ = link.certs.set(certs.clone());
                     srv.metrics.agent(&cluster.name, 1);
                     tracing::info!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, flow, "agent connected");
                     let mut inbound = req.into_inner();
@@ -163,6 +169,8 @@ pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std:
                                         None => break "closed",
                                     },
                                     () = srv.shutdown.cancelled() => break "server_shutdown",
+                                    () = cluster.removed.cancelled() => break "cluster_removed",
+                                    () = link.kick.cancelled() => break "rekeyed",
                                 }
                             };
                             detach(&cluster, &link);

@@ -72,7 +72,7 @@ impl Harness {
     /// A link (flow control on if `flow`) with [`PENDING`] dials and
     /// [`OPEN`] connections, each with a 64 KiB queue.
     pub fn new(flow: bool) -> Harness {
-        let cluster = Cluster::new(
+        let cluster = Cluster::with_trust(
             "fuzz",
             vec![Strategy::Default],
             Some(Arc::new(NoCerts)),

@@ -62,6 +62,7 @@ pub struct Metrics {
     /// TokenReviews by outcome (`reason` label: accepted, refused,
     /// unavailable, cached).
     pub token_reviews: Family<ClusterReason, Counter>,
+    reloads: Family<Reason, Counter>,
     /// Live connection tasks (agent streams, frontends), set at scrape time.
     pub tasks: Gauge,
     k_backends: Gauge,
@@ -98,6 +99,7 @@ impl Metrics {
             established: Family::default(),
             frontend_conns: Family::default(),
             token_reviews: Family::default(),
+            reloads: Family::default(),
             tasks: Gauge::default(),
             k_backends: Gauge::default(),
             k_pending: Gauge::default(),
@@ -138,6 +140,11 @@ impl Metrics {
                 "frontend_connections",
                 "Finished frontend connections by outcome",
                 m.frontend_conns.clone(),
+            );
+            r.register(
+                "config_reloads",
+                "Configuration reloads by outcome (ok, error)",
+                m.reloads.clone(),
             );
             r.register(
                 "token_reviews",
@@ -181,6 +188,15 @@ impl Metrics {
     pub fn agent(&self, cluster: &str, delta: i64) {
         self.agents.get_or_create(&Self::cl(cluster)).inc_by(delta);
         self.k_backends.inc_by(delta);
+    }
+
+    /// A configuration reload ended so.
+    pub fn reload(&self, outcome: &str) {
+        self.reloads
+            .get_or_create(&Reason {
+                reason: outcome.into(),
+            })
+            .inc();
     }
 
     /// An agent stream ended or was refused.

@@ -22,6 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use ipnet::IpNet;
 use rustls::server::danger::ClientCertVerifier;
@@ -201,6 +202,11 @@ pub struct AgentLink {
     closing: Mutex<HashMap<i64, std::time::Instant>>,
     /// Cancelled when the stream ends.
     pub gone: CancellationToken,
+    /// Cancelled to end the stream from this side (its cluster was
+    /// re-keyed and no longer accepts its certificate).
+    pub kick: CancellationToken,
+    /// The client certificate chain it authenticated with (empty: token).
+    pub certs: std::sync::OnceLock<Vec<rustls::pki_types::CertificateDer<'static>>>,
     /// Per-connection flow control negotiated (seedlink agent).
     pub flow: bool,
     credits: Mutex<HashMap<i64, SendCredit>>,
@@ -296,41 +302,67 @@ impl AgentLink {
     }
 }
 
-/// One cluster's agents and settings.
-pub struct Cluster {
-    /// Name.
-    pub name: Arc<str>,
+/// What a configuration reload may change in a cluster (swapped as a
+/// whole; a dial or handshake uses one consistent version).
+pub struct ClusterConf {
     /// Backend choice, in order.
     pub strategies: Vec<Strategy>,
     /// Accepts this cluster's agent certificates.
     pub verifier: Option<Arc<dyn ClientCertVerifier>>,
     /// Accepts this cluster's agent tokens.
-    pub token: Option<TokenValidator>,
-    /// Limits (connections, dial rate, agent streams).
-    pub gate: limits::Gate,
+    pub token: Option<Arc<TokenValidator>>,
     /// Password that selects this cluster on shared proxy frontends.
     pub proxy_password: Option<String>,
+}
+
+/// One cluster's agents and settings.
+pub struct Cluster {
+    /// Name.
+    pub name: Arc<str>,
+    /// Trust, strategies, proxy password.
+    pub conf: ArcSwap<ClusterConf>,
+    /// Limits (connections, dial rate, agent streams).
+    pub gate: limits::Gate,
+    /// Cancelled when the cluster is removed: its agent streams end.
+    pub removed: CancellationToken,
     agents: Mutex<Vec<Arc<AgentLink>>>,
 }
 
 impl Cluster {
     /// A cluster with no agents yet.
-    pub fn new(
+    pub fn new(name: &str, conf: ClusterConf, limits: limits::Limits) -> Cluster {
+        Cluster {
+            name: name.into(),
+            conf: ArcSwap::from_pointee(conf),
+            gate: limits::Gate::new(limits),
+            removed: CancellationToken::new(),
+            agents: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A cluster trusting `verifier` and `token`, with `strategies`.
+    pub fn with_trust(
         name: &str,
         strategies: Vec<Strategy>,
         verifier: Option<Arc<dyn ClientCertVerifier>>,
         token: Option<TokenValidator>,
         limits: limits::Limits,
     ) -> Cluster {
-        Cluster {
-            name: name.into(),
-            strategies,
-            verifier,
-            token,
-            gate: limits::Gate::new(limits),
-            proxy_password: None,
-            agents: Mutex::new(Vec::new()),
-        }
+        Cluster::new(
+            name,
+            ClusterConf {
+                strategies,
+                verifier,
+                token: token.map(Arc::new),
+                proxy_password: None,
+            },
+            limits,
+        )
+    }
+
+    /// Its agent streams now.
+    pub fn agents(&self) -> Vec<Arc<AgentLink>> {
+        self.agents.lock().map(|a| a.clone()).unwrap_or_default()
     }
 
     /// Connected agent streams.
@@ -350,7 +382,8 @@ impl Cluster {
                 .iter()
                 .any(|b| b.agent_id == a.agent_id && b.uid < a.uid)
         };
-        for s in &self.strategies {
+        let conf = self.conf.load();
+        for s in &conf.strategies {
             let fit: Vec<&Arc<AgentLink>> = agents
                 .iter()
                 .filter(|a| first(a) && s.matches(&a.ids, host))
@@ -540,44 +573,71 @@ pub async fn dial(
     }
 }
 
-/// All clusters, by name.
+/// All clusters, by name; swapped as a whole by a reload.
+#[derive(Default)]
 pub struct Registry {
-    /// The clusters.
-    pub clusters: Vec<Arc<Cluster>>,
+    clusters: ArcSwap<Vec<Arc<Cluster>>>,
 }
 
 impl Registry {
+    /// A registry of `clusters`.
+    pub fn new(clusters: Vec<Arc<Cluster>>) -> Registry {
+        Registry {
+            clusters: ArcSwap::from_pointee(clusters),
+        }
+    }
+
+    /// The clusters now.
+    pub fn clusters(&self) -> Arc<Vec<Arc<Cluster>>> {
+        self.clusters.load_full()
+    }
+
+    /// Replaces the cluster list.
+    pub fn set(&self, clusters: Vec<Arc<Cluster>>) {
+        self.clusters.store(Arc::new(clusters));
+    }
+
     /// A cluster by name.
-    pub fn cluster(&self, name: &str) -> Option<&Arc<Cluster>> {
-        self.clusters.iter().find(|c| &*c.name == name)
+    pub fn cluster(&self, name: &str) -> Option<Arc<Cluster>> {
+        self.clusters
+            .load()
+            .iter()
+            .find(|c| &*c.name == name)
+            .cloned()
     }
 
     /// The cluster whose CA issued `certs`, the first in configuration order.
     pub fn cluster_for_cert(
         &self,
         certs: &[rustls::pki_types::CertificateDer<'_>],
-    ) -> Option<&Arc<Cluster>> {
-        self.clusters.iter().find(|c| {
-            c.verifier
-                .as_ref()
-                .is_some_and(|v| crate::tls::accepts(v.as_ref(), certs))
-        })
+    ) -> Option<Arc<Cluster>> {
+        self.clusters
+            .load()
+            .iter()
+            .find(|c| {
+                c.conf
+                    .load()
+                    .verifier
+                    .as_ref()
+                    .is_some_and(|v| crate::tls::accepts(v.as_ref(), certs))
+            })
+            .cloned()
     }
 
     /// The cluster whose issuer the token in `authorization` claims, once
     /// that cluster accepted it; a token is never shown to another
     /// cluster's API server.
-    pub async fn cluster_for_token(
-        &self,
-        authorization: &str,
-    ) -> Result<&Arc<Cluster>, TokenError> {
+    pub async fn cluster_for_token(&self, authorization: &str) -> Result<Arc<Cluster>, TokenError> {
         let iss = crate::token::claimed_issuer(authorization)?;
-        let Some((c, v)) = self.clusters.iter().find_map(|c| {
-            c.token
-                .as_ref()
+        let found = self.clusters.load().iter().find_map(|c| {
+            c.conf
+                .load()
+                .token
+                .clone()
                 .filter(|v| v.issuer() == iss)
-                .map(|v| (c, v))
-        }) else {
+                .map(|v| (c.clone(), v))
+        });
+        let Some((c, v)) = found else {
             return Err(TokenError::Invalid(format!(
                 "no cluster has issuer {iss:?}"
             )));
@@ -595,13 +655,14 @@ impl Registry {
         let text = String::from_utf8(raw).ok()?;
         let (user, password) = text.split_once(':')?;
         let c = self.cluster(user)?;
-        let want = c.proxy_password.as_deref()?;
+        let conf = c.conf.load();
+        let want = conf.proxy_password.as_deref()?;
         constant_time_eq(want.as_bytes(), password.as_bytes()).then(|| c.clone())
     }
 
     /// Whether any cluster has an agent.
     pub fn any_agent(&self) -> bool {
-        self.clusters.iter().any(|c| c.agent_count() > 0)
+        self.clusters.load().iter().any(|c| c.agent_count() > 0)
     }
 }
 
@@ -631,6 +692,8 @@ pub fn attach(
         conns: Mutex::new(HashMap::new()),
         closing: Mutex::new(HashMap::new()),
         gone: CancellationToken::new(),
+        kick: CancellationToken::new(),
+        certs: std::sync::OnceLock::new(),
         flow,
         credits: Mutex::new(HashMap::new()),
     });
@@ -804,7 +867,7 @@ mod tests {
     use super::*;
 
     fn cluster(strategies: &[Strategy]) -> Cluster {
-        Cluster::new(
+        Cluster::with_trust(
             "c",
             strategies.to_vec(),
             None,

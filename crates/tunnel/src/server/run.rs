@@ -1,21 +1,26 @@
-//! Building a tunnel-server from its configuration and running its
-//! listeners: the agent endpoint, every cluster's frontends, the admin
-//! endpoint.
+//! Building a tunnel-server from its configuration, running its listeners
+//! (the agent endpoint, every cluster's frontends, shared proxy frontends,
+//! the admin endpoint) and reloading it: a new configuration is first read
+//! and checked completely (every file loaded) into a [`Plan`]; only then is
+//! anything changed, so a bad reload changes nothing.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
+use arc_swap::ArcSwap;
 use tokio::net::{TcpListener, UnixListener};
+use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::limits::Limits;
 use super::metrics::Metrics;
-use super::{Cluster, DialSettings, Registry, Strategy};
-use crate::config::{FrontendProtocol, ServerConfig};
+use super::{Cluster, ClusterConf, DialSettings, Registry, Strategy};
+use crate::config::{Frontend, FrontendProtocol, ServerConfig};
 use crate::grpc::H2Settings;
 use crate::proto::PROXY_PATH;
 use crate::tls;
@@ -38,42 +43,60 @@ pub struct Settings {
 enum Transport {
     Unix(PathBuf),
     Tcp(SocketAddr, TlsAcceptor),
-    /// Loopback only (checked by the configuration).
+    /// Loopback only (checked by the configuration), or an authenticated
+    /// shared proxy.
     TcpPlain(SocketAddr),
 }
 
-struct FrontendSpec {
+/// A frontend as configured and prepared (certificates loaded).
+struct PlannedFrontend {
     /// `None`: a shared proxy frontend (the request names the cluster).
-    cluster: Option<Arc<Cluster>>,
-    name: Arc<str>,
-    protocol: FrontendProtocol,
+    cluster: Option<String>,
+    cfg: Frontend,
     transport: Transport,
 }
 
-/// How a configured frontend listens; `authenticated` frontends (every
-/// request carries a cluster's password) may use plain TCP anywhere.
-fn transport(
-    f: &crate::config::Frontend,
-    what: &str,
-    authenticated: bool,
-) -> anyhow::Result<Transport> {
-    Ok(match (&f.unix, &f.tcp, &f.cert, &f.key, &f.client_ca) {
-        (Some(p), None, ..) => Transport::Unix(p.clone()),
-        (None, Some(a), Some(cert), Some(key), Some(ca)) => {
-            let v = tls::client_verifier(tls::load_roots(ca)?)?;
-            let alpn: &[&[u8]] = match f.protocol {
-                FrontendProtocol::Grpc => &[b"h2"],
-                FrontendProtocol::HttpConnect | FrontendProtocol::HttpProxy => &[b"http/1.1"],
-            };
-            let sc =
-                tls::server_config(cert, key, Some(v), alpn).with_context(|| what.to_string())?;
-            Transport::Tcp(*a, TlsAcceptor::from(Arc::new(sc)))
-        }
-        (None, Some(a), None, None, None) if a.ip().is_loopback() || authenticated => {
-            Transport::TcpPlain(*a)
-        }
-        _ => anyhow::bail!("{what}: unix, or tcp with cert, key and client_ca"),
-    })
+/// A cluster as configured and prepared (trust loaded).
+struct PlannedCluster {
+    name: String,
+    conf: ClusterConf,
+    limits: Limits,
+}
+
+/// Everything a configuration asks for, read and checked; applying it
+/// cannot fail for want of a file.
+pub struct Plan {
+    clusters: Vec<PlannedCluster>,
+    frontends: Vec<PlannedFrontend>,
+    agent_tls: TlsAcceptor,
+}
+
+/// A listening frontend.
+struct Running {
+    cluster: Option<String>,
+    cfg: Frontend,
+    /// Swapped in place when only its certificate files changed.
+    tls: Option<Arc<ArcSwap<TlsAcceptor>>>,
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+    label: String,
+    bound: String,
+}
+
+/// What a reload changed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ReloadReport {
+    /// Clusters added.
+    pub added: Vec<String>,
+    /// Clusters removed (their agent streams ended).
+    pub removed: Vec<String>,
+    /// Agent streams ended because their cluster no longer accepts their
+    /// certificate.
+    pub agents_rekeyed: usize,
+    /// Frontends started (new or changed).
+    pub frontends_started: Vec<String>,
+    /// Frontends stopped (removed or changed).
+    pub frontends_stopped: Vec<String>,
 }
 
 /// A configured tunnel-server.
@@ -88,8 +111,8 @@ pub struct TunnelServer {
     pub server_id: String,
     /// `servercount` sent to agents.
     pub server_count: u32,
-    /// TLS for the agent endpoint.
-    pub agent_tls: TlsAcceptor,
+    /// TLS for the agent endpoint (replaced by a reload).
+    pub agent_tls: ArcSwap<TlsAcceptor>,
     /// HTTP/2 keepalive towards agents.
     pub agent_h2: H2Settings,
     /// Cancelled on shutdown: ends agent streams and frontend connections.
@@ -102,7 +125,36 @@ pub struct TunnelServer {
     pub frontend_tasks: TaskTracker,
     agent_listen: SocketAddr,
     admin_listen: Option<SocketAddr>,
-    frontends: Vec<FrontendSpec>,
+    /// What the server was built with, until `start` binds it.
+    initial: Mutex<Option<Vec<PlannedFrontend>>>,
+    running: tokio::sync::Mutex<Vec<Running>>,
+    /// The settings a reload cannot change (they need a restart).
+    fixed: Fixed,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Fixed {
+    agents: (SocketAddr, Duration, Duration),
+    admin: Option<SocketAddr>,
+    server_id: Option<String>,
+    server_count: u32,
+    timeouts: (Duration, Duration, usize),
+}
+
+impl Fixed {
+    fn of(cfg: &ServerConfig) -> Fixed {
+        Fixed {
+            agents: (
+                cfg.agents.listen,
+                cfg.agents.keepalive,
+                cfg.agents.keepalive_timeout,
+            ),
+            admin: cfg.admin.as_ref().map(|a| a.listen),
+            server_id: cfg.server_id.clone(),
+            server_count: cfg.server_count,
+            timeouts: (cfg.dial_timeout, cfg.stall_timeout, cfg.queue_bytes),
+        }
+    }
 }
 
 /// Where a started server listens.
@@ -130,51 +182,61 @@ fn random_id() -> String {
     )
 }
 
-impl TunnelServer {
-    /// Builds the server (reads every certificate; nothing is bound yet).
-    pub fn from_config(cfg: &ServerConfig) -> anyhow::Result<Arc<TunnelServer>> {
-        let metrics = Metrics::new();
-        let mut clusters = Vec::new();
-        let mut frontends = Vec::new();
-        for c in &cfg.clusters {
-            let verifier = match &c.agent_ca {
-                Some(ca) => Some(tls::client_verifier(
-                    tls::load_roots(ca).with_context(|| format!("cluster {}: agent_ca", c.name))?,
-                )?),
-                None => None,
+/// How a configured frontend listens; `authenticated` frontends (every
+/// request carries a cluster's password) may use plain TCP anywhere.
+fn transport(f: &Frontend, what: &str, authenticated: bool) -> anyhow::Result<Transport> {
+    Ok(match (&f.unix, &f.tcp, &f.cert, &f.key, &f.client_ca) {
+        (Some(p), None, ..) => Transport::Unix(p.clone()),
+        (None, Some(a), Some(cert), Some(key), Some(ca)) => {
+            let v = tls::client_verifier(tls::load_roots(ca)?)?;
+            let alpn: &[&[u8]] = match f.protocol {
+                FrontendProtocol::Grpc => &[b"h2"],
+                FrontendProtocol::HttpConnect | FrontendProtocol::HttpProxy => &[b"http/1.1"],
             };
-            let token = match &c.agent_token {
-                Some(t) => Some(
-                    match (&t.keys, &t.review) {
-                        (Some(keys), None) => {
-                            TokenValidator::new(keys, &t.issuer, &t.audience, &t.service_account)
-                        }
-                        (None, Some(r)) => {
-                            TokenReviewer::new(&c.name, r, metrics.token_reviews.clone()).and_then(
-                                |r| {
-                                    TokenValidator::with_review(
-                                        r,
-                                        &t.issuer,
-                                        &t.audience,
-                                        &t.service_account,
-                                    )
-                                },
-                            )
-                        }
-                        _ => Err(anyhow::anyhow!("exactly one of keys or review")),
+            let sc =
+                tls::server_config(cert, key, Some(v), alpn).with_context(|| what.to_string())?;
+            Transport::Tcp(*a, TlsAcceptor::from(Arc::new(sc)))
+        }
+        (None, Some(a), None, None, None) if a.ip().is_loopback() || authenticated => {
+            Transport::TcpPlain(*a)
+        }
+        _ => anyhow::bail!("{what}: unix, or tcp with cert, key and client_ca"),
+    })
+}
+
+/// Reads and checks everything `cfg` refers to.
+pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> anyhow::Result<Plan> {
+    let mut clusters = Vec::new();
+    let mut frontends = Vec::new();
+    for c in &cfg.clusters {
+        let verifier = match &c.agent_ca {
+            Some(ca) => Some(tls::client_verifier(
+                tls::load_roots(ca).with_context(|| format!("cluster {}: agent_ca", c.name))?,
+            )?),
+            None => None,
+        };
+        let token = match &c.agent_token {
+            Some(t) => Some(
+                match (&t.keys, &t.review) {
+                    (Some(keys), None) => {
+                        TokenValidator::new(keys, &t.issuer, &t.audience, &t.service_account)
                     }
-                    .with_context(|| format!("cluster {}: agent_token", c.name))?,
-                ),
-                None => None,
-            };
-            let strategies = c
-                .strategies
-                .iter()
-                .filter_map(|s| Strategy::from_name(s))
-                .collect();
-            let mut cluster =
-                Cluster::new(&c.name, strategies, verifier, token, c.limits.to_limits());
-            if let Some(p) = &c.proxy_password_file {
+                    (None, Some(r)) => TokenReviewer::new(
+                        &c.name,
+                        r,
+                        metrics.token_reviews.clone(),
+                    )
+                    .and_then(|r| {
+                        TokenValidator::with_review(r, &t.issuer, &t.audience, &t.service_account)
+                    }),
+                    _ => Err(anyhow::anyhow!("exactly one of keys or review")),
+                }
+                .with_context(|| format!("cluster {}: agent_token", c.name))?,
+            ),
+            None => None,
+        };
+        let proxy_password = match &c.proxy_password_file {
+            Some(p) => {
                 let text = std::fs::read_to_string(p).with_context(|| {
                     format!("cluster {}: proxy_password_file {}", c.name, p.display())
                 })?;
@@ -186,44 +248,72 @@ impl TunnelServer {
                         p.display()
                     );
                 }
-                cluster.proxy_password = Some(pw.to_string());
+                Some(pw.to_string())
             }
-            let cluster = Arc::new(cluster);
-            for f in &c.frontends {
-                frontends.push(FrontendSpec {
-                    cluster: Some(cluster.clone()),
-                    name: f.name.as_str().into(),
-                    protocol: f.protocol,
-                    transport: transport(
-                        f,
-                        &format!("cluster {} frontend {}", c.name, f.name),
-                        false,
-                    )?,
-                });
-            }
-            clusters.push(cluster);
-        }
-        for f in &cfg.proxy_frontends {
-            frontends.push(FrontendSpec {
-                cluster: None,
-                name: f.name.as_str().into(),
-                protocol: f.protocol,
-                transport: transport(f, &format!("proxy frontend {}", f.name), true)?,
+            None => None,
+        };
+        clusters.push(PlannedCluster {
+            name: c.name.clone(),
+            conf: ClusterConf {
+                strategies: c
+                    .strategies
+                    .iter()
+                    .filter_map(|s| Strategy::from_name(s))
+                    .collect(),
+                verifier,
+                token: token.map(Arc::new),
+                proxy_password,
+            },
+            limits: c.limits.to_limits(),
+        });
+        for f in &c.frontends {
+            frontends.push(PlannedFrontend {
+                cluster: Some(c.name.clone()),
+                cfg: f.clone(),
+                transport: transport(f, &format!("cluster {} frontend {}", c.name, f.name), false)?,
             });
         }
-        let any = tls::AnyOf {
-            verifiers: clusters.iter().filter_map(|c| c.verifier.clone()).collect(),
-            mandatory: clusters.iter().all(|c| c.token.is_none()),
-        };
-        let agent_tls = tls::server_config(
-            &cfg.agents.cert,
-            &cfg.agents.key,
-            Some(Arc::new(any)),
-            &[b"h2"],
-        )
-        .context("agents: TLS")?;
+    }
+    for f in &cfg.proxy_frontends {
+        frontends.push(PlannedFrontend {
+            cluster: None,
+            cfg: f.clone(),
+            transport: transport(f, &format!("proxy frontend {}", f.name), true)?,
+        });
+    }
+    let any = tls::AnyOf {
+        verifiers: clusters
+            .iter()
+            .filter_map(|c| c.conf.verifier.clone())
+            .collect(),
+        mandatory: clusters.iter().all(|c| c.conf.token.is_none()),
+    };
+    let agent_tls = tls::server_config(
+        &cfg.agents.cert,
+        &cfg.agents.key,
+        Some(Arc::new(any)),
+        &[b"h2"],
+    )
+    .context("agents: TLS")?;
+    Ok(Plan {
+        clusters,
+        frontends,
+        agent_tls: TlsAcceptor::from(Arc::new(agent_tls)),
+    })
+}
+
+impl TunnelServer {
+    /// Builds the server (reads every certificate; nothing is bound yet).
+    pub fn from_config(cfg: &ServerConfig) -> anyhow::Result<Arc<TunnelServer>> {
+        let metrics = Metrics::new();
+        let p = plan(cfg, &metrics)?;
+        let clusters = p
+            .clusters
+            .into_iter()
+            .map(|c| Arc::new(Cluster::new(&c.name, c.conf, c.limits)))
+            .collect();
         Ok(Arc::new(TunnelServer {
-            registry: Registry { clusters },
+            registry: Registry::new(clusters),
             metrics,
             settings: Settings {
                 handshake_timeout: Duration::from_secs(10),
@@ -233,7 +323,7 @@ impl TunnelServer {
             },
             server_id: cfg.server_id.clone().unwrap_or_else(random_id),
             server_count: cfg.server_count,
-            agent_tls: TlsAcceptor::from(Arc::new(agent_tls)),
+            agent_tls: ArcSwap::from_pointee(p.agent_tls),
             agent_h2: H2Settings {
                 keepalive: cfg.agents.keepalive,
                 keepalive_timeout: cfg.agents.keepalive_timeout,
@@ -244,7 +334,9 @@ impl TunnelServer {
             frontend_tasks: TaskTracker::new(),
             agent_listen: cfg.agents.listen,
             admin_listen: cfg.admin.as_ref().map(|a| a.listen),
-            frontends,
+            initial: Mutex::new(Some(p.frontends)),
+            running: tokio::sync::Mutex::new(Vec::new()),
+            fixed: Fixed::of(cfg),
         }))
     }
 
@@ -278,40 +370,19 @@ impl TunnelServer {
                 .await;
             });
         }
-        for f in &self.frontends {
-            let label = format!(
-                "{}/{}",
-                f.cluster.as_ref().map_or("shared", |c| &*c.name),
-                f.name
-            );
-            match &f.transport {
-                Transport::Unix(path) => {
-                    // Like upstream's --delete-existing-uds-file (default true).
-                    let _ = std::fs::remove_file(path);
-                    let l = UnixListener::bind(path)
-                        .with_context(|| format!("{label}: listening on {}", path.display()))?;
-                    use std::os::unix::fs::PermissionsExt;
-                    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-                        .with_context(|| format!("{label}: permissions of {}", path.display()))?;
-                    bound.frontends.push((label, path.display().to_string()));
-                    self.spawn_unix(l, f);
-                }
-                Transport::TcpPlain(addr) => {
-                    let l = TcpListener::bind(addr)
-                        .await
-                        .with_context(|| format!("{label}: listening on {addr}"))?;
-                    bound.frontends.push((label, l.local_addr()?.to_string()));
-                    self.spawn_tcp_plain(l, f);
-                }
-                Transport::Tcp(addr, acceptor) => {
-                    let l = TcpListener::bind(addr)
-                        .await
-                        .with_context(|| format!("{label}: listening on {addr}"))?;
-                    bound.frontends.push((label, l.local_addr()?.to_string()));
-                    self.spawn_tcp(l, acceptor.clone(), f);
-                }
-            }
+        let initial = self
+            .initial
+            .lock()
+            .ok()
+            .and_then(|mut i| i.take())
+            .unwrap_or_default();
+        let mut running = self.running.lock().await;
+        for f in initial {
+            let r = self.listen(f).await?;
+            bound.frontends.push((r.label.clone(), r.bound.clone()));
+            running.push(r);
         }
+        drop(running);
         if let Some(a) = self.admin_listen {
             let l = TcpListener::bind(a)
                 .await
@@ -322,14 +393,81 @@ impl TunnelServer {
         Ok(bound)
     }
 
-    fn spawn_unix(self: &Arc<Self>, l: UnixListener, f: &FrontendSpec) {
-        let (srv, cluster, name, proto) =
-            (self.clone(), f.cluster.clone(), f.name.clone(), f.protocol);
+    /// Binds one frontend and starts accepting on it.
+    async fn listen(self: &Arc<Self>, f: PlannedFrontend) -> anyhow::Result<Running> {
+        let label = format!(
+            "{}/{}",
+            f.cluster.as_deref().unwrap_or("shared"),
+            f.cfg.name
+        );
+        let cluster = match &f.cluster {
+            Some(n) => Some(
+                self.registry
+                    .cluster(n)
+                    .with_context(|| format!("{label}: no cluster {n}"))?,
+            ),
+            None => None,
+        };
+        let stop = self.accepting.child_token();
+        let (name, proto): (Arc<str>, _) = (f.cfg.name.as_str().into(), f.cfg.protocol);
+        let (task, bound, tls) = match f.transport {
+            Transport::Unix(path) => {
+                // Like upstream's --delete-existing-uds-file (default true).
+                let _ = std::fs::remove_file(&path);
+                let l = UnixListener::bind(&path)
+                    .with_context(|| format!("{label}: listening on {}", path.display()))?;
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o660))
+                    .with_context(|| format!("{label}: permissions of {}", path.display()))?;
+                let t = self.spawn_unix(l, cluster, name, proto, stop.clone());
+                (t, path.display().to_string(), None)
+            }
+            Transport::TcpPlain(addr) => {
+                let l = TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("{label}: listening on {addr}"))?;
+                let b = l.local_addr()?.to_string();
+                (
+                    self.spawn_tcp(l, None, cluster, name, proto, stop.clone()),
+                    b,
+                    None,
+                )
+            }
+            Transport::Tcp(addr, acceptor) => {
+                let l = TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("{label}: listening on {addr}"))?;
+                let b = l.local_addr()?.to_string();
+                let acc = Arc::new(ArcSwap::from_pointee(acceptor));
+                let t = self.spawn_tcp(l, Some(acc.clone()), cluster, name, proto, stop.clone());
+                (t, b, Some(acc))
+            }
+        };
+        Ok(Running {
+            cluster: f.cluster,
+            cfg: f.cfg,
+            tls,
+            stop,
+            task,
+            label,
+            bound,
+        })
+    }
+
+    fn spawn_unix(
+        self: &Arc<Self>,
+        l: UnixListener,
+        cluster: Option<Arc<Cluster>>,
+        name: Arc<str>,
+        proto: FrontendProtocol,
+        stop: CancellationToken,
+    ) -> JoinHandle<()> {
+        let srv = self.clone();
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
                     a = l.accept() => a,
-                    () = srv.accepting.cancelled() => return,
+                    () = stop.cancelled() => return,
                 };
                 let s = match accepted {
                     Ok((s, _)) => s,
@@ -343,21 +481,31 @@ impl TunnelServer {
                 srv.frontend_tasks
                     .spawn(async move { serve_frontend(srv2, cluster, name, proto, s).await });
             }
-        });
+        })
     }
 
-    fn spawn_tcp(self: &Arc<Self>, l: TcpListener, acceptor: TlsAcceptor, f: &FrontendSpec) {
-        let (srv, cluster, name, proto) =
-            (self.clone(), f.cluster.clone(), f.name.clone(), f.protocol);
+    fn spawn_tcp(
+        self: &Arc<Self>,
+        l: TcpListener,
+        acceptor: Option<Arc<ArcSwap<TlsAcceptor>>>,
+        cluster: Option<Arc<Cluster>>,
+        name: Arc<str>,
+        proto: FrontendProtocol,
+        stop: CancellationToken,
+    ) -> JoinHandle<()> {
+        let srv = self.clone();
         tokio::spawn(async move {
-            let stop = srv.accepting.clone();
             seedlink_net::accept::accept_loop(&l, &stop, |tcp, _| {
-                let (srv2, cluster, name, acceptor) =
-                    (srv.clone(), cluster.clone(), name.clone(), acceptor.clone());
+                let _ = tcp.set_nodelay(true);
+                let (srv2, cluster, name) = (srv.clone(), cluster.clone(), name.clone());
+                let Some(acc) = acceptor.as_ref().map(|a| a.load_full()) else {
+                    srv.frontend_tasks
+                        .spawn(serve_frontend(srv2, cluster, name, proto, tcp));
+                    return;
+                };
                 srv.frontend_tasks.spawn(async move {
-                    let _ = tcp.set_nodelay(true);
                     let hs = srv2.settings.handshake_timeout;
-                    match tokio::time::timeout(hs, acceptor.accept(tcp)).await {
+                    match tokio::time::timeout(hs, acc.accept(tcp)).await {
                         Ok(Ok(tls)) => serve_frontend(srv2, cluster, name, proto, tls).await,
                         _ => srv2.metrics.frontend_conn(
                             cluster.as_ref().map_or("", |c| &*c.name),
@@ -368,22 +516,131 @@ impl TunnelServer {
                 });
             })
             .await;
-        });
+        })
     }
 
-    fn spawn_tcp_plain(self: &Arc<Self>, l: TcpListener, f: &FrontendSpec) {
-        let (srv, cluster, name, proto) =
-            (self.clone(), f.cluster.clone(), f.name.clone(), f.protocol);
-        tokio::spawn(async move {
-            let stop = srv.accepting.clone();
-            seedlink_net::accept::accept_loop(&l, &stop, |tcp, _| {
-                let _ = tcp.set_nodelay(true);
-                let (srv2, cluster, name) = (srv.clone(), cluster.clone(), name.clone());
-                srv.frontend_tasks
-                    .spawn(serve_frontend(srv2, cluster, name, proto, tcp));
-            })
-            .await;
-        });
+    /// Applies a new configuration: clusters added, removed (their agent
+    /// streams end, so their connections do) and updated in place (trust,
+    /// strategies, limits, proxy password; agents whose certificate the new
+    /// trust refuses are disconnected), frontends started, stopped or given
+    /// new certificates, and a new agent endpoint certificate. Everything
+    /// is read and checked before anything changes; other clusters' agents
+    /// and connections are not touched. Settings outside `clusters` and
+    /// `proxy_frontends` (listen addresses, server ID, timeouts) need a
+    /// restart: a change there is reported as an error and nothing is
+    /// applied.
+    pub async fn reload(self: &Arc<Self>, cfg: &ServerConfig) -> anyhow::Result<ReloadReport> {
+        let result = self.reload_inner(cfg).await;
+        self.metrics
+            .reload(if result.is_ok() { "ok" } else { "error" });
+        result
+    }
+
+    async fn reload_inner(self: &Arc<Self>, cfg: &ServerConfig) -> anyhow::Result<ReloadReport> {
+        if Fixed::of(cfg) != self.fixed {
+            anyhow::bail!(
+                "agents, admin, server_id, server_count, dial_timeout, stall_timeout and queue_bytes need a restart; only clusters and proxy_frontends reload"
+            );
+        }
+        let p = plan(cfg, &self.metrics)?;
+        // One reload at a time (the lock also guards the frontend list).
+        let mut running = self.running.lock().await;
+        let mut report = ReloadReport::default();
+        let old = self.registry.clusters();
+        let mut next = Vec::new();
+        for c in p.clusters {
+            match old.iter().find(|o| *o.name == *c.name) {
+                Some(o) => {
+                    o.conf.store(Arc::new(c.conf));
+                    o.gate.set(c.limits);
+                    let conf = o.conf.load();
+                    for link in o.agents() {
+                        let certs = link.certs.get().map(Vec::as_slice).unwrap_or(&[]);
+                        if certs.is_empty() {
+                            continue;
+                        }
+                        let ok = conf
+                            .verifier
+                            .as_ref()
+                            .is_some_and(|v| tls::accepts(v.as_ref(), certs));
+                        if !ok {
+                            link.kick.cancel();
+                            report.agents_rekeyed += 1;
+                        }
+                    }
+                    next.push(o.clone());
+                }
+                None => {
+                    report.added.push(c.name.clone());
+                    next.push(Arc::new(Cluster::new(&c.name, c.conf, c.limits)));
+                }
+            }
+        }
+        for o in old.iter() {
+            if !next.iter().any(|n| Arc::ptr_eq(n, o)) {
+                report.removed.push(o.name.to_string());
+                o.removed.cancel();
+            }
+        }
+        self.registry.set(next);
+        self.agent_tls.store(Arc::new(p.agent_tls));
+        // Frontends: unchanged ones keep listening (new certificates are
+        // swapped in); removed or changed ones stop; new ones start.
+        let mut keep = Vec::new();
+        let mut todo = Vec::new();
+        let mut planned = p.frontends;
+        for r in running.drain(..) {
+            let same = planned
+                .iter()
+                .position(|f| f.cluster == r.cluster && f.cfg == r.cfg);
+            match same {
+                Some(i) => {
+                    let f = planned.remove(i);
+                    if let (Some(slot), Transport::Tcp(_, acc)) = (&r.tls, f.transport) {
+                        slot.store(Arc::new(acc));
+                    }
+                    keep.push(r);
+                }
+                None => {
+                    r.stop.cancel();
+                    let _ = tokio::time::timeout(Duration::from_secs(5), r.task).await;
+                    if let Some(p) = &r.cfg.unix {
+                        let _ = std::fs::remove_file(p);
+                    }
+                    report.frontends_stopped.push(r.label.clone());
+                }
+            }
+        }
+        todo.append(&mut planned);
+        let mut errors = Vec::new();
+        for f in todo {
+            match self.listen(f).await {
+                Ok(r) => {
+                    report.frontends_started.push(r.label.clone());
+                    keep.push(r);
+                }
+                Err(e) => errors.push(format!("{e:#}")),
+            }
+        }
+        *running = keep;
+        if errors.is_empty() {
+            Ok(report)
+        } else {
+            anyhow::bail!(
+                "applied, but frontends failed to start: {}",
+                errors.join("; ")
+            )
+        }
+    }
+
+    /// `(label, address)` of every listening frontend.
+    pub async fn frontends(&self) -> Vec<(String, String)> {
+        self.running
+            .lock()
+            .await
+            .iter()
+            .map(|r| (r.label.clone(), r.bound.clone()))
+            .collect()
     }
 
     /// Ready: not draining and at least one agent connected.
