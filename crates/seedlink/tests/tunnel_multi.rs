@@ -513,3 +513,173 @@ async fn tunnel_config_output_drives_a_real_agent() {
     assert_eq!(ready["event"], "ready", "{ready}");
     assert!(hello_via(&uds).await.contains("hello from b"));
 }
+
+/// Writes `text` to `path` atomically (a reader never sees half a file).
+fn write_atomic(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// Reloads while cluster A is under load: C is added (SIGHUP), B's agent
+/// CA is rotated (the file changes on disk; the server notices by itself),
+/// C is removed (SIGHUP). A's load sees no failure at all and a connection
+/// A held open through every step still echoes; B's agent with the old
+/// certificate is disconnected and one with the new certificate serves B;
+/// C's agents are disconnected and its socket is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_adds_rekeys_and_removes_clusters_under_load() {
+    let env = TunnelEnv::new(66);
+    let b = Tenant::new(&env, "b", 67);
+    let c = Tenant::new(&env, "c", 68);
+    let base = env.server_yaml("0.0.0.0:8132", "", "");
+    let server = env.server(&format!("{base}{}", b.yaml(&env)), "server");
+    let cfg_path = env.dir.path().join("server.yaml");
+    let admin = server.admin();
+    let m = |name: &str| env.server_metric(&admin, name);
+    let _a = env.agent(&env.agent_endpoint(8132), &[]);
+    let _b_old = b.agent(&env, &["--agent-id", "b-old"]);
+    assert!(hello_via(&b.uds(&env)).await.contains("hello from b"));
+    let mut held =
+        kas_connect_eventually(&env.uds, "127.0.0.1:7007", Duration::from_secs(20)).await;
+    echo_rtt(&mut held, 64).await;
+
+    // Load on A for the whole test.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (uds, stop) = (env.uds.clone(), stop.clone());
+        tokio::spawn(async move {
+            let (mut ok, mut failed) = (0u32, Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match kas_connect(&uds, "127.0.0.1:7007").await {
+                    Ok(mut s) => {
+                        echo_rtt(&mut s, 256).await;
+                        ok += 1;
+                    }
+                    Err(e) => failed.push(e),
+                }
+            }
+            (ok, failed)
+        })
+    };
+    let reloads = |want: f64| {
+        let m = &m;
+        async move {
+            TunnelEnv::until(Duration::from_secs(15), "a reload", || {
+                m("seedlink_tunnel_server_config_reloads_total{reason=\"ok\"}") >= want
+            })
+            .await;
+        }
+    };
+
+    // 1. Add C (SIGHUP).
+    write_atomic(
+        &cfg_path,
+        &format!("{base}{}{}", b.yaml(&env), c.yaml(&env)),
+    );
+    signal_hup(server.pid());
+    reloads(1.0).await;
+    let _c = c.agent(&env, &[]);
+    assert!(hello_via(&c.uds(&env)).await.contains("hello from c"));
+
+    // 2. Rotate B's CA on disk: noticed without a signal.
+    let fresh = seedlink::demo::Pki::generate(&[]).unwrap();
+    let bd = env.dir.path().join("b");
+    std::fs::write(bd.join("agent2.pem"), &fresh.client.cert_pem).unwrap();
+    std::fs::write(bd.join("agent2-key.pem"), &fresh.client.key_pem).unwrap();
+    write_atomic(&bd.join("agent-ca.pem"), &fresh.ca_pem);
+    reloads(2.0).await;
+    TunnelEnv::until(
+        Duration::from_secs(10),
+        "B's old agent to be disconnected",
+        || {
+            m("seedlink_tunnel_server_agent_streams_total{cluster=\"b\",reason=\"rekeyed\"}") >= 1.0
+                && m("seedlink_tunnel_server_agents{cluster=\"b\"}") == 0.0
+        },
+    )
+    .await;
+    let new_crt = bd.join("agent2.pem").display().to_string();
+    let new_key = bd.join("agent2-key.pem").display().to_string();
+    let _b_new = env.agent_in(
+        &b.ns,
+        &b.endpoint(),
+        &[
+            "--agent-cert",
+            &new_crt,
+            "--agent-key",
+            &new_key,
+            "--agent-id",
+            "b-new",
+        ],
+    );
+    assert!(hello_via(&b.uds(&env)).await.contains("hello from b"));
+
+    // 3. Remove C (SIGHUP).
+    write_atomic(&cfg_path, &format!("{base}{}", b.yaml(&env)));
+    signal_hup(server.pid());
+    reloads(3.0).await;
+    TunnelEnv::until(Duration::from_secs(10), "C's agent to be disconnected", || {
+        m("seedlink_tunnel_server_agent_streams_total{cluster=\"c\",reason=\"cluster_removed\"}")
+            >= 1.0
+    })
+    .await;
+    assert!(
+        !std::path::Path::new(&c.uds(&env)).exists(),
+        "C's socket is gone"
+    );
+    assert!(kas_connect(&c.uds(&env), "127.0.0.1:8000").await.is_err());
+
+    // A never noticed.
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (ok, failed) = load.await.unwrap();
+    assert!(
+        failed.is_empty(),
+        "A's load failed {} times: {failed:?}",
+        failed.len()
+    );
+    assert!(ok >= 20, "only {ok} A connections under load");
+    echo_rtt(&mut held, 4096).await;
+    assert!(hello_via(&b.uds(&env)).await.contains("hello from b"));
+    assert_eq!(
+        m("seedlink_tunnel_server_config_reloads_total{reason=\"error\"}"),
+        0.0
+    );
+}
+
+/// A broken configuration is refused and the running one stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_reload_changes_nothing() {
+    let env = TunnelEnv::new(69);
+    let server = env.server(&env.server_yaml("0.0.0.0:8132", "", ""), "server");
+    let cfg_path = env.dir.path().join("server.yaml");
+    let admin = server.admin();
+    let _a = env.agent(&env.agent_endpoint(8132), &[]);
+    assert!(hello_via(&env.uds).await.contains("hello from the shoot"));
+    let good = std::fs::read_to_string(&cfg_path).unwrap();
+    // A CA file that does not exist: the whole reload is refused.
+    write_atomic(
+        &cfg_path,
+        &good.replace(&env.files.agent_ca, "/nonexistent/ca.pem"),
+    );
+    signal_hup(server.pid());
+    TunnelEnv::until(Duration::from_secs(15), "the refused reload", || {
+        env.server_metric(
+            &admin,
+            "seedlink_tunnel_server_config_reloads_total{reason=\"error\"}",
+        ) >= 1.0
+    })
+    .await;
+    assert!(hello_via(&env.uds).await.contains("hello from the shoot"));
+    assert_eq!(
+        env.server_metric(&admin, "seedlink_tunnel_server_agents{"),
+        1.0
+    );
+}
+
+fn signal_hup(pid: u32) {
+    assert!(std::process::Command::new("kill")
+        .args(["-HUP", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+}
