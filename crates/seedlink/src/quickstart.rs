@@ -93,8 +93,14 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
     let node_addr = start_node_proxy(connect_addr, PLANES[0].0).await?;
     // The reverse tunnel: control plane → shoot pod, through an agent that
     // dialled out.
-    let tunnel =
-        crate::quickstart_tunnel::start(&pki, PLANES.len(), PLANES[0].0, dir.path(), &stop).await?;
+    let tunnel = crate::quickstart_tunnel::start(
+        &pki,
+        PLANES.len(),
+        [PLANES[0].0, PLANES[1].0],
+        dir.path(),
+        &stop,
+    )
+    .await?;
 
     println!(
         "seedlink quickstart: a gateway on {tls_addr} routes TLS by SNI, without terminating it,"
@@ -137,9 +143,14 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
     );
 
     println!(
-        "# reverse tunnel: tunnel-agent (allowed only 127.0.0.3) dialled out to the tunnel-server;\n\
-         # kube-apiserver's egress dialer uses {} (HTTP CONNECT); with curl through the mTLS frontend:",
-        tunnel.uds.display()
+        "# reverse tunnel: one tunnel-server for two clusters; each cluster's tunnel-agent (its own\n\
+         # client CA; allowed only its pod) dialled out to it. {}'s kube-apiserver egress dialer\n\
+         # uses {} (HTTP CONNECT), {}'s uses {}; with curl through {}'s mTLS frontend:",
+        PLANES[0].0,
+        tunnel.uds.display(),
+        tunnel.second.0,
+        tunnel.second.1.display(),
+        PLANES[0].0
     );
     println!(
         "curl -p -x https://{TUNNEL_HOST}:{port} --resolve {TUNNEL_HOST}:{port}:127.0.0.1 --proxy-cacert {} --proxy-cert {} --proxy-key {} http://{pod}/\n",
@@ -233,6 +244,20 @@ async fn walkthrough(
     step(
         "reverse tunnel: CONNECT on the kube-apiserver socket → tunnel-server → agent → shoot pod",
         ok,
+        show(&r),
+    );
+    let (name2, uds2, pod2) = &tunnel.second;
+    let r = crate::quickstart_tunnel::get_through(uds2, *pod2).await;
+    let ok = matches!(&r, Ok(body) if body.contains(&format!("a pod of {name2},")));
+    step(
+        "reverse tunnel, second cluster on the same server: its socket → its own agent → its pod",
+        ok,
+        show(&r),
+    );
+    let r = crate::quickstart_tunnel::get_through(&tunnel.uds, *pod2).await;
+    step(
+        "reverse tunnel: the first cluster's socket dials only through its own agent (the other cluster's pod is refused)",
+        matches!(&r, Err(e) if e.to_string().contains("502")),
         show(&r),
     );
     let outside: SocketAddr = ([127, 0, 0, 1], tunnel.pod.port()).into();

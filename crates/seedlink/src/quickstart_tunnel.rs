@@ -1,6 +1,7 @@
-//! The reverse-tunnel part of `seedlink quickstart`: a tunnel-server and a
-//! tunnel-agent in this process, and a demo "shoot pod" that only the
-//! agent's policy lets anyone reach, through the tunnel.
+//! The reverse-tunnel part of `seedlink quickstart`: one tunnel-server for
+//! two clusters, one tunnel-agent per cluster (each with its own client CA)
+//! in this process, and a demo "shoot pod" per cluster that only that
+//! cluster's agent lets anyone reach, through the tunnel.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -20,29 +21,31 @@ use crate::demo::Pki;
 
 /// What the quickstart prints and checks.
 pub struct TunnelDemo {
-    /// The kube-apiserver-facing Unix socket (HTTP CONNECT).
+    /// The first cluster's kube-apiserver-facing Unix socket (HTTP CONNECT).
     pub uds: PathBuf,
-    /// The TCP+mTLS frontend.
+    /// The first cluster's TCP+mTLS frontend.
     pub tcp: String,
-    /// The demo pod's address (reachable through the tunnel).
+    /// The first cluster's demo pod (reachable through its agent).
     pub pod: SocketAddr,
+    /// The second cluster on the same server: name, socket, pod.
+    pub second: (String, PathBuf, SocketAddr),
     /// Keeps the server alive.
     pub server: Arc<TunnelServer>,
-    /// Keeps the agent alive.
-    pub agent: Arc<Agent>,
+    /// Keep the agents alive.
+    pub agents: Vec<Arc<Agent>>,
 }
 
 /// Answers every request with one line, like a pod's HTTP endpoint.
-async fn serve_pod(l: TcpListener, stop: CancellationToken) {
+async fn serve_pod(l: TcpListener, cluster: String, stop: CancellationToken) {
     loop {
         let (mut s, _) = tokio::select! {
             a = l.accept() => match a { Ok(x) => x, Err(_) => continue },
             () = stop.cancelled() => return,
         };
+        let body = format!("hello from a pod of {cluster}, reached through the reverse tunnel\n");
         tokio::spawn(async move {
             let mut buf = [0u8; 4096];
             let _ = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await;
-            let body = "hello from a shoot pod, reached through the reverse tunnel\n";
             let _ = s
                 .write_all(
                     format!(
@@ -56,66 +59,25 @@ async fn serve_pod(l: TcpListener, stop: CancellationToken) {
     }
 }
 
-/// Starts the pod on 127.0.0.3, the tunnel-server (agent endpoint on
-/// loopback, frontends in `dir`) and an agent allowed to reach only
-/// 127.0.0.3.
-pub async fn start(
-    pki: &Pki,
-    tunnel_host_index: usize,
-    cluster: &str,
-    dir: &Path,
-    stop: &CancellationToken,
-) -> anyhow::Result<TunnelDemo> {
-    let pod_l = TcpListener::bind("127.0.0.3:0")
-        .await
-        .context("binding the demo pod on 127.0.0.3")?;
-    let pod = pod_l.local_addr()?;
-    tokio::spawn(serve_pod(pod_l, stop.clone()));
-    let (host, leaf) = &pki.servers[tunnel_host_index];
-    let w = |name: &str, text: &str| -> anyhow::Result<PathBuf> {
-        let p = dir.join(name);
-        std::fs::write(&p, text)?;
-        Ok(p)
-    };
-    let ca = w("tunnel-ca.pem", &pki.ca_pem)?;
-    let crt = w("tunnel.pem", &leaf.cert_pem)?;
-    let key = w("tunnel-key.pem", &leaf.key_pem)?;
-    let agent_crt = w("agent.pem", &pki.client.cert_pem)?;
-    let agent_key = w("agent-key.pem", &pki.client.key_pem)?;
-    let uds = dir.join("kube-apiserver-egress.sock");
-    let yaml = format!(
-        "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}'}}
-clusters:
-  - name: {cluster}
-    agent_ca: '{ca}'
-    frontends:
-      - {{name: kas, protocol: http-connect, unix: '{uds}'}}
-      - {{name: kas-tcp, protocol: http-connect, tcp: '127.0.0.1:0', cert: '{crt}', key: '{key}', client_ca: '{ca}'}}
-",
-        crt = crt.display(),
-        key = key.display(),
-        ca = ca.display(),
-        uds = uds.display()
-    );
-    let cfg = ServerConfig::parse(&yaml)?;
-    let server = TunnelServer::from_config(&cfg)?;
-    let bound = server.start().await?;
-    let tcp = bound
-        .frontends
-        .iter()
-        .find(|(k, _)| k.ends_with("/kas-tcp"))
-        .map(|(_, v)| v.clone())
-        .context("tcp frontend")?;
+/// An agent for the demo, allowed to reach only `allow`.
+fn demo_agent(
+    server: SocketAddr,
+    host: &str,
+    ca: &Path,
+    identity: (PathBuf, PathBuf),
+    id: &str,
+    allow: &str,
+) -> anyhow::Result<Arc<Agent>> {
     let agent = Agent::new(AgentOptions {
-        server: bound.agents.to_string(),
-        server_name: host.clone(),
-        ca,
-        identity: Some((agent_crt, agent_key)),
+        server: server.to_string(),
+        server_name: host.to_string(),
+        ca: ca.to_path_buf(),
+        identity: Some(identity),
         alpn: Vec::new(),
-        agent_id: "quickstart-agent".into(),
+        agent_id: id.into(),
         identifiers: String::new(),
         token_path: None,
-        allow: vec!["127.0.0.3/32".parse()?],
+        allow: vec![allow.parse()?],
         allow_ports: Vec::new(),
         deny: DEFAULT_DENY.iter().filter_map(|s| s.parse().ok()).collect(),
         dial_timeout: Duration::from_secs(5),
@@ -133,20 +95,115 @@ clusters:
         let agent = agent.clone();
         tokio::spawn(async move { agent.run().await });
     }
-    // Wait (bounded) for the agent's stream.
+    Ok(agent)
+}
+
+/// Starts the pods (127.0.0.3 for `clusters[0]`, 127.0.0.4 for
+/// `clusters[1]`), one tunnel-server for both clusters (agent endpoint on
+/// loopback, frontends in `dir`) and one agent per cluster, each allowed to
+/// reach only its own pod.
+pub async fn start(
+    pki: &Pki,
+    tunnel_host_index: usize,
+    clusters: [&str; 2],
+    dir: &Path,
+    stop: &CancellationToken,
+) -> anyhow::Result<TunnelDemo> {
+    let mut pods = Vec::new();
+    for (ip, c) in [("127.0.0.3", clusters[0]), ("127.0.0.4", clusters[1])] {
+        let l = TcpListener::bind((ip, 0))
+            .await
+            .with_context(|| format!("binding the demo pod on {ip}"))?;
+        pods.push(l.local_addr()?);
+        tokio::spawn(serve_pod(l, c.to_string(), stop.clone()));
+    }
+    let (host, leaf) = &pki.servers[tunnel_host_index];
+    let w = |name: &str, text: &str| -> anyhow::Result<PathBuf> {
+        let p = dir.join(name);
+        std::fs::write(&p, text)?;
+        Ok(p)
+    };
+    let ca = w("tunnel-ca.pem", &pki.ca_pem)?;
+    let crt = w("tunnel.pem", &leaf.cert_pem)?;
+    let key = w("tunnel-key.pem", &leaf.key_pem)?;
+    let agent_crt = w("agent.pem", &pki.client.cert_pem)?;
+    let agent_key = w("agent-key.pem", &pki.client.key_pem)?;
+    // The second cluster's agents have their own CA.
+    let other = Pki::generate(&[])?;
+    let ca2 = w("agent2-ca.pem", &other.ca_pem)?;
+    let agent2_crt = w("agent2.pem", &other.client.cert_pem)?;
+    let agent2_key = w("agent2-key.pem", &other.client.key_pem)?;
+    let uds = dir.join("kube-apiserver-egress.sock");
+    let uds2 = dir.join(format!("kube-apiserver-egress-{}.sock", clusters[1]));
+    let yaml = format!(
+        "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}'}}
+clusters:
+  - name: {c1}
+    agent_ca: '{ca}'
+    frontends:
+      - {{name: kas, protocol: http-connect, unix: '{uds}'}}
+      - {{name: kas-tcp, protocol: http-connect, tcp: '127.0.0.1:0', cert: '{crt}', key: '{key}', client_ca: '{ca}'}}
+  - name: {c2}
+    agent_ca: '{ca2}'
+    frontends:
+      - {{name: kas, protocol: http-connect, unix: '{uds2}'}}
+",
+        c1 = clusters[0],
+        c2 = clusters[1],
+        crt = crt.display(),
+        key = key.display(),
+        ca = ca.display(),
+        ca2 = ca2.display(),
+        uds = uds.display(),
+        uds2 = uds2.display()
+    );
+    let cfg = ServerConfig::parse(&yaml)?;
+    let server = TunnelServer::from_config(&cfg)?;
+    let bound = server.start().await?;
+    let tcp = bound
+        .frontends
+        .iter()
+        .find(|(k, _)| k.ends_with("/kas-tcp"))
+        .map(|(_, v)| v.clone())
+        .context("tcp frontend")?;
+    let agents = vec![
+        demo_agent(
+            bound.agents,
+            host,
+            &ca,
+            (agent_crt, agent_key),
+            "quickstart-agent",
+            "127.0.0.3/32",
+        )?,
+        demo_agent(
+            bound.agents,
+            host,
+            &ca,
+            (agent2_crt, agent2_key),
+            "quickstart-agent-2",
+            "127.0.0.4/32",
+        )?,
+    ];
+    // Wait (bounded) for both agents' streams.
     let end = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !server.ready() {
+    while server
+        .registry
+        .clusters()
+        .iter()
+        .any(|c| c.agent_count() == 0)
+    {
         if tokio::time::Instant::now() > end {
-            anyhow::bail!("the demo tunnel-agent did not connect within 10 s");
+            anyhow::bail!("the demo tunnel-agents did not connect within 10 s");
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Ok(TunnelDemo {
         uds,
         tcp,
-        pod,
+        pod: pods[0],
+        second: (clusters[1].to_string(), uds2, pods[1]),
         server,
-        agent,
+        agents,
     })
 }
 

@@ -683,3 +683,96 @@ fn signal_hup(pid: u32) {
         .unwrap()
         .success());
 }
+
+/// `seedlink gateway` in the seed, listening where both shoots can reach it.
+fn start_gateway(env: &TunnelEnv, cfg: &std::path::Path) -> Proc {
+    let mut gw = Proc(
+        env.seed
+            .cmd(&[
+                env!("CARGO_BIN_EXE_seedlink"),
+                "gateway",
+                "--config",
+                cfg.to_str().unwrap(),
+            ])
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let ready = ready_line(&mut gw.0);
+    assert_eq!(ready["event"], "ready", "{ready}");
+    gw
+}
+
+/// Cluster A's two agents reach the tunnel-server through the shared SNI
+/// gateway (its only way in), cluster B's agent directly. Killing the
+/// gateway ends A's agent streams and nothing of B's (B's open connection
+/// keeps echoing through every step); a restarted gateway brings
+/// A's agents back within their back-off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_through_the_gateway_come_back_after_it_restarts() {
+    let env = TunnelEnv::new(70);
+    let b = Tenant::new(&env, "b", 71);
+    // The agent endpoint listens everywhere in the seed: A's shoot only
+    // reaches the gateway (its agents are given no other address), B's
+    // agent dials the endpoint on B's link directly.
+    let yaml = format!(
+        "{}{}",
+        env.server_yaml("0.0.0.0:8132", "", ""),
+        b.yaml(&env)
+    );
+    let server = env.server(&yaml, "server");
+    let admin = server.admin();
+    let m = |name: &str| env.server_metric(&admin, name);
+    let cfg = env.dir.path().join("gateway.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '{}', protocol: tls}}]
+control_planes:
+  - {{name: tunnel, hostnames: [tunnel.seedlink.test], endpoints: ['127.0.0.1:8132']}}
+",
+            env.agent_endpoint(8443)
+        ),
+    )
+    .unwrap();
+    let gw = start_gateway(&env, &cfg);
+    let _a: Vec<_> = (0..2)
+        .map(|i| env.agent(&env.agent_endpoint(8443), &["--agent-id", &format!("a{i}")]))
+        .collect();
+    let _b = b.agent(&env, &[]);
+    TunnelEnv::until(Duration::from_secs(20), "all agents", || {
+        m("seedlink_tunnel_server_agents{cluster=\"shoot--dev--a\"}") == 2.0
+            && m("seedlink_tunnel_server_agents{cluster=\"b\"}") == 1.0
+    })
+    .await;
+    assert!(hello_via(&env.uds).await.contains("hello from the shoot"));
+    let mut b_echo =
+        kas_connect_eventually(&b.uds(&env), "127.0.0.1:7007", Duration::from_secs(20)).await;
+    echo_rtt(&mut b_echo, 64).await;
+
+    drop(gw); // SIGKILL
+    TunnelEnv::until(Duration::from_secs(20), "A's agent streams to end", || {
+        m("seedlink_tunnel_server_agents{cluster=\"shoot--dev--a\"}") == 0.0
+    })
+    .await;
+    echo_rtt(&mut b_echo, 4096).await;
+    assert_eq!(m("seedlink_tunnel_server_agents{cluster=\"b\"}"), 1.0);
+
+    let t0 = std::time::Instant::now();
+    let _gw = start_gateway(&env, &cfg);
+    // The agents' back-off is capped at 2 s in the test bed.
+    TunnelEnv::until(Duration::from_secs(10), "A's agents back", || {
+        m("seedlink_tunnel_server_agents{cluster=\"shoot--dev--a\"}") == 2.0
+    })
+    .await;
+    let back = t0.elapsed();
+    assert!(hello_via(&env.uds).await.contains("hello from the shoot"));
+    // B's connection opened before the gateway died still echoes: B's
+    // agent stream never ended (its replica-discovery streams, which it
+    // closes itself, are not disruptions).
+    echo_rtt(&mut b_echo, 64).await;
+    assert_eq!(m("seedlink_tunnel_server_agents{cluster=\"b\"}"), 1.0);
+    eprintln!("A's agents were back {back:?} after the gateway restarted");
+}
