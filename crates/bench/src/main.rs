@@ -9,6 +9,7 @@
 
 mod peers;
 mod tunnel;
+mod tunnel_scale;
 mod workload;
 
 /// Set in the reverse-tunnel scenario.
@@ -64,13 +65,19 @@ pub struct Opts {
     /// or `node-proxy-h2` (seedlink node-proxy in HTTP/2 CONNECT mode vs Envoy
     /// as Kubermatic's envoy-agent, tunnels multiplexed on one h2 connection
     /// to the gateway), or `tunnel` (seedlink tunnel-server + tunnel-agent,
-    /// HTTP CONNECT frontend, vs rathole's server + client).
+    /// HTTP CONNECT frontend, vs rathole's server + client), or
+    /// `tunnel-scale` (one tunnel-server with --clusters clusters and two
+    /// in-process agents each, against one cluster).
     #[arg(long, default_value = "sni")]
     pub scenario: String,
     /// Concurrent bulk downloads in the many-streams run (each `bulk_mib /
     /// streams`); 0 skips it. Default: 16 in the node-proxy-h2 scenario, else 0.
     #[arg(long)]
     pub streams: Option<usize>,
+    /// Clusters on the server in the tunnel-scale scenario (two in-process
+    /// agents each), measured against a one-cluster server.
+    #[arg(long, default_value_t = 200)]
+    pub clusters: usize,
     /// Print the results as JSON too.
     #[arg(long)]
     pub json: bool,
@@ -128,11 +135,15 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
             let _ = TUNNEL_SCENARIO.set(());
         }
         "connect" => peers::set_tunnel_destination(),
+        "tunnel-scale" => {}
         other => {
-            anyhow::bail!("--scenario {other:?}: use sni, connect, node-proxy or node-proxy-h2")
+            anyhow::bail!("--scenario {other:?}: use sni, connect, node-proxy, node-proxy-h2, tunnel or tunnel-scale")
         }
     }
     let backend = workload::Backend::start().await?;
+    if opts.scenario == "tunnel-scale" {
+        return tunnel_scale::run(&opts, backend.addr).await;
+    }
     let _ = CONNECT_TARGET.set(backend.addr.to_string());
     let dir = tempfile::tempdir()?;
     // node-proxy scenario: one seedlink gateway (not measured) that every
