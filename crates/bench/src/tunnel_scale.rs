@@ -303,7 +303,9 @@ pub async fn run(opts: &Opts, backend: SocketAddr) -> anyhow::Result<()> {
         "\n## seedlink-bench (tunnel-scale): medians of {} rounds, {dials} dials each over random clusters, 2 agents per cluster\n",
         opts.rounds
     );
-    println!("| clusters | agent streams | server RSS KiB per idle agent | dial p50 µs | dial p99 µs |");
+    println!(
+        "| clusters | agent streams | server RSS KiB per idle agent | dial p50 µs | dial p99 µs |"
+    );
     println!("|---|---|---|---|---|");
     for (size, kib, p50, p99, _) in &rows {
         println!(

@@ -320,7 +320,7 @@ async fn prometheus_scrapes_shoots_through_the_proxy_frontends() {
     std::fs::write(d.join("pw-a"), "secret-a\n").unwrap();
     std::fs::write(d.join("pw-b"), "secret-b\n").unwrap();
     let yaml = format!(
-        "{}      - {{name: prom, protocol: http-proxy, tcp: '127.0.0.1:3129'}}\n    proxy_password_file: '{}'\n{}proxy_frontends:\n  - {{name: shared, protocol: http-proxy, tcp: '0.0.0.0:3128'}}\n",
+        "{}      - {{name: prom, protocol: http-proxy, tcp: '127.0.0.1:3129'}}\n    proxy_password_file: '{}'\n{}shared_frontends:\n  - {{name: shared, protocol: http-proxy, tcp: '0.0.0.0:3128'}}\n",
         env.server_yaml("0.0.0.0:8132", "", ""),
         d.join("pw-a").display(),
         b.yaml_with(
@@ -775,4 +775,100 @@ control_planes:
     echo_rtt(&mut b_echo, 64).await;
     assert_eq!(m("seedlink_tunnel_server_agents{cluster=\"b\"}"), 1.0);
     eprintln!("A's agents were back {back:?} after the gateway restarted");
+}
+
+/// A CA and client certificates (PEM cert, PEM key) with the given CNs.
+fn client_certs(cns: &[&str]) -> (String, Vec<(String, String)>) {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    };
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "kube-apiserver clients");
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca, ca_key);
+    let leaves = cns
+        .iter()
+        .map(|cn| {
+            let key = KeyPair::generate().unwrap();
+            let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+            p.distinguished_name.push(DnType::CommonName, *cn);
+            p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+            (
+                p.signed_by(&key, &issuer).unwrap().pem(),
+                key.serialize_pem(),
+            )
+        })
+        .collect();
+    (ca_cert.pem(), leaves)
+}
+
+/// One shared TCP+mTLS CONNECT frontend for every cluster: the client
+/// certificate's CN names the cluster (curl `-p -x` with each cluster's
+/// certificate reaches that cluster's shoot); a certificate naming no
+/// cluster is refused and counted. Frontend templates give every cluster
+/// its Unix socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_mtls_frontend_picks_the_cluster_by_client_certificate() {
+    let env = TunnelEnv::new(72);
+    let b = Tenant::new(&env, "b", 73);
+    let d = env.dir.path();
+    let (ca, leaves) = client_certs(&["shoot--dev--a", "b", "nope"]);
+    std::fs::write(d.join("kas-clients-ca.pem"), ca).unwrap();
+    for (i, (c, k)) in leaves.iter().enumerate() {
+        std::fs::write(d.join(format!("kas{i}.pem")), c).unwrap();
+        std::fs::write(d.join(format!("kas{i}-key.pem")), k).unwrap();
+    }
+    let f = &env.files;
+    // B has no frontends of its own: the template gives it a socket.
+    let b_yaml = b
+        .yaml(&env)
+        .replace(
+            &format!(
+                "      - {{name: uds, protocol: http-connect, unix: '{}/kas-b.sock'}}\n",
+                d.display()
+            ),
+            "",
+        )
+        .replace("    frontends:\n", "    frontends: []\n");
+    let yaml = format!(
+        "{}{b_yaml}shared_frontends:\n  - {{name: shared, protocol: http-connect, tcp: '127.0.0.1:8444', cert: '{}', key: '{}', client_ca: '{}'}}\nfrontend_templates:\n  - {{name: kas-t, protocol: http-connect, unix: '{}/t-{{cluster}}.sock'}}\n",
+        env.server_yaml("0.0.0.0:8132", "", ""),
+        f.fe_crt,
+        f.fe_key,
+        d.join("kas-clients-ca.pem").display(),
+        d.display()
+    );
+    let server = env.server(&yaml, "server");
+    let _a = env.agent(&env.agent_endpoint(8132), &[]);
+    let _b = b.agent(&env, &[]);
+    let t_b = format!("{}/t-b.sock", d.display());
+    assert!(hello_via(&t_b).await.contains("hello from b"));
+    assert!(hello_via(&format!("{}/t-shoot--dev--a.sock", d.display()))
+        .await
+        .contains("hello from the shoot"));
+    let curl = |i: usize| {
+        let out = env
+            .seed
+            .cmd(&["curl", "-s", "--max-time", "10", "-p", "-x"])
+            .arg("https://frontend.seedlink.test:8444")
+            .args(["--resolve", "frontend.seedlink.test:8444:127.0.0.1"])
+            .args(["--proxy-cacert", &f.seed_ca])
+            .arg("--proxy-cert")
+            .arg(d.join(format!("kas{i}.pem")))
+            .arg("--proxy-key")
+            .arg(d.join(format!("kas{i}-key.pem")))
+            .arg("http://127.0.0.1:8000/hello.txt")
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(curl(0).contains("hello from the shoot"), "{}", curl(0));
+    assert!(curl(1).contains("hello from b"), "{}", curl(1));
+    assert!(!curl(2).contains("hello"));
+    let m = |name: &str| env.server_metric(&server.admin(), name);
+    assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"\",frontend=\"shared\",outcome=\"unknown_cluster\"}") >= 1.0);
+    assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"b\",frontend=\"shared\",outcome=\"ok\"}") >= 1.0);
 }

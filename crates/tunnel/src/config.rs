@@ -37,12 +37,19 @@ pub struct ServerConfig {
     pub queue_bytes: usize,
     /// The clusters served.
     pub clusters: Vec<Cluster>,
-    /// HTTP forward-proxy frontends shared by all clusters (protocol
-    /// `http-proxy`): each request names its cluster by proxy credentials
-    /// (`Proxy-Authorization: Basic <cluster>:<password>`, the cluster's
-    /// `proxy_password_file`).
+    /// Frontends shared by all clusters, where each connection names its
+    /// cluster: `http-proxy` by proxy credentials (`Proxy-Authorization:
+    /// Basic <cluster>:<password>`, the cluster's `proxy_password_file`);
+    /// `http-connect` and `grpc` (TCP with mTLS only) by the client
+    /// certificate, whose subject CN is the cluster's name.
     #[serde(default)]
-    pub proxy_frontends: Vec<Frontend>,
+    pub shared_frontends: Vec<Frontend>,
+    /// Frontends every cluster gets, with `{cluster}` in the Unix socket
+    /// path replaced by the cluster's name (e.g.
+    /// `/run/seedlink/{cluster}.sock`), so adding a cluster to the list is
+    /// enough to give its kube-apiserver a socket.
+    #[serde(default)]
+    pub frontend_templates: Vec<Frontend>,
 }
 
 /// Where agents connect.
@@ -323,7 +330,7 @@ impl ServerConfig {
                 fe(f, &mut out);
             }
         }
-        for f in &self.proxy_frontends {
+        for f in &self.shared_frontends {
             fe(f, &mut out);
         }
         out.sort();
@@ -333,8 +340,53 @@ impl ServerConfig {
 
     /// Parses and checks a configuration; all problems at once.
     pub fn parse(text: &str) -> anyhow::Result<ServerConfig> {
-        let cfg: ServerConfig = serde_norway::from_str(text)?;
+        let mut cfg: ServerConfig = serde_norway::from_str(text)?;
         let mut errs = Vec::new();
+        // Templates become ordinary per-cluster frontends (so reloads and
+        // checks treat them like any other).
+        for (j, t) in cfg.frontend_templates.iter().enumerate() {
+            let at = format!("frontend_templates[{j}] ({})", t.name);
+            let templated = t
+                .unix
+                .as_ref()
+                .is_some_and(|p| p.to_string_lossy().contains("{cluster}"));
+            if !templated || t.tcp.is_some() {
+                errs.push(format!(
+                    "{at}: a template needs a unix path containing {{cluster}} (and no tcp)"
+                ));
+            }
+        }
+        if errs.is_empty() {
+            for c in &mut cfg.clusters {
+                let safe = !c.name.is_empty()
+                    && c.name != "."
+                    && c.name != ".."
+                    && c.name
+                        .chars()
+                        .all(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(ch));
+                for t in &cfg.frontend_templates {
+                    if !safe {
+                        errs.push(format!(
+                            "clusters ({}): a name used in a socket path may only hold letters, digits, '-', '_' and '.'",
+                            c.name
+                        ));
+                        break;
+                    }
+                    let mut f = t.clone();
+                    f.unix = t
+                        .unix
+                        .as_ref()
+                        .map(|p| PathBuf::from(p.to_string_lossy().replace("{cluster}", &c.name)));
+                    if c.frontends.iter().any(|x| x.name == f.name) {
+                        errs.push(format!(
+                            "clusters ({}): frontend {} is both configured and templated",
+                            c.name, f.name
+                        ));
+                    }
+                    c.frontends.push(f);
+                }
+            }
+        }
         if cfg.server_count == 0 {
             errs.push("server_count: must be at least 1".to_string());
         }
@@ -407,18 +459,26 @@ impl ServerConfig {
                 check_frontend(f, &at, false, cfg.agents.listen, &mut binds, &mut errs);
             }
         }
-        for (j, f) in cfg.proxy_frontends.iter().enumerate() {
-            let at = format!("proxy_frontends[{j}] ({})", f.name);
-            if f.protocol != FrontendProtocol::HttpProxy {
-                errs.push(format!("{at}.protocol: must be http-proxy"));
+        for (j, f) in cfg.shared_frontends.iter().enumerate() {
+            let at = format!("shared_frontends[{j}] ({})", f.name);
+            let proxy = f.protocol == FrontendProtocol::HttpProxy;
+            let mtls = f.tcp.is_some() && f.client_ca.is_some();
+            if !(proxy || mtls) {
+                errs.push(format!(
+                    "{at}: a shared {:?} frontend needs tcp with cert, key and client_ca: the client certificate names the cluster",
+                    f.protocol
+                ));
             }
-            check_frontend(f, &at, true, cfg.agents.listen, &mut binds, &mut errs);
+            check_frontend(f, &at, proxy, cfg.agents.listen, &mut binds, &mut errs);
         }
-        if !cfg.proxy_frontends.is_empty()
+        if cfg
+            .shared_frontends
+            .iter()
+            .any(|f| f.protocol == FrontendProtocol::HttpProxy)
             && cfg.clusters.iter().all(|c| c.proxy_password_file.is_none())
         {
             errs.push(
-                "proxy_frontends: no cluster has a proxy_password_file, so no request could name one"
+                "shared_frontends: no cluster has a proxy_password_file, so no proxy request could name one"
                     .into(),
             );
         }
@@ -495,6 +555,37 @@ clusters:
     }
 
     #[test]
+    fn templates_give_every_cluster_a_socket() {
+        let yaml = "agents: {listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}
+frontend_templates: [{name: kas, protocol: http-connect, unix: '/run/seedlink/{cluster}.sock'}]
+clusters:
+  - {name: shoot--a, agent_ca: a.pem, frontends: []}
+  - {name: shoot--b, agent_ca: b.pem, frontends: [{name: grpc, protocol: grpc, unix: /run/b-grpc.sock}]}
+";
+        let cfg = ServerConfig::parse(yaml).unwrap();
+        let paths: Vec<_> = cfg
+            .clusters
+            .iter()
+            .flat_map(|c| c.frontends.iter().map(|f| f.unix.clone().unwrap()))
+            .collect();
+        assert_eq!(
+            paths,
+            [
+                PathBuf::from("/run/seedlink/shoot--a.sock"),
+                PathBuf::from("/run/b-grpc.sock"),
+                PathBuf::from("/run/seedlink/shoot--b.sock")
+            ]
+        );
+        let bad = yaml.replace("name: shoot--a,", "name: 'a/../../etc',");
+        assert!(format!("{:#}", ServerConfig::parse(&bad).unwrap_err()).contains("socket path"));
+        let no_placeholder = yaml.replace("{cluster}.sock", "x.sock");
+        assert!(
+            format!("{:#}", ServerConfig::parse(&no_placeholder).unwrap_err())
+                .contains("containing {cluster}")
+        );
+    }
+
+    #[test]
     fn shared_proxy_frontends_need_passwords_and_may_be_plain() {
         let base = "agents: {listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}
 clusters:
@@ -506,7 +597,7 @@ clusters:
         assert!(format!("{:#}", ServerConfig::parse(base).unwrap_err()).contains("mTLS"));
         let base = base.replace("10.0.0.1:3129", "127.0.0.1:3129");
         let shared = format!(
-            "{base}proxy_frontends: [{{name: s, protocol: http-proxy, tcp: '0.0.0.0:3128'}}]\n"
+            "{base}shared_frontends: [{{name: s, protocol: http-proxy, tcp: '0.0.0.0:3128'}}]\n"
         );
         assert!(format!("{:#}", ServerConfig::parse(&shared).unwrap_err())
             .contains("no cluster has a proxy_password_file"));
@@ -515,10 +606,9 @@ clusters:
             "    agent_ca: ca.pem\n    proxy_password_file: pw\n",
         );
         let cfg = ServerConfig::parse(&with_pw).unwrap();
-        assert_eq!(cfg.proxy_frontends.len(), 1);
+        assert_eq!(cfg.shared_frontends.len(), 1);
         let grpc = with_pw.replace("{name: s, protocol: http-proxy", "{name: s, protocol: grpc");
-        assert!(
-            format!("{:#}", ServerConfig::parse(&grpc).unwrap_err()).contains("must be http-proxy")
-        );
+        assert!(format!("{:#}", ServerConfig::parse(&grpc).unwrap_err())
+            .contains("the client certificate names the cluster"));
     }
 }

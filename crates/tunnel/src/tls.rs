@@ -184,3 +184,10 @@ impl ClientCertVerifier for AnyOf {
         self.mandatory
     }
 }
+
+/// The subject common name of a DER certificate.
+pub fn subject_cn(der: &[u8]) -> Option<String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+    let cn = cert.subject().iter_common_name().next()?;
+    cn.as_str().ok().map(str::to_string)
+}

@@ -274,11 +274,15 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> anyhow::Result<Plan> {
             });
         }
     }
-    for f in &cfg.proxy_frontends {
+    for f in &cfg.shared_frontends {
         frontends.push(PlannedFrontend {
             cluster: None,
             cfg: f.clone(),
-            transport: transport(f, &format!("proxy frontend {}", f.name), true)?,
+            transport: transport(
+                f,
+                &format!("shared frontend {}", f.name),
+                f.protocol == FrontendProtocol::HttpProxy,
+            )?,
         });
     }
     let any = tls::AnyOf {
@@ -506,6 +510,23 @@ impl TunnelServer {
                 srv.frontend_tasks.spawn(async move {
                     let hs = srv2.settings.handshake_timeout;
                     match tokio::time::timeout(hs, acc.accept(tcp)).await {
+                        // A shared CONNECT or gRPC frontend: the client
+                        // certificate's CN names the cluster.
+                        Ok(Ok(tls))
+                            if cluster.is_none() && proto != FrontendProtocol::HttpProxy =>
+                        {
+                            let named = tls
+                                .get_ref()
+                                .1
+                                .peer_certificates()
+                                .and_then(|c| c.first())
+                                .and_then(|c| tls::subject_cn(c.as_ref()))
+                                .and_then(|cn| srv2.registry.cluster(&cn));
+                            match named {
+                                Some(c) => serve_frontend(srv2, Some(c), name, proto, tls).await,
+                                None => srv2.metrics.frontend_conn("", &name, "unknown_cluster"),
+                            }
+                        }
                         Ok(Ok(tls)) => serve_frontend(srv2, cluster, name, proto, tls).await,
                         _ => srv2.metrics.frontend_conn(
                             cluster.as_ref().map_or("", |c| &*c.name),
@@ -526,7 +547,7 @@ impl TunnelServer {
     /// new certificates, and a new agent endpoint certificate. Everything
     /// is read and checked before anything changes; other clusters' agents
     /// and connections are not touched. Settings outside `clusters` and
-    /// `proxy_frontends` (listen addresses, server ID, timeouts) need a
+    /// `shared_frontends` (listen addresses, server ID, timeouts) need a
     /// restart: a change there is reported as an error and nothing is
     /// applied.
     pub async fn reload(self: &Arc<Self>, cfg: &ServerConfig) -> anyhow::Result<ReloadReport> {
@@ -539,7 +560,7 @@ impl TunnelServer {
     async fn reload_inner(self: &Arc<Self>, cfg: &ServerConfig) -> anyhow::Result<ReloadReport> {
         if Fixed::of(cfg) != self.fixed {
             anyhow::bail!(
-                "agents, admin, server_id, server_count, dial_timeout, stall_timeout and queue_bytes need a restart; only clusters and proxy_frontends reload"
+                "agents, admin, server_id, server_count, dial_timeout, stall_timeout and queue_bytes need a restart; only clusters, shared_frontends and frontend_templates reload"
             );
         }
         let p = plan(cfg, &self.metrics)?;
