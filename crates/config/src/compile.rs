@@ -242,6 +242,12 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
                 state,
             });
         }
+        if cp.endpoints.len() > 1 && cp.endpoints.iter().any(|e| e.starts_with("local:")) {
+            c.err(
+                format!("{at}.endpoints"),
+                "a local: endpoint must be the only endpoint",
+            );
+        }
         let acl = cp
             .acl
             .as_ref()
@@ -556,6 +562,15 @@ fn check_host_pattern(c: &mut Collector, path: &str, h: &str) -> Option<String> 
 }
 
 fn check_endpoint(ep: &str) -> Result<(), &'static str> {
+    // `local:<name>`: a service in the same process (the tunnel-server
+    // under `seedlink seed`) takes the connection over, no extra hop.
+    if let Some(name) = ep.strip_prefix("local:") {
+        return if !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+            Ok(())
+        } else {
+            Err("is not local:<name> (letters, digits, '-')")
+        };
+    }
     if let Ok(a) = ep.parse::<SocketAddr>() {
         return if a.port() == 0 {
             Err("has port 0")

@@ -237,6 +237,44 @@ async fn run(
         return (cp.name.clone(), "acl_denied");
     }
 
+    // An in-process service takes the connection over: no upstream socket,
+    // no copy loop here.
+    if let [only] = endpoints {
+        if let Some(name) = only.address.strip_prefix("local:") {
+            let Some(handler) = gw.local(name) else {
+                tracing::warn!(listener = %lctx.spec.name, control_plane = %cp.name, local = name, "no in-process service of that name");
+                if let Request::Connect(head) = &detected.request {
+                    respond_and_close(
+                        &stream,
+                        status_line(head, "503 Service Unavailable").as_bytes(),
+                    )
+                    .await;
+                }
+                return (cp.name.clone(), "upstream_unavailable");
+            };
+            if let Request::Connect(head) = &detected.request {
+                let ok = if head.minor_version == 0 {
+                    "HTTP/1.0 200 Connection established\r\n\r\n"
+                } else {
+                    "HTTP/1.1 200 Connection established\r\n\r\n"
+                };
+                if write_all(&stream, ok.as_bytes()).await.is_err() {
+                    return (cp.name.clone(), "client_error");
+                }
+            }
+            gw.metrics
+                .routed
+                .get_or_create(&RoutedLabels {
+                    listener: lctx.spec.name.clone(),
+                    protocol,
+                    control_plane: cp.name.clone(),
+                })
+                .inc();
+            let Detected { replay, client, .. } = detected;
+            handler(stream, replay, client);
+            return (cp.name.clone(), "handed_over");
+        }
+    }
     let (upstream, _active, endpoint) = match upstream::connect(
         &cp.name,
         endpoints,

@@ -50,7 +50,14 @@ pub struct Gateway {
     workers: usize,
     sources: Sources,
     closers: Mutex<HashMap<String, CancellationToken>>,
+    locals: Mutex<HashMap<String, LocalHandler>>,
 }
+
+/// Takes over a routed connection in this process (endpoint
+/// `local:<name>`): the client socket, the bytes already read from it (the
+/// ClientHello and what followed), and the client's address.
+pub type LocalHandler =
+    Arc<dyn Fn(tokio::net::TcpStream, Vec<u8>, std::net::SocketAddr) + Send + Sync>;
 
 /// Per-listener context handed to each connection.
 pub struct ListenerCtx {
@@ -127,7 +134,21 @@ impl Gateway {
             workers,
             sources: Sources::default(),
             closers: Mutex::new(HashMap::new()),
+            locals: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Registers the in-process service that `local:<name>` endpoints hand
+    /// connections to.
+    pub fn set_local(&self, name: &str, handler: LocalHandler) {
+        if let Ok(mut l) = self.locals.lock() {
+            l.insert(name.to_string(), handler);
+        }
+    }
+
+    /// The in-process service `name`, if registered.
+    pub fn local(&self, name: &str) -> Option<LocalHandler> {
+        self.locals.lock().ok()?.get(name).cloned()
     }
 
     /// The snapshot in force.

@@ -42,6 +42,23 @@ enum Command {
         #[arg(long, default_value_t = 2.0)]
         reload_interval: f64,
     },
+    /// Run the gateway and the tunnel-server in one process: agents'
+    /// connections that the gateway routes to an endpoint `local:tunnel-server`
+    /// are handed over in-process (no second hop, no extra port).
+    Seed {
+        /// Gateway configuration (YAML); watched and re-read on SIGHUP.
+        #[arg(long)]
+        gateway: PathBuf,
+        /// Tunnel-server configuration (YAML); reloaded on SIGHUP and changes.
+        #[arg(long)]
+        tunnel: PathBuf,
+        /// Tunnel-server drain deadline after the gateway drained, seconds.
+        #[arg(long, default_value_t = 30.0)]
+        drain: f64,
+        /// Seconds between checks of the tunnel-server's files (0: SIGHUP only).
+        #[arg(long, default_value_t = 2.0)]
+        reload_interval: f64,
+    },
     /// Run the reverse-tunnel agent in a shoot: dials out to the tunnel server.
     TunnelAgent(Box<tunnel_cmd::AgentArgs>),
     /// Print (or write) kube-apiserver's EgressSelectorConfiguration and the
@@ -151,6 +168,12 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         } => tunnel_runtime()?.block_on(tunnel_cmd::server(config, drain, reload_interval)),
         Command::TunnelAgent(args) => tunnel_runtime()?.block_on(tunnel_cmd::agent(*args)),
         Command::TunnelConfig(args) => tunnel_config(*args),
+        Command::Seed {
+            gateway,
+            tunnel,
+            drain,
+            reload_interval,
+        } => runtime()?.block_on(seed(gateway, tunnel, drain, reload_interval)),
         Command::Quickstart {
             check,
             port,
@@ -236,6 +259,77 @@ async fn gateway(config: PathBuf) -> anyhow::Result<i32> {
     println!("{ready}");
     tracing::info!(addresses = %ready, "gateway serving");
     Ok(supervisor.run().await)
+}
+
+/// `seedlink seed`: the gateway and the tunnel-server in one process.
+async fn seed(
+    gw_config: PathBuf,
+    tunnel_config: PathBuf,
+    drain: f64,
+    reload_interval: f64,
+) -> anyhow::Result<i32> {
+    use anyhow::Context;
+    use seedlink_tunnel::config::ServerConfig;
+    use seedlink_tunnel::server::run::TunnelServer;
+    let text = std::fs::read_to_string(&tunnel_config)
+        .with_context(|| format!("reading {}", tunnel_config.display()))?;
+    let tcfg =
+        ServerConfig::parse(&text).with_context(|| format!("{}", tunnel_config.display()))?;
+    let srv = TunnelServer::from_config(&tcfg)?;
+    let tbound = srv.start().await?;
+    let snapshot = match seedlink_config::load(&gw_config, None) {
+        Ok(s) => s,
+        Err(errors) => {
+            for e in &errors.0 {
+                tracing::error!(path = %e.path, problem = %e.message, "invalid configuration");
+            }
+            anyhow::bail!(
+                "{}: invalid configuration ({} problem(s))",
+                gw_config.display(),
+                errors.0.len()
+            );
+        }
+    };
+    let gw = Gateway::new(snapshot, Some(gw_config));
+    {
+        let srv = srv.clone();
+        gw.set_local(
+            "tunnel-server",
+            std::sync::Arc::new(move |tcp, replay, peer| srv.hand_over(tcp, replay, peer)),
+        );
+    }
+    let supervisor = seedlink_gateway::signals::Supervisor::install(gw.clone())?;
+    let bound = gw.bind()?;
+    let mut ready = bound.describe();
+    gw.serve(bound)?;
+    let frontends: serde_json::Map<String, serde_json::Value> = tbound
+        .frontends
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone().into()))
+        .collect();
+    ready["event"] = "ready".into();
+    ready["tunnel"] = serde_json::json!({
+        "agents": tbound.agents.to_string(),
+        "admin": tbound.admin.map(|a| a.to_string()),
+        "frontends": frontends,
+        "server_id": srv.server_id,
+    });
+    println!("{ready}");
+    let stop = tokio_util::sync::CancellationToken::new();
+    let watcher = tokio::spawn(tunnel_cmd::watch(
+        srv.clone(),
+        tunnel_config.clone(),
+        tunnel_cmd::fingerprint(&tunnel_config, &tcfg),
+        secs(reload_interval, "reload-interval")?,
+        stop.clone(),
+    ));
+    // The gateway's supervisor owns SIGTERM/SIGINT (and its own SIGHUP
+    // reload); once the gateway has drained, the tunnel-server drains.
+    let code = supervisor.run().await;
+    stop.cancel();
+    let _ = watcher.await;
+    srv.stop(secs(drain, "drain")?).await;
+    Ok(code)
 }
 
 fn secs(v: f64, what: &str) -> anyhow::Result<std::time::Duration> {

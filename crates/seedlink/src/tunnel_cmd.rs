@@ -81,7 +81,7 @@ fn secs(v: f64, what: &str) -> anyhow::Result<Duration> {
 
 /// Content hash of the configuration file and every file it names (a
 /// missing file hashes as missing).
-fn fingerprint(config: &std::path::Path, cfg: &ServerConfig) -> u64 {
+pub fn fingerprint(config: &std::path::Path, cfg: &ServerConfig) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     for p in std::iter::once(config.to_path_buf()).chain(cfg.files()) {
@@ -166,9 +166,38 @@ pub async fn server(config: PathBuf, drain: f64, reload_interval: f64) -> anyhow
     );
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    let mut hup = signal(SignalKind::hangup())?;
-    let mut seen = fingerprint(&config, &cfg);
-    let every = secs(reload_interval, "reload-interval")?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let watcher = tokio::spawn(watch(
+        srv.clone(),
+        config.clone(),
+        fingerprint(&config, &cfg),
+        secs(reload_interval, "reload-interval")?,
+        stop.clone(),
+    ));
+    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+    stop.cancel();
+    let _ = watcher.await;
+    tracing::info!("draining");
+    tokio::select! {
+        () = srv.stop(secs(drain, "drain")?) => Ok(0),
+        _ = term.recv() => Ok(1),
+        _ = int.recv() => Ok(1),
+    }
+}
+
+/// Reloads `srv` on SIGHUP and whenever the configuration or a file it
+/// names changes (checked every `every`; zero: SIGHUP only), until `stop`.
+pub async fn watch(
+    srv: Arc<TunnelServer>,
+    config: PathBuf,
+    mut seen: u64,
+    every: Duration,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot listen for SIGHUP; reloads only on file changes");
+        return;
+    };
     let mut tick = tokio::time::interval(if every.is_zero() {
         Duration::from_secs(3600)
     } else {
@@ -177,10 +206,9 @@ pub async fn server(config: PathBuf, drain: f64, reload_interval: f64) -> anyhow
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = term.recv() => break,
-            _ = int.recv() => break,
+            () = stop.cancelled() => return,
             _ = hup.recv() => {
-                tracing::info!("SIGHUP: reloading");
+                tracing::info!("SIGHUP: reloading the tunnel-server configuration");
                 seen = reload(&srv, &config).await.unwrap_or(seen);
             }
             _ = tick.tick(), if !every.is_zero() => {
@@ -193,12 +221,6 @@ pub async fn server(config: PathBuf, drain: f64, reload_interval: f64) -> anyhow
                 }
             }
         }
-    }
-    tracing::info!("draining");
-    tokio::select! {
-        () = srv.stop(secs(drain, "drain")?) => Ok(0),
-        _ = term.recv() => Ok(1),
-        _ = int.recv() => Ok(1),
     }
 }
 

@@ -872,3 +872,71 @@ async fn a_shared_mtls_frontend_picks_the_cluster_by_client_certificate() {
     assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"\",frontend=\"shared\",outcome=\"unknown_cluster\"}") >= 1.0);
     assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"b\",frontend=\"shared\",outcome=\"ok\"}") >= 1.0);
 }
+
+/// `seedlink seed`: gateway and tunnel-server in one process. The agent
+/// endpoint listens only on the seed's loopback (no shoot can reach it);
+/// agents of two clusters dial the gateway's port, whose SNI route has the
+/// endpoint `local:tunnel-server`, and the gateway hands their connections
+/// over in-process: both clusters' sockets reach their own shoots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_hands_agent_connections_over_in_process() {
+    let env = TunnelEnv::new(74);
+    let b = Tenant::new(&env, "b", 75);
+    let d = env.dir.path();
+    let tunnel_cfg = d.join("tunnel.yaml");
+    std::fs::write(
+        &tunnel_cfg,
+        format!("{}{}", env.server_yaml("127.0.0.1:0", "", ""), b.yaml(&env)),
+    )
+    .unwrap();
+    let gw_cfg = d.join("gateway.yaml");
+    std::fs::write(
+        &gw_cfg,
+        "admin: {listen: '127.0.0.1:0'}
+listeners: [{name: tls, address: '0.0.0.0:8443', protocol: tls}]
+control_planes:
+  - {name: tunnel, hostnames: [tunnel.seedlink.test], endpoints: ['local:tunnel-server']}
+",
+    )
+    .unwrap();
+    let mut seed = Proc(
+        env.seed
+            .cmd(&[env!("CARGO_BIN_EXE_seedlink"), "seed", "--gateway"])
+            .arg(&gw_cfg)
+            .arg("--tunnel")
+            .arg(&tunnel_cfg)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let ready = ready_line(&mut seed.0);
+    assert_eq!(ready["event"], "ready", "{ready}");
+    let agents_at = ready["tunnel"]["agents"].as_str().unwrap().to_string();
+    assert!(agents_at.starts_with("127.0.0.1:"), "{agents_at}");
+    let _a = env.agent(&env.agent_endpoint(8443), &[]);
+    let _b = env.agent_in(
+        &b.ns,
+        &format!("198.18.{}.1:8443", b.net),
+        &["--agent-cert", &b.crt, "--agent-key", &b.key],
+    );
+    assert!(hello_via(&env.uds).await.contains("hello from the shoot"));
+    assert!(hello_via(&b.uds(&env)).await.contains("hello from b"));
+    let gw_admin = ready["admin"].as_str().unwrap().to_string();
+    let routed = sum_metric(
+        &TunnelEnv::admin_get(&env.seed, &gw_admin, "/metrics"),
+        "seedlink_gateway_routed_total{listener=\"tls\",protocol=\"tls-sni\",control_plane=\"tunnel\"}",
+    );
+    assert!(routed >= 2.0, "{routed}");
+    let tunnel_admin = ready["tunnel"]["admin"].as_str().unwrap().to_string();
+    for cl in ["shoot--dev--a", "b"] {
+        assert_eq!(
+            env.server_metric(
+                &tunnel_admin,
+                &format!("seedlink_tunnel_server_agents{{cluster=\"{cl}\"}}")
+            ),
+            1.0,
+            "{cl}"
+        );
+    }
+}

@@ -255,3 +255,16 @@ fn destination_regex_is_compiled_or_reported() {
         "{e:?}"
     );
 }
+
+#[test]
+fn local_endpoints_stand_alone() {
+    let s = ok(&MINIMAL.replace("'127.0.0.1:1'", "'local:tunnel-server'"));
+    assert_eq!(
+        s.routes.lookup("api.a.example.com").unwrap().endpoints[0].address,
+        "local:tunnel-server"
+    );
+    let e = errors(&MINIMAL.replace("'127.0.0.1:1'", "'local:tunnel-server', '127.0.0.1:1'"));
+    assert!(e.iter().any(|e| e.message.contains("only endpoint")), "{e:?}");
+    let e = errors(&MINIMAL.replace("'127.0.0.1:1'", "'local:'"));
+    assert!(e.iter().any(|e| e.message.contains("local:<name>")), "{e:?}");
+}

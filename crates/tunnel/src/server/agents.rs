@@ -16,6 +16,16 @@ use crate::server::run::TunnelServer;
 /// Serves one accepted agent connection.
 pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std::net::SocketAddr) {
     let _ = tcp.set_nodelay(true);
+    serve_agent_io(srv, tcp, peer).await;
+}
+
+/// Serves one agent connection on any transport: an accepted socket, or
+/// one the gateway handed over in-process (with the bytes it already read
+/// replayed in front).
+pub async fn serve_agent_io<IO>(srv: Arc<TunnelServer>, tcp: IO, peer: std::net::SocketAddr)
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let tls = match tokio::time::timeout(
         srv.settings.handshake_timeout,
         srv.agent_tls.load_full().accept(tcp),

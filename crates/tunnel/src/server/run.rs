@@ -664,6 +664,25 @@ impl TunnelServer {
             .collect()
     }
 
+    /// Takes over an agent connection another part of this process accepted
+    /// and already read from (the SNI gateway under `seedlink seed`):
+    /// `replay` holds those bytes (the agent's ClientHello). Refused once
+    /// draining.
+    pub fn hand_over(
+        self: &Arc<Self>,
+        tcp: tokio::net::TcpStream,
+        replay: Vec<u8>,
+        peer: SocketAddr,
+    ) {
+        if self.accepting.is_cancelled() {
+            return;
+        }
+        let _ = tcp.set_nodelay(true);
+        let io = seedlink_net::prefixed::Prefixed::new(replay, tcp);
+        self.tasks
+            .spawn(super::agents::serve_agent_io(self.clone(), io, peer));
+    }
+
     /// Ready: not draining and at least one agent connected.
     pub fn ready(&self) -> bool {
         !self.accepting.is_cancelled() && self.registry.any_agent()
