@@ -264,7 +264,13 @@ fn local_endpoints_stand_alone() {
         "local:tunnel-server"
     );
     let e = errors(&MINIMAL.replace("'127.0.0.1:1'", "'local:tunnel-server', '127.0.0.1:1'"));
-    assert!(e.iter().any(|e| e.message.contains("only endpoint")), "{e:?}");
+    assert!(
+        e.iter().any(|e| e.message.contains("only endpoint")),
+        "{e:?}"
+    );
     let e = errors(&MINIMAL.replace("'127.0.0.1:1'", "'local:'"));
-    assert!(e.iter().any(|e| e.message.contains("local:<name>")), "{e:?}");
+    assert!(
+        e.iter().any(|e| e.message.contains("local:<name>")),
+        "{e:?}"
+    );
 }
