@@ -252,16 +252,10 @@ async fn run(
                 }
                 return (cp.name.clone(), "upstream_unavailable");
             };
-            if let Request::Connect(head) = &detected.request {
-                let ok = if head.minor_version == 0 {
-                    "HTTP/1.0 200 Connection established\r\n\r\n"
-                } else {
-                    "HTTP/1.1 200 Connection established\r\n\r\n"
-                };
-                if write_all(&stream, ok.as_bytes()).await.is_err() {
-                    return (cp.name.clone(), "client_error");
-                }
-            }
+            let connect_target = match &detected.request {
+                Request::Connect(head) => Some(head.target.clone()),
+                _ => None,
+            };
             gw.metrics
                 .routed
                 .get_or_create(&RoutedLabels {
@@ -271,7 +265,13 @@ async fn run(
                 })
                 .inc();
             let Detected { replay, client, .. } = detected;
-            handler(stream, replay, client);
+            handler(crate::Handoff {
+                stream,
+                replay,
+                client,
+                control_plane: cp.name.clone(),
+                connect_target,
+            });
             return (cp.name.clone(), "handed_over");
         }
     }

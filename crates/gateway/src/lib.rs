@@ -53,11 +53,25 @@ pub struct Gateway {
     locals: Mutex<HashMap<String, LocalHandler>>,
 }
 
-/// Takes over a routed connection in this process (endpoint
-/// `local:<name>`): the client socket, the bytes already read from it (the
-/// ClientHello and what followed), and the client's address.
-pub type LocalHandler =
-    Arc<dyn Fn(tokio::net::TcpStream, Vec<u8>, std::net::SocketAddr) + Send + Sync>;
+/// A routed connection handed to an in-process service (endpoint
+/// `local:<name>`).
+pub struct Handoff {
+    /// The client socket.
+    pub stream: tokio::net::TcpStream,
+    /// Bytes already read that belong to the service: the ClientHello and
+    /// what followed (TLS), or what followed the head (CONNECT).
+    pub replay: Vec<u8>,
+    /// The client's address (from the PROXY header if the LB sent one).
+    pub client: std::net::SocketAddr,
+    /// The control plane the connection was routed to.
+    pub control_plane: String,
+    /// For a CONNECT: its target (`host:port`). The service answers the
+    /// CONNECT itself (`200` only once its own dial worked).
+    pub connect_target: Option<String>,
+}
+
+/// Takes over a routed connection in this process.
+pub type LocalHandler = Arc<dyn Fn(Handoff) + Send + Sync>;
 
 /// Per-listener context handed to each connection.
 pub struct ListenerCtx {

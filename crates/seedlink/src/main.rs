@@ -293,9 +293,14 @@ async fn seed(
     let gw = Gateway::new(snapshot, Some(gw_config));
     {
         let srv = srv.clone();
+        // Agents' TLS is taken over as is; a CONNECT is answered by the
+        // cluster named like the control plane it was routed to.
         gw.set_local(
             "tunnel-server",
-            std::sync::Arc::new(move |tcp, replay, peer| srv.hand_over(tcp, replay, peer)),
+            std::sync::Arc::new(move |h: seedlink_gateway::Handoff| match h.connect_target {
+                None => srv.hand_over(h.stream, h.replay, h.client),
+                Some(target) => srv.connect_handoff(h.stream, h.replay, &h.control_plane, target),
+            }),
         );
     }
     let supervisor = seedlink_gateway::signals::Supervisor::install(gw.clone())?;

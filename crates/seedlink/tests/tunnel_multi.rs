@@ -877,7 +877,10 @@ async fn a_shared_mtls_frontend_picks_the_cluster_by_client_certificate() {
 /// endpoint listens only on the seed's loopback (no shoot can reach it);
 /// agents of two clusters dial the gateway's port, whose SNI route has the
 /// endpoint `local:tunnel-server`, and the gateway hands their connections
-/// over in-process: both clusters' sockets reach their own shoots.
+/// over in-process: both clusters' sockets reach their own shoots. A CONNECT
+/// on the gateway's http-connect listener whose destination belongs to
+/// control plane `b` (endpoint `local:tunnel-server`) is served by cluster
+/// b's tunnel.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seed_hands_agent_connections_over_in_process() {
     let env = TunnelEnv::new(74);
@@ -893,9 +896,12 @@ async fn seed_hands_agent_connections_over_in_process() {
     std::fs::write(
         &gw_cfg,
         "admin: {listen: '127.0.0.1:0'}
-listeners: [{name: tls, address: '0.0.0.0:8443', protocol: tls}]
+listeners:
+  - {name: tls, address: '0.0.0.0:8443', protocol: tls}
+  - {name: connect, address: '127.0.0.1:8131', protocol: http-connect}
 control_planes:
   - {name: tunnel, hostnames: [tunnel.seedlink.test], endpoints: ['local:tunnel-server']}
+  - {name: b, destinations: [{name: 'outbound|8000||shoot.b.svc.cluster.local'}], endpoints: ['local:tunnel-server']}
 ",
     )
     .unwrap();
@@ -928,7 +934,37 @@ control_planes:
         "seedlink_gateway_routed_total{listener=\"tls\",protocol=\"tls-sni\",control_plane=\"tunnel\"}",
     );
     assert!(routed >= 2.0, "{routed}");
+    // A CONNECT on the gateway's http-connect listener, routed by its
+    // destination header to control plane `b`, is answered by cluster b's
+    // tunnel: the target is dialled by b's agent in b's shoot.
+    let via_gateway = |dest: &str| {
+        let out = env
+            .seed
+            .cmd(&[
+                "curl",
+                "-s",
+                "--max-time",
+                "10",
+                "-p",
+                "-x",
+                "http://127.0.0.1:8131",
+            ])
+            .args(["--proxy-header", &format!("X-Gardener-Destination: {dest}")])
+            .arg("http://127.0.0.1:8000/hello.txt")
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let body = via_gateway("outbound|8000||shoot.b.svc.cluster.local");
+    assert!(body.contains("hello from b"), "{body:?}");
     let tunnel_admin = ready["tunnel"]["admin"].as_str().unwrap().to_string();
+    TunnelEnv::until(Duration::from_secs(10), "the gateway CONNECT counted", || {
+        env.server_metric(
+            &tunnel_admin,
+            "seedlink_tunnel_server_frontend_connections_total{cluster=\"b\",frontend=\"gateway\",outcome=\"ok\"}",
+        ) >= 1.0
+    })
+    .await;
     for cl in ["shoot--dev--a", "b"] {
         assert_eq!(
             env.server_metric(

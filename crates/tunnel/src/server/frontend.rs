@@ -106,7 +106,7 @@ where
 }
 
 /// Answers a `CONNECT target` whose head was read: dial, 200, carry.
-async fn connect_method<S>(
+pub async fn connect_method<S>(
     srv: &TunnelServer,
     cluster: &Cluster,
     mut io: S,

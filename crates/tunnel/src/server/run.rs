@@ -683,6 +683,58 @@ impl TunnelServer {
             .spawn(super::agents::serve_agent_io(self.clone(), io, peer));
     }
 
+    /// Takes over a CONNECT another part of this process read (the
+    /// gateway's `http-connect` listener under `seedlink seed`, routed to a
+    /// control plane named like a cluster): dials `target` through that
+    /// cluster's agents and answers the CONNECT itself; `leftover` is what
+    /// the client sent after the head. Counted as frontend `gateway`.
+    pub fn connect_handoff(
+        self: &Arc<Self>,
+        tcp: tokio::net::TcpStream,
+        leftover: Vec<u8>,
+        cluster: &str,
+        target: String,
+    ) {
+        let srv = self.clone();
+        let cluster = self.registry.cluster(cluster);
+        let name = cluster
+            .as_ref()
+            .map(|c| c.name.to_string())
+            .unwrap_or_default();
+        self.frontend_tasks.spawn(async move {
+            let _ = tcp.set_nodelay(true);
+            let outcome = match cluster {
+                Some(c) if !srv.accepting.is_cancelled() => {
+                    super::frontend::connect_method(
+                        &srv,
+                        &c,
+                        tcp,
+                        &target,
+                        bytes::BytesMut::from(&leftover[..]),
+                    )
+                    .await
+                }
+                other => {
+                    use tokio::io::AsyncWriteExt;
+                    let mut tcp = tcp;
+                    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                        let _ = tcp
+                            .write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                            .await;
+                        let _ = tcp.shutdown().await;
+                    })
+                    .await;
+                    if other.is_some() {
+                        "draining"
+                    } else {
+                        "unknown_cluster"
+                    }
+                }
+            };
+            srv.metrics.frontend_conn(&name, "gateway", outcome);
+        });
+    }
+
     /// Ready: not draining and at least one agent connected.
     pub fn ready(&self) -> bool {
         !self.accepting.is_cancelled() && self.registry.any_agent()
