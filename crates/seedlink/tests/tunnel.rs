@@ -201,7 +201,9 @@ async fn frontends_reach_shoot_services_only_through_the_agent() {
 
 /// An agent without a client certificate, authenticated by a projected
 /// ServiceAccount token checked against the cluster issuer's public key;
-/// a token for another audience is refused and counted.
+/// a token for another audience is refused and counted; when the issuer's
+/// key is rotated on disk, the agent whose token no longer verifies is
+/// disconnected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_authenticated_by_a_serviceaccount_token() {
     let env = TunnelEnv::new(50);
@@ -272,6 +274,18 @@ async fn an_agent_authenticated_by_a_serviceaccount_token() {
     let _none = env.agent_bare(&ep, &[]);
     TunnelEnv::until(Duration::from_secs(10), "the credential-less agent to be refused", || {
         env.server_metric(&admin, "seedlink_tunnel_server_agent_streams_total{cluster=\"\",reason=\"no_credentials\"}") >= 1.0
+    })
+    .await;
+    // The issuer's key is rotated on disk: the server reloads by itself and
+    // disconnects the agent whose token the new key does not verify.
+    let rotated = rcgen::KeyPair::generate().unwrap();
+    std::fs::write(&keys, rotated.public_key_pem()).unwrap();
+    TunnelEnv::until(Duration::from_secs(15), "the old token's agent to be disconnected", || {
+        env.server_metric(
+            &admin,
+            "seedlink_tunnel_server_agent_streams_total{cluster=\"shoot--dev--a\",reason=\"rekeyed\"}",
+        ) >= 1.0
+            && env.server_metric(&admin, "seedlink_tunnel_server_agents{") == 0.0
     })
     .await;
 }

@@ -81,6 +81,7 @@ where
                             return Err(Status::unauthenticated("expected one authorization"));
                         }
                     };
+                    let presented = auth.clone();
                     let cluster = match (cert_cluster, auth) {
                         // The certificate decides; a token, if the cluster
                         // checks tokens, must be valid for it too.
@@ -153,6 +154,9 @@ where
                         == Some(crate::flow::VERSION);
                     let (link, to_agent) = attach(&cluster, agent_id.clone(), ids, flow);
                     let _ = link.certs.set(certs.clone());
+                    if let Some(a) = presented {
+                        let _ = link.authorization.set(a);
+                    }
                     srv.metrics.agent(&cluster.name, 1);
                     tracing::info!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, flow, "agent connected");
                     let mut inbound = req.into_inner();

@@ -207,6 +207,9 @@ pub struct AgentLink {
     pub kick: CancellationToken,
     /// The client certificate chain it authenticated with (empty: token).
     pub certs: std::sync::OnceLock<Vec<rustls::pki_types::CertificateDer<'static>>>,
+    /// The `authorization` it presented (a ServiceAccount token), kept to
+    /// check it again when its cluster is re-keyed.
+    pub authorization: std::sync::OnceLock<String>,
     /// Per-connection flow control negotiated (seedlink agent).
     pub flow: bool,
     credits: Mutex<HashMap<i64, SendCredit>>,
@@ -694,6 +697,7 @@ pub fn attach(
         gone: CancellationToken::new(),
         kick: CancellationToken::new(),
         certs: std::sync::OnceLock::new(),
+        authorization: std::sync::OnceLock::new(),
         flow,
         credits: Mutex::new(HashMap::new()),
     });

@@ -574,19 +574,47 @@ impl TunnelServer {
                 Some(o) => {
                     o.conf.store(Arc::new(c.conf));
                     o.gate.set(c.limits);
-                    let conf = o.conf.load();
+                    let conf = o.conf.load_full();
                     for link in o.agents() {
                         let certs = link.certs.get().map(Vec::as_slice).unwrap_or(&[]);
-                        if certs.is_empty() {
-                            continue;
+                        if !certs.is_empty() {
+                            let ok = conf
+                                .verifier
+                                .as_ref()
+                                .is_some_and(|v| tls::accepts(v.as_ref(), certs));
+                            if !ok {
+                                link.kick.cancel();
+                                report.agents_rekeyed += 1;
+                                continue;
+                            }
                         }
-                        let ok = conf
-                            .verifier
-                            .as_ref()
-                            .is_some_and(|v| tls::accepts(v.as_ref(), certs));
-                        if !ok {
-                            link.kick.cancel();
-                            report.agents_rekeyed += 1;
+                        // A token is checked again by the new trust (in the
+                        // background: a TokenReview may take a moment). A
+                        // certificate agent's token only if the cluster
+                        // still checks tokens; a token-only agent must
+                        // still have a cluster that accepts tokens.
+                        if let Some(auth) = link.authorization.get().cloned() {
+                            let token = conf.token.clone();
+                            if token.is_none() && !certs.is_empty() {
+                                continue;
+                            }
+                            let (link, cluster) = (link.clone(), o.name.clone());
+                            tokio::spawn(async move {
+                                let refused = match token {
+                                    Some(t) => match t.check(&auth).await {
+                                        Ok(()) => false,
+                                        // Not reachable now: keep the agent.
+                                        Err(crate::token::TokenError::Unavailable(_)) => false,
+                                        Err(_) => true,
+                                    },
+                                    None => true,
+                                };
+                                if refused {
+                                    tracing::info!(cluster = %cluster, agent = %link.agent_id, "agent's token refused after re-key");
+                                    // Its stream ends counted as `rekeyed`.
+                                    link.kick.cancel();
+                                }
+                            });
                         }
                     }
                     next.push(o.clone());
