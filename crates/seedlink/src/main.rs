@@ -235,6 +235,21 @@ fn check_config(file: &std::path::Path) -> i32 {
 }
 
 async fn gateway(config: PathBuf) -> anyhow::Result<i32> {
+    let gw = load_gateway(config)?;
+    let supervisor = seedlink_gateway::signals::Supervisor::install(gw.clone())?;
+    let bound = gw.bind()?;
+    let mut ready = bound.describe();
+    ready["event"] = "ready".into();
+    gw.serve(bound)?;
+    // One machine-readable line on stdout tells scripts and tests the bound
+    // addresses (listeners may be configured with port 0).
+    println!("{ready}");
+    tracing::info!(addresses = %ready, "gateway serving");
+    Ok(supervisor.run().await)
+}
+
+/// A gateway from its configuration file (every problem logged).
+fn load_gateway(config: PathBuf) -> anyhow::Result<std::sync::Arc<Gateway>> {
     let snapshot = match seedlink_config::load(&config, None) {
         Ok(s) => s,
         Err(errors) => {
@@ -248,17 +263,7 @@ async fn gateway(config: PathBuf) -> anyhow::Result<i32> {
             );
         }
     };
-    let gw = Gateway::new(snapshot, Some(config));
-    let supervisor = seedlink_gateway::signals::Supervisor::install(gw.clone())?;
-    let bound = gw.bind()?;
-    let mut ready = bound.describe();
-    ready["event"] = "ready".into();
-    gw.serve(bound)?;
-    // One machine-readable line on stdout tells scripts and tests the bound
-    // addresses (listeners may be configured with port 0).
-    println!("{ready}");
-    tracing::info!(addresses = %ready, "gateway serving");
-    Ok(supervisor.run().await)
+    Ok(Gateway::new(snapshot, Some(config)))
 }
 
 /// `seedlink seed`: the gateway and the tunnel-server in one process.
@@ -277,20 +282,7 @@ async fn seed(
         ServerConfig::parse(&text).with_context(|| format!("{}", tunnel_config.display()))?;
     let srv = TunnelServer::from_config(&tcfg)?;
     let tbound = srv.start().await?;
-    let snapshot = match seedlink_config::load(&gw_config, None) {
-        Ok(s) => s,
-        Err(errors) => {
-            for e in &errors.0 {
-                tracing::error!(path = %e.path, problem = %e.message, "invalid configuration");
-            }
-            anyhow::bail!(
-                "{}: invalid configuration ({} problem(s))",
-                gw_config.display(),
-                errors.0.len()
-            );
-        }
-    };
-    let gw = Gateway::new(snapshot, Some(gw_config));
+    let gw = load_gateway(gw_config)?;
     {
         let srv = srv.clone();
         // Agents' TLS is taken over as is; a CONNECT is answered by the

@@ -550,21 +550,7 @@ control_planes:
         ),
     )
     .unwrap();
-    let mut gw = Proc(
-        env.seed
-            .cmd(&[
-                env!("CARGO_BIN_EXE_seedlink"),
-                "gateway",
-                "--config",
-                cfg.to_str().unwrap(),
-            ])
-            .env("RUST_LOG", "warn")
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let ready = ready_line(&mut gw.0);
-    assert_eq!(ready["event"], "ready", "{ready}");
+    let _gw = env.gateway(&cfg);
     let agent = env.agent(&gw_addr, &["--alpn-proto", "konnectivity"]);
     let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
     assert!(fetch_hello(s).await.contains("hello from the shoot"));

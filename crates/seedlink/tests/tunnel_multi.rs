@@ -684,26 +684,6 @@ fn signal_hup(pid: u32) {
         .success());
 }
 
-/// `seedlink gateway` in the seed, listening where both shoots can reach it.
-fn start_gateway(env: &TunnelEnv, cfg: &std::path::Path) -> Proc {
-    let mut gw = Proc(
-        env.seed
-            .cmd(&[
-                env!("CARGO_BIN_EXE_seedlink"),
-                "gateway",
-                "--config",
-                cfg.to_str().unwrap(),
-            ])
-            .env("RUST_LOG", "warn")
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let ready = ready_line(&mut gw.0);
-    assert_eq!(ready["event"], "ready", "{ready}");
-    gw
-}
-
 /// Cluster A's two agents reach the tunnel-server through the shared SNI
 /// gateway (its only way in), cluster B's agent directly. Killing the
 /// gateway ends A's agent streams and nothing of B's (B's open connection
@@ -737,7 +717,7 @@ control_planes:
         ),
     )
     .unwrap();
-    let gw = start_gateway(&env, &cfg);
+    let gw = env.gateway(&cfg);
     let _a: Vec<_> = (0..2)
         .map(|i| env.agent(&env.agent_endpoint(8443), &["--agent-id", &format!("a{i}")]))
         .collect();
@@ -761,7 +741,7 @@ control_planes:
     assert_eq!(m("seedlink_tunnel_server_agents{cluster=\"b\"}"), 1.0);
 
     let t0 = std::time::Instant::now();
-    let _gw = start_gateway(&env, &cfg);
+    let _gw = env.gateway(&cfg);
     // The agents' back-off is capped at 2 s in the test bed.
     TunnelEnv::until(Duration::from_secs(10), "A's agents back", || {
         m("seedlink_tunnel_server_agents{cluster=\"shoot--dev--a\"}") == 2.0

@@ -281,6 +281,23 @@ clusters:
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// Starts `seedlink gateway` with `cfg` in the seed namespace and waits
+    /// for its ready line.
+    pub fn gateway(&self, cfg: &std::path::Path) -> Proc {
+        let mut gw = Proc(
+            self.seed
+                .cmd(&[env!("CARGO_BIN_EXE_seedlink"), "gateway", "--config"])
+                .arg(cfg)
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let ready = ready_line(&mut gw.0);
+        assert_eq!(ready["event"], "ready", "{ready}");
+        gw
+    }
+
     /// Sum of the samples of `prefix` on the seed-side admin `admin`.
     pub fn server_metric(&self, admin: &str, prefix: &str) -> f64 {
         super::sum_metric(&Self::admin_get(&self.seed, admin, "/metrics"), prefix)
