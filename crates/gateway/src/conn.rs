@@ -132,6 +132,30 @@ pub async fn serve(gw: Arc<Gateway>, lctx: Arc<ListenerCtx>, stream: TcpStream, 
         .inc();
 }
 
+/// Answers a CONNECT with 503 when its control plane has no usable
+/// upstream (other requests are just closed by the caller).
+async fn refuse_connect_unavailable(stream: &TcpStream, request: &Request) {
+    if let Request::Connect(head) = request {
+        respond_and_close(
+            stream,
+            status_line(head, "503 Service Unavailable").as_bytes(),
+        )
+        .await;
+    }
+}
+
+/// Counts a connection routed to `control_plane`.
+fn count_routed(gw: &Gateway, lctx: &ListenerCtx, protocol: String, control_plane: &str) {
+    gw.metrics
+        .routed
+        .get_or_create(&RoutedLabels {
+            listener: lctx.spec.name.clone(),
+            protocol,
+            control_plane: control_plane.to_string(),
+        })
+        .inc();
+}
+
 async fn run(
     gw: &Arc<Gateway>,
     lctx: &Arc<ListenerCtx>,
@@ -243,27 +267,14 @@ async fn run(
         if let Some(name) = only.address.strip_prefix("local:") {
             let Some(handler) = gw.local(name) else {
                 tracing::warn!(listener = %lctx.spec.name, control_plane = %cp.name, local = name, "no in-process service of that name");
-                if let Request::Connect(head) = &detected.request {
-                    respond_and_close(
-                        &stream,
-                        status_line(head, "503 Service Unavailable").as_bytes(),
-                    )
-                    .await;
-                }
+                refuse_connect_unavailable(&stream, &detected.request).await;
                 return (cp.name.clone(), "upstream_unavailable");
             };
             let connect_target = match &detected.request {
                 Request::Connect(head) => Some(head.target.clone()),
                 _ => None,
             };
-            gw.metrics
-                .routed
-                .get_or_create(&RoutedLabels {
-                    listener: lctx.spec.name.clone(),
-                    protocol,
-                    control_plane: cp.name.clone(),
-                })
-                .inc();
+            count_routed(gw, lctx, protocol, &cp.name);
             let Detected { replay, client, .. } = detected;
             handler(crate::Handoff {
                 stream,
@@ -288,13 +299,7 @@ async fn run(
         Ok(u) => u,
         Err(e) => {
             tracing::warn!(listener = %lctx.spec.name, %client, control_plane = %cp.name, error = %e, "no upstream");
-            if let Request::Connect(head) = &detected.request {
-                respond_and_close(
-                    &stream,
-                    status_line(head, "503 Service Unavailable").as_bytes(),
-                )
-                .await;
-            }
+            refuse_connect_unavailable(&stream, &detected.request).await;
             return (cp.name.clone(), "upstream_unavailable");
         }
     };
@@ -330,14 +335,7 @@ async fn run(
             return (cp.name.clone(), "client_error");
         }
     }
-    gw.metrics
-        .routed
-        .get_or_create(&RoutedLabels {
-            listener: lctx.spec.name.clone(),
-            protocol,
-            control_plane: cp.name.clone(),
-        })
-        .inc();
+    count_routed(gw, lctx, protocol, &cp.name);
     if let Err(e) = write_all(&upstream, &detected.replay).await {
         tracing::debug!(control_plane = %cp.name, error = %e, "upstream write failed");
         sockopt::arm_reset(&stream);

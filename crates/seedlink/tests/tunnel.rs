@@ -501,12 +501,7 @@ async fn grpcio_frontend_and_grpcio_agent_interoperate() {
         .cmd(&["python3", script, "client", &env.grpc_uds, "127.0.0.1:7007"])
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success() && text.starts_with("OK "), "{text}");
+    assert_peer_ok(&out);
     // The grpcio client over TCP with its client certificate.
     let out = env
         .seed
@@ -520,12 +515,7 @@ async fn grpcio_frontend_and_grpcio_agent_interoperate() {
         .args([&f.seed_ca, &f.kas_crt, &f.kas_key, "127.0.0.1:7007"])
         .output()
         .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success() && text.starts_with("OK "), "{text}");
+    assert_peer_ok(&out);
 }
 
 /// The agent reaches the tunnel-server through seedlink's SNI gateway (no
@@ -561,4 +551,14 @@ control_planes:
         ),
         1.0
     );
+}
+
+/// A grpcio peer run succeeded and said so (`OK …`); else its output.
+fn assert_peer_ok(out: &std::process::Output) {
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success() && text.starts_with("OK "), "{text}");
 }

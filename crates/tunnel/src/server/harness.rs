@@ -31,43 +31,6 @@ pub struct Harness {
     pub handled: Vec<Handled>,
 }
 
-/// A verifier that accepts nothing (the harness never does TLS).
-#[derive(Debug)]
-struct NoCerts;
-
-impl rustls::server::danger::ClientCertVerifier for NoCerts {
-    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
-        &[]
-    }
-    fn verify_client_cert(
-        &self,
-        _: &rustls::pki_types::CertificateDer<'_>,
-        _: &[rustls::pki_types::CertificateDer<'_>],
-        _: rustls::pki_types::UnixTime,
-    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
-        Err(rustls::Error::General("harness".into()))
-    }
-    fn verify_tls12_signature(
-        &self,
-        _: &[u8],
-        _: &rustls::pki_types::CertificateDer<'_>,
-        _: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::General("harness".into()))
-    }
-    fn verify_tls13_signature(
-        &self,
-        _: &[u8],
-        _: &rustls::pki_types::CertificateDer<'_>,
-        _: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        Err(rustls::Error::General("harness".into()))
-    }
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        Vec::new()
-    }
-}
-
 impl Harness {
     /// A link (flow control on if `flow`) with [`PENDING`] dials and
     /// [`OPEN`] connections, each with a 64 KiB queue.
@@ -75,7 +38,8 @@ impl Harness {
         let cluster = Cluster::with_trust(
             "fuzz",
             vec![Strategy::Default],
-            Some(Arc::new(NoCerts)),
+            // The harness attaches its link directly: no TLS, no trust.
+            None,
             None,
             super::limits::Limits::UNLIMITED,
         );
