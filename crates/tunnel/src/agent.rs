@@ -420,31 +420,54 @@ impl Agent {
                     });
                 }
                 (Some(PacketType::Data), Some(Payload::Data(d))) => {
-                    let pushed = s
-                        .conns
-                        .lock()
-                        .ok()
-                        .and_then(|c| c.get(&d.connect_id).map(|e| e.queue.push(d.data)));
+                    let pushed = s.conns.lock().ok().and_then(|c| {
+                        c.get(&d.connect_id).map(|e| match e.queue.push(d.data) {
+                            Err(queue::PushError::Full(data)) => Err((data, e.queue.room())),
+                            Err(queue::PushError::Closed) | Ok(()) => Ok(()),
+                        })
+                    });
                     match pushed {
                         Some(Ok(())) => {}
-                        Some(Err(_)) => {
-                            if let Some(e) = s
-                                .conns
-                                .lock()
-                                .ok()
-                                .and_then(|mut c| c.remove(&d.connect_id))
-                            {
-                                e.cancel.cancel();
-                                e.queue.abort();
+                        Some(Err((data, room))) => {
+                            // Backpressure (the standard protocol has no
+                            // per-connection flow control): read nothing more
+                            // from this server until the destination makes
+                            // room, as long as it keeps taking bytes.
+                            let waited = tokio::select! {
+                                w = room.wait(data.len(), self.opts.stall_timeout) => w,
+                                () = self.shutdown.cancelled() => return,
+                            };
+                            match waited {
+                                queue::WaitEnd::Room => {
+                                    // Only this loop pushes, so the bytes fit;
+                                    // a connection closed meanwhile drops them.
+                                    if let Ok(c) = s.conns.lock() {
+                                        if let Some(e) = c.get(&d.connect_id) {
+                                            let _ = e.queue.push(data);
+                                        }
+                                    }
+                                }
+                                queue::WaitEnd::Closed => {}
+                                queue::WaitEnd::Stalled => {
+                                    if let Some(e) = s
+                                        .conns
+                                        .lock()
+                                        .ok()
+                                        .and_then(|mut c| c.remove(&d.connect_id))
+                                    {
+                                        e.cancel.cancel();
+                                        e.queue.abort();
+                                    }
+                                    AgentMetrics::count(&self.metrics.endpoint_closes, "stalled");
+                                    s.to_server.finish(
+                                        d.connect_id,
+                                        Some(Packet::close_rsp(
+                                            d.connect_id,
+                                            "destination stalled: no byte accepted within the stall deadline".into(),
+                                        )),
+                                    );
+                                }
                             }
-                            AgentMetrics::count(&self.metrics.endpoint_closes, "overflow");
-                            s.to_server.finish(
-                                d.connect_id,
-                                Some(Packet::close_rsp(
-                                    d.connect_id,
-                                    "destination too slow: queue overflow".into(),
-                                )),
-                            );
                         }
                         None => {
                             AgentMetrics::count(&self.metrics.bad_packets, "unknown_connect_id");

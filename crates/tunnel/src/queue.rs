@@ -1,9 +1,11 @@
 //! The per-connection queue between a shared stream's receive loop and one
-//! tunneled connection's socket. The receive loop never waits on it: a
-//! push either fits the byte budget or fails, and the caller closes only
-//! that connection. The socket side writes with a stall deadline. This is
-//! what keeps one slow reader from blocking every other connection on a
-//! Konnectivity stream, which has no per-connection flow control.
+//! tunneled connection's socket. A push either fits the byte budget or is
+//! handed back ([`PushError::Full`]); the receive loop then waits for room
+//! with [`Room::wait`] for as long as the reader keeps taking bytes, which
+//! pauses that one stream (HTTP/2 flow control then holds the sender back)
+//! instead of dropping data. Only a reader that takes nothing for the stall
+//! deadline ends its connection. The budget is what lets a briefly slow
+//! reader never pause the stream at all (see docs/TUNNEL.md, "Head-of-line").
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -26,6 +28,8 @@ struct Shared {
     reader_gone: AtomicBool,
     items: Mutex<VecDeque<Bytes>>,
     ready: Notify,
+    /// The reader took something (or left): room may have appeared.
+    drained: Notify,
 }
 
 /// The receive loop's end.
@@ -48,6 +52,7 @@ pub fn queue(limit: usize) -> (QueueTx, QueueRx) {
         reader_gone: AtomicBool::new(false),
         items: Mutex::new(VecDeque::new()),
         ready: Notify::new(),
+        drained: Notify::new(),
     });
     (
         QueueTx {
@@ -59,12 +64,52 @@ pub fn queue(limit: usize) -> (QueueTx, QueueRx) {
 }
 
 /// Why a push failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PushError {
-    /// The budget is used up: the reader is too slow.
-    Overflow,
+    /// The budget is used up for now; the bytes are handed back so the
+    /// caller can wait for [`Room`] and push them again.
+    Full(Bytes),
     /// The writer is gone.
     Closed,
+}
+
+/// How waiting for room ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitEnd {
+    /// The bytes fit now.
+    Room,
+    /// The reader took nothing for the whole stall deadline.
+    Stalled,
+    /// The reader is gone.
+    Closed,
+}
+
+/// A handle to wait for room in a queue without holding its sender (which
+/// lives in a locked table).
+pub struct Room {
+    shared: Arc<Shared>,
+    limit: usize,
+}
+
+impl Room {
+    /// Waits until `n` more bytes fit the budget (or the queue is empty),
+    /// for as long as the reader keeps taking bytes: every chunk it takes
+    /// restarts the `stall` deadline.
+    pub async fn wait(&self, n: usize, stall: Duration) -> WaitEnd {
+        loop {
+            let drained = self.shared.drained.notified();
+            if self.shared.reader_gone.load(Ordering::Acquire) {
+                return WaitEnd::Closed;
+            }
+            let queued = self.shared.queued.load(Ordering::Acquire);
+            if queued == 0 || queued + n <= self.limit {
+                return WaitEnd::Room;
+            }
+            if tokio::time::timeout(stall, drained).await.is_err() {
+                return WaitEnd::Stalled;
+            }
+        }
+    }
 }
 
 impl QueueTx {
@@ -77,7 +122,7 @@ impl QueueTx {
         let before = self.shared.queued.fetch_add(n, Ordering::AcqRel);
         if before + n > self.limit && before > 0 {
             self.shared.queued.fetch_sub(n, Ordering::AcqRel);
-            return Err(PushError::Overflow);
+            return Err(PushError::Full(data));
         }
         match self.shared.items.lock() {
             Ok(mut q) => q.push_back(data),
@@ -85,6 +130,14 @@ impl QueueTx {
         }
         self.shared.ready.notify_one();
         Ok(())
+    }
+
+    /// A handle to wait for room (see [`Room::wait`]).
+    pub fn room(&self) -> Room {
+        Room {
+            shared: self.shared.clone(),
+            limit: self.limit,
+        }
     }
 
     /// Ends the connection abnormally: the writer resets instead of
@@ -104,6 +157,7 @@ impl Drop for QueueTx {
 impl Drop for QueueRx {
     fn drop(&mut self) {
         self.shared.reader_gone.store(true, Ordering::Release);
+        self.shared.drained.notify_one();
     }
 }
 
@@ -147,6 +201,7 @@ impl QueueRx {
                 .and_then(|mut q| q.pop_front());
             if let Some(data) = item {
                 self.shared.queued.fetch_sub(data.len(), Ordering::AcqRel);
+                self.shared.drained.notify_one();
                 return Recv::Data(data);
             }
             if self.shared.closed.load(Ordering::Acquire) {
@@ -208,10 +263,35 @@ mod tests {
     use super::*;
 
     #[tokio::test]
+    async fn a_full_queue_hands_the_bytes_back_and_room_appears_as_the_reader_reads() {
+        let (tx, mut rx) = queue(10);
+        tx.push(Bytes::from_static(b"0123456789")).unwrap();
+        let back = tx.push(Bytes::from_static(b"xy"));
+        assert_eq!(back, Err(PushError::Full(Bytes::from_static(b"xy"))));
+        let room = tx.room();
+        let long = Duration::from_secs(30);
+        let (waited, got) = tokio::join!(room.wait(2, long), rx.recv());
+        assert_eq!(waited, WaitEnd::Room);
+        assert_eq!(got, Recv::Data(Bytes::from_static(b"0123456789")));
+        tx.push(Bytes::from_static(b"xy")).unwrap();
+        // A reader that takes nothing: the wait ends at the deadline.
+        tx.push(Bytes::from_static(b"01234567")).unwrap();
+        assert_eq!(
+            room.wait(5, Duration::from_millis(20)).await,
+            WaitEnd::Stalled
+        );
+        drop(rx);
+        assert_eq!(room.wait(5, long).await, WaitEnd::Closed);
+    }
+
+    #[tokio::test]
     async fn push_fails_past_the_budget_and_the_writer_sees_an_abort() {
         let (tx, mut rx) = queue(10);
         tx.push(Bytes::from_static(b"0123456789")).unwrap();
-        assert_eq!(tx.push(Bytes::from_static(b"x")), Err(PushError::Overflow));
+        assert!(matches!(
+            tx.push(Bytes::from_static(b"x")),
+            Err(PushError::Full(_))
+        ));
         // A single message larger than the budget passes when nothing is queued.
         let (big_tx, _big_rx) = queue(4);
         big_tx.push(Bytes::from_static(b"too large")).unwrap();

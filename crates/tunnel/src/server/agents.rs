@@ -160,7 +160,8 @@ where
                     srv.metrics.agent(&cluster.name, 1);
                     tracing::info!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, flow, "agent connected");
                     let mut inbound = req.into_inner();
-                    // Receive loop: never waits on a connection (see queue.rs).
+                    // Receive loop: waits on a connection only when its queue is
+                    // full (see queue.rs and docs/TUNNEL.md, "Head-of-line").
                     {
                         let (srv, cluster, link) = (srv.clone(), cluster.clone(), link.clone());
                         tokio::spawn(async move {
@@ -168,13 +169,24 @@ where
                                 tokio::select! {
                                     m = inbound.next() => match m {
                                         Some(Ok(p)) => {
-                                            let h = on_agent_packet(&link, p);
-                                            srv.metrics.agent_packet(&cluster.name, match h {
-                                                Handled::Ok => "ok",
-                                                Handled::Unrecognized => "unrecognized",
-                                                Handled::Overflow => "overflow",
-                                                Handled::Unexpected => "unexpected",
-                                            });
+                                            let (h, blocked) = on_agent_packet(&link, p);
+                                            srv.metrics.agent_packet(&cluster.name, h.label());
+                                            if let Some(b) = blocked {
+                                                // Backpressure: this stream reads nothing more
+                                                // until that connection's reader makes room, or
+                                                // stops reading for the stall deadline.
+                                                let stall = srv.settings.stall_timeout;
+                                                tokio::select! {
+                                                    h = b.resume(&link, stall) => {
+                                                        if h != Handled::Ok {
+                                                            srv.metrics.agent_packet(&cluster.name, h.label());
+                                                        }
+                                                    }
+                                                    () = srv.shutdown.cancelled() => break "server_shutdown",
+                                                    () = cluster.removed.cancelled() => break "cluster_removed",
+                                                    () = link.kick.cancelled() => break "rekeyed",
+                                                }
+                                            }
                                         }
                                         Some(Err(e)) => {
                                             tracing::info!(agent = %link.agent_id, error = %e, "agent stream failed");

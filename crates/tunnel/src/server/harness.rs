@@ -9,9 +9,7 @@ use std::time::Instant;
 
 use tokio::sync::oneshot;
 
-use super::{
-    attach, on_agent_packet_at, AgentLink, Cluster, Handled, Identifiers, Pending, Strategy,
-};
+use super::{attach, on_agent_packet, AgentLink, Cluster, Handled, Identifiers, Pending, Strategy};
 use crate::fair::FairQueue;
 use crate::proto::{Packet, PacketType};
 use crate::queue::{self, QueueRx};
@@ -86,7 +84,11 @@ impl Harness {
 
     /// Feeds one packet at `now`, then checks the invariants.
     pub fn step(&mut self, p: Packet, now: Instant) {
-        let h = on_agent_packet_at(&self.link, p, now);
+        let (mut h, blocked) = on_agent_packet(&self.link, p);
+        if let Some(b) = blocked {
+            // The harness has no reader: the wait ends at the deadline.
+            h = b.stalled(&self.link, now);
+        }
         self.handled.push(h);
         self.check();
     }

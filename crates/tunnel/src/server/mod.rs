@@ -722,19 +722,116 @@ pub enum Handled {
     Ok,
     /// Referred to a dial or connection this agent does not have.
     Unrecognized,
-    /// A connection's queue overflowed; that connection was closed.
-    Overflow,
+    /// A connection's queue was full: the packet waits for room (see
+    /// [`Blocked`]); the stream reads nothing else meanwhile.
+    Full,
+    /// A connection whose reader took nothing for the stall deadline while
+    /// its packet waited: that connection was closed.
+    Stalled,
     /// A packet kind an agent must not send, or an unknown kind.
     Unexpected,
 }
 
-/// Applies one packet from the agent of `link`. Never waits.
-pub fn on_agent_packet(link: &AgentLink, p: Packet) -> Handled {
-    on_agent_packet_at(link, p, Instant::now())
+impl Handled {
+    /// The `reason` label of `agent_packets_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Handled::Ok => "ok",
+            Handled::Unrecognized => "unrecognized",
+            Handled::Full => "delayed",
+            Handled::Stalled => "stalled",
+            Handled::Unexpected => "unexpected",
+        }
+    }
 }
 
-/// [`on_agent_packet`] at time `now` (deterministic, for the fuzzer).
-pub fn on_agent_packet_at(link: &AgentLink, p: Packet, now: Instant) -> Handled {
+/// DATA for a connection whose queue is full. The standard protocol has no
+/// per-connection flow control, so the only lossless answer is to stop
+/// reading the agent's stream until the reader makes room (HTTP/2 flow
+/// control then holds the agent back); the caller awaits [`Blocked::resume`].
+pub struct Blocked {
+    connect_id: i64,
+    data: Bytes,
+    room: queue::Room,
+}
+
+impl Blocked {
+    /// Waits for room while the reader makes progress, then queues the
+    /// bytes; a reader that takes nothing for `stall` loses its connection
+    /// (CLOSE_REQ to the agent), nothing else does.
+    pub async fn resume(self, link: &AgentLink, stall: Duration) -> Handled {
+        match self.room.wait(self.data.len(), stall).await {
+            queue::WaitEnd::Room => {
+                let pushed = link
+                    .conns
+                    .lock()
+                    .ok()
+                    .and_then(|c| c.get(&self.connect_id).map(|q| q.push(self.data)));
+                match pushed {
+                    Some(Ok(())) | None => Handled::Ok,
+                    // Only this loop pushes, so room stays room; a reader
+                    // that left meanwhile closes through its frontend.
+                    Some(Err(_)) => Handled::Ok,
+                }
+            }
+            // The frontend went away: its own close tells the agent.
+            queue::WaitEnd::Closed => Handled::Ok,
+            queue::WaitEnd::Stalled => self.stalled(link, Instant::now()),
+        }
+    }
+
+    /// Gives up on the connection at `now` (deterministic, for the fuzzer).
+    pub fn stalled(self, link: &AgentLink, now: Instant) -> Handled {
+        let q = link
+            .conns
+            .lock()
+            .ok()
+            .and_then(|mut c| c.remove(&self.connect_id));
+        if let Some(q) = q {
+            q.abort();
+            link.closing_started(self.connect_id, now);
+        }
+        Handled::Stalled
+    }
+}
+
+/// Applies one packet from the agent of `link`. Never waits: DATA that does
+/// not fit its connection's queue comes back as [`Blocked`] for the caller
+/// to await.
+/// It reads no clock (the fuzz harness drives time through
+/// [`Blocked::stalled`]).
+pub fn on_agent_packet(link: &AgentLink, p: Packet) -> (Handled, Option<Blocked>) {
+    if let (Some(crate::proto::PacketType::Data), Some(crate::proto::Payload::Data(d))) =
+        (p.kind(), &p.payload)
+    {
+        let connect_id = d.connect_id;
+        let pushed = link.conns.lock().ok().and_then(|c| {
+            c.get(&connect_id).map(|q| match q.push(d.data.clone()) {
+                Err(queue::PushError::Full(data)) => Err(Some(Blocked {
+                    connect_id,
+                    data,
+                    room: q.room(),
+                })),
+                Err(queue::PushError::Closed) => Err(None),
+                Ok(()) => Ok(()),
+            })
+        });
+        return match pushed {
+            Some(Ok(())) | Some(Err(None)) => (Handled::Ok, None),
+            Some(Err(Some(b))) => (Handled::Full, Some(b)),
+            // In flight when this side closed it: dropped, expected.
+            None if link.is_closing(connect_id) => (Handled::Ok, None),
+            None => {
+                link.send_soon(Packet::close_req(connect_id));
+                (Handled::Unrecognized, None)
+            }
+        };
+    }
+    (on_control_packet(link, p), None)
+}
+
+/// Every packet but DATA.
+fn on_control_packet(link: &AgentLink, p: Packet) -> Handled {
     use crate::proto::{PacketType as T, Payload};
     match (p.kind(), p.payload) {
         (Some(T::DialRsp), Some(Payload::DialResponse(r))) => {
@@ -782,34 +879,6 @@ pub fn on_agent_packet_at(link: &AgentLink, p: Packet, now: Instant) -> Handled 
                 link.close_conn(r.connect_id);
             }
             Handled::Ok
-        }
-        (Some(T::Data), Some(Payload::Data(d))) => {
-            let pushed = link
-                .conns
-                .lock()
-                .ok()
-                .and_then(|c| c.get(&d.connect_id).map(|q| q.push(d.data)));
-            match pushed {
-                Some(Ok(())) => Handled::Ok,
-                Some(Err(_)) => {
-                    let q = link
-                        .conns
-                        .lock()
-                        .ok()
-                        .and_then(|mut c| c.remove(&d.connect_id));
-                    if let Some(q) = q {
-                        q.abort();
-                        link.closing_started(d.connect_id, now);
-                    }
-                    Handled::Overflow
-                }
-                // In flight when this side closed it: dropped, expected.
-                None if link.is_closing(d.connect_id) => Handled::Ok,
-                None => {
-                    link.send_soon(Packet::close_req(d.connect_id));
-                    Handled::Unrecognized
-                }
-            }
         }
         (Some(T::CloseRsp), Some(Payload::CloseResponse(c))) => {
             // Dropping the queue's sender ends the connection cleanly after
