@@ -59,8 +59,10 @@ pub struct AgentArgs {
     /// Largest reconnect delay, seconds.
     #[arg(long, default_value_t = 10.0)]
     pub sync_interval_cap: f64,
-    /// HTTP/2 PING interval towards the server, seconds.
-    #[arg(long, default_value_t = 10.0)]
+    /// HTTP/2 PING interval towards the server, seconds. Upstream's
+    /// proxy-server refuses pings closer than 30 s (GOAWAY `too_many_pings`),
+    /// so the default is twice that; a server that still says so doubles it.
+    #[arg(long, default_value_t = 60.0)]
     pub keepalive_time: f64,
     /// Admin endpoint (`/healthz`, `/readyz`, `/metrics`).
     #[arg(long, default_value = "127.0.0.1:8093")]

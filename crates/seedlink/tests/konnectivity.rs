@@ -474,6 +474,22 @@ async fn seedlink_agent_to_upstream_servers() {
     let _gr = upstream_server(&env, "grpc", &grpc_uds, 8133, "up-grpc", 1, gp);
     let a1 = env.agent(&env.agent_endpoint(8132), &[]);
     let a2 = env.agent(&env.agent_endpoint(8133), &[]);
+    // An agent told to ping every 5 s: upstream answers GOAWAY
+    // too_many_pings, the agent doubles its interval until upstream accepts it.
+    let ep_port = common::free_port();
+    let _ep = upstream_server(
+        &env,
+        "http-connect",
+        &d.join("up-eager.sock"),
+        8134,
+        "up-eager",
+        1,
+        ep_port,
+    );
+    let eager = env.agent(
+        &env.agent_endpoint(8134),
+        &["--keepalive-time", "5", "--agent-id", "eager"],
+    );
     upstream_ready(&env.seed, hp).await;
     upstream_ready(&env.seed, gp).await;
     let uds = hc_uds.display().to_string();
@@ -496,6 +512,20 @@ async fn seedlink_agent_to_upstream_servers() {
         tokio::time::sleep(rest).await;
     }
     echo_once(&mut held, b"after 70 s idle").await.unwrap();
+    let e = eager.admin();
+    assert!(
+        env.agent_metric(
+            &e,
+            "seedlink_tunnel_agent_server_connects_total{outcome=\"too_many_pings\"}"
+        ) >= 1.0,
+        "the eager agent never saw too_many_pings"
+    );
+    TunnelEnv::until(
+        Duration::from_secs(20),
+        "the eager agent to be back",
+        || env.agent_metric(&e, "seedlink_tunnel_agent_open_server_connections") == 1.0,
+    )
+    .await;
     for a in [&a1, &a2] {
         assert_eq!(
             env.agent_metric(

@@ -562,3 +562,41 @@ fn assert_peer_ok(out: &std::process::Output) {
     );
     assert!(out.status.success() && text.starts_with("OK "), "{text}");
 }
+
+/// Replica discovery does not look like failure: with `server_count: 2`
+/// and one replica, the agent keeps probing (every 0.2 s here); each probe
+/// reaches the replica it holds and is closed cleanly on both sides:
+/// counted as `duplicate`, never as `stream_error`, and the agent's one
+/// real stream is never replaced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replica_discovery_probes_close_cleanly_and_are_counted_as_duplicates() {
+    let env = TunnelEnv::new(85);
+    let ep = env.agent_endpoint(8132);
+    let server = env.server(&env.server_yaml(&ep, "server_count: 2", ""), "server");
+    let agent = env.agent(&ep, &[]);
+    let admin = server.admin();
+    let streams = |reason: &str| {
+        env.server_metric(
+            &admin,
+            &format!(
+                "seedlink_tunnel_server_agent_streams_total{{cluster=\"shoot--dev--a\",reason=\"{reason}\"}}"
+            ),
+        )
+    };
+    TunnelEnv::until(Duration::from_secs(20), "five discovery probes", || {
+        streams("duplicate") >= 5.0
+    })
+    .await;
+    assert_eq!(streams("stream_error"), 0.0);
+    assert_eq!(streams("closed"), 0.0);
+    let a = agent.admin();
+    assert_eq!(
+        env.agent_metric(
+            &a,
+            "seedlink_tunnel_agent_server_connects_total{outcome=\"ok\"}"
+        ),
+        1.0
+    );
+    let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(10)).await;
+    assert!(fetch_hello(s).await.contains("hello from the shoot"));
+}

@@ -167,9 +167,22 @@ pub struct Agent {
     sessions: Mutex<HashMap<String, Arc<Session>>>,
     known_count: AtomicI64,
     draining: AtomicBool,
+    /// The PING interval in use (ms): `opts.keepalive`, doubled each time a
+    /// server answers GOAWAY `too_many_pings` (as grpc-go's client does).
+    keepalive_ms: std::sync::atomic::AtomicU64,
+    /// A stream to a server ended: replica discovery resumes at once.
+    session_lost: tokio::sync::Notify,
     /// Cancelled to stop everything.
     pub shutdown: CancellationToken,
 }
+
+/// Longest PING interval the back-off reaches.
+const KEEPALIVE_CAP: Duration = Duration::from_secs(3600);
+
+/// Replica discovery while a stream to every replica is held: a slow
+/// re-check, only to notice a raised `servercount` (a replaced replica
+/// ends its stream, which restarts discovery at once).
+const HELD_RECHECK: Duration = Duration::from_secs(300);
 
 struct ConnEntry {
     queue: QueueTx,
@@ -206,6 +219,7 @@ impl Agent {
             .as_ref()
             .map(|(c, k)| (c.as_path(), k.as_path()));
         let cfg = tls::client_config(&opts.ca, ident, &alpn)?;
+        let opts_keepalive = opts.keepalive.keepalive;
         Ok(Arc::new(Agent {
             opts,
             metrics: AgentMetrics::new(),
@@ -213,6 +227,10 @@ impl Agent {
             sessions: Mutex::new(HashMap::new()),
             known_count: AtomicI64::new(1),
             draining: AtomicBool::new(false),
+            keepalive_ms: std::sync::atomic::AtomicU64::new(
+                u64::try_from(opts_keepalive.as_millis()).unwrap_or(u64::MAX),
+            ),
+            session_lost: tokio::sync::Notify::new(),
             shutdown: CancellationToken::new(),
         }))
     }
@@ -229,8 +247,10 @@ impl Agent {
 
     /// Keeps a stream to every server replica until shut down: connects,
     /// learns `serverid`/`servercount`, and keeps dialing (the address is
-    /// usually a LoadBalancer) to find missing or replaced replicas.
-    /// Failures back off exponentially (×1.5, capped) with ±10 % jitter.
+    /// usually a LoadBalancer) to find missing replicas. Failures back off
+    /// exponentially (×1.5, capped) with ±10 % jitter. Once a stream to
+    /// every replica is held, discovery pauses (a re-check every 5 min)
+    /// until one of them ends.
     pub async fn run(self: &Arc<Self>) {
         let mut delay = self.opts.sync_interval;
         loop {
@@ -245,12 +265,7 @@ impl Agent {
                         if new { "ok" } else { "duplicate" },
                     );
                     delay = self.opts.sync_interval;
-                    let have = i64::try_from(self.session_count()).unwrap_or(i64::MAX);
-                    if have >= self.known_count.load(Ordering::Acquire) {
-                        self.opts.sync_interval_cap
-                    } else {
-                        self.opts.sync_interval
-                    }
+                    self.discovery_wait()
                 }
                 Err(e) => {
                     tracing::warn!(server = %self.opts.server, error = %format!("{e:#}"), "cannot connect to the tunnel server");
@@ -263,9 +278,43 @@ impl Agent {
             let jitter = 0.9 + rand::random::<f64>() * 0.2;
             tokio::select! {
                 () = tokio::time::sleep(wait.mul_f64(jitter)) => {}
+                () = self.session_lost.notified() => {}
                 () = self.shutdown.cancelled() => return,
             }
         }
+    }
+
+    /// How long to wait before the next discovery dial after a success.
+    fn discovery_wait(&self) -> Duration {
+        let have = i64::try_from(self.session_count()).unwrap_or(i64::MAX);
+        if have >= self.known_count.load(Ordering::Acquire) {
+            HELD_RECHECK.max(self.opts.sync_interval_cap)
+        } else {
+            self.opts.sync_interval
+        }
+    }
+
+    /// The PING interval for the next connection.
+    fn keepalive(&self) -> H2Settings {
+        let ms = self.keepalive_ms.load(Ordering::Acquire);
+        H2Settings {
+            keepalive: Duration::from_millis(ms),
+            ..self.opts.keepalive
+        }
+    }
+
+    /// A server said `too_many_pings`: ping half as often from now on.
+    fn slow_down_pings(&self, server_id: &str) {
+        let cap = u64::try_from(KEEPALIVE_CAP.as_millis()).unwrap_or(u64::MAX);
+        let old = self.keepalive_ms.load(Ordering::Acquire);
+        let new = old.saturating_mul(2).min(cap);
+        self.keepalive_ms.store(new, Ordering::Release);
+        AgentMetrics::count(&self.metrics.server_connects, "too_many_pings");
+        tracing::warn!(
+            server_id,
+            keepalive_ms = new,
+            "server refused our ping rate (GOAWAY too_many_pings): PING interval doubled"
+        );
     }
 
     /// One connection attempt; `Ok(true)` for a new replica, `Ok(false)` for
@@ -286,7 +335,8 @@ impl Agent {
         let origin: http::Uri = format!("https://{}", self.opts.server_name)
             .parse()
             .context("server name as URI")?;
-        let mut client = grpc::connect(tls, origin, self.opts.keepalive)
+        let (tls, goaway) = crate::goaway::Sniff::new(tls);
+        let mut client = grpc::connect(tls, origin, self.keepalive())
             .await
             .context("HTTP/2 handshake")?;
         let mut meta = vec![("agentid", self.opts.agent_id.clone())];
@@ -350,15 +400,28 @@ impl Agent {
             gone: CancellationToken::new(),
             flow,
         });
-        {
+        let duplicate = {
             let Ok(mut s) = self.sessions.lock() else {
                 anyhow::bail!("session table poisoned");
             };
             if s.contains_key(&server_id) {
-                return Ok(false);
+                true
+            } else {
+                s.insert(server_id.clone(), session.clone());
+                guard.0 = None;
+                false
             }
-            s.insert(server_id.clone(), session.clone());
-            guard.0 = None;
+        };
+        if duplicate {
+            // A replica we already hold: end our side cleanly and let the
+            // server end its side, so neither counts an error.
+            drop(guard);
+            let mut inbound = resp.into_inner();
+            let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                while let Some(Ok(_)) = inbound.next().await {}
+            })
+            .await;
+            return Ok(false);
         }
         self.metrics.servers.inc();
         tracing::info!(
@@ -374,6 +437,12 @@ impl Agent {
             if let Ok(mut s) = agent.sessions.lock() {
                 s.remove(&session.server_id);
             }
+            // A GOAWAY too_many_pings slows our pings down for the next
+            // connection.
+            if goaway.code() == Some(crate::goaway::ENHANCE_YOUR_CALM) {
+                agent.slow_down_pings(&session.server_id);
+            }
+            agent.session_lost.notify_one();
             agent.metrics.servers.dec();
             session.gone.cancel();
             session.to_server.close();

@@ -8,6 +8,7 @@ pub mod config;
 pub mod dialerr;
 pub mod fair;
 pub mod flow;
+pub mod goaway;
 pub mod grpc;
 pub mod proto;
 pub mod queue;

@@ -152,13 +152,26 @@ where
                     let agent_id = agent_id.to_string();
                     let flow = meta.get(crate::flow::HEADER).and_then(|v| v.to_str().ok())
                         == Some(crate::flow::VERSION);
+                    // A second stream of an agent ID this cluster already
+                    // has is usually replica discovery that reached a replica
+                    // it holds: it ends cleanly, is counted as `duplicate`,
+                    // and logs only at debug level.
+                    let probe = cluster
+                        .agents
+                        .lock()
+                        .map(|a| a.iter().any(|l| l.agent_id == agent_id))
+                        .unwrap_or(false);
                     let (link, to_agent) = attach(&cluster, agent_id.clone(), ids, flow);
                     let _ = link.certs.set(certs.clone());
                     if let Some(a) = presented {
                         let _ = link.authorization.set(a);
                     }
                     srv.metrics.agent(&cluster.name, 1);
-                    tracing::info!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, flow, "agent connected");
+                    if probe {
+                        tracing::debug!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, "agent stream (agent already connected)");
+                    } else {
+                        tracing::info!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, flow, "agent connected");
+                    }
                     let mut inbound = req.into_inner();
                     // Receive loop: waits on a connection only when its queue is
                     // full (see queue.rs and docs/TUNNEL.md, "Head-of-line").
@@ -201,8 +214,13 @@ where
                             };
                             detach(&cluster, &link);
                             srv.metrics.agent(&cluster.name, -1);
-                            srv.metrics.agent_stream(&cluster.name, why);
-                            tracing::info!(cluster = %cluster.name, agent = %link.agent_id, uid = link.uid, why, "agent disconnected");
+                            if probe && why == "closed" {
+                                srv.metrics.agent_stream(&cluster.name, "duplicate");
+                                tracing::debug!(cluster = %cluster.name, agent = %link.agent_id, uid = link.uid, "duplicate agent stream closed");
+                            } else {
+                                srv.metrics.agent_stream(&cluster.name, why);
+                                tracing::info!(cluster = %cluster.name, agent = %link.agent_id, uid = link.uid, why, "agent disconnected");
+                            }
                         });
                     }
                     let out: PacketStream =
