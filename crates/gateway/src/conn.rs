@@ -587,6 +587,7 @@ async fn read_more(stream: &TcpStream, buf: &mut Vec<u8>, cap: usize) -> Result<
 enum BadConnect {
     NotConnect,
     FramingHeader,
+    BadTarget,
     MissingDestination,
     DuplicateDestination,
     MalformedDestination,
@@ -597,6 +598,7 @@ impl BadConnect {
         match self {
             BadConnect::NotConnect => "not_connect",
             BadConnect::FramingHeader => "framing_header_on_connect",
+            BadConnect::BadTarget => "connect_target_malformed",
             BadConnect::MissingDestination => "destination_missing",
             BadConnect::DuplicateDestination => "destination_duplicated",
             BadConnect::MalformedDestination => "destination_malformed",
@@ -618,6 +620,11 @@ fn check_connect(
         || head.values("transfer-encoding").next().is_some()
     {
         return Err(BadConnect::FramingHeader);
+    }
+    // RFC 9110 §9.3.6: the target must be `host:port`, even though the
+    // header, never the target, chooses the destination.
+    if !connect_head::authority_form(&head.target) {
+        return Err(BadConnect::BadTarget);
     }
     let mut values = head.values(header);
     let Some(value) = values.next() else {
@@ -645,7 +652,9 @@ async fn reject_connect(
 ) -> (String, &'static str) {
     let reply = match (bad, lctx.spec.on_invalid_request) {
         // Smuggling-shaped requests always get a plain 400.
-        (BadConnect::FramingHeader, _) => status_line(head, "400 Bad Request"),
+        (BadConnect::FramingHeader | BadConnect::BadTarget, _) => {
+            status_line(head, "400 Bad Request")
+        }
         (_, InvalidRequest::Redirect) => match redirect_location(head) {
             Some(loc) => format!(
                 "HTTP/1.1 301 Moved Permanently\r\nlocation: {loc}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"

@@ -191,5 +191,29 @@ fn more<T>(buf: &[u8], limits: &Limits) -> Parse<T, Reject> {
     }
 }
 
+/// Whether a CONNECT request-target is in authority form, `host:port`
+/// (RFC 9110 §9.3.6): a registered name (letters, digits, `-`, `.`, `_`,
+/// `~`), an IPv4 address or a bracketed IPv6 address, then a port of 1–5
+/// digits between 1 and 65535. No userinfo, no path, no scheme, no `*`, no
+/// sign, no empty host.
+pub fn authority_form(target: &str) -> bool {
+    let Some((host, port)) = target.rsplit_once(':') else {
+        return false;
+    };
+    let port_ok = (1..=5).contains(&port.len())
+        && port.bytes().all(|b| b.is_ascii_digit())
+        && port.parse::<u16>().is_ok_and(|p| p != 0);
+    let host_ok = if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        v6.parse::<std::net::Ipv6Addr>().is_ok()
+    } else {
+        !host.is_empty()
+            && host.len() <= 253
+            && host
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~'))
+    };
+    port_ok && host_ok
+}
+
 #[cfg(test)]
 mod tests;

@@ -125,6 +125,16 @@ fn parse_v1(buf: &[u8]) -> Parse<ProxyHeader, Reject> {
     let Ok(text) = std::str::from_utf8(&buf[..len]) else {
         return Parse::Invalid(Reject::Malformed("v1 header is not ASCII"));
     };
+    // Ports are plain decimal digits: Rust's integer parser (under `ppp`)
+    // would also take a leading `+`.
+    let fields: Vec<&str> = text.trim_end_matches("\r\n").split(' ').collect();
+    if fields.len() == 6
+        && !fields[4..]
+            .iter()
+            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+    {
+        return Parse::Invalid(Reject::Malformed("v1 port is not plain decimal digits"));
+    }
     let header = match ppp::v1::Header::try_from(text) {
         Ok(h) => h,
         Err(_) => return Parse::Invalid(Reject::Malformed("v1 header fields invalid")),
@@ -226,6 +236,11 @@ fn finish(version: u8, addresses: Addresses, len: usize) -> Parse<ProxyHeader, R
 }
 
 fn check_unicast(ip: IpAddr) -> Result<(), &'static str> {
+    // A v4-mapped IPv6 address is checked as the IPv4 address it maps.
+    let ip = match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        v4 => v4,
+    };
     if ip.is_unspecified() {
         return Err("unspecified address in PROXY header");
     }

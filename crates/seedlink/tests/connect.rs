@@ -215,6 +215,16 @@ async fn raw_connect_shapes() {
         format!("CONNECT x:443 HTTP/1.1\r\nX-Gardener-Destination: {DEST_ECHO}\r\n folded\r\n\r\n"),
         format!("CONNECT x:443 HTTP/1.1\r\nX-Gardener-Destination: {DEST_ECHO}\x01\r\n\r\n"),
         format!("CONNECT x:443 HTTP/1.1\r\nX: {}\r\n\r\n", "a".repeat(9000)),
+        // Request-targets that are not authority-form `host:port` (RFC 9110
+        // §9.3.6), even with a good destination header.
+        format!("CONNECT x HTTP/1.1\r\nX-Gardener-Destination: {DEST_ECHO}\r\n\r\n"),
+        format!("CONNECT :443 HTTP/1.1\r\nX-Gardener-Destination: {DEST_ECHO}\r\n\r\n"),
+        format!("CONNECT x:0 HTTP/1.1\r\nX-Gardener-Destination: {DEST_ECHO}\r\n\r\n"),
+        format!("CONNECT x:65536 HTTP/1.1\r\nX-Gardener-Destination: {DEST_ECHO}\r\n\r\n"),
+        format!("CONNECT x:+443 HTTP/1.1\r\nX-Gardener-Destination: {DEST_ECHO}\r\n\r\n"),
+        format!("CONNECT u@x:443 HTTP/1.1\r\nX-Gardener-Destination: {DEST_ECHO}\r\n\r\n"),
+        format!("CONNECT http://x:443/ HTTP/1.1\r\nX-Gardener-Destination: {DEST_ECHO}\r\n\r\n"),
+        format!("CONNECT * HTTP/1.1\r\nX-Gardener-Destination: {DEST_ECHO}\r\n\r\n"),
     ] {
         let r = exchange(&gw, bad.as_bytes()).await;
         assert!(r.starts_with("HTTP/1.1 400"), "{bad:?} → {r}");
@@ -226,6 +236,7 @@ async fn raw_connect_shapes() {
         "destination_duplicated",
         "destination_malformed",
         "framing_header_on_connect",
+        "connect_target_malformed",
         "bare_cr_lf",
         "obs_fold",
         "control_byte",

@@ -149,3 +149,17 @@ fn every_single_byte_corruption_never_panics() {
         }
     }
 }
+
+#[test]
+fn an_ssl3_client_hello_is_refused() {
+    let mut body = vec![3, 0];
+    body.extend_from_slice(&[0; 32]);
+    body.push(0);
+    body.extend_from_slice(&[0, 2, 0x00, 0x2f]);
+    body.extend_from_slice(&[1, 0]);
+    let mut hs = vec![1, 0, 0, u8::try_from(body.len()).unwrap()];
+    hs.extend_from_slice(&body);
+    let mut rec = vec![22, 3, 0, 0, u8::try_from(hs.len()).unwrap()];
+    rec.extend_from_slice(&hs);
+    assert!(matches!(parse(&rec, 16 * 1024), Parse::Invalid(_)));
+}

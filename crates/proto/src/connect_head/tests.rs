@@ -133,3 +133,37 @@ fn every_single_byte_corruption_never_panics() {
         }
     }
 }
+
+#[test]
+fn connect_targets_must_be_authority_form() {
+    for ok in [
+        "10.0.0.1:443",
+        "kubernetes.default.svc:443",
+        "[fd00::1]:6443",
+        "a:1",
+        "host_x.local:65535",
+    ] {
+        assert!(authority_form(ok), "{ok}");
+    }
+    for bad in [
+        "10.0.0.1",
+        ":443",
+        "host:0",
+        "host:65536",
+        "host:+443",
+        "host:-1",
+        "host:",
+        "user@host:443",
+        "http://host:443",
+        "host:443/path",
+        "*",
+        "[fd00::1]",
+        "fd00::1:443",
+        "[nothex]:443",
+        "host:0443x",
+        "host:000443",
+        "ho st:443",
+    ] {
+        assert!(!authority_form(bad), "{bad}");
+    }
+}

@@ -176,3 +176,36 @@ fn every_single_byte_corruption_never_panics() {
         }
     }
 }
+
+#[test]
+fn v1_signed_ports_and_mapped_multicast_are_refused() {
+    for bad in [
+        "PROXY TCP4 10.0.0.1 10.0.0.2 +443 443\r\n",
+        "PROXY TCP4 10.0.0.1 10.0.0.2 443 +443\r\n",
+        "PROXY TCP6 ::ffff:224.0.0.1 ::1 1000 443\r\n",
+        "PROXY TCP6 ::1 ::ffff:255.255.255.255 1000 443\r\n",
+        "PROXY TCP6 ::ffff:0.0.0.0 ::1 1000 443\r\n",
+    ] {
+        assert!(
+            matches!(parse(bad.as_bytes(), 512), Parse::Invalid(_)),
+            "{bad:?}"
+        );
+    }
+    let v2 = v2(
+        0x1,
+        0x21,
+        &[
+            &[0u8; 10][..],
+            &[0xff, 0xff, 224, 0, 0, 1],
+            &[0u8; 15],
+            &[1],
+            &[0x03, 0xe8, 0x01, 0xbb],
+        ]
+        .concat(),
+    );
+    assert!(matches!(parse(&v2, 512), Parse::Invalid(_)));
+    assert!(matches!(
+        parse(b"PROXY TCP4 10.0.0.1 10.0.0.2 1000 443\r\n", 512),
+        Parse::Done(_)
+    ));
+}

@@ -116,11 +116,7 @@ pub async fn connect_method<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    if target
-        .rsplit_once(':')
-        .and_then(|(_, p)| p.parse::<u16>().ok())
-        .is_none()
-    {
+    if !seedlink_proto::connect_head::authority_form(target) {
         answer(&mut io, 400, "CONNECT target must be host:port\n").await;
         return "bad_target";
     }
