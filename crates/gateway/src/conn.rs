@@ -188,9 +188,10 @@ async fn run(
         Ok(Err(r)) => return refuse(gw, lctx, peer, r),
         Err(_) => return refuse(gw, lctx, peer, Refusal::Timeout),
     };
-    drop(guard);
     let client = detected.client;
     if matches!(detected.request, Request::Http2) {
+        // An HTTP/2 connection stays unrouted (holding its per-source slot)
+        // whenever it has no open stream.
         let Detected { replay, .. } = detected;
         let outcome = crate::h2conn::serve(
             gw.clone(),
@@ -199,10 +200,12 @@ async fn run(
             stream,
             client,
             replay,
+            guard,
         )
         .await;
         return (String::new(), outcome);
     }
+    drop(guard);
 
     let (cp, endpoints, protocol): (Arc<ControlPlane>, &[Endpoint], String) = match &detected
         .request

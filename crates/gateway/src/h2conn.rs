@@ -19,15 +19,24 @@ use seedlink_proto::destination;
 use tokio::net::TcpStream;
 
 use crate::metrics::RoutedLabels;
-use crate::{upstream, Gateway, ListenerCtx};
+use crate::{upstream, Gateway, ListenerCtx, SourceGuard};
 
 /// Concurrent streams per connection.
 const MAX_STREAMS: u32 = 250;
 /// Keepalive ping interval and how long a pong may take.
 const PING_EVERY: Duration = Duration::from_secs(30);
 const PONG_WITHIN: Duration = Duration::from_secs(10);
+/// How long a connection may stay without an open stream once it has
+/// carried one (before the first, the detection deadline applies): a
+/// pooled connection between tunnels, but not forever.
+const IDLE_AFTER_STREAMS: Duration = Duration::from_secs(60);
 
-/// Serves one HTTP/2 connection whose first `prefix` bytes were already read.
+/// Serves one HTTP/2 connection whose first `prefix` bytes were already
+/// read. Without an open stream the connection is unrouted: it holds a
+/// per-source slot (`guard`, given back while streams are open and taken
+/// again when the last one ends; none left closes it) and is closed at an
+/// idle deadline: the detection deadline before its first stream,
+/// [`IDLE_AFTER_STREAMS`] after.
 pub(crate) async fn serve(
     gw: Arc<Gateway>,
     lctx: Arc<ListenerCtx>,
@@ -35,7 +44,10 @@ pub(crate) async fn serve(
     stream: TcpStream,
     client: SocketAddr,
     prefix: Vec<u8>,
+    mut guard: Option<SourceGuard<'_>>,
 ) -> &'static str {
+    let capped = guard.is_some();
+    let mut idle_deadline = Some(tokio::time::Instant::now() + snap.timeouts.client_hello);
     let io = Prefixed::new(prefix, stream);
     let mut builder = h2::server::Builder::new();
     builder
@@ -72,12 +84,30 @@ pub(crate) async fn serve(
     };
     tokio::pin!(keepalive);
     let tasks = tokio_util::task::TaskTracker::new();
+    let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let went_idle = Arc::new(tokio::sync::Notify::new());
     let outcome = loop {
+        let idle = async {
+            match idle_deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             next = conn.accept() => match next {
                 Some(Ok((req, respond))) => {
+                    if active.fetch_add(1, std::sync::atomic::Ordering::AcqRel) == 0 {
+                        drop(guard.take());
+                        idle_deadline = None;
+                    }
                     let (gw, lctx, snap) = (gw.clone(), lctx.clone(), snap.clone());
-                    tasks.spawn(async move { tunnel(&gw, &lctx, &snap, client, req, respond).await });
+                    let (active, went_idle) = (active.clone(), went_idle.clone());
+                    tasks.spawn(async move {
+                        tunnel(&gw, &lctx, &snap, client, req, respond).await;
+                        if active.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+                            went_idle.notify_one();
+                        }
+                    });
                 }
                 Some(Err(e)) => {
                     tracing::debug!(%client, error = %e, "h2 connection error");
@@ -85,6 +115,18 @@ pub(crate) async fn serve(
                 }
                 None => break "ok",
             },
+            () = went_idle.notified() => {
+                if active.load(std::sync::atomic::Ordering::Acquire) == 0 {
+                    if capped {
+                        match gw.sources.enter(client.ip(), snap.limits.max_unrouted_per_source) {
+                            Some(g) => drop(guard.replace(g)),
+                            None => break "per_source_limit",
+                        }
+                    }
+                    idle_deadline = Some(tokio::time::Instant::now() + IDLE_AFTER_STREAMS);
+                }
+            }
+            () = idle => break "h2_idle",
             () = &mut keepalive => break "h2_ping_timeout",
             () = gw.lifecycle.close_all.cancelled() => break "closed_drain",
         }

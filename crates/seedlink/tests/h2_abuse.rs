@@ -139,3 +139,43 @@ control_planes:
     assert_eq!(status(connect_req(), &mut c).await, 200);
     stop.cancel();
 }
+
+/// HTTP/2 connections that send the preface and SETTINGS and answer PINGs
+/// but open no stream are unrouted: they count against the per-source cap
+/// (the ones past it are refused at once) and are closed at the detection
+/// deadline. Before, 100 of them stayed open forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2_connections_without_streams_are_capped_and_closed() {
+    let stop = CancellationToken::new();
+    let echo = echo_backend(&stop).await;
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+timeouts: {{client_hello: 1s}}
+limits: {{max_unrouted_per_source: 4}}
+listeners: [{{name: t, address: '127.0.0.1:0', protocol: http-connect}}]
+control_planes:
+  - {{name: e, endpoints: ['{echo}'], destinations: [{{name: '{DEST}'}}]}}
+"
+    ));
+    let addr = gw.listener("t");
+    let mut conns = Vec::new();
+    for _ in 0..8 {
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        // The handshake itself may fail for the refused ones.
+        if let Ok((client, conn)) = h2::client::handshake(tcp).await {
+            conns.push((client, tokio::spawn(conn)));
+        }
+    }
+    gw.wait_metric(
+        "seedlink_gateway_detect_failures_total{listener=\"t\",reason=\"per_source_limit\"}",
+        4.0,
+    )
+    .await;
+    // Every connection ends (the driver task completes) well within the
+    // 1 s idle deadline plus generous slack.
+    for (_client, task) in conns {
+        let ended = tokio::time::timeout(Duration::from_secs(15), task).await;
+        assert!(ended.is_ok(), "an idle HTTP/2 connection stayed open");
+    }
+    stop.cancel();
+}
