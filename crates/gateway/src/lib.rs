@@ -186,8 +186,11 @@ impl Gateway {
     }
 
     /// Binds every listener (one `SO_REUSEPORT` socket per worker) and the
-    /// admin socket of the current snapshot. Needs no runtime.
-    pub fn bind(&self) -> std::io::Result<Bound> {
+    /// admin socket of the current snapshot. Needs no runtime. Unless
+    /// `share_ports`, a listener port that another process already holds is
+    /// an error: `SO_REUSEPORT` would otherwise split the traffic silently
+    /// between two gateways that may run different configurations.
+    pub fn bind(&self, share_ports: bool) -> std::io::Result<Bound> {
         let snap = self.snapshot();
         let ka = keepalive(&snap);
         let mut listeners = Vec::new();
@@ -198,6 +201,9 @@ impl Gateway {
                     format!("listener {} on {}: {e}", spec.name, spec.address),
                 )
             };
+            if !share_ports && spec.address.port() != 0 {
+                probe_exclusive(spec.address).map_err(ctx)?;
+            }
             let first = bind_tcp(spec.address, true, Some(ka)).map_err(ctx)?;
             // With port 0 the kernel picked a port; the others join it.
             let actual = first.local_addr().map_err(ctx)?;
@@ -447,6 +453,29 @@ fn one_error(msg: &str) -> Errors {
         path: String::new(),
         message: msg.into(),
     }])
+}
+
+/// Fails if another socket already listens on `addr`: a socket without
+/// `SO_REUSEPORT` cannot bind where one is (`SO_REUSEADDR` only covers
+/// connections in TIME_WAIT). The probe is closed before the real sockets
+/// bind.
+fn probe_exclusive(addr: SocketAddr) -> std::io::Result<()> {
+    use socket2::{Domain, Socket, Type};
+    let sock = Socket::new(
+        Domain::for_address(addr),
+        Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    sock.set_reuse_address(true)?;
+    match sock.bind(&addr.into()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(std::io::Error::new(
+            e.kind(),
+            "address already in use by another process (a second gateway?); \
+             start with --reuse-port only to share it deliberately, e.g. for a zero-downtime upgrade",
+        )),
+        Err(e) => Err(e),
+    }
 }
 
 /// Binds a listening socket. With `ka`, keepalive and `TCP_NODELAY` are set

@@ -23,6 +23,11 @@ enum Command {
         /// Configuration file (YAML); watched and re-read on SIGHUP.
         #[arg(long, short)]
         config: PathBuf,
+        /// Share listener ports with a gateway already running on them
+        /// (SO_REUSEPORT), for a zero-downtime upgrade; without it a port in
+        /// use is an error.
+        #[arg(long)]
+        reuse_port: bool,
     },
     /// Serve the kube-apiserver address on a shoot node and tunnel every
     /// connection to the seed gateway.
@@ -58,6 +63,10 @@ enum Command {
         /// Seconds between checks of the tunnel-server's files (0: SIGHUP only).
         #[arg(long, default_value_t = 2.0)]
         reload_interval: f64,
+        /// Share the gateway's listener ports with a running instance
+        /// (see `gateway --reuse-port`).
+        #[arg(long)]
+        reuse_port: bool,
     },
     /// Run the reverse-tunnel agent in a shoot: dials out to the tunnel server.
     TunnelAgent(Box<tunnel_cmd::AgentArgs>),
@@ -159,7 +168,7 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Command::CheckConfig { file } => Ok(check_config(&file)),
-        Command::Gateway { config } => runtime()?.block_on(gateway(config)),
+        Command::Gateway { config, reuse_port } => runtime()?.block_on(gateway(config, reuse_port)),
         Command::NodeProxy(args) => runtime()?.block_on(node_proxy(*args)),
         Command::TunnelServer {
             config,
@@ -173,7 +182,8 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             tunnel,
             drain,
             reload_interval,
-        } => runtime()?.block_on(seed(gateway, tunnel, drain, reload_interval)),
+            reuse_port,
+        } => runtime()?.block_on(seed(gateway, tunnel, drain, reload_interval, reuse_port)),
         Command::Quickstart {
             check,
             port,
@@ -234,10 +244,10 @@ fn check_config(file: &std::path::Path) -> i32 {
     }
 }
 
-async fn gateway(config: PathBuf) -> anyhow::Result<i32> {
+async fn gateway(config: PathBuf, reuse_port: bool) -> anyhow::Result<i32> {
     let gw = load_gateway(config)?;
     let supervisor = seedlink_gateway::signals::Supervisor::install(gw.clone())?;
-    let bound = gw.bind()?;
+    let bound = gw.bind(reuse_port)?;
     let mut ready = bound.describe();
     ready["event"] = "ready".into();
     gw.serve(bound)?;
@@ -272,6 +282,7 @@ async fn seed(
     tunnel_config: PathBuf,
     drain: f64,
     reload_interval: f64,
+    reuse_port: bool,
 ) -> anyhow::Result<i32> {
     use anyhow::Context;
     use seedlink_tunnel::config::ServerConfig;
@@ -296,7 +307,7 @@ async fn seed(
         );
     }
     let supervisor = seedlink_gateway::signals::Supervisor::install(gw.clone())?;
-    let bound = gw.bind()?;
+    let bound = gw.bind(reuse_port)?;
     let mut ready = bound.describe();
     gw.serve(bound)?;
     let frontends: serde_json::Map<String, serde_json::Value> = tbound

@@ -83,7 +83,7 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
     let snapshot = seedlink_config::load(&config_path, None).map_err(|e| anyhow::anyhow!("{e}"))?;
     let gw = Gateway::new(snapshot, Some(config_path.clone()));
     let supervisor = seedlink_gateway::signals::Supervisor::install(gw.clone())?;
-    let bound = gw.bind()?;
+    let bound = gw.bind(false)?;
     let tls_addr = bound.listeners[0].1[0].local_addr()?;
     let admin_addr = bound.admin.local_addr()?;
     let connect_addr = bound.listeners[1].1[0].local_addr()?;

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -305,4 +305,66 @@ control_planes:
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("fail closed"));
+}
+
+/// A second gateway on the same ports refuses to start (exit 1, a message
+/// naming the listener and the flag) instead of silently sharing them by
+/// SO_REUSEPORT; with `--reuse-port` it joins deliberately.
+#[test]
+fn a_second_gateway_on_the_same_ports_refuses_unless_asked_to_share() {
+    let first = Gw::start(
+        "admin: {listen: '127.0.0.1:0'}
+listeners: [{name: tls, address: '127.0.0.1:0'}]
+control_planes: [{name: a, hostnames: [a.example], endpoints: ['127.0.0.1:9']}]
+",
+    );
+    let port = first.listener("tls").port();
+    let cfg = first.dir.path().join("second.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '127.0.0.1:{port}'}}]
+control_planes: [{{name: a, hostnames: [a.example], endpoints: ['127.0.0.1:9']}}]
+"
+        ),
+    )
+    .unwrap();
+    let mut second = Command::new(env!("CARGO_BIN_EXE_seedlink"))
+        .args(["gateway", "--config"])
+        .arg(&cfg)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = second.try_wait().unwrap() {
+            break s;
+        }
+        if std::time::Instant::now() > end {
+            let _ = second.kill();
+            panic!("the second gateway kept running on a port in use");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let out = second.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("listener tls") && err.contains("--reuse-port"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty(), "it must not report ready");
+    // Asked to share: it starts and reports ready.
+    let mut shared = Command::new(env!("CARGO_BIN_EXE_seedlink"))
+        .args(["gateway", "--reuse-port", "--config"])
+        .arg(&cfg)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ready = common::tunnel_env::ready_line(&mut shared);
+    let _ = shared.kill();
+    let _ = shared.wait();
+    assert_eq!(ready["event"], "ready", "{ready}");
 }
