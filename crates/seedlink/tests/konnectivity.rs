@@ -468,15 +468,15 @@ async fn seedlink_agent_to_upstream_servers() {
     let big = big_file(&env, "big.bin", 50);
     let d = env.dir.path();
     let (hc_uds, grpc_uds) = (d.join("up-hc.sock"), d.join("up-grpc.sock"));
-    let hp = common::free_port();
-    let gp = common::free_port();
+    // Health ports inside the seed namespace, which only this test uses.
+    let (hp, gp) = (18092, 18094);
     let _hc = upstream_server(&env, "http-connect", &hc_uds, 8132, "up-hc", 1, hp);
     let _gr = upstream_server(&env, "grpc", &grpc_uds, 8133, "up-grpc", 1, gp);
     let a1 = env.agent(&env.agent_endpoint(8132), &[]);
     let a2 = env.agent(&env.agent_endpoint(8133), &[]);
     // An agent told to ping every 5 s: upstream answers GOAWAY
     // too_many_pings, the agent doubles its interval until upstream accepts it.
-    let ep_port = common::free_port();
+    let ep_port = 18096;
     let _ep = upstream_server(
         &env,
         "http-connect",
@@ -547,7 +547,7 @@ async fn seedlink_agent_holds_a_stream_to_each_upstream_replica_behind_haproxy()
     let env = TunnelEnv::new(83);
     let d = env.dir.path();
     let (u1, u2) = (d.join("r1.sock"), d.join("r2.sock"));
-    let (h1, h2) = (common::free_port(), common::free_port());
+    let (h1, h2) = (18092, 18094);
     let _r1 = upstream_server(&env, "http-connect", &u1, 8141, "replica-1", 2, h1);
     let _r2 = upstream_server(&env, "http-connect", &u2, 8142, "replica-2", 2, h2);
     let cfg = d.join("haproxy.cfg");
@@ -677,7 +677,7 @@ async fn mixed_agents_serve_dials_and_drain_both_ways() {
     // seedlink's agent on an upstream server, next to an upstream agent.
     let d = env.dir.path();
     let uds = d.join("up.sock");
-    let hp = common::free_port();
+    let hp = 18098;
     let _up = upstream_server(&env, "http-connect", &uds, 8150, "up", 1, hp);
     let ours = env.agent(
         &env.agent_endpoint(8150),

@@ -196,7 +196,8 @@ async fn frontends_reach_shoot_services_only_through_the_agent() {
         none.contains("500") && none.contains("No agent available"),
         "{none}"
     );
-    assert!(t0.elapsed() < Duration::from_secs(2));
+    // At once, not at the 10 s dial timeout.
+    assert!(t0.elapsed() < Duration::from_secs(8));
 }
 
 /// An agent without a client certificate, authenticated by a projected
@@ -460,7 +461,8 @@ async fn grpcio_frontend_and_grpcio_agent_interoperate() {
     let ep = env.agent_endpoint(8132);
     // Plus a gRPC frontend over TCP with mutual TLS.
     let f = &env.files;
-    let grpc_port = free_port();
+    // The seed namespace is this test's own: a fixed port cannot collide.
+    let grpc_port = 8095;
     let yaml = format!(
         "{}      - {{name: grpc-tcp, protocol: grpc, tcp: '127.0.0.1:{grpc_port}', cert: '{}', key: '{}', client_ca: '{}'}}\n",
         env.server_yaml(&ep, "", ""),

@@ -94,7 +94,9 @@ pub struct Cluster {
     /// Backend choice, tried in order: `destHost`, `cidr`, `defaultRoute`, `default`.
     #[serde(default = "default_strategies")]
     pub strategies: Vec<String>,
-    /// Frontends for this cluster's kube-apiserver.
+    /// Frontends for this cluster's kube-apiserver (besides those
+    /// `frontend_templates` give every cluster; may be empty).
+    #[serde(default)]
     pub frontends: Vec<Frontend>,
     /// Password that selects this cluster on a shared proxy frontend.
     #[serde(default)]

@@ -1,5 +1,6 @@
 //! tunnel-server admin: `/healthz`, `/readyz` (at least one agent, not
-//! shutting down; per-cluster agent counts in the body), `/metrics`.
+//! shutting down; per-cluster agent and draining-agent counts in the
+//! body), `/metrics`.
 
 use std::sync::Arc;
 
@@ -16,7 +17,12 @@ pub async fn serve(srv: Arc<TunnelServer>, listener: TcpListener) {
             "/readyz" | "/ready" => {
                 let mut body = String::new();
                 for c in srv.registry.clusters().iter() {
-                    body.push_str(&format!("cluster {} agents={}\n", c.name, c.agent_count()));
+                    body.push_str(&format!(
+                        "cluster {} agents={} draining={}\n",
+                        c.name,
+                        c.agent_count(),
+                        c.draining_count()
+                    ));
                 }
                 if srv.ready() {
                     (200, TEXT, body)

@@ -373,6 +373,18 @@ impl Cluster {
         self.agents.lock().map(|a| a.len()).unwrap_or(0)
     }
 
+    /// Agent streams whose agent sent DRAIN.
+    pub fn draining_count(&self) -> usize {
+        self.agents
+            .lock()
+            .map(|a| {
+                a.iter()
+                    .filter(|l| l.draining.load(Ordering::Acquire))
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
     /// Chooses an agent for `host`: strategies in order; within one, a
     /// non-draining agent if any, the less loaded of two random picks.
     pub fn pick(&self, host: &str) -> Option<Arc<AgentLink>> {
