@@ -352,32 +352,9 @@ async fn upstream_agent_with_a_serviceaccount_token() {
     );
     let ep = env.agent_endpoint(8132);
     let d = env.dir.path();
-    let issuer_key = rcgen::KeyPair::generate().unwrap();
-    let keys = d.join("sa.pub");
-    std::fs::write(&keys, issuer_key.public_key_pem()).unwrap();
-    let yaml = env.server_yaml(&ep, "", "").replace(
-        &format!("agent_ca: '{}'", env.files.agent_ca),
-        &format!(
-            "agent_token: {{issuer: 'https://issuer.shoot', keys: '{}'}}",
-            keys.display()
-        ),
-    );
+    let (yaml, issuer_key) = env.token_server_yaml(&ep);
     let server = env.server(&yaml, "server");
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let claims = serde_json::json!({
-        "iss": "https://issuer.shoot", "aud": ["system:konnectivity-server"], "exp": now + 600,
-        "sub": "system:serviceaccount:kube-system:konnectivity-agent",
-    });
-    let k = jsonwebtoken::EncodingKey::from_ec_pem(issuer_key.serialize_pem().as_bytes()).unwrap();
-    let token = jsonwebtoken::encode(
-        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256),
-        &claims,
-        &k,
-    )
-    .unwrap();
+    let token = common::tunnel_env::sign_token(&issuer_key, "system:konnectivity-server");
     let tok = d.join("agent.token");
     std::fs::write(&tok, token).unwrap();
     let _agent = upstream_agent(

@@ -210,35 +210,10 @@ async fn an_agent_authenticated_by_a_serviceaccount_token() {
     let env = TunnelEnv::new(50);
     let ep = env.agent_endpoint(8132);
     let d = env.dir.path();
-    let issuer_key = rcgen::KeyPair::generate().unwrap();
+    let (yaml, issuer_key) = env.token_server_yaml(&ep);
     let keys = d.join("sa.pub");
-    std::fs::write(&keys, issuer_key.public_key_pem()).unwrap();
-    let yaml = env.server_yaml(&ep, "", "").replace(
-        &format!("agent_ca: '{}'", env.files.agent_ca),
-        &format!(
-            "agent_token: {{issuer: 'https://issuer.shoot', keys: '{}'}}",
-            keys.display()
-        ),
-    );
     let server = env.server(&yaml, "server");
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let sign = |aud: &str| {
-        let claims = serde_json::json!({
-            "iss": "https://issuer.shoot", "aud": [aud], "exp": now + 600,
-            "sub": "system:serviceaccount:kube-system:konnectivity-agent",
-        });
-        let k =
-            jsonwebtoken::EncodingKey::from_ec_pem(issuer_key.serialize_pem().as_bytes()).unwrap();
-        jsonwebtoken::encode(
-            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256),
-            &claims,
-            &k,
-        )
-        .unwrap()
-    };
+    let sign = |aud: &str| sign_token(&issuer_key, aud);
     let good = d.join("good.token");
     std::fs::write(&good, sign("system:konnectivity-server")).unwrap();
     let bad = d.join("bad.token");

@@ -322,6 +322,23 @@ clusters:
         }
     }
 
+    /// A server configuration whose cluster trusts ServiceAccount tokens of
+    /// issuer `https://issuer.shoot` (key written to `sa.pub`) instead of an
+    /// agent CA; returns it with the issuer's key.
+    pub fn token_server_yaml(&self, listen: &str) -> (String, rcgen::KeyPair) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let keys = self.dir.path().join("sa.pub");
+        std::fs::write(&keys, key.public_key_pem()).unwrap();
+        let yaml = self.server_yaml(listen, "", "").replace(
+            &format!("agent_ca: '{}'", self.files.agent_ca),
+            &format!(
+                "agent_token: {{issuer: 'https://issuer.shoot', keys: '{}'}}",
+                keys.display()
+            ),
+        );
+        (yaml, key)
+    }
+
     pub fn socket(&self, suffix: &str) -> PathBuf {
         self.dir.path().join(format!("kas{suffix}.sock"))
     }
@@ -541,4 +558,24 @@ pub fn enter_netns(name: &str) {
     // SAFETY: setns on a valid namespace fd for this thread only.
     let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
     assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+}
+
+/// A ServiceAccount token of `https://issuer.shoot` for
+/// `kube-system/konnectivity-agent` with audience `aud`, valid 10 minutes.
+pub fn sign_token(key: &rcgen::KeyPair, aud: &str) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let claims = serde_json::json!({
+        "iss": "https://issuer.shoot", "aud": [aud], "exp": now + 600,
+        "sub": "system:serviceaccount:kube-system:konnectivity-agent",
+    });
+    let k = jsonwebtoken::EncodingKey::from_ec_pem(key.serialize_pem().as_bytes()).unwrap();
+    jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::ES256),
+        &claims,
+        &k,
+    )
+    .unwrap()
 }
