@@ -93,9 +93,12 @@ fn sha256(data: &[u8]) -> String {
         .to_string()
 }
 
-/// A PUT sink in the shoot on 127.0.0.1:7011: answers the SHA-256 of the body.
-fn put_sink(ns: &Netns) -> Proc {
-    const SINK: &str = "import hashlib,http.server
+/// A PUT sink in the shoot on 127.0.0.1:`port`: answers the SHA-256 of the
+/// body; with `rate` > 0 it reads at most that many bytes per second (a
+/// slow destination).
+fn put_sink(ns: &Netns, port: u16, rate: usize) -> Proc {
+    const SINK: &str = "import hashlib,http.server,sys,time
+PORT=int(sys.argv[1]);RATE=int(sys.argv[2])
 class H(http.server.BaseHTTPRequestHandler):
   def do_PUT(self):
     n=int(self.headers['Content-Length']);h=hashlib.sha256()
@@ -103,11 +106,12 @@ class H(http.server.BaseHTTPRequestHandler):
       d=self.rfile.read(min(n,65536))
       if not d: break
       h.update(d);n-=len(d)
+      if RATE: time.sleep(len(d)/RATE)
     b=h.hexdigest().encode();self.send_response(200);self.send_header('Content-Length',str(len(b)));self.end_headers();self.wfile.write(b)
   def log_message(self,*a): pass
-s=http.server.ThreadingHTTPServer(('127.0.0.1',7011),H);print('up',flush=True);s.serve_forever()";
+s=http.server.ThreadingHTTPServer(('127.0.0.1',PORT),H);print('up',flush=True);s.serve_forever()";
     let mut p = Proc(
-        ns.cmd(&["python3", "-c", SINK])
+        ns.cmd(&["python3", "-c", SINK, &port.to_string(), &rate.to_string()])
             .stdout(Stdio::piped())
             .spawn()
             .unwrap(),
@@ -247,7 +251,7 @@ async fn upstream_agent_to_seedlink_server_loses_nothing() {
         &env.shoot,
         &format!("198.18.{}.1 tunnel.seedlink.test", env.net),
     );
-    let _sink = put_sink(&env.shoot);
+    let _sink = put_sink(&env.shoot, 7011, 0);
     let big = big_file(&env, "big.bin", 50);
     let mid = big_file(&env, "mid.bin", 12);
     let ep = env.agent_endpoint(8132);
@@ -734,4 +738,49 @@ async fn wait_tcp(ns: &Netns, addr: &str) {
             .unwrap_or(false)
     })
     .await;
+}
+
+/// The agent side of the standard protocol: a seedlink agent with flow
+/// control off (what it speaks to an upstream server) uploads 12 MiB to a
+/// destination that reads 2 MiB/s: the agent's queue fills, its stream
+/// waits for the destination instead of dropping, and every byte arrives.
+/// Before, the agent closed the connection ("destination too slow: queue
+/// overflow").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_destination_behind_the_agent_gets_every_byte() {
+    require("sha256sum");
+    let env = TunnelEnv::new(86);
+    let _sink = put_sink(&env.shoot, 7012, 2 << 20);
+    let mid = big_file(&env, "mid.bin", 12);
+    let ep = env.agent_endpoint(8132);
+    let server = env.server(&env.server_yaml(&ep, "", ""), "server");
+    let agent = env.agent(&ep, &["--flow-control", "false"]);
+    wait_agents(&env, &server, 1.0).await;
+    let up = env.dir.path().join("mid.bin");
+    let out = curl_frontend(
+        &env,
+        &["-T", up.to_str().unwrap()],
+        "http://127.0.0.1:7012/up",
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        mid,
+        "upload to a slow destination"
+    );
+    let a = agent.admin();
+    for bad in ["overflow", "stalled"] {
+        assert_eq!(
+            env.agent_metric(
+                &a,
+                &format!("seedlink_tunnel_agent_endpoint_closes_total{{outcome=\"{bad}\"}}")
+            ),
+            0.0,
+            "{bad}"
+        );
+    }
 }
