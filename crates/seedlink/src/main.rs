@@ -77,6 +77,10 @@ enum Command {
     CheckConfig {
         /// Configuration file (YAML).
         file: PathBuf,
+        /// Whose file it is: `gateway` or `tunnel-server`; by default told
+        /// from its top-level keys (`clusters`/`agents` → tunnel-server).
+        #[arg(long, default_value = "auto")]
+        role: ConfigRole,
     },
     /// Start a gateway with demo control planes on loopback and show how to reach them.
     Quickstart {
@@ -167,7 +171,7 @@ fn main() -> ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
-        Command::CheckConfig { file } => Ok(check_config(&file)),
+        Command::CheckConfig { file, role } => Ok(check_config(&file, role)),
         Command::Gateway { config, reuse_port } => runtime()?.block_on(gateway(config, reuse_port)),
         Command::NodeProxy(args) => runtime()?.block_on(node_proxy(*args)),
         Command::TunnelServer {
@@ -218,30 +222,105 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
-fn check_config(file: &std::path::Path) -> i32 {
-    match seedlink_config::load(file, None) {
-        Ok(s) => {
-            println!(
-                "{}: valid ({} listeners, {} control planes, {} host names)",
-                file.display(),
-                s.listeners.len(),
-                s.control_planes.len(),
-                s.routes.len()
-            );
-            0
+/// The roles whose configuration `check-config` validates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum ConfigRole {
+    /// Told from the file's top-level keys.
+    Auto,
+    /// `seedlink gateway` (and the gateway of `seedlink seed`).
+    Gateway,
+    /// `seedlink tunnel-server` (and the tunnel of `seedlink seed`).
+    TunnelServer,
+}
+
+/// A tunnel-server file has `clusters` or `agents` at the top; a gateway
+/// file never does.
+fn detect_role(text: &str) -> ConfigRole {
+    match serde_norway::from_str::<serde_norway::Value>(text) {
+        Ok(serde_norway::Value::Mapping(m))
+            if m.contains_key("clusters") || m.contains_key("agents") =>
+        {
+            ConfigRole::TunnelServer
         }
-        Err(errors) => {
-            eprintln!("{}: {} problem(s)", file.display(), errors.0.len());
-            for e in &errors.0 {
-                if e.path.is_empty() {
-                    eprintln!("  - {}", e.message);
-                } else {
-                    eprintln!("  - {}: {}", e.path, e.message);
-                }
-            }
-            1
-        }
+        _ => ConfigRole::Gateway,
     }
+}
+
+fn check_config(file: &std::path::Path, role: ConfigRole) -> i32 {
+    let role = match role {
+        ConfigRole::Auto => match std::fs::read_to_string(file) {
+            Ok(text) => detect_role(&text),
+            Err(e) => {
+                eprintln!("{}: 1 problem(s)\n  - cannot read it: {e}", file.display());
+                return 1;
+            }
+        },
+        r => r,
+    };
+    let problems: Vec<String> = match role {
+        ConfigRole::TunnelServer => match check_tunnel_file(file) {
+            Ok(summary) => {
+                println!("{}: valid (tunnel-server: {summary})", file.display());
+                return 0;
+            }
+            Err(p) => p,
+        },
+        _ => match seedlink_config::load(file, None) {
+            Ok(s) => {
+                println!(
+                    "{}: valid ({} listeners, {} control planes, {} host names)",
+                    file.display(),
+                    s.listeners.len(),
+                    s.control_planes.len(),
+                    s.routes.len()
+                );
+                return 0;
+            }
+            Err(errors) => errors
+                .0
+                .iter()
+                .map(|e| {
+                    if e.path.is_empty() {
+                        e.message.clone()
+                    } else {
+                        format!("{}: {}", e.path, e.message)
+                    }
+                })
+                .collect(),
+        },
+    };
+    eprintln!("{}: {} problem(s)", file.display(), problems.len());
+    for p in &problems {
+        eprintln!("  - {p}");
+    }
+    1
+}
+
+/// A tunnel-server file: parsed and checked (every problem with its path),
+/// then every file it names read and parsed. A summary when valid.
+fn check_tunnel_file(file: &std::path::Path) -> Result<String, Vec<String>> {
+    let text = std::fs::read_to_string(file).map_err(|e| vec![format!("cannot read it: {e}")])?;
+    let cfg = seedlink_tunnel::config::ServerConfig::parse(&text).map_err(|e| {
+        format!("{e:#}")
+            .lines()
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    })?;
+    let missing = cfg.check_files();
+    if !missing.is_empty() {
+        return Err(missing);
+    }
+    let frontends: usize = cfg
+        .clusters
+        .iter()
+        .map(|c| c.frontends.len())
+        .sum::<usize>()
+        + cfg.shared_frontends.len();
+    Ok(format!(
+        "{} clusters, {} frontends",
+        cfg.clusters.len(),
+        frontends
+    ))
 }
 
 async fn gateway(config: PathBuf, reuse_port: bool) -> anyhow::Result<i32> {
@@ -492,6 +571,11 @@ fn tunnel_config(a: TunnelConfigArgs) -> anyhow::Result<i32> {
         .with_context(|| format!("reading {}", a.config.display()))?;
     let cfg = seedlink_tunnel::config::ServerConfig::parse(&text)
         .with_context(|| format!("{}", a.config.display()))?;
+    // What it prints must work: a CA or key that does not exist is an error.
+    let missing = cfg.check_files();
+    if !missing.is_empty() {
+        anyhow::bail!("{}: {}", a.config.display(), missing.join("; "));
+    }
     let opts = seedlink::egress::Options {
         cluster: a.cluster,
         frontend: a.frontend,

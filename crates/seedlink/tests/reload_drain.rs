@@ -368,3 +368,72 @@ control_planes: [{{name: a, hostnames: [a.example], endpoints: ['127.0.0.1:9']}}
     let _ = shared.wait();
     assert_eq!(ready["event"], "ready", "{ready}");
 }
+
+/// `check-config` validates a tunnel-server file too (told from its keys):
+/// every problem with its path, including files that do not exist or do
+/// not hold what they must; a valid file with real certificates passes.
+#[test]
+fn check_config_validates_a_tunnel_server_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let pki = seedlink::demo::Pki::generate(&["tunnel.example"]).unwrap();
+    std::fs::write(d.join("ca.pem"), &pki.ca_pem).unwrap();
+    std::fs::write(d.join("tun.pem"), &pki.servers[0].1.cert_pem).unwrap();
+    std::fs::write(d.join("tun-key.pem"), &pki.servers[0].1.key_pem).unwrap();
+    std::fs::write(d.join("not-a-ca.pem"), "hello\n").unwrap();
+    let p = |f: &str| d.join(f).display().to_string();
+    let good = format!(
+        "server_count: 2
+agents: {{listen: '0.0.0.0:8132', cert: '{}', key: '{}'}}
+clusters:
+  - name: a
+    agent_ca: '{}'
+    frontends: [{{name: kas, protocol: http-connect, unix: /run/seedlink/a.sock}}]
+",
+        p("tun.pem"),
+        p("tun-key.pem"),
+        p("ca.pem")
+    );
+    let file = d.join("tunnel.yaml");
+    std::fs::write(&file, &good).unwrap();
+    let run = |f: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_seedlink"))
+            .arg("check-config")
+            .arg(f)
+            .output()
+            .unwrap()
+    };
+    let out = run(&file);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("tunnel-server: 1 clusters"));
+    // Files that are missing or hold the wrong thing, each named by its key.
+    let bad_files = good
+        .replace(&p("ca.pem"), &p("missing-ca.pem"))
+        .replace(&p("tun-key.pem"), &p("not-a-ca.pem"));
+    std::fs::write(&file, &bad_files).unwrap();
+    let out = run(&file);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in [
+        "2 problem(s)",
+        "clusters[0] (a).agent_ca",
+        "missing-ca.pem",
+        "agents.key",
+    ] {
+        assert!(err.contains(needle), "missing {needle:?} in:\n{err}");
+    }
+    // Semantic problems, all listed with their paths.
+    let bad = good
+        .replace("server_count: 2", "server_count: 0")
+        .replace("name: kas", "name: kas, tcp: '0.0.0.0:8090'");
+    std::fs::write(&file, &bad).unwrap();
+    let out = run(&file);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("server_count"), "{err}");
+    assert!(err.contains("clusters[0] (a).frontends[0] (kas)"), "{err}");
+}

@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use seedlink_config::model::humantime_serde;
@@ -348,6 +348,88 @@ impl ServerConfig {
         out
     }
 
+    /// Every file the configuration names, read and parsed as what it must
+    /// be (certificate chain, private key, CA bundle, public keys, a
+    /// non-empty secret); one problem per file, with the key that names it.
+    pub fn check_files(&self) -> Vec<String> {
+        use crate::tls::{load_certs, load_key, load_roots};
+        let mut errs = Vec::new();
+        let mut check = |at: String, p: &Path, what: Kind| {
+            let r = match what {
+                Kind::Certs => load_certs(p).map(|_| ()),
+                Kind::Key => load_key(p).map(|_| ()),
+                Kind::Roots => load_roots(p).map(|_| ()),
+                Kind::PublicKeys => crate::token::load_keys(p).map(|_| ()),
+                Kind::Secret => std::fs::read_to_string(p)
+                    .map_err(anyhow::Error::from)
+                    .and_then(|t| {
+                        if t.trim().is_empty() {
+                            anyhow::bail!("empty")
+                        } else {
+                            Ok(())
+                        }
+                    }),
+            };
+            if let Err(e) = r {
+                errs.push(format!("{at}: {}: {e:#}", p.display()));
+            }
+        };
+        check("agents.cert".into(), &self.agents.cert, Kind::Certs);
+        check("agents.key".into(), &self.agents.key, Kind::Key);
+        let frontend = |at: &str, f: &Frontend, check: &mut dyn FnMut(String, &Path, Kind)| {
+            if let Some(p) = &f.cert {
+                check(format!("{at}.cert"), p, Kind::Certs);
+            }
+            if let Some(p) = &f.key {
+                check(format!("{at}.key"), p, Kind::Key);
+            }
+            if let Some(p) = &f.client_ca {
+                check(format!("{at}.client_ca"), p, Kind::Roots);
+            }
+        };
+        for (i, c) in self.clusters.iter().enumerate() {
+            let at = format!("clusters[{i}] ({})", c.name);
+            if let Some(p) = &c.agent_ca {
+                check(format!("{at}.agent_ca"), p, Kind::Roots);
+            }
+            if let Some(p) = &c.proxy_password_file {
+                check(format!("{at}.proxy_password_file"), p, Kind::Secret);
+            }
+            if let Some(t) = &c.agent_token {
+                if let Some(p) = &t.keys {
+                    check(format!("{at}.agent_token.keys"), p, Kind::PublicKeys);
+                }
+                if let Some(r) = &t.review {
+                    check(format!("{at}.agent_token.review.ca"), &r.ca, Kind::Roots);
+                    if let Some(p) = &r.token_file {
+                        check(
+                            format!("{at}.agent_token.review.token_file"),
+                            p,
+                            Kind::Secret,
+                        );
+                    }
+                    if let Some(p) = &r.cert {
+                        check(format!("{at}.agent_token.review.cert"), p, Kind::Certs);
+                    }
+                    if let Some(p) = &r.key {
+                        check(format!("{at}.agent_token.review.key"), p, Kind::Key);
+                    }
+                }
+            }
+            for (j, f) in c.frontends.iter().enumerate() {
+                frontend(&format!("{at}.frontends[{j}] ({})", f.name), f, &mut check);
+            }
+        }
+        for (j, f) in self.shared_frontends.iter().enumerate() {
+            frontend(
+                &format!("shared_frontends[{j}] ({})", f.name),
+                f,
+                &mut check,
+            );
+        }
+        errs
+    }
+
     /// Parses and checks a configuration; all problems at once.
     pub fn parse(text: &str) -> anyhow::Result<ServerConfig> {
         let mut cfg: ServerConfig = serde_norway::from_str(text)?;
@@ -621,4 +703,14 @@ clusters:
         assert!(format!("{:#}", ServerConfig::parse(&grpc).unwrap_err())
             .contains("the client certificate names the cluster"));
     }
+}
+
+/// What a file named by the configuration must hold.
+#[derive(Clone, Copy)]
+enum Kind {
+    Certs,
+    Key,
+    Roots,
+    PublicKeys,
+    Secret,
 }

@@ -92,7 +92,7 @@ pub fn claimed_issuer(authorization: &str) -> Result<String, TokenError> {
 }
 
 /// Reads every PEM public key (RSA or EC) in `path`.
-fn load_keys(path: &Path) -> anyhow::Result<Vec<(DecodingKey, Vec<Algorithm>)>> {
+pub(crate) fn load_keys(path: &Path) -> anyhow::Result<Vec<(DecodingKey, Vec<Algorithm>)>> {
     let text = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let mut out = Vec::new();
     for block in split_pem(&text) {
