@@ -140,18 +140,6 @@ impl Default for ClusterLimits {
     }
 }
 
-impl ClusterLimits {
-    /// As the server's limit type.
-    pub fn to_limits(self) -> crate::server::limits::Limits {
-        crate::server::limits::Limits {
-            max_connections: self.max_connections,
-            dial_rate: self.dial_rate,
-            dial_burst: self.dial_burst,
-            max_agents: self.max_agents,
-        }
-    }
-}
-
 /// Agent authentication by ServiceAccount token: checked locally against
 /// the issuer's public keys (`keys`) or by a TokenReview at the cluster's
 /// API server (`review`); exactly one of the two.

@@ -14,14 +14,16 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
 use serde::Deserialize;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
-use crate::server::metrics::ClusterReason;
 use crate::token::TokenError;
+
+/// Told the outcome of every review (`accepted`, `refused`, `unavailable`,
+/// `cached`): how the server counts them, without this module knowing
+/// the server's metrics.
+pub type Outcomes = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// How long a refusal is remembered.
 const REFUSAL_TTL: Duration = Duration::from_secs(5);
@@ -38,7 +40,6 @@ type Cached = (Instant, Result<(), TokenError>);
 
 /// TokenReview client for one cluster.
 pub struct TokenReviewer {
-    cluster: String,
     host: String,
     port: u16,
     authority: String,
@@ -50,7 +51,7 @@ pub struct TokenReviewer {
     cache_ttl: Duration,
     cache: Mutex<HashMap<String, Cached>>,
     gate: tokio::sync::Semaphore,
-    outcomes: Family<ClusterReason, Counter>,
+    outcomes: Outcomes,
 }
 
 #[derive(Deserialize, Default)]
@@ -85,12 +86,11 @@ struct ApiStatus {
 }
 
 impl TokenReviewer {
-    /// A reviewer for `cluster` as configured; `outcomes` counts reviews by
-    /// outcome (`accepted`, `refused`, `unavailable`, `cached`).
+    /// A reviewer for one cluster's API server as configured; `outcomes`
+    /// is told every review's outcome.
     pub fn new(
-        cluster: &str,
         cfg: &crate::config::TokenReview,
-        outcomes: Family<ClusterReason, Counter>,
+        outcomes: Outcomes,
     ) -> anyhow::Result<TokenReviewer> {
         let uri: http::Uri = cfg
             .url
@@ -111,7 +111,6 @@ impl TokenReviewer {
         };
         let tls = crate::tls::client_config(&cfg.ca, identity, &["http/1.1".to_string()])?;
         Ok(TokenReviewer {
-            cluster: cluster.to_string(),
             host: host.to_string(),
             port: auth.port_u16().unwrap_or(443),
             authority: auth.as_str().to_string(),
@@ -131,12 +130,7 @@ impl TokenReviewer {
     }
 
     fn count(&self, outcome: &str) {
-        self.outcomes
-            .get_or_create(&ClusterReason {
-                cluster: self.cluster.clone(),
-                reason: outcome.into(),
-            })
-            .inc();
+        (self.outcomes)(outcome);
     }
 
     /// Whether `token` is a valid token of `subject` for `audience`;

@@ -20,6 +20,17 @@ pub struct Limits {
     pub max_agents: usize,
 }
 
+impl From<crate::config::ClusterLimits> for Limits {
+    fn from(c: crate::config::ClusterLimits) -> Limits {
+        Limits {
+            max_connections: c.max_connections,
+            dial_rate: c.dial_rate,
+            dial_burst: c.dial_burst,
+            max_agents: c.max_agents,
+        }
+    }
+}
+
 impl Limits {
     /// No limit at all.
     pub const UNLIMITED: Limits = Limits {
@@ -186,7 +197,7 @@ mod tests {
     fn the_default_dial_rate_is_never_the_bottleneck() {
         // Ten seconds at twice the highest dial rate measured through one
         // cluster: the default limits refuse nothing.
-        let g = Gate::new(crate::config::ClusterLimits::default().to_limits());
+        let g = Gate::new(crate::config::ClusterLimits::default().into());
         let t = Instant::now();
         let rate = 2.0 * crate::config::MEASURED_DIALS_PER_SEC;
         for i in 0..(rate as u64 * 10) {

@@ -221,11 +221,17 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> anyhow::Result<Plan> {
                     (Some(keys), None) => {
                         TokenValidator::new(keys, &t.issuer, &t.audience, &t.service_account)
                     }
-                    (None, Some(r)) => TokenReviewer::new(
-                        &c.name,
-                        r,
-                        metrics.token_reviews.clone(),
-                    )
+                    (None, Some(r)) => TokenReviewer::new(r, {
+                        let (reviews, cluster) = (metrics.token_reviews.clone(), c.name.clone());
+                        Arc::new(move |outcome: &str| {
+                            reviews
+                                .get_or_create(&crate::server::metrics::ClusterReason {
+                                    cluster: cluster.clone(),
+                                    reason: outcome.to_string(),
+                                })
+                                .inc();
+                        })
+                    })
                     .and_then(|r| {
                         TokenValidator::with_review(r, &t.issuer, &t.audience, &t.service_account)
                     }),
@@ -264,7 +270,7 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> anyhow::Result<Plan> {
                 token: token.map(Arc::new),
                 proxy_password,
             },
-            limits: c.limits.to_limits(),
+            limits: c.limits.into(),
         });
         for f in &c.frontends {
             frontends.push(PlannedFrontend {
