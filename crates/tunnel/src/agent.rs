@@ -623,7 +623,7 @@ impl Agent {
         let outcome = tokio::select! {
             r = tokio::time::timeout(self.opts.dial_timeout, self.open(&address, &protocol)) => match r {
                 Ok(r) => r,
-                Err(_) => Err(format!("dial tcp {address}: i/o timeout")),
+                Err(_) => Err(dialerr::DialFailure::timeout(&address)),
             },
             () = cancel.cancelled() => {
                 AgentMetrics::count(&self.metrics.dials, "cancelled");
@@ -643,17 +643,9 @@ impl Agent {
                 AgentMetrics::count(&self.metrics.dials, "cancelled");
                 return;
             }
-            Err(text) => {
-                AgentMetrics::count(
-                    &self.metrics.dials,
-                    match dialerr::classify(&text) {
-                        dialerr::Kind::Forbidden => "forbidden",
-                        dialerr::Kind::Timeout => "timeout",
-                        dialerr::Kind::Refused => "refused",
-                        _ => "error",
-                    },
-                );
-                s.send_soon(Packet::dial_rsp(random, 0, text));
+            Err(failure) => {
+                AgentMetrics::count(&self.metrics.dials, failure.label());
+                s.send_soon(Packet::dial_rsp(random, 0, failure.text));
                 return;
             }
         };
@@ -759,26 +751,29 @@ impl Agent {
     }
 
     /// Resolves (within policy) and connects.
-    async fn open(&self, address: &str, protocol: &str) -> Result<TcpStream, String> {
+    async fn open(&self, address: &str, protocol: &str) -> Result<TcpStream, dialerr::DialFailure> {
+        use dialerr::DialFailure;
         if protocol != "tcp" {
-            return Err(format!("protocol {protocol:?} is not supported"));
+            return Err(DialFailure::other(format!(
+                "protocol {protocol:?} is not supported"
+            )));
         }
         let addrs: Vec<SocketAddr> = tokio::net::lookup_host(address)
             .await
-            .map_err(|e| format!("dial tcp {address}: lookup: {e}"))?
+            .map_err(|e| DialFailure::other(format!("dial tcp {address}: lookup: {e}")))?
             .collect();
         let allowed: Vec<SocketAddr> = addrs.iter().copied().filter(|a| self.allowed(a)).collect();
         if allowed.is_empty() {
-            return Err(format!("dial tcp {address}: {}", dialerr::FORBIDDEN));
+            return Err(DialFailure::forbidden(address));
         }
-        let mut last = String::new();
+        let mut last = DialFailure::other(format!("dial tcp {address}: no address"));
         for a in allowed {
             match TcpStream::connect(a).await {
                 Ok(s) => {
                     let _ = s.set_nodelay(true);
                     return Ok(s);
                 }
-                Err(e) => last = dialerr::text(address, &e),
+                Err(e) => last = DialFailure::io(address, &e),
             }
         }
         Err(last)

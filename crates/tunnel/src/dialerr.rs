@@ -38,15 +38,70 @@ pub fn classify(text: &str) -> Kind {
     }
 }
 
-/// The text for a failed dial, in upstream's shape.
-pub fn text(address: &str, e: &std::io::Error) -> String {
-    let reason = match e.kind() {
-        std::io::ErrorKind::TimedOut => "i/o timeout".to_string(),
-        std::io::ErrorKind::ConnectionRefused => "connect: connection refused".to_string(),
-        _ if e.raw_os_error() == Some(24) => "socket: too many open files".to_string(),
-        _ => e.to_string(),
-    };
-    format!("dial tcp {address}: {reason}")
+/// A dial that failed on this agent: its kind (for metrics) and the text
+/// sent on the wire, in upstream's shape (`dial tcp <addr>: <reason>`), so
+/// servers of both kinds read it. The kind is known here, never re-parsed
+/// from the text in this process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DialFailure {
+    /// What went wrong.
+    pub kind: Kind,
+    /// The `DialResponse.error` text.
+    pub text: String,
+}
+
+impl DialFailure {
+    /// A socket error while connecting to `address`.
+    pub fn io(address: &str, e: &std::io::Error) -> DialFailure {
+        let (kind, reason) = match e.kind() {
+            std::io::ErrorKind::TimedOut => (Kind::Timeout, "i/o timeout".to_string()),
+            std::io::ErrorKind::ConnectionRefused => {
+                (Kind::Refused, "connect: connection refused".to_string())
+            }
+            _ if e.raw_os_error() == Some(24) => {
+                (Kind::Exhausted, "socket: too many open files".to_string())
+            }
+            _ => (Kind::Other, e.to_string()),
+        };
+        DialFailure {
+            kind,
+            text: format!("dial tcp {address}: {reason}"),
+        }
+    }
+
+    /// The dial (with its name lookup) did not finish in time.
+    pub fn timeout(address: &str) -> DialFailure {
+        DialFailure {
+            kind: Kind::Timeout,
+            text: format!("dial tcp {address}: i/o timeout"),
+        }
+    }
+
+    /// The agent's policy denies every address of `address`.
+    pub fn forbidden(address: &str) -> DialFailure {
+        DialFailure {
+            kind: Kind::Forbidden,
+            text: format!("dial tcp {address}: {FORBIDDEN}"),
+        }
+    }
+
+    /// Anything else, with its text.
+    pub fn other(text: String) -> DialFailure {
+        DialFailure {
+            kind: Kind::Other,
+            text,
+        }
+    }
+
+    /// The agent's `dials_total{outcome}` label.
+    pub fn label(&self) -> &'static str {
+        match self.kind {
+            Kind::Forbidden => "forbidden",
+            Kind::Timeout => "timeout",
+            Kind::Refused => "refused",
+            Kind::Exhausted | Kind::Other => "error",
+        }
+    }
 }
 
 #[cfg(test)]
@@ -70,9 +125,29 @@ mod tests {
         );
         assert_eq!(classify(FORBIDDEN), Kind::Forbidden);
         assert_eq!(classify("dial tcp: lookup x: no such host"), Kind::Other);
-        let e = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
-        assert_eq!(classify(&text("1.2.3.4:5", &e)), Kind::Refused);
-        let e = std::io::Error::from(std::io::ErrorKind::TimedOut);
-        assert_eq!(classify(&text("1.2.3.4:5", &e)), Kind::Timeout);
+    }
+
+    #[test]
+    fn the_kind_an_agent_knows_is_the_kind_a_server_reads() {
+        let failures = [
+            DialFailure::io(
+                "1.2.3.4:5",
+                &std::io::Error::from(std::io::ErrorKind::ConnectionRefused),
+            ),
+            DialFailure::io(
+                "1.2.3.4:5",
+                &std::io::Error::from(std::io::ErrorKind::TimedOut),
+            ),
+            DialFailure::io("1.2.3.4:5", &std::io::Error::from_raw_os_error(24)),
+            DialFailure::io(
+                "1.2.3.4:5",
+                &std::io::Error::from(std::io::ErrorKind::HostUnreachable),
+            ),
+            DialFailure::timeout("a:1"),
+            DialFailure::forbidden("169.254.169.254:80"),
+        ];
+        for f in failures {
+            assert_eq!(classify(&f.text), f.kind, "{}", f.text);
+        }
     }
 }
