@@ -15,4 +15,5 @@ pub mod queue;
 pub mod server;
 pub mod tls;
 pub mod token;
+pub mod tokenerror;
 pub mod tokenreview;

@@ -30,23 +30,7 @@ enum Method {
     Review(Box<TokenReviewer>),
 }
 
-/// Why a token was refused (for logs and metrics; the agent only learns
-/// that it was refused).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum TokenError {
-    /// Not `Bearer <token>`.
-    #[error("authorization is not 'Bearer <token>'")]
-    Malformed,
-    /// Signature, issuer, audience or expiry wrong.
-    #[error("token rejected: {0}")]
-    Invalid(String),
-    /// Signed and valid, but for another ServiceAccount.
-    #[error("token is for {0}, not the agent's ServiceAccount")]
-    WrongSubject(String),
-    /// The API server could not be asked (TokenReview); not cached.
-    #[error("token could not be reviewed: {0}")]
-    Unavailable(String),
-}
+pub use crate::tokenerror::TokenError;
 
 #[derive(Deserialize)]
 struct Claims {

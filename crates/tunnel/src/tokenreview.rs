@@ -18,7 +18,7 @@ use serde::Deserialize;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
-use crate::token::TokenError;
+use crate::tokenerror::TokenError;
 
 /// Told the outcome of every review (`accepted`, `refused`, `unavailable`,
 /// `cached`): how the server counts them, without this module knowing
