@@ -110,20 +110,13 @@ class H(http.server.BaseHTTPRequestHandler):
     b=h.hexdigest().encode();self.send_response(200);self.send_header('Content-Length',str(len(b)));self.end_headers();self.wfile.write(b)
   def log_message(self,*a): pass
 s=http.server.ThreadingHTTPServer(('127.0.0.1',PORT),H);print('up',flush=True);s.serve_forever()";
-    let mut p = Proc(
-        ns.cmd(&["python3", "-c", SINK, &port.to_string(), &rate.to_string()])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(p.0.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert_eq!(line.trim(), "up");
-    p
+    common::tunnel_env::spawn_until_up(ns.cmd(&[
+        "python3",
+        "-c",
+        SINK,
+        &port.to_string(),
+        &rate.to_string(),
+    ]))
 }
 
 /// Upstream `proxy-agent` in the shoot, dialing `host:port`.

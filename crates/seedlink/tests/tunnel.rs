@@ -318,32 +318,19 @@ async fn agent_tokens_checked_by_tokenreview() {
         &broken: "error:500",
     });
     let table = w("table.json", &table.to_string());
-    let mut apiserver = Proc(
-        env.seed
-            .cmd(&[
-                "python3",
-                concat!(
-                    env!("CARGO_MANIFEST_DIR"),
-                    "/tests/peers/tokenreview_apiserver.py"
-                ),
-                "6443",
-                &api_crt,
-                &api_key,
-                "caller-secret",
-                &table,
-                log.to_str().unwrap(),
-            ])
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(apiserver.0.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert_eq!(line.trim(), "up");
+    let _apiserver = spawn_until_up(env.seed.cmd(&[
+        "python3",
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/peers/tokenreview_apiserver.py"
+        ),
+        "6443",
+        &api_crt,
+        &api_key,
+        "caller-secret",
+        &table,
+        log.to_str().unwrap(),
+    ]));
     let yaml = env.server_yaml(&ep, "", "").replace(
         &format!("agent_ca: '{}'", env.files.agent_ca),
         &format!(

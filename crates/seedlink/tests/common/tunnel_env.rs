@@ -447,17 +447,19 @@ pub fn shoot_services(ns: &Netns, dir: &std::path::Path, hello: &str) -> Vec<Pro
         .spawn()
         .unwrap(),
     );
-    let mut svc = Proc(
-        ns.cmd(&["python3", "-c", SERVICES])
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
-    let out = svc.0.stdout.take().unwrap();
+    let svc = spawn_until_up(ns.cmd(&["python3", "-c", SERVICES]));
+    vec![http, svc]
+}
+
+/// Starts a helper that prints `up` on stdout once it listens, and waits
+/// for that line.
+pub fn spawn_until_up(mut cmd: std::process::Command) -> Proc {
+    let mut p = Proc(cmd.stdout(Stdio::piped()).spawn().unwrap());
+    let out = p.0.stdout.take().unwrap();
     let mut line = String::new();
     BufReader::new(out).read_line(&mut line).unwrap();
     assert_eq!(line.trim(), "up");
-    vec![http, svc]
+    p
 }
 
 /// An agent written for the tests: a valid cluster certificate, hostile
