@@ -7,6 +7,7 @@
 //! - [`h2copy`]: moves bytes between a socket and an HTTP/2 CONNECT stream, within h2 flow control.
 //! - [`sockopt`]: keepalive, linger and file-descriptor limits.
 //! - [`lifecycle`]: the process phase (starting, serving, draining) that readiness reports.
+//! - [`sync`]: mutex locking that reports poisoning (a bug) instead of skipping work.
 
 pub mod accept;
 pub mod admin;
@@ -17,3 +18,4 @@ pub mod prefixed;
 pub mod sockopt;
 #[cfg(target_os = "linux")]
 mod splice;
+pub mod sync;

@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 
-use crate::server::run::TunnelServer;
+use super::core::Core;
 use seedlink_net::admin::{self, Answer, METRICS, TEXT};
 
 /// Serves the admin endpoint.
-pub async fn serve(srv: Arc<TunnelServer>, listener: TcpListener) {
+pub async fn serve(srv: Arc<Core>, listener: TcpListener) {
     let route = move |path: &str| -> Answer {
         match path {
             "/healthz" => (200, TEXT, "ok\n".into()),

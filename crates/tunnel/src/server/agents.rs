@@ -8,13 +8,13 @@ use futures_util::StreamExt;
 use tokio::net::TcpStream;
 use tonic::{Response, Status};
 
-use super::{attach, detach, on_agent_packet, Handled, Identifiers};
+use super::core::Core;
+use super::{attach, detach, Handled, Identifiers};
 use crate::grpc::{self, Handler, PacketStream};
 use crate::proto::AGENT_CONNECT_PATH;
-use crate::server::run::TunnelServer;
 
 /// Serves one accepted agent connection.
-pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std::net::SocketAddr) {
+pub async fn serve_agent_conn(srv: Arc<Core>, tcp: TcpStream, peer: std::net::SocketAddr) {
     let _ = tcp.set_nodelay(true);
     serve_agent_io(srv, tcp, peer).await;
 }
@@ -22,7 +22,7 @@ pub async fn serve_agent_conn(srv: Arc<TunnelServer>, tcp: TcpStream, peer: std:
 /// Serves one agent connection on any transport: an accepted socket, or
 /// one the gateway handed over in-process (with the bytes it already read
 /// replayed in front).
-pub async fn serve_agent_io<IO>(srv: Arc<TunnelServer>, tcp: IO, peer: std::net::SocketAddr)
+pub async fn serve_agent_io<IO>(srv: Arc<Core>, tcp: IO, peer: std::net::SocketAddr)
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -156,11 +156,7 @@ where
                     // has is usually replica discovery that reached a replica
                     // it holds: it ends cleanly, is counted as `duplicate`,
                     // and logs only at debug level.
-                    let probe = cluster
-                        .agents
-                        .lock()
-                        .map(|a| a.iter().any(|l| l.agent_id == agent_id))
-                        .unwrap_or(false);
+                    let probe = cluster.agents().iter().any(|l| l.agent_id == agent_id);
                     let (link, to_agent) = attach(&cluster, agent_id.clone(), ids, flow);
                     let _ = link.certs.set(certs.clone());
                     if let Some(a) = presented {
@@ -182,7 +178,7 @@ where
                                 tokio::select! {
                                     m = inbound.next() => match m {
                                         Some(Ok(p)) => {
-                                            let (h, blocked) = on_agent_packet(&link, p);
+                                            let (h, blocked) = link.on_agent_packet(p);
                                             srv.metrics.agent_packet(&cluster.name, h.label());
                                             if let Some(b) = blocked {
                                                 // Backpressure: this stream reads nothing more
@@ -257,7 +253,7 @@ where
 /// Counts a refused token and answers the agent: `UNAVAILABLE` when the
 /// API server could not be asked (the agent retries with back-off), else
 /// `UNAUTHENTICATED`.
-fn token_refused(srv: &TunnelServer, cluster: &str, e: &crate::token::TokenError) -> Status {
+fn token_refused(srv: &Core, cluster: &str, e: &crate::token::TokenError) -> Status {
     if matches!(e, crate::token::TokenError::Unavailable(_)) {
         srv.metrics
             .agent_stream(cluster, "token_review_unavailable");

@@ -12,11 +12,11 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tonic::{Response, Status};
 
+use super::core::Core;
 use super::{dial, Cluster, DialError, Tunnel};
 use crate::grpc::{Handler, PacketStream};
 use crate::proto::{Packet, PacketType, Payload};
 use crate::queue::{PumpEnd, Recv};
-use crate::server::run::TunnelServer;
 
 /// Bytes read from a frontend per DATA packet (upstream's size).
 const CHUNK: usize = 32 * 1024;
@@ -52,7 +52,7 @@ async fn answer<S: AsyncWrite + Unpin>(io: &mut S, code: u16, body: &str) {
 /// buffer it was read into (bytes after `head.len` already belong to what
 /// follows), or an outcome label (a malformed head was answered 400).
 async fn read_head<S>(
-    srv: &TunnelServer,
+    srv: &Core,
     io: &mut S,
 ) -> Result<(connect_head::Head, BytesMut), &'static str>
 where
@@ -90,7 +90,7 @@ where
 }
 
 /// Serves one HTTP CONNECT frontend connection; returns the outcome label.
-pub async fn serve_http_connect<S>(srv: &TunnelServer, cluster: &Cluster, mut io: S) -> &'static str
+pub async fn serve_http_connect<S>(srv: &Core, cluster: &Cluster, mut io: S) -> &'static str
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -107,7 +107,7 @@ where
 
 /// Answers a `CONNECT target` whose head was read: dial, 200, carry.
 pub async fn connect_method<S>(
-    srv: &TunnelServer,
+    srv: &Core,
     cluster: &Cluster,
     mut io: S,
     target: &str,
@@ -129,7 +129,7 @@ where
 /// destination's own answer is the first thing it reads (a forwarded
 /// request).
 async fn dial_and_carry<S>(
-    srv: &TunnelServer,
+    srv: &Core,
     cluster: &Cluster,
     mut io: S,
     target: &str,
@@ -212,7 +212,7 @@ const HOP_BY_HOP: &[&str] = &[
 /// request per connection: the connection ends with the answer. Returns
 /// the cluster's name ("" if none was chosen) and the outcome label.
 pub async fn serve_http_proxy<S>(
-    srv: &TunnelServer,
+    srv: &Core,
     choice: ProxyCluster<'_>,
     mut io: S,
 ) -> (String, &'static str)
@@ -301,7 +301,7 @@ fn origin_form(head: &connect_head::Head) -> Option<(String, String)> {
 }
 
 /// Copies between a frontend stream and its tunnel until either ends.
-async fn carry_stream<S>(srv: &TunnelServer, tunnel: Tunnel, io: S, leftover: Bytes) -> &'static str
+async fn carry_stream<S>(srv: &Core, tunnel: Tunnel, io: S, leftover: Bytes) -> &'static str
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -363,7 +363,7 @@ where
 }
 
 /// The gRPC `ProxyService/Proxy` handler of one cluster.
-pub fn grpc_handler(srv: Arc<TunnelServer>, cluster: Arc<Cluster>, frontend: Arc<str>) -> Handler {
+pub fn grpc_handler(srv: Arc<Core>, cluster: Arc<Cluster>, frontend: Arc<str>) -> Handler {
     Arc::new(move |req: tonic::Request<tonic::Streaming<Packet>>| {
         let (srv, cluster, frontend) = (srv.clone(), cluster.clone(), frontend.clone());
         Box::pin(async move {
@@ -383,7 +383,7 @@ pub fn grpc_handler(srv: Arc<TunnelServer>, cluster: Arc<Cluster>, frontend: Arc
 }
 
 async fn grpc_session(
-    srv: &TunnelServer,
+    srv: &Core,
     cluster: &Cluster,
     mut inbound: tonic::Streaming<Packet>,
     out: mpsc::Sender<Result<Packet, Status>>,

@@ -1,152 +1,182 @@
-//! A deterministic driver of one agent stream's packet state machine, for
-//! the fuzzer (`fuzz/fuzz_targets/agent_packets.rs`) and unit tests: a link
-//! with three pending dials and three established connections receives
-//! arbitrary packets at times the caller chooses, and the invariants are
-//! checked after every step. No runtime, sockets or clocks are involved.
+//! A deterministic driver of the server's agent-link state machine
+//! ([`super::link::ServerLink`]), for the fuzzer
+//! (`fuzz/fuzz_targets/agent_packets.rs`) and unit tests: a link with three
+//! pending dials and three established connections receives arbitrary
+//! packets at times the caller chooses, and the invariants are checked after
+//! every step. No runtime, sockets, channels or clocks are involved: the
+//! connection ends and dial replies are plain numbers, and every action the
+//! machine asks for is checked against what the peers have seen.
 
-use std::sync::Arc;
+use std::collections::HashSet;
 use std::time::Instant;
 
-use tokio::sync::oneshot;
-
-use super::{attach, on_agent_packet, AgentLink, Cluster, Handled, Identifiers, Pending, Strategy};
-use crate::fair::FairQueue;
+use super::link::{Action, Actions, Handled, ServerLink};
+use crate::flow::WINDOW;
 use crate::proto::{Packet, PacketType};
-use crate::queue::{self, QueueRx};
 
 /// Dial IDs pending at the start.
 pub const PENDING: [i64; 3] = [1001, 1002, 1003];
 /// Connection IDs established at the start.
 pub const OPEN: [i64; 3] = [1, 2, 3];
 
-/// The link under test and what its peers would observe.
+/// The link under test and what its peers observed.
 pub struct Harness {
-    link: Arc<AgentLink>,
-    out: Arc<FairQueue>,
-    replies: Vec<oneshot::Receiver<Result<i64, super::DialError>>>,
-    _queues: Vec<QueueRx>,
+    link: ServerLink<u64, i64>,
+    out: Actions<u64, i64>,
+    /// Dials answered so far (each at most once).
+    answered: HashSet<i64>,
+    /// Connection ends handed back (each at most once).
+    released: HashSet<u64>,
+    /// Window each open connection's sender holds (flow control).
+    window: std::collections::HashMap<i64, i64>,
     /// Outcomes of every step so far.
     pub handled: Vec<Handled>,
 }
 
 impl Harness {
     /// A link (flow control on if `flow`) with [`PENDING`] dials and
-    /// [`OPEN`] connections, each with a 64 KiB queue.
+    /// [`OPEN`] connections.
     pub fn new(flow: bool) -> Harness {
-        let cluster = Cluster::with_trust(
-            "fuzz",
-            vec![Strategy::Default],
-            // The harness attaches its link directly: no TLS, no trust.
-            None,
-            None,
-            super::limits::Limits::UNLIMITED,
-        );
-        let (link, out) = attach(&cluster, "agent".into(), Identifiers::default(), flow);
-        let mut replies = Vec::new();
-        let mut queues = Vec::new();
-        if let Ok(mut p) = link.pending.lock() {
-            for id in PENDING {
-                let (tx, rx) = oneshot::channel();
-                let (q, qrx) = queue::queue(64 * 1024);
-                p.insert(
-                    id,
-                    Pending {
-                        reply: tx,
-                        queue: q,
-                    },
-                );
-                replies.push(rx);
-                queues.push(qrx);
-            }
-        }
-        if let Ok(mut c) = link.conns.lock() {
-            for id in OPEN {
-                let (q, qrx) = queue::queue(64 * 1024);
-                c.insert(id, q);
-                queues.push(qrx);
-            }
-        }
-        if flow {
-            if let Ok(mut c) = link.credits.lock() {
-                for id in OPEN {
-                    c.insert(id, crate::flow::SendCredit::new());
-                }
-            }
-        }
-        Harness {
-            link,
-            out,
-            replies,
-            _queues: queues,
+        let mut h = Harness {
+            link: ServerLink::new(flow),
+            out: Actions::new(),
+            answered: HashSet::new(),
+            released: HashSet::new(),
+            window: std::collections::HashMap::new(),
             handled: Vec::new(),
+        };
+        let now = Instant::now();
+        // Open connections: dialed and answered before the fuzzing starts.
+        for (n, id) in OPEN.iter().enumerate() {
+            let random = 900 + i64::try_from(n).unwrap_or(0);
+            h.link
+                .dial(random, "open:1", random, ends_of(*id), &mut h.out);
+            h.link.on_packet(
+                now,
+                Packet::dial_rsp(random, *id, String::new()),
+                &mut h.out,
+            );
         }
+        for id in PENDING {
+            h.link.dial(id, "pending:1", id, ends_of(id), &mut h.out);
+        }
+        h.out.clear();
+        if flow {
+            for id in OPEN {
+                h.window.insert(id, 0);
+            }
+        }
+        h
     }
 
     /// Feeds one packet at `now`, then checks the invariants.
     pub fn step(&mut self, p: Packet, now: Instant) {
-        let (mut h, blocked) = on_agent_packet(&self.link, p);
-        if let Some(b) = blocked {
-            // The harness has no reader: the wait ends at the deadline.
-            h = b.stalled(&self.link, now);
-        }
+        let h = self.link.on_packet(now, p, &mut self.out);
+        let h = self.apply(now, h);
         self.handled.push(h);
         self.check();
     }
 
     /// Simulates the frontend closing connection `id`.
-    pub fn frontend_closes(&mut self, id: i64) {
-        self.link.close_conn(id);
+    pub fn frontend_closes(&mut self, id: i64, now: Instant) {
+        self.link.close(now, id, &mut self.out);
+        self.apply(now, Handled::Ok);
         self.check();
+    }
+
+    /// Carries out the actions like the driver would, checking each; DATA
+    /// never fits (the harness has no reader), so every delivery stalls.
+    fn apply(&mut self, now: Instant, mut h: Handled) -> Handled {
+        while let Some(a) = self.out.pop_front() {
+            match a {
+                Action::Send(p) => assert_eq!(
+                    p.kind(),
+                    Some(PacketType::CloseReq),
+                    "unexpected reply {p:?}"
+                ),
+                Action::Finish(_, p) => {
+                    if let Some(p) = p {
+                        assert_eq!(p.kind(), Some(PacketType::CloseReq), "{p:?}");
+                    }
+                }
+                Action::Deliver(id, _) => {
+                    assert!(self.link.conn(id).is_some(), "delivery to {id}, not open");
+                    h = self.link.stalled(now, id, &mut self.out);
+                }
+                Action::Reopen(id, n) => {
+                    assert!(self.link.conn(id).is_some(), "window for {id}, not open");
+                    // What the driver's credit does: a window beyond its
+                    // size is a violation.
+                    let w = self.window.entry(id).or_insert(0);
+                    let fits = n > 0
+                        && w.checked_add(n)
+                            .is_some_and(|v| v <= i64::try_from(WINDOW).unwrap_or(0));
+                    if fits {
+                        *w += n;
+                    } else {
+                        h = self.link.window_violated(now, id, &mut self.out);
+                    }
+                }
+                Action::Answer(dial, r) => {
+                    assert!(self.answered.insert(dial), "dial {dial} answered twice");
+                    if let Ok(id) = r {
+                        assert!(id != 0);
+                        assert!(self.link.conn(id).is_some(), "answered {id} not open");
+                    }
+                }
+                Action::End(c) | Action::Abort(c) => {
+                    assert!(self.released.insert(c), "ends {c} released twice");
+                }
+            }
+        }
+        h
     }
 
     /// The invariants of the state machine:
     /// - a connection is never both open and closing;
     /// - at most the initial connections plus the initial dials are open;
-    /// - everything the server sends back to an agent in reply is a
-    ///   CLOSE_REQ (it never invents dials or data);
-    /// - every pending dial got at most one answer (by construction of
-    ///   oneshot) and a dial answered with a connection registered it.
+    /// - the closing set stays bounded;
+    /// - an open connection's ends were never released.
     pub fn check(&mut self) {
-        let conns: Vec<i64> = self
-            .link
-            .conns
-            .lock()
-            .map(|c| c.keys().copied().collect())
-            .unwrap_or_default();
-        let closing = self.link.closing.lock().map(|c| c.len()).unwrap_or(0);
-        if let Ok(c) = self.link.closing.lock() {
-            for id in &conns {
-                assert!(!c.contains_key(id), "connection {id} both open and closing");
-            }
-        }
-        assert!(conns.len() <= OPEN.len() + PENDING.len(), "{conns:?}");
-        assert!(closing <= 4096 + 1, "closing set unbounded: {closing}");
-        while let Some(p) = self.out.try_next() {
-            assert_eq!(
-                p.kind(),
-                Some(PacketType::CloseReq),
-                "unexpected reply {p:?}"
+        let open: Vec<i64> = self.link.open().collect();
+        for id in &open {
+            assert!(
+                !self.link.is_closing(*id),
+                "connection {id} both open and closing"
             );
         }
-        for r in &mut self.replies {
-            if let Ok(Ok(id)) = r.try_recv() {
-                assert!(id != 0);
+        assert!(open.len() <= OPEN.len() + PENDING.len(), "{open:?}");
+        assert!(
+            self.link.closing() <= super::link::CLOSING_PRUNE_AT + 1,
+            "closing set unbounded: {}",
+            self.link.closing()
+        );
+        for id in open {
+            if let Some(c) = self.link.conn(id) {
+                assert!(!self.released.contains(c), "open {id} was released");
             }
         }
     }
 
-    /// Ends the stream (the agent went away) and checks everything failed.
+    /// Ends the stream (the agent went away) and checks everything failed:
+    /// every dial answered, every connection's ends released.
     pub fn agent_dies(mut self) {
-        self.link.fail_all();
-        assert_eq!(self.link.conns.lock().map(|c| c.len()).unwrap_or(1), 0);
-        assert_eq!(self.link.pending.lock().map(|c| c.len()).unwrap_or(1), 0);
-        assert!(self.out.try_next().is_none(), "the queue is closed");
-        for r in &mut self.replies {
-            if let Ok(v) = r.try_recv() {
-                assert!(v.is_err() || v.is_ok());
-            }
+        self.link.end(&mut self.out);
+        self.apply(Instant::now(), Handled::Ok);
+        assert_eq!(self.link.load(), 0);
+        for id in PENDING {
+            assert!(self.answered.contains(&id), "dial {id} never answered");
+        }
+        for id in OPEN {
+            assert!(self.released.contains(&ends_of(id)), "{id} never released");
         }
     }
+}
+
+/// The number standing for connection `id`'s ends (dial IDs and connection
+/// IDs differ, so each open or pending one has its own).
+fn ends_of(id: i64) -> u64 {
+    id.unsigned_abs()
 }
 
 /// Runs one fuzz input: `[flags, (op, advance-seconds, len, bytes…)*]`.
@@ -164,7 +194,7 @@ pub fn run_bytes(data: &[u8]) {
     while let [op, adv, len, tail @ ..] = rest {
         t += std::time::Duration::from_secs(u64::from(*adv));
         if *op == 0xff {
-            h.frontend_closes(i64::from(*len) - 8);
+            h.frontend_closes(i64::from(*len) - 8, start + t);
             rest = tail;
             continue;
         }
@@ -192,9 +222,13 @@ mod tests {
         h.step(Packet::dial_rsp(4242, 9, String::new()), now); // never asked
         h.step(Packet::data(7, Bytes::from_static(b"x")), now);
         h.step(Packet::data(99, Bytes::from_static(b"x")), now);
-        h.step(Packet::window_update(1, 1000), now); // more than was used
+        h.step(Packet::window_update(1, 1000), now);
+        h.step(
+            Packet::window_update(1, i64::try_from(WINDOW).unwrap_or(0)),
+            now,
+        ); // more than was used
         h.step(Packet::close_rsp(2, String::new()), now);
-        h.frontend_closes(3);
+        h.frontend_closes(3, now);
         h.step(Packet::data(3, Bytes::from_static(b"late")), now);
         h.step(Packet::close_rsp(3, String::new()), now);
         h.step(
@@ -210,8 +244,9 @@ mod tests {
                 Handled::Ok,
                 Handled::Unrecognized,
                 Handled::Unrecognized,
-                Handled::Ok,
+                Handled::Stalled,
                 Handled::Unrecognized,
+                Handled::Ok,
                 Handled::Unexpected,
                 Handled::Ok,
                 Handled::Ok,

@@ -10,15 +10,17 @@
 
 pub mod admin;
 pub mod agents;
+pub mod core;
+pub mod dialerror;
 pub mod frontend;
 pub mod harness;
 pub mod limits;
+pub mod link;
 pub mod metrics;
 pub mod run;
 
-use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -29,6 +31,9 @@ use rustls::server::danger::ClientCertVerifier;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
+pub use self::dialerror::DialError;
+pub use self::link::Handled;
+use self::link::{Action, Actions, ServerLink};
 use crate::fair::FairQueue;
 use crate::flow::{self, SendCredit, Unacked};
 use crate::proto::Packet;
@@ -118,72 +123,39 @@ impl Strategy {
     }
 }
 
-/// Why a dial failed; mapped to HTTP statuses and gRPC errors in one place.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum DialError {
-    /// No agent of the cluster can take it.
-    #[error("No agent available")]
-    NoAgent,
-    /// The agent did not answer within the dial timeout.
-    #[error("timed out waiting for backend dial")]
-    Timeout,
-    /// The agent's stream ended while the dial was pending.
-    #[error("backend connection closed")]
-    AgentGone,
-    /// The agent cancelled the dial (DIAL_CLS).
-    #[error("dial closed by the agent")]
-    Cancelled,
-    /// The agent answered with an error.
-    #[error("{0}")]
-    Agent(String),
-    /// The agent broke the protocol (a DIAL_RSP without connection ID).
-    #[error("agent protocol error: {0}")]
-    Protocol(&'static str),
-    /// A limit of the cluster refused the dial.
-    #[error("cluster limit reached: {}", .0.reason())]
-    Limited(limits::Limited),
-}
-
-impl DialError {
-    /// The HTTP status an HTTP-CONNECT frontend answers with (as upstream
-    /// documents: 500 no agent, 502 other failures, 503 resource
-    /// exhaustion at the agent, 504 timeouts).
-    pub fn http_status(&self) -> u16 {
-        match self {
-            DialError::NoAgent => 500,
-            DialError::Timeout => 504,
-            DialError::Agent(text) => match crate::dialerr::classify(text) {
-                crate::dialerr::Kind::Timeout => 504,
-                crate::dialerr::Kind::Exhausted => 503,
-                _ => 502,
-            },
-            DialError::AgentGone | DialError::Cancelled | DialError::Protocol(_) => 502,
-            DialError::Limited(_) => 503,
-        }
-    }
-
-    /// Label for `dial_failures_total{reason}` (Konnectivity's reasons where
-    /// they mean the same).
-    pub fn reason(&self) -> &'static str {
-        match self {
-            DialError::NoAgent => "no_agent",
-            DialError::Timeout => "backend_dial_timeout",
-            DialError::AgentGone => "backend_close",
-            DialError::Cancelled => "dial_closed",
-            DialError::Agent(_) => "error_response",
-            DialError::Protocol(_) => "protocol_error",
-            DialError::Limited(l) => l.reason(),
-        }
-    }
-}
-
-/// A dial waiting for its DIAL_RSP.
-struct Pending {
-    reply: oneshot::Sender<Result<i64, DialError>>,
+/// A connection's ends the link machine keeps: the queue towards its
+/// frontend and, with flow control, its sending window.
+pub struct ConnEnds {
     queue: QueueTx,
+    credit: Option<SendCredit>,
 }
 
-/// One agent stream.
+impl ConnEnds {
+    fn end(self) {
+        if let Some(c) = &self.credit {
+            c.close();
+        }
+    }
+
+    fn abort(self) {
+        if let Some(c) = &self.credit {
+            c.close();
+        }
+        self.queue.abort();
+    }
+}
+
+/// How a pending dial is answered.
+type Reply = oneshot::Sender<Result<i64, DialError>>;
+
+/// The machine and its reusable action buffer, behind the link's one lock.
+struct Locked {
+    machine: ServerLink<ConnEnds, Reply>,
+    out: Actions<ConnEnds, Reply>,
+}
+
+/// One agent stream: the sans-IO [`ServerLink`] behind one lock, and the IO
+/// it drives (the fair queue towards the agent, the frontends' queues).
 pub struct AgentLink {
     /// Server-local unique number (logs, tie-breaks).
     pub uid: u64,
@@ -194,12 +166,7 @@ pub struct AgentLink {
     /// Its identifiers.
     pub ids: Identifiers,
     to_agent: Arc<FairQueue>,
-    draining: AtomicBool,
-    pending: Mutex<HashMap<i64, Pending>>,
-    conns: Mutex<HashMap<i64, QueueTx>>,
-    /// Connections this side closed (CLOSE_REQ sent), until the agent's
-    /// CLOSE_RSP: late DATA and the CLOSE_RSP for them are expected.
-    closing: Mutex<HashMap<i64, std::time::Instant>>,
+    state: Mutex<Locked>,
     /// Cancelled when the stream ends.
     pub gone: CancellationToken,
     /// Cancelled to end the stream from this side (its cluster was
@@ -212,18 +179,91 @@ pub struct AgentLink {
     pub authorization: std::sync::OnceLock<String>,
     /// Per-connection flow control negotiated (seedlink agent).
     pub flow: bool,
-    credits: Mutex<HashMap<i64, SendCredit>>,
+}
+
+/// What the driver saw while carrying out the machine's actions.
+#[derive(Default)]
+struct Applied {
+    blocked: Option<Blocked>,
+    violation: bool,
 }
 
 impl AgentLink {
+    /// Runs `f` on the machine under the lock, then carries out what it
+    /// asked for. Nothing here waits: queue pushes and sends never block.
+    fn with<T>(
+        &self,
+        now: Instant,
+        f: impl FnOnce(&mut ServerLink<ConnEnds, Reply>, &mut Actions<ConnEnds, Reply>) -> T,
+    ) -> (T, Applied) {
+        let mut g = crate::sync::lock(&self.state, "agent link");
+        let Locked { machine, out } = &mut *g;
+        let r = f(machine, out);
+        let applied = self.apply(now, machine, out);
+        (r, applied)
+    }
+
+    fn apply(
+        &self,
+        now: Instant,
+        machine: &mut ServerLink<ConnEnds, Reply>,
+        out: &mut Actions<ConnEnds, Reply>,
+    ) -> Applied {
+        let mut applied = Applied::default();
+        while let Some(a) = out.pop_front() {
+            match a {
+                Action::Send(p) => {
+                    let _ = self.to_agent.control(p);
+                }
+                Action::Finish(id, last) => self.to_agent.finish(id, last),
+                Action::Deliver(id, data) => {
+                    if let Some(c) = machine.conn(id) {
+                        match c.queue.push(data) {
+                            // A reader that left closes through its frontend.
+                            Ok(()) | Err(queue::PushError::Closed) => {}
+                            Err(queue::PushError::Full(data)) => {
+                                applied.blocked = Some(Blocked {
+                                    connect_id: id,
+                                    data,
+                                    room: c.queue.room(),
+                                });
+                            }
+                        }
+                    }
+                }
+                Action::Reopen(id, n) => {
+                    let fits = machine
+                        .conn(id)
+                        .and_then(|c| c.credit.as_ref())
+                        .is_none_or(|c| c.give(n));
+                    if !fits {
+                        machine.window_violated(now, id, out);
+                        applied.violation = true;
+                    }
+                }
+                Action::Answer(reply, result) => {
+                    if let Err(Ok(id)) = reply.send(result) {
+                        // The dialer gave up in the meantime.
+                        machine.close(now, id, out);
+                    }
+                }
+                Action::End(c) => c.end(),
+                Action::Abort(c) => c.abort(),
+            }
+        }
+        applied
+    }
+
+    /// Open connections plus pending dials.
     fn conn_count(&self) -> usize {
-        self.conns.lock().map(|c| c.len()).unwrap_or(0)
-            + self.pending.lock().map(|p| p.len()).unwrap_or(0)
+        crate::sync::lock(&self.state, "agent link").machine.load()
     }
 
     /// Whether the agent announced DRAIN.
     pub fn draining(&self) -> bool {
-        self.draining.load(Ordering::Acquire)
+        crate::sync::lock(&self.state, "agent link")
+            .machine
+            .draining()
     }
 
     /// Queues DATA of connection `id` for the agent, waiting while that
@@ -243,65 +283,29 @@ impl AgentLink {
     /// Forgets connection `id` (frontend side closed it) and tells the agent
     /// after the data already queued for it.
     pub fn close_conn(&self, id: i64) {
-        if let Some(c) = self.credits.lock().ok().and_then(|mut c| c.remove(&id)) {
-            c.close();
-        }
-        let had = self.conns.lock().ok().and_then(|mut c| c.remove(&id));
-        if had.is_some() {
-            self.closing_started(id, Instant::now());
-        } else {
-            self.to_agent.finish(id, None);
-        }
+        let now = Instant::now();
+        self.with(now, |m, out| m.close(now, id, out));
     }
 
-    /// Sends CLOSE_REQ for `id` (after its queued DATA) and remembers it
-    /// until the CLOSE_RSP (or a minute, for agents that never answer).
-    fn closing_started(&self, id: i64, now: Instant) {
-        if let Ok(mut c) = self.closing.lock() {
-            if c.len() >= 4096 {
-                c.retain(|_, at| now.saturating_duration_since(*at) < Duration::from_secs(60));
-            }
-            c.insert(id, now);
+    /// Applies one packet from the agent. Never waits: DATA that does not
+    /// fit its connection's queue comes back as [`Blocked`] for the caller
+    /// to await.
+    pub fn on_agent_packet(&self, p: Packet) -> (Handled, Option<Blocked>) {
+        let now = Instant::now();
+        let (h, applied) = self.with(now, |m, out| m.on_packet(now, p, out));
+        match (applied.blocked, applied.violation) {
+            (Some(b), _) => (Handled::Full, Some(b)),
+            (None, true) => (Handled::Unexpected, None),
+            (None, false) => (h, None),
         }
-        self.to_agent.finish(id, Some(Packet::close_req(id)));
-    }
-
-    fn closing_done(&self, id: i64) -> bool {
-        self.closing
-            .lock()
-            .ok()
-            .and_then(|mut c| c.remove(&id))
-            .is_some()
-    }
-
-    fn is_closing(&self, id: i64) -> bool {
-        self.closing
-            .lock()
-            .map(|c| c.contains_key(&id))
-            .unwrap_or(false)
     }
 
     /// The stream ended: fail every pending dial at once and abort every
     /// established connection.
     fn fail_all(&self) {
         self.gone.cancel();
+        self.with(Instant::now(), |m, out| m.end(out));
         self.to_agent.close();
-        if let Ok(mut p) = self.pending.lock() {
-            for (_, d) in p.drain() {
-                let _ = d.reply.send(Err(DialError::AgentGone));
-                d.queue.abort();
-            }
-        }
-        if let Ok(mut c) = self.conns.lock() {
-            for (_, q) in c.drain() {
-                q.abort();
-            }
-        }
-        if let Ok(mut c) = self.credits.lock() {
-            for (_, cr) in c.drain() {
-                cr.close();
-            }
-        }
     }
 }
 
@@ -365,30 +369,23 @@ impl Cluster {
 
     /// Its agent streams now.
     pub fn agents(&self) -> Vec<Arc<AgentLink>> {
-        self.agents.lock().map(|a| a.clone()).unwrap_or_default()
+        crate::sync::lock(&self.agents, "cluster agents").clone()
     }
 
     /// Connected agent streams.
     pub fn agent_count(&self) -> usize {
-        self.agents.lock().map(|a| a.len()).unwrap_or(0)
+        crate::sync::lock(&self.agents, "cluster agents").len()
     }
 
     /// Agent streams whose agent sent DRAIN.
     pub fn draining_count(&self) -> usize {
-        self.agents
-            .lock()
-            .map(|a| {
-                a.iter()
-                    .filter(|l| l.draining.load(Ordering::Acquire))
-                    .count()
-            })
-            .unwrap_or(0)
+        self.agents().iter().filter(|l| l.draining()).count()
     }
 
     /// Chooses an agent for `host`: strategies in order; within one, a
     /// non-draining agent if any, the less loaded of two random picks.
     pub fn pick(&self, host: &str) -> Option<Arc<AgentLink>> {
-        let agents = self.agents.lock().ok()?;
+        let agents = crate::sync::lock(&self.agents, "cluster agents");
         // One stream per agent and server: an agent that dials again to find
         // other replicas briefly has a second stream here, which it closes;
         // dials use its first (as upstream does).
@@ -534,18 +531,16 @@ pub async fn dial(
         settings.queue_bytes
     };
     let (qtx, qrx) = queue::queue(budget);
-    if let Ok(mut p) = link.pending.lock() {
-        p.insert(
-            random,
-            Pending {
-                reply: reply_tx,
-                queue: qtx,
-            },
-        );
-    }
+    let credit = link.flow.then(SendCredit::new);
+    let ends = ConnEnds {
+        queue: qtx,
+        credit: credit.clone(),
+    };
+    let started = Instant::now();
+    link.with(started, |m, out| {
+        m.dial(random, address, reply_tx, ends, out)
+    });
     metrics.pending(&cluster.name, 1);
-    let started = std::time::Instant::now();
-    link.send_soon(Packet::dial_req(address, random));
     let outcome = tokio::select! {
         r = tokio::time::timeout(settings.timeout, reply_rx) => match r {
             Ok(Ok(r)) => r,
@@ -559,13 +554,6 @@ pub async fn dial(
     match outcome {
         Ok(connect_id) => {
             metrics.dial_ok(&cluster.name, started.elapsed());
-            let credit = link.flow.then(|| {
-                let c = SendCredit::new();
-                if let Ok(mut m) = link.credits.lock() {
-                    m.insert(connect_id, c.clone());
-                }
-                c
-            });
             Ok(Tunnel {
                 tx: TunnelTx {
                     link,
@@ -578,10 +566,7 @@ pub async fn dial(
         }
         Err(e) => {
             // Still pending (timeout, cancel): forget it and tell the agent.
-            let was_pending = link.pending.lock().ok().and_then(|mut p| p.remove(&random));
-            if was_pending.is_some() && !link.gone.is_cancelled() {
-                link.send_soon(Packet::dial_cls(random));
-            }
+            link.with(Instant::now(), |m, out| m.dial_abandoned(random, out));
             metrics.dial_failure(&cluster.name, e.reason());
             Err(e)
         }
@@ -702,59 +687,24 @@ pub fn attach(
         cluster: cluster.name.clone(),
         ids,
         to_agent: tx.clone(),
-        draining: AtomicBool::new(false),
-        pending: Mutex::new(HashMap::new()),
-        conns: Mutex::new(HashMap::new()),
-        closing: Mutex::new(HashMap::new()),
+        state: Mutex::new(Locked {
+            machine: ServerLink::new(flow),
+            out: Actions::new(),
+        }),
         gone: CancellationToken::new(),
         kick: CancellationToken::new(),
         certs: std::sync::OnceLock::new(),
         authorization: std::sync::OnceLock::new(),
         flow,
-        credits: Mutex::new(HashMap::new()),
     });
-    if let Ok(mut a) = cluster.agents.lock() {
-        a.push(link.clone());
-    }
+    crate::sync::lock(&cluster.agents, "cluster agents").push(link.clone());
     (link, tx)
 }
 
 /// Removes an ended agent stream and fails everything that depended on it.
 pub fn detach(cluster: &Cluster, link: &Arc<AgentLink>) {
-    if let Ok(mut a) = cluster.agents.lock() {
-        a.retain(|x| !Arc::ptr_eq(x, link));
-    }
+    crate::sync::lock(&cluster.agents, "cluster agents").retain(|x| !Arc::ptr_eq(x, link));
     link.fail_all();
-}
-
-/// What the receive loop did with one packet from an agent (for counters).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Handled {
-    /// As expected.
-    Ok,
-    /// Referred to a dial or connection this agent does not have.
-    Unrecognized,
-    /// A connection's queue was full: the packet waits for room (see
-    /// [`Blocked`]); the stream reads nothing else meanwhile.
-    Full,
-    /// A connection whose reader took nothing for the stall deadline while
-    /// its packet waited: that connection was closed.
-    Stalled,
-    /// A packet kind an agent must not send, or an unknown kind.
-    Unexpected,
-}
-
-impl Handled {
-    /// The `reason` label of `agent_packets_total`.
-    pub fn label(self) -> &'static str {
-        match self {
-            Handled::Ok => "ok",
-            Handled::Unrecognized => "unrecognized",
-            Handled::Full => "delayed",
-            Handled::Stalled => "stalled",
-            Handled::Unexpected => "unexpected",
-        }
-    }
 }
 
 /// DATA for a connection whose queue is full. The standard protocol has no
@@ -774,17 +724,13 @@ impl Blocked {
     pub async fn resume(self, link: &AgentLink, stall: Duration) -> Handled {
         match self.room.wait(self.data.len(), stall).await {
             queue::WaitEnd::Room => {
-                let pushed = link
-                    .conns
-                    .lock()
-                    .ok()
-                    .and_then(|c| c.get(&self.connect_id).map(|q| q.push(self.data)));
-                match pushed {
-                    Some(Ok(())) | None => Handled::Ok,
-                    // Only this loop pushes, so room stays room; a reader
-                    // that left meanwhile closes through its frontend.
-                    Some(Err(_)) => Handled::Ok,
+                // Only the receive loop pushes, so room stays room; a
+                // connection closed meanwhile drops the bytes.
+                let g = crate::sync::lock(&link.state, "agent link");
+                if let Some(c) = g.machine.conn(self.connect_id) {
+                    let _ = c.queue.push(self.data);
                 }
+                Handled::Ok
             }
             // The frontend went away: its own close tells the agent.
             queue::WaitEnd::Closed => Handled::Ok,
@@ -792,157 +738,10 @@ impl Blocked {
         }
     }
 
-    /// Gives up on the connection at `now` (deterministic, for the fuzzer).
+    /// Gives up on the connection at `now`.
     pub fn stalled(self, link: &AgentLink, now: Instant) -> Handled {
-        let q = link
-            .conns
-            .lock()
-            .ok()
-            .and_then(|mut c| c.remove(&self.connect_id));
-        if let Some(q) = q {
-            q.abort();
-            link.closing_started(self.connect_id, now);
-        }
-        Handled::Stalled
-    }
-}
-
-/// Applies one packet from the agent of `link`. Never waits: DATA that does
-/// not fit its connection's queue comes back as [`Blocked`] for the caller
-/// to await.
-/// It reads no clock (the fuzz harness drives time through
-/// [`Blocked::stalled`]).
-pub fn on_agent_packet(link: &AgentLink, p: Packet) -> (Handled, Option<Blocked>) {
-    if let (Some(crate::proto::PacketType::Data), Some(crate::proto::Payload::Data(d))) =
-        (p.kind(), &p.payload)
-    {
-        let connect_id = d.connect_id;
-        let pushed = link.conns.lock().ok().and_then(|c| {
-            c.get(&connect_id).map(|q| match q.push(d.data.clone()) {
-                Err(queue::PushError::Full(data)) => Err(Some(Blocked {
-                    connect_id,
-                    data,
-                    room: q.room(),
-                })),
-                Err(queue::PushError::Closed) => Err(None),
-                Ok(()) => Ok(()),
-            })
-        });
-        return match pushed {
-            Some(Ok(())) | Some(Err(None)) => (Handled::Ok, None),
-            Some(Err(Some(b))) => (Handled::Full, Some(b)),
-            // In flight when this side closed it: dropped, expected.
-            None if link.is_closing(connect_id) => (Handled::Ok, None),
-            None => {
-                link.send_soon(Packet::close_req(connect_id));
-                (Handled::Unrecognized, None)
-            }
-        };
-    }
-    (on_control_packet(link, p), None)
-}
-
-/// Every packet but DATA.
-fn on_control_packet(link: &AgentLink, p: Packet) -> Handled {
-    use crate::proto::{PacketType as T, Payload};
-    match (p.kind(), p.payload) {
-        (Some(T::DialRsp), Some(Payload::DialResponse(r))) => {
-            let pending = link
-                .pending
-                .lock()
-                .ok()
-                .and_then(|mut m| m.remove(&r.random));
-            let Some(pending) = pending else {
-                // Not a dial of this agent's (or already given up): make
-                // sure the connection it opened does not leak.
-                if r.connect_id != 0 && r.error.is_empty() {
-                    link.send_soon(Packet::close_req(r.connect_id));
-                }
-                return Handled::Unrecognized;
-            };
-            if !r.error.is_empty() {
-                let _ = pending.reply.send(Err(DialError::Agent(r.error)));
-                return Handled::Ok;
-            }
-            if r.connect_id == 0 {
-                let _ = pending
-                    .reply
-                    .send(Err(DialError::Protocol("DIAL_RSP without connectID")));
-                return Handled::Unexpected;
-            }
-            // An ID still open or still closing is not a new connection.
-            let dup = link.is_closing(r.connect_id)
-                || link
-                    .conns
-                    .lock()
-                    .map(|mut c| match c.entry(r.connect_id) {
-                        std::collections::hash_map::Entry::Occupied(_) => true,
-                        std::collections::hash_map::Entry::Vacant(v) => {
-                            v.insert(pending.queue);
-                            false
-                        }
-                    })
-                    .unwrap_or(true);
-            if dup {
-                return Handled::Unexpected;
-            }
-            if pending.reply.send(Ok(r.connect_id)).is_err() {
-                // The frontend gave up in the meantime.
-                link.close_conn(r.connect_id);
-            }
-            Handled::Ok
-        }
-        (Some(T::CloseRsp), Some(Payload::CloseResponse(c))) => {
-            // Dropping the queue's sender ends the connection cleanly after
-            // what is queued.
-            let open = link
-                .conns
-                .lock()
-                .ok()
-                .and_then(|mut m| m.remove(&c.connect_id))
-                .is_some();
-            if open || link.closing_done(c.connect_id) {
-                Handled::Ok
-            } else {
-                Handled::Unrecognized
-            }
-        }
-        (Some(T::DialCls), Some(Payload::CloseDial(c))) => {
-            match link
-                .pending
-                .lock()
-                .ok()
-                .and_then(|mut m| m.remove(&c.random))
-            {
-                Some(p) => {
-                    let _ = p.reply.send(Err(DialError::Cancelled));
-                    Handled::Ok
-                }
-                None => Handled::Unrecognized,
-            }
-        }
-        (Some(T::WindowUpdate), Some(Payload::WindowUpdate(w))) if link.flow => {
-            let credit = link
-                .credits
-                .lock()
-                .ok()
-                .and_then(|c| c.get(&w.connect_id).cloned());
-            match credit {
-                Some(c) if c.give(w.bytes) => Handled::Ok,
-                Some(_) => {
-                    // More window than was ever used: close that connection.
-                    link.close_conn(w.connect_id);
-                    Handled::Unexpected
-                }
-                None if link.is_closing(w.connect_id) => Handled::Ok,
-                None => Handled::Unrecognized,
-            }
-        }
-        (Some(T::Drain), _) => {
-            link.draining.store(true, Ordering::Release);
-            Handled::Ok
-        }
-        _ => Handled::Unexpected,
+        link.with(now, |m, out| m.stalled(now, self.connect_id, out))
+            .0
     }
 }
 
@@ -1009,11 +808,11 @@ mod tests {
             Identifiers::parse("ipv4=10.0.0.5").0,
             false,
         );
-        a.draining.store(true, Ordering::Release);
+        a.on_agent_packet(Packet::drain());
         for _ in 0..20 {
             assert_eq!(c.pick("10.0.0.5").unwrap().agent_id, "a2");
         }
-        a2.draining.store(true, Ordering::Release);
+        a2.on_agent_packet(Packet::drain());
         assert!(c.pick("10.0.0.5").is_some());
         let _ = b;
     }

@@ -17,28 +17,16 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+pub use super::core::{Core, Settings};
 use super::limits::Limits;
 use super::metrics::Metrics;
-use super::{Cluster, ClusterConf, DialSettings, Registry, Strategy};
+use super::{Cluster, ClusterConf, Registry, Strategy};
 use crate::config::{Frontend, FrontendProtocol, ServerConfig};
 use crate::grpc::H2Settings;
 use crate::proto::PROXY_PATH;
 use crate::tls;
 use crate::token::TokenValidator;
 use crate::tokenreview::TokenReviewer;
-
-/// Timeouts and budgets.
-#[derive(Debug, Clone, Copy)]
-pub struct Settings {
-    /// TLS handshake, request head, first gRPC packet.
-    pub handshake_timeout: Duration,
-    /// Agent's answer to a dial.
-    pub dial_timeout: Duration,
-    /// No progress writing to a frontend.
-    pub stall_timeout: Duration,
-    /// Per-connection queue budget.
-    pub queue_bytes: usize,
-}
 
 enum Transport {
     Unix(PathBuf),
@@ -99,30 +87,11 @@ pub struct ReloadReport {
     pub frontends_stopped: Vec<String>,
 }
 
-/// A configured tunnel-server.
+/// A configured tunnel-server: the [`Core`] its connection handlers share,
+/// and what binding and reloading need. It dereferences to its core.
 pub struct TunnelServer {
-    /// Clusters and their agents.
-    pub registry: Registry,
-    /// Metrics.
-    pub metrics: Metrics,
-    /// Timeouts and budgets.
-    pub settings: Settings,
-    /// `serverid` sent to agents.
-    pub server_id: String,
-    /// `servercount` sent to agents.
-    pub server_count: u32,
-    /// TLS for the agent endpoint (replaced by a reload).
-    pub agent_tls: ArcSwap<TlsAcceptor>,
-    /// HTTP/2 keepalive towards agents.
-    pub agent_h2: H2Settings,
-    /// Cancelled on shutdown: ends agent streams and frontend connections.
-    pub shutdown: CancellationToken,
-    /// Cancelled when draining starts: listeners stop accepting.
-    pub accepting: CancellationToken,
-    /// Agent connection tasks.
-    pub tasks: TaskTracker,
-    /// Frontend connection tasks (a drain waits for these).
-    pub frontend_tasks: TaskTracker,
+    /// What every connection handler shares.
+    pub core: Arc<Core>,
     agent_listen: SocketAddr,
     admin_listen: Option<SocketAddr>,
     /// What the server was built with, until `start` binds it.
@@ -130,6 +99,13 @@ pub struct TunnelServer {
     running: tokio::sync::Mutex<Vec<Running>>,
     /// The settings a reload cannot change (they need a restart).
     fixed: Fixed,
+}
+
+impl std::ops::Deref for TunnelServer {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        &self.core
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -322,7 +298,7 @@ impl TunnelServer {
             .into_iter()
             .map(|c| Arc::new(Cluster::new(&c.name, c.conf, c.limits)))
             .collect();
-        Ok(Arc::new(TunnelServer {
+        let core = Arc::new(Core {
             registry: Registry::new(clusters),
             metrics,
             settings: Settings {
@@ -342,20 +318,15 @@ impl TunnelServer {
             accepting: CancellationToken::new(),
             tasks: TaskTracker::new(),
             frontend_tasks: TaskTracker::new(),
+        });
+        Ok(Arc::new(TunnelServer {
+            core,
             agent_listen: cfg.agents.listen,
             admin_listen: cfg.admin.as_ref().map(|a| a.listen),
             initial: Mutex::new(Some(p.frontends)),
             running: tokio::sync::Mutex::new(Vec::new()),
             fixed: Fixed::of(cfg),
         }))
-    }
-
-    /// Settings for one dial.
-    pub fn dial_settings(&self) -> DialSettings {
-        DialSettings {
-            timeout: self.settings.dial_timeout,
-            queue_bytes: self.settings.queue_bytes,
-        }
     }
 
     /// Binds every listener and serves until [`TunnelServer::shutdown`].
@@ -369,7 +340,7 @@ impl TunnelServer {
             frontends: Vec::new(),
         };
         {
-            let srv = self.clone();
+            let srv = self.core.clone();
             tokio::spawn(async move {
                 let stop = srv.accepting.clone();
                 seedlink_net::accept::accept_loop(&agents, &stop, |tcp, peer| {
@@ -398,7 +369,7 @@ impl TunnelServer {
                 .await
                 .with_context(|| format!("admin: listening on {a}"))?;
             bound.admin = Some(l.local_addr()?);
-            tokio::spawn(super::admin::serve(self.clone(), l));
+            tokio::spawn(super::admin::serve(self.core.clone(), l));
         }
         Ok(bound)
     }
@@ -472,7 +443,7 @@ impl TunnelServer {
         proto: FrontendProtocol,
         stop: CancellationToken,
     ) -> JoinHandle<()> {
-        let srv = self.clone();
+        let srv = self.core.clone();
         tokio::spawn(async move {
             loop {
                 let accepted = tokio::select! {
@@ -503,7 +474,7 @@ impl TunnelServer {
         proto: FrontendProtocol,
         stop: CancellationToken,
     ) -> JoinHandle<()> {
-        let srv = self.clone();
+        let srv = self.core.clone();
         tokio::spawn(async move {
             seedlink_net::accept::accept_loop(&l, &stop, |tcp, _| {
                 let _ = tcp.set_nodelay(true);
@@ -714,7 +685,7 @@ impl TunnelServer {
         let _ = tcp.set_nodelay(true);
         let io = seedlink_net::prefixed::Prefixed::new(replay, tcp);
         self.tasks
-            .spawn(super::agents::serve_agent_io(self.clone(), io, peer));
+            .spawn(super::agents::serve_agent_io(self.core.clone(), io, peer));
     }
 
     /// Takes over a CONNECT another part of this process read (the
@@ -729,7 +700,7 @@ impl TunnelServer {
         cluster: &str,
         target: String,
     ) {
-        let srv = self.clone();
+        let srv = self.core.clone();
         let cluster = self.registry.cluster(cluster);
         let name = cluster
             .as_ref()
@@ -769,11 +740,6 @@ impl TunnelServer {
         });
     }
 
-    /// Ready: not draining and at least one agent connected.
-    pub fn ready(&self) -> bool {
-        !self.accepting.is_cancelled() && self.registry.any_agent()
-    }
-
     /// Drains: not ready, listeners closed (new frontends and agents are
     /// refused), open frontend connections may finish within `grace`; then
     /// every agent stream and remaining connection is ended.
@@ -788,7 +754,7 @@ impl TunnelServer {
 }
 
 async fn serve_frontend<S>(
-    srv: Arc<TunnelServer>,
+    srv: Arc<Core>,
     cluster: Option<Arc<Cluster>>,
     name: Arc<str>,
     proto: FrontendProtocol,

@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use crate::fair::FairQueue;
 use crate::flow::{self, SendCredit};
 use crate::grpc::{self, H2Settings};
-use crate::proto::{Packet, PacketType, Payload, AGENT_CONNECT_PATH};
+use crate::proto::{Packet, AGENT_CONNECT_PATH};
 use crate::queue::{self, PumpEnd, QueueTx};
 use crate::{dialerr, tls};
 
@@ -184,28 +184,116 @@ const KEEPALIVE_CAP: Duration = Duration::from_secs(3600);
 /// ends its stream, which restarts discovery at once).
 const HELD_RECHECK: Duration = Duration::from_secs(300);
 
-struct ConnEntry {
+pub mod harness;
+pub mod link;
+
+use link::{Action, Actions, SessionLink};
+
+/// A connection's ends the session machine keeps.
+struct ConnEnds {
     queue: QueueTx,
     cancel: CancellationToken,
     /// Window towards the server (flow control negotiated).
     credit: Option<SendCredit>,
 }
 
-/// One stream to one server replica.
+/// The machine and its reusable action buffer, behind the session's lock.
+struct Locked {
+    machine: SessionLink<ConnEnds, CancellationToken>,
+    out: Actions<ConnEnds, CancellationToken>,
+}
+
+/// One stream to one server replica: the sans-IO [`SessionLink`] behind one
+/// lock, and the IO it drives.
 struct Session {
     server_id: String,
     to_server: Arc<FairQueue>,
-    conns: Mutex<HashMap<i64, ConnEntry>>,
-    pending: Mutex<HashMap<i64, CancellationToken>>,
-    next_id: AtomicI64,
+    state: Mutex<Locked>,
     gone: CancellationToken,
     /// Per-connection flow control negotiated.
     flow: bool,
 }
 
+/// What carrying out a call's actions produced for the caller.
+#[derive(Default)]
+struct Applied {
+    /// Dials to start.
+    dials: Vec<(i64, String, String, CancellationToken)>,
+    /// DATA that did not fit its connection's queue.
+    blocked: Option<(i64, bytes::Bytes, queue::Room)>,
+    /// A WINDOW_UPDATE gave more than was used.
+    bad_window: bool,
+}
+
 impl Session {
     fn send_soon(&self, p: Packet) {
         let _ = self.to_server.control(p);
+    }
+
+    fn new(server_id: String, to_server: Arc<FairQueue>, flow: bool) -> Session {
+        Session {
+            server_id,
+            to_server,
+            state: Mutex::new(Locked {
+                machine: SessionLink::new(flow),
+                out: Actions::new(),
+            }),
+            gone: CancellationToken::new(),
+            flow,
+        }
+    }
+
+    /// Runs `f` on the machine under the lock, then carries out what it
+    /// asked for; nothing here waits.
+    fn with<T>(
+        &self,
+        f: impl FnOnce(
+            &mut SessionLink<ConnEnds, CancellationToken>,
+            &mut Actions<ConnEnds, CancellationToken>,
+        ) -> T,
+    ) -> (T, Applied) {
+        let mut g = crate::sync::lock(&self.state, "agent session");
+        let Locked { machine, out } = &mut *g;
+        let r = f(machine, out);
+        let mut applied = Applied::default();
+        while let Some(a) = out.pop_front() {
+            match a {
+                Action::Send(p) => {
+                    let _ = self.to_server.control(p);
+                }
+                Action::Finish(id, last) => self.to_server.finish(id, last),
+                Action::Dial {
+                    random,
+                    address,
+                    protocol,
+                    cancel,
+                } => applied.dials.push((random, address, protocol, cancel)),
+                Action::Cancel(c) => c.cancel(),
+                Action::Deliver(id, data) => {
+                    if let Some(e) = machine.conn(id) {
+                        match e.queue.push(data) {
+                            Ok(()) | Err(queue::PushError::Closed) => {}
+                            Err(queue::PushError::Full(data)) => {
+                                applied.blocked = Some((id, data, e.queue.room()));
+                            }
+                        }
+                    }
+                }
+                Action::Reopen(id, n) => {
+                    let fits = machine
+                        .conn(id)
+                        .and_then(|e| e.credit.as_ref())
+                        .is_none_or(|c| c.give(n));
+                    applied.bad_window |= !fits;
+                }
+                Action::Close(e) => e.cancel.cancel(),
+                Action::Abort(e) => {
+                    e.cancel.cancel();
+                    e.queue.abort();
+                }
+            }
+        }
+        (r, applied)
     }
 }
 
@@ -391,15 +479,7 @@ impl Agent {
                 .get(flow::HEADER)
                 .and_then(|v| v.to_str().ok())
                 == Some(flow::VERSION);
-        let session = Arc::new(Session {
-            server_id: server_id.clone(),
-            to_server: tx,
-            conns: Mutex::new(HashMap::new()),
-            pending: Mutex::new(HashMap::new()),
-            next_id: AtomicI64::new(1),
-            gone: CancellationToken::new(),
-            flow,
-        });
+        let session = Arc::new(Session::new(server_id.clone(), tx, flow));
         let duplicate = {
             let Ok(mut s) = self.sessions.lock() else {
                 anyhow::bail!("session table poisoned");
@@ -446,15 +526,7 @@ impl Agent {
             agent.metrics.servers.dec();
             session.gone.cancel();
             session.to_server.close();
-            let conns: Vec<_> = session
-                .conns
-                .lock()
-                .map(|mut c| c.drain().collect())
-                .unwrap_or_default();
-            for (_, c) in conns {
-                c.cancel.cancel();
-                c.queue.abort();
-            }
+            session.with(|m, out| m.end(out));
             tracing::warn!(server_id = %session.server_id, "stream to tunnel server ended");
         });
         Ok(true)
@@ -477,118 +549,42 @@ impl Agent {
                 },
                 () = self.shutdown.cancelled() => return,
             };
-            match (p.kind(), p.payload) {
-                (Some(PacketType::DialReq), Some(Payload::DialRequest(d))) => {
-                    let cancel = CancellationToken::new();
-                    if let Ok(mut m) = s.pending.lock() {
-                        m.insert(d.random, cancel.clone());
-                    }
-                    let (agent, s) = (self.clone(), s.clone());
-                    tokio::spawn(async move {
-                        agent.dial(s, d.address, d.protocol, d.random, cancel).await
-                    });
-                }
-                (Some(PacketType::Data), Some(Payload::Data(d))) => {
-                    let pushed = s.conns.lock().ok().and_then(|c| {
-                        c.get(&d.connect_id).map(|e| match e.queue.push(d.data) {
-                            Err(queue::PushError::Full(data)) => Err((data, e.queue.room())),
-                            Err(queue::PushError::Closed) | Ok(()) => Ok(()),
-                        })
-                    });
-                    match pushed {
-                        Some(Ok(())) => {}
-                        Some(Err((data, room))) => {
-                            // Backpressure (the standard protocol has no
-                            // per-connection flow control): read nothing more
-                            // from this server until the destination makes
-                            // room, as long as it keeps taking bytes.
-                            let waited = tokio::select! {
-                                w = room.wait(data.len(), self.opts.stall_timeout) => w,
-                                () = self.shutdown.cancelled() => return,
-                            };
-                            match waited {
-                                queue::WaitEnd::Room => {
-                                    // Only this loop pushes, so the bytes fit;
-                                    // a connection closed meanwhile drops them.
-                                    if let Ok(c) = s.conns.lock() {
-                                        if let Some(e) = c.get(&d.connect_id) {
-                                            let _ = e.queue.push(data);
-                                        }
-                                    }
-                                }
-                                queue::WaitEnd::Closed => {}
-                                queue::WaitEnd::Stalled => {
-                                    if let Some(e) = s
-                                        .conns
-                                        .lock()
-                                        .ok()
-                                        .and_then(|mut c| c.remove(&d.connect_id))
-                                    {
-                                        e.cancel.cancel();
-                                        e.queue.abort();
-                                    }
-                                    AgentMetrics::count(&self.metrics.endpoint_closes, "stalled");
-                                    s.to_server.finish(
-                                        d.connect_id,
-                                        Some(Packet::close_rsp(
-                                            d.connect_id,
-                                            "destination stalled: no byte accepted within the stall deadline".into(),
-                                        )),
-                                    );
-                                }
-                            }
+            let (h, applied) = s.with(|m, out| m.on_packet(p, out));
+            if let Some(label) = h.bad_label() {
+                AgentMetrics::count(&self.metrics.bad_packets, label);
+            }
+            if applied.bad_window {
+                AgentMetrics::count(&self.metrics.bad_packets, "bad_window");
+            }
+            for (random, address, protocol, cancel) in applied.dials {
+                let (agent, s) = (self.clone(), s.clone());
+                tokio::spawn(async move { agent.dial(s, address, protocol, random, cancel).await });
+            }
+            if let Some((id, data, room)) = applied.blocked {
+                // Backpressure (the standard protocol has no per-connection
+                // flow control): read nothing more from this server until
+                // the destination makes room, as long as it keeps taking
+                // bytes.
+                let waited = tokio::select! {
+                    w = room.wait(data.len(), self.opts.stall_timeout) => w,
+                    () = self.shutdown.cancelled() => return,
+                };
+                match waited {
+                    queue::WaitEnd::Room => {
+                        // Only this loop pushes, so the bytes fit; a
+                        // connection closed meanwhile drops them.
+                        let g = crate::sync::lock(&s.state, "agent session");
+                        if let Some(e) = g.machine.conn(id) {
+                            let _ = e.queue.push(data);
                         }
-                        None => {
-                            AgentMetrics::count(&self.metrics.bad_packets, "unknown_connect_id");
-                            s.send_soon(Packet::close_rsp(
-                                d.connect_id,
-                                "unrecognized connectID".into(),
-                            ));
+                    }
+                    queue::WaitEnd::Closed => {}
+                    queue::WaitEnd::Stalled => {
+                        if s.with(|m, out| m.stalled(id, out)).0 {
+                            AgentMetrics::count(&self.metrics.endpoint_closes, "stalled");
                         }
                     }
                 }
-                (Some(PacketType::CloseReq), Some(Payload::CloseRequest(c))) => {
-                    match s
-                        .conns
-                        .lock()
-                        .ok()
-                        .and_then(|mut m| m.remove(&c.connect_id))
-                    {
-                        Some(e) => {
-                            e.cancel.cancel();
-                            s.to_server.finish(
-                                c.connect_id,
-                                Some(Packet::close_rsp(c.connect_id, String::new())),
-                            );
-                        }
-                        None => {
-                            AgentMetrics::count(&self.metrics.bad_packets, "unknown_connect_id");
-                            s.send_soon(Packet::close_rsp(
-                                c.connect_id,
-                                "Unknown connectID".into(),
-                            ));
-                        }
-                    }
-                }
-                (Some(PacketType::WindowUpdate), Some(Payload::WindowUpdate(w))) if s.flow => {
-                    let credit = s
-                        .conns
-                        .lock()
-                        .ok()
-                        .and_then(|c| c.get(&w.connect_id).and_then(|e| e.credit.clone()));
-                    match credit {
-                        Some(c) if c.give(w.bytes) => {}
-                        Some(_) => AgentMetrics::count(&self.metrics.bad_packets, "bad_window"),
-                        // Closed meanwhile.
-                        None => {}
-                    }
-                }
-                (Some(PacketType::DialCls), Some(Payload::CloseDial(c))) => {
-                    if let Some(t) = s.pending.lock().ok().and_then(|mut m| m.remove(&c.random)) {
-                        t.cancel();
-                    }
-                }
-                _ => AgentMetrics::count(&self.metrics.bad_packets, "unexpected"),
             }
         }
     }
@@ -631,26 +627,14 @@ impl Agent {
             }
             () = s.gone.cancelled() => return,
         };
-        let still_wanted = s
-            .pending
-            .lock()
-            .ok()
-            .and_then(|mut m| m.remove(&random))
-            .is_some();
         let stream = match outcome {
-            Ok(stream) if still_wanted => stream,
-            Ok(_) => {
-                AgentMetrics::count(&self.metrics.dials, "cancelled");
-                return;
-            }
+            Ok(stream) => stream,
             Err(failure) => {
                 AgentMetrics::count(&self.metrics.dials, failure.label());
-                s.send_soon(Packet::dial_rsp(random, 0, failure.text));
+                s.with(|m, out| m.dial_failed(random, failure.text, out));
                 return;
             }
         };
-        AgentMetrics::count(&self.metrics.dials, "ok");
-        let id = s.next_id.fetch_add(1, Ordering::AcqRel);
         let budget = if s.flow {
             2 * flow::WINDOW
         } else {
@@ -659,22 +643,17 @@ impl Agent {
         let (qtx, mut qrx) = queue::queue(budget);
         let cancel = CancellationToken::new();
         let credit = s.flow.then(SendCredit::new);
-        if let Ok(mut c) = s.conns.lock() {
-            c.insert(
-                id,
-                ConnEntry {
-                    queue: qtx,
-                    cancel: cancel.clone(),
-                    credit: credit.clone(),
-                },
-            );
-        }
-        if s.to_server
-            .control(Packet::dial_rsp(random, id, String::new()))
-            .is_err()
-        {
+        let ends = ConnEnds {
+            queue: qtx,
+            cancel: cancel.clone(),
+            credit: credit.clone(),
+        };
+        let Some(id) = s.with(|m, out| m.connected(random, ends, out)).0 else {
+            // Cancelled meanwhile, or the stream ended: the socket closes.
+            AgentMetrics::count(&self.metrics.dials, "cancelled");
             return;
-        }
+        };
+        AgentMetrics::count(&self.metrics.dials, "ok");
         self.metrics.endpoints.inc();
         let (rd, mut wr) = stream.into_split();
         let stall = self.opts.stall_timeout;
@@ -728,21 +707,11 @@ impl Agent {
         let outcome = tokio::select! {
             o = up => o,
             o = down => o,
-            () = cancel.cancelled() => "close_req",
+            () = cancel.cancelled() => if s.gone.is_cancelled() { "server_gone" } else { "close_req" },
         };
-        if outcome != "close_req" {
-            // Closed from this side: tell the server (unsolicited CLOSE_RSP).
-            if s.conns
-                .lock()
-                .ok()
-                .and_then(|mut c| c.remove(&id))
-                .is_some()
-            {
-                s.to_server
-                    .finish(id, Some(Packet::close_rsp(id, String::new())));
-            }
-        }
-        s.to_server.finish(id, None);
+        // Closed from this side: the server is told (unsolicited CLOSE_RSP)
+        // unless its CLOSE_REQ closed it.
+        s.with(|m, out| m.closed(id, out));
         if let Some(c) = credit {
             c.close();
         }

@@ -1,0 +1,69 @@
+//! What every connection handler of a tunnel-server shares: the clusters
+//! and their agents, metrics, settings, and the shutdown signals. The agent
+//! endpoint (`agents`), the frontends (`frontend`) and the admin endpoint
+//! (`admin`) take an `Arc<Core>`; only `run` (binding and reloading) builds
+//! one, so the handlers never depend on `run` or on each other.
+
+use arc_swap::ArcSwap;
+use std::time::Duration;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::metrics::Metrics;
+use super::{DialSettings, Registry};
+use crate::grpc::H2Settings;
+
+/// Timeouts and budgets.
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    /// TLS handshake, request head, first gRPC packet.
+    pub handshake_timeout: Duration,
+    /// Agent's answer to a dial.
+    pub dial_timeout: Duration,
+    /// No progress writing to a frontend.
+    pub stall_timeout: Duration,
+    /// Per-connection queue budget.
+    pub queue_bytes: usize,
+}
+
+/// The shared state of a running tunnel-server.
+pub struct Core {
+    /// Clusters and their agents.
+    pub registry: Registry,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Timeouts and budgets.
+    pub settings: Settings,
+    /// `serverid` sent to agents.
+    pub server_id: String,
+    /// `servercount` sent to agents.
+    pub server_count: u32,
+    /// TLS for the agent endpoint (replaced by a reload).
+    pub agent_tls: ArcSwap<TlsAcceptor>,
+    /// HTTP/2 keepalive towards agents.
+    pub agent_h2: H2Settings,
+    /// Cancelled on shutdown: ends agent streams and frontend connections.
+    pub shutdown: CancellationToken,
+    /// Cancelled when draining starts: listeners stop accepting.
+    pub accepting: CancellationToken,
+    /// Agent connection tasks.
+    pub tasks: TaskTracker,
+    /// Frontend connection tasks (a drain waits for these).
+    pub frontend_tasks: TaskTracker,
+}
+
+impl Core {
+    /// Settings for one dial.
+    pub fn dial_settings(&self) -> DialSettings {
+        DialSettings {
+            timeout: self.settings.dial_timeout,
+            queue_bytes: self.settings.queue_bytes,
+        }
+    }
+
+    /// Ready: not draining and at least one agent connected.
+    pub fn ready(&self) -> bool {
+        !self.accepting.is_cancelled() && self.registry.any_agent()
+    }
+}

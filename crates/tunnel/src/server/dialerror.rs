@@ -1,0 +1,63 @@
+//! Why a dial through the tunnel failed, and what each failure means to a
+//! frontend (HTTP status) and to the metrics (reason label).
+
+use super::limits;
+
+/// Why a dial failed; mapped to HTTP statuses and gRPC errors in one place.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DialError {
+    /// No agent of the cluster can take it.
+    #[error("No agent available")]
+    NoAgent,
+    /// The agent did not answer within the dial timeout.
+    #[error("timed out waiting for backend dial")]
+    Timeout,
+    /// The agent's stream ended while the dial was pending.
+    #[error("backend connection closed")]
+    AgentGone,
+    /// The agent cancelled the dial (DIAL_CLS).
+    #[error("dial closed by the agent")]
+    Cancelled,
+    /// The agent answered with an error.
+    #[error("{0}")]
+    Agent(String),
+    /// The agent broke the protocol (a DIAL_RSP without connection ID).
+    #[error("agent protocol error: {0}")]
+    Protocol(&'static str),
+    /// A limit of the cluster refused the dial.
+    #[error("cluster limit reached: {}", .0.reason())]
+    Limited(limits::Limited),
+}
+
+impl DialError {
+    /// The HTTP status an HTTP-CONNECT frontend answers with (as upstream
+    /// documents: 500 no agent, 502 other failures, 503 resource
+    /// exhaustion at the agent, 504 timeouts).
+    pub fn http_status(&self) -> u16 {
+        match self {
+            DialError::NoAgent => 500,
+            DialError::Timeout => 504,
+            DialError::Agent(text) => match crate::dialerr::classify(text) {
+                crate::dialerr::Kind::Timeout => 504,
+                crate::dialerr::Kind::Exhausted => 503,
+                _ => 502,
+            },
+            DialError::AgentGone | DialError::Cancelled | DialError::Protocol(_) => 502,
+            DialError::Limited(_) => 503,
+        }
+    }
+
+    /// Label for `dial_failures_total{reason}` (Konnectivity's reasons where
+    /// they mean the same).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            DialError::NoAgent => "no_agent",
+            DialError::Timeout => "backend_dial_timeout",
+            DialError::AgentGone => "backend_close",
+            DialError::Cancelled => "dial_closed",
+            DialError::Agent(_) => "error_response",
+            DialError::Protocol(_) => "protocol_error",
+            DialError::Limited(l) => l.reason(),
+        }
+    }
+}
