@@ -155,14 +155,14 @@ impl Gateway {
     /// Registers the in-process service that `local:<name>` endpoints hand
     /// connections to.
     pub fn set_local(&self, name: &str, handler: LocalHandler) {
-        if let Ok(mut l) = self.locals.lock() {
-            l.insert(name.to_string(), handler);
-        }
+        seedlink_net::sync::lock(&self.locals, "local handlers").insert(name.to_string(), handler);
     }
 
     /// The in-process service `name`, if registered.
     pub fn local(&self, name: &str) -> Option<LocalHandler> {
-        self.locals.lock().ok()?.get(name).cloned()
+        seedlink_net::sync::lock(&self.locals, "local handlers")
+            .get(name)
+            .cloned()
     }
 
     /// The snapshot in force.
@@ -342,10 +342,10 @@ impl Gateway {
     /// The token that closes open connections of control plane `name` if it
     /// is removed and the removal grace passes.
     fn closer_for(&self, name: &str) -> CancellationToken {
-        match self.closers.lock() {
-            Ok(mut m) => m.entry(name.to_string()).or_default().clone(),
-            Err(_) => CancellationToken::new(),
-        }
+        seedlink_net::sync::lock(&self.closers, "closers")
+            .entry(name.to_string())
+            .or_default()
+            .clone()
     }
 
     /// Re-reads the configuration file and swaps it in if it is valid and
@@ -409,9 +409,7 @@ impl Gateway {
     /// grace period they are closed when it ends, unless it came back.
     fn retire(self: &Arc<Self>, name: String, grace: Option<Duration>) {
         let Some(grace) = grace else {
-            if let Ok(mut m) = self.closers.lock() {
-                m.remove(&name);
-            }
+            seedlink_net::sync::lock(&self.closers, "closers").remove(&name);
             return;
         };
         let gw = self.clone();
@@ -423,7 +421,7 @@ impl Gateway {
             if gw.snapshot().control_planes.contains_key(&name) {
                 return;
             }
-            let token = gw.closers.lock().ok().and_then(|mut m| m.remove(&name));
+            let token = seedlink_net::sync::lock(&gw.closers, "closers").remove(&name);
             if let Some(t) = token {
                 tracing::info!(control_plane = %name, "closing connections of a removed control plane");
                 t.cancel();
@@ -521,7 +519,7 @@ pub(crate) struct SourceGuard<'a> {
 
 impl Sources {
     fn enter(&self, ip: IpAddr, max: u32) -> Option<SourceGuard<'_>> {
-        let mut m = self.counts.lock().ok()?;
+        let mut m = seedlink_net::sync::lock(&self.counts, "source counts");
         let n = m.entry(ip).or_insert(0);
         if *n >= max {
             return None;
@@ -533,7 +531,8 @@ impl Sources {
 
 impl Drop for SourceGuard<'_> {
     fn drop(&mut self) {
-        if let Ok(mut m) = self.sources.counts.lock() {
+        {
+            let mut m = seedlink_net::sync::lock(&self.sources.counts, "source counts");
             if let Some(n) = m.get_mut(&self.ip) {
                 *n -= 1;
                 if *n == 0 {

@@ -58,9 +58,48 @@ pub async fn serve(
 
 /// Encodes a registry in the text format.
 pub fn encode(registry: &prometheus_client::registry::Registry) -> String {
+    use prometheus_client::metrics::counter::ConstCounter;
+    // Every role's endpoint also says whether a bug poisoned a lock.
+    let mut process = prometheus_client::registry::Registry::default();
+    process.register(
+        "seedlink_lock_poisoned",
+        "Locks found poisoned (each is a bug: a thread panicked holding one)",
+        ConstCounter::new(crate::sync::poisoned()),
+    );
     let mut out = String::new();
-    if prometheus_client::encoding::text::encode(&mut out, registry).is_err() {
+    let mut tail = String::new();
+    if prometheus_client::encoding::text::encode(&mut out, registry).is_err()
+        || prometheus_client::encoding::text::encode(&mut tail, &process).is_err()
+    {
         out.clear();
+        return out;
     }
+    // One exposition: the first `# EOF` goes.
+    if let Some(body) = out.strip_suffix("# EOF\n") {
+        let n = body.len();
+        out.truncate(n);
+    }
+    out.push_str(&tail);
     out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn one_exposition_carries_the_roles_metrics_and_the_poisoned_lock_count() {
+        use prometheus_client::metrics::counter::Counter;
+        let mut r = prometheus_client::registry::Registry::with_prefix("seedlink_test");
+        let c: Counter = Counter::default();
+        c.inc();
+        r.register("things", "Things", c);
+        let text = super::encode(&r);
+        assert!(text.contains("seedlink_test_things_total 1\n"), "{text}");
+        assert!(
+            text.contains("# TYPE seedlink_lock_poisoned counter\n"),
+            "{text}"
+        );
+        assert!(text.contains("\nseedlink_lock_poisoned_total "), "{text}");
+        assert_eq!(text.matches("# EOF").count(), 1, "{text}");
+        assert!(text.ends_with("# EOF\n"));
+    }
 }

@@ -96,7 +96,8 @@ impl PipePool {
     /// `None` means the caller should copy through user space this time.
     pub fn get(&self) -> Option<Lease<'_>> {
         use std::sync::atomic::Ordering;
-        if let Ok(mut free) = self.free.lock() {
+        {
+            let mut free = crate::sync::lock(&self.free, "pipe pool");
             if let Some(pipe) = free.pop() {
                 return Some(Lease {
                     pipe: Some(pipe),
@@ -153,10 +154,8 @@ impl Drop for Lease<'_> {
     fn drop(&mut self) {
         let Some(pipe) = self.pipe.take() else { return };
         if self.in_flight == 0 {
-            if let Ok(mut free) = self.pool.free.lock() {
-                free.push(pipe);
-                return;
-            }
+            crate::sync::lock(&self.pool.free, "pipe pool").push(pipe);
+            return;
         }
         drop(pipe);
         self.pool

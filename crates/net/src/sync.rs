@@ -2,8 +2,8 @@
 //! thread panicked while holding it: a bug. Silently skipping the work the
 //! lock guards (the `if let Ok(..) = m.lock()` pattern) would turn that bug
 //! into lost connections nobody can explain. [`lock`] logs it at error
-//! level, counts it ([`poisoned`], exported as `seedlink_bugs_total` by the
-//! admin endpoints), clears the poison and carries on with the state, which
+//! level, counts it ([`poisoned`], exported as `seedlink_lock_poisoned_total`
+//! by every admin endpoint), clears the poison and carries on with the state, which
 //! every guarded structure here keeps consistent between statements.
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -39,7 +39,8 @@ impl Resolver {
     }
 
     async fn addresses(&self, deadline: Duration) -> io::Result<Vec<SocketAddr>> {
-        if let Ok(c) = self.cache.lock() {
+        {
+            let c = seedlink_net::sync::lock(&self.cache, "gateway addresses");
             if let Some((at, addrs)) = c.as_ref() {
                 if at.elapsed() < self.ttl && !addrs.is_empty() {
                     return Ok(addrs.clone());
@@ -65,9 +66,8 @@ impl Resolver {
                 "the gateway name resolved to no address",
             ));
         }
-        if let Ok(mut c) = self.cache.lock() {
-            *c = Some((Instant::now(), addrs.clone()));
-        }
+        *seedlink_net::sync::lock(&self.cache, "gateway addresses") =
+            Some((Instant::now(), addrs.clone()));
         Ok(addrs)
     }
 
@@ -93,9 +93,7 @@ impl Resolver {
             np.metrics.gateway_connect_failures.inc();
         }
         // A failed resolution result should not be reused.
-        if let Ok(mut c) = self.cache.lock() {
-            *c = None;
-        }
+        *seedlink_net::sync::lock(&self.cache, "gateway addresses") = None;
         Err(last)
     }
 }

@@ -49,7 +49,7 @@ impl FairQueue {
 
     /// Queues a control packet (dial, close, window update); never waits.
     pub fn control(&self, p: Packet) -> Result<(), Closed> {
-        let mut g = self.inner.lock().map_err(|_| Closed)?;
+        let mut g = crate::sync::lock(&self.inner, "fair queue");
         if g.closed {
             return Err(Closed);
         }
@@ -60,7 +60,7 @@ impl FairQueue {
     }
 
     fn room_for(&self, id: i64) -> Result<Arc<Semaphore>, Closed> {
-        let mut g = self.inner.lock().map_err(|_| Closed)?;
+        let mut g = crate::sync::lock(&self.inner, "fair queue");
         if g.closed {
             return Err(Closed);
         }
@@ -81,7 +81,7 @@ impl FairQueue {
         let room = self.room_for(id)?;
         let permit = room.acquire().await.map_err(|_| Closed)?;
         permit.forget();
-        let mut g = self.inner.lock().map_err(|_| Closed)?;
+        let mut g = crate::sync::lock(&self.inner, "fair queue");
         if g.closed {
             return Err(Closed);
         }
@@ -102,9 +102,7 @@ impl FairQueue {
     /// sent after the DATA it already queued, never before; then the
     /// connection's entry is removed. Without `last` only the entry goes.
     pub fn finish(&self, id: i64, last: Option<Packet>) {
-        let Ok(mut g) = self.inner.lock() else {
-            return;
-        };
+        let mut g = crate::sync::lock(&self.inner, "fair queue");
         if g.closed {
             return;
         }
@@ -126,12 +124,13 @@ impl FairQueue {
 
     /// Connections with an entry (for leak checks).
     pub fn conn_entries(&self) -> usize {
-        self.inner.lock().map(|g| g.conns.len()).unwrap_or(0)
+        crate::sync::lock(&self.inner, "fair queue").conns.len()
     }
 
     /// Ends the queue: senders fail, [`FairQueue::next`] returns `None`.
     pub fn close(&self) {
-        if let Ok(mut g) = self.inner.lock() {
+        {
+            let mut g = crate::sync::lock(&self.inner, "fair queue");
             g.closed = true;
             for (_, c) in g.conns.drain() {
                 c.room.close();
@@ -144,7 +143,7 @@ impl FairQueue {
     }
 
     fn pop(&self) -> Option<Option<Packet>> {
-        let mut g = self.inner.lock().ok()?;
+        let mut g = crate::sync::lock(&self.inner, "fair queue");
         if let Some(p) = g.control.pop_front() {
             return Some(Some(p));
         }

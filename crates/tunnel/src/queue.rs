@@ -124,10 +124,7 @@ impl QueueTx {
             self.shared.queued.fetch_sub(n, Ordering::AcqRel);
             return Err(PushError::Full(data));
         }
-        match self.shared.items.lock() {
-            Ok(mut q) => q.push_back(data),
-            Err(_) => return Err(PushError::Closed),
-        }
+        crate::sync::lock(&self.shared.items, "connection queue").push_back(data);
         self.shared.ready.notify_one();
         Ok(())
     }
@@ -193,12 +190,7 @@ impl QueueRx {
             if self.shared.aborted.load(Ordering::Acquire) {
                 return Recv::Aborted;
             }
-            let item = self
-                .shared
-                .items
-                .lock()
-                .ok()
-                .and_then(|mut q| q.pop_front());
+            let item = crate::sync::lock(&self.shared.items, "connection queue").pop_front();
             if let Some(data) = item {
                 self.shared.queued.fetch_sub(data.len(), Ordering::AcqRel);
                 self.shared.drained.notify_one();
@@ -207,12 +199,7 @@ impl QueueRx {
             if self.shared.closed.load(Ordering::Acquire) {
                 // Closed after the last push: re-check once for a push that
                 // raced with the close.
-                let item = self
-                    .shared
-                    .items
-                    .lock()
-                    .ok()
-                    .and_then(|mut q| q.pop_front());
+                let item = crate::sync::lock(&self.shared.items, "connection queue").pop_front();
                 return match item {
                     Some(data) => {
                         self.shared.queued.fetch_sub(data.len(), Ordering::AcqRel);

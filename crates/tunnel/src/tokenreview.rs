@@ -144,7 +144,8 @@ impl TokenReviewer {
         exp: Option<u64>,
     ) -> Result<(), TokenError> {
         let now = Instant::now();
-        if let Ok(cache) = self.cache.lock() {
+        {
+            let cache = crate::sync::lock(&self.cache, "token review cache");
             if let Some((until, answer)) = cache.get(token) {
                 if *until > now {
                     self.count("cached");
@@ -189,7 +190,8 @@ impl TokenReviewer {
             }
         };
         if let Some(ttl) = ttl.filter(|t| !t.is_zero()) {
-            if let Ok(mut cache) = self.cache.lock() {
+            {
+                let mut cache = crate::sync::lock(&self.cache, "token review cache");
                 if cache.len() >= CACHE_MAX {
                     cache.retain(|_, (until, _)| *until > now);
                     if cache.len() >= CACHE_MAX {

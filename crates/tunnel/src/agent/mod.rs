@@ -325,7 +325,7 @@ impl Agent {
 
     /// Streams open to server replicas.
     pub fn session_count(&self) -> usize {
-        self.sessions.lock().map(|s| s.len()).unwrap_or(0)
+        crate::sync::lock(&self.sessions, "agent sessions").len()
     }
 
     /// Ready: at least one server stream and not draining.
@@ -481,9 +481,7 @@ impl Agent {
                 == Some(flow::VERSION);
         let session = Arc::new(Session::new(server_id.clone(), tx, flow));
         let duplicate = {
-            let Ok(mut s) = self.sessions.lock() else {
-                anyhow::bail!("session table poisoned");
-            };
+            let mut s = crate::sync::lock(&self.sessions, "agent sessions");
             if s.contains_key(&server_id) {
                 true
             } else {
@@ -514,9 +512,7 @@ impl Agent {
         let agent = self.clone();
         tokio::spawn(async move {
             agent.serve_session(session.clone(), inbound).await;
-            if let Ok(mut s) = agent.sessions.lock() {
-                s.remove(&session.server_id);
-            }
+            crate::sync::lock(&agent.sessions, "agent sessions").remove(&session.server_id);
             // A GOAWAY too_many_pings slows our pings down for the next
             // connection.
             if goaway.code() == Some(crate::goaway::ENHANCE_YOUR_CALM) {
@@ -751,11 +747,10 @@ impl Agent {
     /// First SIGTERM: DRAIN to every server, no new connections to servers.
     pub fn drain(&self) {
         self.draining.store(true, Ordering::Release);
-        let sessions: Vec<_> = self
-            .sessions
-            .lock()
-            .map(|s| s.values().cloned().collect())
-            .unwrap_or_default();
+        let sessions: Vec<_> = crate::sync::lock(&self.sessions, "agent sessions")
+            .values()
+            .cloned()
+            .collect();
         for s in sessions {
             s.send_soon(Packet::drain());
         }

@@ -96,18 +96,14 @@ impl Gate {
 
     /// The limits in force.
     pub fn limits(&self) -> Limits {
-        self.bucket
-            .lock()
-            .map(|b| b.limits)
-            .unwrap_or(Limits::UNLIMITED)
+        crate::sync::lock(&self.bucket, "dial bucket").limits
     }
 
     /// Replaces the limits (configuration reload); open connections stay.
     pub fn set(&self, limits: Limits) {
-        if let Ok(mut b) = self.bucket.lock() {
-            b.tokens = b.tokens.min(limits.dial_burst.max(1.0));
-            b.limits = limits;
-        }
+        let mut b = crate::sync::lock(&self.bucket, "dial bucket");
+        b.tokens = b.tokens.min(limits.dial_burst.max(1.0));
+        b.limits = limits;
     }
 
     /// Tunneled connections holding a permit.
@@ -117,9 +113,7 @@ impl Gate {
 
     /// Admits one new dial at `now`, or says which limit refuses it.
     pub fn admit(&self, now: Instant) -> Result<ConnPermit, Limited> {
-        let Ok(mut b) = self.bucket.lock() else {
-            return Err(Limited::DialRate);
-        };
+        let mut b = crate::sync::lock(&self.bucket, "dial bucket");
         let l = b.limits;
         if l.max_connections > 0 && self.conns.load(Ordering::Acquire) >= l.max_connections {
             return Err(Limited::Connections);

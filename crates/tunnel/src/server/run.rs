@@ -351,11 +351,8 @@ impl TunnelServer {
                 .await;
             });
         }
-        let initial = self
-            .initial
-            .lock()
-            .ok()
-            .and_then(|mut i| i.take())
+        let initial = crate::sync::lock(&self.initial, "initial frontends")
+            .take()
             .unwrap_or_default();
         let mut running = self.running.lock().await;
         for f in initial {
