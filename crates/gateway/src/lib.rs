@@ -3,14 +3,14 @@
 //! A [`Gateway`] holds the configuration snapshot in force (swapped
 //! atomically on reload), the metrics, the copy engine and the lifecycle.
 //! [`Gateway::bind`] opens the sockets, [`Gateway::serve`] runs the accept
-//! loops and the admin endpoint, [`signals::Supervisor`] adds
-//! SIGHUP/SIGTERM handling and the file watcher.
+//! loops and the admin endpoint; [`Gateway::reload`] and [`Gateway::drain`]
+//! are what the process supervisor (`seedlink::supervisor`) calls on
+//! SIGHUP, file changes and SIGTERM.
 
 pub mod admin;
 mod conn;
 mod h2conn;
 pub mod metrics;
-pub mod signals;
 pub mod upstream;
 
 use std::collections::HashMap;
@@ -112,6 +112,11 @@ impl Bound {
 }
 
 impl Gateway {
+    /// The configuration file it re-reads on reload, if any.
+    pub fn config_path(&self) -> Option<&std::path::Path> {
+        self.config_path.as_deref()
+    }
+
     /// A gateway for `snapshot`; `config_path` is re-read on reload.
     pub fn new(snapshot: Snapshot, config_path: Option<PathBuf>) -> Arc<Gateway> {
         let nofile = seedlink_net::sockopt::raise_nofile_limit();

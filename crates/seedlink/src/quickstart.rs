@@ -82,7 +82,7 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
     std::fs::write(&config_path, &yaml)?;
     let snapshot = seedlink_config::load(&config_path, None).map_err(|e| anyhow::anyhow!("{e}"))?;
     let gw = Gateway::new(snapshot, Some(config_path.clone()));
-    let supervisor = seedlink_gateway::signals::Supervisor::install(gw.clone())?;
+    let supervisor = crate::supervisor::Supervisor::install()?;
     let bound = gw.bind(false)?;
     let tls_addr = bound.listeners[0].1[0].local_addr()?;
     let admin_addr = bound.admin.local_addr()?;
@@ -170,7 +170,8 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
         return Ok(if ok { 0 } else { 1 });
     }
     println!("\nThe gateway keeps running; try the curl commands above. Press Ctrl-C to stop.");
-    let code = supervisor.run().await;
+    let role = crate::roles::gateway::GatewayRole(gw.clone());
+    let code = supervisor.run(vec![std::sync::Arc::new(role)]).await;
     stop.cancel();
     drop(dir);
     Ok(code)

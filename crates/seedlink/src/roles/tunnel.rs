@@ -1,7 +1,7 @@
 //! `seedlink tunnel-server` and `seedlink tunnel-agent`.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -9,7 +9,9 @@ use seedlink_tunnel::agent::{Agent, AgentOptions, DEFAULT_DENY};
 use seedlink_tunnel::config::ServerConfig;
 use seedlink_tunnel::grpc::H2Settings;
 use seedlink_tunnel::server::run::TunnelServer;
-use tokio::signal::unix::{signal, SignalKind};
+
+use super::secs;
+use crate::supervisor::{BoxFut, Role, Supervisor};
 
 /// `seedlink tunnel-agent` options.
 #[derive(clap::Args, Debug)]
@@ -76,11 +78,6 @@ pub struct AgentArgs {
     pub drain: f64,
 }
 
-fn secs(v: f64, what: &str) -> anyhow::Result<Duration> {
-    Duration::try_from_secs_f64(v)
-        .map_err(|_| anyhow::anyhow!("--{what}: {v} is not a valid number of seconds"))
-}
-
 /// Content hash of the configuration file and every file it names (a
 /// missing file hashes as missing).
 pub fn fingerprint(config: &std::path::Path, cfg: &ServerConfig) -> u64 {
@@ -110,7 +107,7 @@ fn current_fingerprint(config: &std::path::Path) -> u64 {
 
 /// Reloads from `config`; logs what changed or why nothing did. Returns
 /// the new fingerprint if the reload was applied.
-async fn reload(srv: &Arc<TunnelServer>, config: &std::path::Path) -> Option<u64> {
+async fn reload_from(srv: &Arc<TunnelServer>, config: &std::path::Path) -> Option<u64> {
     let parsed = std::fs::read_to_string(config)
         .with_context(|| format!("reading {}", config.display()))
         .and_then(|t| ServerConfig::parse(&t).with_context(|| format!("{}", config.display())));
@@ -141,94 +138,154 @@ async fn reload(srv: &Arc<TunnelServer>, config: &std::path::Path) -> Option<u64
     }
 }
 
-/// Runs the tunnel server until SIGTERM/SIGINT (drain up to `drain`
-/// seconds), a second one (exit 1). SIGHUP, or a change of the
-/// configuration or a file it names (checked every `reload_interval`
-/// seconds; 0 = only on SIGHUP), reloads it.
-pub async fn server(config: PathBuf, drain: f64, reload_interval: f64) -> anyhow::Result<i32> {
-    let text = std::fs::read_to_string(&config)
-        .with_context(|| format!("reading {}", config.display()))?;
-    let cfg = ServerConfig::parse(&text).with_context(|| format!("{}", config.display()))?;
-    let srv = TunnelServer::from_config(&cfg)?;
-    let bound = srv.start().await?;
-    let frontends: serde_json::Map<String, serde_json::Value> = bound
-        .frontends
-        .iter()
-        .map(|(k, v)| (k.clone(), v.clone().into()))
-        .collect();
-    println!(
-        "{}",
-        serde_json::json!({
-            "event": "ready",
-            "agents": bound.agents.to_string(),
-            "admin": bound.admin.map(|a| a.to_string()),
-            "frontends": frontends,
-            "server_id": srv.server_id,
+/// What a tunnel-server is started with.
+#[derive(Debug, Clone)]
+pub struct TunnelServerOptions {
+    /// Its configuration file.
+    pub config: PathBuf,
+    /// Drain deadline: open frontend connections may finish within it.
+    pub drain: Duration,
+}
+
+/// A started tunnel-server as the supervisor sees it.
+pub struct ServerRole {
+    /// The server.
+    pub srv: Arc<TunnelServer>,
+    bound: seedlink_tunnel::server::run::Bound,
+    opts: TunnelServerOptions,
+    /// Fingerprint of the files the running configuration came from.
+    seen: Mutex<u64>,
+    /// Files the running configuration names (watched).
+    files: Mutex<Vec<PathBuf>>,
+}
+
+impl ServerRole {
+    /// Reads the configuration (every file it names), binds every listener.
+    pub async fn start(opts: TunnelServerOptions) -> anyhow::Result<ServerRole> {
+        let text = std::fs::read_to_string(&opts.config)
+            .with_context(|| format!("reading {}", opts.config.display()))?;
+        let cfg =
+            ServerConfig::parse(&text).with_context(|| format!("{}", opts.config.display()))?;
+        let srv = TunnelServer::from_config(&cfg)?;
+        let bound = srv.start().await?;
+        Ok(ServerRole {
+            srv,
+            bound,
+            seen: Mutex::new(fingerprint(&opts.config, &cfg)),
+            files: Mutex::new(cfg.files()),
+            opts,
         })
-    );
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let stop = tokio_util::sync::CancellationToken::new();
-    let watcher = tokio::spawn(watch(
-        srv.clone(),
-        config.clone(),
-        fingerprint(&config, &cfg),
-        secs(reload_interval, "reload-interval")?,
-        stop.clone(),
-    ));
-    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
-    stop.cancel();
-    let _ = watcher.await;
-    tracing::info!("draining");
-    tokio::select! {
-        () = srv.stop(secs(drain, "drain")?) => Ok(0),
-        _ = term.recv() => Ok(1),
-        _ = int.recv() => Ok(1),
+    }
+
+    /// The bound addresses, for the ready line.
+    pub fn ready_line(&self) -> serde_json::Value {
+        let frontends: serde_json::Map<String, serde_json::Value> = self
+            .bound
+            .frontends
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone().into()))
+            .collect();
+        serde_json::json!({
+            "agents": self.bound.agents.to_string(),
+            "admin": self.bound.admin.map(|a| a.to_string()),
+            "frontends": frontends,
+            "server_id": self.srv.server_id,
+        })
     }
 }
 
-/// Reloads `srv` on SIGHUP and whenever the configuration or a file it
-/// names changes (checked every `every`; zero: SIGHUP only), until `stop`.
-pub async fn watch(
-    srv: Arc<TunnelServer>,
-    config: PathBuf,
-    mut seen: u64,
-    every: Duration,
-    stop: tokio_util::sync::CancellationToken,
-) {
-    let Ok(mut hup) = signal(SignalKind::hangup()) else {
-        tracing::warn!("cannot listen for SIGHUP; reloads only on file changes");
-        return;
-    };
-    let mut tick = tokio::time::interval(if every.is_zero() {
-        Duration::from_secs(3600)
-    } else {
-        every
-    });
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            () = stop.cancelled() => return,
-            _ = hup.recv() => {
-                tracing::info!("SIGHUP: reloading the tunnel-server configuration");
-                seen = reload(&srv, &config).await.unwrap_or(seen);
+impl Role for ServerRole {
+    fn name(&self) -> &'static str {
+        "tunnel-server"
+    }
+
+    fn files(&self) -> Vec<PathBuf> {
+        let mut f = vec![self.opts.config.clone()];
+        f.extend(
+            seedlink_net::sync::lock(&self.files, "tunnel files")
+                .iter()
+                .cloned(),
+        );
+        f
+    }
+
+    fn reload(&self, forced: bool) -> BoxFut<'_, ()> {
+        Box::pin(async move {
+            let config = &self.opts.config;
+            let now = current_fingerprint(config);
+            let seen = *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint");
+            // Kubernetes touches files without changing them; contents
+            // decide, unless SIGHUP asked.
+            if !forced && now == seen {
+                return;
             }
-            _ = tick.tick(), if !every.is_zero() => {
-                // The files are read again only if the configuration or a
-                // file it names changed (Kubernetes swaps Secret volumes by
-                // a symlink, so contents are compared, not events).
-                let now = current_fingerprint(&config);
-                if now != seen {
-                    seen = reload(&srv, &config).await.unwrap_or(now);
+            let applied = reload_from(&self.srv, config).await;
+            *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint") = applied.unwrap_or(now);
+            if applied.is_some() {
+                if let Ok(cfg) = std::fs::read_to_string(config)
+                    .map_err(|e| e.to_string())
+                    .and_then(|t| ServerConfig::parse(&t).map_err(|e| e.to_string()))
+                {
+                    *seedlink_net::sync::lock(&self.files, "tunnel files") = cfg.files();
                 }
             }
-        }
+        })
+    }
+
+    fn drain(&self) -> BoxFut<'_, ()> {
+        Box::pin(self.srv.stop(self.opts.drain))
     }
 }
 
-/// Runs the tunnel agent: first SIGTERM drains, the second (or the drain
-/// deadline) exits.
+/// Runs `seedlink tunnel-server` until drained; returns the exit code.
+pub async fn server(opts: TunnelServerOptions) -> anyhow::Result<i32> {
+    let supervisor = Supervisor::install()?;
+    let role = ServerRole::start(opts).await?;
+    let mut ready = role.ready_line();
+    ready["event"] = "ready".into();
+    println!("{ready}");
+    Ok(supervisor.run(vec![Arc::new(role)]).await)
+}
+
+/// A running agent as the supervisor sees it.
+struct AgentRole {
+    agent: Arc<Agent>,
+    drain: Duration,
+}
+
+impl Role for AgentRole {
+    fn name(&self) -> &'static str {
+        "tunnel-agent"
+    }
+
+    fn files(&self) -> Vec<PathBuf> {
+        // The token is read again on every connection to a server; the
+        // flags and certificates are read at start (a restart applies them).
+        Vec::new()
+    }
+
+    fn reload(&self, forced: bool) -> BoxFut<'_, ()> {
+        if forced {
+            tracing::info!("SIGHUP ignored: the tunnel-agent reads its token on every connection, its flags and certificates at start (restart to change them)");
+        }
+        Box::pin(async {})
+    }
+
+    fn drain(&self) -> BoxFut<'_, ()> {
+        Box::pin(async move {
+            tracing::info!("draining: DRAIN sent to every server");
+            self.agent.drain();
+            // Servers stop sending new dials; open connections may finish
+            // within the deadline.
+            tokio::time::sleep(self.drain).await;
+            self.agent.shutdown.cancel();
+        })
+    }
+}
+
+/// Runs the tunnel agent until drained; returns the exit code.
 pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
+    let supervisor = Supervisor::install()?;
     let host = a
         .server
         .rsplit_once(':')
@@ -302,17 +359,9 @@ pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
         "{}",
         serde_json::json!({"event": "ready", "admin": admin_addr.to_string(), "agent_id": agent.opts.agent_id})
     );
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
-    tracing::info!("draining: DRAIN sent to every server");
-    agent.drain();
-    let deadline = secs(a.drain, "drain")?;
-    tokio::select! {
-        () = tokio::time::sleep(deadline) => {}
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    agent.shutdown.cancel();
-    Ok(0)
+    let role = AgentRole {
+        agent,
+        drain: secs(a.drain, "drain")?,
+    };
+    Ok(supervisor.run(vec![Arc::new(role)]).await)
 }

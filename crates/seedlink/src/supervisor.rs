@@ -1,0 +1,138 @@
+//! The one supervisor of a seedlink process, whatever roles it runs: it owns
+//! the signals, the configuration watcher and the order of the drain. A
+//! role (gateway, tunnel-server, tunnel-agent, node-proxy; `seed` runs two)
+//! only says which files it reads, how it reloads and how it drains.
+//!
+//! | event | effect |
+//! |---|---|
+//! | SIGHUP | every role re-reads its configuration |
+//! | a watched file changes | every role reloads; a role whose inputs did not really change does nothing |
+//! | SIGTERM, SIGINT | drain: each role in turn stops being ready, stops accepting, lets open work finish within its deadline, closes the rest; exit 0 |
+//! | second SIGTERM/SIGINT | exit 1 at once |
+//!
+//! Files are watched by their directories with inotify (see
+//! `seedlink_config::watch`), never polled; the watch is renewed after each
+//! reload, since a reload may name other files (a new certificate path).
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::signal::unix::{signal, Signal, SignalKind};
+use tokio::sync::mpsc;
+
+/// A boxed future, for the object-safe [`Role`].
+pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What the supervisor needs of a running role.
+pub trait Role: Send + Sync {
+    /// Its name, for logs.
+    fn name(&self) -> &'static str;
+    /// The files whose change reloads it: its configuration and every file
+    /// that names (certificates, keys, CAs, secrets). Empty: none.
+    fn files(&self) -> Vec<PathBuf>;
+    /// Re-reads its configuration; `forced` (SIGHUP) reloads even if the
+    /// files look unchanged. Logs and counts the outcome itself; a bad
+    /// configuration changes nothing.
+    fn reload(&self, forced: bool) -> BoxFut<'_, ()>;
+    /// Drains within its own deadline, then ends its work.
+    fn drain(&self) -> BoxFut<'_, ()>;
+}
+
+/// The installed signal handlers; install before reporting ready so that
+/// no signal is missed.
+pub struct Supervisor {
+    hup: Signal,
+    term: Signal,
+    int: Signal,
+}
+
+/// The watch and its events; without a watch (it could not be set up, or
+/// no role has files) the channel never yields.
+struct Watch {
+    _watch: Option<seedlink_config::watch::FileWatch>,
+    changes: mpsc::Receiver<()>,
+}
+
+impl Watch {
+    fn of(roles: &[Arc<dyn Role>]) -> Watch {
+        let files: Vec<PathBuf> = roles.iter().flat_map(|r| r.files()).collect();
+        if files.is_empty() {
+            return Watch {
+                _watch: None,
+                changes: mpsc::channel(1).1,
+            };
+        }
+        match seedlink_config::watch::watch_all(&files) {
+            Ok((w, changes)) => Watch {
+                _watch: Some(w),
+                changes,
+            },
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot watch the configuration files; reload with SIGHUP");
+                Watch {
+                    _watch: None,
+                    changes: mpsc::channel(1).1,
+                }
+            }
+        }
+    }
+}
+
+impl Supervisor {
+    /// Installs the SIGHUP, SIGTERM and SIGINT handlers. Must be called
+    /// inside a tokio runtime.
+    pub fn install() -> std::io::Result<Supervisor> {
+        Ok(Supervisor {
+            hup: signal(SignalKind::hangup())?,
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    /// Serves `roles` until SIGTERM/SIGINT, then drains them in order.
+    /// Returns the exit code: 0 after a drain, 1 on a second signal.
+    pub async fn run(mut self, roles: Vec<Arc<dyn Role>>) -> i32 {
+        let mut watch = Watch::of(&roles);
+        loop {
+            let forced = tokio::select! {
+                _ = self.hup.recv() => true,
+                Some(()) = watch.changes.recv() => {
+                    // Editors and kubelet write in several steps; let the
+                    // burst settle, then reload once.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    while watch.changes.try_recv().is_ok() {}
+                    false
+                }
+                _ = self.term.recv() => break,
+                _ = self.int.recv() => break,
+            };
+            if forced {
+                tracing::info!("SIGHUP: reloading");
+            }
+            for r in &roles {
+                r.reload(forced).await;
+            }
+            // A reload may name other files; the new watch starts before
+            // the old one stops.
+            let renewed = Watch::of(&roles);
+            watch = renewed;
+        }
+        for r in &roles {
+            tracing::info!(role = r.name(), "draining");
+            tokio::select! {
+                () = r.drain() => tracing::info!(role = r.name(), "drained"),
+                _ = self.term.recv() => return second_signal(),
+                _ = self.int.recv() => return second_signal(),
+            }
+        }
+        0
+    }
+}
+
+fn second_signal() -> i32 {
+    tracing::warn!("second signal; exiting now");
+    1
+}

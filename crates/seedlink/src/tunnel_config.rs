@@ -1,0 +1,92 @@
+//! `seedlink tunnel-config`: kube-apiserver's EgressSelectorConfiguration
+//! and the agents' command lines for one cluster, rendered by
+//! [`crate::egress`] from a tunnel-server configuration.
+
+use std::path::PathBuf;
+
+/// `seedlink tunnel-config` options.
+#[derive(clap::Args)]
+pub struct TunnelConfigArgs {
+    /// The tunnel-server configuration (YAML).
+    #[arg(long, short)]
+    pub config: PathBuf,
+    /// The cluster.
+    #[arg(long)]
+    pub cluster: String,
+    /// The frontend kube-apiserver uses (default: the cluster's first
+    /// http-connect or grpc frontend).
+    #[arg(long)]
+    pub frontend: Option<String>,
+    /// Where agents reach the server (or the gateway in front of it),
+    /// `host:port` (default: the agent endpoint, unless it is a wildcard).
+    #[arg(long)]
+    pub agent_server: Option<String>,
+    /// TLS server name the agents ask for (default: the host of --agent-server).
+    #[arg(long)]
+    pub server_name: Option<String>,
+    /// CA bundle path as kube-apiserver sees it (TCP+mTLS frontends).
+    #[arg(long, default_value = "/etc/kubernetes/tunnel/ca.crt")]
+    pub kas_ca: PathBuf,
+    /// kube-apiserver's client certificate path (TCP+mTLS frontends).
+    #[arg(long, default_value = "/etc/kubernetes/tunnel/client.crt")]
+    pub kas_cert: PathBuf,
+    /// Its key path.
+    #[arg(long, default_value = "/etc/kubernetes/tunnel/client.key")]
+    pub kas_key: PathBuf,
+    /// The server's CA path as the agent sees it.
+    #[arg(long, default_value = "/etc/seedlink/tunnel-ca.crt")]
+    pub agent_ca_cert: PathBuf,
+    /// The agent's client certificate path (clusters trusting a CA).
+    #[arg(long, default_value = "/etc/seedlink/agent.crt")]
+    pub agent_cert: PathBuf,
+    /// Its key path.
+    #[arg(long, default_value = "/etc/seedlink/agent.key")]
+    pub agent_key: PathBuf,
+    /// The agent's projected token path (clusters trusting tokens).
+    #[arg(
+        long,
+        default_value = "/var/run/secrets/tokens/konnectivity-agent-token"
+    )]
+    pub agent_token: PathBuf,
+    /// Write egress-selector-configuration.yaml, tunnel-agent.args and
+    /// proxy-agent.args into this directory instead of printing.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// Prints (or writes) the files for one cluster; returns the exit code.
+pub fn tunnel_config(a: TunnelConfigArgs) -> anyhow::Result<i32> {
+    use anyhow::Context;
+    let text = std::fs::read_to_string(&a.config)
+        .with_context(|| format!("reading {}", a.config.display()))?;
+    let cfg = seedlink_tunnel::config::ServerConfig::parse(&text)
+        .with_context(|| format!("{}", a.config.display()))?;
+    // What it prints must work: a CA or key that does not exist is an error.
+    let missing = cfg.check_files();
+    if !missing.is_empty() {
+        anyhow::bail!("{}: {}", a.config.display(), missing.join("; "));
+    }
+    let opts = crate::egress::Options {
+        cluster: a.cluster,
+        frontend: a.frontend,
+        agent_server: a.agent_server,
+        server_name: a.server_name,
+        kas_ca: a.kas_ca,
+        kas_cert: a.kas_cert,
+        kas_key: a.kas_key,
+        agent_ca_cert: a.agent_ca_cert,
+        agent_cert: a.agent_cert,
+        agent_key: a.agent_key,
+        agent_token: a.agent_token,
+    };
+    let r = crate::egress::render(&cfg, &opts)?;
+    match a.out {
+        Some(dir) => {
+            for f in r.write(&dir)? {
+                println!("wrote {}", f.display());
+            }
+        }
+        None => print!("{}", r.text()),
+    }
+    Ok(0)
+}
