@@ -7,6 +7,7 @@
 //! Nothing the client sends is forwarded before the gateway's `200`.
 
 pub mod admin;
+pub mod config;
 pub mod netif;
 pub mod tunnel;
 

@@ -10,19 +10,68 @@ pub enum ConfigRole {
     Gateway,
     /// `seedlink tunnel-server` (and the tunnel of `seedlink seed`).
     TunnelServer,
+    /// `seedlink tunnel-agent --config`.
+    TunnelAgent,
+    /// `seedlink node-proxy --config`.
+    NodeProxy,
 }
 
-/// A tunnel-server file has `clusters` or `agents` at the top; a gateway
-/// file never does.
+/// Told from the top-level keys, which no two roles share: a tunnel-server
+/// file has `clusters` or `agents`, an agent's has `ca_cert`, a
+/// node-proxy's has `address`; anything else is a gateway's.
 fn detect_role(text: &str) -> ConfigRole {
     match serde_norway::from_str::<serde_norway::Value>(text) {
-        Ok(serde_norway::Value::Mapping(m))
-            if m.contains_key("clusters") || m.contains_key("agents") =>
-        {
-            ConfigRole::TunnelServer
+        Ok(serde_norway::Value::Mapping(m)) => {
+            if m.contains_key("clusters") || m.contains_key("agents") {
+                ConfigRole::TunnelServer
+            } else if m.contains_key("ca_cert") {
+                ConfigRole::TunnelAgent
+            } else if m.contains_key("address") {
+                ConfigRole::NodeProxy
+            } else {
+                ConfigRole::Gateway
+            }
         }
         _ => ConfigRole::Gateway,
     }
+}
+
+/// `path: message` lines of a list of problems.
+fn lines(errs: &[seedlink_config::ConfigError]) -> Vec<String> {
+    errs.iter()
+        .map(|e| {
+            if e.path.is_empty() {
+                e.message.clone()
+            } else {
+                format!("{}: {}", e.path, e.message)
+            }
+        })
+        .collect()
+}
+
+/// An agent file: parsed, every key checked, every file read.
+fn check_agent_file(text: &str) -> Result<String, Vec<String>> {
+    use seedlink_tunnel::agent::config::AgentConfig;
+    let cfg = AgentConfig::parse(text).map_err(|e| lines(&e.0))?;
+    let errs = cfg.check();
+    if !errs.is_empty() {
+        return Err(lines(&errs));
+    }
+    Ok(format!("tunnel-agent: server {}", cfg.server))
+}
+
+/// A node-proxy file: parsed and every key checked.
+fn check_node_proxy_file(text: &str) -> Result<String, Vec<String>> {
+    use seedlink_node_proxy::config::NodeProxyConfig;
+    let cfg = NodeProxyConfig::parse(text).map_err(|e| lines(&e.0))?;
+    let errs = cfg.check();
+    if !errs.is_empty() {
+        return Err(lines(&errs));
+    }
+    Ok(format!(
+        "node-proxy: {}:{} → {} ({})",
+        cfg.address, cfg.port, cfg.gateway, cfg.mode
+    ))
 }
 
 /// Checks `file` as `role`'s configuration: prints a summary and returns 0
@@ -39,6 +88,21 @@ pub fn check_config(file: &std::path::Path, role: ConfigRole) -> i32 {
         r => r,
     };
     let problems: Vec<String> = match role {
+        ConfigRole::TunnelAgent | ConfigRole::NodeProxy => {
+            let checked = std::fs::read_to_string(file)
+                .map_err(|e| vec![format!("cannot read it: {e}")])
+                .and_then(|text| match role {
+                    ConfigRole::TunnelAgent => check_agent_file(&text),
+                    _ => check_node_proxy_file(&text),
+                });
+            match checked {
+                Ok(summary) => {
+                    println!("{}: valid ({summary})", file.display());
+                    return 0;
+                }
+                Err(p) => p,
+            }
+        }
         ConfigRole::TunnelServer => match check_tunnel_file(file) {
             Ok(summary) => {
                 println!("{}: valid (tunnel-server: {summary})", file.display());
@@ -57,17 +121,7 @@ pub fn check_config(file: &std::path::Path, role: ConfigRole) -> i32 {
                 );
                 return 0;
             }
-            Err(errors) => errors
-                .0
-                .iter()
-                .map(|e| {
-                    if e.path.is_empty() {
-                        e.message.clone()
-                    } else {
-                        format!("{}: {}", e.path, e.message)
-                    }
-                })
-                .collect(),
+            Err(errors) => lines(&errors.0),
         },
     };
     eprintln!("{}: {} problem(s)", file.display(), problems.len());

@@ -77,8 +77,9 @@ enum Command {
     CheckConfig {
         /// Configuration file (YAML).
         file: PathBuf,
-        /// Whose file it is: `gateway` or `tunnel-server`; by default told
-        /// from its top-level keys (`clusters`/`agents` → tunnel-server).
+        /// Whose file it is: `gateway`, `tunnel-server`, `tunnel-agent` or
+        /// `node-proxy` (`seed` reads a gateway and a tunnel-server file);
+        /// by default told from its top-level keys.
         #[arg(long, default_value = "auto")]
         role: ConfigRole,
     },

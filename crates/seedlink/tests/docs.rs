@@ -5,6 +5,9 @@
 //! - `gateway-part`: top-level keys of a gateway configuration, completed
 //!   with a minimal listener and control plane where the block has none;
 //! - `tunnel` / `tunnel-part`: the same for a tunnel-server configuration;
+//! - `tunnel-agent`, `node-proxy`: a whole `--config` file of that role,
+//!   every value checked (the files it names are not read: they are paths
+//!   on a node);
 //! - `other`: not a seedlink configuration (Kubernetes objects, Prometheus),
 //!   parsed as YAML only.
 //!
@@ -96,6 +99,29 @@ fn check_tunnel(text: &str) -> Result<(), String> {
         .map_err(|e| format!("{e:#}"))
 }
 
+fn problems(errs: Vec<seedlink_config::ConfigError>) -> Result<(), String> {
+    if errs.is_empty() {
+        return Ok(());
+    }
+    Err(errs
+        .iter()
+        .map(|e| format!("{}: {}", e.path, e.message))
+        .collect::<Vec<_>>()
+        .join("; "))
+}
+
+fn check_agent(text: &str) -> Result<(), String> {
+    let cfg =
+        seedlink_tunnel::agent::config::AgentConfig::parse(text).map_err(|e| e.to_string())?;
+    problems(cfg.check_values())
+}
+
+fn check_node_proxy(text: &str) -> Result<(), String> {
+    let cfg =
+        seedlink_node_proxy::config::NodeProxyConfig::parse(text).map_err(|e| e.to_string())?;
+    problems(cfg.check())
+}
+
 #[test]
 fn every_yaml_example_in_the_docs_is_valid() {
     let all = blocks();
@@ -107,6 +133,8 @@ fn every_yaml_example_in_the_docs_is_valid() {
             "gateway-part" => check_gateway(&complete(GATEWAY_BASE, text)),
             "tunnel" => check_tunnel(text),
             "tunnel-part" => check_tunnel(&complete(TUNNEL_BASE, text)),
+            "tunnel-agent" => check_agent(text),
+            "node-proxy" => check_node_proxy(text),
             "other" => serde_norway::from_str::<Value>(text)
                 .map(|_| ())
                 .map_err(|e| e.to_string()),

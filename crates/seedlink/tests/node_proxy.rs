@@ -139,24 +139,31 @@ control_planes:
     .await;
 
     // GEP-08 legacy: PROXY v2 to the legacy port, routed by destination.
+    // This node-proxy reads a configuration file (`--config`), which
+    // `check-config` accepts as a node-proxy's.
+    let file = gw.dir.path().join("node-proxy.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "link_kind: none\naddress: 127.0.0.67\nport: {legacy_port}\nadmin: '127.0.0.1:0'\n\
+             mode: proxy-v2\ngateway: '{}'\n",
+            gw.listener("legacy")
+        ),
+    )
+    .unwrap();
+    let check = Command::new(env!("CARGO_BIN_EXE_seedlink"))
+        .arg("check-config")
+        .arg(&file)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        check.status.success() && said.contains("valid (node-proxy"),
+        "{said}"
+    );
     let legacy = Command::new(env!("CARGO_BIN_EXE_seedlink"))
-        .args([
-            "node-proxy",
-            "--link-kind",
-            "none",
-            "--address",
-            "127.0.0.67",
-            "--port",
-            &legacy_port.to_string(),
-            "--admin",
-            "127.0.0.1:0",
-        ])
-        .args([
-            "--mode",
-            "proxy-v2",
-            "--gateway",
-            &gw.listener("legacy").to_string(),
-        ])
+        .args(["node-proxy", "--config"])
+        .arg(&file)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();

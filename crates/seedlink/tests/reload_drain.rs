@@ -437,3 +437,62 @@ clusters:
     assert!(err.contains("server_count"), "{err}");
     assert!(err.contains("clusters[0] (a).frontends[0] (kas)"), "{err}");
 }
+
+/// `check-config` validates the files of the tunnel-agent and the
+/// node-proxy too (told from their keys): a broken file of each is refused
+/// with every problem and its key, including a CA file that does not exist.
+#[test]
+fn check_config_validates_agent_and_node_proxy_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let run = |f: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_seedlink"))
+            .arg("check-config")
+            .arg(f)
+            .output()
+            .unwrap()
+    };
+    let agent = d.join("agent.yaml");
+    std::fs::write(
+        &agent,
+        "server: tunnel.example\nca_cert: /nonexistent/ca.pem\nagent_cert: /nonexistent/a.pem\n\
+         sync_interval: 5s\nsync_interval_cap: 1s\n",
+    )
+    .unwrap();
+    let out = run(&agent);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in [
+        "4 problem(s)",
+        "server: \"tunnel.example\" is not host:port",
+        "ca_cert: /nonexistent/ca.pem",
+        "agent_cert: agent_cert and agent_key go together",
+        "sync_interval_cap: must be at least sync_interval",
+    ] {
+        assert!(err.contains(needle), "missing {needle:?} in:\n{err}");
+    }
+    // An unknown key is refused with its line.
+    std::fs::write(&agent, "server: a:1\nca_cert: /x\nflow_contrl: false\n").unwrap();
+    let err = String::from_utf8_lossy(&run(&agent).stderr).into_owned();
+    assert!(
+        err.contains("flow_contrl") && err.contains("line 3"),
+        "{err}"
+    );
+    let np = d.join("node-proxy.yaml");
+    std::fs::write(
+        &np,
+        "address: 10.0.0.1\ngateway: seed.example\nlink_kind: tun\nmode: connect\n",
+    )
+    .unwrap();
+    let out = run(&np);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    for needle in [
+        "3 problem(s)",
+        "gateway: \"seed.example\" is not host:port",
+        "destination: needed in connect mode",
+        "link_kind: \"tun\" is not dummy, bridge, existing or none",
+    ] {
+        assert!(err.contains(needle), "missing {needle:?} in:\n{err}");
+    }
+}

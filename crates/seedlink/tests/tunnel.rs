@@ -485,7 +485,9 @@ async fn grpcio_frontend_and_grpcio_agent_interoperate() {
 /// The agent reaches the tunnel-server through seedlink's SNI gateway (no
 /// LoadBalancer of its own): the gateway routes the agent's TLS by its SNI
 /// without terminating it, so the client certificate still decides the
-/// cluster; the agent also offers an extra ALPN protocol.
+/// cluster; the agent also offers an extra ALPN protocol. The agent reads
+/// its configuration from a file (`--config`), which `check-config`
+/// accepts as a tunnel-agent's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_reach_the_tunnel_server_through_the_sni_gateway() {
     let env = TunnelEnv::new(54);
@@ -505,7 +507,18 @@ control_planes:
     )
     .unwrap();
     let _gw = env.gateway(&cfg);
-    let agent = env.agent(&gw_addr, &["--alpn-proto", "konnectivity"]);
+    let file = env.agent_file(&gw_addr, "alpn_proto: [konnectivity]\n");
+    let check = std::process::Command::new(env!("CARGO_BIN_EXE_seedlink"))
+        .arg("check-config")
+        .arg(&file)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        check.status.success() && said.contains("valid (tunnel-agent"),
+        "{said}"
+    );
+    let agent = env.agent_from_file(&file);
     let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
     assert!(fetch_hello(s).await.contains("hello from the shoot"));
     assert_eq!(

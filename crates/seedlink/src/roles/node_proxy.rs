@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use seedlink_node_proxy::config::NodeProxyConfig;
 use seedlink_node_proxy::NodeProxy;
 
 use super::secs;
@@ -11,15 +12,21 @@ use crate::supervisor::{BoxFut, Role, Supervisor};
 /// `seedlink node-proxy` options.
 #[derive(clap::Args)]
 pub struct NodeProxyArgs {
+    /// Read the whole configuration from this YAML file instead of flags
+    /// (keys are the flags' names with `_`; see docs/CONFIGURATION.md).
+    #[arg(long, conflicts_with_all = ["address", "port", "gateway", "mode", "destination", "header",
+        "authority", "admin", "max_connections", "connect_timeout", "drain", "interface",
+        "link_kind", "resync"])]
+    pub config: Option<std::path::PathBuf>,
     /// The advertised kube-apiserver address to listen on (IPv4 or IPv6).
-    #[arg(long)]
-    pub address: std::net::IpAddr,
+    #[arg(long, required_unless_present = "config")]
+    pub address: Option<std::net::IpAddr>,
     /// Port to listen on.
     #[arg(long, default_value_t = 443)]
     pub port: u16,
     /// The gateway, `host:port`; a DNS name (a trailing dot is fine) is re-resolved.
-    #[arg(long)]
-    pub gateway: String,
+    #[arg(long, required_unless_present = "config")]
+    pub gateway: Option<String>,
     /// How to reach the gateway: `connect` (HTTP/1.1 CONNECT, GEP-30), `http2-connect` (streams on one
     /// shared h2c connection), `proxy-v2` or `proxy-v1` (GEP-08 legacy port).
     #[arg(long, default_value = "connect")]
@@ -87,71 +94,56 @@ impl Role for NodeProxyRole {
     }
 }
 
+impl NodeProxyArgs {
+    /// The configuration these flags (or the `--config` file) describe.
+    pub fn model(&self) -> anyhow::Result<NodeProxyConfig> {
+        if let Some(path) = &self.config {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
+            return NodeProxyConfig::parse(&text)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()));
+        }
+        Ok(NodeProxyConfig {
+            address: self
+                .address
+                .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)),
+            port: self.port,
+            gateway: self.gateway.clone().unwrap_or_default(),
+            mode: self.mode.clone(),
+            destination: self.destination.clone(),
+            header: self.header.clone(),
+            authority: self.authority.clone(),
+            admin: self.admin,
+            max_connections: self.max_connections,
+            connect_timeout: secs(self.connect_timeout, "connect-timeout")?,
+            drain: secs(self.drain, "drain")?,
+            interface: self.interface.clone(),
+            link_kind: self.link_kind.clone(),
+            resync: secs(self.resync, "resync")?,
+        })
+    }
+}
+
 /// Runs `seedlink node-proxy` until drained; returns the exit code.
 pub async fn run(a: NodeProxyArgs) -> anyhow::Result<i32> {
     let supervisor = Supervisor::install()?;
-    use seedlink_node_proxy::{Mode, NodeProxy, Options};
-    let mode = match a.mode.as_str() {
-        "connect" => Mode::Connect,
-        "http2-connect" => Mode::Http2Connect,
-        "proxy-v2" => Mode::ProxyV2,
-        "proxy-v1" => Mode::ProxyV1,
-        other => {
-            anyhow::bail!("--mode: {other:?} is not connect, http2-connect, proxy-v2 or proxy-v1")
-        }
-    };
-    let destination = a.destination.clone().unwrap_or_default();
-    if matches!(mode, Mode::Connect | Mode::Http2Connect) {
-        if let Err(why) = seedlink_proto_destination(&destination) {
-            anyhow::bail!("--destination {destination:?}: {why}");
-        }
-    }
-    let (gw_host, _) = a
-        .gateway
-        .rsplit_once(':')
-        .ok_or_else(|| anyhow::anyhow!("--gateway {:?} is not host:port", a.gateway))?;
-    let authority = a
-        .authority
-        .clone()
-        .unwrap_or_else(|| format!("{gw_host}:443"));
-    let opts = Options {
-        gateway: a.gateway.clone(),
-        mode,
-        header: (a.header.clone(), destination),
-        authority,
-        connect_timeout: secs(a.connect_timeout, "connect-timeout")?,
-        handshake_timeout: std::time::Duration::from_secs(10),
-        resolve_ttl: std::time::Duration::from_secs(30),
-        max_connections: a.max_connections,
-        drain: secs(a.drain, "drain")?,
-        probe_interval: std::time::Duration::from_secs(10),
-    };
-    use seedlink_node_proxy::netif::{Interface, LinkKind};
-    let kind = match a.link_kind.as_str() {
-        "dummy" => Some(LinkKind::Dummy),
-        "bridge" => Some(LinkKind::Bridge),
-        "existing" => Some(LinkKind::Existing),
-        "none" => None,
-        other => anyhow::bail!("--link-kind: {other:?} is not dummy, bridge, existing or none"),
-    };
-    let np = NodeProxy::new(opts, kind.is_some());
-    if let Some(kind) = kind {
-        let iface = Interface {
-            name: a.interface.clone(),
-            kind,
-            address: a.address,
-        };
-        np.manage_interface(iface, secs(a.resync, "resync")?)
+    let plan = a
+        .model()?
+        .plan()
+        .map_err(|e| super::problems("node-proxy", a.config.is_some(), &e))?;
+    let np = NodeProxy::new(plan.options, plan.interface.is_some());
+    if let Some(iface) = plan.interface {
+        np.manage_interface(iface, plan.resync)
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
     }
-    let listen = std::net::SocketAddr::new(a.address, a.port);
+    let listen = plan.listen;
     let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
         anyhow::anyhow!("listening on {listen}: {e} (is the address on an interface?)")
     })?;
-    let admin = tokio::net::TcpListener::bind(a.admin)
+    let admin = tokio::net::TcpListener::bind(plan.admin)
         .await
-        .map_err(|e| anyhow::anyhow!("admin on {}: {e}", a.admin))?;
+        .map_err(|e| anyhow::anyhow!("admin on {}: {e}", plan.admin))?;
     let ready = serde_json::json!({
         "event": "ready",
         "listen": listener.local_addr()?.to_string(),
@@ -160,8 +152,4 @@ pub async fn run(a: NodeProxyArgs) -> anyhow::Result<i32> {
     np.serve(listener, admin);
     println!("{ready}");
     Ok(supervisor.run(vec![Arc::new(NodeProxyRole(np))]).await)
-}
-
-fn seedlink_proto_destination(d: &str) -> Result<(), &'static str> {
-    seedlink_proto::destination::parse(d).map(|_| ())
 }

@@ -5,9 +5,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::Context;
-use seedlink_tunnel::agent::{Agent, AgentOptions, DEFAULT_DENY};
+use seedlink_tunnel::agent::config::AgentConfig;
+use seedlink_tunnel::agent::Agent;
 use seedlink_tunnel::config::ServerConfig;
-use seedlink_tunnel::grpc::H2Settings;
 use seedlink_tunnel::server::run::TunnelServer;
 
 use super::secs;
@@ -16,15 +16,22 @@ use crate::supervisor::{BoxFut, Role, Supervisor};
 /// `seedlink tunnel-agent` options.
 #[derive(clap::Args, Debug)]
 pub struct AgentArgs {
+    /// Read the whole configuration from this YAML file instead of flags
+    /// (keys are the flags' names with `_`; see docs/TUNNEL.md).
+    #[arg(long, conflicts_with_all = ["server", "server_name", "ca_cert", "agent_cert", "agent_key",
+        "alpn_proto", "agent_id", "agent_identifiers", "service_account_token_path", "allow_cidr",
+        "allow_port", "deny_cidr", "dial_timeout", "sync_interval", "sync_interval_cap",
+        "keepalive_time", "admin", "flow_control", "drain"])]
+    pub config: Option<PathBuf>,
     /// The tunnel server (or the gateway in front of it), `host:port`.
-    #[arg(long)]
-    pub server: String,
+    #[arg(long, required_unless_present = "config")]
+    pub server: Option<String>,
     /// TLS server name (SNI); default: the host of --server.
     #[arg(long)]
     pub server_name: Option<String>,
     /// CA certificate of the server (PEM).
-    #[arg(long)]
-    pub ca_cert: PathBuf,
+    #[arg(long, required_unless_present = "config")]
+    pub ca_cert: Option<PathBuf>,
     /// Client certificate (PEM); it decides the agent's cluster.
     #[arg(long, requires = "agent_key")]
     pub agent_cert: Option<PathBuf>,
@@ -283,49 +290,50 @@ impl Role for AgentRole {
     }
 }
 
+impl AgentArgs {
+    /// The configuration these flags (or the `--config` file) describe.
+    pub fn model(&self) -> anyhow::Result<AgentConfig> {
+        if let Some(path) = &self.config {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            return AgentConfig::parse(&text)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()));
+        }
+        Ok(AgentConfig {
+            server: self.server.clone().unwrap_or_default(),
+            server_name: self.server_name.clone(),
+            ca_cert: self.ca_cert.clone().unwrap_or_default(),
+            agent_cert: self.agent_cert.clone(),
+            agent_key: self.agent_key.clone(),
+            alpn_proto: self.alpn_proto.clone(),
+            agent_id: self.agent_id.clone(),
+            agent_identifiers: self.agent_identifiers.clone(),
+            service_account_token_path: self.service_account_token_path.clone(),
+            allow_cidr: self.allow_cidr.clone(),
+            allow_port: self.allow_port.clone(),
+            deny_cidr: self.deny_cidr.clone(),
+            dial_timeout: secs(self.dial_timeout, "dial-timeout")?,
+            sync_interval: secs(self.sync_interval, "sync-interval")?,
+            sync_interval_cap: secs(self.sync_interval_cap, "sync-interval-cap")?,
+            keepalive_time: secs(self.keepalive_time, "keepalive-time")?,
+            admin: self.admin,
+            flow_control: self.flow_control,
+            drain: secs(self.drain, "drain")?,
+        })
+    }
+}
+
 /// Runs the tunnel agent until drained; returns the exit code.
 pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
     let supervisor = Supervisor::install()?;
-    let host = a
-        .server
-        .rsplit_once(':')
-        .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']').to_string())
-        .ok_or_else(|| anyhow::anyhow!("--server {:?} is not host:port", a.server))?;
-    let deny = match a.deny_cidr {
-        Some(d) => d,
-        None => DEFAULT_DENY.iter().filter_map(|s| s.parse().ok()).collect(),
-    };
-    let agent_id = a.agent_id.unwrap_or_else(|| {
-        let b: [u8; 8] = rand::random();
-        b.iter().map(|x| format!("{x:02x}")).collect()
-    });
-    let opts = AgentOptions {
-        server: a.server.clone(),
-        server_name: a.server_name.unwrap_or(host),
-        ca: a.ca_cert,
-        identity: a.agent_cert.zip(a.agent_key),
-        alpn: a.alpn_proto,
-        agent_id,
-        identifiers: a.agent_identifiers,
-        token_path: a.service_account_token_path,
-        allow: a.allow_cidr,
-        allow_ports: a.allow_port,
-        deny,
-        dial_timeout: secs(a.dial_timeout, "dial-timeout")?,
-        sync_interval: secs(a.sync_interval, "sync-interval")?,
-        sync_interval_cap: secs(a.sync_interval_cap, "sync-interval-cap")?,
-        keepalive: H2Settings {
-            keepalive: secs(a.keepalive_time, "keepalive-time")?,
-            keepalive_timeout: Duration::from_secs(5),
-        },
-        stall_timeout: Duration::from_secs(10),
-        queue_bytes: 4 * 1024 * 1024,
-        flow_control: a.flow_control,
-    };
+    let cfg = a.model()?;
+    let opts = cfg
+        .options(std::env::var("PROXY_AGENT_ID").ok())
+        .map_err(|e| super::problems("tunnel-agent", a.config.is_some(), &e))?;
     let agent = Agent::new(opts)?;
-    let admin = tokio::net::TcpListener::bind(a.admin)
+    let admin = tokio::net::TcpListener::bind(cfg.admin)
         .await
-        .with_context(|| format!("--admin {}", a.admin))?;
+        .with_context(|| format!("admin {}", cfg.admin))?;
     let admin_addr = admin.local_addr()?;
     {
         let agent = agent.clone();
@@ -361,7 +369,7 @@ pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
     );
     let role = AgentRole {
         agent,
-        drain: secs(a.drain, "drain")?,
+        drain: cfg.drain,
     };
     Ok(supervisor.run(vec![Arc::new(role)]).await)
 }

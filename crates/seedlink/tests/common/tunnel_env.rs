@@ -268,6 +268,39 @@ clusters:
         Started { proc, ready }
     }
 
+    /// An agent configuration file (`tunnel-agent --config`) with the same
+    /// settings as [`TunnelEnv::agent`]'s flags; `extra` is appended.
+    pub fn agent_file(&self, server: &str, extra: &str) -> std::path::PathBuf {
+        let f = &self.files;
+        let path = self.dir.path().join("agent.yaml");
+        std::fs::write(
+            &path,
+            format!(
+                "server: '{server}'\nserver_name: tunnel.seedlink.test\nca_cert: '{}'\n\
+                 agent_cert: '{}'\nagent_key: '{}'\nadmin: '127.0.0.1:0'\n\
+                 sync_interval: 200ms\nsync_interval_cap: 2s\n{extra}",
+                f.seed_ca, f.agent_crt, f.agent_key
+            ),
+        )
+        .unwrap();
+        path
+    }
+
+    /// Starts `seedlink tunnel-agent --config file` in the shoot namespace.
+    pub fn agent_from_file(&self, file: &std::path::Path) -> Started {
+        let mut proc = Proc(
+            self.shoot
+                .cmd(&[env!("CARGO_BIN_EXE_seedlink"), "tunnel-agent", "--config"])
+                .arg(file)
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let ready = ready_line(&mut proc.0);
+        Started { proc, ready }
+    }
+
     /// `GET path` on an admin endpoint inside `ns`.
     pub fn admin_get(ns: &Netns, admin: &str, path: &str) -> String {
         let out = ns

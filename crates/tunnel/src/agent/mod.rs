@@ -184,6 +184,7 @@ const KEEPALIVE_CAP: Duration = Duration::from_secs(3600);
 /// ends its stream, which restarts discovery at once).
 const HELD_RECHECK: Duration = Duration::from_secs(300);
 
+pub mod config;
 pub mod harness;
 pub mod link;
 

@@ -1,0 +1,281 @@
+//! `seedlink tunnel-agent` configuration: one model for both sources, the
+//! command line and a YAML file (`--config`). Keys are the flags' names
+//! with `_` for `-`; durations are written like `10s` in the file and as
+//! seconds on the command line. The path is the same as every role's:
+//! model (unknown keys rejected, with line numbers) → [`AgentConfig::check`]
+//! (every problem with its key; every file it names read and parsed) →
+//! [`AgentConfig::options`], what the agent runs with.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use seedlink_config::model::humantime_serde;
+use seedlink_config::{ConfigError, Errors};
+use serde::Deserialize;
+
+use super::{AgentOptions, DEFAULT_DENY};
+use crate::grpc::H2Settings;
+
+/// The agent's whole configuration.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    /// The tunnel server (or the gateway in front of it), `host:port`.
+    pub server: String,
+    /// TLS server name (SNI); default: the host of `server`.
+    #[serde(default)]
+    pub server_name: Option<String>,
+    /// CA certificate of the server (PEM).
+    pub ca_cert: PathBuf,
+    /// Client certificate (PEM); it decides the agent's cluster.
+    #[serde(default)]
+    pub agent_cert: Option<PathBuf>,
+    /// Its key (PEM).
+    #[serde(default)]
+    pub agent_key: Option<PathBuf>,
+    /// Extra ALPN protocols to offer, for routing by ALPN.
+    #[serde(default)]
+    pub alpn_proto: Vec<String>,
+    /// Agent ID (default: env `PROXY_AGENT_ID` or a random ID).
+    #[serde(default)]
+    pub agent_id: Option<String>,
+    /// Agent identifiers, URL query form: `host=…&ipv4=…&cidr=…&default-route=true`.
+    #[serde(default)]
+    pub agent_identifiers: String,
+    /// ServiceAccount token file, sent as `authorization: Bearer`.
+    #[serde(default)]
+    pub service_account_token_path: Option<PathBuf>,
+    /// Allowed destination networks (default: all but the denied).
+    #[serde(default)]
+    pub allow_cidr: Vec<IpNet>,
+    /// Allowed destination ports (default: all).
+    #[serde(default)]
+    pub allow_port: Vec<u16>,
+    /// Denied destination networks (default: link-local and cloud metadata).
+    #[serde(default)]
+    pub deny_cidr: Option<Vec<IpNet>>,
+    /// Destination dial timeout.
+    #[serde(default = "ten_s", with = "humantime_serde")]
+    pub dial_timeout: Duration,
+    /// First reconnect delay and replica-discovery interval.
+    #[serde(default = "one_s", with = "humantime_serde")]
+    pub sync_interval: Duration,
+    /// Largest reconnect delay.
+    #[serde(default = "ten_s", with = "humantime_serde")]
+    pub sync_interval_cap: Duration,
+    /// HTTP/2 PING interval towards the server.
+    #[serde(default = "sixty_s", with = "humantime_serde")]
+    pub keepalive_time: Duration,
+    /// Admin endpoint (`/healthz`, `/readyz`, `/metrics`).
+    #[serde(default = "default_admin")]
+    pub admin: SocketAddr,
+    /// Offer per-connection flow control to the server.
+    #[serde(default = "yes")]
+    pub flow_control: bool,
+    /// Drain deadline after the first SIGTERM.
+    #[serde(default = "thirty_s", with = "humantime_serde")]
+    pub drain: Duration,
+}
+
+fn one_s() -> Duration {
+    Duration::from_secs(1)
+}
+fn ten_s() -> Duration {
+    Duration::from_secs(10)
+}
+fn thirty_s() -> Duration {
+    Duration::from_secs(30)
+}
+fn sixty_s() -> Duration {
+    Duration::from_secs(60)
+}
+fn yes() -> bool {
+    true
+}
+/// The admin endpoint's default.
+pub fn default_admin() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 8093))
+}
+
+/// The host of `host:port` (brackets of an IPv6 literal removed).
+fn host_of(server: &str) -> Option<String> {
+    let (h, p) = server.rsplit_once(':')?;
+    p.parse::<u16>().ok()?;
+    let h = h.trim_start_matches('[').trim_end_matches(']');
+    (!h.is_empty()).then(|| h.to_string())
+}
+
+impl AgentConfig {
+    /// Parses a YAML file's text (unknown keys and type errors are reported
+    /// with their line); nothing is checked yet.
+    pub fn parse(text: &str) -> Result<AgentConfig, Errors> {
+        serde_norway::from_str(text).map_err(|e| {
+            Errors(vec![ConfigError {
+                path: String::new(),
+                message: e.to_string(),
+            }])
+        })
+    }
+
+    /// Every problem, with the key it is about: [`AgentConfig::check_values`]
+    /// and [`AgentConfig::check_files`].
+    pub fn check(&self) -> Vec<ConfigError> {
+        let mut errs = self.check_values();
+        errs.extend(self.check_files());
+        errs
+    }
+
+    /// Problems of the values themselves (no file is read).
+    pub fn check_values(&self) -> Vec<ConfigError> {
+        let mut errs = Vec::new();
+        let mut err = |path: &str, message: String| {
+            errs.push(ConfigError {
+                path: path.to_string(),
+                message,
+            })
+        };
+        if host_of(&self.server).is_none() {
+            err("server", format!("{:?} is not host:port", self.server));
+        }
+        if self.agent_cert.is_some() != self.agent_key.is_some() {
+            err("agent_cert", "agent_cert and agent_key go together".into());
+        }
+        for (key, d) in [
+            ("dial_timeout", self.dial_timeout),
+            ("sync_interval", self.sync_interval),
+            ("sync_interval_cap", self.sync_interval_cap),
+            ("keepalive_time", self.keepalive_time),
+        ] {
+            if d.is_zero() {
+                err(key, "must be more than 0".into());
+            }
+        }
+        if self.sync_interval_cap < self.sync_interval {
+            err("sync_interval_cap", "must be at least sync_interval".into());
+        }
+        errs
+    }
+
+    /// Every file named, read and parsed as what it must be (CA bundle,
+    /// certificate chain, private key, a non-empty token).
+    pub fn check_files(&self) -> Vec<ConfigError> {
+        let mut errs = Vec::new();
+        let mut err = |path: &str, file: &std::path::Path, e: String| {
+            errs.push(ConfigError {
+                path: path.to_string(),
+                message: format!("{}: {e}", file.display()),
+            })
+        };
+        if let Err(e) = crate::tls::load_roots(&self.ca_cert) {
+            err("ca_cert", &self.ca_cert, format!("{e:#}"));
+        }
+        if let (Some(c), Some(k)) = (&self.agent_cert, &self.agent_key) {
+            if let Err(e) = crate::tls::load_certs(c) {
+                err("agent_cert", c, format!("{e:#}"));
+            }
+            if let Err(e) = crate::tls::load_key(k) {
+                err("agent_key", k, format!("{e:#}"));
+            }
+        }
+        if let Some(p) = &self.service_account_token_path {
+            match std::fs::read_to_string(p) {
+                Ok(t) if t.trim().is_empty() => {
+                    err("service_account_token_path", p, "empty".into())
+                }
+                Ok(_) => {}
+                Err(e) => err("service_account_token_path", p, e.to_string()),
+            }
+        }
+        errs
+    }
+
+    /// What the agent runs with, if [`AgentConfig::check`] finds nothing.
+    /// `agent_id` defaults to `env_agent_id` (`PROXY_AGENT_ID`), else a
+    /// random ID.
+    pub fn options(&self, env_agent_id: Option<String>) -> Result<AgentOptions, Errors> {
+        let errs = self.check();
+        if !errs.is_empty() {
+            return Err(Errors(errs));
+        }
+        let agent_id = self.agent_id.clone().or(env_agent_id).unwrap_or_else(|| {
+            let b: [u8; 8] = rand::random();
+            b.iter().map(|x| format!("{x:02x}")).collect()
+        });
+        let deny = match &self.deny_cidr {
+            Some(d) => d.clone(),
+            None => DEFAULT_DENY.iter().filter_map(|s| s.parse().ok()).collect(),
+        };
+        Ok(AgentOptions {
+            server: self.server.clone(),
+            server_name: self
+                .server_name
+                .clone()
+                .or_else(|| host_of(&self.server))
+                .unwrap_or_default(),
+            ca: self.ca_cert.clone(),
+            identity: self.agent_cert.clone().zip(self.agent_key.clone()),
+            alpn: self.alpn_proto.clone(),
+            agent_id,
+            identifiers: self.agent_identifiers.clone(),
+            token_path: self.service_account_token_path.clone(),
+            allow: self.allow_cidr.clone(),
+            allow_ports: self.allow_port.clone(),
+            deny,
+            dial_timeout: self.dial_timeout,
+            sync_interval: self.sync_interval,
+            sync_interval_cap: self.sync_interval_cap,
+            keepalive: H2Settings {
+                keepalive: self.keepalive_time,
+                keepalive_timeout: Duration::from_secs(5),
+            },
+            stall_timeout: Duration::from_secs(10),
+            queue_bytes: 4 * 1024 * 1024,
+            flow_control: self.flow_control,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn a_file_with_every_mistake_lists_each_with_its_key() {
+        let cfg = AgentConfig::parse(
+            "server: no-port\nca_cert: /nonexistent/ca.pem\nagent_cert: /nonexistent/a.pem\n\
+             sync_interval: 5s\nsync_interval_cap: 1s\n",
+        )
+        .unwrap();
+        let paths: Vec<String> = cfg.check().into_iter().map(|e| e.path).collect();
+        assert_eq!(
+            paths,
+            ["server", "agent_cert", "sync_interval_cap", "ca_cert"]
+        );
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_refused_with_their_line() {
+        let e = AgentConfig::parse("server: a:1\nca_cert: /x\nsevrer_name: y\n").unwrap_err();
+        let text = e.to_string();
+        assert!(
+            text.contains("sevrer_name") && text.contains("line 3"),
+            "{text}"
+        );
+        let e = AgentConfig::parse("server: a:1\nca_cert: /x\ndial_timeout: soon\n").unwrap_err();
+        assert!(e.to_string().contains("invalid duration"), "{e}");
+    }
+
+    #[test]
+    fn defaults_match_the_flags() {
+        let cfg = AgentConfig::parse("server: tunnel.example:8132\nca_cert: /x\n").unwrap();
+        assert_eq!(cfg.dial_timeout, Duration::from_secs(10));
+        assert_eq!(cfg.keepalive_time, Duration::from_secs(60));
+        assert_eq!(cfg.admin, default_admin());
+        assert!(cfg.flow_control);
+        assert_eq!(host_of(&cfg.server).as_deref(), Some("tunnel.example"));
+        assert_eq!(host_of("[fd00::1]:8132").as_deref(), Some("fd00::1"));
+    }
+}
