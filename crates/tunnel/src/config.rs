@@ -165,41 +165,7 @@ pub struct TokenAuth {
     pub service_account: String,
 }
 
-/// A TokenReview client for one cluster's API server.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TokenReview {
-    /// The API server, `https://host[:port]`.
-    pub url: String,
-    /// CA that issued the API server's certificate (PEM).
-    pub ca: PathBuf,
-    /// This server's own bearer token (its identity needs
-    /// `system:auth-delegator`); read again for every review, so a rotated
-    /// projected token is picked up.
-    #[serde(default)]
-    pub token_file: Option<PathBuf>,
-    /// Or a client certificate for the API server.
-    #[serde(default)]
-    pub cert: Option<PathBuf>,
-    /// Its key.
-    #[serde(default)]
-    pub key: Option<PathBuf>,
-    /// Deadline for one review (connect, TLS, request, answer).
-    #[serde(default = "default_review_timeout", with = "humantime_serde")]
-    pub timeout: Duration,
-    /// How long an accepted token is trusted without asking again (never
-    /// beyond its `exp`); refusals are remembered for 5 s to blunt
-    /// reconnect storms. 0 disables the cache.
-    #[serde(default = "default_review_cache", with = "humantime_serde")]
-    pub cache_ttl: Duration,
-}
-
-fn default_review_timeout() -> Duration {
-    Duration::from_secs(5)
-}
-fn default_review_cache() -> Duration {
-    Duration::from_secs(60)
-}
+pub use crate::tokenreview::TokenReview;
 
 fn default_audience() -> String {
     "system:konnectivity-server".into()
