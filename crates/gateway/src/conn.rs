@@ -20,7 +20,6 @@ use seedlink_proto::{client_hello, connect_head, destination, proxy_header, Pars
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use crate::metrics::{ByteLabels, ConnLabels, ListenerLabels, ReasonLabels, RoutedLabels};
 use crate::{upstream, Gateway, ListenerCtx, SourceGuard};
 
 /// Why a connection ended before being proxied; `reason()` is the metric label.
@@ -69,6 +68,62 @@ impl Refusal {
     }
 }
 
+/// How a connection ended; `reason()` is the `outcome` label of
+/// `connections_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// Refused before it was routed.
+    Refused(Refusal),
+    /// Its control plane's ACL (or the global list) does not allow the client.
+    AclDenied,
+    /// No endpoint of its control plane could be reached.
+    UpstreamUnavailable,
+    /// An in-process service took it over.
+    HandedOver,
+    /// Writing to the client failed before the copy started.
+    ClientError,
+    /// Writing to the upstream failed before the copy started.
+    UpstreamError,
+    /// The copy ended.
+    Copied(Copied),
+    /// An HTTP/2 connection ended (its streams are counted on their own).
+    Http2(&'static str),
+}
+
+/// How a copy between client and upstream ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Copied {
+    Ok,
+    Reset,
+    Error,
+    /// Its control plane was removed and the grace period ended.
+    ClosedRemoved,
+    /// The drain deadline passed.
+    ClosedDrain,
+}
+
+impl Outcome {
+    fn reason(&self) -> &'static str {
+        match self {
+            Outcome::Refused(r) => r.reason(),
+            Outcome::AclDenied => "acl_denied",
+            Outcome::UpstreamUnavailable => "upstream_unavailable",
+            Outcome::HandedOver => "handed_over",
+            Outcome::ClientError => "client_error",
+            Outcome::UpstreamError => "upstream_error",
+            Outcome::Copied(Copied::Ok) => "ok",
+            Outcome::Copied(Copied::Reset) => "reset",
+            Outcome::Copied(Copied::Error) => "error",
+            Outcome::Copied(Copied::ClosedRemoved) => "closed_removed",
+            Outcome::Copied(Copied::ClosedDrain) => "closed_drain",
+            Outcome::Http2(label) => label,
+        }
+    }
+}
+
+/// What `run` reports: the control plane (if routed) and how it ended.
+type Ended = (Option<Arc<ControlPlane>>, Outcome);
+
 /// The first message, per listener protocol.
 enum Request {
     Tls {
@@ -111,25 +166,11 @@ impl Tally for Count<'_> {
 /// is counted exactly once.
 pub async fn serve(gw: Arc<Gateway>, lctx: Arc<ListenerCtx>, stream: TcpStream, peer: SocketAddr) {
     let snap = gw.snapshot();
-    let active = gw
-        .metrics
-        .active
-        .get_or_create(&ListenerLabels {
-            listener: lctx.spec.name.clone(),
-        })
-        .clone();
-    active.inc();
-    let outcome = run(&gw, &lctx, &snap, stream, peer).await;
-    active.dec();
-    let (cp, outcome) = outcome;
-    gw.metrics
-        .connections
-        .get_or_create(&ConnLabels {
-            listener: lctx.spec.name.clone(),
-            control_plane: cp,
-            outcome: outcome.to_string(),
-        })
-        .inc();
+    lctx.metrics.active.inc();
+    let (cp, outcome) = run(&gw, &lctx, &snap, stream, peer).await;
+    lctx.metrics.active.dec();
+    let cp = cp.as_ref().map_or("", |c| c.name.as_str());
+    lctx.metrics.ended(&gw.metrics, cp, outcome.reason());
 }
 
 /// Answers a CONNECT with 503 when its control plane has no usable
@@ -144,25 +185,13 @@ async fn refuse_connect_unavailable(stream: &TcpStream, request: &Request) {
     }
 }
 
-/// Counts a connection routed to `control_plane`.
-fn count_routed(gw: &Gateway, lctx: &ListenerCtx, protocol: String, control_plane: &str) {
-    gw.metrics
-        .routed
-        .get_or_create(&RoutedLabels {
-            listener: lctx.spec.name.clone(),
-            protocol,
-            control_plane: control_plane.to_string(),
-        })
-        .inc();
-}
-
 async fn run(
     gw: &Arc<Gateway>,
     lctx: &Arc<ListenerCtx>,
     snap: &Arc<Snapshot>,
     stream: TcpStream,
     peer: SocketAddr,
-) -> (String, &'static str) {
+) -> Ended {
     let peer = SocketAddr::new(canonical(peer.ip()), peer.port());
     let trusted = snap.trusted_lbs.contains(peer.ip());
     // Unrouted connections are capped per source. A trusted load balancer is
@@ -203,19 +232,18 @@ async fn run(
             guard,
         )
         .await;
-        return (String::new(), outcome);
+        return (None, Outcome::Http2(outcome));
     }
     drop(guard);
 
-    let (cp, endpoints, protocol): (Arc<ControlPlane>, &[Endpoint], String) = match &detected
-        .request
+    let (cp, endpoints, protocol): (Arc<ControlPlane>, &[Endpoint], &str) = match &detected.request
     {
         Request::Tls { sni, .. } => {
             let Some(cp) = snap.routes.lookup(sni) else {
                 tracing::debug!(listener = %lctx.spec.name, %peer, %client, %sni, "unknown SNI");
                 return refuse(gw, lctx, client, Refusal::UnknownSni);
             };
-            (cp.clone(), cp.endpoints.as_slice(), "tls-sni".to_string())
+            (cp.clone(), cp.endpoints.as_slice(), "tls-sni")
         }
         // Served above; kept exhaustive.
         Request::Http2 => return refuse(gw, lctx, client, Refusal::Unrecognized),
@@ -224,11 +252,7 @@ async fn run(
                 tracing::debug!(listener = %lctx.spec.name, %peer, %client, %destination, "unknown service address");
                 return refuse(gw, lctx, client, Refusal::UnknownService);
             };
-            (
-                cp.clone(),
-                cp.endpoints.as_slice(),
-                "proxy-protocol".to_string(),
-            )
+            (cp.clone(), cp.endpoints.as_slice(), "proxy-protocol")
         }
         Request::Connect(head) => {
             let canonical = match check_connect(
@@ -248,11 +272,10 @@ async fn run(
                 .await;
                 return refuse(gw, lctx, client, Refusal::UnknownDestination);
             };
-            let protocol = format!("http-connect:{}", lctx.spec.destination_header);
             (
                 route.control_plane.clone(),
                 route.endpoints.as_slice(),
-                protocol,
+                lctx.connect_protocol.as_str(),
             )
         }
     };
@@ -261,7 +284,7 @@ async fn run(
         if let Request::Connect(head) = &detected.request {
             respond_and_close(&stream, status_line(head, "403 Forbidden").as_bytes()).await;
         }
-        return (cp.name.clone(), "acl_denied");
+        return (Some(cp), Outcome::AclDenied);
     }
 
     // An in-process service takes the connection over: no upstream socket,
@@ -271,13 +294,13 @@ async fn run(
             let Some(handler) = gw.local(name) else {
                 tracing::warn!(listener = %lctx.spec.name, control_plane = %cp.name, local = name, "no in-process service of that name");
                 refuse_connect_unavailable(&stream, &detected.request).await;
-                return (cp.name.clone(), "upstream_unavailable");
+                return (Some(cp), Outcome::UpstreamUnavailable);
             };
             let connect_target = match &detected.request {
                 Request::Connect(head) => Some(head.target.clone()),
                 _ => None,
             };
-            count_routed(gw, lctx, protocol, &cp.name);
+            lctx.metrics.routed(&gw.metrics, &cp.name, protocol);
             let Detected { replay, client, .. } = detected;
             handler(crate::Handoff {
                 stream,
@@ -286,7 +309,7 @@ async fn run(
                 control_plane: cp.name.clone(),
                 connect_target,
             });
-            return (cp.name.clone(), "handed_over");
+            return (Some(cp), Outcome::HandedOver);
         }
     }
     let (upstream, _active, endpoint) = match upstream::connect(
@@ -303,26 +326,16 @@ async fn run(
         Err(e) => {
             tracing::warn!(listener = %lctx.spec.name, %client, control_plane = %cp.name, error = %e, "no upstream");
             refuse_connect_unavailable(&stream, &detected.request).await;
-            return (cp.name.clone(), "upstream_unavailable");
+            return (Some(cp), Outcome::UpstreamUnavailable);
         }
     };
-    let labels = |direction: &str| ByteLabels {
-        listener: lctx.spec.name.clone(),
-        control_plane: cp.name.clone(),
-        direction: direction.to_string(),
-    };
-    let up_metric = gw
-        .metrics
-        .bytes
-        .get_or_create(&labels("to_upstream"))
-        .clone();
-    let down_metric = gw.metrics.bytes.get_or_create(&labels("to_client")).clone();
+    let handles = lctx.metrics.cp(&gw.metrics, &cp.name);
     let up = Count {
-        metric: &up_metric,
+        metric: &handles.to_upstream,
         local: 0.into(),
     };
     let down = Count {
-        metric: &down_metric,
+        metric: &handles.to_client,
         local: 0.into(),
     };
 
@@ -335,14 +348,14 @@ async fn run(
             "HTTP/1.1 200 Connection established\r\n\r\n"
         };
         if write_all(&stream, ok.as_bytes()).await.is_err() {
-            return (cp.name.clone(), "client_error");
+            return (Some(cp), Outcome::ClientError);
         }
     }
-    count_routed(gw, lctx, protocol, &cp.name);
+    lctx.metrics.routed(&gw.metrics, &cp.name, protocol);
     if let Err(e) = write_all(&upstream, &detected.replay).await {
         tracing::debug!(control_plane = %cp.name, error = %e, "upstream write failed");
         sockopt::arm_reset(&stream);
-        return (cp.name.clone(), "upstream_error");
+        return (Some(cp), Outcome::UpstreamError);
     }
     up.add(detected.replay.len() as u64);
     match &detected.request {
@@ -360,37 +373,32 @@ async fn run(
     }
     drop(detected);
     let closer = gw.closer_for(&cp.name);
-    let outcome = tokio::select! {
+    let copied = tokio::select! {
         r = gw.copier.run(&stream, &upstream, &up, &down) => match r {
-            Ok(()) => "ok",
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => "reset",
-            Err(_) => "error",
+            Ok(()) => Copied::Ok,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Copied::Reset,
+            Err(_) => Copied::Error,
         },
-        () = closer.cancelled() => "closed_removed",
-        () = gw.lifecycle.close_all.cancelled() => "closed_drain",
+        () = closer.cancelled() => Copied::ClosedRemoved,
+        () = gw.lifecycle.close_all.cancelled() => Copied::ClosedDrain,
     };
-    if matches!(outcome, "closed_removed" | "closed_drain") {
+    let outcome = Outcome::Copied(copied);
+    if matches!(copied, Copied::ClosedRemoved | Copied::ClosedDrain) {
         sockopt::arm_reset(&stream);
         sockopt::arm_reset(&upstream);
     }
-    tracing::debug!(listener = %lctx.spec.name, %client, control_plane = %cp.name, outcome,
+    tracing::debug!(listener = %lctx.spec.name, %client, control_plane = %cp.name, outcome = outcome.reason(),
         bytes_up = up.local.into_inner(), bytes_down = down.local.into_inner(), "closed");
-    (cp.name.clone(), outcome)
+    (Some(cp), outcome)
 }
 
-fn refuse(gw: &Gateway, lctx: &ListenerCtx, who: SocketAddr, r: Refusal) -> (String, &'static str) {
+fn refuse(gw: &Gateway, lctx: &ListenerCtx, who: SocketAddr, r: Refusal) -> Ended {
     let reason = r.reason();
     if r != Refusal::LbHealthCheck {
-        gw.metrics
-            .detect_failures
-            .get_or_create(&ReasonLabels {
-                listener: lctx.spec.name.clone(),
-                reason: reason.to_string(),
-            })
-            .inc();
+        lctx.metrics.detect_failure(&gw.metrics, reason);
     }
     tracing::debug!(listener = %lctx.spec.name, client = %who, reason, "connection refused");
-    (String::new(), reason)
+    (None, Outcome::Refused(r))
 }
 
 /// Reads until a PROXY header (when configured) and a complete ClientHello
@@ -652,7 +660,7 @@ async fn reject_connect(
     client: SocketAddr,
     head: &connect_head::Head,
     bad: BadConnect,
-) -> (String, &'static str) {
+) -> Ended {
     let reply = match (bad, lctx.spec.on_invalid_request) {
         // Smuggling-shaped requests always get a plain 400.
         (BadConnect::FramingHeader | BadConnect::BadTarget, _) => {

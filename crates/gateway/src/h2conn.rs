@@ -18,7 +18,6 @@ use seedlink_net::prefixed::Prefixed;
 use seedlink_proto::destination;
 use tokio::net::TcpStream;
 
-use crate::metrics::RoutedLabels;
 use crate::{upstream, Gateway, ListenerCtx, SourceGuard};
 
 /// Concurrent streams per connection.
@@ -195,14 +194,7 @@ async fn tunnel(
     let Ok(send) = respond.send_response(Response::new(()), false) else {
         return;
     };
-    gw.metrics
-        .routed
-        .get_or_create(&RoutedLabels {
-            listener: lctx.spec.name.clone(),
-            protocol: "http2-connect".into(),
-            control_plane: cp.name.clone(),
-        })
-        .inc();
+    lctx.metrics.routed(&gw.metrics, &cp.name, "http2-connect");
     let recv = req.into_body();
     let closer = gw.closer_for(&cp.name);
     tokio::select! {

@@ -77,6 +77,11 @@ pub type LocalHandler = Arc<dyn Fn(Handoff) + Send + Sync>;
 pub struct ListenerCtx {
     /// The listener's configuration.
     pub spec: ListenerSpec,
+    /// Its metric handles.
+    pub metrics: metrics::ListenerMetrics,
+    /// The `protocol` label of its CONNECT tunnels
+    /// (`http-connect:<destination header>`).
+    pub connect_protocol: String,
 }
 
 /// Sockets bound for a gateway, before serving.
@@ -232,7 +237,13 @@ impl Gateway {
         let mut per_worker: Vec<Vec<(Arc<ListenerCtx>, std::net::TcpListener)>> =
             (0..self.workers).map(|_| Vec::new()).collect();
         for (spec, socks) in bound.listeners {
-            let lctx = Arc::new(ListenerCtx { spec });
+            let metrics = metrics::ListenerMetrics::new(&self.metrics, &spec.name);
+            let connect_protocol = format!("http-connect:{}", spec.destination_header);
+            let lctx = Arc::new(ListenerCtx {
+                spec,
+                metrics,
+                connect_protocol,
+            });
             for (w, sock) in socks.into_iter().enumerate() {
                 per_worker[w].push((lctx.clone(), sock));
             }

@@ -1,5 +1,8 @@
 //! The gateway's Prometheus metrics.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -203,5 +206,121 @@ impl Metrics {
             out.clear();
         }
         out
+    }
+}
+
+/// One listener's metric handles, resolved when the listener is set up; a
+/// control plane's are resolved on its first connection through the
+/// listener and kept, so serving a connection builds no label strings.
+pub struct ListenerMetrics {
+    listener: String,
+    /// Open connections.
+    pub active: Gauge,
+    detect: Mutex<HashMap<&'static str, Counter>>,
+    per_cp: RwLock<HashMap<String, Arc<CpMetrics>>>,
+}
+
+/// One control plane's handles on one listener.
+pub struct CpMetrics {
+    /// Bytes towards the upstream.
+    pub to_upstream: Counter,
+    /// Bytes towards the client.
+    pub to_client: Counter,
+    ends: Mutex<HashMap<&'static str, Counter>>,
+    routed: Mutex<HashMap<String, Counter>>,
+}
+
+impl ListenerMetrics {
+    /// Handles for `listener`.
+    pub fn new(m: &Metrics, listener: &str) -> ListenerMetrics {
+        ListenerMetrics {
+            listener: listener.to_string(),
+            active: m
+                .active
+                .get_or_create(&ListenerLabels {
+                    listener: listener.to_string(),
+                })
+                .clone(),
+            detect: Mutex::new(HashMap::new()),
+            per_cp: RwLock::new(HashMap::new()),
+        }
+    }
+
+    /// Control plane `cp`'s handles on this listener (`""`: never routed).
+    pub fn cp(&self, m: &Metrics, cp: &str) -> Arc<CpMetrics> {
+        if let Some(h) = seedlink_net::sync::read(&self.per_cp, "metric handles").get(cp) {
+            return h.clone();
+        }
+        let bytes = |direction: &str| {
+            m.bytes
+                .get_or_create(&ByteLabels {
+                    listener: self.listener.clone(),
+                    control_plane: cp.to_string(),
+                    direction: direction.to_string(),
+                })
+                .clone()
+        };
+        let h = Arc::new(CpMetrics {
+            to_upstream: bytes("to_upstream"),
+            to_client: bytes("to_client"),
+            ends: Mutex::new(HashMap::new()),
+            routed: Mutex::new(HashMap::new()),
+        });
+        seedlink_net::sync::write(&self.per_cp, "metric handles")
+            .entry(cp.to_string())
+            .or_insert(h)
+            .clone()
+    }
+
+    /// A connection ended with `outcome` (`cp` empty: never routed).
+    pub fn ended(&self, m: &Metrics, cp: &str, outcome: &'static str) {
+        let h = self.cp(m, cp);
+        let mut ends = seedlink_net::sync::lock(&h.ends, "metric handles");
+        ends.entry(outcome)
+            .or_insert_with(|| {
+                m.connections
+                    .get_or_create(&ConnLabels {
+                        listener: self.listener.clone(),
+                        control_plane: cp.to_string(),
+                        outcome: outcome.to_string(),
+                    })
+                    .clone()
+            })
+            .inc();
+    }
+
+    /// A connection to `cp` was routed by `protocol`.
+    pub fn routed(&self, m: &Metrics, cp: &str, protocol: &str) {
+        let h = self.cp(m, cp);
+        let mut routed = seedlink_net::sync::lock(&h.routed, "metric handles");
+        if let Some(c) = routed.get(protocol) {
+            c.inc();
+            return;
+        }
+        let c = m
+            .routed
+            .get_or_create(&RoutedLabels {
+                listener: self.listener.clone(),
+                protocol: protocol.to_string(),
+                control_plane: cp.to_string(),
+            })
+            .clone();
+        c.inc();
+        routed.insert(protocol.to_string(), c);
+    }
+
+    /// A connection was refused while detecting its protocol.
+    pub fn detect_failure(&self, m: &Metrics, reason: &'static str) {
+        seedlink_net::sync::lock(&self.detect, "metric handles")
+            .entry(reason)
+            .or_insert_with(|| {
+                m.detect_failures
+                    .get_or_create(&ReasonLabels {
+                        listener: self.listener.clone(),
+                        reason: reason.to_string(),
+                    })
+                    .clone()
+            })
+            .inc();
     }
 }

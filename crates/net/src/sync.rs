@@ -7,21 +7,43 @@
 //! every guarded structure here keeps consistent between statements.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 static POISONED: AtomicU64 = AtomicU64::new(0);
 
 /// Locks `m`; `what` names it in the error log if it was poisoned.
 pub fn lock<'a, T>(m: &'a Mutex<T>, what: &'static str) -> MutexGuard<'a, T> {
     m.lock().unwrap_or_else(|e| {
-        POISONED.fetch_add(1, Ordering::Relaxed);
-        tracing::error!(
-            lock = what,
-            "bug: a thread panicked while holding this lock; continuing with its state"
-        );
+        poisoned_found(what);
         m.clear_poison();
         e.into_inner()
     })
+}
+
+/// Read-locks `l`; poisoning is reported as by [`lock`].
+pub fn read<'a, T>(l: &'a RwLock<T>, what: &'static str) -> RwLockReadGuard<'a, T> {
+    l.read().unwrap_or_else(|e| {
+        poisoned_found(what);
+        l.clear_poison();
+        e.into_inner()
+    })
+}
+
+/// Write-locks `l`; poisoning is reported as by [`lock`].
+pub fn write<'a, T>(l: &'a RwLock<T>, what: &'static str) -> RwLockWriteGuard<'a, T> {
+    l.write().unwrap_or_else(|e| {
+        poisoned_found(what);
+        l.clear_poison();
+        e.into_inner()
+    })
+}
+
+fn poisoned_found(what: &'static str) {
+    POISONED.fetch_add(1, Ordering::Relaxed);
+    tracing::error!(
+        lock = what,
+        "bug: a thread panicked while holding this lock; continuing with its state"
+    );
 }
 
 /// How many poisoned locks were found since the process started.
