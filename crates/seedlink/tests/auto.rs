@@ -2,7 +2,7 @@
 //! told apart from the first bytes.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::time::Duration;
 

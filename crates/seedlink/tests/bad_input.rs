@@ -2,7 +2,7 @@
 //! by reason, and the gateway keeps serving others meanwhile.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! the adversarial shapes.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::process::Command;
 use std::time::Duration;

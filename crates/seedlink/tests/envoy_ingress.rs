@@ -4,7 +4,7 @@
 //! seedlink's destination guard decides exactly like Envoy's RE2 full match.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};

@@ -3,7 +3,7 @@
 //! client's tunnel keeps working.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::time::Duration;
 

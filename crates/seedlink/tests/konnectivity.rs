@@ -6,7 +6,7 @@
 //! `common::tunnel_env`.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -4,7 +4,7 @@
 //! the ACL the outer one. (Envoy cannot read both; this is why GEP-30 exists.)
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::process::{Child, Command, Stdio};
 

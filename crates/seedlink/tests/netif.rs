@@ -2,7 +2,7 @@
 //! namespaces the test creates and removes.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

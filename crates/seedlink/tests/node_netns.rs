@@ -5,7 +5,7 @@
 //! reaches the server through the advertised address.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;

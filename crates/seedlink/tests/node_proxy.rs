@@ -3,7 +3,7 @@
 //! address, in CONNECT mode and in legacy PROXY v2 mode.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

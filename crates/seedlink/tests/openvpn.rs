@@ -5,7 +5,7 @@
 //! with the legacy `Reversed-VPN` header on the legacy listener.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;

@@ -2,7 +2,7 @@
 //! HAProxy in front as the opaque LoadBalancer.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::process::{Command, Stdio};
 use std::time::Duration;

@@ -6,7 +6,7 @@
 //! over a Unix socket.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::time::{Duration, Instant};
 

@@ -4,7 +4,7 @@
 //! malicious agent.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::process::Stdio;
 use std::time::{Duration, Instant};

@@ -6,7 +6,7 @@
 //! cluster's dials or connections, whatever it claims to be.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use seedlink_testkit as common;
 
 use std::time::Duration;
 

@@ -1,7 +1,10 @@
-//! Helpers for end-to-end tests: the real `seedlink` binary, demo backends,
-//! an echo backend, metrics scraping. Everything binds port 0 and waits for
-//! readiness by polling with a bounded deadline, never by sleeping blindly.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+//! Helpers for end-to-end tests, compiled once for every test binary of
+//! `crates/seedlink/tests` (which name it `common`): the real `seedlink`
+//! binary, demo backends, an echo backend, metrics scraping, network
+//! namespaces, and the tunnel test bed ([`tunnel_env`]). Everything binds
+//! port 0 and waits for readiness by polling with a bounded deadline, never
+//! by sleeping blindly.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod tunnel_env;
 
@@ -16,9 +19,30 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
 /// A captured ClientHello (openssl s_client, SNI api.alpha.example.com).
-pub const HELLO_ALPHA: &[u8] = include_bytes!("../../../proto/testdata/openssl_client_hello.bin");
+pub const HELLO_ALPHA: &[u8] = include_bytes!("../../proto/testdata/openssl_client_hello.bin");
 /// A captured ClientHello (curl, SNI api.beta.example.com).
-pub const HELLO_BETA: &[u8] = include_bytes!("../../../proto/testdata/curl_client_hello.bin");
+pub const HELLO_BETA: &[u8] = include_bytes!("../../proto/testdata/curl_client_hello.bin");
+
+/// The `seedlink` binary the tests run: next to the test binary's `deps`
+/// directory (`target/<profile>/seedlink`), where cargo builds it for the
+/// integration tests of the `seedlink` package.
+pub fn seedlink_bin() -> &'static str {
+    static BIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        let exe = std::env::current_exe().expect("the test binary's path");
+        let profile_dir = exe
+            .parent()
+            .and_then(|deps| deps.parent())
+            .expect("a test binary lives in target/<profile>/deps");
+        let bin = profile_dir.join("seedlink");
+        assert!(
+            bin.exists(),
+            "{} is missing: run the tests through cargo test -p seedlink",
+            bin.display()
+        );
+        bin.display().to_string()
+    })
+}
 
 /// A running `seedlink gateway` process.
 pub struct Gw {
@@ -36,7 +60,7 @@ impl Gw {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("gateway.yaml");
         std::fs::write(&config, yaml).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_seedlink"))
+        let mut child = Command::new(seedlink_bin())
             .args(["gateway", "--config"])
             .arg(&config)
             .env("RUST_LOG", "warn")

@@ -203,7 +203,7 @@ clusters:
         std::fs::write(&cfg, yaml).unwrap();
         let mut proc = Proc(
             self.seed
-                .cmd(&[env!("CARGO_BIN_EXE_seedlink"), "tunnel-server", "--config"])
+                .cmd(&[super::seedlink_bin(), "tunnel-server", "--config"])
                 .arg(&cfg)
                 .args(extra)
                 .env(
@@ -238,31 +238,26 @@ clusters:
     pub fn agent_in(&self, ns: &Netns, server: &str, extra: &[&str]) -> Started {
         let f = &self.files;
         let mut proc = Proc(
-            ns.cmd(&[
-                env!("CARGO_BIN_EXE_seedlink"),
-                "tunnel-agent",
-                "--server",
-                server,
-            ])
-            .args([
-                "--server-name",
-                "tunnel.seedlink.test",
-                "--ca-cert",
-                &f.seed_ca,
-            ])
-            .args([
-                "--admin",
-                "127.0.0.1:0",
-                "--sync-interval",
-                "0.2",
-                "--sync-interval-cap",
-                "2",
-            ])
-            .args(extra)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap(),
+            ns.cmd(&[super::seedlink_bin(), "tunnel-agent", "--server", server])
+                .args([
+                    "--server-name",
+                    "tunnel.seedlink.test",
+                    "--ca-cert",
+                    &f.seed_ca,
+                ])
+                .args([
+                    "--admin",
+                    "127.0.0.1:0",
+                    "--sync-interval",
+                    "0.2",
+                    "--sync-interval-cap",
+                    "2",
+                ])
+                .args(extra)
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap(),
         );
         let ready = ready_line(&mut proc.0);
         Started { proc, ready }
@@ -290,7 +285,7 @@ clusters:
     pub fn agent_from_file(&self, file: &std::path::Path) -> Started {
         let mut proc = Proc(
             self.shoot
-                .cmd(&[env!("CARGO_BIN_EXE_seedlink"), "tunnel-agent", "--config"])
+                .cmd(&[super::seedlink_bin(), "tunnel-agent", "--config"])
                 .arg(file)
                 .env("RUST_LOG", "warn")
                 .stdout(Stdio::piped())
@@ -321,7 +316,7 @@ clusters:
     pub fn gateway(&self, cfg: &std::path::Path) -> Proc {
         let mut gw = Proc(
             self.seed
-                .cmd(&[env!("CARGO_BIN_EXE_seedlink"), "gateway", "--config"])
+                .cmd(&[super::seedlink_bin(), "gateway", "--config"])
                 .arg(cfg)
                 .env("RUST_LOG", "warn")
                 .stdout(Stdio::piped())
