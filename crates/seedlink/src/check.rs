@@ -135,15 +135,10 @@ pub fn check_config(file: &std::path::Path, role: ConfigRole) -> i32 {
 /// then every file it names read and parsed. A summary when valid.
 fn check_tunnel_file(file: &std::path::Path) -> Result<String, Vec<String>> {
     let text = std::fs::read_to_string(file).map_err(|e| vec![format!("cannot read it: {e}")])?;
-    let cfg = seedlink_tunnel::config::ServerConfig::parse(&text).map_err(|e| {
-        format!("{e:#}")
-            .lines()
-            .map(str::to_string)
-            .collect::<Vec<_>>()
-    })?;
+    let cfg = seedlink_tunnel::config::ServerConfig::parse(&text).map_err(|e| lines(&e.0))?;
     let missing = cfg.check_files();
     if !missing.is_empty() {
-        return Err(missing);
+        return Err(lines(&missing));
     }
     let frontends: usize = cfg
         .clusters

@@ -64,7 +64,11 @@ pub fn tunnel_config(a: TunnelConfigArgs) -> anyhow::Result<i32> {
     // What it prints must work: a CA or key that does not exist is an error.
     let missing = cfg.check_files();
     if !missing.is_empty() {
-        anyhow::bail!("{}: {}", a.config.display(), missing.join("; "));
+        anyhow::bail!(
+            "{}: {}",
+            a.config.display(),
+            seedlink_config::Errors(missing)
+        );
     }
     let opts = crate::egress::Options {
         cluster: a.cluster,

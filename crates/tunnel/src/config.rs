@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use seedlink_config::model::humantime_serde;
+use seedlink_config::{ConfigError, Errors};
 use serde::Deserialize;
 
 /// The whole file.
@@ -234,27 +235,44 @@ pub const STRATEGIES: &[&str] = &["default", "destHost", "defaultRoute", "cidr"]
 
 /// Checks one frontend; `authenticated` frontends (shared proxies, every
 /// request carries a cluster's password) may listen in plain TCP anywhere.
+/// Problems found so far, each with its path.
+#[derive(Default)]
+struct Problems(Vec<ConfigError>);
+
+impl Problems {
+    fn add(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(ConfigError {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
 fn check_frontend(
     f: &Frontend,
     at: &str,
     authenticated: bool,
     agents: SocketAddr,
     binds: &mut HashSet<String>,
-    errs: &mut Vec<String>,
+    errs: &mut Problems,
 ) {
     match (&f.unix, &f.tcp) {
         (Some(p), None) => {
             if !binds.insert(p.display().to_string()) {
-                errs.push(format!("{at}.unix: path used twice"));
+                errs.add(format!("{at}.unix"), "path used twice");
             }
             if f.cert.is_some() || f.key.is_some() || f.client_ca.is_some() {
-                errs.push(format!("{at}: cert/key/client_ca only apply to tcp"));
+                errs.add(at.to_string(), "cert/key/client_ca only apply to tcp");
             }
         }
         (None, Some(a)) => {
             // Port 0 (any free port) never clashes.
             if a.port() != 0 && (!binds.insert(a.to_string()) || *a == agents) {
-                errs.push(format!("{at}.tcp: address used twice"));
+                errs.add(format!("{at}.tcp"), "address used twice");
             }
             let tls = [f.cert.is_some(), f.key.is_some(), f.client_ca.is_some()];
             let plain = tls.iter().all(|x| !x);
@@ -262,12 +280,13 @@ fn check_frontend(
             // network namespace) or with per-request credentials; anywhere
             // else mTLS.
             if !tls.iter().all(|x| *x) && !(plain && (a.ip().is_loopback() || authenticated)) {
-                errs.push(format!(
-                    "{at}: a tcp frontend needs cert, key and client_ca (mTLS), unless it listens on loopback without any of them"
-                ));
+                errs.add(
+                    at.to_string(),
+                    "a tcp frontend needs cert, key and client_ca (mTLS), unless it listens on loopback without any of them",
+                );
             }
         }
-        _ => errs.push(format!("{at}: exactly one of unix and tcp")),
+        _ => errs.add(at.to_string(), "exactly one of unix and tcp"),
     }
 }
 
@@ -305,27 +324,25 @@ impl ServerConfig {
     /// Every file the configuration names, read and parsed as what it must
     /// be (certificate chain, private key, CA bundle, public keys, a
     /// non-empty secret); one problem per file, with the key that names it.
-    pub fn check_files(&self) -> Vec<String> {
+    pub fn check_files(&self) -> Vec<ConfigError> {
         use crate::tls::{load_certs, load_key, load_roots};
-        let mut errs = Vec::new();
+        let mut errs = Problems::default();
         let mut check = |at: String, p: &Path, what: Kind| {
             let r = match what {
-                Kind::Certs => load_certs(p).map(|_| ()),
-                Kind::Key => load_key(p).map(|_| ()),
-                Kind::Roots => load_roots(p).map(|_| ()),
-                Kind::PublicKeys => crate::token::load_keys(p).map(|_| ()),
-                Kind::Secret => std::fs::read_to_string(p)
-                    .map_err(anyhow::Error::from)
-                    .and_then(|t| {
-                        if t.trim().is_empty() {
-                            anyhow::bail!("empty")
-                        } else {
-                            Ok(())
-                        }
-                    }),
+                Kind::Certs => load_certs(p).map(|_| ()).map_err(|e| e.to_string()),
+                Kind::Key => load_key(p).map(|_| ()).map_err(|e| e.to_string()),
+                Kind::Roots => load_roots(p).map(|_| ()).map_err(|e| e.to_string()),
+                Kind::PublicKeys => crate::token::load_keys(p)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+                Kind::Secret => match std::fs::read_to_string(p) {
+                    Ok(t) if t.trim().is_empty() => Err("empty".to_string()),
+                    Ok(_) => Ok(()),
+                    Err(e) => Err(e.to_string()),
+                },
             };
             if let Err(e) = r {
-                errs.push(format!("{at}: {}: {e:#}", p.display()));
+                errs.add(at, format!("{}: {e}", p.display()));
             }
         };
         check("agents.cert".into(), &self.agents.cert, Kind::Certs);
@@ -381,13 +398,19 @@ impl ServerConfig {
                 &mut check,
             );
         }
-        errs
+        errs.0
     }
 
-    /// Parses and checks a configuration; all problems at once.
-    pub fn parse(text: &str) -> anyhow::Result<ServerConfig> {
-        let mut cfg: ServerConfig = serde_norway::from_str(text)?;
-        let mut errs = Vec::new();
+    /// Parses and checks a configuration; all problems at once, each with
+    /// its path (YAML and unknown-key errors carry their line).
+    pub fn parse(text: &str) -> Result<ServerConfig, Errors> {
+        let mut cfg: ServerConfig = serde_norway::from_str(text).map_err(|e| {
+            Errors(vec![ConfigError {
+                path: String::new(),
+                message: e.to_string(),
+            }])
+        })?;
+        let mut errs = Problems::default();
         // Templates become ordinary per-cluster frontends (so reloads and
         // checks treat them like any other).
         for (j, t) in cfg.frontend_templates.iter().enumerate() {
@@ -397,9 +420,10 @@ impl ServerConfig {
                 .as_ref()
                 .is_some_and(|p| p.to_string_lossy().contains("{cluster}"));
             if !templated || t.tcp.is_some() {
-                errs.push(format!(
-                    "{at}: a template needs a unix path containing {{cluster}} (and no tcp)"
-                ));
+                errs.add(
+                    at,
+                    "a template needs a unix path containing {cluster} (and no tcp)",
+                );
             }
         }
         if errs.is_empty() {
@@ -412,10 +436,10 @@ impl ServerConfig {
                         .all(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(ch));
                 for t in &cfg.frontend_templates {
                     if !safe {
-                        errs.push(format!(
-                            "clusters ({}): a name used in a socket path may only hold letters, digits, '-', '_' and '.'",
-                            c.name
-                        ));
+                        errs.add(
+                            format!("clusters ({})", c.name),
+                            "a name used in a socket path may only hold letters, digits, '-', '_' and '.'",
+                        );
                         break;
                     }
                     let mut f = t.clone();
@@ -424,23 +448,23 @@ impl ServerConfig {
                         .as_ref()
                         .map(|p| PathBuf::from(p.to_string_lossy().replace("{cluster}", &c.name)));
                     if c.frontends.iter().any(|x| x.name == f.name) {
-                        errs.push(format!(
-                            "clusters ({}): frontend {} is both configured and templated",
-                            c.name, f.name
-                        ));
+                        errs.add(
+                            format!("clusters ({})", c.name),
+                            format!("frontend {} is both configured and templated", f.name),
+                        );
                     }
                     c.frontends.push(f);
                 }
             }
         }
         if cfg.server_count == 0 {
-            errs.push("server_count: must be at least 1".to_string());
+            errs.add("server_count", "must be at least 1");
         }
         if cfg.clusters.is_empty() {
-            errs.push("clusters: at least one cluster is needed".to_string());
+            errs.add("clusters", "at least one cluster is needed");
         }
         if cfg.queue_bytes < 64 * 1024 {
-            errs.push("queue_bytes: at least 65536".to_string());
+            errs.add("queue_bytes", "at least 65536");
         }
         let mut names = HashSet::new();
         let mut binds = HashSet::new();
@@ -448,56 +472,71 @@ impl ServerConfig {
         for (i, c) in cfg.clusters.iter().enumerate() {
             let at = format!("clusters[{i}] ({})", c.name);
             if c.name.is_empty() || !names.insert(c.name.clone()) {
-                errs.push(format!("{at}.name: empty or used twice"));
+                errs.add(format!("{at}.name"), "empty or used twice");
             }
             if c.agent_ca.is_none() && c.agent_token.is_none() {
-                errs.push(format!("{at}: agent_ca or agent_token (or both) is needed"));
+                errs.add(
+                    at.to_string(),
+                    "agent_ca or agent_token (or both) is needed",
+                );
             }
             if let Some(t) = &c.agent_token {
                 if !t.service_account.contains('/') {
-                    errs.push(format!(
-                        "{at}.agent_token.service_account: <namespace>/<name>"
-                    ));
+                    errs.add(
+                        format!("{at}.agent_token.service_account"),
+                        "<namespace>/<name>",
+                    );
                 }
                 if t.keys.is_some() == t.review.is_some() {
-                    errs.push(format!(
-                        "{at}.agent_token: exactly one of keys (local check) or review (TokenReview)"
-                    ));
+                    errs.add(
+                        format!("{at}.agent_token"),
+                        "exactly one of keys (local check) or review (TokenReview)",
+                    );
                 }
                 if !issuers.insert(t.issuer.clone()) {
-                    errs.push(format!("{at}.agent_token.issuer: used by another cluster"));
+                    errs.add(
+                        format!("{at}.agent_token.issuer"),
+                        "used by another cluster",
+                    );
                 }
                 if let Some(r) = &t.review {
                     if !r.url.starts_with("https://") {
-                        errs.push(format!("{at}.agent_token.review.url: must be https://"));
+                        errs.add(format!("{at}.agent_token.review.url"), "must be https://");
                     }
                     if r.cert.is_some() != r.key.is_some() {
-                        errs.push(format!("{at}.agent_token.review: cert and key go together"));
+                        errs.add(
+                            format!("{at}.agent_token.review"),
+                            "cert and key go together",
+                        );
                     }
                     if r.token_file.is_none() && r.cert.is_none() {
-                        errs.push(format!(
-                            "{at}.agent_token.review: token_file or cert/key is needed to authenticate to the API server"
-                        ));
+                        errs.add(
+                            format!("{at}.agent_token.review"),
+                            "token_file or cert/key is needed to authenticate to the API server",
+                        );
                     }
                     if r.timeout.is_zero() {
-                        errs.push(format!("{at}.agent_token.review.timeout: must be > 0"));
+                        errs.add(format!("{at}.agent_token.review.timeout"), "must be > 0");
                     }
                 }
             }
             let l = &c.limits;
             let sane = |v: f64| v >= 0.0 && v.is_finite();
             if !sane(l.dial_rate) || !sane(l.dial_burst) {
-                errs.push(format!("{at}.limits: dial_rate and dial_burst must be ≥ 0"));
+                errs.add(
+                    format!("{at}.limits"),
+                    "dial_rate and dial_burst must be ≥ 0",
+                );
             }
             if c.strategies.is_empty() {
-                errs.push(format!("{at}.strategies: empty"));
+                errs.add(format!("{at}.strategies"), "empty");
             }
             for s in &c.strategies {
                 if !STRATEGIES.contains(&s.as_str()) {
-                    errs.push(format!(
-                        "{at}.strategies: {s:?} is not one of {}",
-                        STRATEGIES.join(", ")
-                    ));
+                    errs.add(
+                        format!("{at}.strategies"),
+                        format!("{s:?} is not one of {}", STRATEGIES.join(", ")),
+                    );
                 }
             }
             for (j, f) in c.frontends.iter().enumerate() {
@@ -510,10 +549,13 @@ impl ServerConfig {
             let proxy = f.protocol == FrontendProtocol::HttpProxy;
             let mtls = f.tcp.is_some() && f.client_ca.is_some();
             if !(proxy || mtls) {
-                errs.push(format!(
-                    "{at}: a shared {:?} frontend needs tcp with cert, key and client_ca: the client certificate names the cluster",
-                    f.protocol
-                ));
+                errs.add(
+                    at.clone(),
+                    format!(
+                        "a shared {:?} frontend needs tcp with cert, key and client_ca: the client certificate names the cluster",
+                        f.protocol
+                    ),
+                );
             }
             check_frontend(f, &at, proxy, cfg.agents.listen, &mut binds, &mut errs);
         }
@@ -523,15 +565,15 @@ impl ServerConfig {
             .any(|f| f.protocol == FrontendProtocol::HttpProxy)
             && cfg.clusters.iter().all(|c| c.proxy_password_file.is_none())
         {
-            errs.push(
-                "shared_frontends: no cluster has a proxy_password_file, so no proxy request could name one"
-                    .into(),
+            errs.add(
+                "shared_frontends",
+                "no cluster has a proxy_password_file, so no proxy request could name one",
             );
         }
         if errs.is_empty() {
             Ok(cfg)
         } else {
-            anyhow::bail!("{}", errs.join("\n"))
+            Err(Errors(errs.0))
         }
     }
 }

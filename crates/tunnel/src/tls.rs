@@ -5,51 +5,103 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::Context;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::server::danger::ClientCertVerifier;
 use rustls::server::WebPkiClientVerifier;
 use rustls::RootCertStore;
 
+/// Why TLS material could not be loaded or a TLS configuration built.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// A certificate file could not be read or parsed.
+    #[error("reading certificates from {path}: {source}")]
+    Certs {
+        /// The file.
+        path: String,
+        /// Why.
+        source: rustls::pki_types::pem::Error,
+    },
+    /// The file holds no certificate.
+    #[error("{0}: no certificate found")]
+    NoCert(String),
+    /// A key file could not be read or parsed.
+    #[error("reading a private key from {path}: {source}")]
+    Key {
+        /// The file.
+        path: String,
+        /// Why.
+        source: rustls::pki_types::pem::Error,
+    },
+    /// A certificate in a CA file cannot be a trust anchor.
+    #[error("{path}: not a usable CA certificate: {source}")]
+    Ca {
+        /// The file.
+        path: String,
+        /// Why.
+        source: rustls::Error,
+    },
+    /// A certificate and key that do not belong together (or are unusable).
+    #[error("{cert} / {key}: certificate and key: {source}")]
+    Pair {
+        /// The certificate file.
+        cert: String,
+        /// The key file.
+        key: String,
+        /// Why.
+        source: rustls::Error,
+    },
+    /// rustls refused the configuration itself.
+    #[error("TLS configuration: {0}")]
+    Config(#[from] rustls::Error),
+    /// A client certificate verifier could not be built.
+    #[error("building a client certificate verifier: {0}")]
+    Verifier(#[from] rustls::server::VerifierBuilderError),
+}
+
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
 /// Every certificate in a PEM file.
-pub fn load_certs(path: &Path) -> anyhow::Result<Vec<CertificateDer<'static>>> {
+pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let bad = |source| TlsError::Certs {
+        path: path.display().to_string(),
+        source,
+    };
     let certs: Vec<_> = CertificateDer::pem_file_iter(path)
-        .with_context(|| format!("reading certificates from {}", path.display()))?
+        .map_err(bad)?
         .collect::<Result<_, _>>()
-        .with_context(|| format!("parsing certificates in {}", path.display()))?;
+        .map_err(bad)?;
     if certs.is_empty() {
-        anyhow::bail!("{}: no certificate found", path.display());
+        return Err(TlsError::NoCert(path.display().to_string()));
     }
     Ok(certs)
 }
 
 /// The private key in a PEM file.
-pub fn load_key(path: &Path) -> anyhow::Result<PrivateKeyDer<'static>> {
-    PrivateKeyDer::from_pem_file(path)
-        .with_context(|| format!("reading a private key from {}", path.display()))
+pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_file(path).map_err(|source| TlsError::Key {
+        path: path.display().to_string(),
+        source,
+    })
 }
 
 /// A root store with every certificate of `path`.
-pub fn load_roots(path: &Path) -> anyhow::Result<RootCertStore> {
+pub fn load_roots(path: &Path) -> Result<RootCertStore, TlsError> {
     let mut roots = RootCertStore::empty();
     for c in load_certs(path)? {
-        roots
-            .add(c)
-            .with_context(|| format!("{}: not a usable CA certificate", path.display()))?;
+        roots.add(c).map_err(|source| TlsError::Ca {
+            path: path.display().to_string(),
+            source,
+        })?;
     }
     Ok(roots)
 }
 
 /// A verifier accepting client certificates issued by `roots`.
-pub fn client_verifier(roots: RootCertStore) -> anyhow::Result<Arc<dyn ClientCertVerifier>> {
-    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
-        .build()
-        .context("building a client certificate verifier")
+pub fn client_verifier(roots: RootCertStore) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
+    Ok(WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider()).build()?)
 }
 
 /// A server configuration for `cert`/`key`; with `clients`, a client
@@ -59,22 +111,19 @@ pub fn server_config(
     key: &Path,
     clients: Option<Arc<dyn ClientCertVerifier>>,
     alpn: &[&[u8]],
-) -> anyhow::Result<rustls::ServerConfig> {
+) -> Result<rustls::ServerConfig, TlsError> {
     let builder = rustls::ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .context("TLS versions")?;
+        .with_safe_default_protocol_versions()?;
     let builder = match clients {
         Some(v) => builder.with_client_cert_verifier(v),
         None => builder.with_no_client_auth(),
     };
     let mut cfg = builder
         .with_single_cert(load_certs(cert)?, load_key(key)?)
-        .with_context(|| {
-            format!(
-                "{} / {}: certificate and key",
-                cert.display(),
-                key.display()
-            )
+        .map_err(|source| TlsError::Pair {
+            cert: cert.display().to_string(),
+            key: key.display().to_string(),
+            source,
         })?;
     cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(cfg)
@@ -85,16 +134,17 @@ pub fn client_config(
     ca: &Path,
     identity: Option<(&Path, &Path)>,
     alpn: &[String],
-) -> anyhow::Result<rustls::ClientConfig> {
+) -> Result<rustls::ClientConfig, TlsError> {
     let builder = rustls::ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .context("TLS versions")?
+        .with_safe_default_protocol_versions()?
         .with_root_certificates(load_roots(ca)?);
     let mut cfg = match identity {
         Some((cert, key)) => builder
             .with_client_auth_cert(load_certs(cert)?, load_key(key)?)
-            .with_context(|| {
-                format!("{} / {}: client certificate", cert.display(), key.display())
+            .map_err(|source| TlsError::Pair {
+                cert: cert.display().to_string(),
+                key: key.display().to_string(),
+                source,
             })?,
         None => builder.with_no_client_auth(),
     };

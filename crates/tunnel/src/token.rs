@@ -11,7 +11,6 @@
 
 use std::path::Path;
 
-use anyhow::Context;
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde::Deserialize;
 
@@ -30,7 +29,7 @@ enum Method {
     Review(Box<TokenReviewer>),
 }
 
-pub use crate::tokenerror::TokenError;
+pub use crate::tokenerror::{AuthSetupError, TokenError};
 
 #[derive(Deserialize)]
 struct Claims {
@@ -76,8 +75,11 @@ pub fn claimed_issuer(authorization: &str) -> Result<String, TokenError> {
 }
 
 /// Reads every PEM public key (RSA or EC) in `path`.
-pub(crate) fn load_keys(path: &Path) -> anyhow::Result<Vec<(DecodingKey, Vec<Algorithm>)>> {
-    let text = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+pub(crate) fn load_keys(path: &Path) -> Result<Vec<(DecodingKey, Vec<Algorithm>)>, AuthSetupError> {
+    let text = std::fs::read(path).map_err(|source| AuthSetupError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
     let mut out = Vec::new();
     for block in split_pem(&text) {
         if let Ok(k) = DecodingKey::from_rsa_pem(&block) {
@@ -88,14 +90,11 @@ pub(crate) fn load_keys(path: &Path) -> anyhow::Result<Vec<(DecodingKey, Vec<Alg
         } else if let Ok(k) = DecodingKey::from_ec_pem(&block) {
             out.push((k, vec![Algorithm::ES256, Algorithm::ES384]));
         } else {
-            anyhow::bail!(
-                "{}: a PEM block is neither an RSA nor an EC public key",
-                path.display()
-            );
+            return Err(AuthSetupError::NotAKey(path.display().to_string()));
         }
     }
     if out.is_empty() {
-        anyhow::bail!("{}: no public key found", path.display());
+        return Err(AuthSetupError::NoKey(path.display().to_string()));
     }
     Ok(out)
 }
@@ -126,7 +125,7 @@ impl TokenValidator {
         issuer: &str,
         audience: &str,
         service_account: &str,
-    ) -> anyhow::Result<TokenValidator> {
+    ) -> Result<TokenValidator, AuthSetupError> {
         Self::build(
             Method::Local(load_keys(keys)?),
             issuer,
@@ -141,7 +140,7 @@ impl TokenValidator {
         issuer: &str,
         audience: &str,
         service_account: &str,
-    ) -> anyhow::Result<TokenValidator> {
+    ) -> Result<TokenValidator, AuthSetupError> {
         Self::build(
             Method::Review(Box::new(reviewer)),
             issuer,
@@ -155,10 +154,10 @@ impl TokenValidator {
         issuer: &str,
         audience: &str,
         service_account: &str,
-    ) -> anyhow::Result<TokenValidator> {
+    ) -> Result<TokenValidator, AuthSetupError> {
         let (ns, name) = service_account
             .split_once('/')
-            .context("service_account must be <namespace>/<name>")?;
+            .ok_or(AuthSetupError::ServiceAccount)?;
         Ok(TokenValidator {
             issuer: issuer.to_string(),
             audience: audience.to_string(),

@@ -11,7 +11,6 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::Context;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use seedlink_config::model::humantime_serde;
@@ -19,7 +18,7 @@ use serde::Deserialize;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
-use crate::tokenerror::TokenError;
+use crate::tokenerror::{AuthSetupError, TokenError};
 
 /// Told the outcome of every review (`accepted`, `refused`, `unavailable`,
 /// `cached`): how the server counts them, without this module knowing
@@ -126,20 +125,19 @@ fn default_review_cache() -> Duration {
 impl TokenReviewer {
     /// A reviewer for one cluster's API server as configured; `outcomes`
     /// is told every review's outcome.
-    pub fn new(cfg: &TokenReview, outcomes: Outcomes) -> anyhow::Result<TokenReviewer> {
-        let uri: http::Uri = cfg
-            .url
-            .parse()
-            .with_context(|| format!("review url {:?}", cfg.url))?;
+    pub fn new(cfg: &TokenReview, outcomes: Outcomes) -> Result<TokenReviewer, AuthSetupError> {
+        let bad = |why: String| AuthSetupError::ReviewUrl {
+            url: cfg.url.clone(),
+            why,
+        };
+        let uri: http::Uri = cfg.url.parse().map_err(|e| bad(format!("{e}")))?;
         if uri.scheme_str() != Some("https") {
-            anyhow::bail!("review url {:?}: must be https://", cfg.url);
+            return Err(bad("must be https://".into()));
         }
-        let auth = uri
-            .authority()
-            .with_context(|| format!("review url {:?}: no host", cfg.url))?;
+        let auth = uri.authority().ok_or_else(|| bad("no host".into()))?;
         let host = auth.host().trim_start_matches('[').trim_end_matches(']');
         let server_name = rustls::pki_types::ServerName::try_from(host.to_string())
-            .with_context(|| format!("review url {:?}: host", cfg.url))?;
+            .map_err(|e| bad(format!("host: {e}")))?;
         let identity = match (&cfg.cert, &cfg.key) {
             (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
             _ => None,

@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context;
 use bytes::BytesMut;
 use futures_util::StreamExt;
 use ipnet::IpNet;
@@ -41,6 +40,70 @@ pub const DEFAULT_DENY: &[&str] = &[
     "100.100.100.200/32",
     "fd00:ec2::254/128",
 ];
+
+/// Why one connection attempt to a server failed; [`ConnectError::reason`]
+/// is the `reason` label of `server_connect_errors_total`.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// TCP connect failed.
+    #[error("connecting to {server}: {error}")]
+    Connect {
+        /// `host:port`.
+        server: String,
+        /// Why.
+        error: std::io::Error,
+    },
+    /// TCP connect took longer than the deadline.
+    #[error("connecting to {0}: timed out")]
+    ConnectTimeout(String),
+    /// The TLS server name is not a valid name.
+    #[error("server name {0:?} is not a valid TLS name")]
+    ServerName(String),
+    /// The TLS handshake failed.
+    #[error("TLS handshake: {0}")]
+    Tls(std::io::Error),
+    /// The TLS handshake took longer than the deadline.
+    #[error("TLS handshake timed out")]
+    TlsTimeout,
+    /// The HTTP/2 handshake failed.
+    #[error("HTTP/2 handshake: {0}")]
+    Http2(hyper::Error),
+    /// The ServiceAccount token could not be read.
+    #[error("reading the token {path}: {error}")]
+    Token {
+        /// The file.
+        path: String,
+        /// Why.
+        error: std::io::Error,
+    },
+    /// The server did not answer the stream in time.
+    #[error("server did not answer")]
+    NoAnswer,
+    /// The server refused the stream (e.g. unknown certificate or token).
+    #[error("server refused the stream: {0}")]
+    Refused(String),
+    /// The answer lacked `serverid`/`servercount` or had them twice.
+    #[error("server answer: {0}")]
+    BadAnswer(String),
+}
+
+impl ConnectError {
+    /// The metric label.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ConnectError::Connect { .. } => "connect_error",
+            ConnectError::ConnectTimeout(_) => "connect_timeout",
+            ConnectError::ServerName(_) => "bad_server_name",
+            ConnectError::Tls(_) => "tls_error",
+            ConnectError::TlsTimeout => "tls_timeout",
+            ConnectError::Http2(_) => "http2_error",
+            ConnectError::Token { .. } => "token_unreadable",
+            ConnectError::NoAnswer => "no_answer",
+            ConnectError::Refused(_) => "refused",
+            ConnectError::BadAnswer(_) => "bad_answer",
+        }
+    }
+}
 
 /// Agent options.
 #[derive(Debug, Clone)]
@@ -98,6 +161,8 @@ pub struct AgentMetrics {
     pub servers: Gauge,
     /// Server connection attempts by outcome.
     pub server_connects: Family<Outcome, Counter>,
+    /// Failed server connection attempts by why (`ConnectError::reason`).
+    pub connect_errors: Family<Outcome, Counter>,
     /// Dials by outcome.
     pub dials: Family<Outcome, Counter>,
     /// Open destination connections.
@@ -115,6 +180,7 @@ impl AgentMetrics {
             registry: Registry::default(),
             servers: Gauge::default(),
             server_connects: Family::default(),
+            connect_errors: Family::default(),
             dials: Family::default(),
             endpoints: Gauge::default(),
             endpoint_closes: Family::default(),
@@ -129,6 +195,11 @@ impl AgentMetrics {
             "server_connects",
             "Connection attempts to the server by outcome",
             m.server_connects.clone(),
+        );
+        registry.register(
+            "server_connect_errors",
+            "Failed connection attempts to the server, by why (outcome)",
+            m.connect_errors.clone(),
         );
         registry.register("dials", "Destination dials by outcome", m.dials.clone());
         registry.register(
@@ -300,7 +371,7 @@ impl Session {
 
 impl Agent {
     /// Builds the agent (reads the TLS files).
-    pub fn new(opts: AgentOptions) -> anyhow::Result<Arc<Agent>> {
+    pub fn new(opts: AgentOptions) -> Result<Arc<Agent>, crate::tls::TlsError> {
         let mut alpn = vec!["h2".to_string()];
         alpn.extend(opts.alpn.iter().cloned());
         let ident = opts
@@ -357,8 +428,9 @@ impl Agent {
                     self.discovery_wait()
                 }
                 Err(e) => {
-                    tracing::warn!(server = %self.opts.server, error = %format!("{e:#}"), "cannot connect to the tunnel server");
+                    tracing::warn!(server = %self.opts.server, reason = e.reason(), error = %e, "cannot connect to the tunnel server");
                     AgentMetrics::count(&self.metrics.server_connects, "error");
+                    AgentMetrics::count(&self.metrics.connect_errors, e.reason());
                     let d = delay;
                     delay = delay.mul_f64(1.5).min(self.opts.sync_interval_cap);
                     d
@@ -408,26 +480,31 @@ impl Agent {
 
     /// One connection attempt; `Ok(true)` for a new replica, `Ok(false)` for
     /// one we already have (closed again).
-    async fn connect_once(self: &Arc<Self>) -> anyhow::Result<bool> {
+    async fn connect_once(self: &Arc<Self>) -> Result<bool, ConnectError> {
         let t = self.opts.dial_timeout.max(Duration::from_secs(5));
-        let tcp = tokio::time::timeout(t, TcpStream::connect(&self.opts.server))
+        let server = &self.opts.server;
+        let tcp = tokio::time::timeout(t, TcpStream::connect(server))
             .await
-            .context("connect timed out")?
-            .with_context(|| format!("connecting to {}", self.opts.server))?;
+            .map_err(|_| ConnectError::ConnectTimeout(server.clone()))?
+            .map_err(|error| ConnectError::Connect {
+                server: server.clone(),
+                error,
+            })?;
         let _ = tcp.set_nodelay(true);
+        let bad_name = || ConnectError::ServerName(self.opts.server_name.clone());
         let name = rustls::pki_types::ServerName::try_from(self.opts.server_name.clone())
-            .context("server name")?;
+            .map_err(|_| bad_name())?;
         let tls = tokio::time::timeout(t, self.tls.connect(name, tcp))
             .await
-            .context("TLS handshake timed out")?
-            .context("TLS handshake")?;
+            .map_err(|_| ConnectError::TlsTimeout)?
+            .map_err(ConnectError::Tls)?;
         let origin: http::Uri = format!("https://{}", self.opts.server_name)
             .parse()
-            .context("server name as URI")?;
+            .map_err(|_| bad_name())?;
         let (tls, goaway) = crate::goaway::Sniff::new(tls);
         let mut client = grpc::connect(tls, origin, self.keepalive())
             .await
-            .context("HTTP/2 handshake")?;
+            .map_err(ConnectError::Http2)?;
         let mut meta = vec![("agentid", self.opts.agent_id.clone())];
         if !self.opts.identifiers.is_empty() {
             meta.push(("agentidentifiers", self.opts.identifiers.clone()));
@@ -436,8 +513,10 @@ impl Agent {
             meta.push((flow::HEADER, flow::VERSION.to_string()));
         }
         if let Some(p) = &self.opts.token_path {
-            let token =
-                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let token = std::fs::read_to_string(p).map_err(|error| ConnectError::Token {
+                path: p.display().to_string(),
+                error,
+            })?;
             meta.push(("authorization", format!("Bearer {}", token.trim())));
         }
         let tx = FairQueue::new();
@@ -462,17 +541,25 @@ impl Agent {
             grpc::open_stream(&mut client, AGENT_CONNECT_PATH, outbound, &meta),
         )
         .await
-        .context("server did not answer")?
-        .map_err(|s| anyhow::anyhow!("server refused the stream: {} {}", s.code(), s.message()))?;
-        let one = |k: &str| -> anyhow::Result<String> {
+        .map_err(|_| ConnectError::NoAnswer)?
+        .map_err(|s| ConnectError::Refused(format!("{} {}", s.code(), s.message())))?;
+        let one = |k: &str| -> Result<String, ConnectError> {
             let v: Vec<_> = resp.metadata().get_all(k).iter().collect();
             match v.as_slice() {
-                [one] => Ok(one.to_str().context("not ASCII")?.to_string()),
-                _ => anyhow::bail!("expected one {k} header, got {}", v.len()),
+                [one] => one
+                    .to_str()
+                    .map(str::to_string)
+                    .map_err(|_| ConnectError::BadAnswer(format!("{k} is not ASCII"))),
+                _ => Err(ConnectError::BadAnswer(format!(
+                    "expected one {k} header, got {}",
+                    v.len()
+                ))),
             }
         };
         let server_id = one("serverid")?;
-        let count: i64 = one("servercount")?.parse().context("servercount")?;
+        let count: i64 = one("servercount")?
+            .parse()
+            .map_err(|_| ConnectError::BadAnswer("servercount is not a number".into()))?;
         self.known_count.store(count.max(1), Ordering::Release);
         let flow = self.opts.flow_control
             && resp

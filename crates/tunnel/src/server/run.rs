@@ -9,7 +9,6 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::Context;
 use arc_swap::ArcSwap;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::task::JoinHandle;
@@ -158,37 +157,106 @@ fn random_id() -> String {
     )
 }
 
+/// Why a tunnel-server could not be built, started or reloaded; each
+/// variant names the setting (and cluster) at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// TLS material a setting names is unusable.
+    #[error("{at}: {error}")]
+    Tls {
+        /// The setting.
+        at: String,
+        /// Why.
+        error: Box<tls::TlsError>,
+    },
+    /// Token checking could not be set up.
+    #[error("{at}: {error}")]
+    Auth {
+        /// The setting.
+        at: String,
+        /// Why.
+        error: Box<crate::token::AuthSetupError>,
+    },
+    /// A setting the checked configuration should have excluded, or a
+    /// secret file that cannot be used.
+    #[error("{at}: {why}")]
+    Invalid {
+        /// The setting.
+        at: String,
+        /// Why.
+        why: String,
+    },
+    /// A socket could not be set up.
+    #[error("{at}: {error}")]
+    Listen {
+        /// The listener and address.
+        at: String,
+        /// Why.
+        error: std::io::Error,
+    },
+    /// A reload changed a setting that needs a restart.
+    #[error("agents, admin, server_id, server_count, dial_timeout, stall_timeout and queue_bytes need a restart; only clusters, shared_frontends and frontend_templates reload")]
+    NeedsRestart,
+    /// A reload was applied, but some changed frontends did not start.
+    #[error("applied, but frontends failed to start: {0}")]
+    FrontendsFailed(String),
+}
+
+impl ServerError {
+    fn tls(at: impl Into<String>) -> impl FnOnce(tls::TlsError) -> ServerError {
+        let at = at.into();
+        move |error| ServerError::Tls {
+            at,
+            error: Box::new(error),
+        }
+    }
+
+    fn listen(at: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServerError {
+        let at = at.into();
+        move |error| ServerError::Listen { at, error }
+    }
+}
+
 /// How a configured frontend listens; `authenticated` frontends (every
 /// request carries a cluster's password) may use plain TCP anywhere.
-fn transport(f: &Frontend, what: &str, authenticated: bool) -> anyhow::Result<Transport> {
+fn transport(f: &Frontend, what: &str, authenticated: bool) -> Result<Transport, ServerError> {
     Ok(match (&f.unix, &f.tcp, &f.cert, &f.key, &f.client_ca) {
         (Some(p), None, ..) => Transport::Unix(p.clone()),
         (None, Some(a), Some(cert), Some(key), Some(ca)) => {
-            let v = tls::client_verifier(tls::load_roots(ca)?)?;
+            let v = tls::load_roots(ca)
+                .and_then(tls::client_verifier)
+                .map_err(ServerError::tls(format!("{what}: client_ca")))?;
             let alpn: &[&[u8]] = match f.protocol {
                 FrontendProtocol::Grpc => &[b"h2"],
                 FrontendProtocol::HttpConnect | FrontendProtocol::HttpProxy => &[b"http/1.1"],
             };
             let sc =
-                tls::server_config(cert, key, Some(v), alpn).with_context(|| what.to_string())?;
+                tls::server_config(cert, key, Some(v), alpn).map_err(ServerError::tls(what))?;
             Transport::Tcp(*a, TlsAcceptor::from(Arc::new(sc)))
         }
         (None, Some(a), None, None, None) if a.ip().is_loopback() || authenticated => {
             Transport::TcpPlain(*a)
         }
-        _ => anyhow::bail!("{what}: unix, or tcp with cert, key and client_ca"),
+        _ => {
+            return Err(ServerError::Invalid {
+                at: what.to_string(),
+                why: "unix, or tcp with cert, key and client_ca".into(),
+            })
+        }
     })
 }
 
 /// Reads and checks everything `cfg` refers to.
-pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> anyhow::Result<Plan> {
+pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> {
     let mut clusters = Vec::new();
     let mut frontends = Vec::new();
     for c in &cfg.clusters {
         let verifier = match &c.agent_ca {
-            Some(ca) => Some(tls::client_verifier(
-                tls::load_roots(ca).with_context(|| format!("cluster {}: agent_ca", c.name))?,
-            )?),
+            Some(ca) => Some(
+                tls::load_roots(ca)
+                    .and_then(tls::client_verifier)
+                    .map_err(ServerError::tls(format!("cluster {}: agent_ca", c.name)))?,
+            ),
             None => None,
         };
         let token = match &c.agent_token {
@@ -211,24 +279,33 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> anyhow::Result<Plan> {
                     .and_then(|r| {
                         TokenValidator::with_review(r, &t.issuer, &t.audience, &t.service_account)
                     }),
-                    _ => Err(anyhow::anyhow!("exactly one of keys or review")),
+                    _ => {
+                        return Err(ServerError::Invalid {
+                            at: format!("cluster {}: agent_token", c.name),
+                            why: "exactly one of keys or review".into(),
+                        })
+                    }
                 }
-                .with_context(|| format!("cluster {}: agent_token", c.name))?,
+                .map_err(|error| ServerError::Auth {
+                    at: format!("cluster {}: agent_token", c.name),
+                    error: Box::new(error),
+                })?,
             ),
             None => None,
         };
         let proxy_password = match &c.proxy_password_file {
             Some(p) => {
-                let text = std::fs::read_to_string(p).with_context(|| {
-                    format!("cluster {}: proxy_password_file {}", c.name, p.display())
+                let at = || format!("cluster {}: proxy_password_file {}", c.name, p.display());
+                let text = std::fs::read_to_string(p).map_err(|e| ServerError::Invalid {
+                    at: at(),
+                    why: e.to_string(),
                 })?;
                 let pw = text.trim();
                 if pw.is_empty() {
-                    anyhow::bail!(
-                        "cluster {}: proxy_password_file {} is empty",
-                        c.name,
-                        p.display()
-                    );
+                    return Err(ServerError::Invalid {
+                        at: at(),
+                        why: "empty".into(),
+                    });
                 }
                 Some(pw.to_string())
             }
@@ -280,7 +357,7 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> anyhow::Result<Plan> {
         Some(Arc::new(any)),
         &[b"h2"],
     )
-    .context("agents: TLS")?;
+    .map_err(ServerError::tls("agents: TLS"))?;
     Ok(Plan {
         clusters,
         frontends,
@@ -290,7 +367,7 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> anyhow::Result<Plan> {
 
 impl TunnelServer {
     /// Builds the server (reads every certificate; nothing is bound yet).
-    pub fn from_config(cfg: &ServerConfig) -> anyhow::Result<Arc<TunnelServer>> {
+    pub fn from_config(cfg: &ServerConfig) -> Result<Arc<TunnelServer>, ServerError> {
         let metrics = Metrics::new();
         let p = plan(cfg, &metrics)?;
         let clusters = p
@@ -330,12 +407,13 @@ impl TunnelServer {
     }
 
     /// Binds every listener and serves until [`TunnelServer::shutdown`].
-    pub async fn start(self: &Arc<Self>) -> anyhow::Result<Bound> {
+    pub async fn start(self: &Arc<Self>) -> Result<Bound, ServerError> {
+        let at = format!("agents: listening on {}", self.agent_listen);
         let agents = TcpListener::bind(self.agent_listen)
             .await
-            .with_context(|| format!("agents: listening on {}", self.agent_listen))?;
+            .map_err(ServerError::listen(at.clone()))?;
         let mut bound = Bound {
-            agents: agents.local_addr()?,
+            agents: agents.local_addr().map_err(ServerError::listen(at))?,
             admin: None,
             frontends: Vec::new(),
         };
@@ -362,17 +440,18 @@ impl TunnelServer {
         }
         drop(running);
         if let Some(a) = self.admin_listen {
+            let at = format!("admin: listening on {a}");
             let l = TcpListener::bind(a)
                 .await
-                .with_context(|| format!("admin: listening on {a}"))?;
-            bound.admin = Some(l.local_addr()?);
+                .map_err(ServerError::listen(at.clone()))?;
+            bound.admin = Some(l.local_addr().map_err(ServerError::listen(at))?);
             tokio::spawn(super::admin::serve(self.core.clone(), l));
         }
         Ok(bound)
     }
 
     /// Binds one frontend and starts accepting on it.
-    async fn listen(self: &Arc<Self>, f: PlannedFrontend) -> anyhow::Result<Running> {
+    async fn listen(self: &Arc<Self>, f: PlannedFrontend) -> Result<Running, ServerError> {
         let label = format!(
             "{}/{}",
             f.cluster.as_deref().unwrap_or("shared"),
@@ -382,7 +461,10 @@ impl TunnelServer {
             Some(n) => Some(
                 self.registry
                     .cluster(n)
-                    .with_context(|| format!("{label}: no cluster {n}"))?,
+                    .ok_or_else(|| ServerError::Invalid {
+                        at: label.clone(),
+                        why: format!("no cluster {n}"),
+                    })?,
             ),
             None => None,
         };
@@ -392,19 +474,23 @@ impl TunnelServer {
             Transport::Unix(path) => {
                 // Like upstream's --delete-existing-uds-file (default true).
                 let _ = std::fs::remove_file(&path);
-                let l = UnixListener::bind(&path)
-                    .with_context(|| format!("{label}: listening on {}", path.display()))?;
+                let l = UnixListener::bind(&path).map_err(ServerError::listen(format!(
+                    "{label}: listening on {}",
+                    path.display()
+                )))?;
                 use std::os::unix::fs::PermissionsExt;
-                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o660))
-                    .with_context(|| format!("{label}: permissions of {}", path.display()))?;
+                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o660)).map_err(
+                    ServerError::listen(format!("{label}: permissions of {}", path.display())),
+                )?;
                 let t = self.spawn_unix(l, cluster, name, proto, stop.clone());
                 (t, path.display().to_string(), None)
             }
             Transport::TcpPlain(addr) => {
+                let at = format!("{label}: listening on {addr}");
                 let l = TcpListener::bind(addr)
                     .await
-                    .with_context(|| format!("{label}: listening on {addr}"))?;
-                let b = l.local_addr()?.to_string();
+                    .map_err(ServerError::listen(at.clone()))?;
+                let b = l.local_addr().map_err(ServerError::listen(at))?.to_string();
                 (
                     self.spawn_tcp(l, None, cluster, name, proto, stop.clone()),
                     b,
@@ -412,10 +498,11 @@ impl TunnelServer {
                 )
             }
             Transport::Tcp(addr, acceptor) => {
+                let at = format!("{label}: listening on {addr}");
                 let l = TcpListener::bind(addr)
                     .await
-                    .with_context(|| format!("{label}: listening on {addr}"))?;
-                let b = l.local_addr()?.to_string();
+                    .map_err(ServerError::listen(at.clone()))?;
+                let b = l.local_addr().map_err(ServerError::listen(at))?.to_string();
                 let acc = Arc::new(ArcSwap::from_pointee(acceptor));
                 let t = self.spawn_tcp(l, Some(acc.clone()), cluster, name, proto, stop.clone());
                 (t, b, Some(acc))
@@ -524,18 +611,19 @@ impl TunnelServer {
     /// `shared_frontends` (listen addresses, server ID, timeouts) need a
     /// restart: a change there is reported as an error and nothing is
     /// applied.
-    pub async fn reload(self: &Arc<Self>, cfg: &ServerConfig) -> anyhow::Result<ReloadReport> {
+    pub async fn reload(self: &Arc<Self>, cfg: &ServerConfig) -> Result<ReloadReport, ServerError> {
         let result = self.reload_inner(cfg).await;
         self.metrics
             .reload(if result.is_ok() { "ok" } else { "error" });
         result
     }
 
-    async fn reload_inner(self: &Arc<Self>, cfg: &ServerConfig) -> anyhow::Result<ReloadReport> {
+    async fn reload_inner(
+        self: &Arc<Self>,
+        cfg: &ServerConfig,
+    ) -> Result<ReloadReport, ServerError> {
         if Fixed::of(cfg) != self.fixed {
-            anyhow::bail!(
-                "agents, admin, server_id, server_count, dial_timeout, stall_timeout and queue_bytes need a restart; only clusters, shared_frontends and frontend_templates reload"
-            );
+            return Err(ServerError::NeedsRestart);
         }
         let p = plan(cfg, &self.metrics)?;
         // One reload at a time (the lock also guards the frontend list).
@@ -649,10 +737,7 @@ impl TunnelServer {
         if errors.is_empty() {
             Ok(report)
         } else {
-            anyhow::bail!(
-                "applied, but frontends failed to start: {}",
-                errors.join("; ")
-            )
+            Err(ServerError::FrontendsFailed(errors.join("; ")))
         }
     }
 
