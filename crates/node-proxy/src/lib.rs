@@ -187,10 +187,10 @@ impl NodeProxy {
             np.metrics.active.inc();
             let outcome = tokio::select! {
                 o = tunnel::carry(&np, stream, peer) => o,
-                () = np.lifecycle.close_all.cancelled() => "closed_drain",
+                () = np.lifecycle.close_all.cancelled() => tunnel::Outcome::ClosedDrain,
             };
             np.metrics.active.dec();
-            np.count(outcome);
+            np.count(outcome.reason());
             drop(permit);
         });
     }

@@ -108,8 +108,73 @@ async fn lookup(target: &str, deadline: Duration) -> io::Result<Vec<SocketAddr>>
     }
 }
 
-/// Carries one client connection; returns the outcome label.
-pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> &'static str {
+/// How one tunnel ended; [`Outcome::reason`] is the `outcome` label of
+/// `tunnels_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// No address of the gateway could be connected.
+    GatewayUnreachable,
+    /// The gateway did not answer in time.
+    GatewayTimeout,
+    /// The connection to the gateway failed.
+    GatewayError,
+    /// A mode was carried by the wrong path (a bug).
+    ModeError,
+    /// Writing to the client failed.
+    ClientError,
+    /// Both directions ended normally.
+    Ok,
+    /// A side reset the connection.
+    Reset,
+    /// The copy failed.
+    Error,
+    /// The gateway answered 403 (ACL).
+    GatewayForbidden,
+    /// The gateway answered 503 (no usable upstream).
+    GatewayUnavailable,
+    /// The gateway answered 301.
+    GatewayRedirect,
+    /// The gateway answered another refusal.
+    GatewayRefused,
+    /// The gateway's answer was not HTTP.
+    GatewayBadResponse,
+    /// The gateway closed before answering.
+    GatewayClosed,
+    /// The configured header or authority cannot form a request.
+    BadRequestOptions,
+    /// The PROXY header could not be built.
+    ProxyHeaderError,
+    /// The drain deadline closed it.
+    ClosedDrain,
+}
+
+impl Outcome {
+    /// The metric label.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Outcome::GatewayUnreachable => "gateway_unreachable",
+            Outcome::GatewayTimeout => "gateway_timeout",
+            Outcome::GatewayError => "gateway_error",
+            Outcome::ModeError => "mode_error",
+            Outcome::ClientError => "client_error",
+            Outcome::Ok => "ok",
+            Outcome::Reset => "reset",
+            Outcome::Error => "error",
+            Outcome::GatewayForbidden => "gateway_forbidden",
+            Outcome::GatewayUnavailable => "gateway_unavailable",
+            Outcome::GatewayRedirect => "gateway_redirect",
+            Outcome::GatewayRefused => "gateway_refused",
+            Outcome::GatewayBadResponse => "gateway_bad_response",
+            Outcome::GatewayClosed => "gateway_closed",
+            Outcome::BadRequestOptions => "bad_request_options",
+            Outcome::ProxyHeaderError => "proxy_header_error",
+            Outcome::ClosedDrain => "closed_drain",
+        }
+    }
+}
+
+/// Carries one client connection; returns how it ended.
+pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> Outcome {
     let _ = client.set_nodelay(true);
     if np.opts.mode == Mode::Http2Connect {
         return h2_carry(np, client, peer).await;
@@ -119,7 +184,7 @@ pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> &'sta
         Err(e) => {
             tracing::warn!(%peer, error = %e, "gateway unreachable");
             np.gateway_ok.store(false, Ordering::Release);
-            return "gateway_unreachable";
+            return Outcome::GatewayUnreachable;
         }
     };
     let local = client.local_addr().unwrap_or(peer);
@@ -130,10 +195,10 @@ pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> &'sta
             {
                 Ok(Ok(rest)) => rest,
                 Ok(Err(why)) => {
-                    tracing::warn!(%peer, reason = why, "gateway refused the tunnel");
+                    tracing::warn!(%peer, reason = why.reason(), "gateway refused the tunnel");
                     return why;
                 }
-                Err(_) => return "gateway_timeout",
+                Err(_) => return Outcome::GatewayTimeout,
             }
         }
         Mode::ProxyV2 => {
@@ -144,15 +209,15 @@ pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> &'sta
             )
             .build();
             let Ok(header) = header else {
-                return "proxy_header_error";
+                return Outcome::ProxyHeaderError;
             };
             if write_all(&gateway, &header).await.is_err() {
-                return "gateway_error";
+                return Outcome::GatewayError;
             }
             Vec::new()
         }
         // Carried as a stream on the shared connection by `h2_carry`.
-        Mode::Http2Connect => return "mode_error",
+        Mode::Http2Connect => return Outcome::ModeError,
         Mode::ProxyV1 => {
             let header = match (peer, local) {
                 (SocketAddr::V4(s), SocketAddr::V4(d)) => {
@@ -167,14 +232,14 @@ pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> &'sta
                 }
             };
             if write_all(&gateway, header.as_bytes()).await.is_err() {
-                return "gateway_error";
+                return Outcome::GatewayError;
             }
             Vec::new()
         }
     };
     np.gateway_ok.store(true, Ordering::Release);
     if !leftover.is_empty() && write_all(&client, &leftover).await.is_err() {
-        return "client_error";
+        return Outcome::ClientError;
     }
     let t = Transfer::default();
     match np
@@ -182,15 +247,15 @@ pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> &'sta
         .run(&client, &gateway, &t.to_upstream, &t.to_client)
         .await
     {
-        Ok(()) => "ok",
-        Err(e) if e.kind() == io::ErrorKind::ConnectionReset => "reset",
-        Err(_) => "error",
+        Ok(()) => Outcome::Ok,
+        Err(e) if e.kind() == io::ErrorKind::ConnectionReset => Outcome::Reset,
+        Err(_) => Outcome::Error,
     }
 }
 
 /// Sends the CONNECT request and reads the answer head. Returns bytes the
 /// gateway sent after the head (already tunnel payload), or why it failed.
-async fn connect_handshake(np: &NodeProxy, gateway: &TcpStream) -> Result<Vec<u8>, &'static str> {
+async fn connect_handshake(np: &NodeProxy, gateway: &TcpStream) -> Result<Vec<u8>, Outcome> {
     let (name, value) = &np.opts.header;
     let head = format!(
         "CONNECT {a} HTTP/1.1\r\nHost: {a}\r\n{name}: {value}\r\n\r\n",
@@ -198,7 +263,7 @@ async fn connect_handshake(np: &NodeProxy, gateway: &TcpStream) -> Result<Vec<u8
     );
     write_all(gateway, head.as_bytes())
         .await
-        .map_err(|_| "gateway_error")?;
+        .map_err(|_| Outcome::GatewayError)?;
     let mut buf: Vec<u8> = Vec::with_capacity(256);
     loop {
         let mut headers = [httparse::EMPTY_HEADER; 32];
@@ -207,25 +272,28 @@ async fn connect_handshake(np: &NodeProxy, gateway: &TcpStream) -> Result<Vec<u8
             Ok(httparse::Status::Complete(n)) => {
                 return match resp.code {
                     Some(200) => Ok(buf.split_off(n)),
-                    Some(403) => Err("gateway_forbidden"),
-                    Some(503) => Err("gateway_unavailable"),
-                    Some(301) => Err("gateway_redirect"),
-                    _ => Err("gateway_refused"),
+                    Some(403) => Err(Outcome::GatewayForbidden),
+                    Some(503) => Err(Outcome::GatewayUnavailable),
+                    Some(301) => Err(Outcome::GatewayRedirect),
+                    _ => Err(Outcome::GatewayRefused),
                 };
             }
             Ok(httparse::Status::Partial) => {}
-            Err(_) => return Err("gateway_bad_response"),
+            Err(_) => return Err(Outcome::GatewayBadResponse),
         }
         if buf.len() >= MAX_RESPONSE_HEAD {
-            return Err("gateway_bad_response");
+            return Err(Outcome::GatewayBadResponse);
         }
-        gateway.readable().await.map_err(|_| "gateway_error")?;
+        gateway
+            .readable()
+            .await
+            .map_err(|_| Outcome::GatewayError)?;
         let mut chunk = [0u8; 1024];
         match gateway.try_read(&mut chunk) {
-            Ok(0) => return Err("gateway_closed"),
+            Ok(0) => return Err(Outcome::GatewayClosed),
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            Err(_) => return Err("gateway_error"),
+            Err(_) => return Err(Outcome::GatewayError),
         }
     }
 }
@@ -269,7 +337,7 @@ impl H2Session {
             if conns.is_empty() {
                 conns.push(open_h2(np).await?);
             }
-            Ok::<(), &'static str>(())
+            Ok::<(), Outcome>(())
         };
         matches!(
             tokio::time::timeout(np.opts.handshake_timeout, up).await,
@@ -279,7 +347,7 @@ impl H2Session {
 
     /// A stream slot on a live connection with room, connecting first if
     /// every connection is full or gone.
-    async fn slot(&self, np: &NodeProxy) -> Result<(SendRequest<Bytes>, StreamSlot), &'static str> {
+    async fn slot(&self, np: &NodeProxy) -> Result<(SendRequest<Bytes>, StreamSlot), Outcome> {
         let mut conns = self.conns.lock().await;
         conns.retain(|c| !c.task.is_finished());
         let room = conns
@@ -289,7 +357,7 @@ impl H2Session {
             Some(c) => c,
             None => {
                 conns.push(open_h2(np).await?);
-                conns.last().ok_or("gateway_error")?
+                conns.last().ok_or(Outcome::GatewayError)?
             }
         };
         conn.streams.fetch_add(1, Ordering::AcqRel);
@@ -299,10 +367,10 @@ impl H2Session {
 
 /// Opens one h2c connection to the gateway and spawns its driver, which
 /// also pings it and gives it up when a pong is late.
-async fn open_h2(np: &NodeProxy) -> Result<H2Conn, &'static str> {
+async fn open_h2(np: &NodeProxy) -> Result<H2Conn, Outcome> {
     let tcp = np.resolver.connect(np).await.map_err(|e| {
         tracing::warn!(error = %e, "gateway unreachable");
-        "gateway_unreachable"
+        Outcome::GatewayUnreachable
     })?;
     let mut builder = h2::client::Builder::new();
     builder
@@ -316,9 +384,9 @@ async fn open_h2(np: &NodeProxy) -> Result<H2Conn, &'static str> {
             Ok(Ok(pair)) => pair,
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "HTTP/2 handshake with the gateway failed");
-                return Err("gateway_error");
+                return Err(Outcome::GatewayError);
             }
-            Err(_) => return Err("gateway_timeout"),
+            Err(_) => return Err(Outcome::GatewayTimeout),
         };
     let mut pings = conn.ping_pong();
     let task = tokio::spawn(async move {
@@ -350,44 +418,46 @@ async fn open_h2(np: &NodeProxy) -> Result<H2Conn, &'static str> {
 
 /// Carries one client connection as a stream on the shared HTTP/2
 /// connection: CONNECT with the destination header, wait for `200`, copy.
-async fn h2_carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> &'static str {
+async fn h2_carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> Outcome {
     let deadline = np.opts.handshake_timeout;
     let opened = tokio::time::timeout(deadline, async {
         let (send, slot) = np.h2.slot(np).await?;
-        let mut send = send.ready().await.map_err(|_| "gateway_error")?;
+        let mut send = send.ready().await.map_err(|_| Outcome::GatewayError)?;
         let (name, value) = &np.opts.header;
         let req = Request::builder()
             .method(Method::CONNECT)
             .uri(np.opts.authority.as_str())
             .header(name.as_str(), value.as_str())
             .body(())
-            .map_err(|_| "bad_request_options")?;
-        let (resp, stream) = send.send_request(req, false).map_err(|_| "gateway_error")?;
-        let resp = resp.await.map_err(|_| "gateway_error")?;
+            .map_err(|_| Outcome::BadRequestOptions)?;
+        let (resp, stream) = send
+            .send_request(req, false)
+            .map_err(|_| Outcome::GatewayError)?;
+        let resp = resp.await.map_err(|_| Outcome::GatewayError)?;
         match resp.status() {
             StatusCode::OK => Ok((resp.into_body(), stream, slot)),
-            StatusCode::FORBIDDEN => Err("gateway_forbidden"),
-            StatusCode::SERVICE_UNAVAILABLE => Err("gateway_unavailable"),
-            _ => Err("gateway_refused"),
+            StatusCode::FORBIDDEN => Err(Outcome::GatewayForbidden),
+            StatusCode::SERVICE_UNAVAILABLE => Err(Outcome::GatewayUnavailable),
+            _ => Err(Outcome::GatewayRefused),
         }
     })
     .await;
     let (recv, send, _slot) = match opened {
         Ok(Ok(pair)) => pair,
         Ok(Err(why)) => {
-            if why == "gateway_unreachable" {
+            if why == Outcome::GatewayUnreachable {
                 np.gateway_ok.store(false, Ordering::Release);
             } else {
-                tracing::warn!(%peer, reason = why, "gateway refused the tunnel");
+                tracing::warn!(%peer, reason = why.reason(), "gateway refused the tunnel");
             }
             return why;
         }
-        Err(_) => return "gateway_timeout",
+        Err(_) => return Outcome::GatewayTimeout,
     };
     np.gateway_ok.store(true, Ordering::Release);
     tokio::join!(
         h2copy::stream_to_socket(recv, &client),
         h2copy::socket_to_stream(&client, send)
     );
-    "ok"
+    Outcome::Ok
 }

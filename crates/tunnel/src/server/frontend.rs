@@ -51,10 +51,7 @@ async fn answer<S: AsyncWrite + Unpin>(io: &mut S, code: u16, body: &str) {
 /// Reads a request head within the handshake deadline: the head and the
 /// buffer it was read into (bytes after `head.len` already belong to what
 /// follows), or an outcome label (a malformed head was answered 400).
-async fn read_head<S>(
-    srv: &Core,
-    io: &mut S,
-) -> Result<(connect_head::Head, BytesMut), &'static str>
+async fn read_head<S>(srv: &Core, io: &mut S) -> Result<(connect_head::Head, BytesMut), FrontendEnd>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -64,15 +61,15 @@ where
         loop {
             match connect_head::parse(&buf, &limits) {
                 Parse::Done(h) => return Ok(h),
-                Parse::Invalid(r) => return Err(r.reason()),
+                Parse::Invalid(r) => return Err(FrontendEnd::Malformed(r)),
                 Parse::Incomplete => {}
             }
             if buf.len() >= limits.max_head_bytes {
-                return Err("head_too_large");
+                return Err(FrontendEnd::HeadTooLarge);
             }
             buf.reserve(1024);
             match io.read_buf(&mut buf).await {
-                Ok(0) | Err(_) => return Err("closed"),
+                Ok(0) | Err(_) => return Err(FrontendEnd::Closed),
                 Ok(_) => {}
             }
         }
@@ -80,17 +77,94 @@ where
     .await;
     match head {
         Ok(Ok(h)) => Ok((h, buf)),
-        Ok(Err("closed")) => Err("closed"),
+        Ok(Err(FrontendEnd::Closed)) => Err(FrontendEnd::Closed),
         Ok(Err(why)) => {
             answer(io, 400, "malformed request\n").await;
             Err(why)
         }
-        Err(_) => Err("head_timeout"),
+        Err(_) => Err(FrontendEnd::HeadTimeout),
     }
 }
 
-/// Serves one HTTP CONNECT frontend connection; returns the outcome label.
-pub async fn serve_http_connect<S>(srv: &Core, cluster: &Cluster, mut io: S) -> &'static str
+/// How a frontend connection ended; [`FrontendEnd::reason`] is the
+/// `outcome` label of `frontend_connections_total`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FrontendEnd {
+    /// The request head exceeded its limit.
+    HeadTooLarge,
+    /// The frontend closed before its request was complete.
+    Closed,
+    /// The request head (or first packet) did not arrive in time.
+    HeadTimeout,
+    /// Not a CONNECT on a CONNECT frontend.
+    NotConnect,
+    /// The target is not `host:port` (or not an origin the proxy serves).
+    BadTarget,
+    /// The frontend went away (during the dial or the copy).
+    FrontendGone,
+    /// Writing to the frontend failed.
+    WriteError,
+    /// A shared proxy request named no cluster it may use.
+    ProxyAuthRequired,
+    /// The agent's stream or connection ended first.
+    AgentGone,
+    /// Carried to its end.
+    Ok,
+    /// Reading from the frontend failed.
+    ReadError,
+    /// The agent side reset the connection.
+    Aborted,
+    /// The frontend took nothing for the stall deadline.
+    Stalled,
+    /// A gRPC frontend's first packet was not DIAL_REQ.
+    BadFirstPacket,
+    /// A gRPC dial for a protocol other than tcp.
+    BadProtocol,
+    /// A gRPC frontend sent DATA for another connection.
+    WrongConnectId,
+    /// The TLS handshake failed or timed out.
+    TlsFailed,
+    /// The server is draining (answered 503).
+    Draining,
+    /// No cluster could be chosen for it (answered 503).
+    UnknownCluster,
+    /// The request head was malformed (answered 400).
+    Malformed(seedlink_proto::connect_head::Reject),
+    /// The dial failed.
+    Dial(DialError),
+}
+
+impl FrontendEnd {
+    /// The metric label.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            FrontendEnd::HeadTooLarge => "head_too_large",
+            FrontendEnd::Closed => "closed",
+            FrontendEnd::HeadTimeout => "head_timeout",
+            FrontendEnd::NotConnect => "not_connect",
+            FrontendEnd::BadTarget => "bad_target",
+            FrontendEnd::FrontendGone => "frontend_gone",
+            FrontendEnd::WriteError => "write_error",
+            FrontendEnd::ProxyAuthRequired => "proxy_auth_required",
+            FrontendEnd::AgentGone => "agent_gone",
+            FrontendEnd::Ok => "ok",
+            FrontendEnd::ReadError => "read_error",
+            FrontendEnd::Aborted => "aborted",
+            FrontendEnd::Stalled => "stalled",
+            FrontendEnd::BadFirstPacket => "bad_first_packet",
+            FrontendEnd::BadProtocol => "bad_protocol",
+            FrontendEnd::WrongConnectId => "wrong_connect_id",
+            FrontendEnd::TlsFailed => "tls_failed",
+            FrontendEnd::Draining => "draining",
+            FrontendEnd::UnknownCluster => "unknown_cluster",
+            FrontendEnd::Malformed(r) => r.reason(),
+            FrontendEnd::Dial(e) => e.reason(),
+        }
+    }
+}
+
+/// Serves one HTTP CONNECT frontend connection; returns how it ended.
+pub async fn serve_http_connect<S>(srv: &Core, cluster: &Cluster, mut io: S) -> FrontendEnd
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -100,7 +174,7 @@ where
     };
     if !head.method.eq_ignore_ascii_case("CONNECT") {
         answer(&mut io, 405, "this proxy only supports CONNECT passthrough").await;
-        return "not_connect";
+        return FrontendEnd::NotConnect;
     }
     connect_method(srv, cluster, io, &head.target, buf.split_off(head.len)).await
 }
@@ -112,13 +186,13 @@ pub async fn connect_method<S>(
     mut io: S,
     target: &str,
     leftover: BytesMut,
-) -> &'static str
+) -> FrontendEnd
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     if !seedlink_proto::connect_head::authority_form(target) {
         answer(&mut io, 400, "CONNECT target must be host:port\n").await;
-        return "bad_target";
+        return FrontendEnd::BadTarget;
     }
     dial_and_carry(srv, cluster, io, target, leftover, true).await
 }
@@ -135,7 +209,7 @@ async fn dial_and_carry<S>(
     target: &str,
     mut leftover: BytesMut,
     established: bool,
-) -> &'static str
+) -> FrontendEnd
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -159,7 +233,7 @@ where
         }
     };
     if !watching {
-        return "frontend_gone";
+        return FrontendEnd::FrontendGone;
     }
     let leftover = leftover.freeze();
     let tunnel = match dialed {
@@ -172,11 +246,11 @@ where
                 e => e.to_string(),
             };
             answer(&mut io, e.http_status(), &body).await;
-            return e.reason();
+            return FrontendEnd::Dial(e);
         }
     };
     if established && io.write_all(ESTABLISHED).await.is_err() {
-        return "write_error";
+        return FrontendEnd::WriteError;
     }
     srv.metrics.established(&cluster.name, 1);
     let out = carry_stream(srv, tunnel, io, leftover).await;
@@ -215,7 +289,7 @@ pub async fn serve_http_proxy<S>(
     srv: &Core,
     choice: ProxyCluster<'_>,
     mut io: S,
-) -> (String, &'static str)
+) -> (String, FrontendEnd)
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -238,7 +312,7 @@ where
                         let _ = io.shutdown().await;
                     })
                     .await;
-                    return (String::new(), "proxy_auth_required");
+                    return (String::new(), FrontendEnd::ProxyAuthRequired);
                 }
             }
         }
@@ -256,7 +330,7 @@ where
             "a forward proxy takes CONNECT or an absolute http:// URL\n",
         )
         .await;
-        return (name, "bad_target");
+        return (name, FrontendEnd::BadTarget);
     };
     let mut first = BytesMut::from(request.as_bytes());
     first.extend_from_slice(&leftover);
@@ -301,7 +375,7 @@ fn origin_form(head: &connect_head::Head) -> Option<(String, String)> {
 }
 
 /// Copies between a frontend stream and its tunnel until either ends.
-async fn carry_stream<S>(srv: &Core, tunnel: Tunnel, io: S, leftover: Bytes) -> &'static str
+async fn carry_stream<S>(srv: &Core, tunnel: Tunnel, io: S, leftover: Bytes) -> FrontendEnd
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -310,7 +384,7 @@ where
     let stall = srv.settings.stall_timeout;
     let up = async {
         if !leftover.is_empty() && tx.send(leftover).await.is_err() {
-            return "agent_gone";
+            return FrontendEnd::AgentGone;
         }
         // Small reads until the frontend sends in bulk: an idle connection
         // then holds 2 KiB instead of a full chunk.
@@ -318,14 +392,14 @@ where
         loop {
             let mut b = BytesMut::with_capacity(cap);
             match rd.read_buf(&mut b).await {
-                Ok(0) => return "ok",
+                Ok(0) => return FrontendEnd::Ok,
                 Ok(n) => {
                     cap = if n == cap { CHUNK } else { 2048.max(n) };
                     if tx.send(b.freeze()).await.is_err() {
-                        return "agent_gone";
+                        return FrontendEnd::AgentGone;
                     }
                 }
-                Err(_) => return "read_error",
+                Err(_) => return FrontendEnd::ReadError,
             }
         }
     };
@@ -341,11 +415,11 @@ where
         {
             PumpEnd::Finished => {
                 let _ = wr.shutdown().await;
-                "ok"
+                FrontendEnd::Ok
             }
-            PumpEnd::Aborted => "aborted",
-            PumpEnd::Stalled => "stalled",
-            PumpEnd::WriteError => "write_error",
+            PumpEnd::Aborted => FrontendEnd::Aborted,
+            PumpEnd::Stalled => FrontendEnd::Stalled,
+            PumpEnd::WriteError => FrontendEnd::WriteError,
         }
     };
     tokio::pin!(up, down);
@@ -355,8 +429,10 @@ where
     tokio::select! {
         u = &mut up => {
             tx.close();
-            let rest = tokio::time::timeout(stall, &mut down).await.unwrap_or("stalled");
-            if u == "ok" { rest } else { u }
+            let rest = tokio::time::timeout(stall, &mut down)
+                .await
+                .unwrap_or(FrontendEnd::Stalled);
+            if u == FrontendEnd::Ok { rest } else { u }
         }
         d = &mut down => d,
     }
@@ -371,7 +447,8 @@ pub fn grpc_handler(srv: Arc<Core>, cluster: Arc<Cluster>, frontend: Arc<str>) -
             let inbound = req.into_inner();
             tokio::spawn(async move {
                 let outcome = grpc_session(&srv, &cluster, inbound, out_tx).await;
-                srv.metrics.frontend_conn(&cluster.name, &frontend, outcome);
+                srv.metrics
+                    .frontend_conn(&cluster.name, &frontend, outcome.reason());
             });
             let out: PacketStream =
                 Box::pin(futures_util::stream::unfold(out_rx, |mut rx| async move {
@@ -387,11 +464,11 @@ async fn grpc_session(
     cluster: &Cluster,
     mut inbound: tonic::Streaming<Packet>,
     out: mpsc::Sender<Result<Packet, Status>>,
-) -> &'static str {
+) -> FrontendEnd {
     let first = match tokio::time::timeout(srv.settings.handshake_timeout, inbound.next()).await {
         Ok(Some(Ok(p))) => p,
-        Ok(_) => return "closed",
-        Err(_) => return "head_timeout",
+        Ok(_) => return FrontendEnd::Closed,
+        Err(_) => return FrontendEnd::HeadTimeout,
     };
     let (Some(PacketType::DialReq), Some(Payload::DialRequest(req))) =
         (first.kind(), first.payload)
@@ -401,7 +478,7 @@ async fn grpc_session(
                 "the first packet must be DIAL_REQ",
             )))
             .await;
-        return "bad_first_packet";
+        return FrontendEnd::BadFirstPacket;
     };
     if req.protocol != "tcp" {
         let _ = out
@@ -411,7 +488,7 @@ async fn grpc_session(
                 format!("protocol {:?} is not supported", req.protocol),
             )))
             .await;
-        return "bad_protocol";
+        return FrontendEnd::BadProtocol;
     }
     // The frontend's dial ID is echoed to it; the agent gets a fresh one.
     let cancel = srv.shutdown.child_token();
@@ -439,7 +516,7 @@ async fn grpc_session(
             let _ = out
                 .send(Ok(Packet::dial_rsp(req.random, 0, e.to_string())))
                 .await;
-            return e.reason();
+            return FrontendEnd::Dial(e);
         }
     };
     let cid = tunnel.tx.connect_id;
@@ -448,7 +525,7 @@ async fn grpc_session(
         .await
         .is_err()
     {
-        return "closed";
+        return FrontendEnd::Closed;
     }
     srv.metrics.established(&cluster.name, 1);
     let outcome = grpc_carry(&mut tunnel, &mut inbound, &out, cid).await;
@@ -461,7 +538,7 @@ async fn grpc_carry(
     inbound: &mut tonic::Streaming<Packet>,
     out: &mpsc::Sender<Result<Packet, Status>>,
     cid: i64,
-) -> &'static str {
+) -> FrontendEnd {
     let mut unacked = crate::flow::Unacked::default();
     loop {
         tokio::select! {
@@ -480,35 +557,35 @@ async fn grpc_carry(
                             Ok(()) => {}
                             Err(_) => {
                                 let _ = out.send(Ok(Packet::close_rsp(cid, "backend connection closed".into()))).await;
-                                return "agent_gone";
+                                return FrontendEnd::AgentGone;
                             }
                         }
                     }
                     (Some(PacketType::CloseReq), _) => {
                         let _ = out.send(Ok(Packet::close_rsp(cid, String::new()))).await;
-                        return "ok";
+                        return FrontendEnd::Ok;
                     }
                     // A DATA for another connection ends this one (as upstream).
-                    (Some(PacketType::Data), _) => return "wrong_connect_id",
+                    (Some(PacketType::Data), _) => return FrontendEnd::WrongConnectId,
                     _ => {}
                 },
-                _ => return "frontend_gone",
+                _ => return FrontendEnd::FrontendGone,
             },
             r = tunnel.rx.recv() => match r {
                 Recv::Data(b) => {
                     let n = b.len();
                     if out.send(Ok(Packet::data(cid, b))).await.is_err() {
-                        return "frontend_gone";
+                        return FrontendEnd::FrontendGone;
                     }
                     tunnel.tx.consumed(&mut unacked, n);
                 }
                 Recv::Finished => {
                     let _ = out.send(Ok(Packet::close_rsp(cid, String::new()))).await;
-                    return "ok";
+                    return FrontendEnd::Ok;
                 }
                 Recv::Aborted => {
                     let _ = out.send(Ok(Packet::close_rsp(cid, "connection aborted".into()))).await;
-                    return "aborted";
+                    return FrontendEnd::Aborted;
                 }
             },
         }

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use super::core::{Core, Settings};
+use super::frontend::FrontendEnd;
 use super::limits::Limits;
 use super::metrics::Metrics;
 use super::{Cluster, ClusterConf, Registry, Strategy};
@@ -585,14 +586,18 @@ impl TunnelServer {
                                 .and_then(|cn| srv2.registry.cluster(&cn));
                             match named {
                                 Some(c) => serve_frontend(srv2, Some(c), name, proto, tls).await,
-                                None => srv2.metrics.frontend_conn("", &name, "unknown_cluster"),
+                                None => srv2.metrics.frontend_conn(
+                                    "",
+                                    &name,
+                                    FrontendEnd::UnknownCluster.reason(),
+                                ),
                             }
                         }
                         Ok(Ok(tls)) => serve_frontend(srv2, cluster, name, proto, tls).await,
                         _ => srv2.metrics.frontend_conn(
                             cluster.as_ref().map_or("", |c| &*c.name),
                             &name,
-                            "tls_failed",
+                            FrontendEnd::TlsFailed.reason(),
                         ),
                     }
                 });
@@ -812,13 +817,13 @@ impl TunnelServer {
                     })
                     .await;
                     if other.is_some() {
-                        "draining"
+                        FrontendEnd::Draining
                     } else {
-                        "unknown_cluster"
+                        FrontendEnd::UnknownCluster
                     }
                 }
             };
-            srv.metrics.frontend_conn(&name, "gateway", outcome);
+            srv.metrics.frontend_conn(&name, "gateway", outcome.reason());
         });
     }
 
@@ -852,7 +857,7 @@ async fn serve_frontend<S>(
                 None => ProxyCluster::ByCredentials,
             };
             let (cl, outcome) = super::frontend::serve_http_proxy(&srv, choice, io).await;
-            srv.metrics.frontend_conn(&cl, &name, outcome);
+            srv.metrics.frontend_conn(&cl, &name, outcome.reason());
             return;
         }
         (_, Some(c)) => c,
@@ -862,7 +867,8 @@ async fn serve_frontend<S>(
     match proto {
         FrontendProtocol::HttpConnect | FrontendProtocol::HttpProxy => {
             let outcome = super::frontend::serve_http_connect(&srv, &cluster, io).await;
-            srv.metrics.frontend_conn(&cluster.name, &name, outcome);
+            srv.metrics
+                .frontend_conn(&cluster.name, &name, outcome.reason());
         }
         FrontendProtocol::Grpc => {
             // kube-apiserver's gRPC client names the socket path as
