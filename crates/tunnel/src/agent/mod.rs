@@ -247,6 +247,30 @@ pub struct Agent {
     pub shutdown: CancellationToken,
 }
 
+/// What a server's answer says: `serverid`, `servercount` (exactly one
+/// each) and whether it agreed to flow control.
+fn answer(meta: &tonic::metadata::MetadataMap) -> Result<(String, i64, bool), ConnectError> {
+    let one = |k: &str| -> Result<String, ConnectError> {
+        let v: Vec<_> = meta.get_all(k).iter().collect();
+        match v.as_slice() {
+            [one] => one
+                .to_str()
+                .map(str::to_string)
+                .map_err(|_| ConnectError::BadAnswer(format!("{k} is not ASCII"))),
+            _ => Err(ConnectError::BadAnswer(format!(
+                "expected one {k} header, got {}",
+                v.len()
+            ))),
+        }
+    };
+    let server_id = one("serverid")?;
+    let count: i64 = one("servercount")?
+        .parse()
+        .map_err(|_| ConnectError::BadAnswer("servercount is not a number".into()))?;
+    let flow = meta.get(flow::HEADER).and_then(|v| v.to_str().ok()) == Some(flow::VERSION);
+    Ok((server_id, count, flow))
+}
+
 /// Longest PING interval the back-off reaches.
 const KEEPALIVE_CAP: Duration = Duration::from_secs(3600);
 
@@ -478,10 +502,12 @@ impl Agent {
         );
     }
 
-    /// One connection attempt; `Ok(true)` for a new replica, `Ok(false)` for
-    /// one we already have (closed again).
-    async fn connect_once(self: &Arc<Self>) -> Result<bool, ConnectError> {
-        let t = self.opts.dial_timeout.max(Duration::from_secs(5));
+    /// TCP, TLS (SNI, ALPN, client certificate) and HTTP/2 to the server,
+    /// each step within `t`; the GOAWAY sniffer watches the connection.
+    async fn open_channel(
+        &self,
+        t: Duration,
+    ) -> Result<(grpc::Client, crate::goaway::Seen), ConnectError> {
         let server = &self.opts.server;
         let tcp = tokio::time::timeout(t, TcpStream::connect(server))
             .await
@@ -502,9 +528,17 @@ impl Agent {
             .parse()
             .map_err(|_| bad_name())?;
         let (tls, goaway) = crate::goaway::Sniff::new(tls);
-        let mut client = grpc::connect(tls, origin, self.keepalive())
+        let client = grpc::connect(tls, origin, self.keepalive())
             .await
             .map_err(ConnectError::Http2)?;
+        Ok((client, goaway))
+    }
+
+    /// One connection attempt; `Ok(true)` for a new replica, `Ok(false)` for
+    /// one we already have (closed again).
+    async fn connect_once(self: &Arc<Self>) -> Result<bool, ConnectError> {
+        let t = self.opts.dial_timeout.max(Duration::from_secs(5));
+        let (mut client, goaway) = self.open_channel(t).await?;
         let mut meta = vec![("agentid", self.opts.agent_id.clone())];
         if !self.opts.identifiers.is_empty() {
             meta.push(("agentidentifiers", self.opts.identifiers.clone()));
@@ -543,30 +577,9 @@ impl Agent {
         .await
         .map_err(|_| ConnectError::NoAnswer)?
         .map_err(|s| ConnectError::Refused(format!("{} {}", s.code(), s.message())))?;
-        let one = |k: &str| -> Result<String, ConnectError> {
-            let v: Vec<_> = resp.metadata().get_all(k).iter().collect();
-            match v.as_slice() {
-                [one] => one
-                    .to_str()
-                    .map(str::to_string)
-                    .map_err(|_| ConnectError::BadAnswer(format!("{k} is not ASCII"))),
-                _ => Err(ConnectError::BadAnswer(format!(
-                    "expected one {k} header, got {}",
-                    v.len()
-                ))),
-            }
-        };
-        let server_id = one("serverid")?;
-        let count: i64 = one("servercount")?
-            .parse()
-            .map_err(|_| ConnectError::BadAnswer("servercount is not a number".into()))?;
+        let (server_id, count, offered) = answer(resp.metadata())?;
         self.known_count.store(count.max(1), Ordering::Release);
-        let flow = self.opts.flow_control
-            && resp
-                .metadata()
-                .get(flow::HEADER)
-                .and_then(|v| v.to_str().ok())
-                == Some(flow::VERSION);
+        let flow = self.opts.flow_control && offered;
         let session = Arc::new(Session::new(server_id.clone(), tx, flow));
         let duplicate = {
             let mut s = crate::sync::lock(&self.sessions, "agent sessions");

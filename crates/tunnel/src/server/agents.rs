@@ -2,6 +2,7 @@
 //! clusters' CAs (the certificate decides the cluster, nothing the agent
 //! says does), then gRPC `AgentService/Connect`.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use futures_util::StreamExt;
@@ -9,20 +10,22 @@ use tokio::net::TcpStream;
 use tonic::{Response, Status};
 
 use super::core::Core;
-use super::{attach, detach, Handled, Identifiers};
+use super::{attach, detach, AgentLink, Cluster, Handled, Identifiers};
+use crate::fair::FairQueue;
 use crate::grpc::{self, Handler, PacketStream};
-use crate::proto::AGENT_CONNECT_PATH;
+use crate::proto::{Packet, AGENT_CONNECT_PATH};
 
 /// Serves one accepted agent connection.
-pub async fn serve_agent_conn(srv: Arc<Core>, tcp: TcpStream, peer: std::net::SocketAddr) {
+pub async fn serve_agent_conn(srv: Arc<Core>, tcp: TcpStream, peer: SocketAddr) {
     let _ = tcp.set_nodelay(true);
     serve_agent_io(srv, tcp, peer).await;
 }
 
 /// Serves one agent connection on any transport: an accepted socket, or
 /// one the gateway handed over in-process (with the bytes it already read
-/// replayed in front).
-pub async fn serve_agent_io<IO>(srv: Arc<Core>, tcp: IO, peer: std::net::SocketAddr)
+/// replayed in front). TLS → the cluster its certificate names (if it
+/// has one) → gRPC `Connect` streams, each opened by [`open_stream`].
+pub async fn serve_agent_io<IO>(srv: Arc<Core>, tcp: IO, peer: SocketAddr)
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -43,7 +46,7 @@ where
             return;
         }
     };
-    let certs: Vec<_> = tls
+    let certs: Certs = tls
         .get_ref()
         .1
         .peer_certificates()
@@ -65,189 +68,226 @@ where
     };
     let handler: Handler = {
         let srv = srv.clone();
-        Arc::new(
-            move |req: tonic::Request<tonic::Streaming<crate::proto::Packet>>| {
-                let srv = srv.clone();
-                let cert_cluster = cert_cluster.clone();
-                let certs = certs.clone();
-                Box::pin(async move {
-                    let meta = req.metadata();
-                    let auth: Vec<_> = meta.get_all("authorization").iter().collect();
-                    let auth = match auth.as_slice() {
-                        [] => None,
-                        [one] => Some(one.to_str().unwrap_or_default().to_string()),
-                        _ => {
-                            srv.metrics.agent_stream("", "bad_token");
-                            return Err(Status::unauthenticated("expected one authorization"));
-                        }
-                    };
-                    let presented = auth.clone();
-                    let cluster = match (cert_cluster, auth) {
-                        // The certificate decides; a token, if the cluster
-                        // checks tokens, must be valid for it too.
-                        (Some(c), Some(a)) if c.conf.load().token.is_some() => {
-                            let token = c.conf.load().token.clone();
-                            let checked = match token {
-                                Some(t) => t.check(&a).await,
-                                None => Ok(()),
-                            };
-                            if let Err(e) = checked {
-                                tracing::warn!(%peer, cluster = %c.name, error = %e, "agent token refused");
-                                return Err(token_refused(&srv, &c.name, &e));
-                            }
-                            c
-                        }
-                        (Some(c), _) => c,
-                        (None, Some(a)) => match srv.registry.cluster_for_token(&a).await {
-                            Ok(c) => c,
-                            Err(e) => {
-                                tracing::warn!(%peer, error = %e, "agent token refused");
-                                return Err(token_refused(&srv, "", &e));
-                            }
-                        },
-                        (None, None) => {
-                            srv.metrics.agent_stream("", "no_credentials");
-                            return Err(Status::unauthenticated(
-                                "a client certificate or a ServiceAccount token is required",
-                            ));
-                        }
-                    };
-                    let max = cluster.gate.limits().max_agents;
-                    if max > 0 && cluster.agent_count() >= max {
-                        tracing::warn!(%peer, cluster = %cluster.name, max, "agent stream refused: limit");
-                        srv.metrics.agent_stream(&cluster.name, "limit_agents");
-                        return Err(Status::resource_exhausted(
-                            "too many agent streams for this cluster",
-                        ));
-                    }
-                    let ids: Vec<_> = meta.get_all("agentid").iter().collect();
-                    let [agent_id] = ids.as_slice() else {
-                        srv.metrics.agent_stream(&cluster.name, "bad_agent_id");
-                        return Err(Status::invalid_argument("expected one agent ID"));
-                    };
-                    let Ok(agent_id) = agent_id.to_str() else {
-                        return Err(Status::invalid_argument("agent ID is not ASCII"));
-                    };
-                    let idents: Vec<_> = meta.get_all("agentidentifiers").iter().collect();
-                    let ids = match idents.as_slice() {
-                        [] => Identifiers::default(),
-                        [one] => {
-                            let (ids, ignored) = Identifiers::parse(one.to_str().unwrap_or(""));
-                            if !ignored.is_empty() {
-                                tracing::info!(
-                                    agent = agent_id,
-                                    ?ignored,
-                                    "ignored agent identifiers"
-                                );
-                            }
-                            ids
-                        }
-                        _ => {
-                            srv.metrics.agent_stream(&cluster.name, "bad_identifiers");
-                            return Err(Status::invalid_argument(
-                                "expected at most one agentidentifiers",
-                            ));
-                        }
-                    };
-                    let agent_id = agent_id.to_string();
-                    let flow = meta.get(crate::flow::HEADER).and_then(|v| v.to_str().ok())
-                        == Some(crate::flow::VERSION);
-                    // A second stream of an agent ID this cluster already
-                    // has is usually replica discovery that reached a replica
-                    // it holds: it ends cleanly, is counted as `duplicate`,
-                    // and logs only at debug level.
-                    let probe = cluster.agents().iter().any(|l| l.agent_id == agent_id);
-                    let (link, to_agent) = attach(&cluster, agent_id.clone(), ids, flow);
-                    let _ = link.certs.set(certs.clone());
-                    if let Some(a) = presented {
-                        let _ = link.authorization.set(a);
-                    }
-                    srv.metrics.agent(&cluster.name, 1);
-                    if probe {
-                        tracing::debug!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, "agent stream (agent already connected)");
-                    } else {
-                        tracing::info!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, flow, "agent connected");
-                    }
-                    let mut inbound = req.into_inner();
-                    // Receive loop: waits on a connection only when its queue is
-                    // full (see queue.rs and docs/TUNNEL.md, "Head-of-line").
-                    {
-                        let (srv, cluster, link) = (srv.clone(), cluster.clone(), link.clone());
-                        tokio::spawn(async move {
-                            let why = loop {
-                                tokio::select! {
-                                    m = inbound.next() => match m {
-                                        Some(Ok(p)) => {
-                                            let (h, blocked) = link.on_agent_packet(p);
-                                            srv.metrics.agent_packet(&cluster.name, h.label());
-                                            if let Some(b) = blocked {
-                                                // Backpressure: this stream reads nothing more
-                                                // until that connection's reader makes room, or
-                                                // stops reading for the stall deadline.
-                                                let stall = srv.settings.stall_timeout;
-                                                tokio::select! {
-                                                    h = b.resume(&link, stall) => {
-                                                        if h != Handled::Ok {
-                                                            srv.metrics.agent_packet(&cluster.name, h.label());
-                                                        }
-                                                    }
-                                                    () = srv.shutdown.cancelled() => break "server_shutdown",
-                                                    () = cluster.removed.cancelled() => break "cluster_removed",
-                                                    () = link.kick.cancelled() => break "rekeyed",
-                                                }
-                                            }
-                                        }
-                                        Some(Err(e)) => {
-                                            tracing::info!(agent = %link.agent_id, error = %e, "agent stream failed");
-                                            break "stream_error";
-                                        }
-                                        None => break "closed",
-                                    },
-                                    () = srv.shutdown.cancelled() => break "server_shutdown",
-                                    () = cluster.removed.cancelled() => break "cluster_removed",
-                                    () = link.kick.cancelled() => break "rekeyed",
-                                }
-                            };
-                            detach(&cluster, &link);
-                            srv.metrics.agent(&cluster.name, -1);
-                            if probe && why == "closed" {
-                                srv.metrics.agent_stream(&cluster.name, "duplicate");
-                                tracing::debug!(cluster = %cluster.name, agent = %link.agent_id, uid = link.uid, "duplicate agent stream closed");
-                            } else {
-                                srv.metrics.agent_stream(&cluster.name, why);
-                                tracing::info!(cluster = %cluster.name, agent = %link.agent_id, uid = link.uid, why, "agent disconnected");
-                            }
-                        });
-                    }
-                    let out: PacketStream =
-                        Box::pin(futures_util::stream::unfold(to_agent, |q| async move {
-                            q.next().await.map(|p| (Ok(p), q))
-                        }));
-                    let mut resp = Response::new(out);
-                    let id = srv
-                        .server_id
-                        .parse()
-                        .map_err(|_| Status::internal("server ID"))?;
-                    resp.metadata_mut().insert("serverid", id);
-                    resp.metadata_mut().insert(
-                        "servercount",
-                        srv.server_count
-                            .to_string()
-                            .parse()
-                            .map_err(|_| Status::internal("server count"))?,
-                    );
-                    if flow {
-                        resp.metadata_mut().insert(
-                            crate::flow::HEADER,
-                            tonic::metadata::MetadataValue::from_static(crate::flow::VERSION),
-                        );
-                    }
-                    Ok(resp)
-                })
-            },
-        )
+        Arc::new(move |req: tonic::Request<tonic::Streaming<Packet>>| {
+            let (srv, cert_cluster, certs) = (srv.clone(), cert_cluster.clone(), certs.clone());
+            Box::pin(async move { open_stream(srv, cert_cluster, certs, req, peer).await })
+        })
     };
     grpc::serve(tls, vec![(AGENT_CONNECT_PATH, handler)], srv.agent_h2).await;
+}
+
+type Certs = Vec<rustls::pki_types::CertificateDer<'static>>;
+
+/// One `Connect` stream: its cluster, its identity, the link, the receive
+/// loop, and the answer with `serverid`/`servercount`.
+async fn open_stream(
+    srv: Arc<Core>,
+    cert_cluster: Option<Arc<Cluster>>,
+    certs: Certs,
+    req: tonic::Request<tonic::Streaming<Packet>>,
+    peer: SocketAddr,
+) -> Result<Response<PacketStream>, Status> {
+    let meta = req.metadata();
+    let auth: Vec<_> = meta.get_all("authorization").iter().collect();
+    let auth = match auth.as_slice() {
+        [] => None,
+        [one] => Some(one.to_str().unwrap_or_default().to_string()),
+        _ => {
+            srv.metrics.agent_stream("", "bad_token");
+            return Err(Status::unauthenticated("expected one authorization"));
+        }
+    };
+    let cluster = stream_cluster(&srv, cert_cluster, auth.as_deref(), peer).await?;
+    let (agent_id, ids, flow) = stream_identity(&srv, &cluster, meta)?;
+    // A second stream of an agent ID this cluster already has is usually
+    // replica discovery that reached a replica it holds: it ends cleanly,
+    // is counted as `duplicate`, and logs only at debug level.
+    let probe = cluster.agents().iter().any(|l| l.agent_id == agent_id);
+    let (link, to_agent) = attach(&cluster, agent_id.clone(), ids, flow);
+    let _ = link.certs.set(certs);
+    if let Some(a) = auth {
+        let _ = link.authorization.set(a);
+    }
+    srv.metrics.agent(&cluster.name, 1);
+    if probe {
+        tracing::debug!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, "agent stream (agent already connected)");
+    } else {
+        tracing::info!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, flow, "agent connected");
+    }
+    let answer = response(&srv, to_agent, flow);
+    tokio::spawn(receive(srv, cluster, link, req.into_inner(), probe));
+    answer
+}
+
+/// The cluster of a stream: its certificate's, whose token (if the
+/// cluster checks tokens) must be valid too; else the one whose issuer
+/// accepts its token. Refused when the cluster has its agent streams.
+async fn stream_cluster(
+    srv: &Core,
+    cert_cluster: Option<Arc<Cluster>>,
+    auth: Option<&str>,
+    peer: SocketAddr,
+) -> Result<Arc<Cluster>, Status> {
+    let cluster = match (cert_cluster, auth) {
+        (Some(c), Some(a)) if c.conf.load().token.is_some() => {
+            let token = c.conf.load().token.clone();
+            let checked = match token {
+                Some(t) => t.check(a).await,
+                None => Ok(()),
+            };
+            if let Err(e) = checked {
+                tracing::warn!(%peer, cluster = %c.name, error = %e, "agent token refused");
+                return Err(token_refused(srv, &c.name, &e));
+            }
+            c
+        }
+        (Some(c), _) => c,
+        (None, Some(a)) => match srv.registry.cluster_for_token(a).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "agent token refused");
+                return Err(token_refused(srv, "", &e));
+            }
+        },
+        (None, None) => {
+            srv.metrics.agent_stream("", "no_credentials");
+            return Err(Status::unauthenticated(
+                "a client certificate or a ServiceAccount token is required",
+            ));
+        }
+    };
+    let max = cluster.gate.limits().max_agents;
+    if max > 0 && cluster.agent_count() >= max {
+        tracing::warn!(%peer, cluster = %cluster.name, max, "agent stream refused: limit");
+        srv.metrics.agent_stream(&cluster.name, "limit_agents");
+        return Err(Status::resource_exhausted(
+            "too many agent streams for this cluster",
+        ));
+    }
+    Ok(cluster)
+}
+
+/// What a stream says about its agent: `agentid` (exactly one),
+/// `agentidentifiers` (at most one), and whether it asks for flow control.
+fn stream_identity(
+    srv: &Core,
+    cluster: &Cluster,
+    meta: &tonic::metadata::MetadataMap,
+) -> Result<(String, Identifiers, bool), Status> {
+    let ids: Vec<_> = meta.get_all("agentid").iter().collect();
+    let [agent_id] = ids.as_slice() else {
+        srv.metrics.agent_stream(&cluster.name, "bad_agent_id");
+        return Err(Status::invalid_argument("expected one agent ID"));
+    };
+    let Ok(agent_id) = agent_id.to_str() else {
+        return Err(Status::invalid_argument("agent ID is not ASCII"));
+    };
+    let idents: Vec<_> = meta.get_all("agentidentifiers").iter().collect();
+    let ids = match idents.as_slice() {
+        [] => Identifiers::default(),
+        [one] => {
+            let (ids, ignored) = Identifiers::parse(one.to_str().unwrap_or(""));
+            if !ignored.is_empty() {
+                tracing::info!(agent = agent_id, ?ignored, "ignored agent identifiers");
+            }
+            ids
+        }
+        _ => {
+            srv.metrics.agent_stream(&cluster.name, "bad_identifiers");
+            return Err(Status::invalid_argument(
+                "expected at most one agentidentifiers",
+            ));
+        }
+    };
+    let flow =
+        meta.get(crate::flow::HEADER).and_then(|v| v.to_str().ok()) == Some(crate::flow::VERSION);
+    Ok((agent_id.to_string(), ids, flow))
+}
+
+/// The stream's answer: packets from the link's queue, with `serverid`,
+/// `servercount` and (if agreed) the flow-control header.
+fn response(
+    srv: &Core,
+    to_agent: Arc<FairQueue>,
+    flow: bool,
+) -> Result<Response<PacketStream>, Status> {
+    let out: PacketStream = Box::pin(futures_util::stream::unfold(to_agent, |q| async move {
+        q.next().await.map(|p| (Ok(p), q))
+    }));
+    let mut resp = Response::new(out);
+    let id = srv
+        .server_id
+        .parse()
+        .map_err(|_| Status::internal("server ID"))?;
+    resp.metadata_mut().insert("serverid", id);
+    resp.metadata_mut().insert(
+        "servercount",
+        srv.server_count
+            .to_string()
+            .parse()
+            .map_err(|_| Status::internal("server count"))?,
+    );
+    if flow {
+        resp.metadata_mut().insert(
+            crate::flow::HEADER,
+            tonic::metadata::MetadataValue::from_static(crate::flow::VERSION),
+        );
+    }
+    Ok(resp)
+}
+
+/// The receive loop of one stream: each packet goes to the link; it waits
+/// on a connection only when that connection's queue is full (see
+/// queue.rs and docs/TUNNEL.md, "Head-of-line"). Ends with the stream, on
+/// shutdown, when the cluster is removed or re-keyed away from the agent.
+async fn receive(
+    srv: Arc<Core>,
+    cluster: Arc<Cluster>,
+    link: Arc<AgentLink>,
+    mut inbound: tonic::Streaming<Packet>,
+    probe: bool,
+) {
+    let why = loop {
+        tokio::select! {
+            m = inbound.next() => match m {
+                Some(Ok(p)) => {
+                    let (h, blocked) = link.on_agent_packet(p);
+                    srv.metrics.agent_packet(&cluster.name, h.label());
+                    let Some(b) = blocked else { continue };
+                    // Backpressure: this stream reads nothing more until
+                    // that connection's reader makes room, or stops reading
+                    // for the stall deadline.
+                    tokio::select! {
+                        h = b.resume(&link, srv.settings.stall_timeout) => {
+                            if h != Handled::Ok {
+                                srv.metrics.agent_packet(&cluster.name, h.label());
+                            }
+                        }
+                        () = srv.shutdown.cancelled() => break "server_shutdown",
+                        () = cluster.removed.cancelled() => break "cluster_removed",
+                        () = link.kick.cancelled() => break "rekeyed",
+                    }
+                }
+                Some(Err(e)) => {
+                    tracing::info!(agent = %link.agent_id, error = %e, "agent stream failed");
+                    break "stream_error";
+                }
+                None => break "closed",
+            },
+            () = srv.shutdown.cancelled() => break "server_shutdown",
+            () = cluster.removed.cancelled() => break "cluster_removed",
+            () = link.kick.cancelled() => break "rekeyed",
+        }
+    };
+    detach(&cluster, &link);
+    srv.metrics.agent(&cluster.name, -1);
+    if probe && why == "closed" {
+        srv.metrics.agent_stream(&cluster.name, "duplicate");
+        tracing::debug!(cluster = %cluster.name, agent = %link.agent_id, uid = link.uid, "duplicate agent stream closed");
+    } else {
+        srv.metrics.agent_stream(&cluster.name, why);
+        tracing::info!(cluster = %cluster.name, agent = %link.agent_id, uid = link.uid, why, "agent disconnected");
+    }
 }
 
 /// Counts a refused token and answers the agent: `UNAVAILABLE` when the

@@ -633,68 +633,41 @@ impl TunnelServer {
         let p = plan(cfg, &self.metrics)?;
         // One reload at a time (the lock also guards the frontend list).
         let mut running = self.running.lock().await;
-        let mut report = ReloadReport::default();
         let old = self.registry.clusters();
+        let changes = diff(
+            &old.iter().map(|c| &*c.name).collect::<Vec<_>>(),
+            &running
+                .iter()
+                .map(|r| (r.cluster.as_deref(), &r.cfg))
+                .collect::<Vec<_>>(),
+            &p.clusters
+                .iter()
+                .map(|c| c.name.as_str())
+                .collect::<Vec<_>>(),
+            &p.frontends
+                .iter()
+                .map(|f| (f.cluster.as_deref(), &f.cfg))
+                .collect::<Vec<_>>(),
+        );
+        let mut report = ReloadReport {
+            added: changes.clusters_added.clone(),
+            removed: changes.clusters_removed.clone(),
+            ..ReloadReport::default()
+        };
         let mut next = Vec::new();
         for c in p.clusters {
             match old.iter().find(|o| *o.name == *c.name) {
                 Some(o) => {
                     o.conf.store(Arc::new(c.conf));
                     o.gate.set(c.limits);
-                    let conf = o.conf.load_full();
-                    for link in o.agents() {
-                        let certs = link.certs.get().map(Vec::as_slice).unwrap_or(&[]);
-                        if !certs.is_empty() {
-                            let ok = conf
-                                .verifier
-                                .as_ref()
-                                .is_some_and(|v| tls::accepts(v.as_ref(), certs));
-                            if !ok {
-                                link.kick.cancel();
-                                report.agents_rekeyed += 1;
-                                continue;
-                            }
-                        }
-                        // A token is checked again by the new trust (in the
-                        // background: a TokenReview may take a moment). A
-                        // certificate agent's token only if the cluster
-                        // still checks tokens; a token-only agent must
-                        // still have a cluster that accepts tokens.
-                        if let Some(auth) = link.authorization.get().cloned() {
-                            let token = conf.token.clone();
-                            if token.is_none() && !certs.is_empty() {
-                                continue;
-                            }
-                            let (link, cluster) = (link.clone(), o.name.clone());
-                            tokio::spawn(async move {
-                                let refused = match token {
-                                    Some(t) => match t.check(&auth).await {
-                                        Ok(()) => false,
-                                        // Not reachable now: keep the agent.
-                                        Err(crate::token::TokenError::Unavailable(_)) => false,
-                                        Err(_) => true,
-                                    },
-                                    None => true,
-                                };
-                                if refused {
-                                    tracing::info!(cluster = %cluster, agent = %link.agent_id, "agent's token refused after re-key");
-                                    // Its stream ends counted as `rekeyed`.
-                                    link.kick.cancel();
-                                }
-                            });
-                        }
-                    }
+                    report.agents_rekeyed += rekey(o);
                     next.push(o.clone());
                 }
-                None => {
-                    report.added.push(c.name.clone());
-                    next.push(Arc::new(Cluster::new(&c.name, c.conf, c.limits)));
-                }
+                None => next.push(Arc::new(Cluster::new(&c.name, c.conf, c.limits))),
             }
         }
         for o in old.iter() {
-            if !next.iter().any(|n| Arc::ptr_eq(n, o)) {
-                report.removed.push(o.name.to_string());
+            if changes.clusters_removed.iter().any(|n| *n == *o.name) {
                 o.removed.cancel();
             }
         }
@@ -702,18 +675,15 @@ impl TunnelServer {
         self.agent_tls.store(Arc::new(p.agent_tls));
         // Frontends: unchanged ones keep listening (new certificates are
         // swapped in); removed or changed ones stop; new ones start.
+        let mut planned: Vec<Option<PlannedFrontend>> = p.frontends.into_iter().map(Some).collect();
         let mut keep = Vec::new();
-        let mut todo = Vec::new();
-        let mut planned = p.frontends;
-        for r in running.drain(..) {
-            let same = planned
-                .iter()
-                .position(|f| f.cluster == r.cluster && f.cfg == r.cfg);
-            match same {
-                Some(i) => {
-                    let f = planned.remove(i);
-                    if let (Some(slot), Transport::Tcp(_, acc)) = (&r.tls, f.transport) {
-                        slot.store(Arc::new(acc));
+        for (i, r) in running.drain(..).enumerate() {
+            match changes.frontends_kept.iter().find(|(k, _)| *k == i) {
+                Some(&(_, j)) => {
+                    if let (Some(slot), Some(f)) = (&r.tls, planned[j].take()) {
+                        if let Transport::Tcp(_, acc) = f.transport {
+                            slot.store(Arc::new(acc));
+                        }
                     }
                     keep.push(r);
                 }
@@ -727,15 +697,15 @@ impl TunnelServer {
                 }
             }
         }
-        todo.append(&mut planned);
         let mut errors = Vec::new();
-        for f in todo {
+        for j in changes.frontends_started {
+            let Some(f) = planned[j].take() else { continue };
             match self.listen(f).await {
                 Ok(r) => {
                     report.frontends_started.push(r.label.clone());
                     keep.push(r);
                 }
-                Err(e) => errors.push(format!("{e:#}")),
+                Err(e) => errors.push(e.to_string()),
             }
         }
         *running = keep;
@@ -840,6 +810,111 @@ impl TunnelServer {
     }
 }
 
+/// Checks every agent of a re-keyed cluster against its new trust: one
+/// whose certificate the new CA refuses is disconnected at once (counted);
+/// a token is checked again in the background (a TokenReview may take a
+/// moment) and its agent disconnected if refused. Returns how many were
+/// disconnected at once.
+fn rekey(cluster: &Arc<Cluster>) -> usize {
+    let conf = cluster.conf.load_full();
+    let mut kicked = 0;
+    for link in cluster.agents() {
+        let certs = link.certs.get().map(Vec::as_slice).unwrap_or(&[]);
+        if !certs.is_empty() {
+            let ok = conf
+                .verifier
+                .as_ref()
+                .is_some_and(|v| tls::accepts(v.as_ref(), certs));
+            if !ok {
+                link.kick.cancel();
+                kicked += 1;
+                continue;
+            }
+        }
+        // A certificate agent's token only if the cluster still checks
+        // tokens; a token-only agent must still have a cluster that accepts
+        // tokens.
+        let Some(auth) = link.authorization.get().cloned() else {
+            continue;
+        };
+        let token = conf.token.clone();
+        if token.is_none() && !certs.is_empty() {
+            continue;
+        }
+        let name = cluster.name.clone();
+        tokio::spawn(async move {
+            let refused = match token {
+                Some(t) => match t.check(&auth).await {
+                    Ok(()) => false,
+                    // Not reachable now: keep the agent.
+                    Err(crate::token::TokenError::Unavailable(_)) => false,
+                    Err(_) => true,
+                },
+                None => true,
+            };
+            if refused {
+                tracing::info!(cluster = %name, agent = %link.agent_id, "agent's token refused after re-key");
+                // Its stream ends counted as `rekeyed`.
+                link.kick.cancel();
+            }
+        });
+    }
+    kicked
+}
+
+/// What a reload changes, computed from what runs and what the new plan
+/// asks for, touching neither (see [`diff`]).
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Changes {
+    /// Clusters only the plan has.
+    pub clusters_added: Vec<String>,
+    /// Clusters only the running server has (their agents are ended).
+    pub clusters_removed: Vec<String>,
+    /// Running frontends (index) that keep listening, each with the planned
+    /// frontend (index) whose certificates replace theirs.
+    pub frontends_kept: Vec<(usize, usize)>,
+    /// Planned frontends (index) to start: new, or changed (the running
+    /// one, absent from `frontends_kept`, stops).
+    pub frontends_started: Vec<usize>,
+}
+
+/// The pure part of a reload: which clusters are added or removed, which
+/// frontends keep listening (same cluster, same settings), which start.
+/// `running` and `planned` are `(cluster, frontend)`; `None` is shared.
+pub fn diff(
+    old_clusters: &[&str],
+    running: &[(Option<&str>, &Frontend)],
+    new_clusters: &[&str],
+    planned: &[(Option<&str>, &Frontend)],
+) -> Changes {
+    let mut c = Changes {
+        clusters_added: new_clusters
+            .iter()
+            .filter(|n| !old_clusters.contains(n))
+            .map(|n| n.to_string())
+            .collect(),
+        clusters_removed: old_clusters
+            .iter()
+            .filter(|n| !new_clusters.contains(n))
+            .map(|n| n.to_string())
+            .collect(),
+        ..Changes::default()
+    };
+    let mut taken = vec![false; planned.len()];
+    for (i, r) in running.iter().enumerate() {
+        let same = planned
+            .iter()
+            .enumerate()
+            .position(|(j, f)| !taken[j] && f.0 == r.0 && f.1 == r.1);
+        if let Some(j) = same {
+            taken[j] = true;
+            c.frontends_kept.push((i, j));
+        }
+    }
+    c.frontends_started = (0..planned.len()).filter(|j| !taken[*j]).collect();
+    c
+}
+
 async fn serve_frontend<S>(
     srv: Arc<Core>,
     cluster: Option<Arc<Cluster>>,
@@ -885,5 +960,51 @@ async fn serve_frontend<S>(
             crate::grpc::serve(io, vec![(PROXY_PATH, h)], srv.agent_h2).await;
             fix.abort();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn frontends(yaml: &str) -> Vec<Frontend> {
+        let cfg = ServerConfig::parse(&format!(
+            "agents: {{listen: '127.0.0.1:0', cert: c, key: k}}\n\
+             clusters: [{{name: a, agent_ca: ca, frontends: [{yaml}]}}]\n"
+        ))
+        .unwrap();
+        cfg.clusters[0].frontends.clone()
+    }
+
+    #[test]
+    fn a_reload_keeps_what_is_unchanged_and_restarts_what_changed() {
+        let old = frontends(
+            "{name: x, protocol: http-connect, unix: /run/x.sock}, \
+             {name: y, protocol: grpc, unix: /run/y.sock}, \
+             {name: z, protocol: http-connect, unix: /run/z.sock}",
+        );
+        // x unchanged, y changed (another socket), z removed, w new.
+        let new = frontends(
+            "{name: w, protocol: http-connect, unix: /run/w.sock}, \
+             {name: y, protocol: grpc, unix: /run/y2.sock}, \
+             {name: x, protocol: http-connect, unix: /run/x.sock}",
+        );
+        let running: Vec<_> = old.iter().map(|f| (Some("a"), f)).collect();
+        let planned: Vec<_> = new.iter().map(|f| (Some("a"), f)).collect();
+        let c = diff(&["a", "gone"], &running, &["a", "new"], &planned);
+        assert_eq!(c.clusters_added, ["new"]);
+        assert_eq!(c.clusters_removed, ["gone"]);
+        assert_eq!(c.frontends_kept, [(0, 2)]);
+        assert_eq!(c.frontends_started, [0, 1]);
+        // The same frontend under another cluster is another frontend.
+        let moved: Vec<_> = old.iter().map(|f| (None, f)).collect();
+        let c = diff(&["a"], &running, &["a"], &moved);
+        assert!(c.frontends_kept.is_empty());
+        assert_eq!(c.frontends_started, [0, 1, 2]);
+        // Nothing changed: nothing restarts.
+        let c = diff(&["a"], &running, &["a"], &running);
+        assert_eq!(c.frontends_kept, [(0, 0), (1, 1), (2, 2)]);
+        assert!(c.frontends_started.is_empty() && c.clusters_added.is_empty());
     }
 }
