@@ -108,7 +108,7 @@ async fn open_stream(
     if let Some(a) = auth {
         let _ = link.authorization.set(a);
     }
-    srv.metrics.agent(&cluster.name, 1);
+    cluster.metrics.agent(1);
     if probe {
         tracing::debug!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, "agent stream (agent already connected)");
     } else {
@@ -252,7 +252,7 @@ async fn receive(
             m = inbound.next() => match m {
                 Some(Ok(p)) => {
                     let (h, blocked) = link.on_agent_packet(p);
-                    srv.metrics.agent_packet(&cluster.name, h.label());
+                    cluster.metrics.packet(h);
                     let Some(b) = blocked else { continue };
                     // Backpressure: this stream reads nothing more until
                     // that connection's reader makes room, or stops reading
@@ -260,7 +260,7 @@ async fn receive(
                     tokio::select! {
                         h = b.resume(&link, srv.settings.stall_timeout) => {
                             if h != Handled::Ok {
-                                srv.metrics.agent_packet(&cluster.name, h.label());
+                                cluster.metrics.packet(h);
                             }
                         }
                         () = srv.shutdown.cancelled() => break "server_shutdown",
@@ -280,7 +280,7 @@ async fn receive(
         }
     };
     detach(&cluster, &link);
-    srv.metrics.agent(&cluster.name, -1);
+    cluster.metrics.agent(-1);
     if probe && why == "closed" {
         srv.metrics.agent_stream(&cluster.name, "duplicate");
         tracing::debug!(cluster = %cluster.name, agent = %link.agent_id, uid = link.uid, "duplicate agent stream closed");

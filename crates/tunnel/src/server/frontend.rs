@@ -217,7 +217,7 @@ where
     // While the agent dials, a frontend that hangs up cancels the dial
     // (kube-apiserver closes the connection when its context ends); bytes it
     // pipelines meanwhile are kept, up to one chunk.
-    let dialing = dial(cluster, target, srv.dial_settings(), &cancel, &srv.metrics);
+    let dialing = dial(cluster, target, srv.dial_settings(), &cancel);
     tokio::pin!(dialing);
     let mut watching = true;
     let dialed = loop {
@@ -252,9 +252,9 @@ where
     if established && io.write_all(ESTABLISHED).await.is_err() {
         return FrontendEnd::WriteError;
     }
-    srv.metrics.established(&cluster.name, 1);
+    cluster.metrics.established(1);
     let out = carry_stream(srv, tunnel, io, leftover).await;
-    srv.metrics.established(&cluster.name, -1);
+    cluster.metrics.established(-1);
     out
 }
 
@@ -492,13 +492,7 @@ async fn grpc_session(
     }
     // The frontend's dial ID is echoed to it; the agent gets a fresh one.
     let cancel = srv.shutdown.child_token();
-    let dialing = dial(
-        cluster,
-        &req.address,
-        srv.dial_settings(),
-        &cancel,
-        &srv.metrics,
-    );
+    let dialing = dial(cluster, &req.address, srv.dial_settings(), &cancel);
     tokio::pin!(dialing);
     let dialed = loop {
         tokio::select! {
@@ -527,9 +521,9 @@ async fn grpc_session(
     {
         return FrontendEnd::Closed;
     }
-    srv.metrics.established(&cluster.name, 1);
+    cluster.metrics.established(1);
     let outcome = grpc_carry(&mut tunnel, &mut inbound, &out, cid).await;
-    srv.metrics.established(&cluster.name, -1);
+    cluster.metrics.established(-1);
     outcome
 }
 

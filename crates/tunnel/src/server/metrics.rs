@@ -10,6 +10,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
+
+use super::link::Handled;
 use prometheus_client::registry::Registry;
 
 /// `cluster` label.
@@ -184,12 +186,6 @@ impl Metrics {
         }
     }
 
-    /// An agent stream came (+1) or went (-1).
-    pub fn agent(&self, cluster: &str, delta: i64) {
-        self.agents.get_or_create(&Self::cl(cluster)).inc_by(delta);
-        self.k_backends.inc_by(delta);
-    }
-
     /// A configuration reload ended so.
     pub fn reload(&self, outcome: &str) {
         self.reloads
@@ -209,53 +205,6 @@ impl Metrics {
             .inc();
     }
 
-    /// A packet from an agent was handled so.
-    pub fn agent_packet(&self, cluster: &str, outcome: &str) {
-        self.agent_packets
-            .get_or_create(&ClusterReason {
-                cluster: cluster.into(),
-                reason: outcome.into(),
-            })
-            .inc();
-    }
-
-    /// A dial succeeded after `took`.
-    pub fn dial_ok(&self, cluster: &str, took: Duration) {
-        self.dials.get_or_create(&Self::cl(cluster)).inc();
-        self.dial_seconds
-            .get_or_create(&Self::cl(cluster))
-            .observe(took.as_secs_f64());
-    }
-
-    /// A dial failed.
-    pub fn dial_failure(&self, cluster: &str, reason: &str) {
-        self.dial_failures
-            .get_or_create(&ClusterReason {
-                cluster: cluster.into(),
-                reason: reason.into(),
-            })
-            .inc();
-        self.k_dial_failures
-            .get_or_create(&Reason {
-                reason: reason.into(),
-            })
-            .inc();
-    }
-
-    /// Pending dials changed.
-    pub fn pending(&self, cluster: &str, delta: i64) {
-        self.pending.get_or_create(&Self::cl(cluster)).inc_by(delta);
-        self.k_pending.inc_by(delta);
-    }
-
-    /// Established connections changed.
-    pub fn established(&self, cluster: &str, delta: i64) {
-        self.established
-            .get_or_create(&Self::cl(cluster))
-            .inc_by(delta);
-        self.k_established.inc_by(delta);
-    }
-
     /// A frontend connection ended.
     pub fn frontend_conn(&self, cluster: &str, frontend: &str, outcome: &str) {
         self.frontend_conns
@@ -265,5 +214,143 @@ impl Metrics {
                 outcome: outcome.into(),
             })
             .inc();
+    }
+}
+
+/// One cluster's metric handles, resolved when the cluster is configured
+/// (kept across reloads with the cluster): the per-packet and per-dial
+/// paths build no label strings. Also keeps the all-cluster Konnectivity
+/// gauges in step.
+pub struct ClusterMetrics {
+    agents: Gauge,
+    pending: Gauge,
+    established: Gauge,
+    dials: Counter,
+    dial_seconds: Histogram,
+    /// `agent_packets_total` by [`Handled`] (ok, unrecognized, delayed,
+    /// stalled, unexpected).
+    packets: [Counter; 5],
+    failures: std::sync::Mutex<std::collections::HashMap<&'static str, (Counter, Counter)>>,
+    k_backends: Gauge,
+    k_pending: Gauge,
+    k_established: Gauge,
+    /// Where dial-failure handles are resolved on first use.
+    families: Option<FailureFamilies>,
+}
+
+/// The dial-failure families (per cluster, all clusters) and the cluster's name.
+type FailureFamilies = (
+    Family<ClusterReason, Counter>,
+    Family<Reason, Counter>,
+    String,
+);
+
+const HANDLED: [Handled; 5] = [
+    Handled::Ok,
+    Handled::Unrecognized,
+    Handled::Full,
+    Handled::Stalled,
+    Handled::Unexpected,
+];
+
+impl ClusterMetrics {
+    /// Handles that count but are exported nowhere (tests, harnesses).
+    pub fn unregistered() -> ClusterMetrics {
+        ClusterMetrics {
+            agents: Gauge::default(),
+            pending: Gauge::default(),
+            established: Gauge::default(),
+            dials: Counter::default(),
+            dial_seconds: dial_histogram(),
+            packets: Default::default(),
+            failures: Default::default(),
+            k_backends: Gauge::default(),
+            k_pending: Gauge::default(),
+            k_established: Gauge::default(),
+            families: None,
+        }
+    }
+
+    /// An agent stream came (+1) or went (-1).
+    pub fn agent(&self, delta: i64) {
+        self.agents.inc_by(delta);
+        self.k_backends.inc_by(delta);
+    }
+
+    /// A packet from an agent was handled so.
+    pub fn packet(&self, h: Handled) {
+        let i = HANDLED.iter().position(|x| *x == h).unwrap_or(4);
+        self.packets[i].inc();
+    }
+
+    /// Pending dials changed.
+    pub fn pending(&self, delta: i64) {
+        self.pending.inc_by(delta);
+        self.k_pending.inc_by(delta);
+    }
+
+    /// Established connections changed.
+    pub fn established(&self, delta: i64) {
+        self.established.inc_by(delta);
+        self.k_established.inc_by(delta);
+    }
+
+    /// A dial succeeded after `took`.
+    pub fn dial_ok(&self, took: Duration) {
+        self.dials.inc();
+        self.dial_seconds.observe(took.as_secs_f64());
+    }
+
+    /// A dial failed (`reason`: [`super::DialError::reason`]).
+    pub fn dial_failure(&self, reason: &'static str) {
+        let mut f = seedlink_net::sync::lock(&self.failures, "cluster metrics");
+        let (c, k) = f.entry(reason).or_insert_with(|| match &self.families {
+            Some((per, all, cluster)) => (
+                per.get_or_create(&ClusterReason {
+                    cluster: cluster.clone(),
+                    reason: reason.to_string(),
+                })
+                .clone(),
+                all.get_or_create(&Reason {
+                    reason: reason.to_string(),
+                })
+                .clone(),
+            ),
+            None => (Counter::default(), Counter::default()),
+        });
+        c.inc();
+        k.inc();
+    }
+}
+
+impl Metrics {
+    /// Cluster `name`'s handles.
+    pub fn cluster(&self, name: &str) -> ClusterMetrics {
+        let cl = Self::cl(name);
+        let packets = HANDLED.map(|h| {
+            self.agent_packets
+                .get_or_create(&ClusterReason {
+                    cluster: name.to_string(),
+                    reason: h.label().to_string(),
+                })
+                .clone()
+        });
+        ClusterMetrics {
+            agents: self.agents.get_or_create(&cl).clone(),
+            pending: self.pending.get_or_create(&cl).clone(),
+            established: self.established.get_or_create(&cl).clone(),
+            dials: self.dials.get_or_create(&cl).clone(),
+            dial_seconds: self.dial_seconds.get_or_create(&cl).clone(),
+            packets,
+            failures: Default::default(),
+            k_backends: self.k_backends.clone(),
+            k_pending: self.k_pending.clone(),
+            k_established: self.k_established.clone(),
+            families: Some((
+                self.dial_failures.clone(),
+                self.k_dial_failures.clone(),
+                name.to_string(),
+            )),
+        }
     }
 }

@@ -332,17 +332,25 @@ pub struct Cluster {
     pub gate: limits::Gate,
     /// Cancelled when the cluster is removed: its agent streams end.
     pub removed: CancellationToken,
+    /// Its metric handles.
+    pub metrics: metrics::ClusterMetrics,
     agents: Mutex<Vec<Arc<AgentLink>>>,
 }
 
 impl Cluster {
     /// A cluster with no agents yet.
-    pub fn new(name: &str, conf: ClusterConf, limits: limits::Limits) -> Cluster {
+    pub fn new(
+        name: &str,
+        conf: ClusterConf,
+        limits: limits::Limits,
+        metrics: metrics::ClusterMetrics,
+    ) -> Cluster {
         Cluster {
             name: name.into(),
             conf: ArcSwap::from_pointee(conf),
             gate: limits::Gate::new(limits),
             removed: CancellationToken::new(),
+            metrics,
             agents: Mutex::new(Vec::new()),
         }
     }
@@ -364,6 +372,7 @@ impl Cluster {
                 proxy_password: None,
             },
             limits,
+            metrics::ClusterMetrics::unregistered(),
         )
     }
 
@@ -508,18 +517,17 @@ pub async fn dial(
     address: &str,
     settings: DialSettings,
     cancel: &CancellationToken,
-    metrics: &metrics::Metrics,
 ) -> Result<Tunnel, DialError> {
     let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
     let permit = match cluster.gate.admit(std::time::Instant::now()) {
         Ok(p) => p,
         Err(l) => {
-            metrics.dial_failure(&cluster.name, l.reason());
+            cluster.metrics.dial_failure(l.reason());
             return Err(DialError::Limited(l));
         }
     };
     let Some(link) = cluster.pick(host) else {
-        metrics.dial_failure(&cluster.name, DialError::NoAgent.reason());
+        cluster.metrics.dial_failure(DialError::NoAgent.reason());
         return Err(DialError::NoAgent);
     };
     let random = dial_id();
@@ -540,7 +548,7 @@ pub async fn dial(
     link.with(started, |m, out| {
         m.dial(random, address, reply_tx, ends, out)
     });
-    metrics.pending(&cluster.name, 1);
+    cluster.metrics.pending(1);
     let outcome = tokio::select! {
         r = tokio::time::timeout(settings.timeout, reply_rx) => match r {
             Ok(Ok(r)) => r,
@@ -550,10 +558,10 @@ pub async fn dial(
         () = cancel.cancelled() => Err(DialError::Cancelled),
         () = link.gone.cancelled() => Err(DialError::AgentGone),
     };
-    metrics.pending(&cluster.name, -1);
+    cluster.metrics.pending(-1);
     match outcome {
         Ok(connect_id) => {
-            metrics.dial_ok(&cluster.name, started.elapsed());
+            cluster.metrics.dial_ok(started.elapsed());
             Ok(Tunnel {
                 tx: TunnelTx {
                     link,
@@ -567,7 +575,7 @@ pub async fn dial(
         Err(e) => {
             // Still pending (timeout, cancel): forget it and tell the agent.
             link.with(Instant::now(), |m, out| m.dial_abandoned(random, out));
-            metrics.dial_failure(&cluster.name, e.reason());
+            cluster.metrics.dial_failure(e.reason());
             Err(e)
         }
     }

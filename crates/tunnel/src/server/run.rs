@@ -374,7 +374,14 @@ impl TunnelServer {
         let clusters = p
             .clusters
             .into_iter()
-            .map(|c| Arc::new(Cluster::new(&c.name, c.conf, c.limits)))
+            .map(|c| {
+                Arc::new(Cluster::new(
+                    &c.name,
+                    c.conf,
+                    c.limits,
+                    metrics.cluster(&c.name),
+                ))
+            })
             .collect();
         let core = Arc::new(Core {
             registry: Registry::new(clusters),
@@ -663,7 +670,12 @@ impl TunnelServer {
                     report.agents_rekeyed += rekey(o);
                     next.push(o.clone());
                 }
-                None => next.push(Arc::new(Cluster::new(&c.name, c.conf, c.limits))),
+                None => next.push(Arc::new(Cluster::new(
+                    &c.name,
+                    c.conf,
+                    c.limits,
+                    self.metrics.cluster(&c.name),
+                ))),
             }
         }
         for o in old.iter() {
