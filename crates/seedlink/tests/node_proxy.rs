@@ -151,16 +151,7 @@ control_planes:
         ),
     )
     .unwrap();
-    let check = Command::new(env!("CARGO_BIN_EXE_seedlink"))
-        .arg("check-config")
-        .arg(&file)
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&check.stdout);
-    assert!(
-        check.status.success() && said.contains("valid (node-proxy"),
-        "{said}"
-    );
+    common::assert_valid_config(&file, "node-proxy");
     let legacy = Command::new(env!("CARGO_BIN_EXE_seedlink"))
         .args(["node-proxy", "--config"])
         .arg(&file)

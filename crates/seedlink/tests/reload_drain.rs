@@ -396,13 +396,7 @@ clusters:
     );
     let file = d.join("tunnel.yaml");
     std::fs::write(&file, &good).unwrap();
-    let run = |f: &std::path::Path| {
-        Command::new(env!("CARGO_BIN_EXE_seedlink"))
-            .arg("check-config")
-            .arg(f)
-            .output()
-            .unwrap()
-    };
+    let run = common::check_config;
     let out = run(&file);
     assert!(
         out.status.success(),
@@ -445,13 +439,7 @@ clusters:
 fn check_config_validates_agent_and_node_proxy_files() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    let run = |f: &std::path::Path| {
-        Command::new(env!("CARGO_BIN_EXE_seedlink"))
-            .arg("check-config")
-            .arg(f)
-            .output()
-            .unwrap()
-    };
+    let run = common::check_config;
     let agent = d.join("agent.yaml");
     std::fs::write(
         &agent,

@@ -508,16 +508,7 @@ control_planes:
     .unwrap();
     let _gw = env.gateway(&cfg);
     let file = env.agent_file(&gw_addr, "alpn_proto: [konnectivity]\n");
-    let check = std::process::Command::new(env!("CARGO_BIN_EXE_seedlink"))
-        .arg("check-config")
-        .arg(&file)
-        .output()
-        .unwrap();
-    let said = String::from_utf8_lossy(&check.stdout);
-    assert!(
-        check.status.success() && said.contains("valid (tunnel-agent"),
-        "{said}"
-    );
+    common::assert_valid_config(&file, "tunnel-agent");
     let agent = env.agent_from_file(&file);
     let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
     assert!(fetch_hello(s).await.contains("hello from the shoot"));

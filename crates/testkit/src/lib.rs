@@ -44,6 +44,26 @@ pub fn seedlink_bin() -> &'static str {
     })
 }
 
+/// `seedlink check-config FILE`, run to completion.
+pub fn check_config(file: &Path) -> std::process::Output {
+    Command::new(seedlink_bin())
+        .arg("check-config")
+        .arg(file)
+        .output()
+        .unwrap()
+}
+
+/// Asserts that `check-config` accepts `file` as `role`'s configuration.
+pub fn assert_valid_config(file: &Path, role: &str) {
+    let out = check_config(file);
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && said.contains(&format!("valid ({role}")),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// A running `seedlink gateway` process.
 pub struct Gw {
     pub child: Child,

@@ -237,30 +237,23 @@ clusters:
     /// as credentials.
     pub fn agent_in(&self, ns: &Netns, server: &str, extra: &[&str]) -> Started {
         let f = &self.files;
-        let mut proc = Proc(
-            ns.cmd(&[super::seedlink_bin(), "tunnel-agent", "--server", server])
-                .args([
-                    "--server-name",
-                    "tunnel.seedlink.test",
-                    "--ca-cert",
-                    &f.seed_ca,
-                ])
-                .args([
-                    "--admin",
-                    "127.0.0.1:0",
-                    "--sync-interval",
-                    "0.2",
-                    "--sync-interval-cap",
-                    "2",
-                ])
-                .args(extra)
-                .env("RUST_LOG", "warn")
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap(),
-        );
-        let ready = ready_line(&mut proc.0);
-        Started { proc, ready }
+        let mut args = vec![
+            "tunnel-agent",
+            "--server",
+            server,
+            "--server-name",
+            "tunnel.seedlink.test",
+            "--ca-cert",
+            &f.seed_ca,
+            "--admin",
+            "127.0.0.1:0",
+            "--sync-interval",
+            "0.2",
+            "--sync-interval-cap",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        start(ns, &args)
     }
 
     /// An agent configuration file (`tunnel-agent --config`) with the same
@@ -283,17 +276,7 @@ clusters:
 
     /// Starts `seedlink tunnel-agent --config file` in the shoot namespace.
     pub fn agent_from_file(&self, file: &std::path::Path) -> Started {
-        let mut proc = Proc(
-            self.shoot
-                .cmd(&[super::seedlink_bin(), "tunnel-agent", "--config"])
-                .arg(file)
-                .env("RUST_LOG", "warn")
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap(),
-        );
-        let ready = ready_line(&mut proc.0);
-        Started { proc, ready }
+        start_with_config(&self.shoot, "tunnel-agent", file)
     }
 
     /// `GET path` on an admin endpoint inside `ns`.
@@ -314,18 +297,9 @@ clusters:
     /// Starts `seedlink gateway` with `cfg` in the seed namespace and waits
     /// for its ready line.
     pub fn gateway(&self, cfg: &std::path::Path) -> Proc {
-        let mut gw = Proc(
-            self.seed
-                .cmd(&[super::seedlink_bin(), "gateway", "--config"])
-                .arg(cfg)
-                .env("RUST_LOG", "warn")
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap(),
-        );
-        let ready = ready_line(&mut gw.0);
-        assert_eq!(ready["event"], "ready", "{ready}");
-        gw
+        let gw = start_with_config(&self.seed, "gateway", cfg);
+        assert_eq!(gw.ready["event"], "ready", "{}", gw.ready);
+        gw.proc
     }
 
     /// Sum of the samples of `prefix` on the seed-side admin `admin`.
@@ -608,4 +582,24 @@ pub fn sign_token(key: &rcgen::KeyPair, aud: &str) -> String {
         &k,
     )
     .unwrap()
+}
+
+/// Starts `seedlink ROLE --config FILE` in `ns` and waits for its ready line.
+fn start_with_config(ns: &Netns, role: &str, file: &std::path::Path) -> Started {
+    start(ns, &[role, "--config", &file.display().to_string()])
+}
+
+/// Starts `seedlink ARGS…` in `ns` (warnings logged) and waits for its
+/// ready line.
+fn start(ns: &Netns, args: &[&str]) -> Started {
+    let mut proc = Proc(
+        ns.cmd(&[super::seedlink_bin()])
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let ready = ready_line(&mut proc.0);
+    Started { proc, ready }
 }
