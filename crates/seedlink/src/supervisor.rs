@@ -11,8 +11,9 @@
 //! | second SIGTERM/SIGINT | exit 1 at once |
 //!
 //! Files are watched by their directories with inotify (see
-//! `seedlink_config::watch`), never polled; the watch is renewed after each
-//! reload, since a reload may name other files (a new certificate path).
+//! `seedlink_config::watch`), never polled; the watch is renewed when a
+//! reload names other files (a new certificate path), without losing a
+//! change seen meanwhile.
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -52,32 +53,51 @@ pub struct Supervisor {
 /// The watch and its events; without a watch (it could not be set up, or
 /// no role has files) the channel never yields.
 struct Watch {
+    files: Vec<PathBuf>,
     _watch: Option<seedlink_config::watch::FileWatch>,
     changes: mpsc::Receiver<()>,
 }
 
 impl Watch {
-    fn of(roles: &[Arc<dyn Role>]) -> Watch {
-        let files: Vec<PathBuf> = roles.iter().flat_map(|r| r.files()).collect();
+    fn files_of(roles: &[Arc<dyn Role>]) -> Vec<PathBuf> {
+        let mut files: Vec<PathBuf> = roles.iter().flat_map(|r| r.files()).collect();
+        files.sort();
+        files.dedup();
+        files
+    }
+
+    fn new(files: Vec<PathBuf>) -> Watch {
         if files.is_empty() {
             return Watch {
+                files,
                 _watch: None,
                 changes: mpsc::channel(1).1,
             };
         }
         match seedlink_config::watch::watch_all(&files) {
             Ok((w, changes)) => Watch {
+                files,
                 _watch: Some(w),
                 changes,
             },
             Err(e) => {
                 tracing::warn!(error = %e, "cannot watch the configuration files; reload with SIGHUP");
                 Watch {
+                    files,
                     _watch: None,
                     changes: mpsc::channel(1).1,
                 }
             }
         }
+    }
+
+    /// Whether a change was seen and not yet acted on (consumes it).
+    fn take_pending(&mut self) -> bool {
+        let mut seen = false;
+        while self.changes.try_recv().is_ok() {
+            seen = true;
+        }
+        seen
     }
 }
 
@@ -95,19 +115,26 @@ impl Supervisor {
     /// Serves `roles` until SIGTERM/SIGINT, then drains them in order.
     /// Returns the exit code: 0 after a drain, 1 on a second signal.
     pub async fn run(mut self, roles: Vec<Arc<dyn Role>>) -> i32 {
-        let mut watch = Watch::of(&roles);
+        let mut watch = Watch::new(Watch::files_of(&roles));
+        // A change seen while the watch was being renewed: reload again
+        // without waiting for another event.
+        let mut again = false;
         loop {
-            let forced = tokio::select! {
-                _ = self.hup.recv() => true,
-                Some(()) = watch.changes.recv() => {
-                    // Editors and kubelet write in several steps; let the
-                    // burst settle, then reload once.
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    while watch.changes.try_recv().is_ok() {}
-                    false
+            let forced = if std::mem::take(&mut again) {
+                false
+            } else {
+                tokio::select! {
+                    _ = self.hup.recv() => true,
+                    Some(()) = watch.changes.recv() => {
+                        // Editors and kubelet write in several steps; let
+                        // the burst settle, then reload once.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        watch.take_pending();
+                        false
+                    }
+                    _ = self.term.recv() => break,
+                    _ = self.int.recv() => break,
                 }
-                _ = self.term.recv() => break,
-                _ = self.int.recv() => break,
             };
             if forced {
                 tracing::info!("SIGHUP: reloading");
@@ -115,10 +142,16 @@ impl Supervisor {
             for r in &roles {
                 r.reload(forced).await;
             }
-            // A reload may name other files; the new watch starts before
-            // the old one stops.
-            let renewed = Watch::of(&roles);
-            watch = renewed;
+            // A reload may name other files: a new watch starts before the
+            // old one stops, and what the old one saw meanwhile is not
+            // lost. Changes during the reload stay queued on an unchanged
+            // watch and reload once more.
+            let files = Watch::files_of(&roles);
+            if files != watch.files {
+                let renewed = Watch::new(files);
+                again = watch.take_pending();
+                watch = renewed;
+            }
         }
         for r in &roles {
             tracing::info!(role = r.name(), "draining");
