@@ -256,23 +256,7 @@ async fn destination_guard_matches_envoy_re2_and_node_proxy_works_against_envoy(
     let v: serde_json::Value = serde_json::from_str(&line).unwrap();
     let listen: std::net::SocketAddr = v["listen"].as_str().unwrap().parse().unwrap();
     let files = pki.write_client_files(dir.path()).unwrap();
-    let out = Command::new(require("curl"))
-        .args(["-sS", "--max-time", "10", "--cacert"])
-        .arg(&files.ca)
-        .arg("--cert")
-        .arg(&files.cert)
-        .arg("--key")
-        .arg(&files.key)
-        .arg("--resolve")
-        .arg(format!("{ALPHA}:{}:{}", listen.port(), listen.ip()))
-        .arg(format!("https://{ALPHA}:{}/", listen.port()))
-        .output()
-        .unwrap();
-    let body = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        body.contains("hello from alpha"),
-        "{body}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let body = curl_mtls(&files, ALPHA, listen.ip(), listen.port());
+    assert!(body.contains("hello from alpha"), "{body}");
     stop.cancel();
 }

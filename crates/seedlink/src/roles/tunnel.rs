@@ -97,27 +97,38 @@ pub fn fingerprint(config: &std::path::Path, cfg: &ServerConfig) -> u64 {
     h.finish()
 }
 
-/// The fingerprint now; for a configuration that does not parse, a hash
-/// of its text (so a broken file is reported once, not on every check).
-fn current_fingerprint(config: &std::path::Path) -> u64 {
+/// The configuration as it is on disk now, read and parsed once, with its
+/// fingerprint; for a configuration that does not parse, the fingerprint is
+/// a hash of its text (so a broken file is reported once, not on every
+/// change of an unrelated file).
+fn read_config(config: &std::path::Path) -> (u64, anyhow::Result<ServerConfig>) {
     use std::hash::{Hash, Hasher};
-    let text = std::fs::read_to_string(config).unwrap_or_default();
+    let text = match std::fs::read_to_string(config) {
+        Ok(t) => t,
+        Err(e) => {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            ("unreadable", e.kind().to_string()).hash(&mut h);
+            let e = anyhow::Error::from(e).context(format!("reading {}", config.display()));
+            return (h.finish(), Err(e));
+        }
+    };
     match ServerConfig::parse(&text) {
-        Ok(cfg) => fingerprint(config, &cfg),
-        Err(_) => {
+        Ok(cfg) => (fingerprint(config, &cfg), Ok(cfg)),
+        Err(e) => {
             let mut h = std::collections::hash_map::DefaultHasher::new();
             ("unparsable", &text).hash(&mut h);
-            h.finish()
+            let e = anyhow::Error::from(e).context(format!("{}", config.display()));
+            (h.finish(), Err(e))
         }
     }
 }
 
-/// Reloads from `config`; logs what changed or why nothing did. Returns
-/// the new fingerprint if the reload was applied.
-async fn reload_from(srv: &Arc<TunnelServer>, config: &std::path::Path) -> Option<u64> {
-    let parsed = std::fs::read_to_string(config)
-        .with_context(|| format!("reading {}", config.display()))
-        .and_then(|t| ServerConfig::parse(&t).with_context(|| format!("{}", config.display())));
+/// Applies `parsed`; logs what changed or why nothing did, and counts a
+/// configuration that could not be read. Whether it was applied.
+async fn apply(
+    srv: &Arc<TunnelServer>,
+    parsed: anyhow::Result<ServerConfig>,
+) -> Option<ServerConfig> {
     let cfg = match parsed {
         Ok(c) => c,
         Err(e) => {
@@ -136,7 +147,7 @@ async fn reload_from(srv: &Arc<TunnelServer>, config: &std::path::Path) -> Optio
                 stopped = ?r.frontends_stopped,
                 "configuration reloaded"
             );
-            Some(fingerprint(config, &cfg))
+            Some(cfg)
         }
         Err(e) => {
             tracing::warn!(error = %format!("{e:#}"), "reload failed");
@@ -218,23 +229,16 @@ impl Role for ServerRole {
 
     fn reload(&self, forced: bool) -> BoxFut<'_, ()> {
         Box::pin(async move {
-            let config = &self.opts.config;
-            let now = current_fingerprint(config);
+            let (now, parsed) = read_config(&self.opts.config);
             let seen = *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint");
             // Kubernetes touches files without changing them; contents
             // decide, unless SIGHUP asked.
             if !forced && now == seen {
                 return;
             }
-            let applied = reload_from(&self.srv, config).await;
-            *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint") = applied.unwrap_or(now);
-            if applied.is_some() {
-                if let Ok(cfg) = std::fs::read_to_string(config)
-                    .map_err(|e| e.to_string())
-                    .and_then(|t| ServerConfig::parse(&t).map_err(|e| e.to_string()))
-                {
-                    *seedlink_net::sync::lock(&self.files, "tunnel files") = cfg.files();
-                }
+            *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint") = now;
+            if let Some(cfg) = apply(&self.srv, parsed).await {
+                *seedlink_net::sync::lock(&self.files, "tunnel files") = cfg.files();
             }
         })
     }
