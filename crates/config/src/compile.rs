@@ -189,8 +189,30 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
     let mut routes = RouteTable::default();
     let mut owner: HashMap<String, String> = HashMap::new();
     let mut dest_owner: HashMap<String, String> = HashMap::new();
-    for (i, cp) in file.control_planes.iter().enumerate() {
-        let at = format!("control_planes[{i}]");
+    if let Some(k) = &file.kubernetes {
+        for (key, v) in [
+            ("kubernetes.gateway", Some(&k.gateway)),
+            ("kubernetes.lease", k.lease.as_ref()),
+        ] {
+            if let Some(v) = v {
+                if split_object_name(v).is_none() {
+                    c.err(key, format!("{v:?} is not namespace/name"));
+                }
+            }
+        }
+    }
+    let all = file
+        .control_planes
+        .iter()
+        .enumerate()
+        .map(|(i, cp)| (format!("control_planes[{i}]"), cp, false))
+        .chain(
+            file.from_kubernetes
+                .iter()
+                .enumerate()
+                .map(|(i, cp)| (format!("kubernetes[{i}]"), cp, true)),
+        );
+    for (at, cp, dynamic) in all {
         if !valid_name(&cp.name) {
             c.err(
                 format!("{at}.name"),
@@ -212,7 +234,7 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
                 "at least one host name, destination or service address is required",
             );
         }
-        if cp.endpoints.is_empty() {
+        if cp.endpoints.is_empty() && !dynamic {
             c.err(
                 format!("{at}.endpoints"),
                 "at least one endpoint is required",
@@ -590,6 +612,74 @@ fn check_endpoint(ep: &str) -> Result<(), &'static str> {
     Ok(())
 }
 
+/// `namespace/name` split in two, each part a non-empty DNS-1123 name.
+pub fn split_object_name(s: &str) -> Option<(&str, &str)> {
+    let (ns, name) = s.split_once('/')?;
+    let ok = |p: &str| {
+        !p.is_empty()
+            && p.len() <= 253
+            && p.chars()
+                .all(|ch| ch.is_ascii_lowercase() || ch.is_ascii_digit() || ch == '-' || ch == '.')
+    };
+    (ok(ns) && ok(name)).then_some((ns, name))
+}
+
+/// Control planes left out of a compile, each with its problems.
+pub type Refused = Vec<(String, Vec<ConfigError>)>;
+
+/// Compiles a file whose `from_kubernetes` control planes are each admitted
+/// on their own: one that is invalid, or claims a host name, destination,
+/// service address or name already taken (by the file, or by one earlier in
+/// the list), is left out and returned with its problems, and the rest
+/// still compile. Problems of the file itself fail the whole compile, as
+/// in [`compile`].
+pub fn compile_admitting(
+    mut file: ConfigFile,
+    previous: Option<&Snapshot>,
+) -> (Result<Snapshot, Errors>, Refused) {
+    let errors = match compile(file.clone(), previous) {
+        Ok(s) => return (Ok(s), Vec::new()),
+        Err(e) => e,
+    };
+    let mut bad: HashMap<usize, Vec<ConfigError>> = HashMap::new();
+    let mut own = Vec::new();
+    for e in errors.0 {
+        let index = e
+            .path
+            .strip_prefix("kubernetes[")
+            .and_then(|r| r.split_once(']'))
+            .and_then(|(i, _)| i.parse::<usize>().ok());
+        match index {
+            Some(i) if i < file.from_kubernetes.len() => bad.entry(i).or_default().push(e),
+            _ => own.push(e),
+        }
+    }
+    if !own.is_empty() {
+        // The file's own problems: nothing to admit around.
+        return (Err(Errors(own)), Vec::new());
+    }
+    let mut rejected = Vec::new();
+    let mut kept = Vec::new();
+    for (i, cp) in std::mem::take(&mut file.from_kubernetes)
+        .into_iter()
+        .enumerate()
+    {
+        match bad.remove(&i) {
+            Some(mut problems) => {
+                for p in &mut problems {
+                    if let Some((_, rest)) = p.path.split_once(']') {
+                        p.path = rest.trim_start_matches('.').to_string();
+                    }
+                }
+                rejected.push((cp.name, problems));
+            }
+            None => kept.push(cp),
+        }
+    }
+    file.from_kubernetes = kept;
+    (compile(file, previous), rejected)
+}
+
 /// Control-plane names added, removed and changed between two snapshots.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Diff {
@@ -603,21 +693,23 @@ pub struct Diff {
 
 /// Computes what a reload changes, by control-plane name (sorted).
 pub fn diff(old: &ConfigFile, new: &ConfigFile) -> Diff {
-    let o: HashMap<_, _> = old.control_planes.iter().map(|c| (&c.name, c)).collect();
-    let n: HashMap<_, _> = new.control_planes.iter().map(|c| (&c.name, c)).collect();
+    let all = |f: &'_ ConfigFile| {
+        f.control_planes
+            .iter()
+            .chain(&f.from_kubernetes)
+            .map(|c| (c.name.clone(), c.clone()))
+            .collect::<HashMap<_, _>>()
+    };
+    let (o, n) = (all(old), all(new));
     let mut d = Diff::default();
     for (name, cp) in &n {
         match o.get(name) {
-            None => d.added.push((*name).clone()),
-            Some(prev) if prev != cp => d.changed.push((*name).clone()),
+            None => d.added.push(name.clone()),
+            Some(prev) if prev != cp => d.changed.push(name.clone()),
             Some(_) => {}
         }
     }
-    d.removed = o
-        .keys()
-        .filter(|k| !n.contains_key(*k))
-        .map(|k| (*k).clone())
-        .collect();
+    d.removed = o.keys().filter(|k| !n.contains_key(*k)).cloned().collect();
     d.added.sort();
     d.removed.sort();
     d.changed.sort();
@@ -633,6 +725,9 @@ pub fn restart_only_changes(old: &ConfigFile, new: &ConfigFile) -> Vec<&'static 
     }
     if old.admin != new.admin {
         out.push("admin");
+    }
+    if old.kubernetes != new.kubernetes {
+        out.push("kubernetes");
     }
     if old.limits.max_connections != new.limits.max_connections {
         out.push("limits.max_connections");

@@ -33,6 +33,34 @@ pub struct ConfigFile {
     /// The control planes reachable through the gateway.
     #[serde(default)]
     pub control_planes: Vec<ControlPlane>,
+    /// More control planes from Kubernetes objects (docs/KUBERNETES.md).
+    #[serde(default)]
+    pub kubernetes: Option<KubernetesSource>,
+    /// The control planes the Kubernetes source produced; never read from
+    /// the file. Compiled like `control_planes` (after them, so a file's
+    /// host name wins a conflict), except that an empty endpoint list is
+    /// allowed: a route whose pods are all gone still exists.
+    #[serde(skip)]
+    pub from_kubernetes: Vec<ControlPlane>,
+}
+
+/// Where the gateway's Kubernetes objects are.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesSource {
+    /// `namespace/name` of the Gateway whose TLSRoutes this gateway serves.
+    pub gateway: String,
+    /// `namespace/name` of the Lease that elects the one replica writing
+    /// status; default `<gateway namespace>/seedlink-status`.
+    #[serde(default)]
+    pub lease: Option<String>,
+    /// Whether this replica takes part in writing status (default true).
+    #[serde(default = "yes")]
+    pub write_status: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The admin endpoint.

@@ -50,6 +50,8 @@ pub struct Gateway {
     workers: usize,
     sources: Sources,
     closers: Mutex<HashMap<String, CancellationToken>>,
+    /// Control planes from the Kubernetes source, compiled after the file's.
+    kubernetes: Mutex<Vec<seedlink_config::model::ControlPlane>>,
     locals: Mutex<HashMap<String, LocalHandler>>,
 }
 
@@ -158,6 +160,7 @@ impl Gateway {
             workers,
             sources: Sources::default(),
             closers: Mutex::new(HashMap::new()),
+            kubernetes: Mutex::new(Vec::new()),
             locals: Mutex::new(HashMap::new()),
         })
     }
@@ -368,7 +371,36 @@ impl Gateway {
     /// changes nothing that needs a restart. On failure the snapshot in force
     /// stays and the reasons are returned (and logged, and counted).
     pub fn reload(self: &Arc<Self>) -> Result<u64, Errors> {
-        let result = self.try_reload();
+        self.reload_admitting().0
+    }
+
+    /// Serves `control_planes` from the Kubernetes source besides the
+    /// file's, through the same reload (validation, diff, atomic swap; open
+    /// connections untouched). Each is admitted on its own: those refused
+    /// are returned with their problems, and the rest are served. Nothing
+    /// is refused if the file itself is invalid: then nothing changes.
+    pub fn set_kubernetes(
+        self: &Arc<Self>,
+        control_planes: Vec<seedlink_config::model::ControlPlane>,
+    ) -> seedlink_config::compile::Refused {
+        *seedlink_net::sync::lock(&self.kubernetes, "kubernetes") = control_planes;
+        self.reload_admitting().1
+    }
+
+    fn reload_admitting(
+        self: &Arc<Self>,
+    ) -> (Result<u64, Errors>, seedlink_config::compile::Refused) {
+        let (result, refused) = match self.try_reload() {
+            Ok((g, r)) => (Ok(g), r),
+            Err(e) => (Err(e), Vec::new()),
+        };
+        for (name, problems) in &refused {
+            let text: Vec<String> = problems
+                .iter()
+                .map(|p| format!("{}: {}", p.path, p.message))
+                .collect();
+            tracing::warn!(control_plane = %name, problems = %text.join("; "), "control plane from Kubernetes refused; the others are served");
+        }
         let label = if result.is_ok() { "success" } else { "failure" };
         self.metrics
             .reloads
@@ -381,19 +413,24 @@ impl Gateway {
             Err(e) => tracing::error!(problems = %e.to_string().replace('\n', "; "),
                 generation = self.generation(), "configuration rejected; keeping the one in force"),
         }
-        result
+        (result, refused)
     }
 
-    fn try_reload(self: &Arc<Self>) -> Result<u64, Errors> {
+    fn try_reload(self: &Arc<Self>) -> Result<(u64, seedlink_config::compile::Refused), Errors> {
         let Some(path) = &self.config_path else {
             return Err(one_error("no configuration file to reload"));
         };
         let old = self.snapshot();
-        let new = seedlink_config::load(path, Some(&old))?;
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| one_error(&format!("cannot read {}: {e}", path.display())))?;
+        let mut file = seedlink_config::compile::parse(&text)?;
+        file.from_kubernetes = seedlink_net::sync::lock(&self.kubernetes, "kubernetes").clone();
+        let (new, refused) = seedlink_config::compile::compile_admitting(file, Some(&old));
+        let new = new?;
         if new.file == old.file {
             // Watchers and SIGHUP often report the same write twice.
             tracing::debug!("configuration unchanged");
-            return Ok(self.generation());
+            return Ok((self.generation(), refused));
         }
         let fixed = restart_only_changes(&old.file, &new.file);
         if !fixed.is_empty() {
@@ -418,7 +455,7 @@ impl Gateway {
         for name in d.removed {
             self.retire(name, grace);
         }
-        Ok(generation)
+        Ok((generation, refused))
     }
 
     /// A control plane was removed: its open connections continue; with a

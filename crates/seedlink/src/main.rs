@@ -83,6 +83,9 @@ enum Command {
         #[arg(long, default_value = "auto")]
         role: ConfigRole,
     },
+    /// Print the CustomResourceDefinitions seedlink reads (SeedlinkPolicy,
+    /// TunnelCluster), as shipped in deploy/crds/.
+    Crds,
     /// Start a gateway with demo control planes on loopback and show how to reach them.
     Quickstart {
         /// Run the walkthrough unattended; exit 0 only if every step worked.
@@ -123,6 +126,10 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Command::CheckConfig { file, role } => Ok(seedlink::check::check_config(&file, role)),
+        Command::Crds => {
+            print!("{}", seedlink_kube::crd::crds_yaml()?);
+            Ok(0)
+        }
         Command::Gateway { config, reuse_port } => {
             runtime()?.block_on(roles::gateway::run(config, reuse_port))
         }

@@ -6,6 +6,7 @@
 //! by sleeping blindly.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod apiserver;
 pub mod tunnel_env;
 
 use std::io::{BufRead, BufReader};
@@ -77,6 +78,11 @@ pub struct Gw {
 impl Gw {
     /// Writes `yaml` to a fresh directory and starts the gateway on it.
     pub fn start(yaml: &str) -> Gw {
+        Gw::start_with_env(yaml, &[])
+    }
+
+    /// The same with extra environment variables (`KUBECONFIG`, `POD_NAME`).
+    pub fn start_with_env(yaml: &str, env: &[(&str, &str)]) -> Gw {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("gateway.yaml");
         std::fs::write(&config, yaml).unwrap();
@@ -84,6 +90,7 @@ impl Gw {
             .args(["gateway", "--config"])
             .arg(&config)
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -97,8 +104,8 @@ impl Gw {
             let _ = tx.send(line);
         });
         let line = rx
-            .recv_timeout(Duration::from_secs(20))
-            .expect("gateway did not report ready within 20 s");
+            .recv_timeout(Duration::from_secs(60))
+            .expect("gateway did not report ready within 60 s");
         let v: serde_json::Value =
             serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad ready line {line:?}: {e}"));
         let listeners = v["listeners"].clone();

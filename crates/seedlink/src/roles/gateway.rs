@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use seedlink_gateway::Gateway;
 
@@ -60,9 +61,82 @@ pub fn load(config: PathBuf) -> anyhow::Result<Arc<Gateway>> {
     Ok(Gateway::new(snapshot, Some(config)))
 }
 
+/// The gateway as the Kubernetes source's sink.
+struct KubeSink(Arc<Gateway>);
+
+impl seedlink_kube::source::GatewaySink for KubeSink {
+    fn apply(
+        &self,
+        control_planes: Vec<seedlink_config::model::ControlPlane>,
+    ) -> Vec<(String, Vec<seedlink_config::ConfigError>)> {
+        self.0.set_kubernetes(control_planes)
+    }
+}
+
+/// How long a start waits for the first Kubernetes snapshot before it
+/// serves the file's control planes alone (the routes follow when the API
+/// server answers).
+const FIRST_SYNC: Duration = Duration::from_secs(30);
+
+/// Starts the Kubernetes source when the file has a `kubernetes` section,
+/// and waits (bounded) for its first snapshot.
+pub async fn kubernetes(
+    gw: &Arc<Gateway>,
+) -> anyhow::Result<Option<seedlink_kube::source::Handle>> {
+    let snap = gw.snapshot();
+    let Some(k) = snap.file.kubernetes.clone() else {
+        return Ok(None);
+    };
+    let split = |s: &str| {
+        seedlink_config::compile::split_object_name(s).map(|(namespace, name)| {
+            seedlink_kube::translate::Key {
+                namespace: namespace.into(),
+                name: name.into(),
+            }
+        })
+    };
+    let gateway = split(&k.gateway)
+        .ok_or_else(|| anyhow::anyhow!("kubernetes.gateway: not namespace/name"))?;
+    let lease = match (&k.lease, k.write_status) {
+        (_, false) => None,
+        (Some(l), true) => {
+            Some(split(l).ok_or_else(|| anyhow::anyhow!("kubernetes.lease: not namespace/name"))?)
+        }
+        (None, true) => Some(seedlink_kube::translate::Key {
+            namespace: gateway.namespace.clone(),
+            name: "seedlink-status".into(),
+        }),
+    };
+    let client = kube::Client::try_default().await.map_err(|e| {
+        anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
+    })?;
+    let identity = std::env::var("POD_NAME")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| format!("seedlink-{}", std::process::id()));
+    let settings = seedlink_kube::source::GatewaySettings {
+        gateway,
+        listeners: snap.file.listeners.iter().map(|l| l.name.clone()).collect(),
+        lease,
+        identity,
+    };
+    let handle =
+        seedlink_kube::source::start_gateway(client, settings, Arc::new(KubeSink(gw.clone())));
+    if handle.synced(FIRST_SYNC).await {
+        tracing::info!(
+            control_planes = gw.snapshot().control_planes.len(),
+            "kubernetes: first snapshot applied"
+        );
+    } else {
+        tracing::error!(waited = ?FIRST_SYNC, "kubernetes: no snapshot yet (API server unreachable?); serving the file's control planes, routes follow when it answers");
+    }
+    Ok(Some(handle))
+}
+
 /// Runs `seedlink gateway` until drained; returns the exit code.
 pub async fn run(config: PathBuf, reuse_port: bool) -> anyhow::Result<i32> {
     let gw = load(config)?;
+    let _kube = kubernetes(&gw).await?;
     let supervisor = Supervisor::install()?;
     let bound = gw.bind(reuse_port)?;
     let mut ready = bound.describe();
@@ -85,6 +159,7 @@ pub async fn seed(
 ) -> anyhow::Result<i32> {
     let server = ServerRole::start(tunnel).await?;
     let gw = load(gw_config)?;
+    let _kube = kubernetes(&gw).await?;
     {
         let srv = server.srv.clone();
         // Agents' TLS is taken over as is; a CONNECT is answered by the

@@ -1,0 +1,261 @@
+//! seedlink's own resources: `SeedlinkPolicy` (what a TLSRoute cannot say,
+//! attached to it by `targetRefs` as Gateway API policy attachment,
+//! GEP-713) and `TunnelCluster` (one reverse-tunnel cluster, its trust from
+//! Secrets/ConfigMaps, its health in status). The CRDs shipped in
+//! `deploy/crds/` are generated from these types (`seedlink crds`), and a
+//! test compares them.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, CustomResourceExt};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// The controller name seedlink writes into route and policy status.
+pub const CONTROLLER_NAME: &str = "seedlink.dev/gateway";
+
+/// Client-IP ACL, CONNECT destinations and legacy service addresses of the
+/// control planes that the targeted TLSRoutes define.
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "policy.seedlink.dev",
+    version = "v1alpha1",
+    kind = "SeedlinkPolicy",
+    plural = "seedlinkpolicies",
+    namespaced,
+    status = "PolicyStatus",
+    category = "seedlink"
+)]
+#[serde(rename_all = "camelCase")]
+pub struct SeedlinkPolicySpec {
+    /// The TLSRoutes (in this namespace) the policy applies to.
+    pub target_refs: Vec<LocalPolicyTargetRef>,
+    /// Client CIDRs allowed to reach the control plane (a bare address
+    /// means /32 or /128); absent means every client.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        rename = "allowedSourceCIDRs"
+    )]
+    pub allowed_source_cidrs: Option<Vec<String>>,
+    /// Names reachable through the gateway's `http-connect` listeners
+    /// (`outbound|443||kube-apiserver.<ns>.svc.cluster.local` or
+    /// `<ns>--kube-apiserver-socket`); they lead to the route's backends.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub destinations: Vec<String>,
+    /// In-cluster service addresses (`ip:port`) that GEP-08 node proxies
+    /// put in their PROXY header (`proxy` listeners).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub service_addresses: Vec<String>,
+}
+
+/// A target in the policy's namespace (GEP-713 `LocalPolicyTargetReference`).
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+pub struct LocalPolicyTargetRef {
+    /// `gateway.networking.k8s.io`.
+    pub group: String,
+    /// `TLSRoute`.
+    pub kind: String,
+    /// The route's name.
+    pub name: String,
+}
+
+/// GEP-713 policy status: one entry per ancestor (the route targeted).
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+pub struct PolicyStatus {
+    /// Per target.
+    #[serde(default)]
+    pub ancestors: Vec<PolicyAncestorStatus>,
+}
+
+/// The policy's status for one target.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyAncestorStatus {
+    /// The target.
+    pub ancestor_ref: AncestorRef,
+    /// `seedlink.dev/gateway`.
+    pub controller_name: String,
+    /// `Accepted`.
+    pub conditions: Vec<Condition>,
+}
+
+/// A reference to a policy's ancestor.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+pub struct AncestorRef {
+    /// API group.
+    pub group: String,
+    /// Kind.
+    pub kind: String,
+    /// Name.
+    pub name: String,
+    /// Namespace.
+    pub namespace: String,
+}
+
+/// One reverse-tunnel cluster: whose agents it accepts, where its
+/// kube-apiserver reaches it, and (in status) whether it works.
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "tunnel.seedlink.dev",
+    version = "v1alpha1",
+    kind = "TunnelCluster",
+    plural = "tunnelclusters",
+    namespaced,
+    status = "TunnelClusterStatus",
+    category = "seedlink",
+    printcolumn = r#"{"name":"Agents","type":"integer","jsonPath":".status.agents"}"#,
+    printcolumn = r#"{"name":"Last agent","type":"date","jsonPath":".status.lastAgentSeen"}"#,
+    printcolumn = r#"{"name":"Connected","type":"string","jsonPath":".status.conditions[?(@.type==\"AgentsConnected\")].status"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct TunnelClusterSpec {
+    /// CA bundle (PEM) whose client certificates identify the agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_ca: Option<KeyRef>,
+    /// ServiceAccount tokens that identify the agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_token: Option<AgentToken>,
+    /// Backend choice, in order: `destHost`, `cidr`, `defaultRoute`, `default`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub strategies: Vec<String>,
+    /// Frontends for the cluster's kube-apiserver (besides the server's
+    /// frontend templates).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub frontends: Vec<FrontendSpec>,
+    /// Per-cluster limits; absent fields keep the defaults.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limits: Option<LimitsSpec>,
+}
+
+/// One key of a Secret or a ConfigMap in the resource's namespace; exactly
+/// one of `secret` and `configMap`.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KeyRef {
+    /// A Secret's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
+    /// A ConfigMap's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map: Option<String>,
+    /// The key, e.g. `ca.crt`.
+    pub key: String,
+}
+
+/// Agent authentication by ServiceAccount token, checked against the
+/// issuer's public keys.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentToken {
+    /// The token issuer (`iss`).
+    pub issuer: String,
+    /// The issuer's public keys (PEM).
+    pub keys: KeyRef,
+    /// Required audience (default `system:konnectivity-server`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub audience: Option<String>,
+    /// The agents' ServiceAccount `<namespace>/<name>` (default
+    /// `kube-system/konnectivity-agent`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_account: Option<String>,
+}
+
+/// A frontend of the cluster.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FrontendSpec {
+    /// Name (a metric label).
+    pub name: String,
+    /// `http-connect`, `grpc` or `http-proxy`.
+    pub protocol: String,
+    /// A Unix socket path (no TLS).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unix: Option<String>,
+    /// A TCP `ip:port`: mTLS with `tls`, or plain on loopback.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp: Option<String>,
+    /// For `tcp`: a `kubernetes.io/tls` Secret (`tls.crt`, `tls.key`) and
+    /// the clients' CA.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<FrontendTls>,
+}
+
+/// TLS of a TCP frontend.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FrontendTls {
+    /// Secret with `tls.crt` and `tls.key`.
+    pub secret: String,
+    /// The clients' (kube-apiserver's) CA.
+    pub client_ca: KeyRef,
+}
+
+/// Per-cluster limits.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LimitsSpec {
+    /// Tunneled connections at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<u64>,
+    /// New dials per second, sustained.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dial_rate: Option<f64>,
+    /// Dials allowed in a burst above the rate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dial_burst: Option<f64>,
+    /// Agent streams at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_agents: Option<u64>,
+}
+
+/// What the tunnel-server sees of the cluster.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TunnelClusterStatus {
+    /// `Ready` (trust loaded, frontends listening) and `AgentsConnected`.
+    #[serde(default)]
+    pub conditions: Vec<Condition>,
+    /// Agent streams connected to the replica writing status.
+    #[serde(default)]
+    pub agents: u64,
+    /// When an agent was last connected (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_agent_seen: Option<String>,
+    /// Failed dials by reason since the server started.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub dial_errors: std::collections::BTreeMap<String, u64>,
+    /// The generation the status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// Both CRDs as one multi-document YAML, as shipped in `deploy/crds/`.
+pub fn crds_yaml() -> Result<String, serde_norway::Error> {
+    let mut out =
+        String::from("# Generated by `seedlink crds` from crates/kube/src/crd.rs; do not edit.\n");
+    for crd in [SeedlinkPolicy::crd(), TunnelCluster::crd()] {
+        out.push_str("---\n");
+        out.push_str(&serde_norway::to_string(&crd)?);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_yaml_reads_back_as_the_same_crds() {
+        let text = crds_yaml().unwrap();
+        let docs: Vec<serde_json::Value> = text
+            .split("\n---\n")
+            .skip(1)
+            .map(|d| serde_norway::from_str(d).unwrap())
+            .collect();
+        assert_eq!(
+            docs[0],
+            serde_json::to_value(SeedlinkPolicy::crd()).unwrap()
+        );
+        assert_eq!(docs[1], serde_json::to_value(TunnelCluster::crd()).unwrap());
+    }
+}

@@ -1,0 +1,12 @@
+//! seedlink's Kubernetes configuration source (docs/KUBERNETES.md).
+//!
+//! - [`crd`]: the `SeedlinkPolicy` and `TunnelCluster` resources;
+//! - [`translate`]: objects → the gateway's model, a pure function;
+//! - [`source`]: the watches, the coalescing of bursts into one snapshot,
+//!   and status written back;
+//! - [`leader`]: the Lease that picks the one replica writing status.
+
+pub mod crd;
+pub mod leader;
+pub mod source;
+pub mod translate;

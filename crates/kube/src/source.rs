@@ -1,0 +1,499 @@
+//! The gateway's Kubernetes source at run time: one watch per kind
+//! (kube-rs `watcher` + reflector stores: list, watch from the list's
+//! resourceVersion, bookmarks, a re-list after `410 Gone`, back-off on
+//! errors), bursts of events coalesced into one snapshot, the snapshot
+//! handed to the gateway, and status written back by the lease holder.
+//!
+//! | event | behaviour |
+//! |---|---|
+//! | objects change | one snapshot 200 ms after the last event, at most 2 s after the first |
+//! | an object is invalid | left out, with a status condition and an Event; the others are served |
+//! | the API server is unreachable | the stores keep the last objects: nothing changes; retries back off |
+//! | a watch expires (410) | re-list; the rebuilt snapshot is diffed, unchanged routes are untouched |
+
+use std::collections::{HashMap, HashSet};
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use gateway_api::tlsroutes::{TlsRoute, TlsRouteParentRefs};
+use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, ObjectMeta, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::Resource;
+use seedlink_config::model::ControlPlane;
+use seedlink_config::ConfigError;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::crd::{SeedlinkPolicy, CONTROLLER_NAME};
+use crate::leader::{self, Leadership};
+use crate::translate::{
+    Key, Objects, RouteOutcome, Translation, Translator, Verdict, GATEWAY_GROUP,
+};
+
+/// Quiet time after the last event before a snapshot is built.
+pub const QUIET: Duration = Duration::from_millis(200);
+/// Longest wait after the first event of a burst.
+pub const MAX_DELAY: Duration = Duration::from_secs(2);
+/// How often the status leader compares status with what it should be
+/// (besides after every snapshot).
+pub const STATUS_EVERY: Duration = Duration::from_secs(10);
+
+/// Where the gateway's control planes go.
+pub trait GatewaySink: Send + Sync + 'static {
+    /// Serves these control planes (besides the file's); returns those it
+    /// refused, with its problems. Open connections are never touched.
+    fn apply(&self, control_planes: Vec<ControlPlane>) -> Vec<(String, Vec<ConfigError>)>;
+}
+
+/// What the gateway's source needs to know.
+#[derive(Debug, Clone)]
+pub struct GatewaySettings {
+    /// The seedlink Gateway.
+    pub gateway: Key,
+    /// The gateway's listener names.
+    pub listeners: Vec<String>,
+    /// The status lease; `None`: this replica never writes status.
+    pub lease: Option<Key>,
+    /// This replica's name in the lease (the pod name).
+    pub identity: String,
+}
+
+/// A running source.
+pub struct Handle {
+    synced: watch::Receiver<bool>,
+    /// Whether this replica writes status.
+    pub leadership: Leadership,
+    stop: CancellationToken,
+}
+
+impl Handle {
+    /// Waits until every kind was listed once and the first snapshot was
+    /// applied, at most `timeout`. Whether that happened.
+    pub async fn synced(&self, timeout: Duration) -> bool {
+        let mut rx = self.synced.clone();
+        tokio::time::timeout(timeout, rx.wait_for(|s| *s))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    /// Stops the watches and the status writer.
+    pub fn stop(&self) {
+        self.stop.cancel();
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// One kind's watch: a store and a task that keeps it and says "changed".
+fn watch_kind<K>(api: Api<K>, changed: mpsc::Sender<()>, stop: CancellationToken) -> Store<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    let (store, writer) = reflector::store();
+    let kind = K::kind(&K::DynamicType::default()).to_string();
+    let stream = watcher(api, watcher::Config::default())
+        .default_backoff()
+        .reflect(writer);
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        loop {
+            let next = tokio::select! {
+                n = stream.next() => n,
+                () = stop.cancelled() => return,
+            };
+            match next {
+                Some(Ok(_)) => {
+                    let _ = changed.try_send(());
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(kind = %kind, error = %e, "kubernetes watch failed; keeping the last objects and retrying");
+                }
+                None => return,
+            }
+        }
+    });
+    store
+}
+
+/// Starts the gateway's source: watches, snapshots into `sink`, status.
+pub fn start_gateway(
+    client: kube::Client,
+    settings: GatewaySettings,
+    sink: Arc<dyn GatewaySink>,
+) -> Handle {
+    let stop = CancellationToken::new();
+    let (changed_tx, mut changed) = mpsc::channel::<()>(1);
+    let routes = watch_kind(
+        Api::<TlsRoute>::all(client.clone()),
+        changed_tx.clone(),
+        stop.clone(),
+    );
+    let policies = watch_kind(
+        Api::<SeedlinkPolicy>::all(client.clone()),
+        changed_tx.clone(),
+        stop.clone(),
+    );
+    let services = watch_kind(
+        Api::<Service>::all(client.clone()),
+        changed_tx.clone(),
+        stop.clone(),
+    );
+    let slices = watch_kind(
+        Api::<EndpointSlice>::all(client.clone()),
+        changed_tx,
+        stop.clone(),
+    );
+    let leadership = match &settings.lease {
+        Some(lease) => {
+            let me = Leadership::default();
+            tokio::spawn(leader::campaign(
+                client.clone(),
+                lease.namespace.clone(),
+                lease.name.clone(),
+                settings.identity.clone(),
+                me.clone(),
+                stop.clone(),
+            ));
+            me
+        }
+        None => Leadership::default(),
+    };
+    let (synced_tx, synced) = watch::channel(false);
+    let task_stop = stop.clone();
+    let writer_leadership = leadership.clone();
+    tokio::spawn(async move {
+        let ready = async {
+            routes.wait_until_ready().await.ok()?;
+            policies.wait_until_ready().await.ok()?;
+            services.wait_until_ready().await.ok()?;
+            slices.wait_until_ready().await.ok()
+        };
+        tokio::select! {
+            r = ready => if r.is_none() { return },
+            () = task_stop.cancelled() => return,
+        }
+        let mut translator = Translator::default();
+        let mut status = StatusWriter::new(client, writer_leadership);
+        loop {
+            let objects = (
+                routes.state(),
+                policies.state(),
+                services.state(),
+                slices.state(),
+            );
+            let mut t = translator.translate(&Objects {
+                gateway: &settings.gateway,
+                listeners: &settings.listeners,
+                routes: &objects.0,
+                policies: &objects.1,
+                services: &objects.2,
+                slices: &objects.3,
+            });
+            let refused = sink.apply(t.control_planes.clone());
+            t.refused(&refused);
+            let _ = synced_tx.send(true);
+            status.write(&t, &objects.0, &objects.1).await;
+            // Wait for the next burst (or the status tick), then let it settle.
+            let burst = tokio::select! {
+                c = changed.recv() => c.is_some(),
+                () = tokio::time::sleep(STATUS_EVERY) => false,
+                () = task_stop.cancelled() => return,
+            };
+            if burst {
+                let deadline = tokio::time::Instant::now() + MAX_DELAY;
+                loop {
+                    let quiet = tokio::time::Instant::now() + QUIET;
+                    tokio::select! {
+                        c = changed.recv() => if c.is_none() { break },
+                        () = tokio::time::sleep_until(quiet.min(deadline)) => break,
+                        () = task_stop.cancelled() => return,
+                    }
+                    if tokio::time::Instant::now() >= deadline {
+                        break;
+                    }
+                }
+            }
+        }
+    });
+    Handle {
+        synced,
+        leadership,
+        stop,
+    }
+}
+
+/// Writes route and policy status (only while holding the lease) and an
+/// Event per rejection (once per object generation and message).
+struct StatusWriter {
+    client: kube::Client,
+    leadership: Leadership,
+    evented: HashSet<(Key, Option<i64>, String)>,
+}
+
+fn condition(
+    type_: &str,
+    v: &Verdict,
+    generation: Option<i64>,
+    previous: &[Condition],
+) -> Condition {
+    let status = if v.ok { "True" } else { "False" };
+    // The transition time changes only when the status does.
+    let time = previous
+        .iter()
+        .find(|c| c.type_ == type_ && c.status == status)
+        .map_or_else(
+            || Time(Timestamp::now()),
+            |c| c.last_transition_time.clone(),
+        );
+    Condition {
+        type_: type_.into(),
+        status: status.into(),
+        reason: v.reason.clone(),
+        message: v.message.clone(),
+        observed_generation: generation,
+        last_transition_time: time,
+    }
+}
+
+/// Conditions equal but for their transition times.
+fn same(a: &[Condition], b: &[Condition]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            (
+                &x.type_,
+                &x.status,
+                &x.reason,
+                &x.message,
+                x.observed_generation,
+            ) == (
+                &y.type_,
+                &y.status,
+                &y.reason,
+                &y.message,
+                y.observed_generation,
+            )
+        })
+}
+
+impl StatusWriter {
+    fn new(client: kube::Client, leadership: Leadership) -> StatusWriter {
+        StatusWriter {
+            client,
+            leadership,
+            evented: HashSet::new(),
+        }
+    }
+
+    async fn write(
+        &mut self,
+        t: &Translation,
+        routes: &[Arc<TlsRoute>],
+        policies: &[Arc<SeedlinkPolicy>],
+    ) {
+        if !self.leadership.held() {
+            return;
+        }
+        let outcomes: HashMap<&Key, &RouteOutcome> = t.routes.iter().map(|r| (&r.key, r)).collect();
+        for route in routes {
+            let key = Key::of(route.as_ref());
+            let current = route
+                .status
+                .as_ref()
+                .map(|s| s.parents.clone())
+                .unwrap_or_default();
+            let (ours, theirs): (Vec<_>, Vec<_>) = current
+                .into_iter()
+                .partition(|p| p.controller_name == CONTROLLER_NAME);
+            let mut desired = theirs.clone();
+            if let Some(o) = outcomes.get(&key) {
+                for p in &o.parents {
+                    let prev = ours
+                        .iter()
+                        .find(|x| parent_eq(&x.parent_ref, p))
+                        .map(|x| x.conditions.clone())
+                        .unwrap_or_default();
+                    desired.push(gateway_api::tlsroutes::TlsRouteStatusParents {
+                        conditions: vec![
+                            condition("Accepted", &o.accepted, o.generation, &prev),
+                            condition("ResolvedRefs", &o.resolved, o.generation, &prev),
+                        ],
+                        controller_name: CONTROLLER_NAME.into(),
+                        parent_ref: gateway_api::tlsroutes::TlsRouteStatusParentsParentRef {
+                            group: p.group.clone(),
+                            kind: p.kind.clone(),
+                            name: p.name.clone(),
+                            namespace: p.namespace.clone(),
+                            port: p.port,
+                            section_name: p.section_name.clone(),
+                        },
+                    });
+                }
+                if !o.accepted.ok {
+                    self.event(route.as_ref(), "TLSRoute", o.generation, &o.accepted)
+                        .await;
+                }
+            }
+            let desired_ours: Vec<_> = desired
+                .iter()
+                .filter(|p| p.controller_name == CONTROLLER_NAME)
+                .collect();
+            let unchanged = desired_ours.len() == ours.len()
+                && desired_ours.iter().zip(&ours).all(|(a, b)| {
+                    a.parent_ref == b.parent_ref && same(&a.conditions, &b.conditions)
+                });
+            if unchanged {
+                continue;
+            }
+            // A merge patch replaces the list: it carries the other
+            // controllers' entries as they were read.
+            let patch = json!({"status": {"parents": desired}});
+            let api: Api<TlsRoute> = Api::namespaced(self.client.clone(), &key.namespace);
+            if let Err(e) = api
+                .patch_status(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                tracing::warn!(route = %key, error = %e, "cannot write TLSRoute status");
+            }
+        }
+        let by_policy: HashMap<&Key, _> = t.policies.iter().map(|p| (&p.key, p)).collect();
+        for policy in policies {
+            let key = Key::of(policy.as_ref());
+            let Some(o) = by_policy.get(&key) else {
+                continue;
+            };
+            let current = policy
+                .status
+                .as_ref()
+                .map(|s| s.ancestors.clone())
+                .unwrap_or_default();
+            let desired: Vec<crate::crd::PolicyAncestorStatus> = o
+                .targets
+                .iter()
+                .map(|(name, v)| {
+                    let prev = current
+                        .iter()
+                        .find(|a| a.ancestor_ref.name == *name)
+                        .map(|a| a.conditions.clone())
+                        .unwrap_or_default();
+                    crate::crd::PolicyAncestorStatus {
+                        ancestor_ref: crate::crd::AncestorRef {
+                            group: GATEWAY_GROUP.into(),
+                            kind: "TLSRoute".into(),
+                            name: name.clone(),
+                            namespace: key.namespace.clone(),
+                        },
+                        controller_name: CONTROLLER_NAME.into(),
+                        conditions: vec![condition("Accepted", v, o.generation, &prev)],
+                    }
+                })
+                .collect();
+            for (_, v) in o.targets.iter().filter(|(_, v)| !v.ok) {
+                self.event(policy.as_ref(), "SeedlinkPolicy", o.generation, v)
+                    .await;
+            }
+            let unchanged = desired.len() == current.len()
+                && desired.iter().zip(&current).all(|(a, b)| {
+                    a.ancestor_ref == b.ancestor_ref && same(&a.conditions, &b.conditions)
+                });
+            if unchanged {
+                continue;
+            }
+            let patch = json!({"status": {"ancestors": desired}});
+            let api: Api<SeedlinkPolicy> = Api::namespaced(self.client.clone(), &key.namespace);
+            if let Err(e) = api
+                .patch_status(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                tracing::warn!(policy = %key, error = %e, "cannot write SeedlinkPolicy status");
+            }
+        }
+    }
+
+    /// A Warning Event on `object`, once per generation and message.
+    async fn event<K: Resource<DynamicType = ()>>(
+        &mut self,
+        object: &K,
+        kind: &str,
+        generation: Option<i64>,
+        v: &Verdict,
+    ) {
+        let key = Key::of(object);
+        if !self
+            .evented
+            .insert((key.clone(), generation, v.message.clone()))
+        {
+            return;
+        }
+        let now = Timestamp::now();
+        let event = Event {
+            metadata: ObjectMeta {
+                name: Some(format!("{}.{:x}", key.name, now.as_nanosecond())),
+                namespace: Some(key.namespace.clone()),
+                ..ObjectMeta::default()
+            },
+            involved_object: ObjectReference {
+                api_version: Some(K::api_version(&()).into_owned()),
+                kind: Some(kind.into()),
+                name: Some(key.name.clone()),
+                namespace: Some(key.namespace.clone()),
+                uid: object.meta().uid.clone(),
+                resource_version: object.meta().resource_version.clone(),
+                ..ObjectReference::default()
+            },
+            reason: Some(v.reason.clone()),
+            message: Some(v.message.clone()),
+            type_: Some("Warning".into()),
+            source: Some(EventSource {
+                component: Some("seedlink".into()),
+                host: None,
+            }),
+            first_timestamp: Some(Time(now)),
+            last_timestamp: Some(Time(now)),
+            event_time: Some(MicroTime(now)),
+            reporting_component: Some("seedlink".into()),
+            reporting_instance: None,
+            action: Some("Reconcile".into()),
+            count: Some(1),
+            ..Event::default()
+        };
+        let api: Api<Event> = Api::namespaced(self.client.clone(), &key.namespace);
+        if let Err(e) = api.create(&PostParams::default(), &event).await {
+            tracing::warn!(object = %key, error = %e, "cannot create an Event");
+        }
+    }
+}
+
+fn parent_eq(
+    a: &gateway_api::tlsroutes::TlsRouteStatusParentsParentRef,
+    b: &TlsRouteParentRefs,
+) -> bool {
+    (
+        &a.group,
+        &a.kind,
+        &a.name,
+        &a.namespace,
+        a.port,
+        &a.section_name,
+    ) == (
+        &b.group,
+        &b.kind,
+        &b.name,
+        &b.namespace,
+        b.port,
+        &b.section_name,
+    )
+}

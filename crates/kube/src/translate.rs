@@ -1,0 +1,530 @@
+//! From Kubernetes objects to the gateway's model, as a pure function:
+//! TLSRoutes attached to the seedlink Gateway become control planes (their
+//! hostnames the SNI routes, the ready addresses of their backend Services'
+//! EndpointSlices the upstreams), and SeedlinkPolicies attached to a route
+//! add its ACL, CONNECT destinations and legacy service addresses. What
+//! cannot be used is reported per object, for status and Events; the
+//! gateway's own validation then admits each control plane on its own
+//! (`seedlink_config::compile::compile_admitting`).
+
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+use gateway_api::tlsroutes::{TlsRoute, TlsRouteParentRefs};
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::ResourceExt;
+use seedlink_config::model::{Acl, ControlPlane, DestinationCfg};
+
+use crate::crd::{SeedlinkPolicy, SeedlinkPolicySpec};
+
+/// The Gateway API group.
+pub const GATEWAY_GROUP: &str = "gateway.networking.k8s.io";
+
+/// `namespace/name` of an object.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+}
+
+impl std::fmt::Display for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+impl Key {
+    /// The key of a namespaced object.
+    pub fn of<K: kube::Resource>(o: &K) -> Key {
+        Key {
+            namespace: o.namespace().unwrap_or_default(),
+            name: o.name_any(),
+        }
+    }
+}
+
+/// The control plane a route becomes: `<namespace>.<name>`. Namespaces hold
+/// no dot, so the name is unambiguous, and it is valid wherever a
+/// file-defined control-plane name is (metric labels, logs).
+pub fn control_plane_name(route: &Key) -> String {
+    format!("{}.{}", route.namespace, route.name)
+}
+
+/// A condition's verdict: `True`, or `False` with a reason and a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verdict {
+    /// `True` or `False`.
+    pub ok: bool,
+    /// A Gateway API reason (`Accepted`, `ResolvedRefs`, `BackendNotFound`…).
+    pub reason: String,
+    /// For people.
+    pub message: String,
+}
+
+impl Verdict {
+    /// `True` with `reason`.
+    pub fn yes(reason: &str, message: impl Into<String>) -> Verdict {
+        Verdict {
+            ok: true,
+            reason: reason.into(),
+            message: message.into(),
+        }
+    }
+
+    /// `False` with `reason`.
+    pub fn no(reason: &str, message: impl Into<String>) -> Verdict {
+        Verdict {
+            ok: false,
+            reason: reason.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// What became of one TLSRoute attached to the seedlink Gateway.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RouteOutcome {
+    /// The route.
+    pub key: Key,
+    /// Its `metadata.generation`.
+    pub generation: Option<i64>,
+    /// The parentRefs that name the seedlink Gateway (status is written per parent).
+    pub parents: Vec<TlsRouteParentRefs>,
+    /// `Accepted`.
+    pub accepted: Verdict,
+    /// `ResolvedRefs`.
+    pub resolved: Verdict,
+    /// The control plane it became, if any.
+    pub control_plane: Option<String>,
+}
+
+/// What became of one SeedlinkPolicy, per target route.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyOutcome {
+    /// The policy.
+    pub key: Key,
+    /// Its `metadata.generation`.
+    pub generation: Option<i64>,
+    /// Per TLSRoute target (by name, in the policy's namespace): `Accepted`.
+    pub targets: Vec<(String, Verdict)>,
+}
+
+/// Everything the gateway gets from the objects, and what to report.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Translation {
+    /// Control planes, oldest route first (the oldest wins a conflict).
+    pub control_planes: Vec<ControlPlane>,
+    /// Per attached route.
+    pub routes: Vec<RouteOutcome>,
+    /// Per policy.
+    pub policies: Vec<PolicyOutcome>,
+}
+
+impl Translation {
+    /// Marks the routes whose control planes the gateway refused (with the
+    /// gateway's words) as not accepted.
+    pub fn refused(&mut self, refused: &[(String, Vec<seedlink_config::ConfigError>)]) {
+        let by_name: HashMap<&str, String> = refused
+            .iter()
+            .map(|(n, problems)| {
+                let text: Vec<String> = problems
+                    .iter()
+                    .map(|p| {
+                        if p.path.is_empty() {
+                            p.message.clone()
+                        } else {
+                            format!("{}: {}", p.path, p.message)
+                        }
+                    })
+                    .collect();
+                (n.as_str(), text.join("; "))
+            })
+            .collect();
+        for r in &mut self.routes {
+            if let Some(why) = r.control_plane.as_deref().and_then(|n| by_name.get(n)) {
+                r.accepted = Verdict::no("UnsupportedValue", why.clone());
+                r.control_plane = None;
+            }
+        }
+        self.control_planes
+            .retain(|c| !by_name.contains_key(c.name.as_str()));
+    }
+}
+
+/// What the translation reads.
+pub struct Objects<'a> {
+    /// The seedlink Gateway, `namespace/name`.
+    pub gateway: &'a Key,
+    /// Names of the gateway's listeners (a parentRef's `sectionName` must
+    /// name one).
+    pub listeners: &'a [String],
+    /// Every TLSRoute.
+    pub routes: &'a [Arc<TlsRoute>],
+    /// Every SeedlinkPolicy.
+    pub policies: &'a [Arc<SeedlinkPolicy>],
+    /// Every Service.
+    pub services: &'a [Arc<Service>],
+    /// Every EndpointSlice.
+    pub slices: &'a [Arc<EndpointSlice>],
+}
+
+/// Remembers the last accepted spec of each policy, so that an invalid
+/// edit keeps the route under its previous ACL instead of opening it (or
+/// dropping it).
+#[derive(Debug, Default)]
+pub struct Translator {
+    last_good: HashMap<Key, SeedlinkPolicySpec>,
+}
+
+fn age<K: kube::Resource>(o: &K) -> (Option<k8s_openapi::jiff::Timestamp>, Key) {
+    (
+        o.meta().creation_timestamp.as_ref().map(|t| t.0),
+        Key::of(o),
+    )
+}
+
+impl Translator {
+    /// Translates `objects`.
+    pub fn translate(&mut self, objects: &Objects<'_>) -> Translation {
+        let mut out = Translation::default();
+        let mut routes: Vec<&Arc<TlsRoute>> = objects.routes.iter().collect();
+        routes.sort_by_key(|r| age(r.as_ref()));
+        let services: HashMap<Key, &Service> = objects
+            .services
+            .iter()
+            .map(|s| (Key::of(s.as_ref()), s.as_ref()))
+            .collect();
+        let mut slices: HashMap<Key, Vec<&EndpointSlice>> = HashMap::new();
+        for s in objects.slices {
+            if let Some(svc) = s.labels().get("kubernetes.io/service-name") {
+                slices
+                    .entry(Key {
+                        namespace: s.namespace().unwrap_or_default(),
+                        name: svc.clone(),
+                    })
+                    .or_default()
+                    .push(s.as_ref());
+            }
+        }
+        let policies = self.policies(objects, &routes, &mut out);
+        for route in routes {
+            let key = Key::of(route.as_ref());
+            let parents: Vec<TlsRouteParentRefs> = route
+                .spec
+                .parent_refs
+                .iter()
+                .flatten()
+                .filter(|p| names_gateway(p, &key.namespace, objects.gateway))
+                .cloned()
+                .collect();
+            if parents.is_empty() {
+                continue;
+            }
+            let mut outcome = RouteOutcome {
+                key: key.clone(),
+                generation: route.metadata.generation,
+                parents: parents.clone(),
+                accepted: Verdict::yes("Accepted", "served by seedlink"),
+                resolved: Verdict::yes("ResolvedRefs", "every backend resolved"),
+                control_plane: None,
+            };
+            if let Some(p) = parents.iter().find(|p| {
+                p.section_name
+                    .as_ref()
+                    .is_some_and(|s| !objects.listeners.iter().any(|l| l == s))
+            }) {
+                outcome.accepted = Verdict::no(
+                    "NoMatchingParent",
+                    format!(
+                        "the gateway has no listener {:?} (it has {})",
+                        p.section_name.as_deref().unwrap_or_default(),
+                        objects.listeners.join(", ")
+                    ),
+                );
+                out.routes.push(outcome);
+                continue;
+            }
+            let (endpoints, resolved, weighted) = backends(route, &key, &services, &slices);
+            outcome.resolved = resolved;
+            if weighted {
+                outcome.accepted = Verdict::yes(
+                    "Accepted",
+                    "served by seedlink; backend weights other than 0 are ignored (least-connections over every ready endpoint)",
+                );
+            }
+            let mut cp = ControlPlane {
+                name: control_plane_name(&key),
+                hostnames: route.spec.hostnames.clone(),
+                endpoints,
+                acl: None,
+                destinations: Vec::new(),
+                service_addresses: Vec::new(),
+            };
+            match policies.get(&key.name_in(&key.namespace)) {
+                Some(Ok(spec)) => {
+                    cp.acl = spec
+                        .allowed_source_cidrs
+                        .as_ref()
+                        .map(|a| Acl { allow: a.clone() });
+                    cp.destinations = spec
+                        .destinations
+                        .iter()
+                        .map(|d| DestinationCfg {
+                            name: d.clone(),
+                            endpoints: None,
+                        })
+                        .collect();
+                    cp.service_addresses = spec.service_addresses.clone();
+                }
+                Some(Err(why)) => {
+                    // Fail closed: without its valid policy the route would
+                    // lose its ACL.
+                    outcome.accepted = Verdict::no("UnsupportedValue", why.clone());
+                    out.routes.push(outcome);
+                    continue;
+                }
+                None => {}
+            }
+            outcome.control_plane = Some(cp.name.clone());
+            out.control_planes.push(cp);
+            out.routes.push(outcome);
+        }
+        out
+    }
+
+    /// Policy per route key; records each policy's outcome. A route's
+    /// policy is the oldest one targeting it.
+    fn policies(
+        &mut self,
+        objects: &Objects<'_>,
+        routes: &[&Arc<TlsRoute>],
+        out: &mut Translation,
+    ) -> HashMap<String, Result<SeedlinkPolicySpec, String>> {
+        let attached: HashSet<Key> = routes
+            .iter()
+            .filter(|r| {
+                let ns = r.namespace().unwrap_or_default();
+                r.spec
+                    .parent_refs
+                    .iter()
+                    .flatten()
+                    .any(|p| names_gateway(p, &ns, objects.gateway))
+            })
+            .map(|r| Key::of(r.as_ref()))
+            .collect();
+        let mut policies: Vec<&Arc<SeedlinkPolicy>> = objects.policies.iter().collect();
+        policies.sort_by_key(|p| age(p.as_ref()));
+        let mut result = HashMap::new();
+        let live: HashSet<Key> = policies.iter().map(|p| Key::of(p.as_ref())).collect();
+        self.last_good.retain(|k, _| live.contains(k));
+        for p in policies {
+            let key = Key::of(p.as_ref());
+            let invalid = check_policy(&p.spec);
+            let effective: Result<SeedlinkPolicySpec, String> = match &invalid {
+                None => {
+                    self.last_good.insert(key.clone(), p.spec.clone());
+                    Ok(p.spec.clone())
+                }
+                Some(why) => match self.last_good.get(&key) {
+                    Some(prev) => Ok(prev.clone()),
+                    None => Err(format!("SeedlinkPolicy {key} is invalid: {why}")),
+                },
+            };
+            let mut targets = Vec::new();
+            for t in &p.spec.target_refs {
+                let route_key = format!("{}/{}", key.namespace, t.name);
+                let verdict = if t.group != GATEWAY_GROUP || t.kind != "TLSRoute" {
+                    Verdict::no(
+                        "Invalid",
+                        format!(
+                            "targets {}/{}: only {GATEWAY_GROUP}/TLSRoute is supported",
+                            t.group, t.kind
+                        ),
+                    )
+                } else if !attached.contains(&Key {
+                    namespace: key.namespace.clone(),
+                    name: t.name.clone(),
+                }) {
+                    Verdict::no(
+                        "TargetNotFound",
+                        format!("no TLSRoute {route_key} attached to the seedlink Gateway"),
+                    )
+                } else if let std::collections::hash_map::Entry::Vacant(slot) =
+                    result.entry(route_key)
+                {
+                    slot.insert(effective.clone());
+                    match (&invalid, &effective) {
+                        (None, _) => Verdict::yes("Accepted", "applied"),
+                        (Some(why), Ok(_)) => Verdict::no(
+                            "Invalid",
+                            format!("{why}; the previously accepted version stays in force"),
+                        ),
+                        (Some(why), Err(_)) => {
+                            Verdict::no("Invalid", format!("{why}; the route is not served"))
+                        }
+                    }
+                } else {
+                    Verdict::no(
+                        "Conflicted",
+                        "an older SeedlinkPolicy targets the same route",
+                    )
+                };
+                targets.push((t.name.clone(), verdict));
+            }
+            out.policies.push(PolicyOutcome {
+                key,
+                generation: p.metadata.generation,
+                targets,
+            });
+        }
+        result
+    }
+}
+
+impl Key {
+    fn name_in(&self, namespace: &str) -> String {
+        format!("{namespace}/{}", self.name)
+    }
+}
+
+/// Whether a parentRef names the seedlink Gateway.
+fn names_gateway(p: &TlsRouteParentRefs, route_ns: &str, gw: &Key) -> bool {
+    p.group.as_deref().unwrap_or(GATEWAY_GROUP) == GATEWAY_GROUP
+        && p.kind.as_deref().unwrap_or("Gateway") == "Gateway"
+        && p.name == gw.name
+        && p.namespace.as_deref().unwrap_or(route_ns) == gw.namespace
+}
+
+/// A policy's own problems (values the gateway would refuse); conflicts
+/// with other control planes are found later, by the gateway.
+fn check_policy(spec: &SeedlinkPolicySpec) -> Option<String> {
+    let mut problems = Vec::new();
+    for (i, c) in spec.allowed_source_cidrs.iter().flatten().enumerate() {
+        if let Err(why) = seedlink_config::compile::parse_cidr(c) {
+            problems.push(format!("allowedSourceCIDRs[{i}]: {why}"));
+        }
+    }
+    for (i, d) in spec.destinations.iter().enumerate() {
+        if let Err(why) = seedlink_proto::destination::parse(d) {
+            problems.push(format!("destinations[{i}]: {d:?}: {why}"));
+        }
+    }
+    for (i, a) in spec.service_addresses.iter().enumerate() {
+        match a.parse::<SocketAddr>() {
+            Ok(sa) if sa.port() != 0 && !sa.ip().is_unspecified() => {}
+            _ => problems.push(format!(
+                "serviceAddresses[{i}]: {a:?} is not a specific ip:port"
+            )),
+        }
+    }
+    (!problems.is_empty()).then(|| problems.join("; "))
+}
+
+/// The ready endpoints of a route's backends, the `ResolvedRefs` verdict,
+/// and whether weights other than 0/1 were seen.
+fn backends(
+    route: &TlsRoute,
+    key: &Key,
+    services: &HashMap<Key, &Service>,
+    slices: &HashMap<Key, Vec<&EndpointSlice>>,
+) -> (Vec<String>, Verdict, bool) {
+    let mut endpoints = Vec::new();
+    let mut seen = HashSet::new();
+    let mut problems = Vec::new();
+    let mut reason = "ResolvedRefs";
+    let mut weighted = false;
+    for b in route.spec.rules.iter().flat_map(|r| &r.backend_refs) {
+        if b.weight == Some(0) {
+            continue;
+        }
+        if b.weight.is_some_and(|w| w != 1) {
+            weighted = true;
+        }
+        if !b.group.as_deref().unwrap_or("").is_empty()
+            || b.kind.as_deref().unwrap_or("Service") != "Service"
+        {
+            reason = "InvalidKind";
+            problems.push(format!(
+                "backend {}: only core Services are supported",
+                b.name
+            ));
+            continue;
+        }
+        if b.namespace.as_deref().is_some_and(|n| n != key.namespace) {
+            reason = "RefNotPermitted";
+            problems.push(format!(
+                "backend {}: another namespace needs a ReferenceGrant, which seedlink does not read",
+                b.name
+            ));
+            continue;
+        }
+        let skey = Key {
+            namespace: key.namespace.clone(),
+            name: b.name.clone(),
+        };
+        let Some(port) = b.port else {
+            reason = "UnsupportedValue";
+            problems.push(format!("backend {}: a port is required", b.name));
+            continue;
+        };
+        let Some(svc) = services.get(&skey) else {
+            reason = "BackendNotFound";
+            problems.push(format!("Service {skey} not found"));
+            continue;
+        };
+        let Some(sport) = svc
+            .spec
+            .as_ref()
+            .and_then(|s| s.ports.as_ref())
+            .and_then(|ps| ps.iter().find(|p| p.port == port))
+        else {
+            reason = "BackendNotFound";
+            problems.push(format!("Service {skey} has no port {port}"));
+            continue;
+        };
+        let port_name = sport.name.clone().unwrap_or_default();
+        for slice in slices.get(&skey).into_iter().flatten() {
+            if slice.address_type != "IPv4" && slice.address_type != "IPv6" {
+                continue;
+            }
+            let Some(target) = slice
+                .ports
+                .iter()
+                .flatten()
+                .find(|p| p.name.clone().unwrap_or_default() == port_name)
+                .and_then(|p| p.port)
+                .and_then(|p| u16::try_from(p).ok())
+            else {
+                continue;
+            };
+            for ep in &slice.endpoints {
+                // An unknown readiness counts as ready (the API's advice);
+                // a terminating pod is `ready: false` and gets nothing new.
+                if ep.conditions.as_ref().and_then(|c| c.ready) == Some(false) {
+                    continue;
+                }
+                let Some(ip) = ep.addresses.first().and_then(|a| a.parse::<IpAddr>().ok()) else {
+                    continue;
+                };
+                let addr = SocketAddr::new(ip, target).to_string();
+                if seen.insert(addr.clone()) {
+                    endpoints.push(addr);
+                }
+            }
+        }
+    }
+    endpoints.sort();
+    let verdict = if problems.is_empty() {
+        Verdict::yes("ResolvedRefs", "every backend resolved")
+    } else {
+        Verdict::no(reason, problems.join("; "))
+    };
+    (endpoints, verdict, weighted)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,260 @@
+use super::*;
+use serde_json::json;
+
+fn route(
+    ns: &str,
+    name: &str,
+    created: &str,
+    hosts: &[&str],
+    backend: &str,
+    port: i32,
+) -> Arc<TlsRoute> {
+    Arc::new(
+        serde_json::from_value(json!({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "TLSRoute",
+            "metadata": {"name": name, "namespace": ns, "creationTimestamp": created, "generation": 3},
+            "spec": {
+                "parentRefs": [{"name": "seedlink", "namespace": "seedlink-system"}],
+                "hostnames": hosts,
+                "rules": [{"backendRefs": [{"name": backend, "port": port}]}]
+            }
+        }))
+        .unwrap(),
+    )
+}
+
+fn service(ns: &str, name: &str, port: i32, port_name: &str) -> Arc<Service> {
+    Arc::new(
+        serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"ports": [{"name": port_name, "port": port, "targetPort": 6443}]}
+        }))
+        .unwrap(),
+    )
+}
+
+fn slice(ns: &str, svc: &str, port_name: &str, eps: &[(&str, Option<bool>)]) -> Arc<EndpointSlice> {
+    let endpoints: Vec<_> = eps
+        .iter()
+        .map(|(a, ready)| match ready {
+            Some(r) => json!({"addresses": [a], "conditions": {"ready": r}}),
+            None => json!({"addresses": [a]}),
+        })
+        .collect();
+    Arc::new(
+        serde_json::from_value(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": format!("{svc}-abc"), "namespace": ns,
+                         "labels": {"kubernetes.io/service-name": svc}},
+            "addressType": "IPv4",
+            "ports": [{"name": port_name, "port": 6443}],
+            "endpoints": endpoints
+        }))
+        .unwrap(),
+    )
+}
+
+fn policy(ns: &str, name: &str, created: &str, route: &str, cidrs: &[&str]) -> Arc<SeedlinkPolicy> {
+    Arc::new(
+        serde_json::from_value(json!({
+            "apiVersion": "policy.seedlink.dev/v1alpha1", "kind": "SeedlinkPolicy",
+            "metadata": {"name": name, "namespace": ns, "creationTimestamp": created, "generation": 1},
+            "spec": {
+                "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "TLSRoute", "name": route}],
+                "allowedSourceCIDRs": cidrs
+            }
+        }))
+        .unwrap(),
+    )
+}
+
+fn gw() -> Key {
+    Key {
+        namespace: "seedlink-system".into(),
+        name: "seedlink".into(),
+    }
+}
+
+struct World {
+    routes: Vec<Arc<TlsRoute>>,
+    policies: Vec<Arc<SeedlinkPolicy>>,
+    services: Vec<Arc<Service>>,
+    slices: Vec<Arc<EndpointSlice>>,
+}
+
+impl World {
+    fn translate(&self, t: &mut Translator) -> Translation {
+        let gw = gw();
+        let listeners = vec!["tls".to_string()];
+        t.translate(&Objects {
+            gateway: &gw,
+            listeners: &listeners,
+            routes: &self.routes,
+            policies: &self.policies,
+            services: &self.services,
+            slices: &self.slices,
+        })
+    }
+}
+
+fn one_shoot() -> World {
+    World {
+        routes: vec![route(
+            "shoot--a",
+            "api",
+            "2026-01-01T00:00:00Z",
+            &["api.a.example"],
+            "kube-apiserver",
+            443,
+        )],
+        policies: vec![],
+        services: vec![service("shoot--a", "kube-apiserver", 443, "https")],
+        slices: vec![slice(
+            "shoot--a",
+            "kube-apiserver",
+            "https",
+            &[
+                ("10.0.0.1", Some(true)),
+                ("10.0.0.2", Some(false)),
+                ("10.0.0.3", None),
+            ],
+        )],
+    }
+}
+
+#[test]
+fn a_route_becomes_a_control_plane_with_its_ready_pod_addresses() {
+    let t = one_shoot().translate(&mut Translator::default());
+    assert_eq!(t.control_planes.len(), 1);
+    let cp = &t.control_planes[0];
+    assert_eq!(cp.name, "shoot--a.api");
+    assert_eq!(cp.hostnames, vec!["api.a.example"]);
+    // The terminating (ready=false) pod gets nothing; unknown counts as ready.
+    assert_eq!(cp.endpoints, vec!["10.0.0.1:6443", "10.0.0.3:6443"]);
+    assert!(t.routes[0].accepted.ok && t.routes[0].resolved.ok);
+}
+
+#[test]
+fn a_missing_service_or_port_is_backend_not_found_and_the_route_has_no_endpoints() {
+    let mut w = one_shoot();
+    w.services.clear();
+    let t = w.translate(&mut Translator::default());
+    assert_eq!(t.routes[0].resolved.reason, "BackendNotFound");
+    assert!(t.control_planes[0].endpoints.is_empty());
+    let mut w = one_shoot();
+    w.routes = vec![route(
+        "shoot--a",
+        "api",
+        "2026-01-01T00:00:00Z",
+        &["api.a.example"],
+        "kube-apiserver",
+        8443,
+    )];
+    let t = w.translate(&mut Translator::default());
+    assert_eq!(t.routes[0].resolved.reason, "BackendNotFound");
+    assert!(
+        t.routes[0].resolved.message.contains("no port 8443"),
+        "{:?}",
+        t.routes[0].resolved
+    );
+}
+
+#[test]
+fn routes_of_other_gateways_are_ignored_and_an_unknown_listener_is_not_accepted() {
+    let mut w = one_shoot();
+    let mut other = (*w.routes[0]).clone();
+    other.metadata.name = Some("other".into());
+    other.spec.parent_refs.as_mut().unwrap()[0].name = "istio".into();
+    let mut wrong = (*w.routes[0]).clone();
+    wrong.metadata.name = Some("wrong".into());
+    wrong.spec.parent_refs.as_mut().unwrap()[0].section_name = Some("https".into());
+    w.routes.push(Arc::new(other));
+    w.routes.push(Arc::new(wrong));
+    let t = w.translate(&mut Translator::default());
+    assert_eq!(t.routes.len(), 2);
+    let wrong = t.routes.iter().find(|r| r.key.name == "wrong").unwrap();
+    assert_eq!(wrong.accepted.reason, "NoMatchingParent");
+    assert_eq!(t.control_planes.len(), 1);
+}
+
+#[test]
+fn a_policy_sets_the_acl_an_invalid_edit_keeps_the_last_good_one_and_the_oldest_policy_wins() {
+    let mut w = one_shoot();
+    let mut tr = Translator::default();
+    w.policies = vec![policy(
+        "shoot--a",
+        "acl",
+        "2026-01-02T00:00:00Z",
+        "api",
+        &["192.0.2.0/24"],
+    )];
+    let t = w.translate(&mut tr);
+    assert_eq!(
+        t.control_planes[0].acl.as_ref().unwrap().allow,
+        vec!["192.0.2.0/24"]
+    );
+    assert!(t.policies[0].targets[0].1.ok);
+
+    // An invalid edit: the previous ACL stays, the policy says why.
+    w.policies = vec![policy(
+        "shoot--a",
+        "acl",
+        "2026-01-02T00:00:00Z",
+        "api",
+        &["192.0.2.0/33"],
+    )];
+    let t = w.translate(&mut tr);
+    assert_eq!(
+        t.control_planes[0].acl.as_ref().unwrap().allow,
+        vec!["192.0.2.0/24"]
+    );
+    let v = &t.policies[0].targets[0].1;
+    assert_eq!(v.reason, "Invalid");
+    assert!(v.message.contains("previously accepted"), "{v:?}");
+
+    // Invalid from the start (a fresh translator): the route is not served.
+    let t = w.translate(&mut Translator::default());
+    assert!(t.control_planes.is_empty());
+    assert_eq!(t.routes[0].accepted.reason, "UnsupportedValue");
+
+    // Two policies: the younger one is Conflicted.
+    w.policies = vec![
+        policy(
+            "shoot--a",
+            "young",
+            "2026-03-01T00:00:00Z",
+            "api",
+            &["198.51.100.0/24"],
+        ),
+        policy(
+            "shoot--a",
+            "old",
+            "2026-01-01T00:00:00Z",
+            "api",
+            &["192.0.2.0/24"],
+        ),
+    ];
+    let t = w.translate(&mut Translator::default());
+    assert_eq!(
+        t.control_planes[0].acl.as_ref().unwrap().allow,
+        vec!["192.0.2.0/24"]
+    );
+    let young = t.policies.iter().find(|p| p.key.name == "young").unwrap();
+    assert_eq!(young.targets[0].1.reason, "Conflicted");
+}
+
+#[test]
+fn what_the_gateway_refuses_is_not_accepted_and_leaves_the_control_planes() {
+    let mut t = one_shoot().translate(&mut Translator::default());
+    t.refused(&[(
+        "shoot--a.api".into(),
+        vec![seedlink_config::ConfigError {
+            path: "hostnames[0]".into(),
+            message: "host name \"api.a.example\" is already used by control plane \"x\"".into(),
+        }],
+    )]);
+    assert!(t.control_planes.is_empty());
+    assert!(!t.routes[0].accepted.ok);
+    assert!(t.routes[0].accepted.message.contains("already used"));
+}
