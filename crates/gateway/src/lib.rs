@@ -52,6 +52,8 @@ pub struct Gateway {
     closers: Mutex<HashMap<String, CancellationToken>>,
     /// Control planes from the Kubernetes source, compiled after the file's.
     kubernetes: Mutex<Vec<seedlink_config::model::ControlPlane>>,
+    /// The refusals last logged (name, problems).
+    refused_logged: Mutex<Vec<(String, String)>>,
     locals: Mutex<HashMap<String, LocalHandler>>,
 }
 
@@ -161,6 +163,7 @@ impl Gateway {
             sources: Sources::default(),
             closers: Mutex::new(HashMap::new()),
             kubernetes: Mutex::new(Vec::new()),
+            refused_logged: Mutex::new(Vec::new()),
             locals: Mutex::new(HashMap::new()),
         })
     }
@@ -394,12 +397,23 @@ impl Gateway {
             Ok((g, r)) => (Ok(g), r),
             Err(e) => (Err(e), Vec::new()),
         };
-        for (name, problems) in &refused {
-            let text: Vec<String> = problems
-                .iter()
-                .map(|p| format!("{}: {}", p.path, p.message))
-                .collect();
-            tracing::warn!(control_plane = %name, problems = %text.join("; "), "control plane from Kubernetes refused; the others are served");
+        // Each refusal is logged once, not on every later snapshot.
+        let now: Vec<(String, String)> = refused
+            .iter()
+            .map(|(name, problems)| {
+                let text: Vec<String> = problems
+                    .iter()
+                    .map(|p| format!("{}: {}", p.path, p.message))
+                    .collect();
+                (name.clone(), text.join("; "))
+            })
+            .collect();
+        {
+            let mut logged = seedlink_net::sync::lock(&self.refused_logged, "refused");
+            for (name, text) in now.iter().filter(|r| !logged.contains(r)) {
+                tracing::warn!(control_plane = %name, problems = %text, "control plane from Kubernetes refused; the others are served");
+            }
+            *logged = now;
         }
         let label = if result.is_ok() { "success" } else { "failure" };
         self.metrics

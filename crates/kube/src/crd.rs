@@ -110,7 +110,7 @@ pub struct AncestorRef {
 #[serde(rename_all = "camelCase")]
 pub struct TunnelClusterSpec {
     /// CA bundle (PEM) whose client certificates identify the agents.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "agentCA")]
     pub agent_ca: Option<KeyRef>,
     /// ServiceAccount tokens that identify the agents.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -187,6 +187,7 @@ pub struct FrontendTls {
     /// Secret with `tls.crt` and `tls.key`.
     pub secret: String,
     /// The clients' (kube-apiserver's) CA.
+    #[serde(rename = "clientCA")]
     pub client_ca: KeyRef,
 }
 

@@ -4,9 +4,12 @@
 //! - [`translate`]: objects → the gateway's model, a pure function;
 //! - [`source`]: the watches, the coalescing of bursts into one snapshot,
 //!   and status written back;
+//! - [`tunnel`]: TunnelClusters → the tunnel-server's clusters, their
+//!   trust written from Secrets/ConfigMaps;
 //! - [`leader`]: the Lease that picks the one replica writing status.
 
 pub mod crd;
 pub mod leader;
 pub mod source;
 pub mod translate;
+pub mod tunnel;

@@ -97,6 +97,39 @@ impl Drop for Handle {
     }
 }
 
+/// The watches of one source, all saying "changed" on one channel.
+struct Watches {
+    client: kube::Client,
+    stop: CancellationToken,
+    tx: mpsc::Sender<()>,
+    changed: mpsc::Receiver<()>,
+}
+
+impl Watches {
+    fn new(client: &kube::Client, stop: &CancellationToken) -> Watches {
+        let (tx, changed) = mpsc::channel(1);
+        Watches {
+            client: client.clone(),
+            stop: stop.clone(),
+            tx,
+            changed,
+        }
+    }
+
+    /// Every object of kind `K`, in every namespace.
+    fn kind<K>(&self) -> Store<K>
+    where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+    {
+        watch_kind(
+            Api::<K>::all(self.client.clone()),
+            self.tx.clone(),
+            self.stop.clone(),
+        )
+    }
+}
+
 /// One kind's watch: a store and a task that keeps it and says "changed".
 fn watch_kind<K>(api: Api<K>, changed: mpsc::Sender<()>, stop: CancellationToken) -> Store<K>
 where
@@ -136,42 +169,13 @@ pub fn start_gateway(
     sink: Arc<dyn GatewaySink>,
 ) -> Handle {
     let stop = CancellationToken::new();
-    let (changed_tx, mut changed) = mpsc::channel::<()>(1);
-    let routes = watch_kind(
-        Api::<TlsRoute>::all(client.clone()),
-        changed_tx.clone(),
-        stop.clone(),
-    );
-    let policies = watch_kind(
-        Api::<SeedlinkPolicy>::all(client.clone()),
-        changed_tx.clone(),
-        stop.clone(),
-    );
-    let services = watch_kind(
-        Api::<Service>::all(client.clone()),
-        changed_tx.clone(),
-        stop.clone(),
-    );
-    let slices = watch_kind(
-        Api::<EndpointSlice>::all(client.clone()),
-        changed_tx,
-        stop.clone(),
-    );
-    let leadership = match &settings.lease {
-        Some(lease) => {
-            let me = Leadership::default();
-            tokio::spawn(leader::campaign(
-                client.clone(),
-                lease.namespace.clone(),
-                lease.name.clone(),
-                settings.identity.clone(),
-                me.clone(),
-                stop.clone(),
-            ));
-            me
-        }
-        None => Leadership::default(),
-    };
+    let w = Watches::new(&client, &stop);
+    let routes = w.kind::<TlsRoute>();
+    let policies = w.kind::<SeedlinkPolicy>();
+    let services = w.kind::<Service>();
+    let slices = w.kind::<EndpointSlice>();
+    let changed = w.changed;
+    let leadership = campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
     let (synced_tx, synced) = watch::channel(false);
     let task_stop = stop.clone();
     let writer_leadership = leadership.clone();
@@ -188,44 +192,39 @@ pub fn start_gateway(
         }
         let mut translator = Translator::default();
         let mut status = StatusWriter::new(client, writer_leadership);
+        let mut coalescer = Coalescer {
+            changed,
+            stop: task_stop,
+        };
+        let mut wake = Wake::Changed;
+        let mut last: Option<GatewayPass> = None;
         loop {
-            let objects = (
-                routes.state(),
-                policies.state(),
-                services.state(),
-                slices.state(),
-            );
-            let mut t = translator.translate(&Objects {
-                gateway: &settings.gateway,
-                listeners: &settings.listeners,
-                routes: &objects.0,
-                policies: &objects.1,
-                services: &objects.2,
-                slices: &objects.3,
-            });
-            let refused = sink.apply(t.control_planes.clone());
-            t.refused(&refused);
-            let _ = synced_tx.send(true);
-            status.write(&t, &objects.0, &objects.1).await;
-            // Wait for the next burst (or the status tick), then let it settle.
-            let burst = tokio::select! {
-                c = changed.recv() => c.is_some(),
-                () = tokio::time::sleep(STATUS_EVERY) => false,
-                () = task_stop.cancelled() => return,
-            };
-            if burst {
-                let deadline = tokio::time::Instant::now() + MAX_DELAY;
-                loop {
-                    let quiet = tokio::time::Instant::now() + QUIET;
-                    tokio::select! {
-                        c = changed.recv() => if c.is_none() { break },
-                        () = tokio::time::sleep_until(quiet.min(deadline)) => break,
-                        () = task_stop.cancelled() => return,
-                    }
-                    if tokio::time::Instant::now() >= deadline {
-                        break;
-                    }
-                }
+            if wake == Wake::Changed || last.is_none() {
+                let objects = (
+                    routes.state(),
+                    policies.state(),
+                    services.state(),
+                    slices.state(),
+                );
+                let mut t = translator.translate(&Objects {
+                    gateway: &settings.gateway,
+                    listeners: &settings.listeners,
+                    routes: &objects.0,
+                    policies: &objects.1,
+                    services: &objects.2,
+                    slices: &objects.3,
+                });
+                let refused = sink.apply(t.control_planes.clone());
+                t.refused(&refused);
+                let _ = synced_tx.send(true);
+                last = Some((t, objects.0, objects.1));
+            }
+            if let Some((t, routes, policies)) = &last {
+                status.write(t, routes, policies).await;
+            }
+            wake = coalescer.next().await;
+            if wake == Wake::Stop {
+                return;
             }
         }
     });
@@ -234,6 +233,190 @@ pub fn start_gateway(
         leadership,
         stop,
     }
+}
+
+/// The last translation and the objects it was made from.
+type GatewayPass = (Translation, Vec<Arc<TlsRoute>>, Vec<Arc<SeedlinkPolicy>>);
+
+/// Campaigns for `lease` (if any) until `stop`.
+fn campaign(
+    client: &kube::Client,
+    lease: Option<&Key>,
+    identity: &str,
+    stop: &CancellationToken,
+) -> Leadership {
+    let me = Leadership::default();
+    if let Some(lease) = lease {
+        tokio::spawn(leader::campaign(
+            client.clone(),
+            lease.namespace.clone(),
+            lease.name.clone(),
+            identity.into(),
+            me.clone(),
+            stop.clone(),
+        ));
+    }
+    me
+}
+
+/// Where the tunnel-server's clusters go, and what it says of them.
+pub trait TunnelSink: Send + Sync + 'static {
+    /// Serves these clusters (besides the file's); returns those refused,
+    /// with the problems.
+    fn apply(
+        &self,
+        clusters: Vec<seedlink_tunnel::config::Cluster>,
+    ) -> BoxFuture<'_, seedlink_config::compile::Refused>;
+    /// A served cluster's agents and dial errors.
+    fn health(&self, cluster: &str) -> Option<seedlink_tunnel::server::ClusterHealth>;
+}
+
+/// A boxed future, for the object-safe [`TunnelSink`].
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// What the tunnel-server's source needs to know.
+#[derive(Debug, Clone)]
+pub struct TunnelSettings {
+    /// The status lease; `None`: this replica never writes status.
+    pub lease: Option<Key>,
+    /// This replica's name in the lease.
+    pub identity: String,
+    /// Where Secret and ConfigMap keys are written.
+    pub trust_dir: std::path::PathBuf,
+}
+
+/// Starts the tunnel-server's source: TunnelClusters and the Secrets and
+/// ConfigMaps they name, clusters into `sink`, status with health.
+pub fn start_tunnel(
+    client: kube::Client,
+    settings: TunnelSettings,
+    sink: Arc<dyn TunnelSink>,
+) -> Handle {
+    use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+    let stop = CancellationToken::new();
+    let w = Watches::new(&client, &stop);
+    let clusters = w.kind::<crate::crd::TunnelCluster>();
+    let secrets = w.kind::<Secret>();
+    let config_maps = w.kind::<ConfigMap>();
+    let changed = w.changed;
+    let leadership = campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
+    let (synced_tx, synced) = watch::channel(false);
+    let task_stop = stop.clone();
+    let writer_leadership = leadership.clone();
+    tokio::spawn(async move {
+        let ready = async {
+            clusters.wait_until_ready().await.ok()?;
+            secrets.wait_until_ready().await.ok()?;
+            config_maps.wait_until_ready().await.ok()
+        };
+        tokio::select! {
+            r = ready => if r.is_none() { return },
+            () = task_stop.cancelled() => return,
+        }
+        let mut status = StatusWriter::new(client, writer_leadership);
+        let mut coalescer = Coalescer {
+            changed,
+            stop: task_stop,
+        };
+        let mut wake = Wake::Changed;
+        let mut last: Option<(
+            crate::tunnel::TunnelTranslation,
+            Vec<Arc<crate::crd::TunnelCluster>>,
+        )> = None;
+        // What was last handed to the server, and what it refused: an event
+        // that changes none of it (another Secret in the namespace) does
+        // not reload the server.
+        let mut applied: Option<(
+            Vec<seedlink_tunnel::config::Cluster>,
+            seedlink_config::compile::Refused,
+        )> = None;
+        loop {
+            if wake == Wake::Changed || last.is_none() {
+                let objects = clusters.state();
+                let mut t = crate::tunnel::translate(
+                    &objects,
+                    &secrets.state(),
+                    &config_maps.state(),
+                    &settings.trust_dir,
+                );
+                match crate::tunnel::materialize(&settings.trust_dir, &t.files) {
+                    Ok(()) => {
+                        let refused = match &applied {
+                            Some((c, r)) if *c == t.clusters => r.clone(),
+                            _ => {
+                                let r = sink.apply(t.clusters.clone()).await;
+                                applied = Some((t.clusters.clone(), r.clone()));
+                                r
+                            }
+                        };
+                        t.refused(&refused);
+                    }
+                    Err(e) => {
+                        // Nothing is applied: the running clusters stay.
+                        tracing::error!(dir = %settings.trust_dir.display(), error = %e, "cannot write the clusters' trust files; keeping the running clusters");
+                    }
+                }
+                let _ = synced_tx.send(true);
+                last = Some((t, objects));
+            }
+            if let Some((t, objects)) = &last {
+                status.write_tunnels(t, objects, sink.as_ref()).await;
+            }
+            wake = coalescer.next().await;
+            if wake == Wake::Stop {
+                return;
+            }
+        }
+    });
+    Handle {
+        synced,
+        leadership,
+        stop,
+    }
+}
+
+/// Turns a stream of "changed" into one wake-up per burst.
+struct Coalescer {
+    changed: mpsc::Receiver<()>,
+    stop: CancellationToken,
+}
+
+impl Coalescer {
+    /// Waits for the next burst to settle (200 ms quiet, at most 2 s after
+    /// its first event), or for the status tick.
+    async fn next(&mut self) -> Wake {
+        let burst = tokio::select! {
+            c = self.changed.recv() => c.is_some(),
+            () = tokio::time::sleep(STATUS_EVERY) => false,
+            () = self.stop.cancelled() => return Wake::Stop,
+        };
+        if !burst {
+            return Wake::Tick;
+        }
+        let deadline = tokio::time::Instant::now() + MAX_DELAY;
+        loop {
+            let quiet = tokio::time::Instant::now() + QUIET;
+            tokio::select! {
+                c = self.changed.recv() => if c.is_none() { return Wake::Changed },
+                () = tokio::time::sleep_until(quiet.min(deadline)) => return Wake::Changed,
+                () = self.stop.cancelled() => return Wake::Stop,
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Wake::Changed;
+            }
+        }
+    }
+}
+
+/// Why the loop woke.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wake {
+    /// Objects changed: translate and apply.
+    Changed,
+    /// Only time passed: write status (health moves without events).
+    Tick,
+    /// Stopped.
+    Stop,
 }
 
 /// Writes route and policy status (only while holding the lease) and an
@@ -419,6 +602,103 @@ impl StatusWriter {
                 .await
             {
                 tracing::warn!(policy = %key, error = %e, "cannot write SeedlinkPolicy status");
+            }
+        }
+    }
+
+    /// Writes each TunnelCluster's status: `Ready`, `AgentsConnected`, the
+    /// agent count, when agents last came or went, dial errors.
+    async fn write_tunnels(
+        &mut self,
+        t: &crate::tunnel::TunnelTranslation,
+        objects: &[Arc<crate::crd::TunnelCluster>],
+        sink: &dyn TunnelSink,
+    ) {
+        if !self.leadership.held() {
+            return;
+        }
+        let outcomes: HashMap<&Key, _> = t.outcomes.iter().map(|o| (&o.key, o)).collect();
+        for o in objects {
+            let key = Key::of(o.as_ref());
+            let Some(outcome) = outcomes.get(&key) else {
+                continue;
+            };
+            let current = o.status.clone().unwrap_or_default();
+            let health = outcome.cluster.as_deref().and_then(|c| sink.health(c));
+            let agents = health.as_ref().map_or(0, |h| h.agents);
+            let connected = if outcome.cluster.is_none() {
+                Verdict::no("NotServing", "the cluster is not served (see Ready)")
+            } else if agents == 0 {
+                Verdict::no(
+                    "NoAgents",
+                    "no agent is connected to the replica writing status",
+                )
+            } else {
+                Verdict::yes(
+                    "AgentsConnected",
+                    format!("{agents} agent stream(s) connected"),
+                )
+            };
+            let generation = outcome.generation;
+            let conditions = vec![
+                condition("Ready", &outcome.ready, generation, &current.conditions),
+                condition(
+                    "AgentsConnected",
+                    &connected,
+                    generation,
+                    &current.conditions,
+                ),
+            ];
+            let last = health
+                .as_ref()
+                .and_then(|h| h.agents_changed)
+                .and_then(|t| Timestamp::try_from(t).ok())
+                .map(|t| t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string());
+            let dial_errors: std::collections::BTreeMap<String, u64> = health
+                .iter()
+                .flat_map(|h| h.dial_errors.iter().map(|(r, n)| (r.to_string(), *n)))
+                .collect();
+            let desired = crate::crd::TunnelClusterStatus {
+                conditions,
+                agents: agents as u64,
+                last_agent_seen: last.or(current.last_agent_seen.clone()),
+                dial_errors,
+                observed_generation: generation,
+            };
+            if !outcome.ready.ok {
+                self.event(o.as_ref(), "TunnelCluster", generation, &outcome.ready)
+                    .await;
+            }
+            let unchanged = same(&desired.conditions, &current.conditions)
+                && (
+                    desired.agents,
+                    &desired.last_agent_seen,
+                    &desired.dial_errors,
+                    desired.observed_generation,
+                ) == (
+                    current.agents,
+                    &current.last_agent_seen,
+                    &current.dial_errors,
+                    current.observed_generation,
+                );
+            if unchanged {
+                continue;
+            }
+            let mut patch = json!({"status": desired});
+            // A merge patch keeps map keys it does not name: remove the
+            // reasons no longer counted (a restart resets the counts).
+            for r in current.dial_errors.keys() {
+                if !desired.dial_errors.contains_key(r) {
+                    patch["status"]["dialErrors"][r] = serde_json::Value::Null;
+                }
+            }
+            let api: Api<crate::crd::TunnelCluster> =
+                Api::namespaced(self.client.clone(), &key.namespace);
+            if let Err(e) = api
+                .patch_status(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                tracing::warn!(cluster = %key, error = %e, "cannot write TunnelCluster status");
             }
         }
     }

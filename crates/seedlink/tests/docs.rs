@@ -8,8 +8,11 @@
 //! - `tunnel-agent`, `node-proxy`: a whole `--config` file of that role,
 //!   every value checked (the files it names are not read: they are paths
 //!   on a node);
-//! - `other`: not a seedlink configuration (Kubernetes objects, Prometheus),
-//!   parsed as YAML only.
+//! - `kubernetes`: a `SeedlinkPolicy` or `TunnelCluster`, read as the Rust
+//!   type and written back: any field the type does not know (a typo the
+//!   API server would prune) shows as a difference;
+//! - `other`: not a seedlink configuration (other Kubernetes objects,
+//!   Prometheus), parsed as YAML only.
 //!
 //! An untagged block fails the test, so a new example cannot skip the check.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
@@ -135,6 +138,7 @@ fn every_yaml_example_in_the_docs_is_valid() {
             "tunnel-part" => check_tunnel(&complete(TUNNEL_BASE, text)),
             "tunnel-agent" => check_agent(text),
             "node-proxy" => check_node_proxy(text),
+            "kubernetes" => check_kubernetes(text),
             "other" => serde_norway::from_str::<Value>(text)
                 .map(|_| ())
                 .map_err(|e| e.to_string()),
@@ -161,4 +165,27 @@ fn config_md_shows_the_example_file() {
         shown, example,
         "CONFIG.md's full example differs from examples/gateway.yaml"
     );
+}
+
+/// A seedlink resource, strictly: read as its type, written back, equal.
+fn check_kubernetes(text: &str) -> Result<(), String> {
+    fn roundtrip<T: serde::de::DeserializeOwned + serde::Serialize>(
+        v: serde_json::Value,
+    ) -> Result<(), String> {
+        let typed: T = serde_json::from_value(v.clone()).map_err(|e| e.to_string())?;
+        let back = serde_json::to_value(&typed).map_err(|e| e.to_string())?;
+        if back == v {
+            Ok(())
+        } else {
+            Err(format!(
+                "fields the type does not know, or wrong: wrote back {back}"
+            ))
+        }
+    }
+    let v: serde_json::Value = serde_norway::from_str(text).map_err(|e| e.to_string())?;
+    match v["kind"].as_str() {
+        Some("SeedlinkPolicy") => roundtrip::<seedlink_kube::crd::SeedlinkPolicy>(v),
+        Some("TunnelCluster") => roundtrip::<seedlink_kube::crd::TunnelCluster>(v),
+        k => Err(format!("not a seedlink resource: kind {k:?}")),
+    }
 }

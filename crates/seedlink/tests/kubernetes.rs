@@ -456,3 +456,221 @@ async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
     assert_eq!(lease["spec"]["leaseTransitions"], 1);
     stop.cancel();
 }
+
+fn tunnel_cluster(ns: &str, ca: Value) -> Value {
+    json!({
+        "apiVersion": "tunnel.seedlink.dev/v1alpha1", "kind": "TunnelCluster",
+        "metadata": {"name": "tunnel", "namespace": ns},
+        "spec": {"agentCA": ca}
+    })
+}
+
+/// Starts `seedlink tunnel-agent` on loopback with a client certificate.
+fn tunnel_agent(server: &str, seed_ca: &str, cert: &str, key: &str) -> Proc {
+    let mut child = std::process::Command::new(seedlink_bin())
+        .args([
+            "tunnel-agent",
+            "--server",
+            server,
+            "--server-name",
+            "tunnel.seedlink.test",
+        ])
+        .args([
+            "--ca-cert",
+            seed_ca,
+            "--agent-cert",
+            cert,
+            "--agent-key",
+            key,
+        ])
+        .args([
+            "--admin",
+            "127.0.0.1:0",
+            "--sync-interval",
+            "0.2",
+            "--sync-interval-cap",
+            "2",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ready = common::tunnel_env::ready_line(&mut child);
+    assert_eq!(ready["event"], "ready", "{ready}");
+    Proc(child)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_clusters_come_from_objects_with_their_health_in_status() {
+    use common::tunnel_env::{kas_connect, kas_connect_eventually, ready_line};
+    let stop = CancellationToken::new();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let seed = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
+    let (shoot_a, shoot_b) = (
+        seedlink::demo::Pki::generate(&[]).unwrap(),
+        seedlink::demo::Pki::generate(&[]).unwrap(),
+    );
+    let w = |name: &str, text: &str| {
+        std::fs::write(d.join(name), text).unwrap();
+        d.join(name).display().to_string()
+    };
+    let seed_ca = w("seed-ca.pem", &seed.ca_pem);
+    let (tun_crt, tun_key) = (
+        w("tun.pem", &seed.servers[0].1.cert_pem),
+        w("tun-key.pem", &seed.servers[0].1.key_pem),
+    );
+    let (a_crt, a_key) = (
+        w("a.pem", &shoot_a.client.cert_pem),
+        w("a-key.pem", &shoot_a.client.key_pem),
+    );
+    let (b_crt, b_key) = (
+        w("b.pem", &shoot_b.client.cert_pem),
+        w("b-key.pem", &shoot_b.client.key_pem),
+    );
+    let echo = echo_backend(&stop).await;
+
+    let api = ApiServer::start(&[("token-t", "tunnel-server")]).await;
+    let kubeconfig = api.kubeconfig(d, "token-t");
+    api.apply(json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "agent-ca", "namespace": "shoot--a"},
+        "data": {"ca.crt": common::apiserver::base64(shoot_a.ca_pem.as_bytes())}
+    }));
+    api.apply(tunnel_cluster(
+        "shoot--a",
+        json!({"secret": "agent-ca", "key": "ca.crt"}),
+    ));
+    // Its ConfigMap does not exist yet.
+    api.apply(tunnel_cluster(
+        "shoot--b",
+        json!({"configMap": "agent-ca", "key": "ca.crt"}),
+    ));
+
+    let config = d.join("tunnel.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "agents: {{listen: '127.0.0.1:0', cert: '{tun_crt}', key: '{tun_key}', keepalive: 1s, keepalive_timeout: 1s}}
+admin: {{listen: '127.0.0.1:0'}}
+clusters: []
+frontend_templates:
+  - {{name: uds, protocol: http-connect, unix: '{}/{{cluster}}.sock'}}
+kubernetes: {{lease: seedlink-system/seedlink-tunnel-status, trust_dir: '{}/trust'}}
+",
+            d.display(),
+            d.display()
+        ),
+    )
+    .unwrap();
+    let mut server = std::process::Command::new(seedlink_bin())
+        .args(["tunnel-server", "--config"])
+        .arg(&config)
+        .env("KUBECONFIG", &kubeconfig)
+        .env("POD_NAME", "tunnel-0")
+        .env(
+            "RUST_LOG",
+            std::env::var("SERVER_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ready = ready_line(&mut server);
+    let _server = Proc(server);
+    assert_eq!(ready["event"], "ready", "{ready}");
+    let agents = ready["agents"].as_str().unwrap().to_string();
+    let sock_a = d.join("shoot--a.tunnel.sock").display().to_string();
+    let sock_b = d.join("shoot--b.tunnel.sock").display().to_string();
+
+    let tc = |ns: &str, type_: &str| -> Option<Value> {
+        let o = api.get("tunnelclusters", ns, "tunnel")?;
+        o["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == type_)
+            .cloned()
+    };
+    wait_for(
+        "shoot--a Ready, no agents",
+        Duration::from_secs(20),
+        || async {
+            tc("shoot--a", "Ready").is_some_and(|c| c["status"] == "True")
+                && tc("shoot--a", "AgentsConnected")
+                    .is_some_and(|c| c["status"] == "False" && c["reason"] == "NoAgents")
+        },
+    )
+    .await;
+    wait_for(
+        "shoot--b refused for its missing ConfigMap",
+        Duration::from_secs(20),
+        || async {
+            tc("shoot--b", "Ready")
+                .is_some_and(|c| c["status"] == "False" && c["reason"] == "ReferenceNotFound")
+        },
+    )
+    .await;
+    wait_for("an Event for shoot--b", Duration::from_secs(10), || async {
+        api.writes()
+            .iter()
+            .any(|w| w.method == "POST" && w.path == "/api/v1/namespaces/shoot--b/events")
+    })
+    .await;
+
+    // An agent of shoot--a: connected in status, and the tunnel works.
+    let agent_a = tunnel_agent(&agents, &seed_ca, &a_crt, &a_key);
+    wait_for(
+        "shoot--a AgentsConnected",
+        Duration::from_secs(20),
+        || async {
+            tc("shoot--a", "AgentsConnected").is_some_and(|c| c["status"] == "True")
+                && api
+                    .get("tunnelclusters", "shoot--a", "tunnel")
+                    .is_some_and(|o| {
+                        o["status"]["agents"] == 1 && o["status"]["lastAgentSeen"].is_string()
+                    })
+        },
+    )
+    .await;
+    let mut s = kas_connect_eventually(&sock_a, &echo.to_string(), Duration::from_secs(20)).await;
+    common::tunnel_env::echo_rtt(&mut s, 1000).await;
+
+    // The ConfigMap appears: shoot--b is served and its agent is let in.
+    api.apply(json!({
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agent-ca", "namespace": "shoot--b"},
+        "data": {"ca.crt": shoot_b.ca_pem}
+    }));
+    wait_for("shoot--b Ready", Duration::from_secs(20), || async {
+        tc("shoot--b", "Ready").is_some_and(|c| c["status"] == "True")
+    })
+    .await;
+    let _agent_b = tunnel_agent(&agents, &seed_ca, &b_crt, &b_key);
+    let mut sb = kas_connect_eventually(&sock_b, &echo.to_string(), Duration::from_secs(20)).await;
+    common::tunnel_env::echo_rtt(&mut sb, 1000).await;
+    // shoot--a's tunnel was not touched by shoot--b's arrival.
+    common::tunnel_env::echo_rtt(&mut s, 1000).await;
+
+    // shoot--a's agent goes: the status says so.
+    drop(agent_a);
+    wait_for(
+        "shoot--a NoAgents again",
+        Duration::from_secs(20),
+        || async { tc("shoot--a", "AgentsConnected").is_some_and(|c| c["status"] == "False") },
+    )
+    .await;
+
+    // shoot--a's object goes: its socket stops answering, its trust files go.
+    assert!(api.remove("tunnelclusters", "shoot--a", "tunnel"));
+    wait_for(
+        "shoot--a's socket is gone",
+        Duration::from_secs(20),
+        || async { kas_connect(&sock_a, &echo.to_string()).await.is_err() },
+    )
+    .await;
+    wait_for(
+        "shoot--a's trust files are removed",
+        Duration::from_secs(10),
+        || async { !d.join("trust/shoot--a.tunnel").exists() },
+    )
+    .await;
+    common::tunnel_env::echo_rtt(&mut sb, 1000).await;
+    stop.cancel();
+}

@@ -907,8 +907,13 @@ fn write(
     }
 }
 
-/// Base64 for the kubeconfig, hand-written: eight lines do not justify a
-/// dependency in the test kit.
+/// Base64, for a Secret's `data`.
+pub fn base64(data: &[u8]) -> String {
+    base64_engine::encode(data)
+}
+
+/// Base64 for the kubeconfig and Secrets, hand-written: a dozen lines do
+/// not justify a dependency in the test kit.
 mod base64_engine {
     pub fn encode(data: &[u8]) -> String {
         const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";

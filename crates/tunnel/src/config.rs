@@ -51,7 +51,37 @@ pub struct ServerConfig {
     /// enough to give its kube-apiserver a socket.
     #[serde(default)]
     pub frontend_templates: Vec<Frontend>,
+    /// More clusters from `TunnelCluster` objects (docs/KUBERNETES.md).
+    #[serde(default)]
+    pub kubernetes: Option<Kubernetes>,
 }
+
+/// Where the tunnel-server's Kubernetes objects are.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Kubernetes {
+    /// `namespace/name` of the Lease electing the replica that writes
+    /// `TunnelCluster` status.
+    pub lease: String,
+    /// Whether this replica takes part in writing status (default true).
+    #[serde(default = "yes")]
+    pub write_status: bool,
+    /// Where the keys of the Secrets and ConfigMaps that clusters name are
+    /// written for the server to read (a private directory; default
+    /// `/tmp/seedlink-trust`, an `emptyDir` under a read-only root).
+    #[serde(default = "default_trust_dir")]
+    pub trust_dir: PathBuf,
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_trust_dir() -> PathBuf {
+    PathBuf::from("/tmp/seedlink-trust")
+}
+
+/// Clusters left out of a parse, each with its problems.
+pub type Refused = Vec<(String, Vec<ConfigError>)>;
 
 /// Where agents connect.
 #[derive(Debug, Clone, Deserialize)]
@@ -73,7 +103,7 @@ pub struct AgentEndpoint {
 }
 
 /// The admin endpoint.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Admin {
     /// Listen address.
@@ -81,7 +111,7 @@ pub struct Admin {
 }
 
 /// One cluster: its agents' trust, its frontends, its routing.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Cluster {
     /// Name (a label on every metric).
@@ -144,7 +174,7 @@ impl Default for ClusterLimits {
 /// Agent authentication by ServiceAccount token: checked locally against
 /// the issuer's public keys (`keys`) or by a TokenReview at the cluster's
 /// API server (`review`); exactly one of the two.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TokenAuth {
     /// The token issuer (`iss`), as the cluster's API server issues them.
@@ -404,12 +434,86 @@ impl ServerConfig {
     /// Parses and checks a configuration; all problems at once, each with
     /// its path (YAML and unknown-key errors carry their line).
     pub fn parse(text: &str) -> Result<ServerConfig, Errors> {
-        let mut cfg: ServerConfig = serde_norway::from_str(text).map_err(|e| {
-            Errors(vec![ConfigError {
-                path: String::new(),
-                message: e.to_string(),
-            }])
-        })?;
+        Self::parse_with(text, Vec::new()).0
+    }
+
+    /// Parses the file and adds `extra` clusters (from Kubernetes), each
+    /// admitted on its own: one that is invalid, collides with the file's
+    /// clusters or an earlier one (name, issuer, socket, address), or names
+    /// a file that does not read as what it must be, is left out and
+    /// returned with its problems; the others are kept. Problems of the
+    /// file itself fail the whole parse.
+    pub fn parse_with(text: &str, extra: Vec<Cluster>) -> (Result<ServerConfig, Errors>, Refused) {
+        let file: ServerConfig = match serde_norway::from_str(text) {
+            Ok(c) => c,
+            Err(e) => {
+                return (
+                    Err(Errors(vec![ConfigError {
+                        path: String::new(),
+                        message: e.to_string(),
+                    }])),
+                    Vec::new(),
+                )
+            }
+        };
+        if extra.is_empty() {
+            return (Self::validate(file), Vec::new());
+        }
+        let from_file = file.clusters.len();
+        let mut all = file.clone();
+        all.clusters.extend(extra.iter().cloned());
+        let mut bad: std::collections::BTreeMap<usize, Vec<ConfigError>> = Default::default();
+        let mut own = Vec::new();
+        match Self::validate(all) {
+            Ok(_) => {}
+            Err(errors) => {
+                for e in errors.0 {
+                    let index = e
+                        .path
+                        .strip_prefix("clusters[")
+                        .and_then(|r| r.split_once(']'))
+                        .and_then(|(i, _)| i.parse::<usize>().ok())
+                        .filter(|i| *i >= from_file)
+                        .map(|i| i - from_file)
+                        .or_else(|| {
+                            extra
+                                .iter()
+                                .position(|c| e.path.starts_with(&format!("clusters ({})", c.name)))
+                        });
+                    match index {
+                        Some(i) => bad.entry(i).or_default().push(e),
+                        None => own.push(e),
+                    }
+                }
+            }
+        }
+        if !own.is_empty() {
+            return (Err(Errors(own)), Vec::new());
+        }
+        // The files each cluster names must read as what they are.
+        let mut alone = file.clone();
+        alone.shared_frontends.clear();
+        for (i, c) in extra.iter().enumerate() {
+            alone.clusters = vec![c.clone()];
+            for e in alone.check_files() {
+                if e.path.starts_with("clusters[") {
+                    bad.entry(i).or_default().push(e);
+                }
+            }
+        }
+        let mut refused = Vec::new();
+        let mut kept = file;
+        for (i, c) in extra.into_iter().enumerate() {
+            match bad.remove(&i) {
+                Some(problems) => refused.push((c.name, problems)),
+                None => kept.clusters.push(c),
+            }
+        }
+        (Self::validate(kept), refused)
+    }
+
+    /// Checks a parsed configuration; every problem with its path.
+    fn validate(mut cfg: ServerConfig) -> Result<ServerConfig, Errors> {
         let mut errs = Problems::default();
         // Templates become ordinary per-cluster frontends (so reloads and
         // checks treat them like any other).
@@ -460,8 +564,23 @@ impl ServerConfig {
         if cfg.server_count == 0 {
             errs.add("server_count", "must be at least 1");
         }
-        if cfg.clusters.is_empty() {
-            errs.add("clusters", "at least one cluster is needed");
+        if cfg.clusters.is_empty() && cfg.kubernetes.is_none() {
+            errs.add(
+                "clusters",
+                "at least one cluster is needed (or a kubernetes section to read them from TunnelClusters)",
+            );
+        }
+        if let Some(k) = &cfg.kubernetes {
+            let ok = k
+                .lease
+                .split_once('/')
+                .is_some_and(|(ns, n)| !ns.is_empty() && !n.is_empty() && !n.contains('/'));
+            if !ok {
+                errs.add(
+                    "kubernetes.lease",
+                    format!("{:?} is not namespace/name", k.lease),
+                );
+            }
         }
         if cfg.queue_bytes < 64 * 1024 {
             errs.add("queue_bytes", "at least 65536");
@@ -698,6 +817,62 @@ clusters:
         let grpc = with_pw.replace("{name: s, protocol: http-proxy", "{name: s, protocol: grpc");
         assert!(format!("{:#}", ServerConfig::parse(&grpc).unwrap_err())
             .contains("the client certificate names the cluster"));
+    }
+
+    #[test]
+    fn clusters_from_kubernetes_are_admitted_one_by_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        let pki = rcgen::generate_simple_self_signed(vec!["x".to_string()]).unwrap();
+        std::fs::write(&ca, pki.cert.pem()).unwrap();
+        let text = "agents: {listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}
+clusters: []
+frontend_templates: [{name: uds, protocol: http-connect, unix: '/run/{cluster}.sock'}]
+kubernetes: {lease: seedlink-system/tunnel}
+";
+        let cluster = |name: &str, ca: &Path| Cluster {
+            name: name.into(),
+            agent_ca: Some(ca.to_path_buf()),
+            agent_token: None,
+            strategies: vec!["default".into()],
+            frontends: Vec::new(),
+            proxy_password_file: None,
+            limits: ClusterLimits::default(),
+        };
+        let extra = vec![
+            cluster("ns-a.t", &ca),
+            // The same name again, and a CA that does not read.
+            cluster("ns-a.t", &ca),
+            cluster("ns-b.t", &dir.path().join("missing.pem")),
+            cluster("ns-c.t", &ca),
+        ];
+        let (cfg, refused) = ServerConfig::parse_with(text, extra);
+        let cfg = cfg.unwrap();
+        let kept: Vec<&str> = cfg.clusters.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(kept, ["ns-a.t", "ns-c.t"]);
+        // Templates apply to them like to the file's clusters.
+        assert_eq!(
+            cfg.clusters[1].frontends[0].unix.as_deref(),
+            Some(Path::new("/run/ns-c.t.sock"))
+        );
+        let names: Vec<&str> = refused.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["ns-a.t", "ns-b.t"]);
+        assert!(
+            refused[1].1[0].message.contains("missing.pem"),
+            "{refused:?}"
+        );
+        // Without a kubernetes section an empty cluster list is an error;
+        // a problem of the file fails the whole parse.
+        assert!(ServerConfig::parse(
+            &text.replace("kubernetes: {lease: seedlink-system/tunnel}\n", "")
+        )
+        .is_err());
+        let (bad, refused) = ServerConfig::parse_with(
+            &text.replace("seedlink-system/tunnel", "nolease"),
+            vec![cluster("ns-a.t", &ca)],
+        );
+        assert!(format!("{:#}", bad.unwrap_err()).contains("kubernetes.lease"));
+        assert!(refused.is_empty());
     }
 }
 

@@ -76,7 +76,16 @@ impl seedlink_kube::source::GatewaySink for KubeSink {
 /// How long a start waits for the first Kubernetes snapshot before it
 /// serves the file's control planes alone (the routes follow when the API
 /// server answers).
-const FIRST_SYNC: Duration = Duration::from_secs(30);
+pub const FIRST_SYNC: Duration = Duration::from_secs(30);
+
+/// This replica's name in a status Lease: `POD_NAME` (set from the
+/// downward API), else one unique to this process.
+pub fn identity() -> String {
+    std::env::var("POD_NAME")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| format!("seedlink-{}", std::process::id()))
+}
 
 /// Starts the Kubernetes source when the file has a `kubernetes` section,
 /// and waits (bounded) for its first snapshot.
@@ -110,10 +119,7 @@ pub async fn kubernetes(
     let client = kube::Client::try_default().await.map_err(|e| {
         anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
     })?;
-    let identity = std::env::var("POD_NAME")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| format!("seedlink-{}", std::process::id()));
+    let identity = identity();
     let settings = seedlink_kube::source::GatewaySettings {
         gateway,
         listeners: snap.file.listeners.iter().map(|l| l.name.clone()).collect(),
@@ -157,7 +163,8 @@ pub async fn seed(
     tunnel: TunnelServerOptions,
     reuse_port: bool,
 ) -> anyhow::Result<i32> {
-    let server = ServerRole::start(tunnel).await?;
+    let server = Arc::new(ServerRole::start(tunnel).await?);
+    server.start_kubernetes().await?;
     let gw = load(gw_config)?;
     let _kube = kubernetes(&gw).await?;
     {
@@ -179,6 +186,6 @@ pub async fn seed(
     ready["event"] = "ready".into();
     ready["tunnel"] = server.ready_line();
     println!("{ready}");
-    let roles: Vec<Arc<dyn Role>> = vec![Arc::new(GatewayRole(gw)), Arc::new(server)];
+    let roles: Vec<Arc<dyn Role>> = vec![Arc::new(GatewayRole(gw)), server];
     Ok(supervisor.run(roles).await)
 }

@@ -101,7 +101,14 @@ pub fn fingerprint(config: &std::path::Path, cfg: &ServerConfig) -> u64 {
 /// fingerprint; for a configuration that does not parse, the fingerprint is
 /// a hash of its text (so a broken file is reported once, not on every
 /// change of an unrelated file).
-fn read_config(config: &std::path::Path) -> (u64, anyhow::Result<ServerConfig>) {
+fn read_config(
+    config: &std::path::Path,
+    kubernetes: Vec<seedlink_tunnel::config::Cluster>,
+) -> (
+    u64,
+    anyhow::Result<ServerConfig>,
+    seedlink_tunnel::config::Refused,
+) {
     use std::hash::{Hash, Hasher};
     let text = match std::fs::read_to_string(config) {
         Ok(t) => t,
@@ -109,16 +116,16 @@ fn read_config(config: &std::path::Path) -> (u64, anyhow::Result<ServerConfig>) 
             let mut h = std::collections::hash_map::DefaultHasher::new();
             ("unreadable", e.kind().to_string()).hash(&mut h);
             let e = anyhow::Error::from(e).context(format!("reading {}", config.display()));
-            return (h.finish(), Err(e));
+            return (h.finish(), Err(e), Vec::new());
         }
     };
-    match ServerConfig::parse(&text) {
-        Ok(cfg) => (fingerprint(config, &cfg), Ok(cfg)),
-        Err(e) => {
+    match ServerConfig::parse_with(&text, kubernetes) {
+        (Ok(cfg), refused) => (fingerprint(config, &cfg), Ok(cfg), refused),
+        (Err(e), _) => {
             let mut h = std::collections::hash_map::DefaultHasher::new();
             ("unparsable", &text).hash(&mut h);
             let e = anyhow::Error::from(e).context(format!("{}", config.display()));
-            (h.finish(), Err(e))
+            (h.finish(), Err(e), Vec::new())
         }
     }
 }
@@ -175,6 +182,10 @@ pub struct ServerRole {
     seen: Mutex<u64>,
     /// Files the running configuration names (watched).
     files: Mutex<Vec<PathBuf>>,
+    /// Clusters from TunnelClusters, added to the file's on every reload.
+    kubernetes: Mutex<Vec<seedlink_tunnel::config::Cluster>>,
+    /// The Kubernetes source, while it runs.
+    source: Mutex<Option<seedlink_kube::source::Handle>>,
 }
 
 impl ServerRole {
@@ -191,10 +202,98 @@ impl ServerRole {
             bound,
             seen: Mutex::new(fingerprint(&opts.config, &cfg)),
             files: Mutex::new(cfg.files()),
+            kubernetes: Mutex::new(Vec::new()),
+            source: Mutex::new(None),
             opts,
         })
     }
 
+    /// Serves `clusters` from TunnelClusters besides the file's, through
+    /// the same reload; returns those refused, with their problems.
+    pub async fn set_kubernetes(
+        &self,
+        clusters: Vec<seedlink_tunnel::config::Cluster>,
+    ) -> seedlink_tunnel::config::Refused {
+        *seedlink_net::sync::lock(&self.kubernetes, "tunnel kubernetes") = clusters.clone();
+        let (now, parsed, refused) = read_config(&self.opts.config, clusters);
+        for (name, problems) in &refused {
+            let text: Vec<String> = problems
+                .iter()
+                .map(|p| format!("{}: {}", p.path, p.message))
+                .collect();
+            tracing::warn!(cluster = %name, problems = %text.join("; "), "cluster from Kubernetes refused; the others are served");
+        }
+        *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint") = now;
+        if let Some(cfg) = apply(&self.srv, parsed).await {
+            *seedlink_net::sync::lock(&self.files, "tunnel files") = cfg.files();
+        }
+        refused
+    }
+
+    /// Starts the Kubernetes source when the file has a `kubernetes`
+    /// section, and waits (bounded) for its first snapshot.
+    pub async fn start_kubernetes(self: &Arc<Self>) -> anyhow::Result<()> {
+        let text = std::fs::read_to_string(&self.opts.config)
+            .with_context(|| format!("reading {}", self.opts.config.display()))?;
+        let cfg = ServerConfig::parse(&text)
+            .with_context(|| format!("{}", self.opts.config.display()))?;
+        let Some(k) = cfg.kubernetes else {
+            return Ok(());
+        };
+        let lease = match (
+            k.write_status,
+            seedlink_config::compile::split_object_name(&k.lease),
+        ) {
+            (false, _) => None,
+            (true, Some((namespace, name))) => Some(seedlink_kube::translate::Key {
+                namespace: namespace.into(),
+                name: name.into(),
+            }),
+            (true, None) => anyhow::bail!("kubernetes.lease: {:?} is not namespace/name", k.lease),
+        };
+        let client = kube::Client::try_default().await.map_err(|e| {
+            anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
+        })?;
+        let settings = seedlink_kube::source::TunnelSettings {
+            lease,
+            identity: super::gateway::identity(),
+            trust_dir: k.trust_dir,
+        };
+        let handle =
+            seedlink_kube::source::start_tunnel(client, settings, Arc::new(KubeSink(self.clone())));
+        if handle.synced(super::gateway::FIRST_SYNC).await {
+            tracing::info!("kubernetes: first TunnelCluster snapshot applied");
+        } else {
+            tracing::error!(waited = ?super::gateway::FIRST_SYNC, "kubernetes: no snapshot yet (API server unreachable?); serving the file's clusters, TunnelClusters follow when it answers");
+        }
+        *seedlink_net::sync::lock(&self.source, "tunnel source") = Some(handle);
+        Ok(())
+    }
+}
+
+/// The tunnel-server as the Kubernetes source's sink.
+struct KubeSink(Arc<ServerRole>);
+
+impl seedlink_kube::source::TunnelSink for KubeSink {
+    fn apply(
+        &self,
+        clusters: Vec<seedlink_tunnel::config::Cluster>,
+    ) -> seedlink_kube::source::BoxFuture<'_, seedlink_tunnel::config::Refused> {
+        Box::pin(self.0.set_kubernetes(clusters))
+    }
+
+    fn health(&self, cluster: &str) -> Option<seedlink_tunnel::server::ClusterHealth> {
+        self.0
+            .srv
+            .registry
+            .clusters()
+            .iter()
+            .find(|c| &*c.name == cluster)
+            .map(|c| c.health())
+    }
+}
+
+impl ServerRole {
     /// The bound addresses, for the ready line.
     pub fn ready_line(&self) -> serde_json::Value {
         let frontends: serde_json::Map<String, serde_json::Value> = self
@@ -229,7 +328,9 @@ impl Role for ServerRole {
 
     fn reload(&self, forced: bool) -> BoxFut<'_, ()> {
         Box::pin(async move {
-            let (now, parsed) = read_config(&self.opts.config);
+            let kubernetes =
+                seedlink_net::sync::lock(&self.kubernetes, "tunnel kubernetes").clone();
+            let (now, parsed, _) = read_config(&self.opts.config, kubernetes);
             let seen = *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint");
             // Kubernetes touches files without changing them; contents
             // decide, unless SIGHUP asked.
@@ -244,6 +345,9 @@ impl Role for ServerRole {
     }
 
     fn drain(&self) -> BoxFut<'_, ()> {
+        if let Some(h) = seedlink_net::sync::lock(&self.source, "tunnel source").take() {
+            h.stop();
+        }
         Box::pin(self.srv.stop(self.opts.drain))
     }
 }
@@ -251,11 +355,12 @@ impl Role for ServerRole {
 /// Runs `seedlink tunnel-server` until drained; returns the exit code.
 pub async fn server(opts: TunnelServerOptions) -> anyhow::Result<i32> {
     let supervisor = Supervisor::install()?;
-    let role = ServerRole::start(opts).await?;
+    let role = Arc::new(ServerRole::start(opts).await?);
+    role.start_kubernetes().await?;
     let mut ready = role.ready_line();
     ready["event"] = "ready".into();
     println!("{ready}");
-    Ok(supervisor.run(vec![Arc::new(role)]).await)
+    Ok(supervisor.run(vec![role]).await)
 }
 
 /// A running agent as the supervisor sees it.

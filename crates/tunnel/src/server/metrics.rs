@@ -301,6 +301,14 @@ impl ClusterMetrics {
         self.dial_seconds.observe(took.as_secs_f64());
     }
 
+    /// Failed dials so far, by reason (sorted).
+    pub fn dial_failures(&self) -> Vec<(&'static str, u64)> {
+        let f = seedlink_net::sync::lock(&self.failures, "cluster metrics");
+        let mut out: Vec<(&'static str, u64)> = f.iter().map(|(r, (c, _))| (*r, c.get())).collect();
+        out.sort_unstable();
+        out
+    }
+
     /// A dial failed (`reason`: [`super::DialError::reason`]).
     pub fn dial_failure(&self, reason: &'static str) {
         let mut f = seedlink_net::sync::lock(&self.failures, "cluster metrics");

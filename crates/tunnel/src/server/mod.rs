@@ -335,6 +335,19 @@ pub struct Cluster {
     /// Its metric handles.
     pub metrics: metrics::ClusterMetrics,
     agents: Mutex<Vec<Arc<AgentLink>>>,
+    /// When an agent stream last came or went (for `TunnelCluster` status).
+    agents_changed: Mutex<Option<std::time::SystemTime>>,
+}
+
+/// What the status of a cluster reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterHealth {
+    /// Agent streams connected now.
+    pub agents: usize,
+    /// When an agent stream last connected or (with none left) went away.
+    pub agents_changed: Option<std::time::SystemTime>,
+    /// Failed dials by reason since the cluster was added.
+    pub dial_errors: Vec<(&'static str, u64)>,
 }
 
 impl Cluster {
@@ -352,6 +365,16 @@ impl Cluster {
             removed: CancellationToken::new(),
             metrics,
             agents: Mutex::new(Vec::new()),
+            agents_changed: Mutex::new(None),
+        }
+    }
+
+    /// Agents, when they last changed, and dial errors.
+    pub fn health(&self) -> ClusterHealth {
+        ClusterHealth {
+            agents: self.agent_count(),
+            agents_changed: *crate::sync::lock(&self.agents_changed, "cluster agents changed"),
+            dial_errors: self.metrics.dial_failures(),
         }
     }
 
@@ -706,12 +729,22 @@ pub fn attach(
         flow,
     });
     crate::sync::lock(&cluster.agents, "cluster agents").push(link.clone());
+    *crate::sync::lock(&cluster.agents_changed, "cluster agents changed") =
+        Some(std::time::SystemTime::now());
     (link, tx)
 }
 
 /// Removes an ended agent stream and fails everything that depended on it.
 pub fn detach(cluster: &Cluster, link: &Arc<AgentLink>) {
-    crate::sync::lock(&cluster.agents, "cluster agents").retain(|x| !Arc::ptr_eq(x, link));
+    let left = {
+        let mut agents = crate::sync::lock(&cluster.agents, "cluster agents");
+        agents.retain(|x| !Arc::ptr_eq(x, link));
+        agents.len()
+    };
+    if left == 0 {
+        *crate::sync::lock(&cluster.agents_changed, "cluster agents changed") =
+            Some(std::time::SystemTime::now());
+    }
     link.fail_all();
 }
 

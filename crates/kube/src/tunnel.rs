@@ -1,0 +1,463 @@
+//! From `TunnelCluster` objects to the tunnel-server's clusters: each
+//! becomes a cluster `<namespace>.<name>` whose trust (agent CA bundle,
+//! token issuer keys, frontend certificates) is read from the Secrets and
+//! ConfigMaps it names. The keys are written into a private directory
+//! (`trust_dir/<cluster>/`, files 0600, replaced atomically and only when
+//! their bytes change), so that everything after the model — validation,
+//! file checks, the reload diff, re-keying agents — is the file path's.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{ConfigMap, Secret};
+use seedlink_tunnel::config::{Cluster, ClusterLimits, Frontend, FrontendProtocol, TokenAuth};
+
+use crate::crd::{KeyRef, TunnelCluster};
+use crate::translate::{Key, Verdict};
+
+/// What became of one TunnelCluster.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TunnelOutcome {
+    /// The object.
+    pub key: Key,
+    /// Its `metadata.generation`.
+    pub generation: Option<i64>,
+    /// The cluster it became, if it could be built.
+    pub cluster: Option<String>,
+    /// `Ready` (before the server's own checks; see [`TunnelTranslation::refused`]).
+    pub ready: Verdict,
+}
+
+/// Clusters, the files their trust is read from, and per-object outcomes.
+#[derive(Debug, Default)]
+pub struct TunnelTranslation {
+    /// Clusters, oldest object first (the oldest wins a collision).
+    pub clusters: Vec<Cluster>,
+    /// Path → contents, under the trust directory.
+    pub files: BTreeMap<PathBuf, Vec<u8>>,
+    /// Per object.
+    pub outcomes: Vec<TunnelOutcome>,
+}
+
+impl TunnelTranslation {
+    /// Marks the clusters the server refused as not ready.
+    pub fn refused(&mut self, refused: &[(String, Vec<seedlink_config::ConfigError>)]) {
+        for (name, problems) in refused {
+            let text: Vec<String> = problems
+                .iter()
+                .map(|p| format!("{}: {}", p.path, p.message))
+                .collect();
+            for o in &mut self.outcomes {
+                if o.cluster.as_deref() == Some(name.as_str()) {
+                    o.ready = Verdict::no("Invalid", text.join("; "));
+                    o.cluster = None;
+                }
+            }
+        }
+        self.clusters
+            .retain(|c| !refused.iter().any(|(n, _)| *n == c.name));
+    }
+}
+
+/// The cluster a TunnelCluster becomes: `<namespace>.<name>`.
+pub fn cluster_name(key: &Key) -> String {
+    format!("{}.{}", key.namespace, key.name)
+}
+
+fn age<K: kube::Resource>(o: &K) -> (Option<k8s_openapi::jiff::Timestamp>, Key) {
+    (
+        o.meta().creation_timestamp.as_ref().map(|t| t.0),
+        Key::of(o),
+    )
+}
+
+/// Reads Secret and ConfigMap keys for one object, recording the files.
+struct Keys<'a> {
+    namespace: &'a str,
+    dir: PathBuf,
+    secrets: &'a HashMap<Key, &'a Secret>,
+    config_maps: &'a HashMap<Key, &'a ConfigMap>,
+    files: BTreeMap<PathBuf, Vec<u8>>,
+}
+
+impl Keys<'_> {
+    fn file(&mut self, r: &KeyRef, what: &str) -> Result<PathBuf, Verdict> {
+        let (bytes, source) = match (&r.secret, &r.config_map) {
+            (Some(s), None) => {
+                let key = Key {
+                    namespace: self.namespace.into(),
+                    name: s.clone(),
+                };
+                let secret = self.secrets.get(&key).ok_or_else(|| {
+                    Verdict::no(
+                        "ReferenceNotFound",
+                        format!("{what}: Secret {key} not found"),
+                    )
+                })?;
+                let b = secret
+                    .data
+                    .as_ref()
+                    .and_then(|d| d.get(&r.key))
+                    .map(|b| b.0.clone())
+                    .ok_or_else(|| {
+                        Verdict::no(
+                            "ReferenceNotFound",
+                            format!("{what}: Secret {key} has no key {:?}", r.key),
+                        )
+                    })?;
+                (b, format!("secret-{s}"))
+            }
+            (None, Some(c)) => {
+                let key = Key {
+                    namespace: self.namespace.into(),
+                    name: c.clone(),
+                };
+                let cm = self.config_maps.get(&key).ok_or_else(|| {
+                    Verdict::no(
+                        "ReferenceNotFound",
+                        format!("{what}: ConfigMap {key} not found"),
+                    )
+                })?;
+                let b = cm
+                    .data
+                    .as_ref()
+                    .and_then(|d| d.get(&r.key))
+                    .map(|s| s.as_bytes().to_vec())
+                    .or_else(|| {
+                        cm.binary_data
+                            .as_ref()
+                            .and_then(|d| d.get(&r.key))
+                            .map(|b| b.0.clone())
+                    })
+                    .ok_or_else(|| {
+                        Verdict::no(
+                            "ReferenceNotFound",
+                            format!("{what}: ConfigMap {key} has no key {:?}", r.key),
+                        )
+                    })?;
+                (b, format!("configmap-{c}"))
+            }
+            _ => {
+                return Err(Verdict::no(
+                    "InvalidSpec",
+                    format!("{what}: exactly one of secret and configMap"),
+                ))
+            }
+        };
+        // Names and keys are DNS subdomains / key names: no '/' in them.
+        let path = self
+            .dir
+            .join(format!("{source}-{}", r.key.replace('/', "_")));
+        self.files.insert(path.clone(), bytes);
+        Ok(path)
+    }
+}
+
+/// Translates every TunnelCluster (oldest first).
+pub fn translate(
+    objects: &[Arc<TunnelCluster>],
+    secrets: &[Arc<Secret>],
+    config_maps: &[Arc<ConfigMap>],
+    trust_dir: &Path,
+) -> TunnelTranslation {
+    let secrets: HashMap<Key, &Secret> = secrets
+        .iter()
+        .map(|s| (Key::of(s.as_ref()), s.as_ref()))
+        .collect();
+    let config_maps: HashMap<Key, &ConfigMap> = config_maps
+        .iter()
+        .map(|c| (Key::of(c.as_ref()), c.as_ref()))
+        .collect();
+    let mut objects: Vec<&Arc<TunnelCluster>> = objects.iter().collect();
+    objects.sort_by_key(|o| age(o.as_ref()));
+    let mut out = TunnelTranslation::default();
+    for o in objects {
+        let key = Key::of(o.as_ref());
+        let name = cluster_name(&key);
+        let mut keys = Keys {
+            namespace: &key.namespace,
+            dir: trust_dir.join(&name),
+            secrets: &secrets,
+            config_maps: &config_maps,
+            files: BTreeMap::new(),
+        };
+        let outcome = match build(o, &name, &mut keys) {
+            Ok(cluster) => {
+                out.files.append(&mut keys.files);
+                out.clusters.push(cluster);
+                TunnelOutcome {
+                    key,
+                    generation: o.metadata.generation,
+                    cluster: Some(name),
+                    ready: Verdict::yes("Serving", "trust loaded and frontends listening"),
+                }
+            }
+            Err(v) => TunnelOutcome {
+                key,
+                generation: o.metadata.generation,
+                cluster: None,
+                ready: v,
+            },
+        };
+        out.outcomes.push(outcome);
+    }
+    out
+}
+
+fn build(o: &TunnelCluster, name: &str, keys: &mut Keys<'_>) -> Result<Cluster, Verdict> {
+    let spec = &o.spec;
+    let agent_ca = spec
+        .agent_ca
+        .as_ref()
+        .map(|r| keys.file(r, "agentCA"))
+        .transpose()?;
+    let agent_token = match &spec.agent_token {
+        None => None,
+        Some(t) => Some(TokenAuth {
+            issuer: t.issuer.clone(),
+            keys: Some(keys.file(&t.keys, "agentToken.keys")?),
+            review: None,
+            audience: t
+                .audience
+                .clone()
+                .unwrap_or_else(|| "system:konnectivity-server".into()),
+            service_account: t
+                .service_account
+                .clone()
+                .unwrap_or_else(|| "kube-system/konnectivity-agent".into()),
+        }),
+    };
+    let mut frontends = Vec::new();
+    for (i, f) in spec.frontends.iter().enumerate() {
+        let at = format!("frontends[{i}] ({})", f.name);
+        let protocol: FrontendProtocol = serde_json::from_value(serde_json::Value::String(
+            f.protocol.clone(),
+        ))
+        .map_err(|_| {
+            Verdict::no(
+                "InvalidSpec",
+                format!(
+                    "{at}.protocol: {:?} is not http-connect, grpc or http-proxy",
+                    f.protocol
+                ),
+            )
+        })?;
+        let tcp = f
+            .tcp
+            .as_ref()
+            .map(|a| {
+                a.parse().map_err(|_| {
+                    Verdict::no(
+                        "InvalidSpec",
+                        format!("{at}.tcp: {a:?} is not an ip:port address"),
+                    )
+                })
+            })
+            .transpose()?;
+        let (cert, key, client_ca) = match &f.tls {
+            None => (None, None, None),
+            Some(tls) => {
+                let r = |k: &str| KeyRef {
+                    secret: Some(tls.secret.clone()),
+                    config_map: None,
+                    key: k.into(),
+                };
+                (
+                    Some(keys.file(&r("tls.crt"), &format!("{at}.tls"))?),
+                    Some(keys.file(&r("tls.key"), &format!("{at}.tls"))?),
+                    Some(keys.file(&tls.client_ca, &format!("{at}.tls.clientCA"))?),
+                )
+            }
+        };
+        frontends.push(Frontend {
+            name: f.name.clone(),
+            protocol,
+            unix: f.unix.as_ref().map(PathBuf::from),
+            tcp,
+            cert,
+            key,
+            client_ca,
+        });
+    }
+    let mut limits = ClusterLimits::default();
+    if let Some(l) = &spec.limits {
+        let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        limits.max_connections = l.max_connections.map_or(limits.max_connections, size);
+        limits.max_agents = l.max_agents.map_or(limits.max_agents, size);
+        limits.dial_rate = l.dial_rate.unwrap_or(limits.dial_rate);
+        limits.dial_burst = l.dial_burst.unwrap_or(limits.dial_burst);
+    }
+    Ok(Cluster {
+        name: name.into(),
+        agent_ca,
+        agent_token,
+        strategies: if spec.strategies.is_empty() {
+            vec!["default".into()]
+        } else {
+            spec.strategies.clone()
+        },
+        frontends,
+        proxy_password_file: None,
+        limits,
+    })
+}
+
+/// Writes `files` under `trust_dir` (0700 directories, 0600 files, each
+/// replaced by a rename and only when its bytes change) and removes what
+/// no cluster names any more.
+pub fn materialize(trust_dir: &Path, files: &BTreeMap<PathBuf, Vec<u8>>) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(trust_dir)?;
+    for (path, bytes) in files {
+        if let Some(dir) = path.parent() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)?;
+        }
+        if std::fs::read(path).is_ok_and(|old| old == *bytes) {
+            continue;
+        }
+        let tmp = path.with_extension("tmp~");
+        {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)?;
+            f.write_all(bytes)?;
+        }
+        std::fs::rename(&tmp, path)?;
+    }
+    // Stale files and directories of removed clusters.
+    for dir in std::fs::read_dir(trust_dir)?.flatten() {
+        let dir = dir.path();
+        if !dir.is_dir() {
+            continue;
+        }
+        let mut kept = false;
+        for f in std::fs::read_dir(&dir)?.flatten() {
+            if files.contains_key(&f.path()) {
+                kept = true;
+            } else {
+                std::fs::remove_file(f.path())?;
+            }
+        }
+        if !kept {
+            std::fs::remove_dir(&dir)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn object(ns: &str, spec: serde_json::Value) -> Arc<TunnelCluster> {
+        Arc::new(
+            serde_json::from_value(json!({
+                "apiVersion": "tunnel.seedlink.dev/v1alpha1", "kind": "TunnelCluster",
+                "metadata": {"name": "tunnel", "namespace": ns, "generation": 2},
+                "spec": spec
+            }))
+            .unwrap(),
+        )
+    }
+
+    fn secret(ns: &str, name: &str, key: &str, value: &str) -> Arc<Secret> {
+        let mut data = std::collections::BTreeMap::new();
+        data.insert(
+            key.to_string(),
+            k8s_openapi::ByteString(value.as_bytes().to_vec()),
+        );
+        Arc::new(Secret {
+            metadata: kube::api::ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some(ns.into()),
+                ..Default::default()
+            },
+            data: Some(data),
+            ..Default::default()
+        })
+    }
+
+    #[test]
+    fn a_tunnel_cluster_becomes_a_cluster_with_its_trust_in_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let objects = [
+            object(
+                "shoot--a",
+                json!({
+                    "agentCA": {"secret": "ca", "key": "ca.crt"},
+                    "agentToken": {"issuer": "https://issuer.a", "keys": {"secret": "ca", "key": "sa.pub"}},
+                    "frontends": [{"name": "mtls", "protocol": "grpc", "tcp": "0.0.0.0:8443",
+                                   "tls": {"secret": "fe", "clientCA": {"secret": "ca", "key": "ca.crt"}}}],
+                    "limits": {"maxAgents": 4}
+                }),
+            ),
+            object(
+                "shoot--b",
+                json!({"agentCA": {"configMap": "nothing", "key": "ca.crt"}}),
+            ),
+            object(
+                "shoot--c",
+                json!({"frontends": [{"name": "x", "protocol": "socks", "unix": "/x"}]}),
+            ),
+        ];
+        // Two keys in each Secret.
+        let two = |name: &str, k1: &str, v1: &str, k2: &str, v2: &str| {
+            let mut s = (*secret("shoot--a", name, k1, v1)).clone();
+            s.data
+                .as_mut()
+                .unwrap()
+                .insert(k2.into(), k8s_openapi::ByteString(v2.as_bytes().to_vec()));
+            Arc::new(s)
+        };
+        let secrets = [
+            two("ca", "ca.crt", "CA PEM", "sa.pub", "KEYS"),
+            two("fe", "tls.crt", "CERT", "tls.key", "KEY"),
+        ];
+        let t = translate(&objects, &secrets, &[], dir.path());
+        assert_eq!(t.clusters.len(), 1, "{:?}", t.outcomes);
+        let c = &t.clusters[0];
+        assert_eq!(c.name, "shoot--a.tunnel");
+        assert_eq!(c.limits.max_agents, 4);
+        assert_eq!(
+            c.agent_token.as_ref().unwrap().audience,
+            "system:konnectivity-server"
+        );
+        let ca = c.agent_ca.clone().unwrap();
+        assert!(ca.starts_with(dir.path().join("shoot--a.tunnel")));
+        assert_eq!(t.files[&ca], b"CA PEM");
+        let by = |ns: &str| t.outcomes.iter().find(|o| o.key.namespace == ns).unwrap();
+        assert!(by("shoot--a").ready.ok, "{:?}", by("shoot--a").ready);
+        assert_eq!(by("shoot--b").ready.reason, "ReferenceNotFound");
+        assert_eq!(by("shoot--c").ready.reason, "InvalidSpec");
+        assert!(by("shoot--c").ready.message.contains("\"socks\""));
+    }
+
+    #[test]
+    fn trust_files_are_written_private_and_removed_with_their_cluster() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("shoot--a.tunnel/secret-ca-ca.crt");
+        let mut files = BTreeMap::new();
+        files.insert(path.clone(), b"one".to_vec());
+        materialize(dir.path(), &files).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"one");
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        materialize(dir.path(), &BTreeMap::new()).unwrap();
+        assert!(!path.parent().unwrap().exists());
+    }
+}

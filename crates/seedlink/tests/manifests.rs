@@ -1,0 +1,343 @@
+//! The install manifests render with a real `kubectl kustomize`, and every
+//! rendered object reads strictly as its Kubernetes type: read with
+//! k8s-openapi (or the Gateway API types), written back, it must equal
+//! what was rendered, so a misspelt or misplaced field cannot ship. The
+//! configuration files inside the ConfigMaps are valid for their roles, and
+//! the properties the docs promise (non-root, read-only root, probes, the
+//! preStop delay, the token audience, the node proxy's capabilities, RBAC
+//! for everything the source watches) are checked on the objects.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+use seedlink_testkit as common;
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// `kubectl kustomize deploy/kustomize/<name>`, as JSON objects.
+fn render(name: &str) -> Vec<Value> {
+    let kubectl = common::require("kubectl");
+    let dir = root().join("deploy/kustomize").join(name);
+    let out = std::process::Command::new(kubectl)
+        .arg("kustomize")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let docs: Vec<Value> = text
+        .split("\n---\n")
+        .filter(|d| !d.trim().is_empty() && d.trim() != "---")
+        .map(|d| serde_norway::from_str(d).unwrap_or_else(|e| panic!("{e}: {d}")))
+        .collect();
+    assert!(!docs.is_empty(), "{name} rendered nothing");
+    docs
+}
+
+fn roundtrip<T: serde::de::DeserializeOwned + serde::Serialize>(v: &Value) -> Result<(), String> {
+    let typed: T = serde_json::from_value(v.clone()).map_err(|e| e.to_string())?;
+    let back = serde_json::to_value(&typed).map_err(|e| e.to_string())?;
+    match first_difference(v, &back, String::new()) {
+        None => Ok(()),
+        Some(at) => Err(format!(
+            "at {at}: not what the type writes back (an unknown or misplaced field?)"
+        )),
+    }
+}
+
+/// Where two JSON values first differ; numbers compare by value (a schema's
+/// `minimum: 0` is the float `0.0` in k8s-openapi).
+fn first_difference(a: &Value, b: &Value, at: String) -> Option<String> {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            for k in x.keys().chain(y.keys()) {
+                let (Some(p), Some(q)) = (x.get(k), y.get(k)) else {
+                    return Some(format!("{at}.{k}"));
+                };
+                if let Some(d) = first_difference(p, q, format!("{at}.{k}")) {
+                    return Some(d);
+                }
+            }
+            None
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            if x.len() != y.len() {
+                return Some(format!("{at}[] (length)"));
+            }
+            x.iter()
+                .zip(y)
+                .enumerate()
+                .find_map(|(i, (p, q))| first_difference(p, q, format!("{at}[{i}]")))
+        }
+        (Value::Number(x), Value::Number(y)) if x.as_f64() == y.as_f64() => None,
+        _ if a == b => None,
+        _ => Some(at),
+    }
+}
+
+/// A Prometheus Operator ServiceMonitor, the fields used here (no Rust
+/// crate of the field has its type; unknown fields are refused).
+#[derive(serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+#[allow(non_snake_case)]
+struct ServiceMonitor {
+    apiVersion: String,
+    kind: String,
+    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    spec: ServiceMonitorSpec,
+}
+
+#[derive(serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct ServiceMonitorSpec {
+    selector: k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
+    endpoints: Vec<ServiceMonitorEndpoint>,
+}
+
+#[derive(serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct ServiceMonitorEndpoint {
+    port: String,
+    path: String,
+    interval: String,
+}
+
+/// Every object strictly as its type; the configuration files valid.
+fn check_strictly(docs: &[Value]) {
+    use k8s_openapi::api::{apps, core, policy, rbac};
+    let mut problems = Vec::new();
+    for d in docs {
+        let id = format!(
+            "{} {}",
+            d["kind"].as_str().unwrap_or("?"),
+            d["metadata"]["name"].as_str().unwrap_or("?")
+        );
+        let r = match (d["apiVersion"].as_str().unwrap_or(""), d["kind"].as_str().unwrap_or("")) {
+            ("v1", "Namespace") => roundtrip::<core::v1::Namespace>(d),
+            ("v1", "ServiceAccount") => roundtrip::<core::v1::ServiceAccount>(d),
+            ("v1", "ConfigMap") => roundtrip::<core::v1::ConfigMap>(d).and_then(|()| check_configs(d)),
+            ("v1", "Service") => roundtrip::<core::v1::Service>(d),
+            ("apps/v1", "Deployment") => roundtrip::<apps::v1::Deployment>(d),
+            ("apps/v1", "DaemonSet") => roundtrip::<apps::v1::DaemonSet>(d),
+            ("policy/v1", "PodDisruptionBudget") => roundtrip::<policy::v1::PodDisruptionBudget>(d),
+            ("rbac.authorization.k8s.io/v1", "ClusterRole") => roundtrip::<rbac::v1::ClusterRole>(d),
+            ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => roundtrip::<rbac::v1::ClusterRoleBinding>(d),
+            ("rbac.authorization.k8s.io/v1", "Role") => roundtrip::<rbac::v1::Role>(d),
+            ("rbac.authorization.k8s.io/v1", "RoleBinding") => roundtrip::<rbac::v1::RoleBinding>(d),
+            ("apiextensions.k8s.io/v1", "CustomResourceDefinition") => roundtrip::<
+                k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+            >(d),
+            ("gateway.networking.k8s.io/v1", "GatewayClass") => roundtrip::<gateway_api::gatewayclasses::GatewayClass>(d),
+            ("gateway.networking.k8s.io/v1", "Gateway") => roundtrip::<gateway_api::gateways::Gateway>(d),
+            ("monitoring.coreos.com/v1", "ServiceMonitor") => roundtrip::<ServiceMonitor>(d),
+            (v, k) => Err(format!("no type known for {v} {k}")),
+        };
+        if let Err(e) = r {
+            problems.push(format!("{id}: {e}"));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// Each `*.yaml` key of a ConfigMap is a valid file of its role.
+fn check_configs(cm: &Value) -> Result<(), String> {
+    let Some(data) = cm["data"].as_object() else {
+        return Ok(());
+    };
+    for (key, text) in data {
+        let text = text.as_str().unwrap_or("");
+        let r = match key.as_str() {
+            "gateway.yaml" => seedlink_config::compile::parse(text)
+                .and_then(|f| seedlink_config::compile(f, None).map(|_| ()))
+                .map_err(|e| e.to_string()),
+            "tunnel.yaml" => seedlink_tunnel::config::ServerConfig::parse(text)
+                .map(|_| ())
+                .map_err(|e| format!("{e:#}")),
+            "agent.yaml" => seedlink_tunnel::agent::config::AgentConfig::parse(text)
+                .map_err(|e| e.to_string())
+                .and_then(|c| errors(c.check_values())),
+            "node-proxy.yaml" => seedlink_node_proxy::config::NodeProxyConfig::parse(text)
+                .map_err(|e| e.to_string())
+                .and_then(|c| errors(c.check())),
+            k if k.ends_with(".yaml") => Err(format!("{k}: no check for this file")),
+            _ => Ok(()),
+        };
+        r.map_err(|e| format!("{key}: {e}"))?;
+    }
+    Ok(())
+}
+
+fn errors(e: Vec<seedlink_config::ConfigError>) -> Result<(), String> {
+    if e.is_empty() {
+        Ok(())
+    } else {
+        Err(e
+            .iter()
+            .map(|e| format!("{}: {}", e.path, e.message))
+            .collect::<Vec<_>>()
+            .join("; "))
+    }
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+#[test]
+fn the_seed_install_renders_and_every_object_reads_strictly() {
+    let docs = render("seed");
+    check_strictly(&docs);
+    // The CRDs shipped are the generated ones.
+    let crds: Vec<&Value> = docs
+        .iter()
+        .filter(|d| d["kind"] == "CustomResourceDefinition")
+        .collect();
+    assert_eq!(crds.len(), 2);
+    let generated = seedlink_kube::crd::crds_yaml().unwrap();
+    for crd in crds {
+        let name = crd["metadata"]["name"].as_str().unwrap();
+        assert!(generated.contains(name), "{name}");
+    }
+    for d in &docs {
+        if d["kind"] != "CustomResourceDefinition"
+            && d["kind"] != "Namespace"
+            && !d["kind"].as_str().unwrap().starts_with("Cluster")
+            && d["kind"] != "GatewayClass"
+        {
+            assert_eq!(
+                d["metadata"]["namespace"], "seedlink-system",
+                "{}",
+                d["metadata"]["name"]
+            );
+        }
+    }
+    let dep = find(&docs, "Deployment", "seedlink");
+    let pod = &dep["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    assert_eq!(c["args"][0], "seed");
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(c["securityContext"]["capabilities"]["drop"][0], "ALL");
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert!(
+        c["lifecycle"]["preStop"]["sleep"]["seconds"]
+            .as_i64()
+            .unwrap()
+            >= 10
+    );
+    assert_eq!(c["env"][0]["name"], "POD_NAME");
+    assert!(pod["affinity"]["podAntiAffinity"].is_object());
+    // Every file the arguments name is in the ConfigMap mounted there.
+    let cm = find(&docs, "ConfigMap", "seedlink-config");
+    for f in ["gateway.yaml", "tunnel.yaml"] {
+        assert!(cm["data"][f].is_string(), "{f}");
+        assert!(c["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a.as_str() == Some(&format!("/etc/seedlink/config/{f}"))));
+    }
+    assert_eq!(
+        find(&docs, "Service", "seedlink")["spec"]["type"],
+        "LoadBalancer"
+    );
+    assert_eq!(
+        find(&docs, "PodDisruptionBudget", "seedlink")["spec"]["minAvailable"],
+        1
+    );
+    // RBAC: list and watch on every kind the source watches, patch on the
+    // status it writes, the Leases in its namespace only.
+    let rules = find(&docs, "ClusterRole", "seedlink")["rules"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let allows = |resource: &str, verb: &str| {
+        rules.iter().any(|r| {
+            r["resources"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|x| x == resource)
+                && r["verbs"].as_array().unwrap().iter().any(|x| x == verb)
+        })
+    };
+    for r in [
+        "tlsroutes",
+        "seedlinkpolicies",
+        "tunnelclusters",
+        "services",
+        "endpointslices",
+        "secrets",
+        "configmaps",
+    ] {
+        assert!(allows(r, "list") && allows(r, "watch"), "{r}");
+    }
+    for r in [
+        "tlsroutes/status",
+        "seedlinkpolicies/status",
+        "tunnelclusters/status",
+    ] {
+        assert!(allows(r, "patch"), "{r}");
+    }
+    assert!(allows("events", "create"));
+    assert!(
+        !allows("leases", "update"),
+        "Leases belong in the namespaced Role"
+    );
+    let role = find(&docs, "Role", "seedlink-leases");
+    assert_eq!(role["rules"][0]["resources"][0], "leases");
+}
+
+#[test]
+fn the_seed_install_with_a_service_monitor_renders_strictly() {
+    let docs = render("seed-monitoring");
+    check_strictly(&docs);
+    let sm = find(&docs, "ServiceMonitor", "seedlink");
+    assert_eq!(sm["spec"]["endpoints"].as_array().unwrap().len(), 2);
+}
+
+#[test]
+fn the_shoot_install_renders_and_every_object_reads_strictly() {
+    let docs = render("shoot");
+    check_strictly(&docs);
+    let ds = find(&docs, "DaemonSet", "seedlink-node-proxy");
+    let pod = &ds["spec"]["template"]["spec"];
+    assert_eq!(pod["hostNetwork"], true);
+    let caps = &pod["containers"][0]["securityContext"]["capabilities"];
+    assert_eq!(caps["drop"], serde_json::json!(["ALL"]));
+    assert_eq!(
+        caps["add"],
+        serde_json::json!(["NET_ADMIN", "NET_BIND_SERVICE"])
+    );
+    let agent = find(&docs, "Deployment", "seedlink-tunnel-agent");
+    let spec = &agent["spec"]["template"]["spec"];
+    assert_eq!(spec["serviceAccountName"], "konnectivity-agent");
+    let token = spec["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "token")
+        .unwrap();
+    assert_eq!(
+        token["projected"]["sources"][0]["serviceAccountToken"]["audience"],
+        "system:konnectivity-server"
+    );
+    // The agent reads the token where the volume puts it.
+    let cm = find(&docs, "ConfigMap", "seedlink-shoot");
+    assert!(cm["data"]["agent.yaml"]
+        .as_str()
+        .unwrap()
+        .contains("/var/run/secrets/tokens/konnectivity-agent-token"));
+}
