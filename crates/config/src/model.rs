@@ -39,8 +39,9 @@ pub struct ConfigFile {
     /// The control planes the Kubernetes source produced; never read from
     /// the file. Compiled like `control_planes` (after them, so a file's
     /// host name wins a conflict), except that an empty endpoint list is
-    /// allowed: a route whose pods are all gone still exists.
-    #[serde(skip)]
+    /// allowed: a route whose pods are all gone still exists. Shown in
+    /// the admin `/config` dump; a file that sets it is refused (unknown key).
+    #[serde(skip_deserializing, default, skip_serializing_if = "Vec::is_empty")]
     pub from_kubernetes: Vec<ControlPlane>,
 }
 

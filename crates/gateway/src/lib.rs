@@ -386,8 +386,29 @@ impl Gateway {
         self: &Arc<Self>,
         control_planes: Vec<seedlink_config::model::ControlPlane>,
     ) -> seedlink_config::compile::Refused {
-        *seedlink_net::sync::lock(&self.kubernetes, "kubernetes") = control_planes;
-        self.reload_admitting().1
+        *seedlink_net::sync::lock(&self.kubernetes, "kubernetes") = control_planes.clone();
+        match self.reload_admitting() {
+            (Ok(_), refused) => refused,
+            (Err(e), _) => {
+                // The file itself is invalid: nothing changed. What is not
+                // served in the running snapshot, as given, is not served.
+                let running = self.snapshot();
+                control_planes
+                    .into_iter()
+                    .filter(|c| !running.file.from_kubernetes.contains(c))
+                    .map(|c| {
+                        let why = ConfigError {
+                            path: String::new(),
+                            message: format!(
+                                "not applied: the gateway's configuration file is invalid ({})",
+                                e.to_string().replace('\n', "; ")
+                            ),
+                        };
+                        (c.name, vec![why])
+                    })
+                    .collect()
+            }
+        }
     }
 
     fn reload_admitting(

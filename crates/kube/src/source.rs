@@ -198,8 +198,11 @@ pub fn start_gateway(
         };
         let mut wake = Wake::Changed;
         let mut last: Option<GatewayPass> = None;
+        // Set when the gateway could not apply anything (its own file is
+        // invalid): the next tick tries again, as the file may be fixed.
+        let mut retry = false;
         loop {
-            if wake == Wake::Changed || last.is_none() {
+            if wake == Wake::Changed || last.is_none() || retry {
                 let objects = (
                     routes.state(),
                     policies.state(),
@@ -215,6 +218,7 @@ pub fn start_gateway(
                     slices: &objects.3,
                 });
                 let refused = sink.apply(t.control_planes.clone());
+                retry = not_applied(&refused);
                 t.refused(&refused);
                 let _ = synced_tx.send(true);
                 last = Some((t, objects.0, objects.1));
@@ -233,6 +237,14 @@ pub fn start_gateway(
         leadership,
         stop,
     }
+}
+
+/// Whether the sink applied nothing because its own configuration is
+/// invalid (its refusals then say "not applied").
+fn not_applied(refused: &seedlink_config::compile::Refused) -> bool {
+    refused
+        .iter()
+        .any(|(_, p)| p.iter().any(|e| e.message.starts_with("not applied:")))
 }
 
 /// The last translation and the objects it was made from.
@@ -331,7 +343,11 @@ pub fn start_tunnel(
             seedlink_config::compile::Refused,
         )> = None;
         loop {
-            if wake == Wake::Changed || last.is_none() {
+            // What could not be applied at all is tried again on a tick.
+            if applied.as_ref().is_some_and(|(_, r)| not_applied(r)) {
+                applied = None;
+            }
+            if wake == Wake::Changed || last.is_none() || applied.is_none() {
                 let objects = clusters.state();
                 let mut t = crate::tunnel::translate(
                     &objects,

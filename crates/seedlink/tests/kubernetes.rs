@@ -346,6 +346,81 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         ok + failed
     );
 
+    // The gateway's own file broken: a new route is not applied, and its
+    // status says so rather than claiming it is served; the file fixed,
+    // it is.
+    gw.write_config(&format!("{}bogus: 1\n", gateway_yaml()));
+    api.apply(route(
+        "shoot--e",
+        "kube-apiserver",
+        "api.e.kube.test",
+        "kube-apiserver",
+    ));
+    wait_for(
+        "route e pending on the broken file",
+        Duration::from_secs(20),
+        || async {
+            condition(&api, "tlsroutes", "shoot--e", "kube-apiserver", "Accepted").is_some_and(
+                |c| {
+                    c["status"] == "False"
+                        && c["message"]
+                            .as_str()
+                            .unwrap_or("")
+                            .contains("configuration file is invalid")
+                },
+            )
+        },
+    )
+    .await;
+    // The running routes keep serving.
+    assert!(get(&pki, gw.tls, A)
+        .await
+        .unwrap()
+        .contains("hello from a2"));
+    gw.write_config(&gateway_yaml());
+    wait_for(
+        "route e accepted once the file is fixed",
+        Duration::from_secs(20),
+        || async {
+            condition(&api, "tlsroutes", "shoot--e", "kube-apiserver", "Accepted")
+                .is_some_and(|c| c["status"] == "True")
+        },
+    )
+    .await;
+
+    // A burst: thirty routes created at once become one snapshot (or a
+    // few), not thirty reloads.
+    let generation = |body: String| -> u64 {
+        serde_json::from_str::<Value>(&body).unwrap()["generation"]
+            .as_u64()
+            .unwrap()
+    };
+    let before = generation(gw.get("/config").await.1);
+    for i in 0..30 {
+        api.apply(route(
+            &format!("shoot--burst-{i}"),
+            "kube-apiserver",
+            &format!("api.burst-{i}.kube.test"),
+            "kube-apiserver",
+        ));
+    }
+    wait_for(
+        "the burst's last route is served",
+        Duration::from_secs(20),
+        || async {
+            let (_, body) = gw.get("/config").await;
+            body.contains("api.burst-29.kube.test")
+        },
+    )
+    .await;
+    let after = generation(gw.get("/config").await.1);
+    eprintln!("a burst of 30 routes: {} reload(s)", after - before);
+    assert!(
+        after - before <= 5,
+        "30 routes took {} reloads",
+        after - before
+    );
+
     // Deleting the route stops it.
     api.remove("tlsroutes", "shoot--a", "kube-apiserver");
     wait_for("route a is gone", Duration::from_secs(20), || async {

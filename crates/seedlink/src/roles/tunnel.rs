@@ -215,7 +215,7 @@ impl ServerRole {
         clusters: Vec<seedlink_tunnel::config::Cluster>,
     ) -> seedlink_tunnel::config::Refused {
         *seedlink_net::sync::lock(&self.kubernetes, "tunnel kubernetes") = clusters.clone();
-        let (now, parsed, refused) = read_config(&self.opts.config, clusters);
+        let (now, parsed, refused) = read_config(&self.opts.config, clusters.clone());
         for (name, problems) in &refused {
             let text: Vec<String> = problems
                 .iter()
@@ -226,8 +226,22 @@ impl ServerRole {
         *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint") = now;
         if let Some(cfg) = apply(&self.srv, parsed).await {
             *seedlink_net::sync::lock(&self.files, "tunnel files") = cfg.files();
+            return refused;
         }
-        refused
+        // The file is invalid or the reload failed (logged): nothing
+        // changed, so what is not running is not served.
+        let running = self.srv.registry.clusters();
+        clusters
+            .into_iter()
+            .filter(|c| !running.iter().any(|r| *r.name == *c.name))
+            .map(|c| {
+                let why = seedlink_config::ConfigError {
+                    path: String::new(),
+                    message: "not applied: the tunnel-server's configuration could not be reloaded (see its log)".into(),
+                };
+                (c.name, vec![why])
+            })
+            .collect()
     }
 
     /// Starts the Kubernetes source when the file has a `kubernetes`
