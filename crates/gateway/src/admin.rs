@@ -1,4 +1,6 @@
-//! The admin HTTP endpoint: `/healthz`, `/readyz`, `/metrics`, `/config`.
+//! The admin HTTP endpoint: `/healthz`, `/readyz`, `/metrics`, `/config`,
+//! `/api/state` (every control plane's routes, ACL, endpoints and
+//! connection outcomes as JSON) and `/`, the live page over it.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -61,6 +63,20 @@ fn route(gw: &Gateway, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             }
             r
         }
+        "/" => {
+            let mut r = Response::new(Full::new(Bytes::from(seedlink_net::admin::PAGE)));
+            if let Ok(v) = seedlink_net::admin::HTML.parse() {
+                r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+            }
+            r
+        }
+        "/api/state" => {
+            let mut r = Response::new(Full::new(Bytes::from(state(gw).to_string())));
+            if let Ok(v) = seedlink_net::admin::JSON.parse() {
+                r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+            }
+            r
+        }
         "/config" => {
             let snap = gw.snapshot();
             let body = serde_json::json!({
@@ -87,4 +103,90 @@ fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
     let mut r = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
     *r.status_mut() = status;
     r
+}
+
+/// Every control plane's live state, as the page and scripts read it.
+pub fn state(gw: &Gateway) -> serde_json::Value {
+    use std::collections::BTreeMap;
+    let snap = gw.snapshot();
+    let metrics = gw.metrics.encode();
+    let mut outcomes: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
+    for (l, v) in seedlink_net::admin::samples(&metrics, "seedlink_gateway_connections_total") {
+        let (Some(cp), Some(outcome)) = (l.get("control_plane"), l.get("outcome")) else {
+            continue;
+        };
+        *outcomes
+            .entry(cp.clone())
+            .or_default()
+            .entry(outcome.clone())
+            .or_default() += v;
+    }
+    let mut routed: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
+    for (l, v) in seedlink_net::admin::samples(&metrics, "seedlink_gateway_routed_total") {
+        let (Some(cp), Some(listener), Some(protocol)) =
+            (l.get("control_plane"), l.get("listener"), l.get("protocol"))
+        else {
+            continue;
+        };
+        *routed
+            .entry(cp.clone())
+            .or_default()
+            .entry(format!("{listener} / {protocol}"))
+            .or_default() += v;
+    }
+    let now = crate::upstream::now_ms();
+    let file = &snap.file;
+    let all = file
+        .control_planes
+        .iter()
+        .map(|c| (c, "file"))
+        .chain(file.from_kubernetes.iter().map(|c| (c, "kubernetes")));
+    let control_planes: Vec<serde_json::Value> = all
+        .map(|(c, source)| {
+            let endpoints: Vec<serde_json::Value> = snap
+                .control_planes
+                .get(&c.name)
+                .map(|cp| {
+                    cp.endpoints
+                        .iter()
+                        .map(|e| {
+                            let until = e
+                                .state
+                                .ejected_until_ms
+                                .load(std::sync::atomic::Ordering::Relaxed);
+                            serde_json::json!({
+                                "address": e.address,
+                                "active": e.state.active.load(std::sync::atomic::Ordering::Relaxed),
+                                "ejected": until > now,
+                                "ejected_for_ms": until.saturating_sub(now),
+                            })
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            let active: u64 = endpoints.iter().filter_map(|e| e["active"].as_u64()).sum();
+            serde_json::json!({
+                "name": c.name,
+                "source": source,
+                "hostnames": c.hostnames,
+                "destinations": c.destinations.iter().map(|d| d.name.clone()).collect::<Vec<_>>(),
+                "service_addresses": c.service_addresses,
+                "acl": c.acl.as_ref().map(|a| a.allow.clone()),
+                "active": active,
+                "endpoints": endpoints,
+                "outcomes": outcomes.get(&c.name),
+                "routed": routed.get(&c.name),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "role": "gateway",
+        "process": {
+            "version": env!("CARGO_PKG_VERSION"),
+            "generation": gw.generation(),
+            "last_reload": gw.last_reload().map(|(t, r)| serde_json::json!({"at": seedlink_net::admin::rfc3339(t), "result": r})),
+        },
+        "always_allowed": file.always_allowed,
+        "control_planes": control_planes,
+    })
 }

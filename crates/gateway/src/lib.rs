@@ -54,6 +54,8 @@ pub struct Gateway {
     kubernetes: Mutex<Vec<seedlink_config::model::ControlPlane>>,
     /// The refusals last logged (name, problems).
     refused_logged: Mutex<Vec<(String, String)>>,
+    /// When the last reload ended and how (`success`, `failure`).
+    last_reload: Mutex<Option<(std::time::SystemTime, &'static str)>>,
     locals: Mutex<HashMap<String, LocalHandler>>,
 }
 
@@ -164,6 +166,7 @@ impl Gateway {
             closers: Mutex::new(HashMap::new()),
             kubernetes: Mutex::new(Vec::new()),
             refused_logged: Mutex::new(Vec::new()),
+            last_reload: Mutex::new(None),
             locals: Mutex::new(HashMap::new()),
         })
     }
@@ -377,6 +380,11 @@ impl Gateway {
         self.reload_admitting().0
     }
 
+    /// When the last reload ended and how.
+    pub fn last_reload(&self) -> Option<(std::time::SystemTime, &'static str)> {
+        *seedlink_net::sync::lock(&self.last_reload, "last reload")
+    }
+
     /// Serves `control_planes` from the Kubernetes source besides the
     /// file's, through the same reload (validation, diff, atomic swap; open
     /// connections untouched). Each is admitted on its own: those refused
@@ -437,6 +445,8 @@ impl Gateway {
             *logged = now;
         }
         let label = if result.is_ok() { "success" } else { "failure" };
+        *seedlink_net::sync::lock(&self.last_reload, "last reload") =
+            Some((std::time::SystemTime::now(), label));
         self.metrics
             .reloads
             .get_or_create(&ResultLabels {

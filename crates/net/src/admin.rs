@@ -19,6 +19,67 @@ pub type Answer = (u16, &'static str, String);
 pub const TEXT: &str = "text/plain; charset=utf-8";
 /// Prometheus content type.
 pub const METRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// HTML content type.
+pub const HTML: &str = "text/html; charset=utf-8";
+/// JSON content type.
+pub const JSON: &str = "application/json";
+
+/// The live page every role serves on `/`: one self-contained file (no
+/// external assets, works offline) that renders `api/state` every 2 s.
+pub const PAGE: &str = include_str!("admin_page.html");
+
+/// The samples of metric `name` (as encoded, e.g.
+/// `seedlink_gateway_connections_total`) in an OpenMetrics text: each with
+/// its labels. The JSON state views read the same counters `/metrics`
+/// shows this way, because the client library's families cannot be listed.
+/// Hand-written: the exposition is our own encoder's output, one sample per
+/// line, label values escaped only for `\`, `"` and newlines.
+pub fn samples(text: &str, name: &str) -> Vec<(std::collections::BTreeMap<String, String>, f64)> {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let (labels, value) = match rest.strip_prefix('{') {
+            Some(r) => match r.rsplit_once("} ") {
+                Some((l, v)) => (l, v),
+                None => continue,
+            },
+            None => match rest.strip_prefix(' ') {
+                Some(v) => ("", v),
+                None => continue,
+            },
+        };
+        let Ok(value) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        let mut map = std::collections::BTreeMap::new();
+        let mut rest = labels;
+        while let Some((key, after)) = rest.split_once("=\"") {
+            let mut val = String::new();
+            let mut chars = after.char_indices();
+            let mut end = after.len();
+            while let Some((i, c)) = chars.next() {
+                match c {
+                    '\\' => {
+                        if let Some((_, n)) = chars.next() {
+                            val.push(if n == 'n' { '\n' } else { n });
+                        }
+                    }
+                    '"' => {
+                        end = i + 1;
+                        break;
+                    }
+                    c => val.push(c),
+                }
+            }
+            map.insert(key.trim_start_matches(',').to_string(), val);
+            rest = &after[end..];
+        }
+        out.push((map, value));
+    }
+    out
+}
 
 /// Serves `route` on `listener` until the process ends, at most `slots`
 /// connections at once (more are closed at accept).
@@ -83,6 +144,30 @@ pub fn encode(registry: &prometheus_client::registry::Registry) -> String {
     out
 }
 
+/// RFC 3339 (UTC, seconds) of a system time.
+pub fn rfc3339(t: std::time::SystemTime) -> String {
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = i64::try_from(days).unwrap_or(0) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -101,5 +186,20 @@ mod tests {
         assert!(text.contains("\nseedlink_lock_poisoned_total "), "{text}");
         assert_eq!(text.matches("# EOF").count(), 1, "{text}");
         assert!(text.ends_with("# EOF\n"));
+    }
+}
+
+#[cfg(test)]
+mod samples_tests {
+    #[test]
+    fn samples_are_read_with_their_labels() {
+        let text = "# TYPE x counter\nx_total{a=\"1\",b=\"q\\\"z\"} 3\nx_total 4\nx_totally{a=\"1\"} 9\nx_created 1.5\n";
+        let s = super::samples(text, "x_total");
+        assert_eq!(s.len(), 2);
+        assert_eq!(s[0].0["a"], "1");
+        assert_eq!(s[0].0["b"], "q\"z");
+        assert_eq!(s[0].1, 3.0);
+        assert!(s[1].0.is_empty());
+        assert_eq!(s[1].1, 4.0);
     }
 }

@@ -2,13 +2,13 @@
 
 use std::sync::Arc;
 
-use seedlink_net::admin::{self, Answer, METRICS, TEXT};
+use seedlink_net::admin::{self, Answer, JSON, METRICS, TEXT};
 use tokio::net::TcpListener;
 
 use crate::NodeProxy;
 
 /// Serves `/healthz`, `/readyz` (address present and gateway answering,
-/// false while draining) and `/metrics`.
+/// false while draining), `/metrics` and `/config` (its configuration).
 pub async fn serve(np: Arc<NodeProxy>, listener: TcpListener) {
     admin::serve(listener, 16, Arc::new(move |path: &str| route(&np, path))).await;
 }
@@ -28,6 +28,18 @@ fn route(np: &NodeProxy, path: &str) -> Answer {
             ),
         ),
         "/metrics" => (200, METRICS, admin::encode(&np.metrics.registry)),
-        _ => (404, TEXT, "not found\n".to_string()),
+        "/config" => {
+            let body = serde_json::json!({"config": np.config.get()});
+            (
+                200,
+                JSON,
+                serde_json::to_string_pretty(&body).unwrap_or_default() + "\n",
+            )
+        }
+        _ => (
+            404,
+            TEXT,
+            "not found; try /healthz /readyz /metrics /config\n".to_string(),
+        ),
     }
 }

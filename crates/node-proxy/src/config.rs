@@ -16,7 +16,7 @@ use crate::netif::{Interface, LinkKind};
 use crate::{Mode, Options};
 
 /// The node-proxy's whole configuration.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct NodeProxyConfig {
     /// The advertised kube-apiserver address to listen on.

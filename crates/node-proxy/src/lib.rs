@@ -127,6 +127,8 @@ pub struct NodeProxy {
     pub address_ok: AtomicBool,
     /// The gateway answered recently.
     pub gateway_ok: AtomicBool,
+    /// The configuration it runs with, as `/config` shows it.
+    pub config: std::sync::OnceLock<serde_json::Value>,
     resolver: tunnel::Resolver,
     h2: tunnel::H2Session,
     permits: Arc<Semaphore>,
@@ -148,6 +150,7 @@ impl NodeProxy {
             lifecycle: Lifecycle::new(),
             address_ok: AtomicBool::new(!address_managed),
             gateway_ok: AtomicBool::new(false),
+            config: std::sync::OnceLock::new(),
             copier: seedlink_net::copy::Copier::new(seedlink_net::copy::CopyMode::Splice, 64),
         })
     }

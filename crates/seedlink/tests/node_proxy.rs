@@ -193,6 +193,11 @@ async fn node_proxy_not_ready_without_gateway_and_refuses_bad_destination() {
     let (code, body) = http_get(np.admin, "/readyz").await;
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("gateway_ok=false"), "{body}");
+    // `/config` shows what it runs with.
+    let (code, body) = http_get(np.admin, "/config").await;
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["config"]["address"], "127.0.0.68", "{body}");
     // A client is closed, counted, and nothing hangs.
     let mut s = tokio::net::TcpStream::connect(np.listen).await.unwrap();
     let (_, r) = read_until_closed(&mut s, Duration::from_secs(15)).await;

@@ -11,7 +11,7 @@ use seedlink_config::{ConfigError, Errors};
 use serde::Deserialize;
 
 /// The whole file.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
     /// This replica's ID, sent to agents as `serverid` (default: random).
@@ -57,7 +57,7 @@ pub struct ServerConfig {
 }
 
 /// Where the tunnel-server's Kubernetes objects are.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Kubernetes {
     /// `namespace/name` of the Lease electing the replica that writes
@@ -84,7 +84,7 @@ fn default_trust_dir() -> PathBuf {
 pub type Refused = Vec<(String, Vec<ConfigError>)>;
 
 /// Where agents connect.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentEndpoint {
     /// Listen address (Konnectivity's conventional port is 8132 or 8091).
@@ -103,7 +103,7 @@ pub struct AgentEndpoint {
 }
 
 /// The admin endpoint.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Admin {
     /// Listen address.
@@ -111,7 +111,7 @@ pub struct Admin {
 }
 
 /// One cluster: its agents' trust, its frontends, its routing.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Cluster {
     /// Name (a label on every metric).
@@ -138,7 +138,7 @@ pub struct Cluster {
 }
 
 /// Per-cluster limits; 0 switches one off.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ClusterLimits {
     /// Tunneled connections open or being dialled at once.
@@ -174,7 +174,7 @@ impl Default for ClusterLimits {
 /// Agent authentication by ServiceAccount token: checked locally against
 /// the issuer's public keys (`keys`) or by a TokenReview at the cluster's
 /// API server (`review`); exactly one of the two.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TokenAuth {
     /// The token issuer (`iss`), as the cluster's API server issues them.
@@ -206,7 +206,7 @@ fn default_service_account() -> String {
 }
 
 /// A frontend.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Frontend {
     /// Name (a metric label).
@@ -232,7 +232,7 @@ pub struct Frontend {
 }
 
 /// Frontend protocols.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum FrontendProtocol {
     /// HTTP/1.1 CONNECT (kube-apiserver `proxyProtocol: HTTPConnect`).

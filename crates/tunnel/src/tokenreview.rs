@@ -86,7 +86,7 @@ struct ApiStatus {
 }
 
 /// A TokenReview client for one cluster's API server.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct TokenReview {
     /// The API server, `https://host[:port]`.

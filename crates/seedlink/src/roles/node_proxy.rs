@@ -127,11 +127,15 @@ impl NodeProxyArgs {
 /// Runs `seedlink node-proxy` until drained; returns the exit code.
 pub async fn run(a: NodeProxyArgs) -> anyhow::Result<i32> {
     let supervisor = Supervisor::install()?;
-    let plan = a
-        .model()?
+    let model = a.model()?;
+    let plan = model
         .plan()
         .map_err(|e| super::problems("node-proxy", a.config.is_some(), &e))?;
     let np = NodeProxy::new(plan.options, plan.interface.is_some());
+    // For `/config`: the model as given (it holds no secret).
+    let _ = np
+        .config
+        .set(serde_json::to_value(&model).unwrap_or_default());
     if let Some(iface) = plan.interface {
         np.manage_interface(iface, plan.resync)
             .await

@@ -460,10 +460,15 @@ pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
     let admin_addr = admin.local_addr()?;
     {
         let agent = agent.clone();
+        // The configuration names the token file; no secret is inline.
+        let config = serde_json::to_string_pretty(&serde_json::json!({"config": &cfg}))
+            .unwrap_or_default()
+            + "\n";
         let route = move |path: &str| -> seedlink_net::admin::Answer {
-            use seedlink_net::admin::{encode, METRICS, TEXT};
+            use seedlink_net::admin::{encode, JSON, METRICS, TEXT};
             match path {
                 "/healthz" => (200, TEXT, "ok\n".into()),
+                "/config" => (200, JSON, config.clone()),
                 "/readyz" | "/ready" => {
                     let body = format!("server streams: {}\n", agent.session_count());
                     if agent.ready() {
@@ -476,7 +481,7 @@ pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
                 _ => (
                     404,
                     TEXT,
-                    "not found; try /healthz /readyz /metrics\n".into(),
+                    "not found; try /healthz /readyz /metrics /config\n".into(),
                 ),
             }
         };

@@ -19,7 +19,7 @@ use super::{AgentOptions, DEFAULT_DENY};
 use crate::grpc::H2Settings;
 
 /// The agent's whole configuration.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, serde::Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct AgentConfig {
     /// The tunnel server (or the gateway in front of it), `host:port`.

@@ -1,13 +1,14 @@
 //! tunnel-server admin: `/healthz`, `/readyz` (at least one agent, not
 //! shutting down; per-cluster agent and draining-agent counts in the
-//! body), `/metrics`.
+//! body), `/metrics`, `/config` (the configuration in force), `/api/state` (every cluster's agents, tunnels,
+//! dials and errors as JSON) and `/`, the live page over it.
 
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
 
 use super::core::Core;
-use seedlink_net::admin::{self, Answer, METRICS, TEXT};
+use seedlink_net::admin::{self, rfc3339, Answer, HTML, JSON, METRICS, PAGE, TEXT};
 
 /// Serves the admin endpoint.
 pub async fn serve(srv: Arc<Core>, listener: TcpListener) {
@@ -42,12 +43,76 @@ pub async fn serve(srv: Arc<Core>, listener: TcpListener) {
                 );
                 (200, METRICS, admin::encode(&srv.metrics.registry))
             }
+            "/" => (200, HTML, PAGE.into()),
+            "/config" => {
+                let view = srv.config.load();
+                let body = serde_json::json!({
+                    "generation": view.generation,
+                    "config": view.config,
+                });
+                (
+                    200,
+                    JSON,
+                    serde_json::to_string_pretty(&body).unwrap_or_default() + "\n",
+                )
+            }
+            "/api/state" => (200, JSON, state(&srv).to_string()),
             _ => (
                 404,
                 TEXT,
-                "not found; try /healthz /readyz /metrics\n".into(),
+                "not found; try / /api/state /config /healthz /readyz /metrics\n".into(),
             ),
         }
     };
     admin::serve(listener, 32, Arc::new(route)).await;
+}
+
+/// Every cluster's live state, as the page and scripts read it.
+pub fn state(srv: &Core) -> serde_json::Value {
+    let clusters: Vec<serde_json::Value> = srv
+        .registry
+        .clusters()
+        .iter()
+        .map(|c| {
+            let health = c.health();
+            let agents: Vec<serde_json::Value> = c
+                .agents()
+                .iter()
+                .map(|a| {
+                    serde_json::json!({
+                        "id": a.agent_id,
+                        "identifiers": a.ids.to_string(),
+                        "connected_since": rfc3339(a.since),
+                        "draining": a.draining(),
+                    })
+                })
+                .collect();
+            let errors: serde_json::Map<String, serde_json::Value> = health
+                .dial_errors
+                .iter()
+                .map(|(r, n)| ((*r).to_string(), (*n).into()))
+                .collect();
+            serde_json::json!({
+                "name": &*c.name,
+                "agents": agents,
+                "agents_changed": health.agents_changed.map(rfc3339),
+                "established": c.metrics.established_now(),
+                "pending": c.metrics.pending_now(),
+                "dial_errors": errors,
+                "frontends": c.conf.load().frontends,
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "role": "tunnel-server",
+        "process": {
+            "version": env!("CARGO_PKG_VERSION"),
+            "generation": srv.config.load().generation,
+            "last_reload": srv.config.load().last_reload.map(|(t, r)| serde_json::json!({"at": rfc3339(t), "result": r})),
+            "server_id": srv.server_id,
+            "server_count": srv.server_count,
+            "ready": srv.ready(),
+        },
+        "clusters": clusters,
+    })
 }

@@ -51,6 +51,20 @@ pub struct Core {
     pub tasks: TaskTracker,
     /// Frontend connection tasks (a drain waits for these).
     pub frontend_tasks: TaskTracker,
+    /// The configuration in force, for `/config` (it names files only:
+    /// no secret is inline), with its generation and last reload.
+    pub config: ArcSwap<ConfigView>,
+}
+
+/// What `/config` and the live page show of the configuration.
+#[derive(Debug, Clone)]
+pub struct ConfigView {
+    /// The configuration in force (Kubernetes clusters included).
+    pub config: serde_json::Value,
+    /// 1 at start, +1 per applied reload.
+    pub generation: u64,
+    /// When the last reload ended and how (`success`, `failure`).
+    pub last_reload: Option<(std::time::SystemTime, &'static str)>,
 }
 
 impl Core {

@@ -301,6 +301,16 @@ impl ClusterMetrics {
         self.dial_seconds.observe(took.as_secs_f64());
     }
 
+    /// Dials waiting for an agent's answer now.
+    pub fn pending_now(&self) -> i64 {
+        self.pending.get()
+    }
+
+    /// Tunneled connections open now.
+    pub fn established_now(&self) -> i64 {
+        self.established.get()
+    }
+
     /// Failed dials so far, by reason (sorted).
     pub fn dial_failures(&self) -> Vec<(&'static str, u64)> {
         let f = seedlink_net::sync::lock(&self.failures, "cluster metrics");

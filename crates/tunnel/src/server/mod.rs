@@ -53,6 +53,22 @@ pub struct Identifiers {
     pub default_route: bool,
 }
 
+impl std::fmt::Display for Identifiers {
+    /// The URL-query form the agent sent (canonical order).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts: Vec<String> = self.hosts.iter().map(|h| format!("host={h}")).collect();
+        parts.extend(self.ips.iter().map(|ip| match ip {
+            IpAddr::V4(_) => format!("ipv4={ip}"),
+            IpAddr::V6(_) => format!("ipv6={ip}"),
+        }));
+        parts.extend(self.cidrs.iter().map(|c| format!("cidr={c}")));
+        if self.default_route {
+            parts.push("default-route=true".into());
+        }
+        write!(f, "{}", parts.join("&"))
+    }
+}
+
 impl Identifiers {
     /// Parses the URL-query form; unknown keys and unparsable values are
     /// ignored (as upstream does), and reported back for logging.
@@ -165,6 +181,8 @@ pub struct AgentLink {
     pub cluster: Arc<str>,
     /// Its identifiers.
     pub ids: Identifiers,
+    /// When its stream was attached.
+    pub since: std::time::SystemTime,
     to_agent: Arc<FairQueue>,
     state: Mutex<Locked>,
     /// Cancelled when the stream ends.
@@ -320,6 +338,8 @@ pub struct ClusterConf {
     pub token: Option<Arc<TokenValidator>>,
     /// Password that selects this cluster on shared proxy frontends.
     pub proxy_password: Option<String>,
+    /// Its own frontends, `name (protocol, where)`, for the admin views.
+    pub frontends: Vec<String>,
 }
 
 /// One cluster's agents and settings.
@@ -393,6 +413,7 @@ impl Cluster {
                 verifier,
                 token: token.map(Arc::new),
                 proxy_password: None,
+                frontends: Vec::new(),
             },
             limits,
             metrics::ClusterMetrics::unregistered(),
@@ -717,6 +738,7 @@ pub fn attach(
         agent_id,
         cluster: cluster.name.clone(),
         ids,
+        since: std::time::SystemTime::now(),
         to_agent: tx.clone(),
         state: Mutex::new(Locked {
             machine: ServerLink::new(flow),

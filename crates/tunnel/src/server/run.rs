@@ -323,6 +323,18 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> 
                 verifier,
                 token: token.map(Arc::new),
                 proxy_password,
+                frontends: c
+                    .frontends
+                    .iter()
+                    .map(|f| {
+                        let at = match (&f.unix, &f.tcp) {
+                            (Some(p), _) => p.display().to_string(),
+                            (_, Some(a)) => a.to_string(),
+                            _ => String::new(),
+                        };
+                        format!("{} ({:?}, {at})", f.name, f.protocol)
+                    })
+                    .collect(),
             },
             limits: c.limits.into(),
         });
@@ -403,6 +415,11 @@ impl TunnelServer {
             accepting: CancellationToken::new(),
             tasks: TaskTracker::new(),
             frontend_tasks: TaskTracker::new(),
+            config: ArcSwap::from_pointee(super::core::ConfigView {
+                config: serde_json::to_value(cfg).unwrap_or_default(),
+                generation: 1,
+                last_reload: None,
+            }),
         });
         Ok(Arc::new(TunnelServer {
             core,
@@ -627,6 +644,11 @@ impl TunnelServer {
         let result = self.reload_inner(cfg).await;
         self.metrics
             .reload(if result.is_ok() { "ok" } else { "error" });
+        if result.is_err() {
+            let mut view = (**self.config.load()).clone();
+            view.last_reload = Some((std::time::SystemTime::now(), "failure"));
+            self.config.store(Arc::new(view));
+        }
         result
     }
 
@@ -684,6 +706,12 @@ impl TunnelServer {
             }
         }
         self.registry.set(next);
+        let previous = self.config.load();
+        self.config.store(Arc::new(super::core::ConfigView {
+            config: serde_json::to_value(cfg).unwrap_or_default(),
+            generation: previous.generation + 1,
+            last_reload: Some((std::time::SystemTime::now(), "success")),
+        }));
         self.agent_tls.store(Arc::new(p.agent_tls));
         // Frontends: unchanged ones keep listening (new certificates are
         // swapped in); removed or changed ones stop; new ones start.

@@ -1,0 +1,369 @@
+//! The operator's live page, in a real browser: headless Chromium loads
+//! the admin page of a running tunnel-server (three clusters: two agents,
+//! one agent, none) and of a gateway (a served control plane, one that
+//! denies us by ACL, one whose only endpoint is down), and the rendered
+//! DOM must show each one's state. Screenshots are kept in
+//! `target/test-artifacts/` for people to look at.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+use seedlink_testkit as common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::tunnel_env::{kas_connect, kas_connect_eventually, ready_line};
+use common::*;
+use tokio_util::sync::CancellationToken;
+
+fn artifacts() -> PathBuf {
+    let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/test-artifacts");
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Chromium, headless, on `url`: the DOM after the page's scripts ran, and
+/// a screenshot written to `png`.
+fn chromium(url: &str, png: &Path) -> String {
+    let bin = require("chromium");
+    let profile = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        let out = Command::new(&bin)
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+            ])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .args([
+                "--window-size=1500,1100",
+                "--virtual-time-budget=4000",
+                "--timeout=20000",
+            ])
+            .args(extra)
+            .arg(url)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "chromium {extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let dom = run(&["--dump-dom"]);
+    run(&[&format!("--screenshot={}", png.display())]);
+    let size = std::fs::metadata(png).map(|m| m.len()).unwrap_or(0);
+    assert!(
+        size > 10_000,
+        "screenshot {} is {size} bytes",
+        png.display()
+    );
+    dom
+}
+
+/// The opening tag of the element carrying `attr="value"`.
+fn tag<'a>(dom: &'a str, attr: &str, value: &str) -> &'a str {
+    let needle = format!("{attr}=\"{value}\"");
+    let at = dom
+        .find(&needle)
+        .unwrap_or_else(|| panic!("no element with {needle} in the DOM:\n{dom}"));
+    let start = dom[..at].rfind('<').unwrap();
+    let end = at + dom[at..].find('>').unwrap();
+    &dom[start..=end]
+}
+
+/// The text of the table row carrying `attr="value"` (up to `</tr>`).
+fn row<'a>(dom: &'a str, attr: &str, value: &str) -> &'a str {
+    let t = tag(dom, attr, value);
+    let start = dom.find(t).unwrap();
+    let end = start + dom[start..].find("</tr>").unwrap();
+    &dom[start..end]
+}
+
+fn agent(
+    server: &str,
+    seed_ca: &str,
+    cert: &str,
+    key: &str,
+    id: &str,
+    ids: &str,
+) -> (Proc, std::net::SocketAddr) {
+    let mut child = Command::new(seedlink_bin())
+        .args([
+            "tunnel-agent",
+            "--server",
+            server,
+            "--server-name",
+            "tunnel.seedlink.test",
+        ])
+        .args([
+            "--ca-cert",
+            seed_ca,
+            "--agent-cert",
+            cert,
+            "--agent-key",
+            key,
+        ])
+        .args(["--agent-id", id, "--agent-identifiers", ids])
+        .args([
+            "--admin",
+            "127.0.0.1:0",
+            "--sync-interval",
+            "0.2",
+            "--sync-interval-cap",
+            "2",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ready = ready_line(&mut child);
+    assert_eq!(ready["event"], "ready", "{ready}");
+    (
+        Proc(child),
+        ready["admin"].as_str().unwrap().parse().unwrap(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_page_shows_every_cluster_and_control_plane_in_chromium() {
+    let stop = CancellationToken::new();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let w = |name: &str, text: &str| {
+        std::fs::write(d.join(name), text).unwrap();
+        d.join(name).display().to_string()
+    };
+
+    // --- tunnel-server: three clusters, agents for two of them.
+    let seed = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
+    let seed_ca = w("seed-ca.pem", &seed.ca_pem);
+    let (tun_crt, tun_key) = (
+        w("tun.pem", &seed.servers[0].1.cert_pem),
+        w("tun-key.pem", &seed.servers[0].1.key_pem),
+    );
+    let mut shoots = Vec::new();
+    for s in ["a", "b", "c"] {
+        let pki = seedlink::demo::Pki::generate(&[]).unwrap();
+        let ca = w(&format!("{s}-ca.pem"), &pki.ca_pem);
+        let crt = w(&format!("{s}.pem"), &pki.client.cert_pem);
+        let key = w(&format!("{s}-key.pem"), &pki.client.key_pem);
+        shoots.push((ca, crt, key));
+    }
+    let config = d.join("tunnel.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "agents: {{listen: '127.0.0.1:0', cert: '{tun_crt}', key: '{tun_key}'}}
+admin: {{listen: '127.0.0.1:0'}}
+dial_timeout: 5s
+clusters:
+  - {{name: shoot--dev--a, agent_ca: '{}', frontends: [{{name: kas, protocol: http-connect, unix: '{}/a.sock'}}]}}
+  - {{name: shoot--dev--b, agent_ca: '{}', frontends: [{{name: kas, protocol: http-connect, unix: '{}/b.sock'}}]}}
+  - {{name: shoot--dev--c, agent_ca: '{}', frontends: [{{name: kas, protocol: grpc, unix: '{}/c.sock'}}]}}
+",
+            shoots[0].0,
+            d.display(),
+            shoots[1].0,
+            d.display(),
+            shoots[2].0,
+            d.display()
+        ),
+    )
+    .unwrap();
+    let mut server = Command::new(seedlink_bin())
+        .args(["tunnel-server", "--config"])
+        .arg(&config)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ready = ready_line(&mut server);
+    let _server = Proc(server);
+    let agents_at = ready["agents"].as_str().unwrap().to_string();
+    let tunnel_admin = ready["admin"].as_str().unwrap().to_string();
+    let (a, b) = (&shoots[0], &shoots[1]);
+    // Every role's `/config`: the tunnel-server's, and an agent's below.
+    let admin_addr: std::net::SocketAddr = tunnel_admin.parse().unwrap();
+    let (code, body) = http_get(admin_addr, "/config").await;
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["config"]["clusters"][2]["name"], "shoot--dev--c",
+        "{body}"
+    );
+    assert_eq!(v["generation"], 1);
+    let _a1 = agent(
+        &agents_at,
+        &seed_ca,
+        &a.1,
+        &a.2,
+        "a-node-1",
+        "host=node-1.shoot-a",
+    );
+    let _a2 = agent(
+        &agents_at,
+        &seed_ca,
+        &a.1,
+        &a.2,
+        "a-node-2",
+        "host=node-2.shoot-a",
+    );
+    let _b1 = agent(
+        &agents_at,
+        &seed_ca,
+        &b.1,
+        &b.2,
+        "b-node-1",
+        "default-route=true",
+    );
+    let (code, body) = http_get(_a1.1, "/config").await;
+    assert_eq!(code, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        v["config"]["agent_identifiers"], "host=node-1.shoot-a",
+        "{body}"
+    );
+    // An open tunnel through a, and a failed dial (a closed port) through b.
+    let echo = echo_backend(&stop).await;
+    let sock_a = d.join("a.sock").display().to_string();
+    let mut open =
+        kas_connect_eventually(&sock_a, &echo.to_string(), Duration::from_secs(20)).await;
+    common::tunnel_env::echo_rtt(&mut open, 100).await;
+    let sock_b = d.join("b.sock").display().to_string();
+    let _ = kas_connect_eventually(&sock_b, &echo.to_string(), Duration::from_secs(20)).await;
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    assert!(kas_connect(&sock_b, &closed.to_string()).await.is_err());
+
+    // --- gateway: served, denied by ACL, endpoint down.
+    let pki = std::sync::Arc::new(
+        seedlink::demo::Pki::generate(&[
+            "api.alpha.page.test",
+            "api.beta.page.test",
+            "api.gamma.page.test",
+        ])
+        .unwrap(),
+    );
+    let alpha = demo_backend(&pki, 0, "alpha", &stop).await;
+    let down = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '127.0.0.1:0'}}]
+upstream: {{eject_base: 60s, eject_max: 120s}}
+control_planes:
+  - {{name: shoot--dev--alpha, hostnames: [api.alpha.page.test], endpoints: ['{alpha}']}}
+  - {{name: shoot--dev--beta, hostnames: [api.beta.page.test], endpoints: ['{alpha}'], acl: {{allow: [192.0.2.0/24]}}}}
+  - {{name: shoot--dev--gamma, hostnames: [api.gamma.page.test], endpoints: ['{down}']}}
+"
+    ));
+    let cfg = || pki.client_config(true, &[]).unwrap();
+    assert!(
+        seedlink::demo::https_get(gw.tls, "api.alpha.page.test", cfg())
+            .await
+            .unwrap()
+            .contains("hello from alpha")
+    );
+    assert!(
+        seedlink::demo::https_get(gw.tls, "api.beta.page.test", cfg())
+            .await
+            .is_err()
+    );
+    assert!(
+        seedlink::demo::https_get(gw.tls, "api.gamma.page.test", cfg())
+            .await
+            .is_err()
+    );
+    gw.wait_metric(
+        "seedlink_gateway_connections_total{listener=\"tls\",control_plane=\"shoot--dev--gamma\"",
+        1.0,
+    )
+    .await;
+
+    // --- the pages, in Chromium.
+    let art = artifacts();
+    let dom = tokio::task::spawn_blocking({
+        let (url, png) = (
+            format!("http://{tunnel_admin}/"),
+            art.join("admin-page-tunnel-server.png"),
+        );
+        move || chromium(&url, &png)
+    })
+    .await
+    .unwrap();
+    assert!(
+        dom.contains("data-loaded=\"true\""),
+        "the page did not render:\n{dom}"
+    );
+    let c = tag(&dom, "data-cluster", "shoot--dev--c");
+    assert!(
+        c.contains("data-state=\"no-agents\"") && c.contains("data-agents=\"0\""),
+        "{c}"
+    );
+    assert!(row(&dom, "data-cluster", "shoot--dev--c").contains("NO AGENT"));
+    let a_row = row(&dom, "data-cluster", "shoot--dev--a");
+    assert!(
+        tag(&dom, "data-cluster", "shoot--dev--a").contains("data-agents=\"2\""),
+        "{a_row}"
+    );
+    assert!(
+        a_row.contains("a-node-1")
+            && a_row.contains("a-node-2")
+            && a_row.contains("host=node-1.shoot-a"),
+        "{a_row}"
+    );
+    let b_row = row(&dom, "data-cluster", "shoot--dev--b");
+    assert!(
+        b_row.contains("b-node-1") && b_row.contains("default-route=true"),
+        "{b_row}"
+    );
+    assert!(
+        b_row.contains("error_response") || b_row.contains("dial"),
+        "b's failed dial is not shown: {b_row}"
+    );
+    assert!(a_row.contains("kas (HttpConnect"), "{a_row}");
+
+    let dom = tokio::task::spawn_blocking({
+        let (url, png) = (
+            format!("http://{}/", gw.admin),
+            art.join("admin-page-gateway.png"),
+        );
+        move || chromium(&url, &png)
+    })
+    .await
+    .unwrap();
+    assert!(
+        dom.contains("data-loaded=\"true\""),
+        "the page did not render:\n{dom}"
+    );
+    let alpha_row = row(&dom, "data-control-plane", "shoot--dev--alpha");
+    assert!(
+        tag(&dom, "data-control-plane", "shoot--dev--alpha").contains("data-state=\"ok\""),
+        "{alpha_row}"
+    );
+    assert!(
+        alpha_row.contains("api.alpha.page.test") && alpha_row.contains("ok 1"),
+        "{alpha_row}"
+    );
+    let beta_row = row(&dom, "data-control-plane", "shoot--dev--beta");
+    assert!(
+        beta_row.contains("192.0.2.0/24") && beta_row.contains("acl_denied 1"),
+        "{beta_row}"
+    );
+    let gamma_row = row(&dom, "data-control-plane", "shoot--dev--gamma");
+    assert!(gamma_row.contains("ejected"), "{gamma_row}");
+    assert!(
+        tag(&dom, "data-control-plane", "shoot--dev--gamma").contains("data-state=\"no-agents\""),
+        "{gamma_row}"
+    );
+    drop(open);
+    stop.cancel();
+}
