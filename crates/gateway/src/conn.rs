@@ -264,7 +264,10 @@ async fn run(
                 Err(bad) => return reject_connect(gw, lctx, &stream, client, head, bad).await,
             };
             let Some(route) = snap.routes.destination(&canonical) else {
-                tracing::info!(listener = %lctx.spec.name, %client, destination = %canonical, target = %head.target, "unknown destination");
+                if gw.metrics.refusal_log.allow() {
+                    tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, %client, %peer,
+                        reason = "unknown_destination", destination = %canonical, "connection refused");
+                }
                 respond_and_close(
                     &stream,
                     status_line(head, "503 Service Unavailable").as_bytes(),
@@ -280,7 +283,10 @@ async fn run(
         }
     };
     if !gw.admit(snap, &cp, client) {
-        tracing::info!(listener = %lctx.spec.name, %client, %peer, control_plane = %cp.name, "ACL denied");
+        if gw.metrics.refusal_log.allow() {
+            tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, %client, %peer,
+                control_plane = %cp.name, reason = "acl_denied", "connection refused");
+        }
         if let Request::Connect(head) = &detected.request {
             respond_and_close(&stream, status_line(head, "403 Forbidden").as_bytes()).await;
         }
@@ -324,7 +330,10 @@ async fn run(
     {
         Ok(u) => u,
         Err(e) => {
-            tracing::warn!(listener = %lctx.spec.name, %client, control_plane = %cp.name, error = %e, "no upstream");
+            if gw.metrics.refusal_log.allow() {
+                tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, %client, %peer,
+                    control_plane = %cp.name, reason = "upstream_unavailable", error = %e, "connection failed");
+            }
             refuse_connect_unavailable(&stream, &detected.request).await;
             return (Some(cp), Outcome::UpstreamUnavailable);
         }
@@ -397,7 +406,11 @@ fn refuse(gw: &Gateway, lctx: &ListenerCtx, who: SocketAddr, r: Refusal) -> Ende
     if r != Refusal::LbHealthCheck {
         lctx.metrics.detect_failure(&gw.metrics, reason);
     }
-    tracing::debug!(listener = %lctx.spec.name, client = %who, reason, "connection refused");
+    // A load balancer's health check is not a refusal; everything else is
+    // one line (rate-limited, the excess counted).
+    if r != Refusal::LbHealthCheck && gw.metrics.refusal_log.allow() {
+        tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, client = %who, reason, "connection refused");
+    }
     (None, Outcome::Refused(r))
 }
 

@@ -109,6 +109,9 @@ pub struct Metrics {
     pub config_generation: Gauge,
     /// Maximum concurrent connections in force.
     pub max_connections: Gauge,
+    /// The per-connection refusal lines, rate-limited; what it drops is
+    /// counted as `log_lines_dropped`.
+    pub refusal_log: seedlink_net::loglimit::LogLimiter,
 }
 
 impl Default for Metrics {
@@ -134,6 +137,7 @@ impl Metrics {
             reloads: Family::default(),
             config_generation: Gauge::default(),
             max_connections: Gauge::default(),
+            refusal_log: seedlink_net::loglimit::LogLimiter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -195,6 +199,11 @@ impl Metrics {
             "max_connections",
             "Concurrent connection cap in force",
             m.max_connections.clone(),
+        );
+        registry.register(
+            "log_lines_dropped",
+            "Refused-connection log lines not written because more than 20 per second (burst 100) came",
+            m.refusal_log.dropped.clone(),
         );
         Metrics { registry, ..m }
     }

@@ -14,6 +14,7 @@ pub mod admin;
 pub mod copy;
 pub mod h2copy;
 pub mod lifecycle;
+pub mod loglimit;
 pub mod prefixed;
 pub mod sockopt;
 #[cfg(target_os = "linux")]
