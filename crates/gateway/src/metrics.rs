@@ -210,11 +210,8 @@ impl Metrics {
 
     /// Renders the OpenMetrics text exposition.
     pub fn encode(&self) -> String {
-        let mut out = String::new();
-        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
-            out.clear();
-        }
-        out
+        // With the process, build and lock metrics every role exports.
+        seedlink_net::admin::encode(&self.registry)
     }
 }
 

@@ -117,6 +117,111 @@ pub async fn serve(
     .await;
 }
 
+/// The process and build metrics every role exports: `seedlink_build_info`
+/// and the standard `process_*` family (as Prometheus client libraries name
+/// them), read from `/proc/self` at scrape time. Hand-written because the
+/// Rust client has no process collector; the CPU time assumes Linux's fixed
+/// `USER_HZ` of 100 ticks per second.
+#[derive(Debug)]
+struct ProcessCollector;
+
+/// `/proc/self/stat` fields after the command name: (utime, stime,
+/// num_threads, starttime) in ticks / count.
+fn proc_stat() -> Option<(u64, u64, u64, u64)> {
+    let text = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The command may hold spaces and parentheses: fields follow the last ')'.
+    let rest = &text[text.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // Field numbers from proc(5), minus the two before `state` (pid, comm).
+    let at = |n: usize| f.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+    Some((at(14)?, at(15)?, at(20)?, at(22)?))
+}
+
+fn proc_value(path: &str, key: &str) -> Option<u64> {
+    std::fs::read_to_string(path).ok()?.lines().find_map(|l| {
+        let rest = l.strip_prefix(key)?;
+        rest.split_whitespace().find_map(|v| v.parse::<u64>().ok())
+    })
+}
+
+impl prometheus_client::collector::Collector for ProcessCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        const HZ: f64 = 100.0;
+        let info = prometheus_client::metrics::info::Info::new(vec![
+            ("version", env!("CARGO_PKG_VERSION")),
+            (
+                "profile",
+                if cfg!(debug_assertions) {
+                    "debug"
+                } else {
+                    "release"
+                },
+            ),
+        ]);
+        info.encode(encoder.encode_descriptor(
+            "seedlink_build",
+            "The running build",
+            None,
+            info.metric_type(),
+        )?)?;
+        let mut gauge = |name: &str, help: &str, v: f64| -> Result<(), std::fmt::Error> {
+            let g = ConstGauge::new(v);
+            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)
+        };
+        if let Some(kb) = proc_value("/proc/self/status", "VmRSS:") {
+            gauge(
+                "process_resident_memory_bytes",
+                "Resident memory",
+                (kb * 1024) as f64,
+            )?;
+        }
+        if let Some(kb) = proc_value("/proc/self/status", "VmSize:") {
+            gauge(
+                "process_virtual_memory_bytes",
+                "Virtual memory",
+                (kb * 1024) as f64,
+            )?;
+        }
+        if let Ok(d) = std::fs::read_dir("/proc/self/fd") {
+            gauge(
+                "process_open_fds",
+                "Open file descriptors",
+                d.count() as f64,
+            )?;
+        }
+        if let Some(n) = proc_value("/proc/self/limits", "Max open files") {
+            gauge("process_max_fds", "The open-file limit", n as f64)?;
+        }
+        let stat = proc_stat();
+        if let Some((_, _, threads, start)) = stat {
+            gauge("process_threads", "OS threads", threads as f64)?;
+            if let Some(btime) = proc_value("/proc/stat", "btime") {
+                gauge(
+                    "process_start_time_seconds",
+                    "Start time since the Unix epoch",
+                    btime as f64 + start as f64 / HZ,
+                )?;
+            }
+        }
+        if let Some((utime, stime, _, _)) = stat {
+            let c = ConstCounter::new((utime + stime) as f64 / HZ);
+            c.encode(encoder.encode_descriptor(
+                "process_cpu_seconds",
+                "User and system CPU time",
+                None,
+                c.metric_type(),
+            )?)?;
+        }
+        Ok(())
+    }
+}
+
 /// Encodes a registry in the text format.
 pub fn encode(registry: &prometheus_client::registry::Registry) -> String {
     use prometheus_client::metrics::counter::ConstCounter;
@@ -127,6 +232,7 @@ pub fn encode(registry: &prometheus_client::registry::Registry) -> String {
         "Locks found poisoned (each is a bug: a thread panicked holding one)",
         ConstCounter::new(crate::sync::poisoned()),
     );
+    process.register_collector(Box::new(ProcessCollector));
     let mut out = String::new();
     let mut tail = String::new();
     if prometheus_client::encoding::text::encode(&mut out, registry).is_err()

@@ -52,6 +52,8 @@ pub struct FrontendLabels {
 pub struct Metrics {
     /// Registry for `/metrics`.
     pub registry: Registry,
+    /// The per-connection failure lines, rate-limited (the rest counted).
+    pub refusal_log: seedlink_net::loglimit::LogLimiter,
     agents: Family<ClusterLabel, Gauge>,
     agent_streams: Family<ClusterReason, Counter>,
     agent_packets: Family<ClusterReason, Counter>,
@@ -71,6 +73,20 @@ pub struct Metrics {
     k_pending: Gauge,
     k_established: Gauge,
     k_dial_failures: Family<Reason, Counter>,
+    k_dial_seconds: Histogram,
+}
+
+/// Konnectivity's `reason` value for one of ours, where the meaning is the
+/// same (upstream: `no_agent`, `error_response`, `unrecognized_response`,
+/// `send_rsp`, `backend_close`, `backend_dial_timeout`, `frontend_close`).
+pub fn konnectivity_reason(ours: &str) -> &str {
+    match ours {
+        // The frontend went away before the dial finished.
+        "dial_closed" => "frontend_close",
+        // An agent answered with something the protocol does not allow.
+        "protocol_error" => "unrecognized_response",
+        same => same,
+    }
 }
 
 fn dial_histogram() -> Histogram {
@@ -107,6 +123,8 @@ impl Metrics {
             k_pending: Gauge::default(),
             k_established: Gauge::default(),
             k_dial_failures: Family::default(),
+            k_dial_seconds: dial_histogram(),
+            refusal_log: seedlink_net::loglimit::LogLimiter::default(),
         };
         {
             let r = registry.sub_registry_with_prefix("seedlink_tunnel_server");
@@ -149,6 +167,11 @@ impl Metrics {
                 m.reloads.clone(),
             );
             r.register(
+                "log_lines_dropped",
+                "Failed-connection log lines not written because more than 20 per second (burst 100) came",
+                m.refusal_log.dropped.clone(),
+            );
+            r.register(
                 "token_reviews",
                 "Agent token checks by TokenReview, by outcome (accepted, refused, unavailable, cached)",
                 m.token_reviews.clone(),
@@ -175,6 +198,11 @@ impl Metrics {
                 "dial_failure_count",
                 "Dial failures by reason (all clusters)",
                 m.k_dial_failures.clone(),
+            );
+            r.register(
+                "dial_duration_seconds",
+                "Time from DIAL_REQ to DIAL_RSP (all clusters)",
+                m.k_dial_seconds.clone(),
             );
         }
         Metrics { registry, ..m }
@@ -207,6 +235,12 @@ impl Metrics {
 
     /// A frontend connection ended.
     pub fn frontend_conn(&self, cluster: &str, frontend: &str, outcome: &str) {
+        // Every frontend connection ends here: a failed one is one line
+        // (a client that simply closed is not a failure).
+        let normal = matches!(outcome, "ok" | "closed" | "frontend_gone" | "draining");
+        if !normal && self.refusal_log.allow() {
+            tracing::warn!(target: "seedlink::refused", %cluster, %frontend, reason = %outcome, "frontend connection failed");
+        }
         self.frontend_conns
             .get_or_create(&FrontendLabels {
                 cluster: cluster.into(),
@@ -234,6 +268,7 @@ pub struct ClusterMetrics {
     k_backends: Gauge,
     k_pending: Gauge,
     k_established: Gauge,
+    k_dial_seconds: Histogram,
     /// Where dial-failure handles are resolved on first use.
     families: Option<FailureFamilies>,
 }
@@ -267,6 +302,7 @@ impl ClusterMetrics {
             k_backends: Gauge::default(),
             k_pending: Gauge::default(),
             k_established: Gauge::default(),
+            k_dial_seconds: dial_histogram(),
             families: None,
         }
     }
@@ -299,6 +335,7 @@ impl ClusterMetrics {
     pub fn dial_ok(&self, took: Duration) {
         self.dials.inc();
         self.dial_seconds.observe(took.as_secs_f64());
+        self.k_dial_seconds.observe(took.as_secs_f64());
     }
 
     /// Dials waiting for an agent's answer now.
@@ -330,7 +367,7 @@ impl ClusterMetrics {
                 })
                 .clone(),
                 all.get_or_create(&Reason {
-                    reason: reason.to_string(),
+                    reason: konnectivity_reason(reason).to_string(),
                 })
                 .clone(),
             ),
@@ -364,6 +401,7 @@ impl Metrics {
             k_backends: self.k_backends.clone(),
             k_pending: self.k_pending.clone(),
             k_established: self.k_established.clone(),
+            k_dial_seconds: self.k_dial_seconds.clone(),
             families: Some((
                 self.dial_failures.clone(),
                 self.k_dial_failures.clone(),
