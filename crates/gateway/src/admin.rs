@@ -57,7 +57,9 @@ fn route(gw: &Gateway, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             Phase::Draining => text(StatusCode::SERVICE_UNAVAILABLE, "draining\n"),
         },
         "/metrics" => {
-            let mut r = Response::new(Full::new(Bytes::from(gw.metrics.encode())));
+            let mut r = Response::new(Full::new(Bytes::from(
+                gw.metrics.encode_with(&gw.snapshot()),
+            )));
             if let Ok(v) = "application/openmetrics-text; version=1.0.0; charset=utf-8".parse() {
                 r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
             }

@@ -35,6 +35,10 @@ enum Refusal {
     Hello(client_hello::Reject),
     Head(connect_head::Reject),
     LbHealthCheck,
+    /// Connected and closed without sending a byte: a TCP health check
+    /// (kubelet `tcpSocket`, a LoadBalancer's TCP check, a node proxy's
+    /// readiness probe).
+    TcpProbe,
     NoSni,
     UnknownSni,
     UnknownDestination,
@@ -57,6 +61,7 @@ impl Refusal {
             Refusal::Hello(r) => r.reason(),
             Refusal::Head(r) => r.reason(),
             Refusal::LbHealthCheck => "lb_health_check",
+            Refusal::TcpProbe => "tcp_probe",
             Refusal::NoSni => "no_sni",
             Refusal::UnknownSni => "unknown_sni",
             Refusal::UnknownDestination => "unknown_destination",
@@ -166,9 +171,13 @@ impl Tally for Count<'_> {
 /// is counted exactly once.
 pub async fn serve(gw: Arc<Gateway>, lctx: Arc<ListenerCtx>, stream: TcpStream, peer: SocketAddr) {
     let snap = gw.snapshot();
+    let started = std::time::Instant::now();
     lctx.metrics.active.inc();
     let (cp, outcome) = run(&gw, &lctx, &snap, stream, peer).await;
     lctx.metrics.active.dec();
+    lctx.metrics
+        .duration
+        .observe(started.elapsed().as_secs_f64());
     let cp = cp.as_ref().map_or("", |c| c.name.as_str());
     lctx.metrics.ended(&gw.metrics, cp, outcome.reason());
 }
@@ -403,12 +412,13 @@ async fn run(
 
 fn refuse(gw: &Gateway, lctx: &ListenerCtx, who: SocketAddr, r: Refusal) -> Ended {
     let reason = r.reason();
-    if r != Refusal::LbHealthCheck {
+    let probe = matches!(r, Refusal::LbHealthCheck | Refusal::TcpProbe);
+    if !probe {
         lctx.metrics.detect_failure(&gw.metrics, reason);
     }
     // A load balancer's health check is not a refusal; everything else is
     // one line (rate-limited, the excess counted).
-    if r != Refusal::LbHealthCheck && gw.metrics.refusal_log.allow() {
+    if !probe && gw.metrics.refusal_log.allow() {
         tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, client = %who, reason, "connection refused");
     }
     (None, Outcome::Refused(r))
@@ -433,6 +443,12 @@ async fn detect<'g>(
 
     if mode == ProxyMode::Required && !trusted {
         return Err(Refusal::UntrustedProxy);
+    }
+    // A health probe connects and closes without a byte: not a detection
+    // failure, and not logged.
+    match read_more(stream, &mut buf, proxy_cap.max(hello_cap)).await {
+        Err(Refusal::Eof) => return Err(Refusal::TcpProbe),
+        r => r?,
     }
     // On a legacy `proxy` listener a header from a peer that is not a
     // trusted LB is the node proxy's own (the inner one), read below.

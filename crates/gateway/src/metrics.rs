@@ -81,6 +81,15 @@ pub struct ResultLabels {
     pub result: String,
 }
 
+/// `control_plane` and `state` labels.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointStateLabels {
+    /// Control plane.
+    pub control_plane: String,
+    /// `up` or `ejected`.
+    pub state: String,
+}
+
 /// Every metric the gateway exports.
 pub struct Metrics {
     /// The registry served on `/metrics`.
@@ -109,6 +118,11 @@ pub struct Metrics {
     pub config_generation: Gauge,
     /// Maximum concurrent connections in force.
     pub max_connections: Gauge,
+    /// Time to connect to an upstream endpoint (successful attempts).
+    pub upstream_connect_seconds: prometheus_client::metrics::histogram::Histogram,
+    /// How long connections lasted, by listener.
+    pub connection_seconds:
+        Family<ListenerLabels, prometheus_client::metrics::histogram::Histogram>,
     /// The per-connection refusal lines, rate-limited; what it drops is
     /// counted as `log_lines_dropped`.
     pub refusal_log: seedlink_net::loglimit::LogLimiter,
@@ -138,6 +152,14 @@ impl Metrics {
             config_generation: Gauge::default(),
             max_connections: Gauge::default(),
             refusal_log: seedlink_net::loglimit::LogLimiter::default(),
+            upstream_connect_seconds: prometheus_client::metrics::histogram::Histogram::new([
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+            ]),
+            connection_seconds: Family::new_with_constructor(|| {
+                prometheus_client::metrics::histogram::Histogram::new([
+                    0.01, 0.1, 1.0, 10.0, 60.0, 300.0, 1800.0, 3600.0, 14400.0, 86400.0,
+                ])
+            }),
             registry: Registry::default(),
         };
         registry.register(
@@ -201,6 +223,16 @@ impl Metrics {
             m.max_connections.clone(),
         );
         registry.register(
+            "upstream_connect_duration_seconds",
+            "Time to connect to an upstream endpoint (successful attempts)",
+            m.upstream_connect_seconds.clone(),
+        );
+        registry.register(
+            "connection_duration_seconds",
+            "How long connections lasted, by listener",
+            m.connection_seconds.clone(),
+        );
+        registry.register(
             "log_lines_dropped",
             "Refused-connection log lines not written because more than 20 per second (burst 100) came",
             m.refusal_log.dropped.clone(),
@@ -213,6 +245,49 @@ impl Metrics {
         // With the process, build and lock metrics every role exports.
         seedlink_net::admin::encode(&self.registry)
     }
+
+    /// The exposition with the per-control-plane gauges of `snap`: every
+    /// configured control plane from the start (zero-valued), its open
+    /// connections and its upstream endpoints by state (`up`, `ejected`).
+    pub fn encode_with(&self, snap: &seedlink_config::Snapshot) -> String {
+        use std::sync::atomic::Ordering;
+        let mut live = Registry::with_prefix("seedlink_gateway");
+        let active: Family<CpLabels, Gauge> = Family::default();
+        let endpoints: Family<EndpointStateLabels, Gauge> = Family::default();
+        let now = crate::upstream::now_ms();
+        for (name, cp) in &snap.control_planes {
+            let open: u32 = cp
+                .endpoints
+                .iter()
+                .map(|e| e.state.active.load(Ordering::Relaxed))
+                .sum();
+            active
+                .get_or_create(&CpLabels {
+                    control_plane: name.clone(),
+                })
+                .set(i64::from(open));
+            let ejected = cp.endpoints.iter().filter(|e| e.ejected(now)).count();
+            for (state, n) in [("up", cp.endpoints.len() - ejected), ("ejected", ejected)] {
+                endpoints
+                    .get_or_create(&EndpointStateLabels {
+                        control_plane: name.clone(),
+                        state: state.into(),
+                    })
+                    .set(i64::try_from(n).unwrap_or(i64::MAX));
+            }
+        }
+        live.register(
+            "control_plane_active_connections",
+            "Open connections by control plane (every configured one, from the start)",
+            active,
+        );
+        live.register(
+            "upstream_endpoints",
+            "Upstream endpoints by control plane and state (up, ejected)",
+            endpoints,
+        );
+        seedlink_net::admin::encode_all(&[&self.registry, &live])
+    }
 }
 
 /// One listener's metric handles, resolved when the listener is set up; a
@@ -222,6 +297,8 @@ pub struct ListenerMetrics {
     listener: String,
     /// Open connections.
     pub active: Gauge,
+    /// How long its connections lasted.
+    pub duration: prometheus_client::metrics::histogram::Histogram,
     detect: Mutex<HashMap<&'static str, Counter>>,
     per_cp: RwLock<HashMap<String, Arc<CpMetrics>>>,
 }
@@ -243,6 +320,12 @@ impl ListenerMetrics {
             listener: listener.to_string(),
             active: m
                 .active
+                .get_or_create(&ListenerLabels {
+                    listener: listener.to_string(),
+                })
+                .clone(),
+            duration: m
+                .connection_seconds
                 .get_or_create(&ListenerLabels {
                     listener: listener.to_string(),
                 })

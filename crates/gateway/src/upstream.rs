@@ -68,12 +68,16 @@ pub async fn connect(
         };
         tried.push(i);
         let ep = &endpoints[i];
+        let started = std::time::Instant::now();
         let result = match tokio::time::timeout(timeout, connect_host(&ep.address, ka)).await {
             Ok(r) => r,
             Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out")),
         };
         match result {
             Ok(stream) => {
+                metrics
+                    .upstream_connect_seconds
+                    .observe(started.elapsed().as_secs_f64());
                 ep.state.failures.store(0, Ordering::Relaxed);
                 ep.state.ejected_until_ms.store(0, Ordering::Relaxed);
                 ep.state.active.fetch_add(1, Ordering::Relaxed);

@@ -222,8 +222,14 @@ impl prometheus_client::collector::Collector for ProcessCollector {
     }
 }
 
-/// Encodes a registry in the text format.
+/// Encodes a registry in the text format, with the process, build and
+/// lock metrics every role exports.
 pub fn encode(registry: &prometheus_client::registry::Registry) -> String {
+    encode_all(&[registry])
+}
+
+/// The same for several registries (one exposition, one `# EOF`).
+pub fn encode_all(registries: &[&prometheus_client::registry::Registry]) -> String {
     use prometheus_client::metrics::counter::ConstCounter;
     // Every role's endpoint also says whether a bug poisoned a lock.
     let mut process = prometheus_client::registry::Registry::default();
@@ -234,19 +240,15 @@ pub fn encode(registry: &prometheus_client::registry::Registry) -> String {
     );
     process.register_collector(Box::new(ProcessCollector));
     let mut out = String::new();
-    let mut tail = String::new();
-    if prometheus_client::encoding::text::encode(&mut out, registry).is_err()
-        || prometheus_client::encoding::text::encode(&mut tail, &process).is_err()
-    {
-        out.clear();
-        return out;
+    for r in registries.iter().copied().chain(std::iter::once(&process)) {
+        let mut part = String::new();
+        if prometheus_client::encoding::text::encode(&mut part, r).is_err() {
+            return String::new();
+        }
+        // One exposition: only the last `# EOF` stays.
+        out.push_str(part.strip_suffix("# EOF\n").unwrap_or(&part));
     }
-    // One exposition: the first `# EOF` goes.
-    if let Some(body) = out.strip_suffix("# EOF\n") {
-        let n = body.len();
-        out.truncate(n);
-    }
-    out.push_str(&tail);
+    out.push_str("# EOF\n");
     out
 }
 

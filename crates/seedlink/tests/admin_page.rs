@@ -287,6 +287,36 @@ control_planes:
         1.0,
     )
     .await;
+    // The same state in the metrics: every control plane has its gauges,
+    // the ejected endpoint is counted, connect and connection times too.
+    let m = gw.metrics().await;
+    for cp in ["alpha", "beta", "gamma"] {
+        assert!(m.contains(&format!("seedlink_gateway_control_plane_active_connections{{control_plane=\"shoot--dev--{cp}\"}} 0")), "{cp}:\n{m}");
+    }
+    assert_eq!(sum_metric(&m, "seedlink_gateway_upstream_endpoints{control_plane=\"shoot--dev--gamma\",state=\"ejected\"}"), 1.0, "{m}");
+    assert_eq!(
+        sum_metric(
+            &m,
+            "seedlink_gateway_upstream_endpoints{control_plane=\"shoot--dev--alpha\",state=\"up\"}"
+        ),
+        1.0,
+        "{m}"
+    );
+    assert!(
+        sum_metric(
+            &m,
+            "seedlink_gateway_upstream_connect_duration_seconds_count"
+        ) >= 1.0,
+        "{m}"
+    );
+    assert!(
+        sum_metric(
+            &m,
+            "seedlink_gateway_connection_duration_seconds_count{listener=\"tls\"}"
+        ) >= 3.0,
+        "{m}"
+    );
+    assert!(m.contains("seedlink_build_info{"), "{m}");
 
     // --- the pages, in Chromium.
     let art = artifacts();

@@ -170,6 +170,15 @@ control_planes:
     }
     gw.wait_metric("seedlink_gateway_connections_total{listener=\"lb\",control_plane=\"\",outcome=\"lb_health_check\"}", 1.0)
         .await;
+    // A TCP probe (kubelet, a LoadBalancer, a node proxy's readiness check)
+    // connects and closes without a byte: counted as such, not as a
+    // detection failure.
+    let eof_before = gw.metric(&reason("tls", "eof")).await;
+    drop(TcpStream::connect(tls).await.unwrap());
+    gw.wait_metric("seedlink_gateway_connections_total{listener=\"tls\",control_plane=\"\",outcome=\"tcp_probe\"}", 1.0)
+        .await;
+    assert_eq!(gw.metric(&reason("tls", "tcp_probe")).await, 0.0);
+    assert_eq!(gw.metric(&reason("tls", "eof")).await, eof_before);
     stop.cancel();
 }
 
