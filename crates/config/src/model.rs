@@ -70,11 +70,16 @@ fn yes() -> bool {
 pub struct Admin {
     /// `host:port` of the admin HTTP server.
     pub listen: String,
+    /// A file holding a bearer token: then everything but the probes
+    /// (`/healthz`, `/readyz`) needs `Authorization: Bearer <token>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<String>,
 }
 
 impl Default for Admin {
     fn default() -> Self {
         Admin {
+            token_file: None,
             listen: "127.0.0.1:9901".into(),
         }
     }

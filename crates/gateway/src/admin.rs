@@ -20,7 +20,7 @@ const MAX_ADMIN_CONNECTIONS: usize = 64;
 
 /// Serves the admin endpoint until the process exits (it stays up while
 /// draining so probes and scrapes see the drain).
-pub async fn serve(gw: Arc<Gateway>, listener: TcpListener) {
+pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, access: seedlink_net::admin::Access) {
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_ADMIN_CONNECTIONS));
     let never = tokio_util::sync::CancellationToken::new();
     seedlink_net::accept::accept_loop(&listener, &never, |stream, _peer| {
@@ -28,10 +28,30 @@ pub async fn serve(gw: Arc<Gateway>, listener: TcpListener) {
             return;
         };
         let gw = gw.clone();
+        let access = access.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
                 let gw = gw.clone();
-                async move { Ok::<_, Infallible>(route(&gw, &req)) }
+                let allowed = access.allows(
+                    req.uri().path(),
+                    req.headers()
+                        .get(hyper::header::AUTHORIZATION)
+                        .and_then(|v| v.to_str().ok()),
+                );
+                async move {
+                    if !allowed {
+                        let mut r = text(
+                            StatusCode::UNAUTHORIZED,
+                            "unauthorized: send Authorization: Bearer <token>\n",
+                        );
+                        r.headers_mut().insert(
+                            hyper::header::WWW_AUTHENTICATE,
+                            hyper::header::HeaderValue::from_static("Bearer"),
+                        );
+                        return Ok::<_, Infallible>(r);
+                    }
+                    Ok::<_, Infallible>(route(&gw, &req))
+                }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())

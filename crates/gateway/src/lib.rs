@@ -97,6 +97,8 @@ pub struct Bound {
     pub listeners: Vec<(ListenerSpec, Vec<std::net::TcpListener>)>,
     /// The admin socket.
     pub admin: std::net::TcpListener,
+    /// Who may read it (the token file is read when binding).
+    pub admin_access: seedlink_net::admin::Access,
 }
 
 impl Bound {
@@ -234,7 +236,16 @@ impl Gateway {
         }
         let admin = bind_tcp(snap.admin, false, None)
             .map_err(|e| std::io::Error::new(e.kind(), format!("admin on {}: {e}", snap.admin)))?;
-        Ok(Bound { listeners, admin })
+        let admin_access = match &snap.file.admin.token_file {
+            None => seedlink_net::admin::Access::open(),
+            Some(f) => seedlink_net::admin::Access::from_token_file(std::path::Path::new(f))
+                .map_err(|e| std::io::Error::new(e.kind(), format!("admin.token_file {f}: {e}")))?,
+        };
+        Ok(Bound {
+            listeners,
+            admin,
+            admin_access,
+        })
     }
 
     /// Starts one worker thread per configured worker, each a single-threaded
@@ -268,7 +279,8 @@ impl Gateway {
         }
         let admin = TcpListener::from_std(bound.admin)?;
         let gw = self.clone();
-        tokio::spawn(async move { admin::serve(gw, admin).await });
+        let access = bound.admin_access.clone();
+        tokio::spawn(async move { admin::serve(gw, admin, access).await });
         self.lifecycle.serving();
         Ok(())
     }

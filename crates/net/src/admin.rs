@@ -81,11 +81,78 @@ pub fn samples(text: &str, name: &str) -> Vec<(std::collections::BTreeMap<String
     out
 }
 
+/// Who may read an admin endpoint. The probes (`/healthz`, `/readyz`,
+/// `/ready`) and the page's static file (`/`) are always answered, so a
+/// kubelet needs no credentials; with a token, everything else (metrics,
+/// configuration, state) needs `Authorization: Bearer <token>`.
+#[derive(Clone, Default)]
+pub struct Access {
+    token: Option<Arc<str>>,
+}
+
+impl std::fmt::Debug for Access {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the token itself.
+        f.debug_struct("Access")
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+impl Access {
+    /// No token: every path is answered (bind to loopback or a pod address).
+    pub fn open() -> Access {
+        Access::default()
+    }
+
+    /// The token in `path` (surrounding whitespace ignored; empty is an error).
+    pub fn from_token_file(path: &std::path::Path) -> std::io::Result<Access> {
+        let text = std::fs::read_to_string(path)?;
+        let token = text.trim();
+        if token.is_empty() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("{}: empty token", path.display()),
+            ));
+        }
+        Ok(Access {
+            token: Some(token.into()),
+        })
+    }
+
+    /// Whether a request for `path` with this `Authorization` header value
+    /// may be answered.
+    pub fn allows(&self, path: &str, authorization: Option<&str>) -> bool {
+        // The page itself holds no data (it reads `api/state` with the
+        // token from its URL fragment), so a browser can load it.
+        if matches!(path, "/healthz" | "/readyz" | "/ready" | "/") {
+            return true;
+        }
+        let Some(want) = &self.token else { return true };
+        let Some(got) = authorization.and_then(|a| a.strip_prefix("Bearer ")) else {
+            return false;
+        };
+        // Constant time in the token's length: no early exit on a mismatch.
+        let (a, b) = (got.trim().as_bytes(), want.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
 /// Serves `route` on `listener` until the process ends, at most `slots`
 /// connections at once (more are closed at accept).
 pub async fn serve(
     listener: TcpListener,
     slots: usize,
+    route: Arc<dyn Fn(&str) -> Answer + Send + Sync>,
+) {
+    serve_with(listener, slots, Access::open(), route).await;
+}
+
+/// The same, answering only what `access` allows (401 otherwise).
+pub async fn serve_with(
+    listener: TcpListener,
+    slots: usize,
+    access: Access,
     route: Arc<dyn Fn(&str) -> Answer + Send + Sync>,
 ) {
     let never = tokio_util::sync::CancellationToken::new();
@@ -95,14 +162,35 @@ pub async fn serve(
             return;
         };
         let route = route.clone();
+        let access = access.clone();
         tokio::spawn(async move {
+            let access = access.clone();
             let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let (code, ctype, body) = route(req.uri().path());
+                let path = req.uri().path();
+                let authorization = req
+                    .headers()
+                    .get(hyper::header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok());
+                let (code, ctype, body) = if access.allows(path, authorization) {
+                    route(path)
+                } else {
+                    (
+                        401,
+                        TEXT,
+                        "unauthorized: send Authorization: Bearer <token>\n".to_string(),
+                    )
+                };
                 let mut r = Response::new(Full::new(Bytes::from(body)));
                 *r.status_mut() = hyper::StatusCode::from_u16(code)
                     .unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
                 if let Ok(v) = ctype.parse() {
                     r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+                }
+                if code == 401 {
+                    r.headers_mut().insert(
+                        hyper::header::WWW_AUTHENTICATE,
+                        hyper::header::HeaderValue::from_static("Bearer"),
+                    );
                 }
                 async move { Ok::<_, Infallible>(r) }
             });

@@ -397,3 +397,116 @@ control_planes:
     drop(open);
     stop.cancel();
 }
+
+fn curl_status(url: &str, token: Option<&str>) -> String {
+    let mut cmd = Command::new(require("curl"));
+    cmd.args([
+        "-s",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "--max-time",
+        "10",
+    ]);
+    if let Some(t) = token {
+        cmd.args(["-H", &format!("Authorization: Bearer {t}")]);
+    }
+    let out = cmd.arg(url).output().unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_an_admin_token_only_the_probes_are_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("admin-token");
+    std::fs::write(&token, "s3cr3t-admin-token\n").unwrap();
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0', token_file: '{}'}}
+listeners: [{{name: tls, address: '127.0.0.1:0'}}]
+",
+        token.display()
+    ));
+    // The tunnel-server too.
+    let seed = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
+    let shoot = seedlink::demo::Pki::generate(&[]).unwrap();
+    let w = |name: &str, text: &str| {
+        std::fs::write(dir.path().join(name), text).unwrap();
+        dir.path().join(name).display().to_string()
+    };
+    let config = dir.path().join("tunnel.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "agents: {{listen: '127.0.0.1:0', cert: '{}', key: '{}'}}
+admin: {{listen: '127.0.0.1:0', token_file: '{}'}}
+clusters: [{{name: a, agent_ca: '{}'}}]
+",
+            w("tun.pem", &seed.servers[0].1.cert_pem),
+            w("tun-key.pem", &seed.servers[0].1.key_pem),
+            token.display(),
+            w("a-ca.pem", &shoot.ca_pem),
+        ),
+    )
+    .unwrap();
+    let mut server = Command::new(seedlink_bin())
+        .args(["tunnel-server", "--config"])
+        .arg(&config)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ready = ready_line(&mut server);
+    let _server = Proc(server);
+    let tunnel_admin = ready["admin"].as_str().unwrap().to_string();
+    for admin in [gw.admin.to_string(), tunnel_admin] {
+        for path in ["/metrics", "/config", "/api/state"] {
+            let url = format!("http://{admin}{path}");
+            assert_eq!(curl_status(&url, None), "401", "{url} without a token");
+            assert_eq!(
+                curl_status(&url, Some("wrong")),
+                "401",
+                "{url} with a wrong token"
+            );
+            assert_eq!(
+                curl_status(&url, Some("s3cr3t-admin-token")),
+                "200",
+                "{url} with the token"
+            );
+        }
+        // Probes and the page's static file need nothing (a kubelet and a
+        // browser's first request send no token).
+        for path in ["/healthz", "/"] {
+            assert_eq!(
+                curl_status(&format!("http://{admin}{path}"), None),
+                "200",
+                "{path}"
+            );
+        }
+    }
+    // The page sends the token from its URL fragment (which never leaves
+    // the browser) and renders; without it, it says it cannot read.
+    let with = tokio::task::spawn_blocking({
+        let (url, png) = (
+            format!("http://{}/#token=s3cr3t-admin-token", gw.admin),
+            artifacts().join("admin-page-with-token.png"),
+        );
+        move || chromium(&url, &png)
+    })
+    .await
+    .unwrap();
+    assert!(with.contains("data-loaded=\"true\""), "{with}");
+    let without = tokio::task::spawn_blocking({
+        let (url, png) = (
+            format!("http://{}/", gw.admin),
+            artifacts().join("admin-page-without-token.png"),
+        );
+        move || chromium(&url, &png)
+    })
+    .await
+    .unwrap();
+    assert!(
+        !without.contains("data-loaded=\"true\"") && without.contains("HTTP 401"),
+        "{without}"
+    );
+}

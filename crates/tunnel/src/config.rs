@@ -108,6 +108,10 @@ pub struct AgentEndpoint {
 pub struct Admin {
     /// Listen address.
     pub listen: SocketAddr,
+    /// A file holding a bearer token: then everything but the probes
+    /// needs `Authorization: Bearer <token>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<PathBuf>,
 }
 
 /// One cluster: its agents' trust, its frontends, its routing.
@@ -376,6 +380,9 @@ impl ServerConfig {
             }
         };
         check("agents.cert".into(), &self.agents.cert, Kind::Certs);
+        if let Some(p) = self.admin.as_ref().and_then(|a| a.token_file.as_ref()) {
+            check("admin.token_file".into(), p, Kind::Secret);
+        }
         check("agents.key".into(), &self.agents.key, Kind::Key);
         let frontend = |at: &str, f: &Frontend, check: &mut dyn FnMut(String, &Path, Kind)| {
             if let Some(p) = &f.cert {

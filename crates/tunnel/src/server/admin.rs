@@ -11,7 +11,7 @@ use super::core::Core;
 use seedlink_net::admin::{self, rfc3339, Answer, HTML, JSON, METRICS, PAGE, TEXT};
 
 /// Serves the admin endpoint.
-pub async fn serve(srv: Arc<Core>, listener: TcpListener) {
+pub async fn serve(srv: Arc<Core>, listener: TcpListener, access: admin::Access) {
     let route = move |path: &str| -> Answer {
         match path {
             "/healthz" => (200, TEXT, "ok\n".into()),
@@ -64,7 +64,7 @@ pub async fn serve(srv: Arc<Core>, listener: TcpListener) {
             ),
         }
     };
-    admin::serve(listener, 32, Arc::new(route)).await;
+    admin::serve_with(listener, 32, access, Arc::new(route)).await;
 }
 
 /// Every cluster's live state, as the page and scripts read it.

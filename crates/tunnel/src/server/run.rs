@@ -94,6 +94,7 @@ pub struct TunnelServer {
     pub core: Arc<Core>,
     agent_listen: SocketAddr,
     admin_listen: Option<SocketAddr>,
+    admin_token: Option<std::path::PathBuf>,
     /// What the server was built with, until `start` binds it.
     initial: Mutex<Option<Vec<PlannedFrontend>>>,
     running: tokio::sync::Mutex<Vec<Running>>,
@@ -425,6 +426,7 @@ impl TunnelServer {
             core,
             agent_listen: cfg.agents.listen,
             admin_listen: cfg.admin.as_ref().map(|a| a.listen),
+            admin_token: cfg.admin.as_ref().and_then(|a| a.token_file.clone()),
             initial: Mutex::new(Some(p.frontends)),
             running: tokio::sync::Mutex::new(Vec::new()),
             fixed: Fixed::of(cfg),
@@ -470,7 +472,16 @@ impl TunnelServer {
                 .await
                 .map_err(ServerError::listen(at.clone()))?;
             bound.admin = Some(l.local_addr().map_err(ServerError::listen(at))?);
-            tokio::spawn(super::admin::serve(self.core.clone(), l));
+            let access = match &self.admin_token {
+                None => seedlink_net::admin::Access::open(),
+                Some(p) => seedlink_net::admin::Access::from_token_file(p).map_err(|e| {
+                    ServerError::Invalid {
+                        at: format!("admin.token_file {}", p.display()),
+                        why: e.to_string(),
+                    }
+                })?,
+            };
+            tokio::spawn(super::admin::serve(self.core.clone(), l, access));
         }
         Ok(bound)
     }
