@@ -76,6 +76,8 @@ pub struct OutcomeLabels {
 pub struct Metrics {
     /// Registry served on `/metrics`.
     pub registry: Registry,
+    /// The per-tunnel failure lines, rate-limited (the rest counted).
+    pub refusal_log: seedlink_net::loglimit::LogLimiter,
     /// Finished tunnels by outcome.
     pub tunnels: Family<OutcomeLabels, Counter>,
     /// Open tunnels.
@@ -105,12 +107,19 @@ impl Metrics {
             "Times the advertised address was missing and put back",
             address_reasserted.clone(),
         );
+        let refusal_log = seedlink_net::loglimit::LogLimiter::default();
+        registry.register(
+            "log_lines_dropped",
+            "Failed-tunnel log lines not written because more than 20 per second (burst 100) came",
+            refusal_log.dropped.clone(),
+        );
         Metrics {
             registry,
             tunnels,
             active,
             gateway_connect_failures,
             address_reasserted,
+            refusal_log,
         }
     }
 }

@@ -182,7 +182,9 @@ pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> Outco
     let gateway = match np.resolver.connect(np).await {
         Ok(s) => s,
         Err(e) => {
-            tracing::warn!(%peer, error = %e, "gateway unreachable");
+            if np.metrics.refusal_log.allow() {
+                tracing::warn!(target: "seedlink::refused", %peer, reason = "gateway_unreachable", error = %e, "tunnel failed");
+            }
             np.gateway_ok.store(false, Ordering::Release);
             return Outcome::GatewayUnreachable;
         }
@@ -195,7 +197,9 @@ pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> Outco
             {
                 Ok(Ok(rest)) => rest,
                 Ok(Err(why)) => {
-                    tracing::warn!(%peer, reason = why.reason(), "gateway refused the tunnel");
+                    if np.metrics.refusal_log.allow() {
+                        tracing::warn!(target: "seedlink::refused", %peer, reason = why.reason(), "gateway refused the tunnel");
+                    }
                     return why;
                 }
                 Err(_) => return Outcome::GatewayTimeout,
@@ -447,8 +451,8 @@ async fn h2_carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> Outcom
         Ok(Err(why)) => {
             if why == Outcome::GatewayUnreachable {
                 np.gateway_ok.store(false, Ordering::Release);
-            } else {
-                tracing::warn!(%peer, reason = why.reason(), "gateway refused the tunnel");
+            } else if np.metrics.refusal_log.allow() {
+                tracing::warn!(target: "seedlink::refused", %peer, reason = why.reason(), "gateway refused the tunnel");
             }
             return why;
         }

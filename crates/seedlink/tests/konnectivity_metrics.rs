@@ -196,6 +196,16 @@ clusters:
         1.0,
         "{m}"
     );
+    assert_eq!(
+        metric(
+            &m,
+            &format!("{k}grpc_connections{{service_method=\"Connect\"}}")
+        ),
+        1.0,
+        "{m}"
+    );
+    // The open tunnel's frontend connection.
+    assert_eq!(metric(&m, &format!("{k}http_connections")), 1.0, "{m}");
     assert!(
         m.contains("seedlink_tunnel_server_agents{cluster=\"shoot--b\"} 0"),
         "{m}"

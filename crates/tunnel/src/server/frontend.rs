@@ -168,6 +168,7 @@ pub async fn serve_http_connect<S>(srv: &Core, cluster: &Cluster, mut io: S) -> 
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
+    let _open = srv.metrics.http_open();
     let (head, mut buf) = match read_head(srv, &mut io).await {
         Ok(h) => h,
         Err(why) => return why,
@@ -293,6 +294,7 @@ pub async fn serve_http_proxy<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
+    let _open = srv.metrics.http_open();
     let (head, mut buf) = match read_head(srv, &mut io).await {
         Ok(h) => h,
         Err(why) => return (String::new(), why),
@@ -465,6 +467,7 @@ async fn grpc_session(
     mut inbound: tonic::Streaming<Packet>,
     out: mpsc::Sender<Result<Packet, Status>>,
 ) -> FrontendEnd {
+    let _open = srv.metrics.grpc_open("Proxy");
     let first = match tokio::time::timeout(srv.settings.handshake_timeout, inbound.next()).await {
         Ok(Some(Ok(p))) => p,
         Ok(_) => return FrontendEnd::Closed,

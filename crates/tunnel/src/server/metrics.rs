@@ -74,6 +74,24 @@ pub struct Metrics {
     k_established: Gauge,
     k_dial_failures: Family<Reason, Counter>,
     k_dial_seconds: Histogram,
+    k_http: Gauge,
+    k_grpc: Family<ServiceMethod, Gauge>,
+}
+
+/// Konnectivity's `service_method` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServiceMethod {
+    /// `Proxy` (a gRPC frontend) or `Connect` (an agent stream).
+    pub service_method: String,
+}
+
+/// An open connection, counted in a gauge until dropped.
+pub struct Open(Gauge);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// Konnectivity's `reason` value for one of ours, where the meaning is the
@@ -124,6 +142,8 @@ impl Metrics {
             k_established: Gauge::default(),
             k_dial_failures: Family::default(),
             k_dial_seconds: dial_histogram(),
+            k_http: Gauge::default(),
+            k_grpc: Family::default(),
             refusal_log: seedlink_net::loglimit::LogLimiter::default(),
         };
         {
@@ -204,6 +224,16 @@ impl Metrics {
                 "Time from DIAL_REQ to DIAL_RSP (all clusters)",
                 m.k_dial_seconds.clone(),
             );
+            r.register(
+                "http_connections",
+                "Open HTTP frontend connections (CONNECT and forward proxy)",
+                m.k_http.clone(),
+            );
+            r.register(
+                "grpc_connections",
+                "Open gRPC streams: Proxy (frontends), Connect (agents)",
+                m.k_grpc.clone(),
+            );
         }
         Metrics { registry, ..m }
     }
@@ -212,6 +242,24 @@ impl Metrics {
         ClusterLabel {
             cluster: c.to_string(),
         }
+    }
+
+    /// An HTTP frontend connection is open until the guard drops.
+    pub fn http_open(&self) -> Open {
+        self.k_http.inc();
+        Open(self.k_http.clone())
+    }
+
+    /// A gRPC stream (`Proxy` or `Connect`) is open until the guard drops.
+    pub fn grpc_open(&self, service_method: &str) -> Open {
+        let g = self
+            .k_grpc
+            .get_or_create(&ServiceMethod {
+                service_method: service_method.into(),
+            })
+            .clone();
+        g.inc();
+        Open(g)
     }
 
     /// A configuration reload ended so.
@@ -269,6 +317,7 @@ pub struct ClusterMetrics {
     k_pending: Gauge,
     k_established: Gauge,
     k_dial_seconds: Histogram,
+    k_connect: Gauge,
     /// Where dial-failure handles are resolved on first use.
     families: Option<FailureFamilies>,
 }
@@ -303,6 +352,7 @@ impl ClusterMetrics {
             k_pending: Gauge::default(),
             k_established: Gauge::default(),
             k_dial_seconds: dial_histogram(),
+            k_connect: Gauge::default(),
             families: None,
         }
     }
@@ -311,6 +361,7 @@ impl ClusterMetrics {
     pub fn agent(&self, delta: i64) {
         self.agents.inc_by(delta);
         self.k_backends.inc_by(delta);
+        self.k_connect.inc_by(delta);
     }
 
     /// A packet from an agent was handled so.
@@ -402,6 +453,12 @@ impl Metrics {
             k_pending: self.k_pending.clone(),
             k_established: self.k_established.clone(),
             k_dial_seconds: self.k_dial_seconds.clone(),
+            k_connect: self
+                .k_grpc
+                .get_or_create(&ServiceMethod {
+                    service_method: "Connect".into(),
+                })
+                .clone(),
             families: Some((
                 self.dial_failures.clone(),
                 self.k_dial_failures.clone(),
