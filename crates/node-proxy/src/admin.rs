@@ -9,8 +9,14 @@ use crate::NodeProxy;
 
 /// Serves `/healthz`, `/readyz` (address present and gateway answering,
 /// false while draining), `/metrics` and `/config` (its configuration).
-pub async fn serve(np: Arc<NodeProxy>, listener: TcpListener) {
-    admin::serve(listener, 16, Arc::new(move |path: &str| route(&np, path))).await;
+pub async fn serve(np: Arc<NodeProxy>, listener: TcpListener, access: admin::Access) {
+    admin::serve_with(
+        listener,
+        16,
+        access,
+        Arc::new(move |path: &str| route(&np, path)),
+    )
+    .await;
 }
 
 fn route(np: &NodeProxy, path: &str) -> Answer {

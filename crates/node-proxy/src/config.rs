@@ -38,9 +38,13 @@ pub struct NodeProxyConfig {
     /// CONNECT request target; default: the gateway host with port 443.
     #[serde(default)]
     pub authority: Option<String>,
-    /// Admin endpoint (`/healthz`, `/readyz`, `/metrics`).
+    /// Admin endpoint (`/healthz`, `/readyz`, `/metrics`, `/config`).
     #[serde(default = "default_admin")]
     pub admin: SocketAddr,
+    /// A file holding a bearer token the admin endpoint requires for
+    /// everything but the probes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admin_token_file: Option<std::path::PathBuf>,
     /// Concurrent tunnels.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,

@@ -172,7 +172,12 @@ impl NodeProxy {
     }
 
     /// Accepts on `listener` until draining, and probes the gateway.
-    pub fn serve(self: &Arc<Self>, listener: TcpListener, admin: TcpListener) {
+    pub fn serve(
+        self: &Arc<Self>,
+        listener: TcpListener,
+        admin: TcpListener,
+        access: seedlink_net::admin::Access,
+    ) {
         let np = self.clone();
         tokio::spawn(async move {
             let stop = np.lifecycle.stop_accepting.clone();
@@ -184,7 +189,7 @@ impl NodeProxy {
         let np = self.clone();
         tokio::spawn(async move { np.probe_loop().await });
         let np = self.clone();
-        tokio::spawn(async move { admin::serve(np, admin).await });
+        tokio::spawn(async move { admin::serve(np, admin, access).await });
         self.lifecycle.serving();
     }
 

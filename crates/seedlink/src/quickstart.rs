@@ -328,6 +328,6 @@ async fn start_node_proxy(gateway: SocketAddr, name: &str) -> anyhow::Result<Soc
     let listener = TcpListener::bind("127.0.0.2:0").await?;
     let addr = listener.local_addr()?;
     let admin = TcpListener::bind("127.0.0.1:0").await?;
-    np.serve(listener, admin);
+    np.serve(listener, admin, seedlink_net::admin::Access::open());
     Ok(addr)
 }

@@ -459,8 +459,41 @@ clusters: [{{name: a, agent_ca: '{}'}}]
     let ready = ready_line(&mut server);
     let _server = Proc(server);
     let tunnel_admin = ready["admin"].as_str().unwrap().to_string();
-    for admin in [gw.admin.to_string(), tunnel_admin] {
+    // And an agent's.
+    let mut agent = Command::new(seedlink_bin())
+        .args([
+            "tunnel-agent",
+            "--server",
+            ready["agents"].as_str().unwrap(),
+            "--server-name",
+            "tunnel.seedlink.test",
+        ])
+        .args([
+            "--ca-cert",
+            &w("seed-ca.pem", &seed.ca_pem),
+            "--agent-cert",
+            &w("a.pem", &shoot.client.cert_pem),
+            "--agent-key",
+            &w("a-key.pem", &shoot.client.key_pem),
+        ])
+        .args([
+            "--admin",
+            "127.0.0.1:0",
+            "--admin-token-file",
+            token.to_str().unwrap(),
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let agent_ready = ready_line(&mut agent);
+    let _agent = Proc(agent);
+    let agent_admin = agent_ready["admin"].as_str().unwrap().to_string();
+    for admin in [gw.admin.to_string(), tunnel_admin, agent_admin.clone()] {
         for path in ["/metrics", "/config", "/api/state"] {
+            if admin == agent_admin && path == "/api/state" {
+                continue;
+            }
             let url = format!("http://{admin}{path}");
             assert_eq!(curl_status(&url, None), "401", "{url} without a token");
             assert_eq!(
@@ -477,6 +510,9 @@ clusters: [{{name: a, agent_ca: '{}'}}]
         // Probes and the page's static file need nothing (a kubelet and a
         // browser's first request send no token).
         for path in ["/healthz", "/"] {
+            if admin == agent_admin && path == "/" {
+                continue;
+            }
             assert_eq!(
                 curl_status(&format!("http://{admin}{path}"), None),
                 "200",

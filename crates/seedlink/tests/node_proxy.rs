@@ -300,3 +300,37 @@ control_planes:
     wait_clean_tunnels(np.admin, 8.0).await;
     stop.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_proxy_admin_token_guards_all_but_the_probes() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "np-token\n").unwrap();
+    let dead = free_port();
+    let np = node_proxy(&[
+        "--link-kind",
+        "none",
+        "--address",
+        "127.0.0.69",
+        "--gateway",
+        &format!("127.0.0.1:{dead}"),
+        "--destination",
+        DEST,
+        "--admin-token-file",
+        token.to_str().unwrap(),
+    ]);
+    assert_eq!(http_get(np.admin, "/metrics").await.0, 401);
+    assert_eq!(http_get(np.admin, "/config").await.0, 401);
+    // The probes need nothing.
+    assert_eq!(http_get(np.admin, "/healthz").await.0, 200);
+    let out = std::process::Command::new(require("curl"))
+        .args(["-s", "-H", "Authorization: Bearer np-token"])
+        .arg(format!("http://{}/config", np.admin))
+        .output()
+        .unwrap();
+    let body = String::from_utf8_lossy(&out.stdout);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    // The configuration names the token file, never the token.
+    assert_eq!(v["config"]["admin_token_file"], token.to_str().unwrap());
+    assert!(!body.contains("np-token\""), "{body}");
+}

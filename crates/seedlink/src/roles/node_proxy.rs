@@ -15,7 +15,7 @@ pub struct NodeProxyArgs {
     /// Read the whole configuration from this YAML file instead of flags
     /// (keys are the flags' names with `_`; see docs/CONFIGURATION.md).
     #[arg(long, conflicts_with_all = ["address", "port", "gateway", "mode", "destination", "header",
-        "authority", "admin", "max_connections", "connect_timeout", "drain", "interface",
+        "authority", "admin", "admin_token_file", "max_connections", "connect_timeout", "drain", "interface",
         "link_kind", "resync"])]
     pub config: Option<std::path::PathBuf>,
     /// The advertised kube-apiserver address to listen on (IPv4 or IPv6).
@@ -43,6 +43,10 @@ pub struct NodeProxyArgs {
     /// Admin endpoint (`/healthz`, `/readyz`, `/metrics`).
     #[arg(long, default_value = "127.0.0.1:16910")]
     pub admin: std::net::SocketAddr,
+    /// A file holding a bearer token the admin endpoint requires for
+    /// everything but `/healthz` and `/readyz`.
+    #[arg(long)]
+    pub admin_token_file: Option<std::path::PathBuf>,
     /// Concurrent tunnels.
     #[arg(long, default_value_t = 10_000)]
     pub max_connections: usize,
@@ -114,6 +118,7 @@ impl NodeProxyArgs {
             header: self.header.clone(),
             authority: self.authority.clone(),
             admin: self.admin,
+            admin_token_file: self.admin_token_file.clone(),
             max_connections: self.max_connections,
             connect_timeout: secs(self.connect_timeout, "connect-timeout")?,
             drain: secs(self.drain, "drain")?,
@@ -148,12 +153,17 @@ pub async fn run(a: NodeProxyArgs) -> anyhow::Result<i32> {
     let admin = tokio::net::TcpListener::bind(plan.admin)
         .await
         .map_err(|e| anyhow::anyhow!("admin on {}: {e}", plan.admin))?;
+    let access = match &model.admin_token_file {
+        None => seedlink_net::admin::Access::open(),
+        Some(p) => seedlink_net::admin::Access::from_token_file(p)
+            .map_err(|e| anyhow::anyhow!("admin_token_file {}: {e}", p.display()))?,
+    };
     let ready = serde_json::json!({
         "event": "ready",
         "listen": listener.local_addr()?.to_string(),
         "admin": admin.local_addr()?.to_string(),
     });
-    np.serve(listener, admin);
+    np.serve(listener, admin, access);
     println!("{ready}");
     Ok(supervisor.run(vec![Arc::new(NodeProxyRole(np))]).await)
 }

@@ -21,7 +21,7 @@ pub struct AgentArgs {
     #[arg(long, conflicts_with_all = ["server", "server_name", "ca_cert", "agent_cert", "agent_key",
         "alpn_proto", "agent_id", "agent_identifiers", "service_account_token_path", "allow_cidr",
         "allow_port", "deny_cidr", "dial_timeout", "sync_interval", "sync_interval_cap",
-        "keepalive_time", "admin", "flow_control", "drain"])]
+        "keepalive_time", "admin", "admin_token_file", "flow_control", "drain"])]
     pub config: Option<PathBuf>,
     /// The tunnel server (or the gateway in front of it), `host:port`.
     #[arg(long, required_unless_present = "config")]
@@ -76,6 +76,10 @@ pub struct AgentArgs {
     /// Admin endpoint (`/healthz`, `/readyz`, `/metrics`).
     #[arg(long, default_value = "127.0.0.1:8093")]
     pub admin: std::net::SocketAddr,
+    /// A file holding a bearer token the admin endpoint requires for
+    /// everything but `/healthz` and `/readyz`.
+    #[arg(long)]
+    pub admin_token_file: Option<PathBuf>,
     /// Offer per-connection flow control to the server (used only when the
     /// server is seedlink; `false` forces the plain Konnectivity protocol).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -440,6 +444,7 @@ impl AgentArgs {
             sync_interval_cap: secs(self.sync_interval_cap, "sync-interval-cap")?,
             keepalive_time: secs(self.keepalive_time, "keepalive-time")?,
             admin: self.admin,
+            admin_token_file: self.admin_token_file.clone(),
             flow_control: self.flow_control,
             drain: secs(self.drain, "drain")?,
         })
@@ -485,7 +490,17 @@ pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
                 ),
             }
         };
-        tokio::spawn(seedlink_net::admin::serve(admin, 32, Arc::new(route)));
+        let access = match &cfg.admin_token_file {
+            None => seedlink_net::admin::Access::open(),
+            Some(p) => seedlink_net::admin::Access::from_token_file(p)
+                .with_context(|| format!("admin_token_file {}", p.display()))?,
+        };
+        tokio::spawn(seedlink_net::admin::serve_with(
+            admin,
+            32,
+            access,
+            Arc::new(route),
+        ));
     }
     {
         let agent = agent.clone();

@@ -68,9 +68,13 @@ pub struct AgentConfig {
     /// HTTP/2 PING interval towards the server.
     #[serde(default = "sixty_s", with = "humantime_serde")]
     pub keepalive_time: Duration,
-    /// Admin endpoint (`/healthz`, `/readyz`, `/metrics`).
+    /// Admin endpoint (`/healthz`, `/readyz`, `/metrics`, `/config`).
     #[serde(default = "default_admin")]
     pub admin: SocketAddr,
+    /// A file holding a bearer token the admin endpoint requires for
+    /// everything but the probes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admin_token_file: Option<PathBuf>,
     /// Offer per-connection flow control to the server.
     #[serde(default = "yes")]
     pub flow_control: bool,
