@@ -156,6 +156,23 @@ pub fn state(gw: &Gateway) -> serde_json::Value {
             .entry(format!("{listener} / {protocol}"))
             .or_default() += v;
     }
+    let mut open_by: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
+    for (l, v) in
+        seedlink_net::admin::samples(&metrics, "seedlink_gateway_routed_active_connections")
+    {
+        let (Some(cp), Some(listener), Some(protocol)) =
+            (l.get("control_plane"), l.get("listener"), l.get("protocol"))
+        else {
+            continue;
+        };
+        if v > 0.0 {
+            *open_by
+                .entry(cp.clone())
+                .or_default()
+                .entry(format!("{listener} / {protocol}"))
+                .or_default() += v;
+        }
+    }
     let now = crate::upstream::now_ms();
     let file = &snap.file;
     let all = file
@@ -195,6 +212,7 @@ pub fn state(gw: &Gateway) -> serde_json::Value {
                 "service_addresses": c.service_addresses,
                 "acl": c.acl.as_ref().map(|a| a.allow.clone()),
                 "active": active,
+                "active_by": open_by.get(&c.name),
                 "endpoints": endpoints,
                 "outcomes": outcomes.get(&c.name),
                 "routed": routed.get(&c.name),

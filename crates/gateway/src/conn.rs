@@ -315,7 +315,7 @@ async fn run(
                 Request::Connect(head) => Some(head.target.clone()),
                 _ => None,
             };
-            lctx.metrics.routed(&gw.metrics, &cp.name, protocol);
+            let _routed = lctx.metrics.routed(&gw.metrics, &cp.name, protocol);
             let Detected { replay, client, .. } = detected;
             handler(crate::Handoff {
                 stream,
@@ -369,7 +369,7 @@ async fn run(
             return (Some(cp), Outcome::ClientError);
         }
     }
-    lctx.metrics.routed(&gw.metrics, &cp.name, protocol);
+    let _routed = lctx.metrics.routed(&gw.metrics, &cp.name, protocol);
     if let Err(e) = write_all(&upstream, &detected.replay).await {
         tracing::debug!(control_plane = %cp.name, error = %e, "upstream write failed");
         sockopt::arm_reset(&stream);

@@ -194,7 +194,7 @@ async fn tunnel(
     let Ok(send) = respond.send_response(Response::new(()), false) else {
         return;
     };
-    lctx.metrics.routed(&gw.metrics, &cp.name, "http2-connect");
+    let _routed = lctx.metrics.routed(&gw.metrics, &cp.name, "http2-connect");
     let recv = req.into_body();
     let closer = gw.closer_for(&cp.name);
     tokio::select! {

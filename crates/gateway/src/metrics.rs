@@ -100,6 +100,8 @@ pub struct Metrics {
     pub active: Family<ListenerLabels, Gauge>,
     /// Connections routed, by listener, protocol and control plane.
     pub routed: Family<RoutedLabels, Counter>,
+    /// Routed connections open now, by listener, protocol and control plane.
+    pub routed_active: Family<RoutedLabels, Gauge>,
     /// Bytes moved.
     pub bytes: Family<ByteLabels, Counter>,
     /// Connections rejected while detecting the protocol.
@@ -142,6 +144,7 @@ impl Metrics {
             connections: Family::default(),
             active: Family::default(),
             routed: Family::default(),
+            routed_active: Family::default(),
             bytes: Family::default(),
             detect_failures: Family::default(),
             refused: Family::default(),
@@ -176,6 +179,11 @@ impl Metrics {
             "routed",
             "Connections routed, by listener, protocol (tls-sni, http-connect:<header>) and control plane",
             m.routed.clone(),
+        );
+        registry.register(
+            "routed_active_connections",
+            "Routed connections open now, by listener, protocol and control plane",
+            m.routed_active.clone(),
         );
         registry.register(
             "bytes",
@@ -303,6 +311,15 @@ pub struct ListenerMetrics {
     per_cp: RwLock<HashMap<String, Arc<CpMetrics>>>,
 }
 
+/// A routed connection, counted as open until dropped.
+pub struct Routed(Gauge);
+
+impl Drop for Routed {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// One control plane's handles on one listener.
 pub struct CpMetrics {
     /// Bytes towards the upstream.
@@ -310,7 +327,7 @@ pub struct CpMetrics {
     /// Bytes towards the client.
     pub to_client: Counter,
     ends: Mutex<HashMap<&'static str, Counter>>,
-    routed: Mutex<HashMap<String, Counter>>,
+    routed: Mutex<HashMap<String, (Counter, Gauge)>>,
 }
 
 impl ListenerMetrics {
@@ -379,23 +396,23 @@ impl ListenerMetrics {
     }
 
     /// A connection to `cp` was routed by `protocol`.
-    pub fn routed(&self, m: &Metrics, cp: &str, protocol: &str) {
+    pub fn routed(&self, m: &Metrics, cp: &str, protocol: &str) -> Routed {
         let h = self.cp(m, cp);
         let mut routed = seedlink_net::sync::lock(&h.routed, "metric handles");
-        if let Some(c) = routed.get(protocol) {
-            c.inc();
-            return;
-        }
-        let c = m
-            .routed
-            .get_or_create(&RoutedLabels {
+        let (count, open) = routed.entry(protocol.to_string()).or_insert_with(|| {
+            let labels = RoutedLabels {
                 listener: self.listener.clone(),
                 protocol: protocol.to_string(),
                 control_plane: cp.to_string(),
-            })
-            .clone();
-        c.inc();
-        routed.insert(protocol.to_string(), c);
+            };
+            (
+                m.routed.get_or_create(&labels).clone(),
+                m.routed_active.get_or_create(&labels).clone(),
+            )
+        });
+        count.inc();
+        open.inc();
+        Routed(open.clone())
     }
 
     /// A connection was refused while detecting its protocol.

@@ -318,6 +318,22 @@ control_planes:
     );
     assert!(m.contains("seedlink_build_info{"), "{m}");
 
+    // A connection held open through alpha (TLS done end to end, no
+    // request yet): the page shows it by listener and protocol.
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg()));
+    let held = connector
+        .connect(
+            rustls::pki_types::ServerName::try_from("api.alpha.page.test").unwrap(),
+            tokio::net::TcpStream::connect(gw.tls).await.unwrap(),
+        )
+        .await
+        .unwrap();
+    gw.wait_metric(
+        "seedlink_gateway_routed_active_connections{listener=\"tls\",protocol=\"tls-sni\",control_plane=\"shoot--dev--alpha\"}",
+        1.0,
+    )
+    .await;
+
     // --- the pages, in Chromium.
     let art = artifacts();
     let dom = tokio::task::spawn_blocking({
@@ -383,6 +399,10 @@ control_planes:
         alpha_row.contains("api.alpha.page.test") && alpha_row.contains("ok 1"),
         "{alpha_row}"
     );
+    assert!(
+        alpha_row.contains("tls / tls-sni: 1"),
+        "the open connection: {alpha_row}"
+    );
     let beta_row = row(&dom, "data-control-plane", "shoot--dev--beta");
     assert!(
         beta_row.contains("192.0.2.0/24") && beta_row.contains("acl_denied 1"),
@@ -395,6 +415,7 @@ control_planes:
         "{gamma_row}"
     );
     drop(open);
+    drop(held);
     stop.cancel();
 }
 
