@@ -159,7 +159,21 @@ clusters:
             .is_err()
     );
 
-    let m = http_get(admin, "/metrics").await.1;
+    // The refused frontend connections end a moment after their answers:
+    // wait (bounded) until only the open tunnel's connection is left.
+    let k = "konnectivity_network_proxy_server_";
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    let m = loop {
+        let m = http_get(admin, "/metrics").await.1;
+        if metric(&m, &format!("{k}http_connections")) == 1.0 {
+            break m;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "http_connections never settled at 1:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     for (name, kind) in documented() {
         let full = format!("konnectivity_network_proxy_server_{name}");
         assert!(
@@ -167,7 +181,6 @@ clusters:
             "{full} ({kind}) is documented as exported:\n{m}"
         );
     }
-    let k = "konnectivity_network_proxy_server_";
     assert!(
         metric(&m, &format!("{k}dial_duration_seconds_count")) >= 1.0,
         "{m}"
