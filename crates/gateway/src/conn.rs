@@ -216,9 +216,14 @@ async fn run(
         }
     }
     let deadline = Instant::now() + snap.timeouts.client_hello;
+    // Boxed, as are the upstream dial and the refusal answers below: what is
+    // only alive while a connection is set up or refused would otherwise be
+    // part of every connection's future for its whole life, idle ones
+    // included (the future is sized for its largest state; the copy loop
+    // alone is what an idle connection needs).
     let detected = match tokio::time::timeout_at(
         deadline,
-        detect(gw, lctx, snap, &stream, peer, trusted, &mut guard),
+        Box::pin(detect(gw, lctx, snap, &stream, peer, trusted, &mut guard)),
     )
     .await
     {
@@ -231,7 +236,10 @@ async fn run(
         // An HTTP/2 connection stays unrouted (holding its per-source slot)
         // whenever it has no open stream.
         let Detected { replay, .. } = detected;
-        let outcome = crate::h2conn::serve(
+        // Boxed: the HTTP/2 server's future is ~2 KiB and would otherwise
+        // be part of every connection's future, idle TLS passthrough
+        // included (docs/PERFORMANCE.md, idle memory).
+        let outcome = Box::pin(crate::h2conn::serve(
             gw.clone(),
             lctx.clone(),
             snap.clone(),
@@ -239,7 +247,7 @@ async fn run(
             client,
             replay,
             guard,
-        )
+        ))
         .await;
         return (None, Outcome::Http2(outcome));
     }
@@ -270,7 +278,9 @@ async fn run(
                 lctx.spec.destination_regex.as_ref(),
             ) {
                 Ok(c) => c,
-                Err(bad) => return reject_connect(gw, lctx, &stream, client, head, bad).await,
+                Err(bad) => {
+                    return Box::pin(reject_connect(gw, lctx, &stream, client, head, bad)).await
+                }
             };
             let Some(route) = snap.routes.destination(&canonical) else {
                 if gw.metrics.refusal_log.allow() {
@@ -327,14 +337,14 @@ async fn run(
             return (Some(cp), Outcome::HandedOver);
         }
     }
-    let (upstream, _active, endpoint) = match upstream::connect(
+    let (upstream, _active, endpoint) = match Box::pin(upstream::connect(
         &cp.name,
         endpoints,
         &snap.upstream,
         snap.timeouts.upstream_connect,
         crate::keepalive(snap),
         &gw.metrics,
-    )
+    ))
     .await
     {
         Ok(u) => u,
@@ -757,12 +767,21 @@ fn redirect_location(head: &connect_head::Head) -> Option<String> {
 /// 64 KiB and one second. Closing with unread bytes would make the kernel
 /// send RST, which can destroy the response before the client reads it.
 async fn respond_and_close(stream: &TcpStream, response: &[u8]) {
+    // Boxed: see `run`.
+    Box::pin(respond_and_close_inner(stream, response)).await
+}
+
+async fn respond_and_close_inner(stream: &TcpStream, response: &[u8]) {
     if write_all(stream, response).await.is_err() {
         return;
     }
     let _ = socket2::SockRef::from(stream).shutdown(std::net::Shutdown::Write);
     let drain = async {
-        let mut sink = [0u8; 4096];
+        // On the heap, allocated only when a refusal is answered: an array
+        // here would live in every connection's future (the future of `run`
+        // embeds this one) and cost each idle connection 4 KiB (it did:
+        // 3.15 → 6.75 KiB per idle connection, docs/PERFORMANCE.md).
+        let mut sink = vec![0u8; 4096];
         let mut total = 0usize;
         while total < 64 * 1024 {
             if stream.readable().await.is_err() {
@@ -899,5 +918,27 @@ mod tests {
             Parse::Invalid(Refusal::Unrecognized)
         );
         assert_eq!(classify(&[b'A'; 30]), Parse::Invalid(Refusal::Unrecognized));
+    }
+}
+
+#[cfg(test)]
+mod future_size {
+    /// The size of the future an async fn returns, without calling it.
+    fn returned_size<A, B, C, D, R>(_f: fn(A, B, C, D) -> R) -> usize {
+        std::mem::size_of::<R>()
+    }
+
+    /// Every connection's task holds `serve`'s future for its whole life,
+    /// so its size is most of what an idle connection costs (about 1.2 KiB
+    /// of 2.4 KiB in the bench). It grew to 3 KiB once, unnoticed, through
+    /// a stack buffer in a refusal path and the inline HTTP/2 server
+    /// (docs/PERFORMANCE.md); this catches the next such growth.
+    #[test]
+    fn connection_future_stays_small() {
+        let serve = returned_size(super::serve as fn(_, _, _, _) -> _);
+        assert!(
+            serve <= 1536,
+            "conn::serve's future is {serve} bytes (limit 1536): box what is only alive during setup or a refusal"
+        );
     }
 }
