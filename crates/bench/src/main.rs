@@ -18,7 +18,6 @@ pub static TUNNEL_SCENARIO: std::sync::OnceLock<()> = std::sync::OnceLock::new()
 pub static CONNECT_TARGET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::Parser;
@@ -78,6 +77,16 @@ pub struct Opts {
     /// agents each), measured against a one-cluster server.
     #[arg(long, default_value_t = 200)]
     pub clusters: usize,
+    /// Internal: run as a bare forwarder (the `splice-fwd` and `copy-fwd`
+    /// yardsticks) listening here.
+    #[arg(long, hide = true)]
+    pub forward_listen: Option<std::net::SocketAddr>,
+    /// Internal: where the bare forwarder connects.
+    #[arg(long, hide = true)]
+    pub forward_to: Option<std::net::SocketAddr>,
+    /// Internal: `splice` or `buffered`.
+    #[arg(long, hide = true, default_value = "splice")]
+    pub forward_copy: String,
     /// Print the results as JSON too.
     #[arg(long)]
     pub json: bool,
@@ -90,6 +99,10 @@ pub struct Sample {
     pub gbps: Option<f64>,
     /// Proxy CPU seconds per GB moved.
     pub cpu_s_per_gb: Option<f64>,
+    /// Bulk upload throughput, Gbit/s (tunnel scenario).
+    pub up_gbps: Option<f64>,
+    /// Proxy CPU seconds per GB uploaded (tunnel scenario).
+    pub up_cpu_s_per_gb: Option<f64>,
     /// Aggregate throughput of `streams` concurrent bulk downloads, Gbit/s.
     pub streams_gbps: Option<f64>,
     /// Proxy CPU seconds per GB in the many-streams run.
@@ -119,11 +132,57 @@ fn main() -> anyhow::Result<()> {
             0
         });
     }
+    if let (Some(listen), Some(to)) = (opts.forward_listen, opts.forward_to) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(opts.threads.max(1))
+            .enable_all()
+            .build()?;
+        return rt.block_on(forward(listen, to, &opts.forward_copy));
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     rt.block_on(run(opts))
+}
+
+/// The bare forwarder: accept, connect to `to`, copy both ways with
+/// seedlink's copy loop. No parsing, no limits, no metrics: the floor a
+/// proxy's data path is measured against.
+async fn forward(
+    listen: std::net::SocketAddr,
+    to: std::net::SocketAddr,
+    copy: &str,
+) -> anyhow::Result<()> {
+    use seedlink_net::copy::{Copier, CopyMode};
+    use std::sync::atomic::AtomicU64;
+    let mode = match copy {
+        "splice" => CopyMode::Splice,
+        "buffered" => CopyMode::Buffered,
+        other => anyhow::bail!("--forward-copy {other:?}: use splice or buffered"),
+    };
+    let copier = std::sync::Arc::new(Copier::new(mode, 4096));
+    let l = tokio::net::TcpListener::bind(listen).await?;
+    loop {
+        let (c, _) = match l.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                eprintln!("forwarder: accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let copier = copier.clone();
+        tokio::spawn(async move {
+            let _ = c.set_nodelay(true);
+            let Ok(u) = tokio::net::TcpStream::connect(to).await else {
+                return;
+            };
+            let _ = u.set_nodelay(true);
+            let (a, b) = (AtomicU64::new(0), AtomicU64::new(0));
+            let _ = copier.run(&c, &u, &a, &b).await;
+        });
+    }
 }
 
 async fn run(opts: Opts) -> anyhow::Result<()> {
@@ -163,7 +222,7 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("starting {name}: {e:#}"))?;
         eprintln!(
             "bench: {name} listening on {} (pid {})",
-            p.addr,
+            p.target(),
             p.pids()[0]
         );
         targets.push((name.clone(), Some(p)));
@@ -174,16 +233,23 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         let n = targets.len();
         for k in 0..n {
             let (name, proxy) = &targets[(k + round) % n];
-            let addr: SocketAddr = proxy.as_ref().map_or(backend.addr, |p| p.addr);
+            let addr = proxy
+                .as_ref()
+                .map_or(workload::Target::Tcp(backend.addr), |p| p.target());
             let pids = proxy.as_ref().map(|p| p.pids()).unwrap_or_default();
             let connect = proxy.as_ref().is_some_and(|p| p.connect);
-            let mut s = workload::measure(&opts, addr, &pids, proxy.is_some(), connect).await?;
+            let mut s = workload::measure(&opts, &addr, &pids, proxy.is_some(), connect).await?;
             if proxy.is_some() {
                 let fresh =
                     peers::Proxy::start(name, &opts, backend.addr, dir.path(), 100 + round * n + k)
                         .await?;
-                match workload::idle(fresh.addr, &fresh.pids(), opts.idle_conns, fresh.connect)
-                    .await
+                match workload::idle(
+                    &fresh.target(),
+                    &fresh.pids(),
+                    opts.idle_conns,
+                    fresh.connect,
+                )
+                .await
                 {
                     Ok(kib) => s.idle_kib = Some(kib),
                     Err(e) => eprintln!("bench: idle run of {name} failed: {e:#}"),
@@ -217,6 +283,8 @@ type Metric = (&'static str, fn(&Sample) -> Option<f64>, bool);
 const METRICS: &[Metric] = &[
     ("bulk Gbit/s", |s| s.gbps, true),
     ("proxy CPU s/GB", |s| s.cpu_s_per_gb, false),
+    ("upload Gbit/s", |s| s.up_gbps, true),
+    ("upload CPU s/GB", |s| s.up_cpu_s_per_gb, false),
     ("many-streams bulk Gbit/s", |s| s.streams_gbps, true),
     ("many-streams CPU s/GB", |s| s.streams_cpu_s_per_gb, false),
     ("new conn/s", |s| s.conn_rate, true),
@@ -247,7 +315,10 @@ fn report(opts: &Opts, names: &[String], samples: &BTreeMap<String, Vec<Sample>>
     }
     println!();
     println!("|---|{}", "---|".repeat(names.len()));
-    for (label, f, _) in METRICS {
+    // Rows no target measured (the many-streams rows outside the h2
+    // scenario, upload outside the tunnel) are left out.
+    let measured = |f: fn(&Sample) -> Option<f64>| names.iter().any(|n| med(n, f).is_some());
+    for (label, f, _) in METRICS.iter().filter(|m| measured(m.1)) {
         print!("| {label} |");
         for n in names {
             match med(n, *f) {
@@ -265,10 +336,15 @@ fn report(opts: &Opts, names: &[String], samples: &BTreeMap<String, Vec<Sample>>
     println!();
     println!("|---|{}", "---|".repeat(names.len() - 1));
     for (label, f, _) in METRICS.iter().filter(|m| {
-        !matches!(
-            m.0,
-            "proxy CPU s/GB" | "many-streams CPU s/GB" | "proxy CPU µs/conn" | "idle RSS KiB/conn"
-        )
+        measured(m.1)
+            && !matches!(
+                m.0,
+                "proxy CPU s/GB"
+                    | "upload CPU s/GB"
+                    | "many-streams CPU s/GB"
+                    | "proxy CPU µs/conn"
+                    | "idle RSS KiB/conn"
+            )
     }) {
         print!("| {label} |");
         for n in names.iter().skip(1) {
@@ -291,7 +367,7 @@ fn report(opts: &Opts, names: &[String], samples: &BTreeMap<String, Vec<Sample>>
         }
         println!();
         println!("|---|{}", "---|".repeat(peers.len()));
-        for (label, f, higher_better) in METRICS {
+        for (label, f, higher_better) in METRICS.iter().filter(|m| measured(m.1)) {
             print!("| {label} |");
             for p in &peers {
                 match (med("seedlink", *f), med(p, *f)) {
@@ -322,7 +398,9 @@ fn report(opts: &Opts, names: &[String], samples: &BTreeMap<String, Vec<Sample>>
 }
 
 fn fmt(v: f64) -> String {
-    if v >= 100.0 {
+    if v.is_infinite() {
+        "stalled".into()
+    } else if v >= 100.0 {
         format!("{v:.0}")
     } else if v >= 10.0 {
         format!("{v:.1}")

@@ -44,6 +44,8 @@ pub struct Proxy {
     pub addr: SocketAddr,
     /// Whether clients must open an HTTP CONNECT tunnel first.
     pub connect: bool,
+    /// A Unix socket clients use instead of `addr` (upstream Konnectivity).
+    pub unix: Option<std::path::PathBuf>,
 }
 
 fn free_port() -> anyhow::Result<u16> {
@@ -85,6 +87,26 @@ impl Proxy {
             bail!("{name} has no CONNECT-by-header routing; the connect scenario compares seedlink and envoy");
         }
         let child = match name {
+            // Yardsticks, not peers: this binary as a bare forwarder with
+            // no parsing, moving bytes with seedlink's own copy loop
+            // (splice, or a user-space buffer).
+            "splice-fwd" | "copy-fwd" if tunnel_destination().is_none() => {
+                Command::new(std::env::current_exe()?)
+                    .args(["--forward-listen", &addr.to_string()])
+                    .args(["--forward-to", &backend.to_string()])
+                    .args([
+                        "--forward-copy",
+                        if name == "splice-fwd" {
+                            "splice"
+                        } else {
+                            "buffered"
+                        },
+                    ])
+                    .arg("--threads")
+                    .arg(t.to_string())
+                    .stdout(Stdio::null())
+                    .spawn()?
+            }
             "seedlink" => {
                 let cfg = dir.join(format!("seedlink-{idx}.yaml"));
                 std::fs::write(
@@ -234,6 +256,7 @@ stream {{
             extra: Vec::new(),
             addr,
             connect: tunnel_destination().is_some(),
+            unix: None,
         };
         let end = Instant::now() + Duration::from_secs(20);
         while tokio::net::TcpStream::connect(addr).await.is_err() {
@@ -286,6 +309,7 @@ control_planes:
             extra: Vec::new(),
             addr,
             connect: true,
+            unix: None,
         })
     }
 
@@ -399,6 +423,7 @@ control_planes:
             extra: Vec::new(),
             addr,
             connect: tunnel_destination().is_some(),
+            unix: None,
         };
         let end = Instant::now() + Duration::from_secs(20);
         while tokio::net::TcpStream::connect(addr).await.is_err() {
@@ -422,6 +447,15 @@ control_planes:
             extra,
             addr,
             connect,
+            unix: None,
+        }
+    }
+
+    /// Where clients connect.
+    pub fn target(&self) -> crate::workload::Target {
+        match &self.unix {
+            Some(p) => crate::workload::Target::Unix(p.as_path().into()),
+            None => crate::workload::Target::Tcp(self.addr),
         }
     }
 

@@ -1,7 +1,11 @@
 //! The reverse-tunnel scenario: seedlink tunnel-server + tunnel-agent (TLS
 //! between them, an HTTP CONNECT frontend on loopback, as kube-apiserver
-//! dials) vs rathole (server + client, its default TCP transport without
-//! TLS, a plain port forward). Both processes of each count (CPU, RSS).
+//! dials) vs upstream Konnectivity (proxy-server + proxy-agent, mTLS between
+//! them, its HTTP CONNECT frontend on a Unix socket, the only plain frontend
+//! it offers), rathole (server + client, its default TCP transport without
+//! TLS, a plain port forward) and bore (server + `bore local`, no TLS, one
+//! new control connection per proxied connection). Both processes of each
+//! count (CPU, RSS).
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -48,7 +52,8 @@ fn pki(dir: &Path) -> anyhow::Result<()> {
         let mut p = CertificateParams::new(if client {
             vec![]
         } else {
-            vec!["tunnel.bench".to_string()]
+            // The IP too: upstream's agent verifies the address it dials.
+            vec!["tunnel.bench".to_string(), "127.0.0.1".to_string()]
         })?;
         p.extended_key_usages = vec![if client {
             ExtendedKeyUsagePurpose::ClientAuth
@@ -63,7 +68,7 @@ fn pki(dir: &Path) -> anyhow::Result<()> {
 }
 
 /// Waits until a connection through the tunnel reaches the backend.
-async fn until_through(addr: SocketAddr, connect: bool) -> anyhow::Result<()> {
+async fn until_through(addr: &crate::workload::Target, connect: bool) -> anyhow::Result<()> {
     let end = Instant::now() + Duration::from_secs(20);
     loop {
         if crate::workload::probe(addr, connect).await.is_ok() {
@@ -76,7 +81,65 @@ async fn until_through(addr: SocketAddr, connect: bool) -> anyhow::Result<()> {
     }
 }
 
-/// Starts `name` (seedlink or rathole) forwarding to `backend`.
+/// The directory of the upstream Konnectivity binaries: `KONNECTIVITY_BIN`,
+/// or where scripts/install-peers unpacks them.
+fn konnectivity_bin(name: &str) -> anyhow::Result<std::path::PathBuf> {
+    let dir = match std::env::var("KONNECTIVITY_BIN") {
+        Ok(d) => std::path::PathBuf::from(d),
+        Err(_) => std::path::PathBuf::from(std::env::var("HOME").unwrap_or_default())
+            .join(".cache/seedlink/konnectivity-4f8517c1-linux-amd64"),
+    };
+    let p = dir.join(name);
+    if !p.is_file() {
+        bail!(
+            "{} not found: run scripts/install-peers (it unpacks shared/konnectivity/) or set KONNECTIVITY_BIN",
+            p.display()
+        );
+    }
+    Ok(p)
+}
+
+/// Starts a Go program with `args`, its output discarded, on as many
+/// threads as seedlink's tunnel processes get.
+fn go_quiet(bin: std::path::PathBuf, args: &[String]) -> anyhow::Result<Child> {
+    Ok(Command::new(bin)
+        .args(args)
+        .env(
+            "GOMAXPROCS",
+            std::env::var("BENCH_TUNNEL_THREADS").unwrap_or_else(|_| "1".into()),
+        )
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?)
+}
+
+/// The first of `candidates` that is an executable on PATH or a path.
+fn installed(candidates: &[&str]) -> Option<String> {
+    candidates
+        .iter()
+        .find(|b| {
+            Command::new("sh")
+                .arg("-c")
+                .arg(format!("command -v {b}"))
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+        .map(|b| b.to_string())
+}
+
+/// Waits (20 s at most) until something accepts on `addr`.
+async fn wait_listen(addr: &SocketAddr) -> anyhow::Result<()> {
+    let end = Instant::now() + Duration::from_secs(20);
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        if Instant::now() > end {
+            bail!("nothing listens on {addr} after 20 s");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// Starts `name` (seedlink, konnectivity, rathole or bore) forwarding to `backend`.
 pub async fn start(
     name: &str,
     opts: &Opts,
@@ -88,6 +151,7 @@ pub async fn start(
     std::fs::create_dir_all(&d)?;
     let (ctrl, front) = (free_port()?, free_port()?);
     let addr: SocketAddr = format!("127.0.0.1:{front}").parse()?;
+    let mut unix = None;
     let (server, agent, connect) = match name {
         "seedlink" => {
             pki(&d)?;
@@ -144,16 +208,79 @@ clusters:
             ready(&mut a, "tunnel-agent")?;
             (s, a, true)
         }
+        "konnectivity" => {
+            pki(&d)?;
+            let p = |f: &str| d.join(f).display().to_string();
+            let uds = d.join("konnectivity.sock");
+            let (health, admin) = (free_port()?, free_port()?);
+            let s = go_quiet(
+                konnectivity_bin("proxy-server")?,
+                &[
+                    "--mode=http-connect".to_string(),
+                    format!("--uds-name={}", uds.display()),
+                    "--server-port=0".into(),
+                    format!("--agent-port={ctrl}"),
+                    "--agent-bind-address=127.0.0.1".into(),
+                    format!("--cluster-cert={}", p("server.pem")),
+                    format!("--cluster-key={}", p("server-key.pem")),
+                    format!("--cluster-ca-cert={}", p("ca.pem")),
+                    "--server-id=bench".into(),
+                    "--server-count=1".into(),
+                    format!("--health-port={health}"),
+                    "--health-bind-address=127.0.0.1".into(),
+                    format!("--admin-port={admin}"),
+                    "--admin-bind-address=127.0.0.1".into(),
+                    "--proxy-strategies=default".into(),
+                    "-v=0".into(),
+                ],
+            )?;
+            let (ahealth, aadmin) = (free_port()?, free_port()?);
+            let a = go_quiet(
+                konnectivity_bin("proxy-agent")?,
+                &[
+                    "--proxy-server-host=127.0.0.1".to_string(),
+                    format!("--proxy-server-port={ctrl}"),
+                    format!("--ca-cert={}", p("ca.pem")),
+                    format!("--agent-cert={}", p("agent.pem")),
+                    format!("--agent-key={}", p("agent-key.pem")),
+                    "--agent-id=bench".into(),
+                    format!("--admin-server-port={aadmin}"),
+                    format!("--health-server-port={ahealth}"),
+                    "--sync-interval=200ms".into(),
+                    "--sync-interval-cap=2s".into(),
+                    "-v=0".into(),
+                ],
+            )?;
+            unix = Some(uds);
+            (s, a, true)
+        }
+        "bore" => {
+            let bin = installed(&["bore", "/opt/bore/bin/bore"])
+                .context("`bore` is not installed; run scripts/install-peers --bench")?;
+            // bore's control port is fixed (7835), so every instance gets its
+            // own loopback address; the public port is the frontend's.
+            let ip = format!("127.0.2.{}", idx % 250 + 1);
+            let addr_b: SocketAddr = format!("{ip}:{front}").parse()?;
+            let s = Command::new(&bin)
+                .args(["server", "--bind-addr", &ip, "--min-port", "1024"])
+                .env("RUST_LOG", "error")
+                .stdout(Stdio::null())
+                .spawn()?;
+            wait_listen(&format!("{ip}:7835").parse()?).await?;
+            let a = Command::new(&bin)
+                .args(["local", &backend.port().to_string(), "--local-host"])
+                .arg(backend.ip().to_string())
+                .args(["--to", &ip, "--port", &front.to_string()])
+                .env("RUST_LOG", "error")
+                .stdout(Stdio::null())
+                .spawn()?;
+            let mut p = Proxy::from_children(s, vec![a], addr_b, false);
+            p.unix = None;
+            until_through(&p.target(), false).await?;
+            return Ok(p);
+        }
         "rathole" => {
-            let bin = ["rathole", "/opt/rathole/bin/rathole"]
-                .into_iter()
-                .find(|b| {
-                    Command::new("sh")
-                        .arg("-c")
-                        .arg(format!("command -v {b}"))
-                        .output()
-                        .is_ok_and(|o| o.status.success())
-                })
+            let bin = installed(&["rathole", "/opt/rathole/bin/rathole"])
                 .context("`rathole` is not installed; run scripts/install-peers --bench")?;
             std::fs::write(
                 d.join("server.toml"),
@@ -163,7 +290,7 @@ clusters:
                 d.join("client.toml"),
                 format!("[client]\nremote_addr = \"127.0.0.1:{ctrl}\"\n[client.services.bench]\ntoken = \"bench\"\nlocal_addr = \"{backend}\"\n"),
             )?;
-            let s = Command::new(bin)
+            let s = Command::new(&bin)
                 .arg(d.join("server.toml"))
                 .env("RUST_LOG", "error")
                 .stdout(Stdio::null())
@@ -177,10 +304,11 @@ clusters:
             (s, a, false)
         }
         other => bail!(
-            "{other} is not a reverse tunnel; the tunnel scenario compares seedlink and rathole"
+            "{other} is not a reverse tunnel; the tunnel scenario compares seedlink, konnectivity, rathole and bore"
         ),
     };
-    let p = Proxy::from_children(server, vec![agent], addr, connect);
-    until_through(addr, connect).await?;
+    let mut p = Proxy::from_children(server, vec![agent], addr, connect);
+    p.unix = unix;
+    until_through(&p.target(), connect).await?;
     Ok(p)
 }

@@ -48,6 +48,35 @@ pub struct H2Settings {
     pub keepalive_timeout: Duration,
 }
 
+/// gRPC framing for [`Packet`]: prost's codec with a 1 KiB first buffer
+/// instead of tonic's 8 KiB. tonic allocates that buffer for each direction
+/// of every stream up front, and an agent stream is one long-lived stream:
+/// two 8 KiB buffers were 16 of the ≈ 51 KiB the server held per idle agent
+/// (heaptrack, docs/PERFORMANCE.md). Buffers still grow to fit each message
+/// (a DATA packet reserves its length), so bulk transfers are unaffected.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PacketCodec;
+
+/// First buffer size and batching threshold (tonic's default) of [`PacketCodec`].
+fn buffers() -> tonic::codec::BufferSettings {
+    tonic::codec::BufferSettings::new(1024, 32 * 1024)
+}
+
+impl tonic::codec::Codec for PacketCodec {
+    type Encode = Packet;
+    type Decode = Packet;
+    type Encoder = <tonic_prost::ProstCodec<Packet, Packet> as tonic::codec::Codec>::Encoder;
+    type Decoder = <tonic_prost::ProstCodec<Packet, Packet> as tonic::codec::Codec>::Decoder;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        tonic_prost::ProstCodec::<Packet, Packet>::raw_encoder(buffers())
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        tonic_prost::ProstCodec::<Packet, Packet>::raw_decoder(buffers())
+    }
+}
+
 struct Svc(Handler);
 
 impl tonic::server::StreamingService<Packet> for Svc {
@@ -76,7 +105,7 @@ where
                 .map(|(_, h)| h.clone());
             let resp = match handler {
                 Some(h) => {
-                    let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::default())
+                    let mut grpc = tonic::server::Grpc::new(PacketCodec)
                         .max_decoding_message_size(MAX_MESSAGE);
                     grpc.streaming(Svc(h), req).await
                 }
@@ -172,10 +201,6 @@ where
         req.metadata_mut().insert(*k, v);
     }
     client
-        .streaming(
-            req,
-            http::uri::PathAndQuery::from_static(path),
-            tonic_prost::ProstCodec::default(),
-        )
+        .streaming(req, http::uri::PathAndQuery::from_static(path), PacketCodec)
         .await
 }
