@@ -57,7 +57,8 @@ pub struct Opts {
     /// Worker threads each proxy may use.
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
-    /// `sni` (TLS passthrough), `connect` (HTTP CONNECT tunnels with the
+    /// `sni` (TLS passthrough), `proxy-sni` (the same behind a PROXY v2
+    /// sender: every proxied connection starts with the header), `connect` (HTTP CONNECT tunnels with the
     /// destination header; seedlink's http-connect listener vs Envoy as
     /// Gardener's ingress) or `node-proxy` (seedlink node-proxy vs Envoy with
     /// Gardener's apiserver-proxy config, both in front of one seedlink gateway)
@@ -189,6 +190,7 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
     raise_nofile();
     match opts.scenario.as_str() {
         "sni" | "node-proxy" | "node-proxy-h2" => {}
+        "proxy-sni" => peers::set_proxy_v2(),
         "tunnel" => {
             peers::set_tunnel_destination();
             let _ = TUNNEL_SCENARIO.set(());
@@ -196,7 +198,7 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         "connect" => peers::set_tunnel_destination(),
         "tunnel-scale" => {}
         other => {
-            anyhow::bail!("--scenario {other:?}: use sni, connect, node-proxy, node-proxy-h2, tunnel or tunnel-scale")
+            anyhow::bail!("--scenario {other:?}: use sni, proxy-sni, connect, node-proxy, node-proxy-h2, tunnel or tunnel-scale")
         }
     }
     let backend = workload::Backend::start().await?;

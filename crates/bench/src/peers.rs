@@ -20,6 +20,18 @@ pub const DEST: &str = "outbound|443||kube-apiserver.shoot--bench--a.svc.cluster
 static TUNNEL: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
 static NODE_GATEWAY: std::sync::OnceLock<SocketAddr> = std::sync::OnceLock::new();
 static NODE_H2: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+static PROXY_V2: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+
+/// Switches the bench to the PROXY+SNI scenario: every proxied connection
+/// starts with a PROXY v2 header, as behind a load balancer that sends one.
+pub fn set_proxy_v2() {
+    let _ = PROXY_V2.set(());
+}
+
+/// Whether proxied connections start with a PROXY v2 header.
+pub fn proxy_v2() -> bool {
+    PROXY_V2.get().is_some()
+}
 
 /// Switches the bench to the CONNECT scenario.
 pub fn set_tunnel_destination() {
@@ -90,7 +102,7 @@ impl Proxy {
             // Yardsticks, not peers: this binary as a bare forwarder with
             // no parsing, moving bytes with seedlink's own copy loop
             // (splice, or a user-space buffer).
-            "splice-fwd" | "copy-fwd" if tunnel_destination().is_none() => {
+            "splice-fwd" | "copy-fwd" if tunnel_destination().is_none() && !proxy_v2() => {
                 Command::new(std::env::current_exe()?)
                     .args(["--forward-listen", &addr.to_string()])
                     .args(["--forward-to", &backend.to_string()])
@@ -113,12 +125,14 @@ impl Proxy {
                     &cfg,
                     format!(
                         "admin: {{listen: '127.0.0.1:0'}}
-listeners: [{{name: tls, address: '{addr}', protocol: {proto}}}]
+listeners: [{{name: tls, address: '{addr}', protocol: {proto}, proxy_protocol: {pp}}}]
+trusted_load_balancers: [127.0.0.0/8]
 limits: {{max_unrouted_per_source: 100000}}
 control_planes:
   - {{name: bench, hostnames: [{SNI}], endpoints: ['{backend}'], destinations: [{{name: '{DEST}'}}]}}
 ",
-                        proto = if tunnel_destination().is_some() { "http-connect" } else { "tls" }
+                        proto = if tunnel_destination().is_some() { "http-connect" } else { "tls" },
+                        pp = if proxy_v2() { "required" } else { "off" },
                     ),
                 )?;
                 let mut c = Command::new(&opts.seedlink)
@@ -152,13 +166,14 @@ defaults
   timeout client 60s
   timeout server 60s
 frontend tls
-  bind {addr}
+  bind {addr}{accept_proxy}
   tcp-request inspect-delay 5s
   tcp-request content accept if {{ req_ssl_hello_type 1 }}
   use_backend b if {{ req_ssl_sni -i {SNI} }}
 backend b
   server s {backend}
-"
+",
+                        accept_proxy = if proxy_v2() { " accept-proxy" } else { "" },
                     ),
                 )?;
                 Command::new(which("haproxy")?)
@@ -191,9 +206,10 @@ stream {{
   map $ssl_preread_server_name $up {{ {SNI} b; default blackhole; }}
   upstream b {{ server {backend}; }}
   upstream blackhole {{ server 127.0.0.1:1; }}
-  server {{ listen {addr}; ssl_preread on; proxy_pass $up; }}
+  server {{ listen {addr}{pp}; ssl_preread on; proxy_pass $up; }}
 }}
 ",
+                        pp = if proxy_v2() { " proxy_protocol" } else { "" },
                         pid = prefix.join("nginx.pid").display(),
                         err = prefix.join("logs/error.log").display()
                     ),
@@ -220,7 +236,7 @@ stream {{
   listeners:
   - name: tls
     address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
-    listener_filters:
+    listener_filters:{pp}
     - name: envoy.filters.listener.tls_inspector
       typed_config: {{'@type': type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector}}
     filter_chains:
@@ -244,12 +260,19 @@ stream {{
         - endpoint: {{address: {{socket_address: {{address: {ip}, port_value: {bport}}}}}}}
 ",
                         ip = backend.ip(),
-                        bport = backend.port()
+                        bport = backend.port(),
+                        pp = if proxy_v2() {
+                            "
+    - name: envoy.filters.listener.proxy_protocol
+      typed_config: {'@type': type.googleapis.com/envoy.extensions.filters.listener.proxy_protocol.v3.ProxyProtocol}"
+                        } else {
+                            ""
+                        },
                     ),
                 )?;
                 spawn_envoy(&cfg, t, idx)?
             }
-            other => bail!("unknown proxy {other:?}"),
+            other => bail!("unknown proxy {other:?} (in this scenario)"),
         };
         let p = Proxy {
             child,
@@ -455,6 +478,7 @@ control_planes:
     pub fn target(&self) -> crate::workload::Target {
         match &self.unix {
             Some(p) => crate::workload::Target::Unix(p.as_path().into()),
+            None if proxy_v2() => crate::workload::Target::TcpProxyV2(self.addr),
             None => crate::workload::Target::Tcp(self.addr),
         }
     }

@@ -29,15 +29,34 @@ pub enum Target {
     Tcp(SocketAddr),
     /// A Unix socket path.
     Unix(Arc<std::path::Path>),
+    /// A loopback TCP address; every connection first sends a PROXY v2
+    /// header naming the client's real addresses.
+    TcpProxyV2(SocketAddr),
 }
 
 impl std::fmt::Display for Target {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Target::Tcp(a) => write!(f, "{a}"),
+            Target::TcpProxyV2(a) => write!(f, "{a} (PROXY v2)"),
             Target::Unix(p) => write!(f, "unix:{}", p.display()),
         }
     }
+}
+
+/// A PROXY protocol v2 header (PROXY command, TCP over IPv4) for a
+/// connection from `src` to `dst`, as a load balancer sends it.
+fn proxy_v2_header(src: SocketAddr, dst: SocketAddr) -> anyhow::Result<Vec<u8>> {
+    let (SocketAddr::V4(s), SocketAddr::V4(d)) = (src, dst) else {
+        bail!("the PROXY scenario runs over IPv4 loopback");
+    };
+    let mut h = b"\r\n\r\n\0\r\nQUIT\n".to_vec();
+    h.extend_from_slice(&[0x21, 0x11, 0, 12]);
+    h.extend_from_slice(&s.ip().octets());
+    h.extend_from_slice(&d.ip().octets());
+    h.extend_from_slice(&s.port().to_be_bytes());
+    h.extend_from_slice(&d.port().to_be_bytes());
+    Ok(h)
 }
 
 /// A client connection to a target.
@@ -46,13 +65,18 @@ type Conn = Either<TcpStream, UnixStream>;
 /// Connects to `t`, over TCP from `src` when given, with a 10 s bound.
 async fn dial(t: &Target, src: Option<IpAddr>) -> anyhow::Result<Conn> {
     let c = match t {
-        Target::Tcp(addr) => {
+        Target::Tcp(addr) | Target::TcpProxyV2(addr) => {
             let sock = TcpSocket::new_v4()?;
             if let Some(src) = src {
                 sock.bind(SocketAddr::new(src, 0))?;
             }
-            let c = tokio::time::timeout(Duration::from_secs(10), sock.connect(*addr)).await??;
+            let mut c =
+                tokio::time::timeout(Duration::from_secs(10), sock.connect(*addr)).await??;
             c.set_nodelay(true)?;
+            if matches!(t, Target::TcpProxyV2(_)) {
+                c.write_all(&proxy_v2_header(c.local_addr()?, *addr)?)
+                    .await?;
+            }
             Either::Left(c)
         }
         Target::Unix(path) => Either::Right(
