@@ -29,6 +29,10 @@ pub struct Opts {
     /// The seedlink binary (build it with `cargo build --release -p seedlink`).
     #[arg(long, default_value = "target/release/seedlink")]
     pub seedlink: PathBuf,
+    /// A second seedlink binary, run as proxy `seedlink-b` (gateway
+    /// scenarios): an interleaved A/B of two builds in one run.
+    #[arg(long)]
+    pub seedlink_b: Option<PathBuf>,
     /// Proxies to compare, comma-separated (seedlink,haproxy,nginx,envoy).
     #[arg(
         long,

@@ -119,7 +119,14 @@ impl Proxy {
                     .stdout(Stdio::null())
                     .spawn()?
             }
-            "seedlink" => {
+            "seedlink" | "seedlink-b" => {
+                let bin = if name == "seedlink" {
+                    &opts.seedlink
+                } else {
+                    opts.seedlink_b
+                        .as_ref()
+                        .context("seedlink-b needs --seedlink-b <binary>")?
+                };
                 let cfg = dir.join(format!("seedlink-{idx}.yaml"));
                 std::fs::write(
                     &cfg,
@@ -135,14 +142,14 @@ control_planes:
                         pp = if proxy_v2() { "required" } else { "off" },
                     ),
                 )?;
-                let mut c = Command::new(&opts.seedlink)
+                let mut c = Command::new(bin)
                     .args(["gateway", "--config"])
                     .arg(&cfg)
                     .env("RUST_LOG", "error")
                     .env("TOKIO_WORKER_THREADS", t.to_string())
                     .stdout(Stdio::piped())
                     .spawn()
-                    .with_context(|| format!("running {}", opts.seedlink.display()))?;
+                    .with_context(|| format!("running {}", bin.display()))?;
                 // The ready line on stdout.
                 let out = c.stdout.take().context("stdout")?;
                 let mut line = String::new();
