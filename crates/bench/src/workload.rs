@@ -192,9 +192,11 @@ pub async fn measure(
     // Bulk download.
     let bytes = opts.bulk_mib * 1024 * 1024;
     let cpu0 = cpu_seconds(pids);
+    let per0: Vec<f64> = pids.iter().map(|p| cpu_seconds(&[*p])).collect();
     let t0 = Instant::now();
     let tunnel = proxied && connect;
     let got = bulk(addr, bytes, tunnel).await.context("bulk")?;
+    per_process("download", pids, &per0);
     let secs = t0.elapsed().as_secs_f64();
     let cpu = cpu_seconds(pids) - cpu0;
     if got != bytes {
@@ -209,7 +211,9 @@ pub async fn measure(
     if crate::TUNNEL_SCENARIO.get().is_some() {
         let cpu0 = cpu_seconds(pids);
         let t0 = Instant::now();
+        let per0: Vec<f64> = pids.iter().map(|p| cpu_seconds(&[*p])).collect();
         upload(addr, bytes, tunnel).await.context("upload")?;
+        per_process("upload", pids, &per0);
         let secs = t0.elapsed().as_secs_f64();
         s.up_gbps = Some(bytes as f64 * 8.0 / secs / 1e9);
         if proxied {
@@ -272,6 +276,19 @@ pub async fn measure(
         s.hol_p99_ratio = Some(hol(addr, tunnel).await.context("head-of-line run")?);
     }
     Ok(s)
+}
+
+/// Prints each process's CPU seconds since `before` (a tunnel's server and
+/// agent, separately), when the target has more than one process.
+fn per_process(what: &str, pids: &[u32], before: &[f64]) {
+    if pids.len() > 1 {
+        let used: Vec<String> = pids
+            .iter()
+            .zip(before)
+            .map(|(p, c)| format!("pid {p}: {:.2}", cpu_seconds(&[*p]) - c))
+            .collect();
+        eprintln!("bench: {what} CPU s per process: {}", used.join(", "));
+    }
 }
 
 /// Opens a connection, and if `connect`, its tunnel; sends the hello and `cmd`.

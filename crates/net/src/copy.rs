@@ -59,6 +59,13 @@ pub struct Transfer {
 /// Buffer size for the user-space path.
 const BUF: usize = 16 * 1024;
 
+/// In splice mode, each direction starts with reads of at most this many
+/// bytes through user space and switches to splice(2) for good after the
+/// first read that fills it. Request/response traffic (most API calls)
+/// never pays splice's per-call cost and the pipe pool's lock; bulk
+/// transfers copy one small chunk before the switch.
+const FIRST_READS: usize = 4 * 1024;
+
 impl Copier {
     /// A copier using `mode`, with at most `max_pipes` pipes in flight.
     pub fn new(mode: CopyMode, max_pipes: usize) -> Copier {
@@ -92,8 +99,8 @@ impl Copier {
         to_upstream: &dyn Tally,
         to_client: &dyn Tally,
     ) -> io::Result<()> {
-        let mut up = Dir::Idle;
-        let mut down = Dir::Idle;
+        let mut up = (Dir::Idle, false);
+        let mut down = (Dir::Idle, false);
         let r = std::future::poll_fn(|cx| {
             let a = self.poll_dir(cx, &mut up, client, upstream, to_upstream);
             if let Poll::Ready(Err(e)) = a {
@@ -115,11 +122,12 @@ impl Copier {
         r
     }
 
-    /// Drives one direction as far as it can go without blocking.
+    /// Drives one direction (its state and whether it has seen bulk) as
+    /// far as it can go without blocking.
     fn poll_dir<'p>(
         &'p self,
         cx: &mut Context<'_>,
-        st: &mut Dir<'p>,
+        (st, bulk): &mut (Dir<'p>, bool),
         src: &TcpStream,
         dst: &TcpStream,
         count: &dyn Tally,
@@ -133,11 +141,19 @@ impl Copier {
                     ready!(src.poll_read_ready(cx))?;
                     let next = match self.mode {
                         #[cfg(target_os = "linux")]
-                        CopyMode::Splice => match self.pipes.get() {
+                        CopyMode::Splice if *bulk => match self.pipes.get() {
                             Some(lease) => splice_in(src, lease)?,
-                            None => buffered_in(src)?,
+                            None => buffered_in(src, BUF)?,
                         },
-                        _ => buffered_in(src)?,
+                        #[cfg(target_os = "linux")]
+                        CopyMode::Splice => {
+                            let next = buffered_in(src, FIRST_READS)?;
+                            if let Some(Dir::Buffered { end, .. }) = &next {
+                                *bulk = *end >= FIRST_READS;
+                            }
+                            next
+                        }
+                        _ => buffered_in(src, BUF)?,
                     };
                     match next {
                         // Not readable after all (readiness cleared): poll again.
@@ -236,10 +252,11 @@ fn splice_in<'p>(
     }
 }
 
-/// Reads one chunk from `src` into a fresh buffer; as [`splice_in`].
-fn buffered_in<'p>(src: &TcpStream) -> io::Result<Option<Dir<'p>>> {
-    let mut buf = vec![0u8; BUF];
-    match src.try_read(&mut buf) {
+/// Reads up to `cap` bytes from `src` into a fresh buffer (not zeroed
+/// first); as [`splice_in`].
+fn buffered_in<'p>(src: &TcpStream, cap: usize) -> io::Result<Option<Dir<'p>>> {
+    let mut buf = Vec::with_capacity(cap);
+    match src.try_read_buf(&mut buf) {
         Ok(0) => Ok(Some(Dir::Done)),
         Ok(end) => Ok(Some(Dir::Buffered { buf, pos: 0, end })),
         Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),

@@ -114,6 +114,69 @@ async fn buffered_half_close_and_byte_exact() {
     half_close_and_exact(CopyMode::Buffered).await;
 }
 
+/// Writes `data` on `from` while reading it on `to`; asserts it arrives whole.
+async fn bulk_through(from: &mut TcpStream, to: &mut TcpStream, data: &[u8]) {
+    let (w, r) = tokio::join!(from.write_all(data), async {
+        let mut got = vec![0u8; data.len()];
+        tokio::time::timeout(Duration::from_secs(20), to.read_exact(&mut got))
+            .await
+            .map(|r| r.map(|_| got))
+    });
+    w.unwrap();
+    assert!(r.unwrap().unwrap() == data, "bulk arrived different");
+}
+
+/// Splice mode starts each direction with small user-space reads and
+/// switches to splice after a full one: request/response exchanges, then
+/// bulk in both directions, then small messages again on the same
+/// connection must all arrive byte-exact and in order.
+#[tokio::test]
+async fn splice_mode_small_exchanges_then_bulk_then_small() {
+    let (mut client, pa, pb, mut upstream) = wire().await;
+    let proxy = spawn_proxy(CopyMode::Splice, pa, pb);
+    let deadline = Duration::from_secs(20);
+    for i in 0..20u8 {
+        let req = vec![i; 1 + usize::from(i) * 50];
+        client.write_all(&req).await.unwrap();
+        let mut got = vec![0u8; req.len()];
+        tokio::time::timeout(deadline, upstream.read_exact(&mut got))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(got, req, "request {i}");
+        upstream.write_all(&req[..req.len() / 2 + 1]).await.unwrap();
+        let mut back = vec![0u8; req.len() / 2 + 1];
+        tokio::time::timeout(deadline, client.read_exact(&mut back))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(back, req[..req.len() / 2 + 1], "response {i}");
+    }
+    let mut bulk = vec![0u8; 1024 * 1024 + 3];
+    rand::rng().fill_bytes(&mut bulk);
+    bulk_through(&mut client, &mut upstream, &bulk).await;
+    bulk_through(&mut upstream, &mut client, &bulk).await;
+    client.write_all(b"after").await.unwrap();
+    let mut got = [0u8; 5];
+    tokio::time::timeout(deadline, upstream.read_exact(&mut got))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&got, b"after");
+    drop(client);
+    drop(upstream);
+    let (r, t) = tokio::time::timeout(Duration::from_secs(5), proxy)
+        .await
+        .unwrap()
+        .unwrap();
+    r.unwrap();
+    let small: u64 = (0..20u64).map(|i| 1 + i * 50).sum();
+    assert_eq!(
+        t.to_upstream.load(std::sync::atomic::Ordering::Relaxed),
+        small + bulk.len() as u64 + 5
+    );
+}
+
 #[tokio::test]
 async fn splice_reset_reaches_client_as_reset() {
     reset_propagates(CopyMode::Splice).await;
