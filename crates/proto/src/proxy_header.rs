@@ -41,6 +41,43 @@ pub struct ProxyHeader {
     pub addresses: Addresses,
     /// Header length in bytes; the payload starts right after.
     pub len: usize,
+    /// Where the v2 TLV block starts (it ends at `len`); `len` when there is
+    /// none (v1, or a v2 header without TLVs). Every TLV in it was checked
+    /// to fit; [`tlv`] finds one by type.
+    pub tlv_start: usize,
+}
+
+/// The value of the first TLV of type `ty` in `header`, which was parsed
+/// from the start of `buf`. Types are raw bytes: 0x20 is `PP2_TYPE_SSL` in
+/// the specification, but HyperShift's node proxies put a cluster ID there,
+/// so no type is interpreted here.
+pub fn tlv<'a>(buf: &'a [u8], header: &ProxyHeader, ty: u8) -> Option<&'a [u8]> {
+    let mut block = buf.get(header.tlv_start..header.len)?;
+    while let [t, hi, lo, rest @ ..] = block {
+        let n = usize::from(u16::from_be_bytes([*hi, *lo]));
+        let value = rest.get(..n)?;
+        if *t == ty {
+            return Some(value);
+        }
+        block = &rest[n..];
+    }
+    None
+}
+
+/// Checks that a v2 TLV block is a whole number of TLVs: no truncated TLV
+/// header, no value running past the end of the header.
+fn check_tlvs(mut block: &[u8]) -> Result<(), &'static str> {
+    while !block.is_empty() {
+        let [_, hi, lo, rest @ ..] = block else {
+            return Err("v2 header ends inside a TLV header");
+        };
+        let n = usize::from(u16::from_be_bytes([*hi, *lo]));
+        if rest.len() < n {
+            return Err("v2 TLV runs past the end of the header");
+        }
+        block = &rest[n..];
+    }
+    Ok(())
 }
 
 /// Why bytes were rejected as a PROXY header.
@@ -150,7 +187,7 @@ fn parse_v1(buf: &[u8]) -> Parse<ProxyHeader, Reject> {
             destination: SocketAddr::new(a.destination_address.into(), a.destination_port),
         },
     };
-    finish(1, addresses, len)
+    finish(1, addresses, len, len)
 }
 
 fn parse_v2(buf: &[u8], max_len: usize) -> Parse<ProxyHeader, Reject> {
@@ -192,8 +229,12 @@ fn parse_v2(buf: &[u8], max_len: usize) -> Parse<ProxyHeader, Reject> {
             "v2 address block shorter than its family needs",
         ));
     }
+    let tlv_start = V2_FIXED + need;
+    if let Err(why) = check_tlvs(&buf[tlv_start..len]) {
+        return Parse::Invalid(Reject::Malformed(why));
+    }
     if command == 0 {
-        return finish(2, Addresses::Local, len);
+        return finish(2, Addresses::Local, len, tlv_start);
     }
     if transport != 1 || !(family == 1 || family == 2) {
         return Parse::Invalid(Reject::Malformed(
@@ -215,10 +256,15 @@ fn parse_v2(buf: &[u8], max_len: usize) -> Parse<ProxyHeader, Reject> {
         },
         _ => return Parse::Invalid(Reject::Malformed("v2 header address family mismatch")),
     };
-    finish(2, addresses, len)
+    finish(2, addresses, len, tlv_start)
 }
 
-fn finish(version: u8, addresses: Addresses, len: usize) -> Parse<ProxyHeader, Reject> {
+fn finish(
+    version: u8,
+    addresses: Addresses,
+    len: usize,
+    tlv_start: usize,
+) -> Parse<ProxyHeader, Reject> {
     if let Addresses::Proxied {
         source,
         destination,
@@ -232,6 +278,7 @@ fn finish(version: u8, addresses: Addresses, len: usize) -> Parse<ProxyHeader, R
         version,
         addresses,
         len,
+        tlv_start,
     })
 }
 

@@ -209,3 +209,63 @@ fn v1_signed_ports_and_mapped_multicast_are_refused() {
         Parse::Done(_)
     ));
 }
+
+#[test]
+fn v2_tlvs_found_by_raw_type() {
+    // HyperShift's node proxies: type 0x20 carrying the cluster ID as text.
+    let mut body = v2_tcp4([10, 1, 2, 3], [10, 9, 9, 9], 1, 2)[16..].to_vec();
+    body.extend_from_slice(&[0x04, 0, 2, 0, 0]);
+    body.extend_from_slice(&[0x20, 0, 4]);
+    body.extend_from_slice(b"c-42");
+    body.extend_from_slice(&[0xe0, 0, 0]);
+    let msg = v2(1, 0x11, &body);
+    let h = check_all_prefixes(&msg);
+    assert_eq!(h.tlv_start, 16 + 12);
+    assert_eq!(tlv(&msg, &h, 0x20), Some(&b"c-42"[..]));
+    assert_eq!(tlv(&msg, &h, 0xe0), Some(&b""[..]));
+    assert_eq!(tlv(&msg, &h, 0x04), Some(&[0u8, 0][..]));
+    assert_eq!(tlv(&msg, &h, 0x21), None);
+    // LOCAL headers may carry TLVs too.
+    let local = v2(0, 0x00, &[0x20, 0, 1, b'x']);
+    let Parse::Done(h) = parse(&local, CAP) else {
+        panic!("LOCAL with a TLV refused");
+    };
+    assert_eq!(tlv(&local, &h, 0x20), Some(&b"x"[..]));
+    // No TLVs, and v1: nothing to find.
+    let plain = v2_tcp4([10, 1, 2, 3], [10, 9, 9, 9], 1, 2);
+    let Parse::Done(h) = parse(&plain, CAP) else {
+        panic!("plain v2 refused");
+    };
+    assert_eq!(tlv(&plain, &h, 0x20), None);
+    let v1 = b"PROXY TCP4 192.0.2.1 198.51.100.7 51234 443\r\n";
+    let Parse::Done(h) = parse(v1, CAP) else {
+        panic!("v1 refused");
+    };
+    assert_eq!(tlv(v1, &h, 0x20), None);
+}
+
+#[test]
+fn v2_malformed_tlv_blocks_are_refused() {
+    let addrs = v2_tcp4([10, 1, 2, 3], [10, 9, 9, 9], 1, 2)[16..].to_vec();
+    let cases: [(&[u8], &str); 4] = [
+        (&[0x20], "ends inside a TLV header"),
+        (&[0x20, 0], "ends inside a TLV header"),
+        (&[0x20, 0, 5, b'a', b'b'], "runs past the end"),
+        (&[0x04, 0, 0, 0xe0, 0xff, 0xff], "runs past the end"),
+    ];
+    for (tlvs, why) in cases {
+        let mut body = addrs.clone();
+        body.extend_from_slice(tlvs);
+        let msg = v2(1, 0x11, &body);
+        match parse(&msg, CAP) {
+            Parse::Invalid(Reject::Malformed(w)) => assert!(w.contains(why), "{tlvs:?}: {w}"),
+            other => panic!("{tlvs:?} gave {other:?}"),
+        }
+        // The same block behind a LOCAL command.
+        let local = v2(0, 0x00, tlvs);
+        assert!(
+            matches!(parse(&local, CAP), Parse::Invalid(Reject::Malformed(_))),
+            "LOCAL {tlvs:?}"
+        );
+    }
+}
