@@ -63,6 +63,9 @@ pub struct ListenerSpec {
     pub on_invalid_request: InvalidRequest,
     /// `http-connect`: the compiled destination guard (full match).
     pub destination_regex: Option<regex::Regex>,
+    /// `proxy` listeners: the PROXY v2 TLV type that selects the control
+    /// plane (by its cluster ID) instead of the header's destination.
+    pub route_by_tlv: Option<u8>,
 }
 
 impl PartialEq for ListenerSpec {
@@ -73,6 +76,7 @@ impl PartialEq for ListenerSpec {
             && self.proxy_protocol == other.proxy_protocol
             && self.destination_header == other.destination_header
             && self.on_invalid_request == other.on_invalid_request
+            && self.route_by_tlv == other.route_by_tlv
             && self.destination_regex.as_ref().map(|r| r.as_str())
                 == other.destination_regex.as_ref().map(|r| r.as_str())
     }
@@ -227,11 +231,14 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
                 format!("duplicate control plane name {:?}", cp.name),
             );
         }
-        if cp.hostnames.is_empty() && cp.destinations.is_empty() && cp.service_addresses.is_empty()
+        if cp.hostnames.is_empty()
+            && cp.destinations.is_empty()
+            && cp.service_addresses.is_empty()
+            && cp.cluster_id.is_none()
         {
             c.err(
                 format!("{at}.hostnames"),
-                "at least one host name, destination or service address is required",
+                "at least one host name, destination, service address or cluster ID is required",
             );
         }
         if cp.endpoints.is_empty() && !dynamic {
@@ -356,6 +363,24 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
             }
             routes.services.insert(sa, compiled.clone());
         }
+        if let Some(id) = &cp.cluster_id {
+            let path = format!("{at}.cluster_id");
+            if id.is_empty() || id.len() > 255 || !id.bytes().all(|b| b.is_ascii_graphic()) {
+                c.err(
+                    path,
+                    format!("{id:?} must be 1-255 printable ASCII characters without spaces"),
+                );
+            } else if let Some(other) = routes.clusters.get(id.as_bytes()) {
+                c.err(
+                    path,
+                    format!("{id:?} is already used by control plane {:?}", other.name),
+                );
+            } else {
+                routes
+                    .clusters
+                    .insert(id.as_bytes().to_vec(), compiled.clone());
+            }
+        }
         for (j, h) in cp.hostnames.iter().enumerate() {
             let path = format!("{at}.hostnames[{j}]");
             let Some(pattern) = check_host_pattern(&mut c, &path, h) else {
@@ -429,7 +454,14 @@ fn check_listeners(c: &mut Collector, ls: &[Listener]) -> Vec<ListenerSpec> {
                         format!("{a} is used by another listener"),
                     );
                 }
+                if l.route_by_tlv.is_some() && l.protocol != Protocol::Proxy {
+                    c.err(
+                        format!("{at}.route_by_tlv"),
+                        "only a `proxy` listener routes by a TLV of the node proxy's PROXY header",
+                    );
+                }
                 out.push(ListenerSpec {
+                    route_by_tlv: l.route_by_tlv,
                     name: l.name.clone(),
                     address: a,
                     protocol: l.protocol,

@@ -111,6 +111,12 @@ pub struct Listener {
     /// must match, e.g. Gardener's.
     #[serde(default)]
     pub destination_regex: Option<String>,
+    /// `proxy` only: route by the value of this PROXY v2 TLV type in the
+    /// node proxy's header, matched exactly against control planes'
+    /// `cluster_id`, instead of by the header's destination address
+    /// (HyperShift's node path uses type 0x20 carrying the cluster ID).
+    #[serde(default)]
+    pub route_by_tlv: Option<u8>,
 }
 
 fn default_destination_header() -> String {
@@ -306,6 +312,11 @@ pub struct ControlPlane {
     /// in the destination of their PROXY header (`proxy` listeners).
     #[serde(default)]
     pub service_addresses: Vec<String>,
+    /// The cluster ID node proxies send in the PROXY v2 TLV a
+    /// `route_by_tlv` listener routes by (HyperShift: the hosted cluster's
+    /// ID). Matched exactly, byte for byte.
+    #[serde(default)]
+    pub cluster_id: Option<String>,
 }
 
 /// One destination of a control plane, named as CONNECT requests name it.

@@ -111,6 +111,8 @@ pub struct RouteTable {
     pub(crate) destinations: HashMap<String, DestinationRoute>,
     /// In-cluster service address → control plane (legacy PROXY path).
     pub(crate) services: HashMap<std::net::SocketAddr, Arc<ControlPlane>>,
+    /// Cluster ID → control plane (`route_by_tlv` listeners).
+    pub(crate) clusters: HashMap<Vec<u8>, Arc<ControlPlane>>,
 }
 
 impl RouteTable {
@@ -137,6 +139,11 @@ impl RouteTable {
             canonical(addr.ip()),
             addr.port(),
         ))
+    }
+
+    /// Finds the control plane whose `cluster_id` is exactly `id`.
+    pub fn cluster(&self, id: &[u8]) -> Option<&Arc<ControlPlane>> {
+        self.clusters.get(id)
     }
 
     /// Number of destinations served.

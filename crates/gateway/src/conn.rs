@@ -45,6 +45,10 @@ enum Refusal {
     Connect(BadConnect),
     InnerProxyLocal,
     UnknownService,
+    /// A `route_by_tlv` listener: the node proxy's header lacks the TLV.
+    ClusterIdMissing,
+    /// A `route_by_tlv` listener: no control plane has that cluster ID.
+    UnknownClusterId,
     Unrecognized,
 }
 
@@ -67,6 +71,8 @@ impl Refusal {
             Refusal::UnknownDestination => "unknown_destination",
             Refusal::InnerProxyLocal => "proxy_no_destination",
             Refusal::UnknownService => "unknown_service_address",
+            Refusal::ClusterIdMissing => "cluster_id_missing",
+            Refusal::UnknownClusterId => "unknown_cluster_id",
             Refusal::Unrecognized => "unrecognized_protocol",
             Refusal::Connect(bad) => bad.reason(),
         }
@@ -141,6 +147,11 @@ enum Request {
     /// Legacy GEP-08 path: the node proxy's PROXY header named this address.
     Legacy {
         destination: SocketAddr,
+    },
+    /// HyperShift's node path: a TLV of the node proxy's PROXY header named
+    /// the cluster; TLS follows untouched.
+    Cluster {
+        id: Vec<u8>,
     },
 }
 
@@ -271,6 +282,14 @@ async fn run(
             };
             (cp.clone(), cp.endpoints.as_slice(), "proxy-protocol")
         }
+        Request::Cluster { id } => {
+            let Some(cp) = snap.routes.cluster(id) else {
+                tracing::debug!(listener = %lctx.spec.name, %peer, %client,
+                    cluster_id = %String::from_utf8_lossy(id), "unknown cluster ID");
+                return refuse(gw, lctx, client, Refusal::UnknownClusterId);
+            };
+            (cp.clone(), cp.endpoints.as_slice(), "proxy-tlv")
+        }
         Request::Connect(head) => {
             let canonical = match check_connect(
                 head,
@@ -397,6 +416,10 @@ async fn run(
         Request::Legacy { destination } => {
             tracing::debug!(listener = %lctx.spec.name, %client, %peer,
             %destination, control_plane = %cp.name, %endpoint, "proxying legacy")
+        }
+        Request::Cluster { id } => {
+            tracing::debug!(listener = %lctx.spec.name, %client, %peer,
+            cluster_id = %String::from_utf8_lossy(id), control_plane = %cp.name, %endpoint, "proxying by cluster ID")
         }
     }
     drop(detected);
@@ -530,6 +553,17 @@ async fn detect<'g>(
         loop {
             match proxy_header::parse(&buf, proxy_cap) {
                 Parse::Done(h) => {
+                    if let Some(ty) = lctx.spec.route_by_tlv {
+                        let Some(id) = proxy_header::tlv(&buf, &h, ty).map(<[u8]>::to_vec) else {
+                            return Err(Refusal::ClusterIdMissing);
+                        };
+                        let replay = buf.split_off(h.len);
+                        return Ok(Detected {
+                            client,
+                            request: Request::Cluster { id },
+                            replay,
+                        });
+                    }
                     let replay = buf.split_off(h.len);
                     return match h.addresses {
                         proxy_header::Addresses::Proxied { destination, .. } => Ok(Detected {

@@ -263,6 +263,7 @@ impl Translator {
                 acl: None,
                 destinations: Vec::new(),
                 service_addresses: Vec::new(),
+                cluster_id: None,
             };
             match policies.get(&key.name_in(&key.namespace)) {
                 Some(Ok(spec)) => {

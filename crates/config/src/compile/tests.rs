@@ -175,6 +175,7 @@ fn diff_names_added_removed_changed() {
         acl: None,
         destinations: Vec::new(),
         service_addresses: Vec::new(),
+        cluster_id: None,
     });
     let d = diff(&a, &b);
     assert_eq!(d.added, vec!["new".to_string()]);
