@@ -27,9 +27,11 @@ fn route(np: &NodeProxy, path: &str) -> Answer {
             503,
             TEXT,
             format!(
-                "not ready: address_ok={} gateway_ok={} phase={:?}\n",
+                "not ready: address_ok={} gateway_ok={} health_check={} last_check={} phase={:?}\n",
                 np.address_ok.load(std::sync::atomic::Ordering::Acquire),
                 np.gateway_ok.load(std::sync::atomic::Ordering::Acquire),
+                np.opts.health.kind.word(),
+                np.health.last(),
                 np.lifecycle.phase()
             ),
         ),

@@ -12,8 +12,28 @@ use seedlink_config::model::humantime_serde;
 use seedlink_config::{ConfigError, Errors};
 use serde::Deserialize;
 
+use crate::health::{CheckKind, HealthCheck};
 use crate::netif::{Interface, LinkKind};
-use crate::{Mode, Options};
+use crate::{EgressProxy, Mode, Options};
+
+/// A root store with every certificate of the PEM file `path`.
+fn load_roots(path: &std::path::Path) -> Result<rustls::RootCertStore, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::CertificateDer;
+    let mut roots = rustls::RootCertStore::empty();
+    let certs =
+        CertificateDer::pem_file_iter(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    for c in certs {
+        let c = c.map_err(|e| format!("{}: {e}", path.display()))?;
+        roots
+            .add(c)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    if roots.is_empty() {
+        return Err(format!("{}: no certificate in it", path.display()));
+    }
+    Ok(roots)
+}
 
 /// The node-proxy's whole configuration.
 #[derive(Debug, Clone, Deserialize, serde::Serialize, PartialEq)]
@@ -63,6 +83,99 @@ pub struct NodeProxyConfig {
     /// How often the address is re-asserted.
     #[serde(default = "sixty_s", with = "humantime_serde")]
     pub resync: Duration,
+    /// The hosted cluster's ID, sent as a TLV of every PROXY v2 header
+    /// (`proxy-v2` mode; HyperShift's shared ingress routes by it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_id: Option<String>,
+    /// The TLV type of `cluster_id`.
+    #[serde(default = "default_cluster_id_tlv")]
+    pub cluster_id_tlv: u8,
+    /// An HTTP CONNECT forward proxy to reach the gateway through,
+    /// `http://host:port` (or `host:port`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_proxy: Option<String>,
+    /// A file holding `user:password` for the egress proxy (Basic).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_proxy_credentials_file: Option<std::path::PathBuf>,
+    /// `tcp`, `tunnel`, `tls` or `http`.
+    #[serde(default = "default_health_check")]
+    pub health_check: String,
+    /// How often the health check runs.
+    #[serde(default = "ten_s", with = "humantime_serde")]
+    pub health_check_interval: Duration,
+    /// Deadline of one check.
+    #[serde(default = "five_s", with = "humantime_serde")]
+    pub health_check_timeout: Duration,
+    /// Successes in a row that make an unhealthy upstream healthy.
+    #[serde(default = "default_rise")]
+    pub health_check_rise: u32,
+    /// Failures in a row that make a healthy upstream unhealthy.
+    #[serde(default = "default_fall")]
+    pub health_check_fall: u32,
+    /// CA bundle the API server's certificate is verified against (`tls`
+    /// and `http` checks); without it any certificate is accepted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health_check_ca: Option<std::path::PathBuf>,
+    /// Server name of the check's TLS handshake.
+    #[serde(default = "default_server_name")]
+    pub health_check_server_name: String,
+    /// Path of the `http` check's `GET`.
+    #[serde(default = "default_check_path")]
+    pub health_check_path: String,
+}
+
+/// The cluster-ID TLV type's default: HyperShift's 0x20.
+pub fn default_cluster_id_tlv() -> u8 {
+    0x20
+}
+/// The health check's default.
+pub fn default_health_check() -> String {
+    "tcp".into()
+}
+/// Rise's default (HAProxy's).
+pub fn default_rise() -> u32 {
+    2
+}
+/// Fall's default (HAProxy's).
+pub fn default_fall() -> u32 {
+    3
+}
+/// The check's TLS server name's default.
+pub fn default_server_name() -> String {
+    crate::health::DEFAULT_SERVER_NAME.into()
+}
+/// The `http` check's path's default.
+pub fn default_check_path() -> String {
+    "/version".into()
+}
+fn ten_s() -> Duration {
+    Duration::from_secs(10)
+}
+
+/// `http://host:port` or `host:port` → `host:port`.
+fn egress_address(url: &str) -> Result<String, String> {
+    let rest = match url.split_once("://") {
+        Some(("http", rest)) => rest,
+        Some((scheme, _)) => {
+            return Err(format!(
+                "{scheme}:// is not supported; the proxy is spoken to in cleartext HTTP (http://host:port)"
+            ))
+        }
+        None => url,
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.contains('@') {
+        return Err("credentials do not belong in the URL; put user:password in egress_proxy_credentials_file".into());
+    }
+    if rest.contains('/') || rest.contains('?') {
+        return Err("must be http://host:port with no path".into());
+    }
+    match rest.rsplit_once(':') {
+        Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0) => {
+            Ok(rest.to_string())
+        }
+        _ => Err("must be http://host:port".into()),
+    }
 }
 
 /// The port's default.
@@ -140,6 +253,118 @@ impl NodeProxyConfig {
         })
     }
 
+    fn check_kind(&self) -> Option<CheckKind> {
+        Some(match self.health_check.as_str() {
+            "tcp" => CheckKind::Tcp,
+            "tunnel" => CheckKind::Tunnel,
+            "tls" => CheckKind::Tls,
+            "http" => CheckKind::Http,
+            _ => return None,
+        })
+    }
+
+    /// The egress proxy, its credentials read.
+    fn egress(&self) -> Result<Option<EgressProxy>, (&'static str, String)> {
+        let Some(url) = &self.egress_proxy else {
+            if self.egress_proxy_credentials_file.is_some() {
+                return Err((
+                    "egress_proxy_credentials_file",
+                    "set without egress_proxy".into(),
+                ));
+            }
+            return Ok(None);
+        };
+        let address = egress_address(url).map_err(|e| ("egress_proxy", format!("{url:?}: {e}")))?;
+        let authorization = match &self.egress_proxy_credentials_file {
+            None => None,
+            Some(p) => {
+                let key = "egress_proxy_credentials_file";
+                let text = std::fs::read_to_string(p)
+                    .map_err(|e| (key, format!("{}: {e}", p.display())))?;
+                Some(
+                    EgressProxy::basic(&text)
+                        .map_err(|e| (key, format!("{}: {e}", p.display())))?,
+                )
+            }
+        };
+        Ok(Some(EgressProxy {
+            address,
+            authorization,
+        }))
+    }
+
+    /// The health check, its CA read.
+    fn health(&self) -> Result<HealthCheck, (&'static str, String)> {
+        let Some(kind) = self.check_kind() else {
+            return Err((
+                "health_check",
+                format!("{:?} is not tcp, tunnel, tls or http", self.health_check),
+            ));
+        };
+        let mode = self.mode();
+        match (kind, mode) {
+            (CheckKind::Tunnel, Some(Mode::ProxyV2 | Mode::ProxyV1)) => {
+                return Err((
+                    "health_check",
+                    "a PROXY header gets no answer, so `tunnel` proves nothing in this mode; use tls or http".into(),
+                ))
+            }
+            (CheckKind::Tls | CheckKind::Http, Some(Mode::Http2Connect)) => {
+                return Err((
+                    "health_check",
+                    "tls and http checks need a mode over TCP; use tunnel in http2-connect mode".into(),
+                ))
+            }
+            _ => {}
+        }
+        let uses_tls = matches!(kind, CheckKind::Tls | CheckKind::Http);
+        if !uses_tls && self.health_check_ca.is_some() {
+            return Err(("health_check_ca", "only tls and http checks use it".into()));
+        }
+        if rustls::pki_types::ServerName::try_from(self.health_check_server_name.as_str()).is_err()
+        {
+            return Err((
+                "health_check_server_name",
+                format!(
+                    "{:?} is not a DNS name or IP address",
+                    self.health_check_server_name
+                ),
+            ));
+        }
+        if !self.health_check_path.starts_with('/')
+            || !self.health_check_path.bytes().all(|b| b.is_ascii_graphic())
+        {
+            return Err((
+                "health_check_path",
+                format!(
+                    "{:?} is not an absolute path without spaces",
+                    self.health_check_path
+                ),
+            ));
+        }
+        let tls = if uses_tls {
+            let roots = match &self.health_check_ca {
+                None => None,
+                Some(p) => Some(load_roots(p).map_err(|e| ("health_check_ca", e))?),
+            };
+            Some(std::sync::Arc::new(
+                crate::health::client_config(roots).map_err(|e| ("health_check", e))?,
+            ))
+        } else {
+            None
+        };
+        Ok(HealthCheck {
+            kind,
+            interval: self.health_check_interval,
+            timeout: self.health_check_timeout,
+            rise: self.health_check_rise,
+            fall: self.health_check_fall,
+            tls,
+            server_name: self.health_check_server_name.clone(),
+            path: self.health_check_path.clone(),
+        })
+    }
+
     fn link_kind(&self) -> Result<Option<LinkKind>, ()> {
         Ok(Some(match self.link_kind.as_str() {
             "dummy" => LinkKind::Dummy,
@@ -197,6 +422,45 @@ impl NodeProxyConfig {
                 format!("{:?} is not an HTTP header name", self.header),
             );
         }
+        match (&self.cluster_id, self.mode()) {
+            (Some(_), Some(m)) if m != Mode::ProxyV2 => err(
+                "cluster_id",
+                format!("only sent in proxy-v2 mode, not {}", self.mode),
+            ),
+            (Some(id), _)
+                if id.is_empty() || id.len() > 255 || !id.bytes().all(|b| b.is_ascii_graphic()) =>
+            {
+                err(
+                    "cluster_id",
+                    format!("{id:?} must be 1 to 255 printable ASCII characters"),
+                )
+            }
+            _ => {}
+        }
+        // Types whose meaning a receiver acts on: a checksum, padding.
+        if matches!(self.cluster_id_tlv, 0x00 | 0x03 | 0x04) {
+            err(
+                "cluster_id_tlv",
+                format!(
+                    "{:#04x} is reserved (0x03 is a CRC32C, 0x04 padding); HyperShift uses 0x20, applications 0xE0-0xEF",
+                    self.cluster_id_tlv
+                ),
+            );
+        }
+        if let Err((key, message)) = self.egress() {
+            err(key, message);
+        }
+        if let Err((key, message)) = self.health() {
+            err(key, message);
+        }
+        for (key, n) in [
+            ("health_check_rise", self.health_check_rise),
+            ("health_check_fall", self.health_check_fall),
+        ] {
+            if n == 0 {
+                err(key, "must be at least 1".into());
+            }
+        }
         if self.link_kind().is_err() {
             err(
                 "link_kind",
@@ -212,6 +476,8 @@ impl NodeProxyConfig {
         for (key, d) in [
             ("connect_timeout", self.connect_timeout),
             ("resync", self.resync),
+            ("health_check_interval", self.health_check_interval),
+            ("health_check_timeout", self.health_check_timeout),
         ] {
             if d.is_zero() {
                 err(key, "must be more than 0".into());
@@ -224,10 +490,12 @@ impl NodeProxyConfig {
     /// nothing.
     pub fn plan(&self) -> Result<Plan, Errors> {
         let errs = self.check();
-        let (Some(mode), Ok(kind), Some(host), true) = (
+        let (Some(mode), Ok(kind), Some(host), Ok(egress), Ok(health), true) = (
             self.mode(),
             self.link_kind(),
             self.gateway_host(),
+            self.egress(),
+            self.health(),
             errs.is_empty(),
         ) else {
             return Err(Errors(errs));
@@ -249,7 +517,13 @@ impl NodeProxyConfig {
                 resolve_ttl: Duration::from_secs(30),
                 max_connections: self.max_connections,
                 drain: self.drain,
-                probe_interval: Duration::from_secs(10),
+                tlv: self
+                    .cluster_id
+                    .as_ref()
+                    .map(|id| (self.cluster_id_tlv, id.as_bytes().to_vec())),
+                egress,
+                health,
+                advertised: SocketAddr::new(self.address, self.port),
             },
             interface: kind.map(|kind| Interface {
                 name: self.interface.clone(),

@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod config;
+pub mod health;
 pub mod netif;
 pub mod tunnel;
 
@@ -61,8 +62,53 @@ pub struct Options {
     pub max_connections: usize,
     /// How long a drain waits for tunnels to end.
     pub drain: Duration,
-    /// How often the gateway is probed for readiness.
-    pub probe_interval: Duration,
+    /// A TLV (type, value) added to every PROXY v2 header: HyperShift's
+    /// cluster ID (type 0x20) that a shared ingress routes by.
+    pub tlv: Option<(u8, Vec<u8>)>,
+    /// An HTTP CONNECT forward proxy every gateway connection goes through.
+    pub egress: Option<EgressProxy>,
+    /// The health check readiness follows.
+    pub health: health::HealthCheck,
+    /// The address clients connect to: the destination of a health check's
+    /// PROXY header (the legacy port routes by it).
+    pub advertised: SocketAddr,
+}
+
+/// A corporate egress proxy: connections to the gateway are opened with
+/// `CONNECT <gateway> HTTP/1.1` through it (HyperShift's
+/// `kubernetes-default-proxy` does the same).
+#[derive(Debug, Clone)]
+pub struct EgressProxy {
+    /// `host:port` of the proxy; a name is re-resolved like the gateway's.
+    pub address: String,
+    /// The `Proxy-Authorization` value (`Basic …`), if credentials are set.
+    pub authorization: Option<String>,
+}
+
+impl EgressProxy {
+    /// `Basic` credentials from `user:password` (one line; the password may
+    /// hold colons, the user may not, neither may be empty).
+    pub fn basic(credentials: &str) -> Result<String, &'static str> {
+        use base64::Engine;
+        let line = credentials.trim_end_matches(['\n', '\r']);
+        if line.contains(['\n', '\r']) {
+            return Err("must be one line, user:password");
+        }
+        match line.split_once(':') {
+            Some((user, pass)) if !user.is_empty() && !pass.is_empty() => Ok(format!(
+                "Basic {}",
+                base64::engine::general_purpose::STANDARD.encode(line)
+            )),
+            _ => Err("must be user:password, neither empty"),
+        }
+    }
+}
+
+/// Labels with a check result.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `ok` or why the check failed.
+    pub result: String,
 }
 
 /// Labels with an outcome.
@@ -86,6 +132,8 @@ pub struct Metrics {
     pub gateway_connect_failures: Counter,
     /// Times the address had to be put back on the interface.
     pub address_reasserted: Counter,
+    /// Health checks by result.
+    pub health_checks: Family<ResultLabels, Counter>,
 }
 
 impl Metrics {
@@ -107,6 +155,12 @@ impl Metrics {
             "Times the advertised address was missing and put back",
             address_reasserted.clone(),
         );
+        let health_checks = Family::<ResultLabels, Counter>::default();
+        registry.register(
+            "health_checks",
+            "Upstream health checks by result (ok, or why they failed)",
+            health_checks.clone(),
+        );
         let refusal_log = seedlink_net::loglimit::LogLimiter::default();
         registry.register(
             "log_lines_dropped",
@@ -120,6 +174,7 @@ impl Metrics {
             gateway_connect_failures,
             address_reasserted,
             refusal_log,
+            health_checks,
         }
     }
 }
@@ -134,8 +189,10 @@ pub struct NodeProxy {
     pub lifecycle: Lifecycle,
     /// The advertised address is on its interface (or not managed).
     pub address_ok: AtomicBool,
-    /// The gateway answered recently.
+    /// The upstream passed its health check (rise and fall applied).
     pub gateway_ok: AtomicBool,
+    /// The health check's results.
+    pub health: health::HealthState,
     /// The configuration it runs with, as `/config` shows it.
     pub config: std::sync::OnceLock<serde_json::Value>,
     resolver: tunnel::Resolver,
@@ -152,13 +209,21 @@ impl NodeProxy {
             permits: Arc::new(Semaphore::new(
                 opts.max_connections.clamp(1, Semaphore::MAX_PERMITS),
             )),
-            resolver: tunnel::Resolver::new(opts.gateway.clone(), opts.resolve_ttl),
+            // With an egress proxy, the proxy is dialled and resolves the
+            // gateway's name itself.
+            resolver: tunnel::Resolver::new(
+                opts.egress
+                    .as_ref()
+                    .map_or_else(|| opts.gateway.clone(), |e| e.address.clone()),
+                opts.resolve_ttl,
+            ),
             h2: tunnel::H2Session::default(),
             opts,
             metrics: Metrics::new(),
             lifecycle: Lifecycle::new(),
             address_ok: AtomicBool::new(!address_managed),
             gateway_ok: AtomicBool::new(false),
+            health: health::HealthState::default(),
             config: std::sync::OnceLock::new(),
             copier: seedlink_net::copy::Copier::new(seedlink_net::copy::CopyMode::Splice, 64),
         })
@@ -187,7 +252,7 @@ impl NodeProxy {
             .await;
         });
         let np = self.clone();
-        tokio::spawn(async move { np.probe_loop().await });
+        tokio::spawn(async move { health::run(&np).await });
         let np = self.clone();
         tokio::spawn(async move { admin::serve(np, admin, access).await });
         self.lifecycle.serving();
@@ -221,22 +286,32 @@ impl NodeProxy {
             .inc();
     }
 
-    /// Marks the gateway reachable when a TCP connect succeeds (in HTTP/2
-    /// mode: when the shared connection is up, set up anew if it failed);
-    /// every `probe_interval`.
-    async fn probe_loop(&self) {
-        loop {
-            let ok = if self.opts.mode == Mode::Http2Connect {
-                self.h2.probe(self).await
-            } else {
-                self.resolver.connect(self).await.is_ok()
-            };
-            self.gateway_ok.store(ok, Ordering::Release);
-            tokio::select! {
-                () = tokio::time::sleep(self.opts.probe_interval) => {}
-                () = self.lifecycle.close_all.cancelled() => return,
-            }
+    /// A tunnel's start as a passive health result: with the `tcp` check,
+    /// an opened tunnel is a success and an unreachable gateway (or egress
+    /// proxy) a failure; refusals say nothing about reachability. Other
+    /// checks ignore tunnels.
+    pub fn observe(&self, result: Result<(), tunnel::Outcome>) {
+        use tunnel::Outcome as O;
+        let check = &self.opts.health;
+        if check.kind != health::CheckKind::Tcp {
+            return;
         }
+        let healthy = match result {
+            Ok(()) => self.health.record(check, Ok(())),
+            Err(
+                why @ (O::GatewayUnreachable
+                | O::EgressProxyUnreachable
+                | O::EgressProxyTimeout
+                | O::EgressProxyClosed),
+            ) => self.health.record(check, Err(why.reason())),
+            Err(_) => return,
+        };
+        self.gateway_ok.store(healthy, Ordering::Release);
+    }
+
+    /// The shared HTTP/2 connection is up (opened now if needed).
+    pub async fn h2_probe(&self) -> Result<(), tunnel::Outcome> {
+        self.h2.probe(self).await
     }
 
     /// Keeps `iface` in place: checks now, then every `every`; readiness

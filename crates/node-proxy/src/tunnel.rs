@@ -146,6 +146,18 @@ pub enum Outcome {
     ProxyHeaderError,
     /// The drain deadline closed it.
     ClosedDrain,
+    /// No address of the egress proxy could be connected.
+    EgressProxyUnreachable,
+    /// The egress proxy wants (other) credentials: 407 or 401.
+    EgressProxyAuth,
+    /// The egress proxy answered another refusal.
+    EgressProxyRefused,
+    /// The egress proxy's answer was not HTTP, or it sent bytes after it.
+    EgressProxyBadResponse,
+    /// The egress proxy closed before answering.
+    EgressProxyClosed,
+    /// The egress proxy did not answer in time.
+    EgressProxyTimeout,
 }
 
 impl Outcome {
@@ -169,61 +181,116 @@ impl Outcome {
             Outcome::BadRequestOptions => "bad_request_options",
             Outcome::ProxyHeaderError => "proxy_header_error",
             Outcome::ClosedDrain => "closed_drain",
+            Outcome::EgressProxyUnreachable => "egress_proxy_unreachable",
+            Outcome::EgressProxyAuth => "egress_proxy_auth_failed",
+            Outcome::EgressProxyRefused => "egress_proxy_refused",
+            Outcome::EgressProxyBadResponse => "egress_proxy_bad_response",
+            Outcome::EgressProxyClosed => "egress_proxy_closed",
+            Outcome::EgressProxyTimeout => "egress_proxy_timeout",
         }
     }
 }
 
-/// Carries one client connection; returns how it ended.
-pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> Outcome {
-    let _ = client.set_nodelay(true);
-    if np.opts.mode == Mode::Http2Connect {
-        return h2_carry(np, client, peer).await;
-    }
-    let gateway = match np.resolver.connect(np).await {
-        Ok(s) => s,
-        Err(e) => {
+/// Connects to the gateway: directly, or through the egress proxy's HTTP
+/// CONNECT tunnel when one is configured.
+pub async fn dial(np: &NodeProxy) -> Result<TcpStream, Outcome> {
+    let Some(egress) = &np.opts.egress else {
+        return np.resolver.connect(np).await.map_err(|e| {
             if np.metrics.refusal_log.allow() {
-                tracing::warn!(target: "seedlink::refused", %peer, reason = "gateway_unreachable", error = %e, "tunnel failed");
+                tracing::warn!(target: "seedlink::refused", gateway = %np.opts.gateway, error = %e, "gateway unreachable");
             }
-            np.gateway_ok.store(false, Ordering::Release);
-            return Outcome::GatewayUnreachable;
-        }
+            Outcome::GatewayUnreachable
+        });
     };
-    let local = client.local_addr().unwrap_or(peer);
+    let s = np.resolver.connect(np).await.map_err(|e| {
+        if np.metrics.refusal_log.allow() {
+            tracing::warn!(target: "seedlink::refused", egress_proxy = %egress.address, error = %e, "egress proxy unreachable");
+        }
+        Outcome::EgressProxyUnreachable
+    })?;
+    let auth = egress
+        .authorization
+        .as_deref()
+        .map_or(String::new(), |a| format!("Proxy-Authorization: {a}\r\n"));
+    let head = format!(
+        "CONNECT {g} HTTP/1.1\r\nHost: {g}\r\n{auth}\r\n",
+        g = np.opts.gateway
+    );
+    let answer = tokio::time::timeout(
+        np.opts.handshake_timeout,
+        exchange_head(&s, head.as_bytes()),
+    )
+    .await;
+    let why = match answer {
+        // The gateway never speaks first, so bytes after the answer are the
+        // proxy's mistake, not tunnel payload.
+        Ok(Ok((200, rest))) if rest.is_empty() => return Ok(s),
+        Ok(Ok((200, _))) => Outcome::EgressProxyBadResponse,
+        // 407 asks for credentials; tinyproxy answers wrong ones with 401.
+        Ok(Ok((401 | 407, _))) => Outcome::EgressProxyAuth,
+        Ok(Ok(_)) => Outcome::EgressProxyRefused,
+        Ok(Err(Outcome::GatewayBadResponse)) => Outcome::EgressProxyBadResponse,
+        Ok(Err(_)) => Outcome::EgressProxyClosed,
+        Err(_) => Outcome::EgressProxyTimeout,
+    };
+    if np.metrics.refusal_log.allow() {
+        tracing::warn!(target: "seedlink::refused", egress_proxy = %egress.address, reason = why.reason(), "egress proxy refused the tunnel to the gateway");
+    }
+    Err(why)
+}
+
+/// Opens a tunnel for a connection from `src` to `dst` as the mode says
+/// (not [`Mode::Http2Connect`]): the gateway stream and bytes the gateway
+/// already sent for the client.
+async fn open(
+    np: &NodeProxy,
+    src: SocketAddr,
+    dst: SocketAddr,
+) -> Result<(TcpStream, Vec<u8>), Outcome> {
+    let gateway = dial(np).await?;
     let leftover = match np.opts.mode {
         Mode::Connect => {
-            match tokio::time::timeout(np.opts.handshake_timeout, connect_handshake(np, &gateway))
-                .await
+            let (name, value) = &np.opts.header;
+            let head = format!(
+                "CONNECT {a} HTTP/1.1\r\nHost: {a}\r\n{name}: {value}\r\n\r\n",
+                a = np.opts.authority
+            );
+            match tokio::time::timeout(
+                np.opts.handshake_timeout,
+                exchange_head(&gateway, head.as_bytes()),
+            )
+            .await
             {
-                Ok(Ok(rest)) => rest,
-                Ok(Err(why)) => {
-                    if np.metrics.refusal_log.allow() {
-                        tracing::warn!(target: "seedlink::refused", %peer, reason = why.reason(), "gateway refused the tunnel");
-                    }
-                    return why;
-                }
-                Err(_) => return Outcome::GatewayTimeout,
+                Ok(Ok((200, rest))) => rest,
+                Ok(Ok((403, _))) => return Err(Outcome::GatewayForbidden),
+                Ok(Ok((503, _))) => return Err(Outcome::GatewayUnavailable),
+                Ok(Ok((301, _))) => return Err(Outcome::GatewayRedirect),
+                Ok(Ok(_)) => return Err(Outcome::GatewayRefused),
+                Ok(Err(why)) => return Err(why),
+                Err(_) => return Err(Outcome::GatewayTimeout),
             }
         }
         Mode::ProxyV2 => {
-            let header = ppp::v2::Builder::with_addresses(
+            let mut b = ppp::v2::Builder::with_addresses(
                 ppp::v2::Version::Two | ppp::v2::Command::Proxy,
                 ppp::v2::Protocol::Stream,
-                (peer, local),
-            )
-            .build();
-            let Ok(header) = header else {
-                return Outcome::ProxyHeaderError;
-            };
-            if write_all(&gateway, &header).await.is_err() {
-                return Outcome::GatewayError;
+                (src, dst),
+            );
+            if let Some((kind, value)) = &np.opts.tlv {
+                b = b
+                    .write_tlv(*kind, value)
+                    .map_err(|_| Outcome::ProxyHeaderError)?;
             }
+            let header = b.build().map_err(|_| Outcome::ProxyHeaderError)?;
+            write_all(&gateway, &header)
+                .await
+                .map_err(|_| Outcome::GatewayError)?;
             Vec::new()
         }
         // Carried as a stream on the shared connection by `h2_carry`.
-        Mode::Http2Connect => return Outcome::ModeError,
+        Mode::Http2Connect => return Err(Outcome::ModeError),
         Mode::ProxyV1 => {
-            let header = match (peer, local) {
+            let header = match (src, dst) {
                 (SocketAddr::V4(s), SocketAddr::V4(d)) => {
                     ppp::v1::Addresses::new_tcp4(*s.ip(), *d.ip(), s.port(), d.port()).to_string()
                 }
@@ -235,13 +302,46 @@ pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> Outco
                     ppp::v1::Addresses::new_tcp6(v6(s), v6(d), s.port(), d.port()).to_string()
                 }
             };
-            if write_all(&gateway, header.as_bytes()).await.is_err() {
-                return Outcome::GatewayError;
-            }
+            write_all(&gateway, header.as_bytes())
+                .await
+                .map_err(|_| Outcome::GatewayError)?;
             Vec::new()
         }
     };
-    np.gateway_ok.store(true, Ordering::Release);
+    Ok((gateway, leftover))
+}
+
+/// A tunnel as a health check opens it: from the node-proxy's own end of
+/// the gateway connection to the advertised address (which the legacy PROXY
+/// port routes by).
+pub async fn open_for_check(np: &NodeProxy) -> Result<(TcpStream, Vec<u8>), Outcome> {
+    let src = SocketAddr::new(np.opts.advertised.ip(), 0);
+    open(np, src, np.opts.advertised).await
+}
+
+/// A client's tunnel opening as a passive health result; a failure is
+/// logged (rate-limited).
+fn observed<T>(np: &NodeProxy, peer: SocketAddr, r: Result<T, Outcome>) -> Result<T, Outcome> {
+    np.observe(r.as_ref().map(|_| ()).map_err(|why| *why));
+    if let Err(why) = &r {
+        if np.metrics.refusal_log.allow() {
+            tracing::warn!(target: "seedlink::refused", %peer, reason = why.reason(), "tunnel failed");
+        }
+    }
+    r
+}
+
+/// Carries one client connection; returns how it ended.
+pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> Outcome {
+    let _ = client.set_nodelay(true);
+    if np.opts.mode == Mode::Http2Connect {
+        return h2_carry(np, client, peer).await;
+    }
+    let local = client.local_addr().unwrap_or(peer);
+    let (gateway, leftover) = match observed(np, peer, open(np, peer, local).await) {
+        Ok(pair) => pair,
+        Err(why) => return why,
+    };
     if !leftover.is_empty() && write_all(&client, &leftover).await.is_err() {
         return Outcome::ClientError;
     }
@@ -257,15 +357,10 @@ pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> Outco
     }
 }
 
-/// Sends the CONNECT request and reads the answer head. Returns bytes the
-/// gateway sent after the head (already tunnel payload), or why it failed.
-async fn connect_handshake(np: &NodeProxy, gateway: &TcpStream) -> Result<Vec<u8>, Outcome> {
-    let (name, value) = &np.opts.header;
-    let head = format!(
-        "CONNECT {a} HTTP/1.1\r\nHost: {a}\r\n{name}: {value}\r\n\r\n",
-        a = np.opts.authority
-    );
-    write_all(gateway, head.as_bytes())
+/// Sends an HTTP request head and reads the answer's head: its status and
+/// any bytes that came after it, or why that failed.
+async fn exchange_head(stream: &TcpStream, head: &[u8]) -> Result<(u16, Vec<u8>), Outcome> {
+    write_all(stream, head)
         .await
         .map_err(|_| Outcome::GatewayError)?;
     let mut buf: Vec<u8> = Vec::with_capacity(256);
@@ -274,13 +369,8 @@ async fn connect_handshake(np: &NodeProxy, gateway: &TcpStream) -> Result<Vec<u8
         let mut resp = httparse::Response::new(&mut headers);
         match resp.parse(&buf) {
             Ok(httparse::Status::Complete(n)) => {
-                return match resp.code {
-                    Some(200) => Ok(buf.split_off(n)),
-                    Some(403) => Err(Outcome::GatewayForbidden),
-                    Some(503) => Err(Outcome::GatewayUnavailable),
-                    Some(301) => Err(Outcome::GatewayRedirect),
-                    _ => Err(Outcome::GatewayRefused),
-                };
+                let code = resp.code.unwrap_or(0);
+                return Ok((code, buf.split_off(n)));
             }
             Ok(httparse::Status::Partial) => {}
             Err(_) => return Err(Outcome::GatewayBadResponse),
@@ -288,12 +378,9 @@ async fn connect_handshake(np: &NodeProxy, gateway: &TcpStream) -> Result<Vec<u8
         if buf.len() >= MAX_RESPONSE_HEAD {
             return Err(Outcome::GatewayBadResponse);
         }
-        gateway
-            .readable()
-            .await
-            .map_err(|_| Outcome::GatewayError)?;
+        stream.readable().await.map_err(|_| Outcome::GatewayError)?;
         let mut chunk = [0u8; 1024];
-        match gateway.try_read(&mut chunk) {
+        match stream.try_read(&mut chunk) {
             Ok(0) => return Err(Outcome::GatewayClosed),
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
@@ -334,7 +421,7 @@ impl Drop for StreamSlot {
 impl H2Session {
     /// Whether a connection is up (set up now if none is), within the
     /// handshake deadline.
-    pub async fn probe(&self, np: &NodeProxy) -> bool {
+    pub async fn probe(&self, np: &NodeProxy) -> Result<(), Outcome> {
         let up = async {
             let mut conns = self.conns.lock().await;
             conns.retain(|c| !c.task.is_finished());
@@ -343,10 +430,9 @@ impl H2Session {
             }
             Ok::<(), Outcome>(())
         };
-        matches!(
-            tokio::time::timeout(np.opts.handshake_timeout, up).await,
-            Ok(Ok(()))
-        )
+        tokio::time::timeout(np.opts.handshake_timeout, up)
+            .await
+            .unwrap_or(Err(Outcome::GatewayTimeout))
     }
 
     /// A stream slot on a live connection with room, connecting first if
@@ -372,10 +458,7 @@ impl H2Session {
 /// Opens one h2c connection to the gateway and spawns its driver, which
 /// also pings it and gives it up when a pong is late.
 async fn open_h2(np: &NodeProxy) -> Result<H2Conn, Outcome> {
-    let tcp = np.resolver.connect(np).await.map_err(|e| {
-        tracing::warn!(error = %e, "gateway unreachable");
-        Outcome::GatewayUnreachable
-    })?;
+    let tcp = dial(np).await?;
     let mut builder = h2::client::Builder::new();
     builder
         .initial_window_size(1024 * 1024)
@@ -420,11 +503,17 @@ async fn open_h2(np: &NodeProxy) -> Result<H2Conn, Outcome> {
     })
 }
 
-/// Carries one client connection as a stream on the shared HTTP/2
-/// connection: CONNECT with the destination header, wait for `200`, copy.
-async fn h2_carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> Outcome {
-    let deadline = np.opts.handshake_timeout;
-    let opened = tokio::time::timeout(deadline, async {
+/// An open HTTP/2 tunnel: the answer's body, the request's body, and the
+/// stream slot it holds.
+pub type H2Tunnel = (h2::RecvStream, h2::SendStream<Bytes>, StreamSlotGuard);
+
+/// Holds a stream slot on a shared connection while a tunnel lives.
+pub struct StreamSlotGuard(#[allow(dead_code)] StreamSlot);
+
+/// Opens a tunnel as a stream on the shared HTTP/2 connection: CONNECT with
+/// the destination header, and the gateway's `200`.
+pub async fn h2_open(np: &NodeProxy) -> Result<H2Tunnel, Outcome> {
+    let opened = tokio::time::timeout(np.opts.handshake_timeout, async {
         let (send, slot) = np.h2.slot(np).await?;
         let mut send = send.ready().await.map_err(|_| Outcome::GatewayError)?;
         let (name, value) = &np.opts.header;
@@ -439,26 +528,23 @@ async fn h2_carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> Outcom
             .map_err(|_| Outcome::GatewayError)?;
         let resp = resp.await.map_err(|_| Outcome::GatewayError)?;
         match resp.status() {
-            StatusCode::OK => Ok((resp.into_body(), stream, slot)),
+            StatusCode::OK => Ok((resp.into_body(), stream, StreamSlotGuard(slot))),
             StatusCode::FORBIDDEN => Err(Outcome::GatewayForbidden),
             StatusCode::SERVICE_UNAVAILABLE => Err(Outcome::GatewayUnavailable),
             _ => Err(Outcome::GatewayRefused),
         }
     })
     .await;
-    let (recv, send, _slot) = match opened {
-        Ok(Ok(pair)) => pair,
-        Ok(Err(why)) => {
-            if why == Outcome::GatewayUnreachable {
-                np.gateway_ok.store(false, Ordering::Release);
-            } else if np.metrics.refusal_log.allow() {
-                tracing::warn!(target: "seedlink::refused", %peer, reason = why.reason(), "gateway refused the tunnel");
-            }
-            return why;
-        }
-        Err(_) => return Outcome::GatewayTimeout,
+    opened.unwrap_or(Err(Outcome::GatewayTimeout))
+}
+
+/// Carries one client connection as a stream on the shared HTTP/2
+/// connection: CONNECT with the destination header, wait for `200`, copy.
+async fn h2_carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> Outcome {
+    let (recv, send, _slot) = match observed(np, peer, h2_open(np).await) {
+        Ok(t) => t,
+        Err(why) => return why,
     };
-    np.gateway_ok.store(true, Ordering::Release);
     tokio::join!(
         h2copy::stream_to_socket(recv, &client),
         h2copy::socket_to_stream(&client, send)

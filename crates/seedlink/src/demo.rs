@@ -98,6 +98,20 @@ impl Pki {
         Ok(files)
     }
 
+    /// Writes server `i`'s certificate and key as `server-<i>.pem` and
+    /// `server-<i>-key.pem` into `dir` (for a peer such as nginx to serve).
+    pub fn write_server_files(&self, i: usize, dir: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
+        let (_, leaf) = self
+            .servers
+            .get(i)
+            .ok_or_else(|| anyhow!("no server {i}"))?;
+        let cert = dir.join(format!("server-{i}.pem"));
+        let key = dir.join(format!("server-{i}-key.pem"));
+        std::fs::write(&cert, &leaf.cert_pem)?;
+        std::fs::write(&key, &leaf.key_pem)?;
+        Ok((cert, key))
+    }
+
     fn roots(&self) -> anyhow::Result<rustls::RootCertStore> {
         let mut roots = rustls::RootCertStore::empty();
         roots.add(self.ca_der.clone())?;

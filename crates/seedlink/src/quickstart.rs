@@ -312,6 +312,8 @@ fn destination(name: &str) -> String {
 /// gateway's CONNECT listener for control plane `name`; returns its address.
 async fn start_node_proxy(gateway: SocketAddr, name: &str) -> anyhow::Result<SocketAddr> {
     use seedlink_node_proxy::{Mode, NodeProxy, Options};
+    let listener = TcpListener::bind("127.0.0.2:0").await?;
+    let addr = listener.local_addr()?;
     let opts = Options {
         gateway: gateway.to_string(),
         mode: Mode::Connect,
@@ -322,11 +324,12 @@ async fn start_node_proxy(gateway: SocketAddr, name: &str) -> anyhow::Result<Soc
         resolve_ttl: Duration::from_secs(30),
         max_connections: 1000,
         drain: Duration::from_secs(2),
-        probe_interval: Duration::from_secs(10),
+        tlv: None,
+        egress: None,
+        health: seedlink_node_proxy::health::HealthCheck::tcp(),
+        advertised: addr,
     };
     let np = NodeProxy::new(opts, false);
-    let listener = TcpListener::bind("127.0.0.2:0").await?;
-    let addr = listener.local_addr()?;
     let admin = TcpListener::bind("127.0.0.1:0").await?;
     np.serve(listener, admin, seedlink_net::admin::Access::open());
     Ok(addr)

@@ -20,15 +20,6 @@ const GARDENER_REGEX: &str = r"^(outbound\|(1194\|\|vpn-seed-server(-[0-4])?|443
 const ALPHA: &str = "api.alpha.ingress.test";
 const DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
 
-struct Proc(std::process::Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn envoy_ingress(dir: &std::path::Path, port: u16, backend: std::net::SocketAddr) -> Proc {
     let regex = GARDENER_REGEX.replace('\\', "\\\\");
     let cfg = dir.join("envoy-ingress.yaml");
@@ -84,16 +75,7 @@ static_resources:
         ),
     )
     .unwrap();
-    Proc(
-        Command::new(require("envoy"))
-            .arg("-c")
-            .arg(&cfg)
-            .args(["--concurrency", "1", "-l", "error", "--use-dynamic-base-id"])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("envoy.log")).unwrap())
-            .spawn()
-            .unwrap(),
-    )
+    common::envoy(dir, &cfg)
 }
 
 /// Strings on both sides of Gardener's regex.

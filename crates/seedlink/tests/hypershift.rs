@@ -9,8 +9,6 @@
 
 use seedlink_testkit as common;
 
-use std::process::{Command, Stdio};
-
 use common::*;
 use tokio_util::sync::CancellationToken;
 
@@ -68,16 +66,7 @@ fn envoy(
         format!("static_resources:\n  listeners:\n{listeners}  clusters:\n{clusters}"),
     )
     .unwrap();
-    Proc(
-        Command::new(require("envoy"))
-            .arg("-c")
-            .arg(&cfg)
-            .args(["--concurrency", "1", "-l", "error", "--use-dynamic-base-id"])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("envoy.log")).unwrap())
-            .spawn()
-            .unwrap(),
-    )
+    common::envoy(dir, &cfg)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,54 +6,16 @@
 
 use seedlink_testkit as common;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
 use common::*;
 use tokio_util::sync::CancellationToken;
 
 const ALPHA: &str = "api.alpha.legacy.test";
 
-struct Peer(Child);
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// nginx in the foreground, single process, with a stream block.
-fn nginx(dir: &std::path::Path, stream: &str) -> Peer {
-    let prefix = dir.join("nginx");
-    std::fs::create_dir_all(prefix.join("logs")).unwrap();
-    let conf = prefix.join("nginx.conf");
-    std::fs::write(
-        &conf,
-        format!(
-            "load_module /usr/lib/nginx/modules/ngx_stream_module.so;
-daemon off;
-master_process off;
-user root;
-pid {p}/nginx.pid;
-error_log {p}/logs/error.log info;
-events {{ worker_connections 256; }}
-stream {{
-{stream}
-}}
-",
-            p = prefix.display()
-        ),
-    )
-    .unwrap();
-    let child = Command::new(require("nginx"))
-        .arg("-p")
-        .arg(&prefix)
-        .arg("-c")
-        .arg(&conf)
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    Peer(child)
+fn nginx(dir: &std::path::Path, stream: &str) -> Proc {
+    common::nginx(dir, &format!("stream {{\n{stream}\n}}"))
 }
 
 fn curl(files: &seedlink::demo::ClientFiles, ip: &str, port: u16) -> String {
@@ -102,7 +64,7 @@ backend gw
         ),
     )
     .unwrap();
-    let _hap = Peer(
+    let _hap = Proc(
         Command::new(haproxy)
             .arg("-db")
             .arg("-f")

@@ -7,7 +7,7 @@ use seedlink_testkit as common;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::*;
@@ -16,35 +16,7 @@ use tokio_util::sync::CancellationToken;
 const ALPHA: &str = "api.alpha.node.test";
 const DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
 
-struct NodeProxy {
-    child: Child,
-    listen: SocketAddr,
-    admin: SocketAddr,
-}
-
-impl Drop for NodeProxy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn node_proxy(args: &[&str]) -> NodeProxy {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_seedlink"))
-        .arg("node-proxy")
-        .args(["--port", "0", "--admin", "127.0.0.1:0"])
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let v = common::tunnel_env::ready_line(&mut child);
-    NodeProxy {
-        child,
-        listen: v["listen"].as_str().unwrap().parse().unwrap(),
-        admin: v["admin"].as_str().unwrap().parse().unwrap(),
-    }
-}
+type NodeProxy = NodeProxyProc;
 
 fn curl(files: &seedlink::demo::ClientFiles, at: SocketAddr) -> String {
     curl_mtls(files, ALPHA, at.ip(), at.port())

@@ -380,6 +380,89 @@ impl Drop for Proc {
     }
 }
 
+/// A running `seedlink node-proxy` (killed when dropped): where it listens
+/// and its admin endpoint, from its ready line.
+pub struct NodeProxyProc {
+    pub child: Child,
+    pub listen: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+impl Drop for NodeProxyProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `seedlink node-proxy` on port 0 with its admin on port 0 and
+/// `args`, and waits for its ready line.
+pub fn node_proxy(args: &[&str]) -> NodeProxyProc {
+    let mut child = Command::new(seedlink_bin())
+        .arg("node-proxy")
+        .args(["--port", "0", "--admin", "127.0.0.1:0"])
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let v = tunnel_env::ready_line(&mut child);
+    NodeProxyProc {
+        child,
+        listen: v["listen"].as_str().unwrap().parse().unwrap(),
+        admin: v["admin"].as_str().unwrap().parse().unwrap(),
+    }
+}
+
+/// Envoy with the configuration file `cfg`, one worker, errors logged to
+/// `dir/envoy.log`.
+pub fn envoy(dir: &Path, cfg: &Path) -> Proc {
+    Proc(
+        Command::new(require("envoy"))
+            .arg("-c")
+            .arg(cfg)
+            .args(["--concurrency", "1", "-l", "error", "--use-dynamic-base-id"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("envoy.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// nginx in the foreground, one process, under `dir/nginx`, with `blocks`
+/// (`stream { … }` and/or `http { … }`) as its configuration.
+pub fn nginx(dir: &Path, blocks: &str) -> Proc {
+    let prefix = dir.join("nginx");
+    std::fs::create_dir_all(prefix.join("logs")).unwrap();
+    let conf = prefix.join("nginx.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "load_module /usr/lib/nginx/modules/ngx_stream_module.so;
+daemon off;
+master_process off;
+user root;
+pid {p}/nginx.pid;
+error_log {p}/logs/error.log info;
+events {{ worker_connections 256; }}
+{blocks}
+",
+            p = prefix.display()
+        ),
+    )
+    .unwrap();
+    Proc(
+        Command::new(require("nginx"))
+            .arg("-p")
+            .arg(&prefix)
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
 /// A network namespace that exists for the life of the value, with `lo` up.
 pub struct Netns(pub String);
 

@@ -16,7 +16,9 @@ pub struct NodeProxyArgs {
     /// (keys are the flags' names with `_`; see docs/CONFIGURATION.md).
     #[arg(long, conflicts_with_all = ["address", "port", "gateway", "mode", "destination", "header",
         "authority", "admin", "admin_token_file", "max_connections", "connect_timeout", "drain", "interface",
-        "link_kind", "resync"])]
+        "link_kind", "resync", "cluster_id", "cluster_id_tlv", "egress_proxy", "egress_proxy_credentials_file",
+        "health_check", "health_check_interval", "health_check_timeout", "health_check_rise", "health_check_fall",
+        "health_check_ca", "health_check_server_name", "health_check_path"])]
     pub config: Option<std::path::PathBuf>,
     /// The advertised kube-apiserver address to listen on (IPv4 or IPv6).
     #[arg(long, required_unless_present = "config")]
@@ -67,6 +69,53 @@ pub struct NodeProxyArgs {
     /// How often the address is re-asserted, seconds.
     #[arg(long, default_value_t = 60.0)]
     pub resync: f64,
+    /// The hosted cluster's ID, sent as a TLV of every PROXY v2 header (`proxy-v2` mode; HyperShift's
+    /// shared ingress routes by it).
+    #[arg(long)]
+    pub cluster_id: Option<String>,
+    /// The TLV type of `--cluster-id` (0x20 as HyperShift; 0xE0-0xEF are the spec's application types).
+    #[arg(long, default_value = "0x20", value_parser = parse_u8)]
+    pub cluster_id_tlv: u8,
+    /// Reach the gateway through this HTTP CONNECT forward proxy, `http://host:port`.
+    #[arg(long)]
+    pub egress_proxy: Option<String>,
+    /// A file holding `user:password` for the egress proxy (sent as Basic).
+    #[arg(long)]
+    pub egress_proxy_credentials_file: Option<std::path::PathBuf>,
+    /// What readiness follows: `tcp` (the gateway accepts), `tunnel` (the gateway's 200, CONNECT modes),
+    /// `tls` (a TLS handshake with the API server through a tunnel), `http` (and `GET /version` answered 2xx/3xx).
+    #[arg(long, default_value = "tcp")]
+    pub health_check: String,
+    /// Seconds between health checks.
+    #[arg(long, default_value_t = 10.0)]
+    pub health_check_interval: f64,
+    /// Deadline of one health check, seconds.
+    #[arg(long, default_value_t = 5.0)]
+    pub health_check_timeout: f64,
+    /// Successes in a row that make an unhealthy upstream healthy.
+    #[arg(long, default_value_t = 2)]
+    pub health_check_rise: u32,
+    /// Failures in a row that make a healthy upstream unhealthy.
+    #[arg(long, default_value_t = 3)]
+    pub health_check_fall: u32,
+    /// CA bundle the API server's certificate is verified against (`tls`/`http` checks).
+    #[arg(long)]
+    pub health_check_ca: Option<std::path::PathBuf>,
+    /// Server name of the check's TLS handshake.
+    #[arg(long, default_value = "kubernetes.default.svc")]
+    pub health_check_server_name: String,
+    /// Path of the `http` check's GET.
+    #[arg(long, default_value = "/version")]
+    pub health_check_path: String,
+}
+
+/// A byte written in decimal or as `0x..`.
+fn parse_u8(s: &str) -> Result<u8, String> {
+    let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u8::from_str_radix(hex, 16),
+        None => s.parse::<u8>(),
+    };
+    r.map_err(|_| format!("{s:?} is not a number from 0 to 255 (decimal or 0x..)"))
 }
 
 /// A running node-proxy as the supervisor sees it.
@@ -125,6 +174,18 @@ impl NodeProxyArgs {
             interface: self.interface.clone(),
             link_kind: self.link_kind.clone(),
             resync: secs(self.resync, "resync")?,
+            cluster_id: self.cluster_id.clone(),
+            cluster_id_tlv: self.cluster_id_tlv,
+            egress_proxy: self.egress_proxy.clone(),
+            egress_proxy_credentials_file: self.egress_proxy_credentials_file.clone(),
+            health_check: self.health_check.clone(),
+            health_check_interval: secs(self.health_check_interval, "health-check-interval")?,
+            health_check_timeout: secs(self.health_check_timeout, "health-check-timeout")?,
+            health_check_rise: self.health_check_rise,
+            health_check_fall: self.health_check_fall,
+            health_check_ca: self.health_check_ca.clone(),
+            health_check_server_name: self.health_check_server_name.clone(),
+            health_check_path: self.health_check_path.clone(),
         })
     }
 }
@@ -137,7 +198,8 @@ pub async fn run(a: NodeProxyArgs) -> anyhow::Result<i32> {
         .plan()
         .map_err(|e| super::problems("node-proxy", a.config.is_some(), &e))?;
     let np = NodeProxy::new(plan.options, plan.interface.is_some());
-    // For `/config`: the model as given (it holds no secret).
+    // For `/config`: the model as given (it holds no secret: the egress
+    // proxy's credentials are only named by their file).
     let _ = np
         .config
         .set(serde_json::to_value(&model).unwrap_or_default());

@@ -1,0 +1,380 @@
+//! The node-proxy as HyperShift runs it: PROXY v2 with the cluster-ID TLV
+//! and TLS passed through, every mode leaving through a corporate HTTP
+//! CONNECT proxy (tinyproxy, Basic auth), and readiness following active
+//! upstream health checks. The "API server" is nginx serving TLS with an
+//! optional client certificate and `/version`, as kube-apiserver does.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+use seedlink_testkit as common;
+
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const ALPHA: &str = "api.alpha.egress.test";
+const DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
+
+fn node_proxy(args: &[&str]) -> NodeProxyProc {
+    let mut all = vec!["--link-kind", "none"];
+    all.extend_from_slice(args);
+    common::node_proxy(&all)
+}
+
+/// nginx serving HTTPS on `port` as a stand-in kube-apiserver: `/version`
+/// answers 200, `/broken` 503, anything else says who is speaking and
+/// whether the client certificate verified.
+fn nginx_apiserver(
+    dir: &std::path::Path,
+    port: u16,
+    cert: &std::path::Path,
+    key: &std::path::Path,
+    ca: &std::path::Path,
+) -> Proc {
+    nginx(
+        dir,
+        &format!(
+            "http {{
+  access_log {p}/logs/access.log;
+  client_body_temp_path {p}/body;
+  proxy_temp_path {p}/proxy;
+  fastcgi_temp_path {p}/fastcgi;
+  uwsgi_temp_path {p}/uwsgi;
+  scgi_temp_path {p}/scgi;
+  server {{
+    listen 127.0.0.1:{port} ssl;
+    ssl_certificate {cert};
+    ssl_certificate_key {key};
+    ssl_client_certificate {ca};
+    ssl_verify_client optional;
+    location = /version {{ return 200 '{{\"major\":\"1\",\"minor\":\"31\"}}'; }}
+    location = /broken {{ return 503; }}
+    location / {{ return 200 'hello from nginx sni=$ssl_server_name client_verify=$ssl_client_verify\\n'; }}
+  }}
+}}",
+            p = dir.join("nginx").display(),
+            cert = cert.display(),
+            key = key.display(),
+            ca = ca.display(),
+        ),
+    )
+}
+
+/// tinyproxy on `port` that requires Basic `user:s3cret-pw` and allows
+/// CONNECT to `ports` only.
+fn tinyproxy(dir: &std::path::Path, port: u16, ports: &[u16]) -> Proc {
+    let conf = dir.join("tinyproxy.conf");
+    let mut text = format!(
+        "Port {port}\nListen 127.0.0.1\nTimeout 60\nLogFile \"{}\"\nLogLevel Connect\n\
+         MaxClients 200\nAllow 127.0.0.1\nBasicAuth user s3cret-pw\n",
+        dir.join("tinyproxy.log").display()
+    );
+    for p in ports {
+        text.push_str(&format!("ConnectPort {p}\n"));
+    }
+    std::fs::write(&conf, text).unwrap();
+    Proc(
+        Command::new(require("tinyproxy"))
+            .arg("-d")
+            .arg("-c")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// Waits until `/readyz` answers `want` (200 or 503) with `text` in it.
+async fn wait_readyz(admin: SocketAddr, want: u16, text: &str) {
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (code, body) = http_get(admin, "/readyz").await;
+        if code == want && body.contains(text) {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "/readyz never answered {want} with {text:?}; last: {code} {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn metric(admin: SocketAddr, prefix: &str) -> f64 {
+    sum_metric(&http_get(admin, "/metrics").await.1, prefix)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_mode_through_tinyproxy_with_health_checks_and_the_cluster_id_tlv() {
+    let pki = seedlink::demo::Pki::generate(&[ALPHA]).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let files = write_pki(&pki, dir.path());
+    let (cert, key) = pki.write_server_files(0, dir.path()).unwrap();
+    let api_port = free_port();
+    let _nginx = nginx_apiserver(dir.path(), api_port, &cert, &key, &files.ca);
+    let api: SocketAddr = format!("127.0.0.1:{api_port}").parse().unwrap();
+    wait_listening(api).await;
+    // A control plane whose API server is down: its endpoint refuses.
+    let dead = format!("127.0.0.1:{}", free_port());
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners:
+  - {{name: connect, address: '127.0.0.1:0', protocol: http-connect}}
+  - {{name: nodes, address: '127.0.0.1:0', protocol: proxy, route_by_tlv: 0x20}}
+control_planes:
+  - name: alpha
+    endpoints: ['{api}']
+    destinations: [{{name: '{DEST}'}}]
+    cluster_id: 3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d
+  - {{name: down, endpoints: ['{dead}'], cluster_id: c-down}}
+"
+    ));
+    let (connect, nodes) = (gw.listener("connect"), gw.listener("nodes"));
+    let tp_port = free_port();
+    let tp = tinyproxy(dir.path(), tp_port, &[connect.port(), nodes.port()]);
+    wait_listening(format!("127.0.0.1:{tp_port}").parse().unwrap()).await;
+    let egress = format!("http://127.0.0.1:{tp_port}");
+    let creds = dir.path().join("proxy-credentials");
+    std::fs::write(&creds, "user:s3cret-pw\n").unwrap();
+    let bad_creds = dir.path().join("bad-credentials");
+    std::fs::write(&bad_creds, "user:wrong\n").unwrap();
+    let creds = creds.to_str().unwrap();
+    let ca = files.ca.to_str().unwrap();
+    let fast = [
+        "--health-check-interval",
+        "0.2",
+        "--health-check-rise",
+        "1",
+        "--health-check-fall",
+        "2",
+    ];
+    let via = |extra: &[&str]| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "--egress-proxy",
+            &egress,
+            "--egress-proxy-credentials-file",
+            creds,
+        ]
+        .iter()
+        .chain(fast.iter())
+        .chain(extra.iter())
+        .map(|s| s.to_string())
+        .collect();
+        v.push("--address".into());
+        v
+    };
+    let start = |addr: &str, extra: &[&str]| {
+        let mut args = via(extra);
+        args.push(addr.into());
+        node_proxy(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+
+    // HyperShift's node path: PROXY v2 + TLV 0x20 through the egress proxy,
+    // TLS untouched; readiness follows `GET /version` verified against the CA.
+    let nodes_s = nodes.to_string();
+    let tlv = start(
+        "127.0.0.81",
+        &[
+            "--mode",
+            "proxy-v2",
+            "--gateway",
+            &nodes_s,
+            "--cluster-id",
+            "3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d",
+            "--health-check",
+            "http",
+            "--health-check-ca",
+            ca,
+            "--health-check-server-name",
+            ALPHA,
+        ],
+    );
+    // GEP-30 CONNECT and Kubermatic's HTTP/2 CONNECT, through the same proxy,
+    // readiness following the gateway's 200 (it dialled the API server).
+    let connect_s = connect.to_string();
+    let h1 = start(
+        "127.0.0.82",
+        &[
+            "--mode",
+            "connect",
+            "--gateway",
+            &connect_s,
+            "--destination",
+            DEST,
+            "--health-check",
+            "tunnel",
+        ],
+    );
+    let h2 = start(
+        "127.0.0.83",
+        &[
+            "--mode",
+            "http2-connect",
+            "--gateway",
+            &connect_s,
+            "--destination",
+            DEST,
+            "--health-check",
+            "tunnel",
+        ],
+    );
+    for np in [&tlv, &h1, &h2] {
+        wait_readyz(np.admin, 200, "ready").await;
+        let out = curl_mtls(&files, ALPHA, np.listen.ip(), np.listen.port());
+        assert!(
+            out.contains("hello from nginx") && out.contains("client_verify=SUCCESS"),
+            "through {}: {out}",
+            np.listen
+        );
+    }
+    assert!(
+        metric(
+            tlv.admin,
+            "seedlink_node_proxy_health_checks_total{result=\"ok\"}"
+        )
+        .await
+            >= 1.0
+    );
+    gw.wait_metric(
+        "seedlink_gateway_routed_total{listener=\"nodes\",protocol=\"proxy-tlv\",control_plane=\"alpha\"}",
+        1.0,
+    )
+    .await;
+    // Every gateway connection went through the proxy.
+    let log = std::fs::read_to_string(dir.path().join("tinyproxy.log")).unwrap();
+    for port in [connect.port(), nodes.port()] {
+        assert!(
+            log.contains(&format!("CONNECT 127.0.0.1:{port}")),
+            "tinyproxy saw no CONNECT to {port}:\n{log}"
+        );
+    }
+
+    // A down API server: the TLV routes, the gateway accepts, the TLS check
+    // fails and the node is not ready; an `http` check of a path answered
+    // 503 fails too, while the same node with a TLS check is ready.
+    let down = start(
+        "127.0.0.84",
+        &[
+            "--mode",
+            "proxy-v2",
+            "--gateway",
+            &nodes_s,
+            "--cluster-id",
+            "c-down",
+            "--health-check",
+            "tls",
+        ],
+    );
+    wait_readyz(down.admin, 503, "last_check=tls_handshake").await;
+    let broken = start(
+        "127.0.0.85",
+        &[
+            "--mode",
+            "proxy-v2",
+            "--gateway",
+            &nodes_s,
+            "--cluster-id",
+            "3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d",
+            "--health-check",
+            "http",
+            "--health-check-path",
+            "/broken",
+        ],
+    );
+    wait_readyz(broken.admin, 503, "last_check=http_status_503").await;
+    let tls_only = start(
+        "127.0.0.86",
+        &[
+            "--mode",
+            "proxy-v2",
+            "--gateway",
+            &nodes_s,
+            "--cluster-id",
+            "3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d",
+            "--health-check",
+            "tls",
+        ],
+    );
+    wait_readyz(tls_only.admin, 200, "ready").await;
+
+    // Wrong proxy credentials: 407, counted and shown, the client closed.
+    let bad = node_proxy(&[
+        "--address",
+        "127.0.0.87",
+        "--mode",
+        "connect",
+        "--gateway",
+        &connect_s,
+        "--destination",
+        DEST,
+        "--egress-proxy",
+        &egress,
+        "--egress-proxy-credentials-file",
+        bad_creds.to_str().unwrap(),
+    ]);
+    wait_readyz(bad.admin, 503, "last_check=egress_proxy_auth_failed").await;
+    let out = curl_mtls(&files, ALPHA, bad.listen.ip(), bad.listen.port());
+    assert!(!out.contains("hello from"), "{out}");
+    assert_eq!(
+        metric(
+            bad.admin,
+            "seedlink_node_proxy_tunnels_total{outcome=\"egress_proxy_auth_failed\"}"
+        )
+        .await,
+        1.0
+    );
+
+    // The egress proxy goes away: the TLV node falls unready within its
+    // fall count, and says why.
+    drop(tp);
+    wait_readyz(tlv.admin, 503, "last_check=egress_proxy_unreachable").await;
+}
+
+#[test]
+fn egress_and_health_check_settings_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("np.yaml");
+    let check = |yaml: &str| {
+        std::fs::write(&file, yaml).unwrap();
+        let out = check_config(&file);
+        (
+            out.status.success(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    };
+    let base = "address: 10.0.0.1\ngateway: 'seed.example:8443'\n";
+    for (extra, key) in [
+        ("mode: connect\ndestination: 'outbound|443||kube-apiserver.a.svc.cluster.local'\ncluster_id: x\n", "cluster_id"),
+        ("mode: proxy-v2\ncluster_id: 'has space'\n", "cluster_id"),
+        ("mode: proxy-v2\ncluster_id_tlv: 3\n", "cluster_id_tlv"),
+        ("mode: proxy-v2\negress_proxy: 'http://u:p@proxy:3128'\n", "egress_proxy"),
+        ("mode: proxy-v2\negress_proxy: 'https://proxy:3128'\n", "egress_proxy"),
+        ("mode: proxy-v2\negress_proxy_credentials_file: /nonexistent\n", "egress_proxy_credentials_file"),
+        ("mode: proxy-v2\negress_proxy: 'proxy:3128'\negress_proxy_credentials_file: /nonexistent\n", "egress_proxy_credentials_file"),
+        ("mode: proxy-v2\nhealth_check: tunnel\n", "health_check"),
+        ("mode: http2-connect\ndestination: 'outbound|443||kube-apiserver.a.svc.cluster.local'\nhealth_check: http\n", "health_check"),
+        ("mode: proxy-v2\nhealth_check: tcp\nhealth_check_ca: /x.pem\n", "health_check_ca"),
+        ("mode: proxy-v2\nhealth_check: tls\nhealth_check_ca: /nonexistent.pem\n", "health_check_ca"),
+        ("mode: proxy-v2\nhealth_check: http\nhealth_check_path: 'version'\n", "health_check_path"),
+        ("mode: proxy-v2\nhealth_check_fall: 0\n", "health_check_fall"),
+        ("mode: proxy-v2\nhealth_check: ping\n", "health_check"),
+    ] {
+        let (ok, out) = check(&format!("{base}{extra}"));
+        assert!(!ok && out.contains(key), "{extra}: {out}");
+    }
+    let creds = dir.path().join("creds");
+    std::fs::write(&creds, "user:pass:with:colons\n").unwrap();
+    let (ok, out) = check(&format!(
+        "{base}mode: proxy-v2\ncluster_id: 3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d\ncluster_id_tlv: 0xE0\n\
+         egress_proxy: 'http://proxy.corp.example:3128'\negress_proxy_credentials_file: '{}'\n\
+         health_check: http\nhealth_check_interval: 10s\nhealth_check_rise: 3\nhealth_check_fall: 3\n",
+        creds.display()
+    ));
+    assert!(ok, "{out}");
+}
