@@ -365,11 +365,8 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
         }
         if let Some(id) = &cp.cluster_id {
             let path = format!("{at}.cluster_id");
-            if id.is_empty() || id.len() > 255 || !id.bytes().all(|b| b.is_ascii_graphic()) {
-                c.err(
-                    path,
-                    format!("{id:?} must be 1-255 printable ASCII characters without spaces"),
-                );
+            if let Err(why) = check_cluster_id(id) {
+                c.err(path, why);
             } else if let Some(other) = routes.clusters.get(id.as_bytes()) {
                 c.err(
                     path,
@@ -551,6 +548,17 @@ fn cidrs(c: &mut Collector, path: &str, items: &[String]) -> CidrSet {
         }
     }
     CidrSet::new(nets)
+}
+
+/// A cluster ID as a PROXY v2 TLV carries it (HyperShift's cluster UUID):
+/// 1-255 printable ASCII characters without spaces.
+pub fn check_cluster_id(id: &str) -> Result<(), String> {
+    if id.is_empty() || id.len() > 255 || !id.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(format!(
+            "{id:?} must be 1-255 printable ASCII characters without spaces"
+        ));
+    }
+    Ok(())
 }
 
 /// Parses `a.b.c.d/n`, `x::y/n` or a bare address; rejects host bits set.

@@ -46,6 +46,11 @@ pub struct SeedlinkPolicySpec {
     /// put in their PROXY header (`proxy` listeners).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub service_addresses: Vec<String>,
+    /// The hosted cluster's ID (HyperShift's `HostedCluster.spec.clusterID`)
+    /// that node proxies send in a PROXY v2 TLV; a `proxy` listener with
+    /// `route_by_tlv` routes by it.
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "clusterID")]
+    pub cluster_id: Option<String>,
 }
 
 /// A target in the policy's namespace (GEP-713 `LocalPolicyTargetReference`).
@@ -166,7 +171,7 @@ pub struct AgentToken {
 pub struct FrontendSpec {
     /// Name (a metric label).
     pub name: String,
-    /// `http-connect`, `grpc` or `http-proxy`.
+    /// `http-connect`, `grpc`, `http-proxy` or `socks5`.
     pub protocol: String,
     /// A Unix socket path (no TLS).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -280,6 +280,7 @@ impl Translator {
                         })
                         .collect();
                     cp.service_addresses = spec.service_addresses.clone();
+                    cp.cluster_id = spec.cluster_id.clone();
                 }
                 Some(Err(why)) => {
                     // Fail closed: without its valid policy the route would
@@ -420,6 +421,11 @@ fn check_policy(spec: &SeedlinkPolicySpec) -> Option<String> {
             _ => problems.push(format!(
                 "serviceAddresses[{i}]: {a:?} is not a specific ip:port"
             )),
+        }
+    }
+    if let Some(id) = &spec.cluster_id {
+        if let Err(why) = seedlink_config::compile::check_cluster_id(id) {
+            problems.push(format!("clusterID: {why}"));
         }
     }
     (!problems.is_empty()).then(|| problems.join("; "))

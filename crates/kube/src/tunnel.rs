@@ -238,7 +238,7 @@ fn build(o: &TunnelCluster, name: &str, keys: &mut Keys<'_>) -> Result<Cluster, 
             Verdict::no(
                 "InvalidSpec",
                 format!(
-                    "{at}.protocol: {:?} is not http-connect, grpc or http-proxy",
+                    "{at}.protocol: {:?} is not http-connect, grpc, http-proxy or socks5",
                     f.protocol
                 ),
             )

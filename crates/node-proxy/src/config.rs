@@ -427,13 +427,10 @@ impl NodeProxyConfig {
                 "cluster_id",
                 format!("only sent in proxy-v2 mode, not {}", self.mode),
             ),
-            (Some(id), _)
-                if id.is_empty() || id.len() > 255 || !id.bytes().all(|b| b.is_ascii_graphic()) =>
-            {
-                err(
-                    "cluster_id",
-                    format!("{id:?} must be 1 to 255 printable ASCII characters"),
-                )
+            (Some(id), _) => {
+                if let Err(why) = seedlink_config::compile::check_cluster_id(id) {
+                    err("cluster_id", why)
+                }
             }
             _ => {}
         }

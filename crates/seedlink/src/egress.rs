@@ -88,7 +88,7 @@ pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
             names.join(", ")
         );
     };
-    let for_kas = |f: &&Frontend| f.protocol != FrontendProtocol::HttpProxy;
+    let for_kas = |f: &&Frontend| !f.protocol.is_proxy();
     let frontend = match &opts.frontend {
         Some(n) => cluster
             .frontends
@@ -107,6 +107,10 @@ pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
         FrontendProtocol::Grpc => "GRPC",
         FrontendProtocol::HttpProxy => bail!(
             "frontend {} is an http-proxy (for Prometheus), not for kube-apiserver",
+            frontend.name
+        ),
+        FrontendProtocol::Socks5 => bail!(
+            "frontend {} is a socks5 proxy (for other control-plane components), not for kube-apiserver",
             frontend.name
         ),
     };

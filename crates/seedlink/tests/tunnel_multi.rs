@@ -301,6 +301,35 @@ async fn per_cluster_limits_refuse_and_count_without_touching_others() {
     );
 }
 
+/// A server where cluster A has the frontend `own` and proxy password
+/// `secret-a`, B (its own frontend only) `secret-b`, and `shared` is the one
+/// shared frontend; both clusters' agents connected and serving.
+async fn proxy_clusters(
+    env: &TunnelEnv,
+    b: &Tenant,
+    own: &str,
+    shared: &str,
+) -> (Started, [Started; 2]) {
+    let d = env.dir.path();
+    std::fs::write(d.join("pw-a"), "secret-a\n").unwrap();
+    std::fs::write(d.join("pw-b"), "secret-b\n").unwrap();
+    let yaml = format!(
+        "{}      - {own}\n    proxy_password_file: '{}'\n{}shared_frontends:\n  - {shared}\n",
+        env.server_yaml("0.0.0.0:8132", "", ""),
+        d.join("pw-a").display(),
+        b.yaml_with(
+            env,
+            &format!("    proxy_password_file: '{}'\n", d.join("pw-b").display())
+        ),
+    );
+    let server = env.server(&yaml, "server");
+    let a = env.agent(&env.agent_endpoint(8132), &[]);
+    let bb = b.agent(env, &[]);
+    assert!(hello_via(&env.uds).await.contains("hello from the shoot"));
+    assert!(hello_via(&b.uds(env)).await.contains("hello from b"));
+    (server, [a, bb])
+}
+
 /// Prometheus (the Debian package) scrapes shoot targets through the
 /// tunnel server's forward-proxy frontends: a shared one where the proxy
 /// credentials (`http://<cluster>:<password>@…` in `proxy_url`) choose the
@@ -317,22 +346,13 @@ async fn prometheus_scrapes_shoots_through_the_proxy_frontends() {
     let d = env.dir.path();
     std::fs::write(d.join("metrics"), "shoot_value 1\n").unwrap();
     std::fs::write(d.join("b").join("metrics"), "shoot_value 2\n").unwrap();
-    std::fs::write(d.join("pw-a"), "secret-a\n").unwrap();
-    std::fs::write(d.join("pw-b"), "secret-b\n").unwrap();
-    let yaml = format!(
-        "{}      - {{name: prom, protocol: http-proxy, tcp: '127.0.0.1:3129'}}\n    proxy_password_file: '{}'\n{}shared_frontends:\n  - {{name: shared, protocol: http-proxy, tcp: '0.0.0.0:3128'}}\n",
-        env.server_yaml("0.0.0.0:8132", "", ""),
-        d.join("pw-a").display(),
-        b.yaml_with(
-            &env,
-            &format!("    proxy_password_file: '{}'\n", d.join("pw-b").display())
-        ),
-    );
-    let server = env.server(&yaml, "server");
-    let _a = env.agent(&env.agent_endpoint(8132), &[]);
-    let _b = b.agent(&env, &[]);
-    assert!(hello_via(&env.uds).await.contains("hello from the shoot"));
-    assert!(hello_via(&b.uds(&env)).await.contains("hello from b"));
+    let (server, _agents) = proxy_clusters(
+        &env,
+        &b,
+        "{name: prom, protocol: http-proxy, tcp: '127.0.0.1:3129'}",
+        "{name: shared, protocol: http-proxy, tcp: '0.0.0.0:3128'}",
+    )
+    .await;
 
     // curl, absolute-form GET and CONNECT (-p), through the shared frontend.
     let curl = |args: &[&str]| {
@@ -955,4 +975,170 @@ control_planes:
             "{cl}"
         );
     }
+}
+
+/// `/etc/netns/<ns>/hosts`, which `ip netns exec` mounts over `/etc/hosts`
+/// for processes in that namespace: names only the shoot can resolve.
+struct ShootHosts(std::path::PathBuf);
+
+impl ShootHosts {
+    fn new(ns: &Netns, lines: &str) -> ShootHosts {
+        let dir = std::path::PathBuf::from("/etc/netns").join(&ns.0);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("hosts"), format!("127.0.0.1 localhost\n{lines}")).unwrap();
+        ShootHosts(dir)
+    }
+}
+
+impl Drop for ShootHosts {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The SOCKS5 frontends: a cluster's own (no authentication) and a shared
+/// one where the username names the cluster. Host names are resolved by
+/// the agent, in the shoot: `web.shoot.internal` exists only in the shoots'
+/// hosts files, so curl `--socks5-hostname` reaches it while `--socks5`
+/// (resolving in the seed) cannot. The agent's policy applies to the
+/// resolved address: `meta.shoot.internal` is link-local and refused as
+/// "not allowed by ruleset". PySocks, a SOCKS client library, connects by
+/// name and by IPv4 address through the shared frontend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn socks5_frontends_resolve_in_the_shoot_and_apply_the_policy() {
+    let env = TunnelEnv::new(76);
+    let b = Tenant::new(&env, "b", 77);
+    let hosts = "127.0.0.1 web.shoot.internal\n169.254.169.254 meta.shoot.internal\n";
+    let _ha = ShootHosts::new(&env.shoot, hosts);
+    let _hb = ShootHosts::new(&b.ns, hosts);
+    let (server, _agents) = proxy_clusters(
+        &env,
+        &b,
+        "{name: socks, protocol: socks5, tcp: '127.0.0.1:1080'}",
+        "{name: shared-socks, protocol: socks5, tcp: '0.0.0.0:1081'}",
+    )
+    .await;
+
+    let curl = |args: &[&str]| {
+        let out = env
+            .seed
+            .cmd(&["curl", "-sS", "--max-time", "10"])
+            .args(args)
+            .output()
+            .unwrap();
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    let url = "http://web.shoot.internal:8000/hello.txt";
+    // A's own frontend, no authentication; the name resolved in the shoot.
+    let out = curl(&["--socks5-hostname", "127.0.0.1:1080", url]);
+    assert!(out.contains("hello from the shoot"), "{out}");
+    // Resolving in the seed fails: the name does not exist there.
+    let out = curl(&["--socks5", "127.0.0.1:1080", url]);
+    assert!(!out.contains("hello from"), "{out}");
+    // The shared frontend: the username chooses the cluster.
+    let out = curl(&["-x", "socks5h://b:secret-b@127.0.0.1:1081", url]);
+    assert!(out.contains("hello from b"), "{out}");
+    let out = curl(&["-x", "socks5h://shoot--dev--a:secret-a@127.0.0.1:1081", url]);
+    assert!(out.contains("hello from the shoot"), "{out}");
+    let out = curl(&["-x", "socks5h://b:wrong@127.0.0.1:1081", url]);
+    assert!(
+        !out.contains("hello from") && out.contains("curl: ("),
+        "{out}"
+    );
+    // No credentials offered to the shared frontend: no acceptable method.
+    let out = curl(&["--socks5-hostname", "127.0.0.1:1081", url]);
+    assert!(
+        !out.contains("hello from") && out.contains("curl: ("),
+        "{out}"
+    );
+    // The policy applies after resolution: link-local is refused with
+    // reply 2, "connection not allowed by ruleset" (curl prints the code).
+    let out = curl(&[
+        "--socks5-hostname",
+        "127.0.0.1:1080",
+        "http://meta.shoot.internal/",
+    ]);
+    assert!(out.contains("meta.shoot.internal. (2)"), "{out}");
+    // A name nobody resolves: reply 4, host unreachable.
+    let out = curl(&[
+        "--socks5-hostname",
+        "127.0.0.1:1080",
+        "http://nowhere.invalid:8000/",
+    ]);
+    assert!(
+        !out.contains("hello from") && out.contains("nowhere.invalid. (4)"),
+        "{out}"
+    );
+
+    // PySocks: by name (remote DNS) and by IPv4 address.
+    let py = "import socks, sys
+for host in ('web.shoot.internal', '127.0.0.1'):
+    s = socks.socksocket()
+    s.settimeout(10)
+    s.set_proxy(socks.SOCKS5, '127.0.0.1', 1081, rdns=True, username='b', password='secret-b')
+    s.connect((host, 8000))
+    s.sendall(b'GET /hello.txt HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n')
+    data = b''
+    while True:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    print(host, data.decode().splitlines()[-1])
+";
+    let out = env.seed.cmd(&["python3", "-c", py]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success()
+            && text.contains("web.shoot.internal hello from b")
+            && text.contains("127.0.0.1 hello from b"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Requests this frontend does not serve get their RFC 1928 answers:
+    // BIND → 7 (command not supported), address type 9 → 8, SOCKS4 and a
+    // client offering only username/password to a no-auth frontend are
+    // closed (the latter after "no acceptable methods", 0xFF).
+    let raw = "import socket
+def ask(b):
+    s = socket.create_connection(('127.0.0.1', 1080), timeout=10)
+    s.sendall(b)
+    out = b''
+    while True:
+        c = s.recv(64)
+        if not c:
+            break
+        out += c
+    return out.hex() or '-'
+print(ask(b'\\x05\\x01\\x00\\x05\\x02\\x00\\x01\\x7f\\x00\\x00\\x01\\x1f\\x40'))
+print(ask(b'\\x05\\x01\\x00\\x05\\x01\\x00\\x09'))
+print(ask(b'\\x04\\x01\\x00\\x50\\x7f\\x00\\x00\\x01\\x00'))
+print(ask(b'\\x05\\x01\\x02'))
+";
+    let out = env.seed.cmd(&["python3", "-c", raw]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        text.lines().collect::<Vec<_>>(),
+        [
+            "050005070001000000000000",
+            "050005080001000000000000",
+            "-",
+            "05ff"
+        ],
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let m = |name: &str| env.server_metric(&server.admin(), name);
+    assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"shoot--dev--a\",frontend=\"socks\",outcome=\"socks_command_not_supported\"}") >= 1.0);
+    assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"\",frontend=\"socks\",outcome=\"not_socks5\"}") >= 1.0);
+    assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"b\",frontend=\"shared-socks\",outcome=\"ok\"}") >= 3.0);
+    assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"\",frontend=\"shared-socks\",outcome=\"proxy_auth_required\"}") >= 1.0);
+    assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"\",frontend=\"shared-socks\",outcome=\"socks_no_method\"}") >= 1.0);
+    assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"shoot--dev--a\",frontend=\"socks\",outcome=\"error_response\"}") >= 2.0);
 }

@@ -246,6 +246,18 @@ pub enum FrontendProtocol {
     /// An HTTP forward proxy (Prometheus `proxy_url`): absolute-form
     /// requests (`GET http://host:port/path`) and `CONNECT`.
     HttpProxy,
+    /// A SOCKS5 proxy (RFC 1928 `CONNECT`): no authentication on a
+    /// cluster's own frontend, username (the cluster) and password on a
+    /// shared one.
+    Socks5,
+}
+
+impl FrontendProtocol {
+    /// A proxy protocol: on a shared frontend its credentials name the
+    /// cluster (`http-proxy`, `socks5`).
+    pub fn is_proxy(self) -> bool {
+        matches!(self, FrontendProtocol::HttpProxy | FrontendProtocol::Socks5)
+    }
 }
 
 fn one() -> u32 {
@@ -672,7 +684,7 @@ impl ServerConfig {
         }
         for (j, f) in cfg.shared_frontends.iter().enumerate() {
             let at = format!("shared_frontends[{j}] ({})", f.name);
-            let proxy = f.protocol == FrontendProtocol::HttpProxy;
+            let proxy = f.protocol.is_proxy();
             let mtls = f.tcp.is_some() && f.client_ca.is_some();
             if !(proxy || mtls) {
                 errs.add(
@@ -685,10 +697,7 @@ impl ServerConfig {
             }
             check_frontend(f, &at, proxy, cfg.agents.listen, &mut binds, &mut errs);
         }
-        if cfg
-            .shared_frontends
-            .iter()
-            .any(|f| f.protocol == FrontendProtocol::HttpProxy)
+        if cfg.shared_frontends.iter().any(|f| f.protocol.is_proxy())
             && cfg.clusters.iter().all(|c| c.proxy_password_file.is_none())
         {
             errs.add(

@@ -258,3 +258,27 @@ fn what_the_gateway_refuses_is_not_accepted_and_leaves_the_control_planes() {
     assert!(!t.routes[0].accepted.ok);
     assert!(t.routes[0].accepted.message.contains("already used"));
 }
+
+#[test]
+fn a_policy_cluster_id_routes_by_tlv_and_a_bad_one_is_refused() {
+    let mut w = one_shoot();
+    let with_id = |id: &str| {
+        let mut p = (*policy("shoot--a", "id", "2026-01-02T00:00:00Z", "api", &[])).clone();
+        p.spec.cluster_id = Some(id.to_string());
+        Arc::new(p)
+    };
+    w.policies = vec![with_id("3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d")];
+    let t = w.translate(&mut Translator::default());
+    assert_eq!(
+        t.control_planes[0].cluster_id.as_deref(),
+        Some("3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d")
+    );
+    w.policies = vec![with_id("has space")];
+    let t = w.translate(&mut Translator::default());
+    assert!(t.control_planes.is_empty());
+    assert!(
+        t.routes[0].accepted.message.contains("clusterID"),
+        "{:?}",
+        t.routes[0].accepted
+    );
+}

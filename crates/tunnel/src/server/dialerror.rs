@@ -47,6 +47,31 @@ impl DialError {
         }
     }
 
+    /// The SOCKS5 reply code (RFC 1928 §6) a SOCKS frontend answers with:
+    /// no agent is an unreachable network (no path into the shoot), a
+    /// policy denial "not allowed by ruleset", a refusal "refused", a
+    /// timeout or any other failure to reach the destination "host
+    /// unreachable", the rest a general failure.
+    pub fn socks5_reply(&self) -> u8 {
+        use super::socks::rep;
+        match self {
+            DialError::NoAgent => rep::NETWORK_UNREACHABLE,
+            DialError::Timeout => rep::HOST_UNREACHABLE,
+            DialError::Agent(text) => match crate::dialerr::classify(text) {
+                crate::dialerr::Kind::Forbidden => rep::NOT_ALLOWED,
+                crate::dialerr::Kind::Refused => rep::REFUSED,
+                crate::dialerr::Kind::Exhausted => rep::FAILURE,
+                crate::dialerr::Kind::Timeout | crate::dialerr::Kind::Other => {
+                    rep::HOST_UNREACHABLE
+                }
+            },
+            DialError::AgentGone
+            | DialError::Cancelled
+            | DialError::Protocol(_)
+            | DialError::Limited(_) => rep::FAILURE,
+        }
+    }
+
     /// Label for `dial_failures_total{reason}` (Konnectivity's reasons where
     /// they mean the same).
     pub fn reason(&self) -> &'static str {

@@ -128,6 +128,14 @@ pub enum FrontendEnd {
     Draining,
     /// No cluster could be chosen for it (answered 503).
     UnknownCluster,
+    /// Not SOCKS version 5 (or a bad RFC 1929 sub-negotiation version).
+    NotSocks5,
+    /// The SOCKS client offered no method this frontend takes (no-auth on
+    /// a cluster's own frontend, username/password on a shared one).
+    SocksNoMethod,
+    /// A SOCKS command other than CONNECT (answered "command not
+    /// supported").
+    SocksCommand,
     /// The request head was malformed (answered 400).
     Malformed(seedlink_proto::connect_head::Reject),
     /// The dial failed.
@@ -157,6 +165,9 @@ impl FrontendEnd {
             FrontendEnd::TlsFailed => "tls_failed",
             FrontendEnd::Draining => "draining",
             FrontendEnd::UnknownCluster => "unknown_cluster",
+            FrontendEnd::NotSocks5 => "not_socks5",
+            FrontendEnd::SocksNoMethod => "socks_no_method",
+            FrontendEnd::SocksCommand => "socks_command_not_supported",
             FrontendEnd::Malformed(r) => r.reason(),
             FrontendEnd::Dial(e) => e.reason(),
         }
@@ -195,21 +206,31 @@ where
         answer(&mut io, 400, "CONNECT target must be host:port\n").await;
         return FrontendEnd::BadTarget;
     }
-    dial_and_carry(srv, cluster, io, target, leftover, true).await
+    dial_and_carry(srv, cluster, io, target, leftover, Reply::Established).await
+}
+
+/// How the frontend is answered once the dial is decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reply {
+    /// `200 Connection Established` (CONNECT), or the dial error's status.
+    Established,
+    /// Nothing on success: the destination's own answer to the forwarded
+    /// request comes first; the dial error's status otherwise.
+    Forwarded,
+    /// A SOCKS5 reply: success, or the code the dial error maps to.
+    Socks5,
 }
 
 /// Dials `target` through the cluster's agents and carries the
-/// connection; `leftover` is sent first. With `established` the frontend
-/// is first answered `200 Connection Established` (CONNECT); without, the
-/// destination's own answer is the first thing it reads (a forwarded
-/// request).
-async fn dial_and_carry<S>(
+/// connection; `leftover` is sent first; the frontend is answered as
+/// `reply` says.
+pub(crate) async fn dial_and_carry<S>(
     srv: &Core,
     cluster: &Cluster,
     mut io: S,
     target: &str,
     mut leftover: BytesMut,
-    established: bool,
+    reply: Reply,
 ) -> FrontendEnd
 where
     S: AsyncRead + AsyncWrite + Unpin,
@@ -239,6 +260,14 @@ where
     let leftover = leftover.freeze();
     let tunnel = match dialed {
         Ok(t) => t,
+        Err(e) if reply == Reply::Socks5 => {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+                let _ = super::socks::reply(&mut io, e.socks5_reply()).await;
+                let _ = io.shutdown().await;
+            })
+            .await;
+            return FrontendEnd::Dial(e);
+        }
         Err(e) => {
             let body = match &e {
                 DialError::NoAgent => {
@@ -250,7 +279,12 @@ where
             return FrontendEnd::Dial(e);
         }
     };
-    if established && io.write_all(ESTABLISHED).await.is_err() {
+    let answered = match reply {
+        Reply::Established => io.write_all(ESTABLISHED).await,
+        Reply::Socks5 => super::socks::reply(&mut io, super::socks::rep::OK).await,
+        Reply::Forwarded => Ok(()),
+    };
+    if answered.is_err() {
         return FrontendEnd::WriteError;
     }
     cluster.metrics.established(1);
@@ -336,7 +370,7 @@ where
     };
     let mut first = BytesMut::from(request.as_bytes());
     first.extend_from_slice(&leftover);
-    let out = dial_and_carry(srv, &cluster, io, &target, first, false).await;
+    let out = dial_and_carry(srv, &cluster, io, &target, first, Reply::Forwarded).await;
     (name, out)
 }
 

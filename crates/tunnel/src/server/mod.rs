@@ -18,6 +18,7 @@ pub mod limits;
 pub mod link;
 pub mod metrics;
 pub mod run;
+pub mod socks;
 
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -706,6 +707,11 @@ impl Registry {
         let raw = base64::engine::general_purpose::STANDARD.decode(b64).ok()?;
         let text = String::from_utf8(raw).ok()?;
         let (user, password) = text.split_once(':')?;
+        self.cluster_for_credentials(user, password)
+    }
+
+    /// The cluster `user` names, if `password` is its proxy password.
+    pub fn cluster_for_credentials(&self, user: &str, password: &str) -> Option<Arc<Cluster>> {
         let c = self.cluster(user)?;
         let conf = c.conf.load();
         let want = conf.proxy_password.as_deref()?;

@@ -231,6 +231,7 @@ fn transport(f: &Frontend, what: &str, authenticated: bool) -> Result<Transport,
             let alpn: &[&[u8]] = match f.protocol {
                 FrontendProtocol::Grpc => &[b"h2"],
                 FrontendProtocol::HttpConnect | FrontendProtocol::HttpProxy => &[b"http/1.1"],
+                FrontendProtocol::Socks5 => &[],
             };
             let sc =
                 tls::server_config(cert, key, Some(v), alpn).map_err(ServerError::tls(what))?;
@@ -354,7 +355,7 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> 
             transport: transport(
                 f,
                 &format!("shared frontend {}", f.name),
-                f.protocol == FrontendProtocol::HttpProxy,
+                f.protocol.is_proxy(),
             )?,
         });
     }
@@ -609,9 +610,7 @@ impl TunnelServer {
                     match tokio::time::timeout(hs, acc.accept(tcp)).await {
                         // A shared CONNECT or gRPC frontend: the client
                         // certificate's CN names the cluster.
-                        Ok(Ok(tls))
-                            if cluster.is_none() && proto != FrontendProtocol::HttpProxy =>
-                        {
+                        Ok(Ok(tls)) if cluster.is_none() && !proto.is_proxy() => {
                             let named = tls
                                 .get_ref()
                                 .1
@@ -986,12 +985,21 @@ async fn serve_frontend<S>(
             srv.metrics.frontend_conn(&cl, &name, outcome.reason());
             return;
         }
+        (FrontendProtocol::Socks5, c) => {
+            let choice = match &c {
+                Some(c) => ProxyCluster::Fixed(c),
+                None => ProxyCluster::ByCredentials,
+            };
+            let (cl, outcome) = super::socks::serve_socks5(&srv, choice, io).await;
+            srv.metrics.frontend_conn(&cl, &name, outcome.reason());
+            return;
+        }
         (_, Some(c)) => c,
         // Only proxy frontends are shared (the configuration says so).
         (_, None) => return,
     };
     match proto {
-        FrontendProtocol::HttpConnect | FrontendProtocol::HttpProxy => {
+        FrontendProtocol::HttpConnect | FrontendProtocol::HttpProxy | FrontendProtocol::Socks5 => {
             let outcome = super::frontend::serve_http_connect(&srv, &cluster, io).await;
             srv.metrics
                 .frontend_conn(&cluster.name, &name, outcome.reason());

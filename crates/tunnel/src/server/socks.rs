@@ -1,0 +1,222 @@
+//! SOCKS5 frontend (RFC 1928 `CONNECT`, RFC 1929 username/password), for
+//! control-plane components other than kube-apiserver that speak SOCKS
+//! (HyperShift gives its components a SOCKS5 sidecar in front of
+//! Konnectivity). A host name is passed to the agent as it came, so it is
+//! resolved in the shoot, and the agent's destination policy is applied to
+//! every address it resolves to.
+//!
+//! Hand-written: the SOCKS5 server crates either connect to the target
+//! themselves (here the target is dialled by an agent over the tunnel) or
+//! bring their own runtime glue; the CONNECT subset is a few fixed-size
+//! reads, done here with a deadline and bounds on every length.
+
+use std::net::{Ipv4Addr, Ipv6Addr};
+use std::sync::Arc;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use super::core::Core;
+use super::frontend::{dial_and_carry, FrontendEnd, ProxyCluster, Reply};
+use super::Cluster;
+
+/// Protocol version byte of SOCKS5.
+const VERSION: u8 = 5;
+/// "No authentication required".
+const NO_AUTH: u8 = 0x00;
+/// "Username/password" (RFC 1929).
+const USER_PASS: u8 = 0x02;
+/// "No acceptable methods".
+const NO_METHOD: u8 = 0xFF;
+
+/// Reply codes (RFC 1928 §6).
+pub mod rep {
+    /// Succeeded.
+    pub const OK: u8 = 0x00;
+    /// General SOCKS server failure.
+    pub const FAILURE: u8 = 0x01;
+    /// Connection not allowed by ruleset.
+    pub const NOT_ALLOWED: u8 = 0x02;
+    /// Network unreachable.
+    pub const NETWORK_UNREACHABLE: u8 = 0x03;
+    /// Host unreachable.
+    pub const HOST_UNREACHABLE: u8 = 0x04;
+    /// Connection refused.
+    pub const REFUSED: u8 = 0x05;
+    /// Command not supported.
+    pub const COMMAND: u8 = 0x07;
+    /// Address type not supported.
+    pub const ADDRESS_TYPE: u8 = 0x08;
+}
+
+/// A reply with the bound address 0.0.0.0:0 (the agent's local address is
+/// not known here, and clients of CONNECT do not use it).
+pub async fn reply<S: AsyncWrite + Unpin>(io: &mut S, code: u8) -> std::io::Result<()> {
+    io.write_all(&[VERSION, code, 0, 1, 0, 0, 0, 0, 0, 0]).await
+}
+
+/// Serves one SOCKS5 connection: the cluster is the frontend's, or named by
+/// the username (its password is the cluster's `proxy_password_file`).
+/// Returns the cluster's name ("" if none was chosen) and the outcome.
+pub async fn serve_socks5<S>(
+    srv: &Core,
+    choice: ProxyCluster<'_>,
+    mut io: S,
+) -> (String, FrontendEnd)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let negotiated = tokio::time::timeout(
+        srv.settings.handshake_timeout,
+        negotiate(srv, choice, &mut io),
+    )
+    .await;
+    let (cluster, target) = match negotiated {
+        Ok(Ok(pair)) => pair,
+        Ok(Err((name, why))) => {
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), io.shutdown()).await;
+            return (name, why);
+        }
+        Err(_) => return (String::new(), FrontendEnd::HeadTimeout),
+    };
+    let name = cluster.name.to_string();
+    let out = dial_and_carry(srv, &cluster, io, &target, BytesMut::new(), Reply::Socks5).await;
+    (name, out)
+}
+
+type Negotiated = Result<(Arc<Cluster>, String), (String, FrontendEnd)>;
+
+async fn read_n<S: AsyncRead + Unpin>(io: &mut S, n: usize) -> Result<Vec<u8>, FrontendEnd> {
+    let mut b = vec![0u8; n];
+    io.read_exact(&mut b)
+        .await
+        .map_err(|_| FrontendEnd::Closed)?;
+    Ok(b)
+}
+
+async fn negotiate<S>(srv: &Core, choice: ProxyCluster<'_>, io: &mut S) -> Negotiated
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let none = |why| (String::new(), why);
+    let greeting = read_n(io, 2).await.map_err(none)?;
+    if greeting[0] != VERSION {
+        return Err(none(FrontendEnd::NotSocks5));
+    }
+    let methods = read_n(io, usize::from(greeting[1])).await.map_err(none)?;
+    let want = match choice {
+        ProxyCluster::Fixed(_) => NO_AUTH,
+        ProxyCluster::ByCredentials => USER_PASS,
+    };
+    if !methods.contains(&want) {
+        let _ = io.write_all(&[VERSION, NO_METHOD]).await;
+        return Err(none(FrontendEnd::SocksNoMethod));
+    }
+    io.write_all(&[VERSION, want])
+        .await
+        .map_err(|_| none(FrontendEnd::WriteError))?;
+    let cluster = match choice {
+        ProxyCluster::Fixed(c) => c.clone(),
+        ProxyCluster::ByCredentials => {
+            // RFC 1929: VER=1, ULEN, UNAME, PLEN, PASSWD.
+            let head = read_n(io, 2).await.map_err(none)?;
+            if head[0] != 1 {
+                return Err(none(FrontendEnd::NotSocks5));
+            }
+            let user = read_n(io, usize::from(head[1])).await.map_err(none)?;
+            let plen = read_n(io, 1).await.map_err(none)?;
+            let pass = read_n(io, usize::from(plen[0])).await.map_err(none)?;
+            let found = match (std::str::from_utf8(&user), std::str::from_utf8(&pass)) {
+                (Ok(u), Ok(p)) => srv.registry.cluster_for_credentials(u, p),
+                _ => None,
+            };
+            match found {
+                Some(c) => {
+                    io.write_all(&[1, 0])
+                        .await
+                        .map_err(|_| none(FrontendEnd::WriteError))?;
+                    c
+                }
+                None => {
+                    let _ = io.write_all(&[1, 1]).await;
+                    return Err(none(FrontendEnd::ProxyAuthRequired));
+                }
+            }
+        }
+    };
+    let name = cluster.name.to_string();
+    let fail = |why| (name.clone(), why);
+    // VER, CMD, RSV, ATYP, DST.ADDR, DST.PORT
+    let req = read_n(io, 4).await.map_err(fail)?;
+    if req[0] != VERSION {
+        return Err(fail(FrontendEnd::NotSocks5));
+    }
+    if req[1] != 1 {
+        // BIND and UDP ASSOCIATE: a tunnel to the shoot carries outbound
+        // TCP connections only.
+        let _ = reply(io, rep::COMMAND).await;
+        return Err(fail(FrontendEnd::SocksCommand));
+    }
+    let host = match req[3] {
+        1 => {
+            let a = read_n(io, 4).await.map_err(fail)?;
+            Ipv4Addr::new(a[0], a[1], a[2], a[3]).to_string()
+        }
+        4 => {
+            let a = read_n(io, 16).await.map_err(fail)?;
+            let mut o = [0u8; 16];
+            o.copy_from_slice(&a);
+            format!("[{}]", Ipv6Addr::from(o))
+        }
+        3 => {
+            let len = read_n(io, 1).await.map_err(fail)?;
+            let name = read_n(io, usize::from(len[0])).await.map_err(fail)?;
+            match host_name(&name) {
+                Some(h) => h,
+                None => {
+                    let _ = reply(io, rep::HOST_UNREACHABLE).await;
+                    return Err(fail(FrontendEnd::BadTarget));
+                }
+            }
+        }
+        _ => {
+            let _ = reply(io, rep::ADDRESS_TYPE).await;
+            return Err(fail(FrontendEnd::BadTarget));
+        }
+    };
+    let port = read_n(io, 2).await.map_err(fail)?;
+    let port = u16::from_be_bytes([port[0], port[1]]);
+    if port == 0 {
+        let _ = reply(io, rep::HOST_UNREACHABLE).await;
+        return Err(fail(FrontendEnd::BadTarget));
+    }
+    Ok((cluster, format!("{host}:{port}")))
+}
+
+/// A DNS name as sent in a SOCKS request: letters, digits, `-`, `_`, `.`,
+/// not empty (an absolute name's trailing dot is kept for the agent's
+/// resolver).
+fn host_name(raw: &[u8]) -> Option<String> {
+    let ok = !raw.is_empty()
+        && raw
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    ok.then(|| String::from_utf8_lossy(raw).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_names_are_plain_dns_names() {
+        assert_eq!(
+            host_name(b"web.default.svc.cluster.local.").as_deref(),
+            Some("web.default.svc.cluster.local.")
+        );
+        assert_eq!(host_name(b"my_host-1"), Some("my_host-1".into()));
+        for bad in [&b""[..], b"a:80", b"a b", b"a/b", b"\xff", b"[::1]"] {
+            assert_eq!(host_name(bad), None, "{bad:?}");
+        }
+    }
+}
