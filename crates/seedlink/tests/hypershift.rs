@@ -1,10 +1,10 @@
 //! HyperShift's node path: a node-side proxy prepends a PROXY v2 header
 //! carrying the hosted cluster's ID in TLV 0x20 and passes TLS through; the
 //! shared ingress routes by that ID and applies the control plane's client
-//! ACL. The sender here is Envoy 1.40 (`upstream_proxy_protocol` transport
-//! socket with `added_tlvs`): Debian's HAProxy 2.6 cannot send custom TLVs
-//! (`set-proxy-v2-tlv-fmt` needs 2.9) and no registry reachable here ships
-//! a newer one.
+//! ACL. The senders are Envoy 1.40 (`upstream_proxy_protocol` transport
+//! socket with `added_tlvs`) and HAProxy 3.0 from Debian trixie
+//! (`set-proxy-v2-tlv-fmt(0x20)`, as HyperShift's node proxy; bookworm's
+//! 2.6 cannot send custom TLVs).
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
 use seedlink_testkit as common;
@@ -146,6 +146,37 @@ control_planes:
         )
         .await;
     }
+
+    // HyperShift's own node proxy is HAProxy (`send-proxy-v2` with
+    // `set-proxy-v2-tlv-fmt(0x20)`, 2.9+): Debian trixie's 3.0 as a second
+    // sender, the same routing.
+    let hp = free_port();
+    let _hap = haproxy3_run(
+        gw.dir.path(),
+        "node-haproxy",
+        &format!(
+            "defaults
+  mode tcp
+  timeout connect 10s
+  timeout client 60s
+  timeout server 60s
+frontend local
+  bind 127.0.0.1:{hp}
+  default_backend apiserver
+backend apiserver
+  server api {} send-proxy-v2 set-proxy-v2-tlv-fmt(0x20) c-0a1b
+",
+            gw.listener("nodes")
+        ),
+    );
+    wait_listening(format!("127.0.0.1:{hp}").parse().unwrap()).await;
+    let out = curl_mtls(&files, ALPHA, lo, hp);
+    assert!(out.contains("hello from alpha"), "HAProxy 3 sender: {out}");
+    gw.wait_metric(
+        "seedlink_gateway_routed_total{listener=\"nodes\",protocol=\"proxy-tlv\",control_plane=\"alpha\"}",
+        3.0,
+    )
+    .await;
     stop.cancel();
 }
 

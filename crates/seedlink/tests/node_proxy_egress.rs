@@ -332,6 +332,89 @@ control_planes:
     wait_readyz(tlv.admin, 503, "last_check=egress_proxy_unreachable").await;
 }
 
+/// HyperShift's shared ingress as HyperShift configures it: HAProxy 3.0
+/// (trixie) with `accept-proxy`, one `fc_pp_tlv(0x20)` ACL per hosted
+/// cluster ANDed with its source CIDRs, unmatched connections rejected. The
+/// seedlink node-proxy in `proxy-v2` mode with the cluster ID reaches the
+/// right API server with TLS and the client certificate end to end; a node
+/// with an unknown ID is rejected, and its `tls` check says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_proxy_through_haproxy3_as_hypershift_shared_ingress() {
+    let pki = seedlink::demo::Pki::generate(&[ALPHA]).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let files = write_pki(&pki, dir.path());
+    let (cert, key) = pki.write_server_files(0, dir.path()).unwrap();
+    let api_port = free_port();
+    let _nginx = nginx_apiserver(dir.path(), api_port, &cert, &key, &files.ca);
+    wait_listening(format!("127.0.0.1:{api_port}").parse().unwrap()).await;
+    let ingress = free_port();
+    let id = "3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d";
+    let _hap = haproxy3_run(
+        dir.path(),
+        "shared-ingress",
+        &format!(
+            "defaults
+  mode tcp
+  timeout connect 10s
+  timeout client 86400s
+  timeout server 86400s
+frontend nodes
+  bind 127.0.0.1:{ingress} accept-proxy
+  tcp-request content reject if !{{ fc_pp_tlv(0x20) -m found }}
+  acl guest1 fc_pp_tlv(0x20) -m str {id}
+  acl guest1_src src 127.0.0.0/8
+  use_backend guest1 if guest1 guest1_src
+  default_backend no_match
+backend no_match
+  tcp-request content reject
+backend guest1
+  server kas 127.0.0.1:{api_port}
+"
+        ),
+    );
+    let gw = format!("127.0.0.1:{ingress}");
+    wait_listening(gw.parse().unwrap()).await;
+    let node = node_proxy(&[
+        "--address",
+        "127.0.0.91",
+        "--mode",
+        "proxy-v2",
+        "--gateway",
+        &gw,
+        "--cluster-id",
+        id,
+        "--health-check",
+        "http",
+        "--health-check-ca",
+        files.ca.to_str().unwrap(),
+        "--health-check-server-name",
+        ALPHA,
+    ]);
+    wait_readyz(node.admin, 200, "ready").await;
+    let out = curl_mtls(&files, ALPHA, node.listen.ip(), node.listen.port());
+    assert!(
+        out.contains("hello from nginx") && out.contains("client_verify=SUCCESS"),
+        "{out}"
+    );
+    let stranger = node_proxy(&[
+        "--address",
+        "127.0.0.92",
+        "--mode",
+        "proxy-v2",
+        "--gateway",
+        &gw,
+        "--cluster-id",
+        "c-unknown",
+        "--health-check",
+        "tls",
+        "--health-check-interval",
+        "0.2",
+    ]);
+    wait_readyz(stranger.admin, 503, "last_check=tls_handshake").await;
+    let out = curl_mtls(&files, ALPHA, stranger.listen.ip(), stranger.listen.port());
+    assert!(!out.contains("hello from"), "{out}");
+}
+
 #[test]
 fn egress_and_health_check_settings_are_checked() {
     let dir = tempfile::tempdir().unwrap();

@@ -370,6 +370,37 @@ pub fn curl_mtls(
     )
 }
 
+/// HAProxy 3.0 (Debian trixie's, unpacked by scripts/install-peers into
+/// /opt/haproxy3; `$HAPROXY3` overrides): the first HAProxy here with
+/// `fc_pp_tlv` and `set-proxy-v2-tlv-fmt` (2.9+). Missing, the test fails.
+pub fn haproxy3() -> PathBuf {
+    let p = std::env::var_os("HAPROXY3")
+        .map_or_else(|| PathBuf::from("/opt/haproxy3/bin/haproxy"), PathBuf::from);
+    assert!(
+        p.exists(),
+        "required test peer HAProxy 3 ({}) is not installed; run scripts/install-peers",
+        p.display()
+    );
+    p
+}
+
+/// HAProxy 3 in the foreground with the configuration `cfg` (written to
+/// `dir/<name>.cfg`).
+pub fn haproxy3_run(dir: &Path, name: &str, cfg: &str) -> Proc {
+    let file = dir.join(format!("{name}.cfg"));
+    std::fs::write(&file, cfg).unwrap();
+    Proc(
+        Command::new(haproxy3())
+            .arg("-db")
+            .arg("-f")
+            .arg(&file)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join(format!("{name}.log"))).unwrap())
+            .spawn()
+            .unwrap(),
+    )
+}
+
 /// A child process killed when dropped.
 pub struct Proc(pub Child);
 
