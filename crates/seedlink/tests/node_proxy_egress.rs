@@ -102,20 +102,31 @@ async fn wait_readyz(admin: SocketAddr, want: u16, text: &str) {
     }
 }
 
+/// A fresh PKI, its client files, and nginx serving as the API server for
+/// `ALPHA` (see `nginx_apiserver`), listening.
+async fn apiserver() -> (
+    tempfile::TempDir,
+    seedlink::demo::ClientFiles,
+    Proc,
+    SocketAddr,
+) {
+    let pki = seedlink::demo::Pki::generate(&[ALPHA]).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let files = write_pki(&pki, dir.path());
+    let (cert, key) = pki.write_server_files(0, dir.path()).unwrap();
+    let api: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let nginx = nginx_apiserver(dir.path(), api.port(), &cert, &key, &files.ca);
+    wait_listening(api).await;
+    (dir, files, nginx, api)
+}
+
 async fn metric(admin: SocketAddr, prefix: &str) -> f64 {
     sum_metric(&http_get(admin, "/metrics").await.1, prefix)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_mode_through_tinyproxy_with_health_checks_and_the_cluster_id_tlv() {
-    let pki = seedlink::demo::Pki::generate(&[ALPHA]).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let files = write_pki(&pki, dir.path());
-    let (cert, key) = pki.write_server_files(0, dir.path()).unwrap();
-    let api_port = free_port();
-    let _nginx = nginx_apiserver(dir.path(), api_port, &cert, &key, &files.ca);
-    let api: SocketAddr = format!("127.0.0.1:{api_port}").parse().unwrap();
-    wait_listening(api).await;
+    let (dir, files, _nginx, api) = apiserver().await;
     // A control plane whose API server is down: its endpoint refuses.
     let dead = format!("127.0.0.1:{}", free_port());
     let gw = Gw::start(&format!(
@@ -340,13 +351,8 @@ control_planes:
 /// with an unknown ID is rejected, and its `tls` check says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_proxy_through_haproxy3_as_hypershift_shared_ingress() {
-    let pki = seedlink::demo::Pki::generate(&[ALPHA]).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let files = write_pki(&pki, dir.path());
-    let (cert, key) = pki.write_server_files(0, dir.path()).unwrap();
-    let api_port = free_port();
-    let _nginx = nginx_apiserver(dir.path(), api_port, &cert, &key, &files.ca);
-    wait_listening(format!("127.0.0.1:{api_port}").parse().unwrap()).await;
+    let (dir, files, _nginx, api) = apiserver().await;
+    let api_port = api.port();
     let ingress = free_port();
     let id = "3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d";
     let _hap = haproxy3_run(
