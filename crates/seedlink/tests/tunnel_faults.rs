@@ -537,3 +537,77 @@ async fn a_draining_agent_gets_no_new_dials() {
     };
     assert_eq!(code, Some(0));
 }
+
+/// An agent killed (`kill -9`) under two endless downloads: the one over a
+/// TCP frontend ends in a reset (the client sees ECONNRESET, not a clean
+/// end that would make a cut-off `kubectl cp` look finished); the one over
+/// the Unix socket, where no reset exists, ends and is counted apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_agent_resets_tcp_frontends_and_counts_unix_ends() {
+    let env = TunnelEnv::new(78);
+    let ep = env.agent_endpoint(8132);
+    let yaml = format!(
+        "{}      - {{name: plain, protocol: http-connect, tcp: '127.0.0.1:8095'}}\n",
+        env.server_yaml(&ep, "", "")
+    );
+    let server = env.server(&yaml, "server");
+    let agent = env.agent(&ep, &[]);
+    let mut unix =
+        kas_connect_eventually(&env.uds, "127.0.0.1:7008", Duration::from_secs(20)).await;
+    let mut buf = vec![0u8; 65536];
+    unix.read_exact(&mut buf).await.unwrap();
+    // A Python client on the TCP frontend: prints `reading` once bytes
+    // flow, then how the download ended.
+    let py = "import socket, sys
+s = socket.create_connection(('127.0.0.1', 8095), timeout=30)
+s.sendall(b'CONNECT 127.0.0.1:7008 HTTP/1.1\\r\\nHost: 127.0.0.1:7008\\r\\n\\r\\n')
+head = b''
+while b'\\r\\n\\r\\n' not in head:
+    head += s.recv(1)
+assert head.startswith(b'HTTP/1.1 200'), head
+s.recv(65536)
+print('reading', flush=True)
+try:
+    while s.recv(65536):
+        pass
+    print('eof', flush=True)
+except ConnectionResetError:
+    print('reset', flush=True)
+";
+    let mut client = Proc(
+        env.seed
+            .cmd(&["python3", "-c", py])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines =
+        std::io::BufRead::lines(std::io::BufReader::new(client.0.stdout.take().unwrap()));
+    assert_eq!(lines.next().unwrap().unwrap(), "reading");
+    assert!(std::process::Command::new("kill")
+        .args(["-9", &agent.pid().to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let ended = tokio::task::spawn_blocking(move || lines.next().map(|l| l.unwrap()))
+        .await
+        .unwrap();
+    assert_eq!(
+        ended.as_deref(),
+        Some("reset"),
+        "the TCP frontend's download"
+    );
+    let _ = read_until_closed(&mut unix, Duration::from_secs(10)).await;
+    let m = |signal: &str| {
+        env.server_metric(
+            &server.admin(),
+            &format!("seedlink_tunnel_server_frontend_aborts_total{{cluster=\"shoot--dev--a\",reason=\"{signal}\"}}"),
+        )
+    };
+    TunnelEnv::until(Duration::from_secs(10), "both aborts counted", || {
+        m("reset") >= 1.0 && m("eof") >= 1.0
+    })
+    .await;
+    assert_eq!((m("reset"), m("eof")), (1.0, 1.0));
+    drop(client);
+}

@@ -174,10 +174,39 @@ impl FrontendEnd {
     }
 }
 
+/// A frontend connection's transport, as far as ending it goes.
+pub trait FrontendIo: AsyncRead + AsyncWrite + Unpin {
+    /// Makes the coming close a reset, so that a connection cut short (agent
+    /// gone, connection aborted, frontend stalled) is seen by the client as
+    /// an abort, never as a clean end of stream (a cut `kubectl cp` must not
+    /// look finished). TCP: SO_LINGER 0, then close sends RST. Returns false
+    /// where the transport has no reset (a Unix socket: the client sees an
+    /// ordinary end, which is counted apart).
+    fn reset_on_close(&self) -> bool {
+        false
+    }
+}
+
+impl FrontendIo for tokio::net::TcpStream {
+    fn reset_on_close(&self) -> bool {
+        socket2::SockRef::from(self)
+            .set_linger(Some(std::time::Duration::ZERO))
+            .is_ok()
+    }
+}
+
+impl FrontendIo for tokio_rustls::server::TlsStream<tokio::net::TcpStream> {
+    fn reset_on_close(&self) -> bool {
+        self.get_ref().0.reset_on_close()
+    }
+}
+
+impl FrontendIo for tokio::net::UnixStream {}
+
 /// Serves one HTTP CONNECT frontend connection; returns how it ended.
 pub async fn serve_http_connect<S>(srv: &Core, cluster: &Cluster, mut io: S) -> FrontendEnd
 where
-    S: AsyncRead + AsyncWrite + Unpin,
+    S: FrontendIo,
 {
     let _open = srv.metrics.http_open();
     let (head, mut buf) = match read_head(srv, &mut io).await {
@@ -200,7 +229,7 @@ pub async fn connect_method<S>(
     leftover: BytesMut,
 ) -> FrontendEnd
 where
-    S: AsyncRead + AsyncWrite + Unpin,
+    S: FrontendIo,
 {
     if !seedlink_proto::connect_head::authority_form(target) {
         answer(&mut io, 400, "CONNECT target must be host:port\n").await;
@@ -233,7 +262,7 @@ pub(crate) async fn dial_and_carry<S>(
     reply: Reply,
 ) -> FrontendEnd
 where
-    S: AsyncRead + AsyncWrite + Unpin,
+    S: FrontendIo,
 {
     let cancel = srv.shutdown.child_token();
     // While the agent dials, a frontend that hangs up cancels the dial
@@ -288,7 +317,7 @@ where
         return FrontendEnd::WriteError;
     }
     cluster.metrics.established(1);
-    let out = carry_stream(srv, tunnel, io, leftover).await;
+    let out = carry_stream(srv, &cluster.name, tunnel, io, leftover).await;
     cluster.metrics.established(-1);
     out
 }
@@ -326,7 +355,7 @@ pub async fn serve_http_proxy<S>(
     mut io: S,
 ) -> (String, FrontendEnd)
 where
-    S: AsyncRead + AsyncWrite + Unpin,
+    S: FrontendIo,
 {
     let _open = srv.metrics.http_open();
     let (head, mut buf) = match read_head(srv, &mut io).await {
@@ -411,9 +440,18 @@ fn origin_form(head: &connect_head::Head) -> Option<(String, String)> {
 }
 
 /// Copies between a frontend stream and its tunnel until either ends.
-async fn carry_stream<S>(srv: &Core, tunnel: Tunnel, io: S, leftover: Bytes) -> FrontendEnd
+/// A connection cut short (agent gone, aborted, stalled) is reset where
+/// the transport can (see [`FrontendIo::reset_on_close`]) and counted in
+/// `frontend_aborts_total` by how the client was told.
+async fn carry_stream<S>(
+    srv: &Core,
+    cluster: &str,
+    tunnel: Tunnel,
+    io: S,
+    leftover: Bytes,
+) -> FrontendEnd
 where
-    S: AsyncRead + AsyncWrite + Unpin,
+    S: FrontendIo,
 {
     let Tunnel { tx, mut rx } = tunnel;
     let (mut rd, mut wr) = tokio::io::split(io);
@@ -458,20 +496,31 @@ where
             PumpEnd::WriteError => FrontendEnd::WriteError,
         }
     };
-    tokio::pin!(up, down);
-    // The frontend's EOF ends the connection (Konnectivity has no
-    // half-close): CLOSE_REQ now; what the agent already sent is still
-    // delivered, within the stall deadline.
-    tokio::select! {
-        u = &mut up => {
-            tx.close();
-            let rest = tokio::time::timeout(stall, &mut down)
-                .await
-                .unwrap_or(FrontendEnd::Stalled);
-            if u == FrontendEnd::Ok { rest } else { u }
+    let outcome = {
+        tokio::pin!(up, down);
+        // The frontend's EOF ends the connection (Konnectivity has no
+        // half-close): CLOSE_REQ now; what the agent already sent is still
+        // delivered, within the stall deadline.
+        tokio::select! {
+            u = &mut up => {
+                tx.close();
+                let rest = tokio::time::timeout(stall, &mut down)
+                    .await
+                    .unwrap_or(FrontendEnd::Stalled);
+                if u == FrontendEnd::Ok { rest } else { u }
+            }
+            d = &mut down => d,
         }
-        d = &mut down => d,
+    };
+    if matches!(
+        outcome,
+        FrontendEnd::Aborted | FrontendEnd::AgentGone | FrontendEnd::Stalled
+    ) {
+        let io = rd.unsplit(wr);
+        let signal = if io.reset_on_close() { "reset" } else { "eof" };
+        srv.metrics.frontend_abort(cluster, signal);
     }
+    outcome
 }
 
 /// The gRPC `ProxyService/Proxy` handler of one cluster.

@@ -63,6 +63,7 @@ pub struct Metrics {
     pending: Family<ClusterLabel, Gauge>,
     established: Family<ClusterLabel, Gauge>,
     frontend_conns: Family<FrontendLabels, Counter>,
+    frontend_aborts: Family<ClusterReason, Counter>,
     /// TokenReviews by outcome (`reason` label: accepted, refused,
     /// unavailable, cached).
     pub token_reviews: Family<ClusterReason, Counter>,
@@ -134,6 +135,7 @@ impl Metrics {
             pending: Family::default(),
             established: Family::default(),
             frontend_conns: Family::default(),
+            frontend_aborts: Family::default(),
             token_reviews: Family::default(),
             reloads: Family::default(),
             tasks: Gauge::default(),
@@ -180,6 +182,11 @@ impl Metrics {
                 "frontend_connections",
                 "Finished frontend connections by outcome",
                 m.frontend_conns.clone(),
+            );
+            r.register(
+                "frontend_aborts",
+                "Tunneled connections cut short (agent gone, connection aborted, frontend stalled), by how the frontend was told: reset (TCP RST) or eof (a Unix socket has no reset; the client sees an ordinary end)",
+                m.frontend_aborts.clone(),
             );
             r.register(
                 "config_reloads",
@@ -281,7 +288,17 @@ impl Metrics {
             .inc();
     }
 
-    /// A frontend connection ended.
+    /// A tunneled connection was cut short; `signal` is `reset` or `eof`.
+    pub fn frontend_abort(&self, cluster: &str, signal: &str) {
+        self.frontend_aborts
+            .get_or_create(&ClusterReason {
+                cluster: cluster.into(),
+                reason: signal.into(),
+            })
+            .inc();
+    }
+
+    /// A frontend connection ended with `outcome`.
     pub fn frontend_conn(&self, cluster: &str, frontend: &str, outcome: &str) {
         // Every frontend connection ends here: a failed one is one line
         // (a client that simply closed is not a failure).

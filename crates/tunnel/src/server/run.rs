@@ -972,7 +972,7 @@ async fn serve_frontend<S>(
     proto: FrontendProtocol,
     io: S,
 ) where
-    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: super::frontend::FrontendIo + Send + 'static,
 {
     use super::frontend::ProxyCluster;
     let cluster = match (proto, cluster) {

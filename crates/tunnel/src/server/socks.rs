@@ -17,7 +17,7 @@ use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use super::core::Core;
-use super::frontend::{dial_and_carry, FrontendEnd, ProxyCluster, Reply};
+use super::frontend::{dial_and_carry, FrontendEnd, FrontendIo, ProxyCluster, Reply};
 use super::Cluster;
 
 /// Protocol version byte of SOCKS5.
@@ -64,7 +64,7 @@ pub async fn serve_socks5<S>(
     mut io: S,
 ) -> (String, FrontendEnd)
 where
-    S: AsyncRead + AsyncWrite + Unpin,
+    S: FrontendIo,
 {
     let negotiated = tokio::time::timeout(
         srv.settings.handshake_timeout,
