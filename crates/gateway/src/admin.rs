@@ -78,7 +78,8 @@ fn route(gw: &Gateway, req: &Request<Incoming>) -> Response<Full<Bytes>> {
         },
         "/metrics" => {
             let mut r = Response::new(Full::new(Bytes::from(
-                gw.metrics.encode_with(&gw.snapshot()),
+                gw.metrics
+                    .encode_with(&gw.snapshot(), gw.copier.pipe_counts()),
             )));
             if let Ok(v) = "application/openmetrics-text; version=1.0.0; charset=utf-8".parse() {
                 r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);

@@ -42,7 +42,7 @@ pub struct Gateway {
     config_path: Option<PathBuf>,
     /// Metrics served on `/metrics`.
     pub metrics: metrics::Metrics,
-    copier: Copier,
+    pub(crate) copier: Copier,
     /// Phase, drain signals and connection tasks.
     pub lifecycle: Lifecycle,
     permits: Arc<Semaphore>,

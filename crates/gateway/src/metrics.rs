@@ -90,6 +90,13 @@ pub struct EndpointStateLabels {
     pub state: String,
 }
 
+/// A `state` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabels {
+    /// The state.
+    pub state: String,
+}
+
 /// Every metric the gateway exports.
 pub struct Metrics {
     /// The registry served on `/metrics`.
@@ -256,8 +263,9 @@ impl Metrics {
 
     /// The exposition with the per-control-plane gauges of `snap`: every
     /// configured control plane from the start (zero-valued), its open
-    /// connections and its upstream endpoints by state (`up`, `ejected`).
-    pub fn encode_with(&self, snap: &seedlink_config::Snapshot) -> String {
+    /// connections and its upstream endpoints by state (`up`, `ejected`);
+    /// and the splice pipe pool, `pipes` = (open, idle).
+    pub fn encode_with(&self, snap: &seedlink_config::Snapshot, pipes: (usize, usize)) -> String {
         use std::sync::atomic::Ordering;
         let mut live = Registry::with_prefix("seedlink_gateway");
         let active: Family<CpLabels, Gauge> = Family::default();
@@ -293,6 +301,18 @@ impl Metrics {
             "upstream_endpoints",
             "Upstream endpoints by control plane and state (up, ejected)",
             endpoints,
+        );
+        let pool: Family<StateLabels, Gauge> = Family::default();
+        for (state, n) in [("open", pipes.0), ("idle", pipes.1)] {
+            pool.get_or_create(&StateLabels {
+                state: state.into(),
+            })
+            .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+        live.register(
+            "splice_pipes",
+            "Splice pipes by state: open (each holds 2 file descriptors; the pool keeps them after a burst, up to limits.splice_pipes) and, of those, idle in the pool",
+            pool,
         );
         seedlink_net::admin::encode_all(&[&self.registry, &live])
     }

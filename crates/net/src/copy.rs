@@ -83,6 +83,15 @@ impl Copier {
         self.mode
     }
 
+    /// Splice pipes that exist and, of those, the ones idle in the pool
+    /// (see [`crate::splice::PipePool::counts`]); (0, 0) without splice.
+    pub fn pipe_counts(&self) -> (usize, usize) {
+        #[cfg(target_os = "linux")]
+        return self.pipes.counts();
+        #[cfg(not(target_os = "linux"))]
+        (0, 0)
+    }
+
     /// Copies in both directions until both have ended, counting bytes as
     /// they are written.
     ///

@@ -92,6 +92,18 @@ impl PipePool {
         }
     }
 
+    /// Pipes that exist (each holds two descriptors) and, of those, the
+    /// ones idle in the pool. After a burst the pool keeps what it created,
+    /// up to its cap, so a process holds `2 × open` descriptors more than
+    /// its connections: expected, not a leak.
+    pub fn counts(&self) -> (usize, usize) {
+        let idle = crate::sync::lock(&self.free, "pipe pool").len();
+        (
+            self.created.load(std::sync::atomic::Ordering::Acquire),
+            idle,
+        )
+    }
+
     /// Takes an empty pipe, creating one if the pool is below its cap.
     /// `None` means the caller should copy through user space this time.
     pub fn get(&self) -> Option<Lease<'_>> {
