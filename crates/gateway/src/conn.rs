@@ -8,7 +8,6 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use bytes::BufMut;
 use prometheus_client::metrics::counter::Counter;
 use seedlink_config::model::{InvalidRequest, Protocol, ProxyMode};
 use seedlink_config::routes::canonical;
@@ -470,7 +469,8 @@ async fn detect<'g>(
 ) -> Result<Detected, Refusal> {
     let hello_cap = snap.limits.client_hello_max_bytes;
     let proxy_cap = snap.limits.proxy_header_max_bytes;
-    let mut buf: Vec<u8> = Vec::with_capacity(1024);
+    // Empty until bytes arrive (see `read_more`).
+    let mut buf: Vec<u8> = Vec::new();
     let mut client = peer;
     let mode = lctx.spec.proxy_protocol;
 
@@ -645,21 +645,25 @@ async fn detect<'g>(
 }
 
 /// Appends what the socket has (at least one byte) without letting `buf`
-/// grow past `cap` plus one read. Reads into spare capacity: no zeroing.
+/// grow past `cap` plus one read. Nothing is allocated before bytes
+/// arrive: a half-open connection (silent, or trickling a head) holds only
+/// what it sent, not a read buffer, so an attack of many of them costs
+/// little memory. Each read goes through a stack chunk (not held across an
+/// await) and `buf` grows by what came.
 async fn read_more(stream: &TcpStream, buf: &mut Vec<u8>, cap: usize) -> Result<(), Refusal> {
-    let want = cap.saturating_sub(buf.len()).clamp(1, 4096);
-    if buf.capacity() - buf.len() < want {
-        buf.reserve(want);
-    }
+    const CHUNK: usize = 2048;
+    let want = cap.saturating_sub(buf.len()).clamp(1, CHUNK);
     loop {
         if stream.readable().await.is_err() {
             return Err(Refusal::ReadError);
         }
-        let room = buf.capacity() - buf.len();
-        let mut limited = (&mut *buf).limit(room.min(want));
-        match stream.try_read_buf(&mut limited) {
+        let mut chunk = [0u8; CHUNK];
+        match stream.try_read(&mut chunk[..want]) {
             Ok(0) => return Err(Refusal::Eof),
-            Ok(_) => return Ok(()),
+            Ok(n) => {
+                buf.extend_from_slice(&chunk[..n]);
+                return Ok(());
+            }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(_) => return Err(Refusal::ReadError),
         }
