@@ -653,3 +653,71 @@ async fn after_a_partition_heals_the_agent_is_back_within_seconds() {
     let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(10)).await;
     assert!(fetch_hello(s).await.contains("hello from the shoot"));
 }
+
+/// Two agents, one frozen (SIGSTOP) with the server's PING interval at 2 s
+/// and its PING timeout at 60 s, so the connection stays open long after
+/// the agent stopped answering: every dial still succeeds (one sent to the
+/// frozen agent is taken back once it has been silent past the interval
+/// and goes to the other). With both frozen, a dial is answered at once
+/// with 503 "agent unresponsive" instead of waiting its 40 s timeout, while
+/// both streams are still counted as connected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dials_avoid_a_frozen_agent_and_fail_fast_when_all_are() {
+    let env = TunnelEnv::new(87);
+    let ep = env.agent_endpoint(8132);
+    let yaml = env
+        .server_yaml(&ep, "", "")
+        .replace(
+            "keepalive: 1s, keepalive_timeout: 1s",
+            "keepalive: 2s, keepalive_timeout: 60s",
+        )
+        .replace("dial_timeout: 10s", "dial_timeout: 40s");
+    assert!(yaml.contains("keepalive_timeout: 60s") && yaml.contains("dial_timeout: 40s"));
+    let server = env.server(&yaml, "server");
+    let a = env.agent(&ep, &["--agent-id", "a"]);
+    let b = env.agent(&ep, &["--agent-id", "b"]);
+    TunnelEnv::until(Duration::from_secs(15), "two agents", || {
+        env.server_metric(&server.admin(), AGENTS) == 2.0
+    })
+    .await;
+    let ok = "seedlink_tunnel_agent_dials_total{outcome=\"ok\"}";
+    let b0 = env.agent_metric(&b.admin(), ok);
+    signal(a.pid(), "-STOP");
+    for i in 0..20 {
+        let s = kas_connect(&env.uds, "127.0.0.1:8000")
+            .await
+            .unwrap_or_else(|e| panic!("dial {i} with one agent frozen: {e}"));
+        assert!(fetch_hello(s).await.contains("hello from the shoot"));
+    }
+    assert_eq!(
+        env.agent_metric(&b.admin(), ok),
+        b0 + 20.0,
+        "every dial ended on the live agent"
+    );
+
+    signal(b.pid(), "-STOP");
+    let answer = match kas_connect(&env.uds, "127.0.0.1:8000").await {
+        Ok(_) => panic!("a dial succeeded with both agents frozen"),
+        Err(e) => e,
+    };
+    assert!(
+        answer.starts_with("HTTP/1.1 503") && answer.contains("agent unresponsive"),
+        "{answer}"
+    );
+    assert_eq!(
+        env.server_metric(&server.admin(), AGENTS),
+        2.0,
+        "the failure came before the keepalive closed the streams"
+    );
+    assert!(
+        env.server_metric(
+            &server.admin(),
+            "seedlink_tunnel_server_dial_failures_total{cluster=\"shoot--dev--a\",reason=\"agent_unresponsive\"}"
+        ) >= 1.0
+    );
+
+    signal(a.pid(), "-CONT");
+    signal(b.pid(), "-CONT");
+    let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(15)).await;
+    assert!(fetch_hello(s).await.contains("hello from the shoot"));
+}

@@ -6,12 +6,10 @@
 //! each, payloads skipped without being read twice); hand-written because
 //! no HTTP/2 crate offers a frame observer.
 
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use crate::tap::{OnRead, ReadTap};
 
 /// HTTP/2 frame type GOAWAY (RFC 9113 §6.8).
 const GOAWAY: u8 = 0x7;
@@ -82,75 +80,37 @@ impl Scan {
     }
 }
 
-/// An IO whose incoming HTTP/2 frames are watched for GOAWAY.
-pub struct Sniff<T> {
-    inner: T,
+/// Follows the server's frames under the HTTP/2 client.
+pub struct Watch {
     scan: Scan,
     seen: Seen,
 }
 
-impl<T> Sniff<T> {
-    /// Wraps the client side of an HTTP/2 connection (the server sends no
-    /// preface, so its bytes are frames from the first one).
-    pub fn new(inner: T) -> (Sniff<T>, Seen) {
-        let seen = Seen(Arc::new(AtomicU32::new(NONE)));
-        (
-            Sniff {
-                inner,
+impl OnRead for Watch {
+    fn on_read(&mut self, bytes: &[u8]) {
+        if let Some(code) = self.scan.feed(bytes) {
+            self.seen.0.store(code, Ordering::Release);
+        }
+    }
+}
+
+/// An IO whose incoming HTTP/2 frames are watched for GOAWAY.
+pub type Sniff<T> = ReadTap<T, Watch>;
+
+/// Wraps the client side of an HTTP/2 connection (the server sends no
+/// preface, so its bytes are frames from the first one).
+pub fn sniff<T>(inner: T) -> (Sniff<T>, Seen) {
+    let seen = Seen(Arc::new(AtomicU32::new(NONE)));
+    (
+        ReadTap::new(
+            inner,
+            Watch {
                 scan: Scan::default(),
                 seen: seen.clone(),
             },
-            seen,
-        )
-    }
-}
-
-impl<T: AsyncRead + Unpin> AsyncRead for Sniff<T> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
-        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
-        if let Poll::Ready(Ok(())) = r {
-            let me = &mut *self;
-            if let Some(code) = me.scan.feed(&buf.filled()[before..]) {
-                me.seen.0.store(code, Ordering::Release);
-            }
-        }
-        r
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Sniff<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
+        ),
+        seen,
+    )
 }
 
 #[cfg(test)]

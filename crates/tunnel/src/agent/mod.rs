@@ -561,7 +561,7 @@ impl Agent {
         let origin: http::Uri = format!("https://{}", self.opts.server_name)
             .parse()
             .map_err(|_| bad_name())?;
-        let (tls, goaway) = crate::goaway::Sniff::new(tls);
+        let (tls, goaway) = crate::goaway::sniff(tls);
         let client = grpc::connect(tls, origin, self.keepalive())
             .await
             .map_err(ConnectError::Http2)?;

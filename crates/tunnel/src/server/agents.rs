@@ -9,6 +9,7 @@ use futures_util::StreamExt;
 use tokio::net::TcpStream;
 use tonic::{Response, Status};
 
+use super::activity::{Activity, Watched};
 use super::core::Core;
 use super::{attach, detach, AgentLink, Cluster, Handled, Identifiers};
 use crate::fair::FairQueue;
@@ -29,6 +30,8 @@ pub async fn serve_agent_io<IO>(srv: Arc<Core>, tcp: IO, peer: SocketAddr)
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    let activity = Activity::new();
+    let tcp = Watched::new(tcp, activity.clone());
     let tls = match tokio::time::timeout(
         srv.settings.handshake_timeout,
         srv.agent_tls.load_full().accept(tcp),
@@ -70,7 +73,10 @@ where
         let srv = srv.clone();
         Arc::new(move |req: tonic::Request<tonic::Streaming<Packet>>| {
             let (srv, cert_cluster, certs) = (srv.clone(), cert_cluster.clone(), certs.clone());
-            Box::pin(async move { open_stream(srv, cert_cluster, certs, req, peer).await })
+            let activity = activity.clone();
+            Box::pin(
+                async move { open_stream(srv, cert_cluster, certs, activity, req, peer).await },
+            )
         })
     };
     grpc::serve(tls, vec![(AGENT_CONNECT_PATH, handler)], srv.agent_h2).await;
@@ -84,6 +90,7 @@ async fn open_stream(
     srv: Arc<Core>,
     cert_cluster: Option<Arc<Cluster>>,
     certs: Certs,
+    activity: Arc<Activity>,
     req: tonic::Request<tonic::Streaming<Packet>>,
     peer: SocketAddr,
 ) -> Result<Response<PacketStream>, Status> {
@@ -105,6 +112,7 @@ async fn open_stream(
     let probe = cluster.agents().iter().any(|l| l.agent_id == agent_id);
     let (link, to_agent) = attach(&cluster, agent_id.clone(), ids, flow);
     let _ = link.certs.set(certs);
+    let _ = link.activity.set(activity);
     if let Some(a) = auth {
         let _ = link.authorization.set(a);
     }

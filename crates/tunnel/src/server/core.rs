@@ -73,6 +73,7 @@ impl Core {
         DialSettings {
             timeout: self.settings.dial_timeout,
             queue_bytes: self.settings.queue_bytes,
+            unresponsive_after: super::activity::unresponsive_after(self.agent_h2.keepalive),
         }
     }
 

@@ -9,6 +9,10 @@ pub enum DialError {
     /// No agent of the cluster can take it.
     #[error("No agent available")]
     NoAgent,
+    /// Every agent that could take it has been silent past its keepalive
+    /// interval (frozen or cut off, not yet closed): the shortest silence.
+    #[error("agent unresponsive: nothing received from it for {:.1}s", .0.as_secs_f64())]
+    Unresponsive(std::time::Duration),
     /// The agent did not answer within the dial timeout.
     #[error("timed out waiting for backend dial")]
     Timeout,
@@ -36,6 +40,7 @@ impl DialError {
     pub fn http_status(&self) -> u16 {
         match self {
             DialError::NoAgent => 500,
+            DialError::Unresponsive(_) => 503,
             DialError::Timeout => 504,
             DialError::Agent(text) => match crate::dialerr::classify(text) {
                 crate::dialerr::Kind::Timeout => 504,
@@ -55,7 +60,7 @@ impl DialError {
     pub fn socks5_reply(&self) -> u8 {
         use super::socks::rep;
         match self {
-            DialError::NoAgent => rep::NETWORK_UNREACHABLE,
+            DialError::NoAgent | DialError::Unresponsive(_) => rep::NETWORK_UNREACHABLE,
             DialError::Timeout => rep::HOST_UNREACHABLE,
             DialError::Agent(text) => match crate::dialerr::classify(text) {
                 crate::dialerr::Kind::Forbidden => rep::NOT_ALLOWED,
@@ -77,6 +82,7 @@ impl DialError {
     pub fn reason(&self) -> &'static str {
         match self {
             DialError::NoAgent => "no_agent",
+            DialError::Unresponsive(_) => "agent_unresponsive",
             DialError::Timeout => "backend_dial_timeout",
             DialError::AgentGone => "backend_close",
             DialError::Cancelled => "dial_closed",

@@ -8,6 +8,7 @@
 //! it. Established connections live in the link's table too, so an agent
 //! can only ever answer, feed or close what was sent to it.
 
+pub mod activity;
 pub mod admin;
 pub mod agents;
 pub mod core;
@@ -198,6 +199,9 @@ pub struct AgentLink {
     pub authorization: std::sync::OnceLock<String>,
     /// Per-connection flow control negotiated (seedlink agent).
     pub flow: bool,
+    /// When its connection last delivered a byte (unset: never judged
+    /// unresponsive).
+    pub activity: std::sync::OnceLock<Arc<activity::Activity>>,
 }
 
 /// What the driver saw while carrying out the machine's actions.
@@ -437,8 +441,16 @@ impl Cluster {
     }
 
     /// Chooses an agent for `host`: strategies in order; within one, a
-    /// non-draining agent if any, the less loaded of two random picks.
-    pub fn pick(&self, host: &str) -> Option<Arc<AgentLink>> {
+    /// responsive agent (one whose connection delivered a byte within
+    /// `unresponsive_after`), a non-draining one among those if any, the
+    /// less loaded of two random picks. When every agent that fits has
+    /// been silent longer, the dial fails at once with the shortest
+    /// silence instead of waiting its timeout on a frozen agent.
+    pub fn pick(
+        &self,
+        host: &str,
+        unresponsive_after: Duration,
+    ) -> Result<Arc<AgentLink>, DialError> {
         let agents = crate::sync::lock(&self.agents, "cluster agents");
         // One stream per agent and server: an agent that dials again to find
         // other replicas briefly has a second stream here, which it closes;
@@ -457,21 +469,34 @@ impl Cluster {
             if fit.is_empty() {
                 continue;
             }
+            let silence = |a: &Arc<AgentLink>| a.activity.get().map(|x| x.silent_for());
+            let responsive: Vec<&Arc<AgentLink>> = fit
+                .iter()
+                .copied()
+                .filter(|a| silence(a).is_none_or(|s| s <= unresponsive_after))
+                .collect();
+            if responsive.is_empty() {
+                let shortest = fit
+                    .iter()
+                    .filter_map(|a| silence(a))
+                    .min()
+                    .unwrap_or_default();
+                return Err(DialError::Unresponsive(shortest));
+            }
+            let fit = responsive;
             let live: Vec<&Arc<AgentLink>> =
                 fit.iter().copied().filter(|a| !a.draining()).collect();
             let pool = if live.is_empty() { fit } else { live };
             let a = pool[rand::random_range(0..pool.len())];
             let b = pool[rand::random_range(0..pool.len())];
-            return Some(
-                if b.conn_count() < a.conn_count() {
-                    b
-                } else {
-                    a
-                }
-                .clone(),
-            );
+            return Ok(if b.conn_count() < a.conn_count() {
+                b
+            } else {
+                a
+            }
+            .clone());
         }
-        None
+        Err(DialError::NoAgent)
     }
 }
 
@@ -482,6 +507,8 @@ pub struct DialSettings {
     pub timeout: Duration,
     /// Per-connection queue budget.
     pub queue_bytes: usize,
+    /// Silence after which an agent is skipped (see [`activity`]).
+    pub unresponsive_after: Duration,
 }
 
 /// An established tunneled connection, frontend side.
@@ -571,57 +598,94 @@ pub async fn dial(
             return Err(DialError::Limited(l));
         }
     };
-    let Some(link) = cluster.pick(host) else {
-        cluster.metrics.dial_failure(DialError::NoAgent.reason());
-        return Err(DialError::NoAgent);
-    };
-    let random = dial_id();
-    let (reply_tx, reply_rx) = oneshot::channel();
-    // With flow control the agent never has more than a window in flight.
-    let budget = if link.flow {
-        2 * flow::WINDOW
-    } else {
-        settings.queue_bytes
-    };
-    let (qtx, qrx) = queue::queue(budget);
-    let credit = link.flow.then(SendCredit::new);
-    let ends = ConnEnds {
-        queue: qtx,
-        credit: credit.clone(),
-    };
     let started = Instant::now();
-    link.with(started, |m, out| {
-        m.dial(random, address, reply_tx, ends, out)
-    });
-    cluster.metrics.pending(1);
-    let outcome = tokio::select! {
-        r = tokio::time::timeout(settings.timeout, reply_rx) => match r {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(DialError::AgentGone),
-            Err(_) => Err(DialError::Timeout),
-        },
-        () = cancel.cancelled() => Err(DialError::Cancelled),
-        () = link.gone.cancelled() => Err(DialError::AgentGone),
-    };
-    cluster.metrics.pending(-1);
-    match outcome {
-        Ok(connect_id) => {
-            cluster.metrics.dial_ok(started.elapsed());
-            Ok(Tunnel {
-                tx: TunnelTx {
-                    link,
-                    connect_id,
-                    credit,
-                    _permit: permit,
+    let deadline = tokio::time::Instant::from_std(started + settings.timeout);
+    // A dial whose agent goes silent while it waits is taken back and sent
+    // to another agent; a bounded number of times (each retry skips every
+    // silent agent, so more would only find the same ones).
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let link = match cluster.pick(host, settings.unresponsive_after) {
+            Ok(l) => l,
+            Err(e) => {
+                cluster.metrics.dial_failure(e.reason());
+                return Err(e);
+            }
+        };
+        let random = dial_id();
+        let (reply_tx, mut reply_rx) = oneshot::channel();
+        // With flow control the agent never has more than a window in flight.
+        let budget = if link.flow {
+            2 * flow::WINDOW
+        } else {
+            settings.queue_bytes
+        };
+        let (qtx, qrx) = queue::queue(budget);
+        let credit = link.flow.then(SendCredit::new);
+        let ends = ConnEnds {
+            queue: qtx,
+            credit: credit.clone(),
+        };
+        link.with(Instant::now(), |m, out| {
+            m.dial(random, address, reply_tx, ends, out)
+        });
+        cluster.metrics.pending(1);
+        let outcome = loop {
+            // Wake when the agent would pass the silence limit, unless it
+            // is heard from before (then the wait is recomputed).
+            let wake = match link.activity.get().map(|a| a.silent_for()) {
+                Some(s) if s > settings.unresponsive_after => {
+                    break Err(DialError::Unresponsive(s));
+                }
+                Some(s) => (tokio::time::Instant::now()
+                    + (settings.unresponsive_after - s)
+                    + Duration::from_millis(50))
+                .min(deadline),
+                None => deadline,
+            };
+            tokio::select! {
+                r = &mut reply_rx => break match r {
+                    Ok(r) => r,
+                    Err(_) => Err(DialError::AgentGone),
                 },
-                rx: qrx,
-            })
-        }
-        Err(e) => {
-            // Still pending (timeout, cancel): forget it and tell the agent.
-            link.with(Instant::now(), |m, out| m.dial_abandoned(random, out));
-            cluster.metrics.dial_failure(e.reason());
-            Err(e)
+                () = tokio::time::sleep_until(wake) => {
+                    if tokio::time::Instant::now() >= deadline {
+                        break Err(DialError::Timeout);
+                    }
+                }
+                () = cancel.cancelled() => break Err(DialError::Cancelled),
+                () = link.gone.cancelled() => break Err(DialError::AgentGone),
+            }
+        };
+        cluster.metrics.pending(-1);
+        match outcome {
+            Ok(connect_id) => {
+                cluster.metrics.dial_ok(started.elapsed());
+                return Ok(Tunnel {
+                    tx: TunnelTx {
+                        link,
+                        connect_id,
+                        credit,
+                        _permit: permit,
+                    },
+                    rx: qrx,
+                });
+            }
+            Err(e) => {
+                // Still pending (timeout, cancel, silence): forget it and
+                // tell the agent.
+                link.with(Instant::now(), |m, out| m.dial_abandoned(random, out));
+                if matches!(e, DialError::Unresponsive(_))
+                    && attempts < 3
+                    && tokio::time::Instant::now() < deadline
+                {
+                    tracing::info!(cluster = %cluster.name, agent = %link.agent_id, "agent went silent during a dial; trying another");
+                    continue;
+                }
+                cluster.metrics.dial_failure(e.reason());
+                return Err(e);
+            }
         }
     }
 }
@@ -755,6 +819,7 @@ pub fn attach(
         certs: std::sync::OnceLock::new(),
         authorization: std::sync::OnceLock::new(),
         flow,
+        activity: std::sync::OnceLock::new(),
     });
     crate::sync::lock(&cluster.agents, "cluster agents").push(link.clone());
     *crate::sync::lock(&cluster.agents_changed, "cluster agents changed") =
@@ -862,14 +927,14 @@ mod tests {
             Identifiers::parse("default-route=true").0,
             false,
         );
-        assert_eq!(c.pick("10.0.0.5").unwrap().agent_id, "a");
-        assert_eq!(c.pick("NODE-A").unwrap().agent_id, "a");
-        assert_eq!(c.pick("10.1.2.3").unwrap().agent_id, "b");
-        assert_eq!(c.pick("192.168.1.1").unwrap().agent_id, "d");
-        assert_eq!(c.pick("[fd00::1]").unwrap().agent_id, "d");
+        assert_eq!(c.pick("10.0.0.5", LIVE).unwrap().agent_id, "a");
+        assert_eq!(c.pick("NODE-A", LIVE).unwrap().agent_id, "a");
+        assert_eq!(c.pick("10.1.2.3", LIVE).unwrap().agent_id, "b");
+        assert_eq!(c.pick("192.168.1.1", LIVE).unwrap().agent_id, "d");
+        assert_eq!(c.pick("[fd00::1]", LIVE).unwrap().agent_id, "d");
         // No `default` strategy: nothing matches without default-route.
         detach(&c, &d);
-        assert!(c.pick("192.168.1.1").is_none());
+        assert_eq!(c.pick("192.168.1.1", LIVE).err(), Some(DialError::NoAgent));
         // A draining agent is used only when no other fits.
         let (a2, _) = attach(
             &c,
@@ -879,11 +944,45 @@ mod tests {
         );
         a.on_agent_packet(Packet::drain());
         for _ in 0..20 {
-            assert_eq!(c.pick("10.0.0.5").unwrap().agent_id, "a2");
+            assert_eq!(c.pick("10.0.0.5", LIVE).unwrap().agent_id, "a2");
         }
         a2.on_agent_packet(Packet::drain());
-        assert!(c.pick("10.0.0.5").is_some());
+        assert!(c.pick("10.0.0.5", LIVE).is_ok());
         let _ = b;
+    }
+
+    const LIVE: Duration = Duration::from_secs(12);
+
+    #[test]
+    fn a_silent_agent_is_skipped_and_alone_fails_the_dial_at_once() {
+        let c = cluster(&[Strategy::Default]);
+        let (frozen, _) = attach(&c, "frozen".into(), Identifiers::default(), false);
+        let stamp = activity::Activity::new();
+        stamp.backdate(Duration::from_secs(30));
+        let _ = frozen.activity.set(stamp);
+        match c.pick("h", LIVE) {
+            Err(DialError::Unresponsive(s)) => assert!(s >= Duration::from_secs(30)),
+            other => panic!(
+                "expected Unresponsive, got {:?}",
+                other.map(|l| l.agent_id.clone())
+            ),
+        }
+        assert_eq!(
+            DialError::Unresponsive(Duration::from_secs(30)).http_status(),
+            503
+        );
+        // A live agent (stamped now, or never stamped) takes every dial.
+        let (live, _) = attach(&c, "live".into(), Identifiers::default(), false);
+        let _ = live.activity.set(activity::Activity::new());
+        for _ in 0..20 {
+            assert_eq!(
+                c.pick("h", LIVE)
+                    .map(|l| l.agent_id.clone())
+                    .ok()
+                    .as_deref(),
+                Some("live")
+            );
+        }
     }
 
     #[test]
@@ -892,7 +991,7 @@ mod tests {
         let (first, _) = attach(&c, "x".into(), Identifiers::default(), false);
         let (_second, _) = attach(&c, "x".into(), Identifiers::default(), false);
         for _ in 0..20 {
-            assert_eq!(c.pick("h").unwrap().uid, first.uid);
+            assert_eq!(c.pick("h", LIVE).unwrap().uid, first.uid);
         }
     }
 
