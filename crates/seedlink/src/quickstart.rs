@@ -171,7 +171,7 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
     }
     println!("\nThe gateway keeps running; try the curl commands above. Press Ctrl-C to stop.");
     let role = crate::roles::gateway::GatewayRole(gw.clone());
-    let code = supervisor.run(vec![std::sync::Arc::new(role)]).await;
+    let code = supervisor.arm(vec![std::sync::Arc::new(role)]).run().await;
     stop.cancel();
     drop(dir);
     Ok(code)

@@ -112,10 +112,35 @@ impl Supervisor {
         })
     }
 
-    /// Serves `roles` until SIGTERM/SIGINT, then drains them in order.
+    /// Starts watching the files of `roles`. Call it before reporting
+    /// ready: a file changed after the ready line must not be missed (a
+    /// watch set up later did miss one in CI).
+    pub fn arm(self, roles: Vec<Arc<dyn Role>>) -> Armed {
+        let watch = Watch::new(Watch::files_of(&roles));
+        Armed {
+            sup: self,
+            roles,
+            watch,
+        }
+    }
+}
+
+/// A supervisor whose watch is set up, ready to [`Armed::run`].
+pub struct Armed {
+    sup: Supervisor,
+    roles: Vec<Arc<dyn Role>>,
+    watch: Watch,
+}
+
+impl Armed {
+    /// Serves the roles until SIGTERM/SIGINT, then drains them in order.
     /// Returns the exit code: 0 after a drain, 1 on a second signal.
-    pub async fn run(mut self, roles: Vec<Arc<dyn Role>>) -> i32 {
-        let mut watch = Watch::new(Watch::files_of(&roles));
+    pub async fn run(self) -> i32 {
+        let Armed {
+            sup: mut this,
+            roles,
+            mut watch,
+        } = self;
         // A change seen while the watch was being renewed: reload again
         // without waiting for another event.
         let mut again = false;
@@ -124,7 +149,7 @@ impl Supervisor {
                 false
             } else {
                 tokio::select! {
-                    _ = self.hup.recv() => true,
+                    _ = this.hup.recv() => true,
                     Some(()) = watch.changes.recv() => {
                         // Editors and kubelet write in several steps; let
                         // the burst settle, then reload once.
@@ -132,8 +157,8 @@ impl Supervisor {
                         watch.take_pending();
                         false
                     }
-                    _ = self.term.recv() => break,
-                    _ = self.int.recv() => break,
+                    _ = this.term.recv() => break,
+                    _ = this.int.recv() => break,
                 }
             };
             if forced {
@@ -157,8 +182,8 @@ impl Supervisor {
             tracing::info!(role = r.name(), "draining");
             tokio::select! {
                 () = r.drain() => tracing::info!(role = r.name(), "drained"),
-                _ = self.term.recv() => return second_signal(),
-                _ = self.int.recv() => return second_signal(),
+                _ = this.term.recv() => return second_signal(),
+                _ = this.int.recv() => return second_signal(),
             }
         }
         0

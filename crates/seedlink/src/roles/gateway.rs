@@ -148,11 +148,12 @@ pub async fn run(config: PathBuf, reuse_port: bool) -> anyhow::Result<i32> {
     let mut ready = bound.describe();
     ready["event"] = "ready".into();
     gw.serve(bound)?;
+    let armed = supervisor.arm(vec![Arc::new(GatewayRole(gw))]);
     // One machine-readable line on stdout tells scripts and tests the bound
     // addresses (listeners may be configured with port 0).
     println!("{ready}");
     tracing::info!(addresses = %ready, "gateway serving");
-    Ok(supervisor.run(vec![Arc::new(GatewayRole(gw))]).await)
+    Ok(armed.run().await)
 }
 
 /// Runs `seedlink seed`: agents' connections that the gateway routes to an
@@ -185,7 +186,8 @@ pub async fn seed(
     gw.serve(bound)?;
     ready["event"] = "ready".into();
     ready["tunnel"] = server.ready_line();
-    println!("{ready}");
     let roles: Vec<Arc<dyn Role>> = vec![Arc::new(GatewayRole(gw)), server];
-    Ok(supervisor.run(roles).await)
+    let armed = supervisor.arm(roles);
+    println!("{ready}");
+    Ok(armed.run().await)
 }

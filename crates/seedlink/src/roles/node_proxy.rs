@@ -226,6 +226,7 @@ pub async fn run(a: NodeProxyArgs) -> anyhow::Result<i32> {
         "admin": admin.local_addr()?.to_string(),
     });
     np.serve(listener, admin, access);
+    let armed = supervisor.arm(vec![Arc::new(NodeProxyRole(np))]);
     println!("{ready}");
-    Ok(supervisor.run(vec![Arc::new(NodeProxyRole(np))]).await)
+    Ok(armed.run().await)
 }

@@ -377,8 +377,9 @@ pub async fn server(opts: TunnelServerOptions) -> anyhow::Result<i32> {
     role.start_kubernetes().await?;
     let mut ready = role.ready_line();
     ready["event"] = "ready".into();
+    let armed = supervisor.arm(vec![role]);
     println!("{ready}");
-    Ok(supervisor.run(vec![role]).await)
+    Ok(armed.run().await)
 }
 
 /// A running agent as the supervisor sees it.
@@ -506,13 +507,12 @@ pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
         let agent = agent.clone();
         tokio::spawn(async move { agent.run().await });
     }
-    println!(
-        "{}",
-        serde_json::json!({"event": "ready", "admin": admin_addr.to_string(), "agent_id": agent.opts.agent_id})
-    );
+    let ready = serde_json::json!({"event": "ready", "admin": admin_addr.to_string(), "agent_id": agent.opts.agent_id});
     let role = AgentRole {
         agent,
         drain: cfg.drain,
     };
-    Ok(supervisor.run(vec![Arc::new(role)]).await)
+    let armed = supervisor.arm(vec![Arc::new(role)]);
+    println!("{ready}");
+    Ok(armed.run().await)
 }
