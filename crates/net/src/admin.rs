@@ -326,6 +326,11 @@ pub fn encode_all(registries: &[&prometheus_client::registry::Registry]) -> Stri
         "Locks found poisoned (each is a bug: a thread panicked holding one)",
         ConstCounter::new(crate::sync::poisoned()),
     );
+    process.register(
+        "seedlink_panics",
+        "Panics since start (each is a bug; a connection task that panicked ended alone)",
+        ConstCounter::new(crate::sync::panics()),
+    );
     process.register_collector(Box::new(ProcessCollector));
     let mut out = String::new();
     for r in registries.iter().copied().chain(std::iter::once(&process)) {

@@ -7,6 +7,7 @@
 //! - [`h2copy`]: moves bytes between a socket and an HTTP/2 CONNECT stream, within h2 flow control.
 //! - [`sockopt`]: keepalive, linger and file-descriptor limits.
 //! - [`lifecycle`]: the process phase (starting, serving, draining) that readiness reports.
+//! - [`memtrim`]: gives freed memory back to the system after a burst (glibc).
 //! - [`sync`]: mutex locking that reports poisoning (a bug) instead of skipping work.
 
 pub mod accept;
@@ -15,6 +16,7 @@ pub mod copy;
 pub mod h2copy;
 pub mod lifecycle;
 pub mod loglimit;
+pub mod memtrim;
 pub mod prefixed;
 pub mod sockopt;
 #[cfg(target_os = "linux")]

@@ -51,6 +51,27 @@ pub fn poisoned() -> u64 {
     POISONED.load(Ordering::Relaxed)
 }
 
+static PANICS: AtomicU64 = AtomicU64::new(0);
+
+/// Counts every panic of the process (exported as `seedlink_panics_total`
+/// by every admin endpoint) and logs it at error level, then runs the
+/// default hook (which prints it). A panic in a connection task ends that
+/// task only (tokio catches it), so without this count it would show as an
+/// unexplained closed connection.
+pub fn count_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        PANICS.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(panic = %info, "panic (a bug)");
+        default(info);
+    }));
+}
+
+/// Panics since start.
+pub fn panics() -> u64 {
+    PANICS.load(Ordering::Relaxed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -139,6 +139,12 @@ fn main() -> ExitCode {
             .with_env_filter(filter)
             .init(),
     }
+    seedlink_net::sync::count_panics();
+    // Freed memory goes back to the system after a burst (docs/OPERATIONS.md);
+    // SEEDLINK_MALLOC_TRIM=off keeps glibc's default behaviour.
+    if std::env::var("SEEDLINK_MALLOC_TRIM").as_deref() != Ok("off") {
+        seedlink_net::memtrim::start();
+    }
     match run(cli) {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(e) => {
