@@ -489,6 +489,7 @@ fn check_settings(c: &mut Collector, f: &ConfigFile) {
     for (name, d) in [
         ("client_hello", t.client_hello),
         ("upstream_connect", t.upstream_connect),
+        ("half_closed", t.half_closed),
         ("keepalive_time", t.keepalive_time),
         ("keepalive_interval", t.keepalive_interval),
     ] {

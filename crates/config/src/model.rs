@@ -179,6 +179,11 @@ pub struct Timeouts {
     /// How long draining waits for connections before closing them.
     #[serde(with = "humantime_serde")]
     pub drain: Duration,
+    /// Once one side of a proxied connection has closed its sending half,
+    /// how long the other may go without sending a byte before both are
+    /// reset.
+    #[serde(with = "humantime_serde")]
+    pub half_closed: Duration,
     /// Open connections of a removed control plane are closed this long
     /// after the removal; unset means they run until they end.
     #[serde(with = "humantime_serde::option")]
@@ -199,6 +204,7 @@ impl Default for Timeouts {
             client_hello: Duration::from_secs(5),
             upstream_connect: Duration::from_secs(5),
             drain: Duration::from_secs(30),
+            half_closed: Duration::from_secs(60),
             removed_control_plane_grace: None,
             keepalive_time: Duration::from_secs(60),
             keepalive_interval: Duration::from_secs(15),

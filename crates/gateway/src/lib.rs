@@ -150,12 +150,14 @@ impl Gateway {
             .max_connections
             .set(i64::try_from(max_connections).unwrap_or(i64::MAX));
         tracing::info!(max_connections, nofile, splice_pipes = pipes, "limits");
+        let copier = Copier::new(mode, pipes);
+        copier.set_half_closed(snapshot.timeouts.half_closed);
         Arc::new(Gateway {
             snapshot: ArcSwap::from_pointee(snapshot),
             generation: AtomicU64::new(1),
             config_path,
             metrics,
-            copier: Copier::new(mode, pipes),
+            copier,
             lifecycle: Lifecycle::new(),
             permits: Arc::new(Semaphore::new(
                 usize::try_from(max_connections)
@@ -502,6 +504,7 @@ impl Gateway {
             ));
         }
         let d = diff(&old.file, &new.file);
+        self.copier.set_half_closed(new.timeouts.half_closed);
         self.snapshot.store(Arc::new(new));
         let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
         self.metrics

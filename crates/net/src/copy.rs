@@ -8,10 +8,13 @@
 //!   arms `SO_LINGER=0` on both sockets, so dropping them sends RST: a reset
 //!   is never turned into a clean end.
 
+use std::future::Future;
 use std::io;
 use std::net::Shutdown;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use tokio::io::Interest;
 use tokio::net::TcpStream;
@@ -31,6 +34,8 @@ pub enum CopyMode {
 /// Shared state for all copies of a process.
 pub struct Copier {
     mode: CopyMode,
+    /// Milliseconds a half-closed copy may go without moving a byte.
+    half_closed_ms: AtomicU64,
     #[cfg(target_os = "linux")]
     pipes: crate::splice::PipePool,
 }
@@ -56,6 +61,10 @@ pub struct Transfer {
     pub to_client: AtomicU64,
 }
 
+/// Default of [`Copier::set_half_closed`] (HAProxy's `timeout client-fin`
+/// is commonly 30 s; kube-apiserver answers within its 60 s request timeout).
+pub const DEFAULT_HALF_CLOSED: Duration = Duration::from_secs(60);
+
 /// Buffer size for the user-space path.
 const BUF: usize = 16 * 1024;
 
@@ -73,9 +82,20 @@ impl Copier {
         let _ = max_pipes;
         Copier {
             mode,
+            half_closed_ms: AtomicU64::new(DEFAULT_HALF_CLOSED.as_millis() as u64),
             #[cfg(target_os = "linux")]
             pipes: crate::splice::PipePool::new(max_pipes),
         }
+    }
+
+    /// Once one direction has ended (its source sent FIN), the other may go
+    /// this long without moving a byte before both sockets are reset: a
+    /// client gone after its FIN and a backend that never answers (or the
+    /// reverse) would otherwise hold the connection until TCP keepalive
+    /// notices, if ever (the fault suite's stalled backend did).
+    pub fn set_half_closed(&self, limit: Duration) {
+        let ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX).max(1);
+        self.half_closed_ms.store(ms, Ordering::Relaxed);
     }
 
     /// The mode this copier uses.
@@ -110,15 +130,32 @@ impl Copier {
     ) -> io::Result<()> {
         let mut up = (Dir::Idle, false);
         let mut down = (Dir::Idle, false);
+        // Armed (boxed: most copies never need it) when one direction ends.
+        let mut half: Option<Pin<Box<tokio::time::Sleep>>> = None;
+        let limit = Duration::from_millis(self.half_closed_ms.load(Ordering::Relaxed));
         let r = std::future::poll_fn(|cx| {
-            let a = self.poll_dir(cx, &mut up, client, upstream, to_upstream);
+            let mut moved = false;
+            let a = self.poll_dir(cx, &mut up, client, upstream, to_upstream, &mut moved);
             if let Poll::Ready(Err(e)) = a {
                 return Poll::Ready(Err(e));
             }
-            let b = self.poll_dir(cx, &mut down, upstream, client, to_client);
+            let b = self.poll_dir(cx, &mut down, upstream, client, to_client, &mut moved);
             match (a, b) {
                 (_, Poll::Ready(Err(e))) => Poll::Ready(Err(e)),
                 (Poll::Ready(Ok(())), Poll::Ready(Ok(()))) => Poll::Ready(Ok(())),
+                (Poll::Ready(Ok(())), Poll::Pending) | (Poll::Pending, Poll::Ready(Ok(()))) => {
+                    let t = half.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+                    if moved {
+                        t.as_mut().reset(tokio::time::Instant::now() + limit);
+                    }
+                    match t.as_mut().poll(cx) {
+                        Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "half-closed connection moved nothing within its limit",
+                        ))),
+                        Poll::Pending => Poll::Pending,
+                    }
+                }
                 _ => Poll::Pending,
             }
         })
@@ -140,6 +177,7 @@ impl Copier {
         src: &TcpStream,
         dst: &TcpStream,
         count: &dyn Tally,
+        moved: &mut bool,
     ) -> Poll<io::Result<()>> {
         loop {
             match st {
@@ -189,6 +227,7 @@ impl Copier {
                             let m = m.min(left);
                             lease.in_flight -= m;
                             count.add(m as u64);
+                            *moved = true;
                             if lease.in_flight == 0 {
                                 // The empty pipe goes back to the pool.
                                 *st = Dir::Idle;
@@ -205,6 +244,7 @@ impl Copier {
                         Ok(m) => {
                             *pos += m;
                             count.add(m as u64);
+                            *moved = true;
                             if *pos == *end {
                                 // The chunk's buffer is freed: idle holds none.
                                 *st = Dir::Idle;

@@ -7,6 +7,7 @@
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod apiserver;
+pub mod faults;
 pub mod tunnel_env;
 
 use std::io::{BufRead, BufReader};
@@ -255,25 +256,36 @@ pub async fn demo_backend(
     addr
 }
 
-/// A TCP echo server: echoes every byte until EOF, then half-closes.
-pub async fn echo_backend(stop: &CancellationToken) -> SocketAddr {
+/// A TCP server on 127.0.0.1:0 running `each` on every accepted
+/// connection (in its own task) until `stop`.
+pub async fn tcp_server<F, Fut>(stop: &CancellationToken, each: F) -> SocketAddr
+where
+    F: Fn(TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     let stop = stop.clone();
     tokio::spawn(async move {
         loop {
-            let (mut s, _) = tokio::select! {
+            let (s, _) = tokio::select! {
                 () = stop.cancelled() => return,
                 r = l.accept() => match r { Ok(x) => x, Err(_) => continue },
             };
-            tokio::spawn(async move {
-                let (mut r, mut w) = s.split();
-                let _ = tokio::io::copy(&mut r, &mut w).await;
-                let _ = w.shutdown().await;
-            });
+            tokio::spawn(each(s));
         }
     });
     addr
+}
+
+/// A TCP echo server: echoes every byte until EOF, then half-closes.
+pub async fn echo_backend(stop: &CancellationToken) -> SocketAddr {
+    tcp_server(stop, |mut s| async move {
+        let (mut r, mut w) = s.split();
+        let _ = tokio::io::copy(&mut r, &mut w).await;
+        let _ = w.shutdown().await;
+    })
+    .await
 }
 
 /// Sends `hello`, then reads back exactly as many bytes (from an echo backend).
