@@ -227,20 +227,11 @@ async fn gateway_under_faults() {
     };
     let gw = Gw::start(&gateway_yaml(&p, &b, false));
     let (auto, lb, admin) = (gw.listener("auto"), gw.listener("lb"), gw.admin);
-    let metrics = move || {
-        // The oracle runs outside the runtime's async context.
-        std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(http_get(admin, "/metrics"))
-                .1
-        })
-        .join()
-        .unwrap()
-    };
-    let oracle = Oracle::new(gw.pid(), metrics, &["seedlink_gateway_active_connections"]);
+    let oracle = Oracle::new(
+        gw.pid(),
+        metrics_fetcher(admin),
+        &["seedlink_gateway_active_connections"],
+    );
     let limit = Duration::from_secs(60);
     eprintln!("fault: profile {}", p.name);
 
@@ -588,5 +579,324 @@ async fn gateway_under_faults() {
     eprintln!(
         "fault: drain                  the open transfer completed, new ones refused, exit 0"
     );
+    stop.cancel();
+}
+
+/// A tunnel-server and a seedlink agent on loopback (the agent dials the
+/// server through a fault proxy, which partitions it), clients on the
+/// server's Unix-socket frontend, targets in this process.
+struct TunnelBed {
+    dir: tempfile::TempDir,
+    server_port: u16,
+    uds: String,
+    agent_args: Vec<String>,
+}
+
+impl TunnelBed {
+    /// Files and configuration; the agent dials the server directly until
+    /// [`TunnelBed::agent_dials`] says otherwise.
+    fn new() -> TunnelBed {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_path_buf();
+        let seed = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
+        let shoot = seedlink::demo::Pki::generate(&[]).unwrap();
+        let w = |name: &str, text: &str| {
+            std::fs::write(d.join(name), text).unwrap();
+            d.join(name).display().to_string()
+        };
+        let (seed_ca, tun_crt, tun_key) = (
+            w("seed-ca.pem", &seed.ca_pem),
+            w("tun.pem", &seed.servers[0].1.cert_pem),
+            w("tun-key.pem", &seed.servers[0].1.key_pem),
+        );
+        let (agent_ca, agent_crt, agent_key) = (
+            w("agent-ca.pem", &shoot.ca_pem),
+            w("agent.pem", &shoot.client.cert_pem),
+            w("agent-key.pem", &shoot.client.key_pem),
+        );
+        let server_port = free_port();
+        let uds = d.join("kas.sock").display().to_string();
+        std::fs::write(
+            d.join("server.yaml"),
+            format!(
+                "agents: {{listen: '127.0.0.1:{server_port}', cert: '{tun_crt}', key: '{tun_key}', keepalive: 1s, keepalive_timeout: 1s}}
+admin: {{listen: '127.0.0.1:0'}}
+dial_timeout: 10s
+clusters:
+  - name: shoot--faults
+    agent_ca: '{agent_ca}'
+    frontends:
+      - {{name: uds, protocol: http-connect, unix: '{uds}'}}
+"
+            ),
+        )
+        .unwrap();
+        let agent_args = [
+            "tunnel-agent",
+            "--server",
+            &format!("127.0.0.1:{server_port}"),
+            "--server-name",
+            "tunnel.seedlink.test",
+            "--ca-cert",
+            &seed_ca,
+            "--agent-cert",
+            &agent_crt,
+            "--agent-key",
+            &agent_key,
+            "--admin",
+            "127.0.0.1:0",
+            "--sync-interval",
+            "0.2",
+            "--sync-interval-cap",
+            "2",
+            "--keepalive-time",
+            "1",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        TunnelBed {
+            dir,
+            server_port,
+            uds,
+            agent_args,
+        }
+    }
+
+    /// Agents started from now on dial `addr`.
+    fn agent_dials(&mut self, addr: SocketAddr) {
+        let at = self
+            .agent_args
+            .iter()
+            .position(|a| a == "--server")
+            .unwrap();
+        self.agent_args[at + 1] = addr.to_string();
+    }
+
+    fn start(args: &[String]) -> common::tunnel_env::Started {
+        let mut proc = Proc(
+            std::process::Command::new(seedlink_bin())
+                .args(args)
+                .env("RUST_LOG", "warn")
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let ready = common::tunnel_env::ready_line(&mut proc.0);
+        assert_eq!(ready["event"], "ready", "{ready}");
+        common::tunnel_env::Started { proc, ready }
+    }
+
+    fn server(&self) -> common::tunnel_env::Started {
+        let cfg = self.dir.path().join("server.yaml").display().to_string();
+        Self::start(&["tunnel-server".into(), "--config".into(), cfg])
+    }
+
+    fn agent(&self) -> common::tunnel_env::Started {
+        Self::start(&self.agent_args)
+    }
+
+    fn oracle(server: &common::tunnel_env::Started) -> Oracle {
+        Oracle::new(
+            server.pid(),
+            metrics_fetcher(server.admin().parse().unwrap()),
+            &[
+                "seedlink_tunnel_server_established_connections{",
+                "seedlink_tunnel_server_pending_dials{",
+            ],
+        )
+    }
+
+    async fn agents(server: &common::tunnel_env::Started) -> f64 {
+        let admin: SocketAddr = server.admin().parse().unwrap();
+        sum_metric(
+            &http_get(admin, "/metrics").await.1,
+            "seedlink_tunnel_server_agents{",
+        )
+    }
+
+    async fn wait_agents(server: &common::tunnel_env::Started, want: f64, what: &str) {
+        let t = Instant::now();
+        while Self::agents(server).await != want {
+            assert!(t.elapsed() < Duration::from_secs(30), "{what}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// One download of a pattern transfer from `target` through the tunnel.
+    async fn download(&self, target: SocketAddr, size: u64) -> Ending {
+        tunnel_download(self.uds.clone(), target, size).await
+    }
+}
+
+/// `p.transfers` tunnel downloads, 4 at a time, each byte-exact; how many.
+async fn all_exact(bed: &TunnelBed, target: SocketAddr, p: &Profile) -> usize {
+    let endings = fan(p.transfers, 4, |_| {
+        tunnel_download(bed.uds.clone(), target, p.size)
+    })
+    .await;
+    let (exact, _) = tally(&endings);
+    assert_eq!(exact, endings.len(), "{endings:?}");
+    exact
+}
+
+/// A pattern transfer from `target` through the Unix-socket frontend `uds`.
+async fn tunnel_download(uds: String, target: SocketAddr, size: u64) -> Ending {
+    match common::tunnel_env::kas_connect(&uds, &target.to_string()).await {
+        Err(answer) => Ending::Error(answer),
+        Ok(mut s) => read_pattern(&mut s, size, Duration::from_secs(60)).await,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_under_faults() {
+    let p = profile();
+    let stop = CancellationToken::new();
+    let target = pattern_backend(p.size, &stop).await;
+    // A transfer long enough to be cut mid-way (a few GiB at most).
+    let endless = pattern_backend(4 << 30, &stop).await;
+    // The agent's path to the server: a fault proxy (partitions).
+    let mut bed = TunnelBed::new();
+    let link = FaultProxy::start(
+        format!("127.0.0.1:{}", bed.server_port).parse().unwrap(),
+        Fault::Pass,
+    )
+    .await;
+    bed.agent_dials(link.addr);
+    let mut server = bed.server();
+    let mut agent = bed.agent();
+    TunnelBed::wait_agents(&server, 1.0, "the agent to connect").await;
+    let mut oracle = TunnelBed::oracle(&server);
+    eprintln!("fault: profile {} (tunnel)", p.name);
+
+    // Baseline: transfers through the tunnel are byte-exact.
+    let exact = all_exact(&bed, target, &p).await;
+    report(
+        "tunnel-baseline",
+        &format!("{exact} byte-exact transfers"),
+        &oracle.check("tunnel-baseline").await,
+    );
+
+    // Agent killed under downloads: each ends at once; on the Unix socket
+    // (no reset exists) the end is counted as an abort, one per transfer.
+    let aborts = |m: &str| {
+        sum_metric(m, "seedlink_tunnel_server_frontend_aborts_total{cluster=\"shoot--faults\",reason=\"eof\"}")
+    };
+    let admin: SocketAddr = server.admin().parse().unwrap();
+    let before = aborts(&http_get(admin, "/metrics").await.1);
+    let mut cut = Vec::new();
+    for _ in 0..4 {
+        let mut s = common::tunnel_env::kas_connect(&bed.uds, &endless.to_string())
+            .await
+            .unwrap();
+        let mut first = vec![0u8; 64 * 1024];
+        tokio::io::AsyncReadExt::read_exact(&mut s, &mut first)
+            .await
+            .unwrap();
+        cut.push(s);
+    }
+    signal(agent.pid(), "-9");
+    let _ = agent.proc.0.wait();
+    for s in &mut cut {
+        let e = read_pattern_at(s, 64 * 1024, 4 << 30, Duration::from_secs(20)).await;
+        assert!(
+            matches!(e, Ending::Truncated { .. } | Ending::Error(_)),
+            "a cut transfer: {e:?}"
+        );
+    }
+    drop(cut);
+    let t = Instant::now();
+    while aborts(&http_get(admin, "/metrics").await.1) - before < 4.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the 4 aborts were not counted"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let e = bed.download(target, p.size).await;
+    assert!(
+        matches!(&e, Ending::Error(a) if a.starts_with("HTTP/1.1 500")),
+        "{e:?}"
+    );
+    report(
+        "agent-killed",
+        "4 downloads cut, each counted as an abort (eof on the Unix socket); the next dial answered 500",
+        &oracle.check("agent-killed").await,
+    );
+    agent = bed.agent();
+    TunnelBed::wait_agents(&server, 1.0, "the agent to return").await;
+
+    // Agent frozen: dials are answered with an error (503 unresponsive or,
+    // once the keepalive dropped it, 500), never left hanging; it returns
+    // after SIGCONT.
+    signal(agent.pid(), "-STOP");
+    let t0 = Instant::now();
+    TunnelBed::wait_agents(&server, 0.0, "the frozen agent to be dropped").await;
+    let dropped = t0.elapsed();
+    let e = bed.download(target, p.size).await;
+    assert!(
+        matches!(&e, Ending::Error(a) if a.starts_with("HTTP/1.1 50")),
+        "{e:?}"
+    );
+    signal(agent.pid(), "-CONT");
+    TunnelBed::wait_agents(&server, 1.0, "the thawed agent to return").await;
+    let back = t0.elapsed();
+    let e = bed.download(target, p.size).await;
+    assert_eq!(e, Ending::Exact);
+    report(
+        "agent-frozen",
+        &format!(
+            "dropped after {:.1}s, dials answered with an error meanwhile, back {:.1}s after the freeze (thawed at once)",
+            dropped.as_secs_f64(),
+            back.as_secs_f64()
+        ),
+        &oracle.check("agent-frozen").await,
+    );
+
+    // Agent partitioned (the proxy holds every byte): dropped by the
+    // keepalive; after the heal it is back and transfers are exact.
+    link.set(Fault::Blackhole);
+    let t0 = Instant::now();
+    TunnelBed::wait_agents(&server, 0.0, "the partitioned agent to be dropped").await;
+    let dropped = t0.elapsed();
+    let e = bed.download(target, p.size).await;
+    assert!(
+        matches!(&e, Ending::Error(a) if a.starts_with("HTTP/1.1 50")),
+        "{e:?}"
+    );
+    link.set(Fault::Pass);
+    let healed = Instant::now();
+    TunnelBed::wait_agents(&server, 1.0, "the agent to return after the heal").await;
+    let back = healed.elapsed();
+    let e = bed.download(target, p.size).await;
+    assert_eq!(e, Ending::Exact);
+    report(
+        "agent-partitioned",
+        &format!(
+            "dropped after {:.1}s, back {:.1}s after the heal",
+            dropped.as_secs_f64(),
+            back.as_secs_f64()
+        ),
+        &oracle.check("agent-partitioned").await,
+    );
+
+    // Server restarted (killed): the agent reconnects to the new one.
+    signal(server.pid(), "-9");
+    let _ = server.proc.0.wait();
+    let t0 = Instant::now();
+    server = bed.server();
+    TunnelBed::wait_agents(&server, 1.0, "the agent to reach the new server").await;
+    let back = t0.elapsed();
+    oracle = TunnelBed::oracle(&server);
+    let exact = all_exact(&bed, target, &p).await;
+    report(
+        "server-restarted",
+        &format!(
+            "agent back {:.1}s after the restart began; {exact} transfers byte-exact",
+            back.as_secs_f64()
+        ),
+        &oracle.check("server-restarted").await,
+    );
+    drop(agent);
     stop.cancel();
 }

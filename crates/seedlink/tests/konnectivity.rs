@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::tunnel_env::{kas_connect, kas_connect_eventually, Started, TunnelEnv};
-use common::{require, Netns, Proc};
+use common::{require, signal, Netns, Proc};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The directory of the upstream binaries; fails loudly when missing.
@@ -630,7 +630,7 @@ async fn mixed_agents_serve_dials_and_drain_both_ways() {
         "both agents take dials: {both}/30 via upstream"
     );
     // The upstream agent drains: every dial goes to ours (echo denied).
-    signal(upstream.0.id(), "TERM");
+    signal(upstream.0.id(), "-TERM");
     let admin = server.admin();
     TunnelEnv::until(
         Duration::from_secs(15),
@@ -676,7 +676,7 @@ async fn mixed_agents_serve_dials_and_drain_both_ways() {
         },
     )
     .await;
-    signal(ours.pid(), "TERM");
+    signal(ours.pid(), "-TERM");
     TunnelEnv::until(
         Duration::from_secs(15),
         "upstream to honour our DRAIN",
@@ -710,14 +710,6 @@ fn log_to(env: &TunnelEnv, name: &str) -> Stdio {
     std::fs::File::create(env.dir.path().join(format!("{name}.log")))
         .map(Stdio::from)
         .unwrap_or_else(|_| Stdio::null())
-}
-
-fn signal(pid: u32, sig: &str) {
-    let ok = Command::new("kill")
-        .args([&format!("-{sig}"), &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(ok.success());
 }
 
 /// Waits until something accepts TCP connections on `addr` inside `ns`.

@@ -436,14 +436,6 @@ async fn a_malicious_agent_cannot_touch_other_agents_connections() {
     assert!(fetch_hello(s).await.contains("hello"));
 }
 
-fn signal(pid: u32, sig: &str) {
-    assert!(std::process::Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .unwrap()
-        .success());
-}
-
 /// SIGTERM on the server: not ready, new frontends refused, an open
 /// tunneled connection keeps working until it ends; then the server exits 0
 /// well before the drain deadline.

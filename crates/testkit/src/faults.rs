@@ -268,9 +268,23 @@ impl Ending {
 
 /// Reads a pattern transfer of `want` bytes from `s` (already past any
 /// proxy answer), checking each byte; at most `limit` in all.
-pub async fn read_pattern(s: &mut TcpStream, want: u64, limit: Duration) -> Ending {
+pub async fn read_pattern<S: tokio::io::AsyncRead + Unpin>(
+    s: &mut S,
+    want: u64,
+    limit: Duration,
+) -> Ending {
+    read_pattern_at(s, 0, want, limit).await
+}
+
+/// [`read_pattern`] of a transfer whose first `at` bytes were read already.
+pub async fn read_pattern_at<S: tokio::io::AsyncRead + Unpin>(
+    s: &mut S,
+    at: u64,
+    want: u64,
+    limit: Duration,
+) -> Ending {
     let mut buf = vec![0u8; 64 * 1024];
-    let mut got = 0u64;
+    let mut got = at;
     let end = tokio::time::Instant::now() + limit;
     loop {
         match tokio::time::timeout_at(end, s.read(&mut buf)).await {

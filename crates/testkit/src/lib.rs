@@ -207,6 +207,32 @@ impl Drop for Gw {
     }
 }
 
+/// Sends signal `sig` (`-9`, `-STOP`, `-TERM`…) to process `pid`.
+pub fn signal(pid: u32, sig: &str) {
+    assert!(Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+}
+
+/// A blocking `/metrics` fetcher for an admin endpoint, usable from
+/// synchronous code such as [`faults::Oracle`] (its own thread and runtime).
+pub fn metrics_fetcher(admin: SocketAddr) -> impl Fn() -> String + Send + Sync + 'static {
+    move || {
+        std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(http_get(admin, "/metrics"))
+                .1
+        })
+        .join()
+        .unwrap()
+    }
+}
+
 pub fn sum_metric(text: &str, prefix: &str) -> f64 {
     text.lines()
         .filter(|l| l.starts_with(prefix))

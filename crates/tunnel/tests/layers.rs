@@ -11,8 +11,9 @@ use std::path::{Path, PathBuf};
 /// Layer of a top-level module; a module may use its own layer and lower.
 fn layer(module: &str) -> Option<u8> {
     Some(match module {
-        // Shared helpers re-exported from seedlink-net.
-        "sync" => 0,
+        // Shared helpers re-exported from seedlink-net; the read tap under
+        // the GOAWAY sniffer and the agents' activity stamps.
+        "sync" | "tap" => 0,
         // Wire: messages, gRPC framing, authority, HTTP/2 GOAWAY sniffing,
         // dial-failure texts.
         "proto" | "grpc" | "authority" | "goaway" | "dialerr" => 1,
