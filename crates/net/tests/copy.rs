@@ -225,3 +225,52 @@ async fn pipe_pool_exhaustion_falls_back() {
             .unwrap();
     }
 }
+
+/// A client that half-closed and an upstream that never answers: after the
+/// half-closed limit both sides are reset; an answer that keeps trickling
+/// (each byte within the limit) keeps the connection alive.
+#[tokio::test]
+async fn a_silent_half_closed_copy_is_reset_after_its_limit() {
+    for mode in [CopyMode::Splice, CopyMode::Buffered] {
+        let (mut client, pa, pb, mut upstream) = wire().await;
+        let copier = Arc::new(Copier::new(mode, 4));
+        copier.set_half_closed(Duration::from_millis(1500));
+        let t = Arc::new(Transfer::default());
+        let proxy = {
+            let (copier, t) = (copier.clone(), t.clone());
+            tokio::spawn(async move { copier.run(&pa, &pb, &t.to_upstream, &t.to_client).await })
+        };
+        client.write_all(b"request").await.unwrap();
+        client.shutdown().await.unwrap();
+        let mut req = [0u8; 7];
+        upstream.read_exact(&mut req).await.unwrap();
+        // Trickle 10 bytes, 250 ms apart (the gaps are the behaviour under
+        // test): 2.5 s in all, beyond the limit, each gap well within it.
+        for b in b"answer-0123"[..10].iter() {
+            upstream.write_all(&[*b]).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        let mut got = [0u8; 10];
+        client.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"answer-012");
+        // Then silence: the copy ends with an error within a few seconds.
+        let r = tokio::time::timeout(Duration::from_secs(10), proxy)
+            .await
+            .expect("the half-closed copy was not ended")
+            .unwrap();
+        assert_eq!(
+            r.unwrap_err().kind(),
+            std::io::ErrorKind::TimedOut,
+            "{mode:?}"
+        );
+        let mut rest = Vec::new();
+        let e = tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut rest))
+            .await
+            .unwrap();
+        assert_eq!(
+            e.unwrap_err().kind(),
+            std::io::ErrorKind::ConnectionReset,
+            "{mode:?}"
+        );
+    }
+}
