@@ -88,11 +88,14 @@ impl Copier {
         }
     }
 
-    /// Once one direction has ended (its source sent FIN), the other may go
-    /// this long without moving a byte before both sockets are reset: a
-    /// client gone after its FIN and a backend that never answers (or the
-    /// reverse) would otherwise hold the connection until TCP keepalive
-    /// notices, if ever (the fault suite's stalled backend did).
+    /// Once one direction has ended (its source sent FIN) and everything
+    /// it carried has been acknowledged by its destination, the other
+    /// direction may go this long without moving a byte. Then a client
+    /// that sent FIN and got no answer is reset together with the upstream
+    /// (an abort it can see); a client that got the upstream's whole answer
+    /// and FIN but neither sends nor closes is closed normally. Without
+    /// it, either would hold the connection until TCP keepalive notices,
+    /// if ever (the fault suite's stalled backend did).
     pub fn set_half_closed(&self, limit: Duration) {
         let ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX).max(1);
         self.half_closed_ms.store(ms, Ordering::Relaxed);
@@ -140,20 +143,41 @@ impl Copier {
                 return Poll::Ready(Err(e));
             }
             let b = self.poll_dir(cx, &mut down, upstream, client, to_client, &mut moved);
+            let up_ended = a.is_ready();
             match (a, b) {
                 (_, Poll::Ready(Err(e))) => Poll::Ready(Err(e)),
                 (Poll::Ready(Ok(())), Poll::Ready(Ok(()))) => Poll::Ready(Ok(())),
                 (Poll::Ready(Ok(())), Poll::Pending) | (Poll::Pending, Poll::Ready(Ok(()))) => {
+                    // The ended direction's destination may still be
+                    // taking in what was written before the FIN (a client
+                    // reading the end of a download): that is progress too.
+                    let delivering = if up_ended { upstream } else { client };
                     let t = half.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
                     if moved {
                         t.as_mut().reset(tokio::time::Instant::now() + limit);
                     }
-                    match t.as_mut().poll(cx) {
-                        Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            "half-closed connection moved nothing within its limit",
-                        ))),
-                        Poll::Pending => Poll::Pending,
+                    loop {
+                        match t.as_mut().poll(cx) {
+                            Poll::Pending => return Poll::Pending,
+                            Poll::Ready(()) if sockopt::unsent_bytes(delivering) > 0 => {
+                                t.as_mut().reset(tokio::time::Instant::now() + limit);
+                            }
+                            // The client sent FIN and the upstream never
+                            // answered: an abort (both reset), so the client
+                            // cannot take the silence for an empty answer.
+                            Poll::Ready(()) if up_ended => {
+                                return Poll::Ready(Err(io::Error::new(
+                                    io::ErrorKind::TimedOut,
+                                    "half-closed connection moved nothing within its limit",
+                                )))
+                            }
+                            // The upstream finished (its FIN was passed on
+                            // and everything it sent was acknowledged) and
+                            // the client neither sends nor closes: the
+                            // answer is complete, so the end is an ordinary
+                            // close.
+                            Poll::Ready(()) => return Poll::Ready(Ok(())),
+                        }
                     }
                 }
                 _ => Poll::Pending,

@@ -47,6 +47,34 @@ pub fn raise_nofile_limit() -> u64 {
     }
 }
 
+/// Bytes written to `stream` that its peer has not acknowledged yet (the
+/// kernel's send queue, `SIOCOUTQ`); 0 where unknown.
+pub fn unsent_bytes(stream: &TcpStream) -> usize {
+    #[cfg(target_os = "linux")]
+    {
+        outq::get(std::os::fd::AsRawFd::as_raw_fd(stream))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = stream;
+        0
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod outq {
+    #![allow(unsafe_code)]
+
+    pub fn get(fd: std::os::fd::RawFd) -> usize {
+        let mut n: libc::c_int = 0;
+        // SAFETY: TIOCOUTQ (= SIOCOUTQ for TCP sockets) writes one int.
+        if unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut n) } != 0 {
+            return 0;
+        }
+        usize::try_from(n).unwrap_or(0)
+    }
+}
+
 #[cfg(unix)]
 mod rlimit {
     #![allow(unsafe_code)]

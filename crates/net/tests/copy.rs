@@ -274,3 +274,57 @@ async fn a_silent_half_closed_copy_is_reset_after_its_limit() {
         );
     }
 }
+
+/// The upstream sends its whole answer and FIN; the client reads it slowly,
+/// long past the half-closed limit: every byte arrives, then a clean end
+/// (the limit never cuts an answer that was complete).
+#[tokio::test]
+async fn a_complete_answer_read_late_is_not_cut() {
+    for mode in [CopyMode::Splice, CopyMode::Buffered] {
+        let (mut client, pa, pb, mut upstream) = wire().await;
+        let copier = Arc::new(Copier::new(mode, 4));
+        copier.set_half_closed(Duration::from_millis(500));
+        let t = Arc::new(Transfer::default());
+        let proxy = {
+            let (copier, t) = (copier.clone(), t.clone());
+            tokio::spawn(async move { copier.run(&pa, &pb, &t.to_upstream, &t.to_client).await })
+        };
+        let mut answer = vec![0u8; 4 * 1024 * 1024];
+        rand::rng().fill_bytes(&mut answer);
+        let sent = answer.clone();
+        let writer = tokio::spawn(async move {
+            upstream.write_all(&sent).await.unwrap();
+            upstream.shutdown().await.unwrap();
+            upstream
+        });
+        // A slow reader (the pauses are the behaviour under test): 32 KiB
+        // every 20 ms, 2.6 s for the answer, five times the limit, while
+        // the end of it waits in the proxy's socket buffers.
+        let mut got = Vec::new();
+        let mut chunk = vec![0u8; 32 * 1024];
+        loop {
+            let n = tokio::time::timeout(Duration::from_secs(20), client.read(&mut chunk))
+                .await
+                .unwrap()
+                .unwrap_or_else(|e| panic!("{mode:?}: {e} after {} bytes", got.len()));
+            if n == 0 {
+                break;
+            }
+            got.extend_from_slice(&chunk[..n]);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            got == answer,
+            "{mode:?}: {} of {} bytes",
+            got.len(),
+            answer.len()
+        );
+        drop(client);
+        let _upstream = writer.await.unwrap();
+        let r = tokio::time::timeout(Duration::from_secs(10), proxy)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(r.is_ok(), "{mode:?}: {r:?}");
+    }
+}

@@ -426,7 +426,15 @@ async fn gateway_under_faults() {
     })
     .await;
     let (exact, _) = tally(&legit);
-    assert_eq!(exact, legit.len(), "legitimate transfers during slow-loris");
+    assert_eq!(
+        exact,
+        legit.len(),
+        "legitimate transfers during slow-loris: {:?}",
+        legit
+            .iter()
+            .filter(|e| **e != Ending::Exact)
+            .collect::<Vec<_>>()
+    );
     let closed = fan(held.len(), held.len(), {
         let held = Arc::new(tokio::sync::Mutex::new(held));
         move |_| {
