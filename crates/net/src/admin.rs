@@ -297,6 +297,15 @@ impl prometheus_client::collector::Collector for ProcessCollector {
                 )?;
             }
         }
+        // Tasks alive in the runtime serving this scrape (every role has
+        // one): a count that keeps growing is a task leak.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            gauge(
+                "seedlink_runtime_tasks",
+                "Tasks alive in the async runtime (connections, listeners, watches)",
+                rt.metrics().num_alive_tasks() as f64,
+            )?;
+        }
         if let Some((utime, stime, _, _)) = stat {
             let c = ConstCounter::new((utime + stime) as f64 / HZ);
             c.encode(encoder.encode_descriptor(

@@ -79,9 +79,10 @@ fn profile() -> Profile {
 
 fn report(scenario: &str, what: &str, s: &Settled) {
     eprintln!(
-        "fault: {scenario:<22} {what}; settled in {:.1}s, fds {}, RSS {:.1} MiB",
+        "fault: {scenario:<22} {what}; settled in {:.1}s, fds {}, tasks {}, RSS {:.1} MiB",
         s.took.as_secs_f64(),
         s.fds,
+        s.tasks,
         s.rss_kib as f64 / 1024.0
     );
 }

@@ -104,6 +104,7 @@ clusters:
     }
     assert!(m.contains("seedlink_build_info{"), "{m}");
     assert!(m.contains("\nseedlink_panics_total 0\n"), "{m}");
+    assert!(metric(&m, "seedlink_runtime_tasks") > 0.0, "{m}");
     assert!(m.contains("\nprocess_cpu_seconds_total "), "{m}");
     for p in [
         "process_resident_memory_bytes",

@@ -346,6 +346,8 @@ pub async fn gateway_connect(addr: SocketAddr, dest: &str) -> Result<TcpStream, 
 pub struct Settled {
     /// Open descriptors (pool pipes excluded).
     pub fds: usize,
+    /// Tasks alive in its runtime.
+    pub tasks: f64,
     /// Resident memory, KiB.
     pub rss_kib: u64,
     /// How long it took to settle.
@@ -353,13 +355,15 @@ pub struct Settled {
 }
 
 /// The checks after every scenario: the process lives, no panic, its
-/// descriptors (minus pooled splice pipes), CLOSE-WAIT sockets and the
-/// named gauges are back to their baseline, and its RSS within a bound.
+/// descriptors (minus pooled splice pipes), runtime tasks, CLOSE-WAIT
+/// sockets and the named gauges are back to their baseline, and its RSS
+/// within a bound.
 pub struct Oracle {
     pid: u32,
     metrics: Box<dyn Fn() -> String + Send + Sync>,
     gauges: Vec<String>,
     base_fds: usize,
+    base_tasks: f64,
     /// Resident memory at the baseline, KiB.
     pub base_rss_kib: u64,
     /// Descriptors allowed above the baseline (listeners re-bound, files).
@@ -382,8 +386,11 @@ impl Oracle {
     ) -> Oracle {
         let m = metrics();
         let base_fds = fds(pid) - pipe_fds(&m);
+        let base_tasks = metric(&m, "seedlink_runtime_tasks ");
+        assert!(base_tasks > 0.0, "no seedlink_runtime_tasks in the metrics");
         Oracle {
             pid,
+            base_tasks,
             metrics: Box::new(metrics),
             gauges: gauges.iter().map(|g| (*g).to_string()).collect(),
             base_fds,
@@ -415,13 +422,16 @@ impl Oracle {
                 .filter(|(_, v)| *v != 0.0)
                 .collect();
             let rss = rss_kib(self.pid);
+            let tasks = metric(&m, "seedlink_runtime_tasks ");
             let settled = fds_now <= self.base_fds + self.fd_slack
+                && tasks <= self.base_tasks + 2.0
                 && cw == 0
                 && gauges.is_empty()
                 && rss <= self.base_rss_kib + self.rss_slack_kib;
             if settled {
                 return Settled {
                     fds: fds_now,
+                    tasks,
                     rss_kib: rss,
                     took: t0.elapsed(),
                 };
@@ -429,9 +439,11 @@ impl Oracle {
             assert!(
                 t0.elapsed() < Duration::from_secs(30),
                 "{scenario}: not back to baseline after 30 s: fds {fds_now} (baseline {} + {}), \
-                 CLOSE-WAIT {cw}, gauges not at 0 {gauges:?}, RSS {rss} KiB (baseline {} + {})",
+                 tasks {tasks} (baseline {} + 2), CLOSE-WAIT {cw}, gauges not at 0 {gauges:?}, \
+                 RSS {rss} KiB (baseline {} + {})",
                 self.base_fds,
                 self.fd_slack,
+                self.base_tasks,
                 self.base_rss_kib,
                 self.rss_slack_kib
             );
