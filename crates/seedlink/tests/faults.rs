@@ -286,6 +286,48 @@ async fn gateway_under_faults() {
         &oracle.check("backend-reset").await,
     );
 
+    // The same over HTTP/2 CONNECT (h2c on the auto listener, as
+    // Kubermatic's envoy-agent speaks it): each stream ends in RST_STREAM,
+    // never in a clean END_STREAM.
+    let tcp = TcpStream::connect(auto).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    let conn = tokio::spawn(conn);
+    let mut reset_streams = 0;
+    for _ in 0..p.transfers.min(8) {
+        let req = http::Request::builder()
+            .method(http::Method::CONNECT)
+            .uri("reset.faults.svc.cluster.local:443")
+            .body(())
+            .unwrap();
+        let mut c = client.clone().ready().await.unwrap();
+        let (resp, _send) = c.send_request(req, false).unwrap();
+        let resp = tokio::time::timeout(limit, resp).await.unwrap().unwrap();
+        assert_eq!(resp.status(), 200);
+        let mut body = resp.into_body();
+        let mut got = 0usize;
+        loop {
+            match tokio::time::timeout(limit, body.data()).await.unwrap() {
+                Some(Ok(b)) => {
+                    got += b.len();
+                    let _ = body.flow_control().release_capacity(b.len());
+                }
+                Some(Err(e)) => {
+                    assert!(e.is_reset(), "h2 backend-reset: {e}");
+                    reset_streams += 1;
+                    break;
+                }
+                None => panic!("h2 backend-reset: a clean END_STREAM after {got} bytes"),
+            }
+        }
+    }
+    drop(client);
+    conn.abort();
+    report(
+        "backend-reset-h2",
+        &format!("{reset_streams} HTTP/2 CONNECT streams ended in RST_STREAM"),
+        &oracle.check("backend-reset-h2").await,
+    );
+
     // Backend stalls mid-stream: the client sees no end (its own deadline
     // is the error), and closing it frees everything.
     let endings = fan(p.transfers.min(8), 8, |_| {
