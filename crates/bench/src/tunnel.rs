@@ -197,7 +197,7 @@ clusters:
                     "--agent-key",
                     &p("agent-key.pem"),
                 ])
-                .args(["--admin", "127.0.0.1:0", "--allow-cidr", "127.0.0.0/8"])
+                .args(["--admin", "127.0.0.1:0", "--deny-cidr", "169.254.0.0/16"])
                 .env("RUST_LOG", "error")
                 .env(
                     "TOKIO_WORKER_THREADS",

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use ipnet::IpNet;
 
 use crate::model::{
-    ConfigFile, InvalidRequest, Limits, Listener, Protocol, ProxyMode, Timeouts, Upstream,
+    ConfigFile, DestinationCfg, InvalidRequest, Limits, Listener, Protocol, ProxyMode, Timeouts,
+    Upstream,
 };
 use crate::routes::{
     normalize_host, CidrSet, ControlPlane, DestinationRoute, Endpoint, RouteTable,
@@ -66,6 +67,9 @@ pub struct ListenerSpec {
     /// `proxy` listeners: the PROXY v2 TLV type that selects the control
     /// plane (by its cluster ID) instead of the header's destination.
     pub route_by_tlv: Option<u8>,
+    /// `http-connect`/`auto`: CONNECTs may be handed to an in-process
+    /// tunnel-server.
+    pub tunnel_frontend: bool,
 }
 
 impl PartialEq for ListenerSpec {
@@ -335,11 +339,13 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
                     out
                 }
             };
+            let tunnel_target = check_tunnel_target(&mut c, &path, d, &endpoints);
             routes.destinations.insert(
                 canonical,
                 DestinationRoute {
                     control_plane: compiled.clone(),
                     endpoints,
+                    tunnel_target,
                 },
             );
         }
@@ -416,6 +422,32 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
     })
 }
 
+/// A destination's `tunnel_target`: `host:port`, and only where its
+/// connections go to an in-process service (`local:`).
+fn check_tunnel_target(
+    c: &mut Collector,
+    path: &str,
+    d: &DestinationCfg,
+    endpoints: &[Endpoint],
+) -> Option<String> {
+    let target = d.tunnel_target.as_ref()?;
+    if !seedlink_proto::connect_head::authority_form(target) {
+        c.err(
+            format!("{path}.tunnel_target"),
+            format!("{target:?} is not host:port"),
+        );
+        return None;
+    }
+    if !matches!(endpoints, [only] if only.address.starts_with("local:")) {
+        c.err(
+            format!("{path}.tunnel_target"),
+            "needs the destination's endpoint to be a `local:` service (`seedlink seed`)",
+        );
+        return None;
+    }
+    Some(target.clone())
+}
+
 fn check_listeners(c: &mut Collector, ls: &[Listener]) -> Vec<ListenerSpec> {
     if ls.is_empty() {
         c.err("listeners", "at least one listener is required");
@@ -457,8 +489,17 @@ fn check_listeners(c: &mut Collector, ls: &[Listener]) -> Vec<ListenerSpec> {
                         "only a `proxy` listener routes by a TLV of the node proxy's PROXY header",
                     );
                 }
+                if l.tunnel_frontend
+                    && !matches!(l.protocol, Protocol::HttpConnect | Protocol::Auto)
+                {
+                    c.err(
+                        format!("{at}.tunnel_frontend"),
+                        "only an `http-connect` or `auto` listener hands CONNECTs to the tunnel-server",
+                    );
+                }
                 out.push(ListenerSpec {
                     route_by_tlv: l.route_by_tlv,
+                    tunnel_frontend: l.tunnel_frontend,
                     name: l.name.clone(),
                     address: a,
                     protocol: l.protocol,

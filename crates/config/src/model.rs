@@ -117,6 +117,13 @@ pub struct Listener {
     /// (HyperShift's node path uses type 0x20 carrying the cluster ID).
     #[serde(default)]
     pub route_by_tlv: Option<u8>,
+    /// `http-connect`/`auto` only: CONNECTs on this listener may be handed
+    /// to an in-process tunnel-server (a destination with a
+    /// `tunnel_target` whose control plane's endpoint is `local:`), i.e.
+    /// reach into a shoot's network. Off by default: an internet-facing
+    /// listener must never be a way into the shoots (docs/SECURITY.md).
+    #[serde(default)]
+    pub tunnel_frontend: bool,
 }
 
 fn default_destination_header() -> String {
@@ -334,6 +341,12 @@ pub struct DestinationCfg {
     /// `host:port` endpoints; absent means the control plane's endpoints.
     #[serde(default)]
     pub endpoints: Option<Vec<String>>,
+    /// With a `local:` endpoint (`seedlink seed`): the one `host:port` the
+    /// tunnel-server's agent dials in the shoot for a CONNECT naming this
+    /// destination on a `tunnel_frontend` listener. The CONNECT's own
+    /// request-line target is never dialled.
+    #[serde(default)]
+    pub tunnel_target: Option<String>,
 }
 
 /// A client-IP allow-list.

@@ -97,6 +97,9 @@ pub struct DestinationRoute {
     pub control_plane: Arc<ControlPlane>,
     /// Where connections go.
     pub endpoints: Vec<Endpoint>,
+    /// With a `local:` endpoint: what the in-process service dials
+    /// (`host:port`), fixed by the configuration.
+    pub tunnel_target: Option<String>,
 }
 
 /// SNI → control plane. Exact names win over wildcards; a wildcard

@@ -41,6 +41,10 @@ enum Refusal {
     NoSni,
     UnknownSni,
     UnknownDestination,
+    /// A CONNECT whose destination goes to an in-process tunnel-server, on
+    /// a listener that is not a `tunnel_frontend` or for a destination
+    /// without a `tunnel_target`: answered like an unknown destination.
+    TunnelNotAllowed,
     Connect(BadConnect),
     InnerProxyLocal,
     UnknownService,
@@ -68,6 +72,7 @@ impl Refusal {
             Refusal::NoSni => "no_sni",
             Refusal::UnknownSni => "unknown_sni",
             Refusal::UnknownDestination => "unknown_destination",
+            Refusal::TunnelNotAllowed => "tunnel_not_allowed",
             Refusal::InnerProxyLocal => "proxy_no_destination",
             Refusal::UnknownService => "unknown_service_address",
             Refusal::ClusterIdMissing => "cluster_id_missing",
@@ -263,14 +268,20 @@ async fn run(
     }
     drop(guard);
 
-    let (cp, endpoints, protocol): (Arc<ControlPlane>, &[Endpoint], &str) = match &detected.request
-    {
+    // `tunnel_target`: for a CONNECT, what an in-process tunnel-server may
+    // dial (the destination's configured target, never the request line).
+    let (cp, endpoints, protocol, tunnel_target): (
+        Arc<ControlPlane>,
+        &[Endpoint],
+        &str,
+        Option<&str>,
+    ) = match &detected.request {
         Request::Tls { sni, .. } => {
             let Some(cp) = snap.routes.lookup(sni) else {
                 tracing::debug!(listener = %lctx.spec.name, %peer, %client, %sni, "unknown SNI");
                 return refuse(gw, lctx, client, Refusal::UnknownSni);
             };
-            (cp.clone(), cp.endpoints.as_slice(), "tls-sni")
+            (cp.clone(), cp.endpoints.as_slice(), "tls-sni", None)
         }
         // Served above; kept exhaustive.
         Request::Http2 => return refuse(gw, lctx, client, Refusal::Unrecognized),
@@ -279,7 +290,7 @@ async fn run(
                 tracing::debug!(listener = %lctx.spec.name, %peer, %client, %destination, "unknown service address");
                 return refuse(gw, lctx, client, Refusal::UnknownService);
             };
-            (cp.clone(), cp.endpoints.as_slice(), "proxy-protocol")
+            (cp.clone(), cp.endpoints.as_slice(), "proxy-protocol", None)
         }
         Request::Cluster { id } => {
             let Some(cp) = snap.routes.cluster(id) else {
@@ -287,7 +298,7 @@ async fn run(
                     cluster_id = %String::from_utf8_lossy(id), "unknown cluster ID");
                 return refuse(gw, lctx, client, Refusal::UnknownClusterId);
             };
-            (cp.clone(), cp.endpoints.as_slice(), "proxy-tlv")
+            (cp.clone(), cp.endpoints.as_slice(), "proxy-tlv", None)
         }
         Request::Connect(head) => {
             let canonical = match check_connect(
@@ -316,6 +327,10 @@ async fn run(
                 route.control_plane.clone(),
                 route.endpoints.as_slice(),
                 lctx.connect_protocol.as_str(),
+                route
+                    .tunnel_target
+                    .as_deref()
+                    .filter(|_| lctx.spec.tunnel_frontend),
             )
         }
     };
@@ -339,8 +354,28 @@ async fn run(
                 refuse_connect_unavailable(&stream, &detected.request).await;
                 return (Some(cp), Outcome::UpstreamUnavailable);
             };
+            // A CONNECT reaches into a shoot only on a listener configured
+            // as a tunnel frontend, and only to the destination's own
+            // target: the request line is never dialled.
             let connect_target = match &detected.request {
-                Request::Connect(head) => Some(head.target.clone()),
+                Request::Connect(head) => match tunnel_target {
+                    Some(t) => Some(t.to_string()),
+                    None => {
+                        if gw.metrics.refusal_log.allow() {
+                            tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, %client, %peer,
+                                control_plane = %cp.name, reason = "tunnel_not_allowed",
+                                "a CONNECT to an in-process tunnel needs a tunnel_frontend listener and a destination tunnel_target");
+                        }
+                        respond_and_close(
+                            &stream,
+                            status_line(head, "503 Service Unavailable").as_bytes(),
+                        )
+                        .await;
+                        lctx.metrics
+                            .detect_failure(&gw.metrics, Refusal::TunnelNotAllowed.reason());
+                        return (None, Outcome::Refused(Refusal::TunnelNotAllowed));
+                    }
+                },
                 _ => None,
             };
             let _routed = lctx.metrics.routed(&gw.metrics, &cp.name, protocol);

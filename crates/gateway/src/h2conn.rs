@@ -29,6 +29,12 @@ const PONG_WITHIN: Duration = Duration::from_secs(10);
 /// carried one (before the first, the detection deadline applies): a
 /// pooled connection between tunnels, but not forever.
 const IDLE_AFTER_STREAMS: Duration = Duration::from_secs(60);
+/// Largest header list a stream may send (Envoy's default, 60 KiB).
+const MAX_HEADER_LIST: u32 = 60 * 1024;
+/// Streams a client may reset while their dial is under way (the
+/// rapid-reset pattern past h2's own accept-queue limit); one more closes
+/// the connection.
+const MAX_EARLY_RESETS: u32 = 100;
 
 /// Serves one HTTP/2 connection whose first `prefix` bytes were already
 /// read. Without an open stream the connection is unrouted: it holds a
@@ -57,7 +63,9 @@ pub(crate) async fn serve(
         .max_frame_size(h2copy::MAX_FRAME)
         // HTTP/2 rapid-reset and error-flood limits.
         .max_pending_accept_reset_streams(20)
-        .max_local_error_reset_streams(Some(256));
+        .max_local_error_reset_streams(Some(256))
+        // Envoy's default; h2's own is 16 MiB.
+        .max_header_list_size(MAX_HEADER_LIST);
     let mut conn = match tokio::time::timeout(
         snap.timeouts.client_hello,
         builder.handshake::<_, Bytes>(io),
@@ -85,6 +93,7 @@ pub(crate) async fn serve(
     let tasks = tokio_util::task::TaskTracker::new();
     let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let went_idle = Arc::new(tokio::sync::Notify::new());
+    let early_resets = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let outcome = loop {
         let idle = async {
             match idle_deadline {
@@ -99,10 +108,16 @@ pub(crate) async fn serve(
                         drop(guard.take());
                         idle_deadline = None;
                     }
-                    let (gw, lctx, snap) = (gw.clone(), lctx.clone(), snap.clone());
-                    let (active, went_idle) = (active.clone(), went_idle.clone());
+                    if early_resets.load(std::sync::atomic::Ordering::Relaxed) > MAX_EARLY_RESETS {
+                        break "h2_reset_flood";
+                    }
+                    let (gw, lctx) = (gw.clone(), lctx.clone());
+                    let (active, went_idle, early_resets) =
+                        (active.clone(), went_idle.clone(), early_resets.clone());
                     tasks.spawn(async move {
-                        tunnel(&gw, &lctx, &snap, client, req, respond).await;
+                        if tunnel(&gw, &lctx, client, req, respond).await {
+                            early_resets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
                         if active.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
                             went_idle.notify_one();
                         }
@@ -134,65 +149,142 @@ pub(crate) async fn serve(
     outcome
 }
 
-/// Why a stream is refused, with its status.
-fn refuse(respond: &mut SendResponse<Bytes>, status: StatusCode) {
+/// Refuses a stream with `status`, counted under `reason` like a refused
+/// connection.
+fn refuse(
+    gw: &Gateway,
+    lctx: &ListenerCtx,
+    respond: &mut SendResponse<Bytes>,
+    status: StatusCode,
+    reason: &'static str,
+) {
+    lctx.metrics.detect_failure(&gw.metrics, reason);
     let mut r = Response::new(());
     *r.status_mut() = status;
     let _ = respond.send_response(r, true);
 }
 
-async fn tunnel(
-    gw: &Gateway,
-    lctx: &ListenerCtx,
-    snap: &Snapshot,
-    client: SocketAddr,
-    req: Request<RecvStream>,
-    mut respond: SendResponse<Bytes>,
-) {
-    if req.method() != Method::CONNECT {
-        return refuse(&mut respond, StatusCode::METHOD_NOT_ALLOWED);
-    }
-    // The destination header wins; otherwise `:authority` names the service.
+/// The canonical destination a stream names, after the listener's guard:
+/// the destination header if present, else `:authority` as
+/// `outbound|<port>||<host>`. The guard (`destination_regex`) sees the
+/// header's value, or the name built from `:authority`, exactly as HTTP/1
+/// CONNECT's guard sees its header.
+fn destination_of(lctx: &ListenerCtx, req: &Request<RecvStream>) -> Result<String, &'static str> {
     let named = match req.headers().get(lctx.spec.destination_header.as_str()) {
         Some(v) => v
             .to_str()
-            .ok()
-            .map(|s| destination::parse(s).map(|d| d.canonical())),
-        None => req.uri().authority().map(|a| {
-            destination::parse(&format!(
-                "outbound|{}||{}",
-                a.port_u16().unwrap_or(443),
-                a.host()
-            ))
-            .map(|d| d.canonical())
-        }),
+            .map_err(|_| "connect_destination_malformed")?
+            .to_string(),
+        None => {
+            let a = req.uri().authority().ok_or("connect_destination_missing")?;
+            format!("outbound|{}||{}", a.port_u16().unwrap_or(443), a.host())
+        }
     };
-    let Some(Ok(canonical)) = named else {
-        return refuse(&mut respond, StatusCode::BAD_REQUEST);
+    if lctx
+        .spec
+        .destination_regex
+        .as_ref()
+        .is_some_and(|re| !re.is_match(&named))
+    {
+        return Err("connect_destination_malformed");
+    }
+    destination::parse(&named)
+        .map(|d| d.canonical())
+        .map_err(|_| "connect_destination_malformed")
+}
+
+/// Waits until the client resets the stream.
+async fn reset_by_client(respond: &mut SendResponse<Bytes>) {
+    let _ = std::future::poll_fn(|cx| respond.poll_reset(cx)).await;
+}
+
+/// One CONNECT stream, with the same guards as an HTTP/1 CONNECT, decided
+/// on the snapshot current when the stream opened: the destination guard,
+/// the route, the ACL, the connection budget (a stream with an upstream
+/// socket takes a `max_connections` slot of its own). A stream the client
+/// resets while its dial is under way stops the dial; `true` when that
+/// happened.
+async fn tunnel(
+    gw: &Gateway,
+    lctx: &ListenerCtx,
+    client: SocketAddr,
+    req: Request<RecvStream>,
+    mut respond: SendResponse<Bytes>,
+) -> bool {
+    let snap = gw.snapshot();
+    if req.method() != Method::CONNECT {
+        refuse(
+            gw,
+            lctx,
+            &mut respond,
+            StatusCode::METHOD_NOT_ALLOWED,
+            "connect_not_connect",
+        );
+        return false;
+    }
+    let canonical = match destination_of(lctx, &req) {
+        Ok(c) => c,
+        Err(reason) => {
+            refuse(gw, lctx, &mut respond, StatusCode::BAD_REQUEST, reason);
+            return false;
+        }
     };
-    let Some(route) = snap.routes.destination(&canonical) else {
-        return refuse(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
+    // A stream cannot be handed to an in-process service: answered like an
+    // unknown destination.
+    let route = snap
+        .routes
+        .destination(&canonical)
+        .filter(|r| !r.endpoints.iter().any(|e| e.address.starts_with("local:")));
+    let Some(route) = route else {
+        refuse(
+            gw,
+            lctx,
+            &mut respond,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unknown_destination",
+        );
+        return false;
     };
     let cp = &route.control_plane;
-    if !gw.admit(snap, cp, client) {
-        return refuse(&mut respond, StatusCode::FORBIDDEN);
+    if !gw.admit(&snap, cp, client) {
+        let mut r = Response::new(());
+        *r.status_mut() = StatusCode::FORBIDDEN;
+        let _ = respond.send_response(r, true);
+        return false;
     }
-    let upstream = match upstream::connect(
+    let Ok(_permit) = gw.permits.clone().try_acquire_owned() else {
+        refuse(
+            gw,
+            lctx,
+            &mut respond,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "max_connections",
+        );
+        return false;
+    };
+    let dial = upstream::connect(
         &cp.name,
         &route.endpoints,
         &snap.upstream,
         snap.timeouts.upstream_connect,
-        crate::keepalive(snap),
+        crate::keepalive(&snap),
         &gw.metrics,
-    )
-    .await
-    {
-        Ok((s, guard, _)) => (s, guard),
-        Err(_) => return refuse(&mut respond, StatusCode::SERVICE_UNAVAILABLE),
+    );
+    let upstream = tokio::select! {
+        r = dial => match r {
+            Ok((s, guard, _)) => (s, guard),
+            Err(_) => {
+                let mut r = Response::new(());
+                *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                let _ = respond.send_response(r, true);
+                return false;
+            }
+        },
+        () = reset_by_client(&mut respond) => return true,
     };
     let (upstream, _guard) = upstream;
     let Ok(send) = respond.send_response(Response::new(()), false) else {
-        return;
+        return false;
     };
     let _routed = lctx.metrics.routed(&gw.metrics, &cp.name, "http2-connect");
     let recv = req.into_body();
@@ -200,5 +292,7 @@ async fn tunnel(
     tokio::select! {
         _ = async { tokio::join!(h2copy::stream_to_socket(recv, &upstream), h2copy::socket_to_stream(&upstream, send)) } => {}
         () = closer.cancelled() => {}
+        () = gw.lifecycle.close_all.cancelled() => {}
     }
+    false
 }

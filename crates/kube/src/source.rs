@@ -295,6 +295,9 @@ pub struct TunnelSettings {
     pub identity: String,
     /// Where Secret and ConfigMap keys are written.
     pub trust_dir: std::path::PathBuf,
+    /// Where TunnelClusters' Unix sockets go, each cluster in a directory
+    /// of its own.
+    pub socket_dir: std::path::PathBuf,
 }
 
 /// Starts the tunnel-server's source: TunnelClusters and the Secrets and
@@ -354,6 +357,7 @@ pub fn start_tunnel(
                     &secrets.state(),
                     &config_maps.state(),
                     &settings.trust_dir,
+                    &settings.socket_dir,
                 );
                 match crate::tunnel::materialize(&settings.trust_dir, &t.files) {
                     Ok(()) => {

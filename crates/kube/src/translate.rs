@@ -277,6 +277,7 @@ impl Translator {
                         .map(|d| DestinationCfg {
                             name: d.clone(),
                             endpoints: None,
+                            tunnel_target: None,
                         })
                         .collect();
                     cp.service_addresses = spec.service_addresses.clone();

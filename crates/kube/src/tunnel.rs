@@ -160,6 +160,7 @@ pub fn translate(
     secrets: &[Arc<Secret>],
     config_maps: &[Arc<ConfigMap>],
     trust_dir: &Path,
+    socket_dir: &Path,
 ) -> TunnelTranslation {
     let secrets: HashMap<Key, &Secret> = secrets
         .iter()
@@ -182,7 +183,7 @@ pub fn translate(
             config_maps: &config_maps,
             files: BTreeMap::new(),
         };
-        let outcome = match build(o, &name, &mut keys) {
+        let outcome = match build(o, &name, &mut keys, &socket_dir.join(&name)) {
             Ok(cluster) => {
                 out.files.append(&mut keys.files);
                 out.clusters.push(cluster);
@@ -205,7 +206,37 @@ pub fn translate(
     out
 }
 
-fn build(o: &TunnelCluster, name: &str, keys: &mut Keys<'_>) -> Result<Cluster, Verdict> {
+/// Where a TunnelCluster's Unix socket `unix` goes: a plain file name,
+/// placed in the cluster's own directory `sockets` (`<socket_dir>/<cluster>/`),
+/// or that same path written out. Anything else could remove and take over
+/// another cluster's socket or any file the server may write, and is
+/// refused.
+fn confine(sockets: &Path, unix: &str) -> Result<PathBuf, String> {
+    let file = match Path::new(unix).strip_prefix(sockets) {
+        Ok(rest) => rest.to_str().unwrap_or_default(),
+        Err(_) => unix,
+    };
+    let ok = (1..=64).contains(&file.len())
+        && !file.starts_with('.')
+        && file
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'));
+    if ok {
+        Ok(sockets.join(file))
+    } else {
+        Err(format!(
+            "{unix:?} is not a socket file name (1-64 of a-z A-Z 0-9 . - _, not starting with a dot); it is created in {}",
+            sockets.display()
+        ))
+    }
+}
+
+fn build(
+    o: &TunnelCluster,
+    name: &str,
+    keys: &mut Keys<'_>,
+    sockets: &Path,
+) -> Result<Cluster, Verdict> {
     let spec = &o.spec;
     let agent_ca = spec
         .agent_ca
@@ -273,7 +304,12 @@ fn build(o: &TunnelCluster, name: &str, keys: &mut Keys<'_>) -> Result<Cluster, 
         frontends.push(Frontend {
             name: f.name.clone(),
             protocol,
-            unix: f.unix.as_ref().map(PathBuf::from),
+            unix: f
+                .unix
+                .as_deref()
+                .map(|u| confine(sockets, u))
+                .transpose()
+                .map_err(|why| Verdict::no("InvalidSpec", format!("{at}.unix: {why}")))?,
             tcp,
             cert,
             key,
@@ -390,6 +426,34 @@ mod tests {
     }
 
     #[test]
+    fn a_tunnel_clusters_socket_stays_in_its_own_directory() {
+        let own = Path::new("/run/seedlink/shoot--a.tunnel");
+        for ok in [
+            "kas.sock",
+            "/run/seedlink/shoot--a.tunnel/kas.sock",
+            "a_b-1.x",
+        ] {
+            let p = confine(own, ok).unwrap();
+            assert_eq!(p.parent(), Some(own), "{ok}");
+        }
+        for bad in [
+            "/run/seedlink/shoot--b.tunnel/kas.sock",
+            "/run/seedlink/shoot--b.sock",
+            "../shoot--b.tunnel/kas.sock",
+            "/run/seedlink/shoot--a.tunnel/../x",
+            "/etc/passwd",
+            "/var/run/docker.sock",
+            "sub/kas.sock",
+            ".hidden",
+            "..",
+            "",
+            "a\0b",
+        ] {
+            assert!(confine(own, bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
     fn a_tunnel_cluster_becomes_a_cluster_with_its_trust_in_files() {
         let dir = tempfile::tempdir().unwrap();
         let objects = [
@@ -425,7 +489,13 @@ mod tests {
             two("ca", "ca.crt", "CA PEM", "sa.pub", "KEYS"),
             two("fe", "tls.crt", "CERT", "tls.key", "KEY"),
         ];
-        let t = translate(&objects, &secrets, &[], dir.path());
+        let t = translate(
+            &objects,
+            &secrets,
+            &[],
+            dir.path(),
+            Path::new("/run/seedlink"),
+        );
         assert_eq!(t.clusters.len(), 1, "{:?}", t.outcomes);
         let c = &t.clusters[0];
         assert_eq!(c.name, "shoot--a.tunnel");

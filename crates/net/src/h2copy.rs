@@ -35,10 +35,19 @@ pub async fn stream_to_socket(mut recv: RecvStream, socket: &TcpStream) {
 }
 
 /// `socket` bytes → DATA frames, as the stream's window allows; EOF →
-/// END_STREAM; a socket error → RST_STREAM.
+/// END_STREAM; a socket error → RST_STREAM. The peer resetting the stream
+/// ends it at once (the socket is then reset), even while the socket is
+/// silent: a reset stream never keeps its upstream connection.
 pub async fn socket_to_stream(socket: &TcpStream, mut send: SendStream<Bytes>) {
     loop {
-        if socket.readable().await.is_err() {
+        let readable = tokio::select! {
+            r = socket.readable() => r,
+            _ = std::future::poll_fn(|cx| send.poll_reset(cx)) => {
+                crate::sockopt::arm_reset(socket);
+                return;
+            }
+        };
+        if readable.is_err() {
             send.send_reset(h2::Reason::CANCEL);
             return;
         }

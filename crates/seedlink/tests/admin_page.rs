@@ -94,6 +94,8 @@ fn agent(
     let mut child = Command::new(seedlink_bin())
         .args([
             "tunnel-agent",
+            "--deny-cidr",
+            seedlink_testkit::SHOOT_LOOPBACK_DENY,
             "--server",
             server,
             "--server-name",
@@ -506,6 +508,8 @@ clusters: [{{name: a, agent_ca: '{}'}}]
     let mut agent = Command::new(seedlink_bin())
         .args([
             "tunnel-agent",
+            "--deny-cidr",
+            seedlink_testkit::SHOOT_LOOPBACK_DENY,
             "--server",
             ready["agents"].as_str().unwrap(),
             "--server-name",

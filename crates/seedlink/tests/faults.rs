@@ -683,6 +683,8 @@ clusters:
         .unwrap();
         let agent_args = [
             "tunnel-agent",
+            "--deny-cidr",
+            seedlink_testkit::SHOOT_LOOPBACK_DENY,
             "--server",
             &format!("127.0.0.1:{server_port}"),
             "--server-name",

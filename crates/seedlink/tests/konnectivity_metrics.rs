@@ -119,6 +119,8 @@ clusters:
     let mut agent = Command::new(seedlink_bin())
         .args([
             "tunnel-agent",
+            "--deny-cidr",
+            seedlink_testkit::SHOOT_LOOPBACK_DENY,
             "--server",
             ready["agents"].as_str().unwrap(),
             "--server-name",

@@ -545,6 +545,8 @@ fn tunnel_agent(server: &str, seed_ca: &str, cert: &str, key: &str) -> Proc {
     let mut child = std::process::Command::new(seedlink_bin())
         .args([
             "tunnel-agent",
+            "--deny-cidr",
+            seedlink_testkit::SHOOT_LOOPBACK_DENY,
             "--server",
             server,
             "--server-name",

@@ -524,6 +524,7 @@ async fn tunnel_config_output_drives_a_real_agent() {
         b.ns.cmd(&[env!("CARGO_BIN_EXE_seedlink"), "tunnel-agent"])
             .args(args.lines())
             .args(["--admin", "127.0.0.1:0"])
+            .args(["--deny-cidr", seedlink_testkit::SHOOT_LOOPBACK_DENY])
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::piped())
             .spawn()
@@ -898,10 +899,12 @@ async fn seed_hands_agent_connections_over_in_process() {
         "admin: {listen: '127.0.0.1:0'}
 listeners:
   - {name: tls, address: '0.0.0.0:8443', protocol: tls}
-  - {name: connect, address: '127.0.0.1:8131', protocol: http-connect}
+  - {name: connect, address: '127.0.0.1:8131', protocol: http-connect, tunnel_frontend: true}
 control_planes:
   - {name: tunnel, hostnames: [tunnel.seedlink.test], endpoints: ['local:tunnel-server']}
-  - {name: b, destinations: [{name: 'outbound|8000||shoot.b.svc.cluster.local'}], endpoints: ['local:tunnel-server']}
+  - name: b
+    destinations: [{name: 'outbound|8000||shoot.b.svc.cluster.local', tunnel_target: '127.0.0.1:8000'}]
+    endpoints: ['local:tunnel-server']
 ",
     )
     .unwrap();

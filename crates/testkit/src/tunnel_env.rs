@@ -236,6 +236,18 @@ clusters:
     /// Starts `seedlink tunnel-agent` in namespace `ns` with only `extra`
     /// as credentials.
     pub fn agent_in(&self, ns: &Netns, server: &str, extra: &[&str]) -> Started {
+        self.agent_policy(ns, server, extra, true)
+    }
+
+    /// Starts `seedlink tunnel-agent` with the cluster's client certificate
+    /// and the agent's default destination policy (which denies loopback).
+    pub fn agent_default_policy(&self, server: &str) -> Started {
+        let f = &self.files;
+        let creds = ["--agent-cert", &f.agent_crt, "--agent-key", &f.agent_key];
+        self.agent_policy(&self.shoot, server, &creds, false)
+    }
+
+    fn agent_policy(&self, ns: &Netns, server: &str, extra: &[&str], loopback: bool) -> Started {
         let f = &self.files;
         let mut args = vec![
             "tunnel-agent",
@@ -250,6 +262,11 @@ clusters:
             "--sync-interval",
             "0.2",
         ];
+        // The test shoots serve on their own loopback, which the agent's
+        // default policy denies.
+        if loopback && !extra.contains(&"--deny-cidr") {
+            args.extend_from_slice(&["--deny-cidr", crate::SHOOT_LOOPBACK_DENY]);
+        }
         // A 2 s back-off cap unless the test sets its own.
         if !extra.contains(&"--sync-interval-cap") {
             args.extend_from_slice(&["--sync-interval-cap", "2"]);
@@ -268,8 +285,12 @@ clusters:
             format!(
                 "server: '{server}'\nserver_name: tunnel.seedlink.test\nca_cert: '{}'\n\
                  agent_cert: '{}'\nagent_key: '{}'\nadmin: '127.0.0.1:0'\n\
-                 sync_interval: 200ms\nsync_interval_cap: 2s\n{extra}",
-                f.seed_ca, f.agent_crt, f.agent_key
+                 sync_interval: 200ms\nsync_interval_cap: 2s\n\
+                 deny_cidr: [{}]\n{extra}",
+                f.seed_ca,
+                f.agent_crt,
+                f.agent_key,
+                crate::SHOOT_LOOPBACK_DENY
             ),
         )
         .unwrap();
@@ -479,10 +500,18 @@ pub struct FakeAgent {
 }
 
 impl FakeAgent {
-    /// Connects as `agent_id`, sends `script` (then a 5 MiB DATA if
-    /// `oversized`), and disconnects.
-    pub fn run(&self, script: Vec<seedlink_tunnel::proto::Packet>, oversized: bool) {
-        use futures_util::StreamExt;
+    /// Runs `f` with an open agent stream (the packet sender and what the
+    /// server sends), on a thread that joined the agent's namespace.
+    fn with_stream<F, Fut>(&self, f: F)
+    where
+        F: FnOnce(
+                tokio::sync::mpsc::Sender<seedlink_tunnel::proto::Packet>,
+                tonic::Streaming<seedlink_tunnel::proto::Packet>,
+            ) -> Fut
+            + Send
+            + 'static,
+        Fut: std::future::Future<Output = ()>,
+    {
         use seedlink_tunnel::proto::Packet;
         let (netns, ca, cert, key, ep, id) = (
             self.netns.clone(),
@@ -535,24 +564,60 @@ impl FakeAgent {
                 .await
                 .unwrap();
                 assert!(resp.metadata().get("serverid").is_some());
-                let mut inbound = resp.into_inner();
-                for p in script {
-                    tx.send(p).await.unwrap();
-                }
-                if oversized {
-                    let big = bytes::Bytes::from(vec![0u8; 5 * 1024 * 1024]);
-                    let _ = tx.send(Packet::data(1, big)).await;
-                }
-                // Read what the server answers (CLOSE_REQs) for a moment.
-                let linger = if oversized { 300 } else { 20 };
-                let _ = tokio::time::timeout(Duration::from_millis(linger), async {
-                    while let Some(Ok(_)) = inbound.next().await {}
-                })
-                .await;
+                f(tx, resp.into_inner()).await;
             });
         })
         .join()
         .unwrap();
+    }
+
+    /// Connects as `agent_id`, sends `script` (then a 5 MiB DATA if
+    /// `oversized`), and disconnects.
+    pub fn run(&self, script: Vec<seedlink_tunnel::proto::Packet>, oversized: bool) {
+        use futures_util::StreamExt;
+        use seedlink_tunnel::proto::Packet;
+        self.with_stream(move |tx, mut inbound| async move {
+            for p in script {
+                tx.send(p).await.unwrap();
+            }
+            if oversized {
+                let big = bytes::Bytes::from(vec![0u8; 5 * 1024 * 1024]);
+                let _ = tx.send(Packet::data(1, big)).await;
+            }
+            // Read what the server answers (CLOSE_REQs) for a moment.
+            let linger = if oversized { 300 } else { 20 };
+            let _ = tokio::time::timeout(Duration::from_millis(linger), async {
+                while let Some(Ok(_)) = inbound.next().await {}
+            })
+            .await;
+        });
+    }
+
+    /// Sends DATA for `n` connections the server never heard of (each is
+    /// answered with a CLOSE_REQ) while reading nothing the server sends,
+    /// stopping early once the server stops taking packets. Returns how
+    /// many it sent.
+    pub fn flood_unknown_ids(&self, n: i64) -> i64 {
+        use seedlink_tunnel::proto::Packet;
+        let sent = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(0));
+        let count = sent.clone();
+        self.with_stream(move |tx, inbound| async move {
+            let payload = bytes::Bytes::from_static(b"x");
+            for id in 1..=n {
+                // Bounded: a server that stopped reading ends the flood.
+                match tokio::time::timeout(
+                    Duration::from_secs(20),
+                    tx.send(Packet::data(id, payload.clone())),
+                )
+                .await
+                {
+                    Ok(Ok(())) => count.store(id, std::sync::atomic::Ordering::Relaxed),
+                    _ => break,
+                }
+            }
+            drop(inbound);
+        });
+        sent.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 

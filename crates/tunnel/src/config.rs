@@ -71,6 +71,15 @@ pub struct Kubernetes {
     /// `/tmp/seedlink-trust`, an `emptyDir` under a read-only root).
     #[serde(default = "default_trust_dir")]
     pub trust_dir: PathBuf,
+    /// Where TunnelClusters' Unix-socket frontends are created: a
+    /// TunnelCluster names only the file, which goes in
+    /// `<socket_dir>/<namespace>.<name>/` (default `/run/seedlink`).
+    #[serde(default = "default_socket_dir")]
+    pub socket_dir: PathBuf,
+}
+
+fn default_socket_dir() -> PathBuf {
+    PathBuf::from("/run/seedlink")
 }
 
 fn yes() -> bool {

@@ -14,6 +14,11 @@ use crate::proto::Packet;
 
 /// DATA packets a connection may have waiting.
 const PER_CONN: usize = 4;
+/// Control packets that may wait (a few MiB at most). A peer that makes
+/// this side queue more — answers to packets for unknown connections while
+/// it reads nothing — overflows the queue, which ends the stream: that peer
+/// alone is cut off, never the process's memory.
+pub const MAX_CONTROL: usize = 64 * 1024;
 
 #[derive(Default)]
 struct Inner {
@@ -21,6 +26,31 @@ struct Inner {
     conns: HashMap<i64, ConnQ>,
     ring: VecDeque<i64>,
     closed: bool,
+    /// Closed because the control queue overflowed.
+    overflowed: bool,
+}
+
+impl Inner {
+    /// Queues a control packet; at [`MAX_CONTROL`] the queue closes as
+    /// overflowed instead.
+    fn push_control(&mut self, p: Packet) -> Result<(), Closed> {
+        if self.control.len() >= MAX_CONTROL {
+            self.overflowed = true;
+            self.shut();
+            return Err(Closed);
+        }
+        self.control.push_back(p);
+        Ok(())
+    }
+
+    fn shut(&mut self) {
+        self.closed = true;
+        for (_, c) in self.conns.drain() {
+            c.room.close();
+        }
+        self.ring.clear();
+        self.control.clear();
+    }
 }
 
 struct ConnQ {
@@ -53,10 +83,17 @@ impl FairQueue {
         if g.closed {
             return Err(Closed);
         }
-        g.control.push_back(p);
+        let r = g.push_control(p);
         drop(g);
+        self.ready.notify_waiters();
         self.ready.notify_one();
-        Ok(())
+        r
+    }
+
+    /// Whether the queue was closed because its peer made it queue more
+    /// than [`MAX_CONTROL`] control packets.
+    pub fn overflowed(&self) -> bool {
+        crate::sync::lock(&self.inner, "fair queue").overflowed
     }
 
     fn room_for(&self, id: i64) -> Result<Arc<Semaphore>, Closed> {
@@ -115,7 +152,9 @@ impl FairQueue {
                 if let Some(c) = g.conns.remove(&id) {
                     c.room.close();
                 }
-                g.control.extend(last);
+                if let Some(p) = last {
+                    let _ = g.push_control(p);
+                }
             }
         }
         drop(g);
@@ -129,15 +168,7 @@ impl FairQueue {
 
     /// Ends the queue: senders fail, [`FairQueue::next`] returns `None`.
     pub fn close(&self) {
-        {
-            let mut g = crate::sync::lock(&self.inner, "fair queue");
-            g.closed = true;
-            for (_, c) in g.conns.drain() {
-                c.room.close();
-            }
-            g.ring.clear();
-            g.control.clear();
-        }
+        crate::sync::lock(&self.inner, "fair queue").shut();
         self.ready.notify_waiters();
         self.ready.notify_one();
     }
@@ -277,5 +308,19 @@ mod tests {
         assert_eq!(q.conn_entries(), 0);
         q.close();
         assert!(q.next().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn a_peer_that_overflows_the_control_queue_closes_it() {
+        let q = FairQueue::new();
+        for i in 0..MAX_CONTROL {
+            q.control(Packet::close_req(i as i64)).unwrap();
+        }
+        assert!(!q.overflowed());
+        assert_eq!(q.control(Packet::close_req(-1)), Err(Closed));
+        assert!(q.overflowed());
+        // Nothing of what was queued stays in memory, and the writer ends.
+        assert_eq!(q.next().await, None);
+        assert_eq!(q.data(1, Packet::close_req(1)).await, Err(Closed));
     }
 }

@@ -275,3 +275,44 @@ fn local_endpoints_stand_alone() {
         "{e:?}"
     );
 }
+
+#[test]
+fn a_tunnel_target_is_fixed_host_port_and_only_for_local_endpoints() {
+    let tunnel = "
+listeners: [{name: c, address: '127.0.0.1:0', protocol: http-connect, tunnel_frontend: true}]
+control_planes:
+  - name: a
+    destinations: [{name: 'outbound|10250||kubelet.a.svc.cluster.local', tunnel_target: 'TARGET'}]
+    endpoints: ['ENDPOINT']
+";
+    let s = ok(&tunnel
+        .replace("TARGET", "10.250.0.10:10250")
+        .replace("ENDPOINT", "local:tunnel-server"));
+    assert!(s.listeners[0].tunnel_frontend);
+    let r = s
+        .routes
+        .destination("outbound|10250||kubelet.a.svc.cluster.local")
+        .unwrap();
+    assert_eq!(r.tunnel_target.as_deref(), Some("10.250.0.10:10250"));
+    // Without a local: endpoint nothing would ever dial it.
+    let e = errors(
+        &tunnel
+            .replace("TARGET", "10.250.0.10:10250")
+            .replace("ENDPOINT", "127.0.0.1:1"),
+    );
+    assert!(e[0].path.ends_with("tunnel_target"), "{e:?}");
+    for bad in ["10.250.0.10", "a b:1", ":80", "x:0"] {
+        let e = errors(
+            &tunnel
+                .replace("TARGET", bad)
+                .replace("ENDPOINT", "local:tunnel-server"),
+        );
+        assert!(e[0].message.contains("host:port"), "{bad}: {e:?}");
+    }
+    // Only a CONNECT listener can be a tunnel frontend.
+    let e = errors(&MINIMAL.replace(
+        "address: '127.0.0.1:0'}",
+        "address: '127.0.0.1:0', tunnel_frontend: true}",
+    ));
+    assert!(e[0].path.ends_with("tunnel_frontend"), "{e:?}");
+}

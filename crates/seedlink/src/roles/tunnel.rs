@@ -276,6 +276,7 @@ impl ServerRole {
             lease,
             identity: super::gateway::identity(),
             trust_dir: k.trust_dir,
+            socket_dir: k.socket_dir,
         };
         let handle =
             seedlink_kube::source::start_tunnel(client, settings, Arc::new(KubeSink(self.clone())));

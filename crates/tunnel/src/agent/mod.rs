@@ -32,9 +32,16 @@ use crate::{dialerr, tls};
 /// Bytes read from a destination per DATA packet.
 const CHUNK: usize = 32 * 1024;
 
-/// Destinations denied unless an allow rule names them exactly: link-local
-/// (cloud metadata lives there) and well-known metadata addresses.
+/// Destinations denied unless an allow rule names them exactly: the agent's
+/// own host (loopback, `0.0.0.0/8` and `::`, which Linux connects to
+/// loopback), link-local (cloud metadata lives there) and well-known
+/// metadata addresses. A dial request comes from the seed; nothing from
+/// there should reach services bound to the agent's loopback.
 pub const DEFAULT_DENY: &[&str] = &[
+    "127.0.0.0/8",
+    "0.0.0.0/8",
+    "::1/128",
+    "::/128",
     "169.254.0.0/16",
     "fe80::/10",
     "100.100.100.200/32",

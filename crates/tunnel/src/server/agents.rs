@@ -261,6 +261,11 @@ async fn receive(
                 Some(Ok(p)) => {
                     let (h, blocked) = link.on_agent_packet(p);
                     cluster.metrics.packet(h);
+                    if link.to_agent.overflowed() {
+                        // It made the server queue more answers than it
+                        // reads: cut off, this agent only.
+                        break "control_overflow";
+                    }
                     let Some(b) = blocked else { continue };
                     // Backpressure: this stream reads nothing more until
                     // that connection's reader makes room, or stops reading

@@ -509,6 +509,14 @@ impl TunnelServer {
         let (name, proto): (Arc<str>, _) = (f.cfg.name.as_str().into(), f.cfg.protocol);
         let (task, bound, tls) = match f.transport {
             Transport::Unix(path) => {
+                // A TunnelCluster's socket lives in a directory of its own
+                // (docs/SECURITY.md), made here if it is not there yet.
+                if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(dir).map_err(ServerError::listen(format!(
+                        "{label}: creating {}",
+                        dir.display()
+                    )))?;
+                }
                 // Like upstream's --delete-existing-uds-file (default true).
                 let _ = std::fs::remove_file(&path);
                 let l = UnixListener::bind(&path).map_err(ServerError::listen(format!(

@@ -1,0 +1,408 @@
+//! The hostile-tenant suite: tenants that do not trust each other share one
+//! gateway and one tunnel server, and an outsider reaches the public
+//! listeners. Each test is one attack; each asserts that nothing crossed
+//! and that the victim kept working. docs/SECURITY.md names the boundary
+//! each test holds.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+use seedlink_testkit as common;
+
+use std::time::Duration;
+
+use common::tunnel_env::*;
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+
+const DEST_A: &str = "outbound|443||echo.shoot--a.svc.cluster.local";
+const DEST_B: &str = "outbound|443||echo.shoot--b.svc.cluster.local";
+
+async fn h2_client(addr: std::net::SocketAddr) -> h2::client::SendRequest<bytes::Bytes> {
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    client
+}
+
+/// An HTTP/2 CONNECT stream naming `dest` in the destination header; its
+/// status, and the stream to keep open when it is 200.
+async fn h2_connect(
+    client: &h2::client::SendRequest<bytes::Bytes>,
+    dest: &str,
+) -> (u16, Option<(h2::RecvStream, h2::SendStream<bytes::Bytes>)>) {
+    let mut c = client.clone().ready().await.unwrap();
+    let req = http::Request::builder()
+        .method(http::Method::CONNECT)
+        .uri("ignored.example:443")
+        .header("x-gardener-destination", dest)
+        .body(())
+        .unwrap();
+    let (resp, send) = c.send_request(req, false).unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(10), resp)
+        .await
+        .expect("no answer within 10 s");
+    match resp {
+        Ok(r) if r.status() == 200 => (200, Some((r.into_body(), send))),
+        Ok(r) => (r.status().as_u16(), None),
+        // A stream the gateway reset: no status.
+        Err(_) => (0, None),
+    }
+}
+
+/// An HTTP/1 CONNECT on `addr` naming `dest`; the status line.
+async fn h1_connect(addr: std::net::SocketAddr, target: &str, dest: &str) -> String {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        format!(
+            "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nX-Gardener-Destination: {dest}\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut buf = vec![0u8; 256];
+    // A connection refused at the cap is closed (or reset) unanswered.
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap_or(0);
+    String::from_utf8_lossy(&buf[..n])
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+fn gateway_yaml(echo_a: std::net::SocketAddr, echo_b: std::net::SocketAddr, acl_a: &str) -> String {
+    format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners:
+  - name: t
+    address: '127.0.0.1:0'
+    protocol: http-connect
+    on_invalid_request: status
+    destination_regex: 'outbound\\|443\\|\\|echo\\.shoot--a\\.svc\\.cluster\\.local'
+limits: {{max_connections: 4}}
+control_planes:
+  - {{name: a, endpoints: ['{echo_a}'], destinations: [{{name: '{DEST_A}'}}], acl: {{allow: [{acl_a}]}}}}
+  - {{name: b, endpoints: ['{echo_b}'], destinations: [{{name: '{DEST_B}'}}]}}
+"
+    )
+}
+
+/// HTTP/2 CONNECT gets every guard HTTP/1 CONNECT has, per stream: the
+/// listener's destination guard, the ACL of the configuration current when
+/// the stream opens (not when the connection did), and the connection
+/// budget (each stream with an upstream socket takes a slot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_connect_streams_get_every_guard_http1_gets() {
+    let stop = CancellationToken::new();
+    let echo_a = echo_backend(&stop).await;
+    let echo_b = echo_backend(&stop).await;
+    let gw = Gw::start(&gateway_yaml(echo_a, echo_b, "127.0.0.0/8"));
+    let addr = gw.listener("t");
+
+    // The guard refuses B's destination on this listener: HTTP/1 and
+    // HTTP/2 alike.
+    assert!(h1_connect(addr, "x:443", DEST_B).await.contains(" 400 "));
+    let client = h2_client(addr).await;
+    let (status, _) = h2_connect(&client, DEST_B).await;
+    assert_eq!(status, 400, "HTTP/2 CONNECT skipped destination_regex");
+
+    // A's tunnel works.
+    let (status, open) = h2_connect(&client, DEST_A).await;
+    assert_eq!(status, 200);
+    let (mut body, mut send) = open.unwrap();
+    send.send_data(bytes::Bytes::from_static(b"ping"), false)
+        .unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(10), body.data())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(&got[..], b"ping");
+
+    // The connection budget: the connection holds one slot, A's open
+    // stream a second; with max_connections 4, two more streams fit and the
+    // next is refused.
+    let (s1, k1) = h2_connect(&client, DEST_A).await;
+    let (s2, k2) = h2_connect(&client, DEST_A).await;
+    assert_eq!((s1, s2), (200, 200));
+    let (s3, _) = h2_connect(&client, DEST_A).await;
+    assert_eq!(s3, 503, "a stream past max_connections was dialled");
+    drop((k1, k2, body, send));
+
+    // A's ACL changes to refuse this client: a new stream on the same,
+    // older connection is decided on the new configuration, as is a new
+    // HTTP/1 connection (retried while the closed streams give their
+    // slots back).
+    gw.write_config(&gateway_yaml(echo_a, echo_b, "10.0.0.0/8"));
+    gw.wait_metric("seedlink_gateway_config_generation", 2.0)
+        .await;
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (status, _) = h2_connect(&client, DEST_A).await;
+        let h1 = h1_connect(addr, "x:443", DEST_A).await;
+        if status == 403 && h1.contains(" 403 ") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "after the ACL change: HTTP/2 {status}, HTTP/1 {h1:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.cancel();
+}
+
+/// Header lists are capped (60 KiB, as Envoy's): a 100 KiB header never
+/// reaches routing, and the connection's other streams keep working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_header_lists_are_capped() {
+    let stop = CancellationToken::new();
+    let echo_a = echo_backend(&stop).await;
+    let echo_b = echo_backend(&stop).await;
+    let gw = Gw::start(&gateway_yaml(echo_a, echo_b, "127.0.0.0/8"));
+    let addr = gw.listener("t");
+    // Raw frames, so the client library's own checks do not stop it first.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let big = "a".repeat(100 * 1024);
+    let mut enc = Vec::new();
+    // HPACK: literal without indexing, new name (RFC 7541 §6.2.2), long
+    // lengths in 7-bit prefix integers.
+    let lit = |out: &mut Vec<u8>, name: &str, value: &str| {
+        out.push(0x00);
+        hpack_int(out, name.len(), 7, 0x00);
+        out.extend_from_slice(name.as_bytes());
+        hpack_int(out, value.len(), 7, 0x00);
+        out.extend_from_slice(value.as_bytes());
+    };
+    lit(&mut enc, ":method", "CONNECT");
+    lit(
+        &mut enc,
+        ":authority",
+        "echo.shoot--a.svc.cluster.local:443",
+    );
+    lit(&mut enc, "x-gardener-destination", DEST_A);
+    lit(&mut enc, "x-junk", &big);
+    let mut wire = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    wire.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]); // empty SETTINGS
+                                                          // HEADERS (no END_HEADERS) then CONTINUATIONs of 16 KiB.
+    let chunks: Vec<&[u8]> = enc.chunks(16 * 1024).collect();
+    for (i, c) in chunks.iter().enumerate() {
+        let kind = if i == 0 { 1 } else { 9 };
+        let flags = if i + 1 == chunks.len() { 4 } else { 0 };
+        let len = c.len();
+        wire.extend_from_slice(&[(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags]);
+        wire.extend_from_slice(&1u32.to_be_bytes());
+        wire.extend_from_slice(c);
+    }
+    let _ = s.write_all(&wire).await;
+    // Whatever the gateway answers (a 431, RST_STREAM or GOAWAY), it never
+    // dials: nothing is routed.
+    let mut buf = vec![0u8; 64 * 1024];
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Ok(n) = s.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await;
+    assert_eq!(
+        gw.metric("seedlink_gateway_routed_total{listener=\"t\"")
+            .await,
+        0.0,
+        "{}",
+        gw.metrics().await
+    );
+    // A well-behaved client is served.
+    let client = h2_client(addr).await;
+    assert_eq!(h2_connect(&client, DEST_A).await.0, 200);
+    stop.cancel();
+}
+
+/// HPACK integer with an `n`-bit prefix (RFC 7541 §5.1).
+fn hpack_int(out: &mut Vec<u8>, mut v: usize, n: u8, first: u8) {
+    let max = (1usize << n) - 1;
+    if v < max {
+        out.push(first | v as u8);
+        return;
+    }
+    out.push(first | max as u8);
+    v -= max;
+    while v >= 128 {
+        out.push((v % 128 + 128) as u8);
+        v /= 128;
+    }
+    out.push(v as u8);
+}
+
+/// `seedlink seed`: an outsider on the public CONNECT listener cannot reach
+/// into a shoot, and on the internal listener the CONNECT's request-line
+/// target is never dialled, only the destination's configured target. The
+/// shoot's secret (an echo service on the agent's loopback, port 7007)
+/// never answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_connect_target_never_steers_the_tunnel() {
+    let env = TunnelEnv::new(100);
+    let d = env.dir.path();
+    let tunnel_cfg = d.join("tunnel.yaml");
+    std::fs::write(&tunnel_cfg, env.server_yaml("127.0.0.1:0", "", "")).unwrap();
+    let gw_cfg = d.join("gateway.yaml");
+    std::fs::write(
+        &gw_cfg,
+        "admin: {listen: '127.0.0.1:0'}
+listeners:
+  - {name: tls, address: '0.0.0.0:8443', protocol: tls}
+  - {name: public, address: '127.0.0.1:8131', protocol: http-connect}
+  - {name: internal, address: '127.0.0.1:8132', protocol: http-connect, tunnel_frontend: true}
+control_planes:
+  - {name: tunnel, hostnames: [tunnel.seedlink.test], endpoints: ['local:tunnel-server']}
+  - name: shoot--dev--a
+    destinations:
+      - {name: 'outbound|8000||web.shoot--dev--a.svc.cluster.local', tunnel_target: '127.0.0.1:8000'}
+      - {name: 'outbound|7007||echo.shoot--dev--a.svc.cluster.local'}
+    endpoints: ['local:tunnel-server']
+",
+    )
+    .unwrap();
+    let mut seed = Proc(
+        env.seed
+            .cmd(&[env!("CARGO_BIN_EXE_seedlink"), "seed", "--gateway"])
+            .arg(&gw_cfg)
+            .arg("--tunnel")
+            .arg(&tunnel_cfg)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let ready = ready_line(&mut seed.0);
+    assert_eq!(ready["event"], "ready", "{ready}");
+    let _agent = env.agent(&env.agent_endpoint(8443), &[]);
+    kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
+    // A raw CONNECT from inside the seed namespace; the answer's first line
+    // and whatever followed within a moment.
+    let connect = |port: u16, target: &str, dest: &str| {
+        let script = format!(
+            "import socket,sys\n\
+             s=socket.create_connection(('127.0.0.1',{port}),timeout=10)\n\
+             s.sendall(b'CONNECT {target} HTTP/1.1\\r\\nHost: {target}\\r\\nX-Gardener-Destination: {dest}\\r\\n\\r\\n')\n\
+             head=b''\n\
+             while b'\\r\\n\\r\\n' not in head:\n\
+             \x20   c=s.recv(1)\n\
+             \x20   if not c: break\n\
+             \x20   head+=c\n\
+             line=head.split(b'\\r\\n')[0].decode()\n\
+             body=b''\n\
+             if ' 200 ' in line:\n\
+             \x20   s.sendall(b'GET /hello.txt HTTP/1.0\\r\\n\\r\\nSECRET-PROBE\\n')\n\
+             \x20   s.settimeout(3)\n\
+             \x20   try:\n\
+             \x20       while True:\n\
+             \x20           c=s.recv(65536)\n\
+             \x20           if not c: break\n\
+             \x20           body+=c\n\
+             \x20   except Exception: pass\n\
+             print(line)\n\
+             print(body.decode(errors='replace'))\n"
+        );
+        let out = env.seed.cmd(&["python3", "-c", &script]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let web = "outbound|8000||web.shoot--dev--a.svc.cluster.local";
+    // The public listener is no way into the shoot.
+    let got = connect(8131, "127.0.0.1:8000", web);
+    assert!(got.starts_with("HTTP/1.1 503"), "{got}");
+    // On the internal listener the request line points at the secret; the
+    // configured target (the web server) answers.
+    let got = connect(8132, "127.0.0.1:7007", web);
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert!(got.contains("hello from the shoot"), "{got}");
+    assert!(
+        !got.contains("SECRET-PROBE"),
+        "the echo service answered: {got}"
+    );
+    // A destination without a tunnel_target is answered like an unknown one.
+    let got = connect(
+        8132,
+        "127.0.0.1:7007",
+        "outbound|7007||echo.shoot--dev--a.svc.cluster.local",
+    );
+    assert!(got.starts_with("HTTP/1.1 503"), "{got}");
+    assert!(!got.contains("SECRET-PROBE"), "{got}");
+}
+
+/// The agent's default policy refuses its own host: loopback in every
+/// spelling (v4, v4-mapped v6, `0.0.0.0`, `::1`, a name resolving to it).
+/// Refused by policy, not by a failed connect: the service listens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_refuses_its_own_loopback_by_default() {
+    let env = TunnelEnv::new(101);
+    let server = env.server(&env.server_yaml("0.0.0.0:8132", "", ""), "server");
+    // The agent's default deny list: no --deny-cidr.
+    let _agent = env.agent_default_policy(&env.agent_endpoint(8132));
+    let admin = server.admin();
+    TunnelEnv::until(Duration::from_secs(20), "the agent connected", || {
+        env.server_metric(
+            &admin,
+            "seedlink_tunnel_server_agents{cluster=\"shoot--dev--a\"}",
+        ) >= 1.0
+    })
+    .await;
+    for target in [
+        "127.0.0.1:8000",
+        "127.1.2.3:8000",
+        "0.0.0.0:8000",
+        "[::ffff:127.0.0.1]:8000",
+        "[::1]:8000",
+        "[::]:8000",
+        "localhost:8000",
+    ] {
+        let e = kas_connect(&env.uds, target)
+            .await
+            .err()
+            .unwrap_or_else(|| panic!("{target} was dialled"));
+        assert!(
+            e.contains("not allowed by the agent's policy"),
+            "{target}: {e}"
+        );
+    }
+}
+
+/// An agent that sends DATA for connections that do not exist while it
+/// reads nothing makes the server queue an answer for each: the queue is
+/// bounded and that agent alone is cut off; the cluster's other agent, and
+/// the server, keep working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_that_reads_nothing_cannot_grow_the_server() {
+    let env = TunnelEnv::new(102);
+    let server = env.server(&env.server_yaml("0.0.0.0:8132", "", ""), "server");
+    let admin = server.admin();
+    let _good = env.agent(&env.agent_endpoint(8132), &["--agent-id", "good"]);
+    let mut echo =
+        kas_connect_eventually(&env.uds, "127.0.0.1:7007", Duration::from_secs(20)).await;
+    echo_rtt(&mut echo, 64).await;
+    let fake = FakeAgent {
+        netns: env.seed.0.clone(),
+        ca: env.files.seed_ca.clone(),
+        cert: env.files.agent_crt.clone(),
+        key: env.files.agent_key.clone(),
+        endpoint: "127.0.0.1:8132".into(),
+        agent_id: "flood".into(),
+    };
+    let sent = fake.flood_unknown_ids(600_000);
+    assert!(sent > 0);
+    TunnelEnv::until(Duration::from_secs(30), "the flooding agent was cut off", || {
+        env.server_metric(
+            &admin,
+            "seedlink_tunnel_server_agent_streams_total{cluster=\"shoot--dev--a\",reason=\"control_overflow\"}",
+        ) >= 1.0
+    })
+    .await;
+    echo_rtt(&mut echo, 4096).await;
+    let fresh = kas_connect(&env.uds, "127.0.0.1:8000").await.unwrap();
+    assert!(fetch_hello(fresh).await.contains("hello from the shoot"));
+}
