@@ -778,7 +778,7 @@ async fn reject_connect(
         (BadConnect::FramingHeader | BadConnect::BadTarget, _) => {
             status_line(head, "400 Bad Request")
         }
-        (_, InvalidRequest::Redirect) => match redirect_location(head) {
+        (_, InvalidRequest::Redirect) => match redirect_location(head, &gw.snapshot().routes) {
             Some(loc) => format!(
                 "HTTP/1.1 301 Moved Permanently\r\nlocation: {loc}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
             ),
@@ -800,8 +800,13 @@ fn status_line(head: &connect_head::Head, status: &str) -> String {
 }
 
 /// Gardener's redirect target `https://<host>:443<path>`; `None` when the
-/// request names no usable host.
-fn redirect_location(head: &connect_head::Head) -> Option<String> {
+/// request names no usable host, or a host the gateway does not serve: the
+/// client's Host is echoed only when it is one of the control planes' host
+/// names, so the gateway is no open redirect to anywhere.
+fn redirect_location(
+    head: &connect_head::Head,
+    routes: &seedlink_config::routes::RouteTable,
+) -> Option<String> {
     let authority = match head.values("host").next() {
         Some(h) => h.to_string(),
         None if head.method == "CONNECT" => head.target.clone(),
@@ -821,7 +826,7 @@ fn redirect_location(head: &connect_head::Head) -> Option<String> {
         && host.bytes().all(|b| {
             b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'[' | b']' | b':')
         });
-    if !valid {
+    if !valid || routes.lookup(host).is_none() {
         return None;
     }
     let path = if head.method != "CONNECT"

@@ -518,6 +518,12 @@ fn backends(
                 let Some(ip) = ep.addresses.first().and_then(|a| a.parse::<IpAddr>().ok()) else {
                     continue;
                 };
+                if let Some(why) = unroutable(ip) {
+                    // The CVE-2021-25740 class: whoever may write an
+                    // EndpointSlice must not point the gateway at itself.
+                    tracing::warn!(service = %skey, address = %ip, why, "EndpointSlice address refused as an upstream");
+                    continue;
+                }
                 let addr = SocketAddr::new(ip, target).to_string();
                 if seen.insert(addr.clone()) {
                     endpoints.push(addr);
@@ -532,6 +538,22 @@ fn backends(
         Verdict::no(reason, problems.join("; "))
     };
     (endpoints, verdict, weighted)
+}
+
+/// Why `ip` can never be a backend pod's address: the gateway's own host
+/// (loopback, unspecified), link-local (cloud metadata), multicast or
+/// broadcast, in either family or as a v4-mapped IPv6 address.
+pub fn unroutable(ip: IpAddr) -> Option<&'static str> {
+    let ip = ip.to_canonical();
+    match ip {
+        _ if ip.is_loopback() => Some("loopback"),
+        _ if ip.is_unspecified() => Some("unspecified"),
+        _ if ip.is_multicast() => Some("multicast"),
+        IpAddr::V4(v4) if v4.is_link_local() => Some("link-local"),
+        IpAddr::V4(v4) if v4.is_broadcast() || v4.octets()[0] == 0 => Some("not a host"),
+        IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80 => Some("link-local"),
+        _ => None,
+    }
 }
 
 #[cfg(test)]

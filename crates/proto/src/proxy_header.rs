@@ -64,18 +64,60 @@ pub fn tlv<'a>(buf: &'a [u8], header: &ProxyHeader, ty: u8) -> Option<&'a [u8]> 
     None
 }
 
-/// Checks that a v2 TLV block is a whole number of TLVs: no truncated TLV
-/// header, no value running past the end of the header.
-fn check_tlvs(mut block: &[u8]) -> Result<(), &'static str> {
-    while !block.is_empty() {
-        let [_, hi, lo, rest @ ..] = block else {
+/// TLVs a v2 header may carry. Real senders put a handful (ALPN,
+/// authority, CRC, unique ID, SSL, a vendor's); a header of a thousand
+/// NOOPs is an attack on whoever walks the list.
+const MAX_TLVS: usize = 32;
+/// `PP2_TYPE_AUTHORITY`: the host name the client sent (SNI), at most a
+/// DNS name's 255 bytes.
+const TLV_AUTHORITY: u8 = 0x02;
+const MAX_AUTHORITY: usize = 255;
+/// `PP2_TYPE_CRC32C`: a CRC32c of the whole header with this field zeroed.
+const TLV_CRC32C: u8 = 0x03;
+
+/// Checks the v2 TLV block of `header` (from `tlv_start` to its end): a
+/// whole number of TLVs, no truncated TLV header, no value running past the
+/// end, at most [`MAX_TLVS`], an AUTHORITY no longer than a host name, and
+/// a CRC32c (if any) of exactly 4 bytes that matches, as HAProxy checks it.
+fn check_tlvs(header: &[u8], tlv_start: usize) -> Result<(), &'static str> {
+    let mut at = tlv_start;
+    let mut count = 0;
+    while at < header.len() {
+        let Some([ty, hi, lo]) = header.get(at..at + 3) else {
             return Err("v2 header ends inside a TLV header");
         };
         let n = usize::from(u16::from_be_bytes([*hi, *lo]));
-        if rest.len() < n {
+        let value = at + 3;
+        if header.len() - value < n {
             return Err("v2 TLV runs past the end of the header");
         }
-        block = &rest[n..];
+        count += 1;
+        if count > MAX_TLVS {
+            return Err("v2 header with more TLVs than any sender puts");
+        }
+        match *ty {
+            TLV_AUTHORITY if n > MAX_AUTHORITY => {
+                return Err("v2 AUTHORITY TLV longer than a host name")
+            }
+            TLV_CRC32C => {
+                if n != 4 {
+                    return Err("v2 CRC32C TLV not 4 bytes long");
+                }
+                let want = u32::from_be_bytes([
+                    header[value],
+                    header[value + 1],
+                    header[value + 2],
+                    header[value + 3],
+                ]);
+                let mut zeroed = header.to_vec();
+                zeroed[value..value + 4].fill(0);
+                if crc32c::crc32c(&zeroed) != want {
+                    return Err("v2 CRC32C TLV does not match the header");
+                }
+            }
+            _ => {}
+        }
+        at = value + n;
     }
     Ok(())
 }
@@ -230,7 +272,7 @@ fn parse_v2(buf: &[u8], max_len: usize) -> Parse<ProxyHeader, Reject> {
         ));
     }
     let tlv_start = V2_FIXED + need;
-    if let Err(why) = check_tlvs(&buf[tlv_start..len]) {
+    if let Err(why) = check_tlvs(&buf[..len], tlv_start) {
         return Parse::Invalid(Reject::Malformed(why));
     }
     if command == 0 {

@@ -182,28 +182,31 @@ async fn raw_connect_shapes() {
 
     // A rejected CONNECT followed by a pipelined GET: one answer, then close;
     // the GET is never parsed (it would have produced a second response).
-    let r = exchange(&gw, b"CONNECT x:443 HTTP/1.1\r\nHost: api.x.example\r\n\r\nGET /secret HTTP/1.1\r\nHost: y\r\n\r\n").await;
+    let r = exchange(&gw, format!("CONNECT x:443 HTTP/1.1\r\nHost: {ALPHA}\r\n\r\nGET /secret HTTP/1.1\r\nHost: y\r\n\r\n").as_bytes()).await;
     assert_eq!(r.matches("HTTP/1.1").count(), 1, "{r}");
     assert!(
-        r.starts_with("HTTP/1.1 301") && r.contains("location: https://api.x.example:443/\r\n"),
+        r.starts_with("HTTP/1.1 301") && r.contains(&format!("location: https://{ALPHA}:443/\r\n")),
         "{r}"
     );
     // Non-CONNECT: redirect keeps the path.
     let r = exchange(
         &gw,
-        b"GET /healthz HTTP/1.1\r\nHost: api.x.example:8443\r\n\r\n",
+        format!("GET /healthz HTTP/1.1\r\nHost: {ALPHA}:8443\r\n\r\n").as_bytes(),
     )
     .await;
     assert!(
-        r.contains("location: https://api.x.example:443/healthz"),
+        r.contains(&format!("location: https://{ALPHA}:443/healthz")),
         "{r}"
     );
+    // A host the gateway does not serve is never echoed (no open redirect).
+    let r = exchange(&gw, b"GET / HTTP/1.1\r\nHost: evil.example\r\n\r\n").await;
+    assert!(r.starts_with("HTTP/1.1 400"), "{r}");
     // Duplicate destination headers, and a malformed one.
-    let r = exchange(&gw, format!("CONNECT x:443 HTTP/1.1\r\nHost: h\r\nX-Gardener-Destination: {DEST_ECHO}\r\nx-gardener-destination: {DEST_ECHO}\r\n\r\n").as_bytes()).await;
+    let r = exchange(&gw, format!("CONNECT x:443 HTTP/1.1\r\nHost: {ALPHA}\r\nX-Gardener-Destination: {DEST_ECHO}\r\nx-gardener-destination: {DEST_ECHO}\r\n\r\n").as_bytes()).await;
     assert!(r.starts_with("HTTP/1.1 301"), "{r}");
     let r = exchange(
         &gw,
-        b"CONNECT x:443 HTTP/1.1\r\nHost: h\r\nX-Gardener-Destination: outbound|443||a..b\r\n\r\n",
+        format!("CONNECT x:443 HTTP/1.1\r\nHost: {ALPHA}\r\nX-Gardener-Destination: outbound|443||a..b\r\n\r\n").as_bytes(),
     )
     .await;
     assert!(r.starts_with("HTTP/1.1 301"), "{r}");

@@ -352,6 +352,10 @@ async fn the_agent_refuses_its_own_loopback_by_default() {
         ) >= 1.0
     })
     .await;
+    // The probe answers without a token and names no tenant.
+    let ready = TunnelEnv::admin_get(&env.seed, &admin, "/readyz");
+    assert!(ready.contains("clusters=1 agents=1"), "{ready}");
+    assert!(!ready.contains("shoot--dev--a"), "{ready}");
     for target in [
         "127.0.0.1:8000",
         "127.1.2.3:8000",

@@ -29,6 +29,13 @@ const OUT_FRAME: usize = 16 * 1024;
 const MAX_IN_FRAME: usize = 256 * 1024;
 /// Largest header block accepted (the server's header list limit is 16 KiB).
 const MAX_BLOCK: usize = 64 * 1024;
+/// Largest decoded header list (RFC 7541 §4.1 sizes: name + value + 32
+/// per field). A small block can reference a table entry thousands of
+/// times (an "HPACK bomb"); decoding stops collecting past this.
+const MAX_DECODED: usize = 64 * 1024;
+/// The dynamic table size the client may ask for: HTTP/2's default
+/// `SETTINGS_HEADER_TABLE_SIZE`, which the server behind never raises.
+const MAX_TABLE: usize = 4096;
 
 fn bad(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, what.to_string())
@@ -55,6 +62,7 @@ where
     }
     w.write_all(&preface).await?;
     let mut dec = Decoder::new();
+    dec.set_max_allowed_table_size(MAX_TABLE);
     let mut enc = Encoder::new();
     let mut open: Option<Block> = None;
     loop {
@@ -131,9 +139,20 @@ async fn emit<W: AsyncWrite + Unpin>(
     enc: &mut Encoder<'_>,
     b: Block,
 ) -> io::Result<()> {
-    let mut headers = dec
-        .decode(&b.fragment)
-        .map_err(|e| bad(&format!("HPACK: {e:?}")))?;
+    let mut headers = Vec::new();
+    let mut size = 0usize;
+    // Past the limit nothing more is copied (indexed fields are borrowed
+    // from the table), so a bomb costs only its own bytes of work.
+    dec.decode_with_cb(&b.fragment, |n, v| {
+        size = size.saturating_add(n.len() + v.len() + 32);
+        if size <= MAX_DECODED {
+            headers.push((n.into_owned(), v.into_owned()));
+        }
+    })
+    .map_err(|e| bad(&format!("HPACK: {e:?}")))?;
+    if size > MAX_DECODED {
+        return Err(bad("header list too large"));
+    }
     for (name, value) in &mut headers {
         if name.as_slice() == b":authority"
             && std::str::from_utf8(value)
@@ -284,5 +303,46 @@ mod tests {
         let mut input = PREFACE.to_vec();
         input.extend(frame(HEADERS, END_HEADERS | PADDED, 1, &[200, 1, 2]));
         assert!(rewrite(input.as_slice(), &mut Vec::new()).await.is_err());
+    }
+
+    /// One 4 KiB table entry referenced by every byte of a 64 KiB block
+    /// would decode to 256 MiB: refused instead, as is a table larger than
+    /// HTTP/2's default.
+    #[tokio::test]
+    async fn hpack_bombs_are_refused() {
+        // Literal with incremental indexing, new name (RFC 7541 §6.2.1):
+        // one 4,037-byte table entry (value length 4000 = 127 + 0x21 +
+        // 0x1e * 128, a 7-bit prefix integer).
+        let mut bomb = vec![0x40, 5];
+        bomb.extend_from_slice(b"x-big");
+        bomb.extend_from_slice(&[0x7f, 0xa1, 0x1e]);
+        bomb.extend(std::iter::repeat_n(b'a', 4000));
+        // 0xbe: indexed field 62, the first dynamic entry, over and over.
+        bomb.extend(std::iter::repeat_n(0xbe, 50_000));
+        let mut input = PREFACE.to_vec();
+        let mut at = 0;
+        let chunks: Vec<&[u8]> = bomb.chunks(16 * 1024).collect();
+        for (i, c) in chunks.iter().enumerate() {
+            let last = i + 1 == chunks.len();
+            let typ = if i == 0 { HEADERS } else { CONTINUATION };
+            input.extend(frame(typ, if last { END_HEADERS } else { 0 }, 1, c));
+            at += c.len();
+        }
+        assert_eq!(at, bomb.len());
+        let mut out = Vec::new();
+        let e = rewrite(&input[..], &mut out).await.unwrap_err();
+        assert!(e.to_string().contains("too large"), "{e}");
+        assert!(out.len() < 1024, "{} bytes forwarded", out.len());
+
+        // A dynamic table size update past 4096.
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(
+            HEADERS,
+            END_HEADERS,
+            1,
+            &[0x3f, 0xe1, 0xff, 0x03, 0x82],
+        ));
+        let e = rewrite(&input[..], &mut Vec::new()).await.unwrap_err();
+        assert!(e.to_string().contains("HPACK"), "{e}");
     }
 }

@@ -282,3 +282,32 @@ fn a_policy_cluster_id_routes_by_tlv_and_a_bad_one_is_refused() {
         t.routes[0].accepted
     );
 }
+
+/// An EndpointSlice that points at the gateway's own host, link-local
+/// (cloud metadata) or other non-host addresses gets none of them used as
+/// upstreams (the CVE-2021-25740 class); its real pod addresses still are.
+#[test]
+fn endpoint_slices_cannot_point_the_gateway_at_itself() {
+    let mut w = one_shoot();
+    w.slices = vec![slice(
+        "shoot--a",
+        "kube-apiserver",
+        "https",
+        &[
+            ("127.0.0.1", Some(true)),
+            ("0.0.0.0", Some(true)),
+            ("169.254.169.254", Some(true)),
+            ("224.0.0.1", Some(true)),
+            ("255.255.255.255", Some(true)),
+            ("10.0.0.1", Some(true)),
+        ],
+    )];
+    let t = w.translate(&mut Translator::default());
+    assert_eq!(t.control_planes[0].endpoints, vec!["10.0.0.1:6443"]);
+    for bad in ["::1", "::", "fe80::1", "::ffff:127.0.0.1", "ff02::1"] {
+        assert!(super::unroutable(bad.parse().unwrap()).is_some(), "{bad}");
+    }
+    for good in ["10.0.0.1", "fd00::1", "2001:db8::1", "100.64.0.1"] {
+        assert!(super::unroutable(good.parse().unwrap()).is_none(), "{good}");
+    }
+}

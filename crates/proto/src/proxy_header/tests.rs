@@ -269,3 +269,54 @@ fn v2_malformed_tlv_blocks_are_refused() {
         );
     }
 }
+
+/// A header with a CRC32C TLV: the checksum of the whole header with the
+/// field zeroed (HAProxy's `crc32c` check), filled in by `fix`.
+fn with_crc(fix: bool) -> Vec<u8> {
+    let mut body = v2_tcp4([10, 1, 2, 3], [10, 9, 9, 9], 1, 2)[16..].to_vec();
+    body.extend_from_slice(&[0x03, 0, 4, 0, 0, 0, 0]);
+    let mut msg = v2(1, 0x11, &body);
+    if fix {
+        let sum = crc32c::crc32c(&msg).to_be_bytes();
+        let at = msg.len() - 4;
+        msg[at..].copy_from_slice(&sum);
+    }
+    msg
+}
+
+#[test]
+fn v2_tlvs_are_checked_like_haproxy_checks_them() {
+    // A matching CRC32C is accepted; a wrong one, or one not 4 bytes long,
+    // is refused.
+    assert!(matches!(parse(&with_crc(true), CAP), Parse::Done(_)));
+    let refused = |msg: &[u8], why: &str| match parse(msg, 8192) {
+        Parse::Invalid(Reject::Malformed(w)) => assert!(w.contains(why), "{w}"),
+        other => panic!("{why}: {other:?}"),
+    };
+    refused(&with_crc(false), "CRC32C TLV does not match");
+    let mut flipped = with_crc(true);
+    flipped[16] ^= 1; // the source address changed after the sum
+    refused(&flipped, "CRC32C TLV does not match");
+    let addrs = v2_tcp4([10, 1, 2, 3], [10, 9, 9, 9], 1, 2)[16..].to_vec();
+    let mut body = addrs.clone();
+    body.extend_from_slice(&[0x03, 0, 3, 1, 2, 3]);
+    refused(&v2(1, 0x11, &body), "not 4 bytes");
+    // A thousand zero-length NOOPs, and a 300-byte AUTHORITY.
+    let mut body = addrs.clone();
+    for _ in 0..1000 {
+        body.extend_from_slice(&[0x04, 0, 0]);
+    }
+    refused(&v2(1, 0x11, &body), "more TLVs");
+    let mut body = addrs.clone();
+    body.extend_from_slice(&[0x02, 0x01, 0x2c]);
+    body.extend_from_slice(&[b'a'; 300]);
+    refused(&v2(1, 0x11, &body), "AUTHORITY");
+    // 32 TLVs and a 255-byte AUTHORITY are fine.
+    let mut body = addrs;
+    body.extend_from_slice(&[0x02, 0, 255]);
+    body.extend_from_slice(&[b'a'; 255]);
+    for _ in 0..31 {
+        body.extend_from_slice(&[0x04, 0, 0]);
+    }
+    assert!(matches!(parse(&v2(1, 0x11, &body), CAP), Parse::Done(_)));
+}
