@@ -340,6 +340,12 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
                 }
             };
             let tunnel_target = check_tunnel_target(&mut c, &path, d, &endpoints);
+            if tunnel_target.is_some() && cp.acl.is_none() {
+                c.err(
+                    format!("{path}.tunnel_target"),
+                    "reaches into a shoot: its control plane needs an `acl` naming who may use it (e.g. the kube-apiservers' pod network)",
+                );
+            }
             routes.destinations.insert(
                 canonical,
                 DestinationRoute {

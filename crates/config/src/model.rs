@@ -58,6 +58,12 @@ pub struct KubernetesSource {
     /// Whether this replica takes part in writing status (default true).
     #[serde(default = "yes")]
     pub write_status: bool,
+    /// Whether EndpointSlice addresses on loopback may be upstreams. Off:
+    /// no pod has a loopback address, and one that claims it would point
+    /// the gateway at itself. Only for a seed whose "pods" all run on one
+    /// host (tests, demos).
+    #[serde(default)]
+    pub loopback_endpoints: bool,
 }
 
 fn yes() -> bool {

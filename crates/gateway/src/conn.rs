@@ -323,6 +323,26 @@ async fn run(
                 .await;
                 return refuse(gw, lctx, client, Refusal::UnknownDestination);
             };
+            // A CONNECT reaches into a shoot only on a listener configured
+            // as a tunnel frontend, and only to the destination's own
+            // target (the request line is never dialled). Decided before
+            // the ACL, with the answer of an unknown destination, so a
+            // public listener tells nothing about tunnel destinations.
+            let local =
+                matches!(route.endpoints.as_slice(), [only] if only.address.starts_with("local:"));
+            if local && (!lctx.spec.tunnel_frontend || route.tunnel_target.is_none()) {
+                if gw.metrics.refusal_log.allow() {
+                    tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, %client, %peer,
+                        destination = %canonical, reason = "tunnel_not_allowed",
+                        "a CONNECT to an in-process tunnel needs a tunnel_frontend listener and a destination tunnel_target");
+                }
+                respond_and_close(
+                    &stream,
+                    status_line(head, "503 Service Unavailable").as_bytes(),
+                )
+                .await;
+                return refuse(gw, lctx, client, Refusal::TunnelNotAllowed);
+            }
             (
                 route.control_plane.clone(),
                 route.endpoints.as_slice(),
@@ -357,25 +377,9 @@ async fn run(
             // A CONNECT reaches into a shoot only on a listener configured
             // as a tunnel frontend, and only to the destination's own
             // target: the request line is never dialled.
+            // Checked above: a CONNECT here has its configured target.
             let connect_target = match &detected.request {
-                Request::Connect(head) => match tunnel_target {
-                    Some(t) => Some(t.to_string()),
-                    None => {
-                        if gw.metrics.refusal_log.allow() {
-                            tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, %client, %peer,
-                                control_plane = %cp.name, reason = "tunnel_not_allowed",
-                                "a CONNECT to an in-process tunnel needs a tunnel_frontend listener and a destination tunnel_target");
-                        }
-                        respond_and_close(
-                            &stream,
-                            status_line(head, "503 Service Unavailable").as_bytes(),
-                        )
-                        .await;
-                        lctx.metrics
-                            .detect_failure(&gw.metrics, Refusal::TunnelNotAllowed.reason());
-                        return (None, Outcome::Refused(Refusal::TunnelNotAllowed));
-                    }
-                },
+                Request::Connect(_) => tunnel_target.map(str::to_string),
                 _ => None,
             };
             let _routed = lctx.metrics.routed(&gw.metrics, &cp.name, protocol);

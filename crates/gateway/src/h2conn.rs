@@ -32,9 +32,11 @@ const IDLE_AFTER_STREAMS: Duration = Duration::from_secs(60);
 /// Largest header list a stream may send (Envoy's default, 60 KiB).
 const MAX_HEADER_LIST: u32 = 60 * 1024;
 /// Streams a client may reset while their dial is under way (the
-/// rapid-reset pattern past h2's own accept-queue limit); one more closes
-/// the connection.
+/// rapid-reset pattern past h2's own accept-queue limit) within
+/// [`RESET_WINDOW`]; one more closes the connection (GOAWAY
+/// `ENHANCE_YOUR_CALM`).
 const MAX_EARLY_RESETS: u32 = 100;
+const RESET_WINDOW: Duration = Duration::from_secs(10);
 
 /// Serves one HTTP/2 connection whose first `prefix` bytes were already
 /// read. Without an open stream the connection is unrouted: it holds a
@@ -94,6 +96,7 @@ pub(crate) async fn serve(
     let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let went_idle = Arc::new(tokio::sync::Notify::new());
     let early_resets = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let mut reset_window = tokio::time::Instant::now();
     let outcome = loop {
         let idle = async {
             match idle_deadline {
@@ -108,7 +111,14 @@ pub(crate) async fn serve(
                         drop(guard.take());
                         idle_deadline = None;
                     }
+                    // Counted per window, so a long-lived pooled connection
+                    // that now and then cancels a dial is never cut.
+                    if reset_window.elapsed() > RESET_WINDOW {
+                        reset_window = tokio::time::Instant::now();
+                        early_resets.store(0, std::sync::atomic::Ordering::Relaxed);
+                    }
                     if early_resets.load(std::sync::atomic::Ordering::Relaxed) > MAX_EARLY_RESETS {
+                        conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
                         break "h2_reset_flood";
                     }
                     let (gw, lctx) = (gw.clone(), lctx.clone());
@@ -146,6 +156,14 @@ pub(crate) async fn serve(
         }
     };
     tasks.close();
+    if outcome == "h2_reset_flood" {
+        // Let the GOAWAY out, bounded.
+        let _ = tokio::time::timeout(
+            Duration::from_secs(1),
+            std::future::poll_fn(|cx| conn.poll_closed(cx)),
+        )
+        .await;
+    }
     outcome
 }
 
@@ -170,7 +188,11 @@ fn refuse(
 /// header's value, or the name built from `:authority`, exactly as HTTP/1
 /// CONNECT's guard sees its header.
 fn destination_of(lctx: &ListenerCtx, req: &Request<RecvStream>) -> Result<String, &'static str> {
-    let named = match req.headers().get(lctx.spec.destination_header.as_str()) {
+    let header = lctx.spec.destination_header.as_str();
+    if req.headers().get_all(header).iter().count() > 1 {
+        return Err("connect_destination_duplicated");
+    }
+    let named = match req.headers().get(header) {
         Some(v) => v
             .to_str()
             .map_err(|_| "connect_destination_malformed")?

@@ -65,6 +65,8 @@ pub struct GatewaySettings {
     pub lease: Option<Key>,
     /// This replica's name in the lease (the pod name).
     pub identity: String,
+    /// EndpointSlice addresses on loopback may be upstreams (tests).
+    pub loopback_endpoints: bool,
 }
 
 /// A running source.
@@ -191,6 +193,7 @@ pub fn start_gateway(
             () = task_stop.cancelled() => return,
         }
         let mut translator = Translator::default();
+        translator.loopback_endpoints = settings.loopback_endpoints;
         let mut status = StatusWriter::new(client, writer_leadership);
         let mut coalescer = Coalescer {
             changed,

@@ -178,6 +178,10 @@ pub struct Objects<'a> {
 #[derive(Debug, Default)]
 pub struct Translator {
     last_good: HashMap<Key, SeedlinkPolicySpec>,
+    /// EndpointSlice addresses on loopback may be upstreams (a seed whose
+    /// pods all run on one host: tests, demos); other unroutable
+    /// addresses never are.
+    pub loopback_endpoints: bool,
 }
 
 fn age<K: kube::Resource>(o: &K) -> (Option<k8s_openapi::jiff::Timestamp>, Key) {
@@ -248,7 +252,8 @@ impl Translator {
                 out.routes.push(outcome);
                 continue;
             }
-            let (endpoints, resolved, weighted) = backends(route, &key, &services, &slices);
+            let (endpoints, resolved, weighted) =
+                backends(route, &key, &services, &slices, self.loopback_endpoints);
             outcome.resolved = resolved;
             if weighted {
                 outcome.accepted = Verdict::yes(
@@ -439,6 +444,7 @@ fn backends(
     key: &Key,
     services: &HashMap<Key, &Service>,
     slices: &HashMap<Key, Vec<&EndpointSlice>>,
+    loopback: bool,
 ) -> (Vec<String>, Verdict, bool) {
     let mut endpoints = Vec::new();
     let mut seen = HashSet::new();
@@ -518,7 +524,7 @@ fn backends(
                 let Some(ip) = ep.addresses.first().and_then(|a| a.parse::<IpAddr>().ok()) else {
                     continue;
                 };
-                if let Some(why) = unroutable(ip) {
+                if let Some(why) = unroutable(ip).filter(|_| !(loopback && ip.is_loopback())) {
                     // The CVE-2021-25740 class: whoever may write an
                     // EndpointSlice must not point the gateway at itself.
                     tracing::warn!(service = %skey, address = %ip, why, "EndpointSlice address refused as an upstream");
@@ -551,6 +557,12 @@ pub fn unroutable(ip: IpAddr) -> Option<&'static str> {
         _ if ip.is_multicast() => Some("multicast"),
         IpAddr::V4(v4) if v4.is_link_local() => Some("link-local"),
         IpAddr::V4(v4) if v4.is_broadcast() || v4.octets()[0] == 0 => Some("not a host"),
+        // Cloud metadata outside link-local (Alibaba, AWS over IPv6), as the
+        // agent's default deny list has them.
+        IpAddr::V4(v4) if v4.octets() == [100, 100, 100, 200] => Some("cloud metadata"),
+        IpAddr::V6(v6) if v6.segments() == [0xfd00, 0xec2, 0, 0, 0, 0, 0, 0x254] => {
+            Some("cloud metadata")
+        }
         IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80 => Some("link-local"),
         _ => None,
     }

@@ -221,6 +221,13 @@ fn confine(sockets: &Path, unix: &str) -> Result<PathBuf, String> {
         && file
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'));
+    // sun_path holds 108 bytes with its NUL.
+    if ok && sockets.join(file).as_os_str().len() > 107 {
+        return Err(format!(
+            "{:?} is longer than a Unix socket path may be (107 bytes)",
+            sockets.join(file)
+        ));
+    }
     if ok {
         Ok(sockets.join(file))
     } else {

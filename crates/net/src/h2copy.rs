@@ -42,8 +42,13 @@ pub async fn socket_to_stream(socket: &TcpStream, mut send: SendStream<Bytes>) {
     loop {
         let readable = tokio::select! {
             r = socket.readable() => r,
-            _ = std::future::poll_fn(|cx| send.poll_reset(cx)) => {
-                crate::sockopt::arm_reset(socket);
+            reason = std::future::poll_fn(|cx| send.poll_reset(cx)) => {
+                // NO_ERROR after the peer's END_STREAM means "stop sending"
+                // (RFC 9113 §8.1): what was written to the socket must still
+                // arrive, so no reset for it.
+                if !matches!(reason, Ok(h2::Reason::NO_ERROR)) {
+                    crate::sockopt::arm_reset(socket);
+                }
                 return;
             }
         };

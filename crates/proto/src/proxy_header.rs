@@ -82,6 +82,7 @@ const TLV_CRC32C: u8 = 0x03;
 fn check_tlvs(header: &[u8], tlv_start: usize) -> Result<(), &'static str> {
     let mut at = tlv_start;
     let mut count = 0;
+    let mut crc_seen = false;
     while at < header.len() {
         let Some([ty, hi, lo]) = header.get(at..at + 3) else {
             return Err("v2 header ends inside a TLV header");
@@ -100,6 +101,9 @@ fn check_tlvs(header: &[u8], tlv_start: usize) -> Result<(), &'static str> {
                 return Err("v2 AUTHORITY TLV longer than a host name")
             }
             TLV_CRC32C => {
+                if std::mem::replace(&mut crc_seen, true) {
+                    return Err("v2 header with two CRC32C TLVs");
+                }
                 if n != 4 {
                     return Err("v2 CRC32C TLV not 4 bytes long");
                 }

@@ -132,7 +132,7 @@ fn condition(api: &ApiServer, plural: &str, ns: &str, name: &str, type_: &str) -
 }
 
 fn gateway_yaml() -> String {
-    format!("admin: {{listen: '127.0.0.1:0'}}\nlisteners: [{{name: tls, address: '127.0.0.1:0'}}]\nkubernetes: {{gateway: {GATEWAY}}}\n")
+    format!("admin: {{listen: '127.0.0.1:0'}}\nlisteners: [{{name: tls, address: '127.0.0.1:0'}}]\nkubernetes: {{gateway: {GATEWAY}, loopback_endpoints: true}}\n")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

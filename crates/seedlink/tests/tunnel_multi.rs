@@ -905,6 +905,7 @@ control_planes:
   - name: b
     destinations: [{name: 'outbound|8000||shoot.b.svc.cluster.local', tunnel_target: '127.0.0.1:8000'}]
     endpoints: ['local:tunnel-server']
+    acl: {allow: [127.0.0.0/8]}
 ",
     )
     .unwrap();

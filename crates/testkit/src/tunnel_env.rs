@@ -595,29 +595,90 @@ impl FakeAgent {
 
     /// Sends DATA for `n` connections the server never heard of (each is
     /// answered with a CLOSE_REQ) while reading nothing the server sends,
-    /// stopping early once the server stops taking packets. Returns how
-    /// many it sent.
+    /// stopping early once the server stops taking packets. Speaks gRPC
+    /// over the `h2` crate directly, with a 1 KiB receive window, so the
+    /// server's answers back up after a few dozen. Returns how many it
+    /// sent.
     pub fn flood_unknown_ids(&self, n: i64) -> i64 {
+        use prost::Message;
         use seedlink_tunnel::proto::Packet;
-        let sent = std::sync::Arc::new(std::sync::atomic::AtomicI64::new(0));
-        let count = sent.clone();
-        self.with_stream(move |tx, inbound| async move {
-            let payload = bytes::Bytes::from_static(b"x");
-            for id in 1..=n {
-                // Bounded: a server that stopped reading ends the flood.
-                match tokio::time::timeout(
-                    Duration::from_secs(20),
-                    tx.send(Packet::data(id, payload.clone())),
+        let (netns, ca, cert, key, ep, id) = (
+            self.netns.clone(),
+            self.ca.clone(),
+            self.cert.clone(),
+            self.key.clone(),
+            self.endpoint.clone(),
+            self.agent_id.clone(),
+        );
+        std::thread::spawn(move || {
+            enter_netns(&netns);
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let cfg = seedlink_tunnel::tls::client_config(
+                    std::path::Path::new(&ca),
+                    Some((std::path::Path::new(&cert), std::path::Path::new(&key))),
+                    &["h2".to_string()],
                 )
-                .await
-                {
-                    Ok(Ok(())) => count.store(id, std::sync::atomic::Ordering::Relaxed),
-                    _ => break,
+                .unwrap();
+                let tcp = tokio::net::TcpStream::connect(&ep).await.unwrap();
+                let name = rustls::pki_types::ServerName::try_from("tunnel.seedlink.test").unwrap();
+                let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
+                    .connect(name, tcp)
+                    .await
+                    .unwrap();
+                let (client, conn) = h2::client::Builder::new()
+                    .initial_window_size(1024)
+                    .initial_connection_window_size(1024)
+                    .handshake::<_, bytes::Bytes>(tls)
+                    .await
+                    .unwrap();
+                tokio::spawn(conn);
+                let mut client = client.ready().await.unwrap();
+                let req = http::Request::builder()
+                    .method("POST")
+                    .uri(format!(
+                        "https://tunnel.seedlink.test{}",
+                        seedlink_tunnel::proto::AGENT_CONNECT_PATH
+                    ))
+                    .header("content-type", "application/grpc")
+                    .header("te", "trailers")
+                    .header("agentid", id)
+                    .body(())
+                    .unwrap();
+                let (resp, mut send) = client.send_request(req, false).unwrap();
+                // The answer's headers come at once; its body is never read.
+                let _resp = tokio::time::timeout(Duration::from_secs(10), resp).await;
+                let mut sent = 0;
+                for id in 1..=n {
+                    let p = Packet::data(id, bytes::Bytes::from_static(b"x"));
+                    let body = p.encode_to_vec();
+                    let mut msg = vec![0u8];
+                    msg.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes());
+                    msg.extend_from_slice(&body);
+                    send.reserve_capacity(msg.len());
+                    // Bounded: a server that stopped reading ends the flood.
+                    let room = tokio::time::timeout(
+                        Duration::from_secs(10),
+                        std::future::poll_fn(|cx| send.poll_capacity(cx)),
+                    )
+                    .await;
+                    match room {
+                        Ok(Some(Ok(_))) => {}
+                        _ => break,
+                    }
+                    if send.send_data(bytes::Bytes::from(msg), false).is_err() {
+                        break;
+                    }
+                    sent = id;
                 }
-            }
-            drop(inbound);
-        });
-        sent.load(std::sync::atomic::Ordering::Relaxed)
+                sent
+            })
+        })
+        .join()
+        .unwrap()
     }
 }
 

@@ -284,6 +284,7 @@ control_planes:
   - name: a
     destinations: [{name: 'outbound|10250||kubelet.a.svc.cluster.local', tunnel_target: 'TARGET'}]
     endpoints: ['ENDPOINT']
+    acl: {allow: [10.0.0.0/8]}
 ";
     let s = ok(&tunnel
         .replace("TARGET", "10.250.0.10:10250")
@@ -309,6 +310,14 @@ control_planes:
         );
         assert!(e[0].message.contains("host:port"), "{bad}: {e:?}");
     }
+    // Who may reach into the shoot must be said.
+    let e = errors(
+        &tunnel
+            .replace("TARGET", "10.250.0.10:10250")
+            .replace("ENDPOINT", "local:tunnel-server")
+            .replace("    acl: {allow: [10.0.0.0/8]}\n", ""),
+    );
+    assert!(e[0].message.contains("needs an `acl`"), "{e:?}");
     // Only a CONNECT listener can be a tunnel frontend.
     let e = errors(&MINIMAL.replace(
         "address: '127.0.0.1:0'}",

@@ -304,10 +304,51 @@ fn endpoint_slices_cannot_point_the_gateway_at_itself() {
     )];
     let t = w.translate(&mut Translator::default());
     assert_eq!(t.control_planes[0].endpoints, vec!["10.0.0.1:6443"]);
-    for bad in ["::1", "::", "fe80::1", "::ffff:127.0.0.1", "ff02::1"] {
+    for bad in [
+        "::1",
+        "::",
+        "fe80::1",
+        "::ffff:127.0.0.1",
+        "ff02::1",
+        "100.100.100.200",
+        "fd00:ec2::254",
+    ] {
         assert!(super::unroutable(bad.parse().unwrap()).is_some(), "{bad}");
     }
     for good in ["10.0.0.1", "fd00::1", "2001:db8::1", "100.64.0.1"] {
         assert!(super::unroutable(good.parse().unwrap()).is_none(), "{good}");
     }
+}
+
+/// A tenant's route naming another tenant's Service (a backendRef with a
+/// namespace) gets none of its endpoints: without a ReferenceGrant, which
+/// seedlink does not read yet, it is `RefNotPermitted`.
+#[test]
+fn a_route_cannot_take_another_namespaces_backend() {
+    let mut w = one_shoot();
+    let mut r = (*route(
+        "shoot--evil",
+        "api",
+        "2026-01-01T00:00:00Z",
+        &["api.evil.example"],
+        "kube-apiserver",
+        443,
+    ))
+    .clone();
+    let mut spec = serde_json::to_value(&r.spec).unwrap();
+    spec["rules"][0]["backendRefs"][0]["namespace"] = json!("shoot--a");
+    r.spec = serde_json::from_value(spec).unwrap();
+    w.routes.push(Arc::new(r));
+    let t = w.translate(&mut Translator::default());
+    let evil = t
+        .routes
+        .iter()
+        .find(|o| o.key.namespace == "shoot--evil")
+        .unwrap();
+    assert_eq!(evil.resolved.reason, "RefNotPermitted");
+    let cp = t
+        .control_planes
+        .iter()
+        .find(|c| c.hostnames == ["api.evil.example"]);
+    assert!(cp.is_none_or(|c| c.endpoints.is_empty()), "{cp:?}");
 }

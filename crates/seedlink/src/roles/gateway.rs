@@ -125,6 +125,7 @@ pub async fn kubernetes(
         listeners: snap.file.listeners.iter().map(|l| l.name.clone()).collect(),
         lease,
         identity,
+        loopback_endpoints: k.loopback_endpoints,
     };
     let handle =
         seedlink_kube::source::start_gateway(client, settings, Arc::new(KubeSink(gw.clone())));

@@ -278,7 +278,7 @@ async fn receive(
                         }
                         () = srv.shutdown.cancelled() => break "server_shutdown",
                         () = cluster.removed.cancelled() => break "cluster_removed",
-                        () = link.kick.cancelled() => break "rekeyed",
+                        () = link.kick.cancelled() => break kicked(&link),
                     }
                 }
                 Some(Err(e)) => {
@@ -289,7 +289,7 @@ async fn receive(
             },
             () = srv.shutdown.cancelled() => break "server_shutdown",
             () = cluster.removed.cancelled() => break "cluster_removed",
-            () = link.kick.cancelled() => break "rekeyed",
+            () = link.kick.cancelled() => break kicked(&link),
         }
     };
     detach(&cluster, &link);
@@ -300,6 +300,16 @@ async fn receive(
     } else {
         srv.metrics.agent_stream(&cluster.name, why);
         tracing::info!(cluster = %cluster.name, agent = %link.agent_id, uid = link.uid, why, "agent disconnected");
+    }
+}
+
+/// Why a link was kicked: its queue overflowed, or its cluster was re-keyed
+/// away from it.
+fn kicked(link: &AgentLink) -> &'static str {
+    if link.to_agent.overflowed() {
+        "control_overflow"
+    } else {
+        "rekeyed"
     }
 }
 

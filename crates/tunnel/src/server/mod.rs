@@ -236,9 +236,17 @@ impl AgentLink {
         while let Some(a) = out.pop_front() {
             match a {
                 Action::Send(p) => {
-                    let _ = self.to_agent.control(p);
+                    if self.to_agent.control(p).is_err() && self.to_agent.overflowed() {
+                        // The receive loop ends the stream (control_overflow).
+                        self.kick.cancel();
+                    }
                 }
-                Action::Finish(id, last) => self.to_agent.finish(id, last),
+                Action::Finish(id, last) => {
+                    self.to_agent.finish(id, last);
+                    if self.to_agent.overflowed() {
+                        self.kick.cancel();
+                    }
+                }
                 Action::Deliver(id, data) => {
                     if let Some(c) = machine.conn(id) {
                         match c.queue.push(data) {
@@ -300,7 +308,9 @@ impl AgentLink {
 
     /// Queues a control packet; never waits.
     fn send_soon(&self, p: Packet) {
-        let _ = self.to_agent.control(p);
+        if self.to_agent.control(p).is_err() && self.to_agent.overflowed() {
+            self.kick.cancel();
+        }
     }
 
     /// Forgets connection `id` (frontend side closed it) and tells the agent
