@@ -411,3 +411,53 @@ async fn an_agent_that_reads_nothing_cannot_grow_the_server() {
     let fresh = kas_connect(&env.uds, "127.0.0.1:8000").await.unwrap();
     assert!(fetch_hello(fresh).await.contains("hello from the shoot"));
 }
+
+/// A tenant's cluster that trusts another tenant's agent CA (a copy of the
+/// file) would be handed that tenant's agents: `check-config` refuses the
+/// file, naming both clusters, and a tunnel-server does not start on it.
+#[test]
+fn two_clusters_never_trust_the_same_agents() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let victim = seedlink::demo::Pki::generate(&[]).unwrap();
+    let seed = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
+    let w = |name: &str, text: &str| {
+        std::fs::write(d.join(name), text).unwrap();
+        d.join(name).display().to_string()
+    };
+    let (crt, key) = (
+        w("tun.pem", &seed.servers[0].1.cert_pem),
+        w("tun-key.pem", &seed.servers[0].1.key_pem),
+    );
+    let victim_ca = w("victim-ca.pem", &victim.ca_pem);
+    let stolen = w("attacker-ca.pem", &victim.ca_pem);
+    let cfg = d.join("tunnel.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}'}}
+clusters:
+  - {{name: victim, agent_ca: '{victim_ca}'}}
+  - {{name: attacker, agent_ca: '{stolen}'}}
+"
+        ),
+    )
+    .unwrap();
+    let out = check_config(&cfg);
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!out.status.success(), "{said}");
+    assert!(
+        said.contains("attacker") && said.contains("cluster \"victim\" trusts already"),
+        "{said}"
+    );
+    let out = std::process::Command::new(seedlink_bin())
+        .args(["tunnel-server", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "the tunnel-server started");
+}

@@ -1,7 +1,7 @@
 //! `seedlink tunnel-server` configuration (YAML). Unknown keys are errors;
 //! every problem is reported with its path. See docs/TUNNEL.md.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -345,6 +345,51 @@ fn check_frontend(
     }
 }
 
+/// The keys a cluster trusts to name its agents: the public keys of its
+/// agent CA certificates and its token keys, as SubjectPublicKeyInfo DER.
+/// Files that do not read give nothing here (their own check reports them).
+fn trust_keys(c: &Cluster) -> Vec<(Vec<u8>, &'static str)> {
+    use rustls::pki_types::pem::PemObject;
+    let mut out = Vec::new();
+    if let Some(p) = &c.agent_ca {
+        for der in crate::tls::load_certs(p).unwrap_or_default() {
+            if let Ok((_, x)) = x509_parser::parse_x509_certificate(&der) {
+                out.push((x.tbs_certificate.subject_pki.raw.to_vec(), "agent_ca"));
+            }
+        }
+    }
+    if let Some(p) = c.agent_token.as_ref().and_then(|t| t.keys.as_ref()) {
+        if let Ok(keys) = rustls::pki_types::SubjectPublicKeyInfoDer::pem_file_iter(p) {
+            for k in keys.flatten() {
+                out.push((k.as_ref().to_vec(), "agent_token.keys"));
+            }
+        }
+    }
+    out
+}
+
+/// Records `c`'s trust in `seen` (key → cluster), or, when another cluster
+/// already trusts one of its keys, says so instead: an agent certificate or
+/// token that verifies for two clusters would go to whichever came first,
+/// so one tenant could hand its agent another tenant's traffic.
+fn claim_trust(seen: &mut HashMap<Vec<u8>, String>, c: &Cluster, at: &str) -> Option<ConfigError> {
+    let keys = trust_keys(c);
+    for (k, what) in &keys {
+        if let Some(other) = seen.get(k).filter(|o| **o != c.name) {
+            return Some(ConfigError {
+                path: format!("{at}.{what}"),
+                message: format!(
+                    "trusts a key that cluster {other:?} trusts already: an agent could be taken for either (each cluster needs its own CA and token keys)"
+                ),
+            });
+        }
+    }
+    for (k, _) in keys {
+        seen.entry(k).or_insert_with(|| c.name.clone());
+    }
+    None
+}
+
 impl ServerConfig {
     /// Every file the configuration refers to (certificates, keys, CAs,
     /// token keys, passwords), for change detection. A TokenReview
@@ -485,7 +530,23 @@ impl ServerConfig {
             }
         };
         if extra.is_empty() {
-            return (Self::validate(file), Vec::new());
+            let checked = Self::validate(file).and_then(|cfg| {
+                let mut seen = HashMap::new();
+                let overlaps: Vec<ConfigError> = cfg
+                    .clusters
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, c)| {
+                        claim_trust(&mut seen, c, &format!("clusters[{i}] ({})", c.name))
+                    })
+                    .collect();
+                if overlaps.is_empty() {
+                    Ok(cfg)
+                } else {
+                    Err(Errors(overlaps))
+                }
+            });
+            return (checked, Vec::new());
         }
         let from_file = file.clusters.len();
         let mut all = file.clone();
@@ -527,6 +588,22 @@ impl ServerConfig {
                 if e.path.starts_with("clusters[") {
                     bad.entry(i).or_default().push(e);
                 }
+            }
+        }
+        // Trust shared with a cluster already kept (the file's, then the
+        // older objects') refuses the newer claim.
+        let mut seen = HashMap::new();
+        for (i, c) in file.clusters.iter().enumerate() {
+            if let Some(e) = claim_trust(&mut seen, c, &format!("clusters[{i}] ({})", c.name)) {
+                return (Err(Errors(vec![e])), Vec::new());
+            }
+        }
+        for (i, c) in extra.iter().enumerate() {
+            if bad.contains_key(&i) {
+                continue;
+            }
+            if let Some(e) = claim_trust(&mut seen, c, &format!("clusters ({})", c.name)) {
+                bad.entry(i).or_default().push(e);
             }
         }
         let mut refused = Vec::new();
@@ -864,12 +941,15 @@ kubernetes: {lease: seedlink-system/tunnel}
             proxy_password_file: None,
             limits: ClusterLimits::default(),
         };
+        let ca_c = dir.path().join("ca-c.pem");
+        let pki_c = rcgen::generate_simple_self_signed(vec!["c".to_string()]).unwrap();
+        std::fs::write(&ca_c, pki_c.cert.pem()).unwrap();
         let extra = vec![
             cluster("ns-a.t", &ca),
             // The same name again, and a CA that does not read.
             cluster("ns-a.t", &ca),
             cluster("ns-b.t", &dir.path().join("missing.pem")),
-            cluster("ns-c.t", &ca),
+            cluster("ns-c.t", &ca_c),
         ];
         let (cfg, refused) = ServerConfig::parse_with(text, extra);
         let cfg = cfg.unwrap();
@@ -898,6 +978,78 @@ kubernetes: {lease: seedlink-system/tunnel}
         );
         assert!(format!("{:#}", bad.unwrap_err()).contains("kubernetes.lease"));
         assert!(refused.is_empty());
+    }
+
+    /// Two clusters that trust the same agent CA (the same file, a copy, or
+    /// another certificate for the same key) or the same token keys: an
+    /// agent would be taken for whichever came first. The file's own
+    /// overlap fails the parse; a newer object's is refused, the older kept.
+    #[test]
+    fn clusters_never_share_agent_trust() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = |name: &str, pem: String| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, pem).unwrap();
+            p.display().to_string()
+        };
+        let key = rcgen::KeyPair::generate().unwrap();
+        let ca = |cn: &str| {
+            let mut params = rcgen::CertificateParams::new(vec![cn.to_string()]).unwrap();
+            params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            params.self_signed(&key).unwrap().pem()
+        };
+        let a = w("a.pem", ca("a"));
+        let copy = w("copy.pem", std::fs::read_to_string(&a).unwrap());
+        // Another certificate, the same key: verifies the same agents.
+        let same_key = w("same-key.pem", ca("other"));
+        let other = rcgen::generate_simple_self_signed(vec!["o".to_string()]).unwrap();
+        let own = w("own.pem", other.cert.pem());
+        let jwt_keys = w("sa.pub", key.public_key_pem());
+        let file = |b: &str| {
+            format!(
+                "agents: {{listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}}
+clusters:
+  - {{name: a, agent_ca: '{a}'}}
+  - {{name: b, {b}}}
+"
+            )
+        };
+        for b in [
+            format!("agent_ca: '{a}'"),
+            format!("agent_ca: '{copy}'"),
+            format!("agent_ca: '{same_key}'"),
+            format!("agent_token: {{issuer: b, keys: '{jwt_keys}'}}"),
+        ] {
+            let e = format!("{:#}", ServerConfig::parse(&file(&b)).unwrap_err());
+            assert!(e.contains("cluster \"a\" trusts already"), "{b}: {e}");
+        }
+        ServerConfig::parse(&file(&format!("agent_ca: '{own}'"))).unwrap();
+
+        // From Kubernetes: the newer claim is refused, the older kept.
+        let text = file(&format!("agent_ca: '{own}'"));
+        let cluster = |name: &str, ca: &str| Cluster {
+            name: name.into(),
+            agent_ca: Some(ca.into()),
+            agent_token: None,
+            strategies: vec!["default".into()],
+            frontends: Vec::new(),
+            proxy_password_file: None,
+            limits: ClusterLimits::default(),
+        };
+        let fresh = rcgen::generate_simple_self_signed(vec!["f".to_string()]).unwrap();
+        let fresh = w("fresh.pem", fresh.cert.pem());
+        let (cfg, refused) = ServerConfig::parse_with(
+            &text,
+            vec![
+                cluster("ns-x.t", &fresh),
+                cluster("ns-evil.t", &copy),
+                cluster("ns-late.t", &fresh),
+            ],
+        );
+        let kept: Vec<String> = cfg.unwrap().clusters.into_iter().map(|c| c.name).collect();
+        assert_eq!(kept, ["a", "b", "ns-x.t"]);
+        let names: Vec<&str> = refused.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["ns-evil.t", "ns-late.t"]);
     }
 }
 
