@@ -512,10 +512,23 @@ impl TunnelServer {
                 // A TunnelCluster's socket lives in a directory of its own
                 // (docs/SECURITY.md), made here if it is not there yet.
                 if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                    std::fs::create_dir_all(dir).map_err(ServerError::listen(format!(
-                        "{label}: creating {}",
-                        dir.display()
-                    )))?;
+                    use std::os::unix::fs::DirBuilderExt;
+                    std::fs::DirBuilder::new()
+                        .recursive(true)
+                        .mode(0o755)
+                        .create(dir)
+                        .map_err(ServerError::listen(format!(
+                            "{label}: creating {}",
+                            dir.display()
+                        )))?;
+                    // Never through a symlink someone planted there.
+                    let real_dir = std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir());
+                    if !real_dir {
+                        return Err(ServerError::listen(format!(
+                            "{label}: {} is not a directory (a symlink?)",
+                            dir.display()
+                        ))(std::io::Error::from(std::io::ErrorKind::InvalidInput)));
+                    }
                 }
                 // Like upstream's --delete-existing-uds-file (default true).
                 let _ = std::fs::remove_file(&path);
