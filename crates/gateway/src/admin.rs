@@ -21,10 +21,10 @@ const MAX_ADMIN_CONNECTIONS: usize = 64;
 /// Serves the admin endpoint until the process exits (it stays up while
 /// draining so probes and scrapes see the drain).
 pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, access: seedlink_net::admin::Access) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_ADMIN_CONNECTIONS));
+    let slots = seedlink_net::admin::Slots::new(MAX_ADMIN_CONNECTIONS);
     let never = tokio_util::sync::CancellationToken::new();
-    seedlink_net::accept::accept_loop(&listener, &never, |stream, _peer| {
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
+    seedlink_net::accept::accept_loop(&listener, &never, |stream, peer| {
+        let Some(slot) = slots.enter(peer.ip()) else {
             return;
         };
         let gw = gw.clone();

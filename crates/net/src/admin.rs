@@ -12,6 +12,65 @@ use hyper::{Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
+/// Admin connections one source address may hold at once. The kubelet's
+/// probes, a Prometheus and a person each need one or two; a client that
+/// fills every slot of the endpoint would fail the probes (the pod would be
+/// restarted), so no one address can.
+pub const MAX_ADMIN_PER_SOURCE: usize = 16;
+
+/// The connection slots of an admin endpoint: at most `total` at once and
+/// [`MAX_ADMIN_PER_SOURCE`] per source address.
+pub struct Slots {
+    total: Arc<tokio::sync::Semaphore>,
+    per_source: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+}
+
+/// One admin connection's slot; given back when dropped.
+pub struct Slot {
+    _total: tokio::sync::OwnedSemaphorePermit,
+    ip: std::net::IpAddr,
+    per_source: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+}
+
+impl Slots {
+    /// Slots for `total` connections.
+    pub fn new(total: usize) -> Slots {
+        Slots {
+            total: Arc::new(tokio::sync::Semaphore::new(total)),
+            per_source: Arc::default(),
+        }
+    }
+
+    /// A slot for a connection from `ip`, if one is free for it.
+    pub fn enter(&self, ip: std::net::IpAddr) -> Option<Slot> {
+        let ip = ip.to_canonical();
+        let mut m = crate::sync::lock(&self.per_source, "admin slots");
+        let n = m.entry(ip).or_insert(0);
+        if *n >= MAX_ADMIN_PER_SOURCE {
+            return None;
+        }
+        let total = self.total.clone().try_acquire_owned().ok()?;
+        *n += 1;
+        Some(Slot {
+            _total: total,
+            ip,
+            per_source: self.per_source.clone(),
+        })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut m = crate::sync::lock(&self.per_source, "admin slots");
+        if let Some(n) = m.get_mut(&self.ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(&self.ip);
+            }
+        }
+    }
+}
+
 /// An answer: status, content type, body.
 pub type Answer = (u16, &'static str, String);
 
@@ -156,9 +215,9 @@ pub async fn serve_with(
     route: Arc<dyn Fn(&str) -> Answer + Send + Sync>,
 ) {
     let never = tokio_util::sync::CancellationToken::new();
-    let slots = Arc::new(tokio::sync::Semaphore::new(slots));
-    crate::accept::accept_loop(&listener, &never, |stream, _| {
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
+    let slots = Slots::new(slots);
+    crate::accept::accept_loop(&listener, &never, |stream, peer| {
+        let Some(slot) = slots.enter(peer.ip()) else {
             return;
         };
         let route = route.clone();

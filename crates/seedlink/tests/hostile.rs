@@ -461,3 +461,25 @@ clusters:
         .unwrap();
     assert!(!out.status.success(), "the tunnel-server started");
 }
+
+/// One client that opens more admin connections than the endpoint has
+/// slots (and sends nothing on them) cannot fail the kubelet's probes: an
+/// address holds at most 16; a probe from another address is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_cannot_take_the_probes_slots() {
+    let stop = CancellationToken::new();
+    let echo_a = echo_backend(&stop).await;
+    let echo_b = echo_backend(&stop).await;
+    let gw = Gw::start(&gateway_yaml(echo_a, echo_b, "127.0.0.0/8"));
+    let mut held = Vec::new();
+    for _ in 0..80 {
+        let s = tokio::net::TcpSocket::new_v4().unwrap();
+        s.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        held.push(s.connect(gw.admin).await.unwrap());
+    }
+    // Queued behind all 80: the probe from the kubelet's address.
+    let (code, body) = http_get(gw.admin, "/readyz").await;
+    assert_eq!((code, body.trim()), (200, "ready"));
+    drop(held);
+    stop.cancel();
+}

@@ -109,6 +109,15 @@ struct ServiceMonitorEndpoint {
     port: String,
     path: String,
     interval: String,
+    authorization: SafeAuthorization,
+}
+
+/// The Prometheus Operator's `SafeAuthorization`: a bearer token from a
+/// Secret key.
+#[derive(serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct SafeAuthorization {
+    credentials: k8s_openapi::api::core::v1::SecretKeySelector,
 }
 
 /// Every object strictly as its type; the configuration files valid.
@@ -248,7 +257,26 @@ fn the_seed_install_renders_and_every_object_reads_strictly() {
             .unwrap()
             .iter()
             .any(|a| a.as_str() == Some(&format!("/etc/seedlink/config/{f}"))));
+        // Admin binds the pod address, so it asks for a token, read from
+        // the Secret mounted where the file says (docs/SECURITY.md).
+        let cfg: serde_norway::Value =
+            serde_norway::from_str(cm["data"][f].as_str().unwrap()).unwrap();
+        let token = cfg["admin"]["token_file"].as_str().unwrap_or_default();
+        assert_eq!(token, "/etc/seedlink/admin/token", "{f}");
     }
+    let mount = c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"] == "/etc/seedlink/admin")
+        .expect("admin token mount");
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    assert_eq!(volume["secret"]["secretName"], "seedlink-admin-token");
     assert_eq!(
         find(&docs, "Service", "seedlink")["spec"]["type"],
         "LoadBalancer"
@@ -305,7 +333,16 @@ fn the_seed_install_with_a_service_monitor_renders_strictly() {
     let docs = render("seed-monitoring");
     check_strictly(&docs);
     let sm = find(&docs, "ServiceMonitor", "seedlink");
-    assert_eq!(sm["spec"]["endpoints"].as_array().unwrap().len(), 2);
+    let endpoints = sm["spec"]["endpoints"].as_array().unwrap();
+    assert_eq!(endpoints.len(), 2);
+    // The admin endpoints want a token: Prometheus sends the one the pod
+    // reads.
+    for e in endpoints {
+        assert_eq!(
+            e["authorization"]["credentials"]["name"],
+            "seedlink-admin-token"
+        );
+    }
 }
 
 #[test]

@@ -527,7 +527,9 @@ impl TunnelServer {
                         return Err(ServerError::listen(format!(
                             "{label}: {} is not a directory (a symlink?)",
                             dir.display()
-                        ))(std::io::Error::from(std::io::ErrorKind::InvalidInput)));
+                        ))(std::io::Error::from(
+                            std::io::ErrorKind::InvalidInput,
+                        )));
                     }
                 }
                 // Like upstream's --delete-existing-uds-file (default true).
