@@ -18,9 +18,10 @@ use tokio::net::TcpListener;
 /// restarted), so no one address can.
 pub const MAX_ADMIN_PER_SOURCE: usize = 16;
 
-/// The connection slots of an admin endpoint: at most `total` at once and
-/// [`MAX_ADMIN_PER_SOURCE`] per source address.
+/// Connection slots: at most `total` at once and a number per source
+/// address ([`MAX_ADMIN_PER_SOURCE`] for an admin endpoint).
 pub struct Slots {
+    per: usize,
     total: Arc<tokio::sync::Semaphore>,
     per_source: Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
 }
@@ -33,10 +34,18 @@ pub struct Slot {
 }
 
 impl Slots {
-    /// Slots for `total` connections.
+    /// Slots for `total` admin connections.
     pub fn new(total: usize) -> Slots {
+        Slots::with_per_source(total, MAX_ADMIN_PER_SOURCE)
+    }
+
+    /// Slots for `total` connections, `per` from one address.
+    pub fn with_per_source(total: usize, per: usize) -> Slots {
         Slots {
-            total: Arc::new(tokio::sync::Semaphore::new(total)),
+            per,
+            total: Arc::new(tokio::sync::Semaphore::new(
+                total.min(tokio::sync::Semaphore::MAX_PERMITS),
+            )),
             per_source: Arc::default(),
         }
     }
@@ -46,7 +55,7 @@ impl Slots {
         let ip = ip.to_canonical();
         let mut m = crate::sync::lock(&self.per_source, "admin slots");
         let n = m.entry(ip).or_insert(0);
-        if *n >= MAX_ADMIN_PER_SOURCE {
+        if *n >= self.per {
             return None;
         }
         let total = self.total.clone().try_acquire_owned().ok()?;

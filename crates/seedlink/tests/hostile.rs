@@ -483,3 +483,73 @@ async fn one_client_cannot_take_the_probes_slots() {
     drop(held);
     stop.cancel();
 }
+
+/// The agent port faces every shoot and the internet: one source address
+/// holds at most `agents.max_per_source` connections (the rest are closed
+/// at accept and counted), and a connection that never speaks is closed at
+/// the handshake deadline; the cluster's agent connects meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_port_caps_each_source_and_closes_the_silent() {
+    let env = TunnelEnv::new(103);
+    let server = env.server(
+        &env.server_yaml("0.0.0.0:8132", "", "").replace(
+            "keepalive_timeout: 1s}",
+            "keepalive_timeout: 1s, max_per_source: 4}",
+        ),
+        "server",
+    );
+    let admin = server.admin();
+    // Six silent connections from the seed side: four are held, two
+    // closed at once.
+    let script = "import socket,time\n\
+        s=[socket.create_connection(('127.0.0.1',8132)) for _ in range(6)]\n\
+        print('up',flush=True)\n\
+        time.sleep(40)\n";
+    let holder = spawn_until_up(env.seed.cmd(&["python3", "-c", script]));
+    TunnelEnv::until(Duration::from_secs(20), "two refused at the cap", || {
+        env.server_metric(
+            &admin,
+            "seedlink_tunnel_server_agent_streams_total{cluster=\"\",reason=\"connection_limit\"}",
+        ) >= 2.0
+    })
+    .await;
+    // Another source (the shoot) is not affected.
+    let _agent = env.agent(&env.agent_endpoint(8132), &[]);
+    let c = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
+    assert!(fetch_hello(c).await.contains("hello from the shoot"));
+    // A client that completes TLS (with the cluster's certificate, even)
+    // and opens no stream.
+    let tls = format!(
+        "import socket,ssl,time\n\
+         c=ssl.create_default_context(cafile='{}')\n\
+         c.load_cert_chain('{}','{}')\n\
+         c.set_alpn_protocols(['h2'])\n\
+         s=c.wrap_socket(socket.create_connection(('198.18.{}.1',8132)),server_hostname='tunnel.seedlink.test')\n\
+         print('up',flush=True)\n\
+         time.sleep(40)\n",
+        env.files.seed_ca, env.files.agent_crt, env.files.agent_key, env.net
+    );
+    let quiet = spawn_until_up(env.shoot.cmd(&["python3", "-c", &tls]));
+    // The silent four are closed at the handshake deadline (10 s), the
+    // stream-less one at the same deadline after its handshake.
+    let m = |r: &str| {
+        env.server_metric(
+            &admin,
+            &format!("seedlink_tunnel_server_agent_streams_total{{cluster=\"\",reason=\"{r}\"}}"),
+        )
+    };
+    let end = std::time::Instant::now() + Duration::from_secs(40);
+    while !(m("tls_timeout") >= 4.0 && m("no_stream") >= 1.0) {
+        assert!(
+            std::time::Instant::now() < end,
+            "{}",
+            TunnelEnv::admin_get(&env.seed, &admin, "/metrics")
+                .lines()
+                .filter(|l| l.contains("agent_streams_total"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop((holder, quiet));
+}

@@ -109,6 +109,21 @@ pub struct AgentEndpoint {
     /// How long a PING may go unanswered.
     #[serde(default = "five_s", with = "humantime_serde")]
     pub keepalive_timeout: Duration,
+    /// Agent connections at once (this port faces every shoot, and the
+    /// internet); more are closed at accept and counted.
+    #[serde(default = "agent_connections")]
+    pub max_connections: usize,
+    /// Agent connections at once from one source address (a shoot's agents
+    /// usually leave through one NAT address, or the gateway's clients').
+    #[serde(default = "agent_connections_per_source")]
+    pub max_per_source: usize,
+}
+
+fn agent_connections() -> usize {
+    10_000
+}
+fn agent_connections_per_source() -> usize {
+    256
 }
 
 /// The admin endpoint.
@@ -689,6 +704,12 @@ impl ServerConfig {
         }
         if cfg.queue_bytes < 64 * 1024 {
             errs.add("queue_bytes", "at least 65536");
+        }
+        if cfg.agents.max_connections == 0 {
+            errs.add("agents.max_connections", "at least 1");
+        }
+        if cfg.agents.max_per_source == 0 {
+            errs.add("agents.max_per_source", "at least 1");
         }
         let mut names = HashSet::new();
         let mut binds = HashSet::new();

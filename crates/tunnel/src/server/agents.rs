@@ -69,9 +69,14 @@ where
             }
         }
     };
+    // A connection that opens no stream within the handshake deadline is
+    // closed: past TLS, a client without a certificate is still nobody.
+    let opened = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let handler: Handler = {
         let srv = srv.clone();
+        let opened = opened.clone();
         Arc::new(move |req: tonic::Request<tonic::Streaming<Packet>>| {
+            opened.store(true, std::sync::atomic::Ordering::Relaxed);
             let (srv, cert_cluster, certs) = (srv.clone(), cert_cluster.clone(), certs.clone());
             let activity = activity.clone();
             Box::pin(
@@ -79,7 +84,16 @@ where
             )
         })
     };
-    grpc::serve(tls, vec![(AGENT_CONNECT_PATH, handler)], srv.agent_h2).await;
+    let first_stream = async {
+        tokio::time::sleep(srv.settings.handshake_timeout).await;
+        if opened.load(std::sync::atomic::Ordering::Relaxed) {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        () = grpc::serve(tls, vec![(AGENT_CONNECT_PATH, handler)], srv.agent_h2) => {}
+        () = first_stream => srv.metrics.agent_stream("", "no_stream"),
+    }
 }
 
 type Certs = Vec<rustls::pki_types::CertificateDer<'static>>;

@@ -35,6 +35,8 @@ pub struct Core {
     pub metrics: Metrics,
     /// Timeouts and budgets.
     pub settings: Settings,
+    /// Agent connections: at most so many at once and per source address.
+    pub agent_slots: seedlink_net::admin::Slots,
     /// `serverid` sent to agents.
     pub server_id: String,
     /// `servercount` sent to agents.

@@ -406,6 +406,10 @@ impl TunnelServer {
                 stall_timeout: cfg.stall_timeout,
                 queue_bytes: cfg.queue_bytes,
             },
+            agent_slots: seedlink_net::admin::Slots::with_per_source(
+                cfg.agents.max_connections,
+                cfg.agents.max_per_source,
+            ),
             server_id: cfg.server_id.clone().unwrap_or_else(random_id),
             server_count: cfg.server_count,
             agent_tls: ArcSwap::from_pointee(p.agent_tls),
@@ -450,9 +454,15 @@ impl TunnelServer {
             tokio::spawn(async move {
                 let stop = srv.accepting.clone();
                 seedlink_net::accept::accept_loop(&agents, &stop, |tcp, peer| {
+                    let Some(slot) = srv.agent_slots.enter(peer.ip()) else {
+                        srv.metrics.agent_stream("", "connection_limit");
+                        return;
+                    };
                     let srv2 = srv.clone();
-                    srv.tasks
-                        .spawn(super::agents::serve_agent_conn(srv2, tcp, peer));
+                    srv.tasks.spawn(async move {
+                        super::agents::serve_agent_conn(srv2, tcp, peer).await;
+                        drop(slot);
+                    });
                 })
                 .await;
             });
@@ -812,10 +822,17 @@ impl TunnelServer {
         if self.accepting.is_cancelled() {
             return;
         }
+        let Some(slot) = self.core.agent_slots.enter(peer.ip()) else {
+            self.core.metrics.agent_stream("", "connection_limit");
+            return;
+        };
         let _ = tcp.set_nodelay(true);
         let io = seedlink_net::prefixed::Prefixed::new(replay, tcp);
-        self.tasks
-            .spawn(super::agents::serve_agent_io(self.core.clone(), io, peer));
+        let core = self.core.clone();
+        self.tasks.spawn(async move {
+            super::agents::serve_agent_io(core, io, peer).await;
+            drop(slot);
+        });
     }
 
     /// Takes over a CONNECT another part of this process read (the
