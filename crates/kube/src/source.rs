@@ -301,6 +301,8 @@ pub struct TunnelSettings {
     /// Where TunnelClusters' Unix sockets go, each cluster in a directory
     /// of its own.
     pub socket_dir: std::path::PathBuf,
+    /// The operator's ceilings over TunnelClusters' limits.
+    pub max_limits: seedlink_tunnel::config::ClusterLimits,
 }
 
 /// Starts the tunnel-server's source: TunnelClusters and the Secrets and
@@ -361,6 +363,7 @@ pub fn start_tunnel(
                     &config_maps.state(),
                     &settings.trust_dir,
                     &settings.socket_dir,
+                    &settings.max_limits,
                 );
                 match crate::tunnel::materialize(&settings.trust_dir, &t.files) {
                     Ok(()) => {

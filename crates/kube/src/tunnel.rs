@@ -161,6 +161,7 @@ pub fn translate(
     config_maps: &[Arc<ConfigMap>],
     trust_dir: &Path,
     socket_dir: &Path,
+    ceiling: &ClusterLimits,
 ) -> TunnelTranslation {
     let secrets: HashMap<Key, &Secret> = secrets
         .iter()
@@ -183,7 +184,7 @@ pub fn translate(
             config_maps: &config_maps,
             files: BTreeMap::new(),
         };
-        let outcome = match build(o, &name, &mut keys, &socket_dir.join(&name)) {
+        let outcome = match build(o, &name, &mut keys, &socket_dir.join(&name), ceiling) {
             Ok(cluster) => {
                 out.files.append(&mut keys.files);
                 out.clusters.push(cluster);
@@ -238,11 +239,38 @@ fn confine(sockets: &Path, unix: &str) -> Result<PathBuf, String> {
     }
 }
 
+/// A TunnelCluster's limits under the operator's `ceiling`: each value the
+/// tenant sets can lower its ceiling, never raise it; absent, 0 (which
+/// would switch a limit off) or negative means the ceiling itself. A
+/// ceiling of 0 (off) leaves the tenant's value.
+fn within(spec: Option<&crate::crd::LimitsSpec>, ceiling: &ClusterLimits) -> ClusterLimits {
+    let size = |t: Option<u64>, c: usize| match t.map(|v| usize::try_from(v).unwrap_or(usize::MAX))
+    {
+        None | Some(0) => c,
+        Some(t) if c == 0 => t,
+        Some(t) => t.min(c),
+    };
+    let rate = |t: Option<f64>, c: f64| match t {
+        Some(t) if t > 0.0 && (c <= 0.0 || t < c) => t,
+        _ => c,
+    };
+    ClusterLimits {
+        max_connections: size(
+            spec.and_then(|l| l.max_connections),
+            ceiling.max_connections,
+        ),
+        max_agents: size(spec.and_then(|l| l.max_agents), ceiling.max_agents),
+        dial_rate: rate(spec.and_then(|l| l.dial_rate), ceiling.dial_rate),
+        dial_burst: rate(spec.and_then(|l| l.dial_burst), ceiling.dial_burst),
+    }
+}
+
 fn build(
     o: &TunnelCluster,
     name: &str,
     keys: &mut Keys<'_>,
     sockets: &Path,
+    ceiling: &ClusterLimits,
 ) -> Result<Cluster, Verdict> {
     let spec = &o.spec;
     let agent_ca = spec
@@ -323,14 +351,7 @@ fn build(
             client_ca,
         });
     }
-    let mut limits = ClusterLimits::default();
-    if let Some(l) = &spec.limits {
-        let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
-        limits.max_connections = l.max_connections.map_or(limits.max_connections, size);
-        limits.max_agents = l.max_agents.map_or(limits.max_agents, size);
-        limits.dial_rate = l.dial_rate.unwrap_or(limits.dial_rate);
-        limits.dial_burst = l.dial_burst.unwrap_or(limits.dial_burst);
-    }
+    let limits = within(spec.limits.as_ref(), ceiling);
     Ok(Cluster {
         name: name.into(),
         agent_ca,
@@ -432,6 +453,43 @@ mod tests {
         })
     }
 
+    /// A tenant can lower the operator's ceilings but never raise them;
+    /// asking for "unlimited" (0) or nothing gets the ceiling.
+    #[test]
+    fn a_tenant_lowers_its_limits_but_never_raises_them() {
+        let ceiling = ClusterLimits {
+            max_connections: 1000,
+            dial_rate: 100.0,
+            dial_burst: 200.0,
+            max_agents: 4,
+        };
+        let spec = |c: Option<u64>, r: Option<f64>, a: Option<u64>| crate::crd::LimitsSpec {
+            max_connections: c,
+            dial_rate: r,
+            dial_burst: None,
+            max_agents: a,
+        };
+        assert_eq!(within(None, &ceiling), ceiling);
+        let greedy = within(Some(&spec(Some(1_000_000), Some(1e9), Some(0))), &ceiling);
+        assert_eq!(greedy, ceiling);
+        let zero = within(Some(&spec(Some(0), Some(0.0), Some(0))), &ceiling);
+        assert_eq!(zero, ceiling);
+        let modest = within(Some(&spec(Some(10), Some(-5.0), Some(2))), &ceiling);
+        assert_eq!(
+            (modest.max_connections, modest.dial_rate, modest.max_agents),
+            (10, 100.0, 2)
+        );
+        // An operator who switched a ceiling off leaves the tenant's value.
+        let open = ClusterLimits {
+            max_connections: 0,
+            ..ceiling
+        };
+        assert_eq!(
+            within(Some(&spec(Some(7), None, None)), &open).max_connections,
+            7
+        );
+    }
+
     #[test]
     fn a_tunnel_clusters_socket_stays_in_its_own_directory() {
         let own = Path::new("/run/seedlink/shoot--a.tunnel");
@@ -502,6 +560,7 @@ mod tests {
             &[],
             dir.path(),
             Path::new("/run/seedlink"),
+            &ClusterLimits::default(),
         );
         assert_eq!(t.clusters.len(), 1, "{:?}", t.outcomes);
         let c = &t.clusters[0];

@@ -76,6 +76,11 @@ pub struct Kubernetes {
     /// `<socket_dir>/<namespace>.<name>/` (default `/run/seedlink`).
     #[serde(default = "default_socket_dir")]
     pub socket_dir: PathBuf,
+    /// The most a TunnelCluster may have: its own `limits` can lower each
+    /// of these, never raise it (absent or 0 there means this ceiling).
+    /// Default: the built-in defaults.
+    #[serde(default)]
+    pub max_limits: ClusterLimits,
 }
 
 fn default_socket_dir() -> PathBuf {

@@ -277,6 +277,7 @@ impl ServerRole {
             identity: super::gateway::identity(),
             trust_dir: k.trust_dir,
             socket_dir: k.socket_dir,
+            max_limits: k.max_limits,
         };
         let handle =
             seedlink_kube::source::start_tunnel(client, settings, Arc::new(KubeSink(self.clone())));
