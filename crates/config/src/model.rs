@@ -232,6 +232,11 @@ impl Default for Timeouts {
 pub struct Limits {
     /// Concurrent connections; unset derives it from the open-file limit.
     pub max_connections: Option<u64>,
+    /// Concurrent routed connections (and HTTP/2 streams) of one control
+    /// plane, so one tenant cannot take the others' share of
+    /// `max_connections`; unset: half of `max_connections`. Connections
+    /// handed to an in-process service (`local:`) are bounded there.
+    pub max_connections_per_control_plane: Option<u64>,
     /// Concurrent not-yet-routed connections per source address.
     pub max_unrouted_per_source: u32,
     /// Cap on the ClientHello size.
@@ -251,6 +256,7 @@ impl Default for Limits {
     fn default() -> Self {
         Limits {
             max_connections: None,
+            max_connections_per_control_plane: None,
             max_unrouted_per_source: 64,
             client_hello_max_bytes: 16 * 1024,
             proxy_header_max_bytes: 536,

@@ -93,6 +93,8 @@ enum Outcome {
     AclDenied,
     /// No endpoint of its control plane could be reached.
     UpstreamUnavailable,
+    /// Its control plane holds `max_connections_per_control_plane`.
+    ControlPlaneLimit,
     /// An in-process service took it over.
     HandedOver,
     /// Writing to the client failed before the copy started.
@@ -123,6 +125,7 @@ impl Outcome {
             Outcome::Refused(r) => r.reason(),
             Outcome::AclDenied => "acl_denied",
             Outcome::UpstreamUnavailable => "upstream_unavailable",
+            Outcome::ControlPlaneLimit => "control_plane_limit",
             Outcome::HandedOver => "handed_over",
             Outcome::ClientError => "client_error",
             Outcome::UpstreamError => "upstream_error",
@@ -394,6 +397,15 @@ async fn run(
             return (Some(cp), Outcome::HandedOver);
         }
     }
+    // One tenant's clients cannot take every connection of the gateway.
+    let Some(_routed_slot) = gw.enter_control_plane(snap, &cp.name) else {
+        if gw.metrics.refusal_log.allow() {
+            tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, %client, %peer,
+                control_plane = %cp.name, reason = "control_plane_limit", "connection refused");
+        }
+        refuse_connect_unavailable(&stream, &detected.request).await;
+        return (Some(cp), Outcome::ControlPlaneLimit);
+    };
     let (upstream, _active, endpoint) = match Box::pin(upstream::connect(
         &cp.name,
         endpoints,

@@ -284,6 +284,16 @@ async fn tunnel(
         );
         return false;
     };
+    let Some(_routed_slot) = gw.enter_control_plane(&snap, &cp.name) else {
+        refuse(
+            gw,
+            lctx,
+            &mut respond,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "control_plane_limit",
+        );
+        return false;
+    };
     let dial = upstream::connect(
         &cp.name,
         &route.endpoints,

@@ -49,6 +49,8 @@ pub struct Gateway {
     max_connections: u64,
     workers: usize,
     sources: Sources,
+    /// Routed connections per control plane.
+    routed: Mutex<HashMap<String, u64>>,
     closers: Mutex<HashMap<String, CancellationToken>>,
     /// Control planes from the Kubernetes source, compiled after the file's.
     kubernetes: Mutex<Vec<seedlink_config::model::ControlPlane>>,
@@ -167,6 +169,7 @@ impl Gateway {
             max_connections,
             workers,
             sources: Sources::default(),
+            routed: Mutex::new(HashMap::new()),
             closers: Mutex::new(HashMap::new()),
             kubernetes: Mutex::new(Vec::new()),
             refused_logged: Mutex::new(Vec::new()),
@@ -622,6 +625,51 @@ fn bind_tcp(
 #[derive(Default)]
 struct Sources {
     counts: Mutex<HashMap<IpAddr, u32>>,
+}
+
+/// Holds one routed slot of a control plane; released on drop.
+pub(crate) struct RoutedGuard<'a> {
+    gw: &'a Gateway,
+    name: String,
+}
+
+impl Gateway {
+    /// A routed slot of control plane `name`, if it has one free
+    /// (`limits.max_connections_per_control_plane`, default half of
+    /// `max_connections`).
+    pub(crate) fn enter_control_plane(
+        &self,
+        snap: &Snapshot,
+        name: &str,
+    ) -> Option<RoutedGuard<'_>> {
+        let cap = snap
+            .limits
+            .max_connections_per_control_plane
+            .unwrap_or(self.max_connections / 2)
+            .max(1);
+        let mut m = seedlink_net::sync::lock(&self.routed, "routed counts");
+        let n = m.entry(name.to_string()).or_insert(0);
+        if *n >= cap {
+            return None;
+        }
+        *n += 1;
+        Some(RoutedGuard {
+            gw: self,
+            name: name.to_string(),
+        })
+    }
+}
+
+impl Drop for RoutedGuard<'_> {
+    fn drop(&mut self) {
+        let mut m = seedlink_net::sync::lock(&self.gw.routed, "routed counts");
+        if let Some(n) = m.get_mut(&self.name) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(&self.name);
+            }
+        }
+    }
 }
 
 /// Holds one unrouted slot for a source; released on drop.

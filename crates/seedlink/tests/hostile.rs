@@ -553,3 +553,52 @@ async fn the_agent_port_caps_each_source_and_closes_the_silent() {
     }
     drop((holder, quiet));
 }
+
+/// One tenant's clients cannot take the gateway's connections from the
+/// others: past `max_connections_per_control_plane` its new connections
+/// get 503 and are counted, while another tenant's still get through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_control_plane_cannot_take_every_connection() {
+    let stop = CancellationToken::new();
+    let echo_a = echo_backend(&stop).await;
+    let echo_b = echo_backend(&stop).await;
+    let yaml = gateway_yaml(echo_a, echo_b, "127.0.0.0/8")
+        .replace(
+            "limits: {max_connections: 4}",
+            "limits: {max_connections: 10, max_connections_per_control_plane: 2}",
+        )
+        .replace("    destination_regex: 'outbound\\|443\\|\\|echo\\.shoot--a\\.svc\\.cluster\\.local'\n", "");
+    let gw = Gw::start(&yaml);
+    let addr = gw.listener("t");
+    let open = |dest: &'static str| async move {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(
+            format!("CONNECT x:443 HTTP/1.1\r\nHost: x\r\nX-Gardener-Destination: {dest}\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut buf = vec![0u8; 128];
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap_or(0);
+        (String::from_utf8_lossy(&buf[..n]).into_owned(), s)
+    };
+    let (a1, _k1) = open(DEST_A).await;
+    let (a2, _k2) = open(DEST_A).await;
+    assert!(a1.contains(" 200 ") && a2.contains(" 200 "), "{a1}{a2}");
+    let (a3, _) = open(DEST_A).await;
+    assert!(a3.starts_with("HTTP/1.1 503"), "{a3}");
+    let (b1, mut kb) = open(DEST_B).await;
+    assert!(b1.contains(" 200 "), "{b1}");
+    echo_roundtrip(&mut kb, b"tenant b still served")
+        .await
+        .unwrap();
+    gw.wait_metric(
+        "seedlink_gateway_connections_total{listener=\"t\",control_plane=\"a\",outcome=\"control_plane_limit\"}",
+        1.0,
+    )
+    .await;
+    stop.cancel();
+}
