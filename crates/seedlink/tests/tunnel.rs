@@ -311,6 +311,9 @@ async fn agent_tokens_checked_by_tokenreview() {
     );
     let broken = jwt("https://issuer.shoot", agent_sa, 3);
     let foreign = jwt("https://issuer.elsewhere", agent_sa, 4);
+    // Claims that pass every local check, a token its API server does not
+    // know (revoked): the review refuses it.
+    let revoked = jwt("https://issuer.shoot", agent_sa, 5);
     let table = serde_json::json!({
         &good: {"username": agent_sa, "audiences": ["system:konnectivity-server"]},
         &other: {"username": "system:serviceaccount:default:default",
@@ -371,6 +374,8 @@ async fn agent_tokens_checked_by_tokenreview() {
     let _a4 = env.agent_bare(&ep, &["--service-account-token-path", &broken_path]);
     let foreign_path = tok("foreign.token", &foreign);
     let _a5 = env.agent_bare(&ep, &["--service-account-token-path", &foreign_path]);
+    let revoked_path = tok("revoked.token", &revoked);
+    let _a6 = env.agent_bare(&ep, &["--service-account-token-path", &revoked_path]);
     TunnelEnv::until(Duration::from_secs(15), "refusals to be counted", || {
         let m = |r: &str| {
             env.server_metric(
@@ -380,11 +385,14 @@ async fn agent_tokens_checked_by_tokenreview() {
                 ),
             )
         };
-        // other SA, foreign issuer; broken: API server failed.
-        m("bad_token") >= 2.0 && m("token_review_unavailable") >= 1.0
+        // other SA, foreign issuer, revoked; broken: API server failed.
+        m("bad_token") >= 3.0 && m("token_review_unavailable") >= 1.0
     })
     .await;
-    assert!(reviews_of(&other) >= 1);
+    // Another ServiceAccount's token says so in its claims: refused before
+    // a review, so forged tokens cannot spend the cluster's review budget.
+    assert_eq!(reviews_of(&other), 0);
+    assert!(reviews_of(&revoked) >= 1);
     assert!(reviews_of(&broken) >= 1);
     assert_eq!(
         reviews_of(&foreign),

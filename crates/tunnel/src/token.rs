@@ -43,6 +43,30 @@ struct Unverified {
     iss: String,
     #[serde(default)]
     exp: Option<u64>,
+    #[serde(default)]
+    sub: String,
+    #[serde(default)]
+    aud: Audience,
+}
+
+/// `aud`: one string or a list (RFC 7519 §4.1.3).
+#[derive(serde::Deserialize, Default)]
+#[serde(untagged)]
+enum Audience {
+    #[default]
+    None,
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Audience {
+    fn contains(&self, a: &str) -> bool {
+        match self {
+            Audience::None => false,
+            Audience::One(x) => x == a,
+            Audience::Many(v) => v.iter().any(|x| x == a),
+        }
+    }
 }
 
 /// The bearer token in an `authorization` value.
@@ -177,9 +201,36 @@ impl TokenValidator {
                         claims.iss, self.issuer
                     )));
                 }
+                // What the review would refuse anyway is refused here,
+                // without spending the cluster's review budget on it.
+                self.precheck(&claims)?;
                 r.check(token, &self.audience, &self.subject, claims.exp)
                     .await
             }
+        }
+    }
+
+    /// The claims a TokenReview'd token must carry, read unverified: the
+    /// audience, the ServiceAccount, and an `exp` not past (30 s leeway).
+    fn precheck(&self, claims: &Unverified) -> Result<(), TokenError> {
+        if !claims.aud.contains(&self.audience) {
+            return Err(TokenError::Invalid(format!(
+                "audience is not {:?}",
+                self.audience
+            )));
+        }
+        if claims.sub != self.subject {
+            return Err(TokenError::WrongSubject(claims.sub.clone()));
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        match claims.exp {
+            Some(exp) if exp.saturating_add(30) < now => {
+                Err(TokenError::Invalid("token expired".into()))
+            }
+            Some(_) => Ok(()),
+            None => Err(TokenError::Invalid("token without exp".into())),
         }
     }
 
@@ -286,5 +337,62 @@ mod tests {
             v.check("Bearer not.a.jwt").await,
             Err(TokenError::Invalid(_))
         ));
+    }
+
+    /// A token carrying a cluster's issuer but refused by what its claims
+    /// say (audience, ServiceAccount, expiry) never reaches the cluster's
+    /// TokenReview: forged tokens cannot spend that cluster's review budget.
+    /// Here the review endpoint does not exist, so a token that reached it
+    /// would come back `Unavailable`.
+    #[tokio::test]
+    async fn forged_tokens_are_refused_before_a_review() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        let c = rcgen::generate_simple_self_signed(vec!["x".to_string()]).unwrap();
+        std::fs::write(&ca, c.cert.pem()).unwrap();
+        let tf = dir.path().join("t");
+        std::fs::write(&tf, "reviewer-token").unwrap();
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        let s2 = seen.clone();
+        let reviewer = TokenReviewer::new(
+            &crate::tokenreview::TokenReview {
+                url: "https://127.0.0.1:1".into(),
+                ca,
+                token_file: Some(tf),
+                cert: None,
+                key: None,
+                timeout: std::time::Duration::from_secs(2),
+                cache_ttl: std::time::Duration::from_secs(60),
+            },
+            std::sync::Arc::new(move |o: &str| s2.lock().unwrap().push(o.to_string())),
+        )
+        .unwrap();
+        let v =
+            TokenValidator::with_review(reviewer, "https://victim", "aud-x", "kube-system/agent")
+                .unwrap();
+        let (private, _) = key();
+        let sub = "system:serviceaccount:kube-system:agent";
+        for claims in [
+            serde_json::json!({"iss": "https://victim", "aud": "other", "sub": sub, "exp": now() + 600}),
+            serde_json::json!({"iss": "https://victim", "aud": ["aud-x"], "sub": "system:serviceaccount:x:y", "exp": now() + 600}),
+            serde_json::json!({"iss": "https://victim", "aud": "aud-x", "sub": sub, "exp": now() - 600}),
+            serde_json::json!({"iss": "https://victim", "aud": "aud-x", "sub": sub}),
+        ] {
+            let t = sign(&private, claims.clone());
+            let e = v.check(&format!("Bearer {t}")).await.unwrap_err();
+            assert!(!matches!(e, TokenError::Unavailable(_)), "{claims}: {e:?}");
+        }
+        assert!(
+            seen.lock().unwrap().is_empty(),
+            "{:?}",
+            seen.lock().unwrap()
+        );
+        // One that passes the checks goes to the review (which is down).
+        let t = sign(
+            &private,
+            serde_json::json!({"iss": "https://victim", "aud": "aud-x", "sub": sub, "exp": now() + 600}),
+        );
+        let e = v.check(&format!("Bearer {t}")).await.unwrap_err();
+        assert!(matches!(e, TokenError::Unavailable(_)), "{e:?}");
     }
 }

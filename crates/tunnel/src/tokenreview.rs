@@ -49,7 +49,12 @@ pub struct TokenReviewer {
     token_file: Option<PathBuf>,
     timeout: Duration,
     cache_ttl: Duration,
+    /// Accepted tokens. Only the cluster's own API server can put one
+    /// here, so an outsider can never flush it.
     cache: Mutex<HashMap<String, Cached>>,
+    /// Refused tokens, apart: anyone can make refusals, and their churn
+    /// must not evict accepted tokens.
+    refused: Mutex<HashMap<String, Cached>>,
     gate: tokio::sync::Semaphore,
     outcomes: Outcomes,
 }
@@ -157,6 +162,7 @@ impl TokenReviewer {
             timeout: cfg.timeout,
             cache_ttl: cfg.cache_ttl,
             cache: Mutex::new(HashMap::new()),
+            refused: Mutex::new(HashMap::new()),
             gate: tokio::sync::Semaphore::new(CONCURRENT),
             outcomes,
         })
@@ -177,8 +183,8 @@ impl TokenReviewer {
         exp: Option<u64>,
     ) -> Result<(), TokenError> {
         let now = Instant::now();
-        {
-            let cache = crate::sync::lock(&self.cache, "token review cache");
+        for cache in [&self.cache, &self.refused] {
+            let cache = crate::sync::lock(cache, "token review cache");
             if let Some((until, answer)) = cache.get(token) {
                 if *until > now {
                     self.count("cached");
@@ -223,14 +229,17 @@ impl TokenReviewer {
             }
         };
         if let Some(ttl) = ttl.filter(|t| !t.is_zero()) {
-            {
-                let mut cache = crate::sync::lock(&self.cache, "token review cache");
-                if cache.len() >= CACHE_MAX {
-                    cache.retain(|_, (until, _)| *until > now);
-                    if cache.len() >= CACHE_MAX {
-                        cache.clear();
-                    }
-                }
+            let accepted = answer.is_ok();
+            let map = if accepted { &self.cache } else { &self.refused };
+            let mut cache = crate::sync::lock(map, "token review cache");
+            if cache.len() >= CACHE_MAX {
+                cache.retain(|_, (until, _)| *until > now);
+            }
+            if cache.len() < CACHE_MAX {
+                cache.insert(token.to_string(), (now + ttl, answer.clone()));
+            } else if !accepted {
+                // A flood of refusals: forget refusals, never acceptances.
+                cache.clear();
                 cache.insert(token.to_string(), (now + ttl, answer.clone()));
             }
         }
