@@ -363,7 +363,14 @@ async fn run(
                 control_plane = %cp.name, reason = "acl_denied", "connection refused");
         }
         if let Request::Connect(head) = &detected.request {
-            respond_and_close(&stream, status_line(head, "403 Forbidden").as_bytes()).await;
+            // The answer of an unknown destination: an outsider learns
+            // nothing about which destinations exist (logs and metrics
+            // keep `acl_denied`).
+            respond_and_close(
+                &stream,
+                status_line(head, "503 Service Unavailable").as_bytes(),
+            )
+            .await;
         }
         return (Some(cp), Outcome::AclDenied);
     }

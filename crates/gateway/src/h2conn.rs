@@ -270,7 +270,8 @@ async fn tunnel(
     let cp = &route.control_plane;
     if !gw.admit(&snap, cp, client) {
         let mut r = Response::new(());
-        *r.status_mut() = StatusCode::FORBIDDEN;
+        // As an unknown destination: nothing to enumerate.
+        *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
         let _ = respond.send_response(r, true);
         return false;
     }

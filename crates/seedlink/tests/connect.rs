@@ -108,7 +108,8 @@ async fn curl_proxytunnel_http11_and_http10() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    // A destination whose ACL denies this client: 403.
+    // A destination whose ACL denies this client: 503, as an unknown one
+    // (nobody learns which destinations exist; metrics say acl_denied).
     let out = curl_connect(
         &gw,
         &files,
@@ -116,7 +117,7 @@ async fn curl_proxytunnel_http11_and_http10() {
         false,
     );
     assert!(
-        String::from_utf8_lossy(&out.stderr).contains("403"),
+        String::from_utf8_lossy(&out.stderr).contains("503"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
