@@ -610,3 +610,66 @@ async fn one_control_plane_cannot_take_every_connection() {
     .await;
     stop.cancel();
 }
+
+/// Input trickled a byte at a time is cut at the detection deadline, which
+/// counts from the connection's start, whatever the pace: a PROXY header
+/// from a trusted load balancer and a CONNECT head alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trickled_headers_are_cut_at_the_deadline() {
+    let stop = CancellationToken::new();
+    let echo = echo_backend(&stop).await;
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+trusted_load_balancers: [127.0.0.1/32]
+timeouts: {{client_hello: 2s}}
+limits: {{proxy_header_max_bytes: 4096}}
+listeners:
+  - {{name: lb, address: '127.0.0.1:0', protocol: http-connect, proxy_protocol: required}}
+  - {{name: direct, address: '127.0.0.1:0', protocol: http-connect}}
+control_planes:
+  - {{name: a, endpoints: ['{echo}'], destinations: [{{name: '{DEST_A}'}}]}}
+"
+    ));
+    // A 4,000-byte PROXY v2 header (one big TLV) and a CONNECT head, each
+    // sent a byte every 20 ms: 80 s and more to send whole.
+    let mut proxy = b"\r\n\r\n\0\r\nQUIT\n\x21\x11".to_vec();
+    let body_len: u16 = 12 + 3 + 3985;
+    proxy.extend_from_slice(&body_len.to_be_bytes());
+    proxy.extend_from_slice(&[127, 0, 0, 9, 127, 0, 0, 1, 0x30, 0x39, 0x01, 0xbb]);
+    proxy.extend_from_slice(&[0xe0, 0x0f, 0x91]);
+    proxy.extend(std::iter::repeat_n(b'x', 3985));
+    let head = format!(
+        "CONNECT x:443 HTTP/1.1\r\nHost: x\r\nX-Gardener-Destination: {DEST_A}\r\n{}\r\n",
+        "X-Pad: y\r\n".repeat(300)
+    );
+    for (listener, bytes) in [("lb", proxy), ("direct", head.into_bytes())] {
+        let mut s = TcpStream::connect(gw.listener(listener)).await.unwrap();
+        let trickle = async {
+            for b in &bytes {
+                if s.write_all(&[*b]).await.is_err() {
+                    return "cut";
+                }
+                let mut one = [0u8; 1];
+                match tokio::time::timeout(Duration::from_millis(20), s.read(&mut one)).await {
+                    Ok(Ok(0)) | Ok(Err(_)) => return "cut",
+                    _ => {}
+                }
+            }
+            "sent whole"
+        };
+        // Generous: the deadline is 2 s.
+        let r = tokio::time::timeout(Duration::from_secs(30), trickle).await;
+        assert_eq!(r, Ok("cut"), "{listener}: not cut within 30 s");
+    }
+    gw.wait_metric(
+        "seedlink_gateway_detect_failures_total{listener=\"lb\",reason=\"timeout\"}",
+        1.0,
+    )
+    .await;
+    gw.wait_metric(
+        "seedlink_gateway_detect_failures_total{listener=\"direct\",reason=\"timeout\"}",
+        1.0,
+    )
+    .await;
+    stop.cancel();
+}
