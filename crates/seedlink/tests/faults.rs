@@ -158,7 +158,7 @@ listeners:
   - {{name: lb, address: '127.0.0.1:0', protocol: tls, proxy_protocol: required}}
 trusted_load_balancers: [127.0.0.0/8]
 timeouts: {{client_hello: 2s, upstream_connect: 1s, half_closed: 2s}}
-limits: {{max_connections: {cap}, max_unrouted_per_source: 100000}}
+limits: {{max_connections: {cap}, max_connections_per_control_plane: {cap}, max_unrouted_per_source: 100000}}
 control_planes:
   - {{name: ok, endpoints: ['{ok}'], destinations: [{{name: 'outbound|443||ok.faults.svc.cluster.local'}}]}}
   - {{name: refused, endpoints: ['{refused}'], destinations: [{{name: 'outbound|443||refused.faults.svc.cluster.local'}}]}}
