@@ -116,7 +116,10 @@ pub struct PolicyOutcome {
 /// Everything the gateway gets from the objects, and what to report.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Translation {
-    /// Control planes, oldest route first (the oldest wins a conflict).
+    /// Control planes in the order the gateway admits them (the first
+    /// wins a conflict): oldest route first, except that a route claiming
+    /// a name another route held in the last pass, and still claims, goes
+    /// after every other (the first claim keeps a name while it holds it).
     pub control_planes: Vec<ControlPlane>,
     /// Per attached route.
     pub routes: Vec<RouteOutcome>,
@@ -178,6 +181,8 @@ pub struct Objects<'a> {
 #[derive(Debug, Default)]
 pub struct Translator {
     last_good: HashMap<Key, SeedlinkPolicySpec>,
+    /// Who held each name in the last pass (claim → control plane).
+    held: HashMap<String, String>,
     /// EndpointSlice addresses on loopback may be upstreams (a seed whose
     /// pods all run on one host: tests, demos); other unroutable
     /// addresses never are.
@@ -301,7 +306,47 @@ impl Translator {
             out.control_planes.push(cp);
             out.routes.push(outcome);
         }
+        self.keep_first_claims(&mut out.control_planes);
         out
+    }
+
+    /// Orders `cps` so that a name (host name, destination, service
+    /// address, cluster ID) stays with the route that held it in the last
+    /// pass for as long as that route still claims it: a route that claims
+    /// such a name goes last, whatever its age, and the gateway refuses it
+    /// on the conflict. Without this, a tenant with an old route could add
+    /// another tenant's name at any time and take its traffic.
+    fn keep_first_claims(&mut self, cps: &mut [ControlPlane]) {
+        let mut claimed: HashMap<String, HashSet<&str>> = HashMap::new();
+        for cp in cps.iter() {
+            for c in claims(cp) {
+                claimed.entry(c).or_default().insert(cp.name.as_str());
+            }
+        }
+        let steals = |cp: &ControlPlane| {
+            claims(cp).iter().any(|c| {
+                self.held.get(c).is_some_and(|owner| {
+                    *owner != cp.name
+                        && claimed
+                            .get(c)
+                            .is_some_and(|who| who.contains(owner.as_str()))
+                })
+            })
+        };
+        let order: Vec<bool> = cps.iter().map(steals).collect();
+        drop(claimed);
+        let mut indexed: Vec<(bool, ControlPlane)> =
+            order.into_iter().zip(cps.iter().cloned()).collect();
+        // Stable: ages stay in order within each group.
+        indexed.sort_by_key(|(stealer, _)| *stealer);
+        let mut held = HashMap::new();
+        for (slot, (_, cp)) in cps.iter_mut().zip(indexed) {
+            for c in claims(&cp) {
+                held.entry(c).or_insert_with(|| cp.name.clone());
+            }
+            *slot = cp;
+        }
+        self.held = held;
     }
 
     /// Policy per route key; records each policy's outcome. A route's
@@ -544,6 +589,22 @@ fn backends(
         Verdict::no(reason, problems.join("; "))
     };
     (endpoints, verdict, weighted)
+}
+
+/// Every name a control plane claims, one namespace per kind.
+fn claims(cp: &ControlPlane) -> Vec<String> {
+    let lower = |s: &str| s.trim_end_matches('.').to_ascii_lowercase();
+    cp.hostnames
+        .iter()
+        .map(|h| format!("host {}", lower(h)))
+        .chain(
+            cp.destinations
+                .iter()
+                .map(|d| format!("destination {}", lower(&d.name))),
+        )
+        .chain(cp.service_addresses.iter().map(|a| format!("service {a}")))
+        .chain(cp.cluster_id.iter().map(|i| format!("cluster {i}")))
+        .collect()
 }
 
 /// Why `ip` can never be a backend pod's address: the gateway's own host

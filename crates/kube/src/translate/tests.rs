@@ -352,3 +352,57 @@ fn a_route_cannot_take_another_namespaces_backend() {
         .find(|c| c.hostnames == ["api.evil.example"]);
     assert!(cp.is_none_or(|c| c.endpoints.is_empty()), "{cp:?}");
 }
+
+/// A tenant with an old route adds another tenant's host name: the first
+/// claim keeps it (the newcomer goes last and the gateway refuses it on
+/// the conflict), whatever the routes' ages; once the first route lets it
+/// go, the name can move.
+#[test]
+fn the_first_claim_keeps_a_name_whatever_the_ages() {
+    let victim = route(
+        "shoot--v",
+        "api",
+        "2026-06-01T00:00:00Z",
+        &["api.v.example"],
+        "kube-apiserver",
+        443,
+    );
+    let attacker = |hosts: &[&str]| {
+        route(
+            "shoot--x",
+            "api",
+            "2025-01-01T00:00:00Z",
+            hosts,
+            "kube-apiserver",
+            443,
+        )
+    };
+    let world = |routes: Vec<Arc<TlsRoute>>| World {
+        routes,
+        policies: vec![],
+        services: vec![
+            service("shoot--v", "kube-apiserver", 443, "https"),
+            service("shoot--x", "kube-apiserver", 443, "https"),
+        ],
+        slices: vec![],
+    };
+    let names = |t: &Translation| -> Vec<String> {
+        t.control_planes.iter().map(|c| c.name.clone()).collect()
+    };
+    let mut tr = Translator::default();
+    // Both serve their own names: oldest first.
+    let t = world(vec![victim.clone(), attacker(&["api.x.example"])]).translate(&mut tr);
+    assert_eq!(names(&t), ["shoot--x.api", "shoot--v.api"]);
+    // The older route adds the victim's name: it goes last.
+    let greedy = attacker(&["api.x.example", "API.V.example."]);
+    let t = world(vec![victim.clone(), greedy.clone()]).translate(&mut tr);
+    assert_eq!(names(&t), ["shoot--v.api", "shoot--x.api"]);
+    // And stays last on the next pass (the victim still holds the name).
+    let t = world(vec![victim.clone(), greedy.clone()]).translate(&mut tr);
+    assert_eq!(names(&t), ["shoot--v.api", "shoot--x.api"]);
+    // The victim's route goes: the name is free to move.
+    let t = world(vec![greedy.clone()]).translate(&mut tr);
+    assert_eq!(names(&t), ["shoot--x.api"]);
+    let t = world(vec![victim, greedy]).translate(&mut tr);
+    assert_eq!(names(&t), ["shoot--x.api", "shoot--v.api"]);
+}
