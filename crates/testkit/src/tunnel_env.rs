@@ -513,62 +513,33 @@ impl FakeAgent {
         Fut: std::future::Future<Output = ()>,
     {
         use seedlink_tunnel::proto::Packet;
-        let (netns, ca, cert, key, ep, id) = (
-            self.netns.clone(),
-            self.ca.clone(),
-            self.cert.clone(),
-            self.key.clone(),
-            self.endpoint.clone(),
-            self.agent_id.clone(),
-        );
-        std::thread::spawn(move || {
-            enter_netns(&netns);
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap();
-            rt.block_on(async move {
-                let cfg = seedlink_tunnel::tls::client_config(
-                    std::path::Path::new(&ca),
-                    Some((std::path::Path::new(&cert), std::path::Path::new(&key))),
-                    &["h2".to_string()],
-                )
-                .unwrap();
-                let tcp = tokio::net::TcpStream::connect(&ep).await.unwrap();
-                let name = rustls::pki_types::ServerName::try_from("tunnel.seedlink.test").unwrap();
-                let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg))
-                    .connect(name, tcp)
-                    .await
-                    .unwrap();
-                let h2 = seedlink_tunnel::grpc::H2Settings {
-                    keepalive: Duration::from_secs(30),
-                    keepalive_timeout: Duration::from_secs(10),
-                };
-                let mut client = seedlink_tunnel::grpc::connect(
-                    tls,
-                    "https://tunnel.seedlink.test".parse().unwrap(),
-                    h2,
-                )
-                .await
-                .unwrap();
-                let (tx, rx) = tokio::sync::mpsc::channel::<Packet>(64);
-                let out = futures_util::stream::unfold(rx, |mut rx| async move {
-                    rx.recv().await.map(|p| (p, rx))
-                });
-                let resp = seedlink_tunnel::grpc::open_stream(
-                    &mut client,
-                    seedlink_tunnel::proto::AGENT_CONNECT_PATH,
-                    out,
-                    &[("agentid", id)],
-                )
-                .await
-                .unwrap();
-                assert!(resp.metadata().get("serverid").is_some());
-                f(tx, resp.into_inner()).await;
+        self.on_tls(move |tls, id| async move {
+            let h2 = seedlink_tunnel::grpc::H2Settings {
+                keepalive: Duration::from_secs(30),
+                keepalive_timeout: Duration::from_secs(10),
+            };
+            let mut client = seedlink_tunnel::grpc::connect(
+                tls,
+                "https://tunnel.seedlink.test".parse().unwrap(),
+                h2,
+            )
+            .await
+            .unwrap();
+            let (tx, rx) = tokio::sync::mpsc::channel::<Packet>(64);
+            let out = futures_util::stream::unfold(rx, |mut rx| async move {
+                rx.recv().await.map(|p| (p, rx))
             });
-        })
-        .join()
-        .unwrap();
+            let resp = seedlink_tunnel::grpc::open_stream(
+                &mut client,
+                seedlink_tunnel::proto::AGENT_CONNECT_PATH,
+                out,
+                &[("agentid", id)],
+            )
+            .await
+            .unwrap();
+            assert!(resp.metadata().get("serverid").is_some());
+            f(tx, resp.into_inner()).await;
+        });
     }
 
     /// Connects as `agent_id`, sends `script` (then a 5 MiB DATA if
@@ -602,6 +573,67 @@ impl FakeAgent {
     pub fn flood_unknown_ids(&self, n: i64) -> i64 {
         use prost::Message;
         use seedlink_tunnel::proto::Packet;
+        self.on_tls(move |tls, id| async move {
+            let (client, conn) = h2::client::Builder::new()
+                .initial_window_size(1024)
+                .initial_connection_window_size(1024)
+                .handshake::<_, bytes::Bytes>(tls)
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            let mut client = client.ready().await.unwrap();
+            let req = http::Request::builder()
+                .method("POST")
+                .uri(format!(
+                    "https://tunnel.seedlink.test{}",
+                    seedlink_tunnel::proto::AGENT_CONNECT_PATH
+                ))
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .header("agentid", id)
+                .body(())
+                .unwrap();
+            let (resp, mut send) = client.send_request(req, false).unwrap();
+            // The answer's headers come at once; its body is never read.
+            let _resp = tokio::time::timeout(Duration::from_secs(10), resp).await;
+            let mut sent = 0;
+            for id in 1..=n {
+                let p = Packet::data(id, bytes::Bytes::from_static(b"x"));
+                let body = p.encode_to_vec();
+                let mut msg = vec![0u8];
+                msg.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes());
+                msg.extend_from_slice(&body);
+                send.reserve_capacity(msg.len());
+                // Bounded: a server that stopped reading ends the flood.
+                let room = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    std::future::poll_fn(|cx| send.poll_capacity(cx)),
+                )
+                .await;
+                match room {
+                    Ok(Some(Ok(_))) => {}
+                    _ => break,
+                }
+                if send.send_data(bytes::Bytes::from(msg), false).is_err() {
+                    break;
+                }
+                sent = id;
+            }
+            sent
+        })
+    }
+
+    /// Runs `f` on a thread that joined the agent's namespace, with a TLS
+    /// connection to the agent endpoint made with the cluster's client
+    /// certificate (ALPN h2) and the agent ID to present.
+    fn on_tls<F, Fut, T>(&self, f: F) -> T
+    where
+        F: FnOnce(tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String) -> Fut
+            + Send
+            + 'static,
+        Fut: std::future::Future<Output = T>,
+        T: Send + 'static,
+    {
         let (netns, ca, cert, key, ep, id) = (
             self.netns.clone(),
             self.ca.clone(),
@@ -629,52 +661,7 @@ impl FakeAgent {
                     .connect(name, tcp)
                     .await
                     .unwrap();
-                let (client, conn) = h2::client::Builder::new()
-                    .initial_window_size(1024)
-                    .initial_connection_window_size(1024)
-                    .handshake::<_, bytes::Bytes>(tls)
-                    .await
-                    .unwrap();
-                tokio::spawn(conn);
-                let mut client = client.ready().await.unwrap();
-                let req = http::Request::builder()
-                    .method("POST")
-                    .uri(format!(
-                        "https://tunnel.seedlink.test{}",
-                        seedlink_tunnel::proto::AGENT_CONNECT_PATH
-                    ))
-                    .header("content-type", "application/grpc")
-                    .header("te", "trailers")
-                    .header("agentid", id)
-                    .body(())
-                    .unwrap();
-                let (resp, mut send) = client.send_request(req, false).unwrap();
-                // The answer's headers come at once; its body is never read.
-                let _resp = tokio::time::timeout(Duration::from_secs(10), resp).await;
-                let mut sent = 0;
-                for id in 1..=n {
-                    let p = Packet::data(id, bytes::Bytes::from_static(b"x"));
-                    let body = p.encode_to_vec();
-                    let mut msg = vec![0u8];
-                    msg.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes());
-                    msg.extend_from_slice(&body);
-                    send.reserve_capacity(msg.len());
-                    // Bounded: a server that stopped reading ends the flood.
-                    let room = tokio::time::timeout(
-                        Duration::from_secs(10),
-                        std::future::poll_fn(|cx| send.poll_capacity(cx)),
-                    )
-                    .await;
-                    match room {
-                        Ok(Some(Ok(_))) => {}
-                        _ => break,
-                    }
-                    if send.send_data(bytes::Bytes::from(msg), false).is_err() {
-                        break;
-                    }
-                    sent = id;
-                }
-                sent
+                f(tls, id).await
             })
         })
         .join()
