@@ -64,6 +64,22 @@ pub struct KubernetesSource {
     /// host (tests, demos).
     #[serde(default)]
     pub loopback_endpoints: bool,
+    /// The `endpointslice.kubernetes.io/managed-by` values whose
+    /// EndpointSlices name upstreams. Default: Kubernetes' own EndpointSlice
+    /// controller only, which writes the addresses of the pods a Service
+    /// selects in its own namespace; a slice written by hand (a tenant may
+    /// write one for a Service without a selector) could name another
+    /// namespace's pods and make the gateway their confused deputy (the
+    /// CVE-2021-25740 class).
+    #[serde(default = "default_slice_managers")]
+    pub endpointslice_managers: Vec<String>,
+}
+
+/// The EndpointSlice manager the gateway trusts by default.
+pub const ENDPOINTSLICE_CONTROLLER: &str = "endpointslice-controller.k8s.io";
+
+fn default_slice_managers() -> Vec<String> {
+    vec![ENDPOINTSLICE_CONTROLLER.to_string()]
 }
 
 fn yes() -> bool {

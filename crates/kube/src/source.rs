@@ -17,8 +17,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use gateway_api::gateways::Gateway;
+use gateway_api::referencegrants::ReferenceGrant;
 use gateway_api::tlsroutes::{TlsRoute, TlsRouteParentRefs};
-use k8s_openapi::api::core::v1::{Event, EventSource, ObjectReference, Service};
+use k8s_openapi::api::core::v1::{Event, EventSource, Namespace, ObjectReference, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, ObjectMeta, Time};
 use k8s_openapi::jiff::Timestamp;
@@ -67,6 +69,8 @@ pub struct GatewaySettings {
     pub identity: String,
     /// EndpointSlice addresses on loopback may be upstreams (tests).
     pub loopback_endpoints: bool,
+    /// The EndpointSlice managers whose slices name upstreams.
+    pub slice_managers: Vec<String>,
 }
 
 /// A running source.
@@ -130,6 +134,25 @@ impl Watches {
             self.stop.clone(),
         )
     }
+
+    /// Every object of kind `K` in `namespace`.
+    fn in_namespace<K>(&self, namespace: &str) -> Store<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + DeserializeOwned
+            + Debug
+            + Send
+            + Sync
+            + 'static,
+        K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+    {
+        watch_kind(
+            Api::<K>::namespaced(self.client.clone(), namespace),
+            self.tx.clone(),
+            self.stop.clone(),
+        )
+    }
 }
 
 /// One kind's watch: a store and a task that keeps it and says "changed".
@@ -176,6 +199,10 @@ pub fn start_gateway(
     let policies = w.kind::<SeedlinkPolicy>();
     let services = w.kind::<Service>();
     let slices = w.kind::<EndpointSlice>();
+    // Only the Gateway's own namespace: the one object named in the file.
+    let gateways = w.in_namespace::<Gateway>(&settings.gateway.namespace);
+    let namespaces = w.kind::<Namespace>();
+    let grants = w.kind::<ReferenceGrant>();
     let changed = w.changed;
     let leadership = campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
     let (synced_tx, synced) = watch::channel(false);
@@ -186,7 +213,10 @@ pub fn start_gateway(
             routes.wait_until_ready().await.ok()?;
             policies.wait_until_ready().await.ok()?;
             services.wait_until_ready().await.ok()?;
-            slices.wait_until_ready().await.ok()
+            slices.wait_until_ready().await.ok()?;
+            gateways.wait_until_ready().await.ok()?;
+            namespaces.wait_until_ready().await.ok()?;
+            grants.wait_until_ready().await.ok()
         };
         tokio::select! {
             r = ready => if r.is_none() { return },
@@ -194,6 +224,7 @@ pub fn start_gateway(
         }
         let mut translator = Translator::default();
         translator.loopback_endpoints = settings.loopback_endpoints;
+        translator.slice_managers = settings.slice_managers.clone();
         let mut status = StatusWriter::new(client, writer_leadership);
         let mut coalescer = Coalescer {
             changed,
@@ -212,9 +243,17 @@ pub fn start_gateway(
                     services.state(),
                     slices.state(),
                 );
+                let gateway = gateways
+                    .state()
+                    .into_iter()
+                    .find(|g| g.metadata.name.as_deref() == Some(&settings.gateway.name));
+                let (namespaces, grants) = (namespaces.state(), grants.state());
                 let mut t = translator.translate(&Objects {
                     gateway: &settings.gateway,
                     listeners: &settings.listeners,
+                    gateway_object: gateway.as_deref(),
+                    namespaces: &namespaces,
+                    grants: &grants,
                     routes: &objects.0,
                     policies: &objects.1,
                     services: &objects.2,

@@ -11,8 +11,12 @@ use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
+use std::collections::BTreeMap;
+
+use gateway_api::gateways::Gateway;
+use gateway_api::referencegrants::ReferenceGrant;
 use gateway_api::tlsroutes::{TlsRoute, TlsRouteParentRefs};
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Namespace, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
 use seedlink_config::model::{Acl, ControlPlane, DestinationCfg};
@@ -162,9 +166,17 @@ impl Translation {
 pub struct Objects<'a> {
     /// The seedlink Gateway, `namespace/name`.
     pub gateway: &'a Key,
-    /// Names of the gateway's listeners (a parentRef's `sectionName` must
-    /// name one).
+    /// Names of the gateway file's listeners: the listeners routes attach
+    /// to when there is no Gateway object (each admitting routes from the
+    /// Gateway's own namespace only, Gateway API's default).
     pub listeners: &'a [String],
+    /// The Gateway object `gateway`, if it exists: its listeners (names,
+    /// protocols, `allowedRoutes`) decide which routes attach.
+    pub gateway_object: Option<&'a Gateway>,
+    /// Every Namespace (for `allowedRoutes.namespaces.selector`).
+    pub namespaces: &'a [Arc<Namespace>],
+    /// Every ReferenceGrant (for backends in another namespace).
+    pub grants: &'a [Arc<ReferenceGrant>],
     /// Every TLSRoute.
     pub routes: &'a [Arc<TlsRoute>],
     /// Every SeedlinkPolicy.
@@ -178,7 +190,7 @@ pub struct Objects<'a> {
 /// Remembers the last accepted spec of each policy, so that an invalid
 /// edit keeps the route under its previous ACL instead of opening it (or
 /// dropping it).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Translator {
     last_good: HashMap<Key, SeedlinkPolicySpec>,
     /// Who held each name in the last pass (claim → control plane).
@@ -187,7 +199,24 @@ pub struct Translator {
     /// pods all run on one host: tests, demos); other unroutable
     /// addresses never are.
     pub loopback_endpoints: bool,
+    /// The `endpointslice.kubernetes.io/managed-by` values whose slices
+    /// name upstreams (`kubernetes.endpointslice_managers`).
+    pub slice_managers: Vec<String>,
 }
+
+impl Default for Translator {
+    fn default() -> Self {
+        Translator {
+            last_good: HashMap::new(),
+            held: HashMap::new(),
+            loopback_endpoints: false,
+            slice_managers: vec![seedlink_config::model::ENDPOINTSLICE_CONTROLLER.to_string()],
+        }
+    }
+}
+
+/// The label naming who wrote an EndpointSlice.
+pub const MANAGED_BY: &str = "endpointslice.kubernetes.io/managed-by";
 
 fn age<K: kube::Resource>(o: &K) -> (Option<k8s_openapi::jiff::Timestamp>, Key) {
     (
@@ -209,6 +238,14 @@ impl Translator {
             .collect();
         let mut slices: HashMap<Key, Vec<&EndpointSlice>> = HashMap::new();
         for s in objects.slices {
+            let manager = s.labels().get(MANAGED_BY);
+            if !manager.is_some_and(|m| self.slice_managers.contains(m)) {
+                // Not written by a manager the operator trusts: a tenant may
+                // write a slice naming any address (the CVE-2021-25740
+                // class); the route then has no endpoints from it.
+                tracing::debug!(slice = %Key::of(s.as_ref()), manager = ?manager, "EndpointSlice ignored: not written by a trusted manager (kubernetes.endpointslice_managers)");
+                continue;
+            }
             if let Some(svc) = s.labels().get("kubernetes.io/service-name") {
                 slices
                     .entry(Key {
@@ -220,6 +257,13 @@ impl Translator {
             }
         }
         let policies = self.policies(objects, &routes, &mut out);
+        let listeners = attach::listeners(objects.gateway_object, objects.listeners);
+        let namespaces: HashMap<String, &BTreeMap<String, String>> = objects
+            .namespaces
+            .iter()
+            .map(|n| (n.name_any(), n.labels()))
+            .collect();
+        let grants: Vec<&ReferenceGrant> = objects.grants.iter().map(|g| g.as_ref()).collect();
         for route in routes {
             let key = Key::of(route.as_ref());
             let parents: Vec<TlsRouteParentRefs> = route
@@ -241,24 +285,27 @@ impl Translator {
                 resolved: Verdict::yes("ResolvedRefs", "every backend resolved"),
                 control_plane: None,
             };
-            if let Some(p) = parents.iter().find(|p| {
-                p.section_name
-                    .as_ref()
-                    .is_some_and(|s| !objects.listeners.iter().any(|l| l == s))
-            }) {
-                outcome.accepted = Verdict::no(
-                    "NoMatchingParent",
-                    format!(
-                        "the gateway has no listener {:?} (it has {})",
-                        p.section_name.as_deref().unwrap_or_default(),
-                        objects.listeners.join(", ")
-                    ),
-                );
+            if let Err(refused) = attach::check(
+                &parents,
+                &key.namespace,
+                &objects.gateway.namespace,
+                &listeners,
+                &namespaces,
+            ) {
+                outcome.accepted = refused;
                 out.routes.push(outcome);
                 continue;
             }
-            let (endpoints, resolved, weighted) =
-                backends(route, &key, &services, &slices, self.loopback_endpoints);
+            let (endpoints, resolved, weighted) = backends(
+                route,
+                &key,
+                &Lookup {
+                    services: &services,
+                    slices: &slices,
+                    grants: &grants,
+                },
+                self.loopback_endpoints,
+            );
             outcome.resolved = resolved;
             if weighted {
                 outcome.accepted = Verdict::yes(
@@ -487,10 +534,14 @@ fn check_policy(spec: &SeedlinkPolicySpec) -> Option<String> {
 fn backends(
     route: &TlsRoute,
     key: &Key,
-    services: &HashMap<Key, &Service>,
-    slices: &HashMap<Key, Vec<&EndpointSlice>>,
+    lookup: &Lookup<'_>,
     loopback: bool,
 ) -> (Vec<String>, Verdict, bool) {
+    let Lookup {
+        services,
+        slices,
+        grants,
+    } = lookup;
     let mut endpoints = Vec::new();
     let mut seen = HashSet::new();
     let mut problems = Vec::new();
@@ -513,16 +564,19 @@ fn backends(
             ));
             continue;
         }
-        if b.namespace.as_deref().is_some_and(|n| n != key.namespace) {
+        let namespace = b.namespace.as_deref().unwrap_or(&key.namespace);
+        if namespace != key.namespace
+            && !attach::granted(grants, &key.namespace, namespace, &b.name)
+        {
             reason = "RefNotPermitted";
             problems.push(format!(
-                "backend {}: another namespace needs a ReferenceGrant, which seedlink does not read",
-                b.name
+                "backend {namespace}/{}: no ReferenceGrant in {namespace} lets TLSRoutes from {} use it",
+                b.name, key.namespace
             ));
             continue;
         }
         let skey = Key {
-            namespace: key.namespace.clone(),
+            namespace: namespace.to_string(),
             name: b.name.clone(),
         };
         let Some(port) = b.port else {
@@ -591,6 +645,13 @@ fn backends(
     (endpoints, verdict, weighted)
 }
 
+/// What backends are looked up in.
+struct Lookup<'a> {
+    services: &'a HashMap<Key, &'a Service>,
+    slices: &'a HashMap<Key, Vec<&'a EndpointSlice>>,
+    grants: &'a [&'a ReferenceGrant],
+}
+
 /// Every name a control plane claims, one namespace per kind.
 fn claims(cp: &ControlPlane) -> Vec<String> {
     let lower = |s: &str| s.trim_end_matches('.').to_ascii_lowercase();
@@ -628,6 +689,8 @@ pub fn unroutable(ip: IpAddr) -> Option<&'static str> {
         _ => None,
     }
 }
+
+mod attach;
 
 #[cfg(test)]
 mod tests;

@@ -50,11 +50,36 @@ fn slice(ns: &str, svc: &str, port: u16, eps: &[(&str, bool)]) -> Value {
     json!({
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
         "metadata": {"name": format!("{svc}-x1"), "namespace": ns,
-                     "labels": {"kubernetes.io/service-name": svc}},
+                     "labels": {"kubernetes.io/service-name": svc,
+                                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
         "addressType": "IPv4",
         "ports": [{"name": "https", "port": port}],
         "endpoints": endpoints
     })
+}
+
+/// The Gateway as the install ships it (routes from namespaces labelled
+/// `seedlink.dev/gateway-access=true`) and the tenants' namespaces, so
+/// labelled.
+fn gateway_objects(api: &ApiServer) {
+    api.apply(json!({
+        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+        "metadata": {"name": "seedlink", "namespace": "seedlink-system"},
+        "spec": {
+            "gatewayClassName": "seedlink",
+            "listeners": [{"name": "tls", "port": 443, "protocol": "TLS", "tls": {"mode": "Passthrough"},
+                           "allowedRoutes": {"namespaces": {"from": "Selector",
+                               "selector": {"matchLabels": {"seedlink.dev/gateway-access": "true"}}}}}]
+        }
+    }));
+    let burst = (0..30).map(|i| format!("shoot--burst-{i}"));
+    let names = ["shoot--a", "shoot--b", "shoot--c", "shoot--d", "shoot--e"];
+    for ns in names.iter().map(|n| n.to_string()).chain(burst) {
+        api.apply(json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": ns, "labels": {"seedlink.dev/gateway-access": "true"}}
+        }));
+    }
 }
 
 fn policy(ns: &str, route: &str, cidrs: &[&str]) -> Value {
@@ -144,6 +169,7 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     let api = ApiServer::start(&[("token-a", "replica-a")]).await;
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = api.kubeconfig(dir.path(), "token-a");
+    gateway_objects(&api);
     api.apply(service("shoot--a", "kube-apiserver"));
     api.apply(slice(
         "shoot--a",
@@ -211,6 +237,24 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     )
     .await;
     assert!(get(&pki, gw.tls, A).await.unwrap().contains("hello from a"));
+
+    // A route from a namespace the Gateway's listener does not admit:
+    // not accepted, nothing served.
+    api.apply(route(
+        "outsider",
+        "kube-apiserver",
+        "api.outsider.kube.test",
+        "kube-apiserver",
+    ));
+    wait_for(
+        "the outsider's route is not allowed",
+        Duration::from_secs(20),
+        || async {
+            condition(&api, "tlsroutes", "outsider", "kube-apiserver", "Accepted")
+                .is_some_and(|c| c["status"] == "False" && c["reason"] == "NotAllowedByListeners")
+        },
+    )
+    .await;
 
     // A missing backend Service: ResolvedRefs=False, BackendNotFound.
     api.apply(route(
@@ -438,6 +482,7 @@ async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
     let port_c = two_pods(&pki, 1, "c", &stop).await;
     let api = ApiServer::start(&[("token-a", "replica-a"), ("token-b", "replica-b")]).await;
     let dir = tempfile::tempdir().unwrap();
+    gateway_objects(&api);
     api.apply(service("shoot--a", "kube-apiserver"));
     api.apply(slice(
         "shoot--a",

@@ -57,6 +57,27 @@ const KINDS: &[Kind] = &[
     Kind {
         group: "gateway.networking.k8s.io",
         version: "v1",
+        plural: "gateways",
+        kind: "Gateway",
+        status: true,
+    },
+    Kind {
+        group: "gateway.networking.k8s.io",
+        version: "v1",
+        plural: "referencegrants",
+        kind: "ReferenceGrant",
+        status: false,
+    },
+    Kind {
+        group: "",
+        version: "v1",
+        plural: "namespaces",
+        kind: "Namespace",
+        status: true,
+    },
+    Kind {
+        group: "gateway.networking.k8s.io",
+        version: "v1",
         plural: "tlsroutes",
         kind: "TLSRoute",
         status: true,

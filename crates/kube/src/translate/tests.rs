@@ -46,7 +46,8 @@ fn slice(ns: &str, svc: &str, port_name: &str, eps: &[(&str, Option<bool>)]) -> 
         serde_json::from_value(json!({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
             "metadata": {"name": format!("{svc}-abc"), "namespace": ns,
-                         "labels": {"kubernetes.io/service-name": svc}},
+                         "labels": {"kubernetes.io/service-name": svc,
+                                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
             "addressType": "IPv4",
             "ports": [{"name": port_name, "port": 6443}],
             "endpoints": endpoints
@@ -76,11 +77,63 @@ fn gw() -> Key {
     }
 }
 
+/// The seedlink Gateway object with one TLS listener `tls` admitting
+/// routes by `allowed` (its `allowedRoutes`).
+fn gateway(allowed: serde_json::Value) -> Option<Gateway> {
+    Some(
+        serde_json::from_value(json!({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+            "metadata": {"name": "seedlink", "namespace": "seedlink-system"},
+            "spec": {
+                "gatewayClassName": "seedlink",
+                "listeners": [{"name": "tls", "port": 443, "protocol": "TLS",
+                               "tls": {"mode": "Passthrough"}, "allowedRoutes": allowed}]
+            }
+        }))
+        .unwrap(),
+    )
+}
+
+fn all_namespaces() -> Option<Gateway> {
+    gateway(json!({"namespaces": {"from": "All"}}))
+}
+
+fn namespace(name: &str, labels: serde_json::Value) -> Arc<Namespace> {
+    Arc::new(
+        serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Namespace",
+            "metadata": {"name": name, "labels": labels}
+        }))
+        .unwrap(),
+    )
+}
+
+fn grant(ns: &str, from_ns: &str, service: Option<&str>) -> Arc<ReferenceGrant> {
+    let mut to = json!({"group": "", "kind": "Service"});
+    if let Some(s) = service {
+        to["name"] = json!(s);
+    }
+    Arc::new(
+        serde_json::from_value(json!({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "ReferenceGrant",
+            "metadata": {"name": "g", "namespace": ns},
+            "spec": {
+                "from": [{"group": "gateway.networking.k8s.io", "kind": "TLSRoute", "namespace": from_ns}],
+                "to": [to]
+            }
+        }))
+        .unwrap(),
+    )
+}
+
 struct World {
     routes: Vec<Arc<TlsRoute>>,
     policies: Vec<Arc<SeedlinkPolicy>>,
     services: Vec<Arc<Service>>,
     slices: Vec<Arc<EndpointSlice>>,
+    gateway: Option<Gateway>,
+    namespaces: Vec<Arc<Namespace>>,
+    grants: Vec<Arc<ReferenceGrant>>,
 }
 
 impl World {
@@ -94,6 +147,9 @@ impl World {
             policies: &self.policies,
             services: &self.services,
             slices: &self.slices,
+            gateway_object: self.gateway.as_ref(),
+            namespaces: &self.namespaces,
+            grants: &self.grants,
         })
     }
 }
@@ -120,6 +176,9 @@ fn one_shoot() -> World {
                 ("10.0.0.3", None),
             ],
         )],
+        gateway: all_namespaces(),
+        namespaces: vec![],
+        grants: vec![],
     }
 }
 
@@ -385,6 +444,9 @@ fn the_first_claim_keeps_a_name_whatever_the_ages() {
             service("shoot--x", "kube-apiserver", 443, "https"),
         ],
         slices: vec![],
+        gateway: all_namespaces(),
+        namespaces: vec![],
+        grants: vec![],
     };
     let names = |t: &Translation| -> Vec<String> {
         t.control_planes.iter().map(|c| c.name.clone()).collect()
@@ -405,4 +467,159 @@ fn the_first_claim_keeps_a_name_whatever_the_ages() {
     assert_eq!(names(&t), ["shoot--x.api"]);
     let t = world(vec![victim, greedy]).translate(&mut tr);
     assert_eq!(names(&t), ["shoot--x.api", "shoot--v.api"]);
+}
+
+/// The Gateway's listener decides who attaches: without a Gateway object
+/// only routes from its own namespace (Gateway API's default); `Same`
+/// likewise; `Selector` by the namespace's labels (which the cluster
+/// operator sets, not the tenant); kinds without TLSRoute and non-TLS
+/// listeners admit none. A refused route serves nothing.
+#[test]
+fn only_the_listeners_allowed_routes_attach() {
+    let verdict = |w: &World| {
+        let t = w.translate(&mut Translator::default());
+        let r = t
+            .routes
+            .iter()
+            .find(|r| r.key.name == "api")
+            .unwrap()
+            .clone();
+        (r.accepted.ok, r.accepted.reason, t.control_planes.len())
+    };
+    let mut w = one_shoot();
+    assert_eq!(verdict(&w), (true, "Accepted".into(), 1));
+    w.gateway = None;
+    assert_eq!(verdict(&w), (false, "NotAllowedByListeners".into(), 0));
+    w.gateway = gateway(json!({"namespaces": {"from": "Same"}}));
+    assert_eq!(verdict(&w), (false, "NotAllowedByListeners".into(), 0));
+    let selector = json!({"namespaces": {"from": "Selector", "selector": {
+        "matchLabels": {"seedlink.dev/gateway-access": "true"},
+        "matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["banned"]}]}}});
+    w.gateway = gateway(selector.clone());
+    assert_eq!(verdict(&w), (false, "NotAllowedByListeners".into(), 0));
+    w.namespaces = vec![namespace(
+        "shoot--a",
+        json!({"seedlink.dev/gateway-access": "true"}),
+    )];
+    assert_eq!(verdict(&w), (true, "Accepted".into(), 1));
+    w.namespaces = vec![namespace(
+        "shoot--a",
+        json!({"seedlink.dev/gateway-access": "true", "tier": "banned"}),
+    )];
+    assert_eq!(verdict(&w), (false, "NotAllowedByListeners".into(), 0));
+    w.gateway = gateway(json!({"namespaces": {"from": "Selector"}}));
+    assert_eq!(verdict(&w), (false, "NotAllowedByListeners".into(), 0));
+    w.gateway = gateway(json!({"namespaces": {"from": "All"}, "kinds": [{"kind": "HTTPRoute"}]}));
+    assert_eq!(verdict(&w), (false, "NotAllowedByListeners".into(), 0));
+    w.gateway = all_namespaces();
+    if let Some(g) = w.gateway.as_mut() {
+        g.spec.listeners[0].protocol = "HTTPS".into();
+    }
+    assert_eq!(verdict(&w), (false, "NotAllowedByListeners".into(), 0));
+    // A route in the Gateway's own namespace attaches by default.
+    let mut w = one_shoot();
+    w.gateway = None;
+    w.routes = vec![route(
+        "seedlink-system",
+        "api",
+        "2026-01-01T00:00:00Z",
+        &["api.a.example"],
+        "kube-apiserver",
+        443,
+    )];
+    assert_eq!(verdict(&w), (true, "Accepted".into(), 1));
+    // sectionName names the Gateway object's listeners when there is one.
+    let mut w = one_shoot();
+    let mut r = (*w.routes[0]).clone();
+    r.spec.parent_refs.as_mut().unwrap()[0].section_name = Some("tls".into());
+    w.routes = vec![Arc::new(r)];
+    assert_eq!(verdict(&w), (true, "Accepted".into(), 1));
+    if let Some(g) = w.gateway.as_mut() {
+        g.spec.listeners[0].name = "passthrough".into();
+    }
+    assert_eq!(verdict(&w), (false, "NoMatchingParent".into(), 0));
+}
+
+/// A backend in another namespace is used only when a ReferenceGrant there
+/// lets TLSRoutes from the route's namespace use that Service.
+#[test]
+fn a_reference_grant_lets_a_route_use_another_namespaces_service() {
+    let mut w = one_shoot();
+    let mut r = (*route(
+        "shoot--b",
+        "api",
+        "2026-01-01T00:00:00Z",
+        &["api.b.example"],
+        "kube-apiserver",
+        443,
+    ))
+    .clone();
+    let mut spec = serde_json::to_value(&r.spec).unwrap();
+    spec["rules"][0]["backendRefs"][0]["namespace"] = json!("shoot--a");
+    r.spec = serde_json::from_value(spec).unwrap();
+    w.routes.push(Arc::new(r));
+    let endpoints = |w: &World| {
+        let t = w.translate(&mut Translator::default());
+        let o = t
+            .routes
+            .iter()
+            .find(|o| o.key.namespace == "shoot--b")
+            .unwrap();
+        let cp = t.control_planes.iter().find(|c| c.name == "shoot--b.api");
+        (
+            o.resolved.reason.clone(),
+            cp.map(|c| c.endpoints.len()).unwrap_or_default(),
+        )
+    };
+    assert_eq!(endpoints(&w), ("RefNotPermitted".into(), 0));
+    // A grant for another namespace, another Service, or in the wrong
+    // namespace does not count.
+    w.grants = vec![
+        grant("shoot--a", "shoot--c", None),
+        grant("shoot--a", "shoot--b", Some("etcd")),
+        grant("shoot--b", "shoot--b", None),
+    ];
+    assert_eq!(endpoints(&w), ("RefNotPermitted".into(), 0));
+    w.grants
+        .push(grant("shoot--a", "shoot--b", Some("kube-apiserver")));
+    assert_eq!(endpoints(&w), ("ResolvedRefs".into(), 2));
+}
+
+/// Only slices from a trusted manager name upstreams: one written by hand
+/// (a tenant may write one, naming another tenant's pod) is ignored.
+#[test]
+fn slices_not_written_by_a_trusted_manager_are_ignored() {
+    let mut w = one_shoot();
+    let mut forged = (*w.slices[0]).clone();
+    forged.metadata.name = Some("forged".into());
+    if let Some(l) = forged.metadata.labels.as_mut() {
+        l.insert(MANAGED_BY.into(), "tenant.example/hand".into());
+    }
+    forged.endpoints[0].addresses = vec!["10.9.9.9".into()];
+    w.slices.push(Arc::new(forged.clone()));
+    let t = w.translate(&mut Translator::default());
+    assert!(!t.control_planes[0]
+        .endpoints
+        .iter()
+        .any(|e| e.starts_with("10.9.9.9")));
+    if let Some(l) = forged.metadata.labels.as_mut() {
+        l.remove(MANAGED_BY);
+    }
+    w.slices[1] = Arc::new(forged);
+    let t = w.translate(&mut Translator::default());
+    assert!(!t.control_planes[0]
+        .endpoints
+        .iter()
+        .any(|e| e.starts_with("10.9.9.9")));
+    // An operator who trusts that manager gets its slices.
+    let mut tr = Translator::default();
+    tr.slice_managers.push("tenant.example/hand".into());
+    let mut w2 = one_shoot();
+    let mut own = (*w2.slices[0]).clone();
+    if let Some(l) = own.metadata.labels.as_mut() {
+        l.insert(MANAGED_BY.into(), "tenant.example/hand".into());
+    }
+    w2.slices = vec![Arc::new(own)];
+    let t = w2.translate(&mut tr);
+    assert_eq!(t.control_planes[0].endpoints.len(), 2);
 }

@@ -126,6 +126,7 @@ pub async fn kubernetes(
         lease,
         identity,
         loopback_endpoints: k.loopback_endpoints,
+        slice_managers: k.endpointslice_managers.clone(),
     };
     let handle =
         seedlink_kube::source::start_gateway(client, settings, Arc::new(KubeSink(gw.clone())));
