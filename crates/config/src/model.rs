@@ -253,8 +253,13 @@ pub struct Limits {
     /// `max_connections`; unset: half of `max_connections`. Connections
     /// handed to an in-process service (`local:`) are bounded there.
     pub max_connections_per_control_plane: Option<u64>,
-    /// Concurrent not-yet-routed connections per source address.
+    /// Concurrent not-yet-routed connections per source (an IPv4 address,
+    /// an IPv6 /64).
     pub max_unrouted_per_source: u32,
+    /// Concurrent routed connections (and HTTP/2 streams) per source (an
+    /// IPv4 address, an IPv6 /64); unset: no cap, as a shoot's nodes often
+    /// share one NAT address (the per-control-plane cap bounds a tenant).
+    pub max_routed_per_source: Option<u32>,
     /// Cap on the ClientHello size.
     pub client_hello_max_bytes: usize,
     /// Cap on a PROXY v2 header (fixed part, addresses and TLVs).
@@ -274,6 +279,7 @@ impl Default for Limits {
             max_connections: None,
             max_connections_per_control_plane: None,
             max_unrouted_per_source: 64,
+            max_routed_per_source: None,
             client_hello_max_bytes: 16 * 1024,
             proxy_header_max_bytes: 536,
             splice_pipes: 256,

@@ -95,6 +95,8 @@ enum Outcome {
     UpstreamUnavailable,
     /// Its control plane holds `max_connections_per_control_plane`.
     ControlPlaneLimit,
+    /// Its source holds `max_routed_per_source`.
+    SourceLimit,
     /// An in-process service took it over.
     HandedOver,
     /// Writing to the client failed before the copy started.
@@ -126,6 +128,7 @@ impl Outcome {
             Outcome::AclDenied => "acl_denied",
             Outcome::UpstreamUnavailable => "upstream_unavailable",
             Outcome::ControlPlaneLimit => "control_plane_limit",
+            Outcome::SourceLimit => "source_limit",
             Outcome::HandedOver => "handed_over",
             Outcome::ClientError => "client_error",
             Outcome::UpstreamError => "upstream_error",
@@ -412,6 +415,14 @@ async fn run(
         }
         refuse_connect_unavailable(&stream, &detected.request).await;
         return (Some(cp), Outcome::ControlPlaneLimit);
+    };
+    let Ok(_source_slot) = gw.enter_routed_source(snap, client.ip()) else {
+        if gw.metrics.refusal_log.allow() {
+            tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, %client, %peer,
+                control_plane = %cp.name, reason = "source_limit", "connection refused");
+        }
+        refuse_connect_unavailable(&stream, &detected.request).await;
+        return (Some(cp), Outcome::SourceLimit);
     };
     let (upstream, _active, endpoint) = match Box::pin(upstream::connect(
         &cp.name,

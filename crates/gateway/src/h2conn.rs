@@ -295,6 +295,16 @@ async fn tunnel(
         );
         return false;
     };
+    let Ok(_source_slot) = gw.enter_routed_source(&snap, client.ip()) else {
+        refuse(
+            gw,
+            lctx,
+            &mut respond,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "source_limit",
+        );
+        return false;
+    };
     let dial = upstream::connect(
         &cp.name,
         &route.endpoints,

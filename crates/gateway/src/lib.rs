@@ -49,6 +49,8 @@ pub struct Gateway {
     max_connections: u64,
     workers: usize,
     sources: Sources,
+    /// Routed connections per source (`limits.max_routed_per_source`).
+    routed_sources: Sources,
     /// Routed connections per control plane.
     routed: Mutex<HashMap<String, u64>>,
     closers: Mutex<HashMap<String, CancellationToken>>,
@@ -169,6 +171,7 @@ impl Gateway {
             max_connections,
             workers,
             sources: Sources::default(),
+            routed_sources: Sources::default(),
             routed: Mutex::new(HashMap::new()),
             closers: Mutex::new(HashMap::new()),
             kubernetes: Mutex::new(Vec::new()),
@@ -621,10 +624,23 @@ fn bind_tcp(
     Ok(sock.into())
 }
 
-/// Counts not-yet-routed connections per source address.
+/// Counts connections per source: an IPv4 address, or an IPv6 /64 (one
+/// host commonly holds a whole /64, so counting single IPv6 addresses
+/// would cap nobody). A v4-mapped IPv6 address counts as its IPv4 one.
 #[derive(Default)]
 struct Sources {
     counts: Mutex<HashMap<IpAddr, u32>>,
+}
+
+/// The key `ip` is counted under in [`Sources`].
+fn source_key(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => {
+            let s = v6.segments();
+            IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+        }
+        v4 => v4,
+    }
 }
 
 /// Holds one routed slot of a control plane; released on drop.
@@ -660,6 +676,22 @@ impl Gateway {
     }
 }
 
+impl Gateway {
+    /// A routed slot of the client's source, when
+    /// `limits.max_routed_per_source` is set: `Ok(None)` without a cap,
+    /// `Err(())` when the source holds its cap.
+    pub(crate) fn enter_routed_source(
+        &self,
+        snap: &Snapshot,
+        client: IpAddr,
+    ) -> Result<Option<SourceGuard<'_>>, ()> {
+        match snap.limits.max_routed_per_source {
+            None => Ok(None),
+            Some(max) => self.routed_sources.enter(client, max).map(Some).ok_or(()),
+        }
+    }
+}
+
 impl Drop for RoutedGuard<'_> {
     fn drop(&mut self) {
         let mut m = seedlink_net::sync::lock(&self.gw.routed, "routed counts");
@@ -680,6 +712,7 @@ pub(crate) struct SourceGuard<'a> {
 
 impl Sources {
     fn enter(&self, ip: IpAddr, max: u32) -> Option<SourceGuard<'_>> {
+        let ip = source_key(ip);
         let mut m = seedlink_net::sync::lock(&self.counts, "source counts");
         let n = m.entry(ip).or_insert(0);
         if *n >= max {
@@ -707,6 +740,25 @@ impl Drop for SourceGuard<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A source is an IPv4 address or an IPv6 /64; v4-mapped addresses
+    /// count as their IPv4 address.
+    #[test]
+    fn sources_are_ipv4_addresses_and_ipv6_slash_64s() {
+        let k = |s: &str| source_key(s.parse().unwrap());
+        assert_eq!(k("2001:db8:1:2:aaaa::1"), k("2001:db8:1:2:bbbb::2"));
+        assert_ne!(k("2001:db8:1:2::1"), k("2001:db8:1:3::1"));
+        assert_eq!(k("::ffff:192.0.2.7"), k("192.0.2.7"));
+        assert_ne!(k("192.0.2.7"), k("192.0.2.8"));
+        let sources = Sources::default();
+        let _a = sources.enter("2001:db8::1".parse().unwrap(), 1).unwrap();
+        assert!(sources
+            .enter("2001:db8::ffff".parse().unwrap(), 1)
+            .is_none());
+        assert!(sources
+            .enter("2001:db8:0:1::1".parse().unwrap(), 1)
+            .is_some());
+    }
 
     /// Accepted sockets inherit keepalive and no-delay from the listener,
     /// which is why the per-connection path does not set them.

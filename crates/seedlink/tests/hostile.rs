@@ -611,6 +611,60 @@ async fn one_control_plane_cannot_take_every_connection() {
     stop.cancel();
 }
 
+/// With `max_routed_per_source`, one source (an IPv4 address, an IPv6
+/// /64) holds at most that many routed connections: past it, 503 and
+/// counted; another source is still served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_source_cannot_take_a_control_planes_connections() {
+    let stop = CancellationToken::new();
+    let echo_a = echo_backend(&stop).await;
+    let echo_b = echo_backend(&stop).await;
+    let yaml = gateway_yaml(echo_a, echo_b, "127.0.0.0/8")
+        .replace(
+            "limits: {max_connections: 4, max_connections_per_control_plane: 4}",
+            "limits: {max_connections: 10, max_routed_per_source: 2}",
+        )
+        .replace("    destination_regex: 'outbound\\|443\\|\\|echo\\.shoot--a\\.svc\\.cluster\\.local'\n", "");
+    assert!(yaml.contains("max_routed_per_source: 2"), "{yaml}");
+    let gw = Gw::start(&yaml);
+    let addr = gw.listener("t");
+    let open = |from: &'static str| async move {
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        let mut s = sock.connect(addr).await.unwrap();
+        s.write_all(
+            format!(
+                "CONNECT x:443 HTTP/1.1\r\nHost: x\r\nX-Gardener-Destination: {DEST_A}\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let mut buf = vec![0u8; 128];
+        let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap_or(0);
+        (String::from_utf8_lossy(&buf[..n]).into_owned(), s)
+    };
+    let (a1, _k1) = open("127.0.0.1").await;
+    let (a2, _k2) = open("127.0.0.1").await;
+    assert!(a1.contains(" 200 ") && a2.contains(" 200 "), "{a1}{a2}");
+    let (a3, _) = open("127.0.0.1").await;
+    assert!(a3.starts_with("HTTP/1.1 503"), "{a3}");
+    let (other, mut k) = open("127.0.0.2").await;
+    assert!(other.contains(" 200 "), "{other}");
+    echo_roundtrip(&mut k, b"another source still served")
+        .await
+        .unwrap();
+    gw.wait_metric(
+        "seedlink_gateway_connections_total{listener=\"t\",control_plane=\"a\",outcome=\"source_limit\"}",
+        1.0,
+    )
+    .await;
+    stop.cancel();
+}
+
 /// Input trickled a byte at a time is cut at the detection deadline, which
 /// counts from the connection's start, whatever the pace: a PROXY header
 /// from a trusted load balancer and a CONNECT head alike.

@@ -388,25 +388,134 @@ fn trust_keys(c: &Cluster) -> Vec<(Vec<u8>, &'static str)> {
     out
 }
 
-/// Records `c`'s trust in `seen` (key → cluster), or, when another cluster
-/// already trusts one of its keys, says so instead: an agent certificate or
-/// token that verifies for two clusters would go to whichever came first,
-/// so one tenant could hand its agent another tenant's traffic.
-fn claim_trust(seen: &mut HashMap<Vec<u8>, String>, c: &Cluster, at: &str) -> Option<ConfigError> {
+/// Who holds each trusted key in `cfg` (key → cluster name): what
+/// [`keep_first_trust`] is given on the next change.
+pub fn trust_holders(cfg: &ServerConfig) -> HashMap<Vec<u8>, String> {
+    let mut out = HashMap::new();
+    for c in &cfg.clusters {
+        for k in trust_claims(c) {
+            out.entry(k).or_insert_with(|| c.name.clone());
+        }
+    }
+    out
+}
+
+/// What a cluster claims to be alone in trusting: its keys and its token
+/// issuer.
+fn trust_claims(c: &Cluster) -> Vec<Vec<u8>> {
+    let mut out: Vec<Vec<u8>> = trust_keys(c).into_iter().map(|(k, _)| k).collect();
+    if let Some(t) = &c.agent_token {
+        out.push(format!("issuer {}", t.issuer).into_bytes());
+    }
+    out
+}
+
+/// Orders clusters from Kubernetes (oldest first) so that trust stays with
+/// the cluster that held it: one that claims a key (or token issuer)
+/// another cluster held in
+/// the running configuration, and still claims, goes after every other, so
+/// [`ServerConfig::parse_with`] refuses it on the overlap — whatever the
+/// objects' ages. Without this, a tenant could edit an older TunnelCluster
+/// to claim a newer tenant's CA or token keys and take its agents.
+pub fn keep_first_trust(extra: &mut Vec<Cluster>, held: &HashMap<Vec<u8>, String>) {
+    let claims: Vec<Vec<Vec<u8>>> = extra.iter().map(trust_claims).collect();
+    let claimed_by = |key: &Vec<u8>, name: &str| {
+        extra
+            .iter()
+            .zip(&claims)
+            .any(|(c, keys)| c.name == name && keys.contains(key))
+    };
+    let steals: Vec<bool> = extra
+        .iter()
+        .zip(&claims)
+        .map(|(c, keys)| {
+            keys.iter().any(|k| {
+                held.get(k)
+                    .is_some_and(|owner| *owner != c.name && claimed_by(k, owner))
+            })
+        })
+        .collect();
+    let mut indexed: Vec<(bool, Cluster)> = steals.into_iter().zip(extra.drain(..)).collect();
+    // Stable: ages stay in order within each group.
+    indexed.sort_by_key(|(stealer, _)| *stealer);
+    extra.extend(indexed.into_iter().map(|(_, c)| c));
+}
+
+/// The agent CA certificates of a cluster (DER); files that do not read
+/// give nothing here.
+fn agent_cas(c: &Cluster) -> Vec<Vec<u8>> {
+    c.agent_ca
+        .as_ref()
+        .map(|p| crate::tls::load_certs(p).unwrap_or_default())
+        .unwrap_or_default()
+        .into_iter()
+        .map(|d| d.as_ref().to_vec())
+        .collect()
+}
+
+/// Whether the CA certificate `child` (DER) carries a signature made with
+/// `parent`'s key (DER): then certificates under `child` can chain up to
+/// `parent`.
+fn signed_by(child: &[u8], parent: &[u8]) -> bool {
+    let (Ok((_, c)), Ok((_, p))) = (
+        x509_parser::parse_x509_certificate(child),
+        x509_parser::parse_x509_certificate(parent),
+    ) else {
+        return false;
+    };
+    c.issuer() == p.subject() && c.verify_signature(Some(p.public_key())).is_ok()
+}
+
+/// The trust already claimed, cluster by cluster.
+#[derive(Default)]
+struct Claimed {
+    /// Public key (SubjectPublicKeyInfo DER) → cluster.
+    keys: HashMap<Vec<u8>, String>,
+    /// Agent CA certificates (DER) with their cluster.
+    cas: Vec<(Vec<u8>, String)>,
+}
+
+/// Records `c`'s trust in `seen`, or, when another cluster already trusts
+/// one of its keys or one of their CAs signed the other's, says so instead:
+/// an agent certificate or token that verifies for two clusters could be
+/// taken for either, so one tenant could hand its agent another tenant's
+/// traffic. (Links through a third certificate the agent presents are
+/// refused when the agent connects: `Registry::cluster_for_cert`.)
+fn claim_trust(seen: &mut Claimed, c: &Cluster, at: &str) -> Option<ConfigError> {
     let keys = trust_keys(c);
+    let refuse = |what: &str, how: String| {
+        ConfigError {
+        path: format!("{at}.{what}"),
+        message: format!(
+            "{how}: an agent could be taken for either (each cluster needs its own CA and token keys)"
+        ),
+    }
+    };
     for (k, what) in &keys {
-        if let Some(other) = seen.get(k).filter(|o| **o != c.name) {
-            return Some(ConfigError {
-                path: format!("{at}.{what}"),
-                message: format!(
-                    "trusts a key that cluster {other:?} trusts already: an agent could be taken for either (each cluster needs its own CA and token keys)"
-                ),
-            });
+        if let Some(other) = seen.keys.get(k).filter(|o| **o != c.name) {
+            return Some(refuse(
+                what,
+                format!("trusts a key that cluster {other:?} trusts already"),
+            ));
+        }
+    }
+    let cas = agent_cas(c);
+    for (theirs, other) in seen.cas.iter().filter(|(_, o)| *o != c.name) {
+        if cas
+            .iter()
+            .any(|ours| signed_by(ours, theirs) || signed_by(theirs, ours))
+        {
+            return Some(refuse(
+                "agent_ca",
+                format!("has a CA signed by, or signing, the agent CA of cluster {other:?}"),
+            ));
         }
     }
     for (k, _) in keys {
-        seen.entry(k).or_insert_with(|| c.name.clone());
+        seen.keys.entry(k).or_insert_with(|| c.name.clone());
     }
+    seen.cas
+        .extend(cas.into_iter().map(|d| (d, c.name.clone())));
     None
 }
 
@@ -551,7 +660,7 @@ impl ServerConfig {
         };
         if extra.is_empty() {
             let checked = Self::validate(file).and_then(|cfg| {
-                let mut seen = HashMap::new();
+                let mut seen = Claimed::default();
                 let overlaps: Vec<ConfigError> = cfg
                     .clusters
                     .iter()
@@ -612,7 +721,7 @@ impl ServerConfig {
         }
         // Trust shared with a cluster already kept (the file's, then the
         // older objects') refuses the newer claim.
-        let mut seen = HashMap::new();
+        let mut seen = Claimed::default();
         for (i, c) in file.clusters.iter().enumerate() {
             if let Some(e) = claim_trust(&mut seen, c, &format!("clusters[{i}] ({})", c.name)) {
                 return (Err(Errors(vec![e])), Vec::new());
@@ -1076,6 +1185,139 @@ clusters:
         assert_eq!(kept, ["a", "b", "ns-x.t"]);
         let names: Vec<&str> = refused.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["ns-evil.t", "ns-late.t"]);
+    }
+
+    /// An older TunnelCluster edited to claim a newer one's CA does not
+    /// take its trust: the cluster that held the key keeps it, the editor
+    /// is refused; once the holder lets go, the key may move.
+    #[test]
+    fn trust_stays_with_the_cluster_that_held_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = |name: &str, pem: String| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, pem).unwrap();
+            p.display().to_string()
+        };
+        let ca = |n: &str| {
+            let c = rcgen::generate_simple_self_signed(vec![n.to_string()]).unwrap();
+            w(&format!("{n}.pem"), c.cert.pem())
+        };
+        let (own, victims) = (ca("own"), ca("victims"));
+        let cluster = |name: &str, ca: &str| Cluster {
+            name: name.into(),
+            agent_ca: Some(ca.into()),
+            agent_token: None,
+            strategies: vec!["default".into()],
+            frontends: Vec::new(),
+            proxy_password_file: None,
+            limits: ClusterLimits::default(),
+        };
+        let text = "agents: {listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}\nclusters: []\n";
+        let admit = |mut extra: Vec<Cluster>, held: &HashMap<Vec<u8>, String>| {
+            keep_first_trust(&mut extra, held);
+            let (cfg, refused) = ServerConfig::parse_with(text, extra);
+            let cfg = cfg.unwrap();
+            let names: Vec<String> = refused.into_iter().map(|(n, _)| n).collect();
+            (trust_holders(&cfg), names)
+        };
+        // The attacker's object is older (first), each with its own CA.
+        let (held, refused) = admit(
+            vec![cluster("ns-x.t", &own), cluster("ns-v.t", &victims)],
+            &HashMap::new(),
+        );
+        assert!(refused.is_empty());
+        // The attacker edits its (older) object to the victim's CA.
+        let (held, refused) = admit(
+            vec![cluster("ns-x.t", &victims), cluster("ns-v.t", &victims)],
+            &held,
+        );
+        assert_eq!(refused, ["ns-x.t"]);
+        // And stays refused on the next change.
+        let (held, refused) = admit(
+            vec![cluster("ns-x.t", &victims), cluster("ns-v.t", &victims)],
+            &held,
+        );
+        assert_eq!(refused, ["ns-x.t"]);
+        assert!(held.values().any(|n| n == "ns-v.t"));
+        // The victim's object goes: the key is free.
+        let (held, refused) = admit(vec![cluster("ns-x.t", &victims)], &held);
+        assert!(refused.is_empty());
+        assert!(held.values().all(|n| n == "ns-x.t"));
+    }
+
+    /// CAs linked by a signature give one cluster's agents a path to the
+    /// other's trust: a CA signed by (or signing) another cluster's CA is
+    /// refused in the configuration; a link the agent brings itself (a
+    /// cross-certificate in its chain, in neither file) makes the
+    /// certificate verify for both clusters, and it goes to neither.
+    #[test]
+    fn linked_cas_are_refused_and_an_ambiguous_agent_gets_no_cluster() {
+        use rcgen::{BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, Issuer};
+        let dir = tempfile::tempdir().unwrap();
+        let w = |name: &str, pem: String| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, pem).unwrap();
+            p.display().to_string()
+        };
+        let ca_params = |cn: &str| {
+            let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+            let mut dn = DistinguishedName::new();
+            dn.push(DnType::CommonName, cn);
+            p.distinguished_name = dn;
+            p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            p
+        };
+        let (ka, kb) = (
+            rcgen::KeyPair::generate().unwrap(),
+            rcgen::KeyPair::generate().unwrap(),
+        );
+        let ca_a = ca_params("tenant a").self_signed(&ka).unwrap();
+        let ca_b = ca_params("tenant b").self_signed(&kb).unwrap();
+        let issuer_a = Issuer::new(ca_params("tenant a"), &ka);
+        // B's key, certified by A: everything B signs chains up to A.
+        let cross = ca_params("tenant b").signed_by(&kb, &issuer_a).unwrap();
+        let (a, b, linked) = (
+            w("a.pem", ca_a.pem()),
+            w("b.pem", ca_b.pem()),
+            w("linked.pem", cross.pem()),
+        );
+        let server = rcgen::generate_simple_self_signed(vec!["tunnel".to_string()]).unwrap();
+        let (crt, key) = (
+            w("srv.pem", server.cert.pem()),
+            w("srv-key.pem", server.signing_key.serialize_pem()),
+        );
+        let text = |ca_b: &str| {
+            format!(
+                "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}'}}
+clusters:
+  - {{name: a, agent_ca: '{a}'}}
+  - {{name: b, agent_ca: '{ca_b}'}}
+"
+            )
+        };
+        let e = format!("{:#}", ServerConfig::parse(&text(&linked)).unwrap_err());
+        assert!(e.contains("signed by, or signing"), "{e}");
+        let cfg = ServerConfig::parse(&text(&b)).unwrap();
+
+        // An agent of b presenting the cross-certificate after its leaf.
+        let leaf_key = rcgen::KeyPair::generate().unwrap();
+        let leaf = CertificateParams::new(vec!["agent-b".to_string()])
+            .unwrap()
+            .signed_by(&leaf_key, &Issuer::new(ca_params("tenant b"), &kb))
+            .unwrap();
+        let srv = crate::server::run::TunnelServer::from_config(&cfg).unwrap();
+        let alone = [leaf.der().clone()];
+        assert_eq!(
+            srv.registry
+                .cluster_for_cert(&alone)
+                .map(|c| c.name.to_string()),
+            Ok("b".to_string())
+        );
+        let chained = [leaf.der().clone(), cross.der().clone()];
+        assert!(matches!(
+            srv.registry.cluster_for_cert(&chained),
+            Err(crate::server::CertMatch::Ambiguous(..))
+        ));
     }
 }
 

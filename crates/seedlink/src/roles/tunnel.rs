@@ -1,5 +1,6 @@
 //! `seedlink tunnel-server` and `seedlink tunnel-agent`.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -107,7 +108,8 @@ pub fn fingerprint(config: &std::path::Path, cfg: &ServerConfig) -> u64 {
 /// change of an unrelated file).
 fn read_config(
     config: &std::path::Path,
-    kubernetes: Vec<seedlink_tunnel::config::Cluster>,
+    mut kubernetes: Vec<seedlink_tunnel::config::Cluster>,
+    held: &Mutex<HashMap<Vec<u8>, String>>,
 ) -> (
     u64,
     anyhow::Result<ServerConfig>,
@@ -123,6 +125,10 @@ fn read_config(
             return (h.finish(), Err(e), Vec::new());
         }
     };
+    seedlink_tunnel::config::keep_first_trust(
+        &mut kubernetes,
+        &seedlink_net::sync::lock(held, "tunnel trust"),
+    );
     match ServerConfig::parse_with(&text, kubernetes) {
         (Ok(cfg), refused) => (fingerprint(config, &cfg), Ok(cfg), refused),
         (Err(e), _) => {
@@ -188,6 +194,9 @@ pub struct ServerRole {
     files: Mutex<Vec<PathBuf>>,
     /// Clusters from TunnelClusters, added to the file's on every reload.
     kubernetes: Mutex<Vec<seedlink_tunnel::config::Cluster>>,
+    /// Who held each trusted key in the running configuration (an edit
+    /// never moves trust from one cluster to another).
+    held: Mutex<HashMap<Vec<u8>, String>>,
     /// The Kubernetes source, while it runs.
     source: Mutex<Option<seedlink_kube::source::Handle>>,
 }
@@ -207,6 +216,7 @@ impl ServerRole {
             seen: Mutex::new(fingerprint(&opts.config, &cfg)),
             files: Mutex::new(cfg.files()),
             kubernetes: Mutex::new(Vec::new()),
+            held: Mutex::new(seedlink_tunnel::config::trust_holders(&cfg)),
             source: Mutex::new(None),
             opts,
         })
@@ -219,7 +229,7 @@ impl ServerRole {
         clusters: Vec<seedlink_tunnel::config::Cluster>,
     ) -> seedlink_tunnel::config::Refused {
         *seedlink_net::sync::lock(&self.kubernetes, "tunnel kubernetes") = clusters.clone();
-        let (now, parsed, refused) = read_config(&self.opts.config, clusters.clone());
+        let (now, parsed, refused) = read_config(&self.opts.config, clusters.clone(), &self.held);
         for (name, problems) in &refused {
             let text: Vec<String> = problems
                 .iter()
@@ -230,6 +240,8 @@ impl ServerRole {
         *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint") = now;
         if let Some(cfg) = apply(&self.srv, parsed).await {
             *seedlink_net::sync::lock(&self.files, "tunnel files") = cfg.files();
+            *seedlink_net::sync::lock(&self.held, "tunnel trust") =
+                seedlink_tunnel::config::trust_holders(&cfg);
             return refused;
         }
         // The file is invalid or the reload failed (logged): nothing
@@ -350,7 +362,7 @@ impl Role for ServerRole {
         Box::pin(async move {
             let kubernetes =
                 seedlink_net::sync::lock(&self.kubernetes, "tunnel kubernetes").clone();
-            let (now, parsed, _) = read_config(&self.opts.config, kubernetes);
+            let (now, parsed, _) = read_config(&self.opts.config, kubernetes, &self.held);
             let seen = *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint");
             // Kubernetes touches files without changing them; contents
             // decide, unless SIGHUP asked.
@@ -360,6 +372,8 @@ impl Role for ServerRole {
             *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint") = now;
             if let Some(cfg) = apply(&self.srv, parsed).await {
                 *seedlink_net::sync::lock(&self.files, "tunnel files") = cfg.files();
+                *seedlink_net::sync::lock(&self.held, "tunnel trust") =
+                    seedlink_tunnel::config::trust_holders(&cfg);
             }
         })
     }

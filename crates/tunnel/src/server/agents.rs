@@ -61,10 +61,15 @@ where
         None
     } else {
         match srv.registry.cluster_for_cert(&certs) {
-            Some(c) => Some(c),
-            None => {
+            Ok(c) => Some(c),
+            Err(super::CertMatch::None) => {
                 tracing::warn!(%peer, "agent certificate matches no cluster");
                 srv.metrics.agent_stream("", "unknown_cluster");
+                return;
+            }
+            Err(super::CertMatch::Ambiguous(a, b)) => {
+                tracing::warn!(%peer, first = %a, second = %b, "agent certificate verifies for two clusters (their CAs are linked): refused");
+                srv.metrics.agent_stream("", "ambiguous_cluster");
                 return;
             }
         }

@@ -700,6 +700,15 @@ pub async fn dial(
     }
 }
 
+/// Why an agent certificate got no cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CertMatch {
+    /// No cluster's CA verifies it.
+    None,
+    /// Two clusters' CAs verify it (their names).
+    Ambiguous(Arc<str>, Arc<str>),
+}
+
 /// All clusters, by name; swapped as a whole by a reload.
 #[derive(Default)]
 pub struct Registry {
@@ -733,22 +742,31 @@ impl Registry {
             .cloned()
     }
 
-    /// The cluster whose CA issued `certs`, the first in configuration order.
+    /// The one cluster whose CA verifies `certs`. A chain that verifies
+    /// for two clusters (one CA cross-signed by another, or a chain the
+    /// agent presents through an intermediate that links them) is refused
+    /// rather than given to whichever comes first: otherwise one tenant's
+    /// agent could serve another tenant's traffic. The configuration check
+    /// already refuses shared keys and direct cross-signing; this holds at
+    /// any depth. Every cluster's verifier is asked (one signature check
+    /// each, at agent connection time only).
     pub fn cluster_for_cert(
         &self,
         certs: &[rustls::pki_types::CertificateDer<'_>],
-    ) -> Option<Arc<Cluster>> {
-        self.clusters
-            .load()
-            .iter()
-            .find(|c| {
-                c.conf
-                    .load()
-                    .verifier
-                    .as_ref()
-                    .is_some_and(|v| crate::tls::accepts(v.as_ref(), certs))
-            })
-            .cloned()
+    ) -> Result<Arc<Cluster>, CertMatch> {
+        let clusters = self.clusters.load();
+        let mut found = clusters.iter().filter(|c| {
+            c.conf
+                .load()
+                .verifier
+                .as_ref()
+                .is_some_and(|v| crate::tls::accepts(v.as_ref(), certs))
+        });
+        match (found.next(), found.next()) {
+            (Some(c), None) => Ok(c.clone()),
+            (None, _) => Err(CertMatch::None),
+            (Some(a), Some(b)) => Err(CertMatch::Ambiguous(a.name.clone(), b.name.clone())),
+        }
     }
 
     /// The cluster whose issuer the token in `authorization` claims, once
