@@ -23,6 +23,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use seedlink_config::compile::{diff, restart_only_changes, ConfigError, ListenerSpec};
 use seedlink_config::{Errors, Snapshot};
+use seedlink_net::admin::source_key;
 use seedlink_net::copy::{Copier, CopyMode};
 use seedlink_net::lifecycle::Lifecycle;
 use seedlink_net::sockopt::Keepalive;
@@ -630,17 +631,6 @@ fn bind_tcp(
 #[derive(Default)]
 struct Sources {
     counts: Mutex<HashMap<IpAddr, u32>>,
-}
-
-/// The key `ip` is counted under in [`Sources`].
-fn source_key(ip: IpAddr) -> IpAddr {
-    match ip.to_canonical() {
-        IpAddr::V6(v6) => {
-            let s = v6.segments();
-            IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
-        }
-        v4 => v4,
-    }
 }
 
 /// Holds one routed slot of a control plane; released on drop.

@@ -18,6 +18,19 @@ use tokio::net::TcpListener;
 /// restarted), so no one address can.
 pub const MAX_ADMIN_PER_SOURCE: usize = 16;
 
+/// The source an address is counted as: an IPv4 address, or an IPv6 /64
+/// (one host commonly holds a whole /64, so counting single IPv6 addresses
+/// would cap nobody); a v4-mapped IPv6 address counts as its IPv4 one.
+pub fn source_key(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip.to_canonical() {
+        std::net::IpAddr::V6(v6) => {
+            let s = v6.segments();
+            std::net::IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+        }
+        v4 => v4,
+    }
+}
+
 /// Connection slots: at most `total` at once and a number per source
 /// address ([`MAX_ADMIN_PER_SOURCE`] for an admin endpoint).
 pub struct Slots {
@@ -52,7 +65,7 @@ impl Slots {
 
     /// A slot for a connection from `ip`, if one is free for it.
     pub fn enter(&self, ip: std::net::IpAddr) -> Option<Slot> {
-        let ip = ip.to_canonical();
+        let ip = source_key(ip);
         let mut m = crate::sync::lock(&self.per_source, "admin slots");
         let n = m.entry(ip).or_insert(0);
         if *n >= self.per {
@@ -448,6 +461,25 @@ pub fn rfc3339(t: std::time::SystemTime) -> String {
 
 #[cfg(test)]
 mod tests {
+    /// Slots count a source as an IPv4 address or an IPv6 /64 (so one
+    /// host rotating through its /64 is one source): the agent port, the
+    /// admin endpoints and the tunnel's token checks (two at once per
+    /// source, `TOKEN_CHECKS_PER_SOURCE`) all count this way.
+    #[test]
+    fn slots_count_ipv6_sources_per_slash_64() {
+        let slots = super::Slots::with_per_source(100, 2);
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        let _a = slots.enter(ip("2001:db8:0:7::1")).unwrap();
+        let _b = slots.enter(ip("2001:db8:0:7:ffff::2")).unwrap();
+        assert!(slots.enter(ip("2001:db8:0:7::3")).is_none());
+        let _c = slots.enter(ip("2001:db8:0:8::1")).unwrap();
+        let _d = slots.enter(ip("192.0.2.1")).unwrap();
+        let _e = slots.enter(ip("::ffff:192.0.2.1")).unwrap();
+        assert!(slots.enter(ip("192.0.2.1")).is_none());
+        drop(_a);
+        assert!(slots.enter(ip("2001:db8:0:7::3")).is_some());
+    }
+
     #[test]
     fn one_exposition_carries_the_roles_metrics_and_the_poisoned_lock_count() {
         use prometheus_client::metrics::counter::Counter;

@@ -155,6 +155,19 @@ async fn stream_cluster(
     auth: Option<&str>,
     peer: SocketAddr,
 ) -> Result<Arc<Cluster>, Status> {
+    // Held while a token is checked (a TokenReview may take a while).
+    let _token_slot = match auth {
+        Some(_) => match srv.token_slots.enter(peer.ip()) {
+            Some(slot) => Some(slot),
+            None => {
+                srv.metrics.agent_stream("", "token_check_limit");
+                return Err(Status::unavailable(
+                    "too many token checks from this address at once; retry",
+                ));
+            }
+        },
+        None => None,
+    };
     let cluster = match (cert_cluster, auth) {
         (Some(c), Some(a)) if c.conf.load().token.is_some() => {
             let token = c.conf.load().token.clone();

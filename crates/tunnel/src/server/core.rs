@@ -27,6 +27,11 @@ pub struct Settings {
     pub queue_bytes: usize,
 }
 
+/// Token checks one source (an IPv4 address, an IPv6 /64) may have under
+/// way at once: an agent needs one; a TokenReview'd cluster has 8 review
+/// slots, so one address can hold at most a quarter of them.
+pub const TOKEN_CHECKS_PER_SOURCE: usize = 2;
+
 /// The shared state of a running tunnel-server.
 pub struct Core {
     /// Clusters and their agents.
@@ -37,6 +42,10 @@ pub struct Core {
     pub settings: Settings,
     /// Agent connections: at most so many at once and per source address.
     pub agent_slots: seedlink_net::admin::Slots,
+    /// Token checks under way per source ([`TOKEN_CHECKS_PER_SOURCE`]), so
+    /// that one address sending forged tokens cannot hold every review
+    /// slot of the cluster whose issuer they name.
+    pub token_slots: seedlink_net::admin::Slots,
     /// `serverid` sent to agents.
     pub server_id: String,
     /// `servercount` sent to agents.

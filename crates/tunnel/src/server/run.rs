@@ -410,6 +410,10 @@ impl TunnelServer {
                 cfg.agents.max_connections,
                 cfg.agents.max_per_source,
             ),
+            token_slots: seedlink_net::admin::Slots::with_per_source(
+                cfg.agents.max_connections,
+                super::core::TOKEN_CHECKS_PER_SOURCE,
+            ),
             server_id: cfg.server_id.clone().unwrap_or_else(random_id),
             server_count: cfg.server_count,
             agent_tls: ArcSwap::from_pointee(p.agent_tls),
