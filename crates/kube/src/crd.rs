@@ -212,6 +212,10 @@ pub struct LimitsSpec {
     /// Agent streams at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_agents: Option<u64>,
+    /// Bytes queued towards kube-apiserver across the cluster's
+    /// connections.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_queued_bytes: Option<u64>,
 }
 
 /// What the tunnel-server sees of the cluster.

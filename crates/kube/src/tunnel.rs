@@ -262,6 +262,10 @@ fn within(spec: Option<&crate::crd::LimitsSpec>, ceiling: &ClusterLimits) -> Clu
         max_agents: size(spec.and_then(|l| l.max_agents), ceiling.max_agents),
         dial_rate: rate(spec.and_then(|l| l.dial_rate), ceiling.dial_rate),
         dial_burst: rate(spec.and_then(|l| l.dial_burst), ceiling.dial_burst),
+        max_queued_bytes: size(
+            spec.and_then(|l| l.max_queued_bytes),
+            ceiling.max_queued_bytes,
+        ),
     }
 }
 
@@ -462,12 +466,14 @@ mod tests {
             dial_rate: 100.0,
             dial_burst: 200.0,
             max_agents: 4,
+            max_queued_bytes: 1 << 20,
         };
         let spec = |c: Option<u64>, r: Option<f64>, a: Option<u64>| crate::crd::LimitsSpec {
             max_connections: c,
             dial_rate: r,
             dial_burst: None,
             max_agents: a,
+            max_queued_bytes: c.map(|c| c * 1000),
         };
         assert_eq!(within(None, &ceiling), ceiling);
         let greedy = within(Some(&spec(Some(1_000_000), Some(1e9), Some(0))), &ceiling);
@@ -476,8 +482,13 @@ mod tests {
         assert_eq!(zero, ceiling);
         let modest = within(Some(&spec(Some(10), Some(-5.0), Some(2))), &ceiling);
         assert_eq!(
-            (modest.max_connections, modest.dial_rate, modest.max_agents),
-            (10, 100.0, 2)
+            (
+                modest.max_connections,
+                modest.dial_rate,
+                modest.max_agents,
+                modest.max_queued_bytes
+            ),
+            (10, 100.0, 2, 10_000)
         );
         // An operator who switched a ceiling off leaves the tenant's value.
         let open = ClusterLimits {

@@ -183,6 +183,11 @@ pub struct ClusterLimits {
     /// Agent streams at once (an agent briefly holds a second stream while
     /// it looks for other replicas).
     pub max_agents: usize,
+    /// Bytes queued towards frontends across all of the cluster's
+    /// connections (each connection's own queue is `queue_bytes`, or two
+    /// flow-control windows): past it, a connection with bytes queued
+    /// waits for its own reader, as when its own queue is full.
+    pub max_queued_bytes: usize,
 }
 
 /// Dials per second one tunnel-server completed through one cluster with
@@ -200,6 +205,9 @@ impl Default for ClusterLimits {
             dial_rate: 50_000.0,
             dial_burst: 100_000.0,
             max_agents: 32,
+            // 64 connections' full queues at the default `queue_bytes`;
+            // without it, 10,000 connections × 4 MiB is 40 GiB.
+            max_queued_bytes: 256 * 1024 * 1024,
         }
     }
 }
@@ -1243,81 +1251,6 @@ clusters:
         let (held, refused) = admit(vec![cluster("ns-x.t", &victims)], &held);
         assert!(refused.is_empty());
         assert!(held.values().all(|n| n == "ns-x.t"));
-    }
-
-    /// CAs linked by a signature give one cluster's agents a path to the
-    /// other's trust: a CA signed by (or signing) another cluster's CA is
-    /// refused in the configuration; a link the agent brings itself (a
-    /// cross-certificate in its chain, in neither file) makes the
-    /// certificate verify for both clusters, and it goes to neither.
-    #[test]
-    fn linked_cas_are_refused_and_an_ambiguous_agent_gets_no_cluster() {
-        use rcgen::{BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, Issuer};
-        let dir = tempfile::tempdir().unwrap();
-        let w = |name: &str, pem: String| {
-            let p = dir.path().join(name);
-            std::fs::write(&p, pem).unwrap();
-            p.display().to_string()
-        };
-        let ca_params = |cn: &str| {
-            let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
-            let mut dn = DistinguishedName::new();
-            dn.push(DnType::CommonName, cn);
-            p.distinguished_name = dn;
-            p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-            p
-        };
-        let (ka, kb) = (
-            rcgen::KeyPair::generate().unwrap(),
-            rcgen::KeyPair::generate().unwrap(),
-        );
-        let ca_a = ca_params("tenant a").self_signed(&ka).unwrap();
-        let ca_b = ca_params("tenant b").self_signed(&kb).unwrap();
-        let issuer_a = Issuer::new(ca_params("tenant a"), &ka);
-        // B's key, certified by A: everything B signs chains up to A.
-        let cross = ca_params("tenant b").signed_by(&kb, &issuer_a).unwrap();
-        let (a, b, linked) = (
-            w("a.pem", ca_a.pem()),
-            w("b.pem", ca_b.pem()),
-            w("linked.pem", cross.pem()),
-        );
-        let server = rcgen::generate_simple_self_signed(vec!["tunnel".to_string()]).unwrap();
-        let (crt, key) = (
-            w("srv.pem", server.cert.pem()),
-            w("srv-key.pem", server.signing_key.serialize_pem()),
-        );
-        let text = |ca_b: &str| {
-            format!(
-                "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}'}}
-clusters:
-  - {{name: a, agent_ca: '{a}'}}
-  - {{name: b, agent_ca: '{ca_b}'}}
-"
-            )
-        };
-        let e = format!("{:#}", ServerConfig::parse(&text(&linked)).unwrap_err());
-        assert!(e.contains("signed by, or signing"), "{e}");
-        let cfg = ServerConfig::parse(&text(&b)).unwrap();
-
-        // An agent of b presenting the cross-certificate after its leaf.
-        let leaf_key = rcgen::KeyPair::generate().unwrap();
-        let leaf = CertificateParams::new(vec!["agent-b".to_string()])
-            .unwrap()
-            .signed_by(&leaf_key, &Issuer::new(ca_params("tenant b"), &kb))
-            .unwrap();
-        let srv = crate::server::run::TunnelServer::from_config(&cfg).unwrap();
-        let alone = [leaf.der().clone()];
-        assert_eq!(
-            srv.registry
-                .cluster_for_cert(&alone)
-                .map(|c| c.name.to_string()),
-            Ok("b".to_string())
-        );
-        let chained = [leaf.der().clone(), cross.der().clone()];
-        assert!(matches!(
-            srv.registry.cluster_for_cert(&chained),
-            Err(crate::server::CertMatch::Ambiguous(..))
-        ));
     }
 }
 

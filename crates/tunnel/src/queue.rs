@@ -21,6 +21,8 @@ use tokio::sync::Notify;
 /// block of slots up front).
 struct Shared {
     queued: AtomicUsize,
+    /// Shared with the other connections of the same cluster.
+    budget: Option<Budget>,
     aborted: AtomicBool,
     /// The sender is gone (normally or aborted).
     closed: AtomicBool,
@@ -30,6 +32,59 @@ struct Shared {
     ready: Notify,
     /// The reader took something (or left): room may have appeared.
     drained: Notify,
+}
+
+/// Bytes queued across several queues (one cluster's connections), with
+/// a cap that may change (0: none). A queue that already holds bytes takes
+/// more only within it; an empty queue always takes one push, so every
+/// connection keeps moving and none waits on another's reader.
+#[derive(Clone, Debug, Default)]
+pub struct Budget {
+    used: Arc<AtomicUsize>,
+    limit: Arc<AtomicUsize>,
+}
+
+impl Budget {
+    /// A budget of `limit` bytes (0: unlimited).
+    pub fn new(limit: usize) -> Budget {
+        Budget {
+            used: Arc::new(AtomicUsize::new(0)),
+            limit: Arc::new(AtomicUsize::new(limit)),
+        }
+    }
+
+    /// Changes the cap; bytes queued stay.
+    pub fn set_limit(&self, limit: usize) {
+        self.limit.store(limit, Ordering::Release);
+    }
+
+    /// Bytes queued now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Acquire)
+    }
+
+    fn fits(&self, n: usize) -> bool {
+        let limit = self.limit.load(Ordering::Acquire);
+        limit == 0 || self.used() + n <= limit
+    }
+}
+
+impl Shared {
+    fn took(&self, n: usize) {
+        self.queued.fetch_sub(n, Ordering::AcqRel);
+        if let Some(b) = &self.budget {
+            b.used.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Bytes never taken leave the shared budget with their queue.
+        if let Some(b) = &self.budget {
+            b.used.fetch_sub(*self.queued.get_mut(), Ordering::AcqRel);
+        }
+    }
 }
 
 /// The receive loop's end.
@@ -45,8 +100,15 @@ pub struct QueueRx {
 
 /// A queue with a budget of `limit` bytes.
 pub fn queue(limit: usize) -> (QueueTx, QueueRx) {
+    queue_within(limit, None)
+}
+
+/// A queue with a budget of `limit` bytes of its own, within `budget`
+/// shared with other queues.
+pub fn queue_within(limit: usize, budget: Option<Budget>) -> (QueueTx, QueueRx) {
     let shared = Arc::new(Shared {
         queued: AtomicUsize::new(0),
+        budget,
         aborted: AtomicBool::new(false),
         closed: AtomicBool::new(false),
         reader_gone: AtomicBool::new(false),
@@ -102,7 +164,8 @@ impl Room {
                 return WaitEnd::Closed;
             }
             let queued = self.shared.queued.load(Ordering::Acquire);
-            if queued == 0 || queued + n <= self.limit {
+            let shared_ok = self.shared.budget.as_ref().is_none_or(|b| b.fits(n));
+            if queued == 0 || (queued + n <= self.limit && shared_ok) {
                 return WaitEnd::Room;
             }
             if tokio::time::timeout(stall, drained).await.is_err() {
@@ -120,9 +183,13 @@ impl QueueTx {
         }
         let n = data.len();
         let before = self.shared.queued.fetch_add(n, Ordering::AcqRel);
-        if before + n > self.limit && before > 0 {
+        let shared_ok = self.shared.budget.as_ref().is_none_or(|b| b.fits(n));
+        if before > 0 && (before + n > self.limit || !shared_ok) {
             self.shared.queued.fetch_sub(n, Ordering::AcqRel);
             return Err(PushError::Full(data));
+        }
+        if let Some(b) = &self.shared.budget {
+            b.used.fetch_add(n, Ordering::AcqRel);
         }
         crate::sync::lock(&self.shared.items, "connection queue").push_back(data);
         self.shared.ready.notify_one();
@@ -192,7 +259,7 @@ impl QueueRx {
             }
             let item = crate::sync::lock(&self.shared.items, "connection queue").pop_front();
             if let Some(data) = item {
-                self.shared.queued.fetch_sub(data.len(), Ordering::AcqRel);
+                self.shared.took(data.len());
                 self.shared.drained.notify_one();
                 return Recv::Data(data);
             }
@@ -202,7 +269,7 @@ impl QueueRx {
                 let item = crate::sync::lock(&self.shared.items, "connection queue").pop_front();
                 return match item {
                     Some(data) => {
-                        self.shared.queued.fetch_sub(data.len(), Ordering::AcqRel);
+                        self.shared.took(data.len());
                         Recv::Data(data)
                     }
                     None => Recv::Finished,
@@ -248,6 +315,40 @@ impl QueueRx {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// Queues sharing a budget: a queue holding bytes takes more only
+    /// within the shared cap (and its own); an empty queue always takes one
+    /// push, so no connection waits on another's reader; bytes taken, or
+    /// left in a dropped queue, go back to the budget.
+    #[tokio::test]
+    async fn queues_share_a_cluster_budget() {
+        let budget = Budget::new(100);
+        let (a, mut ra) = queue_within(1000, Some(budget.clone()));
+        let (b, rb) = queue_within(1000, Some(budget.clone()));
+        let chunk = |n: usize| Bytes::from(vec![0u8; n]);
+        a.push(chunk(60)).unwrap();
+        assert!(matches!(a.push(chunk(60)), Err(PushError::Full(_))));
+        // b is empty: one push always fits, even past the shared cap.
+        b.push(chunk(60)).unwrap();
+        assert_eq!(budget.used(), 120);
+        assert!(matches!(b.push(chunk(1)), Err(PushError::Full(_))));
+        assert!(matches!(ra.recv().await, Recv::Data(d) if d.len() == 60));
+        assert_eq!(budget.used(), 60);
+        assert_eq!(
+            a.room().wait(30, Duration::from_millis(10)).await,
+            WaitEnd::Room
+        );
+        a.push(chunk(30)).unwrap();
+        assert!(matches!(a.push(chunk(20)), Err(PushError::Full(_))));
+        // b's reader leaves with 60 bytes queued: they leave the budget.
+        drop(rb);
+        drop(b);
+        assert_eq!(budget.used(), 30);
+        a.push(chunk(20)).unwrap();
+        budget.set_limit(0);
+        a.push(chunk(500)).unwrap();
+        assert_eq!(budget.used(), 550);
+    }
 
     #[tokio::test]
     async fn a_full_queue_hands_the_bytes_back_and_room_appears_as_the_reader_reads() {

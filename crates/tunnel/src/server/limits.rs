@@ -18,6 +18,8 @@ pub struct Limits {
     pub dial_burst: f64,
     /// Agent streams at once.
     pub max_agents: usize,
+    /// Bytes queued towards frontends across the cluster's connections.
+    pub max_queued_bytes: usize,
 }
 
 impl From<crate::config::ClusterLimits> for Limits {
@@ -27,6 +29,7 @@ impl From<crate::config::ClusterLimits> for Limits {
             dial_rate: c.dial_rate,
             dial_burst: c.dial_burst,
             max_agents: c.max_agents,
+            max_queued_bytes: c.max_queued_bytes,
         }
     }
 }
@@ -38,6 +41,7 @@ impl Limits {
         dial_rate: 0.0,
         dial_burst: 0.0,
         max_agents: 0,
+        max_queued_bytes: 0,
     };
 }
 
@@ -70,6 +74,8 @@ struct Bucket {
 pub struct Gate {
     conns: Arc<AtomicUsize>,
     bucket: Mutex<Bucket>,
+    /// Bytes queued across the cluster's connections, and the cap.
+    queued: crate::queue::Budget,
 }
 
 /// One admitted connection; dropping it frees its slot.
@@ -86,6 +92,7 @@ impl Gate {
     pub fn new(limits: Limits) -> Gate {
         Gate {
             conns: Arc::new(AtomicUsize::new(0)),
+            queued: crate::queue::Budget::new(limits.max_queued_bytes),
             bucket: Mutex::new(Bucket {
                 limits,
                 tokens: limits.dial_burst.max(1.0),
@@ -104,6 +111,12 @@ impl Gate {
         let mut b = crate::sync::lock(&self.bucket, "dial bucket");
         b.tokens = b.tokens.min(limits.dial_burst.max(1.0));
         b.limits = limits;
+        self.queued.set_limit(limits.max_queued_bytes);
+    }
+
+    /// The budget every connection's queue of this cluster shares.
+    pub fn queue_budget(&self) -> crate::queue::Budget {
+        self.queued.clone()
     }
 
     /// Tunneled connections holding a permit.
@@ -144,6 +157,7 @@ mod tests {
             dial_rate: rate,
             dial_burst: burst,
             max_agents: 0,
+            max_queued_bytes: 0,
         }
     }
 

@@ -631,7 +631,7 @@ pub async fn dial(
         } else {
             settings.queue_bytes
         };
-        let (qtx, qrx) = queue::queue(budget);
+        let (qtx, qrx) = queue::queue_within(budget, Some(cluster.gate.queue_budget()));
         let credit = link.flow.then(SendCredit::new);
         let ends = ConnEnds {
             queue: qtx,
