@@ -58,12 +58,6 @@ pub struct KubernetesSource {
     /// Whether this replica takes part in writing status (default true).
     #[serde(default = "yes")]
     pub write_status: bool,
-    /// Whether EndpointSlice addresses on loopback may be upstreams. Off:
-    /// no pod has a loopback address, and one that claims it would point
-    /// the gateway at itself. Only for a seed whose "pods" all run on one
-    /// host (tests, demos).
-    #[serde(default)]
-    pub loopback_endpoints: bool,
     /// The `endpointslice.kubernetes.io/managed-by` values whose
     /// EndpointSlices name upstreams. Default: Kubernetes' own EndpointSlice
     /// controller only, which writes the addresses of the pods a Service

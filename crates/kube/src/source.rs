@@ -20,11 +20,12 @@ use futures_util::StreamExt;
 use gateway_api::gateways::Gateway;
 use gateway_api::referencegrants::ReferenceGrant;
 use gateway_api::tlsroutes::{TlsRoute, TlsRouteParentRefs};
-use k8s_openapi::api::core::v1::{Event, EventSource, Namespace, ObjectReference, Service};
+use k8s_openapi::api::core::v1::{Namespace, ObjectReference, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, MicroTime, ObjectMeta, Time};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::{Event as RuntimeEvent, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use kube::Resource;
@@ -67,8 +68,6 @@ pub struct GatewaySettings {
     pub lease: Option<Key>,
     /// This replica's name in the lease (the pod name).
     pub identity: String,
-    /// EndpointSlice addresses on loopback may be upstreams (tests).
-    pub loopback_endpoints: bool,
     /// The EndpointSlice managers whose slices name upstreams.
     pub slice_managers: Vec<String>,
 }
@@ -223,9 +222,8 @@ pub fn start_gateway(
             () = task_stop.cancelled() => return,
         }
         let mut translator = Translator::default();
-        translator.loopback_endpoints = settings.loopback_endpoints;
         translator.slice_managers = settings.slice_managers.clone();
-        let mut status = StatusWriter::new(client, writer_leadership);
+        let mut status = StatusWriter::new(client, writer_leadership, &settings.identity);
         let mut coalescer = Coalescer {
             changed,
             stop: task_stop,
@@ -372,7 +370,7 @@ pub fn start_tunnel(
             r = ready => if r.is_none() { return },
             () = task_stop.cancelled() => return,
         }
-        let mut status = StatusWriter::new(client, writer_leadership);
+        let mut status = StatusWriter::new(client, writer_leadership, &settings.identity);
         let mut coalescer = Coalescer {
             changed,
             stop: task_stop,
@@ -490,7 +488,18 @@ struct StatusWriter {
     client: kube::Client,
     leadership: Leadership,
     evented: HashSet<(Key, Option<i64>, String)>,
+    /// events.k8s.io/v1 Events as the API server wants them
+    /// (`reportingController`, `reportingInstance` = the pod, repeats
+    /// counted in a series).
+    recorder: Recorder,
 }
+
+/// Events remembered (object, generation, message) so that one is not
+/// repeated on every pass; forgotten past this many.
+const MAX_EVENTED: usize = 10_000;
+
+/// The longest Event note the API server takes.
+const MAX_NOTE: usize = 1024;
 
 fn condition(
     type_: &str,
@@ -538,8 +547,13 @@ fn same(a: &[Condition], b: &[Condition]) -> bool {
 }
 
 impl StatusWriter {
-    fn new(client: kube::Client, leadership: Leadership) -> StatusWriter {
+    fn new(client: kube::Client, leadership: Leadership, identity: &str) -> StatusWriter {
+        let reporter = Reporter {
+            controller: CONTROLLER_NAME.into(),
+            instance: Some(identity.to_string()),
+        };
         StatusWriter {
+            recorder: Recorder::new(client.clone(), reporter),
             client,
             leadership,
             evented: HashSet::new(),
@@ -777,46 +791,41 @@ impl StatusWriter {
         v: &Verdict,
     ) {
         let key = Key::of(object);
+        if self.evented.len() >= MAX_EVENTED {
+            self.evented.clear();
+        }
         if !self
             .evented
             .insert((key.clone(), generation, v.message.clone()))
         {
             return;
         }
-        let now = Timestamp::now();
-        let event = Event {
-            metadata: ObjectMeta {
-                name: Some(format!("{}.{:x}", key.name, now.as_nanosecond())),
-                namespace: Some(key.namespace.clone()),
-                ..ObjectMeta::default()
-            },
-            involved_object: ObjectReference {
-                api_version: Some(K::api_version(&()).into_owned()),
-                kind: Some(kind.into()),
-                name: Some(key.name.clone()),
-                namespace: Some(key.namespace.clone()),
-                uid: object.meta().uid.clone(),
-                resource_version: object.meta().resource_version.clone(),
-                ..ObjectReference::default()
-            },
-            reason: Some(v.reason.clone()),
-            message: Some(v.message.clone()),
-            type_: Some("Warning".into()),
-            source: Some(EventSource {
-                component: Some("seedlink".into()),
-                host: None,
-            }),
-            first_timestamp: Some(Time(now)),
-            last_timestamp: Some(Time(now)),
-            event_time: Some(MicroTime(now)),
-            reporting_component: Some("seedlink".into()),
-            reporting_instance: None,
-            action: Some("Reconcile".into()),
-            count: Some(1),
-            ..Event::default()
+        let reference = ObjectReference {
+            api_version: Some(K::api_version(&()).into_owned()),
+            kind: Some(kind.into()),
+            name: Some(key.name.clone()),
+            namespace: Some(key.namespace.clone()),
+            uid: object.meta().uid.clone(),
+            resource_version: object.meta().resource_version.clone(),
+            ..ObjectReference::default()
         };
-        let api: Api<Event> = Api::namespaced(self.client.clone(), &key.namespace);
-        if let Err(e) = api.create(&PostParams::default(), &event).await {
+        let mut note = v.message.clone();
+        if note.len() > MAX_NOTE {
+            let mut end = MAX_NOTE - 3;
+            while !note.is_char_boundary(end) {
+                end -= 1;
+            }
+            note.truncate(end);
+            note.push_str("...");
+        }
+        let event = RuntimeEvent {
+            type_: EventType::Warning,
+            reason: v.reason.chars().take(128).collect(),
+            note: Some(note),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, &reference).await {
             tracing::warn!(object = %key, error = %e, "cannot create an Event");
         }
     }

@@ -195,10 +195,6 @@ pub struct Translator {
     last_good: HashMap<Key, SeedlinkPolicySpec>,
     /// Who held each name in the last pass (claim → control plane).
     held: HashMap<String, String>,
-    /// EndpointSlice addresses on loopback may be upstreams (a seed whose
-    /// pods all run on one host: tests, demos); other unroutable
-    /// addresses never are.
-    pub loopback_endpoints: bool,
     /// The `endpointslice.kubernetes.io/managed-by` values whose slices
     /// name upstreams (`kubernetes.endpointslice_managers`).
     pub slice_managers: Vec<String>,
@@ -209,7 +205,6 @@ impl Default for Translator {
         Translator {
             last_good: HashMap::new(),
             held: HashMap::new(),
-            loopback_endpoints: false,
             slice_managers: vec![seedlink_config::model::ENDPOINTSLICE_CONTROLLER.to_string()],
         }
     }
@@ -304,7 +299,6 @@ impl Translator {
                     slices: &slices,
                     grants: &grants,
                 },
-                self.loopback_endpoints,
             );
             outcome.resolved = resolved;
             if weighted {
@@ -531,12 +525,7 @@ fn check_policy(spec: &SeedlinkPolicySpec) -> Option<String> {
 
 /// The ready endpoints of a route's backends, the `ResolvedRefs` verdict,
 /// and whether weights other than 0/1 were seen.
-fn backends(
-    route: &TlsRoute,
-    key: &Key,
-    lookup: &Lookup<'_>,
-    loopback: bool,
-) -> (Vec<String>, Verdict, bool) {
+fn backends(route: &TlsRoute, key: &Key, lookup: &Lookup<'_>) -> (Vec<String>, Verdict, bool) {
     let Lookup {
         services,
         slices,
@@ -600,7 +589,22 @@ fn backends(
             continue;
         };
         let port_name = sport.name.clone().unwrap_or_default();
+        // Kubernetes' controller writes slices only for a Service with a
+        // selector (and deletes any other slice bearing its name there); a
+        // slice claiming to be its for a Service without one was written
+        // by someone else.
+        let selected = svc
+            .spec
+            .as_ref()
+            .and_then(|s| s.selector.as_ref())
+            .is_some_and(|s| !s.is_empty());
         for slice in slices.get(&skey).into_iter().flatten() {
+            let by_controller = slice.labels().get(MANAGED_BY).map(String::as_str)
+                == Some(seedlink_config::model::ENDPOINTSLICE_CONTROLLER);
+            if by_controller && !selected {
+                tracing::debug!(service = %skey, slice = %Key::of(*slice), "EndpointSlice ignored: it names Kubernetes' controller, which writes none for a Service without a selector");
+                continue;
+            }
             if slice.address_type != "IPv4" && slice.address_type != "IPv6" {
                 continue;
             }
@@ -623,7 +627,7 @@ fn backends(
                 let Some(ip) = ep.addresses.first().and_then(|a| a.parse::<IpAddr>().ok()) else {
                     continue;
                 };
-                if let Some(why) = unroutable(ip).filter(|_| !(loopback && ip.is_loopback())) {
+                if let Some(why) = unroutable(ip) {
                     // The CVE-2021-25740 class: whoever may write an
                     // EndpointSlice must not point the gateway at itself.
                     tracing::warn!(service = %skey, address = %ip, why, "EndpointSlice address refused as an upstream");

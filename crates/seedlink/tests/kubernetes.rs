@@ -1,18 +1,23 @@
-//! The gateway driven by Kubernetes objects (TLSRoute, SeedlinkPolicy,
-//! Service, EndpointSlice) served by the API-server stand-in in the test
-//! kit: routes follow the objects under load, invalid objects are refused
-//! with status and an Event while the rest serve, a 410 and an outage of
-//! the API server drop nothing, and of two replicas one writes status.
+//! The gateway and the tunnel-server driven by Kubernetes objects
+//! (TLSRoute, SeedlinkPolicy, Service, EndpointSlice, Gateway, Namespace,
+//! TunnelCluster, Secret, ConfigMap) on a real kube-apiserver with etcd and
+//! RBAC on (the test kit's `KubeApi`), seedlink running as the
+//! ServiceAccount and with the RBAC the install manifests give it: routes
+//! follow the objects under load, invalid objects are refused with status
+//! and an Event while the rest serve, a 410 (etcd compacted) and an outage
+//! of the API server (a partition) drop nothing, and of two replicas one
+//! writes status.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
 use seedlink_testkit as common;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::apiserver::ApiServer;
+use common::faults::{Fault, FaultProxy};
+use common::kubeapi::{self, KubeApi};
 use common::*;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
@@ -20,25 +25,297 @@ use tokio_util::sync::CancellationToken;
 
 const A: &str = "api.a.kube.test";
 const C: &str = "api.c.kube.test";
-const GATEWAY: &str = "seedlink-system/seedlink";
+const ROUTES: &str = "gateway.networking.k8s.io/v1";
+const POLICIES: &str = "policy.seedlink.dev/v1alpha1";
 
-fn route(ns: &str, name: &str, host: &str, svc: &str) -> Value {
-    json!({
-        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "TLSRoute",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "parentRefs": [{"name": "seedlink", "namespace": "seedlink-system", "sectionName": "tls"}],
-            "hostnames": [host],
-            "rules": [{"backendRefs": [{"name": svc, "port": 443}]}]
+/// The "pods" of a seed's network namespace: the API server refuses
+/// loopback addresses in EndpointSlices, so the demo kube-apiservers live
+/// on these (on the namespace's own `lo`).
+const POD_1: &str = "10.99.0.2";
+const POD_2: &str = "10.99.0.3";
+
+/// One test's seed on the shared API server: its own install namespace
+/// (RBAC from the manifests, the ServiceAccount's token), its own Gateway,
+/// tenant namespaces named `<prefix>-<short>`, a fault proxy between
+/// seedlink and the API server, and (for the gateway) a network namespace
+/// for the gateway and its pods, bridged to the API server by that proxy.
+struct Seed {
+    api: &'static KubeApi,
+    client: kube::Client,
+    prefix: String,
+    /// The install namespace (the Gateway's, the Leases').
+    sys: String,
+    /// The `seedlink` ServiceAccount's token.
+    token: String,
+    proxy: FaultProxy,
+    /// The network namespace the gateway and its pods run in.
+    net: Option<(Netns, NetnsDialer)>,
+    dir: tempfile::TempDir,
+}
+
+/// A gateway in the seed's network namespace, reached through bridges.
+struct SeedGw {
+    gw: Gw,
+    /// Its TLS listener, from here.
+    tls: SocketAddr,
+    admin: SocketAddr,
+    _bridges: (FaultProxy, FaultProxy),
+}
+
+impl SeedGw {
+    async fn get(&self, path: &str) -> (u16, String) {
+        http_get(self.admin, path).await
+    }
+
+    fn write_config(&self, yaml: &str) {
+        self.gw.write_config(yaml);
+    }
+}
+
+impl Seed {
+    /// With `netns`, the gateway and its pods get a network namespace
+    /// (the API server is reached through the proxy, listening there).
+    async fn new(netns: bool) -> Seed {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let api = KubeApi::shared();
+        let client = api.client().await.unwrap();
+        let prefix = format!("k{}", N.fetch_add(1, Ordering::Relaxed));
+        let sys = format!("{prefix}-system");
+        kubeapi::apply(
+            &client,
+            json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": sys}}),
+        )
+        .await;
+        let token = api.install_rbac(&client, &sys).await;
+        let (proxy, net) = if netns {
+            let ns = Netns::new("kube");
+            for pod in [POD_1, POD_2] {
+                ns.run(&["ip", "addr", "add", &format!("{pod}/32"), "dev", "lo"]);
+            }
+            let dialer = NetnsDialer::new(&ns);
+            let l = dialer.bind("127.0.0.1:0".parse().unwrap());
+            let proxy = FaultProxy::start_with(l, None, api.addr, Fault::Pass);
+            (proxy, Some((ns, dialer)))
+        } else {
+            (FaultProxy::start(api.addr, Fault::Pass).await, None)
+        };
+        Seed {
+            api,
+            client,
+            prefix,
+            sys,
+            token,
+            proxy,
+            net,
+            dir: tempfile::tempdir().unwrap(),
         }
-    })
+    }
+
+    /// Starts a gateway in the seed's network namespace.
+    async fn gateway(&self, pod: &str, token: &str) -> SeedGw {
+        let (ns, dialer) = self.net.as_ref().unwrap();
+        let kc = self.kubeconfig(pod, token);
+        let gw = Gw::start_in(
+            Some(ns),
+            &self.gateway_yaml(),
+            &[("KUBECONFIG", kc.to_str().unwrap()), ("POD_NAME", pod)],
+        );
+        let mut bridges = Vec::new();
+        for to in [gw.tls, gw.admin] {
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            bridges.push(FaultProxy::start_with(
+                l,
+                Some(dialer.clone()),
+                to,
+                Fault::Pass,
+            ));
+        }
+        let (a, t) = (bridges.pop().unwrap(), bridges.pop().unwrap());
+        SeedGw {
+            tls: t.addr,
+            admin: a.addr,
+            gw,
+            _bridges: (t, a),
+        }
+    }
+
+    /// Two demo kube-apiservers ("pods") on [`POD_1`] and [`POD_2`] in the
+    /// seed's network namespace, one port.
+    fn two_pods(
+        &self,
+        pki: &Arc<seedlink::demo::Pki>,
+        host: usize,
+        name: &str,
+        stop: &CancellationToken,
+    ) -> u16 {
+        let (_, dialer) = self.net.as_ref().unwrap();
+        let l1 = dialer.bind(format!("{POD_1}:0").parse().unwrap());
+        let port = l1.local_addr().unwrap().port();
+        let l2 = dialer.bind(format!("{POD_2}:{port}").parse().unwrap());
+        for (l, pod) in [(l1, "1"), (l2, "2")] {
+            tokio::spawn(seedlink::demo::serve_demo_apiserver(
+                l,
+                format!("{name}{pod}"),
+                pki.server_config(host).unwrap(),
+                stop.clone(),
+            ));
+        }
+        port
+    }
+
+    fn ns(&self, short: &str) -> String {
+        format!("{}-{short}", self.prefix)
+    }
+
+    /// Creates tenant namespace `short`, admitted by the Gateway's
+    /// listener (labelled `seedlink.dev/gateway-access=true`) or not.
+    async fn tenant(&self, short: &str, admitted: bool) -> String {
+        let ns = self.ns(short);
+        let labels = if admitted {
+            json!({"seedlink.dev/gateway-access": "true"})
+        } else {
+            json!({})
+        };
+        self.apply(json!({"apiVersion": "v1", "kind": "Namespace",
+                          "metadata": {"name": ns, "labels": labels}}))
+            .await;
+        ns
+    }
+
+    async fn apply(&self, object: Value) -> Value {
+        kubeapi::apply(&self.client, object).await
+    }
+
+    async fn get(&self, api_version: &str, kind: &str, ns: &str, name: &str) -> Option<Value> {
+        kubeapi::get(&self.client, api_version, kind, ns, name).await
+    }
+
+    async fn delete(&self, api_version: &str, kind: &str, ns: &str, name: &str) -> bool {
+        kubeapi::delete(&self.client, api_version, kind, ns, name).await
+    }
+
+    /// A kubeconfig through the fault proxy with `token`.
+    fn kubeconfig(&self, name: &str, token: &str) -> std::path::PathBuf {
+        self.api
+            .kubeconfig(self.dir.path(), name, token, Some(self.proxy.addr))
+    }
+
+    /// The Gateway as the install ships it (routes from namespaces
+    /// labelled `seedlink.dev/gateway-access=true`).
+    async fn gateway_object(&self) {
+        let shipped = std::fs::read_to_string(
+            kubeapi::repo_root().join("deploy/kustomize/seed/gateway.yaml"),
+        )
+        .unwrap();
+        for mut doc in kubeapi::yaml_docs(&shipped) {
+            if doc["kind"] == "Gateway" {
+                doc["metadata"]["namespace"] = self.sys.clone().into();
+                self.apply(doc).await;
+            }
+        }
+    }
+
+    fn gateway_yaml(&self) -> String {
+        format!(
+            "admin: {{listen: '127.0.0.1:0'}}\nlisteners: [{{name: tls, address: '127.0.0.1:0'}}]\nkubernetes: {{gateway: {}/seedlink}}\n",
+            self.sys
+        )
+    }
+
+    fn route(&self, ns: &str, name: &str, host: &str, svc: &str) -> Value {
+        json!({
+            "apiVersion": ROUTES, "kind": "TLSRoute",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {
+                "parentRefs": [{"name": "seedlink", "namespace": self.sys, "sectionName": "tls"}],
+                "hostnames": [host],
+                "rules": [{"backendRefs": [{"name": svc, "port": 443}]}]
+            }
+        })
+    }
+
+    /// Our condition `type_` on the route's (or policy's) status, if written.
+    async fn condition(
+        &self,
+        api_version: &str,
+        kind: &str,
+        ns: &str,
+        name: &str,
+        type_: &str,
+    ) -> Option<Value> {
+        let o = self.get(api_version, kind, ns, name).await?;
+        let entries = o["status"]["parents"]
+            .as_array()
+            .or(o["status"]["ancestors"].as_array())?
+            .clone();
+        entries
+            .iter()
+            .filter(|e| e["controllerName"] == "seedlink.dev/gateway")
+            .flat_map(|e| e["conditions"].as_array().cloned().unwrap_or_default())
+            .find(|c| c["type"] == type_)
+    }
+
+    /// Whether an Event about object `name` in `ns` was recorded.
+    async fn event_about(&self, ns: &str, name: &str) -> bool {
+        kubeapi::list(&self.client, "v1", "Event", ns)
+            .await
+            .iter()
+            .any(|e| e["involvedObject"]["name"] == name)
+    }
+
+    /// Who (user names) wrote `subresource` of `resource` objects in `ns`
+    /// according to the API server's audit log, in order.
+    fn writers(&self, resource: &str, ns: &str, subresource: &str) -> Vec<String> {
+        self.api
+            .audit()
+            .iter()
+            .filter(|e| {
+                e["stage"] == "ResponseComplete"
+                    && e["objectRef"]["resource"] == resource
+                    && e["objectRef"]["namespace"] == ns
+                    && e["objectRef"]["subresource"] == subresource
+                    && e["responseStatus"]["code"]
+                        .as_u64()
+                        .is_some_and(|c| c < 300)
+            })
+            .filter_map(|e| e["user"]["username"].as_str().map(str::to_string))
+            .collect()
+    }
+}
+
+impl Seed {
+    /// Another ServiceAccount `name` with exactly the install's roles (a
+    /// second replica whose writes the audit log tells apart); its token.
+    async fn second_identity(&self, name: &str) -> String {
+        let subject = json!([{"kind": "ServiceAccount", "name": name, "namespace": self.sys}]);
+        self.apply(json!({"apiVersion": "v1", "kind": "ServiceAccount",
+                          "metadata": {"name": name, "namespace": self.sys}}))
+            .await;
+        self.apply(json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": format!("{name}-{}", self.sys)},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": format!("seedlink-{}", self.sys)},
+            "subjects": subject
+        }))
+        .await;
+        self.apply(json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": {"name": format!("{name}-leases"), "namespace": self.sys},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "seedlink-leases"},
+            "subjects": subject
+        }))
+        .await;
+        self.api.token(&self.client, &self.sys, name).await
+    }
 }
 
 fn service(ns: &str, name: &str) -> Value {
     json!({
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": name, "namespace": ns},
-        "spec": {"ports": [{"name": "https", "port": 443, "targetPort": 6443}]}
+        "spec": {"selector": {"app": name},
+                 "ports": [{"name": "https", "port": 443, "targetPort": 6443}]}
     })
 }
 
@@ -53,70 +330,20 @@ fn slice(ns: &str, svc: &str, port: u16, eps: &[(&str, bool)]) -> Value {
                      "labels": {"kubernetes.io/service-name": svc,
                                 "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
         "addressType": "IPv4",
-        "ports": [{"name": "https", "port": port}],
+        "ports": [{"name": "https", "port": port, "protocol": "TCP"}],
         "endpoints": endpoints
     })
 }
 
-/// The Gateway as the install ships it (routes from namespaces labelled
-/// `seedlink.dev/gateway-access=true`) and the tenants' namespaces, so
-/// labelled.
-fn gateway_objects(api: &ApiServer) {
-    api.apply(json!({
-        "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
-        "metadata": {"name": "seedlink", "namespace": "seedlink-system"},
-        "spec": {
-            "gatewayClassName": "seedlink",
-            "listeners": [{"name": "tls", "port": 443, "protocol": "TLS", "tls": {"mode": "Passthrough"},
-                           "allowedRoutes": {"namespaces": {"from": "Selector",
-                               "selector": {"matchLabels": {"seedlink.dev/gateway-access": "true"}}}}}]
-        }
-    }));
-    let burst = (0..30).map(|i| format!("shoot--burst-{i}"));
-    let names = ["shoot--a", "shoot--b", "shoot--c", "shoot--d", "shoot--e"];
-    for ns in names.iter().map(|n| n.to_string()).chain(burst) {
-        api.apply(json!({
-            "apiVersion": "v1", "kind": "Namespace",
-            "metadata": {"name": ns, "labels": {"seedlink.dev/gateway-access": "true"}}
-        }));
-    }
-}
-
 fn policy(ns: &str, route: &str, cidrs: &[&str]) -> Value {
     json!({
-        "apiVersion": "policy.seedlink.dev/v1alpha1", "kind": "SeedlinkPolicy",
+        "apiVersion": POLICIES, "kind": "SeedlinkPolicy",
         "metadata": {"name": "acl", "namespace": ns},
         "spec": {
             "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "TLSRoute", "name": route}],
             "allowedSourceCIDRs": cidrs
         }
     })
-}
-
-/// Two demo kube-apiservers ("pods") on 127.0.0.2 and 127.0.0.3, one port.
-async fn two_pods(
-    pki: &Arc<seedlink::demo::Pki>,
-    host: usize,
-    name: &str,
-    stop: &CancellationToken,
-) -> u16 {
-    for _ in 0..20 {
-        let l1 = TcpListener::bind("127.0.0.2:0").await.unwrap();
-        let port = l1.local_addr().unwrap().port();
-        let Ok(l2) = TcpListener::bind(("127.0.0.3", port)).await else {
-            continue;
-        };
-        for (l, pod) in [(l1, "1"), (l2, "2")] {
-            tokio::spawn(seedlink::demo::serve_demo_apiserver(
-                l,
-                format!("{name}{pod}"),
-                pki.server_config(host).unwrap(),
-                stop.clone(),
-            ));
-        }
-        return port;
-    }
-    panic!("no port free on both 127.0.0.2 and 127.0.0.3");
 }
 
 async fn get(pki: &seedlink::demo::Pki, gw: SocketAddr, host: &str) -> anyhow::Result<String> {
@@ -142,50 +369,34 @@ where
     }
 }
 
-/// Our condition `type_` on the route's (or policy's) status, if written.
-fn condition(api: &ApiServer, plural: &str, ns: &str, name: &str, type_: &str) -> Option<Value> {
-    let o = api.get(plural, ns, name)?;
-    let entries = o["status"]["parents"]
-        .as_array()
-        .or(o["status"]["ancestors"].as_array())?
-        .clone();
-    entries
-        .iter()
-        .filter(|e| e["controllerName"] == "seedlink.dev/gateway")
-        .flat_map(|e| e["conditions"].as_array().cloned().unwrap_or_default())
-        .find(|c| c["type"] == type_)
-}
-
-fn gateway_yaml() -> String {
-    format!("admin: {{listen: '127.0.0.1:0'}}\nlisteners: [{{name: tls, address: '127.0.0.1:0'}}]\nkubernetes: {{gateway: {GATEWAY}, loopback_endpoints: true}}\n")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_outage() {
     let stop = CancellationToken::new();
     let pki = Arc::new(seedlink::demo::Pki::generate(&[A, C]).unwrap());
-    let port_a = two_pods(&pki, 0, "a", &stop).await;
-    let port_c = two_pods(&pki, 1, "c", &stop).await;
-    let api = ApiServer::start(&[("token-a", "replica-a")]).await;
-    let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = api.kubeconfig(dir.path(), "token-a");
-    gateway_objects(&api);
-    api.apply(service("shoot--a", "kube-apiserver"));
-    api.apply(slice(
-        "shoot--a",
+    let seed = Seed::new(true).await;
+    let port_a = seed.two_pods(&pki, 0, "a", &stop);
+    let port_c = seed.two_pods(&pki, 1, "c", &stop);
+    seed.gateway_object().await;
+    let [a, b, c, d, e] = [
+        seed.tenant("shoot--a", true).await,
+        seed.tenant("shoot--b", true).await,
+        seed.tenant("shoot--c", true).await,
+        seed.tenant("shoot--d", true).await,
+        seed.tenant("shoot--e", true).await,
+    ];
+    let outsider = seed.tenant("outsider", false).await;
+    seed.apply(service(&a, "kube-apiserver")).await;
+    seed.apply(slice(
+        &a,
         "kube-apiserver",
         port_a,
-        &[("127.0.0.2", true), ("127.0.0.3", true)],
-    ));
-    api.apply(route("shoot--a", "kube-apiserver", A, "kube-apiserver"));
+        &[(POD_1, true), (POD_2, true)],
+    ))
+    .await;
+    seed.apply(seed.route(&a, "kube-apiserver", A, "kube-apiserver"))
+        .await;
 
-    let gw = Gw::start_with_env(
-        &gateway_yaml(),
-        &[
-            ("KUBECONFIG", kubeconfig.to_str().unwrap()),
-            ("POD_NAME", "replica-a"),
-        ],
-    );
+    let gw = seed.gateway("replica-a", &seed.token).await;
     // Ready means the first snapshot is in: the route serves at once, on
     // both pods (least-connections spreads sequential requests).
     let body = get(&pki, gw.tls, A).await.unwrap();
@@ -194,102 +405,93 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         "route status Accepted=True",
         Duration::from_secs(20),
         || async {
-            condition(&api, "tlsroutes", "shoot--a", "kube-apiserver", "Accepted")
+            seed.condition(ROUTES, "TLSRoute", &a, "kube-apiserver", "Accepted")
+                .await
                 .is_some_and(|c| c["status"] == "True")
         },
     )
     .await;
-    let resolved = condition(
-        &api,
-        "tlsroutes",
-        "shoot--a",
-        "kube-apiserver",
-        "ResolvedRefs",
-    )
-    .unwrap();
+    let resolved = seed
+        .condition(ROUTES, "TLSRoute", &a, "kube-apiserver", "ResolvedRefs")
+        .await
+        .unwrap();
     assert_eq!(resolved["status"], "True");
     assert_eq!(resolved["observedGeneration"], 1);
 
     // A younger route claiming the same host name: refused with a
     // condition and an Event; the older one keeps serving.
-    api.apply(route("shoot--b", "kube-apiserver", A, "kube-apiserver"));
+    seed.apply(seed.route(&b, "kube-apiserver", A, "kube-apiserver"))
+        .await;
     wait_for(
         "the conflicting route is not accepted",
         Duration::from_secs(20),
         || async {
-            condition(&api, "tlsroutes", "shoot--b", "kube-apiserver", "Accepted").is_some_and(
-                |c| {
+            seed.condition(ROUTES, "TLSRoute", &b, "kube-apiserver", "Accepted")
+                .await
+                .is_some_and(|c| {
                     c["status"] == "False"
                         && c["message"].as_str().unwrap_or("").contains("already used")
-                },
-            )
+                })
         },
     )
     .await;
     wait_for(
         "an Event for the refused route",
-        Duration::from_secs(10),
-        || async {
-            api.writes()
-                .iter()
-                .any(|w| w.method == "POST" && w.path == "/api/v1/namespaces/shoot--b/events")
-        },
+        Duration::from_secs(20),
+        || async { seed.event_about(&b, "kube-apiserver").await },
     )
     .await;
     assert!(get(&pki, gw.tls, A).await.unwrap().contains("hello from a"));
 
     // A route from a namespace the Gateway's listener does not admit:
     // not accepted, nothing served.
-    api.apply(route(
-        "outsider",
+    seed.apply(seed.route(
+        &outsider,
         "kube-apiserver",
         "api.outsider.kube.test",
         "kube-apiserver",
-    ));
+    ))
+    .await;
     wait_for(
         "the outsider's route is not allowed",
         Duration::from_secs(20),
         || async {
-            condition(&api, "tlsroutes", "outsider", "kube-apiserver", "Accepted")
+            seed.condition(ROUTES, "TLSRoute", &outsider, "kube-apiserver", "Accepted")
+                .await
                 .is_some_and(|c| c["status"] == "False" && c["reason"] == "NotAllowedByListeners")
         },
     )
     .await;
 
     // A missing backend Service: ResolvedRefs=False, BackendNotFound.
-    api.apply(route(
-        "shoot--d",
-        "kube-apiserver",
-        "api.d.kube.test",
-        "nothing-here",
-    ));
+    seed.apply(seed.route(&d, "kube-apiserver", "api.d.kube.test", "nothing-here"))
+        .await;
     wait_for("BackendNotFound", Duration::from_secs(20), || async {
-        condition(
-            &api,
-            "tlsroutes",
-            "shoot--d",
-            "kube-apiserver",
-            "ResolvedRefs",
-        )
-        .is_some_and(|c| c["status"] == "False" && c["reason"] == "BackendNotFound")
+        seed.condition(ROUTES, "TLSRoute", &d, "kube-apiserver", "ResolvedRefs")
+            .await
+            .is_some_and(|c| c["status"] == "False" && c["reason"] == "BackendNotFound")
     })
     .await;
 
     // An allow-list without us: refused; an invalid edit keeps it; a
     // valid one lets us in again.
-    api.apply(policy("shoot--a", "kube-apiserver", &["192.0.2.0/24"]));
+    seed.apply(policy(&a, "kube-apiserver", &["192.0.2.0/24"]))
+        .await;
     wait_for("the ACL applies", Duration::from_secs(20), || async {
         get(&pki, gw.tls, A).await.is_err()
     })
     .await;
     wait_for("policy Accepted=True", Duration::from_secs(20), || async {
-        condition(&api, "seedlinkpolicies", "shoot--a", "acl", "Accepted")
+        seed.condition(POLICIES, "SeedlinkPolicy", &a, "acl", "Accepted")
+            .await
             .is_some_and(|c| c["status"] == "True")
     })
     .await;
-    api.apply(policy("shoot--a", "kube-apiserver", &["300.0.0.0/8"]));
+    seed.apply(policy(&a, "kube-apiserver", &["300.0.0.0/8"]))
+        .await;
     wait_for("policy Invalid", Duration::from_secs(20), || async {
-        condition(&api, "seedlinkpolicies", "shoot--a", "acl", "Accepted")
+        seed.condition(POLICIES, "SeedlinkPolicy", &a, "acl", "Accepted")
+            .await
             .is_some_and(|c| c["reason"] == "Invalid")
     })
     .await;
@@ -297,19 +499,21 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         get(&pki, gw.tls, A).await.is_err(),
         "an invalid edit must not open the route"
     );
-    api.apply(policy("shoot--a", "kube-apiserver", &["127.0.0.0/8"]));
+    seed.apply(policy(&a, "kube-apiserver", &["127.0.0.0/8"]))
+        .await;
     wait_for("the new ACL admits us", Duration::from_secs(20), || async {
         get(&pki, gw.tls, A).await.is_ok()
     })
     .await;
 
     // Pod 1 terminating (ready=false): new connections go to pod 2 only.
-    api.apply(slice(
-        "shoot--a",
+    seed.apply(slice(
+        &a,
         "kube-apiserver",
         port_a,
-        &[("127.0.0.2", false), ("127.0.0.3", true)],
-    ));
+        &[(POD_1, false), (POD_2, true)],
+    ))
+    .await;
     wait_for("only pod 2 answers", Duration::from_secs(20), || async {
         for _ in 0..12 {
             match get(&pki, gw.tls, A).await {
@@ -322,7 +526,8 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     .await;
 
     // Load on route a while route c comes and goes, the watches expire
-    // and the API server goes away and comes back.
+    // (etcd compacted: a resumed watch gets 410 Gone) and the API server
+    // becomes unreachable and comes back.
     let ok = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
     let load_stop = CancellationToken::new();
@@ -347,33 +552,46 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
             }
         })
     };
-    api.apply(service("shoot--c", "kube-apiserver"));
-    api.apply(slice(
-        "shoot--c",
+    seed.apply(service(&c, "kube-apiserver")).await;
+    seed.apply(slice(
+        &c,
         "kube-apiserver",
         port_c,
-        &[("127.0.0.2", true), ("127.0.0.3", true)],
-    ));
+        &[(POD_1, true), (POD_2, true)],
+    ))
+    .await;
     for round in 0..6 {
-        api.apply(route("shoot--c", "kube-apiserver", C, "kube-apiserver"));
-        wait_for("route c serves", Duration::from_secs(20), || async {
+        let reconnected = seed.proxy.accepted.load(Ordering::Relaxed);
+        if round == 1 {
+            // Every watch's resourceVersion is compacted away; the next
+            // event resets its connection (the proxy), so the watch resumes
+            // from a compacted version: 410 Gone, and a re-list.
+            seed.api.compact().await;
+            seed.proxy.set(Fault::ResetAfter(0));
+        }
+        seed.apply(seed.route(&c, "kube-apiserver", C, "kube-apiserver"))
+            .await;
+        if round == 1 {
+            wait_for("a watch reconnects", Duration::from_secs(20), || async {
+                seed.proxy.accepted.load(Ordering::Relaxed) > reconnected
+            })
+            .await;
+            seed.proxy.set(Fault::Pass);
+        }
+        wait_for("route c serves", Duration::from_secs(30), || async {
             get(&pki, gw.tls, C).await.is_ok()
         })
         .await;
-        match round {
-            1 => api.expire_watches(),
-            3 => {
-                api.stop();
-                // The API server is gone: the last snapshot keeps serving
-                // and readiness stays true.
-                let (code, _) = gw.get("/readyz").await;
-                assert_eq!(code, 200);
-                assert!(get(&pki, gw.tls, C).await.is_ok());
-                api.start_again().await;
-            }
-            _ => {}
+        if round == 3 {
+            // The API server is unreachable: the last snapshot keeps
+            // serving and readiness stays true.
+            seed.proxy.set(Fault::Blackhole);
+            let (code, _) = gw.get("/readyz").await;
+            assert_eq!(code, 200);
+            assert!(get(&pki, gw.tls, C).await.is_ok());
+            seed.proxy.set(Fault::Pass);
         }
-        assert!(api.remove("tlsroutes", "shoot--c", "kube-apiserver"));
+        assert!(seed.delete(ROUTES, "TLSRoute", &c, "kube-apiserver").await);
         wait_for("route c is gone", Duration::from_secs(30), || async {
             get(&pki, gw.tls, C).await.is_err()
         })
@@ -393,26 +611,22 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     // The gateway's own file broken: a new route is not applied, and its
     // status says so rather than claiming it is served; the file fixed,
     // it is.
-    gw.write_config(&format!("{}bogus: 1\n", gateway_yaml()));
-    api.apply(route(
-        "shoot--e",
-        "kube-apiserver",
-        "api.e.kube.test",
-        "kube-apiserver",
-    ));
+    gw.write_config(&format!("{}bogus: 1\n", seed.gateway_yaml()));
+    seed.apply(seed.route(&e, "kube-apiserver", "api.e.kube.test", "kube-apiserver"))
+        .await;
     wait_for(
         "route e pending on the broken file",
         Duration::from_secs(20),
         || async {
-            condition(&api, "tlsroutes", "shoot--e", "kube-apiserver", "Accepted").is_some_and(
-                |c| {
+            seed.condition(ROUTES, "TLSRoute", &e, "kube-apiserver", "Accepted")
+                .await
+                .is_some_and(|c| {
                     c["status"] == "False"
                         && c["message"]
                             .as_str()
                             .unwrap_or("")
                             .contains("configuration file is invalid")
-                },
-            )
+                })
         },
     )
     .await;
@@ -421,12 +635,13 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         .await
         .unwrap()
         .contains("hello from a2"));
-    gw.write_config(&gateway_yaml());
+    gw.write_config(&seed.gateway_yaml());
     wait_for(
         "route e accepted once the file is fixed",
         Duration::from_secs(20),
         || async {
-            condition(&api, "tlsroutes", "shoot--e", "kube-apiserver", "Accepted")
+            seed.condition(ROUTES, "TLSRoute", &e, "kube-apiserver", "Accepted")
+                .await
                 .is_some_and(|c| c["status"] == "True")
         },
     )
@@ -434,19 +649,27 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
 
     // A burst: thirty routes created at once become one snapshot (or a
     // few), not thirty reloads.
+    let burst: Vec<String> = {
+        let mut v = Vec::new();
+        for i in 0..30 {
+            v.push(seed.tenant(&format!("burst-{i}"), true).await);
+        }
+        v
+    };
     let generation = |body: String| -> u64 {
         serde_json::from_str::<Value>(&body).unwrap()["generation"]
             .as_u64()
             .unwrap()
     };
     let before = generation(gw.get("/config").await.1);
-    for i in 0..30 {
-        api.apply(route(
-            &format!("shoot--burst-{i}"),
+    for (i, ns) in burst.iter().enumerate() {
+        seed.apply(seed.route(
+            ns,
             "kube-apiserver",
             &format!("api.burst-{i}.kube.test"),
             "kube-apiserver",
-        ));
+        ))
+        .await;
     }
     wait_for(
         "the burst's last route is served",
@@ -466,7 +689,7 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     );
 
     // Deleting the route stops it.
-    api.remove("tlsroutes", "shoot--a", "kube-apiserver");
+    assert!(seed.delete(ROUTES, "TLSRoute", &a, "kube-apiserver").await);
     wait_for("route a is gone", Duration::from_secs(20), || async {
         get(&pki, gw.tls, A).await.is_err()
     })
@@ -478,26 +701,27 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
 async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
     let stop = CancellationToken::new();
     let pki = Arc::new(seedlink::demo::Pki::generate(&[A, C]).unwrap());
-    let port_a = two_pods(&pki, 0, "a", &stop).await;
-    let port_c = two_pods(&pki, 1, "c", &stop).await;
-    let api = ApiServer::start(&[("token-a", "replica-a"), ("token-b", "replica-b")]).await;
-    let dir = tempfile::tempdir().unwrap();
-    gateway_objects(&api);
-    api.apply(service("shoot--a", "kube-apiserver"));
-    api.apply(slice(
-        "shoot--a",
-        "kube-apiserver",
-        port_a,
-        &[("127.0.0.2", true)],
-    ));
-    api.apply(route("shoot--a", "kube-apiserver", A, "kube-apiserver"));
+    let seed = Seed::new(true).await;
+    let port_a = seed.two_pods(&pki, 0, "a", &stop);
+    let port_c = seed.two_pods(&pki, 1, "c", &stop);
+    let token_b = seed.second_identity("seedlink-b").await;
+    seed.gateway_object().await;
+    let (a, c) = (
+        seed.tenant("shoot--a", true).await,
+        seed.tenant("shoot--c", true).await,
+    );
+    seed.apply(service(&a, "kube-apiserver")).await;
+    seed.apply(slice(&a, "kube-apiserver", port_a, &[(POD_1, true)]))
+        .await;
+    seed.apply(seed.route(&a, "kube-apiserver", A, "kube-apiserver"))
+        .await;
+    let users = [
+        format!("system:serviceaccount:{}:seedlink", seed.sys),
+        format!("system:serviceaccount:{}:seedlink-b", seed.sys),
+    ];
     let mut replicas = Vec::new();
-    for (token, pod) in [("token-a", "replica-a"), ("token-b", "replica-b")] {
-        let kc = api.kubeconfig(dir.path(), token);
-        replicas.push(Gw::start_with_env(
-            &gateway_yaml(),
-            &[("KUBECONFIG", kc.to_str().unwrap()), ("POD_NAME", pod)],
-        ));
+    for (token, pod) in [(&seed.token, "replica-a"), (&token_b, "replica-b")] {
+        replicas.push(seed.gateway(pod, token).await);
     }
     for gw in &replicas {
         assert!(get(&pki, gw.tls, A)
@@ -506,40 +730,39 @@ async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
             .contains("hello from a1"));
     }
     wait_for("route status", Duration::from_secs(20), || async {
-        condition(&api, "tlsroutes", "shoot--a", "kube-apiserver", "Accepted").is_some()
+        seed.condition(ROUTES, "TLSRoute", &a, "kube-apiserver", "Accepted")
+            .await
+            .is_some()
     })
     .await;
-    let status_writers = |api: &ApiServer| -> Vec<String> {
-        let mut users: Vec<String> = api
-            .writes()
-            .into_iter()
-            .filter(|w| w.path.ends_with("/status"))
-            .map(|w| w.user)
-            .collect();
-        users.dedup();
-        users
-    };
-    let writers = status_writers(&api);
+    let mut writers = seed.writers("tlsroutes", &a, "status");
+    writers.dedup();
     assert_eq!(writers.len(), 1, "status written by {writers:?}");
-    let lease = api
-        .get("leases", "seedlink-system", "seedlink-status")
+    let lease = seed
+        .get(
+            "coordination.k8s.io/v1",
+            "Lease",
+            &seed.sys,
+            "seedlink-status",
+        )
+        .await
         .unwrap();
-    assert_eq!(lease["spec"]["holderIdentity"], writers[0].as_str());
+    let leader = users.iter().position(|u| *u == writers[0]).unwrap();
+    assert_eq!(
+        lease["spec"]["holderIdentity"],
+        ["replica-a", "replica-b"][leader]
+    );
 
     // The writer goes; the other takes the lease once it expired and
     // writes the status of a new route.
-    let leader = if writers[0] == "replica-a" { 0 } else { 1 };
     let mut gone = replicas.remove(leader);
-    gone.signal("KILL");
-    gone.wait_exit(Duration::from_secs(10));
-    api.apply(service("shoot--c", "kube-apiserver"));
-    api.apply(slice(
-        "shoot--c",
-        "kube-apiserver",
-        port_c,
-        &[("127.0.0.3", true)],
-    ));
-    api.apply(route("shoot--c", "kube-apiserver", C, "kube-apiserver"));
+    gone.gw.signal("KILL");
+    gone.gw.wait_exit(Duration::from_secs(10));
+    seed.apply(service(&c, "kube-apiserver")).await;
+    seed.apply(slice(&c, "kube-apiserver", port_c, &[(POD_2, true)]))
+        .await;
+    seed.apply(seed.route(&c, "kube-apiserver", C, "kube-apiserver"))
+        .await;
     wait_for(
         "route c served by the survivor",
         Duration::from_secs(20),
@@ -550,29 +773,31 @@ async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
         "the survivor writes status",
         Duration::from_secs(40),
         || async {
-            condition(&api, "tlsroutes", "shoot--c", "kube-apiserver", "Accepted").is_some()
+            seed.condition(ROUTES, "TLSRoute", &c, "kube-apiserver", "Accepted")
+                .await
+                .is_some()
         },
     )
     .await;
-    let survivor = if leader == 0 {
-        "replica-b"
-    } else {
-        "replica-a"
-    };
-    let c_writers: Vec<String> = api
-        .writes()
-        .into_iter()
-        .filter(|w| {
-            w.path
-                .ends_with("/shoot--c/tlsroutes/kube-apiserver/status")
-        })
-        .map(|w| w.user)
-        .collect();
-    assert!(c_writers.iter().all(|u| u == survivor), "{c_writers:?}");
-    let lease = api
-        .get("leases", "seedlink-system", "seedlink-status")
+    let survivor = 1 - leader;
+    let c_writers = seed.writers("tlsroutes", &c, "status");
+    assert!(
+        c_writers.iter().all(|u| *u == users[survivor]),
+        "{c_writers:?}"
+    );
+    let lease = seed
+        .get(
+            "coordination.k8s.io/v1",
+            "Lease",
+            &seed.sys,
+            "seedlink-status",
+        )
+        .await
         .unwrap();
-    assert_eq!(lease["spec"]["holderIdentity"], survivor);
+    assert_eq!(
+        lease["spec"]["holderIdentity"],
+        ["replica-a", "replica-b"][survivor]
+    );
     assert_eq!(lease["spec"]["leaseTransitions"], 1);
     stop.cancel();
 }
@@ -652,21 +877,28 @@ async fn tunnel_clusters_come_from_objects_with_their_health_in_status() {
     );
     let echo = echo_backend(&stop).await;
 
-    let api = ApiServer::start(&[("token-t", "tunnel-server")]).await;
-    let kubeconfig = api.kubeconfig(d, "token-t");
-    api.apply(json!({
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "agent-ca", "namespace": "shoot--a"},
-        "data": {"ca.crt": common::apiserver::base64(shoot_a.ca_pem.as_bytes())}
-    }));
-    api.apply(tunnel_cluster(
-        "shoot--a",
+    let seed = Seed::new(false).await;
+    let kubeconfig = seed.kubeconfig("tunnel-server", &seed.token);
+    let (a, b) = (
+        seed.tenant("shoot--a", false).await,
+        seed.tenant("shoot--b", false).await,
+    );
+    seed.apply(json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "agent-ca", "namespace": a},
+        "stringData": {"ca.crt": shoot_a.ca_pem}
+    }))
+    .await;
+    seed.apply(tunnel_cluster(
+        &a,
         json!({"secret": "agent-ca", "key": "ca.crt"}),
-    ));
+    ))
+    .await;
     // Its ConfigMap does not exist yet.
-    api.apply(tunnel_cluster(
-        "shoot--b",
+    seed.apply(tunnel_cluster(
+        &b,
         json!({"configMap": "agent-ca", "key": "ca.crt"}),
-    ));
+    ))
+    .await;
 
     let config = d.join("tunnel.yaml");
     std::fs::write(
@@ -677,9 +909,10 @@ admin: {{listen: '127.0.0.1:0'}}
 clusters: []
 frontend_templates:
   - {{name: uds, protocol: http-connect, unix: '{}/{{cluster}}.sock'}}
-kubernetes: {{lease: seedlink-system/seedlink-tunnel-status, trust_dir: '{}/trust'}}
+kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust'}}
 ",
             d.display(),
+            seed.sys,
             d.display()
         ),
     )
@@ -700,23 +933,32 @@ kubernetes: {{lease: seedlink-system/seedlink-tunnel-status, trust_dir: '{}/trus
     let _server = Proc(server);
     assert_eq!(ready["event"], "ready", "{ready}");
     let agents = ready["agents"].as_str().unwrap().to_string();
-    let sock_a = d.join("shoot--a.tunnel.sock").display().to_string();
-    let sock_b = d.join("shoot--b.tunnel.sock").display().to_string();
+    let sock_a = d.join(format!("{a}.tunnel.sock")).display().to_string();
+    let sock_b = d.join(format!("{b}.tunnel.sock")).display().to_string();
 
-    let tc = |ns: &str, type_: &str| -> Option<Value> {
-        let o = api.get("tunnelclusters", ns, "tunnel")?;
-        o["status"]["conditions"]
-            .as_array()?
-            .iter()
-            .find(|c| c["type"] == type_)
-            .cloned()
+    const TUNNELS: &str = "tunnel.seedlink.dev/v1alpha1";
+    let object = |ns: String| {
+        let seed = &seed;
+        async move { seed.get(TUNNELS, "TunnelCluster", &ns, "tunnel").await }
+    };
+    let tc = |ns: &str, type_: &str| {
+        let o = object(ns.to_string());
+        let type_ = type_.to_string();
+        async move {
+            o.await?["status"]["conditions"]
+                .as_array()?
+                .iter()
+                .find(|c| c["type"] == type_.as_str())
+                .cloned()
+        }
     };
     wait_for(
         "shoot--a Ready, no agents",
         Duration::from_secs(20),
         || async {
-            tc("shoot--a", "Ready").is_some_and(|c| c["status"] == "True")
-                && tc("shoot--a", "AgentsConnected")
+            tc(&a, "Ready").await.is_some_and(|c| c["status"] == "True")
+                && tc(&a, "AgentsConnected")
+                    .await
                     .is_some_and(|c| c["status"] == "False" && c["reason"] == "NoAgents")
         },
     )
@@ -725,15 +967,14 @@ kubernetes: {{lease: seedlink-system/seedlink-tunnel-status, trust_dir: '{}/trus
         "shoot--b refused for its missing ConfigMap",
         Duration::from_secs(20),
         || async {
-            tc("shoot--b", "Ready")
+            tc(&b, "Ready")
+                .await
                 .is_some_and(|c| c["status"] == "False" && c["reason"] == "ReferenceNotFound")
         },
     )
     .await;
-    wait_for("an Event for shoot--b", Duration::from_secs(10), || async {
-        api.writes()
-            .iter()
-            .any(|w| w.method == "POST" && w.path == "/api/v1/namespaces/shoot--b/events")
+    wait_for("an Event for shoot--b", Duration::from_secs(20), || async {
+        seed.event_about(&b, "tunnel").await
     })
     .await;
 
@@ -743,12 +984,12 @@ kubernetes: {{lease: seedlink-system/seedlink-tunnel-status, trust_dir: '{}/trus
         "shoot--a AgentsConnected",
         Duration::from_secs(20),
         || async {
-            tc("shoot--a", "AgentsConnected").is_some_and(|c| c["status"] == "True")
-                && api
-                    .get("tunnelclusters", "shoot--a", "tunnel")
-                    .is_some_and(|o| {
-                        o["status"]["agents"] == 1 && o["status"]["lastAgentSeen"].is_string()
-                    })
+            tc(&a, "AgentsConnected")
+                .await
+                .is_some_and(|c| c["status"] == "True")
+                && object(a.clone()).await.is_some_and(|o| {
+                    o["status"]["agents"] == 1 && o["status"]["lastAgentSeen"].is_string()
+                })
         },
     )
     .await;
@@ -756,12 +997,13 @@ kubernetes: {{lease: seedlink-system/seedlink-tunnel-status, trust_dir: '{}/trus
     common::tunnel_env::echo_rtt(&mut s, 1000).await;
 
     // The ConfigMap appears: shoot--b is served and its agent is let in.
-    api.apply(json!({
-        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agent-ca", "namespace": "shoot--b"},
+    seed.apply(json!({
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agent-ca", "namespace": b},
         "data": {"ca.crt": shoot_b.ca_pem}
-    }));
+    }))
+    .await;
     wait_for("shoot--b Ready", Duration::from_secs(20), || async {
-        tc("shoot--b", "Ready").is_some_and(|c| c["status"] == "True")
+        tc(&b, "Ready").await.is_some_and(|c| c["status"] == "True")
     })
     .await;
     let _agent_b = tunnel_agent(&agents, &seed_ca, &b_crt, &b_key);
@@ -775,12 +1017,16 @@ kubernetes: {{lease: seedlink-system/seedlink-tunnel-status, trust_dir: '{}/trus
     wait_for(
         "shoot--a NoAgents again",
         Duration::from_secs(20),
-        || async { tc("shoot--a", "AgentsConnected").is_some_and(|c| c["status"] == "False") },
+        || async {
+            tc(&a, "AgentsConnected")
+                .await
+                .is_some_and(|c| c["status"] == "False")
+        },
     )
     .await;
 
     // shoot--a's object goes: its socket stops answering, its trust files go.
-    assert!(api.remove("tunnelclusters", "shoot--a", "tunnel"));
+    assert!(seed.delete(TUNNELS, "TunnelCluster", &a, "tunnel").await);
     wait_for(
         "shoot--a's socket is gone",
         Duration::from_secs(20),
@@ -790,7 +1036,7 @@ kubernetes: {{lease: seedlink-system/seedlink-tunnel-status, trust_dir: '{}/trus
     wait_for(
         "shoot--a's trust files are removed",
         Duration::from_secs(10),
-        || async { !d.join("trust/shoot--a.tunnel").exists() },
+        || async { !d.join(format!("trust/{a}.tunnel")).exists() },
     )
     .await;
     common::tunnel_env::echo_rtt(&mut sb, 1000).await;

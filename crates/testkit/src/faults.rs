@@ -45,6 +45,18 @@ impl FaultProxy {
     /// Listens on 127.0.0.1:0 and forwards to `upstream` under `fault`.
     pub async fn start(upstream: SocketAddr, fault: Fault) -> FaultProxy {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        FaultProxy::start_with(l, None, upstream, fault)
+    }
+
+    /// Forwards what `l` accepts to `upstream` under `fault`, dialling
+    /// from inside a network namespace with `dial` (else from here): a
+    /// bridge between namespaces when `l` was bound in another one.
+    pub fn start_with(
+        l: TcpListener,
+        dial: Option<crate::NetnsDialer>,
+        upstream: SocketAddr,
+        fault: Fault,
+    ) -> FaultProxy {
         let addr = l.local_addr().unwrap();
         let (mode, rx) = watch::channel(fault);
         let stop = CancellationToken::new();
@@ -57,10 +69,10 @@ impl FaultProxy {
                     () = st.cancelled() => return,
                 };
                 acc.fetch_add(1, Ordering::Relaxed);
-                let (rx, st) = (rx.clone(), st.clone());
+                let (rx, st, dial) = (rx.clone(), st.clone(), dial.clone());
                 tokio::spawn(async move {
                     tokio::select! {
-                        () = proxy_one(c, upstream, rx) => {}
+                        () = proxy_one(c, upstream, rx, dial) => {}
                         () = st.cancelled() => {}
                     }
                 });
@@ -86,7 +98,12 @@ impl Drop for FaultProxy {
     }
 }
 
-async fn proxy_one(client: TcpStream, upstream: SocketAddr, mut mode: watch::Receiver<Fault>) {
+async fn proxy_one(
+    client: TcpStream,
+    upstream: SocketAddr,
+    mut mode: watch::Receiver<Fault>,
+    dial: Option<crate::NetnsDialer>,
+) {
     // A blackholed connection is held (read and dropped) until the fault
     // changes or the client leaves.
     if *mode.borrow_and_update() == Fault::Blackhole {
@@ -98,13 +115,22 @@ async fn proxy_one(client: TcpStream, upstream: SocketAddr, mut mode: watch::Rec
                 r = mode.changed() => { if r.is_err() { return } break }
             }
         }
-        return proxy_connected(c, upstream, mode).await;
+        return proxy_connected(c, upstream, mode, dial).await;
     }
-    proxy_connected(client, upstream, mode).await;
+    proxy_connected(client, upstream, mode, dial).await;
 }
 
-async fn proxy_connected(client: TcpStream, upstream: SocketAddr, mode: watch::Receiver<Fault>) {
-    let Ok(up) = TcpStream::connect(upstream).await else {
+async fn proxy_connected(
+    client: TcpStream,
+    upstream: SocketAddr,
+    mode: watch::Receiver<Fault>,
+    dial: Option<crate::NetnsDialer>,
+) {
+    let up = match &dial {
+        Some(d) => d.connect(upstream).await,
+        None => TcpStream::connect(upstream).await,
+    };
+    let Ok(up) = up else {
         // The backend refused: the client is reset, as it would be.
         seedlink_net::sockopt::arm_reset(&client);
         return;

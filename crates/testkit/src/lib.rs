@@ -6,8 +6,8 @@
 //! by sleeping blindly.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-pub mod apiserver;
 pub mod faults;
+pub mod kubeapi;
 pub mod tunnel_env;
 
 use std::io::{BufRead, BufReader};
@@ -90,10 +90,21 @@ impl Gw {
 
     /// The same with extra environment variables (`KUBECONFIG`, `POD_NAME`).
     pub fn start_with_env(yaml: &str, env: &[(&str, &str)]) -> Gw {
+        Gw::start_in(None, yaml, env)
+    }
+
+    /// The same inside network namespace `netns` (its addresses are the
+    /// namespace's: reach them with a [`NetnsDialer`]).
+    pub fn start_in(netns: Option<&Netns>, yaml: &str, env: &[(&str, &str)]) -> Gw {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("gateway.yaml");
         std::fs::write(&config, yaml).unwrap();
-        let mut child = Command::new(seedlink_bin())
+        let mut cmd = match netns {
+            // `ip netns exec` execs the program: the pid stays the gateway's.
+            Some(ns) => ns.cmd(&[seedlink_bin()]),
+            None => Command::new(seedlink_bin()),
+        };
+        let mut child = cmd
             .args(["gateway", "--config"])
             .arg(&config)
             .env("RUST_LOG", "warn")
@@ -573,6 +584,73 @@ impl Netns {
             String::from_utf8_lossy(&out.stderr)
         );
         String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+}
+
+/// Binds and dials TCP inside a network namespace, for a process that
+/// stays outside it: a thread that joined the namespace creates the
+/// sockets, which keep it (so one proxy can listen in one namespace and
+/// dial in another).
+#[derive(Clone)]
+pub struct NetnsDialer {
+    tx: std::sync::mpsc::Sender<NetnsJob>,
+}
+
+enum NetnsJob {
+    Connect(
+        SocketAddr,
+        tokio::sync::oneshot::Sender<std::io::Result<std::net::TcpStream>>,
+    ),
+    Bind(
+        SocketAddr,
+        std::sync::mpsc::Sender<std::io::Result<std::net::TcpListener>>,
+    ),
+}
+
+impl NetnsDialer {
+    pub fn new(ns: &Netns) -> NetnsDialer {
+        let (tx, rx) = std::sync::mpsc::channel::<NetnsJob>();
+        let name = ns.0.clone();
+        std::thread::spawn(move || {
+            tunnel_env::enter_netns(&name);
+            while let Ok(job) = rx.recv() {
+                match job {
+                    NetnsJob::Connect(a, reply) => {
+                        let r = std::net::TcpStream::connect_timeout(&a, Duration::from_secs(5));
+                        let _ = reply.send(r);
+                    }
+                    NetnsJob::Bind(a, reply) => {
+                        let _ = reply.send(std::net::TcpListener::bind(a));
+                    }
+                }
+            }
+        });
+        NetnsDialer { tx }
+    }
+
+    /// A connection to `addr` from inside the namespace.
+    pub async fn connect(&self, addr: SocketAddr) -> std::io::Result<TcpStream> {
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.tx
+            .send(NetnsJob::Connect(addr, reply))
+            .map_err(|_| std::io::Error::other("netns dialer gone"))?;
+        let s = rx
+            .await
+            .map_err(|_| std::io::Error::other("netns dialer gone"))??;
+        s.set_nonblocking(true)?;
+        TcpStream::from_std(s)
+    }
+
+    /// A listener on `addr` inside the namespace (call within a runtime).
+    pub fn bind(&self, addr: SocketAddr) -> TcpListener {
+        let (reply, rx) = std::sync::mpsc::channel();
+        self.tx.send(NetnsJob::Bind(addr, reply)).unwrap();
+        let l = rx
+            .recv()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("bind {addr} in netns: {e}"));
+        l.set_nonblocking(true).unwrap();
+        TcpListener::from_std(l).unwrap()
     }
 }
 

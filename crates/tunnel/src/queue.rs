@@ -34,14 +34,24 @@ struct Shared {
     drained: Notify,
 }
 
+/// The largest message an empty queue takes past its shared [`Budget`]:
+/// every connection keeps moving (none waits on another's reader), and
+/// what the exemption can hold is bounded by connections × this, not by
+/// connections × the largest message.
+pub const EXEMPT: usize = 64 * 1024;
+
 /// Bytes queued across several queues (one cluster's connections), with
-/// a cap that may change (0: none). A queue that already holds bytes takes
-/// more only within it; an empty queue always takes one push, so every
-/// connection keeps moving and none waits on another's reader.
+/// a cap that may change (0: none). A queue takes bytes only within it,
+/// except that an empty queue always takes one message of up to
+/// [`EXEMPT`] bytes. Reservations are atomic, so concurrent receive loops
+/// (one per agent stream) cannot overshoot the cap together.
 #[derive(Clone, Debug, Default)]
 pub struct Budget {
     used: Arc<AtomicUsize>,
     limit: Arc<AtomicUsize>,
+    /// Queues waiting for room in the budget (only then is `freed` told).
+    waiting: Arc<AtomicUsize>,
+    freed: Arc<Notify>,
 }
 
 impl Budget {
@@ -50,6 +60,26 @@ impl Budget {
         Budget {
             used: Arc::new(AtomicUsize::new(0)),
             limit: Arc::new(AtomicUsize::new(limit)),
+            waiting: Arc::new(AtomicUsize::new(0)),
+            freed: Arc::new(Notify::new()),
+        }
+    }
+
+    /// Reserves `n` bytes if they fit (or `exempt`); whether they did.
+    fn reserve(&self, n: usize, exempt: bool) -> bool {
+        let limit = self.limit.load(Ordering::Acquire);
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                (exempt || limit == 0 || u.saturating_add(n) <= limit).then_some(u + n)
+            })
+            .is_ok()
+    }
+
+    /// Gives `n` bytes back.
+    fn release(&self, n: usize) {
+        self.used.fetch_sub(n, Ordering::AcqRel);
+        if self.waiting.load(Ordering::Acquire) > 0 {
+            self.freed.notify_waiters();
         }
     }
 
@@ -65,7 +95,7 @@ impl Budget {
 
     fn fits(&self, n: usize) -> bool {
         let limit = self.limit.load(Ordering::Acquire);
-        limit == 0 || self.used() + n <= limit
+        limit == 0 || self.used().saturating_add(n) <= limit
     }
 }
 
@@ -73,8 +103,20 @@ impl Shared {
     fn took(&self, n: usize) {
         self.queued.fetch_sub(n, Ordering::AcqRel);
         if let Some(b) = &self.budget {
-            b.used.fetch_sub(n, Ordering::AcqRel);
+            b.release(n);
         }
+    }
+
+    /// Whether `n` more bytes would be taken now: within this queue's own
+    /// `limit` (an empty queue takes any one message) and within the
+    /// shared budget (an empty queue takes one of up to [`EXEMPT`]).
+    fn room_for(&self, n: usize, limit: usize) -> bool {
+        let queued = self.queued.load(Ordering::Acquire);
+        let own = queued == 0 || queued.saturating_add(n) <= limit;
+        own && self
+            .budget
+            .as_ref()
+            .is_none_or(|b| b.fits(n) || (queued == 0 && n <= EXEMPT))
     }
 }
 
@@ -82,8 +124,24 @@ impl Drop for Shared {
     fn drop(&mut self) {
         // Bytes never taken leave the shared budget with their queue.
         if let Some(b) = &self.budget {
-            b.used.fetch_sub(*self.queued.get_mut(), Ordering::AcqRel);
+            b.release(*self.queued.get_mut());
         }
+    }
+}
+
+/// Counts a waiter while it lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(n: &'a AtomicUsize) -> Waiting<'a> {
+        n.fetch_add(1, Ordering::AcqRel);
+        Waiting(n)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -158,17 +216,26 @@ impl Room {
     /// for as long as the reader keeps taking bytes: every chunk it takes
     /// restarts the `stall` deadline.
     pub async fn wait(&self, n: usize, stall: Duration) -> WaitEnd {
+        // Room in the shared budget (other connections' readers taking
+        // bytes) wakes it too; counted while waiting, so releases tell it.
+        let budget = self.shared.budget.as_ref();
+        let _waiting = budget.map(|b| Waiting::new(&b.waiting));
         loop {
             let drained = self.shared.drained.notified();
+            let freed = budget.map(|b| b.freed.notified());
             if self.shared.reader_gone.load(Ordering::Acquire) {
                 return WaitEnd::Closed;
             }
-            let queued = self.shared.queued.load(Ordering::Acquire);
-            let shared_ok = self.shared.budget.as_ref().is_none_or(|b| b.fits(n));
-            if queued == 0 || (queued + n <= self.limit && shared_ok) {
+            if self.shared.room_for(n, self.limit) {
                 return WaitEnd::Room;
             }
-            if tokio::time::timeout(stall, drained).await.is_err() {
+            let either = async {
+                match freed {
+                    Some(f) => tokio::select! { () = drained => {}, () = f => {} },
+                    None => drained.await,
+                }
+            };
+            if tokio::time::timeout(stall, either).await.is_err() {
                 return WaitEnd::Stalled;
             }
         }
@@ -183,13 +250,16 @@ impl QueueTx {
         }
         let n = data.len();
         let before = self.shared.queued.fetch_add(n, Ordering::AcqRel);
-        let shared_ok = self.shared.budget.as_ref().is_none_or(|b| b.fits(n));
-        if before > 0 && (before + n > self.limit || !shared_ok) {
+        let own = before == 0 || before.saturating_add(n) <= self.limit;
+        let fits = own
+            && self
+                .shared
+                .budget
+                .as_ref()
+                .is_none_or(|b| b.reserve(n, before == 0 && n <= EXEMPT));
+        if !fits {
             self.shared.queued.fetch_sub(n, Ordering::AcqRel);
             return Err(PushError::Full(data));
-        }
-        if let Some(b) = &self.shared.budget {
-            b.used.fetch_add(n, Ordering::AcqRel);
         }
         crate::sync::lock(&self.shared.items, "connection queue").push_back(data);
         self.shared.ready.notify_one();
@@ -348,6 +418,30 @@ mod tests {
         budget.set_limit(0);
         a.push(chunk(500)).unwrap();
         assert_eq!(budget.used(), 550);
+    }
+
+    /// An empty queue's exemption covers one message of up to `EXEMPT`
+    /// bytes only; a bigger one waits until other readers free the budget,
+    /// and their progress wakes it.
+    #[tokio::test]
+    async fn a_big_message_waits_for_the_shared_budget() {
+        let budget = Budget::new(EXEMPT);
+        let chunk = |n: usize| Bytes::from(vec![0u8; n]);
+        let (a, mut ra) = queue_within(4 * EXEMPT, Some(budget.clone()));
+        let (b, _rb) = queue_within(4 * EXEMPT, Some(budget.clone()));
+        a.push(chunk(EXEMPT)).unwrap();
+        let big = chunk(2 * EXEMPT);
+        assert!(matches!(b.push(big.clone()), Err(PushError::Full(_))));
+        let room = b.room();
+        let waiter =
+            tokio::spawn(async move { room.wait(2 * EXEMPT, Duration::from_secs(30)).await });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished());
+        budget.set_limit(4 * EXEMPT);
+        assert!(matches!(ra.recv().await, Recv::Data(_)));
+        assert_eq!(waiter.await.unwrap(), WaitEnd::Room);
+        b.push(big).unwrap();
+        assert_eq!(budget.used(), 2 * EXEMPT);
     }
 
     #[tokio::test]

@@ -28,7 +28,8 @@ fn service(ns: &str, name: &str, port: i32, port_name: &str) -> Arc<Service> {
         serde_json::from_value(json!({
             "apiVersion": "v1", "kind": "Service",
             "metadata": {"name": name, "namespace": ns},
-            "spec": {"ports": [{"name": port_name, "port": port, "targetPort": 6443}]}
+            "spec": {"selector": {"app": name},
+                     "ports": [{"name": port_name, "port": port, "targetPort": 6443}]}
         }))
         .unwrap(),
     )
@@ -622,4 +623,19 @@ fn slices_not_written_by_a_trusted_manager_are_ignored() {
     w2.slices = vec![Arc::new(own)];
     let t = w2.translate(&mut tr);
     assert_eq!(t.control_planes[0].endpoints.len(), 2);
+}
+
+/// The label is anyone's to write: a slice that claims Kubernetes'
+/// controller for a Service without a selector (for which the controller
+/// writes none) is ignored, whatever addresses it names.
+#[test]
+fn a_forged_controller_slice_for_a_service_without_selector_is_ignored() {
+    let mut w = one_shoot();
+    let mut svc = (*w.services[0]).clone();
+    if let Some(spec) = svc.spec.as_mut() {
+        spec.selector = None;
+    }
+    w.services = vec![Arc::new(svc)];
+    let t = w.translate(&mut Translator::default());
+    assert!(t.control_planes[0].endpoints.is_empty());
 }

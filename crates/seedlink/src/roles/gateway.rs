@@ -125,7 +125,6 @@ pub async fn kubernetes(
         listeners: snap.file.listeners.iter().map(|l| l.name.clone()).collect(),
         lease,
         identity,
-        loopback_endpoints: k.loopback_endpoints,
         slice_managers: k.endpointslice_managers.clone(),
     };
     let handle =

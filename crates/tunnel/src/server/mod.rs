@@ -883,20 +883,27 @@ impl Blocked {
     /// Waits for room while the reader makes progress, then queues the
     /// bytes; a reader that takes nothing for `stall` loses its connection
     /// (CLOSE_REQ to the agent), nothing else does.
-    pub async fn resume(self, link: &AgentLink, stall: Duration) -> Handled {
-        match self.room.wait(self.data.len(), stall).await {
-            queue::WaitEnd::Room => {
-                // Only the receive loop pushes, so room stays room; a
-                // connection closed meanwhile drops the bytes.
-                let g = crate::sync::lock(&link.state, "agent link");
-                if let Some(c) = g.machine.conn(self.connect_id) {
-                    let _ = c.queue.push(self.data);
+    pub async fn resume(mut self, link: &AgentLink, stall: Duration) -> Handled {
+        loop {
+            match self.room.wait(self.data.len(), stall).await {
+                queue::WaitEnd::Room => {
+                    // Only this receive loop pushes into this queue, but
+                    // another agent stream of the cluster may take the
+                    // shared budget first: then wait again, never drop.
+                    let g = crate::sync::lock(&link.state, "agent link");
+                    let Some(c) = g.machine.conn(self.connect_id) else {
+                        // Closed meanwhile: its own close tells the agent.
+                        return Handled::Ok;
+                    };
+                    match c.queue.push(self.data) {
+                        Ok(()) | Err(queue::PushError::Closed) => return Handled::Ok,
+                        Err(queue::PushError::Full(data)) => self.data = data,
+                    }
                 }
-                Handled::Ok
+                // The frontend went away: its own close tells the agent.
+                queue::WaitEnd::Closed => return Handled::Ok,
+                queue::WaitEnd::Stalled => return self.stalled(link, Instant::now()),
             }
-            // The frontend went away: its own close tells the agent.
-            queue::WaitEnd::Closed => Handled::Ok,
-            queue::WaitEnd::Stalled => self.stalled(link, Instant::now()),
         }
     }
 

@@ -1,0 +1,623 @@
+//! A real kube-apiserver with etcd on loopback, started once per test
+//! binary (`KubeApi::shared`), with RBAC on, a temporary PKI (serving
+//! certificate, ServiceAccount signing key, an admin client certificate),
+//! the Gateway API CRDs as released and seedlink's own CRDs installed. Each
+//! test works in namespaces of its own (`KubeApi::namespace`).
+//!
+//! The binaries come from `scripts/build-kube-peers` (run by
+//! `scripts/install-peers`): `$SEEDLINK_KUBE_DIR`, else the directory
+//! recorded in `~/.cache/seedlink/kube-peers`. A missing binary fails the
+//! test with how to build it.
+//!
+//! The API server runs with `--watch-cache=false`: watches then go to etcd,
+//! so compacting etcd (`KubeApi::compact`) makes a resumed watch answer
+//! `410 Gone` for real, which the watch cache would otherwise hide.
+//! Everything else is the API server's defaults.
+
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
+use kube::core::GroupVersionKind;
+use kube::discovery::{pinned_kind, Scope};
+use serde_json::{json, Value};
+
+/// The field manager the tests apply objects with.
+pub const TEST_MANAGER: &str = "seedlink-tests";
+
+/// The running API server of this test binary.
+pub struct KubeApi {
+    /// `https://127.0.0.1:<port>`.
+    pub url: String,
+    /// Its address.
+    pub addr: SocketAddr,
+    /// The cluster CA (PEM file).
+    pub ca: PathBuf,
+    /// The admin kubeconfig (system:masters).
+    pub admin_kubeconfig: PathBuf,
+    /// The directory of the binaries and the Gateway API CRDs.
+    pub kube_dir: PathBuf,
+    etcd_url: String,
+    dir: PathBuf,
+}
+
+/// Where scripts/build-kube-peers put kube-apiserver, etcd and the CRDs.
+pub fn kube_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("SEEDLINK_KUBE_DIR") {
+        return PathBuf::from(d);
+    }
+    let cache = std::env::var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache")
+        });
+    let pointer = cache.join("seedlink/kube-peers");
+    let dir = std::fs::read_to_string(&pointer).unwrap_or_default();
+    let dir = PathBuf::from(dir.trim());
+    for b in ["kube-apiserver", "etcd"] {
+        assert!(
+            dir.join("bin").join(b).exists(),
+            "{b} is missing (looked in {:?} from {}): build it with scripts/build-kube-peers \
+             (scripts/install-peers does), or set SEEDLINK_KUBE_DIR",
+            dir.join("bin"),
+            pointer.display()
+        );
+    }
+    dir
+}
+
+fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap()
+}
+
+/// Children of this thread die with the test binary (PR_SET_PDEATHSIG
+/// fires when the spawning thread ends, so a thread that never ends spawns
+/// them).
+#[allow(unsafe_code)]
+fn spawn_for_life(mut cmd: Command) -> std::io::Result<Child> {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    cmd.spawn()
+}
+
+struct Pki {
+    ca_pem: String,
+    server: (String, String),
+    admin: (String, String),
+    sa_key: String,
+    sa_pub: String,
+}
+
+fn pki() -> Pki {
+    use rcgen::{
+        BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, Issuer, KeyPair,
+        SanType,
+    };
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "test kubernetes CA");
+    let ca_cert = ca.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca, &ca_key);
+    let key = KeyPair::generate().unwrap();
+    let mut srv = CertificateParams::new(vec![
+        "localhost".to_string(),
+        "kubernetes".to_string(),
+        "kubernetes.default.svc".to_string(),
+    ])
+    .unwrap();
+    srv.subject_alt_names
+        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    let srv_cert = srv.signed_by(&key, &issuer).unwrap();
+    let admin_key = KeyPair::generate().unwrap();
+    let mut admin = CertificateParams::new(Vec::<String>::new()).unwrap();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationName, "system:masters");
+    dn.push(DnType::CommonName, "test-admin");
+    admin.distinguished_name = dn;
+    let admin_cert = admin.signed_by(&admin_key, &issuer).unwrap();
+    let sa = KeyPair::generate().unwrap();
+    Pki {
+        ca_pem: ca_cert.pem(),
+        server: (srv_cert.pem(), key.serialize_pem()),
+        admin: (admin_cert.pem(), admin_key.serialize_pem()),
+        sa_key: sa.serialize_pem(),
+        sa_pub: sa.public_key_pem(),
+    }
+}
+
+/// A kubeconfig for `server` (the API server, or a proxy in front of it)
+/// with a bearer token.
+pub fn token_kubeconfig(dir: &Path, name: &str, server: &str, ca: &Path, token: &str) -> PathBuf {
+    let p = dir.join(format!("{name}.kubeconfig"));
+    std::fs::write(
+        &p,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {server}\n    certificate-authority: {}\nusers:\n- name: u\n  user:\n    token: {token}\ncontexts:\n- name: test\n  context: {{cluster: test, user: u}}\ncurrent-context: test\n",
+            ca.display()
+        ),
+    )
+    .unwrap();
+    p
+}
+
+impl KubeApi {
+    /// The API server of this test binary, started on first use.
+    pub fn shared() -> &'static KubeApi {
+        static API: OnceLock<KubeApi> = OnceLock::new();
+        API.get_or_init(|| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            // The processes' parent thread lives as long as the binary.
+            std::thread::spawn(move || {
+                let _ = tx.send(KubeApi::start());
+                loop {
+                    std::thread::park();
+                }
+            });
+            rx.recv().unwrap()
+        })
+    }
+
+    fn start() -> KubeApi {
+        let kube_dir = kube_dir();
+        let dir = tempfile::Builder::new()
+            .prefix("kubeapi-")
+            .tempdir()
+            .unwrap()
+            .keep();
+        let pki = pki();
+        let w = |name: &str, text: &str| {
+            let p = dir.join(name);
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        let ca = w("ca.pem", &pki.ca_pem);
+        let srv_crt = w("apiserver.pem", &pki.server.0);
+        let srv_key = w("apiserver-key.pem", &pki.server.1);
+        let admin_crt = w("admin.pem", &pki.admin.0);
+        let admin_key = w("admin-key.pem", &pki.admin.1);
+        let sa_key = w("sa-key.pem", &pki.sa_key);
+        let sa_pub = w("sa.pub", &pki.sa_pub);
+        // Every write, with who made it: what a test asks "who wrote the
+        // status?" of.
+        let audit_policy = w(
+            "audit-policy.yaml",
+            "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n- level: Metadata\n  verbs: [create, update, patch, delete]\n- level: None\n",
+        );
+        let log = |name: &str| Stdio::from(std::fs::File::create(dir.join(name)).unwrap());
+        // etcd takes no port 0: free ports, tried a few times.
+        let mut etcd_url = String::new();
+        for attempt in 0..5 {
+            let (client, peer) = (free_port(), free_port());
+            etcd_url = format!("http://127.0.0.1:{client}");
+            let peer_url = format!("http://127.0.0.1:{peer}");
+            let mut cmd = Command::new(kube_dir.join("bin/etcd"));
+            cmd.args([
+                "--name",
+                "test",
+                "--data-dir",
+                &dir.join(format!("etcd-{attempt}")).display().to_string(),
+                "--listen-client-urls",
+                &etcd_url,
+                "--advertise-client-urls",
+                &etcd_url,
+                "--listen-peer-urls",
+                &peer_url,
+                "--initial-advertise-peer-urls",
+                &peer_url,
+                "--initial-cluster",
+                &format!("test={peer_url}"),
+                // A test's data is thrown away: no fsync.
+                "--unsafe-no-fsync",
+            ])
+            .stdout(log("etcd.log"))
+            .stderr(log("etcd.log"));
+            let mut child = spawn_for_life(cmd).unwrap();
+            if wait_tcp(client, &mut child, Duration::from_secs(30)) {
+                break;
+            }
+            assert!(
+                attempt < 4,
+                "etcd did not start: see {}",
+                dir.join("etcd.log").display()
+            );
+        }
+        let mut up = None;
+        for _ in 0..5 {
+            let port = free_port();
+            let mut cmd = Command::new(kube_dir.join("bin/kube-apiserver"));
+            cmd.args([
+                &format!("--etcd-servers={etcd_url}"),
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                &format!("--secure-port={port}"),
+                &format!("--tls-cert-file={}", srv_crt.display()),
+                &format!("--tls-private-key-file={}", srv_key.display()),
+                &format!("--client-ca-file={}", ca.display()),
+                "--service-account-issuer=https://kubernetes.default.svc",
+                &format!("--service-account-key-file={}", sa_pub.display()),
+                &format!("--service-account-signing-key-file={}", sa_key.display()),
+                "--api-audiences=https://kubernetes.default.svc",
+                "--authorization-mode=RBAC",
+                "--service-cluster-ip-range=10.96.0.0/16",
+                &format!("--cert-dir={}", dir.join("certs").display()),
+                "--watch-cache=false",
+                &format!("--audit-policy-file={}", audit_policy.display()),
+                &format!("--audit-log-path={}", dir.join("audit.log").display()),
+                "--audit-log-format=json",
+                "--audit-log-mode=blocking",
+            ])
+            .stdout(log("kube-apiserver.log"))
+            .stderr(log("kube-apiserver.log"));
+            let mut child = spawn_for_life(cmd).unwrap();
+            if wait_tcp(port, &mut child, Duration::from_secs(60)) {
+                up = Some(port);
+                break;
+            }
+        }
+        let port = up.unwrap_or_else(|| {
+            panic!(
+                "kube-apiserver did not start: see {}",
+                dir.join("kube-apiserver.log").display()
+            )
+        });
+        let url = format!("https://127.0.0.1:{port}");
+        let admin_kubeconfig = dir.join("admin.kubeconfig");
+        std::fs::write(
+            &admin_kubeconfig,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {url}\n    certificate-authority: {}\nusers:\n- name: admin\n  user:\n    client-certificate: {}\n    client-key: {}\ncontexts:\n- name: test\n  context: {{cluster: test, user: admin}}\ncurrent-context: test\n",
+                ca.display(),
+                admin_crt.display(),
+                admin_key.display()
+            ),
+        )
+        .unwrap();
+        let api = KubeApi {
+            url,
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            ca,
+            admin_kubeconfig,
+            kube_dir,
+            etcd_url,
+            dir,
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(api.bootstrap());
+        api
+    }
+
+    /// Waits for /readyz, then installs the CRDs and waits until they serve.
+    async fn bootstrap(&self) {
+        let end = Instant::now() + Duration::from_secs(60);
+        let client = loop {
+            if let Ok(c) = self.client().await {
+                let req = http::Request::get("/readyz").body(Vec::new()).unwrap();
+                if c.request_text(req).await.is_ok_and(|t| t.trim() == "ok") {
+                    break c;
+                }
+            }
+            assert!(
+                Instant::now() < end,
+                "kube-apiserver not ready within 60 s: see {}",
+                self.dir.join("kube-apiserver.log").display()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let mut crds = Vec::new();
+        let gw = self.kube_dir.join("crds/gateway-api");
+        let mut files: Vec<PathBuf> = std::fs::read_dir(&gw)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{}: {e} (scripts/build-kube-peers fetches them)",
+                    gw.display()
+                )
+            })
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+            .collect();
+        files.sort();
+        files.push(repo_root().join("deploy/crds/seedlink.yaml"));
+        for f in files {
+            for doc in yaml_docs(&std::fs::read_to_string(&f).unwrap()) {
+                if doc["kind"] == "CustomResourceDefinition" {
+                    crds.push(doc["metadata"]["name"].as_str().unwrap().to_string());
+                    apply(&client, doc).await;
+                }
+            }
+        }
+        let api: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
+            Api::all(client.clone());
+        for name in crds {
+            let end = Instant::now() + Duration::from_secs(30);
+            loop {
+                let established = api
+                    .get(&name)
+                    .await
+                    .ok()
+                    .and_then(|c| c.status)
+                    .is_some_and(|s| {
+                        s.conditions
+                            .iter()
+                            .flatten()
+                            .any(|c| c.type_ == "Established" && c.status == "True")
+                    });
+                if established {
+                    break;
+                }
+                assert!(Instant::now() < end, "CRD {name} not established");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+
+    /// An admin client (on the caller's runtime).
+    pub async fn client(&self) -> Result<kube::Client, kube::Error> {
+        let kc = kube::config::Kubeconfig::read_from(&self.admin_kubeconfig)
+            .map_err(kube::Error::InferKubeconfig)?;
+        let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+            .await
+            .map_err(kube::Error::InferKubeconfig)?;
+        kube::Client::try_from(cfg)
+    }
+
+    /// A fresh namespace `<prefix>-<n>`, created, with `labels`.
+    pub async fn namespace(&self, client: &kube::Client, prefix: &str, labels: Value) -> String {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "{prefix}-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        );
+        apply(
+            client,
+            json!({"apiVersion": "v1", "kind": "Namespace",
+                   "metadata": {"name": name, "labels": labels}}),
+        )
+        .await;
+        name
+    }
+
+    /// Installs seedlink's RBAC as deploy/kustomize/seed/rbac.yaml has it,
+    /// into `namespace` (cluster-scoped names get `-<namespace>`), and
+    /// returns a token of its ServiceAccount (`seedlink`).
+    pub async fn install_rbac(&self, client: &kube::Client, namespace: &str) -> String {
+        let text =
+            std::fs::read_to_string(repo_root().join("deploy/kustomize/seed/rbac.yaml")).unwrap();
+        for mut doc in yaml_docs(&text) {
+            let kind = doc["kind"].as_str().unwrap_or_default().to_string();
+            match kind.as_str() {
+                "ClusterRole" | "ClusterRoleBinding" => {
+                    let n = format!("{}-{namespace}", doc["metadata"]["name"].as_str().unwrap());
+                    doc["metadata"]["name"] = n.into();
+                    if kind == "ClusterRoleBinding" {
+                        let r = format!("{}-{namespace}", doc["roleRef"]["name"].as_str().unwrap());
+                        doc["roleRef"]["name"] = r.into();
+                    }
+                }
+                _ => doc["metadata"]["namespace"] = namespace.into(),
+            }
+            if let Some(subjects) = doc.get_mut("subjects").and_then(|s| s.as_array_mut()) {
+                for s in subjects {
+                    if s["kind"] == "ServiceAccount" {
+                        s["namespace"] = namespace.into();
+                    }
+                }
+            }
+            apply(client, doc).await;
+        }
+        self.token(client, namespace, "seedlink").await
+    }
+
+    /// A token of ServiceAccount `namespace/name` (TokenRequest, 1 h).
+    pub async fn token(&self, client: &kube::Client, namespace: &str, name: &str) -> String {
+        use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+        use k8s_openapi::api::core::v1::ServiceAccount;
+        let api: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+        let req = TokenRequest {
+            spec: TokenRequestSpec {
+                audiences: vec!["https://kubernetes.default.svc".into()],
+                expiration_seconds: Some(3600),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        api.create_token_request(name, &Default::default(), &req)
+            .await
+            .unwrap()
+            .status
+            .unwrap()
+            .token
+    }
+
+    /// A kubeconfig with `token` for this API server, or for `via` (a
+    /// proxy in front of it) when given.
+    pub fn kubeconfig(
+        &self,
+        dir: &Path,
+        name: &str,
+        token: &str,
+        via: Option<SocketAddr>,
+    ) -> PathBuf {
+        let server = via.map_or_else(|| self.url.clone(), |a| format!("https://{a}"));
+        token_kubeconfig(dir, name, &server, &self.ca, token)
+    }
+
+    /// The audit log's entries so far: every create, update, patch and
+    /// delete with its `user.username`, `verb` and `objectRef`.
+    pub fn audit(&self) -> Vec<Value> {
+        std::fs::read_to_string(self.dir.join("audit.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    }
+
+    /// Compacts etcd at its current revision, so that every watch resumed
+    /// from an earlier resourceVersion gets `410 Gone`.
+    pub async fn compact(&self) {
+        let rev = etcd_post(&self.etcd_url, "/v3/kv/range", &json!({"key": "AA=="})).await;
+        let rev = rev["header"]["revision"].as_str().unwrap().to_string();
+        let out = etcd_post(
+            &self.etcd_url,
+            "/v3/kv/compaction",
+            &json!({"revision": rev, "physical": true}),
+        )
+        .await;
+        assert!(out.get("error").is_none(), "compaction: {out}");
+    }
+}
+
+/// The repository's root (crates/testkit/../..).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The documents of a multi-document YAML text, as JSON.
+pub fn yaml_docs(text: &str) -> Vec<Value> {
+    use serde::Deserialize;
+    serde_norway::Deserializer::from_str(text)
+        .filter_map(|d| Value::deserialize(d).ok())
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+/// Server-side applies `object` as the tests' field manager (forced).
+pub async fn apply(client: &kube::Client, object: Value) -> Value {
+    let (api, name) = dynamic(client, &object).await;
+    let pp = PatchParams::apply(TEST_MANAGER).force();
+    match api.patch(&name, &pp, &Patch::Apply(&object)).await {
+        Ok(o) => serde_json::to_value(o).unwrap(),
+        Err(e) => panic!("apply {} {name}: {e}", object["kind"]),
+    }
+}
+
+/// Server-side applies `object`; the API server's refusal, if any.
+pub async fn try_apply(client: &kube::Client, object: Value) -> Result<Value, kube::Error> {
+    let (api, name) = dynamic(client, &object).await;
+    let pp = PatchParams::apply(TEST_MANAGER).force();
+    api.patch(&name, &pp, &Patch::Apply(&object))
+        .await
+        .map(|o| serde_json::to_value(o).unwrap())
+}
+
+/// The object `api_version`/`kind` `namespace/name`, if it exists.
+pub async fn get(
+    client: &kube::Client,
+    api_version: &str,
+    kind: &str,
+    namespace: &str,
+    name: &str,
+) -> Option<Value> {
+    let probe = json!({"apiVersion": api_version, "kind": kind,
+                       "metadata": {"name": name, "namespace": namespace}});
+    let (api, name) = dynamic(client, &probe).await;
+    api.get_opt(&name)
+        .await
+        .ok()
+        .flatten()
+        .map(|o| serde_json::to_value(o).unwrap())
+}
+
+/// Every object of `kind` in `namespace`.
+pub async fn list(
+    client: &kube::Client,
+    api_version: &str,
+    kind: &str,
+    namespace: &str,
+) -> Vec<Value> {
+    let probe = json!({"apiVersion": api_version, "kind": kind,
+                       "metadata": {"name": "x", "namespace": namespace}});
+    let (api, _) = dynamic(client, &probe).await;
+    api.list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .map(|o| serde_json::to_value(o).unwrap())
+        .collect()
+}
+
+/// Deletes the object; whether it existed.
+pub async fn delete(
+    client: &kube::Client,
+    api_version: &str,
+    kind: &str,
+    namespace: &str,
+    name: &str,
+) -> bool {
+    let probe = json!({"apiVersion": api_version, "kind": kind,
+                       "metadata": {"name": name, "namespace": namespace}});
+    let (api, name) = dynamic(client, &probe).await;
+    api.delete(&name, &DeleteParams::default()).await.is_ok()
+}
+
+async fn dynamic(client: &kube::Client, object: &Value) -> (Api<DynamicObject>, String) {
+    let api_version = object["apiVersion"].as_str().unwrap();
+    let (group, version) = api_version.split_once('/').unwrap_or(("", api_version));
+    let gvk = GroupVersionKind::gvk(group, version, object["kind"].as_str().unwrap());
+    let (ar, caps) = pinned_kind(client, &gvk)
+        .await
+        .unwrap_or_else(|e| panic!("{api_version} {}: {e}", gvk.kind));
+    let name = object["metadata"]["name"].as_str().unwrap().to_string();
+    let api = match (caps.scope, object["metadata"]["namespace"].as_str()) {
+        (Scope::Namespaced, Some(ns)) => Api::namespaced_with(client.clone(), ns, &ar),
+        (Scope::Namespaced, None) => Api::default_namespaced_with(client.clone(), &ar),
+        (Scope::Cluster, _) => Api::all_with(client.clone(), &ar),
+    };
+    (api, name)
+}
+
+async fn etcd_post(base: &str, path: &str, body: &Value) -> Value {
+    use http_body_util::BodyExt;
+    let addr = base.trim_start_matches("http://").to_string();
+    let stream = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let (mut send, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::post(path)
+        .header("host", addr)
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from(
+            body.to_string(),
+        )))
+        .unwrap();
+    let resp = send.send_request(req).await.unwrap();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    serde_json::from_slice(&bytes).unwrap_or(Value::Null)
+}
+
+/// Whether `port` accepts within `limit` while `child` runs.
+fn wait_tcp(port: u16, child: &mut Child, limit: Duration) -> bool {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if let Ok(Some(_)) = child.try_wait() {
+            return false;
+        }
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    false
+}
