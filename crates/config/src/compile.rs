@@ -554,6 +554,12 @@ fn check_settings(c: &mut Collector, f: &ConfigFile) {
             "must be at least 1 (omit it to derive from the open-file limit)",
         );
     }
+    if l.max_routed_per_source == Some(0) {
+        c.err(
+            "limits.max_routed_per_source",
+            "must be at least 1 (omit it for no cap)",
+        );
+    }
     if l.max_unrouted_per_source == 0 {
         c.err("limits.max_unrouted_per_source", "must be at least 1");
     }

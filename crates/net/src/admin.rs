@@ -66,12 +66,16 @@ impl Slots {
     /// A slot for a connection from `ip`, if one is free for it.
     pub fn enter(&self, ip: std::net::IpAddr) -> Option<Slot> {
         let ip = source_key(ip);
+        // The total first: a refused source leaves no entry behind.
+        let total = self.total.clone().try_acquire_owned().ok()?;
         let mut m = crate::sync::lock(&self.per_source, "admin slots");
         let n = m.entry(ip).or_insert(0);
         if *n >= self.per {
+            if *n == 0 {
+                m.remove(&ip);
+            }
             return None;
         }
-        let total = self.total.clone().try_acquire_owned().ok()?;
         *n += 1;
         Some(Slot {
             _total: total,

@@ -449,81 +449,70 @@ pub fn keep_first_trust(extra: &mut Vec<Cluster>, held: &HashMap<Vec<u8>, String
     extra.extend(indexed.into_iter().map(|(_, c)| c));
 }
 
-/// The agent CA certificates of a cluster (DER); files that do not read
-/// give nothing here.
-fn agent_cas(c: &Cluster) -> Vec<Vec<u8>> {
-    c.agent_ca
-        .as_ref()
-        .map(|p| crate::tls::load_certs(p).unwrap_or_default())
-        .unwrap_or_default()
-        .into_iter()
-        .map(|d| d.as_ref().to_vec())
-        .collect()
-}
+/// Certificates one `agent_ca` may hold.
+pub const MAX_AGENT_CAS: usize = 16;
 
-/// Whether the CA certificate `child` (DER) carries a signature made with
-/// `parent`'s key (DER): then certificates under `child` can chain up to
-/// `parent`.
-fn signed_by(child: &[u8], parent: &[u8]) -> bool {
-    let (Ok((_, c)), Ok((_, p))) = (
-        x509_parser::parse_x509_certificate(child),
-        x509_parser::parse_x509_certificate(parent),
-    ) else {
-        return false;
-    };
-    c.issuer() == p.subject() && c.verify_signature(Some(p.public_key())).is_ok()
-}
-
-/// The trust already claimed, cluster by cluster.
-#[derive(Default)]
-struct Claimed {
-    /// Public key (SubjectPublicKeyInfo DER) → cluster.
-    keys: HashMap<Vec<u8>, String>,
-    /// Agent CA certificates (DER) with their cluster.
-    cas: Vec<(Vec<u8>, String)>,
-}
-
-/// Records `c`'s trust in `seen`, or, when another cluster already trusts
-/// one of its keys or one of their CAs signed the other's, says so instead:
-/// an agent certificate or token that verifies for two clusters could be
-/// taken for either, so one tenant could hand its agent another tenant's
-/// traffic. (Links through a third certificate the agent presents are
-/// refused when the agent connects: `Registry::cluster_for_cert`.)
-fn claim_trust(seen: &mut Claimed, c: &Cluster, at: &str) -> Option<ConfigError> {
-    let keys = trust_keys(c);
-    let refuse = |what: &str, how: String| {
-        ConfigError {
-        path: format!("{at}.{what}"),
-        message: format!(
-            "{how}: an agent could be taken for either (each cluster needs its own CA and token keys)"
-        ),
+/// An `agent_ca` holds roots only: self-signed CA certificates, each one
+/// that parses. An intermediate (or a leaf) as an anchor would let a
+/// tenant name a certificate of another tenant's chain and share, or
+/// block, its agents; with roots only, two clusters can overlap only by
+/// sharing a key, which [`claim_trust`] refuses.
+fn check_anchors(p: &Path) -> Result<(), String> {
+    let certs = crate::tls::load_certs(p).map_err(|e| e.to_string())?;
+    if certs.len() > MAX_AGENT_CAS {
+        return Err(format!(
+            "{} certificates; at most {MAX_AGENT_CAS}",
+            certs.len()
+        ));
     }
-    };
-    for (k, what) in &keys {
-        if let Some(other) = seen.keys.get(k).filter(|o| **o != c.name) {
-            return Some(refuse(
-                what,
-                format!("trusts a key that cluster {other:?} trusts already"),
+    for (i, der) in certs.iter().enumerate() {
+        let (_, c) = x509_parser::parse_x509_certificate(der)
+            .map_err(|e| format!("certificate {i} does not parse: {e}"))?;
+        let ca = c
+            .basic_constraints()
+            .ok()
+            .flatten()
+            .is_some_and(|b| b.value.ca);
+        let self_signed = c.issuer() == c.subject() && c.verify_signature(None).is_ok();
+        if !ca || !self_signed {
+            return Err(format!(
+                "certificate {i} ({}) is not a self-signed CA certificate: an agent_ca holds roots only",
+                c.subject()
             ));
         }
     }
-    let cas = agent_cas(c);
-    for (theirs, other) in seen.cas.iter().filter(|(_, o)| *o != c.name) {
-        if cas
-            .iter()
-            .any(|ours| signed_by(ours, theirs) || signed_by(theirs, ours))
-        {
-            return Some(refuse(
-                "agent_ca",
-                format!("has a CA signed by, or signing, the agent CA of cluster {other:?}"),
-            ));
+    Ok(())
+}
+
+/// The trust already claimed: public key (SubjectPublicKeyInfo DER) →
+/// cluster.
+#[derive(Default)]
+struct Claimed {
+    keys: HashMap<Vec<u8>, String>,
+}
+
+/// Records `c`'s trust in `seen`, or, when another cluster already trusts
+/// one of its keys, says so instead: an agent certificate or token that
+/// verifies for two clusters could be taken for either, so one tenant
+/// could hand its agent another tenant's traffic. (`agent_ca` holds roots
+/// only, see [`check_anchors`], so a shared key is the only overlap of
+/// two files; a link the agent presents itself is refused when it
+/// connects: `Registry::cluster_for_cert`.)
+fn claim_trust(seen: &mut Claimed, c: &Cluster, at: &str) -> Option<ConfigError> {
+    let keys = trust_keys(c);
+    for (k, what) in &keys {
+        if let Some(other) = seen.keys.get(k).filter(|o| **o != c.name) {
+            return Some(ConfigError {
+                path: format!("{at}.{what}"),
+                message: format!(
+                    "trusts a key that cluster {other:?} trusts already: an agent could be taken for either (each cluster needs its own CA and token keys)"
+                ),
+            });
         }
     }
     for (k, _) in keys {
         seen.keys.entry(k).or_insert_with(|| c.name.clone());
     }
-    seen.cas
-        .extend(cas.into_iter().map(|d| (d, c.name.clone())));
     None
 }
 
@@ -569,6 +558,9 @@ impl ServerConfig {
                 Kind::Certs => load_certs(p).map(|_| ()).map_err(|e| e.to_string()),
                 Kind::Key => load_key(p).map(|_| ()).map_err(|e| e.to_string()),
                 Kind::Roots => load_roots(p).map(|_| ()).map_err(|e| e.to_string()),
+                Kind::Anchors => load_roots(p)
+                    .map_err(|e| e.to_string())
+                    .and_then(|_| check_anchors(p)),
                 Kind::PublicKeys => crate::token::load_keys(p)
                     .map(|_| ())
                     .map_err(|e| e.to_string()),
@@ -601,7 +593,7 @@ impl ServerConfig {
         for (i, c) in self.clusters.iter().enumerate() {
             let at = format!("clusters[{i}] ({})", c.name);
             if let Some(p) = &c.agent_ca {
-                check(format!("{at}.agent_ca"), p, Kind::Roots);
+                check(format!("{at}.agent_ca"), p, Kind::Anchors);
             }
             if let Some(p) = &c.proxy_password_file {
                 check(format!("{at}.proxy_password_file"), p, Kind::Secret);
@@ -947,6 +939,17 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
+    /// A self-signed CA certificate (an agent CA must be one).
+    fn root(cn: &str) -> rcgen::CertifiedKey<rcgen::KeyPair> {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut p = rcgen::CertificateParams::new(vec![cn.to_string()]).unwrap();
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        rcgen::CertifiedKey {
+            cert: p.self_signed(&key).unwrap(),
+            signing_key: key,
+        }
+    }
+
     fn cfg(token: &str) -> String {
         format!(
             "agents: {{listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}}
@@ -1068,7 +1071,7 @@ clusters:
     fn clusters_from_kubernetes_are_admitted_one_by_one() {
         let dir = tempfile::tempdir().unwrap();
         let ca = dir.path().join("ca.pem");
-        let pki = rcgen::generate_simple_self_signed(vec!["x".to_string()]).unwrap();
+        let pki = root("x");
         std::fs::write(&ca, pki.cert.pem()).unwrap();
         let text = "agents: {listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}
 clusters: []
@@ -1085,7 +1088,7 @@ kubernetes: {lease: seedlink-system/tunnel}
             limits: ClusterLimits::default(),
         };
         let ca_c = dir.path().join("ca-c.pem");
-        let pki_c = rcgen::generate_simple_self_signed(vec!["c".to_string()]).unwrap();
+        let pki_c = root("c");
         std::fs::write(&ca_c, pki_c.cert.pem()).unwrap();
         let extra = vec![
             cluster("ns-a.t", &ca),
@@ -1145,7 +1148,7 @@ kubernetes: {lease: seedlink-system/tunnel}
         let copy = w("copy.pem", std::fs::read_to_string(&a).unwrap());
         // Another certificate, the same key: verifies the same agents.
         let same_key = w("same-key.pem", ca("other"));
-        let other = rcgen::generate_simple_self_signed(vec!["o".to_string()]).unwrap();
+        let other = root("o");
         let own = w("own.pem", other.cert.pem());
         let jwt_keys = w("sa.pub", key.public_key_pem());
         let file = |b: &str| {
@@ -1179,7 +1182,7 @@ clusters:
             proxy_password_file: None,
             limits: ClusterLimits::default(),
         };
-        let fresh = rcgen::generate_simple_self_signed(vec!["f".to_string()]).unwrap();
+        let fresh = root("f");
         let fresh = w("fresh.pem", fresh.cert.pem());
         let (cfg, refused) = ServerConfig::parse_with(
             &text,
@@ -1207,7 +1210,7 @@ clusters:
             p.display().to_string()
         };
         let ca = |n: &str| {
-            let c = rcgen::generate_simple_self_signed(vec![n.to_string()]).unwrap();
+            let c = root(n);
             w(&format!("{n}.pem"), c.cert.pem())
         };
         let (own, victims) = (ca("own"), ca("victims"));
@@ -1260,6 +1263,8 @@ enum Kind {
     Certs,
     Key,
     Roots,
+    /// A cluster's agent CA: self-signed CA certificates only.
+    Anchors,
     PublicKeys,
     Secret,
 }

@@ -142,8 +142,9 @@ fn admits(
     }
 }
 
-/// A label selector, as Kubernetes evaluates it; an unknown operator
-/// selects nothing (fail closed).
+/// A label selector, as Kubernetes evaluates it; what Kubernetes would
+/// refuse as invalid (an unknown operator, `In`/`NotIn` without values,
+/// `Exists`/`DoesNotExist` with values) selects nothing (fail closed).
 fn selects(sel: &Selector, labels: &BTreeMap<String, String>) -> bool {
     let by_labels = sel
         .match_labels
@@ -154,6 +155,8 @@ fn selects(sel: &Selector, labels: &BTreeMap<String, String>) -> bool {
         let values = e.values.as_deref().unwrap_or_default();
         let has = labels.get(&e.key);
         match e.operator.as_str() {
+            "In" | "NotIn" if values.is_empty() => false,
+            "Exists" | "DoesNotExist" if !values.is_empty() => false,
             "In" => has.is_some_and(|v| values.contains(v)),
             "NotIn" => has.is_none_or(|v| !values.contains(v)),
             "Exists" => has.is_some(),

@@ -510,6 +510,10 @@ fn only_the_listeners_allowed_routes_attach() {
     assert_eq!(verdict(&w), (false, "NotAllowedByListeners".into(), 0));
     w.gateway = gateway(json!({"namespaces": {"from": "Selector"}}));
     assert_eq!(verdict(&w), (false, "NotAllowedByListeners".into(), 0));
+    // A selector Kubernetes would refuse selects nothing.
+    w.gateway = gateway(json!({"namespaces": {"from": "Selector", "selector": {
+        "matchExpressions": [{"key": "tier", "operator": "NotIn"}]}}}));
+    assert_eq!(verdict(&w), (false, "NotAllowedByListeners".into(), 0));
     w.gateway = gateway(json!({"namespaces": {"from": "All"}, "kinds": [{"kind": "HTTPRoute"}]}));
     assert_eq!(verdict(&w), (false, "NotAllowedByListeners".into(), 0));
     w.gateway = all_namespaces();
