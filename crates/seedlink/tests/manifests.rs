@@ -263,6 +263,16 @@ fn the_seed_install_renders_and_every_object_reads_strictly() {
             serde_norway::from_str(cm["data"][f].as_str().unwrap()).unwrap();
         let token = cfg["admin"]["token_file"].as_str().unwrap_or_default();
         assert_eq!(token, "/etc/seedlink/admin/token", "{f}");
+        // Agents hold a stream to every replica only if the tunnel knows
+        // how many there are: `server_count` is the Deployment's replicas
+        // (otherwise about half of kube-apiserver's dials find no agent).
+        if f == "tunnel.yaml" {
+            assert_eq!(
+                cfg["server_count"].as_u64(),
+                dep["spec"]["replicas"].as_u64(),
+                "tunnel.yaml server_count vs the Deployment's replicas"
+            );
+        }
     }
     let mount = c["volumeMounts"]
         .as_array()
