@@ -3,15 +3,23 @@
 //! writes and Events wait for the lease, so two replicas never fight over
 //! a condition.
 //!
-//! The timings are client-go's leader-election defaults: a 15 s lease,
-//! renewed every 10 s by its holder, tried every 2 s by the others. A
-//! holder that cannot renew for the whole lease stops writing before anyone
-//! else may take over. Updates carry `resourceVersion`, so two replicas
-//! racing for an expired lease cannot both win (the API server answers
-//! the second with 409 Conflict). Hand-written because kube-rs has no
-//! leader election and it is this one loop.
+//! client-go's leader election, its semantics and its defaults (kube-rs
+//! has none; it is this one loop, and [`Elector`] is its pure part):
+//! - a 15 s lease; every replica tries every 2 s (the holder renews);
+//! - a follower takes the lease over only once it has seen the lease
+//!   record unchanged for the whole lease duration, measured on its own
+//!   clock from when it observed the last change — never by comparing the
+//!   remote `renewTime` with its clock, so clock skew cannot make it early;
+//! - the holder stops writing when it has not renewed for 10 s (the renew
+//!   deadline), counted from the start of its last successful renewal, so
+//!   it has stopped before any follower may take over (15 s after it saw
+//!   that renewal, which happened after it started): never two writers;
+//! - on shutdown the holder stops writing and then releases the lease
+//!   (empty holder, 1 s duration), so a rollout does not leave status
+//!   unwritten for a lease duration;
+//! - updates carry `resourceVersion`: of two replicas racing for a lease,
+//!   the API server answers the second with 409 Conflict.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,40 +29,144 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, PostParams};
 use tokio_util::sync::CancellationToken;
 
-/// How long a lease is valid after its last renewal.
+/// How long a lease is valid after its last change.
 pub const LEASE: Duration = Duration::from_secs(15);
-/// How often the holder renews.
-pub const RENEW: Duration = Duration::from_secs(10);
-/// How often the others try.
+/// How long the holder keeps writing without a successful renewal.
+pub const RENEW_DEADLINE: Duration = Duration::from_secs(10);
+/// How often every replica tries (the holder renews).
 pub const RETRY: Duration = Duration::from_secs(2);
+/// Longest wait for one API request of the election.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Whether this replica currently holds the lease.
+/// Whether this replica currently holds the lease: until when it may
+/// write (so a replica whose renewals hang stops writing at its renew
+/// deadline, whatever its campaign loop is doing).
 #[derive(Debug, Clone, Default)]
-pub struct Leadership(Arc<AtomicBool>);
+pub struct Leadership(Arc<std::sync::Mutex<Option<Instant>>>);
 
 impl Leadership {
     /// Whether this replica may write status now.
     pub fn held(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+        seedlink_net::sync::lock(&self.0, "leadership").is_some_and(|until| Instant::now() < until)
     }
 
     /// Always held (no election: a single replica, or tests).
     pub fn always() -> Leadership {
-        Leadership(Arc::new(AtomicBool::new(true)))
+        let forever = Instant::now() + Duration::from_secs(100 * 365 * 86_400);
+        Leadership(Arc::new(std::sync::Mutex::new(Some(forever))))
     }
 
-    fn set(&self, v: bool) {
-        if self.0.swap(v, Ordering::AcqRel) != v {
-            if v {
+    fn set(&self, until: Option<Instant>) {
+        let was = self.held();
+        *seedlink_net::sync::lock(&self.0, "leadership") = until;
+        let now = self.held();
+        if was != now {
+            if now {
                 tracing::info!("status leader: this replica writes status");
             } else {
-                tracing::info!("status leader: lost; another replica writes status");
+                tracing::info!("status leader: not (or no longer) this replica");
             }
         }
     }
 }
 
-/// Campaigns for `namespace/name` as `identity` until `stop`.
+/// What a replica saw of the lease: the record, and when (its own clock)
+/// it last saw the record change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Observed {
+    holder: Option<String>,
+    renew: Option<String>,
+    duration: Duration,
+    at: Instant,
+}
+
+/// The election's decisions, on explicit time.
+#[derive(Debug)]
+pub struct Elector {
+    identity: String,
+    observed: Option<Observed>,
+    /// Start of the last successful create or renewal by this replica.
+    renewed: Option<Instant>,
+}
+
+impl Elector {
+    /// An elector for `identity`.
+    pub fn new(identity: &str) -> Elector {
+        Elector {
+            identity: identity.to_string(),
+            observed: None,
+            renewed: None,
+        }
+    }
+
+    /// Records the lease as read at `now`: the observation time moves only
+    /// when the record changed.
+    pub fn observe(&mut self, spec: &LeaseSpec, now: Instant) {
+        let holder = spec.holder_identity.clone().filter(|h| !h.is_empty());
+        let renew = spec.renew_time.as_ref().map(|t| t.0.to_string());
+        let duration = spec.lease_duration_seconds.map_or(LEASE, |s| {
+            Duration::from_secs(u64::try_from(s).unwrap_or(0))
+        });
+        let changed = self
+            .observed
+            .as_ref()
+            .is_none_or(|o| o.holder != holder || o.renew != renew);
+        if changed {
+            self.observed = Some(Observed {
+                holder,
+                renew,
+                duration,
+                at: now,
+            });
+        }
+        // Someone else holds it: our own renewals no longer count.
+        if self
+            .observed
+            .as_ref()
+            .is_some_and(|o| o.holder.as_ref().is_some_and(|h| *h != self.identity))
+        {
+            self.renewed = None;
+        }
+    }
+
+    /// Whether this replica may write the lease as its own at `now`: it
+    /// holds it, nobody does, or the record was seen unchanged for its
+    /// whole duration.
+    pub fn may_acquire(&self, now: Instant) -> bool {
+        match &self.observed {
+            None => true,
+            Some(o) => match &o.holder {
+                None => true,
+                Some(h) if *h == self.identity => true,
+                Some(_) => now.saturating_duration_since(o.at) >= o.duration,
+            },
+        }
+    }
+
+    /// A create or renewal that started at `started` succeeded.
+    pub fn renewed(&mut self, started: Instant) {
+        self.renewed = Some(started);
+    }
+
+    /// The lease went to someone else (or could not be written).
+    pub fn lost(&mut self) {
+        self.renewed = None;
+    }
+
+    /// Whether this replica may write status at `now`.
+    pub fn leading(&self, now: Instant) -> bool {
+        self.until().is_some_and(|u| now < u)
+    }
+
+    /// Until when this replica may write status (the renew deadline after
+    /// its last successful renewal's start).
+    pub fn until(&self) -> Option<Instant> {
+        self.renewed.map(|t| t + RENEW_DEADLINE)
+    }
+}
+
+/// Campaigns for `namespace/name` as `identity` until `stop`; on stop, a
+/// held lease is released.
 pub async fn campaign(
     client: kube::Client,
     namespace: String,
@@ -64,36 +176,53 @@ pub async fn campaign(
     stop: CancellationToken,
 ) {
     let api: Api<Lease> = Api::namespaced(client, &namespace);
-    let mut last_renewed: Option<Instant> = None;
+    let mut elector = Elector::new(&identity);
+    let lease_name = format!("{namespace}/{name}");
     loop {
-        match try_acquire(&api, &name, &identity).await {
-            Ok(true) => {
-                last_renewed = Some(Instant::now());
-                me.set(true);
+        let started = Instant::now();
+        let round = tokio::time::timeout(
+            REQUEST_TIMEOUT,
+            try_acquire(&api, &name, &identity, &mut elector),
+        )
+        .await;
+        match round {
+            Ok(Ok(true)) => elector.renewed(started),
+            Ok(Ok(false)) => elector.lost(),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, lease = %lease_name, "status lease: cannot reach the API server");
             }
-            Ok(false) => {
-                last_renewed = None;
-                me.set(false);
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, lease = %format!("{namespace}/{name}"), "status lease: cannot reach the API server");
-                // Keep writing only while the lease surely is still ours.
-                if last_renewed.is_none_or(|t| t.elapsed() >= LEASE - RETRY) {
-                    me.set(false);
-                }
+            Err(_) => {
+                tracing::warn!(lease = %lease_name, "status lease: the API server did not answer in time");
             }
         }
-        let wait = if me.held() { RENEW } else { RETRY };
+        me.set(elector.until());
         tokio::select! {
-            () = tokio::time::sleep(wait) => {}
+            () = tokio::time::sleep(RETRY) => {}
             () = stop.cancelled() => break,
         }
     }
-    me.set(false);
+    let was_leading = me.held();
+    me.set(None);
+    if was_leading {
+        match tokio::time::timeout(REQUEST_TIMEOUT, release(&api, &name, &identity)).await {
+            Ok(Ok(())) => tracing::info!(lease = %lease_name, "status lease released"),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, lease = %lease_name, "status lease not released; it expires")
+            }
+            Err(_) => {
+                tracing::warn!(lease = %lease_name, "status lease not released in time; it expires")
+            }
+        }
+    }
 }
 
 /// One round: creates, renews or takes over the lease. Whether it is ours.
-async fn try_acquire(api: &Api<Lease>, name: &str, identity: &str) -> Result<bool, kube::Error> {
+async fn try_acquire(
+    api: &Api<Lease>,
+    name: &str,
+    identity: &str,
+    elector: &mut Elector,
+) -> Result<bool, kube::Error> {
     let now = Timestamp::now();
     let Some(mut lease) = api.get_opt(name).await? else {
         let lease = Lease {
@@ -117,18 +246,11 @@ async fn try_acquire(api: &Api<Lease>, name: &str, identity: &str) -> Result<boo
         };
     };
     let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
-    let ours = spec.holder_identity.as_deref() == Some(identity);
-    let duration = spec.lease_duration_seconds.map_or(LEASE, |s| {
-        Duration::from_secs(u64::try_from(s).unwrap_or(0))
-    });
-    // A renewal time in the future (another clock) is not expired.
-    let expired = spec
-        .renew_time
-        .as_ref()
-        .is_none_or(|t| now.duration_since(t.0).as_secs_f64() >= duration.as_secs_f64());
-    if !ours && !expired && spec.holder_identity.is_some() {
+    elector.observe(spec, Instant::now());
+    if !elector.may_acquire(Instant::now()) {
         return Ok(false);
     }
+    let ours = spec.holder_identity.as_deref() == Some(identity);
     if !ours {
         spec.holder_identity = Some(identity.into());
         spec.acquire_time = Some(MicroTime(now));
@@ -142,5 +264,92 @@ async fn try_acquire(api: &Api<Lease>, name: &str, identity: &str) -> Result<boo
         Ok(_) => Ok(true),
         Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
         Err(e) => Err(e),
+    }
+}
+
+/// Gives the lease up (client-go's release on cancel): no holder, a 1 s
+/// duration, so the next replica takes it at its next try.
+async fn release(api: &Api<Lease>, name: &str, identity: &str) -> Result<(), kube::Error> {
+    let Some(mut lease) = api.get_opt(name).await? else {
+        return Ok(());
+    };
+    let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+    if spec.holder_identity.as_deref() != Some(identity) {
+        return Ok(());
+    }
+    spec.holder_identity = None;
+    spec.lease_duration_seconds = Some(1);
+    spec.renew_time = Some(MicroTime(Timestamp::now()));
+    api.replace(name, &PostParams::default(), &lease)
+        .await
+        .map(|_| ())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(holder: Option<&str>, renew_secs: i64) -> LeaseSpec {
+        LeaseSpec {
+            holder_identity: holder.map(str::to_string),
+            lease_duration_seconds: Some(15),
+            renew_time: Some(MicroTime(
+                Timestamp::from_second(1_700_000_000 + renew_secs).unwrap_or(Timestamp::UNIX_EPOCH),
+            )),
+            ..LeaseSpec::default()
+        }
+    }
+
+    /// A follower takes over only after seeing the record unchanged for
+    /// the whole lease, on its own clock; each renewal it sees restarts
+    /// that; a remote renewTime far in the past (a skewed clock) does not
+    /// make it early.
+    #[test]
+    fn a_follower_waits_a_whole_lease_from_the_last_change_it_saw() {
+        let t0 = Instant::now();
+        let mut f = Elector::new("b");
+        // Skewed: the holder's clock says a year ago.
+        f.observe(&spec(Some("a"), -31_536_000), t0);
+        assert!(!f.may_acquire(t0));
+        assert!(!f.may_acquire(t0 + Duration::from_secs(14)));
+        // A renewal seen at t0+14 restarts the wait.
+        f.observe(&spec(Some("a"), -31_535_990), t0 + Duration::from_secs(14));
+        assert!(!f.may_acquire(t0 + Duration::from_secs(20)));
+        // The same record seen again does not.
+        f.observe(&spec(Some("a"), -31_535_990), t0 + Duration::from_secs(20));
+        assert!(!f.may_acquire(t0 + Duration::from_secs(28)));
+        assert!(f.may_acquire(t0 + Duration::from_secs(29)));
+        // A released lease (no holder) is free at once.
+        let mut g = Elector::new("c");
+        g.observe(&spec(None, 0), t0);
+        assert!(g.may_acquire(t0));
+    }
+
+    /// The holder stops writing 10 s after the start of its last
+    /// successful renewal: before any follower (which saw that renewal no
+    /// earlier than it started) may take over 15 s after seeing it.
+    #[test]
+    fn the_holder_stops_writing_before_anyone_may_take_over() {
+        let t0 = Instant::now();
+        let mut holder = Elector::new("a");
+        holder.observe(&spec(Some("a"), 0), t0);
+        holder.renewed(t0);
+        assert!(holder.leading(t0 + Duration::from_secs(9)));
+        assert!(!holder.leading(t0 + RENEW_DEADLINE));
+        let mut follower = Elector::new("b");
+        // The earliest the follower can see that renewal is when it began.
+        follower.observe(&spec(Some("a"), 0), t0);
+        let takeover = (0..60)
+            .map(|s| t0 + Duration::from_secs(s))
+            .find(|t| follower.may_acquire(*t))
+            .unwrap_or(t0);
+        let fenced = (0..60)
+            .map(|s| t0 + Duration::from_secs(s))
+            .find(|t| !holder.leading(*t))
+            .unwrap_or(t0);
+        assert!(fenced < takeover, "{fenced:?} vs {takeover:?}");
+        // Seeing someone else hold it ends leadership at once.
+        holder.observe(&spec(Some("b"), 20), t0 + Duration::from_secs(3));
+        assert!(!holder.leading(t0 + Duration::from_secs(3)));
     }
 }

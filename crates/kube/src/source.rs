@@ -78,6 +78,8 @@ pub struct Handle {
     /// Whether this replica writes status.
     pub leadership: Leadership,
     stop: CancellationToken,
+    /// The lease campaign (which releases a held lease when it stops).
+    campaign: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl Handle {
@@ -93,6 +95,16 @@ impl Handle {
     /// Stops the watches and the status writer.
     pub fn stop(&self) {
         self.stop.cancel();
+    }
+
+    /// Stops, and waits (at most `limit`) until a held status lease was
+    /// released, so that another replica writes status at once.
+    pub async fn shutdown(&self, limit: Duration) {
+        self.stop.cancel();
+        let task = seedlink_net::sync::lock(&self.campaign, "lease campaign").take();
+        if let Some(task) = task {
+            let _ = tokio::time::timeout(limit, task).await;
+        }
     }
 }
 
@@ -164,6 +176,9 @@ where
     let kind = K::kind(&K::DynamicType::default()).to_string();
     let stream = watcher(api, watcher::Config::default())
         .default_backoff()
+        // Kept in memory for every object: nothing here reads who
+        // managed which field.
+        .modify(|o: &mut K| o.meta_mut().managed_fields = None)
         .reflect(writer);
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
@@ -203,7 +218,8 @@ pub fn start_gateway(
     let namespaces = w.kind::<Namespace>();
     let grants = w.kind::<ReferenceGrant>();
     let changed = w.changed;
-    let leadership = campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
+    let (leadership, campaign_task) =
+        campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
     let (synced_tx, synced) = watch::channel(false);
     let task_stop = stop.clone();
     let writer_leadership = leadership.clone();
@@ -276,6 +292,7 @@ pub fn start_gateway(
         synced,
         leadership,
         stop,
+        campaign: std::sync::Mutex::new(campaign_task),
     }
 }
 
@@ -296,9 +313,9 @@ fn campaign(
     lease: Option<&Key>,
     identity: &str,
     stop: &CancellationToken,
-) -> Leadership {
+) -> (Leadership, Option<tokio::task::JoinHandle<()>>) {
     let me = Leadership::default();
-    if let Some(lease) = lease {
+    let task = lease.map(|lease| {
         tokio::spawn(leader::campaign(
             client.clone(),
             lease.namespace.clone(),
@@ -306,9 +323,9 @@ fn campaign(
             identity.into(),
             me.clone(),
             stop.clone(),
-        ));
-    }
-    me
+        ))
+    });
+    (me, task)
 }
 
 /// Where the tunnel-server's clusters go, and what it says of them.
@@ -356,7 +373,8 @@ pub fn start_tunnel(
     let secrets = w.kind::<Secret>();
     let config_maps = w.kind::<ConfigMap>();
     let changed = w.changed;
-    let leadership = campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
+    let (leadership, campaign_task) =
+        campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
     let (synced_tx, synced) = watch::channel(false);
     let task_stop = stop.clone();
     let writer_leadership = leadership.clone();
@@ -435,6 +453,7 @@ pub fn start_tunnel(
         synced,
         leadership,
         stop,
+        campaign: std::sync::Mutex::new(campaign_task),
     }
 }
 
@@ -620,15 +639,25 @@ impl StatusWriter {
             if unchanged {
                 continue;
             }
-            // A merge patch replaces the list: it carries the other
-            // controllers' entries as they were read.
-            let patch = json!({"status": {"parents": desired}});
+            // `status.parents` is one atomic list shared with other
+            // controllers: the patch carries their entries as read, so it
+            // is made conditional on the version they were read from. A
+            // 409 means someone wrote meanwhile: the watch brings the new
+            // version and the next pass writes again from it.
+            let patch = json!({
+                "metadata": {"resourceVersion": route.metadata.resource_version},
+                "status": {"parents": desired}
+            });
             let api: Api<TlsRoute> = Api::namespaced(self.client.clone(), &key.namespace);
-            if let Err(e) = api
-                .patch_status(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
+            match api
+                .patch_status(&key.name, &status_params(), &Patch::Merge(&patch))
                 .await
             {
-                tracing::warn!(route = %key, error = %e, "cannot write TLSRoute status");
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 409 => {
+                    tracing::debug!(route = %key, "TLSRoute status changed meanwhile; written again on the next pass");
+                }
+                Err(e) => tracing::warn!(route = %key, error = %e, "cannot write TLSRoute status"),
             }
         }
         let by_policy: HashMap<&Key, _> = t.policies.iter().map(|p| (&p.key, p)).collect();
@@ -674,13 +703,22 @@ impl StatusWriter {
             if unchanged {
                 continue;
             }
-            let patch = json!({"status": {"ancestors": desired}});
+            let patch = json!({
+                "metadata": {"resourceVersion": policy.metadata.resource_version},
+                "status": {"ancestors": desired}
+            });
             let api: Api<SeedlinkPolicy> = Api::namespaced(self.client.clone(), &key.namespace);
-            if let Err(e) = api
-                .patch_status(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
+            match api
+                .patch_status(&key.name, &status_params(), &Patch::Merge(&patch))
                 .await
             {
-                tracing::warn!(policy = %key, error = %e, "cannot write SeedlinkPolicy status");
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 409 => {
+                    tracing::debug!(policy = %key, "SeedlinkPolicy status changed meanwhile; written again on the next pass");
+                }
+                Err(e) => {
+                    tracing::warn!(policy = %key, error = %e, "cannot write SeedlinkPolicy status")
+                }
             }
         }
     }
@@ -774,7 +812,7 @@ impl StatusWriter {
             let api: Api<crate::crd::TunnelCluster> =
                 Api::namespaced(self.client.clone(), &key.namespace);
             if let Err(e) = api
-                .patch_status(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
+                .patch_status(&key.name, &status_params(), &Patch::Merge(&patch))
                 .await
             {
                 tracing::warn!(cluster = %key, error = %e, "cannot write TunnelCluster status");
@@ -828,6 +866,14 @@ impl StatusWriter {
         if let Err(e) = self.recorder.publish(&event, &reference).await {
             tracing::warn!(object = %key, error = %e, "cannot create an Event");
         }
+    }
+}
+
+/// Status writes name seedlink as their field manager.
+fn status_params() -> PatchParams {
+    PatchParams {
+        field_manager: Some("seedlink".into()),
+        ..PatchParams::default()
     }
 }
 

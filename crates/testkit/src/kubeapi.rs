@@ -555,6 +555,27 @@ pub async fn list(
         .collect()
 }
 
+/// Merge-patches the `status` of an object (as another controller would).
+pub async fn patch_status(
+    client: &kube::Client,
+    api_version: &str,
+    kind: &str,
+    namespace: &str,
+    name: &str,
+    patch: Value,
+) -> Result<Value, kube::Error> {
+    let probe = json!({"apiVersion": api_version, "kind": kind,
+                       "metadata": {"name": name, "namespace": namespace}});
+    let (api, name) = dynamic(client, &probe).await;
+    let pp = PatchParams {
+        field_manager: Some("other-controller".into()),
+        ..PatchParams::default()
+    };
+    api.patch_status(&name, &pp, &Patch::Merge(&patch))
+        .await
+        .map(|o| serde_json::to_value(o).unwrap())
+}
+
 /// Deletes the object; whether it existed.
 pub async fn delete(
     client: &kube::Client,

@@ -143,7 +143,7 @@ pub async fn kubernetes(
 /// Runs `seedlink gateway` until drained; returns the exit code.
 pub async fn run(config: PathBuf, reuse_port: bool) -> anyhow::Result<i32> {
     let gw = load(config)?;
-    let _kube = kubernetes(&gw).await?;
+    let kube = kubernetes(&gw).await?;
     let supervisor = Supervisor::install()?;
     let bound = gw.bind(reuse_port)?;
     let mut ready = bound.describe();
@@ -154,7 +154,9 @@ pub async fn run(config: PathBuf, reuse_port: bool) -> anyhow::Result<i32> {
     // addresses (listeners may be configured with port 0).
     println!("{ready}");
     tracing::info!(addresses = %ready, "gateway serving");
-    Ok(armed.run().await)
+    let code = armed.run().await;
+    release(kube).await;
+    Ok(code)
 }
 
 /// Runs `seedlink seed`: agents' connections that the gateway routes to an
@@ -168,7 +170,7 @@ pub async fn seed(
     let server = Arc::new(ServerRole::start(tunnel).await?);
     server.start_kubernetes().await?;
     let gw = load(gw_config)?;
-    let _kube = kubernetes(&gw).await?;
+    let kube = kubernetes(&gw).await?;
     {
         let srv = server.srv.clone();
         // Agents' TLS is taken over as is; a CONNECT is answered by the
@@ -190,5 +192,15 @@ pub async fn seed(
     let roles: Vec<Arc<dyn Role>> = vec![Arc::new(GatewayRole(gw)), server];
     let armed = supervisor.arm(roles);
     println!("{ready}");
-    Ok(armed.run().await)
+    let code = armed.run().await;
+    release(kube).await;
+    Ok(code)
+}
+
+/// Stops the Kubernetes source and releases a held status lease, so
+/// another replica writes status at once (bounded).
+async fn release(kube: Option<seedlink_kube::source::Handle>) {
+    if let Some(h) = kube {
+        h.shutdown(Duration::from_secs(3)).await;
+    }
 }

@@ -379,10 +379,14 @@ impl Role for ServerRole {
     }
 
     fn drain(&self) -> BoxFut<'_, ()> {
-        if let Some(h) = seedlink_net::sync::lock(&self.source, "tunnel source").take() {
-            h.stop();
-        }
-        Box::pin(self.srv.stop(self.opts.drain))
+        let source = seedlink_net::sync::lock(&self.source, "tunnel source").take();
+        Box::pin(async move {
+            if let Some(h) = source {
+                // Releases a held status lease (bounded).
+                h.shutdown(Duration::from_secs(3)).await;
+            }
+            self.srv.stop(self.opts.drain).await;
+        })
     }
 }
 
