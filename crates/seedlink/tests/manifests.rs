@@ -5,7 +5,8 @@
 //! configuration files inside the ConfigMaps are valid for their roles, and
 //! the properties the docs promise (non-root, read-only root, probes, the
 //! preStop delay, the token audience, the node proxy's capabilities, RBAC
-//! for everything the source watches) are checked on the objects.
+//! for everything the source watches) are checked on the objects, and a
+//! real kube-apiserver accepts every object.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
 use seedlink_testkit as common;
@@ -387,4 +388,66 @@ fn the_shoot_install_renders_and_every_object_reads_strictly() {
         .as_str()
         .unwrap()
         .contains("/var/run/secrets/tokens/konnectivity-agent-token"));
+}
+
+/// The manifests run the image scripts/image builds:
+/// `localhost/seedlink:<version>`, the version the binary reports.
+#[test]
+fn the_manifests_use_the_image_scripts_image_builds() {
+    let script = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/image"),
+    )
+    .unwrap();
+    assert!(script.contains("tag=\"localhost/seedlink:$version\""));
+    let want = format!("localhost/seedlink:{}", env!("CARGO_PKG_VERSION"));
+    for install in ["seed", "shoot"] {
+        for doc in render(install) {
+            for c in doc["spec"]["template"]["spec"]["containers"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                assert_eq!(
+                    c["image"],
+                    want.as_str(),
+                    "{install}: {}",
+                    doc["metadata"]["name"]
+                );
+            }
+        }
+    }
+}
+
+/// Every object of the seed and shoot installs is accepted by a real
+/// kube-apiserver (server-side apply, RBAC on, the CRDs installed): the
+/// API server's own validation, defaulting and admission, not only the
+/// Rust types, check what ships.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_api_server_accepts_every_object_of_the_installs() {
+    use common::kubeapi::{self, KubeApi};
+    let api = KubeApi::shared();
+    let client = api.client().await.unwrap();
+    for install in ["seed", "shoot"] {
+        let docs = render(install);
+        // Namespaces first (the rendered order does not promise it).
+        let (namespaces, rest): (Vec<Value>, Vec<Value>) =
+            docs.into_iter().partition(|d| d["kind"] == "Namespace");
+        for ns in namespaces {
+            kubeapi::apply(&client, ns).await;
+        }
+        for doc in rest {
+            if let Some(ns) = doc["metadata"]["namespace"].as_str() {
+                kubeapi::apply(
+                    &client,
+                    serde_json::json!({"apiVersion": "v1", "kind": "Namespace",
+                                       "metadata": {"name": ns}}),
+                )
+                .await;
+            }
+            let what = format!("{install}: {} {}", doc["kind"], doc["metadata"]["name"]);
+            if let Err(e) = kubeapi::try_apply(&client, doc).await {
+                panic!("{what} refused by the API server: {e}");
+            }
+        }
+    }
 }
