@@ -23,11 +23,14 @@ pub const CONTROLLER_NAME: &str = "seedlink.dev/gateway";
     plural = "seedlinkpolicies",
     namespaced,
     status = "PolicyStatus",
-    category = "seedlink"
+    category = "seedlink",
+    printcolumn = r#"{"name":"Accepted","type":"string","jsonPath":".status.ancestors[*].conditions[?(@.type==\"Accepted\")].status"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct SeedlinkPolicySpec {
     /// The TLSRoutes (in this namespace) the policy applies to.
+    #[schemars(length(min = 1, max = 16))]
     pub target_refs: Vec<LocalPolicyTargetRef>,
     /// Client CIDRs allowed to reach the control plane (a bare address
     /// means /32 or /128); absent means every client.
@@ -36,6 +39,11 @@ pub struct SeedlinkPolicySpec {
         skip_serializing_if = "Option::is_none",
         rename = "allowedSourceCIDRs"
     )]
+    #[schemars(length(max = 256), inner(length(max = 64)))]
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": "self.all(c, isCIDR(c) || isIP(c))",
+        "message": "each entry must be a CIDR (10.0.0.0/8) or an IP address"
+    }]))]
     pub allowed_source_cidrs: Option<Vec<String>>,
     /// Names reachable through the gateway's `http-connect` listeners
     /// (`outbound|443||kube-apiserver.<ns>.svc.cluster.local` or
@@ -57,8 +65,10 @@ pub struct SeedlinkPolicySpec {
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 pub struct LocalPolicyTargetRef {
     /// `gateway.networking.k8s.io`.
+    #[schemars(extend("enum" = ["gateway.networking.k8s.io"]))]
     pub group: String,
     /// `TLSRoute`.
+    #[schemars(extend("enum" = ["TLSRoute"]))]
     pub kind: String,
     /// The route's name.
     pub name: String,
@@ -81,6 +91,7 @@ pub struct PolicyAncestorStatus {
     /// `seedlink.dev/gateway`.
     pub controller_name: String,
     /// `Accepted`.
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
 }
 
@@ -113,6 +124,10 @@ pub struct AncestorRef {
     printcolumn = r#"{"name":"Connected","type":"string","jsonPath":".status.conditions[?(@.type==\"AgentsConnected\")].status"}"#
 )]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "has(self.agentCA) || has(self.agentToken)",
+    "message": "agentCA or agentToken is required: the cluster must know its agents"
+}]))]
 pub struct TunnelClusterSpec {
     /// CA bundle (PEM) whose client certificates identify the agents.
     #[serde(default, skip_serializing_if = "Option::is_none", rename = "agentCA")]
@@ -122,6 +137,11 @@ pub struct TunnelClusterSpec {
     pub agent_token: Option<AgentToken>,
     /// Backend choice, in order: `destHost`, `cidr`, `defaultRoute`, `default`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 4), inner(length(max = 16)))]
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": "self.all(s, s in ['destHost', 'cidr', 'defaultRoute', 'default'])",
+        "message": "strategies are destHost, cidr, defaultRoute and default"
+    }]))]
     pub strategies: Vec<String>,
     /// Frontends for the cluster's kube-apiserver (besides the server's
     /// frontend templates).
@@ -136,6 +156,10 @@ pub struct TunnelClusterSpec {
 /// one of `secret` and `configMap`.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "has(self.secret) != has(self.configMap)",
+    "message": "exactly one of secret and configMap"
+}]))]
 pub struct KeyRef {
     /// A Secret's name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -168,10 +192,16 @@ pub struct AgentToken {
 /// A frontend of the cluster.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [
+    {"rule": "has(self.unix) != has(self.tcp)", "message": "exactly one of unix and tcp"},
+    {"rule": "!has(self.tls) || has(self.tcp)", "message": "tls only applies to tcp"}
+]))]
 pub struct FrontendSpec {
     /// Name (a metric label).
+    #[schemars(regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"), length(max = 63))]
     pub name: String,
     /// `http-connect`, `grpc`, `http-proxy` or `socks5`.
+    #[schemars(extend("enum" = ["http-connect", "grpc", "http-proxy", "socks5"]))]
     pub protocol: String,
     /// A Unix socket path (no TLS).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -224,6 +254,7 @@ pub struct LimitsSpec {
 pub struct TunnelClusterStatus {
     /// `Ready` (trust loaded, frontends listening) and `AgentsConnected`.
     #[serde(default)]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
     /// Agent streams connected to the replica writing status.
     #[serde(default)]
@@ -239,11 +270,39 @@ pub struct TunnelClusterStatus {
     pub observed_generation: Option<i64>,
 }
 
+/// Both CRDs as shipped: generated from the types, with integer formats
+/// as Kubernetes knows them (`int64`; schemars writes `uint64`, which no
+/// Kubernetes client understands, and these values fit).
+pub fn crds(
+) -> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>
+{
+    fn formats(v: &mut serde_json::Value) {
+        match v {
+            serde_json::Value::Object(m) => {
+                if m.get("format").and_then(|f| f.as_str()) == Some("uint64") {
+                    m.insert("format".into(), "int64".into());
+                }
+                m.values_mut().for_each(formats);
+            }
+            serde_json::Value::Array(a) => a.iter_mut().for_each(formats),
+            _ => {}
+        }
+    }
+    [SeedlinkPolicy::crd(), TunnelCluster::crd()]
+        .into_iter()
+        .map(|crd| {
+            let mut v = serde_json::to_value(&crd).unwrap_or_default();
+            formats(&mut v);
+            serde_json::from_value(v).unwrap_or(crd)
+        })
+        .collect()
+}
+
 /// Both CRDs as one multi-document YAML, as shipped in `deploy/crds/`.
 pub fn crds_yaml() -> Result<String, serde_norway::Error> {
     let mut out =
         String::from("# Generated by `seedlink crds` from crates/kube/src/crd.rs; do not edit.\n");
-    for crd in [SeedlinkPolicy::crd(), TunnelCluster::crd()] {
+    for crd in crds() {
         out.push_str("---\n");
         out.push_str(&serde_norway::to_string(&crd)?);
     }
@@ -262,10 +321,8 @@ mod tests {
             .skip(1)
             .map(|d| serde_norway::from_str(d).unwrap())
             .collect();
-        assert_eq!(
-            docs[0],
-            serde_json::to_value(SeedlinkPolicy::crd()).unwrap()
-        );
-        assert_eq!(docs[1], serde_json::to_value(TunnelCluster::crd()).unwrap());
+        let crds = crds();
+        assert_eq!(docs[0], serde_json::to_value(&crds[0]).unwrap());
+        assert_eq!(docs[1], serde_json::to_value(&crds[1]).unwrap());
     }
 }

@@ -567,8 +567,23 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
             .is_some_and(|c| c["status"] == "True")
     })
     .await;
-    seed.apply(policy(&a, "kube-apiserver", &["300.0.0.0/8"]))
-        .await;
+    // What the CRD can check, the API server refuses at once...
+    let refused = kubeapi::try_apply(
+        &seed.client,
+        policy(&a, "kube-apiserver", &["300.0.0.0/8"]),
+    )
+    .await;
+    assert!(
+        refused
+            .err()
+            .is_some_and(|e| e.to_string().contains("each entry must be a CIDR")),
+        "the API server took an invalid CIDR"
+    );
+    // ...what only seedlink checks (a destination's form) is refused with
+    // status, and the last valid version stays in force.
+    let mut invalid = policy(&a, "kube-apiserver", &["192.0.2.0/24"]);
+    invalid["spec"]["destinations"] = json!(["not a destination"]);
+    seed.apply(invalid).await;
     wait_for("policy Invalid", Duration::from_secs(20), || async {
         seed.condition(POLICIES, "SeedlinkPolicy", &a, "acl", "Accepted")
             .await

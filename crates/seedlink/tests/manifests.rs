@@ -451,3 +451,92 @@ async fn a_real_api_server_accepts_every_object_of_the_installs() {
         }
     }
 }
+
+/// seedlink's CRDs validate on the real API server: a TunnelCluster or
+/// SeedlinkPolicy that breaks a rule is refused with the rule's message
+/// (CEL: exactly one of secret/configMap and of unix/tcp, a known agent
+/// trust, strategies, CIDRs; enums; a pattern), and a valid one is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_server_refuses_invalid_seedlink_objects_with_the_crds_messages() {
+    use common::kubeapi::{self, KubeApi};
+    use serde_json::json;
+    let api = KubeApi::shared();
+    let client = api.client().await.unwrap();
+    let ns = api.namespace(&client, "crds", json!({})).await;
+    let tunnel = |spec: Value| {
+        json!({"apiVersion": "tunnel.seedlink.dev/v1alpha1", "kind": "TunnelCluster",
+               "metadata": {"name": "t", "namespace": ns}, "spec": spec})
+    };
+    let policy = |spec: Value| {
+        json!({"apiVersion": "policy.seedlink.dev/v1alpha1", "kind": "SeedlinkPolicy",
+               "metadata": {"name": "p", "namespace": ns}, "spec": spec})
+    };
+    let target = json!([{"group": "gateway.networking.k8s.io", "kind": "TLSRoute", "name": "r"}]);
+    let refused = [
+        (tunnel(json!({})), "agentCA or agentToken is required"),
+        (
+            tunnel(json!({"agentCA": {"secret": "s", "configMap": "c", "key": "ca.crt"}})),
+            "exactly one of secret and configMap",
+        ),
+        (
+            tunnel(json!({"agentCA": {"key": "ca.crt"}})),
+            "exactly one of secret and configMap",
+        ),
+        (
+            tunnel(json!({"agentCA": {"secret": "s", "key": "ca.crt"},
+                          "strategies": ["nearest"]})),
+            "strategies are destHost, cidr, defaultRoute and default",
+        ),
+        (
+            tunnel(json!({"agentCA": {"secret": "s", "key": "ca.crt"},
+                          "frontends": [{"name": "kas", "protocol": "http-connect",
+                                         "unix": "kas.sock", "tcp": "127.0.0.1:8090"}]})),
+            "exactly one of unix and tcp",
+        ),
+        (
+            tunnel(json!({"agentCA": {"secret": "s", "key": "ca.crt"},
+                          "frontends": [{"name": "kas", "protocol": "ftp", "unix": "kas.sock"}]})),
+            "Unsupported value: \"ftp\"",
+        ),
+        (
+            tunnel(json!({"agentCA": {"secret": "s", "key": "ca.crt"},
+                          "frontends": [{"name": "Kas!", "protocol": "grpc", "unix": "kas.sock"}]})),
+            "should match",
+        ),
+        (
+            policy(json!({"targetRefs": target, "allowedSourceCIDRs": ["10.0.0.0/33"]})),
+            "each entry must be a CIDR",
+        ),
+        (
+            policy(json!({"targetRefs": [{"group": "x", "kind": "TLSRoute", "name": "r"}]})),
+            "Unsupported value: \"x\"",
+        ),
+        (
+            policy(json!({"targetRefs": []})),
+            "should have at least 1 items",
+        ),
+    ];
+    for (object, message) in refused {
+        match kubeapi::try_apply(&client, object.clone()).await {
+            Ok(_) => panic!("accepted: {}", object["spec"]),
+            Err(e) => assert!(
+                e.to_string().contains(message),
+                "{}: {e} (wanted {message:?})",
+                object["spec"]
+            ),
+        }
+    }
+    kubeapi::apply(
+        &client,
+        tunnel(json!({"agentCA": {"secret": "s", "key": "ca.crt"},
+                      "strategies": ["destHost", "default"],
+                      "frontends": [{"name": "kas", "protocol": "http-connect", "unix": "kas.sock"}],
+                      "limits": {"maxConnections": 10, "maxQueuedBytes": 1048576}})),
+    )
+    .await;
+    kubeapi::apply(
+        &client,
+        policy(json!({"targetRefs": target, "allowedSourceCIDRs": ["10.0.0.0/8", "192.0.2.7", "2001:db8::/32"]})),
+    )
+    .await;
+}
