@@ -141,6 +141,21 @@ impl Watches {
     {
         watch_kind(
             Api::<K>::all(self.client.clone()),
+            watcher::Config::default(),
+            self.tx.clone(),
+            self.stop.clone(),
+        )
+    }
+
+    /// The objects of kind `K` with label `selector`, in every namespace.
+    fn labelled<K>(&self, selector: &str) -> Store<K>
+    where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+    {
+        watch_kind(
+            Api::<K>::all(self.client.clone()),
+            watcher::Config::default().labels(selector),
             self.tx.clone(),
             self.stop.clone(),
         )
@@ -160,6 +175,7 @@ impl Watches {
     {
         watch_kind(
             Api::<K>::namespaced(self.client.clone(), namespace),
+            watcher::Config::default(),
             self.tx.clone(),
             self.stop.clone(),
         )
@@ -167,14 +183,19 @@ impl Watches {
 }
 
 /// One kind's watch: a store and a task that keeps it and says "changed".
-fn watch_kind<K>(api: Api<K>, changed: mpsc::Sender<()>, stop: CancellationToken) -> Store<K>
+fn watch_kind<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    changed: mpsc::Sender<()>,
+    stop: CancellationToken,
+) -> Store<K>
 where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
 {
     let (store, writer) = reflector::store();
     let kind = K::kind(&K::DynamicType::default()).to_string();
-    let stream = watcher(api, watcher::Config::default())
+    let stream = watcher(api, config)
         .default_backoff()
         // Kept in memory for every object: nothing here reads who
         // managed which field.
@@ -370,8 +391,11 @@ pub fn start_tunnel(
     let stop = CancellationToken::new();
     let w = Watches::new(&client, &stop);
     let clusters = w.kind::<crate::crd::TunnelCluster>();
-    let secrets = w.kind::<Secret>();
-    let config_maps = w.kind::<ConfigMap>();
+    // Only what is labelled for it: the tunnel-server reads (and keeps in
+    // memory) no other Secret or ConfigMap of the cluster.
+    let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
+    let secrets = w.labelled::<Secret>(&selector);
+    let config_maps = w.labelled::<ConfigMap>(&selector);
     let changed = w.changed;
     let (leadership, campaign_task) =
         campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);

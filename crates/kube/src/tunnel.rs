@@ -10,6 +10,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// The label a Secret or ConfigMap needs for the tunnel-server to read it
+/// (`seedlink.dev/tunnel-trust=true`): it watches no other.
+pub const TRUST_LABEL: &str = "seedlink.dev/tunnel-trust";
+
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
 use seedlink_tunnel::config::{Cluster, ClusterLimits, Frontend, FrontendProtocol, TokenAuth};
 
@@ -92,7 +96,7 @@ impl Keys<'_> {
                 let secret = self.secrets.get(&key).ok_or_else(|| {
                     Verdict::no(
                         "ReferenceNotFound",
-                        format!("{what}: Secret {key} not found"),
+                        format!("{what}: Secret {key} not found (it needs the label {TRUST_LABEL}=true)"),
                     )
                 })?;
                 let b = secret
@@ -116,7 +120,7 @@ impl Keys<'_> {
                 let cm = self.config_maps.get(&key).ok_or_else(|| {
                     Verdict::no(
                         "ReferenceNotFound",
-                        format!("{what}: ConfigMap {key} not found"),
+                        format!("{what}: ConfigMap {key} not found (it needs the label {TRUST_LABEL}=true)"),
                     )
                 })?;
                 let b = cm

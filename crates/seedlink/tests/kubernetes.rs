@@ -568,11 +568,8 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     })
     .await;
     // What the CRD can check, the API server refuses at once...
-    let refused = kubeapi::try_apply(
-        &seed.client,
-        policy(&a, "kube-apiserver", &["300.0.0.0/8"]),
-    )
-    .await;
+    let refused =
+        kubeapi::try_apply(&seed.client, policy(&a, "kube-apiserver", &["300.0.0.0/8"])).await;
     assert!(
         refused
             .err()
@@ -1029,7 +1026,9 @@ async fn tunnel_clusters_come_from_objects_with_their_health_in_status() {
         seed.tenant("shoot--b", false).await,
     );
     seed.apply(json!({
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "agent-ca", "namespace": a},
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "agent-ca", "namespace": a,
+                     "labels": {"seedlink.dev/tunnel-trust": "true"}},
         "stringData": {"ca.crt": shoot_a.ca_pem}
     }))
     .await;
@@ -1143,7 +1142,9 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust'}}
 
     // The ConfigMap appears: shoot--b is served and its agent is let in.
     seed.apply(json!({
-        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "agent-ca", "namespace": b},
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "agent-ca", "namespace": b,
+                     "labels": {"seedlink.dev/tunnel-trust": "true"}},
         "data": {"ca.crt": shoot_b.ca_pem}
     }))
     .await;

@@ -139,6 +139,9 @@ fn check_strictly(docs: &[Value]) {
             ("apps/v1", "Deployment") => roundtrip::<apps::v1::Deployment>(d),
             ("apps/v1", "DaemonSet") => roundtrip::<apps::v1::DaemonSet>(d),
             ("policy/v1", "PodDisruptionBudget") => roundtrip::<policy::v1::PodDisruptionBudget>(d),
+            ("networking.k8s.io/v1", "NetworkPolicy") => {
+                roundtrip::<k8s_openapi::api::networking::v1::NetworkPolicy>(d)
+            }
             ("rbac.authorization.k8s.io/v1", "ClusterRole") => roundtrip::<rbac::v1::ClusterRole>(d),
             ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => roundtrip::<rbac::v1::ClusterRoleBinding>(d),
             ("rbac.authorization.k8s.io/v1", "Role") => roundtrip::<rbac::v1::Role>(d),
@@ -539,4 +542,142 @@ async fn the_api_server_refuses_invalid_seedlink_objects_with_the_crds_messages(
         policy(json!({"targetRefs": target, "allowedSourceCIDRs": ["10.0.0.0/8", "192.0.2.7", "2001:db8::/32"]})),
     )
     .await;
+}
+
+/// Helm, built from its Go module by scripts/install-peers.
+fn helm() -> PathBuf {
+    if let Ok(h) = std::env::var("SEEDLINK_HELM") {
+        return PathBuf::from(h);
+    }
+    let cache = std::env::var("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache")
+        });
+    let pointer = cache.join("seedlink/helm");
+    let helm = PathBuf::from(std::fs::read_to_string(&pointer).unwrap_or_default().trim());
+    assert!(
+        helm.is_file(),
+        "helm is missing (looked in {}): scripts/install-peers builds it from its Go module, or set SEEDLINK_HELM",
+        pointer.display()
+    );
+    helm
+}
+
+fn helm_template(args: &[&str]) -> Vec<Value> {
+    let out = std::process::Command::new(helm())
+        .args(["template", "seedlink"])
+        .arg(root().join("charts/seedlink"))
+        .args(["--namespace", "seedlink-system", "--include-crds"])
+        // The Kubernetes the tests run (scripts/build-kube-peers).
+        .args(["--kube-version", "v1.35.4"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "helm template: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .split("\n---")
+        .filter_map(|d| serde_norway::from_str::<Value>(d).ok())
+        .filter(|v| v.is_object())
+        .collect()
+}
+
+/// The Helm chart (what Gardener ControllerDeployments and KKP's installer
+/// consume) passes `helm lint --strict`, and with its defaults renders
+/// exactly the objects of the kustomize seed install (but the Namespace,
+/// which `helm install --create-namespace` makes): one install, two
+/// packagings that cannot drift. `replicas` moves the tunnel's
+/// `server_count` with it; its CRDs are the shipped ones, its version the
+/// binary's.
+#[test]
+fn the_helm_chart_lints_and_renders_the_kustomize_install() {
+    let lint = std::process::Command::new(helm())
+        .args(["lint", "--strict", "--kube-version", "v1.35.4"])
+        .arg(root().join("charts/seedlink"))
+        .output()
+        .unwrap();
+    assert!(
+        lint.status.success(),
+        "helm lint: {}{}",
+        String::from_utf8_lossy(&lint.stdout),
+        String::from_utf8_lossy(&lint.stderr)
+    );
+    let key = |d: &Value| {
+        format!(
+            "{} {} {}",
+            d["apiVersion"].as_str().unwrap_or(""),
+            d["kind"].as_str().unwrap_or(""),
+            d["metadata"]["name"].as_str().unwrap_or("")
+        )
+    };
+    let chart: std::collections::BTreeMap<String, Value> = helm_template(&[])
+        .into_iter()
+        .map(|d| (key(&d), d))
+        .collect();
+    let kustomize: std::collections::BTreeMap<String, Value> = render("seed")
+        .into_iter()
+        .filter(|d| d["kind"] != "Namespace")
+        .map(|mut d| {
+            // Kustomize 2 does not know GatewayClass is cluster-scoped and
+            // gives it a namespace (which the API server drops).
+            if d["kind"] == "GatewayClass" {
+                if let Some(m) = d["metadata"].as_object_mut() {
+                    m.remove("namespace");
+                }
+            }
+            (key(&d), d)
+        })
+        .collect();
+    assert_eq!(
+        chart.keys().collect::<Vec<_>>(),
+        kustomize.keys().collect::<Vec<_>>()
+    );
+    // The configuration files inside the ConfigMap compare as YAML (their
+    // comments may differ).
+    let parsed = |d: &Value| {
+        let mut d = d.clone();
+        let config_map = d["kind"] == "ConfigMap";
+        if let Some(data) = d["data"].as_object_mut().filter(|_| config_map) {
+            for v in data.values_mut() {
+                if let Some(text) = v.as_str() {
+                    *v = serde_norway::from_str::<Value>(text).unwrap_or(Value::Null);
+                }
+            }
+        }
+        d
+    };
+    for (k, want) in &kustomize {
+        if let Some(at) = first_difference(&parsed(&chart[k]), &parsed(want), String::new()) {
+            panic!("{k}: the chart differs from kustomize at {at}");
+        }
+    }
+    let three = helm_template(&["--set", "replicas=3"]);
+    let dep = three.iter().find(|d| d["kind"] == "Deployment").unwrap();
+    assert_eq!(dep["spec"]["replicas"], 3);
+    let cm = three.iter().find(|d| d["kind"] == "ConfigMap").unwrap();
+    let tunnel: serde_norway::Value =
+        serde_norway::from_str(cm["data"]["tunnel.yaml"].as_str().unwrap()).unwrap();
+    assert_eq!(tunnel["server_count"].as_u64(), Some(3));
+    let chart_yaml: serde_norway::Value = serde_norway::from_str(
+        &std::fs::read_to_string(root().join("charts/seedlink/Chart.yaml")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        chart_yaml["version"].as_str(),
+        Some(env!("CARGO_PKG_VERSION"))
+    );
+    assert_eq!(
+        chart_yaml["appVersion"].as_str(),
+        Some(env!("CARGO_PKG_VERSION"))
+    );
+    assert_eq!(
+        std::fs::read_to_string(root().join("charts/seedlink/crds/seedlink.yaml")).unwrap(),
+        std::fs::read_to_string(root().join("deploy/crds/seedlink.yaml")).unwrap(),
+        "charts/seedlink/crds/seedlink.yaml is stale: copy deploy/crds/seedlink.yaml"
+    );
 }
