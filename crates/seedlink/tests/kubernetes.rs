@@ -277,6 +277,24 @@ impl Seed {
             .find(|c| c["type"] == type_)
     }
 
+    /// Waits (at most `limit`) until route `ns/kube-apiserver` has our
+    /// condition `type_` and `ok` says yes to it.
+    async fn wait_route(
+        &self,
+        what: &str,
+        limit: Duration,
+        ns: &str,
+        type_: &str,
+        ok: impl Fn(Value) -> bool,
+    ) {
+        wait_for(what, limit, || async {
+            self.condition(ROUTES, "TLSRoute", ns, "kube-apiserver", type_)
+                .await
+                .is_some_and(&ok)
+        })
+        .await;
+    }
+
     /// Whether an Event about object `name` in `ns` was recorded.
     async fn event_about(&self, ns: &str, name: &str) -> bool {
         kubeapi::list(&self.client, "v1", "Event", ns)
@@ -423,14 +441,12 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     // both pods (least-connections spreads sequential requests).
     let body = get(&pki, gw.tls, A).await.unwrap();
     assert!(body.contains("hello from a"), "{body}");
-    wait_for(
+    seed.wait_route(
         "route status Accepted=True",
         Duration::from_secs(20),
-        || async {
-            seed.condition(ROUTES, "TLSRoute", &a, "kube-apiserver", "Accepted")
-                .await
-                .is_some_and(|c| c["status"] == "True")
-        },
+        &a,
+        "Accepted",
+        |c| c["status"] == "True",
     )
     .await;
     let resolved = seed
@@ -472,14 +488,12 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         .unwrap()
         .push(json!({"name": "nothing-here", "port": 443}));
     seed.apply(broken).await;
-    wait_for(
+    seed.wait_route(
         "seedlink rewrites its entry",
         Duration::from_secs(20),
-        || async {
-            seed.condition(ROUTES, "TLSRoute", &a, "kube-apiserver", "ResolvedRefs")
-                .await
-                .is_some_and(|c| c["reason"] == "BackendNotFound")
-        },
+        &a,
+        "ResolvedRefs",
+        |c| c["reason"] == "BackendNotFound",
     )
     .await;
     let read = seed
@@ -502,17 +516,12 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     // condition and an Event; the older one keeps serving.
     seed.apply(seed.route(&b, "kube-apiserver", A, "kube-apiserver"))
         .await;
-    wait_for(
+    seed.wait_route(
         "the conflicting route is not accepted",
         Duration::from_secs(20),
-        || async {
-            seed.condition(ROUTES, "TLSRoute", &b, "kube-apiserver", "Accepted")
-                .await
-                .is_some_and(|c| {
-                    c["status"] == "False"
-                        && c["message"].as_str().unwrap_or("").contains("already used")
-                })
-        },
+        &b,
+        "Accepted",
+        |c| c["status"] == "False" && c["message"].as_str().unwrap_or("").contains("already used"),
     )
     .await;
     wait_for(
@@ -532,25 +541,25 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         "kube-apiserver",
     ))
     .await;
-    wait_for(
+    seed.wait_route(
         "the outsider's route is not allowed",
         Duration::from_secs(20),
-        || async {
-            seed.condition(ROUTES, "TLSRoute", &outsider, "kube-apiserver", "Accepted")
-                .await
-                .is_some_and(|c| c["status"] == "False" && c["reason"] == "NotAllowedByListeners")
-        },
+        &outsider,
+        "Accepted",
+        |c| c["status"] == "False" && c["reason"] == "NotAllowedByListeners",
     )
     .await;
 
     // A missing backend Service: ResolvedRefs=False, BackendNotFound.
     seed.apply(seed.route(&d, "kube-apiserver", "api.d.kube.test", "nothing-here"))
         .await;
-    wait_for("BackendNotFound", Duration::from_secs(20), || async {
-        seed.condition(ROUTES, "TLSRoute", &d, "kube-apiserver", "ResolvedRefs")
-            .await
-            .is_some_and(|c| c["status"] == "False" && c["reason"] == "BackendNotFound")
-    })
+    seed.wait_route(
+        "BackendNotFound",
+        Duration::from_secs(20),
+        &d,
+        "ResolvedRefs",
+        |c| c["status"] == "False" && c["reason"] == "BackendNotFound",
+    )
     .await;
 
     // An allow-list without us: refused; an invalid edit keeps it; a
@@ -706,19 +715,17 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     gw.write_config(&format!("{}bogus: 1\n", seed.gateway_yaml()));
     seed.apply(seed.route(&e, "kube-apiserver", "api.e.kube.test", "kube-apiserver"))
         .await;
-    wait_for(
+    seed.wait_route(
         "route e pending on the broken file",
         Duration::from_secs(20),
-        || async {
-            seed.condition(ROUTES, "TLSRoute", &e, "kube-apiserver", "Accepted")
-                .await
-                .is_some_and(|c| {
-                    c["status"] == "False"
-                        && c["message"]
-                            .as_str()
-                            .unwrap_or("")
-                            .contains("configuration file is invalid")
-                })
+        &e,
+        "Accepted",
+        |c| {
+            c["status"] == "False"
+                && c["message"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains("configuration file is invalid")
         },
     )
     .await;
@@ -728,14 +735,12 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         .unwrap()
         .contains("hello from a2"));
     gw.write_config(&seed.gateway_yaml());
-    wait_for(
+    seed.wait_route(
         "route e accepted once the file is fixed",
         Duration::from_secs(20),
-        || async {
-            seed.condition(ROUTES, "TLSRoute", &e, "kube-apiserver", "Accepted")
-                .await
-                .is_some_and(|c| c["status"] == "True")
-        },
+        &e,
+        "Accepted",
+        |c| c["status"] == "True",
     )
     .await;
 
@@ -901,14 +906,12 @@ async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
     .await;
     seed.apply(seed.route(&c, "kube-apiserver", C, "nothing-here"))
         .await;
-    wait_for(
+    seed.wait_route(
         "BackendNotFound on route c",
         Duration::from_secs(30),
-        || async {
-            seed.condition(ROUTES, "TLSRoute", &c, "kube-apiserver", "ResolvedRefs")
-                .await
-                .is_some_and(|c| c["reason"] == "BackendNotFound")
-        },
+        &c,
+        "ResolvedRefs",
+        |c| c["reason"] == "BackendNotFound",
     )
     .await;
     let c_writers = seed.writers("tlsroutes", &c, "status");

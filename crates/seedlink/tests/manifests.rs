@@ -546,20 +546,11 @@ async fn the_api_server_refuses_invalid_seedlink_objects_with_the_crds_messages(
 
 /// Helm, built from its Go module by scripts/install-peers.
 fn helm() -> PathBuf {
-    if let Ok(h) = std::env::var("SEEDLINK_HELM") {
-        return PathBuf::from(h);
-    }
-    let cache = std::env::var("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| {
-            PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache")
-        });
-    let pointer = cache.join("seedlink/helm");
-    let helm = PathBuf::from(std::fs::read_to_string(&pointer).unwrap_or_default().trim());
+    let (helm, from) = common::kubeapi::cached_peer("SEEDLINK_HELM", "helm");
     assert!(
         helm.is_file(),
         "helm is missing (looked in {}): scripts/install-peers builds it from its Go module, or set SEEDLINK_HELM",
-        pointer.display()
+        from.display()
     );
     helm
 }

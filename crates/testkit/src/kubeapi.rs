@@ -45,26 +45,33 @@ pub struct KubeApi {
     dir: PathBuf,
 }
 
-/// Where scripts/build-kube-peers put kube-apiserver, etcd and the CRDs.
-pub fn kube_dir() -> PathBuf {
-    if let Ok(d) = std::env::var("SEEDLINK_KUBE_DIR") {
-        return PathBuf::from(d);
+/// A peer the project's scripts built into the cache: `$env` if set, else
+/// the path recorded in `~/.cache/seedlink/<pointer>` (where
+/// scripts/install-peers writes it).
+pub fn cached_peer(env: &str, pointer: &str) -> (PathBuf, PathBuf) {
+    if let Ok(p) = std::env::var(env) {
+        return (PathBuf::from(p), PathBuf::from(format!("${env}")));
     }
     let cache = std::env::var("XDG_CACHE_HOME")
         .map(PathBuf::from)
         .unwrap_or_else(|_| {
             PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache")
         });
-    let pointer = cache.join("seedlink/kube-peers");
-    let dir = std::fs::read_to_string(&pointer).unwrap_or_default();
-    let dir = PathBuf::from(dir.trim());
+    let file = cache.join("seedlink").join(pointer);
+    let p = std::fs::read_to_string(&file).unwrap_or_default();
+    (PathBuf::from(p.trim()), file)
+}
+
+/// Where scripts/build-kube-peers put kube-apiserver, etcd and the CRDs.
+pub fn kube_dir() -> PathBuf {
+    let (dir, from) = cached_peer("SEEDLINK_KUBE_DIR", "kube-peers");
     for b in ["kube-apiserver", "etcd"] {
         assert!(
             dir.join("bin").join(b).exists(),
             "{b} is missing (looked in {:?} from {}): build it with scripts/build-kube-peers \
              (scripts/install-peers does), or set SEEDLINK_KUBE_DIR",
             dir.join("bin"),
-            pointer.display()
+            from.display()
         );
     }
     dir
@@ -526,9 +533,7 @@ pub async fn get(
     namespace: &str,
     name: &str,
 ) -> Option<Value> {
-    let probe = json!({"apiVersion": api_version, "kind": kind,
-                       "metadata": {"name": name, "namespace": namespace}});
-    let (api, name) = dynamic(client, &probe).await;
+    let (api, name) = api_for(client, api_version, kind, namespace, name).await;
     api.get_opt(&name)
         .await
         .ok()
@@ -543,9 +548,7 @@ pub async fn list(
     kind: &str,
     namespace: &str,
 ) -> Vec<Value> {
-    let probe = json!({"apiVersion": api_version, "kind": kind,
-                       "metadata": {"name": "x", "namespace": namespace}});
-    let (api, _) = dynamic(client, &probe).await;
+    let (api, _) = api_for(client, api_version, kind, namespace, "x").await;
     api.list(&Default::default())
         .await
         .unwrap()
@@ -564,9 +567,7 @@ pub async fn patch_status(
     name: &str,
     patch: Value,
 ) -> Result<Value, kube::Error> {
-    let probe = json!({"apiVersion": api_version, "kind": kind,
-                       "metadata": {"name": name, "namespace": namespace}});
-    let (api, name) = dynamic(client, &probe).await;
+    let (api, name) = api_for(client, api_version, kind, namespace, name).await;
     let pp = PatchParams {
         field_manager: Some("other-controller".into()),
         ..PatchParams::default()
@@ -584,10 +585,21 @@ pub async fn delete(
     namespace: &str,
     name: &str,
 ) -> bool {
+    let (api, name) = api_for(client, api_version, kind, namespace, name).await;
+    api.delete(&name, &DeleteParams::default()).await.is_ok()
+}
+
+/// The dynamic API of `api_version`/`kind` for object `namespace/name`.
+async fn api_for(
+    client: &kube::Client,
+    api_version: &str,
+    kind: &str,
+    namespace: &str,
+    name: &str,
+) -> (Api<DynamicObject>, String) {
     let probe = json!({"apiVersion": api_version, "kind": kind,
                        "metadata": {"name": name, "namespace": namespace}});
-    let (api, name) = dynamic(client, &probe).await;
-    api.delete(&name, &DeleteParams::default()).await.is_ok()
+    dynamic(client, &probe).await
 }
 
 async fn dynamic(client: &kube::Client, object: &Value) -> (Api<DynamicObject>, String) {
