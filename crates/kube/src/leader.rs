@@ -35,8 +35,11 @@ pub const LEASE: Duration = Duration::from_secs(15);
 pub const RENEW_DEADLINE: Duration = Duration::from_secs(10);
 /// How often every replica tries (the holder renews).
 pub const RETRY: Duration = Duration::from_secs(2);
-/// Longest wait for one API request of the election.
+/// Longest wait for one round of a replica that does not lead.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest wait for the release on shutdown (the caller waits a little
+/// longer: `Handle::shutdown`).
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Whether this replica currently holds the lease: until when it may
 /// write (so a replica whose renewals hang stops writing at its renew
@@ -47,7 +50,16 @@ pub struct Leadership(Arc<std::sync::Mutex<Option<Instant>>>);
 impl Leadership {
     /// Whether this replica may write status now.
     pub fn held(&self) -> bool {
-        seedlink_net::sync::lock(&self.0, "leadership").is_some_and(|until| Instant::now() < until)
+        self.remaining().is_some()
+    }
+
+    /// How long this replica may still write (each write is bounded by
+    /// it, so none lands after the renew deadline), if it may.
+    pub fn remaining(&self) -> Option<Duration> {
+        let until = (*seedlink_net::sync::lock(&self.0, "leadership"))?;
+        until
+            .checked_duration_since(Instant::now())
+            .filter(|d| !d.is_zero())
     }
 
     /// Always held (no election: a single replica, or tests).
@@ -180,11 +192,17 @@ pub async fn campaign(
     let lease_name = format!("{namespace}/{name}");
     loop {
         let started = Instant::now();
-        let round = tokio::time::timeout(
-            REQUEST_TIMEOUT,
-            try_acquire(&api, &name, &identity, &mut elector),
-        )
-        .await;
+        // While leading, a renewal may take until the renew deadline (as
+        // client-go's); otherwise one round is bounded by REQUEST_TIMEOUT.
+        let limit = elector
+            .until()
+            .and_then(|u| u.checked_duration_since(started))
+            .filter(|d| !d.is_zero())
+            .unwrap_or(REQUEST_TIMEOUT);
+        let round = tokio::select! {
+            r = tokio::time::timeout(limit, try_acquire(&api, &name, &identity, &mut elector)) => r,
+            () = stop.cancelled() => break,
+        };
         match round {
             Ok(Ok(true)) => elector.renewed(started),
             Ok(Ok(false)) => elector.lost(),
@@ -196,15 +214,16 @@ pub async fn campaign(
             }
         }
         me.set(elector.until());
+        // Rounds start every RETRY, however long the last one took.
         tokio::select! {
-            () = tokio::time::sleep(RETRY) => {}
+            () = tokio::time::sleep_until((started + RETRY).into()) => {}
             () = stop.cancelled() => break,
         }
     }
     let was_leading = me.held();
     me.set(None);
     if was_leading {
-        match tokio::time::timeout(REQUEST_TIMEOUT, release(&api, &name, &identity)).await {
+        match tokio::time::timeout(RELEASE_TIMEOUT, release(&api, &name, &identity)).await {
             Ok(Ok(())) => tracing::info!(lease = %lease_name, "status lease released"),
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, lease = %lease_name, "status lease not released; it expires")

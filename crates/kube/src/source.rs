@@ -301,7 +301,7 @@ pub fn start_gateway(
                 last = Some((t, objects.0, objects.1));
             }
             if let Some((t, routes, policies)) = &last {
-                status.write(t, routes, policies).await;
+                status.write(t, routes, policies, &settings.gateway).await;
             }
             wake = coalescer.next().await;
             if wake == Wake::Stop {
@@ -608,6 +608,7 @@ impl StatusWriter {
         t: &Translation,
         routes: &[Arc<TlsRoute>],
         policies: &[Arc<SeedlinkPolicy>],
+        gateway: &Key,
     ) {
         if !self.leadership.held() {
             return;
@@ -620,9 +621,16 @@ impl StatusWriter {
                 .as_ref()
                 .map(|s| s.parents.clone())
                 .unwrap_or_default();
-            let (ours, theirs): (Vec<_>, Vec<_>) = current
-                .into_iter()
-                .partition(|p| p.controller_name == CONTROLLER_NAME);
+            // Ours: this controller's entries for this Gateway only. Another
+            // seedlink's (another Gateway of the class) are left alone.
+            let (ours, theirs): (Vec<_>, Vec<_>) = current.into_iter().partition(|p| {
+                p.controller_name == CONTROLLER_NAME
+                    && crate::translate::names_gateway(
+                        &status_parent_ref(&p.parent_ref),
+                        &key.namespace,
+                        gateway,
+                    )
+            });
             let mut desired = theirs.clone();
             if let Some(o) = outcomes.get(&key) {
                 for p in &o.parents {
@@ -652,10 +660,7 @@ impl StatusWriter {
                         .await;
                 }
             }
-            let desired_ours: Vec<_> = desired
-                .iter()
-                .filter(|p| p.controller_name == CONTROLLER_NAME)
-                .collect();
+            let desired_ours: Vec<_> = desired.iter().skip(theirs.len()).collect();
             let unchanged = desired_ours.len() == ours.len()
                 && desired_ours.iter().zip(&ours).all(|(a, b)| {
                     a.parent_ref == b.parent_ref && same(&a.conditions, &b.conditions)
@@ -673,9 +678,15 @@ impl StatusWriter {
                 "status": {"parents": desired}
             });
             let api: Api<TlsRoute> = Api::namespaced(self.client.clone(), &key.namespace);
-            match api
-                .patch_status(&key.name, &status_params(), &Patch::Merge(&patch))
-                .await
+            let Some(left) = self.leadership.remaining() else {
+                return;
+            };
+            match tokio::time::timeout(
+                left,
+                api.patch_status(&key.name, &status_params(), &Patch::Merge(&patch)),
+            )
+            .await
+            .unwrap_or_else(|_| Err(kube::Error::Service("no longer the status leader".into())))
             {
                 Ok(_) => {}
                 Err(kube::Error::Api(s)) if s.code == 409 => {
@@ -732,9 +743,15 @@ impl StatusWriter {
                 "status": {"ancestors": desired}
             });
             let api: Api<SeedlinkPolicy> = Api::namespaced(self.client.clone(), &key.namespace);
-            match api
-                .patch_status(&key.name, &status_params(), &Patch::Merge(&patch))
-                .await
+            let Some(left) = self.leadership.remaining() else {
+                return;
+            };
+            match tokio::time::timeout(
+                left,
+                api.patch_status(&key.name, &status_params(), &Patch::Merge(&patch)),
+            )
+            .await
+            .unwrap_or_else(|_| Err(kube::Error::Service("no longer the status leader".into())))
             {
                 Ok(_) => {}
                 Err(kube::Error::Api(s)) if s.code == 409 => {
@@ -825,7 +842,11 @@ impl StatusWriter {
             if unchanged {
                 continue;
             }
-            let mut patch = json!({"status": desired});
+            // Conditional on the version read, like every status write.
+            let mut patch = json!({
+                "metadata": {"resourceVersion": o.metadata.resource_version},
+                "status": desired
+            });
             // A merge patch keeps map keys it does not name: remove the
             // reasons no longer counted (a restart resets the counts).
             for r in current.dial_errors.keys() {
@@ -835,11 +856,23 @@ impl StatusWriter {
             }
             let api: Api<crate::crd::TunnelCluster> =
                 Api::namespaced(self.client.clone(), &key.namespace);
-            if let Err(e) = api
-                .patch_status(&key.name, &status_params(), &Patch::Merge(&patch))
-                .await
+            let Some(left) = self.leadership.remaining() else {
+                return;
+            };
+            match tokio::time::timeout(
+                left,
+                api.patch_status(&key.name, &status_params(), &Patch::Merge(&patch)),
+            )
+            .await
+            .unwrap_or_else(|_| Err(kube::Error::Service("no longer the status leader".into())))
             {
-                tracing::warn!(cluster = %key, error = %e, "cannot write TunnelCluster status");
+                Ok(_) => {}
+                Err(kube::Error::Api(s)) if s.code == 409 => {
+                    tracing::debug!(cluster = %key, "TunnelCluster status changed meanwhile; written again on the next pass");
+                }
+                Err(e) => {
+                    tracing::warn!(cluster = %key, error = %e, "cannot write TunnelCluster status")
+                }
             }
         }
     }
@@ -856,12 +889,13 @@ impl StatusWriter {
         if self.evented.len() >= MAX_EVENTED {
             self.evented.clear();
         }
-        if !self
-            .evented
-            .insert((key.clone(), generation, v.message.clone()))
-        {
+        let seen = (key.clone(), generation, v.message.clone());
+        if self.evented.contains(&seen) {
             return;
         }
+        let Some(left) = self.leadership.remaining() else {
+            return;
+        };
         let reference = ObjectReference {
             api_version: Some(K::api_version(&()).into_owned()),
             kind: Some(kind.into()),
@@ -887,9 +921,29 @@ impl StatusWriter {
             action: "Reconcile".into(),
             secondary: None,
         };
-        if let Err(e) = self.recorder.publish(&event, &reference).await {
-            tracing::warn!(object = %key, error = %e, "cannot create an Event");
+        match tokio::time::timeout(left, self.recorder.publish(&event, &reference)).await {
+            // Remembered once published: a failed one is tried again.
+            Ok(Ok(())) => {
+                self.evented.insert(seen);
+            }
+            Ok(Err(e)) => tracing::warn!(object = %key, error = %e, "cannot create an Event"),
+            Err(_) => tracing::debug!(object = %key, "no longer the status leader: Event not sent"),
         }
+    }
+}
+
+/// A status entry's parentRef as a route's parentRef (to ask whether it
+/// names our Gateway).
+fn status_parent_ref(
+    p: &gateway_api::tlsroutes::TlsRouteStatusParentsParentRef,
+) -> TlsRouteParentRefs {
+    TlsRouteParentRefs {
+        group: p.group.clone(),
+        kind: p.kind.clone(),
+        name: p.name.clone(),
+        namespace: p.namespace.clone(),
+        port: p.port,
+        section_name: p.section_name.clone(),
     }
 }
 

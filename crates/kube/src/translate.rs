@@ -486,7 +486,7 @@ impl Key {
 }
 
 /// Whether a parentRef names the seedlink Gateway.
-fn names_gateway(p: &TlsRouteParentRefs, route_ns: &str, gw: &Key) -> bool {
+pub fn names_gateway(p: &TlsRouteParentRefs, route_ns: &str, gw: &Key) -> bool {
     p.group.as_deref().unwrap_or(GATEWAY_GROUP) == GATEWAY_GROUP
         && p.kind.as_deref().unwrap_or("Gateway") == "Gateway"
         && p.name == gw.name

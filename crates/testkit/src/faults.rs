@@ -104,20 +104,26 @@ async fn proxy_one(
     mut mode: watch::Receiver<Fault>,
     dial: Option<crate::NetnsDialer>,
 ) {
-    // A blackholed connection is held (read and dropped) until the fault
-    // changes or the client leaves.
+    // A connection opened during a partition is held until the fault
+    // changes or the client leaves; what it sent meanwhile is kept (up to
+    // 1 MiB) and delivered when it heals, as TCP's retransmissions would.
     if *mode.borrow_and_update() == Fault::Blackhole {
-        let mut sink = [0u8; 4096];
+        let mut held = Vec::new();
+        let mut buf = [0u8; 4096];
         let mut c = client;
         loop {
             tokio::select! {
-                r = c.read(&mut sink) => if matches!(r, Ok(0) | Err(_)) { return },
+                r = c.read(&mut buf) => match r {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) if held.len() + n > 1 << 20 => return,
+                    Ok(n) => held.extend_from_slice(&buf[..n]),
+                },
                 r = mode.changed() => { if r.is_err() { return } break }
             }
         }
-        return proxy_connected(c, upstream, mode, dial).await;
+        return proxy_connected(c, upstream, mode, dial, held).await;
     }
-    proxy_connected(client, upstream, mode, dial).await;
+    proxy_connected(client, upstream, mode, dial, Vec::new()).await;
 }
 
 async fn proxy_connected(
@@ -125,18 +131,22 @@ async fn proxy_connected(
     upstream: SocketAddr,
     mode: watch::Receiver<Fault>,
     dial: Option<crate::NetnsDialer>,
+    held: Vec<u8>,
 ) {
     let up = match &dial {
         Some(d) => d.connect(upstream).await,
         None => TcpStream::connect(upstream).await,
     };
-    let Ok(up) = up else {
+    let Ok(mut up) = up else {
         // The backend refused: the client is reset, as it would be.
         seedlink_net::sockopt::arm_reset(&client);
         return;
     };
     let _ = client.set_nodelay(true);
     let _ = up.set_nodelay(true);
+    if !held.is_empty() && up.write_all(&held).await.is_err() {
+        return;
+    }
     let down_bytes = Arc::new(AtomicU64::new(0));
     let cut = CancellationToken::new();
     let (cr, cw) = client.into_split();

@@ -181,8 +181,22 @@ impl KubeApi {
 
     fn start() -> KubeApi {
         let kube_dir = kube_dir();
+        // The data outlives the test binary (its processes are killed with
+        // it, so nothing cleans up): the directories of binaries that are
+        // gone are removed here.
+        let tmp = std::env::temp_dir();
+        for e in std::fs::read_dir(&tmp).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let pid = name
+                .strip_prefix("kubeapi-")
+                .and_then(|r| r.split('-').next())
+                .and_then(|p| p.parse::<u32>().ok());
+            if pid.is_some_and(|p| !Path::new(&format!("/proc/{p}")).exists()) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
         let dir = tempfile::Builder::new()
-            .prefix("kubeapi-")
+            .prefix(&format!("kubeapi-{}-", std::process::id()))
             .tempdir()
             .unwrap()
             .keep();

@@ -13,6 +13,47 @@ use crate::supervisor::{BoxFut, Role, Supervisor};
 /// The gateway as the supervisor sees it.
 pub struct GatewayRole(pub Arc<Gateway>);
 
+/// The gateway with its Kubernetes source: draining first stops the source
+/// and releases a held status lease (so another replica writes status at
+/// once, not after this one's drain), then drains the gateway.
+pub struct GatewayWithSource {
+    role: GatewayRole,
+    source: std::sync::Mutex<Option<seedlink_kube::source::Handle>>,
+}
+
+impl GatewayWithSource {
+    fn new(gw: Arc<Gateway>, source: Option<seedlink_kube::source::Handle>) -> Arc<Self> {
+        Arc::new(GatewayWithSource {
+            role: GatewayRole(gw),
+            source: std::sync::Mutex::new(source),
+        })
+    }
+}
+
+impl Role for GatewayWithSource {
+    fn name(&self) -> &'static str {
+        self.role.name()
+    }
+
+    fn files(&self) -> Vec<PathBuf> {
+        self.role.files()
+    }
+
+    fn reload(&self, forced: bool) -> BoxFut<'_, ()> {
+        self.role.reload(forced)
+    }
+
+    fn drain(&self) -> BoxFut<'_, ()> {
+        let source = seedlink_net::sync::lock(&self.source, "gateway source").take();
+        Box::pin(async move {
+            if let Some(h) = source {
+                h.shutdown(Duration::from_secs(3)).await;
+            }
+            self.role.drain().await;
+        })
+    }
+}
+
 impl Role for GatewayRole {
     fn name(&self) -> &'static str {
         "gateway"
@@ -84,7 +125,18 @@ pub fn identity() -> String {
     std::env::var("POD_NAME")
         .ok()
         .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| format!("seedlink-{}", std::process::id()))
+        .unwrap_or_else(|| {
+            // Without POD_NAME, the host name and a random part: a pid is 1
+            // in every container, and two replicas with one identity would
+            // both take the lease for their own.
+            use std::hash::{BuildHasher, Hasher};
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .unwrap_or_default();
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            format!("seedlink-{host}-{:08x}", h.finish() as u32)
+        })
 }
 
 /// Starts the Kubernetes source when the file has a `kubernetes` section,
@@ -149,14 +201,12 @@ pub async fn run(config: PathBuf, reuse_port: bool) -> anyhow::Result<i32> {
     let mut ready = bound.describe();
     ready["event"] = "ready".into();
     gw.serve(bound)?;
-    let armed = supervisor.arm(vec![Arc::new(GatewayRole(gw))]);
+    let armed = supervisor.arm(vec![GatewayWithSource::new(gw, kube)]);
     // One machine-readable line on stdout tells scripts and tests the bound
     // addresses (listeners may be configured with port 0).
     println!("{ready}");
     tracing::info!(addresses = %ready, "gateway serving");
-    let code = armed.run().await;
-    release(kube).await;
-    Ok(code)
+    Ok(armed.run().await)
 }
 
 /// Runs `seedlink seed`: agents' connections that the gateway routes to an
@@ -189,18 +239,8 @@ pub async fn seed(
     gw.serve(bound)?;
     ready["event"] = "ready".into();
     ready["tunnel"] = server.ready_line();
-    let roles: Vec<Arc<dyn Role>> = vec![Arc::new(GatewayRole(gw)), server];
+    let roles: Vec<Arc<dyn Role>> = vec![GatewayWithSource::new(gw, kube), server];
     let armed = supervisor.arm(roles);
     println!("{ready}");
-    let code = armed.run().await;
-    release(kube).await;
-    Ok(code)
-}
-
-/// Stops the Kubernetes source and releases a held status lease, so
-/// another replica writes status at once (bounded).
-async fn release(kube: Option<seedlink_kube::source::Handle>) {
-    if let Some(h) = kube {
-        h.shutdown(Duration::from_secs(3)).await;
-    }
+    Ok(armed.run().await)
 }
