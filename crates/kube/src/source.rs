@@ -147,17 +147,24 @@ impl Watches {
         )
     }
 
-    /// The objects of kind `K` with label `selector`, in every namespace.
-    fn labelled<K>(&self, selector: &str) -> Store<K>
+    /// The objects of kind `K` with label `selector` in `namespace`, until
+    /// `stop`.
+    fn labelled_in<K>(&self, namespace: &str, selector: &str, stop: &CancellationToken) -> Store<K>
     where
-        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + DeserializeOwned
+            + Debug
+            + Send
+            + Sync
+            + 'static,
         K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
     {
         watch_kind(
-            Api::<K>::all(self.client.clone()),
+            Api::<K>::namespaced(self.client.clone(), namespace),
             watcher::Config::default().labels(selector),
             self.tx.clone(),
-            self.stop.clone(),
+            stop.clone(),
         )
     }
 
@@ -380,6 +387,78 @@ pub struct TunnelSettings {
     pub max_limits: seedlink_tunnel::config::ClusterLimits,
 }
 
+/// How long a pass waits for a new namespace's Secrets and ConfigMaps to
+/// be listed (a namespace whose RoleBinding is missing never is).
+const TRUST_LIST_WAIT: Duration = Duration::from_secs(5);
+
+/// The Secrets and ConfigMaps the tunnel-server reads: per namespace that
+/// holds a TunnelCluster, only those labelled `seedlink.dev/tunnel-trust=true`
+/// — so it needs no cluster-wide grant, only a RoleBinding in each such
+/// namespace (docs/KUBERNETES.md) — started and stopped as TunnelClusters
+/// come and go.
+#[derive(Default)]
+struct TrustWatches {
+    by_namespace: HashMap<
+        String,
+        (
+            Store<k8s_openapi::api::core::v1::Secret>,
+            Store<k8s_openapi::api::core::v1::ConfigMap>,
+            CancellationToken,
+        ),
+    >,
+}
+
+impl TrustWatches {
+    /// Watches exactly the namespaces of `clusters`; a new one is waited
+    /// for (bounded) so that its references resolve in this pass.
+    async fn follow(&mut self, w: &Watches, clusters: &[Arc<crate::crd::TunnelCluster>]) {
+        let wanted: HashSet<String> = clusters
+            .iter()
+            .filter_map(|c| c.metadata.namespace.clone())
+            .collect();
+        self.by_namespace.retain(|ns, (_, _, stop)| {
+            let keep = wanted.contains(ns);
+            if !keep {
+                stop.cancel();
+            }
+            keep
+        });
+        let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
+        for ns in wanted {
+            if self.by_namespace.contains_key(&ns) {
+                continue;
+            }
+            let stop = w.stop.child_token();
+            let secrets = w.labelled_in(&ns, &selector, &stop);
+            let config_maps = w.labelled_in(&ns, &selector, &stop);
+            let listed = async {
+                secrets.wait_until_ready().await.ok()?;
+                config_maps.wait_until_ready().await.ok()
+            };
+            if tokio::time::timeout(TRUST_LIST_WAIT, listed).await.is_err() {
+                tracing::warn!(namespace = %ns, "Secrets and ConfigMaps of a TunnelCluster's namespace not listed yet (is seedlink's RoleBinding there?)");
+            }
+            self.by_namespace.insert(ns, (secrets, config_maps, stop));
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn state(
+        &self,
+    ) -> (
+        Vec<Arc<k8s_openapi::api::core::v1::Secret>>,
+        Vec<Arc<k8s_openapi::api::core::v1::ConfigMap>>,
+    ) {
+        let mut secrets = Vec::new();
+        let mut config_maps = Vec::new();
+        for (s, c, _) in self.by_namespace.values() {
+            secrets.extend(s.state());
+            config_maps.extend(c.state());
+        }
+        (secrets, config_maps)
+    }
+}
+
 /// Starts the tunnel-server's source: TunnelClusters and the Secrets and
 /// ConfigMaps they name, clusters into `sink`, status with health.
 pub fn start_tunnel(
@@ -387,32 +466,23 @@ pub fn start_tunnel(
     settings: TunnelSettings,
     sink: Arc<dyn TunnelSink>,
 ) -> Handle {
-    use k8s_openapi::api::core::v1::{ConfigMap, Secret};
     let stop = CancellationToken::new();
-    let w = Watches::new(&client, &stop);
+    let mut w = Watches::new(&client, &stop);
     let clusters = w.kind::<crate::crd::TunnelCluster>();
-    // Only what is labelled for it: the tunnel-server reads (and keeps in
-    // memory) no other Secret or ConfigMap of the cluster.
-    let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
-    let secrets = w.labelled::<Secret>(&selector);
-    let config_maps = w.labelled::<ConfigMap>(&selector);
-    let changed = w.changed;
+    let changed = std::mem::replace(&mut w.changed, mpsc::channel(1).1);
     let (leadership, campaign_task) =
         campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
     let (synced_tx, synced) = watch::channel(false);
     let task_stop = stop.clone();
     let writer_leadership = leadership.clone();
     tokio::spawn(async move {
-        let ready = async {
-            clusters.wait_until_ready().await.ok()?;
-            secrets.wait_until_ready().await.ok()?;
-            config_maps.wait_until_ready().await.ok()
-        };
+        let ready = async { clusters.wait_until_ready().await.ok() };
         tokio::select! {
             r = ready => if r.is_none() { return },
             () = task_stop.cancelled() => return,
         }
         let mut status = StatusWriter::new(client, writer_leadership, &settings.identity);
+        let mut trust = TrustWatches::default();
         let mut coalescer = Coalescer {
             changed,
             stop: task_stop,
@@ -436,10 +506,12 @@ pub fn start_tunnel(
             }
             if wake == Wake::Changed || last.is_none() || applied.is_none() {
                 let objects = clusters.state();
+                trust.follow(&w, &objects).await;
+                let (secrets, config_maps) = trust.state();
                 let mut t = crate::tunnel::translate(
                     &objects,
-                    &secrets.state(),
-                    &config_maps.state(),
+                    &secrets,
+                    &config_maps,
                     &settings.trust_dir,
                     &settings.socket_dir,
                     &settings.max_limits,

@@ -96,7 +96,7 @@ impl Keys<'_> {
                 let secret = self.secrets.get(&key).ok_or_else(|| {
                     Verdict::no(
                         "ReferenceNotFound",
-                        format!("{what}: Secret {key} not found (it needs the label {TRUST_LABEL}=true)"),
+                        format!("{what}: Secret {key} not found (it needs the label {TRUST_LABEL}=true, and seedlink a RoleBinding of seedlink-tunnel-trust in its namespace)"),
                     )
                 })?;
                 let b = secret
@@ -120,7 +120,7 @@ impl Keys<'_> {
                 let cm = self.config_maps.get(&key).ok_or_else(|| {
                     Verdict::no(
                         "ReferenceNotFound",
-                        format!("{what}: ConfigMap {key} not found (it needs the label {TRUST_LABEL}=true)"),
+                        format!("{what}: ConfigMap {key} not found (it needs the label {TRUST_LABEL}=true, and seedlink a RoleBinding of seedlink-tunnel-trust in its namespace)"),
                     )
                 })?;
                 let b = cm

@@ -324,6 +324,19 @@ impl Seed {
 }
 
 impl Seed {
+    /// What the platform creates next to a TunnelCluster: a RoleBinding of
+    /// the install's `seedlink-tunnel-trust` ClusterRole in its namespace.
+    async fn trust_binding(&self, ns: &str) {
+        self.apply(json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": {"name": "seedlink-tunnel-trust", "namespace": ns},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": format!("seedlink-tunnel-trust-{}", self.sys)},
+            "subjects": [{"kind": "ServiceAccount", "name": "seedlink", "namespace": self.sys}]
+        }))
+        .await;
+    }
+
     /// Another ServiceAccount `name` with exactly the install's roles (a
     /// second replica whose writes the audit log tells apart); its token.
     async fn second_identity(&self, name: &str) -> String {
@@ -1028,6 +1041,8 @@ async fn tunnel_clusters_come_from_objects_with_their_health_in_status() {
         seed.tenant("shoot--a", false).await,
         seed.tenant("shoot--b", false).await,
     );
+    seed.trust_binding(&a).await;
+    seed.trust_binding(&b).await;
     seed.apply(json!({
         "apiVersion": "v1", "kind": "Secret",
         "metadata": {"name": "agent-ca", "namespace": a,

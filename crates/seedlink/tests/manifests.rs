@@ -321,11 +321,22 @@ fn the_seed_install_renders_and_every_object_reads_strictly() {
         "tunnelclusters",
         "services",
         "endpointslices",
-        "secrets",
-        "configmaps",
+        "referencegrants",
+        "namespaces",
     ] {
         assert!(allows(r, "list") && allows(r, "watch"), "{r}");
     }
+    // No cluster-wide Secret or ConfigMap access: a ClusterRole for them,
+    // bound per shoot namespace, and no ClusterRoleBinding of it.
+    for r in ["secrets", "configmaps"] {
+        assert!(!allows(r, "list") && !allows(r, "get"), "{r} cluster-wide");
+    }
+    let trust = find(&docs, "ClusterRole", "seedlink-tunnel-trust")["rules"].clone();
+    assert!(trust.to_string().contains("secrets") && trust.to_string().contains("configmaps"));
+    assert!(!docs
+        .iter()
+        .any(|d| d["kind"] == "ClusterRoleBinding"
+            && d["roleRef"]["name"] == "seedlink-tunnel-trust"));
     for r in [
         "tlsroutes/status",
         "seedlinkpolicies/status",
