@@ -217,7 +217,7 @@ impl KubeApi {
         // status?" of.
         let audit_policy = w(
             "audit-policy.yaml",
-            "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n- level: Metadata\n  verbs: [create, update, patch, delete]\n- level: None\n",
+            "apiVersion: audit.k8s.io/v1\nkind: Policy\nomitStages: [RequestReceived]\nrules:\n- level: Metadata\n  verbs: [create, update, patch, delete]\n- level: Metadata\n  verbs: [list]\n  resources: [{group: gateway.networking.k8s.io, resources: [tlsroutes]}]\n- level: None\n",
         );
         let log = |name: &str| Stdio::from(std::fs::File::create(dir.join(name)).unwrap());
         // etcd takes no port 0: free ports, tried a few times.
@@ -482,7 +482,8 @@ impl KubeApi {
     }
 
     /// The audit log's entries so far: every create, update, patch and
-    /// delete with its `user.username`, `verb` and `objectRef`.
+    /// delete (and every list of TLSRoutes: a client's re-list shows) with
+    /// its `user.username`, `verb` and `objectRef`.
     pub fn audit(&self) -> Vec<Value> {
         std::fs::read_to_string(self.dir.join("audit.log"))
             .unwrap_or_default()
@@ -491,9 +492,16 @@ impl KubeApi {
             .collect()
     }
 
-    /// Compacts etcd at its current revision, so that every watch resumed
-    /// from an earlier resourceVersion gets `410 Gone`.
+    /// Compacts etcd past every revision a client has seen: two writes of
+    /// a key outside Kubernetes' prefix first, then a compaction at the
+    /// current revision, so that every watch resumed from an earlier
+    /// resourceVersion gets `410 Gone`.
     pub async fn compact(&self) {
+        // base64("/seedlink-tests/bump")
+        let bump = json!({"key": "L3NlZWRsaW5rLXRlc3RzL2J1bXA=", "value": "MQ=="});
+        for _ in 0..2 {
+            etcd_post(&self.etcd_url, "/v3/kv/put", &bump).await;
+        }
         let rev = etcd_post(&self.etcd_url, "/v3/kv/range", &json!({"key": "AA=="})).await;
         let rev = rev["header"]["revision"].as_str().unwrap().to_string();
         let out = etcd_post(
