@@ -749,22 +749,8 @@ impl StatusWriter {
                 "metadata": {"resourceVersion": route.metadata.resource_version},
                 "status": {"parents": desired}
             });
-            let api: Api<TlsRoute> = Api::namespaced(self.client.clone(), &key.namespace);
-            let Some(left) = self.leadership.remaining() else {
+            if !self.patch_status::<TlsRoute>(&key, &patch).await {
                 return;
-            };
-            match tokio::time::timeout(
-                left,
-                api.patch_status(&key.name, &status_params(), &Patch::Merge(&patch)),
-            )
-            .await
-            .unwrap_or_else(|_| Err(kube::Error::Service("no longer the status leader".into())))
-            {
-                Ok(_) => {}
-                Err(kube::Error::Api(s)) if s.code == 409 => {
-                    tracing::debug!(route = %key, "TLSRoute status changed meanwhile; written again on the next pass");
-                }
-                Err(e) => tracing::warn!(route = %key, error = %e, "cannot write TLSRoute status"),
             }
         }
         let by_policy: HashMap<&Key, _> = t.policies.iter().map(|p| (&p.key, p)).collect();
@@ -814,24 +800,8 @@ impl StatusWriter {
                 "metadata": {"resourceVersion": policy.metadata.resource_version},
                 "status": {"ancestors": desired}
             });
-            let api: Api<SeedlinkPolicy> = Api::namespaced(self.client.clone(), &key.namespace);
-            let Some(left) = self.leadership.remaining() else {
+            if !self.patch_status::<SeedlinkPolicy>(&key, &patch).await {
                 return;
-            };
-            match tokio::time::timeout(
-                left,
-                api.patch_status(&key.name, &status_params(), &Patch::Merge(&patch)),
-            )
-            .await
-            .unwrap_or_else(|_| Err(kube::Error::Service("no longer the status leader".into())))
-            {
-                Ok(_) => {}
-                Err(kube::Error::Api(s)) if s.code == 409 => {
-                    tracing::debug!(policy = %key, "SeedlinkPolicy status changed meanwhile; written again on the next pass");
-                }
-                Err(e) => {
-                    tracing::warn!(policy = %key, error = %e, "cannot write SeedlinkPolicy status")
-                }
             }
         }
     }
@@ -926,25 +896,11 @@ impl StatusWriter {
                     patch["status"]["dialErrors"][r] = serde_json::Value::Null;
                 }
             }
-            let api: Api<crate::crd::TunnelCluster> =
-                Api::namespaced(self.client.clone(), &key.namespace);
-            let Some(left) = self.leadership.remaining() else {
-                return;
-            };
-            match tokio::time::timeout(
-                left,
-                api.patch_status(&key.name, &status_params(), &Patch::Merge(&patch)),
-            )
-            .await
-            .unwrap_or_else(|_| Err(kube::Error::Service("no longer the status leader".into())))
+            if !self
+                .patch_status::<crate::crd::TunnelCluster>(&key, &patch)
+                .await
             {
-                Ok(_) => {}
-                Err(kube::Error::Api(s)) if s.code == 409 => {
-                    tracing::debug!(cluster = %key, "TunnelCluster status changed meanwhile; written again on the next pass");
-                }
-                Err(e) => {
-                    tracing::warn!(cluster = %key, error = %e, "cannot write TunnelCluster status")
-                }
+                return;
             }
         }
     }
@@ -1001,6 +957,41 @@ impl StatusWriter {
             Ok(Err(e)) => tracing::warn!(object = %key, error = %e, "cannot create an Event"),
             Err(_) => tracing::debug!(object = %key, "no longer the status leader: Event not sent"),
         }
+    }
+}
+
+impl StatusWriter {
+    /// Merge-patches the status of `K` `key` (conditional on the
+    /// resourceVersion the patch carries), bounded by the time left before
+    /// the lease's renew deadline. `false`: no longer the status leader.
+    async fn patch_status<K>(&self, key: &Key, patch: &serde_json::Value) -> bool
+    where
+        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + DeserializeOwned
+            + Debug,
+    {
+        let Some(left) = self.leadership.remaining() else {
+            return false;
+        };
+        let api: Api<K> = Api::namespaced(self.client.clone(), &key.namespace);
+        let kind = K::kind(&());
+        match tokio::time::timeout(
+            left,
+            api.patch_status(&key.name, &status_params(), &Patch::Merge(patch)),
+        )
+        .await
+        {
+            Ok(Ok(_)) => {}
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
+                tracing::debug!(object = %key, %kind, "status changed meanwhile; written again on the next pass");
+            }
+            Ok(Err(e)) => tracing::warn!(object = %key, %kind, error = %e, "cannot write status"),
+            Err(_) => {
+                tracing::debug!(object = %key, %kind, "no longer the status leader: status not written")
+            }
+        }
+        true
     }
 }
 
