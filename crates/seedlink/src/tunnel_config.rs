@@ -48,8 +48,24 @@ pub struct TunnelConfigArgs {
         default_value = "/var/run/secrets/tokens/konnectivity-agent-token"
     )]
     pub agent_token: PathBuf,
-    /// Write egress-selector-configuration.yaml, tunnel-agent.args and
-    /// proxy-agent.args into this directory instead of printing.
+    /// The EgressSelectorConfiguration version (kube-apiserver reads
+    /// apiserver.k8s.io/v1beta1 and v1alpha1).
+    #[arg(long, default_value = "v1beta1")]
+    pub egress_api_version: String,
+    /// Where kube-apiserver finds the egress selector file (the path its
+    /// --egress-selector-config-file names).
+    #[arg(
+        long,
+        default_value = "/etc/kubernetes/egress/egress-selector-configuration.yaml"
+    )]
+    pub egress_file: PathBuf,
+    /// GEP-08: the address the node-proxy serves `kubernetes` on at every
+    /// node; kube-apiserver advertises it.
+    #[arg(long)]
+    pub advertise_address: Option<std::net::IpAddr>,
+    /// Write egress-selector-configuration.yaml, kube-apiserver.args,
+    /// tunnel-agent.args and proxy-agent.args into this directory instead
+    /// of printing.
     #[arg(long)]
     pub out: Option<PathBuf>,
 }
@@ -82,6 +98,9 @@ pub fn tunnel_config(a: TunnelConfigArgs) -> anyhow::Result<i32> {
         agent_cert: a.agent_cert,
         agent_key: a.agent_key,
         agent_token: a.agent_token,
+        egress_api_version: a.egress_api_version,
+        egress_file: a.egress_file,
+        advertise_address: a.advertise_address,
     };
     let r = crate::egress::render(&cfg, &opts)?;
     match a.out {

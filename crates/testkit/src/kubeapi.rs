@@ -41,8 +41,31 @@ pub struct KubeApi {
     pub admin_kubeconfig: PathBuf,
     /// The directory of the binaries and the Gateway API CRDs.
     pub kube_dir: PathBuf,
+    /// Its data, logs and PKI.
+    pub dir: PathBuf,
+    /// The ServiceAccount issuer (`--service-account-issuer`).
+    pub issuer: String,
     etcd_url: String,
-    dir: PathBuf,
+    /// Dropped with the value: the thread that started the processes
+    /// ends, and they die with it (PR_SET_PDEATHSIG).
+    _stop: Option<std::sync::mpsc::Sender<()>>,
+}
+
+/// Flags computed from the API server's URL and CA file, before it starts.
+pub type ArgsFor = std::sync::Arc<dyn Fn(&str, &Path) -> Vec<String> + Send + Sync>;
+
+/// How [`KubeApi::start_with`] starts an API server of a test's own.
+#[derive(Clone, Default)]
+pub struct Options {
+    /// Flags after the defaults (a flag given here replaces the default).
+    pub args: Vec<String>,
+    /// More flags, from the URL and CA the API server will have (for
+    /// files that must name it, written before it starts).
+    pub args_for: Option<ArgsFor>,
+    /// Install the Gateway API and seedlink CRDs (the shared one does).
+    pub crds: bool,
+    /// More DNS names in the serving certificate.
+    pub names: Vec<String>,
 }
 
 /// A peer the project's scripts built into the cache: `$env` if set, else
@@ -108,7 +131,7 @@ struct Pki {
     sa_pub: String,
 }
 
-fn pki() -> Pki {
+fn pki(names: &[String]) -> Pki {
     use rcgen::{
         BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, Issuer, KeyPair,
         SanType,
@@ -121,11 +144,16 @@ fn pki() -> Pki {
     let ca_cert = ca.self_signed(&ca_key).unwrap();
     let issuer = Issuer::new(ca, &ca_key);
     let key = KeyPair::generate().unwrap();
-    let mut srv = CertificateParams::new(vec![
-        "localhost".to_string(),
-        "kubernetes".to_string(),
-        "kubernetes.default.svc".to_string(),
-    ])
+    let mut srv = CertificateParams::new(
+        vec![
+            "localhost".to_string(),
+            "kubernetes".to_string(),
+            "kubernetes.default.svc".to_string(),
+        ]
+        .into_iter()
+        .chain(names.iter().cloned())
+        .collect::<Vec<_>>(),
+    )
     .unwrap();
     srv.subject_alt_names
         .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
@@ -170,7 +198,10 @@ impl KubeApi {
             let (tx, rx) = std::sync::mpsc::channel();
             // The processes' parent thread lives as long as the binary.
             std::thread::spawn(move || {
-                let _ = tx.send(KubeApi::start());
+                let _ = tx.send(KubeApi::start(Options {
+                    crds: true,
+                    ..Options::default()
+                }));
                 loop {
                     std::thread::park();
                 }
@@ -179,7 +210,22 @@ impl KubeApi {
         })
     }
 
-    fn start() -> KubeApi {
+    /// An API server of the caller's own (etcd too), stopped when the value
+    /// is dropped. Blocking: call it from `spawn_blocking` in async tests.
+    pub fn start_with(opts: Options) -> KubeApi {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            let _ = tx.send(KubeApi::start(opts));
+            // Until the KubeApi is dropped (its sender with it).
+            let _ = stopped.recv();
+        });
+        let mut api = rx.recv().expect("kube-apiserver did not start (see above)");
+        api._stop = Some(stop);
+        api
+    }
+
+    fn start(opts: Options) -> KubeApi {
         let kube_dir = kube_dir();
         // The data outlives the test binary (its processes are killed with
         // it, so nothing cleans up): the directories of binaries that are
@@ -200,7 +246,7 @@ impl KubeApi {
             .tempdir()
             .unwrap()
             .keep();
-        let pki = pki();
+        let pki = pki(&opts.names);
         let w = |name: &str, text: &str| {
             let p = dir.join(name);
             std::fs::write(&p, text).unwrap();
@@ -260,8 +306,12 @@ impl KubeApi {
         let mut up = None;
         for _ in 0..5 {
             let port = free_port();
-            let mut cmd = Command::new(kube_dir.join("bin/kube-apiserver"));
-            cmd.args([
+            let computed = opts
+                .args_for
+                .as_ref()
+                .map(|f| f(&format!("https://127.0.0.1:{port}"), &ca))
+                .unwrap_or_default();
+            let defaults = [
                 &format!("--etcd-servers={etcd_url}"),
                 "--bind-address=127.0.0.1",
                 "--advertise-address=127.0.0.1",
@@ -281,7 +331,20 @@ impl KubeApi {
                 &format!("--audit-log-path={}", dir.join("audit.log").display()),
                 "--audit-log-format=json",
                 "--audit-log-mode=blocking",
-            ])
+            ];
+            // A flag the caller gives replaces the default (some, such as
+            // --service-account-issuer, are lists that refuse a repeat).
+            let extra: Vec<&String> = opts.args.iter().chain(&computed).collect();
+            let flag = |a: &str| a.split('=').next().unwrap_or_default().to_string();
+            let given: std::collections::HashSet<String> = extra.iter().map(|a| flag(a)).collect();
+            let mut cmd = Command::new(kube_dir.join("bin/kube-apiserver"));
+            cmd.args(
+                defaults
+                    .iter()
+                    .filter(|a| !given.contains(&flag(a)))
+                    .map(|a| a.to_string()),
+            )
+            .args(extra)
             .stdout(log("kube-apiserver.log"))
             .stderr(log("kube-apiserver.log"));
             let mut child = spawn_for_life(cmd).unwrap();
@@ -314,19 +377,22 @@ impl KubeApi {
             ca,
             admin_kubeconfig,
             kube_dir,
-            etcd_url,
             dir,
+            issuer: "https://kubernetes.default.svc".into(),
+            etcd_url,
+            _stop: None,
         };
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
-        rt.block_on(api.bootstrap());
+        rt.block_on(api.bootstrap(opts.crds));
         api
     }
 
-    /// Waits for /readyz, then installs the CRDs and waits until they serve.
-    async fn bootstrap(&self) {
+    /// Waits for /readyz, then installs the CRDs (if asked) and waits until
+    /// they serve.
+    async fn bootstrap(&self, crds: bool) {
         let end = Instant::now() + Duration::from_secs(60);
         let client = loop {
             if let Ok(c) = self.client().await {
@@ -342,6 +408,9 @@ impl KubeApi {
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         };
+        if !crds {
+            return;
+        }
         let mut crds = Vec::new();
         let gw = self.kube_dir.join("crds/gateway-api");
         let mut files: Vec<PathBuf> = std::fs::read_dir(&gw)
@@ -449,12 +518,25 @@ impl KubeApi {
 
     /// A token of ServiceAccount `namespace/name` (TokenRequest, 1 h).
     pub async fn token(&self, client: &kube::Client, namespace: &str, name: &str) -> String {
+        self.token_for(client, namespace, name, "https://kubernetes.default.svc")
+            .await
+    }
+
+    /// A token of ServiceAccount `namespace/name` for `audience`
+    /// (TokenRequest, 1 h), as a projected token volume gets it.
+    pub async fn token_for(
+        &self,
+        client: &kube::Client,
+        namespace: &str,
+        name: &str,
+        audience: &str,
+    ) -> String {
         use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
         use k8s_openapi::api::core::v1::ServiceAccount;
         let api: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
         let req = TokenRequest {
             spec: TokenRequestSpec {
-                audiences: vec!["https://kubernetes.default.svc".into()],
+                audiences: vec![audience.into()],
                 expiration_seconds: Some(3600),
                 ..Default::default()
             },

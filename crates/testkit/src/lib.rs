@@ -697,3 +697,33 @@ pub fn netns_link(na: &Netns, nb: &Netns, net: u8) {
     ]);
     nb.run(&["ip", "link", "set", &vb, "up"]);
 }
+
+/// Joins `ns` to this process's own namespace by a veth pair:
+/// `198.18.<net>.1/24` here, `.2` in `ns`. Only that /24 becomes routable
+/// between the two; whatever else `ns` holds (addresses on its loopback)
+/// stays unreachable from here. The pair goes with the namespace.
+pub fn netns_to_host(ns: &Netns, net: u8) {
+    let id = std::process::id() % 100_000;
+    let (host, inner) = (format!("vh{id}n{net}"), format!("vi{id}n{net}"));
+    let run = |args: &[&str]| {
+        let out = Command::new(require("ip")).args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&["link", "add", &host, "type", "veth", "peer", "name", &inner]);
+    run(&["link", "set", &inner, "netns", &ns.0]);
+    run(&["addr", "add", &format!("198.18.{net}.1/24"), "dev", &host]);
+    run(&["link", "set", &host, "up"]);
+    ns.run(&[
+        "ip",
+        "addr",
+        "add",
+        &format!("198.18.{net}.2/24"),
+        "dev",
+        &inner,
+    ]);
+    ns.run(&["ip", "link", "set", &inner, "up"]);
+}

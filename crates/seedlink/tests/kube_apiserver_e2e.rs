@@ -1,0 +1,798 @@
+//! kube-apiserver's own egress through the tunnel, end to end with the real
+//! consumer: a shoot's kube-apiserver (v1.35, etcd, RBAC; from the test
+//! kit) runs in the "seed" (this process's namespace) with the
+//! EgressSelectorConfiguration and flags `seedlink tunnel-config` renders,
+//! unmodified; `seedlink tunnel-server` runs next to it; `seedlink
+//! tunnel-agent` runs in a "shoot" network namespace with a ServiceAccount
+//! token that kube-apiserver issued (audience `system:konnectivity-server`)
+//! and the tunnel-server checks by TokenReview at it. The shoot's workloads
+//! (tests/peers/shoot_apps.py) sit on addresses only the shoot can reach:
+//! a pod IP, a node IP, and a Service ClusterIP translated by an iptables
+//! DNAT rule like kube-proxy's. Driven by kubectl (v1.35, built from its
+//! module):
+//! - a validating admission webhook (Service reference, both failure
+//!   policies),
+//! - an aggregated API (APIService),
+//! - the service proxy and the node proxy,
+//! - `kubectl logs` (and `-f`), port-forward and exec upgrades to the
+//!   node's kubelet API (no kubelet can run here: docs/TESTING.md),
+//!
+//! each again with the agent killed.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use seedlink_testkit as common;
+
+use common::kubeapi::{self, KubeApi, Options};
+use common::tunnel_env::{ready_line, spawn_until_up, Started};
+use common::{netns_to_host, require, seedlink_bin, Netns, Proc};
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const NET: u8 = 110;
+const CLUSTER: &str = "shoot--e2e--a";
+const POD_IP: &str = "10.244.1.5";
+const NODE_IP: &str = "10.250.0.10";
+const SVC_IP: &str = "10.97.0.50";
+const TUNNEL_NAME: &str = "tunnel.seedlink.test";
+
+/// Every file the test bed writes.
+struct Files {
+    dir: PathBuf,
+    seed_ca: PathBuf,
+    reviewer_token: PathBuf,
+    agent_token: PathBuf,
+    apps_ca_pem: String,
+}
+
+impl Files {
+    fn new(dir: &Path) -> Files {
+        let w = |name: &str, text: &str| {
+            std::fs::write(dir.join(name), text).unwrap();
+            dir.join(name)
+        };
+        let tunnel = seedlink::demo::Pki::generate(&[TUNNEL_NAME]).unwrap();
+        let apps = seedlink::demo::Pki::generate(&["shoot-apps.shoot-system.svc"]).unwrap();
+        let kubelet = seedlink::demo::Pki::generate(&[NODE_IP]).unwrap();
+        w("tun.pem", &tunnel.servers[0].1.cert_pem);
+        w("tun-key.pem", &tunnel.servers[0].1.key_pem);
+        w("apps.pem", &apps.servers[0].1.cert_pem);
+        w("apps-key.pem", &apps.servers[0].1.key_pem);
+        w("kubelet-ca.pem", &kubelet.ca_pem);
+        w("kubelet.pem", &kubelet.servers[0].1.cert_pem);
+        w("kubelet-key.pem", &kubelet.servers[0].1.key_pem);
+        w("kas-kubelet.pem", &kubelet.client.cert_pem);
+        w("kas-kubelet-key.pem", &kubelet.client.key_pem);
+        Files {
+            dir: dir.to_path_buf(),
+            seed_ca: w("seed-ca.pem", &tunnel.ca_pem),
+            // Replaced once the API server issues them.
+            reviewer_token: w("reviewer.token", "not-issued-yet"),
+            agent_token: w("agent.token", "not-issued-yet"),
+            apps_ca_pem: apps.ca_pem,
+        }
+    }
+
+    fn p(&self, name: &str) -> String {
+        self.dir.join(name).display().to_string()
+    }
+
+    /// The tunnel-server's configuration: one cluster trusting the shoot
+    /// API server's tokens (TokenReview there), one HTTP CONNECT socket.
+    fn server_yaml(&self, agents: &str, kas_url: &str, kas_ca: &Path) -> String {
+        format!(
+            "agents: {{listen: '{agents}', cert: '{}', key: '{}', keepalive: 1s, keepalive_timeout: 1s}}
+admin: {{listen: '127.0.0.1:0'}}
+dial_timeout: 10s
+clusters:
+  - name: {CLUSTER}
+    agent_token:
+      issuer: 'https://kubernetes.default.svc'
+      review: {{url: '{kas_url}', ca: '{}', token_file: '{}'}}
+    frontends:
+      - {{name: kas, protocol: http-connect, unix: '{}'}}
+",
+            self.p("tun.pem"),
+            self.p("tun-key.pem"),
+            kas_ca.display(),
+            self.reviewer_token.display(),
+            self.p("kas.sock"),
+        )
+    }
+}
+
+/// `seedlink tunnel-config` for the cluster, written into `out`; the
+/// kube-apiserver flags it rendered.
+fn render(files: &Files, agents: &str, version: &str, out: &Path) -> Vec<String> {
+    let st = Command::new(seedlink_bin())
+        .args(["tunnel-config", "--config"])
+        .arg(files.dir.join("server.yaml"))
+        .args(["--cluster", CLUSTER, "--agent-server", agents])
+        .args(["--server-name", TUNNEL_NAME, "--agent-ca-cert"])
+        .arg(&files.seed_ca)
+        .arg("--agent-token")
+        .arg(&files.agent_token)
+        .args(["--egress-api-version", version, "--egress-file"])
+        .arg(out.join("egress-selector-configuration.yaml"))
+        .arg("--out")
+        .arg(out)
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "tunnel-config: {}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    lines(&out.join("kube-apiserver.args"))
+}
+
+fn lines(p: &Path) -> Vec<String> {
+    std::fs::read_to_string(p)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// The shoot's kube-apiserver: the rendered egress flags, its kubelet
+/// client credentials, a service range of its own. The server
+/// configuration is written (with the URL and CA the API server will
+/// have) and rendered before it starts, as an operator would.
+async fn shoot_apiserver(files: &Arc<Files>, agents: &str, version: &str) -> KubeApi {
+    let f = files.clone();
+    let agents = agents.to_string();
+    let version = version.to_string();
+    let opts = Options {
+        args: vec![
+            format!("--kubelet-certificate-authority={}", f.p("kubelet-ca.pem")),
+            format!("--kubelet-client-certificate={}", f.p("kas-kubelet.pem")),
+            format!("--kubelet-client-key={}", f.p("kas-kubelet-key.pem")),
+            "--kubelet-preferred-address-types=InternalIP".into(),
+            "--service-cluster-ip-range=10.97.0.0/16".into(),
+        ],
+        args_for: Some(Arc::new(move |url: &str, ca: &Path| {
+            std::fs::write(f.dir.join("server.yaml"), f.server_yaml(&agents, url, ca)).unwrap();
+            render(
+                &f,
+                &agents,
+                &version,
+                &f.dir.join(format!("rendered-{version}")),
+            )
+        })),
+        ..Options::default()
+    };
+    tokio::task::spawn_blocking(move || KubeApi::start_with(opts))
+        .await
+        .unwrap()
+}
+
+fn kubectl(api: &KubeApi, args: &[&str]) -> Output {
+    kubectl_in(api, args, "")
+}
+
+/// kubectl as the cluster's admin, `stdin` piped in; bounded by
+/// `--request-timeout`.
+fn kubectl_in(api: &KubeApi, args: &[&str], stdin: &str) -> Output {
+    let mut c = Command::new(api.kube_dir.join("bin/kubectl"))
+        .arg("--kubeconfig")
+        .arg(&api.admin_kubeconfig)
+        .arg("--request-timeout=30s")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    c.stdin.take().unwrap().write_all_sync(stdin.as_bytes());
+    c.wait_with_output().unwrap()
+}
+
+trait WriteAllSync {
+    fn write_all_sync(self, b: &[u8]);
+}
+
+impl WriteAllSync for std::process::ChildStdin {
+    fn write_all_sync(mut self, b: &[u8]) {
+        use std::io::Write;
+        let _ = self.write_all(b);
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Polls `f` until it holds, at most `limit`.
+async fn wait_for(limit: Duration, what: &str, mut f: impl FnMut() -> Result<(), String>) {
+    let end = Instant::now() + limit;
+    loop {
+        match f() {
+            Ok(()) => return,
+            Err(e) if Instant::now() > end => panic!("{what}: not within {limit:?}: {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+        }
+    }
+}
+
+/// A ConfigMap that the webhooks select with `webhook: <policy>`.
+fn configmap(name: &str, policy: &str) -> String {
+    json!({"apiVersion": "v1", "kind": "ConfigMap",
+           "metadata": {"name": name, "namespace": "work", "labels": {"webhook": policy}}})
+    .to_string()
+}
+
+/// The shoot's objects: the Service in front of the apps pod (ClusterIP,
+/// Endpoints and EndpointSlice written by hand: no controllers run; the
+/// service proxy only goes to an address whose targetRef is a pod with
+/// that IP), the webhooks, the APIService, the node and the pod on it that
+/// serves it all.
+async fn shoot_objects(api: &KubeApi, files: &Files) {
+    let c = api.client().await.unwrap();
+    // base64, as k8s-openapi serializes bytes.
+    let ca = serde_json::to_value(k8s_openapi::ByteString(
+        files.apps_ca_pem.as_bytes().to_vec(),
+    ))
+    .unwrap();
+    let svc_ref = json!({"name": "shoot-apps", "namespace": "shoot-system", "port": 443});
+    let webhooks: Vec<Value> = ["Fail", "Ignore"]
+        .iter()
+        .map(|p| {
+            json!({
+                "name": format!("{}.demo.seedlink.test", p.to_lowercase()),
+                "failurePolicy": p,
+                "objectSelector": {"matchLabels": {"webhook": p.to_lowercase()}},
+                "rules": [{"apiGroups": [""], "apiVersions": ["v1"],
+                           "operations": ["CREATE"], "resources": ["configmaps"]}],
+                "clientConfig": {"service": {"name": "shoot-apps", "namespace": "shoot-system",
+                                             "path": "/validate", "port": 443},
+                                 "caBundle": ca},
+                "sideEffects": "None",
+                "admissionReviewVersions": ["v1"],
+                "timeoutSeconds": 10,
+            })
+        })
+        .collect();
+    for o in [
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "shoot-system"}}),
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "work"}}),
+        json!({"apiVersion": "v1", "kind": "ServiceAccount",
+               "metadata": {"name": "default", "namespace": "work"}}),
+        json!({"apiVersion": "v1", "kind": "ServiceAccount",
+               "metadata": {"name": "default", "namespace": "shoot-system"}}),
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": "shoot-apps", "namespace": "shoot-system"},
+               "spec": {"clusterIP": SVC_IP,
+                        "ports": [{"name": "https", "port": 443, "targetPort": 8443}]}}),
+        json!({"apiVersion": "v1", "kind": "Endpoints",
+               "metadata": {"name": "shoot-apps", "namespace": "shoot-system"},
+               "subsets": [{"addresses": [{"ip": POD_IP, "targetRef": {
+                                "kind": "Pod", "namespace": "shoot-system", "name": "shoot-apps-0"}}],
+                            "ports": [{"name": "https", "port": 8443}]}]}),
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+               "metadata": {"name": "shoot-apps-1", "namespace": "shoot-system",
+                            "labels": {"kubernetes.io/service-name": "shoot-apps"}},
+               "addressType": "IPv4",
+               "endpoints": [{"addresses": [POD_IP], "conditions": {"ready": true}}],
+               "ports": [{"name": "https", "port": 8443, "protocol": "TCP"}]}),
+        json!({"apiVersion": "admissionregistration.k8s.io/v1",
+               "kind": "ValidatingWebhookConfiguration",
+               "metadata": {"name": "shoot-webhook"},
+               "webhooks": webhooks}),
+        json!({"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
+               "metadata": {"name": "v1.demo.seedlink.test"},
+               "spec": {"group": "demo.seedlink.test", "version": "v1", "service": svc_ref,
+                        "caBundle": ca, "groupPriorityMinimum": 1000, "versionPriority": 15}}),
+        json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "shoot-node-1"}}),
+    ] {
+        kubeapi::apply(&c, o).await;
+    }
+    for (ns, name) in [("work", "web-0"), ("shoot-system", "shoot-apps-0")] {
+        kubeapi::apply(
+            &c,
+            json!({"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": name, "namespace": ns},
+                   "spec": {"nodeName": "shoot-node-1", "automountServiceAccountToken": false,
+                            "containers": [{"name": "app", "image": "example.invalid/app:1"}]}}),
+        )
+        .await;
+        kubeapi::patch_status(
+            &c,
+            "v1",
+            "Pod",
+            ns,
+            name,
+            json!({"status": {"phase": "Running", "podIP": POD_IP, "podIPs": [{"ip": POD_IP}]}}),
+        )
+        .await
+        .unwrap();
+    }
+    // What a kubelet would report: its address and port, the pod running.
+    kubeapi::patch_status(
+        &c,
+        "v1",
+        "Node",
+        "",
+        "shoot-node-1",
+        json!({"status": {
+            "addresses": [{"type": "InternalIP", "address": NODE_IP}],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}}}}),
+    )
+    .await
+    .unwrap();
+}
+
+/// The shoot: a namespace joined to this one only by `198.18.<NET>.0/24`,
+/// the pod and node addresses on its loopback, kube-proxy's DNAT for the
+/// Service, and the workloads.
+fn shoot(files: &Files) -> (Netns, Proc) {
+    shoot_on(files, NET)
+}
+
+fn shoot_on(files: &Files, net: u8) -> (Netns, Proc) {
+    require("iptables");
+    require("python3");
+    let ns = Netns::new("kshoot");
+    netns_to_host(&ns, net);
+    for a in [POD_IP, NODE_IP] {
+        ns.run(&["ip", "addr", "add", &format!("{a}/32"), "dev", "lo"]);
+    }
+    // A node routes the service range somewhere (its default route); the
+    // DNAT below rewrites the address before a packet would leave.
+    ns.run(&[
+        "ip",
+        "route",
+        "add",
+        "10.97.0.0/16",
+        "via",
+        &format!("198.18.{net}.1"),
+    ]);
+    ns.run(&[
+        "iptables",
+        "-t",
+        "nat",
+        "-A",
+        "OUTPUT",
+        "-d",
+        &format!("{SVC_IP}/32"),
+        "-p",
+        "tcp",
+        "--dport",
+        "443",
+        "-j",
+        "DNAT",
+        "--to-destination",
+        &format!("{POD_IP}:8443"),
+    ]);
+    let apps = spawn_until_up(ns.cmd(&[
+        "python3",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/peers/shoot_apps.py"),
+        &format!("{POD_IP}:8443"),
+        &files.p("apps.pem"),
+        &files.p("apps-key.pem"),
+        &format!("{NODE_IP}:10250"),
+        &files.p("kubelet.pem"),
+        &files.p("kubelet-key.pem"),
+        &files.p("kubelet-ca.pem"),
+    ]));
+    (ns, apps)
+}
+
+fn start(cmd: &mut Command) -> Started {
+    let mut proc = Proc(
+        cmd.env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let ready = ready_line(&mut proc.0);
+    assert_eq!(ready["event"], "ready", "{ready}");
+    Started { proc, ready }
+}
+
+/// The agent with exactly the arguments `tunnel-config` wrote.
+fn agent(ns: &Netns, rendered: &Path) -> Started {
+    start(
+        ns.cmd(&[seedlink_bin(), "tunnel-agent"])
+            .args(lines(&rendered.join("tunnel-agent.args")))
+            .args(["--admin", "127.0.0.1:0"]),
+    )
+}
+
+/// A raw upgrade through kube-apiserver (as kubectl's SPDY path does):
+/// POST `path` with `Upgrade: SPDY/3.1` as the admin, over TLS. The
+/// stream after the answer's head, and the head.
+async fn upgrade(
+    api: &KubeApi,
+    path: &str,
+) -> (
+    tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    String,
+) {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_file_iter(&api.ca).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let certs: Vec<_> = CertificateDer::pem_file_iter(api.dir.join("admin.pem"))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let key = PrivateKeyDer::from_pem_file(api.dir.join("admin-key.pem")).unwrap();
+    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_client_auth_cert(certs, key)
+    .unwrap();
+    let tcp = tokio::net::TcpStream::connect(api.addr).await.unwrap();
+    let mut s = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect(ServerName::try_from("localhost").unwrap(), tcp)
+        .await
+        .unwrap();
+    s.write_all(
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\n\
+             Upgrade: SPDY/3.1\r\nX-Stream-Protocol-Version: portforward.k8s.io\r\n\
+             X-Stream-Protocol-Version: v4.channel.k8s.io\r\nContent-Length: 0\r\n\r\n"
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut head = Vec::new();
+    let mut b = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(30), s.read(&mut b))
+            .await
+            .expect("an answer within 30 s")
+            .unwrap();
+        assert!(n == 1, "closed before the head: {head:?}");
+        head.push(b[0]);
+    }
+    (s, String::from_utf8_lossy(&head).into_owned())
+}
+
+/// Sends `msg` and reads it back (the kubelet side echoes).
+async fn echo<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(s: &mut S, msg: &[u8]) {
+    s.write_all(msg).await.unwrap();
+    let mut got = vec![0u8; msg.len()];
+    tokio::time::timeout(Duration::from_secs(30), s.read_exact(&mut got))
+        .await
+        .expect("the echo within 30 s")
+        .unwrap();
+    assert_eq!(got, msg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = Arc::new(Files::new(dir.path()));
+    let (ns, _apps) = shoot(&files);
+    let agents = {
+        let l = std::net::TcpListener::bind(format!("198.18.{NET}.1:0")).unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let api = shoot_apiserver(&files, &agents, "v1beta1").await;
+    let rendered = files.dir.join("rendered-v1beta1");
+
+    // What was rendered is what runs: every egress entry, loaded by the
+    // real kube-apiserver.
+    let egress: Value = serde_norway::from_str(
+        &std::fs::read_to_string(rendered.join("egress-selector-configuration.yaml")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(egress["egressSelections"].as_array().unwrap().len(), 3);
+
+    // Credentials the API server issues: the tunnel-server's own (a
+    // reviewer, system:auth-delegator) and the agent's (audience
+    // system:konnectivity-server), as projected tokens would be.
+    let c = api.client().await.unwrap();
+    for o in [
+        json!({"apiVersion": "v1", "kind": "ServiceAccount",
+               "metadata": {"name": "konnectivity-agent", "namespace": "kube-system"}}),
+        json!({"apiVersion": "v1", "kind": "ServiceAccount",
+               "metadata": {"name": "seedlink-tunnel", "namespace": "kube-system"}}),
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+               "metadata": {"name": "seedlink-tunnel-reviews"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                           "name": "system:auth-delegator"},
+               "subjects": [{"kind": "ServiceAccount", "name": "seedlink-tunnel",
+                             "namespace": "kube-system"}]}),
+    ] {
+        kubeapi::apply(&c, o).await;
+    }
+    let reviewer = api.token(&c, "kube-system", "seedlink-tunnel").await;
+    std::fs::write(&files.reviewer_token, reviewer).unwrap();
+    let agent_token = api
+        .token_for(
+            &c,
+            "kube-system",
+            "konnectivity-agent",
+            "system:konnectivity-server",
+        )
+        .await;
+    std::fs::write(&files.agent_token, agent_token).unwrap();
+    shoot_objects(&api, &files).await;
+
+    let server = start(
+        Command::new(seedlink_bin())
+            .args(["tunnel-server", "--config"])
+            .arg(files.dir.join("server.yaml")),
+    );
+    let mut agent_proc = agent(&ns, &rendered);
+
+    // The shoot's addresses exist only inside the shoot's namespace (no
+    // route leads there from here; a connect is not dialed here to prove
+    // it, since this machine's default route answers any address): every
+    // answer below carries what only the shoot's workloads say.
+
+    // The webhook (through the Service's ClusterIP, DNAT in the shoot).
+    wait_for(Duration::from_secs(60), "the webhook admits", || {
+        let o = kubectl_in(
+            &api,
+            &["create", "-f", "-"],
+            &configmap("allowed-1", "fail"),
+        );
+        o.status.success().then_some(()).ok_or_else(|| text(&o))
+    })
+    .await;
+    let o = kubectl_in(&api, &["create", "-f", "-"], &configmap("deny-1", "fail"));
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("denied by the shoot's webhook"),
+        "{}",
+        text(&o)
+    );
+
+    // The aggregated API.
+    wait_for(
+        Duration::from_secs(90),
+        "the APIService is available",
+        || {
+            let o = kubectl(
+                &api,
+                &[
+                    "get",
+                    "apiservice",
+                    "v1.demo.seedlink.test",
+                    "-o",
+                    "jsonpath={.status.conditions[?(@.type==\"Available\")].status}",
+                ],
+            );
+            (text(&o).trim() == "True")
+                .then_some(())
+                .ok_or_else(|| text(&o))
+        },
+    )
+    .await;
+    let o = kubectl(
+        &api,
+        &["get", "--raw", "/apis/demo.seedlink.test/v1/greetings"],
+    );
+    assert!(text(&o).contains("hello-from-the-shoot"), "{}", text(&o));
+    let o = kubectl(&api, &["get", "greetings.demo.seedlink.test", "-o", "name"]);
+    assert!(text(&o).contains("hello-from-the-shoot"), "{}", text(&o));
+
+    // The service proxy (to the endpoint) and the node proxy (to the
+    // kubelet port).
+    let svc = "/api/v1/namespaces/shoot-system/services/https:shoot-apps:443/proxy/hello";
+    let o = kubectl(&api, &["get", "--raw", svc]);
+    assert!(
+        text(&o).contains("hello from the shoot's service"),
+        "{}",
+        text(&o)
+    );
+    let node = "/api/v1/nodes/shoot-node-1/proxy/hello";
+    let o = kubectl(&api, &["get", "--raw", node]);
+    assert!(
+        text(&o).contains("hello from the shoot's kubelet"),
+        "{}",
+        text(&o)
+    );
+
+    // kubectl logs, through the kubelet API.
+    let o = kubectl(&api, &["logs", "-n", "work", "web-0", "-c", "app"]);
+    assert!(
+        text(&o).contains("log line from the shoot's kubelet"),
+        "{}",
+        text(&o)
+    );
+
+    // Upgraded streams: port-forward and exec reach the kubelet through
+    // kube-apiserver's own dialer, bytes both ways.
+    let (mut pf, head) = upgrade(&api, "/api/v1/namespaces/work/pods/web-0/portforward").await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    for i in 0..10usize {
+        echo(&mut pf, &vec![b'a' + i as u8; 1000 + i * 7000]).await;
+    }
+    let (mut ex, head) = upgrade(
+        &api,
+        "/api/v1/namespaces/work/pods/web-0/exec?container=app&command=sh&stdin=true&stdout=true",
+    )
+    .await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    echo(&mut ex, b"echo through exec\n").await;
+
+    // The agent killed mid-stream. Through the node proxy (kube-apiserver's
+    // reverse proxy) the client sees an error, not a clean end; `kubectl
+    // logs -f` ends (kube-apiserver's log streamer ends a log whose source
+    // broke off as it ends a finished one, whatever the egress: a kubelet
+    // that dies looks the same); the open upgraded stream ends.
+    let followers = [
+        vec!["logs", "-f", "-n", "work", "web-0", "-c", "app"],
+        vec![
+            "get",
+            "--raw",
+            "/api/v1/nodes/shoot-node-1/proxy/containerLogs/work/web-0/app?follow=true",
+        ],
+    ]
+    .map(|args| {
+        let mut c = Command::new(api.kube_dir.join("bin/kubectl"))
+            .arg("--kubeconfig")
+            .arg(&api.admin_kubeconfig)
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::BufRead;
+        let mut out = std::io::BufReader::new(c.stdout.take().unwrap());
+        let mut line = String::new();
+        for _ in 0..3 {
+            line.clear();
+            out.read_line(&mut line).unwrap();
+            assert!(line.starts_with("follow "), "{args:?}: {line:?}");
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut rest = String::new();
+            let _ = std::io::Read::read_to_string(&mut out, &mut rest);
+            let _ = tx.send((c.wait_with_output(), rest));
+        });
+        rx
+    });
+    agent_proc.proc.0.kill().unwrap();
+    agent_proc.proc.0.wait().unwrap();
+    let mut ended = Vec::new();
+    for rx in followers {
+        let (done, rest) = rx
+            .recv_timeout(Duration::from_secs(90))
+            .expect("a follower still running 90 s after the agent died");
+        let done = done.unwrap();
+        // What arrived is the stream, in order, cut off.
+        assert!(rest.lines().all(|l| l.starts_with("follow ")), "{rest:?}");
+        ended.push(done);
+    }
+    assert!(
+        !ended[1].status.success(),
+        "the node proxy's stream ended cleanly: {}",
+        text(&ended[1])
+    );
+    let mut rest = Vec::new();
+    let end = tokio::time::timeout(Duration::from_secs(90), pf.read_to_end(&mut rest)).await;
+    assert!(end.is_ok(), "the port-forward stream outlived its agent");
+
+    // No agent: the Fail webhook refuses, the Ignore one admits; every
+    // other path answers an error instead of hanging.
+    let o = kubectl_in(
+        &api,
+        &["create", "-f", "-"],
+        &configmap("unchecked-1", "fail"),
+    );
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("failed calling webhook"), "{}", text(&o));
+    let o = kubectl_in(
+        &api,
+        &["create", "-f", "-"],
+        &configmap("unchecked-2", "ignore"),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    for path in [svc, node] {
+        let o = kubectl(&api, &["get", "--raw", path]);
+        assert!(!o.status.success(), "{path}: {}", text(&o));
+    }
+    let o = kubectl(&api, &["logs", "-n", "work", "web-0", "-c", "app"]);
+    assert!(!o.status.success(), "{}", text(&o));
+
+    // The agent back: everything works again.
+    let _agent = agent(&ns, &rendered);
+    wait_for(Duration::from_secs(60), "the webhook is back", || {
+        let o = kubectl_in(&api, &["create", "-f", "-"], &configmap("deny-2", "fail"));
+        text(&o)
+            .contains("denied by the shoot's webhook")
+            .then_some(())
+            .ok_or_else(|| text(&o))
+    })
+    .await;
+    let o = kubectl(&api, &["logs", "-n", "work", "web-0", "-c", "app"]);
+    assert!(o.status.success(), "{}", text(&o));
+
+    // The agent joined with the token kube-apiserver issued, checked by a
+    // TokenReview there (the reviewer's identity is in the audit log).
+    let reviews = api
+        .audit()
+        .iter()
+        .filter(|e| {
+            e["objectRef"]["resource"] == "tokenreviews"
+                && e["user"]["username"] == "system:serviceaccount:kube-system:seedlink-tunnel"
+        })
+        .count();
+    assert!(reviews >= 1, "no TokenReview by the tunnel-server");
+    drop(server);
+}
+
+/// The other EgressSelectorConfiguration version kube-apiserver reads,
+/// rendered and loaded: the service proxy goes through the tunnel with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_v1alpha1_egress_selector_is_loaded_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = Arc::new(Files::new(dir.path()));
+    let (ns, _apps) = shoot_on(&files, NET + 1);
+    let agents = {
+        let l = std::net::TcpListener::bind(format!("198.18.{}.1:0", NET + 1)).unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let api = shoot_apiserver(&files, &agents, "v1alpha1").await;
+    let rendered = files.dir.join("rendered-v1alpha1");
+    let egress =
+        std::fs::read_to_string(rendered.join("egress-selector-configuration.yaml")).unwrap();
+    assert!(egress.contains("apiserver.k8s.io/v1alpha1"), "{egress}");
+    let c = api.client().await.unwrap();
+    for o in [
+        json!({"apiVersion": "v1", "kind": "ServiceAccount",
+               "metadata": {"name": "konnectivity-agent", "namespace": "kube-system"}}),
+        json!({"apiVersion": "v1", "kind": "ServiceAccount",
+               "metadata": {"name": "seedlink-tunnel", "namespace": "kube-system"}}),
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+               "metadata": {"name": "seedlink-tunnel-reviews"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                           "name": "system:auth-delegator"},
+               "subjects": [{"kind": "ServiceAccount", "name": "seedlink-tunnel",
+                             "namespace": "kube-system"}]}),
+    ] {
+        kubeapi::apply(&c, o).await;
+    }
+    std::fs::write(
+        &files.reviewer_token,
+        api.token(&c, "kube-system", "seedlink-tunnel").await,
+    )
+    .unwrap();
+    std::fs::write(
+        &files.agent_token,
+        api.token_for(
+            &c,
+            "kube-system",
+            "konnectivity-agent",
+            "system:konnectivity-server",
+        )
+        .await,
+    )
+    .unwrap();
+    shoot_objects(&api, &files).await;
+    let _server = start(
+        Command::new(seedlink_bin())
+            .args(["tunnel-server", "--config"])
+            .arg(files.dir.join("server.yaml")),
+    );
+    let _agent = agent(&ns, &rendered);
+    let svc = "/api/v1/namespaces/shoot-system/services/https:shoot-apps:443/proxy/hello";
+    wait_for(Duration::from_secs(60), "the service proxy", || {
+        let o = kubectl(&api, &["get", "--raw", svc]);
+        text(&o)
+            .contains("hello from the shoot's service")
+            .then_some(())
+            .ok_or_else(|| text(&o))
+    })
+    .await;
+}
