@@ -19,6 +19,21 @@ pub async fn serve(np: Arc<NodeProxy>, listener: TcpListener, access: admin::Acc
     .await;
 }
 
+/// Serves `/metrics` and `/healthz` only (no token: they hold no
+/// configuration), for scraping on the node's address.
+pub async fn serve_metrics(np: Arc<NodeProxy>, listener: TcpListener) {
+    admin::serve_with(
+        listener,
+        16,
+        admin::Access::open(),
+        Arc::new(move |path: &str| match path {
+            "/healthz" | "/metrics" => route(&np, path),
+            _ => (404, TEXT, "not found; try /metrics /healthz\n".to_string()),
+        }),
+    )
+    .await;
+}
+
 fn route(np: &NodeProxy, path: &str) -> Answer {
     match path {
         "/healthz" => (200, TEXT, "ok\n".to_string()),

@@ -65,6 +65,12 @@ pub struct NodeProxyConfig {
     /// everything but the probes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admin_token_file: Option<std::path::PathBuf>,
+    /// A second endpoint with `/metrics` and `/healthz` only, never behind
+    /// the admin token: for the shoot's Prometheus to scrape on the node's
+    /// address (as Gardener's apiserver-proxy exposes its Envoy stats on
+    /// 16910), while `/config` stays on the loopback admin endpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metrics: Option<SocketAddr>,
     /// Concurrent tunnels.
     #[serde(default = "default_max_connections")]
     pub max_connections: usize,
@@ -229,6 +235,8 @@ pub struct Plan {
     pub listen: SocketAddr,
     /// The admin endpoint.
     pub admin: SocketAddr,
+    /// The metrics-only endpoint, if any.
+    pub metrics: Option<SocketAddr>,
 }
 
 impl NodeProxyConfig {
@@ -393,6 +401,22 @@ impl NodeProxyConfig {
         if self.gateway_host().is_none() {
             err("gateway", format!("{:?} is not host:port", self.gateway));
         }
+        if let Some(m) = self.metrics {
+            let overlap = |a: SocketAddr| {
+                a.port() == m.port()
+                    && m.port() != 0
+                    && (a.ip() == m.ip() || a.ip().is_unspecified() || m.ip().is_unspecified())
+            };
+            if overlap(self.admin) {
+                err(
+                    "metrics",
+                    format!("{m} overlaps the admin endpoint {}", self.admin),
+                );
+            }
+            if overlap(SocketAddr::new(self.address, self.port)) {
+                err("metrics", format!("{m} overlaps the listening address"));
+            }
+        }
         match self.mode() {
             None => err(
                 "mode",
@@ -530,6 +554,7 @@ impl NodeProxyConfig {
             resync: self.resync,
             listen: SocketAddr::new(self.address, self.port),
             admin: self.admin,
+            metrics: self.metrics,
         })
     }
 }
@@ -558,6 +583,23 @@ mod tests {
             ]
         );
         assert!(cfg.plan().is_err());
+    }
+
+    #[test]
+    fn the_metrics_endpoint_may_not_overlap_admin_or_the_listener() {
+        let base = "address: 10.0.0.1\ngateway: 'seed.example:8443'\n\
+                    destination: 'outbound|443||kube-apiserver.shoot--a.svc.cluster.local'\n";
+        let with = |extra: &str| NodeProxyConfig::parse(&format!("{base}{extra}")).unwrap();
+        // The default admin is 127.0.0.1:16910.
+        let e = with("metrics: 0.0.0.0:16910\n").check();
+        assert_eq!(e.len(), 1);
+        assert!(e[0].message.contains("admin endpoint"), "{}", e[0].message);
+        assert!(!with("metrics: 0.0.0.0:443\n").check().is_empty());
+        let ok = with("admin: 127.0.0.1:9911\nmetrics: 0.0.0.0:16910\n");
+        assert_eq!(
+            ok.plan().unwrap().metrics,
+            Some("0.0.0.0:16910".parse().unwrap())
+        );
     }
 
     #[test]

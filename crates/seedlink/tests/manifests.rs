@@ -121,6 +121,42 @@ struct SafeAuthorization {
     credentials: k8s_openapi::api::core::v1::SecretKeySelector,
 }
 
+/// A Prometheus Operator PrometheusRule, the fields used here (unknown
+/// fields are refused).
+#[derive(serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+#[allow(non_snake_case)]
+struct PrometheusRule {
+    apiVersion: String,
+    kind: String,
+    metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    spec: RuleSpec,
+}
+
+#[derive(serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct RuleSpec {
+    groups: Vec<RuleGroup>,
+}
+
+#[derive(serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct RuleGroup {
+    name: String,
+    rules: Vec<Rule>,
+}
+
+#[derive(serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct Rule {
+    alert: String,
+    expr: String,
+    #[serde(default, rename = "for", skip_serializing_if = "Option::is_none")]
+    for_: Option<String>,
+    labels: std::collections::BTreeMap<String, String>,
+    annotations: std::collections::BTreeMap<String, String>,
+}
+
 /// Every object strictly as its type; the configuration files valid.
 fn check_strictly(docs: &[Value]) {
     use k8s_openapi::api::{apps, core, policy, rbac};
@@ -152,6 +188,7 @@ fn check_strictly(docs: &[Value]) {
             ("gateway.networking.k8s.io/v1", "GatewayClass") => roundtrip::<gateway_api::gatewayclasses::GatewayClass>(d),
             ("gateway.networking.k8s.io/v1", "Gateway") => roundtrip::<gateway_api::gateways::Gateway>(d),
             ("monitoring.coreos.com/v1", "ServiceMonitor") => roundtrip::<ServiceMonitor>(d),
+            ("monitoring.coreos.com/v1", "PrometheusRule") => roundtrip::<PrometheusRule>(d),
             (v, k) => Err(format!("no type known for {v} {k}")),
         };
         if let Err(e) = r {
@@ -366,6 +403,122 @@ fn the_seed_install_with_a_service_monitor_renders_strictly() {
         assert_eq!(
             e["authorization"]["credentials"]["name"],
             "seedlink-admin-token"
+        );
+    }
+}
+
+/// The shipped alerts: valid for Prometheus (`promtool check rules`), and
+/// each fires when it should and stays quiet otherwise (`promtool test
+/// rules` with tests/peers/rules-test.yaml).
+#[test]
+fn the_shipped_alert_rules_pass_promtool() {
+    let promtool = common::require("promtool");
+    let docs = render("seed-monitoring");
+    let rule = find(&docs, "PrometheusRule", "seedlink");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("rules.yaml"),
+        serde_norway::to_string(&rule["spec"]).unwrap(),
+    )
+    .unwrap();
+    std::fs::copy(
+        root().join("crates/seedlink/tests/peers/rules-test.yaml"),
+        dir.path().join("rules-test.yaml"),
+    )
+    .unwrap();
+    for args in [
+        ["check", "rules", "rules.yaml"],
+        ["test", "rules", "rules-test.yaml"],
+    ] {
+        let out = std::process::Command::new(&promtool)
+            .args(args)
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "promtool {args:?}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// Every metric an alert names is one the binaries export (their
+/// `/metrics`, read from a running gateway, tunnel-server and node-proxy).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_metric_the_alerts_name_is_exported() {
+    use common::{http_get, node_proxy, seedlink_bin, tunnel_env::ready_line, Gw, Proc};
+    let docs = render("seed-monitoring");
+    let rule = find(&docs, "PrometheusRule", "seedlink");
+    let mut names = std::collections::BTreeSet::new();
+    for g in rule["spec"]["groups"].as_array().unwrap() {
+        for r in g["rules"].as_array().unwrap() {
+            let expr = r["expr"].as_str().unwrap();
+            let mut rest = expr;
+            while let Some(i) = rest.find("seedlink_") {
+                let n: String = rest[i..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                rest = &rest[i + n.len()..];
+                names.insert(n);
+            }
+        }
+    }
+    assert!(names.len() >= 8, "{names:?}");
+
+    let gw = Gw::start("admin: {listen: '127.0.0.1:0'}\nlisteners: [{name: tls, address: '127.0.0.1:0'}]\ncontrol_planes: []\n");
+    let dir = tempfile::tempdir().unwrap();
+    let pki = seedlink::demo::Pki::generate(&["tunnel.test"]).unwrap();
+    let w = |n: &str, t: &str| {
+        std::fs::write(dir.path().join(n), t).unwrap();
+        dir.path().join(n).display().to_string()
+    };
+    let (crt, key, ca) = (
+        w("t.pem", &pki.servers[0].1.cert_pem),
+        w("t-key.pem", &pki.servers[0].1.key_pem),
+        w("ca.pem", &pki.ca_pem),
+    );
+    let cfg = w(
+        "tunnel.yaml",
+        &format!(
+            "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}'}}\nadmin: {{listen: '127.0.0.1:0'}}\nclusters:\n  - {{name: a, agent_ca: '{ca}', frontends: [{{name: kas, protocol: http-connect, unix: '{}/a.sock'}}]}}\n",
+            dir.path().display()
+        ),
+    );
+    let mut server = std::process::Command::new(seedlink_bin())
+        .args(["tunnel-server", "--config", &cfg])
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ready = ready_line(&mut server);
+    let _server = Proc(server);
+    let tunnel_admin: std::net::SocketAddr = ready["admin"].as_str().unwrap().parse().unwrap();
+    let dead = common::free_port();
+    let np = node_proxy(&[
+        "--link-kind",
+        "none",
+        "--address",
+        "127.0.0.70",
+        "--gateway",
+        &format!("127.0.0.1:{dead}"),
+        "--destination",
+        "outbound|443||kube-apiserver.shoot--a.svc.cluster.local",
+    ]);
+    let mut exported = String::new();
+    for admin in [gw.admin, tunnel_admin, np.admin] {
+        let (code, body) = http_get(admin, "/metrics").await;
+        assert_eq!(code, 200);
+        exported.push_str(&body);
+    }
+    for n in names {
+        // OpenMetrics: a counter's family is named without `_total`.
+        let family = n.strip_suffix("_total").unwrap_or(&n);
+        assert!(
+            exported.contains(&format!("# TYPE {family} ")),
+            "an alert names {n}, which no binary exports"
         );
     }
 }

@@ -134,6 +134,7 @@ control_planes:
         child: legacy,
         listen: format!("127.0.0.67:{legacy_port}").parse().unwrap(),
         admin: np.admin,
+        metrics: None,
     };
     let out = legacy.child.stdout.take().unwrap();
     let mut line = String::new();
@@ -274,7 +275,7 @@ control_planes:
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn node_proxy_admin_token_guards_all_but_the_probes() {
+async fn node_proxy_admin_token_guards_all_but_the_probes_and_the_metrics_endpoint() {
     let dir = tempfile::tempdir().unwrap();
     let token = dir.path().join("token");
     std::fs::write(&token, "np-token\n").unwrap();
@@ -290,8 +291,20 @@ async fn node_proxy_admin_token_guards_all_but_the_probes() {
         DEST,
         "--admin-token-file",
         token.to_str().unwrap(),
+        "--metrics",
+        "127.0.0.1:0",
     ]);
     assert_eq!(http_get(np.admin, "/metrics").await.0, 401);
+    // The metrics-only endpoint (for the shoot's Prometheus on the node's
+    // address) needs no token and serves nothing else.
+    let m = np.metrics.unwrap();
+    let (code, body) = http_get(m, "/metrics").await;
+    assert_eq!(code, 200);
+    assert!(body.contains("seedlink_node_proxy_"), "{body}");
+    assert_eq!(http_get(m, "/healthz").await.0, 200);
+    for path in ["/config", "/readyz", "/"] {
+        assert_eq!(http_get(m, path).await.0, 404, "{path}");
+    }
     assert_eq!(http_get(np.admin, "/config").await.0, 401);
     // The probes need nothing.
     assert_eq!(http_get(np.admin, "/healthz").await.0, 200);

@@ -472,6 +472,8 @@ pub struct NodeProxyProc {
     pub child: Child,
     pub listen: SocketAddr,
     pub admin: SocketAddr,
+    /// The metrics-only endpoint, when `--metrics` was given.
+    pub metrics: Option<SocketAddr>,
 }
 
 impl Drop for NodeProxyProc {
@@ -497,6 +499,7 @@ pub fn node_proxy(args: &[&str]) -> NodeProxyProc {
         child,
         listen: v["listen"].as_str().unwrap().parse().unwrap(),
         admin: v["admin"].as_str().unwrap().parse().unwrap(),
+        metrics: v["metrics"].as_str().map(|m| m.parse().unwrap()),
     }
 }
 

@@ -15,7 +15,7 @@ pub struct NodeProxyArgs {
     /// Read the whole configuration from this YAML file instead of flags
     /// (keys are the flags' names with `_`; see docs/CONFIGURATION.md).
     #[arg(long, conflicts_with_all = ["address", "port", "gateway", "mode", "destination", "header",
-        "authority", "admin", "admin_token_file", "max_connections", "connect_timeout", "drain", "interface",
+        "authority", "admin", "admin_token_file", "metrics", "max_connections", "connect_timeout", "drain", "interface",
         "link_kind", "resync", "cluster_id", "cluster_id_tlv", "egress_proxy", "egress_proxy_credentials_file",
         "health_check", "health_check_interval", "health_check_timeout", "health_check_rise", "health_check_fall",
         "health_check_ca", "health_check_server_name", "health_check_path"])]
@@ -49,6 +49,10 @@ pub struct NodeProxyArgs {
     /// everything but `/healthz` and `/readyz`.
     #[arg(long)]
     pub admin_token_file: Option<std::path::PathBuf>,
+    /// A metrics-only endpoint (`/metrics`, `/healthz`; no token), e.g.
+    /// `0.0.0.0:16910` for the shoot's Prometheus.
+    #[arg(long)]
+    pub metrics: Option<std::net::SocketAddr>,
     /// Concurrent tunnels.
     #[arg(long, default_value_t = 10_000)]
     pub max_connections: usize,
@@ -168,6 +172,7 @@ impl NodeProxyArgs {
             authority: self.authority.clone(),
             admin: self.admin,
             admin_token_file: self.admin_token_file.clone(),
+            metrics: self.metrics,
             max_connections: self.max_connections,
             connect_timeout: secs(self.connect_timeout, "connect-timeout")?,
             drain: secs(self.drain, "drain")?,
@@ -220,11 +225,24 @@ pub async fn run(a: NodeProxyArgs) -> anyhow::Result<i32> {
         Some(p) => seedlink_net::admin::Access::from_token_file(p)
             .map_err(|e| anyhow::anyhow!("admin_token_file {}: {e}", p.display()))?,
     };
-    let ready = serde_json::json!({
+    let metrics = match plan.metrics {
+        Some(a) => Some(
+            tokio::net::TcpListener::bind(a)
+                .await
+                .map_err(|e| anyhow::anyhow!("metrics on {a}: {e}"))?,
+        ),
+        None => None,
+    };
+    let mut ready = serde_json::json!({
         "event": "ready",
         "listen": listener.local_addr()?.to_string(),
         "admin": admin.local_addr()?.to_string(),
     });
+    if let Some(m) = metrics {
+        ready["metrics"] = m.local_addr()?.to_string().into();
+        let np = np.clone();
+        tokio::spawn(async move { seedlink_node_proxy::admin::serve_metrics(np, m).await });
+    }
     np.serve(listener, admin, access);
     let armed = supervisor.arm(vec![Arc::new(NodeProxyRole(np))]);
     println!("{ready}");
