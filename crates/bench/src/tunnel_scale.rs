@@ -178,6 +178,7 @@ impl Bed {
                     stall_timeout: Duration::from_secs(10),
                     queue_bytes: 4 * 1024 * 1024,
                     flow_control: true,
+                    egress: None,
                 })?;
                 let run = a.clone();
                 tokio::spawn(async move { run.run().await });

@@ -4,6 +4,7 @@
 //! - [`admin`]: a small HTTP/1.1 admin endpoint (health, readiness, metrics).
 //! - [`copy`]: moves bytes between two TCP sockets with `splice(2)` on Linux (buffered
 //!   fallback elsewhere and when no pipe is free), propagating half-close and resets.
+//! - [`egress`]: leaving through a corporate HTTP CONNECT proxy (node-proxy, tunnel-agent).
 //! - [`h2copy`]: moves bytes between a socket and an HTTP/2 CONNECT stream, within h2 flow control.
 //! - [`sockopt`]: keepalive, linger and file-descriptor limits.
 //! - [`lifecycle`]: the process phase (starting, serving, draining) that readiness reports.
@@ -13,6 +14,7 @@
 pub mod accept;
 pub mod admin;
 pub mod copy;
+pub mod egress;
 pub mod h2copy;
 pub mod lifecycle;
 pub mod loglimit;

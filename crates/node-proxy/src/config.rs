@@ -158,32 +158,6 @@ fn ten_s() -> Duration {
     Duration::from_secs(10)
 }
 
-/// `http://host:port` or `host:port` → `host:port`.
-fn egress_address(url: &str) -> Result<String, String> {
-    let rest = match url.split_once("://") {
-        Some(("http", rest)) => rest,
-        Some((scheme, _)) => {
-            return Err(format!(
-                "{scheme}:// is not supported; the proxy is spoken to in cleartext HTTP (http://host:port)"
-            ))
-        }
-        None => url,
-    };
-    let rest = rest.strip_suffix('/').unwrap_or(rest);
-    if rest.contains('@') {
-        return Err("credentials do not belong in the URL; put user:password in egress_proxy_credentials_file".into());
-    }
-    if rest.contains('/') || rest.contains('?') {
-        return Err("must be http://host:port with no path".into());
-    }
-    match rest.rsplit_once(':') {
-        Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0) => {
-            Ok(rest.to_string())
-        }
-        _ => Err("must be http://host:port".into()),
-    }
-}
-
 /// The port's default.
 pub fn default_port() -> u16 {
     443
@@ -282,7 +256,8 @@ impl NodeProxyConfig {
             }
             return Ok(None);
         };
-        let address = egress_address(url).map_err(|e| ("egress_proxy", format!("{url:?}: {e}")))?;
+        let address = seedlink_net::egress::address_of(url)
+            .map_err(|e| ("egress_proxy", format!("{url:?}: {e}")))?;
         let authorization = match &self.egress_proxy_credentials_file {
             None => None,
             Some(p) => {
@@ -290,7 +265,7 @@ impl NodeProxyConfig {
                 let text = std::fs::read_to_string(p)
                     .map_err(|e| (key, format!("{}: {e}", p.display())))?;
                 Some(
-                    EgressProxy::basic(&text)
+                    seedlink_net::egress::basic(&text)
                         .map_err(|e| (key, format!("{}: {e}", p.display())))?,
                 )
             }

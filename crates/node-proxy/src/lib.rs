@@ -77,32 +77,7 @@ pub struct Options {
 /// A corporate egress proxy: connections to the gateway are opened with
 /// `CONNECT <gateway> HTTP/1.1` through it (HyperShift's
 /// `kubernetes-default-proxy` does the same).
-#[derive(Debug, Clone)]
-pub struct EgressProxy {
-    /// `host:port` of the proxy; a name is re-resolved like the gateway's.
-    pub address: String,
-    /// The `Proxy-Authorization` value (`Basic …`), if credentials are set.
-    pub authorization: Option<String>,
-}
-
-impl EgressProxy {
-    /// `Basic` credentials from `user:password` (one line; the password may
-    /// hold colons, the user may not, neither may be empty).
-    pub fn basic(credentials: &str) -> Result<String, &'static str> {
-        use base64::Engine;
-        let line = credentials.trim_end_matches(['\n', '\r']);
-        if line.contains(['\n', '\r']) {
-            return Err("must be one line, user:password");
-        }
-        match line.split_once(':') {
-            Some((user, pass)) if !user.is_empty() && !pass.is_empty() => Ok(format!(
-                "Basic {}",
-                base64::engine::general_purpose::STANDARD.encode(line)
-            )),
-            _ => Err("must be user:password, neither empty"),
-        }
-    }
-}
+pub use seedlink_net::egress::EgressProxy;
 
 /// Labels with a check result.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

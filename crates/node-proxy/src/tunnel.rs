@@ -202,35 +202,25 @@ pub async fn dial(np: &NodeProxy) -> Result<TcpStream, Outcome> {
             Outcome::GatewayUnreachable
         });
     };
-    let s = np.resolver.connect(np).await.map_err(|e| {
+    let mut s = np.resolver.connect(np).await.map_err(|e| {
         if np.metrics.refusal_log.allow() {
             tracing::warn!(target: "seedlink::refused", egress_proxy = %egress.address, error = %e, "egress proxy unreachable");
         }
         Outcome::EgressProxyUnreachable
     })?;
-    let auth = egress
-        .authorization
-        .as_deref()
-        .map_or(String::new(), |a| format!("Proxy-Authorization: {a}\r\n"));
-    let head = format!(
-        "CONNECT {g} HTTP/1.1\r\nHost: {g}\r\n{auth}\r\n",
-        g = np.opts.gateway
-    );
     let answer = tokio::time::timeout(
         np.opts.handshake_timeout,
-        exchange_head(&s, head.as_bytes()),
+        egress.handshake(&mut s, &np.opts.gateway),
     )
     .await;
+    use seedlink_net::egress::EgressError as E;
     let why = match answer {
-        // The gateway never speaks first, so bytes after the answer are the
-        // proxy's mistake, not tunnel payload.
-        Ok(Ok((200, rest))) if rest.is_empty() => return Ok(s),
-        Ok(Ok((200, _))) => Outcome::EgressProxyBadResponse,
+        Ok(Ok(())) => return Ok(s),
         // 407 asks for credentials; tinyproxy answers wrong ones with 401.
-        Ok(Ok((401 | 407, _))) => Outcome::EgressProxyAuth,
-        Ok(Ok(_)) => Outcome::EgressProxyRefused,
-        Ok(Err(Outcome::GatewayBadResponse)) => Outcome::EgressProxyBadResponse,
-        Ok(Err(_)) => Outcome::EgressProxyClosed,
+        Ok(Err(E::Auth(_))) => Outcome::EgressProxyAuth,
+        Ok(Err(E::Refused(_))) => Outcome::EgressProxyRefused,
+        Ok(Err(E::BadResponse)) => Outcome::EgressProxyBadResponse,
+        Ok(Err(E::Closed | E::Unreachable(..))) => Outcome::EgressProxyClosed,
         Err(_) => Outcome::EgressProxyTimeout,
     };
     if np.metrics.refusal_log.allow() {

@@ -576,3 +576,116 @@ async fn replica_discovery_probes_close_cleanly_and_are_counted_as_duplicates() 
     let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(10)).await;
     assert!(fetch_hello(s).await.contains("hello from the shoot"));
 }
+
+/// GEP-11's private network: the shoot's only way out is a corporate HTTP
+/// CONNECT proxy (tinyproxy, Basic auth). The agent cannot reach the
+/// server directly (an iptables rule in the shoot rejects root's
+/// connections to it; tinyproxy runs as nobody), joins through the proxy
+/// with credentials from a file, and serves dials; wrong credentials are
+/// counted as `egress_proxy_auth_failed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_leaves_through_a_corporate_egress_proxy() {
+    let env = TunnelEnv::new(60);
+    let ep = env.agent_endpoint(8132);
+    let _server = env.server(&env.server_yaml(&ep, "", ""), "server");
+    env.shoot.run(&[
+        "iptables",
+        "-A",
+        "OUTPUT",
+        "-p",
+        "tcp",
+        "-d",
+        "198.18.60.1",
+        "--dport",
+        "8132",
+        "-m",
+        "owner",
+        "--uid-owner",
+        "0",
+        "-j",
+        "REJECT",
+        "--reject-with",
+        "tcp-reset",
+    ]);
+    let direct = env
+        .shoot
+        .cmd(&[
+            "curl",
+            "-sS",
+            "--max-time",
+            "3",
+            "-k",
+            &format!("https://{ep}/"),
+        ])
+        .output()
+        .unwrap();
+    // curl exit 7: could not connect (the reset).
+    assert_eq!(
+        direct.status.code(),
+        Some(7),
+        "the shoot reaches the server without the proxy: {direct:?}"
+    );
+    let d = env.dir.path();
+    let conf = d.join("tinyproxy.conf");
+    std::fs::write(
+        &conf,
+        "Port 3128\nListen 127.0.0.1\nTimeout 60\nUser nobody\nGroup nogroup\nMaxClients 50\n\
+         Allow 127.0.0.1\nBasicAuth user s3cret-pw\nConnectPort 8132\n",
+    )
+    .unwrap();
+    let _proxy = Proc(
+        env.shoot
+            .cmd(&[require("tinyproxy").to_str().unwrap(), "-d", "-c"])
+            .arg(&conf)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let good = d.join("proxy-creds");
+    std::fs::write(&good, "user:s3cret-pw\n").unwrap();
+    let bad = d.join("proxy-creds-bad");
+    std::fs::write(&bad, "user:wrong\n").unwrap();
+
+    let agent = env.agent(
+        &ep,
+        &[
+            "--egress-proxy",
+            "http://127.0.0.1:3128",
+            "--egress-proxy-credentials-file",
+            good.to_str().unwrap(),
+        ],
+    );
+    let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
+    assert!(fetch_hello(s).await.contains("hello from the shoot"));
+    assert!(
+        env.agent_metric(
+            &agent.admin(),
+            "seedlink_tunnel_agent_open_server_connections"
+        ) >= 1.0
+    );
+
+    let refused = env.agent(
+        &ep,
+        &[
+            "--egress-proxy",
+            "http://127.0.0.1:3128",
+            "--egress-proxy-credentials-file",
+            bad.to_str().unwrap(),
+        ],
+    );
+    TunnelEnv::until(Duration::from_secs(20), "the refusal to be counted", || {
+        env.agent_metric(
+            &refused.admin(),
+            "seedlink_tunnel_agent_server_connect_errors_total{outcome=\"egress_proxy_auth_failed\"}",
+        ) >= 1.0
+    })
+    .await;
+    assert_eq!(
+        env.agent_metric(
+            &refused.admin(),
+            "seedlink_tunnel_agent_open_server_connections"
+        ),
+        0.0
+    );
+}

@@ -22,7 +22,8 @@ pub struct AgentArgs {
     #[arg(long, conflicts_with_all = ["server", "server_name", "ca_cert", "agent_cert", "agent_key",
         "alpn_proto", "agent_id", "agent_identifiers", "service_account_token_path", "allow_cidr",
         "allow_port", "deny_cidr", "dial_timeout", "sync_interval", "sync_interval_cap",
-        "keepalive_time", "admin", "admin_token_file", "flow_control", "drain"])]
+        "keepalive_time", "admin", "admin_token_file", "flow_control", "drain", "egress_proxy",
+        "egress_proxy_credentials_file"])]
     pub config: Option<PathBuf>,
     /// The tunnel server (or the gateway in front of it), `host:port`.
     #[arg(long, required_unless_present = "config")]
@@ -88,6 +89,14 @@ pub struct AgentArgs {
     /// Drain deadline after the first SIGTERM, seconds.
     #[arg(long, default_value_t = 30.0)]
     pub drain: f64,
+    /// Reach the server through this HTTP CONNECT forward proxy,
+    /// `http://host:port` (a corporate egress proxy; it resolves the
+    /// server's name).
+    #[arg(long)]
+    pub egress_proxy: Option<String>,
+    /// A file holding `user:password` for the egress proxy (Basic).
+    #[arg(long, requires = "egress_proxy")]
+    pub egress_proxy_credentials_file: Option<PathBuf>,
 }
 
 /// Content hash of the configuration file and every file it names (a
@@ -468,6 +477,8 @@ impl AgentArgs {
             admin_token_file: self.admin_token_file.clone(),
             flow_control: self.flow_control,
             drain: secs(self.drain, "drain")?,
+            egress_proxy: self.egress_proxy.clone(),
+            egress_proxy_credentials_file: self.egress_proxy_credentials_file.clone(),
         })
     }
 }

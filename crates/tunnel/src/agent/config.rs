@@ -81,6 +81,16 @@ pub struct AgentConfig {
     /// Drain deadline after the first SIGTERM.
     #[serde(default = "thirty_s", with = "humantime_serde")]
     pub drain: Duration,
+    /// Reach the server through this HTTP CONNECT forward proxy,
+    /// `http://host:port` (a corporate egress proxy; it resolves the
+    /// server's name). Cleartext to the proxy: the tunnelled bytes are the
+    /// agent's own TLS.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_proxy: Option<String>,
+    /// A file holding `user:password` for the proxy (`Proxy-Authorization:
+    /// Basic`), read at start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_proxy_credentials_file: Option<PathBuf>,
 }
 
 fn one_s() -> Duration {
@@ -159,7 +169,33 @@ impl AgentConfig {
         if self.sync_interval_cap < self.sync_interval {
             err("sync_interval_cap", "must be at least sync_interval".into());
         }
+        match &self.egress_proxy {
+            Some(url) => {
+                if let Err(e) = seedlink_net::egress::address_of(url) {
+                    err("egress_proxy", format!("{url:?}: {e}"));
+                }
+            }
+            None if self.egress_proxy_credentials_file.is_some() => err(
+                "egress_proxy_credentials_file",
+                "set without egress_proxy".into(),
+            ),
+            None => {}
+        }
         errs
+    }
+
+    /// The egress proxy, its credentials read (checked by `check_files`).
+    fn egress(&self) -> Result<Option<seedlink_net::egress::EgressProxy>, String> {
+        let Some(url) = &self.egress_proxy else {
+            return Ok(None);
+        };
+        let credentials = match &self.egress_proxy_credentials_file {
+            None => None,
+            Some(p) => {
+                Some(std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?)
+            }
+        };
+        seedlink_net::egress::EgressProxy::new(url, credentials.as_deref()).map(Some)
     }
 
     /// Every file named, read and parsed as what it must be (CA bundle,
@@ -181,6 +217,14 @@ impl AgentConfig {
             }
             if let Err(e) = crate::tls::load_key(k) {
                 err("agent_key", k, format!("{e:#}"));
+            }
+        }
+        if let (Some(p), Some(_)) = (&self.egress_proxy_credentials_file, &self.egress_proxy) {
+            let read = std::fs::read_to_string(p)
+                .map_err(|e| e.to_string())
+                .and_then(|t| seedlink_net::egress::basic(&t));
+            if let Err(e) = read {
+                err("egress_proxy_credentials_file", p, e);
             }
         }
         if let Some(p) = &self.service_account_token_path {
@@ -207,6 +251,12 @@ impl AgentConfig {
             let b: [u8; 8] = rand::random();
             b.iter().map(|x| format!("{x:02x}")).collect()
         });
+        let egress = self.egress().map_err(|message| {
+            Errors(vec![ConfigError {
+                path: "egress_proxy_credentials_file".into(),
+                message,
+            }])
+        })?;
         let deny = match &self.deny_cidr {
             Some(d) => d.clone(),
             None => DEFAULT_DENY.iter().filter_map(|s| s.parse().ok()).collect(),
@@ -237,6 +287,7 @@ impl AgentConfig {
             stall_timeout: Duration::from_secs(10),
             queue_bytes: 4 * 1024 * 1024,
             flow_control: self.flow_control,
+            egress,
         })
     }
 }

@@ -83,6 +83,12 @@ pub enum ConnectError {
         /// Why.
         error: std::io::Error,
     },
+    /// The egress proxy did not open a tunnel to the server.
+    #[error("{0}")]
+    EgressProxy(seedlink_net::egress::EgressError),
+    /// The egress proxy did not answer in time.
+    #[error("egress proxy did not answer")]
+    EgressProxyTimeout,
     /// The server did not answer the stream in time.
     #[error("server did not answer")]
     NoAnswer,
@@ -105,6 +111,8 @@ impl ConnectError {
             ConnectError::TlsTimeout => "tls_timeout",
             ConnectError::Http2(_) => "http2_error",
             ConnectError::Token { .. } => "token_unreadable",
+            ConnectError::EgressProxy(e) => e.reason(),
+            ConnectError::EgressProxyTimeout => "egress_proxy_timeout",
             ConnectError::NoAnswer => "no_answer",
             ConnectError::Refused(_) => "refused",
             ConnectError::BadAnswer(_) => "bad_answer",
@@ -116,7 +124,10 @@ impl ConnectError {
     pub fn timed_out(&self) -> bool {
         matches!(
             self,
-            ConnectError::ConnectTimeout(_) | ConnectError::TlsTimeout | ConnectError::NoAnswer
+            ConnectError::ConnectTimeout(_)
+                | ConnectError::TlsTimeout
+                | ConnectError::NoAnswer
+                | ConnectError::EgressProxyTimeout
         )
     }
 }
@@ -160,6 +171,9 @@ pub struct AgentOptions {
     pub queue_bytes: usize,
     /// Offer per-connection flow control (used when the server is seedlink).
     pub flow_control: bool,
+    /// Leave through this HTTP CONNECT proxy (a private network's only way
+    /// out); the proxy resolves the server's name.
+    pub egress: Option<seedlink_net::egress::EgressProxy>,
 }
 
 /// `outcome` label.
@@ -550,13 +564,19 @@ impl Agent {
         t: Duration,
     ) -> Result<(grpc::Client, crate::goaway::Seen), ConnectError> {
         let server = &self.opts.server;
-        let tcp = tokio::time::timeout(t, TcpStream::connect(server))
-            .await
-            .map_err(|_| ConnectError::ConnectTimeout(server.clone()))?
-            .map_err(|error| ConnectError::Connect {
-                server: server.clone(),
-                error,
-            })?;
+        let tcp = match &self.opts.egress {
+            None => tokio::time::timeout(t, TcpStream::connect(server))
+                .await
+                .map_err(|_| ConnectError::ConnectTimeout(server.clone()))?
+                .map_err(|error| ConnectError::Connect {
+                    server: server.clone(),
+                    error,
+                })?,
+            Some(egress) => tokio::time::timeout(t, egress.connect(server))
+                .await
+                .map_err(|_| ConnectError::EgressProxyTimeout)?
+                .map_err(ConnectError::EgressProxy)?,
+        };
         let _ = tcp.set_nodelay(true);
         let bad_name = || ConnectError::ServerName(self.opts.server_name.clone());
         let name = rustls::pki_types::ServerName::try_from(self.opts.server_name.clone())

@@ -1,0 +1,230 @@
+//! A corporate egress (forward) proxy: leaving a private network by an
+//! HTTP/1.1 `CONNECT host:port` through it, optionally with `Basic`
+//! credentials. Used by the node-proxy (to the gateway) and the
+//! tunnel-agent (to the tunnel-server).
+//!
+//! Hand-written on `httparse` for the answer: no maintained crate dials
+//! through an HTTP CONNECT proxy on a plain tokio `TcpStream` with the
+//! bounds and outcomes needed here (hyper's client proxies requests, not
+//! raw tunnels).
+
+use std::io;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// The largest proxy answer head read.
+const MAX_ANSWER_HEAD: usize = 16 * 1024;
+
+/// An egress proxy: where it is, and the `Proxy-Authorization` to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EgressProxy {
+    /// `host:port` of the proxy.
+    pub address: String,
+    /// The `Proxy-Authorization` value (`Basic …`), if credentials are set.
+    pub authorization: Option<String>,
+}
+
+/// Why a tunnel through the proxy was not opened.
+#[derive(Debug, thiserror::Error)]
+pub enum EgressError {
+    /// The proxy could not be reached.
+    #[error("egress proxy {0} unreachable: {1}")]
+    Unreachable(String, io::Error),
+    /// 407 (or 401, tinyproxy's answer to wrong credentials).
+    #[error("egress proxy refused our credentials ({0})")]
+    Auth(u16),
+    /// Any other non-200 answer.
+    #[error("egress proxy refused the tunnel: {0}")]
+    Refused(u16),
+    /// Not an HTTP answer, too long, or bytes after a 200 (the far side
+    /// never speaks first, so they are the proxy's).
+    #[error("egress proxy answered something that is not an HTTP answer")]
+    BadResponse,
+    /// The proxy closed (or failed) before answering.
+    #[error("egress proxy closed before answering")]
+    Closed,
+}
+
+impl EgressError {
+    /// The metric label (`egress_proxy_…`).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            EgressError::Unreachable(..) => "egress_proxy_unreachable",
+            EgressError::Auth(_) => "egress_proxy_auth_failed",
+            EgressError::Refused(_) => "egress_proxy_refused",
+            EgressError::BadResponse => "egress_proxy_bad_response",
+            EgressError::Closed => "egress_proxy_closed",
+        }
+    }
+}
+
+impl EgressProxy {
+    /// From `http://host:port` (or `host:port`) and, if given, the text of
+    /// a credentials file (`user:password`).
+    pub fn new(url: &str, credentials: Option<&str>) -> Result<EgressProxy, String> {
+        Ok(EgressProxy {
+            address: address_of(url)?,
+            authorization: credentials.map(basic).transpose()?,
+        })
+    }
+
+    /// Connects to the proxy and asks it for a tunnel to `target`
+    /// (`host:port`; the proxy resolves names). Unbounded in time: callers
+    /// wrap it in their deadline.
+    pub async fn connect(&self, target: &str) -> Result<TcpStream, EgressError> {
+        let mut s = TcpStream::connect(&self.address)
+            .await
+            .map_err(|e| EgressError::Unreachable(self.address.clone(), e))?;
+        self.handshake(&mut s, target).await?;
+        Ok(s)
+    }
+
+    /// The CONNECT exchange on a connection to the proxy.
+    pub async fn handshake(&self, s: &mut TcpStream, target: &str) -> Result<(), EgressError> {
+        let auth = self
+            .authorization
+            .as_deref()
+            .map_or(String::new(), |a| format!("Proxy-Authorization: {a}\r\n"));
+        let head = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n");
+        s.write_all(head.as_bytes())
+            .await
+            .map_err(|_| EgressError::Closed)?;
+        let (code, rest) = read_answer(s).await?;
+        match code {
+            200 if rest == 0 => Ok(()),
+            200 => Err(EgressError::BadResponse),
+            401 | 407 => Err(EgressError::Auth(code)),
+            c => Err(EgressError::Refused(c)),
+        }
+    }
+}
+
+/// Reads an answer head: its status, and how many bytes came after it (the
+/// far sides here never speak first, so any such byte is the proxy's).
+async fn read_answer(s: &mut TcpStream) -> Result<(u16, usize), EgressError> {
+    let mut buf: Vec<u8> = Vec::with_capacity(256);
+    let mut chunk = [0u8; 1024];
+    loop {
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut resp = httparse::Response::new(&mut headers);
+        match resp.parse(&buf) {
+            Ok(httparse::Status::Complete(n)) => {
+                return Ok((resp.code.unwrap_or(0), buf.len() - n));
+            }
+            Ok(httparse::Status::Partial) => {}
+            Err(_) => return Err(EgressError::BadResponse),
+        }
+        if buf.len() >= MAX_ANSWER_HEAD {
+            return Err(EgressError::BadResponse);
+        }
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return Err(EgressError::Closed),
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// `http://host:port` or `host:port` → `host:port`. Only cleartext HTTP
+/// (the tunnelled bytes are TLS of their own); no credentials in the URL.
+pub fn address_of(url: &str) -> Result<String, String> {
+    let rest = match url.split_once("://") {
+        Some(("http", rest)) => rest,
+        Some((scheme, _)) => {
+            return Err(format!(
+                "{scheme}:// is not supported; the proxy is spoken to in cleartext HTTP (http://host:port)"
+            ))
+        }
+        None => url,
+    };
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    if rest.contains('@') {
+        return Err(
+            "credentials do not belong in the URL; put user:password in the credentials file"
+                .into(),
+        );
+    }
+    if rest.contains('/') || rest.contains('?') {
+        return Err("must be http://host:port with no path".into());
+    }
+    match rest.rsplit_once(':') {
+        Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0) => {
+            Ok(rest.to_string())
+        }
+        _ => Err("must be http://host:port".into()),
+    }
+}
+
+/// `Basic` credentials from `user:password` (one line; the password may
+/// hold colons, the user may not, neither may be empty).
+pub fn basic(credentials: &str) -> Result<String, String> {
+    use base64::Engine;
+    let line = credentials.trim_end_matches(['\n', '\r']);
+    if line.contains(['\n', '\r']) {
+        return Err("must be one line, user:password".into());
+    }
+    match line.split_once(':') {
+        Some((user, pass)) if !user.is_empty() && !pass.is_empty() => Ok(format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode(line)
+        )),
+        _ => Err("must be user:password, neither empty".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn urls_and_credentials_are_checked() {
+        assert_eq!(address_of("http://proxy:3128").unwrap(), "proxy:3128");
+        assert_eq!(address_of("proxy:3128/").unwrap(), "proxy:3128");
+        assert!(address_of("https://proxy:3128")
+            .unwrap_err()
+            .contains("https://"));
+        assert!(address_of("http://u:p@proxy:3128")
+            .unwrap_err()
+            .contains("credentials"));
+        assert!(address_of("http://proxy:3128/x").is_err());
+        assert!(address_of("http://proxy:0").is_err());
+        assert!(address_of("http://proxy").is_err());
+        assert_eq!(basic("user:pa:ss\n").unwrap(), "Basic dXNlcjpwYTpzcw==");
+        assert!(basic(":x").is_err());
+        assert!(basic("a:b\nc").is_err());
+        assert!(basic("nocolon").is_err());
+    }
+
+    async fn answering(answer: &'static [u8]) -> String {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut b = [0u8; 1024];
+            let _ = s.read(&mut b).await;
+            let _ = s.write_all(answer).await;
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn each_answer_is_told_apart() {
+        for (answer, want) in [
+            (
+                &b"HTTP/1.1 407 Proxy Authentication Required\r\n\r\n"[..],
+                "egress_proxy_auth_failed",
+            ),
+            (b"HTTP/1.1 403 Forbidden\r\n\r\n", "egress_proxy_refused"),
+            (b"HTTP/1.1 200 OK\r\n\r\nextra", "egress_proxy_bad_response"),
+            (b"not http at all\r\n\r\n", "egress_proxy_bad_response"),
+            (b"HTTP/1.1 200 Conn", "egress_proxy_closed"),
+        ] {
+            let p = EgressProxy::new(&answering(answer).await, None).unwrap();
+            let e = p.connect("seed.example:443").await.unwrap_err();
+            assert_eq!(e.reason(), want, "{answer:?}");
+        }
+        let p = EgressProxy::new(&answering(b"HTTP/1.1 200 OK\r\n\r\n").await, None).unwrap();
+        assert!(p.connect("seed.example:443").await.is_ok());
+    }
+}
