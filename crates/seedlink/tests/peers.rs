@@ -264,3 +264,178 @@ backend gw_untrusted
     let _ = hap.wait();
     stop.cancel();
 }
+
+/// GEP-30 as written: the load balancer (HAProxy) sends PROXY v2 in front
+/// of the `http-connect` listener, and the control plane's ACL decides on
+/// the client address in that header, on the CONNECT path: HTTP/1.1 CONNECT
+/// (curl, as Gardener's apiserver-proxy and VPN client send it) and HTTP/2
+/// CONNECT (Envoy as Kubermatic's envoy-agent), each from an allowed and a
+/// refused source address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gep30_the_lbs_proxy_header_decides_the_acl_on_connect() {
+    let haproxy = require("haproxy");
+    let envoy = require("envoy");
+    let stop = CancellationToken::new();
+    let pki = seedlink::demo::Pki::generate(&[ALPHA]).unwrap();
+    let a = demo_backend(&pki, 0, "alpha", &stop).await;
+    const DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners:
+  - {{name: http-proxy, address: '127.0.0.1:0', protocol: http-connect, proxy_protocol: required}}
+trusted_load_balancers: [127.0.0.9/32]
+control_planes:
+  - name: alpha
+    endpoints: ['{a}']
+    destinations: [{{name: '{DEST}'}}]
+    acl: {{allow: [127.0.0.5/32]}}
+"
+    ));
+    let files = write_pki(&pki, gw.dir.path());
+    let lb = free_port();
+    let cfg = format!(
+        "global
+  maxconn 100
+defaults
+  mode tcp
+  timeout connect 5s
+  timeout client 30s
+  timeout server 30s
+frontend lb
+  bind 127.0.0.1:{lb}
+  default_backend gw
+backend gw
+  server gw {gwaddr} send-proxy-v2 source 127.0.0.9
+",
+        gwaddr = gw.listener("http-proxy")
+    );
+    let cfg_path = gw.dir.path().join("haproxy.cfg");
+    std::fs::write(&cfg_path, cfg).unwrap();
+    let _hap = Proc(
+        Command::new(haproxy)
+            .arg("-db")
+            .arg("-f")
+            .arg(&cfg_path)
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_listening(format!("127.0.0.1:{lb}").parse().unwrap()).await;
+
+    // HTTP/1.1 CONNECT with the destination header, from two sources.
+    let connect = |source: &str| {
+        let out = Command::new(require("curl"))
+            .args(["-sS", "--max-time", "10", "-p", "-x"])
+            .arg(format!("http://127.0.0.1:{lb}"))
+            .args(["--interface", source, "--proxy-header"])
+            .arg(format!("X-Gardener-Destination: {DEST}"))
+            .arg("--cacert")
+            .arg(&files.ca)
+            .arg("--cert")
+            .arg(&files.cert)
+            .arg("--key")
+            .arg(&files.key)
+            .arg(format!("https://{ALPHA}/"))
+            .output()
+            .unwrap();
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    let allowed = connect("127.0.0.5");
+    assert!(allowed.contains("hello from alpha"), "{allowed}");
+    let refused = connect("127.0.0.6");
+    assert!(
+        !refused.contains("hello from alpha") && refused.contains("503"),
+        "{refused}"
+    );
+    gw.wait_metric(
+        "seedlink_gateway_acl_denied_total{control_plane=\"alpha\"}",
+        1.0,
+    )
+    .await;
+
+    // HTTP/2 CONNECT: Envoy tunnels over HTTP/2 to the LB, one listener per
+    // source address.
+    let (p_ok, p_no) = (free_port(), free_port());
+    let listener = |name: &str, port: u16| {
+        format!(
+            "  - name: {name}
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          '@type': type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: {name}
+          cluster: {name}
+          tunneling_config:
+            hostname: 'kube-apiserver.shoot--dev--alpha.svc.cluster.local:443'
+            headers_to_add:
+            - header: {{key: X-Gardener-Destination, value: '{DEST}'}}
+"
+        )
+    };
+    let cluster = |name: &str, source: &str| {
+        format!(
+            "  - name: {name}
+    type: STATIC
+    connect_timeout: 5s
+    upstream_bind_config: {{source_address: {{address: {source}, port_value: 0}}}}
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        '@type': type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{http2_protocol_options: {{}}}}
+    load_assignment:
+      cluster_name: {name}
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {lb}}}}}}}
+"
+        )
+    };
+    let envoy_cfg = gw.dir.path().join("envoy.yaml");
+    std::fs::write(
+        &envoy_cfg,
+        format!(
+            "static_resources:\n  listeners:\n{}{}  clusters:\n{}{}",
+            listener("allowed", p_ok),
+            listener("refused", p_no),
+            cluster("allowed", "127.0.0.5"),
+            cluster("refused", "127.0.0.6"),
+        ),
+    )
+    .unwrap();
+    let _envoy = Proc(
+        Command::new(envoy)
+            .arg("-c")
+            .arg(&envoy_cfg)
+            .args(["--concurrency", "1", "-l", "error", "--use-dynamic-base-id"])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    for p in [p_ok, p_no] {
+        wait_listening(format!("127.0.0.1:{p}").parse().unwrap()).await;
+    }
+    let body = curl_mtls(&files, ALPHA, std::net::Ipv4Addr::LOCALHOST.into(), p_ok);
+    assert!(body.contains("hello from alpha"), "HTTP/2, allowed: {body}");
+    let body = curl_mtls(&files, ALPHA, std::net::Ipv4Addr::LOCALHOST.into(), p_no);
+    assert!(
+        !body.contains("hello from alpha"),
+        "HTTP/2, refused: {body}"
+    );
+    gw.wait_metric(
+        "seedlink_gateway_routed_total{listener=\"http-proxy\",protocol=\"http2-connect\",control_plane=\"alpha\"}",
+        1.0,
+    )
+    .await;
+    gw.wait_metric(
+        "seedlink_gateway_acl_denied_total{control_plane=\"alpha\"}",
+        2.0,
+    )
+    .await;
+    stop.cancel();
+}
