@@ -136,12 +136,20 @@ async fn ensure_with(handle: &Handle, iface: &Interface) -> Result<bool, NetifEr
         return Ok(false);
     }
     let prefix = if iface.address.is_ipv4() { 32 } else { 128 };
-    match handle
-        .address()
-        .add(index, iface.address, prefix)
-        .execute()
-        .await
-    {
+    let mut add = handle.address().add(index, iface.address, prefix);
+    if iface.address.is_ipv6() {
+        // Every node holds this address by design, and it must serve at
+        // once: no duplicate address detection (which would keep it
+        // "tentative", unbindable, for a second or more).
+        use rtnetlink::packet_route::address::{
+            AddressAttribute, AddressFlags, AddressHeaderFlags,
+        };
+        let msg = add.message_mut();
+        msg.header.flags = AddressHeaderFlags::Nodad;
+        msg.attributes
+            .push(AddressAttribute::Flags(AddressFlags::Nodad));
+    }
+    match add.execute().await {
         Ok(()) => Ok(true),
         Err(e) if code(&e) == Some(EEXIST) => Ok(false),
         Err(e) => Err(NetifError::Netlink("adding the address", e.to_string())),

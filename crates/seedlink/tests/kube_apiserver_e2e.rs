@@ -29,7 +29,7 @@ use seedlink_testkit as common;
 
 use common::kubeapi::{self, KubeApi, Options};
 use common::tunnel_env::{ready_line, spawn_until_up, Started};
-use common::{netns_to_host, require, seedlink_bin, Netns, Proc};
+use common::{netns_to_host, require, seedlink_bin, Gw, Netns, Proc};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -39,6 +39,17 @@ const POD_IP: &str = "10.244.1.5";
 const NODE_IP: &str = "10.250.0.10";
 const SVC_IP: &str = "10.97.0.50";
 const TUNNEL_NAME: &str = "tunnel.seedlink.test";
+const API_NAME: &str = "api.shoot-e2e.seedlink.test";
+/// The `kubernetes` Service's ClusterIP (the first of the service range).
+const KUBERNETES_V4: &str = "10.97.0.1";
+/// The same on IPv6 (a DNAT rule like kube-proxy's; the API server itself
+/// runs single-stack IPv4).
+const KUBERNETES_V6: &str = "fd00:97::1";
+/// GEP-08: the address kube-apiserver advertises, served by the
+/// node-proxy on every node.
+const ADVERTISE_V4: &str = "10.1.2.3";
+const ADVERTISE_V6: &str = "fd00:1:2::3";
+const DEST: &str = "outbound|443||kube-apiserver.shoot--e2e--a.svc.cluster.local";
 
 /// Every file the test bed writes.
 struct Files {
@@ -107,9 +118,20 @@ clusters:
 
 /// `seedlink tunnel-config` for the cluster, written into `out`; the
 /// kube-apiserver flags it rendered.
-fn render(files: &Files, agents: &str, version: &str, out: &Path) -> Vec<String> {
-    let st = Command::new(seedlink_bin())
-        .args(["tunnel-config", "--config"])
+fn render(
+    files: &Files,
+    agents: &str,
+    version: &str,
+    advertise: Option<&str>,
+    out: &Path,
+) -> Vec<String> {
+    let mut cmd = Command::new(seedlink_bin());
+    cmd.arg("tunnel-config");
+    if let Some(a) = advertise {
+        cmd.args(["--advertise-address", a]);
+    }
+    let st = cmd
+        .arg("--config")
         .arg(files.dir.join("server.yaml"))
         .args(["--cluster", CLUSTER, "--agent-server", agents])
         .args(["--server-name", TUNNEL_NAME, "--agent-ca-cert"])
@@ -142,10 +164,16 @@ fn lines(p: &Path) -> Vec<String> {
 /// client credentials, a service range of its own. The server
 /// configuration is written (with the URL and CA the API server will
 /// have) and rendered before it starts, as an operator would.
-async fn shoot_apiserver(files: &Arc<Files>, agents: &str, version: &str) -> KubeApi {
+async fn shoot_apiserver(
+    files: &Arc<Files>,
+    agents: &str,
+    version: &str,
+    advertise: Option<&str>,
+) -> KubeApi {
     let f = files.clone();
     let agents = agents.to_string();
     let version = version.to_string();
+    let advertise = advertise.map(str::to_string);
     let opts = Options {
         args: vec![
             format!("--kubelet-certificate-authority={}", f.p("kubelet-ca.pem")),
@@ -160,9 +188,13 @@ async fn shoot_apiserver(files: &Arc<Files>, agents: &str, version: &str) -> Kub
                 &f,
                 &agents,
                 &version,
+                advertise.as_deref(),
                 &f.dir.join(format!("rendered-{version}")),
             )
         })),
+        // The gateway's SNI name, and the `kubernetes` Service's addresses
+        // in-cluster clients dial (IPv4 and IPv6).
+        names: vec![API_NAME.into(), KUBERNETES_V4.into(), KUBERNETES_V6.into()],
         ..Options::default()
     };
     tokio::task::spawn_blocking(move || KubeApi::start_with(opts))
@@ -483,7 +515,7 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
         let l = std::net::TcpListener::bind(format!("198.18.{NET}.1:0")).unwrap();
         l.local_addr().unwrap().to_string()
     };
-    let api = shoot_apiserver(&files, &agents, "v1beta1").await;
+    let api = shoot_apiserver(&files, &agents, "v1beta1", None).await;
     let rendered = files.dir.join("rendered-v1beta1");
 
     // What was rendered is what runs: every egress entry, loaded by the
@@ -743,7 +775,7 @@ async fn the_v1alpha1_egress_selector_is_loaded_too() {
         let l = std::net::TcpListener::bind(format!("198.18.{}.1:0", NET + 1)).unwrap();
         l.local_addr().unwrap().to_string()
     };
-    let api = shoot_apiserver(&files, &agents, "v1alpha1").await;
+    let api = shoot_apiserver(&files, &agents, "v1alpha1", None).await;
     let rendered = files.dir.join("rendered-v1alpha1");
     let egress =
         std::fs::read_to_string(rendered.join("egress-selector-configuration.yaml")).unwrap();
@@ -794,5 +826,205 @@ async fn the_v1alpha1_egress_selector_is_loaded_too() {
             .then_some(())
             .ok_or_else(|| text(&o))
     })
+    .await;
+}
+
+/// A kubeconfig for `server` (SNI `name` when given) with the admin's
+/// client certificate, or a bearer token.
+fn kubeconfig(api: &KubeApi, path: &Path, server: &str, name: Option<&str>, token: Option<&str>) {
+    let sni = name.map_or(String::new(), |n| format!("\n    tls-server-name: {n}"));
+    let user = match token {
+        Some(t) => format!("token: {t}"),
+        None => format!(
+            "client-certificate: {}\n    client-key: {}",
+            api.dir.join("admin.pem").display(),
+            api.dir.join("admin-key.pem").display()
+        ),
+    };
+    std::fs::write(
+        path,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {server}\n    certificate-authority: {}{sni}\nusers:\n- name: u\n  user:\n    {user}\ncontexts:\n- name: c\n  context: {{cluster: c, user: u}}\ncurrent-context: c\n",
+            api.ca.display()
+        ),
+    )
+    .unwrap();
+}
+
+/// GEP-08 and GEP-30 with the real consumer: kubectl (client certificate)
+/// through the gateway's SNI passthrough to the shoot's kube-apiserver; and
+/// an in-cluster client in the shoot (its ServiceAccount token) dialing the
+/// `kubernetes` ClusterIP, which a DNAT rule like kube-proxy's sends to the
+/// address kube-apiserver advertises (`--advertise-address` as
+/// `tunnel-config` renders it; the DNAT target read from the real
+/// `default/kubernetes` EndpointSlice), where the node-proxy carries it to
+/// the gateway by CONNECT + `X-Gardener-Destination`, then by HTTP/2
+/// CONNECT; IPv4 and IPv6.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_and_in_cluster_clients_reach_their_api_server_through_the_gateway() {
+    let net = NET + 2;
+    let dir = tempfile::tempdir().unwrap();
+    let files = Arc::new(Files::new(dir.path()));
+    let (node, _apps) = shoot_on(&files, net);
+    let agents = {
+        let l = std::net::TcpListener::bind(format!("198.18.{net}.1:0")).unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let api = shoot_apiserver(&files, &agents, "v1beta1", Some(ADVERTISE_V4)).await;
+    let rendered = files.dir.join("rendered-v1beta1");
+    assert!(lines(&rendered.join("kube-apiserver.args"))
+        .contains(&format!("--advertise-address={ADVERTISE_V4}")));
+    let port = api.addr.port();
+
+    // GEP-08: `default/kubernetes` points at the advertised address.
+    let c = api.client().await.unwrap();
+    let mut endpoint = None;
+    wait_for(Duration::from_secs(30), "default/kubernetes", || {
+        let o = kubectl(
+            &api,
+            &[
+                "get",
+                "endpointslice",
+                "-n",
+                "default",
+                "kubernetes",
+                "-o",
+                "jsonpath={.endpoints[0].addresses[0]}:{.ports[0].port}",
+            ],
+        );
+        let t = String::from_utf8_lossy(&o.stdout).to_string();
+        (t.starts_with(ADVERTISE_V4))
+            .then(|| endpoint = Some(t.clone()))
+            .ok_or(text(&o))
+    })
+    .await;
+    let endpoint = endpoint.unwrap();
+    assert_eq!(endpoint, format!("{ADVERTISE_V4}:{port}"));
+
+    // The gateway: SNI passthrough for kubectl, CONNECT for node-proxies
+    // (reachable from the shoot's nodes).
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners:
+  - {{name: tls, address: '127.0.0.1:0'}}
+  - {{name: connect, address: '198.18.{net}.1:0', protocol: http-connect}}
+control_planes:
+  - name: shoot--e2e--a
+    hostnames: [{API_NAME}]
+    endpoints: ['{}']
+    destinations: [{{name: '{DEST}'}}]
+",
+        api.addr
+    ));
+
+    // kubectl with a client certificate through SNI passthrough: the API
+    // server sees the certificate (mTLS end to end).
+    let kc = files.dir.join("via-gateway.kubeconfig");
+    kubeconfig(
+        &api,
+        &kc,
+        &format!("https://{}", gw.listener("tls")),
+        Some(API_NAME),
+        None,
+    );
+    let o = Command::new(api.kube_dir.join("bin/kubectl"))
+        .arg("--kubeconfig")
+        .arg(&kc)
+        .args([
+            "auth",
+            "whoami",
+            "-o",
+            "jsonpath={.status.userInfo.username}",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(text(&o).trim(), "test-admin", "{}", text(&o));
+
+    // The in-cluster client's identity and the node's plumbing.
+    for o in [
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "apps"}}),
+        json!({"apiVersion": "v1", "kind": "ServiceAccount",
+               "metadata": {"name": "reader", "namespace": "apps"}}),
+    ] {
+        kubeapi::apply(&c, o).await;
+    }
+    let token = api.token(&c, "apps", "reader").await;
+    let (ip, p) = endpoint.rsplit_once(':').unwrap();
+    // kube-proxy's rule for the `kubernetes` Service: its ClusterIP to the
+    // endpoint kube-apiserver advertises (and the same on IPv6). The
+    // service ranges are routed, as on a node.
+    for (cmd, svc, target) in [
+        ("iptables", KUBERNETES_V4, format!("{ip}:{p}")),
+        ("ip6tables", KUBERNETES_V6, format!("[{ADVERTISE_V6}]:{p}")),
+    ] {
+        node.run(&[
+            cmd,
+            "-t",
+            "nat",
+            "-A",
+            "OUTPUT",
+            "-d",
+            svc,
+            "-p",
+            "tcp",
+            "--dport",
+            "443",
+            "-j",
+            "DNAT",
+            "--to-destination",
+            &target,
+        ]);
+    }
+    node.run(&["ip", "-6", "route", "add", "fd00:97::/108", "dev", "lo"]);
+
+    let connect = gw.listener("connect");
+    for mode in ["connect", "http2-connect"] {
+        for (address, svc) in [
+            (ADVERTISE_V4, KUBERNETES_V4.to_string()),
+            (ADVERTISE_V6, format!("[{KUBERNETES_V6}]")),
+        ] {
+            let mut np = Proc(
+                node.cmd(&[seedlink_bin(), "node-proxy"])
+                    .args(["--address", address, "--port", p])
+                    .args(["--link-kind", "bridge", "--interface", "sl-apiproxy"])
+                    .args(["--gateway", &connect.to_string(), "--mode", mode])
+                    .args(["--destination", DEST, "--admin", "127.0.0.1:0"])
+                    .env("RUST_LOG", "warn")
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .unwrap(),
+            );
+            let ready = ready_line(&mut np.0);
+            assert_eq!(ready["event"], "ready", "{ready}");
+            let kc = files.dir.join(format!("pod-{mode}-{address}.kubeconfig"));
+            kubeconfig(&api, &kc, &format!("https://{svc}:443"), None, Some(&token));
+            let o = node
+                .cmd(&[
+                    api.kube_dir.join("bin/kubectl").to_str().unwrap(),
+                    "--kubeconfig",
+                ])
+                .arg(&kc)
+                .args(["--request-timeout=20s", "auth", "whoami"])
+                .args(["-o", "jsonpath={.status.userInfo.username}"])
+                .output()
+                .unwrap();
+            assert_eq!(
+                text(&o).trim(),
+                "system:serviceaccount:apps:reader",
+                "{mode} {address}: {}",
+                text(&o)
+            );
+            drop(np);
+        }
+    }
+    gw.wait_metric(
+        "seedlink_gateway_routed_total{listener=\"connect\",protocol=\"http2-connect\",control_plane=\"shoot--e2e--a\"}",
+        2.0,
+    )
+    .await;
+    gw.wait_metric(
+        "seedlink_gateway_routed_total{listener=\"connect\",protocol=\"http-connect:x-gardener-destination\",control_plane=\"shoot--e2e--a\"}",
+        2.0,
+    )
     .await;
 }
