@@ -711,9 +711,12 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
         "the node proxy's stream ended cleanly: {}",
         text(&ended[1])
     );
-    let mut rest = Vec::new();
-    let end = tokio::time::timeout(Duration::from_secs(90), pf.read_to_end(&mut rest)).await;
-    assert!(end.is_ok(), "the port-forward stream outlived its agent");
+    for (what, stream) in [("port-forward", &mut pf), ("exec", &mut ex)] {
+        let mut rest = Vec::new();
+        let end =
+            tokio::time::timeout(Duration::from_secs(90), stream.read_to_end(&mut rest)).await;
+        assert!(end.is_ok(), "the {what} stream outlived its agent");
+    }
 
     // No agent: the Fail webhook refuses, the Ignore one admits; every
     // other path answers an error instead of hanging.
@@ -730,7 +733,7 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
         &configmap("unchecked-2", "ignore"),
     );
     assert!(o.status.success(), "{}", text(&o));
-    for path in [svc, node] {
+    for path in [svc, node, "/apis/demo.seedlink.test/v1/greetings"] {
         let o = kubectl(&api, &["get", "--raw", path]);
         assert!(!o.status.success(), "{path}: {}", text(&o));
     }
