@@ -254,6 +254,44 @@ async fn wait_for(limit: Duration, what: &str, mut f: impl FnMut() -> Result<(),
     }
 }
 
+/// The credentials the shoot's API server issues, written where the
+/// tunnel-server and the agent read them: the tunnel-server's own (a
+/// reviewer bound to system:auth-delegator) and the agent's (audience
+/// system:konnectivity-server), as projected tokens would be.
+async fn issue_credentials(api: &KubeApi, files: &Files) {
+    let c = api.client().await.unwrap();
+    for o in [
+        json!({"apiVersion": "v1", "kind": "ServiceAccount",
+               "metadata": {"name": "konnectivity-agent", "namespace": "kube-system"}}),
+        json!({"apiVersion": "v1", "kind": "ServiceAccount",
+               "metadata": {"name": "seedlink-tunnel", "namespace": "kube-system"}}),
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+               "metadata": {"name": "seedlink-tunnel-reviews"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                           "name": "system:auth-delegator"},
+               "subjects": [{"kind": "ServiceAccount", "name": "seedlink-tunnel",
+                             "namespace": "kube-system"}]}),
+    ] {
+        kubeapi::apply(&c, o).await;
+    }
+    std::fs::write(
+        &files.reviewer_token,
+        api.token(&c, "kube-system", "seedlink-tunnel").await,
+    )
+    .unwrap();
+    std::fs::write(
+        &files.agent_token,
+        api.token_for(
+            &c,
+            "kube-system",
+            "konnectivity-agent",
+            "system:konnectivity-server",
+        )
+        .await,
+    )
+    .unwrap();
+}
+
 /// A ConfigMap that the webhooks select with `webhook: <policy>`.
 fn configmap(name: &str, policy: &str) -> String {
     json!({"apiVersion": "v1", "kind": "ConfigMap",
@@ -526,35 +564,7 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
     .unwrap();
     assert_eq!(egress["egressSelections"].as_array().unwrap().len(), 3);
 
-    // Credentials the API server issues: the tunnel-server's own (a
-    // reviewer, system:auth-delegator) and the agent's (audience
-    // system:konnectivity-server), as projected tokens would be.
-    let c = api.client().await.unwrap();
-    for o in [
-        json!({"apiVersion": "v1", "kind": "ServiceAccount",
-               "metadata": {"name": "konnectivity-agent", "namespace": "kube-system"}}),
-        json!({"apiVersion": "v1", "kind": "ServiceAccount",
-               "metadata": {"name": "seedlink-tunnel", "namespace": "kube-system"}}),
-        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-               "metadata": {"name": "seedlink-tunnel-reviews"},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                           "name": "system:auth-delegator"},
-               "subjects": [{"kind": "ServiceAccount", "name": "seedlink-tunnel",
-                             "namespace": "kube-system"}]}),
-    ] {
-        kubeapi::apply(&c, o).await;
-    }
-    let reviewer = api.token(&c, "kube-system", "seedlink-tunnel").await;
-    std::fs::write(&files.reviewer_token, reviewer).unwrap();
-    let agent_token = api
-        .token_for(
-            &c,
-            "kube-system",
-            "konnectivity-agent",
-            "system:konnectivity-server",
-        )
-        .await;
-    std::fs::write(&files.agent_token, agent_token).unwrap();
+    issue_credentials(&api, &files).await;
     shoot_objects(&api, &files).await;
 
     let server = start(
@@ -783,37 +793,7 @@ async fn the_v1alpha1_egress_selector_is_loaded_too() {
     let egress =
         std::fs::read_to_string(rendered.join("egress-selector-configuration.yaml")).unwrap();
     assert!(egress.contains("apiserver.k8s.io/v1alpha1"), "{egress}");
-    let c = api.client().await.unwrap();
-    for o in [
-        json!({"apiVersion": "v1", "kind": "ServiceAccount",
-               "metadata": {"name": "konnectivity-agent", "namespace": "kube-system"}}),
-        json!({"apiVersion": "v1", "kind": "ServiceAccount",
-               "metadata": {"name": "seedlink-tunnel", "namespace": "kube-system"}}),
-        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-               "metadata": {"name": "seedlink-tunnel-reviews"},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                           "name": "system:auth-delegator"},
-               "subjects": [{"kind": "ServiceAccount", "name": "seedlink-tunnel",
-                             "namespace": "kube-system"}]}),
-    ] {
-        kubeapi::apply(&c, o).await;
-    }
-    std::fs::write(
-        &files.reviewer_token,
-        api.token(&c, "kube-system", "seedlink-tunnel").await,
-    )
-    .unwrap();
-    std::fs::write(
-        &files.agent_token,
-        api.token_for(
-            &c,
-            "kube-system",
-            "konnectivity-agent",
-            "system:konnectivity-server",
-        )
-        .await,
-    )
-    .unwrap();
+    issue_credentials(&api, &files).await;
     shoot_objects(&api, &files).await;
     let _server = start(
         Command::new(seedlink_bin())
