@@ -14,8 +14,9 @@
 //!   policies),
 //! - an aggregated API (APIService),
 //! - the service proxy and the node proxy,
-//! - `kubectl logs` (and `-f`), port-forward and exec upgrades to the
-//!   node's kubelet API (no kubelet can run here: docs/TESTING.md),
+//! - `kubectl logs`, `exec` and `port-forward` to a real kubelet (with
+//!   containerd and runc), and the same paths against a kubelet API served
+//!   by tests/peers/shoot_apps.py for streams that never end,
 //!
 //! each again with the agent killed.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
@@ -29,7 +30,7 @@ use seedlink_testkit as common;
 
 use common::kubeapi::{self, KubeApi, Options};
 use common::tunnel_env::{ready_line, spawn_until_up, Started};
-use common::{netns_to_host, require, seedlink_bin, Gw, Netns, Proc};
+use common::{free_port, netns_to_host, require, seedlink_bin, Gw, Netns, Proc};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -407,6 +408,12 @@ fn shoot(files: &Files) -> (Netns, Proc) {
 }
 
 fn shoot_on(files: &Files, net: u8) -> (Netns, Proc) {
+    shoot_with(files, net, true)
+}
+
+/// The shoot on `net`; `fake_kubelet`: shoot_apps.py serves the kubelet's
+/// API at the node address (else a real kubelet will).
+fn shoot_with(files: &Files, net: u8, fake_kubelet: bool) -> (Netns, Proc) {
     require("iptables");
     require("python3");
     let ns = Netns::new("kshoot");
@@ -447,7 +454,11 @@ fn shoot_on(files: &Files, net: u8) -> (Netns, Proc) {
         &format!("{POD_IP}:8443"),
         &files.p("apps.pem"),
         &files.p("apps-key.pem"),
-        &format!("{NODE_IP}:10250"),
+        &if fake_kubelet {
+            format!("{NODE_IP}:10250")
+        } else {
+            "none".into()
+        },
         &files.p("kubelet.pem"),
         &files.p("kubelet-key.pem"),
         &files.p("kubelet-ca.pem"),
@@ -1010,4 +1021,404 @@ control_planes:
         2.0,
     )
     .await;
+}
+
+/// A real kubelet (v1.35, from its module) on the shoot's node, with
+/// containerd and runc (Debian's) and a busybox image built locally:
+/// `kubectl logs`, `exec` and `port-forward` go from kube-apiserver through
+/// the tunnel to it, with kubectl's own protocols end to end. The kubelet
+/// reaches its API server through the gateway (SNI passthrough), as a
+/// shoot's kubelets reach theirs through the seed's load balancer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_kubelet_serves_logs_exec_and_port_forward_through_the_tunnel() {
+    let net = NET + 3;
+    let (kubelet_bin, image) = node_peers();
+    require("containerd");
+    require("runc");
+    let ctr = require("ctr");
+    let dir = tempfile::tempdir().unwrap();
+    let files = Arc::new(Files::new(dir.path()));
+    let (node, _apps) = shoot_with(&files, net, false);
+    let agents = {
+        let l = std::net::TcpListener::bind(format!("198.18.{net}.1:0")).unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let api = shoot_apiserver(&files, &agents, "v1beta1", None).await;
+    let rendered = files.dir.join("rendered-v1beta1");
+    issue_credentials(&api, &files).await;
+    let _server = start(
+        Command::new(seedlink_bin())
+            .args(["tunnel-server", "--config"])
+            .arg(files.dir.join("server.yaml")),
+    );
+    let mut agent_proc = agent(&node, &rendered);
+    // The seed's load balancer for the kubelet's own API calls.
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '198.18.{net}.1:0'}}]
+control_planes:
+  - {{name: shoot--e2e--a, hostnames: [{API_NAME}], endpoints: ['{}']}}
+",
+        api.addr
+    ));
+
+    // containerd in the node's namespace (a hostNetwork pod's containers
+    // share it), the image imported.
+    let d = files.dir.join("node");
+    std::fs::create_dir_all(&d).unwrap();
+    let sock = d.join("containerd.sock");
+    std::fs::write(
+        d.join("containerd.toml"),
+        format!(
+            "version = 2\nroot = \"{r}/root\"\nstate = \"{r}/state\"\n[grpc]\n  address = \"{s}\"\n\
+             [plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"localhost/busybox:1\"\n  restrict_oom_score_adj = true\n\
+             [plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  snapshotter = \"native\"\n",
+            r = d.display(),
+            s = sock.display()
+        ),
+    )
+    .unwrap();
+    let _cleanup = NodeCleanup {
+        netns: node.0.clone(),
+        dir: d.clone(),
+    };
+    // nsenter joins the network namespace only: `ip netns exec` would
+    // also remount /sys, hiding the cgroup mounts runc and the kubelet need.
+    let in_node = |args: &[&str]| {
+        let mut c = Command::new(require("nsenter"));
+        c.arg(format!("--net=/run/netns/{}", node.0)).args(args);
+        c
+    };
+    let _containerd = Proc(
+        in_node(&["containerd", "--config"])
+            .arg(d.join("containerd.toml"))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(d.join("containerd.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(Duration::from_secs(30), "containerd", || {
+        let o = Command::new(&ctr)
+            .arg("--address")
+            .arg(&sock)
+            .args([
+                "-n",
+                "k8s.io",
+                "images",
+                "import",
+                "--base-name",
+                "localhost/busybox",
+            ])
+            .arg(&image)
+            .output()
+            .unwrap();
+        o.status.success().then_some(()).ok_or_else(|| text(&o))
+    })
+    .await;
+
+    // The kubelet: serving the node's address with the certificate
+    // kube-apiserver verifies, trusting kube-apiserver's client
+    // certificate; registering through the gateway.
+    let kc = d.join("kubelet.kubeconfig");
+    kubeconfig(
+        &api,
+        &kc,
+        &format!("https://{}", gw.listener("tls")),
+        Some(API_NAME),
+        None,
+    );
+    std::fs::write(
+        d.join("kubelet.yaml"),
+        format!(
+            "apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: {NODE_IP}
+port: 10250
+readOnlyPort: 0
+tlsCertFile: {cert}
+tlsPrivateKeyFile: {key}
+authentication:
+  anonymous: {{enabled: false}}
+  webhook: {{enabled: false}}
+  x509: {{clientCAFile: {ca}}}
+authorization: {{mode: AlwaysAllow}}
+containerRuntimeEndpoint: unix://{sock}
+cgroupDriver: cgroupfs
+failCgroupV1: false
+failSwapOn: false
+cgroupsPerQOS: false
+enforceNodeAllocatable: []
+evictionHard: {{memory.available: 1Mi, nodefs.available: 1%, imagefs.available: 1%}}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+resolvConf: ''
+syncFrequency: 5s
+nodeStatusUpdateFrequency: 5s
+fileCheckFrequency: 5s
+",
+            cert = files.p("kubelet.pem"),
+            key = files.p("kubelet-key.pem"),
+            ca = files.p("kubelet-ca.pem"),
+            sock = sock.display()
+        ),
+    )
+    .unwrap();
+    let _kubelet = Proc(
+        in_node(&[kubelet_bin.to_str().unwrap(), "--config"])
+            .arg(d.join("kubelet.yaml"))
+            .arg("--kubeconfig")
+            .arg(&kc)
+            .args(["--hostname-override", "shoot-node-1", "--node-ip", NODE_IP])
+            .arg("--root-dir")
+            .arg(d.join("kubelet"))
+            .args(["-v", "2"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(d.join("kubelet.log")).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let c = api.client().await.unwrap();
+    wait_for(Duration::from_secs(120), "the node registers", || {
+        let o = kubectl(&api, &["get", "node", "shoot-node-1", "-o", "name"]);
+        o.status
+            .success()
+            .then_some(())
+            .ok_or_else(|| format!("{}\n{}", text(&o), tail(&d.join("kubelet.log"))))
+    })
+    .await;
+    for o in [
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "work"}}),
+        json!({"apiVersion": "v1", "kind": "ServiceAccount",
+               "metadata": {"name": "default", "namespace": "work"}}),
+        json!({"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": "web-0", "namespace": "work"},
+               "spec": {"nodeName": "shoot-node-1", "hostNetwork": true,
+                        "automountServiceAccountToken": false,
+                        "containers": [
+                            {"name": "app", "image": "localhost/busybox:1",
+                             "imagePullPolicy": "Never",
+                             "command": ["/bin/sh", "-c",
+                                         "i=0; while true; do echo line $i; i=$((i+1)); sleep 0.1; done"]},
+                            {"name": "echo", "image": "localhost/busybox:1",
+                             "imagePullPolicy": "Never",
+                             "command": ["/bin/nc", "-ll", "-p", "8080", "-e", "/bin/cat"]}]}}),
+    ] {
+        kubeapi::apply(&c, o).await;
+    }
+    wait_for(Duration::from_secs(40), "the pod runs", || {
+        let o = kubectl(
+            &api,
+            &[
+                "get",
+                "pod",
+                "-n",
+                "work",
+                "web-0",
+                "-o",
+                "jsonpath={.status.phase}",
+            ],
+        );
+        (text(&o).trim() == "Running")
+            .then_some(())
+            .ok_or_else(|| format!("{}\n{}", text(&o), tail(&d.join("kubelet.log"))))
+    })
+    .await;
+
+    // kubectl logs, exec and port-forward: kube-apiserver dials the
+    // kubelet through the tunnel.
+    wait_for(Duration::from_secs(30), "kubectl logs", || {
+        let o = kubectl(&api, &["logs", "-n", "work", "web-0", "-c", "app"]);
+        text(&o)
+            .contains("line 1")
+            .then_some(())
+            .ok_or_else(|| text(&o))
+    })
+    .await;
+    let o = kubectl(
+        &api,
+        &[
+            "exec",
+            "-n",
+            "work",
+            "web-0",
+            "-c",
+            "app",
+            "--",
+            "echo",
+            "exec through the tunnel",
+        ],
+    );
+    assert_eq!(text(&o).trim(), "exec through the tunnel", "{}", text(&o));
+    let o = kubectl_in(
+        &api,
+        &[
+            "exec", "-i", "-n", "work", "web-0", "-c", "app", "--", "wc", "-c",
+        ],
+        &"x".repeat(100_000),
+    );
+    assert_eq!(text(&o).trim(), "100000", "{}", text(&o));
+
+    let local = free_port();
+    let mut pf = Proc(
+        Command::new(api.kube_dir.join("bin/kubectl"))
+            .arg("--kubeconfig")
+            .arg(&api.admin_kubeconfig)
+            .args(["port-forward", "-n", "work", "pod/web-0"])
+            .arg(format!("{local}:8080"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    {
+        use std::io::BufRead;
+        let mut line = String::new();
+        std::io::BufReader::new(pf.0.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.contains("Forwarding from"), "{line:?}");
+    }
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", local))
+        .await
+        .unwrap();
+    for i in 0..5usize {
+        echo(&mut s, &vec![b'0' + i as u8; 1000 + i * 20_000]).await;
+    }
+    drop(s);
+
+    // The node proxy to the kubelet's own API.
+    let o = kubectl(
+        &api,
+        &["get", "--raw", "/api/v1/nodes/shoot-node-1/proxy/healthz"],
+    );
+    assert_eq!(text(&o).trim(), "ok", "{}", text(&o));
+
+    // The agent killed under a following `kubectl logs -f` and an open
+    // port-forward: both end (no hang), and what arrived is the log in
+    // order; then, with no agent, exec fails with an error.
+    let mut follow = Command::new(api.kube_dir.join("bin/kubectl"))
+        .arg("--kubeconfig")
+        .arg(&api.admin_kubeconfig)
+        .args([
+            "logs", "-f", "-n", "work", "web-0", "-c", "app", "--tail", "1",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = follow.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        let mut lines = Vec::new();
+        for l in std::io::BufReader::new(out).lines() {
+            let Ok(l) = l else { break };
+            lines.push(l);
+            if lines.len() == 3 {
+                let _ = tx.send(None);
+            }
+        }
+        let _ = tx.send(Some((lines, follow.wait())));
+    });
+    assert!(rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("three log lines within 60 s")
+        .is_none());
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", local))
+        .await
+        .unwrap();
+    echo(&mut s, b"before the agent goes").await;
+    agent_proc.proc.0.kill().unwrap();
+    agent_proc.proc.0.wait().unwrap();
+    let (lines, _) = rx
+        .recv_timeout(Duration::from_secs(90))
+        .expect("kubectl logs -f still running 90 s after the agent died")
+        .unwrap();
+    let numbers: Vec<u64> = lines
+        .iter()
+        .map(|l| l.strip_prefix("line ").unwrap().parse().unwrap())
+        .collect();
+    assert!(numbers.windows(2).all(|w| w[1] == w[0] + 1), "{lines:?}");
+    let mut rest = Vec::new();
+    let end = tokio::time::timeout(Duration::from_secs(90), s.read_to_end(&mut rest)).await;
+    assert!(
+        end.is_ok(),
+        "the port-forward connection outlived the agent"
+    );
+    let o = kubectl(
+        &api,
+        &["exec", "-n", "work", "web-0", "-c", "app", "--", "true"],
+    );
+    assert!(!o.status.success(), "{}", text(&o));
+    drop(pf);
+}
+
+/// The kubelet binary and the node image scripts/build-kube-peers made.
+fn node_peers() -> (PathBuf, PathBuf) {
+    let (kubelet, image) = match (
+        std::env::var("SEEDLINK_KUBELET"),
+        std::env::var("SEEDLINK_NODE_IMAGE"),
+    ) {
+        (Ok(k), Ok(i)) => (PathBuf::from(k), PathBuf::from(i)),
+        _ => {
+            let dir = kubeapi::kube_dir();
+            (dir.join("bin/kubelet"), dir.join("images/busybox.oci.tar"))
+        }
+    };
+    for p in [&kubelet, &image] {
+        assert!(
+            p.exists(),
+            "{} is missing: scripts/build-kube-peers builds it (scripts/install-peers runs it)",
+            p.display()
+        );
+    }
+    (kubelet, image)
+}
+
+/// The last lines of a log file (what a failure message shows).
+fn tail(p: &Path) -> String {
+    let t = std::fs::read_to_string(p).unwrap_or_default();
+    let lines: Vec<&str> = t.lines().filter(|l| !l.contains("flags.go")).collect();
+    lines[lines.len().saturating_sub(30)..].join("\n")
+}
+
+/// What a node leaves behind, removed when the test ends however it ends:
+/// every process in its network namespace (containerd's shims and the
+/// containers outlive containerd, and would keep the namespace and its
+/// veth, with the seed-side address, alive), then every mount under its
+/// directory (the kubelet's and containerd's, made in this mount
+/// namespace).
+struct NodeCleanup {
+    netns: String,
+    dir: PathBuf,
+}
+
+impl Drop for NodeCleanup {
+    fn drop(&mut self) {
+        for _ in 0..3 {
+            let pids = Command::new("ip")
+                .args(["netns", "pids", &self.netns])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default();
+            if pids.trim().is_empty() {
+                break;
+            }
+            for pid in pids.split_whitespace() {
+                let _ = Command::new("kill").args(["-9", pid]).status();
+            }
+        }
+        let prefix = self.dir.display().to_string();
+        let mut mounts: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
+            .filter(|m| m.starts_with(&prefix))
+            .collect();
+        // Deepest first.
+        mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in mounts {
+            let _ = Command::new("umount").args(["-l", &m]).status();
+        }
+    }
 }

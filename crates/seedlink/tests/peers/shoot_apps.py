@@ -16,9 +16,11 @@ their client.
   - POST /portForward/NS/POD, /exec/NS/POD/CONTAINER with an Upgrade
     header: 101, then an echo of every byte (kube-apiserver's own
     upgrade and streaming are what is tested, not SPDY framing).
-  No kubelet runs here (no container runtime; docs/TESTING.md says why).
+  A real kubelet serves these paths in another test
+  (a_real_kubelet_serves_logs_exec_and_port_forward_through_the_tunnel);
+  this one streams on cue, for the failure cases.
 
-usage: shoot_apps.py APPS_ADDR APPS_CERT APPS_KEY KUBELET_ADDR KUBELET_CERT KUBELET_KEY KUBELET_CLIENT_CA
+usage: shoot_apps.py APPS_ADDR APPS_CERT APPS_KEY KUBELET_ADDR|none KUBELET_CERT KUBELET_KEY KUBELET_CLIENT_CA
 Prints "up" when both listen.
 """
 
@@ -159,6 +161,7 @@ def serve(addr, handler, cert, key, ca=None):
 
 
 serve(apps_addr, Apps, apps_cert, apps_key)
-serve(kubelet_addr, Kubelet, kubelet_cert, kubelet_key, client_ca)
+if kubelet_addr != "none":  # "none": a real kubelet serves the node
+    serve(kubelet_addr, Kubelet, kubelet_cert, kubelet_key, client_ca)
 print("up", flush=True)
 threading.Event().wait()
