@@ -240,8 +240,18 @@ pub async fn serve_with(
     access: Access,
     route: Arc<dyn Fn(&str) -> Answer + Send + Sync>,
 ) {
+    serve_limited(listener, Slots::new(slots), access, route).await;
+}
+
+/// The same with the connection limits given (for an endpoint any pod can
+/// reach, where one source must hold far less than the whole).
+pub async fn serve_limited(
+    listener: TcpListener,
+    slots: Slots,
+    access: Access,
+    route: Arc<dyn Fn(&str) -> Answer + Send + Sync>,
+) {
     let never = tokio_util::sync::CancellationToken::new();
-    let slots = Slots::new(slots);
     crate::accept::accept_loop(&listener, &never, |stream, peer| {
         let Some(slot) = slots.enter(peer.ip()) else {
             return;

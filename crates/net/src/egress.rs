@@ -17,7 +17,8 @@ use tokio::net::TcpStream;
 const MAX_ANSWER_HEAD: usize = 16 * 1024;
 
 /// An egress proxy: where it is, and the `Proxy-Authorization` to send.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Its `Debug` never shows the credentials.
+#[derive(Clone, PartialEq, Eq)]
 pub struct EgressProxy {
     /// `host:port` of the proxy.
     pub address: String,
@@ -56,6 +57,18 @@ impl EgressError {
             EgressError::BadResponse => "egress_proxy_bad_response",
             EgressError::Closed => "egress_proxy_closed",
         }
+    }
+}
+
+impl std::fmt::Debug for EgressProxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EgressProxy")
+            .field("address", &self.address)
+            .field(
+                "authorization",
+                &self.authorization.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
     }
 }
 
@@ -194,6 +207,12 @@ mod tests {
         assert!(basic(":x").is_err());
         assert!(basic("a:b\nc").is_err());
         assert!(basic("nocolon").is_err());
+        let p = EgressProxy::new("proxy:3128", Some("user:s3cret")).unwrap();
+        let shown = format!("{p:?}");
+        assert!(
+            !shown.contains("dXNlcjpzM2NyZXQ") && shown.contains("redacted"),
+            "{shown}"
+        );
     }
 
     async fn answering(answer: &'static [u8]) -> String {

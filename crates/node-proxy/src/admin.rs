@@ -7,6 +7,11 @@ use tokio::net::TcpListener;
 
 use crate::NodeProxy;
 
+/// Connections the metrics endpoint serves at once.
+pub const METRICS_SLOTS: usize = 32;
+/// Of those, per source (an IPv4 address, an IPv6 /64).
+pub const METRICS_PER_SOURCE: usize = 2;
+
 /// Serves `/healthz`, `/readyz` (address present and gateway answering,
 /// false while draining), `/metrics` and `/config` (its configuration).
 pub async fn serve(np: Arc<NodeProxy>, listener: TcpListener, access: admin::Access) {
@@ -20,11 +25,13 @@ pub async fn serve(np: Arc<NodeProxy>, listener: TcpListener, access: admin::Acc
 }
 
 /// Serves `/metrics` and `/healthz` only (no token: they hold no
-/// configuration), for scraping on the node's address.
+/// configuration), for scraping on the node's address. Any pod can reach
+/// it, so one source holds at most 2 of its 32 connections: a pod that
+/// keeps connecting cannot lock Prometheus out.
 pub async fn serve_metrics(np: Arc<NodeProxy>, listener: TcpListener) {
-    admin::serve_with(
+    admin::serve_limited(
         listener,
-        16,
+        admin::Slots::with_per_source(METRICS_SLOTS, METRICS_PER_SOURCE),
         admin::Access::open(),
         Arc::new(move |path: &str| match path {
             "/healthz" | "/metrics" => route(&np, path),

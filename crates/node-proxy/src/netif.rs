@@ -121,10 +121,22 @@ async fn ensure_with(handle: &Handle, iface: &Interface) -> Result<bool, NetifEr
         .try_collect()
         .await
         .map_err(|e| NetifError::Netlink("listing addresses", e.to_string()))?;
+    // An IPv6 address on a link of our own goes without duplicate address
+    // detection (below); one found there still tentative or failed (put
+    // there with DAD, e.g. by an older version) is put back without it.
+    let nodad = iface.address.is_ipv6() && iface.kind != LinkKind::Existing;
     let mut present = false;
     for msg in others {
         if msg.header.index == index {
-            present = true;
+            use rtnetlink::packet_route::address::AddressHeaderFlags as F;
+            let stuck = msg.header.flags.intersects(F::Tentative | F::Dadfailed);
+            if nodad && stuck {
+                handle.address().del(msg).execute().await.map_err(|e| {
+                    NetifError::Netlink("removing a tentative address", e.to_string())
+                })?;
+            } else {
+                present = true;
+            }
             continue;
         }
         tracing::info!(address = %iface.address, link_index = msg.header.index, "removing the address from another link");
@@ -137,10 +149,12 @@ async fn ensure_with(handle: &Handle, iface: &Interface) -> Result<bool, NetifEr
     }
     let prefix = if iface.address.is_ipv4() { 32 } else { 128 };
     let mut add = handle.address().add(index, iface.address, prefix);
-    if iface.address.is_ipv6() {
+    if nodad {
         // Every node holds this address by design, and it must serve at
         // once: no duplicate address detection (which would keep it
-        // "tentative", unbindable, for a second or more).
+        // "tentative", unbindable, for a second or more). Only on a link
+        // of our own (dummy, bridge), which no neighbour shares; on an
+        // `existing` link the kernel's DAD stays.
         use rtnetlink::packet_route::address::{
             AddressAttribute, AddressFlags, AddressHeaderFlags,
         };

@@ -145,6 +145,26 @@ pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
         (None, Some(a)) => format!("      tcp:\n        url: {}\n", q(&format!("http://{a}"))),
         (None, None) => bail!("frontend {}: neither unix nor tcp", frontend.name),
     };
+    // Names and paths go into YAML and comment lines: a line break or
+    // other control character would end or inject lines.
+    let texts = [
+        ("cluster", cluster.name.clone()),
+        ("frontend", frontend.name.clone()),
+        ("--kas-ca", path(&opts.kas_ca)),
+        ("--kas-cert", path(&opts.kas_cert)),
+        ("--kas-key", path(&opts.kas_key)),
+        ("--agent-ca-cert", path(&opts.agent_ca_cert)),
+        ("--agent-cert", path(&opts.agent_cert)),
+        ("--agent-key", path(&opts.agent_key)),
+        ("--agent-token", path(&opts.agent_token)),
+        ("--egress-file", path(&opts.egress_file)),
+    ];
+    let unix = frontend.unix.as_ref().map(|p| ("unix socket", path(p)));
+    for (what, t) in texts.into_iter().chain(unix) {
+        if t.chars().any(char::is_control) {
+            bail!("{what} {t:?} holds a control character");
+        }
+    }
     if !matches!(opts.egress_api_version.as_str(), "v1beta1" | "v1alpha1") {
         bail!(
             "egress selector version {:?}: kube-apiserver reads apiserver.k8s.io/v1beta1 or v1alpha1",
@@ -183,6 +203,12 @@ pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
         // The tunnel checks `iss`: kube-apiserver must issue the agents'
         // tokens under this name (its first --service-account-issuer).
         kas.push(format!("--service-account-issuer={}", t.issuer));
+        kas.push(
+            "# it must be kube-apiserver's first --service-account-issuer: a kube-apiserver that \
+             issued under another name keeps that one as a second --service-account-issuer (or \
+             every token it issued stops working), or the TunnelCluster names the issuer it has"
+                .into(),
+        );
         kas.push(format!(
             "# no --api-audiences change: the agents' tokens carry audience {} only, so \
              kube-apiserver itself never accepts them",
@@ -461,6 +487,11 @@ clusters:
         o.egress_api_version = "v1".into();
         let e = format!("{:#}", render(&cfg, &o).unwrap_err());
         assert!(e.contains("v1beta1 or v1alpha1"), "{e}");
+
+        let mut o = opts("a", None);
+        o.agent_token = "/run/x\n- name: etcd".into();
+        let e = format!("{:#}", render(&cfg, &o).unwrap_err());
+        assert!(e.contains("control character"), "{e}");
     }
 
     #[test]

@@ -699,20 +699,26 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        use std::io::BufRead;
-        let mut out = std::io::BufReader::new(c.stdout.take().unwrap());
-        let mut line = String::new();
-        for _ in 0..3 {
-            line.clear();
-            out.read_line(&mut line).unwrap();
-            assert!(line.starts_with("follow "), "{args:?}: {line:?}");
-        }
+        // Read on a thread: three lines first (told by `None`), then the
+        // rest and the exit; every wait on it is bounded.
+        let out = c.stdout.take().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
+        let what = format!("{args:?}");
         std::thread::spawn(move || {
-            let mut rest = String::new();
-            let _ = std::io::Read::read_to_string(&mut out, &mut rest);
-            let _ = tx.send((c.wait_with_output(), rest));
+            use std::io::BufRead;
+            let mut lines = std::io::BufReader::new(out).lines();
+            for _ in 0..3 {
+                let l = lines.next().and_then(Result::ok).unwrap_or_default();
+                assert!(l.starts_with("follow "), "{what}: {l:?}");
+            }
+            let _ = tx.send(None);
+            let rest: Vec<String> = lines.map_while(Result::ok).collect();
+            let _ = tx.send(Some((c.wait_with_output(), rest.join("\n"))));
         });
+        assert!(rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("three lines within 60 s")
+            .is_none());
         rx
     });
     agent_proc.proc.0.kill().unwrap();
@@ -721,7 +727,8 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
     for rx in followers {
         let (done, rest) = rx
             .recv_timeout(Duration::from_secs(90))
-            .expect("a follower still running 90 s after the agent died");
+            .expect("a follower still running 90 s after the agent died")
+            .unwrap();
         let done = done.unwrap();
         // What arrived is the stream, in order, cut off.
         assert!(rest.lines().all(|l| l.starts_with("follow ")), "{rest:?}");

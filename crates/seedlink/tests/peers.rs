@@ -358,7 +358,12 @@ backend gw
     .await;
 
     // HTTP/2 CONNECT: Envoy tunnels over HTTP/2 to the LB, one listener per
-    // source address.
+    // source address. (The next refusal is the HTTP/2 stream's: one so far.)
+    assert_eq!(
+        gw.metric("seedlink_gateway_acl_denied_total{control_plane=\"alpha\"}")
+            .await,
+        1.0
+    );
     let (p_ok, p_no) = (free_port(), free_port());
     let listener = |name: &str, port: u16| {
         format!(

@@ -627,10 +627,18 @@ async fn the_agent_leaves_through_a_corporate_egress_proxy() {
     );
     let d = env.dir.path();
     let conf = d.join("tinyproxy.conf");
+    // tinyproxy runs as nobody: its log lives where nobody may write.
+    let logs = d.join("tinyproxy-logs");
+    std::fs::create_dir(&logs).unwrap();
+    std::fs::set_permissions(&logs, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let log = logs.join("tinyproxy.log");
     std::fs::write(
         &conf,
-        "Port 3128\nListen 127.0.0.1\nTimeout 60\nUser nobody\nGroup nogroup\nMaxClients 50\n\
-         Allow 127.0.0.1\nBasicAuth user s3cret-pw\nConnectPort 8132\n",
+        format!(
+            "Port 3128\nListen 127.0.0.1\nTimeout 60\nUser nobody\nGroup nogroup\nMaxClients 50\n\
+             Allow 127.0.0.1\nBasicAuth user s3cret-pw\nConnectPort 8132\nLogFile \"{}\"\nLogLevel Connect\n",
+            log.display()
+        ),
     )
     .unwrap();
     let _proxy = Proc(
@@ -663,6 +671,12 @@ async fn the_agent_leaves_through_a_corporate_egress_proxy() {
             &agent.admin(),
             "seedlink_tunnel_agent_open_server_connections"
         ) >= 1.0
+    );
+    // The agent's stream went through the proxy.
+    let seen = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        seen.contains("CONNECT") && seen.contains("198.18.60.1:8132"),
+        "{seen}"
     );
 
     let refused = env.agent(
