@@ -48,6 +48,17 @@ pub struct Options {
     /// node, which kube-apiserver advertises (so `default/kubernetes`
     /// points at it).
     pub advertise_address: Option<std::net::IpAddr>,
+    /// Where the shoot's node-proxies reach the gateway's `http-connect`
+    /// listener, `host:port` (with `advertise_address`: the node-proxy's
+    /// configuration is rendered).
+    pub gateway: Option<String>,
+    /// The node-proxy's destination header value (default
+    /// `outbound|443||kube-apiserver.<cluster>.svc.cluster.local`,
+    /// Gardener's form).
+    pub destination: Option<String>,
+    /// kube-apiserver's secure port (the `kubernetes` endpoint's port, which
+    /// the node-proxy serves on the advertised address).
+    pub kube_apiserver_port: u16,
 }
 
 impl Options {
@@ -64,6 +75,7 @@ impl Options {
             agent_token: "/var/run/secrets/tokens/konnectivity-agent-token".into(),
             egress_api_version: "v1beta1".into(),
             egress_file: "/etc/kubernetes/egress/egress-selector-configuration.yaml".into(),
+            kube_apiserver_port: 443,
             ..Options::default()
         }
     }
@@ -81,6 +93,14 @@ pub struct Rendered {
     /// The kube-apiserver flags seedlink's paths need (comments start
     /// with `#`).
     pub kube_apiserver_args: Vec<String>,
+    /// `seedlink tunnel-agent --config` file for the shoot.
+    pub agent_yaml: String,
+    /// `seedlink node-proxy --config` file, when the gateway and the
+    /// advertised address are known.
+    pub node_proxy_yaml: Option<String>,
+    /// The shoot-side ConfigMap (`seedlink-shoot`, what
+    /// deploy/kustomize/shoot reads) holding both files.
+    pub shoot_config: String,
 }
 
 /// A YAML single-quoted scalar.
@@ -268,12 +288,89 @@ pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
         agent.push(note.clone());
         upstream.push(note);
     }
+    let shoot = shoot_files(cluster, opts, &server, &name)?;
     Ok(Rendered {
         egress_selector: egress,
         tunnel_agent_args: agent,
         proxy_agent_args: upstream,
         kube_apiserver_args: kas,
+        agent_yaml: shoot.0,
+        node_proxy_yaml: shoot.1,
+        shoot_config: shoot.2,
     })
+}
+
+/// The shoot's files: the agent's configuration, the node-proxy's (when
+/// the gateway and the advertised address are given), and the ConfigMap
+/// that carries both into deploy/kustomize/shoot. Built as data and
+/// serialized, so every value is quoted as YAML needs.
+fn shoot_files(
+    cluster: &seedlink_tunnel::config::Cluster,
+    opts: &Options,
+    server: &str,
+    server_name: &str,
+) -> anyhow::Result<(String, Option<String>, String)> {
+    use serde_json::{json, Map, Value};
+    let mut agent = Map::new();
+    agent.insert("server".into(), server.into());
+    agent.insert("server_name".into(), server_name.into());
+    agent.insert("ca_cert".into(), path(&opts.agent_ca_cert).into());
+    if cluster.agent_ca.is_some() {
+        agent.insert("agent_cert".into(), path(&opts.agent_cert).into());
+        agent.insert("agent_key".into(), path(&opts.agent_key).into());
+    } else if cluster.agent_token.is_some() {
+        agent.insert(
+            "service_account_token_path".into(),
+            path(&opts.agent_token).into(),
+        );
+    }
+    agent.insert("admin".into(), "0.0.0.0:8093".into());
+    let agent_yaml = serde_norway::to_string(&Value::Object(agent))?;
+    let node_proxy_yaml = match (&opts.gateway, opts.advertise_address) {
+        (Some(gateway), Some(address)) => {
+            let destination = opts.destination.clone().unwrap_or_else(|| {
+                format!(
+                    "outbound|443||kube-apiserver.{}.svc.cluster.local",
+                    cluster.name
+                )
+            });
+            if let Err(why) = seedlink_proto::destination::parse(&destination) {
+                bail!("destination {destination:?}: {why}");
+            }
+            let np = json!({
+                "address": address.to_string(),
+                "port": opts.kube_apiserver_port,
+                "gateway": gateway,
+                "mode": "connect",
+                "destination": destination,
+                "admin": "127.0.0.1:9911",
+                "metrics": "[::]:16910",
+            });
+            Some(serde_norway::to_string(&np)?)
+        }
+        (Some(_), None) => bail!(
+            "--gateway renders the node-proxy's configuration, which also needs --advertise-address (the address it serves)"
+        ),
+        (None, _) => None,
+    };
+    let mut data = Map::new();
+    data.insert("agent.yaml".into(), agent_yaml.clone().into());
+    if let Some(np) = &node_proxy_yaml {
+        data.insert("node-proxy.yaml".into(), np.clone().into());
+    }
+    let cm = json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "seedlink-shoot", "namespace": "kube-system"},
+        "data": data,
+    });
+    let shoot_config = format!(
+        "# The shoot's seedlink configuration for cluster {}, generated by `seedlink tunnel-config`:\n\
+         # deploy/kustomize/shoot's ConfigMap seedlink-shoot (use it as a patch of that base).\n{}",
+        cluster.name,
+        serde_norway::to_string(&cm)?
+    );
+    Ok((agent_yaml, node_proxy_yaml, shoot_config))
 }
 
 impl Rendered {
@@ -298,12 +395,14 @@ impl Rendered {
             args(&self.kube_apiserver_args),
             args(&self.tunnel_agent_args),
             args(&self.proxy_agent_args),
-        )
+        ) + "---\n"
+            + &self.shoot_config
     }
 
     /// Writes `egress-selector-configuration.yaml`, `kube-apiserver.args`,
-    /// `tunnel-agent.args` and `proxy-agent.args` (one argument per line)
-    /// into `dir`.
+    /// `tunnel-agent.args` and `proxy-agent.args` (one argument per line),
+    /// `agent.yaml`, `shoot-config.yaml` and, when rendered,
+    /// `node-proxy.yaml` into `dir`.
     pub fn write(&self, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let only_args = |v: &[String]| {
@@ -320,7 +419,14 @@ impl Rendered {
             ("kube-apiserver.args", only_args(&self.kube_apiserver_args)),
             ("tunnel-agent.args", only_args(&self.tunnel_agent_args)),
             ("proxy-agent.args", only_args(&self.proxy_agent_args)),
+            ("agent.yaml", self.agent_yaml.clone()),
+            ("shoot-config.yaml", self.shoot_config.clone()),
         ];
+        let files = files.into_iter().chain(
+            self.node_proxy_yaml
+                .clone()
+                .map(|np| ("node-proxy.yaml", np)),
+        );
         let mut out = Vec::new();
         for (name, text) in files {
             let p = dir.join(name);
@@ -495,12 +601,42 @@ clusters:
     }
 
     #[test]
+    fn the_shoot_files_are_valid_configurations() {
+        let cfg = ServerConfig::parse(CFG).unwrap();
+        let mut o = opts("b", None);
+        let r = render(&cfg, &o).unwrap();
+        let agent = seedlink_tunnel::agent::config::AgentConfig::parse(&r.agent_yaml).unwrap();
+        assert_eq!(agent.server, "tunnel.seed.example.com:443");
+        assert!(agent.service_account_token_path.is_some());
+        assert!(r.node_proxy_yaml.is_none());
+        o.gateway = Some("api.seed.example.com:8443".into());
+        let e = format!("{:#}", render(&cfg, &o).unwrap_err());
+        assert!(e.contains("--advertise-address"), "{e}");
+        o.advertise_address = Some("10.1.2.3".parse().unwrap());
+        let r = render(&cfg, &o).unwrap();
+        let np = seedlink_node_proxy::config::NodeProxyConfig::parse(
+            r.node_proxy_yaml.as_deref().unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            np.destination.as_deref(),
+            Some("outbound|443||kube-apiserver.b.svc.cluster.local")
+        );
+        assert!(np.plan().is_ok());
+        let cm = yaml(r.shoot_config.as_str());
+        assert_eq!(cm["metadata"]["name"], "seedlink-shoot");
+        assert_eq!(cm["data"]["agent.yaml"], r.agent_yaml.as_str());
+        o.destination = Some("not a destination".into());
+        assert!(render(&cfg, &o).is_err());
+    }
+
+    #[test]
     fn written_files_hold_only_arguments() {
         let cfg = ServerConfig::parse(CFG).unwrap();
         let r = render(&cfg, &opts("b", None)).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let files = r.write(dir.path()).unwrap();
-        assert_eq!(files.len(), 4);
+        assert_eq!(files.len(), 6);
         let args = std::fs::read_to_string(dir.path().join("tunnel-agent.args")).unwrap();
         assert!(args.lines().all(|l| l.starts_with("--")), "{args}");
         yaml(&std::fs::read_to_string(&files[0]).unwrap());

@@ -63,9 +63,22 @@ pub struct TunnelConfigArgs {
     /// node; kube-apiserver advertises it.
     #[arg(long)]
     pub advertise_address: Option<std::net::IpAddr>,
+    /// Where the shoot's node-proxies reach the gateway's http-connect
+    /// listener, host:port (with --advertise-address: node-proxy.yaml is
+    /// rendered).
+    #[arg(long)]
+    pub gateway: Option<String>,
+    /// The node-proxy's destination header value (default:
+    /// outbound|443||kube-apiserver.<cluster>.svc.cluster.local).
+    #[arg(long)]
+    pub destination: Option<String>,
+    /// kube-apiserver's secure port: the `kubernetes` endpoint's port, which
+    /// the node-proxy serves on the advertised address.
+    #[arg(long, default_value_t = 443)]
+    pub kube_apiserver_port: u16,
     /// Write egress-selector-configuration.yaml, kube-apiserver.args,
-    /// tunnel-agent.args and proxy-agent.args into this directory instead
-    /// of printing.
+    /// tunnel-agent.args, proxy-agent.args, agent.yaml, shoot-config.yaml
+    /// (and node-proxy.yaml) into this directory instead of printing.
     #[arg(long)]
     pub out: Option<PathBuf>,
 }
@@ -101,6 +114,9 @@ pub fn tunnel_config(a: TunnelConfigArgs) -> anyhow::Result<i32> {
         egress_api_version: a.egress_api_version,
         egress_file: a.egress_file,
         advertise_address: a.advertise_address,
+        gateway: a.gateway,
+        destination: a.destination,
+        kube_apiserver_port: a.kube_apiserver_port,
     };
     let r = crate::egress::render(&cfg, &opts)?;
     match a.out {

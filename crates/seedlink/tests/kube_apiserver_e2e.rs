@@ -126,8 +126,20 @@ fn render(
     advertise: Option<&str>,
     out: &Path,
 ) -> Vec<String> {
+    render_with(files, agents, version, advertise, out, &[])
+}
+
+/// [`render`] with more `tunnel-config` arguments.
+fn render_with(
+    files: &Files,
+    agents: &str,
+    version: &str,
+    advertise: Option<&str>,
+    out: &Path,
+    extra: &[&str],
+) -> Vec<String> {
     let mut cmd = Command::new(seedlink_bin());
-    cmd.arg("tunnel-config");
+    cmd.arg("tunnel-config").args(extra);
     if let Some(a) = advertise {
         cmd.args(["--advertise-address", a]);
     }
@@ -979,18 +991,58 @@ control_planes:
     node.run(&["ip", "-6", "route", "add", "fd00:97::/108", "dev", "lo"]);
 
     let connect = gw.listener("connect");
+    // The node-proxy's configuration as `tunnel-config` renders it for the
+    // shoot, now that the gateway's address is known (the kube-apiserver
+    // flags it renders again are the ones running). One line is added:
+    // this kernel has no dummy links.
+    let shoot_out = files.dir.join("rendered-shoot");
+    let again = render_with(
+        &files,
+        &agents,
+        "v1beta1",
+        Some(ADVERTISE_V4),
+        &shoot_out,
+        &[
+            "--gateway",
+            &connect.to_string(),
+            "--destination",
+            DEST,
+            "--kube-apiserver-port",
+            p,
+        ],
+    );
+    // The same flags (but the file's own path) and the same egress file.
+    assert_eq!(
+        again[1..],
+        lines(&rendered.join("kube-apiserver.args"))[1..]
+    );
+    let egress =
+        |d: &Path| std::fs::read_to_string(d.join("egress-selector-configuration.yaml")).unwrap();
+    assert_eq!(egress(&shoot_out), egress(&rendered));
+    let np_yaml = files.dir.join("node-proxy.yaml");
+    std::fs::write(
+        &np_yaml,
+        std::fs::read_to_string(shoot_out.join("node-proxy.yaml")).unwrap()
+            + "link_kind: bridge\ninterface: sl-apiproxy\n",
+    )
+    .unwrap();
     for mode in ["connect", "http2-connect"] {
         for (address, svc) in [
             (ADVERTISE_V4, KUBERNETES_V4.to_string()),
             (ADVERTISE_V6, format!("[{KUBERNETES_V6}]")),
         ] {
-            let mut np = Proc(
-                node.cmd(&[seedlink_bin(), "node-proxy"])
-                    .args(["--address", address, "--port", p])
+            let mut cmd = node.cmd(&[seedlink_bin(), "node-proxy"]);
+            if mode == "connect" && address == ADVERTISE_V4 {
+                // The rendered file.
+                cmd.arg("--config").arg(&np_yaml);
+            } else {
+                cmd.args(["--address", address, "--port", p])
                     .args(["--link-kind", "bridge", "--interface", "sl-apiproxy"])
                     .args(["--gateway", &connect.to_string(), "--mode", mode])
-                    .args(["--destination", DEST, "--admin", "127.0.0.1:0"])
-                    .env("RUST_LOG", "warn")
+                    .args(["--destination", DEST, "--admin", "127.0.0.1:0"]);
+            }
+            let mut np = Proc(
+                cmd.env("RUST_LOG", "warn")
                     .stdout(Stdio::piped())
                     .spawn()
                     .unwrap(),
@@ -1058,7 +1110,11 @@ async fn a_real_kubelet_serves_logs_exec_and_port_forward_through_the_tunnel() {
             .args(["tunnel-server", "--config"])
             .arg(files.dir.join("server.yaml")),
     );
-    let mut agent_proc = agent(&node, &rendered);
+    // The agent from the agent.yaml `tunnel-config` rendered.
+    let mut agent_proc = start(
+        node.cmd(&[seedlink_bin(), "tunnel-agent", "--config"])
+            .arg(rendered.join("agent.yaml")),
+    );
     // The seed's load balancer for the kubelet's own API calls.
     let gw = Gw::start(&format!(
         "admin: {{listen: '127.0.0.1:0'}}
