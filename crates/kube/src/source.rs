@@ -309,6 +309,13 @@ pub fn start_gateway(
             }
             if let Some((t, routes, policies)) = &last {
                 status.write(t, routes, policies, &settings.gateway).await;
+                let gateway = gateways
+                    .state()
+                    .into_iter()
+                    .find(|g| g.metadata.name.as_deref() == Some(&settings.gateway.name));
+                if let Some(g) = gateway {
+                    status.write_gateway(t, &g, !retry).await;
+                }
             }
             wake = coalescer.next().await;
             if wake == Wake::Stop {
@@ -641,6 +648,26 @@ fn condition(
     }
 }
 
+/// `v` without any `lastTransitionTime` (what a comparison of desired and
+/// current status ignores).
+fn untimed(v: &mut serde_json::Value) -> &serde_json::Value {
+    match v {
+        serde_json::Value::Object(m) => {
+            m.remove("lastTransitionTime");
+            for x in m.values_mut() {
+                untimed(x);
+            }
+        }
+        serde_json::Value::Array(a) => {
+            for x in a.iter_mut() {
+                untimed(x);
+            }
+        }
+        _ => {}
+    }
+    v
+}
+
 /// Conditions equal but for their transition times.
 fn same(a: &[Condition], b: &[Condition]) -> bool {
     a.len() == b.len()
@@ -961,6 +988,95 @@ impl StatusWriter {
 }
 
 impl StatusWriter {
+    /// The seedlink Gateway's status: `Accepted`, `Programmed` (the
+    /// gateway applied the routes; false while its own configuration is
+    /// invalid) and per listener its conditions, `supportedKinds` and
+    /// `attachedRoutes`. The Gateway is seedlink's alone, so the lists are
+    /// replaced whole; unchanged status is not written again.
+    async fn write_gateway(&mut self, t: &Translation, gateway: &Gateway, programmed: bool) {
+        if !self.leadership.held() {
+            return;
+        }
+        let key = Key::of(gateway);
+        let generation = gateway.metadata.generation;
+        let current = serde_json::to_value(&gateway.status).unwrap_or_default();
+        let previous = |at: &serde_json::Value| -> Vec<Condition> {
+            at.get("conditions")
+                .and_then(|c| serde_json::from_value(c.clone()).ok())
+                .unwrap_or_default()
+        };
+        let prev = previous(&current);
+        let programmed_verdict = if programmed {
+            Verdict::yes("Programmed", "applied to the gateway")
+        } else {
+            Verdict::no(
+                "Invalid",
+                "the gateway's own configuration is invalid: nothing applied (its log says why)",
+            )
+        };
+        let conditions = vec![
+            condition(
+                "Accepted",
+                &Verdict::yes("Accepted", "seedlink serves this Gateway"),
+                generation,
+                &prev,
+            ),
+            condition("Programmed", &programmed_verdict, generation, &prev),
+        ];
+        let listeners: Vec<serde_json::Value> = t
+            .listeners
+            .iter()
+            .map(|l| {
+                let lprev = current
+                    .get("listeners")
+                    .and_then(|ls| ls.as_array())
+                    .and_then(|ls| ls.iter().find(|x| x["name"] == l.name.as_str()))
+                    .map(previous)
+                    .unwrap_or_default();
+                let resolved = if l.accepted.ok {
+                    Verdict::yes("ResolvedRefs", "TLSRoute")
+                } else {
+                    Verdict::no("InvalidRouteKinds", l.accepted.message.clone())
+                };
+                let lprog = if l.accepted.ok && programmed {
+                    Verdict::yes("Programmed", "applied to the gateway")
+                } else {
+                    Verdict::no("Invalid", l.accepted.message.clone())
+                };
+                let kinds: Vec<serde_json::Value> = l
+                    .kinds
+                    .iter()
+                    .map(|k| json!({"group": GATEWAY_GROUP, "kind": k}))
+                    .collect();
+                let no_conflicts = Verdict::no("NoConflicts", "");
+                json!({
+                    "name": l.name,
+                    "attachedRoutes": t.attached(&l.name),
+                    "supportedKinds": kinds,
+                    "conditions": [
+                        condition("Accepted", &l.accepted, generation, &lprev),
+                        condition("Programmed", &lprog, generation, &lprev),
+                        condition("ResolvedRefs", &resolved, generation, &lprev),
+                        condition("Conflicted", &no_conflicts, generation, &lprev),
+                    ],
+                })
+            })
+            .collect();
+        let desired = json!({"conditions": conditions, "listeners": listeners});
+        let mut now = json!({
+            "conditions": current.get("conditions").cloned().unwrap_or(json!([])),
+            "listeners": current.get("listeners").cloned().unwrap_or(json!([])),
+        });
+        if untimed(&mut desired.clone()) == untimed(&mut now) {
+            return;
+        }
+        let patch = json!({
+            "metadata": {"resourceVersion": gateway.metadata.resource_version},
+            "status": desired,
+        });
+        self.patch_status::<Gateway>(&key, &patch).await;
+    }
+
     /// Merge-patches the status of `K` `key` (conditional on the
     /// resourceVersion the patch carries), bounded by the time left before
     /// the lease's renew deadline. `false`: no longer the status leader.

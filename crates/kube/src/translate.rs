@@ -104,6 +104,21 @@ pub struct RouteOutcome {
     pub resolved: Verdict,
     /// The control plane it became, if any.
     pub control_plane: Option<String>,
+    /// The Gateway object's listeners it attached to (for their
+    /// `attachedRoutes`).
+    pub listeners: Vec<String>,
+}
+
+/// The status of one listener of the Gateway object.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ListenerOutcome {
+    /// Its name.
+    pub name: String,
+    /// `Accepted` (false for what seedlink does not serve: a protocol other
+    /// than TLS, TLS other than Passthrough).
+    pub accepted: Verdict,
+    /// Route kinds it takes (empty when not accepted).
+    pub kinds: Vec<String>,
 }
 
 /// What became of one SeedlinkPolicy, per target route.
@@ -129,9 +144,21 @@ pub struct Translation {
     pub routes: Vec<RouteOutcome>,
     /// Per policy.
     pub policies: Vec<PolicyOutcome>,
+    /// The Gateway object's listeners (none without a Gateway object).
+    pub listeners: Vec<ListenerOutcome>,
 }
 
 impl Translation {
+    /// Routes accepted on listener `name` (its `attachedRoutes`).
+    pub fn attached(&self, name: &str) -> i32 {
+        let n = self
+            .routes
+            .iter()
+            .filter(|r| r.accepted.ok && r.listeners.iter().any(|l| l == name))
+            .count();
+        i32::try_from(n).unwrap_or(i32::MAX)
+    }
+
     /// Marks the routes whose control planes the gateway refused (with the
     /// gateway's words) as not accepted.
     pub fn refused(&mut self, refused: &[(String, Vec<seedlink_config::ConfigError>)]) {
@@ -279,6 +306,7 @@ impl Translator {
                 accepted: Verdict::yes("Accepted", "served by seedlink"),
                 resolved: Verdict::yes("ResolvedRefs", "every backend resolved"),
                 control_plane: None,
+                listeners: Vec::new(),
             };
             if let Err(refused) = attach::check(
                 &parents,
@@ -291,6 +319,13 @@ impl Translator {
                 out.routes.push(outcome);
                 continue;
             }
+            outcome.listeners = attach::attached(
+                &parents,
+                &key.namespace,
+                &objects.gateway.namespace,
+                &listeners,
+                &namespaces,
+            );
             let (endpoints, resolved, weighted) = backends(
                 route,
                 &key,
@@ -348,6 +383,7 @@ impl Translator {
             out.routes.push(outcome);
         }
         self.keep_first_claims(&mut out.control_planes);
+        out.listeners = attach::outcomes(objects.gateway_object);
         out
     }
 

@@ -468,6 +468,35 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         .unwrap();
     assert_eq!(resolved["status"], "True");
     assert_eq!(resolved["observedGeneration"], 1);
+    // The Gateway's own status: accepted, programmed, its listener
+    // counting the route, with the kind it takes.
+    wait_for("Gateway status", Duration::from_secs(20), || async {
+        let g = seed
+            .get(
+                "gateway.networking.k8s.io/v1",
+                "Gateway",
+                &seed.sys,
+                "seedlink",
+            )
+            .await
+            .unwrap_or_default();
+        let st = &g["status"];
+        let cond = |at: &Value, t: &str| {
+            at["conditions"]
+                .as_array()
+                .and_then(|cs| cs.iter().find(|c| c["type"] == t))
+                .map(|c| c["status"].clone())
+        };
+        let l = &st["listeners"][0];
+        cond(st, "Accepted") == Some("True".into())
+            && cond(st, "Programmed") == Some("True".into())
+            && l["name"] == "tls"
+            && l["attachedRoutes"] == 1
+            && l["supportedKinds"][0]["kind"] == "TLSRoute"
+            && cond(l, "Accepted") == Some("True".into())
+            && cond(l, "Conflicted") == Some("False".into())
+    })
+    .await;
 
     // A second writer: another controller's entry on the same route's
     // status. seedlink's later writes of its own entry keep it.
@@ -825,6 +854,13 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         get(&pki, gw.tls, A).await.is_err()
     })
     .await;
+    // The Gateway's status was written when it changed, never in a loop
+    // (each write wakes the watch; an unchanged status is not written).
+    let gateway_writes = seed.writers("gateways", &seed.sys, "status").len();
+    assert!(
+        (1..=40).contains(&gateway_writes),
+        "{gateway_writes} Gateway status writes"
+    );
     stop.cancel();
 }
 

@@ -25,6 +25,9 @@ pub(super) struct Listener<'a> {
     allowed: Option<&'a GatewayListenersAllowedRoutes>,
     /// `None` for the file's listeners (they are all TLS).
     protocol: Option<&'a str>,
+    /// TLS passthrough (the file's listeners always are; a Gateway
+    /// listener's `tls.mode` defaults to Terminate).
+    passthrough: bool,
 }
 
 /// The listeners of the Gateway object when it exists, else the file's.
@@ -38,6 +41,7 @@ pub(super) fn listeners<'a>(gateway: Option<&'a Gateway>, file: &'a [String]) ->
                 name: &l.name,
                 allowed: l.allowed_routes.as_ref(),
                 protocol: Some(&l.protocol),
+                passthrough: is_passthrough(l),
             })
             .collect(),
         None => file
@@ -46,6 +50,7 @@ pub(super) fn listeners<'a>(gateway: Option<&'a Gateway>, file: &'a [String]) ->
                 name: n,
                 allowed: None,
                 protocol: None,
+                passthrough: true,
             })
             .collect(),
     }
@@ -95,6 +100,77 @@ pub(super) fn check(
     Ok(())
 }
 
+/// The listeners a route that [`check`] admitted attaches to: for each
+/// parentRef, every listener it names (all without a sectionName) that
+/// admits the route's namespace.
+pub(super) fn attached(
+    parents: &[TlsRouteParentRefs],
+    route_ns: &str,
+    gateway_ns: &str,
+    listeners: &[Listener<'_>],
+    namespaces: &HashMap<String, &BTreeMap<String, String>>,
+) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for p in parents {
+        for l in listeners {
+            let named = p.section_name.as_deref().is_none_or(|s| s == l.name);
+            if named
+                && admits(l, route_ns, gateway_ns, namespaces).is_ok()
+                && !out.iter().any(|n| n == l.name)
+            {
+                out.push(l.name.to_string());
+            }
+        }
+    }
+    out
+}
+
+/// Each listener of the Gateway object: accepted when seedlink serves it
+/// (TLS passthrough; a TLS listener without `tls.mode` is Terminate by the
+/// spec's default, which seedlink does not do).
+pub(super) fn outcomes(gateway: Option<&Gateway>) -> Vec<super::ListenerOutcome> {
+    let Some(g) = gateway else {
+        return Vec::new();
+    };
+    g.spec
+        .listeners
+        .iter()
+        .map(|l| {
+            let passthrough = is_passthrough(l);
+            let accepted = if l.protocol != "TLS" {
+                Verdict::no(
+                    "UnsupportedProtocol",
+                    format!("seedlink serves TLS passthrough only, not {}", l.protocol),
+                )
+            } else if !passthrough {
+                Verdict::no(
+                    "UnsupportedValue",
+                    "seedlink serves tls.mode Passthrough only (it never terminates TLS)",
+                )
+            } else {
+                Verdict::yes("Accepted", "served by seedlink (TLS passthrough)")
+            };
+            let kinds = if accepted.ok {
+                vec!["TLSRoute".to_string()]
+            } else {
+                Vec::new()
+            };
+            super::ListenerOutcome {
+                name: l.name.clone(),
+                accepted,
+                kinds,
+            }
+        })
+        .collect()
+}
+
+fn is_passthrough(l: &gateway_api::gateways::GatewayListeners) -> bool {
+    matches!(
+        l.tls.as_ref().and_then(|t| t.mode.as_ref()),
+        Some(gateway_api::gateways::GatewayListenersTlsMode::Passthrough)
+    )
+}
+
 fn admits(
     l: &Listener<'_>,
     route_ns: &str,
@@ -103,6 +179,9 @@ fn admits(
 ) -> Result<(), String> {
     if let Some(p) = l.protocol.filter(|p| *p != "TLS") {
         return Err(format!("protocol {p} takes no TLSRoute"));
+    }
+    if !l.passthrough {
+        return Err("seedlink serves tls.mode Passthrough only".into());
     }
     let kinds = l.allowed.and_then(|a| a.kinds.as_ref());
     if let Some(kinds) = kinds.filter(|k| !k.is_empty()) {

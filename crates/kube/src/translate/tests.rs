@@ -643,3 +643,38 @@ fn a_forged_controller_slice_for_a_service_without_selector_is_ignored() {
     let t = w.translate(&mut Translator::default());
     assert!(t.control_planes[0].endpoints.is_empty());
 }
+
+/// The Gateway object's listeners as seedlink reports them: a TLS
+/// passthrough listener is accepted and counts the routes attached to it;
+/// a Terminate (the default mode) or non-TLS listener is not, and no route
+/// attaches to it.
+#[test]
+fn listeners_report_what_seedlink_serves_and_their_attached_routes() {
+    let mut w = one_shoot();
+    w.gateway = all_namespaces();
+    let t = w.translate(&mut Translator::default());
+    assert_eq!(t.listeners.len(), 1);
+    assert!(t.listeners[0].accepted.ok);
+    assert_eq!(t.listeners[0].kinds, ["TLSRoute"]);
+    assert_eq!(t.attached("tls"), 1);
+    assert_eq!(t.attached("other"), 0);
+
+    if let Some(g) = w.gateway.as_mut() {
+        g.spec.listeners[0].tls = None;
+    }
+    let t = w.translate(&mut Translator::default());
+    assert!(!t.listeners[0].accepted.ok);
+    assert_eq!(t.listeners[0].accepted.reason, "UnsupportedValue");
+    assert!(t.listeners[0].kinds.is_empty());
+    assert_eq!(t.attached("tls"), 0);
+    assert_eq!(t.routes[0].accepted.reason, "NotAllowedByListeners");
+
+    if let Some(g) = w.gateway.as_mut() {
+        g.spec.listeners[0].protocol = "HTTP".into();
+    }
+    let t = w.translate(&mut Translator::default());
+    assert_eq!(t.listeners[0].accepted.reason, "UnsupportedProtocol");
+    // No Gateway object: nothing to report.
+    w.gateway = None;
+    assert!(w.translate(&mut Translator::default()).listeners.is_empty());
+}
