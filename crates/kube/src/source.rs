@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use gateway_api::gatewayclasses::GatewayClass;
 use gateway_api::gateways::Gateway;
 use gateway_api::referencegrants::ReferenceGrant;
 use gateway_api::tlsroutes::{TlsRoute, TlsRouteParentRefs};
@@ -243,6 +244,7 @@ pub fn start_gateway(
     let slices = w.kind::<EndpointSlice>();
     // Only the Gateway's own namespace: the one object named in the file.
     let gateways = w.in_namespace::<Gateway>(&settings.gateway.namespace);
+    let classes = w.kind::<GatewayClass>();
     let namespaces = w.kind::<Namespace>();
     let grants = w.kind::<ReferenceGrant>();
     let changed = w.changed;
@@ -258,6 +260,7 @@ pub fn start_gateway(
             services.wait_until_ready().await.ok()?;
             slices.wait_until_ready().await.ok()?;
             gateways.wait_until_ready().await.ok()?;
+            classes.wait_until_ready().await.ok()?;
             namespaces.wait_until_ready().await.ok()?;
             grants.wait_until_ready().await.ok()
         };
@@ -315,6 +318,11 @@ pub fn start_gateway(
                     .find(|g| g.metadata.name.as_deref() == Some(&settings.gateway.name));
                 if let Some(g) = gateway {
                     status.write_gateway(t, &g, !retry).await;
+                }
+                for class in classes.state() {
+                    if class.spec.controller_name == CONTROLLER_NAME {
+                        status.write_gateway_class(&class).await;
+                    }
                 }
             }
             wake = coalescer.next().await;
@@ -988,6 +996,53 @@ impl StatusWriter {
 }
 
 impl StatusWriter {
+    /// A GatewayClass whose `controllerName` is seedlink's: `Accepted`
+    /// (written when it is not yet; the class has no other condition
+    /// seedlink sets).
+    async fn write_gateway_class(&mut self, class: &GatewayClass) {
+        if !self.leadership.held() {
+            return;
+        }
+        let generation = class.metadata.generation;
+        let prev: Vec<Condition> = class
+            .status
+            .as_ref()
+            .and_then(|s| serde_json::to_value(&s.conditions).ok())
+            .and_then(|c| serde_json::from_value(c).ok())
+            .unwrap_or_default();
+        let accepted = Verdict::yes("Accepted", format!("{CONTROLLER_NAME} serves this class"));
+        let desired = vec![condition("Accepted", &accepted, generation, &prev)];
+        if same(&desired, &prev) {
+            return;
+        }
+        let Some(left) = self.leadership.remaining() else {
+            return;
+        };
+        let name = kube::ResourceExt::name_any(class);
+        let patch = json!({
+            "metadata": {"resourceVersion": class.metadata.resource_version},
+            "status": {"conditions": desired},
+        });
+        let api: Api<GatewayClass> = Api::all(self.client.clone());
+        match tokio::time::timeout(
+            left,
+            api.patch_status(&name, &status_params(), &Patch::Merge(&patch)),
+        )
+        .await
+        {
+            Ok(Ok(_)) => {}
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
+                tracing::debug!(class = %name, "GatewayClass changed meanwhile; written again on the next pass");
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(class = %name, error = %e, "cannot write GatewayClass status")
+            }
+            Err(_) => {
+                tracing::debug!(class = %name, "no longer the status leader: status not written")
+            }
+        }
+    }
+
     /// The seedlink Gateway's status: `Accepted`, `Programmed` (the
     /// gateway applied the routes; false while its own configuration is
     /// invalid) and per listener its conditions, `supportedKinds` and

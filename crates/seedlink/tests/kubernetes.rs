@@ -233,6 +233,10 @@ impl Seed {
             if doc["kind"] == "Gateway" {
                 doc["metadata"]["namespace"] = self.sys.clone().into();
                 self.apply(doc).await;
+            } else if doc["kind"] == "GatewayClass" {
+                // Cluster-wide and the same for every test (the status
+                // every seedlink writes on it is the same too).
+                self.apply(doc).await;
             }
         }
     }
@@ -468,6 +472,23 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         .unwrap();
     assert_eq!(resolved["status"], "True");
     assert_eq!(resolved["observedGeneration"], 1);
+    // The GatewayClass naming seedlink's controller is accepted.
+    wait_for("GatewayClass Accepted", Duration::from_secs(20), || async {
+        let c = seed
+            .get(
+                "gateway.networking.k8s.io/v1",
+                "GatewayClass",
+                "",
+                "seedlink",
+            )
+            .await
+            .unwrap_or_default();
+        c["status"]["conditions"].as_array().is_some_and(|cs| {
+            cs.iter()
+                .any(|c| c["type"] == "Accepted" && c["status"] == "True")
+        })
+    })
+    .await;
     // The Gateway's own status: accepted, programmed, its listener
     // counting the route, with the kind it takes.
     wait_for("Gateway status", Duration::from_secs(20), || async {
