@@ -201,6 +201,7 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
         for (key, v) in [
             ("kubernetes.gateway", Some(&k.gateway)),
             ("kubernetes.lease", k.lease.as_ref()),
+            ("kubernetes.service", k.service.as_ref()),
         ] {
             if let Some(v) = v {
                 if split_object_name(v).is_none() {

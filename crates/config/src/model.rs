@@ -58,6 +58,11 @@ pub struct KubernetesSource {
     /// Whether this replica takes part in writing status (default true).
     #[serde(default = "yes")]
     pub write_status: bool,
+    /// `namespace/name` of the Service seedlink is exposed by (its
+    /// LoadBalancer addresses become the Gateway's `status.addresses`);
+    /// default `<gateway namespace>/seedlink`, the install's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
     /// The `endpointslice.kubernetes.io/managed-by` values whose
     /// EndpointSlices name upstreams. Default: Kubernetes' own EndpointSlice
     /// controller only, which writes the addresses of the pods a Service

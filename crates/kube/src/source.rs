@@ -71,6 +71,8 @@ pub struct GatewaySettings {
     pub identity: String,
     /// The EndpointSlice managers whose slices name upstreams.
     pub slice_managers: Vec<String>,
+    /// The Service seedlink is exposed by (the Gateway's addresses).
+    pub service: Key,
 }
 
 /// A running source.
@@ -317,7 +319,13 @@ pub fn start_gateway(
                     .into_iter()
                     .find(|g| g.metadata.name.as_deref() == Some(&settings.gateway.name));
                 if let Some(g) = gateway {
-                    status.write_gateway(t, &g, !retry).await;
+                    let addresses = services
+                        .state()
+                        .into_iter()
+                        .find(|s| Key::of(s.as_ref()) == settings.service)
+                        .map(|s| addresses(&s))
+                        .unwrap_or_default();
+                    status.write_gateway(t, &g, !retry, &addresses).await;
                 }
                 for class in classes.state() {
                     if class.spec.controller_name == CONTROLLER_NAME {
@@ -654,6 +662,24 @@ fn condition(
         observed_generation: generation,
         last_transition_time: time,
     }
+}
+
+/// A Service's LoadBalancer addresses as Gateway `status.addresses`
+/// (none until a load balancer assigned one).
+fn addresses(s: &Service) -> Vec<serde_json::Value> {
+    s.status
+        .as_ref()
+        .and_then(|st| st.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|i| match (&i.ip, &i.hostname) {
+            (Some(ip), _) => Some(json!({"type": "IPAddress", "value": ip})),
+            (None, Some(h)) => Some(json!({"type": "Hostname", "value": h})),
+            (None, None) => None,
+        })
+        .take(16)
+        .collect()
 }
 
 /// `v` without any `lastTransitionTime` (what a comparison of desired and
@@ -1048,7 +1074,13 @@ impl StatusWriter {
     /// invalid) and per listener its conditions, `supportedKinds` and
     /// `attachedRoutes`. The Gateway is seedlink's alone, so the lists are
     /// replaced whole; unchanged status is not written again.
-    async fn write_gateway(&mut self, t: &Translation, gateway: &Gateway, programmed: bool) {
+    async fn write_gateway(
+        &mut self,
+        t: &Translation,
+        gateway: &Gateway,
+        programmed: bool,
+        addresses: &[serde_json::Value],
+    ) {
         if !self.leadership.held() {
             return;
         }
@@ -1117,10 +1149,15 @@ impl StatusWriter {
                 })
             })
             .collect();
-        let desired = json!({"conditions": conditions, "listeners": listeners});
+        let desired = json!({
+            "conditions": conditions,
+            "listeners": listeners,
+            "addresses": addresses,
+        });
         let mut now = json!({
             "conditions": current.get("conditions").cloned().unwrap_or(json!([])),
             "listeners": current.get("listeners").cloned().unwrap_or(json!([])),
+            "addresses": current.get("addresses").cloned().unwrap_or(json!([])),
         });
         if untimed(&mut desired.clone()) == untimed(&mut now) {
             return;

@@ -489,6 +489,23 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         })
     })
     .await;
+    // The Service seedlink is exposed by (the install's `seedlink`): its
+    // load balancer's address becomes the Gateway's.
+    seed.apply(json!({"apiVersion": "v1", "kind": "Service",
+                      "metadata": {"name": "seedlink", "namespace": seed.sys},
+                      "spec": {"type": "LoadBalancer",
+                               "ports": [{"name": "tls", "port": 443, "targetPort": 9443}]}}))
+        .await;
+    kubeapi::patch_status(
+        &seed.client,
+        "v1",
+        "Service",
+        &seed.sys,
+        "seedlink",
+        json!({"status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.10"}]}}}),
+    )
+    .await
+    .unwrap();
     // The Gateway's own status: accepted, programmed, its listener
     // counting the route, with the kind it takes.
     wait_for("Gateway status", Duration::from_secs(20), || async {
@@ -509,7 +526,8 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
                 .map(|c| c["status"].clone())
         };
         let l = &st["listeners"][0];
-        cond(st, "Accepted") == Some("True".into())
+        st["addresses"] == json!([{"type": "IPAddress", "value": "192.0.2.10"}])
+            && cond(st, "Accepted") == Some("True".into())
             && cond(st, "Programmed") == Some("True".into())
             && l["name"] == "tls"
             && l["attachedRoutes"] == 1

@@ -168,6 +168,15 @@ pub async fn kubernetes(
             name: "seedlink-status".into(),
         }),
     };
+    let service = match &k.service {
+        Some(s) => {
+            split(s).ok_or_else(|| anyhow::anyhow!("kubernetes.service: not namespace/name"))?
+        }
+        None => seedlink_kube::translate::Key {
+            namespace: gateway.namespace.clone(),
+            name: "seedlink".into(),
+        },
+    };
     let client = kube::Client::try_default().await.map_err(|e| {
         anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
     })?;
@@ -178,6 +187,7 @@ pub async fn kubernetes(
         lease,
         identity,
         slice_managers: k.endpointslice_managers.clone(),
+        service,
     };
     let handle =
         seedlink_kube::source::start_gateway(client, settings, Arc::new(KubeSink(gw.clone())));
