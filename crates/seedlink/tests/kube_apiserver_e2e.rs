@@ -478,6 +478,22 @@ fn shoot_with(files: &Files, net: u8, fake_kubelet: bool) -> (Netns, Proc) {
     (ns, apps)
 }
 
+/// A free address for the tunnel-server's agents on the seed side of
+/// the shoot's link (`198.18.<net>.1`).
+fn agents_address(net: u8) -> String {
+    let l = std::net::TcpListener::bind(format!("198.18.{net}.1:0")).unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+/// `seedlink tunnel-server` with the configuration the test bed wrote.
+fn tunnel_server(files: &Files) -> Started {
+    start(
+        Command::new(seedlink_bin())
+            .args(["tunnel-server", "--config"])
+            .arg(files.dir.join("server.yaml")),
+    )
+}
+
 fn start(cmd: &mut Command) -> Started {
     let mut proc = Proc(
         cmd.env("RUST_LOG", "warn")
@@ -572,10 +588,7 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
     let dir = tempfile::tempdir().unwrap();
     let files = Arc::new(Files::new(dir.path()));
     let (ns, _apps) = shoot(&files);
-    let agents = {
-        let l = std::net::TcpListener::bind(format!("198.18.{NET}.1:0")).unwrap();
-        l.local_addr().unwrap().to_string()
-    };
+    let agents = agents_address(NET);
     let api = shoot_apiserver(&files, &agents, "v1beta1", None).await;
     let rendered = files.dir.join("rendered-v1beta1");
 
@@ -590,11 +603,7 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
     issue_credentials(&api, &files).await;
     shoot_objects(&api, &files).await;
 
-    let server = start(
-        Command::new(seedlink_bin())
-            .args(["tunnel-server", "--config"])
-            .arg(files.dir.join("server.yaml")),
-    );
+    let server = tunnel_server(&files);
     let mut agent_proc = agent(&ns, &rendered);
 
     // The shoot's addresses exist only inside the shoot's namespace (no
@@ -814,10 +823,7 @@ async fn the_v1alpha1_egress_selector_is_loaded_too() {
     let dir = tempfile::tempdir().unwrap();
     let files = Arc::new(Files::new(dir.path()));
     let (ns, _apps) = shoot_on(&files, NET + 1);
-    let agents = {
-        let l = std::net::TcpListener::bind(format!("198.18.{}.1:0", NET + 1)).unwrap();
-        l.local_addr().unwrap().to_string()
-    };
+    let agents = agents_address(NET + 1);
     let api = shoot_apiserver(&files, &agents, "v1alpha1", None).await;
     let rendered = files.dir.join("rendered-v1alpha1");
     let egress =
@@ -825,11 +831,7 @@ async fn the_v1alpha1_egress_selector_is_loaded_too() {
     assert!(egress.contains("apiserver.k8s.io/v1alpha1"), "{egress}");
     issue_credentials(&api, &files).await;
     shoot_objects(&api, &files).await;
-    let _server = start(
-        Command::new(seedlink_bin())
-            .args(["tunnel-server", "--config"])
-            .arg(files.dir.join("server.yaml")),
-    );
+    let _server = tunnel_server(&files);
     let _agent = agent(&ns, &rendered);
     let svc = "/api/v1/namespaces/shoot-system/services/https:shoot-apps:443/proxy/hello";
     wait_for(Duration::from_secs(60), "the service proxy", || {
@@ -879,10 +881,7 @@ async fn kubectl_and_in_cluster_clients_reach_their_api_server_through_the_gatew
     let dir = tempfile::tempdir().unwrap();
     let files = Arc::new(Files::new(dir.path()));
     let (node, _apps) = shoot_on(&files, net);
-    let agents = {
-        let l = std::net::TcpListener::bind(format!("198.18.{net}.1:0")).unwrap();
-        l.local_addr().unwrap().to_string()
-    };
+    let agents = agents_address(net);
     let api = shoot_apiserver(&files, &agents, "v1beta1", Some(ADVERTISE_V4)).await;
     let rendered = files.dir.join("rendered-v1beta1");
     assert!(lines(&rendered.join("kube-apiserver.args"))
@@ -1041,14 +1040,7 @@ control_planes:
                     .args(["--gateway", &connect.to_string(), "--mode", mode])
                     .args(["--destination", DEST, "--admin", "127.0.0.1:0"]);
             }
-            let mut np = Proc(
-                cmd.env("RUST_LOG", "warn")
-                    .stdout(Stdio::piped())
-                    .spawn()
-                    .unwrap(),
-            );
-            let ready = ready_line(&mut np.0);
-            assert_eq!(ready["event"], "ready", "{ready}");
+            let np = start(&mut cmd);
             let kc = files.dir.join(format!("pod-{mode}-{address}.kubeconfig"));
             kubeconfig(&api, &kc, &format!("https://{svc}:443"), None, Some(&token));
             let o = node
@@ -1098,18 +1090,11 @@ async fn a_real_kubelet_serves_logs_exec_and_port_forward_through_the_tunnel() {
     let dir = tempfile::tempdir().unwrap();
     let files = Arc::new(Files::new(dir.path()));
     let (node, _apps) = shoot_with(&files, net, false);
-    let agents = {
-        let l = std::net::TcpListener::bind(format!("198.18.{net}.1:0")).unwrap();
-        l.local_addr().unwrap().to_string()
-    };
+    let agents = agents_address(net);
     let api = shoot_apiserver(&files, &agents, "v1beta1", None).await;
     let rendered = files.dir.join("rendered-v1beta1");
     issue_credentials(&api, &files).await;
-    let _server = start(
-        Command::new(seedlink_bin())
-            .args(["tunnel-server", "--config"])
-            .arg(files.dir.join("server.yaml")),
-    );
+    let _server = tunnel_server(&files);
     // The agent from the agent.yaml `tunnel-config` rendered.
     let mut agent_proc = start(
         node.cmd(&[seedlink_bin(), "tunnel-agent", "--config"])
