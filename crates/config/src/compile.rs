@@ -195,20 +195,12 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
 
     let mut control_planes = HashMap::new();
     let mut routes = RouteTable::default();
-    let mut owner: HashMap<String, String> = HashMap::new();
+    // Host pattern → (the address it is served on, None for everywhere;
+    // the control plane).
+    let mut owner: HashMap<String, Vec<(Option<SocketAddr>, String)>> = HashMap::new();
     let mut dest_owner: HashMap<String, String> = HashMap::new();
     if let Some(k) = &file.kubernetes {
-        for (key, v) in [
-            ("kubernetes.gateway", Some(&k.gateway)),
-            ("kubernetes.lease", k.lease.as_ref()),
-            ("kubernetes.service", k.service.as_ref()),
-        ] {
-            if let Some(v) = v {
-                if split_object_name(v).is_none() {
-                    c.err(key, format!("{v:?} is not namespace/name"));
-                }
-            }
-        }
+        check_kubernetes(&mut c, k, &listeners);
     }
     let all = file
         .control_planes
@@ -391,23 +383,44 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
                     .insert(id.as_bytes().to_vec(), compiled.clone());
             }
         }
+        let served_on = served_on(&mut c, &at, cp, &listeners);
         for (j, h) in cp.hostnames.iter().enumerate() {
             let path = format!("{at}.hostnames[{j}]");
             let Some(pattern) = check_host_pattern(&mut c, &path, h) else {
                 continue;
             };
-            if let Some(other) = owner.get(&pattern) {
+            // A name served everywhere conflicts with every other claim of
+            // it; one served on some addresses only with claims there.
+            let scopes: Vec<Option<SocketAddr>> = if served_on.is_empty() {
+                vec![None]
+            } else {
+                served_on.iter().copied().map(Some).collect()
+            };
+            let clash = owner.get(&pattern).and_then(|held| {
+                held.iter()
+                    .find(|(at, _)| at.is_none() || served_on.is_empty() || scopes.contains(at))
+            });
+            if let Some((_, other)) = clash {
                 c.err(
                     path,
                     format!("host name {pattern:?} is already used by control plane {other:?}"),
                 );
                 continue;
             }
-            owner.insert(pattern.clone(), cp.name.clone());
-            match pattern.strip_prefix("*.") {
-                Some(parent) => routes.wildcard.insert(parent.to_string(), compiled.clone()),
-                None => routes.exact.insert(pattern, compiled.clone()),
-            };
+            for at in scopes {
+                owner
+                    .entry(pattern.clone())
+                    .or_default()
+                    .push((at, cp.name.clone()));
+                match at {
+                    None => routes.hosts.insert(pattern.clone(), compiled.clone()),
+                    Some(a) => routes
+                        .scoped
+                        .entry(a)
+                        .or_default()
+                        .insert(pattern.clone(), compiled.clone()),
+                }
+            }
         }
         control_planes.entry(cp.name.clone()).or_insert(compiled);
     }
@@ -652,6 +665,116 @@ fn valid_hostname(h: &str) -> bool {
                     .bytes()
                     .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
         })
+}
+
+/// The `kubernetes` section: object names, and a class's addresses (each
+/// one a TLS listener receives at, none twice, at most 256).
+fn check_kubernetes(
+    c: &mut Collector,
+    k: &crate::model::KubernetesSource,
+    listeners: &[ListenerSpec],
+) {
+    for (key, v) in [
+        ("kubernetes.gateway", k.gateway.as_ref()),
+        ("kubernetes.lease", k.lease.as_ref()),
+        ("kubernetes.service", k.service.as_ref()),
+    ] {
+        if let Some(v) = v {
+            if split_object_name(v).is_none() {
+                c.err(key, format!("{v:?} is not namespace/name"));
+            }
+        }
+    }
+    if k.gateway.is_none() && k.gateway_class.is_none() {
+        c.err(
+            "kubernetes",
+            "names no Gateway: set gateway (one Gateway, on every listener), gateway_class (every Gateway of a class, each at its own address), or both",
+        );
+    }
+    if k.gateway.is_none() && k.lease.is_none() && k.write_status {
+        c.err(
+            "kubernetes.lease",
+            "is required without kubernetes.gateway (its default is in the Gateway's namespace)",
+        );
+    }
+    let Some(class) = &k.gateway_class else {
+        return;
+    };
+    if class.name.is_empty() || !valid_hostname(&class.name) || class.name.len() > 253 {
+        c.err(
+            "kubernetes.gateway_class.name",
+            format!("{:?} is not a GatewayClass name", class.name),
+        );
+    }
+    if class.addresses.is_empty() || class.addresses.len() > 256 {
+        c.err(
+            "kubernetes.gateway_class.addresses",
+            "needs 1 to 256 addresses (one per Gateway of the class)",
+        );
+    }
+    let mut seen = HashSet::new();
+    for (i, a) in class.addresses.iter().enumerate() {
+        let path = format!("kubernetes.gateway_class.addresses[{i}]");
+        let Ok(ip) = a.parse::<std::net::IpAddr>() else {
+            c.err(path, format!("{a:?} is not an IP address"));
+            continue;
+        };
+        let ip = crate::routes::canonical(ip);
+        if ip.is_unspecified() || ip.is_multicast() {
+            c.err(path, format!("{a:?} is not a specific address"));
+        } else if !seen.insert(ip) {
+            c.err(path, format!("{a:?} is listed twice"));
+        } else if !listeners.iter().any(|l| {
+            matches!(l.protocol, Protocol::Tls | Protocol::Auto)
+                && (l.address.ip().is_unspecified()
+                    || crate::routes::canonical(l.address.ip()) == ip)
+        }) {
+            c.err(
+                path,
+                format!("{a:?}: no tls or auto listener receives connections there"),
+            );
+        }
+    }
+}
+
+/// A control plane's `served_on` addresses (canonical), each one an SNI
+/// listener receives connections at.
+fn served_on(
+    c: &mut Collector,
+    at: &str,
+    cp: &crate::model::ControlPlane,
+    listeners: &[ListenerSpec],
+) -> Vec<SocketAddr> {
+    let mut out = Vec::new();
+    for (j, a) in cp.served_on.iter().enumerate() {
+        let path = format!("{at}.served_on[{j}]");
+        let Ok(sa) = a.parse::<SocketAddr>() else {
+            c.err(path, format!("{a:?} is not ip:port"));
+            continue;
+        };
+        let sa = SocketAddr::new(crate::routes::canonical(sa.ip()), sa.port());
+        if sa.port() == 0 || sa.ip().is_unspecified() {
+            c.err(path, format!("{a:?} is not a specific ip:port"));
+            continue;
+        }
+        let received = listeners.iter().any(|l| {
+            matches!(l.protocol, Protocol::Tls | Protocol::Auto)
+                && l.address.port() == sa.port()
+                && (l.address.ip().is_unspecified()
+                    || crate::routes::canonical(l.address.ip()) == sa.ip())
+        });
+        if !received {
+            c.err(
+                path,
+                format!("{a:?}: no tls or auto listener receives connections there"),
+            );
+            continue;
+        }
+        if !out.contains(&sa) {
+            out.push(sa);
+        }
+    }
+    out
 }
 
 /// Validates a host name pattern and returns its normalised form.

@@ -49,10 +49,18 @@ pub struct ConfigFile {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct KubernetesSource {
-    /// `namespace/name` of the Gateway whose TLSRoutes this gateway serves.
-    pub gateway: String,
+    /// `namespace/name` of a Gateway whose TLSRoutes this gateway serves on
+    /// every listener (its addresses are the Service's). At least one of
+    /// `gateway` and `gateway_class`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
+    /// Every Gateway of a GatewayClass, each served at an address of its
+    /// own (a Gateway API implementation in full).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway_class: Option<GatewayClassSource>,
     /// `namespace/name` of the Lease that elects the one replica writing
-    /// status; default `<gateway namespace>/seedlink-status`.
+    /// status; default `<gateway namespace>/seedlink-status` (required
+    /// without `gateway`).
     #[serde(default)]
     pub lease: Option<String>,
     /// Whether this replica takes part in writing status (default true).
@@ -72,6 +80,20 @@ pub struct KubernetesSource {
     /// CVE-2021-25740 class).
     #[serde(default = "default_slice_managers")]
     pub endpointslice_managers: Vec<String>,
+}
+
+/// The Gateways of one class, each at its own address.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayClassSource {
+    /// The GatewayClass; its `controllerName` must be `seedlink.dev/gateway`.
+    pub name: String,
+    /// The addresses Gateways of the class are given, one each, oldest
+    /// Gateway first (an address stays with its Gateway once its status
+    /// shows it). Each must be one this gateway receives connections at: a
+    /// TLS listener bound to it or to the unspecified address. A Gateway's
+    /// routes are served only on connections to its address.
+    pub addresses: Vec<String>,
 }
 
 /// The EndpointSlice manager the gateway trusts by default.
@@ -343,9 +365,16 @@ pub enum Balance {
 pub struct ControlPlane {
     /// Unique name, e.g. the shoot namespace `shoot--project--name`.
     pub name: String,
-    /// SNI host names: exact, or `*.` wildcards matching exactly one label.
+    /// SNI host names: exact, or `*.` wildcards (Gateway API's: `*.example.com`
+    /// matches any name ending in `.example.com`; the most specific wins).
     #[serde(default)]
     pub hostnames: Vec<String>,
+    /// The listening addresses (`ip:port`, as connections arrive at them)
+    /// on which its host names are routed; empty: on every SNI listener.
+    /// Names served on different addresses do not conflict. The Kubernetes
+    /// source sets it for each Gateway of its class (`kubernetes.gateway_class`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub served_on: Vec<String>,
     /// `host:port` upstream endpoints.
     pub endpoints: Vec<String>,
     /// Client-IP allow-list; absent means every client is allowed.

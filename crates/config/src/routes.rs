@@ -102,14 +102,56 @@ pub struct DestinationRoute {
     pub tunnel_target: Option<String>,
 }
 
-/// SNI → control plane. Exact names win over wildcards; a wildcard
-/// `*.example.com` matches exactly one extra label (`a.example.com`, not
-/// `example.com` nor `a.b.example.com`).
+/// Host names → control plane, as Gateway API matches them: an exact name
+/// wins; else the most specific wildcard, where `*.example.com` matches any
+/// name ending in `.example.com` (`a.example.com`, `a.b.example.com`, not
+/// `example.com`).
 #[derive(Debug, Default)]
-pub struct RouteTable {
+pub struct HostRoutes {
     pub(crate) exact: HashMap<String, Arc<ControlPlane>>,
     /// Keyed by the part after `*.`.
     pub(crate) wildcard: HashMap<String, Arc<ControlPlane>>,
+}
+
+impl HostRoutes {
+    /// `host` is normalised. At most one hash lookup per label.
+    fn lookup(&self, host: &str) -> Option<&Arc<ControlPlane>> {
+        if let Some(cp) = self.exact.get(host) {
+            return Some(cp);
+        }
+        if self.wildcard.is_empty() {
+            return None;
+        }
+        let mut rest = host;
+        while let Some((_, parent)) = rest.split_once('.') {
+            if let Some(cp) = self.wildcard.get(parent) {
+                return Some(cp);
+            }
+            rest = parent;
+        }
+        None
+    }
+
+    pub(crate) fn insert(&mut self, pattern: String, cp: Arc<ControlPlane>) {
+        match pattern.strip_prefix("*.") {
+            Some(parent) => self.wildcard.insert(parent.to_string(), cp),
+            None => self.exact.insert(pattern, cp),
+        };
+    }
+
+    fn len(&self) -> usize {
+        self.exact.len() + self.wildcard.len()
+    }
+}
+
+/// SNI → control plane: the names served on every listener, and those
+/// served only on some listening addresses (`served_on`).
+#[derive(Debug, Default)]
+pub struct RouteTable {
+    /// Served on every SNI listener.
+    pub(crate) hosts: HostRoutes,
+    /// Served only where a connection arrives at this address (canonical IP).
+    pub(crate) scoped: HashMap<std::net::SocketAddr, HostRoutes>,
     /// Canonical destination string → route.
     pub(crate) destinations: HashMap<String, DestinationRoute>,
     /// In-cluster service address → control plane (legacy PROXY path).
@@ -120,14 +162,28 @@ pub struct RouteTable {
 
 impl RouteTable {
     /// Finds the control plane for an SNI host name (any case, one optional
-    /// trailing dot). Two hash lookups at most, whatever the table size.
+    /// trailing dot) among the names served on every listener. One hash
+    /// lookup per label at most, whatever the table size.
     pub fn lookup(&self, sni: &str) -> Option<&Arc<ControlPlane>> {
+        self.hosts.lookup(&normalize_host(sni)?)
+    }
+
+    /// Whether some names are served only on some addresses (then a
+    /// connection's local address is needed: [`RouteTable::lookup_at`]).
+    pub fn scoped(&self) -> bool {
+        !self.scoped.is_empty()
+    }
+
+    /// Finds the control plane for an SNI host name on a connection that
+    /// arrived at `local`: the names served there first, then those served
+    /// everywhere.
+    pub fn lookup_at(&self, sni: &str, local: std::net::SocketAddr) -> Option<&Arc<ControlPlane>> {
         let host = normalize_host(sni)?;
-        if let Some(cp) = self.exact.get(&host) {
-            return Some(cp);
-        }
-        let (_, parent) = host.split_once('.')?;
-        self.wildcard.get(parent)
+        let local = std::net::SocketAddr::new(canonical(local.ip()), local.port());
+        self.scoped
+            .get(&local)
+            .and_then(|s| s.lookup(&host))
+            .or_else(|| self.hosts.lookup(&host))
     }
 
     /// Finds a destination by its canonical string (one hash lookup).
@@ -156,7 +212,7 @@ impl RouteTable {
 
     /// Number of host names routed.
     pub fn len(&self) -> usize {
-        self.exact.len() + self.wildcard.len()
+        self.hosts.len() + self.scoped.values().map(HostRoutes::len).sum::<usize>()
     }
 
     /// Whether no host name is routed.

@@ -253,6 +253,11 @@ async fn run(
         Err(_) => return refuse(gw, lctx, peer, Refusal::Timeout),
     };
     let client = detected.client;
+    let stream_local = if snap.routes.scoped() {
+        stream.local_addr().ok()
+    } else {
+        None
+    };
     if matches!(detected.request, Request::Http2) {
         // An HTTP/2 connection stays unrouted (holding its per-source slot)
         // whenever it has no open stream.
@@ -283,7 +288,14 @@ async fn run(
         Option<&str>,
     ) = match &detected.request {
         Request::Tls { sni, .. } => {
-            let Some(cp) = snap.routes.lookup(sni) else {
+            // Names served on some addresses only (a Gateway of the class
+            // with its own address) are looked up where the connection
+            // arrived; the getsockname is paid only when such names exist.
+            let cp = match stream_local {
+                Some(local) => snap.routes.lookup_at(sni, local),
+                None => snap.routes.lookup(sni),
+            };
+            let Some(cp) = cp else {
                 tracing::debug!(listener = %lctx.spec.name, %peer, %client, %sni, "unknown SNI");
                 return refuse(gw, lctx, client, Refusal::UnknownSni);
             };

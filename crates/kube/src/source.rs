@@ -61,8 +61,11 @@ pub trait GatewaySink: Send + Sync + 'static {
 /// What the gateway's source needs to know.
 #[derive(Debug, Clone)]
 pub struct GatewaySettings {
-    /// The seedlink Gateway.
-    pub gateway: Key,
+    /// The named Gateway (`kubernetes.gateway`), served on every listener.
+    pub gateway: Option<Key>,
+    /// The Gateways of a class, each at its own address
+    /// (`kubernetes.gateway_class`).
+    pub class: Option<crate::translate::ClassSettings>,
     /// The gateway's listener names.
     pub listeners: Vec<String>,
     /// The status lease; `None`: this replica never writes status.
@@ -71,8 +74,8 @@ pub struct GatewaySettings {
     pub identity: String,
     /// The EndpointSlice managers whose slices name upstreams.
     pub slice_managers: Vec<String>,
-    /// The Service seedlink is exposed by (the Gateway's addresses).
-    pub service: Key,
+    /// The Service seedlink is exposed by (the named Gateway's addresses).
+    pub service: Option<Key>,
 }
 
 /// A running source.
@@ -244,8 +247,12 @@ pub fn start_gateway(
     let policies = w.kind::<SeedlinkPolicy>();
     let services = w.kind::<Service>();
     let slices = w.kind::<EndpointSlice>();
-    // Only the Gateway's own namespace: the one object named in the file.
-    let gateways = w.in_namespace::<Gateway>(&settings.gateway.namespace);
+    // Only the named Gateway's namespace when that is all it serves; every
+    // namespace for a class.
+    let gateways = match (&settings.gateway, &settings.class) {
+        (Some(g), None) => w.in_namespace::<Gateway>(&g.namespace),
+        _ => w.kind::<Gateway>(),
+    };
     let classes = w.kind::<GatewayClass>();
     let namespaces = w.kind::<Namespace>();
     let grants = w.kind::<ReferenceGrant>();
@@ -290,15 +297,14 @@ pub fn start_gateway(
                     services.state(),
                     slices.state(),
                 );
-                let gateway = gateways
-                    .state()
-                    .into_iter()
-                    .find(|g| g.metadata.name.as_deref() == Some(&settings.gateway.name));
+                let (gateway_objects, class_objects) = (gateways.state(), classes.state());
                 let (namespaces, grants) = (namespaces.state(), grants.state());
                 let mut t = translator.translate(&Objects {
-                    gateway: &settings.gateway,
+                    gateway: settings.gateway.as_ref(),
+                    class: settings.class.as_ref(),
+                    gateways: &gateway_objects,
+                    classes: &class_objects,
                     listeners: &settings.listeners,
-                    gateway_object: gateway.as_deref(),
                     namespaces: &namespaces,
                     grants: &grants,
                     routes: &objects.0,
@@ -313,19 +319,37 @@ pub fn start_gateway(
                 last = Some((t, objects.0, objects.1));
             }
             if let Some((t, routes, policies)) = &last {
-                status.write(t, routes, policies, &settings.gateway).await;
-                let gateway = gateways
-                    .state()
-                    .into_iter()
-                    .find(|g| g.metadata.name.as_deref() == Some(&settings.gateway.name));
-                if let Some(g) = gateway {
-                    let addresses = services
-                        .state()
-                        .into_iter()
-                        .find(|s| Key::of(s.as_ref()) == settings.service)
-                        .map(|s| addresses(&s))
-                        .unwrap_or_default();
-                    status.write_gateway(t, &g, !retry, &addresses).await;
+                let served: Vec<Key> = settings
+                    .gateway
+                    .iter()
+                    .cloned()
+                    .chain(t.gateways.iter().map(|g| g.key.clone()))
+                    .collect();
+                status.write(t, routes, policies, &served).await;
+                let objects = gateways.state();
+                for g in &t.gateways {
+                    let Some(object) = objects.iter().find(|o| Key::of(o.as_ref()) == g.key) else {
+                        continue;
+                    };
+                    let addresses = if g.named {
+                        settings
+                            .service
+                            .as_ref()
+                            .and_then(|k| {
+                                services
+                                    .state()
+                                    .into_iter()
+                                    .find(|s| Key::of(s.as_ref()) == *k)
+                            })
+                            .map(|s| addresses(&s))
+                            .unwrap_or_default()
+                    } else {
+                        g.address
+                            .iter()
+                            .map(|a| json!({"type": "IPAddress", "value": a.to_string()}))
+                            .collect()
+                    };
+                    status.write_gateway(t, g, object, !retry, &addresses).await;
                 }
                 for class in classes.state() {
                     if class.spec.controller_name == CONTROLLER_NAME {
@@ -741,7 +765,7 @@ impl StatusWriter {
         t: &Translation,
         routes: &[Arc<TlsRoute>],
         policies: &[Arc<SeedlinkPolicy>],
-        gateway: &Key,
+        served: &[Key],
     ) {
         if !self.leadership.held() {
             return;
@@ -754,19 +778,22 @@ impl StatusWriter {
                 .as_ref()
                 .map(|s| s.parents.clone())
                 .unwrap_or_default();
-            // Ours: this controller's entries for this Gateway only. Another
-            // seedlink's (another Gateway of the class) are left alone.
+            // Ours: this controller's entries for the Gateways this seedlink
+            // serves. Another seedlink's (other Gateways) are left alone.
             let (ours, theirs): (Vec<_>, Vec<_>) = current.into_iter().partition(|p| {
                 p.controller_name == CONTROLLER_NAME
-                    && crate::translate::names_gateway(
-                        &status_parent_ref(&p.parent_ref),
-                        &key.namespace,
-                        gateway,
-                    )
+                    && served.iter().any(|g| {
+                        crate::translate::names_gateway(
+                            &status_parent_ref(&p.parent_ref),
+                            &key.namespace,
+                            g,
+                        )
+                    })
             });
             let mut desired = theirs.clone();
             if let Some(o) = outcomes.get(&key) {
-                for p in &o.parents {
+                for parent in &o.parents {
+                    let p = &parent.parent_ref;
                     let prev = ours
                         .iter()
                         .find(|x| parent_eq(&x.parent_ref, p))
@@ -774,7 +801,7 @@ impl StatusWriter {
                         .unwrap_or_default();
                     desired.push(gateway_api::tlsroutes::TlsRouteStatusParents {
                         conditions: vec![
-                            condition("Accepted", &o.accepted, o.generation, &prev),
+                            condition("Accepted", &parent.accepted, o.generation, &prev),
                             condition("ResolvedRefs", &o.resolved, o.generation, &prev),
                         ],
                         controller_name: CONTROLLER_NAME.into(),
@@ -1069,14 +1096,16 @@ impl StatusWriter {
         }
     }
 
-    /// The seedlink Gateway's status: `Accepted`, `Programmed` (the
-    /// gateway applied the routes; false while its own configuration is
-    /// invalid) and per listener its conditions, `supportedKinds` and
+    /// A served Gateway's status: `Accepted` (true while some listener is
+    /// served; reason `ListenersNotValid` when some or all are not),
+    /// `Programmed` (the gateway applied the routes and the Gateway has an
+    /// address), and per listener its conditions, `supportedKinds` and
     /// `attachedRoutes`. The Gateway is seedlink's alone, so the lists are
     /// replaced whole; unchanged status is not written again.
     async fn write_gateway(
         &mut self,
         t: &Translation,
+        g: &crate::translate::GatewayOutcome,
         gateway: &Gateway,
         programmed: bool,
         addresses: &[serde_json::Value],
@@ -1093,24 +1122,43 @@ impl StatusWriter {
                 .unwrap_or_default()
         };
         let prev = previous(&current);
-        let programmed_verdict = if programmed {
-            Verdict::yes("Programmed", "applied to the gateway")
+        let served = g.listeners.iter().filter(|l| l.accepted.ok).count();
+        let accepted = if served == g.listeners.len() {
+            Verdict::yes("Accepted", "seedlink serves this Gateway")
         } else {
+            let not: Vec<&str> = g
+                .listeners
+                .iter()
+                .filter(|l| !l.accepted.ok)
+                .map(|l| l.name.as_str())
+                .collect();
+            let v = Verdict {
+                ok: served > 0,
+                reason: "ListenersNotValid".into(),
+                message: format!("listeners not served: {}", not.join(", ")),
+            };
+            v
+        };
+        let programmed_verdict = if !programmed {
             Verdict::no(
                 "Invalid",
                 "the gateway's own configuration is invalid: nothing applied (its log says why)",
             )
+        } else if !g.named && g.address.is_none() {
+            Verdict::no(
+                "AddressNotAssigned",
+                "every address of kubernetes.gateway_class.addresses is taken by an older Gateway",
+            )
+        } else if served == 0 {
+            Verdict::no("Invalid", "no listener of this Gateway is served")
+        } else {
+            Verdict::yes("Programmed", "applied to the gateway")
         };
         let conditions = vec![
-            condition(
-                "Accepted",
-                &Verdict::yes("Accepted", "seedlink serves this Gateway"),
-                generation,
-                &prev,
-            ),
+            condition("Accepted", &accepted, generation, &prev),
             condition("Programmed", &programmed_verdict, generation, &prev),
         ];
-        let listeners: Vec<serde_json::Value> = t
+        let listeners: Vec<serde_json::Value> = g
             .listeners
             .iter()
             .map(|l| {
@@ -1120,15 +1168,12 @@ impl StatusWriter {
                     .and_then(|ls| ls.iter().find(|x| x["name"] == l.name.as_str()))
                     .map(previous)
                     .unwrap_or_default();
-                let resolved = if l.accepted.ok {
-                    Verdict::yes("ResolvedRefs", "TLSRoute")
-                } else {
-                    Verdict::no("InvalidRouteKinds", l.accepted.message.clone())
-                };
-                let lprog = if l.accepted.ok && programmed {
+                let lprog = if !l.accepted.ok {
+                    Verdict::no("Invalid", l.accepted.message.clone())
+                } else if programmed_verdict.ok {
                     Verdict::yes("Programmed", "applied to the gateway")
                 } else {
-                    Verdict::no("Invalid", l.accepted.message.clone())
+                    programmed_verdict.clone()
                 };
                 let kinds: Vec<serde_json::Value> = l
                     .kinds
@@ -1138,12 +1183,12 @@ impl StatusWriter {
                 let no_conflicts = Verdict::no("NoConflicts", "");
                 json!({
                     "name": l.name,
-                    "attachedRoutes": t.attached(&l.name),
+                    "attachedRoutes": t.attached(&g.key, &l.name),
                     "supportedKinds": kinds,
                     "conditions": [
                         condition("Accepted", &l.accepted, generation, &lprev),
                         condition("Programmed", &lprog, generation, &lprev),
-                        condition("ResolvedRefs", &resolved, generation, &lprev),
+                        condition("ResolvedRefs", &l.resolved, generation, &lprev),
                         condition("Conflicted", &no_conflicts, generation, &lprev),
                     ],
                 })

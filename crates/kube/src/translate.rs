@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use std::collections::BTreeMap;
 
+use gateway_api::gatewayclasses::GatewayClass;
 use gateway_api::gateways::Gateway;
 use gateway_api::referencegrants::ReferenceGrant;
 use gateway_api::tlsroutes::{TlsRoute, TlsRouteParentRefs};
@@ -89,36 +90,67 @@ impl Verdict {
     }
 }
 
-/// What became of one TLSRoute attached to the seedlink Gateway.
+/// What became of one TLSRoute attached to a Gateway seedlink serves.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RouteOutcome {
     /// The route.
     pub key: Key,
     /// Its `metadata.generation`.
     pub generation: Option<i64>,
-    /// The parentRefs that name the seedlink Gateway (status is written per parent).
-    pub parents: Vec<TlsRouteParentRefs>,
-    /// `Accepted`.
+    /// Per parentRef naming a Gateway seedlink serves: its own `Accepted`.
+    pub parents: Vec<ParentOutcome>,
+    /// `Accepted` as a whole: true when some parent accepted it (then it
+    /// is served), else the first parent's refusal.
     pub accepted: Verdict,
-    /// `ResolvedRefs`.
+    /// `ResolvedRefs` (the backends, the same for every parent).
     pub resolved: Verdict,
     /// The control plane it became, if any.
     pub control_plane: Option<String>,
-    /// The Gateway object's listeners it attached to (for their
+}
+
+/// One parentRef of a route, as written, and what became of it there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParentOutcome {
+    /// The parentRef.
+    pub parent_ref: TlsRouteParentRefs,
+    /// The Gateway it names.
+    pub gateway: Key,
+    /// `Accepted` for this parent.
+    pub accepted: Verdict,
+    /// The Gateway's listeners the route attached to through it (their
     /// `attachedRoutes`).
     pub listeners: Vec<String>,
 }
 
-/// The status of one listener of the Gateway object.
+/// The status of one listener of a Gateway object.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ListenerOutcome {
     /// Its name.
     pub name: String,
     /// `Accepted` (false for what seedlink does not serve: a protocol other
-    /// than TLS, TLS other than Passthrough).
+    /// than TLS, TLS other than Passthrough, a port it does not receive).
     pub accepted: Verdict,
+    /// `ResolvedRefs`: false (`InvalidRouteKinds`) when `allowedRoutes.kinds`
+    /// names a kind seedlink does not serve.
+    pub resolved: Verdict,
     /// Route kinds it takes (empty when not accepted).
     pub kinds: Vec<String>,
+}
+
+/// What becomes of one Gateway object seedlink serves.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GatewayOutcome {
+    /// The Gateway.
+    pub key: Key,
+    /// Its listeners.
+    pub listeners: Vec<ListenerOutcome>,
+    /// For a Gateway of the class (`kubernetes.gateway_class`): the address
+    /// it is served at; `None` when the pool has none left. For the named
+    /// Gateway (`kubernetes.gateway`): `None`, its addresses are the
+    /// Service's.
+    pub address: Option<IpAddr>,
+    /// Whether it is the named Gateway (served on every listener).
+    pub named: bool,
 }
 
 /// What became of one SeedlinkPolicy, per target route.
@@ -144,17 +176,22 @@ pub struct Translation {
     pub routes: Vec<RouteOutcome>,
     /// Per policy.
     pub policies: Vec<PolicyOutcome>,
-    /// The Gateway object's listeners (none without a Gateway object).
-    pub listeners: Vec<ListenerOutcome>,
+    /// Per Gateway object seedlink serves.
+    pub gateways: Vec<GatewayOutcome>,
 }
 
 impl Translation {
-    /// Routes accepted on listener `name` (its `attachedRoutes`).
-    pub fn attached(&self, name: &str) -> i32 {
+    /// Routes accepted on listener `name` of Gateway `gateway` (its
+    /// `attachedRoutes`).
+    pub fn attached(&self, gateway: &Key, name: &str) -> i32 {
         let n = self
             .routes
             .iter()
-            .filter(|r| r.accepted.ok && r.listeners.iter().any(|l| l == name))
+            .filter(|r| {
+                r.parents.iter().any(|p| {
+                    p.accepted.ok && p.gateway == *gateway && p.listeners.iter().any(|l| l == name)
+                })
+            })
             .count();
         i32::try_from(n).unwrap_or(i32::MAX)
     }
@@ -180,7 +217,7 @@ impl Translation {
             .collect();
         for r in &mut self.routes {
             if let Some(why) = r.control_plane.as_deref().and_then(|n| by_name.get(n)) {
-                r.accepted = Verdict::no("UnsupportedValue", why.clone());
+                r.refuse(Verdict::no("UnsupportedValue", why.clone()));
                 r.control_plane = None;
             }
         }
@@ -189,17 +226,49 @@ impl Translation {
     }
 }
 
+impl RouteOutcome {
+    /// Not served after all: every parent that accepted it refuses it.
+    fn refuse(&mut self, why: Verdict) {
+        for p in &mut self.parents {
+            if p.accepted.ok {
+                p.accepted = why.clone();
+                p.listeners.clear();
+            }
+        }
+        self.accepted = why;
+    }
+}
+
+/// The Gateways of a class seedlink serves, each at its own address
+/// (`kubernetes.gateway_class`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClassSettings {
+    /// The GatewayClass (its `controllerName` must be seedlink's).
+    pub name: String,
+    /// The addresses Gateways are given, in order; each is one the
+    /// gateway receives connections at.
+    pub addresses: Vec<IpAddr>,
+    /// The addresses the gateway's TLS listeners are bound to (which ports
+    /// it receives where).
+    pub receivers: Vec<SocketAddr>,
+}
+
 /// What the translation reads.
 pub struct Objects<'a> {
-    /// The seedlink Gateway, `namespace/name`.
-    pub gateway: &'a Key,
+    /// The named Gateway (`kubernetes.gateway`), `namespace/name`: served
+    /// on every listener of the file.
+    pub gateway: Option<&'a Key>,
+    /// The Gateways of a class, each at its own address.
+    pub class: Option<&'a ClassSettings>,
+    /// Every Gateway watched (the class's are picked from them).
+    pub gateways: &'a [Arc<Gateway>],
+    /// Every GatewayClass (a class is served when its controllerName is
+    /// seedlink's).
+    pub classes: &'a [Arc<GatewayClass>],
     /// Names of the gateway file's listeners: the listeners routes attach
     /// to when there is no Gateway object (each admitting routes from the
     /// Gateway's own namespace only, Gateway API's default).
     pub listeners: &'a [String],
-    /// The Gateway object `gateway`, if it exists: its listeners (names,
-    /// protocols, `allowedRoutes`) decide which routes attach.
-    pub gateway_object: Option<&'a Gateway>,
     /// Every Namespace (for `allowedRoutes.namespaces.selector`).
     pub namespaces: &'a [Arc<Namespace>],
     /// Every ReferenceGrant (for backends in another namespace).
@@ -278,8 +347,8 @@ impl Translator {
                     .push(s.as_ref());
             }
         }
-        let policies = self.policies(objects, &routes, &mut out);
-        let listeners = attach::listeners(objects.gateway_object, objects.listeners);
+        let views = views(objects);
+        let policies = self.policies(objects, &views, &routes, &mut out);
         let namespaces: HashMap<String, &BTreeMap<String, String>> = objects
             .namespaces
             .iter()
@@ -288,44 +357,76 @@ impl Translator {
         let grants: Vec<&ReferenceGrant> = objects.grants.iter().map(|g| g.as_ref()).collect();
         for route in routes {
             let key = Key::of(route.as_ref());
-            let parents: Vec<TlsRouteParentRefs> = route
-                .spec
-                .parent_refs
-                .iter()
-                .flatten()
-                .filter(|p| names_gateway(p, &key.namespace, objects.gateway))
-                .cloned()
-                .collect();
+            let mut parents = Vec::new();
+            let mut hostnames: Vec<String> = Vec::new();
+            // `None`: served on every listener (the named Gateway).
+            let mut served_on: Option<Vec<String>> = Some(Vec::new());
+            for p in route.spec.parent_refs.iter().flatten() {
+                let Some(view) = views
+                    .iter()
+                    .find(|v| names_gateway(p, &key.namespace, &v.key))
+                else {
+                    continue;
+                };
+                let mut parent = ParentOutcome {
+                    parent_ref: p.clone(),
+                    gateway: view.key.clone(),
+                    accepted: Verdict::yes("Accepted", "served by seedlink"),
+                    listeners: Vec::new(),
+                };
+                match attach::attach(
+                    p,
+                    &key.namespace,
+                    &route.spec.hostnames,
+                    &view.key.namespace,
+                    &view.listeners,
+                    &namespaces,
+                ) {
+                    Err(refused) => parent.accepted = refused,
+                    Ok(attached) => {
+                        for a in &attached {
+                            for h in &a.hostnames {
+                                if !hostnames.contains(h) {
+                                    hostnames.push(h.clone());
+                                }
+                            }
+                            match (&mut served_on, view.address, view.named) {
+                                (_, _, true) => served_on = None,
+                                (Some(on), Some(ip), false) => {
+                                    let at = SocketAddr::new(
+                                        ip,
+                                        a.port.and_then(|p| u16::try_from(p).ok()).unwrap_or(0),
+                                    )
+                                    .to_string();
+                                    if !on.contains(&at) {
+                                        on.push(at);
+                                    }
+                                }
+                                _ => {}
+                            }
+                        }
+                        parent.listeners = attached.into_iter().map(|a| a.listener).collect();
+                    }
+                }
+                parents.push(parent);
+            }
             if parents.is_empty() {
                 continue;
             }
+            let accepted = parents
+                .iter()
+                .find(|p| p.accepted.ok)
+                .or(parents.first())
+                .map(|p| p.accepted.clone())
+                .unwrap_or_else(|| Verdict::no("NoMatchingParent", "no parent"));
             let mut outcome = RouteOutcome {
                 key: key.clone(),
                 generation: route.metadata.generation,
-                parents: parents.clone(),
-                accepted: Verdict::yes("Accepted", "served by seedlink"),
+                parents,
+                accepted,
                 resolved: Verdict::yes("ResolvedRefs", "every backend resolved"),
                 control_plane: None,
-                listeners: Vec::new(),
             };
-            if let Err(refused) = attach::check(
-                &parents,
-                &key.namespace,
-                &objects.gateway.namespace,
-                &listeners,
-                &namespaces,
-            ) {
-                outcome.accepted = refused;
-                out.routes.push(outcome);
-                continue;
-            }
-            outcome.listeners = attach::attached(
-                &parents,
-                &key.namespace,
-                &objects.gateway.namespace,
-                &listeners,
-                &namespaces,
-            );
             let (endpoints, resolved, weighted) = backends(
                 route,
                 &key,
@@ -336,15 +437,34 @@ impl Translator {
                 },
             );
             outcome.resolved = resolved;
+            if !outcome.accepted.ok {
+                out.routes.push(outcome);
+                continue;
+            }
             if weighted {
-                outcome.accepted = Verdict::yes(
+                let note = Verdict::yes(
                     "Accepted",
                     "served by seedlink; backend weights other than 0 are ignored (least-connections over every ready endpoint)",
                 );
+                for p in outcome.parents.iter_mut().filter(|p| p.accepted.ok) {
+                    p.accepted = note.clone();
+                }
+                outcome.accepted = note;
             }
+            let served_on = match served_on {
+                None => Vec::new(),
+                // Accepted only by Gateways with no address yet: nowhere to
+                // serve it (their status says AddressNotAssigned).
+                Some(on) if on.is_empty() => {
+                    out.routes.push(outcome);
+                    continue;
+                }
+                Some(on) => on,
+            };
             let mut cp = ControlPlane {
+                served_on,
                 name: control_plane_name(&key),
-                hostnames: route.spec.hostnames.clone(),
+                hostnames,
                 endpoints,
                 acl: None,
                 destinations: Vec::new(),
@@ -372,7 +492,7 @@ impl Translator {
                 Some(Err(why)) => {
                     // Fail closed: without its valid policy the route would
                     // lose its ACL.
-                    outcome.accepted = Verdict::no("UnsupportedValue", why.clone());
+                    outcome.refuse(Verdict::no("UnsupportedValue", why.clone()));
                     out.routes.push(outcome);
                     continue;
                 }
@@ -383,7 +503,16 @@ impl Translator {
             out.routes.push(outcome);
         }
         self.keep_first_claims(&mut out.control_planes);
-        out.listeners = attach::outcomes(objects.gateway_object);
+        out.gateways = views
+            .into_iter()
+            .filter(|v| v.object)
+            .map(|v| GatewayOutcome {
+                key: v.key,
+                listeners: v.outcomes,
+                address: v.address,
+                named: v.named,
+            })
+            .collect();
         out
     }
 
@@ -431,6 +560,7 @@ impl Translator {
     fn policies(
         &mut self,
         objects: &Objects<'_>,
+        views: &[View<'_>],
         routes: &[&Arc<TlsRoute>],
         out: &mut Translation,
     ) -> HashMap<String, Result<SeedlinkPolicySpec, String>> {
@@ -442,7 +572,7 @@ impl Translator {
                     .parent_refs
                     .iter()
                     .flatten()
-                    .any(|p| names_gateway(p, &ns, objects.gateway))
+                    .any(|p| views.iter().any(|v| names_gateway(p, &ns, &v.key)))
             })
             .map(|r| Key::of(r.as_ref()))
             .collect();
@@ -521,7 +651,126 @@ impl Key {
     }
 }
 
-/// Whether a parentRef names the seedlink Gateway.
+/// A Gateway seedlink serves, as the translation sees it.
+struct View<'a> {
+    key: Key,
+    /// Whether there is a Gateway object (the named Gateway may have none:
+    /// the file's listeners stand in).
+    object: bool,
+    listeners: Vec<attach::Listener<'a>>,
+    outcomes: Vec<ListenerOutcome>,
+    address: Option<IpAddr>,
+    named: bool,
+}
+
+/// The Gateways seedlink serves: the named one (with the file's listeners
+/// when it has no object), then the class's, oldest first, each given an
+/// address ([`assign`]).
+fn views<'a>(objects: &Objects<'a>) -> Vec<View<'a>> {
+    let mut out = Vec::new();
+    if let Some(named) = objects.gateway {
+        let object = objects
+            .gateways
+            .iter()
+            .find(|g| Key::of(g.as_ref()) == *named);
+        let (listeners, outcomes) = match object {
+            Some(g) => attach::gateway_listeners(g, None),
+            None => (attach::file_listeners(objects.listeners), Vec::new()),
+        };
+        out.push(View {
+            key: named.clone(),
+            object: object.is_some(),
+            listeners,
+            outcomes,
+            address: None,
+            named: true,
+        });
+    }
+    let Some(class) = objects.class else {
+        return out;
+    };
+    let ours = objects.classes.iter().any(|c| {
+        c.name_any() == class.name && c.spec.controller_name == crate::crd::CONTROLLER_NAME
+    });
+    if !ours {
+        return out;
+    }
+    let mut members: Vec<&Gateway> = objects
+        .gateways
+        .iter()
+        .map(|g| g.as_ref())
+        .filter(|g| g.spec.gateway_class_name == class.name)
+        .filter(|g| objects.gateway.is_none_or(|n| Key::of(*g) != *n))
+        .collect();
+    members.sort_by_key(|g| age(*g));
+    let addresses = assign(&members, &class.addresses);
+    for (g, address) in members.into_iter().zip(addresses) {
+        // Without an address (the pool is used up) the listeners are still
+        // what they are; the Gateway is not Programmed (AddressNotAssigned).
+        let received =
+            |port: i32| address.is_none_or(|a| attach::receives(&class.receivers, a, port));
+        let (listeners, outcomes) = attach::gateway_listeners(g, Some(&received));
+        out.push(View {
+            key: Key::of(g),
+            object: true,
+            listeners,
+            outcomes,
+            address,
+            named: false,
+        });
+    }
+    out
+}
+
+/// Each Gateway's address from `pool` (`gateways` oldest first): the one
+/// its status already shows, so that an address stays with its Gateway
+/// across restarts and replicas; else the one its `spec.addresses` asks
+/// for; else the first free one. `None` when the pool is used up. Every
+/// replica computes the same from the same objects.
+fn assign(gateways: &[&Gateway], pool: &[IpAddr]) -> Vec<Option<IpAddr>> {
+    let mut taken: HashSet<IpAddr> = HashSet::new();
+    let in_pool = |v: &str| {
+        v.parse::<IpAddr>()
+            .ok()
+            .map(seedlink_config::routes::canonical)
+            .filter(|ip| pool.contains(ip))
+    };
+    let mut out: Vec<Option<IpAddr>> = gateways
+        .iter()
+        .map(|g| {
+            let shown = g
+                .status
+                .iter()
+                .flat_map(|s| s.addresses.iter().flatten())
+                .filter_map(|a| in_pool(&a.value))
+                .find(|ip| !taken.contains(ip));
+            if let Some(ip) = shown {
+                taken.insert(ip);
+            }
+            shown
+        })
+        .collect();
+    for (g, slot) in gateways.iter().zip(out.iter_mut()) {
+        if slot.is_some() {
+            continue;
+        }
+        let asked = g
+            .spec
+            .addresses
+            .iter()
+            .flatten()
+            .filter_map(|a| a.value.as_deref().and_then(in_pool))
+            .find(|ip| !taken.contains(ip));
+        let pick = asked.or_else(|| pool.iter().copied().find(|ip| !taken.contains(ip)));
+        if let Some(ip) = pick {
+            taken.insert(ip);
+        }
+        *slot = pick;
+    }
+    out
+}
+
+/// Whether a parentRef names the Gateway `gw`.
 pub fn names_gateway(p: &TlsRouteParentRefs, route_ns: &str, gw: &Key) -> bool {
     p.group.as_deref().unwrap_or(GATEWAY_GROUP) == GATEWAY_GROUP
         && p.kind.as_deref().unwrap_or("Gateway") == "Gateway"

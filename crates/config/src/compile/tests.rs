@@ -40,13 +40,14 @@ fn lookup_case_trailing_dot_and_wildcard_depth() {
         "API.A.Example.COM",
         "api.a.example.com.",
         "x.wild.example.com",
+        // Gateway API's wildcard: any number of labels in front.
+        "a.b.wild.example.com",
     ] {
         assert!(s.routes.lookup(yes).is_some(), "{yes}");
     }
     for no in [
         "api.a.example.com..",
         "wild.example.com",
-        "a.b.wild.example.com",
         "example.com",
         "",
         ".",
@@ -169,6 +170,7 @@ fn diff_names_added_removed_changed() {
     let mut b = a.clone();
     b.control_planes[0].endpoints.push("127.0.0.1:2".into());
     b.control_planes.push(crate::model::ControlPlane {
+        served_on: Vec::new(),
         name: "new".into(),
         hostnames: vec!["n.example.com".into()],
         endpoints: vec!["127.0.0.1:3".into()],
@@ -324,4 +326,122 @@ control_planes:
         "address: '127.0.0.1:0', tunnel_frontend: true}",
     ));
     assert!(e[0].path.ends_with("tunnel_frontend"), "{e:?}");
+}
+
+#[test]
+fn the_most_specific_wildcard_wins() {
+    let s = ok("
+listeners: [{name: tls, address: '127.0.0.1:0'}]
+control_planes:
+  - {name: wide, hostnames: ['*.example.com'], endpoints: ['127.0.0.1:1']}
+  - {name: narrow, hostnames: ['*.b.example.com'], endpoints: ['127.0.0.1:2']}
+");
+    let at = |h: &str| s.routes.lookup(h).map(|c| c.name.clone());
+    assert_eq!(at("a.b.example.com").as_deref(), Some("narrow"));
+    assert_eq!(at("x.a.b.example.com").as_deref(), Some("narrow"));
+    assert_eq!(at("a.c.example.com").as_deref(), Some("wide"));
+    assert_eq!(at("b.example.com").as_deref(), Some("wide"));
+    assert_eq!(at("example.com"), None);
+}
+
+/// Names served on one address (a Gateway with its own address) neither
+/// leak to another address nor conflict with the same name there; a name
+/// served everywhere conflicts with every claim of it.
+#[test]
+fn served_on_scopes_names_to_listening_addresses() {
+    let s = ok("
+listeners: [{name: tls, address: '0.0.0.0:443'}]
+control_planes:
+  - {name: one, hostnames: [api.example.com, '*.example.com'], served_on: ['10.0.0.1:443'], endpoints: ['127.0.0.1:1']}
+  - {name: two, hostnames: [api.example.com], served_on: ['10.0.0.2:443'], endpoints: ['127.0.0.1:2']}
+  - {name: all, hostnames: [file.example.org], endpoints: ['127.0.0.1:3']}
+");
+    let at = |h: &str, a: &str| {
+        s.routes
+            .lookup_at(h, a.parse().unwrap())
+            .map(|c| c.name.clone())
+    };
+    assert!(s.routes.scoped());
+    assert_eq!(
+        at("api.example.com", "10.0.0.1:443").as_deref(),
+        Some("one")
+    );
+    assert_eq!(
+        at("api.example.com", "10.0.0.2:443").as_deref(),
+        Some("two")
+    );
+    assert_eq!(at("x.example.com", "10.0.0.1:443").as_deref(), Some("one"));
+    assert_eq!(at("x.example.com", "10.0.0.2:443"), None);
+    assert_eq!(at("api.example.com", "10.0.0.3:443"), None);
+    assert_eq!(at("api.example.com", "10.0.0.1:8443"), None);
+    // IPv4-mapped is the same address.
+    assert_eq!(
+        at("api.example.com", "[::ffff:10.0.0.2]:443").as_deref(),
+        Some("two")
+    );
+    for a in ["10.0.0.1:443", "10.0.0.9:443"] {
+        assert_eq!(at("file.example.org", a).as_deref(), Some("all"));
+    }
+    assert!(s.routes.lookup("api.example.com").is_none());
+
+    let e = errors("
+listeners: [{name: tls, address: '0.0.0.0:443'}, {name: c, address: '127.0.0.1:0', protocol: http-connect}]
+control_planes:
+  - {name: one, hostnames: [api.example.com], served_on: ['10.0.0.1:443'], endpoints: ['127.0.0.1:1']}
+  - {name: all, hostnames: [api.example.com], endpoints: ['127.0.0.1:3']}
+  - {name: bad, hostnames: [b.example.com], served_on: ['10.0.0.1:8443', '0.0.0.0:443', 'x', '10.0.0.1:0'], endpoints: ['127.0.0.1:1']}
+");
+    let text: Vec<String> = e
+        .iter()
+        .map(|e| format!("{}: {}", e.path, e.message))
+        .collect();
+    assert!(
+        text.iter()
+            .any(|t| t.starts_with("control_planes[1].hostnames[0]")
+                && t.contains("already used by control plane \"one\"")),
+        "{text:?}"
+    );
+    for (i, why) in [
+        (0, "no tls or auto listener"),
+        (1, "not a specific"),
+        (2, "not ip:port"),
+        (3, "not a specific"),
+    ] {
+        assert!(
+            text.iter().any(
+                |t| t.starts_with(&format!("control_planes[2].served_on[{i}]")) && t.contains(why)
+            ),
+            "{i}: {text:?}"
+        );
+    }
+}
+
+#[test]
+fn the_kubernetes_section_names_a_gateway_or_a_class_with_receivable_addresses() {
+    let base = "listeners: [{name: tls, address: '0.0.0.0:443'}, {name: c, address: '127.0.0.1:0', protocol: http-connect}]\n";
+    ok(&format!("{base}kubernetes: {{gateway: ns/gw}}\n"));
+    ok(&format!(
+        "{base}kubernetes: {{gateway_class: {{name: seedlink, addresses: ['10.0.0.1', '::1']}}, lease: ns/l}}\n"
+    ));
+    let text = |e: Vec<ConfigError>| -> Vec<String> {
+        e.iter().map(|e| format!("{}: {}", e.path, e.message)).collect()
+    };
+    let e = text(errors(&format!("{base}kubernetes: {{lease: ns/l}}\n")));
+    assert!(e.iter().any(|t| t.starts_with("kubernetes: names no Gateway")), "{e:?}");
+    let e = text(errors(&format!(
+        "{base}kubernetes: {{gateway_class: {{name: seedlink, addresses: ['10.0.0.1']}}}}\n"
+    )));
+    assert!(e.iter().any(|t| t.starts_with("kubernetes.lease: is required")), "{e:?}");
+    let e = text(errors(
+        "listeners: [{name: tls, address: '10.0.0.1:443'}]\nkubernetes: {lease: ns/l, gateway_class: {name: 'Bad Name', addresses: ['10.0.0.1', '10.0.0.1', '10.0.0.2', x, '0.0.0.0']}}\n",
+    ));
+    for (path, why) in [
+        ("kubernetes.gateway_class.name", "not a GatewayClass name"),
+        ("kubernetes.gateway_class.addresses[1]", "listed twice"),
+        ("kubernetes.gateway_class.addresses[2]", "no tls or auto listener"),
+        ("kubernetes.gateway_class.addresses[3]", "not an IP address"),
+        ("kubernetes.gateway_class.addresses[4]", "not a specific address"),
+    ] {
+        assert!(e.iter().any(|t| t.starts_with(path) && t.contains(why)), "{path}: {e:?}");
+    }
 }

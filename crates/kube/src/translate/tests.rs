@@ -141,14 +141,17 @@ impl World {
     fn translate(&self, t: &mut Translator) -> Translation {
         let gw = gw();
         let listeners = vec!["tls".to_string()];
+        let gateways: Vec<Arc<Gateway>> = self.gateway.iter().cloned().map(Arc::new).collect();
         t.translate(&Objects {
-            gateway: &gw,
+            gateway: Some(&gw),
+            class: None,
+            gateways: &gateways,
+            classes: &[],
             listeners: &listeners,
             routes: &self.routes,
             policies: &self.policies,
             services: &self.services,
             slices: &self.slices,
-            gateway_object: self.gateway.as_ref(),
             namespaces: &self.namespaces,
             grants: &self.grants,
         })
@@ -653,28 +656,334 @@ fn listeners_report_what_seedlink_serves_and_their_attached_routes() {
     let mut w = one_shoot();
     w.gateway = all_namespaces();
     let t = w.translate(&mut Translator::default());
-    assert_eq!(t.listeners.len(), 1);
-    assert!(t.listeners[0].accepted.ok);
-    assert_eq!(t.listeners[0].kinds, ["TLSRoute"]);
-    assert_eq!(t.attached("tls"), 1);
-    assert_eq!(t.attached("other"), 0);
+    let listeners = &t.gateways[0].listeners;
+    assert_eq!(listeners.len(), 1);
+    assert!(listeners[0].accepted.ok);
+    assert_eq!(listeners[0].kinds, ["TLSRoute"]);
+    assert_eq!(t.attached(&gw(), "tls"), 1);
+    assert_eq!(t.attached(&gw(), "other"), 0);
 
     if let Some(g) = w.gateway.as_mut() {
         g.spec.listeners[0].tls = None;
     }
     let t = w.translate(&mut Translator::default());
-    assert!(!t.listeners[0].accepted.ok);
-    assert_eq!(t.listeners[0].accepted.reason, "UnsupportedValue");
-    assert!(t.listeners[0].kinds.is_empty());
-    assert_eq!(t.attached("tls"), 0);
+    let listeners = &t.gateways[0].listeners;
+    assert!(!listeners[0].accepted.ok);
+    assert_eq!(listeners[0].accepted.reason, "UnsupportedValue");
+    assert!(listeners[0].kinds.is_empty());
+    assert_eq!(t.attached(&gw(), "tls"), 0);
     assert_eq!(t.routes[0].accepted.reason, "NotAllowedByListeners");
 
     if let Some(g) = w.gateway.as_mut() {
         g.spec.listeners[0].protocol = "HTTP".into();
     }
     let t = w.translate(&mut Translator::default());
-    assert_eq!(t.listeners[0].accepted.reason, "UnsupportedProtocol");
+    assert_eq!(
+        t.gateways[0].listeners[0].accepted.reason,
+        "UnsupportedProtocol"
+    );
     // No Gateway object: nothing to report.
     w.gateway = None;
-    assert!(w.translate(&mut Translator::default()).listeners.is_empty());
+    assert!(w.translate(&mut Translator::default()).gateways.is_empty());
+}
+
+/// A Gateway of class `seedlink` in `infra` with the given listeners.
+fn class_gateway(name: &str, created: &str, listeners: serde_json::Value) -> Arc<Gateway> {
+    Arc::new(
+        serde_json::from_value(json!({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+            "metadata": {"name": name, "namespace": "infra", "creationTimestamp": created},
+            "spec": {"gatewayClassName": "seedlink", "listeners": listeners}
+        }))
+        .unwrap(),
+    )
+}
+
+fn tls_listener(name: &str, port: i32, hostname: Option<&str>) -> serde_json::Value {
+    let mut l = json!({"name": name, "port": port, "protocol": "TLS",
+                       "tls": {"mode": "Passthrough"},
+                       "allowedRoutes": {"namespaces": {"from": "Same"}, "kinds": [{"kind": "TLSRoute"}]}});
+    if let Some(h) = hostname {
+        l["hostname"] = json!(h);
+    }
+    l
+}
+
+fn class_route(name: &str, parents: serde_json::Value, hosts: &[&str]) -> Arc<TlsRoute> {
+    Arc::new(
+        serde_json::from_value(json!({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "TLSRoute",
+            "metadata": {"name": name, "namespace": "infra", "creationTimestamp": "2026-01-01T00:00:00Z", "generation": 2},
+            "spec": {"parentRefs": parents, "hostnames": hosts,
+                     "rules": [{"backendRefs": [{"name": "tls-backend", "port": 443}]}]}
+        }))
+        .unwrap(),
+    )
+}
+
+fn seedlink_class(controller: &str) -> Arc<GatewayClass> {
+    Arc::new(
+        serde_json::from_value(json!({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
+            "metadata": {"name": "seedlink"},
+            "spec": {"controllerName": controller}
+        }))
+        .unwrap(),
+    )
+}
+
+struct ClassWorld {
+    gateways: Vec<Arc<Gateway>>,
+    routes: Vec<Arc<TlsRoute>>,
+    controller: &'static str,
+    pool: Vec<IpAddr>,
+}
+
+impl ClassWorld {
+    fn new() -> ClassWorld {
+        ClassWorld {
+            gateways: Vec::new(),
+            routes: Vec::new(),
+            controller: crate::crd::CONTROLLER_NAME,
+            pool: vec!["10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap()],
+        }
+    }
+
+    fn translate(&self) -> Translation {
+        let class = ClassSettings {
+            name: "seedlink".into(),
+            addresses: self.pool.clone(),
+            receivers: vec!["0.0.0.0:443".parse().unwrap()],
+        };
+        let classes = vec![seedlink_class(self.controller)];
+        let services = vec![service("infra", "tls-backend", 443, "https")];
+        let slices = vec![slice(
+            "infra",
+            "tls-backend",
+            "https",
+            &[("10.1.0.1", Some(true))],
+        )];
+        Translator::default().translate(&Objects {
+            gateway: None,
+            class: Some(&class),
+            gateways: &self.gateways,
+            classes: &classes,
+            listeners: &[],
+            routes: &self.routes,
+            policies: &[],
+            services: &services,
+            slices: &slices,
+            namespaces: &[],
+            grants: &[],
+        })
+    }
+}
+
+fn key(name: &str) -> Key {
+    Key {
+        namespace: "infra".into(),
+        name: name.into(),
+    }
+}
+
+/// Every Gateway of the class is served at its own address: the same
+/// names on two Gateways do not conflict, each route's names are what its
+/// listener's hostname allows, and each is served only on its Gateway's
+/// address and listener port.
+#[test]
+fn each_gateway_of_the_class_has_its_own_address_and_names() {
+    let mut w = ClassWorld::new();
+    w.gateways = vec![
+        class_gateway(
+            "exact",
+            "2026-01-01T00:00:00Z",
+            json!([tls_listener("tls", 443, Some("abc.example.com"))]),
+        ),
+        class_gateway(
+            "wide",
+            "2026-01-02T00:00:00Z",
+            json!([tls_listener("tls", 443, Some("*.com"))]),
+        ),
+    ];
+    w.routes = vec![
+        class_route("on-exact", json!([{"name": "exact"}]), &["*.example.com"]),
+        class_route(
+            "on-wide",
+            json!([{"name": "wide"}]),
+            &["abc.example.com", "*.example.com"],
+        ),
+    ];
+    let t = w.translate();
+    assert!(t.routes.iter().all(|r| r.accepted.ok), "{:?}", t.routes);
+    let cp = |n: &str| t.control_planes.iter().find(|c| c.name == n).unwrap();
+    assert_eq!(cp("infra.on-exact").hostnames, ["abc.example.com"]);
+    assert_eq!(cp("infra.on-exact").served_on, ["10.0.0.1:443"]);
+    assert_eq!(
+        cp("infra.on-wide").hostnames,
+        ["abc.example.com", "*.example.com"]
+    );
+    assert_eq!(cp("infra.on-wide").served_on, ["10.0.0.2:443"]);
+    let address = |n: &str| t.gateways.iter().find(|g| g.key == key(n)).unwrap().address;
+    assert_eq!(address("exact"), Some("10.0.0.1".parse().unwrap()));
+    assert_eq!(address("wide"), Some("10.0.0.2".parse().unwrap()));
+    assert_eq!(t.attached(&key("exact"), "tls"), 1);
+    assert_eq!(t.attached(&key("wide"), "tls"), 1);
+}
+
+/// A route whose names are outside every listener's hostname is refused
+/// with `NoMatchingListenerHostname`, per parent: a route with two parents
+/// is served through the one that admits it, and each parent's status
+/// says what became of it there.
+#[test]
+fn hostnames_outside_the_listener_are_refused_per_parent() {
+    let mut w = ClassWorld::new();
+    w.gateways = vec![
+        class_gateway(
+            "exact",
+            "2026-01-01T00:00:00Z",
+            json!([tls_listener("tls", 443, Some("www.example.com"))]),
+        ),
+        class_gateway(
+            "wide",
+            "2026-01-02T00:00:00Z",
+            json!([tls_listener("tls", 443, Some("*.example.com"))]),
+        ),
+    ];
+    w.routes = vec![
+        class_route(
+            "mismatch",
+            json!([{"name": "exact"}]),
+            &["non.matching.com"],
+        ),
+        class_route(
+            "both",
+            json!([{"name": "exact"}, {"name": "wide"}]),
+            &["abc.example.com"],
+        ),
+    ];
+    let t = w.translate();
+    let r = |n: &str| t.routes.iter().find(|r| r.key.name == n).unwrap();
+    assert_eq!(r("mismatch").accepted.reason, "NoMatchingListenerHostname");
+    assert_eq!(r("mismatch").control_plane, None);
+    let both = r("both");
+    assert!(both.accepted.ok);
+    let reasons: Vec<(&str, &str)> = both
+        .parents
+        .iter()
+        .map(|p| (p.gateway.name.as_str(), p.accepted.reason.as_str()))
+        .collect();
+    assert_eq!(
+        reasons,
+        [
+            ("exact", "NoMatchingListenerHostname"),
+            ("wide", "Accepted")
+        ]
+    );
+    let cp = t
+        .control_planes
+        .iter()
+        .find(|c| c.name == "infra.both")
+        .unwrap();
+    assert_eq!(cp.served_on, ["10.0.0.2:443"]);
+    assert_eq!(t.attached(&key("exact"), "tls"), 0);
+    assert_eq!(t.attached(&key("wide"), "tls"), 1);
+}
+
+/// What a listener asks for and seedlink cannot give is said on the
+/// listener: a port no TLS listener receives (`PortUnavailable`), a route
+/// kind it does not serve (`ResolvedRefs=False, InvalidRouteKinds`, the
+/// kinds it does serve kept); a parentRef's port picks listeners.
+#[test]
+fn listener_ports_kinds_and_parent_ports() {
+    let mut w = ClassWorld::new();
+    let mut kinds = tls_listener("tcp-and-tls", 443, None);
+    kinds["allowedRoutes"]["kinds"] = json!([{"kind": "TCPRoute"}, {"kind": "TLSRoute"}]);
+    w.gateways = vec![class_gateway(
+        "g",
+        "2026-01-01T00:00:00Z",
+        json!([tls_listener("alt", 8443, None), kinds]),
+    )];
+    w.routes = vec![
+        class_route(
+            "on-443",
+            json!([{"name": "g", "port": 443}]),
+            &["a.example.com"],
+        ),
+        class_route(
+            "on-8443",
+            json!([{"name": "g", "port": 8443}]),
+            &["b.example.com"],
+        ),
+        class_route(
+            "on-9443",
+            json!([{"name": "g", "port": 9443}]),
+            &["c.example.com"],
+        ),
+    ];
+    let t = w.translate();
+    let g = &t.gateways[0];
+    assert_eq!(g.listeners[0].accepted.reason, "PortUnavailable");
+    assert!(g.listeners[0].kinds.is_empty());
+    assert!(g.listeners[1].accepted.ok);
+    assert_eq!(g.listeners[1].resolved.reason, "InvalidRouteKinds");
+    assert_eq!(g.listeners[1].kinds, ["TLSRoute"]);
+    let r = |n: &str| {
+        t.routes
+            .iter()
+            .find(|r| r.key.name == n)
+            .unwrap()
+            .accepted
+            .reason
+            .clone()
+    };
+    assert_eq!(r("on-443"), "Accepted");
+    assert_eq!(r("on-8443"), "NotAllowedByListeners");
+    assert_eq!(r("on-9443"), "NoMatchingParent");
+}
+
+/// Addresses: the one a Gateway's status shows stays with it (whatever
+/// the ages); a Gateway beyond the pool gets none (and serves nothing);
+/// a class whose controllerName is not seedlink's is not served at all.
+#[test]
+fn class_addresses_are_stable_and_bounded() {
+    let mut w = ClassWorld::new();
+    let mut young: Gateway = (*class_gateway(
+        "young",
+        "2026-01-03T00:00:00Z",
+        json!([tls_listener("tls", 443, None)]),
+    ))
+    .clone();
+    young.status = Some(
+        serde_json::from_value(json!({"addresses": [{"type": "IPAddress", "value": "10.0.0.1"}]}))
+            .unwrap(),
+    );
+    w.gateways = vec![
+        class_gateway(
+            "old",
+            "2026-01-01T00:00:00Z",
+            json!([tls_listener("tls", 443, None)]),
+        ),
+        Arc::new(young),
+        class_gateway(
+            "third",
+            "2026-01-04T00:00:00Z",
+            json!([tls_listener("tls", 443, None)]),
+        ),
+    ];
+    w.routes = vec![class_route(
+        "on-third",
+        json!([{"name": "third"}]),
+        &["t.example.com"],
+    )];
+    let t = w.translate();
+    let address = |n: &str| t.gateways.iter().find(|g| g.key == key(n)).unwrap().address;
+    assert_eq!(address("young"), Some("10.0.0.1".parse().unwrap()));
+    assert_eq!(address("old"), Some("10.0.0.2".parse().unwrap()));
+    assert_eq!(address("third"), None);
+    assert!(t.routes[0].accepted.ok);
+    assert!(t.control_planes.is_empty(), "no address, nowhere to serve");
+
+    w.controller = "example.com/other";
+    let t = w.translate();
+    assert!(t.gateways.is_empty() && t.routes.is_empty());
 }

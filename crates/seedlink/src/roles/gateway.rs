@@ -156,33 +156,68 @@ pub async fn kubernetes(
             }
         })
     };
-    let gateway = split(&k.gateway)
-        .ok_or_else(|| anyhow::anyhow!("kubernetes.gateway: not namespace/name"))?;
-    let lease = match (&k.lease, k.write_status) {
-        (_, false) => None,
-        (Some(l), true) => {
+    let gateway = match &k.gateway {
+        Some(g) => Some(
+            split(g).ok_or_else(|| anyhow::anyhow!("kubernetes.gateway: not namespace/name"))?,
+        ),
+        None => None,
+    };
+    let home = gateway.as_ref().map(|g| g.namespace.clone());
+    let lease = match (&k.lease, k.write_status, &home) {
+        (_, false, _) => None,
+        (Some(l), true, _) => {
             Some(split(l).ok_or_else(|| anyhow::anyhow!("kubernetes.lease: not namespace/name"))?)
         }
-        (None, true) => Some(seedlink_kube::translate::Key {
-            namespace: gateway.namespace.clone(),
+        (None, true, Some(ns)) => Some(seedlink_kube::translate::Key {
+            namespace: ns.clone(),
             name: "seedlink-status".into(),
         }),
-    };
-    let service = match &k.service {
-        Some(s) => {
-            split(s).ok_or_else(|| anyhow::anyhow!("kubernetes.service: not namespace/name"))?
+        (None, true, None) => {
+            anyhow::bail!("kubernetes.lease: required without kubernetes.gateway")
         }
-        None => seedlink_kube::translate::Key {
-            namespace: gateway.namespace.clone(),
-            name: "seedlink".into(),
-        },
     };
+    let service = match (&k.service, &home) {
+        (Some(s), _) => Some(
+            split(s).ok_or_else(|| anyhow::anyhow!("kubernetes.service: not namespace/name"))?,
+        ),
+        (None, Some(ns)) => Some(seedlink_kube::translate::Key {
+            namespace: ns.clone(),
+            name: "seedlink".into(),
+        }),
+        (None, None) => None,
+    };
+    let class = k
+        .gateway_class
+        .as_ref()
+        .map(|c| seedlink_kube::translate::ClassSettings {
+            name: c.name.clone(),
+            // Validated by the configuration's compile step.
+            addresses: c
+                .addresses
+                .iter()
+                .filter_map(|a| a.parse().ok())
+                .map(seedlink_config::routes::canonical)
+                .collect(),
+            receivers: snap
+                .listeners
+                .iter()
+                .filter(|l| {
+                    matches!(
+                        l.protocol,
+                        seedlink_config::model::Protocol::Tls
+                            | seedlink_config::model::Protocol::Auto
+                    )
+                })
+                .map(|l| l.address)
+                .collect(),
+        });
     let client = kube::Client::try_default().await.map_err(|e| {
         anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
     })?;
     let identity = identity();
     let settings = seedlink_kube::source::GatewaySettings {
         gateway,
+        class,
         listeners: snap.file.listeners.iter().map(|l| l.name.clone()).collect(),
         lease,
         identity,
