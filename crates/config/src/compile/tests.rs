@@ -79,7 +79,7 @@ trusted_load_balancers: []
 always_allowed: ['10.0.0.1/8', 'banana']
 control_planes:
   - name: a
-    hostnames: [API.x.example.com, '*.com', 'a.*.example.com']
+    hostnames: [API.x.example.com, '*.-bad-', 'a.*.example.com']
     endpoints: ['127.0.0.1:0', 'host-only']
     acl: {allow: ['300.1.1.1/32']}
   - name: a
@@ -424,24 +424,43 @@ fn the_kubernetes_section_names_a_gateway_or_a_class_with_receivable_addresses()
         "{base}kubernetes: {{gateway_class: {{name: seedlink, addresses: ['10.0.0.1', '::1']}}, lease: ns/l}}\n"
     ));
     let text = |e: Vec<ConfigError>| -> Vec<String> {
-        e.iter().map(|e| format!("{}: {}", e.path, e.message)).collect()
+        e.iter()
+            .map(|e| format!("{}: {}", e.path, e.message))
+            .collect()
     };
     let e = text(errors(&format!("{base}kubernetes: {{lease: ns/l}}\n")));
-    assert!(e.iter().any(|t| t.starts_with("kubernetes: names no Gateway")), "{e:?}");
+    assert!(
+        e.iter()
+            .any(|t| t.starts_with("kubernetes: names no Gateway")),
+        "{e:?}"
+    );
     let e = text(errors(&format!(
         "{base}kubernetes: {{gateway_class: {{name: seedlink, addresses: ['10.0.0.1']}}}}\n"
     )));
-    assert!(e.iter().any(|t| t.starts_with("kubernetes.lease: is required")), "{e:?}");
+    assert!(
+        e.iter()
+            .any(|t| t.starts_with("kubernetes.lease: is required")),
+        "{e:?}"
+    );
     let e = text(errors(
         "listeners: [{name: tls, address: '10.0.0.1:443'}]\nkubernetes: {lease: ns/l, gateway_class: {name: 'Bad Name', addresses: ['10.0.0.1', '10.0.0.1', '10.0.0.2', x, '0.0.0.0']}}\n",
     ));
     for (path, why) in [
         ("kubernetes.gateway_class.name", "not a GatewayClass name"),
         ("kubernetes.gateway_class.addresses[1]", "listed twice"),
-        ("kubernetes.gateway_class.addresses[2]", "no tls or auto listener"),
+        (
+            "kubernetes.gateway_class.addresses[2]",
+            "no tls or auto listener",
+        ),
         ("kubernetes.gateway_class.addresses[3]", "not an IP address"),
-        ("kubernetes.gateway_class.addresses[4]", "not a specific address"),
+        (
+            "kubernetes.gateway_class.addresses[4]",
+            "not a specific address",
+        ),
     ] {
-        assert!(e.iter().any(|t| t.starts_with(path) && t.contains(why)), "{path}: {e:?}");
+        assert!(
+            e.iter().any(|t| t.starts_with(path) && t.contains(why)),
+            "{path}: {e:?}"
+        );
     }
 }

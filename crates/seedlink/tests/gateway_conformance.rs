@@ -1,0 +1,618 @@
+//! The upstream Gateway API conformance suite (`sigs.k8s.io/gateway-api/conformance`,
+//! the version of the CRDs, built by scripts/build-kube-peers) run against
+//! seedlink, profile GATEWAY-TLS, on real Kubernetes: kube-apiserver and etcd,
+//! kube-controller-manager (Deployments, ReplicaSets, EndpointSlices,
+//! ServiceAccounts, namespace deletion), kube-scheduler, and a real kubelet with containerd,
+//! runc and the standard CNI plugins running the suite's own echo server as
+//! Pods. Nothing of Kubernetes is a stand-in; what differs from a cloud
+//! cluster is in docs/TESTING.md ("The Gateway API conformance run").
+//!
+//! Everything runs in a network namespace this test makes: the test thread
+//! enters it first, so every process it starts (and every thread they
+//! start) lives there. Pods are on a bridge in it; each Gateway of the class
+//! gets an address of `POOL` on its loopback, where seedlink's one listener
+//! (`0.0.0.0:443`) receives it.
+//!
+//! `SEEDLINK_CONFORMANCE_DIR=<dir>` writes the suite's report and a page listing every test there
+//! (docs/conformance/ keeps the one of the last full run).
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use seedlink_testkit::kubeapi::{KubeApi, Options};
+use seedlink_testkit::{require, Gw};
+
+/// The addresses Gateways of the class get (one each).
+const POOL: u8 = 24;
+/// The node's own address (the kubelet's).
+const NODE_IP: &str = "10.250.255.1";
+/// The pods' subnet (the CNI bridge's).
+const POD_SUBNET: &str = "10.244.0.0/24";
+
+/// The profile's tests seedlink does not run, and why: each needs a Gateway
+/// with only HTTP or HTTPS (TLS-terminating) listeners to be Accepted and
+/// Programmed before it starts (the suite's namespace readiness check) or
+/// checks such a listener's status; seedlink serves TLS passthrough only
+/// and reports such a Gateway `Accepted=False` (`UnsupportedProtocol`,
+/// `UnsupportedValue`), which is what the spec asks of an implementation
+/// that does not support a protocol.
+const SKIPPED: &[(&str, &str)] = &[
+    (
+        "GatewayListenerUnsupportedProtocol",
+        "expects an HTTP listener Accepted with HTTPRoute as its kind",
+    ),
+    ("GatewayInvalidRouteKind", "checks an HTTP listener's kinds"),
+    (
+        "GatewayInvalidTLSConfiguration",
+        "checks HTTPS (TLS-terminating) listeners' certificate references",
+    ),
+    (
+        "GatewayModifyListeners",
+        "adds and removes HTTP and HTTPS listeners",
+    ),
+    (
+        "GatewayObservedGenerationBump",
+        "needs an HTTP-only Gateway to be Programmed",
+    ),
+    (
+        "GatewaySecretInvalidReferenceGrant",
+        "HTTPS listener certificate references",
+    ),
+    (
+        "GatewaySecretMissingReferenceGrant",
+        "HTTPS listener certificate references",
+    ),
+    (
+        "GatewaySecretReferenceGrantAllInNamespace",
+        "HTTPS listener certificate references",
+    ),
+    (
+        "GatewaySecretReferenceGrantSpecific",
+        "HTTPS listener certificate references",
+    ),
+    (
+        "TLSRouteInvalidNoMatchingListener",
+        "needs its HTTP-only and HTTPS-only Gateways to be Programmed first",
+    ),
+];
+
+fn pool() -> Vec<String> {
+    (1..=POOL).map(|i| format!("10.250.0.{i}")).collect()
+}
+
+/// Polls `f` until it returns `Ok`, at most `limit`; panics with its last
+/// error.
+fn wait(limit: Duration, what: &str, mut f: impl FnMut() -> Result<(), String>) {
+    let end = Instant::now() + limit;
+    loop {
+        match f() {
+            Ok(()) => return,
+            Err(e) if Instant::now() > end => panic!("{what}: not within {limit:?}: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(250)),
+        }
+    }
+}
+
+fn run(cmd: &mut Command) -> String {
+    let o = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        o.status.success(),
+        "{cmd:?}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// A process killed when the test ends.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The namespace, and what the node leaves behind, removed however the
+/// test ends: every process in it (containerd's shims and the containers
+/// outlive containerd), every mount under the node's directory (the
+/// kubelet's volumes), the namespace itself.
+struct Node {
+    netns: String,
+    dir: PathBuf,
+    /// The network namespaces that existed before (containerd names each
+    /// pod's `cni-<uuid>` in /run/netns; those it leaves are removed).
+    before: Vec<String>,
+    /// When it started (containerd's loopback results written since are its).
+    started: std::time::SystemTime,
+}
+
+/// The network name in the CNI configuration (libcni caches results
+/// under it in /var/lib/cni/results).
+const CNI_NETWORK: &str = "seedlink-conformance";
+
+fn netns_names() -> Vec<String> {
+    std::fs::read_dir("/run/netns")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        for _ in 0..3 {
+            let pids = Command::new("ip")
+                .args(["netns", "pids", &self.netns])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default();
+            let own = std::process::id().to_string();
+            let others: Vec<&str> = pids.split_whitespace().filter(|p| *p != own).collect();
+            if others.is_empty() {
+                break;
+            }
+            for pid in others {
+                let _ = Command::new("kill").args(["-9", pid]).status();
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let prefix = self.dir.display().to_string();
+        let mut mounts: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
+            .filter(|m| m.starts_with(&prefix))
+            .collect();
+        mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in mounts {
+            let _ = Command::new("umount").args(["-l", &m]).status();
+        }
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.netns])
+            .status();
+        for pod in netns_names() {
+            if pod.starts_with("cni-") && !self.before.contains(&pod) {
+                let _ = Command::new("ip").args(["netns", "del", &pod]).status();
+            }
+        }
+        for e in std::fs::read_dir("/var/lib/cni/results")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let since = e
+                .metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t >= self.started);
+            if name.starts_with(&format!("{CNI_NETWORK}-"))
+                || (name.starts_with("cni-loopback-") && since)
+            {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+        // A failure's logs stay (its message names the directory).
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Moves the calling thread into network namespace `name` (what it starts
+/// from now on is there too).
+#[allow(unsafe_code)]
+fn enter(name: &str) {
+    let f = std::fs::File::open(format!("/run/netns/{name}")).unwrap();
+    use std::os::fd::AsRawFd;
+    // SAFETY: a plain syscall on a descriptor we own.
+    let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+    assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
+}
+
+fn peer(dir: &Path, rel: &str) -> PathBuf {
+    let p = dir.join(rel);
+    assert!(
+        p.exists(),
+        "{} is missing: run scripts/install-peers (scripts/build-kube-peers builds it)",
+        p.display()
+    );
+    p
+}
+
+#[test]
+fn the_gateway_api_conformance_suite_passes_the_gateway_tls_profile() {
+    let kube = seedlink_testkit::kubeapi::kube_dir();
+    let suite = peer(&kube, "bin/gateway-conformance");
+    let kcm = peer(&kube, "bin/kube-controller-manager");
+    let scheduler = peer(&kube, "bin/kube-scheduler");
+    let kubelet = peer(&kube, "bin/kubelet");
+    let busybox = peer(&kube, "images/busybox.oci.tar");
+    let echo = peer(&kube, "images/echo-basic.oci.tar");
+    let echo_names = std::fs::read_to_string(peer(&kube, "images/echo-basic.names")).unwrap();
+    for plugin in ["bridge", "host-local", "loopback"] {
+        peer(Path::new("/usr/lib/cni"), plugin);
+    }
+    let (containerd, ctr) = (require("containerd"), require("ctr"));
+    require("runc");
+
+    let name = format!("slgc-{}", std::process::id());
+    let dir = tempfile::Builder::new()
+        .prefix("seedlink-conformance-")
+        .tempdir()
+        .unwrap()
+        .keep();
+    run(Command::new("ip").args(["netns", "add", &name]));
+    let _node = Node {
+        netns: name.clone(),
+        dir: dir.clone(),
+        before: netns_names(),
+        started: std::time::SystemTime::now(),
+    };
+    enter(&name);
+    run(Command::new("ip").args(["link", "set", "lo", "up"]));
+    for a in pool().iter().map(String::as_str).chain([NODE_IP]) {
+        run(Command::new("ip").args(["addr", "add", &format!("{a}/32"), "dev", "lo"]));
+    }
+
+    let api = KubeApi::start_with(Options {
+        crds: true,
+        ..Options::default()
+    });
+    let admin = api.admin_kubeconfig.display().to_string();
+    let log = |n: &str| Stdio::from(std::fs::File::create(dir.join(n)).unwrap());
+    let _kcm = Proc(
+        Command::new(&kcm)
+            .arg(format!("--kubeconfig={admin}"))
+            .arg(format!(
+                "--service-account-private-key-file={}",
+                api.dir.join("sa-key.pem").display()
+            ))
+            .arg(format!("--root-ca-file={}", api.ca.display()))
+            .args([
+                "--leader-elect=false",
+                "--secure-port=0",
+                "--use-service-account-credentials=false",
+            ])
+            .stdout(log("kube-controller-manager.log"))
+            .stderr(log("kube-controller-manager.log"))
+            .spawn()
+            .unwrap(),
+    );
+
+    let _scheduler = Proc(
+        Command::new(&scheduler)
+            .arg(format!("--kubeconfig={admin}"))
+            .args(["--leader-elect=false", "--secure-port=0"])
+            .stdout(log("kube-scheduler.log"))
+            .stderr(log("kube-scheduler.log"))
+            .spawn()
+            .unwrap(),
+    );
+
+    // containerd with the standard CNI plugins: each pod on a bridge in this
+    // namespace, at an address of POD_SUBNET.
+    let d = dir.join("node");
+    std::fs::create_dir_all(d.join("cni")).unwrap();
+    std::fs::write(
+        d.join("cni/10-pods.conflist"),
+        serde_json::json!({
+            "cniVersion": "0.4.0", "name": CNI_NETWORK,
+            "plugins": [{"type": "bridge", "bridge": "pods0", "isGateway": true, "ipMasq": false,
+                         "hairpinMode": true,
+                         "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_SUBNET}]],
+                                  "dataDir": d.join("ipam").display().to_string()}}]
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let sock = d.join("containerd.sock");
+    std::fs::write(
+        d.join("containerd.toml"),
+        format!(
+            "version = 2\nroot = \"{r}/root\"\nstate = \"{r}/state\"\n[grpc]\n  address = \"{s}\"\n\
+             [plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"localhost/busybox:1\"\n  restrict_oom_score_adj = true\n\
+             [plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  snapshotter = \"native\"\n\
+             [plugins.\"io.containerd.grpc.v1.cri\".cni]\n  bin_dir = \"/usr/lib/cni\"\n  conf_dir = \"{r}/cni\"\n",
+            r = d.display(),
+            s = sock.display()
+        ),
+    )
+    .unwrap();
+    let _containerd = Proc(
+        Command::new(&containerd)
+            .arg("--config")
+            .arg(d.join("containerd.toml"))
+            .stdout(Stdio::null())
+            .stderr(log("containerd.log"))
+            .spawn()
+            .unwrap(),
+    );
+    let ctr_cmd = |args: &[&str]| {
+        let mut c = Command::new(&ctr);
+        c.arg("--address")
+            .arg(&sock)
+            .args(["-n", "k8s.io"])
+            .args(args);
+        c
+    };
+    wait(Duration::from_secs(30), "containerd", || {
+        let o = ctr_cmd(&["images", "import", "--base-name", "localhost/busybox"])
+            .arg(&busybox)
+            .output()
+            .unwrap();
+        o.status
+            .success()
+            .then_some(())
+            .ok_or_else(|| String::from_utf8_lossy(&o.stderr).into_owned())
+    });
+    run(ctr_cmd(&["images", "import"]).arg(&echo));
+    for n in echo_names.split_whitespace() {
+        run(&mut ctr_cmd(&[
+            "images",
+            "tag",
+            "--force",
+            "localhost/echo-basic:built",
+            n,
+        ]));
+    }
+
+    std::fs::write(
+        d.join("kubelet.yaml"),
+        format!(
+            "apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: {NODE_IP}
+port: 10250
+readOnlyPort: 0
+authentication:
+  anonymous: {{enabled: false}}
+  webhook: {{enabled: false}}
+authorization: {{mode: AlwaysAllow}}
+containerRuntimeEndpoint: unix://{sock}
+cgroupDriver: cgroupfs
+failCgroupV1: false
+failSwapOn: false
+cgroupsPerQOS: false
+enforceNodeAllocatable: []
+evictionHard: {{memory.available: 1Mi, nodefs.available: 1%, imagefs.available: 1%}}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+resolvConf: ''
+maxPods: 110
+syncFrequency: 5s
+nodeStatusUpdateFrequency: 5s
+fileCheckFrequency: 5s
+",
+            sock = sock.display()
+        ),
+    )
+    .unwrap();
+    let _kubelet = Proc(
+        Command::new(&kubelet)
+            .arg("--config")
+            .arg(d.join("kubelet.yaml"))
+            .arg(format!("--kubeconfig={admin}"))
+            .args([
+                "--hostname-override",
+                "conformance-node",
+                "--node-ip",
+                NODE_IP,
+            ])
+            .arg("--root-dir")
+            .arg(d.join("kubelet"))
+            .stdout(Stdio::null())
+            .stderr(log("kubelet.log"))
+            .spawn()
+            .unwrap(),
+    );
+    let kubectl = |args: &[&str]| {
+        Command::new(api.kube_dir.join("bin/kubectl"))
+            .arg(format!("--kubeconfig={admin}"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    wait(Duration::from_secs(120), "the node is Ready", || {
+        let o = kubectl(&[
+            "get",
+            "node",
+            "conformance-node",
+            "-o",
+            "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
+        ]);
+        (String::from_utf8_lossy(&o.stdout).trim() == "True")
+            .then_some(())
+            .ok_or_else(|| String::from_utf8_lossy(&o.stderr).into_owned())
+    });
+
+    // seedlink: its GatewayClass, and the gateway serving every Gateway of
+    // it (with the admin kubeconfig: the conformance suite creates Gateways
+    // in namespaces of its own).
+    let apply = |yaml: &str| {
+        let f = dir.join("apply.yaml");
+        std::fs::write(&f, yaml).unwrap();
+        let o = kubectl(&["apply", "-f", f.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    apply(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: seedlink-system}\n---\n\
+         apiVersion: gateway.networking.k8s.io/v1\nkind: GatewayClass\nmetadata: {name: seedlink}\n\
+         spec: {controllerName: seedlink.dev/gateway}\n",
+    );
+    let _gw = Gw::start_with_env(
+        &format!(
+            "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '0.0.0.0:443'}}]
+kubernetes:
+  gateway_class: {{name: seedlink, addresses: [{}]}}
+  lease: seedlink-system/seedlink-status
+",
+            pool().join(", ")
+        ),
+        &[("KUBECONFIG", &admin), ("POD_NAME", "seedlink-0")],
+    );
+
+    // The suite, as its own docs run it.
+    let report = dir.join("report.yaml");
+    let skip: Vec<&str> = SKIPPED.iter().map(|(t, _)| *t).collect();
+    let out = dir.join("conformance.log");
+    let status = Command::new(&suite)
+        .env("KUBECONFIG", &admin)
+        .args([
+            "-test.run",
+            "TestConformance",
+            "-test.v",
+            "-test.timeout",
+            "45m",
+        ])
+        .args([
+            "-gateway-class",
+            "seedlink",
+            "-conformance-profiles",
+            "GATEWAY-TLS",
+        ])
+        .args(["-supported-features", "Gateway,ReferenceGrant,TLSRoute"])
+        .args(["-skip-tests", &skip.join(",")])
+        .arg(format!("-report-output={}", report.display()))
+        .args(["-organization", "seedlink", "-project", "seedlink"])
+        .args([
+            "-url",
+            "https://seedlink.dev",
+            "-contact",
+            "seedlink maintainers",
+        ])
+        .args(["-version", env!("CARGO_PKG_VERSION"), "-mode", "default"])
+        .stdout(log("conformance.log"))
+        .stderr(log("conformance.stderr.log"))
+        .status()
+        .unwrap();
+    let text = std::fs::read_to_string(&out).unwrap_or_default();
+    // Each test's own line (`    --- PASS: TestConformance/<Name> (..)`).
+    let results: Vec<(&str, &str)> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("    --- "))
+        .filter_map(|l| {
+            let (verdict, rest) = l.split_once(": TestConformance/")?;
+            Some((verdict, rest.split_whitespace().next()?))
+        })
+        .filter(|(_, name)| !name.contains('/'))
+        .collect();
+    let with = |v: &str| -> Vec<&str> {
+        let mut n: Vec<&str> = results
+            .iter()
+            .filter(|(x, _)| *x == v)
+            .map(|(_, n)| *n)
+            .collect();
+        n.sort_unstable();
+        n
+    };
+    let (passed, failed) = (with("PASS"), with("FAIL"));
+    let report_text = std::fs::read_to_string(&report).unwrap_or_default();
+    if let Ok(to) = std::env::var("SEEDLINK_CONFORMANCE_DIR") {
+        write_docs(Path::new(&to), &report_text, &passed, &failed);
+    }
+    assert!(
+        status.success() && failed.is_empty(),
+        "the conformance suite failed ({status}): {failed:?}\nlogs in {}\n{}",
+        dir.display(),
+        text.lines()
+            .rev()
+            .take(60)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert_eq!(
+        passed, PASSED,
+        "the tests that pass changed: update PASSED and docs/conformance/"
+    );
+    // The report: the profile's core tests all passed but the ones skipped, and why.
+    for needle in [
+        "name: GATEWAY-TLS".to_string(),
+        "Failed: 0".to_string(),
+        format!("Passed: {}", PASSED.len()),
+        format!("Skipped: {}", SKIPPED.len()),
+    ] {
+        assert!(
+            report_text.contains(&needle),
+            "{needle:?} not in the report:\n{report_text}"
+        );
+    }
+    for (t, _) in SKIPPED {
+        assert!(
+            report_text.contains(&format!("- {t}\n")),
+            "{t} not skipped in:\n{report_text}"
+        );
+    }
+}
+
+/// The profile's tests that pass (all of GATEWAY-TLS's core tests that
+/// apply to TLS passthrough).
+const PASSED: &[&str] = &[
+    "GatewayClassObservedGenerationBump",
+    "TLSRouteHostnameIntersection",
+    "TLSRouteInvalidBackendRefNonexistent",
+    "TLSRouteInvalidBackendRefUnknownKind",
+    "TLSRouteInvalidNoMatchingListenerHostname",
+    "TLSRouteInvalidReferenceGrant",
+    "TLSRouteListenerPassthroughSupportedKinds",
+    "TLSRouteListenerTerminateNotSupported",
+    "TLSRouteSimpleSameNamespace",
+];
+
+/// docs/conformance/: the suite's report as it wrote it, and a page that
+/// lists every test of the profile with its result (and, if skipped, why).
+fn write_docs(dir: &Path, report: &str, passed: &[&str], failed: &[&str]) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(
+        dir.join(format!(
+            "seedlink-{}-default-report.yaml",
+            env!("CARGO_PKG_VERSION")
+        )),
+        report,
+    )
+    .unwrap();
+    let mut md = String::from(
+        "# Gateway API conformance: GATEWAY-TLS\n\n\
+         Written by `SEEDLINK_CONFORMANCE_DIR=docs/conformance cargo test -p seedlink --test gateway_conformance`\n\
+         (the same run is part of the README's test command); the report beside this page is the\n\
+         suite's own (`sigs.k8s.io/gateway-api/conformance`, the CRDs' version), unchanged.\n\n\
+         Supported features declared: `Gateway`, `ReferenceGrant`, `TLSRoute` (TLS passthrough).\n\
+         Not declared: `TLSRouteModeTerminate`, `TLSRouteModeMixed` (seedlink never terminates TLS),\n\
+         and every HTTP, gRPC, TCP, UDP and mesh feature.\n\n\
+         | test | result | why skipped |\n|---|---|---|\n",
+    );
+    let mut rows: Vec<(String, String, String)> = passed
+        .iter()
+        .map(|t| (t.to_string(), "passed".to_string(), String::new()))
+        .chain(
+            failed
+                .iter()
+                .map(|t| (t.to_string(), "**failed**".to_string(), String::new())),
+        )
+        .chain(
+            SKIPPED
+                .iter()
+                .map(|(t, why)| (t.to_string(), "skipped".to_string(), why.to_string())),
+        )
+        .collect();
+    rows.sort();
+    for (t, r, why) in rows {
+        md.push_str(&format!("| {t} | {r} | {why} |\n"));
+    }
+    md.push_str(
+        "\nEvery skipped test needs a Gateway with only HTTP or HTTPS (TLS-terminating)\n\
+         listeners to be Accepted and Programmed, or checks such a listener; seedlink serves\n\
+         TLS passthrough only and reports such a Gateway `Accepted=False` with\n\
+         `UnsupportedProtocol` or `UnsupportedValue` on the listener, as the spec asks.\n\
+         What stands in for what in this run: docs/TESTING.md, \"The Gateway API conformance run\".\n",
+    );
+    std::fs::write(dir.join("README.md"), md).unwrap();
+}
