@@ -883,6 +883,11 @@ fn backends(route: &TlsRoute, key: &Key, lookup: &Lookup<'_>) -> (Vec<String>, V
             .as_ref()
             .and_then(|s| s.selector.as_ref())
             .is_some_and(|s| !s.is_empty());
+        // Ready endpoints take new connections; when a Service has none,
+        // those still serving while they terminate do (kube-proxy's
+        // ProxyTerminatingEndpoints, Envoy Gateway's and Istio's fallback),
+        // so a rollout of its last pod does not refuse connections.
+        let (mut ready, mut draining) = (Vec::new(), Vec::new());
         for slice in slices.get(&skey).into_iter().flatten() {
             let by_controller = slice.labels().get(MANAGED_BY).map(String::as_str)
                 == Some(seedlink_config::model::ENDPOINTSLICE_CONTROLLER);
@@ -905,8 +910,12 @@ fn backends(route: &TlsRoute, key: &Key, lookup: &Lookup<'_>) -> (Vec<String>, V
             };
             for ep in &slice.endpoints {
                 // An unknown readiness counts as ready (the API's advice);
-                // a terminating pod is `ready: false` and gets nothing new.
-                if ep.conditions.as_ref().and_then(|c| c.ready) == Some(false) {
+                // `serving` unknown is `ready`'s value.
+                let c = ep.conditions.as_ref();
+                let is_ready = c.and_then(|c| c.ready) != Some(false);
+                let serving = c.and_then(|c| c.serving).unwrap_or(is_ready);
+                let terminating = c.and_then(|c| c.terminating) == Some(true);
+                if !is_ready && !(serving && terminating) {
                     continue;
                 }
                 let Some(ip) = ep.addresses.first().and_then(|a| a.parse::<IpAddr>().ok()) else {
@@ -919,9 +928,17 @@ fn backends(route: &TlsRoute, key: &Key, lookup: &Lookup<'_>) -> (Vec<String>, V
                     continue;
                 }
                 let addr = SocketAddr::new(ip, target).to_string();
-                if seen.insert(addr.clone()) {
-                    endpoints.push(addr);
+                if is_ready {
+                    ready.push(addr);
+                } else {
+                    draining.push(addr);
                 }
+            }
+        }
+        let chosen = if ready.is_empty() { draining } else { ready };
+        for addr in chosen {
+            if seen.insert(addr.clone()) {
+                endpoints.push(addr);
             }
         }
     }

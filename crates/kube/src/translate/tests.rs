@@ -987,3 +987,27 @@ fn class_addresses_are_stable_and_bounded() {
     let t = w.translate();
     assert!(t.gateways.is_empty() && t.routes.is_empty());
 }
+
+/// A Service's terminating pods that still serve take new connections only
+/// when it has no ready pod (the serving-while-terminating fallback); one
+/// neither ready nor serving never does.
+#[test]
+fn terminating_pods_serve_only_when_nothing_is_ready() {
+    let with = |eps: serde_json::Value| {
+        let mut w = one_shoot();
+        let mut s = (*w.slices[0]).clone();
+        s.endpoints = serde_json::from_value(eps).unwrap();
+        w.slices = vec![Arc::new(s)];
+        w.translate(&mut Translator::default()).control_planes[0]
+            .endpoints
+            .clone()
+    };
+    let draining = json!({"addresses": ["10.0.0.2"], "conditions": {"ready": false, "serving": true, "terminating": true}});
+    let gone = json!({"addresses": ["10.0.0.3"], "conditions": {"ready": false, "serving": false, "terminating": true}});
+    let up = json!({"addresses": ["10.0.0.1"], "conditions": {"ready": true, "serving": true, "terminating": false}});
+    assert_eq!(with(json!([up, draining, gone])), ["10.0.0.1:6443"]);
+    assert_eq!(with(json!([draining, gone])), ["10.0.0.2:6443"]);
+    assert!(with(json!([gone])).is_empty());
+    // Not ready and not terminating (starting, failing its probe): nothing.
+    assert!(with(json!([{"addresses": ["10.0.0.4"], "conditions": {"ready": false, "serving": false}}])).is_empty());
+}
