@@ -206,8 +206,24 @@ where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
 {
-    let (store, writer) = reflector::store();
-    let kind = K::kind(&K::DynamicType::default()).to_string();
+    watch_kind_of(api, K::DynamicType::default(), config, changed, stop)
+}
+
+/// [`watch_kind`] for a kind known at run time (its `DynamicType`).
+fn watch_kind_of<K>(
+    api: Api<K>,
+    dyntype: K::DynamicType,
+    config: watcher::Config,
+    changed: mpsc::Sender<()>,
+    stop: CancellationToken,
+) -> Store<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    let kind = K::kind(&dyntype).to_string();
+    let writer = reflector::store::Writer::new(dyntype);
+    let store = writer.as_reader();
     let stream = watcher(api, config)
         .default_backoff()
         // Kept in memory for every object: nothing here reads who
@@ -235,6 +251,99 @@ where
     store
 }
 
+/// The TLSRoute versions seedlink reads, newest first: the objects are the
+/// same through each (a CRD's versions are views of one stored object), so
+/// the newest one the installed CRD serves is watched.
+const ROUTE_VERSIONS: [&str; 3] = ["v1", "v1alpha3", "v1alpha2"];
+
+/// TLSRoutes through the version the installed CRD serves.
+enum Routes {
+    /// `v1` (Gateway API v1.5 and later, standard channel).
+    V1(Store<TlsRoute>),
+    /// An older version (`v1alpha3`, `v1alpha2`: the experimental channel
+    /// before v1.5, which some platforms still install and write).
+    Older(Store<kube::api::DynamicObject>),
+}
+
+impl Routes {
+    /// Asks the API server which TLSRoute versions it serves (bounded) and
+    /// watches the newest; `v1` when it cannot tell.
+    async fn watch(
+        client: &kube::Client,
+        tx: mpsc::Sender<()>,
+        stop: CancellationToken,
+    ) -> (Routes, Option<kube::api::ApiResource>) {
+        let served = tokio::time::timeout(
+            Duration::from_secs(10),
+            kube::discovery::group(client, GATEWAY_GROUP),
+        )
+        .await;
+        let resource = match served {
+            Ok(Ok(group)) => ROUTE_VERSIONS.iter().find_map(|v| {
+                group
+                    .versioned_resources(v)
+                    .into_iter()
+                    .map(|(ar, _)| ar)
+                    .find(|ar| ar.kind == "TLSRoute")
+            }),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "kubernetes: cannot list the served TLSRoute versions; reading v1");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(
+                    "kubernetes: no answer listing the served TLSRoute versions; reading v1"
+                );
+                None
+            }
+        };
+        match resource {
+            Some(ar) if ar.version != "v1" => {
+                tracing::info!(version = %ar.version, "kubernetes: the installed TLSRoute CRD does not serve v1; reading TLSRoutes through {}", ar.api_version);
+                let api = Api::<kube::api::DynamicObject>::all_with(client.clone(), &ar);
+                let store = watch_kind_of(api, ar.clone(), watcher::Config::default(), tx, stop);
+                (Routes::Older(store), Some(ar))
+            }
+            _ => {
+                let api = Api::<TlsRoute>::all(client.clone());
+                (
+                    Routes::V1(watch_kind(api, watcher::Config::default(), tx, stop)),
+                    None,
+                )
+            }
+        }
+    }
+
+    async fn wait_until_ready(&self) -> Option<()> {
+        match self {
+            Routes::V1(s) => s.wait_until_ready().await.ok(),
+            Routes::Older(s) => s.wait_until_ready().await.ok(),
+        }
+    }
+
+    /// Every route, as the v1 type (the older versions' fields are the
+    /// same; one that does not read is skipped, with a warning).
+    fn state(&self) -> Vec<Arc<TlsRoute>> {
+        match self {
+            Routes::V1(s) => s.state(),
+            Routes::Older(s) => s
+                .state()
+                .into_iter()
+                .filter_map(|o| {
+                    let v = serde_json::to_value(o.as_ref()).ok()?;
+                    match serde_json::from_value::<TlsRoute>(v) {
+                        Ok(r) => Some(Arc::new(r)),
+                        Err(e) => {
+                            tracing::warn!(route = %Key { namespace: o.metadata.namespace.clone().unwrap_or_default(), name: o.metadata.name.clone().unwrap_or_default() }, error = %e, "TLSRoute skipped: it does not read as a TLSRoute");
+                            None
+                        }
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
 /// Starts the gateway's source: watches, snapshots into `sink`, status.
 pub fn start_gateway(
     client: kube::Client,
@@ -243,7 +352,7 @@ pub fn start_gateway(
 ) -> Handle {
     let stop = CancellationToken::new();
     let w = Watches::new(&client, &stop);
-    let routes = w.kind::<TlsRoute>();
+    let (routes_tx, routes_stop, routes_client) = (w.tx.clone(), stop.clone(), client.clone());
     let policies = w.kind::<SeedlinkPolicy>();
     let services = w.kind::<Service>();
     let slices = w.kind::<EndpointSlice>();
@@ -263,8 +372,9 @@ pub fn start_gateway(
     let task_stop = stop.clone();
     let writer_leadership = leadership.clone();
     tokio::spawn(async move {
+        let (routes, route_resource) = Routes::watch(&routes_client, routes_tx, routes_stop).await;
         let ready = async {
-            routes.wait_until_ready().await.ok()?;
+            routes.wait_until_ready().await?;
             policies.wait_until_ready().await.ok()?;
             services.wait_until_ready().await.ok()?;
             slices.wait_until_ready().await.ok()?;
@@ -280,6 +390,7 @@ pub fn start_gateway(
         let mut translator = Translator::default();
         translator.slice_managers = settings.slice_managers.clone();
         let mut status = StatusWriter::new(client, writer_leadership, &settings.identity);
+        status.route_resource = route_resource;
         let mut coalescer = Coalescer {
             changed,
             stop: task_stop,
@@ -654,6 +765,9 @@ struct StatusWriter {
     /// (`reportingController`, `reportingInstance` = the pod, repeats
     /// counted in a series).
     recorder: Recorder,
+    /// The TLSRoute version read when it is not v1 (status is written
+    /// through the same one).
+    route_resource: Option<kube::api::ApiResource>,
 }
 
 /// Events remembered (object, generation, message) so that one is not
@@ -755,6 +869,7 @@ impl StatusWriter {
         StatusWriter {
             recorder: Recorder::new(client.clone(), reporter),
             client,
+            route_resource: None,
             leadership,
             evented: HashSet::new(),
         }
@@ -837,7 +952,11 @@ impl StatusWriter {
                 "metadata": {"resourceVersion": route.metadata.resource_version},
                 "status": {"parents": desired}
             });
-            if !self.patch_status::<TlsRoute>(&key, &patch).await {
+            let written = match &self.route_resource {
+                None => self.patch_status::<TlsRoute>(&key, &patch).await,
+                Some(ar) => self.patch_route_status_as(ar, &key, &patch).await,
+            };
+            if !written {
                 return;
             }
         }
@@ -1212,6 +1331,42 @@ impl StatusWriter {
             "status": desired,
         });
         self.patch_status::<Gateway>(&key, &patch).await;
+    }
+
+    /// [`StatusWriter::patch_status`] for a TLSRoute read through an older
+    /// version (`ar`).
+    async fn patch_route_status_as(
+        &self,
+        ar: &kube::api::ApiResource,
+        key: &Key,
+        patch: &serde_json::Value,
+    ) -> bool {
+        let Some(left) = self.leadership.remaining() else {
+            return false;
+        };
+        let api = Api::<kube::api::DynamicObject>::namespaced_with(
+            self.client.clone(),
+            &key.namespace,
+            ar,
+        );
+        match tokio::time::timeout(
+            left,
+            api.patch_status(&key.name, &status_params(), &Patch::Merge(patch)),
+        )
+        .await
+        {
+            Ok(Ok(_)) => {}
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
+                tracing::debug!(object = %key, "status changed meanwhile; written again on the next pass");
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(object = %key, version = %ar.version, error = %e, "cannot write TLSRoute status")
+            }
+            Err(_) => {
+                tracing::debug!(object = %key, "no longer the status leader: status not written")
+            }
+        }
+        true
     }
 
     /// Merge-patches the status of `K` `key` (conditional on the

@@ -915,7 +915,7 @@ fn backends(route: &TlsRoute, key: &Key, lookup: &Lookup<'_>) -> (Vec<String>, V
                 let is_ready = c.and_then(|c| c.ready) != Some(false);
                 let serving = c.and_then(|c| c.serving).unwrap_or(is_ready);
                 let terminating = c.and_then(|c| c.terminating) == Some(true);
-                if !is_ready && !(serving && terminating) {
+                if !(is_ready || (serving && terminating)) {
                     continue;
                 }
                 let Some(ip) = ep.addresses.first().and_then(|a| a.parse::<IpAddr>().ok()) else {

@@ -1302,3 +1302,123 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust'}}
     common::tunnel_env::echo_rtt(&mut sb, 1000).await;
     stop.cancel();
 }
+
+/// Gateway API v1.4.1's experimental TLSRoute CRD (what platforms such as
+/// Kamaji installed before TLSRoute went v1) serves only v1alpha2 and
+/// v1alpha3: seedlink reads routes through the newest version served and
+/// writes their status through it; a route written as v1alpha2 is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_are_read_through_the_version_the_installed_crd_serves() {
+    let api = KubeApi::start_with(kubeapi::Options {
+        crds: true,
+        ..Default::default()
+    });
+    let old = api
+        .kube_dir
+        .join("crds/gateway-api-v1.4.1-experimental/tlsroutes.yaml");
+    assert!(
+        old.exists(),
+        "{} is missing: run scripts/install-peers",
+        old.display()
+    );
+    let kubectl = |args: &[&str]| {
+        let o = std::process::Command::new(api.kube_dir.join("bin/kubectl"))
+            .arg(format!("--kubeconfig={}", api.admin_kubeconfig.display()))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr),
+        )
+    };
+    let (ok, out) = kubectl(&[
+        "delete",
+        "crd",
+        "tlsroutes.gateway.networking.k8s.io",
+        "--wait=true",
+    ]);
+    assert!(ok, "{out}");
+    let (ok, out) = kubectl(&["apply", "--server-side", "-f", old.to_str().unwrap()]);
+    assert!(ok, "{out}");
+    wait_for(
+        "v1alpha2 TLSRoutes served",
+        Duration::from_secs(60),
+        || async { kubectl(&["get", "tlsroutes.v1alpha2.gateway.networking.k8s.io", "-A"]).0 },
+    )
+    .await;
+    assert!(!kubectl(&["get", "tlsroutes.v1.gateway.networking.k8s.io", "-A"]).0);
+
+    let client = api.client().await.unwrap();
+    for o in [
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "seedlink-system"}}),
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "tenant"}}),
+        json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+               "metadata": {"name": "seedlink", "namespace": "seedlink-system"},
+               "spec": {"gatewayClassName": "seedlink",
+                        "listeners": [{"name": "tls", "port": 443, "protocol": "TLS",
+                                       "tls": {"mode": "Passthrough"},
+                                       "allowedRoutes": {"namespaces": {"from": "All"}}}]}}),
+        json!({"apiVersion": "gateway.networking.k8s.io/v1alpha2", "kind": "TLSRoute",
+               "metadata": {"name": "kube-apiserver", "namespace": "tenant"},
+               "spec": {"parentRefs": [{"name": "seedlink", "namespace": "seedlink-system"}],
+                        "hostnames": ["api.old.kube.test"],
+                        "rules": [{"backendRefs": [{"name": "kube-apiserver", "port": 443}]}]}}),
+        service("tenant", "kube-apiserver"),
+        slice("tenant", "kube-apiserver", 6443, &[(POD_1, true)]),
+    ] {
+        kubeapi::apply(&client, o).await;
+    }
+    let gw = Gw::start_with_env(
+        "admin: {listen: '127.0.0.1:0'}\nlisteners: [{name: tls, address: '127.0.0.1:0'}]\nkubernetes: {gateway: seedlink-system/seedlink}\n",
+        &[("KUBECONFIG", api.admin_kubeconfig.to_str().unwrap()), ("POD_NAME", "seedlink-0")],
+    );
+    wait_for(
+        "the v1alpha2 route is served",
+        Duration::from_secs(60),
+        || async {
+            let (_, body) = http_get(gw.admin, "/config").await;
+            body.contains("api.old.kube.test") && body.contains(&format!("{POD_1}:6443"))
+        },
+    )
+    .await;
+    wait_for(
+        "its status, written through v1alpha3",
+        Duration::from_secs(60),
+        || async {
+            kubeapi::get(
+                &client,
+                "gateway.networking.k8s.io/v1alpha2",
+                "TLSRoute",
+                "tenant",
+                "kube-apiserver",
+            )
+            .await
+            .is_some_and(|r| {
+                r["status"]["parents"].as_array().is_some_and(|ps| {
+                    ps.iter().any(|p| {
+                        p["controllerName"] == "seedlink.dev/gateway"
+                            && p["conditions"].as_array().is_some_and(|cs| {
+                                cs.iter()
+                                    .any(|c| c["type"] == "Accepted" && c["status"] == "True")
+                            })
+                    })
+                })
+            })
+        },
+    )
+    .await;
+    // What it was read through: the audit log's status writes name the version.
+    let versions: Vec<String> = api
+        .audit()
+        .iter()
+        .filter(|e| {
+            e["objectRef"]["resource"] == "tlsroutes" && e["objectRef"]["subresource"] == "status"
+        })
+        .filter_map(|e| e["objectRef"]["apiVersion"].as_str().map(str::to_string))
+        .collect();
+    assert!(
+        !versions.is_empty() && versions.iter().all(|v| v == "v1alpha3"),
+        "{versions:?}"
+    );
+}

@@ -1009,5 +1009,8 @@ fn terminating_pods_serve_only_when_nothing_is_ready() {
     assert_eq!(with(json!([draining, gone])), ["10.0.0.2:6443"]);
     assert!(with(json!([gone])).is_empty());
     // Not ready and not terminating (starting, failing its probe): nothing.
-    assert!(with(json!([{"addresses": ["10.0.0.4"], "conditions": {"ready": false, "serving": false}}])).is_empty());
+    assert!(with(
+        json!([{"addresses": ["10.0.0.4"], "conditions": {"ready": false, "serving": false}}])
+    )
+    .is_empty());
 }
