@@ -344,6 +344,75 @@ impl Routes {
     }
 }
 
+/// The Gateway API versions seedlink implements (bundle versions, as the
+/// CRDs' `gateway.networking.k8s.io/bundle-version` annotation names them):
+/// from v1.4 (TLSRoute v1alpha2/v1alpha3) to v1.6 (what it is tested with).
+const SUPPORTED_BUNDLES: ((u32, u32), (u32, u32)) = ((1, 4), (1, 6));
+
+/// The installed Gateway API's bundle version (the GatewayClass CRD's
+/// annotation), bounded; `None` when it cannot be read.
+async fn bundle_version(client: &kube::Client) -> Option<String> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    match tokio::time::timeout(
+        Duration::from_secs(10),
+        api.get("gatewayclasses.gateway.networking.k8s.io"),
+    )
+    .await
+    {
+        Ok(Ok(crd)) => crd
+            .metadata
+            .annotations
+            .and_then(|a| a.get("gateway.networking.k8s.io/bundle-version").cloned()),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "kubernetes: cannot read the Gateway API version installed (GatewayClass SupportedVersion stays Unknown)");
+            None
+        }
+        Err(_) => None,
+    }
+}
+
+/// The GatewayClass `SupportedVersion` condition for an installed bundle
+/// version.
+fn supported_version(bundle: Option<&str>) -> (String, Verdict) {
+    let ((lo_major, lo_minor), (hi_major, hi_minor)) = SUPPORTED_BUNDLES;
+    let range = format!("v{lo_major}.{lo_minor} to v{hi_major}.{hi_minor}");
+    let Some(b) = bundle else {
+        return (
+            "Unknown".into(),
+            Verdict::no(
+                "UnknownVersion",
+                format!(
+                    "the installed Gateway API version cannot be read (seedlink supports {range})"
+                ),
+            ),
+        );
+    };
+    let parsed = b.strip_prefix('v').and_then(|v| {
+        let mut it = v.split(['.', '-']);
+        Some((
+            it.next()?.parse::<u32>().ok()?,
+            it.next()?.parse::<u32>().ok()?,
+        ))
+    });
+    match parsed {
+        Some(v) if v >= SUPPORTED_BUNDLES.0 && v <= SUPPORTED_BUNDLES.1 => (
+            "True".into(),
+            Verdict::yes(
+                "SupportedVersion",
+                format!("Gateway API {b} (seedlink supports {range})"),
+            ),
+        ),
+        _ => (
+            "False".into(),
+            Verdict::no(
+                "UnsupportedVersion",
+                format!("Gateway API {b} is installed; seedlink supports {range}"),
+            ),
+        ),
+    }
+}
+
 /// Starts the gateway's source: watches, snapshots into `sink`, status.
 pub fn start_gateway(
     client: kube::Client,
@@ -389,6 +458,7 @@ pub fn start_gateway(
         }
         let mut translator = Translator::default();
         translator.slice_managers = settings.slice_managers.clone();
+        let bundle = bundle_version(&client).await;
         let mut status = StatusWriter::new(client, writer_leadership, &settings.identity);
         status.route_resource = route_resource;
         let mut coalescer = Coalescer {
@@ -464,7 +534,7 @@ pub fn start_gateway(
                 }
                 for class in classes.state() {
                     if class.spec.controller_name == CONTROLLER_NAME {
-                        status.write_gateway_class(&class).await;
+                        status.write_gateway_class(&class, bundle.as_deref()).await;
                     }
                 }
             }
@@ -1168,10 +1238,10 @@ impl StatusWriter {
 }
 
 impl StatusWriter {
-    /// A GatewayClass whose `controllerName` is seedlink's: `Accepted`
-    /// (written when it is not yet; the class has no other condition
-    /// seedlink sets).
-    async fn write_gateway_class(&mut self, class: &GatewayClass) {
+    /// A GatewayClass whose `controllerName` is seedlink's: `Accepted` and
+    /// `SupportedVersion` (of the installed Gateway API `bundle`), written
+    /// when they change.
+    async fn write_gateway_class(&mut self, class: &GatewayClass, bundle: Option<&str>) {
         if !self.leadership.held() {
             return;
         }
@@ -1183,7 +1253,21 @@ impl StatusWriter {
             .and_then(|c| serde_json::from_value(c).ok())
             .unwrap_or_default();
         let accepted = Verdict::yes("Accepted", format!("{CONTROLLER_NAME} serves this class"));
-        let desired = vec![condition("Accepted", &accepted, generation, &prev)];
+        let (status, version) = supported_version(bundle);
+        let mut supported = condition("SupportedVersion", &version, generation, &prev);
+        if status == "Unknown" {
+            supported.status = status;
+            supported.last_transition_time = prev
+                .iter()
+                .find(|c| c.type_ == "SupportedVersion" && c.status == "Unknown")
+                .map_or(supported.last_transition_time, |c| {
+                    c.last_transition_time.clone()
+                });
+        }
+        let desired = vec![
+            condition("Accepted", &accepted, generation, &prev),
+            supported,
+        ];
         if same(&desired, &prev) {
             return;
         }
@@ -1445,4 +1529,25 @@ fn parent_eq(
         b.port,
         &b.section_name,
     )
+}
+
+#[cfg(test)]
+mod version_tests {
+    use super::supported_version;
+
+    #[test]
+    fn supported_gateway_api_versions() {
+        for (b, want) in [
+            (Some("v1.6.3"), "True"),
+            (Some("v1.4.1"), "True"),
+            (Some("v1.5.0-rc.1"), "True"),
+            (Some("v1.3.0"), "False"),
+            (Some("v1.7.0"), "False"),
+            (Some("v2.0.0"), "False"),
+            (Some("garbage"), "False"),
+            (None, "Unknown"),
+        ] {
+            assert_eq!(supported_version(b).0, want, "{b:?}");
+        }
+    }
 }

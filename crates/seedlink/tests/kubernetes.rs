@@ -472,22 +472,33 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         .unwrap();
     assert_eq!(resolved["status"], "True");
     assert_eq!(resolved["observedGeneration"], 1);
-    // The GatewayClass naming seedlink's controller is accepted.
-    wait_for("GatewayClass Accepted", Duration::from_secs(20), || async {
-        let c = seed
-            .get(
-                "gateway.networking.k8s.io/v1",
-                "GatewayClass",
-                "",
-                "seedlink",
-            )
-            .await
-            .unwrap_or_default();
-        c["status"]["conditions"].as_array().is_some_and(|cs| {
-            cs.iter()
-                .any(|c| c["type"] == "Accepted" && c["status"] == "True")
-        })
-    })
+    // The GatewayClass naming seedlink's controller is accepted, and the
+    // installed Gateway API version (read with the install's RBAC) is one
+    // seedlink supports.
+    wait_for(
+        "GatewayClass Accepted and SupportedVersion",
+        Duration::from_secs(20),
+        || async {
+            let c = seed
+                .get(
+                    "gateway.networking.k8s.io/v1",
+                    "GatewayClass",
+                    "",
+                    "seedlink",
+                )
+                .await
+                .unwrap_or_default();
+            c["status"]["conditions"].as_array().is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c["type"] == "Accepted" && c["status"] == "True")
+                    && cs.iter().any(|c| {
+                        c["type"] == "SupportedVersion"
+                            && c["status"] == "True"
+                            && c["message"].as_str().is_some_and(|m| m.contains("v1.6.3"))
+                    })
+            })
+        },
+    )
     .await;
     // The Service seedlink is exposed by (the install's `seedlink`): its
     // load balancer's address becomes the Gateway's.
