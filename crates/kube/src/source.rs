@@ -500,12 +500,44 @@ pub fn start_gateway(
                 last = Some((t, objects.0, objects.1));
             }
             if let Some((t, routes, policies)) = &last {
-                let served: Vec<Key> = settings
+                let mut served: Vec<Key> = settings
                     .gateway
                     .iter()
                     .cloned()
                     .chain(t.gateways.iter().map(|g| g.key.clone()))
                     .collect();
+                // Entries of ours for a Gateway that no longer exists (where
+                // the watch would see it) are ours to remove: nobody else
+                // serves it.
+                let existing: HashSet<Key> = gateways
+                    .state()
+                    .iter()
+                    .map(|g| Key::of(g.as_ref()))
+                    .collect();
+                let watched_all = settings.class.is_some();
+                let home = settings.gateway.as_ref().map(|g| g.namespace.clone());
+                served.extend(
+                    routes
+                        .iter()
+                        .flat_map(|r| {
+                            let ns = r.metadata.namespace.clone().unwrap_or_default();
+                            r.status
+                                .iter()
+                                .flat_map(|s| s.parents.iter())
+                                .filter(|p| p.controller_name == CONTROLLER_NAME)
+                                .map(move |p| Key {
+                                    namespace: p
+                                        .parent_ref
+                                        .namespace
+                                        .clone()
+                                        .unwrap_or_else(|| ns.clone()),
+                                    name: p.parent_ref.name.clone(),
+                                })
+                        })
+                        .filter(|k| !existing.contains(k))
+                        .filter(|k| watched_all || home.as_deref() == Some(k.namespace.as_str()))
+                        .collect::<HashSet<Key>>(),
+                );
                 status.write(t, routes, policies, &served).await;
                 let objects = gateways.state();
                 for g in &t.gateways {

@@ -1433,3 +1433,178 @@ async fn routes_are_read_through_the_version_the_installed_crd_serves() {
         "{versions:?}"
     );
 }
+
+/// Every Gateway of a class at its own address (`kubernetes.gateway_class`),
+/// with the RBAC docs/KUBERNETES.md names for it: two tenants' Gateways
+/// route the same host name, each to its own backend, and neither is
+/// reachable through the other's address; a Gateway deleted takes its
+/// address's routes with it, and seedlink removes its entries from the
+/// route's status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_gateway_of_the_class_is_served_at_its_own_address() {
+    let stop = CancellationToken::new();
+    let pki = Arc::new(seedlink::demo::Pki::generate(&[A]).unwrap());
+    let seed = Seed::new(true).await;
+    let port = seed.two_pods(&pki, 0, "pod", &stop);
+    let (ns, dialer) = seed.net.as_ref().unwrap();
+    const POOL: [&str; 2] = ["10.99.1.1", "10.99.1.2"];
+    for a in POOL {
+        ns.run(&["ip", "addr", "add", &format!("{a}/32"), "dev", "lo"]);
+    }
+    // What class mode needs beyond the install: Gateways in every namespace.
+    let class = format!("{}-class", seed.prefix);
+    seed.apply(json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+        "metadata": {"name": format!("seedlink-gateway-class-{}", seed.sys)},
+        "rules": [
+            {"apiGroups": ["gateway.networking.k8s.io"], "resources": ["gateways"], "verbs": ["list", "watch"]},
+            {"apiGroups": ["gateway.networking.k8s.io"], "resources": ["gateways/status"], "verbs": ["patch"]}
+        ]
+    }))
+    .await;
+    seed.apply(json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": format!("seedlink-gateway-class-{}", seed.sys)},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": format!("seedlink-gateway-class-{}", seed.sys)},
+        "subjects": [{"kind": "ServiceAccount", "name": "seedlink", "namespace": seed.sys}]
+    }))
+    .await;
+    seed.apply(
+        json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
+                      "metadata": {"name": class},
+                      "spec": {"controllerName": "seedlink.dev/gateway"}}),
+    )
+    .await;
+    let gateway = |tenant: &str| {
+        json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
+               "metadata": {"name": "entry", "namespace": tenant},
+               "spec": {"gatewayClassName": class,
+                        "listeners": [{"name": "tls", "port": 8443, "protocol": "TLS",
+                                       "hostname": "*.kube.test",
+                                       "tls": {"mode": "Passthrough"}}]}})
+    };
+    let mut tenants = Vec::new();
+    for (short, pod) in [("one", POD_1), ("two", POD_2)] {
+        let t = seed.tenant(short, true).await;
+        seed.apply(service(&t, "kube-apiserver")).await;
+        seed.apply(slice(&t, "kube-apiserver", port, &[(pod, true)]))
+            .await;
+        seed.apply(json!({
+            "apiVersion": ROUTES, "kind": "TLSRoute",
+            "metadata": {"name": "kube-apiserver", "namespace": t},
+            "spec": {"parentRefs": [{"name": "entry"}], "hostnames": [A],
+                     "rules": [{"backendRefs": [{"name": "kube-apiserver", "port": 443}]}]}
+        }))
+        .await;
+        tenants.push(t);
+    }
+    // Oldest first: tenant one's Gateway gets the first address.
+    seed.apply(gateway(&tenants[0])).await;
+    let gw = Gw::start_in(
+        Some(ns),
+        &format!(
+            "admin: {{listen: '127.0.0.1:0'}}\nlisteners: [{{name: tls, address: '0.0.0.0:8443'}}]\n\
+             kubernetes: {{gateway_class: {{name: {class}, addresses: [{}]}}, lease: {}/seedlink-status}}\n",
+            POOL.join(", "),
+            seed.sys
+        ),
+        &[
+            ("KUBECONFIG", seed.kubeconfig("replica-a", &seed.token).to_str().unwrap()),
+            ("POD_NAME", "replica-a"),
+        ],
+    );
+    let address = |t: String| {
+        let seed = &seed;
+        async move {
+            seed.get("gateway.networking.k8s.io/v1", "Gateway", &t, "entry")
+                .await
+                .and_then(|g| {
+                    g["status"]["addresses"][0]["value"]
+                        .as_str()
+                        .map(str::to_string)
+                })
+        }
+    };
+    wait_for(
+        "the first Gateway's address",
+        Duration::from_secs(30),
+        || async { address(tenants[0].clone()).await.as_deref() == Some(POOL[0]) },
+    )
+    .await;
+    seed.apply(gateway(&tenants[1])).await;
+    wait_for(
+        "the second Gateway's address",
+        Duration::from_secs(30),
+        || async { address(tenants[1].clone()).await.as_deref() == Some(POOL[1]) },
+    )
+    .await;
+    let mut entries = Vec::new();
+    for a in POOL {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let to: SocketAddr = format!("{a}:8443").parse().unwrap();
+        entries.push(FaultProxy::start_with(
+            l,
+            Some(dialer.clone()),
+            to,
+            Fault::Pass,
+        ));
+    }
+    for (entry, pod) in entries.iter().zip(["pod1", "pod2"]) {
+        wait_for(
+            "each address routes to its own tenant",
+            Duration::from_secs(30),
+            || async {
+                get(&pki, entry.addr, A)
+                    .await
+                    .is_ok_and(|b| b.contains(pod))
+            },
+        )
+        .await;
+    }
+    // Both routes are Accepted, each by its own parent.
+    for t in &tenants {
+        seed.wait_route("Accepted", Duration::from_secs(20), t, "Accepted", |c| {
+            c["status"] == "True"
+        })
+        .await;
+    }
+
+    // Tenant two's Gateway goes: its address serves nothing, and its entry
+    // leaves the route's status.
+    assert!(
+        seed.delete(
+            "gateway.networking.k8s.io/v1",
+            "Gateway",
+            &tenants[1],
+            "entry"
+        )
+        .await
+    );
+    wait_for(
+        "the deleted Gateway's address routes nothing",
+        Duration::from_secs(30),
+        || async { get(&pki, entries[1].addr, A).await.is_err() },
+    )
+    .await;
+    wait_for(
+        "its entry leaves the route's status",
+        Duration::from_secs(30),
+        || async {
+            seed.get(ROUTES, "TLSRoute", &tenants[1], "kube-apiserver")
+                .await
+                .is_some_and(|r| {
+                    r["status"]["parents"]
+                        .as_array()
+                        .is_none_or(|p| p.is_empty())
+                })
+        },
+    )
+    .await;
+    assert!(get(&pki, entries[0].addr, A)
+        .await
+        .unwrap()
+        .contains("pod1"));
+    drop(gw);
+    stop.cancel();
+}
