@@ -195,12 +195,19 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
 
     let mut control_planes = HashMap::new();
     let mut routes = RouteTable::default();
-    // Host pattern → (the address it is served on, None for everywhere;
-    // the control plane).
-    let mut owner: HashMap<String, Vec<(Option<SocketAddr>, String)>> = HashMap::new();
+    // (host pattern, the address it is served at or None for everywhere)
+    // → control plane.
+    let mut owner: HashMap<(String, Option<SocketAddr>), String> = HashMap::new();
     let mut dest_owner: HashMap<String, String> = HashMap::new();
     if let Some(k) = &file.kubernetes {
         check_kubernetes(&mut c, k, &listeners);
+        // A class Gateway's address serves that Gateway's routes only, from
+        // its first moment (before any route is attached to it).
+        for a in k.gateway_class.iter().flat_map(|g| &g.addresses) {
+            if let Ok(ip) = a.parse::<std::net::IpAddr>() {
+                routes.exclusive.insert(crate::routes::canonical(ip));
+            }
+        }
     }
     let all = file
         .control_planes
@@ -229,6 +236,7 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
             );
         }
         if cp.hostnames.is_empty()
+            && cp.served_on.iter().all(|o| o.hostnames.is_empty())
             && cp.destinations.is_empty()
             && cp.service_addresses.is_empty()
             && cp.cluster_id.is_none()
@@ -383,43 +391,52 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
                     .insert(id.as_bytes().to_vec(), compiled.clone());
             }
         }
-        let served_on = served_on(&mut c, &at, cp, &listeners);
-        for (j, h) in cp.hostnames.iter().enumerate() {
-            let path = format!("{at}.hostnames[{j}]");
+        // (address or None for every listener, path, name)
+        let mut names: Vec<(Option<SocketAddr>, String, &String)> = cp
+            .hostnames
+            .iter()
+            .enumerate()
+            .map(|(j, h)| (None, format!("{at}.hostnames[{j}]"), h))
+            .collect();
+        for (j, on) in cp.served_on.iter().enumerate() {
+            let path = format!("{at}.served_on[{j}]");
+            let Some(sa) = served_at(&mut c, &format!("{path}.address"), &on.address, &listeners)
+            else {
+                continue;
+            };
+            routes.exclusive.insert(sa.ip());
+            names.extend(
+                on.hostnames
+                    .iter()
+                    .enumerate()
+                    .map(|(k, h)| (Some(sa), format!("{path}.hostnames[{k}]"), h)),
+            );
+        }
+        for (scope, path, h) in names {
             let Some(pattern) = check_host_pattern(&mut c, &path, h) else {
                 continue;
             };
-            // A name served everywhere conflicts with every other claim of
-            // it; one served on some addresses only with claims there.
-            let scopes: Vec<Option<SocketAddr>> = if served_on.is_empty() {
-                vec![None]
-            } else {
-                served_on.iter().copied().map(Some).collect()
-            };
-            let clash = owner.get(&pattern).and_then(|held| {
-                held.iter()
-                    .find(|(at, _)| at.is_none() || served_on.is_empty() || scopes.contains(at))
-            });
-            if let Some((_, other)) = clash {
+            // Names served everywhere, and those served at one address
+            // (which serves nothing else), conflict only among themselves.
+            let key = (pattern, scope);
+            if let Some(other) = owner.get(&key) {
                 c.err(
                     path,
-                    format!("host name {pattern:?} is already used by control plane {other:?}"),
+                    format!(
+                        "host name {:?} is already used by control plane {other:?}",
+                        key.0
+                    ),
                 );
                 continue;
             }
-            for at in scopes {
-                owner
-                    .entry(pattern.clone())
+            owner.insert(key.clone(), cp.name.clone());
+            match scope {
+                None => routes.hosts.insert(key.0, compiled.clone()),
+                Some(a) => routes
+                    .scoped
+                    .entry(a)
                     .or_default()
-                    .push((at, cp.name.clone()));
-                match at {
-                    None => routes.hosts.insert(pattern.clone(), compiled.clone()),
-                    Some(a) => routes
-                        .scoped
-                        .entry(a)
-                        .or_default()
-                        .insert(pattern.clone(), compiled.clone()),
-                }
+                    .insert(key.0, compiled.clone()),
             }
         }
         control_planes.entry(cp.name.clone()).or_insert(compiled);
@@ -737,44 +754,37 @@ fn check_kubernetes(
     }
 }
 
-/// A control plane's `served_on` addresses (canonical), each one an SNI
-/// listener receives connections at.
-fn served_on(
+/// A `served_on` address (canonical), one an SNI listener receives
+/// connections at.
+fn served_at(
     c: &mut Collector,
-    at: &str,
-    cp: &crate::model::ControlPlane,
+    path: &str,
+    a: &str,
     listeners: &[ListenerSpec],
-) -> Vec<SocketAddr> {
-    let mut out = Vec::new();
-    for (j, a) in cp.served_on.iter().enumerate() {
-        let path = format!("{at}.served_on[{j}]");
-        let Ok(sa) = a.parse::<SocketAddr>() else {
-            c.err(path, format!("{a:?} is not ip:port"));
-            continue;
-        };
-        let sa = SocketAddr::new(crate::routes::canonical(sa.ip()), sa.port());
-        if sa.port() == 0 || sa.ip().is_unspecified() {
-            c.err(path, format!("{a:?} is not a specific ip:port"));
-            continue;
-        }
-        let received = listeners.iter().any(|l| {
-            matches!(l.protocol, Protocol::Tls | Protocol::Auto)
-                && l.address.port() == sa.port()
-                && (l.address.ip().is_unspecified()
-                    || crate::routes::canonical(l.address.ip()) == sa.ip())
-        });
-        if !received {
-            c.err(
-                path,
-                format!("{a:?}: no tls or auto listener receives connections there"),
-            );
-            continue;
-        }
-        if !out.contains(&sa) {
-            out.push(sa);
-        }
+) -> Option<SocketAddr> {
+    let Ok(sa) = a.parse::<SocketAddr>() else {
+        c.err(path, format!("{a:?} is not ip:port"));
+        return None;
+    };
+    let sa = SocketAddr::new(crate::routes::canonical(sa.ip()), sa.port());
+    if sa.port() == 0 || sa.ip().is_unspecified() {
+        c.err(path, format!("{a:?} is not a specific ip:port"));
+        return None;
     }
-    out
+    let received = listeners.iter().any(|l| {
+        matches!(l.protocol, Protocol::Tls | Protocol::Auto)
+            && l.address.port() == sa.port()
+            && (l.address.ip().is_unspecified()
+                || crate::routes::canonical(l.address.ip()) == sa.ip())
+    });
+    if !received {
+        c.err(
+            path,
+            format!("{a:?}: no tls or auto listener receives connections there"),
+        );
+        return None;
+    }
+    Some(sa)
 }
 
 /// Validates a host name pattern and returns its normalised form.

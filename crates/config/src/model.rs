@@ -369,12 +369,13 @@ pub struct ControlPlane {
     /// matches any name ending in `.example.com`; the most specific wins).
     #[serde(default)]
     pub hostnames: Vec<String>,
-    /// The listening addresses (`ip:port`, as connections arrive at them)
-    /// on which its host names are routed; empty: on every SNI listener.
-    /// Names served on different addresses do not conflict. The Kubernetes
-    /// source sets it for each Gateway of its class (`kubernetes.gateway_class`).
+    /// Host names routed only where connections arrive at one address
+    /// (`ip:port`). Such an address serves only the names given for it
+    /// (never `hostnames`), and names at different addresses do not
+    /// conflict. The Kubernetes source sets it for each Gateway of its class
+    /// (`kubernetes.gateway_class`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub served_on: Vec<String>,
+    pub served_on: Vec<ServedOn>,
     /// `host:port` upstream endpoints.
     pub endpoints: Vec<String>,
     /// Client-IP allow-list; absent means every client is allowed.
@@ -392,6 +393,17 @@ pub struct ControlPlane {
     /// ID). Matched exactly, byte for byte.
     #[serde(default)]
     pub cluster_id: Option<String>,
+}
+
+/// Host names served at one listening address only.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServedOn {
+    /// `ip:port`, as connections arrive at it (a `tls` or `auto` listener
+    /// must receive there).
+    pub address: String,
+    /// The names served there (exact or `*.` wildcards).
+    pub hostnames: Vec<String>,
 }
 
 /// One destination of a control plane, named as CONNECT requests name it.

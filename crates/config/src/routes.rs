@@ -152,6 +152,9 @@ pub struct RouteTable {
     pub(crate) hosts: HostRoutes,
     /// Served only where a connection arrives at this address (canonical IP).
     pub(crate) scoped: HashMap<std::net::SocketAddr, HostRoutes>,
+    /// Addresses (canonical) that serve only names given for them: the
+    /// names served everywhere are not served there.
+    pub(crate) exclusive: std::collections::HashSet<std::net::IpAddr>,
     /// Canonical destination string → route.
     pub(crate) destinations: HashMap<String, DestinationRoute>,
     /// In-cluster service address → control plane (legacy PROXY path).
@@ -171,19 +174,21 @@ impl RouteTable {
     /// Whether some names are served only on some addresses (then a
     /// connection's local address is needed: [`RouteTable::lookup_at`]).
     pub fn scoped(&self) -> bool {
-        !self.scoped.is_empty()
+        !self.exclusive.is_empty()
     }
 
     /// Finds the control plane for an SNI host name on a connection that
-    /// arrived at `local`: the names served there first, then those served
+    /// arrived at `local`: at an address that serves only its own names
+    /// (`served_on`, a class Gateway's), those; elsewhere the names served
     /// everywhere.
     pub fn lookup_at(&self, sni: &str, local: std::net::SocketAddr) -> Option<&Arc<ControlPlane>> {
         let host = normalize_host(sni)?;
         let local = std::net::SocketAddr::new(canonical(local.ip()), local.port());
-        self.scoped
-            .get(&local)
-            .and_then(|s| s.lookup(&host))
-            .or_else(|| self.hosts.lookup(&host))
+        if self.exclusive.contains(&local.ip()) {
+            self.scoped.get(&local).and_then(|s| s.lookup(&host))
+        } else {
+            self.hosts.lookup(&host)
+        }
     }
 
     /// Finds a destination by its canonical string (one hash lookup).

@@ -330,7 +330,11 @@ impl Routes {
                 .state()
                 .into_iter()
                 .filter_map(|o| {
-                    let v = serde_json::to_value(o.as_ref()).ok()?;
+                    let mut v = serde_json::to_value(o.as_ref()).ok()?;
+                    // Optional before v1 (the listener's names then).
+                    if let Some(spec) = v.get_mut("spec").and_then(|s| s.as_object_mut()) {
+                        spec.entry("hostnames").or_insert_with(|| json!([]));
+                    }
                     match serde_json::from_value::<TlsRoute>(v) {
                         Ok(r) => Some(Arc::new(r)),
                         Err(e) => {
@@ -348,6 +352,13 @@ impl Routes {
 /// CRDs' `gateway.networking.k8s.io/bundle-version` annotation names them):
 /// from v1.4 (TLSRoute v1alpha2/v1alpha3) to v1.6 (what it is tested with).
 const SUPPORTED_BUNDLES: ((u32, u32), (u32, u32)) = ((1, 4), (1, 6));
+
+/// The Gateway API features seedlink implements (conformance feature names,
+/// sorted): TLS passthrough only.
+const SUPPORTED_FEATURES: [&str; 3] = ["Gateway", "ReferenceGrant", "TLSRoute"];
+
+/// How often the installed Gateway API version is read again.
+const BUNDLE_REREAD: Duration = Duration::from_secs(300);
 
 /// The installed Gateway API's bundle version (the GatewayClass CRD's
 /// annotation), bounded; `None` when it cannot be read.
@@ -458,7 +469,9 @@ pub fn start_gateway(
         }
         let mut translator = Translator::default();
         translator.slice_managers = settings.slice_managers.clone();
-        let bundle = bundle_version(&client).await;
+        let mut bundle = bundle_version(&client).await;
+        let mut bundle_read = tokio::time::Instant::now();
+        let mut ever: HashSet<Key> = HashSet::new();
         let mut status = StatusWriter::new(client, writer_leadership, &settings.identity);
         status.route_resource = route_resource;
         let mut coalescer = Coalescer {
@@ -506,37 +519,16 @@ pub fn start_gateway(
                     .cloned()
                     .chain(t.gateways.iter().map(|g| g.key.clone()))
                     .collect();
-                // Entries of ours for a Gateway that no longer exists (where
-                // the watch would see it) are ours to remove: nobody else
-                // serves it.
-                let existing: HashSet<Key> = gateways
-                    .state()
-                    .iter()
-                    .map(|g| Key::of(g.as_ref()))
-                    .collect();
-                let watched_all = settings.class.is_some();
-                let home = settings.gateway.as_ref().map(|g| g.namespace.clone());
+                // Gateways this process served before and serves no more
+                // (deleted, moved to another class): their entries of ours
+                // are ours to remove. Only those: another seedlink's
+                // Gateway (one without an object included) is not ours.
+                ever.extend(served.iter().cloned());
                 served.extend(
-                    routes
-                        .iter()
-                        .flat_map(|r| {
-                            let ns = r.metadata.namespace.clone().unwrap_or_default();
-                            r.status
-                                .iter()
-                                .flat_map(|s| s.parents.iter())
-                                .filter(|p| p.controller_name == CONTROLLER_NAME)
-                                .map(move |p| Key {
-                                    namespace: p
-                                        .parent_ref
-                                        .namespace
-                                        .clone()
-                                        .unwrap_or_else(|| ns.clone()),
-                                    name: p.parent_ref.name.clone(),
-                                })
-                        })
-                        .filter(|k| !existing.contains(k))
-                        .filter(|k| watched_all || home.as_deref() == Some(k.namespace.as_str()))
-                        .collect::<HashSet<Key>>(),
+                    ever.iter()
+                        .filter(|k| !served.contains(k))
+                        .cloned()
+                        .collect::<Vec<_>>(),
                 );
                 status.write(t, routes, policies, &served).await;
                 let objects = gateways.state();
@@ -563,6 +555,11 @@ pub fn start_gateway(
                             .collect()
                     };
                     status.write_gateway(t, g, object, !retry, &addresses).await;
+                }
+                // A Gateway API upgrade is noticed within minutes.
+                if bundle_read.elapsed() > BUNDLE_REREAD {
+                    bundle = bundle_version(&status.client).await.or(bundle);
+                    bundle_read = tokio::time::Instant::now();
                 }
                 for class in classes.state() {
                     if class.spec.controller_name == CONTROLLER_NAME {
@@ -1288,19 +1285,34 @@ impl StatusWriter {
         let (status, version) = supported_version(bundle);
         let mut supported = condition("SupportedVersion", &version, generation, &prev);
         if status == "Unknown" {
-            supported.status = status;
-            supported.last_transition_time = prev
-                .iter()
-                .find(|c| c.type_ == "SupportedVersion" && c.status == "Unknown")
-                .map_or(supported.last_transition_time, |c| {
-                    c.last_transition_time.clone()
-                });
+            // What this replica cannot read, another (or an earlier read)
+            // may have: an existing verdict is kept, so that two installs
+            // never rewrite each other's.
+            match prev.iter().find(|c| c.type_ == "SupportedVersion") {
+                Some(c) => {
+                    supported = c.clone();
+                    supported.observed_generation = generation;
+                }
+                None => supported.status = status,
+            }
         }
         let desired = vec![
             condition("Accepted", &accepted, generation, &prev),
             supported,
         ];
-        if same(&desired, &prev) {
+        // What seedlink implements, for the conformance suite (which reads
+        // it when no features are given) and for people: sorted by name,
+        // as the API asks.
+        let features: Vec<serde_json::Value> = SUPPORTED_FEATURES
+            .iter()
+            .map(|f| json!({"name": f}))
+            .collect();
+        let shown = class
+            .status
+            .as_ref()
+            .and_then(|s| serde_json::to_value(&s.supported_features).ok())
+            .unwrap_or_default();
+        if same(&desired, &prev) && shown == json!(features) {
             return;
         }
         let Some(left) = self.leadership.remaining() else {
@@ -1309,7 +1321,7 @@ impl StatusWriter {
         let name = kube::ResourceExt::name_any(class);
         let patch = json!({
             "metadata": {"resourceVersion": class.metadata.resource_version},
-            "status": {"conditions": desired},
+            "status": {"conditions": desired, "supportedFeatures": features},
         });
         let api: Api<GatewayClass> = Api::all(self.client.clone());
         match tokio::time::timeout(
@@ -1407,8 +1419,10 @@ impl StatusWriter {
                     Verdict::no("Invalid", l.accepted.message.clone())
                 } else if programmed_verdict.ok {
                     Verdict::yes("Programmed", "applied to the gateway")
+                } else if programmed_verdict.reason == "AddressNotAssigned" {
+                    Verdict::no("Pending", programmed_verdict.message.clone())
                 } else {
-                    programmed_verdict.clone()
+                    Verdict::no("Invalid", programmed_verdict.message.clone())
                 };
                 let kinds: Vec<serde_json::Value> = l
                     .kinds

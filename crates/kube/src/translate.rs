@@ -20,7 +20,7 @@ use gateway_api::tlsroutes::{TlsRoute, TlsRouteParentRefs};
 use k8s_openapi::api::core::v1::{Namespace, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::ResourceExt;
-use seedlink_config::model::{Acl, ControlPlane, DestinationCfg};
+use seedlink_config::model::{Acl, ControlPlane, DestinationCfg, ServedOn};
 
 use crate::crd::{SeedlinkPolicy, SeedlinkPolicySpec};
 
@@ -358,9 +358,11 @@ impl Translator {
         for route in routes {
             let key = Key::of(route.as_ref());
             let mut parents = Vec::new();
+            // Through the named Gateway: served on every listener.
             let mut hostnames: Vec<String> = Vec::new();
-            // `None`: served on every listener (the named Gateway).
-            let mut served_on: Option<Vec<String>> = Some(Vec::new());
+            // Through a class Gateway: served at its address and the
+            // listener's port only, each attachment with its own names.
+            let mut served_on: Vec<ServedOn> = Vec::new();
             for p in route.spec.parent_refs.iter().flatten() {
                 let Some(view) = views
                     .iter()
@@ -385,24 +387,33 @@ impl Translator {
                     Err(refused) => parent.accepted = refused,
                     Ok(attached) => {
                         for a in &attached {
+                            let names = match (view.named, view.address) {
+                                (true, _) => &mut hostnames,
+                                (false, Some(ip)) => {
+                                    let port =
+                                        a.port.and_then(|p| u16::try_from(p).ok()).unwrap_or(0);
+                                    let address = SocketAddr::new(ip, port).to_string();
+                                    let i =
+                                        match served_on.iter().position(|o| o.address == address) {
+                                            Some(i) => i,
+                                            None => {
+                                                served_on.push(ServedOn {
+                                                    address,
+                                                    hostnames: Vec::new(),
+                                                });
+                                                served_on.len() - 1
+                                            }
+                                        };
+                                    &mut served_on[i].hostnames
+                                }
+                                // No address yet: served nowhere (the
+                                // Gateway says AddressNotAssigned).
+                                (false, None) => continue,
+                            };
                             for h in &a.hostnames {
-                                if !hostnames.contains(h) {
-                                    hostnames.push(h.clone());
+                                if !names.contains(h) {
+                                    names.push(h.clone());
                                 }
-                            }
-                            match (&mut served_on, view.address, view.named) {
-                                (_, _, true) => served_on = None,
-                                (Some(on), Some(ip), false) => {
-                                    let at = SocketAddr::new(
-                                        ip,
-                                        a.port.and_then(|p| u16::try_from(p).ok()).unwrap_or(0),
-                                    )
-                                    .to_string();
-                                    if !on.contains(&at) {
-                                        on.push(at);
-                                    }
-                                }
-                                _ => {}
                             }
                         }
                         parent.listeners = attached.into_iter().map(|a| a.listener).collect();
@@ -451,16 +462,12 @@ impl Translator {
                 }
                 outcome.accepted = note;
             }
-            let served_on = match served_on {
-                None => Vec::new(),
+            if hostnames.is_empty() && served_on.is_empty() {
                 // Accepted only by Gateways with no address yet: nowhere to
-                // serve it (their status says AddressNotAssigned).
-                Some(on) if on.is_empty() => {
-                    out.routes.push(outcome);
-                    continue;
-                }
-                Some(on) => on,
-            };
+                // serve it.
+                out.routes.push(outcome);
+                continue;
+            }
             let mut cp = ControlPlane {
                 served_on,
                 name: control_plane_name(&key),
@@ -707,8 +714,10 @@ fn views<'a>(objects: &Objects<'a>) -> Vec<View<'a>> {
     for (g, address) in members.into_iter().zip(addresses) {
         // Without an address (the pool is used up) the listeners are still
         // what they are; the Gateway is not Programmed (AddressNotAssigned).
-        let received =
-            |port: i32| address.is_none_or(|a| attach::receives(&class.receivers, a, port));
+        let received = |port: i32| match address {
+            Some(a) => attach::receives(&class.receivers, a, port),
+            None => class.receivers.iter().any(|r| i32::from(r.port()) == port),
+        };
         let (listeners, outcomes) = attach::gateway_listeners(g, Some(&received));
         out.push(View {
             key: Key::of(g),
@@ -754,6 +763,9 @@ fn assign(gateways: &[&Gateway], pool: &[IpAddr]) -> Vec<Option<IpAddr>> {
         if slot.is_some() {
             continue;
         }
+        // A Gateway that asks for addresses gets one of them or none
+        // (Programmed=False, AddressNotAssigned), never another.
+        let requested = g.spec.addresses.iter().flatten().count() > 0;
         let asked = g
             .spec
             .addresses
@@ -761,7 +773,11 @@ fn assign(gateways: &[&Gateway], pool: &[IpAddr]) -> Vec<Option<IpAddr>> {
             .flatten()
             .filter_map(|a| a.value.as_deref().and_then(in_pool))
             .find(|ip| !taken.contains(ip));
-        let pick = asked.or_else(|| pool.iter().copied().find(|ip| !taken.contains(ip)));
+        let pick = if requested {
+            asked
+        } else {
+            pool.iter().copied().find(|ip| !taken.contains(ip))
+        };
         if let Some(ip) = pick {
             taken.insert(ip);
         }
@@ -958,12 +974,18 @@ struct Lookup<'a> {
     grants: &'a [&'a ReferenceGrant],
 }
 
-/// Every name a control plane claims, one namespace per kind.
+/// Every name a control plane claims, one namespace per kind (a host name
+/// served at one address only is a claim there, not everywhere).
 fn claims(cp: &ControlPlane) -> Vec<String> {
     let lower = |s: &str| s.trim_end_matches('.').to_ascii_lowercase();
     cp.hostnames
         .iter()
         .map(|h| format!("host {}", lower(h)))
+        .chain(cp.served_on.iter().flat_map(|o| {
+            o.hostnames
+                .iter()
+                .map(move |h| format!("host {} at {}", lower(h), o.address))
+        }))
         .chain(
             cp.destinations
                 .iter()

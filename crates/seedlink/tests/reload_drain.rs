@@ -266,7 +266,7 @@ fn check_config_lists_every_problem_and_gateway_fails_closed() {
         "listeners: [{name: lb, address: '0.0.0.0:1', proxy_protocol: required}]
 always_allowed: [10.0.0.1/8]
 control_planes:
-  - {name: a, hostnames: ['*.com'], endpoints: ['nohost']}
+  - {name: a, hostnames: ['a.*.com'], endpoints: ['nohost']}
 ",
     )
     .unwrap();

@@ -344,17 +344,22 @@ control_planes:
     assert_eq!(at("example.com"), None);
 }
 
-/// Names served on one address (a Gateway with its own address) neither
-/// leak to another address nor conflict with the same name there; a name
-/// served everywhere conflicts with every claim of it.
+/// Names served at one address (a Gateway with its own address) neither
+/// leak to another address nor conflict with the same name there; such an
+/// address serves nothing else (not the names served everywhere), and the
+/// names served everywhere are not served there.
 #[test]
 fn served_on_scopes_names_to_listening_addresses() {
     let s = ok("
 listeners: [{name: tls, address: '0.0.0.0:443'}]
 control_planes:
-  - {name: one, hostnames: [api.example.com, '*.example.com'], served_on: ['10.0.0.1:443'], endpoints: ['127.0.0.1:1']}
-  - {name: two, hostnames: [api.example.com], served_on: ['10.0.0.2:443'], endpoints: ['127.0.0.1:2']}
-  - {name: all, hostnames: [file.example.org], endpoints: ['127.0.0.1:3']}
+  - name: one
+    served_on: [{address: '10.0.0.1:443', hostnames: [api.example.com, '*.example.com']}]
+    endpoints: ['127.0.0.1:1']
+  - name: two
+    served_on: [{address: '10.0.0.2:443', hostnames: [api.example.com]}]
+    endpoints: ['127.0.0.1:2']
+  - {name: all, hostnames: [file.example.org, api.example.com], endpoints: ['127.0.0.1:3']}
 ");
     let at = |h: &str, a: &str| {
         s.routes
@@ -372,48 +377,88 @@ control_planes:
     );
     assert_eq!(at("x.example.com", "10.0.0.1:443").as_deref(), Some("one"));
     assert_eq!(at("x.example.com", "10.0.0.2:443"), None);
-    assert_eq!(at("api.example.com", "10.0.0.3:443"), None);
     assert_eq!(at("api.example.com", "10.0.0.1:8443"), None);
     // IPv4-mapped is the same address.
     assert_eq!(
         at("api.example.com", "[::ffff:10.0.0.2]:443").as_deref(),
         Some("two")
     );
-    for a in ["10.0.0.1:443", "10.0.0.9:443"] {
-        assert_eq!(at("file.example.org", a).as_deref(), Some("all"));
-    }
-    assert!(s.routes.lookup("api.example.com").is_none());
+    // Elsewhere, the names served everywhere; never at a scoped address.
+    assert_eq!(
+        at("api.example.com", "10.0.0.9:443").as_deref(),
+        Some("all")
+    );
+    assert_eq!(
+        at("file.example.org", "10.0.0.9:443").as_deref(),
+        Some("all")
+    );
+    assert_eq!(at("file.example.org", "10.0.0.1:443"), None);
 
     let e = errors("
 listeners: [{name: tls, address: '0.0.0.0:443'}, {name: c, address: '127.0.0.1:0', protocol: http-connect}]
 control_planes:
-  - {name: one, hostnames: [api.example.com], served_on: ['10.0.0.1:443'], endpoints: ['127.0.0.1:1']}
-  - {name: all, hostnames: [api.example.com], endpoints: ['127.0.0.1:3']}
-  - {name: bad, hostnames: [b.example.com], served_on: ['10.0.0.1:8443', '0.0.0.0:443', 'x', '10.0.0.1:0'], endpoints: ['127.0.0.1:1']}
+  - name: one
+    served_on: [{address: '10.0.0.1:443', hostnames: [api.example.com]}]
+    endpoints: ['127.0.0.1:1']
+  - name: same-address
+    served_on: [{address: '10.0.0.1:443', hostnames: [api.example.com]}]
+    endpoints: ['127.0.0.1:1']
+  - name: bad
+    served_on:
+      - {address: '10.0.0.1:8443', hostnames: [b.example.com]}
+      - {address: '0.0.0.0:443', hostnames: [b.example.com]}
+      - {address: x, hostnames: [b.example.com]}
+      - {address: '10.0.0.1:0', hostnames: [b.example.com]}
+      - {address: '10.0.0.3:443', hostnames: ['a.*.example.com']}
+    endpoints: ['127.0.0.1:1']
 ");
     let text: Vec<String> = e
         .iter()
         .map(|e| format!("{}: {}", e.path, e.message))
         .collect();
     assert!(
-        text.iter()
-            .any(|t| t.starts_with("control_planes[1].hostnames[0]")
-                && t.contains("already used by control plane \"one\"")),
+        text.iter().any(
+            |t| t.starts_with("control_planes[1].served_on[0].hostnames[0]")
+                && t.contains("already used by control plane \"one\"")
+        ),
         "{text:?}"
     );
-    for (i, why) in [
-        (0, "no tls or auto listener"),
-        (1, "not a specific"),
-        (2, "not ip:port"),
-        (3, "not a specific"),
+    for (path, why) in [
+        ("served_on[0].address", "no tls or auto listener"),
+        ("served_on[1].address", "not a specific"),
+        ("served_on[2].address", "not ip:port"),
+        ("served_on[3].address", "not a specific"),
+        (
+            "served_on[4].hostnames[0]",
+            "only allowed as the whole leftmost label",
+        ),
     ] {
         assert!(
-            text.iter().any(
-                |t| t.starts_with(&format!("control_planes[2].served_on[{i}]")) && t.contains(why)
-            ),
-            "{i}: {text:?}"
+            text.iter()
+                .any(|t| t.starts_with(&format!("control_planes[2].{path}")) && t.contains(why)),
+            "{path}: {text:?}"
         );
     }
+}
+
+/// A class Gateway's address serves nothing but its own routes, even
+/// before it has any.
+#[test]
+fn class_addresses_serve_no_names_from_elsewhere() {
+    let s = ok("
+listeners: [{name: tls, address: '0.0.0.0:443'}]
+control_planes:
+  - {name: all, hostnames: [api.example.com], endpoints: ['127.0.0.1:3']}
+kubernetes: {gateway_class: {name: seedlink, addresses: ['10.0.0.1']}, lease: ns/l}
+");
+    assert!(s
+        .routes
+        .lookup_at("api.example.com", "10.0.0.1:443".parse().unwrap())
+        .is_none());
+    assert!(s
+        .routes
+        .lookup_at("api.example.com", "10.0.0.2:443".parse().unwrap())
+        .is_some());
 }
 
 #[test]

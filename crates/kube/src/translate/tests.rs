@@ -816,13 +816,25 @@ fn each_gateway_of_the_class_has_its_own_address_and_names() {
     let t = w.translate();
     assert!(t.routes.iter().all(|r| r.accepted.ok), "{:?}", t.routes);
     let cp = |n: &str| t.control_planes.iter().find(|c| c.name == n).unwrap();
-    assert_eq!(cp("infra.on-exact").hostnames, ["abc.example.com"]);
-    assert_eq!(cp("infra.on-exact").served_on, ["10.0.0.1:443"]);
+    let on = |n: &str| -> Vec<(String, Vec<String>)> {
+        cp(n)
+            .served_on
+            .iter()
+            .map(|o| (o.address.clone(), o.hostnames.clone()))
+            .collect()
+    };
+    assert!(cp("infra.on-exact").hostnames.is_empty());
     assert_eq!(
-        cp("infra.on-wide").hostnames,
-        ["abc.example.com", "*.example.com"]
+        on("infra.on-exact"),
+        [("10.0.0.1:443".into(), vec!["abc.example.com".to_string()])]
     );
-    assert_eq!(cp("infra.on-wide").served_on, ["10.0.0.2:443"]);
+    assert_eq!(
+        on("infra.on-wide"),
+        [(
+            "10.0.0.2:443".into(),
+            vec!["abc.example.com".to_string(), "*.example.com".to_string()]
+        )]
+    );
     let address = |n: &str| t.gateways.iter().find(|g| g.key == key(n)).unwrap().address;
     assert_eq!(address("exact"), Some("10.0.0.1".parse().unwrap()));
     assert_eq!(address("wide"), Some("10.0.0.2".parse().unwrap()));
@@ -884,7 +896,8 @@ fn hostnames_outside_the_listener_are_refused_per_parent() {
         .iter()
         .find(|c| c.name == "infra.both")
         .unwrap();
-    assert_eq!(cp.served_on, ["10.0.0.2:443"]);
+    let at: Vec<&str> = cp.served_on.iter().map(|o| o.address.as_str()).collect();
+    assert_eq!(at, ["10.0.0.2:443"]);
     assert_eq!(t.attached(&key("exact"), "tls"), 0);
     assert_eq!(t.attached(&key("wide"), "tls"), 1);
 }
@@ -1013,4 +1026,72 @@ fn terminating_pods_serve_only_when_nothing_is_ready() {
         json!([{"addresses": ["10.0.0.4"], "conditions": {"ready": false, "serving": false}}])
     )
     .is_empty());
+}
+
+/// A route attached to two Gateways with different listener hostnames
+/// serves at each address only what that listener allows: names never
+/// cross from one Gateway's address to another's, nor to the named
+/// Gateway's (served everywhere).
+#[test]
+fn each_attachment_serves_its_own_names_at_its_own_address() {
+    let mut w = ClassWorld::new();
+    w.gateways = vec![
+        class_gateway(
+            "a",
+            "2026-01-01T00:00:00Z",
+            json!([tls_listener("tls", 443, None)]),
+        ),
+        class_gateway(
+            "b",
+            "2026-01-02T00:00:00Z",
+            json!([tls_listener("tls", 443, Some("*.b.example"))]),
+        ),
+    ];
+    w.routes = vec![class_route(
+        "two",
+        json!([{"name": "a"}, {"name": "b"}]),
+        &["x.b.example", "www.victim.com"],
+    )];
+    let t = w.translate();
+    let cp = &t.control_planes[0];
+    assert!(cp.hostnames.is_empty());
+    let on: Vec<(String, Vec<String>)> = cp
+        .served_on
+        .iter()
+        .map(|o| (o.address.clone(), o.hostnames.clone()))
+        .collect();
+    assert_eq!(
+        on,
+        [
+            (
+                "10.0.0.1:443".into(),
+                vec!["x.b.example".to_string(), "www.victim.com".to_string()]
+            ),
+            ("10.0.0.2:443".into(), vec!["x.b.example".to_string()]),
+        ]
+    );
+}
+
+/// A Gateway that asks for an address not in the pool (or taken) gets
+/// none, not another one.
+#[test]
+fn a_requested_address_is_given_or_none() {
+    let mut w = ClassWorld::new();
+    let mut g: Gateway = (*class_gateway(
+        "asks",
+        "2026-01-01T00:00:00Z",
+        json!([tls_listener("tls", 443, None)]),
+    ))
+    .clone();
+    g.spec.addresses =
+        Some(serde_json::from_value(json!([{"type": "IPAddress", "value": "192.0.2.1"}])).unwrap());
+    w.gateways = vec![Arc::new(g.clone())];
+    assert_eq!(w.translate().gateways[0].address, None);
+    g.spec.addresses =
+        Some(serde_json::from_value(json!([{"type": "IPAddress", "value": "10.0.0.2"}])).unwrap());
+    w.gateways = vec![Arc::new(g)];
+    assert_eq!(
+        w.translate().gateways[0].address,
+        Some("10.0.0.2".parse().unwrap())
+    );
 }
