@@ -20,10 +20,14 @@ const MAX_ADMIN_CONNECTIONS: usize = 64;
 
 /// Serves the admin endpoint until the process exits (it stays up while
 /// draining so probes and scrapes see the drain).
-pub async fn serve(gw: Arc<Gateway>, listener: TcpListener, access: seedlink_net::admin::Access) {
+pub async fn serve(
+    gw: Arc<Gateway>,
+    listener: TcpListener,
+    access: seedlink_net::admin::Access,
+    stop: tokio_util::sync::CancellationToken,
+) {
     let slots = seedlink_net::admin::Slots::new(MAX_ADMIN_CONNECTIONS);
-    let never = tokio_util::sync::CancellationToken::new();
-    seedlink_net::accept::accept_loop(&listener, &never, |stream, peer| {
+    seedlink_net::accept::accept_loop(&listener, &stop, |stream, peer| {
         let Some(slot) = slots.enter(peer.ip()) else {
             return;
         };

@@ -62,6 +62,9 @@ pub struct Gateway {
     /// When the last reload ended and how (`success`, `failure`).
     last_reload: Mutex<Option<(std::time::SystemTime, &'static str)>>,
     locals: Mutex<HashMap<String, LocalHandler>>,
+    /// Cancelled once the sockets were handed to a new process: the admin
+    /// endpoint (shared with it) stops accepting here.
+    handed_over: CancellationToken,
 }
 
 /// A routed connection handed to an in-process service (endpoint
@@ -107,6 +110,28 @@ pub struct Bound {
 }
 
 impl Bound {
+    /// Duplicates of every listening socket (each worker's) and the admin
+    /// socket, named for [`seedlink_net::handoff`]: what a new process
+    /// takes over in a binary upgrade.
+    pub fn offer(&self) -> std::io::Result<Vec<seedlink_net::handoff::Socket>> {
+        let mut out = Vec::new();
+        let mut add = |name: &str, l: &std::net::TcpListener| -> std::io::Result<()> {
+            out.push(seedlink_net::handoff::Socket {
+                name: name.to_string(),
+                address: l.local_addr()?.to_string(),
+                fd: std::os::fd::OwnedFd::from(l.try_clone()?),
+            });
+            Ok(())
+        };
+        for (spec, socks) in &self.listeners {
+            for l in socks {
+                add(&spec.name, l)?;
+            }
+        }
+        add(ADMIN_SOCKET, &self.admin)?;
+        Ok(out)
+    }
+
     /// The actual addresses (useful when configured with port 0), as a JSON
     /// object `{"listeners": {name: addr}, "admin": addr}`.
     pub fn describe(&self) -> serde_json::Value {
@@ -178,6 +203,7 @@ impl Gateway {
             kubernetes: Mutex::new(Vec::new()),
             refused_logged: Mutex::new(Vec::new()),
             last_reload: Mutex::new(None),
+            handed_over: CancellationToken::new(),
             locals: Mutex::new(HashMap::new()),
         })
     }
@@ -213,6 +239,88 @@ impl Gateway {
     /// Worker threads serving connections.
     pub fn workers(&self) -> usize {
         self.workers
+    }
+
+    /// Like [`Gateway::bind`], taking the sockets a running gateway handed
+    /// over (a binary upgrade) where they match: a listener whose name and
+    /// address (unless configured with port 0) are the handed socket's
+    /// serves on those very sockets, their accept queues included; the
+    /// admin the same. What does not match is bound as usual, and handed
+    /// sockets nothing uses are closed here (the old process closes its
+    /// copies as it drains).
+    pub fn bind_handed(
+        &self,
+        mut handed: Vec<seedlink_net::handoff::Socket>,
+    ) -> std::io::Result<Bound> {
+        let snap = self.snapshot();
+        let ka = keepalive(&snap);
+        let mut take = |name: &str, want: SocketAddr| -> Vec<std::net::TcpListener> {
+            let mut got = Vec::new();
+            handed.retain_mut(|h| {
+                let matches = h.name == name
+                    && h.address
+                        .parse::<SocketAddr>()
+                        .is_ok_and(|a| want.port() == 0 || a == want);
+                if matches {
+                    if let Ok(fd) = h.fd.try_clone() {
+                        got.push(std::net::TcpListener::from(fd));
+                    }
+                }
+                !matches
+            });
+            got
+        };
+        let mut listeners = Vec::new();
+        for spec in &snap.listeners {
+            let ctx = |e: std::io::Error| {
+                std::io::Error::new(
+                    e.kind(),
+                    format!("listener {} on {}: {e}", spec.name, spec.address),
+                )
+            };
+            let mut socks = take(&spec.name, spec.address);
+            if socks.is_empty() {
+                if spec.address.port() != 0 {
+                    probe_exclusive(spec.address).map_err(ctx)?;
+                }
+                socks.push(bind_tcp(spec.address, true, Some(ka)).map_err(ctx)?);
+            } else {
+                tracing::info!(listener = %spec.name, sockets = socks.len(), "listener taken over from the running gateway");
+            }
+            let actual = socks[0].local_addr().map_err(ctx)?;
+            // More workers than sockets handed over: the others join them
+            // (they are SO_REUSEPORT sockets).
+            while socks.len() < self.workers {
+                socks.push(bind_tcp(actual, true, Some(ka)).map_err(ctx)?);
+            }
+            listeners.push((spec.clone(), socks));
+        }
+        let admin = match take(ADMIN_SOCKET, snap.admin).pop() {
+            Some(a) => a,
+            None => bind_tcp(snap.admin, false, None).map_err(|e| {
+                std::io::Error::new(e.kind(), format!("admin on {}: {e}", snap.admin))
+            })?,
+        };
+        for h in &handed {
+            tracing::info!(socket = %h.name, address = %h.address, "handed-over socket not in this configuration: closed");
+        }
+        let admin_access = match &snap.file.admin.token_file {
+            None => seedlink_net::admin::Access::open(),
+            Some(f) => seedlink_net::admin::Access::from_token_file(std::path::Path::new(f))
+                .map_err(|e| std::io::Error::new(e.kind(), format!("admin.token_file {f}: {e}")))?,
+        };
+        Ok(Bound {
+            listeners,
+            admin,
+            admin_access,
+        })
+    }
+
+    /// This process's sockets now serve a new process too: the admin
+    /// endpoint stops accepting here (its probes must reach the new one),
+    /// then the drain runs as on SIGTERM.
+    pub fn handed_over(&self) {
+        self.handed_over.cancel();
     }
 
     /// Binds every listener (one `SO_REUSEPORT` socket per worker) and the
@@ -273,8 +381,11 @@ impl Gateway {
                 metrics,
                 connect_protocol,
             });
+            // Sockets handed over by another process may outnumber the
+            // workers: a worker then accepts on several.
+            let n = per_worker.len().max(1);
             for (w, sock) in socks.into_iter().enumerate() {
-                per_worker[w].push((lctx.clone(), sock));
+                per_worker[w % n].push((lctx.clone(), sock));
             }
         }
         for (w, mine) in per_worker.into_iter().enumerate() {
@@ -289,7 +400,8 @@ impl Gateway {
         let admin = TcpListener::from_std(bound.admin)?;
         let gw = self.clone();
         let access = bound.admin_access.clone();
-        tokio::spawn(async move { admin::serve(gw, admin, access).await });
+        let stop = self.handed_over.clone();
+        tokio::spawn(async move { admin::serve(gw, admin, access, stop).await });
         self.lifecycle.serving();
         Ok(())
     }
@@ -557,6 +669,9 @@ impl Gateway {
     }
 }
 
+/// The admin socket's name in a hand-over.
+const ADMIN_SOCKET: &str = "admin";
+
 /// Keepalive settings of a snapshot.
 pub(crate) fn keepalive(snap: &Snapshot) -> Keepalive {
     Keepalive {
@@ -590,7 +705,8 @@ fn probe_exclusive(addr: SocketAddr) -> std::io::Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(std::io::Error::new(
             e.kind(),
             "address already in use by another process (a second gateway?); \
-             start with --reuse-port only to share it deliberately, e.g. for a zero-downtime upgrade",
+             to upgrade a running gateway take its sockets over (--upgrade-socket with --take-over), \
+             or share the port deliberately with --reuse-port",
         )),
         Err(e) => Err(e),
     }

@@ -16,6 +16,7 @@ pub mod admin;
 pub mod copy;
 pub mod egress;
 pub mod h2copy;
+pub mod handoff;
 pub mod lifecycle;
 pub mod loglimit;
 pub mod memtrim;

@@ -42,10 +42,21 @@ enum Command {
         #[arg(long, short)]
         config: PathBuf,
         /// Share listener ports with a gateway already running on them
-        /// (SO_REUSEPORT), for a zero-downtime upgrade; without it a port in
-        /// use is an error.
+        /// (SO_REUSEPORT); without it a port in use is an error. For a
+        /// binary upgrade prefer --upgrade-socket with --take-over: shared
+        /// SO_REUSEPORT sockets lose the connections queued on the old one.
         #[arg(long)]
         reuse_port: bool,
+        /// Offer the listening sockets on this Unix socket (mode 0600) to
+        /// the next binary, which takes them with --take-over: then this
+        /// process stops accepting and drains (docs/OPERATIONS.md,
+        /// "Upgrades and rollouts").
+        #[arg(long)]
+        upgrade_socket: Option<PathBuf>,
+        /// Take the listening sockets from the gateway offering them at
+        /// --upgrade-socket, serve on them, and offer them on in turn.
+        #[arg(long, requires = "upgrade_socket")]
+        take_over: bool,
     },
     /// Serve the kube-apiserver address on a shoot node and tunnel every
     /// connection to the seed gateway.
@@ -161,9 +172,19 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             print!("{}", seedlink_kube::crd::crds_yaml()?);
             Ok(0)
         }
-        Command::Gateway { config, reuse_port } => {
-            runtime()?.block_on(roles::gateway::run(config, reuse_port))
-        }
+        Command::Gateway {
+            config,
+            reuse_port,
+            upgrade_socket,
+            take_over,
+        } => runtime()?.block_on(roles::gateway::run(
+            config,
+            roles::gateway::Upgrade {
+                reuse_port,
+                socket: upgrade_socket,
+                take_over,
+            },
+        )),
         Command::NodeProxy(args) => runtime()?.block_on(roles::node_proxy::run(*args)),
         Command::TunnelServer {
             config,

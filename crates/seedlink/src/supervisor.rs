@@ -121,6 +121,7 @@ impl Supervisor {
             sup: self,
             roles,
             watch,
+            handed_over: None,
         }
     }
 }
@@ -130,9 +131,18 @@ pub struct Armed {
     sup: Supervisor,
     roles: Vec<Arc<dyn Role>>,
     watch: Watch,
+    /// Says when a new process took the sockets over (a binary upgrade):
+    /// then the roles drain as on SIGTERM.
+    handed_over: Option<mpsc::Receiver<()>>,
 }
 
 impl Armed {
+    /// Drains, as on SIGTERM, when `rx` says the sockets were handed over.
+    pub fn drain_when_handed_over(mut self, rx: mpsc::Receiver<()>) -> Armed {
+        self.handed_over = Some(rx);
+        self
+    }
+
     /// Serves the roles until SIGTERM/SIGINT, then drains them in order.
     /// Returns the exit code: 0 after a drain, 1 on a second signal.
     pub async fn run(self) -> i32 {
@@ -140,6 +150,7 @@ impl Armed {
             sup: mut this,
             roles,
             mut watch,
+            mut handed_over,
         } = self;
         // A change seen while the watch was being renewed: reload again
         // without waiting for another event.
@@ -159,6 +170,15 @@ impl Armed {
                     }
                     _ = this.term.recv() => break,
                     _ = this.int.recv() => break,
+                    Some(()) = async {
+                        match handed_over.as_mut() {
+                            Some(rx) => rx.recv().await,
+                            None => std::future::pending().await,
+                        }
+                    } => {
+                        tracing::info!("sockets handed over to a new process: draining");
+                        break;
+                    }
                 }
             };
             if forced {

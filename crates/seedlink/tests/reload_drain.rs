@@ -484,3 +484,181 @@ fn check_config_validates_agent_and_node_proxy_files() {
         assert!(err.contains(needle), "missing {needle:?} in:\n{err}");
     }
 }
+
+/// A binary upgrade (`--upgrade-socket`, then the next binary with
+/// `--take-over`): under a steady stream of new connections, none is
+/// refused or reset, the new process serves on the very same sockets, a
+/// long passthrough stream opened before stays byte-exact on the old
+/// process while it drains, and the old process exits 0. Then the new one
+/// offers its sockets in turn (a second upgrade works the same).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_binary_upgrade_refuses_nothing_and_keeps_every_stream() {
+    let stop = CancellationToken::new();
+    let echo = echo_backend(&stop).await;
+    let yaml = format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '127.0.0.1:0'}}]
+timeouts: {{drain: 30s}}
+control_planes:
+  - {{name: a, hostnames: [api.alpha.example.com], endpoints: ['{echo}']}}
+"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("upgrade.sock");
+    let sock = sock.to_str().unwrap();
+    let mut old = Gw::start_args(&yaml, &["--upgrade-socket", sock]);
+    let mut long = TcpStream::connect(old.tls).await.unwrap();
+    echo_roundtrip(&mut long, HELLO_ALPHA).await.unwrap();
+
+    // New connections all through: each one's ClientHello must come back.
+    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let load_stop = CancellationToken::new();
+    // Four clients at once, so that connections are queued and in flight
+    // at every moment of the hand-over.
+    let load: Vec<_> = (0..4)
+        .map(|_| {
+            let (ok, failed, load_stop, addr) =
+                (ok.clone(), failed.clone(), load_stop.clone(), old.tls);
+            tokio::spawn(async move {
+                let end = Instant::now() + Duration::from_secs(60);
+                for _ in 0..5_000 {
+                    if load_stop.is_cancelled() || Instant::now() > end {
+                        break;
+                    }
+                    let r = async {
+                        let mut s = TcpStream::connect(addr).await?;
+                        echo_roundtrip(&mut s, HELLO_ALPHA).await
+                    };
+                    match tokio::time::timeout(Duration::from_secs(10), r).await {
+                        Ok(Ok(())) => ok.fetch_add(1, Ordering::Relaxed),
+                        _ => failed.fetch_add(1, Ordering::Relaxed),
+                    };
+                }
+            })
+        })
+        .collect();
+    let before = {
+        let end = Instant::now() + Duration::from_secs(10);
+        while ok.load(Ordering::Relaxed) < 20 {
+            assert!(Instant::now() < end, "no load");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        ok.load(Ordering::Relaxed)
+    };
+    let mut new = Gw::start_args(&yaml, &["--upgrade-socket", sock, "--take-over"]);
+    assert_eq!(new.tls, old.tls, "the same listening socket");
+    assert_eq!(new.admin, old.admin, "the same admin socket");
+    // The old process drains: its stream is still served, byte-exact.
+    let mut sent = Vec::new();
+    for i in 0..64u32 {
+        let chunk: Vec<u8> = (0..4096u32)
+            .map(|j| (i.wrapping_mul(31) ^ j) as u8)
+            .collect();
+        echo_roundtrip(&mut long, &chunk).await.unwrap();
+        sent.extend_from_slice(&chunk);
+    }
+    assert_eq!(sent.len(), 64 * 4096);
+    drop(long);
+    assert_eq!(
+        old.wait_exit(Duration::from_secs(30)),
+        Some(0),
+        "the old gateway drains and exits 0"
+    );
+    let end = Instant::now() + Duration::from_secs(10);
+    while ok.load(Ordering::Relaxed) < before + 50 {
+        assert!(Instant::now() < end, "load stalled after the upgrade");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(new.get("/readyz").await.0, 200);
+    // And again: the new process offers the sockets in turn.
+    let mut third = Gw::start_args(&yaml, &["--upgrade-socket", sock, "--take-over"]);
+    assert_eq!(third.tls, new.tls);
+    assert_eq!(new.wait_exit(Duration::from_secs(30)), Some(0));
+    let end = Instant::now() + Duration::from_secs(10);
+    let seen = ok.load(Ordering::Relaxed);
+    while ok.load(Ordering::Relaxed) < seen + 50 {
+        assert!(
+            Instant::now() < end,
+            "load stalled after the second upgrade"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    load_stop.cancel();
+    for l in load {
+        l.await.unwrap();
+    }
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    eprintln!("upgrade under load: {ok} connections served, {failed} failed");
+    assert_eq!(
+        failed, 0,
+        "no connection refused or reset across two upgrades ({ok} served)"
+    );
+    assert_eq!(third.get("/readyz").await.0, 200);
+    third.signal("TERM");
+    assert_eq!(third.wait_exit(Duration::from_secs(30)), Some(0));
+    stop.cancel();
+}
+
+/// The upgrade socket hands the listening sockets to the gateway's own
+/// user only: the file is 0600, and even opened to everyone, another
+/// user's process that asks gets nothing (peer credentials), while the
+/// gateway serves on and can still be taken over by its own user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_user_cannot_take_the_listening_sockets() {
+    use std::os::unix::fs::PermissionsExt;
+    let setpriv = require("setpriv");
+    let stop = CancellationToken::new();
+    let echo = echo_backend(&stop).await;
+    let yaml = format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '127.0.0.1:0'}}]
+control_planes:
+  - {{name: a, hostnames: [api.alpha.example.com], endpoints: ['{echo}']}}
+"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let sock = dir.path().join("upgrade.sock");
+    let old = Gw::start_args(&yaml, &["--upgrade-socket", sock.to_str().unwrap()]);
+    let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let out = Command::new(setpriv)
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+        ])
+        .arg(
+            "import socket,sys\n\
+             s=socket.socket(socket.AF_UNIX)\n\
+             s.connect(sys.argv[1])\n\
+             s.sendall(b'seedlink-take\\n')\n\
+             try:\n  msg,anc,flags,addr=s.recvmsg(65536,4096)\n\
+             except ConnectionResetError:\n  msg,anc=b'',[]\n\
+             print(len(msg),len(anc))\n",
+        )
+        .arg(&sock)
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "0 0",
+        "another user got something: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut s = TcpStream::connect(old.tls).await.unwrap();
+    echo_roundtrip(&mut s, HELLO_ALPHA).await.unwrap();
+    let mut old = old;
+    let new = Gw::start_args(
+        &yaml,
+        &["--upgrade-socket", sock.to_str().unwrap(), "--take-over"],
+    );
+    assert_eq!(new.tls, old.tls);
+    drop(s);
+    assert_eq!(old.wait_exit(Duration::from_secs(30)), Some(0));
+    stop.cancel();
+}

@@ -96,6 +96,15 @@ impl Gw {
     /// The same inside network namespace `netns` (its addresses are the
     /// namespace's: reach them with a [`NetnsDialer`]).
     pub fn start_in(netns: Option<&Netns>, yaml: &str, env: &[(&str, &str)]) -> Gw {
+        Gw::start_full(netns, yaml, &[], env)
+    }
+
+    /// The same with more arguments after `gateway --config <file>`.
+    pub fn start_args(yaml: &str, args: &[&str]) -> Gw {
+        Gw::start_full(None, yaml, args, &[])
+    }
+
+    fn start_full(netns: Option<&Netns>, yaml: &str, args: &[&str], env: &[(&str, &str)]) -> Gw {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("gateway.yaml");
         std::fs::write(&config, yaml).unwrap();
@@ -107,6 +116,7 @@ impl Gw {
         let mut child = cmd
             .args(["gateway", "--config"])
             .arg(&config)
+            .args(args)
             .env("RUST_LOG", "warn")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())

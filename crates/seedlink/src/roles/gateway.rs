@@ -237,18 +237,73 @@ pub async fn kubernetes(
     Ok(Some(handle))
 }
 
+/// How `seedlink gateway` gets its sockets and hands them on.
+#[derive(Debug, Clone, Default)]
+pub struct Upgrade {
+    /// Share ports with a running gateway (`SO_REUSEPORT`, the old way).
+    pub reuse_port: bool,
+    /// Offer the sockets on this Unix socket to a next binary
+    /// (`--upgrade-socket`).
+    pub socket: Option<PathBuf>,
+    /// Take the sockets from the gateway offering them at `socket` first
+    /// (`--take-over`).
+    pub take_over: bool,
+}
+
 /// Runs `seedlink gateway` until drained; returns the exit code.
-pub async fn run(config: PathBuf, reuse_port: bool) -> anyhow::Result<i32> {
+pub async fn run(config: PathBuf, upgrade: Upgrade) -> anyhow::Result<i32> {
     let gw = load(config)?;
     let kube = kubernetes(&gw).await?;
     let supervisor = Supervisor::install()?;
-    let bound = gw.bind(reuse_port)?;
+    let (bound, taken) = match (&upgrade.socket, upgrade.take_over) {
+        (Some(path), true) => {
+            let path = path.clone();
+            let (sockets, taken) =
+                tokio::task::spawn_blocking(move || seedlink_net::handoff::take(&path)).await??;
+            (gw.bind_handed(sockets)?, Some(taken))
+        }
+        (None, true) => anyhow::bail!(
+            "--take-over needs --upgrade-socket (where the running gateway offers its sockets)"
+        ),
+        _ => (gw.bind(upgrade.reuse_port)?, None),
+    };
+    let offered = match &upgrade.socket {
+        Some(_) => Some(bound.offer()?),
+        None => None,
+    };
     let mut ready = bound.describe();
     ready["event"] = "ready".into();
     gw.serve(bound)?;
-    let armed = supervisor.arm(vec![GatewayWithSource::new(gw, kube)]);
+    let mut armed = supervisor.arm(vec![GatewayWithSource::new(gw.clone(), kube)]);
+    if let Some(taken) = taken {
+        // The old gateway stops accepting and drains; its offer file is
+        // gone once it answers.
+        match tokio::task::spawn_blocking(move || taken.ready()).await? {
+            Ok(()) => tracing::info!("upgrade: the previous gateway hands over and drains"),
+            Err(e) => {
+                tracing::warn!(error = %e, "upgrade: the previous gateway did not confirm; it may still accept")
+            }
+        }
+    }
+    if let (Some(path), Some(sockets)) = (upgrade.socket, offered) {
+        let listener = seedlink_net::handoff::listen(&path)
+            .map_err(|e| anyhow::anyhow!("--upgrade-socket {}: {e}", path.display()))?;
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let gw = gw.clone();
+        std::thread::Builder::new()
+            .name("seedlink-upgrade".into())
+            .spawn(move || match seedlink_net::handoff::offer(listener, path, sockets) {
+                Ok(()) => {
+                    gw.handed_over();
+                    let _ = tx.blocking_send(());
+                }
+                Err(e) => tracing::error!(error = %e, "upgrade socket failed; no binary upgrade possible"),
+            })?;
+        armed = armed.drain_when_handed_over(rx);
+    }
     // One machine-readable line on stdout tells scripts and tests the bound
-    // addresses (listeners may be configured with port 0).
+    // addresses (listeners may be configured with port 0); by then the
+    // sockets are offered for the next upgrade, if asked.
     println!("{ready}");
     tracing::info!(addresses = %ready, "gateway serving");
     Ok(armed.run().await)

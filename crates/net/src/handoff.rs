@@ -1,0 +1,389 @@
+//! Handing listening sockets to the next process: a binary upgrade with
+//! nothing refused. The running process offers duplicates of its listening
+//! sockets on a Unix socket; the new process takes them (`SCM_RIGHTS`),
+//! serves on the very same sockets (their accept queues included: no SYN
+//! is lost, unlike a second set of `SO_REUSEPORT` sockets), says it is
+//! ready, and the old process stops accepting and drains its own
+//! connections. HAProxy (`-x`), Pingora and Cloudflare's ecdysis do the same.
+//!
+//! The exchange, on one Unix stream connection (each step bounded):
+//! 1. new → old: `seedlink-take\n`;
+//! 2. old → new: one message, a JSON line naming each socket
+//!    (`{"sockets":[{"name":..,"address":..},..]}`) with the descriptors in
+//!    that order as `SCM_RIGHTS`;
+//! 3. new → old: `ready\n` once it serves;
+//! 4. old: stops offering, removes the socket file, answers `done\n`, and
+//!    drains. Without `ready` (the new process failed) the old one goes on
+//!    serving as if nothing happened.
+//!
+//! Only a process of the same user may connect (the file is 0600 and the
+//! peer's credentials are checked). Hand-written over `nix`: no crate does
+//! this exchange (the `sendfd` family passes descriptors but not this
+//! protocol, and none is as well kept as nix).
+
+use std::io::{BufRead, BufReader, IoSlice, IoSliceMut, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+
+/// The most descriptors one message carries (Linux's `SCM_MAX_FD`).
+pub const MAX_SOCKETS: usize = 253;
+
+/// How long the new process has, once it took the sockets, to say it is
+/// ready (a Kubernetes source waits up to 30 s for its first snapshot).
+pub const READY_WITHIN: Duration = Duration::from_secs(120);
+
+/// The largest description message accepted.
+const MAX_MESSAGE: usize = 64 * 1024;
+
+/// One socket handed over.
+#[derive(Debug)]
+pub struct Socket {
+    /// What it is to its owner (a listener's name, `admin`).
+    pub name: String,
+    /// The address it is bound to, as the owner saw it.
+    pub address: String,
+    /// The descriptor.
+    pub fd: OwnedFd,
+}
+
+fn io(e: nix::Error) -> std::io::Error {
+    std::io::Error::from(e)
+}
+
+fn invalid(msg: impl Into<String>) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, msg.into())
+}
+
+/// Only a process of our own user may take our sockets.
+fn same_user(s: &UnixStream) -> std::io::Result<()> {
+    let cred =
+        nix::sys::socket::getsockopt(s, nix::sys::socket::sockopt::PeerCredentials).map_err(io)?;
+    let me = nix::unistd::geteuid().as_raw();
+    if cred.uid() != me {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!("peer uid {} is not ours ({me})", cred.uid()),
+        ));
+    }
+    Ok(())
+}
+
+/// Binds the offer socket at `path` (mode 0600). A file left by a process
+/// that is gone is replaced; one a live process answers on is an error (it
+/// is that process's to hand over: take from it instead).
+pub fn listen(path: &Path) -> std::io::Result<UnixListener> {
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                format!(
+                    "{}: a running process offers its sockets there (take them over instead)",
+                    path.display()
+                ),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    let l = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(l)
+}
+
+/// The old process's side: offers `sockets` on `listener` until a new
+/// process takes them and says it is ready; then removes `path`, answers
+/// `done` and returns. Blocking: run it on a thread of its own.
+pub fn offer(listener: UnixListener, path: PathBuf, sockets: Vec<Socket>) -> std::io::Result<()> {
+    if sockets.len() > MAX_SOCKETS {
+        return Err(invalid(format!(
+            "{} sockets to hand over, at most {MAX_SOCKETS}",
+            sockets.len()
+        )));
+    }
+    for conn in listener.incoming() {
+        let s = match conn {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "upgrade socket: accept failed");
+                continue;
+            }
+        };
+        match give(&s, &sockets) {
+            Ok(()) => {
+                // The new process serves: from now on the socket file is
+                // its to create. Removed before `done`, so it never
+                // removes its own.
+                drop(listener);
+                let _ = std::fs::remove_file(&path);
+                let mut s = s;
+                let _ = s.write_all(b"done\n");
+                return Ok(());
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "upgrade: the new process did not take over; serving on")
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One attempt: hand the sockets over and wait for `ready`.
+fn give(s: &UnixStream, sockets: &[Socket]) -> std::io::Result<()> {
+    same_user(s)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    s.set_write_timeout(Some(Duration::from_secs(10)))?;
+    let mut r = BufReader::new(s.try_clone()?);
+    let mut line = String::new();
+    r.by_ref().take(64).read_line(&mut line)?;
+    if line != "seedlink-take\n" {
+        return Err(invalid(format!("unexpected request {line:?}")));
+    }
+    let names: Vec<serde_like::Entry<'_>> = sockets
+        .iter()
+        .map(|k| serde_like::Entry {
+            name: &k.name,
+            address: &k.address,
+        })
+        .collect();
+    let mut payload = serde_like::encode(&names);
+    payload.push('\n');
+    let fds: Vec<RawFd> = sockets.iter().map(|k| k.fd.as_raw_fd()).collect();
+    let cmsg = [ControlMessage::ScmRights(&fds)];
+    let sent = sendmsg::<()>(
+        s.as_raw_fd(),
+        &[IoSlice::new(payload.as_bytes())],
+        &cmsg,
+        MsgFlags::empty(),
+        None,
+    )
+    .map_err(io)?;
+    if sent != payload.len() {
+        return Err(invalid("the description was sent in part"));
+    }
+    s.set_read_timeout(Some(READY_WITHIN))?;
+    let mut line = String::new();
+    r.by_ref().take(64).read_line(&mut line)?;
+    if line != "ready\n" {
+        return Err(invalid(format!("no ready from the new process ({line:?})")));
+    }
+    Ok(())
+}
+
+/// The new process's side, once it took the sockets.
+pub struct Taken {
+    stream: UnixStream,
+}
+
+impl Taken {
+    /// Tells the old process that the new one serves, and waits (bounded)
+    /// for it to give up the offer socket: then the new process may offer
+    /// its own at the same path.
+    pub fn ready(mut self) -> std::io::Result<()> {
+        self.stream.write_all(b"ready\n")?;
+        self.stream
+            .set_read_timeout(Some(Duration::from_secs(10)))?;
+        let mut line = String::new();
+        BufReader::new(&self.stream).take(64).read_line(&mut line)?;
+        if line != "done\n" {
+            return Err(invalid(format!(
+                "the old process did not answer done ({line:?})"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Takes the sockets offered at `path`.
+#[allow(unsafe_code)]
+pub fn take(path: &Path) -> std::io::Result<(Vec<Socket>, Taken)> {
+    let mut s = UnixStream::connect(path).map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!(
+                "{}: no process offers its sockets there: {e}",
+                path.display()
+            ),
+        )
+    })?;
+    same_user(&s)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    s.set_write_timeout(Some(Duration::from_secs(10)))?;
+    s.write_all(b"seedlink-take\n")?;
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    let mut space = nix::cmsg_space!([RawFd; MAX_SOCKETS]);
+    let (n, fds) = {
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let msg = recvmsg::<()>(
+            s.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        )
+        .map_err(io)?;
+        let mut fds = Vec::new();
+        for c in msg.cmsgs().map_err(io)? {
+            if let ControlMessageOwned::ScmRights(got) = c {
+                // SAFETY: the kernel installed these descriptors in this
+                // process for us; nothing else owns them.
+                fds.extend(
+                    got.into_iter()
+                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                );
+            }
+        }
+        if msg.flags.contains(MsgFlags::MSG_TRUNC) || msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+            return Err(invalid("the offer was larger than this process accepts"));
+        }
+        (msg.bytes, fds)
+    };
+    let text = std::str::from_utf8(&buf[..n]).map_err(|_| invalid("the offer is not UTF-8"))?;
+    let entries = serde_like::decode(text.trim_end()).map_err(invalid)?;
+    if entries.len() != fds.len() {
+        return Err(invalid(format!(
+            "the offer names {} sockets and carries {}",
+            entries.len(),
+            fds.len()
+        )));
+    }
+    let sockets = entries
+        .into_iter()
+        .zip(fds)
+        .map(|((name, address), fd)| Socket { name, address, fd })
+        .collect();
+    Ok((sockets, Taken { stream: s }))
+}
+
+/// The description line: a JSON object written and read without a JSON
+/// dependency in this crate (names and addresses are plain text: listener
+/// names are `[A-Za-z0-9_.-]`, addresses `ip:port`).
+mod serde_like {
+    pub struct Entry<'a> {
+        pub name: &'a str,
+        pub address: &'a str,
+    }
+
+    fn clean(s: &str) -> bool {
+        !s.is_empty()
+            && s.len() <= 256
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.:[]%".contains(&b))
+    }
+
+    pub fn encode(entries: &[Entry<'_>]) -> String {
+        let items: Vec<String> = entries
+            .iter()
+            .filter(|e| clean(e.name) && clean(e.address))
+            .map(|e| format!("{{\"name\":\"{}\",\"address\":\"{}\"}}", e.name, e.address))
+            .collect();
+        format!("{{\"sockets\":[{}]}}", items.join(","))
+    }
+
+    pub fn decode(text: &str) -> Result<Vec<(String, String)>, String> {
+        let inner = text
+            .strip_prefix("{\"sockets\":[")
+            .and_then(|t| t.strip_suffix("]}"))
+            .ok_or_else(|| format!("not an offer: {text:?}"))?;
+        if inner.is_empty() {
+            return Ok(Vec::new());
+        }
+        inner
+            .split("},{")
+            .map(|item| {
+                let item = item.trim_start_matches('{').trim_end_matches('}');
+                let (n, a) = item
+                    .strip_prefix("\"name\":\"")
+                    .and_then(|r| r.split_once("\",\"address\":\""))
+                    .and_then(|(n, a)| Some((n, a.strip_suffix('"')?)))
+                    .ok_or_else(|| format!("not an offer entry: {item:?}"))?;
+                if !clean(n) || !clean(a) {
+                    return Err(format!("not an offer entry: {item:?}"));
+                }
+                Ok((n.to_string(), a.to_string()))
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_description_round_trips_and_refuses_garbage() {
+        let e = [
+            serde_like::Entry {
+                name: "tls",
+                address: "0.0.0.0:443",
+            },
+            serde_like::Entry {
+                name: "admin",
+                address: "[::1]:9901",
+            },
+        ];
+        let text = serde_like::encode(&e);
+        assert_eq!(
+            serde_like::decode(&text).unwrap(),
+            [
+                ("tls".to_string(), "0.0.0.0:443".to_string()),
+                ("admin".into(), "[::1]:9901".into())
+            ]
+        );
+        assert_eq!(serde_like::decode("{\"sockets\":[]}").unwrap(), []);
+        for bad in [
+            "",
+            "{}",
+            "{\"sockets\":[{\"name\":\"a\"}]}",
+            "{\"sockets\":[{\"name\":\"a b\",\"address\":\"x\"}]}",
+        ] {
+            assert!(serde_like::decode(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// Two "processes" (threads) in one: the listening socket taken over
+    /// is the same socket (a connection queued before the hand-over is
+    /// accepted after it), and the offer file is gone once done.
+    #[test]
+    fn a_listening_socket_changes_hands_with_its_queue() {
+        let dir = std::env::temp_dir().join(format!("handoff-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&dir);
+        let path = dir.join("upgrade.sock");
+        let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = tcp.local_addr().unwrap();
+        let queued = std::net::TcpStream::connect(addr).unwrap();
+        let l = listen(&path).unwrap();
+        assert!(listen(&path).is_err(), "a live offer is not replaced");
+        let fd = OwnedFd::from(tcp.try_clone().unwrap());
+        let p = path.clone();
+        let old = std::thread::spawn(move || {
+            offer(
+                l,
+                p,
+                vec![Socket {
+                    name: "tls".into(),
+                    address: addr.to_string(),
+                    fd,
+                }],
+            )
+        });
+        let (mut sockets, taken) = take(&path).unwrap();
+        drop(tcp);
+        assert_eq!(sockets.len(), 1);
+        let s = sockets.remove(0);
+        assert_eq!(
+            (s.name.as_str(), s.address.clone()),
+            ("tls", addr.to_string())
+        );
+        let taken_l = std::net::TcpListener::from(s.fd);
+        assert_eq!(taken_l.local_addr().unwrap(), addr);
+        taken.ready().unwrap();
+        old.join().unwrap().unwrap();
+        assert!(!path.exists());
+        let (_, peer) = taken_l.accept().unwrap();
+        assert_eq!(peer, queued.local_addr().unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
