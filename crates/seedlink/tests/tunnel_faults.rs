@@ -713,3 +713,172 @@ async fn dials_avoid_a_frozen_agent_and_fail_fast_when_all_are() {
     let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(15)).await;
     assert!(fetch_hello(s).await.contains("hello from the shoot"));
 }
+
+/// A rolling restart of three tunnel-server replicas, one at a time, as a
+/// Deployment does it with readiness and a preStop: each old replica
+/// leaves the frontends' endpoints, gets SIGTERM (it sends DRAIN to its
+/// agents) and its replacement starts. Under a steady loop of dials
+/// through the replicas in the endpoints: no dial fails; the agent joins
+/// each replacement while the old replica still drains (DRAIN makes it
+/// look at once, instead of when the old stream ends); a long echo stream
+/// through each old replica stays byte-exact until it ends, and then the
+/// old replica exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_fails_no_dial_and_keeps_open_tunnels() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+    let haproxy = require("haproxy");
+    let env = TunnelEnv::new(58);
+    let old_ep: Vec<String> = (0..3).map(|i| env.agent_endpoint(8141 + i)).collect();
+    let new_ep: Vec<String> = (0..3).map(|i| env.agent_endpoint(8144 + i)).collect();
+    let start = |ep: &str, id: &str, sock: &str| {
+        env.server_with(
+            &env.server_yaml(ep, &format!("server_id: {id}\nserver_count: 3"), sock),
+            id,
+            &["--drain", "60"],
+        )
+    };
+    let mut old: Vec<Option<Started>> = (0..3)
+        .map(|i| Some(start(&old_ep[i], &format!("old-{i}"), &format!("-old-{i}"))))
+        .collect();
+    // The agents' load balancer, with every replica old and new, health
+    // checked (a replica that stopped accepting is skipped).
+    let lb = env.agent_endpoint(8132);
+    let cfg = env.dir.path().join("haproxy.cfg");
+    let servers: String = old_ep
+        .iter()
+        .chain(&new_ep)
+        .enumerate()
+        .map(|(i, a)| format!("  server r{i} {a} check inter 200ms fall 1 rise 1\n"))
+        .collect();
+    std::fs::write(
+        &cfg,
+        format!(
+            "defaults\n  mode tcp\n  timeout connect 2s\n  timeout client 120s\n  timeout server 120s\n\
+             frontend lb\n  bind {lb}\n  default_backend replicas\nbackend replicas\n  balance roundrobin\n{servers}"
+        ),
+    )
+    .unwrap();
+    let _lb = Proc(
+        env.seed
+            .cmd(&[
+                haproxy.to_str().unwrap(),
+                "-db",
+                "-f",
+                cfg.to_str().unwrap(),
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let _agent = env.agent(&lb, &[]);
+    TunnelEnv::until(Duration::from_secs(30), "a stream to every replica", || {
+        old.iter()
+            .flatten()
+            .all(|s| env.server_metric(&s.admin(), AGENTS) == 1.0)
+    })
+    .await;
+
+    // The frontends' endpoints (what kube-proxy would send kube-apiserver's
+    // dials to): ready replicas only, updated by the test as a Deployment's
+    // readiness and preStop would.
+    let sock = |s: &str| env.socket(s).display().to_string();
+    let endpoints: Arc<Mutex<Vec<String>>> = Arc::new(Mutex::new(
+        (0..3).map(|i| sock(&format!("-old-{i}"))).collect(),
+    ));
+    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let dialer = {
+        let (endpoints, ok, failed, stop) =
+            (endpoints.clone(), ok.clone(), failed.clone(), stop.clone());
+        tokio::spawn(async move {
+            let end = Instant::now() + Duration::from_secs(240);
+            for n in 0..20_000usize {
+                if stop.is_cancelled() || Instant::now() > end {
+                    break;
+                }
+                let target = {
+                    let e = endpoints.lock().unwrap();
+                    e[n % e.len()].clone()
+                };
+                let r = tokio::time::timeout(Duration::from_secs(10), async {
+                    let s = kas_connect(&target, "127.0.0.1:8000").await?;
+                    Ok::<_, String>(fetch_hello(s).await)
+                })
+                .await;
+                match r {
+                    Ok(Ok(body)) if body.contains("hello") => ok.fetch_add(1, Ordering::Relaxed),
+                    other => {
+                        eprintln!("dial through {target} failed: {other:?}");
+                        failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+
+    for i in 0..3 {
+        let old_sock = sock(&format!("-old-{i}"));
+        let mut long =
+            kas_connect_eventually(&old_sock, "127.0.0.1:7007", Duration::from_secs(10)).await;
+        echo_rtt(&mut long, 1000).await;
+        // Out of the endpoints first (readiness, preStop), then SIGTERM.
+        endpoints.lock().unwrap().retain(|e| *e != old_sock);
+        let mut leaving = old[i].take().unwrap();
+        signal(leaving.pid(), "-TERM");
+        let replacement = start(&new_ep[i], &format!("new-{i}"), &format!("-new-{i}"));
+        TunnelEnv::until(
+            Duration::from_secs(20),
+            "the agent joins the replacement",
+            || env.server_metric(&replacement.admin(), AGENTS) == 1.0,
+        )
+        .await;
+        assert!(
+            leaving.proc.0.try_wait().unwrap().is_none(),
+            "the agent joined while the old replica still drains"
+        );
+        endpoints.lock().unwrap().push(sock(&format!("-new-{i}")));
+        // The old replica's tunnel still carries its stream, byte-exact.
+        for n in [1000, 20_000, 65_536, 1000] {
+            let msg: Vec<u8> = (0..n).map(|j| (j % 251) as u8).collect();
+            long.write_all(&msg).await.unwrap();
+            let mut back = vec![0u8; n];
+            tokio::time::timeout(Duration::from_secs(10), long.read_exact(&mut back))
+                .await
+                .expect("the long stream stalled")
+                .unwrap();
+            assert_eq!(back, msg);
+        }
+        drop(long);
+        let end = Instant::now() + Duration::from_secs(30);
+        let code = loop {
+            if let Some(st) = leaving.proc.0.try_wait().unwrap() {
+                break st.code();
+            }
+            assert!(
+                Instant::now() < end,
+                "the old replica did not exit after its last tunnel"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(code, Some(0));
+        old.push(Some(replacement));
+    }
+    // A few more dials through the new replicas only.
+    let seen = ok.load(Ordering::Relaxed);
+    TunnelEnv::until(
+        Duration::from_secs(20),
+        "dials through the new replicas",
+        || ok.load(Ordering::Relaxed) >= seen + 30,
+    )
+    .await;
+    stop.cancel();
+    dialer.await.unwrap();
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    eprintln!("rolling restart of 3 replicas: {ok} dials served, {failed} failed");
+    assert_eq!(
+        failed, 0,
+        "no dial fails during the rolling restart ({ok} served)"
+    );
+}

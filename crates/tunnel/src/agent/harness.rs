@@ -236,7 +236,7 @@ mod tests {
                 Handled::Ok,
                 Handled::Ok,
                 Handled::UnknownConnectId,
-                Handled::Unexpected,
+                Handled::ServerDraining,
             ]
         );
         h.stream_ends();

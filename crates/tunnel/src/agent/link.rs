@@ -28,13 +28,16 @@ pub enum Handled {
     UnknownConnectId,
     /// A packet kind a server must not send, or an unknown kind.
     Unexpected,
+    /// DRAIN: the server is going away; it takes no new dials from its
+    /// frontends once they moved, and its open connections go on.
+    ServerDraining,
 }
 
 impl Handled {
     /// The `outcome` label of `bad_packets_total`, if the packet was bad.
     pub fn bad_label(self) -> Option<&'static str> {
         match self {
-            Handled::Ok => None,
+            Handled::Ok | Handled::ServerDraining => None,
             Handled::UnknownConnectId => Some("unknown_connect_id"),
             Handled::Unexpected => Some("unexpected"),
         }
@@ -183,6 +186,10 @@ impl<C, P: Default + Clone> SessionLink<C, P> {
                 }
                 Handled::Ok
             }
+            // Nothing changes on this stream: dials it still sends are
+            // served, open connections go on; the driver looks for a
+            // replica to replace it.
+            (Some(T::Drain), _) => Handled::ServerDraining,
             _ => Handled::Unexpected,
         }
     }
@@ -350,8 +357,15 @@ mod tests {
             l.on_packet(Packet::window_update(1, 1), &mut out),
             Handled::Unexpected
         );
-        assert_eq!(l.on_packet(Packet::drain(), &mut out), Handled::Unexpected);
         assert_eq!(l.pending(), 0);
+        // DRAIN from the server changes nothing on the stream (the driver
+        // looks for a replica) and is not a bad packet.
+        assert_eq!(
+            l.on_packet(Packet::drain(), &mut out),
+            Handled::ServerDraining
+        );
+        assert_eq!(Handled::ServerDraining.bad_label(), None);
+        assert!(names(&mut out).is_empty());
     }
 
     #[test]

@@ -353,6 +353,9 @@ struct Locked {
 /// lock, and the IO it drives.
 struct Session {
     server_id: String,
+    /// The server said DRAIN: it is going away, so it no longer counts
+    /// as held (the agent looks for a replica to replace it).
+    draining: AtomicBool,
     to_server: Arc<FairQueue>,
     state: Mutex<Locked>,
     gone: CancellationToken,
@@ -379,6 +382,7 @@ impl Session {
     fn new(server_id: String, to_server: Arc<FairQueue>, flow: bool) -> Session {
         Session {
             server_id,
+            draining: AtomicBool::new(false),
             to_server,
             state: Mutex::new(Locked {
                 machine: SessionLink::new(flow),
@@ -474,6 +478,14 @@ impl Agent {
         crate::sync::lock(&self.sessions, "agent sessions").len()
     }
 
+    /// Streams to replicas that are not draining (what discovery counts).
+    fn held_count(&self) -> usize {
+        crate::sync::lock(&self.sessions, "agent sessions")
+            .values()
+            .filter(|s| !s.draining.load(Ordering::Acquire))
+            .count()
+    }
+
     /// Ready: at least one server stream and not draining.
     pub fn ready(&self) -> bool {
         self.session_count() > 0 && !self.draining.load(Ordering::Acquire)
@@ -526,7 +538,7 @@ impl Agent {
 
     /// How long to wait before the next discovery dial after a success.
     fn discovery_wait(&self) -> Duration {
-        let have = i64::try_from(self.session_count()).unwrap_or(i64::MAX);
+        let have = i64::try_from(self.held_count()).unwrap_or(i64::MAX);
         if have >= self.known_count.load(Ordering::Acquire) {
             HELD_RECHECK.max(self.opts.sync_interval_cap)
         } else {
@@ -708,6 +720,11 @@ impl Agent {
                 () = self.shutdown.cancelled() => return,
             };
             let (h, applied) = s.with(|m, out| m.on_packet(p, out));
+            if h == link::Handled::ServerDraining && !s.draining.swap(true, Ordering::AcqRel) {
+                tracing::info!(server_id = %s.server_id, "the tunnel server drains: looking for a replica to replace it");
+                AgentMetrics::count(&self.metrics.server_connects, "server_draining");
+                self.session_lost.notify_one();
+            }
             if let Some(label) = h.bad_label() {
                 AgentMetrics::count(&self.metrics.bad_packets, label);
             }

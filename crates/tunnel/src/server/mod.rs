@@ -306,6 +306,13 @@ impl AgentLink {
         }
     }
 
+    /// Tells the agent this server is going away (DRAIN): a seedlink agent
+    /// then looks for a replica to replace it while this stream carries on
+    /// what it has; an upstream agent ignores the packet.
+    pub fn drain_notice(&self) {
+        self.send_soon(Packet::drain());
+    }
+
     /// Queues a control packet; never waits.
     fn send_soon(&self, p: Packet) {
         if self.to_agent.control(p).is_err() && self.to_agent.overflowed() {

@@ -892,10 +892,19 @@ impl TunnelServer {
     }
 
     /// Drains: not ready, listeners closed (new frontends and agents are
-    /// refused), open frontend connections may finish within `grace`; then
-    /// every agent stream and remaining connection is ended.
+    /// refused), DRAIN to every agent, open frontend connections may finish
+    /// within `grace`; then every agent stream and remaining connection is
+    /// ended.
     pub async fn stop(&self, grace: Duration) {
         self.accepting.cancel();
+        // Agents look for the replica that replaces this one at once (not
+        // when their stream ends at the deadline), while this one serves
+        // the connections it carries.
+        for cluster in self.registry.clusters().iter() {
+            for link in cluster.agents() {
+                link.drain_notice();
+            }
+        }
         self.frontend_tasks.close();
         let _ = tokio::time::timeout(grace, self.frontend_tasks.wait()).await;
         self.shutdown.cancel();
