@@ -125,7 +125,7 @@ impl Bound {
         };
         for (spec, socks) in &self.listeners {
             for l in socks {
-                add(&spec.name, l)?;
+                add(&format!("{LISTENER_SOCKET}{}", spec.name), l)?;
             }
         }
         add(ADMIN_SOCKET, &self.admin)?;
@@ -254,20 +254,31 @@ impl Gateway {
     ) -> std::io::Result<Bound> {
         let snap = self.snapshot();
         let ka = keepalive(&snap);
-        let mut take = |name: &str, want: SocketAddr| -> Vec<std::net::TcpListener> {
-            let mut got = Vec::new();
-            handed.retain_mut(|h| {
-                let matches = h.name == name
-                    && h.address
-                        .parse::<SocketAddr>()
-                        .is_ok_and(|a| want.port() == 0 || a == want);
-                if matches {
-                    if let Ok(fd) = h.fd.try_clone() {
-                        got.push(std::net::TcpListener::from(fd));
+        // By name and address (port 0: the name and the IP); failing
+        // that, a listener renamed on the same address takes its sockets.
+        let mut take = |name: Option<&str>, want: SocketAddr| -> Vec<std::net::TcpListener> {
+            let (mut got, mut rest) = (Vec::new(), Vec::new());
+            for h in handed.drain(..) {
+                let at = h.address.parse::<SocketAddr>().ok();
+                let same_addr = at.is_some_and(|a| {
+                    if want.port() == 0 {
+                        a.ip() == want.ip()
+                    } else {
+                        a == want
                     }
+                });
+                let matches = same_addr
+                    && match name {
+                        Some(n) => h.name == n,
+                        None => h.name.starts_with(LISTENER_SOCKET) && want.port() != 0,
+                    };
+                if matches {
+                    got.push(std::net::TcpListener::from(h.fd));
+                } else {
+                    rest.push(h);
                 }
-                !matches
-            });
+            }
+            handed = rest;
             got
         };
         let mut listeners = Vec::new();
@@ -278,7 +289,18 @@ impl Gateway {
                     format!("listener {} on {}: {e}", spec.name, spec.address),
                 )
             };
-            let mut socks = take(&spec.name, spec.address);
+            let mut socks = take(
+                Some(&format!("{LISTENER_SOCKET}{}", spec.name)),
+                spec.address,
+            );
+            if socks.is_empty() {
+                socks = take(None, spec.address);
+            }
+            // The keepalive and no-delay settings accepted sockets inherit
+            // are this configuration's.
+            for l in &socks {
+                seedlink_net::sockopt::tune(socket2::SockRef::from(l), ka).map_err(ctx)?;
+            }
             if socks.is_empty() {
                 if spec.address.port() != 0 {
                     probe_exclusive(spec.address).map_err(ctx)?;
@@ -295,7 +317,7 @@ impl Gateway {
             }
             listeners.push((spec.clone(), socks));
         }
-        let admin = match take(ADMIN_SOCKET, snap.admin).pop() {
+        let admin = match take(Some(ADMIN_SOCKET), snap.admin).pop() {
             Some(a) => a,
             None => bind_tcp(snap.admin, false, None).map_err(|e| {
                 std::io::Error::new(e.kind(), format!("admin on {}: {e}", snap.admin))
@@ -671,6 +693,10 @@ impl Gateway {
 
 /// The admin socket's name in a hand-over.
 const ADMIN_SOCKET: &str = "admin";
+
+/// What a listener's name is prefixed with in a hand-over (a listener may
+/// be called `admin`).
+const LISTENER_SOCKET: &str = "listener-";
 
 /// Keepalive settings of a snapshot.
 pub(crate) fn keepalive(snap: &Snapshot) -> Keepalive {

@@ -94,16 +94,58 @@ pub fn listen(path: &Path) -> std::io::Result<UnixListener> {
     Ok(l)
 }
 
-/// The old process's side: offers `sockets` on `listener` until a new
-/// process takes them and says it is ready; then removes `path`, answers
-/// `done` and returns. Blocking: run it on a thread of its own.
-pub fn offer(listener: UnixListener, path: PathBuf, sockets: Vec<Socket>) -> std::io::Result<()> {
-    if sockets.len() > MAX_SOCKETS {
-        return Err(invalid(format!(
-            "{} sockets to hand over, at most {MAX_SOCKETS}",
-            sockets.len()
-        )));
+/// The sockets on offer, shared with whoever may withdraw them: a process
+/// that drains for another reason must let go of its copies, or its
+/// listening sockets stay open (and keep completing handshakes nobody
+/// accepts).
+#[derive(Clone, Default)]
+pub struct Offer(std::sync::Arc<std::sync::Mutex<Option<Offered>>>);
+
+/// Where the sockets are offered, and they.
+type Offered = (PathBuf, Vec<Socket>);
+
+impl Offer {
+    /// Offers `sockets` at `path`.
+    pub fn new(path: PathBuf, sockets: Vec<Socket>) -> Offer {
+        Offer(std::sync::Arc::new(std::sync::Mutex::new(Some((
+            path, sockets,
+        )))))
     }
+
+    /// Withdraws the offer: the copies are closed and the socket file is
+    /// removed (nothing is handed over from now on). The lock is only held
+    /// to take the list.
+    pub fn withdraw(&self) {
+        let taken = self.0.lock().map(|mut g| g.take()).unwrap_or(None);
+        if let Some((path, _)) = taken {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+
+    /// Duplicates of what is offered (`None` once withdrawn or handed over).
+    fn copies(&self) -> Option<std::io::Result<Vec<Socket>>> {
+        let g = self.0.lock().ok()?;
+        let (_, sockets) = g.as_ref()?;
+        Some(
+            sockets
+                .iter()
+                .map(|k| {
+                    Ok(Socket {
+                        name: k.name.clone(),
+                        address: k.address.clone(),
+                        fd: k.fd.try_clone()?,
+                    })
+                })
+                .collect(),
+        )
+    }
+}
+
+/// The old process's side: offers the sockets on `listener` until a new
+/// process takes them and says it is ready (then removes the socket file,
+/// answers `done` and returns `true`), or the offer is withdrawn (`false`,
+/// at the next connection). Blocking: run it on a thread of its own.
+pub fn offer(listener: UnixListener, offer: &Offer) -> std::io::Result<bool> {
     for conn in listener.incoming() {
         let s = match conn {
             Ok(s) => s,
@@ -112,23 +154,38 @@ pub fn offer(listener: UnixListener, path: PathBuf, sockets: Vec<Socket>) -> std
                 continue;
             }
         };
+        let sockets = match offer.copies() {
+            None => return Ok(false),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "upgrade: cannot copy the sockets");
+                continue;
+            }
+            Some(Ok(v)) if v.len() > MAX_SOCKETS => {
+                return Err(invalid(format!(
+                    "{} sockets to hand over, at most {MAX_SOCKETS}",
+                    v.len()
+                )))
+            }
+            Some(Ok(v)) => v,
+        };
         match give(&s, &sockets) {
             Ok(()) => {
                 // The new process serves: from now on the socket file is
                 // its to create. Removed before `done`, so it never
-                // removes its own.
+                // removes its own; our copies go too.
                 drop(listener);
-                let _ = std::fs::remove_file(&path);
+                drop(sockets);
+                offer.withdraw();
                 let mut s = s;
                 let _ = s.write_all(b"done\n");
-                return Ok(());
+                return Ok(true);
             }
             Err(e) => {
                 tracing::warn!(error = %e, "upgrade: the new process did not take over; serving on")
             }
         }
     }
-    Ok(())
+    Ok(false)
 }
 
 /// One attempt: hand the sockets over and wait for `ready`.
@@ -357,18 +414,16 @@ mod tests {
         let l = listen(&path).unwrap();
         assert!(listen(&path).is_err(), "a live offer is not replaced");
         let fd = OwnedFd::from(tcp.try_clone().unwrap());
-        let p = path.clone();
-        let old = std::thread::spawn(move || {
-            offer(
-                l,
-                p,
-                vec![Socket {
-                    name: "tls".into(),
-                    address: addr.to_string(),
-                    fd,
-                }],
-            )
-        });
+        let offered = Offer::new(
+            path.clone(),
+            vec![Socket {
+                name: "tls".into(),
+                address: addr.to_string(),
+                fd,
+            }],
+        );
+        let o = offered.clone();
+        let old = std::thread::spawn(move || offer(l, &o));
         let (mut sockets, taken) = take(&path).unwrap();
         drop(tcp);
         assert_eq!(sockets.len(), 1);
@@ -380,10 +435,45 @@ mod tests {
         let taken_l = std::net::TcpListener::from(s.fd);
         assert_eq!(taken_l.local_addr().unwrap(), addr);
         taken.ready().unwrap();
-        old.join().unwrap().unwrap();
+        assert!(old.join().unwrap().unwrap());
         assert!(!path.exists());
         let (_, peer) = taken_l.accept().unwrap();
         assert_eq!(peer, queued.local_addr().unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[cfg(test)]
+mod withdraw_tests {
+    use super::*;
+
+    /// A withdrawn offer closes its copies (the listening socket closes
+    /// with its last descriptor: connects are refused) and removes the file.
+    #[test]
+    fn a_withdrawn_offer_lets_the_socket_close() {
+        let dir = std::env::temp_dir().join(format!("handoff-w-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&dir);
+        let path = dir.join("upgrade.sock");
+        let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = tcp.local_addr().unwrap();
+        let l = listen(&path).unwrap();
+        let offered = Offer::new(
+            path.clone(),
+            vec![Socket {
+                name: "tls".into(),
+                address: addr.to_string(),
+                fd: OwnedFd::from(tcp),
+            }],
+        );
+        let o = offered.clone();
+        let old = std::thread::spawn(move || offer(l, &o));
+        offered.withdraw();
+        assert!(!path.exists());
+        assert!(
+            std::net::TcpStream::connect(addr).is_err(),
+            "the listening socket closed"
+        );
+        drop(old);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -226,7 +226,13 @@ async fn gateway_under_faults() {
         slow: slow.addr,
         echo: echo_backend(&stop).await,
     };
-    let gw = Gw::start(&gateway_yaml(&p, &b, false));
+    let upgrade_dir = tempfile::tempdir().unwrap();
+    let upgrade_socket = upgrade_dir.path().join("upgrade.sock");
+    let upgrade_socket = upgrade_socket.to_str().unwrap();
+    let gw = Gw::start_args(
+        &gateway_yaml(&p, &b, false),
+        &["--upgrade-socket", upgrade_socket],
+    );
     let (auto, lb, admin) = (gw.listener("auto"), gw.listener("lb"), gw.admin);
     let oracle = Oracle::new(
         gw.pid(),
@@ -592,6 +598,50 @@ async fn gateway_under_faults() {
         ),
         &oracle.check("reload-storm").await,
     );
+
+    // Binary upgrade under load: a new process takes the sockets over;
+    // every transfer (on the old process, or on the new one) byte-exact,
+    // the old one exits 0.
+    let done = Arc::new(AtomicU64::new(0));
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let done = done.clone();
+            tokio::spawn(async move {
+                let mut endings = Vec::new();
+                while done.load(Ordering::Acquire) == 0 {
+                    endings.push(
+                        download(
+                            auto,
+                            "outbound|443||ok.faults.svc.cluster.local",
+                            p.size,
+                            limit,
+                        )
+                        .await,
+                    );
+                }
+                endings
+            })
+        })
+        .collect();
+    let mut old = gw;
+    let gw = Gw::start_args(
+        &gateway_yaml(&p, &b, false),
+        &["--upgrade-socket", upgrade_socket, "--take-over"],
+    );
+    assert_eq!(gw.listener("auto"), auto, "the same listening socket");
+    assert_eq!(
+        old.wait_exit(Duration::from_secs(90)),
+        Some(0),
+        "the old gateway drains and exits 0"
+    );
+    done.store(1, Ordering::Release);
+    let mut all = Vec::new();
+    for w in workers {
+        all.extend(w.await.unwrap());
+    }
+    let (exact, _) = tally(&all);
+    assert_eq!(exact, all.len(), "a transfer failed across the upgrade");
+    eprintln!("fault: binary-upgrade         {exact} transfers byte-exact across the hand-over, old exit 0");
 
     // Drain: SIGTERM with a transfer open; it completes, new connections
     // are refused, the process exits 0.

@@ -635,9 +635,8 @@ control_planes:
             "import socket,sys\n\
              s=socket.socket(socket.AF_UNIX)\n\
              s.connect(sys.argv[1])\n\
-             s.sendall(b'seedlink-take\\n')\n\
-             try:\n  msg,anc,flags,addr=s.recvmsg(65536,4096)\n\
-             except ConnectionResetError:\n  msg,anc=b'',[]\n\
+             try:\n  s.sendall(b'seedlink-take\\n')\n  msg,anc,flags,addr=s.recvmsg(65536,4096)\n\
+             except OSError:\n  msg,anc=b'',[]\n\
              print(len(msg),len(anc))\n",
         )
         .arg(&sock)

@@ -734,7 +734,7 @@ async fn a_rolling_restart_fails_no_dial_and_keeps_open_tunnels() {
     let start = |ep: &str, id: &str, sock: &str| {
         env.server_with(
             &env.server_yaml(ep, &format!("server_id: {id}\nserver_count: 3"), sock),
-            id,
+            &format!("server{sock}"),
             &["--drain", "60"],
         )
     };
@@ -827,7 +827,14 @@ async fn a_rolling_restart_fails_no_dial_and_keeps_open_tunnels() {
         endpoints.lock().unwrap().retain(|e| *e != old_sock);
         let mut leaving = old[i].take().unwrap();
         signal(leaving.pid(), "-TERM");
-        let replacement = start(&new_ep[i], &format!("new-{i}"), &format!("-new-{i}"));
+        // The second replacement keeps its predecessor's server ID (a
+        // StatefulSet pod's name): it is a replacement, not a duplicate.
+        let id = if i == 1 {
+            format!("old-{i}")
+        } else {
+            format!("new-{i}")
+        };
+        let replacement = start(&new_ep[i], &id, &format!("-new-{i}"));
         TunnelEnv::until(
             Duration::from_secs(20),
             "the agent joins the replacement",

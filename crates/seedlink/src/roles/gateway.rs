@@ -271,35 +271,78 @@ pub async fn run(config: PathBuf, upgrade: Upgrade) -> anyhow::Result<i32> {
         Some(_) => Some(bound.offer()?),
         None => None,
     };
+    if let Some(o) = offered
+        .as_ref()
+        .filter(|o| o.len() > seedlink_net::handoff::MAX_SOCKETS)
+    {
+        anyhow::bail!(
+            "--upgrade-socket: {} sockets to hand over (listeners x workers + admin), at most {}; lower `workers`",
+            o.len(),
+            seedlink_net::handoff::MAX_SOCKETS
+        );
+    }
     let mut ready = bound.describe();
     ready["event"] = "ready".into();
     gw.serve(bound)?;
     let mut armed = supervisor.arm(vec![GatewayWithSource::new(gw.clone(), kube)]);
+    // From here on this process serves: a failure only costs the next
+    // upgrade (logged), never the service.
+    let mut confirmed = true;
     if let Some(taken) = taken {
         // The old gateway stops accepting and drains; its offer file is
         // gone once it answers.
-        match tokio::task::spawn_blocking(move || taken.ready()).await? {
-            Ok(()) => tracing::info!("upgrade: the previous gateway hands over and drains"),
+        match tokio::task::spawn_blocking(move || taken.ready()).await {
+            Ok(Ok(())) => tracing::info!("upgrade: the previous gateway hands over and drains"),
+            Ok(Err(e)) => {
+                confirmed = false;
+                tracing::warn!(error = %e, "upgrade: the previous gateway did not confirm; it may still accept, and this one does not offer its sockets");
+            }
             Err(e) => {
-                tracing::warn!(error = %e, "upgrade: the previous gateway did not confirm; it may still accept")
+                confirmed = false;
+                tracing::warn!(error = %e, "upgrade: confirming to the previous gateway failed");
             }
         }
     }
-    if let (Some(path), Some(sockets)) = (upgrade.socket, offered) {
-        let listener = seedlink_net::handoff::listen(&path)
-            .map_err(|e| anyhow::anyhow!("--upgrade-socket {}: {e}", path.display()))?;
+    let listener = match (&upgrade.socket, confirmed) {
+        (Some(path), true) => match seedlink_net::handoff::listen(path) {
+            Ok(l) => Some(l),
+            Err(e) if upgrade.take_over => {
+                tracing::error!(error = %e, "--upgrade-socket: cannot offer the sockets for the next upgrade");
+                None
+            }
+            Err(e) => anyhow::bail!("--upgrade-socket {}: {e}", path.display()),
+        },
+        _ => None,
+    };
+    if let (Some(path), Some(sockets), Some(listener)) = (upgrade.socket, offered, listener) {
+        let offer = seedlink_net::handoff::Offer::new(path, sockets);
+        // A drain for any other reason withdraws the offer: its copies of
+        // the listening sockets must not keep them open.
+        {
+            let (offer, stop) = (offer.clone(), gw.lifecycle.stop_accepting.clone());
+            tokio::spawn(async move {
+                stop.cancelled().await;
+                offer.withdraw();
+            });
+        }
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         let gw = gw.clone();
-        std::thread::Builder::new()
+        let spawned = std::thread::Builder::new()
             .name("seedlink-upgrade".into())
-            .spawn(move || match seedlink_net::handoff::offer(listener, path, sockets) {
-                Ok(()) => {
+            .spawn(move || match seedlink_net::handoff::offer(listener, &offer) {
+                Ok(true) => {
                     gw.handed_over();
                     let _ = tx.blocking_send(());
                 }
+                Ok(false) => {}
                 Err(e) => tracing::error!(error = %e, "upgrade socket failed; no binary upgrade possible"),
-            })?;
-        armed = armed.drain_when_handed_over(rx);
+            });
+        match spawned {
+            Ok(_) => armed = armed.drain_when_handed_over(rx),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the upgrade thread; no binary upgrade possible")
+            }
+        }
     }
     // One machine-readable line on stdout tells scripts and tests the bound
     // addresses (listeners may be configured with port 0); by then the

@@ -656,12 +656,16 @@ impl Agent {
         let session = Arc::new(Session::new(server_id.clone(), tx, flow));
         let duplicate = {
             let mut s = crate::sync::lock(&self.sessions, "agent sessions");
-            if s.contains_key(&server_id) {
-                true
-            } else {
-                s.insert(server_id.clone(), session.clone());
-                guard.0 = None;
-                false
+            match s.get(&server_id) {
+                Some(held) if !held.draining.load(Ordering::Acquire) => true,
+                // New, or the replacement of a draining replica that kept
+                // its ID (a new process of the same pod): the draining
+                // stream goes on serving what it carries, unlisted.
+                _ => {
+                    s.insert(server_id.clone(), session.clone());
+                    guard.0 = None;
+                    false
+                }
             }
         };
         if duplicate {
@@ -686,7 +690,15 @@ impl Agent {
         let agent = self.clone();
         tokio::spawn(async move {
             agent.serve_session(session.clone(), inbound).await;
-            crate::sync::lock(&agent.sessions, "agent sessions").remove(&session.server_id);
+            {
+                let mut s = crate::sync::lock(&agent.sessions, "agent sessions");
+                // Only this stream's entry (a replacement may hold the ID).
+                if s.get(&session.server_id)
+                    .is_some_and(|x| Arc::ptr_eq(x, &session))
+                {
+                    s.remove(&session.server_id);
+                }
+            }
             // A GOAWAY too_many_pings slows our pings down for the next
             // connection.
             if goaway.code() == Some(crate::goaway::ENHANCE_YOUR_CALM) {

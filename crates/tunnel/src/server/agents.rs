@@ -142,6 +142,11 @@ async fn open_stream(
         tracing::info!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, flow, "agent connected");
     }
     let answer = response(&srv, to_agent, flow);
+    // Registered after the drain began (its handshake or TokenReview was
+    // under way): it gets the DRAIN the others got.
+    if srv.accepting.is_cancelled() {
+        link.drain_notice();
+    }
     tokio::spawn(receive(srv, cluster, link, req.into_inner(), probe));
     answer
 }
