@@ -623,6 +623,31 @@ pub trait TunnelSink: Send + Sync + 'static {
     ) -> BoxFuture<'_, seedlink_config::compile::Refused>;
     /// A served cluster's agents and dial errors.
     fn health(&self, cluster: &str) -> Option<seedlink_tunnel::server::ClusterHealth>;
+    /// The tunnel-server replicas counted from their Service's
+    /// EndpointSlices (`kubernetes.replicas`).
+    fn set_server_count(&self, _replicas: u32) {}
+}
+
+/// The replicas a Service's EndpointSlices name: distinct addresses whose
+/// endpoint serves (an unknown condition counts) and is not terminating
+/// (a draining replica is being replaced: agents need not hold it). `None`
+/// when there is none (a count of 0 is never sent to agents).
+pub fn replica_count(slices: &[Arc<EndpointSlice>]) -> Option<u32> {
+    let mut seen = HashSet::new();
+    for s in slices {
+        for ep in &s.endpoints {
+            let c = ep.conditions.as_ref();
+            let ready = c.and_then(|c| c.ready) != Some(false);
+            let serving = c.and_then(|c| c.serving).unwrap_or(ready);
+            let terminating = c.and_then(|c| c.terminating) == Some(true);
+            if serving && !terminating {
+                if let Some(a) = ep.addresses.first() {
+                    seen.insert(a.clone());
+                }
+            }
+        }
+    }
+    u32::try_from(seen.len()).ok().filter(|n| *n > 0)
 }
 
 /// A boxed future, for the object-safe [`TunnelSink`].
@@ -642,6 +667,8 @@ pub struct TunnelSettings {
     pub socket_dir: std::path::PathBuf,
     /// The operator's ceilings over TunnelClusters' limits.
     pub max_limits: seedlink_tunnel::config::ClusterLimits,
+    /// The Service selecting the tunnel-server replicas (`servercount`).
+    pub replicas: Option<Key>,
 }
 
 /// How long a pass waits for a new namespace's Secrets and ConfigMaps to
@@ -726,6 +753,13 @@ pub fn start_tunnel(
     let stop = CancellationToken::new();
     let mut w = Watches::new(&client, &stop);
     let clusters = w.kind::<crate::crd::TunnelCluster>();
+    let replicas = settings.replicas.as_ref().map(|k| {
+        w.labelled_in::<EndpointSlice>(
+            &k.namespace,
+            &format!("kubernetes.io/service-name={}", k.name),
+            &stop,
+        )
+    });
     let changed = std::mem::replace(&mut w.changed, mpsc::channel(1).1);
     let (leadership, campaign_task) =
         campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
@@ -760,6 +794,9 @@ pub fn start_tunnel(
             // What could not be applied at all is tried again on a tick.
             if applied.as_ref().is_some_and(|(_, r)| not_applied(r)) {
                 applied = None;
+            }
+            if let Some(n) = replicas.as_ref().and_then(|r| replica_count(&r.state())) {
+                sink.set_server_count(n);
             }
             if wake == Wake::Changed || last.is_none() || applied.is_none() {
                 let objects = clusters.state();
@@ -1595,5 +1632,34 @@ mod version_tests {
         ] {
             assert_eq!(supported_version(b).0, want, "{b:?}");
         }
+    }
+}
+
+#[cfg(test)]
+mod replica_tests {
+    use super::*;
+
+    #[test]
+    fn replicas_are_the_serving_endpoints_that_are_not_terminating() {
+        let slice = |eps: serde_json::Value| -> Arc<EndpointSlice> {
+            Arc::new(
+                serde_json::from_value(json!({
+                    "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                    "metadata": {"name": "s"}, "addressType": "IPv4", "endpoints": eps
+                }))
+                .unwrap(),
+            )
+        };
+        let two = slice(json!([
+            {"addresses": ["10.0.0.1"], "conditions": {"ready": true}},
+            {"addresses": ["10.0.0.2"]},
+            {"addresses": ["10.0.0.3"], "conditions": {"ready": false, "serving": true, "terminating": true}},
+            {"addresses": ["10.0.0.4"], "conditions": {"ready": false}}
+        ]));
+        // The same address in two slices counts once.
+        let again = slice(json!([{"addresses": ["10.0.0.1"], "conditions": {"ready": true}}]));
+        assert_eq!(replica_count(&[two, again]), Some(2));
+        assert_eq!(replica_count(&[slice(json!([]))]), None);
+        assert_eq!(replica_count(&[]), None);
     }
 }

@@ -1178,11 +1178,12 @@ admin: {{listen: '127.0.0.1:0'}}
 clusters: []
 frontend_templates:
   - {{name: uds, protocol: http-connect, unix: '{}/{{cluster}}.sock'}}
-kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust'}}
+kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas: {}/seedlink-internal}}
 ",
             d.display(),
             seed.sys,
-            d.display()
+            d.display(),
+            seed.sys
         ),
     )
     .unwrap();
@@ -1202,6 +1203,35 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust'}}
     let _server = Proc(server);
     assert_eq!(ready["event"], "ready", "{ready}");
     let agents = ready["agents"].as_str().unwrap().to_string();
+    // `servercount` follows the replicas in the EndpointSlices of the
+    // Service that selects them: three serving, one terminating (being
+    // replaced) and one not serving are 3.
+    let tunnel_admin: SocketAddr = ready["admin"].as_str().unwrap().parse().unwrap();
+    seed.apply(json!({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "seedlink-internal-x1", "namespace": seed.sys,
+                     "labels": {"kubernetes.io/service-name": "seedlink-internal",
+                                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
+        "addressType": "IPv4",
+        "ports": [{"name": "kas", "port": 8090, "protocol": "TCP"}],
+        "endpoints": [
+            {"addresses": ["10.99.2.1"], "conditions": {"ready": true, "serving": true, "terminating": false}},
+            {"addresses": ["10.99.2.2"], "conditions": {"ready": true}},
+            {"addresses": ["10.99.2.3"]},
+            {"addresses": ["10.99.2.4"], "conditions": {"ready": false, "serving": true, "terminating": true}},
+            {"addresses": ["10.99.2.5"], "conditions": {"ready": false, "serving": false}}
+        ]
+    }))
+    .await;
+    wait_for(
+        "servercount follows the replicas",
+        Duration::from_secs(30),
+        || async {
+            let (_, body) = http_get(tunnel_admin, "/api/state").await;
+            serde_json::from_str::<Value>(&body).is_ok_and(|v| v["process"]["server_count"] == 3)
+        },
+    )
+    .await;
     let sock_a = d.join(format!("{a}.tunnel.sock")).display().to_string();
     let sock_b = d.join(format!("{b}.tunnel.sock")).display().to_string();
 

@@ -63,6 +63,13 @@ pub struct Kubernetes {
     /// `namespace/name` of the Lease electing the replica that writes
     /// `TunnelCluster` status.
     pub lease: String,
+    /// `namespace/name` of the Service that selects the tunnel-server
+    /// replicas: `servercount` (what agents hold a stream to each of)
+    /// follows its EndpointSlices (the replicas serving and not
+    /// terminating), so scaling needs no configuration change;
+    /// `server_count` holds until they are read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<String>,
     /// Whether this replica takes part in writing status (default true).
     #[serde(default = "yes")]
     pub write_status: bool,
@@ -814,6 +821,17 @@ impl ServerConfig {
                     "kubernetes.lease",
                     format!("{:?} is not namespace/name", k.lease),
                 );
+            }
+            if let Some(r) = &k.replicas {
+                let ok = r
+                    .split_once('/')
+                    .is_some_and(|(ns, n)| !ns.is_empty() && !n.is_empty() && !n.contains('/'));
+                if !ok {
+                    errs.add(
+                        "kubernetes.replicas",
+                        format!("{r:?} is not namespace/name"),
+                    );
+                }
             }
         }
         if cfg.queue_bytes < 64 * 1024 {

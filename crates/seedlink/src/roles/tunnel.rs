@@ -293,7 +293,21 @@ impl ServerRole {
         let client = kube::Client::try_default().await.map_err(|e| {
             anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
         })?;
+        let replicas = match &k.replicas {
+            None => None,
+            Some(r) => {
+                let (namespace, name) =
+                    seedlink_config::compile::split_object_name(r).ok_or_else(|| {
+                        anyhow::anyhow!("kubernetes.replicas: {r:?} is not namespace/name")
+                    })?;
+                Some(seedlink_kube::translate::Key {
+                    namespace: namespace.into(),
+                    name: name.into(),
+                })
+            }
+        };
         let settings = seedlink_kube::source::TunnelSettings {
+            replicas,
             lease,
             identity: super::gateway::identity(),
             trust_dir: k.trust_dir,
@@ -321,6 +335,21 @@ impl seedlink_kube::source::TunnelSink for KubeSink {
         clusters: Vec<seedlink_tunnel::config::Cluster>,
     ) -> seedlink_kube::source::BoxFuture<'_, seedlink_tunnel::config::Refused> {
         Box::pin(self.0.set_kubernetes(clusters))
+    }
+
+    fn set_server_count(&self, replicas: u32) {
+        let was = self
+            .0
+            .srv
+            .server_count
+            .swap(replicas, std::sync::atomic::Ordering::Relaxed);
+        if was != replicas {
+            tracing::info!(
+                was,
+                now = replicas,
+                "servercount follows the tunnel-server replicas"
+            );
+        }
     }
 
     fn health(&self, cluster: &str) -> Option<seedlink_tunnel::server::ClusterHealth> {

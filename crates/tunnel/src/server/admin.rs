@@ -111,7 +111,7 @@ pub fn state(srv: &Core) -> serde_json::Value {
             "generation": srv.config.load().generation,
             "last_reload": srv.config.load().last_reload.map(|(t, r)| serde_json::json!({"at": rfc3339(t), "result": r})),
             "server_id": srv.server_id,
-            "server_count": srv.server_count,
+            "server_count": srv.server_count.load(std::sync::atomic::Ordering::Relaxed),
             "ready": srv.ready(),
         },
         "clusters": clusters,

@@ -268,6 +268,7 @@ fn response(
     resp.metadata_mut().insert(
         "servercount",
         srv.server_count
+            .load(std::sync::atomic::Ordering::Relaxed)
             .to_string()
             .parse()
             .map_err(|_| Status::internal("server count"))?,

@@ -48,8 +48,10 @@ pub struct Core {
     pub token_slots: seedlink_net::admin::Slots,
     /// `serverid` sent to agents.
     pub server_id: String,
-    /// `servercount` sent to agents.
-    pub server_count: u32,
+    /// `servercount` sent to agents: the configured `server_count`, or the
+    /// replicas counted from their Service's EndpointSlices
+    /// (`kubernetes.replicas`) once read.
+    pub server_count: std::sync::atomic::AtomicU32,
     /// TLS for the agent endpoint (replaced by a reload).
     pub agent_tls: ArcSwap<TlsAcceptor>,
     /// HTTP/2 keepalive towards agents.

@@ -415,7 +415,7 @@ impl TunnelServer {
                 super::core::TOKEN_CHECKS_PER_SOURCE,
             ),
             server_id: cfg.server_id.clone().unwrap_or_else(random_id),
-            server_count: cfg.server_count,
+            server_count: std::sync::atomic::AtomicU32::new(cfg.server_count),
             agent_tls: ArcSwap::from_pointee(p.agent_tls),
             agent_h2: H2Settings {
                 keepalive: cfg.agents.keepalive,
