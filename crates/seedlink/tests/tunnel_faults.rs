@@ -144,6 +144,9 @@ backend replicas
         let s = kas_connect_eventually(&path, "127.0.0.1:8000", Duration::from_secs(5)).await;
         assert!(fetch_hello(s).await.contains("hello"), "via replica {sock}");
     }
+    // Ready means a stream to every replica the servers say there are.
+    let ready = TunnelEnv::admin_get(&env.shoot, &agent.admin(), "/readyz");
+    assert!(ready.contains("server streams: 2 of 2"), "{ready}");
     assert_eq!(
         env.agent_metric(
             &agent.admin(),
@@ -151,6 +154,18 @@ backend replicas
         ),
         2.0
     );
+    // One replica gone: no longer ready (one of two), still serving.
+    drop(s2);
+    TunnelEnv::until(
+        Duration::from_secs(15),
+        "unready with a replica gone",
+        || {
+            let r = TunnelEnv::admin_get(&env.shoot, &agent.admin(), "/readyz");
+            r.contains("failed") && r.contains("1 of 2")
+        },
+    )
+    .await;
+    drop(s1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

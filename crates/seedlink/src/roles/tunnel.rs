@@ -536,7 +536,12 @@ pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
                 "/healthz" => (200, TEXT, "ok\n".into()),
                 "/config" => (200, JSON, config.clone()),
                 "/readyz" | "/ready" => {
-                    let body = format!("server streams: {}\n", agent.session_count());
+                    let body = format!(
+                        "server streams: {} of {} replicas ({} in all)\n",
+                        agent.held(),
+                        agent.known_count(),
+                        agent.session_count()
+                    );
                     if agent.ready() {
                         (200, TEXT, body)
                     } else {

@@ -486,9 +486,23 @@ impl Agent {
             .count()
     }
 
-    /// Ready: at least one server stream and not draining.
+    /// Ready: a stream to every replica the servers say there are
+    /// (`servercount`), none of them draining, and not draining itself.
     pub fn ready(&self) -> bool {
-        self.session_count() > 0 && !self.draining.load(Ordering::Acquire)
+        !self.draining.load(Ordering::Acquire)
+            && self.session_count() > 0
+            && i64::try_from(self.held_count()).unwrap_or(i64::MAX) >= self.known_count()
+    }
+
+    /// The replicas the last answer said there are (`servercount`, at
+    /// least 1).
+    pub fn known_count(&self) -> i64 {
+        self.known_count.load(Ordering::Acquire).max(1)
+    }
+
+    /// Streams to replicas that are not draining.
+    pub fn held(&self) -> usize {
+        self.held_count()
     }
 
     /// Keeps a stream to every server replica until shut down: connects,
