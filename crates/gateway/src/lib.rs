@@ -326,15 +326,10 @@ impl Gateway {
         for h in &handed {
             tracing::info!(socket = %h.name, address = %h.address, "handed-over socket not in this configuration: closed");
         }
-        let admin_access = match &snap.file.admin.token_file {
-            None => seedlink_net::admin::Access::open(),
-            Some(f) => seedlink_net::admin::Access::from_token_file(std::path::Path::new(f))
-                .map_err(|e| std::io::Error::new(e.kind(), format!("admin.token_file {f}: {e}")))?,
-        };
         Ok(Bound {
             listeners,
             admin,
-            admin_access,
+            admin_access: admin_access(&snap)?,
         })
     }
 
@@ -375,15 +370,10 @@ impl Gateway {
         }
         let admin = bind_tcp(snap.admin, false, None)
             .map_err(|e| std::io::Error::new(e.kind(), format!("admin on {}: {e}", snap.admin)))?;
-        let admin_access = match &snap.file.admin.token_file {
-            None => seedlink_net::admin::Access::open(),
-            Some(f) => seedlink_net::admin::Access::from_token_file(std::path::Path::new(f))
-                .map_err(|e| std::io::Error::new(e.kind(), format!("admin.token_file {f}: {e}")))?,
-        };
         Ok(Bound {
             listeners,
             admin,
-            admin_access,
+            admin_access: admin_access(&snap)?,
         })
     }
 
@@ -688,6 +678,15 @@ impl Gateway {
     pub async fn drain(&self) -> usize {
         let deadline = self.snapshot().timeouts.drain;
         self.lifecycle.drain(deadline).await
+    }
+}
+
+/// Who may read the admin endpoint (its token file is read when binding).
+fn admin_access(snap: &Snapshot) -> std::io::Result<seedlink_net::admin::Access> {
+    match &snap.file.admin.token_file {
+        None => Ok(seedlink_net::admin::Access::open()),
+        Some(f) => seedlink_net::admin::Access::from_token_file(std::path::Path::new(f))
+            .map_err(|e| std::io::Error::new(e.kind(), format!("admin.token_file {f}: {e}"))),
     }
 }
 

@@ -1508,32 +1508,13 @@ impl StatusWriter {
         key: &Key,
         patch: &serde_json::Value,
     ) -> bool {
-        let Some(left) = self.leadership.remaining() else {
-            return false;
-        };
         let api = Api::<kube::api::DynamicObject>::namespaced_with(
             self.client.clone(),
             &key.namespace,
             ar,
         );
-        match tokio::time::timeout(
-            left,
-            api.patch_status(&key.name, &status_params(), &Patch::Merge(patch)),
-        )
-        .await
-        {
-            Ok(Ok(_)) => {}
-            Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
-                tracing::debug!(object = %key, "status changed meanwhile; written again on the next pass");
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(object = %key, version = %ar.version, error = %e, "cannot write TLSRoute status")
-            }
-            Err(_) => {
-                tracing::debug!(object = %key, "no longer the status leader: status not written")
-            }
-        }
-        true
+        self.patch_status_in(api, key, &format!("TLSRoute {}", ar.version), patch)
+            .await
     }
 
     /// Merge-patches the status of `K` `key` (conditional on the
@@ -1546,11 +1527,24 @@ impl StatusWriter {
             + DeserializeOwned
             + Debug,
     {
+        let api: Api<K> = Api::namespaced(self.client.clone(), &key.namespace);
+        self.patch_status_in(api, key, &K::kind(&()), patch).await
+    }
+
+    /// [`StatusWriter::patch_status`] through `api` (`kind` names it in logs).
+    async fn patch_status_in<K>(
+        &self,
+        api: Api<K>,
+        key: &Key,
+        kind: &str,
+        patch: &serde_json::Value,
+    ) -> bool
+    where
+        K: Clone + DeserializeOwned + Debug,
+    {
         let Some(left) = self.leadership.remaining() else {
             return false;
         };
-        let api: Api<K> = Api::namespaced(self.client.clone(), &key.namespace);
-        let kind = K::kind(&());
         match tokio::time::timeout(
             left,
             api.patch_status(&key.name, &status_params(), &Patch::Merge(patch)),

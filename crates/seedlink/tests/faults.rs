@@ -113,6 +113,36 @@ where
 }
 
 /// Downloads a pattern transfer through the gateway's CONNECT to `dest`.
+/// Four clients downloading through `addr` in a loop until `done` is set;
+/// each returns its transfers' endings.
+fn download_loops(
+    addr: SocketAddr,
+    size: u64,
+    limit: Duration,
+    done: &Arc<AtomicU64>,
+) -> Vec<tokio::task::JoinHandle<Vec<Ending>>> {
+    (0..4)
+        .map(|_| {
+            let done = done.clone();
+            tokio::spawn(async move {
+                let mut endings = Vec::new();
+                while done.load(Ordering::Acquire) == 0 {
+                    endings.push(
+                        download(
+                            addr,
+                            "outbound|443||ok.faults.svc.cluster.local",
+                            size,
+                            limit,
+                        )
+                        .await,
+                    );
+                }
+                endings
+            })
+        })
+        .collect()
+}
+
 async fn download(addr: SocketAddr, dest: &'static str, size: u64, limit: Duration) -> Ending {
     match gateway_connect(addr, dest).await {
         Err(answer) => Ending::Error(answer),
@@ -548,26 +578,7 @@ async fn gateway_under_faults() {
 
     // A reload storm under load: no transfer fails.
     let done = Arc::new(AtomicU64::new(0));
-    let workers: Vec<_> = (0..4)
-        .map(|_| {
-            let done = done.clone();
-            tokio::spawn(async move {
-                let mut endings = Vec::new();
-                while done.load(Ordering::Acquire) == 0 {
-                    endings.push(
-                        download(
-                            auto,
-                            "outbound|443||ok.faults.svc.cluster.local",
-                            p.size,
-                            limit,
-                        )
-                        .await,
-                    );
-                }
-                endings
-            })
-        })
-        .collect();
+    let workers = download_loops(auto, p.size, limit, &done);
     let generation = |m: &str| sum_metric(m, "seedlink_gateway_config_generation");
     let g0 = generation(&gw.metrics().await);
     for i in 0..p.reloads {
@@ -603,26 +614,7 @@ async fn gateway_under_faults() {
     // every transfer (on the old process, or on the new one) byte-exact,
     // the old one exits 0.
     let done = Arc::new(AtomicU64::new(0));
-    let workers: Vec<_> = (0..4)
-        .map(|_| {
-            let done = done.clone();
-            tokio::spawn(async move {
-                let mut endings = Vec::new();
-                while done.load(Ordering::Acquire) == 0 {
-                    endings.push(
-                        download(
-                            auto,
-                            "outbound|443||ok.faults.svc.cluster.local",
-                            p.size,
-                            limit,
-                        )
-                        .await,
-                    );
-                }
-                endings
-            })
-        })
-        .collect();
+    let workers = download_loops(auto, p.size, limit, &done);
     let mut old = gw;
     let gw = Gw::start_args(
         &gateway_yaml(&p, &b, false),
