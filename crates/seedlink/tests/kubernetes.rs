@@ -1076,7 +1076,8 @@ fn tunnel_cluster(ns: &str, ca: Value) -> Value {
 }
 
 /// Starts `seedlink tunnel-agent` on loopback with a client certificate.
-fn tunnel_agent(server: &str, seed_ca: &str, cert: &str, key: &str) -> Proc {
+/// A seedlink agent and its admin address.
+fn tunnel_agent(server: &str, seed_ca: &str, cert: &str, key: &str) -> (Proc, SocketAddr) {
     let mut child = std::process::Command::new(seedlink_bin())
         .args([
             "tunnel-agent",
@@ -1109,7 +1110,8 @@ fn tunnel_agent(server: &str, seed_ca: &str, cert: &str, key: &str) -> Proc {
         .unwrap();
     let ready = common::tunnel_env::ready_line(&mut child);
     assert_eq!(ready["event"], "ready", "{ready}");
-    Proc(child)
+    let admin = ready["admin"].as_str().unwrap().parse().unwrap();
+    (Proc(child), admin)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1278,7 +1280,7 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
     .await;
 
     // An agent of shoot--a: connected in status, and the tunnel works.
-    let agent_a = tunnel_agent(&agents, &seed_ca, &a_crt, &a_key);
+    let (agent_a, agent_a_admin) = tunnel_agent(&agents, &seed_ca, &a_crt, &a_key);
     wait_for(
         "shoot--a AgentsConnected",
         Duration::from_secs(20),
@@ -1294,6 +1296,43 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
     .await;
     let mut s = kas_connect_eventually(&sock_a, &echo.to_string(), Duration::from_secs(20)).await;
     common::tunnel_env::echo_rtt(&mut s, 1000).await;
+    // The agent holds its one stream and knows of 3 replicas: not ready.
+    // The replicas change; the server tells its agents at once (REPLICAS),
+    // without their 5-minute re-check: with one replica left it is ready,
+    // with two again not.
+    let agent_ready = |want: &'static str| async move {
+        wait_for(want, Duration::from_secs(30), || async {
+            http_get(agent_a_admin, "/readyz").await.1.contains(want)
+        })
+        .await;
+    };
+    agent_ready("failed\nserver streams: 1 of 3 replicas").await;
+    let slice = |endpoints: Value| {
+        json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "seedlink-internal-x1", "namespace": seed.sys,
+                         "labels": {"kubernetes.io/service-name": "seedlink-internal",
+                                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "kas", "port": 8090, "protocol": "TCP"}],
+            "endpoints": endpoints
+        })
+    };
+    seed.apply(slice(json!([{"addresses": ["10.99.2.1"]}])))
+        .await;
+    // Ready: the body starts with it (no failed check above it).
+    wait_for("ready with 1 of 1", Duration::from_secs(30), || async {
+        http_get(agent_a_admin, "/readyz")
+            .await
+            .1
+            .starts_with("server streams: 1 of 1 replicas")
+    })
+    .await;
+    seed.apply(slice(
+        json!([{"addresses": ["10.99.2.1"]}, {"addresses": ["10.99.2.6"]}]),
+    ))
+    .await;
+    agent_ready("failed\nserver streams: 1 of 2 replicas").await;
 
     // The ConfigMap appears: shoot--b is served and its agent is let in.
     seed.apply(json!({
@@ -1307,7 +1346,7 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
         tc(&b, "Ready").await.is_some_and(|c| c["status"] == "True")
     })
     .await;
-    let _agent_b = tunnel_agent(&agents, &seed_ca, &b_crt, &b_key);
+    let (_agent_b, _) = tunnel_agent(&agents, &seed_ca, &b_crt, &b_key);
     let mut sb = kas_connect_eventually(&sock_b, &echo.to_string(), Duration::from_secs(20)).await;
     common::tunnel_env::echo_rtt(&mut sb, 1000).await;
     // shoot--a's tunnel was not touched by shoot--b's arrival.

@@ -31,7 +31,20 @@ pub enum PacketType {
     /// seedlink extension (only after negotiation, see `flow`): reopen a
     /// connection's window.
     WindowUpdate = 100,
+    /// seedlink extension (only after negotiation, see
+    /// [`REPLICAS_HEADER`]): the number of server replicas changed.
+    Replicas = 101,
 }
+
+/// Header (request and response) with which a seedlink agent asks for, and
+/// a seedlink server agrees to, REPLICAS packets: the server tells its
+/// agents when the number of replicas (`servercount`) changes, so that an
+/// agent holding every replica it knew of joins a new one at once instead
+/// of at its next re-check. Upstream peers never see the header or the
+/// packet.
+pub const REPLICAS_HEADER: &str = "seedlink-replicas";
+/// Its value.
+pub const REPLICAS_VERSION: &str = "v1";
 
 /// One message on either service.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -40,7 +53,7 @@ pub struct Packet {
     #[prost(enumeration = "PacketType", tag = "1")]
     pub r#type: i32,
     /// The payload.
-    #[prost(oneof = "Payload", tags = "2, 3, 4, 5, 6, 7, 8, 100")]
+    #[prost(oneof = "Payload", tags = "2, 3, 4, 5, 6, 7, 8, 100, 101")]
     pub payload: Option<Payload>,
 }
 
@@ -71,6 +84,17 @@ pub enum Payload {
     /// WINDOW_UPDATE (seedlink extension).
     #[prost(message, tag = "100")]
     WindowUpdate(WindowUpdate),
+    /// REPLICAS (seedlink extension).
+    #[prost(message, tag = "101")]
+    Replicas(Replicas),
+}
+
+/// The server replicas there are now (seedlink extension).
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct Replicas {
+    /// The new `servercount`.
+    #[prost(int64, tag = "1")]
+    pub count: i64,
 }
 
 /// Reopens `bytes` of connection `connect_id`'s window (seedlink extension).
@@ -231,6 +255,11 @@ impl Packet {
             PacketType::WindowUpdate,
             Payload::WindowUpdate(WindowUpdate { connect_id, bytes }),
         )
+    }
+
+    /// REPLICAS (seedlink extension).
+    pub fn replicas(count: i64) -> Packet {
+        Packet::of(PacketType::Replicas, Payload::Replicas(Replicas { count }))
     }
 
     /// DRAIN.

@@ -338,11 +338,7 @@ impl seedlink_kube::source::TunnelSink for KubeSink {
     }
 
     fn set_server_count(&self, replicas: u32) {
-        let was = self
-            .0
-            .srv
-            .server_count
-            .swap(replicas, std::sync::atomic::Ordering::Relaxed);
+        let was = self.0.srv.set_server_count(replicas);
         if was != replicas {
             tracing::info!(
                 was,

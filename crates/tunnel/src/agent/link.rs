@@ -31,13 +31,15 @@ pub enum Handled {
     /// DRAIN: the server is going away; it takes no new dials from its
     /// frontends once they moved, and its open connections go on.
     ServerDraining,
+    /// REPLICAS (negotiated): the servers are this many replicas now.
+    Replicas(i64),
 }
 
 impl Handled {
     /// The `outcome` label of `bad_packets_total`, if the packet was bad.
     pub fn bad_label(self) -> Option<&'static str> {
         match self {
-            Handled::Ok | Handled::ServerDraining => None,
+            Handled::Ok | Handled::ServerDraining | Handled::Replicas(_) => None,
             Handled::UnknownConnectId => Some("unknown_connect_id"),
             Handled::Unexpected => Some("unexpected"),
         }
@@ -84,6 +86,8 @@ pub type Actions<C, P> = VecDeque<Action<C, P>>;
 #[derive(Debug)]
 pub struct SessionLink<C, P> {
     flow: bool,
+    /// REPLICAS packets negotiated.
+    replicas: bool,
     ended: bool,
     next_id: i64,
     pending: HashMap<i64, P>,
@@ -95,11 +99,18 @@ impl<C, P: Default + Clone> SessionLink<C, P> {
     pub fn new(flow: bool) -> SessionLink<C, P> {
         SessionLink {
             flow,
+            replicas: false,
             ended: false,
             next_id: 1,
             pending: HashMap::new(),
             conns: HashMap::new(),
         }
+    }
+
+    /// REPLICAS packets were negotiated: they are taken, not unexpected.
+    pub fn with_replica_updates(mut self) -> SessionLink<C, P> {
+        self.replicas = true;
+        self
     }
 
     /// Whether per-connection flow control was negotiated.
@@ -190,6 +201,9 @@ impl<C, P: Default + Clone> SessionLink<C, P> {
             // served, open connections go on; the driver looks for a
             // replica to replace it.
             (Some(T::Drain), _) => Handled::ServerDraining,
+            (Some(T::Replicas), Some(Payload::Replicas(r))) if self.replicas && r.count > 0 => {
+                Handled::Replicas(r.count)
+            }
             _ => Handled::Unexpected,
         }
     }
@@ -365,6 +379,29 @@ mod tests {
             Handled::ServerDraining
         );
         assert_eq!(Handled::ServerDraining.bad_label(), None);
+        assert!(names(&mut out).is_empty());
+    }
+
+    #[test]
+    fn replica_counts_are_taken_only_when_negotiated() {
+        let mut out = Actions::new();
+        let mut plain = Link::new(false);
+        assert_eq!(
+            plain.on_packet(Packet::replicas(3), &mut out),
+            Handled::Unexpected
+        );
+        let mut l = Link::new(false).with_replica_updates();
+        assert_eq!(
+            l.on_packet(Packet::replicas(3), &mut out),
+            Handled::Replicas(3)
+        );
+        assert_eq!(Handled::Replicas(3).bad_label(), None);
+        for bad in [0, -1] {
+            assert_eq!(
+                l.on_packet(Packet::replicas(bad), &mut out),
+                Handled::Unexpected
+            );
+        }
         assert!(names(&mut out).is_empty());
     }
 

@@ -277,9 +277,21 @@ pub struct Agent {
     pub shutdown: CancellationToken,
 }
 
+/// What a server's answer says.
+struct Answer {
+    /// `serverid` (exactly one).
+    server_id: String,
+    /// `servercount` (exactly one).
+    count: i64,
+    /// It agreed to per-connection flow control.
+    flow: bool,
+    /// It will tell us when the number of replicas changes.
+    replicas: bool,
+}
+
 /// What a server's answer says: `serverid`, `servercount` (exactly one
-/// each) and whether it agreed to flow control.
-fn answer(meta: &tonic::metadata::MetadataMap) -> Result<(String, i64, bool), ConnectError> {
+/// each) and the extensions it agreed to.
+fn answer(meta: &tonic::metadata::MetadataMap) -> Result<Answer, ConnectError> {
     let one = |k: &str| -> Result<String, ConnectError> {
         let v: Vec<_> = meta.get_all(k).iter().collect();
         match v.as_slice() {
@@ -297,8 +309,16 @@ fn answer(meta: &tonic::metadata::MetadataMap) -> Result<(String, i64, bool), Co
     let count: i64 = one("servercount")?
         .parse()
         .map_err(|_| ConnectError::BadAnswer("servercount is not a number".into()))?;
-    let flow = meta.get(flow::HEADER).and_then(|v| v.to_str().ok()) == Some(flow::VERSION);
-    Ok((server_id, count, flow))
+    let agreed = |h: &str, v: &str| meta.get(h).and_then(|x| x.to_str().ok()) == Some(v);
+    Ok(Answer {
+        server_id,
+        count,
+        flow: agreed(flow::HEADER, flow::VERSION),
+        replicas: agreed(
+            crate::proto::REPLICAS_HEADER,
+            crate::proto::REPLICAS_VERSION,
+        ),
+    })
 }
 
 /// The wait before the next connection attempt after a failure, and the
@@ -379,13 +399,18 @@ impl Session {
         let _ = self.to_server.control(p);
     }
 
-    fn new(server_id: String, to_server: Arc<FairQueue>, flow: bool) -> Session {
+    fn new(server_id: String, to_server: Arc<FairQueue>, flow: bool, replicas: bool) -> Session {
+        let machine = SessionLink::new(flow);
         Session {
             server_id,
             draining: AtomicBool::new(false),
             to_server,
             state: Mutex::new(Locked {
-                machine: SessionLink::new(flow),
+                machine: if replicas {
+                    machine.with_replica_updates()
+                } else {
+                    machine
+                },
                 out: Actions::new(),
             }),
             gone: CancellationToken::new(),
@@ -550,6 +575,23 @@ impl Agent {
         }
     }
 
+    /// A server told us the number of replicas changed: one we do not
+    /// hold yet is looked for at once.
+    fn replicas_changed(&self, server_id: &str, count: i64) {
+        let was = self.known_count.swap(count, Ordering::AcqRel);
+        if was != count {
+            tracing::info!(
+                server_id,
+                was,
+                now = count,
+                "the tunnel server replicas changed"
+            );
+        }
+        if i64::try_from(self.held_count()).unwrap_or(i64::MAX) < count {
+            self.session_lost.notify_one();
+        }
+    }
+
     /// How long to wait before the next discovery dial after a success.
     fn discovery_wait(&self) -> Duration {
         let have = i64::try_from(self.held_count()).unwrap_or(i64::MAX);
@@ -633,6 +675,10 @@ impl Agent {
         if self.opts.flow_control {
             meta.push((flow::HEADER, flow::VERSION.to_string()));
         }
+        meta.push((
+            crate::proto::REPLICAS_HEADER,
+            crate::proto::REPLICAS_VERSION.to_string(),
+        ));
         if let Some(p) = &self.opts.token_path {
             let token = std::fs::read_to_string(p).map_err(|error| ConnectError::Token {
                 path: p.display().to_string(),
@@ -664,10 +710,15 @@ impl Agent {
         .await
         .map_err(|_| ConnectError::NoAnswer)?
         .map_err(|s| ConnectError::Refused(format!("{} {}", s.code(), s.message())))?;
-        let (server_id, count, offered) = answer(resp.metadata())?;
+        let Answer {
+            server_id,
+            count,
+            flow: offered,
+            replicas,
+        } = answer(resp.metadata())?;
         self.known_count.store(count.max(1), Ordering::Release);
         let flow = self.opts.flow_control && offered;
-        let session = Arc::new(Session::new(server_id.clone(), tx, flow));
+        let session = Arc::new(Session::new(server_id.clone(), tx, flow, replicas));
         let duplicate = {
             let mut s = crate::sync::lock(&self.sessions, "agent sessions");
             match s.get(&server_id) {
@@ -750,6 +801,9 @@ impl Agent {
                 tracing::info!(server_id = %s.server_id, "the tunnel server drains: looking for a replica to replace it");
                 AgentMetrics::count(&self.metrics.server_connects, "server_draining");
                 self.session_lost.notify_one();
+            }
+            if let link::Handled::Replicas(n) = h {
+                self.replicas_changed(&s.server_id, n);
             }
             if let Some(label) = h.bad_label() {
                 AgentMetrics::count(&self.metrics.bad_packets, label);

@@ -107,6 +107,12 @@ fn field_numbers_match_the_proto_file() {
             "windowUpdate",
         ),
         (
+            tag_of(pk(Payload::Replicas(Replicas::default()))),
+            "Packet",
+            "replicas",
+        ),
+        (tag_of(Replicas { count: 1 }), "Replicas", "count"),
+        (
             tag_of(WindowUpdate {
                 connect_id: 1,
                 bytes: 0,
@@ -241,6 +247,7 @@ fn enum_values_match_the_proto_file() {
         ("DIAL_CLS", PacketType::DialCls),
         ("DRAIN", PacketType::Drain),
         ("WINDOW_UPDATE", PacketType::WindowUpdate),
+        ("REPLICAS", PacketType::Replicas),
     ] {
         assert!(
             text.contains(&format!("  {name} = {};", t as i32)),

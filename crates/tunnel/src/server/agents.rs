@@ -124,12 +124,19 @@ async fn open_stream(
         }
     };
     let cluster = stream_cluster(&srv, cert_cluster, auth.as_deref(), peer).await?;
-    let (agent_id, ids, flow) = stream_identity(&srv, &cluster, meta)?;
+    let Identity {
+        agent_id,
+        ids,
+        flow,
+        replicas,
+    } = stream_identity(&srv, &cluster, meta)?;
     // A second stream of an agent ID this cluster already has is usually
     // replica discovery that reached a replica it holds: it ends cleanly,
     // is counted as `duplicate`, and logs only at debug level.
     let probe = cluster.agents().iter().any(|l| l.agent_id == agent_id);
     let (link, to_agent) = attach(&cluster, agent_id.clone(), ids, flow);
+    link.replica_updates
+        .store(replicas, std::sync::atomic::Ordering::Release);
     let _ = link.certs.set(certs);
     let _ = link.activity.set(activity);
     if let Some(a) = auth {
@@ -141,7 +148,7 @@ async fn open_stream(
     } else {
         tracing::info!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, flow, "agent connected");
     }
-    let answer = response(&srv, to_agent, flow);
+    let answer = response(&srv, to_agent, flow, replicas);
     // Registered after the drain began (its handshake or TokenReview was
     // under way): it gets the DRAIN the others got.
     if srv.accepting.is_cancelled() {
@@ -212,13 +219,25 @@ async fn stream_cluster(
     Ok(cluster)
 }
 
+/// What a stream says about its agent.
+struct Identity {
+    /// `agentid` (exactly one).
+    agent_id: String,
+    /// `agentidentifiers` (at most one).
+    ids: Identifiers,
+    /// It asks for per-connection flow control.
+    flow: bool,
+    /// It asks to be told when the number of replicas changes.
+    replicas: bool,
+}
+
 /// What a stream says about its agent: `agentid` (exactly one),
-/// `agentidentifiers` (at most one), and whether it asks for flow control.
+/// `agentidentifiers` (at most one), the seedlink extensions it asks for.
 fn stream_identity(
     srv: &Core,
     cluster: &Cluster,
     meta: &tonic::metadata::MetadataMap,
-) -> Result<(String, Identifiers, bool), Status> {
+) -> Result<Identity, Status> {
     let ids: Vec<_> = meta.get_all("agentid").iter().collect();
     let [agent_id] = ids.as_slice() else {
         srv.metrics.agent_stream(&cluster.name, "bad_agent_id");
@@ -244,17 +263,25 @@ fn stream_identity(
             ));
         }
     };
-    let flow =
-        meta.get(crate::flow::HEADER).and_then(|v| v.to_str().ok()) == Some(crate::flow::VERSION);
-    Ok((agent_id.to_string(), ids, flow))
+    let asks = |h: &str, v: &str| meta.get(h).and_then(|x| x.to_str().ok()) == Some(v);
+    Ok(Identity {
+        agent_id: agent_id.to_string(),
+        ids,
+        flow: asks(crate::flow::HEADER, crate::flow::VERSION),
+        replicas: asks(
+            crate::proto::REPLICAS_HEADER,
+            crate::proto::REPLICAS_VERSION,
+        ),
+    })
 }
 
 /// The stream's answer: packets from the link's queue, with `serverid`,
-/// `servercount` and (if agreed) the flow-control header.
+/// `servercount` and (if agreed) the extensions' headers.
 fn response(
     srv: &Core,
     to_agent: Arc<FairQueue>,
     flow: bool,
+    replicas: bool,
 ) -> Result<Response<PacketStream>, Status> {
     let out: PacketStream = Box::pin(futures_util::stream::unfold(to_agent, |q| async move {
         q.next().await.map(|p| (Ok(p), q))
@@ -277,6 +304,12 @@ fn response(
         resp.metadata_mut().insert(
             crate::flow::HEADER,
             tonic::metadata::MetadataValue::from_static(crate::flow::VERSION),
+        );
+    }
+    if replicas {
+        resp.metadata_mut().insert(
+            crate::proto::REPLICAS_HEADER,
+            tonic::metadata::MetadataValue::from_static(crate::proto::REPLICAS_VERSION),
         );
     }
     Ok(resp)

@@ -90,6 +90,24 @@ impl Core {
         }
     }
 
+    /// Sets `servercount` (the replicas were counted again); a change is
+    /// told to every agent that asked (REPLICAS), so that one holding every
+    /// replica it knew of joins a new one at once. Returns the old count.
+    pub fn set_server_count(&self, count: u32) -> u32 {
+        let count = count.max(1);
+        let was = self
+            .server_count
+            .swap(count, std::sync::atomic::Ordering::AcqRel);
+        if was != count {
+            for cluster in self.registry.clusters().iter() {
+                for link in cluster.agents() {
+                    link.replicas_notice(count);
+                }
+            }
+        }
+        was
+    }
+
     /// Ready: not draining and at least one agent connected.
     pub fn ready(&self) -> bool {
         !self.accepting.is_cancelled() && self.registry.any_agent()

@@ -199,6 +199,9 @@ pub struct AgentLink {
     pub authorization: std::sync::OnceLock<String>,
     /// Per-connection flow control negotiated (seedlink agent).
     pub flow: bool,
+    /// The agent asked to be told when the number of replicas changes
+    /// (REPLICAS packets, seedlink agent).
+    pub replica_updates: std::sync::atomic::AtomicBool,
     /// When its connection last delivered a byte (unset: never judged
     /// unresponsive).
     pub activity: std::sync::OnceLock<Arc<activity::Activity>>,
@@ -311,6 +314,13 @@ impl AgentLink {
     /// what it has; an upstream agent ignores the packet.
     pub fn drain_notice(&self) {
         self.send_soon(Packet::drain());
+    }
+
+    /// Tells the agent the number of replicas now, if it asked to be told.
+    pub fn replicas_notice(&self, count: u32) {
+        if self.replica_updates.load(Ordering::Acquire) {
+            self.send_soon(Packet::replicas(i64::from(count)));
+        }
     }
 
     /// Queues a control packet; never waits.
@@ -854,6 +864,7 @@ pub fn attach(
         certs: std::sync::OnceLock::new(),
         authorization: std::sync::OnceLock::new(),
         flow,
+        replica_updates: std::sync::atomic::AtomicBool::new(false),
         activity: std::sync::OnceLock::new(),
     });
     crate::sync::lock(&cluster.agents, "cluster agents").push(link.clone());
