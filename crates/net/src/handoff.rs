@@ -8,13 +8,20 @@
 //!
 //! The exchange, on one Unix stream connection (each step bounded):
 //! 1. new → old: `seedlink-take\n`;
-//! 2. old → new: one message, a JSON line naming each socket
-//!    (`{"sockets":[{"name":..,"address":..},..]}`) with the descriptors in
-//!    that order as `SCM_RIGHTS`;
-//! 3. new → old: `ready\n` once it serves;
-//! 4. old: stops offering, removes the socket file, answers `done\n`, and
-//!    drains. Without `ready` (the new process failed) the old one goes on
-//!    serving as if nothing happened.
+//! 2. old → new: a JSON line naming each socket
+//!    (`{"sockets":[{"name":..,"address":..},..]}`) with the first 253
+//!    descriptors in that order as `SCM_RIGHTS` (Linux's limit per
+//!    message), then a byte `+` with each further 253;
+//! 3. (optional, at most [`MAX_PHASES`]) new → old: `phase <name>\n`; the
+//!    old process does what that phase means to it and answers one line
+//!    (the tunnel-server's `agents`: it stops taking agents and sends them
+//!    DRAIN, and names them, so that the new one takes its frontends only
+//!    once the agents moved);
+//! 4. new → old: `ready\n` once it serves;
+//! 5. old: stops offering, removes the socket file, answers `done\n`, and
+//!    drains. Without `ready` (the new process failed) the old one undoes
+//!    its phases ([`Phases::abort`]) and goes on serving as if nothing
+//!    happened.
 //!
 //! Only a process of the same user may connect (the file is 0600 and the
 //! peer's credentials are checked). Hand-written over `nix`: no crate does
@@ -30,15 +37,37 @@ use std::time::Duration;
 
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 
-/// The most descriptors one message carries (Linux's `SCM_MAX_FD`).
-pub const MAX_SOCKETS: usize = 253;
+/// The most descriptors one message carries (Linux's `SCM_MAX_FD`); more
+/// follow in further messages of one byte (`+`) each.
+const FDS_PER_MESSAGE: usize = 253;
+
+/// The most sockets one hand-over carries.
+pub const MAX_SOCKETS: usize = 4096;
 
 /// How long the new process has, once it took the sockets, to say it is
 /// ready (a Kubernetes source waits up to 30 s for its first snapshot).
 pub const READY_WITHIN: Duration = Duration::from_secs(120);
 
-/// The largest description message accepted.
-const MAX_MESSAGE: usize = 64 * 1024;
+/// The largest description message (and phase answer) accepted.
+const MAX_MESSAGE: usize = 1024 * 1024;
+
+/// The most phases one hand-over has.
+pub const MAX_PHASES: usize = 8;
+
+/// What the offering process does at each phase of a hand-over.
+pub trait Phases: Sync {
+    /// Carries out phase `name` and answers it (one line; a newline in it
+    /// is replaced). An unknown phase answers `unknown`.
+    fn phase(&self, name: &str) -> String {
+        let _ = name;
+        "unknown".into()
+    }
+    /// The new process failed after some phases: undo them (serve on).
+    fn abort(&self) {}
+}
+
+/// No phases (the gateway's hand-over).
+impl Phases for () {}
 
 /// One socket handed over.
 #[derive(Debug)]
@@ -101,14 +130,42 @@ pub fn listen(path: &Path) -> std::io::Result<UnixListener> {
 #[derive(Clone, Default)]
 pub struct Offer(std::sync::Arc<std::sync::Mutex<Option<Offered>>>);
 
-/// Where the sockets are offered, and they.
-type Offered = (PathBuf, Vec<Socket>);
+/// What is offered now: duplicates of the sockets at the moment a new
+/// process asks (a server whose listeners change with its configuration
+/// offers the current ones).
+pub type Source = Box<dyn Fn() -> std::io::Result<Vec<Socket>> + Send>;
+
+/// Where the sockets are offered, and what.
+type Offered = (PathBuf, Source);
+
+fn copy(sockets: &[Socket]) -> std::io::Result<Vec<Socket>> {
+    sockets
+        .iter()
+        .map(|k| {
+            Ok(Socket {
+                name: k.name.clone(),
+                address: k.address.clone(),
+                fd: k.fd.try_clone()?,
+            })
+        })
+        .collect()
+}
+
+/// A source that offers copies of `sockets`.
+pub fn fixed(sockets: Vec<Socket>) -> Source {
+    Box::new(move || copy(&sockets))
+}
 
 impl Offer {
     /// Offers `sockets` at `path`.
     pub fn new(path: PathBuf, sockets: Vec<Socket>) -> Offer {
+        Offer::live(path, fixed(sockets))
+    }
+
+    /// Offers what `source` gives when a new process asks.
+    pub fn live(path: PathBuf, source: Source) -> Offer {
         Offer(std::sync::Arc::new(std::sync::Mutex::new(Some((
-            path, sockets,
+            path, source,
         )))))
     }
 
@@ -125,27 +182,17 @@ impl Offer {
     /// Duplicates of what is offered (`None` once withdrawn or handed over).
     fn copies(&self) -> Option<std::io::Result<Vec<Socket>>> {
         let g = self.0.lock().ok()?;
-        let (_, sockets) = g.as_ref()?;
-        Some(
-            sockets
-                .iter()
-                .map(|k| {
-                    Ok(Socket {
-                        name: k.name.clone(),
-                        address: k.address.clone(),
-                        fd: k.fd.try_clone()?,
-                    })
-                })
-                .collect(),
-        )
+        let (_, source) = g.as_ref()?;
+        Some(source())
     }
 }
 
 /// The old process's side: offers the sockets on `listener` until a new
 /// process takes them and says it is ready (then removes the socket file,
 /// answers `done` and returns `true`), or the offer is withdrawn (`false`,
-/// at the next connection). Blocking: run it on a thread of its own.
-pub fn offer(listener: UnixListener, offer: &Offer) -> std::io::Result<bool> {
+/// at the next connection). `phases` answers the new process's phases, and
+/// undoes them when it fails. Blocking: run it on a thread of its own.
+pub fn offer(listener: UnixListener, offer: &Offer, phases: &dyn Phases) -> std::io::Result<bool> {
     for conn in listener.incoming() {
         let s = match conn {
             Ok(s) => s,
@@ -168,7 +215,7 @@ pub fn offer(listener: UnixListener, offer: &Offer) -> std::io::Result<bool> {
             }
             Some(Ok(v)) => v,
         };
-        match give(&s, &sockets) {
+        match give(&s, &sockets, phases) {
             Ok(()) => {
                 // The new process serves: from now on the socket file is
                 // its to create. Removed before `done`, so it never
@@ -181,6 +228,7 @@ pub fn offer(listener: UnixListener, offer: &Offer) -> std::io::Result<bool> {
                 return Ok(true);
             }
             Err(e) => {
+                phases.abort();
                 tracing::warn!(error = %e, "upgrade: the new process did not take over; serving on")
             }
         }
@@ -188,9 +236,16 @@ pub fn offer(listener: UnixListener, offer: &Offer) -> std::io::Result<bool> {
     Ok(false)
 }
 
-/// One attempt: hand the sockets over and wait for `ready`.
-fn give(s: &UnixStream, sockets: &[Socket]) -> std::io::Result<()> {
+/// One attempt: hand the sockets over, answer the phases, and wait for
+/// `ready`.
+fn give(s: &UnixStream, sockets: &[Socket], phases: &dyn Phases) -> std::io::Result<()> {
     same_user(s)?;
+    let (sockets, odd): (Vec<&Socket>, Vec<&Socket>) = sockets
+        .iter()
+        .partition(|k| serde_like::clean(&k.name) && serde_like::clean(&k.address));
+    for k in odd {
+        tracing::warn!(socket = %k.name, address = %k.address, "upgrade: a socket whose name or path has other characters than [A-Za-z0-9_.:/%-] is not handed over (the new process binds its own)");
+    }
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     s.set_write_timeout(Some(Duration::from_secs(10)))?;
     let mut r = BufReader::new(s.try_clone()?);
@@ -209,25 +264,53 @@ fn give(s: &UnixStream, sockets: &[Socket]) -> std::io::Result<()> {
     let mut payload = serde_like::encode(&names);
     payload.push('\n');
     let fds: Vec<RawFd> = sockets.iter().map(|k| k.fd.as_raw_fd()).collect();
-    let cmsg = [ControlMessage::ScmRights(&fds)];
+    let mut chunks = fds.chunks(FDS_PER_MESSAGE);
+    let first = chunks.next().unwrap_or(&[]);
     let sent = sendmsg::<()>(
         s.as_raw_fd(),
         &[IoSlice::new(payload.as_bytes())],
-        &cmsg,
+        &[ControlMessage::ScmRights(first)],
         MsgFlags::empty(),
         None,
     )
     .map_err(io)?;
-    if sent != payload.len() {
-        return Err(invalid("the description was sent in part"));
+    // A blocking stream socket sends it all; the rest of a long line, if
+    // the kernel stopped short, follows as plain bytes.
+    let mut w = s;
+    w.write_all(&payload.as_bytes()[sent..])?;
+    for chunk in chunks {
+        let n = sendmsg::<()>(
+            s.as_raw_fd(),
+            &[IoSlice::new(b"+")],
+            &[ControlMessage::ScmRights(chunk)],
+            MsgFlags::empty(),
+            None,
+        )
+        .map_err(io)?;
+        if n != 1 {
+            return Err(invalid("a descriptor message was not sent"));
+        }
     }
     s.set_read_timeout(Some(READY_WITHIN))?;
-    let mut line = String::new();
-    r.by_ref().take(64).read_line(&mut line)?;
-    if line != "ready\n" {
-        return Err(invalid(format!("no ready from the new process ({line:?})")));
+    for _ in 0..=MAX_PHASES {
+        let mut line = String::new();
+        r.by_ref().take(128).read_line(&mut line)?;
+        if line == "ready\n" {
+            return Ok(());
+        }
+        let Some(name) = line
+            .strip_prefix("phase ")
+            .and_then(|n| n.strip_suffix('\n'))
+            .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'))
+        else {
+            return Err(invalid(format!("no ready from the new process ({line:?})")));
+        };
+        let mut answer = phases.phase(name).replace(['\n', '\r'], " ");
+        answer.truncate(MAX_MESSAGE - 1);
+        answer.push('\n');
+        w.write_all(answer.as_bytes())?;
     }
-    Ok(())
+    Err(invalid(format!("more than {MAX_PHASES} phases")))
 }
 
 /// The new process's side, once it took the sockets.
@@ -236,6 +319,21 @@ pub struct Taken {
 }
 
 impl Taken {
+    /// Asks the old process to carry out phase `name` (letters, digits and
+    /// `-`) and returns its answer.
+    pub fn phase(&mut self, name: &str) -> std::io::Result<String> {
+        self.stream
+            .write_all(format!("phase {name}\n").as_bytes())?;
+        self.stream.set_read_timeout(Some(READY_WITHIN))?;
+        let mut line = String::new();
+        BufReader::new(&self.stream)
+            .take(u64::try_from(MAX_MESSAGE).unwrap_or(u64::MAX))
+            .read_line(&mut line)?;
+        line.strip_suffix('\n')
+            .map(str::to_string)
+            .ok_or_else(|| invalid("the old process did not answer the phase"))
+    }
+
     /// Tells the old process that the new one serves, and waits (bounded)
     /// for it to give up the offer socket: then the new process may offer
     /// its own at the same path.
@@ -255,7 +353,6 @@ impl Taken {
 }
 
 /// Takes the sockets offered at `path`.
-#[allow(unsafe_code)]
 pub fn take(path: &Path) -> std::io::Result<(Vec<Socket>, Taken)> {
     let mut s = UnixStream::connect(path).map_err(|e| {
         std::io::Error::new(
@@ -270,35 +367,8 @@ pub fn take(path: &Path) -> std::io::Result<(Vec<Socket>, Taken)> {
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     s.set_write_timeout(Some(Duration::from_secs(10)))?;
     s.write_all(b"seedlink-take\n")?;
-    let mut buf = vec![0u8; MAX_MESSAGE];
-    let mut space = nix::cmsg_space!([RawFd; MAX_SOCKETS]);
-    let (n, fds) = {
-        let mut iov = [IoSliceMut::new(&mut buf)];
-        let msg = recvmsg::<()>(
-            s.as_raw_fd(),
-            &mut iov,
-            Some(&mut space),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        )
-        .map_err(io)?;
-        let mut fds = Vec::new();
-        for c in msg.cmsgs().map_err(io)? {
-            if let ControlMessageOwned::ScmRights(got) = c {
-                // SAFETY: the kernel installed these descriptors in this
-                // process for us; nothing else owns them.
-                fds.extend(
-                    got.into_iter()
-                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-                );
-            }
-        }
-        if msg.flags.contains(MsgFlags::MSG_TRUNC) || msg.flags.contains(MsgFlags::MSG_CTRUNC) {
-            return Err(invalid("the offer was larger than this process accepts"));
-        }
-        (msg.bytes, fds)
-    };
-    let text = std::str::from_utf8(&buf[..n]).map_err(|_| invalid("the offer is not UTF-8"))?;
-    let entries = serde_like::decode(text.trim_end()).map_err(invalid)?;
+    let (text, fds) = receive(&s)?;
+    let entries = serde_like::decode(&text).map_err(invalid)?;
     if entries.len() != fds.len() {
         return Err(invalid(format!(
             "the offer names {} sockets and carries {}",
@@ -314,20 +384,84 @@ pub fn take(path: &Path) -> std::io::Result<(Vec<Socket>, Taken)> {
     Ok((sockets, Taken { stream: s }))
 }
 
+/// Reads the description line and the descriptors that come with it and
+/// after it (as many as it names, at most [`MAX_SOCKETS`]), each
+/// `recvmsg` with its own control buffer: a plain read would drop them.
+#[allow(unsafe_code)]
+fn receive(s: &UnixStream) -> std::io::Result<(String, Vec<OwnedFd>)> {
+    let mut buf = Vec::new();
+    let mut fds = Vec::new();
+    let mut chunk = vec![0u8; 64 * 1024];
+    let mut space = nix::cmsg_space!([RawFd; FDS_PER_MESSAGE]);
+    let mut named: Option<usize> = None;
+    loop {
+        if let Some(n) = named {
+            if fds.len() >= n {
+                break;
+            }
+        }
+        let (got, end) = {
+            let mut iov = [IoSliceMut::new(&mut chunk)];
+            let msg = recvmsg::<()>(
+                s.as_raw_fd(),
+                &mut iov,
+                Some(&mut space),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            )
+            .map_err(io)?;
+            for c in msg.cmsgs().map_err(io)? {
+                if let ControlMessageOwned::ScmRights(got) = c {
+                    // SAFETY: the kernel installed these descriptors in
+                    // this process for us; nothing else owns them.
+                    fds.extend(
+                        got.into_iter()
+                            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                    );
+                }
+            }
+            if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+                return Err(invalid("the offer was larger than this process accepts"));
+            }
+            (msg.bytes, msg.bytes == 0)
+        };
+        if end {
+            return Err(invalid("the offer ended early"));
+        }
+        buf.extend_from_slice(&chunk[..got]);
+        if buf.len() > MAX_MESSAGE || fds.len() > MAX_SOCKETS {
+            return Err(invalid("the offer was larger than this process accepts"));
+        }
+        if named.is_none() {
+            if let Some(i) = buf.iter().position(|&b| b == b'\n') {
+                let line = std::str::from_utf8(&buf[..i])
+                    .map_err(|_| invalid("the offer is not UTF-8"))?;
+                named = Some(serde_like::decode(line).map_err(invalid)?.len());
+            }
+        }
+    }
+    let i = buf.iter().position(|&b| b == b'\n').unwrap_or(buf.len());
+    if buf[i..].iter().skip(1).any(|&b| b != b'+') {
+        return Err(invalid("unexpected bytes after the offer"));
+    }
+    let text = std::str::from_utf8(&buf[..i]).map_err(|_| invalid("the offer is not UTF-8"))?;
+    Ok((text.to_string(), fds))
+}
+
 /// The description line: a JSON object written and read without a JSON
 /// dependency in this crate (names and addresses are plain text: listener
-/// names are `[A-Za-z0-9_.-]`, addresses `ip:port`).
+/// names are `[A-Za-z0-9_.:/-]`, addresses `ip:port` or a socket path of
+/// those characters; a socket with another name or path is not offered).
 mod serde_like {
     pub struct Entry<'a> {
         pub name: &'a str,
         pub address: &'a str,
     }
 
-    fn clean(s: &str) -> bool {
+    pub fn clean(s: &str) -> bool {
         !s.is_empty()
             && s.len() <= 256
             && s.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"-_.:[]%".contains(&b))
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.:[]%/".contains(&b))
     }
 
     pub fn encode(entries: &[Entry<'_>]) -> String {
@@ -423,7 +557,7 @@ mod tests {
             }],
         );
         let o = offered.clone();
-        let old = std::thread::spawn(move || offer(l, &o));
+        let old = std::thread::spawn(move || offer(l, &o, &()));
         let (mut sockets, taken) = take(&path).unwrap();
         drop(tcp);
         assert_eq!(sockets.len(), 1);
@@ -439,6 +573,104 @@ mod tests {
         assert!(!path.exists());
         let (_, peer) = taken_l.accept().unwrap();
         assert_eq!(peer, queued.local_addr().unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[cfg(test)]
+mod many_tests {
+    use super::*;
+
+    /// More sockets than one message carries (Linux's 253) arrive, each
+    /// under its own name, in order.
+    #[test]
+    fn more_than_one_message_of_sockets_changes_hands() {
+        let dir = std::env::temp_dir().join(format!("handoff-m-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&dir);
+        let path = dir.join("upgrade.sock");
+        let mut sockets = Vec::new();
+        for i in 0..600 {
+            let t = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            sockets.push(Socket {
+                name: format!("frontend:c{i}/uds"),
+                address: t.local_addr().unwrap().to_string(),
+                fd: OwnedFd::from(t),
+            });
+        }
+        let want: Vec<(String, String)> = sockets
+            .iter()
+            .map(|k| (k.name.clone(), k.address.clone()))
+            .collect();
+        let l = listen(&path).unwrap();
+        let o = Offer::new(path.clone(), sockets);
+        let old = std::thread::spawn(move || offer(l, &o, &()));
+        let (got, taken) = take(&path).unwrap();
+        assert_eq!(got.len(), 600);
+        for (k, (name, address)) in got.into_iter().zip(want) {
+            assert_eq!((&k.name, &k.address), (&name, &address));
+            let l = std::net::TcpListener::from(k.fd);
+            assert_eq!(l.local_addr().unwrap().to_string(), address);
+        }
+        taken.ready().unwrap();
+        assert!(old.join().unwrap().unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[cfg(test)]
+mod phase_tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[derive(Default)]
+    struct Counted {
+        phases: AtomicUsize,
+        aborts: AtomicUsize,
+    }
+
+    impl Phases for Counted {
+        fn phase(&self, name: &str) -> String {
+            self.phases.fetch_add(1, Ordering::SeqCst);
+            format!("did {name}\nthen")
+        }
+        fn abort(&self) {
+            self.aborts.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// A phase is answered in one line; a new process that goes away after
+    /// it makes the old one undo it and offer again; the next one that says
+    /// ready takes over.
+    #[test]
+    fn phases_are_answered_and_undone_when_the_new_process_fails() {
+        let dir = std::env::temp_dir().join(format!("handoff-p-{}", std::process::id()));
+        let _ = std::fs::create_dir_all(&dir);
+        let path = dir.join("upgrade.sock");
+        let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let l = listen(&path).unwrap();
+        let offered = Offer::new(
+            path.clone(),
+            vec![Socket {
+                name: "agents".into(),
+                address: tcp.local_addr().unwrap().to_string(),
+                fd: OwnedFd::from(tcp),
+            }],
+        );
+        let counted = std::sync::Arc::new(Counted::default());
+        let (o, c) = (offered.clone(), counted.clone());
+        let old = std::thread::spawn(move || offer(l, &o, &*c));
+        {
+            let (_, mut taken) = take(&path).unwrap();
+            assert_eq!(taken.phase("agents").unwrap(), "did agents then");
+            // Gone without ready.
+        }
+        let (_, mut taken) = take(&path).unwrap();
+        assert_eq!(counted.aborts.load(Ordering::SeqCst), 1);
+        assert_eq!(taken.phase("agents").unwrap(), "did agents then");
+        taken.ready().unwrap();
+        assert!(old.join().unwrap().unwrap());
+        assert_eq!(counted.phases.load(Ordering::SeqCst), 2);
+        assert_eq!(counted.aborts.load(Ordering::SeqCst), 1);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
@@ -466,7 +698,7 @@ mod withdraw_tests {
             }],
         );
         let o = offered.clone();
-        let old = std::thread::spawn(move || offer(l, &o));
+        let old = std::thread::spawn(move || offer(l, &o, &()));
         offered.withdraw();
         assert!(!path.exists());
         assert!(

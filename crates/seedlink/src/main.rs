@@ -75,6 +75,20 @@ enum Command {
         /// the configuration and every file it names are watched, not polled.
         #[arg(long, hide = true)]
         reload_interval: Option<f64>,
+        /// Offer the listening sockets on this Unix socket (mode 0600) to
+        /// the next binary, which takes them with --take-over: agents move
+        /// first, then the frontends; this process keeps carrying its open
+        /// tunnels until they end or --drain passes (docs/OPERATIONS.md).
+        #[arg(long)]
+        upgrade_socket: Option<PathBuf>,
+        /// Take the listening sockets from the tunnel-server offering them
+        /// at --upgrade-socket, and offer them on in turn.
+        #[arg(long, requires = "upgrade_socket")]
+        take_over: bool,
+        /// With --take-over: how long to wait for the agents to move before
+        /// taking the frontends, seconds.
+        #[arg(long, default_value_t = 30.0)]
+        take_over_wait: f64,
     },
     /// Run the gateway and the tunnel-server in one process: agents'
     /// connections that the gateway routes to an endpoint `local:tunnel-server`
@@ -179,10 +193,11 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             take_over,
         } => runtime()?.block_on(roles::gateway::run(
             config,
-            roles::gateway::Upgrade {
+            roles::Upgrade {
                 reuse_port,
                 socket: upgrade_socket,
                 take_over,
+                ..roles::Upgrade::default()
             },
         )),
         Command::NodeProxy(args) => runtime()?.block_on(roles::node_proxy::run(*args)),
@@ -190,13 +205,22 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             config,
             drain,
             reload_interval,
+            upgrade_socket,
+            take_over,
+            take_over_wait,
         } => {
             ignored_reload_interval(reload_interval);
             let opts = TunnelServerOptions {
                 config,
                 drain: roles::secs(drain, "drain")?,
             };
-            tunnel_runtime()?.block_on(roles::tunnel::server(opts))
+            let upgrade = roles::Upgrade {
+                socket: upgrade_socket,
+                take_over,
+                wait: roles::secs(take_over_wait, "take-over-wait")?,
+                ..roles::Upgrade::default()
+            };
+            tunnel_runtime()?.block_on(roles::tunnel::server(opts, upgrade))
         }
         Command::TunnelAgent(args) => tunnel_runtime()?.block_on(roles::tunnel::agent(*args)),
         Command::TunnelConfig(args) => seedlink::tunnel_config::tunnel_config(*args),

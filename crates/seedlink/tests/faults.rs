@@ -781,9 +781,74 @@ clusters:
         common::tunnel_env::Started { proc, ready }
     }
 
+    /// Where servers offer their sockets to a next binary.
+    fn upgrade_socket(&self) -> std::path::PathBuf {
+        self.dir.path().join("upgrade.sock")
+    }
+
+    /// A tunnel-server offering its sockets for a binary upgrade.
     fn server(&self) -> common::tunnel_env::Started {
+        self.server_with(&[])
+    }
+
+    fn server_with(&self, extra: &[&str]) -> common::tunnel_env::Started {
         let cfg = self.dir.path().join("server.yaml").display().to_string();
-        Self::start(&["tunnel-server".into(), "--config".into(), cfg])
+        let mut args: Vec<String> = ["tunnel-server", "--config", &cfg, "--drain", "60"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        args.push("--upgrade-socket".into());
+        args.push(self.upgrade_socket().display().to_string());
+        args.extend(extra.iter().map(|s| s.to_string()));
+        Self::start(&args)
+    }
+
+    /// A new binary taking the running server's sockets over.
+    fn take_over(&self) -> common::tunnel_env::Started {
+        self.server_with(&["--take-over", "--take-over-wait", "10"])
+    }
+
+    /// `n` downloads of `size` from `target` through the tunnel, each read
+    /// to its first 64 KiB and left open.
+    async fn half_read(&self, target: SocketAddr, n: usize) -> Vec<tokio::net::UnixStream> {
+        let mut open = Vec::new();
+        for _ in 0..n {
+            let mut s = common::tunnel_env::kas_connect(&self.uds, &target.to_string())
+                .await
+                .unwrap();
+            let mut first = vec![0u8; 64 * 1024];
+            tokio::io::AsyncReadExt::read_exact(&mut s, &mut first)
+                .await
+                .unwrap();
+            open.push(s);
+        }
+        open
+    }
+
+    /// Reads the rest of each half-read download: how many were exact.
+    async fn finish(open: Vec<tokio::net::UnixStream>, size: u64) -> usize {
+        let mut exact = 0;
+        for mut s in open {
+            let e = read_pattern_at(&mut s, 64 * 1024, size, Duration::from_secs(60)).await;
+            assert_eq!(e, Ending::Exact, "a download across the event");
+            exact += 1;
+        }
+        exact
+    }
+
+    /// Waits (bounded) for `server` to exit; its exit code.
+    async fn exit_code(server: &mut common::tunnel_env::Started) -> Option<i32> {
+        let t = Instant::now();
+        loop {
+            if let Some(st) = server.proc.0.try_wait().unwrap() {
+                return st.code();
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "the old server did not exit after its last tunnel"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     fn agent(&self) -> common::tunnel_env::Started {
@@ -990,6 +1055,80 @@ async fn tunnel_under_faults() {
             back.as_secs_f64()
         ),
         &oracle.check("server-restarted").await,
+    );
+    // Rolling update in one place: the server drains (SIGTERM: DRAIN to
+    // the agent) while its replacement starts; the agent moves at once,
+    // downloads under way finish byte-exact through the draining server,
+    // which then exits 0.
+    let big = p.size.max(4 << 20);
+    let sized = pattern_backend(big, &stop).await;
+    let open = bed.half_read(sized, 4).await;
+    signal(server.pid(), "-TERM");
+    // Its offer for a binary upgrade is withdrawn as it drains.
+    let t = Instant::now();
+    while bed.upgrade_socket().exists() {
+        assert!(t.elapsed() < Duration::from_secs(10), "the offer stays");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut old = std::mem::replace(&mut server, bed.server());
+    TunnelBed::wait_agents(&server, 1.0, "the agent to move to the replacement").await;
+    oracle = TunnelBed::oracle(&server);
+    let exact = TunnelBed::finish(open, big).await;
+    assert_eq!(TunnelBed::exit_code(&mut old).await, Some(0));
+    let after = all_exact(&bed, target, &p).await;
+    report(
+        "server-rolling",
+        &format!("{exact} downloads under way byte-exact through the draining server, old exit 0; {after} after"),
+        &oracle.check("server-rolling").await,
+    );
+
+    // Binary upgrade: the new process takes the sockets (agents first,
+    // then frontends) under a loop of dials; downloads under way finish
+    // through the old process, which exits 0; no dial fails.
+    let open = bed.half_read(sized, 4).await;
+    let small = pattern_backend(64 * 1024, &stop).await;
+    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let dials = CancellationToken::new();
+    let dialer = {
+        let (uds, ok, failed, dials) = (bed.uds.clone(), ok.clone(), failed.clone(), dials.clone());
+        tokio::spawn(async move {
+            for _ in 0..2_000 {
+                if dials.is_cancelled() {
+                    break;
+                }
+                match tunnel_download(uds.clone(), small, 64 * 1024).await {
+                    Ending::Exact => ok.fetch_add(1, Ordering::Relaxed),
+                    other => {
+                        eprintln!("dial across the upgrade: {other:?}");
+                        failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+            }
+        })
+    };
+    let mut old = std::mem::replace(&mut server, bed.take_over());
+    TunnelBed::wait_agents(&server, 1.0, "the agent to move to the new process").await;
+    let exact = TunnelBed::finish(open, big).await;
+    assert_eq!(TunnelBed::exit_code(&mut old).await, Some(0));
+    let seen = ok.load(Ordering::Relaxed);
+    let t = Instant::now();
+    while ok.load(Ordering::Relaxed) < seen + 10 {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "dials through the new process"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    dials.cancel();
+    dialer.await.unwrap();
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    assert_eq!(failed, 0, "no dial fails across the upgrade ({ok} served)");
+    oracle = TunnelBed::oracle(&server);
+    let after = all_exact(&bed, target, &p).await;
+    report(
+        "server-binary-upgrade",
+        &format!("{exact} downloads under way byte-exact through the old process, old exit 0; {ok} dials across it, 0 failed; {after} after"),
+        &oracle.check("server-binary-upgrade").await,
     );
     drop(agent);
     stop.cancel();

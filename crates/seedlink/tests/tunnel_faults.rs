@@ -904,3 +904,200 @@ async fn a_rolling_restart_fails_no_dial_and_keeps_open_tunnels() {
         "no dial fails during the rolling restart ({ok} served)"
     );
 }
+
+/// A binary upgrade of the tunnel-server (issue 26, item 4): two upgrades
+/// in a row by socket hand-over under a steady loop of dials through the
+/// Unix frontend. The agent moves to each new process first (DRAIN), then
+/// the new process takes the frontends; a tunnel opened before stays
+/// byte-exact through the old process while it drains, and the old process
+/// exits 0 once its last tunnel ended. No dial fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_server_binary_upgrade_fails_no_dial_and_keeps_open_tunnels() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    let env = TunnelEnv::new(57);
+    let ep = env.agent_endpoint(8151);
+    let upgrade = env.dir.path().join("upgrade.sock").display().to_string();
+    // The same server ID in every process (a pod's name).
+    let yaml = env.server_yaml(&ep, "server_id: tunnel-0", "");
+    let mut current = env.server_with(
+        &yaml,
+        "server",
+        &["--drain", "60", "--upgrade-socket", &upgrade],
+    );
+    let agent = env.agent(&ep, &[]);
+    TunnelEnv::until(Duration::from_secs(30), "the agent connects", || {
+        env.server_metric(&current.admin(), AGENTS) == 1.0
+    })
+    .await;
+
+    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let dialer = {
+        let (uds, ok, failed, stop) = (env.uds.clone(), ok.clone(), failed.clone(), stop.clone());
+        tokio::spawn(async move {
+            let end = Instant::now() + Duration::from_secs(240);
+            for _ in 0..20_000usize {
+                if stop.is_cancelled() || Instant::now() > end {
+                    break;
+                }
+                let r = tokio::time::timeout(Duration::from_secs(10), async {
+                    let s = kas_connect(&uds, "127.0.0.1:8000").await?;
+                    Ok::<_, String>(fetch_hello(s).await)
+                })
+                .await;
+                match r {
+                    Ok(Ok(body)) if body.contains("hello") => ok.fetch_add(1, Ordering::Relaxed),
+                    other => {
+                        eprintln!("dial failed: {other:?}");
+                        failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+
+    for round in 0..2 {
+        let mut long =
+            kas_connect_eventually(&env.uds, "127.0.0.1:7007", Duration::from_secs(10)).await;
+        echo_rtt(&mut long, 1000).await;
+        let seen = ok.load(Ordering::Relaxed);
+        TunnelEnv::until(Duration::from_secs(20), "dials before the upgrade", || {
+            ok.load(Ordering::Relaxed) >= seen + 10
+        })
+        .await;
+        // The new process says ready once the agent moved and it took the
+        // frontends.
+        let next = env.server_with(
+            &yaml,
+            &format!("server-next-{round}"),
+            &[
+                "--drain",
+                "60",
+                "--upgrade-socket",
+                &upgrade,
+                "--take-over",
+                "--take-over-wait",
+                "10",
+            ],
+        );
+        assert_eq!(next.ready["agents"], current.ready["agents"]);
+        let mut old = std::mem::replace(&mut current, next);
+        TunnelEnv::until(
+            Duration::from_secs(20),
+            "the agent holds the new process",
+            || env.server_metric(&current.admin(), AGENTS) == 1.0,
+        )
+        .await;
+        assert!(
+            old.proc.0.try_wait().unwrap().is_none(),
+            "the old process drains while its tunnel is open"
+        );
+        // The old process's tunnel still carries its stream, byte-exact.
+        for n in [1000, 20_000, 65_536, 1000] {
+            let msg: Vec<u8> = (0..n).map(|j| (j % 251) as u8).collect();
+            long.write_all(&msg).await.unwrap();
+            let mut back = vec![0u8; n];
+            tokio::time::timeout(Duration::from_secs(10), long.read_exact(&mut back))
+                .await
+                .expect("the long stream stalled")
+                .unwrap();
+            assert_eq!(back, msg);
+        }
+        drop(long);
+        let end = Instant::now() + Duration::from_secs(30);
+        let code = loop {
+            if let Some(st) = old.proc.0.try_wait().unwrap() {
+                break st.code();
+            }
+            assert!(
+                Instant::now() < end,
+                "the old process did not exit after its last tunnel"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(code, Some(0));
+    }
+    let seen = ok.load(Ordering::Relaxed);
+    TunnelEnv::until(
+        Duration::from_secs(20),
+        "dials through the last process",
+        || ok.load(Ordering::Relaxed) >= seen + 30,
+    )
+    .await;
+    stop.cancel();
+    dialer.await.unwrap();
+    drop(agent);
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    eprintln!("two tunnel-server binary upgrades: {ok} dials served, {failed} failed");
+    assert_eq!(failed, 0, "no dial fails across the upgrades ({ok} served)");
+}
+
+/// A new tunnel-server process that dies after the old one moved its
+/// agents out (phase `agents`) leaves the old one serving: it accepts
+/// agents again, and the agent, told to move, comes back to it (ready
+/// again) instead of waiting for a process that is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_server_upgrade_that_fails_midway_leaves_the_old_one_serving() {
+    let env = TunnelEnv::new(61);
+    let ep = env.agent_endpoint(8152);
+    let upgrade = env.dir.path().join("upgrade.sock").display().to_string();
+    let yaml = env.server_yaml(&ep, "server_id: tunnel-0", "");
+    let old = env.server_with(
+        &yaml,
+        "server",
+        &["--drain", "60", "--upgrade-socket", &upgrade],
+    );
+    let agent = env.agent(&ep, &[]);
+    let agent_ready = || TunnelEnv::admin_get(&env.shoot, &agent.admin(), "/readyz");
+    TunnelEnv::until(Duration::from_secs(30), "the agent is ready", || {
+        agent_ready().starts_with("server streams: 1 of 1")
+    })
+    .await;
+    let moving = || {
+        let state = TunnelEnv::admin_get(&env.seed, &old.admin(), "/api/state");
+        serde_json::from_str::<serde_json::Value>(&state)
+            .map(|v| v["process"]["agents_moving"].clone())
+            .unwrap_or_default()
+    };
+    // The agent is frozen, so it cannot move: the new process waits for
+    // it, and is killed while it waits.
+    signal(agent.pid(), "-STOP");
+    let cfg = env.dir.path().join("server-next.yaml");
+    std::fs::write(&cfg, &yaml).unwrap();
+    let mut next = Proc(
+        env.seed
+            .cmd(&[seedlink_bin(), "tunnel-server", "--config"])
+            .arg(&cfg)
+            .args(["--upgrade-socket", &upgrade, "--take-over"])
+            .args(["--take-over-wait", "120"])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    // Only the old process can say so (the admin socket is shared).
+    TunnelEnv::until(
+        Duration::from_secs(20),
+        "the old process moves its agents",
+        || moving() == true,
+    )
+    .await;
+    signal(next.0.id(), "-KILL");
+    let _ = next.0.wait();
+    TunnelEnv::until(
+        Duration::from_secs(20),
+        "the old process takes agents again",
+        || moving() == false,
+    )
+    .await;
+    signal(agent.pid(), "-CONT");
+    TunnelEnv::until(
+        Duration::from_secs(30),
+        "the agent is back and ready",
+        || agent_ready().starts_with("server streams: 1 of 1"),
+    )
+    .await;
+    let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(10)).await;
+    assert!(fetch_hello(s).await.contains("hello"));
+}

@@ -237,35 +237,14 @@ pub async fn kubernetes(
     Ok(Some(handle))
 }
 
-/// How `seedlink gateway` gets its sockets and hands them on.
-#[derive(Debug, Clone, Default)]
-pub struct Upgrade {
-    /// Share ports with a running gateway (`SO_REUSEPORT`, the old way).
-    pub reuse_port: bool,
-    /// Offer the sockets on this Unix socket to a next binary
-    /// (`--upgrade-socket`).
-    pub socket: Option<PathBuf>,
-    /// Take the sockets from the gateway offering them at `socket` first
-    /// (`--take-over`).
-    pub take_over: bool,
-}
-
 /// Runs `seedlink gateway` until drained; returns the exit code.
-pub async fn run(config: PathBuf, upgrade: Upgrade) -> anyhow::Result<i32> {
+pub async fn run(config: PathBuf, upgrade: super::Upgrade) -> anyhow::Result<i32> {
     let gw = load(config)?;
     let kube = kubernetes(&gw).await?;
     let supervisor = Supervisor::install()?;
-    let (bound, taken) = match (&upgrade.socket, upgrade.take_over) {
-        (Some(path), true) => {
-            let path = path.clone();
-            let (sockets, taken) =
-                tokio::task::spawn_blocking(move || seedlink_net::handoff::take(&path)).await??;
-            (gw.bind_handed(sockets)?, Some(taken))
-        }
-        (None, true) => anyhow::bail!(
-            "--take-over needs --upgrade-socket (where the running gateway offers its sockets)"
-        ),
-        _ => (gw.bind(upgrade.reuse_port)?, None),
+    let (bound, taken) = match upgrade.take().await? {
+        Some((sockets, taken)) => (gw.bind_handed(sockets)?, Some(taken)),
+        None => (gw.bind(upgrade.reuse_port)?, None),
     };
     let offered = match &upgrade.socket {
         Some(_) => Some(bound.offer()?),
@@ -287,61 +266,21 @@ pub async fn run(config: PathBuf, upgrade: Upgrade) -> anyhow::Result<i32> {
     let mut armed = supervisor.arm(vec![GatewayWithSource::new(gw.clone(), kube)]);
     // From here on this process serves: a failure only costs the next
     // upgrade (logged), never the service.
-    let mut confirmed = true;
-    if let Some(taken) = taken {
-        // The old gateway stops accepting and drains; its offer file is
-        // gone once it answers.
-        match tokio::task::spawn_blocking(move || taken.ready()).await {
-            Ok(Ok(())) => tracing::info!("upgrade: the previous gateway hands over and drains"),
-            Ok(Err(e)) => {
-                confirmed = false;
-                tracing::warn!(error = %e, "upgrade: the previous gateway did not confirm; it may still accept, and this one does not offer its sockets");
-            }
-            Err(e) => {
-                confirmed = false;
-                tracing::warn!(error = %e, "upgrade: confirming to the previous gateway failed");
-            }
-        }
-    }
-    let listener = match (&upgrade.socket, confirmed) {
-        (Some(path), true) => match seedlink_net::handoff::listen(path) {
-            Ok(l) => Some(l),
-            Err(e) if upgrade.take_over => {
-                tracing::error!(error = %e, "--upgrade-socket: cannot offer the sockets for the next upgrade");
-                None
-            }
-            Err(e) => anyhow::bail!("--upgrade-socket {}: {e}", path.display()),
-        },
-        _ => None,
+    let confirmed = match taken {
+        Some(taken) => super::Upgrade::confirm(taken).await,
+        None => true,
     };
-    if let (Some(path), Some(sockets), Some(listener)) = (upgrade.socket, offered, listener) {
-        let offer = seedlink_net::handoff::Offer::new(path, sockets);
-        // A drain for any other reason withdraws the offer: its copies of
-        // the listening sockets must not keep them open.
-        {
-            let (offer, stop) = (offer.clone(), gw.lifecycle.stop_accepting.clone());
-            tokio::spawn(async move {
-                stop.cancelled().await;
-                offer.withdraw();
-            });
-        }
-        let (tx, rx) = tokio::sync::mpsc::channel(1);
-        let gw = gw.clone();
-        let spawned = std::thread::Builder::new()
-            .name("seedlink-upgrade".into())
-            .spawn(move || match seedlink_net::handoff::offer(listener, &offer) {
-                Ok(true) => {
-                    gw.handed_over();
-                    let _ = tx.blocking_send(());
-                }
-                Ok(false) => {}
-                Err(e) => tracing::error!(error = %e, "upgrade socket failed; no binary upgrade possible"),
-            });
-        match spawned {
-            Ok(_) => armed = armed.drain_when_handed_over(rx),
-            Err(e) => {
-                tracing::error!(error = %e, "cannot start the upgrade thread; no binary upgrade possible")
-            }
+    if let Some(sockets) = offered {
+        let gw2 = gw.clone();
+        let handed = upgrade.offer(
+            seedlink_net::handoff::fixed(sockets),
+            Box::new(()),
+            gw.lifecycle.stop_accepting.clone(),
+            confirmed,
+            Box::new(move || gw2.handed_over()),
+        )?;
+        if let Some(rx) = handed {
+            armed = armed.drain_when_handed_over(rx);
         }
     }
     // One machine-readable line on stdout tells scripts and tests the bound
@@ -360,7 +299,7 @@ pub async fn seed(
     tunnel: TunnelServerOptions,
     reuse_port: bool,
 ) -> anyhow::Result<i32> {
-    let server = Arc::new(ServerRole::start(tunnel).await?);
+    let server = Arc::new(ServerRole::start(tunnel, Vec::new()).await?);
     server.start_kubernetes().await?;
     let gw = load(gw_config)?;
     let kube = kubernetes(&gw).await?;

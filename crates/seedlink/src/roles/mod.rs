@@ -6,6 +6,120 @@ pub mod gateway;
 pub mod node_proxy;
 pub mod tunnel;
 
+use std::path::PathBuf;
+
+use seedlink_net::handoff;
+use tokio_util::sync::CancellationToken;
+
+/// How a role gets its sockets and hands them on (`--upgrade-socket`,
+/// `--take-over`).
+#[derive(Debug, Clone, Default)]
+pub struct Upgrade {
+    /// Share ports with a running gateway (`SO_REUSEPORT`, the old way).
+    pub reuse_port: bool,
+    /// Offer the sockets on this Unix socket to a next binary.
+    pub socket: Option<PathBuf>,
+    /// Take the sockets from the process offering them at `socket` first.
+    pub take_over: bool,
+    /// How long a tunnel-server taking over waits for the agents to move
+    /// before it takes the frontends.
+    pub wait: std::time::Duration,
+}
+
+impl Upgrade {
+    /// Takes the sockets offered at `socket` when taking over.
+    pub async fn take(&self) -> anyhow::Result<Option<(Vec<handoff::Socket>, handoff::Taken)>> {
+        match (&self.socket, self.take_over) {
+            (Some(path), true) => {
+                let path = path.clone();
+                Ok(Some(
+                    tokio::task::spawn_blocking(move || handoff::take(&path)).await??,
+                ))
+            }
+            (None, true) => anyhow::bail!(
+                "--take-over needs --upgrade-socket (where the running process offers its sockets)"
+            ),
+            _ => Ok(None),
+        }
+    }
+
+    /// Tells the process we took over from that this one serves: it stops
+    /// accepting and drains, and its offer file is gone once it answers.
+    /// From here on this process serves: a failure only costs the next
+    /// upgrade (this one then offers nothing, logged), never the service.
+    pub async fn confirm(taken: handoff::Taken) -> bool {
+        match tokio::task::spawn_blocking(move || taken.ready()).await {
+            Ok(Ok(())) => {
+                tracing::info!("upgrade: the previous process hands over and drains");
+                true
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "upgrade: the previous process did not confirm; it may still accept, and this one does not offer its sockets");
+                false
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "upgrade: confirming to the previous process failed");
+                false
+            }
+        }
+    }
+
+    /// Offers what `source` gives at `--upgrade-socket` on a thread of its
+    /// own, with `phases`; a drain for another reason (`stop`) withdraws
+    /// the offer, so that its copies do not keep the sockets open. When a
+    /// new process took over, `handed` runs and the receiver says so (the
+    /// supervisor then drains). `confirmed`: this process is the one
+    /// serving (a take-over the old process did not confirm offers nothing).
+    pub fn offer(
+        &self,
+        source: handoff::Source,
+        phases: Box<dyn handoff::Phases + Send>,
+        stop: CancellationToken,
+        confirmed: bool,
+        handed: Box<dyn FnOnce() + Send>,
+    ) -> anyhow::Result<Option<tokio::sync::mpsc::Receiver<()>>> {
+        let Some(path) = self.socket.clone().filter(|_| confirmed) else {
+            return Ok(None);
+        };
+        let listener = match handoff::listen(&path) {
+            Ok(l) => l,
+            Err(e) if self.take_over => {
+                tracing::error!(error = %e, "--upgrade-socket: cannot offer the sockets for the next upgrade");
+                return Ok(None);
+            }
+            Err(e) => anyhow::bail!("--upgrade-socket {}: {e}", path.display()),
+        };
+        let offer = handoff::Offer::live(path, source);
+        {
+            let offer = offer.clone();
+            tokio::spawn(async move {
+                stop.cancelled().await;
+                offer.withdraw();
+            });
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let spawned = std::thread::Builder::new()
+            .name("seedlink-upgrade".into())
+            .spawn(move || match handoff::offer(listener, &offer, &*phases) {
+                Ok(true) => {
+                    handed();
+                    let _ = tx.blocking_send(());
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, "upgrade socket failed; no binary upgrade possible")
+                }
+            });
+        match spawned {
+            Ok(_) => Ok(Some(rx)),
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the upgrade thread; no binary upgrade possible");
+                Ok(None)
+            }
+        }
+    }
+}
+
 /// `v` seconds from the command line, or an error naming the flag.
 pub fn secs(v: f64, what: &str) -> anyhow::Result<std::time::Duration> {
     std::time::Duration::try_from_secs_f64(v)

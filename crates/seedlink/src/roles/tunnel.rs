@@ -212,13 +212,18 @@ pub struct ServerRole {
 
 impl ServerRole {
     /// Reads the configuration (every file it names), binds every listener.
-    pub async fn start(opts: TunnelServerOptions) -> anyhow::Result<ServerRole> {
+    /// With `handed` sockets (a binary upgrade) it serves on those that
+    /// match, and its frontends wait for [`TunnelServer::open_frontends`].
+    pub async fn start(
+        opts: TunnelServerOptions,
+        handed: Vec<seedlink_net::handoff::Socket>,
+    ) -> anyhow::Result<ServerRole> {
         let text = std::fs::read_to_string(&opts.config)
             .with_context(|| format!("reading {}", opts.config.display()))?;
         let cfg =
             ServerConfig::parse(&text).with_context(|| format!("{}", opts.config.display()))?;
         let srv = TunnelServer::from_config(&cfg)?;
-        let bound = srv.start().await?;
+        let bound = srv.start_with(handed).await?;
         Ok(ServerRole {
             srv,
             bound,
@@ -425,15 +430,97 @@ impl Role for ServerRole {
 }
 
 /// Runs `seedlink tunnel-server` until drained; returns the exit code.
-pub async fn server(opts: TunnelServerOptions) -> anyhow::Result<i32> {
+/// With `--take-over` it takes the running server's sockets in two phases
+/// (`seedlink_tunnel::server::handover`): agents first, frontends once they
+/// moved.
+pub async fn server(opts: TunnelServerOptions, upgrade: super::Upgrade) -> anyhow::Result<i32> {
     let supervisor = Supervisor::install()?;
-    let role = Arc::new(ServerRole::start(opts).await?);
+    let (handed, taken) = match upgrade.take().await? {
+        Some((sockets, taken)) => (sockets, Some(taken)),
+        None => (Vec::new(), None),
+    };
+    let role = Arc::new(ServerRole::start(opts, handed).await?);
     role.start_kubernetes().await?;
+    let confirmed = match taken {
+        Some(taken) => take_agents_then_frontends(&role.srv, taken, upgrade.wait).await,
+        None => true,
+    };
+    let mut armed = supervisor.arm(vec![role.clone()]);
+    if upgrade.socket.is_some() {
+        let (srv, srv2) = (role.srv.clone(), role.srv.clone());
+        let handed = upgrade.offer(
+            Box::new(move || srv.offered_sockets()),
+            Box::new(Phases {
+                srv: role.srv.clone(),
+                rt: tokio::runtime::Handle::current(),
+            }),
+            role.srv.accepting.clone(),
+            confirmed,
+            Box::new(move || srv2.handed_over()),
+        )?;
+        if let Some(rx) = handed {
+            armed = armed.drain_when_handed_over(rx);
+        }
+    }
     let mut ready = role.ready_line();
     ready["event"] = "ready".into();
-    let armed = supervisor.arm(vec![role]);
     println!("{ready}");
     Ok(armed.run().await)
+}
+
+/// The new process's side of a tunnel-server hand-over: asks the old one
+/// to move its agents (phase `agents`), waits up to `wait` for them, takes
+/// the frontends, and confirms. Whether the old process confirmed.
+async fn take_agents_then_frontends(
+    srv: &Arc<TunnelServer>,
+    mut taken: seedlink_net::handoff::Taken,
+    wait: Duration,
+) -> bool {
+    let asked = tokio::task::spawn_blocking(move || {
+        let a = taken.phase("agents");
+        (taken, a)
+    })
+    .await;
+    let Ok((taken, answer)) = asked else {
+        tracing::error!("upgrade: asking the previous tunnel-server for its agents failed");
+        srv.open_frontends();
+        return false;
+    };
+    match answer {
+        Ok(a) => {
+            let missing = srv.wait_for_agents(&a, wait).await;
+            if missing.is_empty() {
+                tracing::info!("upgrade: every agent moved; taking the frontends");
+            } else {
+                tracing::warn!(?missing, waited = ?wait, "upgrade: agents that did not move in time (an upstream agent ignores DRAIN and moves when its stream ends); taking the frontends");
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "upgrade: the previous tunnel-server did not hand its agents over; taking the frontends")
+        }
+    }
+    srv.open_frontends();
+    super::Upgrade::confirm(taken).await
+}
+
+/// The old process's side of the hand-over's phases.
+struct Phases {
+    srv: Arc<TunnelServer>,
+    rt: tokio::runtime::Handle,
+}
+
+impl seedlink_net::handoff::Phases for Phases {
+    fn phase(&self, name: &str) -> String {
+        match name {
+            "agents" => self.srv.hand_agents_over(),
+            _ => "unknown".into(),
+        }
+    }
+
+    fn abort(&self) {
+        let _in_runtime = self.rt.enter();
+        self.srv.resume_agents();
+    }
 }
 
 /// A running agent as the supervisor sees it.

@@ -113,6 +113,9 @@ pub fn state(srv: &Core) -> serde_json::Value {
             "server_id": srv.server_id,
             "server_count": srv.server_count.load(std::sync::atomic::Ordering::Relaxed),
             "ready": srv.ready(),
+            // A binary upgrade asked this process to move its agents to
+            // the new one (false again if that one failed).
+            "agents_moving": srv.agents_moving.load(std::sync::atomic::Ordering::Acquire),
         },
         "clusters": clusters,
     })

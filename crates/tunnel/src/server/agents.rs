@@ -149,9 +149,10 @@ async fn open_stream(
         tracing::info!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, flow, "agent connected");
     }
     let answer = response(&srv, to_agent, flow, replicas);
-    // Registered after the drain began (its handshake or TokenReview was
-    // under way): it gets the DRAIN the others got.
-    if srv.accepting.is_cancelled() {
+    // Registered after the drain or a hand-over began (its handshake or
+    // TokenReview was under way): it gets the DRAIN the others got.
+    if srv.accepting.is_cancelled() || srv.agents_moving.load(std::sync::atomic::Ordering::Acquire)
+    {
         link.drain_notice();
     }
     tokio::spawn(receive(srv, cluster, link, req.into_inner(), probe));

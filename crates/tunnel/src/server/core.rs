@@ -60,6 +60,9 @@ pub struct Core {
     pub shutdown: CancellationToken,
     /// Cancelled when draining starts: listeners stop accepting.
     pub accepting: CancellationToken,
+    /// Agents are moving to a new process (a binary upgrade): a stream
+    /// registered now gets DRAIN at once.
+    pub agents_moving: std::sync::atomic::AtomicBool,
     /// Agent connection tasks.
     pub tasks: TaskTracker,
     /// Frontend connection tasks (a drain waits for these).

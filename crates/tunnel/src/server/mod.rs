@@ -14,6 +14,7 @@ pub mod agents;
 pub mod core;
 pub mod dialerror;
 pub mod frontend;
+pub mod handover;
 pub mod harness;
 pub mod limits;
 pub mod link;

@@ -18,6 +18,7 @@ use tokio_util::task::TaskTracker;
 
 pub use super::core::{Core, Settings};
 use super::frontend::FrontendEnd;
+use super::handover::{self, Sockets};
 use super::limits::Limits;
 use super::metrics::Metrics;
 use super::{Cluster, ClusterConf, Registry, Strategy};
@@ -100,6 +101,8 @@ pub struct TunnelServer {
     running: tokio::sync::Mutex<Vec<Running>>,
     /// The settings a reload cannot change (they need a restart).
     fixed: Fixed,
+    /// Its listening sockets as a binary upgrade sees them.
+    pub(super) sockets: Sockets,
 }
 
 impl std::ops::Deref for TunnelServer {
@@ -247,6 +250,43 @@ fn transport(f: &Frontend, what: &str, authenticated: bool) -> Result<Transport,
             })
         }
     })
+}
+
+/// Binds frontend `label`'s Unix socket at `path`. A TunnelCluster's
+/// socket lives in a directory of its own (docs/SECURITY.md), made here if
+/// it is not there yet, never through a symlink; a file already there is
+/// replaced (like upstream's `--delete-existing-uds-file`, default true).
+fn bind_unix(label: &str, path: &std::path::Path) -> Result<UnixListener, ServerError> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(dir)
+            .map_err(ServerError::listen(format!(
+                "{label}: creating {}",
+                dir.display()
+            )))?;
+        let real_dir = std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir());
+        if !real_dir {
+            return Err(ServerError::listen(format!(
+                "{label}: {} is not a directory (a symlink?)",
+                dir.display()
+            ))(std::io::Error::from(
+                std::io::ErrorKind::InvalidInput,
+            )));
+        }
+    }
+    let _ = std::fs::remove_file(path);
+    let l = UnixListener::bind(path).map_err(ServerError::listen(format!(
+        "{label}: listening on {}",
+        path.display()
+    )))?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(
+        ServerError::listen(format!("{label}: permissions of {}", path.display())),
+    )?;
+    Ok(l)
 }
 
 /// Reads and checks everything `cfg` refers to.
@@ -423,6 +463,7 @@ impl TunnelServer {
             },
             shutdown: CancellationToken::new(),
             accepting: CancellationToken::new(),
+            agents_moving: std::sync::atomic::AtomicBool::new(false),
             tasks: TaskTracker::new(),
             frontend_tasks: TaskTracker::new(),
             config: ArcSwap::from_pointee(super::core::ConfigView {
@@ -432,6 +473,7 @@ impl TunnelServer {
             }),
         });
         Ok(Arc::new(TunnelServer {
+            sockets: Sockets::new(&core.accepting),
             core,
             agent_listen: cfg.agents.listen,
             admin_listen: cfg.admin.as_ref().map(|a| a.listen),
@@ -444,8 +486,24 @@ impl TunnelServer {
 
     /// Binds every listener and serves until [`TunnelServer::shutdown`].
     pub async fn start(self: &Arc<Self>) -> Result<Bound, ServerError> {
+        self.start_with(Vec::new()).await
+    }
+
+    /// Like [`TunnelServer::start`], on the sockets a running process
+    /// handed over where they match (a binary upgrade; docs/OPERATIONS.md):
+    /// then frontends accept only after [`TunnelServer::open_frontends`].
+    pub async fn start_with(
+        self: &Arc<Self>,
+        handed: Vec<seedlink_net::handoff::Socket>,
+    ) -> Result<Bound, ServerError> {
+        if handed.is_empty() {
+            self.sockets.frontends_open.cancel();
+        }
+        self.sockets.set_handed(handed);
         let at = format!("agents: listening on {}", self.agent_listen);
-        let agents = TcpListener::bind(self.agent_listen)
+        let agents = self
+            .sockets
+            .tcp(handover::AGENTS, self.agent_listen)
             .await
             .map_err(ServerError::listen(at.clone()))?;
         let mut bound = Bound {
@@ -453,24 +511,7 @@ impl TunnelServer {
             admin: None,
             frontends: Vec::new(),
         };
-        {
-            let srv = self.core.clone();
-            tokio::spawn(async move {
-                let stop = srv.accepting.clone();
-                seedlink_net::accept::accept_loop(&agents, &stop, |tcp, peer| {
-                    let Some(slot) = srv.agent_slots.enter(peer.ip()) else {
-                        srv.metrics.agent_stream("", "connection_limit");
-                        return;
-                    };
-                    let srv2 = srv.clone();
-                    srv.tasks.spawn(async move {
-                        super::agents::serve_agent_conn(srv2, tcp, peer).await;
-                        drop(slot);
-                    });
-                })
-                .await;
-            });
-        }
+        self.spawn_agent_accept(agents);
         let initial = crate::sync::lock(&self.initial, "initial frontends")
             .take()
             .unwrap_or_default();
@@ -483,7 +524,9 @@ impl TunnelServer {
         drop(running);
         if let Some(a) = self.admin_listen {
             let at = format!("admin: listening on {a}");
-            let l = TcpListener::bind(a)
+            let l = self
+                .sockets
+                .tcp(handover::ADMIN, a)
                 .await
                 .map_err(ServerError::listen(at.clone()))?;
             bound.admin = Some(l.local_addr().map_err(ServerError::listen(at))?);
@@ -496,9 +539,30 @@ impl TunnelServer {
                     }
                 })?,
             };
-            tokio::spawn(super::admin::serve(self.core.clone(), l, access));
+            let task = tokio::spawn(super::admin::serve(self.core.clone(), l, access));
+            *crate::sync::lock(&self.sockets.admin_task, "admin task") = Some(task);
         }
         Ok(bound)
+    }
+
+    /// Accepts agent connections on `agents` until draining or a hand-over.
+    pub(super) fn spawn_agent_accept(&self, agents: TcpListener) {
+        let srv = self.core.clone();
+        let stop = crate::sync::lock(&self.sockets.agent_accept, "agent accept").clone();
+        tokio::spawn(async move {
+            seedlink_net::accept::accept_loop(&agents, &stop, |tcp, peer| {
+                let Some(slot) = srv.agent_slots.enter(peer.ip()) else {
+                    srv.metrics.agent_stream("", "connection_limit");
+                    return;
+                };
+                let srv2 = srv.clone();
+                srv.tasks.spawn(async move {
+                    super::agents::serve_agent_conn(srv2, tcp, peer).await;
+                    drop(slot);
+                });
+            })
+            .await;
+        });
     }
 
     /// Binds one frontend and starts accepting on it.
@@ -521,47 +585,30 @@ impl TunnelServer {
         };
         let stop = self.accepting.child_token();
         let (name, proto): (Arc<str>, _) = (f.cfg.name.as_str().into(), f.cfg.protocol);
+        let handed_name = handover::frontend(&label);
         let (task, bound, tls) = match f.transport {
             Transport::Unix(path) => {
-                // A TunnelCluster's socket lives in a directory of its own
-                // (docs/SECURITY.md), made here if it is not there yet.
-                if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                    use std::os::unix::fs::DirBuilderExt;
-                    std::fs::DirBuilder::new()
-                        .recursive(true)
-                        .mode(0o755)
-                        .create(dir)
-                        .map_err(ServerError::listen(format!(
-                            "{label}: creating {}",
-                            dir.display()
-                        )))?;
-                    // Never through a symlink someone planted there.
-                    let real_dir = std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir());
-                    if !real_dir {
-                        return Err(ServerError::listen(format!(
-                            "{label}: {} is not a directory (a symlink?)",
-                            dir.display()
-                        ))(std::io::Error::from(
-                            std::io::ErrorKind::InvalidInput,
-                        )));
-                    }
-                }
-                // Like upstream's --delete-existing-uds-file (default true).
-                let _ = std::fs::remove_file(&path);
-                let l = UnixListener::bind(&path).map_err(ServerError::listen(format!(
-                    "{label}: listening on {}",
-                    path.display()
-                )))?;
-                use std::os::unix::fs::PermissionsExt;
-                std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o660)).map_err(
-                    ServerError::listen(format!("{label}: permissions of {}", path.display())),
-                )?;
+                let l = match self
+                    .sockets
+                    .take_unix(&handed_name, &path)
+                    .map_err(ServerError::listen(format!("{label}: taking over")))?
+                {
+                    Some(l) => l,
+                    None => bind_unix(&label, &path)?,
+                };
+                let fd = std::os::fd::AsFd::as_fd(&l)
+                    .try_clone_to_owned()
+                    .map_err(ServerError::listen(format!("{label}: duplicating")))?;
+                self.sockets
+                    .record(&handed_name, &path.display().to_string(), fd);
                 let t = self.spawn_unix(l, cluster, name, proto, stop.clone());
                 (t, path.display().to_string(), None)
             }
             Transport::TcpPlain(addr) => {
                 let at = format!("{label}: listening on {addr}");
-                let l = TcpListener::bind(addr)
+                let l = self
+                    .sockets
+                    .tcp(&handed_name, addr)
                     .await
                     .map_err(ServerError::listen(at.clone()))?;
                 let b = l.local_addr().map_err(ServerError::listen(at))?.to_string();
@@ -573,7 +620,9 @@ impl TunnelServer {
             }
             Transport::Tcp(addr, acceptor) => {
                 let at = format!("{label}: listening on {addr}");
-                let l = TcpListener::bind(addr)
+                let l = self
+                    .sockets
+                    .tcp(&handed_name, addr)
                     .await
                     .map_err(ServerError::listen(at.clone()))?;
                 let b = l.local_addr().map_err(ServerError::listen(at))?.to_string();
@@ -602,7 +651,12 @@ impl TunnelServer {
         stop: CancellationToken,
     ) -> JoinHandle<()> {
         let srv = self.core.clone();
+        let open = self.sockets.frontends_open.clone();
         tokio::spawn(async move {
+            tokio::select! {
+                () = open.cancelled() => {}
+                () = stop.cancelled() => return,
+            }
             loop {
                 let accepted = tokio::select! {
                     a = l.accept() => a,
@@ -633,7 +687,12 @@ impl TunnelServer {
         stop: CancellationToken,
     ) -> JoinHandle<()> {
         let srv = self.core.clone();
+        let open = self.sockets.frontends_open.clone();
         tokio::spawn(async move {
+            tokio::select! {
+                () = open.cancelled() => {}
+                () = stop.cancelled() => return,
+            }
             seedlink_net::accept::accept_loop(&l, &stop, |tcp, _| {
                 let _ = tcp.set_nodelay(true);
                 let (srv2, cluster, name) = (srv.clone(), cluster.clone(), name.clone());
@@ -776,6 +835,7 @@ impl TunnelServer {
                 }
                 None => {
                     r.stop.cancel();
+                    self.sockets.forget(&handover::frontend(&r.label));
                     let _ = tokio::time::timeout(Duration::from_secs(5), r.task).await;
                     if let Some(p) = &r.cfg.unix {
                         let _ = std::fs::remove_file(p);
@@ -897,6 +957,8 @@ impl TunnelServer {
     /// ended.
     pub async fn stop(&self, grace: Duration) {
         self.accepting.cancel();
+        // Our copies for a next process would keep the sockets open.
+        self.sockets.clear();
         // Agents look for the replica that replaces this one at once (not
         // when their stream ends at the deadline), while this one serves
         // the connections it carries.
