@@ -769,3 +769,87 @@ async fn a_slow_destination_behind_the_agent_gets_every_byte() {
         );
     }
 }
+
+/// A tunnel-server binary upgrade with an upstream agent, which ignores
+/// DRAIN: run with `--sync-forever` against a server whose processes have
+/// their own IDs (no `server_id` configured), it finds the new process by
+/// itself, and the new process takes the frontends only once every cluster
+/// has an agent there: no dial fails across the hand-over, and a tunnel
+/// opened before it goes on through the old process, byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_agent_follows_a_tunnel_server_binary_upgrade() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    let env = TunnelEnv::new(63);
+    let _hosts = Hosts::new(
+        &env.shoot,
+        &format!("198.18.{}.1 tunnel.seedlink.test", env.net),
+    );
+    let ep = env.agent_endpoint(8133);
+    let upgrade = env.dir.path().join("upgrade.sock").display().to_string();
+    let yaml = env.server_yaml(&ep, "", "");
+    let old = env.server_with(&yaml, "server", &["--upgrade-socket", &upgrade]);
+    let f = &env.files;
+    let certs = [
+        format!("--agent-cert={}", f.agent_crt),
+        format!("--agent-key={}", f.agent_key),
+        "--sync-forever".to_string(),
+    ];
+    let creds: Vec<&str> = certs.iter().map(String::as_str).collect();
+    let _upstream = upstream_agent(&env, 8133, "upstream-a", &creds);
+    wait_agents(&env, &old, 1.0).await;
+    let mut long =
+        kas_connect_eventually(&env.uds, "127.0.0.1:7007", Duration::from_secs(10)).await;
+    echo_once(&mut long, b"before").await.unwrap();
+
+    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let dialer = {
+        let (uds, ok, failed, stop) = (env.uds.clone(), ok.clone(), failed.clone(), stop.clone());
+        tokio::spawn(async move {
+            for _ in 0..5_000 {
+                if stop.is_cancelled() {
+                    break;
+                }
+                match kas_connect(&uds, "127.0.0.1:8000").await {
+                    Ok(_) => ok.fetch_add(1, Ordering::Relaxed),
+                    Err(e) => {
+                        eprintln!("dial across the upgrade failed: {e}");
+                        failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let new = env.server_with(
+        &yaml,
+        "server-next",
+        &[
+            "--upgrade-socket",
+            &upgrade,
+            "--take-over",
+            "--take-over-wait",
+            "15",
+        ],
+    );
+    assert_ne!(new.ready["server_id"], old.ready["server_id"]);
+    wait_agents(&env, &new, 1.0).await;
+    let seen = ok.load(Ordering::Relaxed);
+    TunnelEnv::until(
+        Duration::from_secs(20),
+        "dials through the new process",
+        || ok.load(Ordering::Relaxed) >= seen + 20,
+    )
+    .await;
+    stop.cancel();
+    dialer.await.unwrap();
+    // The tunnel opened before goes on through the old process.
+    let msg: Vec<u8> = (0..65_536).map(|j| (j % 251) as u8).collect();
+    echo_once(&mut long, &msg).await.unwrap();
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    eprintln!(
+        "upstream agent across a tunnel-server binary upgrade: {ok} dials served, {failed} failed"
+    );
+    assert_eq!(failed, 0, "no dial fails across the upgrade ({ok} served)");
+}

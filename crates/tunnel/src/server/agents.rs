@@ -350,7 +350,7 @@ async fn receive(
                         }
                         () = srv.shutdown.cancelled() => break "server_shutdown",
                         () = cluster.removed.cancelled() => break "cluster_removed",
-                        () = link.kick.cancelled() => break kicked(&link),
+                        () = link.kick.cancelled() => break kicked(&srv, &link),
                     }
                 }
                 Some(Err(e)) => {
@@ -361,7 +361,7 @@ async fn receive(
             },
             () = srv.shutdown.cancelled() => break "server_shutdown",
             () = cluster.removed.cancelled() => break "cluster_removed",
-            () = link.kick.cancelled() => break kicked(&link),
+            () = link.kick.cancelled() => break kicked(&srv, &link),
         }
     };
     detach(&cluster, &link);
@@ -375,11 +375,13 @@ async fn receive(
     }
 }
 
-/// Why a link was kicked: its queue overflowed, or its cluster was re-keyed
-/// away from it.
-fn kicked(link: &AgentLink) -> &'static str {
+/// Why a link was kicked: its queue overflowed, it carried nothing more
+/// while the server drains, or its cluster was re-keyed away from it.
+fn kicked(srv: &Core, link: &AgentLink) -> &'static str {
     if link.to_agent.overflowed() {
         "control_overflow"
+    } else if srv.accepting.is_cancelled() {
+        "drained_idle"
     } else {
         "rekeyed"
     }

@@ -180,17 +180,25 @@ type AgentKey = (String, String);
 impl TunnelServer {
     /// Phase `agents` (old process): stops accepting agents, sends DRAIN on
     /// every agent stream (one registered later gets it too) and answers
-    /// the agents that should move, as JSON `{"agents":[[cluster, id],..]}`
-    /// (an agent draining itself is not waited for).
+    /// the agents that will move, as JSON `{"agents":[[cluster, id],..],
+    /// "clusters":[..]}`: seedlink agents that do not drain themselves, and
+    /// every cluster with an agent (an upstream agent ignores DRAIN: with
+    /// `--sync-forever` it finds the new process by itself when that has
+    /// its own server ID, else it moves when its stream here ends).
     pub fn hand_agents_over(&self) -> String {
         self.core.agents_moving.store(true, Ordering::Release);
         lock(&self.sockets.agent_accept, "agent accept").cancel();
         let mut moving: Vec<AgentKey> = Vec::new();
+        let mut served: Vec<String> = Vec::new();
         for cluster in self.registry.clusters().iter() {
+            if cluster.agent_count() > 0 {
+                served.push(cluster.name.to_string());
+            }
             for link in cluster.agents() {
                 link.drain_notice();
                 let key = (cluster.name.to_string(), link.agent_id.clone());
-                if !link.draining() && !moving.contains(&key) {
+                let moves = link.replica_updates.load(Ordering::Acquire) && !link.draining();
+                if moves && !moving.contains(&key) {
                     moving.push(key);
                 }
             }
@@ -199,7 +207,7 @@ impl TunnelServer {
             agents = moving.len(),
             "upgrade: agents told to move to the new process"
         );
-        serde_json::json!({ "agents": moving }).to_string()
+        serde_json::json!({ "agents": moving, "clusters": served }).to_string()
     }
 
     /// The new process failed after phase `agents`: accept agents again
@@ -230,25 +238,27 @@ impl TunnelServer {
     }
 
     /// New process: waits (up to `within`) until it holds a stream of each
-    /// agent the old process named (its answer to phase `agents`); returns
-    /// those that did not come (`cluster/agent`).
+    /// agent the old process named (its answer to phase `agents`) and at
+    /// least one agent of each cluster it named; returns what did not come
+    /// (`cluster/agent`, or `cluster` for a cluster without any agent).
     pub async fn wait_for_agents(&self, answer: &str, within: Duration) -> Vec<String> {
-        let wanted: Vec<AgentKey> = serde_json::from_str::<serde_json::Value>(answer)
-            .ok()
-            .and_then(|v| serde_json::from_value(v["agents"].clone()).ok())
-            .unwrap_or_default();
+        let v = serde_json::from_str::<serde_json::Value>(answer).unwrap_or_default();
+        let wanted: Vec<AgentKey> = serde_json::from_value(v["agents"].clone()).unwrap_or_default();
+        let served: Vec<String> = serde_json::from_value(v["clusters"].clone()).unwrap_or_default();
         let missing = || -> Vec<String> {
             let clusters = self.registry.clusters();
-            wanted
+            let find = |c: &str| clusters.iter().find(|x| *x.name == *c).cloned();
+            let agents = wanted
                 .iter()
                 .filter(|(c, id)| {
-                    !clusters
-                        .iter()
-                        .find(|x| *x.name == **c)
-                        .is_some_and(|x| x.agents().iter().any(|l| l.agent_id == *id))
+                    !find(c).is_some_and(|x| x.agents().iter().any(|l| l.agent_id == *id))
                 })
-                .map(|(c, id)| format!("{c}/{id}"))
-                .collect()
+                .map(|(c, id)| format!("{c}/{id}"));
+            let empty = served
+                .iter()
+                .filter(|c| find(c).is_none_or(|x| x.agent_count() == 0))
+                .cloned();
+            agents.chain(empty).collect()
         };
         let deadline = tokio::time::Instant::now() + within;
         loop {

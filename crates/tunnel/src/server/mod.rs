@@ -290,7 +290,7 @@ impl AgentLink {
     }
 
     /// Open connections plus pending dials.
-    fn conn_count(&self) -> usize {
+    pub fn conn_count(&self) -> usize {
         crate::sync::lock(&self.state, "agent link").machine.load()
     }
 

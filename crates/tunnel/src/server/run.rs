@@ -967,6 +967,33 @@ impl TunnelServer {
                 link.drain_notice();
             }
         }
+        // A stream that carries nothing ends: an upstream agent (which
+        // ignores DRAIN) then reconnects to a process that takes dials
+        // instead of waiting for this one's deadline; a seedlink agent has
+        // moved already. Only once the handshake deadline passed: a
+        // frontend connection accepted just before the drain has dialed by
+        // then (or was dropped).
+        let core = self.core.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = tokio::time::sleep(core.settings.handshake_timeout) => {}
+                () = core.shutdown.cancelled() => return,
+            }
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    () = core.shutdown.cancelled() => return,
+                }
+                for cluster in core.registry.clusters().iter() {
+                    for link in cluster.agents() {
+                        if link.conn_count() == 0 {
+                            link.kick.cancel();
+                        }
+                    }
+                }
+            }
+        });
         self.frontend_tasks.close();
         let _ = tokio::time::timeout(grace, self.frontend_tasks.wait()).await;
         self.shutdown.cancel();
