@@ -1280,7 +1280,36 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
     .await;
 
     // An agent of shoot--a: connected in status, and the tunnel works.
-    let (agent_a, agent_a_admin) = tunnel_agent(&agents, &seed_ca, &a_crt, &a_key);
+    // The agents' load balancer: this replica, and a second one that
+    // starts later (health checked: skipped until it listens).
+    let second_port = free_port();
+    let lb = format!("127.0.0.1:{}", free_port());
+    let haproxy_cfg = d.join("haproxy.cfg");
+    std::fs::write(
+        &haproxy_cfg,
+        format!(
+            "defaults\n  mode tcp\n  timeout connect 2s\n  timeout client 120s\n  timeout server 120s\n\
+             frontend lb\n  bind {lb}\n  default_backend replicas\nbackend replicas\n  balance roundrobin\n\
+             \x20 server r0 {agents} check inter 200ms fall 1 rise 1\n\
+             \x20 server r1 127.0.0.1:{second_port} check inter 200ms fall 1 rise 1\n"
+        ),
+    )
+    .unwrap();
+    let _lb = Proc(
+        std::process::Command::new(require("haproxy"))
+            .args(["-db", "-f"])
+            .arg(&haproxy_cfg)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    wait_for(
+        "the agents' load balancer",
+        Duration::from_secs(20),
+        || async { tokio::net::TcpStream::connect(&lb).await.is_ok() },
+    )
+    .await;
+    let (agent_a, agent_a_admin) = tunnel_agent(&lb, &seed_ca, &a_crt, &a_key);
     wait_for(
         "shoot--a AgentsConnected",
         Duration::from_secs(20),
@@ -1333,6 +1362,54 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
     ))
     .await;
     agent_ready("failed\nserver streams: 1 of 2 replicas").await;
+    // The second replica starts (a file-configured server with the same
+    // cluster): the agent, still dialing, joins it within seconds.
+    let state: Value = serde_json::from_str(&http_get(tunnel_admin, "/api/state").await.1).unwrap();
+    let cluster_a = state["clusters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap().to_string())
+        .find(|n| n.contains(a.as_str()))
+        .unwrap();
+    let a_ca = w("a-ca.pem", &shoot_a.ca_pem);
+    let second_cfg = d.join("tunnel-2.yaml");
+    std::fs::write(
+        &second_cfg,
+        format!(
+            "agents: {{listen: '127.0.0.1:{second_port}', cert: '{tun_crt}', key: '{tun_key}', keepalive: 1s, keepalive_timeout: 1s}}
+server_count: 2
+clusters:
+  - name: {cluster_a}
+    agent_ca: '{a_ca}'
+    frontends:
+      - {{name: uds, protocol: http-connect, unix: '{}/second.sock'}}
+",
+            d.display()
+        ),
+    )
+    .unwrap();
+    let mut second = std::process::Command::new(seedlink_bin())
+        .args(["tunnel-server", "--config"])
+        .arg(&second_cfg)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let second_ready = ready_line(&mut second);
+    let _second = Proc(second);
+    assert_eq!(second_ready["event"], "ready", "{second_ready}");
+    wait_for(
+        "the agent holds both replicas",
+        Duration::from_secs(30),
+        || async {
+            http_get(agent_a_admin, "/readyz")
+                .await
+                .1
+                .starts_with("server streams: 2 of 2 replicas")
+        },
+    )
+    .await;
 
     // The ConfigMap appears: shoot--b is served and its agent is let in.
     seed.apply(json!({
