@@ -49,7 +49,7 @@ pub const MAX_SOCKETS: usize = 4096;
 pub const READY_WITHIN: Duration = Duration::from_secs(120);
 
 /// The largest description message (and phase answer) accepted.
-const MAX_MESSAGE: usize = 1024 * 1024;
+const MAX_MESSAGE: usize = 4 * 1024 * 1024;
 
 /// The most phases one hand-over has.
 pub const MAX_PHASES: usize = 8;
@@ -62,7 +62,11 @@ pub trait Phases: Sync {
         let _ = name;
         "unknown".into()
     }
-    /// The new process failed after some phases: undo them (serve on).
+    /// A new process asked for the sockets: what changes the set of
+    /// listeners (reloads) waits until the hand-over ends.
+    fn began(&self) {}
+    /// The new process failed (after some phases, maybe): undo them, serve
+    /// on.
     fn abort(&self) {}
 }
 
@@ -208,10 +212,13 @@ pub fn offer(listener: UnixListener, offer: &Offer, phases: &dyn Phases) -> std:
                 continue;
             }
             Some(Ok(v)) if v.len() > MAX_SOCKETS => {
-                return Err(invalid(format!(
-                    "{} sockets to hand over, at most {MAX_SOCKETS}",
-                    v.len()
-                )))
+                // This attempt only: the process serves on and offers again
+                // (its listeners may become fewer).
+                tracing::error!(
+                    sockets = v.len(),
+                    "upgrade: more sockets than one hand-over carries ({MAX_SOCKETS}); refused"
+                );
+                continue;
             }
             Some(Ok(v)) => v,
         };
@@ -240,12 +247,6 @@ pub fn offer(listener: UnixListener, offer: &Offer, phases: &dyn Phases) -> std:
 /// `ready`.
 fn give(s: &UnixStream, sockets: &[Socket], phases: &dyn Phases) -> std::io::Result<()> {
     same_user(s)?;
-    let (sockets, odd): (Vec<&Socket>, Vec<&Socket>) = sockets
-        .iter()
-        .partition(|k| serde_like::clean(&k.name) && serde_like::clean(&k.address));
-    for k in odd {
-        tracing::warn!(socket = %k.name, address = %k.address, "upgrade: a socket whose name or path has other characters than [A-Za-z0-9_.:/%-] is not handed over (the new process binds its own)");
-    }
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     s.set_write_timeout(Some(Duration::from_secs(10)))?;
     let mut r = BufReader::new(s.try_clone()?);
@@ -254,6 +255,7 @@ fn give(s: &UnixStream, sockets: &[Socket], phases: &dyn Phases) -> std::io::Res
     if line != "seedlink-take\n" {
         return Err(invalid(format!("unexpected request {line:?}")));
     }
+    phases.began();
     let names: Vec<serde_like::Entry<'_>> = sockets
         .iter()
         .map(|k| serde_like::Entry {
@@ -306,7 +308,11 @@ fn give(s: &UnixStream, sockets: &[Socket], phases: &dyn Phases) -> std::io::Res
             return Err(invalid(format!("no ready from the new process ({line:?})")));
         };
         let mut answer = phases.phase(name).replace(['\n', '\r'], " ");
-        answer.truncate(MAX_MESSAGE - 1);
+        if answer.len() >= MAX_MESSAGE {
+            // Never cut (it would not parse); the new process then does
+            // without the answer.
+            answer = "too-large".into();
+        }
         answer.push('\n');
         w.write_all(answer.as_bytes())?;
     }
@@ -448,27 +454,66 @@ fn receive(s: &UnixStream) -> std::io::Result<(String, Vec<OwnedFd>)> {
 }
 
 /// The description line: a JSON object written and read without a JSON
-/// dependency in this crate (names and addresses are plain text: listener
-/// names are `[A-Za-z0-9_.:/-]`, addresses `ip:port` or a socket path of
-/// those characters; a socket with another name or path is not offered).
+/// dependency in this crate; in names and addresses (`ip:port`, a socket
+/// path) every byte but `[A-Za-z0-9_.:/[]-]` is written `%XX`.
 mod serde_like {
     pub struct Entry<'a> {
         pub name: &'a str,
         pub address: &'a str,
     }
 
-    pub fn clean(s: &str) -> bool {
-        !s.is_empty()
-            && s.len() <= 256
-            && s.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"-_.:[]%/".contains(&b))
+    /// Bytes written as they are; every other byte is `%XX`.
+    fn plain(b: u8) -> bool {
+        b.is_ascii_alphanumeric() || b"-_.:[]/".contains(&b)
+    }
+
+    /// The longest name or address (escaped).
+    const MAX_FIELD: usize = 16 * 1024;
+
+    fn escape(s: &str) -> String {
+        let mut out = String::with_capacity(s.len());
+        for b in s.bytes() {
+            if plain(b) {
+                out.push(char::from(b));
+            } else {
+                out.push_str(&format!("%{b:02X}"));
+            }
+        }
+        out
+    }
+
+    fn unescape(s: &str) -> Option<String> {
+        if s.is_empty() || s.len() > MAX_FIELD {
+            return None;
+        }
+        let b = s.as_bytes();
+        let mut out = Vec::with_capacity(b.len());
+        let mut i = 0;
+        while i < b.len() {
+            if b[i] == b'%' {
+                let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            } else if plain(b[i]) {
+                out.push(b[i]);
+                i += 1;
+            } else {
+                return None;
+            }
+        }
+        String::from_utf8(out).ok()
     }
 
     pub fn encode(entries: &[Entry<'_>]) -> String {
         let items: Vec<String> = entries
             .iter()
-            .filter(|e| clean(e.name) && clean(e.address))
-            .map(|e| format!("{{\"name\":\"{}\",\"address\":\"{}\"}}", e.name, e.address))
+            .map(|e| {
+                format!(
+                    "{{\"name\":\"{}\",\"address\":\"{}\"}}",
+                    escape(e.name),
+                    escape(e.address)
+                )
+            })
             .collect();
         format!("{{\"sockets\":[{}]}}", items.join(","))
     }
@@ -485,15 +530,10 @@ mod serde_like {
             .split("},{")
             .map(|item| {
                 let item = item.trim_start_matches('{').trim_end_matches('}');
-                let (n, a) = item
-                    .strip_prefix("\"name\":\"")
+                item.strip_prefix("\"name\":\"")
                     .and_then(|r| r.split_once("\",\"address\":\""))
-                    .and_then(|(n, a)| Some((n, a.strip_suffix('"')?)))
-                    .ok_or_else(|| format!("not an offer entry: {item:?}"))?;
-                if !clean(n) || !clean(a) {
-                    return Err(format!("not an offer entry: {item:?}"));
-                }
-                Ok((n.to_string(), a.to_string()))
+                    .and_then(|(n, a)| Some((unescape(n)?, unescape(a.strip_suffix('"')?)?)))
+                    .ok_or_else(|| format!("not an offer entry: {item:?}"))
             })
             .collect()
     }
@@ -524,11 +564,25 @@ mod tests {
             ]
         );
         assert_eq!(serde_like::decode("{\"sockets\":[]}").unwrap(), []);
+        // Any text survives: escaped on the way, unescaped on arrival.
+        let odd = [serde_like::Entry {
+            name: "frontend:k0-é/uds x",
+            address: "/run/a b/%\"},{x.sock",
+        }];
+        assert_eq!(
+            serde_like::decode(&serde_like::encode(&odd)).unwrap(),
+            [(
+                "frontend:k0-é/uds x".to_string(),
+                "/run/a b/%\"},{x.sock".to_string()
+            )]
+        );
         for bad in [
             "",
             "{}",
             "{\"sockets\":[{\"name\":\"a\"}]}",
             "{\"sockets\":[{\"name\":\"a b\",\"address\":\"x\"}]}",
+            "{\"sockets\":[{\"name\":\"a%2\",\"address\":\"x\"}]}",
+            "{\"sockets\":[{\"name\":\"%FF\",\"address\":\"x\"}]}",
         ] {
             assert!(serde_like::decode(bad).is_err(), "{bad}");
         }

@@ -217,7 +217,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             let upgrade = roles::Upgrade {
                 socket: upgrade_socket,
                 take_over,
-                wait: roles::secs(take_over_wait, "take-over-wait")?,
+                wait: take_over_wait_of(take_over_wait)?,
                 ..roles::Upgrade::default()
             };
             tunnel_runtime()?.block_on(roles::tunnel::server(opts, upgrade))
@@ -248,6 +248,19 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             check,
         })),
     }
+}
+
+/// `--take-over-wait`: below the old process's own wait for `ready`
+/// (`seedlink_net::handoff::READY_WITHIN`), so that it never gives up on a
+/// new process that is about to serve.
+fn take_over_wait_of(v: f64) -> anyhow::Result<std::time::Duration> {
+    let d = roles::secs(v, "take-over-wait")?;
+    let max =
+        seedlink_net::handoff::READY_WITHIN.saturating_sub(std::time::Duration::from_secs(30));
+    if d > max {
+        anyhow::bail!("--take-over-wait: at most {} s", max.as_secs());
+    }
+    Ok(d)
 }
 
 fn ignored_reload_interval(v: Option<f64>) {

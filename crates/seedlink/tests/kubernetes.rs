@@ -1189,9 +1189,12 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
         ),
     )
     .unwrap();
+    let upgrade_socket = d.join("upgrade.sock");
     let mut server = std::process::Command::new(seedlink_bin())
         .args(["tunnel-server", "--config"])
         .arg(&config)
+        .arg("--upgrade-socket")
+        .arg(&upgrade_socket)
         .env("KUBECONFIG", &kubeconfig)
         .env("POD_NAME", "tunnel-0")
         .env(
@@ -1202,7 +1205,7 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
         .spawn()
         .unwrap();
     let ready = ready_line(&mut server);
-    let _server = Proc(server);
+    let mut old_server = Proc(server);
     assert_eq!(ready["event"], "ready", "{ready}");
     let agents = ready["agents"].as_str().unwrap().to_string();
     // `servercount` follows the replicas in the EndpointSlices of the
@@ -1457,6 +1460,40 @@ clusters:
     )
     .await;
     common::tunnel_env::echo_rtt(&mut sb, 1000).await;
+
+    // A binary upgrade: the new process takes the TunnelCluster's socket
+    // (made from the objects, not the file) with the rest; shoot--b's
+    // agent moves to it, a new tunnel goes through it, and the one opened
+    // before goes on through the old process until it ends.
+    let mut next = std::process::Command::new(seedlink_bin())
+        .args(["tunnel-server", "--config"])
+        .arg(&config)
+        .arg("--upgrade-socket")
+        .arg(&upgrade_socket)
+        .args(["--take-over", "--take-over-wait", "20"])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("POD_NAME", "tunnel-0")
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let next_ready = ready_line(&mut next);
+    let _next = Proc(next);
+    assert_eq!(next_ready["event"], "ready", "{next_ready}");
+    let mut sb2 = kas_connect_eventually(&sock_b, &echo.to_string(), Duration::from_secs(20)).await;
+    common::tunnel_env::echo_rtt(&mut sb2, 1000).await;
+    assert!(
+        old_server.0.try_wait().unwrap().is_none(),
+        "the old process drains while its tunnel is open"
+    );
+    common::tunnel_env::echo_rtt(&mut sb, 1000).await;
+    drop(sb);
+    wait_for("the old process exits", Duration::from_secs(30), || {
+        let exited = old_server.0.try_wait().unwrap().is_some();
+        async move { exited }
+    })
+    .await;
+    common::tunnel_env::echo_rtt(&mut sb2, 1000).await;
     stop.cancel();
 }
 

@@ -1071,7 +1071,7 @@ async fn a_tunnel_server_upgrade_that_fails_midway_leaves_the_old_one_serving() 
             .cmd(&[seedlink_bin(), "tunnel-server", "--config"])
             .arg(&cfg)
             .args(["--upgrade-socket", &upgrade, "--take-over"])
-            .args(["--take-over-wait", "120"])
+            .args(["--take-over-wait", "90"])
             .stdout(Stdio::null())
             .spawn()
             .unwrap(),

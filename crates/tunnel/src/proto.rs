@@ -40,8 +40,8 @@ pub enum PacketType {
 /// a seedlink server agrees to, REPLICAS packets: the server tells its
 /// agents when the number of replicas (`servercount`) changes, so that an
 /// agent holding every replica it knew of joins a new one at once instead
-/// of at its next re-check. Upstream peers never see the header or the
-/// packet.
+/// of at its next re-check. An upstream server ignores the request header;
+/// an upstream agent never sees the header or the packet.
 pub const REPLICAS_HEADER: &str = "seedlink-replicas";
 /// Its value.
 pub const REPLICAS_VERSION: &str = "v1";

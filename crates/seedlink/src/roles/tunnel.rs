@@ -208,6 +208,9 @@ pub struct ServerRole {
     held: Mutex<HashMap<Vec<u8>, String>>,
     /// The Kubernetes source, while it runs.
     source: Mutex<Option<seedlink_kube::source::Handle>>,
+    /// A new process is taking the sockets over: reloads wait (a frontend
+    /// rebound now would take its path from the new process's socket).
+    frozen: std::sync::atomic::AtomicBool,
 }
 
 impl ServerRole {
@@ -232,6 +235,7 @@ impl ServerRole {
             kubernetes: Mutex::new(Vec::new()),
             held: Mutex::new(seedlink_tunnel::config::trust_holders(&cfg)),
             source: Mutex::new(None),
+            frozen: std::sync::atomic::AtomicBool::new(false),
             opts,
         })
     }
@@ -243,6 +247,10 @@ impl ServerRole {
         clusters: Vec<seedlink_tunnel::config::Cluster>,
     ) -> seedlink_tunnel::config::Refused {
         *seedlink_net::sync::lock(&self.kubernetes, "tunnel kubernetes") = clusters.clone();
+        if self.frozen.load(std::sync::atomic::Ordering::Acquire) {
+            tracing::info!("TunnelClusters changed during a binary upgrade: applied by the new process (or here, if it fails)");
+            return Vec::new();
+        }
         let (now, parsed, refused) = read_config(&self.opts.config, clusters.clone(), &self.held);
         for (name, problems) in &refused {
             let text: Vec<String> = problems
@@ -256,6 +264,9 @@ impl ServerRole {
             *seedlink_net::sync::lock(&self.files, "tunnel files") = cfg.files();
             *seedlink_net::sync::lock(&self.held, "tunnel trust") =
                 seedlink_tunnel::config::trust_holders(&cfg);
+            // The configuration is complete: sockets handed over that no
+            // frontend claimed are closed.
+            self.srv.drop_unclaimed();
             return refused;
         }
         // The file is invalid or the reload failed (logged): nothing
@@ -399,6 +410,10 @@ impl Role for ServerRole {
 
     fn reload(&self, forced: bool) -> BoxFut<'_, ()> {
         Box::pin(async move {
+            if self.frozen.load(std::sync::atomic::Ordering::Acquire) {
+                tracing::info!("reload deferred: a binary upgrade is under way");
+                return;
+            }
             let kubernetes =
                 seedlink_net::sync::lock(&self.kubernetes, "tunnel kubernetes").clone();
             let (now, parsed, _) = read_config(&self.opts.config, kubernetes, &self.held);
@@ -441,6 +456,10 @@ pub async fn server(opts: TunnelServerOptions, upgrade: super::Upgrade) -> anyho
     };
     let role = Arc::new(ServerRole::start(opts, handed).await?);
     role.start_kubernetes().await?;
+    if seedlink_net::sync::lock(&role.source, "tunnel source").is_none() {
+        // The file is the whole configuration: every frontend is bound.
+        role.srv.drop_unclaimed();
+    }
     let confirmed = match taken {
         Some(taken) => take_agents_then_frontends(&role.srv, taken, upgrade.wait).await,
         None => true,
@@ -451,7 +470,7 @@ pub async fn server(opts: TunnelServerOptions, upgrade: super::Upgrade) -> anyho
         let handed = upgrade.offer(
             Box::new(move || srv.offered_sockets()),
             Box::new(Phases {
-                srv: role.srv.clone(),
+                role: role.clone(),
                 rt: tokio::runtime::Handle::current(),
             }),
             role.srv.accepting.clone(),
@@ -481,6 +500,7 @@ async fn take_agents_then_frontends(
         (taken, a)
     })
     .await;
+    srv.accept_agents();
     let Ok((taken, answer)) = asked else {
         tracing::error!("upgrade: asking the previous tunnel-server for its agents failed");
         srv.open_frontends();
@@ -505,21 +525,41 @@ async fn take_agents_then_frontends(
 
 /// The old process's side of the hand-over's phases.
 struct Phases {
-    srv: Arc<TunnelServer>,
+    role: Arc<ServerRole>,
     rt: tokio::runtime::Handle,
 }
 
 impl seedlink_net::handoff::Phases for Phases {
+    fn began(&self) {
+        self.role
+            .frozen
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
     fn phase(&self, name: &str) -> String {
         match name {
-            "agents" => self.srv.hand_agents_over(),
+            "agents" => self.role.srv.hand_agents_over(),
             _ => "unknown".into(),
         }
     }
 
     fn abort(&self) {
         let _in_runtime = self.rt.enter();
-        self.srv.resume_agents();
+        self.role.srv.resume_agents();
+        let was = self
+            .role
+            .frozen
+            .swap(false, std::sync::atomic::Ordering::AcqRel);
+        if was {
+            // What changed meanwhile is applied now.
+            let role = self.role.clone();
+            self.rt.spawn(async move {
+                let kubernetes =
+                    seedlink_net::sync::lock(&role.kubernetes, "tunnel kubernetes").clone();
+                role.set_kubernetes(kubernetes).await;
+                role.reload(true).await;
+            });
+        }
     }
 }
 

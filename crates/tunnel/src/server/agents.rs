@@ -220,6 +220,9 @@ async fn stream_cluster(
     Ok(cluster)
 }
 
+/// The longest `agentid` accepted.
+pub const MAX_AGENT_ID: usize = 256;
+
 /// What a stream says about its agent.
 struct Identity {
     /// `agentid` (exactly one).
@@ -247,6 +250,15 @@ fn stream_identity(
     let Ok(agent_id) = agent_id.to_str() else {
         return Err(Status::invalid_argument("agent ID is not ASCII"));
     };
+    // Pod and node names and UUIDs are far shorter; a longer ID only
+    // inflates what the server keeps and reports (a hand-over names every
+    // agent).
+    if agent_id.is_empty() || agent_id.len() > MAX_AGENT_ID {
+        srv.metrics.agent_stream(&cluster.name, "bad_agent_id");
+        return Err(Status::invalid_argument(format!(
+            "an agent ID has 1 to {MAX_AGENT_ID} characters"
+        )));
+    }
     let idents: Vec<_> = meta.get_all("agentidentifiers").iter().collect();
     let ids = match idents.as_slice() {
         [] => Identifiers::default(),

@@ -55,6 +55,9 @@ pub struct Sockets {
     pub(super) agent_accept: Mutex<CancellationToken>,
     /// The admin endpoint, ended when a new process took over.
     pub(super) admin_task: Mutex<Option<JoinHandle<()>>>,
+    /// Taking over: the agent endpoint, accepted on once the old process
+    /// moved its agents.
+    pub(super) pending_agents: Mutex<Option<TcpListener>>,
 }
 
 impl Sockets {
@@ -65,6 +68,7 @@ impl Sockets {
             frontends_open: CancellationToken::new(),
             agent_accept: Mutex::new(accepting.child_token()),
             admin_task: Mutex::new(None),
+            pending_agents: Mutex::new(None),
         }
     }
 
@@ -167,7 +171,7 @@ impl Sockets {
         self.drop_unclaimed();
     }
 
-    fn drop_unclaimed(&self) {
+    pub(super) fn drop_unclaimed(&self) {
         for s in lock(&self.handed, "handed sockets").drain(..) {
             tracing::info!(socket = %s.name, address = %s.address, "handed-over socket not in this configuration: closed");
         }
@@ -242,7 +246,11 @@ impl TunnelServer {
     /// least one agent of each cluster it named; returns what did not come
     /// (`cluster/agent`, or `cluster` for a cluster without any agent).
     pub async fn wait_for_agents(&self, answer: &str, within: Duration) -> Vec<String> {
-        let v = serde_json::from_str::<serde_json::Value>(answer).unwrap_or_default();
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(answer) else {
+            // Nothing known to wait for: the whole wait, to be safe.
+            tokio::time::sleep(within).await;
+            return vec!["(the previous process's answer could not be read)".into()];
+        };
         let wanted: Vec<AgentKey> = serde_json::from_value(v["agents"].clone()).unwrap_or_default();
         let served: Vec<String> = serde_json::from_value(v["clusters"].clone()).unwrap_or_default();
         let missing = || -> Vec<String> {
@@ -270,10 +278,25 @@ impl TunnelServer {
         }
     }
 
-    /// New process: frontends accept from now on; handed sockets no
-    /// listener claimed are closed.
+    /// New process: accepts agents from now on (the old process moved
+    /// them, or failed to).
+    pub fn accept_agents(&self) {
+        let pending = lock(&self.sockets.pending_agents, "pending agents").take();
+        if let Some(l) = pending {
+            self.spawn_agent_accept(l);
+        }
+    }
+
+    /// New process: frontends (and agents, if not yet) accept from now on.
     pub fn open_frontends(&self) {
+        self.accept_agents();
         self.sockets.frontends_open.cancel();
+    }
+
+    /// Closes the handed sockets no listener claimed: once the
+    /// configuration is complete (the Kubernetes source's first snapshot
+    /// applied, if there is one).
+    pub fn drop_unclaimed(&self) {
         self.sockets.drop_unclaimed();
     }
 

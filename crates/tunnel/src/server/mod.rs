@@ -387,6 +387,10 @@ pub struct Cluster {
     pub removed: CancellationToken,
     /// Its metric handles.
     pub metrics: metrics::ClusterMetrics,
+    /// Open gRPC frontend connections: each may carry further dials (a
+    /// draining server keeps this cluster's agent streams while any is
+    /// open).
+    pub grpc_frontends: std::sync::atomic::AtomicUsize,
     agents: Mutex<Vec<Arc<AgentLink>>>,
     /// When an agent stream last came or went (for `TunnelCluster` status).
     agents_changed: Mutex<Option<std::time::SystemTime>>,
@@ -417,6 +421,7 @@ impl Cluster {
             gate: limits::Gate::new(limits),
             removed: CancellationToken::new(),
             metrics,
+            grpc_frontends: std::sync::atomic::AtomicUsize::new(0),
             agents: Mutex::new(Vec::new()),
             agents_changed: Mutex::new(None),
         }

@@ -70,6 +70,10 @@ struct Running {
     task: JoinHandle<()>,
     label: String,
     bound: String,
+    /// A Unix socket's file (its inode), removed with the frontend only
+    /// while it is still this socket's (another process may have bound the
+    /// path since: a binary upgrade).
+    unix_file: Option<(std::path::PathBuf, u64)>,
 }
 
 /// What a reload changed.
@@ -496,7 +500,8 @@ impl TunnelServer {
         self: &Arc<Self>,
         handed: Vec<seedlink_net::handoff::Socket>,
     ) -> Result<Bound, ServerError> {
-        if handed.is_empty() {
+        let taking_over = !handed.is_empty();
+        if !taking_over {
             self.sockets.frontends_open.cancel();
         }
         self.sockets.set_handed(handed);
@@ -511,7 +516,14 @@ impl TunnelServer {
             admin: None,
             frontends: Vec::new(),
         };
-        self.spawn_agent_accept(agents);
+        if taking_over {
+            // Agents are taken once the old process moves them (phase
+            // `agents`): until then it accepts them alone, so that none
+            // lands here while the old one still takes every dial.
+            *crate::sync::lock(&self.sockets.pending_agents, "pending agents") = Some(agents);
+        } else {
+            self.spawn_agent_accept(agents);
+        }
         let initial = crate::sync::lock(&self.initial, "initial frontends")
             .take()
             .unwrap_or_default();
@@ -631,6 +643,10 @@ impl TunnelServer {
                 (t, b, Some(acc))
             }
         };
+        let unix_file = f.cfg.unix.as_ref().and_then(|p| {
+            use std::os::unix::fs::MetadataExt;
+            Some((p.clone(), std::fs::symlink_metadata(p).ok()?.ino()))
+        });
         Ok(Running {
             cluster: f.cluster,
             cfg: f.cfg,
@@ -639,6 +655,7 @@ impl TunnelServer {
             task,
             label,
             bound,
+            unix_file,
         })
     }
 
@@ -837,8 +854,11 @@ impl TunnelServer {
                     r.stop.cancel();
                     self.sockets.forget(&handover::frontend(&r.label));
                     let _ = tokio::time::timeout(Duration::from_secs(5), r.task).await;
-                    if let Some(p) = &r.cfg.unix {
-                        let _ = std::fs::remove_file(p);
+                    if let Some((p, ino)) = &r.unix_file {
+                        use std::os::unix::fs::MetadataExt;
+                        if std::fs::symlink_metadata(p).is_ok_and(|m| m.ino() == *ino) {
+                            let _ = std::fs::remove_file(p);
+                        }
                     }
                     report.frontends_stopped.push(r.label.clone());
                 }
@@ -986,6 +1006,15 @@ impl TunnelServer {
                     () = core.shutdown.cancelled() => return,
                 }
                 for cluster in core.registry.clusters().iter() {
+                    // A gRPC frontend connection may still dial (one
+                    // connection, many streams): keep its agents.
+                    if cluster
+                        .grpc_frontends
+                        .load(std::sync::atomic::Ordering::Acquire)
+                        > 0
+                    {
+                        continue;
+                    }
                     for link in cluster.agents() {
                         if link.conn_count() == 0 {
                             link.kick.cancel();
@@ -1156,6 +1185,19 @@ async fn serve_frontend<S>(
                     tracing::debug!(error = %e, "gRPC frontend connection ended");
                 }
             });
+            // Counted while open: it may carry further dials.
+            struct Open(Arc<super::Cluster>);
+            impl Drop for Open {
+                fn drop(&mut self) {
+                    self.0
+                        .grpc_frontends
+                        .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                }
+            }
+            cluster
+                .grpc_frontends
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+            let _open = Open(cluster.clone());
             let h = super::frontend::grpc_handler(srv.clone(), cluster, name);
             let io = tokio::io::join(from_client, wr);
             crate::grpc::serve(io, vec![(PROXY_PATH, h)], srv.agent_h2).await;
