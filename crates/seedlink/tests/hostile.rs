@@ -727,3 +727,31 @@ control_planes:
     .await;
     stop.cancel();
 }
+
+/// An agent ID is what a tenant's agent says it is: one that long only
+/// inflates what the server keeps, reports and names in a binary upgrade's
+/// answer. 256 bytes are accepted, 257 refused (`InvalidArgument`, counted
+/// `bad_agent_id`), and the refusal touches nothing else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_id_is_bounded() {
+    let env = TunnelEnv::new(88);
+    let server = env.server(&env.server_yaml("0.0.0.0:8132", "", ""), "server");
+    let fake = |id: String| FakeAgent {
+        netns: env.seed.0.clone(),
+        ca: env.files.seed_ca.clone(),
+        cert: env.files.agent_crt.clone(),
+        key: env.files.agent_key.clone(),
+        endpoint: "127.0.0.1:8132".into(),
+        agent_id: id,
+    };
+    assert_eq!(fake("a".repeat(256)).refusal(), None);
+    assert_eq!(
+        fake("a".repeat(257)).refusal(),
+        Some("InvalidArgument".to_string())
+    );
+    let refused = env.server_metric(
+        &server.admin(),
+        "seedlink_tunnel_server_agent_streams_total{cluster=\"shoot--dev--a\",reason=\"bad_agent_id\"}",
+    );
+    assert_eq!(refused, 1.0);
+}

@@ -542,6 +542,35 @@ impl FakeAgent {
         });
     }
 
+    /// Opens a stream as `agent_id` and closes it: the server's refusal,
+    /// its gRPC code's name (`None`: accepted).
+    pub fn refusal(&self) -> Option<String> {
+        use seedlink_tunnel::proto::Packet;
+        self.on_tls(move |tls, id| async move {
+            let h2 = seedlink_tunnel::grpc::H2Settings {
+                keepalive: Duration::from_secs(30),
+                keepalive_timeout: Duration::from_secs(10),
+            };
+            let mut client = seedlink_tunnel::grpc::connect(
+                tls,
+                "https://tunnel.seedlink.test".parse().unwrap(),
+                h2,
+            )
+            .await
+            .unwrap();
+            let out = futures_util::stream::empty::<Packet>();
+            seedlink_tunnel::grpc::open_stream(
+                &mut client,
+                seedlink_tunnel::proto::AGENT_CONNECT_PATH,
+                out,
+                &[("agentid", id)],
+            )
+            .await
+            .err()
+            .map(|s| format!("{:?}", s.code()))
+        })
+    }
+
     /// Connects as `agent_id`, sends `script` (then a 5 MiB DATA if
     /// `oversized`), and disconnects.
     pub fn run(&self, script: Vec<seedlink_tunnel::proto::Packet>, oversized: bool) {
