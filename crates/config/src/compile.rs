@@ -9,8 +9,8 @@ use std::sync::Arc;
 use ipnet::IpNet;
 
 use crate::model::{
-    ConfigFile, DestinationCfg, InvalidRequest, Limits, Listener, Protocol, ProxyMode, Timeouts,
-    Upstream,
+    ConfigFile, ControlPlane as ControlPlaneCfg, DestinationCfg, InvalidRequest, Limits, Listener,
+    Protocol, ProxyMode, Timeouts, Upstream,
 };
 use crate::routes::{
     normalize_host, CidrSet, ControlPlane, DestinationRoute, Endpoint, RouteTable,
@@ -162,7 +162,6 @@ impl Collector {
 /// listed, in file order.
 pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot, Errors> {
     let mut c = Collector(Vec::new());
-
     let admin = match file.admin.listen.parse::<SocketAddr>() {
         Ok(a) => a,
         Err(_) => {
@@ -180,32 +179,24 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
         &file.trusted_load_balancers,
     );
     let always_allowed = cidrs(&mut c, "always_allowed", &file.always_allowed);
-    for l in &listeners {
-        if l.proxy_protocol != ProxyMode::Off && trusted_lbs.is_empty() {
-            c.err(
-                format!("listeners[{}].proxy_protocol", l.name),
-                format!(
-                    "is {:?} but trusted_load_balancers is empty: no PROXY header could ever be accepted (refusing to start; fail closed)",
-                    l.proxy_protocol
-                ),
-            );
-        }
-    }
+    check_proxy_trust(&mut c, &listeners, &trusted_lbs);
     check_settings(&mut c, &file);
-
-    let mut control_planes = HashMap::new();
-    let mut routes = RouteTable::default();
-    // (host pattern, the address it is served at or None for everywhere)
-    // → control plane.
-    let mut owner: HashMap<(String, Option<SocketAddr>), String> = HashMap::new();
-    let mut dest_owner: HashMap<String, String> = HashMap::new();
+    let mut b = Routes {
+        c,
+        previous,
+        listeners: &listeners,
+        control_planes: HashMap::new(),
+        routes: RouteTable::default(),
+        owner: HashMap::new(),
+        dest_owner: HashMap::new(),
+    };
     if let Some(k) = &file.kubernetes {
-        check_kubernetes(&mut c, k, &listeners);
+        check_kubernetes(&mut b.c, k, &listeners);
         // A class Gateway's address serves that Gateway's routes only, from
         // its first moment (before any route is attached to it).
         for a in k.gateway_class.iter().flat_map(|g| &g.addresses) {
             if let Ok(ip) = a.parse::<std::net::IpAddr>() {
-                routes.exclusive.insert(crate::routes::canonical(ip));
+                b.routes.exclusive.insert(crate::routes::canonical(ip));
             }
         }
     }
@@ -221,6 +212,103 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
                 .map(|(i, cp)| (format!("kubernetes[{i}]"), cp, true)),
         );
     for (at, cp, dynamic) in all {
+        b.control_plane(&at, cp, dynamic);
+    }
+    let Routes {
+        c,
+        routes,
+        control_planes,
+        ..
+    } = b;
+    if !c.0.is_empty() {
+        return Err(Errors(c.0));
+    }
+    Ok(Snapshot {
+        listeners,
+        admin,
+        routes,
+        control_planes,
+        trusted_lbs,
+        always_allowed,
+        timeouts: file.timeouts.clone(),
+        limits: file.limits.clone(),
+        upstream: file.upstream.clone(),
+        file,
+    })
+}
+
+/// A listener that takes PROXY headers needs someone trusted to send them.
+fn check_proxy_trust(c: &mut Collector, listeners: &[ListenerSpec], trusted_lbs: &CidrSet) {
+    for l in listeners {
+        if l.proxy_protocol != ProxyMode::Off && trusted_lbs.is_empty() {
+            c.err(
+                format!("listeners[{}].proxy_protocol", l.name),
+                format!(
+                    "is {:?} but trusted_load_balancers is empty: no PROXY header could ever be accepted (refusing to start; fail closed)",
+                    l.proxy_protocol
+                ),
+            );
+        }
+    }
+}
+
+/// The route table as control planes are added to it, with who owns each
+/// name, and the problems found.
+struct Routes<'a> {
+    c: Collector,
+    previous: Option<&'a Snapshot>,
+    listeners: &'a [ListenerSpec],
+    control_planes: HashMap<String, Arc<ControlPlane>>,
+    routes: RouteTable,
+    /// (host pattern, the address it is served at or None for everywhere)
+    /// → control plane.
+    owner: HashMap<(String, Option<SocketAddr>), String>,
+    dest_owner: HashMap<String, String>,
+}
+
+impl Routes<'_> {
+    /// One control plane (`at` names it in problems; `dynamic`: from
+    /// Kubernetes, whose endpoints may come later).
+    fn control_plane(&mut self, at: &str, cp: &ControlPlaneCfg, dynamic: bool) {
+        self.check_identity(at, cp, dynamic);
+        let prev = self
+            .previous
+            .and_then(|p| p.control_planes.get(&cp.name))
+            .map(|p| p.endpoints.as_slice());
+        let endpoints = self.endpoints(&format!("{at}.endpoints"), &cp.endpoints, prev, true);
+        if cp.endpoints.len() > 1 && cp.endpoints.iter().any(|e| e.starts_with("local:")) {
+            self.c.err(
+                format!("{at}.endpoints"),
+                "a local: endpoint must be the only endpoint",
+            );
+        }
+        let acl = cp
+            .acl
+            .as_ref()
+            .map(|a| cidrs(&mut self.c, &format!("{at}.acl.allow"), &a.allow));
+        let compiled = Arc::new(ControlPlane {
+            name: cp.name.clone(),
+            endpoints,
+            acl,
+        });
+        for (j, d) in cp.destinations.iter().enumerate() {
+            self.destination(&format!("{at}.destinations[{j}]"), cp, d, &compiled);
+        }
+        for (j, a) in cp.service_addresses.iter().enumerate() {
+            self.service_address(&format!("{at}.service_addresses[{j}]"), a, &compiled);
+        }
+        if let Some(id) = &cp.cluster_id {
+            self.cluster_id(&format!("{at}.cluster_id"), id, &compiled);
+        }
+        self.host_names(at, cp, &compiled);
+        self.control_planes
+            .entry(cp.name.clone())
+            .or_insert(compiled);
+    }
+
+    /// Its name, and that it is reachable by something.
+    fn check_identity(&mut self, at: &str, cp: &ControlPlaneCfg, dynamic: bool) {
+        let c = &mut self.c;
         if !valid_name(&cp.name) {
             c.err(
                 format!("{at}.name"),
@@ -229,7 +317,7 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
                     cp.name
                 ),
             );
-        } else if control_planes.contains_key(&cp.name) {
+        } else if self.control_planes.contains_key(&cp.name) {
             c.err(
                 format!("{at}.name"),
                 format!("duplicate control plane name {:?}", cp.name),
@@ -252,145 +340,148 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
                 "at least one endpoint is required",
             );
         }
-        let prev = previous.and_then(|p| p.control_planes.get(&cp.name));
-        let mut endpoints = Vec::new();
-        let mut seen_ep = HashSet::new();
-        for (j, ep) in cp.endpoints.iter().enumerate() {
+    }
+
+    /// Checked endpoints (duplicates refused when `unique`), each keeping
+    /// the health state it had in `prev`.
+    fn endpoints(
+        &mut self,
+        path: &str,
+        list: &[String],
+        prev: Option<&[Endpoint]>,
+        unique: bool,
+    ) -> Vec<Endpoint> {
+        let mut out: Vec<Endpoint> = Vec::new();
+        for (j, ep) in list.iter().enumerate() {
             if let Err(why) = check_endpoint(ep) {
-                c.err(format!("{at}.endpoints[{j}]"), format!("{ep:?} {why}"));
+                self.c.err(format!("{path}[{j}]"), format!("{ep:?} {why}"));
                 continue;
             }
-            if !seen_ep.insert(ep.clone()) {
-                c.err(
-                    format!("{at}.endpoints[{j}]"),
-                    format!("duplicate endpoint {ep:?}"),
-                );
+            if unique && out.iter().any(|e| &e.address == ep) {
+                self.c
+                    .err(format!("{path}[{j}]"), format!("duplicate endpoint {ep:?}"));
                 continue;
             }
             let state = prev
-                .and_then(|p| p.endpoints.iter().find(|e| &e.address == ep))
+                .and_then(|p| p.iter().find(|e| &e.address == ep))
                 .map(|e| e.state.clone())
                 .unwrap_or_default();
-            endpoints.push(Endpoint {
+            out.push(Endpoint {
                 address: ep.clone(),
                 state,
             });
         }
-        if cp.endpoints.len() > 1 && cp.endpoints.iter().any(|e| e.starts_with("local:")) {
-            c.err(
-                format!("{at}.endpoints"),
-                "a local: endpoint must be the only endpoint",
+        out
+    }
+
+    /// A CONNECT destination: its canonical name (owned by one control
+    /// plane), its own endpoints or the control plane's, and its tunnel
+    /// target.
+    fn destination(
+        &mut self,
+        path: &str,
+        cp: &ControlPlaneCfg,
+        d: &DestinationCfg,
+        compiled: &Arc<ControlPlane>,
+    ) {
+        let canonical = match seedlink_proto::destination::parse(&d.name) {
+            Ok(dest) => dest.canonical(),
+            Err(why) => {
+                self.c
+                    .err(format!("{path}.name"), format!("{:?}: {why}", d.name));
+                return;
+            }
+        };
+        if let Some(other) = self.dest_owner.get(&canonical) {
+            self.c.err(
+                format!("{path}.name"),
+                format!("destination {canonical:?} is already used by control plane {other:?}"),
+            );
+            return;
+        }
+        self.dest_owner.insert(canonical.clone(), cp.name.clone());
+        let endpoints = match &d.endpoints {
+            None => compiled
+                .endpoints
+                .iter()
+                .map(|e| Endpoint {
+                    address: e.address.clone(),
+                    state: e.state.clone(),
+                })
+                .collect(),
+            Some(list) => {
+                if list.is_empty() {
+                    self.c.err(
+                        format!("{path}.endpoints"),
+                        "at least one endpoint is required (or omit it to use the control plane's)",
+                    );
+                }
+                let prev = self
+                    .previous
+                    .and_then(|p| p.routes.destination(&canonical))
+                    .map(|r| r.endpoints.as_slice());
+                self.endpoints(&format!("{path}.endpoints"), list, prev, false)
+            }
+        };
+        let tunnel_target = check_tunnel_target(&mut self.c, path, d, &endpoints);
+        if tunnel_target.is_some() && cp.acl.is_none() {
+            self.c.err(
+                format!("{path}.tunnel_target"),
+                "reaches into a shoot: its control plane needs an `acl` naming who may use it (e.g. the kube-apiservers' pod network)",
             );
         }
-        let acl = cp
-            .acl
-            .as_ref()
-            .map(|a| cidrs(&mut c, &format!("{at}.acl.allow"), &a.allow));
-        let compiled = Arc::new(ControlPlane {
-            name: cp.name.clone(),
-            endpoints,
-            acl,
-        });
-        for (j, d) in cp.destinations.iter().enumerate() {
-            let path = format!("{at}.destinations[{j}]");
-            let canonical = match seedlink_proto::destination::parse(&d.name) {
-                Ok(dest) => dest.canonical(),
-                Err(why) => {
-                    c.err(format!("{path}.name"), format!("{:?}: {why}", d.name));
-                    continue;
-                }
-            };
-            if let Some(other) = dest_owner.get(&canonical) {
-                c.err(
-                    format!("{path}.name"),
-                    format!("destination {canonical:?} is already used by control plane {other:?}"),
-                );
-                continue;
-            }
-            dest_owner.insert(canonical.clone(), cp.name.clone());
-            let prev_route = previous.and_then(|p| p.routes.destination(&canonical));
-            let endpoints = match &d.endpoints {
-                None => compiled
-                    .endpoints
-                    .iter()
-                    .map(|e| Endpoint {
-                        address: e.address.clone(),
-                        state: e.state.clone(),
-                    })
-                    .collect(),
-                Some(list) => {
-                    if list.is_empty() {
-                        c.err(format!("{path}.endpoints"), "at least one endpoint is required (or omit it to use the control plane's)");
-                    }
-                    let mut out = Vec::new();
-                    for (k, ep) in list.iter().enumerate() {
-                        if let Err(why) = check_endpoint(ep) {
-                            c.err(format!("{path}.endpoints[{k}]"), format!("{ep:?} {why}"));
-                            continue;
-                        }
-                        let state = prev_route
-                            .and_then(|r| r.endpoints.iter().find(|e| &e.address == ep))
-                            .map(|e| e.state.clone())
-                            .unwrap_or_default();
-                        out.push(Endpoint {
-                            address: ep.clone(),
-                            state,
-                        });
-                    }
-                    out
-                }
-            };
-            let tunnel_target = check_tunnel_target(&mut c, &path, d, &endpoints);
-            if tunnel_target.is_some() && cp.acl.is_none() {
-                c.err(
-                    format!("{path}.tunnel_target"),
-                    "reaches into a shoot: its control plane needs an `acl` naming who may use it (e.g. the kube-apiservers' pod network)",
-                );
-            }
-            routes.destinations.insert(
-                canonical,
-                DestinationRoute {
-                    control_plane: compiled.clone(),
-                    endpoints,
-                    tunnel_target,
-                },
+        self.routes.destinations.insert(
+            canonical,
+            DestinationRoute {
+                control_plane: compiled.clone(),
+                endpoints,
+                tunnel_target,
+            },
+        );
+    }
+
+    /// A service address (the legacy PROXY path): one `ip:port`, one owner.
+    fn service_address(&mut self, path: &str, a: &str, compiled: &Arc<ControlPlane>) {
+        let Ok(sa) = a.parse::<SocketAddr>() else {
+            self.c.err(path, format!("{a:?} is not an ip:port address"));
+            return;
+        };
+        let sa = SocketAddr::new(crate::routes::canonical(sa.ip()), sa.port());
+        if sa.port() == 0 || sa.ip().is_unspecified() {
+            self.c
+                .err(path, format!("{a:?} needs a specific address and port"));
+            return;
+        }
+        if let Some(other) = self.routes.services.get(&sa) {
+            self.c.err(
+                path,
+                format!("{sa} is already used by control plane {:?}", other.name),
             );
+            return;
         }
-        for (j, a) in cp.service_addresses.iter().enumerate() {
-            let path = format!("{at}.service_addresses[{j}]");
-            let Ok(sa) = a.parse::<SocketAddr>() else {
-                c.err(path, format!("{a:?} is not an ip:port address"));
-                continue;
-            };
-            let sa = SocketAddr::new(crate::routes::canonical(sa.ip()), sa.port());
-            if sa.port() == 0 || sa.ip().is_unspecified() {
-                c.err(path, format!("{a:?} needs a specific address and port"));
-                continue;
-            }
-            if let Some(other) = routes.services.get(&sa) {
-                c.err(
-                    path,
-                    format!("{sa} is already used by control plane {:?}", other.name),
-                );
-                continue;
-            }
-            routes.services.insert(sa, compiled.clone());
+        self.routes.services.insert(sa, compiled.clone());
+    }
+
+    /// A cluster ID (HyperShift's TLV path): valid, one owner.
+    fn cluster_id(&mut self, path: &str, id: &str, compiled: &Arc<ControlPlane>) {
+        if let Err(why) = check_cluster_id(id) {
+            self.c.err(path, why);
+        } else if let Some(other) = self.routes.clusters.get(id.as_bytes()) {
+            self.c.err(
+                path,
+                format!("{id:?} is already used by control plane {:?}", other.name),
+            );
+        } else {
+            self.routes
+                .clusters
+                .insert(id.as_bytes().to_vec(), compiled.clone());
         }
-        if let Some(id) = &cp.cluster_id {
-            let path = format!("{at}.cluster_id");
-            if let Err(why) = check_cluster_id(id) {
-                c.err(path, why);
-            } else if let Some(other) = routes.clusters.get(id.as_bytes()) {
-                c.err(
-                    path,
-                    format!("{id:?} is already used by control plane {:?}", other.name),
-                );
-            } else {
-                routes
-                    .clusters
-                    .insert(id.as_bytes().to_vec(), compiled.clone());
-            }
-        }
+    }
+
+    /// Host names served everywhere (`hostnames`) and at one address
+    /// (`served_on`, which then serves nothing else); a name conflicts
+    /// only with the same name in the same scope.
+    fn host_names(&mut self, at: &str, cp: &ControlPlaneCfg, compiled: &Arc<ControlPlane>) {
         // (address or None for every listener, path, name)
         let mut names: Vec<(Option<SocketAddr>, String, &String)> = cp
             .hostnames
@@ -400,11 +491,15 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
             .collect();
         for (j, on) in cp.served_on.iter().enumerate() {
             let path = format!("{at}.served_on[{j}]");
-            let Some(sa) = served_at(&mut c, &format!("{path}.address"), &on.address, &listeners)
-            else {
+            let Some(sa) = served_at(
+                &mut self.c,
+                &format!("{path}.address"),
+                &on.address,
+                self.listeners,
+            ) else {
                 continue;
             };
-            routes.exclusive.insert(sa.ip());
+            self.routes.exclusive.insert(sa.ip());
             names.extend(
                 on.hostnames
                     .iter()
@@ -413,14 +508,12 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
             );
         }
         for (scope, path, h) in names {
-            let Some(pattern) = check_host_pattern(&mut c, &path, h) else {
+            let Some(pattern) = check_host_pattern(&mut self.c, &path, h) else {
                 continue;
             };
-            // Names served everywhere, and those served at one address
-            // (which serves nothing else), conflict only among themselves.
             let key = (pattern, scope);
-            if let Some(other) = owner.get(&key) {
-                c.err(
+            if let Some(other) = self.owner.get(&key) {
+                self.c.err(
                     path,
                     format!(
                         "host name {:?} is already used by control plane {other:?}",
@@ -429,34 +522,18 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
                 );
                 continue;
             }
-            owner.insert(key.clone(), cp.name.clone());
+            self.owner.insert(key.clone(), cp.name.clone());
             match scope {
-                None => routes.hosts.insert(key.0, compiled.clone()),
-                Some(a) => routes
+                None => self.routes.hosts.insert(key.0, compiled.clone()),
+                Some(a) => self
+                    .routes
                     .scoped
                     .entry(a)
                     .or_default()
                     .insert(key.0, compiled.clone()),
             }
         }
-        control_planes.entry(cp.name.clone()).or_insert(compiled);
     }
-
-    if !c.0.is_empty() {
-        return Err(Errors(c.0));
-    }
-    Ok(Snapshot {
-        listeners,
-        admin,
-        routes,
-        control_planes,
-        trusted_lbs,
-        always_allowed,
-        timeouts: file.timeouts.clone(),
-        limits: file.limits.clone(),
-        upstream: file.upstream.clone(),
-        file,
-    })
 }
 
 /// A destination's `tunnel_target`: `host:port`, and only where its

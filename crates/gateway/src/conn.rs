@@ -106,7 +106,7 @@ enum Outcome {
     /// The copy ended.
     Copied(Copied),
     /// An HTTP/2 connection ended (its streams are counted on their own).
-    Http2(&'static str),
+    Http2(crate::h2conn::H2End),
 }
 
 /// How a copy between client and upstream ended.
@@ -137,7 +137,7 @@ impl Outcome {
             Outcome::Copied(Copied::Error) => "error",
             Outcome::Copied(Copied::ClosedRemoved) => "closed_removed",
             Outcome::Copied(Copied::ClosedDrain) => "closed_drain",
-            Outcome::Http2(label) => label,
+            Outcome::Http2(end) => end.reason(),
         }
     }
 }
@@ -203,18 +203,11 @@ pub async fn serve(gw: Arc<Gateway>, lctx: Arc<ListenerCtx>, stream: TcpStream, 
     lctx.metrics.ended(&gw.metrics, cp, outcome.reason());
 }
 
-/// Answers a CONNECT with 503 when its control plane has no usable
-/// upstream (other requests are just closed by the caller).
-async fn refuse_connect_unavailable(stream: &TcpStream, request: &Request) {
-    if let Request::Connect(head) = request {
-        respond_and_close(
-            stream,
-            status_line(head, "503 Service Unavailable").as_bytes(),
-        )
-        .await;
-    }
-}
-
+/// One connection as a table of contents: admit the source → detect the
+/// first message (under one absolute deadline) → route → ACL → an
+/// in-process service, or the limits → upstream connect → answer and
+/// replay → copy. Each step returns what the next needs or how the
+/// connection ended.
 async fn run(
     gw: &Arc<Gateway>,
     lctx: &Arc<ListenerCtx>,
@@ -224,24 +217,16 @@ async fn run(
 ) -> Ended {
     let peer = SocketAddr::new(canonical(peer.ip()), peer.port());
     let trusted = snap.trusted_lbs.contains(peer.ip());
-    // Unrouted connections are capped per source. A trusted load balancer is
-    // exempt as a peer; its clients are capped once the PROXY header names them.
-    let mut guard = None;
-    if !trusted {
-        match gw
-            .sources
-            .enter(peer.ip(), snap.limits.max_unrouted_per_source)
-        {
-            Some(g) => guard = Some(g),
-            None => return refuse(gw, lctx, peer, Refusal::PerSourceLimit),
-        }
-    }
+    let mut guard = match admit(gw, snap, peer, trusted) {
+        Ok(g) => g,
+        Err(r) => return refuse(gw, lctx, peer, r),
+    };
     let deadline = Instant::now() + snap.timeouts.client_hello;
-    // Boxed, as are the upstream dial and the refusal answers below: what is
-    // only alive while a connection is set up or refused would otherwise be
-    // part of every connection's future for its whole life, idle ones
-    // included (the future is sized for its largest state; the copy loop
-    // alone is what an idle connection needs).
+    // Boxed, as are the steps below that only run while a connection is
+    // set up or refused: they would otherwise be part of every
+    // connection's future for its whole life, idle ones included (the
+    // future is sized for its largest state; the copy loop alone is what
+    // an idle connection needs).
     let detected = match tokio::time::timeout_at(
         deadline,
         Box::pin(detect(gw, lctx, snap, &stream, peer, trusted, &mut guard)),
@@ -252,260 +237,145 @@ async fn run(
         Ok(Err(r)) => return refuse(gw, lctx, peer, r),
         Err(_) => return refuse(gw, lctx, peer, Refusal::Timeout),
     };
-    let client = detected.client;
-    let stream_local = if snap.routes.scoped() {
-        stream.local_addr().ok()
-    } else {
-        None
-    };
     if matches!(detected.request, Request::Http2) {
         // An HTTP/2 connection stays unrouted (holding its per-source slot)
-        // whenever it has no open stream.
-        let Detected { replay, .. } = detected;
-        // Boxed: the HTTP/2 server's future is ~2 KiB and would otherwise
-        // be part of every connection's future, idle TLS passthrough
-        // included (docs/PERFORMANCE.md, idle memory).
+        // whenever it has no open stream. Boxed: the HTTP/2 server's future
+        // is ~2 KiB (docs/PERFORMANCE.md, idle memory).
         let outcome = Box::pin(crate::h2conn::serve(
             gw.clone(),
             lctx.clone(),
             snap.clone(),
             stream,
-            client,
-            replay,
+            detected.client,
+            detected.replay,
             guard,
         ))
         .await;
         return (None, Outcome::Http2(outcome));
     }
     drop(guard);
-
-    // `tunnel_target`: for a CONNECT, what an in-process tunnel-server may
-    // dial (the destination's configured target, never the request line).
-    let (cp, endpoints, protocol, tunnel_target): (
-        Arc<ControlPlane>,
-        &[Endpoint],
-        &str,
-        Option<&str>,
-    ) = match &detected.request {
-        Request::Tls { sni, .. } => {
-            // Names served on some addresses only (a Gateway of the class
-            // with its own address) are looked up where the connection
-            // arrived; the getsockname is paid only when such names exist.
-            let cp = match stream_local {
-                Some(local) => snap.routes.lookup_at(sni, local),
-                None => snap.routes.lookup(sni),
-            };
-            let Some(cp) = cp else {
-                tracing::debug!(listener = %lctx.spec.name, %peer, %client, %sni, "unknown SNI");
-                return refuse(gw, lctx, client, Refusal::UnknownSni);
-            };
-            (cp.clone(), cp.endpoints.as_slice(), "tls-sni", None)
-        }
-        // Served above; kept exhaustive.
-        Request::Http2 => return refuse(gw, lctx, client, Refusal::Unrecognized),
-        Request::Legacy { destination } => {
-            let Some(cp) = snap.routes.service(*destination) else {
-                tracing::debug!(listener = %lctx.spec.name, %peer, %client, %destination, "unknown service address");
-                return refuse(gw, lctx, client, Refusal::UnknownService);
-            };
-            (cp.clone(), cp.endpoints.as_slice(), "proxy-protocol", None)
-        }
-        Request::Cluster { id } => {
-            let Some(cp) = snap.routes.cluster(id) else {
-                tracing::debug!(listener = %lctx.spec.name, %peer, %client,
-                    cluster_id = %String::from_utf8_lossy(id), "unknown cluster ID");
-                return refuse(gw, lctx, client, Refusal::UnknownClusterId);
-            };
-            (cp.clone(), cp.endpoints.as_slice(), "proxy-tlv", None)
-        }
-        Request::Connect(head) => {
-            let canonical = match check_connect(
-                head,
-                &lctx.spec.destination_header,
-                lctx.spec.destination_regex.as_ref(),
-            ) {
-                Ok(c) => c,
-                Err(bad) => {
-                    return Box::pin(reject_connect(gw, lctx, &stream, client, head, bad)).await
-                }
-            };
-            let Some(route) = snap.routes.destination(&canonical) else {
-                if gw.metrics.refusal_log.allow() {
-                    tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, %client, %peer,
-                        reason = "unknown_destination", destination = %canonical, "connection refused");
-                }
-                respond_and_close(
-                    &stream,
-                    status_line(head, "503 Service Unavailable").as_bytes(),
-                )
-                .await;
-                return refuse(gw, lctx, client, Refusal::UnknownDestination);
-            };
-            // A CONNECT reaches into a shoot only on a listener configured
-            // as a tunnel frontend, and only to the destination's own
-            // target (the request line is never dialled). Decided before
-            // the ACL, with the answer of an unknown destination, so a
-            // public listener tells nothing about tunnel destinations.
-            let local =
-                matches!(route.endpoints.as_slice(), [only] if only.address.starts_with("local:"));
-            if local && (!lctx.spec.tunnel_frontend || route.tunnel_target.is_none()) {
-                if gw.metrics.refusal_log.allow() {
-                    tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, %client, %peer,
-                        destination = %canonical, reason = "tunnel_not_allowed",
-                        "a CONNECT to an in-process tunnel needs a tunnel_frontend listener and a destination tunnel_target");
-                }
-                respond_and_close(
-                    &stream,
-                    status_line(head, "503 Service Unavailable").as_bytes(),
-                )
-                .await;
-                return refuse(gw, lctx, client, Refusal::TunnelNotAllowed);
-            }
-            (
-                route.control_plane.clone(),
-                route.endpoints.as_slice(),
-                lctx.connect_protocol.as_str(),
-                route
-                    .tunnel_target
-                    .as_deref()
-                    .filter(|_| lctx.spec.tunnel_frontend),
-            )
-        }
+    // Boxed: routing, the ACL, the limits and the upstream dial are only
+    // alive while the connection is set up; the copy is what stays.
+    let ready = match Box::pin(setup(gw, lctx, snap, stream, peer, detected)).await {
+        Ok(r) => r,
+        Err(ended) => return ended,
     };
-    if !gw.admit(snap, &cp, client) {
-        if gw.metrics.refusal_log.allow() {
-            tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, %client, %peer,
-                control_plane = %cp.name, reason = "acl_denied", "connection refused");
-        }
-        if let Request::Connect(head) = &detected.request {
-            // The answer of an unknown destination: an outsider learns
-            // nothing about which destinations exist (logs and metrics
-            // keep `acl_denied`).
-            respond_and_close(
-                &stream,
-                status_line(head, "503 Service Unavailable").as_bytes(),
-            )
-            .await;
-        }
-        return (Some(cp), Outcome::AclDenied);
-    }
+    copy(gw, lctx, ready).await
+}
 
-    // An in-process service takes the connection over: no upstream socket,
-    // no copy loop here.
-    if let [only] = endpoints {
-        if let Some(name) = only.address.strip_prefix("local:") {
-            let Some(handler) = gw.local(name) else {
-                tracing::warn!(listener = %lctx.spec.name, control_plane = %cp.name, local = name, "no in-process service of that name");
-                refuse_connect_unavailable(&stream, &detected.request).await;
-                return (Some(cp), Outcome::UpstreamUnavailable);
-            };
-            // A CONNECT reaches into a shoot only on a listener configured
-            // as a tunnel frontend, and only to the destination's own
-            // target: the request line is never dialled.
-            // Checked above: a CONNECT here has its configured target.
-            let connect_target = match &detected.request {
-                Request::Connect(_) => tunnel_target.map(str::to_string),
-                _ => None,
-            };
-            let _routed = lctx.metrics.routed(&gw.metrics, &cp.name, protocol);
-            let Detected { replay, client, .. } = detected;
-            handler(crate::Handoff {
-                stream,
-                replay,
-                client,
-                control_plane: cp.name.clone(),
-                connect_target,
-            });
-            return (Some(cp), Outcome::HandedOver);
-        }
+/// Routed, admitted, connected and replayed: what the copy holds for the
+/// connection's life.
+struct Ready<'g> {
+    stream: TcpStream,
+    upstream: TcpStream,
+    cp: Arc<ControlPlane>,
+    client: SocketAddr,
+    /// Bytes already sent upstream (the replay).
+    replayed: u64,
+    _active: upstream::ActiveGuard,
+    _routed: crate::metrics::Routed,
+    _cp_slot: crate::RoutedGuard<'g>,
+    _source_slot: Option<SourceGuard<'g>>,
+}
+
+/// Route → ACL → an in-process service, or the limits → upstream connect
+/// → the CONNECT's 200 → the replay.
+async fn setup<'g>(
+    gw: &'g Arc<Gateway>,
+    lctx: &Arc<ListenerCtx>,
+    snap: &Arc<Snapshot>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    detected: Detected,
+) -> Result<Ready<'g>, Ended> {
+    let at = At {
+        gw,
+        lctx,
+        snap,
+        stream: &stream,
+        peer,
+        detected: &detected,
+    };
+    let route = at.route().await?;
+    if !gw.admit(snap, &route.cp, detected.client) {
+        return Err(at.unavailable(route.cp, Outcome::AclDenied, None).await);
+    }
+    if let Some(name) = route.local() {
+        let Some(handler) = gw.local(name) else {
+            tracing::warn!(listener = %lctx.spec.name, control_plane = %route.cp.name, local = name, "no in-process service of that name");
+            return Err(at
+                .unavailable(route.cp, Outcome::UpstreamUnavailable, None)
+                .await);
+        };
+        return Err(hand_over(gw, lctx, route, handler, stream, detected));
     }
     // One tenant's clients cannot take every connection of the gateway.
-    let Some(_routed_slot) = gw.enter_control_plane(snap, &cp.name) else {
-        if gw.metrics.refusal_log.allow() {
-            tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, %client, %peer,
-                control_plane = %cp.name, reason = "control_plane_limit", "connection refused");
-        }
-        refuse_connect_unavailable(&stream, &detected.request).await;
-        return (Some(cp), Outcome::ControlPlaneLimit);
+    let Some(cp_slot) = gw.enter_control_plane(snap, &route.cp.name) else {
+        return Err(at
+            .unavailable(route.cp, Outcome::ControlPlaneLimit, None)
+            .await);
     };
-    let Ok(_source_slot) = gw.enter_routed_source(snap, client.ip()) else {
-        if gw.metrics.refusal_log.allow() {
-            tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, %client, %peer,
-                control_plane = %cp.name, reason = "source_limit", "connection refused");
-        }
-        refuse_connect_unavailable(&stream, &detected.request).await;
-        return (Some(cp), Outcome::SourceLimit);
+    let Ok(source_slot) = gw.enter_routed_source(snap, detected.client.ip()) else {
+        return Err(at.unavailable(route.cp, Outcome::SourceLimit, None).await);
     };
-    let (upstream, _active, endpoint) = match Box::pin(upstream::connect(
-        &cp.name,
-        endpoints,
+    let (upstream, active, endpoint) = match upstream::connect(
+        &route.cp.name,
+        route.endpoints,
         &snap.upstream,
         snap.timeouts.upstream_connect,
         crate::keepalive(snap),
         &gw.metrics,
-    ))
+    )
     .await
     {
         Ok(u) => u,
         Err(e) => {
-            if gw.metrics.refusal_log.allow() {
-                tracing::warn!(target: "seedlink::refused", listener = %lctx.spec.name, %client, %peer,
-                    control_plane = %cp.name, reason = "upstream_unavailable", error = %e, "connection failed");
-            }
-            refuse_connect_unavailable(&stream, &detected.request).await;
-            return (Some(cp), Outcome::UpstreamUnavailable);
+            let e = e.to_string();
+            let out = Outcome::UpstreamUnavailable;
+            return Err(at.unavailable(route.cp, out, Some(&e)).await);
         }
     };
+    at.answer(&route.cp).await?;
+    let routed = lctx
+        .metrics
+        .routed(&gw.metrics, &route.cp.name, route.protocol);
+    let replayed = at.replay(&route.cp, &upstream, &endpoint).await?;
+    Ok(Ready {
+        client: detected.client,
+        stream,
+        upstream,
+        cp: route.cp,
+        replayed,
+        _active: active,
+        _routed: routed,
+        _cp_slot: cp_slot,
+        _source_slot: source_slot,
+    })
+}
+
+/// Copies until both sides end, the control plane is removed (after its
+/// grace period), or the drain deadline passes.
+async fn copy(gw: &Gateway, lctx: &ListenerCtx, ready: Ready<'_>) -> Ended {
+    let Ready {
+        stream,
+        upstream,
+        cp,
+        client,
+        replayed,
+        ..
+    } = &ready;
     let handles = lctx.metrics.cp(&gw.metrics, &cp.name);
     let up = Count {
         metric: &handles.to_upstream,
-        local: 0.into(),
+        local: (*replayed).into(),
     };
     let down = Count {
         metric: &handles.to_client,
         local: 0.into(),
     };
-
-    if let Request::Connect(head) = &detected.request {
-        // Only now, with the upstream connected, does the client hear 200;
-        // what it pipelined after the head goes upstream right after.
-        let ok = if head.minor_version == 0 {
-            "HTTP/1.0 200 Connection established\r\n\r\n"
-        } else {
-            "HTTP/1.1 200 Connection established\r\n\r\n"
-        };
-        if write_all(&stream, ok.as_bytes()).await.is_err() {
-            return (Some(cp), Outcome::ClientError);
-        }
-    }
-    let _routed = lctx.metrics.routed(&gw.metrics, &cp.name, protocol);
-    if let Err(e) = write_all(&upstream, &detected.replay).await {
-        tracing::debug!(control_plane = %cp.name, error = %e, "upstream write failed");
-        sockopt::arm_reset(&stream);
-        return (Some(cp), Outcome::UpstreamError);
-    }
-    up.add(detected.replay.len() as u64);
-    match &detected.request {
-        Request::Tls { sni, alpn } => {
-            tracing::debug!(listener = %lctx.spec.name, %client, %peer, %sni,
-            ?alpn, control_plane = %cp.name, %endpoint, "proxying")
-        }
-        Request::Connect(head) => tracing::debug!(listener = %lctx.spec.name, %client, %peer,
-            target = %head.target, control_plane = %cp.name, %endpoint, "tunnelling"),
-        Request::Http2 => {}
-        Request::Legacy { destination } => {
-            tracing::debug!(listener = %lctx.spec.name, %client, %peer,
-            %destination, control_plane = %cp.name, %endpoint, "proxying legacy")
-        }
-        Request::Cluster { id } => {
-            tracing::debug!(listener = %lctx.spec.name, %client, %peer,
-            cluster_id = %String::from_utf8_lossy(id), control_plane = %cp.name, %endpoint, "proxying by cluster ID")
-        }
-    }
-    drop(detected);
     let closer = gw.closer_for(&cp.name);
     let copied = tokio::select! {
-        r = gw.copier.run(&stream, &upstream, &up, &down) => match r {
+        r = gw.copier.run(stream, upstream, &up, &down) => match r {
             Ok(()) => Copied::Ok,
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Copied::Reset,
             Err(_) => Copied::Error,
@@ -515,12 +385,298 @@ async fn run(
     };
     let outcome = Outcome::Copied(copied);
     if matches!(copied, Copied::ClosedRemoved | Copied::ClosedDrain) {
-        sockopt::arm_reset(&stream);
-        sockopt::arm_reset(&upstream);
+        sockopt::arm_reset(stream);
+        sockopt::arm_reset(upstream);
     }
-    tracing::debug!(listener = %lctx.spec.name, %client, control_plane = %cp.name, outcome = outcome.reason(),
-        bytes_up = up.local.into_inner(), bytes_down = down.local.into_inner(), "closed");
-    (Some(cp), outcome)
+    tracing::debug!(listener = %lctx.spec.name, %client, control_plane = %cp.name,
+        outcome = outcome.reason(), bytes_up = up.local.into_inner(),
+        bytes_down = down.local.into_inner(), "closed");
+    (Some(cp.clone()), outcome)
+}
+
+/// Caps unrouted connections per source. A trusted load balancer is exempt
+/// as a peer; its clients are capped once the PROXY header names them.
+fn admit<'g>(
+    gw: &'g Gateway,
+    snap: &Snapshot,
+    peer: SocketAddr,
+    trusted: bool,
+) -> Result<Option<SourceGuard<'g>>, Refusal> {
+    if trusted {
+        return Ok(None);
+    }
+    gw.sources
+        .enter(peer.ip(), snap.limits.max_unrouted_per_source)
+        .map(Some)
+        .ok_or(Refusal::PerSourceLimit)
+}
+
+/// Where a detected connection goes.
+struct Route<'s> {
+    cp: Arc<ControlPlane>,
+    endpoints: &'s [Endpoint],
+    /// The `protocol` label of the routed counters.
+    protocol: &'s str,
+    /// For a CONNECT on a tunnel frontend, what an in-process tunnel-server
+    /// may dial: the destination's configured target, never the request
+    /// line.
+    tunnel_target: Option<&'s str>,
+}
+
+impl<'s> Route<'s> {
+    /// Every endpoint of `cp`.
+    fn to(cp: &'s Arc<ControlPlane>, protocol: &'s str) -> Route<'s> {
+        Route {
+            cp: cp.clone(),
+            endpoints: cp.endpoints.as_slice(),
+            protocol,
+            tunnel_target: None,
+        }
+    }
+
+    /// The in-process service's name when the only endpoint is
+    /// `local:<name>`.
+    fn local(&self) -> Option<&'s str> {
+        match self.endpoints {
+            [only] => only.address.strip_prefix("local:"),
+            _ => None,
+        }
+    }
+}
+
+/// A detected connection, and what every step after detection reads
+/// (`'s`: the gateway and its snapshot, which routes borrow from; `'a`: the
+/// connection).
+struct At<'a, 's> {
+    gw: &'s Arc<Gateway>,
+    lctx: &'s Arc<ListenerCtx>,
+    snap: &'s Arc<Snapshot>,
+    stream: &'a TcpStream,
+    peer: SocketAddr,
+    detected: &'a Detected,
+}
+
+impl<'s> At<'_, 's> {
+    /// The one refusal line after detection (rate-limited; the excess is
+    /// counted).
+    fn log_refused(
+        &self,
+        reason: &str,
+        cp: Option<&str>,
+        destination: Option<&str>,
+        error: Option<&str>,
+    ) {
+        if self.gw.metrics.refusal_log.allow() {
+            tracing::warn!(target: "seedlink::refused", listener = %self.lctx.spec.name,
+                client = %self.detected.client, peer = %self.peer, control_plane = cp,
+                destination, reason, error, "connection refused");
+        }
+    }
+
+    /// A CONNECT is answered 503, the answer of an unknown destination (an
+    /// outsider learns nothing about which destinations exist); other
+    /// requests are just closed.
+    async fn answer_unavailable(&self) {
+        if let Request::Connect(head) = &self.detected.request {
+            respond_and_close(
+                self.stream,
+                status_line(head, "503 Service Unavailable").as_bytes(),
+            )
+            .await;
+        }
+    }
+
+    /// Routed, but its ACL, a limit or the upstream says no: logged under
+    /// the outcome's reason, a CONNECT hears 503.
+    async fn unavailable(
+        &self,
+        cp: Arc<ControlPlane>,
+        outcome: Outcome,
+        error: Option<&str>,
+    ) -> Ended {
+        self.log_refused(outcome.reason(), Some(&cp.name), None, error);
+        self.answer_unavailable().await;
+        (Some(cp), outcome)
+    }
+
+    /// The control plane and endpoints of the request: by SNI (where the
+    /// connection arrived, for names served on some addresses only; the
+    /// getsockname is paid only when such names exist), by the node proxy's
+    /// destination or cluster ID, or by a CONNECT's destination header.
+    async fn route(&self) -> Result<Route<'s>, Ended> {
+        let (gw, lctx, snap) = (self.gw, self.lctx, self.snap);
+        let (client, peer) = (self.detected.client, self.peer);
+        match &self.detected.request {
+            Request::Tls { sni, .. } => {
+                let local = snap.routes.scoped().then(|| self.stream.local_addr().ok());
+                let cp = match local.flatten() {
+                    Some(at) => snap.routes.lookup_at(sni, at),
+                    None => snap.routes.lookup(sni),
+                };
+                let Some(cp) = cp else {
+                    tracing::debug!(listener = %lctx.spec.name, %peer, %client, %sni, "unknown SNI");
+                    return Err(refuse(gw, lctx, client, Refusal::UnknownSni));
+                };
+                Ok(Route::to(cp, "tls-sni"))
+            }
+            // Served before routing; kept exhaustive.
+            Request::Http2 => Err(refuse(gw, lctx, client, Refusal::Unrecognized)),
+            Request::Legacy { destination } => {
+                let Some(cp) = snap.routes.service(*destination) else {
+                    tracing::debug!(listener = %lctx.spec.name, %peer, %client, %destination, "unknown service address");
+                    return Err(refuse(gw, lctx, client, Refusal::UnknownService));
+                };
+                Ok(Route::to(cp, "proxy-protocol"))
+            }
+            Request::Cluster { id } => {
+                let Some(cp) = snap.routes.cluster(id) else {
+                    tracing::debug!(listener = %lctx.spec.name, %peer, %client,
+                        cluster_id = %String::from_utf8_lossy(id), "unknown cluster ID");
+                    return Err(refuse(gw, lctx, client, Refusal::UnknownClusterId));
+                };
+                Ok(Route::to(cp, "proxy-tlv"))
+            }
+            Request::Connect(head) => self.route_connect(head).await,
+        }
+    }
+
+    /// A CONNECT's route: its destination header (checked; the request
+    /// line is never used), answered like an unknown destination when it
+    /// reaches into a shoot from a listener that is not a tunnel frontend.
+    async fn route_connect(&self, head: &connect_head::Head) -> Result<Route<'s>, Ended> {
+        let (gw, lctx, snap) = (self.gw, self.lctx, self.snap);
+        let client = self.detected.client;
+        let spec = &lctx.spec;
+        let canonical = match check_connect(
+            head,
+            &spec.destination_header,
+            spec.destination_regex.as_ref(),
+        ) {
+            Ok(c) => c,
+            Err(bad) => {
+                return Err(
+                    Box::pin(reject_connect(gw, lctx, self.stream, client, head, bad)).await,
+                )
+            }
+        };
+        let Some(route) = snap.routes.destination(&canonical) else {
+            return Err(self
+                .unknown_destination(&canonical, Refusal::UnknownDestination)
+                .await);
+        };
+        // A CONNECT reaches into a shoot only on a listener configured as a
+        // tunnel frontend, and only to the destination's own target.
+        // Decided before the ACL, with the answer of an unknown
+        // destination, so a public listener tells nothing about tunnel
+        // destinations.
+        let local =
+            matches!(route.endpoints.as_slice(), [only] if only.address.starts_with("local:"));
+        if local && (!spec.tunnel_frontend || route.tunnel_target.is_none()) {
+            return Err(self
+                .unknown_destination(&canonical, Refusal::TunnelNotAllowed)
+                .await);
+        }
+        Ok(Route {
+            cp: route.control_plane.clone(),
+            endpoints: route.endpoints.as_slice(),
+            protocol: lctx.connect_protocol.as_str(),
+            tunnel_target: route
+                .tunnel_target
+                .as_deref()
+                .filter(|_| spec.tunnel_frontend),
+        })
+    }
+
+    /// Answered like a destination that does not exist.
+    async fn unknown_destination(&self, canonical: &str, refusal: Refusal) -> Ended {
+        self.log_refused(refusal.reason(), None, Some(canonical), None);
+        self.answer_unavailable().await;
+        refuse(self.gw, self.lctx, self.detected.client, refusal)
+    }
+
+    /// Connected upstream: a CONNECT hears 200 only now (what it
+    /// pipelined after the head goes upstream right after).
+    async fn answer(&self, cp: &Arc<ControlPlane>) -> Result<(), Ended> {
+        let Request::Connect(head) = &self.detected.request else {
+            return Ok(());
+        };
+        let ok = if head.minor_version == 0 {
+            "HTTP/1.0 200 Connection established\r\n\r\n"
+        } else {
+            "HTTP/1.1 200 Connection established\r\n\r\n"
+        };
+        write_all(self.stream, ok.as_bytes())
+            .await
+            .map_err(|_| (Some(cp.clone()), Outcome::ClientError))
+    }
+
+    /// Sends the bytes read so far upstream; how many.
+    async fn replay(
+        &self,
+        cp: &Arc<ControlPlane>,
+        upstream: &TcpStream,
+        endpoint: &str,
+    ) -> Result<u64, Ended> {
+        let replay = &self.detected.replay;
+        if let Err(e) = write_all(upstream, replay).await {
+            tracing::debug!(control_plane = %cp.name, error = %e, "upstream write failed");
+            sockopt::arm_reset(self.stream);
+            return Err((Some(cp.clone()), Outcome::UpstreamError));
+        }
+        let n = replay.len() as u64;
+        self.lctx
+            .metrics
+            .cp(&self.gw.metrics, &cp.name)
+            .to_upstream
+            .inc_by(n);
+        self.log_proxying(&cp.name, endpoint);
+        Ok(n)
+    }
+
+    /// The debug line of a connection that starts its copy.
+    fn log_proxying(&self, cp: &str, endpoint: &str) {
+        let (listener, client, peer) = (&self.lctx.spec.name, self.detected.client, self.peer);
+        match &self.detected.request {
+            Request::Tls { sni, alpn } => tracing::debug!(%listener, %client, %peer, %sni,
+                ?alpn, control_plane = cp, endpoint, "proxying"),
+            Request::Connect(head) => tracing::debug!(%listener, %client, %peer,
+                target = %head.target, control_plane = cp, endpoint, "tunnelling"),
+            Request::Http2 => {}
+            Request::Legacy { destination } => tracing::debug!(%listener, %client, %peer,
+                %destination, control_plane = cp, endpoint, "proxying legacy"),
+            Request::Cluster { id } => tracing::debug!(%listener, %client, %peer,
+                cluster_id = %String::from_utf8_lossy(id), control_plane = cp, endpoint,
+                "proxying by cluster ID"),
+        }
+    }
+}
+
+/// An in-process service takes the connection over: no upstream socket, no
+/// copy loop here. A CONNECT carries its destination's configured target
+/// (never the request line).
+fn hand_over(
+    gw: &Gateway,
+    lctx: &ListenerCtx,
+    route: Route<'_>,
+    handler: crate::LocalHandler,
+    stream: TcpStream,
+    detected: Detected,
+) -> Ended {
+    let connect_target = match &detected.request {
+        Request::Connect(_) => route.tunnel_target.map(str::to_string),
+        _ => None,
+    };
+    let _routed = lctx
+        .metrics
+        .routed(&gw.metrics, &route.cp.name, route.protocol);
+    handler(crate::Handoff {
+        stream,
+        replay: detected.replay,
+        client: detected.client,
+        control_plane: route.cp.name.clone(),
+        connect_target,
+    });
+    (Some(route.cp), Outcome::HandedOver)
 }
 
 fn refuse(gw: &Gateway, lctx: &ListenerCtx, who: SocketAddr, r: Refusal) -> Ended {
@@ -537,8 +693,10 @@ fn refuse(gw: &Gateway, lctx: &ListenerCtx, who: SocketAddr, r: Refusal) -> Ende
     (None, Outcome::Refused(r))
 }
 
-/// Reads until a PROXY header (when configured) and a complete ClientHello
-/// have arrived. The caller bounds it with the absolute deadline.
+/// Reads until a PROXY header (when configured) and the first message have
+/// arrived: a TLS ClientHello, a CONNECT head or the HTTP/2 preface, or the
+/// node proxy's own PROXY header. The caller bounds it with the absolute
+/// deadline.
 async fn detect<'g>(
     gw: &'g Gateway,
     lctx: &ListenerCtx,
@@ -548,180 +706,213 @@ async fn detect<'g>(
     trusted: bool,
     guard: &mut Option<SourceGuard<'g>>,
 ) -> Result<Detected, Refusal> {
-    let hello_cap = snap.limits.client_hello_max_bytes;
-    let proxy_cap = snap.limits.proxy_header_max_bytes;
-    // Empty until bytes arrive (see `read_more`).
-    let mut buf: Vec<u8> = Vec::new();
-    let mut client = peer;
-    let mode = lctx.spec.proxy_protocol;
-
-    if mode == ProxyMode::Required && !trusted {
+    let limits = &snap.limits;
+    if lctx.spec.proxy_protocol == ProxyMode::Required && !trusted {
         return Err(Refusal::UntrustedProxy);
     }
+    let mut r = Reader {
+        stream,
+        buf: Vec::new(),
+    };
     // A health probe connects and closes without a byte: not a detection
     // failure, and not logged.
-    match read_more(stream, &mut buf, proxy_cap.max(hello_cap)).await {
+    let first = limits
+        .proxy_header_max_bytes
+        .max(limits.client_hello_max_bytes);
+    match read_more(stream, &mut r.buf, first).await {
         Err(Refusal::Eof) => return Err(Refusal::TcpProbe),
-        r => r?,
+        x => x?,
     }
-    // On a legacy `proxy` listener a header from a peer that is not a
-    // trusted LB is the node proxy's own (the inner one), read below.
-    let may_be_inner = matches!(lctx.spec.protocol, Protocol::Proxy | Protocol::Auto);
-    let outer = mode != ProxyMode::Off && (trusted || !may_be_inner);
-    if outer {
-        let header = loop {
-            let present = match proxy_header::detect(&buf) {
-                Parse::Done(()) => true,
-                Parse::Invalid(()) => false,
-                Parse::Incomplete => {
-                    read_more(stream, &mut buf, proxy_cap).await?;
-                    continue;
-                }
-            };
-            if !present {
-                if mode == ProxyMode::Required {
-                    return Err(Refusal::ProxyMissing);
-                }
-                break None;
-            }
-            if !trusted {
-                return Err(Refusal::UntrustedProxy);
-            }
-            match proxy_header::parse(&buf, proxy_cap) {
-                Parse::Done(h) => break Some(h),
-                Parse::Invalid(r) => return Err(Refusal::Proxy(r)),
-                Parse::Incomplete => read_more(stream, &mut buf, proxy_cap).await?,
-            }
-        };
-        if let Some(h) = header {
-            buf.drain(..h.len);
-            match h.addresses {
-                proxy_header::Addresses::Proxied { source, .. } => {
-                    client = SocketAddr::new(canonical(source.ip()), source.port());
-                    match gw
-                        .sources
-                        .enter(client.ip(), snap.limits.max_unrouted_per_source)
-                    {
-                        Some(g) => *guard = Some(g),
-                        None => return Err(Refusal::PerSourceLimit),
-                    }
-                }
-                proxy_header::Addresses::Local => {
-                    // A load balancer health check: it usually closes now.
-                    if buf.is_empty()
-                        && read_more(stream, &mut buf, hello_cap).await == Err(Refusal::Eof)
-                    {
-                        return Err(Refusal::LbHealthCheck);
-                    }
-                }
+    let client = outer_proxy_header(gw, lctx, snap, &mut r, peer, trusted, guard).await?;
+    let protocol = match lctx.spec.protocol {
+        Protocol::Auto => r.until(64, classify).await??,
+        p => p,
+    };
+    let request = match protocol {
+        Protocol::Proxy => inner_proxy_header(lctx, &mut r, limits.proxy_header_max_bytes).await?,
+        Protocol::HttpConnect => connect_or_http2(&mut r).await?,
+        _ => client_hello(lctx, &mut r, limits.client_hello_max_bytes).await?,
+    };
+    Ok(Detected {
+        client,
+        request,
+        replay: r.buf,
+    })
+}
+
+/// The bytes of a connection read so far, and more on demand.
+struct Reader<'s> {
+    stream: &'s TcpStream,
+    /// Empty until bytes arrive (see `read_more`).
+    buf: Vec<u8>,
+}
+
+impl Reader<'_> {
+    /// Reads until `parse` decides on what is buffered (never more than
+    /// `cap` plus one read): what it parsed, or why it refused.
+    async fn until<T, R>(
+        &mut self,
+        cap: usize,
+        parse: impl Fn(&[u8]) -> Parse<T, R>,
+    ) -> Result<Result<T, R>, Refusal> {
+        loop {
+            match parse(&self.buf) {
+                Parse::Done(t) => return Ok(Ok(t)),
+                Parse::Invalid(r) => return Ok(Err(r)),
+                Parse::Incomplete => read_more(self.stream, &mut self.buf, cap).await?,
             }
         }
     }
 
-    let protocol = match lctx.spec.protocol {
-        Protocol::Auto => loop {
-            match classify(&buf) {
-                Parse::Done(p) => break p,
-                Parse::Invalid(r) => return Err(r),
-                Parse::Incomplete => read_more(stream, &mut buf, 64).await?,
+    /// Drops the first `n` bytes (a header consumed).
+    fn consume(&mut self, n: usize) {
+        self.buf.drain(..n);
+    }
+}
+
+/// The load balancer's PROXY header, when the listener expects one and
+/// the peer may send it: the client it names (capped per source from now
+/// on), or the peer. On a legacy `proxy` listener a header from a peer that
+/// is not a trusted LB is the node proxy's own (the inner one), read later.
+async fn outer_proxy_header<'g>(
+    gw: &'g Gateway,
+    lctx: &ListenerCtx,
+    snap: &Snapshot,
+    r: &mut Reader<'_>,
+    peer: SocketAddr,
+    trusted: bool,
+    guard: &mut Option<SourceGuard<'g>>,
+) -> Result<SocketAddr, Refusal> {
+    let (mode, cap) = (lctx.spec.proxy_protocol, snap.limits.proxy_header_max_bytes);
+    let may_be_inner = matches!(lctx.spec.protocol, Protocol::Proxy | Protocol::Auto);
+    if mode == ProxyMode::Off || (!trusted && may_be_inner) {
+        return Ok(peer);
+    }
+    if r.until(cap, proxy_header::detect).await?.is_err() {
+        return match mode {
+            ProxyMode::Required => Err(Refusal::ProxyMissing),
+            _ => Ok(peer),
+        };
+    }
+    if !trusted {
+        return Err(Refusal::UntrustedProxy);
+    }
+    let h = r
+        .until(cap, |b| proxy_header::parse(b, cap))
+        .await?
+        .map_err(Refusal::Proxy)?;
+    r.consume(h.len);
+    match h.addresses {
+        proxy_header::Addresses::Proxied { source, .. } => {
+            let client = SocketAddr::new(canonical(source.ip()), source.port());
+            match gw
+                .sources
+                .enter(client.ip(), snap.limits.max_unrouted_per_source)
+            {
+                Some(g) => *guard = Some(g),
+                None => return Err(Refusal::PerSourceLimit),
             }
-        },
-        p => p,
+            Ok(client)
+        }
+        proxy_header::Addresses::Local => {
+            // A load balancer health check: it usually closes now.
+            if r.buf.is_empty()
+                && read_more(r.stream, &mut r.buf, snap.limits.client_hello_max_bytes).await
+                    == Err(Refusal::Eof)
+            {
+                return Err(Refusal::LbHealthCheck);
+            }
+            Ok(peer)
+        }
+    }
+}
+
+/// The node proxy's PROXY header: its destination (or, on a `route_by_tlv`
+/// listener, its cluster-ID TLV) picks the control plane; its source is not
+/// believed (the outer header or the peer is). What follows it is the
+/// replay.
+async fn inner_proxy_header(
+    lctx: &ListenerCtx,
+    r: &mut Reader<'_>,
+    cap: usize,
+) -> Result<Request, Refusal> {
+    let h = match r.until(cap, |b| proxy_header::parse(b, cap)).await? {
+        Ok(h) => h,
+        Err(proxy_header::Reject::NotProxy) => return Err(Refusal::ProxyMissing),
+        Err(rej) => return Err(Refusal::Proxy(rej)),
     };
-    if protocol == Protocol::Proxy {
-        // The node proxy's header: its destination picks the control plane;
-        // its source is not believed (the outer header or the peer is).
-        loop {
-            match proxy_header::parse(&buf, proxy_cap) {
-                Parse::Done(h) => {
-                    if let Some(ty) = lctx.spec.route_by_tlv {
-                        let Some(id) = proxy_header::tlv(&buf, &h, ty).map(<[u8]>::to_vec) else {
-                            return Err(Refusal::ClusterIdMissing);
-                        };
-                        let replay = buf.split_off(h.len);
-                        return Ok(Detected {
-                            client,
-                            request: Request::Cluster { id },
-                            replay,
-                        });
-                    }
-                    let replay = buf.split_off(h.len);
-                    return match h.addresses {
-                        proxy_header::Addresses::Proxied { destination, .. } => Ok(Detected {
-                            client,
-                            request: Request::Legacy { destination },
-                            replay,
-                        }),
-                        proxy_header::Addresses::Local => Err(Refusal::InnerProxyLocal),
-                    };
-                }
-                Parse::Invalid(proxy_header::Reject::NotProxy) => {
-                    return Err(Refusal::ProxyMissing)
-                }
-                Parse::Invalid(r) => return Err(Refusal::Proxy(r)),
-                Parse::Incomplete => read_more(stream, &mut buf, proxy_cap).await?,
-            }
+    let request = match (lctx.spec.route_by_tlv, &h.addresses) {
+        (Some(ty), _) => {
+            let Some(id) = proxy_header::tlv(&r.buf, &h, ty).map(<[u8]>::to_vec) else {
+                return Err(Refusal::ClusterIdMissing);
+            };
+            Request::Cluster { id }
+        }
+        (None, proxy_header::Addresses::Proxied { destination, .. }) => Request::Legacy {
+            destination: *destination,
+        },
+        (None, proxy_header::Addresses::Local) => return Err(Refusal::InnerProxyLocal),
+    };
+    r.consume(h.len);
+    Ok(request)
+}
+
+/// An `http-connect` listener's request: HTTP/2 with prior knowledge (the
+/// preface and all after it is the replay), or a CONNECT head (what
+/// followed it is the replay; a broken head is answered 400 and nothing
+/// after it is read).
+async fn connect_or_http2(r: &mut Reader<'_>) -> Result<Request, Refusal> {
+    let preface = |b: &[u8]| {
+        let n = b.len().min(H2_PREFACE.len());
+        match (b[..n] == H2_PREFACE[..n], n == H2_PREFACE.len()) {
+            (false, _) => Parse::Invalid(()),
+            (true, true) => Parse::Done(()),
+            (true, false) => Parse::Incomplete,
+        }
+    };
+    if r.until(H2_PREFACE.len(), preface).await?.is_ok() {
+        return Ok(Request::Http2);
+    }
+    let limits = connect_head::Limits::default();
+    match r
+        .until(limits.max_head_bytes, |b| connect_head::parse(b, &limits))
+        .await?
+    {
+        Ok(head) => {
+            r.consume(head.len);
+            Ok(Request::Connect(head))
+        }
+        Err(rej) => {
+            respond_and_close(
+                r.stream,
+                b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+            )
+            .await;
+            Err(Refusal::Head(rej))
         }
     }
-    if protocol == Protocol::HttpConnect {
-        // h2c with prior knowledge on the same listener.
-        loop {
-            let n = buf.len().min(H2_PREFACE.len());
-            if buf[..n] != H2_PREFACE[..n] {
-                break;
-            }
-            if n == H2_PREFACE.len() {
-                return Ok(Detected {
-                    client,
-                    request: Request::Http2,
-                    replay: buf,
-                });
-            }
-            read_more(stream, &mut buf, H2_PREFACE.len()).await?;
+}
+
+/// A TLS ClientHello with a server name (the whole of it, and whatever
+/// followed, is the replay). Bytes that are not TLS but a PROXY header on a
+/// listener that takes none are an untrusted PROXY header.
+async fn client_hello(
+    lctx: &ListenerCtx,
+    r: &mut Reader<'_>,
+    cap: usize,
+) -> Result<Request, Refusal> {
+    match r.until(cap, |b| client_hello::parse(b, cap)).await? {
+        Ok(h) => {
+            let sni = h.sni.ok_or(Refusal::NoSni)?;
+            Ok(Request::Tls { sni, alpn: h.alpn })
         }
-        let limits = connect_head::Limits::default();
-        loop {
-            match connect_head::parse(&buf, &limits) {
-                Parse::Done(head) => {
-                    let replay = buf.split_off(head.len);
-                    return Ok(Detected {
-                        client,
-                        request: Request::Connect(head),
-                        replay,
-                    });
-                }
-                Parse::Invalid(r) => {
-                    // A 400 for a broken head; nothing after it is read.
-                    respond_and_close(stream, b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").await;
-                    return Err(Refusal::Head(r));
-                }
-                Parse::Incomplete => read_more(stream, &mut buf, limits.max_head_bytes).await?,
-            }
+        Err(client_hello::Reject::NotTls)
+            if lctx.spec.proxy_protocol == ProxyMode::Off
+                && matches!(proxy_header::detect(&r.buf), Parse::Done(())) =>
+        {
+            Err(Refusal::UntrustedProxy)
         }
-    }
-    loop {
-        match client_hello::parse(&buf, hello_cap) {
-            Parse::Done(h) => {
-                let Some(sni) = h.sni else {
-                    return Err(Refusal::NoSni);
-                };
-                return Ok(Detected {
-                    client,
-                    request: Request::Tls { sni, alpn: h.alpn },
-                    replay: buf,
-                });
-            }
-            Parse::Invalid(r) => {
-                if r == client_hello::Reject::NotTls
-                    && mode == ProxyMode::Off
-                    && matches!(proxy_header::detect(&buf), Parse::Done(()))
-                {
-                    return Err(Refusal::UntrustedProxy);
-                }
-                return Err(Refusal::Hello(r));
-            }
-            Parse::Incomplete => read_more(stream, &mut buf, hello_cap).await?,
-        }
+        Err(rej) => Err(Refusal::Hello(rej)),
     }
 }
 
@@ -1060,6 +1251,7 @@ mod future_size {
     #[test]
     fn connection_future_stays_small() {
         let serve = returned_size(super::serve as fn(_, _, _, _) -> _);
+        eprintln!("conn::serve's future: {serve} bytes");
         assert!(
             serve <= 1536,
             "conn::serve's future is {serve} bytes (limit 1536): box what is only alive during setup or a refusal"

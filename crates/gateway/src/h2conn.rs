@@ -38,6 +38,49 @@ const MAX_HEADER_LIST: u32 = 60 * 1024;
 const MAX_EARLY_RESETS: u32 = 100;
 const RESET_WINDOW: Duration = Duration::from_secs(10);
 
+/// How an HTTP/2 connection ended; `reason()` is the `outcome` label of
+/// `connections_total` (its streams are counted on their own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum H2End {
+    /// The client closed it.
+    Ok,
+    /// No valid HTTP/2 handshake.
+    HandshakeError,
+    /// No handshake within the detection deadline.
+    Timeout,
+    /// More early resets than allowed (GOAWAY `ENHANCE_YOUR_CALM`).
+    ResetFlood,
+    /// A GOAWAY or reset from the client's side.
+    ProtocolError,
+    /// Another connection error.
+    Error,
+    /// Idle again, and its source holds every unrouted slot.
+    PerSourceLimit,
+    /// No stream within the idle deadline.
+    Idle,
+    /// A PING went unanswered.
+    PingTimeout,
+    /// The drain deadline passed.
+    ClosedDrain,
+}
+
+impl H2End {
+    pub(crate) fn reason(self) -> &'static str {
+        match self {
+            H2End::Ok => "ok",
+            H2End::HandshakeError => "h2_handshake_error",
+            H2End::Timeout => "timeout",
+            H2End::ResetFlood => "h2_reset_flood",
+            H2End::ProtocolError => "h2_protocol_error",
+            H2End::Error => "h2_error",
+            H2End::PerSourceLimit => "per_source_limit",
+            H2End::Idle => "h2_idle",
+            H2End::PingTimeout => "h2_ping_timeout",
+            H2End::ClosedDrain => "closed_drain",
+        }
+    }
+}
+
 /// Serves one HTTP/2 connection whose first `prefix` bytes were already
 /// read. Without an open stream the connection is unrouted: it holds a
 /// per-source slot (`guard`, given back while streams are open and taken
@@ -52,7 +95,7 @@ pub(crate) async fn serve(
     client: SocketAddr,
     prefix: Vec<u8>,
     mut guard: Option<SourceGuard<'_>>,
-) -> &'static str {
+) -> H2End {
     let capped = guard.is_some();
     let mut idle_deadline = Some(tokio::time::Instant::now() + snap.timeouts.client_hello);
     let io = Prefixed::new(prefix, stream);
@@ -75,8 +118,8 @@ pub(crate) async fn serve(
     .await
     {
         Ok(Ok(c)) => c,
-        Ok(Err(_)) => return "h2_handshake_error",
-        Err(_) => return "timeout",
+        Ok(Err(_)) => return H2End::HandshakeError,
+        Err(_) => return H2End::Timeout,
     };
     let mut pings = conn.ping_pong();
     let keepalive = async move {
@@ -119,7 +162,7 @@ pub(crate) async fn serve(
                     }
                     if early_resets.load(std::sync::atomic::Ordering::Relaxed) > MAX_EARLY_RESETS {
                         conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
-                        break "h2_reset_flood";
+                        break H2End::ResetFlood;
                     }
                     let (gw, lctx) = (gw.clone(), lctx.clone());
                     let (active, went_idle, early_resets) =
@@ -135,28 +178,28 @@ pub(crate) async fn serve(
                 }
                 Some(Err(e)) => {
                     tracing::debug!(%client, error = %e, "h2 connection error");
-                    break if e.is_go_away() || e.is_reset() { "h2_protocol_error" } else { "h2_error" };
+                    break if e.is_go_away() || e.is_reset() { H2End::ProtocolError } else { H2End::Error };
                 }
-                None => break "ok",
+                None => break H2End::Ok,
             },
             () = went_idle.notified() => {
                 if active.load(std::sync::atomic::Ordering::Acquire) == 0 {
                     if capped {
                         match gw.sources.enter(client.ip(), snap.limits.max_unrouted_per_source) {
                             Some(g) => drop(guard.replace(g)),
-                            None => break "per_source_limit",
+                            None => break H2End::PerSourceLimit,
                         }
                     }
                     idle_deadline = Some(tokio::time::Instant::now() + IDLE_AFTER_STREAMS);
                 }
             }
-            () = idle => break "h2_idle",
-            () = &mut keepalive => break "h2_ping_timeout",
-            () = gw.lifecycle.close_all.cancelled() => break "closed_drain",
+            () = idle => break H2End::Idle,
+            () = &mut keepalive => break H2End::PingTimeout,
+            () = gw.lifecycle.close_all.cancelled() => break H2End::ClosedDrain,
         }
     };
     tasks.close();
-    if outcome == "h2_reset_flood" {
+    if outcome == H2End::ResetFlood {
         // Let the GOAWAY out, bounded.
         let _ = tokio::time::timeout(
             Duration::from_secs(1),

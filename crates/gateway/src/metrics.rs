@@ -270,7 +270,7 @@ impl Metrics {
         let mut live = Registry::with_prefix("seedlink_gateway");
         let active: Family<CpLabels, Gauge> = Family::default();
         let endpoints: Family<EndpointStateLabels, Gauge> = Family::default();
-        let now = crate::upstream::now_ms();
+        let now = seedlink_net::clock::now_ms();
         for (name, cp) in &snap.control_planes {
             let open: u32 = cp
                 .endpoints

@@ -2,8 +2,8 @@
 
 use std::io;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use rand::Rng;
 use seedlink_config::model::{Balance, Upstream};
@@ -13,13 +13,8 @@ use tokio::net::{TcpSocket, TcpStream};
 
 use crate::metrics::{EndpointLabels, Metrics};
 
-/// Milliseconds since the first call, a process-local monotonic clock for
-/// ejection deadlines stored in atomics.
-pub fn now_ms() -> u64 {
-    static BASE: OnceLock<Instant> = OnceLock::new();
-    let base = *BASE.get_or_init(Instant::now);
-    u64::try_from(base.elapsed().as_millis()).unwrap_or(u64::MAX)
-}
+/// The clock of ejection deadlines (milliseconds, kept in atomics).
+pub use seedlink_net::clock::now_ms;
 
 /// Counts a connection against an endpoint for as long as it lives.
 pub struct ActiveGuard(Arc<EndpointState>);

@@ -4,8 +4,34 @@ use std::io;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
+
+/// A listening socket the loop accepts on: TCP or Unix.
+pub trait Listener {
+    /// An accepted connection.
+    type Stream;
+    /// Its peer's address.
+    type Peer;
+    /// The next connection.
+    fn accept(&self) -> impl std::future::Future<Output = io::Result<(Self::Stream, Self::Peer)>>;
+}
+
+impl Listener for TcpListener {
+    type Stream = TcpStream;
+    type Peer = SocketAddr;
+    async fn accept(&self) -> io::Result<(TcpStream, SocketAddr)> {
+        TcpListener::accept(self).await
+    }
+}
+
+impl Listener for UnixListener {
+    type Stream = UnixStream;
+    type Peer = tokio::net::unix::SocketAddr;
+    async fn accept(&self) -> io::Result<(UnixStream, Self::Peer)> {
+        UnixListener::accept(self).await
+    }
+}
 
 /// Accepts connections until `shutdown` fires, handing each to `on_conn`.
 ///
@@ -13,9 +39,10 @@ use tokio_util::sync::CancellationToken;
 /// are skipped. Resource errors (EMFILE, ENFILE, ENOBUFS, ENOMEM) pause the
 /// loop with an exponential back-off from 10 ms to 1 s instead of spinning;
 /// the loop never exits on its own.
-pub async fn accept_loop<F>(listener: &TcpListener, shutdown: &CancellationToken, mut on_conn: F)
+pub async fn accept_loop<L, F>(listener: &L, shutdown: &CancellationToken, mut on_conn: F)
 where
-    F: FnMut(TcpStream, SocketAddr),
+    L: Listener,
+    F: FnMut(L::Stream, L::Peer),
 {
     let mut backoff = Duration::from_millis(10);
     loop {

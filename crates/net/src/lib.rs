@@ -13,6 +13,7 @@
 
 pub mod accept;
 pub mod admin;
+pub mod clock;
 pub mod copy;
 pub mod egress;
 pub mod h2copy;

@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use seedlink_tunnel::config::{Frontend, FrontendProtocol, ServerConfig};
+use seedlink_tunnel::config::{Cluster, Frontend, FrontendProtocol, ServerConfig};
 
 /// What to render.
 #[derive(Debug, Clone, Default)]
@@ -122,8 +122,42 @@ pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
             names.join(", ")
         );
     };
+    let frontend = kas_frontend(cluster, opts)?;
+    check_texts(cluster, frontend, opts)?;
+    let egress = egress_selector(cluster, frontend, opts)?;
+    let kas = kube_apiserver_args(cluster, opts);
+    let server = match &opts.agent_server {
+        Some(s) => s.clone(),
+        None if !cfg.agents.listen.ip().is_unspecified() => cfg.agents.listen.to_string(),
+        None => bail!(
+            "agents listen on {}; say where agents reach the server with --agent-server host:port",
+            cfg.agents.listen
+        ),
+    };
+    let (host, port) = server
+        .rsplit_once(':')
+        .filter(|(_, p)| p.parse::<u16>().is_ok())
+        .with_context(|| format!("--agent-server {server:?} is not host:port"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let name = opts.server_name.clone().unwrap_or_else(|| host.to_string());
+    let (agent, upstream) = agent_args(cluster, opts, (&server, &name), (host, port));
+    let shoot = shoot_files(cluster, opts, &server, &name)?;
+    Ok(Rendered {
+        egress_selector: egress,
+        tunnel_agent_args: agent,
+        proxy_agent_args: upstream,
+        kube_apiserver_args: kas,
+        agent_yaml: shoot.0,
+        node_proxy_yaml: shoot.1,
+        shoot_config: shoot.2,
+    })
+}
+
+/// The frontend kube-apiserver dials: the one named, or the cluster's
+/// first http-connect or gRPC frontend.
+fn kas_frontend<'c>(cluster: &'c Cluster, opts: &Options) -> anyhow::Result<&'c Frontend> {
     let for_kas = |f: &&Frontend| !f.protocol.is_proxy();
-    let frontend = match &opts.frontend {
+    Ok(match &opts.frontend {
         Some(n) => cluster
             .frontends
             .iter()
@@ -135,7 +169,40 @@ pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
                 cluster.name
             )
         })?,
-    };
+    })
+}
+
+/// Names and paths go into YAML and comment lines: a line break or other
+/// control character would end or inject lines.
+fn check_texts(cluster: &Cluster, frontend: &Frontend, opts: &Options) -> anyhow::Result<()> {
+    let texts = [
+        ("cluster", cluster.name.clone()),
+        ("frontend", frontend.name.clone()),
+        ("--kas-ca", path(&opts.kas_ca)),
+        ("--kas-cert", path(&opts.kas_cert)),
+        ("--kas-key", path(&opts.kas_key)),
+        ("--agent-ca-cert", path(&opts.agent_ca_cert)),
+        ("--agent-cert", path(&opts.agent_cert)),
+        ("--agent-key", path(&opts.agent_key)),
+        ("--agent-token", path(&opts.agent_token)),
+        ("--egress-file", path(&opts.egress_file)),
+    ];
+    let unix = frontend.unix.as_ref().map(|p| ("unix socket", path(p)));
+    for (what, t) in texts.into_iter().chain(unix) {
+        if t.chars().any(char::is_control) {
+            bail!("{what} {t:?} holds a control character");
+        }
+    }
+    Ok(())
+}
+
+/// kube-apiserver's EgressSelectorConfiguration: `cluster` through the
+/// tunnel, `controlplane` and `etcd` direct.
+fn egress_selector(
+    cluster: &Cluster,
+    frontend: &Frontend,
+    opts: &Options,
+) -> anyhow::Result<String> {
     let proto = match frontend.protocol {
         FrontendProtocol::HttpConnect => "HTTPConnect",
         FrontendProtocol::Grpc => "GRPC",
@@ -165,26 +232,6 @@ pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
         (None, Some(a)) => format!("      tcp:\n        url: {}\n", q(&format!("http://{a}"))),
         (None, None) => bail!("frontend {}: neither unix nor tcp", frontend.name),
     };
-    // Names and paths go into YAML and comment lines: a line break or
-    // other control character would end or inject lines.
-    let texts = [
-        ("cluster", cluster.name.clone()),
-        ("frontend", frontend.name.clone()),
-        ("--kas-ca", path(&opts.kas_ca)),
-        ("--kas-cert", path(&opts.kas_cert)),
-        ("--kas-key", path(&opts.kas_key)),
-        ("--agent-ca-cert", path(&opts.agent_ca_cert)),
-        ("--agent-cert", path(&opts.agent_cert)),
-        ("--agent-key", path(&opts.agent_key)),
-        ("--agent-token", path(&opts.agent_token)),
-        ("--egress-file", path(&opts.egress_file)),
-    ];
-    let unix = frontend.unix.as_ref().map(|p| ("unix socket", path(p)));
-    for (what, t) in texts.into_iter().chain(unix) {
-        if t.chars().any(char::is_control) {
-            bail!("{what} {t:?} holds a control character");
-        }
-    }
     if !matches!(opts.egress_api_version.as_str(), "v1beta1" | "v1alpha1") {
         bail!(
             "egress selector version {:?}: kube-apiserver reads apiserver.k8s.io/v1beta1 or v1alpha1",
@@ -214,7 +261,11 @@ pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
             "- name: {direct}\n  connection:\n    proxyProtocol: Direct"
         );
     }
+    Ok(egress)
+}
 
+/// kube-apiserver's flags (and the notes that go with them).
+fn kube_apiserver_args(cluster: &Cluster, opts: &Options) -> Vec<String> {
     let mut kas = vec![format!(
         "--egress-selector-config-file={}",
         path(&opts.egress_file)
@@ -241,21 +292,17 @@ pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
             "# GEP-08: default/kubernetes points at the node-proxy's address on every node".into(),
         );
     }
+    kas
+}
 
-    let server = match &opts.agent_server {
-        Some(s) => s.clone(),
-        None if !cfg.agents.listen.ip().is_unspecified() => cfg.agents.listen.to_string(),
-        None => bail!(
-            "agents listen on {}; say where agents reach the server with --agent-server host:port",
-            cfg.agents.listen
-        ),
-    };
-    let (host, port) = server
-        .rsplit_once(':')
-        .filter(|(_, p)| p.parse::<u16>().is_ok())
-        .with_context(|| format!("--agent-server {server:?} is not host:port"))?;
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    let name = opts.server_name.clone().unwrap_or_else(|| host.to_string());
+/// The seedlink agent's and upstream proxy-agent's flags for `server`
+/// (`host`, `port`) with TLS name `name`.
+fn agent_args(
+    cluster: &Cluster,
+    opts: &Options,
+    (server, name): (&str, &str),
+    (host, port): (&str, &str),
+) -> (Vec<String>, Vec<String>) {
     let mut agent = vec![
         format!("--server={server}"),
         format!("--server-name={name}"),
@@ -288,16 +335,7 @@ pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
         agent.push(note.clone());
         upstream.push(note);
     }
-    let shoot = shoot_files(cluster, opts, &server, &name)?;
-    Ok(Rendered {
-        egress_selector: egress,
-        tunnel_agent_args: agent,
-        proxy_agent_args: upstream,
-        kube_apiserver_args: kas,
-        agent_yaml: shoot.0,
-        node_proxy_yaml: shoot.1,
-        shoot_config: shoot.2,
-    })
+    (agent, upstream)
 }
 
 /// The shoot's files: the agent's configuration, the node-proxy's (when

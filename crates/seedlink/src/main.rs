@@ -236,7 +236,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 config: tunnel,
                 drain: roles::secs(drain, "drain")?,
             };
-            runtime()?.block_on(roles::gateway::seed(gateway, opts, reuse_port))
+            runtime()?.block_on(roles::seed::seed(gateway, opts, reuse_port))
         }
         Command::Quickstart {
             check,

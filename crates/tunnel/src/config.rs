@@ -753,202 +753,235 @@ impl ServerConfig {
         (Self::validate(kept), refused)
     }
 
-    /// Checks a parsed configuration; every problem with its path.
+    /// Checks a parsed configuration, section by section; every problem
+    /// with its path.
     fn validate(mut cfg: ServerConfig) -> Result<ServerConfig, Errors> {
         let mut errs = Problems::default();
-        // Templates become ordinary per-cluster frontends (so reloads and
-        // checks treat them like any other).
-        for (j, t) in cfg.frontend_templates.iter().enumerate() {
-            let at = format!("frontend_templates[{j}] ({})", t.name);
-            let templated = t
-                .unix
-                .as_ref()
-                .is_some_and(|p| p.to_string_lossy().contains("{cluster}"));
-            if !templated || t.tcp.is_some() {
-                errs.add(
-                    at,
-                    "a template needs a unix path containing {cluster} (and no tcp)",
-                );
-            }
-        }
+        check_templates(&cfg, &mut errs);
         if errs.is_empty() {
-            for c in &mut cfg.clusters {
-                let safe = !c.name.is_empty()
-                    && c.name != "."
-                    && c.name != ".."
-                    && c.name
-                        .chars()
-                        .all(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(ch));
-                for t in &cfg.frontend_templates {
-                    if !safe {
-                        errs.add(
-                            format!("clusters ({})", c.name),
-                            "a name used in a socket path may only hold letters, digits, '-', '_' and '.'",
-                        );
-                        break;
-                    }
-                    let mut f = t.clone();
-                    f.unix = t
-                        .unix
-                        .as_ref()
-                        .map(|p| PathBuf::from(p.to_string_lossy().replace("{cluster}", &c.name)));
-                    if c.frontends.iter().any(|x| x.name == f.name) {
-                        errs.add(
-                            format!("clusters ({})", c.name),
-                            format!("frontend {} is both configured and templated", f.name),
-                        );
-                    }
-                    c.frontends.push(f);
-                }
-            }
+            expand_templates(&mut cfg, &mut errs);
         }
-        if cfg.server_count == 0 {
-            errs.add("server_count", "must be at least 1");
-        }
-        if cfg.clusters.is_empty() && cfg.kubernetes.is_none() {
-            errs.add(
-                "clusters",
-                "at least one cluster is needed (or a kubernetes section to read them from TunnelClusters)",
-            );
-        }
-        if let Some(k) = &cfg.kubernetes {
-            let ok = k
-                .lease
-                .split_once('/')
-                .is_some_and(|(ns, n)| !ns.is_empty() && !n.is_empty() && !n.contains('/'));
-            if !ok {
-                errs.add(
-                    "kubernetes.lease",
-                    format!("{:?} is not namespace/name", k.lease),
-                );
-            }
-            if let Some(r) = &k.replicas {
-                let ok = r
-                    .split_once('/')
-                    .is_some_and(|(ns, n)| !ns.is_empty() && !n.is_empty() && !n.contains('/'));
-                if !ok {
-                    errs.add(
-                        "kubernetes.replicas",
-                        format!("{r:?} is not namespace/name"),
-                    );
-                }
-            }
-        }
-        if cfg.queue_bytes < 64 * 1024 {
-            errs.add("queue_bytes", "at least 65536");
-        }
-        if cfg.agents.max_connections == 0 {
-            errs.add("agents.max_connections", "at least 1");
-        }
-        if cfg.agents.max_per_source == 0 {
-            errs.add("agents.max_per_source", "at least 1");
-        }
-        let mut names = HashSet::new();
+        check_settings(&cfg, &mut errs);
         let mut binds = HashSet::new();
-        let mut issuers = HashSet::new();
-        for (i, c) in cfg.clusters.iter().enumerate() {
-            let at = format!("clusters[{i}] ({})", c.name);
-            if c.name.is_empty() || !names.insert(c.name.clone()) {
-                errs.add(format!("{at}.name"), "empty or used twice");
-            }
-            if c.agent_ca.is_none() && c.agent_token.is_none() {
-                errs.add(
-                    at.to_string(),
-                    "agent_ca or agent_token (or both) is needed",
-                );
-            }
-            if let Some(t) = &c.agent_token {
-                if !t.service_account.contains('/') {
-                    errs.add(
-                        format!("{at}.agent_token.service_account"),
-                        "<namespace>/<name>",
-                    );
-                }
-                if t.keys.is_some() == t.review.is_some() {
-                    errs.add(
-                        format!("{at}.agent_token"),
-                        "exactly one of keys (local check) or review (TokenReview)",
-                    );
-                }
-                if !issuers.insert(t.issuer.clone()) {
-                    errs.add(
-                        format!("{at}.agent_token.issuer"),
-                        "used by another cluster",
-                    );
-                }
-                if let Some(r) = &t.review {
-                    if !r.url.starts_with("https://") {
-                        errs.add(format!("{at}.agent_token.review.url"), "must be https://");
-                    }
-                    if r.cert.is_some() != r.key.is_some() {
-                        errs.add(
-                            format!("{at}.agent_token.review"),
-                            "cert and key go together",
-                        );
-                    }
-                    if r.token_file.is_none() && r.cert.is_none() {
-                        errs.add(
-                            format!("{at}.agent_token.review"),
-                            "token_file or cert/key is needed to authenticate to the API server",
-                        );
-                    }
-                    if r.timeout.is_zero() {
-                        errs.add(format!("{at}.agent_token.review.timeout"), "must be > 0");
-                    }
-                }
-            }
-            let l = &c.limits;
-            let sane = |v: f64| v >= 0.0 && v.is_finite();
-            if !sane(l.dial_rate) || !sane(l.dial_burst) {
-                errs.add(
-                    format!("{at}.limits"),
-                    "dial_rate and dial_burst must be ≥ 0",
-                );
-            }
-            if c.strategies.is_empty() {
-                errs.add(format!("{at}.strategies"), "empty");
-            }
-            for s in &c.strategies {
-                if !STRATEGIES.contains(&s.as_str()) {
-                    errs.add(
-                        format!("{at}.strategies"),
-                        format!("{s:?} is not one of {}", STRATEGIES.join(", ")),
-                    );
-                }
-            }
-            for (j, f) in c.frontends.iter().enumerate() {
-                let at = format!("{at}.frontends[{j}] ({})", f.name);
-                check_frontend(f, &at, false, cfg.agents.listen, &mut binds, &mut errs);
-            }
-        }
-        for (j, f) in cfg.shared_frontends.iter().enumerate() {
-            let at = format!("shared_frontends[{j}] ({})", f.name);
-            let proxy = f.protocol.is_proxy();
-            let mtls = f.tcp.is_some() && f.client_ca.is_some();
-            if !(proxy || mtls) {
-                errs.add(
-                    at.clone(),
-                    format!(
-                        "a shared {:?} frontend needs tcp with cert, key and client_ca: the client certificate names the cluster",
-                        f.protocol
-                    ),
-                );
-            }
-            check_frontend(f, &at, proxy, cfg.agents.listen, &mut binds, &mut errs);
-        }
-        if cfg.shared_frontends.iter().any(|f| f.protocol.is_proxy())
-            && cfg.clusters.iter().all(|c| c.proxy_password_file.is_none())
-        {
-            errs.add(
-                "shared_frontends",
-                "no cluster has a proxy_password_file, so no proxy request could name one",
-            );
-        }
+        check_clusters(&cfg, &mut binds, &mut errs);
+        check_shared_frontends(&cfg, &mut binds, &mut errs);
         if errs.is_empty() {
             Ok(cfg)
         } else {
             Err(Errors(errs.0))
         }
+    }
+}
+
+/// A template needs a Unix path with `{cluster}` (and no TCP address).
+fn check_templates(cfg: &ServerConfig, errs: &mut Problems) {
+    for (j, t) in cfg.frontend_templates.iter().enumerate() {
+        let at = format!("frontend_templates[{j}] ({})", t.name);
+        let templated = t
+            .unix
+            .as_ref()
+            .is_some_and(|p| p.to_string_lossy().contains("{cluster}"));
+        if !templated || t.tcp.is_some() {
+            errs.add(
+                at,
+                "a template needs a unix path containing {cluster} (and no tcp)",
+            );
+        }
+    }
+}
+
+/// Templates become ordinary per-cluster frontends (so reloads and checks
+/// treat them like any other); a cluster name in a socket path is a safe
+/// file name.
+fn expand_templates(cfg: &mut ServerConfig, errs: &mut Problems) {
+    for c in &mut cfg.clusters {
+        let safe = !c.name.is_empty()
+            && c.name != "."
+            && c.name != ".."
+            && c.name
+                .chars()
+                .all(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(ch));
+        for t in &cfg.frontend_templates {
+            if !safe {
+                errs.add(
+                    format!("clusters ({})", c.name),
+                    "a name used in a socket path may only hold letters, digits, '-', '_' and '.'",
+                );
+                break;
+            }
+            let mut f = t.clone();
+            f.unix = t
+                .unix
+                .as_ref()
+                .map(|p| PathBuf::from(p.to_string_lossy().replace("{cluster}", &c.name)));
+            if c.frontends.iter().any(|x| x.name == f.name) {
+                errs.add(
+                    format!("clusters ({})", c.name),
+                    format!("frontend {} is both configured and templated", f.name),
+                );
+            }
+            c.frontends.push(f);
+        }
+    }
+}
+
+/// `<namespace>/<name>`.
+fn object_name(v: &str) -> bool {
+    v.split_once('/')
+        .is_some_and(|(ns, n)| !ns.is_empty() && !n.is_empty() && !n.contains('/'))
+}
+
+/// The server-wide settings and the `kubernetes` section.
+fn check_settings(cfg: &ServerConfig, errs: &mut Problems) {
+    if cfg.server_count == 0 {
+        errs.add("server_count", "must be at least 1");
+    }
+    if cfg.clusters.is_empty() && cfg.kubernetes.is_none() {
+        errs.add(
+            "clusters",
+            "at least one cluster is needed (or a kubernetes section to read them from TunnelClusters)",
+        );
+    }
+    if let Some(k) = &cfg.kubernetes {
+        if !object_name(&k.lease) {
+            errs.add(
+                "kubernetes.lease",
+                format!("{:?} is not namespace/name", k.lease),
+            );
+        }
+        if let Some(r) = k.replicas.as_ref().filter(|r| !object_name(r)) {
+            errs.add(
+                "kubernetes.replicas",
+                format!("{r:?} is not namespace/name"),
+            );
+        }
+    }
+    if cfg.queue_bytes < 64 * 1024 {
+        errs.add("queue_bytes", "at least 65536");
+    }
+    if cfg.agents.max_connections == 0 {
+        errs.add("agents.max_connections", "at least 1");
+    }
+    if cfg.agents.max_per_source == 0 {
+        errs.add("agents.max_per_source", "at least 1");
+    }
+}
+
+/// Every cluster: a unique name, a way to authenticate its agents (an
+/// issuer belongs to one cluster), sane limits and strategies, its
+/// frontends.
+fn check_clusters(cfg: &ServerConfig, binds: &mut HashSet<String>, errs: &mut Problems) {
+    let mut names = HashSet::new();
+    let mut issuers = HashSet::new();
+    for (i, c) in cfg.clusters.iter().enumerate() {
+        let at = format!("clusters[{i}] ({})", c.name);
+        if c.name.is_empty() || !names.insert(c.name.clone()) {
+            errs.add(format!("{at}.name"), "empty or used twice");
+        }
+        if c.agent_ca.is_none() && c.agent_token.is_none() {
+            errs.add(
+                at.to_string(),
+                "agent_ca or agent_token (or both) is needed",
+            );
+        }
+        if let Some(t) = &c.agent_token {
+            check_agent_token(&at, t, &mut issuers, errs);
+        }
+        let l = &c.limits;
+        let sane = |v: f64| v >= 0.0 && v.is_finite();
+        if !sane(l.dial_rate) || !sane(l.dial_burst) {
+            errs.add(
+                format!("{at}.limits"),
+                "dial_rate and dial_burst must be ≥ 0",
+            );
+        }
+        if c.strategies.is_empty() {
+            errs.add(format!("{at}.strategies"), "empty");
+        }
+        for s in c
+            .strategies
+            .iter()
+            .filter(|s| !STRATEGIES.contains(&s.as_str()))
+        {
+            errs.add(
+                format!("{at}.strategies"),
+                format!("{s:?} is not one of {}", STRATEGIES.join(", ")),
+            );
+        }
+        for (j, f) in c.frontends.iter().enumerate() {
+            let at = format!("{at}.frontends[{j}] ({})", f.name);
+            check_frontend(f, &at, false, cfg.agents.listen, binds, errs);
+        }
+    }
+}
+
+/// A cluster's `agent_token`: a ServiceAccount, one way to check it, an
+/// issuer of its own, and a TokenReview that can authenticate.
+fn check_agent_token(at: &str, t: &TokenAuth, issuers: &mut HashSet<String>, errs: &mut Problems) {
+    if !t.service_account.contains('/') {
+        errs.add(
+            format!("{at}.agent_token.service_account"),
+            "<namespace>/<name>",
+        );
+    }
+    if t.keys.is_some() == t.review.is_some() {
+        errs.add(
+            format!("{at}.agent_token"),
+            "exactly one of keys (local check) or review (TokenReview)",
+        );
+    }
+    if !issuers.insert(t.issuer.clone()) {
+        errs.add(
+            format!("{at}.agent_token.issuer"),
+            "used by another cluster",
+        );
+    }
+    let Some(r) = &t.review else { return };
+    if !r.url.starts_with("https://") {
+        errs.add(format!("{at}.agent_token.review.url"), "must be https://");
+    }
+    if r.cert.is_some() != r.key.is_some() {
+        errs.add(
+            format!("{at}.agent_token.review"),
+            "cert and key go together",
+        );
+    }
+    if r.token_file.is_none() && r.cert.is_none() {
+        errs.add(
+            format!("{at}.agent_token.review"),
+            "token_file or cert/key is needed to authenticate to the API server",
+        );
+    }
+    if r.timeout.is_zero() {
+        errs.add(format!("{at}.agent_token.review.timeout"), "must be > 0");
+    }
+}
+
+/// Shared frontends: a proxy (the request names the cluster) or mTLS (the
+/// client certificate does); a proxy needs a cluster with a password.
+fn check_shared_frontends(cfg: &ServerConfig, binds: &mut HashSet<String>, errs: &mut Problems) {
+    for (j, f) in cfg.shared_frontends.iter().enumerate() {
+        let at = format!("shared_frontends[{j}] ({})", f.name);
+        let proxy = f.protocol.is_proxy();
+        let mtls = f.tcp.is_some() && f.client_ca.is_some();
+        if !(proxy || mtls) {
+            errs.add(
+                at.clone(),
+                format!(
+                    "a shared {:?} frontend needs tcp with cert, key and client_ca: the client certificate names the cluster",
+                    f.protocol
+                ),
+            );
+        }
+        check_frontend(f, &at, proxy, cfg.agents.listen, binds, errs);
+    }
+    if cfg.shared_frontends.iter().any(|f| f.protocol.is_proxy())
+        && cfg.clusters.iter().all(|c| c.proxy_password_file.is_none())
+    {
+        errs.add(
+            "shared_frontends",
+            "no cluster has a proxy_password_file, so no proxy request could name one",
+        );
     }
 }
 

@@ -13,6 +13,7 @@ pub mod grpc;
 pub mod proto;
 pub mod queue;
 pub mod server;
+pub mod socks5;
 pub mod tap;
 pub(crate) use seedlink_net::sync;
 pub mod tls;

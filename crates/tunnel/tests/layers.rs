@@ -15,8 +15,8 @@ fn layer(module: &str) -> Option<u8> {
         // the GOAWAY sniffer and the agents' activity stamps.
         "sync" | "tap" => 0,
         // Wire: messages, gRPC framing, authority, HTTP/2 GOAWAY sniffing,
-        // dial-failure texts.
-        "proto" | "grpc" | "authority" | "goaway" | "dialerr" => 1,
+        // dial-failure texts, SOCKS5 reply codes.
+        "proto" | "grpc" | "authority" | "goaway" | "dialerr" | "socks5" => 1,
         // Transport: per-connection queues and flow control.
         "flow" | "queue" | "fair" => 2,
         // Authentication: TLS identities, tokens, TokenReview.

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use seedlink_gateway::Gateway;
 
-use super::tunnel::{ServerRole, TunnelServerOptions};
+use super::{identity, FIRST_SYNC};
 use crate::supervisor::{BoxFut, Role, Supervisor};
 
 /// The gateway as the supervisor sees it.
@@ -22,7 +22,8 @@ pub struct GatewayWithSource {
 }
 
 impl GatewayWithSource {
-    fn new(gw: Arc<Gateway>, source: Option<seedlink_kube::source::Handle>) -> Arc<Self> {
+    /// The gateway and its Kubernetes source, as one role.
+    pub fn new(gw: Arc<Gateway>, source: Option<seedlink_kube::source::Handle>) -> Arc<Self> {
         Arc::new(GatewayWithSource {
             role: GatewayRole(gw),
             source: std::sync::Mutex::new(source),
@@ -112,31 +113,6 @@ impl seedlink_kube::source::GatewaySink for KubeSink {
     ) -> Vec<(String, Vec<seedlink_config::ConfigError>)> {
         self.0.set_kubernetes(control_planes)
     }
-}
-
-/// How long a start waits for the first Kubernetes snapshot before it
-/// serves the file's control planes alone (the routes follow when the API
-/// server answers).
-pub const FIRST_SYNC: Duration = Duration::from_secs(30);
-
-/// This replica's name in a status Lease: `POD_NAME` (set from the
-/// downward API), else one unique to this process.
-pub fn identity() -> String {
-    std::env::var("POD_NAME")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| {
-            // Without POD_NAME, the host name and a random part: a pid is 1
-            // in every container, and two replicas with one identity would
-            // both take the lease for their own.
-            use std::hash::{BuildHasher, Hasher};
-            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-                .map(|h| h.trim().to_string())
-                .unwrap_or_default();
-            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-            h.write_u32(std::process::id());
-            format!("seedlink-{host}-{:08x}", h.finish() as u32)
-        })
 }
 
 /// Starts the Kubernetes source when the file has a `kubernetes` section,
@@ -288,41 +264,5 @@ pub async fn run(config: PathBuf, upgrade: super::Upgrade) -> anyhow::Result<i32
     // sockets are offered for the next upgrade, if asked.
     println!("{ready}");
     tracing::info!(addresses = %ready, "gateway serving");
-    Ok(armed.run().await)
-}
-
-/// Runs `seedlink seed`: agents' connections that the gateway routes to an
-/// endpoint `local:tunnel-server` are handed to the tunnel-server in
-/// process. On SIGTERM the gateway drains first, then the tunnel-server.
-pub async fn seed(
-    gw_config: PathBuf,
-    tunnel: TunnelServerOptions,
-    reuse_port: bool,
-) -> anyhow::Result<i32> {
-    let server = Arc::new(ServerRole::start(tunnel, Vec::new()).await?);
-    server.start_kubernetes().await?;
-    let gw = load(gw_config)?;
-    let kube = kubernetes(&gw).await?;
-    {
-        let srv = server.srv.clone();
-        // Agents' TLS is taken over as is; a CONNECT is answered by the
-        // cluster named like the control plane it was routed to.
-        gw.set_local(
-            "tunnel-server",
-            Arc::new(move |h: seedlink_gateway::Handoff| match h.connect_target {
-                None => srv.hand_over(h.stream, h.replay, h.client),
-                Some(target) => srv.connect_handoff(h.stream, h.replay, &h.control_plane, target),
-            }),
-        );
-    }
-    let supervisor = Supervisor::install()?;
-    let bound = gw.bind(reuse_port)?;
-    let mut ready = bound.describe();
-    gw.serve(bound)?;
-    ready["event"] = "ready".into();
-    ready["tunnel"] = server.ready_line();
-    let roles: Vec<Arc<dyn Role>> = vec![GatewayWithSource::new(gw, kube), server];
-    let armed = supervisor.arm(roles);
-    println!("{ready}");
     Ok(armed.run().await)
 }

@@ -4,6 +4,7 @@
 
 pub mod gateway;
 pub mod node_proxy;
+pub mod seed;
 pub mod tunnel;
 
 use std::path::PathBuf;
@@ -139,4 +140,29 @@ pub fn problems(role: &str, from_file: bool, errors: &seedlink_config::Errors) -
         })
         .collect();
     anyhow::anyhow!("invalid {role} configuration:\n{}", lines.join("\n"))
+}
+
+/// How long a start waits for the first Kubernetes snapshot before it
+/// serves the file's control planes alone (the routes follow when the API
+/// server answers).
+pub const FIRST_SYNC: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// This replica's name in a status Lease: `POD_NAME` (set from the
+/// downward API), else one unique to this process.
+pub fn identity() -> String {
+    std::env::var("POD_NAME")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| {
+            // Without POD_NAME, the host name and a random part: a pid is 1
+            // in every container, and two replicas with one identity would
+            // both take the lease for their own.
+            use std::hash::{BuildHasher, Hasher};
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_string())
+                .unwrap_or_default();
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u32(std::process::id());
+            format!("seedlink-{host}-{:08x}", h.finish() as u32)
+        })
 }

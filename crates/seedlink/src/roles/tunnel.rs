@@ -325,17 +325,17 @@ impl ServerRole {
         let settings = seedlink_kube::source::TunnelSettings {
             replicas,
             lease,
-            identity: super::gateway::identity(),
+            identity: super::identity(),
             trust_dir: k.trust_dir,
             socket_dir: k.socket_dir,
             max_limits: k.max_limits,
         };
         let handle =
             seedlink_kube::source::start_tunnel(client, settings, Arc::new(KubeSink(self.clone())));
-        if handle.synced(super::gateway::FIRST_SYNC).await {
+        if handle.synced(super::FIRST_SYNC).await {
             tracing::info!("kubernetes: first TunnelCluster snapshot applied");
         } else {
-            tracing::error!(waited = ?super::gateway::FIRST_SYNC, "kubernetes: no snapshot yet (API server unreachable?); serving the file's clusters, TunnelClusters follow when it answers");
+            tracing::error!(waited = ?super::FIRST_SYNC, "kubernetes: no snapshot yet (API server unreachable?); serving the file's clusters, TunnelClusters follow when it answers");
         }
         *seedlink_net::sync::lock(&self.source, "tunnel source") = Some(handle);
         Ok(())

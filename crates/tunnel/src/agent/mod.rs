@@ -350,6 +350,7 @@ const KEEPALIVE_CAP: Duration = Duration::from_secs(3600);
 const HELD_RECHECK: Duration = Duration::from_secs(300);
 
 pub mod config;
+#[cfg(any(test, feature = "harness"))]
 pub mod harness;
 pub mod link;
 

@@ -58,7 +58,7 @@ impl DialError {
     /// timeout or any other failure to reach the destination "host
     /// unreachable", the rest a general failure.
     pub fn socks5_reply(&self) -> u8 {
-        use super::socks::rep;
+        use crate::socks5::rep;
         match self {
             DialError::NoAgent | DialError::Unresponsive(_) => rep::NETWORK_UNREACHABLE,
             DialError::Timeout => rep::HOST_UNREACHABLE,

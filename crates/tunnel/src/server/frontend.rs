@@ -291,7 +291,7 @@ where
         Ok(t) => t,
         Err(e) if reply == Reply::Socks5 => {
             let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-                let _ = super::socks::reply(&mut io, e.socks5_reply()).await;
+                let _ = crate::socks5::reply(&mut io, e.socks5_reply()).await;
                 let _ = io.shutdown().await;
             })
             .await;
@@ -310,7 +310,7 @@ where
     };
     let answered = match reply {
         Reply::Established => io.write_all(ESTABLISHED).await,
-        Reply::Socks5 => super::socks::reply(&mut io, super::socks::rep::OK).await,
+        Reply::Socks5 => crate::socks5::reply(&mut io, crate::socks5::rep::OK).await,
         Reply::Forwarded => Ok(()),
     };
     if answered.is_err() {

@@ -15,6 +15,7 @@ pub mod core;
 pub mod dialerror;
 pub mod frontend;
 pub mod handover;
+#[cfg(any(test, feature = "harness"))]
 pub mod harness;
 pub mod limits;
 pub mod link;

@@ -674,23 +674,12 @@ impl TunnelServer {
                 () = open.cancelled() => {}
                 () = stop.cancelled() => return,
             }
-            loop {
-                let accepted = tokio::select! {
-                    a = l.accept() => a,
-                    () = stop.cancelled() => return,
-                };
-                let s = match accepted {
-                    Ok((s, _)) => s,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "frontend accept failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                };
+            seedlink_net::accept::accept_loop(&l, &stop, |s, _| {
                 let (srv2, cluster, name) = (srv.clone(), cluster.clone(), name.clone());
                 srv.frontend_tasks
                     .spawn(async move { serve_frontend(srv2, cluster, name, proto, s).await });
-            }
+            })
+            .await;
         })
     }
 

@@ -20,40 +20,7 @@ use super::core::Core;
 use super::frontend::{dial_and_carry, FrontendEnd, FrontendIo, ProxyCluster, Reply};
 use super::Cluster;
 
-/// Protocol version byte of SOCKS5.
-const VERSION: u8 = 5;
-/// "No authentication required".
-const NO_AUTH: u8 = 0x00;
-/// "Username/password" (RFC 1929).
-const USER_PASS: u8 = 0x02;
-/// "No acceptable methods".
-const NO_METHOD: u8 = 0xFF;
-
-/// Reply codes (RFC 1928 §6).
-pub mod rep {
-    /// Succeeded.
-    pub const OK: u8 = 0x00;
-    /// General SOCKS server failure.
-    pub const FAILURE: u8 = 0x01;
-    /// Connection not allowed by ruleset.
-    pub const NOT_ALLOWED: u8 = 0x02;
-    /// Network unreachable.
-    pub const NETWORK_UNREACHABLE: u8 = 0x03;
-    /// Host unreachable.
-    pub const HOST_UNREACHABLE: u8 = 0x04;
-    /// Connection refused.
-    pub const REFUSED: u8 = 0x05;
-    /// Command not supported.
-    pub const COMMAND: u8 = 0x07;
-    /// Address type not supported.
-    pub const ADDRESS_TYPE: u8 = 0x08;
-}
-
-/// A reply with the bound address 0.0.0.0:0 (the agent's local address is
-/// not known here, and clients of CONNECT do not use it).
-pub async fn reply<S: AsyncWrite + Unpin>(io: &mut S, code: u8) -> std::io::Result<()> {
-    io.write_all(&[VERSION, code, 0, 1, 0, 0, 0, 0, 0, 0]).await
-}
+use crate::socks5::{rep, reply, NO_AUTH, NO_METHOD, USER_PASS, VERSION};
 
 /// Serves one SOCKS5 connection: the cluster is the frontend's, or named by
 /// the username (its password is the cluster's `proxy_password_file`).
