@@ -68,6 +68,9 @@ pub trait Phases: Sync {
     /// The new process failed (after some phases, maybe): undo them, serve
     /// on.
     fn abort(&self) {}
+    /// The new process serves: stop accepting now, before it hears `done`
+    /// (what it accepts from then on must not land here).
+    fn done(&self) {}
 }
 
 /// No phases (the gateway's hand-over).
@@ -230,6 +233,7 @@ pub fn offer(listener: UnixListener, offer: &Offer, phases: &dyn Phases) -> std:
                 drop(listener);
                 drop(sockets);
                 offer.withdraw();
+                phases.done();
                 let mut s = s;
                 let _ = s.write_all(b"done\n");
                 return Ok(true);

@@ -943,17 +943,7 @@ async fn tunnel_under_faults() {
     };
     let admin: SocketAddr = server.admin().parse().unwrap();
     let before = aborts(&http_get(admin, "/metrics").await.1);
-    let mut cut = Vec::new();
-    for _ in 0..4 {
-        let mut s = common::tunnel_env::kas_connect(&bed.uds, &endless.to_string())
-            .await
-            .unwrap();
-        let mut first = vec![0u8; 64 * 1024];
-        tokio::io::AsyncReadExt::read_exact(&mut s, &mut first)
-            .await
-            .unwrap();
-        cut.push(s);
-    }
+    let mut cut = bed.half_read(endless, 4).await;
     signal(agent.pid(), "-9");
     let _ = agent.proc.0.wait();
     for s in &mut cut {

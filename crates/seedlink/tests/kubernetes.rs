@@ -1076,6 +1076,18 @@ fn tunnel_cluster(ns: &str, ca: Value) -> Value {
 }
 
 /// Starts `seedlink tunnel-agent` on loopback with a client certificate.
+/// A started process that printed a ready line, and that line.
+fn started(mut cmd: std::process::Command) -> (Proc, Value) {
+    let mut child = cmd
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ready = common::tunnel_env::ready_line(&mut child);
+    assert_eq!(ready["event"], "ready", "{ready}");
+    (Proc(child), ready)
+}
+
 /// A seedlink agent and its admin address.
 fn tunnel_agent(server: &str, seed_ca: &str, cert: &str, key: &str) -> (Proc, SocketAddr) {
     let mut child = std::process::Command::new(seedlink_bin())
@@ -1392,16 +1404,9 @@ clusters:
         ),
     )
     .unwrap();
-    let mut second = std::process::Command::new(seedlink_bin())
-        .args(["tunnel-server", "--config"])
-        .arg(&second_cfg)
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let second_ready = ready_line(&mut second);
-    let _second = Proc(second);
-    assert_eq!(second_ready["event"], "ready", "{second_ready}");
+    let mut second = std::process::Command::new(seedlink_bin());
+    second.args(["tunnel-server", "--config"]).arg(&second_cfg);
+    let _second = started(second);
     wait_for(
         "the agent holds both replicas",
         Duration::from_secs(30),
@@ -1465,21 +1470,15 @@ clusters:
     // (made from the objects, not the file) with the rest; shoot--b's
     // agent moves to it, a new tunnel goes through it, and the one opened
     // before goes on through the old process until it ends.
-    let mut next = std::process::Command::new(seedlink_bin())
-        .args(["tunnel-server", "--config"])
+    let mut next = std::process::Command::new(seedlink_bin());
+    next.args(["tunnel-server", "--config"])
         .arg(&config)
         .arg("--upgrade-socket")
         .arg(&upgrade_socket)
         .args(["--take-over", "--take-over-wait", "20"])
         .env("KUBECONFIG", &kubeconfig)
-        .env("POD_NAME", "tunnel-0")
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let next_ready = ready_line(&mut next);
-    let _next = Proc(next);
-    assert_eq!(next_ready["event"], "ready", "{next_ready}");
+        .env("POD_NAME", "tunnel-0");
+    let _next = started(next);
     let mut sb2 = kas_connect_eventually(&sock_b, &echo.to_string(), Duration::from_secs(20)).await;
     common::tunnel_env::echo_rtt(&mut sb2, 1000).await;
     assert!(

@@ -740,7 +740,6 @@ async fn dials_avoid_a_frozen_agent_and_fail_fast_when_all_are() {
 /// old replica exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_fails_no_dial_and_keeps_open_tunnels() {
-    use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::{Arc, Mutex};
     let haproxy = require("haproxy");
     let env = TunnelEnv::new(58);
@@ -801,35 +800,11 @@ async fn a_rolling_restart_fails_no_dial_and_keeps_open_tunnels() {
     let endpoints: Arc<Mutex<Vec<String>>> = Arc::new(Mutex::new(
         (0..3).map(|i| sock(&format!("-old-{i}"))).collect(),
     ));
-    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let stop = tokio_util::sync::CancellationToken::new();
-    let dialer = {
-        let (endpoints, ok, failed, stop) =
-            (endpoints.clone(), ok.clone(), failed.clone(), stop.clone());
-        tokio::spawn(async move {
-            let end = Instant::now() + Duration::from_secs(240);
-            for n in 0..20_000usize {
-                if stop.is_cancelled() || Instant::now() > end {
-                    break;
-                }
-                let target = {
-                    let e = endpoints.lock().unwrap();
-                    e[n % e.len()].clone()
-                };
-                let r = tokio::time::timeout(Duration::from_secs(10), async {
-                    let s = kas_connect(&target, "127.0.0.1:8000").await?;
-                    Ok::<_, String>(fetch_hello(s).await)
-                })
-                .await;
-                match r {
-                    Ok(Ok(body)) if body.contains("hello") => ok.fetch_add(1, Ordering::Relaxed),
-                    other => {
-                        eprintln!("dial through {target} failed: {other:?}");
-                        failed.fetch_add(1, Ordering::Relaxed)
-                    }
-                };
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+    let dials = {
+        let endpoints = endpoints.clone();
+        Dials::start(move |n| {
+            let e = endpoints.lock().unwrap();
+            e[n % e.len()].clone()
         })
     };
 
@@ -862,42 +837,15 @@ async fn a_rolling_restart_fails_no_dial_and_keeps_open_tunnels() {
         );
         endpoints.lock().unwrap().push(sock(&format!("-new-{i}")));
         // The old replica's tunnel still carries its stream, byte-exact.
-        for n in [1000, 20_000, 65_536, 1000] {
-            let msg: Vec<u8> = (0..n).map(|j| (j % 251) as u8).collect();
-            long.write_all(&msg).await.unwrap();
-            let mut back = vec![0u8; n];
-            tokio::time::timeout(Duration::from_secs(10), long.read_exact(&mut back))
-                .await
-                .expect("the long stream stalled")
-                .unwrap();
-            assert_eq!(back, msg);
-        }
+        echo_exact(&mut long).await;
         drop(long);
-        let end = Instant::now() + Duration::from_secs(30);
-        let code = loop {
-            if let Some(st) = leaving.proc.0.try_wait().unwrap() {
-                break st.code();
-            }
-            assert!(
-                Instant::now() < end,
-                "the old replica did not exit after its last tunnel"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
-        assert_eq!(code, Some(0));
+        let what = "the old replica, after its last tunnel,";
+        assert_eq!(exit_code(&mut leaving.proc, what).await, Some(0));
         old.push(Some(replacement));
     }
     // A few more dials through the new replicas only.
-    let seen = ok.load(Ordering::Relaxed);
-    TunnelEnv::until(
-        Duration::from_secs(20),
-        "dials through the new replicas",
-        || ok.load(Ordering::Relaxed) >= seen + 30,
-    )
-    .await;
-    stop.cancel();
-    dialer.await.unwrap();
-    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    dials.more(30, "dials through the new replicas").await;
+    let (ok, failed) = dials.stop().await;
     eprintln!("rolling restart of 3 replicas: {ok} dials served, {failed} failed");
     assert_eq!(
         failed, 0,
@@ -913,8 +861,6 @@ async fn a_rolling_restart_fails_no_dial_and_keeps_open_tunnels() {
 /// exits 0 once its last tunnel ended. No dial fails.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tunnel_server_binary_upgrade_fails_no_dial_and_keeps_open_tunnels() {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::Arc;
     let env = TunnelEnv::new(57);
     let ep = env.agent_endpoint(8151);
     let upgrade = env.dir.path().join("upgrade.sock").display().to_string();
@@ -931,42 +877,16 @@ async fn a_tunnel_server_binary_upgrade_fails_no_dial_and_keeps_open_tunnels() {
     })
     .await;
 
-    let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let stop = tokio_util::sync::CancellationToken::new();
-    let dialer = {
-        let (uds, ok, failed, stop) = (env.uds.clone(), ok.clone(), failed.clone(), stop.clone());
-        tokio::spawn(async move {
-            let end = Instant::now() + Duration::from_secs(240);
-            for _ in 0..20_000usize {
-                if stop.is_cancelled() || Instant::now() > end {
-                    break;
-                }
-                let r = tokio::time::timeout(Duration::from_secs(10), async {
-                    let s = kas_connect(&uds, "127.0.0.1:8000").await?;
-                    Ok::<_, String>(fetch_hello(s).await)
-                })
-                .await;
-                match r {
-                    Ok(Ok(body)) if body.contains("hello") => ok.fetch_add(1, Ordering::Relaxed),
-                    other => {
-                        eprintln!("dial failed: {other:?}");
-                        failed.fetch_add(1, Ordering::Relaxed)
-                    }
-                };
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
+    let dials = {
+        let uds = env.uds.clone();
+        Dials::start(move |_| uds.clone())
     };
 
     for round in 0..2 {
         let mut long =
             kas_connect_eventually(&env.uds, "127.0.0.1:7007", Duration::from_secs(10)).await;
         echo_rtt(&mut long, 1000).await;
-        let seen = ok.load(Ordering::Relaxed);
-        TunnelEnv::until(Duration::from_secs(20), "dials before the upgrade", || {
-            ok.load(Ordering::Relaxed) >= seen + 10
-        })
-        .await;
+        dials.more(10, "dials before the upgrade").await;
         // The new process says ready once the agent moved and it took the
         // frontends.
         let next = env.server_with(
@@ -995,41 +915,14 @@ async fn a_tunnel_server_binary_upgrade_fails_no_dial_and_keeps_open_tunnels() {
             "the old process drains while its tunnel is open"
         );
         // The old process's tunnel still carries its stream, byte-exact.
-        for n in [1000, 20_000, 65_536, 1000] {
-            let msg: Vec<u8> = (0..n).map(|j| (j % 251) as u8).collect();
-            long.write_all(&msg).await.unwrap();
-            let mut back = vec![0u8; n];
-            tokio::time::timeout(Duration::from_secs(10), long.read_exact(&mut back))
-                .await
-                .expect("the long stream stalled")
-                .unwrap();
-            assert_eq!(back, msg);
-        }
+        echo_exact(&mut long).await;
         drop(long);
-        let end = Instant::now() + Duration::from_secs(30);
-        let code = loop {
-            if let Some(st) = old.proc.0.try_wait().unwrap() {
-                break st.code();
-            }
-            assert!(
-                Instant::now() < end,
-                "the old process did not exit after its last tunnel"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
-        assert_eq!(code, Some(0));
+        let what = "the old process, after its last tunnel,";
+        assert_eq!(exit_code(&mut old.proc, what).await, Some(0));
     }
-    let seen = ok.load(Ordering::Relaxed);
-    TunnelEnv::until(
-        Duration::from_secs(20),
-        "dials through the last process",
-        || ok.load(Ordering::Relaxed) >= seen + 30,
-    )
-    .await;
-    stop.cancel();
-    dialer.await.unwrap();
+    dials.more(30, "dials through the last process").await;
+    let (ok, failed) = dials.stop().await;
     drop(agent);
-    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
     eprintln!("two tunnel-server binary upgrades: {ok} dials served, {failed} failed");
     assert_eq!(failed, 0, "no dial fails across the upgrades ({ok} served)");
 }

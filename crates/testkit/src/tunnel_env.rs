@@ -487,6 +487,19 @@ pub fn spawn_until_up(mut cmd: std::process::Command) -> Proc {
     p
 }
 
+/// A gRPC client over an agent's TLS connection to the tunnel-server.
+async fn grpc_over(
+    tls: tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+) -> seedlink_tunnel::grpc::Client {
+    let h2 = seedlink_tunnel::grpc::H2Settings {
+        keepalive: Duration::from_secs(30),
+        keepalive_timeout: Duration::from_secs(10),
+    };
+    seedlink_tunnel::grpc::connect(tls, "https://tunnel.seedlink.test".parse().unwrap(), h2)
+        .await
+        .unwrap()
+}
+
 /// An agent written for the tests: a valid cluster certificate, hostile
 /// packets. It runs on a thread that joined the seed namespace, where the
 /// agent endpoint is routable.
@@ -514,17 +527,7 @@ impl FakeAgent {
     {
         use seedlink_tunnel::proto::Packet;
         self.on_tls(move |tls, id| async move {
-            let h2 = seedlink_tunnel::grpc::H2Settings {
-                keepalive: Duration::from_secs(30),
-                keepalive_timeout: Duration::from_secs(10),
-            };
-            let mut client = seedlink_tunnel::grpc::connect(
-                tls,
-                "https://tunnel.seedlink.test".parse().unwrap(),
-                h2,
-            )
-            .await
-            .unwrap();
+            let mut client = grpc_over(tls).await;
             let (tx, rx) = tokio::sync::mpsc::channel::<Packet>(64);
             let out = futures_util::stream::unfold(rx, |mut rx| async move {
                 rx.recv().await.map(|p| (p, rx))
@@ -547,17 +550,7 @@ impl FakeAgent {
     pub fn refusal(&self) -> Option<String> {
         use seedlink_tunnel::proto::Packet;
         self.on_tls(move |tls, id| async move {
-            let h2 = seedlink_tunnel::grpc::H2Settings {
-                keepalive: Duration::from_secs(30),
-                keepalive_timeout: Duration::from_secs(10),
-            };
-            let mut client = seedlink_tunnel::grpc::connect(
-                tls,
-                "https://tunnel.seedlink.test".parse().unwrap(),
-                h2,
-            )
-            .await
-            .unwrap();
+            let mut client = grpc_over(tls).await;
             let out = futures_util::stream::empty::<Packet>();
             seedlink_tunnel::grpc::open_stream(
                 &mut client,
@@ -746,4 +739,102 @@ fn start(ns: &Netns, args: &[&str]) -> Started {
     );
     let ready = ready_line(&mut proc.0);
     Started { proc, ready }
+}
+
+/// Echoes 1000, 20,000, 65,536 and 1000 patterned bytes over a held tunnel
+/// and checks each comes back byte-exact (within 10 s each).
+pub async fn echo_exact(s: &mut UnixStream) {
+    for n in [1000, 20_000, 65_536, 1000] {
+        let msg: Vec<u8> = (0..n).map(|j| (j % 251) as u8).collect();
+        s.write_all(&msg).await.unwrap();
+        let mut back = vec![0u8; n];
+        tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut back))
+            .await
+            .expect("the long stream stalled")
+            .unwrap();
+        assert_eq!(back, msg);
+    }
+}
+
+/// Waits (up to 30 s) for `p` to exit; its exit code.
+pub async fn exit_code(p: &mut Proc, what: &str) -> Option<i32> {
+    let end = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(st) = p.0.try_wait().unwrap() {
+            return st.code();
+        }
+        assert!(std::time::Instant::now() < end, "{what} did not exit");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A loop of dials through the tunnel: each an HTTP CONNECT over the Unix
+/// socket `target(n)` to the shoot's hello server, read to its answer,
+/// 20 ms apart, at most 20,000 or 240 s, until stopped.
+pub struct Dials {
+    ok: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    failed: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Dials {
+    /// Starts the loop.
+    pub fn start(target: impl Fn(usize) -> String + Send + 'static) -> Dials {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ok2, failed2, stop2) = (ok.clone(), failed.clone(), stop.clone());
+        let task = tokio::spawn(async move {
+            let end = std::time::Instant::now() + Duration::from_secs(240);
+            for n in 0..20_000usize {
+                if stop2.load(Ordering::Relaxed) || std::time::Instant::now() > end {
+                    break;
+                }
+                let uds = target(n);
+                let r = tokio::time::timeout(Duration::from_secs(10), async {
+                    let s = kas_connect(&uds, "127.0.0.1:8000").await?;
+                    Ok::<_, String>(fetch_hello(s).await)
+                })
+                .await;
+                match r {
+                    Ok(Ok(body)) if body.contains("hello") => ok2.fetch_add(1, Ordering::Relaxed),
+                    other => {
+                        eprintln!("dial through {uds} failed: {other:?}");
+                        failed2.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        Dials {
+            ok,
+            failed,
+            stop,
+            task,
+        }
+    }
+
+    /// Dials served so far.
+    pub fn ok(&self) -> u64 {
+        self.ok.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Waits (up to 20 s) for `n` more dials to be served.
+    pub async fn more(&self, n: u64, what: &str) {
+        let seen = self.ok();
+        TunnelEnv::until(Duration::from_secs(20), what, || self.ok() >= seen + n).await;
+    }
+
+    /// Stops the loop: (served, failed).
+    pub async fn stop(self) -> (u64, u64) {
+        use std::sync::atomic::Ordering;
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await.unwrap();
+        (
+            self.ok.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+        )
+    }
 }

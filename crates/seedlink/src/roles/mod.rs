@@ -68,7 +68,7 @@ impl Upgrade {
     /// Offers what `source` gives at `--upgrade-socket` on a thread of its
     /// own, with `phases`; a drain for another reason (`stop`) withdraws
     /// the offer, so that its copies do not keep the sockets open. When a
-    /// new process took over, `handed` runs and the receiver says so (the
+    /// new process took over, `handed` runs (before it hears `done`: what it accepts from then on lands there) and the receiver says so (the
     /// supervisor then drains). `confirmed`: this process is the one
     /// serving (a take-over the old process did not confirm offers nothing).
     pub fn offer(
@@ -99,11 +99,14 @@ impl Upgrade {
             });
         }
         let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let phases = Handed {
+            phases,
+            handed: std::sync::Mutex::new(Some(handed)),
+        };
         let spawned = std::thread::Builder::new()
             .name("seedlink-upgrade".into())
-            .spawn(move || match handoff::offer(listener, &offer, &*phases) {
+            .spawn(move || match handoff::offer(listener, &offer, &phases) {
                 Ok(true) => {
-                    handed();
                     let _ = tx.blocking_send(());
                 }
                 Ok(false) => {}
@@ -165,4 +168,33 @@ pub fn identity() -> String {
             h.write_u32(std::process::id());
             format!("seedlink-{host}-{:08x}", h.finish() as u32)
         })
+}
+
+/// A role's phases, and what it does once handed over (before the new
+/// process hears `done`).
+struct Handed {
+    phases: Box<dyn handoff::Phases + Send>,
+    handed: std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl handoff::Phases for Handed {
+    fn began(&self) {
+        self.phases.began();
+    }
+
+    fn phase(&self, name: &str) -> String {
+        self.phases.phase(name)
+    }
+
+    fn abort(&self) {
+        self.phases.abort();
+    }
+
+    fn done(&self) {
+        self.phases.done();
+        let handed = self.handed.lock().ok().and_then(|mut h| h.take());
+        if let Some(h) = handed {
+            h();
+        }
+    }
 }

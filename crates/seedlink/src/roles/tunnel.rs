@@ -435,11 +435,15 @@ impl Role for ServerRole {
     fn drain(&self) -> BoxFut<'_, ()> {
         let source = seedlink_net::sync::lock(&self.source, "tunnel source").take();
         Box::pin(async move {
-            if let Some(h) = source {
-                // Releases a held status lease (bounded).
-                h.shutdown(Duration::from_secs(3)).await;
-            }
-            self.srv.stop(self.opts.drain).await;
+            // The server stops accepting at once (a new process or another
+            // replica takes what comes now) while the source releases a
+            // held status lease (bounded), then drains.
+            let source = async {
+                if let Some(h) = source {
+                    h.shutdown(Duration::from_secs(3)).await;
+                }
+            };
+            tokio::join!(source, self.srv.stop(self.opts.drain));
         })
     }
 }

@@ -300,10 +300,12 @@ impl TunnelServer {
         self.sockets.drop_unclaimed();
     }
 
-    /// Old process, once the new one is ready: the admin endpoint stops
-    /// accepting (the new one answers probes); the drain that follows stops
-    /// the rest.
+    /// Old process, once the new one is ready: frontends stop accepting at
+    /// once (the new one takes every connection from now on), and so does
+    /// the admin endpoint (the new one answers probes); the drain that
+    /// follows carries the rest.
     pub fn handed_over(&self) {
+        self.accepting.cancel();
         if let Some(t) = lock(&self.sockets.admin_task, "admin task").take() {
             t.abort();
         }
