@@ -327,26 +327,7 @@ impl Translator {
             .iter()
             .map(|s| (Key::of(s.as_ref()), s.as_ref()))
             .collect();
-        let mut slices: HashMap<Key, Vec<&EndpointSlice>> = HashMap::new();
-        for s in objects.slices {
-            let manager = s.labels().get(MANAGED_BY);
-            if !manager.is_some_and(|m| self.slice_managers.contains(m)) {
-                // Not written by a manager the operator trusts: a tenant may
-                // write a slice naming any address (the CVE-2021-25740
-                // class); the route then has no endpoints from it.
-                tracing::debug!(slice = %Key::of(s.as_ref()), manager = ?manager, "EndpointSlice ignored: not written by a trusted manager (kubernetes.endpointslice_managers)");
-                continue;
-            }
-            if let Some(svc) = s.labels().get("kubernetes.io/service-name") {
-                slices
-                    .entry(Key {
-                        namespace: s.namespace().unwrap_or_default(),
-                        name: svc.clone(),
-                    })
-                    .or_default()
-                    .push(s.as_ref());
-            }
-        }
+        let slices = self.trusted_slices(objects);
         let views = views(objects);
         let policies = self.policies(objects, &views, &routes, &mut out);
         let namespaces: HashMap<String, &BTreeMap<String, String>> = objects
@@ -357,70 +338,11 @@ impl Translator {
         let grants: Vec<&ReferenceGrant> = objects.grants.iter().map(|g| g.as_ref()).collect();
         for route in routes {
             let key = Key::of(route.as_ref());
-            let mut parents = Vec::new();
-            // Through the named Gateway: served on every listener.
-            let mut hostnames: Vec<String> = Vec::new();
-            // Through a class Gateway: served at its address and the
-            // listener's port only, each attachment with its own names.
-            let mut served_on: Vec<ServedOn> = Vec::new();
-            for p in route.spec.parent_refs.iter().flatten() {
-                let Some(view) = views
-                    .iter()
-                    .find(|v| names_gateway(p, &key.namespace, &v.key))
-                else {
-                    continue;
-                };
-                let mut parent = ParentOutcome {
-                    parent_ref: p.clone(),
-                    gateway: view.key.clone(),
-                    accepted: Verdict::yes("Accepted", "served by seedlink"),
-                    listeners: Vec::new(),
-                };
-                match attach::attach(
-                    p,
-                    &key.namespace,
-                    &route.spec.hostnames,
-                    &view.key.namespace,
-                    &view.listeners,
-                    &namespaces,
-                ) {
-                    Err(refused) => parent.accepted = refused,
-                    Ok(attached) => {
-                        for a in &attached {
-                            let names = match (view.named, view.address) {
-                                (true, _) => &mut hostnames,
-                                (false, Some(ip)) => {
-                                    let port =
-                                        a.port.and_then(|p| u16::try_from(p).ok()).unwrap_or(0);
-                                    let address = SocketAddr::new(ip, port).to_string();
-                                    let i =
-                                        match served_on.iter().position(|o| o.address == address) {
-                                            Some(i) => i,
-                                            None => {
-                                                served_on.push(ServedOn {
-                                                    address,
-                                                    hostnames: Vec::new(),
-                                                });
-                                                served_on.len() - 1
-                                            }
-                                        };
-                                    &mut served_on[i].hostnames
-                                }
-                                // No address yet: served nowhere (the
-                                // Gateway says AddressNotAssigned).
-                                (false, None) => continue,
-                            };
-                            for h in &a.hostnames {
-                                if !names.contains(h) {
-                                    names.push(h.clone());
-                                }
-                            }
-                        }
-                        parent.listeners = attached.into_iter().map(|a| a.listener).collect();
-                    }
-                }
-                parents.push(parent);
-            }
+            let Attached {
+                parents,
+                hostnames,
+                served_on,
+            } = attach_to_parents(route, &key, &views, &namespaces);
             if parents.is_empty() {
                 continue;
             }
@@ -650,6 +572,122 @@ impl Translator {
         }
         result
     }
+}
+
+impl Translator {
+    /// EndpointSlices by the Service they belong to, only those written by
+    /// a manager the operator trusts: a tenant may write a slice naming any
+    /// address (the CVE-2021-25740 class); a route then has no endpoints
+    /// from it.
+    fn trusted_slices<'o>(&self, objects: &Objects<'o>) -> HashMap<Key, Vec<&'o EndpointSlice>> {
+        let mut slices: HashMap<Key, Vec<&EndpointSlice>> = HashMap::new();
+        for s in objects.slices {
+            let manager = s.labels().get(MANAGED_BY);
+            if !manager.is_some_and(|m| self.slice_managers.contains(m)) {
+                tracing::debug!(slice = %Key::of(s.as_ref()), manager = ?manager, "EndpointSlice ignored: not written by a trusted manager (kubernetes.endpointslice_managers)");
+                continue;
+            }
+            if let Some(svc) = s.labels().get("kubernetes.io/service-name") {
+                slices
+                    .entry(Key {
+                        namespace: s.namespace().unwrap_or_default(),
+                        name: svc.clone(),
+                    })
+                    .or_default()
+                    .push(s.as_ref());
+            }
+        }
+        slices
+    }
+}
+
+/// What a route's parents make of it.
+struct Attached {
+    /// Per parent it names among the Gateways seedlink serves.
+    parents: Vec<ParentOutcome>,
+    /// Through the named Gateway: served on every listener.
+    hostnames: Vec<String>,
+    /// Through a class Gateway: served at its address and the listener's
+    /// port only, each attachment with its own names.
+    served_on: Vec<ServedOn>,
+}
+
+/// Attaches `route` to each Gateway it names (listeners, hostnames,
+/// namespaces allowed), collecting where and under which names it is
+/// served.
+fn attach_to_parents(
+    route: &TlsRoute,
+    key: &Key,
+    views: &[View<'_>],
+    namespaces: &HashMap<String, &BTreeMap<String, String>>,
+) -> Attached {
+    let mut out = Attached {
+        parents: Vec::new(),
+        hostnames: Vec::new(),
+        served_on: Vec::new(),
+    };
+    for p in route.spec.parent_refs.iter().flatten() {
+        let Some(view) = views
+            .iter()
+            .find(|v| names_gateway(p, &key.namespace, &v.key))
+        else {
+            continue;
+        };
+        let mut parent = ParentOutcome {
+            parent_ref: p.clone(),
+            gateway: view.key.clone(),
+            accepted: Verdict::yes("Accepted", "served by seedlink"),
+            listeners: Vec::new(),
+        };
+        match attach::attach(
+            p,
+            &key.namespace,
+            &route.spec.hostnames,
+            &view.key.namespace,
+            &view.listeners,
+            namespaces,
+        ) {
+            Err(refused) => parent.accepted = refused,
+            Ok(attached) => {
+                for a in &attached {
+                    let names = match (view.named, view.address) {
+                        (true, _) => &mut out.hostnames,
+                        (false, Some(ip)) => {
+                            let port = a.port.and_then(|p| u16::try_from(p).ok()).unwrap_or(0);
+                            served_at(&mut out.served_on, SocketAddr::new(ip, port))
+                        }
+                        // No address yet: served nowhere (the Gateway says
+                        // AddressNotAssigned).
+                        (false, None) => continue,
+                    };
+                    for h in &a.hostnames {
+                        if !names.contains(h) {
+                            names.push(h.clone());
+                        }
+                    }
+                }
+                parent.listeners = attached.into_iter().map(|a| a.listener).collect();
+            }
+        }
+        out.parents.push(parent);
+    }
+    out
+}
+
+/// The host names served at `address` (an entry made if there is none).
+fn served_at(served_on: &mut Vec<ServedOn>, address: SocketAddr) -> &mut Vec<String> {
+    let address = address.to_string();
+    let i = match served_on.iter().position(|o| o.address == address) {
+        Some(i) => i,
+        None => {
+            served_on.push(ServedOn {
+                address,
+                hostnames: Vec::new(),
+            });
+            served_on.len() - 1
+        }
+    };
+    &mut served_on[i].hostnames
 }
 
 impl Key {

@@ -298,92 +298,7 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> 
     let mut clusters = Vec::new();
     let mut frontends = Vec::new();
     for c in &cfg.clusters {
-        let verifier = match &c.agent_ca {
-            Some(ca) => Some(
-                tls::load_roots(ca)
-                    .and_then(tls::client_verifier)
-                    .map_err(ServerError::tls(format!("cluster {}: agent_ca", c.name)))?,
-            ),
-            None => None,
-        };
-        let token = match &c.agent_token {
-            Some(t) => Some(
-                match (&t.keys, &t.review) {
-                    (Some(keys), None) => {
-                        TokenValidator::new(keys, &t.issuer, &t.audience, &t.service_account)
-                    }
-                    (None, Some(r)) => TokenReviewer::new(r, {
-                        let (reviews, cluster) = (metrics.token_reviews.clone(), c.name.clone());
-                        Arc::new(move |outcome: &str| {
-                            reviews
-                                .get_or_create(&crate::server::metrics::ClusterReason {
-                                    cluster: cluster.clone(),
-                                    reason: outcome.to_string(),
-                                })
-                                .inc();
-                        })
-                    })
-                    .and_then(|r| {
-                        TokenValidator::with_review(r, &t.issuer, &t.audience, &t.service_account)
-                    }),
-                    _ => {
-                        return Err(ServerError::Invalid {
-                            at: format!("cluster {}: agent_token", c.name),
-                            why: "exactly one of keys or review".into(),
-                        })
-                    }
-                }
-                .map_err(|error| ServerError::Auth {
-                    at: format!("cluster {}: agent_token", c.name),
-                    error: Box::new(error),
-                })?,
-            ),
-            None => None,
-        };
-        let proxy_password = match &c.proxy_password_file {
-            Some(p) => {
-                let at = || format!("cluster {}: proxy_password_file {}", c.name, p.display());
-                let text = std::fs::read_to_string(p).map_err(|e| ServerError::Invalid {
-                    at: at(),
-                    why: e.to_string(),
-                })?;
-                let pw = text.trim();
-                if pw.is_empty() {
-                    return Err(ServerError::Invalid {
-                        at: at(),
-                        why: "empty".into(),
-                    });
-                }
-                Some(pw.to_string())
-            }
-            None => None,
-        };
-        clusters.push(PlannedCluster {
-            name: c.name.clone(),
-            conf: ClusterConf {
-                strategies: c
-                    .strategies
-                    .iter()
-                    .filter_map(|s| Strategy::from_name(s))
-                    .collect(),
-                verifier,
-                token: token.map(Arc::new),
-                proxy_password,
-                frontends: c
-                    .frontends
-                    .iter()
-                    .map(|f| {
-                        let at = match (&f.unix, &f.tcp) {
-                            (Some(p), _) => p.display().to_string(),
-                            (_, Some(a)) => a.to_string(),
-                            _ => String::new(),
-                        };
-                        format!("{} ({:?}, {at})", f.name, f.protocol)
-                    })
-                    .collect(),
-            },
-            limits: c.limits.into(),
-        });
+        clusters.push(plan_cluster(c, metrics)?);
         for f in &c.frontends {
             frontends.push(PlannedFrontend {
                 cluster: Some(c.name.clone()),
@@ -422,6 +337,106 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> 
         frontends,
         agent_tls: TlsAcceptor::from(Arc::new(agent_tls)),
     })
+}
+
+/// One cluster: its agents' trust (CA, tokens), proxy password, strategies
+/// and limits, read and checked.
+fn plan_cluster(
+    c: &crate::config::Cluster,
+    metrics: &Metrics,
+) -> Result<PlannedCluster, ServerError> {
+    let verifier = match &c.agent_ca {
+        Some(ca) => Some(
+            tls::load_roots(ca)
+                .and_then(tls::client_verifier)
+                .map_err(ServerError::tls(format!("cluster {}: agent_ca", c.name)))?,
+        ),
+        None => None,
+    };
+    let token = match &c.agent_token {
+        Some(t) => Some(Arc::new(token_validator(&c.name, t, metrics)?)),
+        None => None,
+    };
+    let proxy_password = match &c.proxy_password_file {
+        Some(p) => Some(read_password(&c.name, p)?),
+        None => None,
+    };
+    Ok(PlannedCluster {
+        name: c.name.clone(),
+        conf: ClusterConf {
+            strategies: c
+                .strategies
+                .iter()
+                .filter_map(|s| Strategy::from_name(s))
+                .collect(),
+            verifier,
+            token,
+            proxy_password,
+            frontends: c.frontends.iter().map(frontend_label).collect(),
+        },
+        limits: c.limits.into(),
+    })
+}
+
+/// A cluster's token check: local keys, or a TokenReview whose outcomes
+/// are counted.
+fn token_validator(
+    cluster: &str,
+    t: &crate::config::TokenAuth,
+    metrics: &Metrics,
+) -> Result<TokenValidator, ServerError> {
+    match (&t.keys, &t.review) {
+        (Some(keys), None) => TokenValidator::new(keys, &t.issuer, &t.audience, &t.service_account),
+        (None, Some(r)) => TokenReviewer::new(r, {
+            let (reviews, cluster) = (metrics.token_reviews.clone(), cluster.to_string());
+            Arc::new(move |outcome: &str| {
+                reviews
+                    .get_or_create(&crate::server::metrics::ClusterReason {
+                        cluster: cluster.clone(),
+                        reason: outcome.to_string(),
+                    })
+                    .inc();
+            })
+        })
+        .and_then(|r| TokenValidator::with_review(r, &t.issuer, &t.audience, &t.service_account)),
+        _ => {
+            return Err(ServerError::Invalid {
+                at: format!("cluster {cluster}: agent_token"),
+                why: "exactly one of keys or review".into(),
+            })
+        }
+    }
+    .map_err(|error| ServerError::Auth {
+        at: format!("cluster {cluster}: agent_token"),
+        error: Box::new(error),
+    })
+}
+
+/// A cluster's proxy password (the file's trimmed content, not empty).
+fn read_password(cluster: &str, p: &std::path::Path) -> Result<String, ServerError> {
+    let at = || format!("cluster {cluster}: proxy_password_file {}", p.display());
+    let text = std::fs::read_to_string(p).map_err(|e| ServerError::Invalid {
+        at: at(),
+        why: e.to_string(),
+    })?;
+    let pw = text.trim();
+    if pw.is_empty() {
+        return Err(ServerError::Invalid {
+            at: at(),
+            why: "empty".into(),
+        });
+    }
+    Ok(pw.to_string())
+}
+
+/// `name (protocol, where)` of a frontend, for the admin views.
+fn frontend_label(f: &Frontend) -> String {
+    let at = match (&f.unix, &f.tcp) {
+        (Some(p), _) => p.display().to_string(),
+        (_, Some(a)) => a.to_string(),
+        _ => String::new(),
+    };
+    format!("{} ({:?}, {at})", f.name, f.protocol)
 }
 
 impl TunnelServer {
