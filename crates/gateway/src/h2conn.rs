@@ -99,21 +99,9 @@ pub(crate) async fn serve(
     let capped = guard.is_some();
     let mut idle_deadline = Some(tokio::time::Instant::now() + snap.timeouts.client_hello);
     let io = Prefixed::new(prefix, stream);
-    let mut builder = h2::server::Builder::new();
-    builder
-        .max_concurrent_streams(MAX_STREAMS)
-        .initial_window_size(1024 * 1024)
-        .initial_connection_window_size(16 * 1024 * 1024)
-        .max_send_buffer_size(256 * 1024)
-        .max_frame_size(h2copy::MAX_FRAME)
-        // HTTP/2 rapid-reset and error-flood limits.
-        .max_pending_accept_reset_streams(20)
-        .max_local_error_reset_streams(Some(256))
-        // Envoy's default; h2's own is 16 MiB.
-        .max_header_list_size(MAX_HEADER_LIST);
     let mut conn = match tokio::time::timeout(
         snap.timeouts.client_hello,
-        builder.handshake::<_, Bytes>(io),
+        builder().handshake::<_, Bytes>(io),
     )
     .await
     {
@@ -121,19 +109,7 @@ pub(crate) async fn serve(
         Ok(Err(_)) => return H2End::HandshakeError,
         Err(_) => return H2End::Timeout,
     };
-    let mut pings = conn.ping_pong();
-    let keepalive = async move {
-        let Some(p) = pings.as_mut() else {
-            return std::future::pending::<()>().await;
-        };
-        loop {
-            tokio::time::sleep(PING_EVERY).await;
-            match tokio::time::timeout(PONG_WITHIN, p.ping(h2::Ping::opaque())).await {
-                Ok(Ok(_)) => {}
-                _ => return,
-            }
-        }
-    };
+    let keepalive = keepalive(conn.ping_pong());
     tokio::pin!(keepalive);
     let tasks = tokio_util::task::TaskTracker::new();
     let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -208,6 +184,37 @@ pub(crate) async fn serve(
         .await;
     }
     outcome
+}
+
+/// The HTTP/2 server's settings: stream and window sizes, the rapid-reset
+/// and error-flood limits, Envoy's header-list limit (h2's own is 16 MiB).
+fn builder() -> h2::server::Builder {
+    let mut builder = h2::server::Builder::new();
+    builder
+        .max_concurrent_streams(MAX_STREAMS)
+        .initial_window_size(1024 * 1024)
+        .initial_connection_window_size(16 * 1024 * 1024)
+        .max_send_buffer_size(256 * 1024)
+        .max_frame_size(h2copy::MAX_FRAME)
+        .max_pending_accept_reset_streams(20)
+        .max_local_error_reset_streams(Some(256))
+        .max_header_list_size(MAX_HEADER_LIST);
+    builder
+}
+
+/// Ends when a PING goes unanswered for [`PONG_WITHIN`] (one every
+/// [`PING_EVERY`]); never without a ping handle.
+async fn keepalive(pings: Option<h2::PingPong>) {
+    let Some(mut p) = pings else {
+        return std::future::pending::<()>().await;
+    };
+    loop {
+        tokio::time::sleep(PING_EVERY).await;
+        match tokio::time::timeout(PONG_WITHIN, p.ping(h2::Ping::opaque())).await {
+            Ok(Ok(_)) => {}
+            _ => return,
+        }
+    }
 }
 
 /// Refuses a stream with `status`, counted under `reason` like a refused

@@ -664,11 +664,10 @@ impl Agent {
         Ok((client, goaway))
     }
 
-    /// One connection attempt; `Ok(true)` for a new replica, `Ok(false)` for
-    /// one we already have (closed again).
-    async fn connect_once(self: &Arc<Self>) -> Result<bool, ConnectError> {
-        let t = self.opts.dial_timeout.max(Duration::from_secs(5));
-        let (mut client, goaway) = self.open_channel(t).await?;
+    /// The stream's request headers: `agentid`, `agentidentifiers`, the
+    /// seedlink extensions asked for, and a ServiceAccount token (read anew
+    /// for every connection: kubelet rotates it).
+    fn request_metadata(&self) -> Result<Vec<(&'static str, String)>, ConnectError> {
         let mut meta = vec![("agentid", self.opts.agent_id.clone())];
         if !self.opts.identifiers.is_empty() {
             meta.push(("agentidentifiers", self.opts.identifiers.clone()));
@@ -687,6 +686,15 @@ impl Agent {
             })?;
             meta.push(("authorization", format!("Bearer {}", token.trim())));
         }
+        Ok(meta)
+    }
+
+    /// One connection attempt; `Ok(true)` for a new replica, `Ok(false)` for
+    /// one we already have (closed again).
+    async fn connect_once(self: &Arc<Self>) -> Result<bool, ConnectError> {
+        let t = self.opts.dial_timeout.max(Duration::from_secs(5));
+        let (mut client, goaway) = self.open_channel(t).await?;
+        let meta = self.request_metadata()?;
         let tx = FairQueue::new();
         let outbound =
             futures_util::stream::unfold(
@@ -756,28 +764,36 @@ impl Agent {
         let agent = self.clone();
         tokio::spawn(async move {
             agent.serve_session(session.clone(), inbound).await;
-            {
-                let mut s = crate::sync::lock(&agent.sessions, "agent sessions");
-                // Only this stream's entry (a replacement may hold the ID).
-                if s.get(&session.server_id)
-                    .is_some_and(|x| Arc::ptr_eq(x, &session))
-                {
-                    s.remove(&session.server_id);
-                }
-            }
-            // A GOAWAY too_many_pings slows our pings down for the next
-            // connection.
-            if goaway.code() == Some(crate::goaway::ENHANCE_YOUR_CALM) {
-                agent.slow_down_pings(&session.server_id);
-            }
-            agent.session_lost.notify_one();
-            agent.metrics.servers.dec();
-            session.gone.cancel();
-            session.to_server.close();
-            session.with(|m, out| m.end(out));
-            tracing::warn!(server_id = %session.server_id, "stream to tunnel server ended");
+            agent.session_ended(&session, goaway.code());
         });
         Ok(true)
+    }
+
+    /// A stream ended: forget it (only this stream: a replacement may hold
+    /// its ID), slow pings down if the server said `too_many_pings`, resume
+    /// discovery, and end what it carried.
+    fn session_ended(&self, session: &Arc<Session>, goaway: Option<u32>) {
+        let agent = self;
+        {
+            let mut s = crate::sync::lock(&agent.sessions, "agent sessions");
+            // Only this stream's entry (a replacement may hold the ID).
+            if s.get(&session.server_id)
+                .is_some_and(|x| Arc::ptr_eq(x, session))
+            {
+                s.remove(&session.server_id);
+            }
+        }
+        // A GOAWAY too_many_pings slows our pings down for the next
+        // connection.
+        if goaway == Some(crate::goaway::ENHANCE_YOUR_CALM) {
+            agent.slow_down_pings(&session.server_id);
+        }
+        agent.session_lost.notify_one();
+        agent.metrics.servers.dec();
+        session.gone.cancel();
+        session.to_server.close();
+        session.with(|m, out| m.end(out));
+        tracing::warn!(server_id = %session.server_id, "stream to tunnel server ended");
     }
 
     async fn serve_session(
