@@ -810,29 +810,7 @@ impl TunnelServer {
             removed: changes.clusters_removed.clone(),
             ..ReloadReport::default()
         };
-        let mut next = Vec::new();
-        for c in p.clusters {
-            match old.iter().find(|o| *o.name == *c.name) {
-                Some(o) => {
-                    o.conf.store(Arc::new(c.conf));
-                    o.gate.set(c.limits);
-                    report.agents_rekeyed += rekey(o);
-                    next.push(o.clone());
-                }
-                None => next.push(Arc::new(Cluster::new(
-                    &c.name,
-                    c.conf,
-                    c.limits,
-                    self.metrics.cluster(&c.name),
-                ))),
-            }
-        }
-        for o in old.iter() {
-            if changes.clusters_removed.iter().any(|n| *n == *o.name) {
-                o.removed.cancel();
-            }
-        }
-        self.registry.set(next);
+        report.agents_rekeyed = self.apply_clusters(&old, p.clusters, &changes.clusters_removed);
         let previous = self.config.load();
         self.config.store(Arc::new(super::core::ConfigView {
             config: serde_json::to_value(cfg).unwrap_or_default(),
@@ -854,18 +832,7 @@ impl TunnelServer {
                     }
                     keep.push(r);
                 }
-                None => {
-                    r.stop.cancel();
-                    self.sockets.forget(&handover::frontend(&r.label));
-                    let _ = tokio::time::timeout(Duration::from_secs(5), r.task).await;
-                    if let Some((p, ino)) = &r.unix_file {
-                        use std::os::unix::fs::MetadataExt;
-                        if std::fs::symlink_metadata(p).is_ok_and(|m| m.ino() == *ino) {
-                            let _ = std::fs::remove_file(p);
-                        }
-                    }
-                    report.frontends_stopped.push(r.label.clone());
-                }
+                None => report.frontends_stopped.push(self.stop_frontend(r).await),
             }
         }
         let mut errors = Vec::new();
@@ -885,6 +852,56 @@ impl TunnelServer {
         } else {
             Err(ServerError::FrontendsFailed(errors.join("; ")))
         }
+    }
+
+    /// The planned clusters replace the running ones: a kept cluster gets
+    /// its new trust and limits in place (agents its new trust refuses are
+    /// disconnected: how many), a new one is added, a removed one ends its
+    /// agent streams.
+    fn apply_clusters(
+        &self,
+        old: &[Arc<Cluster>],
+        planned: Vec<PlannedCluster>,
+        removed: &[String],
+    ) -> usize {
+        let mut rekeyed = 0;
+        let mut next = Vec::new();
+        for c in planned {
+            match old.iter().find(|o| *o.name == *c.name) {
+                Some(o) => {
+                    o.conf.store(Arc::new(c.conf));
+                    o.gate.set(c.limits);
+                    rekeyed += rekey(o);
+                    next.push(o.clone());
+                }
+                None => next.push(Arc::new(Cluster::new(
+                    &c.name,
+                    c.conf,
+                    c.limits,
+                    self.metrics.cluster(&c.name),
+                ))),
+            }
+        }
+        for o in old.iter().filter(|o| removed.iter().any(|n| *n == *o.name)) {
+            o.removed.cancel();
+        }
+        self.registry.set(next);
+        rekeyed
+    }
+
+    /// Stops a frontend (bounded), stops offering its socket, and removes
+    /// its socket file if that is still its own; its label.
+    async fn stop_frontend(&self, r: Running) -> String {
+        r.stop.cancel();
+        self.sockets.forget(&handover::frontend(&r.label));
+        let _ = tokio::time::timeout(Duration::from_secs(5), r.task).await;
+        if let Some((p, ino)) = &r.unix_file {
+            use std::os::unix::fs::MetadataExt;
+            if std::fs::symlink_metadata(p).is_ok_and(|m| m.ino() == *ino) {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+        r.label
     }
 
     /// `(label, address)` of every listening frontend.
