@@ -1075,7 +1075,6 @@ fn tunnel_cluster(ns: &str, ca: Value) -> Value {
     })
 }
 
-/// Starts `seedlink tunnel-agent` on loopback with a client certificate.
 /// A started process that printed a ready line, and that line.
 fn started(mut cmd: std::process::Command) -> (Proc, Value) {
     let mut child = cmd
@@ -1088,42 +1087,38 @@ fn started(mut cmd: std::process::Command) -> (Proc, Value) {
     (Proc(child), ready)
 }
 
-/// A seedlink agent and its admin address.
+/// Starts `seedlink tunnel-agent` on loopback with a client certificate:
+/// the agent and its admin address.
 fn tunnel_agent(server: &str, seed_ca: &str, cert: &str, key: &str) -> (Proc, SocketAddr) {
-    let mut child = std::process::Command::new(seedlink_bin())
-        .args([
-            "tunnel-agent",
-            "--deny-cidr",
-            seedlink_testkit::SHOOT_LOOPBACK_DENY,
-            "--server",
-            server,
-            "--server-name",
-            "tunnel.seedlink.test",
-        ])
-        .args([
-            "--ca-cert",
-            seed_ca,
-            "--agent-cert",
-            cert,
-            "--agent-key",
-            key,
-        ])
-        .args([
-            "--admin",
-            "127.0.0.1:0",
-            "--sync-interval",
-            "0.2",
-            "--sync-interval-cap",
-            "2",
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let ready = common::tunnel_env::ready_line(&mut child);
-    assert_eq!(ready["event"], "ready", "{ready}");
+    let mut cmd = std::process::Command::new(seedlink_bin());
+    cmd.args([
+        "tunnel-agent",
+        "--deny-cidr",
+        seedlink_testkit::SHOOT_LOOPBACK_DENY,
+        "--server",
+        server,
+        "--server-name",
+        "tunnel.seedlink.test",
+    ])
+    .args([
+        "--ca-cert",
+        seed_ca,
+        "--agent-cert",
+        cert,
+        "--agent-key",
+        key,
+    ])
+    .args([
+        "--admin",
+        "127.0.0.1:0",
+        "--sync-interval",
+        "0.2",
+        "--sync-interval-cap",
+        "2",
+    ]);
+    let (agent, ready) = started(cmd);
     let admin = ready["admin"].as_str().unwrap().parse().unwrap();
-    (Proc(child), admin)
+    (agent, admin)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
