@@ -132,52 +132,45 @@ fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
     r
 }
 
+/// A sample's labels.
+type Labels = std::collections::BTreeMap<String, String>;
+
+/// A metric's samples summed per control plane and per `key` of their
+/// labels (a sample without a control plane or a key is skipped).
+fn per_control_plane(
+    metrics: &str,
+    name: &str,
+    key: impl Fn(&Labels) -> Option<String>,
+) -> std::collections::BTreeMap<String, std::collections::BTreeMap<String, f64>> {
+    let mut out: std::collections::BTreeMap<String, std::collections::BTreeMap<String, f64>> =
+        std::collections::BTreeMap::new();
+    for (l, v) in seedlink_net::admin::samples(metrics, name) {
+        let (Some(cp), Some(k)) = (l.get("control_plane"), key(&l)) else {
+            continue;
+        };
+        *out.entry(cp.clone()).or_default().entry(k).or_default() += v;
+    }
+    out
+}
+
 /// Every control plane's live state, as the page and scripts read it.
 pub fn state(gw: &Gateway) -> serde_json::Value {
-    use std::collections::BTreeMap;
     let snap = gw.snapshot();
     let metrics = gw.metrics.encode();
-    let mut outcomes: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
-    for (l, v) in seedlink_net::admin::samples(&metrics, "seedlink_gateway_connections_total") {
-        let (Some(cp), Some(outcome)) = (l.get("control_plane"), l.get("outcome")) else {
-            continue;
-        };
-        *outcomes
-            .entry(cp.clone())
-            .or_default()
-            .entry(outcome.clone())
-            .or_default() += v;
+    let outcomes = per_control_plane(&metrics, "seedlink_gateway_connections_total", |l| {
+        l.get("outcome").cloned()
+    });
+    let by_path = |l: &Labels| Some(format!("{} / {}", l.get("listener")?, l.get("protocol")?));
+    let routed = per_control_plane(&metrics, "seedlink_gateway_routed_total", by_path);
+    let mut open_by = per_control_plane(
+        &metrics,
+        "seedlink_gateway_routed_active_connections",
+        by_path,
+    );
+    for paths in open_by.values_mut() {
+        paths.retain(|_, v| *v > 0.0);
     }
-    let mut routed: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
-    for (l, v) in seedlink_net::admin::samples(&metrics, "seedlink_gateway_routed_total") {
-        let (Some(cp), Some(listener), Some(protocol)) =
-            (l.get("control_plane"), l.get("listener"), l.get("protocol"))
-        else {
-            continue;
-        };
-        *routed
-            .entry(cp.clone())
-            .or_default()
-            .entry(format!("{listener} / {protocol}"))
-            .or_default() += v;
-    }
-    let mut open_by: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
-    for (l, v) in
-        seedlink_net::admin::samples(&metrics, "seedlink_gateway_routed_active_connections")
-    {
-        let (Some(cp), Some(listener), Some(protocol)) =
-            (l.get("control_plane"), l.get("listener"), l.get("protocol"))
-        else {
-            continue;
-        };
-        if v > 0.0 {
-            *open_by
-                .entry(cp.clone())
-                .or_default()
-                .entry(format!("{listener} / {protocol}"))
-                .or_default() += v;
-        }
-    }
+    open_by.retain(|_, paths| !paths.is_empty());
     let now = crate::upstream::now_ms();
     let file = &snap.file;
     let all = file
@@ -234,4 +227,24 @@ pub fn state(gw: &Gateway) -> serde_json::Value {
         "always_allowed": file.always_allowed,
         "control_planes": control_planes,
     })
+}
+
+#[cfg(test)]
+mod per_control_plane_tests {
+    #[test]
+    fn samples_are_summed_per_control_plane_and_key() {
+        let text = "\
+seedlink_gateway_routed_total{listener=\"tls\",protocol=\"tls-sni\",control_plane=\"a\"} 2
+seedlink_gateway_routed_total{listener=\"tls\",protocol=\"tls-sni\",control_plane=\"a\"} 3
+seedlink_gateway_routed_total{listener=\"connect\",protocol=\"http-connect\",control_plane=\"b\"} 1
+seedlink_gateway_routed_total{listener=\"tls\",control_plane=\"c\"} 7
+seedlink_gateway_routed_total{listener=\"tls\",protocol=\"tls-sni\"} 9
+";
+        let got = super::per_control_plane(text, "seedlink_gateway_routed_total", |l| {
+            Some(format!("{} / {}", l.get("listener")?, l.get("protocol")?))
+        });
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert_eq!(got["a"]["tls / tls-sni"], 5.0);
+        assert_eq!(got["b"]["connect / http-connect"], 1.0);
+    }
 }
