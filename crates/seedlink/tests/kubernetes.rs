@@ -1294,25 +1294,8 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
     // starts later (health checked: skipped until it listens).
     let second_port = free_port();
     let lb = format!("127.0.0.1:{}", free_port());
-    let haproxy_cfg = d.join("haproxy.cfg");
-    std::fs::write(
-        &haproxy_cfg,
-        format!(
-            "defaults\n  mode tcp\n  timeout connect 2s\n  timeout client 120s\n  timeout server 120s\n\
-             frontend lb\n  bind {lb}\n  default_backend replicas\nbackend replicas\n  balance roundrobin\n\
-             \x20 server r0 {agents} check inter 200ms fall 1 rise 1\n\
-             \x20 server r1 127.0.0.1:{second_port} check inter 200ms fall 1 rise 1\n"
-        ),
-    )
-    .unwrap();
-    let _lb = Proc(
-        std::process::Command::new(require("haproxy"))
-            .args(["-db", "-f"])
-            .arg(&haproxy_cfg)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let replicas = [agents.clone(), format!("127.0.0.1:{second_port}")];
+    let _lb = common::tunnel_env::haproxy_lb(None, d, &lb, &replicas, true);
     wait_for(
         "the agents' load balancer",
         Duration::from_secs(20),

@@ -89,7 +89,6 @@ async fn agent_returns_after_a_server_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_holds_a_stream_to_each_replica_behind_haproxy() {
-    let haproxy = require("haproxy");
     let env = TunnelEnv::new(44);
     let (a, b) = (env.agent_endpoint(8141), env.agent_endpoint(8142));
     let s1 = env.server(
@@ -101,38 +100,7 @@ async fn agent_holds_a_stream_to_each_replica_behind_haproxy() {
         "s2",
     );
     let lb = env.agent_endpoint(8132);
-    let cfg = env.dir.path().join("haproxy.cfg");
-    std::fs::write(
-        &cfg,
-        format!(
-            "defaults
-  mode tcp
-  timeout connect 2s
-  timeout client 60s
-  timeout server 60s
-frontend lb
-  bind {lb}
-  default_backend replicas
-backend replicas
-  balance roundrobin
-  server r1 {a}
-  server r2 {b}
-"
-        ),
-    )
-    .unwrap();
-    let _lb = Proc(
-        env.seed
-            .cmd(&[
-                haproxy.to_str().unwrap(),
-                "-db",
-                "-f",
-                cfg.to_str().unwrap(),
-            ])
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let _lb = haproxy_lb(Some(&env.seed), env.dir.path(), &lb, &[a, b], false);
     let agent = env.agent(&lb, &[]);
     TunnelEnv::until(Duration::from_secs(15), "a stream to both replicas", || {
         env.server_metric(&s1.admin(), AGENTS) == 1.0
@@ -741,7 +709,6 @@ async fn dials_avoid_a_frozen_agent_and_fail_fast_when_all_are() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rolling_restart_fails_no_dial_and_keeps_open_tunnels() {
     use std::sync::{Arc, Mutex};
-    let haproxy = require("haproxy");
     let env = TunnelEnv::new(58);
     let old_ep: Vec<String> = (0..3).map(|i| env.agent_endpoint(8141 + i)).collect();
     let new_ep: Vec<String> = (0..3).map(|i| env.agent_endpoint(8144 + i)).collect();
@@ -758,33 +725,8 @@ async fn a_rolling_restart_fails_no_dial_and_keeps_open_tunnels() {
     // The agents' load balancer, with every replica old and new, health
     // checked (a replica that stopped accepting is skipped).
     let lb = env.agent_endpoint(8132);
-    let cfg = env.dir.path().join("haproxy.cfg");
-    let servers: String = old_ep
-        .iter()
-        .chain(&new_ep)
-        .enumerate()
-        .map(|(i, a)| format!("  server r{i} {a} check inter 200ms fall 1 rise 1\n"))
-        .collect();
-    std::fs::write(
-        &cfg,
-        format!(
-            "defaults\n  mode tcp\n  timeout connect 2s\n  timeout client 120s\n  timeout server 120s\n\
-             frontend lb\n  bind {lb}\n  default_backend replicas\nbackend replicas\n  balance roundrobin\n{servers}"
-        ),
-    )
-    .unwrap();
-    let _lb = Proc(
-        env.seed
-            .cmd(&[
-                haproxy.to_str().unwrap(),
-                "-db",
-                "-f",
-                cfg.to_str().unwrap(),
-            ])
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let replicas: Vec<String> = old_ep.iter().chain(&new_ep).cloned().collect();
+    let _lb = haproxy_lb(Some(&env.seed), env.dir.path(), &lb, &replicas, true);
     let _agent = env.agent(&lb, &[]);
     TunnelEnv::until(Duration::from_secs(30), "a stream to every replica", || {
         old.iter()

@@ -838,3 +838,51 @@ impl Dials {
         )
     }
 }
+
+/// The agents' load balancer: HAProxy in TCP mode bound at `bind`,
+/// round-robin over `servers` (health checked every 200 ms when `check`: a
+/// replica that stopped accepting is skipped), in namespace `ns` or this
+/// one. Its configuration is written into `dir`.
+pub fn haproxy_lb(
+    ns: Option<&Netns>,
+    dir: &std::path::Path,
+    bind: &str,
+    servers: &[String],
+    check: bool,
+) -> Proc {
+    let haproxy = require("haproxy");
+    let checks = if check {
+        " check inter 200ms fall 1 rise 1"
+    } else {
+        ""
+    };
+    let servers: String = servers
+        .iter()
+        .enumerate()
+        .map(|(i, a)| format!("  server r{i} {a}{checks}\n"))
+        .collect();
+    let cfg = dir.join("haproxy.cfg");
+    std::fs::write(
+        &cfg,
+        format!(
+            "defaults\n  mode tcp\n  timeout connect 2s\n  timeout client 120s\n  timeout server 120s\n\
+             frontend lb\n  bind {bind}\n  default_backend replicas\nbackend replicas\n  balance roundrobin\n{servers}"
+        ),
+    )
+    .unwrap();
+    let args = [
+        haproxy.to_str().unwrap(),
+        "-db",
+        "-f",
+        cfg.to_str().unwrap(),
+    ];
+    let mut cmd = match ns {
+        Some(ns) => ns.cmd(&args),
+        None => {
+            let mut c = std::process::Command::new(args[0]);
+            c.args(&args[1..]);
+            c
+        }
+    };
+    Proc(cmd.stdout(Stdio::null()).spawn().unwrap())
+}
