@@ -284,77 +284,18 @@ async fn tunnel(
     mut respond: SendResponse<Bytes>,
 ) -> bool {
     let snap = gw.snapshot();
-    if req.method() != Method::CONNECT {
-        refuse(
-            gw,
-            lctx,
-            &mut respond,
-            StatusCode::METHOD_NOT_ALLOWED,
-            "connect_not_connect",
-        );
-        return false;
-    }
-    let canonical = match destination_of(lctx, &req) {
-        Ok(c) => c,
-        Err(reason) => {
-            refuse(gw, lctx, &mut respond, StatusCode::BAD_REQUEST, reason);
+    let (route, _held) = match admit_stream(gw, lctx, &snap, client, &req) {
+        Ok(admitted) => admitted,
+        Err(Refusal(status, Some(reason))) => {
+            refuse(gw, lctx, &mut respond, status, reason);
+            return false;
+        }
+        Err(Refusal(status, None)) => {
+            answer_only(&mut respond, status);
             return false;
         }
     };
-    // A stream cannot be handed to an in-process service: answered like an
-    // unknown destination.
-    let route = snap
-        .routes
-        .destination(&canonical)
-        .filter(|r| !r.endpoints.iter().any(|e| e.address.starts_with("local:")));
-    let Some(route) = route else {
-        refuse(
-            gw,
-            lctx,
-            &mut respond,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "unknown_destination",
-        );
-        return false;
-    };
     let cp = &route.control_plane;
-    if !gw.admit(&snap, cp, client) {
-        let mut r = Response::new(());
-        // As an unknown destination: nothing to enumerate.
-        *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-        let _ = respond.send_response(r, true);
-        return false;
-    }
-    let Ok(_permit) = gw.permits.clone().try_acquire_owned() else {
-        refuse(
-            gw,
-            lctx,
-            &mut respond,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "max_connections",
-        );
-        return false;
-    };
-    let Some(_routed_slot) = gw.enter_control_plane(&snap, &cp.name) else {
-        refuse(
-            gw,
-            lctx,
-            &mut respond,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "control_plane_limit",
-        );
-        return false;
-    };
-    let Ok(_source_slot) = gw.enter_routed_source(&snap, client.ip()) else {
-        refuse(
-            gw,
-            lctx,
-            &mut respond,
-            StatusCode::SERVICE_UNAVAILABLE,
-            "source_limit",
-        );
-        return false;
-    };
     let dial = upstream::connect(
         &cp.name,
         &route.endpoints,
@@ -363,19 +304,16 @@ async fn tunnel(
         crate::keepalive(&snap),
         &gw.metrics,
     );
-    let upstream = tokio::select! {
+    let (upstream, _guard) = tokio::select! {
         r = dial => match r {
             Ok((s, guard, _)) => (s, guard),
             Err(_) => {
-                let mut r = Response::new(());
-                *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-                let _ = respond.send_response(r, true);
+                answer_only(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
                 return false;
             }
         },
         () = reset_by_client(&mut respond) => return true,
     };
-    let (upstream, _guard) = upstream;
     let Ok(send) = respond.send_response(Response::new(()), false) else {
         return false;
     };
@@ -388,4 +326,71 @@ async fn tunnel(
         () = gw.lifecycle.close_all.cancelled() => {}
     }
     false
+}
+
+/// Why a stream is refused before it is carried: the answer's status and
+/// the reason counted (none where the ACL check counted it already).
+struct Refusal(StatusCode, Option<&'static str>);
+
+/// The slots a carried stream holds, given back when it ends.
+struct Held<'g> {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    _control_plane: crate::RoutedGuard<'g>,
+    _source: Option<SourceGuard<'g>>,
+}
+
+/// A CONNECT stream's route, after its method, destination, the control
+/// plane's ACL and every limit.
+fn admit_stream<'g, 's>(
+    gw: &'g Gateway,
+    lctx: &ListenerCtx,
+    snap: &'s Snapshot,
+    client: SocketAddr,
+    req: &Request<RecvStream>,
+) -> Result<(&'s seedlink_config::routes::DestinationRoute, Held<'g>), Refusal> {
+    let unavailable = |reason| Refusal(StatusCode::SERVICE_UNAVAILABLE, Some(reason));
+    if req.method() != Method::CONNECT {
+        return Err(Refusal(
+            StatusCode::METHOD_NOT_ALLOWED,
+            Some("connect_not_connect"),
+        ));
+    }
+    let canonical = destination_of(lctx, req)
+        .map_err(|reason| Refusal(StatusCode::BAD_REQUEST, Some(reason)))?;
+    // A stream cannot be handed to an in-process service: answered like an
+    // unknown destination.
+    let route = snap
+        .routes
+        .destination(&canonical)
+        .filter(|r| !r.endpoints.iter().any(|e| e.address.starts_with("local:")))
+        .ok_or(unavailable("unknown_destination"))?;
+    let cp = &route.control_plane;
+    if !gw.admit(snap, cp, client) {
+        // As an unknown destination: nothing to enumerate.
+        return Err(Refusal(StatusCode::SERVICE_UNAVAILABLE, None));
+    }
+    let permit = gw
+        .permits
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| unavailable("max_connections"))?;
+    let control_plane = gw
+        .enter_control_plane(snap, &cp.name)
+        .ok_or(unavailable("control_plane_limit"))?;
+    let source = gw
+        .enter_routed_source(snap, client.ip())
+        .map_err(|()| unavailable("source_limit"))?;
+    let held = Held {
+        _permit: permit,
+        _control_plane: control_plane,
+        _source: source,
+    };
+    Ok((route, held))
+}
+
+/// Answers a stream with `status` and ends it.
+fn answer_only(respond: &mut SendResponse<Bytes>, status: StatusCode) {
+    let mut r = Response::new(());
+    *r.status_mut() = status;
+    let _ = respond.send_response(r, true);
 }

@@ -172,6 +172,14 @@ impl Metrics {
             }),
             registry: Registry::default(),
         };
+        m.register_connections(&mut registry);
+        m.register_upstreams_and_config(&mut registry);
+        Metrics { registry, ..m }
+    }
+
+    /// The families about client connections.
+    fn register_connections(&self, registry: &mut Registry) {
+        let m = self;
         registry.register(
             "connections",
             "Finished connections by listener, control plane and outcome",
@@ -208,6 +216,21 @@ impl Metrics {
             m.refused.clone(),
         );
         registry.register(
+            "connection_duration_seconds",
+            "How long connections lasted, by listener",
+            m.connection_seconds.clone(),
+        );
+        registry.register(
+            "log_lines_dropped",
+            "Refused-connection log lines not written because more than 20 per second (burst 100) came",
+            m.refusal_log.dropped.clone(),
+        );
+    }
+
+    /// The families about upstreams, ACLs and the configuration.
+    fn register_upstreams_and_config(&self, registry: &mut Registry) {
+        let m = self;
+        registry.register(
             "acl_denied",
             "Connections denied by a control plane's ACL",
             m.acl_denied.clone(),
@@ -242,17 +265,6 @@ impl Metrics {
             "Time to connect to an upstream endpoint (successful attempts)",
             m.upstream_connect_seconds.clone(),
         );
-        registry.register(
-            "connection_duration_seconds",
-            "How long connections lasted, by listener",
-            m.connection_seconds.clone(),
-        );
-        registry.register(
-            "log_lines_dropped",
-            "Refused-connection log lines not written because more than 20 per second (burst 100) came",
-            m.refusal_log.dropped.clone(),
-        );
-        Metrics { registry, ..m }
     }
 
     /// Renders the OpenMetrics text exposition.

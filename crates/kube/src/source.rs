@@ -432,52 +432,167 @@ pub fn start_gateway(
 ) -> Handle {
     let stop = CancellationToken::new();
     let w = Watches::new(&client, &stop);
-    let (routes_tx, routes_stop, routes_client) = (w.tx.clone(), stop.clone(), client.clone());
-    let policies = w.kind::<SeedlinkPolicy>();
-    let services = w.kind::<Service>();
-    let slices = w.kind::<EndpointSlice>();
-    // Only the named Gateway's namespace when that is all it serves; every
-    // namespace for a class.
-    let gateways = match (&settings.gateway, &settings.class) {
-        (Some(g), None) => w.in_namespace::<Gateway>(&g.namespace),
-        _ => w.kind::<Gateway>(),
+    let (routes_tx, routes_stop) = (w.tx.clone(), stop.clone());
+    let kinds = GatewayKinds::watch(&w, &settings);
+    let coalescer = Coalescer {
+        changed: w.changed,
+        stop: stop.clone(),
     };
-    let classes = w.kind::<GatewayClass>();
-    let namespaces = w.kind::<Namespace>();
-    let grants = w.kind::<ReferenceGrant>();
-    let changed = w.changed;
     let (leadership, campaign_task) =
         campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
     let (synced_tx, synced) = watch::channel(false);
-    let task_stop = stop.clone();
     let writer_leadership = leadership.clone();
     tokio::spawn(async move {
-        let (routes, route_resource) = Routes::watch(&routes_client, routes_tx, routes_stop).await;
-        let ready = async {
-            routes.wait_until_ready().await?;
-            policies.wait_until_ready().await.ok()?;
-            services.wait_until_ready().await.ok()?;
-            slices.wait_until_ready().await.ok()?;
-            gateways.wait_until_ready().await.ok()?;
-            classes.wait_until_ready().await.ok()?;
-            namespaces.wait_until_ready().await.ok()?;
-            grants.wait_until_ready().await.ok()
-        };
+        let (routes, route_resource) = Routes::watch(&client, routes_tx, routes_stop).await;
+        let stores = GatewayStores { routes, kinds };
         tokio::select! {
-            r = ready => if r.is_none() { return },
-            () = task_stop.cancelled() => return,
+            r = stores.ready() => if r.is_none() { return },
+            () = coalescer.stop.cancelled() => return,
         }
+        let mut status = StatusWriter::new(client.clone(), writer_leadership, &settings.identity);
+        status.route_resource = route_resource;
         let mut translator = Translator::default();
         translator.slice_managers = settings.slice_managers.clone();
-        let mut bundle = bundle_version(&client).await;
-        let mut bundle_read = tokio::time::Instant::now();
-        let mut ever: HashSet<Key> = HashSet::new();
-        let mut status = StatusWriter::new(client, writer_leadership, &settings.identity);
-        status.route_resource = route_resource;
-        let mut coalescer = Coalescer {
-            changed,
-            stop: task_stop,
+        let pass = GatewayPasses {
+            translator,
+            bundle: bundle_version(&client).await,
+            bundle_read: tokio::time::Instant::now(),
+            ever: HashSet::new(),
+            stores,
+            settings,
+            status,
         };
+        pass.run(coalescer, sink.as_ref(), &synced_tx).await;
+    });
+    Handle {
+        synced,
+        leadership,
+        stop,
+        campaign: std::sync::Mutex::new(campaign_task),
+    }
+}
+
+/// The objects the gateway's source reads besides TLSRoutes, each a
+/// watched store.
+struct GatewayKinds {
+    policies: Store<SeedlinkPolicy>,
+    services: Store<Service>,
+    slices: Store<EndpointSlice>,
+    gateways: Store<Gateway>,
+    classes: Store<GatewayClass>,
+    namespaces: Store<Namespace>,
+    grants: Store<ReferenceGrant>,
+}
+
+impl GatewayKinds {
+    fn watch(w: &Watches, settings: &GatewaySettings) -> GatewayKinds {
+        GatewayKinds {
+            policies: w.kind(),
+            services: w.kind(),
+            slices: w.kind(),
+            // Only the named Gateway's namespace when that is all it
+            // serves; every namespace for a class.
+            gateways: match (&settings.gateway, &settings.class) {
+                (Some(g), None) => w.in_namespace(&g.namespace),
+                _ => w.kind(),
+            },
+            classes: w.kind(),
+            namespaces: w.kind(),
+            grants: w.kind(),
+        }
+    }
+}
+
+/// Every object the gateway's source reads.
+struct GatewayStores {
+    routes: Routes,
+    kinds: GatewayKinds,
+}
+
+impl GatewayStores {
+    /// Waits for every store's first list; `None` if a watch ended first.
+    async fn ready(&self) -> Option<()> {
+        let k = &self.kinds;
+        self.routes.wait_until_ready().await?;
+        k.policies.wait_until_ready().await.ok()?;
+        k.services.wait_until_ready().await.ok()?;
+        k.slices.wait_until_ready().await.ok()?;
+        k.gateways.wait_until_ready().await.ok()?;
+        k.classes.wait_until_ready().await.ok()?;
+        k.namespaces.wait_until_ready().await.ok()?;
+        k.grants.wait_until_ready().await.ok()
+    }
+
+    /// Translates what the stores hold now.
+    fn translate(&self, translator: &mut Translator, settings: &GatewaySettings) -> GatewayPass {
+        let k = &self.kinds;
+        let (routes, policies) = (self.routes.state(), k.policies.state());
+        let (services, slices) = (k.services.state(), k.slices.state());
+        let (gateways, classes) = (k.gateways.state(), k.classes.state());
+        let (namespaces, grants) = (k.namespaces.state(), k.grants.state());
+        let t = translator.translate(&Objects {
+            gateway: settings.gateway.as_ref(),
+            class: settings.class.as_ref(),
+            gateways: &gateways,
+            classes: &classes,
+            listeners: &settings.listeners,
+            namespaces: &namespaces,
+            grants: &grants,
+            routes: &routes,
+            policies: &policies,
+            services: &services,
+            slices: &slices,
+        });
+        (t, routes, policies)
+    }
+
+    /// The addresses a Gateway's status names: the named Gateway's are its
+    /// Service's load-balancer addresses, a class Gateway's its own.
+    fn addresses(
+        &self,
+        settings: &GatewaySettings,
+        g: &crate::translate::GatewayOutcome,
+    ) -> Vec<serde_json::Value> {
+        if !g.named {
+            return g
+                .address
+                .iter()
+                .map(|a| json!({"type": "IPAddress", "value": a.to_string()}))
+                .collect();
+        }
+        settings
+            .service
+            .as_ref()
+            .and_then(|k| {
+                let services = self.kinds.services.state();
+                services.into_iter().find(|s| Key::of(s.as_ref()) == *k)
+            })
+            .map(|s| addresses(&s))
+            .unwrap_or_default()
+    }
+}
+
+/// The gateway source's loop: translate and apply on a change, write
+/// status on every wake-up.
+struct GatewayPasses {
+    stores: GatewayStores,
+    settings: GatewaySettings,
+    translator: Translator,
+    status: StatusWriter,
+    /// Every Gateway this process has served.
+    ever: HashSet<Key>,
+    /// The installed Gateway API bundle, re-read every `BUNDLE_REREAD`.
+    bundle: Option<String>,
+    bundle_read: tokio::time::Instant,
+}
+
+impl GatewayPasses {
+    async fn run(
+        mut self,
+        mut coalescer: Coalescer,
+        sink: &dyn GatewaySink,
+        synced: &watch::Sender<bool>,
+    ) {
         let mut wake = Wake::Changed;
         let mut last: Option<GatewayPass> = None;
         // Set when the gateway could not apply anything (its own file is
@@ -485,99 +600,74 @@ pub fn start_gateway(
         let mut retry = false;
         loop {
             if wake == Wake::Changed || last.is_none() || retry {
-                let objects = (
-                    routes.state(),
-                    policies.state(),
-                    services.state(),
-                    slices.state(),
-                );
-                let (gateway_objects, class_objects) = (gateways.state(), classes.state());
-                let (namespaces, grants) = (namespaces.state(), grants.state());
-                let mut t = translator.translate(&Objects {
-                    gateway: settings.gateway.as_ref(),
-                    class: settings.class.as_ref(),
-                    gateways: &gateway_objects,
-                    classes: &class_objects,
-                    listeners: &settings.listeners,
-                    namespaces: &namespaces,
-                    grants: &grants,
-                    routes: &objects.0,
-                    policies: &objects.1,
-                    services: &objects.2,
-                    slices: &objects.3,
-                });
-                let refused = sink.apply(t.control_planes.clone());
+                let mut pass = self.stores.translate(&mut self.translator, &self.settings);
+                let refused = sink.apply(pass.0.control_planes.clone());
                 retry = not_applied(&refused);
-                t.refused(&refused);
-                let _ = synced_tx.send(true);
-                last = Some((t, objects.0, objects.1));
+                pass.0.refused(&refused);
+                let _ = synced.send(true);
+                last = Some(pass);
             }
-            if let Some((t, routes, policies)) = &last {
-                let mut served: Vec<Key> = settings
-                    .gateway
-                    .iter()
-                    .cloned()
-                    .chain(t.gateways.iter().map(|g| g.key.clone()))
-                    .collect();
-                // Gateways this process served before and serves no more
-                // (deleted, moved to another class): their entries of ours
-                // are ours to remove. Only those: another seedlink's
-                // Gateway (one without an object included) is not ours.
-                ever.extend(served.iter().cloned());
-                served.extend(
-                    ever.iter()
-                        .filter(|k| !served.contains(k))
-                        .cloned()
-                        .collect::<Vec<_>>(),
-                );
-                status.write(t, routes, policies, &served).await;
-                let objects = gateways.state();
-                for g in &t.gateways {
-                    let Some(object) = objects.iter().find(|o| Key::of(o.as_ref()) == g.key) else {
-                        continue;
-                    };
-                    let addresses = if g.named {
-                        settings
-                            .service
-                            .as_ref()
-                            .and_then(|k| {
-                                services
-                                    .state()
-                                    .into_iter()
-                                    .find(|s| Key::of(s.as_ref()) == *k)
-                            })
-                            .map(|s| addresses(&s))
-                            .unwrap_or_default()
-                    } else {
-                        g.address
-                            .iter()
-                            .map(|a| json!({"type": "IPAddress", "value": a.to_string()}))
-                            .collect()
-                    };
-                    status.write_gateway(t, g, object, !retry, &addresses).await;
-                }
-                // A Gateway API upgrade is noticed within minutes.
-                if bundle_read.elapsed() > BUNDLE_REREAD {
-                    bundle = bundle_version(&status.client).await.or(bundle);
-                    bundle_read = tokio::time::Instant::now();
-                }
-                for class in classes.state() {
-                    if class.spec.controller_name == CONTROLLER_NAME {
-                        status.write_gateway_class(&class, bundle.as_deref()).await;
-                    }
-                }
+            if let Some(pass) = &last {
+                self.write_status(pass, !retry).await;
             }
             wake = coalescer.next().await;
             if wake == Wake::Stop {
                 return;
             }
         }
-    });
-    Handle {
-        synced,
-        leadership,
-        stop,
-        campaign: std::sync::Mutex::new(campaign_task),
+    }
+
+    /// Writes the routes', policies', Gateways' and classes' status.
+    async fn write_status(&mut self, (t, routes, policies): &GatewayPass, applied: bool) {
+        let served = self.served(t);
+        self.status.write(t, routes, policies, &served).await;
+        let objects = self.stores.kinds.gateways.state();
+        for g in &t.gateways {
+            let Some(object) = objects.iter().find(|o| Key::of(o.as_ref()) == g.key) else {
+                continue;
+            };
+            let addresses = self.stores.addresses(&self.settings, g);
+            self.status
+                .write_gateway(t, g, object, applied, &addresses)
+                .await;
+        }
+        // A Gateway API upgrade is noticed within minutes.
+        if self.bundle_read.elapsed() > BUNDLE_REREAD {
+            self.bundle = bundle_version(&self.status.client)
+                .await
+                .or(self.bundle.take());
+            self.bundle_read = tokio::time::Instant::now();
+        }
+        for class in self.stores.kinds.classes.state() {
+            if class.spec.controller_name == CONTROLLER_NAME {
+                self.status
+                    .write_gateway_class(&class, self.bundle.as_deref())
+                    .await;
+            }
+        }
+    }
+
+    /// The Gateways whose entries of ours status may touch: those served
+    /// now and those this process served before and serves no more
+    /// (deleted, moved to another class). Only those: another seedlink's
+    /// Gateway (one without an object included) is not ours.
+    fn served(&mut self, t: &Translation) -> Vec<Key> {
+        let mut served: Vec<Key> = self
+            .settings
+            .gateway
+            .iter()
+            .cloned()
+            .chain(t.gateways.iter().map(|g| g.key.clone()))
+            .collect();
+        self.ever.extend(served.iter().cloned());
+        let gone: Vec<Key> = self
+            .ever
+            .iter()
+            .filter(|k| !served.contains(k))
+            .cloned()
+            .collect();
+        served.extend(gone);
+        served
     }
 }
 
@@ -760,90 +850,128 @@ pub fn start_tunnel(
             &stop,
         )
     });
-    let changed = std::mem::replace(&mut w.changed, mpsc::channel(1).1);
+    let coalescer = Coalescer {
+        changed: std::mem::replace(&mut w.changed, mpsc::channel(1).1),
+        stop: stop.clone(),
+    };
     let (leadership, campaign_task) =
         campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
     let (synced_tx, synced) = watch::channel(false);
-    let task_stop = stop.clone();
-    let writer_leadership = leadership.clone();
+    let status = StatusWriter::new(client, leadership.clone(), &settings.identity);
     tokio::spawn(async move {
-        let ready = async { clusters.wait_until_ready().await.ok() };
         tokio::select! {
-            r = ready => if r.is_none() { return },
-            () = task_stop.cancelled() => return,
+            r = clusters.wait_until_ready() => if r.is_err() { return },
+            () = coalescer.stop.cancelled() => return,
         }
-        let mut status = StatusWriter::new(client, writer_leadership, &settings.identity);
-        let mut trust = TrustWatches::default();
-        let mut coalescer = Coalescer {
-            changed,
-            stop: task_stop,
+        let passes = TunnelPasses {
+            w,
+            clusters,
+            replicas,
+            settings,
+            status,
+            trust: TrustWatches::default(),
+            applied: None,
         };
-        let mut wake = Wake::Changed;
-        let mut last: Option<(
-            crate::tunnel::TunnelTranslation,
-            Vec<Arc<crate::crd::TunnelCluster>>,
-        )> = None;
-        // What was last handed to the server, and what it refused: an event
-        // that changes none of it (another Secret in the namespace) does
-        // not reload the server.
-        let mut applied: Option<(
-            Vec<seedlink_tunnel::config::Cluster>,
-            seedlink_config::compile::Refused,
-        )> = None;
-        loop {
-            // What could not be applied at all is tried again on a tick.
-            if applied.as_ref().is_some_and(|(_, r)| not_applied(r)) {
-                applied = None;
-            }
-            if let Some(n) = replicas.as_ref().and_then(|r| replica_count(&r.state())) {
-                sink.set_server_count(n);
-            }
-            if wake == Wake::Changed || last.is_none() || applied.is_none() {
-                let objects = clusters.state();
-                trust.follow(&w, &objects).await;
-                let (secrets, config_maps) = trust.state();
-                let mut t = crate::tunnel::translate(
-                    &objects,
-                    &secrets,
-                    &config_maps,
-                    &settings.trust_dir,
-                    &settings.socket_dir,
-                    &settings.max_limits,
-                );
-                match crate::tunnel::materialize(&settings.trust_dir, &t.files) {
-                    Ok(()) => {
-                        let refused = match &applied {
-                            Some((c, r)) if *c == t.clusters => r.clone(),
-                            _ => {
-                                let r = sink.apply(t.clusters.clone()).await;
-                                applied = Some((t.clusters.clone(), r.clone()));
-                                r
-                            }
-                        };
-                        t.refused(&refused);
-                    }
-                    Err(e) => {
-                        // Nothing is applied: the running clusters stay.
-                        tracing::error!(dir = %settings.trust_dir.display(), error = %e, "cannot write the clusters' trust files; keeping the running clusters");
-                    }
-                }
-                let _ = synced_tx.send(true);
-                last = Some((t, objects));
-            }
-            if let Some((t, objects)) = &last {
-                status.write_tunnels(t, objects, sink.as_ref()).await;
-            }
-            wake = coalescer.next().await;
-            if wake == Wake::Stop {
-                return;
-            }
-        }
+        passes.run(coalescer, sink, &synced_tx).await;
     });
     Handle {
         synced,
         leadership,
         stop,
         campaign: std::sync::Mutex::new(campaign_task),
+    }
+}
+
+/// The tunnel source's loop: translate and apply on a change, the
+/// replica count and status on every wake-up.
+struct TunnelPasses {
+    w: Watches,
+    clusters: Store<crate::crd::TunnelCluster>,
+    /// The tunnel-server Service's EndpointSlices (`kubernetes.replicas`).
+    replicas: Option<Store<EndpointSlice>>,
+    settings: TunnelSettings,
+    status: StatusWriter,
+    trust: TrustWatches,
+    /// What was last handed to the server, and what it refused: an event
+    /// that changes none of it (another Secret in the namespace) does
+    /// not reload the server.
+    applied: Option<(
+        Vec<seedlink_tunnel::config::Cluster>,
+        seedlink_config::compile::Refused,
+    )>,
+}
+
+/// The last tunnel translation and the objects it was made from.
+type TunnelPass = (
+    crate::tunnel::TunnelTranslation,
+    Vec<Arc<crate::crd::TunnelCluster>>,
+);
+
+impl TunnelPasses {
+    async fn run(
+        mut self,
+        mut coalescer: Coalescer,
+        sink: Arc<dyn TunnelSink>,
+        synced: &watch::Sender<bool>,
+    ) {
+        let mut wake = Wake::Changed;
+        let mut last: Option<TunnelPass> = None;
+        loop {
+            // What could not be applied at all is tried again on a tick.
+            if self.applied.as_ref().is_some_and(|(_, r)| not_applied(r)) {
+                self.applied = None;
+            }
+            let count = self
+                .replicas
+                .as_ref()
+                .and_then(|r| replica_count(&r.state()));
+            if let Some(n) = count {
+                sink.set_server_count(n);
+            }
+            if wake == Wake::Changed || last.is_none() || self.applied.is_none() {
+                last = Some(self.pass(sink.as_ref()).await);
+                let _ = synced.send(true);
+            }
+            if let Some((t, objects)) = &last {
+                self.status.write_tunnels(t, objects, sink.as_ref()).await;
+            }
+            wake = coalescer.next().await;
+            if wake == Wake::Stop {
+                return;
+            }
+        }
+    }
+
+    /// Translates the TunnelClusters and what they name, writes their
+    /// trust files and applies the clusters (unless nothing changed).
+    async fn pass(&mut self, sink: &dyn TunnelSink) -> TunnelPass {
+        let objects = self.clusters.state();
+        self.trust.follow(&self.w, &objects).await;
+        let (secrets, config_maps) = self.trust.state();
+        let s = &self.settings;
+        let mut t = crate::tunnel::translate(
+            &objects,
+            &secrets,
+            &config_maps,
+            &s.trust_dir,
+            &s.socket_dir,
+            &s.max_limits,
+        );
+        if let Err(e) = crate::tunnel::materialize(&s.trust_dir, &t.files) {
+            // Nothing is applied: the running clusters stay.
+            tracing::error!(dir = %s.trust_dir.display(), error = %e, "cannot write the clusters' trust files; keeping the running clusters");
+            return (t, objects);
+        }
+        let refused = match &self.applied {
+            Some((c, r)) if *c == t.clusters => r.clone(),
+            _ => {
+                let r = sink.apply(t.clusters.clone()).await;
+                self.applied = Some((t.clusters.clone(), r.clone()));
+                r
+            }
+        };
+        t.refused(&refused);
+        (t, objects)
     }
 }
 
@@ -938,6 +1066,195 @@ fn condition(
     }
 }
 
+/// A TLSRoute's `status.parents` as it should be, or `None` when ours are
+/// already so. Ours are this controller's entries for the Gateways this
+/// seedlink serves; another seedlink's (other Gateways) are kept as read.
+fn route_parents(
+    route: &TlsRoute,
+    key: &Key,
+    outcome: Option<&RouteOutcome>,
+    served: &[Key],
+) -> Option<Vec<gateway_api::tlsroutes::TlsRouteStatusParents>> {
+    let current = route
+        .status
+        .as_ref()
+        .map(|s| s.parents.clone())
+        .unwrap_or_default();
+    let (ours, mut desired): (Vec<_>, Vec<_>) = current.into_iter().partition(|p| {
+        p.controller_name == CONTROLLER_NAME
+            && served.iter().any(|g| {
+                crate::translate::names_gateway(
+                    &status_parent_ref(&p.parent_ref),
+                    &key.namespace,
+                    g,
+                )
+            })
+    });
+    let theirs = desired.len();
+    for (o, parent) in outcome
+        .iter()
+        .flat_map(|o| o.parents.iter().map(move |p| (*o, p)))
+    {
+        let p = &parent.parent_ref;
+        let prev = ours
+            .iter()
+            .find(|x| parent_eq(&x.parent_ref, p))
+            .map(|x| x.conditions.clone())
+            .unwrap_or_default();
+        desired.push(gateway_api::tlsroutes::TlsRouteStatusParents {
+            conditions: vec![
+                condition("Accepted", &parent.accepted, o.generation, &prev),
+                condition("ResolvedRefs", &o.resolved, o.generation, &prev),
+            ],
+            controller_name: CONTROLLER_NAME.into(),
+            parent_ref: gateway_api::tlsroutes::TlsRouteStatusParentsParentRef {
+                group: p.group.clone(),
+                kind: p.kind.clone(),
+                name: p.name.clone(),
+                namespace: p.namespace.clone(),
+                port: p.port,
+                section_name: p.section_name.clone(),
+            },
+        });
+    }
+    let desired_ours = &desired[theirs..];
+    let unchanged = desired_ours.len() == ours.len()
+        && desired_ours
+            .iter()
+            .zip(&ours)
+            .all(|(a, b)| a.parent_ref == b.parent_ref && same(&a.conditions, &b.conditions));
+    (!unchanged).then_some(desired)
+}
+
+/// A SeedlinkPolicy's `status.ancestors` as it should be, or `None` when
+/// they are already so.
+fn policy_ancestors(
+    policy: &SeedlinkPolicy,
+    key: &Key,
+    o: &crate::translate::PolicyOutcome,
+) -> Option<Vec<crate::crd::PolicyAncestorStatus>> {
+    let current = policy
+        .status
+        .as_ref()
+        .map(|s| s.ancestors.clone())
+        .unwrap_or_default();
+    let desired: Vec<crate::crd::PolicyAncestorStatus> = o
+        .targets
+        .iter()
+        .map(|(name, v)| {
+            let prev = current
+                .iter()
+                .find(|a| a.ancestor_ref.name == *name)
+                .map(|a| a.conditions.clone())
+                .unwrap_or_default();
+            crate::crd::PolicyAncestorStatus {
+                ancestor_ref: crate::crd::AncestorRef {
+                    group: GATEWAY_GROUP.into(),
+                    kind: "TLSRoute".into(),
+                    name: name.clone(),
+                    namespace: key.namespace.clone(),
+                },
+                controller_name: CONTROLLER_NAME.into(),
+                conditions: vec![condition("Accepted", v, o.generation, &prev)],
+            }
+        })
+        .collect();
+    let unchanged = desired.len() == current.len()
+        && desired
+            .iter()
+            .zip(&current)
+            .all(|(a, b)| a.ancestor_ref == b.ancestor_ref && same(&a.conditions, &b.conditions));
+    (!unchanged).then_some(desired)
+}
+
+/// The `conditions` under a status object, as read.
+fn previous_conditions(at: &serde_json::Value) -> Vec<Condition> {
+    at.get("conditions")
+        .and_then(|c| serde_json::from_value(c.clone()).ok())
+        .unwrap_or_default()
+}
+
+/// A Gateway's `Accepted` and `Programmed` (`programmed`: the gateway
+/// applied the last translation).
+fn gateway_verdicts(g: &crate::translate::GatewayOutcome, programmed: bool) -> (Verdict, Verdict) {
+    let served = g.listeners.iter().filter(|l| l.accepted.ok).count();
+    let accepted = if served == g.listeners.len() {
+        Verdict::yes("Accepted", "seedlink serves this Gateway")
+    } else {
+        let not: Vec<&str> = g
+            .listeners
+            .iter()
+            .filter(|l| !l.accepted.ok)
+            .map(|l| l.name.as_str())
+            .collect();
+        Verdict {
+            ok: served > 0,
+            reason: "ListenersNotValid".into(),
+            message: format!("listeners not served: {}", not.join(", ")),
+        }
+    };
+    let programmed = if !programmed {
+        Verdict::no(
+            "Invalid",
+            "the gateway's own configuration is invalid: nothing applied (its log says why)",
+        )
+    } else if !g.named && g.address.is_none() {
+        Verdict::no(
+            "AddressNotAssigned",
+            "every address of kubernetes.gateway_class.addresses is taken by an older Gateway",
+        )
+    } else if served == 0 {
+        Verdict::no("Invalid", "no listener of this Gateway is served")
+    } else {
+        Verdict::yes("Programmed", "applied to the gateway")
+    };
+    (accepted, programmed)
+}
+
+/// One listener's entry in a Gateway's status (`current`: the status as
+/// read, for the conditions' transition times).
+fn listener_status(
+    t: &Translation,
+    g: &crate::translate::GatewayOutcome,
+    l: &crate::translate::ListenerOutcome,
+    gateway_programmed: &Verdict,
+    generation: Option<i64>,
+    current: &serde_json::Value,
+) -> serde_json::Value {
+    let prev = current
+        .get("listeners")
+        .and_then(|ls| ls.as_array())
+        .and_then(|ls| ls.iter().find(|x| x["name"] == l.name.as_str()))
+        .map(previous_conditions)
+        .unwrap_or_default();
+    let programmed = if !l.accepted.ok {
+        Verdict::no("Invalid", l.accepted.message.clone())
+    } else if gateway_programmed.ok {
+        Verdict::yes("Programmed", "applied to the gateway")
+    } else if gateway_programmed.reason == "AddressNotAssigned" {
+        Verdict::no("Pending", gateway_programmed.message.clone())
+    } else {
+        Verdict::no("Invalid", gateway_programmed.message.clone())
+    };
+    let kinds: Vec<serde_json::Value> = l
+        .kinds
+        .iter()
+        .map(|k| json!({"group": GATEWAY_GROUP, "kind": k}))
+        .collect();
+    let no_conflicts = Verdict::no("NoConflicts", "");
+    json!({
+        "name": l.name,
+        "attachedRoutes": t.attached(&g.key, &l.name),
+        "supportedKinds": kinds,
+        "conditions": [
+            condition("Accepted", &l.accepted, generation, &prev),
+            condition("Programmed", &programmed, generation, &prev),
+            condition("ResolvedRefs", &l.resolved, generation, &prev),
+            condition("Conflicted", &no_conflicts, generation, &prev),
+        ],
+    })
+}
+
 /// A Service's LoadBalancer addresses as Gateway `status.addresses`
 /// (none until a load balancer assigned one).
 fn addresses(s: &Service) -> Vec<serde_json::Value> {
@@ -1018,67 +1335,30 @@ impl StatusWriter {
         policies: &[Arc<SeedlinkPolicy>],
         served: &[Key],
     ) {
-        if !self.leadership.held() {
-            return;
+        if self.leadership.held() && self.write_routes(t, routes, served).await {
+            self.write_policies(t, policies).await;
         }
+    }
+
+    /// Writes each TLSRoute's `status.parents` where it changed; false
+    /// when a write failed (the rest waits for the next pass).
+    async fn write_routes(
+        &mut self,
+        t: &Translation,
+        routes: &[Arc<TlsRoute>],
+        served: &[Key],
+    ) -> bool {
         let outcomes: HashMap<&Key, &RouteOutcome> = t.routes.iter().map(|r| (&r.key, r)).collect();
         for route in routes {
             let key = Key::of(route.as_ref());
-            let current = route
-                .status
-                .as_ref()
-                .map(|s| s.parents.clone())
-                .unwrap_or_default();
-            // Ours: this controller's entries for the Gateways this seedlink
-            // serves. Another seedlink's (other Gateways) are left alone.
-            let (ours, theirs): (Vec<_>, Vec<_>) = current.into_iter().partition(|p| {
-                p.controller_name == CONTROLLER_NAME
-                    && served.iter().any(|g| {
-                        crate::translate::names_gateway(
-                            &status_parent_ref(&p.parent_ref),
-                            &key.namespace,
-                            g,
-                        )
-                    })
-            });
-            let mut desired = theirs.clone();
-            if let Some(o) = outcomes.get(&key) {
-                for parent in &o.parents {
-                    let p = &parent.parent_ref;
-                    let prev = ours
-                        .iter()
-                        .find(|x| parent_eq(&x.parent_ref, p))
-                        .map(|x| x.conditions.clone())
-                        .unwrap_or_default();
-                    desired.push(gateway_api::tlsroutes::TlsRouteStatusParents {
-                        conditions: vec![
-                            condition("Accepted", &parent.accepted, o.generation, &prev),
-                            condition("ResolvedRefs", &o.resolved, o.generation, &prev),
-                        ],
-                        controller_name: CONTROLLER_NAME.into(),
-                        parent_ref: gateway_api::tlsroutes::TlsRouteStatusParentsParentRef {
-                            group: p.group.clone(),
-                            kind: p.kind.clone(),
-                            name: p.name.clone(),
-                            namespace: p.namespace.clone(),
-                            port: p.port,
-                            section_name: p.section_name.clone(),
-                        },
-                    });
-                }
-                if !o.accepted.ok {
-                    self.event(route.as_ref(), "TLSRoute", o.generation, &o.accepted)
-                        .await;
-                }
+            let outcome = outcomes.get(&key).copied();
+            if let Some(o) = outcome.filter(|o| !o.accepted.ok) {
+                self.event(route.as_ref(), "TLSRoute", o.generation, &o.accepted)
+                    .await;
             }
-            let desired_ours: Vec<_> = desired.iter().skip(theirs.len()).collect();
-            let unchanged = desired_ours.len() == ours.len()
-                && desired_ours.iter().zip(&ours).all(|(a, b)| {
-                    a.parent_ref == b.parent_ref && same(&a.conditions, &b.conditions)
-                });
-            if unchanged {
+            let Some(desired) = route_parents(route, &key, outcome, served) else {
                 continue;
-            }
+            };
             // `status.parents` is one atomic list shared with other
             // controllers: the patch carries their entries as read, so it
             // is made conditional on the version they were read from. A
@@ -1093,52 +1373,27 @@ impl StatusWriter {
                 Some(ar) => self.patch_route_status_as(ar, &key, &patch).await,
             };
             if !written {
-                return;
+                return false;
             }
         }
+        true
+    }
+
+    /// Writes each SeedlinkPolicy's `status.ancestors` where it changed.
+    async fn write_policies(&mut self, t: &Translation, policies: &[Arc<SeedlinkPolicy>]) {
         let by_policy: HashMap<&Key, _> = t.policies.iter().map(|p| (&p.key, p)).collect();
         for policy in policies {
             let key = Key::of(policy.as_ref());
             let Some(o) = by_policy.get(&key) else {
                 continue;
             };
-            let current = policy
-                .status
-                .as_ref()
-                .map(|s| s.ancestors.clone())
-                .unwrap_or_default();
-            let desired: Vec<crate::crd::PolicyAncestorStatus> = o
-                .targets
-                .iter()
-                .map(|(name, v)| {
-                    let prev = current
-                        .iter()
-                        .find(|a| a.ancestor_ref.name == *name)
-                        .map(|a| a.conditions.clone())
-                        .unwrap_or_default();
-                    crate::crd::PolicyAncestorStatus {
-                        ancestor_ref: crate::crd::AncestorRef {
-                            group: GATEWAY_GROUP.into(),
-                            kind: "TLSRoute".into(),
-                            name: name.clone(),
-                            namespace: key.namespace.clone(),
-                        },
-                        controller_name: CONTROLLER_NAME.into(),
-                        conditions: vec![condition("Accepted", v, o.generation, &prev)],
-                    }
-                })
-                .collect();
             for (_, v) in o.targets.iter().filter(|(_, v)| !v.ok) {
                 self.event(policy.as_ref(), "SeedlinkPolicy", o.generation, v)
                     .await;
             }
-            let unchanged = desired.len() == current.len()
-                && desired.iter().zip(&current).all(|(a, b)| {
-                    a.ancestor_ref == b.ancestor_ref && same(&a.conditions, &b.conditions)
-                });
-            if unchanged {
+            let Some(desired) = policy_ancestors(policy, &key, o) else {
                 continue;
-            }
+            };
             let patch = json!({
                 "metadata": {"resourceVersion": policy.metadata.resource_version},
                 "status": {"ancestors": desired}
@@ -1400,85 +1655,16 @@ impl StatusWriter {
         let key = Key::of(gateway);
         let generation = gateway.metadata.generation;
         let current = serde_json::to_value(&gateway.status).unwrap_or_default();
-        let previous = |at: &serde_json::Value| -> Vec<Condition> {
-            at.get("conditions")
-                .and_then(|c| serde_json::from_value(c.clone()).ok())
-                .unwrap_or_default()
-        };
-        let prev = previous(&current);
-        let served = g.listeners.iter().filter(|l| l.accepted.ok).count();
-        let accepted = if served == g.listeners.len() {
-            Verdict::yes("Accepted", "seedlink serves this Gateway")
-        } else {
-            let not: Vec<&str> = g
-                .listeners
-                .iter()
-                .filter(|l| !l.accepted.ok)
-                .map(|l| l.name.as_str())
-                .collect();
-            let v = Verdict {
-                ok: served > 0,
-                reason: "ListenersNotValid".into(),
-                message: format!("listeners not served: {}", not.join(", ")),
-            };
-            v
-        };
-        let programmed_verdict = if !programmed {
-            Verdict::no(
-                "Invalid",
-                "the gateway's own configuration is invalid: nothing applied (its log says why)",
-            )
-        } else if !g.named && g.address.is_none() {
-            Verdict::no(
-                "AddressNotAssigned",
-                "every address of kubernetes.gateway_class.addresses is taken by an older Gateway",
-            )
-        } else if served == 0 {
-            Verdict::no("Invalid", "no listener of this Gateway is served")
-        } else {
-            Verdict::yes("Programmed", "applied to the gateway")
-        };
+        let prev = previous_conditions(&current);
+        let (accepted, programmed) = gateway_verdicts(g, programmed);
         let conditions = vec![
             condition("Accepted", &accepted, generation, &prev),
-            condition("Programmed", &programmed_verdict, generation, &prev),
+            condition("Programmed", &programmed, generation, &prev),
         ];
         let listeners: Vec<serde_json::Value> = g
             .listeners
             .iter()
-            .map(|l| {
-                let lprev = current
-                    .get("listeners")
-                    .and_then(|ls| ls.as_array())
-                    .and_then(|ls| ls.iter().find(|x| x["name"] == l.name.as_str()))
-                    .map(previous)
-                    .unwrap_or_default();
-                let lprog = if !l.accepted.ok {
-                    Verdict::no("Invalid", l.accepted.message.clone())
-                } else if programmed_verdict.ok {
-                    Verdict::yes("Programmed", "applied to the gateway")
-                } else if programmed_verdict.reason == "AddressNotAssigned" {
-                    Verdict::no("Pending", programmed_verdict.message.clone())
-                } else {
-                    Verdict::no("Invalid", programmed_verdict.message.clone())
-                };
-                let kinds: Vec<serde_json::Value> = l
-                    .kinds
-                    .iter()
-                    .map(|k| json!({"group": GATEWAY_GROUP, "kind": k}))
-                    .collect();
-                let no_conflicts = Verdict::no("NoConflicts", "");
-                json!({
-                    "name": l.name,
-                    "attachedRoutes": t.attached(&g.key, &l.name),
-                    "supportedKinds": kinds,
-                    "conditions": [
-                        condition("Accepted", &l.accepted, generation, &lprev),
-                        condition("Programmed", &lprog, generation, &lprev),
-                        condition("ResolvedRefs", &l.resolved, generation, &lprev),
-                        condition("Conflicted", &no_conflicts, generation, &lprev),
-                    ],
-                })
-            })
+            .map(|l| listener_status(t, g, l, &programmed, generation, &current))
             .collect();
         let desired = json!({
             "conditions": conditions,

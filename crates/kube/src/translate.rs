@@ -336,99 +336,19 @@ impl Translator {
             .map(|n| (n.name_any(), n.labels()))
             .collect();
         let grants: Vec<&ReferenceGrant> = objects.grants.iter().map(|g| g.as_ref()).collect();
+        let lookup = Lookup {
+            services: &services,
+            slices: &slices,
+            grants: &grants,
+        };
         for route in routes {
             let key = Key::of(route.as_ref());
-            let Attached {
-                parents,
-                hostnames,
-                served_on,
-            } = attach_to_parents(route, &key, &views, &namespaces);
-            if parents.is_empty() {
+            let attached = attach_to_parents(route, &key, &views, &namespaces);
+            if attached.parents.is_empty() {
                 continue;
             }
-            let accepted = parents
-                .iter()
-                .find(|p| p.accepted.ok)
-                .or(parents.first())
-                .map(|p| p.accepted.clone())
-                .unwrap_or_else(|| Verdict::no("NoMatchingParent", "no parent"));
-            let mut outcome = RouteOutcome {
-                key: key.clone(),
-                generation: route.metadata.generation,
-                parents,
-                accepted,
-                resolved: Verdict::yes("ResolvedRefs", "every backend resolved"),
-                control_plane: None,
-            };
-            let (endpoints, resolved, weighted) = backends(
-                route,
-                &key,
-                &Lookup {
-                    services: &services,
-                    slices: &slices,
-                    grants: &grants,
-                },
-            );
-            outcome.resolved = resolved;
-            if !outcome.accepted.ok {
-                out.routes.push(outcome);
-                continue;
-            }
-            if weighted {
-                let note = Verdict::yes(
-                    "Accepted",
-                    "served by seedlink; backend weights other than 0 are ignored (least-connections over every ready endpoint)",
-                );
-                for p in outcome.parents.iter_mut().filter(|p| p.accepted.ok) {
-                    p.accepted = note.clone();
-                }
-                outcome.accepted = note;
-            }
-            if hostnames.is_empty() && served_on.is_empty() {
-                // Accepted only by Gateways with no address yet: nowhere to
-                // serve it.
-                out.routes.push(outcome);
-                continue;
-            }
-            let mut cp = ControlPlane {
-                served_on,
-                name: control_plane_name(&key),
-                hostnames,
-                endpoints,
-                acl: None,
-                destinations: Vec::new(),
-                service_addresses: Vec::new(),
-                cluster_id: None,
-            };
-            match policies.get(&key.name_in(&key.namespace)) {
-                Some(Ok(spec)) => {
-                    cp.acl = spec
-                        .allowed_source_cidrs
-                        .as_ref()
-                        .map(|a| Acl { allow: a.clone() });
-                    cp.destinations = spec
-                        .destinations
-                        .iter()
-                        .map(|d| DestinationCfg {
-                            name: d.clone(),
-                            endpoints: None,
-                            tunnel_target: None,
-                        })
-                        .collect();
-                    cp.service_addresses = spec.service_addresses.clone();
-                    cp.cluster_id = spec.cluster_id.clone();
-                }
-                Some(Err(why)) => {
-                    // Fail closed: without its valid policy the route would
-                    // lose its ACL.
-                    outcome.refuse(Verdict::no("UnsupportedValue", why.clone()));
-                    out.routes.push(outcome);
-                    continue;
-                }
-                None => {}
-            }
-            outcome.control_plane = Some(cp.name.clone());
-            out.control_planes.push(cp);
+            let (outcome, cp) = serve_route(route, key, attached, &lookup, &policies);
+            out.control_planes.extend(cp);
             out.routes.push(outcome);
         }
         self.keep_first_claims(&mut out.control_planes);
@@ -865,11 +785,6 @@ fn check_policy(spec: &SeedlinkPolicySpec) -> Option<String> {
 /// The ready endpoints of a route's backends, the `ResolvedRefs` verdict,
 /// and whether weights other than 0/1 were seen.
 fn backends(route: &TlsRoute, key: &Key, lookup: &Lookup<'_>) -> (Vec<String>, Verdict, bool) {
-    let Lookup {
-        services,
-        slices,
-        grants,
-    } = lookup;
     let mut endpoints = Vec::new();
     let mut seen = HashSet::new();
     let mut problems = Vec::new();
@@ -879,116 +794,20 @@ fn backends(route: &TlsRoute, key: &Key, lookup: &Lookup<'_>) -> (Vec<String>, V
         if b.weight == Some(0) {
             continue;
         }
-        if b.weight.is_some_and(|w| w != 1) {
-            weighted = true;
-        }
-        if !b.group.as_deref().unwrap_or("").is_empty()
-            || b.kind.as_deref().unwrap_or("Service") != "Service"
-        {
-            reason = "InvalidKind";
-            problems.push(format!(
-                "backend {}: only core Services are supported",
-                b.name
-            ));
-            continue;
-        }
-        let namespace = b.namespace.as_deref().unwrap_or(&key.namespace);
-        if namespace != key.namespace
-            && !attach::granted(grants, &key.namespace, namespace, &b.name)
-        {
-            reason = "RefNotPermitted";
-            problems.push(format!(
-                "backend {namespace}/{}: no ReferenceGrant in {namespace} lets TLSRoutes from {} use it",
-                b.name, key.namespace
-            ));
-            continue;
-        }
-        let skey = Key {
-            namespace: namespace.to_string(),
-            name: b.name.clone(),
+        weighted |= b.weight.is_some_and(|w| w != 1);
+        let (skey, svc, port_name) = match resolve_backend(b, key, lookup) {
+            Ok(found) => found,
+            Err((why, problem)) => {
+                reason = why;
+                problems.push(problem);
+                continue;
+            }
         };
-        let Some(port) = b.port else {
-            reason = "UnsupportedValue";
-            problems.push(format!("backend {}: a port is required", b.name));
-            continue;
-        };
-        let Some(svc) = services.get(&skey) else {
-            reason = "BackendNotFound";
-            problems.push(format!("Service {skey} not found"));
-            continue;
-        };
-        let Some(sport) = svc
-            .spec
-            .as_ref()
-            .and_then(|s| s.ports.as_ref())
-            .and_then(|ps| ps.iter().find(|p| p.port == port))
-        else {
-            reason = "BackendNotFound";
-            problems.push(format!("Service {skey} has no port {port}"));
-            continue;
-        };
-        let port_name = sport.name.clone().unwrap_or_default();
-        // Kubernetes' controller writes slices only for a Service with a
-        // selector (and deletes any other slice bearing its name there); a
-        // slice claiming to be its for a Service without one was written
-        // by someone else.
-        let selected = svc
-            .spec
-            .as_ref()
-            .and_then(|s| s.selector.as_ref())
-            .is_some_and(|s| !s.is_empty());
         // Ready endpoints take new connections; when a Service has none,
         // those still serving while they terminate do (kube-proxy's
         // ProxyTerminatingEndpoints, Envoy Gateway's and Istio's fallback),
         // so a rollout of its last pod does not refuse connections.
-        let (mut ready, mut draining) = (Vec::new(), Vec::new());
-        for slice in slices.get(&skey).into_iter().flatten() {
-            let by_controller = slice.labels().get(MANAGED_BY).map(String::as_str)
-                == Some(seedlink_config::model::ENDPOINTSLICE_CONTROLLER);
-            if by_controller && !selected {
-                tracing::debug!(service = %skey, slice = %Key::of(*slice), "EndpointSlice ignored: it names Kubernetes' controller, which writes none for a Service without a selector");
-                continue;
-            }
-            if slice.address_type != "IPv4" && slice.address_type != "IPv6" {
-                continue;
-            }
-            let Some(target) = slice
-                .ports
-                .iter()
-                .flatten()
-                .find(|p| p.name.clone().unwrap_or_default() == port_name)
-                .and_then(|p| p.port)
-                .and_then(|p| u16::try_from(p).ok())
-            else {
-                continue;
-            };
-            for ep in &slice.endpoints {
-                // An unknown readiness counts as ready (the API's advice);
-                // `serving` unknown is `ready`'s value.
-                let c = ep.conditions.as_ref();
-                let is_ready = c.and_then(|c| c.ready) != Some(false);
-                let serving = c.and_then(|c| c.serving).unwrap_or(is_ready);
-                let terminating = c.and_then(|c| c.terminating) == Some(true);
-                if !(is_ready || (serving && terminating)) {
-                    continue;
-                }
-                let Some(ip) = ep.addresses.first().and_then(|a| a.parse::<IpAddr>().ok()) else {
-                    continue;
-                };
-                if let Some(why) = unroutable(ip) {
-                    // The CVE-2021-25740 class: whoever may write an
-                    // EndpointSlice must not point the gateway at itself.
-                    tracing::warn!(service = %skey, address = %ip, why, "EndpointSlice address refused as an upstream");
-                    continue;
-                }
-                let addr = SocketAddr::new(ip, target).to_string();
-                if is_ready {
-                    ready.push(addr);
-                } else {
-                    draining.push(addr);
-                }
-            }
-        }
+        let (ready, draining) = service_endpoints(&skey, svc, &port_name, lookup.slices);
         let chosen = if ready.is_empty() { draining } else { ready };
         for addr in chosen {
             if seen.insert(addr.clone()) {
@@ -1003,6 +822,225 @@ fn backends(route: &TlsRoute, key: &Key, lookup: &Lookup<'_>) -> (Vec<String>, V
         Verdict::no(reason, problems.join("; "))
     };
     (endpoints, verdict, weighted)
+}
+
+/// A backendRef's Service and its port's name, or the `ResolvedRefs`
+/// reason and problem that refuse it.
+fn resolve_backend<'a>(
+    b: &gateway_api::tlsroutes::TlsRouteRulesBackendRefs,
+    key: &Key,
+    lookup: &Lookup<'a>,
+) -> Result<(Key, &'a Service, String), (&'static str, String)> {
+    if !b.group.as_deref().unwrap_or("").is_empty()
+        || b.kind.as_deref().unwrap_or("Service") != "Service"
+    {
+        return Err((
+            "InvalidKind",
+            format!("backend {}: only core Services are supported", b.name),
+        ));
+    }
+    let namespace = b.namespace.as_deref().unwrap_or(&key.namespace);
+    if namespace != key.namespace
+        && !attach::granted(lookup.grants, &key.namespace, namespace, &b.name)
+    {
+        return Err(("RefNotPermitted", format!(
+            "backend {namespace}/{}: no ReferenceGrant in {namespace} lets TLSRoutes from {} use it",
+            b.name, key.namespace
+        )));
+    }
+    let skey = Key {
+        namespace: namespace.to_string(),
+        name: b.name.clone(),
+    };
+    let Some(port) = b.port else {
+        return Err((
+            "UnsupportedValue",
+            format!("backend {}: a port is required", b.name),
+        ));
+    };
+    let Some(svc) = lookup.services.get(&skey).copied() else {
+        return Err(("BackendNotFound", format!("Service {skey} not found")));
+    };
+    let Some(sport) = svc
+        .spec
+        .as_ref()
+        .and_then(|s| s.ports.as_ref())
+        .and_then(|ps| ps.iter().find(|p| p.port == port))
+    else {
+        return Err((
+            "BackendNotFound",
+            format!("Service {skey} has no port {port}"),
+        ));
+    };
+    let port_name = sport.name.clone().unwrap_or_default();
+    Ok((skey, svc, port_name))
+}
+
+/// A Service's endpoints for the port named `port_name`: those ready, and
+/// those serving while they terminate.
+fn service_endpoints(
+    skey: &Key,
+    svc: &Service,
+    port_name: &str,
+    slices: &HashMap<Key, Vec<&EndpointSlice>>,
+) -> (Vec<String>, Vec<String>) {
+    // Kubernetes' controller writes slices only for a Service with a
+    // selector (and deletes any other slice bearing its name there); a
+    // slice claiming to be its for a Service without one was written by
+    // someone else.
+    let selected = svc
+        .spec
+        .as_ref()
+        .and_then(|s| s.selector.as_ref())
+        .is_some_and(|s| !s.is_empty());
+    let (mut ready, mut draining) = (Vec::new(), Vec::new());
+    for slice in slices.get(skey).into_iter().flatten() {
+        let by_controller = slice.labels().get(MANAGED_BY).map(String::as_str)
+            == Some(seedlink_config::model::ENDPOINTSLICE_CONTROLLER);
+        if by_controller && !selected {
+            tracing::debug!(service = %skey, slice = %Key::of(*slice), "EndpointSlice ignored: it names Kubernetes' controller, which writes none for a Service without a selector");
+            continue;
+        }
+        if slice.address_type != "IPv4" && slice.address_type != "IPv6" {
+            continue;
+        }
+        let Some(target) = slice
+            .ports
+            .iter()
+            .flatten()
+            .find(|p| p.name.as_deref().unwrap_or_default() == port_name)
+            .and_then(|p| p.port)
+            .and_then(|p| u16::try_from(p).ok())
+        else {
+            continue;
+        };
+        for ep in &slice.endpoints {
+            match endpoint(skey, ep, target) {
+                Some((addr, true)) => ready.push(addr),
+                Some((addr, false)) => draining.push(addr),
+                None => {}
+            }
+        }
+    }
+    (ready, draining)
+}
+
+/// An endpoint's address and whether it is ready (else it is serving
+/// while it terminates); `None` when it takes no connections or its
+/// address is refused.
+fn endpoint(
+    skey: &Key,
+    ep: &k8s_openapi::api::discovery::v1::Endpoint,
+    target: u16,
+) -> Option<(String, bool)> {
+    // An unknown readiness counts as ready (the API's advice); `serving`
+    // unknown is `ready`'s value.
+    let c = ep.conditions.as_ref();
+    let is_ready = c.and_then(|c| c.ready) != Some(false);
+    let serving = c.and_then(|c| c.serving).unwrap_or(is_ready);
+    let terminating = c.and_then(|c| c.terminating) == Some(true);
+    if !(is_ready || (serving && terminating)) {
+        return None;
+    }
+    let ip = ep.addresses.first()?.parse::<IpAddr>().ok()?;
+    if let Some(why) = unroutable(ip) {
+        // The CVE-2021-25740 class: whoever may write an EndpointSlice
+        // must not point the gateway at itself.
+        tracing::warn!(service = %skey, address = %ip, why, "EndpointSlice address refused as an upstream");
+        return None;
+    }
+    Some((SocketAddr::new(ip, target).to_string(), is_ready))
+}
+
+/// An attached route's outcome, and the control plane it becomes if it
+/// is served.
+fn serve_route(
+    route: &TlsRoute,
+    key: Key,
+    attached: Attached,
+    lookup: &Lookup<'_>,
+    policies: &HashMap<String, Result<SeedlinkPolicySpec, String>>,
+) -> (RouteOutcome, Option<ControlPlane>) {
+    let Attached {
+        parents,
+        hostnames,
+        served_on,
+    } = attached;
+    let accepted = parents
+        .iter()
+        .find(|p| p.accepted.ok)
+        .or(parents.first())
+        .map(|p| p.accepted.clone())
+        .unwrap_or_else(|| Verdict::no("NoMatchingParent", "no parent"));
+    let (endpoints, resolved, weighted) = backends(route, &key, lookup);
+    let mut outcome = RouteOutcome {
+        key: key.clone(),
+        generation: route.metadata.generation,
+        parents,
+        accepted,
+        resolved,
+        control_plane: None,
+    };
+    if !outcome.accepted.ok {
+        return (outcome, None);
+    }
+    if weighted {
+        let note = Verdict::yes(
+            "Accepted",
+            "served by seedlink; backend weights other than 0 are ignored (least-connections over every ready endpoint)",
+        );
+        for p in outcome.parents.iter_mut().filter(|p| p.accepted.ok) {
+            p.accepted = note.clone();
+        }
+        outcome.accepted = note;
+    }
+    if hostnames.is_empty() && served_on.is_empty() {
+        // Accepted only by Gateways with no address yet: nowhere to serve
+        // it.
+        return (outcome, None);
+    }
+    let mut cp = ControlPlane {
+        served_on,
+        name: control_plane_name(&key),
+        hostnames,
+        endpoints,
+        acl: None,
+        destinations: Vec::new(),
+        service_addresses: Vec::new(),
+        cluster_id: None,
+    };
+    match policies.get(&key.name_in(&key.namespace)) {
+        Some(Ok(spec)) => apply_policy(&mut cp, spec),
+        Some(Err(why)) => {
+            // Fail closed: without its valid policy the route would lose
+            // its ACL.
+            outcome.refuse(Verdict::no("UnsupportedValue", why.clone()));
+            return (outcome, None);
+        }
+        None => {}
+    }
+    outcome.control_plane = Some(cp.name.clone());
+    (outcome, Some(cp))
+}
+
+/// A SeedlinkPolicy's settings on the control plane of the route it
+/// targets.
+fn apply_policy(cp: &mut ControlPlane, spec: &SeedlinkPolicySpec) {
+    cp.acl = spec
+        .allowed_source_cidrs
+        .as_ref()
+        .map(|a| Acl { allow: a.clone() });
+    cp.destinations = spec
+        .destinations
+        .iter()
+        .map(|d| DestinationCfg {
+            name: d.clone(),
+            endpoints: None,
+            tunnel_target: None,
+        })
+        .collect();
+    cp.service_addresses = spec.service_addresses.clone();
+    cp.cluster_id = spec.cluster_id.clone();
 }
 
 /// What backends are looked up in.

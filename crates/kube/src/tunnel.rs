@@ -286,79 +286,17 @@ fn build(
         .as_ref()
         .map(|r| keys.file(r, "agentCA"))
         .transpose()?;
-    let agent_token = match &spec.agent_token {
-        None => None,
-        Some(t) => Some(TokenAuth {
-            issuer: t.issuer.clone(),
-            keys: Some(keys.file(&t.keys, "agentToken.keys")?),
-            review: None,
-            audience: t
-                .audience
-                .clone()
-                .unwrap_or_else(|| "system:konnectivity-server".into()),
-            service_account: t
-                .service_account
-                .clone()
-                .unwrap_or_else(|| "kube-system/konnectivity-agent".into()),
-        }),
-    };
-    let mut frontends = Vec::new();
-    for (i, f) in spec.frontends.iter().enumerate() {
-        let at = format!("frontends[{i}] ({})", f.name);
-        let protocol: FrontendProtocol = serde_json::from_value(serde_json::Value::String(
-            f.protocol.clone(),
-        ))
-        .map_err(|_| {
-            Verdict::no(
-                "InvalidSpec",
-                format!(
-                    "{at}.protocol: {:?} is not http-connect, grpc, http-proxy or socks5",
-                    f.protocol
-                ),
-            )
-        })?;
-        let tcp = f
-            .tcp
-            .as_ref()
-            .map(|a| {
-                a.parse().map_err(|_| {
-                    Verdict::no(
-                        "InvalidSpec",
-                        format!("{at}.tcp: {a:?} is not an ip:port address"),
-                    )
-                })
-            })
-            .transpose()?;
-        let (cert, key, client_ca) = match &f.tls {
-            None => (None, None, None),
-            Some(tls) => {
-                let r = |k: &str| KeyRef {
-                    secret: Some(tls.secret.clone()),
-                    config_map: None,
-                    key: k.into(),
-                };
-                (
-                    Some(keys.file(&r("tls.crt"), &format!("{at}.tls"))?),
-                    Some(keys.file(&r("tls.key"), &format!("{at}.tls"))?),
-                    Some(keys.file(&tls.client_ca, &format!("{at}.tls.clientCA"))?),
-                )
-            }
-        };
-        frontends.push(Frontend {
-            name: f.name.clone(),
-            protocol,
-            unix: f
-                .unix
-                .as_deref()
-                .map(|u| confine(sockets, u))
-                .transpose()
-                .map_err(|why| Verdict::no("InvalidSpec", format!("{at}.unix: {why}")))?,
-            tcp,
-            cert,
-            key,
-            client_ca,
-        });
-    }
+    let agent_token = spec
+        .agent_token
+        .as_ref()
+        .map(|t| agent_token(t, keys))
+        .transpose()?;
+    let frontends = spec
+        .frontends
+        .iter()
+        .enumerate()
+        .map(|(i, f)| frontend(&format!("frontends[{i}] ({})", f.name), f, keys, sockets))
+        .collect::<Result<Vec<_>, _>>()?;
     let limits = within(spec.limits.as_ref(), ceiling);
     Ok(Cluster {
         name: name.into(),
@@ -372,6 +310,79 @@ fn build(
         frontends,
         proxy_password_file: None,
         limits,
+    })
+}
+
+/// A TunnelCluster's `agentToken`, its keys' file named in `keys`.
+fn agent_token(t: &crate::crd::AgentToken, keys: &mut Keys<'_>) -> Result<TokenAuth, Verdict> {
+    Ok(TokenAuth {
+        issuer: t.issuer.clone(),
+        keys: Some(keys.file(&t.keys, "agentToken.keys")?),
+        review: None,
+        audience: t
+            .audience
+            .clone()
+            .unwrap_or_else(|| "system:konnectivity-server".into()),
+        service_account: t
+            .service_account
+            .clone()
+            .unwrap_or_else(|| "kube-system/konnectivity-agent".into()),
+    })
+}
+
+/// One frontend of a TunnelCluster (`at` names it in refusals), its TLS
+/// files named in `keys` and its Unix socket confined to `sockets`.
+fn frontend(
+    at: &str,
+    f: &crate::crd::FrontendSpec,
+    keys: &mut Keys<'_>,
+    sockets: &Path,
+) -> Result<Frontend, Verdict> {
+    let invalid = |what: String| Verdict::no("InvalidSpec", what);
+    let protocol: FrontendProtocol =
+        serde_json::from_value(serde_json::Value::String(f.protocol.clone())).map_err(|_| {
+            invalid(format!(
+                "{at}.protocol: {:?} is not http-connect, grpc, http-proxy or socks5",
+                f.protocol
+            ))
+        })?;
+    let tcp = f
+        .tcp
+        .as_ref()
+        .map(|a| {
+            a.parse()
+                .map_err(|_| invalid(format!("{at}.tcp: {a:?} is not an ip:port address")))
+        })
+        .transpose()?;
+    let (cert, key, client_ca) = match &f.tls {
+        None => (None, None, None),
+        Some(tls) => {
+            let r = |k: &str| KeyRef {
+                secret: Some(tls.secret.clone()),
+                config_map: None,
+                key: k.into(),
+            };
+            (
+                Some(keys.file(&r("tls.crt"), &format!("{at}.tls"))?),
+                Some(keys.file(&r("tls.key"), &format!("{at}.tls"))?),
+                Some(keys.file(&tls.client_ca, &format!("{at}.tls.clientCA"))?),
+            )
+        }
+    };
+    let unix = f
+        .unix
+        .as_deref()
+        .map(|u| confine(sockets, u))
+        .transpose()
+        .map_err(|why| invalid(format!("{at}.unix: {why}")))?;
+    Ok(Frontend {
+        name: f.name.clone(),
+        protocol,
+        unix,
+        tcp,
+        cert,
+        key,
+        client_ca,
     })
 }
 

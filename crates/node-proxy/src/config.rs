@@ -373,6 +373,20 @@ impl NodeProxyConfig {
                 message,
             })
         };
+        self.check_addresses(&mut err);
+        self.check_mode(&mut err);
+        if let Err((key, message)) = self.egress() {
+            err(key, message);
+        }
+        if let Err((key, message)) = self.health() {
+            err(key, message);
+        }
+        self.check_numbers(&mut err);
+        errs
+    }
+
+    /// `gateway` and `metrics`.
+    fn check_addresses(&self, err: &mut impl FnMut(&str, String)) {
         if self.gateway_host().is_none() {
             err("gateway", format!("{:?} is not host:port", self.gateway));
         }
@@ -392,6 +406,10 @@ impl NodeProxyConfig {
                 err("metrics", format!("{m} overlaps the listening address"));
             }
         }
+    }
+
+    /// `mode`, `destination`, `header` and the cluster ID's.
+    fn check_mode(&self, err: &mut impl FnMut(&str, String)) {
         match self.mode() {
             None => err(
                 "mode",
@@ -443,12 +461,10 @@ impl NodeProxyConfig {
                 ),
             );
         }
-        if let Err((key, message)) = self.egress() {
-            err(key, message);
-        }
-        if let Err((key, message)) = self.health() {
-            err(key, message);
-        }
+    }
+
+    /// Counts, durations and the link kind.
+    fn check_numbers(&self, err: &mut impl FnMut(&str, String)) {
         for (key, n) in [
             ("health_check_rise", self.health_check_rise),
             ("health_check_fall", self.health_check_fall),
@@ -479,7 +495,6 @@ impl NodeProxyConfig {
                 err(key, "must be more than 0".into());
             }
         }
-        errs
     }
 
     /// What the node-proxy runs with, if [`NodeProxyConfig::check`] finds

@@ -53,6 +53,62 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
     let files = pki.write_client_files(dir.path())?;
     let stop = CancellationToken::new();
 
+    let yaml = gateway_yaml(&opts, &pki, &stop).await?;
+    let config_path = dir.path().join("gateway.yaml");
+    std::fs::write(&config_path, &yaml)?;
+    let snapshot = seedlink_config::load(&config_path, None).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let gw = Gateway::new(snapshot, Some(config_path.clone()));
+    let supervisor = crate::supervisor::Supervisor::install()?;
+    let bound = gw.bind(false)?;
+    let tls_addr = bound.listeners[0].1[0].local_addr()?;
+    let admin_addr = bound.admin.local_addr()?;
+    let connect_addr = bound.listeners[1].1[0].local_addr()?;
+    gw.serve(bound)?;
+    // The in-cluster path: a node-proxy on a loopback address standing in
+    // for the `kubernetes` service IP, tunnelling to the gateway by CONNECT.
+    let node_addr = start_node_proxy(connect_addr, PLANES[0].0).await?;
+    // The reverse tunnel: control plane → shoot pod, through an agent that
+    // dialled out.
+    let tunnel = crate::quickstart_tunnel::start(
+        &pki,
+        PLANES.len(),
+        [PLANES[0].0, PLANES[1].0],
+        dir.path(),
+        &stop,
+    )
+    .await?;
+
+    print_commands(
+        &files,
+        &config_path,
+        (tls_addr, admin_addr, connect_addr),
+        node_addr,
+        &tunnel,
+    );
+    // The same walkthrough in both modes, so a newcomer sees every path
+    // (including the ACL denial) work before trying the commands above.
+    println!("Walkthrough:");
+    let ok = walkthrough(&gw, &pki, tls_addr, node_addr, &tunnel).await;
+    if opts.check {
+        stop.cancel();
+        return Ok(if ok { 0 } else { 1 });
+    }
+    println!("\nThe gateway keeps running; try the curl commands above. Press Ctrl-C to stop.");
+    let role = crate::roles::gateway::GatewayRole(gw.clone());
+    let code = supervisor.arm(vec![std::sync::Arc::new(role)]).run().await;
+    stop.cancel();
+    drop(dir);
+    Ok(code)
+}
+
+/// The gateway's configuration: a demo kube-apiserver started for each
+/// control plane (stopped by `stop`), one with an ACL that denies the
+/// walkthrough.
+async fn gateway_yaml(
+    opts: &Options,
+    pki: &Pki,
+    stop: &CancellationToken,
+) -> anyhow::Result<String> {
     let mut yaml = format!(
         "# Written by `seedlink quickstart`; edit it and the gateway reloads.\n\
          admin: {{listen: '127.0.0.1:{}'}}\n\
@@ -78,30 +134,17 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
             yaml.push_str(&format!("    acl: {{allow: ['{acl}']}}\n"));
         }
     }
-    let config_path = dir.path().join("gateway.yaml");
-    std::fs::write(&config_path, &yaml)?;
-    let snapshot = seedlink_config::load(&config_path, None).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let gw = Gateway::new(snapshot, Some(config_path.clone()));
-    let supervisor = crate::supervisor::Supervisor::install()?;
-    let bound = gw.bind(false)?;
-    let tls_addr = bound.listeners[0].1[0].local_addr()?;
-    let admin_addr = bound.admin.local_addr()?;
-    let connect_addr = bound.listeners[1].1[0].local_addr()?;
-    gw.serve(bound)?;
-    // The in-cluster path: a node-proxy on a loopback address standing in
-    // for the `kubernetes` service IP, tunnelling to the gateway by CONNECT.
-    let node_addr = start_node_proxy(connect_addr, PLANES[0].0).await?;
-    // The reverse tunnel: control plane → shoot pod, through an agent that
-    // dialled out.
-    let tunnel = crate::quickstart_tunnel::start(
-        &pki,
-        PLANES.len(),
-        [PLANES[0].0, PLANES[1].0],
-        dir.path(),
-        &stop,
-    )
-    .await?;
+    Ok(yaml)
+}
 
+/// Prints what runs where and the commands that try each path by hand.
+fn print_commands(
+    files: &demo::ClientFiles,
+    config_path: &std::path::Path,
+    (tls_addr, admin_addr, connect_addr): (SocketAddr, SocketAddr, SocketAddr),
+    node_addr: SocketAddr,
+    tunnel: &crate::quickstart_tunnel::TunnelDemo,
+) {
     println!(
         "seedlink quickstart: a gateway on {tls_addr} routes TLS by SNI, without terminating it,"
     );
@@ -160,21 +203,6 @@ pub async fn run(opts: Options) -> anyhow::Result<i32> {
         port = tunnel.tcp.rsplit_once(':').map_or("", |(_, p)| p),
         pod = tunnel.pod
     );
-
-    // The same walkthrough in both modes, so a newcomer sees every path
-    // (including the ACL denial) work before trying the commands above.
-    println!("Walkthrough:");
-    let ok = walkthrough(&gw, &pki, tls_addr, node_addr, &tunnel).await;
-    if opts.check {
-        stop.cancel();
-        return Ok(if ok { 0 } else { 1 });
-    }
-    println!("\nThe gateway keeps running; try the curl commands above. Press Ctrl-C to stop.");
-    let role = crate::roles::gateway::GatewayRole(gw.clone());
-    let code = supervisor.arm(vec![std::sync::Arc::new(role)]).run().await;
-    stop.cancel();
-    drop(dir);
-    Ok(code)
 }
 
 /// The unattended walkthrough: every step must behave as printed.
@@ -185,11 +213,36 @@ async fn walkthrough(
     node: SocketAddr,
     tunnel: &crate::quickstart_tunnel::TunnelDemo,
 ) -> bool {
-    let mut all = true;
-    let mut step = |name: &str, ok: bool, detail: String| {
+    let mut steps = Steps { all: true };
+    gateway_steps(&mut steps, pki, addr, node).await;
+    tunnel_steps(&mut steps, tunnel).await;
+    metric_steps(&mut steps, gw);
+    println!(
+        "{}",
+        if steps.all {
+            "quickstart check: all steps passed"
+        } else {
+            "quickstart check: FAILED"
+        }
+    );
+    steps.all
+}
+
+/// The walkthrough's steps, each printed PASS or FAIL as it runs.
+struct Steps {
+    all: bool,
+}
+
+impl Steps {
+    fn step(&mut self, name: &str, ok: bool, detail: String) {
         println!("[{}] {name}: {detail}", if ok { "PASS" } else { "FAIL" });
-        all &= ok;
-    };
+        self.all &= ok;
+    }
+}
+
+/// The gateway's paths: SNI with and without a client certificate, the
+/// ACL, an unknown name, and the in-cluster path through the node-proxy.
+async fn gateway_steps(steps: &mut Steps, pki: &Pki, addr: SocketAddr, node: SocketAddr) {
     let get = |host: &'static str, cert: bool| async move {
         let cfg = pki
             .client_config(cert, &[b"seedlink-demo"])
@@ -202,23 +255,23 @@ async fn walkthrough(
         let r = get(host, true).await;
         if acl.is_none() || *acl == Some("127.0.0.0/8") {
             let ok = matches!(&r, Ok(body) if body.contains(name) && body.contains("alpn=seedlink-demo") && body.contains("client_certs=1"));
-            step(
+            steps.step(
                 &format!("{name} reachable with a client certificate"),
                 ok,
                 show(&r),
             );
         } else {
-            step(&format!("{name} denied by ACL"), r.is_err(), show(&r));
+            steps.step(&format!("{name} denied by ACL"), r.is_err(), show(&r));
         }
     }
     let r = get(PLANES[0].1, false).await;
-    step(
+    steps.step(
         "kube-apiserver rejects a client without certificate (end-to-end mTLS)",
         r.is_err(),
         show(&r),
     );
     let r = get("api.unknown.demo.seedlink.test", true).await;
-    step(
+    steps.step(
         "unknown SNI is closed without an upstream",
         r.is_err(),
         show(&r),
@@ -235,14 +288,18 @@ async fn walkthrough(
     };
     let ok =
         matches!(&r, Ok(body) if body.contains(PLANES[0].0) && body.contains("client_certs=1"));
-    step(
+    steps.step(
         "in-cluster path: node-proxy → CONNECT → gateway → kube-apiserver (mTLS end to end)",
         ok,
         show(&r),
     );
+}
+
+/// The reverse tunnel's paths, and what each cluster's socket refuses.
+async fn tunnel_steps(steps: &mut Steps, tunnel: &crate::quickstart_tunnel::TunnelDemo) {
     let r = crate::quickstart_tunnel::get_through(&tunnel.uds, tunnel.pod).await;
     let ok = matches!(&r, Ok(body) if body.contains("reached through the reverse tunnel"));
-    step(
+    steps.step(
         "reverse tunnel: CONNECT on the kube-apiserver socket → tunnel-server → agent → shoot pod",
         ok,
         show(&r),
@@ -250,29 +307,33 @@ async fn walkthrough(
     let (name2, uds2, pod2) = &tunnel.second;
     let r = crate::quickstart_tunnel::get_through(uds2, *pod2).await;
     let ok = matches!(&r, Ok(body) if body.contains(&format!("a pod of {name2},")));
-    step(
+    steps.step(
         "reverse tunnel, second cluster on the same server: its socket → its own agent → its pod",
         ok,
         show(&r),
     );
     let r = crate::quickstart_tunnel::get_through(&tunnel.uds, *pod2).await;
-    step(
+    steps.step(
         "reverse tunnel: the first cluster's socket dials only through its own agent (the other cluster's pod is refused)",
         matches!(&r, Err(e) if e.to_string().contains("502")),
         show(&r),
     );
     let outside: SocketAddr = ([127, 0, 0, 1], tunnel.pod.port()).into();
     let r = crate::quickstart_tunnel::get_through(&tunnel.uds, outside).await;
-    step(
+    steps.step(
         "reverse tunnel: a destination outside the agent's policy is refused",
         matches!(&r, Err(e) if e.to_string().contains("502")),
         show(&r),
     );
+}
+
+/// The refusals counted in the gateway's metrics.
+fn metric_steps(steps: &mut Steps, gw: &Gateway) {
     let metrics = gw.metrics.encode();
     let denied = metrics.lines().any(|l| {
         l.starts_with("seedlink_gateway_acl_denied_total{control_plane=\"shoot--demo--gamma\"} 1")
     });
-    step(
+    steps.step(
         "ACL denial counted in metrics",
         denied,
         "seedlink_gateway_acl_denied_total".into(),
@@ -280,20 +341,11 @@ async fn walkthrough(
     let unknown = metrics
         .lines()
         .any(|l| l.contains("reason=\"unknown_sni\"") && l.ends_with(" 1"));
-    step(
+    steps.step(
         "unknown SNI counted in metrics",
         unknown,
         "seedlink_gateway_detect_failures_total".into(),
     );
-    println!(
-        "{}",
-        if all {
-            "quickstart check: all steps passed"
-        } else {
-            "quickstart check: FAILED"
-        }
-    );
-    all
 }
 
 fn show(r: &anyhow::Result<String>) -> String {

@@ -173,18 +173,18 @@ async fn frontends_reach_shoot_services_only_through_the_agent() {
         .unwrap();
     assert_eq!(last.kind(), Some(PacketType::CloseRsp), "{last:?}");
 
-    // The agent dies mid-connection: the frontend is closed within a second.
+    // The agent dies mid-connection: the frontend is closed because its
+    // stream ended, not by a keepalive (30 s) or idle deadline; the
+    // 10 s bound only keeps a broken build from hanging.
     let mut held = kas_connect(&env.uds, "127.0.0.1:7007").await.unwrap();
     held.write_all(b"x").await.unwrap();
     let mut one = [0u8; 1];
     held.read_exact(&mut one).await.unwrap();
     let _ = agent.proc.0.kill();
-    let t0 = Instant::now();
-    let _ = read_until_closed(&mut held, Duration::from_secs(5)).await;
+    let (_, end) = read_until_closed(&mut held, Duration::from_secs(10)).await;
     assert!(
-        t0.elapsed() < Duration::from_secs(1),
-        "frontend closed after {:?}",
-        t0.elapsed()
+        !matches!(&end, Err(e) if e.kind() == std::io::ErrorKind::TimedOut),
+        "the frontend stayed open after its agent died: {end:?}"
     );
     // And with no agent, a dial is answered 500 at once.
     let t0 = Instant::now();

@@ -354,6 +354,72 @@ pub mod config;
 pub mod harness;
 pub mod link;
 
+/// Destination to server: reads what the destination sends and sends it
+/// as DATA, within the window when flow control is on. Returns how it
+/// ended.
+async fn upload(
+    rd: tokio::net::tcp::OwnedReadHalf,
+    s: &Session,
+    id: i64,
+    credit: Option<&SendCredit>,
+) -> &'static str {
+    loop {
+        // No buffer while the destination is quiet: an idle connection
+        // holds none.
+        if rd.readable().await.is_err() {
+            return "remote_closed";
+        }
+        let mut b = BytesMut::with_capacity(CHUNK);
+        match rd.try_read_buf(&mut b) {
+            Ok(0) => return "remote_closed",
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(_) => return "remote_closed",
+            Ok(n) => {
+                // Within the window: a server-side reader that stopped
+                // holds this connection back, nothing else.
+                if let Some(c) = credit {
+                    if c.take(n).await.is_err() {
+                        return "closed";
+                    }
+                }
+                if s.to_server
+                    .data(id, Packet::data(id, b.freeze()))
+                    .await
+                    .is_err()
+                {
+                    return "server_gone";
+                }
+            }
+        }
+    }
+}
+
+/// Server to destination: writes the connection's queue, granting the
+/// server more window as it drains (flow control), or within `stall` per
+/// write without. Returns how it ended.
+async fn download(
+    mut qrx: queue::QueueRx,
+    mut wr: tokio::net::tcp::OwnedWriteHalf,
+    s: &Session,
+    id: i64,
+    stall: Duration,
+) -> &'static str {
+    let mut unacked = flow::Unacked::default();
+    let deadline = (!s.flow).then_some(stall);
+    let written = |n| {
+        if s.flow {
+            if let Some(k) = unacked.written(n) {
+                s.send_soon(Packet::window_update(id, k));
+            }
+        }
+    };
+    match qrx.pump(&mut wr, deadline, written).await {
+        PumpEnd::Finished | PumpEnd::Aborted => "closed",
+        PumpEnd::Stalled => "stalled",
+        PumpEnd::WriteError => "write_error",
+    }
+}
+
 use link::{Action, Actions, SessionLink};
 
 /// A connection's ends the session machine keeps.
@@ -912,7 +978,7 @@ impl Agent {
         } else {
             self.opts.queue_bytes
         };
-        let (qtx, mut qrx) = queue::queue(budget);
+        let (qtx, qrx) = queue::queue(budget);
         let cancel = CancellationToken::new();
         let credit = s.flow.then(SendCredit::new);
         let ends = ConnEnds {
@@ -927,58 +993,10 @@ impl Agent {
         };
         AgentMetrics::count(&self.metrics.dials, "ok");
         self.metrics.endpoints.inc();
-        let (rd, mut wr) = stream.into_split();
-        let stall = self.opts.stall_timeout;
-        let up = async {
-            loop {
-                // No buffer while the destination is quiet: an idle
-                // connection holds none.
-                if rd.readable().await.is_err() {
-                    return "remote_closed";
-                }
-                let mut b = BytesMut::with_capacity(CHUNK);
-                match rd.try_read_buf(&mut b) {
-                    Ok(0) => return "remote_closed",
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                    Err(_) => return "remote_closed",
-                    Ok(n) => {
-                        // Within the window: a server-side reader that
-                        // stopped holds this connection back, nothing else.
-                        if let Some(c) = &credit {
-                            if c.take(n).await.is_err() {
-                                return "closed";
-                            }
-                        }
-                        if s.to_server
-                            .data(id, Packet::data(id, b.freeze()))
-                            .await
-                            .is_err()
-                        {
-                            return "server_gone";
-                        }
-                    }
-                }
-            }
-        };
-        let mut unacked = flow::Unacked::default();
-        let down = async {
-            let deadline = (!s.flow).then_some(stall);
-            let written = |n| {
-                if s.flow {
-                    if let Some(k) = unacked.written(n) {
-                        s.send_soon(Packet::window_update(id, k));
-                    }
-                }
-            };
-            match qrx.pump(&mut wr, deadline, written).await {
-                PumpEnd::Finished | PumpEnd::Aborted => "closed",
-                PumpEnd::Stalled => "stalled",
-                PumpEnd::WriteError => "write_error",
-            }
-        };
+        let (rd, wr) = stream.into_split();
         let outcome = tokio::select! {
-            o = up => o,
-            o = down => o,
+            o = upload(rd, &s, id, credit.as_ref()) => o,
+            o = download(qrx, wr, &s, id, self.opts.stall_timeout) => o,
             () = cancel.cancelled() => if s.gone.is_cancelled() { "server_gone" } else { "close_req" },
         };
         // Closed from this side: the server is told (unsolicited CLOSE_RSP)

@@ -148,8 +148,17 @@ impl Metrics {
             k_grpc: Family::default(),
             refusal_log: seedlink_net::loglimit::LogLimiter::default(),
         };
+        m.register_own(registry.sub_registry_with_prefix("seedlink_tunnel_server"));
+        m.register_konnectivity(
+            registry.sub_registry_with_prefix("konnectivity_network_proxy_server"),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// seedlink's own families.
+    fn register_own(&self, r: &mut Registry) {
+        let m = self;
         {
-            let r = registry.sub_registry_with_prefix("seedlink_tunnel_server");
             r.register("agents", "Connected agent streams", m.agents.clone());
             r.register(
                 "agent_streams",
@@ -204,8 +213,13 @@ impl Metrics {
                 m.token_reviews.clone(),
             );
         }
+    }
+
+    /// The families upstream Konnectivity's server exports, for its
+    /// dashboards.
+    fn register_konnectivity(&self, r: &mut Registry) {
+        let m = self;
         {
-            let r = registry.sub_registry_with_prefix("konnectivity_network_proxy_server");
             r.register(
                 "ready_backend_connections",
                 "Connected agent streams (all clusters)",
@@ -242,7 +256,6 @@ impl Metrics {
                 m.k_grpc.clone(),
             );
         }
-        Metrics { registry, ..m }
     }
 
     fn cl(c: &str) -> ClusterLabel {

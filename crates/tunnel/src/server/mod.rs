@@ -648,7 +648,7 @@ pub async fn dial(
             }
         };
         let random = dial_id();
-        let (reply_tx, mut reply_rx) = oneshot::channel();
+        let (reply_tx, reply_rx) = oneshot::channel();
         // With flow control the agent never has more than a window in flight.
         let budget = if link.flow {
             2 * flow::WINDOW
@@ -665,33 +665,7 @@ pub async fn dial(
             m.dial(random, address, reply_tx, ends, out)
         });
         cluster.metrics.pending(1);
-        let outcome = loop {
-            // Wake when the agent would pass the silence limit, unless it
-            // is heard from before (then the wait is recomputed).
-            let wake = match link.activity.get().map(|a| a.silent_for()) {
-                Some(s) if s > settings.unresponsive_after => {
-                    break Err(DialError::Unresponsive(s));
-                }
-                Some(s) => (tokio::time::Instant::now()
-                    + (settings.unresponsive_after - s)
-                    + Duration::from_millis(50))
-                .min(deadline),
-                None => deadline,
-            };
-            tokio::select! {
-                r = &mut reply_rx => break match r {
-                    Ok(r) => r,
-                    Err(_) => Err(DialError::AgentGone),
-                },
-                () = tokio::time::sleep_until(wake) => {
-                    if tokio::time::Instant::now() >= deadline {
-                        break Err(DialError::Timeout);
-                    }
-                }
-                () = cancel.cancelled() => break Err(DialError::Cancelled),
-                () = link.gone.cancelled() => break Err(DialError::AgentGone),
-            }
-        };
+        let outcome = await_answer(&link, reply_rx, &settings, deadline, cancel).await;
         cluster.metrics.pending(-1);
         match outcome {
             Ok(connect_id) => {
@@ -721,6 +695,54 @@ pub async fn dial(
                 return Err(e);
             }
         }
+    }
+}
+
+/// The agent's answer to a dial, or why none came: the deadline, the
+/// caller's cancel, the agent's silence or its end.
+async fn await_answer(
+    link: &AgentLink,
+    mut reply: oneshot::Receiver<Result<i64, DialError>>,
+    settings: &DialSettings,
+    deadline: tokio::time::Instant,
+    cancel: &CancellationToken,
+) -> Result<i64, DialError> {
+    loop {
+        let silent = link.activity.get().map(|a| a.silent_for());
+        let wake = dial_wake(
+            silent,
+            settings.unresponsive_after,
+            tokio::time::Instant::now(),
+            deadline,
+        )?;
+        tokio::select! {
+            r = &mut reply => return r.unwrap_or(Err(DialError::AgentGone)),
+            () = tokio::time::sleep_until(wake) => {
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(DialError::Timeout);
+                }
+            }
+            () = cancel.cancelled() => return Err(DialError::Cancelled),
+            () = link.gone.cancelled() => return Err(DialError::AgentGone),
+        }
+    }
+}
+
+/// When a dial waiting for an agent's answer looks again: when the agent,
+/// silent for `silent` now, would pass `unresponsive_after` (if it is
+/// heard from before, the wait is recomputed), or at the deadline if that
+/// is sooner or the agent's activity is not tracked. `Err` when the agent
+/// is past the limit already.
+fn dial_wake(
+    silent: Option<Duration>,
+    unresponsive_after: Duration,
+    now: tokio::time::Instant,
+    deadline: tokio::time::Instant,
+) -> Result<tokio::time::Instant, DialError> {
+    match silent {
+        Some(s) if s > unresponsive_after => Err(DialError::Unresponsive(s)),
+        Some(s) => Ok((now + (unresponsive_after - s) + Duration::from_millis(50)).min(deadline)),
+        None => Ok(deadline),
     }
 }
 
@@ -943,6 +965,29 @@ impl Blocked {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    #[test]
+    fn a_dial_looks_again_when_its_agent_would_pass_the_silence_limit() {
+        let now = tokio::time::Instant::now();
+        let deadline = now + Duration::from_secs(10);
+        let limit = Duration::from_secs(3);
+        let s = dial_wake;
+        // Heard from 1 s ago: look again when 3 s (plus slack) have passed.
+        assert_eq!(
+            s(Some(Duration::from_secs(1)), limit, now, deadline).ok(),
+            Some(now + Duration::from_millis(2050))
+        );
+        // The deadline comes first.
+        let soon = now + Duration::from_millis(500);
+        assert_eq!(s(Some(Duration::ZERO), limit, now, soon).ok(), Some(soon));
+        // Activity not tracked: only the deadline.
+        assert_eq!(s(None, limit, now, deadline).ok(), Some(deadline));
+        // Exactly at the limit is not past it; beyond is.
+        assert!(s(Some(limit), limit, now, deadline).is_ok());
+        assert!(matches!(
+            s(Some(limit + Duration::from_millis(1)), limit, now, deadline),
+            Err(DialError::Unresponsive(_))
+        ));
+    }
 
     fn cluster(strategies: &[Strategy]) -> Cluster {
         Cluster::with_trust(
