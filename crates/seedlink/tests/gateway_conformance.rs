@@ -19,10 +19,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use seedlink_testkit::kubeapi::{KubeApi, Options};
-use seedlink_testkit::{require, Gw};
+use seedlink_testkit::{eventually_blocking, require, Gw};
 
 /// The addresses Gateways of the class get (one each).
 const POOL: u8 = 24;
@@ -80,19 +80,6 @@ const SKIPPED: &[(&str, &str)] = &[
 
 fn pool() -> Vec<String> {
     (1..=POOL).map(|i| format!("10.250.0.{i}")).collect()
-}
-
-/// Polls `f` until it returns `Ok`, at most `limit`; panics with its last
-/// error.
-fn wait(limit: Duration, what: &str, mut f: impl FnMut() -> Result<(), String>) {
-    let end = Instant::now() + limit;
-    loop {
-        match f() {
-            Ok(()) => return,
-            Err(e) if Instant::now() > end => panic!("{what}: not within {limit:?}: {e}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(250)),
-        }
-    }
 }
 
 fn run(cmd: &mut Command) -> String {
@@ -340,7 +327,7 @@ fn the_gateway_api_conformance_suite_passes_the_gateway_tls_profile() {
             .args(args);
         c
     };
-    wait(Duration::from_secs(30), "containerd", || {
+    eventually_blocking("containerd", Duration::from_secs(30), || {
         let o = ctr_cmd(&["images", "import", "--base-name", "localhost/busybox"])
             .arg(&busybox)
             .output()
@@ -417,7 +404,7 @@ fileCheckFrequency: 5s
             .output()
             .unwrap()
     };
-    wait(Duration::from_secs(120), "the node is Ready", || {
+    eventually_blocking("the node is Ready", Duration::from_secs(120), || {
         let o = kubectl(&[
             "get",
             "node",
@@ -457,9 +444,9 @@ kubernetes:
         &[("KUBECONFIG", &admin), ("POD_NAME", "seedlink-0")],
     );
 
-    wait(
-        Duration::from_secs(60),
+    eventually_blocking(
         "seedlink declares its features",
+        Duration::from_secs(60),
         || {
             let o = kubectl(&[
                 "get",

@@ -140,27 +140,24 @@ async fn http2_connect_streams_get_every_guard_http1_gets() {
     gw.write_config(&gateway_yaml(echo_a, echo_b, "10.0.0.0/8"));
     gw.wait_metric("seedlink_gateway_config_generation", 2.0)
         .await;
-    let end = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let (status, _) = h2_connect(&client, DEST_A).await;
-        let h1 = h1_connect(addr, "x:443", DEST_A).await;
-        // Refused with the answer of an unknown destination (503); the
-        // ACL refusal shows in the metrics.
-        if status == 503
-            && h1.contains(" 503 ")
-            && gw
+    eventually(
+        "the ACL change to refuse",
+        Duration::from_secs(10),
+        async || {
+            let (status, _) = h2_connect(&client, DEST_A).await;
+            let h1 = h1_connect(addr, "x:443", DEST_A).await;
+            // Refused with the answer of an unknown destination (503); the
+            // ACL refusal shows in the metrics.
+            let denied = gw
                 .metric("seedlink_gateway_acl_denied_total{control_plane=\"a\"}")
-                .await
-                >= 2.0
-        {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < end,
-            "after the ACL change: HTTP/2 {status}, HTTP/1 {h1:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+                .await;
+            ok_if(
+                status == 503 && h1.contains(" 503 ") && denied >= 2.0,
+                || format!("HTTP/2 {status}, HTTP/1 {h1:?}, denied {denied}"),
+            )
+        },
+    )
+    .await;
     stop.cancel();
 }
 
@@ -354,7 +351,7 @@ async fn the_agent_refuses_its_own_loopback_by_default() {
     // The agent's default deny list: no --deny-cidr.
     let _agent = env.agent_default_policy(&env.agent_endpoint(8132));
     let admin = server.admin();
-    TunnelEnv::until(Duration::from_secs(20), "the agent connected", || {
+    eventually("the agent connected", Duration::from_secs(20), async || {
         env.server_metric(
             &admin,
             "seedlink_tunnel_server_agents{cluster=\"shoot--dev--a\"}",
@@ -408,7 +405,7 @@ async fn an_agent_that_reads_nothing_cannot_grow_the_server() {
     };
     let sent = fake.flood_unknown_ids(200_000);
     assert!(sent > 0);
-    TunnelEnv::until(Duration::from_secs(30), "the flooding agent was cut off", || {
+    eventually( "the flooding agent was cut off",Duration::from_secs(30), async || {
         env.server_metric(
             &admin,
             "seedlink_tunnel_server_agent_streams_total{cluster=\"shoot--dev--a\",reason=\"control_overflow\"}",
@@ -514,12 +511,16 @@ async fn the_agent_port_caps_each_source_and_closes_the_silent() {
         print('up',flush=True)\n\
         time.sleep(40)\n";
     let holder = spawn_until_up(env.seed.cmd(&["python3", "-c", script]));
-    TunnelEnv::until(Duration::from_secs(20), "two refused at the cap", || {
-        env.server_metric(
+    eventually(
+        "two refused at the cap",
+        Duration::from_secs(20),
+        async || {
+            env.server_metric(
             &admin,
             "seedlink_tunnel_server_agent_streams_total{cluster=\"\",reason=\"connection_limit\"}",
         ) >= 2.0
-    })
+        },
+    )
     .await;
     // Another source (the shoot) is not affected.
     let _agent = env.agent(&env.agent_endpoint(8132), &[]);
@@ -546,19 +547,20 @@ async fn the_agent_port_caps_each_source_and_closes_the_silent() {
             &format!("seedlink_tunnel_server_agent_streams_total{{cluster=\"\",reason=\"{r}\"}}"),
         )
     };
-    let end = std::time::Instant::now() + Duration::from_secs(40);
-    while !(m("tls_timeout") >= 4.0 && m("no_stream") >= 1.0) {
-        assert!(
-            std::time::Instant::now() < end,
-            "{}",
-            TunnelEnv::admin_get(&env.seed, &admin, "/metrics")
-                .lines()
-                .filter(|l| l.contains("agent_streams_total"))
-                .collect::<Vec<_>>()
-                .join("\n")
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    eventually(
+        "the silent agents to be closed",
+        Duration::from_secs(40),
+        async || {
+            ok_if(m("tls_timeout") >= 4.0 && m("no_stream") >= 1.0, || {
+                TunnelEnv::admin_get(&env.seed, &admin, "/metrics")
+                    .lines()
+                    .filter(|l| l.contains("agent_streams_total"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+        },
+    )
+    .await;
     drop((holder, quiet));
 }
 

@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::tunnel_env::{kas_connect, kas_connect_eventually, Started, TunnelEnv};
-use common::{require, signal, Netns, Proc};
+use common::{eventually, require, signal, Netns, Proc};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The directory of the upstream binaries; fails loudly when missing.
@@ -210,7 +210,7 @@ fn curl_frontend(env: &TunnelEnv, extra: &[&str], url: &str) -> std::process::Ou
 
 async fn wait_agents(env: &TunnelEnv, server: &Started, n: f64) {
     let admin = server.admin();
-    TunnelEnv::until(Duration::from_secs(30), "agents to connect", || {
+    eventually("agents to connect", Duration::from_secs(30), async || {
         env.server_metric(&admin, "seedlink_tunnel_server_agents{") == n
     })
     .await;
@@ -417,10 +417,10 @@ fn upstream_server(
 /// Polls upstream's `/readyz` (ready once ≥ 1 agent is connected).
 async fn upstream_ready(ns: &Netns, health: u16) {
     let url = format!("http://127.0.0.1:{health}/readyz");
-    TunnelEnv::until(
-        Duration::from_secs(30),
+    eventually(
         "upstream proxy-server to see an agent",
-        || {
+        Duration::from_secs(30),
+        async || {
             ns.cmd(&["curl", "-sf", "--max-time", "2", &url])
                 .output()
                 .map(|o| o.status.success())
@@ -494,10 +494,10 @@ async fn seedlink_agent_to_upstream_servers() {
         ) >= 1.0,
         "the eager agent never saw too_many_pings"
     );
-    TunnelEnv::until(
-        Duration::from_secs(20),
+    eventually(
         "the eager agent to be back",
-        || env.agent_metric(&e, "seedlink_tunnel_agent_open_server_connections") == 1.0,
+        Duration::from_secs(20),
+        async || env.agent_metric(&e, "seedlink_tunnel_agent_open_server_connections") == 1.0,
     )
     .await;
     for a in [&a1, &a2] {
@@ -548,9 +548,11 @@ async fn seedlink_agent_holds_a_stream_to_each_upstream_replica_behind_haproxy()
     upstream_ready(&env.seed, h1).await;
     upstream_ready(&env.seed, h2).await;
     let admin = agent.admin();
-    TunnelEnv::until(Duration::from_secs(30), "streams to both replicas", || {
-        env.agent_metric(&admin, "seedlink_tunnel_agent_open_server_connections") == 2.0
-    })
+    eventually(
+        "streams to both replicas",
+        Duration::from_secs(30),
+        async || env.agent_metric(&admin, "seedlink_tunnel_agent_open_server_connections") == 2.0,
+    )
     .await;
     // Both replicas serve dials through their own socket.
     for u in [&u1, &u2] {
@@ -632,10 +634,10 @@ async fn mixed_agents_serve_dials_and_drain_both_ways() {
     // The upstream agent drains: every dial goes to ours (echo denied).
     signal(upstream.0.id(), "-TERM");
     let admin = server.admin();
-    TunnelEnv::until(
-        Duration::from_secs(15),
+    eventually(
         "the upstream agent's DRAIN",
-        || {
+        Duration::from_secs(15),
+        async || {
             // Fresh probes until none reaches the upstream agent.
             futures_block(echo_dials(5)) == 0
         },
@@ -660,10 +662,10 @@ async fn mixed_agents_serve_dials_and_drain_both_ways() {
     let _theirs = upstream_agent(&env, 8150, "upstream-b", &creds);
     upstream_ready(&env.seed, hp).await;
     let up = uds.display().to_string();
-    TunnelEnv::until(
-        Duration::from_secs(20),
+    eventually(
         "both agents on the upstream server",
-        || {
+        Duration::from_secs(20),
+        async || {
             // A denied echo dial proves ours is connected; a served one, theirs.
             let (mut served, mut denied) = (0, 0);
             for _ in 0..10 {
@@ -677,10 +679,10 @@ async fn mixed_agents_serve_dials_and_drain_both_ways() {
     )
     .await;
     signal(ours.pid(), "-TERM");
-    TunnelEnv::until(
-        Duration::from_secs(15),
+    eventually(
         "upstream to honour our DRAIN",
-        || (0..10).all(|_| futures_block(kas_connect(&up, "127.0.0.1:7007")).is_ok()),
+        Duration::from_secs(15),
+        async || (0..10).all(|_| futures_block(kas_connect(&up, "127.0.0.1:7007")).is_ok()),
     )
     .await;
     let mut all = 0;
@@ -716,7 +718,7 @@ fn log_to(env: &TunnelEnv, name: &str) -> Stdio {
 async fn wait_tcp(ns: &Netns, addr: &str) {
     let (host, port) = addr.rsplit_once(':').unwrap();
     let probe = format!("exec 3<>/dev/tcp/{host}/{port}");
-    TunnelEnv::until(Duration::from_secs(20), "a listener", || {
+    eventually("a listener", Duration::from_secs(20), async || {
         ns.cmd(&["bash", "-c", &probe])
             .status()
             .map(|s| s.success())
@@ -836,10 +838,10 @@ async fn an_upstream_agent_follows_a_tunnel_server_binary_upgrade() {
     assert_ne!(new.ready["server_id"], old.ready["server_id"]);
     wait_agents(&env, &new, 1.0).await;
     let seen = ok.load(Ordering::Relaxed);
-    TunnelEnv::until(
-        Duration::from_secs(20),
+    eventually(
         "dials through the new process",
-        || ok.load(Ordering::Relaxed) >= seen + 20,
+        Duration::from_secs(20),
+        async || ok.load(Ordering::Relaxed) >= seen + 20,
     )
     .await;
     stop.cancel();

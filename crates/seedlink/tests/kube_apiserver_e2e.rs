@@ -24,13 +24,13 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use seedlink_testkit as common;
 
 use common::kubeapi::{self, KubeApi, Options};
 use common::tunnel_env::{ready_line, spawn_until_up, Started};
-use common::{free_port, netns_to_host, require, seedlink_bin, Gw, Netns, Proc};
+use common::{eventually, free_port, netns_to_host, require, seedlink_bin, Gw, Netns, Proc};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -253,18 +253,6 @@ fn text(o: &Output) -> String {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     )
-}
-
-/// Polls `f` until it holds, at most `limit`.
-async fn wait_for(limit: Duration, what: &str, mut f: impl FnMut() -> Result<(), String>) {
-    let end = Instant::now() + limit;
-    loop {
-        match f() {
-            Ok(()) => return,
-            Err(e) if Instant::now() > end => panic!("{what}: not within {limit:?}: {e}"),
-            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
-        }
-    }
 }
 
 /// The credentials the shoot's API server issues, written where the
@@ -612,7 +600,7 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
     // answer below carries what only the shoot's workloads say.
 
     // The webhook (through the Service's ClusterIP, DNAT in the shoot).
-    wait_for(Duration::from_secs(60), "the webhook admits", || {
+    eventually("the webhook admits", Duration::from_secs(60), async || {
         let o = kubectl_in(
             &api,
             &["create", "-f", "-"],
@@ -630,10 +618,10 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
     );
 
     // The aggregated API.
-    wait_for(
-        Duration::from_secs(90),
+    eventually(
         "the APIService is available",
-        || {
+        Duration::from_secs(90),
+        async || {
             let o = kubectl(
                 &api,
                 &[
@@ -791,7 +779,7 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
 
     // The agent back: everything works again.
     let _agent = agent(&ns, &rendered);
-    wait_for(Duration::from_secs(60), "the webhook is back", || {
+    eventually("the webhook is back", Duration::from_secs(60), async || {
         let o = kubectl_in(&api, &["create", "-f", "-"], &configmap("deny-2", "fail"));
         text(&o)
             .contains("denied by the shoot's webhook")
@@ -834,7 +822,7 @@ async fn the_v1alpha1_egress_selector_is_loaded_too() {
     let _server = tunnel_server(&files);
     let _agent = agent(&ns, &rendered);
     let svc = "/api/v1/namespaces/shoot-system/services/https:shoot-apps:443/proxy/hello";
-    wait_for(Duration::from_secs(60), "the service proxy", || {
+    eventually("the service proxy", Duration::from_secs(60), async || {
         let o = kubectl(&api, &["get", "--raw", svc]);
         text(&o)
             .contains("hello from the shoot's service")
@@ -891,7 +879,7 @@ async fn kubectl_and_in_cluster_clients_reach_their_api_server_through_the_gatew
     // GEP-08: `default/kubernetes` points at the advertised address.
     let c = api.client().await.unwrap();
     let mut endpoint = None;
-    wait_for(Duration::from_secs(30), "default/kubernetes", || {
+    eventually("default/kubernetes", Duration::from_secs(30), async || {
         let o = kubectl(
             &api,
             &[
@@ -1145,7 +1133,7 @@ control_planes:
             .spawn()
             .unwrap(),
     );
-    wait_for(Duration::from_secs(30), "containerd", || {
+    eventually("containerd", Duration::from_secs(30), async || {
         let o = Command::new(&ctr)
             .arg("--address")
             .arg(&sock)
@@ -1226,7 +1214,7 @@ fileCheckFrequency: 5s
             .unwrap(),
     );
     let c = api.client().await.unwrap();
-    wait_for(Duration::from_secs(120), "the node registers", || {
+    eventually("the node registers", Duration::from_secs(120), async || {
         let o = kubectl(&api, &["get", "node", "shoot-node-1", "-o", "name"]);
         o.status
             .success()
@@ -1253,7 +1241,7 @@ fileCheckFrequency: 5s
     ] {
         kubeapi::apply(&c, o).await;
     }
-    wait_for(Duration::from_secs(40), "the pod runs", || {
+    eventually("the pod runs", Duration::from_secs(40), async || {
         let o = kubectl(
             &api,
             &[
@@ -1274,7 +1262,7 @@ fileCheckFrequency: 5s
 
     // kubectl logs, exec and port-forward: kube-apiserver dials the
     // kubelet through the tunnel.
-    wait_for(Duration::from_secs(30), "kubectl logs", || {
+    eventually("kubectl logs", Duration::from_secs(30), async || {
         let o = kubectl(&api, &["logs", "-n", "work", "web-0", "-c", "app"]);
         text(&o)
             .contains("line 1")

@@ -14,7 +14,7 @@ use seedlink_testkit as common;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::faults::{Fault, FaultProxy};
 use common::kubeapi::{self, KubeApi};
@@ -291,7 +291,7 @@ impl Seed {
         type_: &str,
         ok: impl Fn(Value) -> bool,
     ) {
-        wait_for(what, limit, || async {
+        eventually(what, limit, async || {
             self.condition(ROUTES, "TLSRoute", ns, "kube-apiserver", type_)
                 .await
                 .is_some_and(&ok)
@@ -413,19 +413,6 @@ async fn get(pki: &seedlink::demo::Pki, gw: SocketAddr, host: &str) -> anyhow::R
     .map_err(|_| anyhow::anyhow!("timed out"))?
 }
 
-/// Polls `check` every 50 ms for at most `limit`.
-async fn wait_for<F, Fut>(what: &str, limit: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let end = Instant::now() + limit;
-    while !check().await {
-        assert!(Instant::now() < end, "{what}: not within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_outage() {
     let stop = CancellationToken::new();
@@ -475,10 +462,10 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     // The GatewayClass naming seedlink's controller is accepted, and the
     // installed Gateway API version (read with the install's RBAC) is one
     // seedlink supports.
-    wait_for(
+    eventually(
         "GatewayClass Accepted and SupportedVersion",
         Duration::from_secs(20),
-        || async {
+        async || {
             let c = seed
                 .get(
                     "gateway.networking.k8s.io/v1",
@@ -519,7 +506,7 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     .unwrap();
     // The Gateway's own status: accepted, programmed, its listener
     // counting the route, with the kind it takes.
-    wait_for("Gateway status", Duration::from_secs(20), || async {
+    eventually("Gateway status", Duration::from_secs(20), async || {
         let g = seed
             .get(
                 "gateway.networking.k8s.io/v1",
@@ -616,10 +603,10 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         |c| c["status"] == "False" && c["message"].as_str().unwrap_or("").contains("already used"),
     )
     .await;
-    wait_for(
+    eventually(
         "an Event for the refused route",
         Duration::from_secs(20),
-        || async { seed.event_about(&b, "kube-apiserver").await },
+        async || seed.event_about(&b, "kube-apiserver").await,
     )
     .await;
     assert!(get(&pki, gw.tls, A).await.unwrap().contains("hello from a"));
@@ -658,15 +645,19 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     // valid one lets us in again.
     seed.apply(policy(&a, "kube-apiserver", &["192.0.2.0/24"]))
         .await;
-    wait_for("the ACL applies", Duration::from_secs(20), || async {
+    eventually("the ACL applies", Duration::from_secs(20), async || {
         get(&pki, gw.tls, A).await.is_err()
     })
     .await;
-    wait_for("policy Accepted=True", Duration::from_secs(20), || async {
-        seed.condition(POLICIES, "SeedlinkPolicy", &a, "acl", "Accepted")
-            .await
-            .is_some_and(|c| c["status"] == "True")
-    })
+    eventually(
+        "policy Accepted=True",
+        Duration::from_secs(20),
+        async || {
+            seed.condition(POLICIES, "SeedlinkPolicy", &a, "acl", "Accepted")
+                .await
+                .is_some_and(|c| c["status"] == "True")
+        },
+    )
     .await;
     // What the CRD can check, the API server refuses at once...
     let refused =
@@ -682,7 +673,7 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     let mut invalid = policy(&a, "kube-apiserver", &["192.0.2.0/24"]);
     invalid["spec"]["destinations"] = json!(["not a destination"]);
     seed.apply(invalid).await;
-    wait_for("policy Invalid", Duration::from_secs(20), || async {
+    eventually("policy Invalid", Duration::from_secs(20), async || {
         seed.condition(POLICIES, "SeedlinkPolicy", &a, "acl", "Accepted")
             .await
             .is_some_and(|c| c["reason"] == "Invalid")
@@ -694,9 +685,11 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     );
     seed.apply(policy(&a, "kube-apiserver", &["127.0.0.0/8"]))
         .await;
-    wait_for("the new ACL admits us", Duration::from_secs(20), || async {
-        get(&pki, gw.tls, A).await.is_ok()
-    })
+    eventually(
+        "the new ACL admits us",
+        Duration::from_secs(20),
+        async || get(&pki, gw.tls, A).await.is_ok(),
+    )
     .await;
 
     // Pod 1 terminating (ready=false): new connections go to pod 2 only.
@@ -707,7 +700,7 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         &[(POD_1, false), (POD_2, true)],
     ))
     .await;
-    wait_for("only pod 2 answers", Duration::from_secs(20), || async {
+    eventually("only pod 2 answers", Duration::from_secs(20), async || {
         for _ in 0..12 {
             match get(&pki, gw.tls, A).await {
                 Ok(b) if b.contains("hello from a2") => {}
@@ -777,7 +770,7 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         seed.apply(seed.route(&c, "kube-apiserver", C, "kube-apiserver"))
             .await;
         if round == 1 {
-            wait_for("a watch reconnects", Duration::from_secs(20), || async {
+            eventually("a watch reconnects", Duration::from_secs(20), async || {
                 seed.proxy.accepted.load(Ordering::Relaxed) > reconnected
             })
             .await;
@@ -785,14 +778,14 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
             // compacted version: 410 Gone, and seedlink re-lists.
             seed.api.compact().await;
             seed.proxy.set(Fault::Pass);
-            wait_for(
+            eventually(
                 "a re-list after 410 Gone",
                 Duration::from_secs(60),
-                || async { lists() > listed },
+                async || lists() > listed,
             )
             .await;
         }
-        wait_for("route c serves", Duration::from_secs(30), || async {
+        eventually("route c serves", Duration::from_secs(30), async || {
             get(&pki, gw.tls, C).await.is_ok()
         })
         .await;
@@ -806,7 +799,7 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
             seed.proxy.set(Fault::Pass);
         }
         assert!(seed.delete(ROUTES, "TLSRoute", &c, "kube-apiserver").await);
-        wait_for("route c is gone", Duration::from_secs(30), || async {
+        eventually("route c is gone", Duration::from_secs(30), async || {
             get(&pki, gw.tls, C).await.is_err()
         })
         .await;
@@ -881,10 +874,10 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         ))
         .await;
     }
-    wait_for(
+    eventually(
         "the burst's last route is served",
         Duration::from_secs(20),
-        || async {
+        async || {
             let (_, body) = gw.get("/config").await;
             body.contains("api.burst-29.kube.test")
         },
@@ -900,7 +893,7 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
 
     // Deleting the route stops it.
     assert!(seed.delete(ROUTES, "TLSRoute", &a, "kube-apiserver").await);
-    wait_for("route a is gone", Duration::from_secs(20), || async {
+    eventually("route a is gone", Duration::from_secs(20), async || {
         get(&pki, gw.tls, A).await.is_err()
     })
     .await;
@@ -946,7 +939,7 @@ async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
             .unwrap()
             .contains("hello from a1"));
     }
-    wait_for("route status", Duration::from_secs(20), || async {
+    eventually("route status", Duration::from_secs(20), async || {
         seed.condition(ROUTES, "TLSRoute", &a, "kube-apiserver", "Accepted")
             .await
             .is_some()
@@ -987,10 +980,10 @@ async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
         .and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_string))
     };
     replicas[leader].api.as_ref().unwrap().set(Fault::Blackhole);
-    wait_for(
+    eventually(
         "the follower takes the lease",
         Duration::from_secs(60),
-        || async { holder().await.as_deref() == Some(names[follower]) },
+        async || holder().await.as_deref() == Some(names[follower]),
     )
     .await;
     seed.apply(service(&c, "kube-apiserver")).await;
@@ -998,16 +991,16 @@ async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
         .await;
     seed.apply(seed.route(&c, "kube-apiserver", C, "kube-apiserver"))
         .await;
-    wait_for(
+    eventually(
         "route c served by the new writer",
         Duration::from_secs(20),
-        || async { get(&pki, replicas[follower].tls, C).await.is_ok() },
+        async || get(&pki, replicas[follower].tls, C).await.is_ok(),
     )
     .await;
-    wait_for(
+    eventually(
         "the new writer writes status",
         Duration::from_secs(40),
-        || async {
+        async || {
             seed.condition(ROUTES, "TLSRoute", &c, "kube-apiserver", "Accepted")
                 .await
                 .is_some()
@@ -1018,10 +1011,10 @@ async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
     // The healed replica sees route c (and serves it) but is no writer: a
     // route changed after the heal gets its status from the new writer
     // only.
-    wait_for(
+    eventually(
         "the healed replica serves route c",
         Duration::from_secs(30),
-        || async { get(&pki, replicas[leader].tls, C).await.is_ok() },
+        async || get(&pki, replicas[leader].tls, C).await.is_ok(),
     )
     .await;
     seed.apply(seed.route(&c, "kube-apiserver", C, "nothing-here"))
@@ -1235,10 +1228,10 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
         ]
     }))
     .await;
-    wait_for(
+    eventually(
         "servercount follows the replicas",
         Duration::from_secs(30),
-        || async {
+        async || {
             let (_, body) = http_get(tunnel_admin, "/api/state").await;
             serde_json::from_str::<Value>(&body).is_ok_and(|v| v["process"]["server_count"] == 3)
         },
@@ -1263,10 +1256,10 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
                 .cloned()
         }
     };
-    wait_for(
+    eventually(
         "shoot--a Ready, no agents",
         Duration::from_secs(20),
-        || async {
+        async || {
             tc(&a, "Ready").await.is_some_and(|c| c["status"] == "True")
                 && tc(&a, "AgentsConnected")
                     .await
@@ -1274,19 +1267,21 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
         },
     )
     .await;
-    wait_for(
+    eventually(
         "shoot--b refused for its missing ConfigMap",
         Duration::from_secs(20),
-        || async {
+        async || {
             tc(&b, "Ready")
                 .await
                 .is_some_and(|c| c["status"] == "False" && c["reason"] == "ReferenceNotFound")
         },
     )
     .await;
-    wait_for("an Event for shoot--b", Duration::from_secs(20), || async {
-        seed.event_about(&b, "tunnel").await
-    })
+    eventually(
+        "an Event for shoot--b",
+        Duration::from_secs(20),
+        async || seed.event_about(&b, "tunnel").await,
+    )
     .await;
 
     // An agent of shoot--a: connected in status, and the tunnel works.
@@ -1296,17 +1291,17 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
     let lb = format!("127.0.0.1:{}", free_port());
     let replicas = [agents.clone(), format!("127.0.0.1:{second_port}")];
     let _lb = common::tunnel_env::haproxy_lb(None, d, &lb, &replicas, true);
-    wait_for(
+    eventually(
         "the agents' load balancer",
         Duration::from_secs(20),
-        || async { tokio::net::TcpStream::connect(&lb).await.is_ok() },
+        async || tokio::net::TcpStream::connect(&lb).await.is_ok(),
     )
     .await;
     let (agent_a, agent_a_admin) = tunnel_agent(&lb, &seed_ca, &a_crt, &a_key);
-    wait_for(
+    eventually(
         "shoot--a AgentsConnected",
         Duration::from_secs(20),
-        || async {
+        async || {
             tc(&a, "AgentsConnected")
                 .await
                 .is_some_and(|c| c["status"] == "True")
@@ -1323,7 +1318,7 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
     // without their 5-minute re-check: with one replica left it is ready,
     // with two again not.
     let agent_ready = |want: &'static str| async move {
-        wait_for(want, Duration::from_secs(30), || async {
+        eventually(want, Duration::from_secs(30), async || {
             http_get(agent_a_admin, "/readyz").await.1.contains(want)
         })
         .await;
@@ -1343,7 +1338,7 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
     seed.apply(slice(json!([{"addresses": ["10.99.2.1"]}])))
         .await;
     // Ready: the body starts with it (no failed check above it).
-    wait_for("ready with 1 of 1", Duration::from_secs(30), || async {
+    eventually("ready with 1 of 1", Duration::from_secs(30), async || {
         http_get(agent_a_admin, "/readyz")
             .await
             .1
@@ -1385,10 +1380,10 @@ clusters:
     let mut second = std::process::Command::new(seedlink_bin());
     second.args(["tunnel-server", "--config"]).arg(&second_cfg);
     let _second = started(second);
-    wait_for(
+    eventually(
         "the agent holds both replicas",
         Duration::from_secs(30),
-        || async {
+        async || {
             http_get(agent_a_admin, "/readyz")
                 .await
                 .1
@@ -1405,7 +1400,7 @@ clusters:
         "data": {"ca.crt": shoot_b.ca_pem}
     }))
     .await;
-    wait_for("shoot--b Ready", Duration::from_secs(20), || async {
+    eventually("shoot--b Ready", Duration::from_secs(20), async || {
         tc(&b, "Ready").await.is_some_and(|c| c["status"] == "True")
     })
     .await;
@@ -1417,10 +1412,10 @@ clusters:
 
     // shoot--a's agent goes: the status says so.
     drop(agent_a);
-    wait_for(
+    eventually(
         "shoot--a NoAgents again",
         Duration::from_secs(20),
-        || async {
+        async || {
             tc(&a, "AgentsConnected")
                 .await
                 .is_some_and(|c| c["status"] == "False")
@@ -1430,16 +1425,16 @@ clusters:
 
     // shoot--a's object goes: its socket stops answering, its trust files go.
     assert!(seed.delete(TUNNELS, "TunnelCluster", &a, "tunnel").await);
-    wait_for(
+    eventually(
         "shoot--a's socket is gone",
         Duration::from_secs(20),
-        || async { kas_connect(&sock_a, &echo.to_string()).await.is_err() },
+        async || kas_connect(&sock_a, &echo.to_string()).await.is_err(),
     )
     .await;
-    wait_for(
+    eventually(
         "shoot--a's trust files are removed",
         Duration::from_secs(10),
-        || async { !d.join(format!("trust/{a}.tunnel")).exists() },
+        async || !d.join(format!("trust/{a}.tunnel")).exists(),
     )
     .await;
     common::tunnel_env::echo_rtt(&mut sb, 1000).await;
@@ -1465,10 +1460,11 @@ clusters:
     );
     common::tunnel_env::echo_rtt(&mut sb, 1000).await;
     drop(sb);
-    wait_for("the old process exits", Duration::from_secs(30), || {
-        let exited = old_server.0.try_wait().unwrap().is_some();
-        async move { exited }
-    })
+    eventually(
+        "the old process exits",
+        Duration::from_secs(30),
+        async || old_server.0.try_wait().unwrap().is_some(),
+    )
     .await;
     common::tunnel_env::echo_rtt(&mut sb2, 1000).await;
     stop.cancel();
@@ -1512,10 +1508,10 @@ async fn routes_are_read_through_the_version_the_installed_crd_serves() {
     assert!(ok, "{out}");
     let (ok, out) = kubectl(&["apply", "--server-side", "-f", old.to_str().unwrap()]);
     assert!(ok, "{out}");
-    wait_for(
+    eventually(
         "v1alpha2 TLSRoutes served",
         Duration::from_secs(60),
-        || async { kubectl(&["get", "tlsroutes.v1alpha2.gateway.networking.k8s.io", "-A"]).0 },
+        async || kubectl(&["get", "tlsroutes.v1alpha2.gateway.networking.k8s.io", "-A"]).0,
     )
     .await;
     assert!(!kubectl(&["get", "tlsroutes.v1.gateway.networking.k8s.io", "-A"]).0);
@@ -1544,19 +1540,19 @@ async fn routes_are_read_through_the_version_the_installed_crd_serves() {
         "admin: {listen: '127.0.0.1:0'}\nlisteners: [{name: tls, address: '127.0.0.1:0'}]\nkubernetes: {gateway: seedlink-system/seedlink}\n",
         &[("KUBECONFIG", api.admin_kubeconfig.to_str().unwrap()), ("POD_NAME", "seedlink-0")],
     );
-    wait_for(
+    eventually(
         "the v1alpha2 route is served",
         Duration::from_secs(60),
-        || async {
+        async || {
             let (_, body) = http_get(gw.admin, "/config").await;
             body.contains("api.old.kube.test") && body.contains(&format!("{POD_1}:6443"))
         },
     )
     .await;
-    wait_for(
+    eventually(
         "its status, written through v1alpha3",
         Duration::from_secs(60),
-        || async {
+        async || {
             kubeapi::get(
                 &client,
                 "gateway.networking.k8s.io/v1alpha2",
@@ -1686,17 +1682,17 @@ async fn each_gateway_of_the_class_is_served_at_its_own_address() {
                 })
         }
     };
-    wait_for(
+    eventually(
         "the first Gateway's address",
         Duration::from_secs(30),
-        || async { address(tenants[0].clone()).await.as_deref() == Some(POOL[0]) },
+        async || address(tenants[0].clone()).await.as_deref() == Some(POOL[0]),
     )
     .await;
     seed.apply(gateway(&tenants[1])).await;
-    wait_for(
+    eventually(
         "the second Gateway's address",
         Duration::from_secs(30),
-        || async { address(tenants[1].clone()).await.as_deref() == Some(POOL[1]) },
+        async || address(tenants[1].clone()).await.as_deref() == Some(POOL[1]),
     )
     .await;
     let mut entries = Vec::new();
@@ -1711,10 +1707,10 @@ async fn each_gateway_of_the_class_is_served_at_its_own_address() {
         ));
     }
     for (entry, pod) in entries.iter().zip(["pod1", "pod2"]) {
-        wait_for(
+        eventually(
             "each address routes to its own tenant",
             Duration::from_secs(30),
-            || async {
+            async || {
                 get(&pki, entry.addr, A)
                     .await
                     .is_ok_and(|b| b.contains(pod))
@@ -1741,16 +1737,16 @@ async fn each_gateway_of_the_class_is_served_at_its_own_address() {
         )
         .await
     );
-    wait_for(
+    eventually(
         "the deleted Gateway's address routes nothing",
         Duration::from_secs(30),
-        || async { get(&pki, entries[1].addr, A).await.is_err() },
+        async || get(&pki, entries[1].addr, A).await.is_err(),
     )
     .await;
-    wait_for(
+    eventually(
         "its entry leaves the route's status",
         Duration::from_secs(30),
-        || async {
+        async || {
             seed.get(ROUTES, "TLSRoute", &tenants[1], "kube-apiserver")
                 .await
                 .is_some_and(|r| {

@@ -6,9 +6,9 @@ use seedlink_testkit as common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{Netns, Proc};
+use common::{eventually_blocking, Netns, Proc};
 
 const DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
 
@@ -25,14 +25,6 @@ fn node_proxy(ns: &Netns, extra: &[&str]) -> Command {
     ]);
     c.args(extra).env("RUST_LOG", "info");
     c
-}
-
-fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[test]
@@ -90,9 +82,11 @@ fn bridge_link_takes_the_address_from_lo_and_keeps_it() {
         "dev",
         "apiserver-proxy",
     ]);
-    wait_for("the address to be re-asserted", || {
-        addr_on("apiserver-proxy")
-    });
+    eventually_blocking(
+        "the address to be re-asserted",
+        Duration::from_secs(10),
+        || addr_on("apiserver-proxy"),
+    );
     let metrics = ns.run(&[
         "curl",
         "-s",
@@ -188,12 +182,10 @@ fn dummy_link_works_or_fails_clearly_and_existing_must_exist() {
 }
 
 fn wait_exit(c: &mut Child) -> bool {
-    let end = Instant::now() + Duration::from_secs(10);
-    loop {
-        if let Some(st) = c.try_wait().unwrap() {
-            return st.success();
-        }
-        assert!(Instant::now() < end, "process did not exit");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    eventually_blocking("the process to exit", Duration::from_secs(10), || {
+        c.try_wait()
+            .unwrap()
+            .map(|st| st.success())
+            .ok_or("running")
+    })
 }

@@ -9,9 +9,9 @@ use seedlink_testkit as common;
 
 use std::io::{BufRead, BufReader};
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{netns_pair, require, Proc};
+use common::{eventually_blocking, netns_pair, require, Proc};
 
 const DEST: &str = "outbound|443||kube-apiserver.shoot--dev--n.svc.cluster.local";
 const HOST: &str = "api.n.netns.test";
@@ -61,11 +61,9 @@ fn node_proxy_in_a_node_namespace_reaches_the_seed() {
         .spawn()
         .unwrap();
     let _server = Proc(server);
-    let end = Instant::now() + Duration::from_secs(10);
-    while !seed.run(&["ss", "-ltn"]).contains("127.0.0.1:6443") {
-        assert!(Instant::now() < end, "s_server did not listen");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    eventually_blocking("s_server to listen", Duration::from_secs(10), || {
+        seed.run(&["ss", "-ltn"]).contains("127.0.0.1:6443")
+    });
 
     // The gateway in the seed namespace.
     let cfg = dir.path().join("gateway.yaml");
@@ -147,8 +145,7 @@ control_planes:
         String::from_utf8_lossy(&out.stderr)
     );
     // Readiness on the node: address present, gateway answering.
-    let end = Instant::now() + Duration::from_secs(15);
-    loop {
+    eventually_blocking("node-proxy ready", Duration::from_secs(15), || {
         let r = node
             .cmd(&[
                 "curl",
@@ -161,10 +158,6 @@ control_planes:
             ])
             .output()
             .unwrap();
-        if String::from_utf8_lossy(&r.stdout) == "200" {
-            break;
-        }
-        assert!(Instant::now() < end, "node-proxy never ready");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+        String::from_utf8_lossy(&r.stdout) == "200"
+    });
 }

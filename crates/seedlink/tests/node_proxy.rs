@@ -23,18 +23,11 @@ fn curl(files: &seedlink::demo::ClientFiles, at: SocketAddr) -> String {
 }
 
 async fn wait_ready(admin: SocketAddr) {
-    let end = std::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        if http_get(admin, "/readyz").await.0 == 200 {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < end,
-            "node-proxy never became ready: {:?}",
-            http_get(admin, "/readyz").await
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("node-proxy ready", Duration::from_secs(15), async || {
+        let (code, body) = http_get(admin, "/readyz").await;
+        ok_if(code == 200, || format!("{code} {body}"))
+    })
+    .await;
 }
 
 /// Waits until `want` tunnels finished cleanly. A tunnel is counted once both
@@ -43,8 +36,7 @@ async fn wait_ready(admin: SocketAddr) {
 /// curl's close_notify then meets a closed socket. Any other outcome (error,
 /// timeout, refusal) fails the test.
 async fn wait_clean_tunnels(admin: SocketAddr, want: f64) {
-    let end = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
+    eventually("the tunnels counted", Duration::from_secs(10), async || {
         let m = http_get(admin, "/metrics").await.1;
         let clean = sum_metric(&m, "seedlink_node_proxy_tunnels_total{outcome=\"ok\"}")
             + sum_metric(&m, "seedlink_node_proxy_tunnels_total{outcome=\"reset\"}");
@@ -52,14 +44,10 @@ async fn wait_clean_tunnels(admin: SocketAddr, want: f64) {
         assert_eq!(clean, all, "a tunnel ended badly:\n{m}");
         if clean >= want {
             assert_eq!(clean, want, "more tunnels than clients:\n{m}");
-            return;
         }
-        assert!(
-            std::time::Instant::now() < end,
-            "tunnels never counted:\n{m}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        ok_if(clean >= want, || m.clone())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,7 +9,7 @@ use seedlink_testkit as common;
 
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -88,18 +88,14 @@ fn tinyproxy(dir: &std::path::Path, port: u16, ports: &[u16]) -> Proc {
 
 /// Waits until `/readyz` answers `want` (200 or 503) with `text` in it.
 async fn wait_readyz(admin: SocketAddr, want: u16, text: &str) {
-    let end = Instant::now() + Duration::from_secs(20);
-    loop {
+    let what = format!("/readyz to answer {want} with {text:?}");
+    eventually(&what, Duration::from_secs(20), async || {
         let (code, body) = http_get(admin, "/readyz").await;
-        if code == want && body.contains(text) {
-            return;
-        }
-        assert!(
-            Instant::now() < end,
-            "/readyz never answered {want} with {text:?}; last: {code} {body}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        ok_if(code == want && body.contains(text), || {
+            format!("{code} {body}")
+        })
+    })
+    .await;
 }
 
 /// A fresh PKI, its client files, and nginx serving as the API server for

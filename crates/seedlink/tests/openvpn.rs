@@ -10,26 +10,18 @@ use seedlink_testkit as common;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{netns_pair, require, Proc};
+use common::{eventually_blocking, netns_pair, ok_if, require, Proc};
 
 const DEST: &str = "outbound|1194||vpn-seed-server.shoot--dev--a.svc.cluster.local";
 
 fn wait_log(path: &Path, needle: &str) {
-    let end = Instant::now() + Duration::from_secs(40);
-    loop {
+    let what = format!("{needle:?} in {}", path.display());
+    eventually_blocking(&what, Duration::from_secs(40), || {
         let log = std::fs::read_to_string(path).unwrap_or_default();
-        if log.contains(needle) {
-            return;
-        }
-        assert!(
-            Instant::now() < end,
-            "{needle:?} not seen in {}:\n{log}",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+        ok_if(log.contains(needle), || log.clone())
+    });
 }
 
 #[test]

@@ -43,18 +43,22 @@ control_planes:
         t.await.unwrap();
     }
     // The connections end just after the clients saw their bytes.
-    let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    let (open, idle, m) = loop {
-        let m = gw.metrics().await;
-        let open = sum_metric(&m, "seedlink_gateway_splice_pipes{state=\"open\"}");
-        let idle = sum_metric(&m, "seedlink_gateway_splice_pipes{state=\"idle\"}");
-        let active = sum_metric(&m, "seedlink_gateway_active_connections");
-        if active == 0.0 && open == idle {
-            break (open, idle, m);
-        }
-        assert!(std::time::Instant::now() < end, "pipes never all idle: {m}");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    };
+    let (open, idle, m) = eventually(
+        "every pipe idle",
+        std::time::Duration::from_secs(10),
+        async || {
+            let m = gw.metrics().await;
+            let open = sum_metric(&m, "seedlink_gateway_splice_pipes{state=\"open\"}");
+            let idle = sum_metric(&m, "seedlink_gateway_splice_pipes{state=\"idle\"}");
+            let active = sum_metric(&m, "seedlink_gateway_active_connections");
+            if active == 0.0 && open == idle {
+                Ok((open, idle, m))
+            } else {
+                Err(m)
+            }
+        },
+    )
+    .await;
     assert!((1.0..=64.0).contains(&open), "open pipes: {m}");
     assert_eq!(open, idle);
     stop.cancel();

@@ -23,11 +23,11 @@ async fn generation(gw: &Gw) -> u64 {
 }
 
 async fn wait_generation(gw: &Gw, want: u64) {
-    let end = Instant::now() + Duration::from_secs(10);
-    while generation(gw).await < want {
-        assert!(Instant::now() < end, "generation never reached {want}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let what = format!("generation {want}");
+    eventually(&what, Duration::from_secs(10), async || {
+        generation(gw).await >= want
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -215,18 +215,18 @@ control_planes:
     let mut open = TcpStream::connect(gw.tls).await.unwrap();
     echo_roundtrip(&mut open, HELLO_ALPHA).await.unwrap();
     gw.signal("TERM");
-    let end = Instant::now() + Duration::from_secs(10);
-    while gw.get("/readyz").await != (503, "draining\n".to_string()) {
-        assert!(Instant::now() < end, "readiness never went false");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("readiness false", Duration::from_secs(10), async || {
+        gw.get("/readyz").await == (503, "draining\n".to_string())
+    })
+    .await;
     // Listeners close on the worker threads right after the phase changes;
     // from then on the kernel refuses new connections.
-    let end = Instant::now() + Duration::from_secs(5);
-    while TcpStream::connect(gw.tls).await.is_ok() {
-        assert!(Instant::now() < end, "a draining gateway must not accept");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        "a draining gateway refuses",
+        Duration::from_secs(10),
+        async || TcpStream::connect(gw.tls).await.is_err(),
+    )
+    .await;
     echo_roundtrip(&mut open, b"still served while draining")
         .await
         .unwrap();
@@ -247,11 +247,10 @@ control_planes:
     let mut open = TcpStream::connect(gw.tls).await.unwrap();
     echo_roundtrip(&mut open, HELLO_ALPHA).await.unwrap();
     gw.signal("TERM");
-    let end = Instant::now() + Duration::from_secs(10);
-    while gw.get("/readyz").await.0 != 503 {
-        assert!(Instant::now() < end);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("readiness false", Duration::from_secs(10), async || {
+        gw.get("/readyz").await.0 == 503
+    })
+    .await;
     gw.signal("TERM");
     assert_eq!(gw.wait_exit(Duration::from_secs(5)), Some(1));
     stop.cancel();
@@ -337,17 +336,11 @@ control_planes: [{{name: a, hostnames: [a.example], endpoints: ['127.0.0.1:9']}}
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let end = std::time::Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(s) = second.try_wait().unwrap() {
-            break s;
-        }
-        if std::time::Instant::now() > end {
-            let _ = second.kill();
-            panic!("the second gateway kept running on a port in use");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = eventually_blocking(
+        "the second gateway to exit (it must not run on a port in use)",
+        Duration::from_secs(20),
+        || second.try_wait().unwrap().ok_or("still running"),
+    );
     let out = second.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(status.code(), Some(1), "{err}");
@@ -537,14 +530,11 @@ control_planes:
             })
         })
         .collect();
-    let before = {
-        let end = Instant::now() + Duration::from_secs(10);
-        while ok.load(Ordering::Relaxed) < 20 {
-            assert!(Instant::now() < end, "no load");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        ok.load(Ordering::Relaxed)
-    };
+    eventually("load", Duration::from_secs(10), async || {
+        ok.load(Ordering::Relaxed) >= 20
+    })
+    .await;
+    let before = ok.load(Ordering::Relaxed);
     let mut new = Gw::start_args(&yaml, &["--upgrade-socket", sock, "--take-over"]);
     assert_eq!(new.tls, old.tls, "the same listening socket");
     assert_eq!(new.admin, old.admin, "the same admin socket");
@@ -564,25 +554,24 @@ control_planes:
         Some(0),
         "the old gateway drains and exits 0"
     );
-    let end = Instant::now() + Duration::from_secs(10);
-    while ok.load(Ordering::Relaxed) < before + 50 {
-        assert!(Instant::now() < end, "load stalled after the upgrade");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually(
+        "load after the upgrade",
+        Duration::from_secs(10),
+        async || ok.load(Ordering::Relaxed) >= before + 50,
+    )
+    .await;
     assert_eq!(new.get("/readyz").await.0, 200);
     // And again: the new process offers the sockets in turn.
     let mut third = Gw::start_args(&yaml, &["--upgrade-socket", sock, "--take-over"]);
     assert_eq!(third.tls, new.tls);
     assert_eq!(new.wait_exit(Duration::from_secs(30)), Some(0));
-    let end = Instant::now() + Duration::from_secs(10);
     let seen = ok.load(Ordering::Relaxed);
-    while ok.load(Ordering::Relaxed) < seen + 50 {
-        assert!(
-            Instant::now() < end,
-            "load stalled after the second upgrade"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually(
+        "load after the second upgrade",
+        Duration::from_secs(10),
+        async || ok.load(Ordering::Relaxed) >= seen + 50,
+    )
+    .await;
     load_stop.cancel();
     for l in load {
         l.await.unwrap();

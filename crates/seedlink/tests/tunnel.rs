@@ -231,10 +231,10 @@ async fn an_agent_authenticated_by_a_serviceaccount_token() {
         &["--service-account-token-path", bad.to_str().unwrap()],
     );
     let admin = server.admin();
-    TunnelEnv::until(
-        Duration::from_secs(10),
+    eventually(
         "the bad token to be refused",
-        || {
+        Duration::from_secs(10),
+        async || {
             env.server_metric(
                 &admin,
                 "seedlink_tunnel_server_agent_streams_total{cluster=\"\",reason=\"bad_token\"}",
@@ -248,7 +248,7 @@ async fn an_agent_authenticated_by_a_serviceaccount_token() {
     );
     // Neither a certificate nor a token: refused.
     let _none = env.agent_bare(&ep, &[]);
-    TunnelEnv::until(Duration::from_secs(10), "the credential-less agent to be refused", || {
+    eventually( "the credential-less agent to be refused",Duration::from_secs(10), async || {
         env.server_metric(&admin, "seedlink_tunnel_server_agent_streams_total{cluster=\"\",reason=\"no_credentials\"}") >= 1.0
     })
     .await;
@@ -256,7 +256,7 @@ async fn an_agent_authenticated_by_a_serviceaccount_token() {
     // disconnects the agent whose token the new key does not verify.
     let rotated = rcgen::KeyPair::generate().unwrap();
     std::fs::write(&keys, rotated.public_key_pem()).unwrap();
-    TunnelEnv::until(Duration::from_secs(15), "the old token's agent to be disconnected", || {
+    eventually( "the old token's agent to be disconnected",Duration::from_secs(15), async || {
         env.server_metric(
             &admin,
             "seedlink_tunnel_server_agent_streams_total{cluster=\"shoot--dev--a\",reason=\"rekeyed\"}",
@@ -356,7 +356,7 @@ async fn agent_tokens_checked_by_tokenreview() {
     let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
     assert!(fetch_hello(s).await.contains("hello from the shoot"));
     let _a2 = env.agent_bare(&ep, &["--service-account-token-path", &good_path]);
-    TunnelEnv::until(Duration::from_secs(10), "the second agent", || {
+    eventually("the second agent", Duration::from_secs(10), async || {
         env.server_metric(&admin, "seedlink_tunnel_server_agents{") >= 2.0
     })
     .await;
@@ -376,18 +376,22 @@ async fn agent_tokens_checked_by_tokenreview() {
     let _a5 = env.agent_bare(&ep, &["--service-account-token-path", &foreign_path]);
     let revoked_path = tok("revoked.token", &revoked);
     let _a6 = env.agent_bare(&ep, &["--service-account-token-path", &revoked_path]);
-    TunnelEnv::until(Duration::from_secs(15), "refusals to be counted", || {
-        let m = |r: &str| {
-            env.server_metric(
-                &admin,
-                &format!(
-                    "seedlink_tunnel_server_agent_streams_total{{cluster=\"\",reason=\"{r}\"}}"
-                ),
-            )
-        };
-        // other SA, foreign issuer, revoked; broken: API server failed.
-        m("bad_token") >= 3.0 && m("token_review_unavailable") >= 1.0
-    })
+    eventually(
+        "refusals to be counted",
+        Duration::from_secs(15),
+        async || {
+            let m = |r: &str| {
+                env.server_metric(
+                    &admin,
+                    &format!(
+                        "seedlink_tunnel_server_agent_streams_total{{cluster=\"\",reason=\"{r}\"}}"
+                    ),
+                )
+            };
+            // other SA, foreign issuer, revoked; broken: API server failed.
+            m("bad_token") >= 3.0 && m("token_review_unavailable") >= 1.0
+        },
+    )
     .await;
     // Another ServiceAccount's token says so in its claims: refused before
     // a review, so forged tokens cannot spend the cluster's review budget.
@@ -559,9 +563,11 @@ async fn replica_discovery_probes_close_cleanly_and_are_counted_as_duplicates() 
             ),
         )
     };
-    TunnelEnv::until(Duration::from_secs(20), "five discovery probes", || {
-        streams("duplicate") >= 5.0
-    })
+    eventually(
+        "five discovery probes",
+        Duration::from_secs(20),
+        async || streams("duplicate") >= 5.0,
+    )
     .await;
     assert_eq!(streams("stream_error"), 0.0);
     assert_eq!(streams("closed"), 0.0);
@@ -688,7 +694,7 @@ async fn the_agent_leaves_through_a_corporate_egress_proxy() {
             bad.to_str().unwrap(),
         ],
     );
-    TunnelEnv::until(Duration::from_secs(20), "the refusal to be counted", || {
+    eventually( "the refusal to be counted",Duration::from_secs(20), async || {
         env.agent_metric(
             &refused.admin(),
             "seedlink_tunnel_agent_server_connect_errors_total{outcome=\"egress_proxy_auth_failed\"}",

@@ -66,7 +66,7 @@ async fn agent_returns_after_a_server_restart() {
     // The agent notices and fails to reconnect (backing off, cap 2 s in the
     // test bed) while the server is down.
     let errors = "seedlink_tunnel_agent_server_connects_total{outcome=\"error\"}";
-    TunnelEnv::until(Duration::from_secs(20), "reconnects to fail", || {
+    eventually("reconnects to fail", Duration::from_secs(20), async || {
         env.agent_metric(&agent.admin(), errors) >= 2.0
     })
     .await;
@@ -102,10 +102,14 @@ async fn agent_holds_a_stream_to_each_replica_behind_haproxy() {
     let lb = env.agent_endpoint(8132);
     let _lb = haproxy_lb(Some(&env.seed), env.dir.path(), &lb, &[a, b], false);
     let agent = env.agent(&lb, &[]);
-    TunnelEnv::until(Duration::from_secs(15), "a stream to both replicas", || {
-        env.server_metric(&s1.admin(), AGENTS) == 1.0
-            && env.server_metric(&s2.admin(), AGENTS) == 1.0
-    })
+    eventually(
+        "a stream to both replicas",
+        Duration::from_secs(15),
+        async || {
+            env.server_metric(&s1.admin(), AGENTS) == 1.0
+                && env.server_metric(&s2.admin(), AGENTS) == 1.0
+        },
+    )
     .await;
     for sock in ["-1", "-2"] {
         let path = env.socket(sock).display().to_string();
@@ -124,10 +128,10 @@ async fn agent_holds_a_stream_to_each_replica_behind_haproxy() {
     );
     // One replica gone: no longer ready (one of two), still serving.
     drop(s2);
-    TunnelEnv::until(
-        Duration::from_secs(15),
+    eventually(
         "unready with a replica gone",
-        || {
+        Duration::from_secs(15),
+        async || {
             let r = TunnelEnv::admin_get(&env.shoot, &agent.admin(), "/readyz");
             r.contains("failed") && r.contains("1 of 2")
         },
@@ -148,15 +152,17 @@ async fn a_dial_cancelled_while_the_agent_connects_is_cancelled_on_the_agent() {
     s.write_all(b"CONNECT 127.0.0.1:7009 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         .await
         .unwrap();
-    TunnelEnv::until(Duration::from_secs(10), "the dial to be pending", || {
-        env.server_metric(&server.admin(), "seedlink_tunnel_server_pending_dials{") == 1.0
-    })
+    eventually(
+        "the dial to be pending",
+        Duration::from_secs(10),
+        async || env.server_metric(&server.admin(), "seedlink_tunnel_server_pending_dials{") == 1.0,
+    )
     .await;
     drop(s); // kube-apiserver gives up
-    TunnelEnv::until(
-        Duration::from_secs(5),
+    eventually(
         "the agent to cancel its dial",
-        || {
+        Duration::from_secs(5),
+        async || {
             env.agent_metric(
                 &agent.admin(),
                 "seedlink_tunnel_agent_dials_total{outcome=\"cancelled\"}",
@@ -184,9 +190,11 @@ async fn a_dial_cancelled_while_the_agent_connects_is_cancelled_on_the_agent() {
             (t, Instant::now())
         }
     });
-    TunnelEnv::until(Duration::from_secs(5), "the dial to be pending", || {
-        env.server_metric(&server.admin(), "seedlink_tunnel_server_pending_dials{") == 1.0
-    })
+    eventually(
+        "the dial to be pending",
+        Duration::from_secs(5),
+        async || env.server_metric(&server.admin(), "seedlink_tunnel_server_pending_dials{") == 1.0,
+    )
     .await;
     let mut agent = agent;
     let killed = Instant::now();
@@ -209,16 +217,20 @@ async fn a_thousand_open_close_cycles_leave_nothing_behind() {
     let agent = env.agent(&ep, &[]);
     let _ = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(20)).await;
     let settle = || async {
-        TunnelEnv::until(Duration::from_secs(10), "connections to drain", || {
-            env.server_metric(
-                &server.admin(),
-                "seedlink_tunnel_server_established_connections{",
-            ) == 0.0
-                && env.agent_metric(
-                    &agent.admin(),
-                    "seedlink_tunnel_agent_open_endpoint_connections",
+        eventually(
+            "connections to drain",
+            Duration::from_secs(10),
+            async || {
+                env.server_metric(
+                    &server.admin(),
+                    "seedlink_tunnel_server_established_connections{",
                 ) == 0.0
-        })
+                    && env.agent_metric(
+                        &agent.admin(),
+                        "seedlink_tunnel_agent_open_endpoint_connections",
+                    ) == 0.0
+            },
+        )
         .await;
     };
     settle().await;
@@ -242,10 +254,10 @@ async fn a_thousand_open_close_cycles_leave_nothing_behind() {
     settle().await;
     let ok = env.server_metric(&server.admin(), "seedlink_tunnel_server_dials_total{");
     assert!(ok >= 1000.0, "{ok}");
-    TunnelEnv::until(
-        Duration::from_secs(10),
+    eventually(
         "fds and tasks back to their start values",
-        || {
+        Duration::from_secs(10),
+        async || {
             fd_count(server.pid()) <= srv_fds
                 && fd_count(agent.pid()) <= agent_fds
                 && env.server_metric(&server.admin(), "seedlink_tunnel_server_tasks") <= tasks
@@ -312,10 +324,10 @@ async fn a_stalled_frontend_is_closed_alone_over_the_standard_protocol() {
             &format!("seedlink_tunnel_server_frontend_connections_total{{cluster=\"shoot--dev--a\",frontend=\"uds\",outcome=\"{o}\"}}"),
         )
     };
-    TunnelEnv::until(
-        Duration::from_secs(10),
+    eventually(
         "the stalled connection to close",
-        || m("stalled") + m("aborted") >= 1.0,
+        Duration::from_secs(10),
+        async || m("stalled") + m("aborted") >= 1.0,
     )
     .await;
     assert_eq!(
@@ -418,10 +430,10 @@ async fn a_malicious_agent_cannot_touch_other_agents_connections() {
     assert!(unrec >= 60.0, "{unrec}");
     let unexpected = env.server_metric(&server.admin(), "seedlink_tunnel_server_agent_packets_total{cluster=\"shoot--dev--a\",reason=\"unexpected\"}");
     assert!(unexpected >= 1.0, "{unexpected}");
-    TunnelEnv::until(
-        Duration::from_secs(10),
+    eventually(
         "only the real agent to remain",
-        || env.server_metric(&server.admin(), AGENTS) == 1.0,
+        Duration::from_secs(10),
+        async || env.server_metric(&server.admin(), AGENTS) == 1.0,
     )
     .await;
     // New dials still work (they may only land on the real agent now).
@@ -443,7 +455,7 @@ async fn server_drain_lets_open_connections_finish() {
     echo_rtt(&mut echo, 100).await;
     signal(server.pid(), "-TERM");
     let admin = server.admin();
-    TunnelEnv::until(Duration::from_secs(5), "readiness to drop", || {
+    eventually("readiness to drop", Duration::from_secs(5), async || {
         TunnelEnv::admin_get(&env.seed, &admin, "/readyz").starts_with("draining")
     })
     .await;
@@ -478,20 +490,20 @@ async fn a_draining_agent_gets_no_new_dials() {
     let server = env.server(&env.server_yaml(&ep, "", ""), "server");
     let mut a = env.agent(&ep, &["--agent-id", "a", "--drain", "3"]);
     let b = env.agent(&ep, &["--agent-id", "b"]);
-    TunnelEnv::until(Duration::from_secs(15), "two agents", || {
+    eventually("two agents", Duration::from_secs(15), async || {
         env.server_metric(&server.admin(), "seedlink_tunnel_server_agents{") == 2.0
     })
     .await;
     signal(a.pid(), "-TERM");
-    TunnelEnv::until(Duration::from_secs(5), "the DRAIN to arrive", || {
+    eventually("the DRAIN to arrive", Duration::from_secs(5), async || {
         TunnelEnv::admin_get(&env.shoot, &a.admin(), "/readyz").contains("failed")
     })
     .await;
     let admin = server.admin();
-    TunnelEnv::until(
-        Duration::from_secs(5),
+    eventually(
         "the server to mark it draining",
-        || TunnelEnv::admin_get(&env.seed, &admin, "/readyz").contains("draining=1"),
+        Duration::from_secs(5),
+        async || TunnelEnv::admin_get(&env.seed, &admin, "/readyz").contains("draining=1"),
     )
     .await;
     let ok = "seedlink_tunnel_agent_dials_total{outcome=\"ok\"}";
@@ -589,7 +601,7 @@ except ConnectionResetError:
             &format!("seedlink_tunnel_server_frontend_aborts_total{{cluster=\"shoot--dev--a\",reason=\"{signal}\"}}"),
         )
     };
-    TunnelEnv::until(Duration::from_secs(10), "both aborts counted", || {
+    eventually("both aborts counted", Duration::from_secs(10), async || {
         m("reset") >= 1.0 && m("eof") >= 1.0
     })
     .await;
@@ -618,16 +630,16 @@ async fn after_a_partition_heals_the_agent_is_back_within_seconds() {
         env.shoot.run(&args);
     };
     ipt("-A");
-    TunnelEnv::until(
-        Duration::from_secs(15),
+    eventually(
         "the server to drop the agent",
-        || env.server_metric(&server.admin(), AGENTS) == 0.0,
+        Duration::from_secs(15),
+        async || env.server_metric(&server.admin(), AGENTS) == 0.0,
     )
     .await;
     tokio::time::sleep(Duration::from_secs(20)).await; // the partition itself
     ipt("-D");
     let healed = Instant::now();
-    TunnelEnv::until(Duration::from_secs(20), "the agent to return", || {
+    eventually("the agent to return", Duration::from_secs(20), async || {
         env.server_metric(&server.admin(), AGENTS) >= 1.0
     })
     .await;
@@ -661,7 +673,7 @@ async fn dials_avoid_a_frozen_agent_and_fail_fast_when_all_are() {
     let server = env.server(&yaml, "server");
     let a = env.agent(&ep, &["--agent-id", "a"]);
     let b = env.agent(&ep, &["--agent-id", "b"]);
-    TunnelEnv::until(Duration::from_secs(15), "two agents", || {
+    eventually("two agents", Duration::from_secs(15), async || {
         env.server_metric(&server.admin(), AGENTS) == 2.0
     })
     .await;
@@ -738,11 +750,15 @@ async fn a_rolling_restart_fails_no_dial_and_keeps_open_tunnels() {
     let replicas: Vec<String> = old_ep.iter().chain(&new_ep).cloned().collect();
     let _lb = haproxy_lb(Some(&env.seed), env.dir.path(), &lb, &replicas, true);
     let _agent = env.agent(&lb, &[]);
-    TunnelEnv::until(Duration::from_secs(30), "a stream to every replica", || {
-        old.iter()
-            .flatten()
-            .all(|s| env.server_metric(&s.admin(), AGENTS) == 1.0)
-    })
+    eventually(
+        "a stream to every replica",
+        Duration::from_secs(30),
+        async || {
+            old.iter()
+                .flatten()
+                .all(|s| env.server_metric(&s.admin(), AGENTS) == 1.0)
+        },
+    )
     .await;
 
     // The frontends' endpoints (what kube-proxy would send kube-apiserver's
@@ -777,10 +793,10 @@ async fn a_rolling_restart_fails_no_dial_and_keeps_open_tunnels() {
             format!("new-{i}")
         };
         let replacement = start(&new_ep[i], &id, &format!("-new-{i}"));
-        TunnelEnv::until(
-            Duration::from_secs(20),
+        eventually(
             "the agent joins the replacement",
-            || env.server_metric(&replacement.admin(), AGENTS) == 1.0,
+            Duration::from_secs(20),
+            async || env.server_metric(&replacement.admin(), AGENTS) == 1.0,
         )
         .await;
         assert!(
@@ -824,7 +840,7 @@ async fn a_tunnel_server_binary_upgrade_fails_no_dial_and_keeps_open_tunnels() {
         &["--drain", "60", "--upgrade-socket", &upgrade],
     );
     let agent = env.agent(&ep, &[]);
-    TunnelEnv::until(Duration::from_secs(30), "the agent connects", || {
+    eventually("the agent connects", Duration::from_secs(30), async || {
         env.server_metric(&current.admin(), AGENTS) == 1.0
     })
     .await;
@@ -856,10 +872,10 @@ async fn a_tunnel_server_binary_upgrade_fails_no_dial_and_keeps_open_tunnels() {
         );
         assert_eq!(next.ready["agents"], current.ready["agents"]);
         let mut old = std::mem::replace(&mut current, next);
-        TunnelEnv::until(
-            Duration::from_secs(20),
+        eventually(
             "the agent holds the new process",
-            || env.server_metric(&current.admin(), AGENTS) == 1.0,
+            Duration::from_secs(20),
+            async || env.server_metric(&current.admin(), AGENTS) == 1.0,
         )
         .await;
         assert!(
@@ -896,7 +912,7 @@ async fn a_tunnel_server_upgrade_that_fails_midway_leaves_the_old_one_serving() 
     );
     let agent = env.agent(&ep, &[]);
     let agent_ready = || TunnelEnv::admin_get(&env.shoot, &agent.admin(), "/readyz");
-    TunnelEnv::until(Duration::from_secs(30), "the agent is ready", || {
+    eventually("the agent is ready", Duration::from_secs(30), async || {
         agent_ready().starts_with("server streams: 1 of 1")
     })
     .await;
@@ -922,25 +938,25 @@ async fn a_tunnel_server_upgrade_that_fails_midway_leaves_the_old_one_serving() 
             .unwrap(),
     );
     // Only the old process can say so (the admin socket is shared).
-    TunnelEnv::until(
-        Duration::from_secs(20),
+    eventually(
         "the old process moves its agents",
-        || moving() == true,
+        Duration::from_secs(20),
+        async || moving() == true,
     )
     .await;
     signal(next.0.id(), "-KILL");
     let _ = next.0.wait();
-    TunnelEnv::until(
-        Duration::from_secs(20),
+    eventually(
         "the old process takes agents again",
-        || moving() == false,
+        Duration::from_secs(20),
+        async || moving() == false,
     )
     .await;
     signal(agent.pid(), "-CONT");
-    TunnelEnv::until(
-        Duration::from_secs(30),
+    eventually(
         "the agent is back and ready",
-        || agent_ready().starts_with("server streams: 1 of 1"),
+        Duration::from_secs(30),
+        async || agent_ready().starts_with("server streams: 1 of 1"),
     )
     .await;
     let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(10)).await;

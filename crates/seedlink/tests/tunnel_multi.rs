@@ -127,7 +127,7 @@ async fn three_clusters_each_reach_only_their_own_shoot() {
             &format!("seedlink_tunnel_server_agents{{cluster=\"{cl}\"}}"),
         )
     };
-    TunnelEnv::until(Duration::from_secs(20), "all agents", || {
+    eventually("all agents", Duration::from_secs(20), async || {
         agents_of(A) == 3.0 && agents_of("b") == 2.0 && agents_of("c") == 2.0
     })
     .await;
@@ -232,7 +232,7 @@ async fn per_cluster_limits_refuse_and_count_without_touching_others() {
         .map(|i| c.agent(&env, &["--agent-id", &format!("c{i}")]))
         .collect();
     let m = |name: &str| env.server_metric(&admin, name);
-    TunnelEnv::until(Duration::from_secs(20), "agents, one of C's refused", || {
+    eventually( "agents, one of C's refused",Duration::from_secs(20), async || {
         m("seedlink_tunnel_server_agents{cluster=\"shoot--dev--a\"}") == 1.0
             && m("seedlink_tunnel_server_agents{cluster=\"b\"}") == 1.0
             && m("seedlink_tunnel_server_agents{cluster=\"c\"}") == 1.0
@@ -265,7 +265,7 @@ async fn per_cluster_limits_refuse_and_count_without_touching_others() {
         echo_rtt(s, 64).await;
     }
     drop(held.pop());
-    TunnelEnv::until(Duration::from_secs(5), "B's slot to free", || {
+    eventually("B's slot to free", Duration::from_secs(5), async || {
         m("seedlink_tunnel_server_established_connections{cluster=\"b\"}") == 2.0
     })
     .await;
@@ -450,18 +450,22 @@ scrape_configs:
         ("a-listener", "127.0.0.1:8000", 1.0),
         ("wrong-password", "127.0.0.1:8000", 0.0),
     ];
-    let end = std::time::Instant::now() + Duration::from_secs(40);
-    let last = loop {
-        let now = query("up");
-        let all = want_up
-            .iter()
-            .all(|(j, i, v)| now.iter().any(|(lj, li, lv)| lj == j && li == i && lv == v));
-        if all {
-            break now;
-        }
-        assert!(std::time::Instant::now() < end, "Prometheus `up`: {now:?}");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    let last = eventually(
+        "Prometheus `up` as expected",
+        Duration::from_secs(40),
+        async || {
+            let now = query("up");
+            let all = want_up
+                .iter()
+                .all(|(j, i, v)| now.iter().any(|(lj, li, lv)| lj == j && li == i && lv == v));
+            if all {
+                Ok(now)
+            } else {
+                Err(format!("{now:?}"))
+            }
+        },
+    )
+    .await;
     assert_eq!(last.len(), want_up.len(), "{last:?}");
     // Each cluster's own value: the right shoot was scraped.
     let values = query("shoot_value");
@@ -586,7 +590,7 @@ async fn reload_adds_rekeys_and_removes_clusters_under_load() {
     let reloads = |want: f64| {
         let m = &m;
         async move {
-            TunnelEnv::until(Duration::from_secs(15), "a reload", || {
+            eventually("a reload", Duration::from_secs(15), async || {
                 m("seedlink_tunnel_server_config_reloads_total{reason=\"ok\"}") >= want
             })
             .await;
@@ -610,10 +614,10 @@ async fn reload_adds_rekeys_and_removes_clusters_under_load() {
     std::fs::write(bd.join("agent2-key.pem"), &fresh.client.key_pem).unwrap();
     write_atomic(&bd.join("agent-ca.pem"), &fresh.ca_pem);
     reloads(2.0).await;
-    TunnelEnv::until(
-        Duration::from_secs(10),
+    eventually(
         "B's old agent to be disconnected",
-        || {
+        Duration::from_secs(10),
+        async || {
             m("seedlink_tunnel_server_agent_streams_total{cluster=\"b\",reason=\"rekeyed\"}") >= 1.0
                 && m("seedlink_tunnel_server_agents{cluster=\"b\"}") == 0.0
         },
@@ -639,7 +643,7 @@ async fn reload_adds_rekeys_and_removes_clusters_under_load() {
     write_atomic(&cfg_path, &format!("{base}{}", b.yaml(&env)));
     signal_hup(server.pid());
     reloads(3.0).await;
-    TunnelEnv::until(Duration::from_secs(10), "C's agent to be disconnected", || {
+    eventually( "C's agent to be disconnected",Duration::from_secs(10), async || {
         m("seedlink_tunnel_server_agent_streams_total{cluster=\"c\",reason=\"cluster_removed\"}")
             >= 1.0
     })
@@ -683,7 +687,7 @@ async fn a_broken_reload_changes_nothing() {
         &good.replace(&env.files.agent_ca, "/nonexistent/ca.pem"),
     );
     signal_hup(server.pid());
-    TunnelEnv::until(Duration::from_secs(15), "the refused reload", || {
+    eventually("the refused reload", Duration::from_secs(15), async || {
         env.server_metric(
             &admin,
             "seedlink_tunnel_server_config_reloads_total{reason=\"error\"}",
@@ -743,7 +747,7 @@ control_planes:
         .map(|i| env.agent(&env.agent_endpoint(8443), &["--agent-id", &format!("a{i}")]))
         .collect();
     let _b = b.agent(&env, &[]);
-    TunnelEnv::until(Duration::from_secs(20), "all agents", || {
+    eventually("all agents", Duration::from_secs(20), async || {
         m("seedlink_tunnel_server_agents{cluster=\"shoot--dev--a\"}") == 2.0
             && m("seedlink_tunnel_server_agents{cluster=\"b\"}") == 1.0
     })
@@ -754,9 +758,11 @@ control_planes:
     echo_rtt(&mut b_echo, 64).await;
 
     drop(gw); // SIGKILL
-    TunnelEnv::until(Duration::from_secs(20), "A's agent streams to end", || {
-        m("seedlink_tunnel_server_agents{cluster=\"shoot--dev--a\"}") == 0.0
-    })
+    eventually(
+        "A's agent streams to end",
+        Duration::from_secs(20),
+        async || m("seedlink_tunnel_server_agents{cluster=\"shoot--dev--a\"}") == 0.0,
+    )
     .await;
     echo_rtt(&mut b_echo, 4096).await;
     assert_eq!(m("seedlink_tunnel_server_agents{cluster=\"b\"}"), 1.0);
@@ -764,7 +770,7 @@ control_planes:
     let t0 = std::time::Instant::now();
     let _gw = env.gateway(&cfg);
     // The agents' back-off is capped at 2 s in the test bed.
-    TunnelEnv::until(Duration::from_secs(10), "A's agents back", || {
+    eventually("A's agents back", Duration::from_secs(10), async || {
         m("seedlink_tunnel_server_agents{cluster=\"shoot--dev--a\"}") == 2.0
     })
     .await;
@@ -962,7 +968,7 @@ control_planes:
     let body = via_gateway("outbound|8000||shoot.b.svc.cluster.local");
     assert!(body.contains("hello from b"), "{body:?}");
     let tunnel_admin = ready["tunnel"]["admin"].as_str().unwrap().to_string();
-    TunnelEnv::until(Duration::from_secs(10), "the gateway CONNECT counted", || {
+    eventually( "the gateway CONNECT counted",Duration::from_secs(10), async || {
         env.server_metric(
             &tunnel_admin,
             "seedlink_tunnel_server_frontend_connections_total{cluster=\"b\",frontend=\"gateway\",outcome=\"ok\"}",

@@ -393,21 +393,18 @@ impl KubeApi {
     /// Waits for /readyz, then installs the CRDs (if asked) and waits until
     /// they serve.
     async fn bootstrap(&self, crds: bool) {
-        let end = Instant::now() + Duration::from_secs(60);
-        let client = loop {
-            if let Ok(c) = self.client().await {
-                let req = http::Request::get("/readyz").body(Vec::new()).unwrap();
-                if c.request_text(req).await.is_ok_and(|t| t.trim() == "ok") {
-                    break c;
-                }
+        let log = self.dir.join("kube-apiserver.log");
+        let what = format!("kube-apiserver ready (its log: {})", log.display());
+        let client = crate::eventually(&what, Duration::from_secs(60), async || {
+            let c = self.client().await.map_err(|e| e.to_string())?;
+            let req = http::Request::get("/readyz").body(Vec::new()).unwrap();
+            match c.request_text(req).await {
+                Ok(t) if t.trim() == "ok" => Ok(c),
+                Ok(t) => Err(t),
+                Err(e) => Err(e.to_string()),
             }
-            assert!(
-                Instant::now() < end,
-                "kube-apiserver not ready within 60 s: see {}",
-                self.dir.join("kube-apiserver.log").display()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        };
+        })
+        .await;
         if !crds {
             return;
         }
@@ -436,10 +433,9 @@ impl KubeApi {
         let api: Api<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> =
             Api::all(client.clone());
         for name in crds {
-            let end = Instant::now() + Duration::from_secs(30);
-            loop {
-                let established = api
-                    .get(&name)
+            let what = format!("CRD {name} established");
+            crate::eventually(&what, Duration::from_secs(30), async || {
+                api.get(&name)
                     .await
                     .ok()
                     .and_then(|c| c.status)
@@ -448,13 +444,9 @@ impl KubeApi {
                             .iter()
                             .flatten()
                             .any(|c| c.type_ == "Established" && c.status == "True")
-                    });
-                if established {
-                    break;
-                }
-                assert!(Instant::now() < end, "CRD {name} not established");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+                    })
+            })
+            .await;
         }
     }
 

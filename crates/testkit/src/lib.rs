@@ -6,9 +6,12 @@
 //! by sleeping blindly.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod eventually;
 pub mod faults;
 pub mod kubeapi;
 pub mod tunnel_env;
+
+pub use eventually::{eventually, eventually_blocking, ok_if};
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -197,19 +200,12 @@ impl Gw {
 
     /// Polls until `metric(prefix) >= want`, for at most 10 s.
     pub async fn wait_metric(&self, prefix: &str, want: f64) {
-        let end = Instant::now() + Duration::from_secs(10);
-        loop {
-            let v = self.metric(prefix).await;
-            if v >= want {
-                return;
-            }
-            assert!(
-                Instant::now() < end,
-                "metric {prefix} stayed at {v}, wanted {want}\n{}",
-                self.metrics().await
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let what = format!("metric {prefix} at {want}");
+        eventually(&what, Duration::from_secs(10), async || {
+            let m = self.metrics().await;
+            ok_if(sum_metric(&m, prefix) >= want, || m.clone())
+        })
+        .await;
     }
 
     /// Waits for the process to exit, at most `limit`.
@@ -383,11 +379,11 @@ pub fn free_port() -> u16 {
 
 /// Polls until something accepts connections on `addr` (at most 10 s).
 pub async fn wait_listening(addr: SocketAddr) {
-    let end = Instant::now() + Duration::from_secs(10);
-    while TcpStream::connect(addr).await.is_err() {
-        assert!(Instant::now() < end, "nothing listening on {addr}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let what = format!("something listening on {addr}");
+    eventually(&what, Duration::from_secs(10), async || {
+        TcpStream::connect(addr).await.is_ok()
+    })
+    .await;
 }
 
 /// Fails loudly when a required external tool is missing (never skips).

@@ -335,18 +335,6 @@ clusters:
         super::sum_metric(&Self::admin_get(&self.shoot, admin, "/metrics"), prefix)
     }
 
-    /// Waits (≤ `limit`) until `f` holds.
-    pub async fn until(limit: Duration, what: &str, mut f: impl FnMut() -> bool) {
-        let end = std::time::Instant::now() + limit;
-        while !f() {
-            assert!(
-                std::time::Instant::now() < end,
-                "timed out waiting for {what}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
     /// A server configuration whose cluster trusts ServiceAccount tokens of
     /// issuer `https://issuer.shoot` (key written to `sa.pub`) instead of an
     /// agent CA; returns it with the issuer's key.
@@ -404,16 +392,7 @@ pub async fn kas_connect(uds: &str, target: &str) -> Result<UnixStream, String> 
 
 /// Retries [`kas_connect`] until it works (agents connect asynchronously).
 pub async fn kas_connect_eventually(uds: &str, target: &str, limit: Duration) -> UnixStream {
-    let end = std::time::Instant::now() + limit;
-    loop {
-        match kas_connect(uds, target).await {
-            Ok(s) => return s,
-            Err(e) => {
-                assert!(std::time::Instant::now() < end, "tunnel never worked: {e}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
+    crate::eventually("a tunnel", limit, async || kas_connect(uds, target).await).await
 }
 
 /// One echo round trip of `n` bytes; returns its duration.
@@ -758,14 +737,11 @@ pub async fn echo_exact(s: &mut UnixStream) {
 
 /// Waits (up to 30 s) for `p` to exit; its exit code.
 pub async fn exit_code(p: &mut Proc, what: &str) -> Option<i32> {
-    let end = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(st) = p.0.try_wait().unwrap() {
-            return st.code();
-        }
-        assert!(std::time::Instant::now() < end, "{what} did not exit");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let what = format!("{what} to exit");
+    crate::eventually(&what, Duration::from_secs(30), async || {
+        p.0.try_wait().unwrap().map(|st| st.code()).ok_or("running")
+    })
+    .await
 }
 
 /// A loop of dials through the tunnel: each an HTTP CONNECT over the Unix
@@ -824,7 +800,10 @@ impl Dials {
     /// Waits (up to 20 s) for `n` more dials to be served.
     pub async fn more(&self, n: u64, what: &str) {
         let seen = self.ok();
-        TunnelEnv::until(Duration::from_secs(20), what, || self.ok() >= seen + n).await;
+        crate::eventually(what, Duration::from_secs(20), async || {
+            self.ok() >= seen + n
+        })
+        .await;
     }
 
     /// Stops the loop: (served, failed).
