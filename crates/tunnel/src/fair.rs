@@ -79,7 +79,7 @@ impl FairQueue {
 
     /// Queues a control packet (dial, close, window update); never waits.
     pub fn control(&self, p: Packet) -> Result<(), Closed> {
-        let mut g = crate::sync::lock(&self.inner, "fair queue");
+        let mut g = seedlink_net::sync::lock(&self.inner, "fair queue");
         if g.closed {
             return Err(Closed);
         }
@@ -93,11 +93,11 @@ impl FairQueue {
     /// Whether the queue was closed because its peer made it queue more
     /// than [`MAX_CONTROL`] control packets.
     pub fn overflowed(&self) -> bool {
-        crate::sync::lock(&self.inner, "fair queue").overflowed
+        seedlink_net::sync::lock(&self.inner, "fair queue").overflowed
     }
 
     fn room_for(&self, id: i64) -> Result<Arc<Semaphore>, Closed> {
-        let mut g = crate::sync::lock(&self.inner, "fair queue");
+        let mut g = seedlink_net::sync::lock(&self.inner, "fair queue");
         if g.closed {
             return Err(Closed);
         }
@@ -118,7 +118,7 @@ impl FairQueue {
         let room = self.room_for(id)?;
         let permit = room.acquire().await.map_err(|_| Closed)?;
         permit.forget();
-        let mut g = crate::sync::lock(&self.inner, "fair queue");
+        let mut g = seedlink_net::sync::lock(&self.inner, "fair queue");
         if g.closed {
             return Err(Closed);
         }
@@ -139,7 +139,7 @@ impl FairQueue {
     /// sent after the DATA it already queued, never before; then the
     /// connection's entry is removed. Without `last` only the entry goes.
     pub fn finish(&self, id: i64, last: Option<Packet>) {
-        let mut g = crate::sync::lock(&self.inner, "fair queue");
+        let mut g = seedlink_net::sync::lock(&self.inner, "fair queue");
         if g.closed {
             return;
         }
@@ -163,18 +163,20 @@ impl FairQueue {
 
     /// Connections with an entry (for leak checks).
     pub fn conn_entries(&self) -> usize {
-        crate::sync::lock(&self.inner, "fair queue").conns.len()
+        seedlink_net::sync::lock(&self.inner, "fair queue")
+            .conns
+            .len()
     }
 
     /// Ends the queue: senders fail, [`FairQueue::next`] returns `None`.
     pub fn close(&self) {
-        crate::sync::lock(&self.inner, "fair queue").shut();
+        seedlink_net::sync::lock(&self.inner, "fair queue").shut();
         self.ready.notify_waiters();
         self.ready.notify_one();
     }
 
     fn pop(&self) -> Option<Option<Packet>> {
-        let mut g = crate::sync::lock(&self.inner, "fair queue");
+        let mut g = seedlink_net::sync::lock(&self.inner, "fair queue");
         if let Some(p) = g.control.pop_front() {
             return Some(Some(p));
         }

@@ -15,7 +15,6 @@ pub mod queue;
 pub mod server;
 pub mod socks5;
 pub mod tap;
-pub(crate) use seedlink_net::sync;
 pub mod tls;
 pub mod token;
 pub mod tokenerror;

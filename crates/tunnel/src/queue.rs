@@ -261,7 +261,7 @@ impl QueueTx {
             self.shared.queued.fetch_sub(n, Ordering::AcqRel);
             return Err(PushError::Full(data));
         }
-        crate::sync::lock(&self.shared.items, "connection queue").push_back(data);
+        seedlink_net::sync::lock(&self.shared.items, "connection queue").push_back(data);
         self.shared.ready.notify_one();
         Ok(())
     }
@@ -327,7 +327,7 @@ impl QueueRx {
             if self.shared.aborted.load(Ordering::Acquire) {
                 return Recv::Aborted;
             }
-            let item = crate::sync::lock(&self.shared.items, "connection queue").pop_front();
+            let item = seedlink_net::sync::lock(&self.shared.items, "connection queue").pop_front();
             if let Some(data) = item {
                 self.shared.took(data.len());
                 self.shared.drained.notify_one();
@@ -336,7 +336,8 @@ impl QueueRx {
             if self.shared.closed.load(Ordering::Acquire) {
                 // Closed after the last push: re-check once for a push that
                 // raced with the close.
-                let item = crate::sync::lock(&self.shared.items, "connection queue").pop_front();
+                let item =
+                    seedlink_net::sync::lock(&self.shared.items, "connection queue").pop_front();
                 return match item {
                     Some(data) => {
                         self.shared.took(data.len());

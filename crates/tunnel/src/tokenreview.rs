@@ -184,7 +184,7 @@ impl TokenReviewer {
     ) -> Result<(), TokenError> {
         let now = Instant::now();
         for cache in [&self.cache, &self.refused] {
-            let cache = crate::sync::lock(cache, "token review cache");
+            let cache = seedlink_net::sync::lock(cache, "token review cache");
             if let Some((until, answer)) = cache.get(token) {
                 if *until > now {
                     self.count("cached");
@@ -231,7 +231,7 @@ impl TokenReviewer {
         if let Some(ttl) = ttl.filter(|t| !t.is_zero()) {
             let accepted = answer.is_ok();
             let map = if accepted { &self.cache } else { &self.refused };
-            let mut cache = crate::sync::lock(map, "token review cache");
+            let mut cache = seedlink_net::sync::lock(map, "token review cache");
             if cache.len() >= CACHE_MAX {
                 cache.retain(|_, (until, _)| *until > now);
             }

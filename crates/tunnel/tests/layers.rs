@@ -1,18 +1,31 @@
-//! The tunnel crate's module layers, enforced: every `crate::…` (and, inside
-//! `server/` and `agent/`, `super::…`) reference in the sources must point
-//! to a lower layer or to its own, and a few modules are held to stricter
-//! rules (the sans-IO link machines; the server's connection handlers never
-//! reach up into `run`). docs/ARCHITECTURE.md draws the same graph.
+//! The tunnel crate's module layers, enforced over the module graph read
+//! by `seedlink-layering` (syn): every reference, in `use` trees and in
+//! code, by `crate::`, `super::`, `self::` or a child's name. The rules
+//! (docs/ARCHITECTURE.md, "Layers"):
+//! 1. a top-level module uses its own layer or lower, and the top-level
+//!    modules have no cycle;
+//! 2. the link machines (`server::link`, `agent::link`) and everything they
+//!    reach are sans-IO: no tokio, no locks, no sockets or files, no clock;
+//! 3. the server's connection handlers never reach `server::run`, and the
+//!    server's modules have no cycle;
+//! 4. neither role reaches the other; the agent does not use the server's
+//!    configuration.
+//!
+//! `each_rule_catches_an_injected_violation` shows that every rule fails
+//! on a violation put into a copy of the real graph.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use seedlink_layering::{cycles, Graph};
 
 /// Layer of a top-level module; a module may use its own layer and lower.
 fn layer(module: &str) -> Option<u8> {
     Some(match module {
+        // The crate root (re-exports only).
+        "" => 9,
         // Shared helpers re-exported from seedlink-net; the read tap under
-        // the GOAWAY sniffer and the agents' activity stamps.
+        // the GOAWAY sniffer.
         "sync" | "tap" => 0,
         // Wire: messages, gRPC framing, authority, HTTP/2 GOAWAY sniffing,
         // dial-failure texts, SOCKS5 reply codes.
@@ -29,167 +42,177 @@ fn layer(module: &str) -> Option<u8> {
     })
 }
 
-fn sources(dir: &Path, out: &mut Vec<PathBuf>) {
-    for e in std::fs::read_dir(dir).unwrap() {
-        let p = e.unwrap().path();
-        if p.is_dir() {
-            sources(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
+fn top(m: &str) -> Option<String> {
+    Some(m.split("::").next().unwrap_or("").to_string())
 }
 
-/// Identifiers following `prefix` in `text` (e.g. `crate::` → `proto`).
-fn refs(text: &str, prefix: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    let mut rest = text;
-    while let Some(i) = rest.find(prefix) {
-        let after = &rest[i + prefix.len()..];
-        let name: String = after
-            .chars()
-            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-            .collect();
-        if !name.is_empty() {
-            out.insert(name);
+/// The server's own modules (`server::x`, the server root as `server`).
+fn server_unit(m: &str) -> Option<String> {
+    let rest = m.strip_prefix("server")?;
+    Some(match rest.strip_prefix("::") {
+        Some(r) => format!("server::{}", r.split("::").next().unwrap_or("")),
+        None if rest.is_empty() => "server".into(),
+        None => return None,
+    })
+}
+
+/// Outside names a sans-IO module must not use: a runtime, locks and
+/// atomics, threads, sockets, files, processes, HTTP stacks, the clock.
+/// (Plain data such as `std::io::Error` or `SocketAddr` is allowed.)
+fn io(name: &str) -> bool {
+    [
+        "tokio",
+        "std::sync",
+        "std::thread",
+        "std::fs",
+        "std::process",
+        "std::net::TcpStream",
+        "std::net::TcpListener",
+        "std::net::UdpSocket",
+        "hyper",
+        "h2",
+        "tonic",
+        "socket2",
+        "seedlink_net",
+    ]
+    .iter()
+    .any(|p| name == *p || name.starts_with(&format!("{p}::")))
+        || name.ends_with("Instant::now")
+        || name.ends_with("SystemTime::now")
+}
+
+fn problems(g: &Graph) -> Vec<String> {
+    let mut out = Vec::new();
+    // 1. Layers, and no cycle among the top-level modules.
+    for m in g.modules.keys() {
+        let t = top(m).unwrap();
+        if layer(&t).is_none() {
+            out.push(format!("module {m} has no layer"));
         }
-        rest = after;
+    }
+    let tops = g.folded(top);
+    for ((a, b), (ma, mb)) in &tops {
+        if let (Some(la), Some(lb)) = (layer(a), layer(b)) {
+            if lb > la {
+                out.push(format!(
+                    "layers: {ma} uses {mb} (layer {la} uses layer {lb})"
+                ));
+            }
+        }
+    }
+    for c in cycles(&tops) {
+        out.push(format!("cycle among top-level modules: {}", c.join(" ↔ ")));
+    }
+    // 2. Sans-IO link machines, transitively.
+    for root in ["server::link", "agent::link"] {
+        for m in g.reach(root) {
+            for name in &g.modules[&m].outside {
+                if io(name) {
+                    out.push(format!("sans-IO: {root} reaches {m}, which uses {name}"));
+                }
+            }
+        }
+    }
+    // 3. Handlers never reach run; no cycle among the server's modules.
+    for h in [
+        "server::agents",
+        "server::frontend",
+        "server::admin",
+        "server::core",
+    ] {
+        if g.reach(h).contains("server::run") {
+            out.push(format!("{h} reaches server::run"));
+        }
+    }
+    for c in cycles(&g.folded(server_unit)) {
+        out.push(format!(
+            "cycle among the server's modules: {}",
+            c.join(" ↔ ")
+        ));
+    }
+    // 4. The roles keep apart.
+    for (m, module) in &g.modules {
+        for u in &module.uses {
+            let (a, b) = (top(m).unwrap(), top(u).unwrap());
+            if (a == "server" && b == "agent") || (a == "agent" && (b == "server" || b == "config"))
+            {
+                out.push(format!("roles: {m} uses {u}"));
+            }
+        }
     }
     out
 }
 
-/// `crate::{a, b::c}` groups name modules too.
-fn grouped(text: &str) -> BTreeSet<String> {
-    let mut out = BTreeSet::new();
-    let mut rest = text;
-    while let Some(i) = rest.find("crate::{") {
-        let after = &rest[i + "crate::{".len()..];
-        let end = after.find('}').unwrap_or(after.len());
-        for part in after[..end].split(',') {
-            let name: String = part
-                .trim()
-                .chars()
-                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .collect();
-            if !name.is_empty() {
-                out.insert(name);
-            }
-        }
-        rest = after;
-    }
-    out
-}
-
-/// Without comments (a doc comment may mention any module).
-fn code(text: &str) -> String {
-    text.lines()
-        .map(|l| match l.find("//") {
-            Some(i) => &l[..i],
-            None => l,
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
+fn graph() -> Graph {
+    Graph::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src")).unwrap()
 }
 
 #[test]
-fn modules_only_use_their_own_layer_or_lower() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let mut files = Vec::new();
-    sources(&src, &mut files);
-    files.sort();
-    let mut problems = Vec::new();
-    for f in &files {
-        let rel = f.strip_prefix(&src).unwrap();
-        let module = rel
-            .components()
-            .next()
-            .unwrap()
-            .as_os_str()
-            .to_string_lossy()
-            .trim_end_matches(".rs")
-            .to_string();
-        if module == "lib" {
-            continue;
-        }
-        let Some(own) = layer(&module) else {
-            problems.push(format!("{}: module {module} has no layer", rel.display()));
-            continue;
-        };
-        let text = code(&std::fs::read_to_string(f).unwrap());
-        let used = refs(&text, "crate::").into_iter().chain(grouped(&text));
-        for m in used {
-            match layer(&m) {
-                Some(l) if l < own || m == module => {}
-                Some(l) if l == own && own < 5 => {}
-                _ => problems.push(format!("{}: {module} uses crate::{m}", rel.display())),
-            }
-        }
-    }
-    assert!(problems.is_empty(), "{}", problems.join("\n"));
+fn the_tunnel_crate_holds_its_layers() {
+    let g = graph();
+    assert!(
+        g.modules.contains_key("server::link"),
+        "{:?}",
+        g.modules.keys()
+    );
+    let p = problems(&g);
+    assert!(p.is_empty(), "{}", p.join("\n"));
 }
 
-/// Within the roles: the link machines use no IO module, the server's
-/// handlers share `core` and never reach `run`, and neither role's
-/// library reaches into the other.
 #[test]
-fn role_internals_keep_their_direction() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let read = |p: &str| code(&std::fs::read_to_string(src.join(p)).unwrap());
-    let mut problems = Vec::new();
-    for (file, allowed) in [
-        ("server/link.rs", &["proto"][..]),
-        ("agent/link.rs", &["proto"][..]),
-    ] {
-        for m in refs(&read(file), "crate::") {
-            if !allowed.contains(&m.as_str()) {
-                problems.push(format!("{file} (sans-IO) uses crate::{m}"));
-            }
-        }
-        for m in refs(&read(file), "super::") {
-            if !["dialerror"].contains(&m.as_str()) {
-                problems.push(format!("{file} (sans-IO) uses super::{m}"));
-            }
-        }
-    }
-    for file in [
-        "server/agents.rs",
-        "server/frontend.rs",
-        "server/admin.rs",
-        "server/core.rs",
-    ] {
-        let t = read(file);
-        for m in refs(&t, "super::")
-            .into_iter()
-            .chain(refs(&t, "crate::server::"))
-        {
-            if ["run", "agents", "frontend", "admin"].contains(&m.as_str()) {
-                problems.push(format!("{file} uses {m}"));
-            }
-        }
-    }
-    let t = read("server/mod.rs");
-    for m in refs(&t, "self::").into_iter().chain(refs(&t, "super::")) {
-        if ["run", "agents", "frontend", "admin", "core"].contains(&m.as_str()) {
-            problems.push(format!("server/mod.rs uses {m}"));
-        }
-    }
-    let mut server = Vec::new();
-    sources(&src.join("server"), &mut server);
-    for f in server {
-        if refs(&code(&std::fs::read_to_string(&f).unwrap()), "crate::").contains("agent") {
-            problems.push(format!("{} uses crate::agent", f.display()));
-        }
-    }
-    let mut agent = Vec::new();
-    sources(&src.join("agent"), &mut agent);
-    for f in agent {
-        let t = code(&std::fs::read_to_string(&f).unwrap());
-        if refs(&t, "crate::").contains("server") || refs(&t, "crate::").contains("config") {
-            problems.push(format!(
-                "{} uses the server or its configuration",
-                f.display()
-            ));
-        }
-    }
-    assert!(problems.is_empty(), "{}", problems.join("\n"));
+fn each_rule_catches_an_injected_violation() {
+    let g = graph();
+    let uses = |from: &str, to: &str| {
+        let mut g = g.clone();
+        g.modules.get_mut(from).unwrap().uses.insert(to.into());
+        problems(&g)
+    };
+    let names = |from: &str, name: &str| {
+        let mut g = g.clone();
+        g.modules.get_mut(from).unwrap().outside.insert(name.into());
+        problems(&g)
+    };
+    let has = |p: Vec<String>, what: &str| {
+        assert!(p.iter().any(|l| l.contains(what)), "no {what:?} in {p:?}");
+    };
+    // 1. A lower layer uses a higher one; a cycle within a layer.
+    has(uses("proto", "config"), "layers: proto uses config");
+    has(
+        uses("proto", "grpc"),
+        "cycle among top-level modules: grpc ↔ proto",
+    );
+    let mut g2 = g.clone();
+    g2.modules.insert("rogue".into(), Default::default());
+    has(problems(&g2), "module rogue has no layer");
+    // 2. IO in a link machine, directly or through what it reaches.
+    has(
+        names("server::link", "tokio::spawn"),
+        "sans-IO: server::link",
+    );
+    has(
+        names("agent::link", "std::time::Instant::now"),
+        "uses std::time::Instant::now",
+    );
+    has(
+        names("proto", "std::sync::Mutex"),
+        "sans-IO: server::link reaches proto",
+    );
+    // 3. A handler reaching run; a new cycle among the server's modules.
+    has(
+        uses("server::frontend", "server::run"),
+        "server::frontend reaches server::run",
+    );
+    has(
+        uses("server::limits", "server::frontend"),
+        "cycle among the server's modules",
+    );
+    // 4. The roles reach each other.
+    has(
+        uses("server::core", "agent"),
+        "roles: server::core uses agent",
+    );
+    has(
+        uses("agent::config", "config"),
+        "roles: agent::config uses config",
+    );
 }

@@ -19,7 +19,7 @@ use gateway_api::referencegrants::ReferenceGrant;
 use gateway_api::tlsroutes::TlsRouteParentRefs;
 use kube::ResourceExt;
 
-use super::{ListenerOutcome, Verdict, GATEWAY_GROUP};
+use super::outcome::{ListenerOutcome, Verdict, GATEWAY_GROUP};
 
 /// One listener routes attach to.
 pub(super) struct Listener<'a> {

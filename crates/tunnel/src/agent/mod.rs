@@ -494,7 +494,7 @@ impl Session {
             &mut Actions<ConnEnds, CancellationToken>,
         ) -> T,
     ) -> (T, Applied) {
-        let mut g = crate::sync::lock(&self.state, "agent session");
+        let mut g = seedlink_net::sync::lock(&self.state, "agent session");
         let Locked { machine, out } = &mut *g;
         let r = f(machine, out);
         let mut applied = Applied::default();
@@ -567,12 +567,12 @@ impl Agent {
 
     /// Streams open to server replicas.
     pub fn session_count(&self) -> usize {
-        crate::sync::lock(&self.sessions, "agent sessions").len()
+        seedlink_net::sync::lock(&self.sessions, "agent sessions").len()
     }
 
     /// Streams to replicas that are not draining (what discovery counts).
     fn held_count(&self) -> usize {
-        crate::sync::lock(&self.sessions, "agent sessions")
+        seedlink_net::sync::lock(&self.sessions, "agent sessions")
             .values()
             .filter(|s| !s.draining.load(Ordering::Acquire))
             .count()
@@ -795,7 +795,7 @@ impl Agent {
         let flow = self.opts.flow_control && offered;
         let session = Arc::new(Session::new(server_id.clone(), tx, flow, replicas));
         let duplicate = {
-            let mut s = crate::sync::lock(&self.sessions, "agent sessions");
+            let mut s = seedlink_net::sync::lock(&self.sessions, "agent sessions");
             match s.get(&server_id) {
                 Some(held) if !held.draining.load(Ordering::Acquire) => true,
                 // New, or the replacement of a draining replica that kept
@@ -841,7 +841,7 @@ impl Agent {
     fn session_ended(&self, session: &Arc<Session>, goaway: Option<u32>) {
         let agent = self;
         {
-            let mut s = crate::sync::lock(&agent.sessions, "agent sessions");
+            let mut s = seedlink_net::sync::lock(&agent.sessions, "agent sessions");
             // Only this stream's entry (a replacement may hold the ID).
             if s.get(&session.server_id)
                 .is_some_and(|x| Arc::ptr_eq(x, session))
@@ -911,7 +911,7 @@ impl Agent {
                     queue::WaitEnd::Room => {
                         // Only this loop pushes, so the bytes fit; a
                         // connection closed meanwhile drops them.
-                        let g = crate::sync::lock(&s.state, "agent session");
+                        let g = seedlink_net::sync::lock(&s.state, "agent session");
                         if let Some(e) = g.machine.conn(id) {
                             let _ = e.queue.push(data);
                         }
@@ -1041,7 +1041,7 @@ impl Agent {
     /// First SIGTERM: DRAIN to every server, no new connections to servers.
     pub fn drain(&self) {
         self.draining.store(true, Ordering::Release);
-        let sessions: Vec<_> = crate::sync::lock(&self.sessions, "agent sessions")
+        let sessions: Vec<_> = seedlink_net::sync::lock(&self.sessions, "agent sessions")
             .values()
             .cloned()
             .collect();

@@ -1,8 +1,6 @@
 //! Why a dial through the tunnel failed, and what each failure means to a
 //! frontend (HTTP status) and to the metrics (reason label).
 
-use super::limits;
-
 /// Why a dial failed; mapped to HTTP statuses and gRPC errors in one place.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DialError {
@@ -30,7 +28,26 @@ pub enum DialError {
     Protocol(&'static str),
     /// A limit of the cluster refused the dial.
     #[error("cluster limit reached: {}", .0.reason())]
-    Limited(limits::Limited),
+    Limited(Limited),
+}
+
+/// Which limit refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limited {
+    /// `max_connections`.
+    Connections,
+    /// `dial_rate`.
+    DialRate,
+}
+
+impl Limited {
+    /// Metric reason.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Limited::Connections => "limit_connections",
+            Limited::DialRate => "limit_dial_rate",
+        }
+    }
 }
 
 impl DialError {

@@ -45,24 +45,7 @@ impl Limits {
     };
 }
 
-/// Which limit refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Limited {
-    /// `max_connections`.
-    Connections,
-    /// `dial_rate`.
-    DialRate,
-}
-
-impl Limited {
-    /// Metric reason.
-    pub fn reason(self) -> &'static str {
-        match self {
-            Limited::Connections => "limit_connections",
-            Limited::DialRate => "limit_dial_rate",
-        }
-    }
-}
+pub use super::dialerror::Limited;
 
 struct Bucket {
     limits: Limits,
@@ -103,12 +86,12 @@ impl Gate {
 
     /// The limits in force.
     pub fn limits(&self) -> Limits {
-        crate::sync::lock(&self.bucket, "dial bucket").limits
+        seedlink_net::sync::lock(&self.bucket, "dial bucket").limits
     }
 
     /// Replaces the limits (configuration reload); open connections stay.
     pub fn set(&self, limits: Limits) {
-        let mut b = crate::sync::lock(&self.bucket, "dial bucket");
+        let mut b = seedlink_net::sync::lock(&self.bucket, "dial bucket");
         b.tokens = b.tokens.min(limits.dial_burst.max(1.0));
         b.limits = limits;
         self.queued.set_limit(limits.max_queued_bytes);
@@ -126,7 +109,7 @@ impl Gate {
 
     /// Admits one new dial at `now`, or says which limit refuses it.
     pub fn admit(&self, now: Instant) -> Result<ConnPermit, Limited> {
-        let mut b = crate::sync::lock(&self.bucket, "dial bucket");
+        let mut b = seedlink_net::sync::lock(&self.bucket, "dial bucket");
         let l = b.limits;
         if l.max_connections > 0 && self.conns.load(Ordering::Acquire) >= l.max_connections {
             return Err(Limited::Connections);

@@ -22,6 +22,7 @@ pub mod link;
 pub mod metrics;
 pub mod run;
 pub mod socks;
+pub mod upgrade;
 
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -224,7 +225,7 @@ impl AgentLink {
         now: Instant,
         f: impl FnOnce(&mut ServerLink<ConnEnds, Reply>, &mut Actions<ConnEnds, Reply>) -> T,
     ) -> (T, Applied) {
-        let mut g = crate::sync::lock(&self.state, "agent link");
+        let mut g = seedlink_net::sync::lock(&self.state, "agent link");
         let Locked { machine, out } = &mut *g;
         let r = f(machine, out);
         let applied = self.apply(now, machine, out);
@@ -292,12 +293,14 @@ impl AgentLink {
 
     /// Open connections plus pending dials.
     pub fn conn_count(&self) -> usize {
-        crate::sync::lock(&self.state, "agent link").machine.load()
+        seedlink_net::sync::lock(&self.state, "agent link")
+            .machine
+            .load()
     }
 
     /// Whether the agent announced DRAIN.
     pub fn draining(&self) -> bool {
-        crate::sync::lock(&self.state, "agent link")
+        seedlink_net::sync::lock(&self.state, "agent link")
             .machine
             .draining()
     }
@@ -432,7 +435,10 @@ impl Cluster {
     pub fn health(&self) -> ClusterHealth {
         ClusterHealth {
             agents: self.agent_count(),
-            agents_changed: *crate::sync::lock(&self.agents_changed, "cluster agents changed"),
+            agents_changed: *seedlink_net::sync::lock(
+                &self.agents_changed,
+                "cluster agents changed",
+            ),
             dial_errors: self.metrics.dial_failures(),
         }
     }
@@ -461,12 +467,12 @@ impl Cluster {
 
     /// Its agent streams now.
     pub fn agents(&self) -> Vec<Arc<AgentLink>> {
-        crate::sync::lock(&self.agents, "cluster agents").clone()
+        seedlink_net::sync::lock(&self.agents, "cluster agents").clone()
     }
 
     /// Connected agent streams.
     pub fn agent_count(&self) -> usize {
-        crate::sync::lock(&self.agents, "cluster agents").len()
+        seedlink_net::sync::lock(&self.agents, "cluster agents").len()
     }
 
     /// Agent streams whose agent sent DRAIN.
@@ -485,7 +491,7 @@ impl Cluster {
         host: &str,
         unresponsive_after: Duration,
     ) -> Result<Arc<AgentLink>, DialError> {
-        let agents = crate::sync::lock(&self.agents, "cluster agents");
+        let agents = seedlink_net::sync::lock(&self.agents, "cluster agents");
         // One stream per agent and server: an agent that dials again to find
         // other replicas briefly has a second stream here, which it closes;
         // dials use its first (as upstream does).
@@ -896,8 +902,8 @@ pub fn attach(
         replica_updates: std::sync::atomic::AtomicBool::new(false),
         activity: std::sync::OnceLock::new(),
     });
-    crate::sync::lock(&cluster.agents, "cluster agents").push(link.clone());
-    *crate::sync::lock(&cluster.agents_changed, "cluster agents changed") =
+    seedlink_net::sync::lock(&cluster.agents, "cluster agents").push(link.clone());
+    *seedlink_net::sync::lock(&cluster.agents_changed, "cluster agents changed") =
         Some(std::time::SystemTime::now());
     (link, tx)
 }
@@ -905,12 +911,12 @@ pub fn attach(
 /// Removes an ended agent stream and fails everything that depended on it.
 pub fn detach(cluster: &Cluster, link: &Arc<AgentLink>) {
     let left = {
-        let mut agents = crate::sync::lock(&cluster.agents, "cluster agents");
+        let mut agents = seedlink_net::sync::lock(&cluster.agents, "cluster agents");
         agents.retain(|x| !Arc::ptr_eq(x, link));
         agents.len()
     };
     if left == 0 {
-        *crate::sync::lock(&cluster.agents_changed, "cluster agents changed") =
+        *seedlink_net::sync::lock(&cluster.agents_changed, "cluster agents changed") =
             Some(std::time::SystemTime::now());
     }
     link.fail_all();
@@ -937,7 +943,7 @@ impl Blocked {
                     // Only this receive loop pushes into this queue, but
                     // another agent stream of the cluster may take the
                     // shared budget first: then wait again, never drop.
-                    let g = crate::sync::lock(&link.state, "agent link");
+                    let g = seedlink_net::sync::lock(&link.state, "agent link");
                     let Some(c) = g.machine.conn(self.connect_id) else {
                         // Closed meanwhile: its own close tells the agent.
                         return Handled::Ok;

@@ -535,11 +535,12 @@ impl TunnelServer {
             // Agents are taken once the old process moves them (phase
             // `agents`): until then it accepts them alone, so that none
             // lands here while the old one still takes every dial.
-            *crate::sync::lock(&self.sockets.pending_agents, "pending agents") = Some(agents);
+            *seedlink_net::sync::lock(&self.sockets.pending_agents, "pending agents") =
+                Some(agents);
         } else {
             self.spawn_agent_accept(agents);
         }
-        let initial = crate::sync::lock(&self.initial, "initial frontends")
+        let initial = seedlink_net::sync::lock(&self.initial, "initial frontends")
             .take()
             .unwrap_or_default();
         let mut running = self.running.lock().await;
@@ -567,7 +568,7 @@ impl TunnelServer {
                 })?,
             };
             let task = tokio::spawn(super::admin::serve(self.core.clone(), l, access));
-            *crate::sync::lock(&self.sockets.admin_task, "admin task") = Some(task);
+            *seedlink_net::sync::lock(&self.sockets.admin_task, "admin task") = Some(task);
         }
         Ok(bound)
     }
@@ -575,7 +576,7 @@ impl TunnelServer {
     /// Accepts agent connections on `agents` until draining or a hand-over.
     pub(super) fn spawn_agent_accept(&self, agents: TcpListener) {
         let srv = self.core.clone();
-        let stop = crate::sync::lock(&self.sockets.agent_accept, "agent accept").clone();
+        let stop = seedlink_net::sync::lock(&self.sockets.agent_accept, "agent accept").clone();
         tokio::spawn(async move {
             seedlink_net::accept::accept_loop(&agents, &stop, |tcp, peer| {
                 let Some(slot) = srv.agent_slots.enter(peer.ip()) else {
