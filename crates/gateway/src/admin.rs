@@ -13,7 +13,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use seedlink_net::lifecycle::Phase;
 use tokio::net::TcpListener;
 
-use crate::Gateway;
+use crate::state::Gateway;
 
 /// Admin connections served at once; more are closed at accept.
 const MAX_ADMIN_CONNECTIONS: usize = 64;

@@ -19,7 +19,8 @@ use seedlink_proto::{client_hello, connect_head, destination, proxy_header, Pars
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use crate::{upstream, Gateway, ListenerCtx, SourceGuard};
+use crate::state::{Gateway, ListenerCtx, SourceGuard};
+use crate::upstream;
 
 /// Why a connection ended before being proxied; `reason()` is the metric label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,7 +275,7 @@ struct Ready<'g> {
     replayed: u64,
     _active: upstream::ActiveGuard,
     _routed: crate::metrics::Routed,
-    _cp_slot: crate::RoutedGuard<'g>,
+    _cp_slot: crate::state::RoutedGuard<'g>,
     _source_slot: Option<SourceGuard<'g>>,
 }
 
@@ -323,7 +324,7 @@ async fn setup<'g>(
         route.endpoints,
         &snap.upstream,
         snap.timeouts.upstream_connect,
-        crate::keepalive(snap),
+        crate::state::keepalive(snap),
         &gw.metrics,
     )
     .await
@@ -658,7 +659,7 @@ fn hand_over(
     gw: &Gateway,
     lctx: &ListenerCtx,
     route: Route<'_>,
-    handler: crate::LocalHandler,
+    handler: crate::state::LocalHandler,
     stream: TcpStream,
     detected: Detected,
 ) -> Ended {
@@ -669,7 +670,7 @@ fn hand_over(
     let _routed = lctx
         .metrics
         .routed(&gw.metrics, &route.cp.name, route.protocol);
-    handler(crate::Handoff {
+    handler(crate::state::Handoff {
         stream,
         replay: detected.replay,
         client: detected.client,

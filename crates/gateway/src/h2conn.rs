@@ -18,7 +18,8 @@ use seedlink_net::prefixed::Prefixed;
 use seedlink_proto::destination;
 use tokio::net::TcpStream;
 
-use crate::{upstream, Gateway, ListenerCtx, SourceGuard};
+use crate::state::{Gateway, ListenerCtx, SourceGuard};
+use crate::upstream;
 
 /// Concurrent streams per connection.
 const MAX_STREAMS: u32 = 250;
@@ -111,11 +112,7 @@ pub(crate) async fn serve(
     };
     let keepalive = keepalive(conn.ping_pong());
     tokio::pin!(keepalive);
-    let tasks = tokio_util::task::TaskTracker::new();
-    let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let went_idle = Arc::new(tokio::sync::Notify::new());
-    let early_resets = Arc::new(std::sync::atomic::AtomicU32::new(0));
-    let mut reset_window = tokio::time::Instant::now();
+    let mut streams = Streams::new();
     let outcome = loop {
         let idle = async {
             match idle_deadline {
@@ -126,31 +123,15 @@ pub(crate) async fn serve(
         tokio::select! {
             next = conn.accept() => match next {
                 Some(Ok((req, respond))) => {
-                    if active.fetch_add(1, std::sync::atomic::Ordering::AcqRel) == 0 {
+                    if streams.opened() {
                         drop(guard.take());
                         idle_deadline = None;
                     }
-                    // Counted per window, so a long-lived pooled connection
-                    // that now and then cancels a dial is never cut.
-                    if reset_window.elapsed() > RESET_WINDOW {
-                        reset_window = tokio::time::Instant::now();
-                        early_resets.store(0, std::sync::atomic::Ordering::Relaxed);
-                    }
-                    if early_resets.load(std::sync::atomic::Ordering::Relaxed) > MAX_EARLY_RESETS {
+                    if streams.flooded(tokio::time::Instant::now()) {
                         conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
                         break H2End::ResetFlood;
                     }
-                    let (gw, lctx) = (gw.clone(), lctx.clone());
-                    let (active, went_idle, early_resets) =
-                        (active.clone(), went_idle.clone(), early_resets.clone());
-                    tasks.spawn(async move {
-                        if tunnel(&gw, &lctx, client, req, respond).await {
-                            early_resets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        }
-                        if active.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
-                            went_idle.notify_one();
-                        }
-                    });
+                    streams.spawn(&gw, &lctx, client, req, respond);
                 }
                 Some(Err(e)) => {
                     tracing::debug!(%client, error = %e, "h2 connection error");
@@ -158,8 +139,8 @@ pub(crate) async fn serve(
                 }
                 None => break H2End::Ok,
             },
-            () = went_idle.notified() => {
-                if active.load(std::sync::atomic::Ordering::Acquire) == 0 {
+            () = streams.went_idle.notified() => {
+                if streams.none_open() {
                     if capped {
                         match gw.sources.enter(client.ip(), snap.limits.max_unrouted_per_source) {
                             Some(g) => drop(guard.replace(g)),
@@ -174,7 +155,7 @@ pub(crate) async fn serve(
             () = gw.lifecycle.close_all.cancelled() => break H2End::ClosedDrain,
         }
     };
-    tasks.close();
+    streams.tasks.close();
     if outcome == H2End::ResetFlood {
         // Let the GOAWAY out, bounded.
         let _ = tokio::time::timeout(
@@ -184,6 +165,79 @@ pub(crate) async fn serve(
         .await;
     }
     outcome
+}
+
+/// The streams of one connection: how many are open, a wake-up when the
+/// last one ends, and the streams the client reset while their dial was
+/// under way, counted per [`RESET_WINDOW`].
+struct Streams {
+    tasks: tokio_util::task::TaskTracker,
+    active: Arc<std::sync::atomic::AtomicUsize>,
+    went_idle: Arc<tokio::sync::Notify>,
+    early_resets: Arc<std::sync::atomic::AtomicU32>,
+    window_start: tokio::time::Instant,
+}
+
+impl Streams {
+    fn new() -> Streams {
+        Streams {
+            tasks: tokio_util::task::TaskTracker::new(),
+            active: Arc::default(),
+            went_idle: Arc::default(),
+            early_resets: Arc::default(),
+            window_start: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Counts a new stream; true when it is the only one open (the
+    /// connection stops being idle).
+    fn opened(&self) -> bool {
+        self.active
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel)
+            == 0
+    }
+
+    fn none_open(&self) -> bool {
+        self.active.load(std::sync::atomic::Ordering::Acquire) == 0
+    }
+
+    /// Whether the client reset more than [`MAX_EARLY_RESETS`] streams
+    /// early in the window running at `now`. Counted per window, so a
+    /// long-lived pooled connection that now and then cancels a dial is
+    /// never cut.
+    fn flooded(&mut self, now: tokio::time::Instant) -> bool {
+        if now.saturating_duration_since(self.window_start) > RESET_WINDOW {
+            self.window_start = now;
+            self.early_resets
+                .store(0, std::sync::atomic::Ordering::Relaxed);
+        }
+        self.early_resets.load(std::sync::atomic::Ordering::Relaxed) > MAX_EARLY_RESETS
+    }
+
+    /// Carries the stream in its own task.
+    fn spawn(
+        &self,
+        gw: &Arc<Gateway>,
+        lctx: &Arc<ListenerCtx>,
+        client: SocketAddr,
+        req: Request<RecvStream>,
+        respond: SendResponse<Bytes>,
+    ) {
+        let (gw, lctx) = (gw.clone(), lctx.clone());
+        let (active, went_idle, early_resets) = (
+            self.active.clone(),
+            self.went_idle.clone(),
+            self.early_resets.clone(),
+        );
+        self.tasks.spawn(async move {
+            if tunnel(&gw, &lctx, client, req, respond).await {
+                early_resets.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            if active.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+                went_idle.notify_one();
+            }
+        });
+    }
 }
 
 /// The HTTP/2 server's settings: stream and window sizes, the rapid-reset
@@ -301,7 +355,7 @@ async fn tunnel(
         &route.endpoints,
         &snap.upstream,
         snap.timeouts.upstream_connect,
-        crate::keepalive(&snap),
+        crate::state::keepalive(&snap),
         &gw.metrics,
     );
     let (upstream, _guard) = tokio::select! {
@@ -335,7 +389,7 @@ struct Refusal(StatusCode, Option<&'static str>);
 /// The slots a carried stream holds, given back when it ends.
 struct Held<'g> {
     _permit: tokio::sync::OwnedSemaphorePermit,
-    _control_plane: crate::RoutedGuard<'g>,
+    _control_plane: crate::state::RoutedGuard<'g>,
     _source: Option<SourceGuard<'g>>,
 }
 
@@ -393,4 +447,29 @@ fn answer_only(respond: &mut SendResponse<Bytes>, status: StatusCode) {
     let mut r = Response::new(());
     *r.status_mut() = status;
     let _ = respond.send_response(r, true);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn early_resets_are_counted_per_window() {
+        let mut s = Streams::new();
+        let t0 = s.window_start;
+        let resets = |s: &Streams, n| {
+            s.early_resets
+                .store(n, std::sync::atomic::Ordering::Relaxed)
+        };
+        resets(&s, MAX_EARLY_RESETS);
+        assert!(!s.flooded(t0), "at the limit is not over it");
+        resets(&s, MAX_EARLY_RESETS + 1);
+        assert!(
+            s.flooded(t0 + RESET_WINDOW),
+            "the window's last instant still counts"
+        );
+        // A new window starts the count again.
+        assert!(!s.flooded(t0 + RESET_WINDOW + Duration::from_millis(1)));
+        assert_eq!(s.window_start, t0 + RESET_WINDOW + Duration::from_millis(1));
+    }
 }

@@ -11,10 +11,14 @@ pub mod admin;
 mod conn;
 mod h2conn;
 pub mod metrics;
+pub mod state;
 pub mod upstream;
 
+use state::{keepalive, Sources};
+pub use state::{Gateway, Handoff, ListenerCtx, LocalHandler};
+
 use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -23,7 +27,6 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use seedlink_config::compile::{diff, restart_only_changes, ConfigError, ListenerSpec};
 use seedlink_config::{Errors, Snapshot};
-use seedlink_net::admin::source_key;
 use seedlink_net::copy::{Copier, CopyMode};
 use seedlink_net::lifecycle::Lifecycle;
 use seedlink_net::sockopt::Keepalive;
@@ -35,68 +38,6 @@ use crate::metrics::{ReasonLabels, ResultLabels};
 
 /// Descriptors kept free for the process itself (logs, admin, watcher, DNS).
 const FD_RESERVE: u64 = 128;
-
-/// Shared state of a running gateway.
-pub struct Gateway {
-    snapshot: ArcSwap<Snapshot>,
-    generation: AtomicU64,
-    config_path: Option<PathBuf>,
-    /// Metrics served on `/metrics`.
-    pub metrics: metrics::Metrics,
-    pub(crate) copier: Copier,
-    /// Phase, drain signals and connection tasks.
-    pub lifecycle: Lifecycle,
-    permits: Arc<Semaphore>,
-    max_connections: u64,
-    workers: usize,
-    sources: Sources,
-    /// Routed connections per source (`limits.max_routed_per_source`).
-    routed_sources: Sources,
-    /// Routed connections per control plane.
-    routed: Mutex<HashMap<String, u64>>,
-    closers: Mutex<HashMap<String, CancellationToken>>,
-    /// Control planes from the Kubernetes source, compiled after the file's.
-    kubernetes: Mutex<Vec<seedlink_config::model::ControlPlane>>,
-    /// The refusals last logged (name, problems).
-    refused_logged: Mutex<Vec<(String, String)>>,
-    /// When the last reload ended and how (`success`, `failure`).
-    last_reload: Mutex<Option<(std::time::SystemTime, &'static str)>>,
-    locals: Mutex<HashMap<String, LocalHandler>>,
-    /// Cancelled once the sockets were handed to a new process: the admin
-    /// endpoint (shared with it) stops accepting here.
-    handed_over: CancellationToken,
-}
-
-/// A routed connection handed to an in-process service (endpoint
-/// `local:<name>`).
-pub struct Handoff {
-    /// The client socket.
-    pub stream: tokio::net::TcpStream,
-    /// Bytes already read that belong to the service: the ClientHello and
-    /// what followed (TLS), or what followed the head (CONNECT).
-    pub replay: Vec<u8>,
-    /// The client's address (from the PROXY header if the LB sent one).
-    pub client: std::net::SocketAddr,
-    /// The control plane the connection was routed to.
-    pub control_plane: String,
-    /// For a CONNECT: its target (`host:port`). The service answers the
-    /// CONNECT itself (`200` only once its own dial worked).
-    pub connect_target: Option<String>,
-}
-
-/// Takes over a routed connection in this process.
-pub type LocalHandler = Arc<dyn Fn(Handoff) + Send + Sync>;
-
-/// Per-listener context handed to each connection.
-pub struct ListenerCtx {
-    /// The listener's configuration.
-    pub spec: ListenerSpec,
-    /// Its metric handles.
-    pub metrics: metrics::ListenerMetrics,
-    /// The `protocol` label of its CONNECT tunnels
-    /// (`http-connect:<destination header>`).
-    pub connect_protocol: String,
-}
 
 /// Sockets bound for a gateway, before serving.
 pub struct Bound {
@@ -697,15 +638,6 @@ const ADMIN_SOCKET: &str = "admin";
 /// be called `admin`).
 const LISTENER_SOCKET: &str = "listener-";
 
-/// Keepalive settings of a snapshot.
-pub(crate) fn keepalive(snap: &Snapshot) -> Keepalive {
-    Keepalive {
-        time: snap.timeouts.keepalive_time,
-        interval: snap.timeouts.keepalive_interval,
-        retries: snap.timeouts.keepalive_retries,
-    }
-}
-
 fn one_error(msg: &str) -> Errors {
     Errors(vec![ConfigError {
         path: String::new(),
@@ -766,111 +698,10 @@ fn bind_tcp(
     Ok(sock.into())
 }
 
-/// Counts connections per source: an IPv4 address, or an IPv6 /64 (one
-/// host commonly holds a whole /64, so counting single IPv6 addresses
-/// would cap nobody). A v4-mapped IPv6 address counts as its IPv4 one.
-#[derive(Default)]
-struct Sources {
-    counts: Mutex<HashMap<IpAddr, u32>>,
-}
-
-/// Holds one routed slot of a control plane; released on drop.
-pub(crate) struct RoutedGuard<'a> {
-    gw: &'a Gateway,
-    name: String,
-}
-
-impl Gateway {
-    /// A routed slot of control plane `name`, if it has one free
-    /// (`limits.max_connections_per_control_plane`, default half of
-    /// `max_connections`).
-    pub(crate) fn enter_control_plane(
-        &self,
-        snap: &Snapshot,
-        name: &str,
-    ) -> Option<RoutedGuard<'_>> {
-        let cap = snap
-            .limits
-            .max_connections_per_control_plane
-            .unwrap_or(self.max_connections / 2)
-            .max(1);
-        let mut m = seedlink_net::sync::lock(&self.routed, "routed counts");
-        let n = m.entry(name.to_string()).or_insert(0);
-        if *n >= cap {
-            return None;
-        }
-        *n += 1;
-        Some(RoutedGuard {
-            gw: self,
-            name: name.to_string(),
-        })
-    }
-}
-
-impl Gateway {
-    /// A routed slot of the client's source, when
-    /// `limits.max_routed_per_source` is set: `Ok(None)` without a cap,
-    /// `Err(())` when the source holds its cap.
-    pub(crate) fn enter_routed_source(
-        &self,
-        snap: &Snapshot,
-        client: IpAddr,
-    ) -> Result<Option<SourceGuard<'_>>, ()> {
-        match snap.limits.max_routed_per_source {
-            None => Ok(None),
-            Some(max) => self.routed_sources.enter(client, max).map(Some).ok_or(()),
-        }
-    }
-}
-
-impl Drop for RoutedGuard<'_> {
-    fn drop(&mut self) {
-        let mut m = seedlink_net::sync::lock(&self.gw.routed, "routed counts");
-        if let Some(n) = m.get_mut(&self.name) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                m.remove(&self.name);
-            }
-        }
-    }
-}
-
-/// Holds one unrouted slot for a source; released on drop.
-pub(crate) struct SourceGuard<'a> {
-    sources: &'a Sources,
-    ip: IpAddr,
-}
-
-impl Sources {
-    fn enter(&self, ip: IpAddr, max: u32) -> Option<SourceGuard<'_>> {
-        let ip = source_key(ip);
-        let mut m = seedlink_net::sync::lock(&self.counts, "source counts");
-        let n = m.entry(ip).or_insert(0);
-        if *n >= max {
-            return None;
-        }
-        *n += 1;
-        Some(SourceGuard { sources: self, ip })
-    }
-}
-
-impl Drop for SourceGuard<'_> {
-    fn drop(&mut self) {
-        {
-            let mut m = seedlink_net::sync::lock(&self.sources.counts, "source counts");
-            if let Some(n) = m.get_mut(&self.ip) {
-                *n -= 1;
-                if *n == 0 {
-                    m.remove(&self.ip);
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use seedlink_net::admin::source_key;
 
     /// A source is an IPv4 address or an IPv6 /64; v4-mapped addresses
     /// count as their IPv4 address.

@@ -1255,6 +1255,70 @@ fn listener_status(
     })
 }
 
+/// A TunnelCluster's status as it should be: `Ready`, `AgentsConnected`
+/// from the replica's `health`, the agent count, when agents last came or
+/// went, dial errors (`current`: the status as read).
+fn tunnel_status(
+    outcome: &crate::tunnel::TunnelOutcome,
+    health: Option<&seedlink_tunnel::server::ClusterHealth>,
+    current: &crate::crd::TunnelClusterStatus,
+) -> crate::crd::TunnelClusterStatus {
+    let agents = health.map_or(0, |h| h.agents);
+    let connected = if outcome.cluster.is_none() {
+        Verdict::no("NotServing", "the cluster is not served (see Ready)")
+    } else if agents == 0 {
+        Verdict::no(
+            "NoAgents",
+            "no agent is connected to the replica writing status",
+        )
+    } else {
+        Verdict::yes(
+            "AgentsConnected",
+            format!("{agents} agent stream(s) connected"),
+        )
+    };
+    let generation = outcome.generation;
+    let last = health
+        .and_then(|h| h.agents_changed)
+        .and_then(|t| Timestamp::try_from(t).ok())
+        .map(|t| t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string());
+    crate::crd::TunnelClusterStatus {
+        conditions: vec![
+            condition("Ready", &outcome.ready, generation, &current.conditions),
+            condition(
+                "AgentsConnected",
+                &connected,
+                generation,
+                &current.conditions,
+            ),
+        ],
+        agents: agents as u64,
+        last_agent_seen: last.or(current.last_agent_seen.clone()),
+        dial_errors: health
+            .iter()
+            .flat_map(|h| h.dial_errors.iter().map(|(r, n)| (r.to_string(), *n)))
+            .collect(),
+        observed_generation: generation,
+    }
+}
+
+/// A TunnelCluster status's fields besides its conditions.
+fn status_fields(
+    s: &crate::crd::TunnelClusterStatus,
+) -> (
+    u64,
+    &Option<String>,
+    &std::collections::BTreeMap<String, u64>,
+    Option<i64>,
+) {
+    (
+        s.agents,
+        &s.last_agent_seen,
+        &s.dial_errors,
+        s.observed_generation,
+    )
+}
+
 /// A Service's LoadBalancer addresses as Gateway `status.addresses`
 /// (none until a load balancer assigned one).
 fn addresses(s: &Service) -> Vec<serde_json::Value> {
@@ -1423,62 +1487,14 @@ impl StatusWriter {
             };
             let current = o.status.clone().unwrap_or_default();
             let health = outcome.cluster.as_deref().and_then(|c| sink.health(c));
-            let agents = health.as_ref().map_or(0, |h| h.agents);
-            let connected = if outcome.cluster.is_none() {
-                Verdict::no("NotServing", "the cluster is not served (see Ready)")
-            } else if agents == 0 {
-                Verdict::no(
-                    "NoAgents",
-                    "no agent is connected to the replica writing status",
-                )
-            } else {
-                Verdict::yes(
-                    "AgentsConnected",
-                    format!("{agents} agent stream(s) connected"),
-                )
-            };
+            let desired = tunnel_status(outcome, health.as_ref(), &current);
             let generation = outcome.generation;
-            let conditions = vec![
-                condition("Ready", &outcome.ready, generation, &current.conditions),
-                condition(
-                    "AgentsConnected",
-                    &connected,
-                    generation,
-                    &current.conditions,
-                ),
-            ];
-            let last = health
-                .as_ref()
-                .and_then(|h| h.agents_changed)
-                .and_then(|t| Timestamp::try_from(t).ok())
-                .map(|t| t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string());
-            let dial_errors: std::collections::BTreeMap<String, u64> = health
-                .iter()
-                .flat_map(|h| h.dial_errors.iter().map(|(r, n)| (r.to_string(), *n)))
-                .collect();
-            let desired = crate::crd::TunnelClusterStatus {
-                conditions,
-                agents: agents as u64,
-                last_agent_seen: last.or(current.last_agent_seen.clone()),
-                dial_errors,
-                observed_generation: generation,
-            };
             if !outcome.ready.ok {
                 self.event(o.as_ref(), "TunnelCluster", generation, &outcome.ready)
                     .await;
             }
             let unchanged = same(&desired.conditions, &current.conditions)
-                && (
-                    desired.agents,
-                    &desired.last_agent_seen,
-                    &desired.dial_errors,
-                    desired.observed_generation,
-                ) == (
-                    current.agents,
-                    &current.last_agent_seen,
-                    &current.dial_errors,
-                    current.observed_generation,
-                );
+                && status_fields(&desired) == status_fields(&current);
             if unchanged {
                 continue;
             }

@@ -235,47 +235,20 @@ impl Translator {
                     None => Err(format!("SeedlinkPolicy {key} is invalid: {why}")),
                 },
             };
-            let mut targets = Vec::new();
-            for t in &p.spec.target_refs {
-                let route_key = format!("{}/{}", key.namespace, t.name);
-                let verdict = if t.group != GATEWAY_GROUP || t.kind != "TLSRoute" {
-                    Verdict::no(
-                        "Invalid",
-                        format!(
-                            "targets {}/{}: only {GATEWAY_GROUP}/TLSRoute is supported",
-                            t.group, t.kind
-                        ),
-                    )
-                } else if !attached.contains(&Key {
-                    namespace: key.namespace.clone(),
-                    name: t.name.clone(),
-                }) {
-                    Verdict::no(
-                        "TargetNotFound",
-                        format!("no TLSRoute {route_key} attached to the seedlink Gateway"),
-                    )
-                } else if let std::collections::hash_map::Entry::Vacant(slot) =
-                    result.entry(route_key)
-                {
-                    slot.insert(effective.clone());
-                    match (&invalid, &effective) {
-                        (None, _) => Verdict::yes("Accepted", "applied"),
-                        (Some(why), Ok(_)) => Verdict::no(
-                            "Invalid",
-                            format!("{why}; the previously accepted version stays in force"),
-                        ),
-                        (Some(why), Err(_)) => {
-                            Verdict::no("Invalid", format!("{why}; the route is not served"))
-                        }
-                    }
-                } else {
-                    Verdict::no(
-                        "Conflicted",
-                        "an older SeedlinkPolicy targets the same route",
-                    )
-                };
-                targets.push((t.name.clone(), verdict));
-            }
+            let targets = p
+                .spec
+                .target_refs
+                .iter()
+                .map(|t| {
+                    let route = Key {
+                        namespace: key.namespace.clone(),
+                        name: t.name.clone(),
+                    };
+                    let verdict =
+                        target_verdict(t, &route, &attached, &mut result, (&invalid, &effective));
+                    (t.name.clone(), verdict)
+                })
+                .collect();
             out.policies.push(PolicyOutcome {
                 key,
                 generation: p.metadata.generation,
@@ -742,6 +715,50 @@ fn endpoint(
         return None;
     }
     Some((SocketAddr::new(ip, target).to_string(), is_ready))
+}
+
+/// A policy's verdict on one of its targets; the first policy (oldest)
+/// to target an attached route becomes its policy in `taken` (keyed
+/// `namespace/name`). `spec` is the policy's own problem, if any, and the
+/// spec in force (the last good one when it has a problem).
+fn target_verdict(
+    t: &crate::crd::LocalPolicyTargetRef,
+    route: &Key,
+    attached: &HashSet<Key>,
+    taken: &mut HashMap<String, Result<SeedlinkPolicySpec, String>>,
+    spec: (&Option<String>, &Result<SeedlinkPolicySpec, String>),
+) -> Verdict {
+    let (invalid, effective) = spec;
+    if t.group != GATEWAY_GROUP || t.kind != "TLSRoute" {
+        return Verdict::no(
+            "Invalid",
+            format!(
+                "targets {}/{}: only {GATEWAY_GROUP}/TLSRoute is supported",
+                t.group, t.kind
+            ),
+        );
+    }
+    if !attached.contains(route) {
+        return Verdict::no(
+            "TargetNotFound",
+            format!("no TLSRoute {route} attached to the seedlink Gateway"),
+        );
+    }
+    let std::collections::hash_map::Entry::Vacant(slot) = taken.entry(route.to_string()) else {
+        return Verdict::no(
+            "Conflicted",
+            "an older SeedlinkPolicy targets the same route",
+        );
+    };
+    slot.insert(effective.clone());
+    match (invalid, effective) {
+        (None, _) => Verdict::yes("Accepted", "applied"),
+        (Some(why), Ok(_)) => Verdict::no(
+            "Invalid",
+            format!("{why}; the previously accepted version stays in force"),
+        ),
+        (Some(why), Err(_)) => Verdict::no("Invalid", format!("{why}; the route is not served")),
+    }
 }
 
 /// An attached route's outcome, and the control plane it becomes if it

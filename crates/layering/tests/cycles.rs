@@ -15,10 +15,6 @@ use seedlink_layering::{cycles, Graph};
 
 /// (crate directory, the modules of one cycle).
 const KNOWN: &[(&str, &[&str])] = &[
-    // `Gateway` (the root) spawns the connection paths, which take it.
-    ("gateway", &["(root)", "admin", "conn", "h2conn"]),
-    // `NodeProxy` (the root) holds the resolver and health state, which take it.
-    ("node-proxy", &["(root)", "admin", "health", "tunnel"]),
     // Test and benchmark support.
     ("testkit", &["(root)", "tunnel_env"]),
     (

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use seedlink_net::admin::{self, Answer, JSON, METRICS, TEXT};
 use tokio::net::TcpListener;
 
-use crate::NodeProxy;
+use crate::proxy::NodeProxy;
 
 /// Connections the metrics endpoint serves at once.
 pub const METRICS_SLOTS: usize = 32;

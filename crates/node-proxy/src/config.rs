@@ -14,7 +14,8 @@ use serde::Deserialize;
 
 use crate::health::{CheckKind, HealthCheck};
 use crate::netif::{Interface, LinkKind};
-use crate::{EgressProxy, Mode, Options};
+use crate::proxy::{Mode, Options};
+use seedlink_net::egress::EgressProxy;
 
 /// A root store with every certificate of the PEM file `path`.
 fn load_roots(path: &std::path::Path) -> Result<rustls::RootCertStore, String> {

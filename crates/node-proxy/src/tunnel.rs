@@ -5,8 +5,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use h2::client::SendRequest;
@@ -15,98 +14,15 @@ use seedlink_net::copy::{write_all, Transfer};
 use seedlink_net::h2copy;
 use tokio::net::TcpStream;
 
-use crate::{Mode, NodeProxy};
+use crate::proxy::{Mode, NodeProxy};
+
+pub mod state;
+
+use state::{H2Conn, StreamSlot};
+pub use state::{H2Session, Resolver};
 
 /// Largest gateway answer head accepted.
 const MAX_RESPONSE_HEAD: usize = 8192;
-
-/// Resolves the gateway name and keeps the answer for a while, so that a
-/// moved gateway is followed without a lookup per connection.
-pub struct Resolver {
-    target: String,
-    ttl: Duration,
-    cache: Mutex<Option<(Instant, Vec<SocketAddr>)>>,
-}
-
-impl Resolver {
-    /// A resolver for `host:port`.
-    pub fn new(target: String, ttl: Duration) -> Resolver {
-        Resolver {
-            target,
-            ttl,
-            cache: Mutex::new(None),
-        }
-    }
-
-    async fn addresses(&self, deadline: Duration) -> io::Result<Vec<SocketAddr>> {
-        {
-            let c = seedlink_net::sync::lock(&self.cache, "gateway addresses");
-            if let Some((at, addrs)) = c.as_ref() {
-                if at.elapsed() < self.ttl && !addrs.is_empty() {
-                    return Ok(addrs.clone());
-                }
-            }
-        }
-        let addrs = match lookup(&self.target, deadline).await {
-            Ok(a) => a,
-            // An absolute name (`api.example.com.`) is the same name without
-            // the dot; DNS resolvers accept both, /etc/hosts only the latter.
-            Err(e) => match self.target.rsplit_once(':') {
-                Some((host, port)) if host.ends_with('.') => {
-                    lookup(&format!("{}:{port}", host.trim_end_matches('.')), deadline)
-                        .await
-                        .map_err(|_| e)?
-                }
-                _ => return Err(e),
-            },
-        };
-        if addrs.is_empty() {
-            return Err(io::Error::new(
-                io::ErrorKind::NotFound,
-                "the gateway name resolved to no address",
-            ));
-        }
-        *seedlink_net::sync::lock(&self.cache, "gateway addresses") =
-            Some((Instant::now(), addrs.clone()));
-        Ok(addrs)
-    }
-
-    /// Connects to the first gateway address that answers, each within the
-    /// connect timeout.
-    pub async fn connect(&self, np: &NodeProxy) -> io::Result<TcpStream> {
-        let addrs = self.addresses(np.opts.connect_timeout).await?;
-        let mut last = io::Error::new(io::ErrorKind::NotFound, "no gateway address");
-        for addr in addrs {
-            match tokio::time::timeout(np.opts.connect_timeout, TcpStream::connect(addr)).await {
-                Ok(Ok(s)) => {
-                    let _ = s.set_nodelay(true);
-                    return Ok(s);
-                }
-                Ok(Err(e)) => last = e,
-                Err(_) => {
-                    last = io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        format!("connect to {addr} timed out"),
-                    )
-                }
-            }
-            np.metrics.gateway_connect_failures.inc();
-        }
-        // A failed resolution result should not be reused.
-        *seedlink_net::sync::lock(&self.cache, "gateway addresses") = None;
-        Err(last)
-    }
-}
-
-async fn lookup(target: &str, deadline: Duration) -> io::Result<Vec<SocketAddr>> {
-    match tokio::time::timeout(deadline, tokio::net::lookup_host(target)).await {
-        Ok(r) => Ok(r?.collect()),
-        Err(_) => Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            "resolving the gateway timed out",
-        )),
-    }
-}
 
 /// How one tunnel ended; [`Outcome::reason`] is the `outcome` label of
 /// `tunnels_total`.
@@ -195,14 +111,18 @@ impl Outcome {
 /// CONNECT tunnel when one is configured.
 pub async fn dial(np: &NodeProxy) -> Result<TcpStream, Outcome> {
     let Some(egress) = &np.opts.egress else {
-        return np.resolver.connect(np).await.map_err(|e| {
+        return np.resolver
+        .connect(np.opts.connect_timeout, &np.metrics.gateway_connect_failures)
+        .await.map_err(|e| {
             if np.metrics.refusal_log.allow() {
                 tracing::warn!(target: "seedlink::refused", gateway = %np.opts.gateway, error = %e, "gateway unreachable");
             }
             Outcome::GatewayUnreachable
         });
     };
-    let mut s = np.resolver.connect(np).await.map_err(|e| {
+    let mut s = np.resolver
+        .connect(np.opts.connect_timeout, &np.metrics.gateway_connect_failures)
+        .await.map_err(|e| {
         if np.metrics.refusal_log.allow() {
             tracing::warn!(target: "seedlink::refused", egress_proxy = %egress.address, error = %e, "egress proxy unreachable");
         }
@@ -383,30 +303,6 @@ async fn exchange_head(stream: &TcpStream, head: &[u8]) -> Result<(u16, Vec<u8>)
 /// pong may take before the connection is given up.
 const H2_PING_EVERY: Duration = Duration::from_secs(30);
 const H2_PONG_WITHIN: Duration = Duration::from_secs(10);
-
-/// The HTTP/2 connections to the gateway that tunnels share in
-/// [`Mode::Http2Connect`]: a tunnel takes a stream on the first live
-/// connection below the gateway's concurrent-stream limit; a new connection
-/// is opened only when all are full, and a failed one is replaced.
-#[derive(Default)]
-pub struct H2Session {
-    conns: tokio::sync::Mutex<Vec<H2Conn>>,
-}
-
-struct H2Conn {
-    send: SendRequest<Bytes>,
-    task: tokio::task::JoinHandle<()>,
-    streams: Arc<AtomicUsize>,
-}
-
-/// One stream slot on a shared connection; released on drop.
-struct StreamSlot(Arc<AtomicUsize>);
-
-impl Drop for StreamSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
 
 impl H2Session {
     /// Whether a connection is up (set up now if none is), within the

@@ -666,66 +666,12 @@ impl ServerConfig {
             }
         };
         if extra.is_empty() {
-            let checked = Self::validate(file).and_then(|cfg| {
-                let mut seen = Claimed::default();
-                let overlaps: Vec<ConfigError> = cfg
-                    .clusters
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, c)| {
-                        claim_trust(&mut seen, c, &format!("clusters[{i}] ({})", c.name))
-                    })
-                    .collect();
-                if overlaps.is_empty() {
-                    Ok(cfg)
-                } else {
-                    Err(Errors(overlaps))
-                }
-            });
-            return (checked, Vec::new());
+            return (Self::validate(file).and_then(no_shared_trust), Vec::new());
         }
-        let from_file = file.clusters.len();
-        let mut all = file.clone();
-        all.clusters.extend(extra.iter().cloned());
-        let mut bad: std::collections::BTreeMap<usize, Vec<ConfigError>> = Default::default();
-        let mut own = Vec::new();
-        match Self::validate(all) {
-            Ok(_) => {}
-            Err(errors) => {
-                for e in errors.0 {
-                    let index = e
-                        .path
-                        .strip_prefix("clusters[")
-                        .and_then(|r| r.split_once(']'))
-                        .and_then(|(i, _)| i.parse::<usize>().ok())
-                        .filter(|i| *i >= from_file)
-                        .map(|i| i - from_file)
-                        .or_else(|| {
-                            extra
-                                .iter()
-                                .position(|c| e.path.starts_with(&format!("clusters ({})", c.name)))
-                        });
-                    match index {
-                        Some(i) => bad.entry(i).or_default().push(e),
-                        None => own.push(e),
-                    }
-                }
-            }
-        }
-        if !own.is_empty() {
-            return (Err(Errors(own)), Vec::new());
-        }
-        // The files each cluster names must read as what they are.
-        let mut alone = file.clone();
-        alone.shared_frontends.clear();
-        for (i, c) in extra.iter().enumerate() {
-            alone.clusters = vec![c.clone()];
-            for e in alone.check_files() {
-                if e.path.starts_with("clusters[") {
-                    bad.entry(i).or_default().push(e);
-                }
-            }
-        }
+        let mut bad = match Self::blame_extra(&file, &extra) {
+            Ok(bad) => bad,
+            Err(own) => return (Err(own), Vec::new()),
+        };
         // Trust shared with a cluster already kept (the file's, then the
         // older objects') refuses the newer claim.
         let mut seen = Claimed::default();
@@ -751,6 +697,53 @@ impl ServerConfig {
             }
         }
         (Self::validate(kept), refused)
+    }
+
+    /// The problems of each `extra` cluster (by its index) when validated
+    /// with `file`, its files read as what they are; `Err` with the file's
+    /// own problems, which refuse everything.
+    fn blame_extra(
+        file: &ServerConfig,
+        extra: &[Cluster],
+    ) -> Result<std::collections::BTreeMap<usize, Vec<ConfigError>>, Errors> {
+        let from_file = file.clusters.len();
+        let mut all = file.clone();
+        all.clusters.extend(extra.iter().cloned());
+        let mut bad: std::collections::BTreeMap<usize, Vec<ConfigError>> = Default::default();
+        let mut own = Vec::new();
+        for e in Self::validate(all).err().map(|e| e.0).unwrap_or_default() {
+            let index = e
+                .path
+                .strip_prefix("clusters[")
+                .and_then(|r| r.split_once(']'))
+                .and_then(|(i, _)| i.parse::<usize>().ok())
+                .filter(|i| *i >= from_file)
+                .map(|i| i - from_file)
+                .or_else(|| {
+                    extra
+                        .iter()
+                        .position(|c| e.path.starts_with(&format!("clusters ({})", c.name)))
+                });
+            match index {
+                Some(i) => bad.entry(i).or_default().push(e),
+                None => own.push(e),
+            }
+        }
+        if !own.is_empty() {
+            return Err(Errors(own));
+        }
+        // The files each cluster names must read as what they are.
+        let mut alone = file.clone();
+        alone.shared_frontends.clear();
+        for (i, c) in extra.iter().enumerate() {
+            alone.clusters = vec![c.clone()];
+            for e in alone.check_files() {
+                if e.path.starts_with("clusters[") {
+                    bad.entry(i).or_default().push(e);
+                }
+            }
+        }
+        Ok(bad)
     }
 
     /// Checks a parsed configuration, section by section; every problem
@@ -982,6 +975,22 @@ fn check_shared_frontends(cfg: &ServerConfig, binds: &mut HashSet<String>, errs:
             "shared_frontends",
             "no cluster has a proxy_password_file, so no proxy request could name one",
         );
+    }
+}
+
+/// `cfg` if no two of its clusters share trust (a CA or a token issuer).
+fn no_shared_trust(cfg: ServerConfig) -> Result<ServerConfig, Errors> {
+    let mut seen = Claimed::default();
+    let overlaps: Vec<ConfigError> = cfg
+        .clusters
+        .iter()
+        .enumerate()
+        .filter_map(|(i, c)| claim_trust(&mut seen, c, &format!("clusters[{i}] ({})", c.name)))
+        .collect();
+    if overlaps.is_empty() {
+        Ok(cfg)
+    } else {
+        Err(Errors(overlaps))
     }
 }
 

@@ -124,42 +124,62 @@ pub async fn kubernetes(
     let Some(k) = snap.file.kubernetes.clone() else {
         return Ok(None);
     };
-    let split = |s: &str| {
-        seedlink_config::compile::split_object_name(s).map(|(namespace, name)| {
-            seedlink_kube::translate::Key {
-                namespace: namespace.into(),
-                name: name.into(),
-            }
+    let settings = gateway_settings(&k, &snap)?;
+    let client = kube::Client::try_default().await.map_err(|e| {
+        anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
+    })?;
+    let handle =
+        seedlink_kube::source::start_gateway(client, settings, Arc::new(KubeSink(gw.clone())));
+    if handle.synced(FIRST_SYNC).await {
+        tracing::info!(
+            control_planes = gw.snapshot().control_planes.len(),
+            "kubernetes: first snapshot applied"
+        );
+    } else {
+        tracing::error!(waited = ?FIRST_SYNC, "kubernetes: no snapshot yet (API server unreachable?); serving the file's control planes, routes follow when it answers");
+    }
+    Ok(Some(handle))
+}
+
+/// `namespace/name` as an object key (`what` names the setting in the
+/// error).
+fn object_key(s: &str, what: &str) -> anyhow::Result<seedlink_kube::translate::Key> {
+    seedlink_config::compile::split_object_name(s)
+        .map(|(namespace, name)| seedlink_kube::translate::Key {
+            namespace: namespace.into(),
+            name: name.into(),
         })
+        .ok_or_else(|| anyhow::anyhow!("{what}: not namespace/name"))
+}
+
+/// The Kubernetes source's settings from the file's `kubernetes` section:
+/// the named Gateway, the status Lease and Service (defaults in the
+/// Gateway's namespace), the class and its addresses.
+fn gateway_settings(
+    k: &seedlink_config::model::KubernetesSource,
+    snap: &seedlink_config::Snapshot,
+) -> anyhow::Result<seedlink_kube::source::GatewaySettings> {
+    let in_home = |ns: &String, name: &str| seedlink_kube::translate::Key {
+        namespace: ns.clone(),
+        name: name.into(),
     };
-    let gateway = match &k.gateway {
-        Some(g) => Some(
-            split(g).ok_or_else(|| anyhow::anyhow!("kubernetes.gateway: not namespace/name"))?,
-        ),
-        None => None,
-    };
+    let gateway = k
+        .gateway
+        .as_deref()
+        .map(|g| object_key(g, "kubernetes.gateway"))
+        .transpose()?;
     let home = gateway.as_ref().map(|g| g.namespace.clone());
     let lease = match (&k.lease, k.write_status, &home) {
         (_, false, _) => None,
-        (Some(l), true, _) => {
-            Some(split(l).ok_or_else(|| anyhow::anyhow!("kubernetes.lease: not namespace/name"))?)
-        }
-        (None, true, Some(ns)) => Some(seedlink_kube::translate::Key {
-            namespace: ns.clone(),
-            name: "seedlink-status".into(),
-        }),
+        (Some(l), true, _) => Some(object_key(l, "kubernetes.lease")?),
+        (None, true, Some(ns)) => Some(in_home(ns, "seedlink-status")),
         (None, true, None) => {
             anyhow::bail!("kubernetes.lease: required without kubernetes.gateway")
         }
     };
     let service = match (&k.service, &home) {
-        (Some(s), _) => Some(
-            split(s).ok_or_else(|| anyhow::anyhow!("kubernetes.service: not namespace/name"))?,
-        ),
-        (None, Some(ns)) => Some(seedlink_kube::translate::Key {
-            namespace: ns.clone(),
-            name: "seedlink".into(),
-        }),
+        (Some(s), _) => Some(object_key(s, "kubernetes.service")?),
+        (None, Some(ns)) => Some(in_home(ns, "seedlink")),
         (None, None) => None,
     };
     let class = k
@@ -187,30 +207,15 @@ pub async fn kubernetes(
                 .map(|l| l.address)
                 .collect(),
         });
-    let client = kube::Client::try_default().await.map_err(|e| {
-        anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
-    })?;
-    let identity = identity();
-    let settings = seedlink_kube::source::GatewaySettings {
+    Ok(seedlink_kube::source::GatewaySettings {
         gateway,
         class,
         listeners: snap.file.listeners.iter().map(|l| l.name.clone()).collect(),
         lease,
-        identity,
+        identity: identity(),
         slice_managers: k.endpointslice_managers.clone(),
         service,
-    };
-    let handle =
-        seedlink_kube::source::start_gateway(client, settings, Arc::new(KubeSink(gw.clone())));
-    if handle.synced(FIRST_SYNC).await {
-        tracing::info!(
-            control_planes = gw.snapshot().control_planes.len(),
-            "kubernetes: first snapshot applied"
-        );
-    } else {
-        tracing::error!(waited = ?FIRST_SYNC, "kubernetes: no snapshot yet (API server unreachable?); serving the file's control planes, routes follow when it answers");
-    }
-    Ok(Some(handle))
+    })
 }
 
 /// Runs `seedlink gateway` until drained; returns the exit code.

@@ -84,80 +84,94 @@ where
         .map_err(|_| none(FrontendEnd::WriteError))?;
     let cluster = match choice {
         ProxyCluster::Fixed(c) => c.clone(),
-        ProxyCluster::ByCredentials => {
-            // RFC 1929: VER=1, ULEN, UNAME, PLEN, PASSWD.
-            let head = read_n(io, 2).await.map_err(none)?;
-            if head[0] != 1 {
-                return Err(none(FrontendEnd::NotSocks5));
-            }
-            let user = read_n(io, usize::from(head[1])).await.map_err(none)?;
-            let plen = read_n(io, 1).await.map_err(none)?;
-            let pass = read_n(io, usize::from(plen[0])).await.map_err(none)?;
-            let found = match (std::str::from_utf8(&user), std::str::from_utf8(&pass)) {
-                (Ok(u), Ok(p)) => srv.registry.cluster_for_credentials(u, p),
-                _ => None,
-            };
-            match found {
-                Some(c) => {
-                    io.write_all(&[1, 0])
-                        .await
-                        .map_err(|_| none(FrontendEnd::WriteError))?;
-                    c
-                }
-                None => {
-                    let _ = io.write_all(&[1, 1]).await;
-                    return Err(none(FrontendEnd::ProxyAuthRequired));
-                }
-            }
-        }
+        ProxyCluster::ByCredentials => authenticate(srv, io).await.map_err(none)?,
     };
     let name = cluster.name.to_string();
-    let fail = |why| (name.clone(), why);
-    // VER, CMD, RSV, ATYP, DST.ADDR, DST.PORT
-    let req = read_n(io, 4).await.map_err(fail)?;
+    let target = request(io).await.map_err(|why| (name, why))?;
+    Ok((cluster, target))
+}
+
+/// RFC 1929 username/password (VER=1, ULEN, UNAME, PLEN, PASSWD): the
+/// cluster whose proxy credentials they are.
+async fn authenticate<S>(srv: &Core, io: &mut S) -> Result<Arc<Cluster>, FrontendEnd>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let head = read_n(io, 2).await?;
+    if head[0] != 1 {
+        return Err(FrontendEnd::NotSocks5);
+    }
+    let user = read_n(io, usize::from(head[1])).await?;
+    let plen = read_n(io, 1).await?;
+    let pass = read_n(io, usize::from(plen[0])).await?;
+    let found = match (std::str::from_utf8(&user), std::str::from_utf8(&pass)) {
+        (Ok(u), Ok(p)) => srv.registry.cluster_for_credentials(u, p),
+        _ => None,
+    };
+    match found {
+        Some(c) => {
+            io.write_all(&[1, 0])
+                .await
+                .map_err(|_| FrontendEnd::WriteError)?;
+            Ok(c)
+        }
+        None => {
+            let _ = io.write_all(&[1, 1]).await;
+            Err(FrontendEnd::ProxyAuthRequired)
+        }
+    }
+}
+
+/// The request (VER, CMD, RSV, ATYP, DST.ADDR, DST.PORT): its target as
+/// `host:port`, or the refusal (answered with its reply code).
+async fn request<S>(io: &mut S) -> Result<String, FrontendEnd>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let req = read_n(io, 4).await?;
     if req[0] != VERSION {
-        return Err(fail(FrontendEnd::NotSocks5));
+        return Err(FrontendEnd::NotSocks5);
     }
     if req[1] != 1 {
         // BIND and UDP ASSOCIATE: a tunnel to the shoot carries outbound
         // TCP connections only.
         let _ = reply(io, rep::COMMAND).await;
-        return Err(fail(FrontendEnd::SocksCommand));
+        return Err(FrontendEnd::SocksCommand);
     }
     let host = match req[3] {
         1 => {
-            let a = read_n(io, 4).await.map_err(fail)?;
+            let a = read_n(io, 4).await?;
             Ipv4Addr::new(a[0], a[1], a[2], a[3]).to_string()
         }
         4 => {
-            let a = read_n(io, 16).await.map_err(fail)?;
+            let a = read_n(io, 16).await?;
             let mut o = [0u8; 16];
             o.copy_from_slice(&a);
             format!("[{}]", Ipv6Addr::from(o))
         }
         3 => {
-            let len = read_n(io, 1).await.map_err(fail)?;
-            let name = read_n(io, usize::from(len[0])).await.map_err(fail)?;
+            let len = read_n(io, 1).await?;
+            let name = read_n(io, usize::from(len[0])).await?;
             match host_name(&name) {
                 Some(h) => h,
                 None => {
                     let _ = reply(io, rep::HOST_UNREACHABLE).await;
-                    return Err(fail(FrontendEnd::BadTarget));
+                    return Err(FrontendEnd::BadTarget);
                 }
             }
         }
         _ => {
             let _ = reply(io, rep::ADDRESS_TYPE).await;
-            return Err(fail(FrontendEnd::BadTarget));
+            return Err(FrontendEnd::BadTarget);
         }
     };
-    let port = read_n(io, 2).await.map_err(fail)?;
+    let port = read_n(io, 2).await?;
     let port = u16::from_be_bytes([port[0], port[1]]);
     if port == 0 {
         let _ = reply(io, rep::HOST_UNREACHABLE).await;
-        return Err(fail(FrontendEnd::BadTarget));
+        return Err(FrontendEnd::BadTarget);
     }
-    Ok((cluster, format!("{host}:{port}")))
+    Ok(format!("{host}:{port}"))
 }
 
 /// A DNS name as sent in a SOCKS request: letters, digits, `-`, `_`, `.`,
