@@ -153,7 +153,15 @@ pub async fn start(
     let addr: SocketAddr = format!("127.0.0.1:{front}").parse()?;
     let mut unix = None;
     let (server, agent, connect) = match name {
-        "seedlink" => {
+        "seedlink" | "seedlink-b" => {
+            // `seedlink-b`: a second build, for an interleaved A/B run.
+            let bin = match name {
+                "seedlink-b" => opts
+                    .seedlink_b
+                    .clone()
+                    .ok_or_else(|| anyhow::anyhow!("seedlink-b needs --seedlink-b <binary>"))?,
+                _ => opts.seedlink.clone(),
+            };
             pki(&d)?;
             let p = |f: &str| d.join(f).display().to_string();
             std::fs::write(
@@ -170,7 +178,7 @@ clusters:
                     p("ca.pem")
                 ),
             )?;
-            let mut s = Command::new(&opts.seedlink)
+            let mut s = Command::new(&bin)
                 .args(["tunnel-server", "--config"])
                 .arg(d.join("server.yaml"))
                 .env("RUST_LOG", "error")
@@ -181,7 +189,7 @@ clusters:
                 .stdout(Stdio::piped())
                 .spawn()?;
             ready(&mut s, "tunnel-server")?;
-            let mut a = Command::new(&opts.seedlink)
+            let mut a = Command::new(&bin)
                 .args([
                     "tunnel-agent",
                     "--server",
