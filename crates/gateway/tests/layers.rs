@@ -16,7 +16,7 @@
 
 use std::path::Path;
 
-use seedlink_layering::Graph;
+use seedlink_layering::{does_io, Graph};
 
 fn layer(m: &str) -> Option<u8> {
     Some(match m.split("::").next().unwrap_or("") {
@@ -26,26 +26,6 @@ fn layer(m: &str) -> Option<u8> {
         "" => 3,
         _ => return None,
     })
-}
-
-fn io(name: &str) -> bool {
-    [
-        "tokio",
-        "std::sync",
-        "std::thread",
-        "std::fs",
-        "std::process",
-        "std::net::TcpStream",
-        "std::net::TcpListener",
-        "std::net::UdpSocket",
-        "socket2",
-        "libc",
-        "seedlink_net",
-    ]
-    .iter()
-    .any(|p| name == *p || name.starts_with(&format!("{p}::")))
-        || name.ends_with("Instant::now")
-        || name.ends_with("SystemTime::now")
 }
 
 fn problems(gateway: &Graph, proto: &Graph) -> Vec<String> {
@@ -67,7 +47,7 @@ fn problems(gateway: &Graph, proto: &Graph) -> Vec<String> {
         }
     }
     for (m, module) in &proto.modules {
-        for name in module.outside.iter().filter(|n| io(n)) {
+        for name in module.outside.iter().filter(|n| does_io(n)) {
             out.push(format!("sans-IO: proto::{m} uses {name}"));
         }
     }

@@ -149,6 +149,34 @@ impl Graph {
     }
 }
 
+/// Whether an outside name does IO, which a sans-IO module must not
+/// touch: a runtime, locks and atomics, threads, files, processes,
+/// sockets, HTTP stacks, system calls, seedlink's runtime library, the
+/// clock. Plain data (`std::io::Error`, `SocketAddr`) is not IO.
+pub fn does_io(name: &str) -> bool {
+    [
+        "tokio",
+        "std::sync",
+        "std::thread",
+        "std::fs",
+        "std::process",
+        "std::net::TcpStream",
+        "std::net::TcpListener",
+        "std::net::UdpSocket",
+        "hyper",
+        "h2",
+        "tonic",
+        "socket2",
+        "libc",
+        "nix",
+        "seedlink_net",
+    ]
+    .iter()
+    .any(|p| name == *p || name.starts_with(&format!("{p}::")))
+        || name.ends_with("Instant::now")
+        || name.ends_with("SystemTime::now")
+}
+
 /// Cycles among `edges` (strongly connected sets of more than one node),
 /// each sorted.
 pub fn cycles(edges: &BTreeMap<(String, String), (ModPath, ModPath)>) -> Vec<Vec<String>> {

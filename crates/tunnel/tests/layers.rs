@@ -17,7 +17,7 @@
 
 use std::path::Path;
 
-use seedlink_layering::{cycles, Graph};
+use seedlink_layering::{cycles, does_io, Graph};
 
 /// Layer of a top-level module; a module may use its own layer and lower.
 fn layer(module: &str) -> Option<u8> {
@@ -56,31 +56,6 @@ fn server_unit(m: &str) -> Option<String> {
     })
 }
 
-/// Outside names a sans-IO module must not use: a runtime, locks and
-/// atomics, threads, sockets, files, processes, HTTP stacks, the clock.
-/// (Plain data such as `std::io::Error` or `SocketAddr` is allowed.)
-fn io(name: &str) -> bool {
-    [
-        "tokio",
-        "std::sync",
-        "std::thread",
-        "std::fs",
-        "std::process",
-        "std::net::TcpStream",
-        "std::net::TcpListener",
-        "std::net::UdpSocket",
-        "hyper",
-        "h2",
-        "tonic",
-        "socket2",
-        "seedlink_net",
-    ]
-    .iter()
-    .any(|p| name == *p || name.starts_with(&format!("{p}::")))
-        || name.ends_with("Instant::now")
-        || name.ends_with("SystemTime::now")
-}
-
 fn problems(g: &Graph) -> Vec<String> {
     let mut out = Vec::new();
     // 1. Layers, and no cycle among the top-level modules.
@@ -107,7 +82,7 @@ fn problems(g: &Graph) -> Vec<String> {
     for root in ["server::link", "agent::link"] {
         for m in g.reach(root) {
             for name in &g.modules[&m].outside {
-                if io(name) {
+                if does_io(name) {
                     out.push(format!("sans-IO: {root} reaches {m}, which uses {name}"));
                 }
             }
