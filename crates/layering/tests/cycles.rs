@@ -15,8 +15,8 @@ use seedlink_layering::{cycles, Graph};
 
 /// (crate directory, the modules of one cycle).
 const KNOWN: &[(&str, &[&str])] = &[
-    // Test and benchmark support.
-    ("testkit", &["(root)", "tunnel_env"]),
+    // The benchmark: its root's options and samples, and its peers and
+    // workloads using one another.
     (
         "bench",
         &["(root)", "peers", "tunnel", "tunnel_scale", "workload"],

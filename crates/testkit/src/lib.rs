@@ -386,6 +386,31 @@ pub async fn wait_listening(addr: SocketAddr) {
     .await;
 }
 
+/// Reads the first stdout line of `c` (the ready line) as JSON, within 20 s.
+pub fn ready_line(c: &mut std::process::Child) -> serde_json::Value {
+    let out = c.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::BufReader::new(out).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("no ready line");
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"))
+}
+
+/// Moves the calling thread into network namespace `name`.
+#[allow(unsafe_code)]
+pub fn enter_netns(name: &str) {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(format!("/run/netns/{name}")).unwrap();
+    // SAFETY: setns on a valid namespace fd for this thread only.
+    let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+    assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+}
+
 /// Fails loudly when a required external tool is missing (never skips).
 pub fn require(tool: &str) -> PathBuf {
     let out = Command::new("sh")
@@ -500,7 +525,7 @@ pub fn node_proxy(args: &[&str]) -> NodeProxyProc {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let v = tunnel_env::ready_line(&mut child);
+    let v = ready_line(&mut child);
     NodeProxyProc {
         child,
         listen: v["listen"].as_str().unwrap().parse().unwrap(),
@@ -621,7 +646,7 @@ impl NetnsDialer {
         let (tx, rx) = std::sync::mpsc::channel::<NetnsJob>();
         let name = ns.0.clone();
         std::thread::spawn(move || {
-            tunnel_env::enter_netns(&name);
+            enter_netns(&name);
             while let Ok(job) = rx.recv() {
                 match job {
                     NetnsJob::Connect(a, reply) => {

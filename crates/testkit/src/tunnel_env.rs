@@ -16,6 +16,8 @@ use tokio::net::UnixStream;
 
 use super::{netns_pair, require, Netns, Proc};
 
+pub use crate::{enter_netns, ready_line};
+
 const SERVICES: &str = "import socket,threading,time
 def srv(port, backlog):
   s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('127.0.0.1',port));s.listen(backlog);return s
@@ -90,21 +92,6 @@ impl Started {
     pub fn pid(&self) -> u32 {
         self.proc.0.id()
     }
-}
-
-/// Reads the first stdout line of `c` (the ready line) as JSON, within 20 s.
-pub fn ready_line(c: &mut std::process::Child) -> serde_json::Value {
-    let out = c.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = BufReader::new(out).read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let line = rx
-        .recv_timeout(Duration::from_secs(20))
-        .expect("no ready line");
-    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"))
 }
 
 /// Open file descriptors of a process.
@@ -668,16 +655,6 @@ impl FakeAgent {
         .join()
         .unwrap()
     }
-}
-
-/// Moves the calling thread into network namespace `name`.
-#[allow(unsafe_code)]
-pub fn enter_netns(name: &str) {
-    use std::os::fd::AsRawFd;
-    let f = std::fs::File::open(format!("/run/netns/{name}")).unwrap();
-    // SAFETY: setns on a valid namespace fd for this thread only.
-    let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-    assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
 }
 
 /// A ServiceAccount token of `https://issuer.shoot` for
