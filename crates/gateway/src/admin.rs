@@ -35,27 +35,8 @@ pub async fn serve(
         let access = access.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {
-                let gw = gw.clone();
-                let allowed = access.allows(
-                    req.uri().path(),
-                    req.headers()
-                        .get(hyper::header::AUTHORIZATION)
-                        .and_then(|v| v.to_str().ok()),
-                );
-                async move {
-                    if !allowed {
-                        let mut r = text(
-                            StatusCode::UNAUTHORIZED,
-                            "unauthorized: send Authorization: Bearer <token>\n",
-                        );
-                        r.headers_mut().insert(
-                            hyper::header::WWW_AUTHENTICATE,
-                            hyper::header::HeaderValue::from_static("Bearer"),
-                        );
-                        return Ok::<_, Infallible>(r);
-                    }
-                    Ok::<_, Infallible>(route(&gw, &req))
-                }
+                let r = respond(&gw, &access, &req);
+                async move { Ok::<_, Infallible>(r) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
@@ -69,6 +50,30 @@ pub async fn serve(
     .await;
 }
 
+/// A request's answer: refused without the token where one is needed.
+fn respond(
+    gw: &Gateway,
+    access: &seedlink_net::admin::Access,
+    req: &Request<Incoming>,
+) -> Response<Full<Bytes>> {
+    let authorization = req
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    if access.allows(req.uri().path(), authorization) {
+        return route(gw, req);
+    }
+    let mut r = text(
+        StatusCode::UNAUTHORIZED,
+        "unauthorized: send Authorization: Bearer <token>\n",
+    );
+    r.headers_mut().insert(
+        hyper::header::WWW_AUTHENTICATE,
+        hyper::header::HeaderValue::from_static("Bearer"),
+    );
+    r
+}
+
 fn route(gw: &Gateway, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     if req.method() != hyper::Method::GET && req.method() != hyper::Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n");
@@ -80,50 +85,36 @@ fn route(gw: &Gateway, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             Phase::Starting => text(StatusCode::SERVICE_UNAVAILABLE, "starting\n"),
             Phase::Draining => text(StatusCode::SERVICE_UNAVAILABLE, "draining\n"),
         },
-        "/metrics" => {
-            let mut r = Response::new(Full::new(Bytes::from(
-                gw.metrics
-                    .encode_with(&gw.snapshot(), gw.copier.pipe_counts()),
-            )));
-            if let Ok(v) = "application/openmetrics-text; version=1.0.0; charset=utf-8".parse() {
-                r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-            }
-            r
-        }
-        "/" => {
-            let mut r = Response::new(Full::new(Bytes::from(seedlink_net::admin::PAGE)));
-            if let Ok(v) = seedlink_net::admin::HTML.parse() {
-                r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-            }
-            r
-        }
-        "/api/state" => {
-            let mut r = Response::new(Full::new(Bytes::from(state(gw).to_string())));
-            if let Ok(v) = seedlink_net::admin::JSON.parse() {
-                r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-            }
-            r
-        }
+        "/metrics" => typed(
+            gw.metrics
+                .encode_with(&gw.snapshot(), gw.copier.pipe_counts()),
+            seedlink_net::admin::METRICS,
+        ),
+        "/" => typed(seedlink_net::admin::PAGE, seedlink_net::admin::HTML),
+        "/api/state" => typed(state(gw).to_string(), seedlink_net::admin::JSON),
         "/config" => {
-            let snap = gw.snapshot();
             let body = serde_json::json!({
                 "generation": gw.generation(),
                 "max_connections": gw.max_connections(),
-                "config": snap.file,
+                "config": gw.snapshot().file,
             });
-            let mut r = Response::new(Full::new(Bytes::from(
-                serde_json::to_string_pretty(&body).unwrap_or_default() + "\n",
-            )));
-            if let Ok(v) = "application/json".parse() {
-                r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-            }
-            r
+            let body = serde_json::to_string_pretty(&body).unwrap_or_default() + "\n";
+            typed(body, seedlink_net::admin::JSON)
         }
         _ => text(
             StatusCode::NOT_FOUND,
             "not found; try /healthz /readyz /metrics /config\n",
         ),
     }
+}
+
+/// A 200 answer of `content_type`.
+fn typed(body: impl Into<Bytes>, content_type: &str) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(body.into()));
+    if let Ok(v) = content_type.parse() {
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    r
 }
 
 fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
@@ -141,9 +132,8 @@ fn per_control_plane(
     metrics: &str,
     name: &str,
     key: impl Fn(&Labels) -> Option<String>,
-) -> std::collections::BTreeMap<String, std::collections::BTreeMap<String, f64>> {
-    let mut out: std::collections::BTreeMap<String, std::collections::BTreeMap<String, f64>> =
-        std::collections::BTreeMap::new();
+) -> PerControlPlane {
+    let mut out = PerControlPlane::new();
     for (l, v) in seedlink_net::admin::samples(metrics, name) {
         let (Some(cp), Some(k)) = (l.get("control_plane"), key(&l)) else {
             continue;
@@ -156,21 +146,7 @@ fn per_control_plane(
 /// Every control plane's live state, as the page and scripts read it.
 pub fn state(gw: &Gateway) -> serde_json::Value {
     let snap = gw.snapshot();
-    let metrics = gw.metrics.encode();
-    let outcomes = per_control_plane(&metrics, "seedlink_gateway_connections_total", |l| {
-        l.get("outcome").cloned()
-    });
-    let by_path = |l: &Labels| Some(format!("{} / {}", l.get("listener")?, l.get("protocol")?));
-    let routed = per_control_plane(&metrics, "seedlink_gateway_routed_total", by_path);
-    let mut open_by = per_control_plane(
-        &metrics,
-        "seedlink_gateway_routed_active_connections",
-        by_path,
-    );
-    for paths in open_by.values_mut() {
-        paths.retain(|_, v| *v > 0.0);
-    }
-    open_by.retain(|_, paths| !paths.is_empty());
+    let counts = Counts::read(gw);
     let now = crate::upstream::now_ms();
     let file = &snap.file;
     let all = file
@@ -179,43 +155,7 @@ pub fn state(gw: &Gateway) -> serde_json::Value {
         .map(|c| (c, "file"))
         .chain(file.from_kubernetes.iter().map(|c| (c, "kubernetes")));
     let control_planes: Vec<serde_json::Value> = all
-        .map(|(c, source)| {
-            let endpoints: Vec<serde_json::Value> = snap
-                .control_planes
-                .get(&c.name)
-                .map(|cp| {
-                    cp.endpoints
-                        .iter()
-                        .map(|e| {
-                            let until = e
-                                .state
-                                .ejected_until_ms
-                                .load(std::sync::atomic::Ordering::Relaxed);
-                            serde_json::json!({
-                                "address": e.address,
-                                "active": e.state.active.load(std::sync::atomic::Ordering::Relaxed),
-                                "ejected": until > now,
-                                "ejected_for_ms": until.saturating_sub(now),
-                            })
-                        })
-                        .collect()
-                })
-                .unwrap_or_default();
-            let active: u64 = endpoints.iter().filter_map(|e| e["active"].as_u64()).sum();
-            serde_json::json!({
-                "name": c.name,
-                "source": source,
-                "hostnames": c.hostnames,
-                "destinations": c.destinations.iter().map(|d| d.name.clone()).collect::<Vec<_>>(),
-                "service_addresses": c.service_addresses,
-                "acl": c.acl.as_ref().map(|a| a.allow.clone()),
-                "active": active,
-                "active_by": open_by.get(&c.name),
-                "endpoints": endpoints,
-                "outcomes": outcomes.get(&c.name),
-                "routed": routed.get(&c.name),
-            })
-        })
+        .map(|(c, source)| control_plane_state(&snap, &counts, c, source, now))
         .collect();
     serde_json::json!({
         "role": "gateway",
@@ -226,6 +166,91 @@ pub fn state(gw: &Gateway) -> serde_json::Value {
         },
         "always_allowed": file.always_allowed,
         "control_planes": control_planes,
+    })
+}
+
+type PerControlPlane = std::collections::BTreeMap<String, std::collections::BTreeMap<String, f64>>;
+
+/// The counters the state page shows per control plane.
+struct Counts {
+    /// Ended connections by outcome.
+    outcomes: PerControlPlane,
+    /// Routed connections by listener and protocol.
+    routed: PerControlPlane,
+    /// Open routed connections by listener and protocol (none: left out).
+    open_by: PerControlPlane,
+}
+
+impl Counts {
+    fn read(gw: &Gateway) -> Counts {
+        let metrics = gw.metrics.encode();
+        let outcomes = per_control_plane(&metrics, "seedlink_gateway_connections_total", |l| {
+            l.get("outcome").cloned()
+        });
+        let by_path = |l: &Labels| Some(format!("{} / {}", l.get("listener")?, l.get("protocol")?));
+        let routed = per_control_plane(&metrics, "seedlink_gateway_routed_total", by_path);
+        let mut open_by = per_control_plane(
+            &metrics,
+            "seedlink_gateway_routed_active_connections",
+            by_path,
+        );
+        for paths in open_by.values_mut() {
+            paths.retain(|_, v| *v > 0.0);
+        }
+        open_by.retain(|_, paths| !paths.is_empty());
+        Counts {
+            outcomes,
+            routed,
+            open_by,
+        }
+    }
+}
+
+/// One control plane's configuration, endpoints and counters.
+fn control_plane_state(
+    snap: &seedlink_config::Snapshot,
+    counts: &Counts,
+    c: &seedlink_config::model::ControlPlane,
+    source: &str,
+    now: u64,
+) -> serde_json::Value {
+    let endpoints: Vec<serde_json::Value> = snap
+        .control_planes
+        .get(&c.name)
+        .map(|cp| {
+            cp.endpoints
+                .iter()
+                .map(|e| endpoint_state(e, now))
+                .collect()
+        })
+        .unwrap_or_default();
+    let active: u64 = endpoints.iter().filter_map(|e| e["active"].as_u64()).sum();
+    serde_json::json!({
+        "name": c.name,
+        "source": source,
+        "hostnames": c.hostnames,
+        "destinations": c.destinations.iter().map(|d| d.name.clone()).collect::<Vec<_>>(),
+        "service_addresses": c.service_addresses,
+        "acl": c.acl.as_ref().map(|a| a.allow.clone()),
+        "active": active,
+        "active_by": counts.open_by.get(&c.name),
+        "endpoints": endpoints,
+        "outcomes": counts.outcomes.get(&c.name),
+        "routed": counts.routed.get(&c.name),
+    })
+}
+
+/// An endpoint's open connections and ejection at `now` (ms).
+fn endpoint_state(e: &seedlink_config::routes::Endpoint, now: u64) -> serde_json::Value {
+    let until = e
+        .state
+        .ejected_until_ms
+        .load(std::sync::atomic::Ordering::Relaxed);
+    serde_json::json!({
+        "address": e.address,
+        "active": e.state.active.load(std::sync::atomic::Ordering::Relaxed),
+        "ejected": until > now,
+        "ejected_for_ms": until.saturating_sub(now),
     })
 }
 

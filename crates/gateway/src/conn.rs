@@ -228,31 +228,14 @@ async fn run(
     // connection's future for its whole life, idle ones included (the
     // future is sized for its largest state; the copy loop alone is what
     // an idle connection needs).
-    let detected = match tokio::time::timeout_at(
-        deadline,
-        Box::pin(detect(gw, lctx, snap, &stream, peer, trusted, &mut guard)),
-    )
-    .await
-    {
+    let detect = Box::pin(detect(gw, lctx, snap, &stream, peer, trusted, &mut guard));
+    let detected = match tokio::time::timeout_at(deadline, detect).await {
         Ok(Ok(d)) => d,
         Ok(Err(r)) => return refuse(gw, lctx, peer, r),
         Err(_) => return refuse(gw, lctx, peer, Refusal::Timeout),
     };
     if matches!(detected.request, Request::Http2) {
-        // An HTTP/2 connection stays unrouted (holding its per-source slot)
-        // whenever it has no open stream. Boxed: the HTTP/2 server's future
-        // is ~2 KiB (docs/PERFORMANCE.md, idle memory).
-        let outcome = Box::pin(crate::h2conn::serve(
-            gw.clone(),
-            lctx.clone(),
-            snap.clone(),
-            stream,
-            detected.client,
-            detected.replay,
-            guard,
-        ))
-        .await;
-        return (None, Outcome::Http2(outcome));
+        return http2(gw, lctx, snap, stream, detected, guard).await;
     }
     drop(guard);
     // Boxed: routing, the ACL, the limits and the upstream dial are only
@@ -262,6 +245,23 @@ async fn run(
         Err(ended) => return ended,
     };
     copy(gw, lctx, ready).await
+}
+
+/// An HTTP/2 connection stays unrouted (holding its per-source slot)
+/// whenever it has no open stream. Boxed: the HTTP/2 server's future is
+/// ~2 KiB (docs/PERFORMANCE.md, idle memory).
+async fn http2(
+    gw: &Arc<Gateway>,
+    lctx: &Arc<ListenerCtx>,
+    snap: &Arc<Snapshot>,
+    stream: TcpStream,
+    detected: Detected,
+    guard: Option<SourceGuard<'_>>,
+) -> Ended {
+    let (gw, lctx, snap) = (gw.clone(), lctx.clone(), snap.clone());
+    let (client, prefix) = (detected.client, detected.replay);
+    let h2 = crate::h2conn::serve(gw, lctx, snap, stream, client, prefix, guard);
+    (None, Outcome::Http2(Box::pin(h2).await))
 }
 
 /// Routed, admitted, connected and replayed: what the copy holds for the
@@ -302,40 +302,11 @@ async fn setup<'g>(
         return Err(at.unavailable(route.cp, Outcome::AclDenied, None).await);
     }
     if let Some(name) = route.local() {
-        let Some(handler) = gw.local(name) else {
-            tracing::warn!(listener = %lctx.spec.name, control_plane = %route.cp.name, local = name, "no in-process service of that name");
-            return Err(at
-                .unavailable(route.cp, Outcome::UpstreamUnavailable, None)
-                .await);
-        };
+        let handler = at.local_handler(&route, name).await?;
         return Err(hand_over(gw, lctx, route, handler, stream, detected));
     }
-    // One tenant's clients cannot take every connection of the gateway.
-    let Some(cp_slot) = gw.enter_control_plane(snap, &route.cp.name) else {
-        return Err(at
-            .unavailable(route.cp, Outcome::ControlPlaneLimit, None)
-            .await);
-    };
-    let Ok(source_slot) = gw.enter_routed_source(snap, detected.client.ip()) else {
-        return Err(at.unavailable(route.cp, Outcome::SourceLimit, None).await);
-    };
-    let (upstream, active, endpoint) = match upstream::connect(
-        &route.cp.name,
-        route.endpoints,
-        &snap.upstream,
-        snap.timeouts.upstream_connect,
-        crate::state::keepalive(snap),
-        &gw.metrics,
-    )
-    .await
-    {
-        Ok(u) => u,
-        Err(e) => {
-            let e = e.to_string();
-            let out = Outcome::UpstreamUnavailable;
-            return Err(at.unavailable(route.cp, out, Some(&e)).await);
-        }
-    };
+    let (cp_slot, source_slot) = at.slots(gw, &route).await?;
+    let (upstream, active, endpoint) = at.connect(&route).await?;
     at.answer(&route.cp).await?;
     let routed = lctx
         .metrics
@@ -595,6 +566,66 @@ impl<'s> At<'_, 's> {
         refuse(self.gw, self.lctx, self.detected.client, refusal)
     }
 
+    /// The in-process service `name` a route hands connections to.
+    async fn local_handler(
+        &self,
+        route: &Route<'s>,
+        name: &str,
+    ) -> Result<crate::state::LocalHandler, Ended> {
+        match self.gw.local(name) {
+            Some(handler) => Ok(handler),
+            None => {
+                tracing::warn!(listener = %self.lctx.spec.name, control_plane = %route.cp.name, local = name, "no in-process service of that name");
+                let out = Outcome::UpstreamUnavailable;
+                Err(self.unavailable(route.cp.clone(), out, None).await)
+            }
+        }
+    }
+
+    /// The control plane's and the client's slots among routed
+    /// connections: one tenant's clients cannot take every connection of
+    /// the gateway.
+    async fn slots<'g>(
+        &self,
+        gw: &'g Gateway,
+        route: &Route<'s>,
+    ) -> Result<(crate::state::RoutedGuard<'g>, Option<SourceGuard<'g>>), Ended> {
+        let snap = self.snap;
+        let Some(cp_slot) = gw.enter_control_plane(snap, &route.cp.name) else {
+            let out = Outcome::ControlPlaneLimit;
+            return Err(self.unavailable(route.cp.clone(), out, None).await);
+        };
+        let Ok(source_slot) = gw.enter_routed_source(snap, self.detected.client.ip()) else {
+            let out = Outcome::SourceLimit;
+            return Err(self.unavailable(route.cp.clone(), out, None).await);
+        };
+        Ok((cp_slot, source_slot))
+    }
+
+    /// Connects to one of the route's endpoints.
+    async fn connect(
+        &self,
+        route: &Route<'s>,
+    ) -> Result<(TcpStream, upstream::ActiveGuard, String), Ended> {
+        let snap = self.snap;
+        match upstream::connect(
+            &route.cp.name,
+            route.endpoints,
+            &snap.upstream,
+            snap.timeouts.upstream_connect,
+            crate::state::keepalive(snap),
+            &self.gw.metrics,
+        )
+        .await
+        {
+            Ok(u) => Ok(u),
+            Err(e) => {
+                let (e, out) = (e.to_string(), Outcome::UpstreamUnavailable);
+                Err(self.unavailable(route.cp.clone(), out, Some(&e)).await)
+            }
+        }
+    }
+
     /// Connected upstream: a CONNECT hears 200 only now (what it
     /// pipelined after the head goes upstream right after).
     async fn answer(&self, cp: &Arc<ControlPlane>) -> Result<(), Ended> {
@@ -806,26 +837,31 @@ async fn outer_proxy_header<'g>(
     match h.addresses {
         proxy_header::Addresses::Proxied { source, .. } => {
             let client = SocketAddr::new(canonical(source.ip()), source.port());
-            match gw
-                .sources
-                .enter(client.ip(), snap.limits.max_unrouted_per_source)
-            {
-                Some(g) => *guard = Some(g),
-                None => return Err(Refusal::PerSourceLimit),
-            }
+            let cap = snap.limits.max_unrouted_per_source;
+            *guard = Some(
+                gw.sources
+                    .enter(client.ip(), cap)
+                    .ok_or(Refusal::PerSourceLimit)?,
+            );
             Ok(client)
         }
         proxy_header::Addresses::Local => {
-            // A load balancer health check: it usually closes now.
-            if r.buf.is_empty()
-                && read_more(r.stream, &mut r.buf, snap.limits.client_hello_max_bytes).await
-                    == Err(Refusal::Eof)
-            {
-                return Err(Refusal::LbHealthCheck);
-            }
+            lb_health_check(r, snap).await?;
             Ok(peer)
         }
     }
+}
+
+/// A `LOCAL` PROXY header is a load balancer's health check: it usually
+/// closes now, which ends the connection as such.
+async fn lb_health_check(r: &mut Reader<'_>, snap: &Snapshot) -> Result<(), Refusal> {
+    if r.buf.is_empty()
+        && read_more(r.stream, &mut r.buf, snap.limits.client_hello_max_bytes).await
+            == Err(Refusal::Eof)
+    {
+        return Err(Refusal::LbHealthCheck);
+    }
+    Ok(())
 }
 
 /// The node proxy's PROXY header: its destination (or, on a `route_by_tlv`
@@ -1050,23 +1086,8 @@ fn redirect_location(
         None if head.method == "CONNECT" => head.target.clone(),
         None => return None,
     };
-    // Strip a port: `host:port` or `[v6]:port`.
-    let host = match authority.rsplit_once(':') {
-        Some((h, p))
-            if p.bytes().all(|b| b.is_ascii_digit()) && (!h.contains(':') || h.ends_with(']')) =>
-        {
-            h
-        }
-        _ => authority.as_str(),
-    };
-    let valid = !host.is_empty()
-        && host.len() <= 255
-        && host.bytes().all(|b| {
-            b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'[' | b']' | b':')
-        });
-    if !valid || routes.lookup(host).is_none() {
-        return None;
-    }
+    let host = host_of(&authority)?;
+    routes.lookup(host)?;
     let path = if head.method != "CONNECT"
         && head.target.starts_with('/')
         && !head.target.bytes().any(|b| b <= b' ' || b == 0x7f)
@@ -1076,6 +1097,25 @@ fn redirect_location(
         "/"
     };
     Some(format!("https://{host}:443{path}"))
+}
+
+/// An authority's host, without its port (`host:port` or `[v6]:port`), if
+/// it is made of host-name characters only.
+fn host_of(authority: &str) -> Option<&str> {
+    let host = match authority.rsplit_once(':') {
+        Some((h, p))
+            if p.bytes().all(|b| b.is_ascii_digit()) && (!h.contains(':') || h.ends_with(']')) =>
+        {
+            h
+        }
+        _ => authority,
+    };
+    let valid = !host.is_empty()
+        && host.len() <= 255
+        && host.bytes().all(|b| {
+            b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'[' | b']' | b':')
+        });
+    valid.then_some(host)
 }
 
 /// Sends a final response and closes without losing it: half-close, then

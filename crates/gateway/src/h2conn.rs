@@ -95,62 +95,43 @@ pub(crate) async fn serve(
     stream: TcpStream,
     client: SocketAddr,
     prefix: Vec<u8>,
-    mut guard: Option<SourceGuard<'_>>,
+    guard: Option<SourceGuard<'_>>,
 ) -> H2End {
-    let capped = guard.is_some();
-    let mut idle_deadline = Some(tokio::time::Instant::now() + snap.timeouts.client_hello);
-    let io = Prefixed::new(prefix, stream);
-    let mut conn = match tokio::time::timeout(
-        snap.timeouts.client_hello,
-        builder().handshake::<_, Bytes>(io),
-    )
-    .await
-    {
-        Ok(Ok(c)) => c,
-        Ok(Err(_)) => return H2End::HandshakeError,
-        Err(_) => return H2End::Timeout,
+    let mut unrouted = Unrouted {
+        capped: guard.is_some(),
+        guard,
+        deadline: Some(tokio::time::Instant::now() + snap.timeouts.client_hello),
+    };
+    let mut conn = match handshake(&snap, stream, prefix).await {
+        Ok(c) => c,
+        Err(end) => return end,
     };
     let keepalive = keepalive(conn.ping_pong());
     tokio::pin!(keepalive);
     let mut streams = Streams::new();
     let outcome = loop {
-        let idle = async {
-            match idle_deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending().await,
-            }
-        };
         tokio::select! {
-            next = conn.accept() => match next {
-                Some(Ok((req, respond))) => {
-                    if streams.opened() {
-                        drop(guard.take());
-                        idle_deadline = None;
-                    }
-                    if streams.flooded(tokio::time::Instant::now()) {
-                        conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
-                        break H2End::ResetFlood;
-                    }
-                    streams.spawn(&gw, &lctx, client, req, respond);
+            next = conn.accept() => {
+                let Some(Ok((req, respond))) = next else {
+                    break ended(next.and_then(Result::err), client);
+                };
+                if streams.opened() {
+                    unrouted.routed();
                 }
-                Some(Err(e)) => {
-                    tracing::debug!(%client, error = %e, "h2 connection error");
-                    break if e.is_go_away() || e.is_reset() { H2End::ProtocolError } else { H2End::Error };
+                if streams.flooded(tokio::time::Instant::now()) {
+                    conn.abrupt_shutdown(h2::Reason::ENHANCE_YOUR_CALM);
+                    break H2End::ResetFlood;
                 }
-                None => break H2End::Ok,
-            },
+                streams.spawn(&gw, &lctx, client, req, respond);
+            }
             () = streams.went_idle.notified() => {
                 if streams.none_open() {
-                    if capped {
-                        match gw.sources.enter(client.ip(), snap.limits.max_unrouted_per_source) {
-                            Some(g) => drop(guard.replace(g)),
-                            None => break H2End::PerSourceLimit,
-                        }
+                    if let Err(end) = unrouted.again(&gw, &snap, client) {
+                        break end;
                     }
-                    idle_deadline = Some(tokio::time::Instant::now() + IDLE_AFTER_STREAMS);
                 }
             }
-            () = idle => break H2End::Idle,
+            () = unrouted.expired() => break H2End::Idle,
             () = &mut keepalive => break H2End::PingTimeout,
             () = gw.lifecycle.close_all.cancelled() => break H2End::ClosedDrain,
         }
@@ -165,6 +146,83 @@ pub(crate) async fn serve(
         .await;
     }
     outcome
+}
+
+/// How a connection ended that accepts no more streams: cleanly, or with
+/// an error (a GOAWAY or reset from the client is a protocol error).
+fn ended(error: Option<h2::Error>, client: SocketAddr) -> H2End {
+    match error {
+        None => H2End::Ok,
+        Some(e) => {
+            tracing::debug!(%client, error = %e, "h2 connection error");
+            if e.is_go_away() || e.is_reset() {
+                H2End::ProtocolError
+            } else {
+                H2End::Error
+            }
+        }
+    }
+}
+
+type Connection = h2::server::Connection<Prefixed<TcpStream>, Bytes>;
+
+/// The HTTP/2 handshake, within the detection deadline.
+async fn handshake(
+    snap: &Snapshot,
+    stream: TcpStream,
+    prefix: Vec<u8>,
+) -> Result<Connection, H2End> {
+    let io = Prefixed::new(prefix, stream);
+    match tokio::time::timeout(
+        snap.timeouts.client_hello,
+        builder().handshake::<_, Bytes>(io),
+    )
+    .await
+    {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(_)) => Err(H2End::HandshakeError),
+        Err(_) => Err(H2End::Timeout),
+    }
+}
+
+/// What a connection without an open stream holds: its per-source slot
+/// (when `capped`) and its idle deadline.
+struct Unrouted<'g> {
+    capped: bool,
+    guard: Option<SourceGuard<'g>>,
+    deadline: Option<tokio::time::Instant>,
+}
+
+impl<'g> Unrouted<'g> {
+    /// A stream opened: the slot is given back and no deadline runs.
+    fn routed(&mut self) {
+        drop(self.guard.take());
+        self.deadline = None;
+    }
+
+    /// The last stream ended: the slot is taken again (none left ends the
+    /// connection) and [`IDLE_AFTER_STREAMS`] runs.
+    fn again(&mut self, gw: &'g Gateway, snap: &Snapshot, client: SocketAddr) -> Result<(), H2End> {
+        if self.capped {
+            match gw
+                .sources
+                .enter(client.ip(), snap.limits.max_unrouted_per_source)
+            {
+                Some(g) => drop(self.guard.replace(g)),
+                None => return Err(H2End::PerSourceLimit),
+            }
+        }
+        self.deadline = Some(tokio::time::Instant::now() + IDLE_AFTER_STREAMS);
+        Ok(())
+    }
+
+    /// Ends when the idle deadline passes; never while streams are open.
+    async fn expired(&self) {
+        match self.deadline {
+            Some(d) => tokio::time::sleep_until(d).await,
+            None => std::future::pending().await,
+        }
+    }
 }
 
 /// The streams of one connection: how many are open, a wake-up when the
@@ -350,23 +408,9 @@ async fn tunnel(
         }
     };
     let cp = &route.control_plane;
-    let dial = upstream::connect(
-        &cp.name,
-        &route.endpoints,
-        &snap.upstream,
-        snap.timeouts.upstream_connect,
-        crate::state::keepalive(&snap),
-        &gw.metrics,
-    );
-    let (upstream, _guard) = tokio::select! {
-        r = dial => match r {
-            Ok((s, guard, _)) => (s, guard),
-            Err(_) => {
-                answer_only(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
-                return false;
-            }
-        },
-        () = reset_by_client(&mut respond) => return true,
+    let (upstream, _guard) = match dial(gw, &snap, route, &mut respond).await {
+        Ok(dialed) => dialed,
+        Err(reset) => return reset,
     };
     let Ok(send) = respond.send_response(Response::new(()), false) else {
         return false;
@@ -380,6 +424,35 @@ async fn tunnel(
         () = gw.lifecycle.close_all.cancelled() => {}
     }
     false
+}
+
+/// Dials the route's upstream while watching the stream: a failed dial is
+/// answered 503 (`Err(false)`); a stream the client resets meanwhile stops
+/// the dial (`Err(true)`).
+async fn dial(
+    gw: &Gateway,
+    snap: &Snapshot,
+    route: &seedlink_config::routes::DestinationRoute,
+    respond: &mut SendResponse<Bytes>,
+) -> Result<(TcpStream, upstream::ActiveGuard), bool> {
+    let dial = upstream::connect(
+        &route.control_plane.name,
+        &route.endpoints,
+        &snap.upstream,
+        snap.timeouts.upstream_connect,
+        crate::state::keepalive(snap),
+        &gw.metrics,
+    );
+    tokio::select! {
+        r = dial => match r {
+            Ok((s, guard, _)) => Ok((s, guard)),
+            Err(_) => {
+                answer_only(respond, StatusCode::SERVICE_UNAVAILABLE);
+                Err(false)
+            }
+        },
+        () = reset_by_client(respond) => Err(true),
+    }
 }
 
 /// Why a stream is refused before it is carried: the answer's status and

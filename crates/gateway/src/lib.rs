@@ -103,10 +103,7 @@ impl Gateway {
 
     /// A gateway for `snapshot`; `config_path` is re-read on reload.
     pub fn new(snapshot: Snapshot, config_path: Option<PathBuf>) -> Arc<Gateway> {
-        let nofile = seedlink_net::sockopt::raise_nofile_limit();
-        let pipes = snapshot.limits.splice_pipes;
-        let derived = nofile.saturating_sub(FD_RESERVE + 2 * pipes as u64) / 2;
-        let max_connections = snapshot.limits.max_connections.unwrap_or(derived).max(1);
+        let max_connections = max_connections(&snapshot);
         let mode = match snapshot.limits.copy {
             seedlink_config::model::CopyMode::Splice => CopyMode::Splice,
             seedlink_config::model::CopyMode::Buffered => CopyMode::Buffered,
@@ -120,8 +117,7 @@ impl Gateway {
         metrics
             .max_connections
             .set(i64::try_from(max_connections).unwrap_or(i64::MAX));
-        tracing::info!(max_connections, nofile, splice_pipes = pipes, "limits");
-        let copier = Copier::new(mode, pipes);
+        let copier = Copier::new(mode, snapshot.limits.splice_pipes);
         copier.set_half_closed(snapshot.timeouts.half_closed);
         Arc::new(Gateway {
             snapshot: ArcSwap::from_pointee(snapshot),
@@ -191,80 +187,21 @@ impl Gateway {
     /// copies as it drains).
     pub fn bind_handed(
         &self,
-        mut handed: Vec<seedlink_net::handoff::Socket>,
+        handed: Vec<seedlink_net::handoff::Socket>,
     ) -> std::io::Result<Bound> {
         let snap = self.snapshot();
         let ka = keepalive(&snap);
-        // By name and address (port 0: the name and the IP); failing
-        // that, a listener renamed on the same address takes its sockets.
-        let mut take = |name: Option<&str>, want: SocketAddr| -> Vec<std::net::TcpListener> {
-            let (mut got, mut rest) = (Vec::new(), Vec::new());
-            for h in handed.drain(..) {
-                let at = h.address.parse::<SocketAddr>().ok();
-                let same_addr = at.is_some_and(|a| {
-                    if want.port() == 0 {
-                        a.ip() == want.ip()
-                    } else {
-                        a == want
-                    }
-                });
-                let matches = same_addr
-                    && match name {
-                        Some(n) => h.name == n,
-                        None => h.name.starts_with(LISTENER_SOCKET) && want.port() != 0,
-                    };
-                if matches {
-                    got.push(std::net::TcpListener::from(h.fd));
-                } else {
-                    rest.push(h);
-                }
-            }
-            handed = rest;
-            got
-        };
+        let mut handed = Handed(handed);
         let mut listeners = Vec::new();
         for spec in &snap.listeners {
-            let ctx = |e: std::io::Error| {
-                std::io::Error::new(
-                    e.kind(),
-                    format!("listener {} on {}: {e}", spec.name, spec.address),
-                )
-            };
-            let mut socks = take(
-                Some(&format!("{LISTENER_SOCKET}{}", spec.name)),
-                spec.address,
-            );
-            if socks.is_empty() {
-                socks = take(None, spec.address);
-            }
-            // The keepalive and no-delay settings accepted sockets inherit
-            // are this configuration's.
-            for l in &socks {
-                seedlink_net::sockopt::tune(socket2::SockRef::from(l), ka).map_err(ctx)?;
-            }
-            if socks.is_empty() {
-                if spec.address.port() != 0 {
-                    probe_exclusive(spec.address).map_err(ctx)?;
-                }
-                socks.push(bind_tcp(spec.address, true, Some(ka)).map_err(ctx)?);
-            } else {
-                tracing::info!(listener = %spec.name, sockets = socks.len(), "listener taken over from the running gateway");
-            }
-            let actual = socks[0].local_addr().map_err(ctx)?;
-            // More workers than sockets handed over: the others join them
-            // (they are SO_REUSEPORT sockets).
-            while socks.len() < self.workers {
-                socks.push(bind_tcp(actual, true, Some(ka)).map_err(ctx)?);
-            }
+            let socks = self.listener_handed(spec, &mut handed, ka)?;
             listeners.push((spec.clone(), socks));
         }
-        let admin = match take(Some(ADMIN_SOCKET), snap.admin).pop() {
+        let admin = match handed.take(Some(ADMIN_SOCKET), snap.admin).pop() {
             Some(a) => a,
-            None => bind_tcp(snap.admin, false, None).map_err(|e| {
-                std::io::Error::new(e.kind(), format!("admin on {}: {e}", snap.admin))
-            })?,
+            None => bind_admin(snap.admin)?,
         };
-        for h in &handed {
+        for h in &handed.0 {
             tracing::info!(socket = %h.name, address = %h.address, "handed-over socket not in this configuration: closed");
         }
         Ok(Bound {
@@ -272,6 +209,44 @@ impl Gateway {
             admin,
             admin_access: admin_access(&snap)?,
         })
+    }
+
+    /// One listener's sockets: those handed over for it, tuned to this
+    /// configuration, or new ones; then one per worker.
+    fn listener_handed(
+        &self,
+        spec: &ListenerSpec,
+        handed: &mut Handed,
+        ka: Keepalive,
+    ) -> std::io::Result<Vec<std::net::TcpListener>> {
+        let ctx = listener_error(spec);
+        let mut socks = handed.take(
+            Some(&format!("{LISTENER_SOCKET}{}", spec.name)),
+            spec.address,
+        );
+        if socks.is_empty() {
+            socks = handed.take(None, spec.address);
+        }
+        // The keepalive and no-delay settings accepted sockets inherit
+        // are this configuration's.
+        for l in &socks {
+            seedlink_net::sockopt::tune(socket2::SockRef::from(l), ka).map_err(ctx)?;
+        }
+        if socks.is_empty() {
+            if spec.address.port() != 0 {
+                probe_exclusive(spec.address).map_err(ctx)?;
+            }
+            socks.push(bind_tcp(spec.address, true, Some(ka)).map_err(ctx)?);
+        } else {
+            tracing::info!(listener = %spec.name, sockets = socks.len(), "listener taken over from the running gateway");
+        }
+        let actual = socks[0].local_addr().map_err(ctx)?;
+        // More workers than sockets handed over: the others join them
+        // (they are SO_REUSEPORT sockets).
+        while socks.len() < self.workers {
+            socks.push(bind_tcp(actual, true, Some(ka)).map_err(ctx)?);
+        }
+        Ok(socks)
     }
 
     /// This process's sockets now serve a new process too: the admin
@@ -291,12 +266,7 @@ impl Gateway {
         let ka = keepalive(&snap);
         let mut listeners = Vec::new();
         for spec in &snap.listeners {
-            let ctx = |e: std::io::Error| {
-                std::io::Error::new(
-                    e.kind(),
-                    format!("listener {} on {}: {e}", spec.name, spec.address),
-                )
-            };
+            let ctx = listener_error(spec);
             if !share_ports && spec.address.port() != 0 {
                 probe_exclusive(spec.address).map_err(ctx)?;
             }
@@ -309,8 +279,7 @@ impl Gateway {
             }
             listeners.push((spec.clone(), socks));
         }
-        let admin = bind_tcp(snap.admin, false, None)
-            .map_err(|e| std::io::Error::new(e.kind(), format!("admin on {}: {e}", snap.admin)))?;
+        let admin = bind_admin(snap.admin)?;
         Ok(Bound {
             listeners,
             admin,
@@ -360,23 +329,7 @@ impl Gateway {
     }
 
     async fn worker(self: Arc<Self>, mine: Vec<(Arc<ListenerCtx>, std::net::TcpListener)>) {
-        // tokio's timer wakes the event loop (an eventfd write, then an extra
-        // epoll_wait and read) whenever a new timer expires earlier than any
-        // pending one. Every connection arms a deadline; this short periodic
-        // tick keeps an earlier timer pending so those deadlines never cause
-        // that wake-up: three fewer system calls per connection for twenty
-        // idle wake-ups a second.
-        let stop = self.lifecycle.close_all.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(50));
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    () = stop.cancelled() => return,
-                }
-            }
-        });
+        tokio::spawn(timer_tick(self.lifecycle.close_all.clone()));
         let mut loops = Vec::new();
         for (lctx, sock) in mine {
             let listener = match TcpListener::from_std(sock) {
@@ -512,24 +465,7 @@ impl Gateway {
             Ok((g, r)) => (Ok(g), r),
             Err(e) => (Err(e), Vec::new()),
         };
-        // Each refusal is logged once, not on every later snapshot.
-        let now: Vec<(String, String)> = refused
-            .iter()
-            .map(|(name, problems)| {
-                let text: Vec<String> = problems
-                    .iter()
-                    .map(|p| format!("{}: {}", p.path, p.message))
-                    .collect();
-                (name.clone(), text.join("; "))
-            })
-            .collect();
-        {
-            let mut logged = seedlink_net::sync::lock(&self.refused_logged, "refused");
-            for (name, text) in now.iter().filter(|r| !logged.contains(r)) {
-                tracing::warn!(control_plane = %name, problems = %text, "control plane from Kubernetes refused; the others are served");
-            }
-            *logged = now;
-        }
+        self.log_refusals(&refused);
         let label = if result.is_ok() { "success" } else { "failure" };
         *seedlink_net::sync::lock(&self.last_reload, "last reload") =
             Some((std::time::SystemTime::now(), label));
@@ -545,6 +481,25 @@ impl Gateway {
                 generation = self.generation(), "configuration rejected; keeping the one in force"),
         }
         (result, refused)
+    }
+
+    /// Logs each refused control plane once, not on every later snapshot.
+    fn log_refusals(&self, refused: &seedlink_config::compile::Refused) {
+        let now: Vec<(String, String)> = refused
+            .iter()
+            .map(|(name, problems)| {
+                let text: Vec<String> = problems
+                    .iter()
+                    .map(|p| format!("{}: {}", p.path, p.message))
+                    .collect();
+                (name.clone(), text.join("; "))
+            })
+            .collect();
+        let mut logged = seedlink_net::sync::lock(&self.refused_logged, "refused");
+        for (name, text) in now.iter().filter(|r| !logged.contains(r)) {
+            tracing::warn!(control_plane = %name, problems = %text, "control plane from Kubernetes refused; the others are served");
+        }
+        *logged = now;
     }
 
     fn try_reload(self: &Arc<Self>) -> Result<(u64, seedlink_config::compile::Refused), Errors> {
@@ -575,19 +530,25 @@ impl Gateway {
                     .collect(),
             ));
         }
+        Ok((self.swap_in(&old, new), refused))
+    }
+
+    /// Puts `new` in force in place of `old` (open connections untouched;
+    /// those of removed control planes retire) and returns its generation.
+    fn swap_in(self: &Arc<Self>, old: &Snapshot, new: Snapshot) -> u64 {
         let d = diff(&old.file, &new.file);
         self.copier.set_half_closed(new.timeouts.half_closed);
+        let grace = new.timeouts.removed_control_plane_grace;
         self.snapshot.store(Arc::new(new));
         let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
         self.metrics
             .config_generation
             .set(i64::try_from(generation).unwrap_or(i64::MAX));
         tracing::info!(added = ?d.added, removed = ?d.removed, changed = ?d.changed, "routes updated");
-        let grace = self.snapshot().timeouts.removed_control_plane_grace;
         for name in d.removed {
             self.retire(name, grace);
         }
-        Ok((generation, refused))
+        generation
     }
 
     /// A control plane was removed: its open connections continue; with a
@@ -631,12 +592,89 @@ fn admin_access(snap: &Snapshot) -> std::io::Result<seedlink_net::admin::Access>
     }
 }
 
+/// tokio's timer wakes the event loop (an eventfd write, then an extra
+/// epoll_wait and read) whenever a new timer expires earlier than any
+/// pending one. Every connection arms a deadline; this short periodic tick,
+/// until `stop`, keeps an earlier timer pending so those deadlines never
+/// cause that wake-up: three fewer system calls per connection for twenty
+/// idle wake-ups a second.
+async fn timer_tick(stop: CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = stop.cancelled() => return,
+        }
+    }
+}
+
+/// The concurrent-connection cap: configured, or derived from the open-file
+/// limit (raised to its hard limit first) less the reserve and the pipes.
+fn max_connections(snapshot: &Snapshot) -> u64 {
+    let nofile = seedlink_net::sockopt::raise_nofile_limit();
+    let pipes = snapshot.limits.splice_pipes;
+    let derived = nofile.saturating_sub(FD_RESERVE + 2 * pipes as u64) / 2;
+    let max = snapshot.limits.max_connections.unwrap_or(derived).max(1);
+    tracing::info!(
+        max_connections = max,
+        nofile,
+        splice_pipes = pipes,
+        "limits"
+    );
+    max
+}
+
 /// The admin socket's name in a hand-over.
 const ADMIN_SOCKET: &str = "admin";
 
 /// What a listener's name is prefixed with in a hand-over (a listener may
 /// be called `admin`).
 const LISTENER_SOCKET: &str = "listener-";
+
+/// Sockets a running gateway handed over, not yet taken by a listener.
+struct Handed(Vec<seedlink_net::handoff::Socket>);
+
+impl Handed {
+    /// Takes the sockets named `name` on `want` (port 0: on its IP); with
+    /// no name, those of a listener renamed on the same address and port.
+    fn take(&mut self, name: Option<&str>, want: SocketAddr) -> Vec<std::net::TcpListener> {
+        let (got, rest): (Vec<_>, Vec<_>) = self.0.drain(..).partition(|h| {
+            let same_addr = h.address.parse::<SocketAddr>().is_ok_and(|a| {
+                if want.port() == 0 {
+                    a.ip() == want.ip()
+                } else {
+                    a == want
+                }
+            });
+            same_addr
+                && match name {
+                    Some(n) => h.name == n,
+                    None => h.name.starts_with(LISTENER_SOCKET) && want.port() != 0,
+                }
+        });
+        self.0 = rest;
+        got.into_iter()
+            .map(|h| std::net::TcpListener::from(h.fd))
+            .collect()
+    }
+}
+
+/// Names the listener in a socket error.
+fn listener_error(spec: &ListenerSpec) -> impl Fn(std::io::Error) -> std::io::Error + Copy + '_ {
+    move |e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("listener {} on {}: {e}", spec.name, spec.address),
+        )
+    }
+}
+
+/// Binds the admin socket.
+fn bind_admin(at: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    bind_tcp(at, false, None)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("admin on {at}: {e}")))
+}
 
 fn one_error(msg: &str) -> Errors {
     Errors(vec![ConfigError {

@@ -79,29 +79,7 @@ pub async fn connect(
                 return Ok((stream, ActiveGuard(ep.state.clone()), ep.address.clone()));
             }
             Err(e) => {
-                let labels = EndpointLabels {
-                    control_plane: cp_name.to_string(),
-                    endpoint: ep.address.clone(),
-                };
-                metrics
-                    .upstream_connect_failures
-                    .get_or_create(&labels)
-                    .inc();
-                let failures = ep
-                    .state
-                    .failures
-                    .fetch_add(1, Ordering::Relaxed)
-                    .saturating_add(1);
-                let backoff = settings
-                    .eject_base
-                    .saturating_mul(1u32 << (failures - 1).min(16))
-                    .min(settings.eject_max);
-                let until =
-                    now_ms().saturating_add(u64::try_from(backoff.as_millis()).unwrap_or(u64::MAX));
-                ep.state.ejected_until_ms.store(until, Ordering::Relaxed);
-                metrics.upstream_ejections.get_or_create(&labels).inc();
-                tracing::warn!(control_plane = %cp_name, endpoint = %ep.address, error = %e,
-                    eject_ms = backoff.as_millis() as u64, "upstream connect failed; endpoint ejected");
+                eject(cp_name, ep, settings, metrics, &e);
                 last = ConnectError {
                     attempts: tried.len(),
                     endpoint: ep.address.clone(),
@@ -112,6 +90,33 @@ pub async fn connect(
     }
     last.attempts = tried.len();
     Err(last)
+}
+
+/// A connect to `ep` failed with `e`: counted, and the endpoint ejected
+/// for a back-off that doubles with each failure in a row.
+fn eject(cp_name: &str, ep: &Endpoint, settings: &Upstream, metrics: &Metrics, e: &io::Error) {
+    let labels = EndpointLabels {
+        control_plane: cp_name.to_string(),
+        endpoint: ep.address.clone(),
+    };
+    metrics
+        .upstream_connect_failures
+        .get_or_create(&labels)
+        .inc();
+    let failures = ep
+        .state
+        .failures
+        .fetch_add(1, Ordering::Relaxed)
+        .saturating_add(1);
+    let backoff = settings
+        .eject_base
+        .saturating_mul(1u32 << (failures - 1).min(16))
+        .min(settings.eject_max);
+    let until = now_ms().saturating_add(u64::try_from(backoff.as_millis()).unwrap_or(u64::MAX));
+    ep.state.ejected_until_ms.store(until, Ordering::Relaxed);
+    metrics.upstream_ejections.get_or_create(&labels).inc();
+    tracing::warn!(control_plane = %cp_name, endpoint = %ep.address, error = %e,
+        eject_ms = backoff.as_millis() as u64, "upstream connect failed; endpoint ejected");
 }
 
 async fn connect_host(address: &str, ka: Keepalive) -> io::Result<TcpStream> {
