@@ -162,16 +162,7 @@ impl Collector {
 /// listed, in file order.
 pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot, Errors> {
     let mut c = Collector(Vec::new());
-    let admin = match file.admin.listen.parse::<SocketAddr>() {
-        Ok(a) => a,
-        Err(_) => {
-            c.err(
-                "admin.listen",
-                format!("{:?} is not an ip:port address", file.admin.listen),
-            );
-            SocketAddr::from(([127, 0, 0, 1], 0))
-        }
-    };
+    let admin = check_admin(&mut c, &file.admin.listen);
     let listeners = check_listeners(&mut c, &file.listeners);
     let trusted_lbs = cidrs(
         &mut c,
@@ -181,39 +172,12 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
     let always_allowed = cidrs(&mut c, "always_allowed", &file.always_allowed);
     check_proxy_trust(&mut c, &listeners, &trusted_lbs);
     check_settings(&mut c, &file);
-    let mut b = Routes {
-        c,
-        previous,
-        listeners: &listeners,
-        control_planes: HashMap::new(),
-        routes: RouteTable::default(),
-        owner: HashMap::new(),
-        dest_owner: HashMap::new(),
-    };
+    let mut b = Routes::new(c, previous, &listeners);
     if let Some(k) = &file.kubernetes {
         check_kubernetes(&mut b.c, k, &listeners);
-        // A class Gateway's address serves that Gateway's routes only, from
-        // its first moment (before any route is attached to it).
-        for a in k.gateway_class.iter().flat_map(|g| &g.addresses) {
-            if let Ok(ip) = a.parse::<std::net::IpAddr>() {
-                b.routes.exclusive.insert(crate::routes::canonical(ip));
-            }
-        }
+        b.exclusive_addresses(k);
     }
-    let all = file
-        .control_planes
-        .iter()
-        .enumerate()
-        .map(|(i, cp)| (format!("control_planes[{i}]"), cp, false))
-        .chain(
-            file.from_kubernetes
-                .iter()
-                .enumerate()
-                .map(|(i, cp)| (format!("kubernetes[{i}]"), cp, true)),
-        );
-    for (at, cp, dynamic) in all {
-        b.control_plane(&at, cp, dynamic);
-    }
+    b.control_planes(&file);
     let Routes {
         c,
         routes,
@@ -234,6 +198,18 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
         limits: file.limits.clone(),
         upstream: file.upstream.clone(),
         file,
+    })
+}
+
+/// The admin endpoint's address (a placeholder after an error, so the
+/// rest is still checked).
+fn check_admin(c: &mut Collector, listen: &str) -> SocketAddr {
+    listen.parse::<SocketAddr>().unwrap_or_else(|_| {
+        c.err(
+            "admin.listen",
+            format!("{listen:?} is not an ip:port address"),
+        );
+        SocketAddr::from(([127, 0, 0, 1], 0))
     })
 }
 
@@ -266,7 +242,47 @@ struct Routes<'a> {
     dest_owner: HashMap<String, String>,
 }
 
-impl Routes<'_> {
+impl<'a> Routes<'a> {
+    fn new(c: Collector, previous: Option<&'a Snapshot>, listeners: &'a [ListenerSpec]) -> Self {
+        Routes {
+            c,
+            previous,
+            listeners,
+            control_planes: HashMap::new(),
+            routes: RouteTable::default(),
+            owner: HashMap::new(),
+            dest_owner: HashMap::new(),
+        }
+    }
+
+    /// A class Gateway's address serves that Gateway's routes only, from
+    /// its first moment (before any route is attached to it).
+    fn exclusive_addresses(&mut self, k: &crate::model::KubernetesSource) {
+        for a in k.gateway_class.iter().flat_map(|g| &g.addresses) {
+            if let Ok(ip) = a.parse::<std::net::IpAddr>() {
+                self.routes.exclusive.insert(crate::routes::canonical(ip));
+            }
+        }
+    }
+
+    /// The file's control planes, then those from Kubernetes.
+    fn control_planes(&mut self, file: &ConfigFile) {
+        let all = file
+            .control_planes
+            .iter()
+            .enumerate()
+            .map(|(i, cp)| (format!("control_planes[{i}]"), cp, false))
+            .chain(
+                file.from_kubernetes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, cp)| (format!("kubernetes[{i}]"), cp, true)),
+            );
+        for (at, cp, dynamic) in all {
+            self.control_plane(&at, cp, dynamic);
+        }
+    }
+
     /// One control plane (`at` names it in problems; `dynamic`: from
     /// Kubernetes, whose endpoints may come later).
     fn control_plane(&mut self, at: &str, cp: &ControlPlaneCfg, dynamic: bool) {
@@ -384,45 +400,10 @@ impl Routes<'_> {
         d: &DestinationCfg,
         compiled: &Arc<ControlPlane>,
     ) {
-        let canonical = match seedlink_proto::destination::parse(&d.name) {
-            Ok(dest) => dest.canonical(),
-            Err(why) => {
-                self.c
-                    .err(format!("{path}.name"), format!("{:?}: {why}", d.name));
-                return;
-            }
-        };
-        if let Some(other) = self.dest_owner.get(&canonical) {
-            self.c.err(
-                format!("{path}.name"),
-                format!("destination {canonical:?} is already used by control plane {other:?}"),
-            );
+        let Some(canonical) = self.claim_destination(path, &d.name, &cp.name) else {
             return;
-        }
-        self.dest_owner.insert(canonical.clone(), cp.name.clone());
-        let endpoints = match &d.endpoints {
-            None => compiled
-                .endpoints
-                .iter()
-                .map(|e| Endpoint {
-                    address: e.address.clone(),
-                    state: e.state.clone(),
-                })
-                .collect(),
-            Some(list) => {
-                if list.is_empty() {
-                    self.c.err(
-                        format!("{path}.endpoints"),
-                        "at least one endpoint is required (or omit it to use the control plane's)",
-                    );
-                }
-                let prev = self
-                    .previous
-                    .and_then(|p| p.routes.destination(&canonical))
-                    .map(|r| r.endpoints.as_slice());
-                self.endpoints(&format!("{path}.endpoints"), list, prev, false)
-            }
         };
+        let endpoints = self.destination_endpoints(path, &canonical, d, compiled);
         let tunnel_target = check_tunnel_target(&mut self.c, path, d, &endpoints);
         if tunnel_target.is_some() && cp.acl.is_none() {
             self.c.err(
@@ -438,6 +419,60 @@ impl Routes<'_> {
                 tunnel_target,
             },
         );
+    }
+
+    /// A destination name's canonical form, now owned by control plane
+    /// `cp` (none if it is invalid or another one owns it).
+    fn claim_destination(&mut self, path: &str, name: &str, cp: &str) -> Option<String> {
+        let canonical = match seedlink_proto::destination::parse(name) {
+            Ok(dest) => dest.canonical(),
+            Err(why) => {
+                self.c
+                    .err(format!("{path}.name"), format!("{name:?}: {why}"));
+                return None;
+            }
+        };
+        if let Some(other) = self.dest_owner.get(&canonical) {
+            self.c.err(
+                format!("{path}.name"),
+                format!("destination {canonical:?} is already used by control plane {other:?}"),
+            );
+            return None;
+        }
+        self.dest_owner.insert(canonical.clone(), cp.to_string());
+        Some(canonical)
+    }
+
+    /// A destination's own endpoints (keeping the state of those it had),
+    /// or its control plane's.
+    fn destination_endpoints(
+        &mut self,
+        path: &str,
+        canonical: &str,
+        d: &DestinationCfg,
+        compiled: &ControlPlane,
+    ) -> Vec<Endpoint> {
+        let Some(list) = &d.endpoints else {
+            return compiled
+                .endpoints
+                .iter()
+                .map(|e| Endpoint {
+                    address: e.address.clone(),
+                    state: e.state.clone(),
+                })
+                .collect();
+        };
+        if list.is_empty() {
+            self.c.err(
+                format!("{path}.endpoints"),
+                "at least one endpoint is required (or omit it to use the control plane's)",
+            );
+        }
+        let prev = self
+            .previous
+            .and_then(|p| p.routes.destination(canonical))
+            .map(|r| r.endpoints.as_slice());
+        self.endpoints(&format!("{path}.endpoints"), list, prev, false)
     }
 
     /// A service address (the legacy PROXY path): one `ip:port`, one owner.
@@ -508,31 +543,42 @@ impl Routes<'_> {
             );
         }
         for (scope, path, h) in names {
-            let Some(pattern) = check_host_pattern(&mut self.c, &path, h) else {
-                continue;
-            };
-            let key = (pattern, scope);
-            if let Some(other) = self.owner.get(&key) {
-                self.c.err(
-                    path,
-                    format!(
-                        "host name {:?} is already used by control plane {other:?}",
-                        key.0
-                    ),
-                );
-                continue;
-            }
-            self.owner.insert(key.clone(), cp.name.clone());
-            match scope {
-                None => self.routes.hosts.insert(key.0, compiled.clone()),
-                Some(a) => self
-                    .routes
-                    .scoped
-                    .entry(a)
-                    .or_default()
-                    .insert(key.0, compiled.clone()),
-            }
+            self.host_name(scope, path, h, cp, compiled);
         }
+    }
+
+    /// One host name (everywhere, or at the `scope` address): a valid
+    /// pattern with one owner.
+    fn host_name(
+        &mut self,
+        scope: Option<SocketAddr>,
+        path: String,
+        h: &str,
+        cp: &ControlPlaneCfg,
+        compiled: &Arc<ControlPlane>,
+    ) {
+        let Some(pattern) = check_host_pattern(&mut self.c, &path, h) else {
+            return;
+        };
+        let key = (pattern, scope);
+        if let Some(other) = self.owner.get(&key) {
+            let e = format!(
+                "host name {:?} is already used by control plane {other:?}",
+                key.0
+            );
+            self.c.err(path, e);
+            return;
+        }
+        self.owner.insert(key.clone(), cp.name.clone());
+        match scope {
+            None => self.routes.hosts.insert(key.0, compiled.clone()),
+            Some(a) => self
+                .routes
+                .scoped
+                .entry(a)
+                .or_default()
+                .insert(key.0, compiled.clone()),
+        };
     }
 }
 
@@ -571,24 +617,7 @@ fn check_listeners(c: &mut Collector, ls: &[Listener]) -> Vec<ListenerSpec> {
     let mut out = Vec::new();
     for (i, l) in ls.iter().enumerate() {
         let at = format!("listeners[{i}]");
-        if !valid_name(&l.name) {
-            c.err(
-                format!("{at}.name"),
-                format!("{:?} is not a valid name", l.name),
-            );
-        } else if !names.insert(l.name.clone()) {
-            c.err(
-                format!("{at}.name"),
-                format!("duplicate listener name {:?}", l.name),
-            );
-        }
-        let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
-        if l.destination_header.is_empty() || !l.destination_header.bytes().all(token) {
-            c.err(
-                format!("{at}.destination_header"),
-                format!("{:?} is not a valid header name", l.destination_header),
-            );
-        }
+        check_listener_names(c, &at, l, &mut names);
         match l.address.parse::<SocketAddr>() {
             Ok(a) => {
                 if a.port() != 0 && !addrs.insert(a) {
@@ -597,38 +626,7 @@ fn check_listeners(c: &mut Collector, ls: &[Listener]) -> Vec<ListenerSpec> {
                         format!("{a} is used by another listener"),
                     );
                 }
-                if l.route_by_tlv.is_some() && l.protocol != Protocol::Proxy {
-                    c.err(
-                        format!("{at}.route_by_tlv"),
-                        "only a `proxy` listener routes by a TLV of the node proxy's PROXY header",
-                    );
-                }
-                if l.tunnel_frontend
-                    && !matches!(l.protocol, Protocol::HttpConnect | Protocol::Auto)
-                {
-                    c.err(
-                        format!("{at}.tunnel_frontend"),
-                        "only an `http-connect` or `auto` listener hands CONNECTs to the tunnel-server",
-                    );
-                }
-                out.push(ListenerSpec {
-                    route_by_tlv: l.route_by_tlv,
-                    tunnel_frontend: l.tunnel_frontend,
-                    name: l.name.clone(),
-                    address: a,
-                    protocol: l.protocol,
-                    proxy_protocol: l.proxy_protocol,
-                    destination_header: l.destination_header.to_ascii_lowercase(),
-                    on_invalid_request: l.on_invalid_request,
-                    destination_regex: match l.destination_regex.as_deref().map(destination_regex) {
-                        None => None,
-                        Some(Ok(r)) => Some(r),
-                        Some(Err(why)) => {
-                            c.err(format!("{at}.destination_regex"), why);
-                            None
-                        }
-                    },
-                });
+                out.push(listener_spec(c, &at, l, a));
             }
             Err(_) => c.err(
                 format!("{at}.address"),
@@ -637,6 +635,63 @@ fn check_listeners(c: &mut Collector, ls: &[Listener]) -> Vec<ListenerSpec> {
         }
     }
     out
+}
+
+/// A listener's name (unique) and its destination header's.
+fn check_listener_names(c: &mut Collector, at: &str, l: &Listener, names: &mut HashSet<String>) {
+    if !valid_name(&l.name) {
+        c.err(
+            format!("{at}.name"),
+            format!("{:?} is not a valid name", l.name),
+        );
+    } else if !names.insert(l.name.clone()) {
+        c.err(
+            format!("{at}.name"),
+            format!("duplicate listener name {:?}", l.name),
+        );
+    }
+    let token = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+    if l.destination_header.is_empty() || !l.destination_header.bytes().all(token) {
+        c.err(
+            format!("{at}.destination_header"),
+            format!("{:?} is not a valid header name", l.destination_header),
+        );
+    }
+}
+
+/// One listener at a valid address, with the settings its protocol allows.
+fn listener_spec(c: &mut Collector, at: &str, l: &Listener, address: SocketAddr) -> ListenerSpec {
+    if l.route_by_tlv.is_some() && l.protocol != Protocol::Proxy {
+        c.err(
+            format!("{at}.route_by_tlv"),
+            "only a `proxy` listener routes by a TLV of the node proxy's PROXY header",
+        );
+    }
+    if l.tunnel_frontend && !matches!(l.protocol, Protocol::HttpConnect | Protocol::Auto) {
+        c.err(
+            format!("{at}.tunnel_frontend"),
+            "only an `http-connect` or `auto` listener hands CONNECTs to the tunnel-server",
+        );
+    }
+    let destination_regex = match l.destination_regex.as_deref().map(destination_regex) {
+        None => None,
+        Some(Ok(r)) => Some(r),
+        Some(Err(why)) => {
+            c.err(format!("{at}.destination_regex"), why);
+            None
+        }
+    };
+    ListenerSpec {
+        route_by_tlv: l.route_by_tlv,
+        tunnel_frontend: l.tunnel_frontend,
+        name: l.name.clone(),
+        address,
+        protocol: l.protocol,
+        proxy_protocol: l.proxy_protocol,
+        destination_header: l.destination_header.to_ascii_lowercase(),
+        on_invalid_request: l.on_invalid_request,
+        destination_regex,
+    }
 }
 
 fn check_settings(c: &mut Collector, f: &ConfigFile) {
@@ -655,7 +710,20 @@ fn check_settings(c: &mut Collector, f: &ConfigFile) {
     if t.keepalive_retries == 0 {
         c.err("timeouts.keepalive_retries", "must be at least 1");
     }
-    let l = &f.limits;
+    check_limits(c, &f.limits);
+    let u = &f.upstream;
+    if !(1..=16).contains(&u.connect_attempts) {
+        c.err("upstream.connect_attempts", "must be between 1 and 16");
+    }
+    if u.eject_base.is_zero() || u.eject_base > u.eject_max {
+        c.err(
+            "upstream.eject_base",
+            "must be greater than zero and not above eject_max",
+        );
+    }
+}
+
+fn check_limits(c: &mut Collector, l: &crate::model::Limits) {
     if l.max_connections == Some(0) {
         c.err(
             "limits.max_connections",
@@ -687,16 +755,6 @@ fn check_settings(c: &mut Collector, f: &ConfigFile) {
         c.err(
             "limits.workers",
             "must be between 1 and 256 (omit it for one per CPU)",
-        );
-    }
-    let u = &f.upstream;
-    if !(1..=16).contains(&u.connect_attempts) {
-        c.err("upstream.connect_attempts", "must be between 1 and 16");
-    }
-    if u.eject_base.is_zero() || u.eject_base > u.eject_max {
-        c.err(
-            "upstream.eject_base",
-            "must be greater than zero and not above eject_max",
         );
     }
 }
@@ -791,9 +849,18 @@ fn check_kubernetes(
             "is required without kubernetes.gateway (its default is in the Gateway's namespace)",
         );
     }
-    let Some(class) = &k.gateway_class else {
-        return;
-    };
+    if let Some(class) = &k.gateway_class {
+        check_gateway_class(c, class, listeners);
+    }
+}
+
+/// A class's name, and its addresses: specific, distinct, each where a TLS
+/// listener receives connections.
+fn check_gateway_class(
+    c: &mut Collector,
+    class: &crate::model::GatewayClassSource,
+    listeners: &[ListenerSpec],
+) {
     if class.name.is_empty() || !valid_hostname(&class.name) || class.name.len() > 253 {
         c.err(
             "kubernetes.gateway_class.name",
@@ -818,17 +885,21 @@ fn check_kubernetes(
             c.err(path, format!("{a:?} is not a specific address"));
         } else if !seen.insert(ip) {
             c.err(path, format!("{a:?} is listed twice"));
-        } else if !listeners.iter().any(|l| {
-            matches!(l.protocol, Protocol::Tls | Protocol::Auto)
-                && (l.address.ip().is_unspecified()
-                    || crate::routes::canonical(l.address.ip()) == ip)
-        }) {
+        } else if !tls_received_at(listeners, ip) {
             c.err(
                 path,
                 format!("{a:?}: no tls or auto listener receives connections there"),
             );
         }
     }
+}
+
+/// Whether a `tls` or `auto` listener receives connections at `ip`.
+fn tls_received_at(listeners: &[ListenerSpec], ip: std::net::IpAddr) -> bool {
+    listeners.iter().any(|l| {
+        matches!(l.protocol, Protocol::Tls | Protocol::Auto)
+            && (l.address.ip().is_unspecified() || crate::routes::canonical(l.address.ip()) == ip)
+    })
 }
 
 /// A `served_on` address (canonical), one an SNI listener receives
@@ -953,19 +1024,7 @@ pub fn compile_admitting(
         Ok(s) => return (Ok(s), Vec::new()),
         Err(e) => e,
     };
-    let mut bad: HashMap<usize, Vec<ConfigError>> = HashMap::new();
-    let mut own = Vec::new();
-    for e in errors.0 {
-        let index = e
-            .path
-            .strip_prefix("kubernetes[")
-            .and_then(|r| r.split_once(']'))
-            .and_then(|(i, _)| i.parse::<usize>().ok());
-        match index {
-            Some(i) if i < file.from_kubernetes.len() => bad.entry(i).or_default().push(e),
-            _ => own.push(e),
-        }
-    }
+    let (mut bad, own) = by_kubernetes_index(errors, file.from_kubernetes.len());
     if !own.is_empty() {
         // The file's own problems: nothing to admit around.
         return (Err(Errors(own)), Vec::new());
@@ -990,6 +1049,28 @@ pub fn compile_admitting(
     }
     file.from_kubernetes = kept;
     (compile(file, previous), rejected)
+}
+
+/// Problems of the control planes from Kubernetes, by index (`kubernetes[i]`
+/// with `i` below `count`), and the file's own.
+fn by_kubernetes_index(
+    errors: Errors,
+    count: usize,
+) -> (HashMap<usize, Vec<ConfigError>>, Vec<ConfigError>) {
+    let mut bad: HashMap<usize, Vec<ConfigError>> = HashMap::new();
+    let mut own = Vec::new();
+    for e in errors.0 {
+        let index = e
+            .path
+            .strip_prefix("kubernetes[")
+            .and_then(|r| r.split_once(']'))
+            .and_then(|(i, _)| i.parse::<usize>().ok());
+        match index {
+            Some(i) if i < count => bad.entry(i).or_default().push(e),
+            _ => own.push(e),
+        }
+    }
+    (bad, own)
 }
 
 /// Control-plane names added, removed and changed between two snapshots.
@@ -1031,40 +1112,27 @@ pub fn diff(old: &ConfigFile, new: &ConfigFile) -> Diff {
 /// Settings a reload cannot change (they need a restart), as a list of the
 /// differing keys.
 pub fn restart_only_changes(old: &ConfigFile, new: &ConfigFile) -> Vec<&'static str> {
-    let mut out = Vec::new();
-    if old.listeners != new.listeners {
-        out.push("listeners");
-    }
-    if old.admin != new.admin {
-        out.push("admin");
-    }
-    if old.kubernetes != new.kubernetes {
-        out.push("kubernetes");
-    }
-    if old.limits.max_connections != new.limits.max_connections {
-        out.push("limits.max_connections");
-    }
-    if old.limits.splice_pipes != new.limits.splice_pipes {
-        out.push("limits.splice_pipes");
-    }
-    if old.limits.copy != new.limits.copy {
-        out.push("limits.copy");
-    }
-    if old.limits.workers != new.limits.workers {
-        out.push("limits.workers");
-    }
-    if (
-        old.timeouts.keepalive_time,
-        old.timeouts.keepalive_interval,
-        old.timeouts.keepalive_retries,
-    ) != (
-        new.timeouts.keepalive_time,
-        new.timeouts.keepalive_interval,
-        new.timeouts.keepalive_retries,
-    ) {
-        out.push("timeouts.keepalive_*");
-    }
-    out
+    let keepalive = |f: &ConfigFile| {
+        let t = &f.timeouts;
+        (t.keepalive_time, t.keepalive_interval, t.keepalive_retries)
+    };
+    let (o, n) = (&old.limits, &new.limits);
+    [
+        ("listeners", old.listeners != new.listeners),
+        ("admin", old.admin != new.admin),
+        ("kubernetes", old.kubernetes != new.kubernetes),
+        (
+            "limits.max_connections",
+            o.max_connections != n.max_connections,
+        ),
+        ("limits.splice_pipes", o.splice_pipes != n.splice_pipes),
+        ("limits.copy", o.copy != n.copy),
+        ("limits.workers", o.workers != n.workers),
+        ("timeouts.keepalive_*", keepalive(old) != keepalive(new)),
+    ]
+    .into_iter()
+    .filter_map(|(key, changed)| changed.then_some(key))
+    .collect()
 }
 
 #[cfg(test)]
