@@ -138,32 +138,37 @@ pub fn samples(text: &str, name: &str) -> Vec<(std::collections::BTreeMap<String
         let Ok(value) = value.trim().parse::<f64>() else {
             continue;
         };
-        let mut map = std::collections::BTreeMap::new();
-        let mut rest = labels;
-        while let Some((key, after)) = rest.split_once("=\"") {
-            let mut val = String::new();
-            let mut chars = after.char_indices();
-            let mut end = after.len();
-            while let Some((i, c)) = chars.next() {
-                match c {
-                    '\\' => {
-                        if let Some((_, n)) = chars.next() {
-                            val.push(if n == 'n' { '\n' } else { n });
-                        }
-                    }
-                    '"' => {
-                        end = i + 1;
-                        break;
-                    }
-                    c => val.push(c),
-                }
-            }
-            map.insert(key.trim_start_matches(',').to_string(), val);
-            rest = &after[end..];
-        }
-        out.push((map, value));
+        out.push((labels_of(labels), value));
     }
     out
+}
+
+/// A sample's labels (`k="v",...`), values unescaped.
+fn labels_of(text: &str) -> std::collections::BTreeMap<String, String> {
+    let mut map = std::collections::BTreeMap::new();
+    let mut rest = text;
+    while let Some((key, after)) = rest.split_once("=\"") {
+        let mut val = String::new();
+        let mut chars = after.char_indices();
+        let mut end = after.len();
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '\\' => {
+                    if let Some((_, n)) = chars.next() {
+                        val.push(if n == 'n' { '\n' } else { n });
+                    }
+                }
+                '"' => {
+                    end = i + 1;
+                    break;
+                }
+                c => val.push(c),
+            }
+        }
+        map.insert(key.trim_start_matches(',').to_string(), val);
+        rest = &after[end..];
+    }
+    map
 }
 
 /// Who may read an admin endpoint. The probes (`/healthz`, `/readyz`,
@@ -261,32 +266,7 @@ pub async fn serve_limited(
         tokio::spawn(async move {
             let access = access.clone();
             let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let path = req.uri().path();
-                let authorization = req
-                    .headers()
-                    .get(hyper::header::AUTHORIZATION)
-                    .and_then(|v| v.to_str().ok());
-                let (code, ctype, body) = if access.allows(path, authorization) {
-                    route(path)
-                } else {
-                    (
-                        401,
-                        TEXT,
-                        "unauthorized: send Authorization: Bearer <token>\n".to_string(),
-                    )
-                };
-                let mut r = Response::new(Full::new(Bytes::from(body)));
-                *r.status_mut() = hyper::StatusCode::from_u16(code)
-                    .unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
-                if let Ok(v) = ctype.parse() {
-                    r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-                }
-                if code == 401 {
-                    r.headers_mut().insert(
-                        hyper::header::WWW_AUTHENTICATE,
-                        hyper::header::HeaderValue::from_static("Bearer"),
-                    );
-                }
+                let r = answer(&access, &*route, &req);
                 async move { Ok::<_, Infallible>(r) }
             });
             let conn = hyper::server::conn::http1::Builder::new()
@@ -298,6 +278,42 @@ pub async fn serve_limited(
         });
     })
     .await;
+}
+
+/// A request's answer: `route`'s, or 401 without the token where one is
+/// needed.
+fn answer(
+    access: &Access,
+    route: &(dyn Fn(&str) -> Answer + Send + Sync),
+    req: &Request<Incoming>,
+) -> Response<Full<Bytes>> {
+    let path = req.uri().path();
+    let authorization = req
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let (code, ctype, body) = if access.allows(path, authorization) {
+        route(path)
+    } else {
+        (
+            401,
+            TEXT,
+            "unauthorized: send Authorization: Bearer <token>\n".to_string(),
+        )
+    };
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() =
+        hyper::StatusCode::from_u16(code).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+    if let Ok(v) = ctype.parse() {
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    if code == 401 {
+        r.headers_mut().insert(
+            hyper::header::WWW_AUTHENTICATE,
+            hyper::header::HeaderValue::from_static("Bearer"),
+        );
+    }
+    r
 }
 
 /// The process and build metrics every role exports: `seedlink_build_info`
@@ -335,7 +351,6 @@ impl prometheus_client::collector::Collector for ProcessCollector {
         use prometheus_client::encoding::EncodeMetric;
         use prometheus_client::metrics::counter::ConstCounter;
         use prometheus_client::metrics::gauge::ConstGauge;
-        const HZ: f64 = 100.0;
         let info = prometheus_client::metrics::info::Info::new(vec![
             ("version", env!("CARGO_PKG_VERSION")),
             (
@@ -353,56 +368,13 @@ impl prometheus_client::collector::Collector for ProcessCollector {
             None,
             info.metric_type(),
         )?)?;
-        let mut gauge = |name: &str, help: &str, v: f64| -> Result<(), std::fmt::Error> {
+        let (gauges, cpu) = process_readings();
+        for (name, help, v) in gauges {
             let g = ConstGauge::new(v);
-            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)
-        };
-        if let Some(kb) = proc_value("/proc/self/status", "VmRSS:") {
-            gauge(
-                "process_resident_memory_bytes",
-                "Resident memory",
-                (kb * 1024) as f64,
-            )?;
+            g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
         }
-        if let Some(kb) = proc_value("/proc/self/status", "VmSize:") {
-            gauge(
-                "process_virtual_memory_bytes",
-                "Virtual memory",
-                (kb * 1024) as f64,
-            )?;
-        }
-        if let Ok(d) = std::fs::read_dir("/proc/self/fd") {
-            gauge(
-                "process_open_fds",
-                "Open file descriptors",
-                d.count() as f64,
-            )?;
-        }
-        if let Some(n) = proc_value("/proc/self/limits", "Max open files") {
-            gauge("process_max_fds", "The open-file limit", n as f64)?;
-        }
-        let stat = proc_stat();
-        if let Some((_, _, threads, start)) = stat {
-            gauge("process_threads", "OS threads", threads as f64)?;
-            if let Some(btime) = proc_value("/proc/stat", "btime") {
-                gauge(
-                    "process_start_time_seconds",
-                    "Start time since the Unix epoch",
-                    btime as f64 + start as f64 / HZ,
-                )?;
-            }
-        }
-        // Tasks alive in the runtime serving this scrape (every role has
-        // one): a count that keeps growing is a task leak.
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            gauge(
-                "seedlink_runtime_tasks",
-                "Tasks alive in the async runtime (connections, listeners, watches)",
-                rt.metrics().num_alive_tasks() as f64,
-            )?;
-        }
-        if let Some((utime, stime, _, _)) = stat {
-            let c = ConstCounter::new((utime + stime) as f64 / HZ);
+        if let Some(seconds) = cpu {
+            let c = ConstCounter::new(seconds);
             c.encode(encoder.encode_descriptor(
                 "process_cpu_seconds",
                 "User and system CPU time",
@@ -412,6 +384,60 @@ impl prometheus_client::collector::Collector for ProcessCollector {
         }
         Ok(())
     }
+}
+
+/// The process gauges that can be read now (name, help, value), and the
+/// CPU time in seconds.
+fn process_readings() -> (Vec<(&'static str, &'static str, f64)>, Option<f64>) {
+    const HZ: f64 = 100.0;
+    let mut out = Vec::new();
+    if let Some(kb) = proc_value("/proc/self/status", "VmRSS:") {
+        out.push((
+            "process_resident_memory_bytes",
+            "Resident memory",
+            (kb * 1024) as f64,
+        ));
+    }
+    if let Some(kb) = proc_value("/proc/self/status", "VmSize:") {
+        out.push((
+            "process_virtual_memory_bytes",
+            "Virtual memory",
+            (kb * 1024) as f64,
+        ));
+    }
+    if let Ok(d) = std::fs::read_dir("/proc/self/fd") {
+        out.push((
+            "process_open_fds",
+            "Open file descriptors",
+            d.count() as f64,
+        ));
+    }
+    if let Some(n) = proc_value("/proc/self/limits", "Max open files") {
+        out.push(("process_max_fds", "The open-file limit", n as f64));
+    }
+    let stat = proc_stat();
+    if let Some((_, _, threads, start)) = stat {
+        out.push(("process_threads", "OS threads", threads as f64));
+        if let Some(btime) = proc_value("/proc/stat", "btime") {
+            let at = btime as f64 + start as f64 / HZ;
+            out.push((
+                "process_start_time_seconds",
+                "Start time since the Unix epoch",
+                at,
+            ));
+        }
+    }
+    // Tasks alive in the runtime serving this scrape (every role has one):
+    // a count that keeps growing is a task leak.
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        out.push((
+            "seedlink_runtime_tasks",
+            "Tasks alive in the async runtime (connections, listeners, watches)",
+            rt.metrics().num_alive_tasks() as f64,
+        ));
+    }
+    let cpu = stat.map(|(utime, stime, _, _)| (utime + stime) as f64 / HZ);
+    (out, cpu)
 }
 
 /// Encodes a registry in the text format, with the process, build and

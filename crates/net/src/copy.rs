@@ -133,9 +133,10 @@ impl Copier {
     ) -> io::Result<()> {
         let mut up = (Dir::Idle, false);
         let mut down = (Dir::Idle, false);
-        // Armed (boxed: most copies never need it) when one direction ends.
-        let mut half: Option<Pin<Box<tokio::time::Sleep>>> = None;
-        let limit = Duration::from_millis(self.half_closed_ms.load(Ordering::Relaxed));
+        let mut half = HalfClosed {
+            timer: None,
+            limit: Duration::from_millis(self.half_closed_ms.load(Ordering::Relaxed)),
+        };
         let r = std::future::poll_fn(|cx| {
             let mut moved = false;
             let a = self.poll_dir(cx, &mut up, client, upstream, to_upstream, &mut moved);
@@ -152,33 +153,7 @@ impl Copier {
                     // taking in what was written before the FIN (a client
                     // reading the end of a download): that is progress too.
                     let delivering = if up_ended { upstream } else { client };
-                    let t = half.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-                    if moved {
-                        t.as_mut().reset(tokio::time::Instant::now() + limit);
-                    }
-                    loop {
-                        match t.as_mut().poll(cx) {
-                            Poll::Pending => return Poll::Pending,
-                            Poll::Ready(()) if sockopt::unsent_bytes(delivering) > 0 => {
-                                t.as_mut().reset(tokio::time::Instant::now() + limit);
-                            }
-                            // The client sent FIN and the upstream never
-                            // answered: an abort (both reset), so the client
-                            // cannot take the silence for an empty answer.
-                            Poll::Ready(()) if up_ended => {
-                                return Poll::Ready(Err(io::Error::new(
-                                    io::ErrorKind::TimedOut,
-                                    "half-closed connection moved nothing within its limit",
-                                )))
-                            }
-                            // The upstream finished (its FIN was passed on
-                            // and everything it sent was acknowledged) and
-                            // the client neither sends nor closes: the
-                            // answer is complete, so the end is an ordinary
-                            // close.
-                            Poll::Ready(()) => return Poll::Ready(Ok(())),
-                        }
-                    }
+                    half.poll(cx, moved, delivering, up_ended)
                 }
                 _ => Poll::Pending,
             }
@@ -210,23 +185,7 @@ impl Copier {
                 Dir::Unused(_) => return Poll::Ready(Ok(())),
                 Dir::Idle => {
                     ready!(src.poll_read_ready(cx))?;
-                    let next = match self.mode {
-                        #[cfg(target_os = "linux")]
-                        CopyMode::Splice if *bulk => match self.pipes.get() {
-                            Some(lease) => splice_in(src, lease)?,
-                            None => buffered_in(src, BUF)?,
-                        },
-                        #[cfg(target_os = "linux")]
-                        CopyMode::Splice => {
-                            let next = buffered_in(src, FIRST_READS)?;
-                            if let Some(Dir::Buffered { end, .. }) = &next {
-                                *bulk = *end >= FIRST_READS;
-                            }
-                            next
-                        }
-                        _ => buffered_in(src, BUF)?,
-                    };
-                    match next {
+                    match self.fill(src, bulk)? {
                         // Not readable after all (readiness cleared): poll again.
                         None => {}
                         Some(Dir::Done) => {
@@ -244,40 +203,140 @@ impl Copier {
                 #[cfg(target_os = "linux")]
                 Dir::Spliced(lease) => {
                     ready!(dst.poll_write_ready(cx))?;
-                    let left = lease.in_flight;
-                    let dst_fd = std::os::fd::AsRawFd::as_raw_fd(dst);
-                    match dst.try_io(Interest::WRITABLE, || lease.pipe().drain_to(dst_fd, left)) {
-                        Ok(m) => {
-                            let m = m.min(left);
-                            lease.in_flight -= m;
-                            count.add(m as u64);
-                            *moved = true;
-                            if lease.in_flight == 0 {
-                                // The empty pipe goes back to the pool.
-                                *st = Dir::Idle;
-                            }
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                        Err(e) => return Poll::Ready(Err(e)),
+                    if drain_pipe(lease, dst, count, moved)? {
+                        // The empty pipe goes back to the pool.
+                        *st = Dir::Idle;
                     }
                 }
                 Dir::Buffered { buf, pos, end } => {
                     ready!(dst.poll_write_ready(cx))?;
-                    match dst.try_write(&buf[*pos..*end]) {
-                        Ok(0) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
-                        Ok(m) => {
-                            *pos += m;
-                            count.add(m as u64);
-                            *moved = true;
-                            if *pos == *end {
-                                // The chunk's buffer is freed: idle holds none.
-                                *st = Dir::Idle;
-                            }
-                        }
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                        Err(e) => return Poll::Ready(Err(e)),
+                    if write_buffer(&buf[..*end], pos, dst, count, moved)? {
+                        // The chunk's buffer is freed: idle holds none.
+                        *st = Dir::Idle;
                     }
                 }
+            }
+        }
+    }
+
+    /// Reads what `src` has: into a pipe once the direction carries bulk
+    /// (and a pipe is free), else into a buffer. `None`: nothing to read
+    /// after all; `Some(Dir::Done)`: end of stream.
+    #[inline]
+    fn fill<'p>(&'p self, src: &TcpStream, bulk: &mut bool) -> io::Result<Option<Dir<'p>>> {
+        match self.mode {
+            #[cfg(target_os = "linux")]
+            CopyMode::Splice if *bulk => match self.pipes.get() {
+                Some(lease) => splice_in(src, lease),
+                None => buffered_in(src, BUF),
+            },
+            #[cfg(target_os = "linux")]
+            CopyMode::Splice => {
+                let next = buffered_in(src, FIRST_READS)?;
+                if let Some(Dir::Buffered { end, .. }) = &next {
+                    *bulk = *end >= FIRST_READS;
+                }
+                Ok(next)
+            }
+            _ => buffered_in(src, BUF),
+        }
+    }
+}
+
+/// Moves what a leased pipe holds to `dst`, as far as it takes it; true
+/// when the pipe is empty.
+#[cfg(target_os = "linux")]
+#[inline]
+fn drain_pipe(
+    lease: &mut crate::splice::Lease<'_>,
+    dst: &TcpStream,
+    count: &dyn Tally,
+    moved: &mut bool,
+) -> io::Result<bool> {
+    let left = lease.in_flight;
+    let dst_fd = std::os::fd::AsRawFd::as_raw_fd(dst);
+    match dst.try_io(Interest::WRITABLE, || lease.pipe().drain_to(dst_fd, left)) {
+        Ok(m) => {
+            let m = m.min(left);
+            lease.in_flight -= m;
+            count.add(m as u64);
+            *moved = true;
+            Ok(lease.in_flight == 0)
+        }
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Writes `buf[*pos..]` to `dst`, as far as it takes it; true when all is
+/// written.
+#[inline]
+fn write_buffer(
+    buf: &[u8],
+    pos: &mut usize,
+    dst: &TcpStream,
+    count: &dyn Tally,
+    moved: &mut bool,
+) -> io::Result<bool> {
+    match dst.try_write(&buf[*pos..]) {
+        Ok(0) => Err(io::ErrorKind::WriteZero.into()),
+        Ok(m) => {
+            *pos += m;
+            count.add(m as u64);
+            *moved = true;
+            Ok(*pos == buf.len())
+        }
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// The limit on a half-closed connection: how long it may move nothing
+/// once one direction ended.
+struct HalfClosed {
+    /// Armed (boxed: most copies never need it) when one direction ends.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    limit: Duration,
+}
+
+impl HalfClosed {
+    /// Restarts the limit when bytes `moved` or the destination of the
+    /// ended direction (`delivering`) still holds unsent bytes; ends the
+    /// copy when the limit passes.
+    fn poll(
+        &mut self,
+        cx: &mut Context<'_>,
+        moved: bool,
+        delivering: &TcpStream,
+        up_ended: bool,
+    ) -> Poll<io::Result<()>> {
+        let limit = self.limit;
+        let t = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        if moved {
+            t.as_mut().reset(tokio::time::Instant::now() + limit);
+        }
+        loop {
+            match t.as_mut().poll(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(()) if sockopt::unsent_bytes(delivering) > 0 => {
+                    t.as_mut().reset(tokio::time::Instant::now() + limit);
+                }
+                // The client sent FIN and the upstream never answered: an
+                // abort (both reset), so the client cannot take the silence
+                // for an empty answer.
+                Poll::Ready(()) if up_ended => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "half-closed connection moved nothing within its limit",
+                    )))
+                }
+                // The upstream finished (its FIN was passed on and
+                // everything it sent was acknowledged) and the client
+                // neither sends nor closes: the answer is complete, so the
+                // end is an ordinary close.
+                Poll::Ready(()) => return Poll::Ready(Ok(())),
             }
         }
     }

@@ -71,18 +71,24 @@ pub async fn socket_to_stream(socket: &TcpStream, mut send: SendStream<Bytes>) {
                 return;
             }
         }
-        let mut data = buf.freeze();
-        while !data.is_empty() {
-            send.reserve_capacity(data.len());
-            let granted = match std::future::poll_fn(|cx| send.poll_capacity(cx)).await {
-                Some(Ok(g)) if g > 0 => g,
-                Some(Ok(_)) => continue,
-                _ => return,
-            };
-            let part = data.split_to(granted.min(data.len()));
-            if send.send_data(part, false).is_err() {
-                return;
-            }
+        if send_all(&mut send, buf.freeze()).await.is_none() {
+            return;
         }
     }
+}
+
+/// Sends `data` as the stream's window allows; `None` when the stream is
+/// gone.
+async fn send_all(send: &mut SendStream<Bytes>, mut data: Bytes) -> Option<()> {
+    while !data.is_empty() {
+        send.reserve_capacity(data.len());
+        let granted = match std::future::poll_fn(|cx| send.poll_capacity(cx)).await {
+            Some(Ok(g)) if g > 0 => g,
+            Some(Ok(_)) => continue,
+            _ => return None,
+        };
+        let part = data.split_to(granted.min(data.len()));
+        send.send_data(part, false).ok()?;
+    }
+    Some(())
 }

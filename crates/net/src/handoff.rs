@@ -210,20 +210,10 @@ pub fn offer(listener: UnixListener, offer: &Offer, phases: &dyn Phases) -> std:
         };
         let sockets = match offer.copies() {
             None => return Ok(false),
-            Some(Err(e)) => {
-                tracing::warn!(error = %e, "upgrade: cannot copy the sockets");
-                continue;
-            }
-            Some(Ok(v)) if v.len() > MAX_SOCKETS => {
-                // This attempt only: the process serves on and offers again
-                // (its listeners may become fewer).
-                tracing::error!(
-                    sockets = v.len(),
-                    "upgrade: more sockets than one hand-over carries ({MAX_SOCKETS}); refused"
-                );
-                continue;
-            }
-            Some(Ok(v)) => v,
+            Some(copies) => match checked(copies) {
+                Some(v) => v,
+                None => continue,
+            },
         };
         match give(&s, &sockets, phases) {
             Ok(()) => {
@@ -247,6 +237,26 @@ pub fn offer(listener: UnixListener, offer: &Offer, phases: &dyn Phases) -> std:
     Ok(false)
 }
 
+/// The copies of the sockets for one attempt; none (logged) if they cannot
+/// be made or are more than one hand-over carries: this attempt only, the
+/// process serves on and offers again (its listeners may become fewer).
+fn checked(copies: std::io::Result<Vec<Socket>>) -> Option<Vec<Socket>> {
+    match copies {
+        Err(e) => {
+            tracing::warn!(error = %e, "upgrade: cannot copy the sockets");
+            None
+        }
+        Ok(v) if v.len() > MAX_SOCKETS => {
+            tracing::error!(
+                sockets = v.len(),
+                "upgrade: more sockets than one hand-over carries ({MAX_SOCKETS}); refused"
+            );
+            None
+        }
+        Ok(v) => Some(v),
+    }
+}
+
 /// One attempt: hand the sockets over, answer the phases, and wait for
 /// `ready`.
 fn give(s: &UnixStream, sockets: &[Socket], phases: &dyn Phases) -> std::io::Result<()> {
@@ -260,6 +270,14 @@ fn give(s: &UnixStream, sockets: &[Socket], phases: &dyn Phases) -> std::io::Res
         return Err(invalid(format!("unexpected request {line:?}")));
     }
     phases.began();
+    send_sockets(s, sockets)?;
+    s.set_read_timeout(Some(READY_WITHIN))?;
+    answer_phases(&mut r, s, phases)
+}
+
+/// Sends the sockets' names and addresses (one line) with their
+/// descriptors, [`FDS_PER_MESSAGE`] to a message.
+fn send_sockets(s: &UnixStream, sockets: &[Socket]) -> std::io::Result<()> {
     let names: Vec<serde_like::Entry<'_>> = sockets
         .iter()
         .map(|k| serde_like::Entry {
@@ -297,7 +315,16 @@ fn give(s: &UnixStream, sockets: &[Socket], phases: &dyn Phases) -> std::io::Res
             return Err(invalid("a descriptor message was not sent"));
         }
     }
-    s.set_read_timeout(Some(READY_WITHIN))?;
+    Ok(())
+}
+
+/// Answers the new process's phases (at most [`MAX_PHASES`]) until it says
+/// `ready`.
+fn answer_phases(
+    r: &mut BufReader<UnixStream>,
+    mut w: &UnixStream,
+    phases: &dyn Phases,
+) -> std::io::Result<()> {
     for _ in 0..=MAX_PHASES {
         let mut line = String::new();
         r.by_ref().take(128).read_line(&mut line)?;
@@ -397,7 +424,6 @@ pub fn take(path: &Path) -> std::io::Result<(Vec<Socket>, Taken)> {
 /// Reads the description line and the descriptors that come with it and
 /// after it (as many as it names, at most [`MAX_SOCKETS`]), each
 /// `recvmsg` with its own control buffer: a plain read would drop them.
-#[allow(unsafe_code)]
 fn receive(s: &UnixStream) -> std::io::Result<(String, Vec<OwnedFd>)> {
     let mut buf = Vec::new();
     let mut fds = Vec::new();
@@ -410,31 +436,8 @@ fn receive(s: &UnixStream) -> std::io::Result<(String, Vec<OwnedFd>)> {
                 break;
             }
         }
-        let (got, end) = {
-            let mut iov = [IoSliceMut::new(&mut chunk)];
-            let msg = recvmsg::<()>(
-                s.as_raw_fd(),
-                &mut iov,
-                Some(&mut space),
-                MsgFlags::MSG_CMSG_CLOEXEC,
-            )
-            .map_err(io)?;
-            for c in msg.cmsgs().map_err(io)? {
-                if let ControlMessageOwned::ScmRights(got) = c {
-                    // SAFETY: the kernel installed these descriptors in
-                    // this process for us; nothing else owns them.
-                    fds.extend(
-                        got.into_iter()
-                            .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
-                    );
-                }
-            }
-            if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
-                return Err(invalid("the offer was larger than this process accepts"));
-            }
-            (msg.bytes, msg.bytes == 0)
-        };
-        if end {
+        let got = receive_one(s, &mut chunk, &mut space, &mut fds)?;
+        if got == 0 {
             return Err(invalid("the offer ended early"));
         }
         buf.extend_from_slice(&chunk[..got]);
@@ -455,6 +458,40 @@ fn receive(s: &UnixStream) -> std::io::Result<(String, Vec<OwnedFd>)> {
     }
     let text = std::str::from_utf8(&buf[..i]).map_err(|_| invalid("the offer is not UTF-8"))?;
     Ok((text.to_string(), fds))
+}
+
+/// One message: its bytes into `chunk` (how many), its descriptors onto
+/// `fds`.
+#[allow(unsafe_code)]
+#[allow(clippy::ptr_arg)] // nix's recvmsg takes the control buffer as a Vec
+fn receive_one(
+    s: &UnixStream,
+    chunk: &mut [u8],
+    space: &mut Vec<u8>,
+    fds: &mut Vec<OwnedFd>,
+) -> std::io::Result<usize> {
+    let mut iov = [IoSliceMut::new(chunk)];
+    let msg = recvmsg::<()>(
+        s.as_raw_fd(),
+        &mut iov,
+        Some(space),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )
+    .map_err(io)?;
+    for c in msg.cmsgs().map_err(io)? {
+        if let ControlMessageOwned::ScmRights(got) = c {
+            // SAFETY: the kernel installed these descriptors in this
+            // process for us; nothing else owns them.
+            fds.extend(
+                got.into_iter()
+                    .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+            );
+        }
+    }
+    if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+        return Err(invalid("the offer was larger than this process accepts"));
+    }
+    Ok(msg.bytes)
 }
 
 /// The description line: a JSON object written and read without a JSON
