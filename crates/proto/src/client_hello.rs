@@ -99,49 +99,18 @@ fn reassemble(buf: &[u8], max_len: usize) -> Parse<(Cow<'_, [u8]>, usize), Rejec
         if buf.len() < pos + RECORD_HEADER {
             return needs_more(pos + RECORD_HEADER, max_len);
         }
-        let hdr = &buf[pos..pos + RECORD_HEADER];
-        if hdr[0] != CONTENT_HANDSHAKE {
-            return Parse::Invalid(Reject::Malformed("non-handshake record inside ClientHello"));
-        }
-        if hdr[1] != 3 || hdr[2] > 4 {
-            return Parse::Invalid(Reject::Malformed("unsupported record version"));
-        }
-        let rec_len = usize::from(u16::from_be_bytes([hdr[3], hdr[4]]));
-        if rec_len == 0 {
-            return Parse::Invalid(Reject::Malformed("empty handshake record"));
-        }
-        if rec_len > MAX_RECORD_PAYLOAD {
-            return Parse::Invalid(Reject::Malformed("record longer than 2^14 bytes"));
-        }
+        let rec_len = match record_len(&buf[pos..pos + RECORD_HEADER]) {
+            Ok(n) => n,
+            Err(why) => return Parse::Invalid(Reject::Malformed(why)),
+        };
         let frag_start = pos + RECORD_HEADER;
         // Check the handshake header as soon as it is visible, before the whole
         // record arrives, so a wrong or oversized message is not waited for.
         let visible = &buf[frag_start..buf.len().min(frag_start + rec_len)];
-        let mut head = [0u8; 4];
-        let mut seen = 0;
-        for &b in frags
-            .iter()
-            .chain(std::iter::once(&visible))
-            .flat_map(|f| f.iter())
-        {
-            if seen == 4 {
-                break;
-            }
-            head[seen] = b;
-            seen += 1;
-        }
-        if seen >= 1 && head[0] != HANDSHAKE_CLIENT_HELLO {
-            return Parse::Invalid(Reject::Malformed(
-                "first handshake message is not a ClientHello",
-            ));
-        }
-        let msg_len = (seen == 4).then(|| u24(&head[1..4]));
-        if let Some(msg_len) = msg_len {
-            let records_min = msg_len.div_ceil(MAX_RECORD_PAYLOAD).max(1) * RECORD_HEADER;
-            if 4 + msg_len + records_min > max_len {
-                return Parse::Invalid(Reject::TooLarge);
-            }
-        }
+        let msg_len = match message_len(&frags, visible, max_len) {
+            Ok(n) => n,
+            Err(r) => return Parse::Invalid(r),
+        };
         if frag_start + rec_len > max_len {
             return Parse::Invalid(Reject::TooLarge);
         }
@@ -162,14 +131,67 @@ fn reassemble(buf: &[u8], max_len: usize) -> Parse<(Cow<'_, [u8]>, usize), Rejec
                 "trailing handshake data after ClientHello",
             ));
         }
-        let body = if let [only] = frags.as_slice() {
-            Cow::Borrowed(&only[4..])
-        } else {
-            let mut all = frags.concat();
-            all.drain(..4);
-            Cow::Owned(all)
-        };
-        return Parse::Done((body, pos));
+        return Parse::Done((body_of(&frags), pos));
+    }
+}
+
+/// A handshake record's payload length, from its header.
+fn record_len(hdr: &[u8]) -> Result<usize, &'static str> {
+    if hdr[0] != CONTENT_HANDSHAKE {
+        return Err("non-handshake record inside ClientHello");
+    }
+    if hdr[1] != 3 || hdr[2] > 4 {
+        return Err("unsupported record version");
+    }
+    let rec_len = usize::from(u16::from_be_bytes([hdr[3], hdr[4]]));
+    if rec_len == 0 {
+        return Err("empty handshake record");
+    }
+    if rec_len > MAX_RECORD_PAYLOAD {
+        return Err("record longer than 2^14 bytes");
+    }
+    Ok(rec_len)
+}
+
+/// The handshake message's length once its 4-byte header is visible in the
+/// fragments so far and the one arriving; a message that is no ClientHello,
+/// or whose records could not fit in `max_len`, is refused.
+fn message_len(frags: &[&[u8]], visible: &[u8], max_len: usize) -> Result<Option<usize>, Reject> {
+    let mut head = [0u8; 4];
+    let mut seen = 0;
+    for &b in frags
+        .iter()
+        .chain(std::iter::once(&visible))
+        .flat_map(|f| f.iter())
+        .take(4)
+    {
+        head[seen] = b;
+        seen += 1;
+    }
+    if seen >= 1 && head[0] != HANDSHAKE_CLIENT_HELLO {
+        return Err(Reject::Malformed(
+            "first handshake message is not a ClientHello",
+        ));
+    }
+    let msg_len = (seen == 4).then(|| u24(&head[1..4]));
+    if let Some(msg_len) = msg_len {
+        let records_min = msg_len.div_ceil(MAX_RECORD_PAYLOAD).max(1) * RECORD_HEADER;
+        if 4 + msg_len + records_min > max_len {
+            return Err(Reject::TooLarge);
+        }
+    }
+    Ok(msg_len)
+}
+
+/// The message body after its 4-byte header: borrowed from a single
+/// record, joined from several.
+fn body_of<'a>(frags: &[&'a [u8]]) -> Cow<'a, [u8]> {
+    if let [only] = frags {
+        Cow::Borrowed(&only[4..])
+    } else {
+        let mut all = frags.concat();
+        all.drain(..4);
+        Cow::Owned(all)
     }
 }
 
@@ -246,12 +268,18 @@ fn parse_body(body: &[u8]) -> Result<Body, &'static str> {
     if r.is_empty() {
         return Ok((None, Vec::new()));
     }
-    let mut exts = Reader {
+    let exts = Reader {
         buf: r.vec16("truncated extensions")?,
     };
     if !r.is_empty() {
         return Err("trailing bytes after extensions");
     }
+    parse_extensions(exts)
+}
+
+/// The server name and ALPN protocols among the extensions (each at most
+/// once).
+fn parse_extensions(mut exts: Reader<'_>) -> Result<Body, &'static str> {
     let mut seen: Vec<u16> = Vec::new();
     let mut sni = None;
     let mut alpn = Vec::new();

@@ -96,18 +96,8 @@ pub fn parse(buf: &[u8], limits: &Limits) -> Parse<Head, Reject> {
     };
     let mut headers = vec![httparse::EMPTY_HEADER; limits.max_headers.max(1)];
     let mut req = httparse::Request::new(&mut headers);
-    match req.parse(&buf[..end]) {
-        Ok(httparse::Status::Complete(n)) if n == end => {}
-        Ok(_) => {
-            return Parse::Invalid(Reject::Malformed(
-                "request head did not end at the blank line",
-            ))
-        }
-        Err(httparse::Error::Version) => {
-            return Parse::Invalid(Reject::Malformed("not HTTP/1.0 or HTTP/1.1"))
-        }
-        Err(httparse::Error::TooManyHeaders) => return Parse::Invalid(Reject::TooManyHeaders),
-        Err(_) => return Parse::Invalid(Reject::Malformed("invalid request line or header")),
+    if let Err(r) = parse_whole(&mut req, &buf[..end]) {
+        return Parse::Invalid(r);
     }
     let (Some(method), Some(target), Some(minor)) = (req.method, req.path, req.version) else {
         return Parse::Invalid(Reject::Malformed("incomplete request line"));
@@ -131,6 +121,19 @@ pub fn parse(buf: &[u8], limits: &Limits) -> Parse<Head, Reject> {
     })
 }
 
+/// Parses a head that `scan` delimited: it must end exactly there.
+fn parse_whole<'h, 'b>(req: &mut httparse::Request<'h, 'b>, head: &'b [u8]) -> Result<(), Reject> {
+    match req.parse(head) {
+        Ok(httparse::Status::Complete(n)) if n == head.len() => Ok(()),
+        Ok(_) => Err(Reject::Malformed(
+            "request head did not end at the blank line",
+        )),
+        Err(httparse::Error::Version) => Err(Reject::Malformed("not HTTP/1.0 or HTTP/1.1")),
+        Err(httparse::Error::TooManyHeaders) => Err(Reject::TooManyHeaders),
+        Err(_) => Err(Reject::Malformed("invalid request line or header")),
+    }
+}
+
 /// Finds the end of the head (index after the blank line's LF) while
 /// enforcing the byte-level rules and caps.
 fn scan(buf: &[u8], limits: &Limits) -> Parse<usize, Reject> {
@@ -148,25 +151,14 @@ fn scan(buf: &[u8], limits: &Limits) -> Parse<usize, Reject> {
                 if next != b'\n' {
                     return Parse::Invalid(Reject::BareLineEnding);
                 }
-                let line_len = i - line_start;
-                if line_len == 0 {
-                    if lines == 0 {
-                        return Parse::Invalid(Reject::Malformed(
-                            "empty line before the request line",
-                        ));
-                    }
-                    return Parse::Done(i + 2);
+                if i == line_start {
+                    return end_of_head(lines, i + 2);
                 }
                 lines += 1;
-                if lines > limits.max_headers + 1 {
-                    return Parse::Invalid(Reject::TooManyHeaders);
-                }
                 i += 2;
                 line_start = i;
-                if let Some(&first) = window.get(i) {
-                    if lines >= 1 && (first == b' ' || first == b'\t') {
-                        return Parse::Invalid(Reject::ObsFold);
-                    }
+                if let Err(r) = next_line(window, i, lines, limits) {
+                    return Parse::Invalid(r);
                 }
                 continue;
             }
@@ -181,6 +173,28 @@ fn scan(buf: &[u8], limits: &Limits) -> Parse<usize, Reject> {
         i += 1;
     }
     more(buf, limits)
+}
+
+/// The blank line at `end`: the head's end, unless no line came before it.
+fn end_of_head(lines: usize, end: usize) -> Parse<usize, Reject> {
+    if lines == 0 {
+        return Parse::Invalid(Reject::Malformed("empty line before the request line"));
+    }
+    Parse::Done(end)
+}
+
+/// Checks made when a line ended and the next starts at `at`: no more
+/// lines than the cap, and no obsolete line folding.
+fn next_line(window: &[u8], at: usize, lines: usize, limits: &Limits) -> Result<(), Reject> {
+    if lines > limits.max_headers + 1 {
+        return Err(Reject::TooManyHeaders);
+    }
+    if let Some(&first) = window.get(at) {
+        if first == b' ' || first == b'\t' {
+            return Err(Reject::ObsFold);
+        }
+    }
+    Ok(())
 }
 
 fn more<T>(buf: &[u8], limits: &Limits) -> Parse<T, Reject> {

@@ -45,47 +45,57 @@ pub fn parse(s: &str) -> Result<Destination, &'static str> {
     }
     let lower = s.to_ascii_lowercase();
     if let Some(rest) = lower.strip_prefix("outbound|") {
-        let mut parts = rest.split('|');
-        let (Some(port), Some(subset), Some(host), None) =
-            (parts.next(), parts.next(), parts.next(), parts.next())
-        else {
-            return Err("expected outbound|<port>||<fqdn>");
-        };
-        if !subset.is_empty() {
-            return Err("a cluster subset is not supported");
-        }
-        if port.is_empty()
-            || port.len() > 5
-            || port.starts_with('0')
-            || !port.bytes().all(|b| b.is_ascii_digit())
-        {
-            return Err("invalid port");
-        }
-        let port: u16 = port.parse().map_err(|_| "port out of range")?;
-        if !is_dns_name(host) {
-            return Err("invalid service host name");
-        }
-        return Ok(Destination::Cluster {
-            port,
-            host: host.to_string(),
-        });
+        return cluster(rest);
     }
     if let Some(ns) = lower.strip_suffix(SOCKET_SUFFIX) {
-        if ns.is_empty()
-            || ns.len() > 63
-            || !ns
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-            || ns.starts_with('-')
-            || ns.ends_with('-')
-        {
-            return Err("invalid namespace");
-        }
-        return Ok(Destination::ApiserverSocket {
-            namespace: ns.to_string(),
-        });
+        return socket(ns);
     }
     Err("not outbound|<port>||<fqdn> nor <namespace>--kube-apiserver-socket")
+}
+
+/// `<port>||<fqdn>`, after `outbound|`.
+fn cluster(rest: &str) -> Result<Destination, &'static str> {
+    let mut parts = rest.split('|');
+    let (Some(port), Some(subset), Some(host), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err("expected outbound|<port>||<fqdn>");
+    };
+    if !subset.is_empty() {
+        return Err("a cluster subset is not supported");
+    }
+    if port.is_empty()
+        || port.len() > 5
+        || port.starts_with('0')
+        || !port.bytes().all(|b| b.is_ascii_digit())
+    {
+        return Err("invalid port");
+    }
+    let port: u16 = port.parse().map_err(|_| "port out of range")?;
+    if !is_dns_name(host) {
+        return Err("invalid service host name");
+    }
+    Ok(Destination::Cluster {
+        port,
+        host: host.to_string(),
+    })
+}
+
+/// `<namespace>`, before `--kube-apiserver-socket`.
+fn socket(ns: &str) -> Result<Destination, &'static str> {
+    if ns.is_empty()
+        || ns.len() > 63
+        || !ns
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        || ns.starts_with('-')
+        || ns.ends_with('-')
+    {
+        return Err("invalid namespace");
+    }
+    Ok(Destination::ApiserverSocket {
+        namespace: ns.to_string(),
+    })
 }
 
 fn is_dns_name(h: &str) -> bool {

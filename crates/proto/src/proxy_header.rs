@@ -104,24 +104,31 @@ fn check_tlvs(header: &[u8], tlv_start: usize) -> Result<(), &'static str> {
                 if std::mem::replace(&mut crc_seen, true) {
                     return Err("v2 header with two CRC32C TLVs");
                 }
-                if n != 4 {
-                    return Err("v2 CRC32C TLV not 4 bytes long");
-                }
-                let want = u32::from_be_bytes([
-                    header[value],
-                    header[value + 1],
-                    header[value + 2],
-                    header[value + 3],
-                ]);
-                let mut zeroed = header.to_vec();
-                zeroed[value..value + 4].fill(0);
-                if crc32c::crc32c(&zeroed) != want {
-                    return Err("v2 CRC32C TLV does not match the header");
-                }
+                check_crc32c(header, value, n)?;
             }
             _ => {}
         }
         at = value + n;
+    }
+    Ok(())
+}
+
+/// A CRC32C TLV whose value (`n` bytes at `value`) must be 4 bytes: the
+/// CRC32c of the whole header with this field zeroed.
+fn check_crc32c(header: &[u8], value: usize, n: usize) -> Result<(), &'static str> {
+    if n != 4 {
+        return Err("v2 CRC32C TLV not 4 bytes long");
+    }
+    let want = u32::from_be_bytes([
+        header[value],
+        header[value + 1],
+        header[value + 2],
+        header[value + 3],
+    ]);
+    let mut zeroed = header.to_vec();
+    zeroed[value..value + 4].fill(0);
+    if crc32c::crc32c(&zeroed) != want {
+        return Err("v2 CRC32C TLV does not match the header");
     }
     Ok(())
 }
@@ -218,11 +225,16 @@ fn parse_v1(buf: &[u8]) -> Parse<ProxyHeader, Reject> {
     {
         return Parse::Invalid(Reject::Malformed("v1 port is not plain decimal digits"));
     }
-    let header = match ppp::v1::Header::try_from(text) {
-        Ok(h) => h,
-        Err(_) => return Parse::Invalid(Reject::Malformed("v1 header fields invalid")),
-    };
-    let addresses = match header.addresses {
+    match v1_addresses(text) {
+        Some(addresses) => finish(1, addresses, len, len),
+        None => Parse::Invalid(Reject::Malformed("v1 header fields invalid")),
+    }
+}
+
+/// The addresses of a v1 header line.
+fn v1_addresses(text: &str) -> Option<Addresses> {
+    let header = ppp::v1::Header::try_from(text).ok()?;
+    Some(match header.addresses {
         ppp::v1::Addresses::Unknown => Addresses::Local,
         ppp::v1::Addresses::Tcp4(a) => Addresses::Proxied {
             source: SocketAddr::new(a.source_address.into(), a.source_port),
@@ -232,8 +244,7 @@ fn parse_v1(buf: &[u8]) -> Parse<ProxyHeader, Reject> {
             source: SocketAddr::new(a.source_address.into(), a.source_port),
             destination: SocketAddr::new(a.destination_address.into(), a.destination_port),
         },
-    };
-    finish(1, addresses, len, len)
+    })
 }
 
 fn parse_v2(buf: &[u8], max_len: usize) -> Parse<ProxyHeader, Reject> {
@@ -255,27 +266,12 @@ fn parse_v2(buf: &[u8], max_len: usize) -> Parse<ProxyHeader, Reject> {
     if buf.len() < len {
         return Parse::Incomplete;
     }
-    // Minimum address block per family (spec §2.2): a shorter block is an
-    // error even for LOCAL, where the addresses are otherwise ignored.
     let family = buf[13] >> 4;
     let transport = buf[13] & 0x0f;
-    let need = match family {
-        0 => 0,
-        1 => 12,
-        2 => 36,
-        3 => 216,
-        _ => {
-            return Parse::Invalid(Reject::Malformed(
-                "v2 header with an unknown address family",
-            ))
-        }
+    let tlv_start = match address_block(family, len) {
+        Ok(n) => V2_FIXED + n,
+        Err(why) => return Parse::Invalid(Reject::Malformed(why)),
     };
-    if len - V2_FIXED < need {
-        return Parse::Invalid(Reject::Malformed(
-            "v2 address block shorter than its family needs",
-        ));
-    }
-    let tlv_start = V2_FIXED + need;
     if let Err(why) = check_tlvs(&buf[..len], tlv_start) {
         return Parse::Invalid(Reject::Malformed(why));
     }
@@ -287,22 +283,43 @@ fn parse_v2(buf: &[u8], max_len: usize) -> Parse<ProxyHeader, Reject> {
             "v2 PROXY command for a transport other than TCP over IPv4/IPv6",
         ));
     }
-    let header = match ppp::v2::Header::try_from(&buf[..len]) {
-        Ok(h) => h,
-        Err(_) => return Parse::Invalid(Reject::Malformed("v2 header fields invalid")),
+    match v2_addresses(&buf[..len]) {
+        Ok(addresses) => finish(2, addresses, len, tlv_start),
+        Err(why) => Parse::Invalid(Reject::Malformed(why)),
+    }
+}
+
+/// The address block's length for `family` in a header of `len` bytes:
+/// the minimum per family (spec §2.2), and a shorter block is an error
+/// even for LOCAL, where the addresses are otherwise ignored.
+fn address_block(family: u8, len: usize) -> Result<usize, &'static str> {
+    let need = match family {
+        0 => 0,
+        1 => 12,
+        2 => 36,
+        3 => 216,
+        _ => return Err("v2 header with an unknown address family"),
     };
-    let addresses = match header.addresses {
-        ppp::v2::Addresses::IPv4(a) => Addresses::Proxied {
+    if len - V2_FIXED < need {
+        return Err("v2 address block shorter than its family needs");
+    }
+    Ok(need)
+}
+
+/// The TCP addresses of a whole v2 PROXY header.
+fn v2_addresses(header: &[u8]) -> Result<Addresses, &'static str> {
+    let header = ppp::v2::Header::try_from(header).map_err(|_| "v2 header fields invalid")?;
+    match header.addresses {
+        ppp::v2::Addresses::IPv4(a) => Ok(Addresses::Proxied {
             source: SocketAddr::new(a.source_address.into(), a.source_port),
             destination: SocketAddr::new(a.destination_address.into(), a.destination_port),
-        },
-        ppp::v2::Addresses::IPv6(a) => Addresses::Proxied {
+        }),
+        ppp::v2::Addresses::IPv6(a) => Ok(Addresses::Proxied {
             source: SocketAddr::new(a.source_address.into(), a.source_port),
             destination: SocketAddr::new(a.destination_address.into(), a.destination_port),
-        },
-        _ => return Parse::Invalid(Reject::Malformed("v2 header address family mismatch")),
-    };
-    finish(2, addresses, len, tlv_start)
+        }),
+        _ => Err("v2 header address family mismatch"),
+    }
 }
 
 fn finish(
