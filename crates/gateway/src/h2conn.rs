@@ -23,9 +23,6 @@ use crate::upstream;
 
 /// Concurrent streams per connection.
 const MAX_STREAMS: u32 = 250;
-/// Keepalive ping interval and how long a pong may take.
-const PING_EVERY: Duration = Duration::from_secs(30);
-const PONG_WITHIN: Duration = Duration::from_secs(10);
 /// How long a connection may stay without an open stream once it has
 /// carried one (before the first, the detection deadline applies): a
 /// pooled connection between tunnels, but not forever.
@@ -106,7 +103,7 @@ pub(crate) async fn serve(
         Ok(c) => c,
         Err(end) => return end,
     };
-    let keepalive = keepalive(conn.ping_pong());
+    let keepalive = h2copy::keepalive(conn.ping_pong());
     tokio::pin!(keepalive);
     let mut streams = Streams::new();
     let outcome = loop {
@@ -312,21 +309,6 @@ fn builder() -> h2::server::Builder {
         .max_local_error_reset_streams(Some(256))
         .max_header_list_size(MAX_HEADER_LIST);
     builder
-}
-
-/// Ends when a PING goes unanswered for [`PONG_WITHIN`] (one every
-/// [`PING_EVERY`]); never without a ping handle.
-async fn keepalive(pings: Option<h2::PingPong>) {
-    let Some(mut p) = pings else {
-        return std::future::pending::<()>().await;
-    };
-    loop {
-        tokio::time::sleep(PING_EVERY).await;
-        match tokio::time::timeout(PONG_WITHIN, p.ping(h2::Ping::opaque())).await {
-            Ok(Ok(_)) => {}
-            _ => return,
-        }
-    }
 }
 
 /// Refuses a stream with `status`, counted under `reason` like a refused

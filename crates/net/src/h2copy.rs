@@ -16,6 +16,27 @@ const CHUNK: usize = 64 * 1024;
 /// frames than h2's 16 KiB default cost fewer frame headers and wakeups.
 pub const MAX_FRAME: u32 = 256 * 1024;
 
+/// The keepalive PING interval on an HTTP/2 connection between seedlink and
+/// its peers, and how long a pong may take.
+pub const PING_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
+/// See [`PING_EVERY`].
+pub const PONG_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Ends when a PING goes unanswered for [`PONG_WITHIN`] (one every
+/// [`PING_EVERY`]); never without a ping handle.
+pub async fn keepalive(pings: Option<h2::PingPong>) {
+    let Some(mut p) = pings else {
+        return std::future::pending::<()>().await;
+    };
+    loop {
+        tokio::time::sleep(PING_EVERY).await;
+        match tokio::time::timeout(PONG_WITHIN, p.ping(h2::Ping::opaque())).await {
+            Ok(Ok(_)) => {}
+            _ => return,
+        }
+    }
+}
+
 /// DATA frames → `socket`; END_STREAM → half-close the socket's write side;
 /// a stream reset → reset the socket.
 pub async fn stream_to_socket(mut recv: RecvStream, socket: &TcpStream) {

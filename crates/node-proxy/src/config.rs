@@ -285,47 +285,12 @@ impl NodeProxyConfig {
                 format!("{:?} is not tcp, tunnel, tls or http", self.health_check),
             ));
         };
-        let mode = self.mode();
-        match (kind, mode) {
-            (CheckKind::Tunnel, Some(Mode::ProxyV2 | Mode::ProxyV1)) => {
-                return Err((
-                    "health_check",
-                    "a PROXY header gets no answer, so `tunnel` proves nothing in this mode; use tls or http".into(),
-                ))
-            }
-            (CheckKind::Tls | CheckKind::Http, Some(Mode::Http2Connect)) => {
-                return Err((
-                    "health_check",
-                    "tls and http checks need a mode over TCP; use tunnel in http2-connect mode".into(),
-                ))
-            }
-            _ => {}
-        }
+        self.check_health_kind(kind)?;
         let uses_tls = matches!(kind, CheckKind::Tls | CheckKind::Http);
         if !uses_tls && self.health_check_ca.is_some() {
             return Err(("health_check_ca", "only tls and http checks use it".into()));
         }
-        if rustls::pki_types::ServerName::try_from(self.health_check_server_name.as_str()).is_err()
-        {
-            return Err((
-                "health_check_server_name",
-                format!(
-                    "{:?} is not a DNS name or IP address",
-                    self.health_check_server_name
-                ),
-            ));
-        }
-        if !self.health_check_path.starts_with('/')
-            || !self.health_check_path.bytes().all(|b| b.is_ascii_graphic())
-        {
-            return Err((
-                "health_check_path",
-                format!(
-                    "{:?} is not an absolute path without spaces",
-                    self.health_check_path
-                ),
-            ));
-        }
+        self.check_health_request()?;
         let tls = if uses_tls {
             let roots = match &self.health_check_ca {
                 None => None,
@@ -347,6 +312,47 @@ impl NodeProxyConfig {
             server_name: self.health_check_server_name.clone(),
             path: self.health_check_path.clone(),
         })
+    }
+
+    /// The check kinds that prove something in the mode configured.
+    fn check_health_kind(&self, kind: CheckKind) -> Result<(), (&'static str, String)> {
+        match (kind, self.mode()) {
+            (CheckKind::Tunnel, Some(Mode::ProxyV2 | Mode::ProxyV1)) => Err((
+                "health_check",
+                "a PROXY header gets no answer, so `tunnel` proves nothing in this mode; use tls or http".into(),
+            )),
+            (CheckKind::Tls | CheckKind::Http, Some(Mode::Http2Connect)) => Err((
+                "health_check",
+                "tls and http checks need a mode over TCP; use tunnel in http2-connect mode".into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The server name and path the tls and http checks send.
+    fn check_health_request(&self) -> Result<(), (&'static str, String)> {
+        if rustls::pki_types::ServerName::try_from(self.health_check_server_name.as_str()).is_err()
+        {
+            return Err((
+                "health_check_server_name",
+                format!(
+                    "{:?} is not a DNS name or IP address",
+                    self.health_check_server_name
+                ),
+            ));
+        }
+        if !self.health_check_path.starts_with('/')
+            || !self.health_check_path.bytes().all(|b| b.is_ascii_graphic())
+        {
+            return Err((
+                "health_check_path",
+                format!(
+                    "{:?} is not an absolute path without spaces",
+                    self.health_check_path
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn link_kind(&self) -> Result<Option<LinkKind>, ()> {
@@ -440,6 +446,11 @@ impl NodeProxyConfig {
                 format!("{:?} is not an HTTP header name", self.header),
             );
         }
+        self.check_cluster_id(err);
+    }
+
+    /// The cluster ID (proxy-v2 only) and the TLV type it is sent in.
+    fn check_cluster_id(&self, err: &mut impl FnMut(&str, String)) {
         match (&self.cluster_id, self.mode()) {
             (Some(_), Some(m)) if m != Mode::ProxyV2 => err(
                 "cluster_id",

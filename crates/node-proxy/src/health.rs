@@ -77,21 +77,24 @@ async fn tls_and_http(
     tls.write_all(req.as_bytes())
         .await
         .map_err(|e| format!("http_write: {e}"))?;
+    let code = response_status(&mut tls).await?;
+    let _ = tls.shutdown().await;
+    if (200..400).contains(&code) {
+        Ok(())
+    } else {
+        Err(format!("http_status_{code}"))
+    }
+}
+
+/// Reads an HTTP response's head (at most 16 KiB): its status code.
+async fn response_status(tls: &mut (impl tokio::io::AsyncRead + Unpin)) -> Result<u16, String> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     loop {
         let mut headers = [httparse::EMPTY_HEADER; 64];
         let mut resp = httparse::Response::new(&mut headers);
         match resp.parse(&buf) {
-            Ok(httparse::Status::Complete(_)) => {
-                let code = resp.code.unwrap_or(0);
-                let _ = tls.shutdown().await;
-                return if (200..400).contains(&code) {
-                    Ok(())
-                } else {
-                    Err(format!("http_status_{code}"))
-                };
-            }
+            Ok(httparse::Status::Complete(_)) => return Ok(resp.code.unwrap_or(0)),
             Ok(httparse::Status::Partial) => {}
             Err(e) => return Err(format!("http_bad_response: {e}")),
         }

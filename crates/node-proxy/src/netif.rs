@@ -86,24 +86,7 @@ async fn link_index(handle: &Handle, name: &str) -> Result<Option<u32>, NetifErr
 async fn ensure_with(handle: &Handle, iface: &Interface) -> Result<bool, NetifError> {
     let index = match link_index(handle, &iface.name).await? {
         Some(i) => i,
-        None => {
-            let msg = match iface.kind {
-                LinkKind::Existing => return Err(NetifError::Missing(iface.name.clone())),
-                LinkKind::Dummy => LinkDummy::new(&iface.name).build(),
-                LinkKind::Bridge => LinkBridge::new(&iface.name).build(),
-            };
-            if let Err(e) = handle.link().add(msg).execute().await {
-                return Err(match (iface.kind, code(&e)) {
-                    (LinkKind::Dummy, Some(EOPNOTSUPP)) => {
-                        NetifError::DummyUnsupported(iface.name.clone(), e.to_string())
-                    }
-                    _ => NetifError::Netlink("creating the link", e.to_string()),
-                });
-            }
-            link_index(handle, &iface.name)
-                .await?
-                .ok_or_else(|| NetifError::Missing(iface.name.clone()))?
-        }
+        None => create_link(handle, iface).await?,
     };
     handle
         .link()
@@ -111,9 +94,46 @@ async fn ensure_with(handle: &Handle, iface: &Interface) -> Result<bool, NetifEr
         .execute()
         .await
         .map_err(|e| NetifError::Netlink("bringing the link up", e.to_string()))?;
+    // An IPv6 address on a link of our own goes without duplicate address
+    // detection (below); one found there still tentative or failed (put
+    // there with DAD, e.g. by an older version) is put back without it.
+    let nodad = iface.address.is_ipv6() && iface.kind != LinkKind::Existing;
+    if keep_only_ours(handle, iface, index, nodad).await? {
+        return Ok(false);
+    }
+    add_address(handle, iface, index, nodad).await
+}
 
-    // Remove the address from every other link.
-    let others: Vec<AddressMessage> = handle
+/// Creates the link the interface names (unless it must exist already);
+/// its index.
+async fn create_link(handle: &Handle, iface: &Interface) -> Result<u32, NetifError> {
+    let msg = match iface.kind {
+        LinkKind::Existing => return Err(NetifError::Missing(iface.name.clone())),
+        LinkKind::Dummy => LinkDummy::new(&iface.name).build(),
+        LinkKind::Bridge => LinkBridge::new(&iface.name).build(),
+    };
+    if let Err(e) = handle.link().add(msg).execute().await {
+        return Err(match (iface.kind, code(&e)) {
+            (LinkKind::Dummy, Some(EOPNOTSUPP)) => {
+                NetifError::DummyUnsupported(iface.name.clone(), e.to_string())
+            }
+            _ => NetifError::Netlink("creating the link", e.to_string()),
+        });
+    }
+    link_index(handle, &iface.name)
+        .await?
+        .ok_or_else(|| NetifError::Missing(iface.name.clone()))
+}
+
+/// Removes the address from every other link (and a stuck one from ours,
+/// with `nodad`); whether it is on link `index` now.
+async fn keep_only_ours(
+    handle: &Handle,
+    iface: &Interface,
+    index: u32,
+    nodad: bool,
+) -> Result<bool, NetifError> {
+    let found: Vec<AddressMessage> = handle
         .address()
         .get()
         .set_address_filter(iface.address)
@@ -121,12 +141,8 @@ async fn ensure_with(handle: &Handle, iface: &Interface) -> Result<bool, NetifEr
         .try_collect()
         .await
         .map_err(|e| NetifError::Netlink("listing addresses", e.to_string()))?;
-    // An IPv6 address on a link of our own goes without duplicate address
-    // detection (below); one found there still tentative or failed (put
-    // there with DAD, e.g. by an older version) is put back without it.
-    let nodad = iface.address.is_ipv6() && iface.kind != LinkKind::Existing;
     let mut present = false;
-    for msg in others {
+    for msg in found {
         if msg.header.index == index {
             use rtnetlink::packet_route::address::AddressHeaderFlags as F;
             let stuck = msg.header.flags.intersects(F::Tentative | F::Dadfailed);
@@ -144,9 +160,16 @@ async fn ensure_with(handle: &Handle, iface: &Interface) -> Result<bool, NetifEr
             NetifError::Netlink("removing the address from another link", e.to_string())
         })?;
     }
-    if present {
-        return Ok(false);
-    }
+    Ok(present)
+}
+
+/// Adds the address to link `index`; `true` when it was added.
+async fn add_address(
+    handle: &Handle,
+    iface: &Interface,
+    index: u32,
+    nodad: bool,
+) -> Result<bool, NetifError> {
     let prefix = if iface.address.is_ipv4() { 32 } else { 128 };
     let mut add = handle.address().add(index, iface.address, prefix);
     if nodad {

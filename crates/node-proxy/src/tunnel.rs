@@ -5,7 +5,6 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use h2::client::SendRequest;
@@ -110,20 +109,24 @@ impl Outcome {
 /// Connects to the gateway: directly, or through the egress proxy's HTTP
 /// CONNECT tunnel when one is configured.
 pub async fn dial(np: &NodeProxy) -> Result<TcpStream, Outcome> {
+    let connected = np
+        .resolver
+        .connect(
+            np.opts.connect_timeout,
+            &np.metrics.gateway_connect_failures,
+        )
+        .await;
+    let log = || np.metrics.refusal_log.allow();
     let Some(egress) = &np.opts.egress else {
-        return np.resolver
-        .connect(np.opts.connect_timeout, &np.metrics.gateway_connect_failures)
-        .await.map_err(|e| {
-            if np.metrics.refusal_log.allow() {
+        return connected.map_err(|e| {
+            if log() {
                 tracing::warn!(target: "seedlink::refused", gateway = %np.opts.gateway, error = %e, "gateway unreachable");
             }
             Outcome::GatewayUnreachable
         });
     };
-    let mut s = np.resolver
-        .connect(np.opts.connect_timeout, &np.metrics.gateway_connect_failures)
-        .await.map_err(|e| {
-        if np.metrics.refusal_log.allow() {
+    let mut s = connected.map_err(|e| {
+        if log() {
             tracing::warn!(target: "seedlink::refused", egress_proxy = %egress.address, error = %e, "egress proxy unreachable");
         }
         Outcome::EgressProxyUnreachable
@@ -159,39 +162,9 @@ async fn open(
 ) -> Result<(TcpStream, Vec<u8>), Outcome> {
     let gateway = dial(np).await?;
     let leftover = match np.opts.mode {
-        Mode::Connect => {
-            let (name, value) = &np.opts.header;
-            let head = format!(
-                "CONNECT {a} HTTP/1.1\r\nHost: {a}\r\n{name}: {value}\r\n\r\n",
-                a = np.opts.authority
-            );
-            match tokio::time::timeout(
-                np.opts.handshake_timeout,
-                exchange_head(&gateway, head.as_bytes()),
-            )
-            .await
-            {
-                Ok(Ok((200, rest))) => rest,
-                Ok(Ok((403, _))) => return Err(Outcome::GatewayForbidden),
-                Ok(Ok((503, _))) => return Err(Outcome::GatewayUnavailable),
-                Ok(Ok((301, _))) => return Err(Outcome::GatewayRedirect),
-                Ok(Ok(_)) => return Err(Outcome::GatewayRefused),
-                Ok(Err(why)) => return Err(why),
-                Err(_) => return Err(Outcome::GatewayTimeout),
-            }
-        }
+        Mode::Connect => connect(np, &gateway).await?,
         Mode::ProxyV2 => {
-            let mut b = ppp::v2::Builder::with_addresses(
-                ppp::v2::Version::Two | ppp::v2::Command::Proxy,
-                ppp::v2::Protocol::Stream,
-                (src, dst),
-            );
-            if let Some((kind, value)) = &np.opts.tlv {
-                b = b
-                    .write_tlv(*kind, value)
-                    .map_err(|_| Outcome::ProxyHeaderError)?;
-            }
-            let header = b.build().map_err(|_| Outcome::ProxyHeaderError)?;
+            let header = proxy_v2(np, src, dst)?;
             write_all(&gateway, &header)
                 .await
                 .map_err(|_| Outcome::GatewayError)?;
@@ -200,25 +173,70 @@ async fn open(
         // Carried as a stream on the shared connection by `h2_carry`.
         Mode::Http2Connect => return Err(Outcome::ModeError),
         Mode::ProxyV1 => {
-            let header = match (src, dst) {
-                (SocketAddr::V4(s), SocketAddr::V4(d)) => {
-                    ppp::v1::Addresses::new_tcp4(*s.ip(), *d.ip(), s.port(), d.port()).to_string()
-                }
-                (s, d) => {
-                    let v6 = |a: SocketAddr| match a {
-                        SocketAddr::V6(a) => *a.ip(),
-                        SocketAddr::V4(a) => a.ip().to_ipv6_mapped(),
-                    };
-                    ppp::v1::Addresses::new_tcp6(v6(s), v6(d), s.port(), d.port()).to_string()
-                }
-            };
-            write_all(&gateway, header.as_bytes())
+            write_all(&gateway, proxy_v1(src, dst).as_bytes())
                 .await
                 .map_err(|_| Outcome::GatewayError)?;
             Vec::new()
         }
     };
     Ok((gateway, leftover))
+}
+
+/// Sends the CONNECT and reads its answer, within the handshake deadline:
+/// the bytes that came after the 200's head.
+async fn connect(np: &NodeProxy, gateway: &TcpStream) -> Result<Vec<u8>, Outcome> {
+    let (name, value) = &np.opts.header;
+    let head = format!(
+        "CONNECT {a} HTTP/1.1\r\nHost: {a}\r\n{name}: {value}\r\n\r\n",
+        a = np.opts.authority
+    );
+    match tokio::time::timeout(
+        np.opts.handshake_timeout,
+        exchange_head(gateway, head.as_bytes()),
+    )
+    .await
+    {
+        Ok(Ok((200, rest))) => Ok(rest),
+        Ok(Ok((403, _))) => Err(Outcome::GatewayForbidden),
+        Ok(Ok((503, _))) => Err(Outcome::GatewayUnavailable),
+        Ok(Ok((301, _))) => Err(Outcome::GatewayRedirect),
+        Ok(Ok(_)) => Err(Outcome::GatewayRefused),
+        Ok(Err(why)) => Err(why),
+        Err(_) => Err(Outcome::GatewayTimeout),
+    }
+}
+
+/// A PROXY v2 header for `src` → `dst`, with the cluster-ID TLV if one is
+/// configured.
+fn proxy_v2(np: &NodeProxy, src: SocketAddr, dst: SocketAddr) -> Result<Vec<u8>, Outcome> {
+    let mut b = ppp::v2::Builder::with_addresses(
+        ppp::v2::Version::Two | ppp::v2::Command::Proxy,
+        ppp::v2::Protocol::Stream,
+        (src, dst),
+    );
+    if let Some((kind, value)) = &np.opts.tlv {
+        b = b
+            .write_tlv(*kind, value)
+            .map_err(|_| Outcome::ProxyHeaderError)?;
+    }
+    b.build().map_err(|_| Outcome::ProxyHeaderError)
+}
+
+/// A PROXY v1 line for `src` → `dst` (TCP6, v4-mapped, when the families
+/// differ).
+fn proxy_v1(src: SocketAddr, dst: SocketAddr) -> String {
+    match (src, dst) {
+        (SocketAddr::V4(s), SocketAddr::V4(d)) => {
+            ppp::v1::Addresses::new_tcp4(*s.ip(), *d.ip(), s.port(), d.port()).to_string()
+        }
+        (s, d) => {
+            let v6 = |a: SocketAddr| match a {
+                SocketAddr::V6(a) => *a.ip(),
+                SocketAddr::V4(a) => a.ip().to_ipv6_mapped(),
+            };
+            ppp::v1::Addresses::new_tcp6(v6(s), v6(d), s.port(), d.port()).to_string()
+        }
+    }
 }
 
 /// A tunnel as a health check opens it: from the node-proxy's own end of
@@ -299,11 +317,6 @@ async fn exchange_head(stream: &TcpStream, head: &[u8]) -> Result<(u16, Vec<u8>)
     }
 }
 
-/// Keepalive ping interval on the shared HTTP/2 connection, and how long a
-/// pong may take before the connection is given up.
-const H2_PING_EVERY: Duration = Duration::from_secs(30);
-const H2_PONG_WITHIN: Duration = Duration::from_secs(10);
-
 impl H2Session {
     /// Whether a connection is up (set up now if none is), within the
     /// handshake deadline.
@@ -361,20 +374,8 @@ async fn open_h2(np: &NodeProxy) -> Result<H2Conn, Outcome> {
             }
             Err(_) => return Err(Outcome::GatewayTimeout),
         };
-    let mut pings = conn.ping_pong();
+    let keepalive = h2copy::keepalive(conn.ping_pong());
     let task = tokio::spawn(async move {
-        let keepalive = async move {
-            let Some(p) = pings.as_mut() else {
-                return std::future::pending::<()>().await;
-            };
-            loop {
-                tokio::time::sleep(H2_PING_EVERY).await;
-                match tokio::time::timeout(H2_PONG_WITHIN, p.ping(h2::Ping::opaque())).await {
-                    Ok(Ok(_)) => {}
-                    _ => return,
-                }
-            }
-        };
         tokio::select! {
             r = &mut conn => if let Err(e) = r {
                 tracing::warn!(error = %e, "HTTP/2 connection to the gateway ended");
