@@ -1574,6 +1574,34 @@ impl StatusWriter {
     }
 }
 
+/// A class's `Accepted` and `SupportedVersion` (of the installed Gateway
+/// API `bundle`).
+fn class_conditions(
+    bundle: Option<&str>,
+    generation: Option<i64>,
+    prev: &[Condition],
+) -> Vec<Condition> {
+    let accepted = Verdict::yes("Accepted", format!("{CONTROLLER_NAME} serves this class"));
+    let (status, version) = supported_version(bundle);
+    let mut supported = condition("SupportedVersion", &version, generation, prev);
+    if status == "Unknown" {
+        // What this replica cannot read, another (or an earlier read) may
+        // have: an existing verdict is kept, so that two installs never
+        // rewrite each other's.
+        match prev.iter().find(|c| c.type_ == "SupportedVersion") {
+            Some(c) => {
+                supported = c.clone();
+                supported.observed_generation = generation;
+            }
+            None => supported.status = status,
+        }
+    }
+    vec![
+        condition("Accepted", &accepted, generation, prev),
+        supported,
+    ]
+}
+
 impl StatusWriter {
     /// A GatewayClass whose `controllerName` is seedlink's: `Accepted` and
     /// `SupportedVersion` (of the installed Gateway API `bundle`), written
@@ -1589,25 +1617,7 @@ impl StatusWriter {
             .and_then(|s| serde_json::to_value(&s.conditions).ok())
             .and_then(|c| serde_json::from_value(c).ok())
             .unwrap_or_default();
-        let accepted = Verdict::yes("Accepted", format!("{CONTROLLER_NAME} serves this class"));
-        let (status, version) = supported_version(bundle);
-        let mut supported = condition("SupportedVersion", &version, generation, &prev);
-        if status == "Unknown" {
-            // What this replica cannot read, another (or an earlier read)
-            // may have: an existing verdict is kept, so that two installs
-            // never rewrite each other's.
-            match prev.iter().find(|c| c.type_ == "SupportedVersion") {
-                Some(c) => {
-                    supported = c.clone();
-                    supported.observed_generation = generation;
-                }
-                None => supported.status = status,
-            }
-        }
-        let desired = vec![
-            condition("Accepted", &accepted, generation, &prev),
-            supported,
-        ];
+        let desired = class_conditions(bundle, generation, &prev);
         // What seedlink implements, for the conformance suite (which reads
         // it when no features are given) and for people: sorted by name,
         // as the API asks.
@@ -1632,12 +1642,8 @@ impl StatusWriter {
             "status": {"conditions": desired, "supportedFeatures": features},
         });
         let api: Api<GatewayClass> = Api::all(self.client.clone());
-        match tokio::time::timeout(
-            left,
-            api.patch_status(&name, &status_params(), &Patch::Merge(&patch)),
-        )
-        .await
-        {
+        let (params, patch) = (status_params(), Patch::Merge(&patch));
+        match tokio::time::timeout(left, api.patch_status(&name, &params, &patch)).await {
             Ok(Ok(_)) => {}
             Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
                 tracing::debug!(class = %name, "GatewayClass changed meanwhile; written again on the next pass");

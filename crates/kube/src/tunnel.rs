@@ -86,62 +86,15 @@ struct Keys<'a> {
 }
 
 impl Keys<'_> {
+    /// Writes the key a reference names into the cluster's directory (in
+    /// memory, for now): its path.
     fn file(&mut self, r: &KeyRef, what: &str) -> Result<PathBuf, Verdict> {
         let (bytes, source) = match (&r.secret, &r.config_map) {
-            (Some(s), None) => {
-                let key = Key {
-                    namespace: self.namespace.into(),
-                    name: s.clone(),
-                };
-                let secret = self.secrets.get(&key).ok_or_else(|| {
-                    Verdict::no(
-                        "ReferenceNotFound",
-                        format!("{what}: Secret {key} not found (it needs the label {TRUST_LABEL}=true, and seedlink a RoleBinding of seedlink-tunnel-trust in its namespace)"),
-                    )
-                })?;
-                let b = secret
-                    .data
-                    .as_ref()
-                    .and_then(|d| d.get(&r.key))
-                    .map(|b| b.0.clone())
-                    .ok_or_else(|| {
-                        Verdict::no(
-                            "ReferenceNotFound",
-                            format!("{what}: Secret {key} has no key {:?}", r.key),
-                        )
-                    })?;
-                (b, format!("secret-{s}"))
-            }
-            (None, Some(c)) => {
-                let key = Key {
-                    namespace: self.namespace.into(),
-                    name: c.clone(),
-                };
-                let cm = self.config_maps.get(&key).ok_or_else(|| {
-                    Verdict::no(
-                        "ReferenceNotFound",
-                        format!("{what}: ConfigMap {key} not found (it needs the label {TRUST_LABEL}=true, and seedlink a RoleBinding of seedlink-tunnel-trust in its namespace)"),
-                    )
-                })?;
-                let b = cm
-                    .data
-                    .as_ref()
-                    .and_then(|d| d.get(&r.key))
-                    .map(|s| s.as_bytes().to_vec())
-                    .or_else(|| {
-                        cm.binary_data
-                            .as_ref()
-                            .and_then(|d| d.get(&r.key))
-                            .map(|b| b.0.clone())
-                    })
-                    .ok_or_else(|| {
-                        Verdict::no(
-                            "ReferenceNotFound",
-                            format!("{what}: ConfigMap {key} has no key {:?}", r.key),
-                        )
-                    })?;
-                (b, format!("configmap-{c}"))
-            }
+            (Some(s), None) => (self.secret_key(s, &r.key, what)?, format!("secret-{s}")),
+            (None, Some(c)) => (
+                self.config_map_key(c, &r.key, what)?,
+                format!("configmap-{c}"),
+            ),
             _ => {
                 return Err(Verdict::no(
                     "InvalidSpec",
@@ -156,6 +109,66 @@ impl Keys<'_> {
         self.files.insert(path.clone(), bytes);
         Ok(path)
     }
+
+    fn key(&self, name: &str) -> Key {
+        Key {
+            namespace: self.namespace.into(),
+            name: name.to_string(),
+        }
+    }
+
+    /// Key `k` of Secret `name` (labelled as trust, in the namespace).
+    fn secret_key(&self, name: &str, k: &str, what: &str) -> Result<Vec<u8>, Verdict> {
+        let key = self.key(name);
+        let secret = self
+            .secrets
+            .get(&key)
+            .ok_or_else(|| not_found(what, "Secret", &key))?;
+        secret
+            .data
+            .as_ref()
+            .and_then(|d| d.get(k))
+            .map(|b| b.0.clone())
+            .ok_or_else(|| {
+                Verdict::no(
+                    "ReferenceNotFound",
+                    format!("{what}: Secret {key} has no key {k:?}"),
+                )
+            })
+    }
+
+    /// Key `k` of ConfigMap `name` (text or binary).
+    fn config_map_key(&self, name: &str, k: &str, what: &str) -> Result<Vec<u8>, Verdict> {
+        let key = self.key(name);
+        let cm = self
+            .config_maps
+            .get(&key)
+            .ok_or_else(|| not_found(what, "ConfigMap", &key))?;
+        cm.data
+            .as_ref()
+            .and_then(|d| d.get(k))
+            .map(|s| s.as_bytes().to_vec())
+            .or_else(|| {
+                cm.binary_data
+                    .as_ref()
+                    .and_then(|d| d.get(k))
+                    .map(|b| b.0.clone())
+            })
+            .ok_or_else(|| {
+                Verdict::no(
+                    "ReferenceNotFound",
+                    format!("{what}: ConfigMap {key} has no key {k:?}"),
+                )
+            })
+    }
+}
+
+/// A trust object that is not there (or not readable by seedlink).
+fn not_found(what: &str, kind: &str, key: &Key) -> Verdict {
+    Verdict::no(
+        "ReferenceNotFound",
+        format!("{what}: {kind} {key} not found (it needs the label {TRUST_LABEL}=true, and seedlink a RoleBinding of seedlink-tunnel-trust in its namespace)"),
+    )
 }
 
 /// Translates every TunnelCluster (oldest first).
@@ -188,25 +201,22 @@ pub fn translate(
             config_maps: &config_maps,
             files: BTreeMap::new(),
         };
-        let outcome = match build(o, &name, &mut keys, &socket_dir.join(&name), ceiling) {
+        let built = build(o, &name, &mut keys, &socket_dir.join(&name), ceiling);
+        let (cluster, ready) = match built {
             Ok(cluster) => {
                 out.files.append(&mut keys.files);
                 out.clusters.push(cluster);
-                TunnelOutcome {
-                    key,
-                    generation: o.metadata.generation,
-                    cluster: Some(name),
-                    ready: Verdict::yes("Serving", "trust loaded and frontends listening"),
-                }
+                let ready = Verdict::yes("Serving", "trust loaded and frontends listening");
+                (Some(name), ready)
             }
-            Err(v) => TunnelOutcome {
-                key,
-                generation: o.metadata.generation,
-                cluster: None,
-                ready: v,
-            },
+            Err(v) => (None, v),
         };
-        out.outcomes.push(outcome);
+        out.outcomes.push(TunnelOutcome {
+            key,
+            generation: o.metadata.generation,
+            cluster,
+            ready,
+        });
     }
     out
 }
@@ -357,16 +367,8 @@ fn frontend(
     let (cert, key, client_ca) = match &f.tls {
         None => (None, None, None),
         Some(tls) => {
-            let r = |k: &str| KeyRef {
-                secret: Some(tls.secret.clone()),
-                config_map: None,
-                key: k.into(),
-            };
-            (
-                Some(keys.file(&r("tls.crt"), &format!("{at}.tls"))?),
-                Some(keys.file(&r("tls.key"), &format!("{at}.tls"))?),
-                Some(keys.file(&tls.client_ca, &format!("{at}.tls.clientCA"))?),
-            )
+            let (cert, key, ca) = tls_files(at, tls, keys)?;
+            (Some(cert), Some(key), Some(ca))
         }
     };
     let unix = f
@@ -386,11 +388,45 @@ fn frontend(
     })
 }
 
+/// A frontend's certificate, key (both from its TLS Secret) and client CA.
+fn tls_files(
+    at: &str,
+    tls: &crate::crd::FrontendTls,
+    keys: &mut Keys<'_>,
+) -> Result<(PathBuf, PathBuf, PathBuf), Verdict> {
+    let r = |k: &str| KeyRef {
+        secret: Some(tls.secret.clone()),
+        config_map: None,
+        key: k.into(),
+    };
+    Ok((
+        keys.file(&r("tls.crt"), &format!("{at}.tls"))?,
+        keys.file(&r("tls.key"), &format!("{at}.tls"))?,
+        keys.file(&tls.client_ca, &format!("{at}.tls.clientCA"))?,
+    ))
+}
+
+/// Replaces `path` by a file (0600) holding `bytes`, by a rename.
+fn replace_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp~");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(bytes)?;
+    drop(f);
+    std::fs::rename(&tmp, path)
+}
+
 /// Writes `files` under `trust_dir` (0700 directories, 0600 files, each
 /// replaced by a rename and only when its bytes change) and removes what
 /// no cluster names any more.
 pub fn materialize(trust_dir: &Path, files: &BTreeMap<PathBuf, Vec<u8>>) -> std::io::Result<()> {
-    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
@@ -405,18 +441,7 @@ pub fn materialize(trust_dir: &Path, files: &BTreeMap<PathBuf, Vec<u8>>) -> std:
         if std::fs::read(path).is_ok_and(|old| old == *bytes) {
             continue;
         }
-        let tmp = path.with_extension("tmp~");
-        {
-            use std::io::Write;
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&tmp)?;
-            f.write_all(bytes)?;
-        }
-        std::fs::rename(&tmp, path)?;
+        replace_file(path, bytes)?;
     }
     // Stale files and directories of removed clusters.
     for dir in std::fs::read_dir(trust_dir)?.flatten() {

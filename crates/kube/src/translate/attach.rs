@@ -78,27 +78,7 @@ pub(super) fn gateway_listeners<'a>(
     let mut outcomes = Vec::new();
     for l in &g.spec.listeners {
         let passthrough = is_passthrough(l);
-        let accepted = if l.protocol != "TLS" {
-            Verdict::no(
-                "UnsupportedProtocol",
-                format!("seedlink serves TLS passthrough only, not {}", l.protocol),
-            )
-        } else if !passthrough {
-            Verdict::no(
-                "UnsupportedValue",
-                "seedlink serves tls.mode Passthrough only (it never terminates TLS)",
-            )
-        } else if received.is_some_and(|r| !r(l.port)) {
-            Verdict::no(
-                "PortUnavailable",
-                format!(
-                    "no TLS listener of the seedlink gateway receives connections on port {} at this Gateway's address",
-                    l.port
-                ),
-            )
-        } else {
-            Verdict::yes("Accepted", "served by seedlink (TLS passthrough)")
-        };
+        let accepted = listener_accepted(l, passthrough, received);
         let (kinds, resolved) = kinds(l);
         listeners.push(Listener {
             name: &l.name,
@@ -117,6 +97,36 @@ pub(super) fn gateway_listeners<'a>(
         });
     }
     (listeners, outcomes)
+}
+
+/// A Gateway listener's `Accepted`: TLS passthrough on a port the gateway
+/// receives.
+fn listener_accepted(
+    l: &GatewayListeners,
+    passthrough: bool,
+    received: Option<&dyn Fn(i32) -> bool>,
+) -> Verdict {
+    if l.protocol != "TLS" {
+        Verdict::no(
+            "UnsupportedProtocol",
+            format!("seedlink serves TLS passthrough only, not {}", l.protocol),
+        )
+    } else if !passthrough {
+        Verdict::no(
+            "UnsupportedValue",
+            "seedlink serves tls.mode Passthrough only (it never terminates TLS)",
+        )
+    } else if received.is_some_and(|r| !r(l.port)) {
+        Verdict::no(
+            "PortUnavailable",
+            format!(
+                "no TLS listener of the seedlink gateway receives connections on port {} at this Gateway's address",
+                l.port
+            ),
+        )
+    } else {
+        Verdict::yes("Accepted", "served by seedlink (TLS passthrough)")
+    }
 }
 
 /// The route kinds a listener takes (`supportedKinds`) and its
@@ -187,30 +197,12 @@ pub(super) fn attach(
         .filter(|l| p.port.is_none() || l.port.is_none() || p.port == l.port)
         .collect();
     if candidates.is_empty() {
-        let names: Vec<&str> = listeners.iter().map(|l| l.name).collect();
-        let mut wanted = Vec::new();
-        if let Some(s) = &p.section_name {
-            wanted.push(format!("named {s:?}"));
-        }
-        if let Some(port) = p.port {
-            wanted.push(format!("on port {port}"));
-        }
-        return Err(Verdict::no(
-            "NoMatchingParent",
-            format!(
-                "the gateway has no listener {} (it has {})",
-                wanted.join(" "),
-                if names.is_empty() {
-                    "none".to_string()
-                } else {
-                    names.join(", ")
-                }
-            ),
-        ));
+        return Err(no_matching_parent(p, listeners));
     }
     let mut why = Vec::new();
-    let admitted: Vec<&&Listener<'_>> = candidates
+    let admitted: Vec<&Listener<'_>> = candidates
         .iter()
+        .copied()
         .filter(|l| match admits(l, route_ns, gateway_ns, namespaces) {
             Ok(()) => true,
             Err(w) => {
@@ -222,6 +214,40 @@ pub(super) fn attach(
     if admitted.is_empty() {
         return Err(Verdict::no("NotAllowedByListeners", why.join("; ")));
     }
+    by_hostname(route_hosts, &admitted, &candidates)
+}
+
+/// `NoMatchingParent`: what the parentRef asked for, and what there is.
+fn no_matching_parent(p: &TlsRouteParentRefs, listeners: &[Listener<'_>]) -> Verdict {
+    let names: Vec<&str> = listeners.iter().map(|l| l.name).collect();
+    let mut wanted = Vec::new();
+    if let Some(s) = &p.section_name {
+        wanted.push(format!("named {s:?}"));
+    }
+    if let Some(port) = p.port {
+        wanted.push(format!("on port {port}"));
+    }
+    Verdict::no(
+        "NoMatchingParent",
+        format!(
+            "the gateway has no listener {} (it has {})",
+            wanted.join(" "),
+            if names.is_empty() {
+                "none".to_string()
+            } else {
+                names.join(", ")
+            }
+        ),
+    )
+}
+
+/// The listeners among `admitted` whose hostname intersects the route's,
+/// with the names served through each; the refusal otherwise.
+fn by_hostname(
+    route_hosts: &[String],
+    admitted: &[&Listener<'_>],
+    candidates: &[&Listener<'_>],
+) -> Result<Vec<Attached>, Verdict> {
     let mut out = Vec::new();
     let mut catch_all = false;
     for l in admitted {
@@ -334,6 +360,16 @@ fn admits(
             return Err("its allowedRoutes.kinds has no TLSRoute".into());
         }
     }
+    admits_namespace(l, route_ns, gateway_ns, namespaces)
+}
+
+/// Whether the listener's `allowedRoutes.namespaces` admits `route_ns`.
+fn admits_namespace(
+    l: &Listener<'_>,
+    route_ns: &str,
+    gateway_ns: &str,
+    namespaces: &HashMap<String, &BTreeMap<String, String>>,
+) -> Result<(), String> {
     let ns = l.allowed.and_then(|a| a.namespaces.as_ref());
     match ns.and_then(|n| n.from.as_ref()).unwrap_or(&From::Same) {
         From::All => Ok(()),
