@@ -360,7 +360,7 @@ pub enum Balance {
 }
 
 /// One control plane (one shoot's kube-apiserver).
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ControlPlane {
     /// Unique name, e.g. the shoot namespace `shoot--project--name`.

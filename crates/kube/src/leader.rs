@@ -223,14 +223,19 @@ pub async fn campaign(
     let was_leading = me.held();
     me.set(None);
     if was_leading {
-        match tokio::time::timeout(RELEASE_TIMEOUT, release(&api, &name, &identity)).await {
-            Ok(Ok(())) => tracing::info!(lease = %lease_name, "status lease released"),
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, lease = %lease_name, "status lease not released; it expires")
-            }
-            Err(_) => {
-                tracing::warn!(lease = %lease_name, "status lease not released in time; it expires")
-            }
+        give_up(&api, &name, &identity, &lease_name).await;
+    }
+}
+
+/// Releases a held lease, within [`RELEASE_TIMEOUT`] (else it expires).
+async fn give_up(api: &Api<Lease>, name: &str, identity: &str, lease_name: &str) {
+    match tokio::time::timeout(RELEASE_TIMEOUT, release(api, name, identity)).await {
+        Ok(Ok(())) => tracing::info!(lease = %lease_name, "status lease released"),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, lease = %lease_name, "status lease not released; it expires")
+        }
+        Err(_) => {
+            tracing::warn!(lease = %lease_name, "status lease not released in time; it expires")
         }
     }
 }
@@ -244,25 +249,7 @@ async fn try_acquire(
 ) -> Result<bool, kube::Error> {
     let now = Timestamp::now();
     let Some(mut lease) = api.get_opt(name).await? else {
-        let lease = Lease {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                ..ObjectMeta::default()
-            },
-            spec: Some(LeaseSpec {
-                holder_identity: Some(identity.into()),
-                lease_duration_seconds: Some(LEASE.as_secs() as i32),
-                acquire_time: Some(MicroTime(now)),
-                renew_time: Some(MicroTime(now)),
-                lease_transitions: Some(0),
-                ..LeaseSpec::default()
-            }),
-        };
-        return match api.create(&PostParams::default(), &lease).await {
-            Ok(_) => Ok(true),
-            Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
-            Err(e) => Err(e),
-        };
+        return create(api, name, identity, now).await;
     };
     let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
     elector.observe(spec, Instant::now());
@@ -280,6 +267,35 @@ async fn try_acquire(
     // `replace` sends the resourceVersion we read: a concurrent writer makes
     // this a 409, and the lease stays with whoever wrote first.
     match api.replace(name, &PostParams::default(), &lease).await {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Creates the lease, held by `identity`; false when another replica
+/// created it first.
+async fn create(
+    api: &Api<Lease>,
+    name: &str,
+    identity: &str,
+    now: Timestamp,
+) -> Result<bool, kube::Error> {
+    let lease = Lease {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            ..ObjectMeta::default()
+        },
+        spec: Some(LeaseSpec {
+            holder_identity: Some(identity.into()),
+            lease_duration_seconds: Some(LEASE.as_secs() as i32),
+            acquire_time: Some(MicroTime(now)),
+            renew_time: Some(MicroTime(now)),
+            lease_transitions: Some(0),
+            ..LeaseSpec::default()
+        }),
+    };
+    match api.create(&PostParams::default(), &lease).await {
         Ok(_) => Ok(true),
         Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
         Err(e) => Err(e),

@@ -265,6 +265,35 @@ enum Routes {
     Older(Store<kube::api::DynamicObject>),
 }
 
+/// The newest TLSRoute version the API server serves (asked within 10 s);
+/// `None` when it cannot tell.
+async fn served_route_version(client: &kube::Client) -> Option<kube::api::ApiResource> {
+    let served = tokio::time::timeout(
+        Duration::from_secs(10),
+        kube::discovery::group(client, GATEWAY_GROUP),
+    )
+    .await;
+    match served {
+        Ok(Ok(group)) => ROUTE_VERSIONS.iter().find_map(|v| {
+            group
+                .versioned_resources(v)
+                .into_iter()
+                .map(|(ar, _)| ar)
+                .find(|ar| ar.kind == "TLSRoute")
+        }),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "kubernetes: cannot list the served TLSRoute versions; reading v1");
+            None
+        }
+        Err(_) => {
+            tracing::warn!(
+                "kubernetes: no answer listing the served TLSRoute versions; reading v1"
+            );
+            None
+        }
+    }
+}
+
 impl Routes {
     /// Asks the API server which TLSRoute versions it serves (bounded) and
     /// watches the newest; `v1` when it cannot tell.
@@ -273,31 +302,7 @@ impl Routes {
         tx: mpsc::Sender<()>,
         stop: CancellationToken,
     ) -> (Routes, Option<kube::api::ApiResource>) {
-        let served = tokio::time::timeout(
-            Duration::from_secs(10),
-            kube::discovery::group(client, GATEWAY_GROUP),
-        )
-        .await;
-        let resource = match served {
-            Ok(Ok(group)) => ROUTE_VERSIONS.iter().find_map(|v| {
-                group
-                    .versioned_resources(v)
-                    .into_iter()
-                    .map(|(ar, _)| ar)
-                    .find(|ar| ar.kind == "TLSRoute")
-            }),
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "kubernetes: cannot list the served TLSRoute versions; reading v1");
-                None
-            }
-            Err(_) => {
-                tracing::warn!(
-                    "kubernetes: no answer listing the served TLSRoute versions; reading v1"
-                );
-                None
-            }
-        };
-        match resource {
+        match served_route_version(client).await {
             Some(ar) if ar.version != "v1" => {
                 tracing::info!(version = %ar.version, "kubernetes: the installed TLSRoute CRD does not serve v1; reading TLSRoutes through {}", ar.api_version);
                 let api = Api::<kube::api::DynamicObject>::all_with(client.clone(), &ar);
@@ -1095,27 +1100,7 @@ fn route_parents(
         .iter()
         .flat_map(|o| o.parents.iter().map(move |p| (*o, p)))
     {
-        let p = &parent.parent_ref;
-        let prev = ours
-            .iter()
-            .find(|x| parent_eq(&x.parent_ref, p))
-            .map(|x| x.conditions.clone())
-            .unwrap_or_default();
-        desired.push(gateway_api::tlsroutes::TlsRouteStatusParents {
-            conditions: vec![
-                condition("Accepted", &parent.accepted, o.generation, &prev),
-                condition("ResolvedRefs", &o.resolved, o.generation, &prev),
-            ],
-            controller_name: CONTROLLER_NAME.into(),
-            parent_ref: gateway_api::tlsroutes::TlsRouteStatusParentsParentRef {
-                group: p.group.clone(),
-                kind: p.kind.clone(),
-                name: p.name.clone(),
-                namespace: p.namespace.clone(),
-                port: p.port,
-                section_name: p.section_name.clone(),
-            },
-        });
+        desired.push(parent_status(o, parent, &ours));
     }
     let desired_ours = &desired[theirs..];
     let unchanged = desired_ours.len() == ours.len()
@@ -1124,6 +1109,36 @@ fn route_parents(
             .zip(&ours)
             .all(|(a, b)| a.parent_ref == b.parent_ref && same(&a.conditions, &b.conditions));
     (!unchanged).then_some(desired)
+}
+
+/// One parent's entry in a route's status (conditions kept from `ours`
+/// where unchanged).
+fn parent_status(
+    o: &RouteOutcome,
+    parent: &crate::translate::ParentOutcome,
+    ours: &[gateway_api::tlsroutes::TlsRouteStatusParents],
+) -> gateway_api::tlsroutes::TlsRouteStatusParents {
+    let p = &parent.parent_ref;
+    let prev = ours
+        .iter()
+        .find(|x| parent_eq(&x.parent_ref, p))
+        .map(|x| x.conditions.clone())
+        .unwrap_or_default();
+    gateway_api::tlsroutes::TlsRouteStatusParents {
+        conditions: vec![
+            condition("Accepted", &parent.accepted, o.generation, &prev),
+            condition("ResolvedRefs", &o.resolved, o.generation, &prev),
+        ],
+        controller_name: CONTROLLER_NAME.into(),
+        parent_ref: gateway_api::tlsroutes::TlsRouteStatusParentsParentRef {
+            group: p.group.clone(),
+            kind: p.kind.clone(),
+            name: p.name.clone(),
+            namespace: p.namespace.clone(),
+            port: p.port,
+            section_name: p.section_name.clone(),
+        },
+    }
 }
 
 /// A SeedlinkPolicy's `status.ancestors` as it should be, or `None` when
@@ -1264,19 +1279,7 @@ fn tunnel_status(
     current: &crate::crd::TunnelClusterStatus,
 ) -> crate::crd::TunnelClusterStatus {
     let agents = health.map_or(0, |h| h.agents);
-    let connected = if outcome.cluster.is_none() {
-        Verdict::no("NotServing", "the cluster is not served (see Ready)")
-    } else if agents == 0 {
-        Verdict::no(
-            "NoAgents",
-            "no agent is connected to the replica writing status",
-        )
-    } else {
-        Verdict::yes(
-            "AgentsConnected",
-            format!("{agents} agent stream(s) connected"),
-        )
-    };
+    let connected = agents_connected(outcome.cluster.is_some(), agents);
     let generation = outcome.generation;
     let last = health
         .and_then(|h| h.agents_changed)
@@ -1299,6 +1302,23 @@ fn tunnel_status(
             .flat_map(|h| h.dial_errors.iter().map(|(r, n)| (r.to_string(), *n)))
             .collect(),
         observed_generation: generation,
+    }
+}
+
+/// `AgentsConnected`: the agent streams the replica writing status has.
+fn agents_connected(served: bool, agents: usize) -> Verdict {
+    if !served {
+        Verdict::no("NotServing", "the cluster is not served (see Ready)")
+    } else if agents == 0 {
+        Verdict::no(
+            "NoAgents",
+            "no agent is connected to the replica writing status",
+        )
+    } else {
+        Verdict::yes(
+            "AgentsConnected",
+            format!("{agents} agent stream(s) connected"),
+        )
     }
 }
 
@@ -1498,18 +1518,7 @@ impl StatusWriter {
             if unchanged {
                 continue;
             }
-            // Conditional on the version read, like every status write.
-            let mut patch = json!({
-                "metadata": {"resourceVersion": o.metadata.resource_version},
-                "status": desired
-            });
-            // A merge patch keeps map keys it does not name: remove the
-            // reasons no longer counted (a restart resets the counts).
-            for r in current.dial_errors.keys() {
-                if !desired.dial_errors.contains_key(r) {
-                    patch["status"]["dialErrors"][r] = serde_json::Value::Null;
-                }
-            }
+            let patch = tunnel_patch(o, &desired, &current);
             if !self
                 .patch_status::<crate::crd::TunnelCluster>(&key, &patch)
                 .await
@@ -1547,19 +1556,10 @@ impl StatusWriter {
             resource_version: object.meta().resource_version.clone(),
             ..ObjectReference::default()
         };
-        let mut note = v.message.clone();
-        if note.len() > MAX_NOTE {
-            let mut end = MAX_NOTE - 3;
-            while !note.is_char_boundary(end) {
-                end -= 1;
-            }
-            note.truncate(end);
-            note.push_str("...");
-        }
         let event = RuntimeEvent {
             type_: EventType::Warning,
             reason: v.reason.chars().take(128).collect(),
-            note: Some(note),
+            note: Some(note(&v.message)),
             action: "Reconcile".into(),
             secondary: None,
         };
@@ -1572,6 +1572,42 @@ impl StatusWriter {
             Err(_) => tracing::debug!(object = %key, "no longer the status leader: Event not sent"),
         }
     }
+}
+
+/// The merge patch from `current` to `desired`, conditional on the version
+/// read (like every status write).
+fn tunnel_patch(
+    o: &crate::crd::TunnelCluster,
+    desired: &crate::crd::TunnelClusterStatus,
+    current: &crate::crd::TunnelClusterStatus,
+) -> serde_json::Value {
+    let mut patch = json!({
+        "metadata": {"resourceVersion": o.metadata.resource_version},
+        "status": desired
+    });
+    // A merge patch keeps map keys it does not name: remove the reasons no
+    // longer counted (a restart resets the counts).
+    for r in current.dial_errors.keys() {
+        if !desired.dial_errors.contains_key(r) {
+            patch["status"]["dialErrors"][r] = serde_json::Value::Null;
+        }
+    }
+    patch
+}
+
+/// An Event's note: the message, cut at a character boundary to
+/// [`MAX_NOTE`] bytes with `...` when longer.
+fn note(message: &str) -> String {
+    let mut note = message.to_string();
+    if note.len() > MAX_NOTE {
+        let mut end = MAX_NOTE - 3;
+        while !note.is_char_boundary(end) {
+            end -= 1;
+        }
+        note.truncate(end);
+        note.push_str("...");
+    }
+    note
 }
 
 /// A class's `Accepted` and `SupportedVersion` (of the installed Gateway

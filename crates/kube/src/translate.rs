@@ -196,6 +196,26 @@ impl Translator {
         self.held = held;
     }
 
+    /// The policy in force: `spec` if valid (remembered as the last good
+    /// one), else the last good one, else the refusal.
+    fn effective(
+        &mut self,
+        key: &Key,
+        spec: &SeedlinkPolicySpec,
+        invalid: Option<&str>,
+    ) -> Result<SeedlinkPolicySpec, String> {
+        match invalid {
+            None => {
+                self.last_good.insert(key.clone(), spec.clone());
+                Ok(spec.clone())
+            }
+            Some(why) => match self.last_good.get(key) {
+                Some(prev) => Ok(prev.clone()),
+                None => Err(format!("SeedlinkPolicy {key} is invalid: {why}")),
+            },
+        }
+    }
+
     /// Policy per route key; records each policy's outcome. A route's
     /// policy is the oldest one targeting it.
     fn policies(
@@ -205,18 +225,7 @@ impl Translator {
         routes: &[&Arc<TlsRoute>],
         out: &mut Translation,
     ) -> HashMap<String, Result<SeedlinkPolicySpec, String>> {
-        let attached: HashSet<Key> = routes
-            .iter()
-            .filter(|r| {
-                let ns = r.namespace().unwrap_or_default();
-                r.spec
-                    .parent_refs
-                    .iter()
-                    .flatten()
-                    .any(|p| views.iter().any(|v| names_gateway(p, &ns, &v.key)))
-            })
-            .map(|r| Key::of(r.as_ref()))
-            .collect();
+        let attached = attached_routes(views, routes);
         let mut policies: Vec<&Arc<SeedlinkPolicy>> = objects.policies.iter().collect();
         policies.sort_by_key(|p| age(p.as_ref()));
         let mut result = HashMap::new();
@@ -225,16 +234,7 @@ impl Translator {
         for p in policies {
             let key = Key::of(p.as_ref());
             let invalid = check_policy(&p.spec);
-            let effective: Result<SeedlinkPolicySpec, String> = match &invalid {
-                None => {
-                    self.last_good.insert(key.clone(), p.spec.clone());
-                    Ok(p.spec.clone())
-                }
-                Some(why) => match self.last_good.get(&key) {
-                    Some(prev) => Ok(prev.clone()),
-                    None => Err(format!("SeedlinkPolicy {key} is invalid: {why}")),
-                },
-            };
+            let effective = self.effective(&key, &p.spec, invalid.as_deref());
             let targets = p
                 .spec
                 .target_refs
@@ -286,6 +286,22 @@ impl Translator {
     }
 }
 
+/// The routes that name a Gateway seedlink serves.
+fn attached_routes(views: &[View<'_>], routes: &[&Arc<TlsRoute>]) -> HashSet<Key> {
+    routes
+        .iter()
+        .filter(|r| {
+            let ns = r.namespace().unwrap_or_default();
+            r.spec
+                .parent_refs
+                .iter()
+                .flatten()
+                .any(|p| views.iter().any(|v| names_gateway(p, &ns, &v.key)))
+        })
+        .map(|r| Key::of(r.as_ref()))
+        .collect()
+}
+
 /// What a route's parents make of it.
 struct Attached {
     /// Per parent it names among the Gateways seedlink serves.
@@ -334,29 +350,37 @@ fn attach_to_parents(
         ) {
             Err(refused) => parent.accepted = refused,
             Ok(attached) => {
-                for a in &attached {
-                    let names = match (view.named, view.address) {
-                        (true, _) => &mut out.hostnames,
-                        (false, Some(ip)) => {
-                            let port = a.port.and_then(|p| u16::try_from(p).ok()).unwrap_or(0);
-                            served_at(&mut out.served_on, SocketAddr::new(ip, port))
-                        }
-                        // No address yet: served nowhere (the Gateway says
-                        // AddressNotAssigned).
-                        (false, None) => continue,
-                    };
-                    for h in &a.hostnames {
-                        if !names.contains(h) {
-                            names.push(h.clone());
-                        }
-                    }
-                }
+                out.serve(view, &attached);
                 parent.listeners = attached.into_iter().map(|a| a.listener).collect();
             }
         }
         out.parents.push(parent);
     }
     out
+}
+
+impl Attached {
+    /// Serves the names of each attachment through `view`: everywhere for
+    /// the named Gateway, at the address and port for a class Gateway.
+    fn serve(&mut self, view: &View<'_>, attached: &[attach::Attached]) {
+        for a in attached {
+            let names = match (view.named, view.address) {
+                (true, _) => &mut self.hostnames,
+                (false, Some(ip)) => {
+                    let port = a.port.and_then(|p| u16::try_from(p).ok()).unwrap_or(0);
+                    served_at(&mut self.served_on, SocketAddr::new(ip, port))
+                }
+                // No address yet: served nowhere (the Gateway says
+                // AddressNotAssigned).
+                (false, None) => continue,
+            };
+            for h in &a.hostnames {
+                if !names.contains(h) {
+                    names.push(h.clone());
+                }
+            }
+        }
+    }
 }
 
 /// The host names served at `address` (an entry made if there is none).
@@ -416,14 +440,20 @@ fn views<'a>(objects: &Objects<'a>) -> Vec<View<'a>> {
             named: true,
         });
     }
-    let Some(class) = objects.class else {
-        return out;
-    };
+    if let Some(class) = objects.class {
+        class_views(objects, class, &mut out);
+    }
+    out
+}
+
+/// The Gateways of the class seedlink serves (if the class is seedlink's),
+/// oldest first, each given an address.
+fn class_views<'a>(objects: &Objects<'a>, class: &ClassSettings, out: &mut Vec<View<'a>>) {
     let ours = objects.classes.iter().any(|c| {
         c.name_any() == class.name && c.spec.controller_name == crate::crd::CONTROLLER_NAME
     });
     if !ours {
-        return out;
+        return;
     }
     let mut members: Vec<&Gateway> = objects
         .gateways
@@ -451,7 +481,6 @@ fn views<'a>(objects: &Objects<'a>) -> Vec<View<'a>> {
             named: false,
         });
     }
-    out
 }
 
 /// Each Gateway's address from `pool` (`gateways` oldest first): the one
@@ -626,6 +655,12 @@ fn resolve_backend<'a>(
     let Some(svc) = lookup.services.get(&skey).copied() else {
         return Err(("BackendNotFound", format!("Service {skey} not found")));
     };
+    let port_name = port_name(&skey, svc, port)?;
+    Ok((skey, svc, port_name))
+}
+
+/// The name of a Service's port `port` (empty if unnamed).
+fn port_name(skey: &Key, svc: &Service, port: i32) -> Result<String, (&'static str, String)> {
     let Some(sport) = svc
         .spec
         .as_ref()
@@ -637,8 +672,7 @@ fn resolve_backend<'a>(
             format!("Service {skey} has no port {port}"),
         ));
     };
-    let port_name = sport.name.clone().unwrap_or_default();
-    Ok((skey, svc, port_name))
+    Ok(sport.name.clone().unwrap_or_default())
 }
 
 /// A Service's endpoints for the port named `port_name`: those ready, and
@@ -666,17 +700,7 @@ fn service_endpoints(
             tracing::debug!(service = %skey, slice = %Key::of(*slice), "EndpointSlice ignored: it names Kubernetes' controller, which writes none for a Service without a selector");
             continue;
         }
-        if slice.address_type != "IPv4" && slice.address_type != "IPv6" {
-            continue;
-        }
-        let Some(target) = slice
-            .ports
-            .iter()
-            .flatten()
-            .find(|p| p.name.as_deref().unwrap_or_default() == port_name)
-            .and_then(|p| p.port)
-            .and_then(|p| u16::try_from(p).ok())
-        else {
+        let Some(target) = slice_port(slice, port_name) else {
             continue;
         };
         for ep in &slice.endpoints {
@@ -688,6 +712,20 @@ fn service_endpoints(
         }
     }
     (ready, draining)
+}
+
+/// The target port of an IP slice for the Service port `port_name`.
+fn slice_port(slice: &EndpointSlice, port_name: &str) -> Option<u16> {
+    if slice.address_type != "IPv4" && slice.address_type != "IPv6" {
+        return None;
+    }
+    slice
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref().unwrap_or_default() == port_name)
+        .and_then(|p| p.port)
+        .and_then(|p| u16::try_from(p).ok())
 }
 
 /// An endpoint's address and whether it is ready (else it is serving
@@ -794,14 +832,7 @@ fn serve_route(
         return (outcome, None);
     }
     if weighted {
-        let note = Verdict::yes(
-            "Accepted",
-            "served by seedlink; backend weights other than 0 are ignored (least-connections over every ready endpoint)",
-        );
-        for p in outcome.parents.iter_mut().filter(|p| p.accepted.ok) {
-            p.accepted = note.clone();
-        }
-        outcome.accepted = note;
+        outcome.weights_ignored();
     }
     if hostnames.is_empty() && served_on.is_empty() {
         // Accepted only by Gateways with no address yet: nowhere to serve
@@ -813,10 +844,7 @@ fn serve_route(
         name: control_plane_name(&key),
         hostnames,
         endpoints,
-        acl: None,
-        destinations: Vec::new(),
-        service_addresses: Vec::new(),
-        cluster_id: None,
+        ..ControlPlane::default()
     };
     match policies.get(&key.name_in(&key.namespace)) {
         Some(Ok(spec)) => apply_policy(&mut cp, spec),
@@ -830,6 +858,20 @@ fn serve_route(
     }
     outcome.control_plane = Some(cp.name.clone());
     (outcome, Some(cp))
+}
+
+impl RouteOutcome {
+    /// Accepted, with a note that backend weights are not applied.
+    fn weights_ignored(&mut self) {
+        let note = Verdict::yes(
+            "Accepted",
+            "served by seedlink; backend weights other than 0 are ignored (least-connections over every ready endpoint)",
+        );
+        for p in self.parents.iter_mut().filter(|p| p.accepted.ok) {
+            p.accepted = note.clone();
+        }
+        self.accepted = note;
+    }
 }
 
 /// A SeedlinkPolicy's settings on the control plane of the route it
