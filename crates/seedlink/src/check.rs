@@ -87,48 +87,41 @@ pub fn check_config(file: &std::path::Path, role: ConfigRole) -> i32 {
         },
         r => r,
     };
-    let problems: Vec<String> = match role {
-        ConfigRole::TunnelAgent | ConfigRole::NodeProxy => {
-            let checked = std::fs::read_to_string(file)
-                .map_err(|e| vec![format!("cannot read it: {e}")])
-                .and_then(|text| match role {
-                    ConfigRole::TunnelAgent => check_agent_file(&text),
-                    _ => check_node_proxy_file(&text),
-                });
-            match checked {
-                Ok(summary) => {
-                    println!("{}: valid ({summary})", file.display());
-                    return 0;
-                }
-                Err(p) => p,
-            }
+    let problems = match check_as(file, role) {
+        Ok(summary) => {
+            println!("{}: valid ({summary})", file.display());
+            return 0;
         }
-        ConfigRole::TunnelServer => match check_tunnel_file(file) {
-            Ok(summary) => {
-                println!("{}: valid (tunnel-server: {summary})", file.display());
-                return 0;
-            }
-            Err(p) => p,
-        },
-        _ => match seedlink_config::load(file, None) {
-            Ok(s) => {
-                println!(
-                    "{}: valid ({} listeners, {} control planes, {} host names)",
-                    file.display(),
-                    s.listeners.len(),
-                    s.control_planes.len(),
-                    s.routes.len()
-                );
-                return 0;
-            }
-            Err(errors) => lines(&errors.0),
-        },
+        Err(p) => p,
     };
     eprintln!("{}: {} problem(s)", file.display(), problems.len());
     for p in &problems {
         eprintln!("  - {p}");
     }
     1
+}
+
+/// Checks `file` as `role`'s configuration: a summary when valid, every
+/// problem otherwise.
+fn check_as(file: &std::path::Path, role: ConfigRole) -> Result<String, Vec<String>> {
+    match role {
+        ConfigRole::TunnelAgent | ConfigRole::NodeProxy => std::fs::read_to_string(file)
+            .map_err(|e| vec![format!("cannot read it: {e}")])
+            .and_then(|text| match role {
+                ConfigRole::TunnelAgent => check_agent_file(&text),
+                _ => check_node_proxy_file(&text),
+            }),
+        ConfigRole::TunnelServer => check_tunnel_file(file).map(|s| format!("tunnel-server: {s}")),
+        _ => match seedlink_config::load(file, None) {
+            Ok(s) => Ok(format!(
+                "{} listeners, {} control planes, {} host names",
+                s.listeners.len(),
+                s.control_planes.len(),
+                s.routes.len()
+            )),
+            Err(errors) => Err(lines(&errors.0)),
+        },
+    }
 }
 
 /// A tunnel-server file: parsed and checked (every problem with its path),

@@ -126,14 +126,7 @@ pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
     check_texts(cluster, frontend, opts)?;
     let egress = egress_selector(cluster, frontend, opts)?;
     let kas = kube_apiserver_args(cluster, opts);
-    let server = match &opts.agent_server {
-        Some(s) => s.clone(),
-        None if !cfg.agents.listen.ip().is_unspecified() => cfg.agents.listen.to_string(),
-        None => bail!(
-            "agents listen on {}; say where agents reach the server with --agent-server host:port",
-            cfg.agents.listen
-        ),
-    };
+    let server = agent_server(cfg, opts)?;
     let (host, port) = server
         .rsplit_once(':')
         .filter(|(_, p)| p.parse::<u16>().is_ok())
@@ -150,6 +143,19 @@ pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
         agent_yaml: shoot.0,
         node_proxy_yaml: shoot.1,
         shoot_config: shoot.2,
+    })
+}
+
+/// Where agents reach the server: as given, or where it listens (unless
+/// that is every address).
+fn agent_server(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<String> {
+    Ok(match &opts.agent_server {
+        Some(s) => s.clone(),
+        None if !cfg.agents.listen.ip().is_unspecified() => cfg.agents.listen.to_string(),
+        None => bail!(
+            "agents listen on {}; say where agents reach the server with --agent-server host:port",
+            cfg.agents.listen
+        ),
     })
 }
 
@@ -203,35 +209,8 @@ fn egress_selector(
     frontend: &Frontend,
     opts: &Options,
 ) -> anyhow::Result<String> {
-    let proto = match frontend.protocol {
-        FrontendProtocol::HttpConnect => "HTTPConnect",
-        FrontendProtocol::Grpc => "GRPC",
-        FrontendProtocol::HttpProxy => bail!(
-            "frontend {} is an http-proxy (for Prometheus), not for kube-apiserver",
-            frontend.name
-        ),
-        FrontendProtocol::Socks5 => bail!(
-            "frontend {} is a socks5 proxy (for other control-plane components), not for kube-apiserver",
-            frontend.name
-        ),
-    };
-    let transport = match (&frontend.unix, &frontend.tcp) {
-        (Some(p), _) => format!("      uds:\n        udsName: {}\n", q(&path(p))),
-        (None, Some(_)) if frontend.protocol == FrontendProtocol::Grpc => bail!(
-            "frontend {}: kube-apiserver speaks gRPC to an egress proxy only over a Unix socket; \
-             use a unix gRPC frontend or an http-connect frontend",
-            frontend.name
-        ),
-        (None, Some(a)) if frontend.cert.is_some() => format!(
-            "      tcp:\n        url: {}\n        tlsConfig:\n          caBundle: {}\n          clientCert: {}\n          clientKey: {}\n",
-            q(&format!("https://{a}")),
-            q(&path(&opts.kas_ca)),
-            q(&path(&opts.kas_cert)),
-            q(&path(&opts.kas_key))
-        ),
-        (None, Some(a)) => format!("      tcp:\n        url: {}\n", q(&format!("http://{a}"))),
-        (None, None) => bail!("frontend {}: neither unix nor tcp", frontend.name),
-    };
+    let proto = egress_protocol(frontend)?;
+    let transport = egress_transport(frontend, opts)?;
     if !matches!(opts.egress_api_version.as_str(), "v1beta1" | "v1alpha1") {
         bail!(
             "egress selector version {:?}: kube-apiserver reads apiserver.k8s.io/v1beta1 or v1alpha1",
@@ -262,6 +241,44 @@ fn egress_selector(
         );
     }
     Ok(egress)
+}
+
+/// The `proxyProtocol` kube-apiserver speaks to the frontend.
+fn egress_protocol(frontend: &Frontend) -> anyhow::Result<&'static str> {
+    Ok(match frontend.protocol {
+        FrontendProtocol::HttpConnect => "HTTPConnect",
+        FrontendProtocol::Grpc => "GRPC",
+        FrontendProtocol::HttpProxy => bail!(
+            "frontend {} is an http-proxy (for Prometheus), not for kube-apiserver",
+            frontend.name
+        ),
+        FrontendProtocol::Socks5 => bail!(
+            "frontend {} is a socks5 proxy (for other control-plane components), not for kube-apiserver",
+            frontend.name
+        ),
+    })
+}
+
+/// The `transport` block: the frontend's Unix socket, or its TCP address
+/// (with kube-apiserver's client certificate when the frontend has TLS).
+fn egress_transport(frontend: &Frontend, opts: &Options) -> anyhow::Result<String> {
+    Ok(match (&frontend.unix, &frontend.tcp) {
+        (Some(p), _) => format!("      uds:\n        udsName: {}\n", q(&path(p))),
+        (None, Some(_)) if frontend.protocol == FrontendProtocol::Grpc => bail!(
+            "frontend {}: kube-apiserver speaks gRPC to an egress proxy only over a Unix socket; \
+             use a unix gRPC frontend or an http-connect frontend",
+            frontend.name
+        ),
+        (None, Some(a)) if frontend.cert.is_some() => format!(
+            "      tcp:\n        url: {}\n        tlsConfig:\n          caBundle: {}\n          clientCert: {}\n          clientKey: {}\n",
+            q(&format!("https://{a}")),
+            q(&path(&opts.kas_ca)),
+            q(&path(&opts.kas_cert)),
+            q(&path(&opts.kas_key))
+        ),
+        (None, Some(a)) => format!("      tcp:\n        url: {}\n", q(&format!("http://{a}"))),
+        (None, None) => bail!("frontend {}: neither unix nor tcp", frontend.name),
+    })
 }
 
 /// kube-apiserver's flags (and the notes that go with them).
@@ -348,49 +365,9 @@ fn shoot_files(
     server: &str,
     server_name: &str,
 ) -> anyhow::Result<(String, Option<String>, String)> {
-    use serde_json::{json, Map, Value};
-    let mut agent = Map::new();
-    agent.insert("server".into(), server.into());
-    agent.insert("server_name".into(), server_name.into());
-    agent.insert("ca_cert".into(), path(&opts.agent_ca_cert).into());
-    if cluster.agent_ca.is_some() {
-        agent.insert("agent_cert".into(), path(&opts.agent_cert).into());
-        agent.insert("agent_key".into(), path(&opts.agent_key).into());
-    } else if cluster.agent_token.is_some() {
-        agent.insert(
-            "service_account_token_path".into(),
-            path(&opts.agent_token).into(),
-        );
-    }
-    agent.insert("admin".into(), "0.0.0.0:8093".into());
-    let agent_yaml = serde_norway::to_string(&Value::Object(agent))?;
-    let node_proxy_yaml = match (&opts.gateway, opts.advertise_address) {
-        (Some(gateway), Some(address)) => {
-            let destination = opts.destination.clone().unwrap_or_else(|| {
-                format!(
-                    "outbound|443||kube-apiserver.{}.svc.cluster.local",
-                    cluster.name
-                )
-            });
-            if let Err(why) = seedlink_proto::destination::parse(&destination) {
-                bail!("destination {destination:?}: {why}");
-            }
-            let np = json!({
-                "address": address.to_string(),
-                "port": opts.kube_apiserver_port,
-                "gateway": gateway,
-                "mode": "connect",
-                "destination": destination,
-                "admin": "127.0.0.1:9911",
-                "metrics": "[::]:16910",
-            });
-            Some(serde_norway::to_string(&np)?)
-        }
-        (Some(_), None) => bail!(
-            "--gateway renders the node-proxy's configuration, which also needs --advertise-address (the address it serves)"
-        ),
-        (None, _) => None,
-    };
+    use serde_json::{json, Map};
+    let agent_yaml = agent_yaml(cluster, opts, server, server_name)?;
+    let node_proxy_yaml = node_proxy_yaml(cluster, opts)?;
     let mut data = Map::new();
     data.insert("agent.yaml".into(), agent_yaml.clone().into());
     if let Some(np) = &node_proxy_yaml {
@@ -409,6 +386,64 @@ fn shoot_files(
         serde_norway::to_string(&cm)?
     );
     Ok((agent_yaml, node_proxy_yaml, shoot_config))
+}
+
+/// The shoot agent's configuration file.
+fn agent_yaml(
+    cluster: &seedlink_tunnel::config::Cluster,
+    opts: &Options,
+    server: &str,
+    server_name: &str,
+) -> anyhow::Result<String> {
+    let mut agent = serde_json::Map::new();
+    agent.insert("server".into(), server.into());
+    agent.insert("server_name".into(), server_name.into());
+    agent.insert("ca_cert".into(), path(&opts.agent_ca_cert).into());
+    if cluster.agent_ca.is_some() {
+        agent.insert("agent_cert".into(), path(&opts.agent_cert).into());
+        agent.insert("agent_key".into(), path(&opts.agent_key).into());
+    } else if cluster.agent_token.is_some() {
+        agent.insert(
+            "service_account_token_path".into(),
+            path(&opts.agent_token).into(),
+        );
+    }
+    agent.insert("admin".into(), "0.0.0.0:8093".into());
+    Ok(serde_norway::to_string(&serde_json::Value::Object(agent))?)
+}
+
+/// The node-proxy's configuration file, when the gateway is given (then
+/// the advertised address is needed too).
+fn node_proxy_yaml(
+    cluster: &seedlink_tunnel::config::Cluster,
+    opts: &Options,
+) -> anyhow::Result<Option<String>> {
+    let (gateway, address) = match (&opts.gateway, opts.advertise_address) {
+        (Some(gateway), Some(address)) => (gateway, address),
+        (Some(_), None) => bail!(
+            "--gateway renders the node-proxy's configuration, which also needs --advertise-address (the address it serves)"
+        ),
+        (None, _) => return Ok(None),
+    };
+    let destination = opts.destination.clone().unwrap_or_else(|| {
+        format!(
+            "outbound|443||kube-apiserver.{}.svc.cluster.local",
+            cluster.name
+        )
+    });
+    if let Err(why) = seedlink_proto::destination::parse(&destination) {
+        bail!("destination {destination:?}: {why}");
+    }
+    let np = serde_json::json!({
+        "address": address.to_string(),
+        "port": opts.kube_apiserver_port,
+        "gateway": gateway,
+        "mode": "connect",
+        "destination": destination,
+        "admin": "127.0.0.1:9911",
+        "metrics": "[::]:16910",
+    });
+    Ok(Some(serde_norway::to_string(&np)?))
 }
 
 impl Rendered {

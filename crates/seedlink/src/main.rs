@@ -63,33 +63,7 @@ enum Command {
     NodeProxy(Box<roles::node_proxy::NodeProxyArgs>),
     /// Run the reverse-tunnel server (Konnectivity-compatible, many clusters;
     /// reloads its configuration on SIGHUP and when a file changes).
-    TunnelServer {
-        /// Configuration file (YAML).
-        #[arg(long, short)]
-        config: PathBuf,
-        /// Drain deadline on SIGTERM, seconds: open frontend connections may
-        /// finish within it.
-        #[arg(long, default_value_t = 30.0)]
-        drain: f64,
-        /// Ignored (kept so that existing command lines start): changes to
-        /// the configuration and every file it names are watched, not polled.
-        #[arg(long, hide = true)]
-        reload_interval: Option<f64>,
-        /// Offer the listening sockets on this Unix socket (mode 0600) to
-        /// the next binary, which takes them with --take-over: agents move
-        /// first, then the frontends; this process keeps carrying its open
-        /// tunnels until they end or --drain passes (docs/OPERATIONS.md).
-        #[arg(long)]
-        upgrade_socket: Option<PathBuf>,
-        /// Take the listening sockets from the tunnel-server offering them
-        /// at --upgrade-socket, and offer them on in turn.
-        #[arg(long, requires = "upgrade_socket")]
-        take_over: bool,
-        /// With --take-over: how long to wait for the agents to move before
-        /// taking the frontends, seconds.
-        #[arg(long, default_value_t = 30.0)]
-        take_over_wait: f64,
-    },
+    TunnelServer(TunnelServerArgs),
     /// Run the gateway and the tunnel-server in one process: agents'
     /// connections that the gateway routes to an endpoint `local:tunnel-server`
     /// are handed over in-process (no second hop, no extra port).
@@ -179,6 +153,36 @@ fn main() -> ExitCode {
     }
 }
 
+/// `seedlink tunnel-server`'s flags.
+#[derive(clap::Args)]
+struct TunnelServerArgs {
+    /// Configuration file (YAML).
+    #[arg(long, short)]
+    config: PathBuf,
+    /// Drain deadline on SIGTERM, seconds: open frontend connections may
+    /// finish within it.
+    #[arg(long, default_value_t = 30.0)]
+    drain: f64,
+    /// Ignored (kept so that existing command lines start): changes to
+    /// the configuration and every file it names are watched, not polled.
+    #[arg(long, hide = true)]
+    reload_interval: Option<f64>,
+    /// Offer the listening sockets on this Unix socket (mode 0600) to
+    /// the next binary, which takes them with --take-over: agents move
+    /// first, then the frontends; this process keeps carrying its open
+    /// tunnels until they end or --drain passes (docs/OPERATIONS.md).
+    #[arg(long)]
+    upgrade_socket: Option<PathBuf>,
+    /// Take the listening sockets from the tunnel-server offering them
+    /// at --upgrade-socket, and offer them on in turn.
+    #[arg(long, requires = "upgrade_socket")]
+    take_over: bool,
+    /// With --take-over: how long to wait for the agents to move before
+    /// taking the frontends, seconds.
+    #[arg(long, default_value_t = 30.0)]
+    take_over_wait: f64,
+}
+
 fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
         Command::CheckConfig { file, role } => Ok(seedlink::check::check_config(&file, role)),
@@ -201,27 +205,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             },
         )),
         Command::NodeProxy(args) => runtime()?.block_on(roles::node_proxy::run(*args)),
-        Command::TunnelServer {
-            config,
-            drain,
-            reload_interval,
-            upgrade_socket,
-            take_over,
-            take_over_wait,
-        } => {
-            ignored_reload_interval(reload_interval);
-            let opts = TunnelServerOptions {
-                config,
-                drain: roles::secs(drain, "drain")?,
-            };
-            let upgrade = roles::Upgrade {
-                socket: upgrade_socket,
-                take_over,
-                wait: take_over_wait_of(take_over_wait)?,
-                ..roles::Upgrade::default()
-            };
-            tunnel_runtime()?.block_on(roles::tunnel::server(opts, upgrade))
-        }
+        Command::TunnelServer(args) => tunnel_server(args),
         Command::TunnelAgent(args) => tunnel_runtime()?.block_on(roles::tunnel::agent(*args)),
         Command::TunnelConfig(args) => seedlink::tunnel_config::tunnel_config(*args),
         Command::Seed {
@@ -248,6 +232,30 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             check,
         })),
     }
+}
+
+/// `seedlink tunnel-server`.
+fn tunnel_server(args: TunnelServerArgs) -> anyhow::Result<i32> {
+    let TunnelServerArgs {
+        config,
+        drain,
+        reload_interval,
+        upgrade_socket,
+        take_over,
+        take_over_wait,
+    } = args;
+    ignored_reload_interval(reload_interval);
+    let opts = TunnelServerOptions {
+        config,
+        drain: roles::secs(drain, "drain")?,
+    };
+    let upgrade = roles::Upgrade {
+        socket: upgrade_socket,
+        take_over,
+        wait: take_over_wait_of(take_over_wait)?,
+        ..roles::Upgrade::default()
+    };
+    tunnel_runtime()?.block_on(roles::tunnel::server(opts, upgrade))
 }
 
 /// `--take-over-wait`: below the old process's own wait for `ready`

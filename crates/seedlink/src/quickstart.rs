@@ -168,7 +168,16 @@ fn print_commands(
             port = tls_addr.port()
         );
     }
+    print_path_commands(files, connect_addr, node_addr, tunnel);
+}
 
+/// The commands that try the in-cluster path and the reverse tunnel.
+fn print_path_commands(
+    files: &demo::ClientFiles,
+    connect_addr: SocketAddr,
+    node_addr: SocketAddr,
+    tunnel: &crate::quickstart_tunnel::TunnelDemo,
+) {
     println!(
         "# in-cluster path: node-proxy on {node_addr} (the `kubernetes` service address) → CONNECT with\n\
          # X-Gardener-Destination: {} → gateway {connect_addr} → {}",

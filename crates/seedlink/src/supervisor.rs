@@ -159,26 +159,9 @@ impl Armed {
             let forced = if std::mem::take(&mut again) {
                 false
             } else {
-                tokio::select! {
-                    _ = this.hup.recv() => true,
-                    Some(()) = watch.changes.recv() => {
-                        // Editors and kubelet write in several steps; let
-                        // the burst settle, then reload once.
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        watch.take_pending();
-                        false
-                    }
-                    _ = this.term.recv() => break,
-                    _ = this.int.recv() => break,
-                    Some(()) = async {
-                        match handed_over.as_mut() {
-                            Some(rx) => rx.recv().await,
-                            None => std::future::pending().await,
-                        }
-                    } => {
-                        tracing::info!("sockets handed over to a new process: draining");
-                        break;
-                    }
+                match this.next(&mut watch, &mut handed_over).await {
+                    Some(forced) => forced,
+                    None => break,
                 }
             };
             if forced {
@@ -207,6 +190,39 @@ impl Armed {
             }
         }
         0
+    }
+}
+
+impl Supervisor {
+    /// Waits for the next thing to do: reload (`Some(true)` when SIGHUP
+    /// forces it, `Some(false)` after a file changed), or drain (`None`: a
+    /// signal, or the sockets were handed over).
+    async fn next(
+        &mut self,
+        watch: &mut Watch,
+        handed_over: &mut Option<mpsc::Receiver<()>>,
+    ) -> Option<bool> {
+        tokio::select! {
+            _ = self.hup.recv() => Some(true),
+            Some(()) = watch.changes.recv() => {
+                // Editors and kubelet write in several steps; let the burst
+                // settle, then reload once.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                watch.take_pending();
+                Some(false)
+            }
+            _ = self.term.recv() => None,
+            _ = self.int.recv() => None,
+            Some(()) = async {
+                match handed_over.as_mut() {
+                    Some(rx) => rx.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                tracing::info!("sockets handed over to a new process: draining");
+                None
+            }
+        }
     }
 }
 

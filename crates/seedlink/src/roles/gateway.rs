@@ -141,17 +141,6 @@ pub async fn kubernetes(
     Ok(Some(handle))
 }
 
-/// `namespace/name` as an object key (`what` names the setting in the
-/// error).
-fn object_key(s: &str, what: &str) -> anyhow::Result<seedlink_kube::translate::Key> {
-    seedlink_config::compile::split_object_name(s)
-        .map(|(namespace, name)| seedlink_kube::translate::Key {
-            namespace: namespace.into(),
-            name: name.into(),
-        })
-        .ok_or_else(|| anyhow::anyhow!("{what}: not namespace/name"))
-}
-
 /// The Kubernetes source's settings from the file's `kubernetes` section:
 /// the named Gateway, the status Lease and Service (defaults in the
 /// Gateway's namespace), the class and its addresses.
@@ -166,47 +155,23 @@ fn gateway_settings(
     let gateway = k
         .gateway
         .as_deref()
-        .map(|g| object_key(g, "kubernetes.gateway"))
+        .map(|g| super::object_key("kubernetes.gateway", g))
         .transpose()?;
     let home = gateway.as_ref().map(|g| g.namespace.clone());
     let lease = match (&k.lease, k.write_status, &home) {
         (_, false, _) => None,
-        (Some(l), true, _) => Some(object_key(l, "kubernetes.lease")?),
+        (Some(l), true, _) => Some(super::object_key("kubernetes.lease", l)?),
         (None, true, Some(ns)) => Some(in_home(ns, "seedlink-status")),
         (None, true, None) => {
             anyhow::bail!("kubernetes.lease: required without kubernetes.gateway")
         }
     };
     let service = match (&k.service, &home) {
-        (Some(s), _) => Some(object_key(s, "kubernetes.service")?),
+        (Some(s), _) => Some(super::object_key("kubernetes.service", s)?),
         (None, Some(ns)) => Some(in_home(ns, "seedlink")),
         (None, None) => None,
     };
-    let class = k
-        .gateway_class
-        .as_ref()
-        .map(|c| seedlink_kube::translate::ClassSettings {
-            name: c.name.clone(),
-            // Validated by the configuration's compile step.
-            addresses: c
-                .addresses
-                .iter()
-                .filter_map(|a| a.parse().ok())
-                .map(seedlink_config::routes::canonical)
-                .collect(),
-            receivers: snap
-                .listeners
-                .iter()
-                .filter(|l| {
-                    matches!(
-                        l.protocol,
-                        seedlink_config::model::Protocol::Tls
-                            | seedlink_config::model::Protocol::Auto
-                    )
-                })
-                .map(|l| l.address)
-                .collect(),
-        });
+    let class = k.gateway_class.as_ref().map(|c| class_settings(c, snap));
     Ok(seedlink_kube::source::GatewaySettings {
         gateway,
         class,
@@ -216,6 +181,43 @@ fn gateway_settings(
         slice_managers: k.endpointslice_managers.clone(),
         service,
     })
+}
+
+/// A class's addresses (validated by the configuration's compile step)
+/// and the TLS listeners that receive its Gateways' connections.
+fn class_settings(
+    c: &seedlink_config::model::GatewayClassSource,
+    snap: &seedlink_config::Snapshot,
+) -> seedlink_kube::translate::ClassSettings {
+    use seedlink_config::model::Protocol;
+    seedlink_kube::translate::ClassSettings {
+        name: c.name.clone(),
+        addresses: c
+            .addresses
+            .iter()
+            .filter_map(|a| a.parse().ok())
+            .map(seedlink_config::routes::canonical)
+            .collect(),
+        receivers: snap
+            .listeners
+            .iter()
+            .filter(|l| matches!(l.protocol, Protocol::Tls | Protocol::Auto))
+            .map(|l| l.address)
+            .collect(),
+    }
+}
+
+/// The sockets a later upgrade takes over (at most one hand-over's worth).
+fn offer(bound: &seedlink_gateway::Bound) -> anyhow::Result<Vec<seedlink_net::handoff::Socket>> {
+    let o = bound.offer()?;
+    if o.len() > seedlink_net::handoff::MAX_SOCKETS {
+        anyhow::bail!(
+            "--upgrade-socket: {} sockets to hand over (listeners x workers + admin), at most {}; lower `workers`",
+            o.len(),
+            seedlink_net::handoff::MAX_SOCKETS
+        );
+    }
+    Ok(o)
 }
 
 /// Runs `seedlink gateway` until drained; returns the exit code.
@@ -228,19 +230,9 @@ pub async fn run(config: PathBuf, upgrade: super::Upgrade) -> anyhow::Result<i32
         None => (gw.bind(upgrade.reuse_port)?, None),
     };
     let offered = match &upgrade.socket {
-        Some(_) => Some(bound.offer()?),
+        Some(_) => Some(offer(&bound)?),
         None => None,
     };
-    if let Some(o) = offered
-        .as_ref()
-        .filter(|o| o.len() > seedlink_net::handoff::MAX_SOCKETS)
-    {
-        anyhow::bail!(
-            "--upgrade-socket: {} sockets to hand over (listeners x workers + admin), at most {}; lower `workers`",
-            o.len(),
-            seedlink_net::handoff::MAX_SOCKETS
-        );
-    }
     let mut ready = bound.describe();
     ready["event"] = "ready".into();
     gw.serve(bound)?;

@@ -9,6 +9,16 @@ pub mod tunnel;
 
 use std::path::PathBuf;
 
+/// A `namespace/name` setting as an object key.
+fn object_key(setting: &str, value: &str) -> anyhow::Result<seedlink_kube::translate::Key> {
+    let (namespace, name) = seedlink_config::compile::split_object_name(value)
+        .ok_or_else(|| anyhow::anyhow!("{setting}: {value:?} is not namespace/name"))?;
+    Ok(seedlink_kube::translate::Key {
+        namespace: namespace.into(),
+        name: name.into(),
+    })
+}
+
 use seedlink_net::handoff;
 use tokio_util::sync::CancellationToken;
 

@@ -295,33 +295,18 @@ impl ServerRole {
         let Some(k) = cfg.kubernetes else {
             return Ok(());
         };
-        let lease = match (
-            k.write_status,
-            seedlink_config::compile::split_object_name(&k.lease),
-        ) {
-            (false, _) => None,
-            (true, Some((namespace, name))) => Some(seedlink_kube::translate::Key {
-                namespace: namespace.into(),
-                name: name.into(),
-            }),
-            (true, None) => anyhow::bail!("kubernetes.lease: {:?} is not namespace/name", k.lease),
+        let lease = match k.write_status {
+            false => None,
+            true => Some(super::object_key("kubernetes.lease", &k.lease)?),
         };
         let client = kube::Client::try_default().await.map_err(|e| {
             anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
         })?;
-        let replicas = match &k.replicas {
-            None => None,
-            Some(r) => {
-                let (namespace, name) =
-                    seedlink_config::compile::split_object_name(r).ok_or_else(|| {
-                        anyhow::anyhow!("kubernetes.replicas: {r:?} is not namespace/name")
-                    })?;
-                Some(seedlink_kube::translate::Key {
-                    namespace: namespace.into(),
-                    name: name.into(),
-                })
-            }
-        };
+        let replicas = k
+            .replicas
+            .as_deref()
+            .map(|r| super::object_key("kubernetes.replicas", r))
+            .transpose()?;
         let settings = seedlink_kube::source::TunnelSettings {
             replicas,
             lease,
@@ -639,6 +624,43 @@ impl AgentArgs {
     }
 }
 
+/// The agent's admin endpoint: probes, its configuration (which names
+/// the token file; no secret is inline) and metrics.
+fn agent_admin(
+    agent: Arc<Agent>,
+    cfg: &AgentConfig,
+) -> Arc<dyn Fn(&str) -> seedlink_net::admin::Answer + Send + Sync> {
+    let config = serde_json::to_string_pretty(&serde_json::json!({"config": cfg}))
+        .unwrap_or_default()
+        + "\n";
+    Arc::new(move |path: &str| -> seedlink_net::admin::Answer {
+        use seedlink_net::admin::{encode, JSON, METRICS, TEXT};
+        match path {
+            "/healthz" => (200, TEXT, "ok\n".into()),
+            "/config" => (200, JSON, config.clone()),
+            "/readyz" | "/ready" => {
+                let body = format!(
+                    "server streams: {} of {} replicas ({} in all)\n",
+                    agent.held(),
+                    agent.known_count(),
+                    agent.session_count()
+                );
+                if agent.ready() {
+                    (200, TEXT, body)
+                } else {
+                    (503, TEXT, format!("[-]server-connected failed\n{body}"))
+                }
+            }
+            "/metrics" => (200, METRICS, encode(&agent.metrics.registry)),
+            _ => (
+                404,
+                TEXT,
+                "not found; try /healthz /readyz /metrics /config\n".into(),
+            ),
+        }
+    })
+}
+
 /// Runs the tunnel agent until drained; returns the exit code.
 pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
     let supervisor = Supervisor::install()?;
@@ -651,50 +673,13 @@ pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
         .await
         .with_context(|| format!("admin {}", cfg.admin))?;
     let admin_addr = admin.local_addr()?;
-    {
-        let agent = agent.clone();
-        // The configuration names the token file; no secret is inline.
-        let config = serde_json::to_string_pretty(&serde_json::json!({"config": &cfg}))
-            .unwrap_or_default()
-            + "\n";
-        let route = move |path: &str| -> seedlink_net::admin::Answer {
-            use seedlink_net::admin::{encode, JSON, METRICS, TEXT};
-            match path {
-                "/healthz" => (200, TEXT, "ok\n".into()),
-                "/config" => (200, JSON, config.clone()),
-                "/readyz" | "/ready" => {
-                    let body = format!(
-                        "server streams: {} of {} replicas ({} in all)\n",
-                        agent.held(),
-                        agent.known_count(),
-                        agent.session_count()
-                    );
-                    if agent.ready() {
-                        (200, TEXT, body)
-                    } else {
-                        (503, TEXT, format!("[-]server-connected failed\n{body}"))
-                    }
-                }
-                "/metrics" => (200, METRICS, encode(&agent.metrics.registry)),
-                _ => (
-                    404,
-                    TEXT,
-                    "not found; try /healthz /readyz /metrics /config\n".into(),
-                ),
-            }
-        };
-        let access = match &cfg.admin_token_file {
-            None => seedlink_net::admin::Access::open(),
-            Some(p) => seedlink_net::admin::Access::from_token_file(p)
-                .with_context(|| format!("admin_token_file {}", p.display()))?,
-        };
-        tokio::spawn(seedlink_net::admin::serve_with(
-            admin,
-            32,
-            access,
-            Arc::new(route),
-        ));
-    }
+    let access = match &cfg.admin_token_file {
+        None => seedlink_net::admin::Access::open(),
+        Some(p) => seedlink_net::admin::Access::from_token_file(p)
+            .with_context(|| format!("admin_token_file {}", p.display()))?,
+    };
+    let route = agent_admin(agent.clone(), &cfg);
+    tokio::spawn(seedlink_net::admin::serve_with(admin, 32, access, route));
     {
         let agent = agent.clone();
         tokio::spawn(async move { agent.run().await });
