@@ -91,33 +91,11 @@ fn agent(
     id: &str,
     ids: &str,
 ) -> (Proc, std::net::SocketAddr) {
-    let mut child = Command::new(seedlink_bin())
-        .args([
-            "tunnel-agent",
-            "--deny-cidr",
-            seedlink_testkit::SHOOT_LOOPBACK_DENY,
-            "--server",
-            server,
-            "--server-name",
-            "tunnel.seedlink.test",
-        ])
-        .args([
-            "--ca-cert",
-            seed_ca,
-            "--agent-cert",
-            cert,
-            "--agent-key",
-            key,
-        ])
+    let mut child = seedlink_testkit::AgentCmd::new(server)
+        .mtls(seed_ca, cert, key)
         .args(["--agent-id", id, "--agent-identifiers", ids])
-        .args([
-            "--admin",
-            "127.0.0.1:0",
-            "--sync-interval",
-            "0.2",
-            "--sync-interval-cap",
-            "2",
-        ])
+        .fast_sync()
+        .command()
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .spawn()
@@ -503,30 +481,14 @@ clusters: [{{name: a, agent_ca: '{}'}}]
     let _server = Proc(server);
     let tunnel_admin = ready["admin"].as_str().unwrap().to_string();
     // And an agent's.
-    let mut agent = Command::new(seedlink_bin())
-        .args([
-            "tunnel-agent",
-            "--deny-cidr",
-            seedlink_testkit::SHOOT_LOOPBACK_DENY,
-            "--server",
-            ready["agents"].as_str().unwrap(),
-            "--server-name",
-            "tunnel.seedlink.test",
-        ])
-        .args([
-            "--ca-cert",
+    let mut agent = seedlink_testkit::AgentCmd::new(ready["agents"].as_str().unwrap())
+        .mtls(
             &w("seed-ca.pem", &seed.ca_pem),
-            "--agent-cert",
             &w("a.pem", &shoot.client.cert_pem),
-            "--agent-key",
             &w("a-key.pem", &shoot.client.key_pem),
-        ])
-        .args([
-            "--admin",
-            "127.0.0.1:0",
-            "--admin-token-file",
-            token.to_str().unwrap(),
-        ])
+        )
+        .args(["--admin-token-file", token.to_str().unwrap()])
+        .command()
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .spawn()

@@ -723,32 +723,11 @@ clusters:
             ),
         )
         .unwrap();
-        let agent_args = [
-            "tunnel-agent",
-            "--deny-cidr",
-            seedlink_testkit::SHOOT_LOOPBACK_DENY,
-            "--server",
-            &format!("127.0.0.1:{server_port}"),
-            "--server-name",
-            "tunnel.seedlink.test",
-            "--ca-cert",
-            &seed_ca,
-            "--agent-cert",
-            &agent_crt,
-            "--agent-key",
-            &agent_key,
-            "--admin",
-            "127.0.0.1:0",
-            "--sync-interval",
-            "0.2",
-            "--sync-interval-cap",
-            "2",
-            "--keepalive-time",
-            "1",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        let agent_args = seedlink_testkit::AgentCmd::new(&format!("127.0.0.1:{server_port}"))
+            .mtls(&seed_ca, &agent_crt, &agent_key)
+            .fast_sync()
+            .args(["--keepalive-time", "1"])
+            .to_args();
         TunnelBed {
             dir,
             server_port,

@@ -116,32 +116,14 @@ clusters:
 
     // An agent for a; a dial that works, one the agent cannot make, and one
     // to b, which has no agent.
-    let mut agent = Command::new(seedlink_bin())
-        .args([
-            "tunnel-agent",
-            "--deny-cidr",
-            seedlink_testkit::SHOOT_LOOPBACK_DENY,
-            "--server",
-            ready["agents"].as_str().unwrap(),
-            "--server-name",
-            "tunnel.seedlink.test",
-        ])
-        .args([
-            "--ca-cert",
+    let mut agent = seedlink_testkit::AgentCmd::new(ready["agents"].as_str().unwrap())
+        .mtls(
             &seed_ca,
-            "--agent-cert",
             &w("a.pem", &shoot.client.cert_pem),
-            "--agent-key",
             &w("a-key.pem", &shoot.client.key_pem),
-        ])
-        .args([
-            "--admin",
-            "127.0.0.1:0",
-            "--sync-interval",
-            "0.2",
-            "--sync-interval-cap",
-            "2",
-        ])
+        )
+        .fast_sync()
+        .command()
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .spawn()

@@ -1083,32 +1083,10 @@ fn started(mut cmd: std::process::Command) -> (Proc, Value) {
 /// Starts `seedlink tunnel-agent` on loopback with a client certificate:
 /// the agent and its admin address.
 fn tunnel_agent(server: &str, seed_ca: &str, cert: &str, key: &str) -> (Proc, SocketAddr) {
-    let mut cmd = std::process::Command::new(seedlink_bin());
-    cmd.args([
-        "tunnel-agent",
-        "--deny-cidr",
-        seedlink_testkit::SHOOT_LOOPBACK_DENY,
-        "--server",
-        server,
-        "--server-name",
-        "tunnel.seedlink.test",
-    ])
-    .args([
-        "--ca-cert",
-        seed_ca,
-        "--agent-cert",
-        cert,
-        "--agent-key",
-        key,
-    ])
-    .args([
-        "--admin",
-        "127.0.0.1:0",
-        "--sync-interval",
-        "0.2",
-        "--sync-interval-cap",
-        "2",
-    ]);
+    let cmd = seedlink_testkit::AgentCmd::new(server)
+        .mtls(seed_ca, cert, key)
+        .fast_sync()
+        .command();
     let (agent, ready) = started(cmd);
     let admin = ready["admin"].as_str().unwrap().parse().unwrap();
     (agent, admin)

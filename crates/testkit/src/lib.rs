@@ -6,11 +6,13 @@
 //! by sleeping blindly.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod agent_cmd;
 pub mod eventually;
 pub mod faults;
 pub mod kubeapi;
 pub mod tunnel_env;
 
+pub use agent_cmd::AgentCmd;
 pub use eventually::{eventually, eventually_blocking, ok_if};
 
 use std::io::{BufRead, BufReader};
