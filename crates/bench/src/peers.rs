@@ -8,57 +8,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-use crate::Opts;
+use crate::proxy::Proxy;
+use crate::scenario::{proxy_v2, tunnel_destination, Opts, DEST, NODE_GATEWAY, NODE_H2};
 
 /// The SNI every proxy routes to the backend.
 pub const SNI: &str = "api.alpha.example.com";
-
-/// The destination the CONNECT scenario asks for (and the name of Envoy's
-/// cluster for it).
-pub const DEST: &str = "outbound|443||kube-apiserver.shoot--bench--a.svc.cluster.local";
-
-static TUNNEL: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
-static NODE_GATEWAY: std::sync::OnceLock<SocketAddr> = std::sync::OnceLock::new();
-static NODE_H2: std::sync::OnceLock<()> = std::sync::OnceLock::new();
-static PROXY_V2: std::sync::OnceLock<()> = std::sync::OnceLock::new();
-
-/// Switches the bench to the PROXY+SNI scenario: every proxied connection
-/// starts with a PROXY v2 header, as behind a load balancer that sends one.
-pub fn set_proxy_v2() {
-    let _ = PROXY_V2.set(());
-}
-
-/// Whether proxied connections start with a PROXY v2 header.
-pub fn proxy_v2() -> bool {
-    PROXY_V2.get().is_some()
-}
-
-/// Switches the bench to the CONNECT scenario.
-pub fn set_tunnel_destination() {
-    let _ = TUNNEL.set(DEST);
-}
-
-/// Whether the node-proxy scenario is running.
-pub fn node_proxy_scenario() -> bool {
-    NODE_GATEWAY.get().is_some()
-}
-
-/// The destination when running the CONNECT scenario.
-pub fn tunnel_destination() -> Option<&'static str> {
-    TUNNEL.get().copied()
-}
-
-/// A running proxy process (and, for tunnels, its second process).
-pub struct Proxy {
-    child: Child,
-    extra: Vec<Child>,
-    /// Where it listens.
-    pub addr: SocketAddr,
-    /// Whether clients must open an HTTP CONNECT tunnel first.
-    pub connect: bool,
-    /// A Unix socket clients use instead of `addr` (upstream Konnectivity).
-    pub unix: Option<std::path::PathBuf>,
-}
 
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
@@ -89,7 +43,7 @@ impl Proxy {
         let port = free_port()?;
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let t = opts.threads;
-        if crate::TUNNEL_SCENARIO.get().is_some() {
+        if crate::scenario::TUNNEL_SCENARIO.get().is_some() {
             return crate::tunnel::start(name, opts, backend, dir, idx).await;
         }
         if let Some(gw) = NODE_GATEWAY.get() {
@@ -464,66 +418,6 @@ control_planes:
         }
         Ok(p)
     }
-
-    /// A proxy made of `child` and `extra` processes.
-    pub fn from_children(
-        child: Child,
-        extra: Vec<Child>,
-        addr: SocketAddr,
-        connect: bool,
-    ) -> Proxy {
-        Proxy {
-            child,
-            extra,
-            addr,
-            connect,
-            unix: None,
-        }
-    }
-
-    /// Where clients connect.
-    pub fn target(&self) -> crate::workload::Target {
-        match &self.unix {
-            Some(p) => crate::workload::Target::Unix(p.as_path().into()),
-            None if proxy_v2() => crate::workload::Target::TcpProxyV2(self.addr),
-            None => crate::workload::Target::Tcp(self.addr),
-        }
-    }
-
-    /// The processes and the first one's direct children (nginx workers).
-    pub fn pids(&self) -> Vec<u32> {
-        let root = self.child.id();
-        let mut pids = vec![root];
-        pids.extend(self.extra.iter().map(Child::id));
-        if let Ok(rd) = std::fs::read_dir("/proc") {
-            for e in rd.flatten() {
-                let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-                    continue;
-                };
-                if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-                    if stat_field(&stat, 4) == Some(u64::from(root)) {
-                        pids.push(pid);
-                    }
-                }
-            }
-        }
-        pids
-    }
-}
-
-impl Drop for Proxy {
-    /// Stops the proxy and its workers, also when the bench fails midway.
-    fn drop(&mut self) {
-        for pid in self.pids().into_iter().skip(1) {
-            let _ = Command::new("kill").arg(pid.to_string()).status();
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        for c in &mut self.extra {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 /// Starts Envoy on `cfg` with `threads` workers and a base id unique per proxy.
@@ -541,34 +435,6 @@ fn spawn_envoy(cfg: &Path, threads: usize, idx: usize) -> anyhow::Result<Child> 
         .arg((1000 + idx).to_string())
         .stdout(Stdio::null())
         .spawn()?)
-}
-
-/// Field `n` (1-based, as in proc(5)) of /proc/PID/stat.
-fn stat_field(stat: &str, n: usize) -> Option<u64> {
-    // The command name (field 2) may contain spaces; skip past its ')'.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    rest.split(' ').nth(n - 3)?.parse().ok()
-}
-
-/// CPU seconds (user + system) used so far by `pids`.
-pub fn cpu_seconds(pids: &[u32]) -> f64 {
-    let tick = 100.0;
-    pids.iter()
-        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
-        .map(|s| (stat_field(&s, 14).unwrap_or(0) + stat_field(&s, 15).unwrap_or(0)) as f64 / tick)
-        .sum()
-}
-
-/// Resident memory of `pids`, KiB.
-pub fn rss_kib(pids: &[u32]) -> f64 {
-    pids.iter()
-        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/status")).ok())
-        .filter_map(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        })
-        .sum()
 }
 
 /// Envoy configured as Gardener's istio ingress `http-proxy` port: CONNECT

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-use crate::peers::Proxy;
-use crate::Opts;
+use crate::proxy::Proxy;
+use crate::scenario::Opts;
 
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?

@@ -19,8 +19,8 @@ use seedlink_tunnel::grpc::H2Settings;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
 
+use crate::scenario::Opts;
 use crate::workload::HELLO;
-use crate::Opts;
 
 /// PEM text of a certificate and its key.
 struct Leaf {
@@ -149,9 +149,9 @@ impl Bed {
         let agents_at: SocketAddr = ready["agents"].as_str().context("agents")?.parse()?;
         tokio::time::sleep(Duration::from_millis(300)).await;
         let pid = child.id();
-        let server_rss0 = crate::peers::rss_kib(&[pid]);
+        let server_rss0 = crate::procstat::rss_kib(&[pid]);
         let me = std::process::id();
-        let bench_rss0 = crate::peers::rss_kib(&[me]);
+        let bench_rss0 = crate::procstat::rss_kib(&[me]);
         let mut agents = Vec::new();
         for (i, (c, k)) in idents.iter().enumerate() {
             for j in 0..2 {
@@ -201,8 +201,8 @@ impl Bed {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let server_kib_per_agent = (crate::peers::rss_kib(&[pid]) - server_rss0) / want;
-        let bench_kib_per_agent = (crate::peers::rss_kib(&[me]) - bench_rss0) / want;
+        let server_kib_per_agent = (crate::procstat::rss_kib(&[pid]) - server_rss0) / want;
+        let bench_kib_per_agent = (crate::procstat::rss_kib(&[me]) - bench_rss0) / want;
         Ok(Bed {
             child,
             admin,

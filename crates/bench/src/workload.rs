@@ -9,8 +9,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream, UnixStream};
 use tokio_util::either::Either;
 
-use crate::peers::{cpu_seconds, rss_kib};
-use crate::{Opts, Sample};
+use crate::procstat::{cpu_seconds, rss_kib};
+use crate::scenario::{Opts, Sample};
 
 /// A real ClientHello (openssl s_client) with SNI `api.alpha.example.com`.
 pub const HELLO: &[u8] = include_bytes!("../../proto/testdata/openssl_client_hello.bin");
@@ -208,7 +208,7 @@ pub async fn measure(
     }
     // Bulk upload (the tunnel scenario: client → frontend → server → agent
     // → destination, the direction of `kubectl cp` into a pod).
-    if crate::TUNNEL_SCENARIO.get().is_some() {
+    if crate::scenario::TUNNEL_SCENARIO.get().is_some() {
         let cpu0 = cpu_seconds(pids);
         let t0 = Instant::now();
         let per0: Vec<f64> = pids.iter().map(|p| cpu_seconds(&[*p])).collect();
@@ -272,7 +272,7 @@ pub async fn measure(
         lat.push(one_conn(addr, src_ip(i), tunnel).await?);
     }
     s.single_p50_us = Some(percentile(&mut lat, 0.50));
-    if crate::TUNNEL_SCENARIO.get().is_some() {
+    if crate::scenario::TUNNEL_SCENARIO.get().is_some() {
         s.hol_p99_ratio = Some(hol(addr, tunnel).await.context("head-of-line run")?);
     }
     Ok(s)
@@ -424,7 +424,7 @@ async fn one_conn(addr: &Target, src: IpAddr, tunnel: bool) -> anyhow::Result<f6
     // Wait for the backend's close to come through, then close. Through a
     // CONNECT tunnel the close is not always relayed (Envoy keeps the
     // tunnel open), so there the client closes right after the byte.
-    if !tunnel && !crate::peers::node_proxy_scenario() {
+    if !tunnel && !crate::scenario::node_proxy_scenario() {
         let mut sink = [0u8; 16];
         let _ = tokio::time::timeout(Duration::from_secs(10), c.read(&mut sink)).await;
     }
@@ -534,10 +534,10 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 /// destination header names it) and waits for `200` before the workload's
 /// own bytes, as node proxies do.
 async fn open_tunnel(c: &mut Conn) -> anyhow::Result<()> {
-    let Some(dest) = crate::peers::tunnel_destination() else {
+    let Some(dest) = crate::scenario::tunnel_destination() else {
         return Ok(());
     };
-    let target = crate::CONNECT_TARGET
+    let target = crate::scenario::CONNECT_TARGET
         .get()
         .map_or("backend:443", String::as_str);
     let head = format!(

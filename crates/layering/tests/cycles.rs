@@ -3,9 +3,9 @@
 //! root counts as a module: a child that uses what the root defines, while
 //! the root uses the child, is a cycle too.
 //!
-//! `KNOWN` is the debt left (issue 27): each entry is a crate and the exact
-//! cycle it has today. A new cycle fails, and so does a known one that is
-//! gone or has changed, so that the list only shrinks.
+//! `KNOWN` would list the cycles a crate may keep (a crate and the exact
+//! cycle): none is left since issue 27 removed the last (the bench's). A
+//! new cycle fails, and so would a listed one that is gone or has changed.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeSet;
@@ -14,14 +14,7 @@ use std::path::Path;
 use seedlink_layering::{cycles, Graph};
 
 /// (crate directory, the modules of one cycle).
-const KNOWN: &[(&str, &[&str])] = &[
-    // The benchmark: its root's options and samples, and its peers and
-    // workloads using one another.
-    (
-        "bench",
-        &["(root)", "peers", "tunnel", "tunnel_scale", "workload"],
-    ),
-];
+const KNOWN: &[(&str, &[&str])] = &[];
 
 fn name(m: &str) -> String {
     if m.is_empty() {

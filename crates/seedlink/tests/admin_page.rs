@@ -91,7 +91,7 @@ fn agent(
     id: &str,
     ids: &str,
 ) -> (Proc, std::net::SocketAddr) {
-    let mut child = seedlink_testkit::AgentCmd::new(server)
+    let mut child = seedlink_testkit::agent_cmd::AgentCmd::new(server)
         .mtls(seed_ca, cert, key)
         .args(["--agent-id", id, "--agent-identifiers", ids])
         .fast_sync()
@@ -481,7 +481,7 @@ clusters: [{{name: a, agent_ca: '{}'}}]
     let _server = Proc(server);
     let tunnel_admin = ready["admin"].as_str().unwrap().to_string();
     // And an agent's.
-    let mut agent = seedlink_testkit::AgentCmd::new(ready["agents"].as_str().unwrap())
+    let mut agent = seedlink_testkit::agent_cmd::AgentCmd::new(ready["agents"].as_str().unwrap())
         .mtls(
             &w("seed-ca.pem", &seed.ca_pem),
             &w("a.pem", &shoot.client.cert_pem),

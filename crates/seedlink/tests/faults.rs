@@ -723,11 +723,12 @@ clusters:
             ),
         )
         .unwrap();
-        let agent_args = seedlink_testkit::AgentCmd::new(&format!("127.0.0.1:{server_port}"))
-            .mtls(&seed_ca, &agent_crt, &agent_key)
-            .fast_sync()
-            .args(["--keepalive-time", "1"])
-            .to_args();
+        let agent_args =
+            seedlink_testkit::agent_cmd::AgentCmd::new(&format!("127.0.0.1:{server_port}"))
+                .mtls(&seed_ca, &agent_crt, &agent_key)
+                .fast_sync()
+                .args(["--keepalive-time", "1"])
+                .to_args();
         TunnelBed {
             dir,
             server_port,

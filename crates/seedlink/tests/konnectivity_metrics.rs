@@ -116,7 +116,7 @@ clusters:
 
     // An agent for a; a dial that works, one the agent cannot make, and one
     // to b, which has no agent.
-    let mut agent = seedlink_testkit::AgentCmd::new(ready["agents"].as_str().unwrap())
+    let mut agent = seedlink_testkit::agent_cmd::AgentCmd::new(ready["agents"].as_str().unwrap())
         .mtls(
             &seed_ca,
             &w("a.pem", &shoot.client.cert_pem),

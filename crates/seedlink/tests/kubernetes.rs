@@ -1083,7 +1083,7 @@ fn started(mut cmd: std::process::Command) -> (Proc, Value) {
 /// Starts `seedlink tunnel-agent` on loopback with a client certificate:
 /// the agent and its admin address.
 fn tunnel_agent(server: &str, seed_ca: &str, cert: &str, key: &str) -> (Proc, SocketAddr) {
-    let cmd = seedlink_testkit::AgentCmd::new(server)
+    let cmd = seedlink_testkit::agent_cmd::AgentCmd::new(server)
         .mtls(seed_ca, cert, key)
         .fast_sync()
         .command();

@@ -12,7 +12,6 @@ pub mod faults;
 pub mod kubeapi;
 pub mod tunnel_env;
 
-pub use agent_cmd::AgentCmd;
 pub use eventually::{eventually, eventually_blocking, ok_if};
 
 use std::io::{BufRead, BufReader};
@@ -25,13 +24,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 
-/// A captured ClientHello (openssl s_client, SNI api.alpha.example.com).
 /// `tunnel-agent --deny-cidr`: the agent's default deny list without
 /// loopback. The test shoots (network namespaces) serve their demo services
 /// on their own loopback, which the default denies.
 pub const SHOOT_LOOPBACK_DENY: &str =
     "169.254.0.0/16,fe80::/10,100.100.100.200/32,fd00:ec2::254/128";
 
+/// A captured ClientHello (openssl s_client, SNI api.alpha.example.com).
 pub const HELLO_ALPHA: &[u8] = include_bytes!("../../proto/testdata/openssl_client_hello.bin");
 /// A captured ClientHello (curl, SNI api.beta.example.com).
 pub const HELLO_BETA: &[u8] = include_bytes!("../../proto/testdata/curl_client_hello.bin");

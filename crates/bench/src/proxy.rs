@@ -1,0 +1,82 @@
+//! A running proxy under test: its processes, where clients reach it, and
+//! stopping it.
+
+use std::net::SocketAddr;
+use std::process::{Child, Command};
+
+use crate::procstat::stat_field;
+use crate::scenario::proxy_v2;
+
+/// A running proxy process (and, for tunnels, its second process).
+pub struct Proxy {
+    pub(crate) child: Child,
+    pub(crate) extra: Vec<Child>,
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Whether clients must open an HTTP CONNECT tunnel first.
+    pub connect: bool,
+    /// A Unix socket clients use instead of `addr` (upstream Konnectivity).
+    pub unix: Option<std::path::PathBuf>,
+}
+
+impl Proxy {
+    /// A proxy made of `child` and `extra` processes.
+    pub fn from_children(
+        child: Child,
+        extra: Vec<Child>,
+        addr: SocketAddr,
+        connect: bool,
+    ) -> Proxy {
+        Proxy {
+            child,
+            extra,
+            addr,
+            connect,
+            unix: None,
+        }
+    }
+
+    /// Where clients connect.
+    pub fn target(&self) -> crate::workload::Target {
+        match &self.unix {
+            Some(p) => crate::workload::Target::Unix(p.as_path().into()),
+            None if proxy_v2() => crate::workload::Target::TcpProxyV2(self.addr),
+            None => crate::workload::Target::Tcp(self.addr),
+        }
+    }
+
+    /// The processes and the first one's direct children (nginx workers).
+    pub fn pids(&self) -> Vec<u32> {
+        let root = self.child.id();
+        let mut pids = vec![root];
+        pids.extend(self.extra.iter().map(Child::id));
+        if let Ok(rd) = std::fs::read_dir("/proc") {
+            for e in rd.flatten() {
+                let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                    continue;
+                };
+                if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+                    if stat_field(&stat, 4) == Some(u64::from(root)) {
+                        pids.push(pid);
+                    }
+                }
+            }
+        }
+        pids
+    }
+}
+
+impl Drop for Proxy {
+    /// Stops the proxy and its workers, also when the bench fails midway.
+    fn drop(&mut self) {
+        for pid in self.pids().into_iter().skip(1) {
+            let _ = Command::new("kill").arg(pid.to_string()).status();
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for c in &mut self.extra {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! What one run measures: the options, the scenario's switches (set once
+//! at start), and one sample. A leaf: every other module reads it.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+
+/// Set in the reverse-tunnel scenario.
+pub static TUNNEL_SCENARIO: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+/// The CONNECT request target (default `backend:443`).
+pub static CONNECT_TARGET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The destination the CONNECT scenario asks for (and the name of Envoy's
+/// cluster for it).
+pub const DEST: &str = "outbound|443||kube-apiserver.shoot--bench--a.svc.cluster.local";
+
+static TUNNEL: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+pub static NODE_GATEWAY: std::sync::OnceLock<SocketAddr> = std::sync::OnceLock::new();
+pub static NODE_H2: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+static PROXY_V2: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+
+/// Switches the bench to the PROXY+SNI scenario: every proxied connection
+/// starts with a PROXY v2 header, as behind a load balancer that sends one.
+pub fn set_proxy_v2() {
+    let _ = PROXY_V2.set(());
+}
+
+/// Whether proxied connections start with a PROXY v2 header.
+pub fn proxy_v2() -> bool {
+    PROXY_V2.get().is_some()
+}
+
+/// Switches the bench to the CONNECT scenario.
+pub fn set_tunnel_destination() {
+    let _ = TUNNEL.set(DEST);
+}
+
+/// Whether the node-proxy scenario is running.
+pub fn node_proxy_scenario() -> bool {
+    NODE_GATEWAY.get().is_some()
+}
+
+/// The destination when running the CONNECT scenario.
+pub fn tunnel_destination() -> Option<&'static str> {
+    TUNNEL.get().copied()
+}
+
+/// Benchmark options.
+#[derive(Parser, Debug, Clone)]
+#[command(about = "seedlink gateway vs HAProxy, nginx and Envoy on loopback")]
+pub struct Opts {
+    /// The seedlink binary (build it with `cargo build --release -p seedlink`).
+    #[arg(long, default_value = "target/release/seedlink")]
+    pub seedlink: PathBuf,
+    /// A second seedlink binary, run as proxy `seedlink-b` (gateway
+    /// scenarios): an interleaved A/B of two builds in one run.
+    #[arg(long)]
+    pub seedlink_b: Option<PathBuf>,
+    /// Proxies to compare, comma-separated (seedlink,haproxy,nginx,envoy).
+    #[arg(
+        long,
+        default_value = "seedlink,haproxy,nginx,envoy",
+        value_delimiter = ','
+    )]
+    pub proxies: Vec<String>,
+    /// Rounds; each round runs every target once per workload, in rotated order.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// MiB downloaded per bulk run.
+    #[arg(long, default_value_t = 2048)]
+    pub bulk_mib: u64,
+    /// Seconds per connection-rate run.
+    #[arg(long, default_value_t = 4.0)]
+    pub rate_secs: f64,
+    /// Concurrent clients in the connection-rate run.
+    #[arg(long, default_value_t = 16)]
+    pub rate_concurrency: usize,
+    /// Sequential connections in the latency run.
+    #[arg(long, default_value_t = 400)]
+    pub latency_conns: usize,
+    /// Connections held open for the idle-memory run.
+    #[arg(long, default_value_t = 3000)]
+    pub idle_conns: usize,
+    /// Worker threads each proxy may use.
+    #[arg(long, default_value_t = 2)]
+    pub threads: usize,
+    /// `sni` (TLS passthrough), `proxy-sni` (the same behind a PROXY v2
+    /// sender: every proxied connection starts with the header), `connect` (HTTP CONNECT tunnels with the
+    /// destination header; seedlink's http-connect listener vs Envoy as
+    /// Gardener's ingress) or `node-proxy` (seedlink node-proxy vs Envoy with
+    /// Gardener's apiserver-proxy config, both in front of one seedlink gateway)
+    /// or `node-proxy-h2` (seedlink node-proxy in HTTP/2 CONNECT mode vs Envoy
+    /// as Kubermatic's envoy-agent, tunnels multiplexed on one h2 connection
+    /// to the gateway), or `tunnel` (seedlink tunnel-server + tunnel-agent,
+    /// HTTP CONNECT frontend, vs rathole's server + client), or
+    /// `tunnel-scale` (one tunnel-server with --clusters clusters and two
+    /// in-process agents each, against one cluster).
+    #[arg(long, default_value = "sni")]
+    pub scenario: String,
+    /// Concurrent bulk downloads in the many-streams run (each `bulk_mib /
+    /// streams`); 0 skips it. Default: 16 in the node-proxy-h2 scenario, else 0.
+    #[arg(long)]
+    pub streams: Option<usize>,
+    /// Clusters on the server in the tunnel-scale scenario (two in-process
+    /// agents each), measured against a one-cluster server.
+    #[arg(long, default_value_t = 200)]
+    pub clusters: usize,
+    /// Internal: run as a bare forwarder (the `splice-fwd` and `copy-fwd`
+    /// yardsticks) listening here.
+    #[arg(long, hide = true)]
+    pub forward_listen: Option<std::net::SocketAddr>,
+    /// Internal: where the bare forwarder connects.
+    #[arg(long, hide = true)]
+    pub forward_to: Option<std::net::SocketAddr>,
+    /// Internal: `splice` or `buffered`.
+    #[arg(long, hide = true, default_value = "splice")]
+    pub forward_copy: String,
+    /// Print the results as JSON too.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One measurement of one target in one round.
+#[derive(Debug, Default, Clone)]
+pub struct Sample {
+    /// Bulk throughput, Gbit/s.
+    pub gbps: Option<f64>,
+    /// Proxy CPU seconds per GB moved.
+    pub cpu_s_per_gb: Option<f64>,
+    /// Bulk upload throughput, Gbit/s (tunnel scenario).
+    pub up_gbps: Option<f64>,
+    /// Proxy CPU seconds per GB uploaded (tunnel scenario).
+    pub up_cpu_s_per_gb: Option<f64>,
+    /// Aggregate throughput of `streams` concurrent bulk downloads, Gbit/s.
+    pub streams_gbps: Option<f64>,
+    /// Proxy CPU seconds per GB in the many-streams run.
+    pub streams_cpu_s_per_gb: Option<f64>,
+    /// New connections per second.
+    pub conn_rate: Option<f64>,
+    /// Proxy CPU microseconds per connection in the rate run.
+    pub cpu_us_per_conn: Option<f64>,
+    /// p50 / p99 connect-to-first-byte under the rate load, µs.
+    pub rate_p50_us: Option<f64>,
+    /// p99 under load, µs.
+    pub rate_p99_us: Option<f64>,
+    /// Single-connection p50 connect-to-first-byte, µs.
+    pub single_p50_us: Option<f64>,
+    /// Echo p99 beside a stalled reader ÷ echo p99 alone (tunnel scenario).
+    pub hol_p99_ratio: Option<f64>,
+    /// Proxy RSS growth per idle proxied connection, KiB.
+    pub idle_kib: Option<f64>,
+}
