@@ -48,6 +48,53 @@ struct Block {
     fragment: Vec<u8>,
 }
 
+impl Block {
+    /// A header block opened by a HEADERS frame (head `h`): its fragment
+    /// without padding, and its priority fields.
+    fn open(h: &[u8; 9], payload: &[u8]) -> io::Result<Block> {
+        let flags = h[4];
+        let mut p = payload;
+        let mut pad = 0usize;
+        if flags & PADDED != 0 {
+            let (&n, rest) = p.split_first().ok_or_else(|| bad("padding"))?;
+            pad = usize::from(n);
+            p = rest;
+        }
+        let priority = if flags & PRIORITY != 0 {
+            let (pr, rest) = p.split_at_checked(5).ok_or_else(|| bad("priority"))?;
+            p = rest;
+            let mut a = [0u8; 5];
+            a.copy_from_slice(pr);
+            Some(a)
+        } else {
+            None
+        };
+        let frag = p
+            .get(..p.len().checked_sub(pad).ok_or_else(|| bad("padding"))?)
+            .ok_or_else(|| bad("padding"))?;
+        let mut stream = [0u8; 4];
+        stream.copy_from_slice(&h[5..9]);
+        Ok(Block {
+            flags,
+            stream,
+            priority,
+            fragment: frag.to_vec(),
+        })
+    }
+
+    /// A CONTINUATION frame (head `h`) of this block.
+    fn extend(&mut self, h: &[u8; 9], payload: &[u8]) -> io::Result<()> {
+        if h[5..9] != self.stream {
+            return Err(bad("CONTINUATION on another stream"));
+        }
+        self.fragment.extend_from_slice(payload);
+        if self.fragment.len() > MAX_BLOCK {
+            return Err(bad("header block too large"));
+        }
+        Ok(())
+    }
+}
+
 /// Copies `r` to `w`, rewriting header blocks as described above, until
 /// `r` ends or a frame is malformed (then the connection is ended).
 pub async fn rewrite<R, W>(mut r: R, mut w: W) -> io::Result<()>
@@ -65,59 +112,11 @@ where
     dec.set_max_allowed_table_size(MAX_TABLE);
     let mut enc = Encoder::new();
     let mut open: Option<Block> = None;
-    loop {
-        let mut h = [0u8; 9];
-        match r.read_exact(&mut h).await {
-            Ok(_) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return w.shutdown().await,
-            Err(e) => return Err(e),
-        }
-        let len = usize::from(h[0]) << 16 | usize::from(h[1]) << 8 | usize::from(h[2]);
+    while let Some((h, payload)) = read_frame(&mut r).await? {
         let (typ, flags) = (h[3], h[4]);
-        if len > MAX_IN_FRAME {
-            return Err(bad("frame too large"));
-        }
-        let mut payload = vec![0u8; len];
-        r.read_exact(&mut payload).await?;
         match (typ, open.as_mut()) {
-            (HEADERS, None) => {
-                let mut p: &[u8] = &payload;
-                let mut pad = 0usize;
-                if flags & PADDED != 0 {
-                    let (&n, rest) = p.split_first().ok_or_else(|| bad("padding"))?;
-                    pad = usize::from(n);
-                    p = rest;
-                }
-                let priority = if flags & PRIORITY != 0 {
-                    let (pr, rest) = p.split_at_checked(5).ok_or_else(|| bad("priority"))?;
-                    p = rest;
-                    let mut a = [0u8; 5];
-                    a.copy_from_slice(pr);
-                    Some(a)
-                } else {
-                    None
-                };
-                let frag = p
-                    .get(..p.len().checked_sub(pad).ok_or_else(|| bad("padding"))?)
-                    .ok_or_else(|| bad("padding"))?;
-                let mut stream = [0u8; 4];
-                stream.copy_from_slice(&h[5..9]);
-                open = Some(Block {
-                    flags,
-                    stream,
-                    priority,
-                    fragment: frag.to_vec(),
-                });
-            }
-            (CONTINUATION, Some(b)) => {
-                if h[5..9] != b.stream {
-                    return Err(bad("CONTINUATION on another stream"));
-                }
-                b.fragment.extend_from_slice(&payload);
-                if b.fragment.len() > MAX_BLOCK {
-                    return Err(bad("header block too large"));
-                }
-            }
+            (HEADERS, None) => open = Some(Block::open(&h, &payload)?),
+            (CONTINUATION, Some(b)) => b.extend(&h, &payload)?,
             (_, Some(_)) | (CONTINUATION, None) => return Err(bad("frame inside a header block")),
             _ => {
                 w.write_all(&h).await?;
@@ -131,28 +130,34 @@ where
             }
         }
     }
+    w.shutdown().await
 }
 
+/// The next frame's head and payload; `None` when `r` ends between frames.
+async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> io::Result<Option<([u8; 9], Vec<u8>)>> {
+    let mut h = [0u8; 9];
+    match r.read_exact(&mut h).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let len = usize::from(h[0]) << 16 | usize::from(h[1]) << 8 | usize::from(h[2]);
+    if len > MAX_IN_FRAME {
+        return Err(bad("frame too large"));
+    }
+    let mut payload = vec![0u8; len];
+    r.read_exact(&mut payload).await?;
+    Ok(Some((h, payload)))
+}
+
+/// Writes block `b` again for the server, its `:authority` made valid.
 async fn emit<W: AsyncWrite + Unpin>(
     w: &mut W,
     dec: &mut Decoder<'_>,
     enc: &mut Encoder<'_>,
     b: Block,
 ) -> io::Result<()> {
-    let mut headers = Vec::new();
-    let mut size = 0usize;
-    // Past the limit nothing more is copied (indexed fields are borrowed
-    // from the table), so a bomb costs only its own bytes of work.
-    dec.decode_with_cb(&b.fragment, |n, v| {
-        size = size.saturating_add(n.len() + v.len() + 32);
-        if size <= MAX_DECODED {
-            headers.push((n.into_owned(), v.into_owned()));
-        }
-    })
-    .map_err(|e| bad(&format!("HPACK: {e:?}")))?;
-    if size > MAX_DECODED {
-        return Err(bad("header list too large"));
-    }
+    let mut headers = decode(dec, &b.fragment)?;
     for (name, value) in &mut headers {
         if name.as_slice() == b":authority"
             && std::str::from_utf8(value)
@@ -166,21 +171,44 @@ async fn emit<W: AsyncWrite + Unpin>(
         headers.iter().map(|(n, v)| (n.as_slice(), v.as_slice())),
         &mut out,
     )?;
+    write_block(w, &b, &out).await
+}
+
+/// The header list of a block, within [`MAX_DECODED`].
+fn decode(dec: &mut Decoder<'_>, fragment: &[u8]) -> io::Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    let mut headers = Vec::new();
+    let mut size = 0usize;
+    // Past the limit nothing more is copied (indexed fields are borrowed
+    // from the table), so a bomb costs only its own bytes of work.
+    dec.decode_with_cb(fragment, |n, v| {
+        size = size.saturating_add(n.len() + v.len() + 32);
+        if size <= MAX_DECODED {
+            headers.push((n.into_owned(), v.into_owned()));
+        }
+    })
+    .map_err(|e| bad(&format!("HPACK: {e:?}")))?;
+    if size > MAX_DECODED {
+        return Err(bad("header list too large"));
+    }
+    Ok(headers)
+}
+
+/// Writes an encoded block `out` (for the stream and flags of `b`) as a
+/// HEADERS frame and CONTINUATION frames of at most [`OUT_FRAME`] bytes.
+async fn write_block<W: AsyncWrite + Unpin>(w: &mut W, b: &Block, out: &[u8]) -> io::Result<()> {
     let parts: Vec<&[u8]> = if out.is_empty() {
         vec![&[]]
     } else {
         out.chunks(OUT_FRAME).collect()
     };
-    let mut chunks = parts.into_iter().peekable();
-    let mut first = true;
-    while let Some(chunk) = chunks.next() {
-        let last = chunks.peek().is_none();
-        let (typ, mut flags) = if first {
+    let count = parts.len();
+    for (i, chunk) in parts.into_iter().enumerate() {
+        let (typ, mut flags) = if i == 0 {
             (HEADERS, b.flags & (END_STREAM | PRIORITY))
         } else {
             (CONTINUATION, 0)
         };
-        if last {
+        if i + 1 == count {
             flags |= END_HEADERS;
         }
         let n = chunk.len();
@@ -197,7 +225,6 @@ async fn emit<W: AsyncWrite + Unpin>(
         ];
         w.write_all(&head).await?;
         w.write_all(chunk).await?;
-        first = false;
     }
     w.flush().await
 }

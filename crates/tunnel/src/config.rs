@@ -342,6 +342,15 @@ impl Problems {
     }
 }
 
+/// Plain TCP only on loopback (a kube-apiserver in the same network
+/// namespace) or with per-request credentials (`authenticated`); anywhere
+/// else mTLS: whether `f`, listening on `a`, breaks that.
+fn lacks_mtls(f: &Frontend, a: &SocketAddr, authenticated: bool) -> bool {
+    let tls = [f.cert.is_some(), f.key.is_some(), f.client_ca.is_some()];
+    let plain = tls.iter().all(|x| !x);
+    !tls.iter().all(|x| *x) && !(plain && (a.ip().is_loopback() || authenticated))
+}
+
 fn check_frontend(
     f: &Frontend,
     at: &str,
@@ -364,12 +373,7 @@ fn check_frontend(
             if a.port() != 0 && (!binds.insert(a.to_string()) || *a == agents) {
                 errs.add(format!("{at}.tcp"), "address used twice");
             }
-            let tls = [f.cert.is_some(), f.key.is_some(), f.client_ca.is_some()];
-            let plain = tls.iter().all(|x| !x);
-            // Plain TCP only on loopback (a kube-apiserver in the same
-            // network namespace) or with per-request credentials; anywhere
-            // else mTLS.
-            if !tls.iter().all(|x| *x) && !(plain && (a.ip().is_loopback() || authenticated)) {
+            if lacks_mtls(f, a, authenticated) {
                 errs.add(
                     at.to_string(),
                     "a tcp frontend needs cert, key and client_ca (mTLS), unless it listens on loopback without any of them",
@@ -505,6 +509,31 @@ struct Claimed {
 /// only, see [`check_anchors`], so a shared key is the only overlap of
 /// two files; a link the agent presents itself is refused when it
 /// connects: `Registry::cluster_for_cert`.)
+/// Trust shared with a cluster already kept (the file's, then the older
+/// objects') refuses the newer claim: adds it to `bad` (the extra clusters'
+/// problems by index). `Err` when the file's own clusters share trust.
+fn refuse_shared_trust(
+    file: &ServerConfig,
+    extra: &[Cluster],
+    mut bad: std::collections::BTreeMap<usize, Vec<ConfigError>>,
+) -> Result<std::collections::BTreeMap<usize, Vec<ConfigError>>, ConfigError> {
+    let mut seen = Claimed::default();
+    for (i, c) in file.clusters.iter().enumerate() {
+        if let Some(e) = claim_trust(&mut seen, c, &format!("clusters[{i}] ({})", c.name)) {
+            return Err(e);
+        }
+    }
+    for (i, c) in extra.iter().enumerate() {
+        if bad.contains_key(&i) {
+            continue;
+        }
+        if let Some(e) = claim_trust(&mut seen, c, &format!("clusters ({})", c.name)) {
+            bad.entry(i).or_default().push(e);
+        }
+    }
+    Ok(bad)
+}
+
 fn claim_trust(seen: &mut Claimed, c: &Cluster, at: &str) -> Option<ConfigError> {
     let keys = trust_keys(c);
     for (k, what) in &keys {
@@ -558,86 +587,39 @@ impl ServerConfig {
     /// be (certificate chain, private key, CA bundle, public keys, a
     /// non-empty secret); one problem per file, with the key that names it.
     pub fn check_files(&self) -> Vec<ConfigError> {
-        use crate::tls::{load_certs, load_key, load_roots};
         let mut errs = Problems::default();
-        let mut check = |at: String, p: &Path, what: Kind| {
-            let r = match what {
-                Kind::Certs => load_certs(p).map(|_| ()).map_err(|e| e.to_string()),
-                Kind::Key => load_key(p).map(|_| ()).map_err(|e| e.to_string()),
-                Kind::Roots => load_roots(p).map(|_| ()).map_err(|e| e.to_string()),
-                Kind::Anchors => load_roots(p)
-                    .map_err(|e| e.to_string())
-                    .and_then(|_| check_anchors(p)),
-                Kind::PublicKeys => crate::token::load_keys(p)
-                    .map(|_| ())
-                    .map_err(|e| e.to_string()),
-                Kind::Secret => match std::fs::read_to_string(p) {
-                    Ok(t) if t.trim().is_empty() => Err("empty".to_string()),
-                    Ok(_) => Ok(()),
-                    Err(e) => Err(e.to_string()),
-                },
-            };
-            if let Err(e) = r {
+        for (at, p, kind) in self.named_files() {
+            if let Err(e) = kind.check(p) {
                 errs.add(at, format!("{}: {e}", p.display()));
             }
-        };
-        check("agents.cert".into(), &self.agents.cert, Kind::Certs);
-        if let Some(p) = self.admin.as_ref().and_then(|a| a.token_file.as_ref()) {
-            check("admin.token_file".into(), p, Kind::Secret);
         }
-        check("agents.key".into(), &self.agents.key, Kind::Key);
-        let frontend = |at: &str, f: &Frontend, check: &mut dyn FnMut(String, &Path, Kind)| {
-            if let Some(p) = &f.cert {
-                check(format!("{at}.cert"), p, Kind::Certs);
-            }
-            if let Some(p) = &f.key {
-                check(format!("{at}.key"), p, Kind::Key);
-            }
-            if let Some(p) = &f.client_ca {
-                check(format!("{at}.client_ca"), p, Kind::Roots);
-            }
-        };
+        errs.0
+    }
+
+    /// Every file the configuration names: the key that names it, the
+    /// path, what it must hold.
+    fn named_files(&self) -> Vec<(String, &Path, Kind)> {
+        let mut files = vec![(
+            "agents.cert".to_string(),
+            self.agents.cert.as_path(),
+            Kind::Certs,
+        )];
+        if let Some(p) = self.admin.as_ref().and_then(|a| a.token_file.as_ref()) {
+            files.push(("admin.token_file".into(), p, Kind::Secret));
+        }
+        files.push(("agents.key".into(), &self.agents.key, Kind::Key));
         for (i, c) in self.clusters.iter().enumerate() {
             let at = format!("clusters[{i}] ({})", c.name);
-            if let Some(p) = &c.agent_ca {
-                check(format!("{at}.agent_ca"), p, Kind::Anchors);
-            }
-            if let Some(p) = &c.proxy_password_file {
-                check(format!("{at}.proxy_password_file"), p, Kind::Secret);
-            }
-            if let Some(t) = &c.agent_token {
-                if let Some(p) = &t.keys {
-                    check(format!("{at}.agent_token.keys"), p, Kind::PublicKeys);
-                }
-                if let Some(r) = &t.review {
-                    check(format!("{at}.agent_token.review.ca"), &r.ca, Kind::Roots);
-                    if let Some(p) = &r.token_file {
-                        check(
-                            format!("{at}.agent_token.review.token_file"),
-                            p,
-                            Kind::Secret,
-                        );
-                    }
-                    if let Some(p) = &r.cert {
-                        check(format!("{at}.agent_token.review.cert"), p, Kind::Certs);
-                    }
-                    if let Some(p) = &r.key {
-                        check(format!("{at}.agent_token.review.key"), p, Kind::Key);
-                    }
-                }
-            }
+            cluster_files(&at, c, &mut files);
             for (j, f) in c.frontends.iter().enumerate() {
-                frontend(&format!("{at}.frontends[{j}] ({})", f.name), f, &mut check);
+                frontend_files(&format!("{at}.frontends[{j}] ({})", f.name), f, &mut files);
             }
         }
         for (j, f) in self.shared_frontends.iter().enumerate() {
-            frontend(
-                &format!("shared_frontends[{j}] ({})", f.name),
-                f,
-                &mut check,
-            );
+            let at = format!("shared_frontends[{j}] ({})", f.name);
+            frontend_files(&at, f, &mut files);
         }
-        errs.0
+        files
     }
 
     /// Parses and checks a configuration; all problems at once, each with
@@ -668,26 +650,14 @@ impl ServerConfig {
         if extra.is_empty() {
             return (Self::validate(file).and_then(no_shared_trust), Vec::new());
         }
-        let mut bad = match Self::blame_extra(&file, &extra) {
+        let bad = match Self::blame_extra(&file, &extra) {
             Ok(bad) => bad,
             Err(own) => return (Err(own), Vec::new()),
         };
-        // Trust shared with a cluster already kept (the file's, then the
-        // older objects') refuses the newer claim.
-        let mut seen = Claimed::default();
-        for (i, c) in file.clusters.iter().enumerate() {
-            if let Some(e) = claim_trust(&mut seen, c, &format!("clusters[{i}] ({})", c.name)) {
-                return (Err(Errors(vec![e])), Vec::new());
-            }
-        }
-        for (i, c) in extra.iter().enumerate() {
-            if bad.contains_key(&i) {
-                continue;
-            }
-            if let Some(e) = claim_trust(&mut seen, c, &format!("clusters ({})", c.name)) {
-                bad.entry(i).or_default().push(e);
-            }
-        }
+        let mut bad = match refuse_shared_trust(&file, &extra, bad) {
+            Ok(bad) => bad,
+            Err(e) => return (Err(Errors(vec![e])), Vec::new()),
+        };
         let mut refused = Vec::new();
         let mut kept = file;
         for (i, c) in extra.into_iter().enumerate() {
@@ -697,6 +667,25 @@ impl ServerConfig {
             }
         }
         (Self::validate(kept), refused)
+    }
+
+    /// The files each extra cluster names must read as what they are; a
+    /// problem is that cluster's.
+    fn blame_files(
+        file: &ServerConfig,
+        extra: &[Cluster],
+        bad: &mut std::collections::BTreeMap<usize, Vec<ConfigError>>,
+    ) {
+        let mut alone = file.clone();
+        alone.shared_frontends.clear();
+        for (i, c) in extra.iter().enumerate() {
+            alone.clusters = vec![c.clone()];
+            for e in alone.check_files() {
+                if e.path.starts_with("clusters[") {
+                    bad.entry(i).or_default().push(e);
+                }
+            }
+        }
     }
 
     /// The problems of each `extra` cluster (by its index) when validated
@@ -732,17 +721,7 @@ impl ServerConfig {
         if !own.is_empty() {
             return Err(Errors(own));
         }
-        // The files each cluster names must read as what they are.
-        let mut alone = file.clone();
-        alone.shared_frontends.clear();
-        for (i, c) in extra.iter().enumerate() {
-            alone.clusters = vec![c.clone()];
-            for e in alone.check_files() {
-                if e.path.starts_with("clusters[") {
-                    bad.entry(i).or_default().push(e);
-                }
-            }
-        }
+        Self::blame_files(file, extra, &mut bad);
         Ok(bad)
     }
 
@@ -863,6 +842,31 @@ fn check_settings(cfg: &ServerConfig, errs: &mut Problems) {
 /// Every cluster: a unique name, a way to authenticate its agents (an
 /// issuer belongs to one cluster), sane limits and strategies, its
 /// frontends.
+/// A cluster's dial limits and backend strategies.
+fn check_dialing(at: &str, c: &Cluster, errs: &mut Problems) {
+    let l = &c.limits;
+    let sane = |v: f64| v >= 0.0 && v.is_finite();
+    if !sane(l.dial_rate) || !sane(l.dial_burst) {
+        errs.add(
+            format!("{at}.limits"),
+            "dial_rate and dial_burst must be ≥ 0",
+        );
+    }
+    if c.strategies.is_empty() {
+        errs.add(format!("{at}.strategies"), "empty");
+    }
+    for s in c
+        .strategies
+        .iter()
+        .filter(|s| !STRATEGIES.contains(&s.as_str()))
+    {
+        errs.add(
+            format!("{at}.strategies"),
+            format!("{s:?} is not one of {}", STRATEGIES.join(", ")),
+        );
+    }
+}
+
 fn check_clusters(cfg: &ServerConfig, binds: &mut HashSet<String>, errs: &mut Problems) {
     let mut names = HashSet::new();
     let mut issuers = HashSet::new();
@@ -880,27 +884,7 @@ fn check_clusters(cfg: &ServerConfig, binds: &mut HashSet<String>, errs: &mut Pr
         if let Some(t) = &c.agent_token {
             check_agent_token(&at, t, &mut issuers, errs);
         }
-        let l = &c.limits;
-        let sane = |v: f64| v >= 0.0 && v.is_finite();
-        if !sane(l.dial_rate) || !sane(l.dial_burst) {
-            errs.add(
-                format!("{at}.limits"),
-                "dial_rate and dial_burst must be ≥ 0",
-            );
-        }
-        if c.strategies.is_empty() {
-            errs.add(format!("{at}.strategies"), "empty");
-        }
-        for s in c
-            .strategies
-            .iter()
-            .filter(|s| !STRATEGIES.contains(&s.as_str()))
-        {
-            errs.add(
-                format!("{at}.strategies"),
-                format!("{s:?} is not one of {}", STRATEGIES.join(", ")),
-            );
-        }
+        check_dialing(&at, c, errs);
         for (j, f) in c.frontends.iter().enumerate() {
             let at = format!("{at}.frontends[{j}] ({})", f.name);
             check_frontend(f, &at, false, cfg.agents.listen, binds, errs);
@@ -910,6 +894,25 @@ fn check_clusters(cfg: &ServerConfig, binds: &mut HashSet<String>, errs: &mut Pr
 
 /// A cluster's `agent_token`: a ServiceAccount, one way to check it, an
 /// issuer of its own, and a TokenReview that can authenticate.
+/// A TokenReview's settings (`at`: its key).
+fn check_review(at: &str, r: &TokenReview, errs: &mut Problems) {
+    if !r.url.starts_with("https://") {
+        errs.add(format!("{at}.url"), "must be https://");
+    }
+    if r.cert.is_some() != r.key.is_some() {
+        errs.add(at, "cert and key go together");
+    }
+    if r.token_file.is_none() && r.cert.is_none() {
+        errs.add(
+            at,
+            "token_file or cert/key is needed to authenticate to the API server",
+        );
+    }
+    if r.timeout.is_zero() {
+        errs.add(format!("{at}.timeout"), "must be > 0");
+    }
+}
+
 fn check_agent_token(at: &str, t: &TokenAuth, issuers: &mut HashSet<String>, errs: &mut Problems) {
     if !t.service_account.contains('/') {
         errs.add(
@@ -929,24 +932,8 @@ fn check_agent_token(at: &str, t: &TokenAuth, issuers: &mut HashSet<String>, err
             "used by another cluster",
         );
     }
-    let Some(r) = &t.review else { return };
-    if !r.url.starts_with("https://") {
-        errs.add(format!("{at}.agent_token.review.url"), "must be https://");
-    }
-    if r.cert.is_some() != r.key.is_some() {
-        errs.add(
-            format!("{at}.agent_token.review"),
-            "cert and key go together",
-        );
-    }
-    if r.token_file.is_none() && r.cert.is_none() {
-        errs.add(
-            format!("{at}.agent_token.review"),
-            "token_file or cert/key is needed to authenticate to the API server",
-        );
-    }
-    if r.timeout.is_zero() {
-        errs.add(format!("{at}.agent_token.review.timeout"), "must be > 0");
+    if let Some(r) = &t.review {
+        check_review(&format!("{at}.agent_token.review"), r, errs);
     }
 }
 
@@ -1327,4 +1314,66 @@ enum Kind {
     Anchors,
     PublicKeys,
     Secret,
+}
+
+impl Kind {
+    /// Reads `p` and parses it as this kind; why not, if it is not.
+    fn check(self, p: &Path) -> Result<(), String> {
+        use crate::tls::{load_certs, load_key, load_roots};
+        match self {
+            Kind::Certs => load_certs(p).map(|_| ()).map_err(|e| e.to_string()),
+            Kind::Key => load_key(p).map(|_| ()).map_err(|e| e.to_string()),
+            Kind::Roots => load_roots(p).map(|_| ()).map_err(|e| e.to_string()),
+            Kind::Anchors => load_roots(p)
+                .map_err(|e| e.to_string())
+                .and_then(|_| check_anchors(p)),
+            Kind::PublicKeys => crate::token::load_keys(p)
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+            Kind::Secret => match std::fs::read_to_string(p) {
+                Ok(t) if t.trim().is_empty() => Err("empty".to_string()),
+                Ok(_) => Ok(()),
+                Err(e) => Err(e.to_string()),
+            },
+        }
+    }
+}
+
+/// The files cluster `c` (named `at`) names itself.
+fn cluster_files<'a>(at: &str, c: &'a Cluster, files: &mut Vec<(String, &'a Path, Kind)>) {
+    if let Some(p) = &c.agent_ca {
+        files.push((format!("{at}.agent_ca"), p, Kind::Anchors));
+    }
+    if let Some(p) = &c.proxy_password_file {
+        files.push((format!("{at}.proxy_password_file"), p, Kind::Secret));
+    }
+    let Some(t) = &c.agent_token else { return };
+    if let Some(p) = &t.keys {
+        files.push((format!("{at}.agent_token.keys"), p, Kind::PublicKeys));
+    }
+    let Some(r) = &t.review else { return };
+    let at = format!("{at}.agent_token.review");
+    files.push((format!("{at}.ca"), &r.ca, Kind::Roots));
+    for (key, p, kind) in [
+        ("token_file", &r.token_file, Kind::Secret),
+        ("cert", &r.cert, Kind::Certs),
+        ("key", &r.key, Kind::Key),
+    ] {
+        if let Some(p) = p {
+            files.push((format!("{at}.{key}"), p, kind));
+        }
+    }
+}
+
+/// The files frontend `f` (named `at`) names.
+fn frontend_files<'a>(at: &str, f: &'a Frontend, files: &mut Vec<(String, &'a Path, Kind)>) {
+    for (key, p, kind) in [
+        ("cert", &f.cert, Kind::Certs),
+        ("key", &f.key, Kind::Key),
+        ("client_ca", &f.client_ca, Kind::Roots),
+    ] {
+        if let Some(p) = p {
+            files.push((format!("{at}.{key}"), p, kind));
+        }
+    }
 }

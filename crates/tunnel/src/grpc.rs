@@ -89,6 +89,26 @@ impl tonic::server::StreamingService<Packet> for Svc {
     }
 }
 
+/// Answers one request with the handler of its path (unimplemented if
+/// none).
+async fn route(
+    routes: &[(&'static str, Handler)],
+    req: http::Request<Incoming>,
+) -> http::Response<tonic::body::Body> {
+    let handler = routes
+        .iter()
+        .find(|(p, _)| *p == req.uri().path())
+        .map(|(_, h)| h.clone());
+    match handler {
+        Some(h) => {
+            let mut grpc =
+                tonic::server::Grpc::new(PacketCodec).max_decoding_message_size(MAX_MESSAGE);
+            grpc.streaming(Svc(h), req).await
+        }
+        None => Status::unimplemented(format!("no method {}", req.uri().path())).into_http(),
+    }
+}
+
 /// Serves gRPC on one accepted connection: `routes` maps method paths to
 /// handlers; others get `UNIMPLEMENTED`. Returns when the connection ends.
 pub async fn serve<IO>(io: IO, routes: Vec<(&'static str, Handler)>, h2: H2Settings)
@@ -98,23 +118,7 @@ where
     let routes = Arc::new(routes);
     let service = hyper::service::service_fn(move |req: http::Request<Incoming>| {
         let routes = routes.clone();
-        async move {
-            let handler = routes
-                .iter()
-                .find(|(p, _)| *p == req.uri().path())
-                .map(|(_, h)| h.clone());
-            let resp = match handler {
-                Some(h) => {
-                    let mut grpc = tonic::server::Grpc::new(PacketCodec)
-                        .max_decoding_message_size(MAX_MESSAGE);
-                    grpc.streaming(Svc(h), req).await
-                }
-                None => {
-                    Status::unimplemented(format!("no method {}", req.uri().path())).into_http()
-                }
-            };
-            Ok::<_, std::convert::Infallible>(resp)
-        }
+        async move { Ok::<_, std::convert::Infallible>(route(&routes, req).await) }
     });
     let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     builder

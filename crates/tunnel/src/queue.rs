@@ -1,10 +1,11 @@
 //! The per-connection queue between a shared stream's receive loop and one
 //! tunneled connection's socket. A push either fits the byte budget or is
 //! handed back ([`PushError::Full`]); the receive loop then waits for room
-//! with [`Room::wait`] for as long as the reader keeps taking bytes, which
+//! with [`Room::step`] for as long as the reader keeps taking bytes, which
 //! pauses that one stream (HTTP/2 flow control then holds the sender back)
 //! instead of dropping data. Only a reader that takes nothing for the stall
-//! deadline ends its connection. The budget is what lets a briefly slow
+//! deadline ends its connection (the link machines keep that deadline; each
+//! [`Step::Progress`] restarts it). The budget is what lets a briefly slow
 //! reader never pause the stream at all (see docs/TUNNEL.md, "Head-of-line").
 
 use std::collections::VecDeque;
@@ -193,13 +194,14 @@ pub enum PushError {
     Closed,
 }
 
-/// How waiting for room ended.
+/// What one look at a queue's room saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WaitEnd {
+pub enum Step {
     /// The bytes fit now.
     Room,
-    /// The reader took nothing for the whole stall deadline.
-    Stalled,
+    /// Something changed (the reader took bytes, or the shared budget
+    /// moved) but the bytes do not fit yet.
+    Progress,
     /// The reader is gone.
     Closed,
 }
@@ -212,33 +214,28 @@ pub struct Room {
 }
 
 impl Room {
-    /// Waits until `n` more bytes fit the budget (or the queue is empty),
-    /// for as long as the reader keeps taking bytes: every chunk it takes
-    /// restarts the `stall` deadline.
-    pub async fn wait(&self, n: usize, stall: Duration) -> WaitEnd {
-        // Room in the shared budget (other connections' readers taking
-        // bytes) wakes it too; counted while waiting, so releases tell it.
+    /// [`Step::Room`] or [`Step::Closed`] at once if so; else waits for the
+    /// reader to take bytes (or the shared budget to move, other
+    /// connections' readers taking bytes) and says so with
+    /// [`Step::Progress`]. No deadline: the caller's timer decides when a
+    /// reader that makes no progress has stalled.
+    pub async fn step(&self, n: usize) -> Step {
+        // Counted while waiting, so that budget releases tell it.
         let budget = self.shared.budget.as_ref();
         let _waiting = budget.map(|b| Waiting::new(&b.waiting));
-        loop {
-            let drained = self.shared.drained.notified();
-            let freed = budget.map(|b| b.freed.notified());
-            if self.shared.reader_gone.load(Ordering::Acquire) {
-                return WaitEnd::Closed;
-            }
-            if self.shared.room_for(n, self.limit) {
-                return WaitEnd::Room;
-            }
-            let either = async {
-                match freed {
-                    Some(f) => tokio::select! { () = drained => {}, () = f => {} },
-                    None => drained.await,
-                }
-            };
-            if tokio::time::timeout(stall, either).await.is_err() {
-                return WaitEnd::Stalled;
-            }
+        let drained = self.shared.drained.notified();
+        let freed = budget.map(|b| b.freed.notified());
+        if self.shared.reader_gone.load(Ordering::Acquire) {
+            return Step::Closed;
         }
+        if self.shared.room_for(n, self.limit) {
+            return Step::Room;
+        }
+        match freed {
+            Some(f) => tokio::select! { () = drained => {}, () = f => {} },
+            None => drained.await,
+        }
+        Step::Progress
     }
 }
 
@@ -266,7 +263,7 @@ impl QueueTx {
         Ok(())
     }
 
-    /// A handle to wait for room (see [`Room::wait`]).
+    /// A handle to wait for room (see [`Room::step`]).
     pub fn room(&self) -> Room {
         Room {
             shared: self.shared.clone(),
@@ -385,7 +382,19 @@ impl QueueRx {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
+    use futures_util::FutureExt;
+
     use super::*;
+
+    /// Steps until room or the reader's end.
+    async fn until_room(room: &Room, n: usize) -> Step {
+        loop {
+            match room.step(n).await {
+                Step::Progress => continue,
+                end => return end,
+            }
+        }
+    }
 
     /// Queues sharing a budget: a queue holding bytes takes more only
     /// within the shared cap (and its own); an empty queue always takes one
@@ -405,10 +414,7 @@ mod tests {
         assert!(matches!(b.push(chunk(1)), Err(PushError::Full(_))));
         assert!(matches!(ra.recv().await, Recv::Data(d) if d.len() == 60));
         assert_eq!(budget.used(), 60);
-        assert_eq!(
-            a.room().wait(30, Duration::from_millis(10)).await,
-            WaitEnd::Room
-        );
+        assert_eq!(a.room().step(30).await, Step::Room);
         a.push(chunk(30)).unwrap();
         assert!(matches!(a.push(chunk(20)), Err(PushError::Full(_))));
         // b's reader leaves with 60 bytes queued: they leave the budget.
@@ -434,13 +440,12 @@ mod tests {
         let big = chunk(2 * EXEMPT);
         assert!(matches!(b.push(big.clone()), Err(PushError::Full(_))));
         let room = b.room();
-        let waiter =
-            tokio::spawn(async move { room.wait(2 * EXEMPT, Duration::from_secs(30)).await });
+        let waiter = tokio::spawn(async move { until_room(&room, 2 * EXEMPT).await });
         tokio::task::yield_now().await;
         assert!(!waiter.is_finished());
         budget.set_limit(4 * EXEMPT);
         assert!(matches!(ra.recv().await, Recv::Data(_)));
-        assert_eq!(waiter.await.unwrap(), WaitEnd::Room);
+        assert_eq!(waiter.await.unwrap(), Step::Room);
         b.push(big).unwrap();
         assert_eq!(budget.used(), 2 * EXEMPT);
     }
@@ -452,19 +457,19 @@ mod tests {
         let back = tx.push(Bytes::from_static(b"xy"));
         assert_eq!(back, Err(PushError::Full(Bytes::from_static(b"xy"))));
         let room = tx.room();
-        let long = Duration::from_secs(30);
-        let (waited, got) = tokio::join!(room.wait(2, long), rx.recv());
-        assert_eq!(waited, WaitEnd::Room);
+        let (waited, got) = tokio::join!(until_room(&room, 2), rx.recv());
+        assert_eq!(waited, Step::Room);
         assert_eq!(got, Recv::Data(Bytes::from_static(b"0123456789")));
         tx.push(Bytes::from_static(b"xy")).unwrap();
-        // A reader that takes nothing: the wait ends at the deadline.
+        // A reader that takes nothing: no progress to report (the stall
+        // deadline is the link machine's).
         tx.push(Bytes::from_static(b"01234567")).unwrap();
-        assert_eq!(
-            room.wait(5, Duration::from_millis(20)).await,
-            WaitEnd::Stalled
-        );
+        assert_eq!(room.step(5).now_or_never(), None);
+        // It takes a chunk: progress, and room once enough is taken.
+        let (step, _) = tokio::join!(room.step(5), rx.recv());
+        assert!(matches!(step, Step::Progress | Step::Room), "{step:?}");
         drop(rx);
-        assert_eq!(room.wait(5, long).await, WaitEnd::Closed);
+        assert_eq!(room.step(5).await, Step::Closed);
     }
 
     #[tokio::test]

@@ -183,32 +183,53 @@ impl TokenReviewer {
         exp: Option<u64>,
     ) -> Result<(), TokenError> {
         let now = Instant::now();
-        for cache in [&self.cache, &self.refused] {
-            let cache = seedlink_net::sync::lock(cache, "token review cache");
-            if let Some((until, answer)) = cache.get(token) {
-                if *until > now {
-                    self.count("cached");
-                    return answer.clone();
-                }
-            }
+        if let Some(answer) = self.cached(token, now) {
+            self.count("cached");
+            return answer;
         }
-        let answer = match tokio::time::timeout(self.timeout, async {
+        let answer = self.review_in_time(token, audience, subject).await;
+        if let Some(ttl) = self.ttl(&answer, exp).filter(|t| !t.is_zero()) {
+            self.remember(token, now, ttl, &answer);
+        }
+        answer
+    }
+
+    /// An answer for `token` still cached at `now` (accepted or refused).
+    fn cached(&self, token: &str, now: Instant) -> Option<Result<(), TokenError>> {
+        [&self.cache, &self.refused].into_iter().find_map(|cache| {
+            let cache = seedlink_net::sync::lock(cache, "token review cache");
+            let (until, answer) = cache.get(token)?;
+            (*until > now).then(|| answer.clone())
+        })
+    }
+
+    /// A review within the deadline, at most [`CONCURRENT`] at once.
+    async fn review_in_time(
+        &self,
+        token: &str,
+        audience: &str,
+        subject: &str,
+    ) -> Result<(), TokenError> {
+        let reviewed = tokio::time::timeout(self.timeout, async {
             let _permit = self
                 .gate
                 .acquire()
                 .await
                 .map_err(|_| TokenError::Unavailable("reviewer closed".into()))?;
             self.review(token, audience, subject).await
-        })
-        .await
-        {
-            Ok(a) => a,
-            Err(_) => Err(TokenError::Unavailable(format!(
+        });
+        reviewed.await.unwrap_or_else(|_| {
+            Err(TokenError::Unavailable(format!(
                 "no TokenReview answer within {:?}",
                 self.timeout
-            ))),
-        };
-        let ttl = match &answer {
+            )))
+        })
+    }
+
+    /// Counts the answer's outcome; how long it may be cached (`None`: not
+    /// at all). An acceptance lasts no longer than the token (`exp`).
+    fn ttl(&self, answer: &Result<(), TokenError>, exp: Option<u64>) -> Option<Duration> {
+        match answer {
             Ok(()) => {
                 self.count("accepted");
                 let left = exp.map_or(self.cache_ttl, |e| {
@@ -227,110 +248,144 @@ impl TokenReviewer {
                 self.count("refused");
                 Some(REFUSAL_TTL.min(self.cache_ttl))
             }
-        };
-        if let Some(ttl) = ttl.filter(|t| !t.is_zero()) {
-            let accepted = answer.is_ok();
-            let map = if accepted { &self.cache } else { &self.refused };
-            let mut cache = seedlink_net::sync::lock(map, "token review cache");
-            if cache.len() >= CACHE_MAX {
-                cache.retain(|_, (until, _)| *until > now);
-            }
-            if cache.len() < CACHE_MAX {
-                cache.insert(token.to_string(), (now + ttl, answer.clone()));
-            } else if !accepted {
-                // A flood of refusals: forget refusals, never acceptances.
-                cache.clear();
-                cache.insert(token.to_string(), (now + ttl, answer.clone()));
-            }
         }
-        answer
     }
 
+    /// Caches `answer` for `token` until `now + ttl`, within [`CACHE_MAX`].
+    fn remember(&self, token: &str, now: Instant, ttl: Duration, answer: &Result<(), TokenError>) {
+        let accepted = answer.is_ok();
+        let map = if accepted { &self.cache } else { &self.refused };
+        let mut cache = seedlink_net::sync::lock(map, "token review cache");
+        if cache.len() >= CACHE_MAX {
+            cache.retain(|_, (until, _)| *until > now);
+        }
+        if cache.len() < CACHE_MAX {
+            cache.insert(token.to_string(), (now + ttl, answer.clone()));
+        } else if !accepted {
+            // A flood of refusals: forget refusals, never acceptances.
+            cache.clear();
+            cache.insert(token.to_string(), (now + ttl, answer.clone()));
+        }
+    }
+
+    /// The API server could not answer: `what` failed with `e`.
+    fn unavailable(&self, what: &str, e: &dyn std::fmt::Display) -> TokenError {
+        TokenError::Unavailable(format!("TokenReview at {}: {what}: {e}", self.authority))
+    }
+
+    /// Asks the API server about `token` (one connection per review).
     async fn review(&self, token: &str, audience: &str, subject: &str) -> Result<(), TokenError> {
-        let unavailable = |what: &str, e: &dyn std::fmt::Display| {
-            TokenError::Unavailable(format!("TokenReview at {}: {what}: {e}", self.authority))
-        };
-        let own = match &self.token_file {
-            Some(p) => {
-                let t = tokio::fs::read_to_string(p)
-                    .await
-                    .map_err(|e| unavailable(&format!("reading {}", p.display()), &e))?;
-                Some(t.trim().to_string())
-            }
-            None => None,
-        };
+        let req = self.request(token, audience).await?;
+        let (mut send, driver) = self.connect().await?;
+        let answer = self.ask(&mut send, req).await;
+        driver.abort();
+        verdict(answer?, audience, subject)
+    }
+
+    /// The TokenReview request, with this reviewer's own token if it has
+    /// one (read anew each time: it is rotated).
+    async fn request(
+        &self,
+        token: &str,
+        audience: &str,
+    ) -> Result<http::Request<Full<Bytes>>, TokenError> {
         let body = serde_json::json!({
             "apiVersion": "authentication.k8s.io/v1",
             "kind": "TokenReview",
             "spec": {"token": token, "audiences": [audience]},
         })
         .to_string();
+        let mut req = http::Request::post(self.path.as_str())
+            .header(http::header::HOST, self.authority.as_str())
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .header(http::header::ACCEPT, "application/json");
+        if let Some(p) = &self.token_file {
+            let own = tokio::fs::read_to_string(p)
+                .await
+                .map_err(|e| self.unavailable(&format!("reading {}", p.display()), &e))?;
+            req = req.header(
+                http::header::AUTHORIZATION,
+                format!("Bearer {}", own.trim()),
+            );
+        }
+        req.body(Full::new(Bytes::from(body)))
+            .map_err(|e| self.unavailable("request", &e))
+    }
+
+    /// TCP, TLS and HTTP/1.1 to the API server; the connection's driver
+    /// task is aborted when the review is done.
+    async fn connect(
+        &self,
+    ) -> Result<
+        (
+            hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+            tokio::task::JoinHandle<()>,
+        ),
+        TokenError,
+    > {
         let tcp = TcpStream::connect((self.host.as_str(), self.port))
             .await
-            .map_err(|e| unavailable("connect", &e))?;
+            .map_err(|e| self.unavailable("connect", &e))?;
         let _ = tcp.set_nodelay(true);
         let tls = self
             .tls
             .connect(self.server_name.clone(), tcp)
             .await
-            .map_err(|e| unavailable("TLS", &e))?;
-        let (mut send, conn) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
-                .await
-                .map_err(|e| unavailable("HTTP", &e))?;
+            .map_err(|e| self.unavailable("TLS", &e))?;
+        let (send, conn) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(tls))
+            .await
+            .map_err(|e| self.unavailable("HTTP", &e))?;
         let driver = tokio::spawn(async move {
             let _ = conn.await;
         });
-        let mut req = http::Request::post(self.path.as_str())
-            .header(http::header::HOST, self.authority.as_str())
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .header(http::header::ACCEPT, "application/json");
-        if let Some(t) = own {
-            req = req.header(http::header::AUTHORIZATION, format!("Bearer {t}"));
-        }
-        let req = req
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| unavailable("request", &e))?;
-        let result = async {
-            let resp = send
-                .send_request(req)
-                .await
-                .map_err(|e| unavailable("request", &e))?;
-            let status = resp.status();
-            let bytes = Limited::new(resp.into_body(), MAX_ANSWER)
-                .collect()
-                .await
-                .map_err(|e| unavailable("answer", &e))?
-                .to_bytes();
-            if !status.is_success() {
-                let msg = serde_json::from_slice::<ApiStatus>(&bytes)
-                    .map(|s| s.message)
-                    .unwrap_or_default();
-                return Err(unavailable(&format!("HTTP {status}"), &msg));
-            }
-            let review: Review =
-                serde_json::from_slice(&bytes).map_err(|e| unavailable("answer", &e))?;
-            let s = review.status;
-            if !s.authenticated {
-                return Err(TokenError::Invalid(if s.error.is_empty() {
-                    "not authenticated".into()
-                } else {
-                    s.error
-                }));
-            }
-            if !s.audiences.iter().any(|a| a == audience) {
-                return Err(TokenError::Invalid(format!(
-                    "token is not for audience {audience} (reviewed audiences {:?})",
-                    s.audiences
-                )));
-            }
-            if s.user.username != subject {
-                return Err(TokenError::WrongSubject(s.user.username));
-            }
-            Ok(())
-        }
-        .await;
-        driver.abort();
-        result
+        Ok((send, driver))
     }
+
+    /// Sends the request; the review's status, or why there is none.
+    async fn ask(
+        &self,
+        send: &mut hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+        req: http::Request<Full<Bytes>>,
+    ) -> Result<ReviewStatus, TokenError> {
+        let resp = send
+            .send_request(req)
+            .await
+            .map_err(|e| self.unavailable("request", &e))?;
+        let status = resp.status();
+        let bytes = Limited::new(resp.into_body(), MAX_ANSWER)
+            .collect()
+            .await
+            .map_err(|e| self.unavailable("answer", &e))?
+            .to_bytes();
+        if !status.is_success() {
+            let msg = serde_json::from_slice::<ApiStatus>(&bytes)
+                .map(|s| s.message)
+                .unwrap_or_default();
+            return Err(self.unavailable(&format!("HTTP {status}"), &msg));
+        }
+        let review: Review =
+            serde_json::from_slice(&bytes).map_err(|e| self.unavailable("answer", &e))?;
+        Ok(review.status)
+    }
+}
+
+/// What a review's status says about a token of `subject` for `audience`.
+fn verdict(s: ReviewStatus, audience: &str, subject: &str) -> Result<(), TokenError> {
+    if !s.authenticated {
+        return Err(TokenError::Invalid(if s.error.is_empty() {
+            "not authenticated".into()
+        } else {
+            s.error
+        }));
+    }
+    if !s.audiences.iter().any(|a| a == audience) {
+        return Err(TokenError::Invalid(format!(
+            "token is not for audience {audience} (reviewed audiences {:?})",
+            s.audiences
+        )));
+    }
+    if s.user.username != subject {
+        return Err(TokenError::WrongSubject(s.user.username));
+    }
+    Ok(())
 }

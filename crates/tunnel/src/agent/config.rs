@@ -169,19 +169,25 @@ impl AgentConfig {
         if self.sync_interval_cap < self.sync_interval {
             err("sync_interval_cap", "must be at least sync_interval".into());
         }
-        match &self.egress_proxy {
-            Some(url) => {
-                if let Err(e) = seedlink_net::egress::address_of(url) {
-                    err("egress_proxy", format!("{url:?}: {e}"));
-                }
-            }
-            None if self.egress_proxy_credentials_file.is_some() => err(
-                "egress_proxy_credentials_file",
-                "set without egress_proxy".into(),
-            ),
-            None => {}
+        if let Some((path, message)) = self.egress_problem() {
+            err(path, message);
         }
         errs
+    }
+
+    /// What is wrong with the egress proxy settings, if anything: the key
+    /// and why.
+    fn egress_problem(&self) -> Option<(&'static str, String)> {
+        match &self.egress_proxy {
+            Some(url) => seedlink_net::egress::address_of(url)
+                .err()
+                .map(|e| ("egress_proxy", format!("{url:?}: {e}"))),
+            None if self.egress_proxy_credentials_file.is_some() => Some((
+                "egress_proxy_credentials_file",
+                "set without egress_proxy".into(),
+            )),
+            None => None,
+        }
     }
 
     /// The egress proxy, its credentials read (checked by `check_files`).
@@ -220,20 +226,20 @@ impl AgentConfig {
             }
         }
         if let (Some(p), Some(_)) = (&self.egress_proxy_credentials_file, &self.egress_proxy) {
-            let read = std::fs::read_to_string(p)
-                .map_err(|e| e.to_string())
-                .and_then(|t| seedlink_net::egress::basic(&t));
-            if let Err(e) = read {
+            if let Err(e) = read_secret(p, seedlink_net::egress::basic) {
                 err("egress_proxy_credentials_file", p, e);
             }
         }
         if let Some(p) = &self.service_account_token_path {
-            match std::fs::read_to_string(p) {
-                Ok(t) if t.trim().is_empty() => {
-                    err("service_account_token_path", p, "empty".into())
+            let non_empty = |t: &str| {
+                if t.trim().is_empty() {
+                    Err("empty".to_string())
+                } else {
+                    Ok(())
                 }
-                Ok(_) => {}
-                Err(e) => err("service_account_token_path", p, e.to_string()),
+            };
+            if let Err(e) = read_secret(p, non_empty) {
+                err("service_account_token_path", p, e);
             }
         }
         errs
@@ -247,21 +253,31 @@ impl AgentConfig {
         if !errs.is_empty() {
             return Err(Errors(errs));
         }
-        let agent_id = self.agent_id.clone().or(env_agent_id).unwrap_or_else(|| {
-            let b: [u8; 8] = rand::random();
-            b.iter().map(|x| format!("{x:02x}")).collect()
-        });
+        let agent_id = self
+            .agent_id
+            .clone()
+            .or(env_agent_id)
+            .unwrap_or_else(random_agent_id);
         let egress = self.egress().map_err(|message| {
             Errors(vec![ConfigError {
                 path: "egress_proxy_credentials_file".into(),
                 message,
             }])
         })?;
+        Ok(self.options_with(agent_id, egress))
+    }
+
+    /// The options, the agent ID and egress proxy decided.
+    fn options_with(
+        &self,
+        agent_id: String,
+        egress: Option<seedlink_net::egress::EgressProxy>,
+    ) -> AgentOptions {
         let deny = match &self.deny_cidr {
             Some(d) => d.clone(),
             None => DEFAULT_DENY.iter().filter_map(|s| s.parse().ok()).collect(),
         };
-        Ok(AgentOptions {
+        AgentOptions {
             server: self.server.clone(),
             server_name: self
                 .server_name
@@ -288,8 +304,23 @@ impl AgentConfig {
             queue_bytes: 4 * 1024 * 1024,
             flow_control: self.flow_control,
             egress,
-        })
+        }
     }
+}
+
+/// Reads `p` and checks its text with `check`; why not, if it fails.
+fn read_secret<T>(
+    p: &std::path::Path,
+    check: impl FnOnce(&str) -> Result<T, String>,
+) -> Result<(), String> {
+    let text = std::fs::read_to_string(p).map_err(|e| e.to_string())?;
+    check(&text).map(|_| ())
+}
+
+/// A random agent ID (16 hex digits).
+fn random_agent_id() -> String {
+    let b: [u8; 8] = rand::random();
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -2,22 +2,33 @@
 //! ([`super::link::SessionLink`]), for the fuzzer
 //! (`fuzz/fuzz_targets/server_packets.rs`) and unit tests: arbitrary packets
 //! from a server interleaved with the agent's own events (a dial completes or
-//! fails, a destination closes or stalls), with the invariants checked after
-//! every step. No runtime, sockets, channels or clocks are involved.
+//! fails, a destination closes, blocks, makes progress or stalls, time
+//! passes), with the invariants checked after every step. No runtime,
+//! sockets or channels are involved, and time is a value the harness
+//! advances: advancing it fires the machine's stall timer as the driver's
+//! sleep until [`SessionLink::poll_timeout`] would.
 
 use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
 
-use super::link::{Action, Actions, Handled, SessionLink};
+use super::link::{Action, Actions, Expired, Handled, SessionLink};
 use crate::proto::{Packet, PacketType};
 
 /// A cancel handle the harness can inspect.
 #[derive(Debug, Default, Clone)]
 pub struct Flag(std::rc::Rc<std::cell::Cell<bool>>);
 
+/// The stall deadline of the machine under test.
+pub const STALL: Duration = Duration::from_secs(10);
+
 /// The machine under test and what its peers observed.
 pub struct Harness {
     link: SessionLink<u64, Flag>,
     out: Actions<u64, Flag>,
+    /// The harness's clock.
+    now: Instant,
+    /// Connections reset for a stall.
+    pub stalled: Vec<i64>,
     /// Dials started, in order (the server's dial IDs).
     dials: Vec<i64>,
     /// Connections answered per dial ID (never more than dials started
@@ -38,8 +49,10 @@ impl Harness {
     /// A new stream, flow control on if `flow`.
     pub fn new(flow: bool) -> Harness {
         Harness {
-            link: SessionLink::new(flow),
+            link: SessionLink::new(flow, STALL),
             out: Actions::new(),
+            now: Instant::now(),
+            stalled: Vec::new(),
             dials: Vec::new(),
             connected: HashMap::new(),
             ids: HashSet::new(),
@@ -87,38 +100,87 @@ impl Harness {
         self.apply();
     }
 
-    /// Connection `id`'s destination stalls.
+    /// Connection `id`'s DATA does not fit its queue: the stream waits
+    /// for room (if it is open and nothing waits already, as in the
+    /// driver).
+    pub fn conn_blocks(&mut self, id: i64) {
+        if self.link.conn(id).is_some() && self.link.waiting().is_none() {
+            self.link.blocked(self.now, id);
+        }
+        self.check();
+    }
+
+    /// The waiting connection's destination takes bytes.
+    pub fn progress(&mut self) {
+        self.link.progress(self.now);
+        self.check();
+    }
+
+    /// The waiting bytes fit now.
+    pub fn room(&mut self) {
+        self.link.unblocked();
+        self.check();
+    }
+
+    /// Connection `id`'s destination stalls: the clock runs past its stall
+    /// deadline.
     pub fn conn_stalls(&mut self, id: i64) {
-        self.link.stalled(id, &mut self.out);
-        self.apply();
+        self.conn_blocks(id);
+        self.advance(STALL);
+    }
+
+    /// Moves the clock by `by`, firing the timers due on the way.
+    pub fn advance(&mut self, by: Duration) {
+        let until = self.now + by;
+        while let Some(at) = self.link.poll_timeout().filter(|at| *at <= until) {
+            self.now = self.now.max(at);
+            let id = self.link.waiting();
+            match self.link.handle_timeout(self.now, &mut self.out) {
+                Expired::Nothing => panic!("a timer due at {at:?} did nothing"),
+                Expired::Stalled { reset } => {
+                    let open = id.is_some_and(|id| self.ends.contains_key(&id));
+                    if let (true, Some(id)) = (reset, id) {
+                        self.stalled.push(id);
+                    }
+                    assert!(!reset || open, "reset a connection never opened");
+                }
+            }
+            self.apply();
+        }
+        self.now = until;
     }
 
     fn nth_dial(&self, n: usize) -> Option<i64> {
         (!self.dials.is_empty()).then(|| self.dials[n % self.dials.len()])
     }
 
+    /// A packet the agent sent: a DIAL_RSP never names more connections
+    /// for a dial ID than dials were started with it; CLOSE_RSP; nothing
+    /// else.
+    fn sent(&mut self, p: &Packet) {
+        match (p.kind(), &p.payload) {
+            (Some(PacketType::DialRsp), Some(crate::proto::Payload::DialResponse(r))) => {
+                if r.connect_id != 0 {
+                    let n = self.connected.entry(r.random).or_insert(0);
+                    *n += 1;
+                    let started = self.dials.iter().filter(|d| **d == r.random).count();
+                    assert!(
+                        *n <= started,
+                        "dial {} answered with more connections than asked",
+                        r.random
+                    );
+                }
+            }
+            (Some(PacketType::DialRsp | PacketType::CloseRsp), _) => {}
+            (k, _) => panic!("the agent sent {k:?}"),
+        }
+    }
+
     /// Carries out the actions like the driver would, checking each.
     fn apply(&mut self) {
         while let Some(a) = self.out.pop_front() {
             match a {
-                Action::Send(p) => match p.kind() {
-                    Some(PacketType::DialRsp) => {
-                        if let Some(crate::proto::Payload::DialResponse(r)) = &p.payload {
-                            if r.connect_id != 0 {
-                                let n = self.connected.entry(r.random).or_insert(0);
-                                *n += 1;
-                                let started = self.dials.iter().filter(|d| **d == r.random).count();
-                                assert!(
-                                    *n <= started,
-                                    "dial {} answered with more connections than asked",
-                                    r.random
-                                );
-                            }
-                        }
-                    }
-                    Some(PacketType::CloseRsp) => {}
-                    k => panic!("the agent sent {k:?}"),
-                },
+                Action::Send(p) => self.sent(&p),
                 Action::Finish(_, p) => {
                     if let Some(p) = p {
                         assert_eq!(p.kind(), Some(PacketType::CloseRsp), "{p:?}");
@@ -141,8 +203,16 @@ impl Harness {
     }
 
     /// The invariants: an open connection's ends were never released and
-    /// are the ones it connected with; IDs are never reused.
+    /// are the ones it connected with; IDs are never reused; a waiting
+    /// connection has a stall deadline, and no timer is left due.
     pub fn check(&self) {
+        assert_eq!(
+            self.link.waiting().is_some(),
+            self.link.poll_timeout().is_some()
+        );
+        if let Some(at) = self.link.poll_timeout() {
+            assert!(at > self.now, "a timer was left due");
+        }
         for id in self.link.open() {
             let ends = self.link.conn(id).copied();
             assert_eq!(ends, self.ends.get(&id).copied(), "ends of {id}");
@@ -164,6 +234,7 @@ impl Harness {
         }
         assert_eq!(self.link.open().count(), 0);
         assert_eq!(self.link.pending(), 0);
+        assert_eq!(self.link.poll_timeout(), None);
         // Nothing is started after the end.
         self.link
             .on_packet(Packet::dial_req("h:1", 1), &mut self.out);
@@ -173,9 +244,11 @@ impl Harness {
 
 /// Runs one fuzz input: `[flags, (op, len, bytes…)*]`. Bit 0 of `flags`
 /// turns flow control on. Ops `0xfc..=0xff` are the agent's own events on
-/// dial or connection number `len` (connects, fails, ends, stalls); any
-/// other op feeds the next `len` bytes decoded as a packet from the server
-/// (undecodable ones are skipped).
+/// dial or connection number `len` (connects, fails, ends, stalls); `0xfb`
+/// blocks connection `len` (its DATA does not fit), `0xfa` is progress of
+/// the waiting destination, `0xf9` room for it, `0xf8` advances the clock
+/// `len` × 100 ms; any other op feeds the next `len` bytes decoded as a
+/// packet from the server (undecodable ones are skipped).
 pub fn run_bytes(data: &[u8]) {
     use prost::Message;
     let Some((&flags, mut rest)) = data.split_first() else {
@@ -188,6 +261,10 @@ pub fn run_bytes(data: &[u8]) {
             0xfe => h.dial_fails(usize::from(*len)),
             0xfd => h.conn_ends(i64::from(*len)),
             0xfc => h.conn_stalls(i64::from(*len)),
+            0xfb => h.conn_blocks(i64::from(*len)),
+            0xfa => h.progress(),
+            0xf9 => h.room(),
+            0xf8 => h.advance(Duration::from_millis(100 * u64::from(*len))),
             _ => {
                 let n = usize::from(*len).min(tail.len());
                 let (msg, next) = tail.split_at(n);
@@ -239,6 +316,20 @@ mod tests {
                 Handled::ServerDraining,
             ]
         );
+        // A third dial connects as connection 2, which blocks; its
+        // destination keeps taking bytes for a while, then stops: reset at
+        // the stall deadline after the last progress.
+        h.packet(Packet::dial_req("c:1", 12));
+        h.dial_connects(2);
+        // Connection 2 blocks; its destination keeps taking bytes for a
+        // while, then stops: reset at the stall deadline after the last.
+        h.conn_blocks(2);
+        h.advance(STALL / 2);
+        h.progress();
+        h.advance(STALL - Duration::from_millis(1));
+        assert!(h.stalled.is_empty());
+        h.advance(Duration::from_millis(1));
+        assert_eq!(h.stalled, [2]);
         h.stream_ends();
     }
 
@@ -265,7 +356,7 @@ mod tests {
                     },
                     _ => {
                         input.extend_from_slice(&[
-                            rng.random_range(0xfc..=0xff),
+                            rng.random_range(0xf8..=0xff),
                             rng.random_range(0..6),
                         ]);
                         continue;

@@ -4,8 +4,15 @@
 //! everything the peers should observe comes out as an [`Action`] for the
 //! driver (`agent::Session`) to carry out. No locks, channels, sockets or
 //! clock are inside, so tests and the fuzzer (`agent::harness`) drive it
-//! deterministically; the agent side keeps no timers of its own (stall and
-//! dial deadlines belong to the tasks that wait).
+//! deterministically.
+//!
+//! Its one timer is the stall deadline of a connection whose bytes wait for
+//! room, kept quinn-style like the server's: [`SessionLink::blocked`] and
+//! [`SessionLink::progress`] set it, [`SessionLink::poll_timeout`] says when
+//! it is due and [`SessionLink::handle_timeout`] resets the connection. The
+//! dial deadline stays with the dial task (agent `Agent::dial`): it bounds
+//! that task's own name lookup and connect, and its failure text and metric
+//! label come from how that IO ended.
 //!
 //! Generic over `C`, one connection's ends (in the agent: its queue towards
 //! the destination, its cancel handle and its sending window), and `P`, a
@@ -13,6 +20,7 @@
 //! handed to the dialer in [`Action::Dial`].
 
 use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -82,6 +90,20 @@ pub enum Action<C, P> {
 /// A queue of actions; the driver keeps one and drains it after each call.
 pub type Actions<C, P> = VecDeque<Action<C, P>>;
 
+/// What [`SessionLink::handle_timeout`] found due.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expired {
+    /// Nothing.
+    Nothing,
+    /// The waiting connection's destination took nothing for the stall
+    /// deadline: the wait is over. `reset`: the connection was still open
+    /// and is reset now.
+    Stalled {
+        /// It was open (and is reset).
+        reset: bool,
+    },
+}
+
 /// The agent's state of one stream to a server.
 #[derive(Debug)]
 pub struct SessionLink<C, P> {
@@ -92,11 +114,17 @@ pub struct SessionLink<C, P> {
     next_id: i64,
     pending: HashMap<i64, P>,
     conns: HashMap<i64, C>,
+    /// A connection whose destination takes nothing this long while its
+    /// bytes wait is reset.
+    stall: Duration,
+    /// The connection whose bytes wait for room, and its stall deadline.
+    waiting: Option<(i64, Instant)>,
 }
 
 impl<C, P: Default + Clone> SessionLink<C, P> {
-    /// A new stream; `flow`: per-connection flow control was negotiated.
-    pub fn new(flow: bool) -> SessionLink<C, P> {
+    /// A new stream; `flow`: per-connection flow control was negotiated;
+    /// `stall`: the stall deadline of a connection waiting for room.
+    pub fn new(flow: bool, stall: Duration) -> SessionLink<C, P> {
         SessionLink {
             flow,
             replicas: false,
@@ -104,6 +132,8 @@ impl<C, P: Default + Clone> SessionLink<C, P> {
             next_id: 1,
             pending: HashMap::new(),
             conns: HashMap::new(),
+            stall,
+            waiting: None,
         }
     }
 
@@ -137,52 +167,11 @@ impl<C, P: Default + Clone> SessionLink<C, P> {
     pub fn on_packet(&mut self, p: Packet, out: &mut Actions<C, P>) -> Handled {
         match (p.kind(), p.payload) {
             (Some(T::DialReq), Some(Payload::DialRequest(d))) => {
-                if self.ended {
-                    return Handled::Ok;
-                }
-                let cancel = P::default();
-                // A repeated dial ID replaces the earlier dial's entry: the
-                // first answer wins and the other is cancelled when it
-                // completes (as upstream's agent does).
-                self.pending.insert(d.random, cancel.clone());
-                out.push_back(Action::Dial {
-                    random: d.random,
-                    address: d.address,
-                    protocol: d.protocol,
-                    cancel,
-                });
-                Handled::Ok
+                self.on_dial_req(d.random, d.address, d.protocol, out)
             }
-            (Some(T::Data), Some(Payload::Data(d))) => {
-                if self.conns.contains_key(&d.connect_id) {
-                    out.push_back(Action::Deliver(d.connect_id, d.data));
-                    Handled::Ok
-                } else {
-                    out.push_back(Action::Send(Packet::close_rsp(
-                        d.connect_id,
-                        "unrecognized connectID".into(),
-                    )));
-                    Handled::UnknownConnectId
-                }
-            }
+            (Some(T::Data), Some(Payload::Data(d))) => self.on_data(d.connect_id, d.data, out),
             (Some(T::CloseReq), Some(Payload::CloseRequest(c))) => {
-                match self.conns.remove(&c.connect_id) {
-                    Some(ends) => {
-                        out.push_back(Action::Close(ends));
-                        out.push_back(Action::Finish(
-                            c.connect_id,
-                            Some(Packet::close_rsp(c.connect_id, String::new())),
-                        ));
-                        Handled::Ok
-                    }
-                    None => {
-                        out.push_back(Action::Send(Packet::close_rsp(
-                            c.connect_id,
-                            "Unknown connectID".into(),
-                        )));
-                        Handled::UnknownConnectId
-                    }
-                }
+                self.on_close_req(c.connect_id, out)
             }
             (Some(T::WindowUpdate), Some(Payload::WindowUpdate(w))) if self.flow => {
                 // A connection closed meanwhile needs no window.
@@ -206,6 +195,55 @@ impl<C, P: Default + Clone> SessionLink<C, P> {
             }
             _ => Handled::Unexpected,
         }
+    }
+
+    /// The server asks for a dial of `address` under its dial ID `random`.
+    fn on_dial_req(
+        &mut self,
+        random: i64,
+        address: String,
+        protocol: String,
+        out: &mut Actions<C, P>,
+    ) -> Handled {
+        if self.ended {
+            return Handled::Ok;
+        }
+        let cancel = P::default();
+        // A repeated dial ID replaces the earlier dial's entry: the first
+        // answer wins and the other is cancelled when it completes (as
+        // upstream's agent does).
+        self.pending.insert(random, cancel.clone());
+        out.push_back(Action::Dial {
+            random,
+            address,
+            protocol,
+            cancel,
+        });
+        Handled::Ok
+    }
+
+    /// DATA for connection `id`.
+    fn on_data(&mut self, id: i64, data: Bytes, out: &mut Actions<C, P>) -> Handled {
+        if self.conns.contains_key(&id) {
+            out.push_back(Action::Deliver(id, data));
+            return Handled::Ok;
+        }
+        let text = "unrecognized connectID".into();
+        out.push_back(Action::Send(Packet::close_rsp(id, text)));
+        Handled::UnknownConnectId
+    }
+
+    /// The server closes connection `id`.
+    fn on_close_req(&mut self, id: i64, out: &mut Actions<C, P>) -> Handled {
+        let Some(ends) = self.conns.remove(&id) else {
+            let text = "Unknown connectID".into();
+            out.push_back(Action::Send(Packet::close_rsp(id, text)));
+            return Handled::UnknownConnectId;
+        };
+        out.push_back(Action::Close(ends));
+        let rsp = Packet::close_rsp(id, String::new());
+        out.push_back(Action::Finish(id, Some(rsp)));
+        Handled::Ok
     }
 
     /// The dial for `random` failed with `text` (sent to the server).
@@ -243,10 +281,58 @@ impl<C, P: Default + Clone> SessionLink<C, P> {
         out.push_back(Action::Finish(id, None));
     }
 
+    /// A [`Action::Deliver`] to connection `id` did not fit its queue at
+    /// `now`: the stream reads nothing else until it does. Its destination
+    /// must take something within the stall deadline (see
+    /// [`SessionLink::progress`]) or the connection is reset.
+    pub fn blocked(&mut self, now: Instant, id: i64) {
+        self.waiting = Some((id, now + self.stall));
+    }
+
+    /// The waiting connection's destination took bytes at `now`: its stall
+    /// deadline starts again.
+    pub fn progress(&mut self, now: Instant) {
+        if let Some((_, deadline)) = &mut self.waiting {
+            *deadline = now + self.stall;
+        }
+    }
+
+    /// The waiting bytes went into their queue, or the connection's writer
+    /// left: the stream reads again.
+    pub fn unblocked(&mut self) {
+        self.waiting = None;
+    }
+
+    /// The connection whose bytes wait for room, if any.
+    pub fn waiting(&self) -> Option<i64> {
+        self.waiting.map(|(id, _)| id)
+    }
+
+    /// When the machine next wants [`SessionLink::handle_timeout`]: the
+    /// waiting connection's stall deadline; `None` when nothing waits.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.waiting.map(|(_, at)| at)
+    }
+
+    /// Carries out the timer due at `now`: the waiting connection past its
+    /// stall deadline is reset (CLOSE_RSP with the reason to the server),
+    /// nothing else.
+    pub fn handle_timeout(&mut self, now: Instant, out: &mut Actions<C, P>) -> Expired {
+        match self.waiting {
+            Some((id, at)) if at <= now => {
+                self.waiting = None;
+                Expired::Stalled {
+                    reset: self.reset_stalled(id, out),
+                }
+            }
+            _ => Expired::Nothing,
+        }
+    }
+
     /// Connection `id`'s destination took nothing for the stall deadline
     /// while its bytes waited: that connection is reset, nothing else.
     /// Returns whether it was open.
-    pub fn stalled(&mut self, id: i64, out: &mut Actions<C, P>) -> bool {
+    fn reset_stalled(&mut self, id: i64, out: &mut Actions<C, P>) -> bool {
         let Some(ends) = self.conns.remove(&id) else {
             return false;
         };
@@ -266,6 +352,7 @@ impl<C, P: Default + Clone> SessionLink<C, P> {
     pub fn end(&mut self, out: &mut Actions<C, P>) {
         self.ended = true;
         self.pending.clear();
+        self.waiting = None;
         for (_, ends) in self.conns.drain() {
             out.push_back(Action::Abort(ends));
         }
@@ -282,6 +369,8 @@ mod tests {
     struct Flag(std::rc::Rc<std::cell::Cell<bool>>);
 
     type Link = SessionLink<&'static str, Flag>;
+
+    const STALL: Duration = Duration::from_secs(10);
 
     fn names(out: &mut Actions<&'static str, Flag>) -> Vec<String> {
         out.drain(..)
@@ -302,7 +391,7 @@ mod tests {
 
     #[test]
     fn a_dial_connects_carries_data_and_closes_both_ways() {
-        let mut l = Link::new(true);
+        let mut l = Link::new(true, STALL);
         let mut out = Actions::new();
         assert_eq!(
             l.on_packet(Packet::dial_req("10.0.0.1:22", 7), &mut out),
@@ -334,7 +423,7 @@ mod tests {
 
     #[test]
     fn cancelled_and_failed_dials_and_unknown_ids() {
-        let mut l = Link::new(false);
+        let mut l = Link::new(false, STALL);
         let mut out = Actions::new();
         l.on_packet(Packet::dial_req("h:1", 1), &mut out);
         let Some(Action::Dial { cancel, .. }) = out.pop_front() else {
@@ -385,12 +474,12 @@ mod tests {
     #[test]
     fn replica_counts_are_taken_only_when_negotiated() {
         let mut out = Actions::new();
-        let mut plain = Link::new(false);
+        let mut plain = Link::new(false, STALL);
         assert_eq!(
             plain.on_packet(Packet::replicas(3), &mut out),
             Handled::Unexpected
         );
-        let mut l = Link::new(false).with_replica_updates();
+        let mut l = Link::new(false, STALL).with_replica_updates();
         assert_eq!(
             l.on_packet(Packet::replicas(3), &mut out),
             Handled::Replicas(3)
@@ -406,8 +495,28 @@ mod tests {
     }
 
     #[test]
+    fn progress_moves_the_stall_deadline_and_room_clears_it() {
+        let mut l = Link::new(false, STALL);
+        let mut out = Actions::new();
+        l.on_packet(Packet::dial_req("h:1", 1), &mut out);
+        l.connected(1, "a", &mut out);
+        out.clear();
+        let t0 = Instant::now();
+        l.blocked(t0, 1);
+        let t1 = t0 + STALL / 2;
+        l.progress(t1);
+        assert_eq!(l.poll_timeout(), Some(t1 + STALL));
+        assert_eq!(l.handle_timeout(t0 + STALL, &mut out), Expired::Nothing);
+        l.unblocked();
+        assert_eq!(l.poll_timeout(), None);
+        assert_eq!(l.handle_timeout(t1 + STALL, &mut out), Expired::Nothing);
+        assert!(out.is_empty());
+        assert!(l.conn(1).is_some());
+    }
+
+    #[test]
     fn a_stall_resets_one_connection_and_the_end_resets_all() {
-        let mut l = Link::new(false);
+        let mut l = Link::new(false, STALL);
         let mut out = Actions::new();
         for (r, c) in [(1, "a"), (2, "b"), (3, "c")] {
             l.on_packet(Packet::dial_req("h:1", r), &mut out);
@@ -415,9 +524,22 @@ mod tests {
         }
         l.on_packet(Packet::dial_req("h:1", 4), &mut out);
         out.clear();
-        assert!(l.stalled(2, &mut out));
-        assert!(!l.stalled(2, &mut out));
+        let t0 = Instant::now();
+        assert_eq!(l.poll_timeout(), None);
+        l.blocked(t0, 2);
+        assert_eq!(l.poll_timeout(), Some(t0 + STALL));
+        let before = t0 + STALL - Duration::from_nanos(1);
+        assert_eq!(l.handle_timeout(before, &mut out), Expired::Nothing);
+        assert!(out.is_empty());
+        let reset = Expired::Stalled { reset: true };
+        assert_eq!(l.handle_timeout(t0 + STALL, &mut out), reset);
         assert_eq!(names(&mut out), ["abort b", "finish 2 Some(CloseRsp)"]);
+        assert_eq!((l.waiting(), l.poll_timeout()), (None, None));
+        // Closed meanwhile: the wait still ends, nothing is reset.
+        l.blocked(t0, 2);
+        let gone = Expired::Stalled { reset: false };
+        assert_eq!(l.handle_timeout(t0 + STALL, &mut out), gone);
+        assert!(out.is_empty());
         l.end(&mut out);
         let mut got = names(&mut out);
         got.sort();

@@ -8,7 +8,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
 use futures_util::StreamExt;
@@ -374,24 +374,31 @@ async fn upload(
             Ok(0) => return "remote_closed",
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(_) => return "remote_closed",
-            Ok(n) => {
-                // Within the window: a server-side reader that stopped
-                // holds this connection back, nothing else.
-                if let Some(c) = credit {
-                    if c.take(n).await.is_err() {
-                        return "closed";
-                    }
-                }
-                if s.to_server
-                    .data(id, Packet::data(id, b.freeze()))
-                    .await
-                    .is_err()
-                {
-                    return "server_gone";
+            Ok(_) => {
+                if let Err(end) = send_up(s, id, credit, b.freeze()).await {
+                    return end;
                 }
             }
         }
     }
+}
+
+/// Sends what the destination sent as DATA of connection `id`, within the
+/// window: a server-side reader that stopped holds this connection back,
+/// nothing else. How the connection ended if it did.
+async fn send_up(
+    s: &Session,
+    id: i64,
+    credit: Option<&SendCredit>,
+    data: bytes::Bytes,
+) -> Result<(), &'static str> {
+    if let Some(c) = credit {
+        c.take(data.len()).await.map_err(|_| "closed")?;
+    }
+    s.to_server
+        .data(id, Packet::data(id, data))
+        .await
+        .map_err(|_| "server_gone")
 }
 
 /// Server to destination: writes the connection's queue, granting the
@@ -420,7 +427,50 @@ async fn download(
     }
 }
 
-use link::{Action, Actions, SessionLink};
+use link::{Action, Actions, Expired, SessionLink};
+
+/// Closes a stream's outbound queue when dropped, unless taken out: a
+/// queue that is never closed would keep the request stream open forever.
+struct CloseOnDrop(Option<Arc<FairQueue>>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        if let Some(q) = self.0.take() {
+            q.close();
+        }
+    }
+}
+
+/// Opens the `Connect` stream on `client`, its packets taken from `tx`;
+/// the server must answer within `t`.
+async fn open_connect(
+    client: &mut grpc::Client,
+    tx: &Arc<FairQueue>,
+    meta: &[(&'static str, String)],
+    t: Duration,
+) -> Result<tonic::Response<tonic::Streaming<Packet>>, ConnectError> {
+    let outbound =
+        futures_util::stream::unfold(
+            tx.clone(),
+            |q| async move { q.next().await.map(|p| (p, q)) },
+        );
+    tokio::time::timeout(
+        t,
+        grpc::open_stream(client, AGENT_CONNECT_PATH, outbound, meta),
+    )
+    .await
+    .map_err(|_| ConnectError::NoAnswer)?
+    .map_err(|s| ConnectError::Refused(format!("{} {}", s.code(), s.message())))
+}
+
+/// Reads a duplicate stream until the server ends it (at most 5 s), after
+/// our side ended it.
+async fn drain_duplicate(mut inbound: tonic::Streaming<Packet>) {
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Some(Ok(_)) = inbound.next().await {}
+    })
+    .await;
+}
 
 /// A connection's ends the session machine keeps.
 struct ConnEnds {
@@ -428,6 +478,14 @@ struct ConnEnds {
     cancel: CancellationToken,
     /// Window towards the server (flow control negotiated).
     credit: Option<SendCredit>,
+}
+
+impl ConnEnds {
+    /// Resets the connection: its task stops, its writer resets.
+    fn abort(self) {
+        self.cancel.cancel();
+        self.queue.abort();
+    }
 }
 
 /// The machine and its reusable action buffer, behind the session's lock.
@@ -466,8 +524,14 @@ impl Session {
         let _ = self.to_server.control(p);
     }
 
-    fn new(server_id: String, to_server: Arc<FairQueue>, flow: bool, replicas: bool) -> Session {
-        let machine = SessionLink::new(flow);
+    fn new(
+        server_id: String,
+        to_server: Arc<FairQueue>,
+        flow: bool,
+        replicas: bool,
+        stall: Duration,
+    ) -> Session {
+        let machine = SessionLink::new(flow, stall);
         Session {
             server_id,
             draining: AtomicBool::new(false),
@@ -497,12 +561,45 @@ impl Session {
         let mut g = seedlink_net::sync::lock(&self.state, "agent session");
         let Locked { machine, out } = &mut *g;
         let r = f(machine, out);
+        (r, self.apply(machine, out))
+    }
+
+    /// What waiting for room for connection `id`'s `data` saw: room (the
+    /// bytes are queued; a connection closed meanwhile drops them), the
+    /// writer gone, or progress (the stall deadline starts again). `true`
+    /// when the wait is over.
+    fn room_step(&self, id: i64, step: queue::Step, data: &bytes::Bytes) -> bool {
+        let mut g = seedlink_net::sync::lock(&self.state, "agent session");
+        match step {
+            queue::Step::Room => {
+                // Only the receive loop pushes, so the bytes fit.
+                if let Some(e) = g.machine.conn(id) {
+                    let _ = e.queue.push(data.clone());
+                }
+                g.machine.unblocked();
+                true
+            }
+            queue::Step::Closed => {
+                g.machine.unblocked();
+                true
+            }
+            queue::Step::Progress => {
+                g.machine.progress(Instant::now());
+                false
+            }
+        }
+    }
+
+    /// Carries out the machine's actions; nothing here waits.
+    fn apply(
+        &self,
+        machine: &mut SessionLink<ConnEnds, CancellationToken>,
+        out: &mut Actions<ConnEnds, CancellationToken>,
+    ) -> Applied {
         let mut applied = Applied::default();
         while let Some(a) = out.pop_front() {
             match a {
-                Action::Send(p) => {
-                    let _ = self.to_server.control(p);
-                }
+                Action::Send(p) => self.send_soon(p),
                 Action::Finish(id, last) => self.to_server.finish(id, last),
                 Action::Dial {
                     random,
@@ -512,30 +609,48 @@ impl Session {
                 } => applied.dials.push((random, address, protocol, cancel)),
                 Action::Cancel(c) => c.cancel(),
                 Action::Deliver(id, data) => {
-                    if let Some(e) = machine.conn(id) {
-                        match e.queue.push(data) {
-                            Ok(()) | Err(queue::PushError::Closed) => {}
-                            Err(queue::PushError::Full(data)) => {
-                                applied.blocked = Some((id, data, e.queue.room()));
-                            }
-                        }
+                    if let Some((data, room)) = deliver(machine, id, data) {
+                        machine.blocked(Instant::now(), id);
+                        applied.blocked = Some((id, data, room));
                     }
                 }
-                Action::Reopen(id, n) => {
-                    let fits = machine
-                        .conn(id)
-                        .and_then(|e| e.credit.as_ref())
-                        .is_none_or(|c| c.give(n));
-                    applied.bad_window |= !fits;
-                }
+                Action::Reopen(id, n) => applied.bad_window |= !reopen(machine, id, n),
                 Action::Close(e) => e.cancel.cancel(),
-                Action::Abort(e) => {
-                    e.cancel.cancel();
-                    e.queue.abort();
-                }
+                Action::Abort(e) => e.abort(),
             }
         }
-        (r, applied)
+        applied
+    }
+}
+
+/// Gives connection `id`'s sender `n` bytes more window; `false` when
+/// that is more than it used (a connection without a window takes any).
+fn reopen(machine: &SessionLink<ConnEnds, CancellationToken>, id: i64, n: i64) -> bool {
+    machine
+        .conn(id)
+        .and_then(|e| e.credit.as_ref())
+        .is_none_or(|c| c.give(n))
+}
+
+/// Queues DATA for connection `id`'s destination; what does not fit comes
+/// back with a handle to wait for room.
+fn deliver(
+    machine: &SessionLink<ConnEnds, CancellationToken>,
+    id: i64,
+    data: bytes::Bytes,
+) -> Option<(bytes::Bytes, queue::Room)> {
+    let e = machine.conn(id)?;
+    match e.queue.push(data) {
+        Ok(()) | Err(queue::PushError::Closed) => None,
+        Err(queue::PushError::Full(data)) => Some((data, e.queue.room())),
+    }
+}
+
+/// Sleeps until `at`; forever without one.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(tokio::time::Instant::from_std(at)).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -610,34 +725,36 @@ impl Agent {
                 self.shutdown.cancelled().await;
                 return;
             }
-            let wait = match self.connect_once().await {
-                Ok(new) => {
-                    AgentMetrics::count(
-                        &self.metrics.server_connects,
-                        if new { "ok" } else { "duplicate" },
-                    );
-                    delay = self.opts.sync_interval;
-                    self.discovery_wait()
-                }
-                Err(e) => {
-                    tracing::warn!(server = %self.opts.server, reason = e.reason(), error = %e, "cannot connect to the tunnel server");
-                    AgentMetrics::count(&self.metrics.server_connects, "error");
-                    AgentMetrics::count(&self.metrics.connect_errors, e.reason());
-                    let (wait, next) = retry_delay(
-                        delay,
-                        e.timed_out(),
-                        self.opts.sync_interval,
-                        self.opts.sync_interval_cap,
-                    );
-                    delay = next;
-                    wait
-                }
-            };
+            let (wait, next) = self.attempt(delay).await;
+            delay = next;
             let jitter = 0.9 + rand::random::<f64>() * 0.2;
             tokio::select! {
                 () = tokio::time::sleep(wait.mul_f64(jitter)) => {}
                 () = self.session_lost.notified() => {}
                 () = self.shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    /// One connection attempt, counted; the wait before the next and the
+    /// back-off after that (`delay`: the back-off now).
+    async fn attempt(self: &Arc<Self>, delay: Duration) -> (Duration, Duration) {
+        match self.connect_once().await {
+            Ok(new) => {
+                let outcome = if new { "ok" } else { "duplicate" };
+                AgentMetrics::count(&self.metrics.server_connects, outcome);
+                (self.discovery_wait(), self.opts.sync_interval)
+            }
+            Err(e) => {
+                tracing::warn!(server = %self.opts.server, reason = e.reason(), error = %e, "cannot connect to the tunnel server");
+                AgentMetrics::count(&self.metrics.server_connects, "error");
+                AgentMetrics::count(&self.metrics.connect_errors, e.reason());
+                retry_delay(
+                    delay,
+                    e.timed_out(),
+                    self.opts.sync_interval,
+                    self.opts.sync_interval_cap,
+                )
             }
         }
     }
@@ -762,64 +879,22 @@ impl Agent {
         let (mut client, goaway) = self.open_channel(t).await?;
         let meta = self.request_metadata()?;
         let tx = FairQueue::new();
-        let outbound =
-            futures_util::stream::unfold(
-                tx.clone(),
-                |q| async move { q.next().await.map(|p| (p, q)) },
-            );
         // Until the stream is kept, any early return must end it: a queue
         // that is never closed would keep the request stream open forever.
-        struct CloseOnDrop(Option<Arc<FairQueue>>);
-        impl Drop for CloseOnDrop {
-            fn drop(&mut self) {
-                if let Some(q) = self.0.take() {
-                    q.close();
-                }
-            }
-        }
         let mut guard = CloseOnDrop(Some(tx.clone()));
-        let resp = tokio::time::timeout(
-            t,
-            grpc::open_stream(&mut client, AGENT_CONNECT_PATH, outbound, &meta),
-        )
-        .await
-        .map_err(|_| ConnectError::NoAnswer)?
-        .map_err(|s| ConnectError::Refused(format!("{} {}", s.code(), s.message())))?;
-        let Answer {
-            server_id,
-            count,
-            flow: offered,
-            replicas,
-        } = answer(resp.metadata())?;
-        self.known_count.store(count.max(1), Ordering::Release);
-        let flow = self.opts.flow_control && offered;
-        let session = Arc::new(Session::new(server_id.clone(), tx, flow, replicas));
-        let duplicate = {
-            let mut s = seedlink_net::sync::lock(&self.sessions, "agent sessions");
-            match s.get(&server_id) {
-                Some(held) if !held.draining.load(Ordering::Acquire) => true,
-                // New, or the replacement of a draining replica that kept
-                // its ID (a new process of the same pod): the draining
-                // stream goes on serving what it carries, unlisted.
-                _ => {
-                    s.insert(server_id.clone(), session.clone());
-                    guard.0 = None;
-                    false
-                }
-            }
-        };
-        if duplicate {
+        let resp = open_connect(&mut client, &tx, &meta, t).await?;
+        let (session, count) = self.session(resp.metadata(), tx)?;
+        if !self.keep(&session) {
             // A replica we already hold: end our side cleanly and let the
             // server end its side, so neither counts an error.
             drop(guard);
-            let mut inbound = resp.into_inner();
-            let _ = tokio::time::timeout(Duration::from_secs(5), async {
-                while let Some(Ok(_)) = inbound.next().await {}
-            })
-            .await;
+            drain_duplicate(resp.into_inner()).await;
             return Ok(false);
         }
+        guard.0 = None;
         self.metrics.servers.inc();
+        let server_id = &session.server_id;
+        let flow = session.flow;
         tracing::info!(
             server_id,
             servercount = count,
@@ -833,6 +908,43 @@ impl Agent {
             agent.session_ended(&session, goaway.code());
         });
         Ok(true)
+    }
+
+    /// The session a server's answer describes (`serverid`, the extensions
+    /// it agreed to) over queue `tx`, and the replica count it gave (taken
+    /// as the one known now).
+    fn session(
+        &self,
+        meta: &tonic::metadata::MetadataMap,
+        tx: Arc<FairQueue>,
+    ) -> Result<(Arc<Session>, i64), ConnectError> {
+        let Answer {
+            server_id,
+            count,
+            flow: offered,
+            replicas,
+        } = answer(meta)?;
+        self.known_count.store(count.max(1), Ordering::Release);
+        let flow = self.opts.flow_control && offered;
+        let stall = self.opts.stall_timeout;
+        let session = Session::new(server_id, tx, flow, replicas, stall);
+        Ok((Arc::new(session), count))
+    }
+
+    /// Lists a new stream under its server ID; `false` (not listed) when a
+    /// stream to that replica is held already. A replica that drains does
+    /// not count: its replacement may have kept the ID (a new process of
+    /// the same pod), and the draining stream goes on serving what it
+    /// carries, unlisted.
+    fn keep(&self, session: &Arc<Session>) -> bool {
+        let mut s = seedlink_net::sync::lock(&self.sessions, "agent sessions");
+        match s.get(&session.server_id) {
+            Some(held) if !held.draining.load(Ordering::Acquire) => false,
+            _ => {
+                s.insert(session.server_id.clone(), session.clone());
+                true
+            }
+        }
     }
 
     /// A stream ended: forget it (only this stream: a replacement may hold
@@ -880,20 +992,7 @@ impl Agent {
                 () = self.shutdown.cancelled() => return,
             };
             let (h, applied) = s.with(|m, out| m.on_packet(p, out));
-            if h == link::Handled::ServerDraining && !s.draining.swap(true, Ordering::AcqRel) {
-                tracing::info!(server_id = %s.server_id, "the tunnel server drains: looking for a replica to replace it");
-                AgentMetrics::count(&self.metrics.server_connects, "server_draining");
-                self.session_lost.notify_one();
-            }
-            if let link::Handled::Replicas(n) = h {
-                self.replicas_changed(&s.server_id, n);
-            }
-            if let Some(label) = h.bad_label() {
-                AgentMetrics::count(&self.metrics.bad_packets, label);
-            }
-            if applied.bad_window {
-                AgentMetrics::count(&self.metrics.bad_packets, "bad_window");
-            }
+            self.handled(&s, h, applied.bad_window);
             for (random, address, protocol, cancel) in applied.dials {
                 let (agent, s) = (self.clone(), s.clone());
                 tokio::spawn(async move { agent.dial(s, address, protocol, random, cancel).await });
@@ -903,26 +1002,66 @@ impl Agent {
                 // flow control): read nothing more from this server until
                 // the destination makes room, as long as it keeps taking
                 // bytes.
-                let waited = tokio::select! {
-                    w = room.wait(data.len(), self.opts.stall_timeout) => w,
-                    () = self.shutdown.cancelled() => return,
-                };
-                match waited {
-                    queue::WaitEnd::Room => {
-                        // Only this loop pushes, so the bytes fit; a
-                        // connection closed meanwhile drops them.
-                        let g = seedlink_net::sync::lock(&s.state, "agent session");
-                        if let Some(e) = g.machine.conn(id) {
-                            let _ = e.queue.push(data);
-                        }
-                    }
-                    queue::WaitEnd::Closed => {}
-                    queue::WaitEnd::Stalled => {
-                        if s.with(|m, out| m.stalled(id, out)).0 {
-                            AgentMetrics::count(&self.metrics.endpoint_closes, "stalled");
+                if !self.wait_for_room(&s, id, data, room).await {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// What a packet from the server meant beyond its actions: DRAIN
+    /// (look for a replica to replace it), REPLICAS, counters for bad
+    /// packets and windows.
+    fn handled(&self, s: &Session, h: link::Handled, bad_window: bool) {
+        if h == link::Handled::ServerDraining && !s.draining.swap(true, Ordering::AcqRel) {
+            tracing::info!(server_id = %s.server_id, "the tunnel server drains: looking for a replica to replace it");
+            AgentMetrics::count(&self.metrics.server_connects, "server_draining");
+            self.session_lost.notify_one();
+        }
+        if let link::Handled::Replicas(n) = h {
+            self.replicas_changed(&s.server_id, n);
+        }
+        if let Some(label) = h.bad_label() {
+            AgentMetrics::count(&self.metrics.bad_packets, label);
+        }
+        if bad_window {
+            AgentMetrics::count(&self.metrics.bad_packets, "bad_window");
+        }
+    }
+
+    /// Waits until connection `id`'s bytes fit its queue, then queues them,
+    /// while its destination keeps taking bytes; the session machine's
+    /// stall deadline ends the wait (resetting the connection). `false` on
+    /// shutdown.
+    async fn wait_for_room(
+        &self,
+        s: &Session,
+        id: i64,
+        data: bytes::Bytes,
+        room: queue::Room,
+    ) -> bool {
+        loop {
+            let due = seedlink_net::sync::lock(&s.state, "agent session")
+                .machine
+                .poll_timeout();
+            let step = tokio::select! {
+                step = room.step(data.len()) => step,
+                () = sleep_until(due) => {
+                    let now = Instant::now();
+                    match s.with(|m, out| m.handle_timeout(now, out)).0 {
+                        Expired::Nothing => continue,
+                        Expired::Stalled { reset } => {
+                            if reset {
+                                AgentMetrics::count(&self.metrics.endpoint_closes, "stalled");
+                            }
+                            return true;
                         }
                     }
                 }
+                () = self.shutdown.cancelled() => return false,
+            };
+            if s.room_step(id, step, &data) {
+                return true;
             }
         }
     }
@@ -954,38 +1093,11 @@ impl Agent {
         random: i64,
         cancel: CancellationToken,
     ) {
-        let outcome = tokio::select! {
-            r = tokio::time::timeout(self.opts.dial_timeout, self.open(&address, &protocol)) => match r {
-                Ok(r) => r,
-                Err(_) => Err(dialerr::DialFailure::timeout(&address)),
-            },
-            () = cancel.cancelled() => {
-                AgentMetrics::count(&self.metrics.dials, "cancelled");
-                return;
-            }
-            () = s.gone.cancelled() => return,
+        let Some(stream) = self.reach(&s, &address, &protocol, random, &cancel).await else {
+            return;
         };
-        let stream = match outcome {
-            Ok(stream) => stream,
-            Err(failure) => {
-                AgentMetrics::count(&self.metrics.dials, failure.label());
-                s.with(|m, out| m.dial_failed(random, failure.text, out));
-                return;
-            }
-        };
-        let budget = if s.flow {
-            2 * flow::WINDOW
-        } else {
-            self.opts.queue_bytes
-        };
-        let (qtx, qrx) = queue::queue(budget);
-        let cancel = CancellationToken::new();
-        let credit = s.flow.then(SendCredit::new);
-        let ends = ConnEnds {
-            queue: qtx,
-            cancel: cancel.clone(),
-            credit: credit.clone(),
-        };
+        let (ends, qrx) = self.conn_ends(s.flow);
+        let (cancel, credit) = (ends.cancel.clone(), ends.credit.clone());
         let Some(id) = s.with(|m, out| m.connected(random, ends, out)).0 else {
             // Cancelled meanwhile, or the stream ended: the socket closes.
             AgentMetrics::count(&self.metrics.dials, "cancelled");
@@ -1007,6 +1119,57 @@ impl Agent {
         }
         self.metrics.endpoints.dec();
         AgentMetrics::count(&self.metrics.endpoint_closes, outcome);
+    }
+
+    /// Connects to the destination within the dial timeout (a deadline on
+    /// this task's own lookup and connect, so it stays here: the failure's
+    /// text and label come from how that IO ended). A failure is counted
+    /// and answered to the server; `None` then, or when the server
+    /// cancelled the dial or the stream ended.
+    async fn reach(
+        &self,
+        s: &Session,
+        address: &str,
+        protocol: &str,
+        random: i64,
+        cancel: &CancellationToken,
+    ) -> Option<TcpStream> {
+        let outcome = tokio::select! {
+            r = tokio::time::timeout(self.opts.dial_timeout, self.open(address, protocol)) => match r {
+                Ok(r) => r,
+                Err(_) => Err(dialerr::DialFailure::timeout(address)),
+            },
+            () = cancel.cancelled() => {
+                AgentMetrics::count(&self.metrics.dials, "cancelled");
+                return None;
+            }
+            () = s.gone.cancelled() => return None,
+        };
+        match outcome {
+            Ok(stream) => Some(stream),
+            Err(failure) => {
+                AgentMetrics::count(&self.metrics.dials, failure.label());
+                s.with(|m, out| m.dial_failed(random, failure.text, out));
+                None
+            }
+        }
+    }
+
+    /// A new connection's ends and its destination's queue; with flow
+    /// control (`flow`) the server never has more than a window in flight.
+    fn conn_ends(&self, flow: bool) -> (ConnEnds, queue::QueueRx) {
+        let budget = if flow {
+            2 * flow::WINDOW
+        } else {
+            self.opts.queue_bytes
+        };
+        let (queue, qrx) = queue::queue(budget);
+        let ends = ConnEnds {
+            queue,
+            cancel: CancellationToken::new(),
+            credit: flow.then(SendCredit::new),
+        };
+        (ends, qrx)
     }
 
     /// Resolves (within policy) and connects.

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use tokio::net::TcpListener;
 
 use super::core::Core;
+use super::Cluster;
 use seedlink_net::admin::{self, rfc3339, Answer, HTML, JSON, METRICS, PAGE, TEXT};
 
 /// Serves the admin endpoint.
@@ -15,29 +16,7 @@ pub async fn serve(srv: Arc<Core>, listener: TcpListener, access: admin::Access)
     let route = move |path: &str| -> Answer {
         match path {
             "/healthz" => (200, TEXT, "ok\n".into()),
-            "/readyz" | "/ready" => {
-                // Probes are answered without the admin token, so the body
-                // names no tenant: totals only (per cluster: /api/state).
-                let clusters = srv.registry.clusters();
-                let (agents, draining) = clusters.iter().fold((0, 0), |(a, d), c| {
-                    (a + c.agent_count(), d + c.draining_count())
-                });
-                let body = format!(
-                    "clusters={} agents={agents} draining={draining}\n",
-                    clusters.len()
-                );
-                if srv.ready() {
-                    (200, TEXT, body)
-                } else if srv.accepting.is_cancelled() {
-                    (503, TEXT, format!("draining\n{body}"))
-                } else {
-                    (
-                        503,
-                        TEXT,
-                        format!("no connection to any proxy agent\n{body}"),
-                    )
-                }
-            }
+            "/readyz" | "/ready" => readiness(&srv),
             "/metrics" => {
                 srv.metrics.tasks.set(
                     i64::try_from(srv.tasks.len() + srv.frontend_tasks.len()).unwrap_or(i64::MAX),
@@ -51,11 +30,8 @@ pub async fn serve(srv: Arc<Core>, listener: TcpListener, access: admin::Access)
                     "generation": view.generation,
                     "config": view.config,
                 });
-                (
-                    200,
-                    JSON,
-                    serde_json::to_string_pretty(&body).unwrap_or_default() + "\n",
-                )
+                let text = serde_json::to_string_pretty(&body).unwrap_or_default();
+                (200, JSON, text + "\n")
             }
             "/api/state" => (200, JSON, state(&srv).to_string()),
             _ => (
@@ -68,41 +44,37 @@ pub async fn serve(srv: Arc<Core>, listener: TcpListener, access: admin::Access)
     admin::serve_with(listener, 32, access, Arc::new(route)).await;
 }
 
+/// `/readyz`. Probes are answered without the admin token, so the body
+/// names no tenant: totals only (per cluster: /api/state).
+fn readiness(srv: &Core) -> Answer {
+    let clusters = srv.registry.clusters();
+    let (agents, draining) = clusters.iter().fold((0, 0), |(a, d), c| {
+        (a + c.agent_count(), d + c.draining_count())
+    });
+    let body = format!(
+        "clusters={} agents={agents} draining={draining}\n",
+        clusters.len()
+    );
+    if srv.ready() {
+        (200, TEXT, body)
+    } else if srv.accepting.is_cancelled() {
+        (503, TEXT, format!("draining\n{body}"))
+    } else {
+        (
+            503,
+            TEXT,
+            format!("no connection to any proxy agent\n{body}"),
+        )
+    }
+}
+
 /// Every cluster's live state, as the page and scripts read it.
 pub fn state(srv: &Core) -> serde_json::Value {
     let clusters: Vec<serde_json::Value> = srv
         .registry
         .clusters()
         .iter()
-        .map(|c| {
-            let health = c.health();
-            let agents: Vec<serde_json::Value> = c
-                .agents()
-                .iter()
-                .map(|a| {
-                    serde_json::json!({
-                        "id": a.agent_id,
-                        "identifiers": a.ids.to_string(),
-                        "connected_since": rfc3339(a.since),
-                        "draining": a.draining(),
-                    })
-                })
-                .collect();
-            let errors: serde_json::Map<String, serde_json::Value> = health
-                .dial_errors
-                .iter()
-                .map(|(r, n)| ((*r).to_string(), (*n).into()))
-                .collect();
-            serde_json::json!({
-                "name": &*c.name,
-                "agents": agents,
-                "agents_changed": health.agents_changed.map(rfc3339),
-                "established": c.metrics.established_now(),
-                "pending": c.metrics.pending_now(),
-                "dial_errors": errors,
-                "frontends": c.conf.load().frontends,
-            })
-        })
+        .map(|c| cluster_state(c))
         .collect();
     serde_json::json!({
         "role": "tunnel-server",
@@ -118,5 +90,36 @@ pub fn state(srv: &Core) -> serde_json::Value {
             "agents_moving": srv.agents_moving.load(std::sync::atomic::Ordering::Acquire),
         },
         "clusters": clusters,
+    })
+}
+
+/// One cluster's agents, tunnels, dials and errors.
+fn cluster_state(c: &Cluster) -> serde_json::Value {
+    let health = c.health();
+    let agents: Vec<serde_json::Value> = c
+        .agents()
+        .iter()
+        .map(|a| {
+            serde_json::json!({
+                "id": a.agent_id,
+                "identifiers": a.ids.to_string(),
+                "connected_since": rfc3339(a.since),
+                "draining": a.draining(),
+            })
+        })
+        .collect();
+    let errors: serde_json::Map<String, serde_json::Value> = health
+        .dial_errors
+        .iter()
+        .map(|(r, n)| ((*r).to_string(), (*n).into()))
+        .collect();
+    serde_json::json!({
+        "name": &*c.name,
+        "agents": agents,
+        "agents_changed": health.agents_changed.map(rfc3339),
+        "established": c.metrics.established_now(),
+        "pending": c.metrics.pending_now(),
+        "dial_errors": errors,
+        "frontends": c.conf.load().frontends,
     })
 }

@@ -32,22 +32,8 @@ where
 {
     let activity = Activity::new();
     let tcp = Watched::new(tcp, activity.clone());
-    let tls = match tokio::time::timeout(
-        srv.settings.handshake_timeout,
-        srv.agent_tls.load_full().accept(tcp),
-    )
-    .await
-    {
-        Ok(Ok(s)) => s,
-        Ok(Err(e)) => {
-            tracing::info!(%peer, error = %e, "agent TLS handshake failed");
-            srv.metrics.agent_stream("", "tls_failed");
-            return;
-        }
-        Err(_) => {
-            srv.metrics.agent_stream("", "tls_timeout");
-            return;
-        }
+    let Some(tls) = accept_tls(&srv, tcp, peer).await else {
+        return;
     };
     let certs: Certs = tls
         .get_ref()
@@ -55,108 +41,189 @@ where
         .peer_certificates()
         .map(|c| c.iter().map(|c| c.clone().into_owned()).collect())
         .unwrap_or_default();
-    // A certificate decides the cluster at once; without one, the token
-    // in the stream's metadata must.
-    let cert_cluster = if certs.is_empty() {
-        None
-    } else {
-        match srv.registry.cluster_for_cert(&certs) {
-            Ok(c) => Some(c),
-            Err(super::CertMatch::None) => {
-                tracing::warn!(%peer, "agent certificate matches no cluster");
-                srv.metrics.agent_stream("", "unknown_cluster");
-                return;
-            }
-            Err(super::CertMatch::Ambiguous(a, b)) => {
-                tracing::warn!(%peer, first = %a, second = %b, "agent certificate verifies for two clusters (their CAs are linked): refused");
-                srv.metrics.agent_stream("", "ambiguous_cluster");
-                return;
-            }
-        }
+    let Ok(cert_cluster) = cluster_of_cert(&srv, &certs, peer) else {
+        return;
     };
     // A connection that opens no stream within the handshake deadline is
     // closed: past TLS, a client without a certificate is still nobody.
     let opened = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let handler: Handler = {
-        let srv = srv.clone();
-        let opened = opened.clone();
-        Arc::new(move |req: tonic::Request<tonic::Streaming<Packet>>| {
-            opened.store(true, std::sync::atomic::Ordering::Relaxed);
-            let (srv, cert_cluster, certs) = (srv.clone(), cert_cluster.clone(), certs.clone());
-            let activity = activity.clone();
-            Box::pin(
-                async move { open_stream(srv, cert_cluster, certs, activity, req, peer).await },
-            )
-        })
+    let conn = AgentConn {
+        srv: srv.clone(),
+        cert_cluster,
+        certs,
+        activity,
+        peer,
     };
-    let first_stream = async {
-        tokio::time::sleep(srv.settings.handshake_timeout).await;
-        if opened.load(std::sync::atomic::Ordering::Relaxed) {
-            std::future::pending::<()>().await;
-        }
-    };
+    let handler = conn.handler(opened.clone());
+    let first_stream = no_stream_within(srv.settings.handshake_timeout, &opened);
     tokio::select! {
         () = grpc::serve(tls, vec![(AGENT_CONNECT_PATH, handler)], srv.agent_h2) => {}
         () = first_stream => srv.metrics.agent_stream("", "no_stream"),
     }
 }
 
+/// Ends after `deadline` unless a stream was `opened` by then.
+async fn no_stream_within(deadline: std::time::Duration, opened: &std::sync::atomic::AtomicBool) {
+    tokio::time::sleep(deadline).await;
+    if opened.load(std::sync::atomic::Ordering::Relaxed) {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// The TLS handshake within the handshake deadline; `None` (counted) if
+/// it failed or took too long.
+async fn accept_tls<IO>(
+    srv: &Core,
+    tcp: IO,
+    peer: SocketAddr,
+) -> Option<tokio_rustls::server::TlsStream<IO>>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let accept = srv.agent_tls.load_full().accept(tcp);
+    match tokio::time::timeout(srv.settings.handshake_timeout, accept).await {
+        Ok(Ok(s)) => Some(s),
+        Ok(Err(e)) => {
+            tracing::info!(%peer, error = %e, "agent TLS handshake failed");
+            srv.metrics.agent_stream("", "tls_failed");
+            None
+        }
+        Err(_) => {
+            srv.metrics.agent_stream("", "tls_timeout");
+            None
+        }
+    }
+}
+
+/// A certificate decides the cluster at once (`Ok(None)` without one: the
+/// token in the stream's metadata must); `Err` (counted) when it matches
+/// no cluster or two.
+fn cluster_of_cert(
+    srv: &Core,
+    certs: &Certs,
+    peer: SocketAddr,
+) -> Result<Option<Arc<Cluster>>, ()> {
+    if certs.is_empty() {
+        return Ok(None);
+    }
+    match srv.registry.cluster_for_cert(certs) {
+        Ok(c) => Ok(Some(c)),
+        Err(super::CertMatch::None) => {
+            tracing::warn!(%peer, "agent certificate matches no cluster");
+            srv.metrics.agent_stream("", "unknown_cluster");
+            Err(())
+        }
+        Err(super::CertMatch::Ambiguous(a, b)) => {
+            tracing::warn!(%peer, first = %a, second = %b, "agent certificate verifies for two clusters (their CAs are linked): refused");
+            srv.metrics.agent_stream("", "ambiguous_cluster");
+            Err(())
+        }
+    }
+}
+
 type Certs = Vec<rustls::pki_types::CertificateDer<'static>>;
 
-/// One `Connect` stream: its cluster, its identity, the link, the receive
-/// loop, and the answer with `serverid`/`servercount`.
-async fn open_stream(
+/// What the streams of one agent connection share: its certificate's
+/// cluster and chain, its read stamp, its address.
+#[derive(Clone)]
+struct AgentConn {
     srv: Arc<Core>,
     cert_cluster: Option<Arc<Cluster>>,
     certs: Certs,
     activity: Arc<Activity>,
-    req: tonic::Request<tonic::Streaming<Packet>>,
     peer: SocketAddr,
+}
+
+impl AgentConn {
+    /// The `Connect` handler: each stream is opened by [`open_stream`];
+    /// `opened` tells that one was.
+    fn handler(self, opened: Arc<std::sync::atomic::AtomicBool>) -> Handler {
+        Arc::new(move |req: tonic::Request<tonic::Streaming<Packet>>| {
+            opened.store(true, std::sync::atomic::Ordering::Relaxed);
+            Box::pin(open_stream(self.clone(), req))
+        })
+    }
+}
+
+/// One `Connect` stream: its cluster, its identity, the link, the receive
+/// loop, and the answer with `serverid`/`servercount`.
+async fn open_stream(
+    conn: AgentConn,
+    req: tonic::Request<tonic::Streaming<Packet>>,
 ) -> Result<Response<PacketStream>, Status> {
+    let srv = conn.srv.clone();
     let meta = req.metadata();
+    let auth = one_authorization(&srv, meta)?;
+    let cert_cluster = conn.cert_cluster.clone();
+    let cluster = stream_cluster(&srv, cert_cluster, auth.as_deref(), conn.peer).await?;
+    let identity = stream_identity(&srv, &cluster, meta)?;
+    let (flow, replicas) = (identity.flow, identity.replicas);
+    let (link, to_agent, probe) = attach_stream(&cluster, identity, conn, auth);
+    let answer = response(&srv, to_agent, flow, replicas);
+    // Registered after the drain or a hand-over began (its handshake or
+    // TokenReview was under way): it gets the DRAIN the others got.
+    let moving = srv.agents_moving.load(std::sync::atomic::Ordering::Acquire);
+    if srv.accepting.is_cancelled() || moving {
+        link.drain_notice();
+    }
+    tokio::spawn(receive(srv, cluster, link, req.into_inner(), probe));
+    answer
+}
+
+/// The stream's `authorization` (at most one).
+fn one_authorization(
+    srv: &Core,
+    meta: &tonic::metadata::MetadataMap,
+) -> Result<Option<String>, Status> {
     let auth: Vec<_> = meta.get_all("authorization").iter().collect();
-    let auth = match auth.as_slice() {
-        [] => None,
-        [one] => Some(one.to_str().unwrap_or_default().to_string()),
+    match auth.as_slice() {
+        [] => Ok(None),
+        [one] => Ok(Some(one.to_str().unwrap_or_default().to_string())),
         _ => {
             srv.metrics.agent_stream("", "bad_token");
-            return Err(Status::unauthenticated("expected one authorization"));
+            Err(Status::unauthenticated("expected one authorization"))
         }
+    }
+}
+
+/// Registers the stream in `cluster` with what it says and presented;
+/// its link's timers come from the server's settings. `true` with a probe:
+/// a second stream of an agent ID this cluster already has is usually
+/// replica discovery that reached a replica it holds; it ends cleanly, is
+/// counted as `duplicate`, and logs only at debug level.
+fn attach_stream(
+    cluster: &Cluster,
+    identity: Identity,
+    conn: AgentConn,
+    auth: Option<String>,
+) -> (Arc<AgentLink>, Arc<FairQueue>, bool) {
+    let timers = super::link::Timers {
+        stall: conn.srv.settings.stall_timeout,
+        unresponsive_after: conn.srv.dial_settings().unresponsive_after,
     };
-    let cluster = stream_cluster(&srv, cert_cluster, auth.as_deref(), peer).await?;
     let Identity {
         agent_id,
         ids,
         flow,
         replicas,
-    } = stream_identity(&srv, &cluster, meta)?;
-    // A second stream of an agent ID this cluster already has is usually
-    // replica discovery that reached a replica it holds: it ends cleanly,
-    // is counted as `duplicate`, and logs only at debug level.
+    } = identity;
     let probe = cluster.agents().iter().any(|l| l.agent_id == agent_id);
-    let (link, to_agent) = attach(&cluster, agent_id.clone(), ids, flow);
+    let (link, to_agent) = attach(cluster, agent_id, ids, flow, timers);
     link.replica_updates
         .store(replicas, std::sync::atomic::Ordering::Release);
-    let _ = link.certs.set(certs);
-    let _ = link.activity.set(activity);
+    let _ = link.certs.set(conn.certs);
+    let _ = link.activity.set(conn.activity);
     if let Some(a) = auth {
         let _ = link.authorization.set(a);
     }
     cluster.metrics.agent(1);
+    let (name, agent, uid) = (&cluster.name, &link.agent_id, link.uid);
     if probe {
-        tracing::debug!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, "agent stream (agent already connected)");
+        tracing::debug!(cluster = %name, agent = %agent, uid, "agent stream (agent already connected)");
     } else {
-        tracing::info!(cluster = %cluster.name, agent = %agent_id, uid = link.uid, flow, "agent connected");
+        tracing::info!(cluster = %name, agent = %agent, uid, flow, "agent connected");
     }
-    let answer = response(&srv, to_agent, flow, replicas);
-    // Registered after the drain or a hand-over began (its handshake or
-    // TokenReview was under way): it gets the DRAIN the others got.
-    if srv.accepting.is_cancelled() || srv.agents_moving.load(std::sync::atomic::Ordering::Acquire)
-    {
-        link.drain_notice();
-    }
-    tokio::spawn(receive(srv, cluster, link, req.into_inner(), probe));
-    answer
+    (link, to_agent, probe)
 }
 
 /// The cluster of a stream: its certificate's, whose token (if the
@@ -181,34 +248,7 @@ async fn stream_cluster(
         },
         None => None,
     };
-    let cluster = match (cert_cluster, auth) {
-        (Some(c), Some(a)) if c.conf.load().token.is_some() => {
-            let token = c.conf.load().token.clone();
-            let checked = match token {
-                Some(t) => t.check(a).await,
-                None => Ok(()),
-            };
-            if let Err(e) = checked {
-                tracing::warn!(%peer, cluster = %c.name, error = %e, "agent token refused");
-                return Err(token_refused(srv, &c.name, &e));
-            }
-            c
-        }
-        (Some(c), _) => c,
-        (None, Some(a)) => match srv.registry.cluster_for_token(a).await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(%peer, error = %e, "agent token refused");
-                return Err(token_refused(srv, "", &e));
-            }
-        },
-        (None, None) => {
-            srv.metrics.agent_stream("", "no_credentials");
-            return Err(Status::unauthenticated(
-                "a client certificate or a ServiceAccount token is required",
-            ));
-        }
-    };
+    let cluster = credited_cluster(srv, cert_cluster, auth, peer).await?;
     let max = cluster.gate.limits().max_agents;
     if max > 0 && cluster.agent_count() >= max {
         tracing::warn!(%peer, cluster = %cluster.name, max, "agent stream refused: limit");
@@ -218,6 +258,40 @@ async fn stream_cluster(
         ));
     }
     Ok(cluster)
+}
+
+/// The cluster the stream's credentials name: its certificate's (whose
+/// token must be valid too if that cluster checks tokens), else the one
+/// whose issuer accepts its token.
+async fn credited_cluster(
+    srv: &Core,
+    cert_cluster: Option<Arc<Cluster>>,
+    auth: Option<&str>,
+    peer: SocketAddr,
+) -> Result<Arc<Cluster>, Status> {
+    match (cert_cluster, auth) {
+        (Some(c), Some(a)) => {
+            let token = c.conf.load().token.clone();
+            if let Some(t) = token {
+                if let Err(e) = t.check(a).await {
+                    tracing::warn!(%peer, cluster = %c.name, error = %e, "agent token refused");
+                    return Err(token_refused(srv, &c.name, &e));
+                }
+            }
+            Ok(c)
+        }
+        (Some(c), None) => Ok(c),
+        (None, Some(a)) => srv.registry.cluster_for_token(a).await.map_err(|e| {
+            tracing::warn!(%peer, error = %e, "agent token refused");
+            token_refused(srv, "", &e)
+        }),
+        (None, None) => {
+            srv.metrics.agent_stream("", "no_credentials");
+            Err(Status::unauthenticated(
+                "a client certificate or a ServiceAccount token is required",
+            ))
+        }
+    }
 }
 
 /// The longest `agentid` accepted.
@@ -259,23 +333,7 @@ fn stream_identity(
             "an agent ID has 1 to {MAX_AGENT_ID} characters"
         )));
     }
-    let idents: Vec<_> = meta.get_all("agentidentifiers").iter().collect();
-    let ids = match idents.as_slice() {
-        [] => Identifiers::default(),
-        [one] => {
-            let (ids, ignored) = Identifiers::parse(one.to_str().unwrap_or(""));
-            if !ignored.is_empty() {
-                tracing::info!(agent = agent_id, ?ignored, "ignored agent identifiers");
-            }
-            ids
-        }
-        _ => {
-            srv.metrics.agent_stream(&cluster.name, "bad_identifiers");
-            return Err(Status::invalid_argument(
-                "expected at most one agentidentifiers",
-            ));
-        }
-    };
+    let ids = stream_identifiers(srv, cluster, meta, agent_id)?;
     let asks = |h: &str, v: &str| meta.get(h).and_then(|x| x.to_str().ok()) == Some(v);
     Ok(Identity {
         agent_id: agent_id.to_string(),
@@ -286,6 +344,33 @@ fn stream_identity(
             crate::proto::REPLICAS_VERSION,
         ),
     })
+}
+
+/// `agentidentifiers` (at most one); what does not parse is logged and
+/// ignored.
+fn stream_identifiers(
+    srv: &Core,
+    cluster: &Cluster,
+    meta: &tonic::metadata::MetadataMap,
+    agent_id: &str,
+) -> Result<Identifiers, Status> {
+    let idents: Vec<_> = meta.get_all("agentidentifiers").iter().collect();
+    match idents.as_slice() {
+        [] => Ok(Identifiers::default()),
+        [one] => {
+            let (ids, ignored) = Identifiers::parse(one.to_str().unwrap_or(""));
+            if !ignored.is_empty() {
+                tracing::info!(agent = agent_id, ?ignored, "ignored agent identifiers");
+            }
+            Ok(ids)
+        }
+        _ => {
+            srv.metrics.agent_stream(&cluster.name, "bad_identifiers");
+            Err(Status::invalid_argument(
+                "expected at most one agentidentifiers",
+            ))
+        }
+    }
 }
 
 /// The stream's answer: packets from the link's queue, with `serverid`,
@@ -313,69 +398,35 @@ fn response(
             .parse()
             .map_err(|_| Status::internal("server count"))?,
     );
-    if flow {
-        resp.metadata_mut().insert(
-            crate::flow::HEADER,
-            tonic::metadata::MetadataValue::from_static(crate::flow::VERSION),
-        );
-    }
-    if replicas {
-        resp.metadata_mut().insert(
+    let agreed = [
+        (flow, crate::flow::HEADER, crate::flow::VERSION),
+        (
+            replicas,
             crate::proto::REPLICAS_HEADER,
-            tonic::metadata::MetadataValue::from_static(crate::proto::REPLICAS_VERSION),
-        );
+            crate::proto::REPLICAS_VERSION,
+        ),
+    ];
+    for (_, header, version) in agreed.into_iter().filter(|(on, ..)| *on) {
+        let v = tonic::metadata::MetadataValue::from_static(version);
+        resp.metadata_mut().insert(header, v);
     }
     Ok(resp)
 }
 
 /// The receive loop of one stream: each packet goes to the link; it waits
 /// on a connection only when that connection's queue is full (see
-/// queue.rs and docs/TUNNEL.md, "Head-of-line"). Ends with the stream, on
-/// shutdown, when the cluster is removed or re-keyed away from the agent.
+/// queue.rs and docs/TUNNEL.md, "Head-of-line"). It also drives the link's
+/// timers ([`AgentLink::next_timeout`]), waiting or not. Ends with the
+/// stream, on shutdown, when the cluster is removed or re-keyed away from
+/// the agent.
 async fn receive(
     srv: Arc<Core>,
     cluster: Arc<Cluster>,
     link: Arc<AgentLink>,
-    mut inbound: tonic::Streaming<Packet>,
+    inbound: tonic::Streaming<Packet>,
     probe: bool,
 ) {
-    let why = loop {
-        tokio::select! {
-            m = inbound.next() => match m {
-                Some(Ok(p)) => {
-                    let (h, blocked) = link.on_agent_packet(p);
-                    cluster.metrics.packet(h);
-                    if link.to_agent.overflowed() {
-                        // It made the server queue more answers than it
-                        // reads: cut off, this agent only.
-                        break "control_overflow";
-                    }
-                    let Some(b) = blocked else { continue };
-                    // Backpressure: this stream reads nothing more until
-                    // that connection's reader makes room, or stops reading
-                    // for the stall deadline.
-                    tokio::select! {
-                        h = b.resume(&link, srv.settings.stall_timeout) => {
-                            if h != Handled::Ok {
-                                cluster.metrics.packet(h);
-                            }
-                        }
-                        () = srv.shutdown.cancelled() => break "server_shutdown",
-                        () = cluster.removed.cancelled() => break "cluster_removed",
-                        () = link.kick.cancelled() => break kicked(&srv, &link),
-                    }
-                }
-                Some(Err(e)) => {
-                    tracing::info!(agent = %link.agent_id, error = %e, "agent stream failed");
-                    break "stream_error";
-                }
-                None => break "closed",
-            },
-            () = srv.shutdown.cancelled() => break "server_shutdown",
-            () = cluster.removed.cancelled() => break "cluster_removed",
-            () = link.kick.cancelled() => break kicked(&srv, &link),
-        }
-    };
+    let why = receive_loop(&srv, &cluster, &link, inbound).await;
     detach(&cluster, &link);
     cluster.metrics.agent(-1);
     if probe && why == "closed" {
@@ -384,6 +435,85 @@ async fn receive(
     } else {
         srv.metrics.agent_stream(&cluster.name, why);
         tracing::info!(cluster = %cluster.name, agent = %link.agent_id, uid = link.uid, why, "agent disconnected");
+    }
+}
+
+/// Takes the stream's packets and drives the link's timers until the
+/// stream ends; returns why (the `agent_streams_total` label).
+async fn receive_loop(
+    srv: &Core,
+    cluster: &Cluster,
+    link: &AgentLink,
+    mut inbound: tonic::Streaming<Packet>,
+) -> &'static str {
+    // One sleep across packets; set again when it fired, and after a wait
+    // for room (which ran the timers itself).
+    let timer = link.next_timeout();
+    tokio::pin!(timer);
+    loop {
+        let m = tokio::select! {
+            m = inbound.next() => m,
+            h = &mut timer => {
+                if let Some(h) = h {
+                    cluster.metrics.packet(h);
+                }
+                timer.set(link.next_timeout());
+                continue;
+            }
+            why = stopped(srv, cluster, link) => return why,
+        };
+        let waited = match m {
+            Some(Ok(p)) => take_packet(srv, cluster, link, p).await,
+            Some(Err(e)) => {
+                tracing::info!(agent = %link.agent_id, error = %e, "agent stream failed");
+                Err("stream_error")
+            }
+            None => Err("closed"),
+        };
+        match waited {
+            Ok(true) => timer.set(link.next_timeout()),
+            Ok(false) => {}
+            Err(why) => return why,
+        }
+    }
+}
+
+/// One packet from the agent. DATA for a full connection makes the stream
+/// read nothing more until that connection's reader makes room, or stops
+/// reading for the stall deadline (backpressure); `Ok(true)` when it
+/// waited. `Err(why)` ends the stream.
+async fn take_packet(
+    srv: &Core,
+    cluster: &Cluster,
+    link: &AgentLink,
+    p: Packet,
+) -> Result<bool, &'static str> {
+    let (h, blocked) = link.on_agent_packet(p);
+    cluster.metrics.packet(h);
+    if link.to_agent.overflowed() {
+        // It made the server queue more answers than it reads: cut off,
+        // this agent only.
+        return Err("control_overflow");
+    }
+    let Some(b) = blocked else { return Ok(false) };
+    tokio::select! {
+        h = b.resume(link) => {
+            if h != Handled::Ok {
+                cluster.metrics.packet(h);
+            }
+            Ok(true)
+        }
+        why = stopped(srv, cluster, link) => Err(why),
+    }
+}
+
+/// Ends when the stream must: on shutdown, when the cluster is removed,
+/// or when the link is kicked; says why.
+async fn stopped(srv: &Core, cluster: &Cluster, link: &AgentLink) -> &'static str {
+    tokio::select! {
+        () = srv.shutdown.cancelled() => "server_shutdown",
+        () = cluster.removed.cancelled() => "cluster_removed",
+        () = link.kick.cancelled() => kicked(srv, link),
     }
 }
 

@@ -13,10 +13,10 @@ use tokio::sync::mpsc;
 use tonic::{Response, Status};
 
 use super::core::Core;
-use super::{dial, Cluster, DialError, Tunnel};
+use super::{dial, Cluster, DialError, Tunnel, TunnelTx};
 use crate::grpc::{Handler, PacketStream};
 use crate::proto::{Packet, PacketType, Payload};
-use crate::queue::{PumpEnd, Recv};
+use crate::queue::{PumpEnd, QueueRx, Recv};
 
 /// Bytes read from a frontend per DATA packet (upstream's size).
 const CHUNK: usize = 32 * 1024;
@@ -264,47 +264,14 @@ pub(crate) async fn dial_and_carry<S>(
 where
     S: FrontendIo,
 {
-    let cancel = srv.shutdown.child_token();
-    // While the agent dials, a frontend that hangs up cancels the dial
-    // (kube-apiserver closes the connection when its context ends); bytes it
-    // pipelines meanwhile are kept, up to one chunk.
-    let dialing = dial(cluster, target, srv.dial_settings(), &cancel);
-    tokio::pin!(dialing);
-    let mut watching = true;
-    let dialed = loop {
-        tokio::select! {
-            r = &mut dialing => break r,
-            n = io.read_buf(&mut leftover), if watching && leftover.len() < CHUNK => match n {
-                Ok(0) | Err(_) => {
-                    cancel.cancel();
-                    watching = false;
-                }
-                Ok(_) => {}
-            },
-        }
-    };
-    if !watching {
+    let Some(dialed) = dial_watching(srv, cluster, &mut io, target, &mut leftover).await else {
         return FrontendEnd::FrontendGone;
-    }
+    };
     let leftover = leftover.freeze();
     let tunnel = match dialed {
         Ok(t) => t,
-        Err(e) if reply == Reply::Socks5 => {
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-                let _ = crate::socks5::reply(&mut io, e.socks5_reply()).await;
-                let _ = io.shutdown().await;
-            })
-            .await;
-            return FrontendEnd::Dial(e);
-        }
         Err(e) => {
-            let body = match &e {
-                DialError::NoAgent => {
-                    "currently no tunnels available: No agent available".to_string()
-                }
-                e => e.to_string(),
-            };
-            answer(&mut io, e.http_status(), &body).await;
+            refuse(&mut io, &e, reply).await;
             return FrontendEnd::Dial(e);
         }
     };
@@ -320,6 +287,54 @@ where
     let out = carry_stream(srv, &cluster.name, tunnel, io, leftover).await;
     cluster.metrics.established(-1);
     out
+}
+
+/// Dials `target`; while the agent dials, a frontend that hangs up
+/// cancels the dial (kube-apiserver closes the connection when its context
+/// ends): `None` then. Bytes it pipelines meanwhile are kept in `leftover`,
+/// up to one chunk.
+async fn dial_watching<S: FrontendIo>(
+    srv: &Core,
+    cluster: &Cluster,
+    io: &mut S,
+    target: &str,
+    leftover: &mut BytesMut,
+) -> Option<Result<Tunnel, DialError>> {
+    let cancel = srv.shutdown.child_token();
+    let dialing = dial(cluster, target, srv.dial_settings(), &cancel);
+    tokio::pin!(dialing);
+    let mut watching = true;
+    let dialed = loop {
+        tokio::select! {
+            r = &mut dialing => break r,
+            n = io.read_buf(leftover), if watching && leftover.len() < CHUNK => match n {
+                Ok(0) | Err(_) => {
+                    cancel.cancel();
+                    watching = false;
+                }
+                Ok(_) => {}
+            },
+        }
+    };
+    watching.then_some(dialed)
+}
+
+/// Answers a failed dial as the frontend's protocol does: a SOCKS5 reply
+/// (within 5 s), or an HTTP status with upstream's text.
+async fn refuse<S: FrontendIo>(io: &mut S, e: &DialError, reply: Reply) {
+    if reply == Reply::Socks5 {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+            let _ = crate::socks5::reply(io, e.socks5_reply()).await;
+            let _ = io.shutdown().await;
+        })
+        .await;
+        return;
+    }
+    let body = match e {
+        DialError::NoAgent => "currently no tunnels available: No agent available".to_string(),
+        e => e.to_string(),
+    };
+    answer(io, e.http_status(), &body).await;
 }
 
 /// Who chooses the cluster of a forward-proxy request.
@@ -343,6 +358,30 @@ const HOP_BY_HOP: &[&str] = &[
     "upgrade",
 ];
 
+/// The cluster of a forward-proxy request: the frontend's, or the one
+/// its `Proxy-Authorization` names (407 if none).
+async fn proxy_cluster<S: FrontendIo>(
+    srv: &Core,
+    choice: ProxyCluster<'_>,
+    head: &connect_head::Head,
+    io: &mut S,
+) -> Result<Arc<Cluster>, FrontendEnd> {
+    let credentials = match choice {
+        ProxyCluster::Fixed(c) => return Ok(c.clone()),
+        ProxyCluster::ByCredentials => head.values("proxy-authorization").next(),
+    };
+    if let Some(c) = srv.registry.cluster_for_proxy_credentials(credentials) {
+        return Ok(c);
+    }
+    let msg = "HTTP/1.1 407 Proxy Authentication Required\r\nProxy-Authenticate: Basic realm=\"seedlink\"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        let _ = io.write_all(msg.as_bytes()).await;
+        let _ = io.shutdown().await;
+    })
+    .await;
+    Err(FrontendEnd::ProxyAuthRequired)
+}
+
 /// Serves one HTTP forward-proxy connection (Prometheus `proxy_url`):
 /// `CONNECT host:port` as on the CONNECT frontend, or one absolute-form
 /// request (`GET http://host:port/path HTTP/1.1`) forwarded in origin form
@@ -362,45 +401,40 @@ where
         Ok(h) => h,
         Err(why) => return (String::new(), why),
     };
-    let cluster = match choice {
-        ProxyCluster::Fixed(c) => c.clone(),
-        ProxyCluster::ByCredentials => {
-            match srv
-                .registry
-                .cluster_for_proxy_credentials(head.values("proxy-authorization").next())
-            {
-                Some(c) => c,
-                None => {
-                    let msg = "HTTP/1.1 407 Proxy Authentication Required\r\nProxy-Authenticate: Basic realm=\"seedlink\"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
-                    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-                        let _ = io.write_all(msg.as_bytes()).await;
-                        let _ = io.shutdown().await;
-                    })
-                    .await;
-                    return (String::new(), FrontendEnd::ProxyAuthRequired);
-                }
-            }
-        }
+    let cluster = match proxy_cluster(srv, choice, &head, &mut io).await {
+        Ok(c) => c,
+        Err(why) => return (String::new(), why),
     };
-    let name = cluster.name.to_string();
     let leftover = buf.split_off(head.len);
-    if head.method.eq_ignore_ascii_case("CONNECT") {
-        let out = connect_method(srv, &cluster, io, &head.target, leftover).await;
-        return (name, out);
-    }
-    let Some((target, request)) = origin_form(&head) else {
+    let out = if head.method.eq_ignore_ascii_case("CONNECT") {
+        connect_method(srv, &cluster, io, &head.target, leftover).await
+    } else {
+        forward(srv, &cluster, io, &head, leftover).await
+    };
+    (cluster.name.to_string(), out)
+}
+
+/// A forward-proxy request in absolute form (`GET http://…`): sent on in
+/// origin form, with the bytes after its head, through a new tunnel.
+async fn forward<S: FrontendIo>(
+    srv: &Core,
+    cluster: &Cluster,
+    mut io: S,
+    head: &connect_head::Head,
+    leftover: BytesMut,
+) -> FrontendEnd {
+    let Some((target, request)) = origin_form(head) else {
         answer(
             &mut io,
             400,
             "a forward proxy takes CONNECT or an absolute http:// URL\n",
         )
         .await;
-        return (name, FrontendEnd::BadTarget);
+        return FrontendEnd::BadTarget;
     };
     let mut first = BytesMut::from(request.as_bytes());
     first.extend_from_slice(&leftover);
-    let out = dial_and_carry(srv, &cluster, io, &target, first, Reply::Forwarded).await;
-    (name, out)
+    dial_and_carry(srv, cluster, io, &target, first, Reply::Forwarded).await
 }
 
 /// For an absolute-form request: `host:port` to dial and the request head
@@ -456,62 +490,9 @@ where
     let Tunnel { tx, mut rx } = tunnel;
     let (mut rd, mut wr) = tokio::io::split(io);
     let stall = srv.settings.stall_timeout;
-    let up = async {
-        if !leftover.is_empty() && tx.send(leftover).await.is_err() {
-            return FrontendEnd::AgentGone;
-        }
-        // Small reads until the frontend sends in bulk: an idle connection
-        // then holds 2 KiB instead of a full chunk.
-        let mut cap = 2048;
-        loop {
-            let mut b = BytesMut::with_capacity(cap);
-            match rd.read_buf(&mut b).await {
-                Ok(0) => return FrontendEnd::Ok,
-                Ok(n) => {
-                    cap = if n == cap { CHUNK } else { 2048.max(n) };
-                    if tx.send(b.freeze()).await.is_err() {
-                        return FrontendEnd::AgentGone;
-                    }
-                }
-                Err(_) => return FrontendEnd::ReadError,
-            }
-        }
-    };
-    let flow = tx.link.flow;
-    let mut unacked = crate::flow::Unacked::default();
-    let down = async {
-        // With flow control a slow frontend only holds its own connection
-        // back; without, it has `stall` to make progress.
-        let deadline = (!flow).then_some(stall);
-        match rx
-            .pump(&mut wr, deadline, |n| tx.consumed(&mut unacked, n))
-            .await
-        {
-            PumpEnd::Finished => {
-                let _ = wr.shutdown().await;
-                FrontendEnd::Ok
-            }
-            PumpEnd::Aborted => FrontendEnd::Aborted,
-            PumpEnd::Stalled => FrontendEnd::Stalled,
-            PumpEnd::WriteError => FrontendEnd::WriteError,
-        }
-    };
-    let outcome = {
-        tokio::pin!(up, down);
-        // The frontend's EOF ends the connection (Konnectivity has no
-        // half-close): CLOSE_REQ now; what the agent already sent is still
-        // delivered, within the stall deadline.
-        tokio::select! {
-            u = &mut up => {
-                tx.close();
-                let rest = tokio::time::timeout(stall, &mut down)
-                    .await
-                    .unwrap_or(FrontendEnd::Stalled);
-                if u == FrontendEnd::Ok { rest } else { u }
-            }
-            d = &mut down => d,
-        }
-    };
+    let up = upload(&mut rd, &tx, leftover);
+    let down = download(&mut rx, &mut wr, &tx, stall);
+    let outcome = both_ways(up, down, &tx, stall).await;
     if matches!(
         outcome,
         FrontendEnd::Aborted | FrontendEnd::AgentGone | FrontendEnd::Stalled
@@ -521,6 +502,77 @@ where
         srv.metrics.frontend_abort(cluster, signal);
     }
     outcome
+}
+
+/// Carries both directions until one ends. The frontend's EOF ends the
+/// connection (Konnectivity has no half-close): CLOSE_REQ now; what the
+/// agent already sent is still delivered, within the stall deadline.
+async fn both_ways(
+    up: impl std::future::Future<Output = FrontendEnd>,
+    down: impl std::future::Future<Output = FrontendEnd>,
+    tx: &TunnelTx,
+    stall: std::time::Duration,
+) -> FrontendEnd {
+    tokio::pin!(up, down);
+    tokio::select! {
+        u = &mut up => {
+            tx.close();
+            let rest = tokio::time::timeout(stall, &mut down)
+                .await
+                .unwrap_or(FrontendEnd::Stalled);
+            if u == FrontendEnd::Ok { rest } else { u }
+        }
+        d = &mut down => d,
+    }
+}
+
+/// Frontend to agent: `leftover` first, then what the frontend sends,
+/// until its EOF.
+async fn upload<R: AsyncRead + Unpin>(rd: &mut R, tx: &TunnelTx, leftover: Bytes) -> FrontendEnd {
+    if !leftover.is_empty() && tx.send(leftover).await.is_err() {
+        return FrontendEnd::AgentGone;
+    }
+    // Small reads until the frontend sends in bulk: an idle connection
+    // then holds 2 KiB instead of a full chunk.
+    let mut cap = 2048;
+    loop {
+        let mut b = BytesMut::with_capacity(cap);
+        match rd.read_buf(&mut b).await {
+            Ok(0) => return FrontendEnd::Ok,
+            Ok(n) => {
+                cap = if n == cap { CHUNK } else { 2048.max(n) };
+                if tx.send(b.freeze()).await.is_err() {
+                    return FrontendEnd::AgentGone;
+                }
+            }
+            Err(_) => return FrontendEnd::ReadError,
+        }
+    }
+}
+
+/// Agent to frontend: the connection's queue, returning window to the
+/// agent as it is written. With flow control a slow frontend only holds its
+/// own connection back; without, it has `stall` to make progress.
+async fn download<W: AsyncWrite + Unpin>(
+    rx: &mut QueueRx,
+    wr: &mut W,
+    tx: &TunnelTx,
+    stall: std::time::Duration,
+) -> FrontendEnd {
+    let mut unacked = crate::flow::Unacked::default();
+    let deadline = (!tx.link.flow).then_some(stall);
+    match rx
+        .pump(wr, deadline, |n| tx.consumed(&mut unacked, n))
+        .await
+    {
+        PumpEnd::Finished => {
+            let _ = wr.shutdown().await;
+            FrontendEnd::Ok
+        }
+        PumpEnd::Aborted => FrontendEnd::Aborted,
+        PumpEnd::Stalled => FrontendEnd::Stalled,
+        PumpEnd::WriteError => FrontendEnd::WriteError,
+    }
 }
 
 /// The gRPC `ProxyService/Proxy` handler of one cluster.
@@ -551,45 +603,12 @@ async fn grpc_session(
     out: mpsc::Sender<Result<Packet, Status>>,
 ) -> FrontendEnd {
     let _open = srv.metrics.grpc_open("Proxy");
-    let first = match tokio::time::timeout(srv.settings.handshake_timeout, inbound.next()).await {
-        Ok(Some(Ok(p))) => p,
-        Ok(_) => return FrontendEnd::Closed,
-        Err(_) => return FrontendEnd::HeadTimeout,
+    let req = match first_dial(srv, &mut inbound, &out).await {
+        Ok(req) => req,
+        Err(end) => return end,
     };
-    let (Some(PacketType::DialReq), Some(Payload::DialRequest(req))) =
-        (first.kind(), first.payload)
-    else {
-        let _ = out
-            .send(Err(Status::invalid_argument(
-                "the first packet must be DIAL_REQ",
-            )))
-            .await;
-        return FrontendEnd::BadFirstPacket;
-    };
-    if req.protocol != "tcp" {
-        let _ = out
-            .send(Ok(Packet::dial_rsp(
-                req.random,
-                0,
-                format!("protocol {:?} is not supported", req.protocol),
-            )))
-            .await;
-        return FrontendEnd::BadProtocol;
-    }
     // The frontend's dial ID is echoed to it; the agent gets a fresh one.
-    let cancel = srv.shutdown.child_token();
-    let dialing = dial(cluster, &req.address, srv.dial_settings(), &cancel);
-    tokio::pin!(dialing);
-    let dialed = loop {
-        tokio::select! {
-            r = &mut dialing => break r,
-            m = inbound.next() => match m {
-                Some(Ok(p)) if p.kind() == Some(PacketType::DialCls) => cancel.cancel(),
-                Some(Ok(_)) => {}
-                _ => cancel.cancel(),
-            },
-        }
-    };
+    let dialed = grpc_dial(srv, cluster, &req.address, &mut inbound).await;
     let mut tunnel = match dialed {
         Ok(t) => t,
         Err(e) => {
@@ -613,6 +632,56 @@ async fn grpc_session(
     outcome
 }
 
+/// The gRPC frontend's first packet, a DIAL_REQ for `tcp` within the
+/// handshake deadline; what ended the session if not.
+async fn first_dial(
+    srv: &Core,
+    inbound: &mut tonic::Streaming<Packet>,
+    out: &mpsc::Sender<Result<Packet, Status>>,
+) -> Result<crate::proto::DialRequest, FrontendEnd> {
+    let first = match tokio::time::timeout(srv.settings.handshake_timeout, inbound.next()).await {
+        Ok(Some(Ok(p))) => p,
+        Ok(_) => return Err(FrontendEnd::Closed),
+        Err(_) => return Err(FrontendEnd::HeadTimeout),
+    };
+    let (Some(PacketType::DialReq), Some(Payload::DialRequest(req))) =
+        (first.kind(), first.payload)
+    else {
+        let refused = Status::invalid_argument("the first packet must be DIAL_REQ");
+        let _ = out.send(Err(refused)).await;
+        return Err(FrontendEnd::BadFirstPacket);
+    };
+    if req.protocol != "tcp" {
+        let text = format!("protocol {:?} is not supported", req.protocol);
+        let _ = out.send(Ok(Packet::dial_rsp(req.random, 0, text))).await;
+        return Err(FrontendEnd::BadProtocol);
+    }
+    Ok(req)
+}
+
+/// Dials `address`; a DIAL_CLS from the frontend, or its end, cancels the
+/// dial.
+async fn grpc_dial(
+    srv: &Core,
+    cluster: &Cluster,
+    address: &str,
+    inbound: &mut tonic::Streaming<Packet>,
+) -> Result<Tunnel, DialError> {
+    let cancel = srv.shutdown.child_token();
+    let dialing = dial(cluster, address, srv.dial_settings(), &cancel);
+    tokio::pin!(dialing);
+    loop {
+        tokio::select! {
+            r = &mut dialing => return r,
+            m = inbound.next() => match m {
+                Some(Ok(p)) if p.kind() == Some(PacketType::DialCls) => cancel.cancel(),
+                Some(Ok(_)) => {}
+                _ => cancel.cancel(),
+            },
+        }
+    }
+}
+
 async fn grpc_carry(
     tunnel: &mut Tunnel,
     inbound: &mut tonic::Streaming<Packet>,
@@ -621,53 +690,73 @@ async fn grpc_carry(
 ) -> FrontendEnd {
     let mut unacked = crate::flow::Unacked::default();
     loop {
-        tokio::select! {
+        let end = tokio::select! {
             m = inbound.next() => match m {
-                Some(Ok(p)) => match (p.kind(), p.payload) {
-                    (Some(PacketType::Data), Some(Payload::Data(d))) if d.connect_id == cid => {
-                        // konnectivity-client sends each write unchunked:
-                        // split into window-sized pieces (no copy).
-                        let mut data = d.data;
-                        let mut sent = Ok(());
-                        while !data.is_empty() && sent.is_ok() {
-                            let part = data.split_to(data.len().min(CHUNK));
-                            sent = tunnel.tx.send(part).await;
-                        }
-                        match sent {
-                            Ok(()) => {}
-                            Err(_) => {
-                                let _ = out.send(Ok(Packet::close_rsp(cid, "backend connection closed".into()))).await;
-                                return FrontendEnd::AgentGone;
-                            }
-                        }
-                    }
-                    (Some(PacketType::CloseReq), _) => {
-                        let _ = out.send(Ok(Packet::close_rsp(cid, String::new()))).await;
-                        return FrontendEnd::Ok;
-                    }
-                    // A DATA for another connection ends this one (as upstream).
-                    (Some(PacketType::Data), _) => return FrontendEnd::WrongConnectId,
-                    _ => {}
-                },
-                _ => return FrontendEnd::FrontendGone,
+                Some(Ok(p)) => from_grpc_frontend(tunnel, p, out, cid).await,
+                _ => Some(FrontendEnd::FrontendGone),
             },
-            r = tunnel.rx.recv() => match r {
-                Recv::Data(b) => {
-                    let n = b.len();
-                    if out.send(Ok(Packet::data(cid, b))).await.is_err() {
-                        return FrontendEnd::FrontendGone;
-                    }
-                    tunnel.tx.consumed(&mut unacked, n);
-                }
-                Recv::Finished => {
-                    let _ = out.send(Ok(Packet::close_rsp(cid, String::new()))).await;
-                    return FrontendEnd::Ok;
-                }
-                Recv::Aborted => {
-                    let _ = out.send(Ok(Packet::close_rsp(cid, "connection aborted".into()))).await;
-                    return FrontendEnd::Aborted;
-                }
-            },
+            r = tunnel.rx.recv() => to_grpc_frontend(tunnel, r, out, cid, &mut unacked).await,
+        };
+        if let Some(end) = end {
+            return end;
         }
     }
+}
+
+/// One packet from the gRPC frontend for connection `cid`; what ended the
+/// connection, if it did.
+async fn from_grpc_frontend(
+    tunnel: &Tunnel,
+    p: Packet,
+    out: &mpsc::Sender<Result<Packet, Status>>,
+    cid: i64,
+) -> Option<FrontendEnd> {
+    match (p.kind(), p.payload) {
+        (Some(PacketType::Data), Some(Payload::Data(d))) if d.connect_id == cid => {
+            // konnectivity-client sends each write unchunked: split into
+            // window-sized pieces (no copy).
+            let mut data = d.data;
+            while !data.is_empty() {
+                let part = data.split_to(data.len().min(CHUNK));
+                if tunnel.tx.send(part).await.is_err() {
+                    let rsp = Packet::close_rsp(cid, "backend connection closed".into());
+                    let _ = out.send(Ok(rsp)).await;
+                    return Some(FrontendEnd::AgentGone);
+                }
+            }
+            None
+        }
+        (Some(PacketType::CloseReq), _) => {
+            let _ = out.send(Ok(Packet::close_rsp(cid, String::new()))).await;
+            Some(FrontendEnd::Ok)
+        }
+        // A DATA for another connection ends this one (as upstream).
+        (Some(PacketType::Data), _) => Some(FrontendEnd::WrongConnectId),
+        _ => None,
+    }
+}
+
+/// What the agent sent on connection `cid`, to the gRPC frontend; what
+/// ended the connection, if it did.
+async fn to_grpc_frontend(
+    tunnel: &Tunnel,
+    r: Recv,
+    out: &mpsc::Sender<Result<Packet, Status>>,
+    cid: i64,
+    unacked: &mut crate::flow::Unacked,
+) -> Option<FrontendEnd> {
+    let (text, end) = match r {
+        Recv::Data(b) => {
+            let n = b.len();
+            if out.send(Ok(Packet::data(cid, b))).await.is_err() {
+                return Some(FrontendEnd::FrontendGone);
+            }
+            tunnel.tx.consumed(unacked, n);
+            return None;
+        }
+        Recv::Finished => (String::new(), FrontendEnd::Ok),
+        Recv::Aborted => ("connection aborted".to_string(), FrontendEnd::Aborted),
+    };
+    let _ = out.send(Ok(Packet::close_rsp(cid, text))).await;
+    Some(end)
 }

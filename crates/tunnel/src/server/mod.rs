@@ -7,6 +7,14 @@
 //! that link*, and waits (bounded) for the link's receive loop to resolve
 //! it. Established connections live in the link's table too, so an agent
 //! can only ever answer, feed or close what was sent to it.
+//!
+//! The link's timers (a dial's deadline, an agent gone silent under a
+//! waiting dial, the stall deadline of a connection waiting for room, the
+//! closed IDs' expiry) are the machine's ([`link::ServerLink::poll_timeout`],
+//! [`link::ServerLink::handle_timeout`]); the link's receive loop
+//! (`agents::receive`) sleeps until the next one with
+//! [`AgentLink::next_timeout`]. Timers around IO stay with the IO: the TLS
+//! handshake deadline, the first-stream deadline, a frontend write's stall.
 
 pub mod activity;
 pub mod admin;
@@ -33,12 +41,12 @@ use arc_swap::ArcSwap;
 use bytes::Bytes;
 use ipnet::IpNet;
 use rustls::server::danger::ClientCertVerifier;
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 
 pub use self::dialerror::DialError;
 pub use self::link::Handled;
-use self::link::{Action, Actions, ServerLink};
+use self::link::{Action, Actions, ServerLink, Timers};
 use crate::fair::FairQueue;
 use crate::flow::{self, SendCredit, Unacked};
 use crate::proto::Packet;
@@ -190,6 +198,9 @@ pub struct AgentLink {
     pub since: std::time::SystemTime,
     to_agent: Arc<FairQueue>,
     state: Mutex<Locked>,
+    /// Told when the machine's next timer moved earlier (the receive loop
+    /// sleeps until it).
+    timer: Notify,
     /// Cancelled when the stream ends.
     pub gone: CancellationToken,
     /// Cancelled to end the stream from this side (its cluster was
@@ -220,6 +231,7 @@ struct Applied {
 impl AgentLink {
     /// Runs `f` on the machine under the lock, then carries out what it
     /// asked for. Nothing here waits: queue pushes and sends never block.
+    /// A timer that moved earlier wakes the receive loop's sleep.
     fn with<T>(
         &self,
         now: Instant,
@@ -227,9 +239,54 @@ impl AgentLink {
     ) -> (T, Applied) {
         let mut g = seedlink_net::sync::lock(&self.state, "agent link");
         let Locked { machine, out } = &mut *g;
+        let before = machine.poll_timeout();
         let r = f(machine, out);
         let applied = self.apply(now, machine, out);
+        let after = machine.poll_timeout();
+        drop(g);
+        if after.is_some_and(|a| before.is_none_or(|b| a < b)) {
+            self.timer.notify_one();
+        }
         (r, applied)
+    }
+
+    /// When the agent's connection last delivered a byte, as seen at `now`
+    /// (unset: not tracked).
+    fn heard_at(&self, now: Instant) -> Option<Instant> {
+        let silent = self.activity.get()?.silent_for();
+        Some(now.checked_sub(silent).unwrap_or(now))
+    }
+
+    /// Sleeps until the machine's next timer (a timer set meanwhile wakes
+    /// it earlier), then lets the machine handle what is due: it answers
+    /// dials that timed out or whose agent went silent, resets a stalled
+    /// connection, forgets expired closed IDs. Returns
+    /// [`Handled::Stalled`] when the connection waiting for room was given
+    /// up. The one driver of the timers is the link's receive loop.
+    pub async fn next_timeout(&self) -> Option<Handled> {
+        loop {
+            let notified = self.timer.notified();
+            let due = seedlink_net::sync::lock(&self.state, "agent link")
+                .machine
+                .poll_timeout();
+            let Some(at) = due else {
+                notified.await;
+                continue;
+            };
+            tokio::select! {
+                () = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => break,
+                () = notified => {}
+            }
+        }
+        let now = Instant::now();
+        let heard = self.heard_at(now);
+        self.with(now, |m, out| {
+            if let Some(h) = heard {
+                m.heard(h);
+            }
+            m.handle_timeout(now, out)
+        })
+        .0
     }
 
     fn apply(
@@ -241,46 +298,22 @@ impl AgentLink {
         let mut applied = Applied::default();
         while let Some(a) = out.pop_front() {
             match a {
-                Action::Send(p) => {
-                    if self.to_agent.control(p).is_err() && self.to_agent.overflowed() {
-                        // The receive loop ends the stream (control_overflow).
-                        self.kick.cancel();
-                    }
-                }
-                Action::Finish(id, last) => {
-                    self.to_agent.finish(id, last);
-                    if self.to_agent.overflowed() {
-                        self.kick.cancel();
-                    }
-                }
+                Action::Send(p) => self.send_soon(p),
+                Action::Finish(id, last) => self.finish(id, last),
                 Action::Deliver(id, data) => {
-                    if let Some(c) = machine.conn(id) {
-                        match c.queue.push(data) {
-                            // A reader that left closes through its frontend.
-                            Ok(()) | Err(queue::PushError::Closed) => {}
-                            Err(queue::PushError::Full(data)) => {
-                                applied.blocked = Some(Blocked {
-                                    connect_id: id,
-                                    data,
-                                    room: c.queue.room(),
-                                });
-                            }
-                        }
+                    if let Some(b) = deliver(machine, id, data) {
+                        machine.blocked(now, id);
+                        applied.blocked = Some(b);
                     }
                 }
-                Action::Reopen(id, n) => {
-                    let fits = machine
-                        .conn(id)
-                        .and_then(|c| c.credit.as_ref())
-                        .is_none_or(|c| c.give(n));
-                    if !fits {
-                        machine.window_violated(now, id, out);
-                        applied.violation = true;
-                    }
+                Action::Reopen(id, n) if !reopen(machine, id, n) => {
+                    machine.window_violated(now, id, out);
+                    applied.violation = true;
                 }
+                Action::Reopen(..) => {}
+                // The dialer gave up in the meantime.
                 Action::Answer(reply, result) => {
                     if let Err(Ok(id)) = reply.send(result) {
-                        // The dialer gave up in the meantime.
                         machine.close(now, id, out);
                     }
                 }
@@ -325,6 +358,15 @@ impl AgentLink {
     pub fn replicas_notice(&self, count: u32) {
         if self.replica_updates.load(Ordering::Acquire) {
             self.send_soon(Packet::replicas(i64::from(count)));
+        }
+    }
+
+    /// Ends connection `id`'s lane after its queued data, then `last`.
+    fn finish(&self, id: i64, last: Option<Packet>) {
+        self.to_agent.finish(id, last);
+        if self.to_agent.overflowed() {
+            // The receive loop ends the stream (control_overflow).
+            self.kick.cancel();
         }
     }
 
@@ -506,38 +548,44 @@ impl Cluster {
                 .iter()
                 .filter(|a| first(a) && s.matches(&a.ids, host))
                 .collect();
-            if fit.is_empty() {
-                continue;
+            if !fit.is_empty() {
+                return choose(&fit, unresponsive_after).cloned();
             }
-            let silence = |a: &Arc<AgentLink>| a.activity.get().map(|x| x.silent_for());
-            let responsive: Vec<&Arc<AgentLink>> = fit
-                .iter()
-                .copied()
-                .filter(|a| silence(a).is_none_or(|s| s <= unresponsive_after))
-                .collect();
-            if responsive.is_empty() {
-                let shortest = fit
-                    .iter()
-                    .filter_map(|a| silence(a))
-                    .min()
-                    .unwrap_or_default();
-                return Err(DialError::Unresponsive(shortest));
-            }
-            let fit = responsive;
-            let live: Vec<&Arc<AgentLink>> =
-                fit.iter().copied().filter(|a| !a.draining()).collect();
-            let pool = if live.is_empty() { fit } else { live };
-            let a = pool[rand::random_range(0..pool.len())];
-            let b = pool[rand::random_range(0..pool.len())];
-            return Ok(if b.conn_count() < a.conn_count() {
-                b
-            } else {
-                a
-            }
-            .clone());
         }
         Err(DialError::NoAgent)
     }
+}
+
+/// Chooses among the agents that `fit` a strategy: a responsive one, a
+/// non-draining one among those if any, the less loaded of two random
+/// picks; the shortest silence when none is responsive.
+fn choose<'a>(
+    fit: &[&'a Arc<AgentLink>],
+    unresponsive_after: Duration,
+) -> Result<&'a Arc<AgentLink>, DialError> {
+    let silence = |a: &Arc<AgentLink>| a.activity.get().map(|x| x.silent_for());
+    let responsive: Vec<&Arc<AgentLink>> = fit
+        .iter()
+        .copied()
+        .filter(|a| silence(a).is_none_or(|s| s <= unresponsive_after))
+        .collect();
+    if responsive.is_empty() {
+        let shortest = fit.iter().filter_map(|a| silence(a)).min();
+        return Err(DialError::Unresponsive(shortest.unwrap_or_default()));
+    }
+    let live: Vec<&Arc<AgentLink>> = responsive
+        .iter()
+        .copied()
+        .filter(|a| !a.draining())
+        .collect();
+    let pool = if live.is_empty() { responsive } else { live };
+    let a = pool[rand::random_range(0..pool.len())];
+    let b = pool[rand::random_range(0..pool.len())];
+    Ok(if b.conn_count() < a.conn_count() {
+        b
+    } else {
+        a
+    })
 }
 
 /// Settings every dial uses.
@@ -630,125 +678,144 @@ pub async fn dial(
     settings: DialSettings,
     cancel: &CancellationToken,
 ) -> Result<Tunnel, DialError> {
-    let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
-    let permit = match cluster.gate.admit(std::time::Instant::now()) {
-        Ok(p) => p,
-        Err(l) => {
-            cluster.metrics.dial_failure(l.reason());
-            return Err(DialError::Limited(l));
-        }
-    };
+    let permit = cluster.gate.admit(Instant::now()).map_err(|l| {
+        cluster.metrics.dial_failure(l.reason());
+        DialError::Limited(l)
+    })?;
     let started = Instant::now();
-    let deadline = tokio::time::Instant::from_std(started + settings.timeout);
-    // A dial whose agent goes silent while it waits is taken back and sent
-    // to another agent; a bounded number of times (each retry skips every
-    // silent agent, so more would only find the same ones).
-    let mut attempts = 0;
-    loop {
-        attempts += 1;
-        let link = match cluster.pick(host, settings.unresponsive_after) {
-            Ok(l) => l,
-            Err(e) => {
-                cluster.metrics.dial_failure(e.reason());
-                return Err(e);
-            }
-        };
-        let random = dial_id();
-        let (reply_tx, reply_rx) = oneshot::channel();
-        // With flow control the agent never has more than a window in flight.
-        let budget = if link.flow {
-            2 * flow::WINDOW
-        } else {
-            settings.queue_bytes
-        };
-        let (qtx, qrx) = queue::queue_within(budget, Some(cluster.gate.queue_budget()));
-        let credit = link.flow.then(SendCredit::new);
-        let ends = ConnEnds {
-            queue: qtx,
-            credit: credit.clone(),
-        };
-        link.with(Instant::now(), |m, out| {
-            m.dial(random, address, reply_tx, ends, out)
-        });
-        cluster.metrics.pending(1);
-        let outcome = await_answer(&link, reply_rx, &settings, deadline, cancel).await;
-        cluster.metrics.pending(-1);
-        match outcome {
-            Ok(connect_id) => {
-                cluster.metrics.dial_ok(started.elapsed());
-                return Ok(Tunnel {
-                    tx: TunnelTx {
-                        link,
-                        connect_id,
-                        credit,
-                        _permit: permit,
-                    },
-                    rx: qrx,
-                });
-            }
-            Err(e) => {
-                // Still pending (timeout, cancel, silence): forget it and
-                // tell the agent.
-                link.with(Instant::now(), |m, out| m.dial_abandoned(random, out));
-                if matches!(e, DialError::Unresponsive(_))
-                    && attempts < 3
-                    && tokio::time::Instant::now() < deadline
-                {
-                    tracing::info!(cluster = %cluster.name, agent = %link.agent_id, "agent went silent during a dial; trying another");
-                    continue;
-                }
-                cluster.metrics.dial_failure(e.reason());
-                return Err(e);
-            }
+    let attempt = Attempt {
+        cluster,
+        address,
+        settings: &settings,
+        deadline: started + settings.timeout,
+        cancel,
+    };
+    match attempt.with_retries().await {
+        Ok(open) => {
+            cluster.metrics.dial_ok(started.elapsed());
+            Ok(open.tunnel(permit))
+        }
+        Err(e) => {
+            cluster.metrics.dial_failure(e.reason());
+            Err(e)
         }
     }
 }
 
-/// The agent's answer to a dial, or why none came: the deadline, the
-/// caller's cancel, the agent's silence or its end.
+/// One dial through the cluster's agents, under one deadline.
+struct Attempt<'a> {
+    cluster: &'a Cluster,
+    address: &'a str,
+    settings: &'a DialSettings,
+    deadline: Instant,
+    cancel: &'a CancellationToken,
+}
+
+/// A dial the agent accepted: the connection's link, ID and ends.
+struct Opened {
+    link: Arc<AgentLink>,
+    connect_id: i64,
+    credit: Option<SendCredit>,
+    rx: QueueRx,
+}
+
+impl Opened {
+    fn tunnel(self, permit: limits::ConnPermit) -> Tunnel {
+        Tunnel {
+            tx: TunnelTx {
+                link: self.link,
+                connect_id: self.connect_id,
+                credit: self.credit,
+                _permit: permit,
+            },
+            rx: self.rx,
+        }
+    }
+}
+
+impl Attempt<'_> {
+    /// A dial whose agent goes silent while it waits is taken back and sent
+    /// to another agent; a bounded number of times (each retry skips every
+    /// silent agent, so more would only find the same ones).
+    async fn with_retries(&self) -> Result<Opened, DialError> {
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let link = self.pick()?;
+            match self.through(&link).await {
+                Err(DialError::Unresponsive(_))
+                    if attempts < 3 && Instant::now() < self.deadline =>
+                {
+                    tracing::info!(cluster = %self.cluster.name, agent = %link.agent_id, "agent went silent during a dial; trying another");
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn pick(&self) -> Result<Arc<AgentLink>, DialError> {
+        let address = self.address;
+        let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
+        self.cluster.pick(host, self.settings.unresponsive_after)
+    }
+
+    /// A new connection's ends and its frontend's queue; `flow`: with flow
+    /// control, whose agent never has more than a window in flight.
+    fn ends(&self, flow: bool) -> (ConnEnds, QueueRx) {
+        let budget = if flow {
+            2 * flow::WINDOW
+        } else {
+            self.settings.queue_bytes
+        };
+        let shared = Some(self.cluster.gate.queue_budget());
+        let (queue, rx) = queue::queue_within(budget, shared);
+        let credit = flow.then(SendCredit::new);
+        (ConnEnds { queue, credit }, rx)
+    }
+
+    /// Registers the dial on `link` and waits for the answer; a dial still
+    /// pending when the wait ends (cancel) is forgotten and the agent told
+    /// (a timeout or silence did so already).
+    async fn through(&self, link: &Arc<AgentLink>) -> Result<Opened, DialError> {
+        let random = dial_id();
+        let (reply_tx, reply_rx) = oneshot::channel();
+        let (ends, rx) = self.ends(link.flow);
+        let credit = ends.credit.clone();
+        let now = Instant::now();
+        let heard = link.heard_at(now);
+        link.with(now, |m, out| {
+            if let Some(h) = heard {
+                m.heard(h);
+            }
+            m.dial(random, self.address, self.deadline, reply_tx, ends, out)
+        });
+        self.cluster.metrics.pending(1);
+        let outcome = await_answer(link, reply_rx, self.cancel).await;
+        self.cluster.metrics.pending(-1);
+        if outcome.is_err() {
+            link.with(Instant::now(), |m, out| m.dial_abandoned(random, out));
+        }
+        Ok(Opened {
+            link: link.clone(),
+            connect_id: outcome?,
+            credit,
+            rx,
+        })
+    }
+}
+
+/// The agent's answer to a dial, or why none came: the caller's cancel or
+/// the agent's end. The deadline and the agent's silence are the link
+/// machine's timers: they answer the dial with the error.
 async fn await_answer(
     link: &AgentLink,
     mut reply: oneshot::Receiver<Result<i64, DialError>>,
-    settings: &DialSettings,
-    deadline: tokio::time::Instant,
     cancel: &CancellationToken,
 ) -> Result<i64, DialError> {
-    loop {
-        let silent = link.activity.get().map(|a| a.silent_for());
-        let wake = dial_wake(
-            silent,
-            settings.unresponsive_after,
-            tokio::time::Instant::now(),
-            deadline,
-        )?;
-        tokio::select! {
-            r = &mut reply => return r.unwrap_or(Err(DialError::AgentGone)),
-            () = tokio::time::sleep_until(wake) => {
-                if tokio::time::Instant::now() >= deadline {
-                    return Err(DialError::Timeout);
-                }
-            }
-            () = cancel.cancelled() => return Err(DialError::Cancelled),
-            () = link.gone.cancelled() => return Err(DialError::AgentGone),
-        }
-    }
-}
-
-/// When a dial waiting for an agent's answer looks again: when the agent,
-/// silent for `silent` now, would pass `unresponsive_after` (if it is
-/// heard from before, the wait is recomputed), or at the deadline if that
-/// is sooner or the agent's activity is not tracked. `Err` when the agent
-/// is past the limit already.
-fn dial_wake(
-    silent: Option<Duration>,
-    unresponsive_after: Duration,
-    now: tokio::time::Instant,
-    deadline: tokio::time::Instant,
-) -> Result<tokio::time::Instant, DialError> {
-    match silent {
-        Some(s) if s > unresponsive_after => Err(DialError::Unresponsive(s)),
-        Some(s) => Ok((now + (unresponsive_after - s) + Duration::from_millis(50)).min(deadline)),
-        None => Ok(deadline),
+    tokio::select! {
+        r = &mut reply => r.unwrap_or(Err(DialError::AgentGone)),
+        () = cancel.cancelled() => Err(DialError::Cancelled),
+        () = link.gone.cancelled() => Err(DialError::AgentGone),
     }
 }
 
@@ -875,12 +942,14 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// Registers a new agent stream in `cluster`; the returned queue feeds the
-/// stream to the agent.
+/// stream to the agent. Its receive loop must drive
+/// [`AgentLink::next_timeout`].
 pub fn attach(
     cluster: &Cluster,
     agent_id: String,
     ids: Identifiers,
     flow: bool,
+    timers: Timers,
 ) -> (Arc<AgentLink>, Arc<FairQueue>) {
     let tx = FairQueue::new();
     let link = Arc::new(AgentLink {
@@ -891,9 +960,10 @@ pub fn attach(
         since: std::time::SystemTime::now(),
         to_agent: tx.clone(),
         state: Mutex::new(Locked {
-            machine: ServerLink::new(flow),
+            machine: ServerLink::new(flow, timers),
             out: Actions::new(),
         }),
+        timer: Notify::new(),
         gone: CancellationToken::new(),
         kick: CancellationToken::new(),
         certs: std::sync::OnceLock::new(),
@@ -922,6 +992,29 @@ pub fn detach(cluster: &Cluster, link: &Arc<AgentLink>) {
     link.fail_all();
 }
 
+/// Gives connection `id`'s sender `n` bytes more window; `false` when
+/// that is more than it used (a connection without a window takes any).
+fn reopen(machine: &ServerLink<ConnEnds, Reply>, id: i64, n: i64) -> bool {
+    machine
+        .conn(id)
+        .and_then(|c| c.credit.as_ref())
+        .is_none_or(|c| c.give(n))
+}
+
+/// Queues DATA for connection `id`'s frontend; what does not fit comes
+/// back to wait for room. A reader that left closes through its frontend.
+fn deliver(machine: &ServerLink<ConnEnds, Reply>, id: i64, data: Bytes) -> Option<Blocked> {
+    let c = machine.conn(id)?;
+    match c.queue.push(data) {
+        Ok(()) | Err(queue::PushError::Closed) => None,
+        Err(queue::PushError::Full(data)) => Some(Blocked {
+            connect_id: id,
+            data,
+            room: c.queue.room(),
+        }),
+    }
+}
+
 /// DATA for a connection whose queue is full. The standard protocol has no
 /// per-connection flow control, so the only lossless answer is to stop
 /// reading the agent's stream until the reader makes room (HTTP/2 flow
@@ -934,36 +1027,52 @@ pub struct Blocked {
 
 impl Blocked {
     /// Waits for room while the reader makes progress, then queues the
-    /// bytes; a reader that takes nothing for `stall` loses its connection
-    /// (CLOSE_REQ to the agent), nothing else does.
-    pub async fn resume(mut self, link: &AgentLink, stall: Duration) -> Handled {
+    /// bytes; a reader that takes nothing for the stall deadline loses its
+    /// connection (CLOSE_REQ to the agent), nothing else does. The deadline
+    /// is the link machine's: every progress restarts it, and the link's
+    /// timers go on firing meanwhile.
+    pub async fn resume(mut self, link: &AgentLink) -> Handled {
+        let timer = link.next_timeout();
+        tokio::pin!(timer);
         loop {
-            match self.room.wait(self.data.len(), stall).await {
-                queue::WaitEnd::Room => {
-                    // Only this receive loop pushes into this queue, but
-                    // another agent stream of the cluster may take the
-                    // shared budget first: then wait again, never drop.
-                    let g = seedlink_net::sync::lock(&link.state, "agent link");
-                    let Some(c) = g.machine.conn(self.connect_id) else {
-                        // Closed meanwhile: its own close tells the agent.
-                        return Handled::Ok;
-                    };
-                    match c.queue.push(self.data) {
-                        Ok(()) | Err(queue::PushError::Closed) => return Handled::Ok,
-                        Err(queue::PushError::Full(data)) => self.data = data,
+            let step = tokio::select! {
+                step = self.room.step(self.data.len()) => step,
+                h = &mut timer => match h {
+                    Some(h) => return h,
+                    None => {
+                        timer.set(link.next_timeout());
+                        continue;
                     }
-                }
+                },
+            };
+            let now = Instant::now();
+            match step {
+                queue::Step::Room => match self.push(link) {
+                    Some(data) => self.data = data,
+                    None => break,
+                },
+                queue::Step::Progress => {}
                 // The frontend went away: its own close tells the agent.
-                queue::WaitEnd::Closed => return Handled::Ok,
-                queue::WaitEnd::Stalled => return self.stalled(link, Instant::now()),
+                queue::Step::Closed => break,
             }
+            link.with(now, |m, _| m.progress(now));
         }
+        link.with(Instant::now(), |m, _| m.unblocked());
+        Handled::Ok
     }
 
-    /// Gives up on the connection at `now`.
-    pub fn stalled(self, link: &AgentLink, now: Instant) -> Handled {
-        link.with(now, |m, out| m.stalled(now, self.connect_id, out))
-            .0
+    /// Queues the bytes if they fit; hands them back if not. Only this
+    /// receive loop pushes into this queue, but another agent stream of the
+    /// cluster may take the shared budget first: then it waits again, never
+    /// drops. A connection closed meanwhile drops them (its own close tells
+    /// the agent).
+    fn push(&mut self, link: &AgentLink) -> Option<Bytes> {
+        let g = seedlink_net::sync::lock(&link.state, "agent link");
+        let c = g.machine.conn(self.connect_id)?;
+        match c.queue.push(std::mem::take(&mut self.data)) {
+            Ok(()) | Err(queue::PushError::Closed) => None,
+            Err(queue::PushError::Full(data)) => Some(data),
+        }
     }
 }
 
@@ -971,30 +1080,6 @@ impl Blocked {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    #[test]
-    fn a_dial_looks_again_when_its_agent_would_pass_the_silence_limit() {
-        let now = tokio::time::Instant::now();
-        let deadline = now + Duration::from_secs(10);
-        let limit = Duration::from_secs(3);
-        let s = dial_wake;
-        // Heard from 1 s ago: look again when 3 s (plus slack) have passed.
-        assert_eq!(
-            s(Some(Duration::from_secs(1)), limit, now, deadline).ok(),
-            Some(now + Duration::from_millis(2050))
-        );
-        // The deadline comes first.
-        let soon = now + Duration::from_millis(500);
-        assert_eq!(s(Some(Duration::ZERO), limit, now, soon).ok(), Some(soon));
-        // Activity not tracked: only the deadline.
-        assert_eq!(s(None, limit, now, deadline).ok(), Some(deadline));
-        // Exactly at the limit is not past it; beyond is.
-        assert!(s(Some(limit), limit, now, deadline).is_ok());
-        assert!(matches!(
-            s(Some(limit + Duration::from_millis(1)), limit, now, deadline),
-            Err(DialError::Unresponsive(_))
-        ));
-    }
-
     fn cluster(strategies: &[Strategy]) -> Cluster {
         Cluster::with_trust(
             "c",
@@ -1025,18 +1110,21 @@ mod tests {
             "a".into(),
             Identifiers::parse("host=node-a&ipv4=10.0.0.5").0,
             false,
+            TIMERS,
         );
         let (b, _) = attach(
             &c,
             "b".into(),
             Identifiers::parse("cidr=10.1.0.0/16").0,
             false,
+            TIMERS,
         );
         let (d, _) = attach(
             &c,
             "d".into(),
             Identifiers::parse("default-route=true").0,
             false,
+            TIMERS,
         );
         assert_eq!(c.pick("10.0.0.5", LIVE).unwrap().agent_id, "a");
         assert_eq!(c.pick("NODE-A", LIVE).unwrap().agent_id, "a");
@@ -1052,6 +1140,7 @@ mod tests {
             "a2".into(),
             Identifiers::parse("ipv4=10.0.0.5").0,
             false,
+            TIMERS,
         );
         a.on_agent_packet(Packet::drain());
         for _ in 0..20 {
@@ -1063,11 +1152,15 @@ mod tests {
     }
 
     const LIVE: Duration = Duration::from_secs(12);
+    const TIMERS: Timers = Timers {
+        stall: Duration::from_secs(10),
+        unresponsive_after: LIVE,
+    };
 
     #[test]
     fn a_silent_agent_is_skipped_and_alone_fails_the_dial_at_once() {
         let c = cluster(&[Strategy::Default]);
-        let (frozen, _) = attach(&c, "frozen".into(), Identifiers::default(), false);
+        let (frozen, _) = attach(&c, "frozen".into(), Identifiers::default(), false, TIMERS);
         let stamp = activity::Activity::new();
         stamp.backdate(Duration::from_secs(30));
         let _ = frozen.activity.set(stamp);
@@ -1083,7 +1176,7 @@ mod tests {
             503
         );
         // A live agent (stamped now, or never stamped) takes every dial.
-        let (live, _) = attach(&c, "live".into(), Identifiers::default(), false);
+        let (live, _) = attach(&c, "live".into(), Identifiers::default(), false, TIMERS);
         let _ = live.activity.set(activity::Activity::new());
         for _ in 0..20 {
             assert_eq!(
@@ -1099,11 +1192,75 @@ mod tests {
     #[test]
     fn only_an_agents_first_stream_takes_dials() {
         let c = cluster(&[Strategy::Default]);
-        let (first, _) = attach(&c, "x".into(), Identifiers::default(), false);
-        let (_second, _) = attach(&c, "x".into(), Identifiers::default(), false);
+        let (first, _) = attach(&c, "x".into(), Identifiers::default(), false, TIMERS);
+        let (_second, _) = attach(&c, "x".into(), Identifiers::default(), false, TIMERS);
         for _ in 0..20 {
             assert_eq!(c.pick("h", LIVE).unwrap().uid, first.uid);
         }
+    }
+
+    /// The driver half of the timers: a dial registered while the timer
+    /// loop sleeps with nothing due wakes it, and the machine answers the
+    /// dial with the timeout (the agent gets DIAL_REQ, then DIAL_CLS).
+    #[tokio::test]
+    async fn the_timer_loop_answers_a_dial_at_its_deadline() {
+        let c = cluster(&[Strategy::Default]);
+        let (link, to_agent) = attach(&c, "a".into(), Identifiers::default(), false, TIMERS);
+        let timers = {
+            let link = link.clone();
+            tokio::spawn(async move {
+                loop {
+                    link.next_timeout().await;
+                }
+            })
+        };
+        tokio::task::yield_now().await;
+        let settings = DialSettings {
+            timeout: Duration::from_millis(50),
+            queue_bytes: 1 << 16,
+            unresponsive_after: LIVE,
+        };
+        let r = dial(&c, "h:1", settings, &CancellationToken::new()).await;
+        assert_eq!(r.err(), Some(DialError::Timeout));
+        let kinds: Vec<_> = std::iter::from_fn(|| to_agent.try_next())
+            .map(|p| p.kind())
+            .collect();
+        use crate::proto::PacketType as T;
+        assert_eq!(kinds, [Some(T::DialReq), Some(T::DialCls)]);
+        assert_eq!(link.conn_count(), 0);
+        timers.abort();
+    }
+
+    /// A reader that takes nothing: the wait for room ends at the
+    /// machine's stall deadline, with that connection reset.
+    #[tokio::test]
+    async fn a_wait_for_room_ends_at_the_stall_deadline() {
+        let c = cluster(&[Strategy::Default]);
+        let timers = Timers {
+            stall: Duration::from_millis(50),
+            ..TIMERS
+        };
+        let (link, _to_agent) = attach(&c, "a".into(), Identifiers::default(), false, timers);
+        let (qtx, _reader) = queue::queue(4);
+        let ends = ConnEnds {
+            queue: qtx,
+            credit: None,
+        };
+        let (reply, _answer) = oneshot::channel();
+        let now = Instant::now();
+        link.with(now, |m, out| {
+            m.dial(7, "h:1", now + LIVE, reply, ends, out);
+        });
+        link.on_agent_packet(Packet::dial_rsp(7, 1, String::new()));
+        let four = || Packet::data(1, Bytes::from_static(b"1234"));
+        assert!(link.on_agent_packet(four()).1.is_none());
+        let (h, blocked) = link.on_agent_packet(four());
+        assert_eq!(h, Handled::Full);
+        let Some(b) = blocked else {
+            panic!("the second chunk does not fit")
+        };
+        assert_eq!(b.resume(&link).await, Handled::Stalled);
+        assert_eq!(link.conn_count(), 0);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use super::frontend::FrontendEnd;
 use super::handover::{self, Sockets};
 use super::limits::Limits;
 use super::metrics::Metrics;
-use super::{Cluster, ClusterConf, Registry, Strategy};
+use super::{AgentLink, Cluster, ClusterConf, Registry, Strategy};
 use crate::config::{Frontend, FrontendProtocol, ServerConfig};
 use crate::grpc::H2Settings;
 use crate::proto::PROXY_PATH;
@@ -74,6 +74,151 @@ struct Running {
     /// while it is still this socket's (another process may have bound the
     /// path since: a binary upgrade).
     unix_file: Option<(std::path::PathBuf, u64)>,
+}
+
+/// The handlers' shared state for `cfg`, with its clusters and agent TLS.
+fn new_core(
+    cfg: &ServerConfig,
+    metrics: Metrics,
+    clusters: Vec<Arc<Cluster>>,
+    agent_tls: TlsAcceptor,
+) -> Core {
+    let settings = Settings {
+        handshake_timeout: Duration::from_secs(10),
+        dial_timeout: cfg.dial_timeout,
+        stall_timeout: cfg.stall_timeout,
+        queue_bytes: cfg.queue_bytes,
+    };
+    let max = cfg.agents.max_connections;
+    let agent_slots = seedlink_net::admin::Slots::with_per_source(max, cfg.agents.max_per_source);
+    let per_source = super::core::TOKEN_CHECKS_PER_SOURCE;
+    let token_slots = seedlink_net::admin::Slots::with_per_source(max, per_source);
+    Core {
+        registry: Registry::new(clusters),
+        metrics,
+        settings,
+        agent_slots,
+        token_slots,
+        server_id: cfg.server_id.clone().unwrap_or_else(random_id),
+        server_count: std::sync::atomic::AtomicU32::new(cfg.server_count),
+        agent_tls: ArcSwap::from_pointee(agent_tls),
+        agent_h2: H2Settings {
+            keepalive: cfg.agents.keepalive,
+            keepalive_timeout: cfg.agents.keepalive_timeout,
+        },
+        shutdown: CancellationToken::new(),
+        accepting: CancellationToken::new(),
+        agents_moving: std::sync::atomic::AtomicBool::new(false),
+        tasks: TaskTracker::new(),
+        frontend_tasks: TaskTracker::new(),
+        config: ArcSwap::from_pointee(super::core::ConfigView {
+            config: serde_json::to_value(cfg).unwrap_or_default(),
+            generation: 1,
+            last_reload: None,
+        }),
+    }
+}
+
+/// Answers a handed-over CONNECT that cannot be served: 503 (within 5 s).
+async fn refuse_handoff(mut tcp: tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        let _ = tcp
+            .write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            .await;
+        let _ = tcp.shutdown().await;
+    })
+    .await;
+}
+
+/// Draining: a stream that carries nothing ends, so that an upstream agent
+/// (which ignores DRAIN) reconnects to a process that takes dials instead
+/// of waiting for this one's deadline (a seedlink agent has moved
+/// already). Only once the handshake deadline passed: a frontend connection
+/// accepted just before the drain has dialed by then (or was dropped).
+async fn end_idle_agent_streams(core: Arc<Core>) {
+    tokio::select! {
+        () = tokio::time::sleep(core.settings.handshake_timeout) => {}
+        () = core.shutdown.cancelled() => return,
+    }
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = core.shutdown.cancelled() => return,
+        }
+        for cluster in core.registry.clusters().iter() {
+            // A gRPC frontend connection may still dial (one connection,
+            // many streams): keep its agents.
+            let grpc = cluster
+                .grpc_frontends
+                .load(std::sync::atomic::Ordering::Acquire);
+            if grpc > 0 {
+                continue;
+            }
+            for link in cluster.agents() {
+                if link.conn_count() == 0 {
+                    link.kick.cancel();
+                }
+            }
+        }
+    }
+}
+
+/// What a frontend's listener serves.
+#[derive(Clone)]
+struct Serve {
+    /// `None`: a shared frontend (the request or the client certificate
+    /// names the cluster).
+    cluster: Option<Arc<Cluster>>,
+    name: Arc<str>,
+    proto: FrontendProtocol,
+    /// Cancelled to stop accepting.
+    stop: CancellationToken,
+}
+
+/// A frontend's serving task, where it is bound, and its swappable TLS
+/// acceptor if it has one.
+type Listening = (JoinHandle<()>, String, Option<Arc<ArcSwap<TlsAcceptor>>>);
+
+impl Serve {
+    /// Serves one TCP connection after the TLS handshake (within the
+    /// handshake deadline). On a shared CONNECT or gRPC frontend the client
+    /// certificate's CN names the cluster.
+    async fn tls(self, srv: Arc<Core>, acc: Arc<TlsAcceptor>, tcp: tokio::net::TcpStream) {
+        let hs = srv.settings.handshake_timeout;
+        let Serve {
+            cluster,
+            name,
+            proto,
+            ..
+        } = self;
+        let tls = match tokio::time::timeout(hs, acc.accept(tcp)).await {
+            Ok(Ok(tls)) => tls,
+            _ => {
+                let c = cluster.as_ref().map_or("", |c| &*c.name);
+                return srv
+                    .metrics
+                    .frontend_conn(c, &name, FrontendEnd::TlsFailed.reason());
+            }
+        };
+        if cluster.is_some() || proto.is_proxy() {
+            return serve_frontend(srv, cluster, name, proto, tls).await;
+        }
+        let named = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .and_then(|c| tls::subject_cn(c.as_ref()))
+            .and_then(|cn| srv.registry.cluster(&cn));
+        match named {
+            Some(c) => serve_frontend(srv, Some(c), name, proto, tls).await,
+            None => srv
+                .metrics
+                .frontend_conn("", &name, FrontendEnd::UnknownCluster.reason()),
+        }
+    }
 }
 
 /// What a reload changed.
@@ -318,6 +463,17 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> 
             )?,
         });
     }
+    let agent_tls = agent_tls(cfg, &clusters)?;
+    Ok(Plan {
+        clusters,
+        frontends,
+        agent_tls,
+    })
+}
+
+/// The agent endpoint's TLS: any cluster's CA verifies a client
+/// certificate, which is mandatory unless some cluster takes tokens.
+fn agent_tls(cfg: &ServerConfig, clusters: &[PlannedCluster]) -> Result<TlsAcceptor, ServerError> {
     let any = tls::AnyOf {
         verifiers: clusters
             .iter()
@@ -332,11 +488,7 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> 
         &[b"h2"],
     )
     .map_err(ServerError::tls("agents: TLS"))?;
-    Ok(Plan {
-        clusters,
-        frontends,
-        agent_tls: TlsAcceptor::from(Arc::new(agent_tls)),
-    })
+    Ok(TlsAcceptor::from(Arc::new(agent_tls)))
 }
 
 /// One cluster: its agents' trust (CA, tokens), proxy password, strategies
@@ -456,41 +608,7 @@ impl TunnelServer {
                 ))
             })
             .collect();
-        let core = Arc::new(Core {
-            registry: Registry::new(clusters),
-            metrics,
-            settings: Settings {
-                handshake_timeout: Duration::from_secs(10),
-                dial_timeout: cfg.dial_timeout,
-                stall_timeout: cfg.stall_timeout,
-                queue_bytes: cfg.queue_bytes,
-            },
-            agent_slots: seedlink_net::admin::Slots::with_per_source(
-                cfg.agents.max_connections,
-                cfg.agents.max_per_source,
-            ),
-            token_slots: seedlink_net::admin::Slots::with_per_source(
-                cfg.agents.max_connections,
-                super::core::TOKEN_CHECKS_PER_SOURCE,
-            ),
-            server_id: cfg.server_id.clone().unwrap_or_else(random_id),
-            server_count: std::sync::atomic::AtomicU32::new(cfg.server_count),
-            agent_tls: ArcSwap::from_pointee(p.agent_tls),
-            agent_h2: H2Settings {
-                keepalive: cfg.agents.keepalive,
-                keepalive_timeout: cfg.agents.keepalive_timeout,
-            },
-            shutdown: CancellationToken::new(),
-            accepting: CancellationToken::new(),
-            agents_moving: std::sync::atomic::AtomicBool::new(false),
-            tasks: TaskTracker::new(),
-            frontend_tasks: TaskTracker::new(),
-            config: ArcSwap::from_pointee(super::core::ConfigView {
-                config: serde_json::to_value(cfg).unwrap_or_default(),
-                generation: 1,
-                last_reload: None,
-            }),
-        });
+        let core = Arc::new(new_core(cfg, metrics, clusters, p.agent_tls));
         Ok(Arc::new(TunnelServer {
             sockets: Sockets::new(&core.accepting),
             core,
@@ -520,26 +638,11 @@ impl TunnelServer {
             self.sockets.frontends_open.cancel();
         }
         self.sockets.set_handed(handed);
-        let at = format!("agents: listening on {}", self.agent_listen);
-        let agents = self
-            .sockets
-            .tcp(handover::AGENTS, self.agent_listen)
-            .await
-            .map_err(ServerError::listen(at.clone()))?;
         let mut bound = Bound {
-            agents: agents.local_addr().map_err(ServerError::listen(at))?,
+            agents: self.bind_agents(taking_over).await?,
             admin: None,
             frontends: Vec::new(),
         };
-        if taking_over {
-            // Agents are taken once the old process moves them (phase
-            // `agents`): until then it accepts them alone, so that none
-            // lands here while the old one still takes every dial.
-            *seedlink_net::sync::lock(&self.sockets.pending_agents, "pending agents") =
-                Some(agents);
-        } else {
-            self.spawn_agent_accept(agents);
-        }
         let initial = seedlink_net::sync::lock(&self.initial, "initial frontends")
             .take()
             .unwrap_or_default();
@@ -550,27 +653,55 @@ impl TunnelServer {
             running.push(r);
         }
         drop(running);
-        if let Some(a) = self.admin_listen {
-            let at = format!("admin: listening on {a}");
-            let l = self
-                .sockets
-                .tcp(handover::ADMIN, a)
-                .await
-                .map_err(ServerError::listen(at.clone()))?;
-            bound.admin = Some(l.local_addr().map_err(ServerError::listen(at))?);
-            let access = match &self.admin_token {
-                None => seedlink_net::admin::Access::open(),
-                Some(p) => seedlink_net::admin::Access::from_token_file(p).map_err(|e| {
-                    ServerError::Invalid {
-                        at: format!("admin.token_file {}", p.display()),
-                        why: e.to_string(),
-                    }
-                })?,
-            };
-            let task = tokio::spawn(super::admin::serve(self.core.clone(), l, access));
-            *seedlink_net::sync::lock(&self.sockets.admin_task, "admin task") = Some(task);
+        bound.admin = self.start_admin().await?;
+        Ok(bound)
+    }
+
+    /// The agent endpoint's socket (or the previous process's), and where
+    /// it is bound. Taking over, agents are taken once the old process
+    /// moves them (phase `agents`): until then it accepts them alone, so
+    /// that none lands here while the old one still takes every dial.
+    async fn bind_agents(self: &Arc<Self>, taking_over: bool) -> Result<SocketAddr, ServerError> {
+        let at = format!("agents: listening on {}", self.agent_listen);
+        let agents = self
+            .sockets
+            .tcp(handover::AGENTS, self.agent_listen)
+            .await
+            .map_err(ServerError::listen(at.clone()))?;
+        let bound = agents.local_addr().map_err(ServerError::listen(at))?;
+        if taking_over {
+            *seedlink_net::sync::lock(&self.sockets.pending_agents, "pending agents") =
+                Some(agents);
+        } else {
+            self.spawn_agent_accept(agents);
         }
         Ok(bound)
+    }
+
+    /// The admin endpoint, if configured: where it is bound.
+    async fn start_admin(&self) -> Result<Option<SocketAddr>, ServerError> {
+        let Some(a) = self.admin_listen else {
+            return Ok(None);
+        };
+        let at = format!("admin: listening on {a}");
+        let l = self
+            .sockets
+            .tcp(handover::ADMIN, a)
+            .await
+            .map_err(ServerError::listen(at.clone()))?;
+        let bound = l.local_addr().map_err(ServerError::listen(at))?;
+        let access = match &self.admin_token {
+            None => seedlink_net::admin::Access::open(),
+            Some(p) => seedlink_net::admin::Access::from_token_file(p).map_err(|e| {
+                ServerError::Invalid {
+                    at: format!("admin.token_file {}", p.display()),
+                    why: e.to_string(),
+                }
+            })?,
+        };
+        let task = tokio::spawn(super::admin::serve(self.core.clone(), l, access));
+        *seedlink_net::sync::lock(&self.sockets.admin_task, "admin task") = Some(task);
+        Ok(Some(bound))
     }
 
     /// Accepts agent connections on `agents` until draining or a hand-over.
@@ -600,65 +731,14 @@ impl TunnelServer {
             f.cluster.as_deref().unwrap_or("shared"),
             f.cfg.name
         );
-        let cluster = match &f.cluster {
-            Some(n) => Some(
-                self.registry
-                    .cluster(n)
-                    .ok_or_else(|| ServerError::Invalid {
-                        at: label.clone(),
-                        why: format!("no cluster {n}"),
-                    })?,
-            ),
-            None => None,
+        let serve = Serve {
+            cluster: self.frontend_cluster(f.cluster.as_deref(), &label)?,
+            name: f.cfg.name.as_str().into(),
+            proto: f.cfg.protocol,
+            stop: self.accepting.child_token(),
         };
-        let stop = self.accepting.child_token();
-        let (name, proto): (Arc<str>, _) = (f.cfg.name.as_str().into(), f.cfg.protocol);
-        let handed_name = handover::frontend(&label);
-        let (task, bound, tls) = match f.transport {
-            Transport::Unix(path) => {
-                let l = match self
-                    .sockets
-                    .take_unix(&handed_name, &path)
-                    .map_err(ServerError::listen(format!("{label}: taking over")))?
-                {
-                    Some(l) => l,
-                    None => bind_unix(&label, &path)?,
-                };
-                let fd = std::os::fd::AsFd::as_fd(&l)
-                    .try_clone_to_owned()
-                    .map_err(ServerError::listen(format!("{label}: duplicating")))?;
-                self.sockets
-                    .record(&handed_name, &path.display().to_string(), fd);
-                let t = self.spawn_unix(l, cluster, name, proto, stop.clone());
-                (t, path.display().to_string(), None)
-            }
-            Transport::TcpPlain(addr) => {
-                let at = format!("{label}: listening on {addr}");
-                let l = self
-                    .sockets
-                    .tcp(&handed_name, addr)
-                    .await
-                    .map_err(ServerError::listen(at.clone()))?;
-                let b = l.local_addr().map_err(ServerError::listen(at))?.to_string();
-                (
-                    self.spawn_tcp(l, None, cluster, name, proto, stop.clone()),
-                    b,
-                    None,
-                )
-            }
-            Transport::Tcp(addr, acceptor) => {
-                let at = format!("{label}: listening on {addr}");
-                let l = self
-                    .sockets
-                    .tcp(&handed_name, addr)
-                    .await
-                    .map_err(ServerError::listen(at.clone()))?;
-                let b = l.local_addr().map_err(ServerError::listen(at))?.to_string();
-                let acc = Arc::new(ArcSwap::from_pointee(acceptor));
-                let t = self.spawn_tcp(l, Some(acc.clone()), cluster, name, proto, stop.clone());
-                (t, b, Some(acc))
-            }
-        };
+        let stop = serve.stop.clone();
+        let (task, bound, tls) = self.bind_frontend(f.transport, &label, serve).await?;
         let unix_file = f.cfg.unix.as_ref().and_then(|p| {
             use std::os::unix::fs::MetadataExt;
             Some((p.clone(), std::fs::symlink_metadata(p).ok()?.ino()))
@@ -675,23 +755,92 @@ impl TunnelServer {
         })
     }
 
-    fn spawn_unix(
+    /// The cluster named `name` (`None`: a shared frontend's).
+    fn frontend_cluster(
+        &self,
+        name: Option<&str>,
+        label: &str,
+    ) -> Result<Option<Arc<Cluster>>, ServerError> {
+        let Some(n) = name else { return Ok(None) };
+        let found = self
+            .registry
+            .cluster(n)
+            .ok_or_else(|| ServerError::Invalid {
+                at: label.to_string(),
+                why: format!("no cluster {n}"),
+            })?;
+        Ok(Some(found))
+    }
+
+    /// Binds (or takes over from the previous process) a frontend's socket
+    /// and starts serving it: the task, where it is bound, and its
+    /// swappable TLS acceptor if it has one.
+    async fn bind_frontend(
         self: &Arc<Self>,
-        l: UnixListener,
-        cluster: Option<Arc<Cluster>>,
-        name: Arc<str>,
-        proto: FrontendProtocol,
-        stop: CancellationToken,
-    ) -> JoinHandle<()> {
+        transport: Transport,
+        label: &str,
+        serve: Serve,
+    ) -> Result<Listening, ServerError> {
+        let handed_name = handover::frontend(label);
+        match transport {
+            Transport::Unix(path) => {
+                let l = match self
+                    .sockets
+                    .take_unix(&handed_name, &path)
+                    .map_err(ServerError::listen(format!("{label}: taking over")))?
+                {
+                    Some(l) => l,
+                    None => bind_unix(label, &path)?,
+                };
+                let fd = std::os::fd::AsFd::as_fd(&l)
+                    .try_clone_to_owned()
+                    .map_err(ServerError::listen(format!("{label}: duplicating")))?;
+                self.sockets
+                    .record(&handed_name, &path.display().to_string(), fd);
+                Ok((self.spawn_unix(l, serve), path.display().to_string(), None))
+            }
+            Transport::TcpPlain(addr) => {
+                let (l, b) = self.tcp_listener(&handed_name, addr, label).await?;
+                Ok((self.spawn_tcp(l, None, serve), b, None))
+            }
+            Transport::Tcp(addr, acceptor) => {
+                let (l, b) = self.tcp_listener(&handed_name, addr, label).await?;
+                let acc = Arc::new(ArcSwap::from_pointee(acceptor));
+                Ok((self.spawn_tcp(l, Some(acc.clone()), serve), b, Some(acc)))
+            }
+        }
+    }
+
+    /// A TCP listener on `addr` (or the previous process's), and where it
+    /// is bound.
+    async fn tcp_listener(
+        &self,
+        handed_name: &str,
+        addr: SocketAddr,
+        label: &str,
+    ) -> Result<(TcpListener, String), ServerError> {
+        let at = format!("{label}: listening on {addr}");
+        let l = self
+            .sockets
+            .tcp(handed_name, addr)
+            .await
+            .map_err(ServerError::listen(at.clone()))?;
+        let b = l.local_addr().map_err(ServerError::listen(at))?.to_string();
+        Ok((l, b))
+    }
+
+    fn spawn_unix(self: &Arc<Self>, l: UnixListener, serve: Serve) -> JoinHandle<()> {
         let srv = self.core.clone();
         let open = self.sockets.frontends_open.clone();
         tokio::spawn(async move {
             tokio::select! {
                 () = open.cancelled() => {}
-                () = stop.cancelled() => return,
+                () = serve.stop.cancelled() => return,
             }
-            seedlink_net::accept::accept_loop(&l, &stop, |s, _| {
-                let (srv2, cluster, name) = (srv.clone(), cluster.clone(), name.clone());
+            seedlink_net::accept::accept_loop(&l, &serve.stop, |s, _| {
+                let (srv2, cluster, name) =
+                    (srv.clone(), serve.cluster.clone(), serve.name.clone());
+                let proto = serve.proto;
                 srv.frontend_tasks
                     .spawn(async move { serve_frontend(srv2, cluster, name, proto, s).await });
             })
@@ -703,56 +852,28 @@ impl TunnelServer {
         self: &Arc<Self>,
         l: TcpListener,
         acceptor: Option<Arc<ArcSwap<TlsAcceptor>>>,
-        cluster: Option<Arc<Cluster>>,
-        name: Arc<str>,
-        proto: FrontendProtocol,
-        stop: CancellationToken,
+        serve: Serve,
     ) -> JoinHandle<()> {
         let srv = self.core.clone();
         let open = self.sockets.frontends_open.clone();
         tokio::spawn(async move {
             tokio::select! {
                 () = open.cancelled() => {}
-                () = stop.cancelled() => return,
+                () = serve.stop.cancelled() => return,
             }
-            seedlink_net::accept::accept_loop(&l, &stop, |tcp, _| {
+            seedlink_net::accept::accept_loop(&l, &serve.stop, |tcp, _| {
                 let _ = tcp.set_nodelay(true);
-                let (srv2, cluster, name) = (srv.clone(), cluster.clone(), name.clone());
-                let Some(acc) = acceptor.as_ref().map(|a| a.load_full()) else {
-                    srv.frontend_tasks
-                        .spawn(serve_frontend(srv2, cluster, name, proto, tcp));
-                    return;
+                let (srv2, serve2) = (srv.clone(), serve.clone());
+                match acceptor.as_ref().map(|a| a.load_full()) {
+                    Some(acc) => srv.frontend_tasks.spawn(serve2.tls(srv2, acc, tcp)),
+                    None => srv.frontend_tasks.spawn(serve_frontend(
+                        srv2,
+                        serve2.cluster,
+                        serve2.name,
+                        serve2.proto,
+                        tcp,
+                    )),
                 };
-                srv.frontend_tasks.spawn(async move {
-                    let hs = srv2.settings.handshake_timeout;
-                    match tokio::time::timeout(hs, acc.accept(tcp)).await {
-                        // A shared CONNECT or gRPC frontend: the client
-                        // certificate's CN names the cluster.
-                        Ok(Ok(tls)) if cluster.is_none() && !proto.is_proxy() => {
-                            let named = tls
-                                .get_ref()
-                                .1
-                                .peer_certificates()
-                                .and_then(|c| c.first())
-                                .and_then(|c| tls::subject_cn(c.as_ref()))
-                                .and_then(|cn| srv2.registry.cluster(&cn));
-                            match named {
-                                Some(c) => serve_frontend(srv2, Some(c), name, proto, tls).await,
-                                None => srv2.metrics.frontend_conn(
-                                    "",
-                                    &name,
-                                    FrontendEnd::UnknownCluster.reason(),
-                                ),
-                            }
-                        }
-                        Ok(Ok(tls)) => serve_frontend(srv2, cluster, name, proto, tls).await,
-                        _ => srv2.metrics.frontend_conn(
-                            cluster.as_ref().map_or("", |c| &*c.name),
-                            &name,
-                            FrontendEnd::TlsFailed.reason(),
-                        ),
-                    }
-                });
             })
             .await;
         })
@@ -791,21 +912,7 @@ impl TunnelServer {
         // One reload at a time (the lock also guards the frontend list).
         let mut running = self.running.lock().await;
         let old = self.registry.clusters();
-        let changes = diff(
-            &old.iter().map(|c| &*c.name).collect::<Vec<_>>(),
-            &running
-                .iter()
-                .map(|r| (r.cluster.as_deref(), &r.cfg))
-                .collect::<Vec<_>>(),
-            &p.clusters
-                .iter()
-                .map(|c| c.name.as_str())
-                .collect::<Vec<_>>(),
-            &p.frontends
-                .iter()
-                .map(|f| (f.cluster.as_deref(), &f.cfg))
-                .collect::<Vec<_>>(),
-        );
+        let changes = changes(&old, &running, &p);
         let mut report = ReloadReport {
             added: changes.clusters_added.clone(),
             removed: changes.clusters_removed.clone(),
@@ -819,9 +926,27 @@ impl TunnelServer {
             last_reload: Some((std::time::SystemTime::now(), "success")),
         }));
         self.agent_tls.store(Arc::new(p.agent_tls));
-        // Frontends: unchanged ones keep listening (new certificates are
-        // swapped in); removed or changed ones stop; new ones start.
-        let mut planned: Vec<Option<PlannedFrontend>> = p.frontends.into_iter().map(Some).collect();
+        let errors = self
+            .apply_frontends(&mut running, p.frontends, &changes, &mut report)
+            .await;
+        if errors.is_empty() {
+            Ok(report)
+        } else {
+            Err(ServerError::FrontendsFailed(errors.join("; ")))
+        }
+    }
+
+    /// Frontends: unchanged ones keep listening (new certificates are
+    /// swapped in); removed or changed ones stop; new ones start. Returns
+    /// why some could not start.
+    async fn apply_frontends(
+        self: &Arc<Self>,
+        running: &mut Vec<Running>,
+        planned: Vec<PlannedFrontend>,
+        changes: &Changes,
+        report: &mut ReloadReport,
+    ) -> Vec<String> {
+        let mut planned: Vec<Option<PlannedFrontend>> = planned.into_iter().map(Some).collect();
         let mut keep = Vec::new();
         for (i, r) in running.drain(..).enumerate() {
             match changes.frontends_kept.iter().find(|(k, _)| *k == i) {
@@ -837,7 +962,7 @@ impl TunnelServer {
             }
         }
         let mut errors = Vec::new();
-        for j in changes.frontends_started {
+        for &j in &changes.frontends_started {
             let Some(f) = planned[j].take() else { continue };
             match self.listen(f).await {
                 Ok(r) => {
@@ -848,11 +973,7 @@ impl TunnelServer {
             }
         }
         *running = keep;
-        if errors.is_empty() {
-            Ok(report)
-        } else {
-            Err(ServerError::FrontendsFailed(errors.join("; ")))
-        }
+        errors
     }
 
     /// The planned clusters replace the running ones: a kept cluster gets
@@ -963,25 +1084,11 @@ impl TunnelServer {
             let _ = tcp.set_nodelay(true);
             let outcome = match cluster {
                 Some(c) if !srv.accepting.is_cancelled() => {
-                    super::frontend::connect_method(
-                        &srv,
-                        &c,
-                        tcp,
-                        &target,
-                        bytes::BytesMut::from(&leftover[..]),
-                    )
-                    .await
+                    let leftover = bytes::BytesMut::from(&leftover[..]);
+                    super::frontend::connect_method(&srv, &c, tcp, &target, leftover).await
                 }
                 other => {
-                    use tokio::io::AsyncWriteExt;
-                    let mut tcp = tcp;
-                    let _ = tokio::time::timeout(Duration::from_secs(5), async {
-                        let _ = tcp
-                            .write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-                            .await;
-                        let _ = tcp.shutdown().await;
-                    })
-                    .await;
+                    refuse_handoff(tcp).await;
                     if other.is_some() {
                         FrontendEnd::Draining
                     } else {
@@ -989,7 +1096,8 @@ impl TunnelServer {
                     }
                 }
             };
-            srv.metrics.frontend_conn(&name, "gateway", outcome.reason());
+            srv.metrics
+                .frontend_conn(&name, "gateway", outcome.reason());
         });
     }
 
@@ -1009,42 +1117,7 @@ impl TunnelServer {
                 link.drain_notice();
             }
         }
-        // A stream that carries nothing ends: an upstream agent (which
-        // ignores DRAIN) then reconnects to a process that takes dials
-        // instead of waiting for this one's deadline; a seedlink agent has
-        // moved already. Only once the handshake deadline passed: a
-        // frontend connection accepted just before the drain has dialed by
-        // then (or was dropped).
-        let core = self.core.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                () = tokio::time::sleep(core.settings.handshake_timeout) => {}
-                () = core.shutdown.cancelled() => return,
-            }
-            let mut tick = tokio::time::interval(Duration::from_millis(100));
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    () = core.shutdown.cancelled() => return,
-                }
-                for cluster in core.registry.clusters().iter() {
-                    // A gRPC frontend connection may still dial (one
-                    // connection, many streams): keep its agents.
-                    if cluster
-                        .grpc_frontends
-                        .load(std::sync::atomic::Ordering::Acquire)
-                        > 0
-                    {
-                        continue;
-                    }
-                    for link in cluster.agents() {
-                        if link.conn_count() == 0 {
-                            link.kick.cancel();
-                        }
-                    }
-                }
-            }
-        });
+        tokio::spawn(end_idle_agent_streams(self.core.clone()));
         self.frontend_tasks.close();
         let _ = tokio::time::timeout(grace, self.frontend_tasks.wait()).await;
         self.shutdown.cancel();
@@ -1084,25 +1157,32 @@ fn rekey(cluster: &Arc<Cluster>) -> usize {
         if token.is_none() && !certs.is_empty() {
             continue;
         }
-        let name = cluster.name.clone();
-        tokio::spawn(async move {
-            let refused = match token {
-                Some(t) => match t.check(&auth).await {
-                    Ok(()) => false,
-                    // Not reachable now: keep the agent.
-                    Err(crate::token::TokenError::Unavailable(_)) => false,
-                    Err(_) => true,
-                },
-                None => true,
-            };
-            if refused {
-                tracing::info!(cluster = %name, agent = %link.agent_id, "agent's token refused after re-key");
-                // Its stream ends counted as `rekeyed`.
-                link.kick.cancel();
-            }
-        });
+        tokio::spawn(recheck_token(cluster.name.clone(), link, token, auth));
     }
     kicked
+}
+
+/// Checks an agent's token again after its cluster was re-keyed: a
+/// refused one ends its stream (counted `rekeyed`), as does any token when
+/// the cluster no longer accepts tokens; an API server not reachable now
+/// keeps the agent.
+async fn recheck_token(
+    cluster: Arc<str>,
+    link: Arc<AgentLink>,
+    token: Option<Arc<TokenValidator>>,
+    auth: String,
+) {
+    let refused = match token {
+        Some(t) => match t.check(&auth).await {
+            Ok(()) | Err(crate::token::TokenError::Unavailable(_)) => false,
+            Err(_) => true,
+        },
+        None => true,
+    };
+    if refused {
+        tracing::info!(cluster = %cluster, agent = %link.agent_id, "agent's token refused after re-key");
+        link.kick.cancel();
+    }
 }
 
 /// What a reload changes, computed from what runs and what the new plan
@@ -1119,6 +1199,25 @@ pub struct Changes {
     /// Planned frontends (index) to start: new, or changed (the running
     /// one, absent from `frontends_kept`, stops).
     pub frontends_started: Vec<usize>,
+}
+
+/// What plan `p` changes in the running clusters and frontends.
+fn changes(old: &[Arc<Cluster>], running: &[Running], p: &Plan) -> Changes {
+    diff(
+        &old.iter().map(|c| &*c.name).collect::<Vec<_>>(),
+        &running
+            .iter()
+            .map(|r| (r.cluster.as_deref(), &r.cfg))
+            .collect::<Vec<_>>(),
+        &p.clusters
+            .iter()
+            .map(|c| c.name.as_str())
+            .collect::<Vec<_>>(),
+        &p.frontends
+            .iter()
+            .map(|f| (f.cluster.as_deref(), &f.cfg))
+            .collect::<Vec<_>>(),
+    )
 }
 
 /// The pure part of a reload: which clusters are added or removed, which
@@ -1168,64 +1267,57 @@ async fn serve_frontend<S>(
     S: super::frontend::FrontendIo + Send + 'static,
 {
     use super::frontend::ProxyCluster;
-    let cluster = match (proto, cluster) {
-        (FrontendProtocol::HttpProxy, c) => {
-            let choice = match &c {
-                Some(c) => ProxyCluster::Fixed(c),
-                None => ProxyCluster::ByCredentials,
-            };
-            let (cl, outcome) = super::frontend::serve_http_proxy(&srv, choice, io).await;
-            srv.metrics.frontend_conn(&cl, &name, outcome.reason());
-            return;
-        }
-        (FrontendProtocol::Socks5, c) => {
-            let choice = match &c {
-                Some(c) => ProxyCluster::Fixed(c),
-                None => ProxyCluster::ByCredentials,
-            };
-            let (cl, outcome) = super::socks::serve_socks5(&srv, choice, io).await;
-            srv.metrics.frontend_conn(&cl, &name, outcome.reason());
-            return;
-        }
-        (_, Some(c)) => c,
-        // Only proxy frontends are shared (the configuration says so).
-        (_, None) => return,
+    let choice = match &cluster {
+        Some(c) => ProxyCluster::Fixed(c),
+        None => ProxyCluster::ByCredentials,
     };
-    match proto {
-        FrontendProtocol::HttpConnect | FrontendProtocol::HttpProxy | FrontendProtocol::Socks5 => {
-            let outcome = super::frontend::serve_http_connect(&srv, &cluster, io).await;
-            srv.metrics
-                .frontend_conn(&cluster.name, &name, outcome.reason());
-        }
-        FrontendProtocol::Grpc => {
-            // kube-apiserver's gRPC client names the socket path as
-            // `:authority`; see `authority` for why and how it is rewritten.
-            let (rd, wr) = tokio::io::split(io);
-            let (to_server, from_client) = tokio::io::duplex(256 * 1024);
-            let fix = tokio::spawn(async move {
-                if let Err(e) = crate::authority::rewrite(rd, to_server).await {
-                    tracing::debug!(error = %e, "gRPC frontend connection ended");
-                }
-            });
-            // Counted while open: it may carry further dials.
-            struct Open(Arc<super::Cluster>);
-            impl Drop for Open {
-                fn drop(&mut self) {
-                    self.0
-                        .grpc_frontends
-                        .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-                }
+    let (cl, outcome) = match proto {
+        FrontendProtocol::HttpProxy => super::frontend::serve_http_proxy(&srv, choice, io).await,
+        FrontendProtocol::Socks5 => super::socks::serve_socks5(&srv, choice, io).await,
+        // Only proxy frontends are shared (the configuration says so).
+        FrontendProtocol::HttpConnect | FrontendProtocol::Grpc => {
+            let Some(c) = cluster else { return };
+            if proto == FrontendProtocol::Grpc {
+                return serve_grpc_frontend(srv, c, name, io).await;
             }
-            cluster
+            let outcome = super::frontend::serve_http_connect(&srv, &c, io).await;
+            (c.name.to_string(), outcome)
+        }
+    };
+    srv.metrics.frontend_conn(&cl, &name, outcome.reason());
+}
+
+/// A gRPC frontend connection of `cluster`: HTTP/2 with `ProxyService`,
+/// counted while open (it may carry further dials). kube-apiserver's gRPC
+/// client names the socket path as `:authority`; see `authority` for why
+/// and how it is rewritten.
+async fn serve_grpc_frontend<S>(srv: Arc<Core>, cluster: Arc<Cluster>, name: Arc<str>, io: S)
+where
+    S: super::frontend::FrontendIo + Send + 'static,
+{
+    let (rd, wr) = tokio::io::split(io);
+    let (to_server, from_client) = tokio::io::duplex(256 * 1024);
+    let fix = tokio::spawn(async move {
+        if let Err(e) = crate::authority::rewrite(rd, to_server).await {
+            tracing::debug!(error = %e, "gRPC frontend connection ended");
+        }
+    });
+    struct Open(Arc<super::Cluster>);
+    impl Drop for Open {
+        fn drop(&mut self) {
+            self.0
                 .grpc_frontends
-                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-            let _open = Open(cluster.clone());
-            let h = super::frontend::grpc_handler(srv.clone(), cluster, name);
-            let io = tokio::io::join(from_client, wr);
-            crate::grpc::serve(io, vec![(PROXY_PATH, h)], srv.agent_h2).await;
-            fix.abort();
+                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
         }
     }
+    cluster
+        .grpc_frontends
+        .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    let _open = Open(cluster.clone());
+    let h = super::frontend::grpc_handler(srv.clone(), cluster, name);
+    let io = tokio::io::join(from_client, wr);
+    crate::grpc::serve(io, vec![(PROXY_PATH, h)], srv.agent_h2).await;
+    fix.abort();
 }
 
 #[cfg(test)]

@@ -124,6 +124,39 @@ where
 
 /// The request (VER, CMD, RSV, ATYP, DST.ADDR, DST.PORT): its target as
 /// `host:port`, or the refusal (answered with its reply code).
+/// The destination host of address type `atyp` (IPv4, IPv6 in
+/// brackets, a host name), or why not (answered).
+async fn read_host<S>(io: &mut S, atyp: u8) -> Result<String, FrontendEnd>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    match atyp {
+        1 => {
+            let a = read_n(io, 4).await?;
+            Ok(Ipv4Addr::new(a[0], a[1], a[2], a[3]).to_string())
+        }
+        4 => {
+            let a = read_n(io, 16).await?;
+            let mut o = [0u8; 16];
+            o.copy_from_slice(&a);
+            Ok(format!("[{}]", Ipv6Addr::from(o)))
+        }
+        3 => {
+            let len = read_n(io, 1).await?;
+            let name = read_n(io, usize::from(len[0])).await?;
+            if let Some(h) = host_name(&name) {
+                return Ok(h);
+            }
+            let _ = reply(io, rep::HOST_UNREACHABLE).await;
+            Err(FrontendEnd::BadTarget)
+        }
+        _ => {
+            let _ = reply(io, rep::ADDRESS_TYPE).await;
+            Err(FrontendEnd::BadTarget)
+        }
+    }
+}
+
 async fn request<S>(io: &mut S) -> Result<String, FrontendEnd>
 where
     S: AsyncRead + AsyncWrite + Unpin,
@@ -138,33 +171,7 @@ where
         let _ = reply(io, rep::COMMAND).await;
         return Err(FrontendEnd::SocksCommand);
     }
-    let host = match req[3] {
-        1 => {
-            let a = read_n(io, 4).await?;
-            Ipv4Addr::new(a[0], a[1], a[2], a[3]).to_string()
-        }
-        4 => {
-            let a = read_n(io, 16).await?;
-            let mut o = [0u8; 16];
-            o.copy_from_slice(&a);
-            format!("[{}]", Ipv6Addr::from(o))
-        }
-        3 => {
-            let len = read_n(io, 1).await?;
-            let name = read_n(io, usize::from(len[0])).await?;
-            match host_name(&name) {
-                Some(h) => h,
-                None => {
-                    let _ = reply(io, rep::HOST_UNREACHABLE).await;
-                    return Err(FrontendEnd::BadTarget);
-                }
-            }
-        }
-        _ => {
-            let _ = reply(io, rep::ADDRESS_TYPE).await;
-            return Err(FrontendEnd::BadTarget);
-        }
-    };
+    let host = read_host(io, req[3]).await?;
     let port = read_n(io, 2).await?;
     let port = u16::from_be_bytes([port[0], port[1]]);
     if port == 0 {
