@@ -502,13 +502,6 @@ struct Claimed {
     keys: HashMap<Vec<u8>, String>,
 }
 
-/// Records `c`'s trust in `seen`, or, when another cluster already trusts
-/// one of its keys, says so instead: an agent certificate or token that
-/// verifies for two clusters could be taken for either, so one tenant
-/// could hand its agent another tenant's traffic. (`agent_ca` holds roots
-/// only, see [`check_anchors`], so a shared key is the only overlap of
-/// two files; a link the agent presents itself is refused when it
-/// connects: `Registry::cluster_for_cert`.)
 /// Trust shared with a cluster already kept (the file's, then the older
 /// objects') refuses the newer claim: adds it to `bad` (the extra clusters'
 /// problems by index). `Err` when the file's own clusters share trust.
@@ -534,6 +527,13 @@ fn refuse_shared_trust(
     Ok(bad)
 }
 
+/// Records `c`'s trust in `seen`, or, when another cluster already trusts
+/// one of its keys, says so instead: an agent certificate or token that
+/// verifies for two clusters could be taken for either, so one tenant
+/// could hand its agent another tenant's traffic. (`agent_ca` holds roots
+/// only, see [`check_anchors`], so a shared key is the only overlap of
+/// two files; a link the agent presents itself is refused when it
+/// connects: `Registry::cluster_for_cert`.)
 fn claim_trust(seen: &mut Claimed, c: &Cluster, at: &str) -> Option<ConfigError> {
     let keys = trust_keys(c);
     for (k, what) in &keys {
@@ -831,6 +831,16 @@ fn check_settings(cfg: &ServerConfig, errs: &mut Problems) {
     if cfg.queue_bytes < 64 * 1024 {
         errs.add("queue_bytes", "at least 65536");
     }
+    for (key, d) in [
+        ("dial_timeout", cfg.dial_timeout),
+        ("stall_timeout", cfg.stall_timeout),
+        ("agents.keepalive", cfg.agents.keepalive),
+        ("agents.keepalive_timeout", cfg.agents.keepalive_timeout),
+    ] {
+        if d.is_zero() || d > MAX_TIMEOUT {
+            errs.add(key, "must be more than 0 and at most 24h");
+        }
+    }
     if cfg.agents.max_connections == 0 {
         errs.add("agents.max_connections", "at least 1");
     }
@@ -839,9 +849,10 @@ fn check_settings(cfg: &ServerConfig, errs: &mut Problems) {
     }
 }
 
-/// Every cluster: a unique name, a way to authenticate its agents (an
-/// issuer belongs to one cluster), sane limits and strategies, its
-/// frontends.
+/// The longest `dial_timeout`, `stall_timeout` and keepalive setting: a
+/// day (longer is a typo, and a deadline that far out is no deadline).
+const MAX_TIMEOUT: Duration = Duration::from_secs(24 * 3600);
+
 /// A cluster's dial limits and backend strategies.
 fn check_dialing(at: &str, c: &Cluster, errs: &mut Problems) {
     let l = &c.limits;
@@ -867,6 +878,9 @@ fn check_dialing(at: &str, c: &Cluster, errs: &mut Problems) {
     }
 }
 
+/// Every cluster: a unique name, a way to authenticate its agents (an
+/// issuer belongs to one cluster), sane limits and strategies, its
+/// frontends.
 fn check_clusters(cfg: &ServerConfig, binds: &mut HashSet<String>, errs: &mut Problems) {
     let mut names = HashSet::new();
     let mut issuers = HashSet::new();
@@ -892,8 +906,6 @@ fn check_clusters(cfg: &ServerConfig, binds: &mut HashSet<String>, errs: &mut Pr
     }
 }
 
-/// A cluster's `agent_token`: a ServiceAccount, one way to check it, an
-/// issuer of its own, and a TokenReview that can authenticate.
 /// A TokenReview's settings (`at`: its key).
 fn check_review(at: &str, r: &TokenReview, errs: &mut Problems) {
     if !r.url.starts_with("https://") {
@@ -913,6 +925,8 @@ fn check_review(at: &str, r: &TokenReview, errs: &mut Problems) {
     }
 }
 
+/// A cluster's `agent_token`: a ServiceAccount, one way to check it, an
+/// issuer of its own, and a TokenReview that can authenticate.
 fn check_agent_token(at: &str, t: &TokenAuth, issuers: &mut HashSet<String>, errs: &mut Problems) {
     if !t.service_account.contains('/') {
         errs.add(
@@ -1010,6 +1024,29 @@ clusters:
 
     fn err(token: &str) -> String {
         format!("{:#}", ServerConfig::parse(&cfg(token)).unwrap_err())
+    }
+
+    /// A timeout of 0 would fire at once, and one of "300000000000y" is a
+    /// typo that would overflow every deadline computed from it: both are
+    /// refused, with the key named.
+    #[test]
+    fn timeouts_are_bounded() {
+        let with = |extra: &str| {
+            ServerConfig::parse(&format!("{extra}\n{}", cfg("{issuer: i, keys: sa.pub}")))
+                .map_err(|e| format!("{e:#}"))
+        };
+        with("dial_timeout: 30s\nstall_timeout: 1h").unwrap();
+        for (key, bad) in [
+            ("dial_timeout", "0s"),
+            ("stall_timeout", "300000000000y"),
+            ("dial_timeout", "25h"),
+        ] {
+            let e = with(&format!("{key}: {bad}")).unwrap_err();
+            assert!(
+                e.contains(key) && e.contains("at most 24h"),
+                "{key}: {bad}: {e}"
+            );
+        }
     }
 
     #[test]

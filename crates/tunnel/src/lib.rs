@@ -5,6 +5,7 @@
 pub mod agent;
 pub mod authority;
 pub mod config;
+pub mod deadline;
 pub mod dialerr;
 pub mod fair;
 pub mod flow;

@@ -25,8 +25,8 @@ fn layer(module: &str) -> Option<u8> {
         // The crate root (re-exports only).
         "" => 9,
         // Shared helpers re-exported from seedlink-net; the read tap under
-        // the GOAWAY sniffer.
-        "sync" | "tap" => 0,
+        // the GOAWAY sniffer; deadline arithmetic.
+        "sync" | "tap" | "deadline" => 0,
         // Wire: messages, gRPC framing, authority, HTTP/2 GOAWAY sniffing,
         // dial-failure texts, SOCKS5 reply codes.
         "proto" | "grpc" | "authority" | "goaway" | "dialerr" | "socks5" => 1,

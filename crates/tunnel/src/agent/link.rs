@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use crate::deadline::later;
 use crate::proto::{Packet, PacketType as T, Payload};
 
 /// What the agent did with one packet from the server (for counters).
@@ -286,14 +287,14 @@ impl<C, P: Default + Clone> SessionLink<C, P> {
     /// must take something within the stall deadline (see
     /// [`SessionLink::progress`]) or the connection is reset.
     pub fn blocked(&mut self, now: Instant, id: i64) {
-        self.waiting = Some((id, now + self.stall));
+        self.waiting = Some((id, later(now, self.stall)));
     }
 
     /// The waiting connection's destination took bytes at `now`: its stall
     /// deadline starts again.
     pub fn progress(&mut self, now: Instant) {
         if let Some((_, deadline)) = &mut self.waiting {
-            *deadline = now + self.stall;
+            *deadline = later(now, self.stall);
         }
     }
 

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::dialerror::DialError;
+use crate::deadline::later;
 use crate::proto::{Packet, PacketType as T, Payload};
 
 /// How long a connection this side closed is remembered waiting for the
@@ -281,14 +282,14 @@ impl<C, R> ServerLink<C, R> {
     /// take something within [`Timers::stall`] (see [`ServerLink::progress`])
     /// or the connection is reset.
     pub fn blocked(&mut self, now: Instant, id: i64) {
-        self.waiting = Some((id, now + self.timers.stall));
+        self.waiting = Some((id, later(now, self.timers.stall)));
     }
 
     /// The waiting connection's reader took bytes at `now` (or the shared
     /// budget moved): its stall deadline starts again.
     pub fn progress(&mut self, now: Instant) {
         if let Some((_, deadline)) = &mut self.waiting {
-            *deadline = now + self.timers.stall;
+            *deadline = later(now, self.timers.stall);
         }
     }
 
@@ -316,11 +317,11 @@ impl<C, R> ServerLink<C, R> {
         let silence = self
             .heard
             .filter(|_| !self.pending.is_empty())
-            .map(|h| h + self.timers.unresponsive_after + SILENCE_SLACK);
+            .map(|h| later(later(h, self.timers.unresponsive_after), SILENCE_SLACK));
         let sweep = self
             .closed_at
             .first()
-            .map(|(at, _)| *at + CLOSING_TTL + CLOSING_SWEEP);
+            .map(|(at, _)| later(*at, CLOSING_TTL + CLOSING_SWEEP));
         [dial, stall, silence, sweep].into_iter().flatten().min()
     }
 

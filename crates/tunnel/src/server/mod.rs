@@ -47,6 +47,7 @@ use tokio_util::sync::CancellationToken;
 pub use self::dialerror::DialError;
 pub use self::link::Handled;
 use self::link::{Action, Actions, ServerLink, Timers};
+use crate::deadline::{earliest, later};
 use crate::fair::FairQueue;
 use crate::flow::{self, SendCredit, Unacked};
 use crate::proto::Packet;
@@ -245,7 +246,10 @@ impl AgentLink {
         let after = machine.poll_timeout();
         drop(g);
         if after.is_some_and(|a| before.is_none_or(|b| a < b)) {
-            self.timer.notify_one();
+            // Every sleeper: the receive loop may hold two timer futures at
+            // once (its own, and the one `Blocked::resume` polls while the
+            // first waits), and only the one being polled must not miss it.
+            self.timer.notify_waiters();
         }
         (r, applied)
     }
@@ -254,7 +258,9 @@ impl AgentLink {
     /// (unset: not tracked).
     fn heard_at(&self, now: Instant) -> Option<Instant> {
         let silent = self.activity.get()?.silent_for();
-        Some(now.checked_sub(silent).unwrap_or(now))
+        // A silence longer than the clock goes back: as long ago as it can
+        // be (fails closed: the agent counts as silent).
+        Some(now.checked_sub(silent).unwrap_or_else(|| earliest(now)))
     }
 
     /// Sleeps until the machine's next timer (a timer set meanwhile wakes
@@ -687,7 +693,7 @@ pub async fn dial(
         cluster,
         address,
         settings: &settings,
-        deadline: started + settings.timeout,
+        deadline: later(started, settings.timeout),
         cancel,
     };
     match attempt.with_retries().await {
@@ -790,7 +796,7 @@ impl Attempt<'_> {
             m.dial(random, self.address, self.deadline, reply_tx, ends, out)
         });
         self.cluster.metrics.pending(1);
-        let outcome = await_answer(link, reply_rx, self.cancel).await;
+        let outcome = await_answer(link, reply_rx, self.cancel, self.deadline).await;
         self.cluster.metrics.pending(-1);
         if outcome.is_err() {
             link.with(Instant::now(), |m, out| m.dial_abandoned(random, out));
@@ -806,18 +812,31 @@ impl Attempt<'_> {
 
 /// The agent's answer to a dial, or why none came: the caller's cancel or
 /// the agent's end. The deadline and the agent's silence are the link
-/// machine's timers: they answer the dial with the error.
+/// machine's timers: they answer the dial with the error. A backstop
+/// [`ANSWER_BACKSTOP`] after the deadline answers it here should the
+/// link's receive loop, which drives those timers, be gone without ending
+/// the link (a bug): no dial waits forever.
 async fn await_answer(
     link: &AgentLink,
     mut reply: oneshot::Receiver<Result<i64, DialError>>,
     cancel: &CancellationToken,
+    deadline: Instant,
 ) -> Result<i64, DialError> {
+    let backstop = tokio::time::Instant::from_std(later(deadline, ANSWER_BACKSTOP));
     tokio::select! {
         r = &mut reply => r.unwrap_or(Err(DialError::AgentGone)),
         () = cancel.cancelled() => Err(DialError::Cancelled),
         () = link.gone.cancelled() => Err(DialError::AgentGone),
+        () = tokio::time::sleep_until(backstop) => {
+            tracing::error!("a dial outlived its deadline: the link's timers did not run (a bug); answered as a timeout");
+            Err(DialError::Timeout)
+        }
     }
 }
+
+/// How long after its deadline a dial is answered by [`await_answer`]
+/// itself, should the link machine's timer not have answered it.
+const ANSWER_BACKSTOP: Duration = Duration::from_secs(1);
 
 /// Why an agent certificate got no cluster.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1229,6 +1248,51 @@ mod tests {
         assert_eq!(kinds, [Some(T::DialReq), Some(T::DialCls)]);
         assert_eq!(link.conn_count(), 0);
         timers.abort();
+    }
+
+    /// The receive loop holds two timer futures while a connection waits
+    /// for room (its own, idle, and the one the wait polls): a dial whose
+    /// deadline comes before the waiting one's wakes the one being polled,
+    /// which answers it. (With a wake-up for the oldest sleeper only, the
+    /// polled one slept on to the stall deadline, an hour here.)
+    #[tokio::test]
+    async fn an_earlier_timer_wakes_every_sleeper() {
+        let c = cluster(&[Strategy::Default]);
+        let timers = Timers {
+            stall: Duration::from_secs(3600),
+            ..TIMERS
+        };
+        let (link, _to_agent) = attach(&c, "a".into(), Identifiers::default(), false, timers);
+        let now = Instant::now();
+        link.with(now, |m, _| m.blocked(now, 99));
+        let outer = link.next_timeout();
+        tokio::pin!(outer);
+        let inner = link.next_timeout();
+        tokio::pin!(inner);
+        for f in [&mut outer, &mut inner] {
+            tokio::select! {
+                biased;
+                _ = f => panic!("nothing is due yet"),
+                () = std::future::ready(()) => {}
+            }
+        }
+        let (qtx, _reader) = queue::queue(4);
+        let ends = ConnEnds {
+            queue: qtx,
+            credit: None,
+        };
+        let (reply, answer) = oneshot::channel();
+        link.with(Instant::now(), |m, out| {
+            m.dial(7, "h:1", Instant::now(), reply, ends, out);
+        });
+        // A bound that only stops a broken build.
+        let woke = tokio::time::timeout(Duration::from_secs(30), &mut inner).await;
+        assert_eq!(
+            woke.ok(),
+            Some(None),
+            "the polled sleeper woke and handled the dial"
+        );
+        assert_eq!(answer.await.ok(), Some(Err(DialError::Timeout)));
     }
 
     /// A reader that takes nothing: the wait for room ends at the

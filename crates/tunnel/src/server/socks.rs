@@ -122,8 +122,6 @@ where
     }
 }
 
-/// The request (VER, CMD, RSV, ATYP, DST.ADDR, DST.PORT): its target as
-/// `host:port`, or the refusal (answered with its reply code).
 /// The destination host of address type `atyp` (IPv4, IPv6 in
 /// brackets, a host name), or why not (answered).
 async fn read_host<S>(io: &mut S, atyp: u8) -> Result<String, FrontendEnd>
@@ -157,6 +155,8 @@ where
     }
 }
 
+/// The request (VER, CMD, RSV, ATYP, DST.ADDR, DST.PORT): its target as
+/// `host:port`, or the refusal (answered with its reply code).
 async fn request<S>(io: &mut S) -> Result<String, FrontendEnd>
 where
     S: AsyncRead + AsyncWrite + Unpin,
