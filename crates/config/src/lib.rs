@@ -10,6 +10,7 @@
 pub mod compile;
 pub mod model;
 pub mod routes;
+pub mod tunnel;
 pub mod watch;
 
 pub use compile::{compile, load, ConfigError, Errors, Snapshot};

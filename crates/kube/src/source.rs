@@ -714,10 +714,10 @@ pub trait TunnelSink: Send + Sync + 'static {
     /// with the problems.
     fn apply(
         &self,
-        clusters: Vec<seedlink_tunnel::config::Cluster>,
+        clusters: Vec<seedlink_config::tunnel::Cluster>,
     ) -> BoxFuture<'_, seedlink_config::compile::Refused>;
     /// A served cluster's agents and dial errors.
-    fn health(&self, cluster: &str) -> Option<seedlink_tunnel::server::ClusterHealth>;
+    fn health(&self, cluster: &str) -> Option<seedlink_config::tunnel::ClusterHealth>;
     /// The tunnel-server replicas counted from their Service's
     /// EndpointSlices (`kubernetes.replicas`).
     fn set_server_count(&self, _replicas: u32) {}
@@ -761,7 +761,7 @@ pub struct TunnelSettings {
     /// of its own.
     pub socket_dir: std::path::PathBuf,
     /// The operator's ceilings over TunnelClusters' limits.
-    pub max_limits: seedlink_tunnel::config::ClusterLimits,
+    pub max_limits: seedlink_config::tunnel::ClusterLimits,
     /// The Service selecting the tunnel-server replicas (`servercount`).
     pub replicas: Option<Key>,
 }
@@ -901,7 +901,7 @@ struct TunnelPasses {
     /// that changes none of it (another Secret in the namespace) does
     /// not reload the server.
     applied: Option<(
-        Vec<seedlink_tunnel::config::Cluster>,
+        Vec<seedlink_config::tunnel::Cluster>,
         seedlink_config::compile::Refused,
     )>,
 }
@@ -1275,7 +1275,7 @@ fn listener_status(
 /// went, dial errors (`current`: the status as read).
 fn tunnel_status(
     outcome: &crate::tunnel::TunnelOutcome,
-    health: Option<&seedlink_tunnel::server::ClusterHealth>,
+    health: Option<&seedlink_config::tunnel::ClusterHealth>,
     current: &crate::crd::TunnelClusterStatus,
 ) -> crate::crd::TunnelClusterStatus {
     let agents = health.map_or(0, |h| h.agents);

@@ -15,7 +15,7 @@ use std::sync::Arc;
 pub const TRUST_LABEL: &str = "seedlink.dev/tunnel-trust";
 
 use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-use seedlink_tunnel::config::{Cluster, ClusterLimits, Frontend, FrontendProtocol, TokenAuth};
+use seedlink_config::tunnel::{Cluster, ClusterLimits, Frontend, FrontendProtocol, TokenAuth};
 
 use crate::crd::{KeyRef, TunnelCluster};
 use crate::translate::{Key, Verdict};

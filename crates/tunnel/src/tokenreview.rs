@@ -13,12 +13,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
-use seedlink_config::model::humantime_serde;
 use serde::Deserialize;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
 use crate::tokenerror::{AuthSetupError, TokenError};
+pub use seedlink_config::tunnel::TokenReview;
 
 /// Told the outcome of every review (`accepted`, `refused`, `unavailable`,
 /// `cached`): how the server counts them, without this module knowing
@@ -88,43 +88,6 @@ struct ReviewUser {
 struct ApiStatus {
     #[serde(default)]
     message: String,
-}
-
-/// A TokenReview client for one cluster's API server.
-#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct TokenReview {
-    /// The API server, `https://host[:port]`.
-    pub url: String,
-    /// CA that issued the API server's certificate (PEM).
-    pub ca: PathBuf,
-    /// This server's own bearer token (its identity needs
-    /// `system:auth-delegator`); read again for every review, so a rotated
-    /// projected token is picked up.
-    #[serde(default)]
-    pub token_file: Option<PathBuf>,
-    /// Or a client certificate for the API server.
-    #[serde(default)]
-    pub cert: Option<PathBuf>,
-    /// Its key.
-    #[serde(default)]
-    pub key: Option<PathBuf>,
-    /// Deadline for one review (connect, TLS, request, answer).
-    #[serde(default = "default_review_timeout", with = "humantime_serde")]
-    pub timeout: Duration,
-    /// How long an accepted token is trusted without asking again (never
-    /// beyond its `exp`); refusals are remembered for 5 s to blunt
-    /// reconnect storms. 0 disables the cache.
-    #[serde(default = "default_review_cache", with = "humantime_serde")]
-    pub cache_ttl: Duration,
-}
-
-fn default_review_timeout() -> Duration {
-    Duration::from_secs(5)
-}
-
-fn default_review_cache() -> Duration {
-    Duration::from_secs(60)
 }
 
 impl TokenReviewer {

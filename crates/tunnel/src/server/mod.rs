@@ -53,6 +53,7 @@ use crate::flow::{self, SendCredit, Unacked};
 use crate::proto::Packet;
 use crate::queue::{self, QueueRx, QueueTx};
 use crate::token::{TokenError, TokenValidator};
+pub use seedlink_config::tunnel::ClusterHealth;
 
 /// What an agent says about itself (`agentidentifiers`).
 #[derive(Debug, Clone, Default)]
@@ -446,17 +447,6 @@ pub struct Cluster {
     agents: Mutex<Vec<Arc<AgentLink>>>,
     /// When an agent stream last came or went (for `TunnelCluster` status).
     agents_changed: Mutex<Option<std::time::SystemTime>>,
-}
-
-/// What the status of a cluster reports.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClusterHealth {
-    /// Agent streams connected now.
-    pub agents: usize,
-    /// When an agent stream last connected or (with none left) went away.
-    pub agents_changed: Option<std::time::SystemTime>,
-    /// Failed dials by reason since the cluster was added.
-    pub dial_errors: Vec<(&'static str, u64)>,
 }
 
 impl Cluster {

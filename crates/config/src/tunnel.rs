@@ -1,0 +1,221 @@
+//! The tunnel-server's configuration model for one cluster (its agents'
+//! trust, its frontends, its limits) and what the server reports of it.
+//! `seedlink-tunnel` parses and checks it (`seedlink_tunnel::config`
+//! re-exports these types); they live here so that a crate that only
+//! builds clusters, the Kubernetes source (`seedlink-kube`), does not pull
+//! the tunnel runtime (tonic, the tunnel servers and agents) into its build.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::model::humantime_serde;
+
+/// One cluster: its agents' trust, its frontends, its routing.
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cluster {
+    /// Name (a label on every metric).
+    pub name: String,
+    /// CA whose client certificates identify this cluster's agents.
+    #[serde(default)]
+    pub agent_ca: Option<PathBuf>,
+    /// ServiceAccount tokens that identify this cluster's agents.
+    #[serde(default)]
+    pub agent_token: Option<TokenAuth>,
+    /// Backend choice, tried in order: `destHost`, `cidr`, `defaultRoute`, `default`.
+    #[serde(default = "default_strategies")]
+    pub strategies: Vec<String>,
+    /// Frontends for this cluster's kube-apiserver (besides those
+    /// `frontend_templates` give every cluster; may be empty).
+    #[serde(default)]
+    pub frontends: Vec<Frontend>,
+    /// Password that selects this cluster on a shared proxy frontend.
+    #[serde(default)]
+    pub proxy_password_file: Option<PathBuf>,
+    /// Limits, so one cluster cannot starve the others.
+    #[serde(default)]
+    pub limits: ClusterLimits,
+}
+
+/// Per-cluster limits; 0 switches one off.
+#[derive(Debug, Clone, Copy, Deserialize, serde::Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterLimits {
+    /// Tunneled connections open or being dialled at once.
+    pub max_connections: usize,
+    /// New dials per second, sustained.
+    pub dial_rate: f64,
+    /// Dials allowed in a burst above the rate.
+    pub dial_burst: f64,
+    /// Agent streams at once (an agent briefly holds a second stream while
+    /// it looks for other replicas).
+    pub max_agents: usize,
+    /// Bytes queued towards frontends across all of the cluster's
+    /// connections (each connection's own queue is `queue_bytes`, or two
+    /// flow-control windows): past it, a connection with bytes queued
+    /// waits for its own reader, as when its own queue is full.
+    pub max_queued_bytes: usize,
+}
+
+/// Dials per second one tunnel-server completed through one cluster with
+/// the limit off (loopback, 2 cores; docs/TUNNEL.md "Limits"). The default
+/// dial rate is set well above it, so that the default is never what holds
+/// a healthy cluster back; per-tenant fairness is a per-cluster setting.
+pub const MEASURED_DIALS_PER_SEC: f64 = 8_500.0;
+
+impl Default for ClusterLimits {
+    fn default() -> Self {
+        ClusterLimits {
+            max_connections: 10_000,
+            // ≈ 6× what one server does at most here: a backstop against a
+            // runaway client, not a throttle.
+            dial_rate: 50_000.0,
+            dial_burst: 100_000.0,
+            max_agents: 32,
+            // 64 connections' full queues at the default `queue_bytes`;
+            // without it, 10,000 connections × 4 MiB is 40 GiB.
+            max_queued_bytes: 256 * 1024 * 1024,
+        }
+    }
+}
+
+/// Agent authentication by ServiceAccount token: checked locally against
+/// the issuer's public keys (`keys`) or by a TokenReview at the cluster's
+/// API server (`review`); exactly one of the two.
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenAuth {
+    /// The token issuer (`iss`), as the cluster's API server issues them.
+    /// A token is only ever checked by the cluster with its issuer, so
+    /// issuers are unique across clusters.
+    pub issuer: String,
+    /// The issuer's public keys (PEM; RSA or EC), the API server's
+    /// `--service-account-key-file`.
+    #[serde(default)]
+    pub keys: Option<PathBuf>,
+    /// Ask the cluster's API server instead (TokenReview).
+    #[serde(default)]
+    pub review: Option<TokenReview>,
+    /// Required audience.
+    #[serde(default = "default_audience")]
+    pub audience: String,
+    /// The agents' ServiceAccount, `<namespace>/<name>`.
+    #[serde(default = "default_service_account")]
+    pub service_account: String,
+}
+
+fn default_audience() -> String {
+    "system:konnectivity-server".into()
+}
+fn default_service_account() -> String {
+    "kube-system/konnectivity-agent".into()
+}
+
+/// A frontend.
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Frontend {
+    /// Name (a metric label).
+    pub name: String,
+    /// `http-connect` or `grpc`.
+    pub protocol: FrontendProtocol,
+    /// A Unix socket path (no TLS).
+    #[serde(default)]
+    pub unix: Option<PathBuf>,
+    /// A TCP address: mTLS with `cert`, `key`, `client_ca`; plain TCP is
+    /// accepted only on a loopback address.
+    #[serde(default)]
+    pub tcp: Option<SocketAddr>,
+    /// Server certificate for `tcp`.
+    #[serde(default)]
+    pub cert: Option<PathBuf>,
+    /// Its key.
+    #[serde(default)]
+    pub key: Option<PathBuf>,
+    /// CA of the clients (kube-apiserver) for `tcp`.
+    #[serde(default)]
+    pub client_ca: Option<PathBuf>,
+}
+
+/// Frontend protocols.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FrontendProtocol {
+    /// HTTP/1.1 CONNECT (kube-apiserver `proxyProtocol: HTTPConnect`).
+    HttpConnect,
+    /// gRPC `ProxyService` (kube-apiserver `proxyProtocol: GRPC`).
+    Grpc,
+    /// An HTTP forward proxy (Prometheus `proxy_url`): absolute-form
+    /// requests (`GET http://host:port/path`) and `CONNECT`.
+    HttpProxy,
+    /// A SOCKS5 proxy (RFC 1928 `CONNECT`): no authentication on a
+    /// cluster's own frontend, username (the cluster) and password on a
+    /// shared one.
+    Socks5,
+}
+
+impl FrontendProtocol {
+    /// A proxy protocol: on a shared frontend its credentials name the
+    /// cluster (`http-proxy`, `socks5`).
+    pub fn is_proxy(self) -> bool {
+        matches!(self, FrontendProtocol::HttpProxy | FrontendProtocol::Socks5)
+    }
+}
+
+fn default_strategies() -> Vec<String> {
+    vec!["default".into()]
+}
+
+/// Known strategy names.
+pub const STRATEGIES: &[&str] = &["default", "destHost", "defaultRoute", "cidr"];
+
+/// A TokenReview client for one cluster's API server.
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenReview {
+    /// The API server, `https://host[:port]`.
+    pub url: String,
+    /// CA that issued the API server's certificate (PEM).
+    pub ca: PathBuf,
+    /// This server's own bearer token (its identity needs
+    /// `system:auth-delegator`); read again for every review, so a rotated
+    /// projected token is picked up.
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// Or a client certificate for the API server.
+    #[serde(default)]
+    pub cert: Option<PathBuf>,
+    /// Its key.
+    #[serde(default)]
+    pub key: Option<PathBuf>,
+    /// Deadline for one review (connect, TLS, request, answer).
+    #[serde(default = "default_review_timeout", with = "humantime_serde")]
+    pub timeout: Duration,
+    /// How long an accepted token is trusted without asking again (never
+    /// beyond its `exp`); refusals are remembered for 5 s to blunt
+    /// reconnect storms. 0 disables the cache.
+    #[serde(default = "default_review_cache", with = "humantime_serde")]
+    pub cache_ttl: Duration,
+}
+
+fn default_review_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+
+fn default_review_cache() -> Duration {
+    Duration::from_secs(60)
+}
+
+/// What the status of a cluster reports.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterHealth {
+    /// Agent streams connected now.
+    pub agents: usize,
+    /// When an agent stream last connected or (with none left) went away.
+    pub agents_changed: Option<std::time::SystemTime>,
+    /// Failed dials by reason since the cluster was added.
+    pub dial_errors: Vec<(&'static str, u64)>,
+}
