@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 pub use super::core::{Core, Settings};
+use super::diff::{diff, Changes};
 use super::frontend::FrontendEnd;
 use super::handover::{self, Sockets};
 use super::limits::Limits;
@@ -1185,22 +1186,6 @@ async fn recheck_token(
     }
 }
 
-/// What a reload changes, computed from what runs and what the new plan
-/// asks for, touching neither (see [`diff`]).
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Changes {
-    /// Clusters only the plan has.
-    pub clusters_added: Vec<String>,
-    /// Clusters only the running server has (their agents are ended).
-    pub clusters_removed: Vec<String>,
-    /// Running frontends (index) that keep listening, each with the planned
-    /// frontend (index) whose certificates replace theirs.
-    pub frontends_kept: Vec<(usize, usize)>,
-    /// Planned frontends (index) to start: new, or changed (the running
-    /// one, absent from `frontends_kept`, stops).
-    pub frontends_started: Vec<usize>,
-}
-
 /// What plan `p` changes in the running clusters and frontends.
 fn changes(old: &[Arc<Cluster>], running: &[Running], p: &Plan) -> Changes {
     diff(
@@ -1218,43 +1203,6 @@ fn changes(old: &[Arc<Cluster>], running: &[Running], p: &Plan) -> Changes {
             .map(|f| (f.cluster.as_deref(), &f.cfg))
             .collect::<Vec<_>>(),
     )
-}
-
-/// The pure part of a reload: which clusters are added or removed, which
-/// frontends keep listening (same cluster, same settings), which start.
-/// `running` and `planned` are `(cluster, frontend)`; `None` is shared.
-pub fn diff(
-    old_clusters: &[&str],
-    running: &[(Option<&str>, &Frontend)],
-    new_clusters: &[&str],
-    planned: &[(Option<&str>, &Frontend)],
-) -> Changes {
-    let mut c = Changes {
-        clusters_added: new_clusters
-            .iter()
-            .filter(|n| !old_clusters.contains(n))
-            .map(|n| n.to_string())
-            .collect(),
-        clusters_removed: old_clusters
-            .iter()
-            .filter(|n| !new_clusters.contains(n))
-            .map(|n| n.to_string())
-            .collect(),
-        ..Changes::default()
-    };
-    let mut taken = vec![false; planned.len()];
-    for (i, r) in running.iter().enumerate() {
-        let same = planned
-            .iter()
-            .enumerate()
-            .position(|(j, f)| !taken[j] && f.0 == r.0 && f.1 == r.1);
-        if let Some(j) = same {
-            taken[j] = true;
-            c.frontends_kept.push((i, j));
-        }
-    }
-    c.frontends_started = (0..planned.len()).filter(|j| !taken[*j]).collect();
-    c
 }
 
 async fn serve_frontend<S>(

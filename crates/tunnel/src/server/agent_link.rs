@@ -1,0 +1,370 @@
+//! One agent stream's driver: the sans-IO [`ServerLink`] behind one lock,
+//! and the IO it drives (the fair queue towards the agent, the frontends'
+//! queues); the wait of a connection whose bytes do not fit.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bytes::Bytes;
+use tokio::sync::{oneshot, Notify};
+use tokio_util::sync::CancellationToken;
+
+use super::activity;
+use super::dialerror::DialError;
+use super::identifiers::Identifiers;
+use super::link::{Action, Actions, Handled, ServerLink};
+use crate::deadline::earliest;
+use crate::fair::FairQueue;
+use crate::flow::SendCredit;
+use crate::proto::Packet;
+use crate::queue::{self, QueueTx};
+
+/// A connection's ends the link machine keeps: the queue towards its
+/// frontend and, with flow control, its sending window.
+pub struct ConnEnds {
+    pub(super) queue: QueueTx,
+    pub(super) credit: Option<SendCredit>,
+}
+
+impl ConnEnds {
+    pub(super) fn end(self) {
+        if let Some(c) = &self.credit {
+            c.close();
+        }
+    }
+
+    pub(super) fn abort(self) {
+        if let Some(c) = &self.credit {
+            c.close();
+        }
+        self.queue.abort();
+    }
+}
+
+/// How a pending dial is answered.
+pub(super) type Reply = oneshot::Sender<Result<i64, DialError>>;
+
+/// The machine and its reusable action buffer, behind the link's one lock.
+pub(super) struct Locked {
+    pub(super) machine: ServerLink<ConnEnds, Reply>,
+    pub(super) out: Actions<ConnEnds, Reply>,
+}
+
+/// One agent stream: the sans-IO [`ServerLink`] behind one lock, and the IO
+/// it drives (the fair queue towards the agent, the frontends' queues).
+pub struct AgentLink {
+    /// Server-local unique number (logs, tie-breaks).
+    pub uid: u64,
+    /// The agent's `agentid`.
+    pub agent_id: String,
+    /// Its cluster (from its credentials).
+    pub cluster: Arc<str>,
+    /// Its identifiers.
+    pub ids: Identifiers,
+    /// When its stream was attached.
+    pub since: std::time::SystemTime,
+    pub(super) to_agent: Arc<FairQueue>,
+    pub(super) state: Mutex<Locked>,
+    /// Told when the machine's next timer moved earlier (the receive loop
+    /// sleeps until it).
+    pub(super) timer: Notify,
+    /// Cancelled when the stream ends.
+    pub gone: CancellationToken,
+    /// Cancelled to end the stream from this side (its cluster was
+    /// re-keyed and no longer accepts its certificate).
+    pub kick: CancellationToken,
+    /// The client certificate chain it authenticated with (empty: token).
+    pub certs: std::sync::OnceLock<Vec<rustls::pki_types::CertificateDer<'static>>>,
+    /// The `authorization` it presented (a ServiceAccount token), kept to
+    /// check it again when its cluster is re-keyed.
+    pub authorization: std::sync::OnceLock<String>,
+    /// Per-connection flow control negotiated (seedlink agent).
+    pub flow: bool,
+    /// The agent asked to be told when the number of replicas changes
+    /// (REPLICAS packets, seedlink agent).
+    pub replica_updates: std::sync::atomic::AtomicBool,
+    /// When its connection last delivered a byte (unset: never judged
+    /// unresponsive).
+    pub activity: std::sync::OnceLock<Arc<activity::Activity>>,
+}
+
+/// What the driver saw while carrying out the machine's actions.
+#[derive(Default)]
+pub(super) struct Applied {
+    pub(super) blocked: Option<Blocked>,
+    pub(super) violation: bool,
+}
+
+impl AgentLink {
+    /// Runs `f` on the machine under the lock, then carries out what it
+    /// asked for. Nothing here waits: queue pushes and sends never block.
+    /// A timer that moved earlier wakes the receive loop's sleep.
+    pub(super) fn with<T>(
+        &self,
+        now: Instant,
+        f: impl FnOnce(&mut ServerLink<ConnEnds, Reply>, &mut Actions<ConnEnds, Reply>) -> T,
+    ) -> (T, Applied) {
+        let mut g = seedlink_net::sync::lock(&self.state, "agent link");
+        let Locked { machine, out } = &mut *g;
+        let before = machine.poll_timeout();
+        let r = f(machine, out);
+        let applied = self.apply(now, machine, out);
+        let after = machine.poll_timeout();
+        drop(g);
+        if after.is_some_and(|a| before.is_none_or(|b| a < b)) {
+            // Every sleeper: the receive loop may hold two timer futures at
+            // once (its own, and the one `Blocked::resume` polls while the
+            // first waits), and only the one being polled must not miss it.
+            self.timer.notify_waiters();
+        }
+        (r, applied)
+    }
+
+    /// When the agent's connection last delivered a byte, as seen at `now`
+    /// (unset: not tracked).
+    pub(super) fn heard_at(&self, now: Instant) -> Option<Instant> {
+        let silent = self.activity.get()?.silent_for();
+        // A silence longer than the clock goes back: as long ago as it can
+        // be (fails closed: the agent counts as silent).
+        Some(now.checked_sub(silent).unwrap_or_else(|| earliest(now)))
+    }
+
+    /// Sleeps until the machine's next timer (a timer set meanwhile wakes
+    /// it earlier), then lets the machine handle what is due: it answers
+    /// dials that timed out or whose agent went silent, resets a stalled
+    /// connection, forgets expired closed IDs. Returns
+    /// [`Handled::Stalled`] when the connection waiting for room was given
+    /// up. The one driver of the timers is the link's receive loop.
+    pub async fn next_timeout(&self) -> Option<Handled> {
+        loop {
+            let notified = self.timer.notified();
+            let due = seedlink_net::sync::lock(&self.state, "agent link")
+                .machine
+                .poll_timeout();
+            let Some(at) = due else {
+                notified.await;
+                continue;
+            };
+            tokio::select! {
+                () = tokio::time::sleep_until(tokio::time::Instant::from_std(at)) => break,
+                () = notified => {}
+            }
+        }
+        let now = Instant::now();
+        let heard = self.heard_at(now);
+        self.with(now, |m, out| {
+            if let Some(h) = heard {
+                m.heard(h);
+            }
+            m.handle_timeout(now, out)
+        })
+        .0
+    }
+
+    pub(super) fn apply(
+        &self,
+        now: Instant,
+        machine: &mut ServerLink<ConnEnds, Reply>,
+        out: &mut Actions<ConnEnds, Reply>,
+    ) -> Applied {
+        let mut applied = Applied::default();
+        while let Some(a) = out.pop_front() {
+            match a {
+                Action::Send(p) => self.send_soon(p),
+                Action::Finish(id, last) => self.finish(id, last),
+                Action::Deliver(id, data) => {
+                    if let Some(b) = deliver(machine, id, data) {
+                        machine.blocked(now, id);
+                        applied.blocked = Some(b);
+                    }
+                }
+                Action::Reopen(id, n) if !reopen(machine, id, n) => {
+                    machine.window_violated(now, id, out);
+                    applied.violation = true;
+                }
+                Action::Reopen(..) => {}
+                // The dialer gave up in the meantime.
+                Action::Answer(reply, result) => {
+                    if let Err(Ok(id)) = reply.send(result) {
+                        machine.close(now, id, out);
+                    }
+                }
+                Action::End(c) => c.end(),
+                Action::Abort(c) => c.abort(),
+            }
+        }
+        applied
+    }
+
+    /// Open connections plus pending dials.
+    pub fn conn_count(&self) -> usize {
+        seedlink_net::sync::lock(&self.state, "agent link")
+            .machine
+            .load()
+    }
+
+    /// Whether the agent announced DRAIN.
+    pub fn draining(&self) -> bool {
+        seedlink_net::sync::lock(&self.state, "agent link")
+            .machine
+            .draining()
+    }
+
+    /// Queues DATA of connection `id` for the agent, waiting while that
+    /// connection has enough queued (backpressure to its frontend only).
+    pub async fn send_data(&self, id: i64, data: Bytes) -> Result<(), DialError> {
+        tokio::select! {
+            r = self.to_agent.data(id, Packet::data(id, data)) => r.map_err(|_| DialError::AgentGone),
+            () = self.gone.cancelled() => Err(DialError::AgentGone),
+        }
+    }
+
+    /// Tells the agent this server is going away (DRAIN): a seedlink agent
+    /// then looks for a replica to replace it while this stream carries on
+    /// what it has; an upstream agent ignores the packet.
+    pub fn drain_notice(&self) {
+        self.send_soon(Packet::drain());
+    }
+
+    /// Tells the agent the number of replicas now, if it asked to be told.
+    pub fn replicas_notice(&self, count: u32) {
+        if self.replica_updates.load(Ordering::Acquire) {
+            self.send_soon(Packet::replicas(i64::from(count)));
+        }
+    }
+
+    /// Ends connection `id`'s lane after its queued data, then `last`.
+    pub(super) fn finish(&self, id: i64, last: Option<Packet>) {
+        self.to_agent.finish(id, last);
+        if self.to_agent.overflowed() {
+            // The receive loop ends the stream (control_overflow).
+            self.kick.cancel();
+        }
+    }
+
+    /// Queues a control packet; never waits.
+    pub(super) fn send_soon(&self, p: Packet) {
+        if self.to_agent.control(p).is_err() && self.to_agent.overflowed() {
+            self.kick.cancel();
+        }
+    }
+
+    /// Forgets connection `id` (frontend side closed it) and tells the agent
+    /// after the data already queued for it.
+    pub fn close_conn(&self, id: i64) {
+        let now = Instant::now();
+        self.with(now, |m, out| m.close(now, id, out));
+    }
+
+    /// Applies one packet from the agent. Never waits: DATA that does not
+    /// fit its connection's queue comes back as [`Blocked`] for the caller
+    /// to await.
+    pub fn on_agent_packet(&self, p: Packet) -> (Handled, Option<Blocked>) {
+        let now = Instant::now();
+        let (h, applied) = self.with(now, |m, out| m.on_packet(now, p, out));
+        match (applied.blocked, applied.violation) {
+            (Some(b), _) => (Handled::Full, Some(b)),
+            (None, true) => (Handled::Unexpected, None),
+            (None, false) => (h, None),
+        }
+    }
+
+    /// The stream ended: fail every pending dial at once and abort every
+    /// established connection.
+    pub(super) fn fail_all(&self) {
+        self.gone.cancel();
+        self.with(Instant::now(), |m, out| m.end(out));
+        self.to_agent.close();
+    }
+}
+
+/// Gives connection `id`'s sender `n` bytes more window; `false` when
+/// that is more than it used (a connection without a window takes any).
+pub(super) fn reopen(machine: &ServerLink<ConnEnds, Reply>, id: i64, n: i64) -> bool {
+    machine
+        .conn(id)
+        .and_then(|c| c.credit.as_ref())
+        .is_none_or(|c| c.give(n))
+}
+
+/// Queues DATA for connection `id`'s frontend; what does not fit comes
+/// back to wait for room. A reader that left closes through its frontend.
+pub(super) fn deliver(
+    machine: &ServerLink<ConnEnds, Reply>,
+    id: i64,
+    data: Bytes,
+) -> Option<Blocked> {
+    let c = machine.conn(id)?;
+    match c.queue.push(data) {
+        Ok(()) | Err(queue::PushError::Closed) => None,
+        Err(queue::PushError::Full(data)) => Some(Blocked {
+            connect_id: id,
+            data,
+            room: c.queue.room(),
+        }),
+    }
+}
+
+/// DATA for a connection whose queue is full. The standard protocol has no
+/// per-connection flow control, so the only lossless answer is to stop
+/// reading the agent's stream until the reader makes room (HTTP/2 flow
+/// control then holds the agent back); the caller awaits [`Blocked::resume`].
+pub struct Blocked {
+    pub(super) connect_id: i64,
+    pub(super) data: Bytes,
+    pub(super) room: queue::Room,
+}
+
+impl Blocked {
+    /// Waits for room while the reader makes progress, then queues the
+    /// bytes; a reader that takes nothing for the stall deadline loses its
+    /// connection (CLOSE_REQ to the agent), nothing else does. The deadline
+    /// is the link machine's: every progress restarts it, and the link's
+    /// timers go on firing meanwhile.
+    pub async fn resume(mut self, link: &AgentLink) -> Handled {
+        let timer = link.next_timeout();
+        tokio::pin!(timer);
+        loop {
+            let step = tokio::select! {
+                step = self.room.step(self.data.len()) => step,
+                h = &mut timer => match h {
+                    Some(h) => return h,
+                    None => {
+                        timer.set(link.next_timeout());
+                        continue;
+                    }
+                },
+            };
+            let now = Instant::now();
+            match step {
+                queue::Step::Room => match self.push(link) {
+                    Some(data) => self.data = data,
+                    None => break,
+                },
+                queue::Step::Progress => {}
+                // The frontend went away: its own close tells the agent.
+                queue::Step::Closed => break,
+            }
+            link.with(now, |m, _| m.progress(now));
+        }
+        link.with(Instant::now(), |m, _| m.unblocked());
+        Handled::Ok
+    }
+
+    /// Queues the bytes if they fit; hands them back if not. Only this
+    /// receive loop pushes into this queue, but another agent stream of the
+    /// cluster may take the shared budget first: then it waits again, never
+    /// drops. A connection closed meanwhile drops them (its own close tells
+    /// the agent).
+    pub(super) fn push(&mut self, link: &AgentLink) -> Option<Bytes> {
+        let g = seedlink_net::sync::lock(&link.state, "agent link");
+        let c = g.machine.conn(self.connect_id)?;
+        match c.queue.push(std::mem::take(&mut self.data)) {
+            Ok(()) | Err(queue::PushError::Closed) => None,
+            Err(queue::PushError::Full(data)) => Some(data),
+        }
+    }
+}
+
+pub(super) static NEXT_UID: AtomicU64 = AtomicU64::new(1);

@@ -1,0 +1,242 @@
+//! One cluster: its agents and settings, the choice of an agent for a
+//! dial, and agent streams joining and leaving it.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use rustls::server::danger::ClientCertVerifier;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::agent_link::{AgentLink, Locked, NEXT_UID};
+use super::dialerror::DialError;
+use super::identifiers::{Identifiers, Strategy};
+use super::link::{Actions, ServerLink, Timers};
+use super::{limits, metrics};
+use crate::fair::FairQueue;
+use crate::token::TokenValidator;
+use seedlink_config::tunnel::ClusterHealth;
+
+/// What a configuration reload may change in a cluster (swapped as a
+/// whole; a dial or handshake uses one consistent version).
+pub struct ClusterConf {
+    /// Backend choice, in order.
+    pub strategies: Vec<Strategy>,
+    /// Accepts this cluster's agent certificates.
+    pub verifier: Option<Arc<dyn ClientCertVerifier>>,
+    /// Accepts this cluster's agent tokens.
+    pub token: Option<Arc<TokenValidator>>,
+    /// Password that selects this cluster on shared proxy frontends.
+    pub proxy_password: Option<String>,
+    /// Its own frontends, `name (protocol, where)`, for the admin views.
+    pub frontends: Vec<String>,
+}
+
+/// One cluster's agents and settings.
+pub struct Cluster {
+    /// Name.
+    pub name: Arc<str>,
+    /// Trust, strategies, proxy password.
+    pub conf: ArcSwap<ClusterConf>,
+    /// Limits (connections, dial rate, agent streams).
+    pub gate: limits::Gate,
+    /// Cancelled when the cluster is removed: its agent streams end.
+    pub removed: CancellationToken,
+    /// Its metric handles.
+    pub metrics: metrics::ClusterMetrics,
+    /// Open gRPC frontend connections: each may carry further dials (a
+    /// draining server keeps this cluster's agent streams while any is
+    /// open).
+    pub grpc_frontends: std::sync::atomic::AtomicUsize,
+    pub(super) agents: Mutex<Vec<Arc<AgentLink>>>,
+    /// When an agent stream last came or went (for `TunnelCluster` status).
+    pub(super) agents_changed: Mutex<Option<std::time::SystemTime>>,
+}
+
+impl Cluster {
+    /// A cluster with no agents yet.
+    pub fn new(
+        name: &str,
+        conf: ClusterConf,
+        limits: limits::Limits,
+        metrics: metrics::ClusterMetrics,
+    ) -> Cluster {
+        Cluster {
+            name: name.into(),
+            conf: ArcSwap::from_pointee(conf),
+            gate: limits::Gate::new(limits),
+            removed: CancellationToken::new(),
+            metrics,
+            grpc_frontends: std::sync::atomic::AtomicUsize::new(0),
+            agents: Mutex::new(Vec::new()),
+            agents_changed: Mutex::new(None),
+        }
+    }
+
+    /// Agents, when they last changed, and dial errors.
+    pub fn health(&self) -> ClusterHealth {
+        ClusterHealth {
+            agents: self.agent_count(),
+            agents_changed: *seedlink_net::sync::lock(
+                &self.agents_changed,
+                "cluster agents changed",
+            ),
+            dial_errors: self.metrics.dial_failures(),
+        }
+    }
+
+    /// A cluster trusting `verifier` and `token`, with `strategies`.
+    pub fn with_trust(
+        name: &str,
+        strategies: Vec<Strategy>,
+        verifier: Option<Arc<dyn ClientCertVerifier>>,
+        token: Option<TokenValidator>,
+        limits: limits::Limits,
+    ) -> Cluster {
+        Cluster::new(
+            name,
+            ClusterConf {
+                strategies,
+                verifier,
+                token: token.map(Arc::new),
+                proxy_password: None,
+                frontends: Vec::new(),
+            },
+            limits,
+            metrics::ClusterMetrics::unregistered(),
+        )
+    }
+
+    /// Its agent streams now.
+    pub fn agents(&self) -> Vec<Arc<AgentLink>> {
+        seedlink_net::sync::lock(&self.agents, "cluster agents").clone()
+    }
+
+    /// Connected agent streams.
+    pub fn agent_count(&self) -> usize {
+        seedlink_net::sync::lock(&self.agents, "cluster agents").len()
+    }
+
+    /// Agent streams whose agent sent DRAIN.
+    pub fn draining_count(&self) -> usize {
+        self.agents().iter().filter(|l| l.draining()).count()
+    }
+
+    /// Chooses an agent for `host`: strategies in order; within one, a
+    /// responsive agent (one whose connection delivered a byte within
+    /// `unresponsive_after`), a non-draining one among those if any, the
+    /// less loaded of two random picks. When every agent that fits has
+    /// been silent longer, the dial fails at once with the shortest
+    /// silence instead of waiting its timeout on a frozen agent.
+    pub fn pick(
+        &self,
+        host: &str,
+        unresponsive_after: Duration,
+    ) -> Result<Arc<AgentLink>, DialError> {
+        let agents = seedlink_net::sync::lock(&self.agents, "cluster agents");
+        // One stream per agent and server: an agent that dials again to find
+        // other replicas briefly has a second stream here, which it closes;
+        // dials use its first (as upstream does).
+        let first = |a: &Arc<AgentLink>| {
+            !agents
+                .iter()
+                .any(|b| b.agent_id == a.agent_id && b.uid < a.uid)
+        };
+        let conf = self.conf.load();
+        for s in &conf.strategies {
+            let fit: Vec<&Arc<AgentLink>> = agents
+                .iter()
+                .filter(|a| first(a) && s.matches(&a.ids, host))
+                .collect();
+            if !fit.is_empty() {
+                return choose(&fit, unresponsive_after).cloned();
+            }
+        }
+        Err(DialError::NoAgent)
+    }
+}
+
+/// Chooses among the agents that `fit` a strategy: a responsive one, a
+/// non-draining one among those if any, the less loaded of two random
+/// picks; the shortest silence when none is responsive.
+pub(super) fn choose<'a>(
+    fit: &[&'a Arc<AgentLink>],
+    unresponsive_after: Duration,
+) -> Result<&'a Arc<AgentLink>, DialError> {
+    let silence = |a: &Arc<AgentLink>| a.activity.get().map(|x| x.silent_for());
+    let responsive: Vec<&Arc<AgentLink>> = fit
+        .iter()
+        .copied()
+        .filter(|a| silence(a).is_none_or(|s| s <= unresponsive_after))
+        .collect();
+    if responsive.is_empty() {
+        let shortest = fit.iter().filter_map(|a| silence(a)).min();
+        return Err(DialError::Unresponsive(shortest.unwrap_or_default()));
+    }
+    let live: Vec<&Arc<AgentLink>> = responsive
+        .iter()
+        .copied()
+        .filter(|a| !a.draining())
+        .collect();
+    let pool = if live.is_empty() { responsive } else { live };
+    let a = pool[rand::random_range(0..pool.len())];
+    let b = pool[rand::random_range(0..pool.len())];
+    Ok(if b.conn_count() < a.conn_count() {
+        b
+    } else {
+        a
+    })
+}
+
+/// Registers a new agent stream in `cluster`; the returned queue feeds the
+/// stream to the agent. Its receive loop must drive
+/// [`AgentLink::next_timeout`].
+pub fn attach(
+    cluster: &Cluster,
+    agent_id: String,
+    ids: Identifiers,
+    flow: bool,
+    timers: Timers,
+) -> (Arc<AgentLink>, Arc<FairQueue>) {
+    let tx = FairQueue::new();
+    let link = Arc::new(AgentLink {
+        uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+        agent_id,
+        cluster: cluster.name.clone(),
+        ids,
+        since: std::time::SystemTime::now(),
+        to_agent: tx.clone(),
+        state: Mutex::new(Locked {
+            machine: ServerLink::new(flow, timers),
+            out: Actions::new(),
+        }),
+        timer: Notify::new(),
+        gone: CancellationToken::new(),
+        kick: CancellationToken::new(),
+        certs: std::sync::OnceLock::new(),
+        authorization: std::sync::OnceLock::new(),
+        flow,
+        replica_updates: std::sync::atomic::AtomicBool::new(false),
+        activity: std::sync::OnceLock::new(),
+    });
+    seedlink_net::sync::lock(&cluster.agents, "cluster agents").push(link.clone());
+    *seedlink_net::sync::lock(&cluster.agents_changed, "cluster agents changed") =
+        Some(std::time::SystemTime::now());
+    (link, tx)
+}
+
+/// Removes an ended agent stream and fails everything that depended on it.
+pub fn detach(cluster: &Cluster, link: &Arc<AgentLink>) {
+    let left = {
+        let mut agents = seedlink_net::sync::lock(&cluster.agents, "cluster agents");
+        agents.retain(|x| !Arc::ptr_eq(x, link));
+        agents.len()
+    };
+    if left == 0 {
+        *seedlink_net::sync::lock(&cluster.agents_changed, "cluster agents changed") =
+            Some(std::time::SystemTime::now());
+    }
+    link.fail_all();
+}

@@ -1,0 +1,261 @@
+//! One dial through a cluster's agents, under one deadline: pick a link,
+//! register the dial on it, await the agent's answer; the ends of the
+//! tunnel it opens.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
+
+use super::agent_link::{AgentLink, ConnEnds};
+use super::cluster::Cluster;
+use super::dialerror::DialError;
+use super::limits;
+use crate::deadline::later;
+use crate::flow::{self, SendCredit, Unacked};
+use crate::proto::Packet;
+use crate::queue::{self, QueueRx};
+
+/// Settings every dial uses.
+#[derive(Debug, Clone, Copy)]
+pub struct DialSettings {
+    /// Deadline for the agent's answer.
+    pub timeout: Duration,
+    /// Per-connection queue budget.
+    pub queue_bytes: usize,
+    /// Silence after which an agent is skipped (see [`activity`]).
+    pub unresponsive_after: Duration,
+}
+
+/// An established tunneled connection, frontend side.
+pub struct Tunnel {
+    /// Towards the agent.
+    pub tx: TunnelTx,
+    /// Bytes from the agent.
+    pub rx: QueueRx,
+}
+
+/// The sending half of a [`Tunnel`]; dropping it closes the connection
+/// (CLOSE_REQ to the agent).
+pub struct TunnelTx {
+    /// The agent carrying it.
+    pub link: Arc<AgentLink>,
+    /// The agent's connection ID.
+    pub connect_id: i64,
+    /// Window towards the agent (flow control negotiated).
+    pub credit: Option<SendCredit>,
+    /// The cluster's connection slot, freed with the connection.
+    pub(super) _permit: limits::ConnPermit,
+}
+
+impl TunnelTx {
+    /// Sends frontend bytes to the agent (within the connection's window
+    /// when flow control is on).
+    pub async fn send(&self, data: Bytes) -> Result<(), DialError> {
+        if let Some(c) = &self.credit {
+            tokio::select! {
+                r = c.take(data.len()) => r.map_err(|()| DialError::AgentGone)?,
+                () = self.link.gone.cancelled() => return Err(DialError::AgentGone),
+            }
+        }
+        self.link.send_data(self.connect_id, data).await
+    }
+
+    /// The frontend wrote `n` bytes the agent sent: returns window to the
+    /// agent when enough has gathered (flow control only).
+    pub fn consumed(&self, unacked: &mut Unacked, n: usize) {
+        if self.link.flow {
+            if let Some(k) = unacked.written(n) {
+                self.link
+                    .send_soon(Packet::window_update(self.connect_id, k));
+            }
+        }
+    }
+
+    /// Closes now (CLOSE_REQ); bytes already queued from the agent are
+    /// still delivered.
+    pub fn close(&self) {
+        self.link.close_conn(self.connect_id);
+    }
+}
+
+impl Drop for TunnelTx {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// A fresh dial ID: random (the thread-local generator is a CSPRNG),
+/// positive, never 0.
+pub fn dial_id() -> i64 {
+    loop {
+        let v = rand::random::<i64>() & i64::MAX;
+        if v != 0 {
+            return v;
+        }
+    }
+}
+
+/// Dials `address` through an agent of `cluster`, with a fresh dial ID.
+/// `cancel` aborts a pending dial (the agent is sent DIAL_CLS).
+pub async fn dial(
+    cluster: &Cluster,
+    address: &str,
+    settings: DialSettings,
+    cancel: &CancellationToken,
+) -> Result<Tunnel, DialError> {
+    let permit = cluster.gate.admit(Instant::now()).map_err(|l| {
+        cluster.metrics.dial_failure(l.reason());
+        DialError::Limited(l)
+    })?;
+    let started = Instant::now();
+    let attempt = Attempt {
+        cluster,
+        address,
+        settings: &settings,
+        deadline: later(started, settings.timeout),
+        cancel,
+    };
+    match attempt.with_retries().await {
+        Ok(open) => {
+            cluster.metrics.dial_ok(started.elapsed());
+            Ok(open.tunnel(permit))
+        }
+        Err(e) => {
+            cluster.metrics.dial_failure(e.reason());
+            Err(e)
+        }
+    }
+}
+
+/// One dial through the cluster's agents, under one deadline.
+pub(super) struct Attempt<'a> {
+    pub(super) cluster: &'a Cluster,
+    pub(super) address: &'a str,
+    pub(super) settings: &'a DialSettings,
+    pub(super) deadline: Instant,
+    pub(super) cancel: &'a CancellationToken,
+}
+
+/// A dial the agent accepted: the connection's link, ID and ends.
+pub(super) struct Opened {
+    pub(super) link: Arc<AgentLink>,
+    pub(super) connect_id: i64,
+    pub(super) credit: Option<SendCredit>,
+    pub(super) rx: QueueRx,
+}
+
+impl Opened {
+    pub(super) fn tunnel(self, permit: limits::ConnPermit) -> Tunnel {
+        Tunnel {
+            tx: TunnelTx {
+                link: self.link,
+                connect_id: self.connect_id,
+                credit: self.credit,
+                _permit: permit,
+            },
+            rx: self.rx,
+        }
+    }
+}
+
+impl Attempt<'_> {
+    /// A dial whose agent goes silent while it waits is taken back and sent
+    /// to another agent; a bounded number of times (each retry skips every
+    /// silent agent, so more would only find the same ones).
+    pub(super) async fn with_retries(&self) -> Result<Opened, DialError> {
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            let link = self.pick()?;
+            match self.through(&link).await {
+                Err(DialError::Unresponsive(_))
+                    if attempts < 3 && Instant::now() < self.deadline =>
+                {
+                    tracing::info!(cluster = %self.cluster.name, agent = %link.agent_id, "agent went silent during a dial; trying another");
+                }
+                r => return r,
+            }
+        }
+    }
+
+    pub(super) fn pick(&self) -> Result<Arc<AgentLink>, DialError> {
+        let address = self.address;
+        let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
+        self.cluster.pick(host, self.settings.unresponsive_after)
+    }
+
+    /// A new connection's ends and its frontend's queue; `flow`: with flow
+    /// control, whose agent never has more than a window in flight.
+    pub(super) fn ends(&self, flow: bool) -> (ConnEnds, QueueRx) {
+        let budget = if flow {
+            2 * flow::WINDOW
+        } else {
+            self.settings.queue_bytes
+        };
+        let shared = Some(self.cluster.gate.queue_budget());
+        let (queue, rx) = queue::queue_within(budget, shared);
+        let credit = flow.then(SendCredit::new);
+        (ConnEnds { queue, credit }, rx)
+    }
+
+    /// Registers the dial on `link` and waits for the answer; a dial still
+    /// pending when the wait ends (cancel) is forgotten and the agent told
+    /// (a timeout or silence did so already).
+    pub(super) async fn through(&self, link: &Arc<AgentLink>) -> Result<Opened, DialError> {
+        let random = dial_id();
+        let (reply_tx, reply_rx) = oneshot::channel();
+        let (ends, rx) = self.ends(link.flow);
+        let credit = ends.credit.clone();
+        let now = Instant::now();
+        let heard = link.heard_at(now);
+        link.with(now, |m, out| {
+            if let Some(h) = heard {
+                m.heard(h);
+            }
+            m.dial(random, self.address, self.deadline, reply_tx, ends, out)
+        });
+        self.cluster.metrics.pending(1);
+        let outcome = await_answer(link, reply_rx, self.cancel, self.deadline).await;
+        self.cluster.metrics.pending(-1);
+        if outcome.is_err() {
+            link.with(Instant::now(), |m, out| m.dial_abandoned(random, out));
+        }
+        Ok(Opened {
+            link: link.clone(),
+            connect_id: outcome?,
+            credit,
+            rx,
+        })
+    }
+}
+
+/// The agent's answer to a dial, or why none came: the caller's cancel or
+/// the agent's end. The deadline and the agent's silence are the link
+/// machine's timers: they answer the dial with the error. A backstop
+/// [`ANSWER_BACKSTOP`] after the deadline answers it here should the
+/// link's receive loop, which drives those timers, be gone without ending
+/// the link (a bug): no dial waits forever.
+pub(super) async fn await_answer(
+    link: &AgentLink,
+    mut reply: oneshot::Receiver<Result<i64, DialError>>,
+    cancel: &CancellationToken,
+    deadline: Instant,
+) -> Result<i64, DialError> {
+    let backstop = tokio::time::Instant::from_std(later(deadline, ANSWER_BACKSTOP));
+    tokio::select! {
+        r = &mut reply => r.unwrap_or(Err(DialError::AgentGone)),
+        () = cancel.cancelled() => Err(DialError::Cancelled),
+        () = link.gone.cancelled() => Err(DialError::AgentGone),
+        () = tokio::time::sleep_until(backstop) => {
+            tracing::error!("a dial outlived its deadline: the link's timers did not run (a bug); answered as a timeout");
+            Err(DialError::Timeout)
+        }
+    }
+}
+
+/// How long after its deadline a dial is answered by [`await_answer`]
+/// itself, should the link machine's timer not have answered it.
+pub(super) const ANSWER_BACKSTOP: Duration = Duration::from_secs(1);
