@@ -24,9 +24,8 @@ fn layer(module: &str) -> Option<u8> {
     Some(match module {
         // The crate root (re-exports only).
         "" => 9,
-        // Shared helpers re-exported from seedlink-net; the read tap under
-        // the GOAWAY sniffer; deadline arithmetic.
-        "sync" | "tap" | "deadline" => 0,
+        // The read tap under the GOAWAY sniffer; deadline arithmetic.
+        "tap" | "deadline" => 0,
         // Wire: messages, gRPC framing, authority, HTTP/2 GOAWAY sniffing,
         // dial-failure texts, SOCKS5 reply codes.
         "proto" | "grpc" | "authority" | "goaway" | "dialerr" | "socks5" => 1,
