@@ -129,12 +129,7 @@ impl Keys<'_> {
             .as_ref()
             .and_then(|d| d.get(k))
             .map(|b| b.0.clone())
-            .ok_or_else(|| {
-                Verdict::no(
-                    "ReferenceNotFound",
-                    format!("{what}: Secret {key} has no key {k:?}"),
-                )
-            })
+            .ok_or_else(|| no_key(what, "Secret", &key, k))
     }
 
     /// Key `k` of ConfigMap `name` (text or binary).
@@ -154,13 +149,16 @@ impl Keys<'_> {
                     .and_then(|d| d.get(k))
                     .map(|b| b.0.clone())
             })
-            .ok_or_else(|| {
-                Verdict::no(
-                    "ReferenceNotFound",
-                    format!("{what}: ConfigMap {key} has no key {k:?}"),
-                )
-            })
+            .ok_or_else(|| no_key(what, "ConfigMap", &key, k))
     }
+}
+
+/// A trust object without the key a reference names.
+fn no_key(what: &str, kind: &str, key: &Key, k: &str) -> Verdict {
+    Verdict::no(
+        "ReferenceNotFound",
+        format!("{what}: {kind} {key} has no key {k:?}"),
+    )
 }
 
 /// A trust object that is not there (or not readable by seedlink).
