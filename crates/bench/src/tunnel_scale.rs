@@ -110,7 +110,9 @@ impl Bed {
         let crt = write(dir, "server.pem", &server.cert)?;
         let key = write(dir, "server-key.pem", &server.key)?;
         let mut yaml = format!(
-            "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}'}}\nadmin: {{listen: '127.0.0.1:0'}}\nclusters:\n"
+            // Every in-process agent connects from loopback: the per-source
+            // cap (256 by default) would hold the bed below its size.
+            "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}', max_per_source: 10000}}\nadmin: {{listen: '127.0.0.1:0'}}\nclusters:\n"
         );
         let mut idents = Vec::new();
         let mut sockets = Vec::new();
