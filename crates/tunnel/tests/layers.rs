@@ -24,13 +24,15 @@ fn layer(module: &str) -> Option<u8> {
     Some(match module {
         // The crate root (re-exports only).
         "" => 9,
-        // The read tap under the GOAWAY sniffer; deadline arithmetic.
-        "tap" | "deadline" => 0,
+        // The read tap under the GOAWAY sniffer; deadline arithmetic; the
+        // read-ahead under TLS.
+        "tap" | "deadline" | "readahead" => 0,
         // Wire: messages, gRPC framing, authority, HTTP/2 GOAWAY sniffing,
         // dial-failure texts, SOCKS5 reply codes.
         "proto" | "grpc" | "authority" | "goaway" | "dialerr" | "socks5" => 1,
-        // Transport: per-connection queues and flow control.
-        "flow" | "queue" | "fair" => 2,
+        // Transport: per-connection queues and flow control; the lean
+        // transport over the fair queue.
+        "flow" | "queue" | "fair" | "lean" => 2,
         // Authentication: TLS identities, tokens, TokenReview.
         "tls" | "tokenerror" | "token" | "tokenreview" => 3,
         // The tunnel-server's configuration model.

@@ -22,7 +22,7 @@ pub struct AgentArgs {
     #[arg(long, conflicts_with_all = ["server", "server_name", "ca_cert", "agent_cert", "agent_key",
         "alpn_proto", "agent_id", "agent_identifiers", "service_account_token_path", "allow_cidr",
         "allow_port", "deny_cidr", "dial_timeout", "sync_interval", "sync_interval_cap",
-        "keepalive_time", "admin", "admin_token_file", "flow_control", "drain", "egress_proxy",
+        "keepalive_time", "admin", "admin_token_file", "flow_control", "transport", "drain", "egress_proxy",
         "egress_proxy_credentials_file"])]
     pub config: Option<PathBuf>,
     /// The tunnel server (or the gateway in front of it), `host:port`.
@@ -86,6 +86,10 @@ pub struct AgentArgs {
     /// server is seedlink; `false` forces the plain Konnectivity protocol).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub flow_control: bool,
+    /// The transport to a seedlink server: `auto` (the lean
+    /// `seedlink-tunnel/1` when the server offers it, else gRPC) or `grpc`.
+    #[arg(long, default_value = "auto")]
+    pub transport: seedlink_tunnel::agent::config::Transport,
     /// Drain deadline after the first SIGTERM, seconds.
     #[arg(long, default_value_t = 30.0)]
     pub drain: f64,
@@ -617,6 +621,7 @@ impl AgentArgs {
             admin: self.admin,
             admin_token_file: self.admin_token_file.clone(),
             flow_control: self.flow_control,
+            transport: self.transport,
             drain: secs(self.drain, "drain")?,
             egress_proxy: self.egress_proxy.clone(),
             egress_proxy_credentials_file: self.egress_proxy_credentials_file.clone(),

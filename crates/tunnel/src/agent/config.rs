@@ -78,6 +78,10 @@ pub struct AgentConfig {
     /// Offer per-connection flow control to the server.
     #[serde(default = "yes")]
     pub flow_control: bool,
+    /// The transport to a seedlink server: `auto` offers the lean one
+    /// (`seedlink-tunnel/1`) before gRPC, `grpc` only gRPC.
+    #[serde(default)]
+    pub transport: Transport,
     /// Drain deadline after the first SIGTERM.
     #[serde(default = "thirty_s", with = "humantime_serde")]
     pub drain: Duration,
@@ -105,6 +109,30 @@ fn thirty_s() -> Duration {
 fn sixty_s() -> Duration {
     Duration::from_secs(60)
 }
+/// The transport the agent offers (docs/TUNNEL.md, "The lean transport").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// The lean transport when the server offers it (a seedlink server, with
+    /// flow control on), else gRPC.
+    #[default]
+    Auto,
+    /// gRPC only, as upstream Konnectivity.
+    Grpc,
+}
+
+impl std::str::FromStr for Transport {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Transport, String> {
+        match s {
+            "auto" => Ok(Transport::Auto),
+            "grpc" => Ok(Transport::Grpc),
+            _ => Err(format!("{s:?} is not a transport (auto, grpc)")),
+        }
+    }
+}
+
 fn yes() -> bool {
     true
 }
@@ -303,6 +331,7 @@ impl AgentConfig {
             stall_timeout: Duration::from_secs(10),
             queue_bytes: 4 * 1024 * 1024,
             flow_control: self.flow_control,
+            lean: self.transport == Transport::Auto,
             egress,
         }
     }

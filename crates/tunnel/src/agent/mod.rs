@@ -27,6 +27,7 @@ use crate::flow::{self, SendCredit};
 use crate::grpc::{self, H2Settings};
 use crate::proto::{Packet, AGENT_CONNECT_PATH};
 use crate::queue::{self, PumpEnd, QueueTx};
+use crate::readahead::ReadAhead;
 use crate::{dialerr, tls};
 
 /// Bytes read from a destination per DATA packet.
@@ -98,6 +99,9 @@ pub enum ConnectError {
     /// The answer lacked `serverid`/`servercount` or had them twice.
     #[error("server answer: {0}")]
     BadAnswer(String),
+    /// The lean transport's handshake failed.
+    #[error("seedlink-tunnel/1 handshake: {0}")]
+    Lean(crate::lean::WireError),
 }
 
 impl ConnectError {
@@ -116,6 +120,7 @@ impl ConnectError {
             ConnectError::NoAnswer => "no_answer",
             ConnectError::Refused(_) => "refused",
             ConnectError::BadAnswer(_) => "bad_answer",
+            ConnectError::Lean(_) => "lean_error",
         }
     }
 
@@ -171,6 +176,9 @@ pub struct AgentOptions {
     pub queue_bytes: usize,
     /// Offer per-connection flow control (used when the server is seedlink).
     pub flow_control: bool,
+    /// Offer the lean transport (`seedlink-tunnel/1`) before `h2`; it
+    /// needs `flow_control`.
+    pub lean: bool,
     /// Leave through this HTTP CONNECT proxy (a private network's only way
     /// out); the proxy resolves the server's name.
     pub egress: Option<seedlink_net::egress::EgressProxy>,
@@ -429,6 +437,22 @@ async fn download(
 
 use link::{Action, Actions, Expired, SessionLink};
 
+/// The server's packets on either transport.
+type Inbound = std::pin::Pin<
+    Box<
+        dyn futures_util::Stream<Item = Result<Packet, Box<dyn std::error::Error + Send + Sync>>>
+            + Send,
+    >,
+>;
+
+/// A connection to a server, ready for the stream.
+enum Channel {
+    /// HTTP/2 (gRPC), with its GOAWAY sniffer.
+    Grpc(grpc::Client, crate::goaway::Seen),
+    /// The lean transport.
+    Lean(Box<tokio_rustls::client::TlsStream<ReadAhead<TcpStream>>>),
+}
+
 /// Closes a stream's outbound queue when dropped, unless taken out: a
 /// queue that is never closed would keep the request stream open forever.
 struct CloseOnDrop(Option<Arc<FairQueue>>);
@@ -465,7 +489,7 @@ async fn open_connect(
 
 /// Reads a duplicate stream until the server ends it (at most 5 s), after
 /// our side ended it.
-async fn drain_duplicate(mut inbound: tonic::Streaming<Packet>) {
+async fn drain_duplicate(mut inbound: Inbound) {
     let _ = tokio::time::timeout(Duration::from_secs(5), async {
         while let Some(Ok(_)) = inbound.next().await {}
     })
@@ -657,7 +681,11 @@ async fn sleep_until(at: Option<Instant>) {
 impl Agent {
     /// Builds the agent (reads the TLS files).
     pub fn new(opts: AgentOptions) -> Result<Arc<Agent>, crate::tls::TlsError> {
-        let mut alpn = vec!["h2".to_string()];
+        let mut alpn = Vec::new();
+        if opts.lean && opts.flow_control {
+            alpn.push(crate::lean::ALPN.to_string());
+        }
+        alpn.push("h2".to_string());
         alpn.extend(opts.alpn.iter().cloned());
         let ident = opts
             .identity
@@ -809,12 +837,10 @@ impl Agent {
         );
     }
 
-    /// TCP, TLS (SNI, ALPN, client certificate) and HTTP/2 to the server,
-    /// each step within `t`; the GOAWAY sniffer watches the connection.
-    async fn open_channel(
-        &self,
-        t: Duration,
-    ) -> Result<(grpc::Client, crate::goaway::Seen), ConnectError> {
+    /// TCP, TLS (SNI, ALPN, client certificate) and, unless the server
+    /// agreed to the lean transport, HTTP/2 to the server, each step
+    /// within `t`; the GOAWAY sniffer watches an HTTP/2 connection.
+    async fn open_channel(&self, t: Duration) -> Result<Channel, ConnectError> {
         let server = &self.opts.server;
         let tcp = match &self.opts.egress {
             None => tokio::time::timeout(t, TcpStream::connect(server))
@@ -833,10 +859,13 @@ impl Agent {
         let bad_name = || ConnectError::ServerName(self.opts.server_name.clone());
         let name = rustls::pki_types::ServerName::try_from(self.opts.server_name.clone())
             .map_err(|_| bad_name())?;
-        let tls = tokio::time::timeout(t, self.tls.connect(name, tcp))
+        let tls = tokio::time::timeout(t, self.tls.connect(name, ReadAhead::new(tcp)))
             .await
             .map_err(|_| ConnectError::TlsTimeout)?
             .map_err(ConnectError::Tls)?;
+        if tls.get_ref().1.alpn_protocol() == Some(crate::lean::ALPN.as_bytes()) {
+            return Ok(Channel::Lean(Box::new(tls)));
+        }
         let origin: http::Uri = format!("https://{}", self.opts.server_name)
             .parse()
             .map_err(|_| bad_name())?;
@@ -844,7 +873,64 @@ impl Agent {
         let client = grpc::connect(tls, origin, self.keepalive())
             .await
             .map_err(ConnectError::Http2)?;
-        Ok((client, goaway))
+        Ok(Channel::Grpc(client, goaway))
+    }
+
+    /// Opens the stream on `chan`, its packets taken from `tx`: the
+    /// answer's metadata, the server's packets, and the GOAWAY sniffer of
+    /// an HTTP/2 connection.
+    async fn open_stream(
+        &self,
+        chan: Channel,
+        tx: &Arc<FairQueue>,
+        meta: &[(&'static str, String)],
+        t: Duration,
+    ) -> Result<
+        (
+            tonic::metadata::MetadataMap,
+            Inbound,
+            Option<crate::goaway::Seen>,
+        ),
+        ConnectError,
+    > {
+        match chan {
+            Channel::Grpc(mut client, goaway) => {
+                let resp = open_connect(&mut client, tx, meta, t).await?;
+                let (answer, inbound, _) = resp.into_parts();
+                Ok((
+                    answer,
+                    Box::pin(inbound.map(|r| r.map_err(Into::into))),
+                    Some(goaway),
+                ))
+            }
+            Channel::Lean(mut tls) => {
+                let opened = tokio::time::timeout(t, crate::lean::open(&mut tls, meta))
+                    .await
+                    .map_err(|_| ConnectError::NoAnswer)?
+                    .map_err(ConnectError::Lean)?;
+                let answer = match opened {
+                    crate::lean::Opened::Answer(m) => m,
+                    crate::lean::Opened::Refused(s) => {
+                        return Err(ConnectError::Refused(format!(
+                            "{} {}",
+                            s.code(),
+                            s.message()
+                        )))
+                    }
+                };
+                let (rd, wr) = tokio::io::split(*tls);
+                let ctl = crate::lean::Control::new();
+                tokio::spawn(crate::lean::write_loop(wr, tx.clone(), ctl.clone()));
+                let ka = self.keepalive();
+                let inbound =
+                    crate::lean::Inbound::new(rd, ctl, ka.keepalive, ka.keepalive_timeout);
+                Ok((
+                    answer,
+                    Box::pin(inbound.map(|r| r.map_err(Into::into))),
+                    None,
+                ))
+            }
+        }
     }
 
     /// The stream's request headers: `agentid`, `agentidentifiers`, the
@@ -876,19 +962,19 @@ impl Agent {
     /// one we already have (closed again).
     async fn connect_once(self: &Arc<Self>) -> Result<bool, ConnectError> {
         let t = self.opts.dial_timeout.max(Duration::from_secs(5));
-        let (mut client, goaway) = self.open_channel(t).await?;
+        let chan = self.open_channel(t).await?;
         let meta = self.request_metadata()?;
         let tx = FairQueue::new();
         // Until the stream is kept, any early return must end it: a queue
         // that is never closed would keep the request stream open forever.
         let mut guard = CloseOnDrop(Some(tx.clone()));
-        let resp = open_connect(&mut client, &tx, &meta, t).await?;
-        let (session, count) = self.session(resp.metadata(), tx)?;
+        let (answer, inbound, goaway) = self.open_stream(chan, &tx, &meta, t).await?;
+        let (session, count) = self.session(&answer, tx)?;
         if !self.keep(&session) {
             // A replica we already hold: end our side cleanly and let the
             // server end its side, so neither counts an error.
             drop(guard);
-            drain_duplicate(resp.into_inner()).await;
+            drain_duplicate(inbound).await;
             return Ok(false);
         }
         guard.0 = None;
@@ -901,11 +987,10 @@ impl Agent {
             flow,
             "connected to tunnel server"
         );
-        let inbound = resp.into_inner();
         let agent = self.clone();
         tokio::spawn(async move {
             agent.serve_session(session.clone(), inbound).await;
-            agent.session_ended(&session, goaway.code());
+            agent.session_ended(&session, goaway.and_then(|g| g.code()));
         });
         Ok(true)
     }
@@ -974,11 +1059,7 @@ impl Agent {
         tracing::warn!(server_id = %session.server_id, "stream to tunnel server ended");
     }
 
-    async fn serve_session(
-        self: &Arc<Self>,
-        s: Arc<Session>,
-        mut inbound: tonic::Streaming<Packet>,
-    ) {
+    async fn serve_session(self: &Arc<Self>, s: Arc<Session>, mut inbound: Inbound) {
         loop {
             let p = tokio::select! {
                 m = inbound.next() => match m {

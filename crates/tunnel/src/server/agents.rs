@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use futures_util::StreamExt;
+use futures_util::{Stream, StreamExt};
 use tokio::net::TcpStream;
 use tonic::{Response, Status};
 
@@ -14,7 +14,9 @@ use super::core::Core;
 use super::{attach, detach, AgentLink, Cluster, Handled, Identifiers};
 use crate::fair::FairQueue;
 use crate::grpc::{self, Handler, PacketStream};
+use crate::lean;
 use crate::proto::{Packet, AGENT_CONNECT_PATH};
+use crate::readahead::ReadAhead;
 
 /// Serves one accepted agent connection.
 pub async fn serve_agent_conn(srv: Arc<Core>, tcp: TcpStream, peer: SocketAddr) {
@@ -31,7 +33,7 @@ where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let activity = Activity::new();
-    let tcp = Watched::new(tcp, activity.clone());
+    let tcp = ReadAhead::new(Watched::new(tcp, activity.clone()));
     let Some(tls) = accept_tls(&srv, tcp, peer).await else {
         return;
     };
@@ -54,6 +56,10 @@ where
         activity,
         peer,
     };
+    if tls.get_ref().1.alpn_protocol() == Some(lean::ALPN.as_bytes()) {
+        serve_lean(conn, tls).await;
+        return;
+    }
     let handler = conn.handler(opened.clone());
     let first_stream = no_stream_within(srv.settings.handshake_timeout, &opened);
     tokio::select! {
@@ -152,22 +158,130 @@ async fn open_stream(
     req: tonic::Request<tonic::Streaming<Packet>>,
 ) -> Result<Response<PacketStream>, Status> {
     let srv = conn.srv.clone();
-    let meta = req.metadata();
+    let a = admit(conn, req.metadata()).await?;
+    let answer = response(&srv, a.to_agent.clone(), a.flow, a.replicas);
+    drain_notice_if_moving(&srv, &a.link);
+    tokio::spawn(receive(srv, a.cluster, a.link, req.into_inner(), a.probe));
+    answer
+}
+
+/// A stream let in: attached to its cluster.
+struct Admitted {
+    cluster: Arc<Cluster>,
+    link: Arc<AgentLink>,
+    to_agent: Arc<FairQueue>,
+    probe: bool,
+    flow: bool,
+    replicas: bool,
+}
+
+/// Checks a stream's credentials and what it says (its metadata), and
+/// attaches it to its cluster.
+async fn admit(conn: AgentConn, meta: &tonic::metadata::MetadataMap) -> Result<Admitted, Status> {
+    let srv = conn.srv.clone();
     let auth = one_authorization(&srv, meta)?;
     let cert_cluster = conn.cert_cluster.clone();
     let cluster = stream_cluster(&srv, cert_cluster, auth.as_deref(), conn.peer).await?;
     let identity = stream_identity(&srv, &cluster, meta)?;
     let (flow, replicas) = (identity.flow, identity.replicas);
     let (link, to_agent, probe) = attach_stream(&cluster, identity, conn, auth);
-    let answer = response(&srv, to_agent, flow, replicas);
-    // Registered after the drain or a hand-over began (its handshake or
-    // TokenReview was under way): it gets the DRAIN the others got.
+    Ok(Admitted {
+        cluster,
+        link,
+        to_agent,
+        probe,
+        flow,
+        replicas,
+    })
+}
+
+/// Registered after the drain or a hand-over began (its handshake or
+/// TokenReview was under way): it gets the DRAIN the others got.
+fn drain_notice_if_moving(srv: &Core, link: &AgentLink) {
     let moving = srv.agents_moving.load(std::sync::atomic::Ordering::Acquire);
     if srv.accepting.is_cancelled() || moving {
         link.drain_notice();
     }
-    tokio::spawn(receive(srv, cluster, link, req.into_inner(), probe));
-    answer
+}
+
+/// The extensions a stream's metadata asks for: flow control, replica
+/// updates.
+fn asked(meta: &tonic::metadata::MetadataMap) -> (bool, bool) {
+    let asks = |h: &str, v: &str| meta.get(h).and_then(|x| x.to_str().ok()) == Some(v);
+    (
+        asks(crate::flow::HEADER, crate::flow::VERSION),
+        asks(
+            crate::proto::REPLICAS_HEADER,
+            crate::proto::REPLICAS_VERSION,
+        ),
+    )
+}
+
+/// One agent stream on the lean transport (`seedlink-tunnel/1`, see
+/// lean.rs): OPEN within the handshake deadline, the same admission as a
+/// gRPC `Connect`, ANSWER or REFUSED, then packets both ways until the
+/// stream ends. It requires flow control, so the receive loop never stops
+/// reading for a full queue and PINGs are always answered.
+async fn serve_lean<IO>(conn: AgentConn, mut tls: IO)
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let srv = conn.srv.clone();
+    let peer = conn.peer;
+    let meta =
+        match tokio::time::timeout(srv.settings.handshake_timeout, lean::accept(&mut tls)).await {
+            Ok(Ok(m)) => m,
+            Ok(Err(e)) => {
+                tracing::info!(%peer, error = %e, "agent stream refused: bad OPEN");
+                srv.metrics.agent_stream("", "bad_open");
+                return;
+            }
+            Err(_) => return srv.metrics.agent_stream("", "no_stream"),
+        };
+    let (flow, replicas) = asked(&meta);
+    let answer = answer_meta(&srv, flow, replicas);
+    let admitted = match (flow, answer) {
+        (false, _) => Err(Status::failed_precondition(format!(
+            "the {} transport needs per-connection flow control",
+            lean::ALPN
+        ))),
+        (true, Err(s)) => Err(s),
+        (true, Ok(answer)) => admit(conn, &meta).await.map(|a| (a, answer)),
+    };
+    let (a, answer) = match admitted {
+        Ok(x) => x,
+        Err(status) => {
+            if !flow {
+                srv.metrics.agent_stream("", "bad_open");
+            }
+            let _ = tokio::time::timeout(
+                srv.settings.handshake_timeout,
+                lean::refuse(&mut tls, &status),
+            )
+            .await;
+            return;
+        }
+    };
+    // An agent gone meanwhile: its stream fails at once and is detached.
+    let _ = tokio::time::timeout(
+        srv.settings.handshake_timeout,
+        lean::answer(&mut tls, &answer),
+    )
+    .await;
+    drain_notice_if_moving(&srv, &a.link);
+    let (rd, wr) = tokio::io::split(tls);
+    let ctl = lean::Control::new();
+    let writer = tokio::spawn(lean::write_loop(wr, a.to_agent.clone(), ctl.clone()));
+    let h2 = srv.agent_h2;
+    let inbound = lean::Inbound::new(rd, ctl, h2.keepalive, h2.keepalive_timeout);
+    let grace = srv.settings.handshake_timeout;
+    receive(srv, a.cluster, a.link, inbound, a.probe).await;
+    // The queue is closed: the writer closes the connection, unless the
+    // agent takes nothing (frozen), which the grace bounds.
+    let abort = writer.abort_handle();
+    if tokio::time::timeout(grace, writer).await.is_err() {
+        abort.abort();
+    }
 }
 
 /// The stream's `authorization` (at most one).
@@ -334,15 +448,12 @@ fn stream_identity(
         )));
     }
     let ids = stream_identifiers(srv, cluster, meta, agent_id)?;
-    let asks = |h: &str, v: &str| meta.get(h).and_then(|x| x.to_str().ok()) == Some(v);
+    let (flow, replicas) = asked(meta);
     Ok(Identity {
         agent_id: agent_id.to_string(),
         ids,
-        flow: asks(crate::flow::HEADER, crate::flow::VERSION),
-        replicas: asks(
-            crate::proto::REPLICAS_HEADER,
-            crate::proto::REPLICAS_VERSION,
-        ),
+        flow,
+        replicas,
     })
 }
 
@@ -373,8 +484,8 @@ fn stream_identifiers(
     }
 }
 
-/// The stream's answer: packets from the link's queue, with `serverid`,
-/// `servercount` and (if agreed) the extensions' headers.
+/// The stream's answer: packets from the link's queue, with the answer's
+/// metadata.
 fn response(
     srv: &Core,
     to_agent: Arc<FairQueue>,
@@ -385,12 +496,24 @@ fn response(
         q.next().await.map(|p| (Ok(p), q))
     }));
     let mut resp = Response::new(out);
+    *resp.metadata_mut() = answer_meta(srv, flow, replicas)?;
+    Ok(resp)
+}
+
+/// The answer's metadata: `serverid`, `servercount` and (if agreed) the
+/// extensions' headers.
+fn answer_meta(
+    srv: &Core,
+    flow: bool,
+    replicas: bool,
+) -> Result<tonic::metadata::MetadataMap, Status> {
+    let mut meta = tonic::metadata::MetadataMap::new();
     let id = srv
         .server_id
         .parse()
         .map_err(|_| Status::internal("server ID"))?;
-    resp.metadata_mut().insert("serverid", id);
-    resp.metadata_mut().insert(
+    meta.insert("serverid", id);
+    meta.insert(
         "servercount",
         srv.server_count
             .load(std::sync::atomic::Ordering::Relaxed)
@@ -408,9 +531,9 @@ fn response(
     ];
     for (_, header, version) in agreed.into_iter().filter(|(on, ..)| *on) {
         let v = tonic::metadata::MetadataValue::from_static(version);
-        resp.metadata_mut().insert(header, v);
+        meta.insert(header, v);
     }
-    Ok(resp)
+    Ok(meta)
 }
 
 /// The receive loop of one stream: each packet goes to the link; it waits
@@ -419,13 +542,16 @@ fn response(
 /// timers ([`AgentLink::next_timeout`]), waiting or not. Ends with the
 /// stream, on shutdown, when the cluster is removed or re-keyed away from
 /// the agent.
-async fn receive(
+async fn receive<S, E>(
     srv: Arc<Core>,
     cluster: Arc<Cluster>,
     link: Arc<AgentLink>,
-    inbound: tonic::Streaming<Packet>,
+    inbound: S,
     probe: bool,
-) {
+) where
+    S: Stream<Item = Result<Packet, E>> + Unpin,
+    E: std::fmt::Display,
+{
     let why = receive_loop(&srv, &cluster, &link, inbound).await;
     detach(&cluster, &link);
     cluster.metrics.agent(-1);
@@ -440,12 +566,16 @@ async fn receive(
 
 /// Takes the stream's packets and drives the link's timers until the
 /// stream ends; returns why (the `agent_streams_total` label).
-async fn receive_loop(
+async fn receive_loop<S, E>(
     srv: &Core,
     cluster: &Cluster,
     link: &AgentLink,
-    mut inbound: tonic::Streaming<Packet>,
-) -> &'static str {
+    mut inbound: S,
+) -> &'static str
+where
+    S: Stream<Item = Result<Packet, E>> + Unpin,
+    E: std::fmt::Display,
+{
     // One sleep across packets; set again when it fired, and after a wait
     // for room (which ran the timers itself).
     let timer = link.next_timeout();

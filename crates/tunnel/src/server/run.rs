@@ -486,7 +486,7 @@ fn agent_tls(cfg: &ServerConfig, clusters: &[PlannedCluster]) -> Result<TlsAccep
         &cfg.agents.cert,
         &cfg.agents.key,
         Some(Arc::new(any)),
-        &[b"h2"],
+        &[crate::lean::ALPN.as_bytes(), b"h2"],
     )
     .map_err(ServerError::tls("agents: TLS"))?;
     Ok(TlsAcceptor::from(Arc::new(agent_tls)))
