@@ -7,6 +7,7 @@
 //! in-process backend, which then serves one of three scripted exchanges:
 //! bulk download, one byte then close, one byte then stay idle.
 
+mod cipher;
 mod peers;
 mod procstat;
 mod proxy;
@@ -94,8 +95,9 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         }
         "connect" => scenario::set_tunnel_destination(),
         "tunnel-scale" => {}
+        "cipher" => return cipher::run(),
         other => {
-            anyhow::bail!("--scenario {other:?}: use sni, proxy-sni, connect, node-proxy, node-proxy-h2, tunnel or tunnel-scale")
+            anyhow::bail!("--scenario {other:?}: use sni, proxy-sni, connect, node-proxy, node-proxy-h2, tunnel, tunnel-scale or cipher")
         }
     }
     let backend = workload::Backend::start().await?;

@@ -153,8 +153,14 @@ pub async fn start(
     let addr: SocketAddr = format!("127.0.0.1:{front}").parse()?;
     let mut unix = None;
     let (server, agent, connect) = match name {
-        "seedlink" | "seedlink-b" => {
-            // `seedlink-b`: a second build, for an interleaved A/B run.
+        "seedlink" | "seedlink-b" | "seedlink-grpc" => {
+            // `seedlink-b`: a second build, for an interleaved A/B run;
+            // `seedlink-grpc`: this build with its agent on gRPC (the
+            // transport before issue 28's lean one).
+            let transport: &[&str] = match name {
+                "seedlink-grpc" => &["--transport", "grpc"],
+                _ => &[],
+            };
             let bin = match name {
                 "seedlink-b" => opts
                     .seedlink_b
@@ -206,6 +212,7 @@ clusters:
                     &p("agent-key.pem"),
                 ])
                 .args(["--admin", "127.0.0.1:0", "--deny-cidr", "169.254.0.0/16"])
+                .args(transport)
                 .env("RUST_LOG", "error")
                 .env(
                     "TOKIO_WORKER_THREADS",

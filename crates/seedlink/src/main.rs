@@ -139,9 +139,11 @@ fn main() -> ExitCode {
             .init(),
     }
     seedlink_net::sync::count_panics();
-    // Freed memory goes back to the system after a burst (docs/OPERATIONS.md);
+    // The allocator keeps what a relay frees between bursts, and freed
+    // memory goes back to the system after a burst (docs/OPERATIONS.md);
     // SEEDLINK_MALLOC_TRIM=off keeps glibc's default behaviour.
     if std::env::var("SEEDLINK_MALLOC_TRIM").as_deref() != Ok("off") {
+        seedlink_net::memtrim::tune();
         seedlink_net::memtrim::start();
     }
     match run(cli) {

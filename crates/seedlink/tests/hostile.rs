@@ -757,3 +757,77 @@ async fn an_agent_id_is_bounded() {
     );
     assert_eq!(refused, 1.0);
 }
+
+/// A client that completes TLS with a cluster's certificate and agrees to
+/// the lean transport (`seedlink-tunnel/1`, Python's OpenSSL as the peer)
+/// but sends no proper OPEN: an OPEN without flow control is refused
+/// (FAILED_PRECONDITION), an OPEN naming a 300-byte agent ID is refused as
+/// over gRPC (INVALID_ARGUMENT), and a frame announcing 4 GiB or metadata
+/// that is not header lines closes the connection at once, nothing
+/// allocated; each is counted, and the cluster's agent keeps working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lean_transport_refuses_what_is_not_an_open() {
+    let env = TunnelEnv::new(104);
+    let server = env.server(&env.server_yaml("0.0.0.0:8132", "", ""), "server");
+    let admin = server.admin();
+    let _agent = env.agent(&env.agent_endpoint(8132), &[]);
+    let mut echo =
+        kas_connect_eventually(&env.uds, "127.0.0.1:7007", Duration::from_secs(20)).await;
+    echo_rtt(&mut echo, 64).await;
+    let script = format!(
+        "import socket,ssl,struct\n\
+         c=ssl.create_default_context(cafile='{ca}')\n\
+         c.load_cert_chain('{crt}','{key}')\n\
+         c.set_alpn_protocols(['seedlink-tunnel/1'])\n\
+         def conn():\n\
+         \x20   s=c.wrap_socket(socket.create_connection(('198.18.{net}.1',8132)),server_hostname='tunnel.seedlink.test')\n\
+         \x20   assert s.selected_alpn_protocol()=='seedlink-tunnel/1'\n\
+         \x20   s.settimeout(20)\n\
+         \x20   return s\n\
+         def answer(s):\n\
+         \x20   b=b''\n\
+         \x20   while True:\n\
+         \x20       x=s.recv(65536)\n\
+         \x20       if not x: break\n\
+         \x20       b+=x\n\
+         \x20   return b[0] if b else 'closed', b[5:].decode(errors='replace')\n\
+         def frame(t,body): return bytes([t])+struct.pack('>I',len(body))+body\n\
+         for name,data in [('noflow',frame(3,b'agentid:x\\n')),\n\
+         \x20                ('longid',frame(3,b'agentid:'+b'a'*300+b'\\nseedlink-flow-control:v1\\n')),\n\
+         \x20                ('huge',bytes([0,255,255,255,255])),\n\
+         \x20                ('nometa',frame(3,b'no header here\\n'))]:\n\
+         \x20   s=conn(); s.sendall(data)\n\
+         \x20   print(name, *answer(s), flush=True)\n",
+        ca = env.files.seed_ca,
+        crt = env.files.agent_crt,
+        key = env.files.agent_key,
+        net = env.net
+    );
+    let out = env.shoot.cmd(&["python3", "-c", &script]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_default()
+            .to_string()
+    };
+    // REFUSED is frame type 5; its text starts with the gRPC code.
+    assert!(line("noflow").starts_with("noflow 5 9 "), "{text}");
+    assert!(line("noflow").contains("flow control"), "{text}");
+    assert!(line("longid").starts_with("longid 5 3 "), "{text}");
+    assert_eq!(line("huge"), "huge closed ", "{text}");
+    assert_eq!(line("nometa"), "nometa closed ", "{text}");
+    let m = |r: &str| {
+        env.server_metric(
+            &admin,
+            &format!("seedlink_tunnel_server_agent_streams_total{{cluster=\"\",reason=\"{r}\"}}"),
+        )
+    };
+    assert!(m("bad_open") >= 3.0, "bad_open {}", m("bad_open"));
+    echo_rtt(&mut echo, 4096).await;
+}

@@ -918,10 +918,13 @@ impl Agent {
                         )))
                     }
                 };
-                let (rd, wr) = tokio::io::split(*tls);
+                let (rd, wr) = crate::lean::split(*tls);
                 let ctl = crate::lean::Control::new();
-                tokio::spawn(crate::lean::write_loop(wr, tx.clone(), ctl.clone()));
                 let ka = self.keepalive();
+                // Ends when the queue is closed, or when the server takes
+                // nothing for the keepalive interval and timeout.
+                let stall = ka.keepalive.saturating_add(ka.keepalive_timeout);
+                tokio::spawn(crate::lean::write_loop(wr, tx.clone(), ctl.clone(), stall));
                 let inbound =
                     crate::lean::Inbound::new(rd, ctl, ka.keepalive, ka.keepalive_timeout);
                 Ok((

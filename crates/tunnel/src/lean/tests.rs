@@ -121,7 +121,12 @@ fn keepalive_pings_after_the_interval_and_gives_up_after_the_timeout() {
 fn pair() -> (Arc<FairQueue>, Inbound<tokio::io::DuplexStream>) {
     let (a, b) = tokio::io::duplex(1 << 16);
     let q = FairQueue::new();
-    tokio::spawn(write_loop(a, q.clone(), Control::new()));
+    tokio::spawn(write_loop(
+        a,
+        q.clone(),
+        Control::new(),
+        Duration::from_secs(60),
+    ));
     let inbound = Inbound::new(
         b,
         Control::new(),
@@ -149,10 +154,15 @@ async fn packets_arrive_whole_and_in_order() {
 #[tokio::test]
 async fn a_silent_peer_is_pinged_and_then_given_up() {
     let (mine, theirs) = tokio::io::duplex(1 << 16);
-    let (rd, wr) = tokio::io::split(mine);
+    let (rd, wr) = split(mine);
     let ctl = Control::new();
     let q = FairQueue::new();
-    tokio::spawn(write_loop(wr, q.clone(), ctl.clone()));
+    tokio::spawn(write_loop(
+        wr,
+        q.clone(),
+        ctl.clone(),
+        Duration::from_secs(60),
+    ));
     let mut inbound = Inbound::new(
         rd,
         ctl,
@@ -176,9 +186,14 @@ async fn a_silent_peer_is_pinged_and_then_given_up() {
 #[tokio::test]
 async fn a_ping_is_answered_with_one_pong() {
     let (mine, theirs) = tokio::io::duplex(1 << 16);
-    let (rd, wr) = tokio::io::split(mine);
+    let (rd, wr) = split(mine);
     let ctl = Control::new();
-    tokio::spawn(write_loop(wr, FairQueue::new(), ctl.clone()));
+    tokio::spawn(write_loop(
+        wr,
+        FairQueue::new(),
+        ctl.clone(),
+        Duration::from_secs(60),
+    ));
     let mut inbound = Inbound::new(rd, ctl, Duration::from_secs(3600), Duration::from_secs(60));
     let (mut their_rd, mut their_wr) = tokio::io::split(theirs);
     their_wr.write_all(&[PING, 0, 0, 0, 0]).await.unwrap();
@@ -252,4 +267,56 @@ async fn the_handshake_carries_metadata_and_refusals() {
         panic!("{got:?}")
     };
     assert_eq!(s.code(), tonic::Code::Unauthenticated);
+}
+
+#[tokio::test]
+async fn a_peer_that_reads_nothing_fails_the_writer_and_ends_the_stream() {
+    let (mine, _theirs) = tokio::io::duplex(1024);
+    let (rd, wr) = split(mine);
+    let ctl = Control::new();
+    let q = FairQueue::new();
+    tokio::spawn(write_loop(
+        wr,
+        q.clone(),
+        ctl.clone(),
+        Duration::from_millis(50),
+    ));
+    q.control(Packet::data(1, Bytes::from(vec![0u8; 100_000])))
+        .unwrap();
+    let mut inbound = Inbound::new(rd, ctl, Duration::from_secs(3600), Duration::from_secs(60));
+    let end = tokio::time::timeout(Duration::from_secs(30), inbound.next())
+        .await
+        .expect("the stalled writer ends the stream");
+    assert!(matches!(end, Some(Err(WireError::Writer(_)))), "{end:?}");
+    assert!(q.next().await.is_none(), "the queue is closed");
+}
+
+#[tokio::test]
+async fn a_flood_of_pings_is_read_in_slices_and_answered() {
+    let (mine, theirs) = tokio::io::duplex(1 << 20);
+    let (rd, wr) = split(mine);
+    let ctl = Control::new();
+    tokio::spawn(write_loop(
+        wr,
+        FairQueue::new(),
+        ctl.clone(),
+        Duration::from_secs(60),
+    ));
+    let mut inbound = Inbound::new(rd, ctl, Duration::from_secs(3600), Duration::from_secs(60));
+    let (mut their_rd, mut their_wr) = tokio::io::split(theirs);
+    let mut flood = [PING, 0, 0, 0, 0].repeat(10_000);
+    let mut heads = BytesMut::new();
+    let data = encode_head(Packet::data(5, Bytes::from_static(b"after")), &mut heads);
+    flood.extend_from_slice(&heads);
+    flood.extend_from_slice(&data.unwrap());
+    their_wr.write_all(&flood).await.unwrap();
+    let got = inbound.next().await.unwrap().unwrap();
+    assert_eq!(got, Packet::data(5, Bytes::from_static(b"after")));
+    // Answered (PONGs owed are coalesced: one flag, not a counter).
+    let mut head = [0u8; HEAD];
+    tokio::time::timeout(Duration::from_secs(30), their_rd.read_exact(&mut head))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(head, [PONG, 0, 0, 0, 0]);
 }

@@ -231,6 +231,10 @@ where
     let meta =
         match tokio::time::timeout(srv.settings.handshake_timeout, lean::accept(&mut tls)).await {
             Ok(Ok(m)) => m,
+            // Gone before a whole frame (a port check, a scan): no stream.
+            Ok(Err(lean::WireError::Io(_) | lean::WireError::Truncated)) => {
+                return srv.metrics.agent_stream("", "no_stream")
+            }
             Ok(Err(e)) => {
                 tracing::info!(%peer, error = %e, "agent stream refused: bad OPEN");
                 srv.metrics.agent_stream("", "bad_open");
@@ -269,9 +273,13 @@ where
     )
     .await;
     drain_notice_if_moving(&srv, &a.link);
-    let (rd, wr) = tokio::io::split(tls);
+    let (rd, wr) = lean::split(tls);
     let ctl = lean::Control::new();
-    let writer = tokio::spawn(lean::write_loop(wr, a.to_agent.clone(), ctl.clone()));
+    let stall = srv
+        .agent_h2
+        .keepalive
+        .saturating_add(srv.agent_h2.keepalive_timeout);
+    let writer = tokio::spawn(lean::write_loop(wr, a.to_agent.clone(), ctl.clone(), stall));
     let h2 = srv.agent_h2;
     let inbound = lean::Inbound::new(rd, ctl, h2.keepalive, h2.keepalive_timeout);
     let grace = srv.settings.handshake_timeout;
