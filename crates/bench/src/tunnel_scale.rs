@@ -203,7 +203,10 @@ impl Bed {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        // Idle, not just connected: the server's trimming thread (every
+        // 10 s) has returned what the 400 handshakes freed, as it does for
+        // any server soon after agents connect.
+        tokio::time::sleep(seedlink_net::memtrim::PERIOD + Duration::from_secs(2)).await;
         let server_kib_per_agent = (crate::procstat::rss_kib(&[pid]) - server_rss0) / want;
         let bench_kib_per_agent = (crate::procstat::rss_kib(&[me]) - bench_rss0) / want;
         Ok(Bed {
