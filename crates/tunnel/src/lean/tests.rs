@@ -136,6 +136,31 @@ fn pair() -> (Arc<FairQueue>, Inbound<tokio::io::DuplexStream>) {
     (q, inbound)
 }
 
+/// One side over a pipe, as the roles run it (one lock, a writer task, a
+/// reader): its queue, its reader, and the peer's end of the pipe.
+struct Side {
+    queue: Arc<FairQueue>,
+    inbound: Inbound<Shared<tokio::io::DuplexStream>>,
+    peer: tokio::io::DuplexStream,
+}
+
+fn side(pipe: usize, keepalive: (Duration, Duration), stall: Duration) -> Side {
+    let (mine, peer) = tokio::io::duplex(pipe);
+    let (rd, wr) = split(mine);
+    let ctl = Control::new();
+    let queue = FairQueue::new();
+    tokio::spawn(write_loop(wr, queue.clone(), ctl.clone(), stall));
+    let inbound = Inbound::new(rd, ctl, keepalive.0, keepalive.1);
+    Side {
+        queue,
+        inbound,
+        peer,
+    }
+}
+
+const QUIET: (Duration, Duration) = (Duration::from_secs(3600), Duration::from_secs(60));
+const PATIENT: Duration = Duration::from_secs(60);
+
 #[tokio::test]
 async fn packets_arrive_whole_and_in_order() {
     let (q, mut inbound) = pair();
@@ -153,23 +178,11 @@ async fn packets_arrive_whole_and_in_order() {
 
 #[tokio::test]
 async fn a_silent_peer_is_pinged_and_then_given_up() {
-    let (mine, theirs) = tokio::io::duplex(1 << 16);
-    let (rd, wr) = split(mine);
-    let ctl = Control::new();
-    let q = FairQueue::new();
-    tokio::spawn(write_loop(
-        wr,
-        q.clone(),
-        ctl.clone(),
-        Duration::from_secs(60),
-    ));
-    let mut inbound = Inbound::new(
-        rd,
-        ctl,
-        Duration::from_millis(20),
-        Duration::from_millis(20),
-    );
-    let (mut their_rd, _their_wr) = tokio::io::split(theirs);
+    let ms = Duration::from_millis;
+    let Side {
+        mut inbound, peer, ..
+    } = side(1 << 16, (ms(20), ms(20)), PATIENT);
+    let (mut their_rd, _their_wr) = tokio::io::split(peer);
     let reader = tokio::spawn(async move {
         let mut head = [0u8; HEAD];
         their_rd.read_exact(&mut head).await.unwrap();
@@ -185,17 +198,10 @@ async fn a_silent_peer_is_pinged_and_then_given_up() {
 
 #[tokio::test]
 async fn a_ping_is_answered_with_one_pong() {
-    let (mine, theirs) = tokio::io::duplex(1 << 16);
-    let (rd, wr) = split(mine);
-    let ctl = Control::new();
-    tokio::spawn(write_loop(
-        wr,
-        FairQueue::new(),
-        ctl.clone(),
-        Duration::from_secs(60),
-    ));
-    let mut inbound = Inbound::new(rd, ctl, Duration::from_secs(3600), Duration::from_secs(60));
-    let (mut their_rd, mut their_wr) = tokio::io::split(theirs);
+    let Side {
+        mut inbound, peer, ..
+    } = side(1 << 16, QUIET, PATIENT);
+    let (mut their_rd, mut their_wr) = tokio::io::split(peer);
     their_wr.write_all(&[PING, 0, 0, 0, 0]).await.unwrap();
     their_wr.write_all(&[PACKET, 0, 0, 0, 0]).await.unwrap();
     // The empty packet decodes (to a packet the link machines refuse).
@@ -271,19 +277,13 @@ async fn the_handshake_carries_metadata_and_refusals() {
 
 #[tokio::test]
 async fn a_peer_that_reads_nothing_fails_the_writer_and_ends_the_stream() {
-    let (mine, _theirs) = tokio::io::duplex(1024);
-    let (rd, wr) = split(mine);
-    let ctl = Control::new();
-    let q = FairQueue::new();
-    tokio::spawn(write_loop(
-        wr,
-        q.clone(),
-        ctl.clone(),
-        Duration::from_millis(50),
-    ));
+    let Side {
+        queue: q,
+        mut inbound,
+        peer: _peer,
+    } = side(1024, QUIET, Duration::from_millis(50));
     q.control(Packet::data(1, Bytes::from(vec![0u8; 100_000])))
         .unwrap();
-    let mut inbound = Inbound::new(rd, ctl, Duration::from_secs(3600), Duration::from_secs(60));
     let end = tokio::time::timeout(Duration::from_secs(30), inbound.next())
         .await
         .expect("the stalled writer ends the stream");
@@ -293,17 +293,10 @@ async fn a_peer_that_reads_nothing_fails_the_writer_and_ends_the_stream() {
 
 #[tokio::test]
 async fn a_flood_of_pings_is_read_in_slices_and_answered() {
-    let (mine, theirs) = tokio::io::duplex(1 << 20);
-    let (rd, wr) = split(mine);
-    let ctl = Control::new();
-    tokio::spawn(write_loop(
-        wr,
-        FairQueue::new(),
-        ctl.clone(),
-        Duration::from_secs(60),
-    ));
-    let mut inbound = Inbound::new(rd, ctl, Duration::from_secs(3600), Duration::from_secs(60));
-    let (mut their_rd, mut their_wr) = tokio::io::split(theirs);
+    let Side {
+        mut inbound, peer, ..
+    } = side(1 << 20, QUIET, PATIENT);
+    let (mut their_rd, mut their_wr) = tokio::io::split(peer);
     let mut flood = [PING, 0, 0, 0, 0].repeat(10_000);
     let mut heads = BytesMut::new();
     let data = encode_head(Packet::data(5, Bytes::from_static(b"after")), &mut heads);
