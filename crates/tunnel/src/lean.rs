@@ -506,6 +506,29 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Shared<IO> {
     }
 }
 
+/// Runs a stream on `io` after the handshake: the writer task sending
+/// `queue` (a peer that takes nothing for the keepalive interval and
+/// timeout fails it), and the reader, keeping the keepalive.
+pub fn start<IO>(
+    io: IO,
+    queue: Arc<FairQueue>,
+    keepalive: crate::grpc::H2Settings,
+) -> (Inbound<Shared<IO>>, tokio::task::JoinHandle<()>)
+where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (rd, wr) = split(io);
+    let ctl = Control::new();
+    let (every, timeout) = (keepalive.keepalive, keepalive.keepalive_timeout);
+    let writer = tokio::spawn(write_loop(
+        wr,
+        queue,
+        ctl.clone(),
+        every.saturating_add(timeout),
+    ));
+    (Inbound::new(rd, ctl, every, timeout), writer)
+}
+
 /// Sends the queue's packets (and the PINGs and PONGs the reader asks
 /// for) until the queue is closed, then closes the connection's sending
 /// side; a failure is told to the reader. A write the peer takes nothing

@@ -918,15 +918,9 @@ impl Agent {
                         )))
                     }
                 };
-                let (rd, wr) = crate::lean::split(*tls);
-                let ctl = crate::lean::Control::new();
-                let ka = self.keepalive();
-                // Ends when the queue is closed, or when the server takes
-                // nothing for the keepalive interval and timeout.
-                let stall = ka.keepalive.saturating_add(ka.keepalive_timeout);
-                tokio::spawn(crate::lean::write_loop(wr, tx.clone(), ctl.clone(), stall));
-                let inbound =
-                    crate::lean::Inbound::new(rd, ctl, ka.keepalive, ka.keepalive_timeout);
+                // The writer ends when the queue is closed, or when the
+                // server takes nothing for the keepalive interval and timeout.
+                let (inbound, _writer) = crate::lean::start(*tls, tx.clone(), self.keepalive());
                 Ok((
                     answer,
                     Box::pin(inbound.map(|r| r.map_err(Into::into))),

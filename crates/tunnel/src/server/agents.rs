@@ -273,15 +273,7 @@ where
     )
     .await;
     drain_notice_if_moving(&srv, &a.link);
-    let (rd, wr) = lean::split(tls);
-    let ctl = lean::Control::new();
-    let stall = srv
-        .agent_h2
-        .keepalive
-        .saturating_add(srv.agent_h2.keepalive_timeout);
-    let writer = tokio::spawn(lean::write_loop(wr, a.to_agent.clone(), ctl.clone(), stall));
-    let h2 = srv.agent_h2;
-    let inbound = lean::Inbound::new(rd, ctl, h2.keepalive, h2.keepalive_timeout);
+    let (inbound, writer) = lean::start(tls, a.to_agent.clone(), srv.agent_h2);
     let grace = srv.settings.handshake_timeout;
     receive(srv, a.cluster, a.link, inbound, a.probe).await;
     // The queue is closed: the writer closes the connection, unless the
