@@ -22,3 +22,4 @@ pub mod tls;
 pub mod token;
 pub mod tokenerror;
 pub mod tokenreview;
+pub mod usertls;

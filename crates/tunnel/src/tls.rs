@@ -112,8 +112,40 @@ pub fn server_config(
     clients: Option<Arc<dyn ClientCertVerifier>>,
     alpn: &[&[u8]],
 ) -> Result<rustls::ServerConfig, TlsError> {
+    server_config_for(cert, key, clients, alpn, Versions::Default)
+}
+
+/// Which TLS versions a configuration allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Versions {
+    /// TLS 1.2 and 1.3.
+    Default,
+    /// TLS 1.3 only, secrets extractable: for [`crate::usertls`].
+    UserTls13,
+}
+
+/// TLS 1.3 alone.
+static TLS13_ONLY: &[&rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
+
+impl Versions {
+    fn list(self) -> &'static [&'static rustls::SupportedProtocolVersion] {
+        match self {
+            Versions::Default => rustls::DEFAULT_VERSIONS,
+            Versions::UserTls13 => TLS13_ONLY,
+        }
+    }
+}
+
+/// [`server_config`] with the TLS versions given.
+pub fn server_config_for(
+    cert: &Path,
+    key: &Path,
+    clients: Option<Arc<dyn ClientCertVerifier>>,
+    alpn: &[&[u8]],
+    versions: Versions,
+) -> Result<rustls::ServerConfig, TlsError> {
     let builder = rustls::ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()?;
+        .with_protocol_versions(versions.list())?;
     let builder = match clients {
         Some(v) => builder.with_client_cert_verifier(v),
         None => builder.with_no_client_auth(),
@@ -126,6 +158,9 @@ pub fn server_config(
             source,
         })?;
     cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    if versions == Versions::UserTls13 {
+        crate::usertls::prepare_server(&mut cfg);
+    }
     Ok(cfg)
 }
 
@@ -135,8 +170,18 @@ pub fn client_config(
     identity: Option<(&Path, &Path)>,
     alpn: &[String],
 ) -> Result<rustls::ClientConfig, TlsError> {
+    client_config_for(ca, identity, alpn, Versions::Default)
+}
+
+/// [`client_config`] with the TLS versions given.
+pub fn client_config_for(
+    ca: &Path,
+    identity: Option<(&Path, &Path)>,
+    alpn: &[String],
+    versions: Versions,
+) -> Result<rustls::ClientConfig, TlsError> {
     let builder = rustls::ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()?
+        .with_protocol_versions(versions.list())?
         .with_root_certificates(load_roots(ca)?);
     let mut cfg = match identity {
         Some((cert, key)) => builder
@@ -149,6 +194,9 @@ pub fn client_config(
         None => builder.with_no_client_auth(),
     };
     cfg.alpn_protocols = alpn.iter().map(|p| p.as_bytes().to_vec()).collect();
+    if versions == Versions::UserTls13 {
+        crate::usertls::prepare_client(&mut cfg);
+    }
     Ok(cfg)
 }
 

@@ -273,6 +273,8 @@ pub struct Agent {
     /// Metrics.
     pub metrics: AgentMetrics,
     tls: TlsConnector,
+    /// With the lean transport offered: the configuration for usertls.rs.
+    user_tls: Option<Arc<rustls::ClientConfig>>,
     sessions: Mutex<HashMap<String, Arc<Session>>>,
     known_count: AtomicI64,
     draining: AtomicBool,
@@ -450,7 +452,7 @@ enum Channel {
     /// HTTP/2 (gRPC), with its GOAWAY sniffer.
     Grpc(grpc::Client, crate::goaway::Seen),
     /// The lean transport.
-    Lean(Box<tokio_rustls::client::TlsStream<ReadAhead<TcpStream>>>),
+    Lean(Box<crate::usertls::UserTls<TcpStream>>),
 }
 
 /// Closes a stream's outbound queue when dropped, unless taken out: a
@@ -691,12 +693,20 @@ impl Agent {
             .identity
             .as_ref()
             .map(|(c, k)| (c.as_path(), k.as_path()));
-        let cfg = tls::client_config(&opts.ca, ident, &alpn)?;
+        // Offering the lean transport, TLS runs in this process
+        // (usertls.rs), which speaks TLS 1.3 only.
+        let versions = if opts.lean && opts.flow_control {
+            tls::Versions::UserTls13
+        } else {
+            tls::Versions::Default
+        };
+        let cfg = Arc::new(tls::client_config_for(&opts.ca, ident, &alpn, versions)?);
         let opts_keepalive = opts.keepalive.keepalive;
         Ok(Arc::new(Agent {
             opts,
             metrics: AgentMetrics::new(),
-            tls: TlsConnector::from(Arc::new(cfg)),
+            user_tls: (versions == tls::Versions::UserTls13).then(|| cfg.clone()),
+            tls: TlsConnector::from(cfg),
             sessions: Mutex::new(HashMap::new()),
             known_count: AtomicI64::new(1),
             draining: AtomicBool::new(false),
@@ -859,16 +869,31 @@ impl Agent {
         let bad_name = || ConnectError::ServerName(self.opts.server_name.clone());
         let name = rustls::pki_types::ServerName::try_from(self.opts.server_name.clone())
             .map_err(|_| bad_name())?;
-        let tls = tokio::time::timeout(t, self.tls.connect(name, ReadAhead::new(tcp)))
-            .await
-            .map_err(|_| ConnectError::TlsTimeout)?
-            .map_err(ConnectError::Tls)?;
-        if tls.get_ref().1.alpn_protocol() == Some(crate::lean::ALPN.as_bytes()) {
-            return Ok(Channel::Lean(Box::new(tls)));
-        }
         let origin: http::Uri = format!("https://{}", self.opts.server_name)
             .parse()
             .map_err(|_| bad_name())?;
+        let Some(cfg) = &self.user_tls else {
+            let tls = tokio::time::timeout(t, self.tls.connect(name, ReadAhead::new(tcp)))
+                .await
+                .map_err(|_| ConnectError::TlsTimeout)?
+                .map_err(ConnectError::Tls)?;
+            return self.http2(tls, origin).await;
+        };
+        let tls = tokio::time::timeout(t, crate::usertls::connect(cfg.clone(), name, tcp))
+            .await
+            .map_err(|_| ConnectError::TlsTimeout)?
+            .map_err(ConnectError::Tls)?;
+        if tls.session().alpn.as_deref() == Some(crate::lean::ALPN.as_bytes()) {
+            return Ok(Channel::Lean(Box::new(tls)));
+        }
+        self.http2(tls, origin).await
+    }
+
+    /// HTTP/2 on `tls`, with its GOAWAY sniffer.
+    async fn http2<IO>(&self, tls: IO, origin: http::Uri) -> Result<Channel, ConnectError>
+    where
+        IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
         let (tls, goaway) = crate::goaway::sniff(tls);
         let client = grpc::connect(tls, origin, self.keepalive())
             .await

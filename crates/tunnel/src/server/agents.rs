@@ -16,7 +16,7 @@ use crate::fair::FairQueue;
 use crate::grpc::{self, Handler, PacketStream};
 use crate::lean;
 use crate::proto::{Packet, AGENT_CONNECT_PATH};
-use crate::readahead::ReadAhead;
+use crate::usertls::UserTls;
 
 /// Serves one accepted agent connection.
 pub async fn serve_agent_conn(srv: Arc<Core>, tcp: TcpStream, peer: SocketAddr) {
@@ -33,16 +33,11 @@ where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let activity = Activity::new();
-    let tcp = ReadAhead::new(Watched::new(tcp, activity.clone()));
+    let tcp = Watched::new(tcp, activity.clone());
     let Some(tls) = accept_tls(&srv, tcp, peer).await else {
         return;
     };
-    let certs: Certs = tls
-        .get_ref()
-        .1
-        .peer_certificates()
-        .map(|c| c.iter().map(|c| c.clone().into_owned()).collect())
-        .unwrap_or_default();
+    let certs: Certs = tls.session().peer_certificates.clone();
     let Ok(cert_cluster) = cluster_of_cert(&srv, &certs, peer) else {
         return;
     };
@@ -56,7 +51,7 @@ where
         activity,
         peer,
     };
-    if tls.get_ref().1.alpn_protocol() == Some(lean::ALPN.as_bytes()) {
+    if tls.session().alpn.as_deref() == Some(lean::ALPN.as_bytes()) {
         serve_lean(conn, tls).await;
         return;
     }
@@ -77,16 +72,12 @@ async fn no_stream_within(deadline: std::time::Duration, opened: &std::sync::ato
 }
 
 /// The TLS handshake within the handshake deadline; `None` (counted) if
-/// it failed or took too long.
-async fn accept_tls<IO>(
-    srv: &Core,
-    tcp: IO,
-    peer: SocketAddr,
-) -> Option<tokio_rustls::server::TlsStream<IO>>
+/// it failed or took too long. TLS 1.3 in this process (usertls.rs).
+async fn accept_tls<IO>(srv: &Core, tcp: IO, peer: SocketAddr) -> Option<UserTls<IO>>
 where
-    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send,
 {
-    let accept = srv.agent_tls.load_full().accept(tcp);
+    let accept = crate::usertls::accept(srv.agent_tls.load_full(), tcp);
     match tokio::time::timeout(srv.settings.handshake_timeout, accept).await {
         Ok(Ok(s)) => Some(s),
         Ok(Err(e)) => {

@@ -6,7 +6,6 @@
 
 use arc_swap::ArcSwap;
 use std::time::Duration;
-use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -53,7 +52,7 @@ pub struct Core {
     /// (`kubernetes.replicas`) once read.
     pub server_count: std::sync::atomic::AtomicU32,
     /// TLS for the agent endpoint (replaced by a reload).
-    pub agent_tls: ArcSwap<TlsAcceptor>,
+    pub agent_tls: ArcSwap<rustls::ServerConfig>,
     /// HTTP/2 keepalive towards agents.
     pub agent_h2: H2Settings,
     /// Cancelled on shutdown: ends agent streams and frontend connections.

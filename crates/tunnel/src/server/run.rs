@@ -58,7 +58,7 @@ struct PlannedCluster {
 pub struct Plan {
     clusters: Vec<PlannedCluster>,
     frontends: Vec<PlannedFrontend>,
-    agent_tls: TlsAcceptor,
+    agent_tls: rustls::ServerConfig,
 }
 
 /// A listening frontend.
@@ -82,7 +82,7 @@ fn new_core(
     cfg: &ServerConfig,
     metrics: Metrics,
     clusters: Vec<Arc<Cluster>>,
-    agent_tls: TlsAcceptor,
+    agent_tls: rustls::ServerConfig,
 ) -> Core {
     let settings = Settings {
         handshake_timeout: Duration::from_secs(10),
@@ -474,7 +474,10 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> 
 
 /// The agent endpoint's TLS: any cluster's CA verifies a client
 /// certificate, which is mandatory unless some cluster takes tokens.
-fn agent_tls(cfg: &ServerConfig, clusters: &[PlannedCluster]) -> Result<TlsAcceptor, ServerError> {
+fn agent_tls(
+    cfg: &ServerConfig,
+    clusters: &[PlannedCluster],
+) -> Result<rustls::ServerConfig, ServerError> {
     let any = tls::AnyOf {
         verifiers: clusters
             .iter()
@@ -482,14 +485,15 @@ fn agent_tls(cfg: &ServerConfig, clusters: &[PlannedCluster]) -> Result<TlsAccep
             .collect(),
         mandatory: clusters.iter().all(|c| c.conf.token.is_none()),
     };
-    let agent_tls = tls::server_config(
+    let agent_tls = tls::server_config_for(
         &cfg.agents.cert,
         &cfg.agents.key,
         Some(Arc::new(any)),
         &[crate::lean::ALPN.as_bytes(), b"h2"],
+        tls::Versions::UserTls13,
     )
     .map_err(ServerError::tls("agents: TLS"))?;
-    Ok(TlsAcceptor::from(Arc::new(agent_tls)))
+    Ok(agent_tls)
 }
 
 /// One cluster: its agents' trust (CA, tokens), proxy password, strategies
