@@ -758,6 +758,61 @@ async fn an_agent_id_is_bounded() {
     assert_eq!(refused, 1.0);
 }
 
+/// OpenSSL's client, a TLS stack nobody here wrote, asks the agent port
+/// for a key update (`K` in `s_client`) and then talks under the new keys:
+/// the record layer after rustls's handshake (usertls.rs) must follow it,
+/// send its own update back, and go on (here: refuse an OPEN without flow
+/// control, under the new keys both ways).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_port_follows_a_key_update_from_openssl() {
+    let env = TunnelEnv::new(105);
+    let _server = env.server(&env.server_yaml("0.0.0.0:8132", "", ""), "server");
+    let _agent = env.agent(&env.agent_endpoint(8132), &[]);
+    let mut echo =
+        kas_connect_eventually(&env.uds, "127.0.0.1:7007", Duration::from_secs(20)).await;
+    echo_rtt(&mut echo, 64).await;
+    let script = format!(
+        "import subprocess,struct,sys\n\
+         p=subprocess.Popen(['openssl','s_client','-brief','-tls1_3','-connect','198.18.{net}.1:8132',\n\
+         \x20   '-servername','tunnel.seedlink.test','-CAfile','{ca}','-cert','{crt}','-key','{key}',\n\
+         \x20   '-alpn','seedlink-tunnel/1'],stdin=subprocess.PIPE,stdout=subprocess.PIPE,stderr=subprocess.PIPE)\n\
+         def wait_for(word):\n\
+         \x20   seen=b''\n\
+         \x20   while word not in seen:\n\
+         \x20       line=p.stderr.readline()\n\
+         \x20       if not line: sys.exit('s_client ended before '+word.decode()+': '+seen.decode(errors='replace'))\n\
+         \x20       seen+=line\n\
+         wait_for(b'CONNECTION ESTABLISHED')\n\
+         p.stdin.write(b'K\\n'); p.stdin.flush()\n\
+         wait_for(b'KEYUPDATE')\n\
+         body=b'agentid:x\\n'\n\
+         p.stdin.write(bytes([3])+struct.pack('>I',len(body))+body); p.stdin.flush()\n\
+         out=p.stdout.read()\n\
+         p.kill()\n\
+         print(out[0] if out else 'closed', out[5:].decode(errors='replace'), flush=True)\n",
+        ca = env.files.seed_ca,
+        crt = env.files.agent_crt,
+        key = env.files.agent_key,
+        net = env.net
+    );
+    let out = env
+        .shoot
+        .cmd(&["timeout", "60", "python3", "-c", &script])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // REFUSED (frame type 5), FAILED_PRECONDITION (9): the OPEN was read
+    // under the client's new key, the answer under the server's.
+    assert!(text.starts_with("5 9 "), "{text}");
+    assert!(text.contains("flow control"), "{text}");
+    echo_rtt(&mut echo, 4096).await;
+}
+
 /// A client that completes TLS with a cluster's certificate and agrees to
 /// the lean transport (`seedlink-tunnel/1`, Python's OpenSSL as the peer)
 /// but sends no proper OPEN: an OPEN without flow control is refused

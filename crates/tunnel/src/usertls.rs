@@ -22,11 +22,11 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::ops::Range;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use bytes::{Buf, BytesMut};
 use rustls::client::{ClientConnectionData, UnbufferedClientConnection};
 use rustls::crypto::cipher::{
     InboundOpaqueMessage, MessageDecrypter, MessageEncrypter, OutboundChunks, OutboundPlainMessage,
@@ -61,6 +61,12 @@ const WRITE_BATCH: usize = 64;
 const MAX_HANDSHAKE_MESSAGE: usize = (1 << 16) + 1024;
 /// Application data accepted while the handshake is still being finished.
 const MAX_EARLY_PLAINTEXT: usize = 1 << 20;
+/// The most the handshake buffer holds: what rustls keeps of a handshake
+/// message split across records, plus the record being read.
+const MAX_HANDSHAKE_BUFFER: usize = (1 << 17) + HEADER + MAX_CIPHERTEXT;
+/// Key updates in a row (no application data between) before the peer is
+/// cut off: each costs key derivations (rustls allows 32 too).
+const MAX_KEY_UPDATES_IN_A_ROW: u32 = 32;
 /// Handshake message types after the handshake (RFC 8446 §4).
 const NEW_SESSION_TICKET: u8 = 4;
 const KEY_UPDATE: u8 = 24;
@@ -127,17 +133,21 @@ pub struct UserTls<IO> {
     dec: Box<dyn MessageDecrypter>,
     rx_seq: u64,
     session: Session,
-    /// Bytes read: decrypted plaintext at `plain`, then records not yet
-    /// decrypted from `raw` to `filled`. Empty (no allocation) when idle.
-    rbuf: Vec<u8>,
-    plain: Range<usize>,
+    /// Bytes read: `plain` bytes of decrypted plaintext at the front, then
+    /// the rest of their record, then records not yet decrypted from
+    /// `raw`. Read into without zeroing; no allocation while idle.
+    rbuf: BytesMut,
+    plain: usize,
     raw: usize,
-    filled: usize,
     /// A post-handshake handshake message split across records.
     hs: Vec<u8>,
     /// close_notify received.
     read_closed: bool,
-    /// The first fatal error; every later call returns it.
+    /// The peer asked for our key update; sent before our next record.
+    key_update_owed: bool,
+    /// Key updates received since the last application data.
+    key_updates_in_a_row: u32,
+    /// The first protocol error; every later call returns it.
     failed: Option<(io::ErrorKind, String)>,
     /// Sealed records not yet written, the first from `wq_off`.
     wq: VecDeque<Vec<u8>>,
@@ -151,7 +161,7 @@ impl<IO> std::fmt::Debug for UserTls<IO> {
         f.debug_struct("UserTls")
             .field("tx_seq", &self.tx_seq)
             .field("rx_seq", &self.rx_seq)
-            .field("buffered", &(self.filled - self.plain.start))
+            .field("buffered", &self.rbuf.len())
             .field("queued", &self.wq_len)
             .finish_non_exhaustive()
     }
@@ -245,17 +255,23 @@ enum Step {
 }
 
 /// Drives rustls's unbuffered handshake on `io`, then takes the keys.
+///
+/// rustls is given one record at a time, and nothing once the handshake
+/// is done: every record after it (a session ticket, a key update, data,
+/// close_notify, even in the same read as the peer's Finished) is this
+/// layer's, so no state is lost at the switch.
 async fn handshake<C, IO>(mut conn: C, mut io: IO) -> io::Result<UserTls<IO>>
 where
     C: Handshaking,
     IO: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    let mut inb = vec![0u8; READ_CHUNK + HEADER + MAX_CIPHERTEXT];
-    let mut filled = 0usize;
+    let mut inb = BytesMut::with_capacity(4096);
+    // The bytes given to rustls, from the front of `inb`.
+    let mut fed = 0usize;
     let mut out: Vec<u8> = Vec::new();
     let mut early: Vec<u8> = Vec::new();
     loop {
-        let status = conn.process(&mut inb[..filled]);
+        let status = conn.process(&mut inb[..fed]);
         let mut discard = status.discard;
         let step = match status.state {
             Err(e) => Step::Fail(tls_error(e)),
@@ -294,31 +310,34 @@ where
             }
             Ok(_) => Step::Fail(bad("unexpected TLS state during the handshake")),
         };
-        inb.copy_within(discard..filled, 0);
-        filled -= discard;
+        inb.advance(discard);
+        fed -= discard;
         match step {
             Step::Go => {}
             Step::Transmit => {
                 io.write_all(&out).await?;
                 out.clear();
             }
-            Step::Read => read_more(&mut io, &mut inb, &mut filled).await?,
-            Step::Traffic => {
+            Step::Traffic if !conn.common().is_handshaking() => break,
+            Step::Read | Step::Traffic => {
                 if !out.is_empty() {
                     io.write_all(&out).await?;
                     out.clear();
                 }
-                if conn.common().is_handshaking() {
-                    read_more(&mut io, &mut inb, &mut filled).await?;
-                } else {
-                    break;
+                match next_record_end(&inb, fed) {
+                    Ok(Some(end)) => fed = end,
+                    Ok(None) => read_more(&mut io, &mut inb).await?,
+                    Err(e) => return Err(e),
                 }
             }
             Step::Fail(e) => {
-                send_alert(&mut conn, &mut io).await;
+                send_alert(&mut conn, &mut inb[..fed], &mut io).await;
                 return Err(e);
             }
         }
+    }
+    if !out.is_empty() {
+        io.write_all(&out).await?;
     }
     io.flush().await?;
     let common = conn.common();
@@ -332,6 +351,9 @@ where
             .map(|c| c.iter().map(|c| c.clone().into_owned()).collect())
             .unwrap_or_default(),
     };
+    if fed != 0 {
+        return Err(bad("handshake records left over"));
+    }
     let (secrets, kernel) = conn.finish().map_err(tls_error)?;
     let SupportedCipherSuite::Tls13(suite) = kernel.suite() else {
         return Err(bad("TLS 1.3 is required"));
@@ -341,10 +363,14 @@ where
     let (rx_seq, rx) = secrets.rx;
     let (tx_key, tx_iv) = key_iv(tx)?;
     let (rx_key, rx_iv) = key_iv(rx)?;
-    let mut rbuf = early;
-    let plain = 0..rbuf.len();
-    rbuf.extend_from_slice(&inb[..filled]);
-    let filled = rbuf.len();
+    let plain = early.len();
+    let rbuf = if early.is_empty() {
+        inb
+    } else {
+        let mut b = BytesMut::from(&early[..]);
+        b.extend_from_slice(&inb);
+        b
+    };
     Ok(UserTls {
         io,
         kernel,
@@ -357,17 +383,37 @@ where
         rx_seq,
         session,
         rbuf,
-        raw: plain.end,
         plain,
-        filled,
+        raw: plain,
         hs: Vec::new(),
         read_closed: false,
+        key_update_owed: false,
+        key_updates_in_a_row: 0,
         failed: None,
         wq: VecDeque::new(),
         wq_off: 0,
         wq_len: 0,
         close_sent: false,
     })
+}
+
+/// The end of the whole record starting at `from` in `buf`, if it is all
+/// there; an error for a length no TLS record has.
+fn next_record_end(buf: &[u8], from: usize) -> io::Result<Option<usize>> {
+    let Some(head) = buf.get(from..from + HEADER) else {
+        return Ok(None);
+    };
+    // What rustls checks first, checked here as the record is not given
+    // to it until it is whole.
+    if !(20..=23).contains(&head[0]) || head[1] != 3 {
+        return Err(bad("not a TLS record"));
+    }
+    let len = usize::from(u16::from_be_bytes([head[3], head[4]]));
+    if len > MAX_CIPHERTEXT {
+        return Err(bad(format!("record of {len} bytes is oversized")));
+    }
+    let end = from + HEADER + len;
+    Ok((buf.len() >= end).then_some(end))
 }
 
 /// Encodes one handshake record into `out`, growing it as asked.
@@ -393,10 +439,14 @@ fn encode<D>(e: &mut rustls::unbuffered::EncodeTlsData<'_, D>, out: &mut Vec<u8>
 }
 
 /// After a failed handshake, sends the alert rustls queued (best effort).
-async fn send_alert<C: Handshaking, IO: AsyncWrite + Unpin>(conn: &mut C, io: &mut IO) {
+/// `fed` is what rustls was given and has not discarded, as it requires.
+async fn send_alert<C: Handshaking, IO: AsyncWrite + Unpin>(
+    conn: &mut C,
+    fed: &mut [u8],
+    io: &mut IO,
+) {
     let mut out = Vec::new();
-    let mut none: [u8; 0] = [];
-    if let Ok(ConnectionState::EncodeTlsData(mut e)) = conn.process(&mut none).state {
+    if let Ok(ConnectionState::EncodeTlsData(mut e)) = conn.process(fed).state {
         if let Step::Go = encode(&mut e, &mut out) {
             let _ = io.write_all(&out).await;
             let _ = io.flush().await;
@@ -404,22 +454,22 @@ async fn send_alert<C: Handshaking, IO: AsyncWrite + Unpin>(conn: &mut C, io: &m
     }
 }
 
-async fn read_more<IO: AsyncRead + Unpin>(
-    io: &mut IO,
-    inb: &mut [u8],
-    filled: &mut usize,
-) -> io::Result<()> {
-    if *filled == inb.len() {
-        return Err(bad("handshake record larger than the buffer"));
+/// Reads more of the handshake: at least a record's room, at most
+/// [`MAX_HANDSHAKE_BUFFER`] held.
+async fn read_more<IO: AsyncRead + Unpin>(io: &mut IO, inb: &mut BytesMut) -> io::Result<()> {
+    if inb.len() >= MAX_HANDSHAKE_BUFFER {
+        return Err(bad("handshake larger than its buffer"));
     }
-    let n = io.read(&mut inb[*filled..]).await?;
+    if inb.capacity() - inb.len() < 1024 {
+        inb.reserve(HEADER + MAX_CIPHERTEXT);
+    }
+    let n = io.read_buf(inb).await?;
     if n == 0 {
         return Err(io::Error::new(
             io::ErrorKind::UnexpectedEof,
             "peer closed during the handshake",
         ));
     }
-    *filled += n;
     Ok(())
 }
 
@@ -447,7 +497,7 @@ impl<IO> UserTls<IO> {
 
     /// Bytes read and not yet handed on (plaintext and records).
     pub fn buffered(&self) -> usize {
-        self.filled - self.plain.start
+        self.rbuf.len()
     }
 
     /// Records the first fatal error and returns it.
@@ -465,9 +515,12 @@ impl<IO> UserTls<IO> {
     }
 
     /// Decrypts the next whole record in the buffer, if there is one:
-    /// `Ok(true)` when one was handled.
+    /// `Ok(true)` when one was handled. Its plaintext, if application
+    /// data, is left at the front of the buffer (`plain`).
     fn open_record(&mut self) -> io::Result<bool> {
-        let avail = &self.rbuf[self.raw..self.filled];
+        self.rbuf.advance(self.raw);
+        self.raw = 0;
+        let avail = &self.rbuf[..];
         if avail.len() < HEADER {
             return Ok(false);
         }
@@ -484,13 +537,12 @@ impl<IO> UserTls<IO> {
         if avail.len() < HEADER + len {
             return Ok(false);
         }
-        let start = self.raw + HEADER;
-        let end = start + len;
+        let end = HEADER + len;
         let base = self.rbuf.as_ptr() as usize;
         let msg = InboundOpaqueMessage::new(
             ContentType::ApplicationData,
             ProtocolVersion::TLSv1_2,
-            &mut self.rbuf[start..end],
+            &mut self.rbuf[HEADER..end],
         );
         let msg = self.dec.decrypt(msg, self.rx_seq).map_err(tls_error)?;
         self.rx_seq += 1;
@@ -499,35 +551,40 @@ impl<IO> UserTls<IO> {
         let at = (msg.payload.as_ptr() as usize)
             .checked_sub(base)
             .unwrap_or(usize::MAX);
-        if at < start || at.saturating_add(n) > end {
+        if at < HEADER || at.saturating_add(n) > end {
             return Err(bad("decrypted record out of place"));
         }
-        self.raw = end;
         match typ {
             ContentType::ApplicationData if self.hs.is_empty() => {
-                // Handed on in place; `plain` is empty here.
-                self.plain = at..at + n;
+                if n > 0 {
+                    self.key_updates_in_a_row = 0;
+                }
+                // Handed on in place, from the front.
+                self.rbuf.advance(at);
+                self.plain = n;
+                self.raw = end - at;
                 Ok(true)
             }
-            ContentType::Handshake => {
+            ContentType::Handshake if n > 0 => {
                 if self.hs.len() + n > MAX_HANDSHAKE_MESSAGE {
                     return Err(bad("post-handshake message too large"));
                 }
                 self.hs.extend_from_slice(&self.rbuf[at..at + n]);
+                self.raw = end;
                 self.handshake_messages()?;
                 Ok(true)
             }
             ContentType::Alert if self.hs.is_empty() => {
-                let alert = &self.rbuf[at..at + n];
-                match alert {
+                match &self.rbuf[at..at + n] {
                     [_, CLOSE_NOTIFY] => self.read_closed = true,
                     [1, USER_CANCELED] => {}
                     [_, d] => return Err(bad(format!("peer sent alert {d}"))),
                     _ => return Err(bad("malformed alert")),
                 }
+                self.raw = end;
                 Ok(true)
             }
-            _ => Err(bad(format!("unexpected content type {typ:?}"))),
+            _ => Err(bad(format!("unexpected content type {typ:?} ({n} bytes)"))),
         }
     }
 
@@ -556,12 +613,16 @@ impl<IO> UserTls<IO> {
                         (_, 0) => return Err(bad("malformed key update")),
                         _ => return Err(bad("key update not at a record boundary")),
                     };
+                    self.key_updates_in_a_row += 1;
+                    if self.key_updates_in_a_row > MAX_KEY_UPDATES_IN_A_ROW {
+                        return Err(bad("too many key updates in a row"));
+                    }
                     let (key, iv) = key_iv(self.kernel.next_rx().map_err(tls_error)?)?;
                     self.dec = self.aead.decrypter(key, iv);
                     self.rx_seq = 0;
-                    if request {
-                        self.update_tx_key()?;
-                    }
+                    // Owed before our next record (RFC 8446 §4.6.3); many
+                    // requests owe one update.
+                    self.key_update_owed |= request && !self.close_sent;
                 }
                 t => return Err(bad(format!("unexpected handshake message {t}"))),
             }
@@ -575,6 +636,7 @@ impl<IO> UserTls<IO> {
 
     /// Seals `data` into records of type `typ` on the write queue.
     fn seal(&mut self, typ: ContentType, data: OutboundChunks<'_>) -> io::Result<()> {
+        self.pay_key_update()?;
         let mut rest = data;
         loop {
             if self.tx_seq >= self.tx_limit {
@@ -596,6 +658,14 @@ impl<IO> UserTls<IO> {
             }
             rest = tail;
         }
+    }
+
+    /// Sends the key update the peer asked for, if one is owed.
+    fn pay_key_update(&mut self) -> io::Result<()> {
+        if std::mem::take(&mut self.key_update_owed) {
+            self.update_tx_key()?;
+        }
+        Ok(())
     }
 
     /// Sends a KeyUpdate (not asking for one back) under the current key,
@@ -665,26 +735,21 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for UserTls<IO> {
         }
         let mut budget = RECORDS_PER_POLL;
         loop {
-            if !this.plain.is_empty() {
-                let n = out.remaining().min(this.plain.len());
-                out.put_slice(&this.rbuf[this.plain.start..this.plain.start + n]);
-                this.plain.start += n;
+            if this.plain > 0 {
+                let n = out.remaining().min(this.plain);
+                out.put_slice(&this.rbuf[..n]);
+                this.rbuf.advance(n);
+                this.plain -= n;
+                this.raw -= n;
                 return Poll::Ready(Ok(()));
             }
             if this.read_closed {
                 return Poll::Ready(Ok(()));
             }
-            this.plain = this.raw..this.raw;
             match this.open_record() {
                 Ok(true) => {
-                    // A key update asked for ours: send it soon.
-                    if !this.wq.is_empty() {
-                        if let Poll::Ready(Err(e)) = this.poll_write_queue(cx) {
-                            return Poll::Ready(Err(this.fail(e)));
-                        }
-                    }
                     budget -= 1;
-                    if budget == 0 && this.plain.is_empty() {
+                    if budget == 0 && this.plain == 0 {
                         cx.waker().wake_by_ref();
                         return Poll::Pending;
                     }
@@ -693,41 +758,28 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for UserTls<IO> {
                 Ok(false) => {}
                 Err(e) => return Poll::Ready(Err(this.fail(e))),
             }
-            // Need more bytes: keep the partial record, at the front.
-            if this.raw == this.filled {
-                this.raw = 0;
-                this.filled = 0;
-                this.plain = 0..0;
-            } else if this.rbuf.len() - this.filled < MAX_CIPHERTEXT + HEADER {
-                this.rbuf.copy_within(this.raw..this.filled, 0);
-                this.filled -= this.raw;
-                this.raw = 0;
-                this.plain = 0..0;
+            // Need more: room for a whole record after the partial one
+            // (`reserve` moves it to the front when that is enough).
+            if this.rbuf.capacity() == 0 {
+                this.rbuf = BytesMut::with_capacity(READ_CHUNK + HEADER + MAX_CIPHERTEXT);
+            } else if this.rbuf.capacity() - this.rbuf.len() < HEADER + MAX_CIPHERTEXT {
+                this.rbuf.reserve(HEADER + MAX_CIPHERTEXT);
             }
-            if this.rbuf.is_empty() {
-                this.rbuf = vec![0u8; READ_CHUNK + HEADER + MAX_CIPHERTEXT];
-            }
-            let mut rb = ReadBuf::new(&mut this.rbuf[this.filled..]);
-            match Pin::new(&mut this.io).poll_read(cx, &mut rb) {
-                Poll::Ready(Ok(())) => {
-                    let n = rb.filled().len();
-                    if n == 0 {
-                        let e = io::Error::new(
-                            io::ErrorKind::UnexpectedEof,
-                            "peer closed the connection without close_notify",
-                        );
-                        return Poll::Ready(Err(this.fail(e)));
-                    }
-                    this.filled += n;
+            match tokio_util::io::poll_read_buf(Pin::new(&mut this.io), cx, &mut this.rbuf) {
+                // An end without close_notify: an error, as from rustls's
+                // reader, but not a protocol error (not kept).
+                Poll::Ready(Ok(0)) => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "peer closed the connection without close_notify",
+                    )));
                 }
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(this.fail(e))),
+                Poll::Ready(Ok(_)) => {}
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 Poll::Pending => {
-                    if this.raw == this.filled {
+                    if this.rbuf.is_empty() {
                         // Idle: keep no buffer.
-                        this.rbuf = Vec::new();
-                        this.raw = 0;
-                        this.filled = 0;
-                        this.plain = 0..0;
+                        this.rbuf = BytesMut::new();
                     }
                     return Poll::Pending;
                 }
@@ -760,7 +812,7 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncWrite for UserTls<IO> {
         if this.wq_len >= WRITE_QUEUE {
             match this.poll_write_queue(cx) {
                 Poll::Ready(Ok(())) => {}
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(this.fail(e))),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 Poll::Pending if this.wq_len >= WRITE_QUEUE => return Poll::Pending,
                 Poll::Pending => {}
             }
@@ -784,9 +836,9 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncWrite for UserTls<IO> {
         if let Err(e) = this.seal(ContentType::ApplicationData, OutboundChunks::new(&chunks)) {
             return Poll::Ready(Err(this.fail(e)));
         }
-        if let Poll::Ready(Err(e)) = this.poll_write_queue(cx) {
-            return Poll::Ready(Err(this.fail(e)));
-        }
+        // Out now if the socket takes it; an error shows on the next call
+        // (these bytes are taken: the socket's error repeats).
+        let _ = this.poll_write_queue(cx);
         Poll::Ready(Ok(total))
     }
 
@@ -796,9 +848,14 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncWrite for UserTls<IO> {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        if this.failed.is_none() && !this.close_sent {
+            if let Err(e) = this.pay_key_update() {
+                return Poll::Ready(Err(this.fail(e)));
+            }
+        }
         match this.poll_write_queue(cx) {
             Poll::Ready(Ok(())) => Pin::new(&mut this.io).poll_flush(cx),
-            Poll::Ready(Err(e)) => Poll::Ready(Err(this.fail(e))),
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
             Poll::Pending => Poll::Pending,
         }
     }
@@ -814,7 +871,7 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncWrite for UserTls<IO> {
         }
         match this.poll_write_queue(cx) {
             Poll::Ready(Ok(())) => Pin::new(&mut this.io).poll_shutdown(cx),
-            Poll::Ready(Err(e)) => Poll::Ready(Err(this.fail(e))),
+            Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
             Poll::Pending => Poll::Pending,
         }
     }

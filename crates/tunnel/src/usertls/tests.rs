@@ -234,10 +234,13 @@ async fn hostile_bytes(raw: &[u8]) -> io::Error {
     theirs.get_mut().0.shutdown().await.unwrap();
     let mut sink = Vec::new();
     let e = ours.read_to_end(&mut sink).await.unwrap_err();
-    // Sticky: the stream stays failed.
     let again = ours.read(&mut [0u8; 4]).await.unwrap_err();
     assert_eq!(again.kind(), e.kind());
-    assert!(ours.write_all(b"x").await.is_err());
+    // A protocol error is kept for writes too; a cut connection is only
+    // the reading side's end.
+    if e.kind() == io::ErrorKind::InvalidData {
+        assert!(ours.write_all(b"x").await.is_err());
+    }
     e
 }
 
@@ -295,9 +298,146 @@ async fn a_handshake_with_garbage_or_a_hang_up_fails_cleanly() {
     let pki = pki();
     let (mut c, s) = pair().await;
     c.write_all(b"GET / HTTP/1.1\r\n\r\n").await.unwrap();
-    assert!(accept(pki.server.clone(), s).await.is_err());
+    let e = accept(pki.server.clone(), s).await.unwrap_err();
+    assert!(e.to_string().contains("not a TLS record"), "{e}");
     let (c, s) = pair().await;
     drop(c);
     let e = accept(pki.server.clone(), s).await.unwrap_err();
     assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+}
+
+#[tokio::test]
+async fn a_handshake_message_claiming_16_mib_fails_without_a_panic() {
+    let pki = pki();
+    // A ClientHello header announcing 2^24 bytes, to the server.
+    let (mut c, s) = pair().await;
+    c.write_all(&[0x16, 3, 1, 0, 4, 1, 0xff, 0xff, 0xff])
+        .await
+        .unwrap();
+    assert!(accept(pki.server.clone(), s).await.is_err());
+    // A ServerHello header announcing as much, to the client.
+    let (c, mut s) = pair().await;
+    s.write_all(&[0x16, 3, 3, 0, 4, 2, 0xff, 0xff, 0xff])
+        .await
+        .unwrap();
+    assert!(connect(pki.client.clone(), name(), c).await.is_err());
+    // A record length no TLS record has, during the handshake.
+    let (mut c, s) = pair().await;
+    c.write_all(&[0x16, 3, 1, 0xff, 0xff]).await.unwrap();
+    let e = accept(pki.server.clone(), s).await.unwrap_err();
+    assert!(e.to_string().contains("oversized"), "{e}");
+}
+
+/// On one thread over an in-memory pipe, the rustls client's Finished,
+/// a key update it asks for, its data and its close_notify are all in the
+/// server's first read after the handshake: none may reach rustls's
+/// handshake, and none may be lost.
+#[tokio::test(flavor = "current_thread")]
+async fn records_right_behind_the_finished_are_this_layers() {
+    let pki = pki();
+    let (a, b) = tokio::io::duplex(1 << 20);
+    let con = tokio_rustls::TlsConnector::from(pki.client.clone());
+    let client = async {
+        let mut c = con.connect(name(), a).await.unwrap();
+        c.get_mut().1.refresh_traffic_keys().unwrap();
+        c.write_all(b"right behind").await.unwrap();
+        c.shutdown().await.unwrap();
+        let mut back = Vec::new();
+        c.read_to_end(&mut back).await.unwrap();
+        back
+    };
+    let server = async {
+        let mut s = accept(pki.server.clone(), b).await.unwrap();
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).await.unwrap();
+        s.write_all(&got).await.unwrap();
+        s.shutdown().await.unwrap();
+        got
+    };
+    let (back, got) = tokio::join!(client, server);
+    assert_eq!(got, b"right behind");
+    assert_eq!(back, b"right behind", "answered under the updated key");
+}
+
+#[tokio::test]
+async fn a_stream_of_key_updates_without_data_is_cut_off() {
+    let pki = pki();
+    let (c, s) = pair().await;
+    let server = tokio::spawn({
+        let cfg = pki.server.clone();
+        async move { accept(cfg, s).await.unwrap() }
+    });
+    let mut client = connect(pki.client.clone(), name(), c).await.unwrap();
+    let mut server = server.await.unwrap();
+    // Data between updates resets the count.
+    for _ in 0..3 {
+        for _ in 0..MAX_KEY_UPDATES_IN_A_ROW {
+            client.update_tx_key().unwrap();
+        }
+        exchange(&mut client, &mut server, 10).await;
+    }
+    for _ in 0..=MAX_KEY_UPDATES_IN_A_ROW {
+        client.update_tx_key().unwrap();
+    }
+    client.flush().await.unwrap();
+    let e = server.read(&mut [0u8; 8]).await.unwrap_err();
+    assert!(e.to_string().contains("too many key updates"), "{e}");
+}
+
+#[tokio::test]
+async fn many_key_update_requests_owe_one_update_and_queue_nothing() {
+    let pki = pki();
+    let (c, s) = pair().await;
+    let server = tokio::spawn({
+        let cfg = pki.server.clone();
+        async move { accept(cfg, s).await.unwrap() }
+    });
+    let mut client = connect(pki.client.clone(), name(), c).await.unwrap();
+    let mut server = server.await.unwrap();
+    for _ in 0..10 {
+        // KeyUpdate(update_requested) under the current key, then ours.
+        client
+            .seal(
+                ContentType::Handshake,
+                OutboundChunks::Single(&[KEY_UPDATE, 0, 0, 1, 1]),
+            )
+            .unwrap();
+        let (key, iv) = key_iv(client.kernel.next_tx().unwrap()).unwrap();
+        client.enc = client.aead.encrypter(key, iv);
+        client.tx_seq = 0;
+    }
+    exchange(&mut client, &mut server, 10).await;
+    assert!(server.key_update_owed, "owed, not sent while reading");
+    assert_eq!(server.wq_len, 0);
+    // Paid once, before the server's next record; the client follows it.
+    exchange(&mut server, &mut client, 10).await;
+    assert!(!server.key_update_owed);
+}
+
+#[tokio::test]
+async fn an_empty_handshake_record_is_refused() {
+    let pki = pki();
+    let (c, s) = pair().await;
+    let server = tokio::spawn({
+        let cfg = pki.server.clone();
+        async move { accept(cfg, s).await.unwrap() }
+    });
+    let mut client = connect(pki.client.clone(), name(), c).await.unwrap();
+    let mut server = server.await.unwrap();
+    client
+        .seal(ContentType::Handshake, OutboundChunks::new_empty())
+        .unwrap();
+    client.flush().await.unwrap();
+    let e = server.read(&mut [0u8; 8]).await.unwrap_err();
+    assert!(e.to_string().contains("Handshake (0 bytes)"), "{e}");
+}
+
+#[tokio::test]
+async fn a_write_takes_at_most_the_queue_bound() {
+    let pki = pki();
+    let (mut ours, _theirs) = ours_to_rustls(&pki).await;
+    let big = vec![7u8; 4 << 20];
+    let n = ours.write(&big).await.unwrap();
+    assert!(n <= WRITE_QUEUE, "{n}");
+    assert!(ours.wq_len <= WRITE_QUEUE + 64 * 1024, "{}", ours.wq_len);
 }
