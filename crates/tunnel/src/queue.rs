@@ -263,6 +263,13 @@ impl QueueTx {
         Ok(())
     }
 
+    /// Whether `n` more bytes would pass this queue's own limit (not the
+    /// shared budget); a first chunk always fits, as in [`QueueTx::push`].
+    pub fn over_own_limit(&self, n: usize) -> bool {
+        let queued = self.shared.queued.load(Ordering::Acquire);
+        queued > 0 && queued.saturating_add(n) > self.limit
+    }
+
     /// A handle to wait for room (see [`Room::step`]).
     pub fn room(&self) -> Room {
         Room {

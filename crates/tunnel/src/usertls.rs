@@ -490,6 +490,11 @@ impl<IO> UserTls<IO> {
         &self.session
     }
 
+    /// The peer's certificate chain, moved out (not kept twice).
+    pub fn take_peer_certificates(&mut self) -> Vec<CertificateDer<'static>> {
+        std::mem::take(&mut self.session.peer_certificates)
+    }
+
     /// The transport.
     pub fn get_ref(&self) -> &IO {
         &self.io

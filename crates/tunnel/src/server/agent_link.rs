@@ -173,12 +173,17 @@ impl AgentLink {
             match a {
                 Action::Send(p) => self.send_soon(p),
                 Action::Finish(id, last) => self.finish(id, last),
-                Action::Deliver(id, data) => {
-                    if let Some(b) = deliver(machine, id, data) {
+                Action::Deliver(id, data) => match deliver(machine, id, data) {
+                    Delivered::Queued => {}
+                    Delivered::Blocked(b) => {
                         machine.blocked(now, id);
                         applied.blocked = Some(b);
                     }
-                }
+                    Delivered::Overrun => {
+                        machine.window_violated(now, id, out);
+                        applied.violation = true;
+                    }
+                },
                 Action::Reopen(id, n) if !reopen(machine, id, n) => {
                     machine.window_violated(now, id, out);
                     applied.violation = true;
@@ -288,17 +293,35 @@ pub(super) fn reopen(machine: &ServerLink<ConnEnds, Reply>, id: i64, n: i64) -> 
         .is_none_or(|c| c.give(n))
 }
 
+/// What became of DATA for a connection.
+pub(super) enum Delivered {
+    /// Queued for the frontend (or dropped: the connection is gone, and
+    /// its own close tells the agent).
+    Queued,
+    /// It does not fit for now: the receive loop waits for room.
+    Blocked(Blocked),
+    /// More than the connection's window (flow control agreed): the agent
+    /// broke the protocol, and that connection is closed rather than the
+    /// whole stream held for it.
+    Overrun,
+}
+
 /// Queues DATA for connection `id`'s frontend; what does not fit comes
 /// back to wait for room. A reader that left closes through its frontend.
-pub(super) fn deliver(
-    machine: &ServerLink<ConnEnds, Reply>,
-    id: i64,
-    data: Bytes,
-) -> Option<Blocked> {
-    let c = machine.conn(id)?;
+pub(super) fn deliver(machine: &ServerLink<ConnEnds, Reply>, id: i64, data: Bytes) -> Delivered {
+    let Some(c) = machine.conn(id) else {
+        return Delivered::Queued;
+    };
+    // With flow control, an agent has at most a window unacknowledged and
+    // credit goes back only once bytes left the queue: beyond the queue's
+    // own limit (two windows) it sent what it had no credit for. Only a
+    // full *shared* budget is a reason to wait.
+    if c.credit.is_some() && c.queue.over_own_limit(data.len()) {
+        return Delivered::Overrun;
+    }
     match c.queue.push(data) {
-        Ok(()) | Err(queue::PushError::Closed) => None,
-        Err(queue::PushError::Full(data)) => Some(Blocked {
+        Ok(()) | Err(queue::PushError::Closed) => Delivered::Queued,
+        Err(queue::PushError::Full(data)) => Delivered::Blocked(Blocked {
             connect_id: id,
             data,
             room: c.queue.room(),

@@ -34,16 +34,19 @@ where
 {
     let activity = Activity::new();
     let tcp = Watched::new(tcp, activity.clone());
-    let Some(tls) = accept_tls(&srv, tcp, peer).await else {
+    // Boxed, as are the gRPC branch and the lean stream's opening: the
+    // task lives as long as the agent stream, and inline they would size
+    // every stream's task for themselves (26.5 KB per task measured,
+    // 4.4 KB boxed; docs/PERFORMANCE.md, issue 28).
+    let Some(mut tls) = Box::pin(accept_tls(&srv, tcp, peer)).await else {
         return;
     };
-    let certs: Certs = tls.session().peer_certificates.clone();
+    let certs: Certs = tls.take_peer_certificates();
     let Ok(cert_cluster) = cluster_of_cert(&srv, &certs, peer) else {
         return;
     };
     // A connection that opens no stream within the handshake deadline is
     // closed: past TLS, a client without a certificate is still nobody.
-    let opened = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let conn = AgentConn {
         srv: srv.clone(),
         cert_cluster,
@@ -55,6 +58,17 @@ where
         serve_lean(conn, tls).await;
         return;
     }
+    Box::pin(serve_grpc(conn, tls)).await;
+}
+
+/// gRPC `Connect` streams on one agent connection (HTTP/2), the first
+/// within the handshake deadline.
+async fn serve_grpc<IO>(conn: AgentConn, tls: IO)
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let srv = conn.srv.clone();
+    let opened = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let handler = conn.handler(opened.clone());
     let first_stream = no_stream_within(srv.settings.handshake_timeout, &opened);
     tokio::select! {
@@ -213,7 +227,31 @@ fn asked(meta: &tonic::metadata::MetadataMap) -> (bool, bool) {
 /// gRPC `Connect`, ANSWER or REFUSED, then packets both ways until the
 /// stream ends. It requires flow control, so the receive loop never stops
 /// reading for a full queue and PINGs are always answered.
-async fn serve_lean<IO>(conn: AgentConn, mut tls: IO)
+async fn serve_lean<IO>(conn: AgentConn, tls: IO)
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let srv = conn.srv.clone();
+    // Boxed: the steps before the stream runs (OPEN, admission, ANSWER)
+    // would otherwise size the task that lives as long as the stream.
+    let Some((a, tls)) = Box::pin(open_lean(conn, tls)).await else {
+        return;
+    };
+    drain_notice_if_moving(&srv, &a.link);
+    let (inbound, writer) = lean::start(tls, a.to_agent.clone(), srv.agent_h2);
+    let grace = srv.settings.handshake_timeout;
+    receive(srv, a.cluster, a.link, inbound, a.probe).await;
+    // The queue is closed: the writer closes the connection, unless the
+    // agent takes nothing (frozen), which the grace bounds.
+    let abort = writer.abort_handle();
+    if tokio::time::timeout(grace, writer).await.is_err() {
+        abort.abort();
+    }
+}
+
+/// The lean stream's opening: OPEN, admission, ANSWER or REFUSED (counted);
+/// the admitted stream and its connection.
+async fn open_lean<IO>(conn: AgentConn, mut tls: IO) -> Option<(Admitted, IO)>
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -224,14 +262,18 @@ where
             Ok(Ok(m)) => m,
             // Gone before a whole frame (a port check, a scan): no stream.
             Ok(Err(lean::WireError::Io(_) | lean::WireError::Truncated)) => {
-                return srv.metrics.agent_stream("", "no_stream")
+                srv.metrics.agent_stream("", "no_stream");
+                return None;
             }
             Ok(Err(e)) => {
                 tracing::info!(%peer, error = %e, "agent stream refused: bad OPEN");
                 srv.metrics.agent_stream("", "bad_open");
-                return;
+                return None;
             }
-            Err(_) => return srv.metrics.agent_stream("", "no_stream"),
+            Err(_) => {
+                srv.metrics.agent_stream("", "no_stream");
+                return None;
+            }
         };
     let (flow, replicas) = asked(&meta);
     let answer = answer_meta(&srv, flow, replicas);
@@ -254,7 +296,7 @@ where
                 lean::refuse(&mut tls, &status),
             )
             .await;
-            return;
+            return None;
         }
     };
     // An agent gone meanwhile: its stream fails at once and is detached.
@@ -263,16 +305,7 @@ where
         lean::answer(&mut tls, &answer),
     )
     .await;
-    drain_notice_if_moving(&srv, &a.link);
-    let (inbound, writer) = lean::start(tls, a.to_agent.clone(), srv.agent_h2);
-    let grace = srv.settings.handshake_timeout;
-    receive(srv, a.cluster, a.link, inbound, a.probe).await;
-    // The queue is closed: the writer closes the connection, unless the
-    // agent takes nothing (frozen), which the grace bounds.
-    let abort = writer.abort_handle();
-    if tokio::time::timeout(grace, writer).await.is_err() {
-        abort.abort();
-    }
+    Some((a, tls))
 }
 
 /// The stream's `authorization` (at most one).

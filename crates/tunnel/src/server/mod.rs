@@ -301,6 +301,32 @@ mod tests {
         assert_eq!(link.conn_count(), 0);
     }
 
+    /// With flow control agreed, DATA beyond the connection's own limit is
+    /// more than the agent had credit for: that connection is closed at
+    /// once, and the stream is not held waiting for room.
+    #[tokio::test]
+    async fn an_overrun_window_closes_its_connection_and_holds_nothing() {
+        let c = cluster(&[Strategy::Default]);
+        let (link, _to_agent) = attach(&c, "a".into(), Identifiers::default(), true, TIMERS);
+        let (qtx, _reader) = queue::queue(4);
+        let ends = ConnEnds {
+            queue: qtx,
+            credit: Some(crate::flow::SendCredit::new()),
+        };
+        let (reply, _answer) = oneshot::channel();
+        let now = Instant::now();
+        link.with(now, |m, out| {
+            m.dial(7, "h:1", now + LIVE, reply, ends, out);
+        });
+        link.on_agent_packet(Packet::dial_rsp(7, 1, String::new()));
+        let four = || Packet::data(1, Bytes::from_static(b"1234"));
+        assert!(link.on_agent_packet(four()).1.is_none());
+        let (h, blocked) = link.on_agent_packet(four());
+        assert_eq!(h, Handled::Unexpected);
+        assert!(blocked.is_none(), "nothing to wait for");
+        assert_eq!(link.conn_count(), 0);
+    }
+
     #[test]
     fn dial_errors_map_to_upstream_statuses() {
         assert_eq!(DialError::NoAgent.http_status(), 500);
