@@ -650,15 +650,20 @@ async fn take_packet(
         return Err("control_overflow");
     }
     let Some(b) = blocked else { return Ok(false) };
-    tokio::select! {
-        h = b.resume(link) => {
-            if h != Handled::Ok {
-                cluster.metrics.packet(h);
+    // Boxed: a wait for room is rare, and inline it would size every
+    // idle stream's receive loop for it.
+    Box::pin(async {
+        tokio::select! {
+            h = b.resume(link) => {
+                if h != Handled::Ok {
+                    cluster.metrics.packet(h);
+                }
+                Ok(true)
             }
-            Ok(true)
+            why = stopped(srv, cluster, link) => Err(why),
         }
-        why = stopped(srv, cluster, link) => Err(why),
-    }
+    })
+    .await
 }
 
 /// Ends when the stream must: on shutdown, when the cluster is removed,
