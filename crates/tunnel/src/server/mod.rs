@@ -269,6 +269,35 @@ mod tests {
         assert_eq!(answer.await.ok(), Some(Err(DialError::Timeout)));
     }
 
+    /// Four bytes of DATA.
+    fn four() -> Packet {
+        Packet::data(1, Bytes::from_static(b"1234"))
+    }
+
+    /// A link (with or without flow control) whose connection 1 has a
+    /// 4-byte queue nobody reads, already holding four bytes; and what
+    /// must stay alive meanwhile (the queue's reader, the dialer).
+    fn with_four_queued(
+        c: &Cluster,
+        flow: bool,
+        timers: Timers,
+    ) -> (std::sync::Arc<AgentLink>, impl Sized) {
+        let (link, to_agent) = attach(c, "a".into(), Identifiers::default(), flow, timers);
+        let (qtx, reader) = queue::queue(4);
+        let ends = ConnEnds {
+            queue: qtx,
+            credit: flow.then(crate::flow::SendCredit::new),
+        };
+        let (reply, answer) = oneshot::channel();
+        let now = Instant::now();
+        link.with(now, |m, out| {
+            m.dial(7, "h:1", now + LIVE, reply, ends, out);
+        });
+        link.on_agent_packet(Packet::dial_rsp(7, 1, String::new()));
+        assert!(link.on_agent_packet(four()).1.is_none());
+        (link, (to_agent, reader, answer))
+    }
+
     /// A reader that takes nothing: the wait for room ends at the
     /// machine's stall deadline, with that connection reset.
     #[tokio::test]
@@ -278,20 +307,7 @@ mod tests {
             stall: Duration::from_millis(50),
             ..TIMERS
         };
-        let (link, _to_agent) = attach(&c, "a".into(), Identifiers::default(), false, timers);
-        let (qtx, _reader) = queue::queue(4);
-        let ends = ConnEnds {
-            queue: qtx,
-            credit: None,
-        };
-        let (reply, _answer) = oneshot::channel();
-        let now = Instant::now();
-        link.with(now, |m, out| {
-            m.dial(7, "h:1", now + LIVE, reply, ends, out);
-        });
-        link.on_agent_packet(Packet::dial_rsp(7, 1, String::new()));
-        let four = || Packet::data(1, Bytes::from_static(b"1234"));
-        assert!(link.on_agent_packet(four()).1.is_none());
+        let (link, _keep) = with_four_queued(&c, false, timers);
         let (h, blocked) = link.on_agent_packet(four());
         assert_eq!(h, Handled::Full);
         let Some(b) = blocked else {
@@ -307,20 +323,7 @@ mod tests {
     #[tokio::test]
     async fn an_overrun_window_closes_its_connection_and_holds_nothing() {
         let c = cluster(&[Strategy::Default]);
-        let (link, _to_agent) = attach(&c, "a".into(), Identifiers::default(), true, TIMERS);
-        let (qtx, _reader) = queue::queue(4);
-        let ends = ConnEnds {
-            queue: qtx,
-            credit: Some(crate::flow::SendCredit::new()),
-        };
-        let (reply, _answer) = oneshot::channel();
-        let now = Instant::now();
-        link.with(now, |m, out| {
-            m.dial(7, "h:1", now + LIVE, reply, ends, out);
-        });
-        link.on_agent_packet(Packet::dial_rsp(7, 1, String::new()));
-        let four = || Packet::data(1, Bytes::from_static(b"1234"));
-        assert!(link.on_agent_packet(four()).1.is_none());
+        let (link, _keep) = with_four_queued(&c, true, TIMERS);
         let (h, blocked) = link.on_agent_packet(four());
         assert_eq!(h, Handled::Unexpected);
         assert!(blocked.is_none(), "nothing to wait for");

@@ -84,6 +84,16 @@ async fn rustls_to_ours(
     (ours.unwrap(), theirs.unwrap())
 }
 
+/// Ours on both sides: (client, server).
+async fn ours_to_ours(pki: &Pki) -> (UserTls<TcpStream>, UserTls<TcpStream>) {
+    let (c, s) = pair().await;
+    let (client, server) = tokio::join!(
+        connect(pki.client.clone(), name(), c),
+        accept(pki.server.clone(), s)
+    );
+    (client.unwrap(), server.unwrap())
+}
+
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
@@ -210,13 +220,7 @@ async fn a_flood_of_empty_records_yields_and_then_delivers() {
     // Ours on both sides would be simpler, but the peer here must be the
     // sender of the empty records: use a second pair, ours to ours.
     drop(peer.shutdown().await);
-    let (c, s) = pair().await;
-    let server = tokio::spawn({
-        let cfg = pki.server.clone();
-        async move { accept(cfg, s).await.unwrap() }
-    });
-    let mut sender = connect(pki.client.clone(), name(), c).await.unwrap();
-    let mut receiver = server.await.unwrap();
+    let (mut sender, mut receiver) = ours_to_ours(&pki).await;
     for _ in 0..(RECORDS_PER_POLL * 3) {
         sender
             .seal(ContentType::ApplicationData, OutboundChunks::new_empty())
@@ -277,13 +281,7 @@ async fn a_client_sending_a_session_ticket_or_a_bad_key_update_is_refused() {
         (&[KEY_UPDATE, 0, 0, 1, 0, 4, 0, 0, 0][..], "record boundary"),
         (&[2, 0, 0, 0][..], "unexpected handshake message 2"),
     ] {
-        let (c, s) = pair().await;
-        let server = tokio::spawn({
-            let cfg = pki.server.clone();
-            async move { accept(cfg, s).await.unwrap() }
-        });
-        let mut client = connect(pki.client.clone(), name(), c).await.unwrap();
-        let mut server = server.await.unwrap();
+        let (mut client, mut server) = ours_to_ours(&pki).await;
         client
             .seal(ContentType::Handshake, OutboundChunks::Single(msg))
             .unwrap();
@@ -362,13 +360,7 @@ async fn records_right_behind_the_finished_are_this_layers() {
 #[tokio::test]
 async fn a_stream_of_key_updates_without_data_is_cut_off() {
     let pki = pki();
-    let (c, s) = pair().await;
-    let server = tokio::spawn({
-        let cfg = pki.server.clone();
-        async move { accept(cfg, s).await.unwrap() }
-    });
-    let mut client = connect(pki.client.clone(), name(), c).await.unwrap();
-    let mut server = server.await.unwrap();
+    let (mut client, mut server) = ours_to_ours(&pki).await;
     // Data between updates resets the count.
     for _ in 0..3 {
         for _ in 0..MAX_KEY_UPDATES_IN_A_ROW {
@@ -387,13 +379,7 @@ async fn a_stream_of_key_updates_without_data_is_cut_off() {
 #[tokio::test]
 async fn many_key_update_requests_owe_one_update_and_queue_nothing() {
     let pki = pki();
-    let (c, s) = pair().await;
-    let server = tokio::spawn({
-        let cfg = pki.server.clone();
-        async move { accept(cfg, s).await.unwrap() }
-    });
-    let mut client = connect(pki.client.clone(), name(), c).await.unwrap();
-    let mut server = server.await.unwrap();
+    let (mut client, mut server) = ours_to_ours(&pki).await;
     for _ in 0..10 {
         // KeyUpdate(update_requested) under the current key, then ours.
         client
@@ -417,13 +403,7 @@ async fn many_key_update_requests_owe_one_update_and_queue_nothing() {
 #[tokio::test]
 async fn an_empty_handshake_record_is_refused() {
     let pki = pki();
-    let (c, s) = pair().await;
-    let server = tokio::spawn({
-        let cfg = pki.server.clone();
-        async move { accept(cfg, s).await.unwrap() }
-    });
-    let mut client = connect(pki.client.clone(), name(), c).await.unwrap();
-    let mut server = server.await.unwrap();
+    let (mut client, mut server) = ours_to_ours(&pki).await;
     client
         .seal(ContentType::Handshake, OutboundChunks::new_empty())
         .unwrap();
