@@ -59,8 +59,6 @@ const WRITE_BATCH: usize = 64;
 /// The largest post-handshake handshake message held (a session ticket is
 /// at most 2^16 bytes of ticket plus its fields).
 const MAX_HANDSHAKE_MESSAGE: usize = (1 << 16) + 1024;
-/// Application data accepted while the handshake is still being finished.
-const MAX_EARLY_PLAINTEXT: usize = 1 << 20;
 /// The most the handshake buffer holds: what rustls keeps of a handshake
 /// message split across records, plus the record being read.
 const MAX_HANDSHAKE_BUFFER: usize = (1 << 17) + HEADER + MAX_CIPHERTEXT;
@@ -269,32 +267,11 @@ where
     // The bytes given to rustls, from the front of `inb`.
     let mut fed = 0usize;
     let mut out: Vec<u8> = Vec::new();
-    let mut early: Vec<u8> = Vec::new();
     loop {
         let status = conn.process(&mut inb[..fed]);
-        let mut discard = status.discard;
+        let discard = status.discard;
         let step = match status.state {
             Err(e) => Step::Fail(tls_error(e)),
-            Ok(ConnectionState::ReadTraffic(mut r)) => {
-                let mut step = Step::Go;
-                while let Some(rec) = r.next_record() {
-                    match rec {
-                        Ok(rec) if early.len() + rec.payload.len() <= MAX_EARLY_PLAINTEXT => {
-                            discard += rec.discard;
-                            early.extend_from_slice(rec.payload);
-                        }
-                        Ok(_) => {
-                            step = Step::Fail(bad("too much data during the handshake"));
-                            break;
-                        }
-                        Err(e) => {
-                            step = Step::Fail(tls_error(e));
-                            break;
-                        }
-                    }
-                }
-                step
-            }
             Ok(ConnectionState::EncodeTlsData(mut e)) => encode(&mut e, &mut out),
             Ok(ConnectionState::TransmitTlsData(t)) => {
                 t.done();
@@ -308,6 +285,8 @@ where
                     "peer closed during the handshake",
                 ))
             }
+            // Application data included: rustls sees no record past the
+            // handshake, and early data is not enabled.
             Ok(_) => Step::Fail(bad("unexpected TLS state during the handshake")),
         };
         inb.advance(discard);
@@ -363,14 +342,6 @@ where
     let (rx_seq, rx) = secrets.rx;
     let (tx_key, tx_iv) = key_iv(tx)?;
     let (rx_key, rx_iv) = key_iv(rx)?;
-    let plain = early.len();
-    let rbuf = if early.is_empty() {
-        inb
-    } else {
-        let mut b = BytesMut::from(&early[..]);
-        b.extend_from_slice(&inb);
-        b
-    };
     Ok(UserTls {
         io,
         kernel,
@@ -382,9 +353,10 @@ where
         dec: aead.decrypter(rx_key, rx_iv),
         rx_seq,
         session,
-        rbuf,
-        plain,
-        raw: plain,
+        // What was read past the handshake: records for this layer.
+        rbuf: inb,
+        plain: 0,
+        raw: 0,
         hs: Vec::new(),
         read_closed: false,
         key_update_owed: false,
@@ -493,16 +465,6 @@ impl<IO> UserTls<IO> {
     /// The peer's certificate chain, moved out (not kept twice).
     pub fn take_peer_certificates(&mut self) -> Vec<CertificateDer<'static>> {
         std::mem::take(&mut self.session.peer_certificates)
-    }
-
-    /// The transport.
-    pub fn get_ref(&self) -> &IO {
-        &self.io
-    }
-
-    /// Bytes read and not yet handed on (plaintext and records).
-    pub fn buffered(&self) -> usize {
-        self.rbuf.len()
     }
 
     /// Records the first fatal error and returns it.
