@@ -121,6 +121,9 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         let p = proxy::Proxy::start(name, &opts, backend.addr, dir.path(), i)
             .await
             .map_err(|e| anyhow::anyhow!("starting {name}: {e:#}"))?;
+        if let Some(cpus) = &opts.tunnel_cpus {
+            p.pin(cpus)?;
+        }
         eprintln!(
             "bench: {name} listening on {} (pid {})",
             p.target(),
@@ -139,7 +142,9 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
                 .map_or(workload::Target::Tcp(backend.addr), |p| p.target());
             let pids = proxy.as_ref().map(|p| p.pids()).unwrap_or_default();
             let connect = proxy.as_ref().is_some_and(|p| p.connect);
-            let mut s = workload::measure(&opts, &addr, &pids, proxy.is_some(), connect).await?;
+            let pipelined = proxy.as_ref().is_some_and(|p| p.keeps_pipelined);
+            let mut s =
+                workload::measure(&opts, &addr, &pids, proxy.is_some(), connect, pipelined).await?;
             if proxy.is_some() {
                 let fresh =
                     proxy::Proxy::start(name, &opts, backend.addr, dir.path(), 100 + round * n + k)
@@ -193,6 +198,17 @@ const METRICS: &[Metric] = &[
     ("p50 under load µs", |s| s.rate_p50_us, false),
     ("p99 under load µs", |s| s.rate_p99_us, false),
     ("single-conn p50 µs", |s| s.single_p50_us, false),
+    (
+        "single-conn p50 µs to the CONNECT answer",
+        |s| s.answer_p50_us,
+        false,
+    ),
+    ("single-conn wake-ups/conn", |s| s.single_wakeups, false),
+    (
+        "single-conn p50 µs, CONNECT pipelined",
+        |s| s.pipelined_p50_us,
+        false,
+    ),
     ("idle RSS KiB/conn", |s| s.idle_kib, false),
     ("head-of-line p99 ratio", |s| s.hol_p99_ratio, false),
 ];

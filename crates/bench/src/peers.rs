@@ -240,6 +240,7 @@ stream {{
             extra: Vec::new(),
             addr,
             connect: tunnel_destination().is_some(),
+            keeps_pipelined: false,
             unix: None,
         };
         let end = Instant::now() + Duration::from_secs(20);
@@ -293,6 +294,7 @@ control_planes:
             extra: Vec::new(),
             addr,
             connect: true,
+            keeps_pipelined: false,
             unix: None,
         })
     }
@@ -407,6 +409,7 @@ control_planes:
             extra: Vec::new(),
             addr,
             connect: tunnel_destination().is_some(),
+            keeps_pipelined: false,
             unix: None,
         };
         let end = Instant::now() + Duration::from_secs(20);

@@ -27,3 +27,26 @@ pub fn rss_kib(pids: &[u32]) -> f64 {
         })
         .sum()
 }
+
+/// Voluntary context switches of every thread of `pids` so far: how many
+/// times one of them slept until something woke it (proc(5),
+/// `voluntary_ctxt_switches` in /proc/PID/task/TID/status).
+pub fn wakeups(pids: &[u32]) -> u64 {
+    let mut n = 0;
+    for p in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            let Ok(status) = std::fs::read_to_string(t.path().join("status")) else {
+                continue;
+            };
+            n += status
+                .lines()
+                .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    n
+}

@@ -15,6 +15,10 @@ pub struct Proxy {
     pub addr: SocketAddr,
     /// Whether clients must open an HTTP CONNECT tunnel first.
     pub connect: bool,
+    /// Whether its CONNECT frontend keeps bytes a client sends before the
+    /// answer (seedlink's tunnel server): the latency run is then repeated
+    /// with the CONNECT pipelined.
+    pub keeps_pipelined: bool,
     /// A Unix socket clients use instead of `addr` (upstream Konnectivity).
     pub unix: Option<std::path::PathBuf>,
 }
@@ -32,8 +36,28 @@ impl Proxy {
             extra,
             addr,
             connect,
+            keeps_pipelined: false,
             unix: None,
         }
+    }
+
+    /// Pins the first process and its threads to `cpus[0]`, the second (a
+    /// tunnel's agent) to `cpus[1]`, with util-linux's `taskset`.
+    pub fn pin(&self, cpus: &[u32]) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            cpus.len() == 2,
+            "--tunnel-cpus takes two CPUs: server,agent"
+        );
+        let procs = std::iter::once(&self.child).chain(&self.extra);
+        for (c, cpu) in procs.zip(cpus) {
+            let ok = Command::new("taskset")
+                .args(["-a", "-p", "-c", &cpu.to_string(), &c.id().to_string()])
+                .stdout(std::process::Stdio::null())
+                .status()?
+                .success();
+            anyhow::ensure!(ok, "taskset could not pin pid {} to CPU {cpu}", c.id());
+        }
+        Ok(())
     }
 
     /// Where clients connect.

@@ -106,6 +106,13 @@ pub struct Opts {
     /// agents each), measured against a one-cluster server.
     #[arg(long, default_value_t = 200)]
     pub clusters: usize,
+    /// Tunnel scenario: pins each tunnel's two processes, the server to the
+    /// first CPU and the agent (rathole's and bore's client) to the second
+    /// (`0,0`: both on CPU 0; `0,1`: always apart), so that every target's
+    /// hops cross the same CPUs (see docs/PERFORMANCE.md, single-connection
+    /// latency). Unset: the kernel places them.
+    #[arg(long, value_delimiter = ',')]
+    pub tunnel_cpus: Option<Vec<u32>>,
     /// Internal: run as a bare forwarder (the `splice-fwd` and `copy-fwd`
     /// yardsticks) listening here.
     #[arg(long, hide = true)]
@@ -146,6 +153,15 @@ pub struct Sample {
     pub rate_p99_us: Option<f64>,
     /// Single-connection p50 connect-to-first-byte, µs.
     pub single_p50_us: Option<f64>,
+    /// Single-connection p50 time to the CONNECT's answer (the dial round
+    /// trip), µs.
+    pub answer_p50_us: Option<f64>,
+    /// Times the proxy's threads were woken per connection in the
+    /// single-connection run.
+    pub single_wakeups: Option<f64>,
+    /// Single-connection p50 with the CONNECT pipelined (request head and
+    /// first bytes in one write), µs.
+    pub pipelined_p50_us: Option<f64>,
     /// Echo p99 beside a stalled reader ÷ echo p99 alone (tunnel scenario).
     pub hol_p99_ratio: Option<f64>,
     /// Proxy RSS growth per idle proxied connection, KiB.

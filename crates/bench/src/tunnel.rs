@@ -324,6 +324,7 @@ clusters:
     };
     let mut p = Proxy::from_children(server, vec![agent], addr, connect);
     p.unix = unix;
+    p.keeps_pipelined = name.starts_with("seedlink");
     until_through(&p.target(), connect).await?;
     Ok(p)
 }

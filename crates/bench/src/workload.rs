@@ -9,7 +9,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream, UnixStream};
 use tokio_util::either::Either;
 
-use crate::procstat::{cpu_seconds, rss_kib};
+use crate::procstat::{cpu_seconds, rss_kib, wakeups};
 use crate::scenario::{Opts, Sample};
 
 /// A real ClientHello (openssl s_client) with SNI `api.alpha.example.com`.
@@ -180,13 +180,16 @@ async fn serve(mut s: TcpStream) -> anyhow::Result<()> {
 }
 
 /// Runs the bulk, rate and latency workloads against `addr`; `pids` are the proxy's processes
-/// (empty for the direct baseline).
+/// (empty for the direct baseline); `pipelined`: the latency run is repeated
+/// with the CONNECT pipelined (a frontend that keeps bytes sent before its
+/// answer).
 pub async fn measure(
     opts: &Opts,
     addr: &Target,
     pids: &[u32],
     proxied: bool,
     connect: bool,
+    pipelined: bool,
 ) -> anyhow::Result<Sample> {
     let mut s = Sample::default();
     // Bulk download.
@@ -268,10 +271,27 @@ pub async fn measure(
     s.rate_p99_us = Some(p99);
     // Single-connection latency.
     let mut lat = Vec::with_capacity(opts.latency_conns);
+    let woken0 = wakeups(pids);
+    let mut answers = Vec::new();
     for i in 0..opts.latency_conns {
-        lat.push(one_conn(addr, src_ip(i), tunnel).await?);
+        let (us, answer) = one_conn_timed(addr, src_ip(i), tunnel).await?;
+        lat.push(us);
+        answers.extend(answer);
+    }
+    if !answers.is_empty() {
+        s.answer_p50_us = Some(percentile(&mut answers, 0.50));
+    }
+    if proxied && opts.latency_conns > 0 {
+        s.single_wakeups = Some((wakeups(pids) - woken0) as f64 / opts.latency_conns as f64);
     }
     s.single_p50_us = Some(percentile(&mut lat, 0.50));
+    if tunnel && pipelined {
+        let mut lat = Vec::with_capacity(opts.latency_conns);
+        for i in 0..opts.latency_conns {
+            lat.push(one_conn_pipelined(addr, src_ip(i)).await?);
+        }
+        s.pipelined_p50_us = Some(percentile(&mut lat, 0.50));
+    }
     if crate::scenario::TUNNEL_SCENARIO.get().is_some() {
         s.hol_p99_ratio = Some(hol(addr, tunnel).await.context("head-of-line run")?);
     }
@@ -410,10 +430,21 @@ fn src_ip(i: usize) -> IpAddr {
 /// One connection: connect, send the hello, wait for the first byte, close.
 /// Returns connect-to-first-byte in µs.
 async fn one_conn(addr: &Target, src: IpAddr, tunnel: bool) -> anyhow::Result<f64> {
+    Ok(one_conn_timed(addr, src, tunnel).await?.0)
+}
+
+/// [`one_conn`], with the time to the CONNECT's answer (when `tunnel`), µs.
+async fn one_conn_timed(
+    addr: &Target,
+    src: IpAddr,
+    tunnel: bool,
+) -> anyhow::Result<(f64, Option<f64>)> {
     let t0 = Instant::now();
     let mut c = dial(addr, Some(src)).await?;
+    let mut answered = None;
     if tunnel {
         open_tunnel(&mut c).await?;
+        answered = Some(t0.elapsed().as_secs_f64() * 1e6);
     }
     let mut msg = HELLO.to_vec();
     msg.push(ONE_AND_CLOSE);
@@ -428,7 +459,28 @@ async fn one_conn(addr: &Target, src: IpAddr, tunnel: bool) -> anyhow::Result<f6
         let mut sink = [0u8; 16];
         let _ = tokio::time::timeout(Duration::from_secs(10), c.read(&mut sink)).await;
     }
-    Ok(us)
+    Ok((us, answered))
+}
+
+/// [`one_conn`] with the CONNECT pipelined: the request head and the
+/// first bytes in one write, before the answer. kube-apiserver never does
+/// this (it waits for the 200); the figure shows what the client's round
+/// trip for the answer costs, as a floor of a CONNECT tunnel's latency.
+async fn one_conn_pipelined(addr: &Target, src: IpAddr) -> anyhow::Result<f64> {
+    let t0 = Instant::now();
+    let mut c = dial(addr, Some(src)).await?;
+    let mut msg = connect_head()
+        .ok_or_else(|| anyhow::anyhow!("pipelined CONNECT outside a tunnel scenario"))?
+        .into_bytes();
+    msg.extend_from_slice(HELLO);
+    msg.push(ONE_AND_CLOSE);
+    c.write_all(&msg).await?;
+    // The destination's byte may come in the answer's read.
+    if read_answer(&mut c).await?.is_empty() {
+        let mut b = [0u8; 1];
+        tokio::time::timeout(Duration::from_secs(10), c.read_exact(&mut b)).await??;
+    }
+    Ok(t0.elapsed().as_secs_f64() * 1e6)
 }
 
 async fn rate(
@@ -534,30 +586,52 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 /// destination header names it) and waits for `200` before the workload's
 /// own bytes, as node proxies do.
 async fn open_tunnel(c: &mut Conn) -> anyhow::Result<()> {
-    let Some(dest) = crate::scenario::tunnel_destination() else {
+    let Some(head) = connect_head() else {
         return Ok(());
     };
+    c.write_all(head.as_bytes()).await?;
+    // Nothing may follow the answer before the client sends (kube-apiserver
+    // fails such a tunnel: "unexpected extra data").
+    let extra = read_answer(c).await?;
+    if !extra.is_empty() {
+        bail!("{} bytes after the CONNECT answer", extra.len());
+    }
+    Ok(())
+}
+
+/// The CONNECT request head for the backend, in scenarios that tunnel.
+fn connect_head() -> Option<String> {
+    let dest = crate::scenario::tunnel_destination()?;
     let target = crate::scenario::CONNECT_TARGET
         .get()
         .map_or("backend:443", String::as_str);
-    let head = format!(
+    Some(format!(
         "CONNECT {target} HTTP/1.1\r\nHost: {target}\r\nX-Gardener-Destination: {dest}\r\n\r\n"
-    );
-    c.write_all(head.as_bytes()).await?;
-    let mut got = Vec::with_capacity(128);
-    let mut byte = [0u8; 1];
-    while !got.ends_with(b"\r\n\r\n") {
-        if got.len() > 4096 {
-            bail!("CONNECT answer too long");
+    ))
+}
+
+/// Reads the proxy's answer to a CONNECT as kube-apiserver does (Go's
+/// `http.ReadResponse` over a `bufio.Reader`: as much as the socket has
+/// per read, not a byte at a time) under one deadline; fails unless it is
+/// 200. Returns the bytes that came after the answer's head.
+async fn read_answer(c: &mut Conn) -> anyhow::Result<Vec<u8>> {
+    let mut got = Vec::with_capacity(256);
+    let read = async {
+        loop {
+            if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                return Ok(end + 4);
+            }
+            if got.len() > 4096 {
+                bail!("CONNECT answer too long");
+            }
+            if c.read_buf(&mut got).await? == 0 {
+                bail!("proxy closed during CONNECT");
+            }
         }
-        let n = tokio::time::timeout(Duration::from_secs(10), c.read(&mut byte)).await??;
-        if n == 0 {
-            bail!("proxy closed during CONNECT");
-        }
-        got.push(byte[0]);
-    }
+    };
+    let end = tokio::time::timeout(Duration::from_secs(10), read).await??;
     if !got.starts_with(b"HTTP/1.1 200") && !got.starts_with(b"HTTP/1.0 200") {
-        bail!("CONNECT refused: {}", String::from_utf8_lossy(&got));
+        bail!("CONNECT refused: {}", String::from_utf8_lossy(&got[..end]));
     }
-    Ok(())
+    Ok(got.split_off(end))
 }
