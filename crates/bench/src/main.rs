@@ -90,6 +90,12 @@ async fn forward(
 
 async fn run(opts: Opts) -> anyhow::Result<()> {
     raise_nofile();
+    // Pinning means "server on one CPU, agent on the other": only the
+    // tunnel scenario has that pair.
+    anyhow::ensure!(
+        opts.tunnel_cpus.is_none() || opts.scenario == "tunnel",
+        "--tunnel-cpus applies only to --scenario tunnel (a server and its agent)"
+    );
     match opts.scenario.as_str() {
         "sni" | "node-proxy" | "node-proxy-h2" => {}
         "proxy-sni" => scenario::set_proxy_v2(),

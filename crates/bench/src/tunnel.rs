@@ -99,15 +99,20 @@ fn konnectivity_bin(name: &str) -> anyhow::Result<std::path::PathBuf> {
     Ok(p)
 }
 
+/// Worker threads per tunnel process, the same for every target so that
+/// CPU and wake-up figures compare: seedlink's and the Rust peers' tokio
+/// runtimes (`TOKIO_WORKER_THREADS`, which `#[tokio::main]` honours) and
+/// the Go peers' `GOMAXPROCS`. `BENCH_TUNNEL_THREADS`, default 1.
+fn tunnel_threads() -> String {
+    std::env::var("BENCH_TUNNEL_THREADS").unwrap_or_else(|_| "1".into())
+}
+
 /// Starts a Go program with `args`, its output discarded, on as many
 /// threads as seedlink's tunnel processes get.
 fn go_quiet(bin: std::path::PathBuf, args: &[String]) -> anyhow::Result<Child> {
     Ok(Command::new(bin)
         .args(args)
-        .env(
-            "GOMAXPROCS",
-            std::env::var("BENCH_TUNNEL_THREADS").unwrap_or_else(|_| "1".into()),
-        )
+        .env("GOMAXPROCS", tunnel_threads())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?)
@@ -190,7 +195,7 @@ clusters:
                 .env("RUST_LOG", "error")
                 .env(
                     "TOKIO_WORKER_THREADS",
-                    std::env::var("BENCH_TUNNEL_THREADS").unwrap_or_else(|_| "1".into()),
+                    tunnel_threads(),
                 )
                 .stdout(Stdio::piped())
                 .spawn()?;
@@ -216,7 +221,7 @@ clusters:
                 .env("RUST_LOG", "error")
                 .env(
                     "TOKIO_WORKER_THREADS",
-                    std::env::var("BENCH_TUNNEL_THREADS").unwrap_or_else(|_| "1".into()),
+                    tunnel_threads(),
                 )
                 .stdout(Stdio::piped())
                 .spawn()?;
@@ -279,6 +284,7 @@ clusters:
             let s = Command::new(&bin)
                 .args(["server", "--bind-addr", &ip, "--min-port", "1024"])
                 .env("RUST_LOG", "error")
+                .env("TOKIO_WORKER_THREADS", tunnel_threads())
                 .stdout(Stdio::null())
                 .spawn()?;
             wait_listen(&format!("{ip}:7835").parse()?).await?;
@@ -287,6 +293,7 @@ clusters:
                 .arg(backend.ip().to_string())
                 .args(["--to", &ip, "--port", &front.to_string()])
                 .env("RUST_LOG", "error")
+                .env("TOKIO_WORKER_THREADS", tunnel_threads())
                 .stdout(Stdio::null())
                 .spawn()?;
             let mut p = Proxy::from_children(s, vec![a], addr_b, false);
@@ -308,12 +315,14 @@ clusters:
             let s = Command::new(&bin)
                 .arg(d.join("server.toml"))
                 .env("RUST_LOG", "error")
+                .env("TOKIO_WORKER_THREADS", tunnel_threads())
                 .stdout(Stdio::null())
                 .spawn()?;
             tokio::time::sleep(Duration::from_millis(300)).await;
             let a = Command::new(bin)
                 .arg(d.join("client.toml"))
                 .env("RUST_LOG", "error")
+                .env("TOKIO_WORKER_THREADS", tunnel_threads())
                 .stdout(Stdio::null())
                 .spawn()?;
             (s, a, false)

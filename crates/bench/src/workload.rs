@@ -9,7 +9,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream, UnixStream};
 use tokio_util::either::Either;
 
-use crate::procstat::{cpu_seconds, rss_kib, wakeups};
+use crate::procstat::{cpu_seconds, rss_kib, wakeups, wakeups_since};
 use crate::scenario::{Opts, Sample};
 
 /// A real ClientHello (openssl s_client) with SNI `api.alpha.example.com`.
@@ -282,7 +282,8 @@ pub async fn measure(
         s.answer_p50_us = Some(percentile(&mut answers, 0.50));
     }
     if proxied && opts.latency_conns > 0 {
-        s.single_wakeups = Some((wakeups(pids) - woken0) as f64 / opts.latency_conns as f64);
+        s.single_wakeups =
+            Some(wakeups_since(&woken0, &wakeups(pids)) as f64 / opts.latency_conns as f64);
     }
     s.single_p50_us = Some(percentile(&mut lat, 0.50));
     if tunnel && pipelined {
@@ -452,6 +453,9 @@ async fn one_conn_timed(
     let mut b = [0u8; 1];
     tokio::time::timeout(Duration::from_secs(10), c.read_exact(&mut b)).await??;
     let us = t0.elapsed().as_secs_f64() * 1e6;
+    if b[0] != b'x' {
+        bail!("expected the destination's `x`, got {:?}", b[0]);
+    }
     // Wait for the backend's close to come through, then close. Through a
     // CONNECT tunnel the close is not always relayed (Envoy keeps the
     // tunnel open), so there the client closes right after the byte.
@@ -476,9 +480,14 @@ async fn one_conn_pipelined(addr: &Target, src: IpAddr) -> anyhow::Result<f64> {
     msg.push(ONE_AND_CLOSE);
     c.write_all(&msg).await?;
     // The destination's byte may come in the answer's read.
-    if read_answer(&mut c).await?.is_empty() {
+    let mut got = read_answer(&mut c).await?;
+    if got.is_empty() {
         let mut b = [0u8; 1];
         tokio::time::timeout(Duration::from_secs(10), c.read_exact(&mut b)).await??;
+        got.push(b[0]);
+    }
+    if got != b"x" {
+        bail!("pipelined CONNECT: expected the destination's `x`, got {got:?}");
     }
     Ok(t0.elapsed().as_secs_f64() * 1e6)
 }
