@@ -92,6 +92,7 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
     raise_nofile();
     // Pinning means "server on one CPU, agent on the other": only the
     // tunnel scenario has that pair.
+    tunnel::check_tunnel_threads()?;
     anyhow::ensure!(
         opts.tunnel_cpus.is_none() || opts.scenario == "tunnel",
         "--tunnel-cpus applies only to --scenario tunnel (a server and its agent)"
@@ -139,6 +140,12 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
             p.target(),
             p.pids()[0]
         );
+        for pid in p.pids() {
+            eprintln!(
+                "bench: {name} pid {pid}: {} threads",
+                procstat::threads(pid).map_or("?".into(), |n| n.to_string())
+            );
+        }
         targets.push((name.clone(), Some(p)));
     }
     let mut samples: BTreeMap<String, Vec<Sample>> = BTreeMap::new();
@@ -232,9 +239,17 @@ fn report(opts: &Opts, names: &[String], samples: &BTreeMap<String, Vec<Sample>>
                 .unwrap_or_default(),
         )
     };
+    let threads = if opts.scenario == "tunnel" {
+        format!(
+            "{} worker threads per tunnel process",
+            tunnel::tunnel_threads()
+        )
+    } else {
+        format!("{} proxy threads", opts.threads)
+    };
     println!(
-        "\n## seedlink-bench ({} scenario): medians of {} interleaved rounds ({} MiB bulk, {} streams, {} s × {} clients rate, {} idle conns, {} proxy threads)\n",
-        opts.scenario, opts.rounds, opts.bulk_mib, opts.streams.unwrap_or(0), opts.rate_secs, opts.rate_concurrency, opts.idle_conns, opts.threads
+        "\n## seedlink-bench ({} scenario): medians of {} interleaved rounds ({} MiB bulk, {} streams, {} s × {} clients rate, {} idle conns, {threads})\n",
+        opts.scenario, opts.rounds, opts.bulk_mib, opts.streams.unwrap_or(0), opts.rate_secs, opts.rate_concurrency, opts.idle_conns
     );
     print!("| metric |");
     for n in names {

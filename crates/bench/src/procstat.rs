@@ -28,6 +28,14 @@ pub fn rss_kib(pids: &[u32]) -> f64 {
         .sum()
 }
 
+/// Threads of `pid` now (`Threads:` in /proc/PID/status).
+pub fn threads(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 /// Voluntary context switches of every thread of `pids` so far, per
 /// thread: how many times each slept until something woke it (proc(5),
 /// `voluntary_ctxt_switches` in /proc/PID/task/TID/status). Keyed by TID so

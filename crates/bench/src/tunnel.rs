@@ -102,9 +102,24 @@ fn konnectivity_bin(name: &str) -> anyhow::Result<std::path::PathBuf> {
 /// Worker threads per tunnel process, the same for every target so that
 /// CPU and wake-up figures compare: seedlink's and the Rust peers' tokio
 /// runtimes (`TOKIO_WORKER_THREADS`, which `#[tokio::main]` honours) and
-/// the Go peers' `GOMAXPROCS`. `BENCH_TUNNEL_THREADS`, default 1.
-fn tunnel_threads() -> String {
+/// the Go peers' `GOMAXPROCS`. `BENCH_TUNNEL_THREADS`, default 1 (checked
+/// by [`check_tunnel_threads`] before anything starts). With 1, seedlink's
+/// tunnel roles run tokio's current-thread runtime (their default), while
+/// `#[tokio::main]` in rathole and bore still builds the multi-thread
+/// runtime: one worker plus the main thread, which runs whatever their
+/// `main` awaits (bore's accept loops) — each design's own shape.
+pub fn tunnel_threads() -> String {
     std::env::var("BENCH_TUNNEL_THREADS").unwrap_or_else(|_| "1".into())
+}
+
+/// Fails unless `BENCH_TUNNEL_THREADS` is unset or a positive integer: a
+/// bad value would make tokio panic in the Rust peers, be ignored by Go
+/// and fall back in seedlink, so the targets would run unequal.
+pub fn check_tunnel_threads() -> anyhow::Result<()> {
+    let v = tunnel_threads();
+    v.parse::<std::num::NonZeroUsize>()
+        .map_err(|_| anyhow::anyhow!("BENCH_TUNNEL_THREADS={v:?}: must be a positive integer"))?;
+    Ok(())
 }
 
 /// Starts a Go program with `args`, its output discarded, on as many

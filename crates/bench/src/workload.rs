@@ -329,6 +329,9 @@ pub async fn probe(addr: &Target, connect: bool) -> anyhow::Result<()> {
     let mut c = open(addr, connect, &[ONE_AND_CLOSE]).await?;
     let mut b = [0u8; 1];
     tokio::time::timeout(Duration::from_secs(2), c.read_exact(&mut b)).await??;
+    if b[0] != b'x' {
+        bail!("probe: expected the destination's `x`, got {:?}", b[0]);
+    }
     Ok(())
 }
 
@@ -524,8 +527,14 @@ async fn rate(
         errors += e;
     }
     let secs = start.elapsed().as_secs_f64();
+    if errors > 0 && all.is_empty() {
+        bail!("every connection of the rate run failed ({errors})");
+    }
     if errors > 0 {
-        eprintln!("bench: {errors} failed connections during the rate run");
+        eprintln!(
+            "bench: {errors} failed connections during the rate run ({} succeeded)",
+            all.len()
+        );
     }
     let n = all.len() as f64;
     Ok((
