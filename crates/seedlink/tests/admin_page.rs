@@ -287,6 +287,13 @@ control_planes:
         1.0,
     )
     .await;
+    // alpha's connection ended at the client; the gateway counts it once
+    // it has seen the close, which may come after gamma's refusal.
+    gw.wait_metric(
+        "seedlink_gateway_connections_total{listener=\"tls\",control_plane=\"shoot--dev--alpha\"",
+        1.0,
+    )
+    .await;
     // The same state in the metrics: every control plane has its gauges,
     // the ejected endpoint is counted, connect and connection times too.
     let m = gw.metrics().await;
