@@ -333,7 +333,9 @@ clusters:
                 .env("TOKIO_WORKER_THREADS", tunnel_threads())
                 .stdout(Stdio::null())
                 .spawn()?;
-            tokio::time::sleep(Duration::from_millis(300)).await;
+            // The client retries with back-off if the server is not up
+            // yet; wait for the control port instead of a fixed delay.
+            wait_listen(&format!("127.0.0.1:{ctrl}").parse()?).await?;
             let a = Command::new(bin)
                 .arg(d.join("client.toml"))
                 .env("RUST_LOG", "error")
