@@ -52,6 +52,28 @@ async fn frontends_reach_shoot_services_only_through_the_agent() {
     }
     drop(e);
 
+    // Bytes pipelined behind the CONNECT head, before the answer: they
+    // reach the destination once the dial is confirmed, and the frontend
+    // reads the answer before their echo.
+    let mut p = tokio::net::UnixStream::connect(&env.uds).await.unwrap();
+    p.write_all(b"CONNECT 127.0.0.1:7007 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\npipelined bytes")
+        .await
+        .unwrap();
+    let want = b"HTTP/1.1 200 Connection Established\r\n\r\npipelined bytes";
+    let mut got = Vec::new();
+    while got.len() < want.len() {
+        let mut b = [0u8; 256];
+        match tokio::time::timeout(Duration::from_secs(15), p.read(&mut b)).await {
+            Ok(Ok(n)) if n > 0 => got.extend_from_slice(&b[..n]),
+            other => panic!(
+                "pipelined CONNECT: {other:?} after {:?}",
+                String::from_utf8_lossy(&got)
+            ),
+        }
+    }
+    assert_eq!(String::from_utf8_lossy(&got), String::from_utf8_lossy(want));
+    drop(p);
+
     // A destination outside the agent's policy (link-local by default, and
     // a port not in --allow-port), and a port where nothing listens.
     for target in ["169.254.169.254:80", "127.0.0.1:7008"] {

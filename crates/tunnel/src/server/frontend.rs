@@ -267,7 +267,7 @@ where
     let Some(dialed) = dial_watching(srv, cluster, &mut io, target, &mut leftover).await else {
         return FrontendEnd::FrontendGone;
     };
-    let leftover = leftover.freeze();
+    let mut leftover = leftover.freeze();
     let tunnel = match dialed {
         Ok(t) => t,
         Err(e) => {
@@ -275,6 +275,12 @@ where
             return FrontendEnd::Dial(e);
         }
     };
+    // Bytes the frontend pipelined go to the agent before the answer goes
+    // to the frontend: the answer's write wakes the frontend, which on a
+    // busy host competes for the CPU the DATA's hop needs.
+    if !leftover.is_empty() && tunnel.tx.send(std::mem::take(&mut leftover)).await.is_err() {
+        return FrontendEnd::AgentGone;
+    }
     let answered = match reply {
         Reply::Established => io.write_all(ESTABLISHED).await,
         Reply::Socks5 => crate::socks5::reply(&mut io, crate::socks5::rep::OK).await,
