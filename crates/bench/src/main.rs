@@ -90,9 +90,9 @@ async fn forward(
 
 async fn run(opts: Opts) -> anyhow::Result<()> {
     raise_nofile();
+    tunnel::check_tunnel_threads()?;
     // Pinning means "server on one CPU, agent on the other": only the
     // tunnel scenario has that pair.
-    tunnel::check_tunnel_threads()?;
     anyhow::ensure!(
         opts.tunnel_cpus.is_none() || opts.scenario == "tunnel",
         "--tunnel-cpus applies only to --scenario tunnel (a server and its agent)"

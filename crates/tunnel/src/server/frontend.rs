@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use futures_util::StreamExt;
 use seedlink_proto::connect_head;
 use seedlink_proto::Parse;
@@ -267,7 +267,6 @@ where
     let Some(dialed) = dial_watching(srv, cluster, &mut io, target, &mut leftover).await else {
         return FrontendEnd::FrontendGone;
     };
-    let mut leftover = leftover.freeze();
     let tunnel = match dialed {
         Ok(t) => t,
         Err(e) => {
@@ -277,9 +276,12 @@ where
     };
     // Bytes the frontend pipelined go to the agent before the answer goes
     // to the frontend: the answer's write wakes the frontend, which on a
-    // busy host competes for the CPU the DATA's hop needs.
-    if !leftover.is_empty() && tunnel.tx.send(std::mem::take(&mut leftover)).await.is_err() {
-        return FrontendEnd::AgentGone;
+    // busy host competes for the CPU the DATA's hop needs. An agent gone
+    // by then is answered like one gone during the dial.
+    if !leftover.is_empty() && tunnel.tx.send(leftover.freeze()).await.is_err() {
+        let e = DialError::AgentGone;
+        refuse(&mut io, &e, reply).await;
+        return FrontendEnd::Dial(e);
     }
     let answered = match reply {
         Reply::Established => io.write_all(ESTABLISHED).await,
@@ -290,7 +292,7 @@ where
         return FrontendEnd::WriteError;
     }
     cluster.metrics.established(1);
-    let out = carry_stream(srv, &cluster.name, tunnel, io, leftover).await;
+    let out = carry_stream(srv, &cluster.name, tunnel, io).await;
     cluster.metrics.established(-1);
     out
 }
@@ -483,20 +485,14 @@ fn origin_form(head: &connect_head::Head) -> Option<(String, String)> {
 /// A connection cut short (agent gone, aborted, stalled) is reset where
 /// the transport can (see [`FrontendIo::reset_on_close`]) and counted in
 /// `frontend_aborts_total` by how the client was told.
-async fn carry_stream<S>(
-    srv: &Core,
-    cluster: &str,
-    tunnel: Tunnel,
-    io: S,
-    leftover: Bytes,
-) -> FrontendEnd
+async fn carry_stream<S>(srv: &Core, cluster: &str, tunnel: Tunnel, io: S) -> FrontendEnd
 where
     S: FrontendIo,
 {
     let Tunnel { tx, mut rx } = tunnel;
     let (mut rd, mut wr) = tokio::io::split(io);
     let stall = srv.settings.stall_timeout;
-    let up = upload(&mut rd, &tx, leftover);
+    let up = upload(&mut rd, &tx);
     let down = download(&mut rx, &mut wr, &tx, stall);
     let outcome = both_ways(up, down, &tx, stall).await;
     if matches!(
@@ -532,12 +528,9 @@ async fn both_ways(
     }
 }
 
-/// Frontend to agent: `leftover` first, then what the frontend sends,
-/// until its EOF.
-async fn upload<R: AsyncRead + Unpin>(rd: &mut R, tx: &TunnelTx, leftover: Bytes) -> FrontendEnd {
-    if !leftover.is_empty() && tx.send(leftover).await.is_err() {
-        return FrontendEnd::AgentGone;
-    }
+/// Frontend to agent: what the frontend sends, until its EOF (bytes it
+/// pipelined before the answer went ahead, in `dial_and_carry`).
+async fn upload<R: AsyncRead + Unpin>(rd: &mut R, tx: &TunnelTx) -> FrontendEnd {
     // Small reads until the frontend sends in bulk: an idle connection
     // then holds 2 KiB instead of a full chunk.
     let mut cap = 2048;
