@@ -112,7 +112,7 @@ impl Bed {
         let mut yaml = format!(
             // Every in-process agent connects from loopback: the per-source
             // cap (256 by default) would hold the bed below its size.
-            "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}', max_per_source: 10000}}\nadmin: {{listen: '127.0.0.1:0'}}\nclusters:\n"
+            "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}', max_per_source: 10000, max_unauthenticated: 10000, max_unauthenticated_per_source: 10000, handshakes_per_source: 0}}\nadmin: {{listen: '127.0.0.1:0'}}\nclusters:\n"
         );
         let mut idents = Vec::new();
         let mut sockets = Vec::new();

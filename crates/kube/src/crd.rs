@@ -268,6 +268,13 @@ pub struct TunnelClusterStatus {
     /// The generation the status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// The trust this cluster holds (`sha256:<hex>` of each agent CA key
+    /// and token key it trusts, and of `issuer <its token issuer>`),
+    /// written while it is served and kept while it is refused. Another
+    /// TunnelCluster claiming one of these is refused, whatever the ages,
+    /// on every replica and after restarts. Only seedlink writes status.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub trust: Vec<String>,
 }
 
 /// Both CRDs as shipped: generated from the types, with integer formats

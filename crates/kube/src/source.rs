@@ -712,12 +712,19 @@ fn campaign(
 pub trait TunnelSink: Send + Sync + 'static {
     /// Serves these clusters (besides the file's); returns those refused,
     /// with the problems.
+    /// `status_held`: who holds each trust claim by the TunnelClusters'
+    /// statuses (claim → cluster).
     fn apply(
         &self,
         clusters: Vec<seedlink_config::tunnel::Cluster>,
+        status_held: HashMap<String, String>,
     ) -> BoxFuture<'_, seedlink_config::compile::Refused>;
     /// A served cluster's agents and dial errors.
     fn health(&self, cluster: &str) -> Option<seedlink_config::tunnel::ClusterHealth>;
+    /// The trust claims of a served cluster (for its `status.trust`).
+    fn trust(&self, _cluster: &str) -> Vec<String> {
+        Vec::new()
+    }
     /// The tunnel-server replicas counted from their Service's
     /// EndpointSlices (`kubernetes.replicas`).
     fn set_server_count(&self, _replicas: u32) {}
@@ -970,7 +977,7 @@ impl TunnelPasses {
         let refused = match &self.applied {
             Some((c, r)) if *c == t.clusters => r.clone(),
             _ => {
-                let r = sink.apply(t.clusters.clone()).await;
+                let r = sink.apply(t.clusters.clone(), status_held(&objects)).await;
                 self.applied = Some((t.clusters.clone(), r.clone()));
                 r
             }
@@ -978,6 +985,27 @@ impl TunnelPasses {
         t.refused(&refused);
         (t, objects)
     }
+}
+
+/// Who holds each trust claim by the TunnelClusters' statuses (claim →
+/// cluster); the oldest object first should two say the same (only
+/// seedlink writes status, so they do not).
+fn status_held(objects: &[Arc<crate::crd::TunnelCluster>]) -> HashMap<String, String> {
+    let mut sorted: Vec<&Arc<crate::crd::TunnelCluster>> = objects.iter().collect();
+    sorted.sort_by_key(|o| {
+        (
+            o.metadata.creation_timestamp.as_ref().map(|t| t.0),
+            Key::of(o.as_ref()),
+        )
+    });
+    let mut held = HashMap::new();
+    for o in sorted {
+        let name = crate::tunnel::cluster_name(&Key::of(o.as_ref()));
+        for claim in o.status.iter().flat_map(|s| &s.trust) {
+            held.entry(claim.clone()).or_insert_with(|| name.clone());
+        }
+    }
+    held
 }
 
 /// Turns a stream of "changed" into one wake-up per burst.
@@ -1276,6 +1304,7 @@ fn listener_status(
 fn tunnel_status(
     outcome: &crate::tunnel::TunnelOutcome,
     health: Option<&seedlink_config::tunnel::ClusterHealth>,
+    trust: Vec<String>,
     current: &crate::crd::TunnelClusterStatus,
 ) -> crate::crd::TunnelClusterStatus {
     let agents = health.map_or(0, |h| h.agents);
@@ -1302,6 +1331,12 @@ fn tunnel_status(
             .flat_map(|h| h.dial_errors.iter().map(|(r, n)| (r.to_string(), *n)))
             .collect(),
         observed_generation: generation,
+        // Served: what it holds now; refused: what it held stays its own
+        // (a failing object never loses a claim to another).
+        trust: match outcome.cluster {
+            Some(_) if !trust.is_empty() => trust,
+            _ => current.trust.clone(),
+        },
     }
 }
 
@@ -1322,20 +1357,24 @@ fn agents_connected(served: bool, agents: usize) -> Verdict {
     }
 }
 
-/// A TunnelCluster status's fields besides its conditions.
-fn status_fields(
-    s: &crate::crd::TunnelClusterStatus,
-) -> (
+/// A TunnelCluster status's fields besides its conditions: agents, last
+/// seen, dial errors, observed generation, trust.
+type StatusFields<'a> = (
     u64,
-    &Option<String>,
-    &std::collections::BTreeMap<String, u64>,
+    &'a Option<String>,
+    &'a std::collections::BTreeMap<String, u64>,
     Option<i64>,
-) {
+    &'a [String],
+);
+
+/// A TunnelCluster status's fields besides its conditions.
+fn status_fields(s: &crate::crd::TunnelClusterStatus) -> StatusFields<'_> {
     (
         s.agents,
         &s.last_agent_seen,
         &s.dial_errors,
         s.observed_generation,
+        &s.trust,
     )
 }
 
@@ -1507,7 +1546,12 @@ impl StatusWriter {
             };
             let current = o.status.clone().unwrap_or_default();
             let health = outcome.cluster.as_deref().and_then(|c| sink.health(c));
-            let desired = tunnel_status(outcome, health.as_ref(), &current);
+            let trust = outcome
+                .cluster
+                .as_deref()
+                .map(|c| sink.trust(c))
+                .unwrap_or_default();
+            let desired = tunnel_status(outcome, health.as_ref(), trust, &current);
             let generation = outcome.generation;
             if !outcome.ready.ok {
                 self.event(o.as_ref(), "TunnelCluster", generation, &outcome.ready)

@@ -143,7 +143,8 @@ impl Translator {
             out.control_planes.extend(cp);
             out.routes.push(outcome);
         }
-        self.keep_first_claims(&mut out.control_planes);
+        let accepted = accepted_by_status(objects);
+        self.keep_first_claims(&mut out.control_planes, &accepted);
         out.gateways = views
             .into_iter()
             .filter(|v| v.object)
@@ -162,17 +163,26 @@ impl Translator {
     /// pass for as long as that route still claims it: a route that claims
     /// such a name goes last, whatever its age, and the gateway refuses it
     /// on the conflict. Without this, a tenant with an old route could add
-    /// another tenant's name at any time and take its traffic.
-    fn keep_first_claims(&mut self, cps: &mut [ControlPlane]) {
+    /// another tenant's name at any time and take its traffic. What this
+    /// replica has not held itself (after a restart, or on a new replica)
+    /// is held by the control planes `accepted` by the objects' statuses
+    /// (state in the API server), so every replica decides alike.
+    fn keep_first_claims(&mut self, cps: &mut [ControlPlane], accepted: &HashSet<String>) {
         let mut claimed: HashMap<String, HashSet<&str>> = HashMap::new();
         for cp in cps.iter() {
             for c in claims(cp) {
                 claimed.entry(c).or_default().insert(cp.name.as_str());
             }
         }
+        let mut held = self.held.clone();
+        for cp in cps.iter().filter(|cp| accepted.contains(&cp.name)) {
+            for c in claims(cp) {
+                held.entry(c).or_insert_with(|| cp.name.clone());
+            }
+        }
         let steals = |cp: &ControlPlane| {
             claims(cp).iter().any(|c| {
-                self.held.get(c).is_some_and(|owner| {
+                held.get(c).is_some_and(|owner| {
                     *owner != cp.name
                         && claimed
                             .get(c)
@@ -920,6 +930,47 @@ fn claims(cp: &ControlPlane) -> Vec<String> {
         )
         .chain(cp.service_addresses.iter().map(|a| format!("service {a}")))
         .chain(cp.cluster_id.iter().map(|i| format!("cluster {i}")))
+        .collect()
+}
+
+/// The control planes whose objects' statuses say seedlink accepted them
+/// as they are now: the route's `Accepted=True` from seedlink at its
+/// current generation, and every SeedlinkPolicy targeting it likewise. A
+/// route (or policy) edited since, refused, or never seen is not among
+/// them: an edit that adds another tenant's name cannot count as held.
+fn accepted_by_status(objects: &Objects<'_>) -> HashSet<String> {
+    let current = |conditions: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
+                   generation: Option<i64>| {
+        conditions.iter().any(|c| {
+            c.type_ == "Accepted"
+                && c.status == "True"
+                && generation.is_some()
+                && c.observed_generation == generation
+        })
+    };
+    let stale_policy = |key: &Key| {
+        objects.policies.iter().any(|p| {
+            p.namespace().as_deref() == Some(key.namespace.as_str())
+                && p.spec.target_refs.iter().any(|t| t.name == key.name)
+                && !p.status.iter().flat_map(|s| &s.ancestors).any(|a| {
+                    a.controller_name == crate::crd::CONTROLLER_NAME
+                        && a.ancestor_ref.name == key.name
+                        && current(&a.conditions, p.metadata.generation)
+                })
+        })
+    };
+    objects
+        .routes
+        .iter()
+        .filter(|r| {
+            r.status.iter().flat_map(|s| &s.parents).any(|p| {
+                p.controller_name == crate::crd::CONTROLLER_NAME
+                    && current(&p.conditions, r.metadata.generation)
+            })
+        })
+        .map(|r| Key::of(r.as_ref()))
+        .filter(|k| !stale_policy(k))
+        .map(|k| control_plane_name(&k))
         .collect()
 }
 

@@ -8,6 +8,7 @@
 //! - [`h2copy`]: moves bytes between a socket and an HTTP/2 CONNECT stream, within h2 flow control.
 //! - [`sockopt`]: keepalive, linger and file-descriptor limits.
 //! - [`lifecycle`]: the process phase (starting, serving, draining) that readiness reports.
+//! - [`rate`]: a token bucket per source address (anonymous peers' handshakes).
 //! - [`memtrim`]: gives freed memory back to the system after a burst (glibc).
 //! - [`sync`]: mutex locking that reports poisoning (a bug) instead of skipping work.
 
@@ -22,6 +23,7 @@ pub mod lifecycle;
 pub mod loglimit;
 pub mod memtrim;
 pub mod prefixed;
+pub mod rate;
 pub mod sockopt;
 #[cfg(target_os = "linux")]
 mod splice;

@@ -405,12 +405,20 @@ async fn an_agent_that_reads_nothing_cannot_grow_the_server() {
     };
     let sent = fake.flood_unknown_ids(200_000);
     assert!(sent > 0);
-    eventually( "the flooding agent was cut off",Duration::from_secs(30), async || {
+    // Cut off either for the answers it does not read (the control
+    // queue's bound) or for the packets for nothing it has (the idle
+    // budget, flood.rs), whichever comes first.
+    let cut = |r: &str| {
         env.server_metric(
             &admin,
-            "seedlink_tunnel_server_agent_streams_total{cluster=\"shoot--dev--a\",reason=\"control_overflow\"}",
-        ) >= 1.0
-    })
+            &format!("seedlink_tunnel_server_agent_streams_total{{cluster=\"shoot--dev--a\",reason=\"{r}\"}}"),
+        )
+    };
+    eventually(
+        "the flooding agent was cut off",
+        Duration::from_secs(30),
+        async || cut("control_overflow") + cut("control_flood") >= 1.0,
+    )
     .await;
     echo_rtt(&mut echo, 4096).await;
     let fresh = kas_connect(&env.uds, "127.0.0.1:8000").await.unwrap();
@@ -850,6 +858,7 @@ async fn the_lean_transport_refuses_what_is_not_an_open() {
          for name,data in [('noflow',frame(3,b'agentid:x\\n')),\n\
          \x20                ('longid',frame(3,b'agentid:'+b'a'*300+b'\\nseedlink-flow-control:v1\\n')),\n\
          \x20                ('huge',bytes([0,255,255,255,255])),\n\
+         \x20                ('bigpacket',bytes([0])+struct.pack('>I',4*1024*1024)),\n\
          \x20                ('nometa',frame(3,b'no header here\\n'))]:\n\
          \x20   s=conn(); s.sendall(data)\n\
          \x20   print(name, *answer(s), flush=True)\n",
@@ -876,6 +885,9 @@ async fn the_lean_transport_refuses_what_is_not_an_open() {
     assert!(line("noflow").contains("flow control"), "{text}");
     assert!(line("longid").starts_with("longid 5 3 "), "{text}");
     assert_eq!(line("huge"), "huge closed ", "{text}");
+    // A PACKET (within its 4 MiB limit) before the OPEN: refused from its
+    // head, nothing allocated or awaited (counted bad_open, not no_stream).
+    assert_eq!(line("bigpacket"), "bigpacket closed ", "{text}");
     assert_eq!(line("nometa"), "nometa closed ", "{text}");
     let m = |r: &str| {
         env.server_metric(
@@ -883,6 +895,124 @@ async fn the_lean_transport_refuses_what_is_not_an_open() {
             &format!("seedlink_tunnel_server_agent_streams_total{{cluster=\"\",reason=\"{r}\"}}"),
         )
     };
-    assert!(m("bad_open") >= 3.0, "bad_open {}", m("bad_open"));
+    assert!(m("bad_open") >= 4.0, "bad_open {}", m("bad_open"));
     echo_rtt(&mut echo, 4096).await;
+}
+
+/// An agent with its own cluster's valid certificate floods packets that
+/// move nothing, on gRPC (DRAIN, DIAL_CLS for dials it never had) and on
+/// the lean transport (DRAIN, PING): each stream is cut once past its
+/// budget (`control_flood`; flood.rs), that agent only, and the cluster's
+/// real agent keeps carrying traffic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_flooding_idle_packets_is_cut_off() {
+    use seedlink_tunnel::proto::Packet;
+    let env = TunnelEnv::new(106);
+    let server = env.server(&env.server_yaml("0.0.0.0:8132", "", ""), "server");
+    let admin = server.admin();
+    let _good = env.agent(&env.agent_endpoint(8132), &["--agent-id", "good"]);
+    let mut echo =
+        kas_connect_eventually(&env.uds, "127.0.0.1:7007", Duration::from_secs(20)).await;
+    echo_rtt(&mut echo, 64).await;
+    let fake = |id: &str| FakeAgent {
+        netns: env.seed.0.clone(),
+        ca: env.files.seed_ca.clone(),
+        cert: env.files.agent_crt.clone(),
+        key: env.files.agent_key.clone(),
+        endpoint: "127.0.0.1:8132".into(),
+        agent_id: id.into(),
+    };
+    // Far more than a budget's burst: a stream never cut sends them all.
+    let n = 200_000;
+    let drains = fake("drain").flood(Packet::drain(), n);
+    assert!(
+        drains.is_some(),
+        "a DRAIN flood was never cut off: {}",
+        TunnelEnv::admin_get(&env.seed, &admin, "/metrics")
+            .lines()
+            .filter(|l| l.contains("agent_streams_total") || l.contains("agent_packets"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let cls = fake("dialcls").flood(Packet::dial_cls(12345), n);
+    assert!(cls.is_some(), "a DIAL_CLS flood was never cut off");
+    let script = format!(
+        "import socket,ssl,struct\n\
+         c=ssl.create_default_context(cafile='{ca}')\n\
+         c.load_cert_chain('{crt}','{key}')\n\
+         c.set_alpn_protocols(['seedlink-tunnel/1'])\n\
+         def frame(t,body): return bytes([t])+struct.pack('>I',len(body))+body\n\
+         for name,f in [('drain',frame(0,b'\\x08\\x06')),('ping',frame(1,b''))]:\n\
+         \x20   s=c.wrap_socket(socket.create_connection(('198.18.{net}.1',8132)),server_hostname='tunnel.seedlink.test')\n\
+         \x20   s.settimeout(20)\n\
+         \x20   s.sendall(frame(3,b'agentid:lean-'+name.encode()+b'\\nseedlink-flow-control:v1\\n'))\n\
+         \x20   assert s.recv(5)[0]==4\n\
+         \x20   batch=f*4096\n\
+         \x20   sent=0\n\
+         \x20   try:\n\
+         \x20       while sent<{n}:\n\
+         \x20           s.sendall(batch); sent+=4096\n\
+         \x20       print(name,'never cut',flush=True)\n\
+         \x20   except OSError:\n\
+         \x20       print(name,'cut',flush=True)\n",
+        ca = env.files.seed_ca,
+        crt = env.files.agent_crt,
+        key = env.files.agent_key,
+        net = env.net,
+        n = n * 10,
+    );
+    let out = env
+        .shoot
+        .cmd(&["timeout", "120", "python3", "-c", &script])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("drain cut") && text.contains("ping cut"),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m = |r: &str| {
+        env.server_metric(
+            &admin,
+            &format!("seedlink_tunnel_server_agent_streams_total{{cluster=\"shoot--dev--a\",reason=\"{r}\"}}"),
+        )
+    };
+    // gRPC's two and the lean DRAIN flood by their reason; the lean PING
+    // flood ends its stream from the frame reader (`stream_error`).
+    assert!(
+        m("control_flood") >= 3.0,
+        "control_flood {}",
+        m("control_flood")
+    );
+    echo_rtt(&mut echo, 4096).await;
+    let fresh = kas_connect(&env.uds, "127.0.0.1:8000").await.unwrap();
+    assert!(fetch_hello(fresh).await.contains("hello from the shoot"));
+}
+
+/// A client that opens a stream, is refused, and then keeps its
+/// connection open without opening another holds an agent-port slot no
+/// longer than the handshake deadline: the connection is closed
+/// (`no_stream`), whoever the client is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_client_does_not_keep_its_connection() {
+    let env = TunnelEnv::new(107);
+    let server = env.server(&env.server_yaml("0.0.0.0:8132", "", ""), "server");
+    let fake = FakeAgent {
+        netns: env.seed.0.clone(),
+        ca: env.files.seed_ca.clone(),
+        cert: env.files.agent_crt.clone(),
+        key: env.files.agent_key.clone(),
+        endpoint: "127.0.0.1:8132".into(),
+        // Over the 256-byte limit: refused InvalidArgument.
+        agent_id: "x".repeat(300),
+    };
+    let (closed, code) = fake.refused_then_held(Duration::from_secs(60));
+    assert_eq!(code.as_deref(), Some("3"), "refused InvalidArgument");
+    assert!(closed, "the refused client's connection was never closed");
+    let no_stream = env.server_metric(
+        &server.admin(),
+        "seedlink_tunnel_server_agent_streams_total{cluster=\"\",reason=\"no_stream\"}",
+    );
+    assert!(no_stream >= 1.0, "no_stream {no_stream}");
 }

@@ -611,6 +611,78 @@ impl FakeAgent {
         })
     }
 
+    /// Opens a stream as `agent_id` (to be refused), then holds the
+    /// connection without opening another: whether the server closed it
+    /// within `wait`, and the refusal's gRPC status code.
+    pub fn refused_then_held(&self, wait: Duration) -> (bool, Option<String>) {
+        self.on_tls(move |tls, id| async move {
+            let (client, conn) = h2::client::handshake(tls).await.unwrap();
+            let conn = tokio::spawn(conn);
+            let mut client = client.ready().await.unwrap();
+            let req = http::Request::builder()
+                .method("POST")
+                .uri(format!(
+                    "https://tunnel.seedlink.test{}",
+                    seedlink_tunnel::proto::AGENT_CONNECT_PATH
+                ))
+                .header("content-type", "application/grpc")
+                .header("te", "trailers")
+                .header("agentid", id)
+                .body(())
+                .unwrap();
+            let (resp, _send) = client.send_request(req, false).unwrap();
+            let code = match tokio::time::timeout(Duration::from_secs(10), resp).await {
+                Ok(Ok(r)) => r
+                    .headers()
+                    .get("grpc-status")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string),
+                _ => None,
+            };
+            let closed = tokio::time::timeout(wait, conn).await.is_ok();
+            drop(client);
+            (closed, code)
+        })
+    }
+
+    /// Sends `p` again and again on one accepted stream (gRPC) until the
+    /// server ends the stream or `n` were sent; how many went before it
+    /// did (`None`: it never did).
+    pub fn flood(&self, p: seedlink_tunnel::proto::Packet, n: u64) -> Option<u64> {
+        use futures_util::StreamExt;
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        self.with_stream(move |tx, mut inbound| async move {
+            let mut sent = 0u64;
+            let ended = async { while let Some(Ok(_)) = inbound.next().await {} };
+            tokio::pin!(ended);
+            let cut = loop {
+                if sent == n {
+                    break None;
+                }
+                tokio::select! {
+                    biased;
+                    () = &mut ended => break Some(sent),
+                    r = tx.send(p.clone()) => {
+                        if r.is_err() {
+                            break Some(sent);
+                        }
+                        sent += 1;
+                    }
+                }
+            };
+            // Bounded: the stream's end, once the last packets went out.
+            let cut = match cut {
+                Some(s) => Some(s),
+                None => tokio::time::timeout(Duration::from_secs(20), &mut ended)
+                    .await
+                    .ok()
+                    .map(|()| sent),
+            };
+            let _ = done_tx.send(cut);
+        });
+        done_rx.recv().ok().flatten()
+    }
+
     /// Runs `f` on a thread that joined the agent's namespace, with a TLS
     /// connection to the agent endpoint made with the cluster's client
     /// certificate (ALPN h2) and the agent ID to present.

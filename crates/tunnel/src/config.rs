@@ -133,10 +133,34 @@ pub struct AgentEndpoint {
     /// usually leave through one NAT address, or the gateway's clients').
     #[serde(default = "agent_connections_per_source")]
     pub max_per_source: usize,
+    /// Of `max_connections`, how many may be unauthenticated at once: not
+    /// yet past TLS, or past it without a cluster's certificate and no
+    /// stream admitted yet. The rest are kept for agents of known
+    /// clusters, whatever anonymous peers do.
+    #[serde(default = "unauthenticated_connections")]
+    pub max_unauthenticated: usize,
+    /// Unauthenticated connections at once from one source (an IPv4
+    /// address, an IPv6 /64).
+    #[serde(default = "unauthenticated_per_source")]
+    pub max_unauthenticated_per_source: usize,
+    /// TLS handshakes per second one source may start (a burst of twice
+    /// as many); past it a connection is closed at accept
+    /// (`handshake_rate`). 0: unlimited.
+    #[serde(default = "handshakes_per_source")]
+    pub handshakes_per_source: f64,
 }
 
 fn agent_connections() -> usize {
     10_000
+}
+fn unauthenticated_connections() -> usize {
+    1_024
+}
+fn unauthenticated_per_source() -> usize {
+    16
+}
+fn handshakes_per_source() -> f64 {
+    50.0
 }
 fn agent_connections_per_source() -> usize {
     256
@@ -194,17 +218,52 @@ fn lacks_mtls(f: &Frontend, a: &SocketAddr, authenticated: bool) -> bool {
     !tls.iter().all(|x| *x) && !(plain && (a.ip().is_loopback() || authenticated))
 }
 
+/// Addresses frontends bind, in the order they claim them.
+#[derive(Default)]
+struct Binds {
+    unix: HashSet<String>,
+    tcp: Vec<SocketAddr>,
+}
+
+impl Binds {
+    /// Claims `a`; false when an address already claimed would keep it
+    /// from binding.
+    fn tcp(&mut self, a: SocketAddr) -> bool {
+        if self.tcp.iter().any(|b| overlaps(*b, a)) {
+            return false;
+        }
+        self.tcp.push(a);
+        true
+    }
+}
+
+/// Whether two listening addresses keep each other from binding: the same
+/// port on the same address, or on a wildcard address and any address of
+/// its family (Linux refuses `10.0.0.5:443` while `0.0.0.0:443` listens,
+/// and `[::]:443` also covers IPv4 unless the socket is IPv6-only).
+fn overlaps(a: SocketAddr, b: SocketAddr) -> bool {
+    if a.port() != b.port() {
+        return false;
+    }
+    let wild_v6 = |x: SocketAddr| x.ip().is_unspecified() && x.is_ipv6();
+    a.ip() == b.ip()
+        || (a.ip().is_unspecified() && a.is_ipv4() == b.is_ipv4())
+        || (b.ip().is_unspecified() && a.is_ipv4() == b.is_ipv4())
+        || wild_v6(a)
+        || wild_v6(b)
+}
+
 fn check_frontend(
     f: &Frontend,
     at: &str,
     authenticated: bool,
     agents: SocketAddr,
-    binds: &mut HashSet<String>,
+    binds: &mut Binds,
     errs: &mut Problems,
 ) {
     match (&f.unix, &f.tcp) {
         (Some(p), None) => {
-            if !binds.insert(p.display().to_string()) {
+            if !binds.unix.insert(p.display().to_string()) {
                 errs.add(format!("{at}.unix"), "path used twice");
             }
             if f.cert.is_some() || f.key.is_some() || f.client_ca.is_some() {
@@ -213,8 +272,11 @@ fn check_frontend(
         }
         (None, Some(a)) => {
             // Port 0 (any free port) never clashes.
-            if a.port() != 0 && (!binds.insert(a.to_string()) || *a == agents) {
-                errs.add(format!("{at}.tcp"), "address used twice");
+            if a.port() != 0 && (!binds.tcp(*a) || overlaps(*a, agents)) {
+                errs.add(
+                    format!("{at}.tcp"),
+                    "address used twice (or overlapping an address already bound: the same port on 0.0.0.0 or [::] and a specific address)",
+                );
             }
             if lacks_mtls(f, a, authenticated) {
                 errs.add(
@@ -250,9 +312,9 @@ fn trust_keys(c: &Cluster) -> Vec<(Vec<u8>, &'static str)> {
     out
 }
 
-/// Who holds each trusted key in `cfg` (key → cluster name): what
+/// Who holds each trust claim in `cfg` (claim → cluster name): what
 /// [`keep_first_trust`] is given on the next change.
-pub fn trust_holders(cfg: &ServerConfig) -> HashMap<Vec<u8>, String> {
+pub fn trust_holders(cfg: &ServerConfig) -> HashMap<String, String> {
     let mut out = HashMap::new();
     for c in &cfg.clusters {
         for k in trust_claims(c) {
@@ -262,26 +324,42 @@ pub fn trust_holders(cfg: &ServerConfig) -> HashMap<Vec<u8>, String> {
     out
 }
 
-/// What a cluster claims to be alone in trusting: its keys and its token
-/// issuer.
-fn trust_claims(c: &Cluster) -> Vec<Vec<u8>> {
-    let mut out: Vec<Vec<u8>> = trust_keys(c).into_iter().map(|(k, _)| k).collect();
+/// What a cluster claims to be alone in trusting, each as `sha256:<hex>`:
+/// the digest of each key it trusts (SubjectPublicKeyInfo DER) and of
+/// `issuer <its token issuer>`. The same strings are kept in memory and
+/// in a TunnelCluster's `status.trust`, so that who holds a claim survives
+/// a restart and agrees across replicas.
+pub fn trust_claims(c: &Cluster) -> Vec<String> {
+    let mut raw: Vec<Vec<u8>> = trust_keys(c).into_iter().map(|(k, _)| k).collect();
     if let Some(t) = &c.agent_token {
-        out.push(format!("issuer {}", t.issuer).into_bytes());
+        raw.push(format!("issuer {}", t.issuer).into_bytes());
+    }
+    raw.iter().map(|k| claim_id(k)).collect()
+}
+
+/// `sha256:<hex>` of `bytes`.
+fn claim_id(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    use std::fmt::Write;
+    let mut out = String::from("sha256:");
+    for b in sha2::Sha256::digest(bytes) {
+        let _ = write!(out, "{b:02x}");
     }
     out
 }
 
 /// Orders clusters from Kubernetes (oldest first) so that trust stays with
-/// the cluster that held it: one that claims a key (or token issuer)
-/// another cluster held in
-/// the running configuration, and still claims, goes after every other, so
-/// [`ServerConfig::parse_with`] refuses it on the overlap — whatever the
-/// objects' ages. Without this, a tenant could edit an older TunnelCluster
-/// to claim a newer tenant's CA or token keys and take its agents.
-pub fn keep_first_trust(extra: &mut Vec<Cluster>, held: &HashMap<Vec<u8>, String>) {
-    let claims: Vec<Vec<Vec<u8>>> = extra.iter().map(trust_claims).collect();
-    let claimed_by = |key: &Vec<u8>, name: &str| {
+/// the cluster that holds it: one that claims a key (or token issuer)
+/// `held` by another cluster that still claims it goes after every other,
+/// so [`ServerConfig::parse_with`] refuses it on the overlap, whatever the
+/// objects' ages. `held` is what the running configuration holds, with
+/// what the objects' statuses say they held filling the gaps (a restarted
+/// replica decides as the running ones do). Without this, a tenant could
+/// edit an older TunnelCluster to claim a newer tenant's CA or token keys
+/// and take its agents.
+pub fn keep_first_trust(extra: &mut Vec<Cluster>, held: &HashMap<String, String>) {
+    let claims: Vec<Vec<String>> = extra.iter().map(trust_claims).collect();
+    let claimed_by = |key: &String, name: &str| {
         extra
             .iter()
             .zip(&claims)
@@ -577,9 +655,12 @@ impl ServerConfig {
             expand_templates(&mut cfg, &mut errs);
         }
         check_settings(&cfg, &mut errs);
-        let mut binds = HashSet::new();
-        check_clusters(&cfg, &mut binds, &mut errs);
+        // The operator's shared frontends claim their addresses first: a
+        // cluster (from Kubernetes above all) naming one of them is that
+        // cluster's problem, never the file's.
+        let mut binds = Binds::default();
         check_shared_frontends(&cfg, &mut binds, &mut errs);
+        check_clusters(&cfg, &mut binds, &mut errs);
         if errs.is_empty() {
             Ok(cfg)
         } else {
@@ -690,6 +771,21 @@ fn check_settings(cfg: &ServerConfig, errs: &mut Problems) {
     if cfg.agents.max_per_source == 0 {
         errs.add("agents.max_per_source", "at least 1");
     }
+    if cfg.agents.max_unauthenticated == 0
+        || cfg.agents.max_unauthenticated > cfg.agents.max_connections
+    {
+        errs.add(
+            "agents.max_unauthenticated",
+            "at least 1 and at most agents.max_connections",
+        );
+    }
+    if cfg.agents.max_unauthenticated_per_source == 0 {
+        errs.add("agents.max_unauthenticated_per_source", "at least 1");
+    }
+    let rate = cfg.agents.handshakes_per_source;
+    if !(rate.is_finite() && rate >= 0.0) {
+        errs.add("agents.handshakes_per_source", "a number ≥ 0");
+    }
 }
 
 /// The longest `dial_timeout`, `stall_timeout` and keepalive setting: a
@@ -724,7 +820,7 @@ fn check_dialing(at: &str, c: &Cluster, errs: &mut Problems) {
 /// Every cluster: a unique name, a way to authenticate its agents (an
 /// issuer belongs to one cluster), sane limits and strategies, its
 /// frontends.
-fn check_clusters(cfg: &ServerConfig, binds: &mut HashSet<String>, errs: &mut Problems) {
+fn check_clusters(cfg: &ServerConfig, binds: &mut Binds, errs: &mut Problems) {
     let mut names = HashSet::new();
     let mut issuers = HashSet::new();
     for (i, c) in cfg.clusters.iter().enumerate() {
@@ -796,7 +892,7 @@ fn check_agent_token(at: &str, t: &TokenAuth, issuers: &mut HashSet<String>, err
 
 /// Shared frontends: a proxy (the request names the cluster) or mTLS (the
 /// client certificate does); a proxy needs a cluster with a password.
-fn check_shared_frontends(cfg: &ServerConfig, binds: &mut HashSet<String>, errs: &mut Problems) {
+fn check_shared_frontends(cfg: &ServerConfig, binds: &mut Binds, errs: &mut Problems) {
     for (j, f) in cfg.shared_frontends.iter().enumerate() {
         let at = format!("shared_frontends[{j}] ({})", f.name);
         let proxy = f.protocol.is_proxy();
@@ -1151,7 +1247,7 @@ clusters:
             limits: ClusterLimits::default(),
         };
         let text = "agents: {listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}\nclusters: []\n";
-        let admit = |mut extra: Vec<Cluster>, held: &HashMap<Vec<u8>, String>| {
+        let admit = |mut extra: Vec<Cluster>, held: &HashMap<String, String>| {
             keep_first_trust(&mut extra, held);
             let (cfg, refused) = ServerConfig::parse_with(text, extra);
             let cfg = cfg.unwrap();

@@ -108,6 +108,9 @@ pub enum WireError {
     /// This side's writer failed.
     #[error("sending failed: {0}")]
     Writer(String),
+    /// More PINGs and PONGs than a stream's budget (flood.rs).
+    #[error("more PINGs and PONGs than the stream's budget")]
+    Flood,
 }
 
 /// The stream's metadata: request or answer headers, as gRPC has them.
@@ -170,10 +173,19 @@ fn check_head(head: [u8; HEAD]) -> Result<(u8, usize), WireError> {
     Ok((kind, len))
 }
 
-/// Reads one whole frame (the handshake's; packets go through [`Inbound`]).
-async fn read_frame<R: AsyncRead + Unpin>(rd: &mut R) -> Result<(u8, Vec<u8>), WireError> {
+/// Reads one whole frame of the handshake (packets go through
+/// [`Inbound`]): only a frame of a type in `kinds` is read, so before the
+/// handshake (before the peer is authenticated) nothing larger than
+/// [`MAX_META`] is ever allocated, whatever the peer announces.
+async fn read_frame<R: AsyncRead + Unpin>(
+    rd: &mut R,
+    kinds: &[u8],
+) -> Result<(u8, Vec<u8>), WireError> {
     let mut head = [0u8; HEAD];
     rd.read_exact(&mut head).await.map_err(truncated)?;
+    if !kinds.contains(&head[0]) {
+        return Err(WireError::Unexpected(head[0]));
+    }
     let (kind, len) = check_head(head)?;
     let mut body = vec![0u8; len];
     rd.read_exact(&mut body).await.map_err(truncated)?;
@@ -220,7 +232,7 @@ pub async fn open<IO: AsyncRead + AsyncWrite + Unpin>(
 ) -> Result<Opened, WireError> {
     let pairs: Vec<(&str, &str)> = meta.iter().map(|(k, v)| (*k, v.as_str())).collect();
     write_frame(io, OPEN, &encode_meta(&pairs)?).await?;
-    match read_frame(io).await? {
+    match read_frame(io, &[ANSWER, REFUSED]).await? {
         (ANSWER, body) => Ok(Opened::Answer(decode_meta(&body)?)),
         (REFUSED, body) => Ok(Opened::Refused(status_of(&body))),
         (kind, _) => Err(WireError::Unexpected(kind)),
@@ -241,7 +253,7 @@ fn status_of(body: &[u8]) -> tonic::Status {
 pub async fn accept<R: AsyncRead + Unpin>(
     rd: &mut R,
 ) -> Result<tonic::metadata::MetadataMap, WireError> {
-    match read_frame(rd).await? {
+    match read_frame(rd, &[OPEN]).await? {
         (OPEN, body) => decode_meta(&body),
         (kind, _) => Err(WireError::Unexpected(kind)),
     }
@@ -611,6 +623,8 @@ pub struct Inbound<R> {
     pinged: Option<std::time::Instant>,
     timer: Pin<Box<Sleep>>,
     done: bool,
+    /// PINGs and PONGs move nothing: a stream may send so many.
+    idle: crate::flood::Budget,
 }
 
 impl<R: AsyncRead + Unpin> Inbound<R> {
@@ -633,6 +647,7 @@ impl<R: AsyncRead + Unpin> Inbound<R> {
                 crate::deadline::later(now.into_std(), every).into(),
             )),
             done: false,
+            idle: crate::flood::Budget::new(now.into_std()),
         }
     }
 
@@ -792,6 +807,11 @@ impl<R: AsyncRead + Unpin> Stream for Inbound<R> {
             match me.poll_frame(cx) {
                 Poll::Ready(Ok(Some((PACKET, body)))) => {
                     break Some(Packet::decode(body).map_err(WireError::from))
+                }
+                Poll::Ready(Ok(Some((PING | PONG, _))))
+                    if !me.idle.spend(std::time::Instant::now()) =>
+                {
+                    break Some(Err(WireError::Flood))
                 }
                 Poll::Ready(Ok(Some((PING, _)))) => me.ctl.ask(&me.ctl.pong),
                 Poll::Ready(Ok(Some((PONG, _)))) => {}

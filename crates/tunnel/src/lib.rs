@@ -8,6 +8,7 @@ pub mod config;
 pub mod deadline;
 pub mod dialerr;
 pub mod fair;
+pub mod flood;
 pub mod flow;
 pub mod goaway;
 pub mod grpc;

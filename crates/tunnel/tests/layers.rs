@@ -25,8 +25,9 @@ fn layer(module: &str) -> Option<u8> {
         // The crate root (re-exports only).
         "" => 9,
         // The read tap under the GOAWAY sniffer; deadline arithmetic; the
-        // read-ahead under TLS; TLS 1.3's records in this process.
-        "tap" | "deadline" | "readahead" | "usertls" => 0,
+        // read-ahead under TLS; TLS 1.3's records in this process; the
+        // per-stream budget of packets that move nothing.
+        "tap" | "deadline" | "readahead" | "usertls" | "flood" => 0,
         // Wire: messages, gRPC framing, authority, HTTP/2 GOAWAY sniffing,
         // dial-failure texts, SOCKS5 reply codes.
         "proto" | "grpc" | "authority" | "goaway" | "dialerr" | "socks5" => 1,

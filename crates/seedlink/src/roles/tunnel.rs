@@ -122,7 +122,7 @@ pub fn fingerprint(config: &std::path::Path, cfg: &ServerConfig) -> u64 {
 fn read_config(
     config: &std::path::Path,
     mut kubernetes: Vec<seedlink_tunnel::config::Cluster>,
-    held: &Mutex<HashMap<Vec<u8>, String>>,
+    held: &HashMap<String, String>,
 ) -> (
     u64,
     anyhow::Result<ServerConfig>,
@@ -138,10 +138,7 @@ fn read_config(
             return (h.finish(), Err(e), Vec::new());
         }
     };
-    seedlink_tunnel::config::keep_first_trust(
-        &mut kubernetes,
-        &seedlink_net::sync::lock(held, "tunnel trust"),
-    );
+    seedlink_tunnel::config::keep_first_trust(&mut kubernetes, held);
     match ServerConfig::parse_with(&text, kubernetes) {
         (Ok(cfg), refused) => (fingerprint(config, &cfg), Ok(cfg), refused),
         (Err(e), _) => {
@@ -153,18 +150,26 @@ fn read_config(
     }
 }
 
+/// What became of a configuration handed to the server.
+enum Applied {
+    /// Applied whole.
+    Whole(ServerConfig),
+    /// Its clusters were applied (so they hold their trust now), but some
+    /// of them could not be served: these, with why.
+    Partly(ServerConfig, Vec<(String, String)>),
+    /// Nothing changed: the file (or a cluster, named) could not be used.
+    Not(Vec<(String, String)>),
+}
+
 /// Applies `parsed`; logs what changed or why nothing did, and counts a
-/// configuration that could not be read. Whether it was applied.
-async fn apply(
-    srv: &Arc<TunnelServer>,
-    parsed: anyhow::Result<ServerConfig>,
-) -> Option<ServerConfig> {
+/// configuration that could not be read.
+async fn apply(srv: &Arc<TunnelServer>, parsed: anyhow::Result<ServerConfig>) -> Applied {
     let cfg = match parsed {
         Ok(c) => c,
         Err(e) => {
             srv.metrics.reload("error");
             tracing::warn!(error = %format!("{e:#}"), "reload refused; the running configuration stays");
-            return None;
+            return Applied::Not(Vec::new());
         }
     };
     match srv.reload(&cfg).await {
@@ -177,11 +182,15 @@ async fn apply(
                 stopped = ?r.frontends_stopped,
                 "configuration reloaded"
             );
-            Some(cfg)
+            Applied::Whole(cfg)
+        }
+        Err(e @ seedlink_tunnel::server::run::ServerError::FrontendsFailed(_)) => {
+            tracing::warn!(error = %format!("{e:#}"), "reload applied, but frontends failed to start");
+            Applied::Partly(cfg, e.clusters())
         }
         Err(e) => {
             tracing::warn!(error = %format!("{e:#}"), "reload failed");
-            None
+            Applied::Not(e.clusters())
         }
     }
 }
@@ -207,9 +216,12 @@ pub struct ServerRole {
     files: Mutex<Vec<PathBuf>>,
     /// Clusters from TunnelClusters, added to the file's on every reload.
     kubernetes: Mutex<Vec<seedlink_tunnel::config::Cluster>>,
-    /// Who held each trusted key in the running configuration (an edit
+    /// Who holds each trust claim in the running configuration (an edit
     /// never moves trust from one cluster to another).
-    held: Mutex<HashMap<Vec<u8>, String>>,
+    held: Mutex<HashMap<String, String>>,
+    /// Who holds each trust claim by the TunnelClusters' own statuses
+    /// (state in the API server: fills what this process has not seen).
+    status_held: Mutex<HashMap<String, String>>,
     /// The Kubernetes source, while it runs.
     source: Mutex<Option<seedlink_kube::source::Handle>>,
     /// A new process is taking the sockets over: reloads wait (a frontend
@@ -238,6 +250,7 @@ impl ServerRole {
             files: Mutex::new(cfg.files()),
             kubernetes: Mutex::new(Vec::new()),
             held: Mutex::new(seedlink_tunnel::config::trust_holders(&cfg)),
+            status_held: Mutex::new(HashMap::new()),
             source: Mutex::new(None),
             frozen: std::sync::atomic::AtomicBool::new(false),
             opts,
@@ -246,16 +259,25 @@ impl ServerRole {
 
     /// Serves `clusters` from TunnelClusters besides the file's, through
     /// the same reload; returns those refused, with their problems.
+    /// `status_held` says who holds which trust claim by the objects'
+    /// statuses.
     pub async fn set_kubernetes(
         &self,
         clusters: Vec<seedlink_tunnel::config::Cluster>,
+        status_held: HashMap<String, String>,
     ) -> seedlink_tunnel::config::Refused {
         *seedlink_net::sync::lock(&self.kubernetes, "tunnel kubernetes") = clusters.clone();
+        *seedlink_net::sync::lock(&self.status_held, "tunnel status trust") = status_held;
         if self.frozen.load(std::sync::atomic::Ordering::Acquire) {
             tracing::info!("TunnelClusters changed during a binary upgrade: applied by the new process (or here, if it fails)");
             return Vec::new();
         }
-        let (now, parsed, refused) = read_config(&self.opts.config, clusters.clone(), &self.held);
+        let (refused, whole) = self.apply_with(clusters, true).await;
+        if whole {
+            // The configuration is complete: sockets handed over that no
+            // frontend claimed are closed.
+            self.srv.drop_unclaimed();
+        }
         for (name, problems) in &refused {
             let text: Vec<String> = problems
                 .iter()
@@ -263,30 +285,100 @@ impl ServerRole {
                 .collect();
             tracing::warn!(cluster = %name, problems = %text.join("; "), "cluster from Kubernetes refused; the others are served");
         }
-        *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint") = now;
-        if let Some(cfg) = apply(&self.srv, parsed).await {
-            *seedlink_net::sync::lock(&self.files, "tunnel files") = cfg.files();
-            *seedlink_net::sync::lock(&self.held, "tunnel trust") =
-                seedlink_tunnel::config::trust_holders(&cfg);
-            // The configuration is complete: sockets handed over that no
-            // frontend claimed are closed.
-            self.srv.drop_unclaimed();
-            return refused;
+        refused
+    }
+
+    /// The claims held now: the running configuration's, with the
+    /// statuses' filling the gaps.
+    fn holders(&self) -> HashMap<String, String> {
+        let mut held = seedlink_net::sync::lock(&self.status_held, "tunnel status trust").clone();
+        held.extend(seedlink_net::sync::lock(&self.held, "tunnel trust").clone());
+        held
+    }
+
+    /// Reads the file, adds `kubernetes` and applies the result (unless
+    /// it is what runs and `forced` is false). A TunnelCluster that cannot
+    /// be served (its trust does not load, its frontend does not bind) is
+    /// refused alone and the rest applied again without it: only the
+    /// operator's file can fail a reload as a whole. Returns the refused
+    /// TunnelClusters with why, and whether the rest was applied whole.
+    async fn apply_with(
+        &self,
+        mut kubernetes: Vec<seedlink_tunnel::config::Cluster>,
+        forced: bool,
+    ) -> (seedlink_tunnel::config::Refused, bool) {
+        let mut failed: seedlink_tunnel::config::Refused = Vec::new();
+        // Each round refuses at least one more cluster, or ends.
+        loop {
+            let (now, parsed, mut refused) =
+                read_config(&self.opts.config, kubernetes.clone(), &self.holders());
+            let seen = *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint");
+            if !forced && now == seen && failed.is_empty() {
+                return (refused, false);
+            }
+            *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint") = now;
+            let theirs = match apply(&self.srv, parsed).await {
+                Applied::Whole(cfg) => {
+                    self.applied(&cfg);
+                    refused.append(&mut failed);
+                    return (refused, true);
+                }
+                Applied::Partly(cfg, theirs) => {
+                    self.applied(&cfg);
+                    theirs
+                }
+                Applied::Not(theirs) => theirs,
+            };
+            let before = kubernetes.len();
+            for (name, why) in theirs {
+                if let Some(i) = kubernetes.iter().position(|c| c.name == name) {
+                    kubernetes.remove(i);
+                    failed.push((
+                        name,
+                        vec![seedlink_config::ConfigError {
+                            path: String::new(),
+                            message: format!("cannot be served: {why}"),
+                        }],
+                    ));
+                }
+            }
+            if kubernetes.len() == before {
+                // The operator's own part failed (logged): what is not
+                // running is not served.
+                return (self.not_running(kubernetes, failed), false);
+            }
         }
-        // The file is invalid or the reload failed (logged): nothing
-        // changed, so what is not running is not served.
+    }
+
+    /// Records what the running configuration is after `cfg` was applied
+    /// (its clusters hold their trust from now on).
+    fn applied(&self, cfg: &ServerConfig) {
+        *seedlink_net::sync::lock(&self.files, "tunnel files") = cfg.files();
+        *seedlink_net::sync::lock(&self.held, "tunnel trust") =
+            seedlink_tunnel::config::trust_holders(cfg);
+    }
+
+    /// The TunnelClusters among `kubernetes` that do not run, each with
+    /// why, after a reload the operator's file failed.
+    fn not_running(
+        &self,
+        kubernetes: Vec<seedlink_tunnel::config::Cluster>,
+        mut failed: seedlink_tunnel::config::Refused,
+    ) -> seedlink_tunnel::config::Refused {
         let running = self.srv.registry.clusters();
-        clusters
-            .into_iter()
-            .filter(|c| !running.iter().any(|r| *r.name == *c.name))
-            .map(|c| {
-                let why = seedlink_config::ConfigError {
-                    path: String::new(),
-                    message: "not applied: the tunnel-server's configuration could not be reloaded (see its log)".into(),
-                };
-                (c.name, vec![why])
-            })
-            .collect()
+        failed.extend(
+            kubernetes
+                .into_iter()
+                .filter(|c| !running.iter().any(|r| *r.name == *c.name))
+                .map(|c| {
+                    let why = seedlink_config::ConfigError {
+                        path: String::new(),
+                        message: "not applied: the tunnel-server's configuration could not be reloaded (see its log)".into(),
+                    };
+                    (c.name, vec![why])
+                }),
+        );
+        failed
     }
 
     /// Starts the Kubernetes source when the file has a `kubernetes`
@@ -338,8 +430,19 @@ impl seedlink_kube::source::TunnelSink for KubeSink {
     fn apply(
         &self,
         clusters: Vec<seedlink_tunnel::config::Cluster>,
+        status_held: HashMap<String, String>,
     ) -> seedlink_kube::source::BoxFuture<'_, seedlink_tunnel::config::Refused> {
-        Box::pin(self.0.set_kubernetes(clusters))
+        Box::pin(self.0.set_kubernetes(clusters, status_held))
+    }
+
+    fn trust(&self, cluster: &str) -> Vec<String> {
+        seedlink_net::sync::lock(&self.0.held, "tunnel trust")
+            .iter()
+            .filter(|(_, holder)| holder.as_str() == cluster)
+            .map(|(claim, _)| claim.clone())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect()
     }
 
     fn set_server_count(&self, replicas: u32) {
@@ -405,19 +508,10 @@ impl Role for ServerRole {
             }
             let kubernetes =
                 seedlink_net::sync::lock(&self.kubernetes, "tunnel kubernetes").clone();
-            let (now, parsed, _) = read_config(&self.opts.config, kubernetes, &self.held);
-            let seen = *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint");
             // Kubernetes touches files without changing them; contents
-            // decide, unless SIGHUP asked.
-            if !forced && now == seen {
-                return;
-            }
-            *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint") = now;
-            if let Some(cfg) = apply(&self.srv, parsed).await {
-                *seedlink_net::sync::lock(&self.files, "tunnel files") = cfg.files();
-                *seedlink_net::sync::lock(&self.held, "tunnel trust") =
-                    seedlink_tunnel::config::trust_holders(&cfg);
-            }
+            // decide, unless SIGHUP asked. What this refuses reaches the
+            // objects' status on the source's next pass.
+            self.apply_with(kubernetes, forced).await;
         })
     }
 
@@ -549,7 +643,9 @@ impl seedlink_net::handoff::Phases for Phases {
             self.rt.spawn(async move {
                 let kubernetes =
                     seedlink_net::sync::lock(&role.kubernetes, "tunnel kubernetes").clone();
-                role.set_kubernetes(kubernetes).await;
+                let held =
+                    seedlink_net::sync::lock(&role.status_held, "tunnel status trust").clone();
+                role.set_kubernetes(kubernetes, held).await;
                 role.reload(true).await;
             });
         }

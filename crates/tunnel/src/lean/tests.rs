@@ -68,6 +68,44 @@ fn frame_heads_are_checked_before_anything_is_allocated() {
     assert_eq!(check_head(head(PACKET, 10)).unwrap(), (PACKET, 10));
 }
 
+/// Before the OPEN (the peer may be anonymous: client certificates are
+/// optional when a cluster takes tokens) only an OPEN of at most
+/// [`MAX_META`] is read: a 4 MiB PACKET announced first is refused from
+/// its head, the body is never read or allocated (the rest stays unread).
+#[tokio::test]
+async fn before_the_open_only_a_small_open_is_read() {
+    let mut frame = vec![PACKET];
+    frame.extend_from_slice(&(MAX_PACKET as u32).to_be_bytes());
+    frame.extend_from_slice(&[0u8; 64]);
+    let mut rd = &frame[..];
+    assert!(matches!(
+        accept(&mut rd).await,
+        Err(WireError::Unexpected(PACKET))
+    ));
+    assert_eq!(rd.len(), 64, "nothing past the head was read");
+    let mut big_open = vec![OPEN];
+    big_open.extend_from_slice(&(MAX_META as u32 + 1).to_be_bytes());
+    let mut rd = &big_open[..];
+    assert!(matches!(
+        accept(&mut rd).await,
+        Err(WireError::TooLarge { .. })
+    ));
+    // The agent likewise reads only an ANSWER or REFUSED from the server.
+    let (mut a, mut b) = tokio::io::duplex(1 << 16);
+    let server = tokio::spawn(async move {
+        let _ = accept(&mut b).await;
+        let mut head = vec![PACKET];
+        head.extend_from_slice(&(MAX_PACKET as u32).to_be_bytes());
+        tokio::io::AsyncWriteExt::write_all(&mut b, &head)
+            .await
+            .unwrap();
+        b
+    });
+    let r = open(&mut a, &[("agentid", "a".to_string())]).await;
+    assert!(matches!(r, Err(WireError::Unexpected(PACKET))), "{r:?}");
+    drop(server.await.unwrap());
+}
+
 #[test]
 fn metadata_must_be_header_lines() {
     let m = decode_meta(b"agentid:a\nagentidentifiers:host=x&ipv4=1.2.3.4\n").unwrap();
@@ -291,13 +329,34 @@ async fn a_peer_that_reads_nothing_fails_the_writer_and_ends_the_stream() {
     assert!(q.next().await.is_none(), "the queue is closed");
 }
 
+/// PINGs past the stream's budget of idle frames end the stream: a peer
+/// cannot keep a reader busy with frames that move nothing.
+#[tokio::test]
+async fn pings_past_the_budget_end_the_stream() {
+    let Side {
+        mut inbound, peer, ..
+    } = side(1 << 20, QUIET, PATIENT);
+    let (_their_rd, mut their_wr) = tokio::io::split(peer);
+    let flood = [PING, 0, 0, 0, 0].repeat(crate::flood::BURST as usize * 3);
+    tokio::spawn(async move {
+        let _ = their_wr.write_all(&flood).await;
+        their_wr
+    });
+    let end = tokio::time::timeout(Duration::from_secs(30), inbound.next())
+        .await
+        .expect("the flood ends the stream");
+    assert!(matches!(end, Some(Err(WireError::Flood))), "{end:?}");
+}
+
 #[tokio::test]
 async fn a_flood_of_pings_is_read_in_slices_and_answered() {
     let Side {
         mut inbound, peer, ..
     } = side(1 << 20, QUIET, PATIENT);
     let (mut their_rd, mut their_wr) = tokio::io::split(peer);
-    let mut flood = [PING, 0, 0, 0, 0].repeat(10_000);
+    // Within the stream's budget of idle frames (flood.rs), more than a
+    // poll's slice.
+    let mut flood = [PING, 0, 0, 0, 0].repeat(crate::flood::BURST as usize - 1);
     let mut heads = BytesMut::new();
     let data = encode_head(Packet::data(5, Bytes::from_static(b"after")), &mut heads);
     flood.extend_from_slice(&heads);

@@ -18,17 +18,56 @@ use crate::lean;
 use crate::proto::{Packet, AGENT_CONNECT_PATH};
 use crate::usertls::UserTls;
 
+/// The slots an agent connection holds: one of the port's, and, until it
+/// is authenticated (TLS named its cluster, or a stream was admitted), one
+/// of the unauthenticated ones.
+pub struct ConnSlots {
+    _slot: seedlink_net::admin::Slot,
+    pre_auth: std::sync::Mutex<Option<seedlink_net::admin::Slot>>,
+}
+
+impl ConnSlots {
+    /// The connection is an agent's: its unauthenticated slot goes back.
+    fn authenticated(&self) {
+        seedlink_net::sync::lock(&self.pre_auth, "pre-auth slot").take();
+    }
+}
+
+/// Lets a new agent connection from `peer` in, or says why not (counted):
+/// its source started too many TLS handshakes lately (`handshake_rate`),
+/// the port or its source is full (`connection_limit`), or too many
+/// connections are unauthenticated, in all or from its source
+/// (`unauthenticated_limit`).
+pub fn enter(srv: &Core, peer: SocketAddr) -> Option<ConnSlots> {
+    if !srv.handshakes.allow(peer.ip(), std::time::Instant::now()) {
+        srv.metrics.agent_stream("", "handshake_rate");
+        return None;
+    }
+    let Some(slot) = srv.agent_slots.enter(peer.ip()) else {
+        srv.metrics.agent_stream("", "connection_limit");
+        return None;
+    };
+    let Some(pre_auth) = srv.pre_auth_slots.enter(peer.ip()) else {
+        srv.metrics.agent_stream("", "unauthenticated_limit");
+        return None;
+    };
+    Some(ConnSlots {
+        _slot: slot,
+        pre_auth: std::sync::Mutex::new(Some(pre_auth)),
+    })
+}
+
 /// Serves one accepted agent connection.
-pub async fn serve_agent_conn(srv: Arc<Core>, tcp: TcpStream, peer: SocketAddr) {
+pub async fn serve_agent_conn(srv: Arc<Core>, tcp: TcpStream, peer: SocketAddr, slots: ConnSlots) {
     let _ = tcp.set_nodelay(true);
-    serve_agent_io(srv, tcp, peer).await;
+    serve_agent_io(srv, tcp, peer, slots).await;
 }
 
 /// Serves one agent connection on any transport: an accepted socket, or
 /// one the gateway handed over in-process (with the bytes it already read
 /// replayed in front). TLS → the cluster its certificate names (if it
 /// has one) → gRPC `Connect` streams, each opened by [`open_stream`].
-pub async fn serve_agent_io<IO>(srv: Arc<Core>, tcp: IO, peer: SocketAddr)
+pub async fn serve_agent_io<IO>(srv: Arc<Core>, tcp: IO, peer: SocketAddr, slots: ConnSlots)
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -45,14 +84,18 @@ where
     let Ok(cert_cluster) = cluster_of_cert(&srv, &certs, peer) else {
         return;
     };
-    // A connection that opens no stream within the handshake deadline is
-    // closed: past TLS, a client without a certificate is still nobody.
+    if cert_cluster.is_some() {
+        slots.authenticated();
+    }
+    // A connection without an admitted stream for the handshake deadline
+    // is closed: past TLS, a client without a certificate is still nobody.
     let conn = AgentConn {
         srv: srv.clone(),
         cert_cluster,
         certs,
         activity,
         peer,
+        slots: Arc::new(slots),
     };
     if tls.session().alpn.as_deref() == Some(lean::ALPN.as_bytes()) {
         serve_lean(conn, tls).await;
@@ -68,20 +111,63 @@ where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let srv = conn.srv.clone();
-    let opened = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let handler = conn.handler(opened.clone());
-    let first_stream = no_stream_within(srv.settings.handshake_timeout, &opened);
+    let live = Arc::new(Live::default());
+    let handler = conn.handler(live.clone());
+    let idle = without_streams_for(srv.settings.handshake_timeout, &live);
     tokio::select! {
         () = grpc::serve(tls, vec![(AGENT_CONNECT_PATH, handler)], srv.agent_h2) => {}
-        () = first_stream => srv.metrics.agent_stream("", "no_stream"),
+        () = idle => srv.metrics.agent_stream("", "no_stream"),
     }
 }
 
-/// Ends after `deadline` unless a stream was `opened` by then.
-async fn no_stream_within(deadline: std::time::Duration, opened: &std::sync::atomic::AtomicBool) {
-    tokio::time::sleep(deadline).await;
-    if opened.load(std::sync::atomic::Ordering::Relaxed) {
-        std::future::pending::<()>().await;
+/// The admitted streams of one gRPC agent connection.
+#[derive(Default)]
+pub(crate) struct Live {
+    streams: std::sync::atomic::AtomicUsize,
+    changed: tokio::sync::Notify,
+}
+
+/// One admitted stream, counted in [`Live`] while it runs.
+struct Running(Arc<Live>);
+
+impl Running {
+    fn new(live: Arc<Live>) -> Running {
+        live.streams
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        live.changed.notify_waiters();
+        Running(live)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0
+            .streams
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+        self.0.changed.notify_waiters();
+    }
+}
+
+/// Ends once the connection has had no admitted stream for `deadline`: at
+/// its start, after refused streams (an anonymous client that opens one
+/// and is refused holds nothing), and after its last stream ended.
+pub(crate) async fn without_streams_for(deadline: std::time::Duration, live: &Live) {
+    loop {
+        let changed = live.changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        if live.streams.load(std::sync::atomic::Ordering::Acquire) > 0 {
+            changed.await;
+            continue;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(deadline) => {
+                if live.streams.load(std::sync::atomic::Ordering::Acquire) == 0 {
+                    return;
+                }
+            }
+            () = &mut changed => {}
+        }
     }
 }
 
@@ -143,15 +229,15 @@ struct AgentConn {
     certs: Certs,
     activity: Arc<Activity>,
     peer: SocketAddr,
+    slots: Arc<ConnSlots>,
 }
 
 impl AgentConn {
-    /// The `Connect` handler: each stream is opened by [`open_stream`];
-    /// `opened` tells that one was.
-    fn handler(self, opened: Arc<std::sync::atomic::AtomicBool>) -> Handler {
+    /// The `Connect` handler: each stream is opened by [`open_stream`] and
+    /// counted in `live` while it runs.
+    fn handler(self, live: Arc<Live>) -> Handler {
         Arc::new(move |req: tonic::Request<tonic::Streaming<Packet>>| {
-            opened.store(true, std::sync::atomic::Ordering::Relaxed);
-            Box::pin(open_stream(self.clone(), req))
+            Box::pin(open_stream(self.clone(), live.clone(), req))
         })
     }
 }
@@ -160,13 +246,18 @@ impl AgentConn {
 /// loop, and the answer with `serverid`/`servercount`.
 async fn open_stream(
     conn: AgentConn,
+    live: Arc<Live>,
     req: tonic::Request<tonic::Streaming<Packet>>,
 ) -> Result<Response<PacketStream>, Status> {
     let srv = conn.srv.clone();
     let a = admit(conn, req.metadata()).await?;
+    let running = Running::new(live);
     let answer = response(&srv, a.to_agent.clone(), a.flow, a.replicas);
     drain_notice_if_moving(&srv, &a.link);
-    tokio::spawn(receive(srv, a.cluster, a.link, req.into_inner(), a.probe));
+    tokio::spawn(async move {
+        receive(srv, a.cluster, a.link, req.into_inner(), a.probe).await;
+        drop(running);
+    });
     answer
 }
 
@@ -188,6 +279,7 @@ async fn admit(conn: AgentConn, meta: &tonic::metadata::MetadataMap) -> Result<A
     let cert_cluster = conn.cert_cluster.clone();
     let cluster = stream_cluster(&srv, cert_cluster, auth.as_deref(), conn.peer).await?;
     let identity = stream_identity(&srv, &cluster, meta)?;
+    conn.slots.authenticated();
     let (flow, replicas) = (identity.flow, identity.replicas);
     let (link, to_agent, probe) = attach_stream(&cluster, identity, conn, auth);
     Ok(Admitted {
@@ -604,7 +696,13 @@ where
     // for room (which ran the timers itself).
     let timer = link.next_timeout();
     tokio::pin!(timer);
+    let mut idle = crate::flood::Budget::new(std::time::Instant::now());
     loop {
+        // Each packet costs the task a unit of tokio's cooperative budget:
+        // a stream whose packets are always ready (a flood, or a fast
+        // bulk sender) gives the worker back to other tenants' tasks now
+        // and then instead of keeping it for as long as the agent sends.
+        tokio::task::consume_budget().await;
         let m = tokio::select! {
             m = inbound.next() => m,
             h = &mut timer => {
@@ -617,7 +715,11 @@ where
             why = stopped(srv, cluster, link) => return why,
         };
         let waited = match m {
-            Some(Ok(p)) => take_packet(srv, cluster, link, p).await,
+            Some(Ok(p)) if moves_nothing(&p) && !idle.spend(std::time::Instant::now()) => {
+                tracing::info!(agent = %link.agent_id, "agent stream cut: more packets that move nothing than its budget");
+                Err("control_flood")
+            }
+            Some(Ok(p)) => take_packet(srv, cluster, link, p, &mut idle).await,
             Some(Err(e)) => {
                 tracing::info!(agent = %link.agent_id, error = %e, "agent stream failed");
                 Err("stream_error")
@@ -641,9 +743,16 @@ async fn take_packet(
     cluster: &Cluster,
     link: &AgentLink,
     p: Packet,
+    idle: &mut crate::flood::Budget,
 ) -> Result<bool, &'static str> {
     let (h, blocked) = link.on_agent_packet(p);
     cluster.metrics.packet(h);
+    if matches!(h, Handled::Unrecognized | Handled::Unexpected)
+        && !idle.spend(std::time::Instant::now())
+    {
+        tracing::info!(agent = %link.agent_id, "agent stream cut: more packets for nothing it has than its budget");
+        return Err("control_flood");
+    }
     if link.to_agent.overflowed() {
         // It made the server queue more answers than it reads: cut off,
         // this agent only.
@@ -664,6 +773,18 @@ async fn take_packet(
         }
     })
     .await
+}
+
+/// A packet that carries nothing by its kind alone: a DRAIN (an agent
+/// sends one per stream), DATA without bytes, a packet without a payload.
+/// Packets naming what the stream does not have are counted once handled.
+fn moves_nothing(p: &Packet) -> bool {
+    use crate::proto::{PacketType as T, Payload};
+    match (&p.payload, p.kind()) {
+        (_, Some(T::Drain)) | (None, _) => true,
+        (Some(Payload::Data(d)), _) => d.data.is_empty() && d.error.is_empty(),
+        _ => false,
+    }
 }
 
 /// Ends when the stream must: on shutdown, when the cluster is removed,
@@ -699,5 +820,27 @@ fn token_refused(srv: &Core, cluster: &str, e: &crate::token::TokenError) -> Sta
     } else {
         srv.metrics.agent_stream(cluster, "bad_token");
         Status::unauthenticated("token refused")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// DRAIN, DATA without bytes and a packet without a payload move
+    /// nothing by their kind; DATA with bytes, a DIAL_RSP or a
+    /// WINDOW_UPDATE may (they are counted once handled, if they named
+    /// nothing the stream has).
+    #[test]
+    fn what_moves_nothing() {
+        assert!(moves_nothing(&Packet::drain()));
+        assert!(moves_nothing(&Packet::data(1, bytes::Bytes::new())));
+        assert!(moves_nothing(&Packet::default()));
+        assert!(!moves_nothing(&Packet::data(
+            1,
+            bytes::Bytes::from_static(b"x")
+        )));
+        assert!(!moves_nothing(&Packet::dial_cls(1)));
+        assert!(!moves_nothing(&Packet::window_update(1, 10)));
     }
 }

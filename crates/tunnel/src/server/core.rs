@@ -41,6 +41,12 @@ pub struct Core {
     pub settings: Settings,
     /// Agent connections: at most so many at once and per source address.
     pub agent_slots: seedlink_net::admin::Slots,
+    /// Unauthenticated agent connections (before TLS names a cluster or a
+    /// stream is admitted): at most so many at once and per source, so
+    /// that anonymous peers never hold the slots agents need.
+    pub pre_auth_slots: seedlink_net::admin::Slots,
+    /// TLS handshakes per source and second.
+    pub handshakes: seedlink_net::rate::PerSource,
     /// Token checks under way per source ([`TOKEN_CHECKS_PER_SOURCE`]), so
     /// that one address sending forged tokens cannot hold every review
     /// slot of the cluster whose issuer they name.

@@ -94,11 +94,20 @@ fn new_core(
     let agent_slots = seedlink_net::admin::Slots::with_per_source(max, cfg.agents.max_per_source);
     let per_source = super::core::TOKEN_CHECKS_PER_SOURCE;
     let token_slots = seedlink_net::admin::Slots::with_per_source(max, per_source);
+    let a = &cfg.agents;
     Core {
         registry: Registry::new(clusters),
         metrics,
         settings,
         agent_slots,
+        pre_auth_slots: seedlink_net::admin::Slots::with_per_source(
+            a.max_unauthenticated,
+            a.max_unauthenticated_per_source,
+        ),
+        handshakes: seedlink_net::rate::PerSource::new(
+            a.handshakes_per_source,
+            2.0 * a.handshakes_per_source,
+        ),
         token_slots,
         server_id: cfg.server_id.clone().unwrap_or_else(random_id),
         server_count: std::sync::atomic::AtomicU32::new(cfg.server_count),
@@ -353,8 +362,49 @@ pub enum ServerError {
     #[error("agents, admin, server_id, server_count, dial_timeout, stall_timeout and queue_bytes need a restart; only clusters, shared_frontends and frontend_templates reload")]
     NeedsRestart,
     /// A reload was applied, but some changed frontends did not start.
-    #[error("applied, but frontends failed to start: {0}")]
-    FrontendsFailed(String),
+    #[error("applied, but frontends failed to start: {}", failed_text(.0))]
+    FrontendsFailed(Vec<FrontendFailure>),
+    /// One cluster's trust, password or frontend could not be prepared;
+    /// nothing was applied.
+    #[error("cluster {cluster}: {error}")]
+    InCluster {
+        /// The cluster.
+        cluster: String,
+        /// Why.
+        error: Box<ServerError>,
+    },
+}
+
+/// A frontend that did not start in a reload.
+#[derive(Debug, Clone)]
+pub struct FrontendFailure {
+    /// Its cluster (`None`: a shared frontend, the operator's).
+    pub cluster: Option<String>,
+    /// Why, with the frontend's label.
+    pub why: String,
+}
+
+fn failed_text(f: &[FrontendFailure]) -> String {
+    f.iter()
+        .map(|f| f.why.as_str())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+impl ServerError {
+    /// The clusters this error is theirs alone (a cluster's frontend that
+    /// did not start, its trust that did not load), if it is not the
+    /// operator's.
+    pub fn clusters(&self) -> Vec<(String, String)> {
+        match self {
+            ServerError::InCluster { cluster, error } => vec![(cluster.clone(), error.to_string())],
+            ServerError::FrontendsFailed(f) => f
+                .iter()
+                .filter_map(|f| Some((f.cluster.clone()?, f.why.clone())))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
 }
 
 impl ServerError {
@@ -444,12 +494,17 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> 
     let mut clusters = Vec::new();
     let mut frontends = Vec::new();
     for c in &cfg.clusters {
-        clusters.push(plan_cluster(c, metrics)?);
+        let theirs = |error| ServerError::InCluster {
+            cluster: c.name.clone(),
+            error: Box::new(error),
+        };
+        clusters.push(plan_cluster(c, metrics).map_err(theirs)?);
         for f in &c.frontends {
             frontends.push(PlannedFrontend {
                 cluster: Some(c.name.clone()),
                 cfg: f.clone(),
-                transport: transport(f, &format!("cluster {} frontend {}", c.name, f.name), false)?,
+                transport: transport(f, &format!("cluster {} frontend {}", c.name, f.name), false)
+                    .map_err(theirs)?,
             });
         }
     }
@@ -715,14 +770,12 @@ impl TunnelServer {
         let stop = seedlink_net::sync::lock(&self.sockets.agent_accept, "agent accept").clone();
         tokio::spawn(async move {
             seedlink_net::accept::accept_loop(&agents, &stop, |tcp, peer| {
-                let Some(slot) = srv.agent_slots.enter(peer.ip()) else {
-                    srv.metrics.agent_stream("", "connection_limit");
+                let Some(slots) = super::agents::enter(&srv, peer) else {
                     return;
                 };
                 let srv2 = srv.clone();
                 srv.tasks.spawn(async move {
-                    super::agents::serve_agent_conn(srv2, tcp, peer).await;
-                    drop(slot);
+                    super::agents::serve_agent_conn(srv2, tcp, peer, slots).await;
                 });
             })
             .await;
@@ -937,7 +990,7 @@ impl TunnelServer {
         if errors.is_empty() {
             Ok(report)
         } else {
-            Err(ServerError::FrontendsFailed(errors.join("; ")))
+            Err(ServerError::FrontendsFailed(errors))
         }
     }
 
@@ -950,7 +1003,7 @@ impl TunnelServer {
         planned: Vec<PlannedFrontend>,
         changes: &Changes,
         report: &mut ReloadReport,
-    ) -> Vec<String> {
+    ) -> Vec<FrontendFailure> {
         let mut planned: Vec<Option<PlannedFrontend>> = planned.into_iter().map(Some).collect();
         let mut keep = Vec::new();
         for (i, r) in running.drain(..).enumerate() {
@@ -969,12 +1022,16 @@ impl TunnelServer {
         let mut errors = Vec::new();
         for &j in &changes.frontends_started {
             let Some(f) = planned[j].take() else { continue };
+            let cluster = f.cluster.clone();
             match self.listen(f).await {
                 Ok(r) => {
                     report.frontends_started.push(r.label.clone());
                     keep.push(r);
                 }
-                Err(e) => errors.push(e.to_string()),
+                Err(e) => errors.push(FrontendFailure {
+                    cluster,
+                    why: e.to_string(),
+                }),
             }
         }
         *running = keep;
@@ -1054,16 +1111,14 @@ impl TunnelServer {
         if self.accepting.is_cancelled() {
             return;
         }
-        let Some(slot) = self.core.agent_slots.enter(peer.ip()) else {
-            self.core.metrics.agent_stream("", "connection_limit");
+        let Some(slots) = super::agents::enter(&self.core, peer) else {
             return;
         };
         let _ = tcp.set_nodelay(true);
         let io = seedlink_net::prefixed::Prefixed::new(replay, tcp);
         let core = self.core.clone();
         self.tasks.spawn(async move {
-            super::agents::serve_agent_io(core, io, peer).await;
-            drop(slot);
+            super::agents::serve_agent_io(core, io, peer, slots).await;
         });
     }
 
