@@ -343,7 +343,7 @@ fn destination_of(lctx: &ListenerCtx, req: &Request<RecvStream>) -> Result<Strin
             .to_string(),
         None => {
             let a = req.uri().authority().ok_or("connect_destination_missing")?;
-            format!("outbound|{}||{}", a.port_u16().unwrap_or(443), a.host())
+            named_by_authority(a)?
         }
     };
     if lctx
@@ -357,6 +357,17 @@ fn destination_of(lctx: &ListenerCtx, req: &Request<RecvStream>) -> Result<Strin
     destination::parse(&named)
         .map(|d| d.canonical())
         .map_err(|_| "connect_destination_malformed")
+}
+
+/// `outbound|<port>||<host>` from a CONNECT's `:authority`, which is host
+/// and port (RFC 9113 §8.5): no port, an empty one or 0 is refused, never
+/// guessed.
+fn named_by_authority(a: &http::uri::Authority) -> Result<String, &'static str> {
+    let port = a
+        .port_u16()
+        .filter(|p| *p != 0)
+        .ok_or("connect_destination_malformed")?;
+    Ok(format!("outbound|{port}||{}", a.host()))
 }
 
 /// Waits until the client resets the stream.
@@ -507,6 +518,18 @@ fn answer_only(respond: &mut SendResponse<Bytes>, status: StatusCode) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_authority_needs_its_port() {
+        let named = |a: &str| named_by_authority(&a.parse().unwrap());
+        assert_eq!(named("api.x:6443").unwrap(), "outbound|6443||api.x");
+        for bad in ["api.x", "api.x:", "api.x:0"] {
+            assert_eq!(named(bad), Err("connect_destination_malformed"), "{bad}");
+        }
+        assert!(
+            "api.x:99999".parse::<http::uri::Authority>().is_err() || named("api.x:99999").is_err()
+        );
+    }
 
     #[tokio::test]
     async fn early_resets_are_counted_per_window() {

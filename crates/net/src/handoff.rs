@@ -125,8 +125,27 @@ pub fn listen(path: &Path) -> std::io::Result<UnixListener> {
         }
         std::fs::remove_file(path)?;
     }
-    let l = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    // Created 0600 (a umask around the bind), never chmod'ed by path
+    // afterwards: a path swapped for a symlink in between would have the
+    // mode of whatever it points to changed, and the socket would be open
+    // to everyone meanwhile.
+    let l = {
+        use nix::sys::stat::{umask, Mode};
+        let was = umask(Mode::from_bits_truncate(0o177));
+        let bound = UnixListener::bind(path);
+        umask(was);
+        bound?
+    };
+    let meta = std::fs::symlink_metadata(path)?;
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if !meta.file_type().is_socket() || meta.permissions().mode() & 0o077 != 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!("{}: not our private socket after bind", path.display()),
+            ));
+        }
+    }
     Ok(l)
 }
 
@@ -583,6 +602,22 @@ mod serde_like {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The offer socket is born 0600 (no window in which another user
+    /// could connect, no chmod through a path someone may have swapped),
+    /// and the process's umask is left as it was.
+    #[test]
+    fn the_offer_socket_is_created_private() {
+        use nix::sys::stat::{umask, Mode};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("upgrade.sock");
+        let before = umask(Mode::from_bits_truncate(0o022));
+        let _l = listen(&path).unwrap();
+        let after = umask(before);
+        assert_eq!(after.bits(), 0o022, "the umask is restored");
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    }
 
     #[test]
     fn the_description_round_trips_and_refuses_garbage() {

@@ -90,6 +90,9 @@ pub fn check_config(file: &std::path::Path, role: ConfigRole) -> i32 {
     let problems = match check_as(file, role) {
         Ok(summary) => {
             println!("{}: valid ({summary})", file.display());
+            for w in warnings(file, role) {
+                eprintln!("{}: warning: {w}", file.display());
+            }
             return 0;
         }
         Err(p) => p,
@@ -121,6 +124,36 @@ fn check_as(file: &std::path::Path, role: ConfigRole) -> Result<String, Vec<Stri
             )),
             Err(errors) => Err(lines(&errors.0)),
         },
+    }
+}
+
+/// What is valid but unsafe in a valid file: an admin endpoint off
+/// loopback without a token (its `/config`, `/api/state` and `/metrics`
+/// name every tenant to whoever reaches it).
+fn warnings(file: &std::path::Path, role: ConfigRole) -> Vec<String> {
+    let open = |listen: std::net::SocketAddr, token: bool| {
+        (!listen.ip().is_loopback() && !token).then(|| {
+            format!(
+                "the admin endpoint listens on {listen} (not loopback) without a token_file: /config, /api/state and /metrics name every tenant to anyone who reaches it"
+            )
+        })
+    };
+    let Ok(text) = std::fs::read_to_string(file) else {
+        return Vec::new();
+    };
+    match role {
+        ConfigRole::TunnelServer => seedlink_tunnel::config::ServerConfig::parse(&text)
+            .ok()
+            .and_then(|c| c.admin)
+            .and_then(|a| open(a.listen, a.token_file.is_some()))
+            .into_iter()
+            .collect(),
+        ConfigRole::Gateway => seedlink_config::load(file, None)
+            .ok()
+            .and_then(|s| open(s.admin, s.file.admin.token_file.is_some()))
+            .into_iter()
+            .collect(),
+        _ => Vec::new(),
     }
 }
 

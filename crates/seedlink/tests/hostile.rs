@@ -861,7 +861,12 @@ async fn the_lean_transport_refuses_what_is_not_an_open() {
          \x20                ('bigpacket',bytes([0])+struct.pack('>I',4*1024*1024)),\n\
          \x20                ('nometa',frame(3,b'no header here\\n'))]:\n\
          \x20   s=conn(); s.sendall(data)\n\
-         \x20   print(name, *answer(s), flush=True)\n",
+         \x20   print(name, *answer(s), flush=True)\n\
+         import os\n\
+         s=conn()\n\
+         raw=socket.socket(fileno=os.dup(s.fileno()))\n\
+         raw.sendall(b'\\x17\\x03\\x03\\x00\\x20'+b'\\x00'*32)\n\
+         print('badrecord', *answer(s), flush=True)\n",
         ca = env.files.seed_ca,
         crt = env.files.agent_crt,
         key = env.files.agent_key,
@@ -896,6 +901,14 @@ async fn the_lean_transport_refuses_what_is_not_an_open() {
         )
     };
     assert!(m("bad_open") >= 4.0, "bad_open {}", m("bad_open"));
+    // A forged record before the OPEN: said and counted by its reason.
+    assert!(line("badrecord").starts_with("badrecord "), "{text}");
+    eventually(
+        "a bad record counted",
+        Duration::from_secs(20),
+        async || m("bad_record") >= 1.0,
+    )
+    .await;
     echo_rtt(&mut echo, 4096).await;
 }
 

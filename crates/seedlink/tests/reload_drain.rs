@@ -296,6 +296,28 @@ control_planes:
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Valid, but its admin endpoint is open to the network without a
+    // token: accepted, never silently.
+    let open = dir.path().join("open-admin.yaml");
+    std::fs::write(
+        &open,
+        "admin: {listen: '0.0.0.0:9901'}
+listeners: [{name: tls, address: '127.0.0.1:0'}]
+control_planes: [{name: a, hostnames: [a.example], endpoints: ['127.0.0.1:9']}]
+",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_seedlink"))
+        .arg("check-config")
+        .arg(&open)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("warning") && err.contains("without a token_file"),
+        "{err}"
+    );
     // The gateway refuses to start on the bad file (required PROXY without trusted LBs).
     let out = Command::new(env!("CARGO_BIN_EXE_seedlink"))
         .args(["gateway", "--config"])

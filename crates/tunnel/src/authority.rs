@@ -33,6 +33,11 @@ const MAX_BLOCK: usize = 64 * 1024;
 /// per field). A small block can reference a table entry thousands of
 /// times (an "HPACK bomb"); decoding stops collecting past this.
 const MAX_DECODED: usize = 64 * 1024;
+/// Frames one header block may span (HEADERS and its CONTINUATIONs): a
+/// client sending empty CONTINUATION frames without end would otherwise
+/// keep this task busy for nothing (the CONTINUATION flood, CVE-2024-27316
+/// and its kin); legitimate blocks here fit one or two frames.
+const MAX_BLOCK_FRAMES: usize = 64;
 /// The dynamic table size the client may ask for: HTTP/2's default
 /// `SETTINGS_HEADER_TABLE_SIZE`, which the server behind never raises.
 const MAX_TABLE: usize = 4096;
@@ -46,6 +51,8 @@ struct Block {
     stream: [u8; 4],
     priority: Option<[u8; 5]>,
     fragment: Vec<u8>,
+    /// Frames so far.
+    frames: usize,
 }
 
 impl Block {
@@ -79,6 +86,7 @@ impl Block {
             stream,
             priority,
             fragment: frag.to_vec(),
+            frames: 1,
         })
     }
 
@@ -88,8 +96,12 @@ impl Block {
             return Err(bad("CONTINUATION on another stream"));
         }
         self.fragment.extend_from_slice(payload);
+        self.frames += 1;
         if self.fragment.len() > MAX_BLOCK {
             return Err(bad("header block too large"));
+        }
+        if self.frames > MAX_BLOCK_FRAMES {
+            return Err(bad("header block in too many frames"));
         }
         Ok(())
     }
@@ -371,5 +383,21 @@ mod tests {
         ));
         let e = rewrite(&input[..], &mut Vec::new()).await.unwrap_err();
         assert!(e.to_string().contains("HPACK"), "{e}");
+    }
+
+    /// A header block spread over empty CONTINUATION frames without end
+    /// (the CONTINUATION flood) is refused after a bounded number of
+    /// frames, not read for as long as the client sends.
+    #[tokio::test]
+    async fn empty_continuations_without_end_are_refused() {
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, 0, 1, &[0x82]));
+        for _ in 0..100_000 {
+            input.extend(frame(CONTINUATION, 0, 1, &[]));
+        }
+        let mut rd = &input[..];
+        let e = rewrite(&mut rd, &mut Vec::new()).await.unwrap_err();
+        assert!(e.to_string().contains("too many frames"), "{e}");
+        assert!(rd.len() > 99_000 * 9, "it stopped reading early");
     }
 }

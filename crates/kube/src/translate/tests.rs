@@ -473,6 +473,93 @@ fn the_first_claim_keeps_a_name_whatever_the_ages() {
     assert_eq!(names(&t), ["shoot--x.api", "shoot--v.api"]);
 }
 
+/// A replica that starts (no pass of its own to remember) while an older
+/// route claims a newer route's name decides as the running replicas do:
+/// the route whose status says seedlink accepted it as it is now (its
+/// generation) holds its names; the editor's `Accepted` is for an older
+/// generation, and a route whose SeedlinkPolicy was edited since counts as
+/// edited.
+#[test]
+fn a_restarted_replica_keeps_names_with_the_route_accepted_now() {
+    let accepted = |mut r: TlsRoute, observed: i64| {
+        r.status = serde_json::from_value(json!({"parents": [{
+            "parentRef": {"name": "seedlink", "namespace": "seedlink-system"},
+            "controllerName": crate::crd::CONTROLLER_NAME,
+            "conditions": [{"type": "Accepted", "status": "True", "reason": "Accepted", "message": "",
+                            "lastTransitionTime": "2026-06-01T00:00:00Z", "observedGeneration": observed}]
+        }]}))
+        .unwrap();
+        Arc::new(r)
+    };
+    let victim = |observed| {
+        accepted(
+            (*route(
+                "shoot--v",
+                "api",
+                "2026-06-01T00:00:00Z",
+                &["api.v.example"],
+                "kube-apiserver",
+                443,
+            ))
+            .clone(),
+            observed,
+        )
+    };
+    // The attacker's route was accepted at generation 2, then edited (3)
+    // to add the victim's name.
+    let greedy = accepted(
+        (*route(
+            "shoot--x",
+            "api",
+            "2025-01-01T00:00:00Z",
+            &["api.x.example", "api.v.example"],
+            "kube-apiserver",
+            443,
+        ))
+        .clone(),
+        2,
+    );
+    let world = |routes: Vec<Arc<TlsRoute>>, policies: Vec<Arc<SeedlinkPolicy>>| World {
+        routes,
+        policies,
+        services: vec![
+            service("shoot--v", "kube-apiserver", 443, "https"),
+            service("shoot--x", "kube-apiserver", 443, "https"),
+        ],
+        slices: vec![],
+        gateway: all_namespaces(),
+        namespaces: vec![],
+        grants: vec![],
+    };
+    let names = |t: &Translation| -> Vec<String> {
+        t.control_planes.iter().map(|c| c.name.clone()).collect()
+    };
+    let fresh = |w: &World| w.translate(&mut Translator::default());
+    assert_eq!(
+        names(&fresh(&world(vec![victim(3), greedy.clone()], vec![]))),
+        ["shoot--v.api", "shoot--x.api"]
+    );
+    // Without status to go by (never accepted as it is now), the ages
+    // decide, as before.
+    assert_eq!(
+        names(&fresh(&world(vec![victim(2), greedy.clone()], vec![]))),
+        ["shoot--x.api", "shoot--v.api"]
+    );
+    // The victim's SeedlinkPolicy edited since it was accepted: the
+    // victim's status no longer counts.
+    let edited = policy(
+        "shoot--v",
+        "p",
+        "2026-06-01T00:00:00Z",
+        "api",
+        &["10.0.0.0/8"],
+    );
+    assert_eq!(
+        names(&fresh(&world(vec![victim(3), greedy], vec![edited]))),
+        ["shoot--x.api", "shoot--v.api"]
+    );
+}
+
 /// The Gateway's listener decides who attaches: without a Gateway object
 /// only routes from its own namespace (Gateway API's default); `Same`
 /// likewise; `Selector` by the namespace's labels (which the cluster

@@ -283,9 +283,22 @@ pub struct Agent {
     keepalive_ms: std::sync::atomic::AtomicU64,
     /// A stream to a server ended: replica discovery resumes at once.
     session_lost: tokio::sync::Notify,
+    /// Streams in a row that ended or were drained soon after they opened
+    /// ([`STABLE`]): discovery backs off by them (a server that accepts
+    /// and drops every stream is not dialled in a loop).
+    flaps: std::sync::atomic::AtomicU32,
+    /// Streams whose server said DRAIN and that still carry connections
+    /// ([`MAX_DRAINING`] at most).
+    draining_streams: std::sync::atomic::AtomicUsize,
     /// Cancelled to stop everything.
     pub shutdown: CancellationToken,
 }
+
+/// A stream that lasts this long was a stable one.
+const STABLE: Duration = Duration::from_secs(10);
+/// Draining streams an agent keeps at once: a server that says DRAIN on
+/// every stream cannot make it hold streams (and sockets) without end.
+const MAX_DRAINING: usize = 8;
 
 /// What a server's answer says.
 struct Answer {
@@ -349,6 +362,16 @@ pub fn retry_delay(
     } else {
         (delay, delay.mul_f64(1.5).min(cap))
     }
+}
+
+/// The wait before the next dial after `flaps` streams in a row that did
+/// not last: none after a stable one, then `base` growing ×1.5 up to `cap`.
+pub fn flap_delay(flaps: u32, base: Duration, cap: Duration) -> Duration {
+    if flaps == 0 {
+        return Duration::ZERO;
+    }
+    let grown = base.mul_f64(1.5f64.powi(i32::try_from(flaps - 1).unwrap_or(i32::MAX).min(64)));
+    grown.min(cap)
 }
 
 /// Longest PING interval the back-off reaches.
@@ -530,6 +553,10 @@ struct Session {
     to_server: Arc<FairQueue>,
     state: Mutex<Locked>,
     gone: CancellationToken,
+    /// Cancelled to end the stream from this side.
+    cut: CancellationToken,
+    /// When it opened.
+    since: std::time::Instant,
     /// Per-connection flow control negotiated.
     flow: bool,
 }
@@ -571,6 +598,8 @@ impl Session {
                 out: Actions::new(),
             }),
             gone: CancellationToken::new(),
+            cut: CancellationToken::new(),
+            since: std::time::Instant::now(),
             flow,
         }
     }
@@ -714,6 +743,8 @@ impl Agent {
                 u64::try_from(opts_keepalive.as_millis()).unwrap_or(u64::MAX),
             ),
             session_lost: tokio::sync::Notify::new(),
+            flaps: std::sync::atomic::AtomicU32::new(0),
+            draining_streams: std::sync::atomic::AtomicUsize::new(0),
             shutdown: CancellationToken::new(),
         }))
     }
@@ -762,6 +793,20 @@ impl Agent {
             if self.draining.load(Ordering::Acquire) {
                 self.shutdown.cancelled().await;
                 return;
+            }
+            // Streams that did not last: wait before the next, whatever
+            // woke us.
+            let pause = flap_delay(
+                self.flaps.load(Ordering::Acquire),
+                self.opts.sync_interval,
+                self.opts.sync_interval_cap,
+            );
+            if !pause.is_zero() {
+                let jitter = 0.9 + rand::random::<f64>() * 0.2;
+                tokio::select! {
+                    () = tokio::time::sleep(pause.mul_f64(jitter)) => {}
+                    () = self.shutdown.cancelled() => return,
+                }
             }
             let (wait, next) = self.attempt(delay).await;
             delay = next;
@@ -1059,6 +1104,10 @@ impl Agent {
     /// discovery, and end what it carried.
     fn session_ended(&self, session: &Arc<Session>, goaway: Option<u32>) {
         let agent = self;
+        self.count_flap(session);
+        if session.draining.load(Ordering::Acquire) {
+            self.draining_streams.fetch_sub(1, Ordering::AcqRel);
+        }
         {
             let mut s = seedlink_net::sync::lock(&agent.sessions, "agent sessions");
             // Only this stream's entry (a replacement may hold the ID).
@@ -1084,6 +1133,7 @@ impl Agent {
     async fn serve_session(self: &Arc<Self>, s: Arc<Session>, mut inbound: Inbound) {
         loop {
             let p = tokio::select! {
+                () = s.cut.cancelled() => return,
                 m = inbound.next() => match m {
                     Some(Ok(p)) => p,
                     Some(Err(e)) => {
@@ -1112,6 +1162,16 @@ impl Agent {
         }
     }
 
+    /// A stream ended or drained: a flap if it had not lasted [`STABLE`],
+    /// else the streak is over.
+    fn count_flap(&self, s: &Session) {
+        if s.since.elapsed() < STABLE {
+            self.flaps.fetch_add(1, Ordering::AcqRel);
+        } else {
+            self.flaps.store(0, Ordering::Release);
+        }
+    }
+
     /// What a packet from the server meant beyond its actions: DRAIN
     /// (look for a replica to replace it), REPLICAS, counters for bad
     /// packets and windows.
@@ -1119,6 +1179,13 @@ impl Agent {
         if h == link::Handled::ServerDraining && !s.draining.swap(true, Ordering::AcqRel) {
             tracing::info!(server_id = %s.server_id, "the tunnel server drains: looking for a replica to replace it");
             AgentMetrics::count(&self.metrics.server_connects, "server_draining");
+            self.count_flap(s);
+            let n = self.draining_streams.fetch_add(1, Ordering::AcqRel) + 1;
+            if n > MAX_DRAINING {
+                tracing::warn!(server_id = %s.server_id, "more draining streams than {MAX_DRAINING}: this one is ended");
+                AgentMetrics::count(&self.metrics.server_connects, "too_many_draining");
+                s.cut.cancel();
+            }
             self.session_lost.notify_one();
         }
         if let link::Handled::Replicas(n) = h {
@@ -1320,6 +1387,27 @@ impl Agent {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server that accepts every stream and drops (or drains) it at once
+    /// is dialled less and less often, up to the cap; one stable stream
+    /// ends the streak.
+    #[test]
+    fn streams_that_do_not_last_back_off() {
+        let (base, cap) = (Duration::from_secs(1), Duration::from_secs(10));
+        assert_eq!(flap_delay(0, base, cap), Duration::ZERO);
+        assert_eq!(flap_delay(1, base, cap), base);
+        assert_eq!(flap_delay(2, base, cap), Duration::from_millis(1500));
+        assert_eq!(flap_delay(40, base, cap), cap);
+        assert_eq!(flap_delay(u32::MAX, base, cap), cap);
+        // Over 8 s of flapping, at most a handful of streams, not hundreds.
+        let mut t = Duration::ZERO;
+        let mut streams = 0;
+        while t < Duration::from_secs(8) {
+            streams += 1;
+            t += flap_delay(streams, base, cap);
+        }
+        assert!(streams <= 6, "{streams}");
+    }
 
     #[test]
     fn refusals_back_off_and_timeouts_do_not() {

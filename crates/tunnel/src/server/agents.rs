@@ -349,24 +349,32 @@ where
 {
     let srv = conn.srv.clone();
     let peer = conn.peer;
-    let meta =
-        match tokio::time::timeout(srv.settings.handshake_timeout, lean::accept(&mut tls)).await {
-            Ok(Ok(m)) => m,
-            // Gone before a whole frame (a port check, a scan): no stream.
-            Ok(Err(lean::WireError::Io(_) | lean::WireError::Truncated)) => {
-                srv.metrics.agent_stream("", "no_stream");
-                return None;
-            }
-            Ok(Err(e)) => {
-                tracing::info!(%peer, error = %e, "agent stream refused: bad OPEN");
-                srv.metrics.agent_stream("", "bad_open");
-                return None;
-            }
-            Err(_) => {
-                srv.metrics.agent_stream("", "no_stream");
-                return None;
-            }
-        };
+    let meta = match tokio::time::timeout(srv.settings.handshake_timeout, lean::accept(&mut tls))
+        .await
+    {
+        Ok(Ok(m)) => m,
+        // Records nobody should send (usertls.rs refused them): said
+        // and counted, before any stream.
+        Ok(Err(lean::WireError::Io(e))) if e.kind() == std::io::ErrorKind::InvalidData => {
+            tracing::info!(%peer, error = %e, "agent connection refused before OPEN: bad TLS record");
+            srv.metrics.agent_stream("", "bad_record");
+            return None;
+        }
+        // Gone before a whole frame (a port check, a scan): no stream.
+        Ok(Err(lean::WireError::Io(_) | lean::WireError::Truncated)) => {
+            srv.metrics.agent_stream("", "no_stream");
+            return None;
+        }
+        Ok(Err(e)) => {
+            tracing::info!(%peer, error = %e, "agent stream refused: bad OPEN");
+            srv.metrics.agent_stream("", "bad_open");
+            return None;
+        }
+        Err(_) => {
+            srv.metrics.agent_stream("", "no_stream");
+            return None;
+        }
+    };
     let (flow, replicas) = asked(&meta);
     let answer = answer_meta(&srv, flow, replicas);
     let admitted = match (flow, answer) {
