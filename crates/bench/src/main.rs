@@ -13,6 +13,7 @@ mod procstat;
 mod proxy;
 mod scenario;
 mod tunnel;
+mod tunnel_flood;
 mod tunnel_scale;
 mod workload;
 
@@ -105,15 +106,18 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
             let _ = TUNNEL_SCENARIO.set(());
         }
         "connect" => scenario::set_tunnel_destination(),
-        "tunnel-scale" => {}
+        "tunnel-scale" | "tunnel-flood" => {}
         "cipher" => return cipher::run(),
         other => {
-            anyhow::bail!("--scenario {other:?}: use sni, proxy-sni, connect, node-proxy, node-proxy-h2, tunnel, tunnel-scale or cipher")
+            anyhow::bail!("--scenario {other:?}: use sni, proxy-sni, connect, node-proxy, node-proxy-h2, tunnel, tunnel-scale, tunnel-flood or cipher")
         }
     }
     let backend = workload::Backend::start().await?;
     if opts.scenario == "tunnel-scale" {
         return tunnel_scale::run(&opts, backend.addr).await;
+    }
+    if opts.scenario == "tunnel-flood" {
+        return tunnel_flood::run(&opts, backend.addr).await;
     }
     let _ = CONNECT_TARGET.set(backend.addr.to_string());
     let dir = tempfile::tempdir()?;

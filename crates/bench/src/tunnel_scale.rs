@@ -23,13 +23,13 @@ use crate::scenario::Opts;
 use crate::workload::HELLO;
 
 /// PEM text of a certificate and its key.
-struct Leaf {
-    cert: String,
-    key: String,
+pub(crate) struct Leaf {
+    pub(crate) cert: String,
+    pub(crate) key: String,
 }
 
 /// A CA and one certificate it issued (server or client).
-fn issue(name: &str, server: bool) -> anyhow::Result<(String, Leaf)> {
+pub(crate) fn issue(name: &str, server: bool) -> anyhow::Result<(String, Leaf)> {
     use rcgen::{
         BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     };
@@ -80,13 +80,13 @@ impl Drop for Bed {
     }
 }
 
-fn write(dir: &Path, name: &str, text: &str) -> anyhow::Result<String> {
+pub(crate) fn write(dir: &Path, name: &str, text: &str) -> anyhow::Result<String> {
     let p = dir.join(name);
     std::fs::write(&p, text)?;
     Ok(p.display().to_string())
 }
 
-async fn admin_get(admin: &str, path: &str) -> anyhow::Result<String> {
+pub(crate) async fn admin_get(admin: &str, path: &str) -> anyhow::Result<String> {
     let mut s = TcpStream::connect(admin).await?;
     s.write_all(format!("GET {path} HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\r\n").as_bytes())
         .await?;
@@ -95,7 +95,7 @@ async fn admin_get(admin: &str, path: &str) -> anyhow::Result<String> {
     Ok(out)
 }
 
-fn metric_sum(text: &str, prefix: &str) -> f64 {
+pub(crate) fn metric_sum(text: &str, prefix: &str) -> f64 {
     text.lines()
         .filter(|l| l.starts_with(prefix))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -246,7 +246,7 @@ async fn dial_once(sock: &Path, target: SocketAddr) -> anyhow::Result<f64> {
     Ok(t0.elapsed().as_secs_f64() * 1e6)
 }
 
-fn pct(v: &mut [f64], p: f64) -> f64 {
+pub(crate) fn pct(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }

@@ -9,6 +9,7 @@
 //! - [`sockopt`]: keepalive, linger and file-descriptor limits.
 //! - [`lifecycle`]: the process phase (starting, serving, draining) that readiness reports.
 //! - [`rate`]: a token bucket per source address (anonymous peers' handshakes).
+//! - [`lowprio`]: a runtime on a lower-priority thread (handshakes anyone can ask for).
 //! - [`memtrim`]: gives freed memory back to the system after a burst (glibc).
 //! - [`sync`]: mutex locking that reports poisoning (a bug) instead of skipping work.
 
@@ -21,6 +22,7 @@ pub mod h2copy;
 pub mod handoff;
 pub mod lifecycle;
 pub mod loglimit;
+pub mod lowprio;
 pub mod memtrim;
 pub mod prefixed;
 pub mod rate;

@@ -9,9 +9,14 @@
 use std::time::{Duration, Instant};
 
 /// Idle packets a stream may send at once.
-pub const BURST: u32 = 4_096;
+pub const BURST: u32 = 1_024;
 /// And per second after that.
-pub const PER_SECOND: u32 = 1_024;
+pub const PER_SECOND: u32 = 256;
+/// After a stream of a cluster was cut for its idle packets, that
+/// cluster's new streams are refused (`UNAVAILABLE`, the agent backs off)
+/// for this long: reconnecting at once would give a flood a fresh budget
+/// every time.
+pub const COOLDOWN: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// One stream's budget: a token bucket over explicit time.
 #[derive(Debug, Clone)]

@@ -175,10 +175,24 @@ pub(crate) async fn without_streams_for(deadline: std::time::Duration, live: &Li
 /// it failed or took too long. TLS 1.3 in this process (usertls.rs).
 async fn accept_tls<IO>(srv: &Core, tcp: IO, peer: SocketAddr) -> Option<UserTls<IO>>
 where
-    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send,
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let accept = crate::usertls::accept(srv.agent_tls.load_full(), tcp);
-    match tokio::time::timeout(srv.settings.handshake_timeout, accept).await {
+    let within = tokio::time::timeout(srv.settings.handshake_timeout, accept);
+    let done = match &srv.handshaker {
+        // The handshake's work on the low-priority thread; the stream
+        // comes back to the workers.
+        Some(h) => match h.spawn(within).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(%peer, error = %e, "agent TLS handshake task failed");
+                srv.metrics.agent_stream("", "tls_failed");
+                return None;
+            }
+        },
+        None => within.await,
+    };
+    match done {
         Ok(Ok(s)) => Some(s),
         Ok(Err(e)) => {
             tracing::info!(%peer, error = %e, "agent TLS handshake failed");
@@ -487,6 +501,15 @@ async fn stream_cluster(
         None => None,
     };
     let cluster = credited_cluster(srv, cert_cluster, auth, peer).await?;
+    let until = cluster
+        .flood_until_ms
+        .load(std::sync::atomic::Ordering::Acquire);
+    if seedlink_net::clock::now_ms() < until {
+        srv.metrics.agent_stream(&cluster.name, "flood_cooldown");
+        return Err(Status::unavailable(
+            "a stream of this cluster was cut for flooding; retry later",
+        ));
+    }
     let max = cluster.gate.limits().max_agents;
     if max > 0 && cluster.agent_count() >= max {
         tracing::warn!(%peer, cluster = %cluster.name, max, "agent stream refused: limit");
@@ -674,9 +697,16 @@ async fn receive<S, E>(
     probe: bool,
 ) where
     S: Stream<Item = Result<Packet, E>> + Unpin,
-    E: std::fmt::Display,
+    E: ReceiveError,
 {
     let why = receive_loop(&srv, &cluster, &link, inbound).await;
+    if why == "control_flood" {
+        let until = seedlink_net::clock::now_ms()
+            + u64::try_from(crate::flood::COOLDOWN.as_millis()).unwrap_or(u64::MAX);
+        cluster
+            .flood_until_ms
+            .store(until, std::sync::atomic::Ordering::Release);
+    }
     detach(&cluster, &link);
     cluster.metrics.agent(-1);
     if probe && why == "closed" {
@@ -698,7 +728,7 @@ async fn receive_loop<S, E>(
 ) -> &'static str
 where
     S: Stream<Item = Result<Packet, E>> + Unpin,
-    E: std::fmt::Display,
+    E: ReceiveError,
 {
     // One sleep across packets; set again when it fired, and after a wait
     // for room (which ran the timers itself).
@@ -728,6 +758,10 @@ where
                 Err("control_flood")
             }
             Some(Ok(p)) => take_packet(srv, cluster, link, p, &mut idle).await,
+            Some(Err(e)) if e.flood() => {
+                tracing::info!(agent = %link.agent_id, error = %e, "agent stream cut: more frames that move nothing than its budget");
+                Err("control_flood")
+            }
             Some(Err(e)) => {
                 tracing::info!(agent = %link.agent_id, error = %e, "agent stream failed");
                 Err("stream_error")
@@ -781,6 +815,22 @@ async fn take_packet(
         }
     })
     .await
+}
+
+/// Why an agent stream's packets stopped coming.
+pub(crate) trait ReceiveError: std::fmt::Display {
+    /// The transport cut it for frames that move nothing (flood.rs).
+    fn flood(&self) -> bool {
+        false
+    }
+}
+
+impl ReceiveError for Status {}
+
+impl ReceiveError for lean::WireError {
+    fn flood(&self) -> bool {
+        matches!(self, lean::WireError::Flood)
+    }
 }
 
 /// A packet that carries nothing by its kind alone: a DRAIN (an agent

@@ -53,6 +53,9 @@ pub struct Cluster {
     pub(super) agents: Mutex<Vec<Arc<AgentLink>>>,
     /// When an agent stream last came or went (for `TunnelCluster` status).
     pub(super) agents_changed: Mutex<Option<std::time::SystemTime>>,
+    /// Until when (`seedlink_net::clock::now_ms`) its new agent streams are
+    /// refused: one of its streams was cut for flooding (flood.rs).
+    pub(super) flood_until_ms: std::sync::atomic::AtomicU64,
 }
 
 impl Cluster {
@@ -72,6 +75,7 @@ impl Cluster {
             grpc_frontends: std::sync::atomic::AtomicUsize::new(0),
             agents: Mutex::new(Vec::new()),
             agents_changed: Mutex::new(None),
+            flood_until_ms: std::sync::atomic::AtomicU64::new(0),
         }
     }
 

@@ -47,6 +47,10 @@ pub struct Core {
     pub pre_auth_slots: seedlink_net::admin::Slots,
     /// TLS handshakes per source and second.
     pub handshakes: seedlink_net::rate::PerSource,
+    /// Where agent TLS handshakes run: a thread at a lower priority
+    /// (`seedlink_net::lowprio`), so that a flood of handshakes delays
+    /// handshakes, not established tunnels; `None`: on the workers.
+    pub handshaker: Option<tokio::runtime::Handle>,
     /// Token checks under way per source ([`TOKEN_CHECKS_PER_SOURCE`]), so
     /// that one address sending forged tokens cannot hold every review
     /// slot of the cluster whose issuer they name.

@@ -108,6 +108,7 @@ fn new_core(
             a.handshakes_per_source,
             2.0 * a.handshakes_per_source,
         ),
+        handshaker: seedlink_net::lowprio::runtime("agent-tls"),
         token_slots,
         server_id: cfg.server_id.clone().unwrap_or_else(random_id),
         server_count: std::sync::atomic::AtomicU32::new(cfg.server_count),
