@@ -109,10 +109,29 @@ async fn route(
     }
 }
 
+/// How much a peer may send before anything it sent is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Windows {
+    /// The peer is known (its certificate named its cluster, or it is
+    /// kube-apiserver on its own frontend): the large windows one agent
+    /// stream needs for throughput.
+    Large,
+    /// The peer is nobody yet (no certificate: its token is checked per
+    /// stream): HTTP/2's default 64 KiB windows and 16 KiB frames,
+    /// grown by hyper's bandwidth-delay estimate only as admitted streams
+    /// are read, so that data sent before admission buffers at most
+    /// 64 KiB per connection.
+    Small,
+}
+
 /// Serves gRPC on one accepted connection: `routes` maps method paths to
 /// handlers; others get `UNIMPLEMENTED`. Returns when the connection ends.
-pub async fn serve<IO>(io: IO, routes: Vec<(&'static str, Handler)>, h2: H2Settings)
-where
+pub async fn serve<IO>(
+    io: IO,
+    routes: Vec<(&'static str, Handler)>,
+    h2: H2Settings,
+    windows: Windows,
+) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let routes = Arc::new(routes);
@@ -125,12 +144,16 @@ where
         .timer(hyper_util::rt::TokioTimer::new())
         .keep_alive_interval(Some(h2.keepalive))
         .keep_alive_timeout(h2.keepalive_timeout)
-        .initial_stream_window_size(STREAM_WINDOW)
-        .initial_connection_window_size(CONN_WINDOW)
-        .max_frame_size(256 * 1024)
         .max_concurrent_streams(1000)
         .max_pending_accept_reset_streams(20)
         .max_local_error_reset_streams(256);
+    match windows {
+        Windows::Large => builder
+            .initial_stream_window_size(STREAM_WINDOW)
+            .initial_connection_window_size(CONN_WINDOW)
+            .max_frame_size(256 * 1024),
+        Windows::Small => builder.adaptive_window(true).max_frame_size(16 * 1024),
+    };
     if let Err(e) = builder.serve_connection(TokioIo::new(io), service).await {
         tracing::debug!(error = %e, "gRPC connection ended");
     }

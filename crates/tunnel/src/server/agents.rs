@@ -112,10 +112,16 @@ where
 {
     let srv = conn.srv.clone();
     let live = Arc::new(Live::default());
+    // Without a certificate naming its cluster, the peer is nobody until
+    // a stream's token is checked: small windows until then.
+    let windows = match conn.cert_cluster {
+        Some(_) => grpc::Windows::Large,
+        None => grpc::Windows::Small,
+    };
     let handler = conn.handler(live.clone());
     let idle = without_streams_for(srv.settings.handshake_timeout, &live);
     tokio::select! {
-        () = grpc::serve(tls, vec![(AGENT_CONNECT_PATH, handler)], srv.agent_h2) => {}
+        () = grpc::serve(tls, vec![(AGENT_CONNECT_PATH, handler)], srv.agent_h2, windows) => {}
         () = idle => srv.metrics.agent_stream("", "no_stream"),
     }
 }

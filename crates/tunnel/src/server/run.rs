@@ -1324,7 +1324,13 @@ where
     let _open = Open(cluster.clone());
     let h = super::frontend::grpc_handler(srv.clone(), cluster, name);
     let io = tokio::io::join(from_client, wr);
-    crate::grpc::serve(io, vec![(PROXY_PATH, h)], srv.agent_h2).await;
+    crate::grpc::serve(
+        io,
+        vec![(PROXY_PATH, h)],
+        srv.agent_h2,
+        crate::grpc::Windows::Large,
+    )
+    .await;
     fix.abort();
 }
 
