@@ -15,12 +15,12 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use prost::Message;
 use seedlink_tunnel::agent::{Agent, AgentOptions};
 use seedlink_tunnel::grpc::H2Settings;
@@ -30,7 +30,7 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::scenario::Opts;
-use crate::tunnel_scale::{admin_get, issue, metric_sum, pct, write};
+use crate::tunnel_scale::{admin_get, issue, metric_sum, pct, start_server, write};
 use crate::workload::HELLO;
 
 /// How long each phase measures the victim.
@@ -275,25 +275,8 @@ impl Bed {
         }
         std::fs::write(dir.join("server.yaml"), yaml)?;
         // The default worker count: TOKIO_WORKER_THREADS is not set.
-        let mut child = Command::new(&opts.seedlink)
-            .args(["tunnel-server", "--config"])
-            .arg(dir.join("server.yaml"))
-            .env("RUST_LOG", "error")
-            .env_remove("TOKIO_WORKER_THREADS")
-            .stdout(Stdio::piped())
-            .spawn()?;
-        let out = child.stdout.take().context("stdout")?;
-        let read = tokio::task::spawn_blocking(move || {
-            let mut line = String::new();
-            std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line).map(|_| line)
-        });
-        let line = tokio::time::timeout(Duration::from_secs(30), read)
-            .await
-            .context("tunnel-server ready line")???;
-        let ready: serde_json::Value =
-            serde_json::from_str(&line).with_context(|| format!("ready line {line:?}"))?;
-        let admin = ready["admin"].as_str().context("admin")?.to_string();
-        let agents_at: SocketAddr = ready["agents"].as_str().context("agents")?.parse()?;
+        let (child, admin, agents_at) =
+            start_server(&opts.seedlink, &dir.join("server.yaml"), None).await?;
         let (vc, vk) = idents[0].clone();
         let agent = Agent::new(AgentOptions {
             server: agents_at.to_string(),

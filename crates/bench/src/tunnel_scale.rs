@@ -80,6 +80,39 @@ impl Drop for Bed {
     }
 }
 
+/// Starts `seedlink tunnel-server` on `config` (on `workers` worker
+/// threads, or its default) and reads its ready line: the process, its
+/// admin address and its agent port.
+pub(crate) async fn start_server(
+    seedlink: &Path,
+    config: &Path,
+    workers: Option<&str>,
+) -> anyhow::Result<(Child, String, SocketAddr)> {
+    let mut cmd = Command::new(seedlink);
+    cmd.args(["tunnel-server", "--config"])
+        .arg(config)
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped());
+    match workers {
+        Some(n) => cmd.env("TOKIO_WORKER_THREADS", n),
+        None => cmd.env_remove("TOKIO_WORKER_THREADS"),
+    };
+    let mut child = cmd.spawn()?;
+    let out = child.stdout.take().context("stdout")?;
+    let read = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line).map(|_| line)
+    });
+    let line = tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .context("tunnel-server ready line")???;
+    let ready: serde_json::Value =
+        serde_json::from_str(&line).with_context(|| format!("ready line {line:?}"))?;
+    let admin = ready["admin"].as_str().context("admin")?.to_string();
+    let agents_at: SocketAddr = ready["agents"].as_str().context("agents")?.parse()?;
+    Ok((child, admin, agents_at))
+}
+
 pub(crate) fn write(dir: &Path, name: &str, text: &str) -> anyhow::Result<String> {
     let p = dir.join(name);
     std::fs::write(&p, text)?;
@@ -130,25 +163,8 @@ impl Bed {
             sockets.push(sock);
         }
         std::fs::write(dir.join("server.yaml"), yaml)?;
-        let mut child = Command::new(&opts.seedlink)
-            .args(["tunnel-server", "--config"])
-            .arg(dir.join("server.yaml"))
-            .env("RUST_LOG", "error")
-            .env("TOKIO_WORKER_THREADS", "1")
-            .stdout(Stdio::piped())
-            .spawn()?;
-        let out = child.stdout.take().context("stdout")?;
-        let read = tokio::task::spawn_blocking(move || {
-            let mut line = String::new();
-            std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line).map(|_| line)
-        });
-        let line = tokio::time::timeout(Duration::from_secs(30), read)
-            .await
-            .context("tunnel-server ready line")???;
-        let ready: serde_json::Value =
-            serde_json::from_str(&line).with_context(|| format!("ready line {line:?}"))?;
-        let admin = ready["admin"].as_str().context("admin")?.to_string();
-        let agents_at: SocketAddr = ready["agents"].as_str().context("agents")?.parse()?;
+        let (child, admin, agents_at) =
+            start_server(&opts.seedlink, &dir.join("server.yaml"), Some("1")).await?;
         tokio::time::sleep(Duration::from_millis(300)).await;
         let pid = child.id();
         let server_rss0 = crate::procstat::rss_kib(&[pid]);

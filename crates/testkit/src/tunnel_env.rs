@@ -478,6 +478,21 @@ pub struct FakeAgent {
     pub agent_id: String,
 }
 
+/// An agent's `Connect` request as `h2` sends it, for `agentid` `id`.
+fn connect_request(id: String) -> http::Request<()> {
+    http::Request::builder()
+        .method("POST")
+        .uri(format!(
+            "https://tunnel.seedlink.test{}",
+            seedlink_tunnel::proto::AGENT_CONNECT_PATH
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("agentid", id)
+        .body(())
+        .unwrap_or_default()
+}
+
 impl FakeAgent {
     /// Runs `f` with an open agent stream (the packet sender and what the
     /// server sends), on a thread that joined the agent's namespace.
@@ -570,17 +585,7 @@ impl FakeAgent {
                 .unwrap();
             tokio::spawn(conn);
             let mut client = client.ready().await.unwrap();
-            let req = http::Request::builder()
-                .method("POST")
-                .uri(format!(
-                    "https://tunnel.seedlink.test{}",
-                    seedlink_tunnel::proto::AGENT_CONNECT_PATH
-                ))
-                .header("content-type", "application/grpc")
-                .header("te", "trailers")
-                .header("agentid", id)
-                .body(())
-                .unwrap();
+            let req = connect_request(id);
             let (resp, mut send) = client.send_request(req, false).unwrap();
             // The answer's headers come at once; its body is never read.
             let _resp = tokio::time::timeout(Duration::from_secs(10), resp).await;
@@ -619,17 +624,7 @@ impl FakeAgent {
             let (client, conn) = h2::client::handshake(tls).await.unwrap();
             let conn = tokio::spawn(conn);
             let mut client = client.ready().await.unwrap();
-            let req = http::Request::builder()
-                .method("POST")
-                .uri(format!(
-                    "https://tunnel.seedlink.test{}",
-                    seedlink_tunnel::proto::AGENT_CONNECT_PATH
-                ))
-                .header("content-type", "application/grpc")
-                .header("te", "trailers")
-                .header("agentid", id)
-                .body(())
-                .unwrap();
+            let req = connect_request(id);
             let (resp, _send) = client.send_request(req, false).unwrap();
             let code = match tokio::time::timeout(Duration::from_secs(10), resp).await {
                 Ok(Ok(r)) => r

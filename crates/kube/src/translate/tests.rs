@@ -420,6 +420,28 @@ fn a_route_cannot_take_another_namespaces_backend() {
 /// claim keeps it (the newcomer goes last and the gateway refuses it on
 /// the conflict), whatever the routes' ages; once the first route lets it
 /// go, the name can move.
+/// A victim's and an attacker's namespaces with their kube-apiserver
+/// Services, all namespaces admitted.
+fn victim_and_attacker(routes: Vec<Arc<TlsRoute>>, policies: Vec<Arc<SeedlinkPolicy>>) -> World {
+    World {
+        routes,
+        policies,
+        services: vec![
+            service("shoot--v", "kube-apiserver", 443, "https"),
+            service("shoot--x", "kube-apiserver", 443, "https"),
+        ],
+        slices: vec![],
+        gateway: all_namespaces(),
+        namespaces: vec![],
+        grants: vec![],
+    }
+}
+
+/// The control planes' names, in the order the translation gives them.
+fn names(t: &Translation) -> Vec<String> {
+    t.control_planes.iter().map(|c| c.name.clone()).collect()
+}
+
 #[test]
 fn the_first_claim_keeps_a_name_whatever_the_ages() {
     let victim = route(
@@ -440,21 +462,7 @@ fn the_first_claim_keeps_a_name_whatever_the_ages() {
             443,
         )
     };
-    let world = |routes: Vec<Arc<TlsRoute>>| World {
-        routes,
-        policies: vec![],
-        services: vec![
-            service("shoot--v", "kube-apiserver", 443, "https"),
-            service("shoot--x", "kube-apiserver", 443, "https"),
-        ],
-        slices: vec![],
-        gateway: all_namespaces(),
-        namespaces: vec![],
-        grants: vec![],
-    };
-    let names = |t: &Translation| -> Vec<String> {
-        t.control_planes.iter().map(|c| c.name.clone()).collect()
-    };
+    let world = |routes: Vec<Arc<TlsRoute>>| victim_and_attacker(routes, vec![]);
     let mut tr = Translator::default();
     // Both serve their own names: oldest first.
     let t = world(vec![victim.clone(), attacker(&["api.x.example"])]).translate(&mut tr);
@@ -519,21 +527,7 @@ fn a_restarted_replica_keeps_names_with_the_route_accepted_now() {
         .clone(),
         2,
     );
-    let world = |routes: Vec<Arc<TlsRoute>>, policies: Vec<Arc<SeedlinkPolicy>>| World {
-        routes,
-        policies,
-        services: vec![
-            service("shoot--v", "kube-apiserver", 443, "https"),
-            service("shoot--x", "kube-apiserver", 443, "https"),
-        ],
-        slices: vec![],
-        gateway: all_namespaces(),
-        namespaces: vec![],
-        grants: vec![],
-    };
-    let names = |t: &Translation| -> Vec<String> {
-        t.control_planes.iter().map(|c| c.name.clone()).collect()
-    };
+    let world = victim_and_attacker;
     let fresh = |w: &World| w.translate(&mut Translator::default());
     assert_eq!(
         names(&fresh(&world(vec![victim(3), greedy.clone()], vec![]))),
