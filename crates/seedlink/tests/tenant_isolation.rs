@@ -368,6 +368,44 @@ async fn an_unbindable_frontend_never_moves_trust() {
     stop.cancel();
 }
 
+/// A victim whose TunnelCluster is refused for a while (its Secret gone,
+/// as during a rotation) keeps the trust it held: an older tenant that
+/// claims the victim's CA meanwhile is refused, and the victim is served
+/// again with the same trust once its Secret is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_holder_keeps_its_trust() {
+    let mut seed = Seed::new("iso-c").await;
+    seed.start();
+    let attacker = Victim::onboard(&seed, "evil").await;
+    seed.served(&attacker.ns).await;
+    let victim = Victim::onboard(&seed, "victim").await;
+    let victim_trust = seed.served(&victim.ns).await;
+    kubeapi::delete(&seed.client, "v1", "Secret", &victim.ns, "agent-ca").await;
+    let why = seed.refused(&victim.ns).await;
+    assert!(why.contains("not found"), "{why}");
+    assert_eq!(
+        seed.trust(&victim.ns).await,
+        victim_trust,
+        "kept while refused"
+    );
+    seed.ca_secret(&attacker.ns, "stolen", &victim.pki.ca_pem)
+        .await;
+    seed.tunnel_cluster(
+        &attacker.ns,
+        json!({"agentCA": {"secret": "stolen", "key": "ca.crt"}}),
+    )
+    .await;
+    let why = seed.refused(&attacker.ns).await;
+    assert!(why.contains("holds"), "{why}");
+    seed.start();
+    let why = seed.refused(&attacker.ns).await;
+    assert!(why.contains("holds"), "after a restart: {why}");
+    seed.ca_secret(&victim.ns, "agent-ca", &victim.pki.ca_pem)
+        .await;
+    assert_eq!(seed.served(&victim.ns).await, victim_trust);
+    seed.refused(&attacker.ns).await;
+}
+
 /// Finding 2 of the hostile review: a TunnelCluster frontend on the
 /// operator's shared frontend's address is refused alone (the file always
 /// wins); another tenant onboarded afterwards is served, and after a

@@ -245,6 +245,11 @@ fn overlaps(a: SocketAddr, b: SocketAddr) -> bool {
     if a.port() != b.port() {
         return false;
     }
+    // `[::ffff:10.0.0.5]:443` is `10.0.0.5:443`.
+    let (a, b) = (
+        SocketAddr::new(a.ip().to_canonical(), a.port()),
+        SocketAddr::new(b.ip().to_canonical(), b.port()),
+    );
     let wild_v6 = |x: SocketAddr| x.ip().is_unspecified() && x.is_ipv6();
     a.ip() == b.ip()
         || (a.ip().is_unspecified() && a.is_ipv4() == b.is_ipv4())
@@ -334,6 +339,16 @@ pub fn trust_claims(c: &Cluster) -> Vec<String> {
     if let Some(t) = &c.agent_token {
         raw.push(format!("issuer {}", t.issuer).into_bytes());
     }
+    // A TCP frontend's address is held like trust: an older object that
+    // adds a newer one's address goes last and is refused on the
+    // collision, never the holder (its kube-apiserver would otherwise
+    // connect into the other tenant's frontend).
+    for f in &c.frontends {
+        if let Some(a) = f.tcp.filter(|a| a.port() != 0) {
+            let a = SocketAddr::new(a.ip().to_canonical(), a.port());
+            raw.push(format!("frontend {a}").into_bytes());
+        }
+    }
     raw.iter().map(|k| claim_id(k)).collect()
 }
 
@@ -354,10 +369,16 @@ fn claim_id(bytes: &[u8]) -> String {
 /// so [`ServerConfig::parse_with`] refuses it on the overlap, whatever the
 /// objects' ages. `held` is what the running configuration holds, with
 /// what the objects' statuses say they held filling the gaps (a restarted
-/// replica decides as the running ones do). Without this, a tenant could
-/// edit an older TunnelCluster to claim a newer tenant's CA or token keys
-/// and take its agents.
-pub fn keep_first_trust(extra: &mut Vec<Cluster>, held: &HashMap<String, String>) {
+/// replica decides as the running ones do). A holder among `refused`
+/// (its object exists but could not be read: a missing Secret) keeps what
+/// it holds. Without this, a tenant could edit an older TunnelCluster to
+/// claim a newer tenant's CA, token keys or frontend address and take its
+/// agents or its kube-apiserver's connections.
+pub fn keep_first_trust(
+    extra: &mut Vec<Cluster>,
+    held: &HashMap<String, String>,
+    refused: &HashSet<String>,
+) -> Refused {
     let claims: Vec<Vec<String>> = extra.iter().map(trust_claims).collect();
     let claimed_by = |key: &String, name: &str| {
         extra
@@ -365,20 +386,48 @@ pub fn keep_first_trust(extra: &mut Vec<Cluster>, held: &HashMap<String, String>
             .zip(&claims)
             .any(|(c, keys)| c.name == name && keys.contains(key))
     };
-    let steals: Vec<bool> = extra
+    // What each cluster claims that another holds: held by one among the
+    // clusters to apply (it goes last and the overlap refuses it), or by
+    // one refused for now (it is refused here: no overlap would show).
+    let stolen: Vec<(bool, Option<String>)> = extra
         .iter()
         .zip(&claims)
         .map(|(c, keys)| {
-            keys.iter().any(|k| {
-                held.get(k)
-                    .is_some_and(|owner| *owner != c.name && claimed_by(k, owner))
-            })
+            let mut steals = false;
+            let mut from_refused = None;
+            for k in keys {
+                let Some(owner) = held.get(k).filter(|o| **o != c.name) else {
+                    continue;
+                };
+                if refused.contains(owner) {
+                    from_refused = Some(owner.clone());
+                } else if claimed_by(k, owner) {
+                    steals = true;
+                }
+            }
+            (steals, from_refused)
         })
         .collect();
-    let mut indexed: Vec<(bool, Cluster)> = steals.into_iter().zip(extra.drain(..)).collect();
+    let mut out = Vec::new();
+    let mut indexed: Vec<(bool, Cluster)> = Vec::new();
+    for ((steals, from_refused), c) in stolen.into_iter().zip(extra.drain(..)) {
+        match from_refused {
+            Some(owner) => out.push((
+                c.name,
+                vec![ConfigError {
+                    path: String::new(),
+                    message: format!(
+                        "trusts a key (or names an address) that cluster {owner:?} holds; that cluster is refused for now but keeps what it holds"
+                    ),
+                }],
+            )),
+            None => indexed.push((steals, c)),
+        }
+    }
     // Stable: ages stay in order within each group.
     indexed.sort_by_key(|(stealer, _)| *stealer);
     extra.extend(indexed.into_iter().map(|(_, c)| c));
+    out
 }
 
 /// Certificates one `agent_ca` may hold.
@@ -1248,7 +1297,7 @@ clusters:
         };
         let text = "agents: {listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}\nclusters: []\n";
         let admit = |mut extra: Vec<Cluster>, held: &HashMap<String, String>| {
-            keep_first_trust(&mut extra, held);
+            let _ = keep_first_trust(&mut extra, held, &HashSet::new());
             let (cfg, refused) = ServerConfig::parse_with(text, extra);
             let cfg = cfg.unwrap();
             let names: Vec<String> = refused.into_iter().map(|(n, _)| n).collect();
@@ -1277,6 +1326,57 @@ clusters:
         let (held, refused) = admit(vec![cluster("ns-x.t", &victims)], &held);
         assert!(refused.is_empty());
         assert!(held.values().all(|n| n == "ns-x.t"));
+        // A holder whose object exists but could not be read (its Secret
+        // is missing: not among the clusters to apply) keeps its key.
+        let (held, _) = admit(vec![cluster("ns-v.t", &victims)], &HashMap::new());
+        let mut extra = vec![cluster("ns-x.t", &victims)];
+        let out = keep_first_trust(&mut extra, &held, &HashSet::from(["ns-v.t".to_string()]));
+        assert!(extra.is_empty(), "the claimant is not applied");
+        assert_eq!(out[0].0, "ns-x.t");
+        assert!(out[0].1[0].message.contains("ns-v.t"), "{:?}", out[0].1);
+    }
+
+    /// An older TunnelCluster that adds a newer one's TCP frontend address
+    /// goes last and is refused on the collision; the holder keeps it.
+    #[test]
+    fn a_frontend_address_stays_with_its_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = |n: &str| {
+            let p = dir.path().join(format!("{n}.pem"));
+            std::fs::write(&p, root(n).cert.pem()).unwrap();
+            p
+        };
+        let cluster = |name: &str, ca: PathBuf, tcp: &str| Cluster {
+            name: name.into(),
+            agent_ca: Some(ca),
+            agent_token: None,
+            strategies: vec!["default".into()],
+            frontends: vec![Frontend {
+                name: "kas".into(),
+                protocol: FrontendProtocol::HttpConnect,
+                unix: None,
+                tcp: Some(tcp.parse().unwrap()),
+                cert: None,
+                key: None,
+                client_ca: None,
+            }],
+            proxy_password_file: None,
+            limits: ClusterLimits::default(),
+        };
+        let (x, v) = (ca("x"), ca("v"));
+        let text = "agents: {listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}\nclusters: []\n";
+        let victim = cluster("ns-v.t", v, "127.0.0.1:9001");
+        let (cfg, _) = ServerConfig::parse_with(text, vec![victim.clone()]);
+        let held = trust_holders(&cfg.unwrap());
+        // The attacker's object is older (first) and names the victim's
+        // address, as an IPv4-mapped IPv6 address.
+        let mut extra = vec![cluster("ns-x.t", x, "[::ffff:127.0.0.1]:9001"), victim];
+        let _ = keep_first_trust(&mut extra, &held, &HashSet::new());
+        let (cfg, refused) = ServerConfig::parse_with(text, extra);
+        let names: Vec<String> = refused.into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["ns-x.t"]);
+        let kept: Vec<String> = cfg.unwrap().clusters.into_iter().map(|c| c.name).collect();
+        assert_eq!(kept, ["ns-v.t"]);
     }
 }
 

@@ -117,10 +117,11 @@ pub enum Windows {
     /// stream needs for throughput.
     Large,
     /// The peer is nobody yet (no certificate: its token is checked per
-    /// stream): HTTP/2's default 64 KiB windows and 16 KiB frames,
-    /// grown by hyper's bandwidth-delay estimate only as admitted streams
-    /// are read, so that data sent before admission buffers at most
-    /// 64 KiB per connection.
+    /// stream): HTTP/2's default 64 KiB windows and 16 KiB frames, for
+    /// the connection's life, so that data sent before admission buffers
+    /// at most 64 KiB per connection. Agents that authenticate by token
+    /// alone get that window (use certificates, or seedlink's agent on
+    /// the lean transport, for bulk throughput).
     Small,
 }
 
@@ -152,7 +153,10 @@ pub async fn serve<IO>(
             .initial_stream_window_size(STREAM_WINDOW)
             .initial_connection_window_size(CONN_WINDOW)
             .max_frame_size(256 * 1024),
-        Windows::Small => builder.adaptive_window(true).max_frame_size(16 * 1024),
+        Windows::Small => builder
+            .initial_stream_window_size(65_535)
+            .initial_connection_window_size(65_535)
+            .max_frame_size(16 * 1024),
     };
     if let Err(e) = builder.serve_connection(TokioIo::new(io), service).await {
         tracing::debug!(error = %e, "gRPC connection ended");

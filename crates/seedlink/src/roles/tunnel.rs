@@ -123,6 +123,7 @@ fn read_config(
     config: &std::path::Path,
     mut kubernetes: Vec<seedlink_tunnel::config::Cluster>,
     held: &HashMap<String, String>,
+    refused: &std::collections::HashSet<String>,
 ) -> (
     u64,
     anyhow::Result<ServerConfig>,
@@ -138,9 +139,12 @@ fn read_config(
             return (h.finish(), Err(e), Vec::new());
         }
     };
-    seedlink_tunnel::config::keep_first_trust(&mut kubernetes, held);
+    let mut taken = seedlink_tunnel::config::keep_first_trust(&mut kubernetes, held, refused);
     match ServerConfig::parse_with(&text, kubernetes) {
-        (Ok(cfg), refused) => (fingerprint(config, &cfg), Ok(cfg), refused),
+        (Ok(cfg), mut refused) => {
+            refused.append(&mut taken);
+            (fingerprint(config, &cfg), Ok(cfg), refused)
+        }
         (Err(e), _) => {
             let mut h = std::collections::hash_map::DefaultHasher::new();
             ("unparsable", &text).hash(&mut h);
@@ -224,6 +228,9 @@ pub struct ServerRole {
     status_held: Mutex<HashMap<String, String>>,
     /// The Kubernetes source, while it runs.
     source: Mutex<Option<seedlink_kube::source::Handle>>,
+    /// One configuration change at a time (a file reload and a
+    /// TunnelCluster change never interleave their rounds).
+    applying: tokio::sync::Mutex<()>,
     /// A new process is taking the sockets over: reloads wait (a frontend
     /// rebound now would take its path from the new process's socket).
     frozen: std::sync::atomic::AtomicBool,
@@ -251,6 +258,7 @@ impl ServerRole {
             kubernetes: Mutex::new(Vec::new()),
             held: Mutex::new(seedlink_tunnel::config::trust_holders(&cfg)),
             status_held: Mutex::new(HashMap::new()),
+            applying: tokio::sync::Mutex::new(()),
             source: Mutex::new(None),
             frozen: std::sync::atomic::AtomicBool::new(false),
             opts,
@@ -272,7 +280,8 @@ impl ServerRole {
             tracing::info!("TunnelClusters changed during a binary upgrade: applied by the new process (or here, if it fails)");
             return Vec::new();
         }
-        let (refused, whole) = self.apply_with(clusters, true).await;
+        drop(clusters);
+        let (refused, whole) = self.apply_with(true).await;
         if whole {
             // The configuration is complete: sockets handed over that no
             // frontend claimed are closed.
@@ -302,16 +311,29 @@ impl ServerRole {
     /// refused alone and the rest applied again without it: only the
     /// operator's file can fail a reload as a whole. Returns the refused
     /// TunnelClusters with why, and whether the rest was applied whole.
-    async fn apply_with(
-        &self,
-        mut kubernetes: Vec<seedlink_tunnel::config::Cluster>,
-        forced: bool,
-    ) -> (seedlink_tunnel::config::Refused, bool) {
+    async fn apply_with(&self, forced: bool) -> (seedlink_tunnel::config::Refused, bool) {
+        let _one = self.applying.lock().await;
+        // The latest TunnelClusters, read under the lock.
+        let mut kubernetes =
+            seedlink_net::sync::lock(&self.kubernetes, "tunnel kubernetes").clone();
+        // TunnelClusters whose objects exist (their status says they hold
+        // trust) but that are not among those to apply (refused before
+        // the server saw them): they keep what they hold.
+        let refused_holders: std::collections::HashSet<String> =
+            seedlink_net::sync::lock(&self.status_held, "tunnel status trust")
+                .values()
+                .filter(|n| !kubernetes.iter().any(|c| &c.name == *n))
+                .cloned()
+                .collect();
         let mut failed: seedlink_tunnel::config::Refused = Vec::new();
         // Each round refuses at least one more cluster, or ends.
         loop {
-            let (now, parsed, mut refused) =
-                read_config(&self.opts.config, kubernetes.clone(), &self.holders());
+            let (now, parsed, mut refused) = read_config(
+                &self.opts.config,
+                kubernetes.clone(),
+                &self.holders(),
+                &refused_holders,
+            );
             let seen = *seedlink_net::sync::lock(&self.seen, "tunnel fingerprint");
             if !forced && now == seen && failed.is_empty() {
                 return (refused, false);
@@ -506,12 +528,10 @@ impl Role for ServerRole {
                 tracing::info!("reload deferred: a binary upgrade is under way");
                 return;
             }
-            let kubernetes =
-                seedlink_net::sync::lock(&self.kubernetes, "tunnel kubernetes").clone();
             // Kubernetes touches files without changing them; contents
             // decide, unless SIGHUP asked. What this refuses reaches the
             // objects' status on the source's next pass.
-            self.apply_with(kubernetes, forced).await;
+            self.apply_with(forced).await;
         })
     }
 

@@ -84,9 +84,6 @@ where
     let Ok(cert_cluster) = cluster_of_cert(&srv, &certs, peer) else {
         return;
     };
-    if cert_cluster.is_some() {
-        slots.authenticated();
-    }
     // A connection without an admitted stream for the handshake deadline
     // is closed: past TLS, a client without a certificate is still nobody.
     let conn = AgentConn {
@@ -123,6 +120,7 @@ where
     tokio::select! {
         () = grpc::serve(tls, vec![(AGENT_CONNECT_PATH, handler)], srv.agent_h2, windows) => {}
         () = idle => srv.metrics.agent_stream("", "no_stream"),
+        () = live.refused_anonymous.notified() => {}
     }
 }
 
@@ -131,6 +129,10 @@ where
 pub(crate) struct Live {
     streams: std::sync::atomic::AtomicUsize,
     changed: tokio::sync::Notify,
+    /// A stream was refused on a connection without a cluster's
+    /// certificate and without an admitted stream: it is nobody, and the
+    /// connection ends.
+    refused_anonymous: tokio::sync::Notify,
 }
 
 /// One admitted stream, counted in [`Live`] while it runs.
@@ -270,7 +272,16 @@ async fn open_stream(
     req: tonic::Request<tonic::Streaming<Packet>>,
 ) -> Result<Response<PacketStream>, Status> {
     let srv = conn.srv.clone();
-    let a = admit(conn, req.metadata()).await?;
+    let anonymous = conn.cert_cluster.is_none();
+    let a = match admit(conn, req.metadata()).await {
+        Ok(a) => a,
+        Err(status) => {
+            if anonymous && live.streams.load(std::sync::atomic::Ordering::Acquire) == 0 {
+                live.refused_anonymous.notify_one();
+            }
+            return Err(status);
+        }
+    };
     let running = Running::new(live);
     let answer = response(&srv, a.to_agent.clone(), a.flow, a.replicas);
     drain_notice_if_moving(&srv, &a.link);
@@ -344,6 +355,8 @@ where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let srv = conn.srv.clone();
+    // The connection's slots are held as long as the connection is.
+    let _slots = conn.slots.clone();
     // Boxed: the steps before the stream runs (OPEN, admission, ANSWER)
     // would otherwise size the task that lives as long as the stream.
     let Some((a, tls)) = Box::pin(open_lean(conn, tls)).await else {
