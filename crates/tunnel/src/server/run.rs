@@ -365,15 +365,17 @@ pub enum ServerError {
     /// A reload was applied, but some changed frontends did not start.
     #[error("applied, but frontends failed to start: {}", failed_text(.0))]
     FrontendsFailed(Vec<FrontendFailure>),
-    /// One cluster's trust, password or frontend could not be prepared;
-    /// nothing was applied.
-    #[error("cluster {cluster}: {error}")]
-    InCluster {
-        /// The cluster.
-        cluster: String,
-        /// Why.
-        error: Box<ServerError>,
-    },
+    /// Clusters whose trust, password or frontend could not be prepared
+    /// (every one, found in one pass); nothing was applied.
+    #[error("{}", in_clusters_text(.0))]
+    InClusters(Vec<(String, String)>),
+}
+
+fn in_clusters_text(c: &[(String, String)]) -> String {
+    c.iter()
+        .map(|(name, why)| format!("cluster {name}: {why}"))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// A frontend that did not start in a reload.
@@ -398,7 +400,7 @@ impl ServerError {
     /// operator's.
     pub fn clusters(&self) -> Vec<(String, String)> {
         match self {
-            ServerError::InCluster { cluster, error } => vec![(cluster.clone(), error.to_string())],
+            ServerError::InClusters(c) => c.clone(),
             ServerError::FrontendsFailed(f) => f
                 .iter()
                 .filter_map(|f| Some((f.cluster.clone()?, f.why.clone())))
@@ -494,20 +496,20 @@ fn bind_unix(label: &str, path: &std::path::Path) -> Result<UnixListener, Server
 pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> {
     let mut clusters = Vec::new();
     let mut frontends = Vec::new();
+    // Every cluster's problem in one pass: a reload that must leave some
+    // out leaves them all out at once.
+    let mut failed = Vec::new();
     for c in &cfg.clusters {
-        let theirs = |error| ServerError::InCluster {
-            cluster: c.name.clone(),
-            error: Box::new(error),
-        };
-        clusters.push(plan_cluster(c, metrics).map_err(theirs)?);
-        for f in &c.frontends {
-            frontends.push(PlannedFrontend {
-                cluster: Some(c.name.clone()),
-                cfg: f.clone(),
-                transport: transport(f, &format!("cluster {} frontend {}", c.name, f.name), false)
-                    .map_err(theirs)?,
-            });
+        match plan_one(c, metrics) {
+            Ok((planned, mut fs)) => {
+                clusters.push(planned);
+                frontends.append(&mut fs);
+            }
+            Err(e) => failed.push((c.name.clone(), e.to_string())),
         }
+    }
+    if !failed.is_empty() {
+        return Err(ServerError::InClusters(failed));
     }
     for f in &cfg.shared_frontends {
         frontends.push(PlannedFrontend {
@@ -526,6 +528,26 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> 
         frontends,
         agent_tls,
     })
+}
+
+/// One cluster and its frontends, read and checked.
+fn plan_one(
+    c: &crate::config::Cluster,
+    metrics: &Metrics,
+) -> Result<(PlannedCluster, Vec<PlannedFrontend>), ServerError> {
+    let planned = plan_cluster(c, metrics)?;
+    let frontends = c
+        .frontends
+        .iter()
+        .map(|f| {
+            Ok(PlannedFrontend {
+                cluster: Some(c.name.clone()),
+                cfg: f.clone(),
+                transport: transport(f, &format!("cluster {} frontend {}", c.name, f.name), false)?,
+            })
+        })
+        .collect::<Result<Vec<_>, ServerError>>()?;
+    Ok((planned, frontends))
 }
 
 /// The agent endpoint's TLS: any cluster's CA verifies a client
