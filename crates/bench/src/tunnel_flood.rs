@@ -115,9 +115,13 @@ struct Attacker {
 }
 
 impl Attacker {
-    /// TLS to the agent port with the attacker's certificate.
+    /// TLS to the agent port with the attacker's certificate, from a
+    /// source address of its own (127.0.0.2; the victim's agent connects
+    /// from 127.0.0.1), as an attacker elsewhere would.
     async fn tls(&self) -> anyhow::Result<seedlink_tunnel::usertls::UserTls<TcpStream>> {
-        let tcp = TcpStream::connect(self.server).await?;
+        let sock = tokio::net::TcpSocket::new_v4()?;
+        sock.bind(SocketAddr::from(([127, 0, 0, 2], 0)))?;
+        let tcp = sock.connect(self.server).await?;
         let name = rustls::pki_types::ServerName::try_from("tunnel.bench")?;
         Ok(tokio::time::timeout(
             Duration::from_secs(10),
@@ -193,9 +197,17 @@ fn start_flood(
                     (attacker.clone(), stop.clone(), cuts.clone(), batch.clone());
                 tasks.push(tokio::spawn(async move {
                     while !stop.is_cancelled() {
-                        let r = match what {
-                            Some(_) => a.frames(&batch, &stop).await.map(|_| ()),
-                            None => a.tls().await.map(drop),
+                        let attempt = async {
+                            match what {
+                                Some(_) => a.frames(&batch, &stop).await.map(|_| ()),
+                                None => a.tls().await.map(drop),
+                            }
+                        };
+                        // A connect whose SYNs are dropped waits for the
+                        // kernel's retries: the phase's end stops it.
+                        let r = tokio::select! {
+                            () = stop.cancelled() => break,
+                            r = attempt => r,
                         };
                         if r.is_ok() {
                             cuts.fetch_add(1, Ordering::Relaxed);
@@ -449,10 +461,11 @@ pub async fn run(opts: &Opts, backend: SocketAddr) -> anyhow::Result<()> {
         );
     }
     println!(
-        "\nstreams cut for their idle packets: {:.0}; refused at accept: handshake_rate {:.0}, connection_limit {:.0}, unauthenticated_limit {:.0}",
+        "\nstreams cut for their idle packets: {:.0}; refused at accept: handshake_rate {:.0}, shut_out {:.0}, connection_limit {:.0}, unauthenticated_limit {:.0}",
         metric_sum(&m, "seedlink_tunnel_server_agent_streams_total{cluster=\"attacker\",reason=\"control_flood\"}")
             + metric_sum(&m, "seedlink_tunnel_server_agent_streams_total{cluster=\"attacker\",reason=\"stream_error\"}"),
         metric_sum(&m, "seedlink_tunnel_server_agent_streams_total{cluster=\"\",reason=\"handshake_rate\"}"),
+        metric_sum(&m, "seedlink_tunnel_server_agent_streams_total{cluster=\"\",reason=\"shut_out\"}"),
         metric_sum(&m, "seedlink_tunnel_server_agent_streams_total{cluster=\"\",reason=\"connection_limit\"}"),
         metric_sum(&m, "seedlink_tunnel_server_agent_streams_total{cluster=\"\",reason=\"unauthenticated_limit\"}"),
     );

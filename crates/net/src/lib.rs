@@ -29,4 +29,5 @@ pub mod rate;
 pub mod sockopt;
 #[cfg(target_os = "linux")]
 mod splice;
+pub mod synblock;
 pub mod sync;

@@ -572,6 +572,64 @@ async fn the_agent_port_caps_each_source_and_closes_the_silent() {
     drop((holder, quiet));
 }
 
+/// A source that connects in a loop, far past its handshake rate, is shut
+/// out at the agent port itself: its SYNs go unanswered (the kernel drops
+/// them, so the host does no TCP handshake for it) until the hold ends,
+/// while an agent from another source connects and carries traffic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_connecting_in_a_loop_is_shut_out_at_the_port() {
+    let env = TunnelEnv::new(108);
+    let server = env.server(
+        &env.server_yaml("0.0.0.0:8132", "", "").replace(
+            "keepalive_timeout: 1s}",
+            "keepalive_timeout: 1s, handshakes_per_source: 5}",
+        ),
+        "server",
+    );
+    let admin = server.admin();
+    // Bounded: at most 2,000 connections. Each one the server accepts and
+    // closes; once shut out, a connect gets no answer (the SYN and its
+    // retries at 1 s and 3 s are dropped; the 10 s hold outlasts them).
+    let script = "import socket\n\
+        def attempt(t):\n\
+        \x20 s=socket.socket(); s.settimeout(t)\n\
+        \x20 try:\n\
+        \x20   s.connect(('127.0.0.1',8132)); return True\n\
+        \x20 except socket.timeout: return False\n\
+        \x20 finally: s.close()\n\
+        n=next((i for i in range(2000) if not attempt(5)), None)\n\
+        print('shut out after', n, flush=True)\n\
+        back=any(attempt(5) for _ in range(30))\n\
+        print('back' if back else 'never back', flush=True)\n";
+    let seed = env.seed.cmd(&["python3", "-c", script]);
+    let looping = tokio::task::spawn_blocking(move || {
+        let mut seed = seed;
+        seed.output()
+    });
+    // Meanwhile an agent from another source (the shoot) connects and
+    // carries traffic.
+    let _agent = env.agent(&env.agent_endpoint(8132), &[]);
+    let c = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(60)).await;
+    assert!(fetch_hello(c).await.contains("hello from the shoot"));
+    let out = match looping.await {
+        Ok(Ok(o)) => String::from_utf8_lossy(&o.stdout).into_owned(),
+        other => panic!("the connecting loop: {other:?}"),
+    };
+    assert!(
+        out.contains("shut out after") && !out.contains("after None"),
+        "never shut out: {out}"
+    );
+    assert!(
+        out.contains("\nback"),
+        "the source must connect again after the hold: {out}"
+    );
+    let refused = env.server_metric(
+        &admin,
+        "seedlink_tunnel_server_agent_streams_total{cluster=\"\",reason=\"handshake_rate\"}",
+    );
+    assert!(refused >= 5.0, "{refused}");
+}
+
 /// One tenant's clients cannot take the gateway's connections from the
 /// others: past `max_connections_per_control_plane` its new connections
 /// get 503 and are counted, while another tenant's still get through.

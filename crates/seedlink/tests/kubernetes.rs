@@ -1742,3 +1742,253 @@ async fn each_gateway_of_the_class_is_served_at_its_own_address() {
     drop(gw);
     stop.cancel();
 }
+
+/// What a hostile tenant does to its own objects in one step of
+/// [`gateway_tenants_stand_alone_through_random_steps`].
+#[derive(Clone, Copy, Debug)]
+enum GwStep {
+    /// Its route on its own host name, its Service and pods, its
+    /// namespace admitted (creates again what was deleted: reused names).
+    Valid,
+    /// Its route claims the victim's host name.
+    Steal,
+    /// Its route claims its own host name and the victim's.
+    StealAmong,
+    /// Its route claims a wildcard that covers the victim's host name.
+    Wildcard,
+    /// Its route's backend is the victim's Service, across namespaces.
+    VictimsBackend,
+    /// Its route's backend is a Service that does not exist.
+    MissingService,
+    /// A policy on its own route under the victim's policy's name,
+    /// letting in almost nobody.
+    Policy,
+    /// Its namespace is no longer admitted by the Gateway's listener.
+    Unadmitted,
+    /// Its route is deleted.
+    DeleteRoute,
+    /// The gateway restarts.
+    Restart,
+}
+
+const GW_STEPS: [GwStep; 10] = [
+    GwStep::Valid,
+    GwStep::Steal,
+    GwStep::StealAmong,
+    GwStep::Wildcard,
+    GwStep::VictimsBackend,
+    GwStep::MissingService,
+    GwStep::Policy,
+    GwStep::Unadmitted,
+    GwStep::DeleteRoute,
+    GwStep::Restart,
+];
+
+impl Seed {
+    /// Waits until the gateway has written our `Accepted` condition for
+    /// the current generation of route `ns/kube-apiserver` (if it exists)
+    /// and of policy `ns/acl` (if it exists): it has seen the last step.
+    async fn settled(&self, ns: &str) {
+        eventually(
+            &format!("{ns}'s objects settled"),
+            Duration::from_secs(40),
+            async || {
+                for (api, kind, name) in [
+                    (ROUTES, "TLSRoute", "kube-apiserver"),
+                    (POLICIES, "SeedlinkPolicy", "acl"),
+                ] {
+                    let Some(o) = self.get(api, kind, ns, name).await else {
+                        continue;
+                    };
+                    let c = self.condition(api, kind, ns, name, "Accepted").await;
+                    let seen =
+                        c.is_some_and(|c| c["observedGeneration"] == o["metadata"]["generation"]);
+                    if !seen {
+                        return Err(format!("{kind} {ns}/{name}: not yet"));
+                    }
+                }
+                Ok(())
+            },
+        )
+        .await;
+    }
+}
+
+/// The generative isolation test against a running gateway: random
+/// sequences of hostile tenants' edits of their own TLSRoutes,
+/// SeedlinkPolicies and namespaces (the victim's host name, alone, among
+/// others and by wildcard; the victim's Service as a backend; a missing
+/// Service; a policy under the victim's policy's name; an unadmitted
+/// namespace; deletes and reused names), with restarts of the gateway
+/// between some steps. The attackers' objects are older than the
+/// victim's, so only the record of who holds a name (read back from
+/// status after a restart) keeps it. After every step the victim's route
+/// is accepted and its host name reaches the victim's pods.
+/// `SEEDLINK_ISOLATION_STEPS` and `SEEDLINK_ISOLATION_SEED` as for the
+/// tunnel-server's (tenant_isolation.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_tenants_stand_alone_through_random_steps() {
+    const V: &str = "api.victim.kube.test";
+    let (steps, mut rng) = common::generative::run("gateway isolation", 20);
+    let mut pick = |n: usize| rng.next(n);
+    let stop = CancellationToken::new();
+    let evil_hosts = ["api.evil1.kube.test", "api.evil2.kube.test"];
+    let pki = Arc::new(seedlink::demo::Pki::generate(&[V, evil_hosts[0], evil_hosts[1]]).unwrap());
+    let seed = Seed::new(true).await;
+    let port_v = seed.two_pods(&pki, 0, "victim", &stop);
+    let port_e = seed.two_pods(&pki, 1, "evil", &stop);
+    seed.gateway_object().await;
+    // The attackers first: their objects are older than the victim's.
+    let attackers = [
+        (seed.tenant("evil1", true).await, evil_hosts[0]),
+        (seed.tenant("evil2", true).await, evil_hosts[1]),
+    ];
+    let backend = |ns: &str, port: u16| {
+        (
+            service(ns, "kube-apiserver"),
+            slice(ns, "kube-apiserver", port, &[(POD_1, true), (POD_2, true)]),
+        )
+    };
+    for (ns, host) in &attackers {
+        let (svc, eps) = backend(ns, port_e);
+        seed.apply(svc).await;
+        seed.apply(eps).await;
+        seed.apply(seed.route(ns, "kube-apiserver", host, "kube-apiserver"))
+            .await;
+    }
+    let victim = seed.tenant("victim", true).await;
+    let (svc, eps) = backend(&victim, port_v);
+    seed.apply(svc).await;
+    seed.apply(eps).await;
+    seed.apply(seed.route(&victim, "kube-apiserver", V, "kube-apiserver"))
+        .await;
+    seed.apply(policy(&victim, "kube-apiserver", &["0.0.0.0/0"]))
+        .await;
+    let mut gw = seed.gateway("replica-a", &seed.token).await;
+    let victim_served = async |gw: &SeedGw, what: &str| {
+        let body = eventually(
+            &format!("the victim's host after {what}"),
+            Duration::from_secs(40),
+            async || get(&pki, gw.tls, V).await.map_err(|e| e.to_string()),
+        )
+        .await;
+        assert!(body.contains("hello from victim"), "{what}: {body}");
+        let accepted = seed
+            .condition(ROUTES, "TLSRoute", &victim, "kube-apiserver", "Accepted")
+            .await
+            .unwrap_or_default();
+        assert_eq!(accepted["status"], "True", "{what}: {accepted}");
+    };
+    seed.settled(&victim).await;
+    victim_served(&gw, "the start").await;
+    for i in 0..steps {
+        let step = GW_STEPS[pick(GW_STEPS.len())];
+        // The first attacker's route is never deleted: it stays older than
+        // the victim's, so only who held the name can keep it from it.
+        let (ns, host) = match step {
+            GwStep::DeleteRoute => &attackers[1],
+            _ => &attackers[pick(attackers.len())],
+        };
+        eprintln!("gateway isolation step {i}: {ns} {step:?}");
+        let with = |hosts: Value, backend: Value| {
+            json!({
+                "apiVersion": ROUTES, "kind": "TLSRoute",
+                "metadata": {"name": "kube-apiserver", "namespace": ns},
+                "spec": {
+                    "parentRefs": [{"name": "seedlink", "namespace": seed.sys, "sectionName": "tls"}],
+                    "hostnames": hosts,
+                    "rules": [{"backendRefs": [backend]}]
+                }
+            })
+        };
+        let own = json!({"name": "kube-apiserver", "port": 443});
+        match step {
+            GwStep::Valid => {
+                seed.tenant(&ns[seed.prefix.len() + 1..], true).await;
+                let (svc, eps) = backend(ns, port_e);
+                seed.apply(svc).await;
+                seed.apply(eps).await;
+                seed.apply(with(json!([host]), own)).await;
+            }
+            GwStep::Steal => {
+                seed.apply(with(json!([V]), own)).await;
+            }
+            GwStep::StealAmong => {
+                seed.apply(with(json!([host, V]), own)).await;
+            }
+            GwStep::Wildcard => {
+                seed.apply(with(json!(["*.kube.test"]), own)).await;
+            }
+            GwStep::VictimsBackend => {
+                let theirs = json!({"name": "kube-apiserver", "namespace": victim, "port": 443});
+                seed.apply(with(json!([host]), theirs)).await;
+            }
+            GwStep::MissingService => {
+                let none = json!({"name": "nothing", "port": 443});
+                seed.apply(with(json!([host]), none)).await;
+            }
+            GwStep::Policy => {
+                seed.apply(policy(ns, "kube-apiserver", &["192.0.2.1/32"]))
+                    .await;
+            }
+            GwStep::Unadmitted => {
+                seed.tenant(&ns[seed.prefix.len() + 1..], false).await;
+            }
+            GwStep::DeleteRoute => {
+                seed.delete(ROUTES, "TLSRoute", ns, "kube-apiserver").await;
+            }
+            GwStep::Restart => {
+                drop(gw);
+                gw = seed.gateway("replica-a", &seed.token).await;
+            }
+        }
+        seed.settled(ns).await;
+        victim_served(&gw, &format!("step {i} {ns} {step:?}")).await;
+        // Whatever the attacker's route names, it never holds the
+        // victim's host name, and across namespaces it reaches nothing.
+        if matches!(step, GwStep::Steal | GwStep::StealAmong) {
+            let c = seed
+                .condition(ROUTES, "TLSRoute", ns, "kube-apiserver", "Accepted")
+                .await
+                .unwrap_or_default();
+            assert_ne!(c["status"], "True", "step {i}: {c}");
+        }
+        if matches!(step, GwStep::Unadmitted)
+            && seed
+                .get(ROUTES, "TLSRoute", ns, "kube-apiserver")
+                .await
+                .is_some()
+        {
+            seed.wait_route(
+                "the unadmitted route refused",
+                Duration::from_secs(40),
+                ns,
+                "Accepted",
+                |c| c["status"] == "False",
+            )
+            .await;
+        }
+        if matches!(step, GwStep::VictimsBackend) {
+            let c = seed
+                .condition(ROUTES, "TLSRoute", ns, "kube-apiserver", "ResolvedRefs")
+                .await
+                .unwrap_or_default();
+            assert_eq!(c["reason"], "RefNotPermitted", "step {i}: {c}");
+        }
+    }
+    // Always, whatever the steps were: the older attacker claims the
+    // victim's name and the gateway restarts with no memory of who held
+    // it; the victim's Accepted status keeps it.
+    let (ns, host) = &attackers[0];
+    seed.apply(seed.route(ns, "kube-apiserver", host, "kube-apiserver"))
+        .await;
+    let mut steal = seed.route(ns, "kube-apiserver", host, "kube-apiserver");
+    steal["spec"]["hostnames"] = json!([host, V]);
+    seed.apply(steal).await;
+    seed.settled(ns).await;
+    drop(gw);
+    let gw = seed.gateway("replica-a", &seed.token).await;
+    seed.settled(ns).await;
+    victim_served(&gw, "the older attacker's claim across a restart").await;
+    stop.cancel();
+}

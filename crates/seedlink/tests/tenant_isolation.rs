@@ -484,20 +484,6 @@ const STEPS: [Step; 10] = [
     Step::Restart,
 ];
 
-/// A small deterministic generator (xorshift), seeded from the
-/// environment or the clock; the seed is printed so that a failure can be
-/// replayed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
-}
-
 /// Random sequences of hostile tenants' creates, edits and deletes (invalid
 /// objects, collisions with the operator's file and with the victim's
 /// trust, unbindable frontends, overlapping trust, reused names, deleted
@@ -507,21 +493,7 @@ impl Rng {
 /// victim's CA is served.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_objects_stand_alone_through_random_steps() {
-    let steps: usize = std::env::var("SEEDLINK_ISOLATION_STEPS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(30);
-    let seed_value: u64 = std::env::var("SEEDLINK_ISOLATION_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64)
-                | 1
-        });
-    eprintln!("isolation: {steps} steps, SEEDLINK_ISOLATION_SEED={seed_value}");
-    let mut rng = Rng(seed_value);
+    let (steps, mut rng) = common::generative::run("isolation", 30);
     let stop = CancellationToken::new();
     let echo = echo_backend(&stop).await;
     let mut seed = Seed::new("iso-g").await;

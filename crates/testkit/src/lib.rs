@@ -9,6 +9,7 @@
 pub mod agent_cmd;
 pub mod eventually;
 pub mod faults;
+pub mod generative;
 pub mod kubeapi;
 pub mod tunnel_env;
 

@@ -37,10 +37,20 @@ impl ConnSlots {
 /// its source started too many TLS handshakes lately (`handshake_rate`),
 /// the port or its source is full (`connection_limit`), or too many
 /// connections are unauthenticated, in all or from its source
-/// (`unauthenticated_limit`).
+/// (`unauthenticated_limit`). A source refused for its handshake rate
+/// as often again is shut out at the port for a while (`shut_out`).
 pub fn enter(srv: &Core, peer: SocketAddr) -> Option<ConnSlots> {
-    if !srv.handshakes.allow(peer.ip(), std::time::Instant::now()) {
+    let now = std::time::Instant::now();
+    if srv.shut_out.is_blocked(peer.ip(), now) {
+        // Its SYNs are dropped from now on; this one came before.
+        srv.metrics.agent_stream("", "shut_out");
+        return None;
+    }
+    if !srv.handshakes.allow(peer.ip(), now) {
         srv.metrics.agent_stream("", "handshake_rate");
+        if !srv.over_rate.allow(peer.ip(), now) && srv.shut_out.block(peer.ip(), now) {
+            tracing::warn!(source = %peer.ip(), seconds = super::core::SHUT_OUT.as_secs(), "agent port: a source connecting at more than twice its handshake rate is shut out");
+        }
         return None;
     }
     let Some(slot) = srv.agent_slots.enter(peer.ip()) else {

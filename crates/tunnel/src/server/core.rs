@@ -31,6 +31,10 @@ pub struct Settings {
 /// slots, so one address can hold at most a quarter of them.
 pub const TOKEN_CHECKS_PER_SOURCE: usize = 2;
 
+/// How long a source that connects at more than twice its handshake rate
+/// is shut out at the agent port.
+pub const SHUT_OUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The shared state of a running tunnel-server.
 pub struct Core {
     /// Clusters and their agents.
@@ -47,6 +51,12 @@ pub struct Core {
     pub pre_auth_slots: seedlink_net::admin::Slots,
     /// TLS handshakes per source and second.
     pub handshakes: seedlink_net::rate::PerSource,
+    /// Connections refused for `handshakes` a source may still make before
+    /// it is shut out at the agent port (`shut_out`).
+    pub over_rate: seedlink_net::rate::PerSource,
+    /// Sources shut out at the agent port: the kernel drops their SYNs
+    /// for [`SHUT_OUT`] (`seedlink_net::synblock`).
+    pub shut_out: seedlink_net::synblock::Blocklist,
     /// Where agent TLS handshakes run: a thread at a lower priority
     /// (`seedlink_net::lowprio`), so that a flood of handshakes delays
     /// handshakes, not established tunnels; `None`: on the workers.

@@ -108,6 +108,11 @@ fn new_core(
             a.handshakes_per_source,
             2.0 * a.handshakes_per_source,
         ),
+        over_rate: seedlink_net::rate::PerSource::new(
+            a.handshakes_per_source,
+            2.0 * a.handshakes_per_source,
+        ),
+        shut_out: seedlink_net::synblock::Blocklist::new(super::core::SHUT_OUT),
         handshaker: seedlink_net::lowprio::runtime("agent-tls"),
         token_slots,
         server_id: cfg.server_id.clone().unwrap_or_else(random_id),
@@ -792,7 +797,7 @@ impl TunnelServer {
         let srv = self.core.clone();
         let stop = seedlink_net::sync::lock(&self.sockets.agent_accept, "agent accept").clone();
         tokio::spawn(async move {
-            seedlink_net::accept::accept_loop(&agents, &stop, |tcp, peer| {
+            let accept = seedlink_net::accept::accept_loop(&agents, &stop, |tcp, peer| {
                 let Some(slots) = super::agents::enter(&srv, peer) else {
                     return;
                 };
@@ -800,8 +805,8 @@ impl TunnelServer {
                 srv.tasks.spawn(async move {
                     super::agents::serve_agent_conn(srv2, tcp, peer, slots).await;
                 });
-            })
-            .await;
+            });
+            tokio::join!(accept, srv.shut_out.enforce(&agents, &stop));
         });
     }
 
