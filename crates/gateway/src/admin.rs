@@ -81,7 +81,15 @@ fn route(gw: &Gateway, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     match req.uri().path() {
         "/healthz" => text(StatusCode::OK, "ok\n"),
         "/readyz" => match gw.lifecycle.phase() {
-            Phase::Serving => text(StatusCode::OK, "ready\n"),
+            Phase::Serving => match gw.lifecycle.gates.unmet() {
+                unmet if unmet.is_empty() => text(StatusCode::OK, "ready\n"),
+                unmet => {
+                    let body = format!("not ready\n[-]{}\n", unmet.join("\n[-]"));
+                    let mut r = Response::new(Full::new(Bytes::from(body)));
+                    *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                    r
+                }
+            },
             Phase::Starting => text(StatusCode::SERVICE_UNAVAILABLE, "starting\n"),
             Phase::Draining => text(StatusCode::SERVICE_UNAVAILABLE, "draining\n"),
         },

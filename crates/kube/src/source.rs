@@ -81,11 +81,33 @@ pub struct GatewaySettings {
 /// A running source.
 pub struct Handle {
     synced: watch::Receiver<bool>,
+    errors: WatchErrors,
     /// Whether this replica writes status.
     pub leadership: Leadership,
     stop: CancellationToken,
     /// The lease campaign (which releases a held lease when it stops).
     campaign: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+/// Whether a source's first snapshot is applied, and if not, why.
+#[derive(Clone)]
+pub struct Readiness {
+    synced: watch::Receiver<bool>,
+    errors: WatchErrors,
+}
+
+impl Readiness {
+    /// `None` once the first snapshot is applied (for good: an outage
+    /// later keeps the last snapshot served); before, why not.
+    pub fn why_not(&self) -> Option<String> {
+        if *self.synced.borrow() {
+            return None;
+        }
+        Some(match self.errors.describe() {
+            Some(e) => format!("no complete snapshot from the API server yet; last errors: {e}"),
+            None => "no complete snapshot from the API server yet (listing)".to_string(),
+        })
+    }
 }
 
 impl Handle {
@@ -96,6 +118,14 @@ impl Handle {
         tokio::time::timeout(timeout, rx.wait_for(|s| *s))
             .await
             .is_ok_and(|r| r.is_ok())
+    }
+
+    /// What readiness asks of this source: its first snapshot applied.
+    pub fn readiness(&self) -> Readiness {
+        Readiness {
+            synced: self.synced.clone(),
+            errors: self.errors.clone(),
+        }
     }
 
     /// Stops the watches and the status writer.
@@ -120,11 +150,41 @@ impl Drop for Handle {
     }
 }
 
+/// Each kind's last watch error while it fails (cleared when its watch
+/// delivers again): what readiness says while the first snapshot is not
+/// in.
+#[derive(Clone, Default)]
+pub struct WatchErrors(Arc<std::sync::Mutex<std::collections::BTreeMap<String, String>>>);
+
+impl WatchErrors {
+    fn set(&self, kind: &str, error: String) {
+        seedlink_net::sync::lock(&self.0, "watch errors").insert(kind.to_string(), error);
+    }
+
+    fn clear(&self, kind: &str) {
+        seedlink_net::sync::lock(&self.0, "watch errors").remove(kind);
+    }
+
+    /// The failing kinds with their last errors, if any.
+    fn describe(&self) -> Option<String> {
+        let m = seedlink_net::sync::lock(&self.0, "watch errors");
+        let all: Vec<String> = m.iter().map(|(k, e)| format!("{k}: {e}")).collect();
+        (!all.is_empty()).then(|| all.join("; "))
+    }
+}
+
+/// What a watch reports to its source: "changed", and its errors.
+#[derive(Clone)]
+struct Changed {
+    tx: mpsc::Sender<()>,
+    errors: WatchErrors,
+}
+
 /// The watches of one source, all saying "changed" on one channel.
 struct Watches {
     client: kube::Client,
     stop: CancellationToken,
-    tx: mpsc::Sender<()>,
+    tx: Changed,
     changed: mpsc::Receiver<()>,
 }
 
@@ -134,7 +194,10 @@ impl Watches {
         Watches {
             client: client.clone(),
             stop: stop.clone(),
-            tx,
+            tx: Changed {
+                tx,
+                errors: WatchErrors::default(),
+            },
             changed,
         }
     }
@@ -166,10 +229,16 @@ impl Watches {
             + 'static,
         K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
     {
+        // A tenant namespace's errors are logged, not shown on the
+        // unauthenticated readiness probe (they name the namespace).
+        let changed = Changed {
+            tx: self.tx.tx.clone(),
+            errors: WatchErrors::default(),
+        };
         watch_kind(
             Api::<K>::namespaced(self.client.clone(), namespace),
             watcher::Config::default().labels(selector),
-            self.tx.clone(),
+            changed,
             stop.clone(),
         )
     }
@@ -199,7 +268,7 @@ impl Watches {
 fn watch_kind<K>(
     api: Api<K>,
     config: watcher::Config,
-    changed: mpsc::Sender<()>,
+    changed: Changed,
     stop: CancellationToken,
 ) -> Store<K>
 where
@@ -214,7 +283,7 @@ fn watch_kind_of<K>(
     api: Api<K>,
     dyntype: K::DynamicType,
     config: watcher::Config,
-    changed: mpsc::Sender<()>,
+    changed: Changed,
     stop: CancellationToken,
 ) -> Store<K>
 where
@@ -239,10 +308,12 @@ where
             };
             match next {
                 Some(Ok(_)) => {
-                    let _ = changed.try_send(());
+                    changed.errors.clear(&kind);
+                    let _ = changed.tx.try_send(());
                 }
                 Some(Err(e)) => {
                     tracing::warn!(kind = %kind, error = %e, "kubernetes watch failed; keeping the last objects and retrying");
+                    changed.errors.set(&kind, e.to_string());
                 }
                 None => return,
             }
@@ -299,7 +370,7 @@ impl Routes {
     /// watches the newest; `v1` when it cannot tell.
     async fn watch(
         client: &kube::Client,
-        tx: mpsc::Sender<()>,
+        tx: Changed,
         stop: CancellationToken,
     ) -> (Routes, Option<kube::api::ApiResource>) {
         match served_route_version(client).await {
@@ -437,6 +508,7 @@ pub fn start_gateway(
 ) -> Handle {
     let stop = CancellationToken::new();
     let w = Watches::new(&client, &stop);
+    let errors = w.tx.errors.clone();
     let (routes_tx, routes_stop) = (w.tx.clone(), stop.clone());
     let kinds = GatewayKinds::watch(&w, &settings);
     let coalescer = Coalescer {
@@ -471,6 +543,7 @@ pub fn start_gateway(
     });
     Handle {
         synced,
+        errors,
         leadership,
         stop,
         campaign: std::sync::Mutex::new(campaign_task),
@@ -854,6 +927,7 @@ pub fn start_tunnel(
 ) -> Handle {
     let stop = CancellationToken::new();
     let mut w = Watches::new(&client, &stop);
+    let errors = w.tx.errors.clone();
     let clusters = w.kind::<crate::crd::TunnelCluster>();
     let replicas = settings.replicas.as_ref().map(|k| {
         w.labelled_in::<EndpointSlice>(
@@ -888,6 +962,7 @@ pub fn start_tunnel(
     });
     Handle {
         synced,
+        errors,
         leadership,
         stop,
         campaign: std::sync::Mutex::new(campaign_task),
@@ -1181,27 +1256,40 @@ fn policy_ancestors(
         .as_ref()
         .map(|s| s.ancestors.clone())
         .unwrap_or_default();
-    let desired: Vec<crate::crd::PolicyAncestorStatus> = o
-        .targets
-        .iter()
-        .map(|(name, v)| {
-            let prev = current
-                .iter()
-                .find(|a| a.ancestor_ref.name == *name)
-                .map(|a| a.conditions.clone())
-                .unwrap_or_default();
-            crate::crd::PolicyAncestorStatus {
-                ancestor_ref: crate::crd::AncestorRef {
-                    group: GATEWAY_GROUP.into(),
-                    kind: "TLSRoute".into(),
-                    name: name.clone(),
-                    namespace: key.namespace.clone(),
-                },
-                controller_name: CONTROLLER_NAME.into(),
-                conditions: vec![condition("Accepted", v, o.generation, &prev)],
-            }
-        })
-        .collect();
+    let ours = |name: &str, v: &Verdict| {
+        let prev = current
+            .iter()
+            .find(|a| a.ancestor_ref.name == name)
+            .map(|a| a.conditions.clone())
+            .unwrap_or_default();
+        crate::crd::PolicyAncestorStatus {
+            ancestor_ref: crate::crd::AncestorRef {
+                group: GATEWAY_GROUP.into(),
+                kind: "TLSRoute".into(),
+                name: name.to_string(),
+                namespace: key.namespace.clone(),
+            },
+            controller_name: CONTROLLER_NAME.into(),
+            conditions: vec![condition("Accepted", v, o.generation, &prev)],
+        }
+    };
+    // In the order already written (so that installs sharing a policy
+    // never take turns reordering it): another install's entries kept as
+    // they are, ours brought up to date, ours no longer targeted gone, new
+    // ones last.
+    let mut desired: Vec<crate::crd::PolicyAncestorStatus> = Vec::new();
+    for a in &current {
+        if o.foreign.contains(&a.ancestor_ref.name) {
+            desired.push(a.clone());
+        } else if let Some((name, v)) = o.targets.iter().find(|(n, _)| *n == a.ancestor_ref.name) {
+            desired.push(ours(name, v));
+        }
+    }
+    for (name, v) in &o.targets {
+        if !desired.iter().any(|a| a.ancestor_ref.name == *name) {
+            desired.push(ours(name, v));
+        }
+    }
     let unchanged = desired.len() == current.len()
         && desired
             .iter()
@@ -1943,5 +2031,53 @@ mod replica_tests {
         assert_eq!(replica_count(&[two, again]), Some(2));
         assert_eq!(replica_count(&[slice(json!([]))]), None);
         assert_eq!(replica_count(&[]), None);
+    }
+}
+
+#[cfg(test)]
+mod policy_status_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// Another install's entry on a shared policy is kept as written, in
+    /// its place; ours is brought up to date; written again, nothing
+    /// changes (two installs never take turns rewriting it).
+    #[test]
+    fn another_installs_ancestor_entry_is_kept_in_place() {
+        let entry = |route: &str, status: &str| {
+            serde_json::json!({
+                "ancestorRef": {"group": GATEWAY_GROUP, "kind": "TLSRoute", "name": route, "namespace": "t"},
+                "controllerName": CONTROLLER_NAME,
+                "conditions": [{"type": "Accepted", "status": status, "reason": "x", "message": "",
+                                "observedGeneration": 1, "lastTransitionTime": "2026-01-01T00:00:00Z"}]
+            })
+        };
+        let policy: SeedlinkPolicy = serde_json::from_value(serde_json::json!({
+            "apiVersion": "policy.seedlink.dev/v1alpha1", "kind": "SeedlinkPolicy",
+            "metadata": {"name": "acl", "namespace": "t", "generation": 2},
+            "spec": {"targetRefs": [
+                {"group": GATEWAY_GROUP, "kind": "TLSRoute", "name": "theirs"},
+                {"group": GATEWAY_GROUP, "kind": "TLSRoute", "name": "ours"}]},
+            "status": {"ancestors": [entry("theirs", "True"), entry("ours", "False")]}
+        }))
+        .unwrap();
+        let key = Key {
+            namespace: "t".into(),
+            name: "acl".into(),
+        };
+        let o = crate::translate::PolicyOutcome {
+            key: key.clone(),
+            generation: Some(2),
+            targets: vec![("ours".into(), Verdict::yes("Accepted", "applied"))],
+            foreign: vec!["theirs".into()],
+        };
+        let desired = policy_ancestors(&policy, &key, &o).unwrap();
+        assert_eq!(desired.len(), 2);
+        assert_eq!(desired[0], policy.status.as_ref().unwrap().ancestors[0]);
+        assert_eq!(desired[1].ancestor_ref.name, "ours");
+        assert_eq!(desired[1].conditions[0].status, "True");
+        let mut written = policy.clone();
+        written.status = Some(crate::crd::PolicyStatus { ancestors: desired });
+        assert!(policy_ancestors(&written, &key, &o).is_none());
     }
 }

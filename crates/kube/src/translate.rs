@@ -236,6 +236,7 @@ impl Translator {
         out: &mut Translation,
     ) -> HashMap<String, Result<SeedlinkPolicySpec, String>> {
         let attached = attached_routes(views, routes);
+        let existing: HashSet<Key> = routes.iter().map(|r| Key::of(r.as_ref())).collect();
         let mut policies: Vec<&Arc<SeedlinkPolicy>> = objects.policies.iter().collect();
         policies.sort_by_key(|p| age(p.as_ref()));
         let mut result = HashMap::new();
@@ -245,24 +246,31 @@ impl Translator {
             let key = Key::of(p.as_ref());
             let invalid = check_policy(&p.spec);
             let effective = self.effective(&key, &p.spec, invalid.as_deref());
-            let targets = p
-                .spec
-                .target_refs
-                .iter()
-                .map(|t| {
-                    let route = Key {
-                        namespace: key.namespace.clone(),
-                        name: t.name.clone(),
-                    };
-                    let verdict =
-                        target_verdict(t, &route, &attached, &mut result, (&invalid, &effective));
-                    (t.name.clone(), verdict)
-                })
-                .collect();
+            let mut targets = Vec::new();
+            let mut foreign = Vec::new();
+            for t in &p.spec.target_refs {
+                let route = Key {
+                    namespace: key.namespace.clone(),
+                    name: t.name.clone(),
+                };
+                // A route that exists but is attached to none of the
+                // Gateways this process serves is another install's: its
+                // entry is not ours to write (two installs would take
+                // turns writing "not found" and "accepted", and the
+                // claims read from status would flap with them).
+                if t.kind == "TLSRoute" && existing.contains(&route) && !attached.contains(&route) {
+                    foreign.push(t.name.clone());
+                    continue;
+                }
+                let verdict =
+                    target_verdict(t, &route, &attached, &mut result, (&invalid, &effective));
+                targets.push((t.name.clone(), verdict));
+            }
             out.policies.push(PolicyOutcome {
                 key,
                 generation: p.metadata.generation,
                 targets,
+                foreign,
             });
         }
         result

@@ -19,11 +19,38 @@ pub enum Phase {
     Draining = 2,
 }
 
+/// A condition readiness waits for besides the phase: `None` when met,
+/// else why not (shown on the unauthenticated probe: no tenant's names).
+pub type Gate = Arc<dyn Fn() -> Option<String> + Send + Sync>;
+
+/// The conditions readiness waits for, by name.
+#[derive(Clone, Default)]
+pub struct Gates(Arc<std::sync::Mutex<Vec<(String, Gate)>>>);
+
+impl Gates {
+    /// Adds `gate` under `name`.
+    pub fn add(&self, name: &str, gate: Gate) {
+        crate::sync::lock(&self.0, "readiness gates").push((name.to_string(), gate));
+    }
+
+    /// The unmet conditions, each as `name: why`.
+    pub fn unmet(&self) -> Vec<String> {
+        let gates: Vec<(String, Gate)> = crate::sync::lock(&self.0, "readiness gates").clone();
+        gates
+            .iter()
+            .filter_map(|(name, g)| g().map(|why| format!("{name}: {why}")))
+            .collect()
+    }
+}
+
 /// Shared lifecycle state: phase, the stop-accepting signal, the signal that
 /// closes remaining connections, and the tracker of connection tasks.
 #[derive(Clone)]
 pub struct Lifecycle {
     phase: Arc<AtomicU8>,
+    /// What readiness waits for besides `Serving` (a Kubernetes source's
+    /// first snapshot, the other half of `seedlink seed`).
+    pub gates: Gates,
     /// Fired when listeners must stop accepting.
     pub stop_accepting: CancellationToken,
     /// Fired when remaining connections must be closed.
@@ -43,6 +70,7 @@ impl Lifecycle {
     pub fn new() -> Lifecycle {
         Lifecycle {
             phase: Arc::new(AtomicU8::new(Phase::Starting as u8)),
+            gates: Gates::default(),
             stop_accepting: CancellationToken::new(),
             close_all: CancellationToken::new(),
             tasks: TaskTracker::new(),

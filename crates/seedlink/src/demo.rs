@@ -45,6 +45,12 @@ fn crypto() -> Arc<rustls::crypto::CryptoProvider> {
 impl Pki {
     /// Generates a fresh CA, server certificates for `hosts` and a client certificate.
     pub fn generate(hosts: &[&str]) -> anyhow::Result<Pki> {
+        Pki::generate_with_client(hosts, "seedlink-demo-user")
+    }
+
+    /// The same, the client certificate's CN `client_cn` (a shared
+    /// tunnel frontend reads the cluster from it).
+    pub fn generate_with_client(hosts: &[&str], client_cn: &str) -> anyhow::Result<Pki> {
         let ca_key = KeyPair::generate()?;
         let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
         ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
@@ -76,7 +82,7 @@ impl Pki {
         for h in hosts {
             servers.push((h.to_string(), leaf(vec![h.to_string()], h, false)?));
         }
-        let client = leaf(Vec::new(), "seedlink-demo-user", true)?;
+        let client = leaf(Vec::new(), client_cn, true)?;
         Ok(Pki {
             ca_pem: ca_cert.pem(),
             ca_der: ca_cert.der().clone(),

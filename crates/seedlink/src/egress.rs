@@ -25,6 +25,9 @@ pub struct Options {
     pub agent_server: Option<String>,
     /// TLS server name agents ask for (default: the host of `agent_server`).
     pub server_name: Option<String>,
+    /// Where kube-apiserver reaches a TCP frontend, `host:port` (default:
+    /// the frontend's address, if it is not a wildcard).
+    pub frontend_address: Option<String>,
     /// Paths as kube-apiserver sees them, for a TCP+mTLS frontend.
     pub kas_ca: PathBuf,
     /// kube-apiserver's client certificate for the frontend.
@@ -114,17 +117,26 @@ fn path(p: &Path) -> String {
 
 /// Renders `opts.cluster`'s pieces from `cfg`.
 pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
-    let Some(cluster) = cfg.clusters.iter().find(|c| c.name == opts.cluster) else {
-        let names: Vec<_> = cfg.clusters.iter().map(|c| c.name.as_str()).collect();
-        bail!(
-            "no cluster {:?} in the configuration (clusters: {})",
-            opts.cluster,
-            names.join(", ")
-        );
+    let cluster = &match cfg.clusters.iter().find(|c| c.name == opts.cluster) {
+        Some(c) => c.clone(),
+        // A TunnelCluster (`<namespace>.<name>`): the file's templates
+        // and shared frontends serve it; its agents are rendered with
+        // certificate trust (its agentCA).
+        None if cfg.kubernetes.is_some() => cfg.templated(&opts.cluster),
+        None => {
+            let names: Vec<_> = cfg.clusters.iter().map(|c| c.name.as_str()).collect();
+            bail!(
+                "no cluster {:?} in the configuration (clusters: {}; with a `kubernetes` section, a TunnelCluster's name <namespace>.<name>)",
+                opts.cluster,
+                names.join(", ")
+            );
+        }
     };
-    let frontend = kas_frontend(cluster, opts)?;
+    let frontend = kas_frontend(cluster, &cfg.shared_frontends, opts)?;
     check_texts(cluster, frontend, opts)?;
-    let egress = egress_selector(cluster, frontend, opts)?;
+    let shared = cfg.shared_frontends.iter().any(|f| f.name == frontend.name)
+        && !cluster.frontends.iter().any(|f| f.name == frontend.name);
+    let egress = egress_selector(cluster, (frontend, shared), opts)?;
     let kas = kube_apiserver_args(cluster, opts);
     let server = agent_server(cfg, opts)?;
     let (host, port) = server
@@ -159,19 +171,23 @@ fn agent_server(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<String> {
     })
 }
 
-/// The frontend kube-apiserver dials: the one named, or the cluster's
-/// first http-connect or gRPC frontend.
-fn kas_frontend<'c>(cluster: &'c Cluster, opts: &Options) -> anyhow::Result<&'c Frontend> {
+/// The frontend kube-apiserver dials: the one named (the cluster's own,
+/// else a shared one), or the cluster's first http-connect or gRPC
+/// frontend, else the first shared one.
+fn kas_frontend<'c>(
+    cluster: &'c Cluster,
+    shared: &'c [Frontend],
+    opts: &Options,
+) -> anyhow::Result<&'c Frontend> {
     let for_kas = |f: &&Frontend| !f.protocol.is_proxy();
+    let mut all = cluster.frontends.iter().chain(shared);
     Ok(match &opts.frontend {
-        Some(n) => cluster
-            .frontends
-            .iter()
-            .find(|f| &f.name == n)
-            .with_context(|| format!("cluster {}: no frontend {n:?}", cluster.name))?,
-        None => cluster.frontends.iter().find(for_kas).with_context(|| {
+        Some(n) => all.find(|f| &f.name == n).with_context(|| {
+            format!("cluster {}: no frontend {n:?}, its own or shared", cluster.name)
+        })?,
+        None => all.find(for_kas).with_context(|| {
             format!(
-                "cluster {}: no http-connect or grpc frontend for kube-apiserver",
+                "cluster {}: no http-connect or grpc frontend for kube-apiserver, its own or shared",
                 cluster.name
             )
         })?,
@@ -206,11 +222,17 @@ fn check_texts(cluster: &Cluster, frontend: &Frontend, opts: &Options) -> anyhow
 /// tunnel, `controlplane` and `etcd` direct.
 fn egress_selector(
     cluster: &Cluster,
-    frontend: &Frontend,
+    (frontend, shared): (&Frontend, bool),
     opts: &Options,
 ) -> anyhow::Result<String> {
     let proto = egress_protocol(frontend)?;
     let transport = egress_transport(frontend, opts)?;
+    if shared && frontend.client_ca.is_none() {
+        bail!(
+            "shared frontend {}: without client_ca nothing names the cluster",
+            frontend.name
+        );
+    }
     if !matches!(opts.egress_api_version.as_str(), "v1beta1" | "v1alpha1") {
         bail!(
             "egress selector version {:?}: kube-apiserver reads apiserver.k8s.io/v1beta1 or v1alpha1",
@@ -227,6 +249,16 @@ fn egress_selector(
          # controlplane and etcd stay direct (they live in the seed).",
         cluster.name, frontend.name
     );
+    if shared {
+        let _ = writeln!(
+            egress,
+            "# {} is shared by every cluster: kube-apiserver's client certificate\n\
+             # ({}) must carry CN {} and be issued by the frontend's client_ca.",
+            frontend.name,
+            path(&opts.kas_cert),
+            cluster.name
+        );
+    }
     let _ = writeln!(
         egress,
         "apiVersion: apiserver.k8s.io/{}\nkind: EgressSelectorConfiguration\negressSelections:\n- name: cluster\n  connection:",
@@ -271,14 +303,37 @@ fn egress_transport(frontend: &Frontend, opts: &Options) -> anyhow::Result<Strin
         ),
         (None, Some(a)) if frontend.cert.is_some() => format!(
             "      tcp:\n        url: {}\n        tlsConfig:\n          caBundle: {}\n          clientCert: {}\n          clientKey: {}\n",
-            q(&format!("https://{a}")),
+            q(&format!("https://{}", frontend_address(frontend, *a, opts)?)),
             q(&path(&opts.kas_ca)),
             q(&path(&opts.kas_cert)),
             q(&path(&opts.kas_key))
         ),
-        (None, Some(a)) => format!("      tcp:\n        url: {}\n", q(&format!("http://{a}"))),
+        (None, Some(a)) => format!(
+            "      tcp:\n        url: {}\n",
+            q(&format!("http://{}", frontend_address(frontend, *a, opts)?))
+        ),
         (None, None) => bail!("frontend {}: neither unix nor tcp", frontend.name),
     })
+}
+
+/// Where kube-apiserver reaches a TCP frontend listening on `listen`:
+/// `--frontend-address`, or the address itself unless it is a wildcard.
+fn frontend_address(
+    frontend: &Frontend,
+    listen: std::net::SocketAddr,
+    opts: &Options,
+) -> anyhow::Result<String> {
+    match &opts.frontend_address {
+        Some(a) if a.chars().any(|c| c.is_control() || c.is_whitespace()) => {
+            bail!("--frontend-address {a:?}: not host:port")
+        }
+        Some(a) => Ok(a.clone()),
+        None if !listen.ip().is_unspecified() => Ok(listen.to_string()),
+        None => bail!(
+            "frontend {} listens on {listen}; say where kube-apiserver reaches it with --frontend-address host:port",
+            frontend.name
+        ),
+    }
 }
 
 /// kube-apiserver's flags (and the notes that go with them).
@@ -330,12 +385,14 @@ fn agent_args(
         format!("--proxy-server-port={port}"),
         format!("--ca-cert={}", path(&opts.agent_ca_cert)),
     ];
-    if cluster.agent_ca.is_some() {
+    // Certificate trust unless the cluster trusts tokens (a TunnelCluster
+    // rendered from the templates: its agentCA).
+    if cluster.agent_ca.is_some() || cluster.agent_token.is_none() {
         for v in [&mut agent, &mut upstream] {
             v.push(format!("--agent-cert={}", path(&opts.agent_cert)));
             v.push(format!("--agent-key={}", path(&opts.agent_key)));
         }
-    } else if cluster.agent_token.is_some() {
+    } else {
         for v in [&mut agent, &mut upstream] {
             v.push(format!(
                 "--service-account-token-path={}",
@@ -399,10 +456,10 @@ fn agent_yaml(
     agent.insert("server".into(), server.into());
     agent.insert("server_name".into(), server_name.into());
     agent.insert("ca_cert".into(), path(&opts.agent_ca_cert).into());
-    if cluster.agent_ca.is_some() {
+    if cluster.agent_ca.is_some() || cluster.agent_token.is_none() {
         agent.insert("agent_cert".into(), path(&opts.agent_cert).into());
         agent.insert("agent_key".into(), path(&opts.agent_key).into());
-    } else if cluster.agent_token.is_some() {
+    } else {
         agent.insert(
             "service_account_token_path".into(),
             path(&opts.agent_token).into(),
@@ -622,6 +679,52 @@ clusters:
             .tunnel_agent_args
             .iter()
             .any(|a| a.starts_with("--agent-cert")));
+    }
+
+    /// The install's topology: TunnelClusters from Kubernetes, a shared
+    /// mTLS frontend on every address, a template socket.
+    #[test]
+    fn a_tunnel_cluster_renders_through_the_shared_frontend() {
+        let cfg = ServerConfig::parse(
+            "agents: {listen: '0.0.0.0:8091', cert: c.pem, key: k.pem}
+clusters: []
+frontend_templates: [{name: uds, protocol: http-connect, unix: '/run/seedlink/{cluster}.sock'}]
+shared_frontends:
+  - {name: kas, protocol: http-connect, tcp: '0.0.0.0:8090', cert: f.pem, key: f-key.pem, client_ca: kas-ca.pem}
+kubernetes: {lease: garden/seedlink-tunnel-status}
+",
+        )
+        .unwrap();
+        let mut o = opts("shoot--a.tunnel", Some("kas"));
+        // A wildcard: where kube-apiserver reaches it must be said.
+        let e = render(&cfg, &o).unwrap_err().to_string();
+        assert!(e.contains("--frontend-address"), "{e}");
+        o.frontend_address = Some("seedlink-internal.garden.svc:8090".into());
+        let r = render(&cfg, &o).unwrap();
+        let v = yaml(&r.egress_selector);
+        let c = &v["egressSelections"][0]["connection"];
+        assert_eq!(c["proxyProtocol"], "HTTPConnect");
+        assert_eq!(
+            c["transport"]["tcp"]["url"],
+            "https://seedlink-internal.garden.svc:8090"
+        );
+        assert!(r.egress_selector.contains("must carry CN shoot--a.tunnel"));
+        // Certificate trust for its agents (its agentCA).
+        assert!(r
+            .tunnel_agent_args
+            .iter()
+            .any(|a| a.starts_with("--agent-cert=")));
+        // Without --frontend: the template's socket comes first.
+        let r = render(&cfg, &opts("shoot--a.tunnel", None)).unwrap();
+        assert!(r
+            .egress_selector
+            .contains("/run/seedlink/shoot--a.tunnel.sock"));
+        // A cluster neither in the file nor possible without a source.
+        let file_only = ServerConfig::parse(CFG).unwrap();
+        let e = render(&file_only, &opts("ns.x", None))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no cluster \"ns.x\""), "{e}");
     }
 
     #[test]

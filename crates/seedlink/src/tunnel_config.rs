@@ -24,6 +24,11 @@ pub struct TunnelConfigArgs {
     /// TLS server name the agents ask for (default: the host of --agent-server).
     #[arg(long)]
     pub server_name: Option<String>,
+    /// Where kube-apiserver reaches a TCP frontend, `host:port` (default:
+    /// the frontend's address, unless it is a wildcard; for a shared
+    /// frontend on 0.0.0.0, the Service in front of the tunnel-server).
+    #[arg(long)]
+    pub frontend_address: Option<String>,
     /// CA bundle path as kube-apiserver sees it (TCP+mTLS frontends).
     #[arg(long, default_value = "/etc/kubernetes/tunnel/ca.crt")]
     pub kas_ca: PathBuf,
@@ -104,6 +109,7 @@ pub fn tunnel_config(a: TunnelConfigArgs) -> anyhow::Result<i32> {
         frontend: a.frontend,
         agent_server: a.agent_server,
         server_name: a.server_name,
+        frontend_address: a.frontend_address,
         kas_ca: a.kas_ca,
         kas_cert: a.kas_cert,
         kas_key: a.kas_key,

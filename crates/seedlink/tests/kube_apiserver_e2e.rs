@@ -52,8 +52,23 @@ const ADVERTISE_V4: &str = "10.1.2.3";
 const ADVERTISE_V6: &str = "fd00:1:2::3";
 const DEST: &str = "outbound|443||kube-apiserver.shoot--e2e--a.svc.cluster.local";
 
+/// How kube-apiserver reaches the tunnel-server.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Egress {
+    /// HTTPConnect over the cluster's own Unix socket.
+    ConnectUds,
+    /// gRPC over the cluster's own Unix socket (KKP's and Kamaji's
+    /// sidecar mode).
+    GrpcUds,
+    /// HTTPConnect over TCP with mTLS to a frontend shared by every
+    /// cluster, the client certificate's CN naming the cluster (GEP-11's
+    /// `tcp: https://proxy-server:8131`, the install's shared frontend).
+    SharedMtls(u16),
+}
+
 /// Every file the test bed writes.
 struct Files {
+    egress: Egress,
     dir: PathBuf,
     seed_ca: PathBuf,
     reviewer_token: PathBuf,
@@ -63,6 +78,10 @@ struct Files {
 
 impl Files {
     fn new(dir: &Path) -> Files {
+        Files::with(dir, Egress::ConnectUds)
+    }
+
+    fn with(dir: &Path, egress: Egress) -> Files {
         let w = |name: &str, text: &str| {
             std::fs::write(dir.join(name), text).unwrap();
             dir.join(name)
@@ -79,7 +98,16 @@ impl Files {
         w("kubelet-key.pem", &kubelet.servers[0].1.key_pem);
         w("kas-kubelet.pem", &kubelet.client.cert_pem);
         w("kas-kubelet-key.pem", &kubelet.client.key_pem);
+        // The shared frontend's certificate and kube-apiserver's client
+        // certificate for it (CN: the cluster), from one CA.
+        let fe = seedlink::demo::Pki::generate_with_client(&["127.0.0.1"], CLUSTER).unwrap();
+        w("fe-ca.pem", &fe.ca_pem);
+        w("fe.pem", &fe.servers[0].1.cert_pem);
+        w("fe-key.pem", &fe.servers[0].1.key_pem);
+        w("kas-fe.pem", &fe.client.cert_pem);
+        w("kas-fe-key.pem", &fe.client.key_pem);
         Files {
+            egress,
             dir: dir.to_path_buf(),
             seed_ca: w("seed-ca.pem", &tunnel.ca_pem),
             // Replaced once the API server issues them.
@@ -96,6 +124,29 @@ impl Files {
     /// The tunnel-server's configuration: one cluster trusting the shoot
     /// API server's tokens (TokenReview there), one HTTP CONNECT socket.
     fn server_yaml(&self, agents: &str, kas_url: &str, kas_ca: &Path) -> String {
+        let (frontends, shared) = match self.egress {
+            Egress::ConnectUds => (
+                format!("      - {{name: kas, protocol: http-connect, unix: '{}'}}\n", self.p("kas.sock")),
+                String::new(),
+            ),
+            Egress::GrpcUds => (
+                format!("      - {{name: kas-grpc, protocol: grpc, unix: '{}'}}\n", self.p("kas-grpc.sock")),
+                String::new(),
+            ),
+            Egress::SharedMtls(port) => (
+                String::new(),
+                format!(
+                    "shared_frontends:\n  - {{name: kas-mtls, protocol: http-connect, tcp: '127.0.0.1:{port}', cert: '{}', key: '{}', client_ca: '{}'}}\n",
+                    self.p("fe.pem"),
+                    self.p("fe-key.pem"),
+                    self.p("fe-ca.pem")
+                ),
+            ),
+        };
+        let frontends = match frontends.is_empty() {
+            true => "    frontends: []\n".to_string(),
+            false => format!("    frontends:\n{frontends}"),
+        };
         format!(
             "agents: {{listen: '{agents}', cert: '{}', key: '{}', keepalive: 1s, keepalive_timeout: 1s}}
 admin: {{listen: '127.0.0.1:0'}}
@@ -105,14 +156,11 @@ clusters:
     agent_token:
       issuer: 'https://kubernetes.default.svc'
       review: {{url: '{kas_url}', ca: '{}', token_file: '{}'}}
-    frontends:
-      - {{name: kas, protocol: http-connect, unix: '{}'}}
-",
+{frontends}{shared}",
             self.p("tun.pem"),
             self.p("tun-key.pem"),
             kas_ca.display(),
             self.reviewer_token.display(),
-            self.p("kas.sock"),
         )
     }
 }
@@ -140,6 +188,18 @@ fn render_with(
 ) -> Vec<String> {
     let mut cmd = Command::new(seedlink_bin());
     cmd.arg("tunnel-config").args(extra);
+    if let Egress::SharedMtls(port) = files.egress {
+        // As on a seed: the frontend listens on every address of the pod,
+        // kube-apiserver reaches it through a Service.
+        cmd.args(["--frontend", "kas-mtls", "--frontend-address"])
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--kas-ca")
+            .arg(files.p("fe-ca.pem"))
+            .arg("--kas-cert")
+            .arg(files.p("kas-fe.pem"))
+            .arg("--kas-key")
+            .arg(files.p("kas-fe-key.pem"));
+    }
     if let Some(a) = advertise {
         cmd.args(["--advertise-address", a]);
     }
@@ -830,6 +890,75 @@ async fn the_v1alpha1_egress_selector_is_loaded_too() {
             .ok_or_else(|| text(&o))
     })
     .await;
+}
+
+/// kube-apiserver's egress over the two other transports it has: gRPC
+/// over a Unix socket (the sidecar mode) and HTTPConnect over TCP with
+/// mTLS to a frontend shared by every cluster, whose client certificate
+/// names the cluster. Each rendered by `tunnel-config`, loaded by the
+/// real kube-apiserver, and carrying a webhook, the service proxy and the
+/// node proxy into the shoot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kube_apiserver_egress_over_grpc_and_the_shared_mtls_frontend() {
+    for (i, egress) in [Egress::GrpcUds, Egress::SharedMtls(free_port())]
+        .into_iter()
+        .enumerate()
+    {
+        let net = NET + 2 + i as u8;
+        let dir = tempfile::tempdir().unwrap();
+        let files = Arc::new(Files::with(dir.path(), egress));
+        let (ns, _apps) = shoot_on(&files, net);
+        let agents = agents_address(net);
+        let api = shoot_apiserver(&files, &agents, "v1beta1", None).await;
+        let rendered = files.dir.join("rendered-v1beta1");
+        let selector =
+            std::fs::read_to_string(rendered.join("egress-selector-configuration.yaml")).unwrap();
+        match egress {
+            Egress::GrpcUds => assert!(selector.contains("proxyProtocol: GRPC"), "{selector}"),
+            _ => assert!(
+                selector.contains("https://127.0.0.1:")
+                    && selector.contains(&format!("CN {CLUSTER}")),
+                "{selector}"
+            ),
+        }
+        issue_credentials(&api, &files).await;
+        shoot_objects(&api, &files).await;
+        let _server = tunnel_server(&files);
+        let _agent = agent(&ns, &rendered);
+        eventually(
+            &format!("{egress:?}: the webhook admits"),
+            Duration::from_secs(60),
+            async || {
+                let o = kubectl_in(
+                    &api,
+                    &["create", "-f", "-"],
+                    &configmap("allowed-1", "fail"),
+                );
+                o.status.success().then_some(()).ok_or_else(|| text(&o))
+            },
+        )
+        .await;
+        let o = kubectl_in(&api, &["create", "-f", "-"], &configmap("deny-1", "fail"));
+        assert!(
+            text(&o).contains("denied by the shoot's webhook"),
+            "{egress:?}: {}",
+            text(&o)
+        );
+        let svc = "/api/v1/namespaces/shoot-system/services/https:shoot-apps:443/proxy/hello";
+        let o = kubectl(&api, &["get", "--raw", svc]);
+        assert!(
+            text(&o).contains("hello from the shoot's service"),
+            "{egress:?}: {}",
+            text(&o)
+        );
+        let node = "/api/v1/nodes/shoot-node-1/proxy/hello";
+        let o = kubectl(&api, &["get", "--raw", node]);
+        assert!(
+            text(&o).contains("hello from the shoot's kubelet"),
+            "{egress:?}: {}",
+            text(&o)
+        );
+    }
 }
 
 /// A kubeconfig for `server` (SNI `name` when given) with the admin's

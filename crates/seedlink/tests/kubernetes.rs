@@ -116,19 +116,20 @@ impl Seed {
     /// Starts a gateway in the seed's network namespace, reaching the API
     /// server through the seed's proxy.
     async fn gateway(&self, pod: &str, token: &str) -> SeedGw {
-        self.start_gateway(pod, token, false).await
+        self.start_gateway(pod, token, None).await
     }
 
     /// The same through a proxy of its own (`SeedGw::api`).
     async fn gateway_with_own_proxy(&self, pod: &str, token: &str) -> SeedGw {
-        self.start_gateway(pod, token, true).await
+        self.start_gateway(pod, token, Some(Fault::Pass)).await
     }
 
-    async fn start_gateway(&self, pod: &str, token: &str, own: bool) -> SeedGw {
+    /// With `own`, through a proxy of its own that starts with that fault.
+    async fn start_gateway(&self, pod: &str, token: &str, own: Option<Fault>) -> SeedGw {
         let (ns, dialer) = self.net.as_ref().unwrap();
-        let api = own.then(|| {
+        let api = own.map(|fault| {
             let l = dialer.bind("127.0.0.1:0".parse().unwrap());
-            FaultProxy::start_with(l, None, self.api.addr, Fault::Pass)
+            FaultProxy::start_with(l, None, self.api.addr, fault)
         });
         let kc = match &api {
             Some(p) => self
@@ -1990,5 +1991,60 @@ async fn gateway_tenants_stand_alone_through_random_steps() {
     let gw = seed.gateway("replica-a", &seed.token).await;
     seed.settled(ns).await;
     victim_served(&gw, "the older attacker's claim across a restart").await;
+    stop.cancel();
+}
+
+/// Readiness means "serving what the API server holds": a gateway started
+/// while the API server is partitioned from it binds its listeners but
+/// stays unready, saying why, and serves no route; once the partition
+/// heals it reads the routes and becomes ready; a later outage leaves a
+/// ready gateway ready, serving its last good state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_started_during_an_outage_stays_unready_until_it_reads_the_routes() {
+    let stop = CancellationToken::new();
+    let pki = Arc::new(seedlink::demo::Pki::generate(&[A]).unwrap());
+    let seed = Seed::new(true).await;
+    let port = seed.two_pods(&pki, 0, "a", &stop);
+    seed.gateway_object().await;
+    let a = seed.tenant("shoot--a", true).await;
+    seed.apply(service(&a, "kube-apiserver")).await;
+    seed.apply(slice(&a, "kube-apiserver", port, &[(POD_1, true)]))
+        .await;
+    seed.apply(seed.route(&a, "kube-apiserver", A, "kube-apiserver"))
+        .await;
+    // The pod starts partitioned from the API server: its ready line
+    // comes after the bounded first wait, its probe says why not.
+    let gw = seed
+        .start_gateway("replica-a", &seed.token, Some(Fault::Blackhole))
+        .await;
+    let (code, body) = gw.get("/readyz").await;
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body.contains("[-]kubernetes: no complete snapshot from the API server yet"),
+        "{body}"
+    );
+    assert!(
+        get(&pki, gw.tls, A).await.is_err(),
+        "no route before the snapshot"
+    );
+    let proxy = gw.api.as_ref().unwrap();
+    proxy.set(Fault::Pass);
+    eventually(
+        "ready once the routes are read",
+        Duration::from_secs(90),
+        async || {
+            let (code, body) = gw.get("/readyz").await;
+            ok_if(code == 200, || body)
+        },
+    )
+    .await;
+    let body = get(&pki, gw.tls, A).await.unwrap();
+    assert!(body.contains("hello from a"), "{body}");
+    // Ready, then partitioned: still ready, still serving.
+    proxy.set(Fault::Blackhole);
+    let (code, body) = gw.get("/readyz").await;
+    assert_eq!(code, 200, "{body}");
+    let body = get(&pki, gw.tls, A).await.unwrap();
+    assert!(body.contains("hello from a"), "{body}");
     stop.cancel();
 }

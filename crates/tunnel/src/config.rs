@@ -735,6 +735,35 @@ fn check_templates(cfg: &ServerConfig, errs: &mut Problems) {
     }
 }
 
+impl ServerConfig {
+    /// Cluster `name` as the file's templates serve one it does not list
+    /// (a TunnelCluster from the Kubernetes source): no trust of its own
+    /// here (the object holds it), the templated frontends.
+    pub fn templated(&self, name: &str) -> Cluster {
+        let frontends = self
+            .frontend_templates
+            .iter()
+            .map(|t| {
+                let mut f = t.clone();
+                f.unix = t
+                    .unix
+                    .as_ref()
+                    .map(|p| PathBuf::from(p.to_string_lossy().replace("{cluster}", name)));
+                f
+            })
+            .collect();
+        Cluster {
+            name: name.to_string(),
+            agent_ca: None,
+            agent_token: None,
+            strategies: Vec::new(),
+            frontends,
+            proxy_password_file: None,
+            limits: ClusterLimits::default(),
+        }
+    }
+}
+
 /// Templates become ordinary per-cluster frontends (so reloads and checks
 /// treat them like any other); a cluster name in a socket path is a safe
 /// file name.

@@ -147,6 +147,10 @@ pub struct PolicyOutcome {
     pub generation: Option<i64>,
     /// Per TLSRoute target (by name, in the policy's namespace): `Accepted`.
     pub targets: Vec<(String, Verdict)>,
+    /// Targets that are routes of another Gateway (another seedlink
+    /// install's, or another implementation's): their ancestor entries
+    /// are whoever serves them to write, and left as they are.
+    pub foreign: Vec<String>,
 }
 
 /// Everything the gateway gets from the objects, and what to report.

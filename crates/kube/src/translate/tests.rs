@@ -1176,3 +1176,56 @@ fn a_requested_address_is_given_or_none() {
         Some("10.0.0.2".parse().unwrap())
     );
 }
+
+/// Two installs in one cluster: a policy whose target route is attached to
+/// another install's Gateway is that install's to report. Here its target
+/// is neither accepted nor "not found": it is left alone (foreign), while
+/// a target that exists nowhere is still reported not found.
+#[test]
+fn a_policy_on_another_gateways_route_is_left_to_it() {
+    let mut w = one_shoot();
+    let mut theirs = (*route(
+        "shoot--b",
+        "api",
+        "2026-01-01T00:00:00Z",
+        &["api.b.example"],
+        "kube-apiserver",
+        443,
+    ))
+    .clone();
+    theirs.spec.parent_refs =
+        serde_json::from_value(json!([{"name": "seedlink", "namespace": "other-install"}]))
+            .unwrap();
+    w.routes.push(Arc::new(theirs));
+    w.policies = vec![
+        policy(
+            "shoot--b",
+            "acl",
+            "2026-01-02T00:00:00Z",
+            "api",
+            &["192.0.2.0/24"],
+        ),
+        policy(
+            "shoot--c",
+            "acl",
+            "2026-01-02T00:00:00Z",
+            "api",
+            &["192.0.2.0/24"],
+        ),
+    ];
+    let t = w.translate(&mut Translator::default());
+    let b = t
+        .policies
+        .iter()
+        .find(|p| p.key.namespace == "shoot--b")
+        .unwrap();
+    assert!(b.targets.is_empty(), "{b:?}");
+    assert_eq!(b.foreign, vec!["api".to_string()]);
+    let c = t
+        .policies
+        .iter()
+        .find(|p| p.key.namespace == "shoot--c")
+        .unwrap();
+    assert_eq!(c.targets[0].1.reason, "TargetNotFound");
+    assert!(c.foreign.is_empty());
+}

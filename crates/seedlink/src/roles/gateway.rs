@@ -130,13 +130,20 @@ pub async fn kubernetes(
     })?;
     let handle =
         seedlink_kube::source::start_gateway(client, settings, Arc::new(KubeSink(gw.clone())));
+    // Not ready before the first complete snapshot, however long the API
+    // server takes: a pod started during an outage would otherwise join
+    // the load balancer serving none of the routes.
+    let readiness = handle.readiness();
+    gw.lifecycle
+        .gates
+        .add("kubernetes", Arc::new(move || readiness.why_not()));
     if handle.synced(FIRST_SYNC).await {
         tracing::info!(
             control_planes = gw.snapshot().control_planes.len(),
             "kubernetes: first snapshot applied"
         );
     } else {
-        tracing::error!(waited = ?FIRST_SYNC, "kubernetes: no snapshot yet (API server unreachable?); serving the file's control planes, routes follow when it answers");
+        tracing::error!(waited = ?FIRST_SYNC, "kubernetes: no snapshot yet (API server unreachable?); serving the file's control planes and not ready until the routes are read");
     }
     Ok(Some(handle))
 }

@@ -19,6 +19,9 @@ pub async fn seed(
     server.start_kubernetes().await?;
     let gw = gateway::load(gw_config)?;
     let kube = gateway::kubernetes(&gw).await?;
+    // One readiness for the pod: the gateway's, and the tunnel-server
+    // half's own (its TunnelClusters read, not draining).
+    gw.lifecycle.gates.add("tunnel-server", server.readiness());
     {
         let srv = server.srv.clone();
         // Agents' TLS is taken over as is; a CONNECT is answered by the

@@ -435,13 +435,34 @@ impl ServerRole {
         };
         let handle =
             seedlink_kube::source::start_tunnel(client, settings, Arc::new(KubeSink(self.clone())));
+        let readiness = handle.readiness();
+        self.srv
+            .core
+            .gates
+            .add("kubernetes", Arc::new(move || readiness.why_not()));
         if handle.synced(super::FIRST_SYNC).await {
             tracing::info!("kubernetes: first TunnelCluster snapshot applied");
         } else {
-            tracing::error!(waited = ?super::FIRST_SYNC, "kubernetes: no snapshot yet (API server unreachable?); serving the file's clusters, TunnelClusters follow when it answers");
+            tracing::error!(waited = ?super::FIRST_SYNC, "kubernetes: no snapshot yet (API server unreachable?); serving the file's clusters and not ready until TunnelClusters are read");
         }
         *seedlink_net::sync::lock(&self.source, "tunnel source") = Some(handle);
         Ok(())
+    }
+}
+
+impl ServerRole {
+    /// What `seedlink seed`'s readiness asks of its tunnel-server half:
+    /// not draining, and its Kubernetes source's first snapshot applied.
+    /// Not agents: a seed is ready before its first shoot connects.
+    pub fn readiness(&self) -> seedlink_net::lifecycle::Gate {
+        let core = self.srv.core.clone();
+        Arc::new(move || {
+            if core.accepting.is_cancelled() {
+                return Some("draining".to_string());
+            }
+            let unmet = core.gates.unmet();
+            (!unmet.is_empty()).then(|| unmet.join("; "))
+        })
     }
 }
 

@@ -55,10 +55,13 @@ fn readiness(srv: &Core) -> Answer {
         "clusters={} agents={agents} draining={draining}\n",
         clusters.len()
     );
+    let unmet = srv.gates.unmet();
     if srv.ready() {
         (200, TEXT, body)
     } else if srv.accepting.is_cancelled() {
         (503, TEXT, format!("draining\n{body}"))
+    } else if !unmet.is_empty() {
+        (503, TEXT, format!("[-]{}\n{body}", unmet.join("\n[-]")))
     } else {
         (
             503,

@@ -57,6 +57,9 @@ pub struct Core {
     /// Sources shut out at the agent port: the kernel drops their SYNs
     /// for [`SHUT_OUT`] (`seedlink_net::synblock`).
     pub shut_out: seedlink_net::synblock::Blocklist,
+    /// What readiness waits for besides agents: a Kubernetes source's
+    /// first snapshot.
+    pub gates: seedlink_net::lifecycle::Gates,
     /// Where agent TLS handshakes run: a thread at a lower priority
     /// (`seedlink_net::lowprio`), so that a flood of handshakes delays
     /// handshakes, not established tunnels; `None`: on the workers.
@@ -132,6 +135,6 @@ impl Core {
 
     /// Ready: not draining and at least one agent connected.
     pub fn ready(&self) -> bool {
-        !self.accepting.is_cancelled() && self.registry.any_agent()
+        !self.accepting.is_cancelled() && self.registry.any_agent() && self.gates.unmet().is_empty()
     }
 }

@@ -113,6 +113,7 @@ fn new_core(
             2.0 * a.handshakes_per_source,
         ),
         shut_out: seedlink_net::synblock::Blocklist::new(super::core::SHUT_OUT),
+        gates: seedlink_net::lifecycle::Gates::default(),
         handshaker: seedlink_net::lowprio::runtime("agent-tls"),
         token_slots,
         server_id: cfg.server_id.clone().unwrap_or_else(random_id),
