@@ -904,7 +904,7 @@ async fn kube_apiserver_egress_over_grpc_and_the_shared_mtls_frontend() {
         .into_iter()
         .enumerate()
     {
-        let net = NET + 2 + i as u8;
+        let net = NET + 4 + i as u8;
         let dir = tempfile::tempdir().unwrap();
         let files = Arc::new(Files::with(dir.path(), egress));
         let (ns, _apps) = shoot_on(&files, net);

@@ -854,3 +854,204 @@ fn the_helm_chart_lints_and_renders_the_kustomize_install() {
         "charts/seedlink/crds/seedlink.yaml is stale: copy deploy/crds/seedlink.yaml"
     );
 }
+
+/// `helm template` with `args`: the refusal's text if helm refuses.
+fn helm_refuses(args: &[&str]) -> String {
+    let out = std::process::Command::new(helm())
+        .args(["template", "seedlink"])
+        .arg(root().join("charts/seedlink"))
+        .args([
+            "--namespace",
+            "seedlink-system",
+            "--kube-version",
+            "v1.35.4",
+        ])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "helm accepted {args:?}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn kind<'a>(docs: &'a [Value], kind: &str) -> Option<&'a Value> {
+    docs.iter().find(|d| d["kind"] == kind)
+}
+
+/// The gateway's configuration file as rendered into the ConfigMap.
+fn gateway_file(docs: &[Value]) -> serde_norway::Value {
+    let cm = kind(docs, "ConfigMap").unwrap();
+    serde_norway::from_str(cm["data"]["gateway.yaml"].as_str().unwrap()).unwrap()
+}
+
+/// Each group of the chart's values renders what values.yaml says, and
+/// values.schema.json refuses what is misspelt or out of range.
+#[test]
+fn each_value_group_renders_what_it_says() {
+    // Image: registry, pull secrets, pull policy.
+    let d = helm_template(&[
+        "--set",
+        "image.registry=registry.example.com",
+        "--set",
+        "image.pullPolicy=Always",
+        "--set",
+        "image.pullSecrets[0]=regcred",
+    ]);
+    let pod = &kind(&d, "Deployment").unwrap()["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    assert_eq!(
+        c["image"],
+        format!(
+            "registry.example.com/localhost/seedlink:{}",
+            env!("CARGO_PKG_VERSION")
+        )
+    );
+    assert_eq!(c["imagePullPolicy"], "Always");
+    assert_eq!(pod["imagePullSecrets"][0]["name"], "regcred");
+    // Service: the load balancer's settings.
+    let d = helm_template(&[
+        "--set-string",
+        "service.annotations.service\\.beta\\.kubernetes\\.io/aws-load-balancer-internal=true",
+        "--set",
+        "service.loadBalancerClass=example.com/lb",
+        "--set",
+        "service.loadBalancerSourceRanges[0]=192.0.2.0/24",
+        "--set",
+        "service.externalTrafficPolicy=Cluster",
+        "--set",
+        "service.ports.tls=6443",
+    ]);
+    let svc = d
+        .iter()
+        .find(|d| d["kind"] == "Service" && d["metadata"]["name"] == "seedlink")
+        .unwrap();
+    assert_eq!(
+        svc["metadata"]["annotations"]["service.beta.kubernetes.io/aws-load-balancer-internal"],
+        "true"
+    );
+    assert_eq!(svc["spec"]["loadBalancerClass"], "example.com/lb");
+    assert_eq!(svc["spec"]["loadBalancerSourceRanges"][0], "192.0.2.0/24");
+    assert_eq!(svc["spec"]["externalTrafficPolicy"], "Cluster");
+    assert_eq!(svc["spec"]["ports"][0]["port"], 6443);
+    // Gateway: PROXY protocol with the load balancers it trusts, limits.
+    let d = helm_template(&[
+        "--set",
+        "gateway.proxyProtocol=required",
+        "--set",
+        "gateway.trustedLoadBalancers[0]=10.250.0.0/16",
+        "--set",
+        "gateway.maxConnections=5000",
+        "--set",
+        "gateway.maxConnectionsPerControlPlane=500",
+    ]);
+    let g = gateway_file(&d);
+    for l in g["listeners"].as_sequence().unwrap() {
+        assert_eq!(l["proxy_protocol"].as_str(), Some("required"), "{l:?}");
+    }
+    assert_eq!(
+        g["trusted_load_balancers"][0].as_str(),
+        Some("10.250.0.0/16")
+    );
+    assert_eq!(g["limits"]["max_connections"].as_u64(), Some(5000));
+    assert_eq!(
+        g["limits"]["max_connections_per_control_plane"].as_u64(),
+        Some(500)
+    );
+    // The rendered file is one seedlink reads.
+    let text = kind(&d, "ConfigMap").unwrap()["data"]["gateway.yaml"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let read = seedlink_config::compile::parse(&text)
+        .and_then(|f| seedlink_config::compile(f, None).map(|_| ()));
+    if let Err(e) = read {
+        panic!("the rendered gateway.yaml: {e}");
+    }
+    // PROXY protocol without anyone to trust fails the install, saying why.
+    let why = helm_refuses(&["--set", "gateway.proxyProtocol=optional"]);
+    assert!(why.contains("gateway.trustedLoadBalancers"), "{why}");
+    // Scheduling.
+    let d = helm_template(&[
+        "--set",
+        "priorityClassName=system-cluster-critical",
+        "--set",
+        "nodeSelector.pool=seed",
+        "--set",
+        "tolerations[0].key=dedicated",
+        "--set",
+        "tolerations[0].operator=Exists",
+        "--set-json",
+        "affinity={}",
+        "--set-json",
+        "topologySpreadConstraints=[]",
+    ]);
+    let pod = &kind(&d, "Deployment").unwrap()["spec"]["template"]["spec"];
+    assert_eq!(pod["priorityClassName"], "system-cluster-critical");
+    assert_eq!(pod["nodeSelector"]["pool"], "seed");
+    assert_eq!(pod["tolerations"][0]["key"], "dedicated");
+    assert!(
+        pod.get("affinity").is_none() && pod.get("topologySpreadConstraints").is_none(),
+        "{pod}"
+    );
+    // Autoscaling: an HPA, no fixed replicas, a PDB even at replicas=1.
+    let d = helm_template(&["--set", "autoscaling.enabled=true", "--set", "replicas=1"]);
+    let hpa = kind(&d, "HorizontalPodAutoscaler").unwrap();
+    assert_eq!(hpa["spec"]["maxReplicas"], 6);
+    assert!(kind(&d, "Deployment").unwrap()["spec"]
+        .get("replicas")
+        .is_none());
+    assert_eq!(
+        kind(&d, "PodDisruptionBudget").unwrap()["spec"]["minAvailable"],
+        1
+    );
+    let d = helm_template(&["--set", "podDisruptionBudget.enabled=false"]);
+    assert!(kind(&d, "PodDisruptionBudget").is_none());
+    // NetworkPolicy: the in-cluster ports only from the peers named.
+    let d = helm_template(&[
+        "--set",
+        "networkPolicy.internalFrom[0].namespaceSelector.matchLabels.gardener\\.cloud/role=shoot",
+    ]);
+    let np = kind(&d, "NetworkPolicy").unwrap();
+    let rules = np["spec"]["ingress"].as_array().unwrap();
+    assert_eq!(rules.len(), 2);
+    assert!(rules[0].get("from").is_none());
+    assert_eq!(
+        rules[1]["from"][0]["namespaceSelector"]["matchLabels"]["gardener.cloud/role"],
+        "shoot"
+    );
+    assert_eq!(rules[1]["ports"][0]["port"], 8090);
+    let d = helm_template(&["--set", "networkPolicy.enabled=false"]);
+    assert!(kind(&d, "NetworkPolicy").is_none());
+    // Monitoring: both admin endpoints scraped with the admin token; alerts.
+    let d = helm_template(&[
+        "--set",
+        "monitoring.serviceMonitor.enabled=true",
+        "--set",
+        "monitoring.prometheusRule.enabled=true",
+    ]);
+    // The same objects as the kustomize seed-monitoring install, whose
+    // rules promtool checks and whose metrics the binaries export.
+    let shipped = render("seed-monitoring");
+    for k in ["ServiceMonitor", "PrometheusRule"] {
+        let want = shipped.iter().find(|d| d["kind"] == k).unwrap();
+        let got = kind(&d, k).unwrap();
+        assert_eq!(got["spec"], want["spec"], "{k}");
+        assert_eq!(got["metadata"]["namespace"], "seedlink-system");
+    }
+    for f in ["servicemonitor.yaml", "prometheusrule.yaml"] {
+        assert_eq!(
+            std::fs::read_to_string(root().join("charts/seedlink/files").join(f)).unwrap(),
+            std::fs::read_to_string(root().join("deploy/kustomize/seed-monitoring").join(f))
+                .unwrap(),
+            "charts/seedlink/files/{f} is stale: copy deploy/kustomize/seed-monitoring/{f}"
+        );
+    }
+    // The schema: a misspelt value, a wrong type, a value out of range.
+    for bad in [
+        "replica=3",
+        "service.type=Ingress",
+        "autoscaling.targetCPUUtilizationPercentage=0",
+    ] {
+        let why = helm_refuses(&["--set", bad]);
+        assert!(why.contains("schema"), "{bad}: {why}");
+    }
+}
