@@ -143,7 +143,8 @@ impl Translator {
             out.control_planes.extend(cp);
             out.routes.push(outcome);
         }
-        let accepted = accepted_by_status(objects);
+        let ours: Vec<Key> = views.iter().map(|v| v.key.clone()).collect();
+        let accepted = accepted_by_status(objects, &ours);
         self.keep_first_claims(&mut out.control_planes, &accepted);
         out.gateways = views
             .into_iter()
@@ -946,7 +947,7 @@ fn claims(cp: &ControlPlane) -> Vec<String> {
 /// current generation, and every SeedlinkPolicy targeting it likewise. A
 /// route (or policy) edited since, refused, or never seen is not among
 /// them: an edit that adds another tenant's name cannot count as held.
-fn accepted_by_status(objects: &Objects<'_>) -> HashSet<String> {
+fn accepted_by_status(objects: &Objects<'_>, ours: &[Key]) -> HashSet<String> {
     let current = |conditions: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
                    generation: Option<i64>| {
         conditions.iter().any(|c| {
@@ -967,14 +968,31 @@ fn accepted_by_status(objects: &Objects<'_>) -> HashSet<String> {
                 })
         })
     };
+    // Only the entries for the Gateways this install serves, and all of
+    // them: another install (same controller name) that accepted a route
+    // for its own Gateway says nothing about this one's names.
+    let for_ours = |r: &TlsRoute, p: &gateway_api::tlsroutes::TlsRouteStatusParents| {
+        let ns = r.metadata.namespace.as_deref().unwrap_or_default();
+        p.controller_name == crate::crd::CONTROLLER_NAME
+            && p.parent_ref.group.as_deref().unwrap_or(GATEWAY_GROUP) == GATEWAY_GROUP
+            && p.parent_ref.kind.as_deref().unwrap_or("Gateway") == "Gateway"
+            && ours.iter().any(|k| {
+                k.name == p.parent_ref.name
+                    && k.namespace == p.parent_ref.namespace.as_deref().unwrap_or(ns)
+            })
+    };
     objects
         .routes
         .iter()
         .filter(|r| {
-            r.status.iter().flat_map(|s| &s.parents).any(|p| {
-                p.controller_name == crate::crd::CONTROLLER_NAME
-                    && current(&p.conditions, r.metadata.generation)
-            })
+            let mut entries = r
+                .status
+                .iter()
+                .flat_map(|s| &s.parents)
+                .filter(|p| for_ours(r, p))
+                .peekable();
+            entries.peek().is_some()
+                && entries.all(|p| current(&p.conditions, r.metadata.generation))
         })
         .map(|r| Key::of(r.as_ref()))
         .filter(|k| !stale_policy(k))

@@ -56,6 +56,8 @@ const RET_K: u16 = op(&[libc::BPF_RET, libc::BPF_K]);
 /// Sources shut out until a moment each.
 pub struct Blocklist {
     hold: Duration,
+    /// Whether a filter is attached now (accepted sockets shed theirs).
+    attached: std::sync::atomic::AtomicBool,
     until: Mutex<HashMap<IpAddr, Instant>>,
     changed: tokio::sync::Notify,
 }
@@ -65,6 +67,7 @@ impl Blocklist {
     pub fn new(hold: Duration) -> Blocklist {
         Blocklist {
             hold,
+            attached: std::sync::atomic::AtomicBool::new(false),
             until: Mutex::new(HashMap::new()),
             changed: tokio::sync::Notify::new(),
         }
@@ -134,11 +137,36 @@ impl Blocklist {
         if applied.as_ref() == Some(&ips) {
             return next;
         }
-        if let Err(e) = set_filter(listener, &ips) {
-            tracing::warn!(error = %e, sources = ips.len(), "cannot filter shut-out sources at the listening socket");
+        match set_filter(listener, &ips) {
+            Ok(()) => {
+                self.attached
+                    .store(!ips.is_empty(), std::sync::atomic::Ordering::Release);
+                *applied = Some(ips);
+            }
+            Err(e) => {
+                // The kernel keeps the previous filter when it refuses a
+                // new one (for its size, against `net.core.optmem_max`):
+                // drop it, so that no source stays shut out past its hold,
+                // and refuse the listed sources in user space until the
+                // list changes (then the filter is tried again).
+                tracing::warn!(error = %e, sources = ips.len(), "cannot filter shut-out sources at the listening socket; refusing them at accept instead");
+                let _ = set_filter(listener, &[]);
+                self.attached
+                    .store(false, std::sync::atomic::Ordering::Release);
+                *applied = Some(ips);
+            }
         }
-        *applied = Some(ips);
         next
+    }
+
+    /// Takes the filter off a socket accepted from `listener` (it inherits
+    /// the listener's filter as it was then, and would keep that copy, and
+    /// run it on every packet, for its life). One system call, only while
+    /// a filter is attached.
+    pub fn release<S: AsFd>(&self, accepted: &S) {
+        if self.attached.load(std::sync::atomic::Ordering::Acquire) {
+            let _ = socket2::SockRef::from(accepted).detach_filter();
+        }
     }
 }
 
@@ -315,5 +343,42 @@ mod tests {
             .map(|i| IpAddr::from([0x2001, 0xdb8, i, 0, 0, 0, 0, 0]))
             .collect();
         assert!(program(&v6).len() < 4096);
+    }
+
+    /// The largest list attaches on this host (net.core.optmem_max bounds
+    /// a filter's size: where the kernel refuses one, the filter is taken
+    /// off and the sources refused at accept instead), and an accepted
+    /// socket sheds the copy it inherited.
+    #[test]
+    fn the_largest_list_attaches_and_accepted_sockets_shed_it() {
+        let Ok(l) = TcpListener::bind("127.0.0.1:0") else {
+            panic!("bind");
+        };
+        let Ok(to) = l.local_addr() else {
+            panic!("addr")
+        };
+        let list = Blocklist::new(Duration::from_secs(3600));
+        let now = Instant::now();
+        for i in 0..MAX_BLOCKED as u16 {
+            list.block(IpAddr::from([0x2001, 0xdb8, i, 0, 0, 0, 0, 0]), now);
+        }
+        let mut applied = None;
+        list.apply(&l, &mut applied);
+        let optmem = std::fs::read_to_string("/proc/sys/net/core/optmem_max").unwrap_or_default();
+        let attached = list.attached.load(std::sync::atomic::Ordering::Acquire);
+        assert!(
+            attached || optmem.trim().parse::<u64>().is_ok_and(|m| m < 131_072),
+            "a full list did not attach with optmem_max {optmem}"
+        );
+        // Whether attached or refused, nobody unlisted is shut out.
+        assert!(answered(ip("127.0.0.1"), to, Duration::from_secs(30)));
+        let Ok((accepted, _)) = l.accept() else {
+            panic!("accept")
+        };
+        list.release(&accepted);
+        assert!(
+            socket2::SockRef::from(&accepted).detach_filter().is_err(),
+            "no filter left"
+        );
     }
 }

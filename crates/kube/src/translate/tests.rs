@@ -549,8 +549,28 @@ fn a_restarted_replica_keeps_names_with_the_route_accepted_now() {
         &["10.0.0.0/8"],
     );
     assert_eq!(
-        names(&fresh(&world(vec![victim(3), greedy], vec![edited]))),
+        names(&fresh(&world(
+            vec![victim(3), greedy.clone()],
+            vec![edited]
+        ))),
         ["shoot--x.api", "shoot--v.api"]
+    );
+    // Another install (the same controller name) accepted the attacker's
+    // route for its own Gateway at the current generation: that entry
+    // says nothing here, and the victim's name stays the victim's.
+    let mut elsewhere = (*greedy).clone();
+    elsewhere.metadata.generation = Some(3);
+    let mut st = serde_json::to_value(&elsewhere.status).unwrap();
+    st["parents"].as_array_mut().unwrap().push(json!({
+        "parentRef": {"name": "seedlink", "namespace": "other-install"},
+        "controllerName": crate::crd::CONTROLLER_NAME,
+        "conditions": [{"type": "Accepted", "status": "True", "reason": "Accepted", "message": "",
+                        "lastTransitionTime": "2026-06-01T00:00:00Z", "observedGeneration": 3}]
+    }));
+    elsewhere.status = serde_json::from_value(st).unwrap();
+    assert_eq!(
+        names(&fresh(&world(vec![victim(3), Arc::new(elsewhere)], vec![]))),
+        ["shoot--v.api", "shoot--x.api"]
     );
 }
 

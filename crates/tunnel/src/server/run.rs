@@ -799,6 +799,7 @@ impl TunnelServer {
         let stop = seedlink_net::sync::lock(&self.sockets.agent_accept, "agent accept").clone();
         tokio::spawn(async move {
             let accept = seedlink_net::accept::accept_loop(&agents, &stop, |tcp, peer| {
+                srv.shut_out.release(&tcp);
                 let Some(slots) = super::agents::enter(&srv, peer) else {
                     return;
                 };
