@@ -418,8 +418,9 @@ fileCheckFrequency: 5s
     });
 
     // seedlink: its GatewayClass, and the gateway serving every Gateway of
-    // it (with the admin kubeconfig: the conformance suite creates Gateways
-    // in namespaces of its own).
+    // it, as installed: the `seedlink` ServiceAccount with the RBAC of the
+    // class-mode install (deploy/kustomize/seed-class: the seed install's
+    // roles and the class's), its own token; never the admin's.
     let apply = |yaml: &str| {
         let f = dir.join("apply.yaml");
         std::fs::write(&f, yaml).unwrap();
@@ -431,6 +432,33 @@ fileCheckFrequency: 5s
          apiVersion: gateway.networking.k8s.io/v1\nkind: GatewayClass\nmetadata: {name: seedlink}\n\
          spec: {controllerName: seedlink.dev/gateway}\n",
     );
+    let root = seedlink_testkit::kubeapi::repo_root();
+    let mut rbac = String::new();
+    for f in [
+        "deploy/kustomize/seed/rbac.yaml",
+        "deploy/kustomize/seed-class/rbac-class.yaml",
+    ] {
+        rbac.push_str(&std::fs::read_to_string(root.join(f)).unwrap());
+        rbac.push_str("\n---\n");
+    }
+    // The namespaced objects of the seed install's RBAC carry no namespace
+    // (kustomize sets it): in seedlink-system.
+    let f = dir.join("rbac.yaml");
+    std::fs::write(&f, rbac).unwrap();
+    let o = kubectl(&["apply", "-n", "seedlink-system", "-f", f.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = kubectl(&[
+        "-n",
+        "seedlink-system",
+        "create",
+        "token",
+        "seedlink",
+        "--duration=2h",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let token = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    let installed = api.kubeconfig(&dir, "seedlink", &token, None);
+    let installed = installed.display().to_string();
     let _gw = Gw::start_with_env(
         &format!(
             "admin: {{listen: '127.0.0.1:0'}}
@@ -441,7 +469,7 @@ kubernetes:
 ",
             pool().join(", ")
         ),
-        &[("KUBECONFIG", &admin), ("POD_NAME", "seedlink-0")],
+        &[("KUBECONFIG", &installed), ("POD_NAME", "seedlink-0")],
     );
 
     eventually_blocking(

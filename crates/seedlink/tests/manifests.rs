@@ -594,7 +594,7 @@ async fn a_real_api_server_accepts_every_object_of_the_installs() {
     use common::kubeapi::{self, KubeApi};
     let api = KubeApi::shared();
     let client = api.client().await.unwrap();
-    for install in ["seed", "shoot"] {
+    for install in ["seed", "seed-class", "shoot"] {
         let docs = render(install);
         // Namespaces first (the rendered order does not promise it).
         let (namespaces, rest): (Vec<Value>, Vec<Value>) =
