@@ -1055,3 +1055,69 @@ fn each_value_group_renders_what_it_says() {
         assert!(why.contains("schema"), "{bad}: {why}");
     }
 }
+
+/// What the chart does not create is checked at install against the real
+/// API server (`--dry-run=server`, so `lookup` reads it): a
+/// missing Secret, or one without a key the pods mount, fails the install
+/// saying what to create; with both Secrets the install goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn helm_install_checks_the_prerequisites_it_does_not_create() {
+    use common::kubeapi::{self, KubeApi};
+    use serde_json::json;
+    let api = KubeApi::shared();
+    let client = api.client().await.unwrap();
+    let ns = format!("chart-prereq-{}", std::process::id());
+    kubeapi::apply(
+        &client,
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+    )
+    .await;
+    let install = || {
+        // `template` rather than `install`: the same lookups against the
+        // API server, without the release-ownership checks of the
+        // cluster-scoped objects other tests of this API server applied.
+        std::process::Command::new(helm())
+            .args(["template", "seedlink"])
+            .arg(root().join("charts/seedlink"))
+            .args(["--namespace", &ns, "--dry-run=server", "--skip-crds"])
+            .args(["--kube-version", "v1.35.4"])
+            .env("KUBECONFIG", &api.admin_kubeconfig)
+            .output()
+            .unwrap()
+    };
+    let secret = |name: &str, keys: &[&str]| {
+        let data: serde_json::Map<String, Value> = keys
+            .iter()
+            .map(|k| (k.to_string(), json!("eA==")))
+            .collect();
+        json!({"apiVersion": "v1", "kind": "Secret",
+               "metadata": {"name": name, "namespace": ns}, "data": data})
+    };
+    let refused = |want: &str| {
+        let o = install();
+        let said = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(!o.status.success() && said.contains(want), "{want}: {said}");
+    };
+    refused("seedlink-admin-token is missing");
+    kubeapi::apply(&client, secret("seedlink-admin-token", &["token"])).await;
+    refused("seedlink-tunnel-tls is missing");
+    kubeapi::apply(
+        &client,
+        secret("seedlink-tunnel-tls", &["tls.crt", "tls.key"]),
+    )
+    .await;
+    refused("has no key ca.crt");
+    kubeapi::apply(
+        &client,
+        secret("seedlink-tunnel-tls", &["tls.crt", "tls.key", "ca.crt"]),
+    )
+    .await;
+    let o = install();
+    assert!(
+        o.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    kubeapi::delete(&client, "v1", "Namespace", "", &ns).await;
+}
