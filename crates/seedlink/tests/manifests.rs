@@ -720,12 +720,18 @@ fn helm() -> PathBuf {
 }
 
 fn helm_template(args: &[&str]) -> Vec<Value> {
+    let mut all = vec!["--include-crds"];
+    all.extend_from_slice(args);
+    helm_template_in("seedlink", "seedlink-system", &all)
+}
+
+/// `helm template` of chart `charts/<chart>` in `namespace` with `args`
+/// (for the Kubernetes the tests run: scripts/build-kube-peers).
+fn helm_template_in(chart: &str, namespace: &str, args: &[&str]) -> Vec<Value> {
     let out = std::process::Command::new(helm())
         .args(["template", "seedlink"])
-        .arg(root().join("charts/seedlink"))
-        .args(["--namespace", "seedlink-system", "--include-crds"])
-        // The Kubernetes the tests run (scripts/build-kube-peers).
-        .args(["--kube-version", "v1.35.4"])
+        .arg(root().join("charts").join(chart))
+        .args(["--namespace", namespace, "--kube-version", "v1.35.4"])
         .args(args)
         .output()
         .unwrap();
@@ -751,17 +757,7 @@ fn helm_template(args: &[&str]) -> Vec<Value> {
 /// binary's.
 #[test]
 fn the_helm_chart_lints_and_renders_the_kustomize_install() {
-    let lint = std::process::Command::new(helm())
-        .args(["lint", "--strict", "--kube-version", "v1.35.4"])
-        .arg(root().join("charts/seedlink"))
-        .output()
-        .unwrap();
-    assert!(
-        lint.status.success(),
-        "helm lint: {}{}",
-        String::from_utf8_lossy(&lint.stdout),
-        String::from_utf8_lossy(&lint.stderr)
-    );
+    helm_lint("seedlink");
     let key = |d: &Value| {
         format!(
             "{} {} {}",
@@ -836,18 +832,7 @@ fn the_helm_chart_lints_and_renders_the_kustomize_install() {
     // One replica: no PodDisruptionBudget (it would block every drain).
     let one = helm_template(&["--set", "replicas=1"]);
     assert!(!one.iter().any(|d| d["kind"] == "PodDisruptionBudget"));
-    let chart_yaml: serde_norway::Value = serde_norway::from_str(
-        &std::fs::read_to_string(root().join("charts/seedlink/Chart.yaml")).unwrap(),
-    )
-    .unwrap();
-    assert_eq!(
-        chart_yaml["version"].as_str(),
-        Some(env!("CARGO_PKG_VERSION"))
-    );
-    assert_eq!(
-        chart_yaml["appVersion"].as_str(),
-        Some(env!("CARGO_PKG_VERSION"))
-    );
+    chart_version_is_the_binarys("seedlink");
     assert_eq!(
         std::fs::read_to_string(root().join("charts/seedlink/crds/seedlink.yaml")).unwrap(),
         std::fs::read_to_string(root().join("deploy/crds/seedlink.yaml")).unwrap(),
@@ -1120,4 +1105,133 @@ async fn helm_install_checks_the_prerequisites_it_does_not_create() {
         String::from_utf8_lossy(&o.stderr)
     );
     kubeapi::delete(&client, "v1", "Namespace", "", &ns).await;
+}
+
+/// The shoot side as a chart (what a platform applies in each shoot):
+/// `helm lint --strict` passes; with its defaults it renders exactly the
+/// kustomize shoot install's objects (ConfigMap files compared as YAML);
+/// its values reach the files, which the node-proxy and the agent read;
+/// its schema refuses a mode the node-proxy does not have.
+#[test]
+fn the_shoot_chart_renders_the_kustomize_shoot_install_and_its_values() {
+    helm_lint("seedlink-shoot");
+    let key = |d: &Value| {
+        format!(
+            "{} {}",
+            d["kind"].as_str().unwrap_or(""),
+            d["metadata"]["name"].as_str().unwrap_or("")
+        )
+    };
+    let parsed = |d: &Value| {
+        let mut d = d.clone();
+        let config_map = d["kind"] == "ConfigMap";
+        if let Some(data) = d["data"].as_object_mut().filter(|_| config_map) {
+            for v in data.values_mut() {
+                if let Some(text) = v.as_str() {
+                    *v = serde_norway::from_str::<Value>(text).unwrap_or(Value::Null);
+                }
+            }
+        }
+        d
+    };
+    let chart: std::collections::BTreeMap<String, Value> =
+        helm_template_in("seedlink-shoot", "kube-system", &[])
+            .iter()
+            .map(|d| (key(d), parsed(d)))
+            .collect();
+    let kustomize: std::collections::BTreeMap<String, Value> = render("shoot")
+        .iter()
+        .map(|d| (key(d), parsed(d)))
+        .collect();
+    assert_eq!(
+        chart.keys().collect::<Vec<_>>(),
+        kustomize.keys().collect::<Vec<_>>()
+    );
+    for (k, want) in &kustomize {
+        if let Some(at) = first_difference(&chart[k], want, String::new()) {
+            panic!("{k}: the shoot chart differs from kustomize at {at}");
+        }
+    }
+    let d = helm_template_in(
+        "seedlink-shoot",
+        "kube-system",
+        &[
+            "--set",
+            "nodeProxy.mode=http2-connect",
+            "--set",
+            "nodeProxy.gateway=gw.seed.example.net:8443",
+            "--set",
+            "agent.server=tunnel.seed.example.net:443",
+            "--set",
+            "agent.caBundle=-----BEGIN CERTIFICATE-----",
+            "--set",
+            "image.registry=registry.example.com",
+        ],
+    );
+    let cm = d
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "seedlink-shoot")
+        .unwrap();
+    check_configs(cm).unwrap();
+    let np: Value =
+        serde_norway::from_str(cm["data"]["node-proxy.yaml"].as_str().unwrap()).unwrap();
+    assert_eq!(np["mode"], "http2-connect");
+    assert_eq!(np["gateway"], "gw.seed.example.net:8443");
+    let agent: Value = serde_norway::from_str(cm["data"]["agent.yaml"].as_str().unwrap()).unwrap();
+    assert_eq!(agent["server"], "tunnel.seed.example.net:443");
+    let ca = d
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "seedlink-tunnel-ca")
+        .unwrap();
+    assert!(ca["data"]["ca.crt"]
+        .as_str()
+        .unwrap()
+        .starts_with("-----BEGIN CERTIFICATE-----"));
+    let ds = d.iter().find(|d| d["kind"] == "DaemonSet").unwrap();
+    assert_eq!(
+        ds["spec"]["template"]["spec"]["containers"][0]["image"],
+        format!(
+            "registry.example.com/localhost/seedlink:{}",
+            env!("CARGO_PKG_VERSION")
+        )
+    );
+    let bad = std::process::Command::new(helm())
+        .args(["template", "s"])
+        .arg(root().join("charts/seedlink-shoot"))
+        .args(["--kube-version", "v1.35.4", "--set", "nodeProxy.mode=h2"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("schema"));
+    chart_version_is_the_binarys("seedlink-shoot");
+}
+
+/// A chart's version and appVersion are the binary's.
+fn chart_version_is_the_binarys(chart: &str) {
+    let chart_yaml: serde_norway::Value = serde_norway::from_str(
+        &std::fs::read_to_string(root().join("charts").join(chart).join("Chart.yaml")).unwrap(),
+    )
+    .unwrap();
+    for k in ["version", "appVersion"] {
+        assert_eq!(
+            chart_yaml[k].as_str(),
+            Some(env!("CARGO_PKG_VERSION")),
+            "{chart} {k}"
+        );
+    }
+}
+
+/// `helm lint --strict` passes for chart `charts/<chart>`.
+fn helm_lint(chart: &str) {
+    let lint = std::process::Command::new(helm())
+        .args(["lint", "--strict", "--kube-version", "v1.35.4"])
+        .arg(root().join("charts").join(chart))
+        .output()
+        .unwrap();
+    assert!(
+        lint.status.success(),
+        "helm lint {chart}: {}{}",
+        String::from_utf8_lossy(&lint.stdout),
+        String::from_utf8_lossy(&lint.stderr)
+    );
 }
