@@ -246,6 +246,17 @@ mod tests {
         s.parse().unwrap_or(IpAddr::from([0, 0, 0, 0]))
     }
 
+    /// A listener on loopback and its address.
+    fn listener() -> (TcpListener, SocketAddr) {
+        let Ok(l) = TcpListener::bind("127.0.0.1:0") else {
+            panic!("bind");
+        };
+        let Ok(to) = l.local_addr() else {
+            panic!("addr")
+        };
+        (l, to)
+    }
+
     /// Connects to `to` from `from`: whether the kernel answered within
     /// `wait` (a dropped SYN never is, however long the wait).
     fn answered(from: IpAddr, to: SocketAddr, wait: Duration) -> bool {
@@ -263,12 +274,7 @@ mod tests {
     /// empty again, the filter is gone and the source connects.
     #[test]
     fn a_listed_source_gets_no_answer_and_others_do() {
-        let Ok(l) = TcpListener::bind("127.0.0.1:0") else {
-            panic!("bind");
-        };
-        let Ok(to) = l.local_addr() else {
-            panic!("addr")
-        };
+        let (l, to) = listener();
         let list = Blocklist::new(Duration::from_secs(3600));
         let now = Instant::now();
         assert!(list.block(ip("127.0.0.2"), now));
@@ -351,12 +357,7 @@ mod tests {
     /// socket sheds the copy it inherited.
     #[test]
     fn the_largest_list_attaches_and_accepted_sockets_shed_it() {
-        let Ok(l) = TcpListener::bind("127.0.0.1:0") else {
-            panic!("bind");
-        };
-        let Ok(to) = l.local_addr() else {
-            panic!("addr")
-        };
+        let (l, to) = listener();
         let list = Blocklist::new(Duration::from_secs(3600));
         let now = Instant::now();
         for i in 0..MAX_BLOCKED as u16 {

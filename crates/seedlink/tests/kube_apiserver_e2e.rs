@@ -275,6 +275,22 @@ async fn shoot_apiserver(
         .unwrap()
 }
 
+/// The service proxy's and the node proxy's paths to the shoot's greetings.
+const SVC_PROXY: &str = "/api/v1/namespaces/shoot-system/services/https:shoot-apps:443/proxy/hello";
+const NODE_PROXY: &str = "/api/v1/nodes/shoot-node-1/proxy/hello";
+
+/// kube-apiserver's service proxy (to the endpoint) and node proxy (to the
+/// kubelet port) answer with what only the shoot's workloads say.
+fn proxies_reach_the_shoot(api: &KubeApi, what: &str) {
+    for (path, want) in [
+        (SVC_PROXY, "hello from the shoot's service"),
+        (NODE_PROXY, "hello from the shoot's kubelet"),
+    ] {
+        let o = kubectl(api, &["get", "--raw", path]);
+        assert!(text(&o).contains(want), "{what}: {}", text(&o));
+    }
+}
+
 fn kubectl(api: &KubeApi, args: &[&str]) -> Output {
     kubectl_in(api, args, "")
 }
@@ -708,20 +724,7 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
 
     // The service proxy (to the endpoint) and the node proxy (to the
     // kubelet port).
-    let svc = "/api/v1/namespaces/shoot-system/services/https:shoot-apps:443/proxy/hello";
-    let o = kubectl(&api, &["get", "--raw", svc]);
-    assert!(
-        text(&o).contains("hello from the shoot's service"),
-        "{}",
-        text(&o)
-    );
-    let node = "/api/v1/nodes/shoot-node-1/proxy/hello";
-    let o = kubectl(&api, &["get", "--raw", node]);
-    assert!(
-        text(&o).contains("hello from the shoot's kubelet"),
-        "{}",
-        text(&o)
-    );
+    proxies_reach_the_shoot(&api, "");
 
     // kubectl logs, through the kubelet API.
     let o = kubectl(&api, &["logs", "-n", "work", "web-0", "-c", "app"]);
@@ -830,7 +833,11 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
         &configmap("unchecked-2", "ignore"),
     );
     assert!(o.status.success(), "{}", text(&o));
-    for path in [svc, node, "/apis/demo.seedlink.test/v1/greetings"] {
+    for path in [
+        SVC_PROXY,
+        NODE_PROXY,
+        "/apis/demo.seedlink.test/v1/greetings",
+    ] {
         let o = kubectl(&api, &["get", "--raw", path]);
         assert!(!o.status.success(), "{path}: {}", text(&o));
     }
@@ -881,7 +888,7 @@ async fn the_v1alpha1_egress_selector_is_loaded_too() {
     shoot_objects(&api, &files).await;
     let _server = tunnel_server(&files);
     let _agent = agent(&ns, &rendered);
-    let svc = "/api/v1/namespaces/shoot-system/services/https:shoot-apps:443/proxy/hello";
+    let svc = SVC_PROXY;
     eventually("the service proxy", Duration::from_secs(60), async || {
         let o = kubectl(&api, &["get", "--raw", svc]);
         text(&o)
@@ -944,20 +951,7 @@ async fn kube_apiserver_egress_over_grpc_and_the_shared_mtls_frontend() {
             "{egress:?}: {}",
             text(&o)
         );
-        let svc = "/api/v1/namespaces/shoot-system/services/https:shoot-apps:443/proxy/hello";
-        let o = kubectl(&api, &["get", "--raw", svc]);
-        assert!(
-            text(&o).contains("hello from the shoot's service"),
-            "{egress:?}: {}",
-            text(&o)
-        );
-        let node = "/api/v1/nodes/shoot-node-1/proxy/hello";
-        let o = kubectl(&api, &["get", "--raw", node]);
-        assert!(
-            text(&o).contains("hello from the shoot's kubelet"),
-            "{egress:?}: {}",
-            text(&o)
-        );
+        proxies_reach_the_shoot(&api, &format!("{egress:?}"));
     }
 }
 
