@@ -351,7 +351,7 @@ async fn envoy_apiserver_proxy_shape_through_the_gateway() {
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    wait_listening(format!("127.0.0.1:{port}").parse().unwrap()).await;
+    wait_child_listening(&mut child, format!("127.0.0.1:{port}").parse().unwrap()).await;
     let body = curl_mtls(&files, ALPHA, std::net::Ipv4Addr::LOCALHOST.into(), port);
     let _ = child.kill();
     let _ = child.wait();
@@ -432,7 +432,7 @@ control_planes:
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    wait_listening(format!("127.0.0.1:{port}").parse().unwrap()).await;
+    wait_child_listening(&mut child, format!("127.0.0.1:{port}").parse().unwrap()).await;
     // 16 clients at once: one HTTP/2 connection, 16 streams.
     let mut handles = Vec::new();
     for _ in 0..16 {

@@ -200,10 +200,10 @@ impl Gw {
         sum_metric(&self.metrics().await, prefix)
     }
 
-    /// Polls until `metric(prefix) >= want`, for at most 10 s.
+    /// Polls until `metric(prefix) >= want`, for at most 30 s.
     pub async fn wait_metric(&self, prefix: &str, want: f64) {
         let what = format!("metric {prefix} at {want}");
-        eventually(&what, Duration::from_secs(10), async || {
+        eventually(&what, Duration::from_secs(30), async || {
             let m = self.metrics().await;
             ok_if(sum_metric(&m, prefix) >= want, || m.clone())
         })
@@ -379,10 +379,25 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// Polls until something accepts connections on `addr` (at most 10 s).
+/// Polls until something accepts connections on `addr` (at most 60 s: a
+/// peer starting on a busy machine can take a while).
 pub async fn wait_listening(addr: SocketAddr) {
     let what = format!("something listening on {addr}");
-    eventually(&what, Duration::from_secs(10), async || {
+    eventually(&what, Duration::from_secs(60), async || {
+        TcpStream::connect(addr).await.is_ok()
+    })
+    .await;
+}
+
+/// Like [`wait_listening`] for a peer process the test started: fails at
+/// once, with the exit status, if `child` exits before it listens (a bad
+/// config or a port taken between [`free_port`] and its bind).
+pub async fn wait_child_listening(child: &mut std::process::Child, addr: SocketAddr) {
+    let what = format!("peer listening on {addr}");
+    eventually(&what, Duration::from_secs(60), async || {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("the peer meant to listen on {addr} exited first: {status}");
+        }
         TcpStream::connect(addr).await.is_ok()
     })
     .await;
