@@ -17,19 +17,15 @@
 //! (docs/conformance/ keeps the one of the last full run).
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
-use seedlink_testkit::kubeapi::{KubeApi, Options};
-use seedlink_testkit::{eventually_blocking, require, Gw};
+use seedlink_testkit::cluster::{peer, run, Cluster, Options};
+use seedlink_testkit::{eventually_blocking, Gw};
 
 /// The addresses Gateways of the class get (one each).
 const POOL: u8 = 24;
-/// The node's own address (the kubelet's).
-const NODE_IP: &str = "10.250.255.1";
-/// The pods' subnet (the CNI bridge's).
-const POD_SUBNET: &str = "10.244.0.0/24";
 
 /// The profile's tests seedlink does not run, and why: each needs a Gateway
 /// with only HTTP or HTTPS (TLS-terminating) listeners to be Accepted and
@@ -82,340 +78,25 @@ fn pool() -> Vec<String> {
     (1..=POOL).map(|i| format!("10.250.0.{i}")).collect()
 }
 
-fn run(cmd: &mut Command) -> String {
-    let o = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        o.status.success(),
-        "{cmd:?}: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-/// A process killed when the test ends.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// The namespace, and what the node leaves behind, removed however the
-/// test ends: every process in it (containerd's shims and the containers
-/// outlive containerd), every mount under the node's directory (the
-/// kubelet's volumes), the namespace itself.
-struct Node {
-    netns: String,
-    dir: PathBuf,
-    /// The network namespaces that existed before (containerd names each
-    /// pod's `cni-<uuid>` in /run/netns; those it leaves are removed).
-    before: Vec<String>,
-    /// When it started (containerd's loopback results written since are its).
-    started: std::time::SystemTime,
-}
-
-/// The network name in the CNI configuration (libcni caches results
-/// under it in /var/lib/cni/results).
-const CNI_NETWORK: &str = "seedlink-conformance";
-
-fn netns_names() -> Vec<String> {
-    std::fs::read_dir("/run/netns")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect()
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        for _ in 0..3 {
-            let pids = Command::new("ip")
-                .args(["netns", "pids", &self.netns])
-                .output()
-                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-                .unwrap_or_default();
-            let own = std::process::id().to_string();
-            let others: Vec<&str> = pids.split_whitespace().filter(|p| *p != own).collect();
-            if others.is_empty() {
-                break;
-            }
-            for pid in others {
-                let _ = Command::new("kill").args(["-9", pid]).status();
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        let prefix = self.dir.display().to_string();
-        let mut mounts: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
-            .filter(|m| m.starts_with(&prefix))
-            .collect();
-        mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
-        for m in mounts {
-            let _ = Command::new("umount").args(["-l", &m]).status();
-        }
-        let _ = Command::new("ip")
-            .args(["netns", "del", &self.netns])
-            .status();
-        for pod in netns_names() {
-            if pod.starts_with("cni-") && !self.before.contains(&pod) {
-                let _ = Command::new("ip").args(["netns", "del", &pod]).status();
-            }
-        }
-        for e in std::fs::read_dir("/var/lib/cni/results")
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let name = e.file_name().to_string_lossy().into_owned();
-            let since = e
-                .metadata()
-                .and_then(|m| m.modified())
-                .is_ok_and(|t| t >= self.started);
-            if name.starts_with(&format!("{CNI_NETWORK}-"))
-                || (name.starts_with("cni-loopback-") && since)
-            {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
-        // A failure's logs stay (its message names the directory).
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
-    }
-}
-
-/// Moves the calling thread into network namespace `name` (what it starts
-/// from now on is there too).
-#[allow(unsafe_code)]
-fn enter(name: &str) {
-    let f = std::fs::File::open(format!("/run/netns/{name}")).unwrap();
-    use std::os::fd::AsRawFd;
-    // SAFETY: a plain syscall on a descriptor we own.
-    let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-    assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
-}
-
-fn peer(dir: &Path, rel: &str) -> PathBuf {
-    let p = dir.join(rel);
-    assert!(
-        p.exists(),
-        "{} is missing: run scripts/install-peers (scripts/build-kube-peers builds it)",
-        p.display()
-    );
-    p
-}
-
 #[test]
 fn the_gateway_api_conformance_suite_passes_the_gateway_tls_profile() {
     let kube = seedlink_testkit::kubeapi::kube_dir();
     let suite = peer(&kube, "bin/gateway-conformance");
-    let kcm = peer(&kube, "bin/kube-controller-manager");
-    let scheduler = peer(&kube, "bin/kube-scheduler");
-    let kubelet = peer(&kube, "bin/kubelet");
-    let busybox = peer(&kube, "images/busybox.oci.tar");
     let echo = peer(&kube, "images/echo-basic.oci.tar");
     let echo_names = std::fs::read_to_string(peer(&kube, "images/echo-basic.names")).unwrap();
-    for plugin in ["bridge", "host-local", "loopback"] {
-        peer(Path::new("/usr/lib/cni"), plugin);
-    }
-    let (containerd, ctr) = (require("containerd"), require("ctr"));
-    require("runc");
-
-    let name = format!("slgc-{}", std::process::id());
-    let dir = tempfile::Builder::new()
-        .prefix("seedlink-conformance-")
-        .tempdir()
-        .unwrap()
-        .keep();
-    run(Command::new("ip").args(["netns", "add", &name]));
-    let _node = Node {
-        netns: name.clone(),
-        dir: dir.clone(),
-        before: netns_names(),
-        started: std::time::SystemTime::now(),
-    };
-    enter(&name);
-    run(Command::new("ip").args(["link", "set", "lo", "up"]));
-    for a in pool().iter().map(String::as_str).chain([NODE_IP]) {
-        run(Command::new("ip").args(["addr", "add", &format!("{a}/32"), "dev", "lo"]));
-    }
-
-    let api = KubeApi::start_with(Options {
-        crds: true,
-        ..Options::default()
+    let cluster = Cluster::start(Options {
+        addresses: pool(),
+        kube_proxy: false,
+        prefix: "slgc",
     });
-    let admin = api.admin_kubeconfig.display().to_string();
-    let log = |n: &str| Stdio::from(std::fs::File::create(dir.join(n)).unwrap());
-    let _kcm = Proc(
-        Command::new(&kcm)
-            .arg(format!("--kubeconfig={admin}"))
-            .arg(format!(
-                "--service-account-private-key-file={}",
-                api.dir.join("sa-key.pem").display()
-            ))
-            .arg(format!("--root-ca-file={}", api.ca.display()))
-            .args([
-                "--leader-elect=false",
-                "--secure-port=0",
-                "--use-service-account-credentials=false",
-            ])
-            .stdout(log("kube-controller-manager.log"))
-            .stderr(log("kube-controller-manager.log"))
-            .spawn()
-            .unwrap(),
-    );
-
-    let _scheduler = Proc(
-        Command::new(&scheduler)
-            .arg(format!("--kubeconfig={admin}"))
-            .args(["--leader-elect=false", "--secure-port=0"])
-            .stdout(log("kube-scheduler.log"))
-            .stderr(log("kube-scheduler.log"))
-            .spawn()
-            .unwrap(),
-    );
-
-    // containerd with the standard CNI plugins: each pod on a bridge in this
-    // namespace, at an address of POD_SUBNET.
-    let d = dir.join("node");
-    std::fs::create_dir_all(d.join("cni")).unwrap();
-    std::fs::write(
-        d.join("cni/10-pods.conflist"),
-        serde_json::json!({
-            "cniVersion": "0.4.0", "name": CNI_NETWORK,
-            "plugins": [{"type": "bridge", "bridge": "pods0", "isGateway": true, "ipMasq": false,
-                         "hairpinMode": true,
-                         "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_SUBNET}]],
-                                  "dataDir": d.join("ipam").display().to_string()}}]
-        })
-        .to_string(),
-    )
-    .unwrap();
-    let sock = d.join("containerd.sock");
-    std::fs::write(
-        d.join("containerd.toml"),
-        format!(
-            "version = 2\nroot = \"{r}/root\"\nstate = \"{r}/state\"\n[grpc]\n  address = \"{s}\"\n\
-             [plugins.\"io.containerd.grpc.v1.cri\"]\n  sandbox_image = \"localhost/busybox:1\"\n  restrict_oom_score_adj = true\n\
-             [plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  snapshotter = \"native\"\n\
-             [plugins.\"io.containerd.grpc.v1.cri\".cni]\n  bin_dir = \"/usr/lib/cni\"\n  conf_dir = \"{r}/cni\"\n",
-            r = d.display(),
-            s = sock.display()
-        ),
-    )
-    .unwrap();
-    let _containerd = Proc(
-        Command::new(&containerd)
-            .arg("--config")
-            .arg(d.join("containerd.toml"))
-            .stdout(Stdio::null())
-            .stderr(log("containerd.log"))
-            .spawn()
-            .unwrap(),
-    );
-    let ctr_cmd = |args: &[&str]| {
-        let mut c = Command::new(&ctr);
-        c.arg("--address")
-            .arg(&sock)
-            .args(["-n", "k8s.io"])
-            .args(args);
-        c
-    };
-    eventually_blocking("containerd", Duration::from_secs(30), || {
-        let o = ctr_cmd(&["images", "import", "--base-name", "localhost/busybox"])
-            .arg(&busybox)
-            .output()
-            .unwrap();
-        o.status
-            .success()
-            .then_some(())
-            .ok_or_else(|| String::from_utf8_lossy(&o.stderr).into_owned())
-    });
-    run(ctr_cmd(&["images", "import"]).arg(&echo));
+    cluster.import_image(&echo);
     for n in echo_names.split_whitespace() {
-        run(&mut ctr_cmd(&[
-            "images",
-            "tag",
-            "--force",
-            "localhost/echo-basic:built",
-            n,
-        ]));
+        run(&mut cluster.ctr(&["images", "tag", "--force", "localhost/echo-basic:built", n]));
     }
-
-    std::fs::write(
-        d.join("kubelet.yaml"),
-        format!(
-            "apiVersion: kubelet.config.k8s.io/v1beta1
-kind: KubeletConfiguration
-address: {NODE_IP}
-port: 10250
-readOnlyPort: 0
-authentication:
-  anonymous: {{enabled: false}}
-  webhook: {{enabled: false}}
-authorization: {{mode: AlwaysAllow}}
-containerRuntimeEndpoint: unix://{sock}
-cgroupDriver: cgroupfs
-failCgroupV1: false
-failSwapOn: false
-cgroupsPerQOS: false
-enforceNodeAllocatable: []
-evictionHard: {{memory.available: 1Mi, nodefs.available: 1%, imagefs.available: 1%}}
-imageGCHighThresholdPercent: 100
-imageGCLowThresholdPercent: 99
-resolvConf: ''
-maxPods: 110
-syncFrequency: 5s
-nodeStatusUpdateFrequency: 5s
-fileCheckFrequency: 5s
-",
-            sock = sock.display()
-        ),
-    )
-    .unwrap();
-    let _kubelet = Proc(
-        Command::new(&kubelet)
-            .arg("--config")
-            .arg(d.join("kubelet.yaml"))
-            .arg(format!("--kubeconfig={admin}"))
-            .args([
-                "--hostname-override",
-                "conformance-node",
-                "--node-ip",
-                NODE_IP,
-            ])
-            .arg("--root-dir")
-            .arg(d.join("kubelet"))
-            .stdout(Stdio::null())
-            .stderr(log("kubelet.log"))
-            .spawn()
-            .unwrap(),
-    );
-    let kubectl = |args: &[&str]| {
-        Command::new(api.kube_dir.join("bin/kubectl"))
-            .arg(format!("--kubeconfig={admin}"))
-            .args(args)
-            .output()
-            .unwrap()
-    };
-    eventually_blocking("the node is Ready", Duration::from_secs(120), || {
-        let o = kubectl(&[
-            "get",
-            "node",
-            "conformance-node",
-            "-o",
-            "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
-        ]);
-        (String::from_utf8_lossy(&o.stdout).trim() == "True")
-            .then_some(())
-            .ok_or_else(|| String::from_utf8_lossy(&o.stderr).into_owned())
-    });
+    let (api, dir) = (&cluster.api, &cluster.dir);
+    let admin = api.admin_kubeconfig.display().to_string();
+    let log = |n: &str| cluster.log(n);
+    let kubectl = |args: &[&str]| cluster.kubectl(args);
 
     // seedlink: its GatewayClass, and the gateway serving every Gateway of
     // it, as installed: the `seedlink` ServiceAccount with the RBAC of the
@@ -457,7 +138,7 @@ fileCheckFrequency: 5s
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let token = String::from_utf8_lossy(&o.stdout).trim().to_string();
-    let installed = api.kubeconfig(&dir, "seedlink", &token, None);
+    let installed = api.kubeconfig(dir, "seedlink", &token, None);
     let installed = installed.display().to_string();
     let _gw = Gw::start_with_env(
         &format!(

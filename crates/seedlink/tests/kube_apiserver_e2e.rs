@@ -1286,39 +1286,18 @@ control_planes:
         Some(API_NAME),
         None,
     );
+    let (cert, key, ca) = (
+        files.p("kubelet.pem"),
+        files.p("kubelet-key.pem"),
+        files.p("kubelet-ca.pem"),
+    );
     std::fs::write(
         d.join("kubelet.yaml"),
-        format!(
-            "apiVersion: kubelet.config.k8s.io/v1beta1
-kind: KubeletConfiguration
-address: {NODE_IP}
-port: 10250
-readOnlyPort: 0
-tlsCertFile: {cert}
-tlsPrivateKeyFile: {key}
-authentication:
-  anonymous: {{enabled: false}}
-  webhook: {{enabled: false}}
-  x509: {{clientCAFile: {ca}}}
-authorization: {{mode: AlwaysAllow}}
-containerRuntimeEndpoint: unix://{sock}
-cgroupDriver: cgroupfs
-failCgroupV1: false
-failSwapOn: false
-cgroupsPerQOS: false
-enforceNodeAllocatable: []
-evictionHard: {{memory.available: 1Mi, nodefs.available: 1%, imagefs.available: 1%}}
-imageGCHighThresholdPercent: 100
-imageGCLowThresholdPercent: 99
-resolvConf: ''
-syncFrequency: 5s
-nodeStatusUpdateFrequency: 5s
-fileCheckFrequency: 5s
-",
-            cert = files.p("kubelet.pem"),
-            key = files.p("kubelet-key.pem"),
-            ca = files.p("kubelet-ca.pem"),
-            sock = sock.display()
+        seedlink_testkit::cluster::kubelet_config(
+            NODE_IP,
+            &sock,
+            Path::new(&ca),
+            Some((Path::new(&cert), Path::new(&key))),
         ),
     )
     .unwrap();
@@ -1554,30 +1533,6 @@ struct NodeCleanup {
 
 impl Drop for NodeCleanup {
     fn drop(&mut self) {
-        for _ in 0..3 {
-            let pids = Command::new("ip")
-                .args(["netns", "pids", &self.netns])
-                .output()
-                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-                .unwrap_or_default();
-            if pids.trim().is_empty() {
-                break;
-            }
-            for pid in pids.split_whitespace() {
-                let _ = Command::new("kill").args(["-9", pid]).status();
-            }
-        }
-        let prefix = self.dir.display().to_string();
-        let mut mounts: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
-            .filter(|m| m.starts_with(&prefix))
-            .collect();
-        // Deepest first.
-        mounts.sort_by_key(|m| std::cmp::Reverse(m.len()));
-        for m in mounts {
-            let _ = Command::new("umount").args(["-l", &m]).status();
-        }
+        seedlink_testkit::cluster::stop_node(&self.netns, &self.dir);
     }
 }

@@ -175,6 +175,7 @@ fn check_strictly(docs: &[Value]) {
             ("apps/v1", "Deployment") => roundtrip::<apps::v1::Deployment>(d),
             ("apps/v1", "DaemonSet") => roundtrip::<apps::v1::DaemonSet>(d),
             ("policy/v1", "PodDisruptionBudget") => roundtrip::<policy::v1::PodDisruptionBudget>(d),
+            ("coordination.k8s.io/v1", "Lease") => roundtrip::<k8s_openapi::api::coordination::v1::Lease>(d),
             ("networking.k8s.io/v1", "NetworkPolicy") => {
                 roundtrip::<k8s_openapi::api::networking::v1::NetworkPolicy>(d)
             }
@@ -708,16 +709,7 @@ async fn the_api_server_refuses_invalid_seedlink_objects_with_the_crds_messages(
     .await;
 }
 
-/// Helm, built from its Go module by scripts/install-peers.
-fn helm() -> PathBuf {
-    let (helm, from) = common::kubeapi::cached_peer("SEEDLINK_HELM", "helm");
-    assert!(
-        helm.is_file(),
-        "helm is missing (looked in {}): scripts/install-peers builds it from its Go module, or set SEEDLINK_HELM",
-        from.display()
-    );
-    helm
-}
+use common::cluster::helm;
 
 fn helm_template(args: &[&str]) -> Vec<Value> {
     let mut all = vec!["--include-crds"];

@@ -66,6 +66,9 @@ pub struct Options {
     pub crds: bool,
     /// More DNS names in the serving certificate.
     pub names: Vec<String>,
+    /// More IP addresses in the serving certificate (the node's, the
+    /// `kubernetes` Service's, for pods that reach it).
+    pub ips: Vec<std::net::IpAddr>,
 }
 
 /// A peer the project's scripts built into the cache: `$env` if set, else
@@ -131,7 +134,7 @@ struct Pki {
     sa_pub: String,
 }
 
-fn pki(names: &[String]) -> Pki {
+fn pki(names: &[String], ips: &[std::net::IpAddr]) -> Pki {
     use rcgen::{
         BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, Issuer, KeyPair,
         SanType,
@@ -157,6 +160,9 @@ fn pki(names: &[String]) -> Pki {
     .unwrap();
     srv.subject_alt_names
         .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    for ip in ips {
+        srv.subject_alt_names.push(SanType::IpAddress(*ip));
+    }
     let srv_cert = srv.signed_by(&key, &issuer).unwrap();
     let admin_key = KeyPair::generate().unwrap();
     let mut admin = CertificateParams::new(Vec::<String>::new()).unwrap();
@@ -246,7 +252,7 @@ impl KubeApi {
             .tempdir()
             .unwrap()
             .keep();
-        let pki = pki(&opts.names);
+        let pki = pki(&opts.names, &opts.ips);
         let w = |name: &str, text: &str| {
             let p = dir.join(name);
             std::fs::write(&p, text).unwrap();

@@ -7,6 +7,7 @@
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
 pub mod agent_cmd;
+pub mod cluster;
 pub mod eventually;
 pub mod faults;
 pub mod generative;

@@ -1,0 +1,596 @@
+//! seedlink installed as a seed operator installs it: `helm install
+//! charts/seedlink` on a real one-node cluster (testkit `cluster`: kube-apiserver,
+//! etcd, kube-controller-manager, kube-scheduler, a kubelet with containerd
+//! and CNI, kube-proxy, a LoadBalancer stand-in), the image scripts/image
+//! builds imported into the node's containerd, the prerequisites the chart
+//! does not make created as NOTES.txt says. seedlink runs as the chart's
+//! pods, in-cluster, with its own ServiceAccount's projected token.
+//!
+//! The traffic is the cluster's own kube-apiserver reached by kubectl
+//! through the Service's LoadBalancer address by SNI, client certificate end
+//! to end (a TLSRoute to the `kubernetes` Service, whose EndpointSlice
+//! kube-apiserver itself maintains). Day 2 runs under a loop of kubectl
+//! requests, each on a new connection, and counts every failure: a rollout
+//! restart, a `helm upgrade` to a new image reference, the status leader's
+//! pod deleted (another pod takes the lease and still writes status), and
+//! `helm uninstall` (what is left is listed and must be what the docs say).
+//! The figures (install to Ready, each step's requests and failures) are
+//! printed; docs/KUBERNETES.md keeps the last run's.
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use seedlink_testkit::cluster::{helm, run, Cluster, Options};
+use seedlink_testkit::eventually_blocking;
+use seedlink_testkit::kubeapi::repo_root;
+
+/// The LoadBalancer pool (on the node's loopback).
+const LB_POOL: [&str; 2] = ["10.250.1.1", "10.250.1.2"];
+const NS: &str = "seedlink-system";
+/// The hosted control plane's namespace (as Gardener names a shoot's).
+const SHOOT_NS: &str = "shoot--dev--a";
+/// Its API server's public host name (in its serving certificate).
+const API_HOST: &str = "api.dev-a.seed.test";
+
+/// The image scripts/image builds from the binary under test, as an OCI
+/// archive in `dir`.
+fn image_archive(dir: &Path) -> PathBuf {
+    let archive = dir.join("seedlink.oci.tar");
+    run(Command::new(repo_root().join("scripts/image"))
+        .args([
+            "--binary",
+            env!("CARGO_BIN_EXE_seedlink"),
+            "--rm",
+            "--archive",
+        ])
+        .arg(&archive)
+        .current_dir(repo_root()));
+    archive
+}
+
+/// The Secrets the chart expects, made as NOTES.txt says: the agents'
+/// endpoint certificate (with openssl), the CA of the kube-apiservers'
+/// client certificates (here the same self-signed one), an admin token.
+fn prerequisites(c: &Cluster) {
+    let d = c.dir.join("secrets");
+    std::fs::create_dir_all(&d).unwrap();
+    run(Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+        ])
+        .args(["-nodes", "-days", "2", "-subj", "/CN=seedlink"])
+        .args([
+            "-addext",
+            "subjectAltName=DNS:seedlink,DNS:seedlink-internal.seedlink-system.svc",
+        ])
+        .args(["-keyout", "tls.key", "-out", "tls.crt"])
+        .current_dir(&d));
+    std::fs::copy(d.join("tls.crt"), d.join("ca.crt")).unwrap();
+    c.kubectl_ok(&["create", "namespace", NS]);
+    c.kubectl_ok(&[
+        "-n",
+        NS,
+        "create",
+        "secret",
+        "generic",
+        "seedlink-tunnel-tls",
+        &format!("--from-file={}", d.join("tls.crt").display()),
+        &format!("--from-file={}", d.join("tls.key").display()),
+        &format!("--from-file={}", d.join("ca.crt").display()),
+    ]);
+    c.kubectl_ok(&[
+        "-n",
+        NS,
+        "create",
+        "secret",
+        "generic",
+        "seedlink-admin-token",
+        "--from-literal=token=0123456789abcdef0123456789abcdef",
+    ]);
+}
+
+/// A shoot's control plane as a hosting platform runs it: kube-apiserver
+/// and etcd in a pod of its own namespace (the image scripts/build-kube-peers
+/// builds), behind a Service with a selector, its PKI made with openssl
+/// (a CA, the serving certificate for [`API_HOST`], an admin client
+/// certificate). Returns the directory with `ca.crt`, `admin.crt`, `admin.key`.
+fn shoot_control_plane(c: &Cluster) -> PathBuf {
+    let d = c.dir.join("shoot-pki");
+    std::fs::create_dir_all(&d).unwrap();
+    let script = format!(
+        "set -e
+openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 -subj /CN=shoot-ca -keyout ca.key -out ca.crt 2>/dev/null
+openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=kube-apiserver -keyout tls.key -out tls.csr 2>/dev/null
+printf 'subjectAltName=DNS:{API_HOST},DNS:kubernetes.default.svc,IP:10.100.0.1' > san.ext
+openssl x509 -req -in tls.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 -extfile san.ext -out tls.crt 2>/dev/null
+openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /O=system:masters/CN=admin -keyout admin.key -out admin.csr 2>/dev/null
+openssl x509 -req -in admin.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 -out admin.crt 2>/dev/null
+openssl ecparam -name prime256v1 -genkey -noout -out sa.pem
+openssl pkcs8 -topk8 -nocrypt -in sa.pem -out sa.key
+openssl ec -in sa.key -pubout -out sa.pub 2>/dev/null
+"
+    );
+    run(Command::new("sh").args(["-c", &script]).current_dir(&d));
+    c.kubectl_ok(&["create", "namespace", SHOOT_NS]);
+    c.kubectl_ok(&[
+        "label",
+        "namespace",
+        SHOOT_NS,
+        "seedlink.dev/gateway-access=true",
+    ]);
+    let mut create = vec![
+        "-n",
+        SHOOT_NS,
+        "create",
+        "secret",
+        "generic",
+        "kube-apiserver-pki",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect::<Vec<_>>();
+    for f in ["ca.crt", "tls.crt", "tls.key", "sa.key", "sa.pub"] {
+        create.push(format!("--from-file={}", d.join(f).display()));
+    }
+    let refs: Vec<&str> = create.iter().map(String::as_str).collect();
+    c.kubectl_ok(&refs);
+    c.apply(&format!(
+        r#"apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: kube-apiserver, namespace: {SHOOT_NS}}}
+spec:
+  replicas: 1
+  selector: {{matchLabels: {{app: kube-apiserver}}}}
+  template:
+    metadata: {{labels: {{app: kube-apiserver}}}}
+    spec:
+      containers:
+      - name: etcd
+        image: localhost/kube-control-plane:1
+        command: [/usr/local/bin/etcd, --data-dir=/var/lib/etcd/data,
+                  --listen-client-urls=http://127.0.0.1:2379, --advertise-client-urls=http://127.0.0.1:2379,
+                  --listen-peer-urls=http://127.0.0.1:2380, --initial-advertise-peer-urls=http://127.0.0.1:2380,
+                  --initial-cluster=default=http://127.0.0.1:2380, --listen-metrics-urls=http://127.0.0.1:2381]
+        volumeMounts: [{{name: etcd, mountPath: /var/lib/etcd}}]
+      - name: kube-apiserver
+        image: localhost/kube-control-plane:1
+        command: [/usr/local/bin/kube-apiserver, --etcd-servers=http://127.0.0.1:2379,
+                  --secure-port=6443, --tls-cert-file=/pki/tls.crt, --tls-private-key-file=/pki/tls.key,
+                  --client-ca-file=/pki/ca.crt, --service-account-issuer=https://{API_HOST},
+                  --service-account-key-file=/pki/sa.pub, --service-account-signing-key-file=/pki/sa.key,
+                  --service-cluster-ip-range=10.100.0.0/16, --authorization-mode=RBAC,
+                  --cert-dir=/tmp]
+        ports: [{{name: https, containerPort: 6443}}]
+        readinessProbe:
+          httpGet: {{path: /readyz, port: https, scheme: HTTPS}}
+          periodSeconds: 2
+        volumeMounts: [{{name: pki, mountPath: /pki, readOnly: true}}, {{name: tmp, mountPath: /tmp}}]
+      volumes:
+      - {{name: pki, secret: {{secretName: kube-apiserver-pki}}}}
+      - {{name: etcd, emptyDir: {{}}}}
+      - {{name: tmp, emptyDir: {{}}}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: kube-apiserver, namespace: {SHOOT_NS}}}
+spec:
+  selector: {{app: kube-apiserver}}
+  ports: [{{name: https, port: 443, targetPort: https}}]
+"#
+    ));
+    c.kubectl_ok(&[
+        "-n",
+        SHOOT_NS,
+        "rollout",
+        "status",
+        "deployment/kube-apiserver",
+        "--timeout=600s",
+    ]);
+    d
+}
+
+fn helm_cmd(c: &Cluster, args: &[&str]) -> String {
+    run(Command::new(helm())
+        .env("KUBECONFIG", &c.api.admin_kubeconfig)
+        .env("HELM_CACHE_HOME", c.dir.join("helm/cache"))
+        .env("HELM_CONFIG_HOME", c.dir.join("helm/config"))
+        .env("HELM_DATA_HOME", c.dir.join("helm/data"))
+        .args(args))
+}
+
+/// Every pod of the Deployment Ready, the rollout complete.
+fn rolled_out(c: &Cluster) {
+    c.kubectl_ok(&[
+        "-n",
+        NS,
+        "rollout",
+        "status",
+        "deployment/seedlink",
+        "--timeout=600s",
+    ]);
+}
+
+/// The shoot's admin kubeconfig through the load balancer's address, by
+/// SNI, client certificate end to end.
+fn through_gateway(c: &Cluster, lb: &str, pki: &Path) -> PathBuf {
+    let p = c.dir.join("through-gateway.kubeconfig");
+    std::fs::write(
+        &p,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: shoot\n  cluster:\n    server: https://{lb}:443\n    tls-server-name: {API_HOST}\n    certificate-authority: {ca}\nusers:\n- name: admin\n  user:\n    client-certificate: {crt}\n    client-key: {key}\ncontexts:\n- name: shoot\n  context: {{cluster: shoot, user: admin}}\ncurrent-context: shoot\n",
+            ca = pki.join("ca.crt").display(),
+            crt = pki.join("admin.crt").display(),
+            key = pki.join("admin.key").display(),
+        ),
+    )
+    .unwrap();
+    p
+}
+
+/// A loop of kubectl requests through the gateway, each on its own
+/// connection (a new kubectl process), counting what fails.
+struct Load {
+    stop: Arc<AtomicBool>,
+    sent: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+    errors: Arc<std::sync::Mutex<Vec<String>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(kubectl: PathBuf, kubeconfig: PathBuf, netns: String) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(AtomicU64::new(0));
+        let failed = Arc::new(AtomicU64::new(0));
+        let errors = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (s, n, f, e) = (stop.clone(), sent.clone(), failed.clone(), errors.clone());
+        let thread = std::thread::spawn(move || {
+            seedlink_testkit::cluster::enter(&netns);
+            // Bounded: at most an hour of requests.
+            let end = Instant::now() + Duration::from_secs(3600);
+            while !s.load(Ordering::Relaxed) && Instant::now() < end {
+                let o = Command::new(&kubectl)
+                    .arg(format!("--kubeconfig={}", kubeconfig.display()))
+                    .args(["get", "--raw", "/version", "--request-timeout=20s"])
+                    .output();
+                n.fetch_add(1, Ordering::Relaxed);
+                let ok = o
+                    .as_ref()
+                    .is_ok_and(|o| o.status.success() && o.stdout.starts_with(b"{"));
+                if !ok {
+                    f.fetch_add(1, Ordering::Relaxed);
+                    let why = o.map_or_else(
+                        |e| e.to_string(),
+                        |o| String::from_utf8_lossy(&o.stderr).into_owned(),
+                    );
+                    e.lock().unwrap().push(why);
+                }
+            }
+        });
+        Load {
+            stop,
+            sent,
+            failed,
+            errors,
+            thread: Some(thread),
+        }
+    }
+
+    /// (requests, failures) so far.
+    fn counts(&self) -> (u64, u64) {
+        (
+            self.sent.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Waits for `more` requests past the current count (the loop is
+    /// running through whatever just happened).
+    fn wait_for(&self, more: u64) {
+        let want = self.counts().0 + more;
+        eventually_blocking(
+            "requests through the gateway",
+            Duration::from_secs(120),
+            || (self.counts().0 >= want).then_some(()).ok_or("not yet"),
+        );
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One day-2 step under the load: its requests and failures.
+fn step(name: &str, load: &Load, figures: &mut Vec<String>, action: impl FnOnce()) {
+    let (sent0, failed0) = load.counts();
+    let t = Instant::now();
+    action();
+    load.wait_for(5);
+    let (sent, failed) = load.counts();
+    let line = format!(
+        "{name}: {} requests, {} failed, {:.1} s",
+        sent - sent0,
+        failed - failed0,
+        t.elapsed().as_secs_f64()
+    );
+    eprintln!("installed: {line}");
+    figures.push(line);
+}
+
+fn jsonpath(c: &Cluster, args: &[&str], path: &str) -> String {
+    let mut a: Vec<&str> = args.to_vec();
+    let p = format!("jsonpath={path}");
+    a.extend(["-o", &p]);
+    let o = c.kubectl(&a);
+    String::from_utf8_lossy(&o.stdout).trim().to_string()
+}
+
+/// A TLSRoute `name` in the shoot's namespace: `host` to its API server.
+fn route(c: &Cluster, name: &str, host: &str) {
+    c.apply(&format!(
+        "apiVersion: gateway.networking.k8s.io/v1
+kind: TLSRoute
+metadata: {{name: {name}, namespace: {SHOOT_NS}}}
+spec:
+  parentRefs: [{{name: seedlink, namespace: {NS}}}]
+  hostnames: [{host}]
+  rules: [{{backendRefs: [{{name: kube-apiserver, port: 443}}]}}]
+"
+    ));
+}
+
+/// The Accepted condition's status on route `name` (written by the pods).
+fn accepted(c: &Cluster, name: &str) -> String {
+    jsonpath(
+        c,
+        &["-n", SHOOT_NS, "get", "tlsroute", name],
+        "{.status.parents[0].conditions[?(@.type==\"Accepted\")].status}",
+    )
+}
+
+fn lease_holder(c: &Cluster) -> String {
+    jsonpath(
+        c,
+        &["-n", NS, "get", "lease", "seedlink-status"],
+        "{.spec.holderIdentity}",
+    )
+}
+
+/// Everything of the kinds an install touches, by kind/namespace/name.
+fn inventory(c: &Cluster) -> Vec<String> {
+    let kinds = "deployments,replicasets,pods,services,endpointslices,configmaps,secrets,\
+                 serviceaccounts,roles,rolebindings,clusterroles,clusterrolebindings,leases,\
+                 networkpolicies,poddisruptionbudgets,horizontalpodautoscalers,\
+                 gatewayclasses,gateways,tlsroutes,customresourcedefinitions";
+    let o = c.kubectl_ok(&[
+        "get",
+        kinds,
+        "-A",
+        "-o",
+        "jsonpath={range .items[*]}{.kind}/{.metadata.namespace}/{.metadata.name}{\"\\n\"}{end}",
+    ]);
+    let mut v: Vec<String> = o.lines().map(str::to_string).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
+    let c = Cluster::start(Options {
+        addresses: LB_POOL.iter().map(|a| a.to_string()).collect(),
+        kube_proxy: true,
+        prefix: "slinst",
+    });
+    c.serve_load_balancers(LB_POOL.iter().map(|a| a.to_string()).collect());
+    let t = Instant::now();
+    let archive = image_archive(&c.dir);
+    eprintln!(
+        "installed: image built in {:.0} s",
+        t.elapsed().as_secs_f64()
+    );
+    c.import_image(&archive);
+    c.import_image(&seedlink_testkit::cluster::peer(
+        &c.api.kube_dir,
+        "images/control-plane.oci.tar",
+    ));
+    prerequisites(&c);
+    let before = inventory(&c);
+
+    // The install, as docs/KUBERNETES.md gives it, and the time to Ready.
+    let chart = repo_root().join("charts/seedlink");
+    let chart = chart.display().to_string();
+    let t = Instant::now();
+    let out = helm_cmd(&c, &["install", "seedlink", &chart, "--namespace", NS]);
+    assert!(
+        out.contains("rollout status deployment/seedlink"),
+        "NOTES: {out}"
+    );
+    rolled_out(&c);
+    let to_ready = t.elapsed();
+    let mut figures = vec![format!(
+        "helm install to every pod Ready: {:.1} s",
+        to_ready.as_secs_f64()
+    )];
+    eprintln!("installed: {}", figures[0]);
+
+    // Pods run with the chart's ServiceAccount and its projected token.
+    let sa = jsonpath(
+        &c,
+        &[
+            "-n",
+            NS,
+            "get",
+            "pods",
+            "-l",
+            "app.kubernetes.io/name=seedlink",
+        ],
+        "{.items[*].spec.serviceAccountName}",
+    );
+    assert_eq!(sa, "seedlink seedlink", "pods' ServiceAccounts");
+
+    // The load balancer's address, and the cluster's own API server behind
+    // it by SNI.
+    let lb = eventually_blocking(
+        "the Service's LoadBalancer address",
+        Duration::from_secs(60),
+        || {
+            let ip = jsonpath(
+                &c,
+                &["-n", NS, "get", "service", "seedlink"],
+                "{.status.loadBalancer.ingress[0].ip}",
+            );
+            (!ip.is_empty()).then_some(ip).ok_or("none yet")
+        },
+    );
+    let pki = shoot_control_plane(&c);
+    route(&c, "api", API_HOST);
+    let kubeconfig = through_gateway(&c, &lb, &pki);
+    let kubectl = c.api.kube_dir.join("bin/kubectl");
+    eventually_blocking(
+        "kubectl through the gateway",
+        Duration::from_secs(120),
+        || {
+            let o = Command::new(&kubectl)
+                .arg(format!("--kubeconfig={}", kubeconfig.display()))
+                .args(["get", "namespace", "kube-system", "-o", "name"])
+                .output()
+                .unwrap();
+            (String::from_utf8_lossy(&o.stdout).trim() == "namespace/kube-system")
+                .then_some(())
+                .ok_or_else(|| String::from_utf8_lossy(&o.stderr).into_owned())
+        },
+    );
+    // The route's status, written by the pods.
+    assert_eq!(accepted(&c, "api"), "True");
+
+    // Day 2, under a loop of requests.
+    let load = Load::start(kubectl.clone(), kubeconfig.clone(), c.netns.clone());
+    load.wait_for(3);
+    step("kubectl rollout restart", &load, &mut figures, || {
+        c.kubectl_ok(&["-n", NS, "rollout", "restart", "deployment/seedlink"]);
+        rolled_out(&c);
+    });
+
+    // A new image reference (the same binary under a second tag, as a
+    // registry would hold a new version).
+    run(&mut c.ctr(&[
+        "images",
+        "tag",
+        "--force",
+        &format!("localhost/seedlink:{}", env!("CARGO_PKG_VERSION")),
+        "localhost/seedlink:next",
+    ]));
+    step("helm upgrade to a new image", &load, &mut figures, || {
+        helm_cmd(
+            &c,
+            &[
+                "upgrade",
+                "seedlink",
+                &chart,
+                "--namespace",
+                NS,
+                "--reuse-values",
+                "--set",
+                "image.tag=next",
+            ],
+        );
+        rolled_out(&c);
+    });
+    let image = jsonpath(
+        &c,
+        &["-n", NS, "get", "deployment", "seedlink"],
+        "{.spec.template.spec.containers[0].image}",
+    );
+    assert_eq!(image, "localhost/seedlink:next");
+
+    // The status leader's pod deleted: another takes the lease, and a new
+    // route's status is still written.
+    let holder = eventually_blocking("a status leader", Duration::from_secs(60), || {
+        let h = lease_holder(&c);
+        (!h.is_empty()).then_some(h).ok_or("none")
+    });
+    let mut takeover = Duration::ZERO;
+    step(
+        "the status leader's pod deleted",
+        &load,
+        &mut figures,
+        || {
+            let t = Instant::now();
+            c.kubectl_ok(&["-n", NS, "delete", "pod", &holder, "--wait=false"]);
+            eventually_blocking(
+                "another pod takes the lease",
+                Duration::from_secs(120),
+                || {
+                    let h = lease_holder(&c);
+                    (!h.is_empty() && h != holder).then_some(()).ok_or(h)
+                },
+            );
+            takeover = t.elapsed();
+            rolled_out(&c);
+        },
+    );
+    figures.push(format!(
+        "status lease taken over {:.1} s after the leader's pod was deleted",
+        takeover.as_secs_f64()
+    ));
+    route(&c, "after-takeover", "after.example");
+    eventually_blocking(
+        "the new leader writes status",
+        Duration::from_secs(120),
+        || {
+            let s = accepted(&c, "after-takeover");
+            (s == "True").then_some(()).ok_or(s)
+        },
+    );
+
+    let (sent, failed) = load.counts();
+    let errors = load.errors.lock().unwrap().clone();
+    drop(load);
+    eprintln!("installed: day 2: {sent} requests, {failed} failed");
+    for f in &figures {
+        eprintln!("installed: {f}");
+    }
+    assert_eq!(
+        failed,
+        0,
+        "requests failed through day 2 ({sent} sent): {errors:?}\nlogs in {}",
+        c.dir.display()
+    );
+
+    // Uninstall: what is left is the CRDs the chart installed (Helm never
+    // deletes crds/) and the Secrets the operator made, both there before.
+    c.kubectl_ok(&["delete", "namespace", SHOOT_NS, "--wait=false"]);
+    helm_cmd(&c, &["uninstall", "seedlink", "--namespace", NS, "--wait"]);
+    // Until the last pod has drained and ended (nothing of seedlink runs
+    // that could write an object back).
+    eventually_blocking("seedlink's pods end", Duration::from_secs(300), || {
+        let pods = jsonpath(&c, &["-n", NS, "get", "pods"], "{.items[*].metadata.name}");
+        pods.is_empty().then_some(()).ok_or(pods)
+    });
+    let after = inventory(&c);
+    let left: Vec<&String> = after.iter().filter(|o| !before.contains(o)).collect();
+    eprintln!("installed: left after helm uninstall: {left:?}");
+    let allowed = |o: &str| {
+        // The node's heartbeat, and the shoot's namespace being deleted.
+        o == "Lease/kube-node-lease/node-1" || o.contains(&format!("/{SHOOT_NS}/"))
+    };
+    let unexpected: Vec<&&String> = left.iter().filter(|o| !allowed(o)).collect();
+    assert!(
+        unexpected.is_empty(),
+        "helm uninstall left {unexpected:?} (all that is new: {left:?})"
+    );
+}
