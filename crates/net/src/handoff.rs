@@ -45,7 +45,7 @@ const FDS_PER_MESSAGE: usize = 253;
 pub const MAX_SOCKETS: usize = 4096;
 
 /// How long the new process has, once it took the sockets, to say it is
-/// ready (a Kubernetes source waits up to 30 s for its first snapshot).
+/// ready (a Kubernetes source waits up to 10 s for its first snapshot).
 pub const READY_WITHIN: Duration = Duration::from_secs(120);
 
 /// The largest description message (and phase answer) accepted.

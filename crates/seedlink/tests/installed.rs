@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use seedlink_testkit::cluster::{helm, run, Cluster, Options};
+use seedlink_testkit::cluster::{helm, run, Cluster, Options, NODE_IP, POD_SUBNET};
 use seedlink_testkit::eventually_blocking;
 use seedlink_testkit::kubeapi::repo_root;
 
@@ -35,6 +35,8 @@ const NS: &str = "seedlink-system";
 const SHOOT_NS: &str = "shoot--dev--a";
 /// Its API server's public host name (in its serving certificate).
 const API_HOST: &str = "api.dev-a.seed.test";
+/// The admin endpoints' token (the Secret the test makes).
+const ADMIN_TOKEN: &str = "0123456789abcdef0123456789abcdef";
 
 /// The image scripts/image builds from the binary under test, as an OCI
 /// archive in `dir`.
@@ -94,7 +96,7 @@ fn prerequisites(c: &Cluster) {
         "secret",
         "generic",
         "seedlink-admin-token",
-        "--from-literal=token=0123456789abcdef0123456789abcdef",
+        &format!("--from-literal=token={ADMIN_TOKEN}"),
     ]);
 }
 
@@ -362,6 +364,60 @@ fn accepted(c: &Cluster, name: &str) -> String {
     )
 }
 
+/// seedlink's pods: (name, pod IP, Ready) of those not being deleted.
+fn pods(c: &Cluster) -> Vec<(String, String, bool)> {
+    let out = jsonpath(
+        c,
+        &["-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=seedlink"],
+        "{range .items[*]}{.metadata.name} {.status.podIP} {.status.conditions[?(@.type==\"Ready\")].status} {.metadata.deletionTimestamp}{\"\\n\"}{end}",
+    );
+    out.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            match f.as_slice() {
+                [name, ip, ready] => Some((name.to_string(), ip.to_string(), *ready == "True")),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
+/// GET `path` on a pod's port with curl: (HTTP status, body).
+fn pod_get(ip: &str, port: u16, path: &str) -> (String, String) {
+    let o = Command::new("curl")
+        .args(["-s", "-m", "10", "-w", "\n%{http_code}"])
+        .args(["-H", &format!("Authorization: Bearer {ADMIN_TOKEN}")])
+        .arg(format!("http://{ip}:{port}{path}"))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (code.to_string(), body.to_string())
+}
+
+/// Every Ready pod's tunnel `servercount` is `n`.
+fn server_counts_are(c: &Cluster, n: u64) {
+    eventually_blocking(
+        &format!("servercount {n} on every pod"),
+        Duration::from_secs(120),
+        || {
+            let counts: Vec<String> = pods(c)
+                .iter()
+                .filter(|p| p.2)
+                .map(|(_, ip, _)| {
+                    let (_, body) = pod_get(ip, 8095, "/api/state");
+                    serde_json::from_str::<serde_json::Value>(&body)
+                        .map(|v| v["process"]["server_count"].to_string())
+                        .unwrap_or(body)
+                })
+                .collect();
+            (counts.len() as u64 == n && counts.iter().all(|x| *x == n.to_string()))
+                .then_some(())
+                .ok_or(format!("{counts:?}"))
+        },
+    );
+}
+
 fn lease_holder(c: &Cluster) -> String {
     jsonpath(
         c,
@@ -517,6 +573,61 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
     );
     assert_eq!(image, "localhost/seedlink:next");
 
+    // The API server unreachable from the pods while the Deployment grows
+    // to three: the new pod runs but stays unready, its /readyz saying why,
+    // while the Ready ones keep serving what they last read. Reachable
+    // again, it becomes Ready, and every pod's tunnel tells its agents
+    // `servercount` 3; then back to 2.
+    let port = c.api.addr.port().to_string();
+    // New connections only: the Ready pods' watches stay up, as they do
+    // when a partition leaves established connections alone.
+    let partition = format!(
+        "INPUT -s {POD_SUBNET} -d {NODE_IP} -p tcp --dport {port} -m conntrack --ctstate NEW \
+         -j REJECT --reject-with tcp-reset"
+    );
+    let partition: Vec<&str> = partition.split_whitespace().collect();
+    server_counts_are(&c, 2);
+    let mut why = String::new();
+    step(
+        "scaled to 3 with the API server unreachable from the pods",
+        &load,
+        &mut figures,
+        || {
+            let before: Vec<String> = pods(&c).into_iter().map(|p| p.0).collect();
+            run(Command::new("iptables").arg("-I").args(&partition));
+            c.kubectl_ok(&["-n", NS, "scale", "deployment/seedlink", "--replicas=3"]);
+            why = eventually_blocking(
+                "the new pod runs, unready, saying why",
+                Duration::from_secs(180),
+                || {
+                    let new = pods(&c).into_iter().find(|p| !before.contains(&p.0));
+                    let Some((name, ip, ready)) = new.filter(|p| !p.1.is_empty()) else {
+                        return Err("no new pod with an address yet".to_string());
+                    };
+                    assert!(!ready, "{name} became Ready without the API server");
+                    let (code, body) = pod_get(&ip, 9901, "/readyz");
+                    (code == "503" && body.contains("[-]kubernetes"))
+                        .then_some(body.clone())
+                        .ok_or(format!("{code} {body}"))
+                },
+            );
+            let ready = pods(&c).iter().filter(|p| p.2).count();
+            assert_eq!(ready, 2, "the Ready pods stay Ready through the outage");
+            run(Command::new("iptables").arg("-D").args(&partition));
+            rolled_out(&c);
+        },
+    );
+    eprintln!(
+        "installed: the unready pod's /readyz: {}",
+        why.trim().replace('\n', " | ")
+    );
+    server_counts_are(&c, 3);
+    step("scaled back to 2", &load, &mut figures, || {
+        c.kubectl_ok(&["-n", NS, "scale", "deployment/seedlink", "--replicas=2"]);
+        rolled_out(&c);
+    });
+    server_counts_are(&c, 2);
+
     // The status leader's pod deleted: another takes the lease, and a new
     // route's status is still written.
     let holder = eventually_blocking("a status leader", Duration::from_secs(60), || {
@@ -544,7 +655,8 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
         },
     );
     figures.push(format!(
-        "status lease taken over {:.1} s after the leader's pod was deleted",
+        "status lease taken over {:.1} s after the leader's pod was deleted \
+         (it leads through its 15 s preStop sleep and releases the lease as it drains)",
         takeover.as_secs_f64()
     ));
     route(&c, "after-takeover", "after.example");

@@ -157,8 +157,12 @@ pub fn problems(role: &str, from_file: bool, errors: &seedlink_config::Errors) -
 
 /// How long a start waits for the first Kubernetes snapshot before it
 /// serves the file's control planes alone (the routes follow when the API
-/// server answers).
-pub const FIRST_SYNC: std::time::Duration = std::time::Duration::from_secs(30);
+/// server answers). Readiness waits for the snapshot however long it
+/// takes; this only spares direct clients an empty table at a normal
+/// start. Short, so that the admin endpoint answers the kubelet's
+/// liveness probe well within its failure threshold (3 x 10 s) when the
+/// API server is unreachable.
+pub const FIRST_SYNC: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// This replica's name in a status Lease: `POD_NAME` (set from the
 /// downward API), else one unique to this process.

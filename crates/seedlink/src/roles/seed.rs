@@ -16,9 +16,10 @@ pub async fn seed(
     reuse_port: bool,
 ) -> anyhow::Result<i32> {
     let server = Arc::new(ServerRole::start(tunnel, Vec::new()).await?);
-    server.start_kubernetes().await?;
     let gw = gateway::load(gw_config)?;
-    let kube = gateway::kubernetes(&gw).await?;
+    // Both halves' first snapshots at once: an unreachable API server
+    // delays the start by one wait, not two.
+    let ((), kube) = tokio::try_join!(server.start_kubernetes(), gateway::kubernetes(&gw))?;
     // One readiness for the pod: the gateway's, and the tunnel-server
     // half's own (its TunnelClusters read, not draining).
     gw.lifecycle.gates.add("tunnel-server", server.readiness());
