@@ -36,6 +36,14 @@ const SHOOT_NS: &str = "shoot--dev--a";
 /// Its API server's public host name (in its serving certificate).
 const API_HOST: &str = "api.dev-a.seed.test";
 /// The admin endpoints' token (the Secret the test makes).
+/// The shoot's TunnelCluster (`<namespace>.<name>`), the CN of its
+/// kube-apiserver's client certificate on the shared frontend.
+const TUNNEL_CLUSTER: &str = "shoot--dev--a.tunnel";
+/// Through the shoot's kube-apiserver's node proxy to the echo pod: its
+/// egress, the tunnel-server's shared frontend, an agent.
+const VIA_TUNNEL: &str = "/api/v1/nodes/http:shoot-node:3000/proxy/hello";
+/// What the request loop asks for, in turn.
+const PATHS: [&str; 2] = ["/version", VIA_TUNNEL];
 const ADMIN_TOKEN: &str = "0123456789abcdef0123456789abcdef";
 
 /// The image scripts/image builds from the binary under test, as an OCI
@@ -57,26 +65,20 @@ fn image_archive(dir: &Path) -> PathBuf {
 /// The Secrets the chart expects, made as NOTES.txt says: the agents'
 /// endpoint certificate (with openssl), the CA of the kube-apiservers'
 /// client certificates (here the same self-signed one), an admin token.
-fn prerequisites(c: &Cluster) {
+fn prerequisites(c: &Cluster) -> PathBuf {
     let d = c.dir.join("secrets");
-    std::fs::create_dir_all(&d).unwrap();
-    run(Command::new("openssl")
-        .args([
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-        ])
-        .args(["-nodes", "-days", "2", "-subj", "/CN=seedlink"])
-        .args([
-            "-addext",
-            "subjectAltName=DNS:seedlink,DNS:seedlink-internal.seedlink-system.svc",
-        ])
-        .args(["-keyout", "tls.key", "-out", "tls.crt"])
-        .current_dir(&d));
-    std::fs::copy(d.join("tls.crt"), d.join("ca.crt")).unwrap();
+    // A seed CA: it issues the tunnel-server's certificate (the agents'
+    // endpoint and the shared frontend) and kube-apiserver's client
+    // certificate for the shared frontend, whose CN names its cluster.
+    openssl(
+        &d,
+        &format!(
+            "ca
+leaf tls /CN=seedlink DNS:seedlink,DNS:seedlink-internal.seedlink-system.svc
+leaf kas /CN={TUNNEL_CLUSTER} DNS:kas
+"
+        ),
+    );
     c.kubectl_ok(&["create", "namespace", NS]);
     c.kubectl_ok(&[
         "-n",
@@ -98,6 +100,27 @@ fn prerequisites(c: &Cluster) {
         "seedlink-admin-token",
         &format!("--from-literal=token={ADMIN_TOKEN}"),
     ]);
+    d
+}
+
+/// A shell script of openssl in `dir`, with two functions: `ca` makes
+/// ca.crt and ca.key, `leaf <name> <subject> <SANs>` a certificate that CA
+/// issues (`<name>.crt`, `<name>.key`). As an operator makes them.
+fn openssl(dir: &Path, script: &str) {
+    std::fs::create_dir_all(dir).unwrap();
+    let prelude = r#"set -e
+ca() {
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 -subj /CN=ca -keyout ca.key -out ca.crt
+}
+leaf() {
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj "$2" -keyout "$1.key" -out "$1.csr"
+  printf 'subjectAltName=%s\nbasicConstraints=CA:FALSE\n' "$3" > "$1.ext"
+  openssl x509 -req -in "$1.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 -extfile "$1.ext" -out "$1.crt"
+}
+"#;
+    run(Command::new("sh")
+        .args(["-c", &format!("{prelude}{script}")])
+        .current_dir(dir));
 }
 
 /// A shoot's control plane as a hosting platform runs it: kube-apiserver
@@ -105,23 +128,20 @@ fn prerequisites(c: &Cluster) {
 /// builds), behind a Service with a selector, its PKI made with openssl
 /// (a CA, the serving certificate for [`API_HOST`], an admin client
 /// certificate). Returns the directory with `ca.crt`, `admin.crt`, `admin.key`.
-fn shoot_control_plane(c: &Cluster) -> PathBuf {
+fn shoot_control_plane(c: &Cluster, seed: &Path, egress: &str) -> PathBuf {
     let d = c.dir.join("shoot-pki");
-    std::fs::create_dir_all(&d).unwrap();
-    let script = format!(
-        "set -e
-openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 2 -subj /CN=shoot-ca -keyout ca.key -out ca.crt 2>/dev/null
-openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /CN=kube-apiserver -keyout tls.key -out tls.csr 2>/dev/null
-printf 'subjectAltName=DNS:{API_HOST},DNS:kubernetes.default.svc,IP:10.100.0.1' > san.ext
-openssl x509 -req -in tls.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 -extfile san.ext -out tls.crt 2>/dev/null
-openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -subj /O=system:masters/CN=admin -keyout admin.key -out admin.csr 2>/dev/null
-openssl x509 -req -in admin.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 2 -out admin.crt 2>/dev/null
+    openssl(
+        &d,
+        &format!(
+            "ca
+leaf tls /CN=kube-apiserver DNS:{API_HOST},DNS:kubernetes.default.svc,IP:10.100.0.1
+leaf admin /O=system:masters/CN=admin DNS:admin
 openssl ecparam -name prime256v1 -genkey -noout -out sa.pem
 openssl pkcs8 -topk8 -nocrypt -in sa.pem -out sa.key
-openssl ec -in sa.key -pubout -out sa.pub 2>/dev/null
+openssl ec -in sa.key -pubout -out sa.pub
 "
+        ),
     );
-    run(Command::new("sh").args(["-c", &script]).current_dir(&d));
     c.kubectl_ok(&["create", "namespace", SHOOT_NS]);
     c.kubectl_ok(&[
         "label",
@@ -145,6 +165,36 @@ openssl ec -in sa.key -pubout -out sa.pub 2>/dev/null
     }
     let refs: Vec<&str> = create.iter().map(String::as_str).collect();
     c.kubectl_ok(&refs);
+    // Its egress: the file `seedlink tunnel-config` rendered, and the
+    // client certificate the shared frontend names the cluster by.
+    let f = c.dir.join("egress-selector-configuration.yaml");
+    std::fs::write(&f, egress).unwrap();
+    c.kubectl_ok(&[
+        "-n",
+        SHOOT_NS,
+        "create",
+        "configmap",
+        "kube-apiserver-egress",
+        &format!("--from-file={}", f.display()),
+    ]);
+    c.kubectl_ok(&[
+        "-n",
+        SHOOT_NS,
+        "create",
+        "secret",
+        "generic",
+        "kube-apiserver-tunnel",
+        &format!("--from-file=ca.crt={}", seed.join("ca.crt").display()),
+        &format!("--from-file=client.crt={}", seed.join("kas.crt").display()),
+        &format!("--from-file=client.key={}", seed.join("kas.key").display()),
+    ]);
+    // No cluster DNS here: the pod's hosts file names the Service the
+    // rendered file dials (its certificate's name).
+    let internal = jsonpath(
+        c,
+        &["-n", NS, "get", "service", "seedlink-internal"],
+        "{.spec.clusterIP}",
+    );
     c.apply(&format!(
         r#"apiVersion: apps/v1
 kind: Deployment
@@ -155,6 +205,7 @@ spec:
   template:
     metadata: {{labels: {{app: kube-apiserver}}}}
     spec:
+      hostAliases: [{{ip: "{internal}", hostnames: [seedlink-internal.seedlink-system.svc]}}]
       containers:
       - name: etcd
         image: localhost/kube-control-plane:1
@@ -170,13 +221,18 @@ spec:
                   --client-ca-file=/pki/ca.crt, --service-account-issuer=https://{API_HOST},
                   --service-account-key-file=/pki/sa.pub, --service-account-signing-key-file=/pki/sa.key,
                   --service-cluster-ip-range=10.100.0.0/16, --authorization-mode=RBAC,
-                  --cert-dir=/tmp]
+                  --cert-dir=/tmp,
+                  --egress-selector-config-file=/etc/kubernetes/egress/egress-selector-configuration.yaml]
         ports: [{{name: https, containerPort: 6443}}]
         readinessProbe:
           httpGet: {{path: /readyz, port: https, scheme: HTTPS}}
           periodSeconds: 2
-        volumeMounts: [{{name: pki, mountPath: /pki, readOnly: true}}, {{name: tmp, mountPath: /tmp}}]
+        volumeMounts: [{{name: pki, mountPath: /pki, readOnly: true}}, {{name: tmp, mountPath: /tmp}},
+                       {{name: egress, mountPath: /etc/kubernetes/egress, readOnly: true}},
+                       {{name: tunnel, mountPath: /etc/kubernetes/tunnel, readOnly: true}}]
       volumes:
+      - {{name: egress, configMap: {{name: kube-apiserver-egress}}}}
+      - {{name: tunnel, secret: {{secretName: kube-apiserver-tunnel}}}}
       - {{name: pki, secret: {{secretName: kube-apiserver-pki}}}}
       - {{name: etcd, emptyDir: {{}}}}
       - {{name: tmp, emptyDir: {{}}}}
@@ -198,6 +254,192 @@ spec:
         "--timeout=600s",
     ]);
     d
+}
+
+/// kube-apiserver's egress for the shoot's TunnelCluster over the shared
+/// mTLS frontend, as an operator renders it: `seedlink tunnel-config` run
+/// in a seedlink pod (`kubectl exec`), from the configuration the pod
+/// runs. The first document of its output is the EgressSelectorConfiguration.
+fn egress_from_the_pod(c: &Cluster, lb: &str) -> String {
+    let agents = format!("{lb}:8091");
+    let out = c.kubectl_ok(&[
+        "-n",
+        NS,
+        "exec",
+        "deployment/seedlink",
+        "--",
+        "seedlink",
+        "tunnel-config",
+        "--config",
+        "/etc/seedlink/config/tunnel.yaml",
+        "--cluster",
+        TUNNEL_CLUSTER,
+        "--frontend",
+        "kas",
+        "--frontend-address",
+        "seedlink-internal.seedlink-system.svc:8090",
+        "--agent-server",
+        &agents,
+        "--server-name",
+        "seedlink",
+    ]);
+    let egress = out.split("\n---\n").next().unwrap_or_default().to_string();
+    assert!(
+        egress.contains("kind: EgressSelectorConfiguration")
+            && egress.contains("https://seedlink-internal.seedlink-system.svc:8090"),
+        "tunnel-config printed:\n{out}"
+    );
+    egress
+}
+
+/// The shoot's side of the tunnel as a platform installs it: the
+/// TunnelCluster trusting the shoot's ServiceAccount tokens (here the
+/// cluster plays the shoot too: its issuer and key), the trust ConfigMap
+/// labelled and readable by seedlink, then `helm install charts/seedlink-shoot`
+/// in kube-system with the seed's agent endpoint (the LoadBalancer
+/// address) and CA. Waits until the agents are Ready and the
+/// TunnelCluster says AgentsConnected.
+fn shoot_side(c: &Cluster, lb: &str, seed: &Path) {
+    c.kubectl_ok(&[
+        "-n",
+        SHOOT_NS,
+        "create",
+        "configmap",
+        "shoot-issuer",
+        &format!("--from-file=sa.pub={}", c.api.dir.join("sa.pub").display()),
+    ]);
+    c.kubectl_ok(&[
+        "-n",
+        SHOOT_NS,
+        "label",
+        "configmap",
+        "shoot-issuer",
+        "seedlink.dev/tunnel-trust=true",
+    ]);
+    c.kubectl_ok(&[
+        "-n",
+        SHOOT_NS,
+        "create",
+        "rolebinding",
+        "seedlink-tunnel-trust",
+        "--clusterrole=seedlink-tunnel-trust",
+        &format!("--serviceaccount={NS}:seedlink"),
+    ]);
+    c.apply(&format!(
+        "apiVersion: tunnel.seedlink.dev/v1alpha1
+kind: TunnelCluster
+metadata: {{name: tunnel, namespace: {SHOOT_NS}}}
+spec:
+  agentToken: {{issuer: '{}', keys: {{configMap: shoot-issuer, key: sa.pub}}}}
+",
+        c.api.issuer
+    ));
+    let chart = repo_root().join("charts/seedlink-shoot");
+    helm_cmd(
+        c,
+        &[
+            "install",
+            "seedlink-shoot",
+            &chart.display().to_string(),
+            "--namespace",
+            "kube-system",
+            "--set",
+            &format!("agent.server={lb}:8091"),
+            "--set",
+            "agent.serverName=seedlink",
+            "--set-file",
+            &format!("agent.caBundle={}", seed.join("ca.crt").display()),
+            "--set",
+            &format!("nodeProxy.gateway={lb}:8443"),
+            // This kernel has no dummy link type.
+            "--set",
+            "nodeProxy.linkKind=bridge",
+        ],
+    );
+    c.kubectl_ok(&[
+        "-n",
+        "kube-system",
+        "rollout",
+        "status",
+        "deployment/seedlink-tunnel-agent",
+        "--timeout=600s",
+    ]);
+    eventually_blocking(
+        "the TunnelCluster's agents connected",
+        Duration::from_secs(120),
+        || {
+            let s = jsonpath(
+                c,
+                &["-n", SHOOT_NS, "get", "tunnelcluster", "tunnel"],
+                "{.status.conditions[?(@.type==\"AgentsConnected\")].status}",
+            );
+            (s == "True").then_some(()).ok_or(s)
+        },
+    );
+}
+
+/// A workload in the shoot's network (the echo server of the Gateway API
+/// suite, as a pod), and the shoot's kube-apiserver told of it as a node
+/// (written through the gateway).
+fn echo_in_the_shoot(c: &Cluster, kubeconfig: &Path) {
+    let kube = &c.api.kube_dir;
+    c.import_image(&seedlink_testkit::cluster::peer(
+        kube,
+        "images/echo-basic.oci.tar",
+    ));
+    c.kubectl_ok(&["create", "namespace", "shoot-workload"]);
+    c.apply(
+        "apiVersion: apps/v1
+kind: Deployment
+metadata: {name: echo, namespace: shoot-workload}
+spec:
+  selector: {matchLabels: {app: echo}}
+  template:
+    metadata: {labels: {app: echo}}
+    spec:
+      containers:
+      - {name: echo, image: 'localhost/echo-basic:built', ports: [{containerPort: 3000}]}
+",
+    );
+    c.kubectl_ok(&[
+        "-n",
+        "shoot-workload",
+        "rollout",
+        "status",
+        "deployment/echo",
+        "--timeout=600s",
+    ]);
+    let ip = jsonpath(
+        c,
+        &["-n", "shoot-workload", "get", "pods", "-l", "app=echo"],
+        "{.items[0].status.podIP}",
+    );
+    // A node of the shoot as its kube-apiserver knows it (that API server
+    // runs no kubelet): the node proxy dials its InternalIP, here the echo
+    // pod's, through the egress.
+    let kubectl = |args: &[&str]| {
+        run(Command::new(kube.join("bin/kubectl"))
+            .arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .args(args))
+    };
+    let f = c.dir.join("shoot-node.yaml");
+    std::fs::write(
+        &f,
+        "apiVersion: v1\nkind: Node\nmetadata: {name: shoot-node}\n",
+    )
+    .unwrap();
+    kubectl(&["apply", "-f", &f.display().to_string()]);
+    kubectl(&[
+        "patch",
+        "node",
+        "shoot-node",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &format!(
+            "{{\"status\":{{\"addresses\":[{{\"type\":\"InternalIP\",\"address\":\"{ip}\"}}]}}}}"
+        ),
+    ]);
 }
 
 fn helm_cmd(c: &Cluster, args: &[&str]) -> String {
@@ -260,9 +502,12 @@ impl Load {
             // Bounded: at most an hour of requests.
             let end = Instant::now() + Duration::from_secs(3600);
             while !s.load(Ordering::Relaxed) && Instant::now() < end {
+                // Each kubectl its own connection: to the shoot's API
+                // server by SNI, and on through its egress and the tunnel.
+                let path = PATHS[(n.load(Ordering::Relaxed) % 2) as usize];
                 let o = Command::new(&kubectl)
                     .arg(format!("--kubeconfig={}", kubeconfig.display()))
-                    .args(["get", "--raw", "/version", "--request-timeout=20s"])
+                    .args(["get", "--raw", path, "--request-timeout=20s"])
                     .output();
                 n.fetch_add(1, Ordering::Relaxed);
                 let ok = o
@@ -274,7 +519,7 @@ impl Load {
                         |e| e.to_string(),
                         |o| String::from_utf8_lossy(&o.stderr).into_owned(),
                     );
-                    e.lock().unwrap().push(why);
+                    e.lock().unwrap().push(format!("{path}: {why}"));
                 }
             }
         });
@@ -418,6 +663,36 @@ fn server_counts_are(c: &Cluster, n: u64) {
     );
 }
 
+/// Every Ready pod holds a stream from each of the shoot's two agents
+/// (each agent connects to `servercount` replicas).
+fn agents_on_every_pod(c: &Cluster, replicas: usize) {
+    eventually_blocking(
+        &format!("two agents on each of {replicas} pods"),
+        Duration::from_secs(180),
+        || {
+            let agents: Vec<usize> = pods(c)
+                .iter()
+                .filter(|p| p.2)
+                .map(|(_, ip, _)| {
+                    let (_, body) = pod_get(ip, 8095, "/api/state");
+                    serde_json::from_str::<serde_json::Value>(&body)
+                        .ok()
+                        .and_then(|v| {
+                            v["clusters"].as_array()?.iter().find_map(|k| {
+                                (k["name"] == TUNNEL_CLUSTER)
+                                    .then(|| k["agents"].as_array().map_or(0, Vec::len))
+                            })
+                        })
+                        .unwrap_or(0)
+                })
+                .collect();
+            (agents.len() == replicas && agents.iter().all(|a| *a == 2))
+                .then_some(())
+                .ok_or(format!("{agents:?}"))
+        },
+    );
+}
+
 fn lease_holder(c: &Cluster) -> String {
     jsonpath(
         c,
@@ -463,7 +738,7 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
         &c.api.kube_dir,
         "images/control-plane.oci.tar",
     ));
-    prerequisites(&c);
+    let seed = prerequisites(&c);
     let before = inventory(&c);
 
     // The install, as docs/KUBERNETES.md gives it, and the time to Ready.
@@ -512,7 +787,8 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
             (!ip.is_empty()).then_some(ip).ok_or("none yet")
         },
     );
-    let pki = shoot_control_plane(&c);
+    let egress = egress_from_the_pod(&c, &lb);
+    let pki = shoot_control_plane(&c, &seed, &egress);
     route(&c, "api", API_HOST);
     let kubeconfig = through_gateway(&c, &lb, &pki);
     let kubectl = c.api.kube_dir.join("bin/kubectl");
@@ -532,6 +808,40 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
     );
     // The route's status, written by the pods.
     assert_eq!(accepted(&c, "api"), "True");
+
+    // The shoot's side from its chart, and the shoot kube-apiserver's
+    // egress through the tunnel-server pods to the agents' pods: its
+    // service proxy reaches a pod of the shoot's network.
+    shoot_side(&c, &lb, &seed);
+    echo_in_the_shoot(&c, &kubeconfig);
+    eventually_blocking(
+        "the shoot's kube-apiserver through the tunnel",
+        Duration::from_secs(120),
+        || {
+            let o = Command::new(&kubectl)
+                .arg(format!("--kubeconfig={}", kubeconfig.display()))
+                .args(["get", "--raw", VIA_TUNNEL])
+                .output()
+                .unwrap();
+            let body = String::from_utf8_lossy(&o.stdout).into_owned();
+            let echoed = serde_json::from_str::<serde_json::Value>(&body)
+                .is_ok_and(|v| v["path"] == "/hello");
+            echoed
+                .then_some(())
+                .ok_or_else(|| format!("{body}{}", String::from_utf8_lossy(&o.stderr)))
+        },
+    );
+
+    let o = Command::new("curl")
+        .args(["-s", "-m", "5", "http://127.0.0.1:9911/readyz"])
+        .output()
+        .unwrap();
+    eprintln!(
+        "installed: node-proxy /readyz: {}",
+        String::from_utf8_lossy(&o.stdout)
+            .trim()
+            .replace('\n', " | ")
+    );
 
     // Day 2, under a loop of requests.
     let load = Load::start(kubectl.clone(), kubeconfig.clone(), c.netns.clone());
@@ -622,6 +932,7 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
         why.trim().replace('\n', " | ")
     );
     server_counts_are(&c, 3);
+    agents_on_every_pod(&c, 3);
     step("scaled back to 2", &load, &mut figures, || {
         c.kubectl_ok(&["-n", NS, "scale", "deployment/seedlink", "--replicas=2"]);
         rolled_out(&c);
@@ -685,12 +996,28 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
 
     // Uninstall: what is left is the CRDs the chart installed (Helm never
     // deletes crds/) and the Secrets the operator made, both there before.
-    c.kubectl_ok(&["delete", "namespace", SHOOT_NS, "--wait=false"]);
+    for ns in [SHOOT_NS, "shoot-workload"] {
+        c.kubectl_ok(&["delete", "namespace", ns, "--wait=false"]);
+    }
+    helm_cmd(
+        &c,
+        &[
+            "uninstall",
+            "seedlink-shoot",
+            "--namespace",
+            "kube-system",
+            "--wait",
+        ],
+    );
     helm_cmd(&c, &["uninstall", "seedlink", "--namespace", NS, "--wait"]);
     // Until the last pod has drained and ended (nothing of seedlink runs
     // that could write an object back).
     eventually_blocking("seedlink's pods end", Duration::from_secs(300), || {
-        let pods = jsonpath(&c, &["-n", NS, "get", "pods"], "{.items[*].metadata.name}");
+        let pods = jsonpath(
+            &c,
+            &["get", "pods", "-A", "-l", "app.kubernetes.io/name"],
+            "{.items[*].metadata.name}",
+        );
         pods.is_empty().then_some(()).ok_or(pods)
     });
     let after = inventory(&c);
@@ -698,7 +1025,9 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
     eprintln!("installed: left after helm uninstall: {left:?}");
     let allowed = |o: &str| {
         // The node's heartbeat, and the shoot's namespace being deleted.
-        o == "Lease/kube-node-lease/node-1" || o.contains(&format!("/{SHOOT_NS}/"))
+        o == "Lease/kube-node-lease/node-1"
+            || o.contains(&format!("/{SHOOT_NS}/"))
+            || o.contains("/shoot-workload/")
     };
     let unexpected: Vec<&&String> = left.iter().filter(|o| !allowed(o)).collect();
     assert!(

@@ -43,8 +43,11 @@ pub struct AgentArgs {
     /// Extra ALPN protocols to offer (comma-separated), for routing by ALPN.
     #[arg(long, value_delimiter = ',')]
     pub alpn_proto: Vec<String>,
-    /// Agent ID (default: env PROXY_AGENT_ID or a random ID).
-    #[arg(long, env = "PROXY_AGENT_ID")]
+    /// Agent ID (default: env PROXY_AGENT_ID or a random ID). The
+    /// environment is read by the configuration, not as this flag, so that
+    /// it also names the agent started with --config (a pod's name in a
+    /// shared ConfigMap's agent).
+    #[arg(long)]
     pub agent_id: Option<String>,
     /// Agent identifiers, URL query form: host=…&ipv4=…&cidr=…&default-route=true.
     #[arg(long, default_value = "")]
