@@ -42,8 +42,9 @@ const TUNNEL_CLUSTER: &str = "shoot--dev--a.tunnel";
 /// Through the shoot's kube-apiserver's node proxy to the echo pod: its
 /// egress, the tunnel-server's shared frontend, an agent.
 const VIA_TUNNEL: &str = "/api/v1/nodes/http:shoot-node:3000/proxy/hello";
-/// What the request loop asks for, in turn.
-const PATHS: [&str; 2] = ["/version", VIA_TUNNEL];
+/// The address the shoot's node-proxy serves its `kubernetes` endpoint on
+/// (the chart's default; kube-apiserver would advertise it).
+const NODE_PROXY: &str = "10.250.255.254:443";
 const ADMIN_TOKEN: &str = "0123456789abcdef0123456789abcdef";
 
 /// The image scripts/image builds from the binary under test, as an OCI
@@ -466,11 +467,16 @@ fn rolled_out(c: &Cluster) {
 /// The shoot's admin kubeconfig through the load balancer's address, by
 /// SNI, client certificate end to end.
 fn through_gateway(c: &Cluster, lb: &str, pki: &Path) -> PathBuf {
-    let p = c.dir.join("through-gateway.kubeconfig");
+    shoot_kubeconfig(c, "through-gateway", &format!("{lb}:443"), API_HOST, pki)
+}
+
+/// The shoot's admin kubeconfig for `server`, asking for `name`.
+fn shoot_kubeconfig(c: &Cluster, file: &str, server: &str, name: &str, pki: &Path) -> PathBuf {
+    let p = c.dir.join(format!("{file}.kubeconfig"));
     std::fs::write(
         &p,
         format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: shoot\n  cluster:\n    server: https://{lb}:443\n    tls-server-name: {API_HOST}\n    certificate-authority: {ca}\nusers:\n- name: admin\n  user:\n    client-certificate: {crt}\n    client-key: {key}\ncontexts:\n- name: shoot\n  context: {{cluster: shoot, user: admin}}\ncurrent-context: shoot\n",
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: shoot\n  cluster:\n    server: https://{server}\n    tls-server-name: {name}\n    certificate-authority: {ca}\nusers:\n- name: admin\n  user:\n    client-certificate: {crt}\n    client-key: {key}\ncontexts:\n- name: shoot\n  context: {{cluster: shoot, user: admin}}\ncurrent-context: shoot\n",
             ca = pki.join("ca.crt").display(),
             crt = pki.join("admin.crt").display(),
             key = pki.join("admin.key").display(),
@@ -491,7 +497,8 @@ struct Load {
 }
 
 impl Load {
-    fn start(kubectl: PathBuf, kubeconfig: PathBuf, netns: String) -> Load {
+    /// Asks each `(kubeconfig, path)` in turn.
+    fn start(kubectl: PathBuf, asks: Vec<(PathBuf, &'static str)>, netns: String) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let sent = Arc::new(AtomicU64::new(0));
         let failed = Arc::new(AtomicU64::new(0));
@@ -504,7 +511,8 @@ impl Load {
             while !s.load(Ordering::Relaxed) && Instant::now() < end {
                 // Each kubectl its own connection: to the shoot's API
                 // server by SNI, and on through its egress and the tunnel.
-                let path = PATHS[(n.load(Ordering::Relaxed) % 2) as usize];
+                let i = n.load(Ordering::Relaxed) as usize % asks.len();
+                let (kubeconfig, path) = &asks[i];
                 let o = Command::new(&kubectl)
                     .arg(format!("--kubeconfig={}", kubeconfig.display()))
                     .args(["get", "--raw", path, "--request-timeout=20s"])
@@ -519,7 +527,9 @@ impl Load {
                         |e| e.to_string(),
                         |o| String::from_utf8_lossy(&o.stderr).into_owned(),
                     );
-                    e.lock().unwrap().push(format!("{path}: {why}"));
+                    e.lock()
+                        .unwrap()
+                        .push(format!("{}{path}: {why}", kubeconfig.display()));
                 }
             }
         });
@@ -832,19 +842,41 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
         },
     );
 
-    let o = Command::new("curl")
-        .args(["-s", "-m", "5", "http://127.0.0.1:9911/readyz"])
-        .output()
-        .unwrap();
-    eprintln!(
-        "installed: node-proxy /readyz: {}",
-        String::from_utf8_lossy(&o.stdout)
-            .trim()
-            .replace('\n', " | ")
+    // In-cluster clients to their own API server (GEP-08): the shoot
+    // chart's node-proxy serves the `kubernetes` address on the node and
+    // carries each connection to the gateway's CONNECT listener, which
+    // routes its destination header to the shoot's kube-apiserver.
+    // The destination the node-proxy names, on the shoot's route.
+    c.apply(&format!(
+        "apiVersion: policy.seedlink.dev/v1alpha1
+kind: SeedlinkPolicy
+metadata: {{name: api, namespace: {SHOOT_NS}}}
+spec:
+  targetRefs: [{{group: gateway.networking.k8s.io, kind: TLSRoute, name: api}}]
+  destinations: ['outbound|443||kube-apiserver.{SHOOT_NS}.svc.cluster.local']
+"
+    ));
+    let node_proxy = shoot_kubeconfig(&c, "node-proxy", NODE_PROXY, "kubernetes.default.svc", &pki);
+    eventually_blocking(
+        "the shoot's kube-apiserver through its node-proxy",
+        Duration::from_secs(120),
+        || {
+            let o = Command::new(&kubectl)
+                .arg(format!("--kubeconfig={}", node_proxy.display()))
+                .args(["get", "namespace", "kube-system", "-o", "name"])
+                .output()
+                .unwrap();
+            (String::from_utf8_lossy(&o.stdout).trim() == "namespace/kube-system")
+                .then_some(())
+                .ok_or_else(|| String::from_utf8_lossy(&o.stderr).into_owned())
+        },
     );
-
-    // Day 2, under a loop of requests.
-    let load = Load::start(kubectl.clone(), kubeconfig.clone(), c.netns.clone());
+    let asks = vec![
+        (kubeconfig.clone(), "/version"),
+        (kubeconfig.clone(), VIA_TUNNEL),
+        (node_proxy, "/version"),
+    ];
+    let load = Load::start(kubectl.clone(), asks, c.netns.clone());
     load.wait_for(3);
     step("kubectl rollout restart", &load, &mut figures, || {
         c.kubectl_ok(&["-n", NS, "rollout", "restart", "deployment/seedlink"]);
