@@ -804,9 +804,14 @@ pub trait TunnelSink: Send + Sync + 'static {
 }
 
 /// The replicas a Service's EndpointSlices name: distinct addresses whose
-/// endpoint serves (an unknown condition counts) and is not terminating
-/// (a draining replica is being replaced: agents need not hold it). `None`
-/// when there is none (a count of 0 is never sent to agents).
+/// endpoint serves (an unknown condition counts), terminating or not. A
+/// replica being replaced still serves through its preStop wait while its
+/// successor is already Ready and receiving dials: counting both tells the
+/// agents (which hold a stream to each replica they know of) to join the
+/// successor at once, instead of when the old one drains; otherwise dials
+/// the successor gets meanwhile find no agent. Once the old one stops
+/// serving the count drops back. `None` when there is none (a count of 0
+/// is never sent to agents).
 pub fn replica_count(slices: &[Arc<EndpointSlice>]) -> Option<u32> {
     let mut seen = HashSet::new();
     for s in slices {
@@ -814,8 +819,7 @@ pub fn replica_count(slices: &[Arc<EndpointSlice>]) -> Option<u32> {
             let c = ep.conditions.as_ref();
             let ready = c.and_then(|c| c.ready) != Some(false);
             let serving = c.and_then(|c| c.serving).unwrap_or(ready);
-            let terminating = c.and_then(|c| c.terminating) == Some(true);
-            if serving && !terminating {
+            if serving {
                 if let Some(a) = ep.addresses.first() {
                     seen.insert(a.clone());
                 }
@@ -2010,7 +2014,7 @@ mod replica_tests {
     use super::*;
 
     #[test]
-    fn replicas_are_the_serving_endpoints_that_are_not_terminating() {
+    fn replicas_are_the_serving_endpoints_terminating_or_not() {
         let slice = |eps: serde_json::Value| -> Arc<EndpointSlice> {
             Arc::new(
                 serde_json::from_value(json!({
@@ -2020,7 +2024,7 @@ mod replica_tests {
                 .unwrap(),
             )
         };
-        let two = slice(json!([
+        let three = slice(json!([
             {"addresses": ["10.0.0.1"], "conditions": {"ready": true}},
             {"addresses": ["10.0.0.2"]},
             {"addresses": ["10.0.0.3"], "conditions": {"ready": false, "serving": true, "terminating": true}},
@@ -2028,7 +2032,9 @@ mod replica_tests {
         ]));
         // The same address in two slices counts once.
         let again = slice(json!([{"addresses": ["10.0.0.1"], "conditions": {"ready": true}}]));
-        assert_eq!(replica_count(&[two, again]), Some(2));
+        // 10.0.0.1, 10.0.0.2 (no conditions) and 10.0.0.3 (terminating,
+        // still serving through its preStop wait).
+        assert_eq!(replica_count(&[three, again]), Some(3));
         assert_eq!(replica_count(&[slice(json!([]))]), None);
         assert_eq!(replica_count(&[]), None);
     }

@@ -1188,8 +1188,9 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
     assert_eq!(ready["event"], "ready", "{ready}");
     let agents = ready["agents"].as_str().unwrap().to_string();
     // `servercount` follows the replicas in the EndpointSlices of the
-    // Service that selects them: three serving, one terminating (being
-    // replaced) and one not serving are 3.
+    // Service that selects them: three serving, one terminating but still
+    // serving (being replaced: agents join its successor at once) and one
+    // not serving are 4.
     let tunnel_admin: SocketAddr = ready["admin"].as_str().unwrap().parse().unwrap();
     seed.apply(json!({
         "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
@@ -1212,7 +1213,7 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
         Duration::from_secs(30),
         async || {
             let (_, body) = http_get(tunnel_admin, "/api/state").await;
-            serde_json::from_str::<Value>(&body).is_ok_and(|v| v["process"]["server_count"] == 3)
+            serde_json::from_str::<Value>(&body).is_ok_and(|v| v["process"]["server_count"] == 4)
         },
     )
     .await;
