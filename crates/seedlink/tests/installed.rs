@@ -848,13 +848,20 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
     // routes its destination header to the shoot's kube-apiserver.
     // The node-proxy is not Ready while the gateway knows no control plane
     // by the destination it names: its check opens a tunnel as a client's.
-    let np = eventually_blocking("the node-proxy's check ran", Duration::from_secs(120), || {
-        let (code, body) = pod_get("127.0.0.1", 9911, "/readyz");
-        (code == "503" && body.contains("health_check=tunnel") && body.contains("last_check="))
-            .then_some(body.clone())
-            .ok_or(format!("{code} {body}"))
-    });
-    eprintln!("installed: node-proxy before its destination exists: {}", np.trim());
+    let np = eventually_blocking(
+        "the node-proxy's check ran",
+        Duration::from_secs(120),
+        || {
+            let (code, body) = pod_get("127.0.0.1", 9911, "/readyz");
+            (code == "503" && body.contains("health_check=tunnel") && body.contains("last_check="))
+                .then_some(body.clone())
+                .ok_or(format!("{code} {body}"))
+        },
+    );
+    eprintln!(
+        "installed: node-proxy before its destination exists: {}",
+        np.trim()
+    );
     // The destination the node-proxy names, on the shoot's route.
     c.apply(&format!(
         "apiVersion: policy.seedlink.dev/v1alpha1
@@ -865,10 +872,16 @@ spec:
   destinations: ['outbound|443||kube-apiserver.{SHOOT_NS}.svc.cluster.local']
 "
     ));
-    eventually_blocking("the node-proxy turns Ready", Duration::from_secs(120), || {
-        let (code, body) = pod_get("127.0.0.1", 9911, "/readyz");
-        (code == "200").then_some(()).ok_or(format!("{code} {body}"))
-    });
+    eventually_blocking(
+        "the node-proxy turns Ready",
+        Duration::from_secs(120),
+        || {
+            let (code, body) = pod_get("127.0.0.1", 9911, "/readyz");
+            (code == "200")
+                .then_some(())
+                .ok_or(format!("{code} {body}"))
+        },
+    );
     let node_proxy = shoot_kubeconfig(&c, "node-proxy", NODE_PROXY, "kubernetes.default.svc", &pki);
     eventually_blocking(
         "the shoot's kube-apiserver through its node-proxy",

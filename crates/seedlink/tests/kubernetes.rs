@@ -1293,7 +1293,7 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
     .await;
     let mut s = kas_connect_eventually(&sock_a, &echo.to_string(), Duration::from_secs(20)).await;
     common::tunnel_env::echo_rtt(&mut s, 1000).await;
-    // The agent holds its one stream and knows of 3 replicas: not ready.
+    // The agent holds its one stream and knows of 4 replicas: not ready.
     // The replicas change; the server tells its agents at once (REPLICAS),
     // without their 5-minute re-check: with one replica left it is ready,
     // with two again not.
@@ -1303,7 +1303,7 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
         })
         .await;
     };
-    agent_ready("failed\nserver streams: 1 of 3 replicas").await;
+    agent_ready("failed\nserver streams: 1 of 4 replicas").await;
     let slice = |endpoints: Value| {
         json!({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
