@@ -109,6 +109,9 @@ fn same_user(s: &UnixStream) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Held while this process's umask is changed (see [`listen`]).
+pub(crate) static UMASK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Binds the offer socket at `path` (mode 0600). A file left by a process
 /// that is gone is replaced; one a live process answers on is an error (it
 /// is that process's to hand over: take from it instead).
@@ -131,6 +134,9 @@ pub fn listen(path: &Path) -> std::io::Result<UnixListener> {
     // to everyone meanwhile.
     let l = {
         use nix::sys::stat::{umask, Mode};
+        // The umask is the process's: two binds at once (a seed's two
+        // halves, parallel tests) must not restore each other's.
+        let _one = crate::sync::lock(&UMASK, "umask");
         let was = umask(Mode::from_bits_truncate(0o177));
         let bound = UnixListener::bind(path);
         umask(was);
@@ -611,9 +617,15 @@ mod tests {
         use nix::sys::stat::{umask, Mode};
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("upgrade.sock");
-        let before = umask(Mode::from_bits_truncate(0o022));
+        // Every umask change in this process is made under UMASK (another
+        // test's listen runs meanwhile).
+        let set = |m: u32| {
+            let _one = crate::sync::lock(&UMASK, "umask");
+            umask(Mode::from_bits_truncate(m))
+        };
+        let before = set(0o022);
         let _l = listen(&path).unwrap();
-        let after = umask(before);
+        let after = set(before.bits());
         assert_eq!(after.bits(), 0o022, "the umask is restored");
         let meta = std::fs::symlink_metadata(&path).unwrap();
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);
