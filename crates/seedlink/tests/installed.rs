@@ -600,6 +600,21 @@ fn jsonpath(c: &Cluster, args: &[&str], path: &str) -> String {
     String::from_utf8_lossy(&o.stdout).trim().to_string()
 }
 
+/// Waits until kubectl with `kubeconfig` reads the shoot's kube-system
+/// namespace (`what` names the path in a failure).
+fn reaches_the_shoot(kubectl: &Path, kubeconfig: &Path, what: &str) {
+    eventually_blocking(what, Duration::from_secs(120), || {
+        let o = Command::new(kubectl)
+            .arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .args(["get", "namespace", "kube-system", "-o", "name"])
+            .output()
+            .unwrap();
+        (String::from_utf8_lossy(&o.stdout).trim() == "namespace/kube-system")
+            .then_some(())
+            .ok_or_else(|| String::from_utf8_lossy(&o.stderr).into_owned())
+    });
+}
+
 /// A TLSRoute `name` in the shoot's namespace: `host` to its API server.
 fn route(c: &Cluster, name: &str, host: &str) {
     c.apply(&format!(
@@ -806,20 +821,7 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
     route(&c, "api", API_HOST);
     let kubeconfig = through_gateway(&c, &lb, &pki);
     let kubectl = c.api.kube_dir.join("bin/kubectl");
-    eventually_blocking(
-        "kubectl through the gateway",
-        Duration::from_secs(120),
-        || {
-            let o = Command::new(&kubectl)
-                .arg(format!("--kubeconfig={}", kubeconfig.display()))
-                .args(["get", "namespace", "kube-system", "-o", "name"])
-                .output()
-                .unwrap();
-            (String::from_utf8_lossy(&o.stdout).trim() == "namespace/kube-system")
-                .then_some(())
-                .ok_or_else(|| String::from_utf8_lossy(&o.stderr).into_owned())
-        },
-    );
+    reaches_the_shoot(&kubectl, &kubeconfig, "kubectl through the gateway");
     // The route's status, written by the pods.
     assert_eq!(accepted(&c, "api"), "True");
 
@@ -887,19 +889,10 @@ spec:
         },
     );
     let node_proxy = shoot_kubeconfig(&c, "node-proxy", NODE_PROXY, "kubernetes.default.svc", &pki);
-    eventually_blocking(
+    reaches_the_shoot(
+        &kubectl,
+        &node_proxy,
         "the shoot's kube-apiserver through its node-proxy",
-        Duration::from_secs(120),
-        || {
-            let o = Command::new(&kubectl)
-                .arg(format!("--kubeconfig={}", node_proxy.display()))
-                .args(["get", "namespace", "kube-system", "-o", "name"])
-                .output()
-                .unwrap();
-            (String::from_utf8_lossy(&o.stdout).trim() == "namespace/kube-system")
-                .then_some(())
-                .ok_or_else(|| String::from_utf8_lossy(&o.stderr).into_owned())
-        },
     );
     let asks = vec![
         (kubeconfig.clone(), "/version"),
