@@ -572,15 +572,12 @@ impl Drop for Load {
 }
 
 /// One day-2 step under the load: its requests and failures.
-/// Returns the step's failed requests (their errors).
-fn step(name: &str, load: &Load, figures: &mut Vec<String>, action: impl FnOnce()) -> Vec<String> {
+fn step(name: &str, load: &Load, figures: &mut Vec<String>, action: impl FnOnce()) {
     let (sent0, failed0) = load.counts();
-    let seen = load.errors.lock().unwrap().len();
     let t = Instant::now();
     action();
     load.wait_for(5);
     let (sent, failed) = load.counts();
-    let errors = load.errors.lock().unwrap()[seen..].to_vec();
     let line = format!(
         "{name}: {} requests, {} failed, {:.1} s",
         sent - sent0,
@@ -589,7 +586,6 @@ fn step(name: &str, load: &Load, figures: &mut Vec<String>, action: impl FnOnce(
     );
     eprintln!("installed: {line}");
     figures.push(line);
-    errors
 }
 
 fn jsonpath(c: &Cluster, args: &[&str], path: &str) -> String {
@@ -988,7 +984,7 @@ spec:
     );
     server_counts_are(&c, 3);
     agents_on_every_pod(&c, 3);
-    let mut replaced = step(
+    step(
         "scaled back to 2, until the third pod has drained",
         &load,
         &mut figures,
@@ -1023,7 +1019,7 @@ spec:
         (!h.is_empty()).then_some(h).ok_or("none")
     });
     let mut takeover = Duration::ZERO;
-    replaced.extend(step(
+    step(
         "the status leader's pod deleted, until it has drained",
         &load,
         &mut figures,
@@ -1058,31 +1054,12 @@ spec:
                 },
             );
         },
-    ));
+    );
     figures.push(format!(
         "status lease taken over {:.1} s after the leader's pod was deleted \
          (it leads through its 15 s preStop sleep and releases the lease as it drains)",
         takeover.as_secs_f64()
     ));
-    // Known gap, counted and printed, not hidden: while a pod is removed
-    // (scaled down, or deleted and replaced), a dial can reach a replica
-    // holding no agent stream at that moment (500). Only that failure is
-    // allowed, in those two steps; docs/TUNNEL.md ("Known gap") says what
-    // would close it.
-    let unexpected: Vec<&String> = replaced
-        .iter()
-        .filter(|e| !(e.contains(VIA_TUNNEL) && e.contains("code 500")))
-        .collect();
-    assert!(
-        unexpected.is_empty(),
-        "failures other than a dial finding no agent while a pod was replaced: {unexpected:?}\nlogs in {}",
-        c.dir.display()
-    );
-    figures.push(format!(
-        "dials that found no agent while a pod was removed: {}",
-        replaced.len()
-    ));
-
     let (sent, failed) = load.counts();
     let errors = load.errors.lock().unwrap().clone();
     drop(load);
@@ -1091,8 +1068,8 @@ spec:
         eprintln!("installed: {f}");
     }
     assert_eq!(
-        failed as usize,
-        replaced.len(),
+        failed,
+        0,
         "requests failed through day 2 ({sent} sent): {errors:?}\nlogs in {}",
         c.dir.display()
     );

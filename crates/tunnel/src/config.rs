@@ -32,6 +32,12 @@ pub struct ServerConfig {
     /// Deadline for an agent's answer to a dial.
     #[serde(default = "ten_s", with = "humantime_serde")]
     pub dial_timeout: Duration,
+    /// How long a dial that finds no agent of its cluster waits for one to
+    /// join (within `dial_timeout`) before it is answered `no_agent`; `0s`
+    /// answers at once. Covers the moment a replica is replaced, when the
+    /// agents are still finding its successor.
+    #[serde(default = "agent_wait_default", with = "humantime_serde")]
+    pub agent_wait: Duration,
     /// A tunneled connection whose frontend (or destination) accepts no byte
     /// for this long is closed; only that connection.
     #[serde(default = "ten_s", with = "humantime_serde")]
@@ -181,6 +187,10 @@ pub struct Admin {
 fn one() -> u32 {
     1
 }
+fn agent_wait_default() -> Duration {
+    Duration::from_secs(3)
+}
+
 fn ten_s() -> Duration {
     Duration::from_secs(10)
 }
@@ -832,6 +842,9 @@ fn check_settings(cfg: &ServerConfig, errs: &mut Problems) {
     }
     if cfg.queue_bytes < 64 * 1024 {
         errs.add("queue_bytes", "at least 65536");
+    }
+    if cfg.agent_wait > MAX_TIMEOUT {
+        errs.add("agent_wait", "at most 24h");
     }
     for (key, d) in [
         ("dial_timeout", cfg.dial_timeout),

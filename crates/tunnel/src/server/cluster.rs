@@ -51,6 +51,8 @@ pub struct Cluster {
     /// open).
     pub grpc_frontends: std::sync::atomic::AtomicUsize,
     pub(super) agents: Mutex<Vec<Arc<AgentLink>>>,
+    /// Woken when an agent stream joins (dials waiting for an agent).
+    pub(super) joined: Notify,
     /// When an agent stream last came or went (for `TunnelCluster` status).
     pub(super) agents_changed: Mutex<Option<std::time::SystemTime>>,
     /// Until when (`seedlink_net::clock::now_ms`) its new agent streams are
@@ -74,6 +76,7 @@ impl Cluster {
             metrics,
             grpc_frontends: std::sync::atomic::AtomicUsize::new(0),
             agents: Mutex::new(Vec::new()),
+            joined: Notify::new(),
             agents_changed: Mutex::new(None),
             flood_until_ms: std::sync::atomic::AtomicU64::new(0),
         }
@@ -228,6 +231,7 @@ pub fn attach(
     seedlink_net::sync::lock(&cluster.agents, "cluster agents").push(link.clone());
     *seedlink_net::sync::lock(&cluster.agents_changed, "cluster agents changed") =
         Some(std::time::SystemTime::now());
+    cluster.joined.notify_waiters();
     (link, tx)
 }
 

@@ -20,6 +20,9 @@ pub struct Settings {
     pub handshake_timeout: Duration,
     /// Agent's answer to a dial.
     pub dial_timeout: Duration,
+    /// A dial finding no agent waits this long for one (within its
+    /// deadline).
+    pub agent_wait: Duration,
     /// No progress writing to a frontend.
     pub stall_timeout: Duration,
     /// Per-connection queue budget.
@@ -110,6 +113,7 @@ impl Core {
     pub fn dial_settings(&self) -> DialSettings {
         DialSettings {
             timeout: self.settings.dial_timeout,
+            agent_wait: self.settings.agent_wait,
             queue_bytes: self.settings.queue_bytes,
             unresponsive_after: super::activity::unresponsive_after(self.agent_h2.keepalive),
         }

@@ -27,6 +27,9 @@ pub struct DialSettings {
     pub queue_bytes: usize,
     /// Silence after which an agent is skipped (see [`activity`]).
     pub unresponsive_after: Duration,
+    /// How long a dial finding no agent waits for one to join (within
+    /// `timeout`).
+    pub agent_wait: Duration,
 }
 
 /// An established tunneled connection, frontend side.
@@ -169,7 +172,7 @@ impl Attempt<'_> {
         let mut attempts = 0;
         loop {
             attempts += 1;
-            let link = self.pick()?;
+            let link = self.pick_or_wait().await?;
             match self.through(&link).await {
                 Err(DialError::Unresponsive(_))
                     if attempts < 3 && Instant::now() < self.deadline =>
@@ -177,6 +180,32 @@ impl Attempt<'_> {
                     tracing::info!(cluster = %self.cluster.name, agent = %link.agent_id, "agent went silent during a dial; trying another");
                 }
                 r => return r,
+            }
+        }
+    }
+
+    /// [`Attempt::pick`]; when the cluster has no agent that fits, waits
+    /// for one to join, up to `agent_wait` and within the deadline (a
+    /// replica that was just added or is replacing one gets dials before
+    /// every agent has found it). Still none: `NoAgent`.
+    pub(super) async fn pick_or_wait(&self) -> Result<Arc<AgentLink>, DialError> {
+        let until = tokio::time::Instant::now() + self.settings.agent_wait;
+        let until = until.min(tokio::time::Instant::from_std(self.deadline));
+        loop {
+            // Registered before the check, so a join between the check and
+            // the wait is not missed.
+            let joined = self.cluster.joined.notified();
+            tokio::pin!(joined);
+            joined.as_mut().enable();
+            match self.pick() {
+                Err(DialError::NoAgent) => {}
+                r => return r,
+            }
+            tokio::select! {
+                () = joined => {}
+                () = tokio::time::sleep_until(until) => return Err(DialError::NoAgent),
+                () = self.cancel.cancelled() => return Err(DialError::Cancelled),
+                () = self.cluster.removed.cancelled() => return Err(DialError::NoAgent),
             }
         }
     }

@@ -87,6 +87,7 @@ fn new_core(
     let settings = Settings {
         handshake_timeout: Duration::from_secs(10),
         dial_timeout: cfg.dial_timeout,
+        agent_wait: cfg.agent_wait,
         stall_timeout: cfg.stall_timeout,
         queue_bytes: cfg.queue_bytes,
     };
@@ -284,7 +285,7 @@ struct Fixed {
     admin: Option<SocketAddr>,
     server_id: Option<String>,
     server_count: u32,
-    timeouts: (Duration, Duration, usize),
+    timeouts: (Duration, Duration, Duration, usize),
 }
 
 impl Fixed {
@@ -298,7 +299,12 @@ impl Fixed {
             admin: cfg.admin.as_ref().map(|a| a.listen),
             server_id: cfg.server_id.clone(),
             server_count: cfg.server_count,
-            timeouts: (cfg.dial_timeout, cfg.stall_timeout, cfg.queue_bytes),
+            timeouts: (
+                cfg.dial_timeout,
+                cfg.agent_wait,
+                cfg.stall_timeout,
+                cfg.queue_bytes,
+            ),
         }
     }
 }
@@ -366,7 +372,7 @@ pub enum ServerError {
         error: std::io::Error,
     },
     /// A reload changed a setting that needs a restart.
-    #[error("agents, admin, server_id, server_count, dial_timeout, stall_timeout and queue_bytes need a restart; only clusters, shared_frontends and frontend_templates reload")]
+    #[error("agents, admin, server_id, server_count, dial_timeout, agent_wait, stall_timeout and queue_bytes need a restart; only clusters, shared_frontends and frontend_templates reload")]
     NeedsRestart,
     /// A reload was applied, but some changed frontends did not start.
     #[error("applied, but frontends failed to start: {}", failed_text(.0))]
