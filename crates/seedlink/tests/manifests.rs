@@ -860,6 +860,72 @@ fn gateway_file(docs: &[Value]) -> serde_norway::Value {
     serde_norway::from_str(cm["data"]["gateway.yaml"].as_str().unwrap()).unwrap()
 }
 
+/// Class mode in the chart: the GatewayClass, the gateway file's
+/// `gateway_class` (checked by seedlink's own parser), the pods on the
+/// node's network, and exactly the RBAC of the kustomize class install
+/// (`deploy/kustomize/seed-class`), which the Gateway API conformance run
+/// runs under. Without addresses, or with a malformed class name, the
+/// install is refused.
+#[test]
+fn class_mode_renders_the_class_and_its_rbac() {
+    let d = helm_template(&[
+        "--set",
+        "classMode.enabled=true",
+        "--set",
+        "classMode.addresses={10.0.0.7,10.0.0.8}",
+        "--set",
+        "hostNetwork=true",
+    ]);
+    let cm = kind(&d, "ConfigMap").unwrap();
+    check_configs(cm).unwrap();
+    let gw = gateway_file(&d);
+    assert_eq!(gw["kubernetes"]["gateway_class"]["name"], "seedlink-class");
+    assert_eq!(
+        gw["kubernetes"]["gateway_class"]["addresses"],
+        serde_norway::from_str::<serde_norway::Value>("[10.0.0.7, 10.0.0.8]").unwrap()
+    );
+    assert_eq!(gw["kubernetes"]["gateway"], "seedlink-system/seedlink");
+    let classes: Vec<&Value> = d
+        .iter()
+        .filter(|d| d["kind"] == "GatewayClass")
+        .map(|d| &d["metadata"]["name"])
+        .collect();
+    assert_eq!(classes, ["seedlink", "seedlink-class"]);
+    let pod = &kind(&d, "Deployment").unwrap()["spec"]["template"]["spec"];
+    assert_eq!(pod["hostNetwork"], true);
+    assert_eq!(pod["dnsPolicy"], "ClusterFirstWithHostNet");
+    let named = |docs: &[Value], k: &str| -> Value {
+        let mut v = docs
+            .iter()
+            .find(|d| d["kind"] == k && d["metadata"]["name"] == "seedlink-gateway-class")
+            .unwrap_or_else(|| panic!("no {k} seedlink-gateway-class"))
+            .clone();
+        // Kustomize gives cluster-scoped objects no namespace either way.
+        if let Some(m) = v["metadata"].as_object_mut() {
+            m.remove("namespace");
+        }
+        v
+    };
+    let kustomize = render("seed-class");
+    for k in ["ClusterRole", "ClusterRoleBinding"] {
+        assert_eq!(
+            named(&d, k),
+            named(&kustomize, k),
+            "{k} differs from kustomize's"
+        );
+    }
+    // Off (the default): none of it.
+    let off = helm_template(&[]);
+    assert!(!off
+        .iter()
+        .any(|d| d["metadata"]["name"] == "seedlink-gateway-class"));
+    assert!(gateway_file(&off)["kubernetes"]["gateway_class"].is_null());
+    let why = helm_refuses(&["--set", "classMode.enabled=true"]);
+    assert!(why.contains("classMode.addresses"), "{why}");
+    let why = helm_refuses(&["--set", "classMode.className=Not_A_Name"]);
+    assert!(why.contains("className"), "{why}");
+}
+
 /// Each group of the chart's values renders what values.yaml says, and
 /// values.schema.json refuses what is misspelt or out of range.
 #[test]
