@@ -45,6 +45,15 @@ const VIA_TUNNEL: &str = "/api/v1/nodes/http:shoot-node:3000/proxy/hello";
 /// The address the shoot's node-proxy serves its `kubernetes` endpoint on
 /// (the chart's default; kube-apiserver would advertise it).
 const NODE_PROXY: &str = "10.250.255.254:443";
+/// The second shoot: its control plane with a tunnel-server of its own as
+/// a sidecar (KKP's and Kamaji's way), kube-apiserver's egress on a Unix
+/// socket between the two containers, its agents through the gateway by
+/// SNI.
+const SIDECAR_NS: &str = "shoot--dev--b";
+const SIDECAR_API_HOST: &str = "api.dev-b.seed.test";
+const SIDECAR_TUNNEL_HOST: &str = "tunnel.dev-b.seed.test";
+/// Where the second shoot's agents run (a second release of the shoot chart).
+const SIDECAR_AGENTS_NS: &str = "shoot-b-agents";
 const ADMIN_TOKEN: &str = "0123456789abcdef0123456789abcdef";
 
 /// The image scripts/image builds from the binary under test, as an OCI
@@ -382,10 +391,9 @@ spec:
 /// A workload in the shoot's network (the echo server of the Gateway API
 /// suite, as a pod), and the shoot's kube-apiserver told of it as a node
 /// (written through the gateway).
-fn echo_in_the_shoot(c: &Cluster, kubeconfig: &Path) {
-    let kube = &c.api.kube_dir;
+fn echo_in_the_shoot(c: &Cluster, kubeconfig: &Path) -> String {
     c.import_image(&seedlink_testkit::cluster::peer(
-        kube,
+        &c.api.kube_dir,
         "images/echo-basic.oci.tar",
     ));
     c.kubectl_ok(&["create", "namespace", "shoot-workload"]);
@@ -415,11 +423,16 @@ spec:
         &["-n", "shoot-workload", "get", "pods", "-l", "app=echo"],
         "{.items[0].status.podIP}",
     );
-    // A node of the shoot as its kube-apiserver knows it (that API server
-    // runs no kubelet): the node proxy dials its InternalIP, here the echo
-    // pod's, through the egress.
+    shoot_node(c, kubeconfig, &ip);
+    ip
+}
+
+/// A node of the shoot as its kube-apiserver (through `kubeconfig`) knows
+/// it (that API server runs no kubelet): the node proxy dials its
+/// InternalIP, here the echo pod's, through the egress.
+fn shoot_node(c: &Cluster, kubeconfig: &Path, ip: &str) {
     let kubectl = |args: &[&str]| {
-        run(Command::new(kube.join("bin/kubectl"))
+        run(Command::new(c.api.kube_dir.join("bin/kubectl"))
             .arg(format!("--kubeconfig={}", kubeconfig.display()))
             .args(args))
     };
@@ -441,6 +454,282 @@ spec:
             "{{\"status\":{{\"addresses\":[{{\"type\":\"InternalIP\",\"address\":\"{ip}\"}}]}}}}"
         ),
     ]);
+}
+
+/// Waits until the shoot's kube-apiserver behind `kubeconfig` reaches the
+/// echo pod through its node proxy: its egress, a tunnel-server, an agent.
+fn reaches_through_the_tunnel(kubectl: &Path, kubeconfig: &Path, what: &str) {
+    eventually_blocking(what, Duration::from_secs(120), || {
+        let o = Command::new(kubectl)
+            .arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .args(["get", "--raw", VIA_TUNNEL])
+            .output()
+            .unwrap();
+        let body = String::from_utf8_lossy(&o.stdout).into_owned();
+        let echoed =
+            serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v["path"] == "/hello");
+        echoed
+            .then_some(())
+            .ok_or_else(|| format!("{body}{}", String::from_utf8_lossy(&o.stderr)))
+    });
+}
+
+/// The per-control-plane sidecar install (KKP's and Kamaji's topology): a
+/// second shoot's kube-apiserver pod carries `seedlink tunnel-server` as a
+/// sidecar serving only that cluster, and kube-apiserver's egress reaches it
+/// on a Unix socket in a shared emptyDir, over `transport` (`grpc` or
+/// `http`: the frontend's name). An init container renders the egress file
+/// from the sidecar's own configuration (`seedlink tunnel-config --out`), so
+/// the two cannot disagree. The agents (a second release of the shoot chart,
+/// agent only) reach the sidecar through the seed's gateway by SNI, on the
+/// load balancer's TLS port, as Kamaji's agents reach theirs through the
+/// control plane's one address. Returns the shoot's admin kubeconfig
+/// through the gateway.
+fn sidecar_control_plane(c: &Cluster, lb: &str, seed: &Path, transport: &str) -> PathBuf {
+    let d = c.dir.join("shoot-b-pki");
+    openssl(
+        &d,
+        &format!(
+            "ca
+leaf tls /CN=kube-apiserver DNS:{SIDECAR_API_HOST},DNS:kubernetes.default.svc,IP:10.100.0.1
+leaf admin /O=system:masters/CN=admin DNS:admin
+openssl ecparam -name prime256v1 -genkey -noout -out sa.pem
+openssl pkcs8 -topk8 -nocrypt -in sa.pem -out sa.key
+openssl ec -in sa.key -pubout -out sa.pub
+"
+        ),
+    );
+    // The sidecar's agent endpoint certificate, from the seed's CA (which
+    // the agents already trust).
+    openssl(
+        seed,
+        &format!("leaf sidecar /CN={SIDECAR_TUNNEL_HOST} DNS:{SIDECAR_TUNNEL_HOST}\n"),
+    );
+    c.kubectl_ok(&["create", "namespace", SIDECAR_NS]);
+    c.kubectl_ok(&[
+        "label",
+        "namespace",
+        SIDECAR_NS,
+        "seedlink.dev/gateway-access=true",
+    ]);
+    let mut create: Vec<String> = [
+        "-n",
+        SIDECAR_NS,
+        "create",
+        "secret",
+        "generic",
+        "kube-apiserver-pki",
+    ]
+    .map(String::from)
+    .to_vec();
+    for f in ["ca.crt", "tls.crt", "tls.key", "sa.key", "sa.pub"] {
+        create.push(format!("--from-file={}", d.join(f).display()));
+    }
+    c.kubectl_ok(&create.iter().map(String::as_str).collect::<Vec<_>>());
+    c.kubectl_ok(&[
+        "-n",
+        SIDECAR_NS,
+        "create",
+        "secret",
+        "tls",
+        "tunnel-sidecar-tls",
+        &format!("--cert={}", seed.join("sidecar.crt").display()),
+        &format!("--key={}", seed.join("sidecar.key").display()),
+    ]);
+    // The sidecar serves this one cluster; its agents are the shoot's, with
+    // their projected tokens (here this cluster plays the shoot: its
+    // issuer and key).
+    let sa_pub = std::fs::read_to_string(c.api.dir.join("sa.pub")).unwrap();
+    let sa_pub: String = sa_pub.lines().map(|l| format!("    {l}\n")).collect();
+    let image = format!("localhost/seedlink:{}", env!("CARGO_PKG_VERSION"));
+    c.apply(&format!(
+        r#"apiVersion: v1
+kind: ConfigMap
+metadata: {{name: tunnel-sidecar, namespace: {SIDECAR_NS}}}
+data:
+  tunnel.yaml: |
+    agents: {{listen: '0.0.0.0:8132', cert: /etc/seedlink/tls/tls.crt, key: /etc/seedlink/tls/tls.key}}
+    admin: {{listen: '127.0.0.1:8133'}}
+    clusters:
+      - name: {SIDECAR_NS}
+        agent_token:
+          issuer: '{issuer}'
+          keys: /etc/seedlink/sidecar/sa.pub
+          service_account: {SIDECAR_AGENTS_NS}/konnectivity-agent
+        frontends:
+          - {{name: grpc, protocol: grpc, unix: /run/konnectivity/grpc.sock}}
+          - {{name: http, protocol: http-connect, unix: /run/konnectivity/http.sock}}
+  sa.pub: |
+{sa_pub}---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: kube-apiserver, namespace: {SIDECAR_NS}}}
+spec:
+  replicas: 1
+  selector: {{matchLabels: {{app: kube-apiserver}}}}
+  template:
+    metadata: {{labels: {{app: kube-apiserver}}}}
+    spec:
+      initContainers:
+      - name: egress
+        image: {image}
+        args: [tunnel-config, --config, /etc/seedlink/sidecar/tunnel.yaml, --cluster, {SIDECAR_NS},
+               --frontend, $(EGRESS_FRONTEND), --agent-server, '{lb}:443', --server-name, {SIDECAR_TUNNEL_HOST},
+               --out, /etc/kubernetes/egress]
+        env: [{{name: EGRESS_FRONTEND, value: {transport}}}]
+        volumeMounts: [{{name: sidecar, mountPath: /etc/seedlink/sidecar, readOnly: true}},
+                       {{name: sidecar-tls, mountPath: /etc/seedlink/tls, readOnly: true}},
+                       {{name: egress, mountPath: /etc/kubernetes/egress}}]
+      containers:
+      - name: etcd
+        image: localhost/kube-control-plane:1
+        command: [/usr/local/bin/etcd, --data-dir=/var/lib/etcd/data,
+                  --listen-client-urls=http://127.0.0.1:2379, --advertise-client-urls=http://127.0.0.1:2379,
+                  --listen-peer-urls=http://127.0.0.1:2380, --initial-advertise-peer-urls=http://127.0.0.1:2380,
+                  --initial-cluster=default=http://127.0.0.1:2380, --listen-metrics-urls=http://127.0.0.1:2381]
+        volumeMounts: [{{name: etcd, mountPath: /var/lib/etcd}}]
+      - name: kube-apiserver
+        image: localhost/kube-control-plane:1
+        command: [/usr/local/bin/kube-apiserver, --etcd-servers=http://127.0.0.1:2379,
+                  --secure-port=6443, --tls-cert-file=/pki/tls.crt, --tls-private-key-file=/pki/tls.key,
+                  --client-ca-file=/pki/ca.crt, --service-account-issuer=https://{SIDECAR_API_HOST},
+                  --service-account-key-file=/pki/sa.pub, --service-account-signing-key-file=/pki/sa.key,
+                  --service-cluster-ip-range=10.100.0.0/16, --authorization-mode=RBAC,
+                  --cert-dir=/tmp,
+                  --egress-selector-config-file=/etc/kubernetes/egress/egress-selector-configuration.yaml]
+        ports: [{{name: https, containerPort: 6443}}]
+        readinessProbe:
+          httpGet: {{path: /readyz, port: https, scheme: HTTPS}}
+          periodSeconds: 2
+        volumeMounts: [{{name: pki, mountPath: /pki, readOnly: true}}, {{name: tmp, mountPath: /tmp}},
+                       {{name: egress, mountPath: /etc/kubernetes/egress, readOnly: true}},
+                       {{name: konnectivity, mountPath: /run/konnectivity}}]
+      - name: tunnel-server
+        image: {image}
+        args: [tunnel-server, --config, /etc/seedlink/sidecar/tunnel.yaml]
+        ports: [{{name: agents, containerPort: 8132}}]
+        volumeMounts: [{{name: sidecar, mountPath: /etc/seedlink/sidecar, readOnly: true}},
+                       {{name: sidecar-tls, mountPath: /etc/seedlink/tls, readOnly: true}},
+                       {{name: konnectivity, mountPath: /run/konnectivity}}]
+      volumes:
+      - {{name: sidecar, configMap: {{name: tunnel-sidecar}}}}
+      - {{name: sidecar-tls, secret: {{secretName: tunnel-sidecar-tls}}}}
+      - {{name: pki, secret: {{secretName: kube-apiserver-pki}}}}
+      - {{name: egress, emptyDir: {{}}}}
+      - {{name: konnectivity, emptyDir: {{}}}}
+      - {{name: etcd, emptyDir: {{}}}}
+      - {{name: tmp, emptyDir: {{}}}}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: kube-apiserver, namespace: {SIDECAR_NS}}}
+spec:
+  selector: {{app: kube-apiserver}}
+  ports: [{{name: https, port: 443, targetPort: https}}, {{name: agents, port: 8132, targetPort: agents}}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: TLSRoute
+metadata: {{name: api, namespace: {SIDECAR_NS}}}
+spec:
+  parentRefs: [{{name: seedlink, namespace: {NS}}}]
+  hostnames: [{SIDECAR_API_HOST}]
+  rules: [{{backendRefs: [{{name: kube-apiserver, port: 443}}]}}]
+---
+apiVersion: gateway.networking.k8s.io/v1
+kind: TLSRoute
+metadata: {{name: agents, namespace: {SIDECAR_NS}}}
+spec:
+  parentRefs: [{{name: seedlink, namespace: {NS}}}]
+  hostnames: [{SIDECAR_TUNNEL_HOST}]
+  rules: [{{backendRefs: [{{name: kube-apiserver, port: 8132}}]}}]
+"#,
+        issuer = c.api.issuer,
+    ));
+    c.kubectl_ok(&[
+        "-n",
+        SIDECAR_NS,
+        "rollout",
+        "status",
+        "deployment/kube-apiserver",
+        "--timeout=600s",
+    ]);
+    // The agents: the shoot chart again, agent only, in a namespace of its
+    // own, to the sidecar through the gateway by SNI.
+    let chart = repo_root().join("charts/seedlink-shoot");
+    helm_cmd(
+        c,
+        &[
+            "install",
+            "seedlink-shoot-b",
+            &chart.display().to_string(),
+            "--namespace",
+            SIDECAR_AGENTS_NS,
+            "--create-namespace",
+            "--set",
+            "nodeProxy.enabled=false",
+            "--set",
+            &format!("agent.server={lb}:443"),
+            "--set",
+            &format!("agent.serverName={SIDECAR_TUNNEL_HOST}"),
+            "--set-file",
+            &format!("agent.caBundle={}", seed.join("ca.crt").display()),
+        ],
+    );
+    c.kubectl_ok(&[
+        "-n",
+        SIDECAR_AGENTS_NS,
+        "rollout",
+        "status",
+        "deployment/seedlink-tunnel-agent",
+        "--timeout=600s",
+    ]);
+    shoot_kubeconfig(c, "shoot-b", &format!("{lb}:443"), SIDECAR_API_HOST, &d)
+}
+
+/// The sidecar's kube-apiserver moved to the other Unix-socket transport:
+/// the init container's frontend changed, the pod rolled (its etcd is an
+/// emptyDir: the node object is made again by the caller).
+fn sidecar_transport(c: &Cluster, transport: &str) {
+    c.kubectl_ok(&[
+        "-n",
+        SIDECAR_NS,
+        "set",
+        "env",
+        "deployment/kube-apiserver",
+        "-c",
+        "egress",
+        &format!("EGRESS_FRONTEND={transport}"),
+    ]);
+    c.kubectl_ok(&[
+        "-n",
+        SIDECAR_NS,
+        "rollout",
+        "status",
+        "deployment/kube-apiserver",
+        "--timeout=600s",
+    ]);
+}
+
+/// The egress file the sidecar pod's init container wrote, as
+/// kube-apiserver reads it (the image has no shell: read from the node,
+/// in the kubelet's emptyDir of the pod that is not being deleted).
+fn sidecar_egress_file(c: &Cluster) -> String {
+    let pods = jsonpath(
+        c,
+        &["-n", SIDECAR_NS, "get", "pods", "-l", "app=kube-apiserver"],
+        "{range .items[*]}{.metadata.uid} {.metadata.deletionTimestamp}{\"\\n\"}{end}",
+    );
+    let uid = pods
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.contains(' '))
+        .unwrap_or_else(|| panic!("no live kube-apiserver pod: {pods:?}"));
+    let f = c
+        .dir
+        .join("node/kubelet/pods")
+        .join(uid)
+        .join("volumes/kubernetes.io~empty-dir/egress/egress-selector-configuration.yaml");
+    std::fs::read_to_string(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()))
 }
 
 fn helm_cmd(c: &Cluster, args: &[&str]) -> String {
@@ -825,23 +1114,11 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
     // egress through the tunnel-server pods to the agents' pods: its
     // service proxy reaches a pod of the shoot's network.
     shoot_side(&c, &lb, &seed);
-    echo_in_the_shoot(&c, &kubeconfig);
-    eventually_blocking(
+    let echo = echo_in_the_shoot(&c, &kubeconfig);
+    reaches_through_the_tunnel(
+        &kubectl,
+        &kubeconfig,
         "the shoot's kube-apiserver through the tunnel",
-        Duration::from_secs(120),
-        || {
-            let o = Command::new(&kubectl)
-                .arg(format!("--kubeconfig={}", kubeconfig.display()))
-                .args(["get", "--raw", VIA_TUNNEL])
-                .output()
-                .unwrap();
-            let body = String::from_utf8_lossy(&o.stdout).into_owned();
-            let echoed = serde_json::from_str::<serde_json::Value>(&body)
-                .is_ok_and(|v| v["path"] == "/hello");
-            echoed
-                .then_some(())
-                .ok_or_else(|| format!("{body}{}", String::from_utf8_lossy(&o.stderr)))
-        },
     );
 
     // In-cluster clients to their own API server (GEP-08): the shoot
@@ -890,6 +1167,39 @@ spec:
         &node_proxy,
         "the shoot's kube-apiserver through its node-proxy",
     );
+    // The per-control-plane sidecar install: kube-apiserver's egress over
+    // gRPC on a Unix socket to a tunnel-server in its own pod, then over
+    // HTTPConnect on the other socket, to agents from a second release of
+    // the shoot chart.
+    let shoot_b = sidecar_control_plane(&c, &lb, &seed, "grpc");
+    reaches_the_shoot(&kubectl, &shoot_b, "the sidecar shoot through the gateway");
+    let egress_file = sidecar_egress_file(&c);
+    assert!(
+        egress_file.contains("proxyProtocol: GRPC")
+            && egress_file.contains("/run/konnectivity/grpc.sock"),
+        "{egress_file}"
+    );
+    shoot_node(&c, &shoot_b, &echo);
+    reaches_through_the_tunnel(
+        &kubectl,
+        &shoot_b,
+        "the sidecar shoot's kube-apiserver through gRPC on a Unix socket",
+    );
+    sidecar_transport(&c, "http");
+    let egress_file = sidecar_egress_file(&c);
+    assert!(
+        egress_file.contains("proxyProtocol: HTTPConnect")
+            && egress_file.contains("/run/konnectivity/http.sock"),
+        "{egress_file}"
+    );
+    reaches_the_shoot(&kubectl, &shoot_b, "the sidecar shoot, rolled");
+    shoot_node(&c, &shoot_b, &echo);
+    reaches_through_the_tunnel(
+        &kubectl,
+        &shoot_b,
+        "the sidecar shoot's kube-apiserver through HTTPConnect on a Unix socket",
+    );
+
     let asks = vec![
         (kubeconfig.clone(), "/version"),
         (kubeconfig.clone(), VIA_TUNNEL),
@@ -1076,7 +1386,7 @@ spec:
 
     // Uninstall: what is left is the CRDs the chart installed (Helm never
     // deletes crds/) and the Secrets the operator made, both there before.
-    for ns in [SHOOT_NS, "shoot-workload"] {
+    for ns in [SHOOT_NS, "shoot-workload", SIDECAR_NS, SIDECAR_AGENTS_NS] {
         c.kubectl_ok(&["delete", "namespace", ns, "--wait=false"]);
     }
     helm_cmd(
@@ -1086,6 +1396,16 @@ spec:
             "seedlink-shoot",
             "--namespace",
             "kube-system",
+            "--wait",
+        ],
+    );
+    helm_cmd(
+        &c,
+        &[
+            "uninstall",
+            "seedlink-shoot-b",
+            "--namespace",
+            SIDECAR_AGENTS_NS,
             "--wait",
         ],
     );
@@ -1108,6 +1428,8 @@ spec:
         o == "Lease/kube-node-lease/node-1"
             || o.contains(&format!("/{SHOOT_NS}/"))
             || o.contains("/shoot-workload/")
+            || o.contains(&format!("/{SIDECAR_NS}/"))
+            || o.contains(&format!("/{SIDECAR_AGENTS_NS}/"))
     };
     let unexpected: Vec<&&String> = left.iter().filter(|o| !allowed(o)).collect();
     assert!(

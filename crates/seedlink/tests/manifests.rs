@@ -1261,6 +1261,21 @@ fn the_shoot_chart_renders_the_kustomize_shoot_install_and_its_values() {
         .unwrap();
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("schema"));
+    // The agent alone (a second tunnel for the same shoot, or in-cluster
+    // clients served another way): no node-proxy, no node-proxy file.
+    let agent_only = helm_template_in(
+        "seedlink-shoot",
+        "shoot-b-agents",
+        &["--set", "nodeProxy.enabled=false"],
+    );
+    assert!(!agent_only.iter().any(|d| d["kind"] == "DaemonSet"));
+    let cm = agent_only
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "seedlink-shoot")
+        .unwrap();
+    assert!(cm["data"]["node-proxy.yaml"].is_null());
+    check_configs(cm).unwrap();
+    assert!(agent_only.iter().any(|d| d["kind"] == "Deployment"));
     chart_version_is_the_binarys("seedlink-shoot");
 }
 
