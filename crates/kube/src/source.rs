@@ -264,6 +264,16 @@ impl Watches {
     }
 }
 
+/// How long one watch request lasts (the API server's `timeoutSeconds`)
+/// before it is made again from the last resourceVersion. kube-runtime
+/// also gives up on a watch that has sent nothing for this long plus 5 s,
+/// so it bounds how long a connection that died silently (a partition or
+/// a middlebox that dropped it without a reset) can leave the objects
+/// stale: about a minute rather than kube-runtime's default of 295 s.
+/// Each kind's watch is made again once a minute, which the API server
+/// serves from its watch cache.
+pub const WATCH_TIMEOUT_SECS: u32 = 60;
+
 /// One kind's watch: a store and a task that keeps it and says "changed".
 fn watch_kind<K>(
     api: Api<K>,
@@ -291,6 +301,7 @@ where
     K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
 {
     let kind = K::kind(&dyntype).to_string();
+    let config = config.timeout(WATCH_TIMEOUT_SECS);
     let writer = reflector::store::Writer::new(dyntype);
     let store = writer.as_reader();
     let stream = watcher(api, config)

@@ -2049,3 +2049,43 @@ async fn a_gateway_started_during_an_outage_stays_unready_until_it_reads_the_rou
     assert!(body.contains("hello from a"), "{body}");
     stop.cancel();
 }
+
+/// A watch whose connection dies silently (a middlebox forgets it: no
+/// reset, nothing more delivered, while new connections work) is replaced
+/// within the watch timeout (`WATCH_TIMEOUT_SECS` plus kube-runtime's idle
+/// margin), not left stale until the API server's own timeout: a route
+/// created after the connections died is served, read through a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_whose_connection_died_silently_is_replaced() {
+    let stop = CancellationToken::new();
+    let pki = Arc::new(seedlink::demo::Pki::generate(&[A]).unwrap());
+    let seed = Seed::new(true).await;
+    let port = seed.two_pods(&pki, 0, "a", &stop);
+    seed.gateway_object().await;
+    let a = seed.tenant("shoot--a", true).await;
+    seed.apply(service(&a, "kube-apiserver")).await;
+    seed.apply(slice(&a, "kube-apiserver", port, &[(POD_1, true)]))
+        .await;
+    let gw = seed.gateway_with_own_proxy("replica-a", &seed.token).await;
+    eventually("ready", Duration::from_secs(90), async || {
+        let (code, body) = gw.get("/readyz").await;
+        ok_if(code == 200, || body)
+    })
+    .await;
+    let proxy = gw.api.as_ref().unwrap();
+    let before = proxy.accepted.load(std::sync::atomic::Ordering::Relaxed);
+    proxy.set(Fault::Orphan);
+    seed.apply(seed.route(&a, "kube-apiserver", A, "kube-apiserver"))
+        .await;
+    let bound = Duration::from_secs(u64::from(seedlink_kube::source::WATCH_TIMEOUT_SECS) + 120);
+    eventually("the route served through a new watch", bound, async || {
+        let r = get(&pki, gw.tls, A).await;
+        ok_if(r.as_ref().is_ok_and(|b| b.contains("hello from a")), || {
+            format!("{r:?}")
+        })
+    })
+    .await;
+    let after = proxy.accepted.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(after > before, "no new connection to the API server");
+    stop.cancel();
+}

@@ -29,6 +29,10 @@ pub enum Fault {
     /// ones stop forwarding until the fault changes (a partition: what was
     /// held is delivered when it heals, as TCP's retransmissions would).
     Blackhole,
+    /// The connections open when it is set go dead for good (from their
+    /// next byte nothing is forwarded, and they are never closed: a
+    /// connection a middlebox forgot); connections opened since pass.
+    Orphan,
 }
 
 /// A TCP proxy on loopback that injects [`Fault`]s, switchable at run time.
@@ -151,19 +155,28 @@ async fn proxy_connected(
     let cut = CancellationToken::new();
     let (cr, cw) = client.into_split();
     let (ur, uw) = up.into_split();
-    let a = pump(cr, uw, mode.clone(), down_bytes.clone(), false, cut.clone());
-    let b = pump(ur, cw, mode, down_bytes, true, cut.clone());
+    let young = *mode.borrow() == Fault::Orphan;
+    let a = pump(
+        cr,
+        uw,
+        mode.clone(),
+        down_bytes.clone(),
+        (false, young),
+        cut.clone(),
+    );
+    let b = pump(ur, cw, mode, down_bytes, (true, young), cut.clone());
     tokio::join!(a, b);
 }
 
 /// Copies one direction under the fault; `down`: upstream → client (the
-/// direction the byte thresholds count).
+/// direction the byte thresholds count); `young`: opened while the fault
+/// was [`Fault::Orphan`] (which passes it).
 async fn pump(
     mut r: tokio::net::tcp::OwnedReadHalf,
     mut w: tokio::net::tcp::OwnedWriteHalf,
     mut mode: watch::Receiver<Fault>,
     down_bytes: Arc<AtomicU64>,
-    down: bool,
+    (down, young): (bool, bool),
     cut: CancellationToken,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
@@ -187,6 +200,12 @@ async fn pump(
             let fault = *mode.borrow_and_update();
             match fault {
                 Fault::Pass => break,
+                Fault::Orphan if young => break,
+                Fault::Orphan => {
+                    // Dead for good: nothing more is forwarded, nothing
+                    // is closed, until the scenario drops the proxy.
+                    std::future::pending::<()>().await;
+                }
                 Fault::Latency(d) => {
                     tokio::time::sleep(d).await;
                     break;
