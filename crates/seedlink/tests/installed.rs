@@ -6,14 +6,19 @@
 //! does not make created as NOTES.txt says. seedlink runs as the chart's
 //! pods, in-cluster, with its own ServiceAccount's projected token.
 //!
-//! The traffic is the cluster's own kube-apiserver reached by kubectl
+//! The traffic: a hosted shoot kube-apiserver (a pod) reached by kubectl
 //! through the Service's LoadBalancer address by SNI, client certificate end
-//! to end (a TLSRoute to the `kubernetes` Service, whose EndpointSlice
-//! kube-apiserver itself maintains). Day 2 runs under a loop of kubectl
-//! requests, each on a new connection, and counts every failure: a rollout
-//! restart, a `helm upgrade` to a new image reference, the status leader's
-//! pod deleted (another pod takes the lease and still writes status), and
-//! `helm uninstall` (what is left is listed and must be what the docs say).
+//! to end; its egress through the tunnel-server pods and the shoot chart's
+//! agent pods (node proxy, `kubectl logs`, `exec`, `port-forward` to the
+//! node's kubelet, a validating webhook); the shoot chart's node-proxy
+//! (GEP-08); a second control plane with a tunnel-server sidecar (egress
+//! over gRPC, then HTTPConnect, on a Unix socket). Day 2 runs under a loop
+//! of kubectl requests, each on a new connection, and counts every failure:
+//! a rollout restart, a `helm upgrade` to a new image reference, scaling
+//! while the API server is unreachable from new pods, the status leader's
+//! pod deleted (another pod takes the lease and still writes status), a
+//! node drain with the PDB, and `helm uninstall` (what is left is listed and
+//! must be what the docs say).
 //! The figures (install to Ready, each step's requests and failures) are
 //! printed; docs/KUBERNETES.md keeps the last run's.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
@@ -24,7 +29,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use seedlink_testkit::cluster::{helm, run, Cluster, Options, NODE_IP, POD_SUBNET};
+use seedlink_testkit::cluster::{helm, run, Cluster, Options, NODE_IP, NODE_NAME, POD_SUBNET};
 use seedlink_testkit::eventually_blocking;
 use seedlink_testkit::kubeapi::repo_root;
 
@@ -144,8 +149,9 @@ fn shoot_control_plane(c: &Cluster, seed: &Path, egress: &str) -> PathBuf {
         &d,
         &format!(
             "ca
-leaf tls /CN=kube-apiserver DNS:{API_HOST},DNS:kubernetes.default.svc,IP:10.100.0.1
+leaf tls /CN=kube-apiserver DNS:{API_HOST},DNS:kubernetes.default.svc,IP:10.96.0.1
 leaf admin /O=system:masters/CN=admin DNS:admin
+leaf apps /CN=shoot-apps DNS:shoot-apps.webhooked.svc
 openssl ecparam -name prime256v1 -genkey -noout -out sa.pem
 openssl pkcs8 -topk8 -nocrypt -in sa.pem -out sa.key
 openssl ec -in sa.key -pubout -out sa.pub
@@ -153,6 +159,24 @@ openssl ec -in sa.key -pubout -out sa.pub
         ),
     );
     c.kubectl_ok(&["create", "namespace", SHOOT_NS]);
+    // Its client certificate for kubelets (logs, exec, port-forward): one
+    // the node's kubelet trusts (here the cluster's own).
+    c.kubectl_ok(&[
+        "-n",
+        SHOOT_NS,
+        "create",
+        "secret",
+        "generic",
+        "kube-apiserver-kubelet-client",
+        &format!(
+            "--from-file=client.crt={}",
+            c.api.dir.join("admin.pem").display()
+        ),
+        &format!(
+            "--from-file=client.key={}",
+            c.api.dir.join("admin-key.pem").display()
+        ),
+    ]);
     c.kubectl_ok(&[
         "label",
         "namespace",
@@ -230,8 +254,10 @@ spec:
                   --secure-port=6443, --tls-cert-file=/pki/tls.crt, --tls-private-key-file=/pki/tls.key,
                   --client-ca-file=/pki/ca.crt, --service-account-issuer=https://{API_HOST},
                   --service-account-key-file=/pki/sa.pub, --service-account-signing-key-file=/pki/sa.key,
-                  --service-cluster-ip-range=10.100.0.0/16, --authorization-mode=RBAC,
+                  --service-cluster-ip-range=10.96.0.0/16, --authorization-mode=RBAC,
                   --cert-dir=/tmp,
+                  --kubelet-client-certificate=/kubelet/client.crt, --kubelet-client-key=/kubelet/client.key,
+                  --kubelet-preferred-address-types=InternalIP,
                   --egress-selector-config-file=/etc/kubernetes/egress/egress-selector-configuration.yaml]
         ports: [{{name: https, containerPort: 6443}}]
         readinessProbe:
@@ -239,8 +265,10 @@ spec:
           periodSeconds: 2
         volumeMounts: [{{name: pki, mountPath: /pki, readOnly: true}}, {{name: tmp, mountPath: /tmp}},
                        {{name: egress, mountPath: /etc/kubernetes/egress, readOnly: true}},
-                       {{name: tunnel, mountPath: /etc/kubernetes/tunnel, readOnly: true}}]
+                       {{name: tunnel, mountPath: /etc/kubernetes/tunnel, readOnly: true}},
+                       {{name: kubelet, mountPath: /kubelet, readOnly: true}}]
       volumes:
+      - {{name: kubelet, secret: {{secretName: kube-apiserver-kubelet-client}}}}
       - {{name: egress, configMap: {{name: kube-apiserver-egress}}}}
       - {{name: tunnel, secret: {{secretName: kube-apiserver-tunnel}}}}
       - {{name: pki, secret: {{secretName: kube-apiserver-pki}}}}
@@ -732,6 +760,289 @@ fn sidecar_egress_file(c: &Cluster) -> String {
     std::fs::read_to_string(&f).unwrap_or_else(|e| panic!("{}: {e}", f.display()))
 }
 
+/// What kube-apiserver dials in a shoot besides the node proxy, through
+/// the egress, the tunnel-server pods and an agent pod, with a real
+/// kubelet and kubectl: `kubectl logs`, `exec` and `port-forward` to pods
+/// on the node (the shoot's API server is told of the node and of the
+/// pods the kubelet runs, as the shoot's own control plane would be), and
+/// a validating webhook in the shoot's network. Each is checked to have
+/// gone through kube-apiserver's egress dialer (its own metric).
+fn kubelet_and_webhook_through_the_tunnel(
+    c: &Cluster,
+    kubectl: &Path,
+    kubeconfig: &Path,
+    pki: &Path,
+) {
+    let shoot = |args: &[&str]| {
+        Command::new(kubectl)
+            .arg(format!("--kubeconfig={}", kubeconfig.display()))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let shoot_ok = |args: &[&str]| {
+        let o = shoot(args);
+        assert!(
+            o.status.success(),
+            "shoot kubectl {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let dials = || {
+        let m = shoot_ok(&["get", "--raw", "/metrics"]);
+        m.lines()
+            .filter(|l| l.starts_with("apiserver_egress_dialer_dial_start_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>()
+    };
+    // A shell on the node, for exec.
+    c.apply(
+        "apiVersion: v1
+kind: Pod
+metadata: {name: shell, namespace: shoot-workload}
+spec:
+  containers:
+  - {name: shell, image: 'localhost/busybox:1', imagePullPolicy: Never, command: [sleep, '3600']}
+",
+    );
+    c.kubectl_ok(&[
+        "-n",
+        "shoot-workload",
+        "wait",
+        "--for=condition=Ready",
+        "pod/shell",
+        "--timeout=300s",
+    ]);
+    let echo = jsonpath(
+        c,
+        &["-n", "shoot-workload", "get", "pods", "-l", "app=echo"],
+        "{.items[0].metadata.name}",
+    );
+    // The shoot's API server told of the node and its pods (it runs no
+    // controller-manager: the namespace's ServiceAccount is made here).
+    let f = c.dir.join("shoot-objects.yaml");
+    std::fs::write(
+        &f,
+        format!(
+            "apiVersion: v1\nkind: Namespace\nmetadata: {{name: shoot-workload}}\n---\n\
+             apiVersion: v1\nkind: ServiceAccount\nmetadata: {{name: default, namespace: shoot-workload}}\n---\n\
+             apiVersion: v1\nkind: Node\nmetadata: {{name: {NODE_NAME}}}\n---\n\
+             apiVersion: v1\nkind: Pod\nmetadata: {{name: {echo}, namespace: shoot-workload}}\n\
+             spec: {{nodeName: {NODE_NAME}, automountServiceAccountToken: false, containers: [{{name: echo, image: x}}]}}\n---\n\
+             apiVersion: v1\nkind: Pod\nmetadata: {{name: shell, namespace: shoot-workload}}\n\
+             spec: {{nodeName: {NODE_NAME}, automountServiceAccountToken: false, containers: [{{name: shell, image: x}}]}}\n"
+        ),
+    )
+    .unwrap();
+    shoot_ok(&["apply", "-f", &f.display().to_string()]);
+    shoot_ok(&[
+        "patch",
+        "node",
+        NODE_NAME,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        &format!(
+            "{{\"status\":{{\"addresses\":[{{\"type\":\"InternalIP\",\"address\":\"{NODE_IP}\"}}],\
+             \"daemonEndpoints\":{{\"kubeletEndpoint\":{{\"Port\":10250}}}}}}}}"
+        ),
+    ]);
+    for pod in [echo.as_str(), "shell"] {
+        shoot_ok(&[
+            "-n",
+            "shoot-workload",
+            "patch",
+            "pod",
+            pod,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            "{\"status\":{\"phase\":\"Running\"}}",
+        ]);
+    }
+
+    // logs: what the kubelet has of the echo container, as the seed's own
+    // API server reads it.
+    let before = dials();
+    let want = c.kubectl_ok(&["-n", "shoot-workload", "logs", &echo, "-c", "echo"]);
+    let got = shoot_ok(&["-n", "shoot-workload", "logs", &echo, "-c", "echo"]);
+    assert!(
+        !got.is_empty() && want.starts_with(got.lines().next().unwrap_or_default()),
+        "shoot logs {got:?}, kubelet's {want:?}"
+    );
+    // exec, with stdin.
+    let mut child = Command::new(kubectl)
+        .arg(format!("--kubeconfig={}", kubeconfig.display()))
+        .args([
+            "-n",
+            "shoot-workload",
+            "exec",
+            "-i",
+            "shell",
+            "-c",
+            "shell",
+            "--",
+            "cat",
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"through the tunnel\n").unwrap();
+    }
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout),
+        "through the tunnel\n",
+        "exec: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // port-forward to the echo server's port.
+    let mut pf = Command::new(kubectl)
+        .arg(format!("--kubeconfig={}", kubeconfig.display()))
+        .args([
+            "-n",
+            "shoot-workload",
+            "port-forward",
+            &format!("pod/{echo}"),
+            ":3000",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Its stdout stays open until it ends (it writes a line per address,
+    // and per connection).
+    let mut pf_out = std::io::BufReader::new(pf.stdout.take().unwrap());
+    let port = {
+        use std::io::BufRead;
+        let mut line = String::new();
+        pf_out.read_line(&mut line).unwrap();
+        // "Forwarding from 127.0.0.1:PORT -> 3000"
+        line.split_whitespace()
+            .nth(2)
+            .and_then(|a| a.rsplit(':').next())
+            .and_then(|p| p.parse::<u16>().ok())
+            .unwrap_or_else(|| panic!("port-forward said {line:?}"))
+    };
+    let body = run(Command::new("curl").args([
+        "-sS",
+        "--max-time",
+        "30",
+        &format!("http://127.0.0.1:{port}/forwarded"),
+    ]));
+    let _ = pf.kill();
+    let _ = pf.wait();
+    drop(pf_out);
+    assert!(
+        serde_json::from_str::<serde_json::Value>(&body).is_ok_and(|v| v["path"] == "/forwarded"),
+        "through port-forward: {body}"
+    );
+    let after = dials();
+    assert!(
+        after >= before + 3.0,
+        "kube-apiserver's egress dials: {before} before logs, exec and port-forward, {after} after"
+    );
+
+    // A validating webhook in the shoot's network, by Service: a Service
+    // of the cluster (kube-proxy's ClusterIP, to shoot_apps.py on the
+    // node's address), and the same Service in the shoot's API server
+    // (its ClusterIP, which only the shoot's network routes; both use
+    // 10.96.0.0/16). failurePolicy Fail: it decides, through the tunnel.
+    let mut apps = Command::new("ip")
+        .args(["netns", "exec", &c.netns, "python3"])
+        .arg(repo_root().join("crates/seedlink/tests/peers/shoot_apps.py"))
+        .arg(format!("{NODE_IP}:8444"))
+        .arg(pki.join("apps.crt"))
+        .arg(pki.join("apps.key"))
+        .args(["none", "-", "-", "-"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::BufRead;
+        let mut line = String::new();
+        std::io::BufReader::new(apps.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "up", "shoot_apps.py did not start");
+    }
+    c.apply(&format!(
+        "apiVersion: v1
+kind: Service
+metadata: {{name: shoot-apps, namespace: shoot-workload}}
+spec:
+  ports: [{{name: https, port: 443, targetPort: 8444}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: shoot-apps
+  namespace: shoot-workload
+  labels: {{kubernetes.io/service-name: shoot-apps}}
+addressType: IPv4
+ports: [{{name: https, port: 8444, protocol: TCP}}]
+endpoints: [{{addresses: ['{NODE_IP}'], conditions: {{ready: true}}}}]
+"
+    ));
+    let service_ip = jsonpath(
+        c,
+        &["-n", "shoot-workload", "get", "service", "shoot-apps"],
+        "{.spec.clusterIP}",
+    );
+    let ca = run(Command::new("openssl")
+        .args(["base64", "-A", "-in"])
+        .arg(pki.join("ca.crt")));
+    let ca = ca.trim();
+    let f = c.dir.join("shoot-webhook.yaml");
+    std::fs::write(
+        &f,
+        format!(
+            "apiVersion: v1\nkind: Namespace\nmetadata: {{name: webhooked, labels: {{webhooked: 'true'}}}}\n---\n\
+             apiVersion: v1\nkind: Service\nmetadata: {{name: shoot-apps, namespace: webhooked}}\n\
+             spec: {{clusterIP: '{service_ip}', ports: [{{name: https, port: 443}}]}}\n---\n\
+             apiVersion: admissionregistration.k8s.io/v1\nkind: ValidatingWebhookConfiguration\n\
+             metadata: {{name: shoot-webhook}}\nwebhooks:\n\
+             - name: validate.shoot-apps.test\n  admissionReviewVersions: [v1]\n  sideEffects: None\n  failurePolicy: Fail\n  timeoutSeconds: 10\n\
+             \x20 namespaceSelector: {{matchLabels: {{webhooked: 'true'}}}}\n\
+             \x20 rules: [{{apiGroups: [''], apiVersions: [v1], operations: [CREATE], resources: [configmaps]}}]\n\
+             \x20 clientConfig: {{service: {{namespace: webhooked, name: shoot-apps, port: 443, path: /validate}}, caBundle: {ca}}}\n"
+        ),
+    )
+    .unwrap();
+    shoot_ok(&["apply", "-f", &f.display().to_string()]);
+    let before = dials();
+    // The webhook's configuration reaches the API server's cache in a
+    // moment: until then a create is not reviewed.
+    let denied = eventually_blocking("the webhook denies", Duration::from_secs(60), || {
+        let o = shoot(&["-n", "webhooked", "create", "configmap", "deny-me"]);
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        if o.status.success() {
+            shoot_ok(&["-n", "webhooked", "delete", "configmap", "deny-me"]);
+        }
+        err.contains("denied by the shoot's webhook")
+            .then_some(err.clone())
+            .ok_or(err)
+    });
+    shoot_ok(&["-n", "webhooked", "create", "configmap", "allow-me"]);
+    let after = dials();
+    let _ = apps.kill();
+    let _ = apps.wait();
+    assert!(
+        after >= before + 2.0,
+        "kube-apiserver's egress dials: {before} before the webhook, {after} after"
+    );
+    eprintln!(
+        "installed: the shoot's webhook through the tunnel: {}",
+        denied.trim()
+    );
+}
+
 fn helm_cmd(c: &Cluster, args: &[&str]) -> String {
     run(Command::new(helm())
         .env("KUBECONFIG", &c.api.admin_kubeconfig)
@@ -1121,6 +1432,8 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
         "the shoot's kube-apiserver through the tunnel",
     );
 
+    kubelet_and_webhook_through_the_tunnel(&c, &kubectl, &kubeconfig, &pki);
+
     // In-cluster clients to their own API server (GEP-08): the shoot
     // chart's node-proxy serves the `kubernetes` address on the node and
     // carries each connection to the gateway's CONNECT listener, which
@@ -1370,6 +1683,49 @@ spec:
          (it leads through its 15 s preStop sleep and releases the lease as it drains)",
         takeover.as_secs_f64()
     ));
+
+    // The node drained with the PodDisruptionBudget in place (one node:
+    // the evicted pod's successor cannot be scheduled while it is
+    // cordoned). One pod is evicted and drains; the PDB refuses the other
+    // eviction for as long as the drain tries, so one replica serves
+    // throughout; uncordoned, the successor starts.
+    let mut refused = String::new();
+    step(
+        "the node drained with the PDB in place, then uncordoned",
+        &load,
+        &mut figures,
+        || {
+            let before: Vec<String> = pods(&c).into_iter().map(|p| p.0).collect();
+            let o = c.kubectl(&[
+                "drain",
+                NODE_NAME,
+                "--ignore-daemonsets",
+                "--delete-emptydir-data",
+                "--pod-selector=app.kubernetes.io/name=seedlink",
+                "--timeout=30s",
+            ]);
+            let err = String::from_utf8_lossy(&o.stderr).into_owned();
+            assert!(
+                !o.status.success() && err.contains("disruption budget"),
+                "the PDB let the drain evict every pod: {err}"
+            );
+            refused = err
+                .lines()
+                .find(|l| l.contains("disruption budget"))
+                .unwrap_or_default()
+                .to_string();
+            let now = pods(&c);
+            let kept: Vec<&String> = now
+                .iter()
+                .filter(|p| p.2 && before.contains(&p.0))
+                .map(|p| &p.0)
+                .collect();
+            assert_eq!(kept.len(), 1, "one replica stays Ready: {now:?}");
+            c.kubectl_ok(&["uncordon", NODE_NAME]);
+            rolled_out(&c);
+        },
+    );
+    eprintln!("installed: the drain was refused: {}", refused.trim());
     let (sent, failed) = load.counts();
     let errors = load.errors.lock().unwrap().clone();
     drop(load);
