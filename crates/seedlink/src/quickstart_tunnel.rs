@@ -111,14 +111,7 @@ pub async fn start(
     dir: &Path,
     stop: &CancellationToken,
 ) -> anyhow::Result<TunnelDemo> {
-    let mut pods = Vec::new();
-    for (ip, c) in [("127.0.0.3", clusters[0]), ("127.0.0.4", clusters[1])] {
-        let l = TcpListener::bind((ip, 0))
-            .await
-            .with_context(|| format!("binding the demo pod on {ip}"))?;
-        pods.push(l.local_addr()?);
-        tokio::spawn(serve_pod(l, c.to_string(), stop.clone()));
-    }
+    let pods = start_pods(clusters, stop).await?;
     let (host, leaf) = &pki.servers[tunnel_host_index];
     let w = |name: &str, text: &str| -> anyhow::Result<PathBuf> {
         let p = dir.join(name);
@@ -186,7 +179,37 @@ clusters:
             "127.0.0.4/32",
         )?,
     ];
-    // Wait (bounded) for both agents' streams.
+    agents_connected(&server).await?;
+    Ok(TunnelDemo {
+        uds,
+        tcp,
+        pod: pods[0],
+        second: (clusters[1].to_string(), uds2, pods[1]),
+        server,
+        agents,
+    })
+}
+
+/// The demo pods: 127.0.0.3 for `clusters[0]`, 127.0.0.4 for
+/// `clusters[1]`; their addresses.
+async fn start_pods(
+    clusters: [&str; 2],
+    stop: &CancellationToken,
+) -> anyhow::Result<Vec<SocketAddr>> {
+    let mut pods = Vec::new();
+    for (ip, c) in [("127.0.0.3", clusters[0]), ("127.0.0.4", clusters[1])] {
+        let l = TcpListener::bind((ip, 0))
+            .await
+            .with_context(|| format!("binding the demo pod on {ip}"))?;
+        pods.push(l.local_addr()?);
+        tokio::spawn(serve_pod(l, c.to_string(), stop.clone()));
+    }
+    Ok(pods)
+}
+
+/// Waits (10 s at most) until every cluster of `server` has an agent
+/// stream.
+async fn agents_connected(server: &TunnelServer) -> anyhow::Result<()> {
     let end = tokio::time::Instant::now() + Duration::from_secs(10);
     while server
         .registry
@@ -199,14 +222,7 @@ clusters:
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Ok(TunnelDemo {
-        uds,
-        tcp,
-        pod: pods[0],
-        second: (clusters[1].to_string(), uds2, pods[1]),
-        server,
-        agents,
-    })
+    Ok(())
 }
 
 /// kube-apiserver's way through the tunnel: CONNECT over the Unix socket,

@@ -319,6 +319,20 @@ where
         io.write_all(&out).await?;
     }
     io.flush().await?;
+    if fed != 0 {
+        return Err(bad("handshake records left over"));
+    }
+    established(conn, io, inb)
+}
+
+/// The layer over `io` once `conn` has finished its handshake: TLS 1.3's
+/// keys taken from rustls; `inb`, what was read past the handshake, is
+/// records for this layer.
+fn established<C, IO>(mut conn: C, io: IO, inb: BytesMut) -> io::Result<UserTls<IO>>
+where
+    C: Handshaking,
+    IO: AsyncRead + AsyncWrite + Unpin + Send,
+{
     let common = conn.common();
     if common.protocol_version() != Some(ProtocolVersion::TLSv1_3) {
         return Err(bad("TLS 1.3 is required"));
@@ -330,9 +344,6 @@ where
             .map(|c| c.iter().map(|c| c.clone().into_owned()).collect())
             .unwrap_or_default(),
     };
-    if fed != 0 {
-        return Err(bad("handshake records left over"));
-    }
     let (secrets, kernel) = conn.finish().map_err(tls_error)?;
     let SupportedCipherSuite::Tls13(suite) = kernel.suite() else {
         return Err(bad("TLS 1.3 is required"));
