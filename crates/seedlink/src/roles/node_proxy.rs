@@ -13,7 +13,7 @@ use crate::supervisor::{BoxFut, Role, Supervisor};
 #[derive(clap::Args)]
 pub struct NodeProxyArgs {
     /// Read the whole configuration from this YAML file instead of flags
-    /// (keys are the flags' names with `_`; see docs/CONFIGURATION.md).
+    /// (keys are the flags' names with `_`; see docs/NODE-PROXY.md).
     #[arg(long, conflicts_with_all = ["address", "port", "gateway", "mode", "destination", "header",
         "authority", "admin", "admin_token_file", "metrics", "max_connections", "connect_timeout", "drain", "interface",
         "link_kind", "resync", "cluster_id", "cluster_id_tlv", "egress_proxy", "egress_proxy_credentials_file",
