@@ -1,0 +1,390 @@
+//! The gateway's source: its kinds, each snapshot translated and handed
+//! to the gateway, the Gateway API version it supports.
+
+use super::*;
+
+/// The Gateway API versions seedlink implements (bundle versions, as the
+/// CRDs' `gateway.networking.k8s.io/bundle-version` annotation names them):
+/// from v1.4 (TLSRoute v1alpha2/v1alpha3) to v1.6 (what it is tested with).
+pub(super) const SUPPORTED_BUNDLES: ((u32, u32), (u32, u32)) = ((1, 4), (1, 6));
+
+/// The Gateway API features seedlink implements (conformance feature names,
+/// sorted): TLS passthrough only.
+pub(super) const SUPPORTED_FEATURES: [&str; 3] = ["Gateway", "ReferenceGrant", "TLSRoute"];
+
+/// How often the installed Gateway API version is read again.
+pub(super) const BUNDLE_REREAD: Duration = Duration::from_secs(300);
+
+/// The installed Gateway API's bundle version (the GatewayClass CRD's
+/// annotation), bounded; `None` when it cannot be read.
+pub(super) async fn bundle_version(client: &kube::Client) -> Option<String> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    match tokio::time::timeout(
+        Duration::from_secs(10),
+        api.get("gatewayclasses.gateway.networking.k8s.io"),
+    )
+    .await
+    {
+        Ok(Ok(crd)) => crd
+            .metadata
+            .annotations
+            .and_then(|a| a.get("gateway.networking.k8s.io/bundle-version").cloned()),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "kubernetes: cannot read the Gateway API version installed (GatewayClass SupportedVersion stays Unknown)");
+            None
+        }
+        Err(_) => None,
+    }
+}
+
+/// The GatewayClass `SupportedVersion` condition for an installed bundle
+/// version.
+pub(super) fn supported_version(bundle: Option<&str>) -> (String, Verdict) {
+    let ((lo_major, lo_minor), (hi_major, hi_minor)) = SUPPORTED_BUNDLES;
+    let range = format!("v{lo_major}.{lo_minor} to v{hi_major}.{hi_minor}");
+    let Some(b) = bundle else {
+        return (
+            "Unknown".into(),
+            Verdict::no(
+                "UnknownVersion",
+                format!(
+                    "the installed Gateway API version cannot be read (seedlink supports {range})"
+                ),
+            ),
+        );
+    };
+    let parsed = b.strip_prefix('v').and_then(|v| {
+        let mut it = v.split(['.', '-']);
+        Some((
+            it.next()?.parse::<u32>().ok()?,
+            it.next()?.parse::<u32>().ok()?,
+        ))
+    });
+    match parsed {
+        Some(v) if v >= SUPPORTED_BUNDLES.0 && v <= SUPPORTED_BUNDLES.1 => (
+            "True".into(),
+            Verdict::yes(
+                "SupportedVersion",
+                format!("Gateway API {b} (seedlink supports {range})"),
+            ),
+        ),
+        _ => (
+            "False".into(),
+            Verdict::no(
+                "UnsupportedVersion",
+                format!("Gateway API {b} is installed; seedlink supports {range}"),
+            ),
+        ),
+    }
+}
+
+/// Starts the gateway's source: watches, snapshots into `sink`, status.
+pub fn start_gateway(
+    client: kube::Client,
+    settings: GatewaySettings,
+    sink: Arc<dyn GatewaySink>,
+) -> Handle {
+    let stop = CancellationToken::new();
+    let w = Watches::new(&client, &stop);
+    let errors = w.tx.errors.clone();
+    let (routes_tx, routes_stop) = (w.tx.clone(), stop.clone());
+    let kinds = GatewayKinds::watch(&w, &settings);
+    let coalescer = Coalescer {
+        changed: w.changed,
+        stop: stop.clone(),
+    };
+    let (leadership, campaign_task) =
+        campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
+    let (synced_tx, synced) = watch::channel(false);
+    let writer_leadership = leadership.clone();
+    tokio::spawn(async move {
+        let (routes, route_resource) = Routes::watch(&client, routes_tx, routes_stop).await;
+        let stores = GatewayStores { routes, kinds };
+        tokio::select! {
+            r = stores.ready() => if r.is_none() { return },
+            () = coalescer.stop.cancelled() => return,
+        }
+        let mut status = StatusWriter::new(client.clone(), writer_leadership, &settings.identity);
+        status.route_resource = route_resource;
+        let mut translator = Translator::default();
+        translator.slice_managers = settings.slice_managers.clone();
+        let pass = GatewayPasses {
+            translator,
+            bundle: bundle_version(&client).await,
+            bundle_read: tokio::time::Instant::now(),
+            ever: HashSet::new(),
+            stores,
+            settings,
+            status,
+        };
+        pass.run(coalescer, sink.as_ref(), &synced_tx).await;
+    });
+    Handle {
+        synced,
+        errors,
+        leadership,
+        stop,
+        campaign: std::sync::Mutex::new(campaign_task),
+    }
+}
+
+/// The objects the gateway's source reads besides TLSRoutes, each a
+/// watched store.
+pub(super) struct GatewayKinds {
+    pub(super) policies: Store<SeedlinkPolicy>,
+    pub(super) services: Store<Service>,
+    pub(super) slices: Store<EndpointSlice>,
+    pub(super) gateways: Store<Gateway>,
+    pub(super) classes: Store<GatewayClass>,
+    pub(super) namespaces: Store<Namespace>,
+    pub(super) grants: Store<ReferenceGrant>,
+}
+
+impl GatewayKinds {
+    pub(super) fn watch(w: &Watches, settings: &GatewaySettings) -> GatewayKinds {
+        GatewayKinds {
+            policies: w.kind(),
+            services: w.kind(),
+            slices: w.kind(),
+            // Only the named Gateway's namespace when that is all it
+            // serves; every namespace for a class.
+            gateways: match (&settings.gateway, &settings.class) {
+                (Some(g), None) => w.in_namespace(&g.namespace),
+                _ => w.kind(),
+            },
+            classes: w.kind(),
+            namespaces: w.kind(),
+            grants: w.kind(),
+        }
+    }
+}
+
+/// Every object the gateway's source reads.
+pub(super) struct GatewayStores {
+    pub(super) routes: Routes,
+    pub(super) kinds: GatewayKinds,
+}
+
+impl GatewayStores {
+    /// Waits for every store's first list; `None` if a watch ended first.
+    pub(super) async fn ready(&self) -> Option<()> {
+        let k = &self.kinds;
+        self.routes.wait_until_ready().await?;
+        k.policies.wait_until_ready().await.ok()?;
+        k.services.wait_until_ready().await.ok()?;
+        k.slices.wait_until_ready().await.ok()?;
+        k.gateways.wait_until_ready().await.ok()?;
+        k.classes.wait_until_ready().await.ok()?;
+        k.namespaces.wait_until_ready().await.ok()?;
+        k.grants.wait_until_ready().await.ok()
+    }
+
+    /// Translates what the stores hold now.
+    pub(super) fn translate(
+        &self,
+        translator: &mut Translator,
+        settings: &GatewaySettings,
+    ) -> GatewayPass {
+        let k = &self.kinds;
+        let (routes, policies) = (self.routes.state(), k.policies.state());
+        let (services, slices) = (k.services.state(), k.slices.state());
+        let (gateways, classes) = (k.gateways.state(), k.classes.state());
+        let (namespaces, grants) = (k.namespaces.state(), k.grants.state());
+        let t = translator.translate(&Objects {
+            gateway: settings.gateway.as_ref(),
+            class: settings.class.as_ref(),
+            gateways: &gateways,
+            classes: &classes,
+            listeners: &settings.listeners,
+            namespaces: &namespaces,
+            grants: &grants,
+            routes: &routes,
+            policies: &policies,
+            services: &services,
+            slices: &slices,
+        });
+        (t, routes, policies)
+    }
+
+    /// The addresses a Gateway's status names: the named Gateway's are its
+    /// Service's load-balancer addresses, a class Gateway's its own.
+    pub(super) fn addresses(
+        &self,
+        settings: &GatewaySettings,
+        g: &crate::translate::GatewayOutcome,
+    ) -> Vec<serde_json::Value> {
+        if !g.named {
+            return g
+                .address
+                .iter()
+                .map(|a| json!({"type": "IPAddress", "value": a.to_string()}))
+                .collect();
+        }
+        settings
+            .service
+            .as_ref()
+            .and_then(|k| {
+                let services = self.kinds.services.state();
+                services.into_iter().find(|s| Key::of(s.as_ref()) == *k)
+            })
+            .map(|s| addresses(&s))
+            .unwrap_or_default()
+    }
+}
+
+/// The gateway source's loop: translate and apply on a change, write
+/// status on every wake-up.
+pub(super) struct GatewayPasses {
+    pub(super) stores: GatewayStores,
+    pub(super) settings: GatewaySettings,
+    pub(super) translator: Translator,
+    pub(super) status: StatusWriter,
+    /// Every Gateway this process has served.
+    pub(super) ever: HashSet<Key>,
+    /// The installed Gateway API bundle, re-read every `BUNDLE_REREAD`.
+    pub(super) bundle: Option<String>,
+    pub(super) bundle_read: tokio::time::Instant,
+}
+
+impl GatewayPasses {
+    pub(super) async fn run(
+        mut self,
+        mut coalescer: Coalescer,
+        sink: &dyn GatewaySink,
+        synced: &watch::Sender<bool>,
+    ) {
+        let mut wake = Wake::Changed;
+        let mut last: Option<GatewayPass> = None;
+        // Set when the gateway could not apply anything (its own file is
+        // invalid): the next tick tries again, as the file may be fixed.
+        let mut retry = false;
+        loop {
+            if wake == Wake::Changed || last.is_none() || retry {
+                let mut pass = self.stores.translate(&mut self.translator, &self.settings);
+                let refused = sink.apply(pass.0.control_planes.clone());
+                retry = not_applied(&refused);
+                pass.0.refused(&refused);
+                let _ = synced.send(true);
+                last = Some(pass);
+            }
+            if let Some(pass) = &last {
+                self.write_status(pass, !retry).await;
+            }
+            wake = coalescer.next().await;
+            if wake == Wake::Stop {
+                return;
+            }
+        }
+    }
+
+    /// Writes the routes', policies', Gateways' and classes' status.
+    pub(super) async fn write_status(
+        &mut self,
+        (t, routes, policies): &GatewayPass,
+        applied: bool,
+    ) {
+        let served = self.served(t);
+        self.status.write(t, routes, policies, &served).await;
+        let objects = self.stores.kinds.gateways.state();
+        for g in &t.gateways {
+            let Some(object) = objects.iter().find(|o| Key::of(o.as_ref()) == g.key) else {
+                continue;
+            };
+            let addresses = self.stores.addresses(&self.settings, g);
+            self.status
+                .write_gateway(t, g, object, applied, &addresses)
+                .await;
+        }
+        // A Gateway API upgrade is noticed within minutes.
+        if self.bundle_read.elapsed() > BUNDLE_REREAD {
+            self.bundle = bundle_version(&self.status.client)
+                .await
+                .or(self.bundle.take());
+            self.bundle_read = tokio::time::Instant::now();
+        }
+        for class in self.stores.kinds.classes.state() {
+            if class.spec.controller_name == CONTROLLER_NAME {
+                self.status
+                    .write_gateway_class(&class, self.bundle.as_deref())
+                    .await;
+            }
+        }
+    }
+
+    /// The Gateways whose entries of ours status may touch: those served
+    /// now and those this process served before and serves no more
+    /// (deleted, moved to another class). Only those: another seedlink's
+    /// Gateway (one without an object included) is not ours.
+    pub(super) fn served(&mut self, t: &Translation) -> Vec<Key> {
+        let mut served: Vec<Key> = self
+            .settings
+            .gateway
+            .iter()
+            .cloned()
+            .chain(t.gateways.iter().map(|g| g.key.clone()))
+            .collect();
+        self.ever.extend(served.iter().cloned());
+        let gone: Vec<Key> = self
+            .ever
+            .iter()
+            .filter(|k| !served.contains(k))
+            .cloned()
+            .collect();
+        served.extend(gone);
+        served
+    }
+}
+
+/// Whether the sink applied nothing because its own configuration is
+/// invalid (its refusals then say "not applied").
+pub(super) fn not_applied(refused: &seedlink_config::compile::Refused) -> bool {
+    refused
+        .iter()
+        .any(|(_, p)| p.iter().any(|e| e.message.starts_with("not applied:")))
+}
+
+/// The last translation and the objects it was made from.
+pub(super) type GatewayPass = (Translation, Vec<Arc<TlsRoute>>, Vec<Arc<SeedlinkPolicy>>);
+
+/// Campaigns for `lease` (if any) until `stop`.
+pub(super) fn campaign(
+    client: &kube::Client,
+    lease: Option<&Key>,
+    identity: &str,
+    stop: &CancellationToken,
+) -> (Leadership, Option<tokio::task::JoinHandle<()>>) {
+    let me = Leadership::default();
+    let task = lease.map(|lease| {
+        tokio::spawn(leader::campaign(
+            client.clone(),
+            lease.namespace.clone(),
+            lease.name.clone(),
+            identity.into(),
+            me.clone(),
+            stop.clone(),
+        ))
+    });
+    (me, task)
+}
+
+#[cfg(test)]
+mod version_tests {
+    use super::supported_version;
+
+    #[test]
+    fn supported_gateway_api_versions() {
+        for (b, want) in [
+            (Some("v1.6.3"), "True"),
+            (Some("v1.4.1"), "True"),
+            (Some("v1.5.0-rc.1"), "True"),
+            (Some("v1.3.0"), "False"),
+            (Some("v1.7.0"), "False"),
+            (Some("v2.0.0"), "False"),
+            (Some("garbage"), "False"),
+            (None, "Unknown"),
+        ] {
+            assert_eq!(supported_version(b).0, want, "{b:?}");
+        }
+    }
+}

@@ -1,0 +1,305 @@
+//! Status of the Gateway API's own objects, written by the lease holder:
+//! each Gateway's conditions, listeners and addresses, and GatewayClasses'
+//! `Accepted` and `SupportedVersion`.
+
+use super::*;
+
+/// A Gateway's `Accepted` and `Programmed` (`programmed`: the gateway
+/// applied the last translation).
+pub(super) fn gateway_verdicts(
+    g: &crate::translate::GatewayOutcome,
+    programmed: bool,
+) -> (Verdict, Verdict) {
+    let served = g.listeners.iter().filter(|l| l.accepted.ok).count();
+    let accepted = if served == g.listeners.len() {
+        Verdict::yes("Accepted", "seedlink serves this Gateway")
+    } else {
+        let not: Vec<&str> = g
+            .listeners
+            .iter()
+            .filter(|l| !l.accepted.ok)
+            .map(|l| l.name.as_str())
+            .collect();
+        Verdict {
+            ok: served > 0,
+            reason: "ListenersNotValid".into(),
+            message: format!("listeners not served: {}", not.join(", ")),
+        }
+    };
+    let programmed = if !programmed {
+        Verdict::no(
+            "Invalid",
+            "the gateway's own configuration is invalid: nothing applied (its log says why)",
+        )
+    } else if !g.named && g.address.is_none() {
+        Verdict::no(
+            "AddressNotAssigned",
+            "every address of kubernetes.gateway_class.addresses is taken by an older Gateway",
+        )
+    } else if served == 0 {
+        Verdict::no("Invalid", "no listener of this Gateway is served")
+    } else {
+        Verdict::yes("Programmed", "applied to the gateway")
+    };
+    (accepted, programmed)
+}
+
+/// One listener's entry in a Gateway's status (`current`: the status as
+/// read, for the conditions' transition times).
+pub(super) fn listener_status(
+    t: &Translation,
+    g: &crate::translate::GatewayOutcome,
+    l: &crate::translate::ListenerOutcome,
+    gateway_programmed: &Verdict,
+    generation: Option<i64>,
+    current: &serde_json::Value,
+) -> serde_json::Value {
+    let prev = current
+        .get("listeners")
+        .and_then(|ls| ls.as_array())
+        .and_then(|ls| ls.iter().find(|x| x["name"] == l.name.as_str()))
+        .map(previous_conditions)
+        .unwrap_or_default();
+    let programmed = if !l.accepted.ok {
+        Verdict::no("Invalid", l.accepted.message.clone())
+    } else if gateway_programmed.ok {
+        Verdict::yes("Programmed", "applied to the gateway")
+    } else if gateway_programmed.reason == "AddressNotAssigned" {
+        Verdict::no("Pending", gateway_programmed.message.clone())
+    } else {
+        Verdict::no("Invalid", gateway_programmed.message.clone())
+    };
+    let kinds: Vec<serde_json::Value> = l
+        .kinds
+        .iter()
+        .map(|k| json!({"group": GATEWAY_GROUP, "kind": k}))
+        .collect();
+    let no_conflicts = Verdict::no("NoConflicts", "");
+    json!({
+        "name": l.name,
+        "attachedRoutes": t.attached(&g.key, &l.name),
+        "supportedKinds": kinds,
+        "conditions": [
+            condition("Accepted", &l.accepted, generation, &prev),
+            condition("Programmed", &programmed, generation, &prev),
+            condition("ResolvedRefs", &l.resolved, generation, &prev),
+            condition("Conflicted", &no_conflicts, generation, &prev),
+        ],
+    })
+}
+
+/// A Service's LoadBalancer addresses as Gateway `status.addresses`
+/// (none until a load balancer assigned one).
+pub(super) fn addresses(s: &Service) -> Vec<serde_json::Value> {
+    s.status
+        .as_ref()
+        .and_then(|st| st.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|i| match (&i.ip, &i.hostname) {
+            (Some(ip), _) => Some(json!({"type": "IPAddress", "value": ip})),
+            (None, Some(h)) => Some(json!({"type": "Hostname", "value": h})),
+            (None, None) => None,
+        })
+        .take(16)
+        .collect()
+}
+
+/// A class's `Accepted` and `SupportedVersion` (of the installed Gateway
+/// API `bundle`).
+pub(super) fn class_conditions(
+    bundle: Option<&str>,
+    generation: Option<i64>,
+    prev: &[Condition],
+) -> Vec<Condition> {
+    let accepted = Verdict::yes("Accepted", format!("{CONTROLLER_NAME} serves this class"));
+    let (status, version) = supported_version(bundle);
+    let mut supported = condition("SupportedVersion", &version, generation, prev);
+    if status == "Unknown" {
+        // What this replica cannot read, another (or an earlier read) may
+        // have: an existing verdict is kept, so that two installs never
+        // rewrite each other's.
+        match prev.iter().find(|c| c.type_ == "SupportedVersion") {
+            Some(c) => {
+                supported = c.clone();
+                supported.observed_generation = generation;
+            }
+            None => supported.status = status,
+        }
+    }
+    vec![
+        condition("Accepted", &accepted, generation, prev),
+        supported,
+    ]
+}
+
+impl StatusWriter {
+    /// A GatewayClass whose `controllerName` is seedlink's: `Accepted` and
+    /// `SupportedVersion` (of the installed Gateway API `bundle`), written
+    /// when they change.
+    pub(super) async fn write_gateway_class(&mut self, class: &GatewayClass, bundle: Option<&str>) {
+        if !self.leadership.held() {
+            return;
+        }
+        let generation = class.metadata.generation;
+        let prev: Vec<Condition> = class
+            .status
+            .as_ref()
+            .and_then(|s| serde_json::to_value(&s.conditions).ok())
+            .and_then(|c| serde_json::from_value(c).ok())
+            .unwrap_or_default();
+        let desired = class_conditions(bundle, generation, &prev);
+        // What seedlink implements, for the conformance suite (which reads
+        // it when no features are given) and for people: sorted by name,
+        // as the API asks.
+        let features: Vec<serde_json::Value> = SUPPORTED_FEATURES
+            .iter()
+            .map(|f| json!({"name": f}))
+            .collect();
+        let shown = class
+            .status
+            .as_ref()
+            .and_then(|s| serde_json::to_value(&s.supported_features).ok())
+            .unwrap_or_default();
+        if same(&desired, &prev) && shown == json!(features) {
+            return;
+        }
+        let Some(left) = self.leadership.remaining() else {
+            return;
+        };
+        let name = kube::ResourceExt::name_any(class);
+        let patch = json!({
+            "metadata": {"resourceVersion": class.metadata.resource_version},
+            "status": {"conditions": desired, "supportedFeatures": features},
+        });
+        let api: Api<GatewayClass> = Api::all(self.client.clone());
+        let (params, patch) = (status_params(), Patch::Merge(&patch));
+        match tokio::time::timeout(left, api.patch_status(&name, &params, &patch)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
+                tracing::debug!(class = %name, "GatewayClass changed meanwhile; written again on the next pass");
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(class = %name, error = %e, "cannot write GatewayClass status")
+            }
+            Err(_) => {
+                tracing::debug!(class = %name, "no longer the status leader: status not written")
+            }
+        }
+    }
+
+    /// A served Gateway's status: `Accepted` (true while some listener is
+    /// served; reason `ListenersNotValid` when some or all are not),
+    /// `Programmed` (the gateway applied the routes and the Gateway has an
+    /// address), and per listener its conditions, `supportedKinds` and
+    /// `attachedRoutes`. The Gateway is seedlink's alone, so the lists are
+    /// replaced whole; unchanged status is not written again.
+    pub(super) async fn write_gateway(
+        &mut self,
+        t: &Translation,
+        g: &crate::translate::GatewayOutcome,
+        gateway: &Gateway,
+        programmed: bool,
+        addresses: &[serde_json::Value],
+    ) {
+        if !self.leadership.held() {
+            return;
+        }
+        let key = Key::of(gateway);
+        let generation = gateway.metadata.generation;
+        let current = serde_json::to_value(&gateway.status).unwrap_or_default();
+        let prev = previous_conditions(&current);
+        let (accepted, programmed) = gateway_verdicts(g, programmed);
+        let conditions = vec![
+            condition("Accepted", &accepted, generation, &prev),
+            condition("Programmed", &programmed, generation, &prev),
+        ];
+        let listeners: Vec<serde_json::Value> = g
+            .listeners
+            .iter()
+            .map(|l| listener_status(t, g, l, &programmed, generation, &current))
+            .collect();
+        let desired = json!({
+            "conditions": conditions,
+            "listeners": listeners,
+            "addresses": addresses,
+        });
+        let mut now = json!({
+            "conditions": current.get("conditions").cloned().unwrap_or(json!([])),
+            "listeners": current.get("listeners").cloned().unwrap_or(json!([])),
+            "addresses": current.get("addresses").cloned().unwrap_or(json!([])),
+        });
+        if untimed(&mut desired.clone()) == untimed(&mut now) {
+            return;
+        }
+        let patch = json!({
+            "metadata": {"resourceVersion": gateway.metadata.resource_version},
+            "status": desired,
+        });
+        self.patch_status::<Gateway>(&key, &patch).await;
+    }
+
+    /// [`StatusWriter::patch_status`] for a TLSRoute read through an older
+    /// version (`ar`).
+    pub(super) async fn patch_route_status_as(
+        &self,
+        ar: &kube::api::ApiResource,
+        key: &Key,
+        patch: &serde_json::Value,
+    ) -> bool {
+        let api = Api::<kube::api::DynamicObject>::namespaced_with(
+            self.client.clone(),
+            &key.namespace,
+            ar,
+        );
+        self.patch_status_in(api, key, &format!("TLSRoute {}", ar.version), patch)
+            .await
+    }
+
+    /// Merge-patches the status of `K` `key` (conditional on the
+    /// resourceVersion the patch carries), bounded by the time left before
+    /// the lease's renew deadline. `false`: no longer the status leader.
+    pub(super) async fn patch_status<K>(&self, key: &Key, patch: &serde_json::Value) -> bool
+    where
+        K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + DeserializeOwned
+            + Debug,
+    {
+        let api: Api<K> = Api::namespaced(self.client.clone(), &key.namespace);
+        self.patch_status_in(api, key, &K::kind(&()), patch).await
+    }
+
+    /// [`StatusWriter::patch_status`] through `api` (`kind` names it in logs).
+    pub(super) async fn patch_status_in<K>(
+        &self,
+        api: Api<K>,
+        key: &Key,
+        kind: &str,
+        patch: &serde_json::Value,
+    ) -> bool
+    where
+        K: Clone + DeserializeOwned + Debug,
+    {
+        let Some(left) = self.leadership.remaining() else {
+            return false;
+        };
+        match tokio::time::timeout(
+            left,
+            api.patch_status(&key.name, &status_params(), &Patch::Merge(patch)),
+        )
+        .await
+        {
+            Ok(Ok(_)) => {}
+            Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
+                tracing::debug!(object = %key, %kind, "status changed meanwhile; written again on the next pass");
+            }
+            Ok(Err(e)) => tracing::warn!(object = %key, %kind, error = %e, "cannot write status"),
+            Err(_) => {
+                tracing::debug!(object = %key, %kind, "no longer the status leader: status not written")
+            }
+        }
+        true
+    }
+}

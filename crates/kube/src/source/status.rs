@@ -1,0 +1,621 @@
+//! Status written back by the lease holder: routes, policies and
+//! TunnelClusters, an Event per rejection, and the patch helpers the
+//! Gateway API objects' status (gateway_status.rs) uses too.
+
+use super::*;
+
+/// Writes route and policy status (only while holding the lease) and an
+/// Event per rejection (once per object generation and message).
+pub(super) struct StatusWriter {
+    pub(super) client: kube::Client,
+    pub(super) leadership: Leadership,
+    pub(super) evented: HashSet<(Key, Option<i64>, String)>,
+    /// events.k8s.io/v1 Events as the API server wants them
+    /// (`reportingController`, `reportingInstance` = the pod, repeats
+    /// counted in a series).
+    pub(super) recorder: Recorder,
+    /// The TLSRoute version read when it is not v1 (status is written
+    /// through the same one).
+    pub(super) route_resource: Option<kube::api::ApiResource>,
+}
+
+/// Events remembered (object, generation, message) so that one is not
+/// repeated on every pass; forgotten past this many.
+pub(super) const MAX_EVENTED: usize = 10_000;
+
+/// The longest Event note the API server takes.
+pub(super) const MAX_NOTE: usize = 1024;
+
+pub(super) fn condition(
+    type_: &str,
+    v: &Verdict,
+    generation: Option<i64>,
+    previous: &[Condition],
+) -> Condition {
+    let status = if v.ok { "True" } else { "False" };
+    // The transition time changes only when the status does.
+    let time = previous
+        .iter()
+        .find(|c| c.type_ == type_ && c.status == status)
+        .map_or_else(
+            || Time(Timestamp::now()),
+            |c| c.last_transition_time.clone(),
+        );
+    Condition {
+        type_: type_.into(),
+        status: status.into(),
+        reason: v.reason.clone(),
+        message: v.message.clone(),
+        observed_generation: generation,
+        last_transition_time: time,
+    }
+}
+
+/// A TLSRoute's `status.parents` as it should be, or `None` when ours are
+/// already so. Ours are this controller's entries for the Gateways this
+/// seedlink serves; another seedlink's (other Gateways) are kept as read.
+pub(super) fn route_parents(
+    route: &TlsRoute,
+    key: &Key,
+    outcome: Option<&RouteOutcome>,
+    served: &[Key],
+) -> Option<Vec<gateway_api::tlsroutes::TlsRouteStatusParents>> {
+    let current = route
+        .status
+        .as_ref()
+        .map(|s| s.parents.clone())
+        .unwrap_or_default();
+    let (ours, mut desired): (Vec<_>, Vec<_>) = current.into_iter().partition(|p| {
+        p.controller_name == CONTROLLER_NAME
+            && served.iter().any(|g| {
+                crate::translate::names_gateway(
+                    &status_parent_ref(&p.parent_ref),
+                    &key.namespace,
+                    g,
+                )
+            })
+    });
+    let theirs = desired.len();
+    for (o, parent) in outcome
+        .iter()
+        .flat_map(|o| o.parents.iter().map(move |p| (*o, p)))
+    {
+        desired.push(parent_status(o, parent, &ours));
+    }
+    let desired_ours = &desired[theirs..];
+    let unchanged = desired_ours.len() == ours.len()
+        && desired_ours
+            .iter()
+            .zip(&ours)
+            .all(|(a, b)| a.parent_ref == b.parent_ref && same(&a.conditions, &b.conditions));
+    (!unchanged).then_some(desired)
+}
+
+/// One parent's entry in a route's status (conditions kept from `ours`
+/// where unchanged).
+pub(super) fn parent_status(
+    o: &RouteOutcome,
+    parent: &crate::translate::ParentOutcome,
+    ours: &[gateway_api::tlsroutes::TlsRouteStatusParents],
+) -> gateway_api::tlsroutes::TlsRouteStatusParents {
+    let p = &parent.parent_ref;
+    let prev = ours
+        .iter()
+        .find(|x| parent_eq(&x.parent_ref, p))
+        .map(|x| x.conditions.clone())
+        .unwrap_or_default();
+    gateway_api::tlsroutes::TlsRouteStatusParents {
+        conditions: vec![
+            condition("Accepted", &parent.accepted, o.generation, &prev),
+            condition("ResolvedRefs", &o.resolved, o.generation, &prev),
+        ],
+        controller_name: CONTROLLER_NAME.into(),
+        parent_ref: gateway_api::tlsroutes::TlsRouteStatusParentsParentRef {
+            group: p.group.clone(),
+            kind: p.kind.clone(),
+            name: p.name.clone(),
+            namespace: p.namespace.clone(),
+            port: p.port,
+            section_name: p.section_name.clone(),
+        },
+    }
+}
+
+/// A SeedlinkPolicy's `status.ancestors` as it should be, or `None` when
+/// they are already so.
+pub(super) fn policy_ancestors(
+    policy: &SeedlinkPolicy,
+    key: &Key,
+    o: &crate::translate::PolicyOutcome,
+) -> Option<Vec<crate::crd::PolicyAncestorStatus>> {
+    let current = policy
+        .status
+        .as_ref()
+        .map(|s| s.ancestors.clone())
+        .unwrap_or_default();
+    let ours = |name: &str, v: &Verdict| {
+        let prev = current
+            .iter()
+            .find(|a| a.ancestor_ref.name == name)
+            .map(|a| a.conditions.clone())
+            .unwrap_or_default();
+        crate::crd::PolicyAncestorStatus {
+            ancestor_ref: crate::crd::AncestorRef {
+                group: GATEWAY_GROUP.into(),
+                kind: "TLSRoute".into(),
+                name: name.to_string(),
+                namespace: key.namespace.clone(),
+            },
+            controller_name: CONTROLLER_NAME.into(),
+            conditions: vec![condition("Accepted", v, o.generation, &prev)],
+        }
+    };
+    // In the order already written (so that installs sharing a policy
+    // never take turns reordering it): another install's entries kept as
+    // they are, ours brought up to date, ours no longer targeted gone, new
+    // ones last.
+    let mut desired: Vec<crate::crd::PolicyAncestorStatus> = Vec::new();
+    for a in &current {
+        if o.foreign.contains(&a.ancestor_ref.name) {
+            desired.push(a.clone());
+        } else if let Some((name, v)) = o.targets.iter().find(|(n, _)| *n == a.ancestor_ref.name) {
+            desired.push(ours(name, v));
+        }
+    }
+    for (name, v) in &o.targets {
+        if !desired.iter().any(|a| a.ancestor_ref.name == *name) {
+            desired.push(ours(name, v));
+        }
+    }
+    let unchanged = desired.len() == current.len()
+        && desired
+            .iter()
+            .zip(&current)
+            .all(|(a, b)| a.ancestor_ref == b.ancestor_ref && same(&a.conditions, &b.conditions));
+    (!unchanged).then_some(desired)
+}
+
+/// The `conditions` under a status object, as read.
+pub(super) fn previous_conditions(at: &serde_json::Value) -> Vec<Condition> {
+    at.get("conditions")
+        .and_then(|c| serde_json::from_value(c.clone()).ok())
+        .unwrap_or_default()
+}
+
+/// A TunnelCluster's status as it should be: `Ready`, `AgentsConnected`
+/// from the replica's `health`, the agent count, when agents last came or
+/// went, dial errors (`current`: the status as read).
+pub(super) fn tunnel_status(
+    outcome: &crate::tunnel::TunnelOutcome,
+    health: Option<&seedlink_config::tunnel::ClusterHealth>,
+    trust: Vec<String>,
+    current: &crate::crd::TunnelClusterStatus,
+) -> crate::crd::TunnelClusterStatus {
+    let agents = health.map_or(0, |h| h.agents);
+    let connected = agents_connected(outcome.cluster.is_some(), agents);
+    let generation = outcome.generation;
+    let last = health
+        .and_then(|h| h.agents_changed)
+        .and_then(|t| Timestamp::try_from(t).ok())
+        .map(|t| t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string());
+    crate::crd::TunnelClusterStatus {
+        conditions: vec![
+            condition("Ready", &outcome.ready, generation, &current.conditions),
+            condition(
+                "AgentsConnected",
+                &connected,
+                generation,
+                &current.conditions,
+            ),
+        ],
+        agents: agents as u64,
+        last_agent_seen: last.or(current.last_agent_seen.clone()),
+        dial_errors: health
+            .iter()
+            .flat_map(|h| h.dial_errors.iter().map(|(r, n)| (r.to_string(), *n)))
+            .collect(),
+        observed_generation: generation,
+        // Served: what it holds now; refused: what it held stays its own
+        // (a failing object never loses a claim to another).
+        trust: match outcome.cluster {
+            Some(_) if !trust.is_empty() => trust,
+            _ => current.trust.clone(),
+        },
+    }
+}
+
+/// `AgentsConnected`: the agent streams the replica writing status has.
+pub(super) fn agents_connected(served: bool, agents: usize) -> Verdict {
+    if !served {
+        Verdict::no("NotServing", "the cluster is not served (see Ready)")
+    } else if agents == 0 {
+        Verdict::no(
+            "NoAgents",
+            "no agent is connected to the replica writing status",
+        )
+    } else {
+        Verdict::yes(
+            "AgentsConnected",
+            format!("{agents} agent stream(s) connected"),
+        )
+    }
+}
+
+/// A TunnelCluster status's fields besides its conditions: agents, last
+/// seen, dial errors, observed generation, trust.
+pub(super) type StatusFields<'a> = (
+    u64,
+    &'a Option<String>,
+    &'a std::collections::BTreeMap<String, u64>,
+    Option<i64>,
+    &'a [String],
+);
+
+/// A TunnelCluster status's fields besides its conditions.
+pub(super) fn status_fields(s: &crate::crd::TunnelClusterStatus) -> StatusFields<'_> {
+    (
+        s.agents,
+        &s.last_agent_seen,
+        &s.dial_errors,
+        s.observed_generation,
+        &s.trust,
+    )
+}
+
+/// `v` without any `lastTransitionTime` (what a comparison of desired and
+/// current status ignores).
+pub(super) fn untimed(v: &mut serde_json::Value) -> &serde_json::Value {
+    match v {
+        serde_json::Value::Object(m) => {
+            m.remove("lastTransitionTime");
+            for x in m.values_mut() {
+                untimed(x);
+            }
+        }
+        serde_json::Value::Array(a) => {
+            for x in a.iter_mut() {
+                untimed(x);
+            }
+        }
+        _ => {}
+    }
+    v
+}
+
+/// Conditions equal but for their transition times.
+pub(super) fn same(a: &[Condition], b: &[Condition]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            (
+                &x.type_,
+                &x.status,
+                &x.reason,
+                &x.message,
+                x.observed_generation,
+            ) == (
+                &y.type_,
+                &y.status,
+                &y.reason,
+                &y.message,
+                y.observed_generation,
+            )
+        })
+}
+
+impl StatusWriter {
+    pub(super) fn new(
+        client: kube::Client,
+        leadership: Leadership,
+        identity: &str,
+    ) -> StatusWriter {
+        let reporter = Reporter {
+            controller: CONTROLLER_NAME.into(),
+            instance: Some(identity.to_string()),
+        };
+        StatusWriter {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            route_resource: None,
+            leadership,
+            evented: HashSet::new(),
+        }
+    }
+
+    pub(super) async fn write(
+        &mut self,
+        t: &Translation,
+        routes: &[Arc<TlsRoute>],
+        policies: &[Arc<SeedlinkPolicy>],
+        served: &[Key],
+    ) {
+        if self.leadership.held() && self.write_routes(t, routes, served).await {
+            self.write_policies(t, policies).await;
+        }
+    }
+
+    /// Writes each TLSRoute's `status.parents` where it changed; false
+    /// when a write failed (the rest waits for the next pass).
+    pub(super) async fn write_routes(
+        &mut self,
+        t: &Translation,
+        routes: &[Arc<TlsRoute>],
+        served: &[Key],
+    ) -> bool {
+        let outcomes: HashMap<&Key, &RouteOutcome> = t.routes.iter().map(|r| (&r.key, r)).collect();
+        for route in routes {
+            let key = Key::of(route.as_ref());
+            let outcome = outcomes.get(&key).copied();
+            if let Some(o) = outcome.filter(|o| !o.accepted.ok) {
+                self.event(route.as_ref(), "TLSRoute", o.generation, &o.accepted)
+                    .await;
+            }
+            let Some(desired) = route_parents(route, &key, outcome, served) else {
+                continue;
+            };
+            // `status.parents` is one atomic list shared with other
+            // controllers: the patch carries their entries as read, so it
+            // is made conditional on the version they were read from. A
+            // 409 means someone wrote meanwhile: the watch brings the new
+            // version and the next pass writes again from it.
+            let patch = json!({
+                "metadata": {"resourceVersion": route.metadata.resource_version},
+                "status": {"parents": desired}
+            });
+            let written = match &self.route_resource {
+                None => self.patch_status::<TlsRoute>(&key, &patch).await,
+                Some(ar) => self.patch_route_status_as(ar, &key, &patch).await,
+            };
+            if !written {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Writes each SeedlinkPolicy's `status.ancestors` where it changed.
+    pub(super) async fn write_policies(
+        &mut self,
+        t: &Translation,
+        policies: &[Arc<SeedlinkPolicy>],
+    ) {
+        let by_policy: HashMap<&Key, _> = t.policies.iter().map(|p| (&p.key, p)).collect();
+        for policy in policies {
+            let key = Key::of(policy.as_ref());
+            let Some(o) = by_policy.get(&key) else {
+                continue;
+            };
+            for (_, v) in o.targets.iter().filter(|(_, v)| !v.ok) {
+                self.event(policy.as_ref(), "SeedlinkPolicy", o.generation, v)
+                    .await;
+            }
+            let Some(desired) = policy_ancestors(policy, &key, o) else {
+                continue;
+            };
+            let patch = json!({
+                "metadata": {"resourceVersion": policy.metadata.resource_version},
+                "status": {"ancestors": desired}
+            });
+            if !self.patch_status::<SeedlinkPolicy>(&key, &patch).await {
+                return;
+            }
+        }
+    }
+
+    /// Writes each TunnelCluster's status: `Ready`, `AgentsConnected`, the
+    /// agent count, when agents last came or went, dial errors.
+    pub(super) async fn write_tunnels(
+        &mut self,
+        t: &crate::tunnel::TunnelTranslation,
+        objects: &[Arc<crate::crd::TunnelCluster>],
+        sink: &dyn TunnelSink,
+    ) {
+        if !self.leadership.held() {
+            return;
+        }
+        let outcomes: HashMap<&Key, _> = t.outcomes.iter().map(|o| (&o.key, o)).collect();
+        for o in objects {
+            let key = Key::of(o.as_ref());
+            let Some(outcome) = outcomes.get(&key) else {
+                continue;
+            };
+            let current = o.status.clone().unwrap_or_default();
+            let health = outcome.cluster.as_deref().and_then(|c| sink.health(c));
+            let trust = outcome
+                .cluster
+                .as_deref()
+                .map(|c| sink.trust(c))
+                .unwrap_or_default();
+            let desired = tunnel_status(outcome, health.as_ref(), trust, &current);
+            let generation = outcome.generation;
+            if !outcome.ready.ok {
+                self.event(o.as_ref(), "TunnelCluster", generation, &outcome.ready)
+                    .await;
+            }
+            let unchanged = same(&desired.conditions, &current.conditions)
+                && status_fields(&desired) == status_fields(&current);
+            if unchanged {
+                continue;
+            }
+            let patch = tunnel_patch(o, &desired, &current);
+            if !self
+                .patch_status::<crate::crd::TunnelCluster>(&key, &patch)
+                .await
+            {
+                return;
+            }
+        }
+    }
+
+    /// A Warning Event on `object`, once per generation and message.
+    pub(super) async fn event<K: Resource<DynamicType = ()>>(
+        &mut self,
+        object: &K,
+        kind: &str,
+        generation: Option<i64>,
+        v: &Verdict,
+    ) {
+        let key = Key::of(object);
+        if self.evented.len() >= MAX_EVENTED {
+            self.evented.clear();
+        }
+        let seen = (key.clone(), generation, v.message.clone());
+        if self.evented.contains(&seen) {
+            return;
+        }
+        let Some(left) = self.leadership.remaining() else {
+            return;
+        };
+        let reference = ObjectReference {
+            api_version: Some(K::api_version(&()).into_owned()),
+            kind: Some(kind.into()),
+            name: Some(key.name.clone()),
+            namespace: Some(key.namespace.clone()),
+            uid: object.meta().uid.clone(),
+            resource_version: object.meta().resource_version.clone(),
+            ..ObjectReference::default()
+        };
+        let event = RuntimeEvent {
+            type_: EventType::Warning,
+            reason: v.reason.chars().take(128).collect(),
+            note: Some(note(&v.message)),
+            action: "Reconcile".into(),
+            secondary: None,
+        };
+        match tokio::time::timeout(left, self.recorder.publish(&event, &reference)).await {
+            // Remembered once published: a failed one is tried again.
+            Ok(Ok(())) => {
+                self.evented.insert(seen);
+            }
+            Ok(Err(e)) => tracing::warn!(object = %key, error = %e, "cannot create an Event"),
+            Err(_) => tracing::debug!(object = %key, "no longer the status leader: Event not sent"),
+        }
+    }
+}
+
+/// The merge patch from `current` to `desired`, conditional on the version
+/// read (like every status write).
+pub(super) fn tunnel_patch(
+    o: &crate::crd::TunnelCluster,
+    desired: &crate::crd::TunnelClusterStatus,
+    current: &crate::crd::TunnelClusterStatus,
+) -> serde_json::Value {
+    let mut patch = json!({
+        "metadata": {"resourceVersion": o.metadata.resource_version},
+        "status": desired
+    });
+    // A merge patch keeps map keys it does not name: remove the reasons no
+    // longer counted (a restart resets the counts).
+    for r in current.dial_errors.keys() {
+        if !desired.dial_errors.contains_key(r) {
+            patch["status"]["dialErrors"][r] = serde_json::Value::Null;
+        }
+    }
+    patch
+}
+
+/// An Event's note: the message, cut at a character boundary to
+/// [`MAX_NOTE`] bytes with `...` when longer.
+pub(super) fn note(message: &str) -> String {
+    let mut note = message.to_string();
+    if note.len() > MAX_NOTE {
+        let mut end = MAX_NOTE - 3;
+        while !note.is_char_boundary(end) {
+            end -= 1;
+        }
+        note.truncate(end);
+        note.push_str("...");
+    }
+    note
+}
+
+/// A status entry's parentRef as a route's parentRef (to ask whether it
+/// names our Gateway).
+pub(super) fn status_parent_ref(
+    p: &gateway_api::tlsroutes::TlsRouteStatusParentsParentRef,
+) -> TlsRouteParentRefs {
+    TlsRouteParentRefs {
+        group: p.group.clone(),
+        kind: p.kind.clone(),
+        name: p.name.clone(),
+        namespace: p.namespace.clone(),
+        port: p.port,
+        section_name: p.section_name.clone(),
+    }
+}
+
+/// Status writes name seedlink as their field manager.
+pub(super) fn status_params() -> PatchParams {
+    PatchParams {
+        field_manager: Some("seedlink".into()),
+        ..PatchParams::default()
+    }
+}
+
+pub(super) fn parent_eq(
+    a: &gateway_api::tlsroutes::TlsRouteStatusParentsParentRef,
+    b: &TlsRouteParentRefs,
+) -> bool {
+    (
+        &a.group,
+        &a.kind,
+        &a.name,
+        &a.namespace,
+        a.port,
+        &a.section_name,
+    ) == (
+        &b.group,
+        &b.kind,
+        &b.name,
+        &b.namespace,
+        b.port,
+        &b.section_name,
+    )
+}
+
+#[cfg(test)]
+mod policy_status_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// Another install's entry on a shared policy is kept as written, in
+    /// its place; ours is brought up to date; written again, nothing
+    /// changes (two installs never take turns rewriting it).
+    #[test]
+    fn another_installs_ancestor_entry_is_kept_in_place() {
+        let entry = |route: &str, status: &str| {
+            serde_json::json!({
+                "ancestorRef": {"group": GATEWAY_GROUP, "kind": "TLSRoute", "name": route, "namespace": "t"},
+                "controllerName": CONTROLLER_NAME,
+                "conditions": [{"type": "Accepted", "status": status, "reason": "x", "message": "",
+                                "observedGeneration": 1, "lastTransitionTime": "2026-01-01T00:00:00Z"}]
+            })
+        };
+        let policy: SeedlinkPolicy = serde_json::from_value(serde_json::json!({
+            "apiVersion": "policy.seedlink.dev/v1alpha1", "kind": "SeedlinkPolicy",
+            "metadata": {"name": "acl", "namespace": "t", "generation": 2},
+            "spec": {"targetRefs": [
+                {"group": GATEWAY_GROUP, "kind": "TLSRoute", "name": "theirs"},
+                {"group": GATEWAY_GROUP, "kind": "TLSRoute", "name": "ours"}]},
+            "status": {"ancestors": [entry("theirs", "True"), entry("ours", "False")]}
+        }))
+        .unwrap();
+        let key = Key {
+            namespace: "t".into(),
+            name: "acl".into(),
+        };
+        let o = crate::translate::PolicyOutcome {
+            key: key.clone(),
+            generation: Some(2),
+            targets: vec![("ours".into(), Verdict::yes("Accepted", "applied"))],
+            foreign: vec!["theirs".into()],
+        };
+        let desired = policy_ancestors(&policy, &key, &o).unwrap();
+        assert_eq!(desired.len(), 2);
+        assert_eq!(desired[0], policy.status.as_ref().unwrap().ancestors[0]);
+        assert_eq!(desired[1].ancestor_ref.name, "ours");
+        assert_eq!(desired[1].conditions[0].status, "True");
+        let mut written = policy.clone();
+        written.status = Some(crate::crd::PolicyStatus { ancestors: desired });
+        assert!(policy_ancestors(&written, &key, &o).is_none());
+    }
+}

@@ -1,0 +1,345 @@
+//! The tunnel-server's source: TunnelClusters, their trust from labelled
+//! Secrets and ConfigMaps, and the replica count.
+
+use super::*;
+
+/// Where the tunnel-server's clusters go, and what it says of them.
+pub trait TunnelSink: Send + Sync + 'static {
+    /// Serves these clusters (besides the file's); returns those refused,
+    /// with the problems.
+    /// `status_held`: who holds each trust claim by the TunnelClusters'
+    /// statuses (claim → cluster).
+    fn apply(
+        &self,
+        clusters: Vec<seedlink_config::tunnel::Cluster>,
+        status_held: HashMap<String, String>,
+    ) -> BoxFuture<'_, seedlink_config::compile::Refused>;
+    /// A served cluster's agents and dial errors.
+    fn health(&self, cluster: &str) -> Option<seedlink_config::tunnel::ClusterHealth>;
+    /// The trust claims of a served cluster (for its `status.trust`).
+    fn trust(&self, _cluster: &str) -> Vec<String> {
+        Vec::new()
+    }
+    /// The tunnel-server replicas counted from their Service's
+    /// EndpointSlices (`kubernetes.replicas`).
+    fn set_server_count(&self, _replicas: u32) {}
+}
+
+/// The replicas a Service's EndpointSlices name: distinct addresses whose
+/// endpoint serves (an unknown condition counts), terminating or not. A
+/// replica being replaced still serves through its preStop wait while its
+/// successor is already Ready and receiving dials: counting both tells the
+/// agents (which hold a stream to each replica they know of) to join the
+/// successor at once, instead of when the old one drains; otherwise dials
+/// the successor gets meanwhile find no agent. Once the old one stops
+/// serving the count drops back. `None` when there is none (a count of 0
+/// is never sent to agents).
+pub fn replica_count(slices: &[Arc<EndpointSlice>]) -> Option<u32> {
+    let mut seen = HashSet::new();
+    for s in slices {
+        for ep in &s.endpoints {
+            let c = ep.conditions.as_ref();
+            let ready = c.and_then(|c| c.ready) != Some(false);
+            let serving = c.and_then(|c| c.serving).unwrap_or(ready);
+            if serving {
+                if let Some(a) = ep.addresses.first() {
+                    seen.insert(a.clone());
+                }
+            }
+        }
+    }
+    u32::try_from(seen.len()).ok().filter(|n| *n > 0)
+}
+
+/// A boxed future, for the object-safe [`TunnelSink`].
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
+/// What the tunnel-server's source needs to know.
+#[derive(Debug, Clone)]
+pub struct TunnelSettings {
+    /// The status lease; `None`: this replica never writes status.
+    pub lease: Option<Key>,
+    /// This replica's name in the lease.
+    pub identity: String,
+    /// Where Secret and ConfigMap keys are written.
+    pub trust_dir: std::path::PathBuf,
+    /// Where TunnelClusters' Unix sockets go, each cluster in a directory
+    /// of its own.
+    pub socket_dir: std::path::PathBuf,
+    /// The operator's ceilings over TunnelClusters' limits.
+    pub max_limits: seedlink_config::tunnel::ClusterLimits,
+    /// The Service selecting the tunnel-server replicas (`servercount`).
+    pub replicas: Option<Key>,
+}
+
+/// How long a pass waits for a new namespace's Secrets and ConfigMaps to
+/// be listed (a namespace whose RoleBinding is missing never is).
+pub(super) const TRUST_LIST_WAIT: Duration = Duration::from_secs(5);
+
+/// The Secrets and ConfigMaps the tunnel-server reads: per namespace that
+/// holds a TunnelCluster, only those labelled `seedlink.dev/tunnel-trust=true`
+/// — so it needs no cluster-wide grant, only a RoleBinding in each such
+/// namespace (docs/KUBERNETES.md) — started and stopped as TunnelClusters
+/// come and go.
+#[derive(Default)]
+pub(super) struct TrustWatches {
+    pub(super) by_namespace: HashMap<
+        String,
+        (
+            Store<k8s_openapi::api::core::v1::Secret>,
+            Store<k8s_openapi::api::core::v1::ConfigMap>,
+            CancellationToken,
+        ),
+    >,
+}
+
+impl TrustWatches {
+    /// Watches exactly the namespaces of `clusters`; a new one is waited
+    /// for (bounded) so that its references resolve in this pass.
+    pub(super) async fn follow(
+        &mut self,
+        w: &Watches,
+        clusters: &[Arc<crate::crd::TunnelCluster>],
+    ) {
+        let wanted: HashSet<String> = clusters
+            .iter()
+            .filter_map(|c| c.metadata.namespace.clone())
+            .collect();
+        self.by_namespace.retain(|ns, (_, _, stop)| {
+            let keep = wanted.contains(ns);
+            if !keep {
+                stop.cancel();
+            }
+            keep
+        });
+        let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
+        for ns in wanted {
+            if self.by_namespace.contains_key(&ns) {
+                continue;
+            }
+            let stop = w.stop.child_token();
+            let secrets = w.labelled_in(&ns, &selector, &stop);
+            let config_maps = w.labelled_in(&ns, &selector, &stop);
+            let listed = async {
+                secrets.wait_until_ready().await.ok()?;
+                config_maps.wait_until_ready().await.ok()
+            };
+            if tokio::time::timeout(TRUST_LIST_WAIT, listed).await.is_err() {
+                tracing::warn!(namespace = %ns, "Secrets and ConfigMaps of a TunnelCluster's namespace not listed yet (is seedlink's RoleBinding there?)");
+            }
+            self.by_namespace.insert(ns, (secrets, config_maps, stop));
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    pub(super) fn state(
+        &self,
+    ) -> (
+        Vec<Arc<k8s_openapi::api::core::v1::Secret>>,
+        Vec<Arc<k8s_openapi::api::core::v1::ConfigMap>>,
+    ) {
+        let mut secrets = Vec::new();
+        let mut config_maps = Vec::new();
+        for (s, c, _) in self.by_namespace.values() {
+            secrets.extend(s.state());
+            config_maps.extend(c.state());
+        }
+        (secrets, config_maps)
+    }
+}
+
+/// Starts the tunnel-server's source: TunnelClusters and the Secrets and
+/// ConfigMaps they name, clusters into `sink`, status with health.
+pub fn start_tunnel(
+    client: kube::Client,
+    settings: TunnelSettings,
+    sink: Arc<dyn TunnelSink>,
+) -> Handle {
+    let stop = CancellationToken::new();
+    let mut w = Watches::new(&client, &stop);
+    let errors = w.tx.errors.clone();
+    let clusters = w.kind::<crate::crd::TunnelCluster>();
+    let replicas = settings.replicas.as_ref().map(|k| {
+        w.labelled_in::<EndpointSlice>(
+            &k.namespace,
+            &format!("kubernetes.io/service-name={}", k.name),
+            &stop,
+        )
+    });
+    let coalescer = Coalescer {
+        changed: std::mem::replace(&mut w.changed, mpsc::channel(1).1),
+        stop: stop.clone(),
+    };
+    let (leadership, campaign_task) =
+        campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
+    let (synced_tx, synced) = watch::channel(false);
+    let status = StatusWriter::new(client, leadership.clone(), &settings.identity);
+    tokio::spawn(async move {
+        tokio::select! {
+            r = clusters.wait_until_ready() => if r.is_err() { return },
+            () = coalescer.stop.cancelled() => return,
+        }
+        let passes = TunnelPasses {
+            w,
+            clusters,
+            replicas,
+            settings,
+            status,
+            trust: TrustWatches::default(),
+            applied: None,
+        };
+        passes.run(coalescer, sink, &synced_tx).await;
+    });
+    Handle {
+        synced,
+        errors,
+        leadership,
+        stop,
+        campaign: std::sync::Mutex::new(campaign_task),
+    }
+}
+
+/// The tunnel source's loop: translate and apply on a change, the
+/// replica count and status on every wake-up.
+pub(super) struct TunnelPasses {
+    pub(super) w: Watches,
+    pub(super) clusters: Store<crate::crd::TunnelCluster>,
+    /// The tunnel-server Service's EndpointSlices (`kubernetes.replicas`).
+    pub(super) replicas: Option<Store<EndpointSlice>>,
+    pub(super) settings: TunnelSettings,
+    pub(super) status: StatusWriter,
+    pub(super) trust: TrustWatches,
+    /// What was last handed to the server, and what it refused: an event
+    /// that changes none of it (another Secret in the namespace) does
+    /// not reload the server.
+    pub(super) applied: Option<(
+        Vec<seedlink_config::tunnel::Cluster>,
+        seedlink_config::compile::Refused,
+    )>,
+}
+
+/// The last tunnel translation and the objects it was made from.
+pub(super) type TunnelPass = (
+    crate::tunnel::TunnelTranslation,
+    Vec<Arc<crate::crd::TunnelCluster>>,
+);
+
+impl TunnelPasses {
+    pub(super) async fn run(
+        mut self,
+        mut coalescer: Coalescer,
+        sink: Arc<dyn TunnelSink>,
+        synced: &watch::Sender<bool>,
+    ) {
+        let mut wake = Wake::Changed;
+        let mut last: Option<TunnelPass> = None;
+        loop {
+            // What could not be applied at all is tried again on a tick.
+            if self.applied.as_ref().is_some_and(|(_, r)| not_applied(r)) {
+                self.applied = None;
+            }
+            let count = self
+                .replicas
+                .as_ref()
+                .and_then(|r| replica_count(&r.state()));
+            if let Some(n) = count {
+                sink.set_server_count(n);
+            }
+            if wake == Wake::Changed || last.is_none() || self.applied.is_none() {
+                last = Some(self.pass(sink.as_ref()).await);
+                let _ = synced.send(true);
+            }
+            if let Some((t, objects)) = &last {
+                self.status.write_tunnels(t, objects, sink.as_ref()).await;
+            }
+            wake = coalescer.next().await;
+            if wake == Wake::Stop {
+                return;
+            }
+        }
+    }
+
+    /// Translates the TunnelClusters and what they name, writes their
+    /// trust files and applies the clusters (unless nothing changed).
+    pub(super) async fn pass(&mut self, sink: &dyn TunnelSink) -> TunnelPass {
+        let objects = self.clusters.state();
+        self.trust.follow(&self.w, &objects).await;
+        let (secrets, config_maps) = self.trust.state();
+        let s = &self.settings;
+        let mut t = crate::tunnel::translate(
+            &objects,
+            &secrets,
+            &config_maps,
+            &s.trust_dir,
+            &s.socket_dir,
+            &s.max_limits,
+        );
+        if let Err(e) = crate::tunnel::materialize(&s.trust_dir, &t.files) {
+            // Nothing is applied: the running clusters stay.
+            tracing::error!(dir = %s.trust_dir.display(), error = %e, "cannot write the clusters' trust files; keeping the running clusters");
+            return (t, objects);
+        }
+        let refused = match &self.applied {
+            Some((c, r)) if *c == t.clusters => r.clone(),
+            _ => {
+                let r = sink.apply(t.clusters.clone(), status_held(&objects)).await;
+                self.applied = Some((t.clusters.clone(), r.clone()));
+                r
+            }
+        };
+        t.refused(&refused);
+        (t, objects)
+    }
+}
+
+/// Who holds each trust claim by the TunnelClusters' statuses (claim →
+/// cluster); the oldest object first should two say the same (only
+/// seedlink writes status, so they do not).
+pub(super) fn status_held(objects: &[Arc<crate::crd::TunnelCluster>]) -> HashMap<String, String> {
+    let mut sorted: Vec<&Arc<crate::crd::TunnelCluster>> = objects.iter().collect();
+    sorted.sort_by_key(|o| {
+        (
+            o.metadata.creation_timestamp.as_ref().map(|t| t.0),
+            Key::of(o.as_ref()),
+        )
+    });
+    let mut held = HashMap::new();
+    for o in sorted {
+        let name = crate::tunnel::cluster_name(&Key::of(o.as_ref()));
+        for claim in o.status.iter().flat_map(|s| &s.trust) {
+            held.entry(claim.clone()).or_insert_with(|| name.clone());
+        }
+    }
+    held
+}
+
+#[cfg(test)]
+mod replica_tests {
+    use super::*;
+
+    #[test]
+    fn replicas_are_the_serving_endpoints_terminating_or_not() {
+        let slice = |eps: serde_json::Value| -> Arc<EndpointSlice> {
+            Arc::new(
+                serde_json::from_value(json!({
+                    "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                    "metadata": {"name": "s"}, "addressType": "IPv4", "endpoints": eps
+                }))
+                .unwrap(),
+            )
+        };
+        let three = slice(json!([
+            {"addresses": ["10.0.0.1"], "conditions": {"ready": true}},
+            {"addresses": ["10.0.0.2"]},
+            {"addresses": ["10.0.0.3"], "conditions": {"ready": false, "serving": true, "terminating": true}},
+            {"addresses": ["10.0.0.4"], "conditions": {"ready": false}}
+        ]));
+        // The same address in two slices counts once.
+        let again = slice(json!([{"addresses": ["10.0.0.1"], "conditions": {"ready": true}}]));
+        // 10.0.0.1, 10.0.0.2 (no conditions) and 10.0.0.3 (terminating,
+        // still serving through its preStop wait).
+        assert_eq!(replica_count(&[three, again]), Some(3));
+        assert_eq!(replica_count(&[slice(json!([]))]), None);
+        assert_eq!(replica_count(&[]), None);
+    }
+}

@@ -1,0 +1,271 @@
+//! One watch per kind: kube-rs `watcher` and a reflector store, the
+//! "changed" signal, and TLSRoutes through the version the CRD serves.
+
+use super::*;
+
+/// What a watch reports to its source: "changed", and its errors.
+#[derive(Clone)]
+pub(super) struct Changed {
+    pub(super) tx: mpsc::Sender<()>,
+    pub(super) errors: WatchErrors,
+}
+
+/// The watches of one source, all saying "changed" on one channel.
+pub(super) struct Watches {
+    pub(super) client: kube::Client,
+    pub(super) stop: CancellationToken,
+    pub(super) tx: Changed,
+    pub(super) changed: mpsc::Receiver<()>,
+}
+
+impl Watches {
+    pub(super) fn new(client: &kube::Client, stop: &CancellationToken) -> Watches {
+        let (tx, changed) = mpsc::channel(1);
+        Watches {
+            client: client.clone(),
+            stop: stop.clone(),
+            tx: Changed {
+                tx,
+                errors: WatchErrors::default(),
+            },
+            changed,
+        }
+    }
+
+    /// Every object of kind `K`, in every namespace.
+    pub(super) fn kind<K>(&self) -> Store<K>
+    where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+    {
+        watch_kind(
+            Api::<K>::all(self.client.clone()),
+            watcher::Config::default(),
+            self.tx.clone(),
+            self.stop.clone(),
+        )
+    }
+
+    /// The objects of kind `K` with label `selector` in `namespace`, until
+    /// `stop`.
+    pub(super) fn labelled_in<K>(
+        &self,
+        namespace: &str,
+        selector: &str,
+        stop: &CancellationToken,
+    ) -> Store<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + DeserializeOwned
+            + Debug
+            + Send
+            + Sync
+            + 'static,
+        K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+    {
+        // A tenant namespace's errors are logged, not shown on the
+        // unauthenticated readiness probe (they name the namespace).
+        let changed = Changed {
+            tx: self.tx.tx.clone(),
+            errors: WatchErrors::default(),
+        };
+        watch_kind(
+            Api::<K>::namespaced(self.client.clone(), namespace),
+            watcher::Config::default().labels(selector),
+            changed,
+            stop.clone(),
+        )
+    }
+
+    /// Every object of kind `K` in `namespace`.
+    pub(super) fn in_namespace<K>(&self, namespace: &str) -> Store<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>
+            + Clone
+            + DeserializeOwned
+            + Debug
+            + Send
+            + Sync
+            + 'static,
+        K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+    {
+        watch_kind(
+            Api::<K>::namespaced(self.client.clone(), namespace),
+            watcher::Config::default(),
+            self.tx.clone(),
+            self.stop.clone(),
+        )
+    }
+}
+
+/// How long one watch request lasts (the API server's `timeoutSeconds`)
+/// before it is made again from the last resourceVersion. kube-runtime
+/// also gives up on a watch that has sent nothing for this long plus 5 s,
+/// so it bounds how long a connection that died silently (a partition or
+/// a middlebox that dropped it without a reset) can leave the objects
+/// stale: about a minute rather than kube-runtime's default of 295 s.
+/// Each kind's watch is made again once a minute, which the API server
+/// serves from its watch cache.
+pub const WATCH_TIMEOUT_SECS: u32 = 60;
+
+/// One kind's watch: a store and a task that keeps it and says "changed".
+pub(super) fn watch_kind<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    changed: Changed,
+    stop: CancellationToken,
+) -> Store<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    watch_kind_of(api, K::DynamicType::default(), config, changed, stop)
+}
+
+/// [`watch_kind`] for a kind known at run time (its `DynamicType`).
+pub(super) fn watch_kind_of<K>(
+    api: Api<K>,
+    dyntype: K::DynamicType,
+    config: watcher::Config,
+    changed: Changed,
+    stop: CancellationToken,
+) -> Store<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
+{
+    let kind = K::kind(&dyntype).to_string();
+    let config = config.timeout(WATCH_TIMEOUT_SECS);
+    let writer = reflector::store::Writer::new(dyntype);
+    let store = writer.as_reader();
+    let stream = watcher(api, config)
+        .default_backoff()
+        // Kept in memory for every object: nothing here reads who
+        // managed which field.
+        .modify(|o: &mut K| o.meta_mut().managed_fields = None)
+        .reflect(writer);
+    tokio::spawn(async move {
+        let mut stream = std::pin::pin!(stream);
+        loop {
+            let next = tokio::select! {
+                n = stream.next() => n,
+                () = stop.cancelled() => return,
+            };
+            match next {
+                Some(Ok(_)) => {
+                    changed.errors.clear(&kind);
+                    let _ = changed.tx.try_send(());
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(kind = %kind, error = %e, "kubernetes watch failed; keeping the last objects and retrying");
+                    changed.errors.set(&kind, e.to_string());
+                }
+                None => return,
+            }
+        }
+    });
+    store
+}
+
+/// The TLSRoute versions seedlink reads, newest first: the objects are the
+/// same through each (a CRD's versions are views of one stored object), so
+/// the newest one the installed CRD serves is watched.
+pub(super) const ROUTE_VERSIONS: [&str; 3] = ["v1", "v1alpha3", "v1alpha2"];
+
+/// TLSRoutes through the version the installed CRD serves.
+pub(super) enum Routes {
+    /// `v1` (Gateway API v1.5 and later, standard channel).
+    V1(Store<TlsRoute>),
+    /// An older version (`v1alpha3`, `v1alpha2`: the experimental channel
+    /// before v1.5, which some platforms still install and write).
+    Older(Store<kube::api::DynamicObject>),
+}
+
+/// The newest TLSRoute version the API server serves (asked within 10 s);
+/// `None` when it cannot tell.
+pub(super) async fn served_route_version(client: &kube::Client) -> Option<kube::api::ApiResource> {
+    let served = tokio::time::timeout(
+        Duration::from_secs(10),
+        kube::discovery::group(client, GATEWAY_GROUP),
+    )
+    .await;
+    match served {
+        Ok(Ok(group)) => ROUTE_VERSIONS.iter().find_map(|v| {
+            group
+                .versioned_resources(v)
+                .into_iter()
+                .map(|(ar, _)| ar)
+                .find(|ar| ar.kind == "TLSRoute")
+        }),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "kubernetes: cannot list the served TLSRoute versions; reading v1");
+            None
+        }
+        Err(_) => {
+            tracing::warn!(
+                "kubernetes: no answer listing the served TLSRoute versions; reading v1"
+            );
+            None
+        }
+    }
+}
+
+impl Routes {
+    /// Asks the API server which TLSRoute versions it serves (bounded) and
+    /// watches the newest; `v1` when it cannot tell.
+    pub(super) async fn watch(
+        client: &kube::Client,
+        tx: Changed,
+        stop: CancellationToken,
+    ) -> (Routes, Option<kube::api::ApiResource>) {
+        match served_route_version(client).await {
+            Some(ar) if ar.version != "v1" => {
+                tracing::info!(version = %ar.version, "kubernetes: the installed TLSRoute CRD does not serve v1; reading TLSRoutes through {}", ar.api_version);
+                let api = Api::<kube::api::DynamicObject>::all_with(client.clone(), &ar);
+                let store = watch_kind_of(api, ar.clone(), watcher::Config::default(), tx, stop);
+                (Routes::Older(store), Some(ar))
+            }
+            _ => {
+                let api = Api::<TlsRoute>::all(client.clone());
+                (
+                    Routes::V1(watch_kind(api, watcher::Config::default(), tx, stop)),
+                    None,
+                )
+            }
+        }
+    }
+
+    pub(super) async fn wait_until_ready(&self) -> Option<()> {
+        match self {
+            Routes::V1(s) => s.wait_until_ready().await.ok(),
+            Routes::Older(s) => s.wait_until_ready().await.ok(),
+        }
+    }
+
+    /// Every route, as the v1 type (the older versions' fields are the
+    /// same; one that does not read is skipped, with a warning).
+    pub(super) fn state(&self) -> Vec<Arc<TlsRoute>> {
+        match self {
+            Routes::V1(s) => s.state(),
+            Routes::Older(s) => s
+                .state()
+                .into_iter()
+                .filter_map(|o| {
+                    let mut v = serde_json::to_value(o.as_ref()).ok()?;
+                    // Optional before v1 (the listener's names then).
+                    if let Some(spec) = v.get_mut("spec").and_then(|s| s.as_object_mut()) {
+                        spec.entry("hostnames").or_insert_with(|| json!([]));
+                    }
+                    match serde_json::from_value::<TlsRoute>(v) {
+                        Ok(r) => Some(Arc::new(r)),
+                        Err(e) => {
+                            tracing::warn!(route = %Key { namespace: o.metadata.namespace.clone().unwrap_or_default(), name: o.metadata.name.clone().unwrap_or_default() }, error = %e, "TLSRoute skipped: it does not read as a TLSRoute");
+                            None
+                        }
+                    }
+                })
+                .collect(),
+        }
+    }
+}
