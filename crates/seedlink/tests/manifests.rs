@@ -875,6 +875,8 @@ fn class_mode_renders_the_class_and_its_rbac() {
         "classMode.addresses={10.0.0.7,10.0.0.8}",
         "--set",
         "hostNetwork=true",
+        "--set",
+        "networkPolicy.enabled=false",
     ]);
     let cm = kind(&d, "ConfigMap").unwrap();
     check_configs(cm).unwrap();
@@ -894,6 +896,13 @@ fn class_mode_renders_the_class_and_its_rbac() {
     let pod = &kind(&d, "Deployment").unwrap()["spec"]["template"]["spec"];
     assert_eq!(pod["hostNetwork"], true);
     assert_eq!(pod["dnsPolicy"], "ClusterFirstWithHostNet");
+    // Node ports: one replica per node, and no surge pod in a rollout.
+    let dep = kind(&d, "Deployment").unwrap();
+    assert_eq!(dep["spec"]["strategy"]["rollingUpdate"]["maxSurge"], 0);
+    assert!(
+        pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            .is_array()
+    );
     let named = |docs: &[Value], k: &str| -> Value {
         let mut v = docs
             .iter()
@@ -924,6 +933,19 @@ fn class_mode_renders_the_class_and_its_rbac() {
     assert!(why.contains("classMode.addresses"), "{why}");
     let why = helm_refuses(&["--set", "classMode.className=Not_A_Name"]);
     assert!(why.contains("className"), "{why}");
+    // Not the install's own class, and addresses that are IP addresses.
+    let why = helm_refuses(&["--set", "classMode.className=seedlink"]);
+    assert!(why.contains("className"), "{why}");
+    let why = helm_refuses(&[
+        "--set",
+        "classMode.enabled=true",
+        "--set",
+        "classMode.addresses={gw.example.com}",
+    ]);
+    assert!(why.contains("addresses"), "{why}");
+    // A NetworkPolicy would not cover pods on the node's network.
+    let why = helm_refuses(&["--set", "hostNetwork=true"]);
+    assert!(why.contains("networkPolicy.enabled=false"), "{why}");
 }
 
 /// Each group of the chart's values renders what values.yaml says, and

@@ -65,6 +65,22 @@ use watches::*;
 pub use gateway::start_gateway;
 pub use tunnel::{replica_count, start_tunnel, BoxFuture, TunnelSettings, TunnelSink};
 pub use watches::WATCH_TIMEOUT_SECS;
+/// The API client seedlink watches and writes with: the kubeconfig
+/// (`KUBECONFIG`, `~/.kube/config`) or the pod's in-cluster configuration,
+/// with a read timeout. kube-client sets none by default (for exec and
+/// attach, which seedlink does not use); without one, a list or watch
+/// request sent on a pooled connection that died silently would hang until
+/// TCP gave up. No answer byte within `WATCH_TIMEOUT_SECS` plus 15 s (a
+/// watch's server-side end comes before that) ends the request, and the
+/// watcher retries on a new connection.
+pub async fn client() -> Result<kube::Client, kube::Error> {
+    let mut config = kube::Config::infer()
+        .await
+        .map_err(kube::Error::InferConfig)?;
+    config.read_timeout = Some(Duration::from_secs(u64::from(WATCH_TIMEOUT_SECS) + 15));
+    kube::Client::try_from(config)
+}
+
 /// Quiet time after the last event before a snapshot is built.
 pub const QUIET: Duration = Duration::from_millis(200);
 /// Longest wait after the first event of a burst.

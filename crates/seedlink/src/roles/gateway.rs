@@ -125,7 +125,7 @@ pub async fn kubernetes(
         return Ok(None);
     };
     let settings = gateway_settings(&k, &snap)?;
-    let client = kube::Client::try_default().await.map_err(|e| {
+    let client = seedlink_kube::source::client().await.map_err(|e| {
         anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
     })?;
     let handle =

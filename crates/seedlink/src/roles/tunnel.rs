@@ -420,7 +420,7 @@ impl ServerRole {
             false => None,
             true => Some(super::object_key("kubernetes.lease", &k.lease)?),
         };
-        let client = kube::Client::try_default().await.map_err(|e| {
+        let client = seedlink_kube::source::client().await.map_err(|e| {
             anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
         })?;
         let replicas = k

@@ -53,6 +53,8 @@ pub struct Cluster {
     pub(super) agents: Mutex<Vec<Arc<AgentLink>>>,
     /// Woken when an agent stream joins (dials waiting for an agent).
     pub(super) joined: Notify,
+    /// Dials waiting for an agent now (at most [`MAX_WAITING`]).
+    pub(super) waiting: std::sync::atomic::AtomicUsize,
     /// When an agent stream last came or went (for `TunnelCluster` status).
     pub(super) agents_changed: Mutex<Option<std::time::SystemTime>>,
     /// Until when (`seedlink_net::clock::now_ms`) its new agent streams are
@@ -77,6 +79,7 @@ impl Cluster {
             grpc_frontends: std::sync::atomic::AtomicUsize::new(0),
             agents: Mutex::new(Vec::new()),
             joined: Notify::new(),
+            waiting: std::sync::atomic::AtomicUsize::new(0),
             agents_changed: Mutex::new(None),
             flood_until_ms: std::sync::atomic::AtomicU64::new(0),
         }
@@ -196,6 +199,12 @@ pub(super) fn choose<'a>(
         a
     })
 }
+
+/// Dials of one cluster that may wait for an agent at once; more are
+/// answered `no_agent` at once. Bounds the frontend sockets a cluster
+/// without agents holds (each for `agent_wait` at most) and the work one
+/// agent joining does (it wakes every waiting dial).
+pub const MAX_WAITING: usize = 256;
 
 /// Registers a new agent stream in `cluster`; the returned queue feeds the
 /// stream to the agent. Its receive loop must drive

@@ -32,6 +32,28 @@ pub struct DialSettings {
     pub agent_wait: Duration,
 }
 
+/// One of a cluster's [`super::cluster::MAX_WAITING`] places for a dial
+/// waiting for an agent, given back when dropped (also when the dial's
+/// future is dropped mid-wait).
+struct WaitSlot<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> WaitSlot<'a> {
+    fn take(waiting: &'a std::sync::atomic::AtomicUsize) -> Option<WaitSlot<'a>> {
+        let order = std::sync::atomic::Ordering::AcqRel;
+        if waiting.fetch_add(1, order) >= super::cluster::MAX_WAITING {
+            waiting.fetch_sub(1, order);
+            return None;
+        }
+        Some(WaitSlot(waiting))
+    }
+}
+
+impl Drop for WaitSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 /// An established tunneled connection, frontend side.
 pub struct Tunnel {
     /// Towards the agent.
@@ -123,7 +145,7 @@ pub async fn dial(
     };
     match attempt.with_retries().await {
         Ok(open) => {
-            cluster.metrics.dial_ok(started.elapsed());
+            cluster.metrics.dial_ok(open.asked.elapsed());
             Ok(open.tunnel(permit))
         }
         Err(e) => {
@@ -144,6 +166,9 @@ pub(super) struct Attempt<'a> {
 
 /// A dial the agent accepted: the connection's link, ID and ends.
 pub(super) struct Opened {
+    /// When the first DIAL_REQ of the dial went out (after any wait for an
+    /// agent): what `dial_duration_seconds` measures from.
+    pub(super) asked: Instant,
     pub(super) link: Arc<AgentLink>,
     pub(super) connect_id: i64,
     pub(super) credit: Option<SendCredit>,
@@ -170,10 +195,16 @@ impl Attempt<'_> {
     /// silent agent, so more would only find the same ones).
     pub(super) async fn with_retries(&self) -> Result<Opened, DialError> {
         let mut attempts = 0;
+        let mut asked = None;
         loop {
             attempts += 1;
             let link = self.pick_or_wait().await?;
-            match self.through(&link).await {
+            let first = *asked.get_or_insert_with(Instant::now);
+            match self
+                .through(&link)
+                .await
+                .map(|o| Opened { asked: first, ..o })
+            {
                 Err(DialError::Unresponsive(_))
                     if attempts < 3 && Instant::now() < self.deadline =>
                 {
@@ -189,6 +220,18 @@ impl Attempt<'_> {
     /// replica that was just added or is replacing one gets dials before
     /// every agent has found it). Still none: `NoAgent`.
     pub(super) async fn pick_or_wait(&self) -> Result<Arc<AgentLink>, DialError> {
+        match self.pick() {
+            Err(DialError::NoAgent) if !self.settings.agent_wait.is_zero() => {}
+            r => return r,
+        }
+        let Some(_slot) = WaitSlot::take(&self.cluster.waiting) else {
+            return Err(DialError::NoAgent);
+        };
+        self.wait_for_agent().await
+    }
+
+    /// The wait of [`Attempt::pick_or_wait`].
+    async fn wait_for_agent(&self) -> Result<Arc<AgentLink>, DialError> {
         let until = tokio::time::Instant::now() + self.settings.agent_wait;
         let until = until.min(tokio::time::Instant::from_std(self.deadline));
         loop {
@@ -253,6 +296,7 @@ impl Attempt<'_> {
             link.with(Instant::now(), |m, out| m.dial_abandoned(random, out));
         }
         Ok(Opened {
+            asked: Instant::now(),
             link: link.clone(),
             connect_id: outcome?,
             credit,

@@ -306,6 +306,46 @@ mod tests {
         assert_eq!(r.err(), Some(DialError::NoAgent));
     }
 
+    /// At most `MAX_WAITING` dials of a cluster wait for an agent; one more
+    /// is answered `no_agent` at once, and a waiting dial whose caller
+    /// goes away gives its place back.
+    #[tokio::test(start_paused = true)]
+    async fn waiting_dials_are_bounded_per_cluster() {
+        use std::sync::atomic::Ordering;
+        let c = std::sync::Arc::new(cluster(&[Strategy::Default]));
+        let mut parked = Vec::new();
+        for _ in 0..cluster::MAX_WAITING {
+            let c = c.clone();
+            parked.push(tokio::spawn(async move {
+                let cancel = CancellationToken::new();
+                dial(&c, "h:1", waiting(Duration::from_secs(3)), &cancel)
+                    .await
+                    .err()
+            }));
+        }
+        while c.waiting.load(Ordering::Acquire) < cluster::MAX_WAITING {
+            tokio::task::yield_now().await;
+        }
+        let t0 = tokio::time::Instant::now();
+        let r = dial(
+            &c,
+            "h:1",
+            waiting(Duration::from_secs(3)),
+            &CancellationToken::new(),
+        )
+        .await;
+        assert_eq!(r.err(), Some(DialError::NoAgent));
+        assert_eq!(t0.elapsed(), Duration::ZERO);
+        let gone = parked.pop().unwrap();
+        gone.abort();
+        let _ = gone.await;
+        assert_eq!(c.waiting.load(Ordering::Acquire), cluster::MAX_WAITING - 1);
+        for p in parked {
+            assert_eq!(p.await.unwrap(), Some(DialError::NoAgent));
+        }
+        assert_eq!(c.waiting.load(Ordering::Acquire), 0);
+    }
+
     /// The receive loop holds two timer futures while a connection waits
     /// for room (its own, idle, and the one the wait polls): a dial whose
     /// deadline comes before the waiting one's wakes the one being polled,
