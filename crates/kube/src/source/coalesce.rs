@@ -1,6 +1,10 @@
 //! Bursts of "changed" turned into one wake-up.
 
-use super::*;
+use std::fmt::Debug;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 /// Turns a stream of "changed" into one wake-up per burst.
 pub(super) struct Coalescer {
@@ -45,3 +49,11 @@ pub(super) enum Wake {
     /// Stopped.
     Stop,
 }
+
+/// Quiet time after the last event before a snapshot is built.
+pub const QUIET: Duration = Duration::from_millis(200);
+/// Longest wait after the first event of a burst.
+pub const MAX_DELAY: Duration = Duration::from_secs(2);
+/// How often the status leader compares status with what it should be
+/// (besides after every snapshot).
+pub const STATUS_EVERY: Duration = Duration::from_secs(10);

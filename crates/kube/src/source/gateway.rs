@@ -1,83 +1,29 @@
 //! The gateway's source: its kinds, each snapshot translated and handed
 //! to the gateway, the Gateway API version it supports.
 
-use super::*;
+use std::collections::HashSet;
+use std::sync::Arc;
 
-/// The Gateway API versions seedlink implements (bundle versions, as the
-/// CRDs' `gateway.networking.k8s.io/bundle-version` annotation names them):
-/// from v1.4 (TLSRoute v1alpha2/v1alpha3) to v1.6 (what it is tested with).
-pub(super) const SUPPORTED_BUNDLES: ((u32, u32), (u32, u32)) = ((1, 4), (1, 6));
+use gateway_api::gatewayclasses::GatewayClass;
+use gateway_api::gateways::Gateway;
+use gateway_api::referencegrants::ReferenceGrant;
+use gateway_api::tlsroutes::TlsRoute;
+use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::runtime::reflector::Store;
+use serde_json::json;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
-/// The Gateway API features seedlink implements (conformance feature names,
-/// sorted): TLS passthrough only.
-pub(super) const SUPPORTED_FEATURES: [&str; 3] = ["Gateway", "ReferenceGrant", "TLSRoute"];
-
-/// How often the installed Gateway API version is read again.
-pub(super) const BUNDLE_REREAD: Duration = Duration::from_secs(300);
-
-/// The installed Gateway API's bundle version (the GatewayClass CRD's
-/// annotation), bounded; `None` when it cannot be read.
-pub(super) async fn bundle_version(client: &kube::Client) -> Option<String> {
-    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    match tokio::time::timeout(
-        Duration::from_secs(10),
-        api.get("gatewayclasses.gateway.networking.k8s.io"),
-    )
-    .await
-    {
-        Ok(Ok(crd)) => crd
-            .metadata
-            .annotations
-            .and_then(|a| a.get("gateway.networking.k8s.io/bundle-version").cloned()),
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "kubernetes: cannot read the Gateway API version installed (GatewayClass SupportedVersion stays Unknown)");
-            None
-        }
-        Err(_) => None,
-    }
-}
-
-/// The GatewayClass `SupportedVersion` condition for an installed bundle
-/// version.
-pub(super) fn supported_version(bundle: Option<&str>) -> (String, Verdict) {
-    let ((lo_major, lo_minor), (hi_major, hi_minor)) = SUPPORTED_BUNDLES;
-    let range = format!("v{lo_major}.{lo_minor} to v{hi_major}.{hi_minor}");
-    let Some(b) = bundle else {
-        return (
-            "Unknown".into(),
-            Verdict::no(
-                "UnknownVersion",
-                format!(
-                    "the installed Gateway API version cannot be read (seedlink supports {range})"
-                ),
-            ),
-        );
-    };
-    let parsed = b.strip_prefix('v').and_then(|v| {
-        let mut it = v.split(['.', '-']);
-        Some((
-            it.next()?.parse::<u32>().ok()?,
-            it.next()?.parse::<u32>().ok()?,
-        ))
-    });
-    match parsed {
-        Some(v) if v >= SUPPORTED_BUNDLES.0 && v <= SUPPORTED_BUNDLES.1 => (
-            "True".into(),
-            Verdict::yes(
-                "SupportedVersion",
-                format!("Gateway API {b} (seedlink supports {range})"),
-            ),
-        ),
-        _ => (
-            "False".into(),
-            Verdict::no(
-                "UnsupportedVersion",
-                format!("Gateway API {b} is installed; seedlink supports {range}"),
-            ),
-        ),
-    }
-}
+use super::coalesce::{Coalescer, Wake};
+use super::gateway_status::*;
+use super::handle::Handle;
+use super::sink::GatewaySink;
+use super::status::*;
+use super::watches::*;
+use crate::crd::{SeedlinkPolicy, CONTROLLER_NAME};
+use crate::leader::{self, Leadership};
+use crate::translate::{Key, Objects, Translation, Translator};
 
 /// Starts the gateway's source: watches, snapshots into `sink`, status.
 pub fn start_gateway(
@@ -368,23 +314,22 @@ pub(super) fn campaign(
     (me, task)
 }
 
-#[cfg(test)]
-mod version_tests {
-    use super::supported_version;
-
-    #[test]
-    fn supported_gateway_api_versions() {
-        for (b, want) in [
-            (Some("v1.6.3"), "True"),
-            (Some("v1.4.1"), "True"),
-            (Some("v1.5.0-rc.1"), "True"),
-            (Some("v1.3.0"), "False"),
-            (Some("v1.7.0"), "False"),
-            (Some("v2.0.0"), "False"),
-            (Some("garbage"), "False"),
-            (None, "Unknown"),
-        ] {
-            assert_eq!(supported_version(b).0, want, "{b:?}");
-        }
-    }
+/// What the gateway's source needs to know.
+#[derive(Debug, Clone)]
+pub struct GatewaySettings {
+    /// The named Gateway (`kubernetes.gateway`), served on every listener.
+    pub gateway: Option<Key>,
+    /// The Gateways of a class, each at its own address
+    /// (`kubernetes.gateway_class`).
+    pub class: Option<crate::translate::ClassSettings>,
+    /// The gateway's listener names.
+    pub listeners: Vec<String>,
+    /// The status lease; `None`: this replica never writes status.
+    pub lease: Option<Key>,
+    /// This replica's name in the lease (the pod name).
+    pub identity: String,
+    /// The EndpointSlice managers whose slices name upstreams.
+    pub slice_managers: Vec<String>,
+    /// The Service seedlink is exposed by (the named Gateway's addresses).
+    pub service: Option<Key>,
 }

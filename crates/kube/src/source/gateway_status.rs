@@ -2,7 +2,21 @@
 //! each Gateway's conditions, listeners and addresses, and GatewayClasses'
 //! `Accepted` and `SupportedVersion`.
 
-use super::*;
+use std::fmt::Debug;
+use std::time::Duration;
+
+use gateway_api::gatewayclasses::GatewayClass;
+use gateway_api::gateways::Gateway;
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::{Api, Patch};
+use kube::Resource;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+use super::status::*;
+use crate::crd::CONTROLLER_NAME;
+use crate::translate::{Key, Translation, Verdict, GATEWAY_GROUP};
 
 /// A Gateway's `Accepted` and `Programmed` (`programmed`: the gateway
 /// applied the last translation).
@@ -301,5 +315,102 @@ impl StatusWriter {
             }
         }
         true
+    }
+}
+
+/// The Gateway API versions seedlink implements (bundle versions, as the
+/// CRDs' `gateway.networking.k8s.io/bundle-version` annotation names them):
+/// from v1.4 (TLSRoute v1alpha2/v1alpha3) to v1.6 (what it is tested with).
+pub(super) const SUPPORTED_BUNDLES: ((u32, u32), (u32, u32)) = ((1, 4), (1, 6));
+
+/// The Gateway API features seedlink implements (conformance feature names,
+/// sorted): TLS passthrough only.
+pub(super) const SUPPORTED_FEATURES: [&str; 3] = ["Gateway", "ReferenceGrant", "TLSRoute"];
+
+/// How often the installed Gateway API version is read again.
+pub(super) const BUNDLE_REREAD: Duration = Duration::from_secs(300);
+
+/// The installed Gateway API's bundle version (the GatewayClass CRD's
+/// annotation), bounded; `None` when it cannot be read.
+pub(super) async fn bundle_version(client: &kube::Client) -> Option<String> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    match tokio::time::timeout(
+        Duration::from_secs(10),
+        api.get("gatewayclasses.gateway.networking.k8s.io"),
+    )
+    .await
+    {
+        Ok(Ok(crd)) => crd
+            .metadata
+            .annotations
+            .and_then(|a| a.get("gateway.networking.k8s.io/bundle-version").cloned()),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "kubernetes: cannot read the Gateway API version installed (GatewayClass SupportedVersion stays Unknown)");
+            None
+        }
+        Err(_) => None,
+    }
+}
+
+/// The GatewayClass `SupportedVersion` condition for an installed bundle
+/// version.
+pub(super) fn supported_version(bundle: Option<&str>) -> (String, Verdict) {
+    let ((lo_major, lo_minor), (hi_major, hi_minor)) = SUPPORTED_BUNDLES;
+    let range = format!("v{lo_major}.{lo_minor} to v{hi_major}.{hi_minor}");
+    let Some(b) = bundle else {
+        return (
+            "Unknown".into(),
+            Verdict::no(
+                "UnknownVersion",
+                format!(
+                    "the installed Gateway API version cannot be read (seedlink supports {range})"
+                ),
+            ),
+        );
+    };
+    let parsed = b.strip_prefix('v').and_then(|v| {
+        let mut it = v.split(['.', '-']);
+        Some((
+            it.next()?.parse::<u32>().ok()?,
+            it.next()?.parse::<u32>().ok()?,
+        ))
+    });
+    match parsed {
+        Some(v) if v >= SUPPORTED_BUNDLES.0 && v <= SUPPORTED_BUNDLES.1 => (
+            "True".into(),
+            Verdict::yes(
+                "SupportedVersion",
+                format!("Gateway API {b} (seedlink supports {range})"),
+            ),
+        ),
+        _ => (
+            "False".into(),
+            Verdict::no(
+                "UnsupportedVersion",
+                format!("Gateway API {b} is installed; seedlink supports {range}"),
+            ),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod version_tests {
+    use super::supported_version;
+
+    #[test]
+    fn supported_gateway_api_versions() {
+        for (b, want) in [
+            (Some("v1.6.3"), "True"),
+            (Some("v1.4.1"), "True"),
+            (Some("v1.5.0-rc.1"), "True"),
+            (Some("v1.3.0"), "False"),
+            (Some("v1.7.0"), "False"),
+            (Some("v2.0.0"), "False"),
+            (Some("garbage"), "False"),
+            (None, "Unknown"),
+        ] {
+            assert_eq!(supported_version(b).0, want, "{b:?}");
+        }
     }
 }

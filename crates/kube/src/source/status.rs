@@ -2,7 +2,22 @@
 //! TunnelClusters, an Event per rejection, and the patch helpers the
 //! Gateway API objects' status (gateway_status.rs) uses too.
 
-use super::*;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use gateway_api::tlsroutes::{TlsRoute, TlsRouteParentRefs};
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::PatchParams;
+use kube::runtime::events::{Event as RuntimeEvent, EventType, Recorder, Reporter};
+use kube::Resource;
+use serde_json::json;
+
+use super::sink::TunnelSink;
+use crate::crd::{SeedlinkPolicy, CONTROLLER_NAME};
+use crate::leader::Leadership;
+use crate::translate::{Key, RouteOutcome, Translation, Verdict, GATEWAY_GROUP};
 
 /// Writes route and policy status (only while holding the lease) and an
 /// Event per rejection (once per object generation and message).

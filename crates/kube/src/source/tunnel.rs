@@ -1,29 +1,23 @@
 //! The tunnel-server's source: TunnelClusters, their trust from labelled
 //! Secrets and ConfigMaps, and the replica count.
 
-use super::*;
+use std::collections::{HashMap, HashSet};
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::time::Duration;
 
-/// Where the tunnel-server's clusters go, and what it says of them.
-pub trait TunnelSink: Send + Sync + 'static {
-    /// Serves these clusters (besides the file's); returns those refused,
-    /// with the problems.
-    /// `status_held`: who holds each trust claim by the TunnelClusters'
-    /// statuses (claim → cluster).
-    fn apply(
-        &self,
-        clusters: Vec<seedlink_config::tunnel::Cluster>,
-        status_held: HashMap<String, String>,
-    ) -> BoxFuture<'_, seedlink_config::compile::Refused>;
-    /// A served cluster's agents and dial errors.
-    fn health(&self, cluster: &str) -> Option<seedlink_config::tunnel::ClusterHealth>;
-    /// The trust claims of a served cluster (for its `status.trust`).
-    fn trust(&self, _cluster: &str) -> Vec<String> {
-        Vec::new()
-    }
-    /// The tunnel-server replicas counted from their Service's
-    /// EndpointSlices (`kubernetes.replicas`).
-    fn set_server_count(&self, _replicas: u32) {}
-}
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::runtime::reflector::Store;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use super::coalesce::{Coalescer, Wake};
+use super::gateway::{campaign, not_applied};
+use super::handle::Handle;
+use super::sink::TunnelSink;
+use super::status::*;
+use super::watches::*;
+use crate::translate::Key;
 
 /// The replicas a Service's EndpointSlices name: distinct addresses whose
 /// endpoint serves (an unknown condition counts), terminating or not. A
@@ -50,9 +44,6 @@ pub fn replica_count(slices: &[Arc<EndpointSlice>]) -> Option<u32> {
     }
     u32::try_from(seen.len()).ok().filter(|n| *n > 0)
 }
-
-/// A boxed future, for the object-safe [`TunnelSink`].
-pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
 
 /// What the tunnel-server's source needs to know.
 #[derive(Debug, Clone)]
@@ -316,6 +307,7 @@ pub(super) fn status_held(objects: &[Arc<crate::crd::TunnelCluster>]) -> HashMap
 #[cfg(test)]
 mod replica_tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn replicas_are_the_serving_endpoints_terminating_or_not() {

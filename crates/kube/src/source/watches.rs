@@ -1,7 +1,22 @@
 //! One watch per kind: kube-rs `watcher` and a reflector store, the
 //! "changed" signal, and TLSRoutes through the version the CRD serves.
 
-use super::*;
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use gateway_api::tlsroutes::TlsRoute;
+use kube::api::Api;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::Resource;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::translate::{Key, GATEWAY_GROUP};
 
 /// What a watch reports to its source: "changed", and its errors.
 #[derive(Clone)]
@@ -267,5 +282,28 @@ impl Routes {
                 })
                 .collect(),
         }
+    }
+}
+
+/// Each kind's last watch error while it fails (cleared when its watch
+/// delivers again): what readiness says while the first snapshot is not
+/// in.
+#[derive(Clone, Default)]
+pub struct WatchErrors(Arc<std::sync::Mutex<std::collections::BTreeMap<String, String>>>);
+
+impl WatchErrors {
+    pub(super) fn set(&self, kind: &str, error: String) {
+        seedlink_net::sync::lock(&self.0, "watch errors").insert(kind.to_string(), error);
+    }
+
+    pub(super) fn clear(&self, kind: &str) {
+        seedlink_net::sync::lock(&self.0, "watch errors").remove(kind);
+    }
+
+    /// The failing kinds with their last errors, if any.
+    pub(super) fn describe(&self) -> Option<String> {
+        let m = seedlink_net::sync::lock(&self.0, "watch errors");
+        let all: Vec<String> = m.iter().map(|(k, e)| format!("{k}: {e}")).collect();
+        (!all.is_empty()).then(|| all.join("; "))
     }
 }

@@ -1,0 +1,39 @@
+//! What a source hands its output to: the gateway's control planes, the
+//! tunnel-server's clusters.
+
+use std::collections::HashMap;
+
+use seedlink_config::model::ControlPlane;
+use seedlink_config::ConfigError;
+
+/// Where the gateway's control planes go.
+pub trait GatewaySink: Send + Sync + 'static {
+    /// Serves these control planes (besides the file's); returns those it
+    /// refused, with its problems. Open connections are never touched.
+    fn apply(&self, control_planes: Vec<ControlPlane>) -> Vec<(String, Vec<ConfigError>)>;
+}
+
+/// Where the tunnel-server's clusters go, and what it says of them.
+pub trait TunnelSink: Send + Sync + 'static {
+    /// Serves these clusters (besides the file's); returns those refused,
+    /// with the problems.
+    /// `status_held`: who holds each trust claim by the TunnelClusters'
+    /// statuses (claim → cluster).
+    fn apply(
+        &self,
+        clusters: Vec<seedlink_config::tunnel::Cluster>,
+        status_held: HashMap<String, String>,
+    ) -> BoxFuture<'_, seedlink_config::compile::Refused>;
+    /// A served cluster's agents and dial errors.
+    fn health(&self, cluster: &str) -> Option<seedlink_config::tunnel::ClusterHealth>;
+    /// The trust claims of a served cluster (for its `status.trust`).
+    fn trust(&self, _cluster: &str) -> Vec<String> {
+        Vec::new()
+    }
+    /// The tunnel-server replicas counted from their Service's
+    /// EndpointSlices (`kubernetes.replicas`).
+    fn set_server_count(&self, _replicas: u32) {}
+}
+
+/// A boxed future, for the object-safe [`TunnelSink`].
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
