@@ -36,11 +36,6 @@ impl<IO> ReadAhead<IO> {
         }
     }
 
-    /// The wrapped transport.
-    pub fn get_ref(&self) -> &IO {
-        &self.io
-    }
-
     /// Bytes held and not yet read.
     pub fn buffered(&self) -> usize {
         self.buf.len()
