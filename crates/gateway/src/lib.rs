@@ -381,37 +381,6 @@ impl Gateway {
         });
     }
 
-    /// The ACL decision for `client` on control plane `cp`: its allow-list
-    /// or the global always-allowed CIDRs. A denial is counted.
-    pub(crate) fn admit(
-        &self,
-        snap: &Snapshot,
-        cp: &seedlink_config::routes::ControlPlane,
-        client: SocketAddr,
-    ) -> bool {
-        let ip = client.ip();
-        let allowed =
-            snap.always_allowed.contains(ip) || cp.acl.as_ref().is_none_or(|acl| acl.contains(ip));
-        if !allowed {
-            self.metrics
-                .acl_denied
-                .get_or_create(&metrics::CpLabels {
-                    control_plane: cp.name.clone(),
-                })
-                .inc();
-        }
-        allowed
-    }
-
-    /// The token that closes open connections of control plane `name` if it
-    /// is removed and the removal grace passes.
-    fn closer_for(&self, name: &str) -> CancellationToken {
-        seedlink_net::sync::lock(&self.closers, "closers")
-            .entry(name.to_string())
-            .or_default()
-            .clone()
-    }
-
     /// Re-reads the configuration file and swaps it in if it is valid and
     /// changes nothing that needs a restart. On failure the snapshot in force
     /// stays and the reasons are returned (and logged, and counted).

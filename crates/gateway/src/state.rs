@@ -5,7 +5,7 @@
 //! paths take this state, so neither side needs the other.
 
 use std::collections::HashMap;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
@@ -131,6 +131,39 @@ impl Gateway {
             gw: self,
             name: name.to_string(),
         })
+    }
+}
+
+impl Gateway {
+    /// The ACL decision for `client` on control plane `cp`: its allow-list
+    /// or the global always-allowed CIDRs. A denial is counted.
+    pub(crate) fn admit(
+        &self,
+        snap: &Snapshot,
+        cp: &seedlink_config::routes::ControlPlane,
+        client: SocketAddr,
+    ) -> bool {
+        let ip = client.ip();
+        let allowed =
+            snap.always_allowed.contains(ip) || cp.acl.as_ref().is_none_or(|acl| acl.contains(ip));
+        if !allowed {
+            self.metrics
+                .acl_denied
+                .get_or_create(&metrics::CpLabels {
+                    control_plane: cp.name.clone(),
+                })
+                .inc();
+        }
+        allowed
+    }
+
+    /// The token that closes open connections of control plane `name` if it
+    /// is removed and the removal grace passes.
+    pub(crate) fn closer_for(&self, name: &str) -> CancellationToken {
+        seedlink_net::sync::lock(&self.closers, "closers")
+            .entry(name.to_string())
+            .or_default()
+            .clone()
     }
 }
 

@@ -22,7 +22,7 @@ pub async fn check_once(np: &NodeProxy) -> Result<(), String> {
     let h = &np.opts.health;
     let run = async {
         match (h.kind, np.opts.mode) {
-            (CheckKind::Tcp, Mode::Http2Connect) => np.h2_probe().await.map_err(reason),
+            (CheckKind::Tcp, Mode::Http2Connect) => np.h2.probe(np).await.map_err(reason),
             (CheckKind::Tcp, _) => tunnel::dial(np).await.map(drop).map_err(reason),
             (CheckKind::Tunnel, Mode::Http2Connect) => {
                 tunnel::h2_open(np).await.map(drop).map_err(reason)

@@ -68,34 +68,6 @@ impl NodeProxy {
         });
     }
 
-    /// A tunnel's start as a passive health result: with the `tcp` check,
-    /// an opened tunnel is a success and an unreachable gateway (or egress
-    /// proxy) a failure; refusals say nothing about reachability. Other
-    /// checks ignore tunnels.
-    pub fn observe(&self, result: Result<(), tunnel::Outcome>) {
-        use tunnel::Outcome as O;
-        let check = &self.opts.health;
-        if check.kind != health::CheckKind::Tcp {
-            return;
-        }
-        let healthy = match result {
-            Ok(()) => self.health.record(check, Ok(())),
-            Err(
-                why @ (O::GatewayUnreachable
-                | O::EgressProxyUnreachable
-                | O::EgressProxyTimeout
-                | O::EgressProxyClosed),
-            ) => self.health.record(check, Err(why.reason())),
-            Err(_) => return,
-        };
-        self.gateway_ok.store(healthy, Ordering::Release);
-    }
-
-    /// The shared HTTP/2 connection is up (opened now if needed).
-    pub async fn h2_probe(&self) -> Result<(), tunnel::Outcome> {
-        self.h2.probe(self).await
-    }
-
     /// Keeps `iface` in place: checks now, then every `every`; readiness
     /// follows the result. Returns the first check's result, so a start-up
     /// failure (e.g. no `dummy` support) is reported at once.

@@ -247,10 +247,33 @@ pub async fn open_for_check(np: &NodeProxy) -> Result<(TcpStream, Vec<u8>), Outc
     open(np, src, np.opts.advertised).await
 }
 
+/// A tunnel's start as a passive health result: with the `tcp` check,
+/// an opened tunnel is a success and an unreachable gateway (or egress
+/// proxy) a failure; refusals say nothing about reachability. Other
+/// checks ignore tunnels.
+fn observe(np: &NodeProxy, result: Result<(), Outcome>) {
+    use Outcome as O;
+    let check = &np.opts.health;
+    if check.kind != crate::health::state::CheckKind::Tcp {
+        return;
+    }
+    let healthy = match result {
+        Ok(()) => np.health.record(check, Ok(())),
+        Err(
+            why @ (O::GatewayUnreachable
+            | O::EgressProxyUnreachable
+            | O::EgressProxyTimeout
+            | O::EgressProxyClosed),
+        ) => np.health.record(check, Err(why.reason())),
+        Err(_) => return,
+    };
+    np.gateway_ok.store(healthy, Ordering::Release);
+}
+
 /// A client's tunnel opening as a passive health result; a failure is
 /// logged (rate-limited).
 fn observed<T>(np: &NodeProxy, peer: SocketAddr, r: Result<T, Outcome>) -> Result<T, Outcome> {
-    np.observe(r.as_ref().map(|_| ()).map_err(|why| *why));
+    observe(np, r.as_ref().map(|_| ()).map_err(|why| *why));
     if let Err(why) = &r {
         if np.metrics.refusal_log.allow() {
             tracing::warn!(target: "seedlink::refused", %peer, reason = why.reason(), "tunnel failed");
