@@ -1344,6 +1344,374 @@ fn inventory(c: &Cluster) -> Vec<String> {
     v
 }
 
+/// In-cluster clients to their own API server (GEP-08) through the shoot
+/// chart's node-proxy; returns the shoot's kubeconfig through it.
+fn node_proxy_path(c: &Cluster, kubectl: &Path, pki: &Path) -> PathBuf {
+    // In-cluster clients to their own API server (GEP-08): the shoot
+    // chart's node-proxy serves the `kubernetes` address on the node and
+    // carries each connection to the gateway's CONNECT listener, which
+    // routes its destination header to the shoot's kube-apiserver.
+    // The node-proxy is not Ready while the gateway knows no control plane
+    // by the destination it names: its check opens a tunnel as a client's.
+    let np = eventually_blocking(
+        "the node-proxy's check ran",
+        Duration::from_secs(120),
+        || {
+            let (code, body) = pod_get("127.0.0.1", 9911, "/readyz");
+            (code == "503" && body.contains("health_check=tunnel") && body.contains("last_check="))
+                .then_some(body.clone())
+                .ok_or(format!("{code} {body}"))
+        },
+    );
+    eprintln!(
+        "installed: node-proxy before its destination exists: {}",
+        np.trim()
+    );
+    // The destination the node-proxy names, on the shoot's route.
+    c.apply(&format!(
+        "apiVersion: policy.seedlink.dev/v1alpha1
+kind: SeedlinkPolicy
+metadata: {{name: api, namespace: {SHOOT_NS}}}
+spec:
+  targetRefs: [{{group: gateway.networking.k8s.io, kind: TLSRoute, name: api}}]
+  destinations: ['outbound|443||kube-apiserver.{SHOOT_NS}.svc.cluster.local']
+"
+    ));
+    eventually_blocking(
+        "the node-proxy turns Ready",
+        Duration::from_secs(120),
+        || {
+            let (code, body) = pod_get("127.0.0.1", 9911, "/readyz");
+            (code == "200")
+                .then_some(())
+                .ok_or(format!("{code} {body}"))
+        },
+    );
+    let node_proxy = shoot_kubeconfig(c, "node-proxy", NODE_PROXY, "kubernetes.default.svc", pki);
+    reaches_the_shoot(
+        kubectl,
+        &node_proxy,
+        "the shoot's kube-apiserver through its node-proxy",
+    );
+    node_proxy
+}
+
+/// The sidecar install's egress over both Unix-socket transports.
+fn sidecar_paths(c: &Cluster, lb: &str, seed: &Path, kubectl: &Path, echo: &str) {
+    // The per-control-plane sidecar install: kube-apiserver's egress over
+    // gRPC on a Unix socket to a tunnel-server in its own pod, then over
+    // HTTPConnect on the other socket, to agents from a second release of
+    // the shoot chart.
+    let shoot_b = sidecar_control_plane(c, lb, seed, "grpc");
+    reaches_the_shoot(kubectl, &shoot_b, "the sidecar shoot through the gateway");
+    let egress_file = sidecar_egress_file(c);
+    assert!(
+        egress_file.contains("proxyProtocol: GRPC")
+            && egress_file.contains("/run/konnectivity/grpc.sock"),
+        "{egress_file}"
+    );
+    shoot_node(c, &shoot_b, echo);
+    reaches_through_the_tunnel(
+        kubectl,
+        &shoot_b,
+        "the sidecar shoot's kube-apiserver through gRPC on a Unix socket",
+    );
+    sidecar_transport(c, "http");
+    let egress_file = sidecar_egress_file(c);
+    assert!(
+        egress_file.contains("proxyProtocol: HTTPConnect")
+            && egress_file.contains("/run/konnectivity/http.sock"),
+        "{egress_file}"
+    );
+    reaches_the_shoot(kubectl, &shoot_b, "the sidecar shoot, rolled");
+    shoot_node(c, &shoot_b, echo);
+    reaches_through_the_tunnel(
+        kubectl,
+        &shoot_b,
+        "the sidecar shoot's kube-apiserver through HTTPConnect on a Unix socket",
+    );
+}
+
+/// Day 2: `kubectl rollout restart`.
+fn day2_rollout_restart(c: &Cluster, load: &Load, figures: &mut Vec<String>) {
+    step("kubectl rollout restart", load, figures, || {
+        c.kubectl_ok(&["-n", NS, "rollout", "restart", "deployment/seedlink"]);
+        rolled_out(c);
+    });
+}
+
+/// Day 2: `helm upgrade` to a new image reference.
+fn day2_helm_upgrade(c: &Cluster, load: &Load, figures: &mut Vec<String>, chart: &str) {
+    // A new image reference (the same binary under a second tag, as a
+    // registry would hold a new version).
+    run(&mut c.ctr(&[
+        "images",
+        "tag",
+        "--force",
+        &format!("localhost/seedlink:{}", env!("CARGO_PKG_VERSION")),
+        "localhost/seedlink:next",
+    ]));
+    step("helm upgrade to a new image", load, figures, || {
+        helm_cmd(
+            c,
+            &[
+                "upgrade",
+                "seedlink",
+                chart,
+                "--namespace",
+                NS,
+                "--reuse-values",
+                "--set",
+                "image.tag=next",
+            ],
+        );
+        rolled_out(c);
+    });
+    let image = jsonpath(
+        c,
+        &["-n", NS, "get", "deployment", "seedlink"],
+        "{.spec.template.spec.containers[0].image}",
+    );
+    assert_eq!(image, "localhost/seedlink:next");
+}
+
+/// Day 2: scaling to 3 while new pods cannot reach the API server, then
+/// back to 2.
+fn day2_scale_with_the_api_server_unreachable(c: &Cluster, load: &Load, figures: &mut Vec<String>) {
+    // The API server unreachable from the pods while the Deployment grows
+    // to three: the new pod runs but stays unready, its /readyz saying why,
+    // while the Ready ones keep serving what they last read. Reachable
+    // again, it becomes Ready, and every pod's tunnel tells its agents
+    // `servercount` 3; then back to 2.
+    let port = c.api.addr.port().to_string();
+    // New connections only: the Ready pods' watches stay up, as they do
+    // when a partition leaves established connections alone.
+    let partition = format!(
+        "INPUT -s {POD_SUBNET} -d {NODE_IP} -p tcp --dport {port} -m conntrack --ctstate NEW \
+         -j REJECT --reject-with tcp-reset"
+    );
+    let partition: Vec<&str> = partition.split_whitespace().collect();
+    server_counts_are(c, 2);
+    let mut why = String::new();
+    step(
+        "scaled to 3 with the API server unreachable from the pods",
+        load,
+        figures,
+        || {
+            let before: Vec<String> = pods(c).into_iter().map(|p| p.0).collect();
+            run(Command::new("iptables").arg("-I").args(&partition));
+            c.kubectl_ok(&["-n", NS, "scale", "deployment/seedlink", "--replicas=3"]);
+            why = eventually_blocking(
+                "the new pod runs, unready, saying why",
+                Duration::from_secs(180),
+                || {
+                    let new = pods(c).into_iter().find(|p| !before.contains(&p.0));
+                    let Some((name, ip, ready)) = new.filter(|p| !p.1.is_empty()) else {
+                        return Err("no new pod with an address yet".to_string());
+                    };
+                    assert!(!ready, "{name} became Ready without the API server");
+                    let (code, body) = pod_get(&ip, 9901, "/readyz");
+                    (code == "503" && body.contains("[-]kubernetes"))
+                        .then_some(body.clone())
+                        .ok_or(format!("{code} {body}"))
+                },
+            );
+            let ready = pods(c).iter().filter(|p| p.2).count();
+            assert_eq!(ready, 2, "the Ready pods stay Ready through the outage");
+            run(Command::new("iptables").arg("-D").args(&partition));
+            rolled_out(c);
+        },
+    );
+    eprintln!(
+        "installed: the unready pod's /readyz: {}",
+        why.trim().replace('\n', " | ")
+    );
+    server_counts_are(c, 3);
+    agents_on_every_pod(c, 3);
+    step(
+        "scaled back to 2, until the third pod has drained",
+        load,
+        figures,
+        || {
+            c.kubectl_ok(&["-n", NS, "scale", "deployment/seedlink", "--replicas=2"]);
+            rolled_out(c);
+            eventually_blocking("the third pod ends", Duration::from_secs(300), || {
+                let all = jsonpath(
+                    c,
+                    &[
+                        "-n",
+                        NS,
+                        "get",
+                        "pods",
+                        "-l",
+                        "app.kubernetes.io/name=seedlink",
+                    ],
+                    "{.items[*].metadata.name}",
+                );
+                (all.split_whitespace().count() == 2)
+                    .then_some(())
+                    .ok_or(all)
+            });
+        },
+    );
+    server_counts_are(c, 2);
+}
+
+/// Day 2: the status leader's pod deleted.
+fn day2_leader_pod_deleted(c: &Cluster, load: &Load, figures: &mut Vec<String>) {
+    // The status leader's pod deleted: another takes the lease, and a new
+    // route's status is still written.
+    let holder = eventually_blocking("a status leader", Duration::from_secs(60), || {
+        let h = lease_holder(c);
+        (!h.is_empty()).then_some(h).ok_or("none")
+    });
+    let mut takeover = Duration::ZERO;
+    step(
+        "the status leader's pod deleted, until it has drained",
+        load,
+        figures,
+        || {
+            let t = Instant::now();
+            c.kubectl_ok(&["-n", NS, "delete", "pod", &holder, "--wait=false"]);
+            eventually_blocking(
+                "another pod takes the lease",
+                Duration::from_secs(120),
+                || {
+                    let h = lease_holder(c);
+                    (!h.is_empty() && h != holder).then_some(()).ok_or(h)
+                },
+            );
+            takeover = t.elapsed();
+            rolled_out(c);
+            route(c, "after-takeover", "after.example");
+            eventually_blocking(
+                "the new leader writes status",
+                Duration::from_secs(120),
+                || {
+                    let s = accepted(c, "after-takeover");
+                    (s == "True").then_some(()).ok_or(s)
+                },
+            );
+            eventually_blocking(
+                "the old leader's pod ends",
+                Duration::from_secs(300),
+                || {
+                    let o = c.kubectl(&["-n", NS, "get", "pod", &holder, "-o", "name"]);
+                    (!o.status.success()).then_some(()).ok_or("still there")
+                },
+            );
+        },
+    );
+    figures.push(format!(
+        "status lease taken over {:.1} s after the leader's pod was deleted \
+         (it leads through its 15 s preStop sleep and releases the lease as it drains)",
+        takeover.as_secs_f64()
+    ));
+}
+
+/// Day 2: the node drained with the PodDisruptionBudget in place.
+fn day2_node_drained(c: &Cluster, load: &Load, figures: &mut Vec<String>) {
+    // The node drained with the PodDisruptionBudget in place (one node:
+    // the evicted pod's successor cannot be scheduled while it is
+    // cordoned). One pod is evicted and drains; the PDB refuses the other
+    // eviction for as long as the drain tries, so one replica serves
+    // throughout; uncordoned, the successor starts.
+    let mut refused = String::new();
+    step(
+        "the node drained with the PDB in place, then uncordoned",
+        load,
+        figures,
+        || {
+            let before: Vec<String> = pods(c).into_iter().map(|p| p.0).collect();
+            let o = c.kubectl(&[
+                "drain",
+                NODE_NAME,
+                "--ignore-daemonsets",
+                "--delete-emptydir-data",
+                "--pod-selector=app.kubernetes.io/name=seedlink",
+                "--timeout=30s",
+            ]);
+            let err = String::from_utf8_lossy(&o.stderr).into_owned();
+            assert!(
+                !o.status.success() && err.contains("disruption budget"),
+                "the PDB let the drain evict every pod: {err}"
+            );
+            refused = err
+                .lines()
+                .find(|l| l.contains("disruption budget"))
+                .unwrap_or_default()
+                .to_string();
+            let now = pods(c);
+            let kept: Vec<&String> = now
+                .iter()
+                .filter(|p| p.2 && before.contains(&p.0))
+                .map(|p| &p.0)
+                .collect();
+            assert_eq!(kept.len(), 1, "one replica stays Ready: {now:?}");
+            c.kubectl_ok(&["uncordon", NODE_NAME]);
+            rolled_out(c);
+        },
+    );
+    eprintln!("installed: the drain was refused: {}", refused.trim());
+}
+
+/// `helm uninstall` of the three releases leaves only what existed before
+/// (and what the docs list).
+fn uninstall_leaves_nothing(c: &Cluster, before: &[String]) {
+    // Uninstall: what is left is the CRDs the chart installed (Helm never
+    // deletes crds/) and the Secrets the operator made, both there before.
+    for ns in [SHOOT_NS, "shoot-workload", SIDECAR_NS, SIDECAR_AGENTS_NS] {
+        c.kubectl_ok(&["delete", "namespace", ns, "--wait=false"]);
+    }
+    helm_cmd(
+        c,
+        &[
+            "uninstall",
+            "seedlink-shoot",
+            "--namespace",
+            "kube-system",
+            "--wait",
+        ],
+    );
+    helm_cmd(
+        c,
+        &[
+            "uninstall",
+            "seedlink-shoot-b",
+            "--namespace",
+            SIDECAR_AGENTS_NS,
+            "--wait",
+        ],
+    );
+    helm_cmd(c, &["uninstall", "seedlink", "--namespace", NS, "--wait"]);
+    // Until the last pod has drained and ended (nothing of seedlink runs
+    // that could write an object back).
+    eventually_blocking("seedlink's pods end", Duration::from_secs(300), || {
+        let pods = jsonpath(
+            c,
+            &["get", "pods", "-A", "-l", "app.kubernetes.io/name"],
+            "{.items[*].metadata.name}",
+        );
+        pods.is_empty().then_some(()).ok_or(pods)
+    });
+    let after = inventory(c);
+    let left: Vec<&String> = after.iter().filter(|o| !before.contains(o)).collect();
+    eprintln!("installed: left after helm uninstall: {left:?}");
+    let allowed = |o: &str| {
+        // The node's heartbeat, and the shoot's namespace being deleted.
+        o == "Lease/kube-node-lease/node-1"
+            || o.contains(&format!("/{SHOOT_NS}/"))
+            || o.contains("/shoot-workload/")
+            || o.contains(&format!("/{SIDECAR_NS}/"))
+            || o.contains(&format!("/{SIDECAR_AGENTS_NS}/"))
+    };
+    let unexpected: Vec<&&String> = left.iter().filter(|o| !allowed(o)).collect();
+    assert!(
+        unexpected.is_empty(),
+        "helm uninstall left {unexpected:?} (all that is new: {left:?})"
+    );
+}
+
 #[test]
 fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
     let c = Cluster::start(Options {
@@ -1434,84 +1802,8 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
 
     kubelet_and_webhook_through_the_tunnel(&c, &kubectl, &kubeconfig, &pki);
 
-    // In-cluster clients to their own API server (GEP-08): the shoot
-    // chart's node-proxy serves the `kubernetes` address on the node and
-    // carries each connection to the gateway's CONNECT listener, which
-    // routes its destination header to the shoot's kube-apiserver.
-    // The node-proxy is not Ready while the gateway knows no control plane
-    // by the destination it names: its check opens a tunnel as a client's.
-    let np = eventually_blocking(
-        "the node-proxy's check ran",
-        Duration::from_secs(120),
-        || {
-            let (code, body) = pod_get("127.0.0.1", 9911, "/readyz");
-            (code == "503" && body.contains("health_check=tunnel") && body.contains("last_check="))
-                .then_some(body.clone())
-                .ok_or(format!("{code} {body}"))
-        },
-    );
-    eprintln!(
-        "installed: node-proxy before its destination exists: {}",
-        np.trim()
-    );
-    // The destination the node-proxy names, on the shoot's route.
-    c.apply(&format!(
-        "apiVersion: policy.seedlink.dev/v1alpha1
-kind: SeedlinkPolicy
-metadata: {{name: api, namespace: {SHOOT_NS}}}
-spec:
-  targetRefs: [{{group: gateway.networking.k8s.io, kind: TLSRoute, name: api}}]
-  destinations: ['outbound|443||kube-apiserver.{SHOOT_NS}.svc.cluster.local']
-"
-    ));
-    eventually_blocking(
-        "the node-proxy turns Ready",
-        Duration::from_secs(120),
-        || {
-            let (code, body) = pod_get("127.0.0.1", 9911, "/readyz");
-            (code == "200")
-                .then_some(())
-                .ok_or(format!("{code} {body}"))
-        },
-    );
-    let node_proxy = shoot_kubeconfig(&c, "node-proxy", NODE_PROXY, "kubernetes.default.svc", &pki);
-    reaches_the_shoot(
-        &kubectl,
-        &node_proxy,
-        "the shoot's kube-apiserver through its node-proxy",
-    );
-    // The per-control-plane sidecar install: kube-apiserver's egress over
-    // gRPC on a Unix socket to a tunnel-server in its own pod, then over
-    // HTTPConnect on the other socket, to agents from a second release of
-    // the shoot chart.
-    let shoot_b = sidecar_control_plane(&c, &lb, &seed, "grpc");
-    reaches_the_shoot(&kubectl, &shoot_b, "the sidecar shoot through the gateway");
-    let egress_file = sidecar_egress_file(&c);
-    assert!(
-        egress_file.contains("proxyProtocol: GRPC")
-            && egress_file.contains("/run/konnectivity/grpc.sock"),
-        "{egress_file}"
-    );
-    shoot_node(&c, &shoot_b, &echo);
-    reaches_through_the_tunnel(
-        &kubectl,
-        &shoot_b,
-        "the sidecar shoot's kube-apiserver through gRPC on a Unix socket",
-    );
-    sidecar_transport(&c, "http");
-    let egress_file = sidecar_egress_file(&c);
-    assert!(
-        egress_file.contains("proxyProtocol: HTTPConnect")
-            && egress_file.contains("/run/konnectivity/http.sock"),
-        "{egress_file}"
-    );
-    reaches_the_shoot(&kubectl, &shoot_b, "the sidecar shoot, rolled");
-    shoot_node(&c, &shoot_b, &echo);
-    reaches_through_the_tunnel(
-        &kubectl,
-        &shoot_b,
-        "the sidecar shoot's kube-apiserver through HTTPConnect on a Unix socket",
-    );
+    let node_proxy = node_proxy_path(&c, &kubectl, &pki);
+    sidecar_paths(&c, &lb, &seed, &kubectl, &echo);
 
     let asks = vec![
         (kubeconfig.clone(), "/version"),
@@ -1520,212 +1812,11 @@ spec:
     ];
     let load = Load::start(kubectl.clone(), asks, c.netns.clone());
     load.wait_for(3);
-    step("kubectl rollout restart", &load, &mut figures, || {
-        c.kubectl_ok(&["-n", NS, "rollout", "restart", "deployment/seedlink"]);
-        rolled_out(&c);
-    });
-
-    // A new image reference (the same binary under a second tag, as a
-    // registry would hold a new version).
-    run(&mut c.ctr(&[
-        "images",
-        "tag",
-        "--force",
-        &format!("localhost/seedlink:{}", env!("CARGO_PKG_VERSION")),
-        "localhost/seedlink:next",
-    ]));
-    step("helm upgrade to a new image", &load, &mut figures, || {
-        helm_cmd(
-            &c,
-            &[
-                "upgrade",
-                "seedlink",
-                &chart,
-                "--namespace",
-                NS,
-                "--reuse-values",
-                "--set",
-                "image.tag=next",
-            ],
-        );
-        rolled_out(&c);
-    });
-    let image = jsonpath(
-        &c,
-        &["-n", NS, "get", "deployment", "seedlink"],
-        "{.spec.template.spec.containers[0].image}",
-    );
-    assert_eq!(image, "localhost/seedlink:next");
-
-    // The API server unreachable from the pods while the Deployment grows
-    // to three: the new pod runs but stays unready, its /readyz saying why,
-    // while the Ready ones keep serving what they last read. Reachable
-    // again, it becomes Ready, and every pod's tunnel tells its agents
-    // `servercount` 3; then back to 2.
-    let port = c.api.addr.port().to_string();
-    // New connections only: the Ready pods' watches stay up, as they do
-    // when a partition leaves established connections alone.
-    let partition = format!(
-        "INPUT -s {POD_SUBNET} -d {NODE_IP} -p tcp --dport {port} -m conntrack --ctstate NEW \
-         -j REJECT --reject-with tcp-reset"
-    );
-    let partition: Vec<&str> = partition.split_whitespace().collect();
-    server_counts_are(&c, 2);
-    let mut why = String::new();
-    step(
-        "scaled to 3 with the API server unreachable from the pods",
-        &load,
-        &mut figures,
-        || {
-            let before: Vec<String> = pods(&c).into_iter().map(|p| p.0).collect();
-            run(Command::new("iptables").arg("-I").args(&partition));
-            c.kubectl_ok(&["-n", NS, "scale", "deployment/seedlink", "--replicas=3"]);
-            why = eventually_blocking(
-                "the new pod runs, unready, saying why",
-                Duration::from_secs(180),
-                || {
-                    let new = pods(&c).into_iter().find(|p| !before.contains(&p.0));
-                    let Some((name, ip, ready)) = new.filter(|p| !p.1.is_empty()) else {
-                        return Err("no new pod with an address yet".to_string());
-                    };
-                    assert!(!ready, "{name} became Ready without the API server");
-                    let (code, body) = pod_get(&ip, 9901, "/readyz");
-                    (code == "503" && body.contains("[-]kubernetes"))
-                        .then_some(body.clone())
-                        .ok_or(format!("{code} {body}"))
-                },
-            );
-            let ready = pods(&c).iter().filter(|p| p.2).count();
-            assert_eq!(ready, 2, "the Ready pods stay Ready through the outage");
-            run(Command::new("iptables").arg("-D").args(&partition));
-            rolled_out(&c);
-        },
-    );
-    eprintln!(
-        "installed: the unready pod's /readyz: {}",
-        why.trim().replace('\n', " | ")
-    );
-    server_counts_are(&c, 3);
-    agents_on_every_pod(&c, 3);
-    step(
-        "scaled back to 2, until the third pod has drained",
-        &load,
-        &mut figures,
-        || {
-            c.kubectl_ok(&["-n", NS, "scale", "deployment/seedlink", "--replicas=2"]);
-            rolled_out(&c);
-            eventually_blocking("the third pod ends", Duration::from_secs(300), || {
-                let all = jsonpath(
-                    &c,
-                    &[
-                        "-n",
-                        NS,
-                        "get",
-                        "pods",
-                        "-l",
-                        "app.kubernetes.io/name=seedlink",
-                    ],
-                    "{.items[*].metadata.name}",
-                );
-                (all.split_whitespace().count() == 2)
-                    .then_some(())
-                    .ok_or(all)
-            });
-        },
-    );
-    server_counts_are(&c, 2);
-
-    // The status leader's pod deleted: another takes the lease, and a new
-    // route's status is still written.
-    let holder = eventually_blocking("a status leader", Duration::from_secs(60), || {
-        let h = lease_holder(&c);
-        (!h.is_empty()).then_some(h).ok_or("none")
-    });
-    let mut takeover = Duration::ZERO;
-    step(
-        "the status leader's pod deleted, until it has drained",
-        &load,
-        &mut figures,
-        || {
-            let t = Instant::now();
-            c.kubectl_ok(&["-n", NS, "delete", "pod", &holder, "--wait=false"]);
-            eventually_blocking(
-                "another pod takes the lease",
-                Duration::from_secs(120),
-                || {
-                    let h = lease_holder(&c);
-                    (!h.is_empty() && h != holder).then_some(()).ok_or(h)
-                },
-            );
-            takeover = t.elapsed();
-            rolled_out(&c);
-            route(&c, "after-takeover", "after.example");
-            eventually_blocking(
-                "the new leader writes status",
-                Duration::from_secs(120),
-                || {
-                    let s = accepted(&c, "after-takeover");
-                    (s == "True").then_some(()).ok_or(s)
-                },
-            );
-            eventually_blocking(
-                "the old leader's pod ends",
-                Duration::from_secs(300),
-                || {
-                    let o = c.kubectl(&["-n", NS, "get", "pod", &holder, "-o", "name"]);
-                    (!o.status.success()).then_some(()).ok_or("still there")
-                },
-            );
-        },
-    );
-    figures.push(format!(
-        "status lease taken over {:.1} s after the leader's pod was deleted \
-         (it leads through its 15 s preStop sleep and releases the lease as it drains)",
-        takeover.as_secs_f64()
-    ));
-
-    // The node drained with the PodDisruptionBudget in place (one node:
-    // the evicted pod's successor cannot be scheduled while it is
-    // cordoned). One pod is evicted and drains; the PDB refuses the other
-    // eviction for as long as the drain tries, so one replica serves
-    // throughout; uncordoned, the successor starts.
-    let mut refused = String::new();
-    step(
-        "the node drained with the PDB in place, then uncordoned",
-        &load,
-        &mut figures,
-        || {
-            let before: Vec<String> = pods(&c).into_iter().map(|p| p.0).collect();
-            let o = c.kubectl(&[
-                "drain",
-                NODE_NAME,
-                "--ignore-daemonsets",
-                "--delete-emptydir-data",
-                "--pod-selector=app.kubernetes.io/name=seedlink",
-                "--timeout=30s",
-            ]);
-            let err = String::from_utf8_lossy(&o.stderr).into_owned();
-            assert!(
-                !o.status.success() && err.contains("disruption budget"),
-                "the PDB let the drain evict every pod: {err}"
-            );
-            refused = err
-                .lines()
-                .find(|l| l.contains("disruption budget"))
-                .unwrap_or_default()
-                .to_string();
-            let now = pods(&c);
-            let kept: Vec<&String> = now
-                .iter()
-                .filter(|p| p.2 && before.contains(&p.0))
-                .map(|p| &p.0)
-                .collect();
-            assert_eq!(kept.len(), 1, "one replica stays Ready: {now:?}");
-            c.kubectl_ok(&["uncordon", NODE_NAME]);
-            rolled_out(&c);
-        },
-    );
-    eprintln!("installed: the drain was refused: {}", refused.trim());
+    day2_rollout_restart(&c, &load, &mut figures);
+    day2_helm_upgrade(&c, &load, &mut figures, &chart);
+    day2_scale_with_the_api_server_unreachable(&c, &load, &mut figures);
+    day2_leader_pod_deleted(&c, &load, &mut figures);
+    day2_node_drained(&c, &load, &mut figures);
     let (sent, failed) = load.counts();
     let errors = load.errors.lock().unwrap().clone();
     drop(load);
@@ -1740,56 +1831,5 @@ spec:
         c.dir.display()
     );
 
-    // Uninstall: what is left is the CRDs the chart installed (Helm never
-    // deletes crds/) and the Secrets the operator made, both there before.
-    for ns in [SHOOT_NS, "shoot-workload", SIDECAR_NS, SIDECAR_AGENTS_NS] {
-        c.kubectl_ok(&["delete", "namespace", ns, "--wait=false"]);
-    }
-    helm_cmd(
-        &c,
-        &[
-            "uninstall",
-            "seedlink-shoot",
-            "--namespace",
-            "kube-system",
-            "--wait",
-        ],
-    );
-    helm_cmd(
-        &c,
-        &[
-            "uninstall",
-            "seedlink-shoot-b",
-            "--namespace",
-            SIDECAR_AGENTS_NS,
-            "--wait",
-        ],
-    );
-    helm_cmd(&c, &["uninstall", "seedlink", "--namespace", NS, "--wait"]);
-    // Until the last pod has drained and ended (nothing of seedlink runs
-    // that could write an object back).
-    eventually_blocking("seedlink's pods end", Duration::from_secs(300), || {
-        let pods = jsonpath(
-            &c,
-            &["get", "pods", "-A", "-l", "app.kubernetes.io/name"],
-            "{.items[*].metadata.name}",
-        );
-        pods.is_empty().then_some(()).ok_or(pods)
-    });
-    let after = inventory(&c);
-    let left: Vec<&String> = after.iter().filter(|o| !before.contains(o)).collect();
-    eprintln!("installed: left after helm uninstall: {left:?}");
-    let allowed = |o: &str| {
-        // The node's heartbeat, and the shoot's namespace being deleted.
-        o == "Lease/kube-node-lease/node-1"
-            || o.contains(&format!("/{SHOOT_NS}/"))
-            || o.contains("/shoot-workload/")
-            || o.contains(&format!("/{SIDECAR_NS}/"))
-            || o.contains(&format!("/{SIDECAR_AGENTS_NS}/"))
-    };
-    let unexpected: Vec<&&String> = left.iter().filter(|o| !allowed(o)).collect();
-    assert!(
-        unexpected.is_empty(),
-        "helm uninstall left {unexpected:?} (all that is new: {left:?})"
-    );
+    uninstall_leaves_nothing(&c, &before);
 }
