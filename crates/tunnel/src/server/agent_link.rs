@@ -391,3 +391,125 @@ impl Blocked {
 }
 
 pub(super) static NEXT_UID: AtomicU64 = AtomicU64::new(1);
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::time::{Duration, Instant};
+
+    use bytes::Bytes;
+    use tokio::sync::oneshot;
+
+    use crate::proto::Packet;
+    use crate::queue;
+    use crate::server::link::Timers;
+    use crate::server::testing::{cluster, LIVE, TIMERS};
+    use crate::server::*;
+
+    /// The receive loop holds two timer futures while a connection waits
+    /// for room (its own, idle, and the one the wait polls): a dial whose
+    /// deadline comes before the waiting one's wakes the one being polled,
+    /// which answers it. (With a wake-up for the oldest sleeper only, the
+    /// polled one slept on to the stall deadline, an hour here.)
+    #[tokio::test]
+    async fn an_earlier_timer_wakes_every_sleeper() {
+        let c = cluster(&[Strategy::Default]);
+        let timers = Timers {
+            stall: Duration::from_secs(3600),
+            ..TIMERS
+        };
+        let (link, _to_agent) = attach(&c, "a".into(), Identifiers::default(), false, timers);
+        let now = Instant::now();
+        link.with(now, |m, _| m.blocked(now, 99));
+        let outer = link.next_timeout();
+        tokio::pin!(outer);
+        let inner = link.next_timeout();
+        tokio::pin!(inner);
+        for f in [&mut outer, &mut inner] {
+            tokio::select! {
+                biased;
+                _ = f => panic!("nothing is due yet"),
+                () = std::future::ready(()) => {}
+            }
+        }
+        let (qtx, _reader) = queue::queue(4);
+        let ends = ConnEnds {
+            queue: qtx,
+            credit: None,
+        };
+        let (reply, answer) = oneshot::channel();
+        link.with(Instant::now(), |m, out| {
+            m.dial(7, "h:1", Instant::now(), reply, ends, out);
+        });
+        // A bound that only stops a broken build.
+        let woke = tokio::time::timeout(Duration::from_secs(30), &mut inner).await;
+        assert_eq!(
+            woke.ok(),
+            Some(None),
+            "the polled sleeper woke and handled the dial"
+        );
+        assert_eq!(answer.await.ok(), Some(Err(DialError::Timeout)));
+    }
+
+    /// Four bytes of DATA.
+    fn four() -> Packet {
+        Packet::data(1, Bytes::from_static(b"1234"))
+    }
+
+    /// A link (with or without flow control) whose connection 1 has a
+    /// 4-byte queue nobody reads, already holding four bytes; and what
+    /// must stay alive meanwhile (the queue's reader, the dialer).
+    fn with_four_queued(
+        c: &Cluster,
+        flow: bool,
+        timers: Timers,
+    ) -> (std::sync::Arc<AgentLink>, impl Sized) {
+        let (link, to_agent) = attach(c, "a".into(), Identifiers::default(), flow, timers);
+        let (qtx, reader) = queue::queue(4);
+        let ends = ConnEnds {
+            queue: qtx,
+            credit: flow.then(crate::flow::SendCredit::new),
+        };
+        let (reply, answer) = oneshot::channel();
+        let now = Instant::now();
+        link.with(now, |m, out| {
+            m.dial(7, "h:1", now + LIVE, reply, ends, out);
+        });
+        link.on_agent_packet(Packet::dial_rsp(7, 1, String::new()));
+        assert!(link.on_agent_packet(four()).1.is_none());
+        (link, (to_agent, reader, answer))
+    }
+
+    /// A reader that takes nothing: the wait for room ends at the
+    /// machine's stall deadline, with that connection reset.
+    #[tokio::test]
+    async fn a_wait_for_room_ends_at_the_stall_deadline() {
+        let c = cluster(&[Strategy::Default]);
+        let timers = Timers {
+            stall: Duration::from_millis(50),
+            ..TIMERS
+        };
+        let (link, _keep) = with_four_queued(&c, false, timers);
+        let (h, blocked) = link.on_agent_packet(four());
+        assert_eq!(h, Handled::Full);
+        let Some(b) = blocked else {
+            panic!("the second chunk does not fit")
+        };
+        assert_eq!(b.resume(&link).await, Handled::Stalled);
+        assert_eq!(link.conn_count(), 0);
+    }
+
+    /// With flow control agreed, DATA beyond the connection's own limit is
+    /// more than the agent had credit for: that connection is closed at
+    /// once, and the stream is not held waiting for room.
+    #[tokio::test]
+    async fn an_overrun_window_closes_its_connection_and_holds_nothing() {
+        let c = cluster(&[Strategy::Default]);
+        let (link, _keep) = with_four_queued(&c, true, TIMERS);
+        let (h, blocked) = link.on_agent_packet(four());
+        assert_eq!(h, Handled::Unexpected);
+        assert!(blocked.is_none(), "nothing to wait for");
+        assert_eq!(link.conn_count(), 0);
+    }
+}

@@ -257,3 +257,106 @@ pub fn detach(cluster: &Cluster, link: &Arc<AgentLink>) {
     }
     link.fail_all();
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::time::Duration;
+
+    use crate::proto::Packet;
+
+    use crate::server::testing::{cluster, LIVE, TIMERS};
+    use crate::server::*;
+
+    #[test]
+    fn strategies_pick_in_order_and_prefer_non_draining_agents() {
+        let c = cluster(&[Strategy::DestHost, Strategy::Cidr, Strategy::DefaultRoute]);
+        let (a, _) = attach(
+            &c,
+            "a".into(),
+            Identifiers::parse("host=node-a&ipv4=10.0.0.5").0,
+            false,
+            TIMERS,
+        );
+        let (b, _) = attach(
+            &c,
+            "b".into(),
+            Identifiers::parse("cidr=10.1.0.0/16").0,
+            false,
+            TIMERS,
+        );
+        let (d, _) = attach(
+            &c,
+            "d".into(),
+            Identifiers::parse("default-route=true").0,
+            false,
+            TIMERS,
+        );
+        assert_eq!(c.pick("10.0.0.5", LIVE).unwrap().agent_id, "a");
+        assert_eq!(c.pick("NODE-A", LIVE).unwrap().agent_id, "a");
+        assert_eq!(c.pick("10.1.2.3", LIVE).unwrap().agent_id, "b");
+        assert_eq!(c.pick("192.168.1.1", LIVE).unwrap().agent_id, "d");
+        assert_eq!(c.pick("[fd00::1]", LIVE).unwrap().agent_id, "d");
+        // No `default` strategy: nothing matches without default-route.
+        detach(&c, &d);
+        assert_eq!(c.pick("192.168.1.1", LIVE).err(), Some(DialError::NoAgent));
+        // A draining agent is used only when no other fits.
+        let (a2, _) = attach(
+            &c,
+            "a2".into(),
+            Identifiers::parse("ipv4=10.0.0.5").0,
+            false,
+            TIMERS,
+        );
+        a.on_agent_packet(Packet::drain());
+        for _ in 0..20 {
+            assert_eq!(c.pick("10.0.0.5", LIVE).unwrap().agent_id, "a2");
+        }
+        a2.on_agent_packet(Packet::drain());
+        assert!(c.pick("10.0.0.5", LIVE).is_ok());
+        let _ = b;
+    }
+
+    #[test]
+    fn a_silent_agent_is_skipped_and_alone_fails_the_dial_at_once() {
+        let c = cluster(&[Strategy::Default]);
+        let (frozen, _) = attach(&c, "frozen".into(), Identifiers::default(), false, TIMERS);
+        let stamp = activity::Activity::new();
+        stamp.backdate(Duration::from_secs(30));
+        let _ = frozen.activity.set(stamp);
+        match c.pick("h", LIVE) {
+            Err(DialError::Unresponsive(s)) => assert!(s >= Duration::from_secs(30)),
+            other => panic!(
+                "expected Unresponsive, got {:?}",
+                other.map(|l| l.agent_id.clone())
+            ),
+        }
+        assert_eq!(
+            DialError::Unresponsive(Duration::from_secs(30)).http_status(),
+            503
+        );
+        // A live agent (stamped now, or never stamped) takes every dial.
+        let (live, _) = attach(&c, "live".into(), Identifiers::default(), false, TIMERS);
+        let _ = live.activity.set(activity::Activity::new());
+        for _ in 0..20 {
+            assert_eq!(
+                c.pick("h", LIVE)
+                    .map(|l| l.agent_id.clone())
+                    .ok()
+                    .as_deref(),
+                Some("live")
+            );
+        }
+    }
+
+    #[test]
+    fn only_an_agents_first_stream_takes_dials() {
+        let c = cluster(&[Strategy::Default]);
+        let (first, _) = attach(&c, "x".into(), Identifiers::default(), false, TIMERS);
+        let (_second, _) = attach(&c, "x".into(), Identifiers::default(), false, TIMERS);
+        for _ in 0..20 {
+            assert_eq!(c.pick("h", LIVE).unwrap().uid, first.uid);
+        }
+    }
+}

@@ -332,3 +332,171 @@ pub(super) async fn await_answer(
 /// How long after its deadline a dial is answered by [`await_answer`]
 /// itself, should the link machine's timer not have answered it.
 pub(super) const ANSWER_BACKSTOP: Duration = Duration::from_secs(1);
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::time::Duration;
+
+    use tokio_util::sync::CancellationToken;
+
+    use crate::proto::Packet;
+
+    use crate::server::testing::{cluster, LIVE, TIMERS};
+    use crate::server::*;
+
+    /// The driver half of the timers: a dial registered while the timer
+    /// loop sleeps with nothing due wakes it, and the machine answers the
+    /// dial with the timeout (the agent gets DIAL_REQ, then DIAL_CLS).
+    #[tokio::test]
+    async fn the_timer_loop_answers_a_dial_at_its_deadline() {
+        let c = cluster(&[Strategy::Default]);
+        let (link, to_agent) = attach(&c, "a".into(), Identifiers::default(), false, TIMERS);
+        let timers = {
+            let link = link.clone();
+            tokio::spawn(async move {
+                loop {
+                    link.next_timeout().await;
+                }
+            })
+        };
+        tokio::task::yield_now().await;
+        let settings = DialSettings {
+            timeout: Duration::from_millis(50),
+            queue_bytes: 1 << 16,
+            unresponsive_after: LIVE,
+            agent_wait: Duration::ZERO,
+        };
+        let r = dial(&c, "h:1", settings, &CancellationToken::new()).await;
+        assert_eq!(r.err(), Some(DialError::Timeout));
+        let kinds: Vec<_> = std::iter::from_fn(|| to_agent.try_next())
+            .map(|p| p.kind())
+            .collect();
+        use crate::proto::PacketType as T;
+        assert_eq!(kinds, [Some(T::DialReq), Some(T::DialCls)]);
+        assert_eq!(link.conn_count(), 0);
+        timers.abort();
+    }
+
+    fn waiting(agent_wait: Duration) -> DialSettings {
+        DialSettings {
+            timeout: Duration::from_secs(10),
+            queue_bytes: 1 << 16,
+            unresponsive_after: LIVE,
+            agent_wait,
+        }
+    }
+
+    /// A dial that finds no agent waits for one to join, and the agent
+    /// that joins gets it: the moment a replica is replaced, before the
+    /// agents have found it.
+    #[tokio::test(start_paused = true)]
+    async fn a_dial_with_no_agent_waits_for_one_to_join() {
+        let c = std::sync::Arc::new(cluster(&[Strategy::Default]));
+        let dialing = {
+            let c = c.clone();
+            tokio::spawn(async move {
+                let cancel = CancellationToken::new();
+                dial(&c, "h:1", waiting(Duration::from_secs(3)), &cancel)
+                    .await
+                    .map(|t| t.tx.link.agent_id.clone())
+            })
+        };
+        // The dial is waiting (paused time does not advance while it can).
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!dialing.is_finished());
+        let (link, to_agent) = attach(&c, "late".into(), Identifiers::default(), false, TIMERS);
+        let req = loop {
+            if let Some(p) = to_agent.try_next() {
+                break p;
+            }
+            tokio::task::yield_now().await;
+        };
+        use crate::proto::PacketType as T;
+        assert_eq!(req.kind(), Some(T::DialReq));
+        let Some(crate::proto::Payload::DialRequest(d)) = req.payload else {
+            panic!("not a dial request: {req:?}");
+        };
+        link.on_agent_packet(Packet::dial_rsp(d.random, 7, String::new()));
+        assert_eq!(
+            dialing.await.ok().and_then(Result::ok).as_deref(),
+            Some("late")
+        );
+    }
+
+    /// No agent joins: `no_agent` once the wait is over (not a timeout),
+    /// and at once with no wait; a cancelled caller ends the wait.
+    #[tokio::test(start_paused = true)]
+    async fn a_dial_with_no_agent_fails_after_its_wait() {
+        let c = cluster(&[Strategy::Default]);
+        let cancel = CancellationToken::new();
+        let t0 = tokio::time::Instant::now();
+        let r = dial(&c, "h:1", waiting(Duration::from_secs(3)), &cancel).await;
+        assert_eq!(r.err(), Some(DialError::NoAgent));
+        let waited = t0.elapsed();
+        assert!(waited >= Duration::from_secs(3) && waited < Duration::from_secs(4));
+        let t0 = tokio::time::Instant::now();
+        let r = dial(&c, "h:1", waiting(Duration::ZERO), &cancel).await;
+        assert_eq!(r.err(), Some(DialError::NoAgent));
+        assert_eq!(t0.elapsed(), Duration::ZERO);
+        cancel.cancel();
+        let r = dial(&c, "h:1", waiting(Duration::from_secs(3)), &cancel).await;
+        assert_eq!(r.err(), Some(DialError::Cancelled));
+        // An agent that joins but does not fit the strategy leaves the
+        // dial waiting out its time.
+        let only_a = cluster(&[Strategy::DestHost]);
+        let c = std::sync::Arc::new(only_a);
+        let (_other, _) = attach(&c, "b".into(), Identifiers::default(), false, TIMERS);
+        let r = dial(
+            &c,
+            "h:1",
+            waiting(Duration::from_secs(3)),
+            &CancellationToken::new(),
+        )
+        .await;
+        assert_eq!(r.err(), Some(DialError::NoAgent));
+    }
+
+    /// At most `MAX_WAITING` dials of a cluster wait for an agent; one more
+    /// is answered `no_agent` at once, and a waiting dial whose caller
+    /// goes away gives its place back.
+    #[tokio::test(start_paused = true)]
+    async fn waiting_dials_are_bounded_per_cluster() {
+        use std::sync::atomic::Ordering;
+        let c = std::sync::Arc::new(cluster(&[Strategy::Default]));
+        let mut parked = Vec::new();
+        for _ in 0..cluster::MAX_WAITING {
+            let c = c.clone();
+            parked.push(tokio::spawn(async move {
+                let cancel = CancellationToken::new();
+                dial(&c, "h:1", waiting(Duration::from_secs(3)), &cancel)
+                    .await
+                    .err()
+            }));
+        }
+        while c.waiting.load(Ordering::Acquire) < cluster::MAX_WAITING {
+            tokio::task::yield_now().await;
+        }
+        let t0 = tokio::time::Instant::now();
+        let r = dial(
+            &c,
+            "h:1",
+            waiting(Duration::from_secs(3)),
+            &CancellationToken::new(),
+        )
+        .await;
+        assert_eq!(r.err(), Some(DialError::NoAgent));
+        assert_eq!(t0.elapsed(), Duration::ZERO);
+        let gone = parked.pop().unwrap();
+        gone.abort();
+        let _ = gone.await;
+        assert_eq!(c.waiting.load(Ordering::Acquire), cluster::MAX_WAITING - 1);
+        for p in parked {
+            assert_eq!(p.await.unwrap(), Some(DialError::NoAgent));
+        }
+        assert_eq!(c.waiting.load(Ordering::Acquire), 0);
+    }
+}

@@ -109,3 +109,29 @@ impl DialError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use crate::server::*;
+
+    #[test]
+    fn dial_errors_map_to_upstream_statuses() {
+        assert_eq!(DialError::NoAgent.http_status(), 500);
+        assert_eq!(DialError::Timeout.http_status(), 504);
+        assert_eq!(DialError::AgentGone.http_status(), 502);
+        assert_eq!(
+            DialError::Agent("dial tcp 1.2.3.4:5: i/o timeout".into()).http_status(),
+            504
+        );
+        assert_eq!(
+            DialError::Agent("socket: too many open files".into()).http_status(),
+            503
+        );
+        assert_eq!(
+            DialError::Agent("connect: connection refused".into()).http_status(),
+            502
+        );
+    }
+}

@@ -103,3 +103,22 @@ impl Strategy {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use crate::server::*;
+
+    #[test]
+    fn identifiers_parse_like_upstream_and_report_what_they_ignore() {
+        let (ids, ignored) = Identifiers::parse(
+            "host=Node1&ipv4=10.0.0.5&ipv6=fd00::1&cidr=10.1.0.0/16&default-route=true&uid=x&ipv4=bad",
+        );
+        assert_eq!(ids.hosts, vec!["node1"]);
+        assert_eq!(ids.ips.len(), 2);
+        assert_eq!(ids.cidrs.len(), 1);
+        assert!(ids.default_route);
+        assert_eq!(ignored, vec!["uid".to_string(), "ipv4=bad".to_string()]);
+    }
+}
