@@ -712,6 +712,44 @@ fn answer_meta(
     Ok(meta)
 }
 
+/// Why an agent stream ended; its label is the `agent_streams_total`
+/// reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StreamEnd {
+    /// The agent closed it.
+    Closed,
+    /// The transport failed (a reset, a protocol error).
+    StreamError,
+    /// More packets that move nothing than its budget (flood.rs).
+    ControlFlood,
+    /// The server queued more answers than the agent reads.
+    ControlOverflow,
+    /// The server is shutting down.
+    ServerShutdown,
+    /// Its cluster was removed.
+    ClusterRemoved,
+    /// It carried nothing more while the server drains.
+    DrainedIdle,
+    /// Its cluster was re-keyed away from the agent's credentials.
+    Rekeyed,
+}
+
+impl StreamEnd {
+    /// The metric label and log value.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            StreamEnd::Closed => "closed",
+            StreamEnd::StreamError => "stream_error",
+            StreamEnd::ControlFlood => "control_flood",
+            StreamEnd::ControlOverflow => "control_overflow",
+            StreamEnd::ServerShutdown => "server_shutdown",
+            StreamEnd::ClusterRemoved => "cluster_removed",
+            StreamEnd::DrainedIdle => "drained_idle",
+            StreamEnd::Rekeyed => "rekeyed",
+        }
+    }
+}
+
 /// The receive loop of one stream: each packet goes to the link; it waits
 /// on a connection only when that connection's queue is full (see
 /// queue.rs and docs/TUNNEL.md, "Head-of-line"). It also drives the link's
@@ -729,7 +767,7 @@ async fn receive<S, E>(
     E: ReceiveError,
 {
     let why = receive_loop(&srv, &cluster, &link, inbound).await;
-    if why == "control_flood" {
+    if why == StreamEnd::ControlFlood {
         let until = seedlink_net::clock::now_ms()
             + u64::try_from(crate::flood::COOLDOWN.as_millis()).unwrap_or(u64::MAX);
         cluster
@@ -738,10 +776,11 @@ async fn receive<S, E>(
     }
     detach(&cluster, &link);
     cluster.metrics.agent(-1);
-    if probe && why == "closed" {
+    if probe && why == StreamEnd::Closed {
         srv.metrics.agent_stream(&cluster.name, "duplicate");
         tracing::debug!(cluster = %cluster.name, agent = %link.agent_id, uid = link.uid, "duplicate agent stream closed");
     } else {
+        let why = why.label();
         srv.metrics.agent_stream(&cluster.name, why);
         tracing::info!(cluster = %cluster.name, agent = %link.agent_id, uid = link.uid, why, "agent disconnected");
     }
@@ -754,7 +793,7 @@ async fn receive_loop<S, E>(
     cluster: &Cluster,
     link: &AgentLink,
     mut inbound: S,
-) -> &'static str
+) -> StreamEnd
 where
     S: Stream<Item = Result<Packet, E>> + Unpin,
     E: ReceiveError,
@@ -784,18 +823,18 @@ where
         let waited = match m {
             Some(Ok(p)) if moves_nothing(&p) && !idle.spend(std::time::Instant::now()) => {
                 tracing::info!(agent = %link.agent_id, "agent stream cut: more packets that move nothing than its budget");
-                Err("control_flood")
+                Err(StreamEnd::ControlFlood)
             }
             Some(Ok(p)) => take_packet(srv, cluster, link, p, &mut idle).await,
             Some(Err(e)) if e.flood() => {
                 tracing::info!(agent = %link.agent_id, error = %e, "agent stream cut: more frames that move nothing than its budget");
-                Err("control_flood")
+                Err(StreamEnd::ControlFlood)
             }
             Some(Err(e)) => {
                 tracing::info!(agent = %link.agent_id, error = %e, "agent stream failed");
-                Err("stream_error")
+                Err(StreamEnd::StreamError)
             }
-            None => Err("closed"),
+            None => Err(StreamEnd::Closed),
         };
         match waited {
             Ok(true) => timer.set(link.next_timeout()),
@@ -815,19 +854,19 @@ async fn take_packet(
     link: &AgentLink,
     p: Packet,
     idle: &mut crate::flood::Budget,
-) -> Result<bool, &'static str> {
+) -> Result<bool, StreamEnd> {
     let (h, blocked) = link.on_agent_packet(p);
     cluster.metrics.packet(h);
     if matches!(h, Handled::Unrecognized | Handled::Unexpected)
         && !idle.spend(std::time::Instant::now())
     {
         tracing::info!(agent = %link.agent_id, "agent stream cut: more packets for nothing it has than its budget");
-        return Err("control_flood");
+        return Err(StreamEnd::ControlFlood);
     }
     if link.to_agent.overflowed() {
         // It made the server queue more answers than it reads: cut off,
         // this agent only.
-        return Err("control_overflow");
+        return Err(StreamEnd::ControlOverflow);
     }
     let Some(b) = blocked else { return Ok(false) };
     // Boxed: a wait for room is rare, and inline it would size every
@@ -876,23 +915,23 @@ fn moves_nothing(p: &Packet) -> bool {
 
 /// Ends when the stream must: on shutdown, when the cluster is removed,
 /// or when the link is kicked; says why.
-async fn stopped(srv: &Core, cluster: &Cluster, link: &AgentLink) -> &'static str {
+async fn stopped(srv: &Core, cluster: &Cluster, link: &AgentLink) -> StreamEnd {
     tokio::select! {
-        () = srv.shutdown.cancelled() => "server_shutdown",
-        () = cluster.removed.cancelled() => "cluster_removed",
+        () = srv.shutdown.cancelled() => StreamEnd::ServerShutdown,
+        () = cluster.removed.cancelled() => StreamEnd::ClusterRemoved,
         () = link.kick.cancelled() => kicked(srv, link),
     }
 }
 
 /// Why a link was kicked: its queue overflowed, it carried nothing more
 /// while the server drains, or its cluster was re-keyed away from it.
-fn kicked(srv: &Core, link: &AgentLink) -> &'static str {
+fn kicked(srv: &Core, link: &AgentLink) -> StreamEnd {
     if link.to_agent.overflowed() {
-        "control_overflow"
+        StreamEnd::ControlOverflow
     } else if srv.accepting.is_cancelled() {
-        "drained_idle"
+        StreamEnd::DrainedIdle
     } else {
-        "rekeyed"
+        StreamEnd::Rekeyed
     }
 }
 
