@@ -176,7 +176,7 @@ pub async fn start(
         "seedlink" | "seedlink-b" | "seedlink-grpc" => {
             // `seedlink-b`: a second build, for an interleaved A/B run;
             // `seedlink-grpc`: this build with its agent on gRPC (the
-            // transport before issue 28's lean one).
+            // transport before issue 28's native one).
             let transport: &[&str] = match name {
                 "seedlink-grpc" => &["--transport", "grpc"],
                 _ => &[],

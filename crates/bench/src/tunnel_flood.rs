@@ -3,7 +3,7 @@
 //! and an attacker. The victim's agent (seedlink's own, in this process)
 //! carries an echo connection whose round trips are measured while the
 //! attacker, with its own cluster's valid certificate, floods the server
-//! one way at a time: packets that move nothing on the lean transport
+//! one way at a time: packets that move nothing on the native transport
 //! (DRAIN, PING, DIAL_CLS for dials it never had, DATA for connections it
 //! does not have; on one stream and on four), and TLS handshakes. Each
 //! flood reconnects as soon as the server cuts it, as an attacker would.
@@ -40,7 +40,7 @@ const PHASE: Duration = Duration::from_secs(3);
 #[derive(Clone, Copy, Debug)]
 enum Flood {
     Quiet,
-    /// Lean frames that move nothing, on `streams` streams at once.
+    /// Native frames that move nothing, on `streams` streams at once.
     Frames {
         what: &'static str,
         streams: usize,
@@ -84,7 +84,7 @@ impl Flood {
     }
 }
 
-/// A lean frame: type, length, body.
+/// A native frame: type, length, body.
 fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
     let mut f = vec![kind];
     f.extend_from_slice(&u32::try_from(body.len()).unwrap_or(0).to_be_bytes());
@@ -138,9 +138,9 @@ impl Attacker {
             ("agentid", format!("flood-{}", rand_id())),
             ("seedlink-flow-control", "v1".to_string()),
         ];
-        match seedlink_tunnel::lean::open(&mut tls, &meta).await? {
-            seedlink_tunnel::lean::Opened::Answer(_) => {}
-            seedlink_tunnel::lean::Opened::Refused(s) => bail!("refused: {s}"),
+        match seedlink_tunnel::native::open(&mut tls, &meta).await? {
+            seedlink_tunnel::native::Opened::Answer(_) => {}
+            seedlink_tunnel::native::Opened::Refused(s) => bail!("refused: {s}"),
         }
         let mut sent = 0;
         while !stop.is_cancelled() {
@@ -312,7 +312,7 @@ impl Bed {
             stall_timeout: Duration::from_secs(10),
             queue_bytes: 4 * 1024 * 1024,
             flow_control: true,
-            lean: true,
+            native: true,
             egress: None,
         })?;
         let run = agent.clone();
@@ -332,7 +332,7 @@ impl Bed {
         let tls = seedlink_tunnel::tls::client_config_for(
             Path::new(&ca_path),
             Some((ac.as_path(), ak.as_path())),
-            &[seedlink_tunnel::lean::ALPN.to_string()],
+            &[seedlink_tunnel::native::ALPN.to_string()],
             seedlink_tunnel::tls::Versions::UserTls13,
         )?;
         Ok(Bed {

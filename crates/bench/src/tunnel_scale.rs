@@ -196,7 +196,7 @@ impl Bed {
                     stall_timeout: Duration::from_secs(10),
                     queue_bytes: 4 * 1024 * 1024,
                     flow_control: true,
-                    lean: true,
+                    native: true,
                     egress: None,
                 })?;
                 let run = a.clone();

@@ -90,7 +90,7 @@ fn demo_agent(
         stall_timeout: Duration::from_secs(10),
         queue_bytes: 4 * 1024 * 1024,
         flow_control: true,
-        lean: true,
+        native: true,
         egress: None,
     })?;
     {

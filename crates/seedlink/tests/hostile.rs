@@ -880,14 +880,14 @@ async fn the_agent_port_follows_a_key_update_from_openssl() {
 }
 
 /// A client that completes TLS with a cluster's certificate and agrees to
-/// the lean transport (`seedlink-tunnel/1`, Python's OpenSSL as the peer)
+/// the native transport (`seedlink-tunnel/1`, Python's OpenSSL as the peer)
 /// but sends no proper OPEN: an OPEN without flow control is refused
 /// (FAILED_PRECONDITION), an OPEN naming a 300-byte agent ID is refused as
 /// over gRPC (INVALID_ARGUMENT), and a frame announcing 4 GiB or metadata
 /// that is not header lines closes the connection at once, nothing
 /// allocated; each is counted, and the cluster's agent keeps working.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_lean_transport_refuses_what_is_not_an_open() {
+async fn the_native_transport_refuses_what_is_not_an_open() {
     let env = TunnelEnv::new(104);
     let server = env.server(&env.server_yaml("0.0.0.0:8132", "", ""), "server");
     let admin = server.admin();
@@ -972,7 +972,7 @@ async fn the_lean_transport_refuses_what_is_not_an_open() {
 
 /// An agent with its own cluster's valid certificate floods packets that
 /// move nothing, on gRPC (DRAIN, DIAL_CLS for dials it never had) and on
-/// the lean transport (DRAIN, PING): each stream is cut once past its
+/// the native transport (DRAIN, PING): each stream is cut once past its
 /// budget (`control_flood`; flood.rs), that agent only, and the cluster's
 /// real agent keeps carrying traffic.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1021,7 +1021,7 @@ async fn an_agent_flooding_idle_packets_is_cut_off() {
          \x20   for attempt in range(120):\n\
          \x20       s=c.wrap_socket(socket.create_connection(('198.18.{net}.1',8132)),server_hostname='tunnel.seedlink.test')\n\
          \x20       s.settimeout(20)\n\
-         \x20       s.sendall(frame(3,b'agentid:lean-'+name.encode()+b'\\nseedlink-flow-control:v1\\n'))\n\
+         \x20       s.sendall(frame(3,b'agentid:native-'+name.encode()+b'\\nseedlink-flow-control:v1\\n'))\n\
          \x20       if s.recv(5)[0]==4: break\n\
          \x20       s.close(); time.sleep(0.5)\n\
          \x20   batch=f*4096\n\
@@ -1055,7 +1055,7 @@ async fn an_agent_flooding_idle_packets_is_cut_off() {
             &format!("seedlink_tunnel_server_agent_streams_total{{cluster=\"shoot--dev--a\",reason=\"{r}\"}}"),
         )
     };
-    // gRPC's two and the lean two, each by its reason.
+    // gRPC's two and the native two, each by its reason.
     assert!(
         m("control_flood") >= 4.0,
         "control_flood {}",

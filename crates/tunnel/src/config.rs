@@ -311,7 +311,7 @@ fn trust_keys(c: &Cluster) -> Vec<(Vec<u8>, &'static str)> {
     use rustls::pki_types::pem::PemObject;
     let mut out = Vec::new();
     if let Some(p) = &c.agent_ca {
-        for der in crate::tls::load_certs(p).unwrap_or_default() {
+        for der in crate::auth::tls::load_certs(p).unwrap_or_default() {
             if let Ok((_, x)) = x509_parser::parse_x509_certificate(&der) {
                 out.push((x.tbs_certificate.subject_pki.raw.to_vec(), "agent_ca"));
             }
@@ -449,7 +449,7 @@ pub const MAX_AGENT_CAS: usize = 16;
 /// block, its agents; with roots only, two clusters can overlap only by
 /// sharing a key, which [`claim_trust`] refuses.
 fn check_anchors(p: &Path) -> Result<(), String> {
-    let certs = crate::tls::load_certs(p).map_err(|e| e.to_string())?;
+    let certs = crate::auth::tls::load_certs(p).map_err(|e| e.to_string())?;
     if certs.len() > MAX_AGENT_CAS {
         return Err(format!(
             "{} certificates; at most {MAX_AGENT_CAS}",
@@ -1437,7 +1437,7 @@ enum Kind {
 impl Kind {
     /// Reads `p` and parses it as this kind; why not, if it is not.
     fn check(self, p: &Path) -> Result<(), String> {
-        use crate::tls::{load_certs, load_key, load_roots};
+        use crate::auth::tls::{load_certs, load_key, load_roots};
         match self {
             Kind::Certs => load_certs(p).map(|_| ()).map_err(|e| e.to_string()),
             Kind::Key => load_key(p).map(|_| ()).map_err(|e| e.to_string()),
@@ -1445,7 +1445,7 @@ impl Kind {
             Kind::Anchors => load_roots(p)
                 .map_err(|e| e.to_string())
                 .and_then(|_| check_anchors(p)),
-            Kind::PublicKeys => crate::token::load_keys(p)
+            Kind::PublicKeys => crate::auth::token::load_keys(p)
                 .map(|_| ())
                 .map_err(|e| e.to_string()),
             Kind::Secret => match std::fs::read_to_string(p) {

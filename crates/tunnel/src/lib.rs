@@ -5,37 +5,30 @@
 //! The crate in layers, each using only its own and lower ones (enforced
 //! by `tests/layers.rs`; docs/ARCHITECTURE.md, "Layers"):
 //!
-//! | layer | modules | public |
+//! | layer | folder | what |
 //! |---|---|---|
-//! | 0: base | `tap`, `deadline`, `readahead`, `usertls` (TLS 1.3 records in this process), `flood` | `usertls` |
-//! | 1: wire | `proto` (Konnectivity's packets), `grpc`, `authority`, `goaway`, `dialerr`, `socks5` | `proto`, `grpc` |
-//! | 2: transport | `flow`, `queue`, `fair`, `lean` (seedlink's own framing) | `lean` |
-//! | 3: authentication | `tls`, `token`, `tokenerror`, `tokenreview` | `tls` |
-//! | 4: configuration | `config` | `config` |
-//! | 5: roles | `server` (the tunnel-server), `agent` (the tunnel-agent) | both |
+//! | 1 | `wire` | Konnectivity's packets (`proto`), dial failures (`dial_error`), SOCKS5's codes; pure data |
+//! | 2 | `stream` | per-connection queues and flow control, the fair queue, deadlines, the flood budget |
+//! | 3 | `transport` | gRPC, the native transport (`seedlink-tunnel/1`), TLS records in this process (`usertls`), the authority rewriter, the GOAWAY sniffer |
+//! | 4 | `auth` | TLS identities, tokens, TokenReview |
+//! | 5 | `config` | the tunnel-server's configuration model |
+//! | 6 | `server`, `agent` | the two roles; each has `link` (one agent stream: its sans-IO machine and its driver) |
 //!
-//! Other crates use only the public modules; the rest is private to the
-//! crate.
+//! The public API is the two roles, the configuration, and the wire and
+//! transport pieces that the bench and the test kit speak directly; it is
+//! re-exported below. Everything else is private to the crate.
 
 pub mod agent;
-mod authority;
+mod auth;
 pub mod config;
-mod deadline;
-mod dialerr;
-mod fair;
-mod flood;
-mod flow;
-mod goaway;
-pub mod grpc;
-pub mod lean;
-pub mod proto;
-mod queue;
-mod readahead;
 pub mod server;
-mod socks5;
-mod tap;
-pub mod tls;
-mod token;
-mod tokenerror;
-mod tokenreview;
-pub mod usertls;
+mod stream;
+mod transport;
+mod wire;
+
+pub use agent::Agent;
+pub use auth::tls;
+pub use server::run::TunnelServer;
+pub use transport::{grpc, native, usertls};
+pub use wire::dial_error::DialError;
+pub use wire::proto::{self, Packet};

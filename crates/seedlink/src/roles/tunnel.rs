@@ -89,7 +89,7 @@ pub struct AgentArgs {
     /// server is seedlink; `false` forces the plain Konnectivity protocol).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub flow_control: bool,
-    /// The transport to a seedlink server: `auto` (the lean
+    /// The transport to a seedlink server: `auto` (the native
     /// `seedlink-tunnel/1` when the server offers it, else gRPC) or `grpc`.
     #[arg(long, default_value = "auto")]
     pub transport: seedlink_tunnel::agent::config::Transport,

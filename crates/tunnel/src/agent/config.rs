@@ -16,7 +16,7 @@ use seedlink_config::{ConfigError, Errors};
 use serde::Deserialize;
 
 use super::{AgentOptions, DEFAULT_DENY};
-use crate::grpc::H2Settings;
+use crate::transport::grpc::H2Settings;
 
 /// The agent's whole configuration.
 #[derive(Debug, Clone, Deserialize, serde::Serialize, PartialEq)]
@@ -78,7 +78,7 @@ pub struct AgentConfig {
     /// Offer per-connection flow control to the server.
     #[serde(default = "yes")]
     pub flow_control: bool,
-    /// The transport to a seedlink server: `auto` offers the lean one
+    /// The transport to a seedlink server: `auto` offers the native one
     /// (`seedlink-tunnel/1`) before gRPC, `grpc` only gRPC.
     #[serde(default)]
     pub transport: Transport,
@@ -109,11 +109,11 @@ fn thirty_s() -> Duration {
 fn sixty_s() -> Duration {
     Duration::from_secs(60)
 }
-/// The transport the agent offers (docs/TUNNEL.md, "The lean transport").
+/// The transport the agent offers (docs/TUNNEL.md, "The native transport").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Transport {
-    /// The lean transport when the server offers it (a seedlink server, with
+    /// The native transport when the server offers it (a seedlink server, with
     /// flow control on), else gRPC.
     #[default]
     Auto,
@@ -242,14 +242,14 @@ impl AgentConfig {
                 message: format!("{}: {e}", file.display()),
             })
         };
-        if let Err(e) = crate::tls::load_roots(&self.ca_cert) {
+        if let Err(e) = crate::auth::tls::load_roots(&self.ca_cert) {
             err("ca_cert", &self.ca_cert, format!("{e:#}"));
         }
         if let (Some(c), Some(k)) = (&self.agent_cert, &self.agent_key) {
-            if let Err(e) = crate::tls::load_certs(c) {
+            if let Err(e) = crate::auth::tls::load_certs(c) {
                 err("agent_cert", c, format!("{e:#}"));
             }
-            if let Err(e) = crate::tls::load_key(k) {
+            if let Err(e) = crate::auth::tls::load_key(k) {
                 err("agent_key", k, format!("{e:#}"));
             }
         }
@@ -331,7 +331,7 @@ impl AgentConfig {
             stall_timeout: Duration::from_secs(10),
             queue_bytes: 4 * 1024 * 1024,
             flow_control: self.flow_control,
-            lean: self.transport == Transport::Auto,
+            native: self.transport == Transport::Auto,
             egress,
         }
     }

@@ -1,18 +1,18 @@
 //! A deterministic driver of the agent's session state machine
-//! ([`super::link::SessionLink`]), for the fuzzer
+//! ([`super::link::LinkMachine`]), for the fuzzer
 //! (`fuzz/fuzz_targets/server_packets.rs`) and unit tests: arbitrary packets
 //! from a server interleaved with the agent's own events (a dial completes or
 //! fails, a destination closes, blocks, makes progress or stalls, time
 //! passes), with the invariants checked after every step. No runtime,
 //! sockets or channels are involved, and time is a value the harness
 //! advances: advancing it fires the machine's stall timer as the driver's
-//! sleep until [`SessionLink::poll_timeout`] would.
+//! sleep until [`LinkMachine::poll_timeout`] would.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use super::link::{Action, Actions, Expired, Handled, SessionLink};
-use crate::proto::{Packet, PacketType};
+use super::link::{Action, Actions, Expired, Handled, LinkMachine};
+use crate::wire::proto::{Packet, PacketType};
 
 /// A cancel handle the harness can inspect.
 #[derive(Debug, Default, Clone)]
@@ -23,7 +23,7 @@ pub const STALL: Duration = Duration::from_secs(10);
 
 /// The machine under test and what its peers observed.
 pub struct Harness {
-    link: SessionLink<u64, Flag>,
+    link: LinkMachine<u64, Flag>,
     out: Actions<u64, Flag>,
     /// The harness's clock.
     now: Instant,
@@ -49,7 +49,7 @@ impl Harness {
     /// A new stream, flow control on if `flow`.
     pub fn new(flow: bool) -> Harness {
         Harness {
-            link: SessionLink::new(flow, STALL),
+            link: LinkMachine::new(flow, STALL),
             out: Actions::new(),
             now: Instant::now(),
             stalled: Vec::new(),
@@ -159,7 +159,7 @@ impl Harness {
     /// else.
     fn sent(&mut self, p: &Packet) {
         match (p.kind(), &p.payload) {
-            (Some(PacketType::DialRsp), Some(crate::proto::Payload::DialResponse(r))) => {
+            (Some(PacketType::DialRsp), Some(crate::wire::proto::Payload::DialResponse(r))) => {
                 if r.connect_id != 0 {
                     let n = self.connected.entry(r.random).or_insert(0);
                     *n += 1;

@@ -2,14 +2,14 @@
 //! machine with no IO: which dials the server asked for are in progress,
 //! which connections are open and their IDs. Every input is a method;
 //! everything the peers should observe comes out as an [`Action`] for the
-//! driver (`agent::Session`) to carry out. No locks, channels, sockets or
+//! driver (`agent::link_driver::LinkDriver`) to carry out. No locks, channels, sockets or
 //! clock are inside, so tests and the fuzzer (`agent::harness`) drive it
 //! deterministically.
 //!
 //! Its one timer is the stall deadline of a connection whose bytes wait for
-//! room, kept quinn-style like the server's: [`SessionLink::blocked`] and
-//! [`SessionLink::progress`] set it, [`SessionLink::poll_timeout`] says when
-//! it is due and [`SessionLink::handle_timeout`] resets the connection. The
+//! room, kept quinn-style like the server's: [`LinkMachine::blocked`] and
+//! [`LinkMachine::progress`] set it, [`LinkMachine::poll_timeout`] says when
+//! it is due and [`LinkMachine::handle_timeout`] resets the connection. The
 //! dial deadline stays with the dial task (agent `Agent::dial`): it bounds
 //! that task's own name lookup and connect, and its failure text and metric
 //! label come from how that IO ended.
@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use crate::deadline::later;
-use crate::proto::{Packet, PacketType as T, Payload};
+use crate::stream::deadline::later;
+use crate::wire::proto::{Packet, PacketType as T, Payload};
 
 /// What the agent did with one packet from the server (for counters).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,7 +77,7 @@ pub enum Action<C, P> {
     /// The server cancelled a dial in progress.
     Cancel(P),
     /// Queue these bytes for connection `id`'s destination (its ends are
-    /// [`SessionLink::conn`]).
+    /// [`LinkMachine::conn`]).
     Deliver(i64, Bytes),
     /// The server reopened `n` bytes of connection `id`'s sending window.
     Reopen(i64, i64),
@@ -91,7 +91,7 @@ pub enum Action<C, P> {
 /// A queue of actions; the driver keeps one and drains it after each call.
 pub type Actions<C, P> = VecDeque<Action<C, P>>;
 
-/// What [`SessionLink::handle_timeout`] found due.
+/// What [`LinkMachine::handle_timeout`] found due.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Expired {
     /// Nothing.
@@ -107,7 +107,7 @@ pub enum Expired {
 
 /// The agent's state of one stream to a server.
 #[derive(Debug)]
-pub struct SessionLink<C, P> {
+pub struct LinkMachine<C, P> {
     flow: bool,
     /// REPLICAS packets negotiated.
     replicas: bool,
@@ -122,11 +122,11 @@ pub struct SessionLink<C, P> {
     waiting: Option<(i64, Instant)>,
 }
 
-impl<C, P: Default + Clone> SessionLink<C, P> {
+impl<C, P: Default + Clone> LinkMachine<C, P> {
     /// A new stream; `flow`: per-connection flow control was negotiated;
     /// `stall`: the stall deadline of a connection waiting for room.
-    pub fn new(flow: bool, stall: Duration) -> SessionLink<C, P> {
-        SessionLink {
+    pub fn new(flow: bool, stall: Duration) -> LinkMachine<C, P> {
+        LinkMachine {
             flow,
             replicas: false,
             ended: false,
@@ -139,7 +139,7 @@ impl<C, P: Default + Clone> SessionLink<C, P> {
     }
 
     /// REPLICAS packets were negotiated: they are taken, not unexpected.
-    pub fn with_replica_updates(mut self) -> SessionLink<C, P> {
+    pub fn with_replica_updates(mut self) -> LinkMachine<C, P> {
         self.replicas = true;
         self
     }
@@ -285,7 +285,7 @@ impl<C, P: Default + Clone> SessionLink<C, P> {
     /// A [`Action::Deliver`] to connection `id` did not fit its queue at
     /// `now`: the stream reads nothing else until it does. Its destination
     /// must take something within the stall deadline (see
-    /// [`SessionLink::progress`]) or the connection is reset.
+    /// [`LinkMachine::progress`]) or the connection is reset.
     pub fn blocked(&mut self, now: Instant, id: i64) {
         self.waiting = Some((id, later(now, self.stall)));
     }
@@ -309,7 +309,7 @@ impl<C, P: Default + Clone> SessionLink<C, P> {
         self.waiting.map(|(id, _)| id)
     }
 
-    /// When the machine next wants [`SessionLink::handle_timeout`]: the
+    /// When the machine next wants [`LinkMachine::handle_timeout`]: the
     /// waiting connection's stall deadline; `None` when nothing waits.
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.waiting.map(|(_, at)| at)
@@ -369,7 +369,7 @@ mod tests {
     #[derive(Debug, Default, Clone)]
     struct Flag(std::rc::Rc<std::cell::Cell<bool>>);
 
-    type Link = SessionLink<&'static str, Flag>;
+    type Link = LinkMachine<&'static str, Flag>;
 
     const STALL: Duration = Duration::from_secs(10);
 

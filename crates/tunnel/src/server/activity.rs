@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::tap::{OnRead, ReadTap};
+use crate::transport::tap::{OnRead, ReadTap};
 
 /// The process's time origin for the stamps (an `Instant` cannot be
 /// stored in an atomic; milliseconds since this one can).

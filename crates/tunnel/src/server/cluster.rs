@@ -10,13 +10,13 @@ use rustls::server::danger::ClientCertVerifier;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::agent_link::{AgentLink, Locked, NEXT_UID};
-use super::dialerror::DialError;
 use super::identifiers::{Identifiers, Strategy};
-use super::link::{Actions, ServerLink, Timers};
+use super::link::{Actions, LinkMachine, Timers};
+use super::link_driver::{LinkDriver, Locked, NEXT_UID};
 use super::{limits, metrics};
-use crate::fair::FairQueue;
-use crate::token::TokenValidator;
+use crate::auth::token::TokenValidator;
+use crate::stream::fair::FairQueue;
+use crate::wire::dial_error::DialError;
 use seedlink_config::tunnel::ClusterHealth;
 
 /// What a configuration reload may change in a cluster (swapped as a
@@ -50,7 +50,7 @@ pub struct Cluster {
     /// draining server keeps this cluster's agent streams while any is
     /// open).
     pub grpc_frontends: std::sync::atomic::AtomicUsize,
-    pub(super) agents: Mutex<Vec<Arc<AgentLink>>>,
+    pub(super) agents: Mutex<Vec<Arc<LinkDriver>>>,
     /// Woken when an agent stream joins (dials waiting for an agent).
     pub(super) joined: Notify,
     /// Dials waiting for an agent now (at most [`MAX_WAITING`]).
@@ -120,7 +120,7 @@ impl Cluster {
     }
 
     /// Its agent streams now.
-    pub fn agents(&self) -> Vec<Arc<AgentLink>> {
+    pub fn agents(&self) -> Vec<Arc<LinkDriver>> {
         seedlink_net::sync::lock(&self.agents, "cluster agents").clone()
     }
 
@@ -144,19 +144,19 @@ impl Cluster {
         &self,
         host: &str,
         unresponsive_after: Duration,
-    ) -> Result<Arc<AgentLink>, DialError> {
+    ) -> Result<Arc<LinkDriver>, DialError> {
         let agents = seedlink_net::sync::lock(&self.agents, "cluster agents");
         // One stream per agent and server: an agent that dials again to find
         // other replicas briefly has a second stream here, which it closes;
         // dials use its first (as upstream does).
-        let first = |a: &Arc<AgentLink>| {
+        let first = |a: &Arc<LinkDriver>| {
             !agents
                 .iter()
                 .any(|b| b.agent_id == a.agent_id && b.uid < a.uid)
         };
         let conf = self.conf.load();
         for s in &conf.strategies {
-            let fit: Vec<&Arc<AgentLink>> = agents
+            let fit: Vec<&Arc<LinkDriver>> = agents
                 .iter()
                 .filter(|a| first(a) && s.matches(&a.ids, host))
                 .collect();
@@ -172,11 +172,11 @@ impl Cluster {
 /// non-draining one among those if any, the less loaded of two random
 /// picks; the shortest silence when none is responsive.
 pub(super) fn choose<'a>(
-    fit: &[&'a Arc<AgentLink>],
+    fit: &[&'a Arc<LinkDriver>],
     unresponsive_after: Duration,
-) -> Result<&'a Arc<AgentLink>, DialError> {
-    let silence = |a: &Arc<AgentLink>| a.activity.get().map(|x| x.silent_for());
-    let responsive: Vec<&Arc<AgentLink>> = fit
+) -> Result<&'a Arc<LinkDriver>, DialError> {
+    let silence = |a: &Arc<LinkDriver>| a.activity.get().map(|x| x.silent_for());
+    let responsive: Vec<&Arc<LinkDriver>> = fit
         .iter()
         .copied()
         .filter(|a| silence(a).is_none_or(|s| s <= unresponsive_after))
@@ -185,7 +185,7 @@ pub(super) fn choose<'a>(
         let shortest = fit.iter().filter_map(|a| silence(a)).min();
         return Err(DialError::Unresponsive(shortest.unwrap_or_default()));
     }
-    let live: Vec<&Arc<AgentLink>> = responsive
+    let live: Vec<&Arc<LinkDriver>> = responsive
         .iter()
         .copied()
         .filter(|a| !a.draining())
@@ -208,16 +208,16 @@ pub const MAX_WAITING: usize = 256;
 
 /// Registers a new agent stream in `cluster`; the returned queue feeds the
 /// stream to the agent. Its receive loop must drive
-/// [`AgentLink::next_timeout`].
+/// [`LinkDriver::next_timeout`].
 pub fn attach(
     cluster: &Cluster,
     agent_id: String,
     ids: Identifiers,
     flow: bool,
     timers: Timers,
-) -> (Arc<AgentLink>, Arc<FairQueue>) {
+) -> (Arc<LinkDriver>, Arc<FairQueue>) {
     let tx = FairQueue::new();
-    let link = Arc::new(AgentLink {
+    let link = Arc::new(LinkDriver {
         uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
         agent_id,
         cluster: cluster.name.clone(),
@@ -225,7 +225,7 @@ pub fn attach(
         since: std::time::SystemTime::now(),
         to_agent: tx.clone(),
         state: Mutex::new(Locked {
-            machine: ServerLink::new(flow, timers),
+            machine: LinkMachine::new(flow, timers),
             out: Actions::new(),
         }),
         timer: Notify::new(),
@@ -245,7 +245,7 @@ pub fn attach(
 }
 
 /// Removes an ended agent stream and fails everything that depended on it.
-pub fn detach(cluster: &Cluster, link: &Arc<AgentLink>) {
+pub fn detach(cluster: &Cluster, link: &Arc<LinkDriver>) {
     let left = {
         let mut agents = seedlink_net::sync::lock(&cluster.agents, "cluster agents");
         agents.retain(|x| !Arc::ptr_eq(x, link));
@@ -264,7 +264,7 @@ mod tests {
 
     use std::time::Duration;
 
-    use crate::proto::Packet;
+    use crate::wire::proto::Packet;
 
     use crate::server::testing::{cluster, LIVE, TIMERS};
     use crate::server::*;

@@ -11,7 +11,7 @@ use tokio_util::task::TaskTracker;
 
 use super::metrics::Metrics;
 use super::{DialSettings, Registry};
-use crate::grpc::H2Settings;
+use crate::transport::grpc::H2Settings;
 
 /// Timeouts and budgets.
 #[derive(Debug, Clone, Copy)]

@@ -9,14 +9,14 @@ use bytes::Bytes;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use super::agent_link::{AgentLink, ConnEnds};
 use super::cluster::Cluster;
-use super::dialerror::DialError;
 use super::limits;
-use crate::deadline::later;
-use crate::flow::{self, SendCredit, Unacked};
-use crate::proto::Packet;
-use crate::queue::{self, QueueRx};
+use super::link_driver::{ConnEnds, LinkDriver};
+use crate::stream::deadline::later;
+use crate::stream::flow::{self, SendCredit, Unacked};
+use crate::stream::queue::{self, QueueRx};
+use crate::wire::dial_error::DialError;
+use crate::wire::proto::Packet;
 
 /// Settings every dial uses.
 #[derive(Debug, Clone, Copy)]
@@ -66,7 +66,7 @@ pub struct Tunnel {
 /// (CLOSE_REQ to the agent).
 pub struct TunnelTx {
     /// The agent carrying it.
-    pub link: Arc<AgentLink>,
+    pub link: Arc<LinkDriver>,
     /// The agent's connection ID.
     pub connect_id: i64,
     /// Window towards the agent (flow control negotiated).
@@ -169,7 +169,7 @@ pub(super) struct Opened {
     /// When the first DIAL_REQ of the dial went out (after any wait for an
     /// agent): what `dial_duration_seconds` measures from.
     pub(super) asked: Instant,
-    pub(super) link: Arc<AgentLink>,
+    pub(super) link: Arc<LinkDriver>,
     pub(super) connect_id: i64,
     pub(super) credit: Option<SendCredit>,
     pub(super) rx: QueueRx,
@@ -219,7 +219,7 @@ impl Attempt<'_> {
     /// for one to join, up to `agent_wait` and within the deadline (a
     /// replica that was just added or is replacing one gets dials before
     /// every agent has found it). Still none: `NoAgent`.
-    pub(super) async fn pick_or_wait(&self) -> Result<Arc<AgentLink>, DialError> {
+    pub(super) async fn pick_or_wait(&self) -> Result<Arc<LinkDriver>, DialError> {
         match self.pick() {
             Err(DialError::NoAgent) if !self.settings.agent_wait.is_zero() => {}
             r => return r,
@@ -231,7 +231,7 @@ impl Attempt<'_> {
     }
 
     /// The wait of [`Attempt::pick_or_wait`].
-    async fn wait_for_agent(&self) -> Result<Arc<AgentLink>, DialError> {
+    async fn wait_for_agent(&self) -> Result<Arc<LinkDriver>, DialError> {
         let until = tokio::time::Instant::now() + self.settings.agent_wait;
         let until = until.min(tokio::time::Instant::from_std(self.deadline));
         loop {
@@ -253,7 +253,7 @@ impl Attempt<'_> {
         }
     }
 
-    pub(super) fn pick(&self) -> Result<Arc<AgentLink>, DialError> {
+    pub(super) fn pick(&self) -> Result<Arc<LinkDriver>, DialError> {
         let address = self.address;
         let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
         self.cluster.pick(host, self.settings.unresponsive_after)
@@ -276,7 +276,7 @@ impl Attempt<'_> {
     /// Registers the dial on `link` and waits for the answer; a dial still
     /// pending when the wait ends (cancel) is forgotten and the agent told
     /// (a timeout or silence did so already).
-    pub(super) async fn through(&self, link: &Arc<AgentLink>) -> Result<Opened, DialError> {
+    pub(super) async fn through(&self, link: &Arc<LinkDriver>) -> Result<Opened, DialError> {
         let random = dial_id();
         let (reply_tx, reply_rx) = oneshot::channel();
         let (ends, rx) = self.ends(link.flow);
@@ -312,7 +312,7 @@ impl Attempt<'_> {
 /// link's receive loop, which drives those timers, be gone without ending
 /// the link (a bug): no dial waits forever.
 pub(super) async fn await_answer(
-    link: &AgentLink,
+    link: &LinkDriver,
     mut reply: oneshot::Receiver<Result<i64, DialError>>,
     cancel: &CancellationToken,
     deadline: Instant,
@@ -341,7 +341,7 @@ mod tests {
 
     use tokio_util::sync::CancellationToken;
 
-    use crate::proto::Packet;
+    use crate::wire::proto::Packet;
 
     use crate::server::testing::{cluster, LIVE, TIMERS};
     use crate::server::*;
@@ -373,7 +373,7 @@ mod tests {
         let kinds: Vec<_> = std::iter::from_fn(|| to_agent.try_next())
             .map(|p| p.kind())
             .collect();
-        use crate::proto::PacketType as T;
+        use crate::wire::proto::PacketType as T;
         assert_eq!(kinds, [Some(T::DialReq), Some(T::DialCls)]);
         assert_eq!(link.conn_count(), 0);
         timers.abort();
@@ -415,9 +415,9 @@ mod tests {
             }
             tokio::task::yield_now().await;
         };
-        use crate::proto::PacketType as T;
+        use crate::wire::proto::PacketType as T;
         assert_eq!(req.kind(), Some(T::DialReq));
-        let Some(crate::proto::Payload::DialRequest(d)) = req.payload else {
+        let Some(crate::wire::proto::Payload::DialRequest(d)) = req.payload else {
             panic!("not a dial request: {req:?}");
         };
         link.on_agent_packet(Packet::dial_rsp(d.random, 7, String::new()));

@@ -14,9 +14,9 @@ use tonic::{Response, Status};
 
 use super::core::Core;
 use super::{dial, Cluster, DialError, Tunnel, TunnelTx};
-use crate::grpc::{Handler, PacketStream};
-use crate::proto::{Packet, PacketType, Payload};
-use crate::queue::{PumpEnd, QueueRx, Recv};
+use crate::stream::queue::{PumpEnd, QueueRx, Recv};
+use crate::transport::grpc::{Handler, PacketStream};
+use crate::wire::proto::{Packet, PacketType, Payload};
 
 /// Bytes read from a frontend per DATA packet (upstream's size).
 const CHUNK: usize = 32 * 1024;
@@ -285,7 +285,7 @@ where
     }
     let answered = match reply {
         Reply::Established => io.write_all(ESTABLISHED).await,
-        Reply::Socks5 => crate::socks5::reply(&mut io, crate::socks5::rep::OK).await,
+        Reply::Socks5 => crate::wire::socks5::reply(&mut io, crate::wire::socks5::rep::OK).await,
         Reply::Forwarded => Ok(()),
     };
     if answered.is_err() {
@@ -332,7 +332,7 @@ async fn dial_watching<S: FrontendIo>(
 async fn refuse<S: FrontendIo>(io: &mut S, e: &DialError, reply: Reply) {
     if reply == Reply::Socks5 {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
-            let _ = crate::socks5::reply(io, e.socks5_reply()).await;
+            let _ = crate::wire::socks5::reply(io, e.socks5_reply()).await;
             let _ = io.shutdown().await;
         })
         .await;
@@ -558,7 +558,7 @@ async fn download<W: AsyncWrite + Unpin>(
     tx: &TunnelTx,
     stall: std::time::Duration,
 ) -> FrontendEnd {
-    let mut unacked = crate::flow::Unacked::default();
+    let mut unacked = crate::stream::flow::Unacked::default();
     let deadline = (!tx.link.flow).then_some(stall);
     match rx
         .pump(wr, deadline, |n| tx.consumed(&mut unacked, n))
@@ -637,7 +637,7 @@ async fn first_dial(
     srv: &Core,
     inbound: &mut tonic::Streaming<Packet>,
     out: &mpsc::Sender<Result<Packet, Status>>,
-) -> Result<crate::proto::DialRequest, FrontendEnd> {
+) -> Result<crate::wire::proto::DialRequest, FrontendEnd> {
     let first = match tokio::time::timeout(srv.settings.handshake_timeout, inbound.next()).await {
         Ok(Some(Ok(p))) => p,
         Ok(_) => return Err(FrontendEnd::Closed),
@@ -687,7 +687,7 @@ async fn grpc_carry(
     out: &mpsc::Sender<Result<Packet, Status>>,
     cid: i64,
 ) -> FrontendEnd {
-    let mut unacked = crate::flow::Unacked::default();
+    let mut unacked = crate::stream::flow::Unacked::default();
     loop {
         let end = tokio::select! {
             m = inbound.next() => match m {
@@ -742,7 +742,7 @@ async fn to_grpc_frontend(
     r: Recv,
     out: &mpsc::Sender<Result<Packet, Status>>,
     cid: i64,
-    unacked: &mut crate::flow::Unacked,
+    unacked: &mut crate::stream::flow::Unacked,
 ) -> Option<FrontendEnd> {
     let (text, end) = match r {
         Recv::Data(b) => {

@@ -1,5 +1,5 @@
 //! A deterministic driver of the server's agent-link state machine
-//! ([`super::link::ServerLink`]), for the fuzzer
+//! ([`super::link::LinkMachine`]), for the fuzzer
 //! (`fuzz/fuzz_targets/agent_packets.rs`) and unit tests: a link with three
 //! pending dials and three established connections receives arbitrary
 //! packets at times the caller chooses, and the invariants are checked after
@@ -8,14 +8,14 @@
 //! harness advances, and every action the machine asks for is checked
 //! against what the peers have seen. Advancing time fires the machine's
 //! timers in order, as the driver's sleep until
-//! [`ServerLink::poll_timeout`] would.
+//! [`LinkMachine::poll_timeout`] would.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use super::link::{Action, Actions, Handled, ServerLink, Timers};
-use crate::flow::WINDOW;
-use crate::proto::{Packet, PacketType};
+use super::link::{Action, Actions, Handled, LinkMachine, Timers};
+use crate::stream::flow::WINDOW;
+use crate::wire::proto::{Packet, PacketType};
 
 /// Dial IDs pending at the start.
 pub const PENDING: [i64; 3] = [1001, 1002, 1003];
@@ -31,7 +31,7 @@ pub const DIAL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The link under test and what its peers observed.
 pub struct Harness {
-    link: ServerLink<u64, i64>,
+    link: LinkMachine<u64, i64>,
     out: Actions<u64, i64>,
     /// The harness's clock.
     now: Instant,
@@ -50,7 +50,7 @@ impl Harness {
     /// [`OPEN`] connections, its agent heard from at `start`.
     pub fn new(flow: bool, start: Instant) -> Harness {
         let mut h = Harness {
-            link: ServerLink::new(flow, TIMERS),
+            link: LinkMachine::new(flow, TIMERS),
             out: Actions::new(),
             now: start,
             answered: HashSet::new(),

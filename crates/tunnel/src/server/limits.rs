@@ -45,7 +45,7 @@ impl Limits {
     };
 }
 
-pub use super::dialerror::Limited;
+pub use crate::wire::dial_error::Limited;
 
 struct Bucket {
     limits: Limits,
@@ -58,7 +58,7 @@ pub struct Gate {
     conns: Arc<AtomicUsize>,
     bucket: Mutex<Bucket>,
     /// Bytes queued across the cluster's connections, and the cap.
-    queued: crate::queue::Budget,
+    queued: crate::stream::queue::Budget,
 }
 
 /// One admitted connection; dropping it frees its slot.
@@ -75,7 +75,7 @@ impl Gate {
     pub fn new(limits: Limits) -> Gate {
         Gate {
             conns: Arc::new(AtomicUsize::new(0)),
-            queued: crate::queue::Budget::new(limits.max_queued_bytes),
+            queued: crate::stream::queue::Budget::new(limits.max_queued_bytes),
             bucket: Mutex::new(Bucket {
                 limits,
                 tokens: limits.dial_burst.max(1.0),
@@ -98,7 +98,7 @@ impl Gate {
     }
 
     /// The budget every connection's queue of this cluster shares.
-    pub fn queue_budget(&self) -> crate::queue::Budget {
+    pub fn queue_budget(&self) -> crate::stream::queue::Budget {
         self.queued.clone()
     }
 

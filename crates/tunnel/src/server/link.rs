@@ -3,15 +3,15 @@
 //! which this side closed and still expects a CLOSE_RSP for, and whether the
 //! agent announced DRAIN. Every input is a method; everything the peers
 //! should observe comes out as an [`Action`] for the driver
-//! (`server::AgentLink`) to carry out. No locks, channels, sockets or clock
+//! (`server::link_driver::LinkDriver`) to carry out. No locks, channels, sockets or clock
 //! are inside: a method that needs the time takes `now`, so tests and the
 //! fuzzer (`server::harness`) drive it deterministically.
 //!
 //! The machine owns its timers, as quinn-proto's connection does: it records
 //! each deadline (a dial's, the stall deadline of a connection waiting for
 //! room, when the agent would count as silent, when closed IDs may be
-//! forgotten), [`ServerLink::poll_timeout`] says when it next wants to be
-//! called, and [`ServerLink::handle_timeout`] decides what expired and emits
+//! forgotten), [`LinkMachine::poll_timeout`] says when it next wants to be
+//! called, and [`LinkMachine::handle_timeout`] decides what expired and emits
 //! the actions. The driver only sleeps until that instant.
 //!
 //! The machine is generic over what it stores: `C`, one connection's ends
@@ -24,9 +24,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::dialerror::DialError;
-use crate::deadline::later;
-use crate::proto::{Packet, PacketType as T, Payload};
+use crate::stream::deadline::later;
+use crate::wire::dial_error::DialError;
+use crate::wire::proto::{Packet, PacketType as T, Payload};
 
 /// How long a connection this side closed is remembered waiting for the
 /// agent's CLOSE_RSP (agents that never answer): late packets for it are
@@ -91,15 +91,15 @@ pub enum Action<C, R> {
     /// already queued for it, then send the packet if any.
     Finish(i64, Option<Packet>),
     /// Queue these bytes for connection `id`'s frontend (its ends are
-    /// [`ServerLink::conn`]). Bytes that do not fit are reported back with
-    /// [`ServerLink::blocked`].
+    /// [`LinkMachine::conn`]). Bytes that do not fit are reported back with
+    /// [`LinkMachine::blocked`].
     Deliver(i64, Bytes),
     /// The agent reopened `n` bytes of connection `id`'s sending window. A
     /// window that grows beyond its size is a violation the driver reports
-    /// back with [`ServerLink::window_violated`].
+    /// back with [`LinkMachine::window_violated`].
     Reopen(i64, i64),
     /// Answer a dial. With `Ok(id)` the connection is open; if the dialer is
-    /// gone by now, the driver closes it with [`ServerLink::close`].
+    /// gone by now, the driver closes it with [`LinkMachine::close`].
     Answer(R, Result<i64, DialError>),
     /// The connection ended normally: its frontend gets what is queued,
     /// then the end.
@@ -121,7 +121,7 @@ struct Dial<C, R> {
 
 /// The server's state of one agent stream.
 #[derive(Debug)]
-pub struct ServerLink<C, R> {
+pub struct LinkMachine<C, R> {
     flow: bool,
     draining: bool,
     ended: bool,
@@ -142,10 +142,10 @@ pub struct ServerLink<C, R> {
     heard: Option<Instant>,
 }
 
-impl<C, R> ServerLink<C, R> {
+impl<C, R> LinkMachine<C, R> {
     /// A new stream; `flow`: per-connection flow control was negotiated.
-    pub fn new(flow: bool, timers: Timers) -> ServerLink<C, R> {
-        ServerLink {
+    pub fn new(flow: bool, timers: Timers) -> LinkMachine<C, R> {
+        LinkMachine {
             flow,
             draining: false,
             ended: false,
@@ -170,7 +170,7 @@ impl<C, R> ServerLink<C, R> {
         self.draining
     }
 
-    /// Whether the stream ended ([`ServerLink::end`]).
+    /// Whether the stream ended ([`LinkMachine::end`]).
     pub fn ended(&self) -> bool {
         self.ended
     }
@@ -279,7 +279,7 @@ impl<C, R> ServerLink<C, R> {
 
     /// A [`Action::Deliver`] to connection `id` did not fit its queue at
     /// `now`: the stream reads nothing else until it does. Its reader must
-    /// take something within [`Timers::stall`] (see [`ServerLink::progress`])
+    /// take something within [`Timers::stall`] (see [`LinkMachine::progress`])
     /// or the connection is reset.
     pub fn blocked(&mut self, now: Instant, id: i64) {
         self.waiting = Some((id, later(now, self.timers.stall)));
@@ -306,7 +306,7 @@ impl<C, R> ServerLink<C, R> {
         Handled::Unexpected
     }
 
-    /// When the machine next wants [`ServerLink::handle_timeout`]: the
+    /// When the machine next wants [`LinkMachine::handle_timeout`]: the
     /// earliest of a pending dial's deadline, the waiting connection's stall
     /// deadline, the instant the agent (if tracked and dials wait for it)
     /// would pass its silence limit, and the closing-set sweep. `None` when
@@ -557,7 +557,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
-    type Link = ServerLink<&'static str, u32>;
+    type Link = LinkMachine<&'static str, u32>;
 
     const STALL: Duration = Duration::from_secs(10);
     const SILENCE: Duration = Duration::from_secs(12);
@@ -949,7 +949,7 @@ mod tests {
         assert_eq!(l.closing(), 0);
     }
 
-    impl<C, R> ServerLink<C, R> {
+    impl<C, R> LinkMachine<C, R> {
         /// Closes an open connection `id` without dialing it first.
         fn close_for_test(&mut self, now: Instant, id: i64, out: &mut Actions<C, R>) {
             self.start_closing(now, id, out);

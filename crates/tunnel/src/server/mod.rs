@@ -2,7 +2,7 @@
 //! endpoint; each cluster's frontends (kube-apiserver's egress dialer) dial
 //! through that cluster's agents only.
 //!
-//! Every agent stream is an [`AgentLink`]. A dial picks a link of the
+//! Every agent stream is a [`LinkDriver`]. A dial picks a link of the
 //! frontend's cluster, registers a pending dial under a fresh random ID *on
 //! that link*, and waits (bounded) for the link's receive loop to resolve
 //! it. Established connections live in the link's table too, so an agent
@@ -10,14 +10,14 @@
 //!
 //! The link's timers (a dial's deadline, an agent gone silent under a
 //! waiting dial, the stall deadline of a connection waiting for room, the
-//! closed IDs' expiry) are the machine's ([`link::ServerLink::poll_timeout`],
-//! [`link::ServerLink::handle_timeout`]); the link's receive loop
-//! (`agents::receive`) sleeps until the next one with
-//! [`AgentLink::next_timeout`]. Timers around IO stay with the IO: the TLS
+//! closed IDs' expiry) are the machine's ([`link::LinkMachine::poll_timeout`],
+//! [`link::LinkMachine::handle_timeout`]); the link's receive loop
+//! (`endpoint::receive`) sleeps until the next one with
+//! [`LinkDriver::next_timeout`]. Timers around IO stay with the IO: the TLS
 //! handshake deadline, the first-stream deadline, a frontend write's stall.
 //!
 //! The modules, from the agent's side to the frontend's:
-//! - `link`: the sans-IO machine of one agent stream; `agent_link`: its
+//! - `link`: the sans-IO machine of one agent stream; `link_driver`: its
 //!   driver (the lock, the actions carried out, the wait for room);
 //! - `identifiers` (what an agent says about itself, the strategies),
 //!   `cluster` (a cluster's agents, the pick, attach and detach),
@@ -31,13 +31,11 @@
 
 pub mod activity;
 pub mod admin;
-pub mod agent_link;
-pub mod agents;
 pub mod cluster;
 pub mod core;
 pub mod dial;
-pub mod dialerror;
 pub mod diff;
+pub mod endpoint;
 pub mod frontend;
 pub mod handover;
 #[cfg(any(test, feature = "harness"))]
@@ -45,6 +43,7 @@ pub mod harness;
 pub mod identifiers;
 pub mod limits;
 pub mod link;
+pub mod link_driver;
 pub mod metrics;
 pub mod registry;
 pub mod run;
@@ -53,11 +52,11 @@ pub mod socks;
 mod testing;
 pub mod upgrade;
 
-pub use self::agent_link::*;
 pub use self::cluster::*;
 pub use self::dial::*;
-pub use self::dialerror::DialError;
 pub use self::identifiers::*;
 pub use self::link::Handled;
+pub use self::link_driver::*;
 pub use self::registry::*;
+pub use crate::wire::dial_error::DialError;
 pub use seedlink_config::tunnel::ClusterHealth;

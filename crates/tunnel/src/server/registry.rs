@@ -6,7 +6,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use super::cluster::Cluster;
-use crate::token::TokenError;
+use crate::auth::token::TokenError;
 
 /// Why an agent certificate got no cluster.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,7 +68,7 @@ impl Registry {
                 .load()
                 .verifier
                 .as_ref()
-                .is_some_and(|v| crate::tls::accepts(v.as_ref(), certs))
+                .is_some_and(|v| crate::auth::tls::accepts(v.as_ref(), certs))
         });
         match (found.next(), found.next()) {
             (Some(c), None) => Ok(c.clone()),
@@ -81,7 +81,7 @@ impl Registry {
     /// that cluster accepted it; a token is never shown to another
     /// cluster's API server.
     pub async fn cluster_for_token(&self, authorization: &str) -> Result<Arc<Cluster>, TokenError> {
-        let iss = crate::token::claimed_issuer(authorization)?;
+        let iss = crate::auth::token::claimed_issuer(authorization)?;
         let found = self.clusters.load().iter().find_map(|c| {
             c.conf
                 .load()

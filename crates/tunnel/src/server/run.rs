@@ -22,13 +22,13 @@ use super::frontend::FrontendEnd;
 use super::handover::{self, Sockets};
 use super::limits::Limits;
 use super::metrics::Metrics;
-use super::{AgentLink, Cluster, ClusterConf, Registry, Strategy};
+use super::{Cluster, ClusterConf, LinkDriver, Registry, Strategy};
+use crate::auth::tls;
+use crate::auth::token::TokenValidator;
+use crate::auth::token_review::TokenReviewer;
 use crate::config::{Frontend, FrontendProtocol, ServerConfig};
-use crate::grpc::H2Settings;
-use crate::proto::PROXY_PATH;
-use crate::tls;
-use crate::token::TokenValidator;
-use crate::tokenreview::TokenReviewer;
+use crate::transport::grpc::H2Settings;
+use crate::wire::proto::PROXY_PATH;
 
 enum Transport {
     Unix(PathBuf),
@@ -352,7 +352,7 @@ pub enum ServerError {
         /// The setting.
         at: String,
         /// Why.
-        error: Box<crate::token::AuthSetupError>,
+        error: Box<crate::auth::token::AuthSetupError>,
     },
     /// A setting the checked configuration should have excluded, or a
     /// secret file that cannot be used.
@@ -579,7 +579,7 @@ fn agent_tls(
         &cfg.agents.cert,
         &cfg.agents.key,
         Some(Arc::new(any)),
-        &[crate::lean::ALPN.as_bytes(), b"h2"],
+        &[crate::transport::native::ALPN.as_bytes(), b"h2"],
         tls::Versions::UserTls13,
     )
     .map_err(ServerError::tls("agents: TLS"))?;
@@ -806,12 +806,12 @@ impl TunnelServer {
         tokio::spawn(async move {
             let accept = seedlink_net::accept::accept_loop(&agents, &stop, |tcp, peer| {
                 srv.shut_out.release(&tcp);
-                let Some(slots) = super::agents::enter(&srv, peer) else {
+                let Some(slots) = super::endpoint::enter(&srv, peer) else {
                     return;
                 };
                 let srv2 = srv.clone();
                 srv.tasks.spawn(async move {
-                    super::agents::serve_agent_conn(srv2, tcp, peer, slots).await;
+                    super::endpoint::serve_agent_conn(srv2, tcp, peer, slots).await;
                 });
             });
             tokio::join!(accept, srv.shut_out.enforce(&agents, &stop));
@@ -1147,14 +1147,14 @@ impl TunnelServer {
         if self.accepting.is_cancelled() {
             return;
         }
-        let Some(slots) = super::agents::enter(&self.core, peer) else {
+        let Some(slots) = super::endpoint::enter(&self.core, peer) else {
             return;
         };
         let _ = tcp.set_nodelay(true);
         let io = seedlink_net::prefixed::Prefixed::new(replay, tcp);
         let core = self.core.clone();
         self.tasks.spawn(async move {
-            super::agents::serve_agent_io(core, io, peer, slots).await;
+            super::endpoint::serve_agent_io(core, io, peer, slots).await;
         });
     }
 
@@ -1264,13 +1264,13 @@ fn rekey(cluster: &Arc<Cluster>) -> usize {
 /// keeps the agent.
 async fn recheck_token(
     cluster: Arc<str>,
-    link: Arc<AgentLink>,
+    link: Arc<LinkDriver>,
     token: Option<Arc<TokenValidator>>,
     auth: String,
 ) {
     let refused = match token {
         Some(t) => match t.check(&auth).await {
-            Ok(()) | Err(crate::token::TokenError::Unavailable(_)) => false,
+            Ok(()) | Err(crate::auth::token::TokenError::Unavailable(_)) => false,
             Err(_) => true,
         },
         None => true,
@@ -1341,7 +1341,7 @@ where
     let (rd, wr) = tokio::io::split(io);
     let (to_server, from_client) = tokio::io::duplex(256 * 1024);
     let fix = tokio::spawn(async move {
-        if let Err(e) = crate::authority::rewrite(rd, to_server).await {
+        if let Err(e) = crate::transport::authority::rewrite(rd, to_server).await {
             tracing::debug!(error = %e, "gRPC frontend connection ended");
         }
     });
@@ -1359,11 +1359,11 @@ where
     let _open = Open(cluster.clone());
     let h = super::frontend::grpc_handler(srv.clone(), cluster, name);
     let io = tokio::io::join(from_client, wr);
-    crate::grpc::serve(
+    crate::transport::grpc::serve(
         io,
         vec![(PROXY_PATH, h)],
         srv.agent_h2,
-        crate::grpc::Windows::Large,
+        crate::transport::grpc::Windows::Large,
     )
     .await;
     fix.abort();

@@ -20,7 +20,7 @@ use super::core::Core;
 use super::frontend::{dial_and_carry, FrontendEnd, FrontendIo, ProxyCluster, Reply};
 use super::Cluster;
 
-use crate::socks5::{rep, reply, NO_AUTH, NO_METHOD, USER_PASS, VERSION};
+use crate::wire::socks5::{rep, reply, NO_AUTH, NO_METHOD, USER_PASS, VERSION};
 
 /// Serves one SOCKS5 connection: the cluster is the frontend's, or named by
 /// the username (its password is the cluster's `proxy_password_file`).

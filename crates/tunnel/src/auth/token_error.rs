@@ -1,6 +1,6 @@
 //! Why an agent's token was refused, and why token checking could not be
 //! set up: shared by the local check (`token`) and the TokenReview client
-//! (`tokenreview`), which otherwise would import each other.
+//! (`token_review`), which otherwise would import each other.
 
 /// Why a token was refused (for logs and metrics; the agent only learns
 /// that it was refused).
@@ -51,5 +51,5 @@ pub enum AuthSetupError {
     },
     /// The TokenReview client's TLS material.
     #[error(transparent)]
-    Tls(#[from] crate::tls::TlsError),
+    Tls(#[from] crate::auth::tls::TlsError),
 }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::{Notify, Semaphore};
 
-use crate::proto::Packet;
+use crate::wire::proto::Packet;
 
 /// DATA packets a connection may have waiting.
 const PER_CONN: usize = 4;
@@ -231,7 +231,7 @@ mod tests {
 
     fn id_of(p: &Packet) -> i64 {
         match &p.payload {
-            Some(crate::proto::Payload::Data(d)) => d.connect_id,
+            Some(crate::wire::proto::Payload::Data(d)) => d.connect_id,
             _ => 0,
         }
     }
@@ -301,7 +301,7 @@ mod tests {
         .into_iter()
         .map(|p| p.unwrap().kind().unwrap())
         .collect();
-        use crate::proto::PacketType as T;
+        use crate::wire::proto::PacketType as T;
         assert_eq!(kinds, vec![T::DialCls, T::Data, T::Data, T::CloseRsp]);
         assert_eq!(q.conn_entries(), 0);
         // Without queued data the close goes out at once.

@@ -1,7 +1,7 @@
-//! The lean transport between a seedlink agent and a seedlink server,
+//! The native transport between a seedlink agent and a seedlink server,
 //! `seedlink-tunnel/1`, agreed by ALPN in the TLS handshake the agent
 //! makes anyway. An upstream agent or server offers only `h2` and gets
-//! gRPC, unchanged. Decided and measured in docs/TUNNEL.md ("The lean
+//! gRPC, unchanged. Decided and measured in docs/TUNNEL.md ("The native
 //! transport") and docs/PERFORMANCE.md (issue 28): HTTP/2 and gRPC cost a
 //! fixed 28 KiB per idle agent stream, two copies of every DATA payload on
 //! the way in, and a hop through the HTTP/2 connection task each way.
@@ -40,8 +40,8 @@ use tokio::sync::Notify;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-use crate::fair::FairQueue;
-use crate::proto::{Data, Packet, Payload};
+use crate::stream::fair::FairQueue;
+use crate::wire::proto::{Data, Packet, Payload};
 
 /// The ALPN protocol name.
 pub const ALPN: &str = "seedlink-tunnel/1";
@@ -60,7 +60,7 @@ const CONTROL_BUDGET: usize = 64;
 /// Frame header: type and length.
 const HEAD: usize = 5;
 /// Largest packet (gRPC's customary 4 MiB, as on the gRPC transport).
-pub const MAX_PACKET: usize = crate::grpc::MAX_MESSAGE;
+pub const MAX_PACKET: usize = crate::transport::grpc::MAX_MESSAGE;
 /// Largest OPEN, ANSWER or REFUSED (a ServiceAccount token is ≈ 1 KiB).
 pub const MAX_META: usize = 16 * 1024;
 /// At most this many packets, or [`BATCH_BYTES`], go into one write.
@@ -71,7 +71,7 @@ const BATCH_BYTES: usize = 256 * 1024;
 const DATA_TAG: u32 = 4;
 const DATA_BYTES_TAG: u32 = 3;
 
-/// What went wrong on the lean transport.
+/// What went wrong on the native transport.
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
     /// The connection failed.
@@ -315,7 +315,7 @@ impl Control {
     }
 
     fn writer_failed(&self, why: String) {
-        *seedlink_net::sync::lock(&self.failed, "lean control") = Some(why);
+        *seedlink_net::sync::lock(&self.failed, "native control") = Some(why);
         self.writer_gone.cancel();
     }
 }
@@ -479,7 +479,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Shared<IO> {
         cx: &mut Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        let mut io = seedlink_net::sync::lock(&self.0, "lean connection");
+        let mut io = seedlink_net::sync::lock(&self.0, "native connection");
         Pin::new(&mut *io).poll_read(cx, buf)
     }
 }
@@ -490,7 +490,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Shared<IO> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        let mut io = seedlink_net::sync::lock(&self.0, "lean connection");
+        let mut io = seedlink_net::sync::lock(&self.0, "native connection");
         Pin::new(&mut *io).poll_write(cx, buf)
     }
 
@@ -499,21 +499,21 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Shared<IO> {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        let mut io = seedlink_net::sync::lock(&self.0, "lean connection");
+        let mut io = seedlink_net::sync::lock(&self.0, "native connection");
         Pin::new(&mut *io).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
-        seedlink_net::sync::lock(&self.0, "lean connection").is_write_vectored()
+        seedlink_net::sync::lock(&self.0, "native connection").is_write_vectored()
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        let mut io = seedlink_net::sync::lock(&self.0, "lean connection");
+        let mut io = seedlink_net::sync::lock(&self.0, "native connection");
         Pin::new(&mut *io).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        let mut io = seedlink_net::sync::lock(&self.0, "lean connection");
+        let mut io = seedlink_net::sync::lock(&self.0, "native connection");
         Pin::new(&mut *io).poll_shutdown(cx)
     }
 }
@@ -524,7 +524,7 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Shared<IO> {
 pub fn start<IO>(
     io: IO,
     queue: Arc<FairQueue>,
-    keepalive: crate::grpc::H2Settings,
+    keepalive: crate::transport::grpc::H2Settings,
 ) -> (Inbound<Shared<IO>>, tokio::task::JoinHandle<()>)
 where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -557,7 +557,7 @@ pub async fn write_loop<W: AsyncWrite + Unpin>(
             let _ = within(stall, wr.shutdown()).await;
         }
         Err(e) => {
-            tracing::debug!(error = %e, "lean transport: sending failed");
+            tracing::debug!(error = %e, "native transport: sending failed");
             ctl.writer_failed(e.to_string());
             queue.close();
         }
@@ -624,7 +624,7 @@ pub struct Inbound<R> {
     timer: Pin<Box<Sleep>>,
     done: bool,
     /// PINGs and PONGs move nothing: a stream may send so many.
-    idle: crate::flood::Budget,
+    idle: crate::stream::flood::Budget,
 }
 
 impl<R: AsyncRead + Unpin> Inbound<R> {
@@ -644,10 +644,10 @@ impl<R: AsyncRead + Unpin> Inbound<R> {
             heard: now,
             pinged: None,
             timer: Box::pin(tokio::time::sleep_until(
-                crate::deadline::later(now.into_std(), every).into(),
+                crate::stream::deadline::later(now.into_std(), every).into(),
             )),
             done: false,
-            idle: crate::flood::Budget::new(now.into_std()),
+            idle: crate::stream::flood::Budget::new(now.into_std()),
         }
     }
 
@@ -743,7 +743,7 @@ impl<R: AsyncRead + Unpin> Inbound<R> {
     }
 
     fn writer_failure(&self) -> WireError {
-        let why = seedlink_net::sync::lock(&self.ctl.failed, "lean control").clone();
+        let why = seedlink_net::sync::lock(&self.ctl.failed, "native control").clone();
         WireError::Writer(why.unwrap_or_default())
     }
 }
@@ -770,7 +770,7 @@ fn keepalive(
 ) -> Keep {
     match pinged {
         Some(at) => {
-            let dead_at = crate::deadline::later(at, timeout);
+            let dead_at = crate::stream::deadline::later(at, timeout);
             if now >= dead_at {
                 Keep::Dead
             } else {
@@ -778,9 +778,9 @@ fn keepalive(
             }
         }
         None => {
-            let ping_at = crate::deadline::later(heard, every);
+            let ping_at = crate::stream::deadline::later(heard, every);
             if now >= ping_at {
-                Keep::Ping(crate::deadline::later(now, timeout))
+                Keep::Ping(crate::stream::deadline::later(now, timeout))
             } else {
                 Keep::Wait(ping_at)
             }

@@ -17,7 +17,7 @@ use serde::Deserialize;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
-use crate::tokenerror::{AuthSetupError, TokenError};
+use crate::auth::token_error::{AuthSetupError, TokenError};
 pub use seedlink_config::tunnel::TokenReview;
 
 /// Told the outcome of every review (`accepted`, `refused`, `unavailable`,
@@ -110,7 +110,7 @@ impl TokenReviewer {
             (Some(c), Some(k)) => Some((c.as_path(), k.as_path())),
             _ => None,
         };
-        let tls = crate::tls::client_config(&cfg.ca, identity, &["http/1.1".to_string()])?;
+        let tls = crate::auth::tls::client_config(&cfg.ca, identity, &["http/1.1".to_string()])?;
         Ok(TokenReviewer {
             host: host.to_string(),
             port: auth.port_u16().unwrap_or(443),

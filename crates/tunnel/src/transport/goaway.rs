@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use crate::tap::{OnRead, ReadTap};
+use crate::transport::tap::{OnRead, ReadTap};
 
 /// HTTP/2 frame type GOAWAY (RFC 9113 §6.8).
 const GOAWAY: u8 = 0x7;

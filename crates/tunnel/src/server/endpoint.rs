@@ -11,12 +11,12 @@ use tonic::{Response, Status};
 
 use super::activity::{Activity, Watched};
 use super::core::Core;
-use super::{attach, detach, AgentLink, Cluster, Handled, Identifiers};
-use crate::fair::FairQueue;
-use crate::grpc::{self, Handler, PacketStream};
-use crate::lean;
-use crate::proto::{Packet, AGENT_CONNECT_PATH};
-use crate::usertls::UserTls;
+use super::{attach, detach, Cluster, Handled, Identifiers, LinkDriver};
+use crate::stream::fair::FairQueue;
+use crate::transport::grpc::{self, Handler, PacketStream};
+use crate::transport::native;
+use crate::transport::usertls::UserTls;
+use crate::wire::proto::{Packet, AGENT_CONNECT_PATH};
 
 /// The slots an agent connection holds: one of the port's, and, until it
 /// is authenticated (TLS named its cluster, or a stream was admitted), one
@@ -83,7 +83,7 @@ where
 {
     let activity = Activity::new();
     let tcp = Watched::new(tcp, activity.clone());
-    // Boxed, as are the gRPC branch and the lean stream's opening: the
+    // Boxed, as are the gRPC branch and the native stream's opening: the
     // task lives as long as the agent stream, and inline they would size
     // every stream's task for themselves (26.5 KB per task measured,
     // 4.4 KB boxed; docs/PERFORMANCE.md, issue 28).
@@ -104,8 +104,8 @@ where
         peer,
         slots: Arc::new(slots),
     };
-    if tls.session().alpn.as_deref() == Some(lean::ALPN.as_bytes()) {
-        serve_lean(conn, tls).await;
+    if tls.session().alpn.as_deref() == Some(native::ALPN.as_bytes()) {
+        serve_native(conn, tls).await;
         return;
     }
     Box::pin(serve_grpc(conn, tls)).await;
@@ -195,7 +195,7 @@ async fn accept_tls<IO>(srv: &Core, tcp: IO, peer: SocketAddr) -> Option<UserTls
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let accept = crate::usertls::accept(srv.agent_tls.load_full(), tcp);
+    let accept = crate::transport::usertls::accept(srv.agent_tls.load_full(), tcp);
     let within = tokio::time::timeout(srv.settings.handshake_timeout, accept);
     let done = match &srv.handshaker {
         // The handshake's work on the low-priority thread; the stream
@@ -305,7 +305,7 @@ async fn open_stream(
 /// A stream let in: attached to its cluster.
 struct Admitted {
     cluster: Arc<Cluster>,
-    link: Arc<AgentLink>,
+    link: Arc<LinkDriver>,
     to_agent: Arc<FairQueue>,
     probe: bool,
     flow: bool,
@@ -335,7 +335,7 @@ async fn admit(conn: AgentConn, meta: &tonic::metadata::MetadataMap) -> Result<A
 
 /// Registered after the drain or a hand-over began (its handshake or
 /// TokenReview was under way): it gets the DRAIN the others got.
-fn drain_notice_if_moving(srv: &Core, link: &AgentLink) {
+fn drain_notice_if_moving(srv: &Core, link: &LinkDriver) {
     let moving = srv.agents_moving.load(std::sync::atomic::Ordering::Acquire);
     if srv.accepting.is_cancelled() || moving {
         link.drain_notice();
@@ -347,20 +347,20 @@ fn drain_notice_if_moving(srv: &Core, link: &AgentLink) {
 fn asked(meta: &tonic::metadata::MetadataMap) -> (bool, bool) {
     let asks = |h: &str, v: &str| meta.get(h).and_then(|x| x.to_str().ok()) == Some(v);
     (
-        asks(crate::flow::HEADER, crate::flow::VERSION),
+        asks(crate::stream::flow::HEADER, crate::stream::flow::VERSION),
         asks(
-            crate::proto::REPLICAS_HEADER,
-            crate::proto::REPLICAS_VERSION,
+            crate::wire::proto::REPLICAS_HEADER,
+            crate::wire::proto::REPLICAS_VERSION,
         ),
     )
 }
 
-/// One agent stream on the lean transport (`seedlink-tunnel/1`, see
-/// lean.rs): OPEN within the handshake deadline, the same admission as a
+/// One agent stream on the native transport (`seedlink-tunnel/1`, see
+/// native.rs): OPEN within the handshake deadline, the same admission as a
 /// gRPC `Connect`, ANSWER or REFUSED, then packets both ways until the
 /// stream ends. It requires flow control, so the receive loop never stops
 /// reading for a full queue and PINGs are always answered.
-async fn serve_lean<IO>(conn: AgentConn, tls: IO)
+async fn serve_native<IO>(conn: AgentConn, tls: IO)
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -369,11 +369,11 @@ where
     let _slots = conn.slots.clone();
     // Boxed: the steps before the stream runs (OPEN, admission, ANSWER)
     // would otherwise size the task that lives as long as the stream.
-    let Some((a, tls)) = Box::pin(open_lean(conn, tls)).await else {
+    let Some((a, tls)) = Box::pin(open_native(conn, tls)).await else {
         return;
     };
     drain_notice_if_moving(&srv, &a.link);
-    let (inbound, writer) = lean::start(tls, a.to_agent.clone(), srv.agent_h2);
+    let (inbound, writer) = native::start(tls, a.to_agent.clone(), srv.agent_h2);
     let grace = srv.settings.handshake_timeout;
     receive(srv, a.cluster, a.link, inbound, a.probe).await;
     // The queue is closed: the writer closes the connection, unless the
@@ -384,27 +384,27 @@ where
     }
 }
 
-/// The lean stream's opening: OPEN, admission, ANSWER or REFUSED (counted);
+/// The native stream's opening: OPEN, admission, ANSWER or REFUSED (counted);
 /// the admitted stream and its connection.
-async fn open_lean<IO>(conn: AgentConn, mut tls: IO) -> Option<(Admitted, IO)>
+async fn open_native<IO>(conn: AgentConn, mut tls: IO) -> Option<(Admitted, IO)>
 where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let srv = conn.srv.clone();
     let peer = conn.peer;
-    let meta = match tokio::time::timeout(srv.settings.handshake_timeout, lean::accept(&mut tls))
+    let meta = match tokio::time::timeout(srv.settings.handshake_timeout, native::accept(&mut tls))
         .await
     {
         Ok(Ok(m)) => m,
         // Records nobody should send (usertls.rs refused them): said
         // and counted, before any stream.
-        Ok(Err(lean::WireError::Io(e))) if e.kind() == std::io::ErrorKind::InvalidData => {
+        Ok(Err(native::WireError::Io(e))) if e.kind() == std::io::ErrorKind::InvalidData => {
             tracing::info!(%peer, error = %e, "agent connection refused before OPEN: bad TLS record");
             srv.metrics.agent_stream("", "bad_record");
             return None;
         }
         // Gone before a whole frame (a port check, a scan): no stream.
-        Ok(Err(lean::WireError::Io(_) | lean::WireError::Truncated)) => {
+        Ok(Err(native::WireError::Io(_) | native::WireError::Truncated)) => {
             srv.metrics.agent_stream("", "no_stream");
             return None;
         }
@@ -423,7 +423,7 @@ where
     let admitted = match (flow, answer) {
         (false, _) => Err(Status::failed_precondition(format!(
             "the {} transport needs per-connection flow control",
-            lean::ALPN
+            native::ALPN
         ))),
         (true, Err(s)) => Err(s),
         (true, Ok(answer)) => admit(conn, &meta).await.map(|a| (a, answer)),
@@ -436,7 +436,7 @@ where
             }
             let _ = tokio::time::timeout(
                 srv.settings.handshake_timeout,
-                lean::refuse(&mut tls, &status),
+                native::refuse(&mut tls, &status),
             )
             .await;
             return None;
@@ -445,7 +445,7 @@ where
     // An agent gone meanwhile: its stream fails at once and is detached.
     let _ = tokio::time::timeout(
         srv.settings.handshake_timeout,
-        lean::answer(&mut tls, &answer),
+        native::answer(&mut tls, &answer),
     )
     .await;
     Some((a, tls))
@@ -477,7 +477,7 @@ fn attach_stream(
     identity: Identity,
     conn: AgentConn,
     auth: Option<String>,
-) -> (Arc<AgentLink>, Arc<FairQueue>, bool) {
+) -> (Arc<LinkDriver>, Arc<FairQueue>, bool) {
     let timers = super::link::Timers {
         stall: conn.srv.settings.stall_timeout,
         unresponsive_after: conn.srv.dial_settings().unresponsive_after,
@@ -698,11 +698,15 @@ fn answer_meta(
             .map_err(|_| Status::internal("server count"))?,
     );
     let agreed = [
-        (flow, crate::flow::HEADER, crate::flow::VERSION),
+        (
+            flow,
+            crate::stream::flow::HEADER,
+            crate::stream::flow::VERSION,
+        ),
         (
             replicas,
-            crate::proto::REPLICAS_HEADER,
-            crate::proto::REPLICAS_VERSION,
+            crate::wire::proto::REPLICAS_HEADER,
+            crate::wire::proto::REPLICAS_VERSION,
         ),
     ];
     for (_, header, version) in agreed.into_iter().filter(|(on, ..)| *on) {
@@ -753,13 +757,13 @@ impl StreamEnd {
 /// The receive loop of one stream: each packet goes to the link; it waits
 /// on a connection only when that connection's queue is full (see
 /// queue.rs and docs/TUNNEL.md, "Head-of-line"). It also drives the link's
-/// timers ([`AgentLink::next_timeout`]), waiting or not. Ends with the
+/// timers ([`LinkDriver::next_timeout`]), waiting or not. Ends with the
 /// stream, on shutdown, when the cluster is removed or re-keyed away from
 /// the agent.
 async fn receive<S, E>(
     srv: Arc<Core>,
     cluster: Arc<Cluster>,
-    link: Arc<AgentLink>,
+    link: Arc<LinkDriver>,
     inbound: S,
     probe: bool,
 ) where
@@ -769,7 +773,7 @@ async fn receive<S, E>(
     let why = receive_loop(&srv, &cluster, &link, inbound).await;
     if why == StreamEnd::ControlFlood {
         let until = seedlink_net::clock::now_ms()
-            + u64::try_from(crate::flood::COOLDOWN.as_millis()).unwrap_or(u64::MAX);
+            + u64::try_from(crate::stream::flood::COOLDOWN.as_millis()).unwrap_or(u64::MAX);
         cluster
             .flood_until_ms
             .store(until, std::sync::atomic::Ordering::Release);
@@ -791,7 +795,7 @@ async fn receive<S, E>(
 async fn receive_loop<S, E>(
     srv: &Core,
     cluster: &Cluster,
-    link: &AgentLink,
+    link: &LinkDriver,
     mut inbound: S,
 ) -> StreamEnd
 where
@@ -802,7 +806,7 @@ where
     // for room (which ran the timers itself).
     let timer = link.next_timeout();
     tokio::pin!(timer);
-    let mut idle = crate::flood::Budget::new(std::time::Instant::now());
+    let mut idle = crate::stream::flood::Budget::new(std::time::Instant::now());
     loop {
         // Each packet costs the task a unit of tokio's cooperative budget:
         // a stream whose packets are always ready (a flood, or a fast
@@ -851,9 +855,9 @@ where
 async fn take_packet(
     srv: &Core,
     cluster: &Cluster,
-    link: &AgentLink,
+    link: &LinkDriver,
     p: Packet,
-    idle: &mut crate::flood::Budget,
+    idle: &mut crate::stream::flood::Budget,
 ) -> Result<bool, StreamEnd> {
     let (h, blocked) = link.on_agent_packet(p);
     cluster.metrics.packet(h);
@@ -895,9 +899,9 @@ pub(crate) trait ReceiveError: std::fmt::Display {
 
 impl ReceiveError for Status {}
 
-impl ReceiveError for lean::WireError {
+impl ReceiveError for native::WireError {
     fn flood(&self) -> bool {
-        matches!(self, lean::WireError::Flood)
+        matches!(self, native::WireError::Flood)
     }
 }
 
@@ -905,7 +909,7 @@ impl ReceiveError for lean::WireError {
 /// sends one per stream), DATA without bytes, a packet without a payload.
 /// Packets naming what the stream does not have are counted once handled.
 fn moves_nothing(p: &Packet) -> bool {
-    use crate::proto::{PacketType as T, Payload};
+    use crate::wire::proto::{PacketType as T, Payload};
     match (&p.payload, p.kind()) {
         (_, Some(T::Drain)) | (None, _) => true,
         (Some(Payload::Data(d)), _) => d.data.is_empty() && d.error.is_empty(),
@@ -915,7 +919,7 @@ fn moves_nothing(p: &Packet) -> bool {
 
 /// Ends when the stream must: on shutdown, when the cluster is removed,
 /// or when the link is kicked; says why.
-async fn stopped(srv: &Core, cluster: &Cluster, link: &AgentLink) -> StreamEnd {
+async fn stopped(srv: &Core, cluster: &Cluster, link: &LinkDriver) -> StreamEnd {
     tokio::select! {
         () = srv.shutdown.cancelled() => StreamEnd::ServerShutdown,
         () = cluster.removed.cancelled() => StreamEnd::ClusterRemoved,
@@ -925,7 +929,7 @@ async fn stopped(srv: &Core, cluster: &Cluster, link: &AgentLink) -> StreamEnd {
 
 /// Why a link was kicked: its queue overflowed, it carried nothing more
 /// while the server drains, or its cluster was re-keyed away from it.
-fn kicked(srv: &Core, link: &AgentLink) -> StreamEnd {
+fn kicked(srv: &Core, link: &LinkDriver) -> StreamEnd {
     if link.to_agent.overflowed() {
         StreamEnd::ControlOverflow
     } else if srv.accepting.is_cancelled() {
@@ -938,8 +942,8 @@ fn kicked(srv: &Core, link: &AgentLink) -> StreamEnd {
 /// Counts a refused token and answers the agent: `UNAVAILABLE` when the
 /// API server could not be asked (the agent retries with back-off), else
 /// `UNAUTHENTICATED`.
-fn token_refused(srv: &Core, cluster: &str, e: &crate::token::TokenError) -> Status {
-    if matches!(e, crate::token::TokenError::Unavailable(_)) {
+fn token_refused(srv: &Core, cluster: &str, e: &crate::auth::token::TokenError) -> Status {
+    if matches!(e, crate::auth::token::TokenError::Unavailable(_)) {
         srv.metrics
             .agent_stream(cluster, "token_review_unavailable");
         Status::unavailable("token could not be reviewed")

@@ -17,7 +17,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tonic::codec::Streaming;
 use tonic::{Request, Response, Status};
 
-use crate::proto::Packet;
+use crate::wire::proto::Packet;
 
 /// Outbound packets of one stream.
 pub type PacketStream = Pin<Box<dyn Stream<Item = Result<Packet, Status>> + Send>>;
@@ -121,7 +121,7 @@ pub enum Windows {
     /// the connection's life, so that data sent before admission buffers
     /// at most 64 KiB per connection. Agents that authenticate by token
     /// alone get that window (use certificates, or seedlink's agent on
-    /// the lean transport, for bulk throughput).
+    /// the native transport, for bulk throughput).
     Small,
 }
 

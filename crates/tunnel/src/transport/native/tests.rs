@@ -337,7 +337,7 @@ async fn pings_past_the_budget_end_the_stream() {
         mut inbound, peer, ..
     } = side(1 << 20, QUIET, PATIENT);
     let (_their_rd, mut their_wr) = tokio::io::split(peer);
-    let flood = [PING, 0, 0, 0, 0].repeat(crate::flood::BURST as usize * 3);
+    let flood = [PING, 0, 0, 0, 0].repeat(crate::stream::flood::BURST as usize * 3);
     tokio::spawn(async move {
         let _ = their_wr.write_all(&flood).await;
         their_wr
@@ -356,7 +356,7 @@ async fn a_flood_of_pings_is_read_in_slices_and_answered() {
     let (mut their_rd, mut their_wr) = tokio::io::split(peer);
     // Within the stream's budget of idle frames (flood.rs), more than a
     // poll's slice.
-    let mut flood = [PING, 0, 0, 0, 0].repeat(crate::flood::BURST as usize - 1);
+    let mut flood = [PING, 0, 0, 0, 0].repeat(crate::stream::flood::BURST as usize - 1);
     let mut heads = BytesMut::new();
     let data = encode_head(Packet::data(5, Bytes::from_static(b"after")), &mut heads);
     flood.extend_from_slice(&heads);

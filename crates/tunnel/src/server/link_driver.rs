@@ -1,4 +1,4 @@
-//! One agent stream's driver: the sans-IO [`ServerLink`] behind one lock,
+//! One agent stream's driver: the sans-IO [`LinkMachine`] behind one lock,
 //! and the IO it drives (the fair queue towards the agent, the frontends'
 //! queues); the wait of a connection whose bytes do not fit.
 
@@ -11,14 +11,14 @@ use tokio::sync::{oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 
 use super::activity;
-use super::dialerror::DialError;
 use super::identifiers::Identifiers;
-use super::link::{Action, Actions, Handled, ServerLink};
-use crate::deadline::earliest;
-use crate::fair::FairQueue;
-use crate::flow::SendCredit;
-use crate::proto::Packet;
-use crate::queue::{self, QueueTx};
+use super::link::{Action, Actions, Handled, LinkMachine};
+use crate::stream::deadline::earliest;
+use crate::stream::fair::FairQueue;
+use crate::stream::flow::SendCredit;
+use crate::stream::queue::{self, QueueTx};
+use crate::wire::dial_error::DialError;
+use crate::wire::proto::Packet;
 
 /// A connection's ends the link machine keeps: the queue towards its
 /// frontend and, with flow control, its sending window.
@@ -47,13 +47,13 @@ pub(super) type Reply = oneshot::Sender<Result<i64, DialError>>;
 
 /// The machine and its reusable action buffer, behind the link's one lock.
 pub(super) struct Locked {
-    pub(super) machine: ServerLink<ConnEnds, Reply>,
+    pub(super) machine: LinkMachine<ConnEnds, Reply>,
     pub(super) out: Actions<ConnEnds, Reply>,
 }
 
-/// One agent stream: the sans-IO [`ServerLink`] behind one lock, and the IO
+/// One agent stream: the sans-IO [`LinkMachine`] behind one lock, and the IO
 /// it drives (the fair queue towards the agent, the frontends' queues).
-pub struct AgentLink {
+pub struct LinkDriver {
     /// Server-local unique number (logs, tie-breaks).
     pub uid: u64,
     /// The agent's `agentid`.
@@ -96,14 +96,14 @@ pub(super) struct Applied {
     pub(super) violation: bool,
 }
 
-impl AgentLink {
+impl LinkDriver {
     /// Runs `f` on the machine under the lock, then carries out what it
     /// asked for. Nothing here waits: queue pushes and sends never block.
     /// A timer that moved earlier wakes the receive loop's sleep.
     pub(super) fn with<T>(
         &self,
         now: Instant,
-        f: impl FnOnce(&mut ServerLink<ConnEnds, Reply>, &mut Actions<ConnEnds, Reply>) -> T,
+        f: impl FnOnce(&mut LinkMachine<ConnEnds, Reply>, &mut Actions<ConnEnds, Reply>) -> T,
     ) -> (T, Applied) {
         let mut g = seedlink_net::sync::lock(&self.state, "agent link");
         let Locked { machine, out } = &mut *g;
@@ -165,7 +165,7 @@ impl AgentLink {
     pub(super) fn apply(
         &self,
         now: Instant,
-        machine: &mut ServerLink<ConnEnds, Reply>,
+        machine: &mut LinkMachine<ConnEnds, Reply>,
         out: &mut Actions<ConnEnds, Reply>,
     ) -> Applied {
         let mut applied = Applied::default();
@@ -286,7 +286,7 @@ impl AgentLink {
 
 /// Gives connection `id`'s sender `n` bytes more window; `false` when
 /// that is more than it used (a connection without a window takes any).
-pub(super) fn reopen(machine: &ServerLink<ConnEnds, Reply>, id: i64, n: i64) -> bool {
+pub(super) fn reopen(machine: &LinkMachine<ConnEnds, Reply>, id: i64, n: i64) -> bool {
     machine
         .conn(id)
         .and_then(|c| c.credit.as_ref())
@@ -308,7 +308,7 @@ pub(super) enum Delivered {
 
 /// Queues DATA for connection `id`'s frontend; what does not fit comes
 /// back to wait for room. A reader that left closes through its frontend.
-pub(super) fn deliver(machine: &ServerLink<ConnEnds, Reply>, id: i64, data: Bytes) -> Delivered {
+pub(super) fn deliver(machine: &LinkMachine<ConnEnds, Reply>, id: i64, data: Bytes) -> Delivered {
     let Some(c) = machine.conn(id) else {
         return Delivered::Queued;
     };
@@ -345,7 +345,7 @@ impl Blocked {
     /// connection (CLOSE_REQ to the agent), nothing else does. The deadline
     /// is the link machine's: every progress restarts it, and the link's
     /// timers go on firing meanwhile.
-    pub async fn resume(mut self, link: &AgentLink) -> Handled {
+    pub async fn resume(mut self, link: &LinkDriver) -> Handled {
         let timer = link.next_timeout();
         tokio::pin!(timer);
         loop {
@@ -380,7 +380,7 @@ impl Blocked {
     /// cluster may take the shared budget first: then it waits again, never
     /// drops. A connection closed meanwhile drops them (its own close tells
     /// the agent).
-    pub(super) fn push(&mut self, link: &AgentLink) -> Option<Bytes> {
+    pub(super) fn push(&mut self, link: &LinkDriver) -> Option<Bytes> {
         let g = seedlink_net::sync::lock(&link.state, "agent link");
         let c = g.machine.conn(self.connect_id)?;
         match c.queue.push(std::mem::take(&mut self.data)) {
@@ -401,11 +401,11 @@ mod tests {
     use bytes::Bytes;
     use tokio::sync::oneshot;
 
-    use crate::proto::Packet;
-    use crate::queue;
     use crate::server::link::Timers;
     use crate::server::testing::{cluster, LIVE, TIMERS};
     use crate::server::*;
+    use crate::stream::queue;
+    use crate::wire::proto::Packet;
 
     /// The receive loop holds two timer futures while a connection waits
     /// for room (its own, idle, and the one the wait polls): a dial whose
@@ -464,12 +464,12 @@ mod tests {
         c: &Cluster,
         flow: bool,
         timers: Timers,
-    ) -> (std::sync::Arc<AgentLink>, impl Sized) {
+    ) -> (std::sync::Arc<LinkDriver>, impl Sized) {
         let (link, to_agent) = attach(c, "a".into(), Identifiers::default(), flow, timers);
         let (qtx, reader) = queue::queue(4);
         let ends = ConnEnds {
             queue: qtx,
-            credit: flow.then(crate::flow::SendCredit::new),
+            credit: flow.then(crate::stream::flow::SendCredit::new),
         };
         let (reply, answer) = oneshot::channel();
         let now = Instant::now();

@@ -7,7 +7,7 @@ use super::*;
 
 /// `(message, field) → number` as written in `proto/konnectivity.proto`.
 fn proto_fields() -> BTreeMap<(String, String), u32> {
-    let text = include_str!("../../proto/konnectivity.proto");
+    let text = include_str!("../../../proto/konnectivity.proto");
     let mut out = BTreeMap::new();
     let mut message = String::new();
     for line in text.lines().map(str::trim) {
@@ -237,7 +237,7 @@ fn field_numbers_match_the_proto_file() {
 
 #[test]
 fn enum_values_match_the_proto_file() {
-    let text = include_str!("../../proto/konnectivity.proto");
+    let text = include_str!("../../../proto/konnectivity.proto");
     for (name, t) in [
         ("DIAL_REQ", PacketType::DialReq),
         ("DIAL_RSP", PacketType::DialRsp),

@@ -1,5 +1,5 @@
 //! A transport that shows every read to an observer: the agent follows the
-//! server's HTTP/2 frames for GOAWAY codes ([`crate::goaway`]), the server
+//! server's HTTP/2 frames for GOAWAY codes ([`crate::transport::goaway`]), the server
 //! stamps each agent connection's last read ([`crate::server::activity`]).
 //! Writes pass through untouched. Hand-written: a dozen lines of
 //! delegation, and no crate offers a read observer for tokio's traits.

@@ -120,7 +120,7 @@ pub fn server_config(
 pub enum Versions {
     /// TLS 1.2 and 1.3.
     Default,
-    /// TLS 1.3 only, secrets extractable: for [`crate::usertls`].
+    /// TLS 1.3 only, secrets extractable: for [`crate::transport::usertls`].
     UserTls13,
 }
 
@@ -159,7 +159,7 @@ pub fn server_config_for(
         })?;
     cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     if versions == Versions::UserTls13 {
-        crate::usertls::prepare_server(&mut cfg);
+        crate::transport::usertls::prepare_server(&mut cfg);
     }
     Ok(cfg)
 }
@@ -195,7 +195,7 @@ pub fn client_config_for(
     };
     cfg.alpn_protocols = alpn.iter().map(|p| p.as_bytes().to_vec()).collect();
     if versions == Versions::UserTls13 {
-        crate::usertls::prepare_client(&mut cfg);
+        crate::transport::usertls::prepare_client(&mut cfg);
     }
     Ok(cfg)
 }

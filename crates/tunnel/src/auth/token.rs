@@ -14,7 +14,7 @@ use std::path::Path;
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde::Deserialize;
 
-use crate::tokenreview::TokenReviewer;
+use crate::auth::token_review::TokenReviewer;
 
 /// How one cluster's agent tokens are checked.
 pub struct TokenValidator {
@@ -29,7 +29,7 @@ enum Method {
     Review(Box<TokenReviewer>),
 }
 
-pub use crate::tokenerror::{AuthSetupError, TokenError};
+pub use crate::auth::token_error::{AuthSetupError, TokenError};
 
 #[derive(Deserialize)]
 struct Claims {
@@ -355,7 +355,7 @@ mod tests {
         let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
         let s2 = seen.clone();
         let reviewer = TokenReviewer::new(
-            &crate::tokenreview::TokenReview {
+            &crate::auth::token_review::TokenReview {
                 url: "https://127.0.0.1:1".into(),
                 ca,
                 token_file: Some(tf),

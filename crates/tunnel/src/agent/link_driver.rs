@@ -1,0 +1,391 @@
+//! One agent stream's driver, the agent's side of a link: the sans-IO
+//! [`LinkMachine`] behind one lock, the IO it asks for (packets to the
+//! server, bytes to and from each destination), and the receive loop that
+//! feeds it (`Agent::serve_link`). The server's side has the same shape
+//! (`server::link_driver`).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use futures_util::StreamExt;
+use tokio_util::sync::CancellationToken;
+
+use super::connect::Inbound;
+use super::dial::CHUNK;
+use super::link::{Action, Actions, Expired, LinkMachine};
+use super::{link, Agent, AgentMetrics, MAX_DRAINING, STABLE};
+use crate::stream::fair::FairQueue;
+use crate::stream::flow::{self, SendCredit};
+use crate::stream::queue::{self, PumpEnd, QueueTx};
+use crate::wire::proto::Packet;
+
+/// Destination to server: reads what the destination sends and sends it
+/// as DATA, within the window when flow control is on. Returns how it
+/// ended.
+pub(super) async fn upload(
+    rd: tokio::net::tcp::OwnedReadHalf,
+    s: &LinkDriver,
+    id: i64,
+    credit: Option<&SendCredit>,
+) -> &'static str {
+    loop {
+        // No buffer while the destination is quiet: an idle connection
+        // holds none.
+        if rd.readable().await.is_err() {
+            return "remote_closed";
+        }
+        let mut b = BytesMut::with_capacity(CHUNK);
+        match rd.try_read_buf(&mut b) {
+            Ok(0) => return "remote_closed",
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(_) => return "remote_closed",
+            Ok(_) => {
+                if let Err(end) = send_up(s, id, credit, b.freeze()).await {
+                    return end;
+                }
+            }
+        }
+    }
+}
+
+/// Sends what the destination sent as DATA of connection `id`, within the
+/// window: a server-side reader that stopped holds this connection back,
+/// nothing else. How the connection ended if it did.
+pub(super) async fn send_up(
+    s: &LinkDriver,
+    id: i64,
+    credit: Option<&SendCredit>,
+    data: bytes::Bytes,
+) -> Result<(), &'static str> {
+    if let Some(c) = credit {
+        c.take(data.len()).await.map_err(|_| "closed")?;
+    }
+    s.to_server
+        .data(id, Packet::data(id, data))
+        .await
+        .map_err(|_| "server_gone")
+}
+
+/// Server to destination: writes the connection's queue, granting the
+/// server more window as it drains (flow control), or within `stall` per
+/// write without. Returns how it ended.
+pub(super) async fn download(
+    mut qrx: queue::QueueRx,
+    mut wr: tokio::net::tcp::OwnedWriteHalf,
+    s: &LinkDriver,
+    id: i64,
+    stall: Duration,
+) -> &'static str {
+    let mut unacked = flow::Unacked::default();
+    let deadline = (!s.flow).then_some(stall);
+    let written = |n| {
+        if s.flow {
+            if let Some(k) = unacked.written(n) {
+                s.send_soon(Packet::window_update(id, k));
+            }
+        }
+    };
+    match qrx.pump(&mut wr, deadline, written).await {
+        PumpEnd::Finished | PumpEnd::Aborted => "closed",
+        PumpEnd::Stalled => "stalled",
+        PumpEnd::WriteError => "write_error",
+    }
+}
+
+/// A connection's ends the session machine keeps.
+pub(super) struct ConnEnds {
+    pub(super) queue: QueueTx,
+    pub(super) cancel: CancellationToken,
+    /// Window towards the server (flow control negotiated).
+    pub(super) credit: Option<SendCredit>,
+}
+
+impl ConnEnds {
+    /// Resets the connection: its task stops, its writer resets.
+    pub(super) fn abort(self) {
+        self.cancel.cancel();
+        self.queue.abort();
+    }
+}
+
+/// The machine and its reusable action buffer, behind the session's lock.
+pub(super) struct Locked {
+    machine: LinkMachine<ConnEnds, CancellationToken>,
+    out: Actions<ConnEnds, CancellationToken>,
+}
+
+/// One stream to one server replica: the sans-IO [`LinkMachine`] behind one
+/// lock, and the IO it drives.
+pub(super) struct LinkDriver {
+    pub(super) server_id: String,
+    /// The server said DRAIN: it is going away, so it no longer counts
+    /// as held (the agent looks for a replica to replace it).
+    pub(super) draining: AtomicBool,
+    pub(super) to_server: Arc<FairQueue>,
+    pub(super) state: Mutex<Locked>,
+    pub(super) gone: CancellationToken,
+    /// Cancelled to end the stream from this side.
+    pub(super) cut: CancellationToken,
+    /// When it opened.
+    pub(super) since: std::time::Instant,
+    /// Per-connection flow control negotiated.
+    pub(super) flow: bool,
+}
+
+/// What carrying out a call's actions produced for the caller.
+#[derive(Default)]
+pub(super) struct Applied {
+    /// Dials to start.
+    dials: Vec<(i64, String, String, CancellationToken)>,
+    /// DATA that did not fit its connection's queue.
+    blocked: Option<(i64, bytes::Bytes, queue::Room)>,
+    /// A WINDOW_UPDATE gave more than was used.
+    bad_window: bool,
+}
+
+impl LinkDriver {
+    pub(super) fn send_soon(&self, p: Packet) {
+        let _ = self.to_server.control(p);
+    }
+
+    pub(super) fn new(
+        server_id: String,
+        to_server: Arc<FairQueue>,
+        flow: bool,
+        replicas: bool,
+        stall: Duration,
+    ) -> LinkDriver {
+        let machine = LinkMachine::new(flow, stall);
+        LinkDriver {
+            server_id,
+            draining: AtomicBool::new(false),
+            to_server,
+            state: Mutex::new(Locked {
+                machine: if replicas {
+                    machine.with_replica_updates()
+                } else {
+                    machine
+                },
+                out: Actions::new(),
+            }),
+            gone: CancellationToken::new(),
+            cut: CancellationToken::new(),
+            since: std::time::Instant::now(),
+            flow,
+        }
+    }
+
+    /// Runs `f` on the machine under the lock, then carries out what it
+    /// asked for; nothing here waits.
+    pub(super) fn with<T>(
+        &self,
+        f: impl FnOnce(
+            &mut LinkMachine<ConnEnds, CancellationToken>,
+            &mut Actions<ConnEnds, CancellationToken>,
+        ) -> T,
+    ) -> (T, Applied) {
+        let mut g = seedlink_net::sync::lock(&self.state, "agent session");
+        let Locked { machine, out } = &mut *g;
+        let r = f(machine, out);
+        (r, self.apply(machine, out))
+    }
+
+    /// What waiting for room for connection `id`'s `data` saw: room (the
+    /// bytes are queued; a connection closed meanwhile drops them), the
+    /// writer gone, or progress (the stall deadline starts again). `true`
+    /// when the wait is over.
+    pub(super) fn room_step(&self, id: i64, step: queue::Step, data: &bytes::Bytes) -> bool {
+        let mut g = seedlink_net::sync::lock(&self.state, "agent session");
+        match step {
+            queue::Step::Room => {
+                // Only the receive loop pushes, so the bytes fit.
+                if let Some(e) = g.machine.conn(id) {
+                    let _ = e.queue.push(data.clone());
+                }
+                g.machine.unblocked();
+                true
+            }
+            queue::Step::Closed => {
+                g.machine.unblocked();
+                true
+            }
+            queue::Step::Progress => {
+                g.machine.progress(Instant::now());
+                false
+            }
+        }
+    }
+
+    /// Carries out the machine's actions; nothing here waits.
+    pub(super) fn apply(
+        &self,
+        machine: &mut LinkMachine<ConnEnds, CancellationToken>,
+        out: &mut Actions<ConnEnds, CancellationToken>,
+    ) -> Applied {
+        let mut applied = Applied::default();
+        while let Some(a) = out.pop_front() {
+            match a {
+                Action::Send(p) => self.send_soon(p),
+                Action::Finish(id, last) => self.to_server.finish(id, last),
+                Action::Dial {
+                    random,
+                    address,
+                    protocol,
+                    cancel,
+                } => applied.dials.push((random, address, protocol, cancel)),
+                Action::Cancel(c) => c.cancel(),
+                Action::Deliver(id, data) => {
+                    if let Some((data, room)) = deliver(machine, id, data) {
+                        machine.blocked(Instant::now(), id);
+                        applied.blocked = Some((id, data, room));
+                    }
+                }
+                Action::Reopen(id, n) => applied.bad_window |= !reopen(machine, id, n),
+                Action::Close(e) => e.cancel.cancel(),
+                Action::Abort(e) => e.abort(),
+            }
+        }
+        applied
+    }
+}
+
+/// Gives connection `id`'s sender `n` bytes more window; `false` when
+/// that is more than it used (a connection without a window takes any).
+pub(super) fn reopen(machine: &LinkMachine<ConnEnds, CancellationToken>, id: i64, n: i64) -> bool {
+    machine
+        .conn(id)
+        .and_then(|e| e.credit.as_ref())
+        .is_none_or(|c| c.give(n))
+}
+
+/// Queues DATA for connection `id`'s destination; what does not fit comes
+/// back with a handle to wait for room.
+pub(super) fn deliver(
+    machine: &LinkMachine<ConnEnds, CancellationToken>,
+    id: i64,
+    data: bytes::Bytes,
+) -> Option<(bytes::Bytes, queue::Room)> {
+    let e = machine.conn(id)?;
+    match e.queue.push(data) {
+        Ok(()) | Err(queue::PushError::Closed) => None,
+        Err(queue::PushError::Full(data)) => Some((data, e.queue.room())),
+    }
+}
+
+/// Sleeps until `at`; forever without one.
+pub(super) async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(tokio::time::Instant::from_std(at)).await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Agent {
+    pub(super) async fn serve_link(self: &Arc<Self>, s: Arc<LinkDriver>, mut inbound: Inbound) {
+        loop {
+            let p = tokio::select! {
+                () = s.cut.cancelled() => return,
+                m = inbound.next() => match m {
+                    Some(Ok(p)) => p,
+                    Some(Err(e)) => {
+                        tracing::info!(error = %e, "server stream failed");
+                        return;
+                    }
+                    None => return,
+                },
+                () = self.shutdown.cancelled() => return,
+            };
+            let (h, applied) = s.with(|m, out| m.on_packet(p, out));
+            self.handled(&s, h, applied.bad_window);
+            for (random, address, protocol, cancel) in applied.dials {
+                let (agent, s) = (self.clone(), s.clone());
+                tokio::spawn(async move { agent.dial(s, address, protocol, random, cancel).await });
+            }
+            if let Some((id, data, room)) = applied.blocked {
+                // Backpressure (the standard protocol has no per-connection
+                // flow control): read nothing more from this server until
+                // the destination makes room, as long as it keeps taking
+                // bytes.
+                if !self.wait_for_room(&s, id, data, room).await {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A stream ended or drained: a flap if it had not lasted [`STABLE`],
+    /// else the streak is over.
+    pub(super) fn count_flap(&self, s: &LinkDriver) {
+        if s.since.elapsed() < STABLE {
+            self.flaps.fetch_add(1, Ordering::AcqRel);
+        } else {
+            self.flaps.store(0, Ordering::Release);
+        }
+    }
+
+    /// What a packet from the server meant beyond its actions: DRAIN
+    /// (look for a replica to replace it), REPLICAS, counters for bad
+    /// packets and windows.
+    pub(super) fn handled(&self, s: &LinkDriver, h: link::Handled, bad_window: bool) {
+        if h == link::Handled::ServerDraining && !s.draining.swap(true, Ordering::AcqRel) {
+            tracing::info!(server_id = %s.server_id, "the tunnel server drains: looking for a replica to replace it");
+            AgentMetrics::count(&self.metrics.server_connects, "server_draining");
+            self.count_flap(s);
+            let n = self.draining_streams.fetch_add(1, Ordering::AcqRel) + 1;
+            if n > MAX_DRAINING {
+                tracing::warn!(server_id = %s.server_id, "more draining streams than {MAX_DRAINING}: this one is ended");
+                AgentMetrics::count(&self.metrics.server_connects, "too_many_draining");
+                s.cut.cancel();
+            }
+            self.session_lost.notify_one();
+        }
+        if let link::Handled::Replicas(n) = h {
+            self.replicas_changed(&s.server_id, n);
+        }
+        if let Some(label) = h.bad_label() {
+            AgentMetrics::count(&self.metrics.bad_packets, label);
+        }
+        if bad_window {
+            AgentMetrics::count(&self.metrics.bad_packets, "bad_window");
+        }
+    }
+
+    /// Waits until connection `id`'s bytes fit its queue, then queues them,
+    /// while its destination keeps taking bytes; the session machine's
+    /// stall deadline ends the wait (resetting the connection). `false` on
+    /// shutdown.
+    pub(super) async fn wait_for_room(
+        &self,
+        s: &LinkDriver,
+        id: i64,
+        data: bytes::Bytes,
+        room: queue::Room,
+    ) -> bool {
+        loop {
+            let due = seedlink_net::sync::lock(&s.state, "agent session")
+                .machine
+                .poll_timeout();
+            let step = tokio::select! {
+                step = room.step(data.len()) => step,
+                () = sleep_until(due) => {
+                    let now = Instant::now();
+                    match s.with(|m, out| m.handle_timeout(now, out)).0 {
+                        Expired::Nothing => continue,
+                        Expired::Stalled { reset } => {
+                            if reset {
+                                AgentMetrics::count(&self.metrics.endpoint_closes, "stalled");
+                            }
+                            return true;
+                        }
+                    }
+                }
+                () = self.shutdown.cancelled() => return false,
+            };
+            if s.room_step(id, step, &data) {
+                return true;
+            }
+        }
+    }
+}
