@@ -29,6 +29,7 @@
 //! - `run`: the server as configured (`plan`; `diff`, pure, decides what
 //!   a reload changes), `upgrade` and `handover` (binary upgrades).
 
+pub mod accept;
 pub mod activity;
 pub mod admin;
 pub mod cluster;
@@ -45,6 +46,7 @@ pub mod limits;
 pub mod link;
 pub mod link_driver;
 pub mod metrics;
+pub mod plan;
 pub mod registry;
 pub mod run;
 pub mod socks;

@@ -5,7 +5,6 @@
 //! anything changed, so a bad reload changes nothing.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,50 +15,19 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use super::accept::{self, Listening, Serve};
 pub use super::core::{Core, Settings};
 use super::diff::{diff, Changes};
 use super::frontend::FrontendEnd;
 use super::handover::{self, Sockets};
-use super::limits::Limits;
 use super::metrics::Metrics;
-use super::{Cluster, ClusterConf, LinkDriver, Registry, Strategy};
+pub use super::plan::{plan, FrontendFailure, Plan, ServerError};
+use super::plan::{PlannedCluster, PlannedFrontend, Transport};
+use super::{Cluster, LinkDriver, Registry};
 use crate::auth::tls;
 use crate::auth::token::TokenValidator;
-use crate::auth::token_review::TokenReviewer;
-use crate::config::{Frontend, FrontendProtocol, ServerConfig};
+use crate::config::{Frontend, ServerConfig};
 use crate::transport::grpc::H2Settings;
-use crate::wire::proto::PROXY_PATH;
-
-enum Transport {
-    Unix(PathBuf),
-    Tcp(SocketAddr, TlsAcceptor),
-    /// Loopback only (checked by the configuration), or an authenticated
-    /// shared proxy.
-    TcpPlain(SocketAddr),
-}
-
-/// A frontend as configured and prepared (certificates loaded).
-struct PlannedFrontend {
-    /// `None`: a shared proxy frontend (the request names the cluster).
-    cluster: Option<String>,
-    cfg: Frontend,
-    transport: Transport,
-}
-
-/// A cluster as configured and prepared (trust loaded).
-struct PlannedCluster {
-    name: String,
-    conf: ClusterConf,
-    limits: Limits,
-}
-
-/// Everything a configuration asks for, read and checked; applying it
-/// cannot fail for want of a file.
-pub struct Plan {
-    clusters: Vec<PlannedCluster>,
-    frontends: Vec<PlannedFrontend>,
-    agent_tls: rustls::ServerConfig,
-}
 
 /// A listening frontend.
 struct Running {
@@ -134,108 +102,6 @@ fn new_core(
             generation: 1,
             last_reload: None,
         }),
-    }
-}
-
-/// Answers a handed-over CONNECT that cannot be served: 503 (within 5 s).
-async fn refuse_handoff(mut tcp: tokio::net::TcpStream) {
-    use tokio::io::AsyncWriteExt;
-    let _ = tokio::time::timeout(Duration::from_secs(5), async {
-        let _ = tcp
-            .write_all(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-            .await;
-        let _ = tcp.shutdown().await;
-    })
-    .await;
-}
-
-/// Draining: a stream that carries nothing ends, so that an upstream agent
-/// (which ignores DRAIN) reconnects to a process that takes dials instead
-/// of waiting for this one's deadline (a seedlink agent has moved
-/// already). Only once the handshake deadline passed: a frontend connection
-/// accepted just before the drain has dialed by then (or was dropped).
-async fn end_idle_agent_streams(core: Arc<Core>) {
-    tokio::select! {
-        () = tokio::time::sleep(core.settings.handshake_timeout) => {}
-        () = core.shutdown.cancelled() => return,
-    }
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            () = core.shutdown.cancelled() => return,
-        }
-        for cluster in core.registry.clusters().iter() {
-            // A gRPC frontend connection may still dial (one connection,
-            // many streams): keep its agents.
-            let grpc = cluster
-                .grpc_frontends
-                .load(std::sync::atomic::Ordering::Acquire);
-            if grpc > 0 {
-                continue;
-            }
-            for link in cluster.agents() {
-                if link.conn_count() == 0 {
-                    link.kick.cancel();
-                }
-            }
-        }
-    }
-}
-
-/// What a frontend's listener serves.
-#[derive(Clone)]
-struct Serve {
-    /// `None`: a shared frontend (the request or the client certificate
-    /// names the cluster).
-    cluster: Option<Arc<Cluster>>,
-    name: Arc<str>,
-    proto: FrontendProtocol,
-    /// Cancelled to stop accepting.
-    stop: CancellationToken,
-}
-
-/// A frontend's serving task, where it is bound, and its swappable TLS
-/// acceptor if it has one.
-type Listening = (JoinHandle<()>, String, Option<Arc<ArcSwap<TlsAcceptor>>>);
-
-impl Serve {
-    /// Serves one TCP connection after the TLS handshake (within the
-    /// handshake deadline). On a shared CONNECT or gRPC frontend the client
-    /// certificate's CN names the cluster.
-    async fn tls(self, srv: Arc<Core>, acc: Arc<TlsAcceptor>, tcp: tokio::net::TcpStream) {
-        let hs = srv.settings.handshake_timeout;
-        let Serve {
-            cluster,
-            name,
-            proto,
-            ..
-        } = self;
-        let tls = match tokio::time::timeout(hs, acc.accept(tcp)).await {
-            Ok(Ok(tls)) => tls,
-            _ => {
-                let c = cluster.as_ref().map_or("", |c| &*c.name);
-                return srv
-                    .metrics
-                    .frontend_conn(c, &name, FrontendEnd::TlsFailed.reason());
-            }
-        };
-        if cluster.is_some() || proto.is_proxy() {
-            return serve_frontend(srv, cluster, name, proto, tls).await;
-        }
-        let named = tls
-            .get_ref()
-            .1
-            .peer_certificates()
-            .and_then(|c| c.first())
-            .and_then(|c| tls::subject_cn(c.as_ref()))
-            .and_then(|cn| srv.registry.cluster(&cn));
-        match named {
-            Some(c) => serve_frontend(srv, Some(c), name, proto, tls).await,
-            None => srv
-                .metrics
-                .frontend_conn("", &name, FrontendEnd::UnknownCluster.reason()),
-        }
     }
 }
 
@@ -334,139 +200,6 @@ fn random_id() -> String {
     )
 }
 
-/// Why a tunnel-server could not be built, started or reloaded; each
-/// variant names the setting (and cluster) at fault.
-#[derive(Debug, thiserror::Error)]
-pub enum ServerError {
-    /// TLS material a setting names is unusable.
-    #[error("{at}: {error}")]
-    Tls {
-        /// The setting.
-        at: String,
-        /// Why.
-        error: Box<tls::TlsError>,
-    },
-    /// Token checking could not be set up.
-    #[error("{at}: {error}")]
-    Auth {
-        /// The setting.
-        at: String,
-        /// Why.
-        error: Box<crate::auth::token::AuthSetupError>,
-    },
-    /// A setting the checked configuration should have excluded, or a
-    /// secret file that cannot be used.
-    #[error("{at}: {why}")]
-    Invalid {
-        /// The setting.
-        at: String,
-        /// Why.
-        why: String,
-    },
-    /// A socket could not be set up.
-    #[error("{at}: {error}")]
-    Listen {
-        /// The listener and address.
-        at: String,
-        /// Why.
-        error: std::io::Error,
-    },
-    /// A reload changed a setting that needs a restart.
-    #[error("agents, admin, server_id, server_count, dial_timeout, agent_wait, stall_timeout and queue_bytes need a restart; only clusters, shared_frontends and frontend_templates reload")]
-    NeedsRestart,
-    /// A reload was applied, but some changed frontends did not start.
-    #[error("applied, but frontends failed to start: {}", failed_text(.0))]
-    FrontendsFailed(Vec<FrontendFailure>),
-    /// Clusters whose trust, password or frontend could not be prepared
-    /// (every one, found in one pass); nothing was applied.
-    #[error("{}", in_clusters_text(.0))]
-    InClusters(Vec<(String, String)>),
-}
-
-fn in_clusters_text(c: &[(String, String)]) -> String {
-    c.iter()
-        .map(|(name, why)| format!("cluster {name}: {why}"))
-        .collect::<Vec<_>>()
-        .join("; ")
-}
-
-/// A frontend that did not start in a reload.
-#[derive(Debug, Clone)]
-pub struct FrontendFailure {
-    /// Its cluster (`None`: a shared frontend, the operator's).
-    pub cluster: Option<String>,
-    /// Why, with the frontend's label.
-    pub why: String,
-}
-
-fn failed_text(f: &[FrontendFailure]) -> String {
-    f.iter()
-        .map(|f| f.why.as_str())
-        .collect::<Vec<_>>()
-        .join("; ")
-}
-
-impl ServerError {
-    /// The clusters this error is theirs alone (a cluster's frontend that
-    /// did not start, its trust that did not load), if it is not the
-    /// operator's.
-    pub fn clusters(&self) -> Vec<(String, String)> {
-        match self {
-            ServerError::InClusters(c) => c.clone(),
-            ServerError::FrontendsFailed(f) => f
-                .iter()
-                .filter_map(|f| Some((f.cluster.clone()?, f.why.clone())))
-                .collect(),
-            _ => Vec::new(),
-        }
-    }
-}
-
-impl ServerError {
-    fn tls(at: impl Into<String>) -> impl FnOnce(tls::TlsError) -> ServerError {
-        let at = at.into();
-        move |error| ServerError::Tls {
-            at,
-            error: Box::new(error),
-        }
-    }
-
-    fn listen(at: impl Into<String>) -> impl FnOnce(std::io::Error) -> ServerError {
-        let at = at.into();
-        move |error| ServerError::Listen { at, error }
-    }
-}
-
-/// How a configured frontend listens; `authenticated` frontends (every
-/// request carries a cluster's password) may use plain TCP anywhere.
-fn transport(f: &Frontend, what: &str, authenticated: bool) -> Result<Transport, ServerError> {
-    Ok(match (&f.unix, &f.tcp, &f.cert, &f.key, &f.client_ca) {
-        (Some(p), None, ..) => Transport::Unix(p.clone()),
-        (None, Some(a), Some(cert), Some(key), Some(ca)) => {
-            let v = tls::load_roots(ca)
-                .and_then(tls::client_verifier)
-                .map_err(ServerError::tls(format!("{what}: client_ca")))?;
-            let alpn: &[&[u8]] = match f.protocol {
-                FrontendProtocol::Grpc => &[b"h2"],
-                FrontendProtocol::HttpConnect | FrontendProtocol::HttpProxy => &[b"http/1.1"],
-                FrontendProtocol::Socks5 => &[],
-            };
-            let sc =
-                tls::server_config(cert, key, Some(v), alpn).map_err(ServerError::tls(what))?;
-            Transport::Tcp(*a, TlsAcceptor::from(Arc::new(sc)))
-        }
-        (None, Some(a), None, None, None) if a.ip().is_loopback() || authenticated => {
-            Transport::TcpPlain(*a)
-        }
-        _ => {
-            return Err(ServerError::Invalid {
-                at: what.to_string(),
-                why: "unix, or tcp with cert, key and client_ca".into(),
-            })
-        }
-    })
-}
-
 /// Binds frontend `label`'s Unix socket at `path`. A TunnelCluster's
 /// socket lives in a directory of its own (docs/SECURITY.md), made here if
 /// it is not there yet, never through a symlink; a file already there is
@@ -502,188 +235,6 @@ fn bind_unix(label: &str, path: &std::path::Path) -> Result<UnixListener, Server
         ServerError::listen(format!("{label}: permissions of {}", path.display())),
     )?;
     Ok(l)
-}
-
-/// Reads and checks everything `cfg` refers to.
-pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> {
-    let mut clusters = Vec::new();
-    let mut frontends = Vec::new();
-    // Every cluster's problem in one pass: a reload that must leave some
-    // out leaves them all out at once.
-    let mut failed = Vec::new();
-    for c in &cfg.clusters {
-        match plan_one(c, metrics) {
-            Ok((planned, mut fs)) => {
-                clusters.push(planned);
-                frontends.append(&mut fs);
-            }
-            Err(e) => failed.push((c.name.clone(), e.to_string())),
-        }
-    }
-    if !failed.is_empty() {
-        return Err(ServerError::InClusters(failed));
-    }
-    for f in &cfg.shared_frontends {
-        frontends.push(PlannedFrontend {
-            cluster: None,
-            cfg: f.clone(),
-            transport: transport(
-                f,
-                &format!("shared frontend {}", f.name),
-                f.protocol.is_proxy(),
-            )?,
-        });
-    }
-    let agent_tls = agent_tls(cfg, &clusters)?;
-    Ok(Plan {
-        clusters,
-        frontends,
-        agent_tls,
-    })
-}
-
-/// One cluster and its frontends, read and checked.
-fn plan_one(
-    c: &crate::config::Cluster,
-    metrics: &Metrics,
-) -> Result<(PlannedCluster, Vec<PlannedFrontend>), ServerError> {
-    let planned = plan_cluster(c, metrics)?;
-    let frontends = c
-        .frontends
-        .iter()
-        .map(|f| {
-            Ok(PlannedFrontend {
-                cluster: Some(c.name.clone()),
-                cfg: f.clone(),
-                transport: transport(f, &format!("cluster {} frontend {}", c.name, f.name), false)?,
-            })
-        })
-        .collect::<Result<Vec<_>, ServerError>>()?;
-    Ok((planned, frontends))
-}
-
-/// The agent endpoint's TLS: any cluster's CA verifies a client
-/// certificate, which is mandatory unless some cluster takes tokens.
-fn agent_tls(
-    cfg: &ServerConfig,
-    clusters: &[PlannedCluster],
-) -> Result<rustls::ServerConfig, ServerError> {
-    let any = tls::AnyOf {
-        verifiers: clusters
-            .iter()
-            .filter_map(|c| c.conf.verifier.clone())
-            .collect(),
-        mandatory: clusters.iter().all(|c| c.conf.token.is_none()),
-    };
-    let agent_tls = tls::server_config_for(
-        &cfg.agents.cert,
-        &cfg.agents.key,
-        Some(Arc::new(any)),
-        &[crate::transport::native::ALPN.as_bytes(), b"h2"],
-        tls::Versions::UserTls13,
-    )
-    .map_err(ServerError::tls("agents: TLS"))?;
-    Ok(agent_tls)
-}
-
-/// One cluster: its agents' trust (CA, tokens), proxy password, strategies
-/// and limits, read and checked.
-fn plan_cluster(
-    c: &crate::config::Cluster,
-    metrics: &Metrics,
-) -> Result<PlannedCluster, ServerError> {
-    let verifier = match &c.agent_ca {
-        Some(ca) => Some(
-            tls::load_roots(ca)
-                .and_then(tls::client_verifier)
-                .map_err(ServerError::tls(format!("cluster {}: agent_ca", c.name)))?,
-        ),
-        None => None,
-    };
-    let token = match &c.agent_token {
-        Some(t) => Some(Arc::new(token_validator(&c.name, t, metrics)?)),
-        None => None,
-    };
-    let proxy_password = match &c.proxy_password_file {
-        Some(p) => Some(read_password(&c.name, p)?),
-        None => None,
-    };
-    Ok(PlannedCluster {
-        name: c.name.clone(),
-        conf: ClusterConf {
-            strategies: c
-                .strategies
-                .iter()
-                .filter_map(|s| Strategy::from_name(s))
-                .collect(),
-            verifier,
-            token,
-            proxy_password,
-            frontends: c.frontends.iter().map(frontend_label).collect(),
-        },
-        limits: c.limits.into(),
-    })
-}
-
-/// A cluster's token check: local keys, or a TokenReview whose outcomes
-/// are counted.
-fn token_validator(
-    cluster: &str,
-    t: &crate::config::TokenAuth,
-    metrics: &Metrics,
-) -> Result<TokenValidator, ServerError> {
-    match (&t.keys, &t.review) {
-        (Some(keys), None) => TokenValidator::new(keys, &t.issuer, &t.audience, &t.service_account),
-        (None, Some(r)) => TokenReviewer::new(r, {
-            let (reviews, cluster) = (metrics.token_reviews.clone(), cluster.to_string());
-            Arc::new(move |outcome: &str| {
-                reviews
-                    .get_or_create(&crate::server::metrics::ClusterReason {
-                        cluster: cluster.clone(),
-                        reason: outcome.to_string(),
-                    })
-                    .inc();
-            })
-        })
-        .and_then(|r| TokenValidator::with_review(r, &t.issuer, &t.audience, &t.service_account)),
-        _ => {
-            return Err(ServerError::Invalid {
-                at: format!("cluster {cluster}: agent_token"),
-                why: "exactly one of keys or review".into(),
-            })
-        }
-    }
-    .map_err(|error| ServerError::Auth {
-        at: format!("cluster {cluster}: agent_token"),
-        error: Box::new(error),
-    })
-}
-
-/// A cluster's proxy password (the file's trimmed content, not empty).
-fn read_password(cluster: &str, p: &std::path::Path) -> Result<String, ServerError> {
-    let at = || format!("cluster {cluster}: proxy_password_file {}", p.display());
-    let text = std::fs::read_to_string(p).map_err(|e| ServerError::Invalid {
-        at: at(),
-        why: e.to_string(),
-    })?;
-    let pw = text.trim();
-    if pw.is_empty() {
-        return Err(ServerError::Invalid {
-            at: at(),
-            why: "empty".into(),
-        });
-    }
-    Ok(pw.to_string())
-}
-
-/// `name (protocol, where)` of a frontend, for the admin views.
-fn frontend_label(f: &Frontend) -> String {
-    let at = match (&f.unix, &f.tcp) {
-        (Some(p), _) => p.display().to_string(),
-        (_, Some(a)) => a.to_string(),
-        _ => String::new(),
-    };
-    format!("{} ({:?}, {at})", f.name, f.protocol)
 }
 
 impl TunnelServer {
@@ -891,16 +442,45 @@ impl TunnelServer {
                     .map_err(ServerError::listen(format!("{label}: duplicating")))?;
                 self.sockets
                     .record(&handed_name, &path.display().to_string(), fd);
-                Ok((self.spawn_unix(l, serve), path.display().to_string(), None))
+                Ok((
+                    accept::spawn_unix(
+                        self.core.clone(),
+                        self.sockets.frontends_open.clone(),
+                        l,
+                        serve,
+                    ),
+                    path.display().to_string(),
+                    None,
+                ))
             }
             Transport::TcpPlain(addr) => {
                 let (l, b) = self.tcp_listener(&handed_name, addr, label).await?;
-                Ok((self.spawn_tcp(l, None, serve), b, None))
+                Ok((
+                    accept::spawn_tcp(
+                        self.core.clone(),
+                        self.sockets.frontends_open.clone(),
+                        l,
+                        None,
+                        serve,
+                    ),
+                    b,
+                    None,
+                ))
             }
             Transport::Tcp(addr, acceptor) => {
                 let (l, b) = self.tcp_listener(&handed_name, addr, label).await?;
                 let acc = Arc::new(ArcSwap::from_pointee(acceptor));
-                Ok((self.spawn_tcp(l, Some(acc.clone()), serve), b, Some(acc)))
+                Ok((
+                    accept::spawn_tcp(
+                        self.core.clone(),
+                        self.sockets.frontends_open.clone(),
+                        l,
+                        Some(acc.clone()),
+                        serve,
+                    ),
+                    b,
+                    Some(acc),
+                ))
             }
         }
     }
@@ -921,56 +501,6 @@ impl TunnelServer {
             .map_err(ServerError::listen(at.clone()))?;
         let b = l.local_addr().map_err(ServerError::listen(at))?.to_string();
         Ok((l, b))
-    }
-
-    fn spawn_unix(self: &Arc<Self>, l: UnixListener, serve: Serve) -> JoinHandle<()> {
-        let srv = self.core.clone();
-        let open = self.sockets.frontends_open.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                () = open.cancelled() => {}
-                () = serve.stop.cancelled() => return,
-            }
-            seedlink_net::accept::accept_loop(&l, &serve.stop, |s, _| {
-                let (srv2, cluster, name) =
-                    (srv.clone(), serve.cluster.clone(), serve.name.clone());
-                let proto = serve.proto;
-                srv.frontend_tasks
-                    .spawn(async move { serve_frontend(srv2, cluster, name, proto, s).await });
-            })
-            .await;
-        })
-    }
-
-    fn spawn_tcp(
-        self: &Arc<Self>,
-        l: TcpListener,
-        acceptor: Option<Arc<ArcSwap<TlsAcceptor>>>,
-        serve: Serve,
-    ) -> JoinHandle<()> {
-        let srv = self.core.clone();
-        let open = self.sockets.frontends_open.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                () = open.cancelled() => {}
-                () = serve.stop.cancelled() => return,
-            }
-            seedlink_net::accept::accept_loop(&l, &serve.stop, |tcp, _| {
-                let _ = tcp.set_nodelay(true);
-                let (srv2, serve2) = (srv.clone(), serve.clone());
-                match acceptor.as_ref().map(|a| a.load_full()) {
-                    Some(acc) => srv.frontend_tasks.spawn(serve2.tls(srv2, acc, tcp)),
-                    None => srv.frontend_tasks.spawn(serve_frontend(
-                        srv2,
-                        serve2.cluster,
-                        serve2.name,
-                        serve2.proto,
-                        tcp,
-                    )),
-                };
-            })
-            .await;
-        })
     }
 
     /// Applies a new configuration: clusters added, removed (their agent
@@ -1184,7 +714,7 @@ impl TunnelServer {
                     super::frontend::connect_method(&srv, &c, tcp, &target, leftover).await
                 }
                 other => {
-                    refuse_handoff(tcp).await;
+                    accept::refuse_handoff(tcp).await;
                     if other.is_some() {
                         FrontendEnd::Draining
                     } else {
@@ -1213,7 +743,7 @@ impl TunnelServer {
                 link.drain_notice();
             }
         }
-        tokio::spawn(end_idle_agent_streams(self.core.clone()));
+        tokio::spawn(accept::end_idle_agent_streams(self.core.clone()));
         self.frontend_tasks.close();
         let _ = tokio::time::timeout(grace, self.frontend_tasks.wait()).await;
         self.shutdown.cancel();
@@ -1298,75 +828,6 @@ fn changes(old: &[Arc<Cluster>], running: &[Running], p: &Plan) -> Changes {
             .map(|f| (f.cluster.as_deref(), &f.cfg))
             .collect::<Vec<_>>(),
     )
-}
-
-async fn serve_frontend<S>(
-    srv: Arc<Core>,
-    cluster: Option<Arc<Cluster>>,
-    name: Arc<str>,
-    proto: FrontendProtocol,
-    io: S,
-) where
-    S: super::frontend::FrontendIo + Send + 'static,
-{
-    use super::frontend::ProxyCluster;
-    let choice = match &cluster {
-        Some(c) => ProxyCluster::Fixed(c),
-        None => ProxyCluster::ByCredentials,
-    };
-    let (cl, outcome) = match proto {
-        FrontendProtocol::HttpProxy => super::frontend::serve_http_proxy(&srv, choice, io).await,
-        FrontendProtocol::Socks5 => super::socks::serve_socks5(&srv, choice, io).await,
-        // Only proxy frontends are shared (the configuration says so).
-        FrontendProtocol::HttpConnect | FrontendProtocol::Grpc => {
-            let Some(c) = cluster else { return };
-            if proto == FrontendProtocol::Grpc {
-                return serve_grpc_frontend(srv, c, name, io).await;
-            }
-            let outcome = super::frontend::serve_http_connect(&srv, &c, io).await;
-            (c.name.to_string(), outcome)
-        }
-    };
-    srv.metrics.frontend_conn(&cl, &name, outcome.reason());
-}
-
-/// A gRPC frontend connection of `cluster`: HTTP/2 with `ProxyService`,
-/// counted while open (it may carry further dials). kube-apiserver's gRPC
-/// client names the socket path as `:authority`; see `authority` for why
-/// and how it is rewritten.
-async fn serve_grpc_frontend<S>(srv: Arc<Core>, cluster: Arc<Cluster>, name: Arc<str>, io: S)
-where
-    S: super::frontend::FrontendIo + Send + 'static,
-{
-    let (rd, wr) = tokio::io::split(io);
-    let (to_server, from_client) = tokio::io::duplex(256 * 1024);
-    let fix = tokio::spawn(async move {
-        if let Err(e) = crate::transport::authority::rewrite(rd, to_server).await {
-            tracing::debug!(error = %e, "gRPC frontend connection ended");
-        }
-    });
-    struct Open(Arc<super::Cluster>);
-    impl Drop for Open {
-        fn drop(&mut self) {
-            self.0
-                .grpc_frontends
-                .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
-        }
-    }
-    cluster
-        .grpc_frontends
-        .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-    let _open = Open(cluster.clone());
-    let h = super::frontend::grpc_handler(srv.clone(), cluster, name);
-    let io = tokio::io::join(from_client, wr);
-    crate::transport::grpc::serve(
-        io,
-        vec![(PROXY_PATH, h)],
-        srv.agent_h2,
-        crate::transport::grpc::Windows::Large,
-    )
-    .await;
-    fix.abort();
 }
 
 #[cfg(test)]
