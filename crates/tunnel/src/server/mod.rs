@@ -32,6 +32,7 @@
 pub mod accept;
 pub mod activity;
 pub mod admin;
+pub mod admission;
 pub mod cluster;
 pub mod core;
 pub mod dial;
@@ -47,6 +48,7 @@ pub mod link;
 pub mod link_driver;
 pub mod metrics;
 pub mod plan;
+pub mod receive;
 pub mod registry;
 pub mod run;
 pub mod socks;
