@@ -9,7 +9,8 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use tokio::net::TcpStream;
 
-use super::Agent;
+use super::core::Agent;
+use super::link_driver::Inbound;
 use crate::stream::fair::FairQueue;
 use crate::stream::flow::{self};
 use crate::transport::grpc::{self};
@@ -147,14 +148,6 @@ pub(super) fn answer(meta: &tonic::metadata::MetadataMap) -> Result<Answer, Conn
         ),
     })
 }
-
-/// The server's packets on either transport.
-pub(super) type Inbound = std::pin::Pin<
-    Box<
-        dyn futures_util::Stream<Item = Result<Packet, Box<dyn std::error::Error + Send + Sync>>>
-            + Send,
-    >,
->;
 
 /// A connection to a server, ready for the stream.
 pub(super) enum Channel {

@@ -8,14 +8,12 @@ use std::sync::Arc;
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
+use super::core::Agent;
 use super::link_driver::{download, upload, ConnEnds, LinkDriver};
-use super::{Agent, AgentMetrics};
+use super::metrics::AgentMetrics;
 use crate::stream::flow::{self, SendCredit};
 use crate::stream::queue::{self};
 use crate::wire::dial_error;
-
-/// Bytes read from a destination per DATA packet.
-pub(super) const CHUNK: usize = 32 * 1024;
 
 /// Destinations denied unless an allow rule names them exactly: the agent's
 /// own host (loopback, `0.0.0.0/8` and `::`, which Linux connects to

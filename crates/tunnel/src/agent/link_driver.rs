@@ -4,18 +4,14 @@
 //! feeds it (`Agent::serve_link`). The server's side has the same shape
 //! (`server::link_driver`).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
-use futures_util::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-use super::connect::Inbound;
-use super::dial::CHUNK;
-use super::link::{Action, Actions, Expired, LinkMachine};
-use super::{link, Agent, AgentMetrics, MAX_DRAINING, STABLE};
+use super::link::{Action, Actions, LinkMachine};
 use crate::stream::fair::FairQueue;
 use crate::stream::flow::{self, SendCredit};
 use crate::stream::queue::{self, PumpEnd, QueueTx};
@@ -112,8 +108,8 @@ impl ConnEnds {
 
 /// The machine and its reusable action buffer, behind the session's lock.
 pub(super) struct Locked {
-    machine: LinkMachine<ConnEnds, CancellationToken>,
-    out: Actions<ConnEnds, CancellationToken>,
+    pub(super) machine: LinkMachine<ConnEnds, CancellationToken>,
+    pub(super) out: Actions<ConnEnds, CancellationToken>,
 }
 
 /// One stream to one server replica: the sans-IO [`LinkMachine`] behind one
@@ -138,11 +134,11 @@ pub(super) struct LinkDriver {
 #[derive(Default)]
 pub(super) struct Applied {
     /// Dials to start.
-    dials: Vec<(i64, String, String, CancellationToken)>,
+    pub(super) dials: Vec<(i64, String, String, CancellationToken)>,
     /// DATA that did not fit its connection's queue.
-    blocked: Option<(i64, bytes::Bytes, queue::Room)>,
+    pub(super) blocked: Option<(i64, bytes::Bytes, queue::Room)>,
     /// A WINDOW_UPDATE gave more than was used.
-    bad_window: bool,
+    pub(super) bad_window: bool,
 }
 
 impl LinkDriver {
@@ -282,110 +278,13 @@ pub(super) async fn sleep_until(at: Option<Instant>) {
     }
 }
 
-impl Agent {
-    pub(super) async fn serve_link(self: &Arc<Self>, s: Arc<LinkDriver>, mut inbound: Inbound) {
-        loop {
-            let p = tokio::select! {
-                () = s.cut.cancelled() => return,
-                m = inbound.next() => match m {
-                    Some(Ok(p)) => p,
-                    Some(Err(e)) => {
-                        tracing::info!(error = %e, "server stream failed");
-                        return;
-                    }
-                    None => return,
-                },
-                () = self.shutdown.cancelled() => return,
-            };
-            let (h, applied) = s.with(|m, out| m.on_packet(p, out));
-            self.handled(&s, h, applied.bad_window);
-            for (random, address, protocol, cancel) in applied.dials {
-                let (agent, s) = (self.clone(), s.clone());
-                tokio::spawn(async move { agent.dial(s, address, protocol, random, cancel).await });
-            }
-            if let Some((id, data, room)) = applied.blocked {
-                // Backpressure (the standard protocol has no per-connection
-                // flow control): read nothing more from this server until
-                // the destination makes room, as long as it keeps taking
-                // bytes.
-                if !self.wait_for_room(&s, id, data, room).await {
-                    return;
-                }
-            }
-        }
-    }
+/// Bytes read from a destination per DATA packet.
+pub(super) const CHUNK: usize = 32 * 1024;
 
-    /// A stream ended or drained: a flap if it had not lasted [`STABLE`],
-    /// else the streak is over.
-    pub(super) fn count_flap(&self, s: &LinkDriver) {
-        if s.since.elapsed() < STABLE {
-            self.flaps.fetch_add(1, Ordering::AcqRel);
-        } else {
-            self.flaps.store(0, Ordering::Release);
-        }
-    }
-
-    /// What a packet from the server meant beyond its actions: DRAIN
-    /// (look for a replica to replace it), REPLICAS, counters for bad
-    /// packets and windows.
-    pub(super) fn handled(&self, s: &LinkDriver, h: link::Handled, bad_window: bool) {
-        if h == link::Handled::ServerDraining && !s.draining.swap(true, Ordering::AcqRel) {
-            tracing::info!(server_id = %s.server_id, "the tunnel server drains: looking for a replica to replace it");
-            AgentMetrics::count(&self.metrics.server_connects, "server_draining");
-            self.count_flap(s);
-            let n = self.draining_streams.fetch_add(1, Ordering::AcqRel) + 1;
-            if n > MAX_DRAINING {
-                tracing::warn!(server_id = %s.server_id, "more draining streams than {MAX_DRAINING}: this one is ended");
-                AgentMetrics::count(&self.metrics.server_connects, "too_many_draining");
-                s.cut.cancel();
-            }
-            self.session_lost.notify_one();
-        }
-        if let link::Handled::Replicas(n) = h {
-            self.replicas_changed(&s.server_id, n);
-        }
-        if let Some(label) = h.bad_label() {
-            AgentMetrics::count(&self.metrics.bad_packets, label);
-        }
-        if bad_window {
-            AgentMetrics::count(&self.metrics.bad_packets, "bad_window");
-        }
-    }
-
-    /// Waits until connection `id`'s bytes fit its queue, then queues them,
-    /// while its destination keeps taking bytes; the session machine's
-    /// stall deadline ends the wait (resetting the connection). `false` on
-    /// shutdown.
-    pub(super) async fn wait_for_room(
-        &self,
-        s: &LinkDriver,
-        id: i64,
-        data: bytes::Bytes,
-        room: queue::Room,
-    ) -> bool {
-        loop {
-            let due = seedlink_net::sync::lock(&s.state, "agent session")
-                .machine
-                .poll_timeout();
-            let step = tokio::select! {
-                step = room.step(data.len()) => step,
-                () = sleep_until(due) => {
-                    let now = Instant::now();
-                    match s.with(|m, out| m.handle_timeout(now, out)).0 {
-                        Expired::Nothing => continue,
-                        Expired::Stalled { reset } => {
-                            if reset {
-                                AgentMetrics::count(&self.metrics.endpoint_closes, "stalled");
-                            }
-                            return true;
-                        }
-                    }
-                }
-                () = self.shutdown.cancelled() => return false,
-            };
-            if s.room_step(id, step, &data) {
-                return true;
-            }
-        }
-    }
-}
+/// The server's packets on either transport.
+pub(super) type Inbound = std::pin::Pin<
+    Box<
+        dyn futures_util::Stream<Item = Result<Packet, Box<dyn std::error::Error + Send + Sync>>>
+            + Send,
+    >,
+>;

@@ -4,23 +4,25 @@
 //! connections the server asks for, within a destination policy.
 //!
 //! Its parts, named as on the server:
-//! - `mod.rs`: the [`Agent`], its options, and its lifecycle (finding and
-//!   holding one stream per replica, backing off, draining);
+//! - `core`: the [`Agent`] and its options, what every part shares;
+//! - `mod.rs`: the agent's lifecycle (finding and holding one stream per
+//!   replica, backing off, draining);
 //! - `connect`: one connection to one replica, over gRPC or the native
 //!   transport, and why it failed ([`ConnectError`]);
 //! - `link`: the sans-IO machine of one stream ([`link::LinkMachine`]);
-//!   `link_driver`: its driver and receive loop;
+//!   `link_driver`: its driver; `receive`: the stream's receive loop;
 //! - `dial`: the destination policy and the dials the server asks for;
 //! - `config` (flags or file), `metrics`, `harness` (drives the machine for
 //!   tests and the fuzzer).
+//!
+//! Each part uses only `core` and the parts below it; nothing uses this
+//! file but the crate root.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ipnet::IpNet;
 use tokio_rustls::TlsConnector;
 use tokio_util::sync::CancellationToken;
 
@@ -29,134 +31,19 @@ use crate::stream::fair::FairQueue;
 use crate::transport::grpc::H2Settings;
 use crate::wire::proto::Packet;
 
-/// Agent options.
-#[derive(Debug, Clone)]
-pub struct AgentOptions {
-    /// Server `host:port` (a LoadBalancer or the gateway).
-    pub server: String,
-    /// TLS server name (SNI); default: the host of `server`.
-    pub server_name: String,
-    /// CA of the server's certificate.
-    pub ca: PathBuf,
-    /// Client certificate and key (the cluster's agent identity).
-    pub identity: Option<(PathBuf, PathBuf)>,
-    /// ALPN protocols offered besides `h2` (to be routed by ALPN).
-    pub alpn: Vec<String>,
-    /// `agentid`.
-    pub agent_id: String,
-    /// `agentidentifiers` (URL query form).
-    pub identifiers: String,
-    /// A ServiceAccount token file sent as `authorization: Bearer`, re-read per connect.
-    pub token_path: Option<PathBuf>,
-    /// Allowed destination networks (empty: all but the denied).
-    pub allow: Vec<IpNet>,
-    /// Allowed destination ports (empty: all).
-    pub allow_ports: Vec<u16>,
-    /// Denied networks (checked first).
-    pub deny: Vec<IpNet>,
-    /// Deadline for a destination dial (and its name lookup).
-    pub dial_timeout: Duration,
-    /// First retry delay and the delay between replica-discovery dials.
-    pub sync_interval: Duration,
-    /// Largest retry delay.
-    pub sync_interval_cap: Duration,
-    /// HTTP/2 PING interval and timeout.
-    pub keepalive: H2Settings,
-    /// A destination that accepts no byte for this long is closed.
-    pub stall_timeout: Duration,
-    /// Per-connection queue budget towards a destination.
-    pub queue_bytes: usize,
-    /// Offer per-connection flow control (used when the server is seedlink).
-    pub flow_control: bool,
-    /// Offer the native transport (`seedlink-tunnel/1`) before `h2`; it
-    /// needs `flow_control`.
-    pub native: bool,
-    /// Leave through this HTTP CONNECT proxy (a private network's only way
-    /// out); the proxy resolves the server's name.
-    pub egress: Option<seedlink_net::egress::EgressProxy>,
-}
-
-/// A running agent.
-pub struct Agent {
-    /// Options.
-    pub opts: AgentOptions,
-    /// Metrics.
-    pub metrics: AgentMetrics,
-    tls: TlsConnector,
-    /// With the native transport offered: the configuration for usertls.rs.
-    user_tls: Option<Arc<rustls::ClientConfig>>,
-    sessions: Mutex<HashMap<String, Arc<LinkDriver>>>,
-    known_count: AtomicI64,
-    draining: AtomicBool,
-    /// The PING interval in use (ms): `opts.keepalive`, doubled each time a
-    /// server answers GOAWAY `too_many_pings` (as grpc-go's client does).
-    keepalive_ms: std::sync::atomic::AtomicU64,
-    /// A stream to a server ended: replica discovery resumes at once.
-    session_lost: tokio::sync::Notify,
-    /// Streams in a row that ended or were drained soon after they opened
-    /// ([`STABLE`]): discovery backs off by them (a server that accepts
-    /// and drops every stream is not dialled in a loop).
-    flaps: std::sync::atomic::AtomicU32,
-    /// Streams whose server said DRAIN and that still carry connections
-    /// ([`MAX_DRAINING`] at most).
-    draining_streams: std::sync::atomic::AtomicUsize,
-    /// Cancelled to stop everything.
-    pub shutdown: CancellationToken,
-}
-
-/// A stream that lasts this long was a stable one.
-pub(super) const STABLE: Duration = Duration::from_secs(10);
-/// Draining streams an agent keeps at once: a server that says DRAIN on
-/// every stream cannot make it hold streams (and sockets) without end.
-pub(super) const MAX_DRAINING: usize = 8;
-
-/// The wait before the next connection attempt after a failure, and the
-/// delay after that. A refusal (the server is there but says no, or is
-/// restarting) backs off ×1.5 up to `cap`. A timeout (a partition or a
-/// frozen server: packets unanswered) does not grow the back-off: the
-/// attempt itself already waited its deadline, and a grown back-off would
-/// only delay the return after the network heals (measured 8.1 s with the
-/// old rule); it waits `base` and tries again.
-pub fn retry_delay(
-    delay: Duration,
-    timed_out: bool,
-    base: Duration,
-    cap: Duration,
-) -> (Duration, Duration) {
-    if timed_out {
-        (base, base)
-    } else {
-        (delay, delay.mul_f64(1.5).min(cap))
-    }
-}
-
-/// The wait before the next dial after `flaps` streams in a row that did
-/// not last: none after a stable one, then `base` growing ×1.5 up to `cap`.
-pub fn flap_delay(flaps: u32, base: Duration, cap: Duration) -> Duration {
-    if flaps == 0 {
-        return Duration::ZERO;
-    }
-    let grown = base.mul_f64(1.5f64.powi(i32::try_from(flaps - 1).unwrap_or(i32::MAX).min(64)));
-    grown.min(cap)
-}
-
-/// Longest PING interval the back-off reaches.
-const KEEPALIVE_CAP: Duration = Duration::from_secs(3600);
-
-/// Replica discovery while a stream to every replica is held: a slow
-/// re-check, only to notice a raised `servercount` (a replaced replica
-/// ends its stream, which restarts discovery at once).
-const HELD_RECHECK: Duration = Duration::from_secs(300);
-
 pub mod config;
 mod connect;
+mod core;
 mod dial;
 #[cfg(any(test, feature = "harness"))]
 pub mod harness;
 pub mod link;
 mod link_driver;
 mod metrics;
+mod receive;
 
+pub use self::core::{flap_delay, retry_delay, Agent, AgentOptions};
+use self::core::{HELD_RECHECK, KEEPALIVE_CAP};
 pub use connect::ConnectError;
 use connect::{answer, drain_duplicate, Answer, CloseOnDrop};
 pub use dial::DEFAULT_DENY;

@@ -1,0 +1,236 @@
+//! The tunnel-server's file as types: the server's own settings, the agent
+//! endpoint, the admin endpoint, and the clusters (whose model is
+//! seedlink-config's `tunnel`). Defaults live beside their fields.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use seedlink_config::model::humantime_serde;
+use seedlink_config::tunnel::{Cluster, ClusterLimits, Frontend};
+use seedlink_config::ConfigError;
+use serde::Deserialize;
+
+/// The whole file.
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// This replica's ID, sent to agents as `serverid` (default: random).
+    #[serde(default)]
+    pub server_id: Option<String>,
+    /// Replicas behind the agents' address, sent as `servercount`.
+    #[serde(default = "one")]
+    pub server_count: u32,
+    /// The agent endpoint.
+    pub agents: AgentEndpoint,
+    /// Admin endpoint: `/healthz`, `/readyz`, `/metrics`.
+    #[serde(default)]
+    pub admin: Option<Admin>,
+    /// Deadline for an agent's answer to a dial.
+    #[serde(default = "ten_s", with = "humantime_serde")]
+    pub dial_timeout: Duration,
+    /// How long a dial that finds no agent of its cluster waits for one to
+    /// join (within `dial_timeout`) before it is answered `no_agent`; `0s`
+    /// answers at once. Covers the moment a replica is replaced, when the
+    /// agents are still finding its successor.
+    #[serde(default = "agent_wait_default", with = "humantime_serde")]
+    pub agent_wait: Duration,
+    /// A tunneled connection whose frontend (or destination) accepts no byte
+    /// for this long is closed; only that connection.
+    #[serde(default = "ten_s", with = "humantime_serde")]
+    pub stall_timeout: Duration,
+    /// Bytes queued per tunneled connection towards a slow frontend before
+    /// that connection is closed (standard Konnectivity protocol only).
+    #[serde(default = "queue_default")]
+    pub queue_bytes: usize,
+    /// The clusters served.
+    pub clusters: Vec<Cluster>,
+    /// Frontends shared by all clusters, where each connection names its
+    /// cluster: `http-proxy` by proxy credentials (`Proxy-Authorization:
+    /// Basic <cluster>:<password>`, the cluster's `proxy_password_file`);
+    /// `http-connect` and `grpc` (TCP with mTLS only) by the client
+    /// certificate, whose subject CN is the cluster's name.
+    #[serde(default)]
+    pub shared_frontends: Vec<Frontend>,
+    /// Frontends every cluster gets, with `{cluster}` in the Unix socket
+    /// path replaced by the cluster's name (e.g.
+    /// `/run/seedlink/{cluster}.sock`), so adding a cluster to the list is
+    /// enough to give its kube-apiserver a socket.
+    #[serde(default)]
+    pub frontend_templates: Vec<Frontend>,
+    /// More clusters from `TunnelCluster` objects (docs/KUBERNETES.md).
+    #[serde(default)]
+    pub kubernetes: Option<Kubernetes>,
+}
+
+/// Where the tunnel-server's Kubernetes objects are.
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Kubernetes {
+    /// `namespace/name` of the Lease electing the replica that writes
+    /// `TunnelCluster` status.
+    pub lease: String,
+    /// `namespace/name` of the Service that selects the tunnel-server
+    /// replicas: `servercount` (what agents hold a stream to each of)
+    /// follows its EndpointSlices (the replicas serving and not
+    /// terminating), so scaling needs no configuration change;
+    /// `server_count` holds until they are read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<String>,
+    /// Whether this replica takes part in writing status (default true).
+    #[serde(default = "yes")]
+    pub write_status: bool,
+    /// Where the keys of the Secrets and ConfigMaps that clusters name are
+    /// written for the server to read (a private directory; default
+    /// `/tmp/seedlink-trust`, an `emptyDir` under a read-only root).
+    #[serde(default = "default_trust_dir")]
+    pub trust_dir: PathBuf,
+    /// Where TunnelClusters' Unix-socket frontends are created: a
+    /// TunnelCluster names only the file, which goes in
+    /// `<socket_dir>/<namespace>.<name>/` (default `/run/seedlink`).
+    #[serde(default = "default_socket_dir")]
+    pub socket_dir: PathBuf,
+    /// The most a TunnelCluster may have: its own `limits` can lower each
+    /// of these, never raise it (absent or 0 there means this ceiling).
+    /// Default: the built-in defaults.
+    #[serde(default)]
+    pub max_limits: ClusterLimits,
+}
+
+fn default_socket_dir() -> PathBuf {
+    PathBuf::from("/run/seedlink")
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_trust_dir() -> PathBuf {
+    PathBuf::from("/tmp/seedlink-trust")
+}
+
+/// Clusters left out of a parse, each with its problems.
+pub type Refused = Vec<(String, Vec<ConfigError>)>;
+
+/// Where agents connect.
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentEndpoint {
+    /// Listen address (Konnectivity's conventional port is 8132 or 8091).
+    pub listen: SocketAddr,
+    /// Server certificate (PEM).
+    pub cert: PathBuf,
+    /// Its key (PEM).
+    pub key: PathBuf,
+    /// HTTP/2 PING interval towards agents; a frozen agent is detected
+    /// within this plus `keepalive_timeout`.
+    #[serde(default = "ten_s", with = "humantime_serde")]
+    pub keepalive: Duration,
+    /// How long a PING may go unanswered.
+    #[serde(default = "five_s", with = "humantime_serde")]
+    pub keepalive_timeout: Duration,
+    /// Agent connections at once (this port faces every shoot, and the
+    /// internet); more are closed at accept and counted.
+    #[serde(default = "agent_connections")]
+    pub max_connections: usize,
+    /// Agent connections at once from one source address (a shoot's agents
+    /// usually leave through one NAT address, or the gateway's clients').
+    #[serde(default = "agent_connections_per_source")]
+    pub max_per_source: usize,
+    /// Of `max_connections`, how many may be unauthenticated at once: not
+    /// yet past TLS, or past it without a cluster's certificate and no
+    /// stream admitted yet. The rest are kept for agents of known
+    /// clusters, whatever anonymous peers do.
+    #[serde(default = "unauthenticated_connections")]
+    pub max_unauthenticated: usize,
+    /// Unauthenticated connections at once from one source (an IPv4
+    /// address, an IPv6 /64).
+    #[serde(default = "unauthenticated_per_source")]
+    pub max_unauthenticated_per_source: usize,
+    /// TLS handshakes per second one source may start (a burst of twice
+    /// as many); past it a connection is closed at accept
+    /// (`handshake_rate`). 0: unlimited.
+    #[serde(default = "handshakes_per_source")]
+    pub handshakes_per_source: f64,
+}
+
+fn agent_connections() -> usize {
+    10_000
+}
+
+fn unauthenticated_connections() -> usize {
+    1_024
+}
+
+fn unauthenticated_per_source() -> usize {
+    16
+}
+
+fn handshakes_per_source() -> f64 {
+    50.0
+}
+
+fn agent_connections_per_source() -> usize {
+    256
+}
+
+/// The admin endpoint.
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Admin {
+    /// Listen address.
+    pub listen: SocketAddr,
+    /// A file holding a bearer token: then everything but the probes
+    /// needs `Authorization: Bearer <token>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<PathBuf>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn agent_wait_default() -> Duration {
+    Duration::from_secs(3)
+}
+
+fn ten_s() -> Duration {
+    Duration::from_secs(10)
+}
+
+fn five_s() -> Duration {
+    Duration::from_secs(5)
+}
+
+fn queue_default() -> usize {
+    4 * 1024 * 1024
+}
+
+impl ServerConfig {
+    /// Cluster `name` as the file's templates serve one it does not list
+    /// (a TunnelCluster from the Kubernetes source): no trust of its own
+    /// here (the object holds it), the templated frontends.
+    pub fn templated(&self, name: &str) -> Cluster {
+        let frontends = self
+            .frontend_templates
+            .iter()
+            .map(|t| {
+                let mut f = t.clone();
+                f.unix = t
+                    .unix
+                    .as_ref()
+                    .map(|p| PathBuf::from(p.to_string_lossy().replace("{cluster}", name)));
+                f
+            })
+            .collect();
+        Cluster {
+            name: name.to_string(),
+            agent_ca: None,
+            agent_token: None,
+            strategies: Vec::new(),
+            frontends,
+            proxy_password_file: None,
+            limits: ClusterLimits::default(),
+        }
+    }
+}
