@@ -1,4 +1,15 @@
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use gateway_api::gatewayclasses::GatewayClass;
+use gateway_api::gateways::Gateway;
+use gateway_api::referencegrants::ReferenceGrant;
+use gateway_api::tlsroutes::TlsRoute;
+use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
 use super::*;
+use crate::crd::SeedlinkPolicy;
 use serde_json::json;
 
 fn route(
