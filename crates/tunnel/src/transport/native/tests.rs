@@ -4,7 +4,19 @@ use std::time::Instant as StdInstant;
 
 use futures_util::StreamExt;
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use prost::Message;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::frame::*;
+use super::handshake::*;
+use super::reader::*;
+use super::writer::*;
+use crate::stream::fair::FairQueue;
+use crate::wire::proto::{Packet, Payload};
 
 fn samples() -> Vec<Packet> {
     let mut with_error = Packet::data(9, Bytes::from_static(b"x"));
