@@ -2,14 +2,18 @@
 //! implementation (tokio-rustls) as the other side, and against bytes a
 //! hostile peer writes after the handshake.
 
+use std::io;
 use std::sync::Arc;
 
 use futures_util::FutureExt;
+use rustls::crypto::cipher::OutboundChunks;
 use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use rustls::ContentType;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::*;
+use super::handshake::*;
+use super::state::*;
 
 struct Pki {
     server: Arc<rustls::ServerConfig>,
