@@ -1,6 +1,7 @@
 //! One cluster: its agents and settings, the choice of an agent for a
 //! dial, and agent streams joining and leaving it.
 
+use crate::auth::tls;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -256,6 +257,65 @@ pub fn detach(cluster: &Cluster, link: &Arc<LinkDriver>) {
             Some(std::time::SystemTime::now());
     }
     link.fail_all();
+}
+
+/// Checks every agent of a re-keyed cluster against its new trust: one
+/// whose certificate the new CA refuses is disconnected at once (counted);
+/// a token is checked again in the background (a TokenReview may take a
+/// moment) and its agent disconnected if refused. Returns how many were
+/// disconnected at once.
+pub(super) fn rekey(cluster: &Arc<Cluster>) -> usize {
+    let conf = cluster.conf.load_full();
+    let mut kicked = 0;
+    for link in cluster.agents() {
+        let certs = link.certs.get().map(Vec::as_slice).unwrap_or(&[]);
+        if !certs.is_empty() {
+            let ok = conf
+                .verifier
+                .as_ref()
+                .is_some_and(|v| tls::accepts(v.as_ref(), certs));
+            if !ok {
+                link.kick.cancel();
+                kicked += 1;
+                continue;
+            }
+        }
+        // A certificate agent's token only if the cluster still checks
+        // tokens; a token-only agent must still have a cluster that accepts
+        // tokens.
+        let Some(auth) = link.authorization.get().cloned() else {
+            continue;
+        };
+        let token = conf.token.clone();
+        if token.is_none() && !certs.is_empty() {
+            continue;
+        }
+        tokio::spawn(recheck_token(cluster.name.clone(), link, token, auth));
+    }
+    kicked
+}
+
+/// Checks an agent's token again after its cluster was re-keyed: a
+/// refused one ends its stream (counted `rekeyed`), as does any token when
+/// the cluster no longer accepts tokens; an API server not reachable now
+/// keeps the agent.
+async fn recheck_token(
+    cluster: Arc<str>,
+    link: Arc<LinkDriver>,
+    token: Option<Arc<TokenValidator>>,
+    auth: String,
+) {
+    let refused = match token {
+        Some(t) => match t.check(&auth).await {
+            Ok(()) | Err(crate::auth::token::TokenError::Unavailable(_)) => false,
+            Err(_) => true,
+        },
+        None => true,
+    };
+    if refused {
+        tracing::info!(cluster = %cluster, agent = %link.agent_id, "agent's token refused after re-key");
+        link.kick.cancel();
+    }
 }
 
 #[cfg(test)]

@@ -16,16 +16,14 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::accept::{self, Listening, Serve};
+use super::cluster::rekey;
 pub use super::core::{Core, Settings};
 use super::diff::{diff, Changes};
-use super::frontend::FrontendEnd;
 use super::handover::{self, Sockets};
 use super::metrics::Metrics;
 pub use super::plan::{plan, FrontendFailure, Plan, ServerError};
 use super::plan::{PlannedCluster, PlannedFrontend, Transport};
-use super::{Cluster, LinkDriver, Registry};
-use crate::auth::tls;
-use crate::auth::token::TokenValidator;
+use super::{Cluster, Registry};
 use crate::config::{Frontend, ServerConfig};
 use crate::transport::grpc::H2Settings;
 
@@ -664,69 +662,6 @@ impl TunnelServer {
             .collect()
     }
 
-    /// Takes over an agent connection another part of this process accepted
-    /// and already read from (the SNI gateway under `seedlink seed`):
-    /// `replay` holds those bytes (the agent's ClientHello). Refused once
-    /// draining.
-    pub fn hand_over(
-        self: &Arc<Self>,
-        tcp: tokio::net::TcpStream,
-        replay: Vec<u8>,
-        peer: SocketAddr,
-    ) {
-        if self.accepting.is_cancelled() {
-            return;
-        }
-        let Some(slots) = super::endpoint::enter(&self.core, peer) else {
-            return;
-        };
-        let _ = tcp.set_nodelay(true);
-        let io = seedlink_net::prefixed::Prefixed::new(replay, tcp);
-        let core = self.core.clone();
-        self.tasks.spawn(async move {
-            super::endpoint::serve_agent_io(core, io, peer, slots).await;
-        });
-    }
-
-    /// Takes over a CONNECT another part of this process read (the
-    /// gateway's `http-connect` listener under `seedlink seed`, routed to a
-    /// control plane named like a cluster): dials `target` through that
-    /// cluster's agents and answers the CONNECT itself; `leftover` is what
-    /// the client sent after the head. Counted as frontend `gateway`.
-    pub fn connect_handoff(
-        self: &Arc<Self>,
-        tcp: tokio::net::TcpStream,
-        leftover: Vec<u8>,
-        cluster: &str,
-        target: String,
-    ) {
-        let srv = self.core.clone();
-        let cluster = self.registry.cluster(cluster);
-        let name = cluster
-            .as_ref()
-            .map(|c| c.name.to_string())
-            .unwrap_or_default();
-        self.frontend_tasks.spawn(async move {
-            let _ = tcp.set_nodelay(true);
-            let outcome = match cluster {
-                Some(c) if !srv.accepting.is_cancelled() => {
-                    let leftover = bytes::BytesMut::from(&leftover[..]);
-                    super::frontend::connect_method(&srv, &c, tcp, &target, leftover).await
-                }
-                other => {
-                    accept::refuse_handoff(tcp).await;
-                    if other.is_some() {
-                        FrontendEnd::Draining
-                    } else {
-                        FrontendEnd::UnknownCluster
-                    }
-                }
-            };
-            srv.metrics
-                .frontend_conn(&name, "gateway", outcome.reason());
-        });
-    }
-
     /// Drains: not ready, listeners closed (new frontends and agents are
     /// refused), DRAIN to every agent, open frontend connections may finish
     /// within `grace`; then every agent stream and remaining connection is
@@ -749,65 +684,6 @@ impl TunnelServer {
         self.shutdown.cancel();
         self.tasks.close();
         let _ = tokio::time::timeout(Duration::from_secs(2), self.tasks.wait()).await;
-    }
-}
-
-/// Checks every agent of a re-keyed cluster against its new trust: one
-/// whose certificate the new CA refuses is disconnected at once (counted);
-/// a token is checked again in the background (a TokenReview may take a
-/// moment) and its agent disconnected if refused. Returns how many were
-/// disconnected at once.
-fn rekey(cluster: &Arc<Cluster>) -> usize {
-    let conf = cluster.conf.load_full();
-    let mut kicked = 0;
-    for link in cluster.agents() {
-        let certs = link.certs.get().map(Vec::as_slice).unwrap_or(&[]);
-        if !certs.is_empty() {
-            let ok = conf
-                .verifier
-                .as_ref()
-                .is_some_and(|v| tls::accepts(v.as_ref(), certs));
-            if !ok {
-                link.kick.cancel();
-                kicked += 1;
-                continue;
-            }
-        }
-        // A certificate agent's token only if the cluster still checks
-        // tokens; a token-only agent must still have a cluster that accepts
-        // tokens.
-        let Some(auth) = link.authorization.get().cloned() else {
-            continue;
-        };
-        let token = conf.token.clone();
-        if token.is_none() && !certs.is_empty() {
-            continue;
-        }
-        tokio::spawn(recheck_token(cluster.name.clone(), link, token, auth));
-    }
-    kicked
-}
-
-/// Checks an agent's token again after its cluster was re-keyed: a
-/// refused one ends its stream (counted `rekeyed`), as does any token when
-/// the cluster no longer accepts tokens; an API server not reachable now
-/// keeps the agent.
-async fn recheck_token(
-    cluster: Arc<str>,
-    link: Arc<LinkDriver>,
-    token: Option<Arc<TokenValidator>>,
-    auth: String,
-) {
-    let refused = match token {
-        Some(t) => match t.check(&auth).await {
-            Ok(()) | Err(crate::auth::token::TokenError::Unavailable(_)) => false,
-            Err(_) => true,
-        },
-        None => true,
-    };
-    if refused {
-        tracing::info!(cluster = %cluster, agent = %link.agent_id, "agent's token refused after re-key");
-        link.kick.cancel();
     }
 }
 

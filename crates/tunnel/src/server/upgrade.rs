@@ -14,8 +14,11 @@ use seedlink_net::sync::lock;
 
 use tokio::net::TcpListener;
 
+use super::accept;
+use super::frontend::FrontendEnd;
 use super::handover::AGENTS;
 use super::run::TunnelServer;
+use std::net::SocketAddr;
 
 /// An agent of a cluster, as phase `agents` names it.
 type AgentKey = (String, String);
@@ -153,5 +156,70 @@ impl TunnelServer {
     /// Duplicates of every listening socket, for the next process.
     pub fn offered_sockets(&self) -> std::io::Result<Vec<Socket>> {
         self.sockets.current()
+    }
+}
+
+impl TunnelServer {
+    /// Takes over an agent connection another part of this process accepted
+    /// and already read from (the SNI gateway under `seedlink seed`):
+    /// `replay` holds those bytes (the agent's ClientHello). Refused once
+    /// draining.
+    pub fn hand_over(
+        self: &Arc<Self>,
+        tcp: tokio::net::TcpStream,
+        replay: Vec<u8>,
+        peer: SocketAddr,
+    ) {
+        if self.accepting.is_cancelled() {
+            return;
+        }
+        let Some(slots) = super::endpoint::enter(&self.core, peer) else {
+            return;
+        };
+        let _ = tcp.set_nodelay(true);
+        let io = seedlink_net::prefixed::Prefixed::new(replay, tcp);
+        let core = self.core.clone();
+        self.tasks.spawn(async move {
+            super::endpoint::serve_agent_io(core, io, peer, slots).await;
+        });
+    }
+
+    /// Takes over a CONNECT another part of this process read (the
+    /// gateway's `http-connect` listener under `seedlink seed`, routed to a
+    /// control plane named like a cluster): dials `target` through that
+    /// cluster's agents and answers the CONNECT itself; `leftover` is what
+    /// the client sent after the head. Counted as frontend `gateway`.
+    pub fn connect_handoff(
+        self: &Arc<Self>,
+        tcp: tokio::net::TcpStream,
+        leftover: Vec<u8>,
+        cluster: &str,
+        target: String,
+    ) {
+        let srv = self.core.clone();
+        let cluster = self.registry.cluster(cluster);
+        let name = cluster
+            .as_ref()
+            .map(|c| c.name.to_string())
+            .unwrap_or_default();
+        self.frontend_tasks.spawn(async move {
+            let _ = tcp.set_nodelay(true);
+            let outcome = match cluster {
+                Some(c) if !srv.accepting.is_cancelled() => {
+                    let leftover = bytes::BytesMut::from(&leftover[..]);
+                    super::frontend::connect_method(&srv, &c, tcp, &target, leftover).await
+                }
+                other => {
+                    accept::refuse_handoff(tcp).await;
+                    if other.is_some() {
+                        FrontendEnd::Draining
+                    } else {
+                        FrontendEnd::UnknownCluster
+                    }
+                }
+            };
+            srv.metrics
+                .frontend_conn(&name, "gateway", outcome.reason());
+        });
     }
 }
