@@ -150,24 +150,33 @@ impl Agent {
                 "protocol {protocol:?} is not supported"
             )));
         }
-        let addrs: Vec<SocketAddr> = tokio::net::lookup_host(address)
+        let allowed: Vec<SocketAddr> = tokio::net::lookup_host(address)
             .await
             .map_err(|e| DialFailure::other(format!("dial tcp {address}: lookup: {e}")))?
+            .filter(|a| self.allowed(a))
             .collect();
-        let allowed: Vec<SocketAddr> = addrs.iter().copied().filter(|a| self.allowed(a)).collect();
         if allowed.is_empty() {
             return Err(DialFailure::forbidden(address));
         }
-        let mut last = DialFailure::other(format!("dial tcp {address}: no address"));
-        for a in allowed {
-            match TcpStream::connect(a).await {
-                Ok(s) => {
-                    let _ = s.set_nodelay(true);
-                    return Ok(s);
-                }
-                Err(e) => last = DialFailure::io(address, &e),
-            }
-        }
-        Err(last)
+        connect_any(address, allowed).await
     }
+}
+
+/// Connects to the first of `addrs` that answers; the last failure if none
+/// does.
+async fn connect_any(
+    address: &str,
+    addrs: Vec<SocketAddr>,
+) -> Result<TcpStream, dial_error::DialFailure> {
+    let mut last = dial_error::DialFailure::other(format!("dial tcp {address}: no address"));
+    for a in addrs {
+        match TcpStream::connect(a).await {
+            Ok(s) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Err(e) => last = dial_error::DialFailure::io(address, &e),
+        }
+    }
+    Err(last)
 }

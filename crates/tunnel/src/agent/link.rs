@@ -175,18 +175,9 @@ impl<C, P: Default + Clone> LinkMachine<C, P> {
                 self.on_close_req(c.connect_id, out)
             }
             (Some(T::WindowUpdate), Some(Payload::WindowUpdate(w))) if self.flow => {
-                // A connection closed meanwhile needs no window.
-                if self.conns.contains_key(&w.connect_id) {
-                    out.push_back(Action::Reopen(w.connect_id, w.bytes));
-                }
-                Handled::Ok
+                self.on_window_update(w.connect_id, w.bytes, out)
             }
-            (Some(T::DialCls), Some(Payload::CloseDial(c))) => {
-                if let Some(p) = self.pending.remove(&c.random) {
-                    out.push_back(Action::Cancel(p));
-                }
-                Handled::Ok
-            }
+            (Some(T::DialCls), Some(Payload::CloseDial(c))) => self.on_dial_cls(c.random, out),
             // Nothing changes on this stream: dials it still sends are
             // served, open connections go on; the driver looks for a
             // replica to replace it.
@@ -196,6 +187,23 @@ impl<C, P: Default + Clone> LinkMachine<C, P> {
             }
             _ => Handled::Unexpected,
         }
+    }
+
+    /// More window for connection `id`; a connection closed meanwhile needs
+    /// none.
+    fn on_window_update(&mut self, id: i64, n: i64, out: &mut Actions<C, P>) -> Handled {
+        if self.conns.contains_key(&id) {
+            out.push_back(Action::Reopen(id, n));
+        }
+        Handled::Ok
+    }
+
+    /// The server gave up a dial: cancel it if it is still in progress.
+    fn on_dial_cls(&mut self, random: i64, out: &mut Actions<C, P>) -> Handled {
+        if let Some(p) = self.pending.remove(&random) {
+            out.push_back(Action::Cancel(p));
+        }
+        Handled::Ok
     }
 
     /// The server asks for a dial of `address` under its dial ID `random`.

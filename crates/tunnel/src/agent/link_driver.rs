@@ -130,11 +130,15 @@ pub(super) struct LinkDriver {
     pub(super) flow: bool,
 }
 
+/// A dial the server asked for: its random ID, address, protocol, and the
+/// handle that cancels it.
+pub(super) type Dial = (i64, String, String, CancellationToken);
+
 /// What carrying out a call's actions produced for the caller.
 #[derive(Default)]
 pub(super) struct Applied {
     /// Dials to start.
-    pub(super) dials: Vec<(i64, String, String, CancellationToken)>,
+    pub(super) dials: Vec<Dial>,
     /// DATA that did not fit its connection's queue.
     pub(super) blocked: Option<(i64, bytes::Bytes, queue::Room)>,
     /// A WINDOW_UPDATE gave more than was used.

@@ -142,21 +142,32 @@ impl Agent {
                 self.opts.sync_interval,
                 self.opts.sync_interval_cap,
             );
-            if !pause.is_zero() {
-                let jitter = 0.9 + rand::random::<f64>() * 0.2;
-                tokio::select! {
-                    () = tokio::time::sleep(pause.mul_f64(jitter)) => {}
-                    () = self.shutdown.cancelled() => return,
-                }
+            if !pause.is_zero() && !self.pause(pause, false).await {
+                return;
             }
             let (wait, next) = self.attempt(delay).await;
             delay = next;
-            let jitter = 0.9 + rand::random::<f64>() * 0.2;
-            tokio::select! {
-                () = tokio::time::sleep(wait.mul_f64(jitter)) => {}
-                () = self.session_lost.notified() => {}
-                () = self.shutdown.cancelled() => return,
+            if !self.pause(wait, true).await {
+                return;
             }
+        }
+    }
+
+    /// Sleeps `d` give or take 10 %, ended early by a lost stream when
+    /// `wake_on_loss`; `false` once the agent shuts down.
+    async fn pause(&self, d: Duration, wake_on_loss: bool) -> bool {
+        let jitter = 0.9 + rand::random::<f64>() * 0.2;
+        let lost = async {
+            if wake_on_loss {
+                self.session_lost.notified().await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            () = tokio::time::sleep(d.mul_f64(jitter)) => true,
+            () = lost => true,
+            () = self.shutdown.cancelled() => false,
         }
     }
 
@@ -233,8 +244,6 @@ impl Agent {
         );
     }
 
-    /// One connection attempt; `Ok(true)` for a new replica, `Ok(false)` for
-    /// one we already have (closed again).
     async fn connect_once(self: &Arc<Self>) -> Result<bool, ConnectError> {
         let t = self.opts.dial_timeout.max(Duration::from_secs(5));
         let chan = self.open_channel(t).await?;
@@ -254,8 +263,7 @@ impl Agent {
         }
         guard.0 = None;
         self.metrics.servers.inc();
-        let server_id = &session.server_id;
-        let flow = session.flow;
+        let (server_id, flow) = (&session.server_id, session.flow);
         tracing::info!(
             server_id,
             servercount = count,

@@ -32,10 +32,7 @@ impl Agent {
             };
             let (h, applied) = s.with(|m, out| m.on_packet(p, out));
             self.handled(&s, h, applied.bad_window);
-            for (random, address, protocol, cancel) in applied.dials {
-                let (agent, s) = (self.clone(), s.clone());
-                tokio::spawn(async move { agent.dial(s, address, protocol, random, cancel).await });
-            }
+            self.start_dials(&s, applied.dials);
             if let Some((id, data, room)) = applied.blocked {
                 // Backpressure (the standard protocol has no per-connection
                 // flow control): read nothing more from this server until
@@ -45,6 +42,14 @@ impl Agent {
                     return;
                 }
             }
+        }
+    }
+
+    /// Starts the dials the server asked for, each its own task.
+    fn start_dials(self: &Arc<Self>, s: &Arc<LinkDriver>, dials: Vec<Dial>) {
+        for (random, address, protocol, cancel) in dials {
+            let (agent, s) = (self.clone(), s.clone());
+            tokio::spawn(async move { agent.dial(s, address, protocol, random, cancel).await });
         }
     }
 
@@ -103,21 +108,30 @@ impl Agent {
             let step = tokio::select! {
                 step = room.step(data.len()) => step,
                 () = sleep_until(due) => {
-                    let now = Instant::now();
-                    match s.with(|m, out| m.handle_timeout(now, out)).0 {
-                        Expired::Nothing => continue,
-                        Expired::Stalled { reset } => {
-                            if reset {
-                                AgentMetrics::count(&self.metrics.endpoint_closes, "stalled");
-                            }
-                            return true;
-                        }
+                    if self.stall_expired(s) {
+                        return true;
                     }
+                    continue;
                 }
                 () = self.shutdown.cancelled() => return false,
             };
             if s.room_step(id, step, &data) {
                 return true;
+            }
+        }
+    }
+
+    /// The machine's timer fired during a wait for room: `true` when the
+    /// stall deadline passed (the connection was reset and counted).
+    fn stall_expired(&self, s: &LinkDriver) -> bool {
+        let now = Instant::now();
+        match s.with(|m, out| m.handle_timeout(now, out)).0 {
+            Expired::Nothing => false,
+            Expired::Stalled { reset } => {
+                if reset {
+                    AgentMetrics::count(&self.metrics.endpoint_closes, "stalled");
+                }
+                true
             }
         }
     }

@@ -106,20 +106,22 @@ impl Serve {
         if cluster.is_some() || proto.is_proxy() {
             return serve_frontend(srv, cluster, name, proto, tls).await;
         }
-        let named = tls
-            .get_ref()
-            .1
-            .peer_certificates()
-            .and_then(|c| c.first())
-            .and_then(|c| tls::subject_cn(c.as_ref()))
-            .and_then(|cn| srv.registry.cluster(&cn));
-        match named {
+        match named_cluster(&srv, &tls) {
             Some(c) => serve_frontend(srv, Some(c), name, proto, tls).await,
             None => srv
                 .metrics
                 .frontend_conn("", &name, FrontendEnd::UnknownCluster.reason()),
         }
     }
+}
+
+/// The cluster a shared frontend's client certificate names by its CN.
+fn named_cluster<IO>(
+    srv: &Core,
+    tls: &tokio_rustls::server::TlsStream<IO>,
+) -> Option<Arc<Cluster>> {
+    let cert = tls.get_ref().1.peer_certificates()?.first()?;
+    srv.registry.cluster(&tls::subject_cn(cert.as_ref())?)
 }
 
 pub(super) async fn serve_frontend<S>(

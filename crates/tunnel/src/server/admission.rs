@@ -157,13 +157,19 @@ pub(super) fn attach_stream(
         let _ = link.authorization.set(a);
     }
     cluster.metrics.agent(1);
+    log_attached(cluster, &link, probe, flow);
+    (link, to_agent, probe)
+}
+
+/// Logs a stream attached: a probe of an agent already connected at debug
+/// level, a new agent at info.
+fn log_attached(cluster: &Cluster, link: &LinkDriver, probe: bool, flow: bool) {
     let (name, agent, uid) = (&cluster.name, &link.agent_id, link.uid);
     if probe {
         tracing::debug!(cluster = %name, agent = %agent, uid, "agent stream (agent already connected)");
     } else {
         tracing::info!(cluster = %name, agent = %agent, uid, flow, "agent connected");
     }
-    (link, to_agent, probe)
 }
 
 /// The cluster of a stream: its certificate's, whose token (if the
@@ -260,11 +266,12 @@ pub(super) struct Identity {
 
 /// What a stream says about its agent: `agentid` (exactly one),
 /// `agentidentifiers` (at most one), the seedlink extensions it asks for.
-pub(super) fn stream_identity(
+/// The stream's one `agentid`: ASCII, 1 to [`MAX_AGENT_ID`] characters.
+fn stream_agent_id<'m>(
     srv: &Core,
     cluster: &Cluster,
-    meta: &tonic::metadata::MetadataMap,
-) -> Result<Identity, Status> {
+    meta: &'m tonic::metadata::MetadataMap,
+) -> Result<&'m str, Status> {
     let ids: Vec<_> = meta.get_all("agentid").iter().collect();
     let [agent_id] = ids.as_slice() else {
         srv.metrics.agent_stream(&cluster.name, "bad_agent_id");
@@ -282,6 +289,15 @@ pub(super) fn stream_identity(
             "an agent ID has 1 to {MAX_AGENT_ID} characters"
         )));
     }
+    Ok(agent_id)
+}
+
+pub(super) fn stream_identity(
+    srv: &Core,
+    cluster: &Cluster,
+    meta: &tonic::metadata::MetadataMap,
+) -> Result<Identity, Status> {
+    let agent_id = stream_agent_id(srv, cluster, meta)?;
     let ids = stream_identifiers(srv, cluster, meta, agent_id)?;
     let (flow, replicas) = asked(meta);
     Ok(Identity {

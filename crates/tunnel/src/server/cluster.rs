@@ -2,7 +2,6 @@
 //! dial, and agent streams joining and leaving it.
 
 use crate::auth::tls;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,8 +11,8 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::identifiers::{Identifiers, Strategy};
-use super::link::{Actions, LinkMachine, Timers};
-use super::link_driver::{LinkDriver, Locked, NEXT_UID};
+use super::link::Timers;
+use super::link_driver::LinkDriver;
 use super::{limits, metrics};
 use crate::auth::token::TokenValidator;
 use crate::stream::fair::FairQueue;
@@ -218,26 +217,14 @@ pub fn attach(
     timers: Timers,
 ) -> (Arc<LinkDriver>, Arc<FairQueue>) {
     let tx = FairQueue::new();
-    let link = Arc::new(LinkDriver {
-        uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+    let link = Arc::new(LinkDriver::new(
+        &cluster.name,
         agent_id,
-        cluster: cluster.name.clone(),
         ids,
-        since: std::time::SystemTime::now(),
-        to_agent: tx.clone(),
-        state: Mutex::new(Locked {
-            machine: LinkMachine::new(flow, timers),
-            out: Actions::new(),
-        }),
-        timer: Notify::new(),
-        gone: CancellationToken::new(),
-        kick: CancellationToken::new(),
-        certs: std::sync::OnceLock::new(),
-        authorization: std::sync::OnceLock::new(),
         flow,
-        replica_updates: std::sync::atomic::AtomicBool::new(false),
-        activity: std::sync::OnceLock::new(),
-    });
+        timers,
+        tx.clone(),
+    ));
     seedlink_net::sync::lock(&cluster.agents, "cluster agents").push(link.clone());
     *seedlink_net::sync::lock(&cluster.agents_changed, "cluster agents changed") =
         Some(std::time::SystemTime::now());

@@ -29,16 +29,8 @@ pub fn diff(
     planned: &[(Option<&str>, &Frontend)],
 ) -> Changes {
     let mut c = Changes {
-        clusters_added: new_clusters
-            .iter()
-            .filter(|n| !old_clusters.contains(n))
-            .map(|n| n.to_string())
-            .collect(),
-        clusters_removed: old_clusters
-            .iter()
-            .filter(|n| !new_clusters.contains(n))
-            .map(|n| n.to_string())
-            .collect(),
+        clusters_added: not_in(new_clusters, old_clusters),
+        clusters_removed: not_in(old_clusters, new_clusters),
         ..Changes::default()
     };
     let mut taken = vec![false; planned.len()];
@@ -54,4 +46,13 @@ pub fn diff(
     }
     c.frontends_started = (0..planned.len()).filter(|j| !taken[*j]).collect();
     c
+}
+
+/// The names in `names` that `other` lacks.
+fn not_in(names: &[&str], other: &[&str]) -> Vec<String> {
+    names
+        .iter()
+        .filter(|n| !other.contains(n))
+        .map(|n| n.to_string())
+        .collect()
 }

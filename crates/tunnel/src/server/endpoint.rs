@@ -50,13 +50,14 @@ where
     };
     // A connection without an admitted stream for the handshake deadline
     // is closed: past TLS, a client without a certificate is still nobody.
+    let slots = Arc::new(slots);
     let conn = AgentConn {
-        srv: srv.clone(),
+        srv,
         cert_cluster,
         certs,
         activity,
         peer,
-        slots: Arc::new(slots),
+        slots,
     };
     if tls.session().alpn.as_deref() == Some(native::ALPN.as_bytes()) {
         serve_native(conn, tls).await;
@@ -151,19 +152,16 @@ where
 {
     let accept = crate::transport::usertls::accept(srv.agent_tls.load_full(), tcp);
     let within = tokio::time::timeout(srv.settings.handshake_timeout, accept);
+    // The handshake's work on the low-priority thread; the stream comes
+    // back to the workers.
     let done = match &srv.handshaker {
-        // The handshake's work on the low-priority thread; the stream
-        // comes back to the workers.
-        Some(h) => match h.spawn(within).await {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!(%peer, error = %e, "agent TLS handshake task failed");
-                srv.metrics.agent_stream("", "tls_failed");
-                return None;
-            }
-        },
-        None => within.await,
+        Some(h) => h.spawn(within).await.map_err(|e| {
+            tracing::warn!(%peer, error = %e, "agent TLS handshake task failed");
+            srv.metrics.agent_stream("", "tls_failed");
+        }),
+        None => Ok(within.await),
     };
+    let Ok(done) = done else { return None };
     match done {
         Ok(Ok(s)) => Some(s),
         Ok(Err(e)) => {

@@ -51,30 +51,35 @@ async fn answer<S: AsyncWrite + Unpin>(io: &mut S, code: u16, body: &str) {
 /// Reads a request head within the handshake deadline: the head and the
 /// buffer it was read into (bytes after `head.len` already belong to what
 /// follows), or an outcome label (a malformed head was answered 400).
+/// Reads until `buf` holds a whole request head (within the head limits).
+async fn head_of<S>(io: &mut S, buf: &mut BytesMut) -> Result<connect_head::Head, FrontendEnd>
+where
+    S: AsyncRead + Unpin,
+{
+    let limits = connect_head::Limits::default();
+    loop {
+        match connect_head::parse(buf, &limits) {
+            Parse::Done(h) => return Ok(h),
+            Parse::Invalid(r) => return Err(FrontendEnd::Malformed(r)),
+            Parse::Incomplete => {}
+        }
+        if buf.len() >= limits.max_head_bytes {
+            return Err(FrontendEnd::HeadTooLarge);
+        }
+        buf.reserve(1024);
+        match io.read_buf(buf).await {
+            Ok(0) | Err(_) => return Err(FrontendEnd::Closed),
+            Ok(_) => {}
+        }
+    }
+}
+
 async fn read_head<S>(srv: &Core, io: &mut S) -> Result<(connect_head::Head, BytesMut), FrontendEnd>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
-    let limits = connect_head::Limits::default();
     let mut buf = BytesMut::with_capacity(1024);
-    let head = tokio::time::timeout(srv.settings.handshake_timeout, async {
-        loop {
-            match connect_head::parse(&buf, &limits) {
-                Parse::Done(h) => return Ok(h),
-                Parse::Invalid(r) => return Err(FrontendEnd::Malformed(r)),
-                Parse::Incomplete => {}
-            }
-            if buf.len() >= limits.max_head_bytes {
-                return Err(FrontendEnd::HeadTooLarge);
-            }
-            buf.reserve(1024);
-            match io.read_buf(&mut buf).await {
-                Ok(0) | Err(_) => return Err(FrontendEnd::Closed),
-                Ok(_) => {}
-            }
-        }
-    })
-    .await;
+    let head = tokio::time::timeout(srv.settings.handshake_timeout, head_of(io, &mut buf)).await;
     match head {
         Ok(Ok(h)) => Ok((h, buf)),
         Ok(Err(FrontendEnd::Closed)) => Err(FrontendEnd::Closed),
@@ -445,6 +450,15 @@ async fn forward<S: FrontendIo>(
     dial_and_carry(srv, cluster, io, &target, first, Reply::Forwarded).await
 }
 
+/// `host:port`, an IPv6 host in brackets.
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
 /// For an absolute-form request: `host:port` to dial and the request head
 /// rewritten for the destination (origin form, hop-by-hop headers dropped,
 /// `Host` kept or added, `Connection: close`).
@@ -454,15 +468,7 @@ fn origin_form(head: &connect_head::Head) -> Option<(String, String)> {
         return None;
     }
     let auth = uri.authority()?;
-    let host = auth.host();
-    let port = auth.port_u16().unwrap_or(80);
-    let target = if host.starts_with('[') {
-        format!("{host}:{port}")
-    } else if host.contains(':') {
-        format!("[{host}]:{port}")
-    } else {
-        format!("{host}:{port}")
-    };
+    let target = host_port(auth.host(), auth.port_u16().unwrap_or(80));
     let path = uri.path_and_query().map_or("/", |p| p.as_str());
     let mut out = format!("{} {path} HTTP/1.{}\r\n", head.method, head.minor_version);
     let mut has_host = false;

@@ -97,6 +97,37 @@ pub(super) struct Applied {
 }
 
 impl LinkDriver {
+    /// A new link of `cluster` for `agent_id`, sending through `to_agent`.
+    pub fn new(
+        cluster: &Arc<str>,
+        agent_id: String,
+        ids: Identifiers,
+        flow: bool,
+        timers: super::link::Timers,
+        to_agent: Arc<FairQueue>,
+    ) -> LinkDriver {
+        LinkDriver {
+            uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+            agent_id,
+            cluster: cluster.clone(),
+            ids,
+            since: std::time::SystemTime::now(),
+            to_agent,
+            state: Mutex::new(Locked {
+                machine: LinkMachine::new(flow, timers),
+                out: Actions::new(),
+            }),
+            timer: Notify::new(),
+            gone: CancellationToken::new(),
+            kick: CancellationToken::new(),
+            certs: std::sync::OnceLock::new(),
+            authorization: std::sync::OnceLock::new(),
+            flow,
+            replica_updates: std::sync::atomic::AtomicBool::new(false),
+            activity: std::sync::OnceLock::new(),
+        }
+    }
+
     /// Runs `f` on the machine under the lock, then carries out what it
     /// asked for. Nothing here waits: queue pushes and sends never block.
     /// A timer that moved earlier wakes the receive loop's sleep.

@@ -204,24 +204,7 @@ fn random_id() -> String {
 /// replaced (like upstream's `--delete-existing-uds-file`, default true).
 fn bind_unix(label: &str, path: &std::path::Path) -> Result<UnixListener, ServerError> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        use std::os::unix::fs::DirBuilderExt;
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o755)
-            .create(dir)
-            .map_err(ServerError::listen(format!(
-                "{label}: creating {}",
-                dir.display()
-            )))?;
-        let real_dir = std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir());
-        if !real_dir {
-            return Err(ServerError::listen(format!(
-                "{label}: {} is not a directory (a symlink?)",
-                dir.display()
-            ))(std::io::Error::from(
-                std::io::ErrorKind::InvalidInput,
-            )));
-        }
+        socket_dir(label, dir)?;
     }
     let _ = std::fs::remove_file(path);
     let l = UnixListener::bind(path).map_err(ServerError::listen(format!(
@@ -233,6 +216,27 @@ fn bind_unix(label: &str, path: &std::path::Path) -> Result<UnixListener, Server
         ServerError::listen(format!("{label}: permissions of {}", path.display())),
     )?;
     Ok(l)
+}
+
+/// Creates a Unix socket's directory (0755) if missing; a directory that
+/// is a symlink is refused.
+fn socket_dir(label: &str, dir: &std::path::Path) -> Result<(), ServerError> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(dir)
+        .map_err(ServerError::listen(format!(
+            "{label}: creating {}",
+            dir.display()
+        )))?;
+    if std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir()) {
+        return Ok(());
+    }
+    let why = format!("{label}: {} is not a directory (a symlink?)", dir.display());
+    Err(ServerError::listen(why)(std::io::Error::from(
+        std::io::ErrorKind::InvalidInput,
+    )))
 }
 
 impl TunnelServer {
@@ -523,6 +527,16 @@ impl TunnelServer {
         result
     }
 
+    /// The configuration `/config` shows, one generation on.
+    fn record_config(&self, cfg: &ServerConfig) {
+        let previous = self.config.load();
+        self.config.store(Arc::new(super::core::ConfigView {
+            config: serde_json::to_value(cfg).unwrap_or_default(),
+            generation: previous.generation + 1,
+            last_reload: Some((std::time::SystemTime::now(), "success")),
+        }));
+    }
+
     async fn reload_inner(
         self: &Arc<Self>,
         cfg: &ServerConfig,
@@ -541,12 +555,7 @@ impl TunnelServer {
             ..ReloadReport::default()
         };
         report.agents_rekeyed = self.apply_clusters(&old, p.clusters, &changes.clusters_removed);
-        let previous = self.config.load();
-        self.config.store(Arc::new(super::core::ConfigView {
-            config: serde_json::to_value(cfg).unwrap_or_default(),
-            generation: previous.generation + 1,
-            last_reload: Some((std::time::SystemTime::now(), "success")),
-        }));
+        self.record_config(cfg);
         self.agent_tls.store(Arc::new(p.agent_tls));
         let errors = self
             .apply_frontends(&mut running, p.frontends, &changes, &mut report)

@@ -15,9 +15,11 @@ use seedlink_net::sync::lock;
 use tokio::net::TcpListener;
 
 use super::accept;
+use super::core::Core;
 use super::frontend::FrontendEnd;
 use super::handover::AGENTS;
 use super::run::TunnelServer;
+use super::Cluster;
 use std::net::SocketAddr;
 
 /// An agent of a cluster, as phase `agents` names it.
@@ -95,29 +97,32 @@ impl TunnelServer {
         };
         let wanted: Vec<AgentKey> = serde_json::from_value(v["agents"].clone()).unwrap_or_default();
         let served: Vec<String> = serde_json::from_value(v["clusters"].clone()).unwrap_or_default();
-        let missing = || -> Vec<String> {
-            let clusters = self.registry.clusters();
-            let find = |c: &str| clusters.iter().find(|x| *x.name == *c).cloned();
-            let agents = wanted
-                .iter()
-                .filter(|(c, id)| {
-                    !find(c).is_some_and(|x| x.agents().iter().any(|l| l.agent_id == *id))
-                })
-                .map(|(c, id)| format!("{c}/{id}"));
-            let empty = served
-                .iter()
-                .filter(|c| find(c).is_none_or(|x| x.agent_count() == 0))
-                .cloned();
-            agents.chain(empty).collect()
-        };
         let deadline = tokio::time::Instant::now() + within;
         loop {
-            let m = missing();
+            let m = self.missing(&wanted, &served);
             if m.is_empty() || tokio::time::Instant::now() >= deadline {
                 return m;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// The agents in `wanted` not connected here, and the clusters in
+    /// `served` with no agent here, as `cluster/agent` and `cluster`.
+    fn missing(&self, wanted: &[AgentKey], served: &[String]) -> Vec<String> {
+        let clusters = self.registry.clusters();
+        let find = |c: &str| clusters.iter().find(|x| *x.name == *c).cloned();
+        let agents = wanted
+            .iter()
+            .filter(|(c, id)| {
+                !find(c).is_some_and(|x| x.agents().iter().any(|l| l.agent_id == *id))
+            })
+            .map(|(c, id)| format!("{c}/{id}"));
+        let empty = served
+            .iter()
+            .filter(|c| find(c).is_none_or(|x| x.agent_count() == 0))
+            .cloned();
+        agents.chain(empty).collect()
     }
 
     /// New process: accepts agents from now on (the old process moved
@@ -203,23 +208,35 @@ impl TunnelServer {
             .map(|c| c.name.to_string())
             .unwrap_or_default();
         self.frontend_tasks.spawn(async move {
-            let _ = tcp.set_nodelay(true);
-            let outcome = match cluster {
-                Some(c) if !srv.accepting.is_cancelled() => {
-                    let leftover = bytes::BytesMut::from(&leftover[..]);
-                    super::frontend::connect_method(&srv, &c, tcp, &target, leftover).await
-                }
-                other => {
-                    accept::refuse_handoff(tcp).await;
-                    if other.is_some() {
-                        FrontendEnd::Draining
-                    } else {
-                        FrontendEnd::UnknownCluster
-                    }
-                }
-            };
+            let outcome = serve_handoff(&srv, cluster, tcp, leftover, &target).await;
             srv.metrics
                 .frontend_conn(&name, "gateway", outcome.reason());
         });
+    }
+}
+
+/// A CONNECT the gateway handed over: carried to `cluster`'s agents, or
+/// refused with 503 when the cluster is unknown or this server drains.
+async fn serve_handoff(
+    srv: &Core,
+    cluster: Option<Arc<Cluster>>,
+    tcp: tokio::net::TcpStream,
+    leftover: Vec<u8>,
+    target: &str,
+) -> FrontendEnd {
+    let _ = tcp.set_nodelay(true);
+    match cluster {
+        Some(c) if !srv.accepting.is_cancelled() => {
+            let leftover = bytes::BytesMut::from(&leftover[..]);
+            super::frontend::connect_method(srv, &c, tcp, target, leftover).await
+        }
+        other => {
+            accept::refuse_handoff(tcp).await;
+            if other.is_some() {
+                FrontendEnd::Draining
+            } else {
+                FrontendEnd::UnknownCluster
+            }
+        }
     }
 }
