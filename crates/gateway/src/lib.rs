@@ -492,9 +492,11 @@ impl Gateway {
             return Err(Errors(
                 fixed
                     .into_iter()
-                    .map(|k| ConfigError {
-                        path: k.to_string(),
-                        message: "cannot change on reload; restart the gateway to apply".into(),
+                    .map(|k| {
+                        ConfigError::new(
+                            k.to_string(),
+                            "cannot change on reload; restart the gateway to apply",
+                        )
                     })
                     .collect(),
             ));
@@ -646,10 +648,7 @@ fn bind_admin(at: SocketAddr) -> std::io::Result<std::net::TcpListener> {
 }
 
 fn one_error(msg: &str) -> Errors {
-    Errors(vec![ConfigError {
-        path: String::new(),
-        message: msg.into(),
-    }])
+    Errors(vec![ConfigError::new(String::new(), msg)])
 }
 
 /// Fails if another socket already listens on `addr`: a socket without

@@ -218,12 +218,8 @@ impl NodeProxyConfig {
     /// Parses a YAML file's text (unknown keys and type errors are reported
     /// with their line); nothing is checked yet.
     pub fn parse(text: &str) -> Result<NodeProxyConfig, Errors> {
-        serde_norway::from_str(text).map_err(|e| {
-            Errors(vec![ConfigError {
-                path: String::new(),
-                message: e.to_string(),
-            }])
-        })
+        serde_norway::from_str(text)
+            .map_err(|e| Errors(vec![ConfigError::new(String::new(), e.to_string())]))
     }
 
     fn mode(&self) -> Option<Mode> {
@@ -374,12 +370,8 @@ impl NodeProxyConfig {
     /// Every problem, with the key it is about.
     pub fn check(&self) -> Vec<ConfigError> {
         let mut errs = Vec::new();
-        let mut err = |path: &str, message: String| {
-            errs.push(ConfigError {
-                path: path.to_string(),
-                message,
-            })
-        };
+        let mut err =
+            |path: &str, message: String| errs.push(ConfigError::new(path.to_string(), message));
         self.check_addresses(&mut err);
         self.check_mode(&mut err);
         if let Err((key, message)) = self.egress() {

@@ -12,6 +12,16 @@ pub struct ConfigError {
     pub message: String,
 }
 
+impl ConfigError {
+    /// A problem at `path`.
+    pub fn new(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
+        ConfigError {
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+}
+
 /// Every problem found in a configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Errors(pub Vec<ConfigError>);
@@ -38,9 +48,6 @@ pub(super) struct Collector(pub(super) Vec<ConfigError>);
 
 impl Collector {
     pub(super) fn err(&mut self, path: impl Into<String>, message: impl Into<String>) {
-        self.0.push(ConfigError {
-            path: path.into(),
-            message: message.into(),
-        });
+        self.0.push(ConfigError::new(path, message));
     }
 }

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use crate::model::ConfigFile;
+use crate::model::{ConfigFile, ControlPlane as ControlPlaneCfg};
 
 mod checks;
 mod errors;
@@ -25,22 +25,18 @@ pub use snapshot::Snapshot;
 /// Parses YAML text. Syntax, type and unknown-key errors stop the parser, so
 /// only the first is reported, with its line and column.
 pub fn parse(text: &str) -> Result<ConfigFile, Errors> {
-    serde_norway::from_str(text).map_err(|e| {
-        Errors(vec![ConfigError {
-            path: String::new(),
-            message: e.to_string(),
-        }])
-    })
+    serde_norway::from_str(text)
+        .map_err(|e| Errors(vec![ConfigError::new(String::new(), e.to_string())]))
 }
 
 /// Reads, parses and compiles the file at `path`, reusing live endpoint
 /// state from `previous`.
 pub fn load(path: &Path, previous: Option<&Snapshot>) -> Result<Snapshot, Errors> {
     let text = std::fs::read_to_string(path).map_err(|e| {
-        Errors(vec![ConfigError {
-            path: String::new(),
-            message: format!("cannot read {}: {e}", path.display()),
-        }])
+        Errors(vec![ConfigError::new(
+            String::new(),
+            format!("cannot read {}: {e}", path.display()),
+        )])
     })?;
     compile(parse(&text)?, previous)
 }
@@ -110,26 +106,32 @@ pub fn compile_admitting(
         // The file's own problems: nothing to admit around.
         return (Err(Errors(own)), Vec::new());
     }
-    let mut rejected = Vec::new();
-    let mut kept = Vec::new();
-    for (i, cp) in std::mem::take(&mut file.from_kubernetes)
-        .into_iter()
-        .enumerate()
-    {
-        match bad.remove(&i) {
-            Some(mut problems) => {
-                for p in &mut problems {
-                    if let Some((_, rest)) = p.path.split_once(']') {
-                        p.path = rest.trim_start_matches('.').to_string();
-                    }
-                }
-                rejected.push((cp.name, problems));
-            }
-            None => kept.push(cp),
-        }
-    }
+    let (kept, rejected) = admit_apart(std::mem::take(&mut file.from_kubernetes), &mut bad);
     file.from_kubernetes = kept;
     (compile(file, previous), rejected)
+}
+
+/// Splits the control planes from Kubernetes into those without problems
+/// and those refused, each with its problems (paths relative to it).
+fn admit_apart(
+    from_kubernetes: Vec<ControlPlaneCfg>,
+    bad: &mut HashMap<usize, Vec<ConfigError>>,
+) -> (Vec<ControlPlaneCfg>, Refused) {
+    let mut rejected = Vec::new();
+    let mut kept = Vec::new();
+    for (i, cp) in from_kubernetes.into_iter().enumerate() {
+        let Some(mut problems) = bad.remove(&i) else {
+            kept.push(cp);
+            continue;
+        };
+        for p in &mut problems {
+            if let Some((_, rest)) = p.path.split_once(']') {
+                p.path = rest.trim_start_matches('.').to_string();
+            }
+        }
+        rejected.push((cp.name, problems));
+    }
+    (kept, rejected)
 }
 
 /// Problems of the control planes from Kubernetes, by index (`kubernetes[i]`

@@ -128,23 +128,7 @@ impl<'a> Routes<'a> {
                 format!("duplicate control plane name {:?}", cp.name),
             );
         }
-        if cp.hostnames.is_empty()
-            && cp.served_on.iter().all(|o| o.hostnames.is_empty())
-            && cp.destinations.is_empty()
-            && cp.service_addresses.is_empty()
-            && cp.cluster_id.is_none()
-        {
-            c.err(
-                format!("{at}.hostnames"),
-                "at least one host name, destination, service address or cluster ID is required",
-            );
-        }
-        if cp.endpoints.is_empty() && !dynamic {
-            c.err(
-                format!("{at}.endpoints"),
-                "at least one endpoint is required",
-            );
-        }
+        check_reachable(c, at, cp, dynamic);
     }
 
     /// Checked endpoints (duplicates refused when `unique`), each keeping
@@ -364,15 +348,11 @@ impl<'a> Routes<'a> {
             return;
         }
         self.owner.insert(key.clone(), cp.name.clone());
-        match scope {
-            None => self.routes.hosts.insert(key.0, compiled.clone()),
-            Some(a) => self
-                .routes
-                .scoped
-                .entry(a)
-                .or_default()
-                .insert(key.0, compiled.clone()),
+        let table = match scope {
+            None => &mut self.routes.hosts,
+            Some(a) => self.routes.scoped.entry(a).or_default(),
         };
+        table.insert(key.0, compiled.clone());
     }
 }
 
@@ -493,4 +473,27 @@ pub(super) fn check_endpoint(ep: &str) -> Result<(), &'static str> {
         return Err("has an invalid host (use an IP, [IPv6] or a DNS name)");
     }
     Ok(())
+}
+
+/// A control plane is named by something (a host name, destination,
+/// service address or cluster ID) and, unless Kubernetes fills them in,
+/// has endpoints.
+fn check_reachable(c: &mut Collector, at: &str, cp: &ControlPlaneCfg, dynamic: bool) {
+    if cp.hostnames.is_empty()
+        && cp.served_on.iter().all(|o| o.hostnames.is_empty())
+        && cp.destinations.is_empty()
+        && cp.service_addresses.is_empty()
+        && cp.cluster_id.is_none()
+    {
+        c.err(
+            format!("{at}.hostnames"),
+            "at least one host name, destination, service address or cluster ID is required",
+        );
+    }
+    if cp.endpoints.is_empty() && !dynamic {
+        c.err(
+            format!("{at}.endpoints"),
+            "at least one endpoint is required",
+        );
+    }
 }

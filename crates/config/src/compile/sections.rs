@@ -9,22 +9,25 @@ use super::listeners::*;
 
 /// The `kubernetes` section: object names, and a class's addresses (each
 /// one a TLS listener receives at, none twice, at most 256).
-pub(super) fn check_kubernetes(
-    c: &mut Collector,
-    k: &crate::model::KubernetesSource,
-    listeners: &[ListenerSpec],
-) {
+/// The objects the source names are `namespace/name`.
+fn check_object_names(c: &mut Collector, k: &crate::model::KubernetesSource) {
     for (key, v) in [
         ("kubernetes.gateway", k.gateway.as_ref()),
         ("kubernetes.lease", k.lease.as_ref()),
         ("kubernetes.service", k.service.as_ref()),
     ] {
-        if let Some(v) = v {
-            if split_object_name(v).is_none() {
-                c.err(key, format!("{v:?} is not namespace/name"));
-            }
+        if let Some(v) = v.filter(|v| split_object_name(v).is_none()) {
+            c.err(key, format!("{v:?} is not namespace/name"));
         }
     }
+}
+
+pub(super) fn check_kubernetes(
+    c: &mut Collector,
+    k: &crate::model::KubernetesSource,
+    listeners: &[ListenerSpec],
+) {
+    check_object_names(c, k);
     if k.gateway.is_none() && k.gateway_class.is_none() {
         c.err(
             "kubernetes",

@@ -217,16 +217,18 @@ pub(super) async fn inner_proxy_header(
 /// preface and all after it is the replay), or a CONNECT head (what
 /// followed it is the replay; a broken head is answered 400 and nothing
 /// after it is read).
+/// Whether `b` is (so far) HTTP/2's connection preface.
+fn h2_preface(b: &[u8]) -> Parse<(), ()> {
+    let n = b.len().min(H2_PREFACE.len());
+    match (b[..n] == H2_PREFACE[..n], n == H2_PREFACE.len()) {
+        (false, _) => Parse::Invalid(()),
+        (true, true) => Parse::Done(()),
+        (true, false) => Parse::Incomplete,
+    }
+}
+
 pub(super) async fn connect_or_http2(r: &mut Reader<'_>) -> Result<Request, Refusal> {
-    let preface = |b: &[u8]| {
-        let n = b.len().min(H2_PREFACE.len());
-        match (b[..n] == H2_PREFACE[..n], n == H2_PREFACE.len()) {
-            (false, _) => Parse::Invalid(()),
-            (true, true) => Parse::Done(()),
-            (true, false) => Parse::Incomplete,
-        }
-    };
-    if r.until(H2_PREFACE.len(), preface).await?.is_ok() {
+    if r.until(H2_PREFACE.len(), h2_preface).await?.is_ok() {
         return Ok(Request::Http2);
     }
     let limits = connect_head::Limits::default();
@@ -323,15 +325,16 @@ pub(super) fn classify(buf: &[u8]) -> Parse<Protocol, Refusal> {
         Parse::Incomplete => return Parse::Incomplete,
         Parse::Invalid(()) => {}
     }
-    let n = buf.len().min(H2_PREFACE.len());
-    if buf[..n] == H2_PREFACE[..n] {
-        return if n == H2_PREFACE.len() {
-            Parse::Done(Protocol::HttpConnect)
-        } else {
-            Parse::Incomplete
-        };
+    match h2_preface(buf) {
+        Parse::Done(()) => Parse::Done(Protocol::HttpConnect),
+        Parse::Incomplete => Parse::Incomplete,
+        Parse::Invalid(()) => http1_method(buf),
     }
-    // An HTTP/1 method: 1–20 uppercase letters, then a space.
+}
+
+/// Whether `b` starts an HTTP/1 request: 1–20 uppercase letters, then a
+/// space.
+fn http1_method(buf: &[u8]) -> Parse<Protocol, Refusal> {
     for (i, &b) in buf.iter().enumerate().take(21) {
         match b {
             b'A'..=b'Z' => {}

@@ -323,10 +323,10 @@ fn what_the_gateway_refuses_is_not_accepted_and_leaves_the_control_planes() {
     let mut t = one_shoot().translate(&mut Translator::default());
     t.refused(&[(
         "shoot--a.api".into(),
-        vec![seedlink_config::ConfigError {
-            path: "hostnames[0]".into(),
-            message: "host name \"api.a.example\" is already used by control plane \"x\"".into(),
-        }],
+        vec![seedlink_config::ConfigError::new(
+            "hostnames[0]",
+            "host name \"api.a.example\" is already used by control plane \"x\"",
+        )],
     )]);
     assert!(t.control_planes.is_empty());
     assert!(!t.routes[0].accepted.ok);

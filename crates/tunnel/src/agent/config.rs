@@ -153,12 +153,8 @@ impl AgentConfig {
     /// Parses a YAML file's text (unknown keys and type errors are reported
     /// with their line); nothing is checked yet.
     pub fn parse(text: &str) -> Result<AgentConfig, Errors> {
-        serde_norway::from_str(text).map_err(|e| {
-            Errors(vec![ConfigError {
-                path: String::new(),
-                message: e.to_string(),
-            }])
-        })
+        serde_norway::from_str(text)
+            .map_err(|e| Errors(vec![ConfigError::new(String::new(), e.to_string())]))
     }
 
     /// Every problem, with the key it is about: [`AgentConfig::check_values`]
@@ -172,12 +168,7 @@ impl AgentConfig {
     /// Problems of the values themselves (no file is read).
     pub fn check_values(&self) -> Vec<ConfigError> {
         let mut errs = Vec::new();
-        let mut err = |path: &str, message: String| {
-            errs.push(ConfigError {
-                path: path.to_string(),
-                message,
-            })
-        };
+        let mut err = |path: &str, message: String| errs.push(ConfigError::new(path, message));
         if host_of(&self.server).is_none() {
             err("server", format!("{:?} is not host:port", self.server));
         }
@@ -237,10 +228,10 @@ impl AgentConfig {
     pub fn check_files(&self) -> Vec<ConfigError> {
         let mut errs = Vec::new();
         let mut err = |path: &str, file: &std::path::Path, e: String| {
-            errs.push(ConfigError {
-                path: path.to_string(),
-                message: format!("{}: {e}", file.display()),
-            })
+            errs.push(ConfigError::new(
+                path.to_string(),
+                format!("{}: {e}", file.display()),
+            ))
         };
         if let Err(e) = crate::auth::tls::load_roots(&self.ca_cert) {
             err("ca_cert", &self.ca_cert, format!("{e:#}"));
@@ -287,10 +278,10 @@ impl AgentConfig {
             .or(env_agent_id)
             .unwrap_or_else(random_agent_id);
         let egress = self.egress().map_err(|message| {
-            Errors(vec![ConfigError {
-                path: "egress_proxy_credentials_file".into(),
+            Errors(vec![ConfigError::new(
+                "egress_proxy_credentials_file",
                 message,
-            }])
+            )])
         })?;
         Ok(self.options_with(agent_id, egress))
     }

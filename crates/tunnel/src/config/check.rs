@@ -19,10 +19,7 @@ pub(super) struct Problems(pub(super) Vec<ConfigError>);
 
 impl Problems {
     pub(super) fn add(&mut self, path: impl Into<String>, message: impl Into<String>) {
-        self.0.push(ConfigError {
-            path: path.into(),
-            message: message.into(),
-        });
+        self.0.push(ConfigError::new(path.into(), message));
     }
 
     pub(super) fn is_empty(&self) -> bool {

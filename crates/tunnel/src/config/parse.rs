@@ -26,10 +26,7 @@ impl ServerConfig {
             Ok(c) => c,
             Err(e) => {
                 return (
-                    Err(Errors(vec![ConfigError {
-                        path: String::new(),
-                        message: e.to_string(),
-                    }])),
+                    Err(Errors(vec![ConfigError::new("", e.to_string())])),
                     Vec::new(),
                 )
             }
@@ -88,19 +85,7 @@ impl ServerConfig {
         let mut bad: std::collections::BTreeMap<usize, Vec<ConfigError>> = Default::default();
         let mut own = Vec::new();
         for e in Self::validate(all).err().map(|e| e.0).unwrap_or_default() {
-            let index = e
-                .path
-                .strip_prefix("clusters[")
-                .and_then(|r| r.split_once(']'))
-                .and_then(|(i, _)| i.parse::<usize>().ok())
-                .filter(|i| *i >= from_file)
-                .map(|i| i - from_file)
-                .or_else(|| {
-                    extra
-                        .iter()
-                        .position(|c| e.path.starts_with(&format!("clusters ({})", c.name)))
-                });
-            match index {
+            match extra_index(&e.path, from_file, extra) {
                 Some(i) => bad.entry(i).or_default().push(e),
                 None => own.push(e),
             }
@@ -133,4 +118,19 @@ impl ServerConfig {
             Err(Errors(errs.0))
         }
     }
+}
+
+/// Which of the `extra` clusters (after the file's `from_file`) a problem's
+/// path names, by index or by name.
+fn extra_index(path: &str, from_file: usize, extra: &[Cluster]) -> Option<usize> {
+    path.strip_prefix("clusters[")
+        .and_then(|r| r.split_once(']'))
+        .and_then(|(i, _)| i.parse::<usize>().ok())
+        .filter(|i| *i >= from_file)
+        .map(|i| i - from_file)
+        .or_else(|| {
+            extra
+                .iter()
+                .position(|c| path.starts_with(&format!("clusters ({})", c.name)))
+        })
 }

@@ -151,6 +151,15 @@ impl ServerError {
 
 /// How a configured frontend listens; `authenticated` frontends (every
 /// request carries a cluster's password) may use plain TCP anywhere.
+/// The ALPN a TLS frontend of `protocol` offers.
+fn frontend_alpn(protocol: FrontendProtocol) -> &'static [&'static [u8]] {
+    match protocol {
+        FrontendProtocol::Grpc => &[b"h2"],
+        FrontendProtocol::HttpConnect | FrontendProtocol::HttpProxy => &[b"http/1.1"],
+        FrontendProtocol::Socks5 => &[],
+    }
+}
+
 pub(super) fn transport(
     f: &Frontend,
     what: &str,
@@ -162,11 +171,7 @@ pub(super) fn transport(
             let v = tls::load_roots(ca)
                 .and_then(tls::client_verifier)
                 .map_err(ServerError::tls(format!("{what}: client_ca")))?;
-            let alpn: &[&[u8]] = match f.protocol {
-                FrontendProtocol::Grpc => &[b"h2"],
-                FrontendProtocol::HttpConnect | FrontendProtocol::HttpProxy => &[b"http/1.1"],
-                FrontendProtocol::Socks5 => &[],
-            };
+            let alpn = frontend_alpn(f.protocol);
             let sc =
                 tls::server_config(cert, key, Some(v), alpn).map_err(ServerError::tls(what))?;
             Transport::Tcp(*a, TlsAcceptor::from(Arc::new(sc)))
@@ -306,6 +311,19 @@ pub(super) fn plan_cluster(
 
 /// A cluster's token check: local keys, or a TokenReview whose outcomes
 /// are counted.
+/// Counts a cluster's TokenReview outcomes.
+fn review_counter(cluster: &str, metrics: &Metrics) -> crate::auth::token_review::Outcomes {
+    let (reviews, cluster) = (metrics.token_reviews.clone(), cluster.to_string());
+    Arc::new(move |outcome: &str| {
+        reviews
+            .get_or_create(&crate::server::metrics::ClusterReason {
+                cluster: cluster.clone(),
+                reason: outcome.to_string(),
+            })
+            .inc();
+    })
+}
+
 pub(super) fn token_validator(
     cluster: &str,
     t: &crate::config::TokenAuth,
@@ -313,18 +331,9 @@ pub(super) fn token_validator(
 ) -> Result<TokenValidator, ServerError> {
     match (&t.keys, &t.review) {
         (Some(keys), None) => TokenValidator::new(keys, &t.issuer, &t.audience, &t.service_account),
-        (None, Some(r)) => TokenReviewer::new(r, {
-            let (reviews, cluster) = (metrics.token_reviews.clone(), cluster.to_string());
-            Arc::new(move |outcome: &str| {
-                reviews
-                    .get_or_create(&crate::server::metrics::ClusterReason {
-                        cluster: cluster.clone(),
-                        reason: outcome.to_string(),
-                    })
-                    .inc();
-            })
-        })
-        .and_then(|r| TokenValidator::with_review(r, &t.issuer, &t.audience, &t.service_account)),
+        (None, Some(r)) => TokenReviewer::new(r, review_counter(cluster, metrics)).and_then(|r| {
+            TokenValidator::with_review(r, &t.issuer, &t.audience, &t.service_account)
+        }),
         _ => {
             return Err(ServerError::Invalid {
                 at: format!("cluster {cluster}: agent_token"),

@@ -269,10 +269,10 @@ impl ServerRole {
                     kubernetes.remove(i);
                     failed.push((
                         name,
-                        vec![seedlink_config::ConfigError {
-                            path: String::new(),
-                            message: format!("cannot be served: {why}"),
-                        }],
+                        vec![seedlink_config::ConfigError::new(
+                            String::new(),
+                            format!("cannot be served: {why}"),
+                        )],
                     ));
                 }
             }
@@ -305,10 +305,7 @@ impl ServerRole {
                 .into_iter()
                 .filter(|c| !running.iter().any(|r| *r.name == *c.name))
                 .map(|c| {
-                    let why = seedlink_config::ConfigError {
-                        path: String::new(),
-                        message: "not applied: the tunnel-server's configuration could not be reloaded (see its log)".into(),
-                    };
+                    let why = seedlink_config::ConfigError::new(String::new(), "not applied: the tunnel-server's configuration could not be reloaded (see its log)");
                     (c.name, vec![why])
                 }),
         );
