@@ -427,12 +427,7 @@ impl NodeProxyConfig {
             },
             Some(_) => {}
         }
-        if self.header.is_empty()
-            || !self
-                .header
-                .bytes()
-                .all(|b| b.is_ascii_graphic() && b != b':')
-        {
+        if !header_name(&self.header) {
             err(
                 "header",
                 format!("{:?} is not an HTTP header name", self.header),
@@ -489,6 +484,11 @@ impl NodeProxyConfig {
         if self.max_connections == 0 {
             err("max_connections", "must be at least 1".into());
         }
+        self.check_durations(err);
+    }
+
+    /// Every duration is more than 0.
+    fn check_durations(&self, err: &mut impl FnMut(&str, String)) {
         for (key, d) in [
             ("connect_timeout", self.connect_timeout),
             ("resync", self.resync),
@@ -551,6 +551,11 @@ impl NodeProxyConfig {
             metrics: self.metrics,
         })
     }
+}
+
+/// A non-empty HTTP header name: visible ASCII without `:`.
+fn header_name(h: &str) -> bool {
+    !h.is_empty() && h.bytes().all(|b| b.is_ascii_graphic() && b != b':')
 }
 
 #[cfg(test)]

@@ -70,6 +70,19 @@ async fn tls_and_http(
         let _ = tls.shutdown().await;
         return Ok(());
     }
+    let code = http_get(&mut tls, h).await;
+    let _ = tls.shutdown().await;
+    match code? {
+        200..400 => Ok(()),
+        code => Err(format!("http_status_{code}")),
+    }
+}
+
+/// `GET` the check's path on `tls`: the answer's status code.
+async fn http_get<S>(tls: &mut S, h: &HealthCheck) -> Result<u16, String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
     let req = format!(
         "GET {} HTTP/1.1\r\nHost: {}\r\nUser-Agent: seedlink-node-proxy\r\nAccept: */*\r\nConnection: close\r\n\r\n",
         h.path, h.server_name
@@ -77,13 +90,7 @@ async fn tls_and_http(
     tls.write_all(req.as_bytes())
         .await
         .map_err(|e| format!("http_write: {e}"))?;
-    let code = response_status(&mut tls).await?;
-    let _ = tls.shutdown().await;
-    if (200..400).contains(&code) {
-        Ok(())
-    } else {
-        Err(format!("http_status_{code}"))
-    }
+    response_status(tls).await
 }
 
 /// Reads an HTTP response's head (at most 16 KiB): its status code.

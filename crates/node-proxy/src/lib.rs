@@ -85,22 +85,28 @@ impl NodeProxy {
                     () = tokio::time::sleep(every) => {}
                     () = np.lifecycle.close_all.cancelled() => return,
                 }
-                match netif::ensure(&iface).await {
-                    Ok(changed) => {
-                        if changed {
-                            tracing::warn!(address = %iface.address, link = %iface.name, "address was missing; put back");
-                            np.metrics.address_reasserted.inc();
-                        }
-                        np.address_ok.store(true, Ordering::Release);
-                    }
-                    Err(e) => {
-                        tracing::error!(error = %e, "cannot keep the advertised address");
-                        np.address_ok.store(false, Ordering::Release);
-                    }
-                }
+                np.reassert(&iface).await;
             }
         });
         Ok(())
+    }
+
+    /// Puts the advertised address back if it went missing, and records
+    /// whether the node-proxy still has it.
+    async fn reassert(&self, iface: &netif::Interface) {
+        match netif::ensure(iface).await {
+            Ok(changed) => {
+                if changed {
+                    tracing::warn!(address = %iface.address, link = %iface.name, "address was missing; put back");
+                    self.metrics.address_reasserted.inc();
+                }
+                self.address_ok.store(true, Ordering::Release);
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot keep the advertised address");
+                self.address_ok.store(false, Ordering::Release);
+            }
+        }
     }
 
     /// Drains: not ready, stop accepting, wait, close the rest.

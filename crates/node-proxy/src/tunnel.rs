@@ -379,8 +379,8 @@ impl H2Session {
 
 /// Opens one h2c connection to the gateway and spawns its driver, which
 /// also pings it and gives it up when a pong is late.
-async fn open_h2(np: &NodeProxy) -> Result<H2Conn, Outcome> {
-    let tcp = dial(np).await?;
+/// The HTTP/2 client settings towards the gateway: large windows, no push.
+fn h2_builder() -> h2::client::Builder {
     let mut builder = h2::client::Builder::new();
     builder
         .initial_window_size(1024 * 1024)
@@ -388,6 +388,12 @@ async fn open_h2(np: &NodeProxy) -> Result<H2Conn, Outcome> {
         .max_send_buffer_size(256 * 1024)
         .max_frame_size(h2copy::MAX_FRAME)
         .enable_push(false);
+    builder
+}
+
+async fn open_h2(np: &NodeProxy) -> Result<H2Conn, Outcome> {
+    let tcp = dial(np).await?;
+    let builder = h2_builder();
     let (send, mut conn) =
         match tokio::time::timeout(np.opts.handshake_timeout, builder.handshake(tcp)).await {
             Ok(Ok(pair)) => pair,

@@ -40,19 +40,7 @@ impl Resolver {
                 }
             }
         }
-        let addrs = match lookup(&self.target, deadline).await {
-            Ok(a) => a,
-            // An absolute name (`api.example.com.`) is the same name without
-            // the dot; DNS resolvers accept both, /etc/hosts only the latter.
-            Err(e) => match self.target.rsplit_once(':') {
-                Some((host, port)) if host.ends_with('.') => {
-                    lookup(&format!("{}:{port}", host.trim_end_matches('.')), deadline)
-                        .await
-                        .map_err(|_| e)?
-                }
-                _ => return Err(e),
-            },
-        };
+        let addrs = lookup_absolute(&self.target, deadline).await?;
         if addrs.is_empty() {
             return Err(io::Error::new(
                 io::ErrorKind::NotFound,
@@ -127,5 +115,22 @@ pub(crate) struct StreamSlot(pub(crate) Arc<AtomicUsize>);
 impl Drop for StreamSlot {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Looks `target` up; an absolute name (`api.example.com.`) is the same
+/// name without the dot: DNS resolvers accept both, /etc/hosts only the
+/// latter, so that is tried when the first lookup fails.
+async fn lookup_absolute(target: &str, deadline: Duration) -> io::Result<Vec<SocketAddr>> {
+    match lookup(target, deadline).await {
+        Ok(a) => Ok(a),
+        Err(e) => match target.rsplit_once(':') {
+            Some((host, port)) if host.ends_with('.') => {
+                lookup(&format!("{}:{port}", host.trim_end_matches('.')), deadline)
+                    .await
+                    .map_err(|_| e)
+            }
+            _ => Err(e),
+        },
     }
 }
