@@ -243,17 +243,21 @@ impl<'a> Reader<'a> {
 
 type Body = (Option<String>, Vec<String>);
 
-fn parse_body(body: &[u8]) -> Result<Body, &'static str> {
-    let mut r = Reader { buf: body };
-    let version = r.u16("truncated client_version")?;
+/// A TLS `client_version`: 0x0301 (TLS 1.0) or later. 0x0300 is SSL 3.0
+/// (no TLS 1.3 client sends it either: its legacy_version is 0x0303).
+fn check_version(version: u16) -> Result<(), &'static str> {
     if version >> 8 != 3 {
         return Err("client_version is not TLS");
     }
-    // 0x0300 is SSL 3.0 (no TLS 1.3 client sends it either: its
-    // legacy_version is 0x0303).
     if version < 0x0301 {
         return Err("client_version is SSL 3.0");
     }
+    Ok(())
+}
+
+fn parse_body(body: &[u8]) -> Result<Body, &'static str> {
+    let mut r = Reader { buf: body };
+    check_version(r.u16("truncated client_version")?)?;
     r.take(32, "truncated random")?;
     if r.vec8("truncated session_id")?.len() > 32 {
         return Err("session_id longer than 32 bytes");

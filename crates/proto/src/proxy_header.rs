@@ -79,6 +79,24 @@ const TLV_CRC32C: u8 = 0x03;
 /// whole number of TLVs, no truncated TLV header, no value running past the
 /// end, at most [`MAX_TLVS`], an AUTHORITY no longer than a host name, and
 /// a CRC32c (if any) of exactly 4 bytes that matches, as HAProxy checks it.
+/// One TLV of type `ty` whose `n`-byte value starts at `value`: an
+/// authority no longer than a host name, at most one CRC32C, and that one
+/// right.
+fn check_tlv(
+    header: &[u8],
+    ty: u8,
+    value: usize,
+    n: usize,
+    crc_seen: &mut bool,
+) -> Result<(), &'static str> {
+    match ty {
+        TLV_AUTHORITY if n > MAX_AUTHORITY => Err("v2 AUTHORITY TLV longer than a host name"),
+        TLV_CRC32C if std::mem::replace(crc_seen, true) => Err("v2 header with two CRC32C TLVs"),
+        TLV_CRC32C => check_crc32c(header, value, n),
+        _ => Ok(()),
+    }
+}
+
 fn check_tlvs(header: &[u8], tlv_start: usize) -> Result<(), &'static str> {
     let mut at = tlv_start;
     let mut count = 0;
@@ -96,18 +114,7 @@ fn check_tlvs(header: &[u8], tlv_start: usize) -> Result<(), &'static str> {
         if count > MAX_TLVS {
             return Err("v2 header with more TLVs than any sender puts");
         }
-        match *ty {
-            TLV_AUTHORITY if n > MAX_AUTHORITY => {
-                return Err("v2 AUTHORITY TLV longer than a host name")
-            }
-            TLV_CRC32C => {
-                if std::mem::replace(&mut crc_seen, true) {
-                    return Err("v2 header with two CRC32C TLVs");
-                }
-                check_crc32c(header, value, n)?;
-            }
-            _ => {}
-        }
+        check_tlv(header, *ty, value, n, &mut crc_seen)?;
         at = value + n;
     }
     Ok(())
@@ -199,6 +206,15 @@ pub fn parse(buf: &[u8], max_v2_len: usize) -> Parse<ProxyHeader, Reject> {
     }
 }
 
+/// A v1 line's ports (when it has six fields) are plain decimal digits.
+fn v1_ports_plain(text: &str) -> bool {
+    let fields: Vec<&str> = text.trim_end_matches("\r\n").split(' ').collect();
+    fields.len() != 6
+        || fields[4..]
+            .iter()
+            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+}
+
 fn parse_v1(buf: &[u8]) -> Parse<ProxyHeader, Reject> {
     let window = &buf[..buf.len().min(V1_MAX_LEN)];
     let Some(lf) = window.iter().position(|&b| b == b'\n') else {
@@ -217,12 +233,7 @@ fn parse_v1(buf: &[u8]) -> Parse<ProxyHeader, Reject> {
     };
     // Ports are plain decimal digits: Rust's integer parser (under `ppp`)
     // would also take a leading `+`.
-    let fields: Vec<&str> = text.trim_end_matches("\r\n").split(' ').collect();
-    if fields.len() == 6
-        && !fields[4..]
-            .iter()
-            .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
-    {
+    if !v1_ports_plain(text) {
         return Parse::Invalid(Reject::Malformed("v1 port is not plain decimal digits"));
     }
     match v1_addresses(text) {
