@@ -103,22 +103,11 @@ impl TrustWatches {
             }
             keep
         });
-        let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
         for ns in wanted {
-            if self.by_namespace.contains_key(&ns) {
-                continue;
+            if let std::collections::hash_map::Entry::Vacant(e) = self.by_namespace.entry(ns) {
+                let watched = watch_trust(w, e.key()).await;
+                e.insert(watched);
             }
-            let stop = w.stop.child_token();
-            let secrets = w.labelled_in(&ns, &selector, &stop);
-            let config_maps = w.labelled_in(&ns, &selector, &stop);
-            let listed = async {
-                secrets.wait_until_ready().await.ok()?;
-                config_maps.wait_until_ready().await.ok()
-            };
-            if tokio::time::timeout(TRUST_LIST_WAIT, listed).await.is_err() {
-                tracing::warn!(namespace = %ns, "Secrets and ConfigMaps of a TunnelCluster's namespace not listed yet (is seedlink's RoleBinding there?)");
-            }
-            self.by_namespace.insert(ns, (secrets, config_maps, stop));
         }
     }
 
@@ -229,11 +218,11 @@ impl TunnelPasses {
             if self.applied.as_ref().is_some_and(|(_, r)| not_applied(r)) {
                 self.applied = None;
             }
-            let count = self
+            if let Some(n) = self
                 .replicas
                 .as_ref()
-                .and_then(|r| replica_count(&r.state()));
-            if let Some(n) = count {
+                .and_then(|r| replica_count(&r.state()))
+            {
                 sink.set_server_count(n);
             }
             if wake == Wake::Changed || last.is_none() || self.applied.is_none() {
@@ -302,6 +291,31 @@ pub(super) fn status_held(objects: &[Arc<crate::crd::TunnelCluster>]) -> HashMap
         }
     }
     held
+}
+
+/// Watches the trust-labelled Secrets and ConfigMaps of namespace `ns`,
+/// waiting (bounded) for their first lists; the handles and what stops
+/// them.
+async fn watch_trust(
+    w: &Watches,
+    ns: &str,
+) -> (
+    Store<k8s_openapi::api::core::v1::Secret>,
+    Store<k8s_openapi::api::core::v1::ConfigMap>,
+    tokio_util::sync::CancellationToken,
+) {
+    let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
+    let stop = w.stop.child_token();
+    let secrets = w.labelled_in(ns, &selector, &stop);
+    let config_maps = w.labelled_in(ns, &selector, &stop);
+    let listed = async {
+        secrets.wait_until_ready().await.ok()?;
+        config_maps.wait_until_ready().await.ok()
+    };
+    if tokio::time::timeout(TRUST_LIST_WAIT, listed).await.is_err() {
+        tracing::warn!(namespace = %ns, "Secrets and ConfigMaps of a TunnelCluster's namespace not listed yet (is seedlink's RoleBinding there?)");
+    }
+    (secrets, config_maps, stop)
 }
 
 #[cfg(test)]

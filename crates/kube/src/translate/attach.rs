@@ -200,17 +200,13 @@ pub(super) fn attach(
         return Err(no_matching_parent(p, listeners));
     }
     let mut why = Vec::new();
-    let admitted: Vec<&Listener<'_>> = candidates
-        .iter()
-        .copied()
-        .filter(|l| match admits(l, route_ns, gateway_ns, namespaces) {
-            Ok(()) => true,
-            Err(w) => {
-                why.push(format!("listener {}: {w}", l.name));
-                false
-            }
-        })
-        .collect();
+    let mut admitted = Vec::new();
+    for l in &candidates {
+        match admits(l, route_ns, gateway_ns, namespaces) {
+            Ok(()) => admitted.push(*l),
+            Err(w) => why.push(format!("listener {}: {w}", l.name)),
+        }
+    }
     if admitted.is_empty() {
         return Err(Verdict::no("NotAllowedByListeners", why.join("; ")));
     }
@@ -382,20 +378,27 @@ fn admits_namespace(
                 ""
             }
         )),
-        From::Selector => {
-            let Some(sel) = ns.and_then(|n| n.selector.as_ref()) else {
-                return Err("from: Selector without a selector admits no namespace".into());
-            };
-            let empty = BTreeMap::new();
-            let labels = namespaces.get(route_ns).copied().unwrap_or(&empty);
-            if selects(sel, labels) {
-                Ok(())
-            } else {
-                Err(format!(
-                    "namespace {route_ns} does not match allowedRoutes.namespaces.selector"
-                ))
-            }
-        }
+        From::Selector => by_selector(ns.and_then(|n| n.selector.as_ref()), route_ns, namespaces),
+    }
+}
+
+/// `from: Selector`: the route's namespace must carry the selected labels.
+fn by_selector(
+    sel: Option<&Selector>,
+    route_ns: &str,
+    namespaces: &HashMap<String, &BTreeMap<String, String>>,
+) -> Result<(), String> {
+    let Some(sel) = sel else {
+        return Err("from: Selector without a selector admits no namespace".into());
+    };
+    let empty = BTreeMap::new();
+    let labels = namespaces.get(route_ns).copied().unwrap_or(&empty);
+    if selects(sel, labels) {
+        Ok(())
+    } else {
+        Err(format!(
+            "namespace {route_ns} does not match allowedRoutes.namespaces.selector"
+        ))
     }
 }
 
