@@ -144,10 +144,7 @@ impl AgentArgs {
     /// The configuration these flags (or the `--config` file) describe.
     pub fn model(&self) -> anyhow::Result<AgentConfig> {
         if let Some(path) = &self.config {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            return AgentConfig::parse(&text)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()));
+            return read_agent_config(path);
         }
         Ok(AgentConfig {
             server: self.server.clone().unwrap_or_default(),
@@ -179,6 +176,30 @@ impl AgentArgs {
 
 /// The agent's admin endpoint: probes, its configuration (which names
 /// the token file; no secret is inline) and metrics.
+/// The agent's configuration file, parsed.
+fn read_agent_config(path: &std::path::Path) -> anyhow::Result<AgentConfig> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    AgentConfig::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
+/// The agent's `/readyz`: ready once it holds a stream to every replica
+/// it knows of.
+fn readiness(agent: &Agent) -> seedlink_net::admin::Answer {
+    use seedlink_net::admin::TEXT;
+    let body = format!(
+        "server streams: {} of {} replicas ({} in all)\n",
+        agent.held(),
+        agent.known_count(),
+        agent.session_count()
+    );
+    if agent.ready() {
+        (200, TEXT, body)
+    } else {
+        (503, TEXT, format!("[-]server-connected failed\n{body}"))
+    }
+}
+
 fn agent_admin(
     agent: Arc<Agent>,
     cfg: &AgentConfig,
@@ -191,19 +212,7 @@ fn agent_admin(
         match path {
             "/healthz" => (200, TEXT, "ok\n".into()),
             "/config" => (200, JSON, config.clone()),
-            "/readyz" | "/ready" => {
-                let body = format!(
-                    "server streams: {} of {} replicas ({} in all)\n",
-                    agent.held(),
-                    agent.known_count(),
-                    agent.session_count()
-                );
-                if agent.ready() {
-                    (200, TEXT, body)
-                } else {
-                    (503, TEXT, format!("[-]server-connected failed\n{body}"))
-                }
-            }
+            "/readyz" | "/ready" => readiness(&agent),
             "/metrics" => (200, METRICS, encode(&agent.metrics.registry)),
             _ => (
                 404,
@@ -214,14 +223,11 @@ fn agent_admin(
     })
 }
 
-/// Runs the tunnel agent until drained; returns the exit code.
-pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
-    let supervisor = Supervisor::install()?;
-    let cfg = a.model()?;
-    let opts = cfg
-        .options(std::env::var("PROXY_AGENT_ID").ok())
-        .map_err(|e| problems("tunnel-agent", a.config.is_some(), &e))?;
-    let agent = Agent::new(opts)?;
+/// Binds and serves the agent's admin endpoint; where it listens.
+async fn serve_admin(
+    agent: &Arc<Agent>,
+    cfg: &AgentConfig,
+) -> anyhow::Result<std::net::SocketAddr> {
     let admin = tokio::net::TcpListener::bind(cfg.admin)
         .await
         .with_context(|| format!("admin {}", cfg.admin))?;
@@ -231,8 +237,20 @@ pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
         Some(p) => seedlink_net::admin::Access::from_token_file(p)
             .with_context(|| format!("admin_token_file {}", p.display()))?,
     };
-    let route = agent_admin(agent.clone(), &cfg);
+    let route = agent_admin(agent.clone(), cfg);
     tokio::spawn(seedlink_net::admin::serve_with(admin, 32, access, route));
+    Ok(admin_addr)
+}
+
+/// Runs the tunnel agent until drained; returns the exit code.
+pub async fn agent(a: AgentArgs) -> anyhow::Result<i32> {
+    let supervisor = Supervisor::install()?;
+    let cfg = a.model()?;
+    let opts = cfg
+        .options(std::env::var("PROXY_AGENT_ID").ok())
+        .map_err(|e| problems("tunnel-agent", a.config.is_some(), &e))?;
+    let agent = Agent::new(opts)?;
+    let admin_addr = serve_admin(&agent, &cfg).await?;
     {
         let agent = agent.clone();
         tokio::spawn(async move { agent.run().await });

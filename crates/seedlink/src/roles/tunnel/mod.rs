@@ -41,14 +41,12 @@ fn read_config(
     anyhow::Result<ServerConfig>,
     seedlink_tunnel::config::Refused,
 ) {
-    use std::hash::{Hash, Hasher};
     let text = match std::fs::read_to_string(config) {
         Ok(t) => t,
         Err(e) => {
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            ("unreadable", e.kind().to_string()).hash(&mut h);
+            let h = hash_of(&("unreadable", e.kind().to_string()));
             let e = anyhow::Error::from(e).context(format!("reading {}", config.display()));
-            return (h.finish(), Err(e), Vec::new());
+            return (h, Err(e), Vec::new());
         }
     };
     let mut taken = seedlink_tunnel::config::keep_first_trust(&mut kubernetes, held, refused);
@@ -58,12 +56,18 @@ fn read_config(
             (fingerprint(config, &cfg), Ok(cfg), refused)
         }
         (Err(e), _) => {
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            ("unparsable", &text).hash(&mut h);
             let e = anyhow::Error::from(e).context(format!("{}", config.display()));
-            (h.finish(), Err(e), Vec::new())
+            (hash_of(&("unparsable", &text)), Err(e), Vec::new())
         }
     }
+}
+
+/// A content hash, for telling one unusable file from the next.
+fn hash_of(v: &impl std::hash::Hash) -> u64 {
+    use std::hash::Hasher;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    v.hash(&mut h);
+    h.finish()
 }
 
 /// What became of a configuration handed to the server.
@@ -79,6 +83,17 @@ enum Applied {
 
 /// Applies `parsed`; logs what changed or why nothing did, and counts a
 /// configuration that could not be read.
+fn log_reloaded(r: &seedlink_tunnel::server::run::ReloadReport) {
+    tracing::info!(
+        added = ?r.added,
+        removed = ?r.removed,
+        agents_rekeyed = r.agents_rekeyed,
+        started = ?r.frontends_started,
+        stopped = ?r.frontends_stopped,
+        "configuration reloaded"
+    );
+}
+
 async fn apply(srv: &Arc<TunnelServer>, parsed: anyhow::Result<ServerConfig>) -> Applied {
     let cfg = match parsed {
         Ok(c) => c,
@@ -90,14 +105,7 @@ async fn apply(srv: &Arc<TunnelServer>, parsed: anyhow::Result<ServerConfig>) ->
     };
     match srv.reload(&cfg).await {
         Ok(r) => {
-            tracing::info!(
-                added = ?r.added,
-                removed = ?r.removed,
-                agents_rekeyed = r.agents_rekeyed,
-                started = ?r.frontends_started,
-                stopped = ?r.frontends_stopped,
-                "configuration reloaded"
-            );
+            log_reloaded(&r);
             Applied::Whole(cfg)
         }
         Err(e @ seedlink_tunnel::server::run::ServerError::FrontendsFailed(_)) => {
@@ -527,6 +535,17 @@ pub async fn server(opts: TunnelServerOptions, upgrade: super::Upgrade) -> anyho
 /// The new process's side of a tunnel-server hand-over: asks the old one
 /// to move its agents (phase `agents`), waits up to `wait` for them, takes
 /// the frontends, and confirms. Whether the old process confirmed.
+/// Waits (within `wait`) for the agents the previous process named to
+/// connect here, and says which did not.
+async fn wait_for_agents(srv: &TunnelServer, answer: &str, wait: Duration) {
+    let missing = srv.wait_for_agents(answer, wait).await;
+    if missing.is_empty() {
+        tracing::info!("upgrade: every agent moved; taking the frontends");
+    } else {
+        tracing::warn!(?missing, waited = ?wait, "upgrade: agents that did not move in time (an upstream agent ignores DRAIN and moves when its stream ends); taking the frontends");
+    }
+}
+
 async fn take_agents_then_frontends(
     srv: &Arc<TunnelServer>,
     mut taken: seedlink_net::handoff::Taken,
@@ -544,14 +563,7 @@ async fn take_agents_then_frontends(
         return false;
     };
     match answer {
-        Ok(a) => {
-            let missing = srv.wait_for_agents(&a, wait).await;
-            if missing.is_empty() {
-                tracing::info!("upgrade: every agent moved; taking the frontends");
-            } else {
-                tracing::warn!(?missing, waited = ?wait, "upgrade: agents that did not move in time (an upstream agent ignores DRAIN and moves when its stream ends); taking the frontends");
-            }
-        }
+        Ok(a) => wait_for_agents(srv, &a, wait).await,
         Err(e) => {
             tracing::warn!(error = %e, "upgrade: the previous tunnel-server did not hand its agents over; taking the frontends")
         }
