@@ -132,14 +132,20 @@ pub(super) fn check_templates(cfg: &ServerConfig, errs: &mut Problems) {
 /// Templates become ordinary per-cluster frontends (so reloads and checks
 /// treat them like any other); a cluster name in a socket path is a safe
 /// file name.
+/// A name that can stand in a socket path: letters, digits, `-`, `_` and
+/// `.`, and not `.` or `..`.
+fn path_safe(name: &str) -> bool {
+    !name.is_empty()
+        && name != "."
+        && name != ".."
+        && name
+            .chars()
+            .all(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(ch))
+}
+
 pub(super) fn expand_templates(cfg: &mut ServerConfig, errs: &mut Problems) {
     for c in &mut cfg.clusters {
-        let safe = !c.name.is_empty()
-            && c.name != "."
-            && c.name != ".."
-            && c.name
-                .chars()
-                .all(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(ch));
+        let safe = path_safe(&c.name);
         for t in &cfg.frontend_templates {
             if !safe {
                 errs.add(

@@ -11,28 +11,34 @@ use super::core::Core;
 use super::Cluster;
 use seedlink_net::admin::{self, rfc3339, Answer, HTML, JSON, METRICS, PAGE, TEXT};
 
+/// `/metrics`, with the task count taken now.
+fn metrics(srv: &Core) -> Answer {
+    srv.metrics
+        .tasks
+        .set(i64::try_from(srv.tasks.len() + srv.frontend_tasks.len()).unwrap_or(i64::MAX));
+    (200, METRICS, admin::encode(&srv.metrics.registry))
+}
+
+/// `/config`: the configuration in use and its generation.
+fn config(srv: &Core) -> Answer {
+    let view = srv.config.load();
+    let body = serde_json::json!({
+        "generation": view.generation,
+        "config": view.config,
+    });
+    let text = serde_json::to_string_pretty(&body).unwrap_or_default();
+    (200, JSON, text + "\n")
+}
+
 /// Serves the admin endpoint.
 pub async fn serve(srv: Arc<Core>, listener: TcpListener, access: admin::Access) {
     let route = move |path: &str| -> Answer {
         match path {
             "/healthz" => (200, TEXT, "ok\n".into()),
             "/readyz" | "/ready" => readiness(&srv),
-            "/metrics" => {
-                srv.metrics.tasks.set(
-                    i64::try_from(srv.tasks.len() + srv.frontend_tasks.len()).unwrap_or(i64::MAX),
-                );
-                (200, METRICS, admin::encode(&srv.metrics.registry))
-            }
+            "/metrics" => metrics(&srv),
             "/" => (200, HTML, PAGE.into()),
-            "/config" => {
-                let view = srv.config.load();
-                let body = serde_json::json!({
-                    "generation": view.generation,
-                    "config": view.config,
-                });
-                let text = serde_json::to_string_pretty(&body).unwrap_or_default();
-                (200, JSON, text + "\n")
-            }
+            "/config" => config(&srv),
             "/api/state" => (200, JSON, state(&srv).to_string()),
             _ => (
                 404,

@@ -44,23 +44,30 @@ struct Scan {
 }
 
 impl Scan {
+    /// Takes bytes of a frame header from `b`; once all nine are in, the
+    /// frame's length is known and a GOAWAY's payload is watched for. How
+    /// many bytes it took.
+    fn header(&mut self, b: &[u8]) -> usize {
+        let n = (9 - self.have).min(b.len());
+        self.hdr[self.have..self.have + n].copy_from_slice(&b[..n]);
+        self.have += n;
+        if self.have == 9 {
+            self.have = 0;
+            let len = usize::from(self.hdr[0]) << 16
+                | usize::from(self.hdr[1]) << 8
+                | usize::from(self.hdr[2]);
+            self.left = len;
+            self.goaway = (self.hdr[3] == GOAWAY && len >= 8).then_some(([0; 8], 0));
+        }
+        n
+    }
+
     /// Follows `b`; returns the code of a GOAWAY completed in it.
     fn feed(&mut self, mut b: &[u8]) -> Option<u32> {
         let mut found = None;
         while !b.is_empty() {
             if self.left == 0 && self.goaway.is_none() {
-                let n = (9 - self.have).min(b.len());
-                self.hdr[self.have..self.have + n].copy_from_slice(&b[..n]);
-                self.have += n;
-                b = &b[n..];
-                if self.have == 9 {
-                    self.have = 0;
-                    let len = usize::from(self.hdr[0]) << 16
-                        | usize::from(self.hdr[1]) << 8
-                        | usize::from(self.hdr[2]);
-                    self.left = len;
-                    self.goaway = (self.hdr[3] == GOAWAY && len >= 8).then_some(([0; 8], 0));
-                }
+                b = &b[self.header(b)..];
                 continue;
             }
             let n = self.left.min(b.len());
