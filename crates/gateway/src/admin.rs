@@ -222,16 +222,15 @@ fn control_plane_state(
     source: &str,
     now: u64,
 ) -> serde_json::Value {
-    let endpoints: Vec<serde_json::Value> = snap
-        .control_planes
-        .get(&c.name)
-        .map(|cp| {
-            cp.endpoints
-                .iter()
-                .map(|e| endpoint_state(e, now))
-                .collect()
-        })
-        .unwrap_or_default();
+    let endpoints: Vec<serde_json::Value> =
+        snap.control_planes
+            .get(&c.name)
+            .map_or_else(Vec::new, |cp| {
+                cp.endpoints
+                    .iter()
+                    .map(|e| endpoint_state(e, now))
+                    .collect()
+            });
     let active: u64 = endpoints.iter().filter_map(|e| e["active"].as_u64()).sum();
     serde_json::json!({
         "name": c.name,

@@ -171,16 +171,25 @@ pub fn pick(endpoints: &[Endpoint], balance: Balance, tried: &[usize], now: u64)
                 .min_by_key(|&i| load(i))
         }
         Balance::PowerOfTwoChoices => {
-            if healthy.len() == 1 {
-                return Some(healthy[0]);
-            }
-            let a = rng.random_range(0..healthy.len());
-            let mut b = rng.random_range(0..healthy.len() - 1);
+            let (a, b) = two_of(&mut rng, &healthy)?;
+            Some(if load(b) < load(a) { b } else { a })
+        }
+    }
+}
+
+/// Two different entries of `of` at random (the same one twice when it has
+/// only one); `None` when it is empty.
+fn two_of(rng: &mut impl rand::Rng, of: &[usize]) -> Option<(usize, usize)> {
+    match of.len() {
+        0 => None,
+        1 => Some((of[0], of[0])),
+        n => {
+            let a = rng.random_range(0..n);
+            let mut b = rng.random_range(0..n - 1);
             if b >= a {
                 b += 1;
             }
-            let (a, b) = (healthy[a], healthy[b]);
-            Some(if load(b) < load(a) { b } else { a })
+            Some((of[a], of[b]))
         }
     }
 }

@@ -14,11 +14,10 @@ use crate::state::{Gateway, ListenerCtx};
 
 /// Checks a CONNECT head and returns the canonical destination it names.
 /// The request-line target is never used for routing.
-pub(super) fn check_connect(
-    head: &connect_head::Head,
-    header: &str,
-    guard: Option<&regex::Regex>,
-) -> Result<String, BadConnect> {
+/// A CONNECT with no body framing and an authority-form target (RFC 9110
+/// §9.3.6: `host:port`, even though the header, never the target, chooses
+/// the destination).
+fn check_request_line(head: &connect_head::Head) -> Result<(), BadConnect> {
     if head.method != "CONNECT" {
         return Err(BadConnect::NotConnect);
     }
@@ -27,11 +26,18 @@ pub(super) fn check_connect(
     {
         return Err(BadConnect::FramingHeader);
     }
-    // RFC 9110 §9.3.6: the target must be `host:port`, even though the
-    // header, never the target, chooses the destination.
     if !connect_head::authority_form(&head.target) {
         return Err(BadConnect::BadTarget);
     }
+    Ok(())
+}
+
+pub(super) fn check_connect(
+    head: &connect_head::Head,
+    header: &str,
+    guard: Option<&regex::Regex>,
+) -> Result<String, BadConnect> {
+    check_request_line(head)?;
     let mut values = head.values(header);
     let Some(value) = values.next() else {
         return Err(BadConnect::MissingDestination);
