@@ -301,6 +301,11 @@ fn answer(
             "unauthorized: send Authorization: Bearer <token>\n".to_string(),
         )
     };
+    response(code, ctype, body)
+}
+
+/// An answer as an HTTP response; a 401 says which scheme to use.
+fn response(code: u16, ctype: &str, body: String) -> Response<Full<Bytes>> {
     let mut r = Response::new(Full::new(Bytes::from(body)));
     *r.status_mut() =
         hyper::StatusCode::from_u16(code).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);

@@ -104,19 +104,21 @@ impl PipePool {
         )
     }
 
+    fn lease(&self, pipe: Pipe) -> Lease<'_> {
+        Lease {
+            pipe: Some(pipe),
+            pool: self,
+            in_flight: 0,
+        }
+    }
+
     /// Takes an empty pipe, creating one if the pool is below its cap.
     /// `None` means the caller should copy through user space this time.
     pub fn get(&self) -> Option<Lease<'_>> {
         use std::sync::atomic::Ordering;
-        {
-            let mut free = crate::sync::lock(&self.free, "pipe pool");
-            if let Some(pipe) = free.pop() {
-                return Some(Lease {
-                    pipe: Some(pipe),
-                    pool: self,
-                    in_flight: 0,
-                });
-            }
+        let reused = crate::sync::lock(&self.free, "pipe pool").pop();
+        if let Some(pipe) = reused {
+            return Some(self.lease(pipe));
         }
         if self
             .created
@@ -128,11 +130,7 @@ impl PipePool {
             return None;
         }
         match Pipe::new() {
-            Ok(pipe) => Some(Lease {
-                pipe: Some(pipe),
-                pool: self,
-                in_flight: 0,
-            }),
+            Ok(pipe) => Some(self.lease(pipe)),
             Err(_) => {
                 self.created.fetch_sub(1, Ordering::AcqRel);
                 None
