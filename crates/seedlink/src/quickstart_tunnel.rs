@@ -113,24 +113,95 @@ pub async fn start(
 ) -> anyhow::Result<TunnelDemo> {
     let pods = start_pods(clusters, stop).await?;
     let (host, leaf) = &pki.servers[tunnel_host_index];
-    let w = |name: &str, text: &str| -> anyhow::Result<PathBuf> {
-        let p = dir.join(name);
-        std::fs::write(&p, text)?;
-        Ok(p)
-    };
-    let ca = w("tunnel-ca.pem", &pki.ca_pem)?;
-    let crt = w("tunnel.pem", &leaf.cert_pem)?;
-    let key = w("tunnel-key.pem", &leaf.key_pem)?;
-    let agent_crt = w("agent.pem", &pki.client.cert_pem)?;
-    let agent_key = w("agent-key.pem", &pki.client.key_pem)?;
-    // The second cluster's agents have their own CA.
-    let other = Pki::generate(&[])?;
-    let ca2 = w("agent2-ca.pem", &other.ca_pem)?;
-    let agent2_crt = w("agent2.pem", &other.client.cert_pem)?;
-    let agent2_key = w("agent2-key.pem", &other.client.key_pem)?;
-    let uds = dir.join("kube-apiserver-egress.sock");
-    let uds2 = dir.join(format!("kube-apiserver-egress-{}.sock", clusters[1]));
-    let yaml = format!(
+    let f = DemoFiles::write(pki, leaf, dir, clusters)?;
+    let cfg = ServerConfig::parse(&server_yaml(clusters, &f))?;
+    let server = TunnelServer::from_config(&cfg)?;
+    let bound = server.start().await?;
+    let tcp = bound
+        .frontends
+        .iter()
+        .find(|(k, _)| k.ends_with("/kas-tcp"))
+        .map(|(_, v)| v.clone())
+        .context("tcp frontend")?;
+    let agents = vec![
+        demo_agent(
+            bound.agents,
+            host,
+            &f.ca,
+            f.agent,
+            "quickstart-agent",
+            "127.0.0.3/32",
+        )?,
+        demo_agent(
+            bound.agents,
+            host,
+            &f.ca,
+            f.agent2,
+            "quickstart-agent-2",
+            "127.0.0.4/32",
+        )?,
+    ];
+    agents_connected(&server).await?;
+    Ok(TunnelDemo {
+        uds: f.uds,
+        tcp,
+        pod: pods[0],
+        second: (clusters[1].to_string(), f.uds2, pods[1]),
+        server,
+        agents,
+    })
+}
+
+/// The demo's files: the server's certificate and CA, each cluster's agent
+/// identity (the second cluster's agents have their own CA), and where the
+/// frontends' sockets go.
+struct DemoFiles {
+    ca: PathBuf,
+    crt: PathBuf,
+    key: PathBuf,
+    agent: (PathBuf, PathBuf),
+    ca2: PathBuf,
+    agent2: (PathBuf, PathBuf),
+    uds: PathBuf,
+    uds2: PathBuf,
+}
+
+impl DemoFiles {
+    fn write(
+        pki: &Pki,
+        leaf: &crate::demo::Leaf,
+        dir: &Path,
+        clusters: [&str; 2],
+    ) -> anyhow::Result<DemoFiles> {
+        let w = |name: &str, text: &str| -> anyhow::Result<PathBuf> {
+            let p = dir.join(name);
+            std::fs::write(&p, text)?;
+            Ok(p)
+        };
+        let other = Pki::generate(&[])?;
+        Ok(DemoFiles {
+            ca: w("tunnel-ca.pem", &pki.ca_pem)?,
+            crt: w("tunnel.pem", &leaf.cert_pem)?,
+            key: w("tunnel-key.pem", &leaf.key_pem)?,
+            agent: (
+                w("agent.pem", &pki.client.cert_pem)?,
+                w("agent-key.pem", &pki.client.key_pem)?,
+            ),
+            ca2: w("agent2-ca.pem", &other.ca_pem)?,
+            agent2: (
+                w("agent2.pem", &other.client.cert_pem)?,
+                w("agent2-key.pem", &other.client.key_pem)?,
+            ),
+            uds: dir.join("kube-apiserver-egress.sock"),
+            uds2: dir.join(format!("kube-apiserver-egress-{}.sock", clusters[1])),
+        })
+    }
+}
+
+/// The demo tunnel-server's file: two clusters, each with its own agent CA
+/// and a Unix-socket frontend, the first also a TCP+mTLS one.
+fn server_yaml(clusters: [&str; 2], f: &DemoFiles) -> String {
+    format!(
         "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}'}}
 clusters:
   - name: {c1}
@@ -145,49 +216,13 @@ clusters:
 ",
         c1 = clusters[0],
         c2 = clusters[1],
-        crt = crt.display(),
-        key = key.display(),
-        ca = ca.display(),
-        ca2 = ca2.display(),
-        uds = uds.display(),
-        uds2 = uds2.display()
-    );
-    let cfg = ServerConfig::parse(&yaml)?;
-    let server = TunnelServer::from_config(&cfg)?;
-    let bound = server.start().await?;
-    let tcp = bound
-        .frontends
-        .iter()
-        .find(|(k, _)| k.ends_with("/kas-tcp"))
-        .map(|(_, v)| v.clone())
-        .context("tcp frontend")?;
-    let agents = vec![
-        demo_agent(
-            bound.agents,
-            host,
-            &ca,
-            (agent_crt, agent_key),
-            "quickstart-agent",
-            "127.0.0.3/32",
-        )?,
-        demo_agent(
-            bound.agents,
-            host,
-            &ca,
-            (agent2_crt, agent2_key),
-            "quickstart-agent-2",
-            "127.0.0.4/32",
-        )?,
-    ];
-    agents_connected(&server).await?;
-    Ok(TunnelDemo {
-        uds,
-        tcp,
-        pod: pods[0],
-        second: (clusters[1].to_string(), uds2, pods[1]),
-        server,
-        agents,
-    })
+        crt = f.crt.display(),
+        key = f.key.display(),
+        ca = f.ca.display(),
+        ca2 = f.ca2.display(),
+        uds = f.uds.display(),
+        uds2 = f.uds2.display()
+    )
 }
 
 /// The demo pods: 127.0.0.3 for `clusters[0]`, 127.0.0.4 for
