@@ -210,6 +210,20 @@ pub async fn serve_demo_apiserver(
     }
 }
 
+/// Reads a request head (at most 16 KiB) and forgets it.
+async fn read_head(tls: &mut (impl tokio::io::AsyncRead + Unpin)) -> anyhow::Result<()> {
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
+        let n = tls.read(&mut buf).await?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    Ok(())
+}
+
 async fn answer(
     acceptor: tokio_rustls::TlsAcceptor,
     stream: TcpStream,
@@ -223,16 +237,7 @@ async fn answer(
         .map(|p| String::from_utf8_lossy(p).into_owned())
         .unwrap_or_else(|| "-".into());
     let client_certs = conn.peer_certificates().map_or(0, |c| c.len());
-    // Read the request head (bounded), then answer.
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
-        let n = tls.read(&mut buf).await?;
-        if n == 0 {
-            break;
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
+    read_head(&mut tls).await?;
     let body = format!("hello from {name}: sni={sni} alpn={alpn} client_certs={client_certs}\n");
     let resp = format!(
         "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",

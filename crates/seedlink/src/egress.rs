@@ -529,26 +529,34 @@ impl Rendered {
             + &self.shoot_config
     }
 
+    /// An argument list as an args file: one per line, comments left out.
+    fn args_file(v: &[String]) -> String {
+        v.iter()
+            .filter(|a| !a.starts_with('#'))
+            .map(|a| format!("{a}\n"))
+            .collect()
+    }
+
     /// Writes `egress-selector-configuration.yaml`, `kube-apiserver.args`,
     /// `tunnel-agent.args` and `proxy-agent.args` (one argument per line),
     /// `agent.yaml`, `shoot-config.yaml` and, when rendered,
     /// `node-proxy.yaml` into `dir`.
     pub fn write(&self, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let only_args = |v: &[String]| {
-            v.iter()
-                .filter(|a| !a.starts_with('#'))
-                .map(|a| format!("{a}\n"))
-                .collect::<String>()
-        };
         let files = [
             (
                 "egress-selector-configuration.yaml",
                 self.egress_selector.clone(),
             ),
-            ("kube-apiserver.args", only_args(&self.kube_apiserver_args)),
-            ("tunnel-agent.args", only_args(&self.tunnel_agent_args)),
-            ("proxy-agent.args", only_args(&self.proxy_agent_args)),
+            (
+                "kube-apiserver.args",
+                Self::args_file(&self.kube_apiserver_args),
+            ),
+            (
+                "tunnel-agent.args",
+                Self::args_file(&self.tunnel_agent_args),
+            ),
+            ("proxy-agent.args", Self::args_file(&self.proxy_agent_args)),
             ("agent.yaml", self.agent_yaml.clone()),
             ("shoot-config.yaml", self.shoot_config.clone()),
         ];
