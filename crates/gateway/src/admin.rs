@@ -214,6 +214,21 @@ impl Counts {
     }
 }
 
+/// The endpoints of control plane `name` as the snapshot has them.
+fn endpoints_state(
+    snap: &seedlink_config::Snapshot,
+    name: &str,
+    now: u64,
+) -> Vec<serde_json::Value> {
+    let Some(cp) = snap.control_planes.get(name) else {
+        return Vec::new();
+    };
+    cp.endpoints
+        .iter()
+        .map(|e| endpoint_state(e, now))
+        .collect()
+}
+
 /// One control plane's configuration, endpoints and counters.
 fn control_plane_state(
     snap: &seedlink_config::Snapshot,
@@ -222,15 +237,7 @@ fn control_plane_state(
     source: &str,
     now: u64,
 ) -> serde_json::Value {
-    let endpoints: Vec<serde_json::Value> =
-        snap.control_planes
-            .get(&c.name)
-            .map_or_else(Vec::new, |cp| {
-                cp.endpoints
-                    .iter()
-                    .map(|e| endpoint_state(e, now))
-                    .collect()
-            });
+    let endpoints = endpoints_state(snap, &c.name, now);
     let active: u64 = endpoints.iter().filter_map(|e| e["active"].as_u64()).sum();
     serde_json::json!({
         "name": c.name,

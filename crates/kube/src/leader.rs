@@ -240,6 +240,18 @@ async fn give_up(api: &Api<Lease>, name: &str, identity: &str, lease_name: &str)
     }
 }
 
+/// Writes `identity` into the lease as its holder, renewed `now`; a new
+/// holder counts a transition.
+fn hold(spec: &mut LeaseSpec, identity: &str, now: Timestamp) {
+    if spec.holder_identity.as_deref() != Some(identity) {
+        spec.holder_identity = Some(identity.into());
+        spec.acquire_time = Some(MicroTime(now));
+        spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
+    }
+    spec.lease_duration_seconds = Some(LEASE.as_secs() as i32);
+    spec.renew_time = Some(MicroTime(now));
+}
+
 /// One round: creates, renews or takes over the lease. Whether it is ours.
 async fn try_acquire(
     api: &Api<Lease>,
@@ -256,14 +268,7 @@ async fn try_acquire(
     if !elector.may_acquire(Instant::now()) {
         return Ok(false);
     }
-    let ours = spec.holder_identity.as_deref() == Some(identity);
-    if !ours {
-        spec.holder_identity = Some(identity.into());
-        spec.acquire_time = Some(MicroTime(now));
-        spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
-    }
-    spec.lease_duration_seconds = Some(LEASE.as_secs() as i32);
-    spec.renew_time = Some(MicroTime(now));
+    hold(spec, identity, now);
     // `replace` sends the resourceVersion we read: a concurrent writer makes
     // this a 409, and the lease stays with whoever wrote first.
     match api.replace(name, &PostParams::default(), &lease).await {

@@ -41,22 +41,23 @@ pub async fn serve_metrics(np: Arc<NodeProxy>, listener: TcpListener) {
     .await;
 }
 
+/// Why `/readyz` says not ready: each condition it checks.
+fn not_ready(np: &NodeProxy) -> String {
+    format!(
+        "not ready: address_ok={} gateway_ok={} health_check={} last_check={} phase={:?}\n",
+        np.address_ok.load(std::sync::atomic::Ordering::Acquire),
+        np.gateway_ok.load(std::sync::atomic::Ordering::Acquire),
+        np.opts.health.kind.word(),
+        np.health.last(),
+        np.lifecycle.phase()
+    )
+}
+
 fn route(np: &NodeProxy, path: &str) -> Answer {
     match path {
         "/healthz" => (200, TEXT, "ok\n".to_string()),
         "/readyz" if np.ready() => (200, TEXT, "ready\n".to_string()),
-        "/readyz" => (
-            503,
-            TEXT,
-            format!(
-                "not ready: address_ok={} gateway_ok={} health_check={} last_check={} phase={:?}\n",
-                np.address_ok.load(std::sync::atomic::Ordering::Acquire),
-                np.gateway_ok.load(std::sync::atomic::Ordering::Acquire),
-                np.opts.health.kind.word(),
-                np.health.last(),
-                np.lifecycle.phase()
-            ),
-        ),
+        "/readyz" => (503, TEXT, not_ready(np)),
         "/metrics" => (200, METRICS, admin::encode(&np.metrics.registry)),
         "/config" => {
             let body = serde_json::json!({"config": np.config.get()});

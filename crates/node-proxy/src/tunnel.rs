@@ -377,8 +377,6 @@ impl H2Session {
     }
 }
 
-/// Opens one h2c connection to the gateway and spawns its driver, which
-/// also pings it and gives it up when a pong is late.
 /// The HTTP/2 client settings towards the gateway: large windows, no push.
 fn h2_builder() -> h2::client::Builder {
     let mut builder = h2::client::Builder::new();
@@ -391,6 +389,8 @@ fn h2_builder() -> h2::client::Builder {
     builder
 }
 
+/// Opens one h2c connection to the gateway and spawns its driver, which
+/// also pings it and gives it up when a pong is late.
 async fn open_h2(np: &NodeProxy) -> Result<H2Conn, Outcome> {
     let tcp = dial(np).await?;
     let builder = h2_builder();

@@ -87,6 +87,21 @@ impl Reject {
     }
 }
 
+/// The headers as (lowercase name, trimmed value); `None` when a value is
+/// not UTF-8.
+fn header_pairs(headers: &[httparse::Header<'_>]) -> Option<Vec<(String, String)>> {
+    headers
+        .iter()
+        .map(|h| {
+            let value = std::str::from_utf8(h.value).ok()?;
+            Some((
+                h.name.to_ascii_lowercase(),
+                value.trim_matches([' ', '\t']).to_string(),
+            ))
+        })
+        .collect()
+}
+
 /// Parses the request head at the start of `buf`.
 pub fn parse(buf: &[u8], limits: &Limits) -> Parse<Head, Reject> {
     let end = match scan(buf, limits) {
@@ -102,16 +117,9 @@ pub fn parse(buf: &[u8], limits: &Limits) -> Parse<Head, Reject> {
     let (Some(method), Some(target), Some(minor)) = (req.method, req.path, req.version) else {
         return Parse::Invalid(Reject::Malformed("incomplete request line"));
     };
-    let mut out = Vec::with_capacity(req.headers.len());
-    for h in req.headers.iter() {
-        let Ok(value) = std::str::from_utf8(h.value) else {
-            return Parse::Invalid(Reject::Malformed("header value is not UTF-8"));
-        };
-        out.push((
-            h.name.to_ascii_lowercase(),
-            value.trim_matches([' ', '\t']).to_string(),
-        ));
-    }
+    let Some(out) = header_pairs(req.headers) else {
+        return Parse::Invalid(Reject::Malformed("header value is not UTF-8"));
+    };
     Parse::Done(Head {
         method: method.to_string(),
         target: target.to_string(),

@@ -75,10 +75,6 @@ const MAX_AUTHORITY: usize = 255;
 /// `PP2_TYPE_CRC32C`: a CRC32c of the whole header with this field zeroed.
 const TLV_CRC32C: u8 = 0x03;
 
-/// Checks the v2 TLV block of `header` (from `tlv_start` to its end): a
-/// whole number of TLVs, no truncated TLV header, no value running past the
-/// end, at most [`MAX_TLVS`], an AUTHORITY no longer than a host name, and
-/// a CRC32c (if any) of exactly 4 bytes that matches, as HAProxy checks it.
 /// One TLV of type `ty` whose `n`-byte value starts at `value`: an
 /// authority no longer than a host name, at most one CRC32C, and that one
 /// right.
@@ -97,6 +93,10 @@ fn check_tlv(
     }
 }
 
+/// Checks the v2 TLV block of `header` (from `tlv_start` to its end): a
+/// whole number of TLVs, no truncated TLV header, no value running past the
+/// end, at most [`MAX_TLVS`], an AUTHORITY no longer than a host name, and
+/// a CRC32c (if any) of exactly 4 bytes that matches, as HAProxy checks it.
 fn check_tlvs(header: &[u8], tlv_start: usize) -> Result<(), &'static str> {
     let mut at = tlv_start;
     let mut count = 0;

@@ -469,6 +469,14 @@ fn agent_yaml(
     Ok(serde_norway::to_string(&serde_json::Value::Object(agent))?)
 }
 
+/// The destination GEP-30 names for a cluster's kube-apiserver.
+fn istio_destination(cluster: &seedlink_tunnel::config::Cluster) -> String {
+    format!(
+        "outbound|443||kube-apiserver.{}.svc.cluster.local",
+        cluster.name
+    )
+}
+
 /// The node-proxy's configuration file, when the gateway is given (then
 /// the advertised address is needed too).
 fn node_proxy_yaml(
@@ -482,12 +490,10 @@ fn node_proxy_yaml(
         ),
         (None, _) => return Ok(None),
     };
-    let destination = opts.destination.clone().unwrap_or_else(|| {
-        format!(
-            "outbound|443||kube-apiserver.{}.svc.cluster.local",
-            cluster.name
-        )
-    });
+    let destination = opts
+        .destination
+        .clone()
+        .unwrap_or_else(|| istio_destination(cluster));
     if let Err(why) = seedlink_proto::destination::parse(&destination) {
         bail!("destination {destination:?}: {why}");
     }

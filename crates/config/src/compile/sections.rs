@@ -7,8 +7,6 @@ use super::checks::*;
 use super::errors::*;
 use super::listeners::*;
 
-/// The `kubernetes` section: object names, and a class's addresses (each
-/// one a TLS listener receives at, none twice, at most 256).
 /// The objects the source names are `namespace/name`.
 fn check_object_names(c: &mut Collector, k: &crate::model::KubernetesSource) {
     for (key, v) in [
@@ -22,6 +20,8 @@ fn check_object_names(c: &mut Collector, k: &crate::model::KubernetesSource) {
     }
 }
 
+/// The `kubernetes` section: object names, and a class's addresses (each
+/// one a TLS listener receives at, none twice, at most 256).
 pub(super) fn check_kubernetes(
     c: &mut Collector,
     k: &crate::model::KubernetesSource,

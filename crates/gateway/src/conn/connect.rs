@@ -12,8 +12,6 @@ use tokio::net::TcpStream;
 use super::outcome::*;
 use crate::state::{Gateway, ListenerCtx};
 
-/// Checks a CONNECT head and returns the canonical destination it names.
-/// The request-line target is never used for routing.
 /// A CONNECT with no body framing and an authority-form target (RFC 9110
 /// §9.3.6: `host:port`, even though the header, never the target, chooses
 /// the destination).
@@ -32,6 +30,8 @@ fn check_request_line(head: &connect_head::Head) -> Result<(), BadConnect> {
     Ok(())
 }
 
+/// Checks a CONNECT head and returns the canonical destination it names.
+/// The request-line target is never used for routing.
 pub(super) fn check_connect(
     head: &connect_head::Head,
     header: &str,

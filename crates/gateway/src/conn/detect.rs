@@ -213,10 +213,6 @@ pub(super) async fn inner_proxy_header(
     Ok(request)
 }
 
-/// An `http-connect` listener's request: HTTP/2 with prior knowledge (the
-/// preface and all after it is the replay), or a CONNECT head (what
-/// followed it is the replay; a broken head is answered 400 and nothing
-/// after it is read).
 /// Whether `b` is (so far) HTTP/2's connection preface.
 fn h2_preface(b: &[u8]) -> Parse<(), ()> {
     let n = b.len().min(H2_PREFACE.len());
@@ -227,6 +223,10 @@ fn h2_preface(b: &[u8]) -> Parse<(), ()> {
     }
 }
 
+/// An `http-connect` listener's request: HTTP/2 with prior knowledge (the
+/// preface and all after it is the replay), or a CONNECT head (what
+/// followed it is the replay; a broken head is answered 400 and nothing
+/// after it is read).
 pub(super) async fn connect_or_http2(r: &mut Reader<'_>) -> Result<Request, Refusal> {
     if r.until(H2_PREFACE.len(), h2_preface).await?.is_ok() {
         return Ok(Request::Http2);

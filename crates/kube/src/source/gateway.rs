@@ -224,6 +224,17 @@ impl GatewayPasses {
         }
     }
 
+    /// Reads the Gateway API bundle version again when it is older than
+    /// [`BUNDLE_REREAD`]: an upgrade is noticed within minutes.
+    async fn reread_bundle(&mut self) {
+        if self.bundle_read.elapsed() > BUNDLE_REREAD {
+            self.bundle = bundle_version(&self.status.client)
+                .await
+                .or(self.bundle.take());
+            self.bundle_read = tokio::time::Instant::now();
+        }
+    }
+
     /// Writes the routes', policies', Gateways' and classes' status.
     pub(super) async fn write_status(
         &mut self,
@@ -242,13 +253,7 @@ impl GatewayPasses {
                 .write_gateway(t, g, object, applied, &addresses)
                 .await;
         }
-        // A Gateway API upgrade is noticed within minutes.
-        if self.bundle_read.elapsed() > BUNDLE_REREAD {
-            self.bundle = bundle_version(&self.status.client)
-                .await
-                .or(self.bundle.take());
-            self.bundle_read = tokio::time::Instant::now();
-        }
+        self.reread_bundle().await;
         for class in self.stores.kinds.classes.state() {
             if class.spec.controller_name == CONTROLLER_NAME {
                 self.status

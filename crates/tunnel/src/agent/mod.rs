@@ -270,12 +270,22 @@ impl Agent {
             flow,
             "connected to tunnel server"
         );
+        self.spawn_link(session, inbound, goaway);
+        Ok(true)
+    }
+
+    /// Serves a kept stream in its own task until it ends.
+    fn spawn_link(
+        self: &Arc<Self>,
+        session: Arc<LinkDriver>,
+        inbound: link_driver::Inbound,
+        goaway: Option<crate::transport::goaway::Seen>,
+    ) {
         let agent = self.clone();
         tokio::spawn(async move {
             agent.serve_link(session.clone(), inbound).await;
             agent.link_ended(&session, goaway.and_then(|g| g.code()));
         });
-        Ok(true)
     }
 
     /// The session a server's answer describes (`serverid`, the extensions

@@ -129,9 +129,6 @@ pub(super) fn check_templates(cfg: &ServerConfig, errs: &mut Problems) {
     }
 }
 
-/// Templates become ordinary per-cluster frontends (so reloads and checks
-/// treat them like any other); a cluster name in a socket path is a safe
-/// file name.
 /// A name that can stand in a socket path: letters, digits, `-`, `_` and
 /// `.`, and not `.` or `..`.
 fn path_safe(name: &str) -> bool {
@@ -143,6 +140,9 @@ fn path_safe(name: &str) -> bool {
             .all(|ch| ch.is_ascii_alphanumeric() || "-_.".contains(ch))
 }
 
+/// Templates become ordinary per-cluster frontends (so reloads and checks
+/// treat them like any other); a cluster name in a socket path is a safe
+/// file name.
 pub(super) fn expand_templates(cfg: &mut ServerConfig, errs: &mut Problems) {
     for c in &mut cfg.clusters {
         let safe = path_safe(&c.name);

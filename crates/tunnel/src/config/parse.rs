@@ -34,13 +34,11 @@ impl ServerConfig {
         if extra.is_empty() {
             return (Self::validate(file).and_then(no_shared_trust), Vec::new());
         }
-        let bad = match Self::blame_extra(&file, &extra) {
+        let mut bad = match Self::blame_extra(&file, &extra)
+            .and_then(|bad| refuse_shared_trust(&file, &extra, bad).map_err(|e| Errors(vec![e])))
+        {
             Ok(bad) => bad,
             Err(own) => return (Err(own), Vec::new()),
-        };
-        let mut bad = match refuse_shared_trust(&file, &extra, bad) {
-            Ok(bad) => bad,
-            Err(e) => return (Err(Errors(vec![e])), Vec::new()),
         };
         let mut refused = Vec::new();
         let mut kept = file;

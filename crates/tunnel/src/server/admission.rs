@@ -264,8 +264,6 @@ pub(super) struct Identity {
     pub(super) replicas: bool,
 }
 
-/// What a stream says about its agent: `agentid` (exactly one),
-/// `agentidentifiers` (at most one), the seedlink extensions it asks for.
 /// The stream's one `agentid`: ASCII, 1 to [`MAX_AGENT_ID`] characters.
 fn stream_agent_id<'m>(
     srv: &Core,
@@ -292,6 +290,8 @@ fn stream_agent_id<'m>(
     Ok(agent_id)
 }
 
+/// What a stream says about its agent: `agentid` (exactly one),
+/// `agentidentifiers` (at most one), the seedlink extensions it asks for.
 pub(super) fn stream_identity(
     srv: &Core,
     cluster: &Cluster,

@@ -48,9 +48,6 @@ async fn answer<S: AsyncWrite + Unpin>(io: &mut S, code: u16, body: &str) {
     .await;
 }
 
-/// Reads a request head within the handshake deadline: the head and the
-/// buffer it was read into (bytes after `head.len` already belong to what
-/// follows), or an outcome label (a malformed head was answered 400).
 /// Reads until `buf` holds a whole request head (within the head limits).
 async fn head_of<S>(io: &mut S, buf: &mut BytesMut) -> Result<connect_head::Head, FrontendEnd>
 where
@@ -74,6 +71,9 @@ where
     }
 }
 
+/// Reads a request head within the handshake deadline: the head and the
+/// buffer it was read into (bytes after `head.len` already belong to what
+/// follows), or an outcome label (a malformed head was answered 400).
 async fn read_head<S>(srv: &Core, io: &mut S) -> Result<(connect_head::Head, BytesMut), FrontendEnd>
 where
     S: AsyncRead + AsyncWrite + Unpin,

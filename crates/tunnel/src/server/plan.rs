@@ -149,8 +149,6 @@ impl ServerError {
     }
 }
 
-/// How a configured frontend listens; `authenticated` frontends (every
-/// request carries a cluster's password) may use plain TCP anywhere.
 /// The ALPN a TLS frontend of `protocol` offers.
 fn frontend_alpn(protocol: FrontendProtocol) -> &'static [&'static [u8]] {
     match protocol {
@@ -160,6 +158,8 @@ fn frontend_alpn(protocol: FrontendProtocol) -> &'static [&'static [u8]] {
     }
 }
 
+/// How a configured frontend listens; `authenticated` frontends (every
+/// request carries a cluster's password) may use plain TCP anywhere.
 pub(super) fn transport(
     f: &Frontend,
     what: &str,
@@ -309,8 +309,6 @@ pub(super) fn plan_cluster(
     })
 }
 
-/// A cluster's token check: local keys, or a TokenReview whose outcomes
-/// are counted.
 /// Counts a cluster's TokenReview outcomes.
 fn review_counter(cluster: &str, metrics: &Metrics) -> crate::auth::token_review::Outcomes {
     let (reviews, cluster) = (metrics.token_reviews.clone(), cluster.to_string());
@@ -324,6 +322,8 @@ fn review_counter(cluster: &str, metrics: &Metrics) -> crate::auth::token_review
     })
 }
 
+/// A cluster's token check: local keys, or a TokenReview whose outcomes
+/// are counted.
 pub(super) fn token_validator(
     cluster: &str,
     t: &crate::config::TokenAuth,

@@ -68,19 +68,16 @@ impl Block {
             p = rest;
         }
         let priority = if flags & PRIORITY != 0 {
-            let (pr, rest) = p.split_at_checked(5).ok_or_else(|| bad("priority"))?;
+            let (pr, rest) = p.split_first_chunk::<5>().ok_or_else(|| bad("priority"))?;
             p = rest;
-            let mut a = [0u8; 5];
-            a.copy_from_slice(pr);
-            Some(a)
+            Some(*pr)
         } else {
             None
         };
         let frag = p
             .get(..p.len().checked_sub(pad).ok_or_else(|| bad("padding"))?)
             .ok_or_else(|| bad("padding"))?;
-        let mut stream = [0u8; 4];
-        stream.copy_from_slice(&h[5..9]);
+        let stream = [h[5], h[6], h[7], h[8]];
         Ok(Block {
             flags,
             stream,

@@ -174,8 +174,6 @@ impl AgentArgs {
     }
 }
 
-/// The agent's admin endpoint: probes, its configuration (which names
-/// the token file; no secret is inline) and metrics.
 /// The agent's configuration file, parsed.
 fn read_agent_config(path: &std::path::Path) -> anyhow::Result<AgentConfig> {
     let text =
@@ -200,6 +198,8 @@ fn readiness(agent: &Agent) -> seedlink_net::admin::Answer {
     }
 }
 
+/// The agent's admin endpoint: probes, its configuration (which names
+/// the token file; no secret is inline) and metrics.
 fn agent_admin(
     agent: Arc<Agent>,
     cfg: &AgentConfig,

@@ -81,8 +81,6 @@ enum Applied {
     Not(Vec<(String, String)>),
 }
 
-/// Applies `parsed`; logs what changed or why nothing did, and counts a
-/// configuration that could not be read.
 fn log_reloaded(r: &seedlink_tunnel::server::run::ReloadReport) {
     tracing::info!(
         added = ?r.added,
@@ -94,6 +92,8 @@ fn log_reloaded(r: &seedlink_tunnel::server::run::ReloadReport) {
     );
 }
 
+/// Applies `parsed`; logs what changed or why nothing did, and counts a
+/// configuration that could not be read.
 async fn apply(srv: &Arc<TunnelServer>, parsed: anyhow::Result<ServerConfig>) -> Applied {
     let cfg = match parsed {
         Ok(c) => c,
@@ -532,9 +532,6 @@ pub async fn server(opts: TunnelServerOptions, upgrade: super::Upgrade) -> anyho
     Ok(armed.run().await)
 }
 
-/// The new process's side of a tunnel-server hand-over: asks the old one
-/// to move its agents (phase `agents`), waits up to `wait` for them, takes
-/// the frontends, and confirms. Whether the old process confirmed.
 /// Waits (within `wait`) for the agents the previous process named to
 /// connect here, and says which did not.
 async fn wait_for_agents(srv: &TunnelServer, answer: &str, wait: Duration) {
@@ -546,6 +543,9 @@ async fn wait_for_agents(srv: &TunnelServer, answer: &str, wait: Duration) {
     }
 }
 
+/// The new process's side of a tunnel-server hand-over: asks the old one
+/// to move its agents (phase `agents`), waits up to `wait` for them, takes
+/// the frontends, and confirms. Whether the old process confirmed.
 async fn take_agents_then_frontends(
     srv: &Arc<TunnelServer>,
     mut taken: seedlink_net::handoff::Taken,
