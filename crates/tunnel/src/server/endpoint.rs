@@ -27,6 +27,29 @@ pub async fn serve_agent_conn(srv: Arc<Core>, tcp: TcpStream, peer: SocketAddr, 
     serve_agent_io(srv, tcp, peer, slots).await;
 }
 
+/// The agent connection past TLS: the cluster its certificate names, if
+/// any (a certificate that names a cluster ambiguously ends it here). A
+/// connection without an admitted stream for the handshake deadline is
+/// closed: past TLS, a client without a certificate is still nobody.
+fn agent_conn(
+    srv: Arc<Core>,
+    certs: Certs,
+    activity: Arc<Activity>,
+    peer: SocketAddr,
+    slots: ConnSlots,
+) -> Option<AgentConn> {
+    let cert_cluster = cluster_of_cert(&srv, &certs, peer).ok()?;
+    let slots = Arc::new(slots);
+    Some(AgentConn {
+        srv,
+        cert_cluster,
+        certs,
+        activity,
+        peer,
+        slots,
+    })
+}
+
 /// Serves one agent connection on any transport: an accepted socket, or
 /// one the gateway handed over in-process (with the bytes it already read
 /// replayed in front). TLS → the cluster its certificate names (if it
@@ -44,20 +67,8 @@ where
     let Some(mut tls) = Box::pin(accept_tls(&srv, tcp, peer)).await else {
         return;
     };
-    let certs: Certs = tls.take_peer_certificates();
-    let Ok(cert_cluster) = cluster_of_cert(&srv, &certs, peer) else {
+    let Some(conn) = agent_conn(srv, tls.take_peer_certificates(), activity, peer, slots) else {
         return;
-    };
-    // A connection without an admitted stream for the handshake deadline
-    // is closed: past TLS, a client without a certificate is still nobody.
-    let slots = Arc::new(slots);
-    let conn = AgentConn {
-        srv,
-        cert_cluster,
-        certs,
-        activity,
-        peer,
-        slots,
     };
     if tls.session().alpn.as_deref() == Some(native::ALPN.as_bytes()) {
         serve_native(conn, tls).await;
