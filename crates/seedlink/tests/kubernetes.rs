@@ -442,20 +442,69 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         .await;
 
     let gw = seed.gateway("replica-a", &seed.token).await;
+    let t = Routes {
+        stop,
+        pki,
+        seed,
+        gw,
+        a,
+        b,
+        c,
+        d,
+        e,
+        outsider,
+        port_a,
+        port_c,
+    };
+    first_route_serves_with_route_gateway_and_class_status(&t).await;
+    another_controllers_status_entry_is_kept(&t).await;
+    conflicts_unadmitted_namespaces_and_missing_backends_are_refused(&t).await;
+    a_policy_applies_and_an_invalid_edit_keeps_the_last_valid_one(&t).await;
+    a_terminating_pod_gets_no_new_connections(&t).await;
+    an_unchanged_route_serves_through_churn_a_410_and_an_outage(&t).await;
+    a_broken_gateway_file_holds_new_routes_back_and_says_so(&t).await;
+    a_burst_of_routes_is_a_few_snapshots(&t).await;
+    a_deleted_route_stops_and_status_was_written_on_change_only(&t).await;
+    t.stop.cancel();
+}
+
+/// What the phases of `routes_follow_the_objects_under_load_…` share.
+/// Fields drop in order: the gateway before the seed it talks to.
+struct Routes {
+    gw: SeedGw,
+    a: String,
+    b: String,
+    c: String,
+    d: String,
+    e: String,
+    outsider: String,
+    port_a: u16,
+    port_c: u16,
+    seed: Seed,
+    pki: Arc<seedlink::demo::Pki>,
+    stop: CancellationToken,
+}
+
+/// The first route serves at once, and its status, the GatewayClass's and the
+/// Gateway's say so.
+async fn first_route_serves_with_route_gateway_and_class_status(t: &Routes) {
+    let Routes {
+        pki, seed, gw, a, ..
+    } = t;
     // Ready means the first snapshot is in: the route serves at once, on
     // both pods (least-connections spreads sequential requests).
-    let body = get(&pki, gw.tls, A).await.unwrap();
+    let body = get(pki, gw.tls, A).await.unwrap();
     assert!(body.contains("hello from a"), "{body}");
     seed.wait_route(
         "route status Accepted=True",
         Duration::from_secs(20),
-        &a,
+        a,
         "Accepted",
         |c| c["status"] == "True",
     )
     .await;
     let resolved = seed
-        .condition(ROUTES, "TLSRoute", &a, "kube-apiserver", "ResolvedRefs")
+        .condition(ROUTES, "TLSRoute", a, "kube-apiserver", "ResolvedRefs")
         .await
         .unwrap();
     assert_eq!(resolved["status"], "True");
@@ -535,7 +584,12 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
             && cond(l, "Conflicted") == Some("False".into())
     })
     .await;
+}
 
+/// Another controller's entry on the same route's status survives
+/// seedlink's writes of its own.
+async fn another_controllers_status_entry_is_kept(t: &Routes) {
+    let Routes { seed, a, .. } = t;
     // A second writer: another controller's entry on the same route's
     // status. seedlink's later writes of its own entry keep it.
     let other = json!({
@@ -546,7 +600,7 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
                         "lastTransitionTime": "2026-01-01T00:00:00Z"}]
     });
     let read = seed
-        .get(ROUTES, "TLSRoute", &a, "kube-apiserver")
+        .get(ROUTES, "TLSRoute", a, "kube-apiserver")
         .await
         .unwrap();
     let mut parents = read["status"]["parents"].as_array().cloned().unwrap();
@@ -555,14 +609,14 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         &seed.client,
         ROUTES,
         "TLSRoute",
-        &a,
+        a,
         "kube-apiserver",
         json!({"metadata": {"resourceVersion": read["metadata"]["resourceVersion"]},
                "status": {"parents": parents}}),
     )
     .await
     .unwrap();
-    let mut broken = seed.route(&a, "kube-apiserver", A, "kube-apiserver");
+    let mut broken = seed.route(a, "kube-apiserver", A, "kube-apiserver");
     broken["spec"]["rules"][0]["backendRefs"]
         .as_array_mut()
         .unwrap()
@@ -571,13 +625,13 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     seed.wait_route(
         "seedlink rewrites its entry",
         Duration::from_secs(20),
-        &a,
+        a,
         "ResolvedRefs",
         |c| c["reason"] == "BackendNotFound",
     )
     .await;
     let read = seed
-        .get(ROUTES, "TLSRoute", &a, "kube-apiserver")
+        .get(ROUTES, "TLSRoute", a, "kube-apiserver")
         .await
         .unwrap();
     assert!(
@@ -589,17 +643,31 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         "the other controller's entry was lost: {}",
         read["status"]
     );
-    seed.apply(seed.route(&a, "kube-apiserver", A, "kube-apiserver"))
+    seed.apply(seed.route(a, "kube-apiserver", A, "kube-apiserver"))
         .await;
+}
 
+/// A younger route for the same host name, a route from a namespace the
+/// listener does not admit, and a missing backend: each refused with
+/// status, the older route serving on.
+async fn conflicts_unadmitted_namespaces_and_missing_backends_are_refused(t: &Routes) {
+    let Routes {
+        pki,
+        seed,
+        gw,
+        b,
+        d,
+        outsider,
+        ..
+    } = t;
     // A younger route claiming the same host name: refused with a
     // condition and an Event; the older one keeps serving.
-    seed.apply(seed.route(&b, "kube-apiserver", A, "kube-apiserver"))
+    seed.apply(seed.route(b, "kube-apiserver", A, "kube-apiserver"))
         .await;
     seed.wait_route(
         "the conflicting route is not accepted",
         Duration::from_secs(20),
-        &b,
+        b,
         "Accepted",
         |c| c["status"] == "False" && c["message"].as_str().unwrap_or("").contains("already used"),
     )
@@ -607,15 +675,15 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     eventually(
         "an Event for the refused route",
         Duration::from_secs(20),
-        async || seed.event_about(&b, "kube-apiserver").await,
+        async || seed.event_about(b, "kube-apiserver").await,
     )
     .await;
-    assert!(get(&pki, gw.tls, A).await.unwrap().contains("hello from a"));
+    assert!(get(pki, gw.tls, A).await.unwrap().contains("hello from a"));
 
     // A route from a namespace the Gateway's listener does not admit:
     // not accepted, nothing served.
     seed.apply(seed.route(
-        &outsider,
+        outsider,
         "kube-apiserver",
         "api.outsider.kube.test",
         "kube-apiserver",
@@ -624,37 +692,45 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     seed.wait_route(
         "the outsider's route is not allowed",
         Duration::from_secs(20),
-        &outsider,
+        outsider,
         "Accepted",
         |c| c["status"] == "False" && c["reason"] == "NotAllowedByListeners",
     )
     .await;
 
     // A missing backend Service: ResolvedRefs=False, BackendNotFound.
-    seed.apply(seed.route(&d, "kube-apiserver", "api.d.kube.test", "nothing-here"))
+    seed.apply(seed.route(d, "kube-apiserver", "api.d.kube.test", "nothing-here"))
         .await;
     seed.wait_route(
         "BackendNotFound",
         Duration::from_secs(20),
-        &d,
+        d,
         "ResolvedRefs",
         |c| c["status"] == "False" && c["reason"] == "BackendNotFound",
     )
     .await;
+}
 
+/// A SeedlinkPolicy's allow-list applies; what the CRD checks is refused
+/// by the API server, what seedlink checks with status, the last valid
+/// version in force.
+async fn a_policy_applies_and_an_invalid_edit_keeps_the_last_valid_one(t: &Routes) {
+    let Routes {
+        pki, seed, gw, a, ..
+    } = t;
     // An allow-list without us: refused; an invalid edit keeps it; a
     // valid one lets us in again.
-    seed.apply(policy(&a, "kube-apiserver", &["192.0.2.0/24"]))
+    seed.apply(policy(a, "kube-apiserver", &["192.0.2.0/24"]))
         .await;
     eventually("the ACL applies", Duration::from_secs(20), async || {
-        get(&pki, gw.tls, A).await.is_err()
+        get(pki, gw.tls, A).await.is_err()
     })
     .await;
     eventually(
         "policy Accepted=True",
         Duration::from_secs(20),
         async || {
-            seed.condition(POLICIES, "SeedlinkPolicy", &a, "acl", "Accepted")
+            seed.condition(POLICIES, "SeedlinkPolicy", a, "acl", "Accepted")
                 .await
                 .is_some_and(|c| c["status"] == "True")
         },
@@ -662,7 +738,7 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     .await;
     // What the CRD can check, the API server refuses at once...
     let refused =
-        kubeapi::try_apply(&seed.client, policy(&a, "kube-apiserver", &["300.0.0.0/8"])).await;
+        kubeapi::try_apply(&seed.client, policy(a, "kube-apiserver", &["300.0.0.0/8"])).await;
     assert!(
         refused
             .err()
@@ -671,31 +747,38 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     );
     // ...what only seedlink checks (a destination's form) is refused with
     // status, and the last valid version stays in force.
-    let mut invalid = policy(&a, "kube-apiserver", &["192.0.2.0/24"]);
+    let mut invalid = policy(a, "kube-apiserver", &["192.0.2.0/24"]);
     invalid["spec"]["destinations"] = json!(["not a destination"]);
     seed.apply(invalid).await;
     eventually("policy Invalid", Duration::from_secs(20), async || {
-        seed.condition(POLICIES, "SeedlinkPolicy", &a, "acl", "Accepted")
+        seed.condition(POLICIES, "SeedlinkPolicy", a, "acl", "Accepted")
             .await
             .is_some_and(|c| c["reason"] == "Invalid")
     })
     .await;
     assert!(
-        get(&pki, gw.tls, A).await.is_err(),
+        get(pki, gw.tls, A).await.is_err(),
         "an invalid edit must not open the route"
     );
-    seed.apply(policy(&a, "kube-apiserver", &["127.0.0.0/8"]))
+    seed.apply(policy(a, "kube-apiserver", &["127.0.0.0/8"]))
         .await;
     eventually(
         "the new ACL admits us",
         Duration::from_secs(20),
-        async || get(&pki, gw.tls, A).await.is_ok(),
+        async || get(pki, gw.tls, A).await.is_ok(),
     )
     .await;
+}
 
+/// A terminating pod (ready=false) gets no new connections.
+async fn a_terminating_pod_gets_no_new_connections(t: &Routes) {
+    let Routes {
+        pki, seed, gw, a, ..
+    } = t;
+    let port_a = t.port_a;
     // Pod 1 terminating (ready=false): new connections go to pod 2 only.
     seed.apply(slice(
-        &a,
+        a,
         "kube-apiserver",
         port_a,
         &[(POD_1, false), (POD_2, true)],
@@ -703,7 +786,7 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     .await;
     eventually("only pod 2 answers", Duration::from_secs(20), async || {
         for _ in 0..12 {
-            match get(&pki, gw.tls, A).await {
+            match get(pki, gw.tls, A).await {
                 Ok(b) if b.contains("hello from a2") => {}
                 _ => return false,
             }
@@ -711,7 +794,16 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         true
     })
     .await;
+}
 
+/// Load on one route while another comes and goes, the watches expire
+/// (410) and the API server is cut off and comes back: no request to the
+/// unchanged route fails.
+async fn an_unchanged_route_serves_through_churn_a_410_and_an_outage(t: &Routes) {
+    let Routes {
+        pki, seed, gw, c, ..
+    } = t;
+    let port_c = t.port_c;
     // Load on route a while route c comes and goes, the watches expire
     // (etcd compacted, the watches reset) and the API server
     // becomes unreachable and comes back.
@@ -739,9 +831,9 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
             }
         })
     };
-    seed.apply(service(&c, "kube-apiserver")).await;
+    seed.apply(service(c, "kube-apiserver")).await;
     seed.apply(slice(
-        &c,
+        c,
         "kube-apiserver",
         port_c,
         &[(POD_1, true), (POD_2, true)],
@@ -768,7 +860,7 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
             // connection instead of delivering it)...
             seed.proxy.set(Fault::ResetAfter(0));
         }
-        seed.apply(seed.route(&c, "kube-apiserver", C, "kube-apiserver"))
+        seed.apply(seed.route(c, "kube-apiserver", C, "kube-apiserver"))
             .await;
         if round == 1 {
             eventually("a watch reconnects", Duration::from_secs(20), async || {
@@ -787,7 +879,7 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
             .await;
         }
         eventually("route c serves", Duration::from_secs(30), async || {
-            get(&pki, gw.tls, C).await.is_ok()
+            get(pki, gw.tls, C).await.is_ok()
         })
         .await;
         if round == 3 {
@@ -796,12 +888,12 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
             seed.proxy.set(Fault::Blackhole);
             let (code, _) = gw.get("/readyz").await;
             assert_eq!(code, 200);
-            assert!(get(&pki, gw.tls, C).await.is_ok());
+            assert!(get(pki, gw.tls, C).await.is_ok());
             seed.proxy.set(Fault::Pass);
         }
-        assert!(seed.delete(ROUTES, "TLSRoute", &c, "kube-apiserver").await);
+        assert!(seed.delete(ROUTES, "TLSRoute", c, "kube-apiserver").await);
         eventually("route c is gone", Duration::from_secs(30), async || {
-            get(&pki, gw.tls, C).await.is_err()
+            get(pki, gw.tls, C).await.is_err()
         })
         .await;
     }
@@ -815,17 +907,24 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         "{failed} of {} requests to the unchanged route failed",
         ok + failed
     );
+}
 
+/// The gateway's own file broken: a new route is not applied and its
+/// status says so; the file fixed, it is.
+async fn a_broken_gateway_file_holds_new_routes_back_and_says_so(t: &Routes) {
+    let Routes {
+        pki, seed, gw, e, ..
+    } = t;
     // The gateway's own file broken: a new route is not applied, and its
     // status says so rather than claiming it is served; the file fixed,
     // it is.
     gw.write_config(&format!("{}bogus: 1\n", seed.gateway_yaml()));
-    seed.apply(seed.route(&e, "kube-apiserver", "api.e.kube.test", "kube-apiserver"))
+    seed.apply(seed.route(e, "kube-apiserver", "api.e.kube.test", "kube-apiserver"))
         .await;
     seed.wait_route(
         "route e pending on the broken file",
         Duration::from_secs(20),
-        &e,
+        e,
         "Accepted",
         |c| {
             c["status"] == "False"
@@ -837,20 +936,21 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     )
     .await;
     // The running routes keep serving.
-    assert!(get(&pki, gw.tls, A)
-        .await
-        .unwrap()
-        .contains("hello from a2"));
+    assert!(get(pki, gw.tls, A).await.unwrap().contains("hello from a2"));
     gw.write_config(&seed.gateway_yaml());
     seed.wait_route(
         "route e accepted once the file is fixed",
         Duration::from_secs(20),
-        &e,
+        e,
         "Accepted",
         |c| c["status"] == "True",
     )
     .await;
+}
 
+/// Thirty routes created at once become one snapshot or a few.
+async fn a_burst_of_routes_is_a_few_snapshots(t: &Routes) {
+    let Routes { seed, gw, .. } = t;
     // A burst: thirty routes created at once become one snapshot (or a
     // few), not thirty reloads.
     let burst: Vec<String> = {
@@ -891,11 +991,18 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         "30 routes took {} reloads",
         after - before
     );
+}
 
+/// A deleted route stops serving; the Gateway's status was written only
+/// when it changed.
+async fn a_deleted_route_stops_and_status_was_written_on_change_only(t: &Routes) {
+    let Routes {
+        pki, seed, gw, a, ..
+    } = t;
     // Deleting the route stops it.
-    assert!(seed.delete(ROUTES, "TLSRoute", &a, "kube-apiserver").await);
+    assert!(seed.delete(ROUTES, "TLSRoute", a, "kube-apiserver").await);
     eventually("route a is gone", Duration::from_secs(20), async || {
-        get(&pki, gw.tls, A).await.is_err()
+        get(pki, gw.tls, A).await.is_err()
     })
     .await;
     // The Gateway's status was written when it changed, never in a loop
@@ -905,7 +1012,6 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
         (1..=40).contains(&gateway_writes),
         "{gateway_writes} Gateway status writes"
     );
-    stop.cancel();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
