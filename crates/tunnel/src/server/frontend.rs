@@ -765,3 +765,141 @@ async fn to_grpc_frontend(
     let _ = out.send(Ok(Packet::close_rsp(cid, text))).await;
     Some(end)
 }
+
+/// The carry path with scripted IO: the frontend is one end of an
+/// in-memory pipe, the agent a link attached by hand whose packets the
+/// test reads and answers, so what reaches the agent and in which order
+/// against the frontend's answer is checked without sockets or a clock.
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::sync::Arc;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::{serve_http_connect, FrontendEnd};
+    use crate::server::run::TunnelServer;
+    use crate::server::testing::TIMERS;
+    use crate::server::*;
+    use crate::stream::fair::FairQueue;
+    use crate::wire::proto::{Packet, PacketType as T, Payload};
+
+    /// An in-memory pipe ends like a Unix socket: no reset.
+    impl super::FrontendIo for tokio::io::DuplexStream {}
+
+    /// A server with one cluster `a` (nothing bound) and an agent link
+    /// attached to it by hand.
+    fn server_and_agent() -> (
+        Arc<TunnelServer>,
+        Arc<Cluster>,
+        Arc<LinkDriver>,
+        Arc<FairQueue>,
+        tempfile::TempDir,
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let w = |name: &str, pem: String| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, pem).unwrap();
+            p.display().to_string()
+        };
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = w("ca.pem", ca.self_signed(&key).unwrap().pem());
+        let leaf = rcgen::generate_simple_self_signed(vec!["tunnel".to_string()]).unwrap();
+        let (crt, leaf_key) = (
+            w("srv.pem", leaf.cert.pem()),
+            w("srv-key.pem", leaf.signing_key.serialize_pem()),
+        );
+        let text = format!(
+            "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{leaf_key}'}}\nclusters:\n  - {{name: a, agent_ca: '{ca}'}}\n"
+        );
+        let srv =
+            TunnelServer::from_config(&crate::config::ServerConfig::parse(&text).unwrap()).unwrap();
+        let c = srv.registry.cluster("a").unwrap();
+        let (link, to_agent) = attach(&c, "agent".into(), Identifiers::default(), false, TIMERS);
+        (srv, c, link, to_agent, dir)
+    }
+
+    /// The next packet the agent gets (the frontend task runs meanwhile).
+    async fn next_packet(to_agent: &FairQueue) -> Packet {
+        loop {
+            if let Some(p) = to_agent.try_next() {
+                return p;
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// Bytes kube-apiserver pipelines after its CONNECT head reach the
+    /// agent before the `200` is written: the pipe to kube-apiserver holds
+    /// 8 bytes and nobody reads it yet, so an answer written first would
+    /// still be waiting for room, with the DATA not sent.
+    #[tokio::test]
+    async fn pipelined_bytes_go_to_the_agent_before_the_200() {
+        let (srv, c, link, to_agent, _dir) = server_and_agent();
+        let (mut client, io) = tokio::io::duplex(8);
+        let serving = tokio::spawn({
+            let (srv, c) = (srv.clone(), c.clone());
+            async move { serve_http_connect(&srv, &c, io).await }
+        });
+        client
+            .write_all(b"CONNECT 10.0.0.1:443 HTTP/1.1\r\nHost: 10.0.0.1:443\r\n\r\npipelined")
+            .await
+            .unwrap();
+        let req = next_packet(&to_agent).await;
+        let Some(Payload::DialRequest(d)) = req.payload else {
+            panic!("not a dial request: {req:?}");
+        };
+        assert_eq!(d.address, "10.0.0.1:443");
+        // While the agent dials, the frontend reads what was pipelined.
+        for _ in 0..64 {
+            tokio::task::yield_now().await;
+        }
+        link.on_agent_packet(Packet::dial_rsp(d.random, 7, String::new()));
+        // The frontend runs until its answer fills the pipe.
+        for _ in 0..64 {
+            tokio::task::yield_now().await;
+        }
+        let mut answer = Vec::new();
+        let data = to_agent
+            .try_next()
+            .expect("the DATA is queued before the answer is written");
+        assert_eq!(data.kind(), Some(T::Data));
+        let Some(Payload::Data(d)) = data.payload else {
+            panic!("not DATA: {data:?}");
+        };
+        assert_eq!((d.connect_id, &d.data[..]), (7, &b"pipelined"[..]));
+        while !answer.ends_with(b"\r\n\r\n") {
+            let mut b = [0u8; 1];
+            assert_eq!(client.read(&mut b).await.unwrap(), 1, "{answer:?}");
+            answer.push(b[0]);
+        }
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+        serving.abort();
+    }
+
+    /// A frontend that hangs up while the agent dials cancels the dial:
+    /// the agent gets DIAL_CLS for it, and nothing is counted open.
+    #[tokio::test]
+    async fn a_frontend_that_hangs_up_mid_dial_cancels_it() {
+        let (srv, c, link, to_agent, _dir) = server_and_agent();
+        let (mut client, io) = tokio::io::duplex(64 * 1024);
+        let serving = tokio::spawn({
+            let (srv, c) = (srv.clone(), c.clone());
+            async move { serve_http_connect(&srv, &c, io).await }
+        });
+        client
+            .write_all(b"CONNECT 10.0.0.1:443 HTTP/1.1\r\n\r\n")
+            .await
+            .unwrap();
+        let req = next_packet(&to_agent).await;
+        assert_eq!(req.kind(), Some(T::DialReq));
+        drop(client);
+        let cls = next_packet(&to_agent).await;
+        assert_eq!(cls.kind(), Some(T::DialCls));
+        assert_eq!(serving.await.unwrap(), FrontendEnd::FrontendGone);
+        assert_eq!(link.conn_count(), 0);
+    }
+}
