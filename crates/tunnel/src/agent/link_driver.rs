@@ -172,7 +172,7 @@ impl LinkDriver {
             }),
             gone: CancellationToken::new(),
             cut: CancellationToken::new(),
-            since: std::time::Instant::now(),
+            since: crate::stream::clock::now(),
             flow,
         }
     }
@@ -212,7 +212,7 @@ impl LinkDriver {
                 true
             }
             queue::Step::Progress => {
-                g.machine.progress(Instant::now());
+                g.machine.progress(crate::stream::clock::now());
                 false
             }
         }
@@ -238,7 +238,7 @@ impl LinkDriver {
                 Action::Cancel(c) => c.cancel(),
                 Action::Deliver(id, data) => {
                     if let Some((data, room)) = deliver(machine, id, data) {
-                        machine.blocked(Instant::now(), id);
+                        machine.blocked(crate::stream::clock::now(), id);
                         applied.blocked = Some((id, data, room));
                     }
                 }

@@ -5,7 +5,6 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
 
 use futures_util::StreamExt;
 
@@ -124,7 +123,7 @@ impl Agent {
     /// The machine's timer fired during a wait for room: `true` when the
     /// stall deadline passed (the connection was reset and counted).
     fn stall_expired(&self, s: &LinkDriver) -> bool {
-        let now = Instant::now();
+        let now = crate::stream::clock::now();
         match s.with(|m, out| m.handle_timeout(now, out)).0 {
             Expired::Nothing => false,
             Expired::Stalled { reset } => {

@@ -23,13 +23,14 @@ use crate::transport::tap::{OnRead, ReadTap};
 /// stored in an atomic; milliseconds since this one can).
 fn origin() -> Instant {
     static ORIGIN: OnceLock<Instant> = OnceLock::new();
-    *ORIGIN.get_or_init(Instant::now)
+    *ORIGIN.get_or_init(crate::stream::clock::now)
 }
 
 /// Milliseconds since [`origin`], offset by about 50 days so that a stamp
 /// can be moved into the past right after start (tests) without clamping.
 fn now_ms() -> u64 {
-    u64::try_from(origin().elapsed().as_millis())
+    let since = crate::stream::clock::now().saturating_duration_since(origin());
+    u64::try_from(since.as_millis())
         .unwrap_or(u64::MAX >> 1)
         .saturating_add(1 << 32)
 }

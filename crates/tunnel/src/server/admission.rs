@@ -431,7 +431,7 @@ impl ConnSlots {
 /// (`unauthenticated_limit`). A source refused for its handshake rate
 /// as often again is shut out at the port for a while (`shut_out`).
 pub fn enter(srv: &Core, peer: SocketAddr) -> Option<ConnSlots> {
-    let now = std::time::Instant::now();
+    let now = crate::stream::clock::now();
     if srv.shut_out.is_blocked(peer.ip(), now) {
         // Its SYNs are dropped from now on; this one came before.
         srv.metrics.agent_stream("", "shut_out");

@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use super::cluster::Cluster;
 use super::limits;
 use super::link_driver::{ConnEnds, LinkDriver};
+use crate::stream::clock::now as clock_now;
 use crate::stream::deadline::later;
 use crate::stream::flow::{self, SendCredit, Unacked};
 use crate::stream::queue::{self, QueueRx};
@@ -131,11 +132,11 @@ pub async fn dial(
     settings: DialSettings,
     cancel: &CancellationToken,
 ) -> Result<Tunnel, DialError> {
-    let permit = cluster.gate.admit(Instant::now()).map_err(|l| {
+    let permit = cluster.gate.admit(clock_now()).map_err(|l| {
         cluster.metrics.dial_failure(l.reason());
         DialError::Limited(l)
     })?;
-    let started = Instant::now();
+    let started = clock_now();
     let attempt = Attempt {
         cluster,
         address,
@@ -205,9 +206,7 @@ impl Attempt<'_> {
                 .await
                 .map(|o| Opened { asked: first, ..o })
             {
-                Err(DialError::Unresponsive(_))
-                    if attempts < 3 && Instant::now() < self.deadline =>
-                {
+                Err(DialError::Unresponsive(_)) if attempts < 3 && clock_now() < self.deadline => {
                     tracing::info!(cluster = %self.cluster.name, agent = %link.agent_id, "agent went silent during a dial; trying another");
                 }
                 r => return r,
@@ -281,7 +280,7 @@ impl Attempt<'_> {
         let (reply_tx, reply_rx) = oneshot::channel();
         let (ends, rx) = self.ends(link.flow);
         let credit = ends.credit.clone();
-        let now = Instant::now();
+        let now = clock_now();
         let heard = link.heard_at(now);
         link.with(now, |m, out| {
             if let Some(h) = heard {
@@ -293,10 +292,10 @@ impl Attempt<'_> {
         let outcome = await_answer(link, reply_rx, self.cancel, self.deadline).await;
         self.cluster.metrics.pending(-1);
         if outcome.is_err() {
-            link.with(Instant::now(), |m, out| m.dial_abandoned(random, out));
+            link.with(clock_now(), |m, out| m.dial_abandoned(random, out));
         }
         Ok(Opened {
-            asked: Instant::now(),
+            asked: clock_now(),
             link: link.clone(),
             connect_id: outcome?,
             credit,
@@ -348,8 +347,9 @@ mod tests {
 
     /// The driver half of the timers: a dial registered while the timer
     /// loop sleeps with nothing due wakes it, and the machine answers the
-    /// dial with the timeout (the agent gets DIAL_REQ, then DIAL_CLS).
-    #[tokio::test]
+    /// dial with the timeout (the agent gets DIAL_REQ, then DIAL_CLS), at
+    /// its deadline on the paused clock.
+    #[tokio::test(start_paused = true)]
     async fn the_timer_loop_answers_a_dial_at_its_deadline() {
         let c = cluster(&[Strategy::Default]);
         let (link, to_agent) = attach(&c, "a".into(), Identifiers::default(), false, TIMERS);
@@ -363,13 +363,19 @@ mod tests {
         };
         tokio::task::yield_now().await;
         let settings = DialSettings {
-            timeout: Duration::from_millis(50),
+            timeout: Duration::from_secs(10),
             queue_bytes: 1 << 16,
             unresponsive_after: LIVE,
             agent_wait: Duration::ZERO,
         };
+        let t0 = tokio::time::Instant::now();
         let r = dial(&c, "h:1", settings, &CancellationToken::new()).await;
         assert_eq!(r.err(), Some(DialError::Timeout));
+        let waited = t0.elapsed();
+        assert!(
+            waited >= Duration::from_secs(10) && waited < Duration::from_secs(11),
+            "{waited:?}"
+        );
         let kinds: Vec<_> = std::iter::from_fn(|| to_agent.try_next())
             .map(|p| p.kind())
             .collect();

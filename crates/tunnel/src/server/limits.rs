@@ -79,7 +79,7 @@ impl Gate {
             bucket: Mutex::new(Bucket {
                 limits,
                 tokens: limits.dial_burst.max(1.0),
-                last: Instant::now(),
+                last: crate::stream::clock::now(),
             }),
         }
     }

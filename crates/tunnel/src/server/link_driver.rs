@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use super::activity;
 use super::identifiers::Identifiers;
 use super::link::{Action, Actions, Handled, LinkMachine};
+use crate::stream::clock::now as clock_now;
 use crate::stream::deadline::earliest;
 use crate::stream::fair::FairQueue;
 use crate::stream::flow::SendCredit;
@@ -182,7 +183,7 @@ impl LinkDriver {
                 () = notified => {}
             }
         }
-        let now = Instant::now();
+        let now = clock_now();
         let heard = self.heard_at(now);
         self.with(now, |m, out| {
             if let Some(h) = heard {
@@ -289,7 +290,7 @@ impl LinkDriver {
     /// Forgets connection `id` (frontend side closed it) and tells the agent
     /// after the data already queued for it.
     pub fn close_conn(&self, id: i64) {
-        let now = Instant::now();
+        let now = clock_now();
         self.with(now, |m, out| m.close(now, id, out));
     }
 
@@ -297,7 +298,7 @@ impl LinkDriver {
     /// fit its connection's queue comes back as [`Blocked`] for the caller
     /// to await.
     pub fn on_agent_packet(&self, p: Packet) -> (Handled, Option<Blocked>) {
-        let now = Instant::now();
+        let now = clock_now();
         let (h, applied) = self.with(now, |m, out| m.on_packet(now, p, out));
         match (applied.blocked, applied.violation) {
             (Some(b), _) => (Handled::Full, Some(b)),
@@ -310,7 +311,7 @@ impl LinkDriver {
     /// established connection.
     pub(super) fn fail_all(&self) {
         self.gone.cancel();
-        self.with(Instant::now(), |m, out| m.end(out));
+        self.with(clock_now(), |m, out| m.end(out));
         self.to_agent.close();
     }
 }
@@ -390,7 +391,7 @@ impl Blocked {
                     }
                 },
             };
-            let now = Instant::now();
+            let now = clock_now();
             match step {
                 queue::Step::Room => match self.push(link) {
                     Some(data) => self.data = data,
@@ -402,7 +403,7 @@ impl Blocked {
             }
             link.with(now, |m, _| m.progress(now));
         }
-        link.with(Instant::now(), |m, _| m.unblocked());
+        link.with(clock_now(), |m, _| m.unblocked());
         Handled::Ok
     }
 
@@ -513,12 +514,13 @@ mod tests {
     }
 
     /// A reader that takes nothing: the wait for room ends at the
-    /// machine's stall deadline, with that connection reset.
-    #[tokio::test]
+    /// machine's stall deadline, with that connection reset (paused clock:
+    /// thirty virtual seconds, exactly).
+    #[tokio::test(start_paused = true)]
     async fn a_wait_for_room_ends_at_the_stall_deadline() {
         let c = cluster(&[Strategy::Default]);
         let timers = Timers {
-            stall: Duration::from_millis(50),
+            stall: Duration::from_secs(30),
             ..TIMERS
         };
         let (link, _keep) = with_four_queued(&c, false, timers);
@@ -527,7 +529,14 @@ mod tests {
         let Some(b) = blocked else {
             panic!("the second chunk does not fit")
         };
+        let t0 = tokio::time::Instant::now();
         assert_eq!(b.resume(&link).await, Handled::Stalled);
+        // Virtual time: the wait ends at the stall deadline, not before.
+        let waited = t0.elapsed();
+        assert!(
+            waited >= Duration::from_secs(30) && waited < Duration::from_secs(31),
+            "{waited:?}"
+        );
         assert_eq!(link.conn_count(), 0);
     }
 

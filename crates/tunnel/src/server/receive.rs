@@ -103,7 +103,7 @@ where
     // for room (which ran the timers itself).
     let timer = link.next_timeout();
     tokio::pin!(timer);
-    let mut idle = crate::stream::flood::Budget::new(std::time::Instant::now());
+    let mut idle = crate::stream::flood::Budget::new(crate::stream::clock::now());
     loop {
         // Each packet costs the task a unit of tokio's cooperative budget:
         // a stream whose packets are always ready (a flood, or a fast
@@ -122,7 +122,7 @@ where
             why = stopped(srv, cluster, link) => return why,
         };
         let waited = match m {
-            Some(Ok(p)) if moves_nothing(&p) && !idle.spend(std::time::Instant::now()) => {
+            Some(Ok(p)) if moves_nothing(&p) && !idle.spend(crate::stream::clock::now()) => {
                 tracing::info!(agent = %link.agent_id, "agent stream cut: more packets that move nothing than its budget");
                 Err(StreamEnd::ControlFlood)
             }
@@ -159,7 +159,7 @@ pub(super) async fn take_packet(
     let (h, blocked) = link.on_agent_packet(p);
     cluster.metrics.packet(h);
     if matches!(h, Handled::Unrecognized | Handled::Unexpected)
-        && !idle.spend(std::time::Instant::now())
+        && !idle.spend(crate::stream::clock::now())
     {
         tracing::info!(agent = %link.agent_id, "agent stream cut: more packets for nothing it has than its budget");
         return Err(StreamEnd::ControlFlood);

@@ -2,6 +2,7 @@
 //! towards one agent stream, deadlines, and the budget of packets that move
 //! nothing.
 
+pub mod clock;
 pub mod deadline;
 pub mod fair;
 pub mod flood;
