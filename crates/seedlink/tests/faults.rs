@@ -271,7 +271,51 @@ async fn gateway_under_faults() {
     );
     let limit = Duration::from_secs(60);
     eprintln!("fault: profile {}", p.name);
+    let t = Bed {
+        p: &p,
+        b: &b,
+        gw: &gw,
+        auto,
+        lb,
+        oracle: &oracle,
+        limit,
+    };
+    dead_backends_get_an_error_answer(&t).await;
+    a_reset_backend_resets_the_client(&t).await;
+    a_reset_backend_resets_each_http2_stream(&t).await;
+    a_stalled_backend_ends_in_the_clients_deadline(&t).await;
+    a_slow_backend_delivers_every_byte_in_order(&t).await;
+    an_lb_garbage_flood_is_closed_and_counted(&t).await;
+    slow_loris_is_closed_at_the_first_message_deadline(&t).await;
+    the_connection_cap_refuses_at_once_and_holds_the_held(&t).await;
+    a_reload_storm_fails_no_transfer(&t).await;
+    let gw = a_binary_upgrade_under_load_drops_nothing(&p, &b, gw, limit, upgrade_socket).await;
+    a_drain_finishes_the_open_transfer_and_exits_0(&p, gw, limit).await;
+    stop.cancel();
+}
 
+/// What the phases of `gateway_under_faults` share: the profile, the
+/// backends, the running gateway and its listeners, the oracle.
+#[derive(Clone, Copy)]
+struct Bed<'a> {
+    p: &'a Profile,
+    b: &'a Backends,
+    gw: &'a Gw,
+    auto: SocketAddr,
+    lb: SocketAddr,
+    oracle: &'a Oracle,
+    limit: Duration,
+}
+
+/// Backend refused and unreachable: every client gets an error answer.
+async fn dead_backends_get_an_error_answer(t: &Bed<'_>) {
+    let Bed {
+        p,
+        auto,
+        oracle,
+        limit,
+        ..
+    } = *t;
     // Backend refused and unreachable: every client gets an error answer.
     for (scenario, dest) in [
         (
@@ -297,7 +341,17 @@ async fn gateway_under_faults() {
             &oracle.check(scenario).await,
         );
     }
+}
 
+/// Backend reset mid-stream: the client is reset too, never a clean end.
+async fn a_reset_backend_resets_the_client(t: &Bed<'_>) {
+    let Bed {
+        p,
+        auto,
+        oracle,
+        limit,
+        ..
+    } = *t;
     // Backend reset mid-stream: the client is reset too, never a clean end.
     let endings = fan(p.transfers, 8, |_| {
         download(
@@ -321,7 +375,18 @@ async fn gateway_under_faults() {
         &format!("{errors}/{} ended in ECONNRESET", endings.len()),
         &oracle.check("backend-reset").await,
     );
+}
 
+/// The same over HTTP/2 CONNECT (h2c, as Kubermatic's envoy-agent speaks
+/// it): each stream ends in RST_STREAM, never in a clean END_STREAM.
+async fn a_reset_backend_resets_each_http2_stream(t: &Bed<'_>) {
+    let Bed {
+        p,
+        auto,
+        oracle,
+        limit,
+        ..
+    } = *t;
     // The same over HTTP/2 CONNECT (h2c on the auto listener, as
     // Kubermatic's envoy-agent speaks it): each stream ends in RST_STREAM,
     // never in a clean END_STREAM.
@@ -363,7 +428,14 @@ async fn gateway_under_faults() {
         &format!("{reset_streams} HTTP/2 CONNECT streams ended in RST_STREAM"),
         &oracle.check("backend-reset-h2").await,
     );
+}
 
+/// Backend stalls mid-stream: the client sees no end, and closing it
+/// frees everything.
+async fn a_stalled_backend_ends_in_the_clients_deadline(t: &Bed<'_>) {
+    let Bed {
+        p, auto, oracle, ..
+    } = *t;
     // Backend stalls mid-stream: the client sees no end (its own deadline
     // is the error), and closing it frees everything.
     let endings = fan(p.transfers.min(8), 8, |_| {
@@ -382,7 +454,17 @@ async fn gateway_under_faults() {
         &format!("{errors} transfers stalled and were abandoned by their clients"),
         &oracle.check("backend-stall").await,
     );
+}
 
+/// Latency on the backend path: every byte arrives, in order.
+async fn a_slow_backend_delivers_every_byte_in_order(t: &Bed<'_>) {
+    let Bed {
+        p,
+        auto,
+        oracle,
+        limit,
+        ..
+    } = *t;
     // Latency on the backend path: every byte arrives, in order.
     let endings = fan(p.transfers, 8, |_| {
         download(
@@ -400,7 +482,14 @@ async fn gateway_under_faults() {
         &format!("{exact} byte-exact transfers of {} MiB", p.size >> 20),
         &oracle.check("backend-latency").await,
     );
+}
 
+/// LB garbage flood: every bad connection is closed and counted, every
+/// valid one echoes.
+async fn an_lb_garbage_flood_is_closed_and_counted(t: &Bed<'_>) {
+    let Bed {
+        p, gw, lb, oracle, ..
+    } = *t;
     // LB garbage flood: garbage, broken and truncated PROXY headers, and a
     // tenth valid traffic. Every bad connection is closed and counted; every
     // valid one echoes.
@@ -462,7 +551,18 @@ async fn gateway_under_faults() {
         ),
         &oracle.check("lb-garbage-flood").await,
     );
+}
 
+/// Slow-loris in every mode, with legitimate transfers alongside.
+async fn slow_loris_is_closed_at_the_first_message_deadline(t: &Bed<'_>) {
+    let Bed {
+        p,
+        auto,
+        lb,
+        oracle,
+        limit,
+        ..
+    } = *t;
     // Slow-loris in every mode, with legitimate transfers alongside.
     let h2 = {
         let mut v = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
@@ -539,7 +639,18 @@ async fn gateway_under_faults() {
         ),
         &oracle.check("slow-loris").await,
     );
+}
 
+/// The connection cap: as many more refused at once, the held ones still
+/// echo.
+async fn the_connection_cap_refuses_at_once_and_holds_the_held(t: &Bed<'_>) {
+    let Bed {
+        p,
+        gw,
+        auto,
+        oracle,
+        ..
+    } = *t;
     // The connection cap: `cap` connections held, as many more refused at
     // once, the held ones still echo.
     let cap = p.max_connections();
@@ -575,14 +686,26 @@ async fn gateway_under_faults() {
         ),
         &oracle.check("connection-cap").await,
     );
+}
 
+/// A reload storm under load: no transfer fails.
+async fn a_reload_storm_fails_no_transfer(t: &Bed<'_>) {
+    let Bed {
+        p,
+        b,
+        gw,
+        auto,
+        oracle,
+        limit,
+        ..
+    } = *t;
     // A reload storm under load: no transfer fails.
     let done = Arc::new(AtomicU64::new(0));
     let workers = download_loops(auto, p.size, limit, &done);
     let generation = |m: &str| sum_metric(m, "seedlink_gateway_config_generation");
     let g0 = generation(&gw.metrics().await);
     for i in 0..p.reloads {
-        gw.write_config(&gateway_yaml(&p, &b, i % 2 == 0));
+        gw.write_config(&gateway_yaml(p, b, i % 2 == 0));
         gw.signal("HUP");
         let want = g0 + (i + 1) as f64;
         let t = Instant::now();
@@ -609,7 +732,19 @@ async fn gateway_under_faults() {
         ),
         &oracle.check("reload-storm").await,
     );
+}
 
+/// Binary upgrade under load: a new process takes the sockets over; every
+/// transfer (on the old process, or on the new one) byte-exact, the old one
+/// exits 0. The new process.
+async fn a_binary_upgrade_under_load_drops_nothing(
+    p: &Profile,
+    b: &Backends,
+    gw: Gw,
+    limit: Duration,
+    upgrade_socket: &str,
+) -> Gw {
+    let auto = gw.listener("auto");
     // Binary upgrade under load: a new process takes the sockets over;
     // every transfer (on the old process, or on the new one) byte-exact,
     // the old one exits 0.
@@ -617,7 +752,7 @@ async fn gateway_under_faults() {
     let workers = download_loops(auto, p.size, limit, &done);
     let mut old = gw;
     let gw = Gw::start_args(
-        &gateway_yaml(&p, &b, false),
+        &gateway_yaml(p, b, false),
         &["--upgrade-socket", upgrade_socket, "--take-over"],
     );
     assert_eq!(gw.listener("auto"), auto, "the same listening socket");
@@ -634,7 +769,13 @@ async fn gateway_under_faults() {
     let (exact, _) = tally(&all);
     assert_eq!(exact, all.len(), "a transfer failed across the upgrade");
     eprintln!("fault: binary-upgrade         {exact} transfers byte-exact across the hand-over, old exit 0");
+    gw
+}
 
+/// Drain: SIGTERM with a transfer open; it completes, new connections are
+/// refused, the process exits 0.
+async fn a_drain_finishes_the_open_transfer_and_exits_0(p: &Profile, gw: Gw, limit: Duration) {
+    let auto = gw.listener("auto");
     // Drain: SIGTERM with a transfer open; it completes, new connections
     // are refused, the process exits 0.
     let mut open = gateway_connect(auto, "outbound|443||slow.faults.svc.cluster.local")
@@ -671,7 +812,6 @@ async fn gateway_under_faults() {
     eprintln!(
         "fault: drain                  the open transfer completed, new ones refused, exit 0"
     );
-    stop.cancel();
 }
 
 /// A tunnel-server and a seedlink agent on loopback (the agent dials the
