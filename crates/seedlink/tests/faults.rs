@@ -1042,20 +1042,72 @@ async fn tunnel_under_faults() {
     )
     .await;
     bed.agent_dials(link.addr);
-    let mut server = bed.server();
-    let mut agent = bed.agent();
+    let server = bed.server();
+    let agent = bed.agent();
     TunnelBed::wait_agents(&server, 1.0, "the agent to connect").await;
-    let mut oracle = TunnelBed::oracle(&server);
+    let oracle = TunnelBed::oracle(&server);
     eprintln!("fault: profile {} (tunnel)", p.name);
+    let mut t = Tb {
+        p,
+        stop,
+        target,
+        endless,
+        bed,
+        link,
+        server,
+        agent,
+        oracle,
+    };
+    baseline_transfers_are_exact(&mut t).await;
+    a_killed_agent_cuts_its_downloads_and_each_counts_an_abort(&mut t).await;
+    a_frozen_agent_gets_dials_answered_not_hanging(&mut t).await;
+    a_partitioned_agent_is_dropped_and_returns_after_the_heal(&mut t).await;
+    a_restarted_server_gets_its_agent_back(&mut t).await;
+    a_rolling_update_and_a_binary_upgrade_finish_what_is_under_way(&mut t).await;
+    t.stop.cancel();
+}
 
+/// What the phases of `tunnel_under_faults` share; a phase may replace the
+/// server, the agent and the oracle.
+/// Fields drop in order: the agent first, the bed last.
+struct Tb {
+    agent: common::tunnel_env::Started,
+    oracle: Oracle,
+    server: common::tunnel_env::Started,
+    link: FaultProxy,
+    bed: TunnelBed,
+    endless: SocketAddr,
+    target: SocketAddr,
+    stop: CancellationToken,
+    p: Profile,
+}
+
+/// Baseline: transfers through the tunnel are byte-exact.
+async fn baseline_transfers_are_exact(t: &mut Tb) {
+    let Tb { p, bed, oracle, .. } = t;
+    let target = t.target;
     // Baseline: transfers through the tunnel are byte-exact.
-    let exact = all_exact(&bed, target, &p).await;
+    let exact = all_exact(bed, target, p).await;
     report(
         "tunnel-baseline",
         &format!("{exact} byte-exact transfers"),
         &oracle.check("tunnel-baseline").await,
     );
+}
 
+/// Agent killed under downloads: each ends at once; on the Unix socket (no
+/// reset exists) the end is counted as an abort, one per transfer.
+async fn a_killed_agent_cuts_its_downloads_and_each_counts_an_abort(t: &mut Tb) {
+    let Tb {
+        p,
+        bed,
+        server,
+        agent,
+        oracle,
+        ..
+    } = t;
+    let target = t.target;
+    let endless = t.endless;
     // Agent killed under downloads: each ends at once; on the Unix socket
     // (no reset exists) the end is counted as an abort, one per transfer.
     let aborts = |m: &str| {
@@ -1092,15 +1144,28 @@ async fn tunnel_under_faults() {
         "4 downloads cut, each counted as an abort (eof on the Unix socket); the next dial answered 500",
         &oracle.check("agent-killed").await,
     );
-    agent = bed.agent();
-    TunnelBed::wait_agents(&server, 1.0, "the agent to return").await;
+    *agent = bed.agent();
+    TunnelBed::wait_agents(server, 1.0, "the agent to return").await;
+}
 
+/// Agent frozen: dials are answered with an error, never left hanging; it
+/// returns after SIGCONT.
+async fn a_frozen_agent_gets_dials_answered_not_hanging(t: &mut Tb) {
+    let Tb {
+        p,
+        bed,
+        server,
+        agent,
+        oracle,
+        ..
+    } = t;
+    let target = t.target;
     // Agent frozen: dials are answered with an error (503 unresponsive or,
     // once the keepalive dropped it, 500), never left hanging; it returns
     // after SIGCONT.
     signal(agent.pid(), "-STOP");
     let t0 = Instant::now();
-    TunnelBed::wait_agents(&server, 0.0, "the frozen agent to be dropped").await;
+    TunnelBed::wait_agents(server, 0.0, "the frozen agent to be dropped").await;
     let dropped = t0.elapsed();
     let e = bed.download(target, p.size).await;
     assert!(
@@ -1108,7 +1173,7 @@ async fn tunnel_under_faults() {
         "{e:?}"
     );
     signal(agent.pid(), "-CONT");
-    TunnelBed::wait_agents(&server, 1.0, "the thawed agent to return").await;
+    TunnelBed::wait_agents(server, 1.0, "the thawed agent to return").await;
     let back = t0.elapsed();
     let e = bed.download(target, p.size).await;
     assert_eq!(e, Ending::Exact);
@@ -1121,12 +1186,25 @@ async fn tunnel_under_faults() {
         ),
         &oracle.check("agent-frozen").await,
     );
+}
 
+/// Agent partitioned: dropped by the keepalive; after the heal it is back
+/// and transfers are exact.
+async fn a_partitioned_agent_is_dropped_and_returns_after_the_heal(t: &mut Tb) {
+    let Tb {
+        p,
+        bed,
+        link,
+        server,
+        oracle,
+        ..
+    } = t;
+    let target = t.target;
     // Agent partitioned (the proxy holds every byte): dropped by the
     // keepalive; after the heal it is back and transfers are exact.
     link.set(Fault::Blackhole);
     let t0 = Instant::now();
-    TunnelBed::wait_agents(&server, 0.0, "the partitioned agent to be dropped").await;
+    TunnelBed::wait_agents(server, 0.0, "the partitioned agent to be dropped").await;
     let dropped = t0.elapsed();
     let e = bed.download(target, p.size).await;
     assert!(
@@ -1135,7 +1213,7 @@ async fn tunnel_under_faults() {
     );
     link.set(Fault::Pass);
     let healed = Instant::now();
-    TunnelBed::wait_agents(&server, 1.0, "the agent to return after the heal").await;
+    TunnelBed::wait_agents(server, 1.0, "the agent to return after the heal").await;
     let back = healed.elapsed();
     let e = bed.download(target, p.size).await;
     assert_eq!(e, Ending::Exact);
@@ -1148,16 +1226,27 @@ async fn tunnel_under_faults() {
         ),
         &oracle.check("agent-partitioned").await,
     );
+}
 
+/// Server restarted (killed): the agent reconnects to the new one.
+async fn a_restarted_server_gets_its_agent_back(t: &mut Tb) {
+    let Tb {
+        p,
+        bed,
+        server,
+        oracle,
+        ..
+    } = t;
+    let target = t.target;
     // Server restarted (killed): the agent reconnects to the new one.
     signal(server.pid(), "-9");
     let _ = server.proc.0.wait();
     let t0 = Instant::now();
-    server = bed.server();
-    TunnelBed::wait_agents(&server, 1.0, "the agent to reach the new server").await;
+    *server = bed.server();
+    TunnelBed::wait_agents(server, 1.0, "the agent to reach the new server").await;
     let back = t0.elapsed();
-    oracle = TunnelBed::oracle(&server);
-    let exact = all_exact(&bed, target, &p).await;
+    *oracle = TunnelBed::oracle(server);
+    let exact = all_exact(bed, target, p).await;
     report(
         "server-restarted",
         &format!(
@@ -1166,12 +1255,27 @@ async fn tunnel_under_faults() {
         ),
         &oracle.check("server-restarted").await,
     );
+}
+
+/// A rolling update (the server drains while its replacement starts), then
+/// a binary upgrade under a loop of dials: downloads under way finish
+/// byte-exact through the old process, which exits 0; no dial fails.
+async fn a_rolling_update_and_a_binary_upgrade_finish_what_is_under_way(t: &mut Tb) {
+    let Tb {
+        p,
+        stop,
+        bed,
+        server,
+        oracle,
+        ..
+    } = t;
+    let target = t.target;
     // Rolling update in one place: the server drains (SIGTERM: DRAIN to
     // the agent) while its replacement starts; the agent moves at once,
     // downloads under way finish byte-exact through the draining server,
     // which then exits 0.
     let big = p.size.max(4 << 20);
-    let sized = pattern_backend(big, &stop).await;
+    let sized = pattern_backend(big, stop).await;
     let open = bed.half_read(sized, 4).await;
     signal(server.pid(), "-TERM");
     // Its offer for a binary upgrade is withdrawn as it drains.
@@ -1180,12 +1284,12 @@ async fn tunnel_under_faults() {
         assert!(t.elapsed() < Duration::from_secs(10), "the offer stays");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let mut old = std::mem::replace(&mut server, bed.server());
-    TunnelBed::wait_agents(&server, 1.0, "the agent to move to the replacement").await;
-    oracle = TunnelBed::oracle(&server);
+    let mut old = std::mem::replace(server, bed.server());
+    TunnelBed::wait_agents(server, 1.0, "the agent to move to the replacement").await;
+    *oracle = TunnelBed::oracle(server);
     let exact = TunnelBed::finish(open, big).await;
     assert_eq!(TunnelBed::exit_code(&mut old).await, Some(0));
-    let after = all_exact(&bed, target, &p).await;
+    let after = all_exact(bed, target, p).await;
     report(
         "server-rolling",
         &format!("{exact} downloads under way byte-exact through the draining server, old exit 0; {after} after"),
@@ -1196,7 +1300,7 @@ async fn tunnel_under_faults() {
     // then frontends) under a loop of dials; downloads under way finish
     // through the old process, which exits 0; no dial fails.
     let open = bed.half_read(sized, 4).await;
-    let small = pattern_backend(64 * 1024, &stop).await;
+    let small = pattern_backend(64 * 1024, stop).await;
     let (ok, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let dials = CancellationToken::new();
     let dialer = {
@@ -1216,8 +1320,8 @@ async fn tunnel_under_faults() {
             }
         })
     };
-    let mut old = std::mem::replace(&mut server, bed.take_over());
-    TunnelBed::wait_agents(&server, 1.0, "the agent to move to the new process").await;
+    let mut old = std::mem::replace(server, bed.take_over());
+    TunnelBed::wait_agents(server, 1.0, "the agent to move to the new process").await;
     let exact = TunnelBed::finish(open, big).await;
     assert_eq!(TunnelBed::exit_code(&mut old).await, Some(0));
     let seen = ok.load(Ordering::Relaxed);
@@ -1233,13 +1337,11 @@ async fn tunnel_under_faults() {
     dialer.await.unwrap();
     let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
     assert_eq!(failed, 0, "no dial fails across the upgrade ({ok} served)");
-    oracle = TunnelBed::oracle(&server);
-    let after = all_exact(&bed, target, &p).await;
+    *oracle = TunnelBed::oracle(server);
+    let after = all_exact(bed, target, p).await;
     report(
         "server-binary-upgrade",
         &format!("{exact} downloads under way byte-exact through the old process, old exit 0; {ok} dials across it, 0 failed; {after} after"),
         &oracle.check("server-binary-upgrade").await,
     );
-    drop(agent);
-    stop.cancel();
 }
