@@ -12,22 +12,26 @@
 //! waiting dial, the stall deadline of a connection waiting for room, the
 //! closed IDs' expiry) are the machine's ([`link::LinkMachine::poll_timeout`],
 //! [`link::LinkMachine::handle_timeout`]); the link's receive loop
-//! (`endpoint::receive`) sleeps until the next one with
+//! (`receive::receive_loop`) sleeps until the next one with
 //! [`LinkDriver::next_timeout`]. Timers around IO stay with the IO: the TLS
 //! handshake deadline, the first-stream deadline, a frontend write's stall.
 //!
 //! The modules, from the agent's side to the frontend's:
 //! - `link`: the sans-IO machine of one agent stream; `link_driver`: its
 //!   driver (the lock, the actions carried out, the wait for room);
+//!   `receive`: the stream's receive loop and how it ended;
 //! - `identifiers` (what an agent says about itself, the strategies),
 //!   `cluster` (a cluster's agents, the pick, attach and detach),
 //!   `registry` (every cluster, by name, certificate or token);
 //! - `dial`: one dial under one deadline, and the tunnel's ends;
-//! - `agents` (the agent endpoint: TLS, the handshake, the receive loop),
-//!   `frontend` and `socks` (the frontends' protocols), `core`, `limits`,
-//!   `metrics`, `activity`, `admin`;
-//! - `run`: the server as configured (`plan`; `diff`, pure, decides what
-//!   a reload changes), `upgrade` and `handover` (binary upgrades).
+//! - `endpoint` (the agent endpoint: TLS, then gRPC or the native
+//!   transport) and `admission` (whose stream it is, limits, the answer);
+//! - `accept` (the accept loops, one connection's dispatch), `frontend` and
+//!   `socks` (the frontends' protocols), `core`, `limits`, `metrics`,
+//!   `activity`, `admin`;
+//! - `run`: the server as configured (`plan` reads a configuration; `diff`,
+//!   pure, decides what a reload changes), `upgrade` and `handover` (binary
+//!   upgrades).
 
 pub mod accept;
 pub mod activity;
