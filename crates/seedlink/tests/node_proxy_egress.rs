@@ -142,94 +142,117 @@ control_planes:
     let tp_port = free_port();
     let tp = tinyproxy(dir.path(), tp_port, &[connect.port(), nodes.port()]);
     wait_listening(format!("127.0.0.1:{tp_port}").parse().unwrap()).await;
-    let egress = format!("http://127.0.0.1:{tp_port}");
     let creds = dir.path().join("proxy-credentials");
     std::fs::write(&creds, "user:s3cret-pw\n").unwrap();
     let bad_creds = dir.path().join("bad-credentials");
     std::fs::write(&bad_creds, "user:wrong\n").unwrap();
-    let creds = creds.to_str().unwrap();
-    let ca = files.ca.to_str().unwrap();
-    let fast = [
-        "--health-check-interval",
-        "0.2",
-        "--health-check-rise",
-        "1",
-        "--health-check-fall",
-        "2",
-    ];
-    let via = |extra: &[&str]| -> Vec<String> {
-        let mut v: Vec<String> = [
-            "--egress-proxy",
-            &egress,
-            "--egress-proxy-credentials-file",
-            creds,
-        ]
-        .iter()
-        .chain(fast.iter())
-        .chain(extra.iter())
-        .map(|s| s.to_string())
-        .collect();
-        v.push("--address".into());
-        v
+    let via = Via {
+        egress: format!("http://127.0.0.1:{tp_port}"),
+        creds: creds.display().to_string(),
+        bad_creds: bad_creds.display().to_string(),
+        ca: files.ca.display().to_string(),
+        connect: connect.to_string(),
+        nodes: nodes.to_string(),
     };
-    let start = |addr: &str, extra: &[&str]| {
-        let mut args = via(extra);
-        args.push(addr.into());
-        node_proxy(&args.iter().map(String::as_str).collect::<Vec<_>>())
-    };
+    let tlv = every_mode_serves_through_the_proxy(&via, &files, &gw).await;
+    // Every gateway connection went through the proxy.
+    let log = std::fs::read_to_string(dir.path().join("tinyproxy.log")).unwrap();
+    for port in [connect.port(), nodes.port()] {
+        assert!(
+            log.contains(&format!("CONNECT 127.0.0.1:{port}")),
+            "tinyproxy saw no CONNECT to {port}:\n{log}"
+        );
+    }
+    a_down_api_server_or_a_failing_path_is_not_ready(&via).await;
+    wrong_proxy_credentials_are_counted_and_shown(&via, &files).await;
+    // The egress proxy goes away: the TLV node falls unready within its
+    // fall count, and says why.
+    drop(tp);
+    wait_readyz(tlv.admin, 503, "last_check=egress_proxy_unreachable").await;
+}
 
-    // HyperShift's node path: PROXY v2 + TLV 0x20 through the egress proxy,
-    // TLS untouched; readiness follows `GET /version` verified against the CA.
-    let nodes_s = nodes.to_string();
-    let tlv = start(
+/// What the node-proxies of the tinyproxy test share: the egress proxy and
+/// its credentials (good and bad), the CA the checks verify against, and
+/// the gateway's two listeners.
+struct Via {
+    egress: String,
+    creds: String,
+    bad_creds: String,
+    ca: String,
+    connect: String,
+    nodes: String,
+}
+
+impl Via {
+    /// A node-proxy on `addr` through the egress proxy with the good
+    /// credentials and fast health checks (rise 1, fall 2, every 0.2 s).
+    fn start(&self, addr: &str, extra: &[&str]) -> NodeProxyProc {
+        let mut args = vec![
+            "--egress-proxy",
+            &self.egress,
+            "--egress-proxy-credentials-file",
+            &self.creds,
+            "--health-check-interval",
+            "0.2",
+            "--health-check-rise",
+            "1",
+            "--health-check-fall",
+            "2",
+        ];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--address", addr]);
+        node_proxy(&args)
+    }
+}
+
+/// HyperShift's node path (PROXY v2 + TLV 0x20, TLS untouched, readiness
+/// following `GET /version` verified against the CA), GEP-30's CONNECT and
+/// Kubermatic's HTTP/2 CONNECT (readiness following the gateway's 200), all
+/// through the egress proxy. The TLV node, kept for the last step.
+async fn every_mode_serves_through_the_proxy(
+    via: &Via,
+    files: &seedlink::demo::ClientFiles,
+    gw: &Gw,
+) -> NodeProxyProc {
+    let tlv = via.start(
         "127.0.0.81",
         &[
             "--mode",
             "proxy-v2",
             "--gateway",
-            &nodes_s,
+            &via.nodes,
             "--cluster-id",
             "3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d",
             "--health-check",
             "http",
             "--health-check-ca",
-            ca,
+            &via.ca,
             "--health-check-server-name",
             ALPHA,
         ],
     );
-    // GEP-30 CONNECT and Kubermatic's HTTP/2 CONNECT, through the same proxy,
-    // readiness following the gateway's 200 (it dialled the API server).
-    let connect_s = connect.to_string();
-    let h1 = start(
-        "127.0.0.82",
-        &[
-            "--mode",
-            "connect",
-            "--gateway",
-            &connect_s,
-            "--destination",
-            DEST,
-            "--health-check",
-            "tunnel",
-        ],
-    );
-    let h2 = start(
-        "127.0.0.83",
-        &[
-            "--mode",
-            "http2-connect",
-            "--gateway",
-            &connect_s,
-            "--destination",
-            DEST,
-            "--health-check",
-            "tunnel",
-        ],
+    let tunnel = |addr: &str, mode: &str| {
+        via.start(
+            addr,
+            &[
+                "--mode",
+                mode,
+                "--gateway",
+                &via.connect,
+                "--destination",
+                DEST,
+                "--health-check",
+                "tunnel",
+            ],
+        )
+    };
+    let (h1, h2) = (
+        tunnel("127.0.0.82", "connect"),
+        tunnel("127.0.0.83", "http2-connect"),
     );
     for np in [&tlv, &h1, &h2] {
         wait_readyz(np.admin, 200, "ready").await;
-        let out = curl_mtls(&files, ALPHA, np.listen.ip(), np.listen.port());
+        let out = curl_mtls(files, ALPHA, np.listen.ip(), np.listen.port());
         assert!(
             out.contains("hello from nginx") && out.contains("client_verify=SUCCESS"),
             "through {}: {out}",
@@ -249,80 +272,56 @@ control_planes:
         1.0,
     )
     .await;
-    // Every gateway connection went through the proxy.
-    let log = std::fs::read_to_string(dir.path().join("tinyproxy.log")).unwrap();
-    for port in [connect.port(), nodes.port()] {
-        assert!(
-            log.contains(&format!("CONNECT 127.0.0.1:{port}")),
-            "tinyproxy saw no CONNECT to {port}:\n{log}"
-        );
-    }
+    tlv
+}
 
-    // A down API server: the TLV routes, the gateway accepts, the TLS check
-    // fails and the node is not ready; an `http` check of a path answered
-    // 503 fails too, while the same node with a TLS check is ready.
-    let down = start(
-        "127.0.0.84",
-        &[
+/// A down API server: the TLV routes, the gateway accepts, the TLS check
+/// fails and the node is not ready; an `http` check of a path answered 503
+/// fails too, while the same node with a TLS check is ready.
+async fn a_down_api_server_or_a_failing_path_is_not_ready(via: &Via) {
+    let tlv = |addr: &str, cluster: &str, check: &[&str]| {
+        let mut args = vec![
             "--mode",
             "proxy-v2",
             "--gateway",
-            &nodes_s,
+            &via.nodes,
             "--cluster-id",
-            "c-down",
-            "--health-check",
-            "tls",
-        ],
-    );
+            cluster,
+        ];
+        args.extend_from_slice(check);
+        via.start(addr, &args)
+    };
+    let down = tlv("127.0.0.84", "c-down", &["--health-check", "tls"]);
     wait_readyz(down.admin, 503, "last_check=tls_handshake").await;
-    let broken = start(
-        "127.0.0.85",
-        &[
-            "--mode",
-            "proxy-v2",
-            "--gateway",
-            &nodes_s,
-            "--cluster-id",
-            "3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d",
-            "--health-check",
-            "http",
-            "--health-check-path",
-            "/broken",
-        ],
-    );
+    let alpha = "3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d";
+    let http_broken = ["--health-check", "http", "--health-check-path", "/broken"];
+    let broken = tlv("127.0.0.85", alpha, &http_broken);
     wait_readyz(broken.admin, 503, "last_check=http_status_503").await;
-    let tls_only = start(
-        "127.0.0.86",
-        &[
-            "--mode",
-            "proxy-v2",
-            "--gateway",
-            &nodes_s,
-            "--cluster-id",
-            "3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d",
-            "--health-check",
-            "tls",
-        ],
-    );
+    let tls_only = tlv("127.0.0.86", alpha, &["--health-check", "tls"]);
     wait_readyz(tls_only.admin, 200, "ready").await;
+}
 
-    // Wrong proxy credentials: 407, counted and shown, the client closed.
+/// Wrong proxy credentials: 407, counted and shown, the client closed.
+async fn wrong_proxy_credentials_are_counted_and_shown(
+    via: &Via,
+    files: &seedlink::demo::ClientFiles,
+) {
     let bad = node_proxy(&[
         "--address",
         "127.0.0.87",
         "--mode",
         "connect",
         "--gateway",
-        &connect_s,
+        &via.connect,
         "--destination",
         DEST,
         "--egress-proxy",
-        &egress,
+        &via.egress,
         "--egress-proxy-credentials-file",
-        bad_creds.to_str().unwrap(),
+        &via.bad_creds,
     ]);
     wait_readyz(bad.admin, 503, "last_check=egress_proxy_auth_failed").await;
-    let out = curl_mtls(&files, ALPHA, bad.listen.ip(), bad.listen.port());
+    let out = curl_mtls(files, ALPHA, bad.listen.ip(), bad.listen.port());
     assert!(!out.contains("hello from"), "{out}");
     assert_eq!(
         metric(
@@ -332,11 +331,6 @@ control_planes:
         .await,
         1.0
     );
-
-    // The egress proxy goes away: the TLV node falls unready within its
-    // fall count, and says why.
-    drop(tp);
-    wait_readyz(tlv.admin, 503, "last_check=egress_proxy_unreachable").await;
 }
 
 /// HyperShift's shared ingress as HyperShift configures it: HAProxy 3.0
