@@ -948,10 +948,9 @@ fn class_mode_renders_the_class_and_its_rbac() {
     assert!(why.contains("networkPolicy.enabled=false"), "{why}");
 }
 
-/// Each group of the chart's values renders what values.yaml says, and
-/// values.schema.json refuses what is misspelt or out of range.
+/// The image values: registry, pull secrets, pull policy.
 #[test]
-fn each_value_group_renders_what_it_says() {
+fn the_image_values_render() {
     // Image: registry, pull secrets, pull policy.
     let d = helm_template(&[
         "--set",
@@ -972,6 +971,11 @@ fn each_value_group_renders_what_it_says() {
     );
     assert_eq!(c["imagePullPolicy"], "Always");
     assert_eq!(pod["imagePullSecrets"][0]["name"], "regcred");
+}
+
+/// The Service values: the load balancer's settings.
+#[test]
+fn the_service_values_render() {
     // Service: the load balancer's settings.
     let d = helm_template(&[
         "--set-string",
@@ -997,6 +1001,13 @@ fn each_value_group_renders_what_it_says() {
     assert_eq!(svc["spec"]["loadBalancerSourceRanges"][0], "192.0.2.0/24");
     assert_eq!(svc["spec"]["externalTrafficPolicy"], "Cluster");
     assert_eq!(svc["spec"]["ports"][0]["port"], 6443);
+}
+
+/// The gateway values: PROXY protocol with the load balancers it trusts,
+/// limits; the rendered file is one seedlink reads, and PROXY protocol
+/// without anyone to trust fails the install, saying why.
+#[test]
+fn the_gateway_values_render_a_file_seedlink_reads() {
     // Gateway: PROXY protocol with the load balancers it trusts, limits.
     let d = helm_template(&[
         "--set",
@@ -1034,6 +1045,11 @@ fn each_value_group_renders_what_it_says() {
     // PROXY protocol without anyone to trust fails the install, saying why.
     let why = helm_refuses(&["--set", "gateway.proxyProtocol=optional"]);
     assert!(why.contains("gateway.trustedLoadBalancers"), "{why}");
+}
+
+/// The scheduling values.
+#[test]
+fn the_scheduling_values_render() {
     // Scheduling.
     let d = helm_template(&[
         "--set",
@@ -1057,6 +1073,11 @@ fn each_value_group_renders_what_it_says() {
         pod.get("affinity").is_none() && pod.get("topologySpreadConstraints").is_none(),
         "{pod}"
     );
+}
+
+/// Autoscaling: an HPA, no fixed replicas, a PDB even at replicas=1.
+#[test]
+fn the_autoscaling_values_render_an_hpa_and_a_pdb() {
     // Autoscaling: an HPA, no fixed replicas, a PDB even at replicas=1.
     let d = helm_template(&["--set", "autoscaling.enabled=true", "--set", "replicas=1"]);
     let hpa = kind(&d, "HorizontalPodAutoscaler").unwrap();
@@ -1070,6 +1091,11 @@ fn each_value_group_renders_what_it_says() {
     );
     let d = helm_template(&["--set", "podDisruptionBudget.enabled=false"]);
     assert!(kind(&d, "PodDisruptionBudget").is_none());
+}
+
+/// NetworkPolicy: the in-cluster ports only from the peers named.
+#[test]
+fn the_network_policy_admits_only_the_peers_named() {
     // NetworkPolicy: the in-cluster ports only from the peers named.
     let d = helm_template(&[
         "--set",
@@ -1086,6 +1112,12 @@ fn each_value_group_renders_what_it_says() {
     assert_eq!(rules[1]["ports"][0]["port"], 8090);
     let d = helm_template(&["--set", "networkPolicy.enabled=false"]);
     assert!(kind(&d, "NetworkPolicy").is_none());
+}
+
+/// Monitoring: both admin endpoints scraped with the admin token; alerts,
+/// the same objects as the kustomize seed-monitoring install.
+#[test]
+fn monitoring_scrapes_both_admin_endpoints_with_the_token() {
     // Monitoring: both admin endpoints scraped with the admin token; alerts.
     let d = helm_template(&[
         "--set",
@@ -1110,6 +1142,12 @@ fn each_value_group_renders_what_it_says() {
             "charts/seedlink/files/{f} is stale: copy deploy/kustomize/seed-monitoring/{f}"
         );
     }
+}
+
+/// values.schema.json refuses a misspelt value, a wrong type, a value out
+/// of range.
+#[test]
+fn the_schema_refuses_misspelt_wrong_and_out_of_range_values() {
     // The schema: a misspelt value, a wrong type, a value out of range.
     for bad in [
         "replica=3",
