@@ -265,6 +265,59 @@ backend gw_untrusted
     stop.cancel();
 }
 
+/// The destination the GEP-30 test's clients name.
+const DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
+
+/// Envoy as an HTTP/2 CONNECT client in front of the LB on port `lb`: one
+/// listener per source address (`allowed` from 127.0.0.5 on `p_ok`,
+/// `refused` from 127.0.0.6 on `p_no`), each tunnelling to the destination
+/// with the `X-Gardener-Destination` header.
+fn envoy_h2_tunnels(lb: u16, p_ok: u16, p_no: u16) -> String {
+    let listener = |name: &str, port: u16| {
+        format!(
+            "  - name: {name}
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          '@type': type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: {name}
+          cluster: {name}
+          tunneling_config:
+            hostname: 'kube-apiserver.shoot--dev--alpha.svc.cluster.local:443'
+            headers_to_add:
+            - header: {{key: X-Gardener-Destination, value: '{DEST}'}}
+"
+        )
+    };
+    let cluster = |name: &str, source: &str| {
+        format!(
+            "  - name: {name}
+    type: STATIC
+    connect_timeout: 5s
+    upstream_bind_config: {{source_address: {{address: {source}, port_value: 0}}}}
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        '@type': type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{http2_protocol_options: {{}}}}
+    load_assignment:
+      cluster_name: {name}
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {lb}}}}}}}
+"
+        )
+    };
+    format!(
+        "static_resources:\n  listeners:\n{}{}  clusters:\n{}{}",
+        listener("allowed", p_ok),
+        listener("refused", p_no),
+        cluster("allowed", "127.0.0.5"),
+        cluster("refused", "127.0.0.6"),
+    )
+}
+
 /// GEP-30 as written: the load balancer (HAProxy) sends PROXY v2 in front
 /// of the `http-connect` listener, and the control plane's ACL decides on
 /// the client address in that header, on the CONNECT path: HTTP/1.1 CONNECT
@@ -278,7 +331,6 @@ async fn gep30_the_lbs_proxy_header_decides_the_acl_on_connect() {
     let stop = CancellationToken::new();
     let pki = seedlink::demo::Pki::generate(&[ALPHA]).unwrap();
     let a = demo_backend(&pki, 0, "alpha", &stop).await;
-    const DEST: &str = "outbound|443||kube-apiserver.shoot--dev--alpha.svc.cluster.local";
     let gw = Gw::start(&format!(
         "admin: {{listen: '127.0.0.1:0'}}
 listeners:
@@ -365,54 +417,8 @@ backend gw
         1.0
     );
     let (p_ok, p_no) = (free_port(), free_port());
-    let listener = |name: &str, port: u16| {
-        format!(
-            "  - name: {name}
-    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.tcp_proxy
-        typed_config:
-          '@type': type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
-          stat_prefix: {name}
-          cluster: {name}
-          tunneling_config:
-            hostname: 'kube-apiserver.shoot--dev--alpha.svc.cluster.local:443'
-            headers_to_add:
-            - header: {{key: X-Gardener-Destination, value: '{DEST}'}}
-"
-        )
-    };
-    let cluster = |name: &str, source: &str| {
-        format!(
-            "  - name: {name}
-    type: STATIC
-    connect_timeout: 5s
-    upstream_bind_config: {{source_address: {{address: {source}, port_value: 0}}}}
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        '@type': type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{http2_protocol_options: {{}}}}
-    load_assignment:
-      cluster_name: {name}
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {lb}}}}}}}
-"
-        )
-    };
     let envoy_cfg = gw.dir.path().join("envoy.yaml");
-    std::fs::write(
-        &envoy_cfg,
-        format!(
-            "static_resources:\n  listeners:\n{}{}  clusters:\n{}{}",
-            listener("allowed", p_ok),
-            listener("refused", p_no),
-            cluster("allowed", "127.0.0.5"),
-            cluster("refused", "127.0.0.6"),
-        ),
-    )
-    .unwrap();
+    std::fs::write(&envoy_cfg, envoy_h2_tunnels(lb, p_ok, p_no)).unwrap();
     let _envoy = Proc(
         Command::new(envoy)
             .arg("-c")
