@@ -75,6 +75,19 @@ impl SeedGw {
 }
 
 impl Seed {
+    /// The Lease of the status writers' election.
+    async fn status_lease(&self) -> Option<Value> {
+        self.get(
+            "coordination.k8s.io/v1",
+            "Lease",
+            &self.sys,
+            "seedlink-status",
+        )
+        .await
+    }
+}
+
+impl Seed {
     /// With `netns`, the gateway and its pods get a network namespace
     /// (the API server is reached through the proxy, listening there).
     async fn new(netns: bool) -> Seed {
@@ -1055,15 +1068,7 @@ async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
     let mut writers = seed.writers("tlsroutes", &a, "status");
     writers.dedup();
     assert_eq!(writers.len(), 1, "status written by {writers:?}");
-    let lease = seed
-        .get(
-            "coordination.k8s.io/v1",
-            "Lease",
-            &seed.sys,
-            "seedlink-status",
-        )
-        .await
-        .unwrap();
+    let lease = seed.status_lease().await.unwrap();
     let leader = users.iter().position(|u| *u == writers[0]).unwrap();
     assert_eq!(
         lease["spec"]["holderIdentity"],
@@ -1077,14 +1082,9 @@ async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
     let follower = 1 - leader;
     let names = ["replica-a", "replica-b"];
     let holder = || async {
-        seed.get(
-            "coordination.k8s.io/v1",
-            "Lease",
-            &seed.sys,
-            "seedlink-status",
-        )
-        .await
-        .and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_string))
+        seed.status_lease()
+            .await
+            .and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_string))
     };
     replicas[leader].api.as_ref().unwrap().set(Fault::Blackhole);
     eventually(
@@ -1154,15 +1154,7 @@ async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
         Some(names[follower]),
         "the lease was not released"
     );
-    let lease = seed
-        .get(
-            "coordination.k8s.io/v1",
-            "Lease",
-            &seed.sys,
-            "seedlink-status",
-        )
-        .await
-        .unwrap();
+    let lease = seed.status_lease().await.unwrap();
     assert!(lease["spec"]["leaseTransitions"].as_i64().unwrap_or(0) >= 1);
     stop.cancel();
 }
