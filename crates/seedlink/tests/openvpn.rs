@@ -24,6 +24,107 @@ fn wait_log(path: &Path, needle: &str) {
     });
 }
 
+/// vpn-seed-server: OpenVPN's TCP server on 127.0.0.1:1194 in `ns`.
+fn vpn_seed_server(
+    ns: &common::Netns,
+    openvpn: &Path,
+    ca: &Path,
+    (cert, key): (&Path, &Path),
+    log: &Path,
+) -> Proc {
+    let p = |p: &Path| p.to_str().unwrap().to_string();
+    let (openvpn, ca, cert, key, log) = (p(openvpn), p(ca), p(cert), p(key), p(log));
+    Proc(
+        ns.cmd(&[
+            &openvpn,
+            "--dev",
+            "tun",
+            "--proto",
+            "tcp-server",
+            "--local",
+            "127.0.0.1",
+            "--port",
+            "1194",
+            "--tls-server",
+            "--dh",
+            "none",
+            "--ca",
+            &ca,
+            "--cert",
+            &cert,
+            "--key",
+            &key,
+            "--ifconfig",
+            "198.18.0.1",
+            "198.18.0.2",
+            "--verb",
+            "3",
+            "--log",
+            &log,
+        ])
+        .spawn()
+        .unwrap(),
+    )
+}
+
+/// vpn-shoot: OpenVPN's TCP client in `ns`, through the gateway's CONNECT
+/// proxy on `port` with `header` naming the destination, as Gardener
+/// configures it.
+fn vpn_shoot(
+    ns: &common::Netns,
+    openvpn: &Path,
+    files: &seedlink::demo::ClientFiles,
+    (port, header): (&str, &str),
+    log: &Path,
+) -> Proc {
+    let p = |p: &Path| p.to_str().unwrap().to_string();
+    let (openvpn, ca, cert, key, log) = (
+        p(openvpn),
+        p(&files.ca),
+        p(&files.cert),
+        p(&files.key),
+        p(log),
+    );
+    Proc(
+        ns.cmd(&[
+            &openvpn,
+            "--dev",
+            "tun",
+            "--proto",
+            "tcp-client",
+            "--remote",
+            "198.18.1.2",
+            "1194",
+            "--http-proxy",
+            "198.18.1.2",
+            port,
+            "--http-proxy-option",
+            "CUSTOM-HEADER",
+            header,
+            DEST,
+            "--tls-client",
+            "--ca",
+            &ca,
+            "--cert",
+            &cert,
+            "--key",
+            &key,
+            "--ifconfig",
+            "198.18.0.2",
+            "198.18.0.1",
+            "--connect-retry",
+            "1",
+            "5",
+            "--verb",
+            "3",
+            "--log",
+            &log,
+        ])
+        .spawn()
+        .unwrap(),
+    )
+}
+
 #[test]
 fn openvpn_through_the_gateway_connect_and_legacy_header() {
     let openvpn = require("openvpn");
@@ -79,78 +180,11 @@ control_planes:
     ] {
         // vpn-seed-server: TCP server on 1194 in the seed namespace.
         let slog = dir.path().join(format!("server{round}.log"));
-        let server = seed
-            .cmd(&[
-                openvpn.to_str().unwrap(),
-                "--dev",
-                "tun",
-                "--proto",
-                "tcp-server",
-                "--local",
-                "127.0.0.1",
-                "--port",
-                "1194",
-                "--tls-server",
-                "--dh",
-                "none",
-                "--ca",
-                files.ca.to_str().unwrap(),
-                "--cert",
-                srv_cert.to_str().unwrap(),
-                "--key",
-                srv_key.to_str().unwrap(),
-                "--ifconfig",
-                "198.18.0.1",
-                "198.18.0.2",
-                "--verb",
-                "3",
-                "--log",
-                slog.to_str().unwrap(),
-            ])
-            .spawn()
-            .unwrap();
-        let _server = Proc(server);
+        let _server = vpn_seed_server(&seed, &openvpn, &files.ca, (&srv_cert, &srv_key), &slog);
         wait_log(&slog, "Listening for incoming TCP connection");
         // vpn-shoot: through the gateway's CONNECT proxy, as Gardener configures it.
         let clog = dir.path().join(format!("client{round}.log"));
-        let vpn = client
-            .cmd(&[
-                openvpn.to_str().unwrap(),
-                "--dev",
-                "tun",
-                "--proto",
-                "tcp-client",
-                "--remote",
-                "198.18.1.2",
-                "1194",
-                "--http-proxy",
-                "198.18.1.2",
-                port,
-                "--http-proxy-option",
-                "CUSTOM-HEADER",
-                header,
-                DEST,
-                "--tls-client",
-                "--ca",
-                files.ca.to_str().unwrap(),
-                "--cert",
-                files.cert.to_str().unwrap(),
-                "--key",
-                files.key.to_str().unwrap(),
-                "--ifconfig",
-                "198.18.0.2",
-                "198.18.0.1",
-                "--connect-retry",
-                "1",
-                "5",
-                "--verb",
-                "3",
-                "--log",
-                clog.to_str().unwrap(),
-            ])
-            .spawn()
-            .unwrap();
-        let _vpn = Proc(vpn);
+        let _vpn = vpn_shoot(&client, &openvpn, &files, (port, header), &clog);
         wait_log(&clog, "Initialization Sequence Completed");
         let ping = client
             .cmd(&["ping", "-c", "3", "-W", "2", "198.18.0.1"])
