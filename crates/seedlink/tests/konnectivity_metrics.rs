@@ -48,19 +48,18 @@ fn metric(text: &str, prefix: &str) -> f64 {
     sum_metric(text, prefix)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_documented_konnectivity_metrics_are_exported() {
-    let stop = CancellationToken::new();
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
+/// The tunnel-server's file: clusters `shoot--a` (agents of `shoot`'s CA)
+/// and `shoot--b` (of `other`'s), each with a Unix-socket frontend in `d`.
+fn two_cluster_config(
+    d: &std::path::Path,
+    seed: &seedlink::demo::Pki,
+    shoot: &seedlink::demo::Pki,
+    other: &seedlink::demo::Pki,
+) -> std::path::PathBuf {
     let w = |name: &str, text: &str| {
         std::fs::write(d.join(name), text).unwrap();
         d.join(name).display().to_string()
     };
-    let seed = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
-    let shoot = seedlink::demo::Pki::generate(&[]).unwrap();
-    let other = seedlink::demo::Pki::generate(&[]).unwrap();
-    let seed_ca = w("seed-ca.pem", &seed.ca_pem);
     let config = d.join("tunnel.yaml");
     std::fs::write(
         &config,
@@ -81,6 +80,23 @@ clusters:
         ),
     )
     .unwrap();
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_documented_konnectivity_metrics_are_exported() {
+    let stop = CancellationToken::new();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let w = |name: &str, text: &str| {
+        std::fs::write(d.join(name), text).unwrap();
+        d.join(name).display().to_string()
+    };
+    let seed = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
+    let shoot = seedlink::demo::Pki::generate(&[]).unwrap();
+    let other = seedlink::demo::Pki::generate(&[]).unwrap();
+    let seed_ca = w("seed-ca.pem", &seed.ca_pem);
+    let config = two_cluster_config(d, &seed, &shoot, &other);
     let mut server = Command::new(seedlink_bin())
         .args(["tunnel-server", "--config"])
         .arg(&config)
