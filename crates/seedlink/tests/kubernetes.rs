@@ -1914,6 +1914,40 @@ impl Seed {
     }
 }
 
+/// After an attacker's step: whatever its route names, it never holds the
+/// victim's host name, and across namespaces it reaches nothing.
+async fn the_attackers_route_holds_nothing(seed: &Seed, ns: &str, step: GwStep, i: usize) {
+    if matches!(step, GwStep::Steal | GwStep::StealAmong) {
+        let c = seed
+            .condition(ROUTES, "TLSRoute", ns, "kube-apiserver", "Accepted")
+            .await
+            .unwrap_or_default();
+        assert_ne!(c["status"], "True", "step {i}: {c}");
+    }
+    if matches!(step, GwStep::Unadmitted)
+        && seed
+            .get(ROUTES, "TLSRoute", ns, "kube-apiserver")
+            .await
+            .is_some()
+    {
+        seed.wait_route(
+            "the unadmitted route refused",
+            Duration::from_secs(40),
+            ns,
+            "Accepted",
+            |c| c["status"] == "False",
+        )
+        .await;
+    }
+    if matches!(step, GwStep::VictimsBackend) {
+        let c = seed
+            .condition(ROUTES, "TLSRoute", ns, "kube-apiserver", "ResolvedRefs")
+            .await
+            .unwrap_or_default();
+        assert_eq!(c["reason"], "RefNotPermitted", "step {i}: {c}");
+    }
+}
+
 /// The generative isolation test against a running gateway: random
 /// sequences of hostile tenants' edits of their own TLSRoutes,
 /// SeedlinkPolicies and namespaces (the victim's host name, alone, among
@@ -2044,37 +2078,7 @@ async fn gateway_tenants_stand_alone_through_random_steps() {
         }
         seed.settled(ns).await;
         victim_served(&gw, &format!("step {i} {ns} {step:?}")).await;
-        // Whatever the attacker's route names, it never holds the
-        // victim's host name, and across namespaces it reaches nothing.
-        if matches!(step, GwStep::Steal | GwStep::StealAmong) {
-            let c = seed
-                .condition(ROUTES, "TLSRoute", ns, "kube-apiserver", "Accepted")
-                .await
-                .unwrap_or_default();
-            assert_ne!(c["status"], "True", "step {i}: {c}");
-        }
-        if matches!(step, GwStep::Unadmitted)
-            && seed
-                .get(ROUTES, "TLSRoute", ns, "kube-apiserver")
-                .await
-                .is_some()
-        {
-            seed.wait_route(
-                "the unadmitted route refused",
-                Duration::from_secs(40),
-                ns,
-                "Accepted",
-                |c| c["status"] == "False",
-            )
-            .await;
-        }
-        if matches!(step, GwStep::VictimsBackend) {
-            let c = seed
-                .condition(ROUTES, "TLSRoute", ns, "kube-apiserver", "ResolvedRefs")
-                .await
-                .unwrap_or_default();
-            assert_eq!(c["reason"], "RefNotPermitted", "step {i}: {c}");
-        }
+        the_attackers_route_holds_nothing(&seed, ns, step, i).await;
     }
     // Always, whatever the steps were: the older attacker claims the
     // victim's name and the gateway restarts with no memory of who held
