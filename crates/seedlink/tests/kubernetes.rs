@@ -75,6 +75,38 @@ impl SeedGw {
 }
 
 impl Seed {
+    /// What class mode needs beyond the install (Gateways of every
+    /// namespace, with their status) and the GatewayClass; its name.
+    async fn class_mode(&self) -> String {
+        let class = format!("{}-class", self.prefix);
+        self.apply(json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+            "metadata": {"name": format!("seedlink-gateway-class-{}", self.sys)},
+            "rules": [
+                {"apiGroups": ["gateway.networking.k8s.io"], "resources": ["gateways"], "verbs": ["list", "watch"]},
+                {"apiGroups": ["gateway.networking.k8s.io"], "resources": ["gateways/status"], "verbs": ["patch"]}
+            ]
+        }))
+        .await;
+        self.apply(json!({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": format!("seedlink-gateway-class-{}", self.sys)},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": format!("seedlink-gateway-class-{}", self.sys)},
+            "subjects": [{"kind": "ServiceAccount", "name": "seedlink", "namespace": self.sys}]
+        }))
+        .await;
+        self.apply(
+            json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
+                          "metadata": {"name": class},
+                          "spec": {"controllerName": "seedlink.dev/gateway"}}),
+        )
+        .await;
+        class
+    }
+}
+
+impl Seed {
     /// The Lease of the status writers' election.
     async fn status_lease(&self) -> Option<Value> {
         self.get(
@@ -1685,31 +1717,7 @@ async fn each_gateway_of_the_class_is_served_at_its_own_address() {
     for a in POOL {
         ns.run(&["ip", "addr", "add", &format!("{a}/32"), "dev", "lo"]);
     }
-    // What class mode needs beyond the install: Gateways in every namespace.
-    let class = format!("{}-class", seed.prefix);
-    seed.apply(json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-        "metadata": {"name": format!("seedlink-gateway-class-{}", seed.sys)},
-        "rules": [
-            {"apiGroups": ["gateway.networking.k8s.io"], "resources": ["gateways"], "verbs": ["list", "watch"]},
-            {"apiGroups": ["gateway.networking.k8s.io"], "resources": ["gateways/status"], "verbs": ["patch"]}
-        ]
-    }))
-    .await;
-    seed.apply(json!({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-        "metadata": {"name": format!("seedlink-gateway-class-{}", seed.sys)},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                    "name": format!("seedlink-gateway-class-{}", seed.sys)},
-        "subjects": [{"kind": "ServiceAccount", "name": "seedlink", "namespace": seed.sys}]
-    }))
-    .await;
-    seed.apply(
-        json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "GatewayClass",
-                      "metadata": {"name": class},
-                      "spec": {"controllerName": "seedlink.dev/gateway"}}),
-    )
-    .await;
+    let class = seed.class_mode().await;
     let gateway = |tenant: &str| {
         json!({"apiVersion": "gateway.networking.k8s.io/v1", "kind": "Gateway",
                "metadata": {"name": "entry", "namespace": tenant},
