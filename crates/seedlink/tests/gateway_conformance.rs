@@ -78,6 +78,67 @@ fn pool() -> Vec<String> {
     (1..=POOL).map(|i| format!("10.250.0.{i}")).collect()
 }
 
+/// The tests the suite's log gives `verdict` (`PASS`, `FAIL`), sorted: each
+/// test's own line (`    --- PASS: TestConformance/<Name> (..)`), not its
+/// subtests'.
+fn verdicts<'t>(log: &'t str, verdict: &str) -> Vec<&'t str> {
+    let mut names: Vec<&str> = log
+        .lines()
+        .filter_map(|l| l.strip_prefix("    --- "))
+        .filter_map(|l| {
+            let (v, rest) = l.split_once(": TestConformance/")?;
+            Some((v, rest.split_whitespace().next()?))
+        })
+        .filter(|(v, name)| *v == verdict && !name.contains('/'))
+        .map(|(_, name)| name)
+        .collect();
+    names.sort_unstable();
+    names
+}
+
+/// seedlink's GatewayClass and the class-mode install's RBAC (the seed
+/// install's roles and the class's, from deploy/kustomize), applied with
+/// kubectl; a token of the `seedlink` ServiceAccount.
+fn install_class_mode(cluster: &Cluster) -> String {
+    let apply = |yaml: &str| {
+        let f = cluster.dir.join("apply.yaml");
+        std::fs::write(&f, yaml).unwrap();
+        let o = cluster.kubectl(&["apply", "-f", f.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    apply(
+        "apiVersion: v1\nkind: Namespace\nmetadata: {name: seedlink-system}\n---\n\
+         apiVersion: gateway.networking.k8s.io/v1\nkind: GatewayClass\nmetadata: {name: seedlink}\n\
+         spec: {controllerName: seedlink.dev/gateway}\n",
+    );
+    let root = seedlink_testkit::kubeapi::repo_root();
+    let mut rbac = String::new();
+    for f in [
+        "deploy/kustomize/seed/rbac.yaml",
+        "deploy/kustomize/seed-class/rbac-class.yaml",
+    ] {
+        rbac.push_str(&std::fs::read_to_string(root.join(f)).unwrap());
+        rbac.push_str("\n---\n");
+    }
+    // The namespaced objects of the seed install's RBAC carry no namespace
+    // (kustomize sets it): in seedlink-system.
+    let f = cluster.dir.join("rbac.yaml");
+    std::fs::write(&f, rbac).unwrap();
+    let o = cluster.kubectl(&["apply", "-n", "seedlink-system", "-f", f.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = cluster.kubectl(&[
+        "-n",
+        "seedlink-system",
+        "create",
+        "token",
+        "seedlink",
+        "--duration=2h",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let token = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    token
+}
+
 #[test]
 fn the_gateway_api_conformance_suite_passes_the_gateway_tls_profile() {
     let kube = seedlink_testkit::kubeapi::kube_dir();
@@ -102,42 +163,7 @@ fn the_gateway_api_conformance_suite_passes_the_gateway_tls_profile() {
     // it, as installed: the `seedlink` ServiceAccount with the RBAC of the
     // class-mode install (deploy/kustomize/seed-class: the seed install's
     // roles and the class's), its own token; never the admin's.
-    let apply = |yaml: &str| {
-        let f = dir.join("apply.yaml");
-        std::fs::write(&f, yaml).unwrap();
-        let o = kubectl(&["apply", "-f", f.to_str().unwrap()]);
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    };
-    apply(
-        "apiVersion: v1\nkind: Namespace\nmetadata: {name: seedlink-system}\n---\n\
-         apiVersion: gateway.networking.k8s.io/v1\nkind: GatewayClass\nmetadata: {name: seedlink}\n\
-         spec: {controllerName: seedlink.dev/gateway}\n",
-    );
-    let root = seedlink_testkit::kubeapi::repo_root();
-    let mut rbac = String::new();
-    for f in [
-        "deploy/kustomize/seed/rbac.yaml",
-        "deploy/kustomize/seed-class/rbac-class.yaml",
-    ] {
-        rbac.push_str(&std::fs::read_to_string(root.join(f)).unwrap());
-        rbac.push_str("\n---\n");
-    }
-    // The namespaced objects of the seed install's RBAC carry no namespace
-    // (kustomize sets it): in seedlink-system.
-    let f = dir.join("rbac.yaml");
-    std::fs::write(&f, rbac).unwrap();
-    let o = kubectl(&["apply", "-n", "seedlink-system", "-f", f.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let o = kubectl(&[
-        "-n",
-        "seedlink-system",
-        "create",
-        "token",
-        "seedlink",
-        "--duration=2h",
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let token = String::from_utf8_lossy(&o.stdout).trim().to_string();
+    let token = install_class_mode(&cluster);
     let installed = api.kubeconfig(dir, "seedlink", &token, None);
     let installed = installed.display().to_string();
     let _gw = Gw::start_with_env(
@@ -205,26 +231,7 @@ kubernetes:
         .status()
         .unwrap();
     let text = std::fs::read_to_string(&out).unwrap_or_default();
-    // Each test's own line (`    --- PASS: TestConformance/<Name> (..)`).
-    let results: Vec<(&str, &str)> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("    --- "))
-        .filter_map(|l| {
-            let (verdict, rest) = l.split_once(": TestConformance/")?;
-            Some((verdict, rest.split_whitespace().next()?))
-        })
-        .filter(|(_, name)| !name.contains('/'))
-        .collect();
-    let with = |v: &str| -> Vec<&str> {
-        let mut n: Vec<&str> = results
-            .iter()
-            .filter(|(x, _)| *x == v)
-            .map(|(_, n)| *n)
-            .collect();
-        n.sort_unstable();
-        n
-    };
-    let (passed, failed) = (with("PASS"), with("FAIL"));
+    let (passed, failed) = (verdicts(&text, "PASS"), verdicts(&text, "FAIL"));
     let report_text = std::fs::read_to_string(&report).unwrap_or_default();
     if let Ok(to) = std::env::var("SEEDLINK_CONFORMANCE_DIR") {
         write_docs(Path::new(&to), &report_text, &passed, &failed);
