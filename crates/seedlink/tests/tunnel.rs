@@ -16,6 +16,104 @@ use futures_util::StreamExt;
 use seedlink_tunnel::proto::{Packet, PacketType, Payload};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// curl -p -x over the TCP+mTLS frontend (inside the seed namespace); without
+/// a client certificate the frontend refuses.
+fn curl_reaches_the_shoot_through_the_mtls_frontend(env: &TunnelEnv) {
+    let f = &env.files;
+    let proxy = format!("https://frontend.seedlink.test:{}", env.fe_port);
+    let resolve = format!("frontend.seedlink.test:{}:127.0.0.1", env.fe_port);
+    let out = env
+        .seed
+        .cmd(&["curl", "-sS", "--max-time", "10", "-p", "-x", &proxy])
+        .args([
+            "--proxy-cacert",
+            &f.seed_ca,
+            "--proxy-cert",
+            &f.kas_crt,
+            "--proxy-key",
+            &f.kas_key,
+        ])
+        .args(["--resolve", &resolve, "http://127.0.0.1:8000/hello.txt"])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("hello from the shoot"), "{text}");
+    // Without a client certificate the frontend refuses.
+    let out = env
+        .seed
+        .cmd(&["curl", "-sS", "--max-time", "10", "-p", "-x", &proxy])
+        .args([
+            "--proxy-cacert",
+            &f.seed_ca,
+            "--resolve",
+            &resolve,
+            "http://127.0.0.1:8000/hello.txt",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+}
+
+/// gRPC ProxyService over the Unix socket: DIAL_REQ, echo, CLOSE.
+async fn grpc_proxy_service_dials_echoes_and_closes(env: &TunnelEnv) {
+    let mut client = grpc_client(&env.grpc_uds).await;
+    let (tx, rx) = tokio::sync::mpsc::channel::<Packet>(16);
+    let out =
+        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|p| (p, rx)) });
+    tx.send(Packet::dial_req("127.0.0.1:7007", 4242))
+        .await
+        .unwrap();
+    let resp = seedlink_tunnel::grpc::open_stream(
+        &mut client,
+        seedlink_tunnel::proto::PROXY_PATH,
+        out,
+        &[],
+    )
+    .await
+    .unwrap();
+    let mut inbound = resp.into_inner();
+    let first = tokio::time::timeout(Duration::from_secs(10), inbound.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let Some(Payload::DialResponse(r)) = first.payload else {
+        panic!("{first:?}")
+    };
+    assert_eq!((r.random, r.error.as_str()), (4242, ""), "{r:?}");
+    assert!(r.connect_id > 0);
+    tx.send(Packet::data(
+        r.connect_id,
+        bytes::Bytes::from_static(b"ping over grpc"),
+    ))
+    .await
+    .unwrap();
+    let mut got = Vec::new();
+    while got.len() < 14 {
+        let p = tokio::time::timeout(Duration::from_secs(10), inbound.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        if let Some(Payload::Data(dd)) = p.payload {
+            assert_eq!(dd.connect_id, r.connect_id);
+            got.extend_from_slice(&dd.data);
+        }
+    }
+    assert_eq!(got, b"ping over grpc");
+    tx.send(Packet::close_req(r.connect_id)).await.unwrap();
+    let last = tokio::time::timeout(Duration::from_secs(10), inbound.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(last.kind(), Some(PacketType::CloseRsp), "{last:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frontends_reach_shoot_services_only_through_the_agent() {
     let env = TunnelEnv::new(41);
@@ -102,98 +200,8 @@ async fn frontends_reach_shoot_services_only_through_the_agent() {
         "{answer:?}"
     );
 
-    // curl -p -x over the TCP+mTLS frontend (inside the seed namespace).
-    let f = &env.files;
-    let proxy = format!("https://frontend.seedlink.test:{}", env.fe_port);
-    let resolve = format!("frontend.seedlink.test:{}:127.0.0.1", env.fe_port);
-    let out = env
-        .seed
-        .cmd(&["curl", "-sS", "--max-time", "10", "-p", "-x", &proxy])
-        .args([
-            "--proxy-cacert",
-            &f.seed_ca,
-            "--proxy-cert",
-            &f.kas_crt,
-            "--proxy-key",
-            &f.kas_key,
-        ])
-        .args(["--resolve", &resolve, "http://127.0.0.1:8000/hello.txt"])
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(text.contains("hello from the shoot"), "{text}");
-    // Without a client certificate the frontend refuses.
-    let out = env
-        .seed
-        .cmd(&["curl", "-sS", "--max-time", "10", "-p", "-x", &proxy])
-        .args([
-            "--proxy-cacert",
-            &f.seed_ca,
-            "--resolve",
-            &resolve,
-            "http://127.0.0.1:8000/hello.txt",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-
-    // gRPC ProxyService over the Unix socket: DIAL_REQ, echo, CLOSE.
-    let mut client = grpc_client(&env.grpc_uds).await;
-    let (tx, rx) = tokio::sync::mpsc::channel::<Packet>(16);
-    let out =
-        futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|p| (p, rx)) });
-    tx.send(Packet::dial_req("127.0.0.1:7007", 4242))
-        .await
-        .unwrap();
-    let resp = seedlink_tunnel::grpc::open_stream(
-        &mut client,
-        seedlink_tunnel::proto::PROXY_PATH,
-        out,
-        &[],
-    )
-    .await
-    .unwrap();
-    let mut inbound = resp.into_inner();
-    let first = tokio::time::timeout(Duration::from_secs(10), inbound.next())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    let Some(Payload::DialResponse(r)) = first.payload else {
-        panic!("{first:?}")
-    };
-    assert_eq!((r.random, r.error.as_str()), (4242, ""), "{r:?}");
-    assert!(r.connect_id > 0);
-    tx.send(Packet::data(
-        r.connect_id,
-        bytes::Bytes::from_static(b"ping over grpc"),
-    ))
-    .await
-    .unwrap();
-    let mut got = Vec::new();
-    while got.len() < 14 {
-        let p = tokio::time::timeout(Duration::from_secs(10), inbound.next())
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
-        if let Some(Payload::Data(dd)) = p.payload {
-            assert_eq!(dd.connect_id, r.connect_id);
-            got.extend_from_slice(&dd.data);
-        }
-    }
-    assert_eq!(got, b"ping over grpc");
-    tx.send(Packet::close_req(r.connect_id)).await.unwrap();
-    let last = tokio::time::timeout(Duration::from_secs(10), inbound.next())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    assert_eq!(last.kind(), Some(PacketType::CloseRsp), "{last:?}");
+    curl_reaches_the_shoot_through_the_mtls_frontend(&env);
+    grpc_proxy_service_dials_echoes_and_closes(&env).await;
 
     // The agent dies mid-connection: the frontend is closed because its
     // stream ended, not by a keepalive (30 s) or idle deadline; the
