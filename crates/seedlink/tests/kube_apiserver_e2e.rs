@@ -647,6 +647,94 @@ async fn echo<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(s: &mut S
     assert_eq!(got, msg);
 }
 
+/// The webhook (through the Service's ClusterIP, DNAT in the shoot) and
+/// the aggregated API answer with what only the shoot's workloads say.
+async fn the_webhook_and_the_aggregated_api_answer_from_the_shoot(api: &KubeApi) {
+    eventually("the webhook admits", Duration::from_secs(60), async || {
+        let o = kubectl_in(api, &["create", "-f", "-"], &configmap("allowed-1", "fail"));
+        o.status.success().then_some(()).ok_or_else(|| text(&o))
+    })
+    .await;
+    let o = kubectl_in(api, &["create", "-f", "-"], &configmap("deny-1", "fail"));
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("denied by the shoot's webhook"),
+        "{}",
+        text(&o)
+    );
+
+    // The aggregated API.
+    eventually(
+        "the APIService is available",
+        Duration::from_secs(90),
+        async || {
+            let o = kubectl(
+                api,
+                &[
+                    "get",
+                    "apiservice",
+                    "v1.demo.seedlink.test",
+                    "-o",
+                    "jsonpath={.status.conditions[?(@.type==\"Available\")].status}",
+                ],
+            );
+            (text(&o).trim() == "True")
+                .then_some(())
+                .ok_or_else(|| text(&o))
+        },
+    )
+    .await;
+    let o = kubectl(
+        api,
+        &["get", "--raw", "/apis/demo.seedlink.test/v1/greetings"],
+    );
+    assert!(text(&o).contains("hello-from-the-shoot"), "{}", text(&o));
+    let o = kubectl(api, &["get", "greetings.demo.seedlink.test", "-o", "name"]);
+    assert!(text(&o).contains("hello-from-the-shoot"), "{}", text(&o));
+}
+
+/// No agent: the Fail webhook refuses, the Ignore one admits; every other
+/// path answers an error instead of hanging.
+fn without_an_agent_every_path_answers_an_error(api: &KubeApi) {
+    let o = kubectl_in(
+        api,
+        &["create", "-f", "-"],
+        &configmap("unchecked-1", "fail"),
+    );
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("failed calling webhook"), "{}", text(&o));
+    let o = kubectl_in(
+        api,
+        &["create", "-f", "-"],
+        &configmap("unchecked-2", "ignore"),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    for path in [
+        SVC_PROXY,
+        NODE_PROXY,
+        "/apis/demo.seedlink.test/v1/greetings",
+    ] {
+        let o = kubectl(api, &["get", "--raw", path]);
+        assert!(!o.status.success(), "{path}: {}", text(&o));
+    }
+    let o = kubectl(api, &["logs", "-n", "work", "web-0", "-c", "app"]);
+    assert!(!o.status.success(), "{}", text(&o));
+}
+
+/// The agent joined with the token kube-apiserver issued, checked by a
+/// TokenReview there (the reviewer's identity is in the audit log).
+fn the_agent_joined_with_a_reviewed_token(api: &KubeApi) {
+    let reviews = api
+        .audit()
+        .iter()
+        .filter(|e| {
+            e["objectRef"]["resource"] == "tokenreviews"
+                && e["user"]["username"] == "system:serviceaccount:kube-system:seedlink-tunnel"
+        })
+        .count();
+    assert!(reviews >= 1, "no TokenReview by the tunnel-server");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
     let dir = tempfile::tempdir().unwrap();
@@ -675,52 +763,7 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
     // it, since this machine's default route answers any address): every
     // answer below carries what only the shoot's workloads say.
 
-    // The webhook (through the Service's ClusterIP, DNAT in the shoot).
-    eventually("the webhook admits", Duration::from_secs(60), async || {
-        let o = kubectl_in(
-            &api,
-            &["create", "-f", "-"],
-            &configmap("allowed-1", "fail"),
-        );
-        o.status.success().then_some(()).ok_or_else(|| text(&o))
-    })
-    .await;
-    let o = kubectl_in(&api, &["create", "-f", "-"], &configmap("deny-1", "fail"));
-    assert!(!o.status.success());
-    assert!(
-        text(&o).contains("denied by the shoot's webhook"),
-        "{}",
-        text(&o)
-    );
-
-    // The aggregated API.
-    eventually(
-        "the APIService is available",
-        Duration::from_secs(90),
-        async || {
-            let o = kubectl(
-                &api,
-                &[
-                    "get",
-                    "apiservice",
-                    "v1.demo.seedlink.test",
-                    "-o",
-                    "jsonpath={.status.conditions[?(@.type==\"Available\")].status}",
-                ],
-            );
-            (text(&o).trim() == "True")
-                .then_some(())
-                .ok_or_else(|| text(&o))
-        },
-    )
-    .await;
-    let o = kubectl(
-        &api,
-        &["get", "--raw", "/apis/demo.seedlink.test/v1/greetings"],
-    );
-    assert!(text(&o).contains("hello-from-the-shoot"), "{}", text(&o));
-    let o = kubectl(&api, &["get", "greetings.demo.seedlink.test", "-o", "name"]);
-    assert!(text(&o).contains("hello-from-the-shoot"), "{}", text(&o));
+    the_webhook_and_the_aggregated_api_answer_from_the_shoot(&api).await;
 
     // The service proxy (to the endpoint) and the node proxy (to the
     // kubelet port).
@@ -818,31 +861,7 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
         assert!(end.is_ok(), "the {what} stream outlived its agent");
     }
 
-    // No agent: the Fail webhook refuses, the Ignore one admits; every
-    // other path answers an error instead of hanging.
-    let o = kubectl_in(
-        &api,
-        &["create", "-f", "-"],
-        &configmap("unchecked-1", "fail"),
-    );
-    assert!(!o.status.success(), "{}", text(&o));
-    assert!(text(&o).contains("failed calling webhook"), "{}", text(&o));
-    let o = kubectl_in(
-        &api,
-        &["create", "-f", "-"],
-        &configmap("unchecked-2", "ignore"),
-    );
-    assert!(o.status.success(), "{}", text(&o));
-    for path in [
-        SVC_PROXY,
-        NODE_PROXY,
-        "/apis/demo.seedlink.test/v1/greetings",
-    ] {
-        let o = kubectl(&api, &["get", "--raw", path]);
-        assert!(!o.status.success(), "{path}: {}", text(&o));
-    }
-    let o = kubectl(&api, &["logs", "-n", "work", "web-0", "-c", "app"]);
-    assert!(!o.status.success(), "{}", text(&o));
+    without_an_agent_every_path_answers_an_error(&api);
 
     // The agent back: everything works again.
     let _agent = agent(&ns, &rendered);
@@ -857,17 +876,7 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
     let o = kubectl(&api, &["logs", "-n", "work", "web-0", "-c", "app"]);
     assert!(o.status.success(), "{}", text(&o));
 
-    // The agent joined with the token kube-apiserver issued, checked by a
-    // TokenReview there (the reviewer's identity is in the audit log).
-    let reviews = api
-        .audit()
-        .iter()
-        .filter(|e| {
-            e["objectRef"]["resource"] == "tokenreviews"
-                && e["user"]["username"] == "system:serviceaccount:kube-system:seedlink-tunnel"
-        })
-        .count();
-    assert!(reviews >= 1, "no TokenReview by the tunnel-server");
+    the_agent_joined_with_a_reviewed_token(&api);
     drop(server);
 }
 
