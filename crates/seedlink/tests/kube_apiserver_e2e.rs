@@ -986,6 +986,61 @@ fn kubeconfig(api: &KubeApi, path: &Path, server: &str, name: Option<&str>, toke
     .unwrap();
 }
 
+/// GEP-08: the `default/kubernetes` EndpointSlice's first endpoint, once it
+/// is the advertised address.
+async fn advertised_endpoint(api: &KubeApi) -> String {
+    let mut endpoint = None;
+    eventually("default/kubernetes", Duration::from_secs(30), async || {
+        let o = kubectl(
+            api,
+            &[
+                "get",
+                "endpointslice",
+                "-n",
+                "default",
+                "kubernetes",
+                "-o",
+                "jsonpath={.endpoints[0].addresses[0]}:{.ports[0].port}",
+            ],
+        );
+        let t = String::from_utf8_lossy(&o.stdout).to_string();
+        (t.starts_with(ADVERTISE_V4))
+            .then(|| endpoint = Some(t.clone()))
+            .ok_or(text(&o))
+    })
+    .await;
+    endpoint.unwrap()
+}
+
+/// kube-proxy's rule for the `kubernetes` Service on the node: its ClusterIP
+/// to the endpoint kube-apiserver advertises (`ip`:`p`, and the same on
+/// IPv6); the service ranges routed, as on a node.
+fn route_the_kubernetes_service(node: &Netns, ip: &str, p: &str) {
+    for (cmd, svc, target) in [
+        ("iptables", KUBERNETES_V4, format!("{ip}:{p}")),
+        ("ip6tables", KUBERNETES_V6, format!("[{ADVERTISE_V6}]:{p}")),
+    ] {
+        node.run(&[
+            cmd,
+            "-t",
+            "nat",
+            "-A",
+            "OUTPUT",
+            "-d",
+            svc,
+            "-p",
+            "tcp",
+            "--dport",
+            "443",
+            "-j",
+            "DNAT",
+            "--to-destination",
+            &target,
+        ]);
+    }
+    node.run(&["ip", "-6", "route", "add", "fd00:97::/108", "dev", "lo"]);
+}
+
 /// GEP-08 and GEP-30 with the real consumer: kubectl (client certificate)
 /// through the gateway's SNI passthrough to the shoot's kube-apiserver; and
 /// an in-cluster client in the shoot (its ServiceAccount token) dialing the
@@ -1010,27 +1065,7 @@ async fn kubectl_and_in_cluster_clients_reach_their_api_server_through_the_gatew
 
     // GEP-08: `default/kubernetes` points at the advertised address.
     let c = api.client().await.unwrap();
-    let mut endpoint = None;
-    eventually("default/kubernetes", Duration::from_secs(30), async || {
-        let o = kubectl(
-            &api,
-            &[
-                "get",
-                "endpointslice",
-                "-n",
-                "default",
-                "kubernetes",
-                "-o",
-                "jsonpath={.endpoints[0].addresses[0]}:{.ports[0].port}",
-            ],
-        );
-        let t = String::from_utf8_lossy(&o.stdout).to_string();
-        (t.starts_with(ADVERTISE_V4))
-            .then(|| endpoint = Some(t.clone()))
-            .ok_or(text(&o))
-    })
-    .await;
-    let endpoint = endpoint.unwrap();
+    let endpoint = advertised_endpoint(&api).await;
     assert_eq!(endpoint, format!("{ADVERTISE_V4}:{port}"));
 
     // The gateway: SNI passthrough for kubectl, CONNECT for node-proxies
@@ -1082,32 +1117,7 @@ control_planes:
     }
     let token = api.token(&c, "apps", "reader").await;
     let (ip, p) = endpoint.rsplit_once(':').unwrap();
-    // kube-proxy's rule for the `kubernetes` Service: its ClusterIP to the
-    // endpoint kube-apiserver advertises (and the same on IPv6). The
-    // service ranges are routed, as on a node.
-    for (cmd, svc, target) in [
-        ("iptables", KUBERNETES_V4, format!("{ip}:{p}")),
-        ("ip6tables", KUBERNETES_V6, format!("[{ADVERTISE_V6}]:{p}")),
-    ] {
-        node.run(&[
-            cmd,
-            "-t",
-            "nat",
-            "-A",
-            "OUTPUT",
-            "-d",
-            svc,
-            "-p",
-            "tcp",
-            "--dport",
-            "443",
-            "-j",
-            "DNAT",
-            "--to-destination",
-            &target,
-        ]);
-    }
-    node.run(&["ip", "-6", "route", "add", "fd00:97::/108", "dev", "lo"]);
+    route_the_kubernetes_service(&node, ip, p);
 
     let connect = gw.listener("connect");
     // The node-proxy's configuration as `tunnel-config` renders it for the
