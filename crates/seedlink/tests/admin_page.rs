@@ -108,17 +108,17 @@ fn agent(
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_live_page_shows_every_cluster_and_control_plane_in_chromium() {
-    let stop = CancellationToken::new();
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
+/// The tunnel-server's file for three clusters (a and b HTTP CONNECT, c
+/// gRPC, each on a Unix socket in `d`), each with its own agent CA: the
+/// file, the seed CA the agents trust, and each shoot's (CA, certificate,
+/// key) files.
+fn three_clusters(
+    d: &std::path::Path,
+) -> (std::path::PathBuf, String, Vec<(String, String, String)>) {
     let w = |name: &str, text: &str| {
         std::fs::write(d.join(name), text).unwrap();
         d.join(name).display().to_string()
     };
-
-    // --- tunnel-server: three clusters, agents for two of them.
     let seed = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
     let seed_ca = w("seed-ca.pem", &seed.ca_pem);
     let (tun_crt, tun_key) = (
@@ -154,6 +154,194 @@ clusters:
         ),
     )
     .unwrap();
+    (config, seed_ca, shoots)
+}
+
+/// The tunnel-server's page: c without an agent, a's two agents with their
+/// identifiers and open tunnel, b's agent and its failed dial.
+fn the_tunnel_page_shows_each_cluster(dom: &str) {
+    let c = tag(dom, "data-cluster", "shoot--dev--c");
+    assert!(
+        c.contains("data-state=\"no-agents\"") && c.contains("data-agents=\"0\""),
+        "{c}"
+    );
+    assert!(row(dom, "data-cluster", "shoot--dev--c").contains("NO AGENT"));
+    let a_row = row(dom, "data-cluster", "shoot--dev--a");
+    assert!(
+        tag(dom, "data-cluster", "shoot--dev--a").contains("data-agents=\"2\""),
+        "{a_row}"
+    );
+    assert!(
+        a_row.contains("a-node-1")
+            && a_row.contains("a-node-2")
+            && a_row.contains("host=node-1.shoot-a"),
+        "{a_row}"
+    );
+    let b_row = row(dom, "data-cluster", "shoot--dev--b");
+    assert!(
+        b_row.contains("b-node-1") && b_row.contains("default-route=true"),
+        "{b_row}"
+    );
+    assert!(
+        b_row.contains("error_response") || b_row.contains("dial"),
+        "b's failed dial is not shown: {b_row}"
+    );
+    assert!(a_row.contains("kas (HttpConnect"), "{a_row}");
+}
+
+/// The gateway's page: alpha serving with its open connection, beta's ACL
+/// refusal, gamma's ejected endpoint.
+fn the_gateway_page_shows_each_control_plane(dom: &str) {
+    let alpha_row = row(dom, "data-control-plane", "shoot--dev--alpha");
+    assert!(
+        tag(dom, "data-control-plane", "shoot--dev--alpha").contains("data-state=\"ok\""),
+        "{alpha_row}"
+    );
+    assert!(
+        alpha_row.contains("api.alpha.page.test") && alpha_row.contains("ok 1"),
+        "{alpha_row}"
+    );
+    assert!(
+        alpha_row.contains("tls / tls-sni: 1"),
+        "the open connection: {alpha_row}"
+    );
+    let beta_row = row(dom, "data-control-plane", "shoot--dev--beta");
+    assert!(
+        beta_row.contains("192.0.2.0/24") && beta_row.contains("acl_denied 1"),
+        "{beta_row}"
+    );
+    let gamma_row = row(dom, "data-control-plane", "shoot--dev--gamma");
+    assert!(gamma_row.contains("ejected"), "{gamma_row}");
+    assert!(
+        tag(dom, "data-control-plane", "shoot--dev--gamma").contains("data-state=\"no-agents\""),
+        "{gamma_row}"
+    );
+}
+
+/// The gateway's metrics after the three requests: every control plane
+/// has its gauges, the ejected endpoint is counted, connect and connection
+/// times too.
+fn the_gateway_metrics_show_each_control_plane(m: &str) {
+    for cp in ["alpha", "beta", "gamma"] {
+        assert!(m.contains(&format!("seedlink_gateway_control_plane_active_connections{{control_plane=\"shoot--dev--{cp}\"}} 0")), "{cp}:\n{m}");
+    }
+    assert_eq!(sum_metric(m, "seedlink_gateway_upstream_endpoints{control_plane=\"shoot--dev--gamma\",state=\"ejected\"}"), 1.0, "{m}");
+    assert_eq!(
+        sum_metric(
+            m,
+            "seedlink_gateway_upstream_endpoints{control_plane=\"shoot--dev--alpha\",state=\"up\"}"
+        ),
+        1.0,
+        "{m}"
+    );
+    assert!(
+        sum_metric(
+            m,
+            "seedlink_gateway_upstream_connect_duration_seconds_count"
+        ) >= 1.0,
+        "{m}"
+    );
+    assert!(
+        sum_metric(
+            m,
+            "seedlink_gateway_connection_duration_seconds_count{listener=\"tls\"}"
+        ) >= 3.0,
+        "{m}"
+    );
+    assert!(m.contains("seedlink_build_info{"), "{m}");
+}
+
+/// alpha served, beta denied by its ACL, gamma's endpoint down; the
+/// gateway has counted each connection.
+async fn served_denied_and_down(gw: &Gw, cfg: &impl Fn() -> rustls::ClientConfig) {
+    assert!(
+        seedlink::demo::https_get(gw.tls, "api.alpha.page.test", cfg())
+            .await
+            .unwrap()
+            .contains("hello from alpha")
+    );
+    assert!(
+        seedlink::demo::https_get(gw.tls, "api.beta.page.test", cfg())
+            .await
+            .is_err()
+    );
+    assert!(
+        seedlink::demo::https_get(gw.tls, "api.gamma.page.test", cfg())
+            .await
+            .is_err()
+    );
+    gw.wait_metric(
+        "seedlink_gateway_connections_total{listener=\"tls\",control_plane=\"shoot--dev--gamma\"",
+        1.0,
+    )
+    .await;
+    // alpha's connection ended at the client; the gateway counts it once
+    // it has seen the close, which may come after gamma's refusal.
+    gw.wait_metric(
+        "seedlink_gateway_connections_total{listener=\"tls\",control_plane=\"shoot--dev--alpha\"",
+        1.0,
+    )
+    .await;
+}
+
+/// Two agents of cluster a and one of b, with their identifiers.
+fn three_agents(
+    server: &str,
+    seed_ca: &str,
+    a: &(String, String, String),
+    b: &(String, String, String),
+) -> [(Proc, std::net::SocketAddr); 3] {
+    [
+        agent(
+            server,
+            seed_ca,
+            &a.1,
+            &a.2,
+            "a-node-1",
+            "host=node-1.shoot-a",
+        ),
+        agent(
+            server,
+            seed_ca,
+            &a.1,
+            &a.2,
+            "a-node-2",
+            "host=node-2.shoot-a",
+        ),
+        agent(
+            server,
+            seed_ca,
+            &b.1,
+            &b.2,
+            "b-node-1",
+            "default-route=true",
+        ),
+    ]
+}
+
+/// The gateway's file: alpha served by `alpha`, beta too but behind an ACL
+/// that admits nobody here, gamma's one endpoint `down`.
+fn three_control_planes(alpha: std::net::SocketAddr, down: std::net::SocketAddr) -> String {
+    format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '127.0.0.1:0'}}]
+upstream: {{eject_base: 60s, eject_max: 120s}}
+control_planes:
+  - {{name: shoot--dev--alpha, hostnames: [api.alpha.page.test], endpoints: ['{alpha}']}}
+  - {{name: shoot--dev--beta, hostnames: [api.beta.page.test], endpoints: ['{alpha}'], acl: {{allow: [192.0.2.0/24]}}}}
+  - {{name: shoot--dev--gamma, hostnames: [api.gamma.page.test], endpoints: ['{down}']}}
+"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_page_shows_every_cluster_and_control_plane_in_chromium() {
+    let stop = CancellationToken::new();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+
+    // --- tunnel-server: three clusters, agents for two of them.
+    let (config, seed_ca, shoots) = three_clusters(d);
     let mut server = Command::new(seedlink_bin())
         .args(["tunnel-server", "--config"])
         .arg(&config)
@@ -176,31 +364,8 @@ clusters:
         "{body}"
     );
     assert_eq!(v["generation"], 1);
-    let _a1 = agent(
-        &agents_at,
-        &seed_ca,
-        &a.1,
-        &a.2,
-        "a-node-1",
-        "host=node-1.shoot-a",
-    );
-    let _a2 = agent(
-        &agents_at,
-        &seed_ca,
-        &a.1,
-        &a.2,
-        "a-node-2",
-        "host=node-2.shoot-a",
-    );
-    let _b1 = agent(
-        &agents_at,
-        &seed_ca,
-        &b.1,
-        &b.2,
-        "b-node-1",
-        "default-route=true",
-    );
-    let (code, body) = http_get(_a1.1, "/config").await;
+    let agents = three_agents(&agents_at, &seed_ca, a, b);
+    let (code, body) = http_get(agents[0].1, "/config").await;
     assert_eq!(code, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(
@@ -255,75 +420,10 @@ clusters:
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap()
     };
-    let gw = Gw::start(&format!(
-        "admin: {{listen: '127.0.0.1:0'}}
-listeners: [{{name: tls, address: '127.0.0.1:0'}}]
-upstream: {{eject_base: 60s, eject_max: 120s}}
-control_planes:
-  - {{name: shoot--dev--alpha, hostnames: [api.alpha.page.test], endpoints: ['{alpha}']}}
-  - {{name: shoot--dev--beta, hostnames: [api.beta.page.test], endpoints: ['{alpha}'], acl: {{allow: [192.0.2.0/24]}}}}
-  - {{name: shoot--dev--gamma, hostnames: [api.gamma.page.test], endpoints: ['{down}']}}
-"
-    ));
+    let gw = Gw::start(&three_control_planes(alpha, down));
     let cfg = || pki.client_config(true, &[]).unwrap();
-    assert!(
-        seedlink::demo::https_get(gw.tls, "api.alpha.page.test", cfg())
-            .await
-            .unwrap()
-            .contains("hello from alpha")
-    );
-    assert!(
-        seedlink::demo::https_get(gw.tls, "api.beta.page.test", cfg())
-            .await
-            .is_err()
-    );
-    assert!(
-        seedlink::demo::https_get(gw.tls, "api.gamma.page.test", cfg())
-            .await
-            .is_err()
-    );
-    gw.wait_metric(
-        "seedlink_gateway_connections_total{listener=\"tls\",control_plane=\"shoot--dev--gamma\"",
-        1.0,
-    )
-    .await;
-    // alpha's connection ended at the client; the gateway counts it once
-    // it has seen the close, which may come after gamma's refusal.
-    gw.wait_metric(
-        "seedlink_gateway_connections_total{listener=\"tls\",control_plane=\"shoot--dev--alpha\"",
-        1.0,
-    )
-    .await;
-    // The same state in the metrics: every control plane has its gauges,
-    // the ejected endpoint is counted, connect and connection times too.
-    let m = gw.metrics().await;
-    for cp in ["alpha", "beta", "gamma"] {
-        assert!(m.contains(&format!("seedlink_gateway_control_plane_active_connections{{control_plane=\"shoot--dev--{cp}\"}} 0")), "{cp}:\n{m}");
-    }
-    assert_eq!(sum_metric(&m, "seedlink_gateway_upstream_endpoints{control_plane=\"shoot--dev--gamma\",state=\"ejected\"}"), 1.0, "{m}");
-    assert_eq!(
-        sum_metric(
-            &m,
-            "seedlink_gateway_upstream_endpoints{control_plane=\"shoot--dev--alpha\",state=\"up\"}"
-        ),
-        1.0,
-        "{m}"
-    );
-    assert!(
-        sum_metric(
-            &m,
-            "seedlink_gateway_upstream_connect_duration_seconds_count"
-        ) >= 1.0,
-        "{m}"
-    );
-    assert!(
-        sum_metric(
-            &m,
-            "seedlink_gateway_connection_duration_seconds_count{listener=\"tls\"}"
-        ) >= 3.0,
-        "{m}"
-    );
-    assert!(m.contains("seedlink_build_info{"), "{m}");
+    served_denied_and_down(&gw, &cfg).await;
+    the_gateway_metrics_show_each_control_plane(&gw.metrics().await);
 
     // A connection held open through alpha (TLS done end to end, no
     // request yet): the page shows it by listener and protocol.
@@ -356,33 +456,7 @@ control_planes:
         dom.contains("data-loaded=\"true\""),
         "the page did not render:\n{dom}"
     );
-    let c = tag(&dom, "data-cluster", "shoot--dev--c");
-    assert!(
-        c.contains("data-state=\"no-agents\"") && c.contains("data-agents=\"0\""),
-        "{c}"
-    );
-    assert!(row(&dom, "data-cluster", "shoot--dev--c").contains("NO AGENT"));
-    let a_row = row(&dom, "data-cluster", "shoot--dev--a");
-    assert!(
-        tag(&dom, "data-cluster", "shoot--dev--a").contains("data-agents=\"2\""),
-        "{a_row}"
-    );
-    assert!(
-        a_row.contains("a-node-1")
-            && a_row.contains("a-node-2")
-            && a_row.contains("host=node-1.shoot-a"),
-        "{a_row}"
-    );
-    let b_row = row(&dom, "data-cluster", "shoot--dev--b");
-    assert!(
-        b_row.contains("b-node-1") && b_row.contains("default-route=true"),
-        "{b_row}"
-    );
-    assert!(
-        b_row.contains("error_response") || b_row.contains("dial"),
-        "b's failed dial is not shown: {b_row}"
-    );
-    assert!(a_row.contains("kas (HttpConnect"), "{a_row}");
+    the_tunnel_page_shows_each_cluster(&dom);
 
     let dom = tokio::task::spawn_blocking({
         let (url, png) = (
@@ -397,30 +471,7 @@ control_planes:
         dom.contains("data-loaded=\"true\""),
         "the page did not render:\n{dom}"
     );
-    let alpha_row = row(&dom, "data-control-plane", "shoot--dev--alpha");
-    assert!(
-        tag(&dom, "data-control-plane", "shoot--dev--alpha").contains("data-state=\"ok\""),
-        "{alpha_row}"
-    );
-    assert!(
-        alpha_row.contains("api.alpha.page.test") && alpha_row.contains("ok 1"),
-        "{alpha_row}"
-    );
-    assert!(
-        alpha_row.contains("tls / tls-sni: 1"),
-        "the open connection: {alpha_row}"
-    );
-    let beta_row = row(&dom, "data-control-plane", "shoot--dev--beta");
-    assert!(
-        beta_row.contains("192.0.2.0/24") && beta_row.contains("acl_denied 1"),
-        "{beta_row}"
-    );
-    let gamma_row = row(&dom, "data-control-plane", "shoot--dev--gamma");
-    assert!(gamma_row.contains("ejected"), "{gamma_row}");
-    assert!(
-        tag(&dom, "data-control-plane", "shoot--dev--gamma").contains("data-state=\"no-agents\""),
-        "{gamma_row}"
-    );
+    the_gateway_page_shows_each_control_plane(&dom);
     drop(open);
     drop(held);
     stop.cancel();
