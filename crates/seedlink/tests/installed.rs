@@ -1033,8 +1033,11 @@ endpoints: [{{addresses: ['{NODE_IP}'], conditions: {{ready: true}}}}]
     let after = dials();
     let _ = apps.kill();
     let _ = apps.wait();
+    // At least one dial: kube-apiserver's webhook client keeps its
+    // connection alive, so the refused and the admitted call may share one
+    // dial through the egress (both did, once, in a fresh-clone run).
     assert!(
-        after >= before + 2.0,
+        after > before,
         "kube-apiserver's egress dials: {before} before the webhook, {after} after"
     );
     eprintln!(
