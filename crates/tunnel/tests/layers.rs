@@ -26,7 +26,8 @@ fn layer(module: &str) -> Option<u8> {
         "" => 9,
         // Packets, dial failures, SOCKS5's codes: pure data.
         "wire" => 1,
-        // Queues, flow control, the fair queue, deadlines, the flood budget.
+        // Flow (the send window, the receive queue, the fair send queue),
+        // deadlines, the clock, the flood budget.
         "stream" => 2,
         // gRPC, the native transport, TLS records, authority, GOAWAY.
         "transport" => 3,
@@ -192,7 +193,7 @@ fn each_rule_catches_an_injected_violation() {
         "server::frontend reaches server::run",
     );
     has(
-        uses("server::limits", "server::frontend"),
+        uses("server::cluster", "server::frontend"),
         "cycle among the server's modules",
     );
     // 4. The roles reach each other.

@@ -11,8 +11,7 @@ use tokio::net::TcpStream;
 
 use super::core::Agent;
 use super::link_driver::Inbound;
-use crate::stream::fair::FairQueue;
-use crate::stream::flow::{self};
+use crate::stream::flow::{self, FairQueue};
 use crate::transport::grpc::{self};
 use crate::transport::readahead::ReadAhead;
 use crate::wire::proto::{Packet, AGENT_CONNECT_PATH};

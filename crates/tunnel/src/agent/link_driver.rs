@@ -12,9 +12,7 @@ use bytes::BytesMut;
 use tokio_util::sync::CancellationToken;
 
 use super::link::{Action, Actions, LinkMachine};
-use crate::stream::fair::FairQueue;
-use crate::stream::flow::{self, SendCredit};
-use crate::stream::queue::{self, PumpEnd, QueueTx};
+use crate::stream::flow::{self, FairQueue, PumpEnd, QueueTx, SendCredit};
 use crate::wire::proto::Packet;
 
 /// Destination to server: reads what the destination sends and sends it
@@ -68,7 +66,7 @@ pub(super) async fn send_up(
 /// server more window as it drains (flow control), or within `stall` per
 /// write without. Returns how it ended.
 pub(super) async fn download(
-    mut qrx: queue::QueueRx,
+    mut qrx: flow::QueueRx,
     mut wr: tokio::net::tcp::OwnedWriteHalf,
     s: &LinkDriver,
     id: i64,
@@ -140,7 +138,7 @@ pub(super) struct Applied {
     /// Dials to start.
     pub(super) dials: Vec<Dial>,
     /// DATA that did not fit its connection's queue.
-    pub(super) blocked: Option<(i64, bytes::Bytes, queue::Room)>,
+    pub(super) blocked: Option<(i64, bytes::Bytes, flow::Room)>,
     /// A WINDOW_UPDATE gave more than was used.
     pub(super) bad_window: bool,
 }
@@ -196,10 +194,10 @@ impl LinkDriver {
     /// bytes are queued; a connection closed meanwhile drops them), the
     /// writer gone, or progress (the stall deadline starts again). `true`
     /// when the wait is over.
-    pub(super) fn room_step(&self, id: i64, step: queue::Step, data: &bytes::Bytes) -> bool {
+    pub(super) fn room_step(&self, id: i64, step: flow::Step, data: &bytes::Bytes) -> bool {
         let mut g = seedlink_net::sync::lock(&self.state, "agent session");
         match step {
-            queue::Step::Room => {
+            flow::Step::Room => {
                 // Only the receive loop pushes, so the bytes fit.
                 if let Some(e) = g.machine.conn(id) {
                     let _ = e.queue.push(data.clone());
@@ -207,11 +205,11 @@ impl LinkDriver {
                 g.machine.unblocked();
                 true
             }
-            queue::Step::Closed => {
+            flow::Step::Closed => {
                 g.machine.unblocked();
                 true
             }
-            queue::Step::Progress => {
+            flow::Step::Progress => {
                 g.machine.progress(crate::stream::clock::now());
                 false
             }
@@ -266,11 +264,11 @@ pub(super) fn deliver(
     machine: &LinkMachine<ConnEnds, CancellationToken>,
     id: i64,
     data: bytes::Bytes,
-) -> Option<(bytes::Bytes, queue::Room)> {
+) -> Option<(bytes::Bytes, flow::Room)> {
     let e = machine.conn(id)?;
     match e.queue.push(data) {
-        Ok(()) | Err(queue::PushError::Closed) => None,
-        Err(queue::PushError::Full(data)) => Some((data, e.queue.room())),
+        Ok(()) | Err(flow::PushError::Closed) => None,
+        Err(flow::PushError::Full(data)) => Some((data, e.queue.room())),
     }
 }
 

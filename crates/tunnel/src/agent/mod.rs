@@ -10,8 +10,8 @@
 //! - `connect`: one connection to one replica, over gRPC or the native
 //!   transport, and why it failed ([`ConnectError`]);
 //! - `link`: the sans-IO machine of one stream ([`link::LinkMachine`]);
-//!   `link_driver`: its driver; `receive`: the stream's receive loop;
-//! - `dial`: the destination policy and the dials the server asks for;
+//!   `link_driver`: its driver; `receive`: the stream's receive loop, the
+//!   destination policy and the dials the server asks for;
 //! - `config` (flags or file), `metrics`, `harness` (drives the machine for
 //!   tests and the fuzzer).
 //!
@@ -27,14 +27,13 @@ use tokio_rustls::TlsConnector;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::tls;
-use crate::stream::fair::FairQueue;
+use crate::stream::flow::FairQueue;
 use crate::transport::grpc::H2Settings;
 use crate::wire::proto::Packet;
 
 pub mod config;
 mod connect;
 mod core;
-mod dial;
 #[cfg(any(test, feature = "harness"))]
 pub mod harness;
 pub mod link;
@@ -46,9 +45,9 @@ pub use self::core::{flap_delay, retry_delay, Agent, AgentOptions};
 use self::core::{HELD_RECHECK, KEEPALIVE_CAP};
 pub use connect::ConnectError;
 use connect::{answer, drain_duplicate, Answer, CloseOnDrop};
-pub use dial::DEFAULT_DENY;
 use link_driver::LinkDriver;
 pub use metrics::{AgentMetrics, Outcome};
+pub use receive::DEFAULT_DENY;
 
 impl Agent {
     /// Builds the agent (reads the TLS files).

@@ -11,7 +11,7 @@ use tonic::{Response, Status};
 use super::activity::Activity;
 use super::core::Core;
 use super::{attach, Cluster, Identifiers, LinkDriver};
-use crate::stream::fair::FairQueue;
+use crate::stream::flow::FairQueue;
 use crate::transport::grpc::PacketStream;
 
 /// A certificate decides the cluster at once (`Ok(None)` without one: the

@@ -10,12 +10,11 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use super::cluster::Cluster;
-use super::limits;
+use super::cluster::ConnPermit;
 use super::link_driver::{ConnEnds, LinkDriver};
 use crate::stream::clock::now as clock_now;
 use crate::stream::deadline::later;
-use crate::stream::flow::{self, SendCredit, Unacked};
-use crate::stream::queue::{self, QueueRx};
+use crate::stream::flow::{self, QueueRx, SendCredit, Unacked};
 use crate::wire::dial_error::DialError;
 use crate::wire::proto::Packet;
 
@@ -73,7 +72,7 @@ pub struct TunnelTx {
     /// Window towards the agent (flow control negotiated).
     pub credit: Option<SendCredit>,
     /// The cluster's connection slot, freed with the connection.
-    pub(super) _permit: limits::ConnPermit,
+    pub(super) _permit: ConnPermit,
 }
 
 impl TunnelTx {
@@ -177,7 +176,7 @@ pub(super) struct Opened {
 }
 
 impl Opened {
-    pub(super) fn tunnel(self, permit: limits::ConnPermit) -> Tunnel {
+    pub(super) fn tunnel(self, permit: ConnPermit) -> Tunnel {
         Tunnel {
             tx: TunnelTx {
                 link: self.link,
@@ -267,7 +266,7 @@ impl Attempt<'_> {
             self.settings.queue_bytes
         };
         let shared = Some(self.cluster.gate.queue_budget());
-        let (queue, rx) = queue::queue_within(budget, shared);
+        let (queue, rx) = flow::queue_within(budget, shared);
         let credit = flow.then(SendCredit::new);
         (ConnEnds { queue, credit }, rx)
     }

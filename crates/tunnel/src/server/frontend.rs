@@ -14,7 +14,7 @@ use tonic::{Response, Status};
 
 use super::core::Core;
 use super::{dial, Cluster, DialError, Tunnel, TunnelTx};
-use crate::stream::queue::{PumpEnd, QueueRx, Recv};
+use crate::stream::flow::{PumpEnd, QueueRx, Recv};
 use crate::transport::grpc::{Handler, PacketStream};
 use crate::wire::proto::{Packet, PacketType, Payload};
 
@@ -781,7 +781,7 @@ mod tests {
     use crate::server::run::TunnelServer;
     use crate::server::testing::TIMERS;
     use crate::server::*;
-    use crate::stream::fair::FairQueue;
+    use crate::stream::flow::FairQueue;
     use crate::wire::proto::{Packet, PacketType as T, Payload};
 
     /// An in-memory pipe ends like a Unix socket: no reset.

@@ -1,23 +1,24 @@
 //! One agent stream's driver: the sans-IO [`LinkMachine`] behind one lock,
 //! and the IO it drives (the fair queue towards the agent, the frontends'
-//! queues); the wait of a connection whose bytes do not fit.
+//! queues); the wait of a connection whose bytes do not fit; and what the
+//! agent behind the stream says about itself ([`Identifiers`]), with the
+//! strategies that pick a stream for a destination by it.
 
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use bytes::Bytes;
+use ipnet::IpNet;
 use tokio::sync::{oneshot, Notify};
 use tokio_util::sync::CancellationToken;
 
 use super::activity;
-use super::identifiers::Identifiers;
 use super::link::{Action, Actions, Handled, LinkMachine};
 use crate::stream::clock::now as clock_now;
 use crate::stream::deadline::earliest;
-use crate::stream::fair::FairQueue;
-use crate::stream::flow::SendCredit;
-use crate::stream::queue::{self, QueueTx};
+use crate::stream::flow::{self, FairQueue, QueueTx, SendCredit};
 use crate::wire::dial_error::DialError;
 use crate::wire::proto::Packet;
 
@@ -352,8 +353,8 @@ pub(super) fn deliver(machine: &LinkMachine<ConnEnds, Reply>, id: i64, data: Byt
         return Delivered::Overrun;
     }
     match c.queue.push(data) {
-        Ok(()) | Err(queue::PushError::Closed) => Delivered::Queued,
-        Err(queue::PushError::Full(data)) => Delivered::Blocked(Blocked {
+        Ok(()) | Err(flow::PushError::Closed) => Delivered::Queued,
+        Err(flow::PushError::Full(data)) => Delivered::Blocked(Blocked {
             connect_id: id,
             data,
             room: c.queue.room(),
@@ -368,7 +369,7 @@ pub(super) fn deliver(machine: &LinkMachine<ConnEnds, Reply>, id: i64, data: Byt
 pub struct Blocked {
     pub(super) connect_id: i64,
     pub(super) data: Bytes,
-    pub(super) room: queue::Room,
+    pub(super) room: flow::Room,
 }
 
 impl Blocked {
@@ -393,13 +394,13 @@ impl Blocked {
             };
             let now = clock_now();
             match step {
-                queue::Step::Room => match self.push(link) {
+                flow::Step::Room => match self.push(link) {
                     Some(data) => self.data = data,
                     None => break,
                 },
-                queue::Step::Progress => {}
+                flow::Step::Progress => {}
                 // The frontend went away: its own close tells the agent.
-                queue::Step::Closed => break,
+                flow::Step::Closed => break,
             }
             link.with(now, |m, _| m.progress(now));
         }
@@ -416,13 +417,112 @@ impl Blocked {
         let g = seedlink_net::sync::lock(&link.state, "agent link");
         let c = g.machine.conn(self.connect_id)?;
         match c.queue.push(std::mem::take(&mut self.data)) {
-            Ok(()) | Err(queue::PushError::Closed) => None,
-            Err(queue::PushError::Full(data)) => Some(data),
+            Ok(()) | Err(flow::PushError::Closed) => None,
+            Err(flow::PushError::Full(data)) => Some(data),
         }
     }
 }
 
 pub(super) static NEXT_UID: AtomicU64 = AtomicU64::new(1);
+
+/// What an agent says about itself (`agentidentifiers`).
+#[derive(Debug, Clone, Default)]
+pub struct Identifiers {
+    /// `host=` values.
+    pub hosts: Vec<String>,
+    /// `ipv4=` / `ipv6=` values.
+    pub ips: Vec<IpAddr>,
+    /// `cidr=` values.
+    pub cidrs: Vec<IpNet>,
+    /// `default-route=true`.
+    pub default_route: bool,
+}
+
+impl std::fmt::Display for Identifiers {
+    /// The URL-query form the agent sent (canonical order).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut parts: Vec<String> = self.hosts.iter().map(|h| format!("host={h}")).collect();
+        parts.extend(self.ips.iter().map(|ip| match ip {
+            IpAddr::V4(_) => format!("ipv4={ip}"),
+            IpAddr::V6(_) => format!("ipv6={ip}"),
+        }));
+        parts.extend(self.cidrs.iter().map(|c| format!("cidr={c}")));
+        if self.default_route {
+            parts.push("default-route=true".into());
+        }
+        write!(f, "{}", parts.join("&"))
+    }
+}
+
+impl Identifiers {
+    /// Parses the URL-query form; unknown keys and unparsable values are
+    /// ignored (as upstream does), and reported back for logging.
+    pub fn parse(s: &str) -> (Identifiers, Vec<String>) {
+        let mut out = Identifiers::default();
+        let mut ignored = Vec::new();
+        for (k, v) in form_urlencoded::parse(s.as_bytes()) {
+            match k.as_ref() {
+                "host" => out.hosts.push(v.to_ascii_lowercase()),
+                "ipv4" | "ipv6" => match v.parse() {
+                    Ok(ip) => out.ips.push(ip),
+                    Err(_) => ignored.push(format!("{k}={v}")),
+                },
+                "cidr" => match v.parse() {
+                    Ok(n) => out.cidrs.push(n),
+                    Err(_) => ignored.push(format!("{k}={v}")),
+                },
+                "default-route" => out.default_route = v.eq_ignore_ascii_case("true"),
+                _ => ignored.push(k.to_string()),
+            }
+        }
+        (out, ignored)
+    }
+}
+
+/// How a backend is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    /// Any agent of the cluster.
+    Default,
+    /// An agent whose `host`/`ipv4`/`ipv6` identifier equals the destination host.
+    DestHost,
+    /// An agent advertising `default-route=true`.
+    DefaultRoute,
+    /// An agent whose `cidr` identifier contains the destination IP.
+    Cidr,
+}
+
+impl Strategy {
+    /// From its configuration name.
+    pub fn from_name(s: &str) -> Option<Strategy> {
+        Some(match s {
+            "default" => Strategy::Default,
+            "destHost" => Strategy::DestHost,
+            "defaultRoute" => Strategy::DefaultRoute,
+            "cidr" => Strategy::Cidr,
+            _ => return None,
+        })
+    }
+
+    pub(super) fn matches(self, ids: &Identifiers, host: &str) -> bool {
+        match self {
+            Strategy::Default => true,
+            Strategy::DefaultRoute => ids.default_route,
+            Strategy::DestHost => {
+                let h = host.trim_start_matches('[').trim_end_matches(']');
+                match h.parse::<IpAddr>() {
+                    Ok(ip) => ids.ips.contains(&ip),
+                    Err(_) => ids.hosts.iter().any(|x| x.eq_ignore_ascii_case(h)),
+                }
+            }
+            Strategy::Cidr => {
+                let h = host.trim_start_matches('[').trim_end_matches(']');
+                h.parse::<IpAddr>()
+                    .is_ok_and(|ip| ids.cidrs.iter().any(|n| n.contains(&ip)))
+            }
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -436,7 +536,7 @@ mod tests {
     use crate::server::link::Timers;
     use crate::server::testing::{cluster, LIVE, TIMERS};
     use crate::server::*;
-    use crate::stream::queue;
+    use crate::stream::flow;
     use crate::wire::proto::Packet;
 
     /// The receive loop holds two timer futures while a connection waits
@@ -465,7 +565,7 @@ mod tests {
                 () = std::future::ready(()) => {}
             }
         }
-        let (qtx, _reader) = queue::queue(4);
+        let (qtx, _reader) = flow::queue(4);
         let ends = ConnEnds {
             queue: qtx,
             credit: None,
@@ -498,7 +598,7 @@ mod tests {
         timers: Timers,
     ) -> (std::sync::Arc<LinkDriver>, impl Sized) {
         let (link, to_agent) = attach(c, "a".into(), Identifiers::default(), flow, timers);
-        let (qtx, reader) = queue::queue(4);
+        let (qtx, reader) = flow::queue(4);
         let ends = ConnEnds {
             queue: qtx,
             credit: flow.then(crate::stream::flow::SendCredit::new),
@@ -551,5 +651,17 @@ mod tests {
         assert_eq!(h, Handled::Unexpected);
         assert!(blocked.is_none(), "nothing to wait for");
         assert_eq!(link.conn_count(), 0);
+    }
+
+    #[test]
+    fn identifiers_parse_like_upstream_and_report_what_they_ignore() {
+        let (ids, ignored) = Identifiers::parse(
+            "host=Node1&ipv4=10.0.0.5&ipv6=fd00::1&cidr=10.1.0.0/16&default-route=true&uid=x&ipv4=bad",
+        );
+        assert_eq!(ids.hosts, vec!["node1"]);
+        assert_eq!(ids.ips.len(), 2);
+        assert_eq!(ids.cidrs.len(), 1);
+        assert!(ids.default_route);
+        assert_eq!(ignored, vec!["uid".to_string(), "ipv4=bad".to_string()]);
     }
 }

@@ -12,23 +12,23 @@
 //! waiting dial, the stall deadline of a connection waiting for room, the
 //! closed IDs' expiry) are the machine's ([`link::LinkMachine::poll_timeout`],
 //! [`link::LinkMachine::handle_timeout`]); the link's receive loop
-//! (`receive::receive_loop`) sleeps until the next one with
+//! (`endpoint::receive_loop`) sleeps until the next one with
 //! [`LinkDriver::next_timeout`]. Timers around IO stay with the IO: the TLS
 //! handshake deadline, the first-stream deadline, a frontend write's stall.
 //!
 //! The modules, from the agent's side to the frontend's:
 //! - `link`: the sans-IO machine of one agent stream; `link_driver`: its
-//!   driver (the lock, the actions carried out, the wait for room);
-//!   `receive`: the stream's receive loop and how it ended;
-//! - `identifiers` (what an agent says about itself, the strategies),
-//!   `cluster` (a cluster's agents, the pick, attach and detach),
-//!   `registry` (every cluster, by name, certificate or token);
-//! - `dial`: one dial under one deadline, and the tunnel's ends;
+//!   driver (the lock, the actions carried out, the wait for room) and what
+//!   the agent says about itself (identifiers, the strategies);
 //! - `endpoint` (the agent endpoint: TLS, then gRPC or the native
-//!   transport) and `admission` (whose stream it is, limits, the answer);
+//!   transport; each stream's receive loop and how it ended) and
+//!   `admission` (whose stream it is, limits, the answer);
+//! - `cluster` (a cluster's agents, the pick, attach and detach, its
+//!   limits), `registry` (every cluster, by name, certificate or token);
+//! - `dial`: one dial under one deadline, and the tunnel's ends;
 //! - `accept` (the accept loops, one connection's dispatch), `frontend` and
-//!   `socks` (the frontends' protocols), `core`, `limits`, `metrics`,
-//!   `activity`, `admin`;
+//!   `socks` (the frontends' protocols), `core`, `metrics`, `activity`,
+//!   `admin`;
 //! - `run`: the server as configured (`plan` reads a configuration; `diff`,
 //!   pure, decides what a reload changes), `upgrade` and `handover` (binary
 //!   upgrades).
@@ -46,13 +46,10 @@ pub mod frontend;
 pub mod handover;
 #[cfg(any(test, feature = "harness"))]
 pub mod harness;
-pub mod identifiers;
-pub mod limits;
 pub mod link;
 pub mod link_driver;
 pub mod metrics;
 pub mod plan;
-pub mod receive;
 pub mod registry;
 pub mod run;
 pub mod socks;
@@ -62,7 +59,6 @@ pub mod upgrade;
 
 pub use self::cluster::*;
 pub use self::dial::*;
-pub use self::identifiers::*;
 pub use self::link::Handled;
 pub use self::link_driver::*;
 pub use self::registry::*;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use tokio_rustls::TlsAcceptor;
 
-use super::limits::Limits;
+use super::cluster::Limits;
 use super::metrics::Metrics;
 use super::{ClusterConf, Strategy};
 use crate::auth::tls;

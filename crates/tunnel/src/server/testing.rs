@@ -3,18 +3,12 @@
 
 use std::time::Duration;
 
-use super::limits;
+use super::cluster::Limits;
 use super::link::Timers;
 use super::{Cluster, Strategy};
 
 pub(crate) fn cluster(strategies: &[Strategy]) -> Cluster {
-    Cluster::with_trust(
-        "c",
-        strategies.to_vec(),
-        None,
-        None,
-        limits::Limits::UNLIMITED,
-    )
+    Cluster::with_trust("c", strategies.to_vec(), None, None, Limits::UNLIMITED)
 }
 
 pub(crate) const LIVE: Duration = Duration::from_secs(12);

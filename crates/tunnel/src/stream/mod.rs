@@ -1,10 +1,9 @@
-//! Layer 2, streams: per-connection queues and flow control, the fair queue
-//! towards one agent stream, deadlines, and the budget of packets that move
-//! nothing.
+//! Layer 2, streams: how a connection's bytes move through an agent stream
+//! (`flow`: the send window, the receive queue, the stream's fair send
+//! queue), deadlines and the clock the drivers read, and the budget of
+//! packets that move nothing (`flood`).
 
 pub mod clock;
 pub mod deadline;
-pub mod fair;
 pub mod flood;
 pub mod flow;
-pub mod queue;

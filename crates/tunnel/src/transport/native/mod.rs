@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncWrite};
 
-use crate::stream::fair::FairQueue;
+use crate::stream::flow::FairQueue;
 
 mod frame;
 mod handshake;

@@ -15,7 +15,7 @@ use super::frame::*;
 use super::handshake::*;
 use super::reader::*;
 use super::writer::*;
-use crate::stream::fair::FairQueue;
+use crate::stream::flow::FairQueue;
 use crate::wire::proto::{Packet, Payload};
 
 fn samples() -> Vec<Packet> {

@@ -16,7 +16,7 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::stream::fair::FairQueue;
+use crate::stream::flow::FairQueue;
 use crate::wire::proto::{Data, Packet, Payload};
 
 use super::frame::*;
