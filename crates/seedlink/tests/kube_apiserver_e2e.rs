@@ -1041,6 +1041,26 @@ fn route_the_kubernetes_service(node: &Netns, ip: &str, p: &str) {
     node.run(&["ip", "-6", "route", "add", "fd00:97::/108", "dev", "lo"]);
 }
 
+/// kubectl with a client certificate through the gateway's SNI
+/// passthrough: the API server sees the certificate (mTLS end to end).
+fn kubectl_passes_through_with_its_certificate(api: &KubeApi, files: &Files, gw: &Gw) {
+    let kc = files.dir.join("via-gateway.kubeconfig");
+    let via_gateway = format!("https://{}", gw.listener("tls"));
+    kubeconfig(api, &kc, &via_gateway, Some(API_NAME), None);
+    let o = Command::new(api.kube_dir.join("bin/kubectl"))
+        .arg("--kubeconfig")
+        .arg(&kc)
+        .args([
+            "auth",
+            "whoami",
+            "-o",
+            "jsonpath={.status.userInfo.username}",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(text(&o).trim(), "test-admin", "{}", text(&o));
+}
+
 /// GEP-08 and GEP-30 with the real consumer: kubectl (client certificate)
 /// through the gateway's SNI passthrough to the shoot's kube-apiserver; and
 /// an in-cluster client in the shoot (its ServiceAccount token) dialing the
@@ -1084,28 +1104,7 @@ control_planes:
         api.addr
     ));
 
-    // kubectl with a client certificate through SNI passthrough: the API
-    // server sees the certificate (mTLS end to end).
-    let kc = files.dir.join("via-gateway.kubeconfig");
-    kubeconfig(
-        &api,
-        &kc,
-        &format!("https://{}", gw.listener("tls")),
-        Some(API_NAME),
-        None,
-    );
-    let o = Command::new(api.kube_dir.join("bin/kubectl"))
-        .arg("--kubeconfig")
-        .arg(&kc)
-        .args([
-            "auth",
-            "whoami",
-            "-o",
-            "jsonpath={.status.userInfo.username}",
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(text(&o).trim(), "test-admin", "{}", text(&o));
+    kubectl_passes_through_with_its_certificate(&api, &files, &gw);
 
     // The in-cluster client's identity and the node's plumbing.
     for o in [
@@ -1204,46 +1203,28 @@ control_planes:
     .await;
 }
 
-/// A real kubelet (v1.35, from its module) on the shoot's node, with
-/// containerd and runc (Debian's) and a busybox image built locally:
-/// `kubectl logs`, `exec` and `port-forward` go from kube-apiserver through
-/// the tunnel to it, with kubectl's own protocols end to end. The kubelet
-/// reaches its API server through the gateway (SNI passthrough), as a
-/// shoot's kubelets reach theirs through the seed's load balancer.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_real_kubelet_serves_logs_exec_and_port_forward_through_the_tunnel() {
-    let net = NET + 3;
-    let (kubelet_bin, image) = node_peers();
-    require("containerd");
-    require("runc");
-    let ctr = require("ctr");
-    let dir = tempfile::tempdir().unwrap();
-    let files = Arc::new(Files::new(dir.path()));
-    let (node, _apps) = shoot_with(&files, net, false);
-    let agents = agents_address(net);
-    let api = shoot_apiserver(&files, &agents, "v1beta1", None).await;
-    let rendered = files.dir.join("rendered-v1beta1");
-    issue_credentials(&api, &files).await;
-    let _server = tunnel_server(&files);
-    // The agent from the agent.yaml `tunnel-config` rendered.
-    let mut agent_proc = start(
-        node.cmd(&[seedlink_bin(), "tunnel-agent", "--config"])
-            .arg(rendered.join("agent.yaml")),
-    );
-    // The seed's load balancer for the kubelet's own API calls.
-    let gw = Gw::start(&format!(
-        "admin: {{listen: '127.0.0.1:0'}}
-listeners: [{{name: tls, address: '198.18.{net}.1:0'}}]
-control_planes:
-  - {{name: shoot--e2e--a, hostnames: [{API_NAME}], endpoints: ['{}']}}
-",
-        api.addr
-    ));
+/// A shoot node's containerd and kubelet, stopped in this order (the
+/// fields drop in order: the kubelet, containerd, then what they left).
+struct KubeletNode {
+    _kubelet: Proc,
+    _containerd: Proc,
+    _cleanup: NodeCleanup,
+    /// The node's directory (its logs).
+    dir: PathBuf,
+}
 
-    // containerd in the node's namespace (a hostNetwork pod's containers
-    // share it), the image imported.
-    let d = files.dir.join("node");
-    std::fs::create_dir_all(&d).unwrap();
+/// `args` run in `node`'s network namespace only: `ip netns exec` would
+/// also remount /sys, hiding the cgroup mounts runc and the kubelet need.
+fn in_node(node: &Netns, args: &[&str]) -> Command {
+    let mut c = Command::new(require("nsenter"));
+    c.arg(format!("--net=/run/netns/{}", node.0)).args(args);
+    c
+}
+
+/// containerd in the node's namespace (a hostNetwork pod's containers
+/// share it) with the image imported: the process and its socket.
+async fn containerd_on(node: &Netns, d: &Path, image: &Path) -> (Proc, PathBuf) {
+    let ctr = require("ctr");
     let sock = d.join("containerd.sock");
     std::fs::write(
         d.join("containerd.toml"),
@@ -1256,19 +1237,8 @@ control_planes:
         ),
     )
     .unwrap();
-    let _cleanup = NodeCleanup {
-        netns: node.0.clone(),
-        dir: d.clone(),
-    };
-    // nsenter joins the network namespace only: `ip netns exec` would
-    // also remount /sys, hiding the cgroup mounts runc and the kubelet need.
-    let in_node = |args: &[&str]| {
-        let mut c = Command::new(require("nsenter"));
-        c.arg(format!("--net=/run/netns/{}", node.0)).args(args);
-        c
-    };
-    let _containerd = Proc(
-        in_node(&["containerd", "--config"])
+    let containerd = Proc(
+        in_node(node, &["containerd", "--config"])
             .arg(d.join("containerd.toml"))
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(d.join("containerd.log")).unwrap())
@@ -1279,32 +1249,34 @@ control_planes:
         let o = Command::new(&ctr)
             .arg("--address")
             .arg(&sock)
-            .args([
-                "-n",
-                "k8s.io",
-                "images",
-                "import",
-                "--base-name",
-                "localhost/busybox",
-            ])
-            .arg(&image)
+            .args(["-n", "k8s.io", "images", "import"])
+            .args(["--base-name", "localhost/busybox"])
+            .arg(image)
             .output()
             .unwrap();
         o.status.success().then_some(()).ok_or_else(|| text(&o))
     })
     .await;
+    (containerd, sock)
+}
 
-    // The kubelet: serving the node's address with the certificate
-    // kube-apiserver verifies, trusting kube-apiserver's client
-    // certificate; registering through the gateway.
+/// The node: containerd, then the kubelet serving the node's address with
+/// the certificate kube-apiserver verifies, trusting kube-apiserver's
+/// client certificate, and registering through the gateway `gw`.
+async fn kubelet_node(api: &KubeApi, files: &Files, node: &Netns, gw: &Gw) -> KubeletNode {
+    let (kubelet_bin, image) = node_peers();
+    require("containerd");
+    require("runc");
+    let d = files.dir.join("node");
+    std::fs::create_dir_all(&d).unwrap();
+    let cleanup = NodeCleanup {
+        netns: node.0.clone(),
+        dir: d.clone(),
+    };
+    let (containerd, sock) = containerd_on(node, &d, &image).await;
     let kc = d.join("kubelet.kubeconfig");
-    kubeconfig(
-        &api,
-        &kc,
-        &format!("https://{}", gw.listener("tls")),
-        Some(API_NAME),
-        None,
-    );
+    let via_gateway = format!("https://{}", gw.listener("tls"));
+    kubeconfig(api, &kc, &via_gateway, Some(API_NAME), None);
     let (cert, key, ca) = (
         files.p("kubelet.pem"),
         files.p("kubelet-key.pem"),
@@ -1320,8 +1292,8 @@ control_planes:
         ),
     )
     .unwrap();
-    let _kubelet = Proc(
-        in_node(&[kubelet_bin.to_str().unwrap(), "--config"])
+    let kubelet = Proc(
+        in_node(node, &[kubelet_bin.to_str().unwrap(), "--config"])
             .arg(d.join("kubelet.yaml"))
             .arg("--kubeconfig")
             .arg(&kc)
@@ -1334,15 +1306,26 @@ control_planes:
             .spawn()
             .unwrap(),
     );
-    let c = api.client().await.unwrap();
     eventually("the node registers", Duration::from_secs(120), async || {
-        let o = kubectl(&api, &["get", "node", "shoot-node-1", "-o", "name"]);
+        let o = kubectl(api, &["get", "node", "shoot-node-1", "-o", "name"]);
         o.status
             .success()
             .then_some(())
             .ok_or_else(|| format!("{}\n{}", text(&o), tail(&d.join("kubelet.log"))))
     })
     .await;
+    KubeletNode {
+        _kubelet: kubelet,
+        _containerd: containerd,
+        _cleanup: cleanup,
+        dir: d,
+    }
+}
+
+/// `work/web-0` on the node: a container that logs a numbered line every
+/// 100 ms, and an echo server on port 8080; running.
+async fn the_pod_runs(api: &KubeApi, node: &KubeletNode) {
+    let c = api.client().await.unwrap();
     for o in [
         json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "work"}}),
         json!({"apiVersion": "v1", "kind": "ServiceAccount",
@@ -1362,59 +1345,56 @@ control_planes:
     ] {
         kubeapi::apply(&c, o).await;
     }
+    let phase = [
+        "get",
+        "pod",
+        "-n",
+        "work",
+        "web-0",
+        "-o",
+        "jsonpath={.status.phase}",
+    ];
     eventually("the pod runs", Duration::from_secs(40), async || {
-        let o = kubectl(
-            &api,
-            &[
-                "get",
-                "pod",
-                "-n",
-                "work",
-                "web-0",
-                "-o",
-                "jsonpath={.status.phase}",
-            ],
-        );
+        let o = kubectl(api, &phase);
         (text(&o).trim() == "Running")
             .then_some(())
-            .ok_or_else(|| format!("{}\n{}", text(&o), tail(&d.join("kubelet.log"))))
+            .ok_or_else(|| format!("{}\n{}", text(&o), tail(&node.dir.join("kubelet.log"))))
     })
     .await;
+}
 
-    // kubectl logs, exec and port-forward: kube-apiserver dials the
-    // kubelet through the tunnel.
+/// `kubectl logs` and `exec` (with 100 kB on stdin), and the node proxy to
+/// the kubelet's own API: kube-apiserver dials the kubelet through the
+/// tunnel.
+async fn logs_exec_and_the_node_proxy_go_through_the_tunnel(api: &KubeApi) {
     eventually("kubectl logs", Duration::from_secs(30), async || {
-        let o = kubectl(&api, &["logs", "-n", "work", "web-0", "-c", "app"]);
+        let o = kubectl(api, &["logs", "-n", "work", "web-0", "-c", "app"]);
         text(&o)
             .contains("line 1")
             .then_some(())
             .ok_or_else(|| text(&o))
     })
     .await;
+    let exec = ["exec", "-n", "work", "web-0", "-c", "app", "--"];
     let o = kubectl(
-        &api,
-        &[
-            "exec",
-            "-n",
-            "work",
-            "web-0",
-            "-c",
-            "app",
-            "--",
-            "echo",
-            "exec through the tunnel",
-        ],
+        api,
+        &[&exec[..], &["echo", "exec through the tunnel"]].concat(),
     );
     assert_eq!(text(&o).trim(), "exec through the tunnel", "{}", text(&o));
-    let o = kubectl_in(
-        &api,
-        &[
-            "exec", "-i", "-n", "work", "web-0", "-c", "app", "--", "wc", "-c",
-        ],
-        &"x".repeat(100_000),
-    );
+    let stdin = [
+        "exec", "-i", "-n", "work", "web-0", "-c", "app", "--", "wc", "-c",
+    ];
+    let o = kubectl_in(api, &stdin, &"x".repeat(100_000));
     assert_eq!(text(&o).trim(), "100000", "{}", text(&o));
+    let healthz = "/api/v1/nodes/shoot-node-1/proxy/healthz";
+    let o = kubectl(api, &["get", "--raw", healthz]);
+    assert_eq!(text(&o).trim(), "ok", "{}", text(&o));
+}
 
+/// `kubectl port-forward` to the pod's echo server, through the tunnel,
+/// with five messages of up to 81 kB echoed: the port-forward and its
+/// local port.
+async fn port_forward_goes_through_the_tunnel(api: &KubeApi) -> (Proc, u16) {
     let local = free_port();
     let mut pf = Proc(
         Command::new(api.kube_dir.join("bin/kubectl"))
@@ -1441,18 +1421,15 @@ control_planes:
     for i in 0..5usize {
         echo(&mut s, &vec![b'0' + i as u8; 1000 + i * 20_000]).await;
     }
-    drop(s);
+    (pf, local)
+}
 
-    // The node proxy to the kubelet's own API.
-    let o = kubectl(
-        &api,
-        &["get", "--raw", "/api/v1/nodes/shoot-node-1/proxy/healthz"],
-    );
-    assert_eq!(text(&o).trim(), "ok", "{}", text(&o));
+/// A following `kubectl logs -f`: a receiver that first gets `None` after
+/// three lines, then the lines and how kubectl exited.
+type Followed =
+    std::sync::mpsc::Receiver<Option<(Vec<String>, std::io::Result<std::process::ExitStatus>)>>;
 
-    // The agent killed under a following `kubectl logs -f` and an open
-    // port-forward: both end (no hang), and what arrived is the log in
-    // order; then, with no agent, exec fails with an error.
+fn follow_the_logs(api: &KubeApi) -> Followed {
     let mut follow = Command::new(api.kube_dir.join("bin/kubectl"))
         .arg("--kubeconfig")
         .arg(&api.admin_kubeconfig)
@@ -1477,7 +1454,19 @@ control_planes:
         }
         let _ = tx.send(Some((lines, follow.wait())));
     });
-    assert!(rx
+    rx
+}
+
+/// The agent killed under a following `kubectl logs -f` and an open
+/// port-forward (on `local`): both end (no hang), and what arrived is the
+/// log in order; then, with no agent, exec fails with an error.
+async fn the_agent_dies_under_a_follow_and_a_forward(
+    api: &KubeApi,
+    mut agent: Started,
+    local: u16,
+) {
+    let follow = follow_the_logs(api);
+    assert!(follow
         .recv_timeout(Duration::from_secs(60))
         .expect("three log lines within 60 s")
         .is_none());
@@ -1485,9 +1474,9 @@ control_planes:
         .await
         .unwrap();
     echo(&mut s, b"before the agent goes").await;
-    agent_proc.proc.0.kill().unwrap();
-    agent_proc.proc.0.wait().unwrap();
-    let (lines, _) = rx
+    agent.proc.0.kill().unwrap();
+    agent.proc.0.wait().unwrap();
+    let (lines, _) = follow
         .recv_timeout(Duration::from_secs(90))
         .expect("kubectl logs -f still running 90 s after the agent died")
         .unwrap();
@@ -1503,11 +1492,48 @@ control_planes:
         "the port-forward connection outlived the agent"
     );
     let o = kubectl(
-        &api,
+        api,
         &["exec", "-n", "work", "web-0", "-c", "app", "--", "true"],
     );
     assert!(!o.status.success(), "{}", text(&o));
-    drop(pf);
+}
+
+/// A real kubelet (v1.35, from its module) on the shoot's node, with
+/// containerd and runc (Debian's) and a busybox image built locally:
+/// `kubectl logs`, `exec` and `port-forward` go from kube-apiserver through
+/// the tunnel to it, with kubectl's own protocols end to end. The kubelet
+/// reaches its API server through the gateway (SNI passthrough), as a
+/// shoot's kubelets reach theirs through the seed's load balancer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_kubelet_serves_logs_exec_and_port_forward_through_the_tunnel() {
+    let net = NET + 3;
+    let dir = tempfile::tempdir().unwrap();
+    let files = Arc::new(Files::new(dir.path()));
+    let (node, _apps) = shoot_with(&files, net, false);
+    let agents = agents_address(net);
+    let api = shoot_apiserver(&files, &agents, "v1beta1", None).await;
+    let rendered = files.dir.join("rendered-v1beta1");
+    issue_credentials(&api, &files).await;
+    let _server = tunnel_server(&files);
+    // The agent from the agent.yaml `tunnel-config` rendered.
+    let agent = start(
+        node.cmd(&[seedlink_bin(), "tunnel-agent", "--config"])
+            .arg(rendered.join("agent.yaml")),
+    );
+    // The seed's load balancer for the kubelet's own API calls.
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '198.18.{net}.1:0'}}]
+control_planes:
+  - {{name: shoot--e2e--a, hostnames: [{API_NAME}], endpoints: ['{}']}}
+",
+        api.addr
+    ));
+    let kubelet = kubelet_node(&api, &files, &node, &gw).await;
+    the_pod_runs(&api, &kubelet).await;
+    logs_exec_and_the_node_proxy_go_through_the_tunnel(&api).await;
+    let (_pf, local) = port_forward_goes_through_the_tunnel(&api).await;
+    the_agent_dies_under_a_follow_and_a_forward(&api, agent, local).await;
 }
 
 /// The kubelet binary and the node image scripts/build-kube-peers made.

@@ -20,7 +20,7 @@ use common::faults::{Fault, FaultProxy};
 use common::kubeapi::{self, KubeApi};
 use common::*;
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, UnixStream};
 use tokio_util::sync::CancellationToken;
 
 const A: &str = "api.a.kube.test";
@@ -1223,155 +1223,238 @@ fn tunnel_agent(server: &str, seed_ca: &str, cert: &str, key: &str) -> (Proc, So
     (agent, admin)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn tunnel_clusters_come_from_objects_with_their_health_in_status() {
-    use common::tunnel_env::{kas_connect, kas_connect_eventually, ready_line};
-    let stop = CancellationToken::new();
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
-    let seed = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
-    let (shoot_a, shoot_b) = (
-        seedlink::demo::Pki::generate(&[]).unwrap(),
-        seedlink::demo::Pki::generate(&[]).unwrap(),
-    );
-    let w = |name: &str, text: &str| {
-        std::fs::write(d.join(name), text).unwrap();
-        d.join(name).display().to_string()
-    };
-    let seed_ca = w("seed-ca.pem", &seed.ca_pem);
-    let (tun_crt, tun_key) = (
-        w("tun.pem", &seed.servers[0].1.cert_pem),
-        w("tun-key.pem", &seed.servers[0].1.key_pem),
-    );
-    let (a_crt, a_key) = (
-        w("a.pem", &shoot_a.client.cert_pem),
-        w("a-key.pem", &shoot_a.client.key_pem),
-    );
-    let (b_crt, b_key) = (
-        w("b.pem", &shoot_b.client.cert_pem),
-        w("b-key.pem", &shoot_b.client.key_pem),
-    );
-    let echo = echo_backend(&stop).await;
+/// The bed of `tunnel_clusters_come_from_objects_with_their_health_in_status`:
+/// two tenants' TunnelClusters on the seed (shoot--a's CA in a Secret,
+/// shoot--b's in a ConfigMap that does not exist yet), a tunnel-server
+/// reading them as the ServiceAccount, and the files its agents need.
+struct TunnelObjects {
+    stop: CancellationToken,
+    dir: tempfile::TempDir,
+    seed: Seed,
+    pki: seedlink::demo::Pki,
+    shoot_a: seedlink::demo::Pki,
+    shoot_b: seedlink::demo::Pki,
+    echo: SocketAddr,
+    /// shoot--a's and shoot--b's namespaces.
+    a: String,
+    b: String,
+    kubeconfig: std::path::PathBuf,
+    config: std::path::PathBuf,
+    upgrade_socket: std::path::PathBuf,
+    /// The server's agent endpoint and admin address.
+    agents: String,
+    admin: SocketAddr,
+}
 
-    let seed = Seed::new(false).await;
-    let kubeconfig = seed.kubeconfig("tunnel-server", &seed.token);
-    let (a, b) = (
-        seed.tenant("shoot--a", false).await,
-        seed.tenant("shoot--b", false).await,
-    );
-    seed.trust_binding(&a).await;
-    seed.trust_binding(&b).await;
-    seed.apply(json!({
-        "apiVersion": "v1", "kind": "Secret",
-        "metadata": {"name": "agent-ca", "namespace": a,
-                     "labels": {"seedlink.dev/tunnel-trust": "true"}},
-        "stringData": {"ca.crt": shoot_a.ca_pem}
-    }))
-    .await;
-    seed.apply(tunnel_cluster(
-        &a,
-        json!({"secret": "agent-ca", "key": "ca.crt"}),
-    ))
-    .await;
-    // Its ConfigMap does not exist yet.
-    seed.apply(tunnel_cluster(
-        &b,
-        json!({"configMap": "agent-ca", "key": "ca.crt"}),
-    ))
-    .await;
+const TUNNELS: &str = "tunnel.seedlink.dev/v1alpha1";
 
-    let config = d.join("tunnel.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "agents: {{listen: '127.0.0.1:0', cert: '{tun_crt}', key: '{tun_key}', keepalive: 1s, keepalive_timeout: 1s}}
+impl TunnelObjects {
+    /// The objects, then the server: the server and the bed.
+    async fn start() -> (Proc, TunnelObjects) {
+        let stop = CancellationToken::new();
+        let dir = tempfile::tempdir().unwrap();
+        let pki = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
+        let shoot_a = seedlink::demo::Pki::generate(&[]).unwrap();
+        let shoot_b = seedlink::demo::Pki::generate(&[]).unwrap();
+        let echo = echo_backend(&stop).await;
+        let seed = Seed::new(false).await;
+        let kubeconfig = seed.kubeconfig("tunnel-server", &seed.token);
+        let a = seed.tenant("shoot--a", false).await;
+        let b = seed.tenant("shoot--b", false).await;
+        seed.trust_binding(&a).await;
+        seed.trust_binding(&b).await;
+        seed.apply(json!({
+            "apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "agent-ca", "namespace": a,
+                         "labels": {"seedlink.dev/tunnel-trust": "true"}},
+            "stringData": {"ca.crt": shoot_a.ca_pem}
+        }))
+        .await;
+        seed.apply(tunnel_cluster(
+            &a,
+            json!({"secret": "agent-ca", "key": "ca.crt"}),
+        ))
+        .await;
+        // Its ConfigMap does not exist yet.
+        seed.apply(tunnel_cluster(
+            &b,
+            json!({"configMap": "agent-ca", "key": "ca.crt"}),
+        ))
+        .await;
+        let d = dir.path();
+        let (config, upgrade_socket) = (d.join("tunnel.yaml"), d.join("upgrade.sock"));
+        let mut bed = TunnelObjects {
+            stop,
+            dir,
+            seed,
+            pki,
+            shoot_a,
+            shoot_b,
+            echo,
+            a,
+            b,
+            kubeconfig,
+            config,
+            upgrade_socket,
+            agents: String::new(),
+            admin: "127.0.0.1:0".parse().unwrap(),
+        };
+        let server = bed.server();
+        (server, bed)
+    }
+
+    /// Writes `name` into the bed's directory: its path.
+    fn file(&self, name: &str, text: &str) -> String {
+        let p = self.dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    }
+
+    /// The server's certificate and key.
+    fn server_tls(&self) -> (String, String) {
+        let (_, leaf) = &self.pki.servers[0];
+        (
+            self.file("tun.pem", &leaf.cert_pem),
+            self.file("tun-key.pem", &leaf.key_pem),
+        )
+    }
+
+    /// Starts the tunnel-server on its Kubernetes configuration (no
+    /// cluster in the file, one frontend template) and records where it
+    /// listens.
+    fn server(&mut self) -> Proc {
+        let (d, sys) = (self.dir.path().display(), &self.seed.sys);
+        let (crt, key) = self.server_tls();
+        std::fs::write(
+            &self.config,
+            format!(
+                "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}', keepalive: 1s, keepalive_timeout: 1s}}
 admin: {{listen: '127.0.0.1:0'}}
 clusters: []
 frontend_templates:
-  - {{name: uds, protocol: http-connect, unix: '{}/{{cluster}}.sock'}}
-kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas: {}/seedlink-internal}}
-",
-            d.display(),
-            seed.sys,
-            d.display(),
-            seed.sys
-        ),
-    )
-    .unwrap();
-    let upgrade_socket = d.join("upgrade.sock");
-    let mut server = std::process::Command::new(seedlink_bin())
-        .args(["tunnel-server", "--config"])
-        .arg(&config)
-        .arg("--upgrade-socket")
-        .arg(&upgrade_socket)
-        .env("KUBECONFIG", &kubeconfig)
-        .env("POD_NAME", "tunnel-0")
-        .env(
+  - {{name: uds, protocol: http-connect, unix: '{d}/{{cluster}}.sock'}}
+kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust', replicas: {sys}/seedlink-internal}}
+"
+            ),
+        )
+        .unwrap();
+        let mut cmd = self.server_cmd();
+        cmd.env(
             "RUST_LOG",
             std::env::var("SERVER_LOG").unwrap_or_else(|_| "warn".into()),
         )
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let ready = ready_line(&mut server);
-    let mut old_server = Proc(server);
-    assert_eq!(ready["event"], "ready", "{ready}");
-    let agents = ready["agents"].as_str().unwrap().to_string();
-    // `servercount` follows the replicas in the EndpointSlices of the
-    // Service that selects them: three serving, one terminating but still
-    // serving (being replaced: agents join its successor at once) and one
-    // not serving are 4.
-    let tunnel_admin: SocketAddr = ready["admin"].as_str().unwrap().parse().unwrap();
-    seed.apply(json!({
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-        "metadata": {"name": "seedlink-internal-x1", "namespace": seed.sys,
-                     "labels": {"kubernetes.io/service-name": "seedlink-internal",
-                                "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
-        "addressType": "IPv4",
-        "ports": [{"name": "kas", "port": 8090, "protocol": "TCP"}],
-        "endpoints": [
-            {"addresses": ["10.99.2.1"], "conditions": {"ready": true, "serving": true, "terminating": false}},
-            {"addresses": ["10.99.2.2"], "conditions": {"ready": true}},
-            {"addresses": ["10.99.2.3"]},
-            {"addresses": ["10.99.2.4"], "conditions": {"ready": false, "serving": true, "terminating": true}},
-            {"addresses": ["10.99.2.5"], "conditions": {"ready": false, "serving": false}}
-        ]
-    }))
+        .stdout(std::process::Stdio::piped());
+        let mut server = cmd.spawn().unwrap();
+        let ready = common::tunnel_env::ready_line(&mut server);
+        assert_eq!(ready["event"], "ready", "{ready}");
+        self.agents = ready["agents"].as_str().unwrap().to_string();
+        self.admin = ready["admin"].as_str().unwrap().parse().unwrap();
+        Proc(server)
+    }
+
+    /// `seedlink tunnel-server` on the bed's file, as the ServiceAccount.
+    fn server_cmd(&self) -> std::process::Command {
+        let mut cmd = std::process::Command::new(seedlink_bin());
+        cmd.args(["tunnel-server", "--config"])
+            .arg(&self.config)
+            .arg("--upgrade-socket")
+            .arg(&self.upgrade_socket)
+            .env("KUBECONFIG", &self.kubeconfig)
+            .env("POD_NAME", "tunnel-0");
+        cmd
+    }
+
+    /// An agent of `shoot` (its client certificate) dialing `server`.
+    fn agent(&self, server: &str, shoot: &seedlink::demo::Pki, name: &str) -> (Proc, SocketAddr) {
+        let ca = self.file("seed-ca.pem", &self.pki.ca_pem);
+        let crt = self.file(&format!("{name}.pem"), &shoot.client.cert_pem);
+        let key = self.file(&format!("{name}-key.pem"), &shoot.client.key_pem);
+        tunnel_agent(server, &ca, &crt, &key)
+    }
+
+    /// The frontend socket the template made for `ns`'s cluster.
+    fn socket(&self, ns: &str) -> String {
+        self.dir
+            .path()
+            .join(format!("{ns}.tunnel.sock"))
+            .display()
+            .to_string()
+    }
+
+    async fn object(&self, ns: &str) -> Option<Value> {
+        self.seed.get(TUNNELS, "TunnelCluster", ns, "tunnel").await
+    }
+
+    /// The TunnelCluster's condition `type_`.
+    async fn condition(&self, ns: &str, type_: &str) -> Option<Value> {
+        self.object(ns).await?["status"]["conditions"]
+            .as_array()?
+            .iter()
+            .find(|c| c["type"] == type_)
+            .cloned()
+    }
+
+    /// Replaces the EndpointSlice of the replicas' Service.
+    async fn replicas(&self, endpoints: Value) {
+        self.seed
+            .apply(json!({
+                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": "seedlink-internal-x1", "namespace": self.seed.sys,
+                             "labels": {"kubernetes.io/service-name": "seedlink-internal",
+                                        "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
+                "addressType": "IPv4",
+                "ports": [{"name": "kas", "port": 8090, "protocol": "TCP"}],
+                "endpoints": endpoints
+            }))
+            .await;
+    }
+}
+
+/// An agent's `/readyz` says `want`, within 30 s.
+async fn agent_says(admin: SocketAddr, want: &str) {
+    eventually(want, Duration::from_secs(30), async || {
+        http_get(admin, "/readyz").await.1.contains(want)
+    })
+    .await;
+}
+
+/// `servercount` follows the replicas in the EndpointSlices of the Service
+/// that selects them: three serving, one terminating but still serving
+/// (being replaced: agents join its successor at once) and one not serving
+/// are 4.
+async fn servercount_follows_the_endpoint_slices(bed: &TunnelObjects) {
+    bed.replicas(json!([
+        {"addresses": ["10.99.2.1"], "conditions": {"ready": true, "serving": true, "terminating": false}},
+        {"addresses": ["10.99.2.2"], "conditions": {"ready": true}},
+        {"addresses": ["10.99.2.3"]},
+        {"addresses": ["10.99.2.4"], "conditions": {"ready": false, "serving": true, "terminating": true}},
+        {"addresses": ["10.99.2.5"], "conditions": {"ready": false, "serving": false}}
+    ]))
     .await;
     eventually(
         "servercount follows the replicas",
         Duration::from_secs(30),
         async || {
-            let (_, body) = http_get(tunnel_admin, "/api/state").await;
+            let (_, body) = http_get(bed.admin, "/api/state").await;
             serde_json::from_str::<Value>(&body).is_ok_and(|v| v["process"]["server_count"] == 4)
         },
     )
     .await;
-    let sock_a = d.join(format!("{a}.tunnel.sock")).display().to_string();
-    let sock_b = d.join(format!("{b}.tunnel.sock")).display().to_string();
+}
 
-    const TUNNELS: &str = "tunnel.seedlink.dev/v1alpha1";
-    let object = |ns: String| {
-        let seed = &seed;
-        async move { seed.get(TUNNELS, "TunnelCluster", &ns, "tunnel").await }
-    };
-    let tc = |ns: &str, type_: &str| {
-        let o = object(ns.to_string());
-        let type_ = type_.to_string();
-        async move {
-            o.await?["status"]["conditions"]
-                .as_array()?
-                .iter()
-                .find(|c| c["type"] == type_.as_str())
-                .cloned()
-        }
-    };
+/// shoot--a is Ready with no agent; shoot--b is refused for its missing
+/// ConfigMap, with an Event.
+async fn status_says_served_and_refused(bed: &TunnelObjects) {
+    let (a, b) = (&bed.a, &bed.b);
     eventually(
         "shoot--a Ready, no agents",
         Duration::from_secs(20),
         async || {
-            tc(&a, "Ready").await.is_some_and(|c| c["status"] == "True")
-                && tc(&a, "AgentsConnected")
+            bed.condition(a, "Ready")
+                .await
+                .is_some_and(|c| c["status"] == "True")
+                && bed
+                    .condition(a, "AgentsConnected")
                     .await
                     .is_some_and(|c| c["status"] == "False" && c["reason"] == "NoAgents")
         },
@@ -1381,7 +1464,7 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
         "shoot--b refused for its missing ConfigMap",
         Duration::from_secs(20),
         async || {
-            tc(&b, "Ready")
+            bed.condition(b, "Ready")
                 .await
                 .is_some_and(|c| c["status"] == "False" && c["reason"] == "ReferenceNotFound")
         },
@@ -1390,194 +1473,233 @@ kubernetes: {{lease: {}/seedlink-tunnel-status, trust_dir: '{}/trust', replicas:
     eventually(
         "an Event for shoot--b",
         Duration::from_secs(20),
-        async || seed.event_about(&b, "tunnel").await,
+        async || bed.seed.event_about(b, "tunnel").await,
     )
     .await;
+}
 
-    // An agent of shoot--a: connected in status, and the tunnel works.
-    // The agents' load balancer: this replica, and a second one that
-    // starts later (health checked: skipped until it listens).
+/// shoot--a's agent, through the agents' load balancer (this replica and
+/// a second one that starts later, health checked: skipped until it
+/// listens): connected in status, and the tunnel works. The agent, its
+/// admin address, the tunnel, and the second replica's port.
+async fn shoot_a_connects(bed: &TunnelObjects) -> (Proc, SocketAddr, UnixStream, u16, Proc) {
     let second_port = free_port();
     let lb = format!("127.0.0.1:{}", free_port());
-    let replicas = [agents.clone(), format!("127.0.0.1:{second_port}")];
-    let _lb = common::tunnel_env::haproxy_lb(None, d, &lb, &replicas, true);
+    let replicas = [bed.agents.clone(), format!("127.0.0.1:{second_port}")];
+    let haproxy = common::tunnel_env::haproxy_lb(None, bed.dir.path(), &lb, &replicas, true);
     eventually(
         "the agents' load balancer",
         Duration::from_secs(20),
         async || tokio::net::TcpStream::connect(&lb).await.is_ok(),
     )
     .await;
-    let (agent_a, agent_a_admin) = tunnel_agent(&lb, &seed_ca, &a_crt, &a_key);
+    let (agent, admin) = bed.agent(&lb, &bed.shoot_a, "a");
     eventually(
         "shoot--a AgentsConnected",
         Duration::from_secs(20),
         async || {
-            tc(&a, "AgentsConnected")
+            bed.condition(&bed.a, "AgentsConnected")
                 .await
                 .is_some_and(|c| c["status"] == "True")
-                && object(a.clone()).await.is_some_and(|o| {
+                && bed.object(&bed.a).await.is_some_and(|o| {
                     o["status"]["agents"] == 1 && o["status"]["lastAgentSeen"].is_string()
                 })
         },
     )
     .await;
-    let mut s = kas_connect_eventually(&sock_a, &echo.to_string(), Duration::from_secs(20)).await;
+    let to = bed.echo.to_string();
+    let mut s = common::tunnel_env::kas_connect_eventually(
+        &bed.socket(&bed.a),
+        &to,
+        Duration::from_secs(20),
+    )
+    .await;
     common::tunnel_env::echo_rtt(&mut s, 1000).await;
-    // The agent holds its one stream and knows of 4 replicas: not ready.
-    // The replicas change; the server tells its agents at once (REPLICAS),
-    // without their 5-minute re-check: with one replica left it is ready,
-    // with two again not.
-    let agent_ready = |want: &'static str| async move {
-        eventually(want, Duration::from_secs(30), async || {
-            http_get(agent_a_admin, "/readyz").await.1.contains(want)
-        })
-        .await;
-    };
-    agent_ready("failed\nserver streams: 1 of 4 replicas").await;
-    let slice = |endpoints: Value| {
-        json!({
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": "seedlink-internal-x1", "namespace": seed.sys,
-                         "labels": {"kubernetes.io/service-name": "seedlink-internal",
-                                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
-            "addressType": "IPv4",
-            "ports": [{"name": "kas", "port": 8090, "protocol": "TCP"}],
-            "endpoints": endpoints
-        })
-    };
-    seed.apply(slice(json!([{"addresses": ["10.99.2.1"]}])))
-        .await;
+    (agent, admin, s, second_port, haproxy)
+}
+
+/// The agent holds its one stream and knows of 4 replicas: not ready. The
+/// replicas change; the server tells its agents at once (REPLICAS),
+/// without their 5-minute re-check: with one replica left it is ready, with
+/// two again not.
+async fn the_agent_follows_the_replicas(bed: &TunnelObjects, agent: SocketAddr) {
+    agent_says(agent, "failed\nserver streams: 1 of 4 replicas").await;
+    bed.replicas(json!([{"addresses": ["10.99.2.1"]}])).await;
     // Ready: the body starts with it (no failed check above it).
     eventually("ready with 1 of 1", Duration::from_secs(30), async || {
-        http_get(agent_a_admin, "/readyz")
+        http_get(agent, "/readyz")
             .await
             .1
             .starts_with("server streams: 1 of 1 replicas")
     })
     .await;
-    seed.apply(slice(
-        json!([{"addresses": ["10.99.2.1"]}, {"addresses": ["10.99.2.6"]}]),
-    ))
-    .await;
-    agent_ready("failed\nserver streams: 1 of 2 replicas").await;
-    // The second replica starts (a file-configured server with the same
-    // cluster): the agent, still dialing, joins it within seconds.
-    let state: Value = serde_json::from_str(&http_get(tunnel_admin, "/api/state").await.1).unwrap();
+    bed.replicas(json!([{"addresses": ["10.99.2.1"]}, {"addresses": ["10.99.2.6"]}]))
+        .await;
+    agent_says(agent, "failed\nserver streams: 1 of 2 replicas").await;
+}
+
+/// The second replica starts (a file-configured server with the same
+/// cluster): the agent, still dialing, joins it within seconds.
+async fn a_second_replica_is_joined(bed: &TunnelObjects, agent: SocketAddr, port: u16) -> Proc {
+    let state: Value = serde_json::from_str(&http_get(bed.admin, "/api/state").await.1).unwrap();
     let cluster_a = state["clusters"]
         .as_array()
         .unwrap()
         .iter()
         .map(|c| c["name"].as_str().unwrap().to_string())
-        .find(|n| n.contains(a.as_str()))
+        .find(|n| n.contains(bed.a.as_str()))
         .unwrap();
-    let a_ca = w("a-ca.pem", &shoot_a.ca_pem);
-    let second_cfg = d.join("tunnel-2.yaml");
-    std::fs::write(
-        &second_cfg,
-        format!(
-            "agents: {{listen: '127.0.0.1:{second_port}', cert: '{tun_crt}', key: '{tun_key}', keepalive: 1s, keepalive_timeout: 1s}}
+    let a_ca = bed.file("a-ca.pem", &bed.shoot_a.ca_pem);
+    let (crt, key) = bed.server_tls();
+    let d = bed.dir.path().display();
+    let cfg = bed.file(
+        "tunnel-2.yaml",
+        &format!(
+            "agents: {{listen: '127.0.0.1:{port}', cert: '{crt}', key: '{key}', keepalive: 1s, keepalive_timeout: 1s}}
 server_count: 2
 clusters:
   - name: {cluster_a}
     agent_ca: '{a_ca}'
     frontends:
-      - {{name: uds, protocol: http-connect, unix: '{}/second.sock'}}
-",
-            d.display()
+      - {{name: uds, protocol: http-connect, unix: '{d}/second.sock'}}
+"
         ),
-    )
-    .unwrap();
+    );
     let mut second = std::process::Command::new(seedlink_bin());
-    second.args(["tunnel-server", "--config"]).arg(&second_cfg);
-    let _second = started(second);
+    second.args(["tunnel-server", "--config", &cfg]);
+    let (second, _) = started(second);
     eventually(
         "the agent holds both replicas",
         Duration::from_secs(30),
         async || {
-            http_get(agent_a_admin, "/readyz")
+            http_get(agent, "/readyz")
                 .await
                 .1
                 .starts_with("server streams: 2 of 2 replicas")
         },
     )
     .await;
+    second
+}
 
-    // The ConfigMap appears: shoot--b is served and its agent is let in.
-    seed.apply(json!({
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": "agent-ca", "namespace": b,
-                     "labels": {"seedlink.dev/tunnel-trust": "true"}},
-        "data": {"ca.crt": shoot_b.ca_pem}
-    }))
-    .await;
+/// The ConfigMap appears: shoot--b is served and its agent is let in;
+/// shoot--a's tunnel `a` is not touched. shoot--b's agent and tunnel.
+async fn shoot_b_is_served_once_its_ca_exists(
+    bed: &TunnelObjects,
+    a: &mut UnixStream,
+) -> (Proc, UnixStream) {
+    bed.seed
+        .apply(json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "agent-ca", "namespace": bed.b,
+                         "labels": {"seedlink.dev/tunnel-trust": "true"}},
+            "data": {"ca.crt": bed.shoot_b.ca_pem}
+        }))
+        .await;
     eventually("shoot--b Ready", Duration::from_secs(20), async || {
-        tc(&b, "Ready").await.is_some_and(|c| c["status"] == "True")
+        bed.condition(&bed.b, "Ready")
+            .await
+            .is_some_and(|c| c["status"] == "True")
     })
     .await;
-    let (_agent_b, _) = tunnel_agent(&agents, &seed_ca, &b_crt, &b_key);
-    let mut sb = kas_connect_eventually(&sock_b, &echo.to_string(), Duration::from_secs(20)).await;
+    let (agent, _) = bed.agent(&bed.agents, &bed.shoot_b, "b");
+    let to = bed.echo.to_string();
+    let mut sb = common::tunnel_env::kas_connect_eventually(
+        &bed.socket(&bed.b),
+        &to,
+        Duration::from_secs(20),
+    )
+    .await;
     common::tunnel_env::echo_rtt(&mut sb, 1000).await;
-    // shoot--a's tunnel was not touched by shoot--b's arrival.
-    common::tunnel_env::echo_rtt(&mut s, 1000).await;
+    common::tunnel_env::echo_rtt(a, 1000).await;
+    (agent, sb)
+}
 
-    // shoot--a's agent goes: the status says so.
-    drop(agent_a);
+/// shoot--a's agent goes, and the status says so; then its object goes:
+/// its socket stops answering and its trust files go, while shoot--b's
+/// tunnel `b` goes on.
+async fn shoot_a_leaves(bed: &TunnelObjects, agent: Proc, b: &mut UnixStream) {
+    drop(agent);
     eventually(
         "shoot--a NoAgents again",
         Duration::from_secs(20),
         async || {
-            tc(&a, "AgentsConnected")
+            bed.condition(&bed.a, "AgentsConnected")
                 .await
                 .is_some_and(|c| c["status"] == "False")
         },
     )
     .await;
-
-    // shoot--a's object goes: its socket stops answering, its trust files go.
-    assert!(seed.delete(TUNNELS, "TunnelCluster", &a, "tunnel").await);
+    assert!(
+        bed.seed
+            .delete(TUNNELS, "TunnelCluster", &bed.a, "tunnel")
+            .await
+    );
+    let (sock, to) = (bed.socket(&bed.a), bed.echo.to_string());
     eventually(
         "shoot--a's socket is gone",
         Duration::from_secs(20),
-        async || kas_connect(&sock_a, &echo.to_string()).await.is_err(),
+        async || common::tunnel_env::kas_connect(&sock, &to).await.is_err(),
     )
     .await;
+    let trust = bed.dir.path().join(format!("trust/{}.tunnel", bed.a));
     eventually(
         "shoot--a's trust files are removed",
         Duration::from_secs(10),
-        async || !d.join(format!("trust/{a}.tunnel")).exists(),
+        async || !trust.exists(),
     )
     .await;
-    common::tunnel_env::echo_rtt(&mut sb, 1000).await;
+    common::tunnel_env::echo_rtt(b, 1000).await;
+}
 
-    // A binary upgrade: the new process takes the TunnelCluster's socket
-    // (made from the objects, not the file) with the rest; shoot--b's
-    // agent moves to it, a new tunnel goes through it, and the one opened
-    // before goes on through the old process until it ends.
-    let mut next = std::process::Command::new(seedlink_bin());
-    next.args(["tunnel-server", "--config"])
-        .arg(&config)
-        .arg("--upgrade-socket")
-        .arg(&upgrade_socket)
-        .args(["--take-over", "--take-over-wait", "20"])
-        .env("KUBECONFIG", &kubeconfig)
-        .env("POD_NAME", "tunnel-0");
-    let _next = started(next);
-    let mut sb2 = kas_connect_eventually(&sock_b, &echo.to_string(), Duration::from_secs(20)).await;
-    common::tunnel_env::echo_rtt(&mut sb2, 1000).await;
+/// A binary upgrade: the new process takes the TunnelCluster's socket
+/// (made from the objects, not the file) with the rest; shoot--b's agent
+/// moves to it, a new tunnel goes through it, and the one opened before
+/// (`b`) goes on through the old process until it ends.
+async fn an_upgrade_takes_the_object_made_socket(
+    bed: &TunnelObjects,
+    mut old: Proc,
+    mut b: UnixStream,
+) -> Proc {
+    let mut next = bed.server_cmd();
+    next.args(["--take-over", "--take-over-wait", "20"]);
+    let (next, _) = started(next);
+    let to = bed.echo.to_string();
+    let mut b2 = common::tunnel_env::kas_connect_eventually(
+        &bed.socket(&bed.b),
+        &to,
+        Duration::from_secs(20),
+    )
+    .await;
+    common::tunnel_env::echo_rtt(&mut b2, 1000).await;
     assert!(
-        old_server.0.try_wait().unwrap().is_none(),
+        old.0.try_wait().unwrap().is_none(),
         "the old process drains while its tunnel is open"
     );
-    common::tunnel_env::echo_rtt(&mut sb, 1000).await;
-    drop(sb);
+    common::tunnel_env::echo_rtt(&mut b, 1000).await;
+    drop(b);
     eventually(
         "the old process exits",
         Duration::from_secs(30),
-        async || old_server.0.try_wait().unwrap().is_some(),
+        async || old.0.try_wait().unwrap().is_some(),
     )
     .await;
-    common::tunnel_env::echo_rtt(&mut sb2, 1000).await;
-    stop.cancel();
+    common::tunnel_env::echo_rtt(&mut b2, 1000).await;
+    next
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tunnel_clusters_come_from_objects_with_their_health_in_status() {
+    let (server, bed) = TunnelObjects::start().await;
+    servercount_follows_the_endpoint_slices(&bed).await;
+    status_says_served_and_refused(&bed).await;
+    let (agent_a, admin_a, mut a, second_port, _lb) = shoot_a_connects(&bed).await;
+    the_agent_follows_the_replicas(&bed, admin_a).await;
+    let _second = a_second_replica_is_joined(&bed, admin_a, second_port).await;
+    let (_agent_b, mut b) = shoot_b_is_served_once_its_ca_exists(&bed, &mut a).await;
+    shoot_a_leaves(&bed, agent_a, &mut b).await;
+    let _next = an_upgrade_takes_the_object_made_socket(&bed, server, b).await;
+    bed.stop.cancel();
 }
 
 /// Gateway API v1.4.1's experimental TLSRoute CRD (what platforms such as
