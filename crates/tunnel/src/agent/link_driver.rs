@@ -12,6 +12,7 @@ use bytes::BytesMut;
 use tokio_util::sync::CancellationToken;
 
 use super::link::{Action, Actions, LinkMachine};
+use super::metrics::ConnEnd;
 use crate::stream::flow::{self, FairQueue, PumpEnd, QueueTx, SendCredit};
 use crate::wire::proto::Packet;
 
@@ -23,18 +24,18 @@ pub(super) async fn upload(
     s: &LinkDriver,
     id: i64,
     credit: Option<&SendCredit>,
-) -> &'static str {
+) -> ConnEnd {
     loop {
         // No buffer while the destination is quiet: an idle connection
         // holds none.
         if rd.readable().await.is_err() {
-            return "remote_closed";
+            return ConnEnd::RemoteClosed;
         }
         let mut b = BytesMut::with_capacity(CHUNK);
         match rd.try_read_buf(&mut b) {
-            Ok(0) => return "remote_closed",
+            Ok(0) => return ConnEnd::RemoteClosed,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(_) => return "remote_closed",
+            Err(_) => return ConnEnd::RemoteClosed,
             Ok(_) => {
                 if let Err(end) = send_up(s, id, credit, b.freeze()).await {
                     return end;
@@ -52,14 +53,14 @@ pub(super) async fn send_up(
     id: i64,
     credit: Option<&SendCredit>,
     data: bytes::Bytes,
-) -> Result<(), &'static str> {
+) -> Result<(), ConnEnd> {
     if let Some(c) = credit {
-        c.take(data.len()).await.map_err(|_| "closed")?;
+        c.take(data.len()).await.map_err(|_| ConnEnd::Closed)?;
     }
     s.to_server
         .data(id, Packet::data(id, data))
         .await
-        .map_err(|_| "server_gone")
+        .map_err(|_| ConnEnd::ServerGone)
 }
 
 /// Server to destination: writes the connection's queue, granting the
@@ -71,7 +72,7 @@ pub(super) async fn download(
     s: &LinkDriver,
     id: i64,
     stall: Duration,
-) -> &'static str {
+) -> ConnEnd {
     let mut unacked = flow::Unacked::default();
     let deadline = (!s.flow).then_some(stall);
     let written = |n| {
@@ -82,9 +83,9 @@ pub(super) async fn download(
         }
     };
     match qrx.pump(&mut wr, deadline, written).await {
-        PumpEnd::Finished | PumpEnd::Aborted => "closed",
-        PumpEnd::Stalled => "stalled",
-        PumpEnd::WriteError => "write_error",
+        PumpEnd::Finished | PumpEnd::Aborted => ConnEnd::Closed,
+        PumpEnd::Stalled => ConnEnd::Stalled,
+        PumpEnd::WriteError => ConnEnd::WriteError,
     }
 }
 

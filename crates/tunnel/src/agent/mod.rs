@@ -46,7 +46,7 @@ use self::core::{HELD_RECHECK, KEEPALIVE_CAP};
 pub use connect::ConnectError;
 use connect::{answer, drain_duplicate, Answer, CloseOnDrop};
 use link_driver::LinkDriver;
-pub use metrics::{AgentMetrics, Outcome};
+pub use metrics::{AgentMetrics, ConnEnd, Outcome, ServerConnect};
 pub use receive::DEFAULT_DENY;
 
 impl Agent {
@@ -175,13 +175,17 @@ impl Agent {
     async fn attempt(self: &Arc<Self>, delay: Duration) -> (Duration, Duration) {
         match self.connect_once().await {
             Ok(new) => {
-                let outcome = if new { "ok" } else { "duplicate" };
-                AgentMetrics::count(&self.metrics.server_connects, outcome);
+                let outcome = if new {
+                    ServerConnect::Ok
+                } else {
+                    ServerConnect::Duplicate
+                };
+                self.metrics.server_connect(outcome);
                 (self.discovery_wait(), self.opts.sync_interval)
             }
             Err(e) => {
                 tracing::warn!(server = %self.opts.server, reason = e.reason(), error = %e, "cannot connect to the tunnel server");
-                AgentMetrics::count(&self.metrics.server_connects, "error");
+                self.metrics.server_connect(ServerConnect::Error);
                 AgentMetrics::count(&self.metrics.connect_errors, e.reason());
                 retry_delay(
                     delay,
@@ -235,7 +239,7 @@ impl Agent {
         let old = self.keepalive_ms.load(Ordering::Acquire);
         let new = old.saturating_mul(2).min(cap);
         self.keepalive_ms.store(new, Ordering::Release);
-        AgentMetrics::count(&self.metrics.server_connects, "too_many_pings");
+        self.metrics.server_connect(ServerConnect::TooManyPings);
         tracing::warn!(
             server_id,
             keepalive_ms = new,

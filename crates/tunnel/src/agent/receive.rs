@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use super::core::*;
 use super::link::{self, Expired};
 use super::link_driver::*;
-use super::metrics::AgentMetrics;
+use super::metrics::{AgentMetrics, ConnEnd, ServerConnect};
 use crate::stream::flow::{self, SendCredit};
 use crate::wire::dial_error;
 
@@ -75,12 +75,12 @@ impl Agent {
     pub(super) fn handled(&self, s: &LinkDriver, h: link::Handled, bad_window: bool) {
         if h == link::Handled::ServerDraining && !s.draining.swap(true, Ordering::AcqRel) {
             tracing::info!(server_id = %s.server_id, "the tunnel server drains: looking for a replica to replace it");
-            AgentMetrics::count(&self.metrics.server_connects, "server_draining");
+            self.metrics.server_connect(ServerConnect::ServerDraining);
             self.count_flap(s);
             let n = self.draining_streams.fetch_add(1, Ordering::AcqRel) + 1;
             if n > MAX_DRAINING {
                 tracing::warn!(server_id = %s.server_id, "more draining streams than {MAX_DRAINING}: this one is ended");
-                AgentMetrics::count(&self.metrics.server_connects, "too_many_draining");
+                self.metrics.server_connect(ServerConnect::TooManyDraining);
                 s.cut.cancel();
             }
             self.session_lost.notify_one();
@@ -135,7 +135,7 @@ impl Agent {
             Expired::Nothing => false,
             Expired::Stalled { reset } => {
                 if reset {
-                    AgentMetrics::count(&self.metrics.endpoint_closes, "stalled");
+                    self.metrics.endpoint_closed(ConnEnd::Stalled);
                 }
                 true
             }
@@ -203,7 +203,7 @@ impl Agent {
         let outcome = tokio::select! {
             o = upload(rd, &s, id, credit.as_ref()) => o,
             o = download(qrx, wr, &s, id, self.opts.stall_timeout) => o,
-            () = cancel.cancelled() => if s.gone.is_cancelled() { "server_gone" } else { "close_req" },
+            () = cancel.cancelled() => if s.gone.is_cancelled() { ConnEnd::ServerGone } else { ConnEnd::CloseReq },
         };
         // Closed from this side: the server is told (unsolicited CLOSE_RSP)
         // unless its CLOSE_REQ closed it.
@@ -212,7 +212,7 @@ impl Agent {
             c.close();
         }
         self.metrics.endpoints.dec();
-        AgentMetrics::count(&self.metrics.endpoint_closes, outcome);
+        self.metrics.endpoint_closed(outcome);
     }
 
     /// Connects to the destination within the dial timeout (a deadline on
