@@ -9,6 +9,7 @@
 
 pub mod compile;
 pub mod model;
+pub mod onboard;
 pub mod routes;
 pub mod tunnel;
 pub mod watch;

@@ -1,7 +1,9 @@
 //! seedlink's own resources: `SeedlinkPolicy` (what a TLSRoute cannot say,
 //! attached to it by `targetRefs` as Gateway API policy attachment,
-//! GEP-713) and `TunnelCluster` (one reverse-tunnel cluster, its trust from
-//! Secrets/ConfigMaps, its health in status). The CRDs shipped in
+//! GEP-713), `TunnelCluster` (one reverse-tunnel cluster, its trust from
+//! Secrets/ConfigMaps, its health in status) and `SeedlinkControlPlane`
+//! (one hosted control plane, from which the onboarding controller
+//! generates the rest: `crate::onboard`). The CRDs shipped in
 //! `deploy/crds/` are generated from these types (`seedlink crds`), and a
 //! test compares them.
 
@@ -277,7 +279,138 @@ pub struct TunnelClusterStatus {
     pub trust: Vec<String>,
 }
 
-/// Both CRDs as shipped: generated from the types, with integer formats
+/// One hosted control plane as seedlink carries it: where its
+/// kube-apiserver is, who may reach it, and how its nodes' agents connect.
+/// Everything it generates lives in its own namespace and is owned by it.
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "seedlink.dev",
+    version = "v1alpha1",
+    kind = "SeedlinkControlPlane",
+    plural = "seedlinkcontrolplanes",
+    shortname = "slcp",
+    namespaced,
+    status = "ControlPlaneStatus",
+    category = "seedlink",
+    printcolumn = r#"{"name":"Ready","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Reason","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].reason"}"#,
+    printcolumn = r#"{"name":"Agents","type":"integer","jsonPath":".status.agents"}"#,
+    printcolumn = r#"{"name":"Certificates expire","type":"date","jsonPath":".status.certificatesNotAfter"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct SeedlinkControlPlaneSpec {
+    /// The control plane's kube-apiserver.
+    pub api_server: ApiServer,
+    /// Client CIDRs allowed to reach the kube-apiserver through the
+    /// gateway (a bare address means /32 or /128); absent means every
+    /// client.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        rename = "allowedSourceCIDRs"
+    )]
+    #[schemars(length(max = 256), inner(length(max = 64)))]
+    #[schemars(extend("x-kubernetes-validations" = [{
+        "rule": "self.all(c, isCIDR(c) || isIP(c))",
+        "message": "each entry must be a CIDR (10.0.0.0/8) or an IP address"
+    }]))]
+    pub allowed_source_cidrs: Option<Vec<String>>,
+    /// The reverse tunnel for kube-apiserver's egress (to nodes, pods and
+    /// services); absent means on, agents identified by a client
+    /// certificate seedlink issues.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tunnel: Option<TunnelSpec>,
+    /// The nodes' path to this kube-apiserver through the gateway's
+    /// `http-connect` and `proxy` listeners (GEP-08, GEP-30, HyperShift).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<NodeAccess>,
+}
+
+/// Where the kube-apiserver is and the names clients ask for.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ApiServer {
+    /// The kube-apiserver's Service, in this namespace.
+    #[schemars(regex(pattern = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"), length(max = 63))]
+    pub service: String,
+    /// Its port (default 443).
+    #[serde(default = "https_port")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: u16,
+    /// The host names clients reach it by through the gateway (TLS SNI),
+    /// external and internal alike.
+    #[schemars(length(min = 1, max = 16), inner(length(max = 253)))]
+    pub hostnames: Vec<String>,
+}
+
+fn https_port() -> u16 {
+    443
+}
+
+/// The tunnel: on or off, and how agents prove whose they are.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TunnelSpec {
+    /// Whether kube-apiserver's egress goes through the tunnel (default
+    /// true).
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// ServiceAccount tokens of the shoot identify the agents instead of a
+    /// client certificate seedlink issues.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_token: Option<AgentToken>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The nodes' path to their kube-apiserver through the gateway.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeAccess {
+    /// Names node proxies send with HTTP CONNECT (GEP-30's
+    /// `X-Gardener-Destination`, Istio's `outbound|443||…`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub destinations: Vec<String>,
+    /// In-cluster service addresses (`ip:port`) GEP-08 node proxies put in
+    /// their PROXY header.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub service_addresses: Vec<String>,
+    /// The hosted cluster's ID (HyperShift's `HostedCluster.spec.clusterID`),
+    /// sent by node proxies in a PROXY v2 TLV.
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "clusterID")]
+    pub cluster_id: Option<String>,
+}
+
+/// What the controller made and whether it works.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ControlPlaneStatus {
+    /// `Ready`, and one per piece: `Generated` (the objects written),
+    /// `RouteAccepted` (the TLSRoute's status), `TunnelReady` (the
+    /// TunnelCluster's), `CertificatesReady`.
+    #[serde(default)]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// Agent streams connected (from the TunnelCluster's status).
+    #[serde(default)]
+    pub agents: u64,
+    /// When the first of the issued certificates expires (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certificates_not_after: Option<String>,
+    /// The objects generated, `Kind/name`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub generated: Vec<String>,
+    /// The generation the status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// The CRDs as shipped: generated from the types, with integer formats
 /// as Kubernetes knows them (`int64`; schemars writes `uint64`, which no
 /// Kubernetes client understands, and these values fit).
 pub fn crds(
@@ -295,17 +428,21 @@ pub fn crds(
             _ => {}
         }
     }
-    [SeedlinkPolicy::crd(), TunnelCluster::crd()]
-        .into_iter()
-        .map(|crd| {
-            let mut v = serde_json::to_value(&crd).unwrap_or_default();
-            formats(&mut v);
-            serde_json::from_value(v).unwrap_or(crd)
-        })
-        .collect()
+    [
+        SeedlinkPolicy::crd(),
+        TunnelCluster::crd(),
+        SeedlinkControlPlane::crd(),
+    ]
+    .into_iter()
+    .map(|crd| {
+        let mut v = serde_json::to_value(&crd).unwrap_or_default();
+        formats(&mut v);
+        serde_json::from_value(v).unwrap_or(crd)
+    })
+    .collect()
 }
 
-/// Both CRDs as one multi-document YAML, as shipped in `deploy/crds/`.
+/// The CRDs as one multi-document YAML, as shipped in `deploy/crds/`.
 pub fn crds_yaml() -> Result<String, serde_norway::Error> {
     let mut out =
         String::from("# Generated by `seedlink crds` from crates/kube/src/crd.rs; do not edit.\n");
@@ -329,7 +466,9 @@ mod tests {
             .map(|d| serde_norway::from_str(d).unwrap())
             .collect();
         let crds = crds();
-        assert_eq!(docs[0], serde_json::to_value(&crds[0]).unwrap());
-        assert_eq!(docs[1], serde_json::to_value(&crds[1]).unwrap());
+        assert_eq!(docs.len(), crds.len());
+        for (doc, crd) in docs.iter().zip(&crds) {
+            assert_eq!(doc, &serde_json::to_value(crd).unwrap());
+        }
     }
 }

@@ -6,10 +6,13 @@
 //!   and status written back;
 //! - [`tunnel`]: TunnelClusters → the tunnel-server's clusters, their
 //!   trust written from Secrets/ConfigMaps;
-//! - [`leader`]: the Lease that picks the one replica writing status.
+//! - [`leader`]: the Lease that picks the one replica writing status;
+//! - [`onboard`]: `SeedlinkControlPlane`, one object per control plane, and
+//!   the controller that generates the rest.
 
 pub mod crd;
 pub mod leader;
+pub mod onboard;
 pub mod source;
 pub mod translate;
 pub mod tunnel;

@@ -102,8 +102,15 @@ enum Command {
         role: ConfigRole,
     },
     /// Print the CustomResourceDefinitions seedlink reads (SeedlinkPolicy,
-    /// TunnelCluster), as shipped in deploy/crds/.
+    /// TunnelCluster, SeedlinkControlPlane), as shipped in deploy/crds/.
     Crds,
+    /// Run the onboarding controller: each SeedlinkControlPlane becomes its
+    /// routes, tunnel cluster, trust and certificates (docs/KUBERNETES.md).
+    Onboard {
+        /// Configuration file (YAML).
+        #[arg(long, short)]
+        config: PathBuf,
+    },
     /// Start a gateway with demo control planes on loopback and show how to reach them.
     Quickstart {
         /// Run the walkthrough unattended; exit 0 only if every step worked.
@@ -207,6 +214,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             },
         )),
         Command::NodeProxy(args) => runtime()?.block_on(roles::node_proxy::run(*args)),
+        Command::Onboard { config } => runtime()?.block_on(roles::onboard::run(&config)),
         Command::TunnelServer(args) => tunnel_server(args),
         Command::TunnelAgent(args) => tunnel_runtime()?.block_on(roles::tunnel::agent(*args)),
         Command::TunnelConfig(args) => seedlink::tunnel_config::tunnel_config(*args),

@@ -2321,3 +2321,328 @@ async fn a_watch_whose_connection_died_silently_is_replaced() {
     assert!(after > before, "no new connection to the API server");
     stop.cancel();
 }
+
+const CONTROL_PLANES: &str = "seedlink.dev/v1alpha1";
+
+/// One `SeedlinkControlPlane`: kube-apiserver's Service, its host name.
+fn control_plane(ns: &str, name: &str, host: &str) -> Value {
+    json!({
+        "apiVersion": CONTROL_PLANES, "kind": "SeedlinkControlPlane",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"apiServer": {"service": "kube-apiserver", "hostnames": [host]}}
+    })
+}
+
+/// The bed of `one_object_onboards_a_control_plane`: a seed with the
+/// gateway (in its network namespace, two demo kube-apiserver pods behind
+/// shoot--a's Service), a tunnel-server reading TunnelClusters, and the
+/// onboarding controller under the ServiceAccount and RBAC the chart
+/// gives it. shoot--a's namespace is not labelled for the Gateway: the
+/// controller does that. Fields drop in order.
+struct Onboarding {
+    gw: SeedGw,
+    _tunnel: Proc,
+    _onboard: Proc,
+    /// The tunnel-server's agent endpoint, its CA, and the directory of its
+    /// frontend sockets.
+    agents: String,
+    tunnel_pki: seedlink::demo::Pki,
+    dir: tempfile::TempDir,
+    a: String,
+    seed: Seed,
+    pki: Arc<seedlink::demo::Pki>,
+    echo: SocketAddr,
+    stop: CancellationToken,
+}
+
+impl Onboarding {
+    async fn start() -> Onboarding {
+        let stop = CancellationToken::new();
+        let pki = Arc::new(seedlink::demo::Pki::generate(&[A, C]).unwrap());
+        let seed = Seed::new(true).await;
+        let port = seed.two_pods(&pki, 0, "a", &stop);
+        seed.gateway_object().await;
+        let a = seed.tenant("shoot--a", false).await;
+        seed.apply(service(&a, "kube-apiserver")).await;
+        let pods = [(POD_1, true), (POD_2, true)];
+        seed.apply(slice(&a, "kube-apiserver", port, &pods)).await;
+        let gw = seed.gateway("replica-a", &seed.token).await;
+        let echo = echo_backend(&stop).await;
+        let dir = tempfile::tempdir().unwrap();
+        let tunnel_pki = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
+        let (tunnel, agents) = onboarding_tunnel_server(&seed, &tunnel_pki, dir.path());
+        let token = seed
+            .api
+            .install_onboarding_rbac(&seed.client, &seed.sys)
+            .await;
+        let onboard = onboard_controller(&seed, &token, dir.path());
+        Onboarding {
+            gw,
+            _tunnel: tunnel,
+            _onboard: onboard,
+            agents,
+            tunnel_pki,
+            dir,
+            a,
+            seed,
+            pki,
+            echo,
+            stop,
+        }
+    }
+
+    /// The control plane `ns/name`, once its status says `ok`.
+    async fn status_until(
+        &self,
+        what: &str,
+        ns: &str,
+        name: &str,
+        ok: impl Fn(&Value) -> bool,
+    ) -> Value {
+        eventually(what, Duration::from_secs(30), async || {
+            let o = self
+                .seed
+                .get(CONTROL_PLANES, "SeedlinkControlPlane", ns, name)
+                .await
+                .unwrap_or_default();
+            let status = o["status"].clone();
+            if ok(&status) {
+                Ok(status)
+            } else {
+                Err(format!("status: {status}"))
+            }
+        })
+        .await
+    }
+}
+
+/// A status condition's `status` (`True`, `False`, `Unknown`) and reason.
+fn cond(status: &Value, type_: &str) -> (String, String) {
+    status["conditions"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == type_))
+        .map(|c| {
+            (
+                c["status"].as_str().unwrap_or("").to_string(),
+                c["reason"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .unwrap_or_default()
+}
+
+/// A tunnel-server with no cluster in its file: TunnelClusters from the
+/// API (as the install's ServiceAccount), a Unix-socket frontend per
+/// cluster in `dir`. The process and its agent endpoint.
+fn onboarding_tunnel_server(
+    seed: &Seed,
+    pki: &seedlink::demo::Pki,
+    dir: &std::path::Path,
+) -> (Proc, String) {
+    let (_, leaf) = &pki.servers[0];
+    let (crt, key) = (dir.join("tun.pem"), dir.join("tun-key.pem"));
+    std::fs::write(&crt, &leaf.cert_pem).unwrap();
+    std::fs::write(&key, &leaf.key_pem).unwrap();
+    let (d, sys) = (dir.display(), &seed.sys);
+    let config = dir.join("tunnel.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "agents: {{listen: '127.0.0.1:0', cert: '{}', key: '{}', keepalive: 1s, keepalive_timeout: 1s}}
+admin: {{listen: '127.0.0.1:0'}}
+clusters: []
+frontend_templates:
+  - {{name: uds, protocol: http-connect, unix: '{d}/{{cluster}}.sock'}}
+kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust'}}
+",
+            crt.display(),
+            key.display()
+        ),
+    )
+    .unwrap();
+    let mut cmd = std::process::Command::new(seedlink_bin());
+    cmd.args(["tunnel-server", "--config"])
+        .arg(&config)
+        // On this side of the seed's network namespace: straight to the API
+        // server, not through the seed's proxy (which listens in there).
+        .env(
+            "KUBECONFIG",
+            seed.api
+                .kubeconfig(seed.dir.path(), "tunnel-server", &seed.token, None),
+        )
+        .env("POD_NAME", "tunnel-0");
+    let (server, ready) = started(cmd);
+    (server, ready["agents"].as_str().unwrap().to_string())
+}
+
+/// `seedlink onboard` with `token` (the chart's `seedlink-onboard`
+/// ServiceAccount), labelling control planes' namespaces for the Gateway.
+fn onboard_controller(seed: &Seed, token: &str, dir: &std::path::Path) -> Proc {
+    let sys = &seed.sys;
+    let config = dir.join("onboard.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "lease: {sys}/seedlink-onboard
+gateway: {sys}/seedlink
+tunnel_reader: {sys}/seedlink
+trust_role: seedlink-tunnel-trust-{sys}
+namespace_label: seedlink.dev/gateway-access
+"
+        ),
+    )
+    .unwrap();
+    let mut cmd = std::process::Command::new(seedlink_bin());
+    cmd.args(["onboard", "--config"])
+        .arg(&config)
+        .env(
+            "KUBECONFIG",
+            seed.api.kubeconfig(seed.dir.path(), "onboard", token, None),
+        )
+        .env("POD_NAME", "onboard-0");
+    started(cmd).0
+}
+
+/// The object is applied: the controller labels the namespace, writes the
+/// route, and the gateway serves the control plane by SNI; everything it
+/// wrote is owned by the object.
+async fn one_object_serves_its_api_server_by_sni(t: &Onboarding) {
+    t.seed.apply(control_plane(&t.a, "kas", A)).await;
+    eventually(
+        "the control plane is served by SNI",
+        Duration::from_secs(30),
+        async || get(&t.pki, t.gw.tls, A).await,
+    )
+    .await;
+    let ns = t.seed.get("v1", "Namespace", "", &t.a).await.unwrap();
+    assert_eq!(
+        ns["metadata"]["labels"]["seedlink.dev/gateway-access"],
+        "true"
+    );
+    let status = t
+        .status_until("RouteAccepted", &t.a, "kas", |s| {
+            cond(s, "RouteAccepted").0 == "True"
+        })
+        .await;
+    let cp = t
+        .seed
+        .get(CONTROL_PLANES, "SeedlinkControlPlane", &t.a, "kas")
+        .await
+        .unwrap();
+    let uid = cp["metadata"]["uid"].as_str().unwrap();
+    let generated: Vec<&str> = status["generated"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|g| g.as_str())
+        .collect();
+    assert_eq!(
+        generated,
+        [
+            "Secret/kas-agent-trust",
+            "RoleBinding/kas-seedlink-tunnel-trust",
+            "TunnelCluster/kas",
+            "TLSRoute/kas"
+        ]
+    );
+    let owned = [
+        ("v1", "Secret", "kas-agent-trust"),
+        ("v1", "Secret", "kas-agent-ca"),
+        ("v1", "Secret", "kas-agent"),
+        (
+            "rbac.authorization.k8s.io/v1",
+            "RoleBinding",
+            "kas-seedlink-tunnel-trust",
+        ),
+        ("tunnel.seedlink.dev/v1alpha1", "TunnelCluster", "kas"),
+        (ROUTES, "TLSRoute", "kas"),
+    ];
+    for (api, kind, name) in owned {
+        let o = t.seed.get(api, kind, &t.a, name).await.unwrap();
+        assert_eq!(
+            o["metadata"]["ownerReferences"][0]["uid"], uid,
+            "{kind}/{name}"
+        );
+    }
+    assert!(status["certificatesNotAfter"].is_string());
+}
+
+/// An agent with the client certificate the controller issued joins the
+/// generated TunnelCluster, and kube-apiserver's CONNECT goes through it;
+/// the control plane's status counts it and says Ready.
+async fn the_issued_certificate_carries_the_tunnel(t: &Onboarding) -> (Proc, UnixStream) {
+    let secret = t.seed.get("v1", "Secret", &t.a, "kas-agent").await.unwrap();
+    let field = |k: &str| -> String {
+        let b: k8s_openapi::ByteString = serde_json::from_value(secret["data"][k].clone()).unwrap();
+        String::from_utf8(b.0).unwrap()
+    };
+    let d = t.dir.path();
+    let (crt, key, ca) = (
+        d.join("agent.pem"),
+        d.join("agent-key.pem"),
+        d.join("seed-ca.pem"),
+    );
+    std::fs::write(&crt, field("tls.crt")).unwrap();
+    std::fs::write(&key, field("tls.key")).unwrap();
+    std::fs::write(&ca, &t.tunnel_pki.ca_pem).unwrap();
+    let path = |p: &std::path::Path| p.display().to_string();
+    let (agent, _) = tunnel_agent(&t.agents, &path(&ca), &path(&crt), &path(&key));
+    t.status_until("an agent, Ready", &t.a, "kas", |s| {
+        s["agents"] == 1 && cond(s, "Ready").0 == "True"
+    })
+    .await;
+    let sock = d.join(format!("{}.kas.sock", t.a)).display().to_string();
+    let to = t.echo.to_string();
+    let mut s =
+        common::tunnel_env::kas_connect_eventually(&sock, &to, Duration::from_secs(20)).await;
+    common::tunnel_env::echo_rtt(&mut s, 1000).await;
+    (agent, s)
+}
+
+/// Another tenant's objects take nothing: one whose generated name is
+/// already another object's is refused (NameTaken) and leaves that object
+/// alone; one asking for shoot--a's host name is refused by the gateway
+/// (its RouteAccepted says so); shoot--a serves on.
+async fn another_tenant_takes_neither_a_name_nor_a_host(t: &Onboarding, tunnel: &mut UnixStream) {
+    let b = t.seed.tenant("shoot--b", false).await;
+    t.seed.apply(service(&b, "kube-apiserver")).await;
+    let theirs = t.seed.route(&b, "kas", C, "kube-apiserver");
+    t.seed.apply(theirs).await;
+    t.seed.apply(control_plane(&b, "kas", C)).await;
+    let status = t
+        .status_until("NameTaken", &b, "kas", |s| {
+            cond(s, "Ready") == ("False".into(), "NameTaken".into())
+        })
+        .await;
+    assert!(
+        status["conditions"].to_string().contains("TLSRoute/kas"),
+        "{status}"
+    );
+    let route = t.seed.get(ROUTES, "TLSRoute", &b, "kas").await.unwrap();
+    assert!(
+        route["metadata"].get("ownerReferences").is_none(),
+        "{route}"
+    );
+    assert_eq!(route["spec"]["hostnames"], json!([C]));
+    t.seed.apply(control_plane(&b, "kas-2", A)).await;
+    t.status_until("RouteAccepted False", &b, "kas-2", |s| {
+        cond(s, "RouteAccepted").0 == "False" && cond(s, "Ready").0 == "False"
+    })
+    .await;
+    let body = get(&t.pki, t.gw.tls, A).await.unwrap();
+    assert!(body.contains("a1") || body.contains("a2"), "{body}");
+    common::tunnel_env::echo_rtt(tunnel, 1000).await;
+}
+
+/// One `SeedlinkControlPlane` onboards a control plane: the controller,
+/// under the chart's RBAC, writes its route, tunnel cluster, trust and
+/// agent certificate; the gateway serves it by SNI and the tunnel carries
+/// kube-apiserver's CONNECT through an agent with the issued certificate;
+/// another tenant takes neither its names nor its host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_object_onboards_a_control_plane() {
+    let t = Onboarding::start().await;
+    one_object_serves_its_api_server_by_sni(&t).await;
+    let (_agent, mut tunnel) = the_issued_certificate_carries_the_tunnel(&t).await;
+    another_tenant_takes_neither_a_name_nor_a_host(&t, &mut tunnel).await;
+    t.stop.cancel();
+}

@@ -219,6 +219,9 @@ fn check_configs(cm: &Value) -> Result<(), String> {
             "node-proxy.yaml" => seedlink_node_proxy::config::NodeProxyConfig::parse(text)
                 .map_err(|e| e.to_string())
                 .and_then(|c| errors(c.check())),
+            "onboard.yaml" => seedlink_config::onboard::OnboardConfig::parse(text)
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
             k if k.ends_with(".yaml") => Err(format!("{k}: no check for this file")),
             _ => Ok(()),
         };
@@ -254,7 +257,7 @@ fn the_seed_install_renders_and_every_object_reads_strictly() {
         .iter()
         .filter(|d| d["kind"] == "CustomResourceDefinition")
         .collect();
-    assert_eq!(crds.len(), 2);
+    assert_eq!(crds.len(), 3);
     let generated = seedlink_kube::crd::crds_yaml().unwrap();
     for crd in crds {
         let name = crd["metadata"]["name"].as_str().unwrap();
@@ -717,27 +720,9 @@ fn helm_template(args: &[&str]) -> Vec<Value> {
     helm_template_in("seedlink", "seedlink-system", &all)
 }
 
-/// `helm template` of chart `charts/<chart>` in `namespace` with `args`
-/// (for the Kubernetes the tests run: scripts/build-kube-peers).
+/// `helm template` of chart `charts/<chart>` in `namespace` with `args`.
 fn helm_template_in(chart: &str, namespace: &str, args: &[&str]) -> Vec<Value> {
-    let out = std::process::Command::new(helm())
-        .args(["template", "seedlink"])
-        .arg(root().join("charts").join(chart))
-        .args(["--namespace", namespace, "--kube-version", "v1.35.4"])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "helm template: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .split("\n---")
-        .filter_map(|d| serde_norway::from_str::<Value>(d).ok())
-        .filter(|v| v.is_object())
-        .collect()
+    common::kubeapi::helm_template(chart, namespace, args)
 }
 
 /// The Helm chart (what Gardener ControllerDeployments and KKP's installer
@@ -1367,4 +1352,60 @@ fn helm_lint(chart: &str) {
         String::from_utf8_lossy(&lint.stdout),
         String::from_utf8_lossy(&lint.stderr)
     );
+}
+
+/// `onboarding.enabled=true` adds the onboarding controller under a
+/// ServiceAccount of its own, every object reading strictly and its file
+/// a valid one; its ClusterRole may `bind` only the trust role, and the
+/// data plane's ServiceAccount gains nothing (its ClusterRole writes no
+/// Secret, route or RoleBinding either way).
+#[test]
+fn the_onboarding_controller_renders_under_its_own_service_account() {
+    let docs = helm_template(&["--set", "onboarding.enabled=true"]);
+    check_strictly(&docs);
+    let find = |kind: &str, name: &str| {
+        docs.iter()
+            .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no {kind} {name}"))
+            .clone()
+    };
+    let dep = find("Deployment", "seedlink-onboard");
+    assert_eq!(
+        dep["spec"]["template"]["spec"]["serviceAccountName"],
+        "seedlink-onboard"
+    );
+    let args = &dep["spec"]["template"]["spec"]["containers"][0]["args"];
+    assert_eq!(args[0], "onboard");
+    let role = find("ClusterRole", "seedlink-onboard");
+    let binds: Vec<&Value> = role["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["verbs"].as_array().unwrap().iter().any(|v| v == "bind"))
+        .collect();
+    assert_eq!(binds.len(), 1);
+    assert_eq!(binds[0]["resourceNames"], serde_json::json!(["seedlink-tunnel-trust"]));
+    let data_plane = find("ClusterRole", "seedlink");
+    for rule in data_plane["rules"].as_array().unwrap() {
+        let writes = rule["verbs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v == "create" || v == "update" || v == "bind");
+        let resources = rule["resources"].to_string();
+        assert!(
+            !(writes
+                && (resources.contains("secrets")
+                    || resources.contains("rolebindings")
+                    || resources.contains("tlsroutes"))),
+            "{rule}"
+        );
+    }
+    let binding = find("ClusterRoleBinding", "seedlink-onboard");
+    assert_eq!(binding["subjects"][0]["name"], "seedlink-onboard");
+    // Off by default: none of it.
+    let default = helm_template(&[]);
+    assert!(!default.iter().any(|d| d["metadata"]["name"]
+        .as_str()
+        .is_some_and(|n| n.starts_with("seedlink-onboard"))));
 }

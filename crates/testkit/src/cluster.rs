@@ -79,16 +79,7 @@ pub fn peer(dir: &Path, rel: &str) -> PathBuf {
     p
 }
 
-/// Helm, built from its Go module by scripts/install-peers.
-pub fn helm() -> PathBuf {
-    let (helm, from) = crate::kubeapi::cached_peer("SEEDLINK_HELM", "helm");
-    assert!(
-        helm.is_file(),
-        "helm is missing (looked in {}): scripts/install-peers builds it from its Go module, or set SEEDLINK_HELM",
-        from.display()
-    );
-    helm
-}
+pub use crate::kubeapi::helm;
 
 /// Moves the calling thread into network namespace `name` (what it starts
 /// from now on is there too).

@@ -489,29 +489,35 @@ impl KubeApi {
     pub async fn install_rbac(&self, client: &kube::Client, namespace: &str) -> String {
         let text =
             std::fs::read_to_string(repo_root().join("deploy/kustomize/seed/rbac.yaml")).unwrap();
-        for mut doc in yaml_docs(&text) {
-            let kind = doc["kind"].as_str().unwrap_or_default().to_string();
-            match kind.as_str() {
-                "ClusterRole" | "ClusterRoleBinding" => {
-                    let n = format!("{}-{namespace}", doc["metadata"]["name"].as_str().unwrap());
-                    doc["metadata"]["name"] = n.into();
-                    if kind == "ClusterRoleBinding" {
-                        let r = format!("{}-{namespace}", doc["roleRef"]["name"].as_str().unwrap());
-                        doc["roleRef"]["name"] = r.into();
-                    }
-                }
-                _ => doc["metadata"]["namespace"] = namespace.into(),
-            }
-            if let Some(subjects) = doc.get_mut("subjects").and_then(|s| s.as_array_mut()) {
-                for s in subjects {
-                    if s["kind"] == "ServiceAccount" {
-                        s["namespace"] = namespace.into();
-                    }
-                }
-            }
-            apply(client, doc).await;
+        for doc in yaml_docs(&text) {
+            apply(client, into_namespace(doc, namespace)).await;
         }
         self.token(client, namespace, "seedlink").await
+    }
+
+    /// Installs the onboarding controller's ServiceAccount and RBAC as the
+    /// chart renders them (`helm template --set onboarding.enabled=true`),
+    /// named as [`KubeApi::install_rbac`] names the install's (so its
+    /// `bind` names `seedlink-tunnel-trust-<namespace>`), and returns a
+    /// token of its ServiceAccount (`seedlink-onboard`).
+    pub async fn install_onboarding_rbac(&self, client: &kube::Client, namespace: &str) -> String {
+        let docs = helm_template("seedlink", namespace, &["--set", "onboarding.enabled=true"]);
+        let rbac = [
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Role",
+            "RoleBinding",
+        ];
+        for doc in docs {
+            let name = doc["metadata"]["name"].as_str().unwrap_or_default();
+            if rbac.contains(&doc["kind"].as_str().unwrap_or_default())
+                && name.starts_with("seedlink-onboard")
+            {
+                apply(client, into_namespace(doc, namespace)).await;
+            }
+        }
+        self.token(client, namespace, "seedlink-onboard").await
     }
 
     /// A token of ServiceAccount `namespace/name` (TokenRequest, 1 h).
@@ -596,6 +602,75 @@ impl KubeApi {
             "compaction: {out}"
         );
     }
+}
+
+/// An install's object moved into `namespace`: namespaced objects go
+/// there, cluster-scoped names (and the ClusterRoles they refer to or
+/// `bind`) get `-<namespace>`, ServiceAccount subjects are the
+/// namespace's.
+fn into_namespace(mut doc: Value, namespace: &str) -> Value {
+    let suffixed = |n: &str| format!("{n}-{namespace}");
+    let kind = doc["kind"].as_str().unwrap_or_default().to_string();
+    match kind.as_str() {
+        "ClusterRole" | "ClusterRoleBinding" => {
+            let n = suffixed(doc["metadata"]["name"].as_str().unwrap_or_default());
+            doc["metadata"]["name"] = n.into();
+        }
+        _ => doc["metadata"]["namespace"] = namespace.into(),
+    }
+    if doc["roleRef"]["kind"] == "ClusterRole" {
+        let r = suffixed(doc["roleRef"]["name"].as_str().unwrap_or_default());
+        doc["roleRef"]["name"] = r.into();
+    }
+    if let Some(rules) = doc.get_mut("rules").and_then(|r| r.as_array_mut()) {
+        for rule in rules {
+            if rule["resources"] == json!(["clusterroles"]) {
+                if let Some(names) = rule.get_mut("resourceNames").and_then(|n| n.as_array_mut()) {
+                    for n in names {
+                        *n = suffixed(n.as_str().unwrap_or_default()).into();
+                    }
+                }
+            }
+        }
+    }
+    if let Some(subjects) = doc.get_mut("subjects").and_then(|s| s.as_array_mut()) {
+        for s in subjects {
+            if s["kind"] == "ServiceAccount" {
+                s["namespace"] = namespace.into();
+            }
+        }
+    }
+    doc
+}
+
+/// Helm, built from its Go module by scripts/install-peers.
+pub fn helm() -> PathBuf {
+    let (helm, from) = cached_peer("SEEDLINK_HELM", "helm");
+    assert!(
+        helm.is_file(),
+        "helm is missing (looked in {}): scripts/install-peers builds it from its Go module, or set SEEDLINK_HELM",
+        from.display()
+    );
+    helm
+}
+
+/// `helm template` of chart `charts/<chart>` in `namespace` with `args`
+/// (for the Kubernetes the tests run: scripts/build-kube-peers), as
+/// objects.
+pub fn helm_template(chart: &str, namespace: &str, args: &[&str]) -> Vec<Value> {
+    let out = std::process::Command::new(helm())
+        .args(["template", "seedlink"])
+        .arg(repo_root().join("charts").join(chart))
+        .args(["--namespace", namespace, "--kube-version", "v1.35.4"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "helm template: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    yaml_docs(&String::from_utf8_lossy(&out.stdout))
 }
 
 /// The repository's root (crates/testkit/../..).

@@ -36,7 +36,7 @@ pub use gateway::{start_gateway, GatewaySettings};
 pub use handle::{Handle, Readiness};
 pub use sink::{BoxFuture, GatewaySink, TunnelSink};
 pub use tunnel::{replica_count, start_tunnel, TunnelSettings};
-pub use watches::{WatchErrors, WATCH_TIMEOUT_SECS};
+pub use watches::{served_route_version, WatchErrors, WATCH_TIMEOUT_SECS};
 
 /// The API client seedlink watches and writes with: the kubeconfig
 /// (`KUBECONFIG`, `~/.kube/config`) or the pod's in-cluster configuration,

@@ -199,7 +199,7 @@ pub(super) enum Routes {
 
 /// The newest TLSRoute version the API server serves (asked within 10 s);
 /// `None` when it cannot tell.
-pub(super) async fn served_route_version(client: &kube::Client) -> Option<kube::api::ApiResource> {
+pub async fn served_route_version(client: &kube::Client) -> Option<kube::api::ApiResource> {
     let served = tokio::time::timeout(
         Duration::from_secs(10),
         kube::discovery::group(client, GATEWAY_GROUP),

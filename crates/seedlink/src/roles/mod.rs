@@ -4,6 +4,7 @@
 
 pub mod gateway;
 pub mod node_proxy;
+pub mod onboard;
 pub mod seed;
 pub mod tunnel;
 

@@ -1,0 +1,141 @@
+//! The certificates the controller issues per control plane: an agent CA
+//! (its key stays in a Secret only the controller reads) and the agents'
+//! client certificate signed by it.
+
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
+
+/// How long an agent CA is valid.
+pub const CA_VALIDITY: SignedDuration = SignedDuration::from_hours(24 * 3650);
+/// How long an agent's client certificate is valid.
+pub const LEAF_VALIDITY: SignedDuration = SignedDuration::from_hours(24 * 365);
+
+/// A certificate and its key (PEM), and when it expires.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Issued {
+    /// The certificate.
+    pub cert_pem: String,
+    /// Its key.
+    pub key_pem: String,
+    /// Its `notAfter`.
+    pub not_after: Timestamp,
+}
+
+/// Why a certificate could not be made or read back.
+#[derive(Debug, thiserror::Error)]
+#[error("certificate: {0}")]
+pub struct CertError(String);
+
+impl From<rcgen::Error> for CertError {
+    fn from(e: rcgen::Error) -> CertError {
+        CertError(e.to_string())
+    }
+}
+
+fn at(t: Timestamp) -> Result<time::OffsetDateTime, CertError> {
+    time::OffsetDateTime::from_unix_timestamp(t.as_second()).map_err(|e| CertError(e.to_string()))
+}
+
+/// The agent CA's parameters for the control plane `ns/name`: the same
+/// every time, so that the stored key re-creates the issuer that signed
+/// its certificate (its subject is every leaf's issuer).
+fn ca_params(ns: &str, name: &str) -> Result<CertificateParams, CertError> {
+    let mut p = CertificateParams::new(Vec::<String>::new())?;
+    p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    p.distinguished_name
+        .push(DnType::CommonName, format!("seedlink agent CA {ns}/{name}"));
+    p.distinguished_name
+        .push(DnType::OrganizationName, "seedlink");
+    Ok(p)
+}
+
+/// A new agent CA for the control plane `ns/name`, valid from `now`.
+pub fn agent_ca(ns: &str, name: &str, now: Timestamp) -> Result<Issued, CertError> {
+    let key = KeyPair::generate()?;
+    let mut p = ca_params(ns, name)?;
+    let not_after = now + CA_VALIDITY;
+    p.not_before = at(now - SignedDuration::from_mins(5))?;
+    p.not_after = at(not_after)?;
+    let cert = p.self_signed(&key)?;
+    Ok(Issued {
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+        not_after,
+    })
+}
+
+/// A client certificate for the agents of `ns/name`, signed by its CA's
+/// key `ca_key_pem`, valid from `now`.
+pub fn agent_cert(
+    ns: &str,
+    name: &str,
+    ca_key_pem: &str,
+    now: Timestamp,
+) -> Result<Issued, CertError> {
+    let ca_key = KeyPair::from_pem(ca_key_pem)?;
+    let issuer = Issuer::new(ca_params(ns, name)?, ca_key);
+    let key = KeyPair::generate()?;
+    let mut p = CertificateParams::new(Vec::<String>::new())?;
+    p.distinguished_name
+        .push(DnType::CommonName, format!("seedlink agent {ns}/{name}"));
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let not_after = now + LEAF_VALIDITY;
+    p.not_before = at(now - SignedDuration::from_mins(5))?;
+    p.not_after = at(not_after)?;
+    let cert = p.signed_by(&key, &issuer)?;
+    Ok(Issued {
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+        not_after,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// The leaf a stored CA key signs verifies against the CA certificate
+    /// made earlier (the issuer is re-created from the key alone).
+    #[test]
+    fn a_leaf_signed_with_the_stored_key_chains_to_the_ca() {
+        let now = Timestamp::now();
+        let ca = agent_ca("shoot--a", "cp", now).unwrap();
+        let leaf = agent_cert("shoot--a", "cp", &ca.key_pem, now).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        let ca_der = rustls_pemfile_der(&ca.cert_pem);
+        roots.add(ca_der).unwrap();
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            roots.into(),
+            rustls::crypto::ring::default_provider().into(),
+        )
+        .build()
+        .unwrap();
+        let leaf_der = rustls_pemfile_der(&leaf.cert_pem);
+        let when = rustls::pki_types::UnixTime::since_unix_epoch(std::time::Duration::from_secs(
+            u64::try_from(now.as_second()).unwrap(),
+        ));
+        verifier.verify_client_cert(&leaf_der, &[], when).unwrap();
+        assert!(leaf.not_after > now && ca.not_after > leaf.not_after);
+        // Another control plane's CA does not accept it.
+        let other = agent_ca("shoot--b", "cp", now).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(rustls_pemfile_der(&other.cert_pem)).unwrap();
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            roots.into(),
+            rustls::crypto::ring::default_provider().into(),
+        )
+        .build()
+        .unwrap();
+        assert!(verifier.verify_client_cert(&leaf_der, &[], when).is_err());
+    }
+
+    fn rustls_pemfile_der(pem: &str) -> rustls::pki_types::CertificateDer<'static> {
+        use rustls::pki_types::pem::PemObject;
+        rustls::pki_types::CertificateDer::from_pem_slice(pem.as_bytes()).unwrap()
+    }
+}

@@ -1,0 +1,481 @@
+//! The onboarding controller: every replica watches `SeedlinkControlPlane`s
+//! (kube-runtime's `Controller`, which queues, deduplicates and backs off),
+//! and the one holding the Lease writes. Per object: the agent CA and the
+//! agents' certificate (issued once, kept in Secrets it owns), then the
+//! generated objects, then status mirrored from what they report.
+//!
+//! It never moves a claim: an object of a generated name that this control
+//! plane does not own is left alone and the control plane is refused with
+//! the reason (`NameTaken`); a missing object is created (a POST, which
+//! fails if someone made it meanwhile), an owned one applied.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{
+    Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
+};
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::{watcher, Controller};
+use kube::{Resource, ResourceExt};
+use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
+
+use super::certs::{self, Issued};
+use super::generate::{self, Generated, Names, Refusal, Settings, CA_KEY};
+use crate::crd::TunnelCluster;
+use crate::crd::{ControlPlaneStatus, SeedlinkControlPlane};
+use crate::leader::Leadership;
+
+/// The field manager of everything the controller applies.
+pub const MANAGER: &str = "seedlink-onboarding";
+/// How often a control plane's status is refreshed when nothing changes
+/// (the agents connected, the route's acceptance).
+const RESYNC: Duration = Duration::from_secs(15);
+/// How soon a follower (not holding the Lease) looks again.
+const FOLLOWER_RETRY: Duration = Duration::from_secs(2);
+/// How soon a failed reconcile is retried.
+const ERROR_RETRY: Duration = Duration::from_secs(5);
+/// The annotation with a certificate Secret's `notAfter` (RFC 3339).
+pub const NOT_AFTER: &str = "seedlink.dev/not-after";
+
+/// What a reconcile needs.
+pub struct Context {
+    /// The API client (the controller's ServiceAccount).
+    pub client: kube::Client,
+    /// The install's settings.
+    pub settings: Settings,
+    /// Whether this replica writes.
+    pub leadership: Leadership,
+    /// The namespace label that lets routes attach to the Gateway, set on a
+    /// control plane's namespace when configured.
+    pub namespace_label: Option<String>,
+    /// Events about control planes.
+    pub recorder: Recorder,
+}
+
+/// Why a reconcile failed (retried).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The API server answered with an error.
+    #[error("kubernetes: {0}")]
+    Kube(#[from] kube::Error),
+    /// A certificate could not be made.
+    #[error("{0}")]
+    Cert(#[from] certs::CertError),
+}
+
+/// Runs the controller until `stop`.
+pub async fn run(ctx: Context, stop: CancellationToken) {
+    let cps: Api<SeedlinkControlPlane> = Api::all(ctx.client.clone());
+    let clusters: Api<TunnelCluster> = Api::all(ctx.client.clone());
+    Controller::new(cps, watcher::Config::default())
+        .owns(clusters, watcher::Config::default())
+        .graceful_shutdown_on(async move { stop.cancelled().await })
+        .run(reconcile, error_policy, Arc::new(ctx))
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "onboarding: reconcile");
+            }
+        })
+        .await;
+}
+
+fn error_policy(cp: Arc<SeedlinkControlPlane>, e: &Error, _: Arc<Context>) -> Action {
+    tracing::warn!(control_plane = %key(&cp), error = %e, "onboarding: will retry");
+    Action::requeue(ERROR_RETRY)
+}
+
+fn key(cp: &SeedlinkControlPlane) -> String {
+    format!("{}/{}", cp.namespace().unwrap_or_default(), cp.name_any())
+}
+
+/// One control plane: issue, generate, apply, report.
+async fn reconcile(cp: Arc<SeedlinkControlPlane>, ctx: Arc<Context>) -> Result<Action, Error> {
+    if !ctx.leadership.held() {
+        return Ok(Action::requeue(FOLLOWER_RETRY));
+    }
+    if cp.meta().deletion_timestamp.is_some() {
+        // The garbage collector removes what it owns.
+        return Ok(Action::await_change());
+    }
+    let ns = cp.namespace().unwrap_or_default();
+    let w = Writer {
+        ctx: &ctx,
+        ns: &ns,
+        cp: &cp,
+    };
+    let outcome = w.generate().await?;
+    let status = match outcome {
+        Ok((generated, not_after)) => w.observe(&generated, not_after).await?,
+        Err(refusal) => {
+            w.event(&refusal).await;
+            refused(&cp, &refusal)
+        }
+    };
+    w.write_status(status).await?;
+    Ok(Action::requeue(RESYNC))
+}
+
+/// Writes into one control plane's namespace.
+struct Writer<'a> {
+    ctx: &'a Context,
+    ns: &'a str,
+    cp: &'a SeedlinkControlPlane,
+}
+
+impl Writer<'_> {
+    fn api(&self, api_version: &str, kind: &str, plural: &str) -> Api<DynamicObject> {
+        let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+        let ar =
+            ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural);
+        Api::namespaced_with(self.ctx.client.clone(), self.ns, &ar)
+    }
+
+    fn uid(&self) -> String {
+        self.cp.uid().unwrap_or_default()
+    }
+
+    /// The certificates, then every generated object: what was written
+    /// and when the first certificate expires, or why nothing could be.
+    async fn generate(&self) -> Result<Result<(Vec<Generated>, Timestamp), Refusal>, Error> {
+        let names = Names::of(&self.cp.name_any());
+        let ca = match self.ca(&names).await? {
+            Ok(ca) => ca,
+            Err(r) => return Ok(Err(r)),
+        };
+        let agent = match self.agent_cert(&names, &ca).await? {
+            Ok(a) => a,
+            Err(r) => return Ok(Err(r)),
+        };
+        let objects = match generate::objects(self.cp, &self.ctx.settings, &ca.cert_pem) {
+            Ok(o) => o,
+            Err(r) => return Ok(Err(r)),
+        };
+        if let Some(label) = &self.ctx.namespace_label {
+            let nss: Api<Namespace> = Api::all(self.ctx.client.clone());
+            let patch = json!({"metadata": {"labels": {label.as_str(): "true"}}});
+            nss.patch(self.ns, &PatchParams::default(), &Patch::Merge(&patch))
+                .await?;
+        }
+        for g in &objects {
+            if let Err(r) = self.put(g).await? {
+                return Ok(Err(r));
+            }
+        }
+        Ok(Ok((objects, ca.not_after.min(agent.not_after))))
+    }
+
+    /// Creates `g`, or applies it over the version this control plane
+    /// owns; refuses when another owner holds the name.
+    async fn put(&self, g: &Generated) -> Result<Result<(), Refusal>, Error> {
+        let api = self.api(&g.api_version, g.kind, g.plural);
+        let obj: DynamicObject = match serde_json::from_value(g.object.clone()) {
+            Ok(o) => o,
+            Err(e) => {
+                return Ok(Err(Refusal {
+                    reason: "Invalid",
+                    message: format!("{}: {e}", g.id()),
+                }))
+            }
+        };
+        match api.get_opt(&g.name).await? {
+            Some(existing) => {
+                let existing = serde_json::to_value(&existing).unwrap_or_default();
+                if !generate::owned_by(&existing, &self.uid()) {
+                    return Ok(Err(taken(g)));
+                }
+                let pp = PatchParams::apply(MANAGER).force();
+                api.patch(&g.name, &pp, &Patch::Apply(&obj)).await?;
+            }
+            None => match api.create(&PostParams::default(), &obj).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 409 => return Ok(Err(taken(g))),
+                Err(e) => return Err(e.into()),
+            },
+        }
+        Ok(Ok(()))
+    }
+
+    /// A certificate Secret this control plane owns: read back, or made
+    /// with `issue` and created.
+    async fn cert_secret(
+        &self,
+        name: &str,
+        type_: &str,
+        keys: (&str, &str),
+        issue: impl FnOnce() -> Result<Issued, certs::CertError>,
+    ) -> Result<Result<Issued, Refusal>, Error> {
+        let api = self.api("v1", "Secret", "secrets");
+        if let Some(s) = api.get_opt(name).await? {
+            let v = serde_json::to_value(&s).unwrap_or_default();
+            if !generate::owned_by(&v, &self.uid()) {
+                return Ok(Err(Refusal {
+                    reason: "NameTaken",
+                    message: format!(
+                        "Secret/{name} exists and is not this SeedlinkControlPlane's: rename or remove it"
+                    ),
+                }));
+            }
+            let data = |k: &str| {
+                v["data"][k]
+                    .as_str()
+                    .and_then(base64_decode)
+                    .unwrap_or_default()
+            };
+            let not_after = v["metadata"]["annotations"][NOT_AFTER]
+                .as_str()
+                .and_then(|t| t.parse::<Timestamp>().ok())
+                .unwrap_or(Timestamp::UNIX_EPOCH);
+            return Ok(Ok(Issued {
+                cert_pem: data(keys.0),
+                key_pem: data(keys.1),
+                not_after,
+            }));
+        }
+        let issued = issue()?;
+        let owner = match generate::owner_reference(self.cp) {
+            Ok(o) => o,
+            Err(r) => return Ok(Err(r)),
+        };
+        let secret = json!({
+            "apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": name, "namespace": self.ns,
+                         "labels": {generate::CONTROL_PLANE_LABEL: self.cp.name_any(),
+                                    "app.kubernetes.io/managed-by": "seedlink"},
+                         "annotations": {NOT_AFTER: issued.not_after.to_string()},
+                         "ownerReferences": [owner]},
+            "type": type_,
+            "stringData": {keys.0: issued.cert_pem, keys.1: issued.key_pem}
+        });
+        let obj: DynamicObject = serde_json::from_value(secret).map_err(|e| {
+            Error::Cert(certs::CertError::from(rcgen::Error::PemError(
+                e.to_string(),
+            )))
+        })?;
+        match api.create(&PostParams::default(), &obj).await {
+            Ok(_) => Ok(Ok(issued)),
+            // Made meanwhile (another replica's last write): read next time.
+            Err(kube::Error::Api(e)) if e.code == 409 => Err(Error::Kube(kube::Error::Api(e))),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn ca(&self, names: &Names) -> Result<Result<Issued, Refusal>, Error> {
+        let (ns, name) = (self.ns.to_string(), self.cp.name_any());
+        self.cert_secret(&names.agent_ca, "Opaque", (CA_KEY, "ca.key"), || {
+            certs::agent_ca(&ns, &name, Timestamp::now())
+        })
+        .await
+    }
+
+    async fn agent_cert(
+        &self,
+        names: &Names,
+        ca: &Issued,
+    ) -> Result<Result<Issued, Refusal>, Error> {
+        let (ns, name) = (self.ns.to_string(), self.cp.name_any());
+        let ca_key = ca.key_pem.clone();
+        self.cert_secret(
+            &names.agent,
+            "kubernetes.io/tls",
+            ("tls.crt", "tls.key"),
+            || certs::agent_cert(&ns, &name, &ca_key, Timestamp::now()),
+        )
+        .await
+    }
+
+    /// Status from what the generated objects report.
+    async fn observe(
+        &self,
+        generated: &[Generated],
+        not_after: Timestamp,
+    ) -> Result<ControlPlaneStatus, Error> {
+        let gen = self.cp.meta().generation;
+        let mut conditions = vec![condition(
+            "Generated",
+            true,
+            "Applied",
+            "every object is written",
+            gen,
+        )];
+        let mut agents = 0;
+        for g in generated {
+            let api = self.api(&g.api_version, g.kind, g.plural);
+            let Some(obj) = api.get_opt(&g.name).await? else {
+                continue;
+            };
+            let v = serde_json::to_value(&obj).unwrap_or_default();
+            match g.kind {
+                "TLSRoute" => conditions.push(route_condition(&v, &self.ctx.settings, gen)),
+                "TunnelCluster" => {
+                    agents = v["status"]["agents"].as_u64().unwrap_or(0);
+                    let theirs = &v["status"]["conditions"];
+                    conditions.push(mirrored(theirs, "Ready", "TunnelReady", gen));
+                }
+                _ => {}
+            }
+        }
+        let fresh = not_after > Timestamp::now();
+        conditions.push(condition(
+            "CertificatesReady",
+            fresh,
+            if fresh { "Valid" } else { "Expired" },
+            &format!("the agent CA and certificate are valid until {not_after}"),
+            gen,
+        ));
+        let ready = conditions.iter().all(|c| c.status == "True");
+        let (reason, message) = match conditions.iter().find(|c| c.status != "True") {
+            Some(c) => (c.reason.clone(), format!("{}: {}", c.type_, c.message)),
+            None => ("Ready".to_string(), "served".to_string()),
+        };
+        conditions.insert(0, condition("Ready", ready, &reason, &message, gen));
+        Ok(ControlPlaneStatus {
+            conditions,
+            agents,
+            certificates_not_after: Some(not_after.to_string()),
+            generated: generated.iter().map(Generated::id).collect(),
+            observed_generation: gen,
+        })
+    }
+
+    async fn write_status(&self, mut status: ControlPlaneStatus) -> Result<(), Error> {
+        // A condition's time moves only when its status does.
+        let old = self.cp.status.clone().unwrap_or_default();
+        for c in &mut status.conditions {
+            if let Some(o) = old.conditions.iter().find(|o| o.type_ == c.type_) {
+                if o.status == c.status {
+                    c.last_transition_time = o.last_transition_time.clone();
+                }
+            }
+        }
+        if old == status {
+            return Ok(());
+        }
+        let api: Api<SeedlinkControlPlane> = Api::namespaced(self.ctx.client.clone(), self.ns);
+        let patch = json!({"status": status});
+        api.patch_status(
+            &self.cp.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn event(&self, r: &Refusal) {
+        let ev = Event {
+            type_: EventType::Warning,
+            reason: r.reason.to_string(),
+            note: Some(r.message.clone()),
+            action: "Onboard".into(),
+            secondary: None,
+        };
+        if let Err(e) = self
+            .ctx
+            .recorder
+            .publish(&ev, &self.cp.object_ref(&()))
+            .await
+        {
+            tracing::debug!(error = %e, "onboarding: event");
+        }
+    }
+}
+
+fn taken(g: &Generated) -> Refusal {
+    Refusal {
+        reason: "NameTaken",
+        message: format!(
+            "{} exists and is not this SeedlinkControlPlane's: rename or remove it",
+            g.id()
+        ),
+    }
+}
+
+/// The status of a control plane nothing could be generated for.
+fn refused(cp: &SeedlinkControlPlane, r: &Refusal) -> ControlPlaneStatus {
+    let gen = cp.meta().generation;
+    ControlPlaneStatus {
+        conditions: vec![
+            condition("Ready", false, r.reason, &r.message, gen),
+            condition("Generated", false, r.reason, &r.message, gen),
+        ],
+        observed_generation: gen,
+        ..cp.status.clone().unwrap_or_default()
+    }
+}
+
+fn condition(type_: &str, ok: bool, reason: &str, message: &str, gen: Option<i64>) -> Condition {
+    Condition {
+        type_: type_.into(),
+        status: if ok { "True" } else { "False" }.into(),
+        reason: reason.into(),
+        message: message.into(),
+        observed_generation: gen,
+        last_transition_time: Time(Timestamp::now()),
+    }
+}
+
+/// The condition `type_` of `conditions` as this object's `as_type`;
+/// `Unknown` until there is one.
+fn mirrored(conditions: &Value, type_: &str, as_type: &str, gen: Option<i64>) -> Condition {
+    let c = conditions
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["type"] == type_));
+    match c {
+        Some(c) => condition(
+            as_type,
+            c["status"] == "True",
+            c["reason"].as_str().unwrap_or("Unknown"),
+            c["message"].as_str().unwrap_or(""),
+            gen,
+        ),
+        None => Condition {
+            status: "Unknown".into(),
+            ..condition(as_type, false, "Pending", "not reported yet", gen)
+        },
+    }
+}
+
+/// The TLSRoute's `Accepted` from the gateway's parent status.
+fn route_condition(route: &Value, settings: &Settings, gen: Option<i64>) -> Condition {
+    let parent = route["status"]["parents"].as_array().and_then(|ps| {
+        ps.iter().find(|p| {
+            p["parentRef"]["name"] == settings.gateway.name.as_str()
+                && p["controllerName"] == crate::crd::CONTROLLER_NAME
+        })
+    });
+    match parent {
+        Some(p) => mirrored(&p["conditions"], "Accepted", "RouteAccepted", gen),
+        None => Condition {
+            status: "Unknown".into(),
+            ..condition(
+                "RouteAccepted",
+                false,
+                "Pending",
+                "the gateway has not answered yet",
+                gen,
+            )
+        },
+    }
+}
+
+/// A Secret's `data` value (base64, as `ByteString` reads it) as text.
+fn base64_decode(s: &str) -> Option<String> {
+    let decoded: k8s_openapi::ByteString =
+        serde_json::from_value(Value::String(s.to_string())).ok()?;
+    String::from_utf8(decoded.0).ok()
+}
+
+/// The reporter of the controller's Events.
+pub fn reporter(instance: &str) -> Reporter {
+    Reporter {
+        controller: MANAGER.into(),
+        instance: Some(instance.into()),
+    }
+}

@@ -1,0 +1,471 @@
+//! What one `SeedlinkControlPlane` becomes: the objects the controller
+//! writes into its namespace, each owned by it. A pure function of the
+//! object, the install's settings and the agent CA, so that what is
+//! generated is tested without an API server.
+
+use serde_json::{json, Value};
+
+use crate::crd::SeedlinkControlPlane;
+use crate::translate::Key;
+
+/// The label every generated object carries: the control plane it is for.
+pub const CONTROL_PLANE_LABEL: &str = "seedlink.dev/control-plane";
+/// The label that lets the tunnel-server read a Secret (docs/KUBERNETES.md).
+pub const TRUST_LABEL: &str = "seedlink.dev/tunnel-trust";
+/// The key of a CA certificate in a Secret.
+pub const CA_KEY: &str = "ca.crt";
+
+/// What the install tells the controller.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The Gateway routes attach to (`kubernetes.gateway` of the gateway's
+    /// file).
+    pub gateway: Key,
+    /// The TLSRoute version the API server serves (`v1`, or `v1alpha2`
+    /// on Gateway API before v1.5).
+    pub route_version: String,
+    /// The tunnel-server's ServiceAccount, which reads the trust Secrets.
+    pub tunnel_reader: Key,
+    /// The ClusterRole that lets it (bound per control plane).
+    pub trust_role: String,
+}
+
+/// One generated object, as applied.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generated {
+    /// `apiVersion`.
+    pub api_version: String,
+    /// `kind`.
+    pub kind: &'static str,
+    /// The resource's plural (its URL path).
+    pub plural: &'static str,
+    /// `metadata.name` (in the control plane's namespace).
+    pub name: String,
+    /// The whole object.
+    pub object: Value,
+}
+
+impl Generated {
+    /// `Kind/name`, as status lists it.
+    pub fn id(&self) -> String {
+        format!("{}/{}", self.kind, self.name)
+    }
+}
+
+/// Why a control plane cannot be generated.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}: {message}")]
+pub struct Refusal {
+    /// A condition reason (CamelCase).
+    pub reason: &'static str,
+    /// For people.
+    pub message: String,
+}
+
+/// The names of what a control plane `cp` generates.
+pub struct Names {
+    /// The TLSRoute, the SeedlinkPolicy and the TunnelCluster.
+    pub route: String,
+    /// The Secret with the agent CA's certificate and key (never read by
+    /// the tunnel-server).
+    pub agent_ca: String,
+    /// The Secret with only the agent CA's certificate, labelled for the
+    /// tunnel-server to read.
+    pub trust: String,
+    /// The agent's client certificate and key.
+    pub agent: String,
+    /// The RoleBinding that lets the tunnel-server read the trust Secret.
+    pub trust_binding: String,
+}
+
+impl Names {
+    /// The names for the control plane called `cp`.
+    pub fn of(cp: &str) -> Names {
+        Names {
+            route: cp.to_string(),
+            agent_ca: format!("{cp}-agent-ca"),
+            trust: format!("{cp}-agent-trust"),
+            agent: format!("{cp}-agent"),
+            trust_binding: format!("{cp}-seedlink-tunnel-trust"),
+        }
+    }
+}
+
+/// The owner reference every generated object carries: deleting the
+/// control plane deletes it (the garbage collector), and the controller
+/// touches no object of the same name without it.
+pub fn owner_reference(cp: &SeedlinkControlPlane) -> Result<Value, Refusal> {
+    let uid = cp.metadata.uid.as_deref().ok_or_else(|| Refusal {
+        reason: "NoUID",
+        message: "the object has no metadata.uid yet".into(),
+    })?;
+    Ok(json!({
+        "apiVersion": "seedlink.dev/v1alpha1",
+        "kind": "SeedlinkControlPlane",
+        "name": cp.metadata.name,
+        "uid": uid,
+        "controller": true,
+        "blockOwnerDeletion": true
+    }))
+}
+
+/// Whether `object`'s owner references name the control plane `uid` as
+/// its controller.
+pub fn owned_by(object: &Value, uid: &str) -> bool {
+    object["metadata"]["ownerReferences"]
+        .as_array()
+        .is_some_and(|refs| {
+            refs.iter()
+                .any(|r| r["uid"] == uid && r["controller"] == true)
+        })
+}
+
+/// The objects `cp` generates, in the order they are applied (what a
+/// later one refers to comes first): the trust Secret and its
+/// RoleBinding, the TunnelCluster, the TLSRoute and its SeedlinkPolicy.
+/// `agent_ca_pem` is the agent CA's certificate (PEM).
+pub fn objects(
+    cp: &SeedlinkControlPlane,
+    settings: &Settings,
+    agent_ca_pem: &str,
+) -> Result<Vec<Generated>, Refusal> {
+    let b = Builder::of(cp)?;
+    let mut out = Vec::new();
+    let tunnel = cp.spec.tunnel.clone().unwrap_or(crate::crd::TunnelSpec {
+        enabled: true,
+        agent_token: None,
+    });
+    if tunnel.enabled {
+        out.extend(b.tunnel(&tunnel, settings, agent_ca_pem));
+    }
+    out.push(b.route(cp, settings));
+    if let Some(policy) = policy_spec(cp, &b.names.route) {
+        out.push(b.object(
+            "policy.seedlink.dev/v1alpha1",
+            "SeedlinkPolicy",
+            &b.names.route,
+            json!({}),
+            json!({"spec": policy}),
+        ));
+    }
+    Ok(out)
+}
+
+/// What every generated object of one control plane shares: its
+/// namespace, labels and owner.
+struct Builder {
+    cp: String,
+    ns: String,
+    owner: Value,
+    names: Names,
+}
+
+impl Builder {
+    fn of(cp: &SeedlinkControlPlane) -> Result<Builder, Refusal> {
+        let name = cp.metadata.name.clone().unwrap_or_default();
+        Ok(Builder {
+            owner: owner_reference(cp)?,
+            ns: cp.metadata.namespace.clone().unwrap_or_default(),
+            names: Names::of(&name),
+            cp: name,
+        })
+    }
+
+    /// The object `kind/name` with `body` (its fields besides `metadata`)
+    /// and the extra `labels`.
+    fn object(
+        &self,
+        api_version: &str,
+        kind: &'static str,
+        name: &str,
+        labels: Value,
+        body: Value,
+    ) -> Generated {
+        let mut all =
+            json!({CONTROL_PLANE_LABEL: self.cp, "app.kubernetes.io/managed-by": "seedlink"});
+        if let (Some(l), Some(e)) = (all.as_object_mut(), labels.as_object()) {
+            l.extend(e.clone());
+        }
+        let mut object = json!({
+            "apiVersion": api_version, "kind": kind,
+            "metadata": {"name": name, "namespace": self.ns, "labels": all,
+                         "ownerReferences": [self.owner]}
+        });
+        if let (Some(o), Some(b)) = (object.as_object_mut(), body.as_object()) {
+            o.extend(b.clone());
+        }
+        Generated {
+            api_version: api_version.to_string(),
+            kind,
+            plural: plural(kind),
+            name: name.to_string(),
+            object,
+        }
+    }
+
+    /// The trust Secret, the RoleBinding that lets the tunnel-server read
+    /// it, and the TunnelCluster trusting it (or the agents' tokens).
+    fn tunnel(
+        &self,
+        tunnel: &crate::crd::TunnelSpec,
+        settings: &Settings,
+        ca_pem: &str,
+    ) -> Vec<Generated> {
+        let n = &self.names;
+        let trust = self.object(
+            "v1",
+            "Secret",
+            &n.trust,
+            json!({TRUST_LABEL: "true"}),
+            json!({
+                "type": "Opaque",
+                "stringData": {CA_KEY: ca_pem}
+            }),
+        );
+        let binding = self.object(
+            "rbac.authorization.k8s.io/v1",
+            "RoleBinding",
+            &n.trust_binding,
+            json!({}),
+            json!({
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                            "name": settings.trust_role},
+                "subjects": [{"kind": "ServiceAccount", "name": settings.tunnel_reader.name,
+                              "namespace": settings.tunnel_reader.namespace}]
+            }),
+        );
+        let spec = match &tunnel.agent_token {
+            Some(token) => json!({"agentToken": token}),
+            None => json!({"agentCA": {"secret": n.trust, "key": CA_KEY}}),
+        };
+        let cluster = self.object(
+            "tunnel.seedlink.dev/v1alpha1",
+            "TunnelCluster",
+            &n.route,
+            json!({}),
+            json!({"spec": spec}),
+        );
+        vec![trust, binding, cluster]
+    }
+
+    /// The TLSRoute: the host names to the kube-apiserver's Service,
+    /// attached to the install's Gateway.
+    fn route(&self, cp: &SeedlinkControlPlane, settings: &Settings) -> Generated {
+        let api = &cp.spec.api_server;
+        let route_api = format!("gateway.networking.k8s.io/{}", settings.route_version);
+        self.object(&route_api, "TLSRoute", &self.names.route, json!({}), json!({
+            "spec": {
+                "parentRefs": [{"group": "gateway.networking.k8s.io", "kind": "Gateway",
+                                "namespace": settings.gateway.namespace, "name": settings.gateway.name}],
+                "hostnames": api.hostnames,
+                "rules": [{"backendRefs": [{"name": api.service, "port": api.port}]}]
+            }
+        }))
+    }
+}
+
+/// The plural of a kind the controller writes.
+pub fn plural(kind: &str) -> &'static str {
+    match kind {
+        "Secret" => "secrets",
+        "RoleBinding" => "rolebindings",
+        "TunnelCluster" => "tunnelclusters",
+        "TLSRoute" => "tlsroutes",
+        "SeedlinkPolicy" => "seedlinkpolicies",
+        _ => "",
+    }
+}
+
+/// The SeedlinkPolicy's spec, when the control plane says anything a
+/// TLSRoute cannot (an ACL, node paths).
+fn policy_spec(cp: &SeedlinkControlPlane, route: &str) -> Option<Value> {
+    let nodes = cp.spec.nodes.clone().unwrap_or_default();
+    let acl = cp.spec.allowed_source_cidrs.clone();
+    if acl.is_none()
+        && nodes.destinations.is_empty()
+        && nodes.service_addresses.is_empty()
+        && nodes.cluster_id.is_none()
+    {
+        return None;
+    }
+    let mut spec = json!({
+        "targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "TLSRoute", "name": route}]
+    });
+    let fields = [
+        ("allowedSourceCIDRs", acl.map(|a| json!(a))),
+        (
+            "destinations",
+            (!nodes.destinations.is_empty()).then(|| json!(nodes.destinations)),
+        ),
+        (
+            "serviceAddresses",
+            (!nodes.service_addresses.is_empty()).then(|| json!(nodes.service_addresses)),
+        ),
+        ("clusterID", nodes.cluster_id.map(|c| json!(c))),
+    ];
+    for (k, v) in fields {
+        if let (Some(v), Some(m)) = (v, spec.as_object_mut()) {
+            m.insert(k.into(), v);
+        }
+    }
+    Some(spec)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn settings() -> Settings {
+        Settings {
+            gateway: Key {
+                namespace: "seedlink-system".into(),
+                name: "seedlink".into(),
+            },
+            route_version: "v1".into(),
+            tunnel_reader: Key {
+                namespace: "seedlink-system".into(),
+                name: "seedlink".into(),
+            },
+            trust_role: "seedlink-tunnel-trust".into(),
+        }
+    }
+
+    fn cp(spec: Value) -> SeedlinkControlPlane {
+        serde_json::from_value(json!({
+            "apiVersion": "seedlink.dev/v1alpha1", "kind": "SeedlinkControlPlane",
+            "metadata": {"name": "kas", "namespace": "shoot--a", "uid": "u-1"},
+            "spec": spec
+        }))
+        .unwrap()
+    }
+
+    fn minimal() -> Value {
+        json!({"apiServer": {"service": "kube-apiserver", "hostnames": ["api.a.example"]}})
+    }
+
+    fn find<'a>(out: &'a [Generated], kind: &str) -> &'a Value {
+        &out.iter().find(|g| g.kind == kind).unwrap().object
+    }
+
+    #[test]
+    fn one_object_becomes_its_trust_tunnel_and_route_each_owned_by_it() {
+        let out = objects(&cp(minimal()), &settings(), "CA PEM").unwrap();
+        let ids: Vec<String> = out.iter().map(Generated::id).collect();
+        assert_eq!(
+            ids,
+            [
+                "Secret/kas-agent-trust",
+                "RoleBinding/kas-seedlink-tunnel-trust",
+                "TunnelCluster/kas",
+                "TLSRoute/kas"
+            ]
+        );
+        for g in &out {
+            assert!(owned_by(&g.object, "u-1"), "{}", g.id());
+            assert!(!owned_by(&g.object, "u-2"));
+            assert_eq!(g.object["metadata"]["namespace"], "shoot--a");
+            assert_eq!(g.object["metadata"]["labels"][CONTROL_PLANE_LABEL], "kas");
+            assert!(!g.plural.is_empty());
+        }
+        let trust = find(&out, "Secret");
+        assert_eq!(trust["metadata"]["labels"][TRUST_LABEL], "true");
+        assert_eq!(trust["stringData"][CA_KEY], "CA PEM");
+        assert!(
+            trust["stringData"].get("ca.key").is_none(),
+            "the trust Secret holds no key"
+        );
+        let tc = find(&out, "TunnelCluster");
+        assert_eq!(
+            tc["spec"]["agentCA"],
+            json!({"secret": "kas-agent-trust", "key": "ca.crt"})
+        );
+        let rb = find(&out, "RoleBinding");
+        assert_eq!(rb["roleRef"]["name"], "seedlink-tunnel-trust");
+        assert_eq!(rb["subjects"][0]["namespace"], "seedlink-system");
+        let route = find(&out, "TLSRoute");
+        assert_eq!(route["apiVersion"], "gateway.networking.k8s.io/v1");
+        assert_eq!(route["spec"]["hostnames"], json!(["api.a.example"]));
+        assert_eq!(
+            route["spec"]["rules"][0]["backendRefs"][0],
+            json!({"name": "kube-apiserver", "port": 443})
+        );
+        assert_eq!(route["spec"]["parentRefs"][0]["name"], "seedlink");
+    }
+
+    #[test]
+    fn an_acl_and_node_paths_make_a_policy_and_a_tunnel_can_be_off() {
+        let mut spec = minimal();
+        spec["allowedSourceCIDRs"] = json!(["10.0.0.0/8"]);
+        spec["nodes"] = json!({"destinations": ["kas.shoot--a"], "clusterID": "c-1"});
+        spec["tunnel"] = json!({"enabled": false});
+        let out = objects(&cp(spec), &settings(), "CA PEM").unwrap();
+        let kinds: Vec<&str> = out.iter().map(|g| g.kind).collect();
+        assert_eq!(kinds, ["TLSRoute", "SeedlinkPolicy"]);
+        let p = find(&out, "SeedlinkPolicy");
+        assert_eq!(p["spec"]["targetRefs"][0]["name"], "kas");
+        assert_eq!(p["spec"]["allowedSourceCIDRs"], json!(["10.0.0.0/8"]));
+        assert_eq!(p["spec"]["destinations"], json!(["kas.shoot--a"]));
+        assert_eq!(p["spec"]["clusterID"], "c-1");
+        assert!(p["spec"].get("serviceAddresses").is_none());
+    }
+
+    #[test]
+    fn agents_by_token_trust_the_tokens_of_the_objects_own_namespace() {
+        let mut spec = minimal();
+        spec["tunnel"] = json!({"agentToken": {"issuer": "https://shoot", "keys": {"secret": "sa-keys", "key": "sa.pub"}}});
+        let out = objects(&cp(spec), &settings(), "CA PEM").unwrap();
+        let tc = find(&out, "TunnelCluster");
+        assert!(tc["spec"].get("agentCA").is_none());
+        assert_eq!(tc["spec"]["agentToken"]["keys"]["secret"], "sa-keys");
+        assert_eq!(tc["metadata"]["namespace"], "shoot--a");
+    }
+
+    /// Whatever the spec says, nothing generated lands in or names another
+    /// namespace than the object's, but for the install's Gateway and
+    /// ServiceAccount: the spec has no field that could.
+    #[test]
+    fn nothing_generated_names_another_namespace() {
+        let mut spec = minimal();
+        spec["allowedSourceCIDRs"] = json!(["10.0.0.0/8"]);
+        let out = objects(&cp(spec), &settings(), "CA PEM").unwrap();
+        fn namespaces(v: &Value, out: &mut Vec<String>) {
+            match v {
+                Value::Object(m) => {
+                    if let Some(Value::String(ns)) = m.get("namespace") {
+                        out.push(ns.clone());
+                    }
+                    m.values().for_each(|v| namespaces(v, out));
+                }
+                Value::Array(a) => a.iter().for_each(|v| namespaces(v, out)),
+                _ => {}
+            }
+        }
+        for g in &out {
+            let mut nss = Vec::new();
+            namespaces(&g.object, &mut nss);
+            for ns in nss {
+                assert!(
+                    ns == "shoot--a" || ns == "seedlink-system",
+                    "{}: {ns}",
+                    g.id()
+                );
+            }
+        }
+        // A field naming a namespace is not part of the schema.
+        let mut bad = minimal();
+        bad["apiServer"]["namespace"] = json!("shoot--b");
+        let crd =
+            serde_json::to_value(<SeedlinkControlPlane as kube::CustomResourceExt>::crd()).unwrap();
+        let props = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+            ["properties"]["apiServer"]["properties"];
+        assert!(props.get("namespace").is_none());
+    }
+
+    #[test]
+    fn an_object_without_a_uid_is_not_generated() {
+        let mut c = cp(minimal());
+        c.metadata.uid = None;
+        assert_eq!(objects(&c, &settings(), "CA").unwrap_err().reason, "NoUID");
+    }
+}
