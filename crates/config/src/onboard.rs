@@ -25,6 +25,34 @@ pub struct OnboardConfig {
     /// labels namespaces.
     #[serde(default)]
     pub namespace_label: Option<String>,
+    /// kube-apiserver's egress selector file and flags, and the shoot's
+    /// agent files, rendered per control plane as `seedlink tunnel-config`
+    /// renders them; absent: not generated.
+    #[serde(default)]
+    pub render: Option<RenderConfig>,
+}
+
+/// What the renderer needs besides the control plane.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RenderConfig {
+    /// The tunnel-server's configuration file (its frontend templates and
+    /// shared frontends are what kube-apiserver dials).
+    pub tunnel_config: std::path::PathBuf,
+    /// Where the shoot's agents reach the tunnel-server, `host:port`.
+    pub agent_server: String,
+    /// The TLS server name the agents ask for (default: the host of
+    /// `agent_server`).
+    #[serde(default)]
+    pub server_name: Option<String>,
+    /// Where kube-apiserver reaches the tunnel-server's TCP frontend,
+    /// `host:port` (default: the frontend's address, or the Service in
+    /// front of a shared one on a wildcard).
+    #[serde(default)]
+    pub frontend_address: Option<String>,
+    /// The CA the agents verify the tunnel-server with (PEM), shipped in
+    /// the shoot's Secret as `tunnel-ca.crt`.
+    pub server_ca: std::path::PathBuf,
 }
 
 fn trust_role() -> String {

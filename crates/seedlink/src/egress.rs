@@ -543,13 +543,14 @@ impl Rendered {
             .collect()
     }
 
-    /// Writes `egress-selector-configuration.yaml`, `kube-apiserver.args`,
-    /// `tunnel-agent.args` and `proxy-agent.args` (one argument per line),
-    /// `agent.yaml`, `shoot-config.yaml` and, when rendered,
-    /// `node-proxy.yaml` into `dir`.
-    pub fn write(&self, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let files = [
+    /// The files by name: `egress-selector-configuration.yaml`,
+    /// `kube-apiserver.args`, `tunnel-agent.args` and `proxy-agent.args`
+    /// (one argument per line), `agent.yaml`, `shoot-config.yaml` and,
+    /// when rendered, `node-proxy.yaml`. The first two are
+    /// kube-apiserver's ([`Rendered::KUBE_APISERVER_FILES`]), the rest the
+    /// shoot's.
+    pub fn files(&self) -> Vec<(&'static str, String)> {
+        let mut files = vec![
             (
                 "egress-selector-configuration.yaml",
                 self.egress_selector.clone(),
@@ -566,13 +567,21 @@ impl Rendered {
             ("agent.yaml", self.agent_yaml.clone()),
             ("shoot-config.yaml", self.shoot_config.clone()),
         ];
-        let files = files.into_iter().chain(
-            self.node_proxy_yaml
-                .clone()
-                .map(|np| ("node-proxy.yaml", np)),
-        );
+        if let Some(np) = &self.node_proxy_yaml {
+            files.push(("node-proxy.yaml", np.clone()));
+        }
+        files
+    }
+
+    /// The files of [`Rendered::files`] that kube-apiserver mounts.
+    pub const KUBE_APISERVER_FILES: [&'static str; 2] =
+        ["egress-selector-configuration.yaml", "kube-apiserver.args"];
+
+    /// Writes [`Rendered::files`] into `dir`.
+    pub fn write(&self, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let mut out = Vec::new();
-        for (name, text) in files {
+        for (name, text) in self.files() {
             let p = dir.join(name);
             std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))?;
             out.push(p);

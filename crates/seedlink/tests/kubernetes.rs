@@ -2343,10 +2343,7 @@ struct Onboarding {
     gw: SeedGw,
     _tunnel: Proc,
     _onboard: Proc,
-    /// The tunnel-server's agent endpoint, its CA, and the directory of its
-    /// frontend sockets.
-    agents: String,
-    tunnel_pki: seedlink::demo::Pki,
+    /// The directory of the tunnel-server's files and frontend sockets.
     dir: tempfile::TempDir,
     a: String,
     seed: Seed,
@@ -2371,17 +2368,16 @@ impl Onboarding {
         let dir = tempfile::tempdir().unwrap();
         let tunnel_pki = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
         let (tunnel, agents) = onboarding_tunnel_server(&seed, &tunnel_pki, dir.path());
+        std::fs::write(dir.path().join("seed-ca.pem"), &tunnel_pki.ca_pem).unwrap();
         let token = seed
             .api
             .install_onboarding_rbac(&seed.client, &seed.sys)
             .await;
-        let onboard = onboard_controller(&seed, &token, dir.path());
+        let onboard = onboard_controller(&seed, &token, dir.path(), &agents);
         Onboarding {
             gw,
             _tunnel: tunnel,
             _onboard: onboard,
-            agents,
-            tunnel_pki,
             dir,
             a,
             seed,
@@ -2475,10 +2471,13 @@ kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust'}}
 }
 
 /// `seedlink onboard` with `token` (the chart's `seedlink-onboard`
-/// ServiceAccount), labelling control planes' namespaces for the Gateway.
-fn onboard_controller(seed: &Seed, token: &str, dir: &std::path::Path) -> Proc {
+/// ServiceAccount), labelling control planes' namespaces for the Gateway
+/// and rendering kube-apiserver's and the shoot's files from the
+/// tunnel-server's file in `dir` (its agents at `agents`).
+fn onboard_controller(seed: &Seed, token: &str, dir: &std::path::Path, agents: &str) -> Proc {
     let sys = &seed.sys;
     let config = dir.join("onboard.yaml");
+    let (tunnel, ca) = (dir.join("tunnel.yaml"), dir.join("seed-ca.pem"));
     std::fs::write(
         &config,
         format!(
@@ -2487,7 +2486,14 @@ gateway: {sys}/seedlink
 tunnel_reader: {sys}/seedlink
 trust_role: seedlink-tunnel-trust-{sys}
 namespace_label: seedlink.dev/gateway-access
-"
+render:
+  tunnel_config: '{}'
+  agent_server: '{agents}'
+  server_name: tunnel.seedlink.test
+  server_ca: '{}'
+",
+            tunnel.display(),
+            ca.display()
         ),
     )
     .unwrap();
@@ -2541,7 +2547,9 @@ async fn one_object_serves_its_api_server_by_sni(t: &Onboarding) {
             "Secret/kas-agent-trust",
             "RoleBinding/kas-seedlink-tunnel-trust",
             "TunnelCluster/kas",
-            "TLSRoute/kas"
+            "TLSRoute/kas",
+            "ConfigMap/kas-kube-apiserver-egress",
+            "Secret/kas-shoot"
         ]
     );
     let owned = [
@@ -2555,6 +2563,8 @@ async fn one_object_serves_its_api_server_by_sni(t: &Onboarding) {
         ),
         ("tunnel.seedlink.dev/v1alpha1", "TunnelCluster", "kas"),
         (ROUTES, "TLSRoute", "kas"),
+        ("v1", "ConfigMap", "kas-kube-apiserver-egress"),
+        ("v1", "Secret", "kas-shoot"),
     ];
     for (api, kind, name) in owned {
         let o = t.seed.get(api, kind, &t.a, name).await.unwrap();
@@ -2566,31 +2576,62 @@ async fn one_object_serves_its_api_server_by_sni(t: &Onboarding) {
     assert!(status["certificatesNotAfter"].is_string());
 }
 
-/// An agent with the client certificate the controller issued joins the
-/// generated TunnelCluster, and kube-apiserver's CONNECT goes through it;
-/// the control plane's status counts it and says Ready.
-async fn the_issued_certificate_carries_the_tunnel(t: &Onboarding) -> (Proc, UnixStream) {
-    let secret = t.seed.get("v1", "Secret", &t.a, "kas-agent").await.unwrap();
-    let field = |k: &str| -> String {
-        let b: k8s_openapi::ByteString = serde_json::from_value(secret["data"][k].clone()).unwrap();
-        String::from_utf8(b.0).unwrap()
-    };
-    let d = t.dir.path();
-    let (crt, key, ca) = (
-        d.join("agent.pem"),
-        d.join("agent-key.pem"),
-        d.join("seed-ca.pem"),
-    );
-    std::fs::write(&crt, field("tls.crt")).unwrap();
-    std::fs::write(&key, field("tls.key")).unwrap();
-    std::fs::write(&ca, &t.tunnel_pki.ca_pem).unwrap();
-    let path = |p: &std::path::Path| p.display().to_string();
-    let (agent, _) = tunnel_agent(&t.agents, &path(&ca), &path(&crt), &path(&key));
+/// kube-apiserver's ConfigMap names the cluster's frontend socket, and
+/// the shoot's Secret carries the agent's file and credentials: an agent
+/// started from them (paths moved to this test's directory, its admin on
+/// loopback, loopback allowed) joins the generated TunnelCluster, and
+/// kube-apiserver's CONNECT goes through it; the control plane's status
+/// counts it and says Ready.
+async fn the_shoot_bundle_carries_the_tunnel(t: &Onboarding) -> (Proc, UnixStream) {
+    let sock = t
+        .dir
+        .path()
+        .join(format!("{}.kas.sock", t.a))
+        .display()
+        .to_string();
+    let kas = t
+        .seed
+        .get("v1", "ConfigMap", &t.a, "kas-kube-apiserver-egress")
+        .await
+        .unwrap();
+    let egress = kas["data"]["egress-selector-configuration.yaml"]
+        .as_str()
+        .unwrap();
+    assert!(egress.contains(&sock), "{egress}");
+    assert!(kas["data"]["kube-apiserver.args"]
+        .as_str()
+        .unwrap()
+        .contains("--egress-selector-config-file"));
+    let secret = t.seed.get("v1", "Secret", &t.a, "kas-shoot").await.unwrap();
+    let d = t.dir.path().join("shoot");
+    std::fs::create_dir_all(&d).unwrap();
+    for key in ["agent.crt", "agent.key", "tunnel-ca.crt"] {
+        let b: k8s_openapi::ByteString =
+            serde_json::from_value(secret["data"][key].clone()).unwrap();
+        std::fs::write(d.join(key), b.0).unwrap();
+    }
+    let b: k8s_openapi::ByteString =
+        serde_json::from_value(secret["data"]["agent.yaml"].clone()).unwrap();
+    let mut agent: Value = serde_norway::from_slice(&b.0).unwrap();
+    assert_eq!(agent["agent_cert"], "/etc/seedlink/agent.crt", "{agent}");
+    for k in ["ca_cert", "agent_cert", "agent_key"] {
+        let moved = agent[k]
+            .as_str()
+            .unwrap()
+            .replace("/etc/seedlink", &d.display().to_string());
+        agent[k] = moved.into();
+    }
+    agent["admin"] = "127.0.0.1:0".into();
+    agent["deny_cidr"] = json!(common::SHOOT_LOOPBACK_DENY.split(',').collect::<Vec<_>>());
+    let file = d.join("agent.yaml");
+    std::fs::write(&file, serde_norway::to_string(&agent).unwrap()).unwrap();
+    let mut cmd = std::process::Command::new(seedlink_bin());
+    cmd.args(["tunnel-agent", "--config"]).arg(&file);
+    let (agent, _) = started(cmd);
     t.status_until("an agent, Ready", &t.a, "kas", |s| {
         s["agents"] == 1 && cond(s, "Ready").0 == "True"
     })
     .await;
-    let sock = d.join(format!("{}.kas.sock", t.a)).display().to_string();
     let to = t.echo.to_string();
     let mut s =
         common::tunnel_env::kas_connect_eventually(&sock, &to, Duration::from_secs(20)).await;
@@ -2642,7 +2683,7 @@ async fn another_tenant_takes_neither_a_name_nor_a_host(t: &Onboarding, tunnel: 
 async fn one_object_onboards_a_control_plane() {
     let t = Onboarding::start().await;
     one_object_serves_its_api_server_by_sni(&t).await;
-    let (_agent, mut tunnel) = the_issued_certificate_carries_the_tunnel(&t).await;
+    let (_agent, mut tunnel) = the_shoot_bundle_carries_the_tunnel(&t).await;
     another_tenant_takes_neither_a_name_nor_a_host(&t, &mut tunnel).await;
     t.stop.cancel();
 }

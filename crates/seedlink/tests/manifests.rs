@@ -1361,7 +1361,12 @@ fn helm_lint(chart: &str) {
 /// Secret, route or RoleBinding either way).
 #[test]
 fn the_onboarding_controller_renders_under_its_own_service_account() {
-    let docs = helm_template(&["--set", "onboarding.enabled=true"]);
+    let docs = helm_template(&[
+        "--set",
+        "onboarding.enabled=true",
+        "--set",
+        "onboarding.agentServer=tunnel.seed.example:443",
+    ]);
     check_strictly(&docs);
     let find = |kind: &str, name: &str| {
         docs.iter()
@@ -1376,6 +1381,15 @@ fn the_onboarding_controller_renders_under_its_own_service_account() {
     );
     let args = &dep["spec"]["template"]["spec"]["containers"][0]["args"];
     assert_eq!(args[0], "onboard");
+    // It reads the tunnel-server's file and CA, never its key.
+    let volumes = dep["spec"]["template"]["spec"]["volumes"].to_string();
+    assert!(
+        volumes.contains("ca.crt") && !volumes.contains("tls.key"),
+        "{volumes}"
+    );
+    let cm = find("ConfigMap", "seedlink-onboard-config");
+    let file: Value = serde_norway::from_str(cm["data"]["onboard.yaml"].as_str().unwrap()).unwrap();
+    assert_eq!(file["render"]["agent_server"], "tunnel.seed.example:443");
     let role = find("ClusterRole", "seedlink-onboard");
     let binds: Vec<&Value> = role["rules"]
         .as_array()
@@ -1384,7 +1398,10 @@ fn the_onboarding_controller_renders_under_its_own_service_account() {
         .filter(|r| r["verbs"].as_array().unwrap().iter().any(|v| v == "bind"))
         .collect();
     assert_eq!(binds.len(), 1);
-    assert_eq!(binds[0]["resourceNames"], serde_json::json!(["seedlink-tunnel-trust"]));
+    assert_eq!(
+        binds[0]["resourceNames"],
+        serde_json::json!(["seedlink-tunnel-trust"])
+    );
     let data_plane = find("ClusterRole", "seedlink");
     for rule in data_plane["rules"].as_array().unwrap() {
         let writes = rule["verbs"]

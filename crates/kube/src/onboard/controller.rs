@@ -27,7 +27,7 @@ use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
 use super::certs::{self, Issued};
-use super::generate::{self, Generated, Names, Refusal, Settings, CA_KEY};
+use super::generate::{self, Bundle, Generated, Names, Refusal, Settings, CA_KEY};
 use crate::crd::TunnelCluster;
 use crate::crd::{ControlPlaneStatus, SeedlinkControlPlane};
 use crate::leader::Leadership;
@@ -44,6 +44,12 @@ const ERROR_RETRY: Duration = Duration::from_secs(5);
 /// The annotation with a certificate Secret's `notAfter` (RFC 3339).
 pub const NOT_AFTER: &str = "seedlink.dev/not-after";
 
+/// Renders kube-apiserver's and the shoot's files for the tunnel cluster
+/// named (`<namespace>.<name>`): the `tunnel-config` renderer, passed in
+/// by the binary (one code path for the CLI and the controller), or why
+/// it cannot.
+pub type Renderer = Arc<dyn Fn(&str) -> Result<Bundle, String> + Send + Sync>;
+
 /// What a reconcile needs.
 pub struct Context {
     /// The API client (the controller's ServiceAccount).
@@ -57,6 +63,8 @@ pub struct Context {
     pub namespace_label: Option<String>,
     /// Events about control planes.
     pub recorder: Recorder,
+    /// kube-apiserver's and the shoot's files, when configured.
+    pub render: Option<Renderer>,
 }
 
 /// Why a reconcile failed (retried).
@@ -110,7 +118,21 @@ async fn reconcile(cp: Arc<SeedlinkControlPlane>, ctx: Arc<Context>) -> Result<A
         ns: &ns,
         cp: &cp,
     };
-    let outcome = w.generate().await?;
+    let outcome = match w.generate().await {
+        Ok(o) => o,
+        Err(e) => {
+            // Said on the object too (a missing permission, a webhook):
+            // then retried.
+            let r = Refusal {
+                reason: "Failed",
+                message: e.to_string(),
+            };
+            if let Err(e) = w.write_status(refused(&cp, &r)).await {
+                tracing::debug!(error = %e, "onboarding: status");
+            }
+            return Err(e);
+        }
+    };
     let status = match outcome {
         Ok((generated, not_after)) => w.observe(&generated, not_after).await?,
         Err(refusal) => {
@@ -163,12 +185,35 @@ impl Writer<'_> {
             nss.patch(self.ns, &PatchParams::default(), &Patch::Merge(&patch))
                 .await?;
         }
+        let mut objects = objects;
+        match self.bundle(&agent) {
+            Ok(b) => objects.extend(b),
+            Err(r) => return Ok(Err(r)),
+        }
         for g in &objects {
             if let Err(r) = self.put(g).await? {
                 return Ok(Err(r));
             }
         }
         Ok(Ok((objects, ca.not_after.min(agent.not_after))))
+    }
+
+    /// kube-apiserver's ConfigMap and the shoot's Secret, when a renderer
+    /// is configured and the tunnel is on.
+    fn bundle(&self, agent: &Issued) -> Result<Vec<Generated>, Refusal> {
+        let tunnel_on = self.cp.spec.tunnel.as_ref().is_none_or(|t| t.enabled);
+        let Some(render) = self.ctx.render.as_ref().filter(|_| tunnel_on) else {
+            return Ok(Vec::new());
+        };
+        let cluster = crate::tunnel::cluster_name(&crate::translate::Key {
+            namespace: self.ns.to_string(),
+            name: self.cp.name_any(),
+        });
+        let bundle = render(&cluster).map_err(|e| Refusal {
+            reason: "RenderFailed",
+            message: format!("kube-apiserver's and the shoot's files: {e}"),
+        })?;
+        generate::bundle_objects(self.cp, &bundle, agent)
     }
 
     /// Creates `g`, or applies it over the version this control plane

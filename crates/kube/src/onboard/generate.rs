@@ -3,7 +3,11 @@
 //! object, the install's settings and the agent CA, so that what is
 //! generated is tested without an API server.
 
+use std::collections::BTreeMap;
+
 use serde_json::{json, Value};
+
+use super::certs::Issued;
 
 use crate::crd::SeedlinkControlPlane;
 use crate::translate::Key;
@@ -76,6 +80,10 @@ pub struct Names {
     pub agent: String,
     /// The RoleBinding that lets the tunnel-server read the trust Secret.
     pub trust_binding: String,
+    /// kube-apiserver's egress selector file and flags (a ConfigMap).
+    pub kube_apiserver: String,
+    /// The shoot's side: the agent's files and credentials (a Secret).
+    pub shoot: String,
 }
 
 impl Names {
@@ -87,6 +95,8 @@ impl Names {
             trust: format!("{cp}-agent-trust"),
             agent: format!("{cp}-agent"),
             trust_binding: format!("{cp}-seedlink-tunnel-trust"),
+            kube_apiserver: format!("{cp}-kube-apiserver-egress"),
+            shoot: format!("{cp}-shoot"),
         }
     }
 }
@@ -264,10 +274,51 @@ impl Builder {
     }
 }
 
+/// What the `tunnel-config` renderer made for one control plane's tunnel
+/// cluster: kube-apiserver's files and the shoot's, by file name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Bundle {
+    /// `egress-selector-configuration.yaml`, `kube-apiserver.args`.
+    pub kube_apiserver: BTreeMap<String, String>,
+    /// `agent.yaml`, `shoot-config.yaml`, the agents' arguments, the
+    /// server's CA (`tunnel-ca.crt`).
+    pub shoot: BTreeMap<String, String>,
+}
+
+/// The ConfigMap kube-apiserver mounts (its egress selector file and
+/// flags) and the Secret the shoot's agent mounts (its files, its client
+/// certificate `agent.crt` and key `agent.key`), both owned by `cp`.
+pub fn bundle_objects(
+    cp: &SeedlinkControlPlane,
+    bundle: &Bundle,
+    agent: &Issued,
+) -> Result<Vec<Generated>, Refusal> {
+    let b = Builder::of(cp)?;
+    let kas = b.object(
+        "v1",
+        "ConfigMap",
+        &b.names.kube_apiserver,
+        json!({}),
+        json!({"data": bundle.kube_apiserver}),
+    );
+    let mut files = bundle.shoot.clone();
+    files.insert("agent.crt".into(), agent.cert_pem.clone());
+    files.insert("agent.key".into(), agent.key_pem.clone());
+    let shoot = b.object(
+        "v1",
+        "Secret",
+        &b.names.shoot,
+        json!({}),
+        json!({"type": "Opaque", "stringData": files}),
+    );
+    Ok(vec![kas, shoot])
+}
+
 /// The plural of a kind the controller writes.
 pub fn plural(kind: &str) -> &'static str {
     match kind {
         "Secret" => "secrets",
+        "ConfigMap" => "configmaps",
         "RoleBinding" => "rolebindings",
         "TunnelCluster" => "tunnelclusters",
         "TLSRoute" => "tlsroutes",
@@ -460,6 +511,37 @@ mod tests {
         let props = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
             ["properties"]["apiServer"]["properties"];
         assert!(props.get("namespace").is_none());
+    }
+
+    #[test]
+    fn the_rendered_files_go_to_kube_apiserver_and_to_the_shoot() {
+        let bundle = Bundle {
+            kube_apiserver: [("kube-apiserver.args".to_string(), "--x\n".to_string())].into(),
+            shoot: [("agent.yaml".to_string(), "server: s:443\n".to_string())].into(),
+        };
+        let agent = Issued {
+            cert_pem: "CERT".into(),
+            key_pem: "KEY".into(),
+            not_after: k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+        };
+        let out = bundle_objects(&cp(minimal()), &bundle, &agent).unwrap();
+        let ids: Vec<String> = out.iter().map(Generated::id).collect();
+        assert_eq!(
+            ids,
+            ["ConfigMap/kas-kube-apiserver-egress", "Secret/kas-shoot"]
+        );
+        assert_eq!(out[0].object["data"]["kube-apiserver.args"], "--x\n");
+        assert!(
+            out[0].object.get("stringData").is_none(),
+            "no key material in a ConfigMap"
+        );
+        let files = &out[1].object["stringData"];
+        assert_eq!(files["agent.yaml"], "server: s:443\n");
+        assert_eq!(
+            (files["agent.crt"].as_str(), files["agent.key"].as_str()),
+            (Some("CERT"), Some("KEY"))
+        );
+        assert!(out.iter().all(|g| owned_by(&g.object, "u-1")));
     }
 
     #[test]

@@ -9,10 +9,10 @@ use std::path::Path;
 use anyhow::Context as _;
 use tokio_util::sync::CancellationToken;
 
-use seedlink_config::onboard::{namespaced, OnboardConfig};
+use seedlink_config::onboard::{namespaced, OnboardConfig, RenderConfig};
 use seedlink_kube::leader::{self, Leadership};
-use seedlink_kube::onboard::controller::{self, Context};
-use seedlink_kube::onboard::generate::Settings;
+use seedlink_kube::onboard::controller::{self, Context, Renderer};
+use seedlink_kube::onboard::generate::{Bundle, Settings};
 use seedlink_kube::translate::Key;
 
 /// `namespace/name` (checked when the file was read) as a [`Key`].
@@ -31,9 +31,50 @@ fn load(path: &Path) -> anyhow::Result<OnboardConfig> {
     OnboardConfig::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
 }
 
+/// The `tunnel-config` renderer for every control plane: the
+/// tunnel-server's file read once, each cluster rendered as
+/// `seedlink tunnel-config --cluster <namespace>.<name>` renders it.
+fn renderer(r: &RenderConfig) -> anyhow::Result<Renderer> {
+    let text = std::fs::read_to_string(&r.tunnel_config)
+        .with_context(|| format!("reading {}", r.tunnel_config.display()))?;
+    let cfg = seedlink_tunnel::config::ServerConfig::parse(&text)
+        .with_context(|| r.tunnel_config.display().to_string())?;
+    anyhow::ensure!(
+        cfg.kubernetes.is_some(),
+        "{}: no `kubernetes` section, so no TunnelCluster is served by it",
+        r.tunnel_config.display()
+    );
+    let server_ca = std::fs::read_to_string(&r.server_ca)
+        .with_context(|| format!("reading {}", r.server_ca.display()))?;
+    let r = r.clone();
+    Ok(std::sync::Arc::new(move |cluster: &str| {
+        let opts = crate::egress::Options {
+            agent_server: Some(r.agent_server.clone()),
+            server_name: r.server_name.clone(),
+            frontend_address: r.frontend_address.clone(),
+            ..crate::egress::Options::new(cluster)
+        };
+        let rendered = crate::egress::render(&cfg, &opts).map_err(|e| format!("{e:#}"))?;
+        let mut bundle = Bundle::default();
+        for (name, text) in rendered.files() {
+            let side = if crate::egress::Rendered::KUBE_APISERVER_FILES.contains(&name) {
+                &mut bundle.kube_apiserver
+            } else {
+                &mut bundle.shoot
+            };
+            side.insert(name.to_string(), text);
+        }
+        bundle
+            .shoot
+            .insert("tunnel-ca.crt".into(), server_ca.clone());
+        Ok(bundle)
+    }))
+}
+
 /// Runs the controller until SIGTERM or SIGINT.
 pub async fn run(config: &Path) -> anyhow::Result<i32> {
     let c = load(config)?;
+    let render = c.render.as_ref().map(renderer).transpose()?;
     let client = seedlink_kube::source::client()
         .await
         .context("kubernetes client")?;
@@ -66,6 +107,7 @@ pub async fn run(config: &Path) -> anyhow::Result<i32> {
         },
         leadership: me,
         namespace_label: c.namespace_label,
+        render,
     };
     let running = tokio::spawn(controller::run(ctx, stop.clone()));
     println!(
