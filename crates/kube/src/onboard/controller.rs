@@ -27,7 +27,7 @@ use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
 use super::certs::{self, Issued};
-use super::generate::{self, Bundle, Generated, Names, Refusal, Settings, CA_KEY};
+use super::generate::{self, Bundle, Generated, Names, Refusal, Settings, CA_KEY, NOT_AFTER};
 use crate::crd::TunnelCluster;
 use crate::crd::{ControlPlaneStatus, SeedlinkControlPlane};
 use crate::leader::Leadership;
@@ -41,8 +41,6 @@ const RESYNC: Duration = Duration::from_secs(15);
 const FOLLOWER_RETRY: Duration = Duration::from_secs(2);
 /// How soon a failed reconcile is retried.
 const ERROR_RETRY: Duration = Duration::from_secs(5);
-/// The annotation with a certificate Secret's `notAfter` (RFC 3339).
-pub const NOT_AFTER: &str = "seedlink.dev/not-after";
 
 /// Renders kube-apiserver's and the shoot's files for the tunnel cluster
 /// named (`<namespace>.<name>`): the `tunnel-config` renderer, passed in
@@ -260,55 +258,24 @@ impl Writer<'_> {
         if let Some(s) = api.get_opt(name).await? {
             let v = serde_json::to_value(&s).unwrap_or_default();
             if !generate::owned_by(&v, &self.uid()) {
-                return Ok(Err(Refusal {
-                    reason: "NameTaken",
-                    message: format!(
-                        "Secret/{name} exists and is not this SeedlinkControlPlane's: rename or remove it"
-                    ),
-                }));
+                return Ok(Err(taken_id(&format!("Secret/{name}"))));
             }
-            let data = |k: &str| {
-                v["data"][k]
-                    .as_str()
-                    .and_then(base64_decode)
-                    .unwrap_or_default()
-            };
-            let not_after = v["metadata"]["annotations"][NOT_AFTER]
-                .as_str()
-                .and_then(|t| t.parse::<Timestamp>().ok())
-                .unwrap_or(Timestamp::UNIX_EPOCH);
-            return Ok(Ok(Issued {
-                cert_pem: data(keys.0),
-                key_pem: data(keys.1),
-                not_after,
-            }));
+            return Ok(Ok(issued_from(&v, keys)));
         }
         let issued = issue()?;
-        let owner = match generate::owner_reference(self.cp) {
-            Ok(o) => o,
+        let g = match generate::cert_secret(self.cp, name, type_, keys, &issued) {
+            Ok(g) => g,
             Err(r) => return Ok(Err(r)),
         };
-        let secret = json!({
-            "apiVersion": "v1", "kind": "Secret",
-            "metadata": {"name": name, "namespace": self.ns,
-                         "labels": {generate::CONTROL_PLANE_LABEL: self.cp.name_any(),
-                                    "app.kubernetes.io/managed-by": "seedlink"},
-                         "annotations": {NOT_AFTER: issued.not_after.to_string()},
-                         "ownerReferences": [owner]},
-            "type": type_,
-            "stringData": {keys.0: issued.cert_pem, keys.1: issued.key_pem}
-        });
-        let obj: DynamicObject = serde_json::from_value(secret).map_err(|e| {
+        let obj: DynamicObject = serde_json::from_value(g.object).map_err(|e| {
             Error::Cert(certs::CertError::from(rcgen::Error::PemError(
                 e.to_string(),
             )))
         })?;
-        match api.create(&PostParams::default(), &obj).await {
-            Ok(_) => Ok(Ok(issued)),
-            // Made meanwhile (another replica's last write): read next time.
-            Err(kube::Error::Api(e)) if e.code == 409 => Err(Error::Kube(kube::Error::Api(e))),
-            Err(e) => Err(e.into()),
-        }
+        // A conflict (made meanwhile by another replica's last write) is an
+        // error: retried, and read back then.
+        api.create(&PostParams::default(), &obj).await?;
+        Ok(Ok(issued))
     }
 
     async fn ca(&self, names: &Names) -> Result<Result<Issued, Refusal>, Error> {
@@ -342,6 +309,32 @@ impl Writer<'_> {
         not_after: Timestamp,
     ) -> Result<ControlPlaneStatus, Error> {
         let gen = self.cp.meta().generation;
+        let (mut conditions, agents) = self.reported(generated, gen).await?;
+        let fresh = not_after > Timestamp::now();
+        conditions.push(condition(
+            "CertificatesReady",
+            fresh,
+            if fresh { "Valid" } else { "Expired" },
+            &format!("the agent CA and certificate are valid until {not_after}"),
+            gen,
+        ));
+        conditions.insert(0, ready(&conditions, gen));
+        Ok(ControlPlaneStatus {
+            conditions,
+            agents,
+            certificates_not_after: Some(not_after.to_string()),
+            generated: generated.iter().map(Generated::id).collect(),
+            observed_generation: gen,
+        })
+    }
+
+    /// `Generated`, and what the route and the tunnel cluster say of
+    /// themselves (their conditions, the agents connected).
+    async fn reported(
+        &self,
+        generated: &[Generated],
+        gen: Option<i64>,
+    ) -> Result<(Vec<Condition>, u64), Error> {
         let mut conditions = vec![condition(
             "Generated",
             true,
@@ -366,27 +359,7 @@ impl Writer<'_> {
                 _ => {}
             }
         }
-        let fresh = not_after > Timestamp::now();
-        conditions.push(condition(
-            "CertificatesReady",
-            fresh,
-            if fresh { "Valid" } else { "Expired" },
-            &format!("the agent CA and certificate are valid until {not_after}"),
-            gen,
-        ));
-        let ready = conditions.iter().all(|c| c.status == "True");
-        let (reason, message) = match conditions.iter().find(|c| c.status != "True") {
-            Some(c) => (c.reason.clone(), format!("{}: {}", c.type_, c.message)),
-            None => ("Ready".to_string(), "served".to_string()),
-        };
-        conditions.insert(0, condition("Ready", ready, &reason, &message, gen));
-        Ok(ControlPlaneStatus {
-            conditions,
-            agents,
-            certificates_not_after: Some(not_after.to_string()),
-            generated: generated.iter().map(Generated::id).collect(),
-            observed_generation: gen,
-        })
+        Ok((conditions, agents))
     }
 
     async fn write_status(&self, mut status: ControlPlaneStatus) -> Result<(), Error> {
@@ -433,12 +406,34 @@ impl Writer<'_> {
 }
 
 fn taken(g: &Generated) -> Refusal {
+    taken_id(&g.id())
+}
+
+/// `Kind/name` exists and another owner holds it.
+fn taken_id(id: &str) -> Refusal {
     Refusal {
         reason: "NameTaken",
-        message: format!(
-            "{} exists and is not this SeedlinkControlPlane's: rename or remove it",
-            g.id()
-        ),
+        message: format!("{id} exists and is not this SeedlinkControlPlane's: rename or remove it"),
+    }
+}
+
+/// The certificate and key (`keys`) a certificate Secret `v` holds, and
+/// its `notAfter` annotation (the epoch when unreadable: expired).
+fn issued_from(v: &Value, keys: (&str, &str)) -> Issued {
+    let data = |k: &str| {
+        v["data"][k]
+            .as_str()
+            .and_then(base64_decode)
+            .unwrap_or_default()
+    };
+    let not_after = v["metadata"]["annotations"][NOT_AFTER]
+        .as_str()
+        .and_then(|t| t.parse::<Timestamp>().ok())
+        .unwrap_or(Timestamp::UNIX_EPOCH);
+    Issued {
+        cert_pem: data(keys.0),
+        key_pem: data(keys.1),
+        not_after,
     }
 }
 
@@ -452,6 +447,21 @@ fn refused(cp: &SeedlinkControlPlane, r: &Refusal) -> ControlPlaneStatus {
         ],
         observed_generation: gen,
         ..cp.status.clone().unwrap_or_default()
+    }
+}
+
+/// `Ready`: every other condition holds; else the first that does not,
+/// by its reason.
+fn ready(conditions: &[Condition], gen: Option<i64>) -> Condition {
+    match conditions.iter().find(|c| c.status != "True") {
+        Some(c) => condition(
+            "Ready",
+            false,
+            &c.reason,
+            &format!("{}: {}", c.type_, c.message),
+            gen,
+        ),
+        None => condition("Ready", true, "Ready", "served", gen),
     }
 }
 

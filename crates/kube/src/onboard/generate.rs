@@ -314,6 +314,30 @@ pub fn bundle_objects(
     Ok(vec![kas, shoot])
 }
 
+/// A Secret `name` of `cp` holding `issued` under `keys` (certificate,
+/// key), with its `notAfter` as an annotation.
+pub fn cert_secret(
+    cp: &SeedlinkControlPlane,
+    name: &str,
+    type_: &str,
+    keys: (&str, &str),
+    issued: &Issued,
+) -> Result<Generated, Refusal> {
+    let b = Builder::of(cp)?;
+    let mut g = b.object(
+        "v1",
+        "Secret",
+        name,
+        json!({}),
+        json!({"type": type_, "stringData": {keys.0: issued.cert_pem, keys.1: issued.key_pem}}),
+    );
+    g.object["metadata"]["annotations"] = json!({NOT_AFTER: issued.not_after.to_string()});
+    Ok(g)
+}
+
+/// The annotation with a certificate Secret's `notAfter` (RFC 3339).
+pub const NOT_AFTER: &str = "seedlink.dev/not-after";
+
 /// The plural of a kind the controller writes.
 pub fn plural(kind: &str) -> &'static str {
     match kind {

@@ -78,13 +78,10 @@ pub async fn run(config: &Path) -> anyhow::Result<i32> {
     let client = seedlink_kube::source::client()
         .await
         .context("kubernetes client")?;
-    let lease = key(&c.lease);
-    let route_version = seedlink_kube::source::served_route_version(&client)
-        .await
-        .map_or_else(|| "v1".to_string(), |ar| ar.version);
     let stop = CancellationToken::new();
     let me = Leadership::default();
     let identity = super::identity();
+    let lease = key(&c.lease);
     let campaign = tokio::spawn(leader::campaign(
         client.clone(),
         lease.namespace,
@@ -93,22 +90,7 @@ pub async fn run(config: &Path) -> anyhow::Result<i32> {
         me.clone(),
         stop.clone(),
     ));
-    let ctx = Context {
-        recorder: kube::runtime::events::Recorder::new(
-            client.clone(),
-            controller::reporter(&identity),
-        ),
-        client,
-        settings: Settings {
-            gateway: key(&c.gateway),
-            route_version,
-            tunnel_reader: key(&c.tunnel_reader),
-            trust_role: c.trust_role,
-        },
-        leadership: me,
-        namespace_label: c.namespace_label,
-        render,
-    };
+    let ctx = context(&c, client, me, &identity, render).await;
     let running = tokio::spawn(controller::run(ctx, stop.clone()));
     println!(
         "{}",
@@ -119,6 +101,34 @@ pub async fn run(config: &Path) -> anyhow::Result<i32> {
     let _ = running.await;
     let _ = tokio::time::timeout(std::time::Duration::from_secs(5), campaign).await;
     Ok(0)
+}
+
+/// What the controller runs with: the file's settings, the TLSRoute
+/// version the API server serves, this replica's leadership.
+async fn context(
+    c: &OnboardConfig,
+    client: kube::Client,
+    leadership: Leadership,
+    identity: &str,
+    render: Option<Renderer>,
+) -> Context {
+    let route_version = seedlink_kube::source::served_route_version(&client)
+        .await
+        .map_or_else(|| "v1".to_string(), |ar| ar.version);
+    let reporter = controller::reporter(identity);
+    Context {
+        recorder: kube::runtime::events::Recorder::new(client.clone(), reporter),
+        client,
+        settings: Settings {
+            gateway: key(&c.gateway),
+            route_version,
+            tunnel_reader: key(&c.tunnel_reader),
+            trust_role: c.trust_role.clone(),
+        },
+        leadership,
+        namespace_label: c.namespace_label.clone(),
+        render,
+    }
 }
 
 async fn shutdown_signal() {
