@@ -1,4 +1,5 @@
-//! Layer 4, authentication: TLS identities and settings, service-account
+//! Layer 4, authentication: TLS identities and settings (the agent's
+//! client certificate is reloaded when its files change), service-account
 //! tokens, and the TokenReview that checks them.
 
 pub mod tls;

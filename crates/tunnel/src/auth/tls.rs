@@ -1,15 +1,27 @@
 //! TLS material for the tunnel roles: PEM files, server configurations that
 //! require client certificates from one or more CAs, and telling which CA
 //! (so which cluster) a verified client certificate belongs to.
+//!
+//! The agent's client certificate is read again when its files change
+//! ([`ReloadingIdentity`]): a Secret volume the kubelet updates (a
+//! certificate renewed or rotated) is presented from the next handshake
+//! on, without a restart, and the streams already open keep theirs. A pair
+//! that does not load (a half-written update, a key that does not match)
+//! is logged and the last good one kept, so a rotation never leaves the
+//! agent without an identity.
 
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
 
+use rustls::client::ResolvesClientCert;
+use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::server::danger::ClientCertVerifier;
 use rustls::server::WebPkiClientVerifier;
-use rustls::RootCertStore;
+use rustls::sign::CertifiedKey;
+use rustls::{RootCertStore, SignatureScheme};
 
 /// Why TLS material could not be loaded or a TLS configuration built.
 #[derive(Debug, thiserror::Error)]
@@ -183,16 +195,14 @@ pub fn client_config_for(
     let builder = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(versions.list())?
         .with_root_certificates(load_roots(ca)?);
-    let mut cfg = match identity {
-        Some((cert, key)) => builder
-            .with_client_auth_cert(load_certs(cert)?, load_key(key)?)
-            .map_err(|source| TlsError::Pair {
-                cert: cert.display().to_string(),
-                key: key.display().to_string(),
-                source,
-            })?,
-        None => builder.with_no_client_auth(),
-    };
+    let mut cfg =
+        match identity {
+            // Read again when the files change (a renewed certificate).
+            Some((cert, key)) => builder.with_client_cert_resolver(Arc::new(
+                ReloadingIdentity::load(cert, key, provider())?,
+            )),
+            None => builder.with_no_client_auth(),
+        };
     cfg.alpn_protocols = alpn.iter().map(|p| p.as_bytes().to_vec()).collect();
     if versions == Versions::UserTls13 {
         crate::transport::usertls::prepare_client(&mut cfg);
@@ -288,4 +298,144 @@ pub fn subject_cn(der: &[u8]) -> Option<String> {
     let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
     let cn = cert.subject().iter_common_name().next()?;
     cn.as_str().ok().map(str::to_string)
+}
+
+/// What identifies one version of the files: their modification times
+/// and sizes (a Secret volume swaps a symlink, which changes both).
+type Stamp = [(Option<SystemTime>, u64); 2];
+
+fn stamp(cert: &Path, key: &Path) -> Stamp {
+    [cert, key].map(|p| match std::fs::metadata(p) {
+        Ok(m) => (m.modified().ok(), m.len()),
+        Err(_) => (None, 0),
+    })
+}
+
+/// A client identity from a certificate and a key file, reloaded when
+/// they change.
+#[derive(Debug)]
+pub struct ReloadingIdentity {
+    cert: PathBuf,
+    key: PathBuf,
+    provider: Arc<CryptoProvider>,
+    loaded: Mutex<(Stamp, Arc<CertifiedKey>)>,
+}
+
+impl ReloadingIdentity {
+    /// Loads the pair (it must load: the agent does not start without
+    /// its identity).
+    pub fn load(
+        cert: &Path,
+        key: &Path,
+        provider: Arc<CryptoProvider>,
+    ) -> Result<ReloadingIdentity, TlsError> {
+        let at = stamp(cert, key);
+        let pair = certified(cert, key, &provider)?;
+        Ok(ReloadingIdentity {
+            cert: cert.to_path_buf(),
+            key: key.to_path_buf(),
+            provider,
+            loaded: Mutex::new((at, Arc::new(pair))),
+        })
+    }
+
+    /// The identity to present now: the files' current pair if they
+    /// changed and load, else the last good one.
+    pub fn current(&self) -> Arc<CertifiedKey> {
+        let now = stamp(&self.cert, &self.key);
+        let mut loaded = seedlink_net::sync::lock(&self.loaded, "agent identity");
+        if loaded.0 != now {
+            match certified(&self.cert, &self.key, &self.provider) {
+                Ok(pair) => {
+                    tracing::info!(cert = %self.cert.display(), "agent certificate reloaded");
+                    *loaded = (now, Arc::new(pair));
+                }
+                // Tried again at the next handshake (the stamp is not
+                // taken): an update may be half written.
+                Err(e) => {
+                    tracing::warn!(error = %e, "agent certificate changed but does not load; presenting the previous one");
+                }
+            }
+        }
+        loaded.1.clone()
+    }
+}
+
+/// The pair from the files, checked to belong together.
+fn certified(cert: &Path, key: &Path, provider: &CryptoProvider) -> Result<CertifiedKey, TlsError> {
+    let pair = |source| TlsError::Pair {
+        cert: cert.display().to_string(),
+        key: key.display().to_string(),
+        source,
+    };
+    let signing = provider
+        .key_provider
+        .load_private_key(load_key(key)?)
+        .map_err(pair)?;
+    let ck = CertifiedKey::new(load_certs(cert)?, signing);
+    ck.keys_match().map_err(pair)?;
+    Ok(ck)
+}
+
+impl ResolvesClientCert for ReloadingIdentity {
+    fn resolve(&self, _: &[&[u8]], _: &[SignatureScheme]) -> Option<Arc<CertifiedKey>> {
+        Some(self.current())
+    }
+
+    fn has_certs(&self) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn leaf(cn: &str) -> (String, String) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        (p.self_signed(&key).unwrap().pem(), key.serialize_pem())
+    }
+
+    /// Writes the pair and dates both files `secs` after the epoch, so
+    /// that each version has a stamp of its own whatever the clock.
+    fn write(dir: &Path, (cert, key): &(String, String), secs: u64) {
+        for (name, text) in [("c.pem", cert), ("k.pem", key)] {
+            let p = dir.join(name);
+            std::fs::write(&p, text).unwrap();
+            let f = std::fs::File::options().write(true).open(&p).unwrap();
+            f.set_modified(SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(secs))
+                .unwrap();
+        }
+    }
+
+    fn presented(id: &ReloadingIdentity) -> Vec<u8> {
+        id.current().cert[0].to_vec()
+    }
+
+    #[test]
+    fn a_renewed_pair_is_presented_and_a_broken_one_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let (one, two, three) = (leaf("one"), leaf("two"), leaf("three"));
+        write(d, &one, 1_000);
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let id = ReloadingIdentity::load(&d.join("c.pem"), &d.join("k.pem"), provider).unwrap();
+        let first = presented(&id);
+        assert_eq!(presented(&id), first, "unchanged files: the same pair");
+        write(d, &two, 2_000);
+        let second = presented(&id);
+        assert_ne!(second, first, "the renewed pair is presented");
+        // A certificate without its key (half an update): the last good
+        // pair stays, and the whole update is taken once it lands.
+        write(d, &(three.0.clone(), two.1.clone()), 3_000);
+        assert_eq!(presented(&id), second);
+        std::fs::write(d.join("c.pem"), "not a certificate").unwrap();
+        assert_eq!(presented(&id), second);
+        write(d, &three, 4_000);
+        let third = presented(&id);
+        assert!(third != second && third != first);
+    }
 }
