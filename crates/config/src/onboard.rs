@@ -30,6 +30,67 @@ pub struct OnboardConfig {
     /// renders them; absent: not generated.
     #[serde(default)]
     pub render: Option<RenderConfig>,
+    /// How long the certificates it issues are valid.
+    #[serde(default)]
+    pub certificates: Certificates,
+}
+
+/// Validity of the issued certificates (`humantime`: `3650d`, `1h`); each
+/// is renewed with a third of it left.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Certificates {
+    /// An agent CA (default 3650 days).
+    #[serde(default = "ca_validity")]
+    pub ca_validity: String,
+    /// The agents' certificate (default 365 days).
+    #[serde(default = "leaf_validity")]
+    pub leaf_validity: String,
+}
+
+impl Default for Certificates {
+    fn default() -> Certificates {
+        Certificates {
+            ca_validity: ca_validity(),
+            leaf_validity: leaf_validity(),
+        }
+    }
+}
+
+fn ca_validity() -> String {
+    "3650d".into()
+}
+
+fn leaf_validity() -> String {
+    "365d".into()
+}
+
+impl Certificates {
+    /// The two validities: (CA, agents' certificate).
+    pub fn durations(
+        &self,
+    ) -> Result<(std::time::Duration, std::time::Duration), Vec<ConfigError>> {
+        let read = |key: &str, v: &str| {
+            humantime::parse_duration(v)
+                .map_err(|e| ConfigError::new(format!("certificates.{key}"), format!("{v:?}: {e}")))
+        };
+        let ca = read("ca_validity", &self.ca_validity);
+        let leaf = read("leaf_validity", &self.leaf_validity);
+        match (ca, leaf) {
+            (Ok(ca), Ok(leaf)) if leaf > ca => Err(vec![ConfigError::new(
+                "certificates.leaf_validity",
+                "longer than ca_validity: a certificate would outlive its CA",
+            )]),
+            (Ok(_), Ok(leaf)) if leaf < std::time::Duration::from_secs(60) => {
+                Err(vec![ConfigError::new(
+                    "certificates.leaf_validity",
+                    "under a minute: renewed before an agent could use it",
+                )])
+            }
+            (Ok(ca), Ok(leaf)) => Ok((ca, leaf)),
+            (a, b) => Err([a.err(), b.err()].into_iter().flatten().collect()),
+        }
+    }
 }
 
 /// What the renderer needs besides the control plane.
@@ -74,7 +135,7 @@ impl OnboardConfig {
     pub fn parse(text: &str) -> Result<OnboardConfig, Errors> {
         let c: OnboardConfig = serde_norway::from_str(text)
             .map_err(|e| Errors(vec![ConfigError::new("", e.to_string())]))?;
-        let problems: Vec<ConfigError> = [
+        let mut problems: Vec<ConfigError> = [
             ("lease", &c.lease),
             ("gateway", &c.gateway),
             ("tunnel_reader", &c.tunnel_reader),
@@ -83,6 +144,9 @@ impl OnboardConfig {
         .filter(|(_, v)| namespaced(v).is_none())
         .map(|(k, v)| ConfigError::new(k, format!("expected namespace/name, got {v:?}")))
         .collect();
+        if let Err(e) = c.certificates.durations() {
+            problems.extend(e);
+        }
         if problems.is_empty() {
             Ok(c)
         } else {

@@ -360,6 +360,11 @@ pub struct TunnelSpec {
     /// client certificate seedlink issues.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent_token: Option<AgentToken>,
+    /// Raise it to revoke the agents' credentials: a new agent CA and
+    /// certificate at once, the old CA no longer trusted, so the agents
+    /// still presenting its certificates are disconnected (default 0).
+    #[serde(default)]
+    pub revision: u64,
 }
 
 fn yes() -> bool {

@@ -186,6 +186,7 @@ fn check_kubernetes(text: &str) -> Result<(), String> {
     match v["kind"].as_str() {
         Some("SeedlinkPolicy") => roundtrip::<seedlink_kube::crd::SeedlinkPolicy>(v),
         Some("TunnelCluster") => roundtrip::<seedlink_kube::crd::TunnelCluster>(v),
+        Some("SeedlinkControlPlane") => roundtrip::<seedlink_kube::crd::SeedlinkControlPlane>(v),
         k => Err(format!("not a seedlink resource: kind {k:?}")),
     }
 }

@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 const A: &str = "api.a.kube.test";
 const C: &str = "api.c.kube.test";
+const D: &str = "api.d.kube.test";
 const ROUTES: &str = "gateway.networking.k8s.io/v1";
 const POLICIES: &str = "policy.seedlink.dev/v1alpha1";
 
@@ -2387,6 +2388,15 @@ impl Onboarding {
         }
     }
 
+    /// The frontend socket of `ns`'s control plane `kas`.
+    fn socket(&self, ns: &str) -> String {
+        self.dir
+            .path()
+            .join(format!("{ns}.kas.sock"))
+            .display()
+            .to_string()
+    }
+
     /// The control plane `ns/name`, once its status says `ok`.
     async fn status_until(
         &self,
@@ -2576,40 +2586,28 @@ async fn one_object_serves_its_api_server_by_sni(t: &Onboarding) {
     assert!(status["certificatesNotAfter"].is_string());
 }
 
-/// kube-apiserver's ConfigMap names the cluster's frontend socket, and
-/// the shoot's Secret carries the agent's file and credentials: an agent
-/// started from them (paths moved to this test's directory, its admin on
-/// loopback, loopback allowed) joins the generated TunnelCluster, and
-/// kube-apiserver's CONNECT goes through it; the control plane's status
-/// counts it and says Ready.
-async fn the_shoot_bundle_carries_the_tunnel(t: &Onboarding) -> (Proc, UnixStream) {
-    let sock = t
-        .dir
-        .path()
-        .join(format!("{}.kas.sock", t.a))
-        .display()
-        .to_string();
-    let kas = t
-        .seed
-        .get("v1", "ConfigMap", &t.a, "kas-kube-apiserver-egress")
-        .await
-        .unwrap();
-    let egress = kas["data"]["egress-selector-configuration.yaml"]
-        .as_str()
-        .unwrap();
-    assert!(egress.contains(&sock), "{egress}");
-    assert!(kas["data"]["kube-apiserver.args"]
-        .as_str()
-        .unwrap()
-        .contains("--egress-selector-config-file"));
-    let secret = t.seed.get("v1", "Secret", &t.a, "kas-shoot").await.unwrap();
-    let d = t.dir.path().join("shoot");
-    std::fs::create_dir_all(&d).unwrap();
+/// The credential files of `ns`'s shoot Secret (`kas-shoot`), written into
+/// `dir` as the kubelet would mount them.
+async fn mount_shoot_credentials(t: &Onboarding, ns: &str, dir: &std::path::Path) -> Value {
+    let secret = t.seed.get("v1", "Secret", ns, "kas-shoot").await.unwrap();
+    std::fs::create_dir_all(dir).unwrap();
     for key in ["agent.crt", "agent.key", "tunnel-ca.crt"] {
         let b: k8s_openapi::ByteString =
             serde_json::from_value(secret["data"][key].clone()).unwrap();
-        std::fs::write(d.join(key), b.0).unwrap();
+        std::fs::write(dir.join(key), b.0).unwrap();
     }
+    secret
+}
+
+/// An agent of `ns`'s control plane `kas` started from its shoot Secret
+/// (paths moved to `dir`, its admin on loopback, loopback allowed), once
+/// the control plane counts it and says Ready; and a tunnel through it.
+async fn agent_from_the_bundle(
+    t: &Onboarding,
+    ns: &str,
+    dir: &std::path::Path,
+) -> (Proc, UnixStream) {
+    let secret = mount_shoot_credentials(t, ns, dir).await;
     let b: k8s_openapi::ByteString =
         serde_json::from_value(secret["data"]["agent.yaml"].clone()).unwrap();
     let mut agent: Value = serde_norway::from_slice(&b.0).unwrap();
@@ -2618,25 +2616,173 @@ async fn the_shoot_bundle_carries_the_tunnel(t: &Onboarding) -> (Proc, UnixStrea
         let moved = agent[k]
             .as_str()
             .unwrap()
-            .replace("/etc/seedlink", &d.display().to_string());
+            .replace("/etc/seedlink", &dir.display().to_string());
         agent[k] = moved.into();
     }
     agent["admin"] = "127.0.0.1:0".into();
     agent["deny_cidr"] = json!(common::SHOOT_LOOPBACK_DENY.split(',').collect::<Vec<_>>());
-    let file = d.join("agent.yaml");
+    let file = dir.join("agent.yaml");
     std::fs::write(&file, serde_norway::to_string(&agent).unwrap()).unwrap();
     let mut cmd = std::process::Command::new(seedlink_bin());
     cmd.args(["tunnel-agent", "--config"]).arg(&file);
     let (agent, _) = started(cmd);
-    t.status_until("an agent, Ready", &t.a, "kas", |s| {
+    t.status_until("an agent, Ready", ns, "kas", |s| {
         s["agents"] == 1 && cond(s, "Ready").0 == "True"
     })
     .await;
     let to = t.echo.to_string();
     let mut s =
-        common::tunnel_env::kas_connect_eventually(&sock, &to, Duration::from_secs(20)).await;
+        common::tunnel_env::kas_connect_eventually(&t.socket(ns), &to, Duration::from_secs(20))
+            .await;
     common::tunnel_env::echo_rtt(&mut s, 1000).await;
     (agent, s)
+}
+
+/// kube-apiserver's ConfigMap names the cluster's frontend socket, and
+/// an agent started from the shoot's Secret joins the generated
+/// TunnelCluster and carries kube-apiserver's CONNECT.
+async fn the_shoot_bundle_carries_the_tunnel(t: &Onboarding) -> (Proc, UnixStream) {
+    let kas = t
+        .seed
+        .get("v1", "ConfigMap", &t.a, "kas-kube-apiserver-egress")
+        .await
+        .unwrap();
+    let egress = kas["data"]["egress-selector-configuration.yaml"]
+        .as_str()
+        .unwrap();
+    assert!(egress.contains(&t.socket(&t.a)), "{egress}");
+    let args = kas["data"]["kube-apiserver.args"].as_str().unwrap();
+    assert!(args.contains("--egress-selector-config-file"), "{args}");
+    agent_from_the_bundle(t, &t.a, &t.dir.path().join("shoot-a")).await
+}
+
+/// Raising shoot--a's `spec.tunnel.revision` revokes its agents'
+/// credentials: its agent is cut (its certificate's CA is trusted no
+/// more), a new certificate is issued, and the same agent process picks
+/// it up from its files and reconnects. shoot--c's agent, onboarded the
+/// same way, carries a loop of dials throughout with none failing.
+async fn revoking_one_control_plane_cuts_only_its_agents(t: &Onboarding) -> Proc {
+    let c = t.seed.tenant("shoot--c", false).await;
+    t.seed.apply(service(&c, "kube-apiserver")).await;
+    t.seed.apply(control_plane(&c, "kas", D)).await;
+    t.status_until("shoot--c generated", &c, "kas", |s| {
+        cond(s, "Generated").0 == "True"
+    })
+    .await;
+    let (agent_c, _tunnel_c) = agent_from_the_bundle(t, &c, &t.dir.path().join("shoot-c")).await;
+    let loop_c = DialLoop::start(t.socket(&c), t.echo.to_string());
+    let before_ca = t
+        .seed
+        .get("v1", "Secret", &t.a, "kas-agent-ca")
+        .await
+        .unwrap();
+    let before = t.seed.get("v1", "Secret", &t.a, "kas-agent").await.unwrap();
+    let mut cp = control_plane(&t.a, "kas", A);
+    cp["spec"]["tunnel"] = json!({"revision": 1});
+    t.seed.apply(cp).await;
+    eventually(
+        "the trust names the new CA alone",
+        Duration::from_secs(30),
+        async || {
+            let ca = t
+                .seed
+                .get("v1", "Secret", &t.a, "kas-agent-ca")
+                .await
+                .unwrap_or_default();
+            let trust = t
+                .seed
+                .get("v1", "Secret", &t.a, "kas-agent-trust")
+                .await
+                .unwrap_or_default();
+            let (now, was) = (&ca["data"]["ca.crt"], &before_ca["data"]["ca.crt"]);
+            if now != was && trust["data"]["ca.crt"] == *now {
+                Ok(())
+            } else {
+                Err(format!(
+                    "CA {now} (was {was}), trust {}",
+                    trust["data"]["ca.crt"]
+                ))
+            }
+        },
+    )
+    .await;
+    t.status_until("shoot--a's agent is cut", &t.a, "kas", |s| s["agents"] == 0)
+        .await;
+    let after = eventually("a new certificate", Duration::from_secs(30), async || {
+        let s = t
+            .seed
+            .get("v1", "Secret", &t.a, "kas-agent")
+            .await
+            .unwrap_or_default();
+        let renewed = s["data"]["tls.crt"] != before["data"]["tls.crt"];
+        if renewed {
+            Ok(s)
+        } else {
+            Err("the certificate is the revoked one".to_string())
+        }
+    })
+    .await;
+    assert_ne!(
+        after["data"]["ca.crt"], before["data"]["ca.crt"],
+        "a new CA signed it"
+    );
+    // The kubelet's update of the mounted Secret: the running agent reads it.
+    mount_shoot_credentials(t, &t.a, &t.dir.path().join("shoot-a")).await;
+    t.status_until("shoot--a's agent is back", &t.a, "kas", |s| {
+        s["agents"] == 1 && cond(s, "Ready").0 == "True"
+    })
+    .await;
+    let to = t.echo.to_string();
+    let mut s =
+        common::tunnel_env::kas_connect_eventually(&t.socket(&t.a), &to, Duration::from_secs(20))
+            .await;
+    common::tunnel_env::echo_rtt(&mut s, 1000).await;
+    let (ok, failed) = loop_c.stop().await;
+    eprintln!("shoot--c's dials during shoot--a's revocation: {ok} ok, {failed} failed");
+    assert!(
+        ok > 0 && failed == 0,
+        "shoot--c's dials during the revocation: {ok} ok, {failed} failed"
+    );
+    agent_c
+}
+
+/// Dials through a frontend socket in a loop (at most 10,000 dials) until
+/// stopped: each opens a tunnel, echoes 100 bytes and closes.
+struct DialLoop {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<(u64, u64)>,
+}
+
+impl DialLoop {
+    fn start(sock: String, to: String) -> DialLoop {
+        let stop = CancellationToken::new();
+        let done = stop.clone();
+        let task = tokio::spawn(async move {
+            let (mut ok, mut failed) = (0, 0);
+            for _ in 0..10_000 {
+                if done.is_cancelled() {
+                    break;
+                }
+                let dial = async {
+                    let mut s = common::tunnel_env::kas_connect(&sock, &to).await?;
+                    common::tunnel_env::echo_rtt(&mut s, 100).await;
+                    Ok::<(), String>(())
+                };
+                match tokio::time::timeout(Duration::from_secs(10), dial).await {
+                    Ok(Ok(())) => ok += 1,
+                    _ => failed += 1,
+                }
+            }
+            (ok, failed)
+        });
+        DialLoop { stop, task }
+    }
+
+    /// Dials that worked and that failed.
+    async fn stop(self) -> (u64, u64) {
+        self.stop.cancel();
+        self.task.await.unwrap_or((0, u64::MAX))
+    }
 }
 
 /// Another tenant's objects take nothing: one whose generated name is
@@ -2675,15 +2821,18 @@ async fn another_tenant_takes_neither_a_name_nor_a_host(t: &Onboarding, tunnel: 
 }
 
 /// One `SeedlinkControlPlane` onboards a control plane: the controller,
-/// under the chart's RBAC, writes its route, tunnel cluster, trust and
-/// agent certificate; the gateway serves it by SNI and the tunnel carries
-/// kube-apiserver's CONNECT through an agent with the issued certificate;
-/// another tenant takes neither its names nor its host.
+/// under the chart's RBAC, writes its route, tunnel cluster, trust, agent
+/// certificate, kube-apiserver's egress files and the shoot's bundle; the
+/// gateway serves it by SNI and the tunnel carries kube-apiserver's
+/// CONNECT through an agent started from the bundle; another tenant takes
+/// neither its names nor its host; revoking its credentials cuts its agent
+/// alone, which picks up its new certificate without a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_object_onboards_a_control_plane() {
     let t = Onboarding::start().await;
     one_object_serves_its_api_server_by_sni(&t).await;
     let (_agent, mut tunnel) = the_shoot_bundle_carries_the_tunnel(&t).await;
     another_tenant_takes_neither_a_name_nor_a_host(&t, &mut tunnel).await;
+    let _agent_c = revoking_one_control_plane_cuts_only_its_agents(&t).await;
     t.stop.cancel();
 }

@@ -53,11 +53,17 @@ fn ca_params(ns: &str, name: &str) -> Result<CertificateParams, CertError> {
     Ok(p)
 }
 
-/// A new agent CA for the control plane `ns/name`, valid from `now`.
-pub fn agent_ca(ns: &str, name: &str, now: Timestamp) -> Result<Issued, CertError> {
+/// A new agent CA for the control plane `ns/name`, valid from `now` for
+/// `validity`.
+pub fn agent_ca(
+    ns: &str,
+    name: &str,
+    now: Timestamp,
+    validity: SignedDuration,
+) -> Result<Issued, CertError> {
     let key = KeyPair::generate()?;
     let mut p = ca_params(ns, name)?;
-    let not_after = now + CA_VALIDITY;
+    let not_after = now + validity;
     p.not_before = at(now - SignedDuration::from_mins(5))?;
     p.not_after = at(not_after)?;
     let cert = p.self_signed(&key)?;
@@ -69,12 +75,13 @@ pub fn agent_ca(ns: &str, name: &str, now: Timestamp) -> Result<Issued, CertErro
 }
 
 /// A client certificate for the agents of `ns/name`, signed by its CA's
-/// key `ca_key_pem`, valid from `now`.
+/// key `ca_key_pem`, valid from `now` for `validity`.
 pub fn agent_cert(
     ns: &str,
     name: &str,
     ca_key_pem: &str,
     now: Timestamp,
+    validity: SignedDuration,
 ) -> Result<Issued, CertError> {
     let ca_key = KeyPair::from_pem(ca_key_pem)?;
     let issuer = Issuer::new(ca_params(ns, name)?, ca_key);
@@ -83,7 +90,7 @@ pub fn agent_cert(
     p.distinguished_name
         .push(DnType::CommonName, format!("seedlink agent {ns}/{name}"));
     p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    let not_after = now + LEAF_VALIDITY;
+    let not_after = now + validity;
     p.not_before = at(now - SignedDuration::from_mins(5))?;
     p.not_after = at(not_after)?;
     let cert = p.signed_by(&key, &issuer)?;
@@ -104,8 +111,8 @@ mod tests {
     #[test]
     fn a_leaf_signed_with_the_stored_key_chains_to_the_ca() {
         let now = Timestamp::now();
-        let ca = agent_ca("shoot--a", "cp", now).unwrap();
-        let leaf = agent_cert("shoot--a", "cp", &ca.key_pem, now).unwrap();
+        let ca = agent_ca("shoot--a", "cp", now, CA_VALIDITY).unwrap();
+        let leaf = agent_cert("shoot--a", "cp", &ca.key_pem, now, LEAF_VALIDITY).unwrap();
         let mut roots = rustls::RootCertStore::empty();
         let ca_der = rustls_pemfile_der(&ca.cert_pem);
         roots.add(ca_der).unwrap();
@@ -122,7 +129,7 @@ mod tests {
         verifier.verify_client_cert(&leaf_der, &[], when).unwrap();
         assert!(leaf.not_after > now && ca.not_after > leaf.not_after);
         // Another control plane's CA does not accept it.
-        let other = agent_ca("shoot--b", "cp", now).unwrap();
+        let other = agent_ca("shoot--b", "cp", now, CA_VALIDITY).unwrap();
         let mut roots = rustls::RootCertStore::empty();
         roots.add(rustls_pemfile_der(&other.cert_pem)).unwrap();
         let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(

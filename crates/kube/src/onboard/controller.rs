@@ -27,7 +27,8 @@ use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 
 use super::certs::{self, Issued};
-use super::generate::{self, Bundle, Generated, Names, Refusal, Settings, CA_KEY, NOT_AFTER};
+use super::generate::{self, Bundle, Generated, Names, Refusal, Settings};
+use super::rotation::{self, CaState, CaStep, Validity};
 use crate::crd::TunnelCluster;
 use crate::crd::{ControlPlaneStatus, SeedlinkControlPlane};
 use crate::leader::Leadership;
@@ -63,6 +64,8 @@ pub struct Context {
     pub recorder: Recorder,
     /// kube-apiserver's and the shoot's files, when configured.
     pub render: Option<Renderer>,
+    /// How long the certificates it issues are valid.
+    pub validity: Validity,
 }
 
 /// Why a reconcile failed (retried).
@@ -116,10 +119,14 @@ async fn reconcile(cp: Arc<SeedlinkControlPlane>, ctx: Arc<Context>) -> Result<A
         ns: &ns,
         cp: &cp,
     };
-    let outcome = match w.generate().await {
-        Ok(o) => o,
-        Err(e) => {
-            // Said on the object too (a missing permission, a webhook):
+    let status = match w.generate().await {
+        Ok((generated, not_after)) => w.observe(&generated, not_after).await?,
+        Err(Stop::Refused(refusal)) => {
+            w.event(&refusal).await;
+            refused(&cp, &refusal)
+        }
+        Err(Stop::Failed(e)) => {
+            // Said on the object too (a missing permission, a webhook),
             // then retried.
             let r = Refusal {
                 reason: "Failed",
@@ -131,15 +138,33 @@ async fn reconcile(cp: Arc<SeedlinkControlPlane>, ctx: Arc<Context>) -> Result<A
             return Err(e);
         }
     };
-    let status = match outcome {
-        Ok((generated, not_after)) => w.observe(&generated, not_after).await?,
-        Err(refusal) => {
-            w.event(&refusal).await;
-            refused(&cp, &refusal)
-        }
-    };
     w.write_status(status).await?;
     Ok(Action::requeue(RESYNC))
+}
+
+/// Why a pass stopped: the object is refused (said on its status), or
+/// something failed (retried).
+enum Stop {
+    Refused(Refusal),
+    Failed(Error),
+}
+
+impl From<Refusal> for Stop {
+    fn from(r: Refusal) -> Stop {
+        Stop::Refused(r)
+    }
+}
+
+impl From<kube::Error> for Stop {
+    fn from(e: kube::Error) -> Stop {
+        Stop::Failed(e.into())
+    }
+}
+
+impl From<certs::CertError> for Stop {
+    fn from(e: certs::CertError) -> Stop {
+        Stop::Failed(e.into())
+    }
 }
 
 /// Writes into one control plane's namespace.
@@ -161,39 +186,32 @@ impl Writer<'_> {
         self.cp.uid().unwrap_or_default()
     }
 
-    /// The certificates, then every generated object: what was written
-    /// and when the first certificate expires, or why nothing could be.
-    async fn generate(&self) -> Result<Result<(Vec<Generated>, Timestamp), Refusal>, Error> {
+    /// The credentials, then every generated object: what was written and
+    /// when the first certificate expires.
+    async fn generate(&self) -> Result<(Vec<Generated>, Timestamp), Stop> {
         let names = Names::of(&self.cp.name_any());
-        let ca = match self.ca(&names).await? {
-            Ok(ca) => ca,
-            Err(r) => return Ok(Err(r)),
-        };
-        let agent = match self.agent_cert(&names, &ca).await? {
-            Ok(a) => a,
-            Err(r) => return Ok(Err(r)),
-        };
-        let objects = match generate::objects(self.cp, &self.ctx.settings, &ca.cert_pem) {
-            Ok(o) => o,
-            Err(r) => return Ok(Err(r)),
-        };
+        let now = Timestamp::now();
+        let (ca, step) = self.ca(&names, now).await?;
+        let trust = rotation::trust_bundle(&ca, now);
+        let mut objects = generate::objects(self.cp, &self.ctx.settings, &trust)?;
         if let Some(label) = &self.ctx.namespace_label {
             let nss: Api<Namespace> = Api::all(self.ctx.client.clone());
             let patch = json!({"metadata": {"labels": {label.as_str(): "true"}}});
             nss.patch(self.ns, &PatchParams::default(), &Patch::Merge(&patch))
                 .await?;
         }
-        let mut objects = objects;
-        match self.bundle(&agent) {
-            Ok(b) => objects.extend(b),
-            Err(r) => return Ok(Err(r)),
-        }
+        // The trust first: a certificate from a new CA is written after
+        // the trust that names it.
         for g in &objects {
-            if let Err(r) = self.put(g).await? {
-                return Ok(Err(r));
-            }
+            self.put(g).await?;
         }
-        Ok(Ok((objects, ca.not_after.min(agent.not_after))))
+        let leaf = self.leaf(&names, &ca, step, now).await?;
+        let bundle = self.bundle(&leaf)?;
+        for g in &bundle {
+            self.put(g).await?;
+        }
+        objects.extend(bundle);
+        Ok((objects, ca.current.not_after.min(leaf.not_after)))
     }
 
     /// kube-apiserver's ConfigMap and the shoot's Secret, when a renderer
@@ -216,90 +234,114 @@ impl Writer<'_> {
 
     /// Creates `g`, or applies it over the version this control plane
     /// owns; refuses when another owner holds the name.
-    async fn put(&self, g: &Generated) -> Result<Result<(), Refusal>, Error> {
+    async fn put(&self, g: &Generated) -> Result<(), Stop> {
         let api = self.api(&g.api_version, g.kind, g.plural);
-        let obj: DynamicObject = match serde_json::from_value(g.object.clone()) {
-            Ok(o) => o,
-            Err(e) => {
-                return Ok(Err(Refusal {
-                    reason: "Invalid",
-                    message: format!("{}: {e}", g.id()),
-                }))
-            }
-        };
-        match api.get_opt(&g.name).await? {
-            Some(existing) => {
-                let existing = serde_json::to_value(&existing).unwrap_or_default();
-                if !generate::owned_by(&existing, &self.uid()) {
-                    return Ok(Err(taken(g)));
-                }
-                let pp = PatchParams::apply(MANAGER).force();
-                api.patch(&g.name, &pp, &Patch::Apply(&obj)).await?;
-            }
-            None => match api.create(&PostParams::default(), &obj).await {
-                Ok(_) => {}
-                Err(kube::Error::Api(e)) if e.code == 409 => return Ok(Err(taken(g))),
-                Err(e) => return Err(e.into()),
-            },
-        }
-        Ok(Ok(()))
-    }
-
-    /// A certificate Secret this control plane owns: read back, or made
-    /// with `issue` and created.
-    async fn cert_secret(
-        &self,
-        name: &str,
-        type_: &str,
-        keys: (&str, &str),
-        issue: impl FnOnce() -> Result<Issued, certs::CertError>,
-    ) -> Result<Result<Issued, Refusal>, Error> {
-        let api = self.api("v1", "Secret", "secrets");
-        if let Some(s) = api.get_opt(name).await? {
-            let v = serde_json::to_value(&s).unwrap_or_default();
-            if !generate::owned_by(&v, &self.uid()) {
-                return Ok(Err(taken_id(&format!("Secret/{name}"))));
-            }
-            return Ok(Ok(issued_from(&v, keys)));
-        }
-        let issued = issue()?;
-        let g = match generate::cert_secret(self.cp, name, type_, keys, &issued) {
-            Ok(g) => g,
-            Err(r) => return Ok(Err(r)),
-        };
-        let obj: DynamicObject = serde_json::from_value(g.object).map_err(|e| {
-            Error::Cert(certs::CertError::from(rcgen::Error::PemError(
-                e.to_string(),
-            )))
+        let obj: DynamicObject = serde_json::from_value(g.object.clone()).map_err(|e| Refusal {
+            reason: "Invalid",
+            message: format!("{}: {e}", g.id()),
         })?;
-        // A conflict (made meanwhile by another replica's last write) is an
-        // error: retried, and read back then.
-        api.create(&PostParams::default(), &obj).await?;
-        Ok(Ok(issued))
+        if self
+            .owned(&g.api_version, g.kind, g.plural, &g.name)
+            .await?
+            .is_some()
+        {
+            let pp = PatchParams::apply(MANAGER).force();
+            api.patch(&g.name, &pp, &Patch::Apply(&obj)).await?;
+            return Ok(());
+        }
+        match api.create(&PostParams::default(), &obj).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 409 => Err(taken(g).into()),
+            Err(e) => Err(e.into()),
+        }
     }
 
-    async fn ca(&self, names: &Names) -> Result<Result<Issued, Refusal>, Error> {
+    /// The object `name`, if there is one and this control plane owns it;
+    /// refused when another owner holds the name.
+    async fn owned(
+        &self,
+        api_version: &str,
+        kind: &str,
+        plural: &str,
+        name: &str,
+    ) -> Result<Option<Value>, Stop> {
+        let Some(o) = self.api(api_version, kind, plural).get_opt(name).await? else {
+            return Ok(None);
+        };
+        let v = serde_json::to_value(&o).unwrap_or_default();
+        if !generate::owned_by(&v, &self.uid()) {
+            return Err(taken_id(&format!("{kind}/{name}")).into());
+        }
+        Ok(Some(v))
+    }
+
+    /// The agent CA as it is to be now (made, kept, rotated, revoked),
+    /// written when it changed, and the step taken (`None`: made).
+    async fn ca(&self, names: &Names, now: Timestamp) -> Result<(CaState, Option<CaStep>), Stop> {
+        let v = &self.ctx.validity;
         let (ns, name) = (self.ns.to_string(), self.cp.name_any());
-        self.cert_secret(&names.agent_ca, "Opaque", (CA_KEY, "ca.key"), || {
-            certs::agent_ca(&ns, &name, Timestamp::now())
-        })
-        .await
+        let revision = self.cp.spec.tunnel.as_ref().map_or(0, |t| t.revision);
+        let fresh = || certs::agent_ca(&ns, &name, now, v.ca);
+        let (state, step) = match self
+            .owned("v1", "Secret", "secrets", &names.agent_ca)
+            .await?
+        {
+            None => {
+                let state = CaState {
+                    current: fresh()?,
+                    previous: None,
+                    revision,
+                };
+                (state, None)
+            }
+            Some(existing) => {
+                let state = generate::ca_state_from(&existing);
+                let step = rotation::ca_step(&state, revision, now, v);
+                if step == CaStep::Keep {
+                    return Ok((state, Some(step)));
+                }
+                let made = match step {
+                    CaStep::Rotate | CaStep::Revoke => Some(fresh()?),
+                    _ => None,
+                };
+                let next = rotation::after(state, step, made, revision, now, v);
+                (next, Some(step))
+            }
+        };
+        tracing::info!(control_plane = %key(self.cp), ?step, "onboarding: agent CA written");
+        self.put(&generate::ca_secret(self.cp, &names.agent_ca, &state)?)
+            .await?;
+        Ok((state, step))
     }
 
-    async fn agent_cert(
+    /// The agents' certificate: kept, or issued by the current CA when due
+    /// (not in the pass that rotated the CA: its trust is written first).
+    async fn leaf(
         &self,
         names: &Names,
-        ca: &Issued,
-    ) -> Result<Result<Issued, Refusal>, Error> {
+        ca: &CaState,
+        step: Option<CaStep>,
+        now: Timestamp,
+    ) -> Result<Issued, Stop> {
+        let v = &self.ctx.validity;
+        if let Some(existing) = self.owned("v1", "Secret", "secrets", &names.agent).await? {
+            let (leaf, signed_by) = generate::leaf_from(&existing);
+            let rotated_now = step == Some(CaStep::Rotate);
+            if rotated_now || !rotation::leaf_due(&leaf, &signed_by, ca, now, v) {
+                return Ok(leaf);
+            }
+        }
         let (ns, name) = (self.ns.to_string(), self.cp.name_any());
-        let ca_key = ca.key_pem.clone();
-        self.cert_secret(
+        let leaf = certs::agent_cert(&ns, &name, &ca.current.key_pem, now, v.leaf)?;
+        tracing::info!(control_plane = %key(self.cp), not_after = %leaf.not_after, "onboarding: agent certificate issued");
+        self.put(&generate::leaf_secret(
+            self.cp,
             &names.agent,
-            "kubernetes.io/tls",
-            ("tls.crt", "tls.key"),
-            || certs::agent_cert(&ns, &name, &ca_key, Timestamp::now()),
-        )
-        .await
+            &leaf,
+            &ca.current.cert_pem,
+        )?)
+        .await?;
+        Ok(leaf)
     }
 
     /// Status from what the generated objects report.
@@ -417,26 +459,6 @@ fn taken_id(id: &str) -> Refusal {
     }
 }
 
-/// The certificate and key (`keys`) a certificate Secret `v` holds, and
-/// its `notAfter` annotation (the epoch when unreadable: expired).
-fn issued_from(v: &Value, keys: (&str, &str)) -> Issued {
-    let data = |k: &str| {
-        v["data"][k]
-            .as_str()
-            .and_then(base64_decode)
-            .unwrap_or_default()
-    };
-    let not_after = v["metadata"]["annotations"][NOT_AFTER]
-        .as_str()
-        .and_then(|t| t.parse::<Timestamp>().ok())
-        .unwrap_or(Timestamp::UNIX_EPOCH);
-    Issued {
-        cert_pem: data(keys.0),
-        key_pem: data(keys.1),
-        not_after,
-    }
-}
-
 /// The status of a control plane nothing could be generated for.
 fn refused(cp: &SeedlinkControlPlane, r: &Refusal) -> ControlPlaneStatus {
     let gen = cp.meta().generation;
@@ -518,13 +540,6 @@ fn route_condition(route: &Value, settings: &Settings, gen: Option<i64>) -> Cond
             )
         },
     }
-}
-
-/// A Secret's `data` value (base64, as `ByteString` reads it) as text.
-fn base64_decode(s: &str) -> Option<String> {
-    let decoded: k8s_openapi::ByteString =
-        serde_json::from_value(Value::String(s.to_string())).ok()?;
-    String::from_utf8(decoded.0).ok()
 }
 
 /// The reporter of the controller's Events.

@@ -7,7 +7,10 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
 
+use k8s_openapi::jiff::Timestamp;
+
 use super::certs::Issued;
+use super::rotation::CaState;
 
 use crate::crd::SeedlinkControlPlane;
 use crate::translate::Key;
@@ -144,6 +147,7 @@ pub fn objects(
     let tunnel = cp.spec.tunnel.clone().unwrap_or(crate::crd::TunnelSpec {
         enabled: true,
         agent_token: None,
+        revision: 0,
     });
     if tunnel.enabled {
         out.extend(b.tunnel(&tunnel, settings, agent_ca_pem));
@@ -314,26 +318,103 @@ pub fn bundle_objects(
     Ok(vec![kas, shoot])
 }
 
-/// A Secret `name` of `cp` holding `issued` under `keys` (certificate,
-/// key), with its `notAfter` as an annotation.
-pub fn cert_secret(
+/// The agent CA's Secret `name` of `cp`: the CA that signs (`ca.crt`,
+/// `ca.key`), the one it replaced while still trusted (`previous.crt`),
+/// and in annotations its `notAfter`, until when the previous one is
+/// trusted, and the `spec.tunnel.revision` it was made for.
+pub fn ca_secret(
     cp: &SeedlinkControlPlane,
     name: &str,
-    type_: &str,
-    keys: (&str, &str),
-    issued: &Issued,
+    ca: &CaState,
 ) -> Result<Generated, Refusal> {
     let b = Builder::of(cp)?;
+    let mut data = json!({CA_KEY: ca.current.cert_pem, "ca.key": ca.current.key_pem});
+    let mut notes =
+        json!({NOT_AFTER: ca.current.not_after.to_string(), REVISION: ca.revision.to_string()});
+    if let Some((pem, until)) = &ca.previous {
+        data["previous.crt"] = pem.as_str().into();
+        notes[PREVIOUS_UNTIL] = until.to_string().into();
+    }
     let mut g = b.object(
         "v1",
         "Secret",
         name,
         json!({}),
-        json!({"type": type_, "stringData": {keys.0: issued.cert_pem, keys.1: issued.key_pem}}),
+        json!({"type": "Opaque", "stringData": data}),
     );
-    g.object["metadata"]["annotations"] = json!({NOT_AFTER: issued.not_after.to_string()});
+    g.object["metadata"]["annotations"] = notes;
     Ok(g)
 }
+
+/// The agents' certificate Secret `name` of `cp` (`kubernetes.io/tls`),
+/// with the CA that signed it (`ca.crt`) and its `notAfter`.
+pub fn leaf_secret(
+    cp: &SeedlinkControlPlane,
+    name: &str,
+    leaf: &Issued,
+    signed_by: &str,
+) -> Result<Generated, Refusal> {
+    let b = Builder::of(cp)?;
+    let data = json!({"tls.crt": leaf.cert_pem, "tls.key": leaf.key_pem, CA_KEY: signed_by});
+    let mut g = b.object(
+        "v1",
+        "Secret",
+        name,
+        json!({}),
+        json!({"type": "kubernetes.io/tls", "stringData": data}),
+    );
+    g.object["metadata"]["annotations"] = json!({NOT_AFTER: leaf.not_after.to_string()});
+    Ok(g)
+}
+
+/// A Secret's `data` value (base64, as `ByteString` reads it) as text;
+/// empty when absent or unreadable.
+fn secret_text(v: &Value, key: &str) -> String {
+    serde_json::from_value::<k8s_openapi::ByteString>(v["data"][key].clone())
+        .ok()
+        .and_then(|b| String::from_utf8(b.0).ok())
+        .unwrap_or_default()
+}
+
+/// An annotation read as a time; the epoch (long past) when absent.
+fn annotated_time(v: &Value, key: &str) -> Timestamp {
+    v["metadata"]["annotations"][key]
+        .as_str()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(Timestamp::UNIX_EPOCH)
+}
+
+/// The CA state a CA Secret (as the API returns it) holds.
+pub fn ca_state_from(v: &Value) -> CaState {
+    let previous = secret_text(v, "previous.crt");
+    CaState {
+        current: Issued {
+            cert_pem: secret_text(v, CA_KEY),
+            key_pem: secret_text(v, "ca.key"),
+            not_after: annotated_time(v, NOT_AFTER),
+        },
+        previous: (!previous.is_empty()).then(|| (previous, annotated_time(v, PREVIOUS_UNTIL))),
+        revision: v["metadata"]["annotations"][REVISION]
+            .as_str()
+            .and_then(|r| r.parse().ok())
+            .unwrap_or(0),
+    }
+}
+
+/// The agents' certificate a leaf Secret holds, and the CA that signed it.
+pub fn leaf_from(v: &Value) -> (Issued, String) {
+    let leaf = Issued {
+        cert_pem: secret_text(v, "tls.crt"),
+        key_pem: secret_text(v, "tls.key"),
+        not_after: annotated_time(v, NOT_AFTER),
+    };
+    (leaf, secret_text(v, CA_KEY))
+}
+
+/// The annotation saying until when a CA Secret's previous CA is trusted.
+pub const PREVIOUS_UNTIL: &str = "seedlink.dev/previous-until";
+/// The annotation with the `spec.tunnel.revision` a CA was made for.
+pub const REVISION: &str = "seedlink.dev/revision";
 
 /// The annotation with a certificate Secret's `notAfter` (RFC 3339).
 pub const NOT_AFTER: &str = "seedlink.dev/not-after";

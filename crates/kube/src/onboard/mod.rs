@@ -4,9 +4,11 @@
 //!
 //! - [`generate`]: what it becomes, a pure function;
 //! - [`certs`]: the agent CA and the agents' certificate;
+//! - [`rotation`]: when they are renewed, rotated or revoked;
 //! - [`controller`]: issue, generate, apply, report (the Lease holder
 //!   writes).
 
 pub mod certs;
 pub mod controller;
 pub mod generate;
+pub mod rotation;

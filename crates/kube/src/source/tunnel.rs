@@ -192,11 +192,18 @@ pub(super) struct TunnelPasses {
     /// What was last handed to the server, and what it refused: an event
     /// that changes none of it (another Secret in the namespace) does
     /// not reload the server.
-    pub(super) applied: Option<(
-        Vec<seedlink_config::tunnel::Cluster>,
-        seedlink_config::compile::Refused,
-    )>,
+    pub(super) applied: Option<Applied>,
 }
+
+/// The clusters handed to the server, the trust files they name (a CA
+/// replaced in its Secret keeps the file's path but changes its contents,
+/// and must reach the server: its agents are checked against it again),
+/// and what the server refused.
+pub(super) type Applied = (
+    Vec<seedlink_config::tunnel::Cluster>,
+    std::collections::BTreeMap<std::path::PathBuf, Vec<u8>>,
+    seedlink_config::compile::Refused,
+);
 
 /// The last tunnel translation and the objects it was made from.
 pub(super) type TunnelPass = (
@@ -215,7 +222,11 @@ impl TunnelPasses {
         let mut last: Option<TunnelPass> = None;
         loop {
             // What could not be applied at all is tried again on a tick.
-            if self.applied.as_ref().is_some_and(|(_, r)| not_applied(r)) {
+            if self
+                .applied
+                .as_ref()
+                .is_some_and(|(_, _, r)| not_applied(r))
+            {
                 self.applied = None;
             }
             if let Some(n) = self
@@ -260,10 +271,10 @@ impl TunnelPasses {
             return (t, objects);
         }
         let refused = match &self.applied {
-            Some((c, r)) if *c == t.clusters => r.clone(),
+            Some((c, f, r)) if *c == t.clusters && *f == t.files => r.clone(),
             _ => {
                 let r = sink.apply(t.clusters.clone(), status_held(&objects)).await;
-                self.applied = Some((t.clusters.clone(), r.clone()));
+                self.applied = Some((t.clusters.clone(), t.files.clone(), r.clone()));
                 r
             }
         };

@@ -13,6 +13,7 @@ use seedlink_config::onboard::{namespaced, OnboardConfig, RenderConfig};
 use seedlink_kube::leader::{self, Leadership};
 use seedlink_kube::onboard::controller::{self, Context, Renderer};
 use seedlink_kube::onboard::generate::{Bundle, Settings};
+use seedlink_kube::onboard::rotation::Validity;
 use seedlink_kube::translate::Key;
 
 /// `namespace/name` (checked when the file was read) as a [`Key`].
@@ -69,6 +70,14 @@ fn renderer(r: &RenderConfig) -> anyhow::Result<Renderer> {
             .insert("tunnel-ca.crt".into(), server_ca.clone());
         Ok(bundle)
     }))
+}
+
+/// The file's certificate validities (checked when it was read).
+fn validity(c: &OnboardConfig) -> Validity {
+    c.certificates.durations().map_or_else(
+        |_| Validity::default(),
+        |(ca, leaf)| Validity::from_std(ca, leaf),
+    )
 }
 
 /// Runs the controller until SIGTERM or SIGINT.
@@ -128,6 +137,7 @@ async fn context(
         leadership,
         namespace_label: c.namespace_label.clone(),
         render,
+        validity: validity(c),
     }
 }
 

@@ -1,0 +1,274 @@
+//! When the controller renews, rotates or revokes a control plane's agent
+//! credentials: a pure function of what the Secrets hold, the object's
+//! `spec.tunnel.revision` and the time, so every case is tested with
+//! explicit time.
+//!
+//! - **Renewal**: the agents' certificate is issued again once a third
+//!   of its validity is left, by the same CA: the trust does not change.
+//! - **Rotation**: the CA is replaced once a third of its validity is
+//!   left. The old CA stays trusted beside the new one for one
+//!   certificate validity (every certificate it signed has expired by
+//!   then), and the first certificate from the new CA is issued only in a
+//!   later pass, after the trust naming both was written: an agent never
+//!   presents a certificate the tunnel-server does not trust yet.
+//! - **Revocation**: raising `spec.tunnel.revision` replaces the CA at
+//!   once with no overlap: the old one is no longer trusted, the
+//!   tunnel-server disconnects the agents presenting its certificates (its
+//!   re-keying), and a new certificate is issued.
+
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+
+use super::certs::Issued;
+
+/// How long the controller's certificates are valid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Validity {
+    /// An agent CA.
+    pub ca: SignedDuration,
+    /// The agents' certificate.
+    pub leaf: SignedDuration,
+}
+
+impl Validity {
+    /// From the configuration's durations; one out of range keeps its
+    /// default.
+    pub fn from_std(ca: std::time::Duration, leaf: std::time::Duration) -> Validity {
+        let d = Validity::default();
+        Validity {
+            ca: SignedDuration::try_from(ca).unwrap_or(d.ca),
+            leaf: SignedDuration::try_from(leaf).unwrap_or(d.leaf),
+        }
+    }
+}
+
+impl Default for Validity {
+    fn default() -> Validity {
+        Validity {
+            ca: super::certs::CA_VALIDITY,
+            leaf: super::certs::LEAF_VALIDITY,
+        }
+    }
+}
+
+/// What a control plane's CA Secret holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CaState {
+    /// The CA that signs now.
+    pub current: Issued,
+    /// The CA it replaced, and until when it stays trusted.
+    pub previous: Option<(String, Timestamp)>,
+    /// The `spec.tunnel.revision` it was made for.
+    pub revision: u64,
+}
+
+/// What to do with the CA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaStep {
+    /// Nothing.
+    Keep,
+    /// The previous CA's overlap is over: trust the current one alone.
+    DropPrevious,
+    /// A new CA; the current one stays trusted for the overlap.
+    Rotate,
+    /// A new CA; the current one is trusted no more.
+    Revoke,
+}
+
+/// Whether a third or less of `validity` is left at `now` before
+/// `not_after`.
+fn due(not_after: Timestamp, now: Timestamp, validity: SignedDuration) -> bool {
+    not_after.duration_since(now) <= validity / 3
+}
+
+/// What the CA needs at `now`, the object asking for `revision`.
+pub fn ca_step(state: &CaState, revision: u64, now: Timestamp, v: &Validity) -> CaStep {
+    if revision > state.revision {
+        CaStep::Revoke
+    } else if due(state.current.not_after, now, v.ca) && state.previous.is_none() {
+        CaStep::Rotate
+    } else if state
+        .previous
+        .as_ref()
+        .is_some_and(|(_, until)| *until <= now)
+    {
+        CaStep::DropPrevious
+    } else {
+        CaStep::Keep
+    }
+}
+
+/// The CA state after `step`; `fresh` is the new CA a rotation or a
+/// revocation puts in place (without one they change nothing).
+pub fn after(
+    state: CaState,
+    step: CaStep,
+    fresh: Option<Issued>,
+    revision: u64,
+    now: Timestamp,
+    v: &Validity,
+) -> CaState {
+    match (step, fresh) {
+        (CaStep::DropPrevious, _) => CaState {
+            previous: None,
+            ..state
+        },
+        (CaStep::Rotate, Some(fresh)) => CaState {
+            previous: Some((state.current.cert_pem, now + v.leaf)),
+            current: fresh,
+            revision: state.revision,
+        },
+        (CaStep::Revoke, Some(fresh)) => CaState {
+            current: fresh,
+            previous: None,
+            revision,
+        },
+        _ => state,
+    }
+}
+
+/// Whether the agents' certificate `leaf`, signed by the CA `signed_by`
+/// (its PEM), is to be issued again at `now`: it is close to expiry, or
+/// its CA is no longer the current one, unless that CA is still trusted
+/// (a rotation's overlap) and the leaf is not close to expiry; the new
+/// CA's first certificate then waits for a later pass.
+pub fn leaf_due(
+    leaf: &Issued,
+    signed_by: &str,
+    ca: &CaState,
+    now: Timestamp,
+    v: &Validity,
+) -> bool {
+    let expiring = due(leaf.not_after, now, v.leaf);
+    if signed_by == ca.current.cert_pem {
+        return expiring;
+    }
+    let overlapping = ca
+        .previous
+        .as_ref()
+        .is_some_and(|(pem, until)| pem == signed_by && *until > now);
+    !overlapping || expiring
+}
+
+/// The CAs the tunnel-server trusts at `now`: the current one, and the
+/// previous one during its overlap (PEM, one after the other).
+pub fn trust_bundle(ca: &CaState, now: Timestamp) -> String {
+    let mut out = ca.current.cert_pem.clone();
+    if let Some((pem, until)) = &ca.previous {
+        if *until > now {
+            if !out.ends_with('\n') {
+                out.push('\n');
+            }
+            out.push_str(pem);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    const DAY: SignedDuration = SignedDuration::from_hours(24);
+
+    fn v() -> Validity {
+        Validity {
+            ca: DAY * 300,
+            leaf: DAY * 30,
+        }
+    }
+
+    fn issued(name: &str, not_after: Timestamp) -> Issued {
+        Issued {
+            cert_pem: format!("{name}\n"),
+            key_pem: format!("{name} key\n"),
+            not_after,
+        }
+    }
+
+    fn t0() -> Timestamp {
+        "2026-01-01T00:00:00Z".parse().unwrap()
+    }
+
+    #[test]
+    fn a_ca_is_rotated_with_overlap_and_its_successor_signs_only_after() {
+        let v = v();
+        let state = CaState {
+            current: issued("ca1", t0() + v.ca),
+            previous: None,
+            revision: 0,
+        };
+        let leaf = issued("leaf1", t0() + v.leaf);
+        // Early on: nothing to do.
+        assert_eq!(ca_step(&state, 0, t0() + DAY, &v), CaStep::Keep);
+        assert!(!leaf_due(&leaf, "ca1\n", &state, t0() + DAY, &v));
+        // A third of the CA's validity left: a new CA, both trusted.
+        let at = t0() + DAY * 201;
+        assert_eq!(ca_step(&state, 0, at, &v), CaStep::Rotate);
+        let rotated = after(
+            state,
+            CaStep::Rotate,
+            Some(issued("ca2", at + v.ca)),
+            0,
+            at,
+            &v,
+        );
+        assert_eq!(trust_bundle(&rotated, at), "ca2\nca1\n");
+        // The leaf from ca1 is not close to expiry: it is kept, so the
+        // first certificate from ca2 comes in a later pass.
+        let leaf = issued("leaf1", at + DAY * 25);
+        assert!(!leaf_due(&leaf, "ca1\n", &rotated, at, &v));
+        // Close to its expiry, it is issued again, from ca2.
+        assert!(leaf_due(&leaf, "ca1\n", &rotated, at + DAY * 16, &v));
+        // After the overlap ca1 goes, and a leaf it signed is due.
+        let over = at + v.leaf;
+        assert_eq!(ca_step(&rotated, 0, over, &v), CaStep::DropPrevious);
+        assert_eq!(trust_bundle(&rotated, over), "ca2\n");
+        assert!(leaf_due(&leaf, "ca1\n", &rotated, over, &v));
+        let dropped = after(rotated, CaStep::DropPrevious, None, 0, over, &v);
+        assert_eq!(dropped.previous, None);
+        assert_eq!(ca_step(&dropped, 0, over, &v), CaStep::Keep);
+    }
+
+    #[test]
+    fn a_leaf_is_renewed_by_the_same_ca_at_a_third_of_its_validity() {
+        let v = v();
+        let state = CaState {
+            current: issued("ca1", t0() + v.ca),
+            previous: None,
+            revision: 0,
+        };
+        let leaf = issued("leaf1", t0() + v.leaf);
+        assert!(!leaf_due(&leaf, "ca1\n", &state, t0() + DAY * 19, &v));
+        assert!(leaf_due(&leaf, "ca1\n", &state, t0() + DAY * 20, &v));
+        assert_eq!(ca_step(&state, 0, t0() + DAY * 20, &v), CaStep::Keep);
+        assert_eq!(trust_bundle(&state, t0()), "ca1\n");
+    }
+
+    #[test]
+    fn a_raised_revision_revokes_at_once_without_overlap() {
+        let v = v();
+        let state = CaState {
+            current: issued("ca1", t0() + v.ca),
+            previous: Some(("ca0\n".into(), t0() + DAY)),
+            revision: 2,
+        };
+        assert_eq!(ca_step(&state, 2, t0(), &v), CaStep::Keep);
+        // A lower revision never goes back.
+        assert_eq!(ca_step(&state, 1, t0(), &v), CaStep::Keep);
+        assert_eq!(ca_step(&state, 3, t0(), &v), CaStep::Revoke);
+        let revoked = after(
+            state,
+            CaStep::Revoke,
+            Some(issued("ca2", t0() + v.ca)),
+            3,
+            t0(),
+            &v,
+        );
+        assert_eq!(trust_bundle(&revoked, t0()), "ca2\n");
+        assert_eq!(revoked.revision, 3);
+        // Every leaf of the old CA is due at once, however fresh.
+        let leaf = issued("leaf1", t0() + v.leaf);
+        assert!(leaf_due(&leaf, "ca1\n", &revoked, t0(), &v));
+    }
+}
