@@ -76,10 +76,18 @@ impl Certificates {
         };
         let ca = read("ca_validity", &self.ca_validity);
         let leaf = read("leaf_validity", &self.leaf_validity);
+        const CENTURY: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 86_400);
         match (ca, leaf) {
-            (Ok(ca), Ok(leaf)) if leaf > ca => Err(vec![ConfigError::new(
+            (Ok(ca), Ok(_)) if ca > CENTURY => Err(vec![ConfigError::new(
+                "certificates.ca_validity",
+                "over 100 years",
+            )]),
+            // Rotation keeps the old CA trusted for one certificate
+            // validity from a third of the CA's left: the certificates it
+            // signed must end before it does.
+            (Ok(ca), Ok(leaf)) if leaf > ca / 3 => Err(vec![ConfigError::new(
                 "certificates.leaf_validity",
-                "longer than ca_validity: a certificate would outlive its CA",
+                "over a third of ca_validity: a certificate would outlive its CA's rotation",
             )]),
             (Ok(_), Ok(leaf)) if leaf < std::time::Duration::from_secs(60) => {
                 Err(vec![ConfigError::new(

@@ -1,6 +1,7 @@
 //! The certificates the controller issues per control plane: an agent CA
-//! (its key stays in a Secret only the controller reads) and the agents'
-//! client certificate signed by it.
+//! (its key stays in a Secret of the control plane's namespace that is not
+//! labelled for the tunnel-server) and the agents' client certificate
+//! signed by it.
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use rcgen::{

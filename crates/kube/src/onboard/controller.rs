@@ -66,6 +66,8 @@ pub struct Context {
     pub render: Option<Renderer>,
     /// How long the certificates it issues are valid.
     pub validity: Validity,
+    /// The namespaces labelled for the Gateway by this process.
+    pub labelled: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 /// Why a reconcile failed (retried).
@@ -194,12 +196,7 @@ impl Writer<'_> {
         let (ca, step) = self.ca(&names, now).await?;
         let trust = rotation::trust_bundle(&ca, now);
         let mut objects = generate::objects(self.cp, &self.ctx.settings, &trust)?;
-        if let Some(label) = &self.ctx.namespace_label {
-            let nss: Api<Namespace> = Api::all(self.ctx.client.clone());
-            let patch = json!({"metadata": {"labels": {label.as_str(): "true"}}});
-            nss.patch(self.ns, &PatchParams::default(), &Patch::Merge(&patch))
-                .await?;
-        }
+        self.label_namespace().await?;
         // The trust first: a certificate from a new CA is written after
         // the trust that names it.
         for g in &objects {
@@ -212,6 +209,24 @@ impl Writer<'_> {
         }
         objects.extend(bundle);
         Ok((objects, ca.current.not_after.min(leaf.not_after)))
+    }
+
+    /// The Gateway's `allowedRoutes` label on the namespace, when
+    /// configured: once per namespace and process.
+    async fn label_namespace(&self) -> Result<(), Stop> {
+        let Some(label) = &self.ctx.namespace_label else {
+            return Ok(());
+        };
+        if seedlink_net::sync::lock(&self.ctx.labelled, "labelled namespaces").contains(self.ns) {
+            return Ok(());
+        }
+        let nss: Api<Namespace> = Api::all(self.ctx.client.clone());
+        let patch = json!({"metadata": {"labels": {label.as_str(): "true"}}});
+        nss.patch(self.ns, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+        seedlink_net::sync::lock(&self.ctx.labelled, "labelled namespaces")
+            .insert(self.ns.to_string());
+        Ok(())
     }
 
     /// kube-apiserver's ConfigMap and the shoot's Secret, when a renderer

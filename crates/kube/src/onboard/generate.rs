@@ -15,6 +15,9 @@ use super::rotation::CaState;
 use crate::crd::SeedlinkControlPlane;
 use crate::translate::Key;
 
+/// The longest name a control plane may have (a label value's limit).
+pub const MAX_NAME: usize = 63;
+
 /// The label every generated object carries: the control plane it is for.
 pub const CONTROL_PLANE_LABEL: &str = "seedlink.dev/control-plane";
 /// The label that lets the tunnel-server read a Secret (docs/KUBERNETES.md).
@@ -73,8 +76,8 @@ pub struct Refusal {
 pub struct Names {
     /// The TLSRoute, the SeedlinkPolicy and the TunnelCluster.
     pub route: String,
-    /// The Secret with the agent CA's certificate and key (never read by
-    /// the tunnel-server).
+    /// The Secret with the agent CA's certificate and key (not labelled
+    /// for the tunnel-server).
     pub agent_ca: String,
     /// The Secret with only the agent CA's certificate, labelled for the
     /// tunnel-server to read.
@@ -177,6 +180,13 @@ struct Builder {
 impl Builder {
     fn of(cp: &SeedlinkControlPlane) -> Result<Builder, Refusal> {
         let name = cp.metadata.name.clone().unwrap_or_default();
+        // It is a label's value on everything generated.
+        if name.len() > MAX_NAME {
+            return Err(Refusal {
+                reason: "NameTooLong",
+                message: format!("the name has {} characters; at most {MAX_NAME} (it labels every generated object)", name.len()),
+            });
+        }
         Ok(Builder {
             owner: owner_reference(cp)?,
             ns: cp.metadata.namespace.clone().unwrap_or_default(),
@@ -233,7 +243,7 @@ impl Builder {
             json!({TRUST_LABEL: "true"}),
             json!({
                 "type": "Opaque",
-                "stringData": {CA_KEY: ca_pem}
+                "data": secret_data(&json!({CA_KEY: ca_pem}))
             }),
         );
         let binding = self.object(
@@ -313,7 +323,7 @@ pub fn bundle_objects(
         "Secret",
         &b.names.shoot,
         json!({}),
-        json!({"type": "Opaque", "stringData": files}),
+        json!({"type": "Opaque", "data": secret_data(&json!(files))}),
     );
     Ok(vec![kas, shoot])
 }
@@ -328,19 +338,22 @@ pub fn ca_secret(
     ca: &CaState,
 ) -> Result<Generated, Refusal> {
     let b = Builder::of(cp)?;
-    let mut data = json!({CA_KEY: ca.current.cert_pem, "ca.key": ca.current.key_pem});
-    let mut notes =
-        json!({NOT_AFTER: ca.current.not_after.to_string(), REVISION: ca.revision.to_string()});
-    if let Some((pem, until)) = &ca.previous {
-        data["previous.crt"] = pem.as_str().into();
-        notes[PREVIOUS_UNTIL] = until.to_string().into();
-    }
+    // `previous.crt` and its end are written empty when there is none,
+    // never left out: a key an apply leaves out may stay in the stored
+    // Secret (kubernetes/kubernetes#108008) and come back as a previous CA.
+    let (previous, until) = match &ca.previous {
+        Some((pem, until)) => (pem.clone(), until.to_string()),
+        None => (String::new(), String::new()),
+    };
+    let data = json!({CA_KEY: ca.current.cert_pem, "ca.key": ca.current.key_pem, "previous.crt": previous});
+    let notes = json!({NOT_AFTER: ca.current.not_after.to_string(), REVISION: ca.revision.to_string(),
+                       PREVIOUS_UNTIL: until});
     let mut g = b.object(
         "v1",
         "Secret",
         name,
         json!({}),
-        json!({"type": "Opaque", "stringData": data}),
+        json!({"type": "Opaque", "data": secret_data(&data)}),
     );
     g.object["metadata"]["annotations"] = notes;
     Ok(g)
@@ -361,10 +374,23 @@ pub fn leaf_secret(
         "Secret",
         name,
         json!({}),
-        json!({"type": "kubernetes.io/tls", "stringData": data}),
+        json!({"type": "kubernetes.io/tls", "data": secret_data(&data)}),
     );
     g.object["metadata"]["annotations"] = json!({NOT_AFTER: leaf.not_after.to_string()});
     Ok(g)
+}
+
+/// A Secret's `data` from text values: base64, as `ByteString` writes it.
+/// Generated Secrets are written as `data`, not `stringData`: what a
+/// server-side apply leaves out of `stringData` is not removed from `data`
+/// (kubernetes/kubernetes#108008).
+fn secret_data(text: &Value) -> Value {
+    let mut out = serde_json::Map::new();
+    for (k, v) in text.as_object().into_iter().flatten() {
+        let bytes = k8s_openapi::ByteString(v.as_str().unwrap_or_default().as_bytes().to_vec());
+        out.insert(k.clone(), serde_json::to_value(bytes).unwrap_or_default());
+    }
+    Value::Object(out)
 }
 
 /// A Secret's `data` value (base64, as `ByteString` reads it) as text;
@@ -526,9 +552,9 @@ mod tests {
         }
         let trust = find(&out, "Secret");
         assert_eq!(trust["metadata"]["labels"][TRUST_LABEL], "true");
-        assert_eq!(trust["stringData"][CA_KEY], "CA PEM");
+        assert_eq!(secret_text(trust, CA_KEY), "CA PEM");
         assert!(
-            trust["stringData"].get("ca.key").is_none(),
+            trust["data"].get("ca.key").is_none(),
             "the trust Secret holds no key"
         );
         let tc = find(&out, "TunnelCluster");
@@ -637,16 +663,63 @@ mod tests {
         );
         assert_eq!(out[0].object["data"]["kube-apiserver.args"], "--x\n");
         assert!(
-            out[0].object.get("stringData").is_none(),
+            out[0].object.get("data").is_some() && out[0].object["data"].get("agent.key").is_none(),
             "no key material in a ConfigMap"
         );
-        let files = &out[1].object["stringData"];
-        assert_eq!(files["agent.yaml"], "server: s:443\n");
+        let shoot = &out[1].object;
+        assert_eq!(secret_text(shoot, "agent.yaml"), "server: s:443\n");
         assert_eq!(
-            (files["agent.crt"].as_str(), files["agent.key"].as_str()),
-            (Some("CERT"), Some("KEY"))
+            (
+                secret_text(shoot, "agent.crt"),
+                secret_text(shoot, "agent.key")
+            ),
+            ("CERT".to_string(), "KEY".to_string())
         );
         assert!(out.iter().all(|g| owned_by(&g.object, "u-1")));
+    }
+
+    /// What is written reads back the same, and a dropped previous CA is
+    /// written as empty, so that it reads back as none.
+    #[test]
+    fn the_ca_secret_reads_back_and_a_dropped_previous_stays_dropped() {
+        let at: Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        let issued = |n: &str| Issued {
+            cert_pem: format!("{n}\n"),
+            key_pem: format!("{n} key\n"),
+            not_after: at,
+        };
+        let state = CaState {
+            current: issued("ca2"),
+            previous: Some(("ca1\n".into(), at)),
+            revision: 4,
+        };
+        let g = ca_secret(&cp(minimal()), "kas-agent-ca", &state).unwrap();
+        assert_eq!(ca_state_from(&g.object), state);
+        let dropped = CaState {
+            previous: None,
+            ..state
+        };
+        let g = ca_secret(&cp(minimal()), "kas-agent-ca", &dropped).unwrap();
+        assert!(
+            g.object["data"].get("previous.crt").is_some(),
+            "written, empty"
+        );
+        assert_eq!(ca_state_from(&g.object), dropped);
+        let leaf = issued("leaf");
+        let g = leaf_secret(&cp(minimal()), "kas-agent", &leaf, "ca2\n").unwrap();
+        assert_eq!(leaf_from(&g.object), (leaf, "ca2\n".to_string()));
+    }
+
+    #[test]
+    fn a_name_too_long_for_a_label_is_refused_not_retried() {
+        let mut c = cp(minimal());
+        c.metadata.name = Some("a".repeat(64));
+        assert_eq!(
+            objects(&c, &settings(), "CA").unwrap_err().reason,
+            "NameTooLong"
+        );
+        c.metadata.name = Some("a".repeat(63));
+        assert!(objects(&c, &settings(), "CA").is_ok());
     }
 
     #[test]

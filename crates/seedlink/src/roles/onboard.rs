@@ -100,16 +100,24 @@ pub async fn run(config: &Path) -> anyhow::Result<i32> {
         stop.clone(),
     ));
     let ctx = context(&c, client, me, &identity, render).await;
-    let running = tokio::spawn(controller::run(ctx, stop.clone()));
+    let mut running = tokio::spawn(controller::run(ctx, stop.clone()));
     println!(
         "{}",
         serde_json::json!({"event": "ready", "role": "onboard"})
     );
-    shutdown_signal().await;
+    // The controller ends only on stop: if it ends before (a panic), the
+    // process exits, so the pod restarts and another replica leads.
+    let code = tokio::select! {
+        () = shutdown_signal() => 0,
+        _ = &mut running => {
+            tracing::error!("the onboarding controller stopped; exiting");
+            1
+        }
+    };
     stop.cancel();
     let _ = running.await;
     let _ = tokio::time::timeout(std::time::Duration::from_secs(5), campaign).await;
-    Ok(0)
+    Ok(code)
 }
 
 /// What the controller runs with: the file's settings, the TLSRoute
@@ -138,6 +146,7 @@ async fn context(
         namespace_label: c.namespace_label.clone(),
         render,
         validity: validity(c),
+        labelled: Default::default(),
     }
 }
 
