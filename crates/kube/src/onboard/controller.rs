@@ -35,9 +35,10 @@ use crate::leader::Leadership;
 
 /// The field manager of everything the controller applies.
 pub const MANAGER: &str = "seedlink-onboarding";
-/// How often a control plane's status is refreshed when nothing changes
-/// (the agents connected, the route's acceptance).
-const RESYNC: Duration = Duration::from_secs(15);
+/// How often a control plane is looked at when nothing it watches
+/// changed (its certificates' renewal): its route's and tunnel cluster's
+/// changes wake it at once.
+const RESYNC: Duration = Duration::from_secs(60);
 /// How soon a follower (not holding the Lease) looks again.
 const FOLLOWER_RETRY: Duration = Duration::from_secs(2);
 /// How soon a failed reconcile is retried.
@@ -84,9 +85,20 @@ pub enum Error {
 /// Runs the controller until `stop`.
 pub async fn run(ctx: Context, stop: CancellationToken) {
     let cps: Api<SeedlinkControlPlane> = Api::all(ctx.client.clone());
+    // What a control plane's status mirrors: a change in either wakes its
+    // owner at once; only generated objects are watched.
+    let generated = watcher::Config::default().labels(generate::CONTROL_PLANE_LABEL);
     let clusters: Api<TunnelCluster> = Api::all(ctx.client.clone());
+    let routes_gvk = GroupVersionKind::gvk(
+        "gateway.networking.k8s.io",
+        &ctx.settings.route_version,
+        "TLSRoute",
+    );
+    let routes_ar = ApiResource::from_gvk_with_plural(&routes_gvk, "tlsroutes");
+    let routes: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &routes_ar);
     Controller::new(cps, watcher::Config::default())
-        .owns(clusters, watcher::Config::default())
+        .owns(clusters, generated.clone())
+        .owns_with(routes, routes_ar, generated)
         .graceful_shutdown_on(async move { stop.cancelled().await })
         .run(reconcile, error_policy, Arc::new(ctx))
         .for_each(|r| async move {
