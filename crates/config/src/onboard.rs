@@ -33,6 +33,10 @@ pub struct OnboardConfig {
     /// How long the certificates it issues are valid.
     #[serde(default)]
     pub certificates: Certificates,
+    /// Its admin endpoint (`/healthz`, `/readyz`, `/metrics`); absent:
+    /// none.
+    #[serde(default)]
+    pub admin: Option<crate::model::Admin>,
 }
 
 /// Validity of the issued certificates (`humantime`: `3650d`, `1h`); each

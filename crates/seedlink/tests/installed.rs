@@ -14,7 +14,8 @@
 //! (GEP-08); a second control plane with a tunnel-server sidecar (egress
 //! over gRPC, then HTTPConnect, on a Unix socket). Day 2 runs under a loop
 //! of kubectl requests, each on a new connection, and counts every failure:
-//! a rollout restart, a `helm upgrade` to a new image reference, scaling
+//! a third control plane onboarded with one `SeedlinkControlPlane` and
+//! deleted again (installed/onboarding.rs), a rollout restart, a `helm upgrade` to a new image reference, scaling
 //! while the API server is unreachable from new pods, the status leader's
 //! pod deleted (another pod takes the lease and still writes status), a
 //! node drain with the PDB, and `helm uninstall` (what is left is listed and
@@ -32,6 +33,10 @@ use std::time::{Duration, Instant};
 use seedlink_testkit::cluster::{helm, run, Cluster, Options, NODE_IP, NODE_NAME, POD_SUBNET};
 use seedlink_testkit::eventually_blocking;
 use seedlink_testkit::kubeapi::repo_root;
+
+#[path = "installed/onboarding.rs"]
+mod onboarding;
+use onboarding::{GREEDY_NS, ONBOARDED, ONBOARDED_AGENTS_NS, ONBOARDED_KAS, ONBOARDED_NS};
 
 /// The LoadBalancer pool (on the node's loopback).
 const LB_POOL: [&str; 2] = ["10.250.1.1", "10.250.1.2"];
@@ -91,6 +96,7 @@ fn prerequisites(c: &Cluster) -> PathBuf {
             "ca
 leaf tls /CN=seedlink DNS:seedlink,DNS:seedlink-internal.seedlink-system.svc
 leaf kas /CN={TUNNEL_CLUSTER} DNS:kas
+leaf {ONBOARDED_KAS} /CN={ONBOARDED_NS}.{ONBOARDED} DNS:kas
 "
         ),
     );
@@ -144,12 +150,43 @@ leaf() {
 /// (a CA, the serving certificate for [`API_HOST`], an admin client
 /// certificate). Returns the directory with `ca.crt`, `admin.crt`, `admin.key`.
 fn shoot_control_plane(c: &Cluster, seed: &Path, egress: &str) -> PathBuf {
-    let d = c.dir.join("shoot-pki");
+    let d = control_plane_secrets(c, SHOOT_NS, API_HOST, "shoot-pki");
+    c.kubectl_ok(&[
+        "label",
+        "namespace",
+        SHOOT_NS,
+        "seedlink.dev/gateway-access=true",
+    ]);
+    // Its egress: the file `seedlink tunnel-config` rendered, and the
+    // client certificate the shared frontend names the cluster by.
+    let f = c.dir.join("egress-selector-configuration.yaml");
+    std::fs::write(&f, egress).unwrap();
+    c.kubectl_ok(&[
+        "-n",
+        SHOOT_NS,
+        "create",
+        "configmap",
+        "kube-apiserver-egress",
+        &format!("--from-file={}", f.display()),
+    ]);
+    kube_apiserver_tunnel_secret(c, SHOOT_NS, seed, "kas");
+    kube_apiserver_pod(c, SHOOT_NS, API_HOST, "kube-apiserver-egress");
+    d
+}
+
+/// A control plane's PKI made with openssl in `dir` (a CA, the serving
+/// certificate for `host`, an admin client certificate, a webhook's
+/// serving certificate, the ServiceAccount key pair), and its Secrets in
+/// namespace `ns` (made here): `kube-apiserver-pki`, and
+/// `kube-apiserver-kubelet-client`, a client certificate the node's
+/// kubelet trusts (here the cluster's own), for logs, exec, port-forward.
+fn control_plane_secrets(c: &Cluster, ns: &str, host: &str, dir: &str) -> PathBuf {
+    let d = c.dir.join(dir);
     openssl(
         &d,
         &format!(
             "ca
-leaf tls /CN=kube-apiserver DNS:{API_HOST},DNS:kubernetes.default.svc,IP:10.96.0.1
+leaf tls /CN=kube-apiserver DNS:{host},DNS:kubernetes.default.svc,IP:10.96.0.1
 leaf admin /O=system:masters/CN=admin DNS:admin
 leaf apps /CN=shoot-apps DNS:shoot-apps.webhooked.svc
 openssl ecparam -name prime256v1 -genkey -noout -out sa.pem
@@ -158,12 +195,10 @@ openssl ec -in sa.key -pubout -out sa.pub
 "
         ),
     );
-    c.kubectl_ok(&["create", "namespace", SHOOT_NS]);
-    // Its client certificate for kubelets (logs, exec, port-forward): one
-    // the node's kubelet trusts (here the cluster's own).
+    c.kubectl_ok(&["create", "namespace", ns]);
     c.kubectl_ok(&[
         "-n",
-        SHOOT_NS,
+        ns,
         "create",
         "secret",
         "generic",
@@ -177,15 +212,9 @@ openssl ec -in sa.key -pubout -out sa.pub
             c.api.dir.join("admin-key.pem").display()
         ),
     ]);
-    c.kubectl_ok(&[
-        "label",
-        "namespace",
-        SHOOT_NS,
-        "seedlink.dev/gateway-access=true",
-    ]);
-    let mut create = vec![
+    let mut create = [
         "-n",
-        SHOOT_NS,
+        ns,
         "create",
         "secret",
         "generic",
@@ -199,29 +228,37 @@ openssl ec -in sa.key -pubout -out sa.pub
     }
     let refs: Vec<&str> = create.iter().map(String::as_str).collect();
     c.kubectl_ok(&refs);
-    // Its egress: the file `seedlink tunnel-config` rendered, and the
-    // client certificate the shared frontend names the cluster by.
-    let f = c.dir.join("egress-selector-configuration.yaml");
-    std::fs::write(&f, egress).unwrap();
+    d
+}
+
+/// Secret `kube-apiserver-tunnel` in `ns`: the seed's CA, and the client
+/// certificate `<leaf>.crt` the seed's CA issued (in `seed`), whose CN
+/// names the TunnelCluster on the shared frontend.
+fn kube_apiserver_tunnel_secret(c: &Cluster, ns: &str, seed: &Path, leaf: &str) {
     c.kubectl_ok(&[
         "-n",
-        SHOOT_NS,
-        "create",
-        "configmap",
-        "kube-apiserver-egress",
-        &format!("--from-file={}", f.display()),
-    ]);
-    c.kubectl_ok(&[
-        "-n",
-        SHOOT_NS,
+        ns,
         "create",
         "secret",
         "generic",
         "kube-apiserver-tunnel",
         &format!("--from-file=ca.crt={}", seed.join("ca.crt").display()),
-        &format!("--from-file=client.crt={}", seed.join("kas.crt").display()),
-        &format!("--from-file=client.key={}", seed.join("kas.key").display()),
+        &format!(
+            "--from-file=client.crt={}",
+            seed.join(format!("{leaf}.crt")).display()
+        ),
+        &format!(
+            "--from-file=client.key={}",
+            seed.join(format!("{leaf}.key")).display()
+        ),
     ]);
+}
+
+/// kube-apiserver and etcd as a Deployment `kube-apiserver` in `ns`, and
+/// the Service in front of it: the Secrets of [`control_plane_secrets`]
+/// and [`kube_apiserver_tunnel_secret`] mounted, the egress selector file
+/// from ConfigMap `egress`. Waits for the rollout.
+fn kube_apiserver_pod(c: &Cluster, ns: &str, host: &str, egress: &str) {
     // No cluster DNS here: the pod's hosts file names the Service the
     // rendered file dials (its certificate's name).
     let internal = jsonpath(
@@ -232,7 +269,7 @@ openssl ec -in sa.key -pubout -out sa.pub
     c.apply(&format!(
         r#"apiVersion: apps/v1
 kind: Deployment
-metadata: {{name: kube-apiserver, namespace: {SHOOT_NS}}}
+metadata: {{name: kube-apiserver, namespace: {ns}}}
 spec:
   replicas: 1
   selector: {{matchLabels: {{app: kube-apiserver}}}}
@@ -252,7 +289,7 @@ spec:
         image: localhost/kube-control-plane:1
         command: [/usr/local/bin/kube-apiserver, --etcd-servers=http://127.0.0.1:2379,
                   --secure-port=6443, --tls-cert-file=/pki/tls.crt, --tls-private-key-file=/pki/tls.key,
-                  --client-ca-file=/pki/ca.crt, --service-account-issuer=https://{API_HOST},
+                  --client-ca-file=/pki/ca.crt, --service-account-issuer=https://{host},
                   --service-account-key-file=/pki/sa.pub, --service-account-signing-key-file=/pki/sa.key,
                   --service-cluster-ip-range=10.96.0.0/16, --authorization-mode=RBAC,
                   --cert-dir=/tmp,
@@ -269,7 +306,7 @@ spec:
                        {{name: kubelet, mountPath: /kubelet, readOnly: true}}]
       volumes:
       - {{name: kubelet, secret: {{secretName: kube-apiserver-kubelet-client}}}}
-      - {{name: egress, configMap: {{name: kube-apiserver-egress}}}}
+      - {{name: egress, configMap: {{name: {egress}}}}}
       - {{name: tunnel, secret: {{secretName: kube-apiserver-tunnel}}}}
       - {{name: pki, secret: {{secretName: kube-apiserver-pki}}}}
       - {{name: etcd, emptyDir: {{}}}}
@@ -277,7 +314,7 @@ spec:
 ---
 apiVersion: v1
 kind: Service
-metadata: {{name: kube-apiserver, namespace: {SHOOT_NS}}}
+metadata: {{name: kube-apiserver, namespace: {ns}}}
 spec:
   selector: {{app: kube-apiserver}}
   ports: [{{name: https, port: 443, targetPort: https}}]
@@ -285,13 +322,12 @@ spec:
     ));
     c.kubectl_ok(&[
         "-n",
-        SHOOT_NS,
+        ns,
         "rollout",
         "status",
         "deployment/kube-apiserver",
         "--timeout=600s",
     ]);
-    d
 }
 
 /// kube-apiserver's egress for the shoot's TunnelCluster over the shared
@@ -1707,6 +1743,9 @@ fn uninstall_leaves_nothing(c: &Cluster, before: &[String]) {
             || o.contains("/shoot-workload/")
             || o.contains(&format!("/{SIDECAR_NS}/"))
             || o.contains(&format!("/{SIDECAR_AGENTS_NS}/"))
+            || [ONBOARDED_NS, ONBOARDED_AGENTS_NS, GREEDY_NS]
+                .iter()
+                .any(|ns| o.contains(&format!("/{ns}/")))
     };
     let unexpected: Vec<&&String> = left.iter().filter(|o| !allowed(o)).collect();
     assert!(
@@ -1815,6 +1854,12 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
     ];
     let load = Load::start(kubectl.clone(), asks, c.netns.clone());
     load.wait_for(3);
+    step(
+        "a third control plane onboarded with one object, then deleted",
+        &load,
+        &mut figures,
+        || onboarding::onboarding(&c, &chart, &lb, &seed, &kubectl, &echo),
+    );
     day2_rollout_restart(&c, &load, &mut figures);
     day2_helm_upgrade(&c, &load, &mut figures, &chart);
     day2_scale_with_the_api_server_unreachable(&c, &load, &mut figures);

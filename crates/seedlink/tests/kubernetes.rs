@@ -2344,6 +2344,8 @@ struct Onboarding {
     gw: SeedGw,
     _tunnel: Proc,
     _onboard: Proc,
+    /// The onboarding controller's admin endpoint.
+    onboard_admin: SocketAddr,
     /// The directory of the tunnel-server's files and frontend sockets.
     dir: tempfile::TempDir,
     a: String,
@@ -2374,11 +2376,12 @@ impl Onboarding {
             .api
             .install_onboarding_rbac(&seed.client, &seed.sys)
             .await;
-        let onboard = onboard_controller(&seed, &token, dir.path(), &agents);
+        let (onboard, onboard_admin) = onboard_controller(&seed, &token, dir.path(), &agents);
         Onboarding {
             gw,
             _tunnel: tunnel,
             _onboard: onboard,
+            onboard_admin,
             dir,
             a,
             seed,
@@ -2484,7 +2487,12 @@ kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust'}}
 /// ServiceAccount), labelling control planes' namespaces for the Gateway
 /// and rendering kube-apiserver's and the shoot's files from the
 /// tunnel-server's file in `dir` (its agents at `agents`).
-fn onboard_controller(seed: &Seed, token: &str, dir: &std::path::Path, agents: &str) -> Proc {
+fn onboard_controller(
+    seed: &Seed,
+    token: &str,
+    dir: &std::path::Path,
+    agents: &str,
+) -> (Proc, SocketAddr) {
     let sys = &seed.sys;
     let config = dir.join("onboard.yaml");
     let (tunnel, ca) = (dir.join("tunnel.yaml"), dir.join("seed-ca.pem"));
@@ -2496,6 +2504,7 @@ gateway: {sys}/seedlink
 tunnel_reader: {sys}/seedlink
 trust_role: seedlink-tunnel-trust-{sys}
 namespace_label: seedlink.dev/gateway-access
+admin: {{listen: '127.0.0.1:0'}}
 render:
   tunnel_config: '{}'
   agent_server: '{agents}'
@@ -2515,7 +2524,8 @@ render:
             seed.api.kubeconfig(seed.dir.path(), "onboard", token, None),
         )
         .env("POD_NAME", "onboard-0");
-    started(cmd).0
+    let (p, ready) = started(cmd);
+    (p, ready["admin"].as_str().unwrap().parse().unwrap())
 }
 
 /// The object is applied: the controller labels the namespace, writes the
@@ -2584,6 +2594,18 @@ async fn one_object_serves_its_api_server_by_sni(t: &Onboarding) {
         );
     }
     assert!(status["certificatesNotAfter"].is_string());
+    // The expiry as a metric, for the shipped alerts.
+    let series = format!(
+        "seedlink_onboard_certificates_not_after_seconds{{namespace=\"{}\",name=\"kas\"}}",
+        t.a
+    );
+    eventually("the expiry metric", Duration::from_secs(30), async || {
+        let (_, body) = common::http_get(t.onboard_admin, "/metrics").await;
+        body.contains(&series)
+            .then_some(())
+            .ok_or_else(|| body.clone())
+    })
+    .await;
 }
 
 /// The credential files of `ns`'s shoot Secret (`kas-shoot`), written into

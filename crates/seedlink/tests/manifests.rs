@@ -517,6 +517,11 @@ async fn every_metric_the_alerts_name_is_exported() {
         assert_eq!(code, 200);
         exported.push_str(&body);
     }
+    // The onboarding controller's, as its /metrics encodes them (it needs
+    // an API server to start; tests/kubernetes.rs scrapes the running one).
+    exported.push_str(&seedlink_net::admin::encode(
+        &seedlink_kube::onboard::metrics::registry(&[], false, Default::default()),
+    ));
     for n in names {
         // OpenMetrics: a counter's family is named without `_total`.
         let family = n.strip_suffix("_total").unwrap_or(&n);
@@ -1420,6 +1425,28 @@ fn the_onboarding_controller_renders_under_its_own_service_account() {
     }
     let binding = find("ClusterRoleBinding", "seedlink-onboard");
     assert_eq!(binding["subjects"][0]["name"], "seedlink-onboard");
+    // Its Lease is the install's (helm uninstall removes it); its admin
+    // endpoint answers the probes, and /metrics with the token.
+    find("Lease", "seedlink-onboard");
+    assert_eq!(file["admin"]["token_file"], "/etc/seedlink/admin/token");
+    let container = &dep["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/healthz");
+    let monitored = helm_template(&[
+        "--set",
+        "onboarding.enabled=true",
+        "--set",
+        "monitoring.serviceMonitor.enabled=true",
+    ]);
+    check_strictly(&monitored);
+    let sm = monitored
+        .iter()
+        .find(|d| d["kind"] == "ServiceMonitor" && d["metadata"]["name"] == "seedlink-onboard")
+        .expect("the onboarding controller's ServiceMonitor");
+    assert_eq!(
+        sm["spec"]["endpoints"][0]["authorization"]["credentials"]["name"],
+        "seedlink-admin-token"
+    );
     // Off by default: none of it.
     let default = helm_template(&[]);
     assert!(!default.iter().any(|d| d["metadata"]["name"]

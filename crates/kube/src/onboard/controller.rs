@@ -69,7 +69,14 @@ pub struct Context {
     pub validity: Validity,
     /// The namespaces labelled for the Gateway by this process.
     pub labelled: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// The control planes as last seen, once the controller runs (what
+    /// the metrics and the readiness probe read).
+    pub watched: Watched,
 }
+
+/// The controller's cache of control planes, shared with the admin
+/// endpoint.
+pub type Watched = Arc<std::sync::OnceLock<kube::runtime::reflector::Store<SeedlinkControlPlane>>>;
 
 /// Why a reconcile failed (retried).
 #[derive(Debug, thiserror::Error)]
@@ -96,7 +103,10 @@ pub async fn run(ctx: Context, stop: CancellationToken) {
     );
     let routes_ar = ApiResource::from_gvk_with_plural(&routes_gvk, "tlsroutes");
     let routes: Api<DynamicObject> = Api::all_with(ctx.client.clone(), &routes_ar);
-    Controller::new(cps, watcher::Config::default())
+    let controller = Controller::new(cps, watcher::Config::default());
+    // Set once per process: a second run would keep the first's cache.
+    let _ = ctx.watched.set(controller.store());
+    controller
         .owns(clusters, generated.clone())
         .owns_with(routes, routes_ar, generated)
         .graceful_shutdown_on(async move { stop.cancelled().await })
@@ -133,8 +143,12 @@ async fn reconcile(cp: Arc<SeedlinkControlPlane>, ctx: Arc<Context>) -> Result<A
         ns: &ns,
         cp: &cp,
     };
+    let mut wait = RESYNC;
     let status = match w.generate().await {
-        Ok((generated, not_after)) => w.observe(&generated, not_after).await?,
+        Ok((generated, not_after, wake)) => {
+            wait = until(wake, Timestamp::now());
+            w.observe(&generated, not_after).await?
+        }
         Err(Stop::Refused(refusal)) => {
             w.event(&refusal).await;
             refused(&cp, &refusal)
@@ -153,7 +167,16 @@ async fn reconcile(cp: Arc<SeedlinkControlPlane>, ctx: Arc<Context>) -> Result<A
         }
     };
     w.write_status(status).await?;
-    Ok(Action::requeue(RESYNC))
+    Ok(Action::requeue(wait))
+}
+
+/// How long to wait for the next pass: until `wake` (a renewal, a
+/// rotation, an overlap's end), at least a second, at most [`RESYNC`].
+fn until(wake: Timestamp, now: Timestamp) -> Duration {
+    let left = wake.duration_since(now);
+    Duration::try_from(left)
+        .unwrap_or(Duration::ZERO)
+        .clamp(Duration::from_secs(1), RESYNC)
 }
 
 /// Why a pass stopped: the object is refused (said on its status), or
@@ -202,7 +225,7 @@ impl Writer<'_> {
 
     /// The credentials, then every generated object: what was written and
     /// when the first certificate expires.
-    async fn generate(&self) -> Result<(Vec<Generated>, Timestamp), Stop> {
+    async fn generate(&self) -> Result<(Vec<Generated>, Timestamp, Timestamp), Stop> {
         let names = Names::of(&self.cp.name_any());
         let now = Timestamp::now();
         let (ca, step) = self.ca(&names, now).await?;
@@ -220,7 +243,8 @@ impl Writer<'_> {
             self.put(g).await?;
         }
         objects.extend(bundle);
-        Ok((objects, ca.current.not_after.min(leaf.not_after)))
+        let wake = rotation::next_due(&ca, &leaf, &self.ctx.validity);
+        Ok((objects, ca.current.not_after.min(leaf.not_after), wake))
     }
 
     /// The Gateway's `allowedRoutes` label on the namespace, when
@@ -574,5 +598,21 @@ pub fn reporter(instance: &str) -> Reporter {
     Reporter {
         controller: MANAGER.into(),
         instance: Some(instance.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_next_pass_waits_until_due_between_a_second_and_the_resync() {
+        let now: Timestamp = "2026-01-01T00:00:00Z".parse().unwrap();
+        let s = |n: i64| k8s_openapi::jiff::SignedDuration::from_secs(n);
+        assert_eq!(until(now + s(10), now), Duration::from_secs(10));
+        assert_eq!(until(now + s(3600), now), RESYNC);
+        assert_eq!(until(now - s(3600), now), Duration::from_secs(1));
+        assert_eq!(until(Timestamp::MIN, now), Duration::from_secs(1));
     }
 }

@@ -11,4 +11,5 @@
 pub mod certs;
 pub mod controller;
 pub mod generate;
+pub mod metrics;
 pub mod rotation;

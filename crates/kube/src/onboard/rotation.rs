@@ -149,6 +149,20 @@ pub fn leaf_due(
     !overlapping || expiring
 }
 
+/// When the CA or the agents' certificate next needs a pass: the
+/// certificate's renewal, the CA's rotation (none while a previous CA
+/// overlaps), the end of that overlap; the earliest. A time out of range
+/// (a Secret's annotation written by hand) is due at once.
+pub fn next_due(ca: &CaState, leaf: &Issued, v: &Validity) -> Timestamp {
+    let before = |t: Timestamp, d: SignedDuration| t.checked_sub(d).unwrap_or(Timestamp::MIN);
+    let mut next = before(leaf.not_after, v.leaf / 3);
+    match &ca.previous {
+        None => next = next.min(before(ca.current.not_after, v.ca / 3)),
+        Some((_, until)) => next = next.min(*until),
+    }
+    next
+}
+
 /// The CAs the tunnel-server trusts at `now`: the current one, and the
 /// previous one during its overlap (PEM, one after the other).
 pub fn trust_bundle(ca: &CaState, now: Timestamp) -> String {
@@ -188,6 +202,29 @@ mod tests {
 
     fn t0() -> Timestamp {
         "2026-01-01T00:00:00Z".parse().unwrap()
+    }
+
+    #[test]
+    fn the_next_pass_is_the_earliest_renewal_rotation_or_overlap_end() {
+        let v = v();
+        let leaf = issued("leaf", t0() + v.leaf);
+        let mut ca = CaState {
+            current: issued("ca1", t0() + v.ca),
+            previous: None,
+            revision: 0,
+        };
+        // The certificate's renewal: 20 days in.
+        assert_eq!(next_due(&ca, &leaf, &v), t0() + DAY * 20);
+        // A CA due before it: its rotation.
+        ca.current.not_after = t0() + DAY * 105;
+        assert_eq!(next_due(&ca, &leaf, &v), t0() + DAY * 5);
+        // While a previous CA overlaps: no rotation, the overlap's end.
+        ca.previous = Some(("ca0\n".into(), t0() + DAY * 3));
+        assert_eq!(next_due(&ca, &leaf, &v), t0() + DAY * 3);
+        // A time out of range is due at once, without a panic.
+        ca.previous = None;
+        ca.current.not_after = Timestamp::MIN;
+        assert_eq!(next_due(&ca, &leaf, &v), Timestamp::MIN);
     }
 
     #[test]

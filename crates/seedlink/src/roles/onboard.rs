@@ -7,11 +7,12 @@
 use std::path::Path;
 
 use anyhow::Context as _;
+use seedlink_net::admin::{self, Answer, METRICS, TEXT};
 use tokio_util::sync::CancellationToken;
 
 use seedlink_config::onboard::{namespaced, OnboardConfig, RenderConfig};
 use seedlink_kube::leader::{self, Leadership};
-use seedlink_kube::onboard::controller::{self, Context, Renderer};
+use seedlink_kube::onboard::controller::{self, Context, Renderer, Watched};
 use seedlink_kube::onboard::generate::{Bundle, Settings};
 use seedlink_kube::onboard::rotation::Validity;
 use seedlink_kube::translate::Key;
@@ -99,11 +100,15 @@ pub async fn run(config: &Path) -> anyhow::Result<i32> {
         me.clone(),
         stop.clone(),
     ));
-    let ctx = context(&c, client, me, &identity, render).await;
+    let ctx = context(&c, client, me.clone(), &identity, render).await;
+    let admin = match &c.admin {
+        Some(a) => Some(serve_admin(a, ctx.watched.clone(), me, ctx.validity).await?),
+        None => None,
+    };
     let mut running = tokio::spawn(controller::run(ctx, stop.clone()));
     println!(
         "{}",
-        serde_json::json!({"event": "ready", "role": "onboard"})
+        serde_json::json!({"event": "ready", "role": "onboard", "admin": admin.map(|a| a.to_string())})
     );
     // The controller ends only on stop: if it ends before (a panic), the
     // process exits, so the pod restarts and another replica leads.
@@ -147,6 +152,58 @@ async fn context(
         render,
         validity: validity(c),
         labelled: Default::default(),
+        watched: Default::default(),
+    }
+}
+
+/// Binds the admin endpoint and serves it in a task: the probes, and
+/// `/metrics` (with the token, when one is configured).
+async fn serve_admin(
+    a: &seedlink_config::model::Admin,
+    watched: Watched,
+    me: Leadership,
+    validity: Validity,
+) -> anyhow::Result<std::net::SocketAddr> {
+    let access = match &a.token_file {
+        Some(f) => admin::Access::from_token_file(Path::new(f))
+            .with_context(|| format!("admin.token_file {f}"))?,
+        None => admin::Access::open(),
+    };
+    let listener = tokio::net::TcpListener::bind(&a.listen)
+        .await
+        .with_context(|| format!("admin.listen {}", a.listen))?;
+    let addr = listener.local_addr()?;
+    let route = move |path: &str| route(path, &watched, &me, validity);
+    tokio::spawn(admin::serve_with(
+        listener,
+        16,
+        access,
+        std::sync::Arc::new(route),
+    ));
+    Ok(addr)
+}
+
+/// `/healthz`; `/readyz` once the controller watches the control planes;
+/// `/metrics` from what it last saw of them.
+fn route(path: &str, watched: &Watched, me: &Leadership, validity: Validity) -> Answer {
+    match (path, watched.get()) {
+        ("/healthz", _) => (200, TEXT, "ok\n".to_string()),
+        ("/readyz", Some(_)) => (200, TEXT, "ready\n".to_string()),
+        ("/readyz", None) => (
+            503,
+            TEXT,
+            "not ready: the controller is starting\n".to_string(),
+        ),
+        ("/metrics", store) => {
+            let cps = store.map(|s| s.state()).unwrap_or_default();
+            let r = seedlink_kube::onboard::metrics::registry(&cps, me.held(), validity);
+            (200, METRICS, admin::encode(&r))
+        }
+        _ => (
+            404,
+            TEXT,
+            "not found; try /healthz /readyz /metrics\n".to_string(),
+        ),
     }
 }
 

@@ -1,0 +1,358 @@
+//! A third control plane onboarded with one object (docs/KUBERNETES.md,
+//! "Onboarding a control plane"), on the real cluster, under the load
+//! through the first: the onboarding controller enabled on the running
+//! install (`helm upgrade`), one `SeedlinkControlPlane`, and from what it
+//! generates alone kube-apiserver's egress and the shoot's agents. Its API
+//! server by SNI through the gateway; its node proxy, `kubectl logs`,
+//! `exec`, `port-forward` and a webhook through the tunnel to the agent the
+//! bundle runs; another tenant refused the names and the host it holds;
+//! deleting the object removes everything generated (the garbage
+//! collector, by the ownerReferences).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use seedlink_testkit::eventually_blocking;
+
+use super::{
+    control_plane_secrets, helm_cmd, jsonpath, kube_apiserver_pod, kube_apiserver_tunnel_secret,
+    kubelet_and_webhook_through_the_tunnel, pod_get, reaches_the_shoot, reaches_through_the_tunnel,
+    shoot_kubeconfig, shoot_node, Cluster, NS,
+};
+
+/// The onboarded control plane's namespace, and its object's name.
+pub const ONBOARDED_NS: &str = "shoot--dev--c";
+pub const ONBOARDED: &str = "api";
+/// Its API server's public host name.
+const ONBOARDED_HOST: &str = "api.dev-c.seed.test";
+/// kube-apiserver's client certificate for the shared frontend (the seed's
+/// CA issues it, CN `<namespace>.<name>`: the platform's part).
+pub const ONBOARDED_KAS: &str = "kas-c";
+/// Where the shoot's agents run, from the generated bundle.
+pub const ONBOARDED_AGENTS_NS: &str = "shoot-c-agents";
+/// Another tenant, which asks for what the onboarded one and the first hold.
+pub const GREEDY_NS: &str = "shoot--dev--x";
+
+/// What the controller generates for [`ONBOARDED`], by kind and name.
+const GENERATED: [(&str, &str); 8] = [
+    ("tlsroute", "api"),
+    ("tunnelcluster", "api"),
+    ("secret", "api-agent-trust"),
+    ("secret", "api-agent-ca"),
+    ("secret", "api-agent"),
+    ("secret", "api-shoot"),
+    ("configmap", "api-kube-apiserver-egress"),
+    ("rolebinding", "api-seedlink-tunnel-trust"),
+];
+
+/// The whole onboarding, under the load (the step's caller counts it).
+pub fn onboarding(c: &Cluster, chart: &str, lb: &str, seed: &Path, kubectl: &Path, echo: &str) {
+    enable_onboarding(c, chart, lb);
+    let pki = onboarded_control_plane(c, seed);
+    let kubeconfig = shoot_kubeconfig(c, "onboarded", &format!("{lb}:443"), ONBOARDED_HOST, &pki);
+    reaches_the_shoot(kubectl, &kubeconfig, "the onboarded API server by SNI");
+    condition_is(c, ONBOARDED_NS, ONBOARDED, "RouteAccepted", "True");
+    agents_from_the_bundle(c);
+    condition_is(c, ONBOARDED_NS, ONBOARDED, "TunnelReady", "True");
+    shoot_node(c, &kubeconfig, echo);
+    reaches_through_the_tunnel(kubectl, &kubeconfig, "the onboarded API server's egress");
+    kubelet_and_webhook_through_the_tunnel(c, kubectl, &kubeconfig, &pki);
+    condition_is(c, ONBOARDED_NS, ONBOARDED, "Ready", "True");
+    the_expiry_metric(c);
+    another_tenant_is_refused(c);
+    deleting_removes_everything(c, kubectl, &kubeconfig);
+}
+
+/// `helm upgrade --reuse-values` with the onboarding controller on, told
+/// where agents reach the tunnel-server (the load balancer) and where
+/// kube-apiserver reaches its shared frontend (the internal Service). Its
+/// pod runs under its own ServiceAccount.
+fn enable_onboarding(c: &Cluster, chart: &str, lb: &str) {
+    helm_cmd(
+        c,
+        &[
+            "upgrade",
+            "seedlink",
+            chart,
+            "--namespace",
+            NS,
+            "--reuse-values",
+            "--set",
+            "onboarding.enabled=true",
+            "--set",
+            &format!("onboarding.agentServer={lb}:8091"),
+            "--set",
+            "onboarding.serverName=seedlink",
+            "--set",
+            "onboarding.frontendAddress=seedlink-internal.seedlink-system.svc:8090",
+        ],
+    );
+    c.kubectl_ok(&[
+        "-n",
+        NS,
+        "rollout",
+        "status",
+        "deployment/seedlink-onboard",
+        "--timeout=600s",
+    ]);
+    let sa = jsonpath(
+        c,
+        &[
+            "-n",
+            NS,
+            "get",
+            "pods",
+            "-l",
+            "app.kubernetes.io/name=seedlink-onboard",
+        ],
+        "{.items[*].spec.serviceAccountName}",
+    );
+    assert_eq!(
+        sa, "seedlink-onboard",
+        "the onboarding pod's ServiceAccount"
+    );
+}
+
+/// The platform's part (the namespace, kube-apiserver's PKI, its client
+/// certificate for the shared frontend), then the one object, then
+/// kube-apiserver mounting the egress ConfigMap the controller generated.
+/// The namespace is not labelled for the Gateway: the controller does it.
+fn onboarded_control_plane(c: &Cluster, seed: &Path) -> PathBuf {
+    let pki = control_plane_secrets(c, ONBOARDED_NS, ONBOARDED_HOST, "shoot-c-pki");
+    kube_apiserver_tunnel_secret(c, ONBOARDED_NS, seed, ONBOARDED_KAS);
+    c.apply(&format!(
+        "apiVersion: seedlink.dev/v1alpha1
+kind: SeedlinkControlPlane
+metadata: {{name: {ONBOARDED}, namespace: {ONBOARDED_NS}}}
+spec:
+  apiServer: {{service: kube-apiserver, hostnames: [{ONBOARDED_HOST}]}}
+"
+    ));
+    condition_is(c, ONBOARDED_NS, ONBOARDED, "Generated", "True");
+    let generated = jsonpath(
+        c,
+        &["-n", ONBOARDED_NS, "get", "seedlinkcontrolplane", ONBOARDED],
+        "{.status.generated}",
+    );
+    for (kind, name) in GENERATED.iter().filter(|(k, _)| *k != "secret") {
+        assert!(
+            generated.to_lowercase().contains(&format!("{kind}/{name}")),
+            "status.generated: {generated}"
+        );
+    }
+    kube_apiserver_pod(
+        c,
+        ONBOARDED_NS,
+        ONBOARDED_HOST,
+        &format!("{ONBOARDED}-kube-apiserver-egress"),
+    );
+    pki
+}
+
+/// The shoot's side as a platform applies it: the generated bundle
+/// (Secret `api-shoot`: the agent's file, certificate, key and the
+/// tunnel-server's CA) copied as it is into the agents' namespace, and a
+/// Deployment of `seedlink tunnel-agent` reading it.
+fn agents_from_the_bundle(c: &Cluster) {
+    let data = jsonpath(
+        c,
+        &[
+            "-n",
+            ONBOARDED_NS,
+            "get",
+            "secret",
+            &format!("{ONBOARDED}-shoot"),
+        ],
+        "{.data}",
+    );
+    let data: serde_json::Value = serde_json::from_str(&data).unwrap_or_default();
+    for key in ["agent.yaml", "agent.crt", "agent.key", "tunnel-ca.crt"] {
+        assert!(data.get(key).is_some(), "the bundle has no {key}: {data}");
+    }
+    c.kubectl_ok(&["create", "namespace", ONBOARDED_AGENTS_NS]);
+    let secret = serde_json::json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "seedlink-shoot", "namespace": ONBOARDED_AGENTS_NS},
+        "data": data,
+    });
+    c.apply(&secret.to_string());
+    c.apply(&format!(
+        "apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: seedlink-tunnel-agent, namespace: {ONBOARDED_AGENTS_NS}}}
+spec:
+  selector: {{matchLabels: {{app: seedlink-tunnel-agent}}}}
+  template:
+    metadata: {{labels: {{app: seedlink-tunnel-agent}}}}
+    spec:
+      securityContext: {{runAsNonRoot: true, runAsUser: 65532}}
+      containers:
+      - name: agent
+        image: localhost/seedlink:{}
+        args: [tunnel-agent, --config, /etc/seedlink/agent.yaml]
+        volumeMounts: [{{name: bundle, mountPath: /etc/seedlink, readOnly: true}}]
+      volumes: [{{name: bundle, secret: {{secretName: seedlink-shoot}}}}]
+",
+        env!("CARGO_PKG_VERSION")
+    ));
+    c.kubectl_ok(&[
+        "-n",
+        ONBOARDED_AGENTS_NS,
+        "rollout",
+        "status",
+        "deployment/seedlink-tunnel-agent",
+        "--timeout=600s",
+    ]);
+}
+
+/// The controller's pod exports the certificates' expiry of the onboarded
+/// control plane on `/metrics`, with the admin token only.
+fn the_expiry_metric(c: &Cluster) {
+    let ip = jsonpath(
+        c,
+        &[
+            "-n",
+            NS,
+            "get",
+            "pods",
+            "-l",
+            "app.kubernetes.io/name=seedlink-onboard",
+        ],
+        "{.items[0].status.podIP}",
+    );
+    let anonymous = super::run(
+        Command::new("curl")
+            .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-m", "10"])
+            .arg(format!("http://{ip}:8094/metrics")),
+    );
+    assert_eq!(anonymous, "401", "/metrics without the token");
+    let series = format!(
+        "seedlink_onboard_certificates_not_after_seconds{{namespace=\"{ONBOARDED_NS}\",name=\"{ONBOARDED}\"}}"
+    );
+    eventually_blocking("the expiry metric", Duration::from_secs(60), || {
+        let (code, body) = pod_get(&ip, 8094, "/metrics");
+        (code == "200" && body.contains(&series))
+            .then_some(())
+            .ok_or(format!("{code}: {body}"))
+    });
+}
+
+/// Another tenant's objects take nothing: one named `tunnel` in the first
+/// shoot's namespace, whose TunnelCluster of that name is hand-written, is
+/// refused (`NameTaken`) and leaves it alone; one in a namespace of its own
+/// asking for the onboarded host name is refused by the gateway (its
+/// RouteAccepted says why). Both say so on their status.
+fn another_tenant_is_refused(c: &Cluster) {
+    let first = super::SHOOT_NS;
+    let before = jsonpath(
+        c,
+        &["-n", first, "get", "tunnelcluster", "tunnel"],
+        "{.metadata.generation} {.metadata.ownerReferences}",
+    );
+    c.kubectl_ok(&["create", "namespace", GREEDY_NS]);
+    c.apply(&format!(
+        "apiVersion: v1
+kind: Service
+metadata: {{name: kube-apiserver, namespace: {GREEDY_NS}}}
+spec: {{ports: [{{name: https, port: 443}}]}}
+---
+apiVersion: seedlink.dev/v1alpha1
+kind: SeedlinkControlPlane
+metadata: {{name: api, namespace: {GREEDY_NS}}}
+spec:
+  apiServer: {{service: kube-apiserver, hostnames: [{ONBOARDED_HOST}]}}
+  tunnel: {{enabled: false}}
+---
+apiVersion: seedlink.dev/v1alpha1
+kind: SeedlinkControlPlane
+metadata: {{name: tunnel, namespace: {first}}}
+spec:
+  apiServer: {{service: kube-apiserver, hostnames: [api.dev-a-2.seed.test]}}
+"
+    ));
+    let (_, reason) = condition_is(c, first, "tunnel", "Ready", "False");
+    assert_eq!(reason, "NameTaken");
+    let (_, reason) = condition_is(c, GREEDY_NS, "api", "RouteAccepted", "False");
+    let message = jsonpath(
+        c,
+        &["-n", GREEDY_NS, "get", "seedlinkcontrolplane", "api"],
+        "{.status.conditions[?(@.type==\"RouteAccepted\")].message}",
+    );
+    eprintln!(
+        "installed: a second claim on the onboarded host name: RouteAccepted False, {reason}: {message}"
+    );
+    let after = jsonpath(
+        c,
+        &["-n", first, "get", "tunnelcluster", "tunnel"],
+        "{.metadata.generation} {.metadata.ownerReferences}",
+    );
+    assert_eq!(before, after, "the first shoot's TunnelCluster was written");
+    c.kubectl_ok(&["-n", first, "delete", "seedlinkcontrolplane", "tunnel"]);
+    c.kubectl_ok(&["delete", "namespace", GREEDY_NS, "--wait=false"]);
+}
+
+/// Deleting the object: the garbage collector removes everything the
+/// controller generated, and the gateway no longer serves its host name.
+fn deleting_removes_everything(c: &Cluster, kubectl: &Path, kubeconfig: &Path) {
+    c.kubectl_ok(&[
+        "-n",
+        ONBOARDED_NS,
+        "delete",
+        "seedlinkcontrolplane",
+        ONBOARDED,
+    ]);
+    eventually_blocking(
+        "everything generated is gone",
+        Duration::from_secs(180),
+        || {
+            let left: Vec<String> = GENERATED
+                .iter()
+                .filter(|(kind, name)| {
+                    c.kubectl(&["-n", ONBOARDED_NS, "get", kind, name, "-o", "name"])
+                        .status
+                        .success()
+                })
+                .map(|(kind, name)| format!("{kind}/{name}"))
+                .collect();
+            left.is_empty().then_some(()).ok_or(left.join(", "))
+        },
+    );
+    eventually_blocking(
+        "the host name is no longer served",
+        Duration::from_secs(60),
+        || {
+            let o = Command::new(kubectl)
+                .arg(format!("--kubeconfig={}", kubeconfig.display()))
+                .args(["get", "--raw", "/version", "--request-timeout=10s"])
+                .output()
+                .map_err(|e| e.to_string())?;
+            (!o.status.success())
+                .then_some(())
+                .ok_or_else(|| "still served".to_string())
+        },
+    );
+    c.kubectl_ok(&["delete", "namespace", ONBOARDED_AGENTS_NS, "--wait=false"]);
+}
+
+/// Waits until the object's condition `type_` has status `want`; returns
+/// (status, reason).
+fn condition_is(c: &Cluster, ns: &str, name: &str, type_: &str, want: &str) -> (String, String) {
+    eventually_blocking(
+        &format!("{ns}/{name}: {type_}={want}"),
+        Duration::from_secs(180),
+        || {
+            let got = jsonpath(
+                c,
+                &["-n", ns, "get", "seedlinkcontrolplane", name],
+                &format!(
+                    "{{.status.conditions[?(@.type==\"{type_}\")].status}} {{.status.conditions[?(@.type==\"{type_}\")].reason}}"
+                ),
+            );
+            let (status, reason) = got.split_once(' ').unwrap_or((&got, ""));
+            (status == want)
+                .then(|| (status.to_string(), reason.to_string()))
+                .ok_or(got.clone())
+        },
+    )
+}
