@@ -1202,8 +1202,10 @@ fn tunnel_cluster(ns: &str, ca: Value) -> Value {
 
 /// A started process that printed a ready line, and that line.
 fn started(mut cmd: std::process::Command) -> (Proc, Value) {
+    // SEEDLINK_TEST_LOG=info: the processes' log lines too.
+    let log = std::env::var("SEEDLINK_TEST_LOG").unwrap_or_else(|_| "warn".into());
     let mut child = cmd
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", log)
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -2357,6 +2359,11 @@ struct Onboarding {
 
 impl Onboarding {
     async fn start() -> Onboarding {
+        Onboarding::start_with("{}").await
+    }
+
+    /// With the controller's `certificates` settings (YAML).
+    async fn start_with(certificates: &str) -> Onboarding {
         let stop = CancellationToken::new();
         let pki = Arc::new(seedlink::demo::Pki::generate(&[A, C]).unwrap());
         let seed = Seed::new(true).await;
@@ -2376,7 +2383,8 @@ impl Onboarding {
             .api
             .install_onboarding_rbac(&seed.client, &seed.sys)
             .await;
-        let (onboard, onboard_admin) = onboard_controller(&seed, &token, dir.path(), &agents);
+        let (onboard, onboard_admin) =
+            onboard_controller(&seed, &token, dir.path(), &agents, certificates);
         Onboarding {
             gw,
             _tunnel: tunnel,
@@ -2492,6 +2500,7 @@ fn onboard_controller(
     token: &str,
     dir: &std::path::Path,
     agents: &str,
+    certificates: &str,
 ) -> (Proc, SocketAddr) {
     let sys = &seed.sys;
     let config = dir.join("onboard.yaml");
@@ -2505,6 +2514,7 @@ tunnel_reader: {sys}/seedlink
 trust_role: seedlink-tunnel-trust-{sys}
 namespace_label: seedlink.dev/gateway-access
 admin: {{listen: '127.0.0.1:0'}}
+certificates: {certificates}
 render:
   tunnel_config: '{}'
   agent_server: '{agents}'
@@ -2777,6 +2787,11 @@ struct DialLoop {
 
 impl DialLoop {
     fn start(sock: String, to: String) -> DialLoop {
+        DialLoop::paced(sock, to, Duration::ZERO)
+    }
+
+    /// The same with `pace` between dials (a loop that lasts minutes).
+    fn paced(sock: String, to: String, pace: Duration) -> DialLoop {
         let stop = CancellationToken::new();
         let done = stop.clone();
         let task = tokio::spawn(async move {
@@ -2793,6 +2808,9 @@ impl DialLoop {
                 match tokio::time::timeout(Duration::from_secs(10), dial).await {
                     Ok(Ok(())) => ok += 1,
                     _ => failed += 1,
+                }
+                if !pace.is_zero() {
+                    tokio::time::sleep(pace).await;
                 }
             }
             (ok, failed)
@@ -2840,6 +2858,109 @@ async fn another_tenant_takes_neither_a_name_nor_a_host(t: &Onboarding, tunnel: 
     let body = get(&t.pki, t.gw.tls, A).await.unwrap();
     assert!(body.contains("a1") || body.contains("a2"), "{body}");
     common::tunnel_env::echo_rtt(tunnel, 1000).await;
+}
+
+/// The platform's delivery of `ns`'s shoot Secret to the agent's files
+/// in `dir` (a secret sync, then the kubelet's atomic update of the
+/// mounted volume), looked at every second until stopped; counts the
+/// deliveries.
+fn credential_sync(
+    t: &Onboarding,
+    ns: &str,
+    dir: &std::path::Path,
+) -> (CancellationToken, tokio::task::JoinHandle<u64>) {
+    let stop = CancellationToken::new();
+    let (done, client, ns, dir) = (
+        stop.clone(),
+        t.seed.client.clone(),
+        ns.to_string(),
+        dir.to_path_buf(),
+    );
+    let task = tokio::spawn(async move {
+        let secrets: kube::Api<k8s_openapi::api::core::v1::Secret> =
+            kube::Api::namespaced(client, &ns);
+        let (mut last, mut delivered) = (None, 0);
+        // Bounded: at most an hour.
+        for _ in 0..3600 {
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                () = done.cancelled() => break,
+            }
+            let Ok(s) = secrets.get("kas-shoot").await else {
+                continue;
+            };
+            let data = s.data.unwrap_or_default();
+            if last.as_ref() == Some(&data) {
+                continue;
+            }
+            for key in ["agent.crt", "agent.key", "tunnel-ca.crt"] {
+                let (tmp, to) = (dir.join(format!(".{key}.new")), dir.join(key));
+                std::fs::write(&tmp, &data[key].0).unwrap();
+                std::fs::rename(&tmp, &to).unwrap();
+            }
+            delivered += 1;
+            last = Some(data);
+        }
+        delivered
+    });
+    (stop, task)
+}
+
+/// On short validities (the agents' certificate 1 minute, the CA 3),
+/// the control plane's agent certificate is renewed and its CA rotated
+/// under a paced loop of dials through its one agent; the platform
+/// delivers each new Secret to the agent's files. The agent replaces its
+/// stream with one presenting the new certificate before the old one goes
+/// (the tunnel-server sends new dials to the replacement): through the
+/// renewals, the rotation and the end of its overlap, no dial fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_and_a_ca_rotation_under_a_dial_loop_fail_no_dial() {
+    let t = Onboarding::start_with("{ca_validity: 3m, leaf_validity: 1m}").await;
+    t.seed.apply(control_plane(&t.a, "kas", A)).await;
+    t.status_until("generated", &t.a, "kas", |s| {
+        cond(s, "Generated").0 == "True"
+    })
+    .await;
+    let dir = t.dir.path().join("shoot-a");
+    let (_agent, tunnel) = agent_from_the_bundle(&t, &t.a, &dir).await;
+    // Nothing held open: a connection on a stream outlives its drain.
+    drop(tunnel);
+    let ca = async || {
+        t.seed
+            .get("v1", "Secret", &t.a, "kas-agent-ca")
+            .await
+            .unwrap_or_default()
+    };
+    let first = ca().await["data"]["ca.crt"].clone();
+    let (sync, delivered) = credential_sync(&t, &t.a, &dir);
+    let dials = DialLoop::paced(
+        t.socket(&t.a),
+        t.echo.to_string(),
+        Duration::from_millis(30),
+    );
+    eventually(
+        "a new CA, its predecessor's overlap over",
+        Duration::from_secs(420),
+        async || {
+            let now = ca().await;
+            let (current, previous) = (&now["data"]["ca.crt"], &now["data"]["previous.crt"]);
+            (*current != first && previous == "")
+                .then_some(())
+                .ok_or_else(|| format!("CA changed: {}, previous: {previous}", *current != first))
+        },
+    )
+    .await;
+    t.status_until("the agent on the new CA's certificate", &t.a, "kas", |s| {
+        s["agents"] == 1 && cond(s, "Ready").0 == "True"
+    })
+    .await;
+    let (ok, failed) = dials.stop().await;
+    sync.cancel();
+    let delivered = delivered.await.unwrap_or_default();
+    eprintln!("renewals and a CA rotation: {delivered} deliveries, dials {ok} ok, {failed} failed");
+    assert!(delivered >= 3, "{delivered} certificate deliveries");
+    assert!(ok > 0 && failed == 0, "dials: {ok} ok, {failed} failed");
+    t.stop.cancel();
 }
 
 /// One `SeedlinkControlPlane` onboards a control plane: the controller,

@@ -88,9 +88,21 @@ pub struct Agent {
     /// Streams whose server said DRAIN and that still carry connections
     /// ([`MAX_DRAINING`] at most).
     pub(super) draining_streams: std::sync::atomic::AtomicUsize,
+    /// Its client certificate and key, when it presents one: watched
+    /// every [`IDENTITY_CHECK`] for a renewal.
+    pub(super) identity: Option<Arc<crate::auth::tls::ReloadingIdentity>>,
     /// Cancelled to stop everything.
     pub shutdown: CancellationToken,
 }
+
+/// How often the agent looks whether its certificate files changed (a
+/// renewal): then each stream is replaced by one presenting the new
+/// certificate before the old one goes.
+pub(super) const IDENTITY_CHECK: Duration = Duration::from_secs(5);
+
+/// How long a stream the agent drains must carry nothing, behind its
+/// replacement, before the agent ends it.
+pub(super) const IDLE_BEFORE_CLOSE: Duration = Duration::from_secs(2);
 
 /// A stream that lasts this long was a stable one.
 pub(super) const STABLE: Duration = Duration::from_secs(10);

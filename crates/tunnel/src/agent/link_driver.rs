@@ -145,6 +145,12 @@ pub(super) struct Applied {
 }
 
 impl LinkDriver {
+    /// Whether it carries no connection and no dial in progress.
+    pub(super) fn idle(&self) -> bool {
+        let g = seedlink_net::sync::lock(&self.state, "agent session");
+        g.machine.open().next().is_none() && g.machine.pending() == 0
+    }
+
     pub(super) fn send_soon(&self, p: Packet) {
         let _ = self.to_server.control(p);
     }

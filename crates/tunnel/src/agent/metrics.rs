@@ -72,17 +72,21 @@ pub enum ServerConnect {
     ServerDraining,
     /// More streams draining than the agent keeps: this one is ended.
     TooManyDraining,
+    /// The agent's certificate files changed: the stream drains, a
+    /// replacement presents the new certificate.
+    CertificateChanged,
 }
 
 impl ServerConnect {
     /// Every outcome, in the order docs/TUNNEL.md lists them.
-    pub const ALL: [ServerConnect; 6] = [
+    pub const ALL: [ServerConnect; 7] = [
         ServerConnect::Ok,
         ServerConnect::Duplicate,
         ServerConnect::Error,
         ServerConnect::TooManyPings,
         ServerConnect::ServerDraining,
         ServerConnect::TooManyDraining,
+        ServerConnect::CertificateChanged,
     ];
 
     /// The metric label.
@@ -94,6 +98,7 @@ impl ServerConnect {
             ServerConnect::TooManyPings => "too_many_pings",
             ServerConnect::ServerDraining => "server_draining",
             ServerConnect::TooManyDraining => "too_many_draining",
+            ServerConnect::CertificateChanged => "certificate_changed",
         }
     }
 }

@@ -42,7 +42,7 @@ mod metrics;
 mod receive;
 
 pub use self::core::{flap_delay, retry_delay, Agent, AgentOptions};
-use self::core::{HELD_RECHECK, KEEPALIVE_CAP};
+use self::core::{HELD_RECHECK, IDENTITY_CHECK, IDLE_BEFORE_CLOSE, KEEPALIVE_CAP};
 pub use connect::ConnectError;
 use connect::{answer, drain_duplicate, Answer, CloseOnDrop};
 use link_driver::LinkDriver;
@@ -58,10 +58,12 @@ impl Agent {
         }
         alpn.push("h2".to_string());
         alpn.extend(opts.alpn.iter().cloned());
-        let ident = opts
+        let identity = opts
             .identity
             .as_ref()
-            .map(|(c, k)| (c.as_path(), k.as_path()));
+            .map(|(c, k)| tls::ReloadingIdentity::load(c, k, tls::provider()))
+            .transpose()?
+            .map(Arc::new);
         // Offering the native transport, TLS runs in this process
         // (usertls.rs), which speaks TLS 1.3 only.
         let versions = if opts.native && opts.flow_control {
@@ -69,7 +71,12 @@ impl Agent {
         } else {
             tls::Versions::Default
         };
-        let cfg = Arc::new(tls::client_config_for(&opts.ca, ident, &alpn, versions)?);
+        let cfg = Arc::new(tls::client_config_with(
+            &opts.ca,
+            identity.clone(),
+            &alpn,
+            versions,
+        )?);
         let opts_keepalive = opts.keepalive.keepalive;
         Ok(Arc::new(Agent {
             opts,
@@ -85,6 +92,7 @@ impl Agent {
             session_lost: tokio::sync::Notify::new(),
             flaps: std::sync::atomic::AtomicU32::new(0),
             draining_streams: std::sync::atomic::AtomicUsize::new(0),
+            identity,
             shutdown: CancellationToken::new(),
         }))
     }
@@ -128,6 +136,9 @@ impl Agent {
     /// every replica is held, discovery pauses (a re-check every 5 min)
     /// until one of them ends.
     pub async fn run(self: &Arc<Self>) {
+        if let Some(id) = self.identity.clone() {
+            tokio::spawn(self.clone().watch_identity(id));
+        }
         let mut delay = self.opts.sync_interval;
         loop {
             if self.draining.load(Ordering::Acquire) {
@@ -357,6 +368,74 @@ impl Agent {
         session.to_server.close();
         session.with(|m, out| m.end(out));
         tracing::warn!(server_id = %session.server_id, "stream to tunnel server ended");
+    }
+
+    /// Every [`IDENTITY_CHECK`] until shutdown, whether the certificate
+    /// files changed (and load): then every stream is replaced. The
+    /// server's trust of the old CA outlasts the old certificate (a
+    /// rotation's overlap), so the replacement is made before the old
+    /// stream goes and no connection is cut by a renewal.
+    async fn watch_identity(self: Arc<Self>, id: Arc<tls::ReloadingIdentity>) {
+        // The pair the streams presented so far (a handshake may have read
+        // a new one first: the streams before it are replaced all the same).
+        let mut seen = id.current();
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(IDENTITY_CHECK) => {}
+                () = self.shutdown.cancelled() => return,
+            }
+            let now = id.current();
+            if !Arc::ptr_eq(&now, &seen) && !self.draining.load(Ordering::Acquire) {
+                seen = now;
+                self.restream();
+            }
+        }
+    }
+
+    /// Replaces every stream: DRAIN to its server (which sends new dials
+    /// to the replacement from then on, while the old stream carries what
+    /// it has), discovery dials again at once, and each old stream ends
+    /// once idle behind its replacement.
+    fn restream(self: &Arc<Self>) {
+        let sessions: Vec<_> = seedlink_net::sync::lock(&self.sessions, "agent sessions")
+            .values()
+            .cloned()
+            .collect();
+        for s in sessions {
+            if self.start_draining(&s, ServerConnect::CertificateChanged) {
+                s.send_soon(Packet::drain());
+                tokio::spawn(self.clone().close_when_idle(s));
+            }
+        }
+    }
+
+    /// Ends stream `s`, which this agent drains, once a replacement to the
+    /// same replica is held and `s` has carried nothing for
+    /// [`IDLE_BEFORE_CLOSE`] in a row, looked at every second: a dial the
+    /// server chose before it read DRAIN arrives well within that. Ends
+    /// with the stream or the agent.
+    async fn close_when_idle(self: Arc<Self>, s: Arc<LinkDriver>) {
+        let mut idle_since: Option<tokio::time::Instant> = None;
+        loop {
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                () = s.gone.cancelled() => return,
+                () = self.shutdown.cancelled() => return,
+            }
+            let replaced = seedlink_net::sync::lock(&self.sessions, "agent sessions")
+                .get(&s.server_id)
+                .is_some_and(|r| !Arc::ptr_eq(r, &s) && !r.draining.load(Ordering::Acquire));
+            if !(replaced && s.idle()) {
+                idle_since = None;
+                continue;
+            }
+            let since = *idle_since.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() >= IDLE_BEFORE_CLOSE {
+                tracing::info!(server_id = %s.server_id, "drained stream idle behind its replacement: closed");
+                s.cut.cancel();
+                return;
+            }
+        }
     }
 
     /// First SIGTERM: DRAIN to every server, no new connections to servers.

@@ -73,17 +73,8 @@ impl Agent {
     /// (look for a replica to replace it), REPLICAS, counters for bad
     /// packets and windows.
     pub(super) fn handled(&self, s: &LinkDriver, h: link::Handled, bad_window: bool) {
-        if h == link::Handled::ServerDraining && !s.draining.swap(true, Ordering::AcqRel) {
-            tracing::info!(server_id = %s.server_id, "the tunnel server drains: looking for a replica to replace it");
-            self.metrics.server_connect(ServerConnect::ServerDraining);
-            self.count_flap(s);
-            let n = self.draining_streams.fetch_add(1, Ordering::AcqRel) + 1;
-            if n > MAX_DRAINING {
-                tracing::warn!(server_id = %s.server_id, "more draining streams than {MAX_DRAINING}: this one is ended");
-                self.metrics.server_connect(ServerConnect::TooManyDraining);
-                s.cut.cancel();
-            }
-            self.session_lost.notify_one();
+        if h == link::Handled::ServerDraining {
+            self.start_draining(s, ServerConnect::ServerDraining);
         }
         if let link::Handled::Replicas(n) = h {
             self.replicas_changed(&s.server_id, n);
@@ -94,6 +85,30 @@ impl Agent {
         if bad_window {
             AgentMetrics::count(&self.metrics.bad_packets, "bad_window");
         }
+    }
+
+    /// Marks stream `s` draining (`why`: the server said DRAIN, or the
+    /// certificate changed) and looks for a replacement at once; over
+    /// [`MAX_DRAINING`] draining streams, it is ended. `false` if it was
+    /// draining already.
+    pub(super) fn start_draining(&self, s: &LinkDriver, why: ServerConnect) -> bool {
+        if s.draining.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        tracing::info!(server_id = %s.server_id, why = why.label(), "stream drains: looking for a replacement");
+        self.metrics.server_connect(why);
+        // A new certificate says nothing of the stream's health.
+        if why != ServerConnect::CertificateChanged {
+            self.count_flap(s);
+        }
+        let n = self.draining_streams.fetch_add(1, Ordering::AcqRel) + 1;
+        if n > MAX_DRAINING {
+            tracing::warn!(server_id = %s.server_id, "more draining streams than {MAX_DRAINING}: this one is ended");
+            self.metrics.server_connect(ServerConnect::TooManyDraining);
+            s.cut.cancel();
+        }
+        self.session_lost.notify_one();
+        true
     }
 
     /// Waits until connection `id`'s bytes fit its queue, then queues them,

@@ -71,7 +71,8 @@ pub enum TlsError {
     Verifier(#[from] rustls::server::VerifierBuilderError),
 }
 
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+/// The crypto provider every TLS configuration here uses (ring).
+pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
@@ -192,17 +193,35 @@ pub fn client_config_for(
     alpn: &[String],
     versions: Versions,
 ) -> Result<rustls::ClientConfig, TlsError> {
+    let identity = identity
+        .map(|(cert, key)| ReloadingIdentity::load(cert, key, provider()))
+        .transpose()?
+        .map(Arc::new);
+    client_config_with(ca, identity, alpn, versions)
+}
+
+/// [`client_config_for`] presenting `identity` (read again when its files
+/// change: a renewed certificate), which the caller keeps to see changes.
+pub fn client_config_with(
+    ca: &Path,
+    identity: Option<Arc<ReloadingIdentity>>,
+    alpn: &[String],
+    versions: Versions,
+) -> Result<rustls::ClientConfig, TlsError> {
     let builder = rustls::ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(versions.list())?
         .with_root_certificates(load_roots(ca)?);
-    let mut cfg =
-        match identity {
-            // Read again when the files change (a renewed certificate).
-            Some((cert, key)) => builder.with_client_cert_resolver(Arc::new(
-                ReloadingIdentity::load(cert, key, provider())?,
-            )),
-            None => builder.with_no_client_auth(),
-        };
+    let mut cfg = match identity {
+        Some(id) => builder.with_client_cert_resolver(id),
+        None => builder.with_no_client_auth(),
+    };
+    // No TLS session resumption with a client certificate: a resumed
+    // session carries the certificate of the handshake that made it, so a
+    // stream opened for a renewed certificate would present the old one
+    // (expired, or from a CA no longer trusted) instead.
+    if cfg.client_auth_cert_resolver.has_certs() {
+        cfg.resumption = rustls::client::Resumption::disabled();
+    }
     cfg.alpn_protocols = alpn.iter().map(|p| p.as_bytes().to_vec()).collect();
     if versions == Versions::UserTls13 {
         crate::transport::usertls::prepare_client(&mut cfg);
@@ -342,22 +361,37 @@ impl ReloadingIdentity {
     /// The identity to present now: the files' current pair if they
     /// changed and load, else the last good one.
     pub fn current(&self) -> Arc<CertifiedKey> {
+        self.refresh();
+        seedlink_net::sync::lock(&self.loaded, "agent identity")
+            .1
+            .clone()
+    }
+
+    /// Reads the files again if they changed; `true` when a new pair was
+    /// loaded (one that does not load is tried again at the next call: an
+    /// update may be half written).
+    pub fn refresh(&self) -> bool {
         let now = stamp(&self.cert, &self.key);
         let mut loaded = seedlink_net::sync::lock(&self.loaded, "agent identity");
-        if loaded.0 != now {
-            match certified(&self.cert, &self.key, &self.provider) {
-                Ok(pair) => {
-                    tracing::info!(cert = %self.cert.display(), "agent certificate reloaded");
-                    *loaded = (now, Arc::new(pair));
-                }
-                // Tried again at the next handshake (the stamp is not
-                // taken): an update may be half written.
-                Err(e) => {
-                    tracing::warn!(error = %e, "agent certificate changed but does not load; presenting the previous one");
-                }
+        if loaded.0 == now {
+            return false;
+        }
+        match certified(&self.cert, &self.key, &self.provider) {
+            // The same certificate written again: nothing changed.
+            Ok(pair) if pair.cert == loaded.1.cert => {
+                loaded.0 = now;
+                false
+            }
+            Ok(pair) => {
+                tracing::info!(cert = %self.cert.display(), "agent certificate reloaded");
+                *loaded = (now, Arc::new(pair));
+                true
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "agent certificate changed but does not load; presenting the previous one");
+                false
             }
         }
-        loaded.1.clone()
     }
 }
 

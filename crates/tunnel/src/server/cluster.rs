@@ -153,11 +153,13 @@ impl Cluster {
         let agents = seedlink_net::sync::lock(&self.agents, "cluster agents");
         // One stream per agent and server: an agent that dials again to find
         // other replicas briefly has a second stream here, which it closes;
-        // dials use its first (as upstream does).
+        // dials use its first (as upstream does). A stream its agent
+        // drains does not count as first: the agent's replacement (a new
+        // certificate) takes the dials while it finishes what it carries.
         let first = |a: &Arc<LinkDriver>| {
             !agents
                 .iter()
-                .any(|b| b.agent_id == a.agent_id && b.uid < a.uid)
+                .any(|b| b.agent_id == a.agent_id && b.uid < a.uid && !b.draining())
         };
         let conf = self.conf.load();
         for s in &conf.strategies {
@@ -489,6 +491,26 @@ mod tests {
         a2.on_agent_packet(Packet::drain());
         assert!(c.pick("10.0.0.5", LIVE).is_ok());
         let _ = b;
+    }
+
+    #[test]
+    fn an_agents_second_stream_takes_the_dials_once_its_first_drains() {
+        let c = cluster(&[Strategy::Default]);
+        let (old, _) = attach(&c, "agent".into(), Identifiers::default(), false, TIMERS);
+        let (new, _) = attach(&c, "agent".into(), Identifiers::default(), false, TIMERS);
+        // A second stream of the same agent (replica discovery): dials use
+        // the first.
+        for _ in 0..20 {
+            assert!(Arc::ptr_eq(&c.pick("h", LIVE).unwrap(), &old));
+        }
+        // Its agent drains the first (a new certificate): the second
+        // takes every dial; the first is used again only if it is alone.
+        old.on_agent_packet(Packet::drain());
+        for _ in 0..20 {
+            assert!(Arc::ptr_eq(&c.pick("h", LIVE).unwrap(), &new));
+        }
+        detach(&c, &new);
+        assert!(Arc::ptr_eq(&c.pick("h", LIVE).unwrap(), &old));
     }
 
     #[test]
