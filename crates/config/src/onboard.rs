@@ -126,6 +126,22 @@ pub struct RenderConfig {
     /// The CA the agents verify the tunnel-server with (PEM), shipped in
     /// the shoot's Secret as `tunnel-ca.crt`.
     pub server_ca: std::path::PathBuf,
+    /// The CA the shared TCP+mTLS frontend trusts for kube-apiserver's
+    /// client certificates: set, each control plane gets one
+    /// (`Secret/<name>-kube-apiserver-tunnel`); absent, the platform
+    /// issues it.
+    #[serde(default)]
+    pub kube_apiserver_client_ca: Option<KeyPairFiles>,
+}
+
+/// A certificate and its key, as files (PEM).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyPairFiles {
+    /// The certificate.
+    pub cert: std::path::PathBuf,
+    /// Its key (PKCS#8 or SEC1).
+    pub key: std::path::PathBuf,
 }
 
 fn trust_role() -> String {

@@ -36,7 +36,7 @@ use seedlink_testkit::kubeapi::repo_root;
 
 #[path = "installed/onboarding.rs"]
 mod onboarding;
-use onboarding::{GREEDY_NS, ONBOARDED, ONBOARDED_AGENTS_NS, ONBOARDED_KAS, ONBOARDED_NS};
+use onboarding::{GREEDY_NS, ONBOARDED_AGENTS_NS, ONBOARDED_NS};
 
 /// The LoadBalancer pool (on the node's loopback).
 const LB_POOL: [&str; 2] = ["10.250.1.1", "10.250.1.2"];
@@ -84,22 +84,25 @@ fn image_archive(dir: &Path) -> PathBuf {
 
 /// The Secrets the chart expects, made as NOTES.txt says: the agents'
 /// endpoint certificate (with openssl), the CA of the kube-apiservers'
-/// client certificates (here the same self-signed one), an admin token.
+/// client certificates (`kubeApiserverClientCA`), an admin token.
 fn prerequisites(c: &Cluster) -> PathBuf {
     let d = c.dir.join("secrets");
     // A seed CA: it issues the tunnel-server's certificate (the agents'
-    // endpoint and the shared frontend) and kube-apiserver's client
-    // certificate for the shared frontend, whose CN names its cluster.
+    // endpoint and the shared frontend).
     openssl(
         &d,
-        &format!(
-            "ca
+        "ca
 leaf tls /CN=seedlink DNS:seedlink,DNS:seedlink-internal.seedlink-system.svc
-leaf kas /CN={TUNNEL_CLUSTER} DNS:kas
-leaf {ONBOARDED_KAS} /CN={ONBOARDED_NS}.{ONBOARDED} DNS:kas
-"
-        ),
+",
     );
+    // The CA of kube-apiservers' client certificates for the shared
+    // frontend (CN: the cluster): the first shoot's is issued here, the
+    // onboarding controller issues the others with it.
+    openssl(
+        &d.join("kas-ca"),
+        &format!("ca\nleaf kas /CN={TUNNEL_CLUSTER} DNS:kas\n"),
+    );
+    let kas_ca = d.join("kas-ca");
     c.kubectl_ok(&["create", "namespace", NS]);
     c.kubectl_ok(&[
         "-n",
@@ -120,6 +123,16 @@ leaf {ONBOARDED_KAS} /CN={ONBOARDED_NS}.{ONBOARDED} DNS:kas
         "generic",
         "seedlink-admin-token",
         &format!("--from-literal=token={ADMIN_TOKEN}"),
+    ]);
+    c.kubectl_ok(&[
+        "-n",
+        NS,
+        "create",
+        "secret",
+        "tls",
+        "seedlink-kas-client-ca",
+        &format!("--cert={}", kas_ca.join("ca.crt").display()),
+        &format!("--key={}", kas_ca.join("ca.key").display()),
     ]);
     d
 }
@@ -169,8 +182,14 @@ fn shoot_control_plane(c: &Cluster, seed: &Path, egress: &str) -> PathBuf {
         "kube-apiserver-egress",
         &format!("--from-file={}", f.display()),
     ]);
-    kube_apiserver_tunnel_secret(c, SHOOT_NS, seed, "kas");
-    kube_apiserver_pod(c, SHOOT_NS, API_HOST, "kube-apiserver-egress");
+    kube_apiserver_tunnel_secret(c, SHOOT_NS, seed);
+    kube_apiserver_pod(
+        c,
+        SHOOT_NS,
+        API_HOST,
+        "kube-apiserver-egress",
+        "kube-apiserver-tunnel",
+    );
     d
 }
 
@@ -232,9 +251,10 @@ openssl ec -in sa.key -pubout -out sa.pub
 }
 
 /// Secret `kube-apiserver-tunnel` in `ns`: the seed's CA, and the client
-/// certificate `<leaf>.crt` the seed's CA issued (in `seed`), whose CN
-/// names the TunnelCluster on the shared frontend.
-fn kube_apiserver_tunnel_secret(c: &Cluster, ns: &str, seed: &Path, leaf: &str) {
+/// certificate the kube-apiservers' CA issued (`kas-ca/kas.crt` in
+/// `seed`), whose CN names the TunnelCluster on the shared frontend.
+fn kube_apiserver_tunnel_secret(c: &Cluster, ns: &str, seed: &Path) {
+    let leaf = "kas-ca/kas";
     c.kubectl_ok(&[
         "-n",
         ns,
@@ -256,9 +276,9 @@ fn kube_apiserver_tunnel_secret(c: &Cluster, ns: &str, seed: &Path, leaf: &str) 
 
 /// kube-apiserver and etcd as a Deployment `kube-apiserver` in `ns`, and
 /// the Service in front of it: the Secrets of [`control_plane_secrets`]
-/// and [`kube_apiserver_tunnel_secret`] mounted, the egress selector file
-/// from ConfigMap `egress`. Waits for the rollout.
-fn kube_apiserver_pod(c: &Cluster, ns: &str, host: &str, egress: &str) {
+/// mounted, the egress selector file from ConfigMap `egress`, the files
+/// for the shared frontend from Secret `tunnel`. Waits for the rollout.
+fn kube_apiserver_pod(c: &Cluster, ns: &str, host: &str, egress: &str, tunnel: &str) {
     // No cluster DNS here: the pod's hosts file names the Service the
     // rendered file dials (its certificate's name).
     let internal = jsonpath(
@@ -307,7 +327,7 @@ spec:
       volumes:
       - {{name: kubelet, secret: {{secretName: kube-apiserver-kubelet-client}}}}
       - {{name: egress, configMap: {{name: {egress}}}}}
-      - {{name: tunnel, secret: {{secretName: kube-apiserver-tunnel}}}}
+      - {{name: tunnel, secret: {{secretName: {tunnel}}}}}
       - {{name: pki, secret: {{secretName: kube-apiserver-pki}}}}
       - {{name: etcd, emptyDir: {{}}}}
       - {{name: tmp, emptyDir: {{}}}}
@@ -1780,7 +1800,18 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
     let chart = repo_root().join("charts/seedlink");
     let chart = chart.display().to_string();
     let t = Instant::now();
-    let out = helm_cmd(&c, &["install", "seedlink", &chart, "--namespace", NS]);
+    let out = helm_cmd(
+        &c,
+        &[
+            "install",
+            "seedlink",
+            &chart,
+            "--namespace",
+            NS,
+            "--set",
+            "kubeApiserverClientCA=seedlink-kas-client-ca",
+        ],
+    );
     assert!(
         out.contains("rollout status deployment/seedlink"),
         "NOTES: {out}"
@@ -1858,7 +1889,7 @@ fn helm_install_on_a_real_cluster_carries_kubectl_through_the_pods_and_day_2() {
         "a third control plane onboarded with one object, then deleted",
         &load,
         &mut figures,
-        || onboarding::onboarding(&c, &chart, &lb, &seed, &kubectl, &echo),
+        || onboarding::onboarding(&c, &chart, &lb, &kubectl, &echo),
     );
     day2_rollout_restart(&c, &load, &mut figures);
     day2_helm_upgrade(&c, &load, &mut figures, &chart);

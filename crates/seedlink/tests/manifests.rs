@@ -1432,6 +1432,45 @@ fn the_onboarding_controller_renders_under_its_own_service_account() {
     let container = &dep["spec"]["template"]["spec"]["containers"][0];
     assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
     assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/healthz");
+    // With a CA for kube-apiservers' client certificates: the data
+    // plane's pods mount its certificate alone, this controller its key.
+    let with_ca = helm_template(&[
+        "--set",
+        "onboarding.enabled=true",
+        "--set",
+        "onboarding.agentServer=tunnel.seed.example:443",
+        "--set",
+        "kubeApiserverClientCA=seedlink-kas-client-ca",
+    ]);
+    check_strictly(&with_ca);
+    let mounted = |name: &str| {
+        let d = with_ca
+            .iter()
+            .find(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == name)
+            .unwrap();
+        d["spec"]["template"]["spec"]["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == "kas-client-ca")
+            .map(|v| v["secret"]["items"].to_string())
+            .unwrap_or_default()
+    };
+    assert!(
+        mounted("seedlink").contains("tls.crt") && !mounted("seedlink").contains("tls.key"),
+        "{}",
+        mounted("seedlink")
+    );
+    assert!(mounted("seedlink-onboard").contains("tls.key"));
+    let cm = with_ca
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "seedlink-onboard-config")
+        .unwrap();
+    let file: Value = serde_norway::from_str(cm["data"]["onboard.yaml"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        file["render"]["kube_apiserver_client_ca"]["key"],
+        "/etc/seedlink/kas-client-ca/tls.key"
+    );
     let monitored = helm_template(&[
         "--set",
         "onboarding.enabled=true",

@@ -102,6 +102,70 @@ pub fn agent_cert(
     })
 }
 
+/// kube-apiserver's client certificate for the tunnel-server's shared
+/// TCP+mTLS frontend: its CN names the tunnel cluster `cn`
+/// (`<namespace>.<name>`), signed by the CA the frontend trusts
+/// (`issuer_cert_pem`, `issuer_key_pem`: PKCS#8 or SEC1 PEM).
+pub fn kube_apiserver_client(
+    cn: &str,
+    issuer_cert_pem: &str,
+    issuer_key_pem: &str,
+    now: Timestamp,
+    validity: SignedDuration,
+) -> Result<Issued, CertError> {
+    let issuer_key = KeyPair::from_pem(issuer_key_pem)?;
+    let issuer = Issuer::from_ca_cert_pem(issuer_cert_pem, issuer_key)?;
+    let key = KeyPair::generate()?;
+    let mut p = CertificateParams::new(Vec::<String>::new())?;
+    p.distinguished_name.push(DnType::CommonName, cn);
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let not_after = now + validity;
+    p.not_before = at(now - SignedDuration::from_mins(5))?;
+    p.not_after = at(not_after)?;
+    let cert = p.signed_by(&key, &issuer)?;
+    Ok(Issued {
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+        not_after,
+    })
+}
+
+/// Whether `cert_pem` and `key_pem` can issue kube-apiserver's
+/// certificates: one is issued and verified against the CA as the
+/// tunnel-server will (a key that is not the CA's fails here).
+pub fn check_issuer(cert_pem: &str, key_pem: &str) -> Result<(), CertError> {
+    use rustls::pki_types::{pem::PemObject, CertificateDer, UnixTime};
+    let now = Timestamp::now();
+    let c = kube_apiserver_client(
+        "check",
+        cert_pem,
+        key_pem,
+        now,
+        SignedDuration::from_mins(1),
+    )?;
+    let der = |pem: &str| {
+        CertificateDer::from_pem_slice(pem.as_bytes()).map_err(|e| CertError(e.to_string()))
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(der(cert_pem)?)
+        .map_err(|e| CertError(format!("the CA certificate: {e}")))?;
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        roots.into(),
+        rustls::crypto::ring::default_provider().into(),
+    )
+    .build()
+    .map_err(|e| CertError(e.to_string()))?;
+    verifier
+        .verify_client_cert(&der(&c.cert_pem)?, &[], UnixTime::now())
+        .map_err(|e| {
+            CertError(format!(
+                "a certificate it issues does not verify: {e} (is the key the CA's?)"
+            ))
+        })?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
@@ -140,6 +204,43 @@ mod tests {
         .build()
         .unwrap();
         assert!(verifier.verify_client_cert(&leaf_der, &[], when).is_err());
+    }
+
+    /// kube-apiserver's certificate chains to the operator's CA (made
+    /// apart, as openssl or cert-manager would) and names the cluster.
+    #[test]
+    fn kube_apiserver_client_chains_to_the_operators_ca() {
+        let now = Timestamp::now();
+        let ca = agent_ca("seed", "kas-clients", now, CA_VALIDITY).unwrap();
+        let c = kube_apiserver_client(
+            "shoot--a.api",
+            &ca.cert_pem,
+            &ca.key_pem,
+            now,
+            LEAF_VALIDITY,
+        )
+        .unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(rustls_pemfile_der(&ca.cert_pem)).unwrap();
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            roots.into(),
+            rustls::crypto::ring::default_provider().into(),
+        )
+        .build()
+        .unwrap();
+        let when = rustls::pki_types::UnixTime::since_unix_epoch(std::time::Duration::from_secs(
+            u64::try_from(now.as_second()).unwrap(),
+        ));
+        let der = rustls_pemfile_der(&c.cert_pem);
+        verifier.verify_client_cert(&der, &[], when).unwrap();
+        let text = String::from_utf8_lossy(&der).into_owned();
+        assert!(text.contains("shoot--a.api"));
+        // A key that is no key is an error, not a panic; another CA's
+        // key is refused by the check.
+        assert!(kube_apiserver_client("x", &ca.cert_pem, "junk", now, LEAF_VALIDITY).is_err());
+        check_issuer(&ca.cert_pem, &ca.key_pem).unwrap();
+        let other = agent_ca("seed", "other", now, CA_VALIDITY).unwrap();
+        assert!(check_issuer(&ca.cert_pem, &other.key_pem).is_err());
     }
 
     fn rustls_pemfile_der(pem: &str) -> rustls::pki_types::CertificateDer<'static> {

@@ -65,6 +65,9 @@ pub struct Context {
     pub recorder: Recorder,
     /// kube-apiserver's and the shoot's files, when configured.
     pub render: Option<Renderer>,
+    /// The CA that issues kube-apiserver's client certificates for the
+    /// shared frontend, when configured.
+    pub kube_apiserver_ca: Option<ClientIssuer>,
     /// How long the certificates it issues are valid.
     pub validity: Validity,
     /// The namespaces labelled for the Gateway by this process.
@@ -72,6 +75,19 @@ pub struct Context {
     /// The control planes as last seen, once the controller runs (what
     /// the metrics and the readiness probe read).
     pub watched: Watched,
+}
+
+/// The CA the tunnel-server's shared TCP+mTLS frontend trusts for
+/// kube-apiserver's client certificates (its CN names the cluster), and
+/// the tunnel-server's CA kube-apiserver verifies the frontend with.
+#[derive(Clone)]
+pub struct ClientIssuer {
+    /// The CA's certificate (PEM).
+    pub cert_pem: String,
+    /// Its key (PEM).
+    pub key_pem: String,
+    /// The tunnel-server's CA (PEM).
+    pub server_ca: String,
 }
 
 /// The controller's cache of control planes, shared with the admin
@@ -243,8 +259,81 @@ impl Writer<'_> {
             self.put(g).await?;
         }
         objects.extend(bundle);
-        let wake = rotation::next_due(&ca, &leaf, &self.ctx.validity);
+        let mut wake = rotation::next_due(&ca, &leaf, &self.ctx.validity);
+        if let Some(g) = self.kube_apiserver_tunnel(&names, now, &mut wake).await? {
+            self.put(&g).await?;
+            objects.push(g);
+        }
         Ok((objects, ca.current.not_after.min(leaf.not_after), wake))
+    }
+
+    /// kube-apiserver's client certificate for the shared frontend, when
+    /// an issuer is configured and the tunnel is on: kept, or issued again
+    /// with a third of its validity left or by a new issuer; `wake` moves
+    /// to its renewal.
+    async fn kube_apiserver_tunnel(
+        &self,
+        names: &Names,
+        now: Timestamp,
+        wake: &mut Timestamp,
+    ) -> Result<Option<Generated>, Stop> {
+        let Some(k) = self
+            .ctx
+            .kube_apiserver_ca
+            .as_ref()
+            .filter(|_| self.tunnel_on())
+        else {
+            return Ok(None);
+        };
+        let v = &self.ctx.validity;
+        let name = &names.kube_apiserver_tunnel;
+        let kept = self
+            .owned("v1", "Secret", "secrets", name)
+            .await?
+            .map(|e| generate::kube_apiserver_client_from(&e))
+            .filter(|(c, issuer)| *issuer == k.cert_pem && !rotation::due(c.not_after, now, v.leaf))
+            .map(|(c, _)| c);
+        let client = match kept {
+            Some(c) => c,
+            None => {
+                let c = certs::kube_apiserver_client(
+                    &self.cluster(),
+                    &k.cert_pem,
+                    &k.key_pem,
+                    now,
+                    v.leaf,
+                )?;
+                tracing::info!(control_plane = %key(self.cp), not_after = %c.not_after, "onboarding: kube-apiserver's client certificate issued");
+                c
+            }
+        };
+        let renew = client
+            .not_after
+            .checked_sub(v.leaf / 3)
+            .unwrap_or(Timestamp::MIN);
+        *wake = (*wake).min(renew);
+        let g = generate::kube_apiserver_tunnel_secret(
+            self.cp,
+            name,
+            &client,
+            &k.server_ca,
+            &k.cert_pem,
+        )?;
+        Ok(Some(g))
+    }
+
+    /// Whether the object's tunnel is on (the default).
+    fn tunnel_on(&self) -> bool {
+        self.cp.spec.tunnel.as_ref().is_none_or(|t| t.enabled)
+    }
+
+    /// The tunnel cluster's name (`<namespace>.<name>`, as the
+    /// tunnel-server names it).
+    fn cluster(&self) -> String {
+        crate::tunnel::cluster_name(&crate::translate::Key {
+            namespace: self.ns.to_string(),
+            name: self.cp.name_any(),
+        })
     }
 
     /// The Gateway's `allowedRoutes` label on the namespace, when
@@ -268,15 +357,10 @@ impl Writer<'_> {
     /// kube-apiserver's ConfigMap and the shoot's Secret, when a renderer
     /// is configured and the tunnel is on.
     fn bundle(&self, agent: &Issued) -> Result<Vec<Generated>, Refusal> {
-        let tunnel_on = self.cp.spec.tunnel.as_ref().is_none_or(|t| t.enabled);
-        let Some(render) = self.ctx.render.as_ref().filter(|_| tunnel_on) else {
+        let Some(render) = self.ctx.render.as_ref().filter(|_| self.tunnel_on()) else {
             return Ok(Vec::new());
         };
-        let cluster = crate::tunnel::cluster_name(&crate::translate::Key {
-            namespace: self.ns.to_string(),
-            name: self.cp.name_any(),
-        });
-        let bundle = render(&cluster).map_err(|e| Refusal {
+        let bundle = render(&self.cluster()).map_err(|e| Refusal {
             reason: "RenderFailed",
             message: format!("kube-apiserver's and the shoot's files: {e}"),
         })?;

@@ -90,6 +90,9 @@ pub struct Names {
     pub kube_apiserver: String,
     /// The shoot's side: the agent's files and credentials (a Secret).
     pub shoot: String,
+    /// kube-apiserver's client certificate for the shared frontend, and
+    /// the tunnel-server's CA (a Secret).
+    pub kube_apiserver_tunnel: String,
 }
 
 impl Names {
@@ -103,6 +106,7 @@ impl Names {
             trust_binding: format!("{cp}-seedlink-tunnel-trust"),
             kube_apiserver: format!("{cp}-kube-apiserver-egress"),
             shoot: format!("{cp}-shoot"),
+            kube_apiserver_tunnel: format!("{cp}-kube-apiserver-tunnel"),
         }
     }
 }
@@ -378,6 +382,42 @@ pub fn leaf_secret(
     );
     g.object["metadata"]["annotations"] = json!({NOT_AFTER: leaf.not_after.to_string()});
     Ok(g)
+}
+
+/// kube-apiserver's Secret `name` of `cp` for the shared frontend, at the
+/// paths the rendered egress file names (`/etc/kubernetes/tunnel`): the
+/// tunnel-server's CA (`ca.crt`), its client certificate and key
+/// (`client.crt`, `client.key`), and the CA that signed it
+/// (`issuer.crt`, so that a new one is seen), with its `notAfter`.
+pub fn kube_apiserver_tunnel_secret(
+    cp: &SeedlinkControlPlane,
+    name: &str,
+    client: &Issued,
+    server_ca: &str,
+    issuer: &str,
+) -> Result<Generated, Refusal> {
+    let b = Builder::of(cp)?;
+    let data = json!({CA_KEY: server_ca, "client.crt": client.cert_pem, "client.key": client.key_pem,
+                      "issuer.crt": issuer});
+    let mut g = b.object(
+        "v1",
+        "Secret",
+        name,
+        json!({}),
+        json!({"type": "Opaque", "data": secret_data(&data)}),
+    );
+    g.object["metadata"]["annotations"] = json!({NOT_AFTER: client.not_after.to_string()});
+    Ok(g)
+}
+
+/// The client certificate a kube-apiserver Secret holds, and its issuer.
+pub fn kube_apiserver_client_from(v: &Value) -> (Issued, String) {
+    let client = Issued {
+        cert_pem: secret_text(v, "client.crt"),
+        key_pem: secret_text(v, "client.key"),
+        not_after: annotated_time(v, NOT_AFTER),
+    };
+    (client, secret_text(v, "issuer.crt"))
 }
 
 /// A Secret's `data` from text values: base64, as `ByteString` writes it.

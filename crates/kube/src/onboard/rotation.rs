@@ -75,8 +75,8 @@ pub enum CaStep {
 }
 
 /// Whether a third or less of `validity` is left at `now` before
-/// `not_after`.
-fn due(not_after: Timestamp, now: Timestamp, validity: SignedDuration) -> bool {
+/// `not_after` (a certificate to renew).
+pub fn due(not_after: Timestamp, now: Timestamp, validity: SignedDuration) -> bool {
     not_after.duration_since(now) <= validity / 3
 }
 

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use seedlink_config::onboard::{namespaced, OnboardConfig, RenderConfig};
 use seedlink_kube::leader::{self, Leadership};
-use seedlink_kube::onboard::controller::{self, Context, Renderer, Watched};
+use seedlink_kube::onboard::controller::{self, ClientIssuer, Context, Renderer, Watched};
 use seedlink_kube::onboard::generate::{Bundle, Settings};
 use seedlink_kube::onboard::rotation::Validity;
 use seedlink_kube::translate::Key;
@@ -73,6 +73,32 @@ fn renderer(r: &RenderConfig) -> anyhow::Result<Renderer> {
     }))
 }
 
+/// The CA for kube-apiserver's client certificates, when configured: read
+/// and tried once (a certificate issued and thrown away), so that a key
+/// that does not load or match stops the start with the reason.
+fn client_issuer(r: &RenderConfig) -> anyhow::Result<Option<ClientIssuer>> {
+    let Some(files) = &r.kube_apiserver_client_ca else {
+        return Ok(None);
+    };
+    let read =
+        |p: &Path| std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()));
+    let issuer = ClientIssuer {
+        cert_pem: read(&files.cert)?,
+        key_pem: read(&files.key)?,
+        server_ca: read(&r.server_ca)?,
+    };
+    seedlink_kube::onboard::certs::check_issuer(&issuer.cert_pem, &issuer.key_pem).with_context(
+        || {
+            format!(
+                "render.kube_apiserver_client_ca: {} and {}",
+                files.cert.display(),
+                files.key.display()
+            )
+        },
+    )?;
+    Ok(Some(issuer))
+}
+
 /// The file's certificate validities (checked when it was read).
 fn validity(c: &OnboardConfig) -> Validity {
     c.certificates.durations().map_or_else(
@@ -85,6 +111,7 @@ fn validity(c: &OnboardConfig) -> Validity {
 pub async fn run(config: &Path) -> anyhow::Result<i32> {
     let c = load(config)?;
     let render = c.render.as_ref().map(renderer).transpose()?;
+    let kube_apiserver_ca = c.render.as_ref().map(client_issuer).transpose()?.flatten();
     let client = seedlink_kube::source::client()
         .await
         .context("kubernetes client")?;
@@ -100,7 +127,8 @@ pub async fn run(config: &Path) -> anyhow::Result<i32> {
         me.clone(),
         stop.clone(),
     ));
-    let ctx = context(&c, client, me.clone(), &identity, render).await;
+    let mut ctx = context(&c, client, me.clone(), &identity, render).await;
+    ctx.kube_apiserver_ca = kube_apiserver_ca;
     let admin = match &c.admin {
         Some(a) => Some(serve_admin(a, ctx.watched.clone(), me, ctx.validity).await?),
         None => None,
@@ -150,6 +178,7 @@ async fn context(
         leadership,
         namespace_label: c.namespace_label.clone(),
         render,
+        kube_apiserver_ca: None,
         validity: validity(c),
         labelled: Default::default(),
         watched: Default::default(),

@@ -16,7 +16,7 @@ use std::time::Duration;
 use seedlink_testkit::eventually_blocking;
 
 use super::{
-    control_plane_secrets, helm_cmd, jsonpath, kube_apiserver_pod, kube_apiserver_tunnel_secret,
+    control_plane_secrets, helm_cmd, jsonpath, kube_apiserver_pod,
     kubelet_and_webhook_through_the_tunnel, pod_get, reaches_the_shoot, reaches_through_the_tunnel,
     shoot_kubeconfig, shoot_node, Cluster, NS,
 };
@@ -26,16 +26,13 @@ pub const ONBOARDED_NS: &str = "shoot--dev--c";
 pub const ONBOARDED: &str = "api";
 /// Its API server's public host name.
 const ONBOARDED_HOST: &str = "api.dev-c.seed.test";
-/// kube-apiserver's client certificate for the shared frontend (the seed's
-/// CA issues it, CN `<namespace>.<name>`: the platform's part).
-pub const ONBOARDED_KAS: &str = "kas-c";
 /// Where the shoot's agents run, from the generated bundle.
 pub const ONBOARDED_AGENTS_NS: &str = "shoot-c-agents";
 /// Another tenant, which asks for what the onboarded one and the first hold.
 pub const GREEDY_NS: &str = "shoot--dev--x";
 
 /// What the controller generates for [`ONBOARDED`], by kind and name.
-const GENERATED: [(&str, &str); 8] = [
+const GENERATED: [(&str, &str); 9] = [
     ("tlsroute", "api"),
     ("tunnelcluster", "api"),
     ("secret", "api-agent-trust"),
@@ -43,16 +40,18 @@ const GENERATED: [(&str, &str); 8] = [
     ("secret", "api-agent"),
     ("secret", "api-shoot"),
     ("configmap", "api-kube-apiserver-egress"),
+    ("secret", "api-kube-apiserver-tunnel"),
     ("rolebinding", "api-seedlink-tunnel-trust"),
 ];
 
 /// The whole onboarding, under the load (the step's caller counts it).
-pub fn onboarding(c: &Cluster, chart: &str, lb: &str, seed: &Path, kubectl: &Path, echo: &str) {
+pub fn onboarding(c: &Cluster, chart: &str, lb: &str, kubectl: &Path, echo: &str) {
     enable_onboarding(c, chart, lb);
-    let pki = onboarded_control_plane(c, seed);
+    let pki = onboarded_control_plane(c);
     let kubeconfig = shoot_kubeconfig(c, "onboarded", &format!("{lb}:443"), ONBOARDED_HOST, &pki);
     reaches_the_shoot(kubectl, &kubeconfig, "the onboarded API server by SNI");
     condition_is(c, ONBOARDED_NS, ONBOARDED, "RouteAccepted", "True");
+    dns_as_external_dns_reads_it(c, lb);
     agents_from_the_bundle(c);
     condition_is(c, ONBOARDED_NS, ONBOARDED, "TunnelReady", "True");
     shoot_node(c, &kubeconfig, echo);
@@ -114,13 +113,13 @@ fn enable_onboarding(c: &Cluster, chart: &str, lb: &str) {
     );
 }
 
-/// The platform's part (the namespace, kube-apiserver's PKI, its client
-/// certificate for the shared frontend), then the one object, then
-/// kube-apiserver mounting the egress ConfigMap the controller generated.
-/// The namespace is not labelled for the Gateway: the controller does it.
-fn onboarded_control_plane(c: &Cluster, seed: &Path) -> PathBuf {
+/// The platform's part (the namespace, kube-apiserver's own PKI), then the
+/// one object, then kube-apiserver mounting what the controller generated:
+/// the egress ConfigMap, and its client certificate for the shared
+/// frontend with the tunnel-server's CA. The namespace is not labelled for
+/// the Gateway: the controller does it.
+fn onboarded_control_plane(c: &Cluster) -> PathBuf {
     let pki = control_plane_secrets(c, ONBOARDED_NS, ONBOARDED_HOST, "shoot-c-pki");
-    kube_apiserver_tunnel_secret(c, ONBOARDED_NS, seed, ONBOARDED_KAS);
     c.apply(&format!(
         "apiVersion: seedlink.dev/v1alpha1
 kind: SeedlinkControlPlane
@@ -146,8 +145,64 @@ spec:
         ONBOARDED_NS,
         ONBOARDED_HOST,
         &format!("{ONBOARDED}-kube-apiserver-egress"),
+        &format!("{ONBOARDED}-kube-apiserver-tunnel"),
     );
     pki
+}
+
+/// The records external-dns's `gateway-tlsroute` source makes of the
+/// generated route, read by its documented input (docs/sources/gateway.md
+/// of external-dns): the route's `spec.hostnames`, narrowed by a TLS
+/// listener of a Gateway in its `status.parents` whose `Accepted` is
+/// True, pointing at that Gateway's `status.addresses`. Here: the host
+/// name at the load balancer's address.
+fn dns_as_external_dns_reads_it(c: &Cluster, lb: &str) {
+    let json = |args: &[&str]| -> serde_json::Value {
+        let mut a = args.to_vec();
+        a.extend(["-o", "json"]);
+        serde_json::from_str(&c.kubectl_ok(&a)).unwrap_or_default()
+    };
+    let route = json(&["-n", ONBOARDED_NS, "get", "tlsroute", ONBOARDED]);
+    assert_eq!(
+        route["spec"]["hostnames"],
+        serde_json::json!([ONBOARDED_HOST]),
+        "{route}"
+    );
+    let parents = route["status"]["parents"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let accepted = parents.iter().any(|p| {
+        p["parentRef"]["name"] == "seedlink"
+            && p["parentRef"]["namespace"] == NS
+            && p["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Accepted" && c["status"] == "True")
+    });
+    assert!(accepted, "the route's status.parents: {parents:?}");
+    let gw = json(&["-n", NS, "get", "gateway", "seedlink"]);
+    let tls = gw["spec"]["listeners"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|l| l["protocol"] == "TLS")
+        .cloned()
+        .unwrap_or_default();
+    // No listener hostname: the route's names are taken whole.
+    assert!(tls["hostname"].is_null(), "the TLS listener: {tls}");
+    let targets: Vec<&str> = gw["status"]["addresses"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|a| a["value"].as_str())
+        .collect();
+    assert!(
+        targets.contains(&lb),
+        "Gateway status.addresses: {targets:?}"
+    );
+    eprintln!("installed: DNS as external-dns's gateway-tlsroute reads it: {ONBOARDED_HOST} -> {targets:?}");
 }
 
 /// The shoot's side as a platform applies it: the generated bundle
