@@ -132,6 +132,10 @@ pub struct RenderConfig {
     /// issues it.
     #[serde(default)]
     pub kube_apiserver_client_ca: Option<KeyPairFiles>,
+    /// The image of the shoot's agent: set, each control plane also gets
+    /// its shoot's side as manifests (`Secret/<name>-shoot-manifests`).
+    #[serde(default)]
+    pub agent_image: Option<String>,
 }
 
 /// A certificate and its key, as files (PEM).

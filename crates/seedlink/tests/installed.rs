@@ -36,7 +36,7 @@ use seedlink_testkit::kubeapi::repo_root;
 
 #[path = "installed/onboarding.rs"]
 mod onboarding;
-use onboarding::{GREEDY_NS, ONBOARDED_AGENTS_NS, ONBOARDED_NS};
+use onboarding::{GREEDY_NS, ONBOARDED_NS};
 
 /// The LoadBalancer pool (on the node's loopback).
 const LB_POOL: [&str; 2] = ["10.250.1.1", "10.250.1.2"];
@@ -1763,7 +1763,7 @@ fn uninstall_leaves_nothing(c: &Cluster, before: &[String]) {
             || o.contains("/shoot-workload/")
             || o.contains(&format!("/{SIDECAR_NS}/"))
             || o.contains(&format!("/{SIDECAR_AGENTS_NS}/"))
-            || [ONBOARDED_NS, ONBOARDED_AGENTS_NS, GREEDY_NS]
+            || [ONBOARDED_NS, GREEDY_NS]
                 .iter()
                 .any(|ns| o.contains(&format!("/{ns}/")))
     };

@@ -68,6 +68,8 @@ pub struct Context {
     /// The CA that issues kube-apiserver's client certificates for the
     /// shared frontend, when configured.
     pub kube_apiserver_ca: Option<ClientIssuer>,
+    /// The agent's image for the shoot's manifests, when configured.
+    pub agent_image: Option<String>,
     /// How long the certificates it issues are valid.
     pub validity: Validity,
     /// The namespaces labelled for the Gateway by this process.
@@ -364,7 +366,11 @@ impl Writer<'_> {
             reason: "RenderFailed",
             message: format!("kube-apiserver's and the shoot's files: {e}"),
         })?;
-        generate::bundle_objects(self.cp, &bundle, agent)
+        let mut out = generate::bundle_objects(self.cp, &bundle, agent)?;
+        if let Some(image) = &self.ctx.agent_image {
+            out.push(generate::shoot_manifests(self.cp, &bundle, agent, image)?);
+        }
+        Ok(out)
     }
 
     /// Creates `g`, or applies it over the version this control plane

@@ -93,6 +93,9 @@ pub struct Names {
     /// kube-apiserver's client certificate for the shared frontend, and
     /// the tunnel-server's CA (a Secret).
     pub kube_apiserver_tunnel: String,
+    /// The shoot's side as manifests (a Secret whose every key is a
+    /// manifest file: what a Gardener `ManagedResource` references).
+    pub shoot_manifests: String,
 }
 
 impl Names {
@@ -107,6 +110,7 @@ impl Names {
             kube_apiserver: format!("{cp}-kube-apiserver-egress"),
             shoot: format!("{cp}-shoot"),
             kube_apiserver_tunnel: format!("{cp}-kube-apiserver-tunnel"),
+            shoot_manifests: format!("{cp}-shoot-manifests"),
         }
     }
 }
@@ -382,6 +386,93 @@ pub fn leaf_secret(
     );
     g.object["metadata"]["annotations"] = json!({NOT_AFTER: leaf.not_after.to_string()});
     Ok(g)
+}
+
+/// In the shoot, the namespace and name of the agent's Deployment and of
+/// the Secret it mounts.
+pub const SHOOT_AGENT: (&str, &str) = ("kube-system", "seedlink-agent");
+
+/// The shoot's side as manifests, in Secret `<name>-shoot-manifests` of
+/// `cp` under one key, `seedlink-agent.yaml`: a Secret with the agent's
+/// files and credentials (`agent.yaml`, `agent.crt`, `agent.key`,
+/// `tunnel-ca.crt`) and a Deployment of `seedlink tunnel-agent` (image
+/// `image`) mounting it at `/etc/seedlink`, both [`SHOOT_AGENT`]. Every
+/// key of that Secret is a manifest file, as a Gardener `ManagedResource`
+/// expects of the Secrets it references; `kubectl apply -f` takes the
+/// file as it is.
+pub fn shoot_manifests(
+    cp: &SeedlinkControlPlane,
+    bundle: &Bundle,
+    agent: &Issued,
+    image: &str,
+) -> Result<Generated, Refusal> {
+    let b = Builder::of(cp)?;
+    let (ns, name) = SHOOT_AGENT;
+    let mut files = BTreeMap::new();
+    for key in ["agent.yaml", "tunnel-ca.crt"] {
+        if let Some(v) = bundle.shoot.get(key) {
+            files.insert(key.to_string(), v.clone());
+        }
+    }
+    files.insert("agent.crt".into(), agent.cert_pem.clone());
+    files.insert("agent.key".into(), agent.key_pem.clone());
+    let labels = json!({"app.kubernetes.io/name": name});
+    let secret = json!({
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": name, "namespace": ns, "labels": labels},
+        "type": "Opaque", "data": secret_data(&json!(files)),
+    });
+    let deployment = json!({
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": name, "namespace": ns, "labels": labels},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": agent_pod(image, name)},
+        },
+    });
+    let text = [secret, deployment]
+        .iter()
+        .map(serde_norway::to_string)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| Refusal {
+            reason: "RenderFailed",
+            message: format!("the shoot's manifests: {e}"),
+        })?
+        .join("---\n");
+    let data = json!({"seedlink-agent.yaml": text});
+    Ok(b.object(
+        "v1",
+        "Secret",
+        &b.names.shoot_manifests,
+        json!({}),
+        json!({"type": "Opaque", "data": secret_data(&data)}),
+    ))
+}
+
+/// The agent's pod: non-root, read-only, its files from Secret `secret`,
+/// its ID from the pod's name, probed on its admin port. It reads a
+/// renewed certificate from the Secret volume without a restart.
+fn agent_pod(image: &str, secret: &str) -> Value {
+    json!({
+        "automountServiceAccountToken": false,
+        "securityContext": {"runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [{
+            "name": "tunnel-agent",
+            "image": image,
+            "args": ["tunnel-agent", "--config", "/etc/seedlink/agent.yaml"],
+            "env": [{"name": "PROXY_AGENT_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+            "ports": [{"name": "admin", "containerPort": 8093}],
+            "readinessProbe": {"httpGet": {"path": "/readyz", "port": "admin"}, "periodSeconds": 5},
+            "livenessProbe": {"httpGet": {"path": "/healthz", "port": "admin"}, "periodSeconds": 10},
+            "securityContext": {"allowPrivilegeEscalation": false, "readOnlyRootFilesystem": true,
+                                "capabilities": {"drop": ["ALL"]}},
+            "resources": {"requests": {"cpu": "20m", "memory": "16Mi"}},
+            "volumeMounts": [{"name": "agent", "mountPath": "/etc/seedlink", "readOnly": true}],
+        }],
+        "volumes": [{"name": "agent", "secret": {"secretName": secret}}],
+    })
 }
 
 /// kube-apiserver's Secret `name` of `cp` for the shared frontend, at the
@@ -767,5 +858,48 @@ mod tests {
         let mut c = cp(minimal());
         c.metadata.uid = None;
         assert_eq!(objects(&c, &settings(), "CA").unwrap_err().reason, "NoUID");
+    }
+
+    #[test]
+    fn the_shoot_manifests_are_an_agent_secret_and_deployment_in_one_file() {
+        let c = cp(minimal());
+        let bundle = Bundle {
+            kube_apiserver: BTreeMap::new(),
+            shoot: BTreeMap::from([
+                ("agent.yaml".to_string(), "server: a:1\n".to_string()),
+                ("tunnel-ca.crt".to_string(), "CA\n".to_string()),
+                (
+                    "shoot-config.yaml".to_string(),
+                    "not in the manifests\n".to_string(),
+                ),
+            ]),
+        };
+        let agent = Issued {
+            cert_pem: "CERT\n".into(),
+            key_pem: "KEY\n".into(),
+            not_after: k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+        };
+        let g = shoot_manifests(&c, &bundle, &agent, "registry.example/seedlink:1").unwrap();
+        assert_eq!(g.name, "kas-shoot-manifests");
+        let text = secret_text(&g.object, "seedlink-agent.yaml");
+        let docs: Vec<Value> = text
+            .split("---\n")
+            .map(|d| serde_norway::from_str(d).unwrap())
+            .collect();
+        assert_eq!(docs.len(), 2, "{text}");
+        assert_eq!(docs[0]["kind"], "Secret");
+        let files: Vec<&String> = docs[0]["data"].as_object().unwrap().keys().collect();
+        assert_eq!(
+            files,
+            ["agent.crt", "agent.key", "agent.yaml", "tunnel-ca.crt"]
+        );
+        assert_eq!(secret_text(&docs[0], "agent.key"), "KEY\n");
+        let pod = &docs[1]["spec"]["template"]["spec"];
+        assert_eq!(pod["containers"][0]["image"], "registry.example/seedlink:1");
+        assert_eq!(
+            pod["volumes"][0]["secret"]["secretName"],
+            docs[0]["metadata"]["name"]
+        );
+        assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
     }
 }

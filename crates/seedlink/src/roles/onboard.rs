@@ -129,6 +129,7 @@ pub async fn run(config: &Path) -> anyhow::Result<i32> {
     ));
     let mut ctx = context(&c, client, me.clone(), &identity, render).await;
     ctx.kube_apiserver_ca = kube_apiserver_ca;
+    ctx.agent_image = c.render.as_ref().and_then(|r| r.agent_image.clone());
     let admin = match &c.admin {
         Some(a) => Some(serve_admin(a, ctx.watched.clone(), me, ctx.validity).await?),
         None => None,
@@ -179,6 +180,7 @@ async fn context(
         namespace_label: c.namespace_label.clone(),
         render,
         kube_apiserver_ca: None,
+        agent_image: None,
         validity: validity(c),
         labelled: Default::default(),
         watched: Default::default(),

@@ -26,19 +26,18 @@ pub const ONBOARDED_NS: &str = "shoot--dev--c";
 pub const ONBOARDED: &str = "api";
 /// Its API server's public host name.
 const ONBOARDED_HOST: &str = "api.dev-c.seed.test";
-/// Where the shoot's agents run, from the generated bundle.
-pub const ONBOARDED_AGENTS_NS: &str = "shoot-c-agents";
 /// Another tenant, which asks for what the onboarded one and the first hold.
 pub const GREEDY_NS: &str = "shoot--dev--x";
 
 /// What the controller generates for [`ONBOARDED`], by kind and name.
-const GENERATED: [(&str, &str); 9] = [
+const GENERATED: [(&str, &str); 10] = [
     ("tlsroute", "api"),
     ("tunnelcluster", "api"),
     ("secret", "api-agent-trust"),
     ("secret", "api-agent-ca"),
     ("secret", "api-agent"),
     ("secret", "api-shoot"),
+    ("secret", "api-shoot-manifests"),
     ("configmap", "api-kube-apiserver-egress"),
     ("secret", "api-kube-apiserver-tunnel"),
     ("rolebinding", "api-seedlink-tunnel-trust"),
@@ -52,7 +51,7 @@ pub fn onboarding(c: &Cluster, chart: &str, lb: &str, kubectl: &Path, echo: &str
     reaches_the_shoot(kubectl, &kubeconfig, "the onboarded API server by SNI");
     condition_is(c, ONBOARDED_NS, ONBOARDED, "RouteAccepted", "True");
     dns_as_external_dns_reads_it(c, lb);
-    agents_from_the_bundle(c);
+    let manifests = agents_from_the_bundle(c);
     condition_is(c, ONBOARDED_NS, ONBOARDED, "TunnelReady", "True");
     shoot_node(c, &kubeconfig, echo);
     reaches_through_the_tunnel(kubectl, &kubeconfig, "the onboarded API server's egress");
@@ -61,6 +60,12 @@ pub fn onboarding(c: &Cluster, chart: &str, lb: &str, kubectl: &Path, echo: &str
     the_expiry_metric(c);
     another_tenant_is_refused(c);
     deleting_removes_everything(c, kubectl, &kubeconfig);
+    c.kubectl_ok(&[
+        "delete",
+        "-f",
+        &manifests.display().to_string(),
+        "--wait=false",
+    ]);
 }
 
 /// `helm upgrade --reuse-values` with the onboarding controller on, told
@@ -205,60 +210,39 @@ fn dns_as_external_dns_reads_it(c: &Cluster, lb: &str) {
     eprintln!("installed: DNS as external-dns's gateway-tlsroute reads it: {ONBOARDED_HOST} -> {targets:?}");
 }
 
-/// The shoot's side as a platform applies it: the generated bundle
-/// (Secret `api-shoot`: the agent's file, certificate, key and the
-/// tunnel-server's CA) copied as it is into the agents' namespace, and a
-/// Deployment of `seedlink tunnel-agent` reading it.
-fn agents_from_the_bundle(c: &Cluster) {
-    let data = jsonpath(
+/// The shoot's side as a platform applies it: the generated manifests
+/// (`Secret/api-shoot-manifests`, key `seedlink-agent.yaml`, what a
+/// Gardener ManagedResource references) applied as they are with kubectl
+/// (here the seed plays the shoot: into its kube-system). Returns the
+/// file, to delete them again.
+fn agents_from_the_bundle(c: &Cluster) -> PathBuf {
+    let encoded = jsonpath(
         c,
         &[
             "-n",
             ONBOARDED_NS,
             "get",
             "secret",
-            &format!("{ONBOARDED}-shoot"),
+            &format!("{ONBOARDED}-shoot-manifests"),
         ],
-        "{.data}",
+        "{.data.seedlink-agent\\.yaml}",
     );
-    let data: serde_json::Value = serde_json::from_str(&data).unwrap_or_default();
-    for key in ["agent.yaml", "agent.crt", "agent.key", "tunnel-ca.crt"] {
-        assert!(data.get(key).is_some(), "the bundle has no {key}: {data}");
-    }
-    c.kubectl_ok(&["create", "namespace", ONBOARDED_AGENTS_NS]);
-    let secret = serde_json::json!({
-        "apiVersion": "v1", "kind": "Secret",
-        "metadata": {"name": "seedlink-shoot", "namespace": ONBOARDED_AGENTS_NS},
-        "data": data,
-    });
-    c.apply(&secret.to_string());
-    c.apply(&format!(
-        "apiVersion: apps/v1
-kind: Deployment
-metadata: {{name: seedlink-tunnel-agent, namespace: {ONBOARDED_AGENTS_NS}}}
-spec:
-  selector: {{matchLabels: {{app: seedlink-tunnel-agent}}}}
-  template:
-    metadata: {{labels: {{app: seedlink-tunnel-agent}}}}
-    spec:
-      securityContext: {{runAsNonRoot: true, runAsUser: 65532}}
-      containers:
-      - name: agent
-        image: localhost/seedlink:{}
-        args: [tunnel-agent, --config, /etc/seedlink/agent.yaml]
-        volumeMounts: [{{name: bundle, mountPath: /etc/seedlink, readOnly: true}}]
-      volumes: [{{name: bundle, secret: {{secretName: seedlink-shoot}}}}]
-",
-        env!("CARGO_PKG_VERSION")
-    ));
+    let f = c.dir.join("shoot-c-manifests.yaml");
+    let text = super::run(
+        Command::new("sh").args(["-c", &format!("printf '%s' '{encoded}' | base64 -d")]),
+    );
+    assert!(text.contains("kind: Deployment"), "the manifests: {text}");
+    std::fs::write(&f, &text).unwrap();
+    c.kubectl_ok(&["apply", "-f", &f.display().to_string()]);
     c.kubectl_ok(&[
         "-n",
-        ONBOARDED_AGENTS_NS,
+        "kube-system",
         "rollout",
         "status",
-        "deployment/seedlink-tunnel-agent",
+        "deployment/seedlink-agent",
         "--timeout=600s",
     ]);
+    f
 }
 
 /// The controller's pod exports the certificates' expiry of the onboarded
@@ -387,7 +371,6 @@ fn deleting_removes_everything(c: &Cluster, kubectl: &Path, kubeconfig: &Path) {
                 .ok_or_else(|| "still served".to_string())
         },
     );
-    c.kubectl_ok(&["delete", "namespace", ONBOARDED_AGENTS_NS, "--wait=false"]);
 }
 
 /// Waits until the object's condition `type_` has status `want`; returns
