@@ -262,23 +262,25 @@ impl Writer<'_> {
         }
         objects.extend(bundle);
         let mut wake = rotation::next_due(&ca, &leaf, &self.ctx.validity);
-        if let Some(g) = self.kube_apiserver_tunnel(&names, now, &mut wake).await? {
+        let mut not_after = ca.current.not_after.min(leaf.not_after);
+        if let Some((g, expires)) = self.kube_apiserver_tunnel(&names, now, &mut wake).await? {
             self.put(&g).await?;
             objects.push(g);
+            not_after = not_after.min(expires);
         }
-        Ok((objects, ca.current.not_after.min(leaf.not_after), wake))
+        Ok((objects, not_after, wake))
     }
 
     /// kube-apiserver's client certificate for the shared frontend, when
     /// an issuer is configured and the tunnel is on: kept, or issued again
     /// with a third of its validity left or by a new issuer; `wake` moves
-    /// to its renewal.
+    /// to its renewal. With its expiry (in status and the metric).
     async fn kube_apiserver_tunnel(
         &self,
         names: &Names,
         now: Timestamp,
         wake: &mut Timestamp,
-    ) -> Result<Option<Generated>, Stop> {
+    ) -> Result<Option<(Generated, Timestamp)>, Stop> {
         let Some(k) = self
             .ctx
             .kube_apiserver_ca
@@ -321,7 +323,7 @@ impl Writer<'_> {
             &k.server_ca,
             &k.cert_pem,
         )?;
-        Ok(Some(g))
+        Ok(Some((g, client.not_after)))
     }
 
     /// Whether the object's tunnel is on (the default).
@@ -498,7 +500,7 @@ impl Writer<'_> {
             "CertificatesReady",
             fresh,
             if fresh { "Valid" } else { "Expired" },
-            &format!("the agent CA and certificate are valid until {not_after}"),
+            &format!("the agent CA and the certificates it issued are valid until {not_after}"),
             gen,
         ));
         conditions.insert(0, ready(&conditions, gen));

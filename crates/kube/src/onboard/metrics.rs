@@ -84,7 +84,7 @@ pub fn registry(cps: &[Arc<SeedlinkControlPlane>], leader: bool, validity: Valid
     );
     r.register(
         "seedlink_onboard_certificates_not_after_seconds",
-        "When the first of the control plane's agent CA and agent certificate expires (Unix time)",
+        "When the first of the control plane's agent CA, agent certificate and kube-apiserver certificate expires (Unix time)",
         g.not_after,
     );
     r.register(

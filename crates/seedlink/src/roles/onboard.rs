@@ -205,9 +205,12 @@ async fn serve_admin(
         .with_context(|| format!("admin.listen {}", a.listen))?;
     let addr = listener.local_addr()?;
     let route = move |path: &str| route(path, &watched, &me, validity);
-    tokio::spawn(admin::serve_with(
+    // Any pod may reach the port: one source holds at most 2 of the 32
+    // connections, so it cannot starve the kubelet's probes (which would
+    // restart the pod, and stop renewals for every tenant).
+    tokio::spawn(admin::serve_limited(
         listener,
-        16,
+        admin::Slots::with_per_source(32, 2),
         access,
         std::sync::Arc::new(route),
     ));
