@@ -204,7 +204,12 @@ async fn serve_admin(
         .await
         .with_context(|| format!("admin.listen {}", a.listen))?;
     let addr = listener.local_addr()?;
-    let route = move |path: &str| route(path, &watched, &me, validity);
+    let synced = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    tokio::spawn(mark_synced(watched.clone(), synced.clone()));
+    let route = move |path: &str| {
+        let listed = synced.load(std::sync::atomic::Ordering::Acquire);
+        route(path, &watched, listed, &me, validity)
+    };
     // Any pod may reach the port: one source holds at most 2 of the 32
     // connections, so it cannot starve the kubelet's probes (which would
     // restart the pod, and stop renewals for every tenant).
@@ -217,16 +222,37 @@ async fn serve_admin(
     Ok(addr)
 }
 
-/// `/healthz`; `/readyz` once the controller watches the control planes;
-/// `/metrics` from what it last saw of them.
-fn route(path: &str, watched: &Watched, me: &Leadership, validity: Validity) -> Answer {
+/// Sets `synced` once the controller's cache holds the first complete
+/// list of control planes (the controller makes the cache as it starts,
+/// a moment after the endpoint).
+async fn mark_synced(watched: Watched, synced: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    let store = loop {
+        if let Some(s) = watched.get() {
+            break s.clone();
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    if store.wait_until_ready().await.is_ok() {
+        synced.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+/// `/healthz`; `/readyz` once the controller has listed the control
+/// planes (`listed`); `/metrics` from what it last saw of them.
+fn route(
+    path: &str,
+    watched: &Watched,
+    listed: bool,
+    me: &Leadership,
+    validity: Validity,
+) -> Answer {
     match (path, watched.get()) {
         ("/healthz", _) => (200, TEXT, "ok\n".to_string()),
-        ("/readyz", Some(_)) => (200, TEXT, "ready\n".to_string()),
-        ("/readyz", None) => (
+        ("/readyz", _) if listed => (200, TEXT, "ready\n".to_string()),
+        ("/readyz", _) => (
             503,
             TEXT,
-            "not ready: the controller is starting\n".to_string(),
+            "not ready: the control planes are not listed yet\n".to_string(),
         ),
         ("/metrics", store) => {
             let cps = store.map(|s| s.state()).unwrap_or_default();
