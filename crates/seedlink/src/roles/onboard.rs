@@ -187,6 +187,24 @@ async fn context(
     }
 }
 
+/// What the admin endpoint answers from: the controller's cache, whether
+/// it has listed the control planes, this replica's leadership.
+struct View {
+    watched: Watched,
+    listed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    me: Leadership,
+    validity: Validity,
+}
+
+/// The admin endpoint's access: the token in `token_file`, or open.
+fn access(a: &seedlink_config::model::Admin) -> anyhow::Result<admin::Access> {
+    Ok(match &a.token_file {
+        Some(f) => admin::Access::from_token_file(Path::new(f))
+            .with_context(|| format!("admin.token_file {f}"))?,
+        None => admin::Access::open(),
+    })
+}
+
 /// Binds the admin endpoint and serves it in a task: the probes, and
 /// `/metrics` (with the token, when one is configured).
 async fn serve_admin(
@@ -195,21 +213,18 @@ async fn serve_admin(
     me: Leadership,
     validity: Validity,
 ) -> anyhow::Result<std::net::SocketAddr> {
-    let access = match &a.token_file {
-        Some(f) => admin::Access::from_token_file(Path::new(f))
-            .with_context(|| format!("admin.token_file {f}"))?,
-        None => admin::Access::open(),
-    };
+    let access = access(a)?;
     let listener = tokio::net::TcpListener::bind(&a.listen)
         .await
         .with_context(|| format!("admin.listen {}", a.listen))?;
     let addr = listener.local_addr()?;
-    let synced = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    tokio::spawn(mark_synced(watched.clone(), synced.clone()));
-    let route = move |path: &str| {
-        let listed = synced.load(std::sync::atomic::Ordering::Acquire);
-        route(path, &watched, listed, &me, validity)
+    let view = View {
+        watched,
+        listed: Default::default(),
+        me,
+        validity,
     };
+    tokio::spawn(mark_listed(view.watched.clone(), view.listed.clone()));
     // Any pod may reach the port: one source holds at most 2 of the 32
     // connections, so it cannot starve the kubelet's probes (which would
     // restart the pod, and stop renewals for every tenant).
@@ -217,15 +232,15 @@ async fn serve_admin(
         listener,
         admin::Slots::with_per_source(32, 2),
         access,
-        std::sync::Arc::new(route),
+        std::sync::Arc::new(move |path: &str| view.answer(path)),
     ));
     Ok(addr)
 }
 
-/// Sets `synced` once the controller's cache holds the first complete
+/// Sets `listed` once the controller's cache holds the first complete
 /// list of control planes (the controller makes the cache as it starts,
 /// a moment after the endpoint).
-async fn mark_synced(watched: Watched, synced: std::sync::Arc<std::sync::atomic::AtomicBool>) {
+async fn mark_listed(watched: Watched, listed: std::sync::Arc<std::sync::atomic::AtomicBool>) {
     let store = loop {
         if let Some(s) = watched.get() {
             break s.clone();
@@ -233,37 +248,33 @@ async fn mark_synced(watched: Watched, synced: std::sync::Arc<std::sync::atomic:
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     };
     if store.wait_until_ready().await.is_ok() {
-        synced.store(true, std::sync::atomic::Ordering::Release);
+        listed.store(true, std::sync::atomic::Ordering::Release);
     }
 }
 
-/// `/healthz`; `/readyz` once the controller has listed the control
-/// planes (`listed`); `/metrics` from what it last saw of them.
-fn route(
-    path: &str,
-    watched: &Watched,
-    listed: bool,
-    me: &Leadership,
-    validity: Validity,
-) -> Answer {
-    match (path, watched.get()) {
-        ("/healthz", _) => (200, TEXT, "ok\n".to_string()),
-        ("/readyz", _) if listed => (200, TEXT, "ready\n".to_string()),
-        ("/readyz", _) => (
-            503,
-            TEXT,
-            "not ready: the control planes are not listed yet\n".to_string(),
-        ),
-        ("/metrics", store) => {
-            let cps = store.map(|s| s.state()).unwrap_or_default();
-            let r = seedlink_kube::onboard::metrics::registry(&cps, me.held(), validity);
-            (200, METRICS, admin::encode(&r))
+const NOT_LISTED: &str = "not ready: the control planes are not listed yet\n";
+
+impl View {
+    /// `/healthz`; `/readyz` once the control planes are listed;
+    /// `/metrics` from what the controller last saw of them.
+    fn answer(&self, path: &str) -> Answer {
+        let listed = self.listed.load(std::sync::atomic::Ordering::Acquire);
+        match path {
+            "/healthz" => (200, TEXT, "ok\n".to_string()),
+            "/readyz" if listed => (200, TEXT, "ready\n".to_string()),
+            "/readyz" => (503, TEXT, NOT_LISTED.to_string()),
+            "/metrics" => {
+                let cps = self.watched.get().map(|s| s.state()).unwrap_or_default();
+                let r =
+                    seedlink_kube::onboard::metrics::registry(&cps, self.me.held(), self.validity);
+                (200, METRICS, admin::encode(&r))
+            }
+            _ => (
+                404,
+                TEXT,
+                "not found; try /healthz /readyz /metrics\n".to_string(),
+            ),
         }
-        _ => (
-            404,
-            TEXT,
-            "not found; try /healthz /readyz /metrics\n".to_string(),
-        ),
     }
 }
 
