@@ -2936,7 +2936,7 @@ async fn renewals_and_a_ca_rotation_under_a_dial_loop_fail_no_dial() {
     let dials = DialLoop::paced(
         t.socket(&t.a),
         t.echo.to_string(),
-        Duration::from_millis(30),
+        Duration::from_millis(50),
     );
     eventually(
         "a new CA, its predecessor's overlap over",

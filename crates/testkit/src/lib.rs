@@ -404,7 +404,10 @@ pub async fn wait_child_listening(child: &mut std::process::Child, addr: SocketA
     .await;
 }
 
-/// Reads the first stdout line of `c` (the ready line) as JSON, within 20 s.
+/// Reads the first stdout line of `c` (the ready line) as JSON, within
+/// 60 s (a busy machine). Without one, `c` is killed before the panic: a
+/// process left running would hold the test's output open and hang the
+/// run.
 pub fn ready_line(c: &mut std::process::Child) -> serde_json::Value {
     let out = c.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -413,10 +416,18 @@ pub fn ready_line(c: &mut std::process::Child) -> serde_json::Value {
         let _ = std::io::BufReader::new(out).read_line(&mut line);
         let _ = tx.send(line);
     });
-    let line = rx
-        .recv_timeout(Duration::from_secs(20))
-        .expect("no ready line");
-    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"))
+    let line = rx.recv_timeout(Duration::from_secs(60));
+    match line
+        .as_deref()
+        .map(serde_json::from_str::<serde_json::Value>)
+    {
+        Ok(Ok(ready)) => ready,
+        other => {
+            let _ = c.kill();
+            let _ = c.wait();
+            panic!("no ready line ({other:?}; the process was killed)")
+        }
+    }
 }
 
 /// Moves the calling thread into network namespace `name`.
