@@ -86,20 +86,12 @@ pub fn agent_cert(
 ) -> Result<Issued, CertError> {
     let ca_key = KeyPair::from_pem(ca_key_pem)?;
     let issuer = Issuer::new(ca_params(ns, name)?, ca_key);
-    let key = KeyPair::generate()?;
-    let mut p = CertificateParams::new(Vec::<String>::new())?;
-    p.distinguished_name
-        .push(DnType::CommonName, format!("seedlink agent {ns}/{name}"));
-    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    let not_after = now + validity;
-    p.not_before = at(now - SignedDuration::from_mins(5))?;
-    p.not_after = at(not_after)?;
-    let cert = p.signed_by(&key, &issuer)?;
-    Ok(Issued {
-        cert_pem: cert.pem(),
-        key_pem: key.serialize_pem(),
-        not_after,
-    })
+    client_cert(
+        &format!("seedlink agent {ns}/{name}"),
+        &issuer,
+        now,
+        validity,
+    )
 }
 
 /// kube-apiserver's client certificate for the tunnel-server's shared
@@ -115,6 +107,17 @@ pub fn kube_apiserver_client(
 ) -> Result<Issued, CertError> {
     let issuer_key = KeyPair::from_pem(issuer_key_pem)?;
     let issuer = Issuer::from_ca_cert_pem(issuer_cert_pem, issuer_key)?;
+    client_cert(cn, &issuer, now, validity)
+}
+
+/// A client certificate (a fresh key) for `cn`, signed by `issuer`, valid
+/// from `now` for `validity` (and 5 minutes before, for clock skew).
+fn client_cert(
+    cn: &str,
+    issuer: &Issuer<'_, KeyPair>,
+    now: Timestamp,
+    validity: SignedDuration,
+) -> Result<Issued, CertError> {
     let key = KeyPair::generate()?;
     let mut p = CertificateParams::new(Vec::<String>::new())?;
     p.distinguished_name.push(DnType::CommonName, cn);
@@ -122,7 +125,7 @@ pub fn kube_apiserver_client(
     let not_after = now + validity;
     p.not_before = at(now - SignedDuration::from_mins(5))?;
     p.not_after = at(not_after)?;
-    let cert = p.signed_by(&key, &issuer)?;
+    let cert = p.signed_by(&key, issuer)?;
     Ok(Issued {
         cert_pem: cert.pem(),
         key_pem: key.serialize_pem(),

@@ -375,16 +375,28 @@ pub fn leaf_secret(
     leaf: &Issued,
     signed_by: &str,
 ) -> Result<Generated, Refusal> {
-    let b = Builder::of(cp)?;
     let data = json!({"tls.crt": leaf.cert_pem, "tls.key": leaf.key_pem, CA_KEY: signed_by});
+    cert_secret(cp, name, "kubernetes.io/tls", &data, leaf.not_after)
+}
+
+/// A certificate's Secret `name` of `cp`: `data` (text), and its
+/// `notAfter` in an annotation.
+fn cert_secret(
+    cp: &SeedlinkControlPlane,
+    name: &str,
+    type_: &str,
+    data: &Value,
+    not_after: Timestamp,
+) -> Result<Generated, Refusal> {
+    let b = Builder::of(cp)?;
     let mut g = b.object(
         "v1",
         "Secret",
         name,
         json!({}),
-        json!({"type": "kubernetes.io/tls", "data": secret_data(&data)}),
+        json!({"type": type_, "data": secret_data(data)}),
     );
-    g.object["metadata"]["annotations"] = json!({NOT_AFTER: leaf.not_after.to_string()});
+    g.object["metadata"]["annotations"] = json!({NOT_AFTER: not_after.to_string()});
     Ok(g)
 }
 
@@ -487,18 +499,9 @@ pub fn kube_apiserver_tunnel_secret(
     server_ca: &str,
     issuer: &str,
 ) -> Result<Generated, Refusal> {
-    let b = Builder::of(cp)?;
     let data = json!({CA_KEY: server_ca, "client.crt": client.cert_pem, "client.key": client.key_pem,
                       "issuer.crt": issuer});
-    let mut g = b.object(
-        "v1",
-        "Secret",
-        name,
-        json!({}),
-        json!({"type": "Opaque", "data": secret_data(&data)}),
-    );
-    g.object["metadata"]["annotations"] = json!({NOT_AFTER: client.not_after.to_string()});
-    Ok(g)
+    cert_secret(cp, name, "Opaque", &data, client.not_after)
 }
 
 /// The client certificate a kube-apiserver Secret holds, and its issuer.
