@@ -354,6 +354,19 @@ impl Seed {
             .any(|e| e["involvedObject"]["name"] == name)
     }
 
+    /// [`Self::writers`] once there is at least one: kube-apiserver logs a
+    /// write's ResponseComplete stage after the client has its answer, so
+    /// the entry may trail a status the test has just seen.
+    async fn wait_writers(&self, resource: &str, ns: &str, subresource: &str) -> Vec<String> {
+        eventually(
+            "the status write in the audit log",
+            Duration::from_secs(60),
+            async || !self.writers(resource, ns, subresource).is_empty(),
+        )
+        .await;
+        self.writers(resource, ns, subresource)
+    }
+
     /// Who (user names) wrote `subresource` of `resource` objects in `ns`
     /// according to the API server's audit log, in order.
     fn writers(&self, resource: &str, ns: &str, subresource: &str) -> Vec<String> {
@@ -1098,7 +1111,7 @@ async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
             .is_some()
     })
     .await;
-    let mut writers = seed.writers("tlsroutes", &a, "status");
+    let mut writers = seed.wait_writers("tlsroutes", &a, "status").await;
     writers.dedup();
     assert_eq!(writers.len(), 1, "status written by {writers:?}");
     let lease = seed.status_lease().await.unwrap();
@@ -1167,7 +1180,7 @@ async fn two_replicas_serve_and_one_writes_status_until_it_goes() {
         |c| c["reason"] == "BackendNotFound",
     )
     .await;
-    let c_writers = seed.writers("tlsroutes", &c, "status");
+    let c_writers = seed.wait_writers("tlsroutes", &c, "status").await;
     assert!(
         !c_writers.is_empty() && c_writers.iter().all(|u| *u == users[follower]),
         "two writers: {c_writers:?}"
@@ -1811,14 +1824,25 @@ async fn routes_are_read_through_the_version_the_installed_crd_serves() {
     )
     .await;
     // What it was read through: the audit log's status writes name the version.
-    let versions: Vec<String> = api
-        .audit()
-        .iter()
-        .filter(|e| {
-            e["objectRef"]["resource"] == "tlsroutes" && e["objectRef"]["subresource"] == "status"
-        })
-        .filter_map(|e| e["objectRef"]["apiVersion"].as_str().map(str::to_string))
-        .collect();
+    // kube-apiserver logs a write's ResponseComplete stage after the client
+    // has its answer, so the entry may trail the status just seen.
+    let status_writes = || -> Vec<String> {
+        api.audit()
+            .iter()
+            .filter(|e| {
+                e["objectRef"]["resource"] == "tlsroutes"
+                    && e["objectRef"]["subresource"] == "status"
+            })
+            .filter_map(|e| e["objectRef"]["apiVersion"].as_str().map(str::to_string))
+            .collect()
+    };
+    eventually(
+        "the status write in the audit log",
+        Duration::from_secs(60),
+        async || !status_writes().is_empty(),
+    )
+    .await;
+    let versions = status_writes();
     assert!(
         !versions.is_empty() && versions.iter().all(|v| v == "v1alpha3"),
         "{versions:?}"
