@@ -35,9 +35,41 @@ pub struct Cluster {
     /// Password that selects this cluster on a shared proxy frontend.
     #[serde(default)]
     pub proxy_password_file: Option<PathBuf>,
+    /// A URI the client certificate must also carry (as a subject
+    /// alternative name) to select this cluster on a shared mTLS frontend,
+    /// besides its CN. The Kubernetes source sets it for a control plane's
+    /// generated TunnelCluster ([`control_plane_uri`]), so a certificate
+    /// issued for one object never selects a later object of the same
+    /// namespace and name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frontend_client_uri: Option<String>,
     /// Limits, so one cluster cannot starve the others.
     #[serde(default)]
     pub limits: ClusterLimits,
+}
+
+/// The URI that binds kube-apiserver's client certificate to the
+/// `SeedlinkControlPlane` whose UID is `uid` (see
+/// [`Cluster::frontend_client_uri`]).
+pub fn control_plane_uri(uid: &str) -> String {
+    format!("urn:seedlink:control-plane:{uid}")
+}
+
+/// Whether the DER certificate `der` carries `uri` among its subject
+/// alternative names (what [`Cluster::frontend_client_uri`] asks of a
+/// client certificate). A certificate that does not parse carries none.
+pub fn certificate_has_uri(der: &[u8], uri: &str) -> bool {
+    use x509_parser::extensions::GeneralName;
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(der) else {
+        return false;
+    };
+    let Ok(Some(san)) = cert.subject_alternative_name() else {
+        return false;
+    };
+    san.value
+        .general_names
+        .iter()
+        .any(|n| matches!(n, GeneralName::URI(u) if *u == uri))
 }
 
 /// Per-cluster limits; 0 switches one off.

@@ -317,8 +317,26 @@ fn build(
         },
         frontends,
         proxy_password_file: None,
+        frontend_client_uri: control_plane(o).map(seedlink_config::tunnel::control_plane_uri),
         limits,
     })
+}
+
+/// The UID of the `SeedlinkControlPlane` that generated `o` (its
+/// controlling owner), if one did. Its kube-apiserver's certificate names
+/// that UID; an owner reference a tenant writes by hand can only narrow
+/// which certificates select its own cluster.
+fn control_plane(o: &TunnelCluster) -> Option<&str> {
+    o.metadata
+        .owner_references
+        .as_deref()?
+        .iter()
+        .find(|r| {
+            r.controller == Some(true)
+                && r.kind == "SeedlinkControlPlane"
+                && r.api_version.starts_with("seedlink.dev/")
+        })
+        .map(|r| r.uid.as_str())
 }
 
 /// A TunnelCluster's `agentToken`, its keys' file named in `keys`.
@@ -565,6 +583,48 @@ mod tests {
         ] {
             assert!(confine(own, bad).is_err(), "{bad:?} accepted");
         }
+    }
+
+    /// A TunnelCluster generated for a control plane (its controlling
+    /// owner) requires that object's UID on kube-apiserver's certificate;
+    /// a hand-written one, or one merely referring to an owner, does not.
+    #[test]
+    fn a_generated_tunnel_cluster_is_bound_to_its_control_planes_uid() {
+        let owned = |kind: &str, api: &str, controller: bool| {
+            let mut o = (*object("shoot--a", json!({}))).clone();
+            o.metadata.owner_references = Some(vec![
+                k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference {
+                    api_version: api.into(),
+                    kind: kind.into(),
+                    name: "api".into(),
+                    uid: "u-1".into(),
+                    controller: Some(controller),
+                    block_owner_deletion: None,
+                },
+            ]);
+            o
+        };
+        let uri =
+            |o: &TunnelCluster| control_plane(o).map(seedlink_config::tunnel::control_plane_uri);
+        assert_eq!(
+            uri(&owned(
+                "SeedlinkControlPlane",
+                "seedlink.dev/v1alpha1",
+                true
+            ))
+            .as_deref(),
+            Some("urn:seedlink:control-plane:u-1")
+        );
+        assert_eq!(
+            uri(&owned(
+                "SeedlinkControlPlane",
+                "seedlink.dev/v1alpha1",
+                false
+            )),
+            None
+        );
+        assert_eq!(uri(&owned("Deployment", "apps/v1", true)), None);
+        assert_eq!(uri(&object("shoot--a", json!({}))), None);
     }
 
     #[test]

@@ -2374,6 +2374,9 @@ struct Onboarding {
     onboard_admin: SocketAddr,
     /// The directory of the tunnel-server's files and frontend sockets.
     dir: tempfile::TempDir,
+    /// The tunnel-server's shared TCP+mTLS CONNECT frontend (on loopback),
+    /// which kube-apiserver's generated client certificates select.
+    shared_frontend: u16,
     a: String,
     seed: Seed,
     pki: Arc<seedlink::demo::Pki>,
@@ -2401,7 +2404,9 @@ impl Onboarding {
         let echo = echo_backend(&stop).await;
         let dir = tempfile::tempdir().unwrap();
         let tunnel_pki = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
-        let (tunnel, agents) = onboarding_tunnel_server(&seed, &tunnel_pki, dir.path());
+        let shared_frontend = free_port();
+        let (tunnel, agents) =
+            onboarding_tunnel_server(&seed, &tunnel_pki, dir.path(), shared_frontend);
         std::fs::write(dir.path().join("seed-ca.pem"), &tunnel_pki.ca_pem).unwrap();
         let token = seed
             .api
@@ -2415,6 +2420,7 @@ impl Onboarding {
             _onboard: onboard,
             onboard_admin,
             dir,
+            shared_frontend,
             a,
             seed,
             pki,
@@ -2478,25 +2484,38 @@ fn onboarding_tunnel_server(
     seed: &Seed,
     pki: &seedlink::demo::Pki,
     dir: &std::path::Path,
+    shared_port: u16,
 ) -> (Proc, String) {
     let (_, leaf) = &pki.servers[0];
     let (crt, key) = (dir.join("tun.pem"), dir.join("tun-key.pem"));
     std::fs::write(&crt, &leaf.cert_pem).unwrap();
     std::fs::write(&key, &leaf.key_pem).unwrap();
+    // The CA of kube-apiserver's client certificates on the shared
+    // frontend: the controller issues from it (kas-ca*.pem).
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "kube-apiserver clients");
+    let ca = ca.self_signed(&ca_key).unwrap();
+    std::fs::write(dir.join("kas-ca.pem"), ca.pem()).unwrap();
+    std::fs::write(dir.join("kas-ca-key.pem"), ca_key.serialize_pem()).unwrap();
     let (d, sys) = (dir.display(), &seed.sys);
     let config = dir.join("tunnel.yaml");
     std::fs::write(
         &config,
         format!(
-            "agents: {{listen: '127.0.0.1:0', cert: '{}', key: '{}', keepalive: 1s, keepalive_timeout: 1s}}
+            "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}', keepalive: 1s, keepalive_timeout: 1s}}
 admin: {{listen: '127.0.0.1:0'}}
 clusters: []
 frontend_templates:
   - {{name: uds, protocol: http-connect, unix: '{d}/{{cluster}}.sock'}}
+shared_frontends:
+  - {{name: shared, protocol: http-connect, tcp: '127.0.0.1:{shared_port}', cert: '{crt}', key: '{key}', client_ca: '{d}/kas-ca.pem'}}
 kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust'}}
 ",
-            crt.display(),
-            key.display()
+            crt = crt.display(),
+            key = key.display()
         ),
     )
     .unwrap();
@@ -2544,9 +2563,11 @@ render:
   agent_server: '{agents}'
   server_name: tunnel.seedlink.test
   server_ca: '{}'
+  kube_apiserver_client_ca: {{cert: '{d}/kas-ca.pem', key: '{d}/kas-ca-key.pem'}}
 ",
             tunnel.display(),
-            ca.display()
+            ca.display(),
+            d = dir.display()
         ),
     )
     .unwrap();
@@ -2603,7 +2624,8 @@ async fn one_object_serves_its_api_server_by_sni(t: &Onboarding) {
             "TunnelCluster/kas",
             "TLSRoute/kas",
             "ConfigMap/kas-kube-apiserver-egress",
-            "Secret/kas-shoot"
+            "Secret/kas-shoot",
+            "Secret/kas-kube-apiserver-tunnel"
         ]
     );
     let owned = [
@@ -3001,5 +3023,131 @@ async fn one_object_onboards_a_control_plane() {
     let (_agent, mut tunnel) = the_shoot_bundle_carries_the_tunnel(&t).await;
     another_tenant_takes_neither_a_name_nor_a_host(&t, &mut tunnel).await;
     let _agent_c = revoking_one_control_plane_cuts_only_its_agents(&t).await;
+    a_recreated_control_plane_refuses_the_old_kube_apiserver_certificate(&t).await;
     t.stop.cancel();
+}
+
+/// kube-apiserver's generated client certificate selects its own cluster
+/// on the shared frontend, and never a later object of the same namespace
+/// and name: it names its object's UID, which the generated TunnelCluster
+/// requires. (This test's API server runs no garbage collector: the test
+/// deletes what the object owned, as the collector would.)
+async fn a_recreated_control_plane_refuses_the_old_kube_apiserver_certificate(t: &Onboarding) {
+    let old = kas_client_certificate(t, "old").await;
+    eventually(
+        "the generated certificate selects its cluster",
+        Duration::from_secs(30),
+        async || !old.is_empty() && shared_frontend_answers(t, "old").await,
+    )
+    .await;
+    let cp = t
+        .seed
+        .get(CONTROL_PLANES, "SeedlinkControlPlane", &t.a, "kas")
+        .await
+        .unwrap();
+    assert!(
+        t.seed
+            .delete(CONTROL_PLANES, "SeedlinkControlPlane", &t.a, "kas")
+            .await
+    );
+    collect_garbage(t, cp["metadata"]["uid"].as_str().unwrap()).await;
+    t.seed.apply(control_plane(&t.a, "kas", A)).await;
+    eventually(
+        "the new object's certificate selects the new cluster",
+        Duration::from_secs(60),
+        async || {
+            let new = kas_client_certificate(t, "new").await;
+            !new.is_empty() && new != old && shared_frontend_answers(t, "new").await
+        },
+    )
+    .await;
+    assert!(
+        !shared_frontend_answers(t, "old").await,
+        "the old object's certificate selects the new cluster"
+    );
+}
+
+/// Deletes every object in `t.a` whose controlling owner is `uid`.
+async fn collect_garbage(t: &Onboarding, uid: &str) {
+    let kinds = [
+        (ROUTES, "TLSRoute"),
+        (POLICIES, "SeedlinkPolicy"),
+        (TUNNELS, "TunnelCluster"),
+        ("v1", "Secret"),
+        ("v1", "ConfigMap"),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+    ];
+    for (api, kind) in kinds {
+        for o in kubeapi::list(&t.seed.client, api, kind, &t.a).await {
+            let owned = o["metadata"]["ownerReferences"]
+                .as_array()
+                .is_some_and(|rs| rs.iter().any(|r| r["uid"] == uid));
+            if owned {
+                let name = o["metadata"]["name"].as_str().unwrap();
+                assert!(t.seed.delete(api, kind, &t.a, name).await, "{kind}/{name}");
+            }
+        }
+    }
+}
+
+/// `t.a`'s generated kube-apiserver client certificate and key, written to
+/// `<dir>/<tag>.crt` and `.key`; returns the certificate (PEM), empty if
+/// there is none yet.
+async fn kas_client_certificate(t: &Onboarding, tag: &str) -> String {
+    let Some(secret) = t
+        .seed
+        .get("v1", "Secret", &t.a, "kas-kube-apiserver-tunnel")
+        .await
+    else {
+        return String::new();
+    };
+    let mut cert = String::new();
+    for (key, to) in [("client.crt", "crt"), ("client.key", "key")] {
+        let b: k8s_openapi::ByteString =
+            serde_json::from_value(secret["data"][key].clone()).unwrap_or_default();
+        if key == "client.crt" {
+            cert = String::from_utf8_lossy(&b.0).into_owned();
+        }
+        std::fs::write(t.dir.path().join(format!("{tag}.{to}")), b.0).unwrap();
+    }
+    cert
+}
+
+/// Whether the shared frontend selects a cluster for the client
+/// certificate `<dir>/<tag>.crt`: a plain proxy GET (curl) gets the
+/// cluster's 405 (the frontend only carries CONNECT); a certificate that
+/// selects none gets the connection closed.
+async fn shared_frontend_answers(t: &Onboarding, tag: &str) -> bool {
+    let d = t.dir.path().to_path_buf();
+    let port = t.shared_frontend;
+    let tag = tag.to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("curl")
+            .args([
+                "-s",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "--max-time",
+                "10",
+            ])
+            .args(["-x", &format!("https://tunnel.seedlink.test:{port}")])
+            .args([
+                "--resolve",
+                &format!("tunnel.seedlink.test:{port}:127.0.0.1"),
+            ])
+            .arg("--proxy-cacert")
+            .arg(d.join("seed-ca.pem"))
+            .arg("--proxy-cert")
+            .arg(d.join(format!("{tag}.crt")))
+            .arg("--proxy-key")
+            .arg(d.join(format!("{tag}.key")))
+            .arg("http://127.0.0.1:1/")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    String::from_utf8_lossy(&out.stdout) == "405"
 }

@@ -784,8 +784,9 @@ control_planes:
     eprintln!("A's agents were back {back:?} after the gateway restarted");
 }
 
-/// A CA and client certificates (PEM cert, PEM key) with the given CNs.
-fn client_certs(cns: &[&str]) -> (String, Vec<(String, String)>) {
+/// A CA and client certificates (PEM cert, PEM key) with the given CNs
+/// and, where given, a URI SAN.
+fn client_certs(cns: &[(&str, Option<&str>)]) -> (String, Vec<(String, String)>) {
     use rcgen::{
         BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     };
@@ -798,10 +799,13 @@ fn client_certs(cns: &[&str]) -> (String, Vec<(String, String)>) {
     let issuer = Issuer::new(ca, ca_key);
     let leaves = cns
         .iter()
-        .map(|cn| {
+        .map(|(cn, uri)| {
             let key = KeyPair::generate().unwrap();
             let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
             p.distinguished_name.push(DnType::CommonName, *cn);
+            if let Some(u) = uri {
+                p.subject_alt_names = vec![rcgen::SanType::URI((*u).try_into().unwrap())];
+            }
             p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
             (
                 p.signed_by(&key, &issuer).unwrap().pem(),
@@ -815,14 +819,23 @@ fn client_certs(cns: &[&str]) -> (String, Vec<(String, String)>) {
 /// One shared TCP+mTLS CONNECT frontend for every cluster: the client
 /// certificate's CN names the cluster (curl `-p -x` with each cluster's
 /// certificate reaches that cluster's shoot); a certificate naming no
-/// cluster is refused and counted. Frontend templates give every cluster
-/// its Unix socket.
+/// cluster is refused and counted. A cluster bound to a URI (as a
+/// control plane's generated one is to its object's UID) is selected only
+/// by a certificate that carries it: one made for an earlier object of the
+/// same name, or with no URI, is refused. Frontend templates give every
+/// cluster its Unix socket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shared_mtls_frontend_picks_the_cluster_by_client_certificate() {
     let env = TunnelEnv::new(72);
     let b = Tenant::new(&env, "b", 73);
     let d = env.dir.path();
-    let (ca, leaves) = client_certs(&["shoot--dev--a", "b", "nope"]);
+    let (ca, leaves) = client_certs(&[
+        ("shoot--dev--a", None),
+        ("b", Some("urn:seedlink:control-plane:u-b")),
+        ("nope", None),
+        ("b", None),
+        ("b", Some("urn:seedlink:control-plane:u-old")),
+    ]);
     std::fs::write(d.join("kas-clients-ca.pem"), ca).unwrap();
     for (i, (c, k)) in leaves.iter().enumerate() {
         std::fs::write(d.join(format!("kas{i}.pem")), c).unwrap();
@@ -831,7 +844,10 @@ async fn a_shared_mtls_frontend_picks_the_cluster_by_client_certificate() {
     let f = &env.files;
     // B has no frontends of its own: the template gives it a socket.
     let b_yaml = b
-        .yaml(&env)
+        .yaml_with(
+            &env,
+            "    frontend_client_uri: 'urn:seedlink:control-plane:u-b'\n",
+        )
         .replace(
             &format!(
                 "      - {{name: uds, protocol: http-connect, unix: '{}/kas-b.sock'}}\n",
@@ -874,9 +890,11 @@ async fn a_shared_mtls_frontend_picks_the_cluster_by_client_certificate() {
     };
     assert!(curl(0).contains("hello from the shoot"), "{}", curl(0));
     assert!(curl(1).contains("hello from b"), "{}", curl(1));
-    assert!(!curl(2).contains("hello"));
+    for refused in 2..=4 {
+        assert!(!curl(refused).contains("hello"), "{refused}");
+    }
     let m = |name: &str| env.server_metric(&server.admin(), name);
-    assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"\",frontend=\"shared\",outcome=\"unknown_cluster\"}") >= 1.0);
+    assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"\",frontend=\"shared\",outcome=\"unknown_cluster\"}") >= 3.0);
     assert!(m("seedlink_tunnel_server_frontend_connections_total{cluster=\"b\",frontend=\"shared\",outcome=\"ok\"}") >= 1.0);
 }
 

@@ -87,7 +87,10 @@ pub fn agent_cert(
     let ca_key = KeyPair::from_pem(ca_key_pem)?;
     let issuer = Issuer::new(ca_params(ns, name)?, ca_key);
     client_cert(
-        &format!("seedlink agent {ns}/{name}"),
+        &ClientId {
+            cn: &format!("seedlink agent {ns}/{name}"),
+            uri: None,
+        },
         &issuer,
         now,
         validity,
@@ -95,11 +98,13 @@ pub fn agent_cert(
 }
 
 /// kube-apiserver's client certificate for the tunnel-server's shared
-/// TCP+mTLS frontend: its CN names the tunnel cluster `cn`
-/// (`<namespace>.<name>`), signed by the CA the frontend trusts
-/// (`issuer_cert_pem`, `issuer_key_pem`: PKCS#8 or SEC1 PEM).
+/// TCP+mTLS frontend: its CN names the tunnel cluster `id.cn`
+/// (`<namespace>.<name>`) and a URI SAN its object (`id.uri`, see
+/// `seedlink_config::tunnel::control_plane_uri`), signed by the CA the
+/// frontend trusts (`issuer_cert_pem`, `issuer_key_pem`: PKCS#8 or SEC1
+/// PEM).
 pub fn kube_apiserver_client(
-    cn: &str,
+    id: &ClientId<'_>,
     issuer_cert_pem: &str,
     issuer_key_pem: &str,
     now: Timestamp,
@@ -107,20 +112,40 @@ pub fn kube_apiserver_client(
 ) -> Result<Issued, CertError> {
     let issuer_key = KeyPair::from_pem(issuer_key_pem)?;
     let issuer = Issuer::from_ca_cert_pem(issuer_cert_pem, issuer_key)?;
-    client_cert(cn, &issuer, now, validity)
+    client_cert(id, &issuer, now, validity)
 }
 
-/// A client certificate (a fresh key) for `cn`, signed by `issuer`, valid
+/// Who a client certificate names: its CN, and a URI SAN if any.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientId<'a> {
+    /// The subject's common name.
+    pub cn: &'a str,
+    /// A URI subject alternative name.
+    pub uri: Option<&'a str>,
+}
+
+/// Whether the PEM certificate `cert_pem` carries the URI SAN `uri`.
+pub fn has_uri(cert_pem: &str, uri: &str) -> bool {
+    use rustls::pki_types::{pem::PemObject, CertificateDer};
+    CertificateDer::from_pem_slice(cert_pem.as_bytes())
+        .is_ok_and(|der| seedlink_config::tunnel::certificate_has_uri(&der, uri))
+}
+
+/// A client certificate (a fresh key) for `id`, signed by `issuer`, valid
 /// from `now` for `validity` (and 5 minutes before, for clock skew).
 fn client_cert(
-    cn: &str,
+    id: &ClientId<'_>,
     issuer: &Issuer<'_, KeyPair>,
     now: Timestamp,
     validity: SignedDuration,
 ) -> Result<Issued, CertError> {
     let key = KeyPair::generate()?;
     let mut p = CertificateParams::new(Vec::<String>::new())?;
-    p.distinguished_name.push(DnType::CommonName, cn);
+    p.distinguished_name.push(DnType::CommonName, id.cn);
+    if let Some(uri) = id.uri {
+        let uri = rcgen::string::Ia5String::try_from(uri)?;
+        p.subject_alt_names = vec![rcgen::SanType::URI(uri)];
+    }
     p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
     let not_after = now + validity;
     p.not_before = at(now - SignedDuration::from_mins(5))?;
@@ -140,7 +165,10 @@ pub fn check_issuer(cert_pem: &str, key_pem: &str) -> Result<(), CertError> {
     use rustls::pki_types::{pem::PemObject, CertificateDer, UnixTime};
     let now = Timestamp::now();
     let c = kube_apiserver_client(
-        "check",
+        &ClientId {
+            cn: "check",
+            uri: None,
+        },
         cert_pem,
         key_pem,
         now,
@@ -215,14 +243,12 @@ mod tests {
     fn kube_apiserver_client_chains_to_the_operators_ca() {
         let now = Timestamp::now();
         let ca = agent_ca("seed", "kas-clients", now, CA_VALIDITY).unwrap();
-        let c = kube_apiserver_client(
-            "shoot--a.api",
-            &ca.cert_pem,
-            &ca.key_pem,
-            now,
-            LEAF_VALIDITY,
-        )
-        .unwrap();
+        let uri = "urn:seedlink:control-plane:0d1c";
+        let id = ClientId {
+            cn: "shoot--a.api",
+            uri: Some(uri),
+        };
+        let c = kube_apiserver_client(&id, &ca.cert_pem, &ca.key_pem, now, LEAF_VALIDITY).unwrap();
         let mut roots = rustls::RootCertStore::empty();
         roots.add(rustls_pemfile_der(&ca.cert_pem)).unwrap();
         let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
@@ -238,9 +264,11 @@ mod tests {
         verifier.verify_client_cert(&der, &[], when).unwrap();
         let text = String::from_utf8_lossy(&der).into_owned();
         assert!(text.contains("shoot--a.api"));
+        assert!(has_uri(&c.cert_pem, uri) && !has_uri(&c.cert_pem, "urn:seedlink:x"));
+        assert!(!has_uri(&ca.cert_pem, uri) && !has_uri("junk", uri));
         // A key that is no key is an error, not a panic; another CA's
         // key is refused by the check.
-        assert!(kube_apiserver_client("x", &ca.cert_pem, "junk", now, LEAF_VALIDITY).is_err());
+        assert!(kube_apiserver_client(&id, &ca.cert_pem, "junk", now, LEAF_VALIDITY).is_err());
         check_issuer(&ca.cert_pem, &ca.key_pem).unwrap();
         let other = agent_ca("seed", "other", now, CA_VALIDITY).unwrap();
         assert!(check_issuer(&ca.cert_pem, &other.key_pem).is_err());

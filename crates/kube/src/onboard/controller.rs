@@ -291,22 +291,28 @@ impl Writer<'_> {
         };
         let v = &self.ctx.validity;
         let name = &names.kube_apiserver_tunnel;
+        // Bound to this object: the TunnelCluster generated for it
+        // requires the URI, so a later object of the same name refuses
+        // this certificate.
+        let uri = seedlink_config::tunnel::control_plane_uri(&self.uid());
         let kept = self
             .owned("v1", "Secret", "secrets", name)
             .await?
             .map(|e| generate::kube_apiserver_client_from(&e))
-            .filter(|(c, issuer)| *issuer == k.cert_pem && !rotation::due(c.not_after, now, v.leaf))
+            .filter(|(c, issuer)| {
+                *issuer == k.cert_pem
+                    && certs::has_uri(&c.cert_pem, &uri)
+                    && !rotation::due(c.not_after, now, v.leaf)
+            })
             .map(|(c, _)| c);
         let client = match kept {
             Some(c) => c,
             None => {
-                let c = certs::kube_apiserver_client(
-                    &self.cluster(),
-                    &k.cert_pem,
-                    &k.key_pem,
-                    now,
-                    v.leaf,
-                )?;
+                let id = certs::ClientId {
+                    cn: &self.cluster(),
+                    uri: Some(&uri),
+                };
+                let c = certs::kube_apiserver_client(&id, &k.cert_pem, &k.key_pem, now, v.leaf)?;
                 tracing::info!(control_plane = %key(self.cp), not_after = %c.not_after, "onboarding: kube-apiserver's client certificate issued");
                 c
             }

@@ -230,6 +230,7 @@ impl ServerConfig {
             strategies: Vec::new(),
             frontends,
             proxy_password_file: None,
+            frontend_client_uri: None,
             limits: ClusterLimits::default(),
         }
     }

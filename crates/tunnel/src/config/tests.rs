@@ -180,6 +180,7 @@ kubernetes: {lease: seedlink-system/tunnel}
         strategies: vec!["default".into()],
         frontends: Vec::new(),
         proxy_password_file: None,
+        frontend_client_uri: None,
         limits: ClusterLimits::default(),
     };
     let ca_c = dir.path().join("ca-c.pem");
@@ -275,6 +276,7 @@ clusters:
         strategies: vec!["default".into()],
         frontends: Vec::new(),
         proxy_password_file: None,
+        frontend_client_uri: None,
         limits: ClusterLimits::default(),
     };
     let fresh = root("f");
@@ -316,6 +318,7 @@ fn trust_stays_with_the_cluster_that_held_it() {
         strategies: vec!["default".into()],
         frontends: Vec::new(),
         proxy_password_file: None,
+        frontend_client_uri: None,
         limits: ClusterLimits::default(),
     };
     let text = "agents: {listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}\nclusters: []\n";
@@ -384,6 +387,7 @@ fn a_frontend_address_stays_with_its_holder() {
             client_ca: None,
         }],
         proxy_password_file: None,
+        frontend_client_uri: None,
         limits: ClusterLimits::default(),
     };
     let (x, v) = (ca("x"), ca("v"));

@@ -115,13 +115,20 @@ impl Serve {
     }
 }
 
-/// The cluster a shared frontend's client certificate names by its CN.
+/// The cluster a shared frontend's client certificate names by its CN,
+/// if the certificate also carries the URI that cluster requires (a
+/// generated cluster's certificate names its object's UID).
 fn named_cluster<IO>(
     srv: &Core,
     tls: &tokio_rustls::server::TlsStream<IO>,
 ) -> Option<Arc<Cluster>> {
     let cert = tls.get_ref().1.peer_certificates()?.first()?;
-    srv.registry.cluster(&tls::subject_cn(cert.as_ref())?)
+    let c = srv.registry.cluster(&tls::subject_cn(cert.as_ref())?)?;
+    let conf = c.conf.load();
+    match &conf.client_uri {
+        Some(uri) if !seedlink_config::tunnel::certificate_has_uri(cert.as_ref(), uri) => None,
+        _ => Some(c.clone()),
+    }
 }
 
 pub(super) async fn serve_frontend<S>(

@@ -37,6 +37,9 @@ pub struct ClusterConf {
     pub proxy_password: Option<String>,
     /// Its own frontends, `name (protocol, where)`, for the admin views.
     pub frontends: Vec<String>,
+    /// A URI the client certificate must carry, besides its CN, to select
+    /// this cluster on a shared mTLS frontend.
+    pub client_uri: Option<String>,
 }
 
 /// One cluster's agents and settings.
@@ -118,6 +121,7 @@ impl Cluster {
                 token: token.map(Arc::new),
                 proxy_password: None,
                 frontends: Vec::new(),
+                client_uri: None,
             },
             limits,
             metrics::ClusterMetrics::unregistered(),

@@ -304,6 +304,7 @@ pub(super) fn plan_cluster(
             token,
             proxy_password,
             frontends: c.frontends.iter().map(frontend_label).collect(),
+            client_uri: c.frontend_client_uri.clone(),
         },
         limits: c.limits.into(),
     })
