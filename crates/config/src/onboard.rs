@@ -136,6 +136,96 @@ pub struct RenderConfig {
     /// its shoot's side as manifests (`Secret/<name>-shoot-manifests`).
     #[serde(default)]
     pub agent_image: Option<String>,
+    /// The shoot's node-proxy (GEP-08): set, with `agent_image`, a control
+    /// plane that names `spec.nodes.destinations` also gets the
+    /// node-proxy's DaemonSet in its shoot manifests, and kube-apiserver
+    /// advertises `address`.
+    #[serde(default)]
+    pub node_proxy: Option<NodeProxyRender>,
+}
+
+/// The node-proxy the shoot manifests carry: what is the same for every
+/// shoot of the install.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeProxyRender {
+    /// Where the shoot's nodes reach the gateway's `http-connect`
+    /// listener, `host:port`.
+    pub gateway: String,
+    /// The address it serves `kubernetes` on at every node, which
+    /// kube-apiserver advertises (GEP-08's `10.250.255.254` by default).
+    #[serde(default = "advertise_address")]
+    pub address: std::net::IpAddr,
+    /// The link that carries `address`: `dummy`, `bridge`, `existing` or
+    /// `none` (default `dummy`).
+    #[serde(default = "dummy")]
+    pub link_kind: String,
+    /// That link's name (default `apiserver-proxy`).
+    #[serde(default = "link_name")]
+    pub interface: String,
+    /// Its loopback admin port (default 9911; probes and `/config`).
+    #[serde(default = "admin_port")]
+    pub admin_port: u16,
+    /// Its `/metrics` port on the node's addresses (default 16910).
+    #[serde(default = "metrics_port")]
+    pub metrics_port: u16,
+}
+
+fn advertise_address() -> std::net::IpAddr {
+    std::net::IpAddr::from([10, 250, 255, 254])
+}
+
+fn dummy() -> String {
+    "dummy".into()
+}
+
+fn link_name() -> String {
+    "apiserver-proxy".into()
+}
+
+fn admin_port() -> u16 {
+    9911
+}
+
+fn metrics_port() -> u16 {
+    16910
+}
+
+impl NodeProxyRender {
+    /// What is wrong with it, keyed under `render.node_proxy`.
+    fn problems(&self) -> Vec<ConfigError> {
+        let at = |k: &str| format!("render.node_proxy.{k}");
+        let mut out = Vec::new();
+        let port = self
+            .gateway
+            .rsplit_once(':')
+            .and_then(|(h, p)| (!h.is_empty()).then(|| p.parse::<u16>().ok()).flatten());
+        if port.is_none_or(|p| p == 0) {
+            out.push(ConfigError::new(
+                at("gateway"),
+                format!("{:?} is not host:port", self.gateway),
+            ));
+        }
+        if !["dummy", "bridge", "existing", "none"].contains(&self.link_kind.as_str()) {
+            out.push(ConfigError::new(
+                at("link_kind"),
+                format!("{:?}: one of dummy, bridge, existing, none", self.link_kind),
+            ));
+        }
+        if self.interface.is_empty() || self.interface.len() > 15 {
+            out.push(ConfigError::new(
+                at("interface"),
+                "a link name has 1 to 15 characters",
+            ));
+        }
+        if self.admin_port == 0 || self.metrics_port == 0 || self.admin_port == self.metrics_port {
+            out.push(ConfigError::new(
+                at("admin_port"),
+                "admin_port and metrics_port: two different ports, neither 0",
+            ));
+        }
+        out
+    }
 }
 
 /// A certificate and its key, as files (PEM).
@@ -179,6 +269,9 @@ impl OnboardConfig {
         if let Err(e) = c.certificates.durations() {
             problems.extend(e);
         }
+        if let Some(np) = c.render.as_ref().and_then(|r| r.node_proxy.as_ref()) {
+            problems.extend(np.problems());
+        }
         if problems.is_empty() {
             Ok(c)
         } else {
@@ -206,5 +299,26 @@ mod tests {
             OnboardConfig::parse("lease: s/l\ngateway: s/g\ntunnel_reader: s/x\nextra: 1\n")
                 .is_err()
         );
+    }
+
+    #[test]
+    fn the_node_proxy_has_defaults_and_its_mistakes_are_named() {
+        let head = "lease: s/l\ngateway: s/g\ntunnel_reader: s/x\nrender: {tunnel_config: t, agent_server: 'a:1', server_ca: c, node_proxy: ";
+        let c = OnboardConfig::parse(&format!("{head}{{gateway: 'gw.seed:8443'}}}}\n")).unwrap();
+        let np = c.render.unwrap().node_proxy.unwrap();
+        assert_eq!(np.address.to_string(), "10.250.255.254");
+        assert_eq!(
+            (np.link_kind.as_str(), np.interface.as_str()),
+            ("dummy", "apiserver-proxy")
+        );
+        assert_eq!((np.admin_port, np.metrics_port), (9911, 16910));
+        let e = OnboardConfig::parse(&format!(
+            "{head}{{gateway: 'gw.seed', link_kind: tun, interface: '', admin_port: 1, metrics_port: 1}}}}\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        for k in ["gateway", "link_kind", "interface", "admin_port"] {
+            assert!(e.contains(&format!("render.node_proxy.{k}")), "{k}: {e}");
+        }
     }
 }

@@ -62,6 +62,35 @@ pub struct Options {
     /// kube-apiserver's secure port (the `kubernetes` endpoint's port, which
     /// the node-proxy serves on the advertised address).
     pub kube_apiserver_port: u16,
+    /// The node-proxy's link and ports, when not its defaults (`dummy`
+    /// link `apiserver-proxy`, admin on 9911, metrics on 16910).
+    pub node_proxy_host: Option<NodeProxyHost>,
+}
+
+/// Where on the node the node-proxy lives: its link and its ports (one
+/// beside another node proxy, as during a migration from Gardener's
+/// apiserver-proxy, needs others).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeProxyHost {
+    /// `dummy`, `bridge`, `existing` or `none`.
+    pub link_kind: String,
+    /// The link's name.
+    pub interface: String,
+    /// Its loopback admin port.
+    pub admin_port: u16,
+    /// Its `/metrics` port on every address of the node.
+    pub metrics_port: u16,
+}
+
+impl Default for NodeProxyHost {
+    fn default() -> NodeProxyHost {
+        NodeProxyHost {
+            link_kind: "dummy".into(),
+            interface: "apiserver-proxy".into(),
+            admin_port: 9911,
+            metrics_port: 16910,
+        }
+    }
 }
 
 impl Options {
@@ -497,14 +526,20 @@ fn node_proxy_yaml(
     if let Err(why) = seedlink_proto::destination::parse(&destination) {
         bail!("destination {destination:?}: {why}");
     }
+    let host = opts.node_proxy_host.clone().unwrap_or_default();
+    // Ready only while a tunnel like a client's gets through to this
+    // cluster's API server.
     let np = serde_json::json!({
         "address": address.to_string(),
         "port": opts.kube_apiserver_port,
         "gateway": gateway,
         "mode": "connect",
         "destination": destination,
-        "admin": "127.0.0.1:9911",
-        "metrics": "[::]:16910",
+        "health_check": "tunnel",
+        "link_kind": host.link_kind,
+        "interface": host.interface,
+        "admin": format!("127.0.0.1:{}", host.admin_port),
+        "metrics": format!("[::]:{}", host.metrics_port),
     });
     Ok(Some(serde_norway::to_string(&np)?))
 }

@@ -123,6 +123,7 @@ pub fn tunnel_config(a: TunnelConfigArgs) -> anyhow::Result<i32> {
         gateway: a.gateway,
         destination: a.destination,
         kube_apiserver_port: a.kube_apiserver_port,
+        node_proxy_host: None,
     };
     let r = crate::egress::render(&cfg, &opts)?;
     match a.out {

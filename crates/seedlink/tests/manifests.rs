@@ -13,7 +13,7 @@ use seedlink_testkit as common;
 
 use std::path::{Path, PathBuf};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -540,11 +540,8 @@ fn the_shoot_install_renders_and_every_object_reads_strictly() {
     let pod = &ds["spec"]["template"]["spec"];
     assert_eq!(pod["hostNetwork"], true);
     let caps = &pod["containers"][0]["securityContext"]["capabilities"];
-    assert_eq!(caps["drop"], serde_json::json!(["ALL"]));
-    assert_eq!(
-        caps["add"],
-        serde_json::json!(["NET_ADMIN", "NET_BIND_SERVICE"])
-    );
+    assert_eq!(caps["drop"], json!(["ALL"]));
+    assert_eq!(caps["add"], json!(["NET_ADMIN", "NET_BIND_SERVICE"]));
     let agent = find(&docs, "Deployment", "seedlink-tunnel-agent");
     let spec = &agent["spec"]["template"]["spec"];
     assert_eq!(spec["serviceAccountName"], "konnectivity-agent");
@@ -1395,6 +1392,40 @@ fn the_onboarding_controller_renders_under_its_own_service_account() {
     let cm = find("ConfigMap", "seedlink-onboard-config");
     let file: Value = serde_norway::from_str(cm["data"]["onboard.yaml"].as_str().unwrap()).unwrap();
     assert_eq!(file["render"]["agent_server"], "tunnel.seed.example:443");
+    assert!(file["render"]["node_proxy"].is_null(), "{file}");
+    // The node-proxy's settings reach the file, which reads strictly.
+    let with_node_proxy = helm_template(&[
+        "--set",
+        "onboarding.enabled=true",
+        "--set",
+        "onboarding.agentServer=tunnel.seed.example:443",
+        "--set",
+        "onboarding.nodeProxy.gateway=gw.seed.example:8443",
+        "--set",
+        "onboarding.nodeProxy.linkKind=bridge",
+    ]);
+    check_strictly(&with_node_proxy);
+    let cm = with_node_proxy
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "seedlink-onboard-config")
+        .unwrap();
+    let file: Value = serde_norway::from_str(cm["data"]["onboard.yaml"].as_str().unwrap()).unwrap();
+    let np = &file["render"]["node_proxy"];
+    assert_eq!(
+        (
+            &np["gateway"],
+            &np["link_kind"],
+            &np["address"],
+            &np["admin_port"]
+        ),
+        (
+            &json!("gw.seed.example:8443"),
+            &json!("bridge"),
+            &json!("10.250.255.254"),
+            &json!(9911)
+        ),
+        "{np}"
+    );
     let role = find("ClusterRole", "seedlink-onboard");
     let binds: Vec<&Value> = role["rules"]
         .as_array()
@@ -1403,10 +1434,7 @@ fn the_onboarding_controller_renders_under_its_own_service_account() {
         .filter(|r| r["verbs"].as_array().unwrap().iter().any(|v| v == "bind"))
         .collect();
     assert_eq!(binds.len(), 1);
-    assert_eq!(
-        binds[0]["resourceNames"],
-        serde_json::json!(["seedlink-tunnel-trust"])
-    );
+    assert_eq!(binds[0]["resourceNames"], json!(["seedlink-tunnel-trust"]));
     let data_plane = find("ClusterRole", "seedlink");
     for rule in data_plane["rules"].as_array().unwrap() {
         let writes = rule["verbs"]

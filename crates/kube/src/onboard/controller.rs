@@ -45,10 +45,11 @@ const FOLLOWER_RETRY: Duration = Duration::from_secs(2);
 const ERROR_RETRY: Duration = Duration::from_secs(5);
 
 /// Renders kube-apiserver's and the shoot's files for the tunnel cluster
-/// named (`<namespace>.<name>`): the `tunnel-config` renderer, passed in
-/// by the binary (one code path for the CLI and the controller), or why
-/// it cannot.
-pub type Renderer = Arc<dyn Fn(&str) -> Result<Bundle, String> + Send + Sync>;
+/// named (`<namespace>.<name>`), with the destination its node-proxies
+/// name (the object's first `spec.nodes.destinations`, if any): the
+/// `tunnel-config` renderer, passed in by the binary (one code path for
+/// the CLI and the controller), or why it cannot.
+pub type Renderer = Arc<dyn Fn(&str, Option<&str>) -> Result<Bundle, String> + Send + Sync>;
 
 /// What a reconcile needs.
 pub struct Context {
@@ -370,10 +371,17 @@ impl Writer<'_> {
         let Some(render) = self.ctx.render.as_ref().filter(|_| self.tunnel_on()) else {
             return Ok(Vec::new());
         };
-        let bundle = render(&self.cluster()).map_err(|e| Refusal {
-            reason: "RenderFailed",
-            message: format!("kube-apiserver's and the shoot's files: {e}"),
-        })?;
+        let destination = self
+            .cp
+            .spec
+            .nodes
+            .as_ref()
+            .and_then(|n| n.destinations.first());
+        let bundle =
+            render(&self.cluster(), destination.map(String::as_str)).map_err(|e| Refusal {
+                reason: "RenderFailed",
+                message: format!("kube-apiserver's and the shoot's files: {e}"),
+            })?;
         let mut out = generate::bundle_objects(self.cp, &bundle, agent)?;
         if let Some(image) = &self.ctx.agent_image {
             out.push(generate::shoot_manifests(self.cp, &bundle, agent, image)?);

@@ -405,13 +405,15 @@ fn cert_secret(
 pub const SHOOT_AGENT: (&str, &str) = ("kube-system", "seedlink-agent");
 
 /// The shoot's side as manifests, in Secret `<name>-shoot-manifests` of
-/// `cp` under one key, `seedlink-agent.yaml`: a Secret with the agent's
-/// files and credentials (`agent.yaml`, `agent.crt`, `agent.key`,
-/// `tunnel-ca.crt`) and a Deployment of `seedlink tunnel-agent` (image
-/// `image`) mounting it at `/etc/seedlink`, both [`SHOOT_AGENT`]. Every
-/// key of that Secret is a manifest file, as a Gardener `ManagedResource`
-/// expects of the Secrets it references; `kubectl apply -f` takes the
-/// file as it is.
+/// `cp`. Key `seedlink-agent.yaml`: a Secret with the agent's files and
+/// credentials (`agent.yaml`, `agent.crt`, `agent.key`, `tunnel-ca.crt`)
+/// and a Deployment of `seedlink tunnel-agent` (image `image`) mounting
+/// it at `/etc/seedlink`, both [`SHOOT_AGENT`]. Key
+/// `seedlink-node-proxy.yaml`, when the bundle has the node-proxy's
+/// configuration: its ConfigMap and DaemonSet ([`SHOOT_NODE_PROXY`]).
+/// Every key of that Secret is a manifest file, as a Gardener
+/// `ManagedResource` expects of the Secrets it references; `kubectl apply
+/// -f` takes each file as it is.
 pub fn shoot_manifests(
     cp: &SeedlinkControlPlane,
     bundle: &Bundle,
@@ -443,16 +445,10 @@ pub fn shoot_manifests(
             "template": {"metadata": {"labels": labels}, "spec": agent_pod(image, name)},
         },
     });
-    let text = [secret, deployment]
-        .iter()
-        .map(serde_norway::to_string)
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| Refusal {
-            reason: "RenderFailed",
-            message: format!("the shoot's manifests: {e}"),
-        })?
-        .join("---\n");
-    let data = json!({"seedlink-agent.yaml": text});
+    let mut data = json!({"seedlink-agent.yaml": manifests(&[secret, deployment])?});
+    if let Some(np) = bundle.shoot.get("node-proxy.yaml") {
+        data["seedlink-node-proxy.yaml"] = json!(manifests(&node_proxy(np, image)?)?);
+    }
     Ok(b.object(
         "v1",
         "Secret",
@@ -460,6 +456,87 @@ pub fn shoot_manifests(
         json!({}),
         json!({"type": "Opaque", "data": secret_data(&data)}),
     ))
+}
+
+/// Objects as one multi-document YAML file.
+fn manifests(objects: &[Value]) -> Result<String, Refusal> {
+    Ok(objects
+        .iter()
+        .map(serde_norway::to_string)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| Refusal {
+            reason: "RenderFailed",
+            message: format!("the shoot's manifests: {e}"),
+        })?
+        .join("---\n"))
+}
+
+/// In the shoot, the namespace and name of the node-proxy's DaemonSet and
+/// of the ConfigMap it reads (not the shoot chart's `seedlink-node-proxy`,
+/// so the two never take each other's objects).
+pub const SHOOT_NODE_PROXY: (&str, &str) = ("kube-system", "seedlink-apiserver-proxy");
+
+/// The node-proxy (GEP-08) on every node of the shoot: its configuration
+/// `config` (rendered, no credentials: the client's TLS runs end to end
+/// inside the tunnel) in a ConfigMap, and a DaemonSet of
+/// `seedlink node-proxy` on the node's network, root with NET_ADMIN (its
+/// address's link) and NET_BIND_SERVICE (port 443) only, probed on its
+/// loopback admin port.
+fn node_proxy(config: &str, image: &str) -> Result<[Value; 2], Refusal> {
+    let (ns, name) = SHOOT_NODE_PROXY;
+    let parsed: Value = serde_norway::from_str(config).map_err(|e| Refusal {
+        reason: "RenderFailed",
+        message: format!("the node-proxy's configuration: {e}"),
+    })?;
+    let port = |key: &str| {
+        parsed[key]
+            .as_str()
+            .and_then(|a| a.rsplit_once(':'))
+            .and_then(|(_, p)| p.parse::<u16>().ok())
+            .ok_or_else(|| Refusal {
+                reason: "RenderFailed",
+                message: format!("the node-proxy's configuration has no {key} port"),
+            })
+    };
+    let (admin, metrics) = (port("admin")?, port("metrics")?);
+    let labels = json!({"app.kubernetes.io/name": name});
+    let config_map = json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": ns, "labels": labels},
+        "data": {"node-proxy.yaml": config},
+    });
+    let probe = |path: &str, period: u32| json!({"httpGet": {"host": "127.0.0.1", "path": path, "port": admin}, "periodSeconds": period});
+    let pod = json!({
+        "hostNetwork": true,
+        "priorityClassName": "system-node-critical",
+        "automountServiceAccountToken": false,
+        "tolerations": [{"operator": "Exists"}],
+        "terminationGracePeriodSeconds": 40,
+        "containers": [{
+            "name": "node-proxy",
+            "image": image,
+            "args": ["node-proxy", "--config", "/etc/seedlink/node-proxy.yaml"],
+            "ports": [{"name": "metrics", "containerPort": metrics}],
+            "securityContext": {"runAsUser": 0, "allowPrivilegeEscalation": false,
+                                "readOnlyRootFilesystem": true,
+                                "capabilities": {"drop": ["ALL"], "add": ["NET_ADMIN", "NET_BIND_SERVICE"]}},
+            "readinessProbe": probe("/readyz", 5),
+            "livenessProbe": probe("/healthz", 10),
+            "resources": {"requests": {"cpu": "20m", "memory": "16Mi"}},
+            "volumeMounts": [{"name": "config", "mountPath": "/etc/seedlink", "readOnly": true}],
+        }],
+        "volumes": [{"name": "config", "configMap": {"name": name}}],
+    });
+    let daemon_set = json!({
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": name, "namespace": ns, "labels": labels},
+        "spec": {
+            "selector": {"matchLabels": labels},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "template": {"metadata": {"labels": labels}, "spec": pod},
+        },
+    });
+    Ok([config_map, daemon_set])
 }
 
 /// The agent's pod: non-root, read-only, its files from Secret `secret`,
@@ -904,5 +981,56 @@ mod tests {
             docs[0]["metadata"]["name"]
         );
         assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+        assert!(g.object["data"]["seedlink-node-proxy.yaml"].is_null());
+    }
+
+    /// With the node-proxy's configuration in the bundle, its ConfigMap
+    /// and DaemonSet are a second file, probed on the admin port the
+    /// configuration names.
+    #[test]
+    fn the_node_proxy_is_a_second_file_of_the_shoot_manifests() {
+        let c = cp(minimal());
+        let np = "address: 10.250.255.254\ngateway: gw:8443\nadmin: 127.0.0.1:9912\nmetrics: '[::]:16911'\n";
+        let bundle = Bundle {
+            kube_apiserver: BTreeMap::new(),
+            shoot: BTreeMap::from([
+                ("agent.yaml".to_string(), "server: a:1\n".to_string()),
+                ("node-proxy.yaml".to_string(), np.to_string()),
+            ]),
+        };
+        let agent = Issued {
+            cert_pem: "CERT\n".into(),
+            key_pem: "KEY\n".into(),
+            not_after: k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+        };
+        let g = shoot_manifests(&c, &bundle, &agent, "img:1").unwrap();
+        let text = secret_text(&g.object, "seedlink-node-proxy.yaml");
+        let docs: Vec<Value> = text
+            .split("---\n")
+            .map(|d| serde_norway::from_str(d).unwrap())
+            .collect();
+        assert_eq!(docs[0]["kind"], "ConfigMap");
+        assert_eq!(docs[0]["data"]["node-proxy.yaml"], np);
+        assert_eq!(docs[1]["kind"], "DaemonSet");
+        assert_eq!(docs[1]["metadata"]["name"], "seedlink-apiserver-proxy");
+        let pod = &docs[1]["spec"]["template"]["spec"];
+        assert_eq!(pod["hostNetwork"], true);
+        let c0 = &pod["containers"][0];
+        assert_eq!(c0["readinessProbe"]["httpGet"]["port"], 9912);
+        assert_eq!(c0["ports"][0]["containerPort"], 16911);
+        assert_eq!(
+            c0["securityContext"]["capabilities"]["add"],
+            json!(["NET_ADMIN", "NET_BIND_SERVICE"])
+        );
+        // A configuration without its ports is refused, not guessed.
+        let mut bad = bundle.clone();
+        bad.shoot
+            .insert("node-proxy.yaml".into(), "address: x\n".into());
+        assert_eq!(
+            shoot_manifests(&c, &bad, &agent, "img:1")
+                .unwrap_err()
+                .reason,
+            "RenderFailed"
+        );
     }
 }

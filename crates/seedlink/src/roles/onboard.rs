@@ -49,28 +49,42 @@ fn renderer(r: &RenderConfig) -> anyhow::Result<Renderer> {
     let server_ca = std::fs::read_to_string(&r.server_ca)
         .with_context(|| format!("reading {}", r.server_ca.display()))?;
     let r = r.clone();
-    Ok(std::sync::Arc::new(move |cluster: &str| {
-        let opts = crate::egress::Options {
-            agent_server: Some(r.agent_server.clone()),
-            server_name: r.server_name.clone(),
-            frontend_address: r.frontend_address.clone(),
-            ..crate::egress::Options::new(cluster)
-        };
-        let rendered = crate::egress::render(&cfg, &opts).map_err(|e| format!("{e:#}"))?;
-        let mut bundle = Bundle::default();
-        for (name, text) in rendered.files() {
-            let side = if crate::egress::Rendered::KUBE_APISERVER_FILES.contains(&name) {
-                &mut bundle.kube_apiserver
-            } else {
-                &mut bundle.shoot
+    Ok(std::sync::Arc::new(
+        move |cluster: &str, destination: Option<&str>| {
+            // The node-proxy: when the install says where the gateway is and
+            // the object names a destination that routes to it.
+            let node_proxy = r.node_proxy.as_ref().zip(destination);
+            let opts = crate::egress::Options {
+                agent_server: Some(r.agent_server.clone()),
+                server_name: r.server_name.clone(),
+                frontend_address: r.frontend_address.clone(),
+                gateway: node_proxy.map(|(np, _)| np.gateway.clone()),
+                advertise_address: node_proxy.map(|(np, _)| np.address),
+                destination: node_proxy.map(|(_, d)| d.to_string()),
+                node_proxy_host: node_proxy.map(|(np, _)| crate::egress::NodeProxyHost {
+                    link_kind: np.link_kind.clone(),
+                    interface: np.interface.clone(),
+                    admin_port: np.admin_port,
+                    metrics_port: np.metrics_port,
+                }),
+                ..crate::egress::Options::new(cluster)
             };
-            side.insert(name.to_string(), text);
-        }
-        bundle
-            .shoot
-            .insert("tunnel-ca.crt".into(), server_ca.clone());
-        Ok(bundle)
-    }))
+            let rendered = crate::egress::render(&cfg, &opts).map_err(|e| format!("{e:#}"))?;
+            let mut bundle = Bundle::default();
+            for (name, text) in rendered.files() {
+                let side = if crate::egress::Rendered::KUBE_APISERVER_FILES.contains(&name) {
+                    &mut bundle.kube_apiserver
+                } else {
+                    &mut bundle.shoot
+                };
+                side.insert(name.to_string(), text);
+            }
+            bundle
+                .shoot
+                .insert("tunnel-ca.crt".into(), server_ca.clone());
+            Ok(bundle)
+        },
+    ))
 }
 
 /// The CA for kube-apiserver's client certificates, when configured: read

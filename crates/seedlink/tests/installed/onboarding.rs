@@ -28,10 +28,19 @@ pub const ONBOARDED: &str = "api";
 const ONBOARDED_HOST: &str = "api.dev-c.seed.test";
 /// Another tenant, which asks for what the onboarded one and the first hold.
 pub const GREEDY_NS: &str = "shoot--dev--x";
+/// The destination its node-proxies name (GEP-30's form), on its
+/// generated SeedlinkPolicy.
+const ONBOARDED_DESTINATION: &str = "outbound|443||kube-apiserver.shoot--dev--c.svc.cluster.local";
+/// Where its generated node-proxy serves `kubernetes` (another address
+/// than the shoot chart's node-proxy on the same node), and its admin
+/// port.
+const ONBOARDED_NODE_PROXY: (&str, u16) = ("10.250.255.253", 443);
+const ONBOARDED_NODE_PROXY_ADMIN: u16 = 9912;
 
 /// What the controller generates for [`ONBOARDED`], by kind and name.
-const GENERATED: [(&str, &str); 10] = [
+const GENERATED: [(&str, &str); 11] = [
     ("tlsroute", "api"),
+    ("seedlinkpolicy", "api"),
     ("tunnelcluster", "api"),
     ("secret", "api-agent-trust"),
     ("secret", "api-agent-ca"),
@@ -52,6 +61,7 @@ pub fn onboarding(c: &Cluster, chart: &str, lb: &str, kubectl: &Path, echo: &str
     condition_is(c, ONBOARDED_NS, ONBOARDED, "RouteAccepted", "True");
     dns_as_external_dns_reads_it(c, lb);
     let manifests = agents_from_the_bundle(c);
+    let node_proxy = node_proxy_from_the_bundle(c, kubectl, &pki);
     condition_is(c, ONBOARDED_NS, ONBOARDED, "TunnelReady", "True");
     shoot_node(c, &kubeconfig, echo);
     reaches_through_the_tunnel(kubectl, &kubeconfig, "the onboarded API server's egress");
@@ -60,12 +70,9 @@ pub fn onboarding(c: &Cluster, chart: &str, lb: &str, kubectl: &Path, echo: &str
     the_expiry_metric(c);
     another_tenant_is_refused(c);
     deleting_removes_everything(c, kubectl, &kubeconfig);
-    c.kubectl_ok(&[
-        "delete",
-        "-f",
-        &manifests.display().to_string(),
-        "--wait=false",
-    ]);
+    for f in [manifests, node_proxy] {
+        c.kubectl_ok(&["delete", "-f", &f.display().to_string(), "--wait=false"]);
+    }
 }
 
 /// `helm upgrade --reuse-values` with the onboarding controller on, told
@@ -90,6 +97,21 @@ fn enable_onboarding(c: &Cluster, chart: &str, lb: &str) {
             "onboarding.serverName=seedlink",
             "--set",
             "onboarding.frontendAddress=seedlink-internal.seedlink-system.svc:8090",
+            // The shoot's node-proxy, beside the shoot chart's on the same
+            // node (as during a migration): its own address, link and
+            // ports. This kernel has no dummy link type.
+            "--set",
+            &format!("onboarding.nodeProxy.gateway={lb}:8443"),
+            "--set",
+            &format!("onboarding.nodeProxy.address={}", ONBOARDED_NODE_PROXY.0),
+            "--set",
+            "onboarding.nodeProxy.linkKind=bridge",
+            "--set",
+            "onboarding.nodeProxy.interface=apiserver-prx2",
+            "--set",
+            &format!("onboarding.nodeProxy.adminPort={ONBOARDED_NODE_PROXY_ADMIN}"),
+            "--set",
+            "onboarding.nodeProxy.metricsPort=16911",
         ],
     );
     c.kubectl_ok(&[
@@ -131,6 +153,7 @@ kind: SeedlinkControlPlane
 metadata: {{name: {ONBOARDED}, namespace: {ONBOARDED_NS}}}
 spec:
   apiServer: {{service: kube-apiserver, hostnames: [{ONBOARDED_HOST}]}}
+  nodes: {{destinations: ['{ONBOARDED_DESTINATION}']}}
 "
     ));
     condition_is(c, ONBOARDED_NS, ONBOARDED, "Generated", "True");
@@ -242,6 +265,63 @@ fn agents_from_the_bundle(c: &Cluster) -> PathBuf {
         "deployment/seedlink-agent",
         "--timeout=600s",
     ]);
+    f
+}
+
+/// In-cluster clients of the onboarded shoot (GEP-08) through the
+/// node-proxy from its generated manifests (key
+/// `seedlink-node-proxy.yaml`, applied as it is): it serves `kubernetes`
+/// on its address on the node and carries each connection to the
+/// gateway's CONNECT listener, which routes the object's destination (its
+/// generated SeedlinkPolicy) to the onboarded kube-apiserver. Returns the
+/// file, to delete it again.
+fn node_proxy_from_the_bundle(c: &Cluster, kubectl: &Path, pki: &Path) -> PathBuf {
+    let encoded = jsonpath(
+        c,
+        &[
+            "-n",
+            ONBOARDED_NS,
+            "get",
+            "secret",
+            &format!("{ONBOARDED}-shoot-manifests"),
+        ],
+        "{.data.seedlink-node-proxy\\.yaml}",
+    );
+    let f = c.dir.join("shoot-c-node-proxy.yaml");
+    let text = super::run(
+        Command::new("sh").args(["-c", &format!("printf '%s' '{encoded}' | base64 -d")]),
+    );
+    assert!(text.contains("kind: DaemonSet"), "the manifests: {text}");
+    std::fs::write(&f, &text).unwrap();
+    c.kubectl_ok(&["apply", "-f", &f.display().to_string()]);
+    c.kubectl_ok(&[
+        "-n",
+        "kube-system",
+        "rollout",
+        "status",
+        "daemonset/seedlink-apiserver-proxy",
+        "--timeout=600s",
+    ]);
+    // Ready (its probe, what the rollout waited for) means a tunnel like
+    // a client's got through to the onboarded API server.
+    let (_, config) = pod_get("127.0.0.1", ONBOARDED_NODE_PROXY_ADMIN, "/config");
+    assert!(
+        config.contains(ONBOARDED_DESTINATION),
+        "the generated node-proxy's /config: {config}"
+    );
+    let (address, port) = ONBOARDED_NODE_PROXY;
+    let kubeconfig = shoot_kubeconfig(
+        c,
+        "onboarded-node-proxy",
+        &format!("{address}:{port}"),
+        "kubernetes.default.svc",
+        pki,
+    );
+    reaches_the_shoot(
+        kubectl,
+        &kubeconfig,
+        "the onboarded API server through its generated node-proxy",
+    );
     f
 }
 
