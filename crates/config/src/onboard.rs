@@ -191,16 +191,18 @@ fn metrics_port() -> u16 {
     16910
 }
 
+/// Whether `v` is `host:port` with a host and a port other than 0.
+fn host_and_port(v: &str) -> bool {
+    v.rsplit_once(':')
+        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0))
+}
+
 impl NodeProxyRender {
     /// What is wrong with it, keyed under `render.node_proxy`.
     fn problems(&self) -> Vec<ConfigError> {
         let at = |k: &str| format!("render.node_proxy.{k}");
         let mut out = Vec::new();
-        let port = self
-            .gateway
-            .rsplit_once(':')
-            .and_then(|(h, p)| (!h.is_empty()).then(|| p.parse::<u16>().ok()).flatten());
-        if port.is_none_or(|p| p == 0) {
+        if !host_and_port(&self.gateway) {
             out.push(ConfigError::new(
                 at("gateway"),
                 format!("{:?} is not host:port", self.gateway),

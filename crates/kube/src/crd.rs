@@ -173,15 +173,24 @@ pub struct KeyRef {
     pub key: String,
 }
 
-/// Agent authentication by ServiceAccount token, checked against the
-/// issuer's public keys.
+/// Agent authentication by ServiceAccount token, checked locally against
+/// the issuer's public keys (`keys`) or by a TokenReview at the shoot's
+/// kube-apiserver (`review`); exactly one of the two.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(extend("x-kubernetes-validations" = [{
+    "rule": "has(self.keys) != has(self.review)",
+    "message": "exactly one of keys (a local check) and review (a TokenReview)"
+}]))]
 pub struct AgentToken {
     /// The token issuer (`iss`).
     pub issuer: String,
     /// The issuer's public keys (PEM).
-    pub keys: KeyRef,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<KeyRef>,
+    /// Ask the shoot's kube-apiserver (TokenReview) instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub review: Option<TokenReviewSpec>,
     /// Required audience (default `system:konnectivity-server`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub audience: Option<String>,
@@ -189,6 +198,26 @@ pub struct AgentToken {
     /// `kube-system/konnectivity-agent`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service_account: Option<String>,
+}
+
+/// Where and as whom the tunnel-server asks a TokenReview.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct TokenReviewSpec {
+    /// The shoot's kube-apiserver, `https://<service>.<this namespace>.svc[:port]`
+    /// (or an address the operator allows, `kubernetes.review_cidrs`).
+    #[schemars(regex(pattern = r"^https://"), length(max = 253))]
+    pub url: String,
+    /// The CA of its serving certificate (PEM).
+    pub ca: KeyRef,
+    /// A Secret of this namespace holding the tunnel-server's credentials
+    /// there (allowed `system:auth-delegator`): `token` (a bearer token),
+    /// or `tls.crt` and `tls.key`.
+    #[schemars(
+        regex(pattern = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"),
+        length(max = 253)
+    )]
+    pub credentials: String,
 }
 
 /// A frontend of the cluster.

@@ -169,6 +169,16 @@ fn not_found(what: &str, kind: &str, key: &Key) -> Verdict {
     )
 }
 
+/// What the operator allows every TunnelCluster at most.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Bounds {
+    /// Ceilings over each cluster's limits.
+    pub max_limits: ClusterLimits,
+    /// Addresses a TokenReview URL may name besides the namespace's own
+    /// Services.
+    pub review_cidrs: Vec<ipnet::IpNet>,
+}
+
 /// Translates every TunnelCluster (oldest first).
 pub fn translate(
     objects: &[Arc<TunnelCluster>],
@@ -176,7 +186,7 @@ pub fn translate(
     config_maps: &[Arc<ConfigMap>],
     trust_dir: &Path,
     socket_dir: &Path,
-    ceiling: &ClusterLimits,
+    bounds: &Bounds,
 ) -> TunnelTranslation {
     let secrets: HashMap<Key, &Secret> = secrets
         .iter()
@@ -199,7 +209,7 @@ pub fn translate(
             config_maps: &config_maps,
             files: BTreeMap::new(),
         };
-        let built = build(o, &name, &mut keys, &socket_dir.join(&name), ceiling);
+        let built = build(o, &name, &mut keys, &socket_dir.join(&name), bounds);
         let (cluster, ready) = match built {
             Ok(cluster) => {
                 out.files.append(&mut keys.files);
@@ -286,8 +296,9 @@ fn build(
     name: &str,
     keys: &mut Keys<'_>,
     sockets: &Path,
-    ceiling: &ClusterLimits,
+    bounds: &Bounds,
 ) -> Result<Cluster, Verdict> {
+    let (ceiling, review_cidrs) = (&bounds.max_limits, &bounds.review_cidrs[..]);
     let spec = &o.spec;
     let agent_ca = spec
         .agent_ca
@@ -297,7 +308,7 @@ fn build(
     let agent_token = spec
         .agent_token
         .as_ref()
-        .map(|t| agent_token(t, keys))
+        .map(|t| agent_token(t, keys, review_cidrs))
         .transpose()?;
     let frontends = spec
         .frontends
@@ -339,12 +350,27 @@ fn control_plane(o: &TunnelCluster) -> Option<&str> {
         .map(|r| r.uid.as_str())
 }
 
-/// A TunnelCluster's `agentToken`, its keys' file named in `keys`.
-fn agent_token(t: &crate::crd::AgentToken, keys: &mut Keys<'_>) -> Result<TokenAuth, Verdict> {
+/// A TunnelCluster's `agentToken`, its keys' or its review's files named
+/// in `keys`.
+fn agent_token(
+    t: &crate::crd::AgentToken,
+    keys: &mut Keys<'_>,
+    review_cidrs: &[ipnet::IpNet],
+) -> Result<TokenAuth, Verdict> {
+    let (local, review) = match (&t.keys, &t.review) {
+        (Some(k), None) => (Some(keys.file(k, "agentToken.keys")?), None),
+        (None, Some(r)) => (None, Some(token_review(r, keys, review_cidrs)?)),
+        _ => {
+            return Err(Verdict::no(
+                "InvalidSpec",
+                "agentToken: exactly one of keys (a local check) and review (a TokenReview)",
+            ))
+        }
+    };
     Ok(TokenAuth {
         issuer: t.issuer.clone(),
-        keys: Some(keys.file(&t.keys, "agentToken.keys")?),
-        review: None,
+        keys: local,
+        review,
         audience: t
             .audience
             .clone()
@@ -354,6 +380,121 @@ fn agent_token(t: &crate::crd::AgentToken, keys: &mut Keys<'_>) -> Result<TokenA
             .clone()
             .unwrap_or_else(|| "kube-system/konnectivity-agent".into()),
     })
+}
+
+/// A TunnelCluster's `agentToken.review`: the URL (a Service of the
+/// object's own namespace, or an address the operator allows), the CA and
+/// the credentials from the namespace's labelled Secret. The tunnel-server
+/// never sends its own identity there: a tenant chooses where it goes.
+fn token_review(
+    r: &crate::crd::TokenReviewSpec,
+    keys: &mut Keys<'_>,
+    review_cidrs: &[ipnet::IpNet],
+) -> Result<seedlink_config::tunnel::TokenReview, Verdict> {
+    review_url(&r.url, keys.namespace, review_cidrs)
+        .map_err(|why| Verdict::no("InvalidSpec", format!("agentToken.review.url: {why}")))?;
+    let ca = keys.file(&r.ca, "agentToken.review.ca")?;
+    let (token_file, cert, key) = review_credentials(&r.credentials, keys)?;
+    Ok(seedlink_config::tunnel::TokenReview {
+        url: r.url.clone(),
+        ca,
+        token_file,
+        cert,
+        key,
+        timeout: std::time::Duration::from_secs(5),
+        cache_ttl: std::time::Duration::from_secs(60),
+    })
+}
+
+/// The review's credentials, from Secret `name` of the namespace: its
+/// `token` as a bearer token file, else its `tls.crt` and `tls.key`.
+#[allow(clippy::type_complexity)]
+fn review_credentials(
+    name: &str,
+    keys: &mut Keys<'_>,
+) -> Result<(Option<PathBuf>, Option<PathBuf>, Option<PathBuf>), Verdict> {
+    let what = "agentToken.review.credentials";
+    let secret = |k: &str| crate::crd::KeyRef {
+        secret: Some(name.to_string()),
+        config_map: None,
+        key: k.to_string(),
+    };
+    let has = |k: &str| keys.secret_key(name, k, what).is_ok();
+    if has("token") {
+        return Ok((Some(keys.file(&secret("token"), what)?), None, None));
+    }
+    if has("tls.crt") && has("tls.key") {
+        let cert = keys.file(&secret("tls.crt"), what)?;
+        return Ok((None, Some(cert), Some(keys.file(&secret("tls.key"), what)?)));
+    }
+    let k = keys.key(name);
+    if !keys.secrets.contains_key(&k) {
+        return Err(not_found(what, "Secret", &k));
+    }
+    Err(Verdict::no(
+        "InvalidSpec",
+        format!("{what}: Secret {name} holds neither token nor tls.crt and tls.key"),
+    ))
+}
+
+/// Whether a TunnelCluster of namespace `ns` may have its tokens reviewed
+/// at `url`: `https://`, no user or path, and a host that is a Service of
+/// `ns` (`<service>.<ns>.svc`, optionally `.cluster.local`) or an IP
+/// address inside `cidrs` (the operator's `kubernetes.review_cidrs`).
+/// Anything else would have the tunnel-server connect wherever a tenant
+/// points it.
+fn review_url(url: &str, ns: &str, cidrs: &[ipnet::IpNet]) -> Result<(), String> {
+    let host = url_host(url)?;
+    let literal = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = literal.parse::<std::net::IpAddr>() {
+        return if cidrs.iter().any(|c| c.contains(&ip)) {
+            Ok(())
+        } else {
+            Err(format!(
+                "{ip} is not within the operator's kubernetes.review_cidrs"
+            ))
+        };
+    }
+    let host = host.to_ascii_lowercase();
+    let service = host
+        .strip_suffix(".cluster.local")
+        .unwrap_or(&host)
+        .strip_suffix(&format!(".{ns}.svc"))
+        .unwrap_or("");
+    if dns_label(service) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{host:?} is neither a Service of this namespace (<service>.{ns}.svc) nor an address the operator allows"
+        ))
+    }
+}
+
+/// Whether `v` is a DNS label (a Service's name).
+fn dns_label(v: &str) -> bool {
+    !v.is_empty()
+        && v.len() <= 63
+        && v.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+}
+
+/// The host of `https://host[:port][/]` (an IPv6 address in brackets),
+/// or why the URL is not of that form.
+fn url_host(url: &str) -> Result<&str, String> {
+    let authority = url
+        .strip_prefix("https://")
+        .ok_or("not https://")?
+        .trim_end_matches('/');
+    if authority.contains(['/', '@', '?', '#']) || authority.is_empty() {
+        return Err(format!("{url:?}: only https://host[:port]"));
+    }
+    match authority.rsplit_once(':') {
+        Some((h, p)) if !h.ends_with(':') && p.parse::<u16>().is_ok() => Ok(h),
+        Some((h, _)) if h.ends_with(']') || !h.contains(':') => {
+            Err(format!("{url:?}: the port is not a number"))
+        }
+        _ => Ok(authority),
+    }
 }
 
 /// One frontend of a TunnelCluster (`at` names it in refusals), its TLS
@@ -585,6 +726,107 @@ mod tests {
         }
     }
 
+    /// A TokenReview goes only to a Service of the object's own namespace
+    /// or to an address the operator allows; never to wherever a tenant
+    /// points it.
+    #[test]
+    fn a_token_review_goes_only_to_the_namespaces_services_or_allowed_addresses() {
+        let cidrs: Vec<ipnet::IpNet> =
+            vec!["10.0.0.0/8".parse().unwrap(), "fd00::/8".parse().unwrap()];
+        for ok in [
+            "https://kube-apiserver.shoot--a.svc",
+            "https://kube-apiserver.shoot--a.svc:443",
+            "https://KAS.shoot--a.svc.cluster.local:6443/",
+            "https://10.1.2.3:443",
+            "https://[fd00::1]:443",
+        ] {
+            assert_eq!(review_url(ok, "shoot--a", &cidrs), Ok(()), "{ok}");
+        }
+        for bad in [
+            "http://kube-apiserver.shoot--a.svc",
+            "https://kube-apiserver.shoot--b.svc",
+            "https://kube-apiserver.shoot--b.svc.shoot--a.svc.evil",
+            "https://x.y.shoot--a.svc",
+            "https://.shoot--a.svc",
+            "https://shoot--a.svc",
+            "https://169.254.169.254",
+            "https://[::1]:443",
+            "https://kas.shoot--a.svc/apis",
+            "https://user@kas.shoot--a.svc",
+            "https://kas.shoot--a.svc:http",
+            "https://example.com",
+            "https://",
+        ] {
+            assert!(review_url(bad, "shoot--a", &cidrs).is_err(), "{bad}");
+        }
+        assert!(review_url("https://10.1.2.3", "shoot--a", &[]).is_err());
+    }
+
+    /// A TunnelCluster with `agentToken.review` becomes a cluster whose
+    /// tokens a TokenReview checks, with the namespace's credentials (a
+    /// token, or a client certificate); a missing Secret or one with
+    /// neither is refused with the reason.
+    #[test]
+    fn a_token_review_takes_its_credentials_from_the_namespace() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = |creds: &str| {
+            json!({"agentToken": {"issuer": "https://issuer.a", "review": {
+                "url": "https://kube-apiserver.shoot--a.svc",
+                "ca": {"configMap": "kas-ca", "key": "ca.crt"},
+                "credentials": creds}}})
+        };
+        let mut tls = (*secret("shoot--a", "tls", "tls.crt", "CERT")).clone();
+        tls.data
+            .as_mut()
+            .unwrap()
+            .insert("tls.key".into(), k8s_openapi::ByteString(b"KEY".to_vec()));
+        let secrets = [
+            secret("shoot--a", "bearer", "token", "TOKEN"),
+            Arc::new(tls),
+            secret("shoot--a", "other", "x", "y"),
+        ];
+        let ca = Arc::new(ConfigMap {
+            metadata: kube::api::ObjectMeta {
+                name: Some("kas-ca".into()),
+                namespace: Some("shoot--a".into()),
+                ..Default::default()
+            },
+            data: Some([("ca.crt".to_string(), "CA".to_string())].into()),
+            ..Default::default()
+        });
+        let run = |creds: &str| {
+            translate(
+                &[object("shoot--a", spec(creds))],
+                &secrets,
+                std::slice::from_ref(&ca),
+                dir.path(),
+                Path::new("/run/seedlink"),
+                &Bounds::default(),
+            )
+        };
+        let review_of = |t: &TunnelTranslation| {
+            let auth = t.clusters[0].agent_token.as_ref();
+            auth.and_then(|a| a.review.clone()).unwrap()
+        };
+        let t = run("bearer");
+        let review = review_of(&t);
+        assert_eq!(t.files[review.token_file.as_ref().unwrap()], b"TOKEN");
+        assert_eq!(t.files[&review.ca], b"CA");
+        let t = run("tls");
+        let review = review_of(&t);
+        assert!(review.token_file.is_none());
+        assert_eq!(t.files[review.key.as_ref().unwrap()], b"KEY");
+        for (creds, reason) in [("other", "InvalidSpec"), ("gone", "ReferenceNotFound")] {
+            let t = run(creds);
+            assert!(t.clusters.is_empty());
+            assert_eq!(
+                t.outcomes[0].ready.reason, reason,
+                "{creds}: {:?}",
+                t.outcomes[0].ready
+            );
+        }
+    }
+
     /// A TunnelCluster generated for a control plane (its controlling
     /// owner) requires that object's UID on kube-apiserver's certificate;
     /// a hand-written one, or one merely referring to an owner, does not.
@@ -669,7 +911,7 @@ mod tests {
             &[],
             dir.path(),
             Path::new("/run/seedlink"),
-            &ClusterLimits::default(),
+            &Bounds::default(),
         );
         assert_eq!(t.clusters.len(), 1, "{:?}", t.outcomes);
         let c = &t.clusters[0];

@@ -1150,8 +1150,10 @@ control_planes:
     let np_yaml = files.dir.join("node-proxy.yaml");
     std::fs::write(
         &np_yaml,
-        std::fs::read_to_string(shoot_out.join("node-proxy.yaml")).unwrap()
-            + "link_kind: bridge\ninterface: sl-apiproxy\n",
+        std::fs::read_to_string(shoot_out.join("node-proxy.yaml"))
+            .unwrap()
+            .replace("link_kind: dummy", "link_kind: bridge")
+            .replace("interface: apiserver-proxy", "interface: sl-apiproxy"),
     )
     .unwrap();
     for mode in ["connect", "http2-connect"] {

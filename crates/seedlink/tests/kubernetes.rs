@@ -1349,7 +1349,7 @@ admin: {{listen: '127.0.0.1:0'}}
 clusters: []
 frontend_templates:
   - {{name: uds, protocol: http-connect, unix: '{d}/{{cluster}}.sock'}}
-kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust', replicas: {sys}/seedlink-internal}}
+kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust', replicas: {sys}/seedlink-internal, review_cidrs: ['127.0.0.1/32']}}
 "
             ),
         )
@@ -1702,6 +1702,117 @@ async fn an_upgrade_takes_the_object_made_socket(
     .await;
     common::tunnel_env::echo_rtt(&mut b2, 1000).await;
     next
+}
+
+/// A TunnelCluster whose agents present ServiceAccount tokens checked by a
+/// TokenReview at the shoot's kube-apiserver (here the test's API server,
+/// at an address the operator allows with `kubernetes.review_cidrs`), as
+/// the namespace's own credentials: the agent joins and carries a dial,
+/// and the review was asked as that identity (the audit log). Another
+/// tenant's TunnelCluster pointing its review at a Service of the first
+/// tenant's namespace is refused, with the reason on its status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tunnel_clusters_agents_are_checked_by_a_token_review() {
+    let (_server, bed) = TunnelObjects::start().await;
+    let seed = &bed.seed;
+    let t = seed.tenant("shoot--t", false).await;
+    seed.trust_binding(&t).await;
+    for sa in ["agent", "reviewer"] {
+        seed.apply(json!({"apiVersion": "v1", "kind": "ServiceAccount",
+                          "metadata": {"name": sa, "namespace": t}}))
+            .await;
+    }
+    seed.apply(json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": format!("{t}-reviewer")},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": "system:auth-delegator"},
+        "subjects": [{"kind": "ServiceAccount", "name": "reviewer", "namespace": t}]
+    }))
+    .await;
+    let reviewer = seed.api.token(&seed.client, &t, "reviewer").await;
+    let trust = json!({"seedlink.dev/tunnel-trust": "true"});
+    seed.apply(json!({"apiVersion": "v1", "kind": "Secret",
+                      "metadata": {"name": "reviewer", "namespace": t, "labels": trust},
+                      "stringData": {"token": reviewer}}))
+        .await;
+    let ca = std::fs::read_to_string(&seed.api.ca).unwrap();
+    seed.apply(json!({"apiVersion": "v1", "kind": "ConfigMap",
+                      "metadata": {"name": "kas-ca", "namespace": t, "labels": trust},
+                      "data": {"ca.crt": ca}}))
+        .await;
+    let review = |url: &str| json!({"url": url, "ca": {"configMap": "kas-ca", "key": "ca.crt"}, "credentials": "reviewer"});
+    let token_cluster = |ns: &str, url: &str| {
+        json!({
+            "apiVersion": TUNNELS, "kind": "TunnelCluster",
+            "metadata": {"name": "tunnel", "namespace": ns},
+            "spec": {"agentToken": {"issuer": seed.api.issuer,
+                                    "serviceAccount": format!("{t}/agent"),
+                                    "review": review(url)}}
+        })
+    };
+    seed.apply(token_cluster(&t, &seed.api.url)).await;
+    let token = seed
+        .api
+        .token_for(&seed.client, &t, "agent", "system:konnectivity-server")
+        .await;
+    let tok = bed.file("agent.token", &token);
+    let seed_ca = bed.file("seed-ca.pem", &bed.pki.ca_pem);
+    let (_agent, _) = started(
+        seedlink_testkit::agent_cmd::AgentCmd::new(&bed.agents)
+            .args(["--ca-cert", &seed_ca, "--service-account-token-path", &tok])
+            .fast_sync()
+            .command(),
+    );
+    eventually(
+        "the reviewed agent connected",
+        Duration::from_secs(30),
+        async || {
+            bed.object(&t)
+                .await
+                .is_some_and(|o| o["status"]["agents"] == 1)
+        },
+    )
+    .await;
+    let mut s = common::tunnel_env::kas_connect_eventually(
+        &bed.socket(&t),
+        &bed.echo.to_string(),
+        Duration::from_secs(20),
+    )
+    .await;
+    common::tunnel_env::echo_rtt(&mut s, 100).await;
+    let me = format!("system:serviceaccount:{t}:reviewer");
+    assert!(
+        seed.api
+            .audit()
+            .iter()
+            .any(|e| e["objectRef"]["resource"] == "tokenreviews"
+                && e["user"]["username"] == me.as_str()),
+        "no TokenReview by {me}"
+    );
+    // Another tenant points its review at the first tenant's Service.
+    let h = seed.tenant("shoot--h", false).await;
+    seed.trust_binding(&h).await;
+    seed.apply(token_cluster(
+        &h,
+        &format!("https://kube-apiserver.{t}.svc"),
+    ))
+    .await;
+    eventually(
+        "the other tenant's review refused",
+        Duration::from_secs(30),
+        async || {
+            bed.condition(&h, "Ready").await.is_some_and(|c| {
+                c["status"] == "False"
+                    && c["reason"] == "InvalidSpec"
+                    && c["message"]
+                        .as_str()
+                        .is_some_and(|m| m.contains("agentToken.review.url"))
+            })
+        },
+    )
+    .await;
+    bed.stop.cancel();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1356,6 +1356,44 @@ fn helm_lint(chart: &str) {
     );
 }
 
+/// `onboarding.nodeProxy.*` reach the controller's file (the node-proxy
+/// in the shoot manifests), which reads strictly.
+#[test]
+fn the_onboarding_controllers_node_proxy_settings_reach_its_file() {
+    let with_node_proxy = helm_template(&[
+        "--set",
+        "onboarding.enabled=true",
+        "--set",
+        "onboarding.agentServer=tunnel.seed.example:443",
+        "--set",
+        "onboarding.nodeProxy.gateway=gw.seed.example:8443",
+        "--set",
+        "onboarding.nodeProxy.linkKind=bridge",
+    ]);
+    check_strictly(&with_node_proxy);
+    let cm = with_node_proxy
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "seedlink-onboard-config")
+        .unwrap();
+    let file: Value = serde_norway::from_str(cm["data"]["onboard.yaml"].as_str().unwrap()).unwrap();
+    let np = &file["render"]["node_proxy"];
+    assert_eq!(
+        (
+            &np["gateway"],
+            &np["link_kind"],
+            &np["address"],
+            &np["admin_port"]
+        ),
+        (
+            &json!("gw.seed.example:8443"),
+            &json!("bridge"),
+            &json!("10.250.255.254"),
+            &json!(9911)
+        ),
+        "{np}"
+    );
+}
+
 /// `onboarding.enabled=true` adds the onboarding controller under a
 /// ServiceAccount of its own, every object reading strictly and its file
 /// a valid one; its ClusterRole may `bind` only the trust role, and the
@@ -1393,39 +1431,6 @@ fn the_onboarding_controller_renders_under_its_own_service_account() {
     let file: Value = serde_norway::from_str(cm["data"]["onboard.yaml"].as_str().unwrap()).unwrap();
     assert_eq!(file["render"]["agent_server"], "tunnel.seed.example:443");
     assert!(file["render"]["node_proxy"].is_null(), "{file}");
-    // The node-proxy's settings reach the file, which reads strictly.
-    let with_node_proxy = helm_template(&[
-        "--set",
-        "onboarding.enabled=true",
-        "--set",
-        "onboarding.agentServer=tunnel.seed.example:443",
-        "--set",
-        "onboarding.nodeProxy.gateway=gw.seed.example:8443",
-        "--set",
-        "onboarding.nodeProxy.linkKind=bridge",
-    ]);
-    check_strictly(&with_node_proxy);
-    let cm = with_node_proxy
-        .iter()
-        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "seedlink-onboard-config")
-        .unwrap();
-    let file: Value = serde_norway::from_str(cm["data"]["onboard.yaml"].as_str().unwrap()).unwrap();
-    let np = &file["render"]["node_proxy"];
-    assert_eq!(
-        (
-            &np["gateway"],
-            &np["link_kind"],
-            &np["address"],
-            &np["admin_port"]
-        ),
-        (
-            &json!("gw.seed.example:8443"),
-            &json!("bridge"),
-            &json!("10.250.255.254"),
-            &json!(9911)
-        ),
-        "{np}"
-    );
     let role = find("ClusterRole", "seedlink-onboard");
     let binds: Vec<&Value> = role["rules"]
         .as_array()

@@ -488,25 +488,46 @@ fn node_proxy(config: &str, image: &str) -> Result<[Value; 2], Refusal> {
         reason: "RenderFailed",
         message: format!("the node-proxy's configuration: {e}"),
     })?;
-    let port = |key: &str| {
-        parsed[key]
-            .as_str()
-            .and_then(|a| a.rsplit_once(':'))
-            .and_then(|(_, p)| p.parse::<u16>().ok())
-            .ok_or_else(|| Refusal {
-                reason: "RenderFailed",
-                message: format!("the node-proxy's configuration has no {key} port"),
-            })
-    };
-    let (admin, metrics) = (port("admin")?, port("metrics")?);
+    let (admin, metrics) = (
+        listen_port(&parsed, "admin")?,
+        listen_port(&parsed, "metrics")?,
+    );
     let labels = json!({"app.kubernetes.io/name": name});
     let config_map = json!({
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": name, "namespace": ns, "labels": labels},
         "data": {"node-proxy.yaml": config},
     });
+    let daemon_set = json!({
+        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "metadata": {"name": name, "namespace": ns, "labels": labels},
+        "spec": {
+            "selector": {"matchLabels": labels},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "template": {"metadata": {"labels": labels}, "spec": node_proxy_pod(image, name, admin, metrics)},
+        },
+    });
+    Ok([config_map, daemon_set])
+}
+
+/// The port of the node-proxy's listen address `key` in its parsed file.
+fn listen_port(parsed: &Value, key: &str) -> Result<u16, Refusal> {
+    parsed[key]
+        .as_str()
+        .and_then(|a| a.rsplit_once(':'))
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .ok_or_else(|| Refusal {
+            reason: "RenderFailed",
+            message: format!("the node-proxy's configuration has no {key} port"),
+        })
+}
+
+/// The node-proxy's pod: on the node's network, root with NET_ADMIN and
+/// NET_BIND_SERVICE only, its file from ConfigMap `config`, probed on
+/// its loopback `admin` port, `/metrics` on `metrics`.
+fn node_proxy_pod(image: &str, config: &str, admin: u16, metrics: u16) -> Value {
     let probe = |path: &str, period: u32| json!({"httpGet": {"host": "127.0.0.1", "path": path, "port": admin}, "periodSeconds": period});
-    let pod = json!({
+    json!({
         "hostNetwork": true,
         "priorityClassName": "system-node-critical",
         "automountServiceAccountToken": false,
@@ -525,18 +546,8 @@ fn node_proxy(config: &str, image: &str) -> Result<[Value; 2], Refusal> {
             "resources": {"requests": {"cpu": "20m", "memory": "16Mi"}},
             "volumeMounts": [{"name": "config", "mountPath": "/etc/seedlink", "readOnly": true}],
         }],
-        "volumes": [{"name": "config", "configMap": {"name": name}}],
-    });
-    let daemon_set = json!({
-        "apiVersion": "apps/v1", "kind": "DaemonSet",
-        "metadata": {"name": name, "namespace": ns, "labels": labels},
-        "spec": {
-            "selector": {"matchLabels": labels},
-            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
-            "template": {"metadata": {"labels": labels}, "spec": pod},
-        },
-    });
-    Ok([config_map, daemon_set])
+        "volumes": [{"name": "config", "configMap": {"name": config}}],
+    })
 }
 
 /// The agent's pod: non-root, read-only, its files from Secret `secret`,

@@ -57,8 +57,9 @@ pub struct TunnelSettings {
     /// Where TunnelClusters' Unix sockets go, each cluster in a directory
     /// of its own.
     pub socket_dir: std::path::PathBuf,
-    /// The operator's ceilings over TunnelClusters' limits.
-    pub max_limits: seedlink_config::tunnel::ClusterLimits,
+    /// The operator's ceilings over TunnelClusters' limits, and the
+    /// addresses their TokenReviews may go to.
+    pub bounds: crate::tunnel::Bounds,
     /// The Service selecting the tunnel-server replicas (`servercount`).
     pub replicas: Option<Key>,
 }
@@ -263,7 +264,7 @@ impl TunnelPasses {
             &config_maps,
             &s.trust_dir,
             &s.socket_dir,
-            &s.max_limits,
+            &s.bounds,
         );
         if let Err(e) = crate::tunnel::materialize(&s.trust_dir, &t.files) {
             // Nothing is applied: the running clusters stay.

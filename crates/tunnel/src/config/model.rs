@@ -95,6 +95,12 @@ pub struct Kubernetes {
     /// Default: the built-in defaults.
     #[serde(default)]
     pub max_limits: ClusterLimits,
+    /// Addresses (CIDRs) a TunnelCluster's `agentToken.review.url` may
+    /// name besides a Service of its own namespace (default none: a
+    /// tenant's shoot API servers run as Services beside their
+    /// TunnelClusters).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub review_cidrs: Vec<ipnet::IpNet>,
 }
 
 fn default_socket_dir() -> PathBuf {

@@ -348,7 +348,10 @@ impl ServerRole {
             identity: super::identity(),
             trust_dir: k.trust_dir,
             socket_dir: k.socket_dir,
-            max_limits: k.max_limits,
+            bounds: seedlink_kube::tunnel::Bounds {
+                max_limits: k.max_limits,
+                review_cidrs: k.review_cidrs,
+            },
         };
         let handle =
             seedlink_kube::source::start_tunnel(client, settings, Arc::new(KubeSink(self.clone())));
