@@ -20,6 +20,11 @@ pub struct OnboardConfig {
     /// `seedlink-tunnel-trust`).
     #[serde(default = "trust_role")]
     pub trust_role: String,
+    /// The ClusterRole granting ConfigMaps only (the chart's
+    /// `seedlink-tunnel-trust-configmaps`), bound instead where a control
+    /// plane's TunnelCluster names no Secret.
+    #[serde(default = "trust_role_config_maps")]
+    pub trust_role_config_maps: String,
     /// A label set to `"true"` on every namespace holding a control plane
     /// (the Gateway's `allowedRoutes` selector); absent: the operator
     /// labels namespaces.
@@ -242,6 +247,10 @@ pub struct KeyPairFiles {
 
 fn trust_role() -> String {
     "seedlink-tunnel-trust".into()
+}
+
+fn trust_role_config_maps() -> String {
+    "seedlink-tunnel-trust-configmaps".into()
 }
 
 /// `namespace/name` split, if it is one.

@@ -333,6 +333,29 @@ fn build(
     })
 }
 
+/// Whether a TunnelCluster names a Secret, and whether a ConfigMap.
+pub fn references(spec: &crate::crd::TunnelClusterSpec) -> (bool, bool) {
+    let token = spec.agent_token.as_ref();
+    let review = token.and_then(|t| t.review.as_ref());
+    let refs = spec
+        .agent_ca
+        .iter()
+        .chain(token.and_then(|t| t.keys.as_ref()))
+        .chain(review.map(|r| &r.ca))
+        .chain(
+            spec.frontends
+                .iter()
+                .filter_map(|f| f.tls.as_ref().map(|t| &t.client_ca)),
+        );
+    let (mut secret, mut config_map) = (false, false);
+    for r in refs {
+        secret |= r.secret.is_some();
+        config_map |= r.config_map.is_some();
+    }
+    secret |= review.is_some() || spec.frontends.iter().any(|f| f.tls.is_some());
+    (secret, config_map)
+}
+
 /// The UID of the `SeedlinkControlPlane` that generated `o` (its
 /// controlling owner), if one did. Its kube-apiserver's certificate names
 /// that UID; an owner reference a tenant writes by hand can only narrow

@@ -1439,7 +1439,10 @@ fn the_onboarding_controller_renders_under_its_own_service_account() {
         .filter(|r| r["verbs"].as_array().unwrap().iter().any(|v| v == "bind"))
         .collect();
     assert_eq!(binds.len(), 1);
-    assert_eq!(binds[0]["resourceNames"], json!(["seedlink-tunnel-trust"]));
+    assert_eq!(
+        binds[0]["resourceNames"],
+        json!(["seedlink-tunnel-trust", "seedlink-tunnel-trust-configmaps"])
+    );
     let data_plane = find("ClusterRole", "seedlink");
     for rule in data_plane["rules"].as_array().unwrap() {
         let writes = rule["verbs"]

@@ -397,14 +397,18 @@ impl Writer<'_> {
             reason: "Invalid",
             message: format!("{}: {e}", g.id()),
         })?;
-        if self
+        if let Some(current) = self
             .owned(&g.api_version, g.kind, g.plural, &g.name)
             .await?
-            .is_some()
         {
-            let pp = PatchParams::apply(MANAGER).force();
-            api.patch(&g.name, &pp, &Patch::Apply(&obj)).await?;
-            return Ok(());
+            if current["roleRef"] == g.object["roleRef"] {
+                let pp = PatchParams::apply(MANAGER).force();
+                api.patch(&g.name, &pp, &Patch::Apply(&obj)).await?;
+                return Ok(());
+            }
+            // A RoleBinding's roleRef cannot change: this one (owned) is
+            // replaced, so the tunnel-server holds the old grant no longer.
+            api.delete(&g.name, &Default::default()).await?;
         }
         match api.create(&PostParams::default(), &obj).await {
             Ok(_) => Ok(()),

@@ -36,8 +36,13 @@ pub struct Settings {
     pub route_version: String,
     /// The tunnel-server's ServiceAccount, which reads the trust Secrets.
     pub tunnel_reader: Key,
-    /// The ClusterRole that lets it (bound per control plane).
+    /// The ClusterRole that lets it (bound per control plane whose
+    /// TunnelCluster names a Secret).
     pub trust_role: String,
+    /// The ClusterRole that lets it read ConfigMaps only (bound where the
+    /// TunnelCluster names none: the tunnel-server then cannot read the
+    /// namespace's Secrets).
+    pub trust_role_config_maps: String,
 }
 
 /// One generated object, as applied.
@@ -235,8 +240,10 @@ impl Builder {
         }
     }
 
-    /// The trust Secret, the RoleBinding that lets the tunnel-server read
-    /// it, and the TunnelCluster trusting it (or the agents' tokens).
+    /// The trust ConfigMap (a CA certificate is no secret), the
+    /// RoleBinding that lets the tunnel-server read it (ConfigMaps only,
+    /// unless the TunnelCluster names a Secret), and the TunnelCluster
+    /// trusting it (or the agents' tokens).
     fn tunnel(
         &self,
         tunnel: &crate::crd::TunnelSpec,
@@ -246,14 +253,16 @@ impl Builder {
         let n = &self.names;
         let trust = self.object(
             "v1",
-            "Secret",
+            "ConfigMap",
             &n.trust,
             json!({TRUST_LABEL: "true"}),
-            json!({
-                "type": "Opaque",
-                "data": secret_data(&json!({CA_KEY: ca_pem}))
-            }),
+            json!({"data": {CA_KEY: ca_pem}}),
         );
+        let spec = match &tunnel.agent_token {
+            Some(token) => json!({"agentToken": token}),
+            None => json!({"agentCA": {"configMap": n.trust, "key": CA_KEY}}),
+        };
+        let role = trust_role_for(&spec, settings);
         let binding = self.object(
             "rbac.authorization.k8s.io/v1",
             "RoleBinding",
@@ -261,15 +270,11 @@ impl Builder {
             json!({}),
             json!({
                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                            "name": settings.trust_role},
+                            "name": role},
                 "subjects": [{"kind": "ServiceAccount", "name": settings.tunnel_reader.name,
                               "namespace": settings.tunnel_reader.namespace}]
             }),
         );
-        let spec = match &tunnel.agent_token {
-            Some(token) => json!({"agentToken": token}),
-            None => json!({"agentCA": {"secret": n.trust, "key": CA_KEY}}),
-        };
         let cluster = self.object(
             "tunnel.seedlink.dev/v1alpha1",
             "TunnelCluster",
@@ -293,6 +298,18 @@ impl Builder {
                 "rules": [{"backendRefs": [{"name": api.service, "port": api.port}]}]
             }
         }))
+    }
+}
+
+/// The ClusterRole the tunnel-server is bound to for a TunnelCluster of
+/// `spec`: ConfigMaps only, unless it names a Secret.
+fn trust_role_for<'s>(spec: &Value, settings: &'s Settings) -> &'s str {
+    let names_secret = serde_json::from_value::<crate::crd::TunnelClusterSpec>(spec.clone())
+        .map_or(true, |s| crate::tunnel::references(&s).0);
+    if names_secret {
+        &settings.trust_role
+    } else {
+        &settings.trust_role_config_maps
     }
 }
 
@@ -732,6 +749,7 @@ mod tests {
                 name: "seedlink".into(),
             },
             trust_role: "seedlink-tunnel-trust".into(),
+            trust_role_config_maps: "seedlink-tunnel-trust-configmaps".into(),
         }
     }
 
@@ -759,7 +777,7 @@ mod tests {
         assert_eq!(
             ids,
             [
-                "Secret/kas-agent-trust",
+                "ConfigMap/kas-agent-trust",
                 "RoleBinding/kas-seedlink-tunnel-trust",
                 "TunnelCluster/kas",
                 "TLSRoute/kas"
@@ -772,20 +790,17 @@ mod tests {
             assert_eq!(g.object["metadata"]["labels"][CONTROL_PLANE_LABEL], "kas");
             assert!(!g.plural.is_empty());
         }
-        let trust = find(&out, "Secret");
+        let trust = find(&out, "ConfigMap");
         assert_eq!(trust["metadata"]["labels"][TRUST_LABEL], "true");
-        assert_eq!(secret_text(trust, CA_KEY), "CA PEM");
-        assert!(
-            trust["data"].get("ca.key").is_none(),
-            "the trust Secret holds no key"
-        );
+        assert_eq!(trust["data"], json!({CA_KEY: "CA PEM"}));
         let tc = find(&out, "TunnelCluster");
         assert_eq!(
             tc["spec"]["agentCA"],
-            json!({"secret": "kas-agent-trust", "key": "ca.crt"})
+            json!({"configMap": "kas-agent-trust", "key": "ca.crt"})
         );
+        // It names no Secret: the tunnel-server is granted ConfigMaps only.
         let rb = find(&out, "RoleBinding");
-        assert_eq!(rb["roleRef"]["name"], "seedlink-tunnel-trust");
+        assert_eq!(rb["roleRef"]["name"], "seedlink-tunnel-trust-configmaps");
         assert_eq!(rb["subjects"][0]["namespace"], "seedlink-system");
         let route = find(&out, "TLSRoute");
         assert_eq!(route["apiVersion"], "gateway.networking.k8s.io/v1");
@@ -823,6 +838,9 @@ mod tests {
         assert!(tc["spec"].get("agentCA").is_none());
         assert_eq!(tc["spec"]["agentToken"]["keys"]["secret"], "sa-keys");
         assert_eq!(tc["metadata"]["namespace"], "shoot--a");
+        // It names a Secret: the tunnel-server needs the Secrets grant.
+        let rb = find(&out, "RoleBinding");
+        assert_eq!(rb["roleRef"]["name"], "seedlink-tunnel-trust");
     }
 
     /// Whatever the spec says, nothing generated lands in or names another

@@ -64,69 +64,127 @@ pub struct TunnelSettings {
     pub replicas: Option<Key>,
 }
 
-/// How long a pass waits for a new namespace's Secrets and ConfigMaps to
-/// be listed (a namespace whose RoleBinding is missing never is).
+/// How long a pass waits for the new namespaces' Secrets and ConfigMaps
+/// to be listed, all at once (a namespace whose RoleBinding is missing
+/// never is).
 pub(super) const TRUST_LIST_WAIT: Duration = Duration::from_secs(5);
 
-/// The Secrets and ConfigMaps the tunnel-server reads: per namespace that
-/// holds a TunnelCluster, only those labelled `seedlink.dev/tunnel-trust=true`
-/// — so it needs no cluster-wide grant, only a RoleBinding in each such
-/// namespace (docs/KUBERNETES.md) — started and stopped as TunnelClusters
-/// come and go.
+/// The Secrets and ConfigMaps the tunnel-server reads: per namespace whose
+/// TunnelClusters name one of that kind, only those labelled
+/// `seedlink.dev/tunnel-trust=true` — so it needs no cluster-wide grant,
+/// only a RoleBinding in each such namespace (docs/KUBERNETES.md), and a
+/// namespace whose clusters name only ConfigMaps (as a control plane's
+/// generated one does) needs no grant on its Secrets — started and stopped
+/// as TunnelClusters come and go.
 #[derive(Default)]
 pub(super) struct TrustWatches {
-    pub(super) by_namespace: HashMap<
-        String,
-        (
-            Store<k8s_openapi::api::core::v1::Secret>,
-            Store<k8s_openapi::api::core::v1::ConfigMap>,
-            CancellationToken,
-        ),
-    >,
+    secrets: HashMap<String, (Store<Secret>, CancellationToken)>,
+    config_maps: HashMap<String, (Store<ConfigMap>, CancellationToken)>,
 }
 
+type Secret = k8s_openapi::api::core::v1::Secret;
+type ConfigMap = k8s_openapi::api::core::v1::ConfigMap;
+
 impl TrustWatches {
-    /// Watches exactly the namespaces of `clusters`; a new one is waited
-    /// for (bounded) so that its references resolve in this pass.
+    /// Watches exactly the namespaces and kinds `clusters` name; a new
+    /// watch is waited for (bounded) so that its references resolve in
+    /// this pass.
     pub(super) async fn follow(
         &mut self,
         w: &Watches,
         clusters: &[Arc<crate::crd::TunnelCluster>],
     ) {
-        let wanted: HashSet<String> = clusters
-            .iter()
-            .filter_map(|c| c.metadata.namespace.clone())
-            .collect();
-        self.by_namespace.retain(|ns, (_, _, stop)| {
-            let keep = wanted.contains(ns);
-            if !keep {
-                stop.cancel();
-            }
-            keep
-        });
-        for ns in wanted {
-            if let std::collections::hash_map::Entry::Vacant(e) = self.by_namespace.entry(ns) {
-                let watched = watch_trust(w, e.key()).await;
-                e.insert(watched);
-            }
+        let (secrets, config_maps) = wanted(clusters);
+        let new_secrets = follow_kind(w, &mut self.secrets, secrets);
+        let new_config_maps = follow_kind(w, &mut self.config_maps, config_maps);
+        // Every new watch at once, within one bound: a namespace whose
+        // RoleBinding is missing (never listed) costs a pass this wait
+        // once, not once per namespace and kind.
+        let listed = futures_util::future::join(
+            futures_util::future::join_all(new_secrets.iter().map(|s| s.wait_until_ready())),
+            futures_util::future::join_all(new_config_maps.iter().map(|s| s.wait_until_ready())),
+        );
+        if tokio::time::timeout(TRUST_LIST_WAIT, listed).await.is_err() {
+            tracing::warn!("a TunnelCluster's namespace: its labelled Secrets or ConfigMaps not listed yet (is seedlink's RoleBinding there?)");
         }
     }
 
     #[allow(clippy::type_complexity)]
-    pub(super) fn state(
-        &self,
-    ) -> (
-        Vec<Arc<k8s_openapi::api::core::v1::Secret>>,
-        Vec<Arc<k8s_openapi::api::core::v1::ConfigMap>>,
-    ) {
-        let mut secrets = Vec::new();
-        let mut config_maps = Vec::new();
-        for (s, c, _) in self.by_namespace.values() {
-            secrets.extend(s.state());
-            config_maps.extend(c.state());
-        }
-        (secrets, config_maps)
+    pub(super) fn state(&self) -> (Vec<Arc<Secret>>, Vec<Arc<ConfigMap>>) {
+        let secrets = self.secrets.values().flat_map(|(s, _)| s.state());
+        let config_maps = self.config_maps.values().flat_map(|(c, _)| c.state());
+        (secrets.collect(), config_maps.collect())
     }
+}
+
+/// The namespaces whose TunnelClusters name a Secret, and those that
+/// name a ConfigMap.
+fn wanted(clusters: &[Arc<crate::crd::TunnelCluster>]) -> (HashSet<String>, HashSet<String>) {
+    let (mut secrets, mut config_maps) = (HashSet::new(), HashSet::new());
+    for c in clusters {
+        let Some(ns) = c.metadata.namespace.clone() else {
+            continue;
+        };
+        let (s, m) = crate::tunnel::references(&c.spec);
+        if s {
+            secrets.insert(ns.clone());
+        }
+        if m {
+            config_maps.insert(ns);
+        }
+    }
+    (secrets, config_maps)
+}
+
+/// What the trust watches are of: a namespaced kind (Secrets,
+/// ConfigMaps).
+trait TrustKind:
+    kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+    + Clone
+    + std::fmt::Debug
+    + serde::de::DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> TrustKind for K where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + std::fmt::Debug
+        + serde::de::DeserializeOwned
+        + Send
+        + Sync
+        + 'static
+{
+}
+
+/// Keeps one labelled watch of `K` per namespace in `wanted`: stops the
+/// others, starts the missing ones (returned, to wait for their lists).
+fn follow_kind<K: TrustKind>(
+    w: &Watches,
+    watched: &mut HashMap<String, (Store<K>, CancellationToken)>,
+    wanted: HashSet<String>,
+) -> Vec<Store<K>> {
+    watched.retain(|ns, (_, stop)| {
+        let keep = wanted.contains(ns);
+        if !keep {
+            stop.cancel();
+        }
+        keep
+    });
+    let mut started = Vec::new();
+    for ns in wanted {
+        if let std::collections::hash_map::Entry::Vacant(e) = watched.entry(ns) {
+            let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
+            let stop = w.stop.child_token();
+            let store: Store<K> = w.labelled_in(e.key(), &selector, &stop);
+            started.push(store.clone());
+            e.insert((store, stop));
+        }
+    }
+    started
 }
 
 /// Starts the tunnel-server's source: TunnelClusters and the Secrets and
@@ -308,32 +366,35 @@ pub(super) fn status_held(objects: &[Arc<crate::crd::TunnelCluster>]) -> HashMap
 /// Watches the trust-labelled Secrets and ConfigMaps of namespace `ns`,
 /// waiting (bounded) for their first lists; the handles and what stops
 /// them.
-async fn watch_trust(
-    w: &Watches,
-    ns: &str,
-) -> (
-    Store<k8s_openapi::api::core::v1::Secret>,
-    Store<k8s_openapi::api::core::v1::ConfigMap>,
-    tokio_util::sync::CancellationToken,
-) {
-    let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
-    let stop = w.stop.child_token();
-    let secrets = w.labelled_in(ns, &selector, &stop);
-    let config_maps = w.labelled_in(ns, &selector, &stop);
-    let listed = async {
-        secrets.wait_until_ready().await.ok()?;
-        config_maps.wait_until_ready().await.ok()
-    };
-    if tokio::time::timeout(TRUST_LIST_WAIT, listed).await.is_err() {
-        tracing::warn!(namespace = %ns, "Secrets and ConfigMaps of a TunnelCluster's namespace not listed yet (is seedlink's RoleBinding there?)");
-    }
-    (secrets, config_maps, stop)
-}
-
 #[cfg(test)]
 mod replica_tests {
     use super::*;
     use serde_json::json;
+
+    /// A namespace is watched for the kinds its TunnelClusters name: a
+    /// generated cluster trusting a ConfigMap needs no grant on Secrets.
+    #[test]
+    fn only_the_kinds_a_cluster_names_are_watched() {
+        let spec = |v: serde_json::Value| -> crate::crd::TunnelClusterSpec {
+            serde_json::from_value(v).unwrap()
+        };
+        let cm = json!({"configMap": "trust", "key": "ca.crt"});
+        let secret = json!({"secret": "trust", "key": "ca.crt"});
+        assert_eq!(
+            crate::tunnel::references(&spec(json!({"agentCA": cm}))),
+            (false, true)
+        );
+        assert_eq!(
+            crate::tunnel::references(&spec(json!({"agentCA": secret}))),
+            (true, false)
+        );
+        let review = json!({"agentToken": {"issuer": "i", "review": {
+            "url": "https://k.ns.svc", "ca": cm, "credentials": "c"}}});
+        assert_eq!(crate::tunnel::references(&spec(review)), (true, true));
+        let tls = json!({"agentCA": cm, "frontends": [{"name": "f", "protocol": "grpc",
+            "tcp": "0.0.0.0:1", "tls": {"secret": "fe", "clientCA": cm}}]});
+        assert_eq!(crate::tunnel::references(&spec(tls)), (true, true));
+    }
 
     #[test]
     fn replicas_are_the_serving_endpoints_terminating_or_not() {

@@ -189,6 +189,7 @@ async fn context(
             route_version,
             tunnel_reader: key(&c.tunnel_reader),
             trust_role: c.trust_role.clone(),
+            trust_role_config_maps: c.trust_role_config_maps.clone(),
         },
         leadership,
         namespace_label: c.namespace_label.clone(),

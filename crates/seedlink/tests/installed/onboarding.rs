@@ -42,7 +42,7 @@ const GENERATED: [(&str, &str); 11] = [
     ("tlsroute", "api"),
     ("seedlinkpolicy", "api"),
     ("tunnelcluster", "api"),
-    ("secret", "api-agent-trust"),
+    ("configmap", "api-agent-trust"),
     ("secret", "api-agent-ca"),
     ("secret", "api-agent"),
     ("secret", "api-shoot"),
