@@ -306,6 +306,26 @@ pub struct TunnelClusterStatus {
     /// on every replica and after restarts. Only seedlink writes status.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub trust: Vec<String>,
+    /// Claims this cluster trusted and no longer does (a revoked agent CA,
+    /// a removed token key), still reserved to it until `until`: agents
+    /// that still present the old certificate cannot be taken by another
+    /// cluster that starts to trust it. Held like `trust`; at most
+    /// [`RELEASED_MAX`] entries, the earliest to end dropped first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub released: Vec<ReleasedClaim>,
+}
+
+/// The most released claims a TunnelCluster's status keeps.
+pub const RELEASED_MAX: usize = 32;
+
+/// A claim a TunnelCluster no longer trusts, reserved to it for a while.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ReleasedClaim {
+    /// `sha256:<hex>`, as in `trust`.
+    pub claim: String,
+    /// When the reservation ends (RFC 3339).
+    pub until: String,
 }
 
 /// One hosted control plane as seedlink carries it: where its

@@ -406,6 +406,54 @@ async fn a_refused_holder_keeps_its_trust() {
     seed.refused(&attacker.ns).await;
 }
 
+/// A revocation does not free the old agent CA for another tenant: the
+/// victim's cluster trusts a new CA, its agents may still present the old
+/// one's certificates (the shoot has not got the new ones yet), and a
+/// cluster that starts to trust the old CA would receive them. The claim
+/// stays reserved to the victim (`status.released`), on every replica and
+/// after a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_agent_ca_stays_reserved_to_its_cluster() {
+    let mut seed = Seed::new("iso-r").await;
+    seed.start();
+    let victim = Victim::onboard(&seed, "victim").await;
+    let old = seed.served(&victim.ns).await;
+    let next = seedlink::demo::Pki::generate(&[]).unwrap();
+    seed.ca_secret(&victim.ns, "agent-ca", &next.ca_pem).await;
+    let released = eventually("the old CA released", WAIT, async || {
+        let o = seed.get(&victim.ns).await.unwrap_or_default();
+        let trust = seed.trust(&victim.ns).await;
+        let released: Vec<String> = o["status"]["released"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|r| r["claim"].as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
+        match trust != old && !trust.is_empty() && !released.is_empty() {
+            true => Ok(released),
+            false => Err(format!("old {old:?} status {}", o["status"])),
+        }
+    })
+    .await;
+    assert_eq!(released, old, "every claim of the old trust is reserved");
+    let attacker = seed.tenant("evil").await;
+    seed.ca_secret(&attacker, "stolen", &victim.pki.ca_pem)
+        .await;
+    seed.tunnel_cluster(
+        &attacker,
+        json!({"agentCA": {"secret": "stolen", "key": "ca.crt"}}),
+    )
+    .await;
+    let why = seed.refused(&attacker).await;
+    assert!(why.contains("holds"), "{why}");
+    seed.start();
+    let why = seed.refused(&attacker).await;
+    assert!(why.contains("holds"), "after a restart: {why}");
+    seed.served(&victim.ns).await;
+}
+
 /// Finding 2 of the hostile review: a TunnelCluster frontend on the
 /// operator's shared frontend's address is refused alone (the file always
 /// wins); another tenant onboarded afterwards is served, and after a

@@ -205,6 +205,7 @@ pub(super) fn tunnel_status(
     health: Option<&seedlink_config::tunnel::ClusterHealth>,
     trust: Vec<String>,
     current: &crate::crd::TunnelClusterStatus,
+    hold: Hold,
 ) -> crate::crd::TunnelClusterStatus {
     let agents = health.map_or(0, |h| h.agents);
     let connected = agents_connected(outcome.cluster.is_some(), agents);
@@ -230,13 +231,63 @@ pub(super) fn tunnel_status(
             .flat_map(|h| h.dial_errors.iter().map(|(r, n)| (r.to_string(), *n)))
             .collect(),
         observed_generation: generation,
-        // Served: what it holds now; refused: what it held stays its own
-        // (a failing object never loses a claim to another).
+        // Served: what it holds now, and what it stopped trusting stays
+        // reserved; refused: what it held stays its own (a failing object
+        // never loses a claim to another).
+        released: match outcome.cluster {
+            Some(_) if !trust.is_empty() => released(current, &trust, hold),
+            _ => current.released.clone(),
+        },
         trust: match outcome.cluster {
             Some(_) if !trust.is_empty() => trust,
             _ => current.trust.clone(),
         },
     }
+}
+
+/// The time now, and how long a claim a cluster stops trusting stays
+/// reserved to it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Hold {
+    pub now: Timestamp,
+    pub hold: k8s_openapi::jiff::SignedDuration,
+}
+
+/// Whether a released claim's reservation still runs at `now` (one whose
+/// time does not parse has ended: only seedlink writes status).
+pub(super) fn reserved(r: &crate::crd::ReleasedClaim, now: Timestamp) -> bool {
+    r.until.parse::<Timestamp>().is_ok_and(|t| t > now)
+}
+
+/// The claims reserved to a served cluster that trusts `trust` now: those
+/// still reserved and not trusted again, and those its status named and
+/// it no longer trusts, until `hold` from now; the
+/// [`crate::crd::RELEASED_MAX`] that end last.
+pub(super) fn released(
+    current: &crate::crd::TunnelClusterStatus,
+    trust: &[String],
+    h: Hold,
+) -> Vec<crate::crd::ReleasedClaim> {
+    let until = h.now.checked_add(h.hold).unwrap_or(Timestamp::MAX);
+    let mut out: Vec<(Timestamp, crate::crd::ReleasedClaim)> = current
+        .released
+        .iter()
+        .filter(|r| reserved(r, h.now) && !trust.contains(&r.claim))
+        .filter_map(|r| Some((r.until.parse::<Timestamp>().ok()?, r.clone())))
+        .collect();
+    for claim in current.trust.iter().filter(|c| !trust.contains(c)) {
+        if !out.iter().any(|(_, r)| &r.claim == claim) {
+            let r = crate::crd::ReleasedClaim {
+                claim: claim.clone(),
+                until: until.strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
+            };
+            out.push((until, r));
+        }
+    }
+    out.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.claim.cmp(&b.1.claim)));
+    out.truncate(crate::crd::RELEASED_MAX);
+    out.sort_by(|a, b| a.1.claim.cmp(&b.1.claim));
+    out.into_iter().map(|(_, r)| r).collect()
 }
 
 /// `AgentsConnected`: the agent streams the replica writing status has.
@@ -264,6 +315,7 @@ pub(super) type StatusFields<'a> = (
     &'a std::collections::BTreeMap<String, u64>,
     Option<i64>,
     &'a [String],
+    &'a [crate::crd::ReleasedClaim],
 );
 
 /// A TunnelCluster status's fields besides its conditions.
@@ -274,6 +326,7 @@ pub(super) fn status_fields(s: &crate::crd::TunnelClusterStatus) -> StatusFields
         &s.dial_errors,
         s.observed_generation,
         &s.trust,
+        &s.released,
     )
 }
 
@@ -423,6 +476,7 @@ impl StatusWriter {
         t: &crate::tunnel::TunnelTranslation,
         objects: &[Arc<crate::crd::TunnelCluster>],
         sink: &dyn TunnelSink,
+        released_hold: k8s_openapi::jiff::SignedDuration,
     ) {
         if !self.leadership.held() {
             return;
@@ -440,7 +494,11 @@ impl StatusWriter {
                 .as_deref()
                 .map(|c| sink.trust(c))
                 .unwrap_or_default();
-            let desired = tunnel_status(outcome, health.as_ref(), trust, &current);
+            let hold = Hold {
+                now: Timestamp::now(),
+                hold: released_hold,
+            };
+            let desired = tunnel_status(outcome, health.as_ref(), trust, &current, hold);
             let generation = outcome.generation;
             if !outcome.ready.ok {
                 self.event(o.as_ref(), "TunnelCluster", generation, &outcome.ready)
@@ -524,6 +582,11 @@ pub(super) fn tunnel_patch(
         if !desired.dial_errors.contains_key(r) {
             patch["status"]["dialErrors"][r] = serde_json::Value::Null;
         }
+    }
+    // An empty list is not written, and a merge patch keeps what it
+    // does not name.
+    if desired.released.is_empty() && !current.released.is_empty() {
+        patch["status"]["released"] = json!([]);
     }
     patch
 }
@@ -632,5 +695,62 @@ mod policy_status_tests {
         let mut written = policy.clone();
         written.status = Some(crate::crd::PolicyStatus { ancestors: desired });
         assert!(policy_ancestors(&written, &key, &o).is_none());
+    }
+}
+
+#[cfg(test)]
+mod released_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::crd::{ReleasedClaim, TunnelClusterStatus};
+
+    fn at(s: &str) -> Timestamp {
+        s.parse().unwrap()
+    }
+
+    /// A claim the cluster no longer trusts is reserved from now for the
+    /// hold; one trusted again is no longer released; one whose time has
+    /// come goes; at most `RELEASED_MAX` are kept, those that end last.
+    #[test]
+    fn a_claim_no_longer_trusted_is_reserved_until_its_hold_ends() {
+        let h = Hold {
+            now: at("2026-01-01T00:00:00Z"),
+            hold: k8s_openapi::jiff::SignedDuration::from_hours(24),
+        };
+        let current = TunnelClusterStatus {
+            trust: vec!["sha256:a".into(), "sha256:b".into()],
+            released: vec![
+                ReleasedClaim {
+                    claim: "sha256:old".into(),
+                    until: "2025-12-31T23:59:59Z".into(),
+                },
+                ReleasedClaim {
+                    claim: "sha256:c".into(),
+                    until: "2026-01-01T12:00:00Z".into(),
+                },
+            ],
+            ..Default::default()
+        };
+        let out = released(&current, &["sha256:b".into(), "sha256:c".into()], h);
+        assert_eq!(
+            out,
+            [ReleasedClaim {
+                claim: "sha256:a".into(),
+                until: "2026-01-02T00:00:00Z".into(),
+            }]
+        );
+        assert!(reserved(&out[0], h.now));
+        assert!(!reserved(&out[0], at("2026-01-02T00:00:00Z")));
+        let many = TunnelClusterStatus {
+            trust: (0..40).map(|i| format!("sha256:{i:02}")).collect(),
+            released: vec![ReleasedClaim {
+                claim: "sha256:soon".into(),
+                until: "2026-01-01T00:00:01Z".into(),
+            }],
+            ..Default::default()
+        };
+        let out = released(&many, &["sha256:new".into()], h);
+        assert_eq!(out.len(), crate::crd::RELEASED_MAX);
+        assert!(out.iter().all(|r| r.claim != "sha256:soon"));
     }
 }

@@ -62,6 +62,9 @@ pub struct TunnelSettings {
     pub bounds: crate::tunnel::Bounds,
     /// The Service selecting the tunnel-server replicas (`servercount`).
     pub replicas: Option<Key>,
+    /// How long a claim a cluster stops trusting stays reserved to it
+    /// (`status.released`).
+    pub released_trust_hold: Duration,
 }
 
 /// How long a pass waits for the new namespaces' Secrets and ConfigMaps
@@ -300,7 +303,12 @@ impl TunnelPasses {
                 let _ = synced.send(true);
             }
             if let Some((t, objects)) = &last {
-                self.status.write_tunnels(t, objects, sink.as_ref()).await;
+                let hold =
+                    k8s_openapi::jiff::SignedDuration::try_from(self.settings.released_trust_hold)
+                        .unwrap_or(k8s_openapi::jiff::SignedDuration::MAX);
+                self.status
+                    .write_tunnels(t, objects, sink.as_ref(), hold)
+                    .await;
             }
             wake = coalescer.next().await;
             if wake == Wake::Stop {
@@ -332,7 +340,12 @@ impl TunnelPasses {
         let refused = match &self.applied {
             Some((c, f, r)) if *c == t.clusters && *f == t.files => r.clone(),
             _ => {
-                let r = sink.apply(t.clusters.clone(), status_held(&objects)).await;
+                let r = sink
+                    .apply(
+                        t.clusters.clone(),
+                        status_held(&objects, k8s_openapi::jiff::Timestamp::now()),
+                    )
+                    .await;
                 self.applied = Some((t.clusters.clone(), t.files.clone(), r.clone()));
                 r
             }
@@ -343,9 +356,13 @@ impl TunnelPasses {
 }
 
 /// Who holds each trust claim by the TunnelClusters' statuses (claim →
-/// cluster); the oldest object first should two say the same (only
-/// seedlink writes status, so they do not).
-pub(super) fn status_held(objects: &[Arc<crate::crd::TunnelCluster>]) -> HashMap<String, String> {
+/// cluster): what each trusts, and what each released that is still
+/// reserved to it at `now`; the oldest object first should two say the
+/// same (only seedlink writes status, so they do not).
+pub(super) fn status_held(
+    objects: &[Arc<crate::crd::TunnelCluster>],
+    now: k8s_openapi::jiff::Timestamp,
+) -> HashMap<String, String> {
     let mut sorted: Vec<&Arc<crate::crd::TunnelCluster>> = objects.iter().collect();
     sorted.sort_by_key(|o| {
         (
@@ -356,7 +373,13 @@ pub(super) fn status_held(objects: &[Arc<crate::crd::TunnelCluster>]) -> HashMap
     let mut held = HashMap::new();
     for o in sorted {
         let name = crate::tunnel::cluster_name(&Key::of(o.as_ref()));
-        for claim in o.status.iter().flat_map(|s| &s.trust) {
+        let status = o.status.iter();
+        let released = status.clone().flat_map(|s| &s.released);
+        let reserved = released.filter(|r| super::status::reserved(r, now));
+        let claims = status
+            .flat_map(|s| &s.trust)
+            .chain(reserved.map(|r| &r.claim));
+        for claim in claims {
             held.entry(claim.clone()).or_insert_with(|| name.clone());
         }
     }

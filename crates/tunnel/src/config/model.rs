@@ -101,6 +101,18 @@ pub struct Kubernetes {
     /// TunnelClusters).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub review_cidrs: Vec<ipnet::IpNet>,
+    /// How long an agent CA, token key or issuer that a TunnelCluster
+    /// stops trusting (a revocation) stays reserved to it, so that no
+    /// other cluster can take the agents still presenting the old
+    /// credentials (default 365 days, the onboarding controller's agent
+    /// certificate validity; set it to at least your agents' certificate
+    /// validity). Deleting the TunnelCluster releases its claims at once.
+    #[serde(default = "released_trust_hold_default", with = "humantime_serde")]
+    pub released_trust_hold: Duration,
+}
+
+fn released_trust_hold_default() -> Duration {
+    Duration::from_secs(365 * 24 * 3600)
 }
 
 fn default_socket_dir() -> PathBuf {

@@ -360,6 +360,15 @@ fn trust_stays_with_the_cluster_that_held_it() {
     assert!(extra.is_empty(), "the claimant is not applied");
     assert_eq!(out[0].0, "ns-x.t");
     assert!(out[0].1[0].message.contains("ns-v.t"), "{:?}", out[0].1);
+    // A holder that stops trusting its CA (a revocation) keeps it
+    // reserved while its object exists: a claimant is refused outright.
+    let (held, _) = admit(vec![cluster("ns-v.t", &victims)], &HashMap::new());
+    let mut extra = vec![cluster("ns-x.t", &victims), cluster("ns-v.t", &own)];
+    let out = keep_first_trust(&mut extra, &held, &HashSet::new());
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert!(out[0].1[0].message.contains("reserved"), "{:?}", out[0].1);
+    assert_eq!(extra.len(), 1);
+    assert_eq!(extra[0].name, "ns-v.t");
 }
 
 /// An older TunnelCluster that adds a newer one's TCP frontend address

@@ -87,9 +87,14 @@ pub(super) fn claim_id(bytes: &[u8]) -> String {
 /// what the objects' statuses say they held filling the gaps (a restarted
 /// replica decides as the running ones do). A holder among `refused`
 /// (its object exists but could not be read: a missing Secret) keeps what
-/// it holds. Without this, a tenant could edit an older TunnelCluster to
-/// claim a newer tenant's CA, token keys or frontend address and take its
-/// agents or its kube-apiserver's connections.
+/// it holds, and so does a holder among `extra` that no longer claims it
+/// (it stopped trusting it, and its status keeps it reserved: agents may
+/// still present the revoked CA's certificates, a kube-apiserver may
+/// still dial the old address); a claimant of either is refused here. A
+/// holder that is neither (its object was deleted) holds nothing. Without
+/// this, a tenant could edit an older TunnelCluster to claim a newer
+/// tenant's CA, token keys or frontend address and take its agents or its
+/// kube-apiserver's connections.
 pub fn keep_first_trust(
     extra: &mut Vec<Cluster>,
     held: &HashMap<String, String>,
@@ -105,7 +110,8 @@ pub fn keep_first_trust(
     // What each cluster claims that another holds: held by one among the
     // clusters to apply (it goes last and the overlap refuses it), or by
     // one refused for now (it is refused here: no overlap would show).
-    let stolen: Vec<(bool, Option<String>)> = extra
+    let exists = |name: &str| extra.iter().any(|c| c.name == name);
+    let stolen: Vec<(bool, Option<(String, &str)>)> = extra
         .iter()
         .zip(&claims)
         .map(|(c, keys)| {
@@ -116,9 +122,14 @@ pub fn keep_first_trust(
                     continue;
                 };
                 if refused.contains(owner) {
-                    from_refused = Some(owner.clone());
+                    from_refused = Some((owner.clone(), "is refused for now but keeps"));
                 } else if claimed_by(k, owner) {
                     steals = true;
+                } else if exists(owner) {
+                    from_refused = Some((
+                        owner.clone(),
+                        "stopped using it but keeps reserved (its status.released)",
+                    ));
                 }
             }
             (steals, from_refused)
@@ -128,12 +139,12 @@ pub fn keep_first_trust(
     let mut indexed: Vec<(bool, Cluster)> = Vec::new();
     for ((steals, from_refused), c) in stolen.into_iter().zip(extra.drain(..)) {
         match from_refused {
-            Some(owner) => out.push((
+            Some((owner, how)) => out.push((
                 c.name,
                 vec![ConfigError {
                     path: String::new(),
                     message: format!(
-                        "trusts a key (or names an address) that cluster {owner:?} holds; that cluster is refused for now but keeps what it holds"
+                        "trusts a key (or names an address) that cluster {owner:?} holds; that cluster {how} what it holds"
                     ),
                 }],
             )),

@@ -352,6 +352,7 @@ impl ServerRole {
                 max_limits: k.max_limits,
                 review_cidrs: k.review_cidrs,
             },
+            released_trust_hold: k.released_trust_hold,
         };
         let handle =
             seedlink_kube::source::start_tunnel(client, settings, Arc::new(KubeSink(self.clone())));
