@@ -174,6 +174,14 @@ pub struct NodeProxyRender {
     /// Its `/metrics` port on the node's addresses (default 16910).
     #[serde(default = "metrics_port")]
     pub metrics_port: u16,
+    /// Where the shoot's nodes reach a gateway `proxy` listener that
+    /// routes by the cluster ID's TLV (`route_by_tlv`), `host:port`. With
+    /// it, a control plane that names `spec.nodes.clusterID` and no
+    /// destination gets a node-proxy in `proxy-v2` mode sending that ID
+    /// (HyperShift's node path); without it, such a control plane gets no
+    /// node-proxy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proxy_gateway: Option<String>,
 }
 
 fn advertise_address() -> std::net::IpAddr {
@@ -211,6 +219,12 @@ impl NodeProxyRender {
             out.push(ConfigError::new(
                 at("gateway"),
                 format!("{:?} is not host:port", self.gateway),
+            ));
+        }
+        if let Some(g) = self.proxy_gateway.as_ref().filter(|g| !host_and_port(g)) {
+            out.push(ConfigError::new(
+                at("proxy_gateway"),
+                format!("{g:?} is not host:port"),
             ));
         }
         if !["dummy", "bridge", "existing", "none"].contains(&self.link_kind.as_str()) {
@@ -323,12 +337,19 @@ mod tests {
             ("dummy", "apiserver-proxy")
         );
         assert_eq!((np.admin_port, np.metrics_port), (9911, 16910));
+        assert_eq!(np.proxy_gateway, None);
         let e = OnboardConfig::parse(&format!(
-            "{head}{{gateway: 'gw.seed', link_kind: tun, interface: '', admin_port: 1, metrics_port: 1}}}}\n"
+            "{head}{{gateway: 'gw.seed', proxy_gateway: 'gw', link_kind: tun, interface: '', admin_port: 1, metrics_port: 1}}}}\n"
         ))
         .unwrap_err()
         .to_string();
-        for k in ["gateway", "link_kind", "interface", "admin_port"] {
+        for k in [
+            "gateway",
+            "proxy_gateway",
+            "link_kind",
+            "interface",
+            "admin_port",
+        ] {
             assert!(e.contains(&format!("render.node_proxy.{k}")), "{k}: {e}");
         }
     }

@@ -414,6 +414,11 @@ pub struct TunnelSpec {
     /// still presenting its certificates are disconnected (default 0).
     #[serde(default)]
     pub revision: u64,
+    /// Raise it to rotate the agent CA now, with overlap: the old CA stays
+    /// trusted for one certificate validity and the agents get a
+    /// certificate from the new one in the next pass (default 0).
+    #[serde(default)]
+    pub rotation: u64,
 }
 
 fn yes() -> bool {

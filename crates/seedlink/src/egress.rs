@@ -59,6 +59,11 @@ pub struct Options {
     /// `outbound|443||kube-apiserver.<cluster>.svc.cluster.local`,
     /// Gardener's form).
     pub destination: Option<String>,
+    /// HyperShift's node path: the hosted cluster's ID. With it (and no
+    /// `destination`), the node-proxy reaches `gateway` in `proxy-v2` mode
+    /// and sends the ID in a PROXY v2 TLV (type 0x20), which a gateway
+    /// `proxy` listener with `route_by_tlv` routes by.
+    pub cluster_id: Option<String>,
     /// kube-apiserver's secure port (the `kubernetes` endpoint's port, which
     /// the node-proxy serves on the advertised address).
     pub kube_apiserver_port: u16,
@@ -519,29 +524,55 @@ fn node_proxy_yaml(
         ),
         (None, _) => return Ok(None),
     };
-    let destination = opts
-        .destination
-        .clone()
-        .unwrap_or_else(|| istio_destination(cluster));
-    if let Err(why) = seedlink_proto::destination::parse(&destination) {
-        bail!("destination {destination:?}: {why}");
-    }
+    let (mode, destination, check) = node_proxy_mode(cluster, opts)?;
     let host = opts.node_proxy_host.clone().unwrap_or_default();
-    // Ready only while a tunnel like a client's gets through to this
-    // cluster's API server.
-    let np = serde_json::json!({
+    let mut np = serde_json::json!({
         "address": address.to_string(),
         "port": opts.kube_apiserver_port,
         "gateway": gateway,
-        "mode": "connect",
+        "mode": mode,
         "destination": destination,
-        "health_check": "tunnel",
+        "cluster_id": opts.cluster_id.as_ref().filter(|_| mode == "proxy-v2"),
+        "health_check": check,
         "link_kind": host.link_kind,
         "interface": host.interface,
         "admin": format!("127.0.0.1:{}", host.admin_port),
         "metrics": format!("[::]:{}", host.metrics_port),
     });
+    if let Some(m) = np.as_object_mut() {
+        m.retain(|_, v| !v.is_null());
+    }
     Ok(Some(serde_norway::to_string(&np)?))
+}
+
+/// The node-proxy's mode, destination and health check: `proxy-v2` with
+/// the cluster ID's TLV when only a cluster ID is given, else `connect`
+/// with the destination (default Gardener's for the cluster).
+fn node_proxy_mode(
+    cluster: &seedlink_tunnel::config::Cluster,
+    opts: &Options,
+) -> anyhow::Result<(&'static str, Option<String>, &'static str)> {
+    Ok(match (&opts.destination, &opts.cluster_id) {
+        (None, Some(id)) => {
+            if id.is_empty() || id.len() > 255 {
+                bail!("cluster ID {id:?}: 1 to 255 bytes (a PROXY v2 TLV)");
+            }
+            // No CONNECT answer to wait for: ready while the gateway
+            // accepts connections.
+            ("proxy-v2", None, "tcp")
+        }
+        (destination, _) => {
+            let destination = destination
+                .clone()
+                .unwrap_or_else(|| istio_destination(cluster));
+            if let Err(why) = seedlink_proto::destination::parse(&destination) {
+                bail!("destination {destination:?}: {why}");
+            }
+            // Ready only while a tunnel like a client's gets through to
+            // this cluster's API server.
+            ("connect", Some(destination), "tunnel")
+        }
+    })
 }
 
 impl Rendered {
@@ -861,6 +892,20 @@ kubernetes: {lease: garden/seedlink-tunnel-status}
         assert_eq!(cm["metadata"]["name"], "seedlink-shoot");
         assert_eq!(cm["data"]["agent.yaml"], r.agent_yaml.as_str());
         o.destination = Some("not a destination".into());
+        assert!(render(&cfg, &o).is_err());
+        // HyperShift's node path: PROXY v2 with the cluster ID's TLV.
+        o.destination = None;
+        o.cluster_id = Some("4a5b6c7d-0000-4000-8000-000000000001".into());
+        let r = render(&cfg, &o).unwrap();
+        let np = seedlink_node_proxy::config::NodeProxyConfig::parse(
+            r.node_proxy_yaml.as_deref().unwrap(),
+        )
+        .unwrap();
+        assert_eq!(np.mode, "proxy-v2");
+        assert_eq!(np.cluster_id, o.cluster_id);
+        assert_eq!(np.destination, None);
+        assert!(np.plan().is_ok());
+        o.cluster_id = Some(String::new());
         assert!(render(&cfg, &o).is_err());
     }
 

@@ -77,6 +77,11 @@ pub struct TunnelConfigArgs {
     /// outbound|443||kube-apiserver.<cluster>.svc.cluster.local).
     #[arg(long)]
     pub destination: Option<String>,
+    /// HyperShift's node path: the hosted cluster's ID. With --gateway
+    /// naming a PROXY listener that routes by it (and no --destination),
+    /// the node-proxy sends PROXY v2 with the ID in TLV 0x20.
+    #[arg(long, conflicts_with = "destination")]
+    pub cluster_id: Option<String>,
     /// kube-apiserver's secure port: the `kubernetes` endpoint's port, which
     /// the node-proxy serves on the advertised address.
     #[arg(long, default_value_t = 443)]
@@ -122,6 +127,7 @@ pub fn tunnel_config(a: TunnelConfigArgs) -> anyhow::Result<i32> {
         advertise_address: a.advertise_address,
         gateway: a.gateway,
         destination: a.destination,
+        cluster_id: a.cluster_id,
         kube_apiserver_port: a.kube_apiserver_port,
         node_proxy_host: None,
     };

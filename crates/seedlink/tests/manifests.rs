@@ -1369,6 +1369,8 @@ fn the_onboarding_controllers_node_proxy_settings_reach_its_file() {
         "onboarding.nodeProxy.gateway=gw.seed.example:8443",
         "--set",
         "onboarding.nodeProxy.linkKind=bridge",
+        "--set",
+        "onboarding.nodeProxy.proxyGateway=gw.seed.example:8132",
     ]);
     check_strictly(&with_node_proxy);
     let cm = with_node_proxy
@@ -1392,6 +1394,7 @@ fn the_onboarding_controllers_node_proxy_settings_reach_its_file() {
         ),
         "{np}"
     );
+    assert_eq!(np["proxy_gateway"], "gw.seed.example:8132", "{np}");
 }
 
 /// `onboarding.enabled=true` adds the onboarding controller under a

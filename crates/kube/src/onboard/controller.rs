@@ -28,7 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::certs::{self, Issued};
 use super::generate::{self, Bundle, Generated, Names, Refusal, Settings};
-use super::rotation::{self, CaState, CaStep, Validity};
+use super::rotation::{self, Asked, CaState, CaStep, Validity};
 use crate::crd::TunnelCluster;
 use crate::crd::{ControlPlaneStatus, SeedlinkControlPlane};
 use crate::leader::Leadership;
@@ -45,11 +45,22 @@ const FOLLOWER_RETRY: Duration = Duration::from_secs(2);
 const ERROR_RETRY: Duration = Duration::from_secs(5);
 
 /// Renders kube-apiserver's and the shoot's files for the tunnel cluster
-/// named (`<namespace>.<name>`), with the destination its node-proxies
-/// name (the object's first `spec.nodes.destinations`, if any): the
+/// named (`<namespace>.<name>`), with what its node-proxies send: the
 /// `tunnel-config` renderer, passed in by the binary (one code path for
 /// the CLI and the controller), or why it cannot.
-pub type Renderer = Arc<dyn Fn(&str, Option<&str>) -> Result<Bundle, String> + Send + Sync>;
+pub type Renderer = Arc<dyn Fn(&str, &NodeRoute) -> Result<Bundle, String> + Send + Sync>;
+
+/// What a control plane's node-proxies send the gateway to reach it, from
+/// its `spec.nodes`: the renderer picks the node-proxy's mode by it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeRoute {
+    /// The first of `destinations` (HTTP CONNECT with the destination
+    /// header, GEP-30).
+    pub destination: Option<String>,
+    /// `clusterID` (PROXY v2 with the ID in a TLV, HyperShift's node
+    /// path), used when no destination is named.
+    pub cluster_id: Option<String>,
+}
 
 /// What a reconcile needs.
 pub struct Context {
@@ -371,17 +382,15 @@ impl Writer<'_> {
         let Some(render) = self.ctx.render.as_ref().filter(|_| self.tunnel_on()) else {
             return Ok(Vec::new());
         };
-        let destination = self
-            .cp
-            .spec
-            .nodes
-            .as_ref()
-            .and_then(|n| n.destinations.first());
-        let bundle =
-            render(&self.cluster(), destination.map(String::as_str)).map_err(|e| Refusal {
-                reason: "RenderFailed",
-                message: format!("kube-apiserver's and the shoot's files: {e}"),
-            })?;
+        let nodes = self.cp.spec.nodes.as_ref();
+        let route = NodeRoute {
+            destination: nodes.and_then(|n| n.destinations.first().cloned()),
+            cluster_id: nodes.and_then(|n| n.cluster_id.clone()),
+        };
+        let bundle = render(&self.cluster(), &route).map_err(|e| Refusal {
+            reason: "RenderFailed",
+            message: format!("kube-apiserver's and the shoot's files: {e}"),
+        })?;
         let mut out = generate::bundle_objects(self.cp, &bundle, agent)?;
         if let Some(image) = &self.ctx.agent_image {
             out.push(generate::shoot_manifests(self.cp, &bundle, agent, image)?);
@@ -441,7 +450,15 @@ impl Writer<'_> {
     async fn ca(&self, names: &Names, now: Timestamp) -> Result<(CaState, Option<CaStep>), Stop> {
         let v = &self.ctx.validity;
         let (ns, name) = (self.ns.to_string(), self.cp.name_any());
-        let revision = self.cp.spec.tunnel.as_ref().map_or(0, |t| t.revision);
+        let asked = self
+            .cp
+            .spec
+            .tunnel
+            .as_ref()
+            .map_or_else(Asked::default, |t| Asked {
+                revision: t.revision,
+                rotation: t.rotation,
+            });
         let fresh = || certs::agent_ca(&ns, &name, now, v.ca);
         let (state, step) = match self
             .owned("v1", "Secret", "secrets", &names.agent_ca)
@@ -451,13 +468,14 @@ impl Writer<'_> {
                 let state = CaState {
                     current: fresh()?,
                     previous: None,
-                    revision,
+                    revision: asked.revision,
+                    rotation: asked.rotation,
                 };
                 (state, None)
             }
             Some(existing) => {
                 let state = generate::ca_state_from(&existing);
-                let step = rotation::ca_step(&state, revision, now, v);
+                let step = rotation::ca_step(&state, asked, now, v);
                 if step == CaStep::Keep {
                     return Ok((state, Some(step)));
                 }
@@ -465,7 +483,7 @@ impl Writer<'_> {
                     CaStep::Rotate | CaStep::Revoke => Some(fresh()?),
                     _ => None,
                 };
-                let next = rotation::after(state, step, made, revision, now, v);
+                let next = rotation::after(state, step, made, asked, now, v);
                 (next, Some(step))
             }
         };

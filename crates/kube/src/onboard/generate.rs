@@ -164,6 +164,7 @@ pub fn objects(
         enabled: true,
         agent_token: None,
         revision: 0,
+        rotation: 0,
     });
     if tunnel.enabled {
         out.extend(b.tunnel(&tunnel, settings, agent_ca_pem));
@@ -372,6 +373,7 @@ pub fn ca_secret(
     };
     let data = json!({CA_KEY: ca.current.cert_pem, "ca.key": ca.current.key_pem, "previous.crt": previous});
     let notes = json!({NOT_AFTER: ca.current.not_after.to_string(), REVISION: ca.revision.to_string(),
+                       ROTATION: ca.rotation.to_string(),
                        PREVIOUS_UNTIL: until});
     let mut g = b.object(
         "v1",
@@ -659,11 +661,17 @@ pub fn ca_state_from(v: &Value) -> CaState {
             not_after: annotated_time(v, NOT_AFTER),
         },
         previous: (!previous.is_empty()).then(|| (previous, annotated_time(v, PREVIOUS_UNTIL))),
-        revision: v["metadata"]["annotations"][REVISION]
-            .as_str()
-            .and_then(|r| r.parse().ok())
-            .unwrap_or(0),
+        revision: annotated_number(v, REVISION),
+        rotation: annotated_number(v, ROTATION),
     }
+}
+
+/// A number in an annotation (0 when absent or not a number).
+fn annotated_number(v: &Value, key: &str) -> u64 {
+    v["metadata"]["annotations"][key]
+        .as_str()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0)
 }
 
 /// The agents' certificate a leaf Secret holds, and the CA that signed it.
@@ -680,6 +688,8 @@ pub fn leaf_from(v: &Value) -> (Issued, String) {
 pub const PREVIOUS_UNTIL: &str = "seedlink.dev/previous-until";
 /// The annotation with the `spec.tunnel.revision` a CA was made for.
 pub const REVISION: &str = "seedlink.dev/revision";
+/// The annotation with the `spec.tunnel.rotation` a CA was made for.
+pub const ROTATION: &str = "seedlink.dev/rotation";
 
 /// The annotation with a certificate Secret's `notAfter` (RFC 3339).
 pub const NOT_AFTER: &str = "seedlink.dev/not-after";
@@ -932,6 +942,7 @@ mod tests {
             current: issued("ca2"),
             previous: Some(("ca1\n".into(), at)),
             revision: 4,
+            rotation: 0,
         };
         let g = ca_secret(&cp(minimal()), "kas-agent-ca", &state).unwrap();
         assert_eq!(ca_state_from(&g.object), state);

@@ -11,6 +11,13 @@
 //!   then), and the first certificate from the new CA is issued only in a
 //!   later pass, after the trust naming both was written: an agent never
 //!   presents a certificate the tunnel-server does not trust yet.
+//! - **Rotation on demand**: raising `spec.tunnel.rotation` rotates the
+//!   CA in the next pass, with the same overlap (a rotation asked for
+//!   during an overlap replaces the previous CA: its certificates were
+//!   replaced in the pass after it was rotated out).
+//! - In the pass after a rotation (the trust naming both CAs is written
+//!   in the rotating pass), the agents' certificate is issued again by
+//!   the new CA, so the agents move to it at the start of the overlap.
 //! - **Revocation**: raising `spec.tunnel.revision` replaces the CA at
 //!   once with no overlap: the old one is no longer trusted, the
 //!   tunnel-server disconnects the agents presenting its certificates (its
@@ -59,6 +66,18 @@ pub struct CaState {
     pub previous: Option<(String, Timestamp)>,
     /// The `spec.tunnel.revision` it was made for.
     pub revision: u64,
+    /// The `spec.tunnel.rotation` it was made for.
+    pub rotation: u64,
+}
+
+/// What the object asks for: `spec.tunnel.revision` (revoke when raised)
+/// and `spec.tunnel.rotation` (rotate when raised).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Asked {
+    /// `spec.tunnel.revision`.
+    pub revision: u64,
+    /// `spec.tunnel.rotation`.
+    pub rotation: u64,
 }
 
 /// What to do with the CA.
@@ -80,11 +99,13 @@ pub fn due(not_after: Timestamp, now: Timestamp, validity: SignedDuration) -> bo
     not_after.duration_since(now) <= validity / 3
 }
 
-/// What the CA needs at `now`, the object asking for `revision`.
-pub fn ca_step(state: &CaState, revision: u64, now: Timestamp, v: &Validity) -> CaStep {
-    if revision > state.revision {
+/// What the CA needs at `now`, the object asking for `asked`.
+pub fn ca_step(state: &CaState, asked: Asked, now: Timestamp, v: &Validity) -> CaStep {
+    if asked.revision > state.revision {
         CaStep::Revoke
-    } else if due(state.current.not_after, now, v.ca) && state.previous.is_none() {
+    } else if asked.rotation > state.rotation
+        || (due(state.current.not_after, now, v.ca) && state.previous.is_none())
+    {
         CaStep::Rotate
     } else if state
         .previous
@@ -103,7 +124,7 @@ pub fn after(
     state: CaState,
     step: CaStep,
     fresh: Option<Issued>,
-    revision: u64,
+    asked: Asked,
     now: Timestamp,
     v: &Validity,
 ) -> CaState {
@@ -116,11 +137,13 @@ pub fn after(
             previous: Some((state.current.cert_pem, now + v.leaf)),
             current: fresh,
             revision: state.revision,
+            rotation: asked.rotation.max(state.rotation),
         },
         (CaStep::Revoke, Some(fresh)) => CaState {
             current: fresh,
             previous: None,
-            revision,
+            revision: asked.revision,
+            rotation: asked.rotation.max(state.rotation),
         },
         _ => state,
     }
@@ -128,9 +151,9 @@ pub fn after(
 
 /// Whether the agents' certificate `leaf`, signed by the CA `signed_by`
 /// (its PEM), is to be issued again at `now`: it is close to expiry, or
-/// its CA is no longer the current one, unless that CA is still trusted
-/// (a rotation's overlap) and the leaf is not close to expiry; the new
-/// CA's first certificate then waits for a later pass.
+/// its CA is no longer the current one (the controller does not ask in
+/// the pass that rotated the CA: the trust naming both is written
+/// first).
 pub fn leaf_due(
     leaf: &Issued,
     signed_by: &str,
@@ -138,15 +161,7 @@ pub fn leaf_due(
     now: Timestamp,
     v: &Validity,
 ) -> bool {
-    let expiring = due(leaf.not_after, now, v.leaf);
-    if signed_by == ca.current.cert_pem {
-        return expiring;
-    }
-    let overlapping = ca
-        .previous
-        .as_ref()
-        .is_some_and(|(pem, until)| pem == signed_by && *until > now);
-    !overlapping || expiring
+    signed_by != ca.current.cert_pem || due(leaf.not_after, now, v.leaf)
 }
 
 /// When the CA or the agents' certificate next needs a pass: the
@@ -200,6 +215,41 @@ mod tests {
         }
     }
 
+    fn asked(revision: u64) -> Asked {
+        Asked {
+            revision,
+            rotation: 0,
+        }
+    }
+
+    /// A raised `spec.tunnel.rotation` rotates with overlap at once, also
+    /// during another overlap; it is remembered, so it rotates once.
+    #[test]
+    fn a_raised_rotation_rotates_at_once_with_overlap() {
+        let v = v();
+        let state = CaState {
+            current: issued("ca1", t0() + v.ca),
+            previous: None,
+            revision: 0,
+            rotation: 0,
+        };
+        let ask = Asked {
+            revision: 0,
+            rotation: 1,
+        };
+        assert_eq!(ca_step(&state, ask, t0(), &v), CaStep::Rotate);
+        let fresh = Some(issued("ca2", t0() + v.ca));
+        let rotated = after(state, CaStep::Rotate, fresh, ask, t0(), &v);
+        assert_eq!(rotated.rotation, 1);
+        assert_eq!(trust_bundle(&rotated, t0()), "ca2\nca1\n");
+        assert_eq!(ca_step(&rotated, ask, t0(), &v), CaStep::Keep);
+        let again = Asked { rotation: 2, ..ask };
+        assert_eq!(ca_step(&rotated, again, t0(), &v), CaStep::Rotate);
+        let fresh = Some(issued("ca3", t0() + v.ca));
+        let twice = after(rotated, CaStep::Rotate, fresh, again, t0(), &v);
+        assert_eq!(trust_bundle(&twice, t0()), "ca3\nca2\n");
+    }
+
     fn t0() -> Timestamp {
         "2026-01-01T00:00:00Z".parse().unwrap()
     }
@@ -212,6 +262,7 @@ mod tests {
             current: issued("ca1", t0() + v.ca),
             previous: None,
             revision: 0,
+            rotation: 0,
         };
         // The certificate's renewal: 20 days in.
         assert_eq!(next_due(&ca, &leaf, &v), t0() + DAY * 20);
@@ -234,37 +285,36 @@ mod tests {
             current: issued("ca1", t0() + v.ca),
             previous: None,
             revision: 0,
+            rotation: 0,
         };
         let leaf = issued("leaf1", t0() + v.leaf);
         // Early on: nothing to do.
-        assert_eq!(ca_step(&state, 0, t0() + DAY, &v), CaStep::Keep);
+        assert_eq!(ca_step(&state, asked(0), t0() + DAY, &v), CaStep::Keep);
         assert!(!leaf_due(&leaf, "ca1\n", &state, t0() + DAY, &v));
         // A third of the CA's validity left: a new CA, both trusted.
         let at = t0() + DAY * 201;
-        assert_eq!(ca_step(&state, 0, at, &v), CaStep::Rotate);
+        assert_eq!(ca_step(&state, asked(0), at, &v), CaStep::Rotate);
         let rotated = after(
             state,
             CaStep::Rotate,
             Some(issued("ca2", at + v.ca)),
-            0,
+            asked(0),
             at,
             &v,
         );
         assert_eq!(trust_bundle(&rotated, at), "ca2\nca1\n");
-        // The leaf from ca1 is not close to expiry: it is kept, so the
-        // first certificate from ca2 comes in a later pass.
+        // The leaf from ca1 is issued again by ca2 (in the pass after
+        // this one, which wrote the trust naming both: the controller's).
         let leaf = issued("leaf1", at + DAY * 25);
-        assert!(!leaf_due(&leaf, "ca1\n", &rotated, at, &v));
-        // Close to its expiry, it is issued again, from ca2.
-        assert!(leaf_due(&leaf, "ca1\n", &rotated, at + DAY * 16, &v));
+        assert!(leaf_due(&leaf, "ca1\n", &rotated, at, &v));
         // After the overlap ca1 goes, and a leaf it signed is due.
         let over = at + v.leaf;
-        assert_eq!(ca_step(&rotated, 0, over, &v), CaStep::DropPrevious);
+        assert_eq!(ca_step(&rotated, asked(0), over, &v), CaStep::DropPrevious);
         assert_eq!(trust_bundle(&rotated, over), "ca2\n");
         assert!(leaf_due(&leaf, "ca1\n", &rotated, over, &v));
-        let dropped = after(rotated, CaStep::DropPrevious, None, 0, over, &v);
+        let dropped = after(rotated, CaStep::DropPrevious, None, asked(0), over, &v);
         assert_eq!(dropped.previous, None);
-        assert_eq!(ca_step(&dropped, 0, over, &v), CaStep::Keep);
+        assert_eq!(ca_step(&dropped, asked(0), over, &v), CaStep::Keep);
     }
 
     #[test]
@@ -274,11 +324,12 @@ mod tests {
             current: issued("ca1", t0() + v.ca),
             previous: None,
             revision: 0,
+            rotation: 0,
         };
         let leaf = issued("leaf1", t0() + v.leaf);
         assert!(!leaf_due(&leaf, "ca1\n", &state, t0() + DAY * 19, &v));
         assert!(leaf_due(&leaf, "ca1\n", &state, t0() + DAY * 20, &v));
-        assert_eq!(ca_step(&state, 0, t0() + DAY * 20, &v), CaStep::Keep);
+        assert_eq!(ca_step(&state, asked(0), t0() + DAY * 20, &v), CaStep::Keep);
         assert_eq!(trust_bundle(&state, t0()), "ca1\n");
     }
 
@@ -289,16 +340,17 @@ mod tests {
             current: issued("ca1", t0() + v.ca),
             previous: Some(("ca0\n".into(), t0() + DAY)),
             revision: 2,
+            rotation: 0,
         };
-        assert_eq!(ca_step(&state, 2, t0(), &v), CaStep::Keep);
+        assert_eq!(ca_step(&state, asked(2), t0(), &v), CaStep::Keep);
         // A lower revision never goes back.
-        assert_eq!(ca_step(&state, 1, t0(), &v), CaStep::Keep);
-        assert_eq!(ca_step(&state, 3, t0(), &v), CaStep::Revoke);
+        assert_eq!(ca_step(&state, asked(1), t0(), &v), CaStep::Keep);
+        assert_eq!(ca_step(&state, asked(3), t0(), &v), CaStep::Revoke);
         let revoked = after(
             state,
             CaStep::Revoke,
             Some(issued("ca2", t0() + v.ca)),
-            3,
+            asked(3),
             t0(),
             &v,
         );

@@ -10,9 +10,11 @@ use anyhow::Context as _;
 use seedlink_net::admin::{self, Answer, METRICS, TEXT};
 use tokio_util::sync::CancellationToken;
 
-use seedlink_config::onboard::{namespaced, OnboardConfig, RenderConfig};
+use seedlink_config::onboard::{namespaced, NodeProxyRender, OnboardConfig, RenderConfig};
 use seedlink_kube::leader::{self, Leadership};
-use seedlink_kube::onboard::controller::{self, ClientIssuer, Context, Renderer, Watched};
+use seedlink_kube::onboard::controller::{
+    self, ClientIssuer, Context, NodeRoute, Renderer, Watched,
+};
 use seedlink_kube::onboard::generate::{Bundle, Settings};
 use seedlink_kube::onboard::rotation::Validity;
 use seedlink_kube::translate::Key;
@@ -50,23 +52,26 @@ fn renderer(r: &RenderConfig) -> anyhow::Result<Renderer> {
         .with_context(|| format!("reading {}", r.server_ca.display()))?;
     let r = r.clone();
     Ok(std::sync::Arc::new(
-        move |cluster: &str, destination: Option<&str>| {
+        move |cluster: &str, route: &NodeRoute| {
             // The node-proxy: when the install says where the gateway is and
-            // the object names a destination that routes to it.
-            let node_proxy = r.node_proxy.as_ref().zip(destination);
+            // the object names what routes to it there.
+            let node_proxy = r.node_proxy.as_ref().and_then(|np| node_path(np, route));
             let opts = crate::egress::Options {
                 agent_server: Some(r.agent_server.clone()),
                 server_name: r.server_name.clone(),
                 frontend_address: r.frontend_address.clone(),
-                gateway: node_proxy.map(|(np, _)| np.gateway.clone()),
-                advertise_address: node_proxy.map(|(np, _)| np.address),
-                destination: node_proxy.map(|(_, d)| d.to_string()),
-                node_proxy_host: node_proxy.map(|(np, _)| crate::egress::NodeProxyHost {
-                    link_kind: np.link_kind.clone(),
-                    interface: np.interface.clone(),
-                    admin_port: np.admin_port,
-                    metrics_port: np.metrics_port,
-                }),
+                gateway: node_proxy.as_ref().map(|(_, p)| p.gateway.clone()),
+                advertise_address: node_proxy.as_ref().map(|(np, _)| np.address),
+                destination: node_proxy.as_ref().and_then(|(_, p)| p.destination.clone()),
+                cluster_id: node_proxy.as_ref().and_then(|(_, p)| p.cluster_id.clone()),
+                node_proxy_host: node_proxy
+                    .as_ref()
+                    .map(|(np, _)| crate::egress::NodeProxyHost {
+                        link_kind: np.link_kind.clone(),
+                        interface: np.interface.clone(),
+                        admin_port: np.admin_port,
+                        metrics_port: np.metrics_port,
+                    }),
                 ..crate::egress::Options::new(cluster)
             };
             let rendered = crate::egress::render(&cfg, &opts).map_err(|e| format!("{e:#}"))?;
@@ -85,6 +90,37 @@ fn renderer(r: &RenderConfig) -> anyhow::Result<Renderer> {
             Ok(bundle)
         },
     ))
+}
+
+/// Where a control plane's node-proxy goes and what it sends: the
+/// install's CONNECT listener with the object's destination, else its
+/// PROXY listener with the object's cluster ID; none when the install
+/// has no listener for what the object names.
+fn node_path<'a>(
+    np: &'a NodeProxyRender,
+    route: &NodeRoute,
+) -> Option<(&'a NodeProxyRender, NodePath)> {
+    let path = match (&route.destination, &route.cluster_id, &np.proxy_gateway) {
+        (Some(d), _, _) => NodePath {
+            gateway: np.gateway.clone(),
+            destination: Some(d.clone()),
+            cluster_id: None,
+        },
+        (None, Some(id), Some(g)) => NodePath {
+            gateway: g.clone(),
+            destination: None,
+            cluster_id: Some(id.clone()),
+        },
+        _ => return None,
+    };
+    Some((np, path))
+}
+
+/// A node-proxy's gateway and what it sends there.
+struct NodePath {
+    gateway: String,
+    destination: Option<String>,
+    cluster_id: Option<String>,
 }
 
 /// The CA for kube-apiserver's client certificates, when configured: read
@@ -305,5 +341,40 @@ async fn shutdown_signal() {
         Err(_) => {
             let _ = tokio::signal::ctrl_c().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A destination goes to the CONNECT listener; a cluster ID alone to
+    /// the PROXY listener, when the install has one; otherwise no
+    /// node-proxy.
+    #[test]
+    fn the_node_proxys_path_follows_what_the_object_names() {
+        let text = "lease: s/l\ngateway: s/g\ntunnel_reader: s/x\nrender: {tunnel_config: t, agent_server: 'a:1', server_ca: c, node_proxy: {gateway: 'gw:8443', proxy_gateway: 'gw:8132'}}\n";
+        let np = OnboardConfig::parse(text)
+            .unwrap()
+            .render
+            .unwrap()
+            .node_proxy
+            .unwrap();
+        let route = |d: Option<&str>, id: Option<&str>| NodeRoute {
+            destination: d.map(String::from),
+            cluster_id: id.map(String::from),
+        };
+        let (_, p) = node_path(&np, &route(Some("outbound|443||k.a.svc"), Some("id"))).unwrap();
+        assert_eq!((p.gateway.as_str(), p.cluster_id), ("gw:8443", None));
+        let (_, p) = node_path(&np, &route(None, Some("id"))).unwrap();
+        assert_eq!(p.gateway, "gw:8132");
+        assert_eq!((p.destination, p.cluster_id.as_deref()), (None, Some("id")));
+        assert!(node_path(&np, &route(None, None)).is_none());
+        let without = NodeProxyRender {
+            proxy_gateway: None,
+            ..np.clone()
+        };
+        assert!(node_path(&without, &route(None, Some("id"))).is_none());
     }
 }

@@ -67,6 +67,7 @@ pub fn onboarding(c: &Cluster, chart: &str, lb: &str, kubectl: &Path, echo: &str
     reaches_through_the_tunnel(kubectl, &kubeconfig, "the onboarded API server's egress");
     kubelet_and_webhook_through_the_tunnel(c, kubectl, &kubeconfig, &pki);
     condition_is(c, ONBOARDED_NS, ONBOARDED, "Ready", "True");
+    rotated_under_a_dial_loop(c, kubectl, &kubeconfig, &manifests);
     the_expiry_metric(c);
     another_tenant_is_refused(c);
     deleting_removes_everything(c, kubectl, &kubeconfig);
@@ -266,6 +267,95 @@ fn agents_from_the_bundle(c: &Cluster) -> PathBuf {
         "--timeout=600s",
     ]);
     f
+}
+
+/// The text under `key` of the onboarded object's Secret or ConfigMap
+/// `name` (`data`, decoded for a Secret).
+fn generated_text(c: &Cluster, kind: &str, name: &str, key: &str) -> String {
+    let key = key.replace('.', "\\.");
+    let got = jsonpath(
+        c,
+        &["-n", ONBOARDED_NS, "get", kind, name],
+        &format!("{{.data.{key}}}"),
+    );
+    if kind != "secret" {
+        return got;
+    }
+    super::run(Command::new("sh").args(["-c", &format!("printf '%s' '{got}' | base64 -d")]))
+}
+
+/// The agent CA rotated on demand (`spec.tunnel.rotation`) under a loop of
+/// dials through the onboarded control plane's own tunnel: the trust names
+/// both CAs, the new one signs the agents' certificate, the platform
+/// applies the shoot's bundle again (as a ManagedResource would), the
+/// kubelet updates the agents' files and each agent replaces its streams
+/// without a restart. No dial fails.
+fn rotated_under_a_dial_loop(c: &Cluster, kubectl: &Path, kubeconfig: &Path, manifests: &Path) {
+    let asks = vec![(kubeconfig.to_path_buf(), super::VIA_TUNNEL)];
+    let load = super::Load::start(kubectl.to_path_buf(), asks, c.netns.clone());
+    load.wait_for(3);
+    let ca_secret = format!("{ONBOARDED}-agent-ca");
+    let before = generated_text(c, "secret", &ca_secret, "ca.crt");
+    let rotate = r#"{"spec":{"tunnel":{"rotation":1}}}"#;
+    let cp = [
+        "-n",
+        ONBOARDED_NS,
+        "patch",
+        "seedlinkcontrolplane",
+        ONBOARDED,
+    ];
+    c.kubectl_ok(&[&cp[..], &["--type=merge", "-p", rotate]].concat());
+    eventually_blocking(
+        "the new CA signs the agents' certificate",
+        Duration::from_secs(120),
+        || {
+            let ca = generated_text(c, "secret", &ca_secret, "ca.crt");
+            let signer = generated_text(c, "secret", &format!("{ONBOARDED}-agent"), "ca.crt");
+            let trust = generated_text(
+                c,
+                "configmap",
+                &format!("{ONBOARDED}-agent-trust"),
+                "ca.crt",
+            );
+            let both = trust.contains(ca.trim()) && trust.contains(before.trim());
+            (ca != before && signer == ca && both)
+                .then_some(())
+                .ok_or("not yet")
+        },
+    );
+    let text = generated_text(
+        c,
+        "secret",
+        &format!("{ONBOARDED}-shoot-manifests"),
+        "seedlink-agent.yaml",
+    );
+    std::fs::write(manifests, &text).unwrap();
+    c.kubectl_ok(&["apply", "-f", &manifests.display().to_string()]);
+    eventually_blocking(
+        "each agent replaces its streams",
+        Duration::from_secs(300),
+        || {
+            let logs = c.kubectl_ok(&[
+                "-n",
+                "kube-system",
+                "logs",
+                "-l",
+                "app.kubernetes.io/name=seedlink-agent",
+                "--tail=-1",
+                "--prefix",
+            ]);
+            let changed = logs
+                .lines()
+                .filter(|l| l.contains("client certificate changed"));
+            let pods: std::collections::HashSet<&str> =
+                changed.filter_map(|l| l.split(']').next()).collect();
+            (pods.len() >= 2).then_some(()).ok_or(logs)
+        },
+    );
+    load.wait_for(10);
+    let (sent, failed) = load.counts();
+    eprintln!("installed: agent CA rotated under a loop of dials through the onboarded tunnel: {sent} dials, {failed} failed");
+    assert_eq!(failed, 0, "{:?}", load.errors.lock().unwrap());
 }
 
 /// In-cluster clients of the onboarded shoot (GEP-08) through the

@@ -387,6 +387,7 @@ impl Agent {
             let now = id.current();
             if !Arc::ptr_eq(&now, &seen) && !self.draining.load(Ordering::Acquire) {
                 seen = now;
+                tracing::info!("client certificate changed: replacing every stream");
                 self.restream();
             }
         }

@@ -100,41 +100,7 @@ pub fn keep_first_trust(
     held: &HashMap<String, String>,
     refused: &HashSet<String>,
 ) -> Refused {
-    let claims: Vec<Vec<String>> = extra.iter().map(trust_claims).collect();
-    let claimed_by = |key: &String, name: &str| {
-        extra
-            .iter()
-            .zip(&claims)
-            .any(|(c, keys)| c.name == name && keys.contains(key))
-    };
-    // What each cluster claims that another holds: held by one among the
-    // clusters to apply (it goes last and the overlap refuses it), or by
-    // one refused for now (it is refused here: no overlap would show).
-    let exists = |name: &str| extra.iter().any(|c| c.name == name);
-    let stolen: Vec<(bool, Option<(String, &str)>)> = extra
-        .iter()
-        .zip(&claims)
-        .map(|(c, keys)| {
-            let mut steals = false;
-            let mut from_refused = None;
-            for k in keys {
-                let Some(owner) = held.get(k).filter(|o| **o != c.name) else {
-                    continue;
-                };
-                if refused.contains(owner) {
-                    from_refused = Some((owner.clone(), "is refused for now but keeps"));
-                } else if claimed_by(k, owner) {
-                    steals = true;
-                } else if exists(owner) {
-                    from_refused = Some((
-                        owner.clone(),
-                        "stopped using it but keeps reserved (its status.released)",
-                    ));
-                }
-            }
-            (steals, from_refused)
-        })
-        .collect();
+    let stolen = what_each_takes(extra, held, refused);
     let mut out = Vec::new();
     let mut indexed: Vec<(bool, Cluster)> = Vec::new();
     for ((steals, from_refused), c) in stolen.into_iter().zip(extra.drain(..)) {
@@ -155,6 +121,53 @@ pub fn keep_first_trust(
     indexed.sort_by_key(|(stealer, _)| *stealer);
     extra.extend(indexed.into_iter().map(|(_, c)| c));
     out
+}
+
+/// A claim's owner that keeps it whatever the claimant: its name and how.
+type Keeper = (String, &'static str);
+
+/// Per cluster of `extra`: whether it claims what another among `extra`
+/// holds and still claims (it goes last, and the overlap refuses it), and
+/// which holder keeps a claim it makes though that holder does not claim
+/// it now (refused for now, or reserved after it stopped: the claimant is
+/// refused here, as no overlap would show).
+fn what_each_takes(
+    extra: &[Cluster],
+    held: &HashMap<String, String>,
+    refused: &HashSet<String>,
+) -> Vec<(bool, Option<Keeper>)> {
+    let claims: Vec<Vec<String>> = extra.iter().map(trust_claims).collect();
+    let claimed_by = |key: &String, name: &str| {
+        extra
+            .iter()
+            .zip(&claims)
+            .any(|(c, keys)| c.name == name && keys.contains(key))
+    };
+    let exists = |name: &str| extra.iter().any(|c| c.name == name);
+    let keeper = |k: &String, owner: &String| -> Option<&'static str> {
+        if refused.contains(owner) {
+            Some("is refused for now but keeps")
+        } else if !claimed_by(k, owner) && exists(owner) {
+            Some("stopped using it but keeps reserved (its status.released)")
+        } else {
+            None
+        }
+    };
+    let take = |(c, keys): (&Cluster, &Vec<String>)| {
+        let mut steals = false;
+        let mut kept = None;
+        for k in keys {
+            let Some(owner) = held.get(k).filter(|o| **o != c.name) else {
+                continue;
+            };
+            match keeper(k, owner) {
+                Some(how) => kept = Some((owner.clone(), how)),
+                None => steals |= claimed_by(k, owner),
+            }
+        }
+        (steals, kept)
+    };
+    extra.iter().zip(&claims).map(take).collect()
 }
 
 /// Certificates one `agent_ca` may hold.
