@@ -526,7 +526,7 @@ fn node_proxy_yaml(
     };
     let (mode, destination, check) = node_proxy_mode(cluster, opts)?;
     let host = opts.node_proxy_host.clone().unwrap_or_default();
-    let mut np = serde_json::json!({
+    let np = serde_json::json!({
         "address": address.to_string(),
         "port": opts.kube_apiserver_port,
         "gateway": gateway,
@@ -539,10 +539,15 @@ fn node_proxy_yaml(
         "admin": format!("127.0.0.1:{}", host.admin_port),
         "metrics": format!("[::]:{}", host.metrics_port),
     });
-    if let Some(m) = np.as_object_mut() {
+    Ok(Some(yaml_without_nulls(np)?))
+}
+
+/// `v` as YAML, its object's null fields left out.
+fn yaml_without_nulls(mut v: serde_json::Value) -> anyhow::Result<String> {
+    if let Some(m) = v.as_object_mut() {
         m.retain(|_, v| !v.is_null());
     }
-    Ok(Some(serde_norway::to_string(&np)?))
+    Ok(serde_norway::to_string(&v)?)
 }
 
 /// The node-proxy's mode, destination and health check: `proxy-v2` with

@@ -2611,6 +2611,9 @@ fn onboarding_tunnel_server(
     let ca = ca.self_signed(&ca_key).unwrap();
     std::fs::write(dir.join("kas-ca.pem"), ca.pem()).unwrap();
     std::fs::write(dir.join("kas-ca-key.pem"), ca_key.serialize_pem()).unwrap();
+    // What the frontend trusts: a file of its own, so that a rotation can
+    // trust both CAs while the controller signs with the new one.
+    std::fs::write(dir.join("kas-trust.pem"), ca.pem()).unwrap();
     let (d, sys) = (dir.display(), &seed.sys);
     let config = dir.join("tunnel.yaml");
     std::fs::write(
@@ -2622,7 +2625,7 @@ clusters: []
 frontend_templates:
   - {{name: uds, protocol: http-connect, unix: '{d}/{{cluster}}.sock'}}
 shared_frontends:
-  - {{name: shared, protocol: http-connect, tcp: '127.0.0.1:{shared_port}', cert: '{crt}', key: '{key}', client_ca: '{d}/kas-ca.pem'}}
+  - {{name: shared, protocol: http-connect, tcp: '127.0.0.1:{shared_port}', cert: '{crt}', key: '{key}', client_ca: '{d}/kas-trust.pem'}}
 kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust'}}
 ",
             crt = crt.display(),
@@ -3161,7 +3164,51 @@ async fn one_object_onboards_a_control_plane() {
     another_tenant_takes_neither_a_name_nor_a_host(&t, &mut tunnel).await;
     let _agent_c = revoking_one_control_plane_cuts_only_its_agents(&t).await;
     a_recreated_control_plane_refuses_the_old_kube_apiserver_certificate(&t).await;
+    the_kube_apiserver_client_ca_is_rotated_with_overlap(&t).await;
     t.stop.cancel();
+}
+
+/// The operator's kube-apiserver client CA rotated with overlap: the
+/// frontend trusts both CAs, the controller's files are replaced by the
+/// new CA (read again without a restart) and it issues the certificate
+/// again from it; the old certificate still works during the overlap;
+/// once the frontend trusts the new CA alone, the old one is refused.
+async fn the_kube_apiserver_client_ca_is_rotated_with_overlap(t: &Onboarding) {
+    let d = t.dir.path();
+    let old = kas_client_certificate(t, "ca1").await;
+    assert!(shared_frontend_answers(t, "ca1").await);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "kube-apiserver clients 2");
+    let new_ca = params.self_signed(&key).unwrap().pem();
+    let old_ca = std::fs::read_to_string(d.join("kas-ca.pem")).unwrap();
+    std::fs::write(d.join("kas-trust.pem"), format!("{old_ca}{new_ca}")).unwrap();
+    std::fs::write(d.join("kas-ca-key.pem"), key.serialize_pem()).unwrap();
+    std::fs::write(d.join("kas-ca.pem"), &new_ca).unwrap();
+    eventually(
+        "the certificate issued by the new CA selects its cluster",
+        Duration::from_secs(90),
+        async || {
+            let now = kas_client_certificate(t, "ca2").await;
+            now != old && shared_frontend_answers(t, "ca2").await
+        },
+    )
+    .await;
+    assert!(
+        shared_frontend_answers(t, "ca1").await,
+        "during the overlap"
+    );
+    std::fs::write(d.join("kas-trust.pem"), &new_ca).unwrap();
+    eventually(
+        "the old certificate refused once its CA is trusted no more",
+        Duration::from_secs(60),
+        async || !shared_frontend_answers(t, "ca1").await,
+    )
+    .await;
+    assert!(shared_frontend_answers(t, "ca2").await);
 }
 
 /// kube-apiserver's generated client certificate selects its own cluster

@@ -1531,3 +1531,38 @@ fn the_onboarding_controller_renders_under_its_own_service_account() {
         .as_str()
         .is_some_and(|n| n.starts_with("seedlink-onboard"))));
 }
+
+/// `kubeApiserverClientCATrust` is what the shared frontend trusts for
+/// kube-apiservers' client certificates (a rotation's overlap), mounted
+/// alone into the data plane's pods.
+#[test]
+fn a_client_ca_trust_bundle_is_what_the_shared_frontend_trusts() {
+    let docs = helm_template(&[
+        "--set",
+        "kubeApiserverClientCA=seedlink-kas-client-ca",
+        "--set",
+        "kubeApiserverClientCATrust=seedlink-kas-client-trust",
+    ]);
+    check_strictly(&docs);
+    let cm = docs
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "seedlink-config")
+        .unwrap();
+    let file: Value = serde_norway::from_str(cm["data"]["tunnel.yaml"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        file["shared_frontends"][0]["client_ca"],
+        "/etc/seedlink/kas-client-trust/ca.crt"
+    );
+    let dep = docs
+        .iter()
+        .find(|d| d["kind"] == "Deployment" && d["metadata"]["name"] == "seedlink")
+        .unwrap();
+    let volume = dep["spec"]["template"]["spec"]["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "kas-client-trust")
+        .unwrap();
+    assert_eq!(volume["secret"]["secretName"], "seedlink-kas-client-trust");
+    assert_eq!(volume["secret"]["items"][0]["key"], "ca.crt");
+}

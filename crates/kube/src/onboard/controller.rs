@@ -78,8 +78,9 @@ pub struct Context {
     /// kube-apiserver's and the shoot's files, when configured.
     pub render: Option<Renderer>,
     /// The CA that issues kube-apiserver's client certificates for the
-    /// shared frontend, when configured.
-    pub kube_apiserver_ca: Option<ClientIssuer>,
+    /// shared frontend, when configured; a new one (its files replaced)
+    /// reconciles every control plane, so each certificate is issued by it.
+    pub kube_apiserver_ca: tokio::sync::watch::Receiver<Option<ClientIssuer>>,
     /// The agent's image for the shoot's manifests, when configured.
     pub agent_image: Option<String>,
     /// How long the certificates it issues are valid.
@@ -94,7 +95,7 @@ pub struct Context {
 /// The CA the tunnel-server's shared TCP+mTLS frontend trusts for
 /// kube-apiserver's client certificates (its CN names the cluster), and
 /// the tunnel-server's CA kube-apiserver verifies the frontend with.
-#[derive(Clone)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct ClientIssuer {
     /// The CA's certificate (PEM).
     pub cert_pem: String,
@@ -136,9 +137,15 @@ pub async fn run(ctx: Context, stop: CancellationToken) {
     let controller = Controller::new(cps, watcher::Config::default());
     // Set once per process: a second run would keep the first's cache.
     let _ = ctx.watched.set(controller.store());
+    let new_client_ca =
+        futures_util::stream::unfold(ctx.kube_apiserver_ca.clone(), |mut ca| async {
+            ca.changed().await.ok()?;
+            Some(((), ca))
+        });
     controller
         .owns(clusters, generated.clone())
         .owns_with(routes, routes_ar, generated)
+        .reconcile_all_on(new_client_ca)
         .graceful_shutdown_on(async move { stop.cancelled().await })
         .run(reconcile, error_policy, Arc::new(ctx))
         .for_each(|r| async move {
@@ -293,12 +300,8 @@ impl Writer<'_> {
         now: Timestamp,
         wake: &mut Timestamp,
     ) -> Result<Option<(Generated, Timestamp)>, Stop> {
-        let Some(k) = self
-            .ctx
-            .kube_apiserver_ca
-            .as_ref()
-            .filter(|_| self.tunnel_on())
-        else {
+        let ca = self.ctx.kube_apiserver_ca.borrow().clone();
+        let Some(k) = ca.as_ref().filter(|_| self.tunnel_on()) else {
             return Ok(None);
         };
         let v = &self.ctx.validity;

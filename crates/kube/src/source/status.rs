@@ -231,17 +231,28 @@ pub(super) fn tunnel_status(
             .flat_map(|h| h.dial_errors.iter().map(|(r, n)| (r.to_string(), *n)))
             .collect(),
         observed_generation: generation,
-        // Served: what it holds now, and what it stopped trusting stays
-        // reserved; refused: what it held stays its own (a failing object
-        // never loses a claim to another).
-        released: match outcome.cluster {
-            Some(_) if !trust.is_empty() => released(current, &trust, hold),
-            _ => current.released.clone(),
-        },
-        trust: match outcome.cluster {
-            Some(_) if !trust.is_empty() => trust,
-            _ => current.trust.clone(),
-        },
+        ..held_claims(outcome.cluster.is_some(), trust, current, hold)
+    }
+}
+
+/// `trust` and `released` of a TunnelCluster's status. Served: what it
+/// holds now, and what it stopped trusting stays reserved; refused: what
+/// it held stays its own (a failing object never loses a claim to
+/// another).
+fn held_claims(
+    served: bool,
+    trust: Vec<String>,
+    current: &crate::crd::TunnelClusterStatus,
+    hold: Hold,
+) -> crate::crd::TunnelClusterStatus {
+    let (trust, released) = match served && !trust.is_empty() {
+        true => (trust.clone(), released(current, &trust, hold)),
+        false => (current.trust.clone(), current.released.clone()),
+    };
+    crate::crd::TunnelClusterStatus {
+        trust,
+        released,
+        ..Default::default()
     }
 }
 

@@ -53,43 +53,54 @@ fn renderer(r: &RenderConfig) -> anyhow::Result<Renderer> {
     let r = r.clone();
     Ok(std::sync::Arc::new(
         move |cluster: &str, route: &NodeRoute| {
-            // The node-proxy: when the install says where the gateway is and
-            // the object names what routes to it there.
-            let node_proxy = r.node_proxy.as_ref().and_then(|np| node_path(np, route));
-            let opts = crate::egress::Options {
-                agent_server: Some(r.agent_server.clone()),
-                server_name: r.server_name.clone(),
-                frontend_address: r.frontend_address.clone(),
-                gateway: node_proxy.as_ref().map(|(_, p)| p.gateway.clone()),
-                advertise_address: node_proxy.as_ref().map(|(np, _)| np.address),
-                destination: node_proxy.as_ref().and_then(|(_, p)| p.destination.clone()),
-                cluster_id: node_proxy.as_ref().and_then(|(_, p)| p.cluster_id.clone()),
-                node_proxy_host: node_proxy
-                    .as_ref()
-                    .map(|(np, _)| crate::egress::NodeProxyHost {
-                        link_kind: np.link_kind.clone(),
-                        interface: np.interface.clone(),
-                        admin_port: np.admin_port,
-                        metrics_port: np.metrics_port,
-                    }),
-                ..crate::egress::Options::new(cluster)
-            };
+            let opts = render_options(&r, cluster, route);
             let rendered = crate::egress::render(&cfg, &opts).map_err(|e| format!("{e:#}"))?;
-            let mut bundle = Bundle::default();
-            for (name, text) in rendered.files() {
-                let side = if crate::egress::Rendered::KUBE_APISERVER_FILES.contains(&name) {
-                    &mut bundle.kube_apiserver
-                } else {
-                    &mut bundle.shoot
-                };
-                side.insert(name.to_string(), text);
-            }
-            bundle
-                .shoot
-                .insert("tunnel-ca.crt".into(), server_ca.clone());
-            Ok(bundle)
+            Ok(bundle_of(&rendered, &server_ca))
         },
     ))
+}
+
+/// The rendered files split into kube-apiserver's and the shoot's, the
+/// shoot's with the tunnel-server's CA.
+fn bundle_of(rendered: &crate::egress::Rendered, server_ca: &str) -> Bundle {
+    let mut bundle = Bundle::default();
+    for (name, text) in rendered.files() {
+        let side = if crate::egress::Rendered::KUBE_APISERVER_FILES.contains(&name) {
+            &mut bundle.kube_apiserver
+        } else {
+            &mut bundle.shoot
+        };
+        side.insert(name.to_string(), text);
+    }
+    bundle
+        .shoot
+        .insert("tunnel-ca.crt".into(), server_ca.to_string());
+    bundle
+}
+
+/// What `tunnel-config` is told for `cluster`: the install's settings,
+/// and the node-proxy when the install says where the gateway is and the
+/// object names what routes to it there.
+fn render_options(r: &RenderConfig, cluster: &str, route: &NodeRoute) -> crate::egress::Options {
+    let node_proxy = r.node_proxy.as_ref().and_then(|np| node_path(np, route));
+    crate::egress::Options {
+        agent_server: Some(r.agent_server.clone()),
+        server_name: r.server_name.clone(),
+        frontend_address: r.frontend_address.clone(),
+        gateway: node_proxy.as_ref().map(|(_, p)| p.gateway.clone()),
+        advertise_address: node_proxy.as_ref().map(|(np, _)| np.address),
+        destination: node_proxy.as_ref().and_then(|(_, p)| p.destination.clone()),
+        cluster_id: node_proxy.as_ref().and_then(|(_, p)| p.cluster_id.clone()),
+        node_proxy_host: node_proxy
+            .as_ref()
+            .map(|(np, _)| crate::egress::NodeProxyHost {
+                link_kind: np.link_kind.clone(),
+                interface: np.interface.clone(),
+                admin_port: np.admin_port,
+                metrics_port: np.metrics_port,
+            }),
+        ..crate::egress::Options::new(cluster)
+    }
 }
 
 /// Where a control plane's node-proxy goes and what it sends: the
@@ -149,6 +160,66 @@ fn client_issuer(r: &RenderConfig) -> anyhow::Result<Option<ClientIssuer>> {
     Ok(Some(issuer))
 }
 
+/// How often the kube-apiserver client CA's files are read again.
+const CLIENT_CA_CHECK: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Reads the kube-apiserver client CA's files again every
+/// [`CLIENT_CA_CHECK`] until `stop`: a pair that loads, matches and
+/// differs from the last replaces it (every control plane is then
+/// reconciled and its certificate issued by the new CA); one that does
+/// not (half written, a key of another CA) is logged and the last good
+/// one kept.
+async fn follow_client_ca(
+    r: RenderConfig,
+    ca: tokio::sync::watch::Sender<Option<ClientIssuer>>,
+    stop: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(CLIENT_CA_CHECK) => {}
+            () = stop.cancelled() => return,
+        }
+        match client_issuer(&r) {
+            Ok(now) => {
+                ca.send_if_modified(|was| replaced(was, now));
+            }
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "kube-apiserver's client CA does not load; keeping the last good one");
+            }
+        }
+    }
+}
+
+/// `was` replaced by `now` if they differ; whether they did.
+fn replaced(was: &mut Option<ClientIssuer>, now: Option<ClientIssuer>) -> bool {
+    let new = *was != now;
+    if new {
+        tracing::info!(
+            "kube-apiserver's client CA changed: issuing every control plane's certificate again"
+        );
+        *was = now;
+    }
+    new
+}
+
+/// The controller's view of the kube-apiserver client CA, `initial` at
+/// first and followed in its files while the file configures one.
+fn client_ca_follower(
+    c: &OnboardConfig,
+    initial: Option<ClientIssuer>,
+    stop: &CancellationToken,
+) -> tokio::sync::watch::Receiver<Option<ClientIssuer>> {
+    let (ca, follower) = tokio::sync::watch::channel(initial);
+    let configured = c
+        .render
+        .clone()
+        .filter(|r| r.kube_apiserver_client_ca.is_some());
+    if let Some(r) = configured {
+        tokio::spawn(follow_client_ca(r, ca, stop.clone()));
+    }
+    follower
+}
+
 /// The file's certificate validities (checked when it was read).
 fn validity(c: &OnboardConfig) -> Validity {
     c.certificates.durations().map_or_else(
@@ -178,7 +249,7 @@ pub async fn run(config: &Path) -> anyhow::Result<i32> {
         stop.clone(),
     ));
     let mut ctx = context(&c, client, me.clone(), &identity, render).await;
-    ctx.kube_apiserver_ca = kube_apiserver_ca;
+    ctx.kube_apiserver_ca = client_ca_follower(&c, kube_apiserver_ca, &stop);
     ctx.agent_image = c.render.as_ref().and_then(|r| r.agent_image.clone());
     let admin = match &c.admin {
         Some(a) => Some(serve_admin(a, ctx.watched.clone(), me, ctx.validity).await?),
@@ -230,7 +301,7 @@ async fn context(
         leadership,
         namespace_label: c.namespace_label.clone(),
         render,
-        kube_apiserver_ca: None,
+        kube_apiserver_ca: tokio::sync::watch::channel(None).1,
         agent_image: None,
         validity: validity(c),
         labelled: Default::default(),
