@@ -103,9 +103,10 @@ impl TrustWatches {
         // Every new watch at once, within one bound: a namespace whose
         // RoleBinding is missing (never listed) costs a pass this wait
         // once, not once per namespace and kind.
+        // A watch refused its list (no RoleBinding: 403) ends its wait.
         let listed = futures_util::future::join(
-            futures_util::future::join_all(new_secrets.iter().map(|s| s.wait_until_ready())),
-            futures_util::future::join_all(new_config_maps.iter().map(|s| s.wait_until_ready())),
+            futures_util::future::join_all(new_secrets.into_iter().map(listed_or_failed)),
+            futures_util::future::join_all(new_config_maps.into_iter().map(listed_or_failed)),
         );
         if tokio::time::timeout(TRUST_LIST_WAIT, listed).await.is_err() {
             tracing::warn!("a TunnelCluster's namespace: its labelled Secrets or ConfigMaps not listed yet (is seedlink's RoleBinding there?)");
@@ -163,13 +164,22 @@ impl<K> TrustKind for K where
 {
 }
 
+/// Until `store` has its first list, or its watch failed.
+async fn listed_or_failed<K: TrustKind>((store, errors): (Store<K>, WatchErrors)) {
+    tokio::select! {
+        _ = store.wait_until_ready() => {}
+        () = errors.failed() => {}
+    }
+}
+
 /// Keeps one labelled watch of `K` per namespace in `wanted`: stops the
-/// others, starts the missing ones (returned, to wait for their lists).
+/// others, starts the missing ones (returned with their errors, to wait
+/// for their lists).
 fn follow_kind<K: TrustKind>(
     w: &Watches,
     watched: &mut HashMap<String, (Store<K>, CancellationToken)>,
     wanted: HashSet<String>,
-) -> Vec<Store<K>> {
+) -> Vec<(Store<K>, WatchErrors)> {
     watched.retain(|ns, (_, stop)| {
         let keep = wanted.contains(ns);
         if !keep {
@@ -182,8 +192,8 @@ fn follow_kind<K: TrustKind>(
         if let std::collections::hash_map::Entry::Vacant(e) = watched.entry(ns) {
             let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
             let stop = w.stop.child_token();
-            let store: Store<K> = w.labelled_in(e.key(), &selector, &stop);
-            started.push(store.clone());
+            let (store, errors) = w.labelled_in::<K>(e.key(), &selector, &stop);
+            started.push((store.clone(), errors));
             e.insert((store, stop));
         }
     }
@@ -207,6 +217,7 @@ pub fn start_tunnel(
             &format!("kubernetes.io/service-name={}", k.name),
             &stop,
         )
+        .0
     });
     let coalescer = Coalescer {
         changed: std::mem::replace(&mut w.changed, mpsc::channel(1).1),

@@ -68,7 +68,7 @@ impl Watches {
         namespace: &str,
         selector: &str,
         stop: &CancellationToken,
-    ) -> Store<K>
+    ) -> (Store<K>, WatchErrors)
     where
         K: Resource<Scope = k8s_openapi::NamespaceResourceScope>
             + Clone
@@ -81,16 +81,18 @@ impl Watches {
     {
         // A tenant namespace's errors are logged, not shown on the
         // unauthenticated readiness probe (they name the namespace).
+        let errors = WatchErrors::default();
         let changed = Changed {
             tx: self.tx.tx.clone(),
-            errors: WatchErrors::default(),
+            errors: errors.clone(),
         };
-        watch_kind(
+        let store = watch_kind(
             Api::<K>::namespaced(self.client.clone(), namespace),
             watcher::Config::default().labels(selector),
             changed,
             stop.clone(),
-        )
+        );
+        (store, errors)
     }
 
     /// Every object of kind `K` in `namespace`.
@@ -289,11 +291,22 @@ impl Routes {
 /// delivers again): what readiness says while the first snapshot is not
 /// in.
 #[derive(Clone, Default)]
-pub struct WatchErrors(Arc<std::sync::Mutex<std::collections::BTreeMap<String, String>>>);
+pub struct WatchErrors(
+    Arc<std::sync::Mutex<std::collections::BTreeMap<String, String>>>,
+    Arc<tokio::sync::Notify>,
+);
 
 impl WatchErrors {
     pub(super) fn set(&self, kind: &str, error: String) {
         seedlink_net::sync::lock(&self.0, "watch errors").insert(kind.to_string(), error);
+        self.1.notify_one();
+    }
+
+    /// Returns once a watch has failed since the last call (at once if
+    /// one failed before): a wait for a first list that is refused (a
+    /// 403) ends then rather than at its bound.
+    pub(super) async fn failed(&self) {
+        self.1.notified().await;
     }
 
     pub(super) fn clear(&self, kind: &str) {
@@ -305,5 +318,27 @@ impl WatchErrors {
         let m = seedlink_net::sync::lock(&self.0, "watch errors");
         let all: Vec<String> = m.iter().map(|(k, e)| format!("{k}: {e}")).collect();
         (!all.is_empty()).then(|| all.join("; "))
+    }
+}
+
+#[cfg(test)]
+mod errors_tests {
+    use super::*;
+
+    /// A failure before the wait, or during it, ends it.
+    #[tokio::test]
+    async fn a_failed_watch_ends_a_wait_for_its_list() {
+        let e = WatchErrors::default();
+        e.set("ConfigMap", "403".into());
+        e.failed().await;
+        let waiting = tokio::spawn({
+            let e = e.clone();
+            async move { e.failed().await }
+        });
+        tokio::task::yield_now().await;
+        e.set("Secret", "403".into());
+        let ended = tokio::time::timeout(std::time::Duration::from_secs(30), waiting).await;
+        assert!(ended.is_ok(), "the wait did not end");
+        assert!(e.describe().is_some_and(|d| d.contains("Secret: 403")));
     }
 }
