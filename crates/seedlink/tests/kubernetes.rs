@@ -517,6 +517,7 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     };
     first_route_serves_with_route_gateway_and_class_status(&t).await;
     another_controllers_status_entry_is_kept(&t).await;
+    another_controllers_gateway_conditions_are_kept(&t).await;
     conflicts_unadmitted_namespaces_and_missing_backends_are_refused(&t).await;
     a_policy_applies_and_an_invalid_edit_keeps_the_last_valid_one(&t).await;
     a_terminating_pod_gets_no_new_connections(&t).await;
@@ -643,6 +644,63 @@ async fn first_route_serves_with_route_gateway_and_class_status(t: &Routes) {
             && cond(l, "Conflicted") == Some("False".into())
     })
     .await;
+}
+
+/// Another controller's conditions on the Gateway and on its listener
+/// (Gateway API v1.7's GatewayPreserveForeignConditions) survive
+/// seedlink's next write of the Gateway's status (its load balancer's
+/// address changed, then changed back).
+async fn another_controllers_gateway_conditions_are_kept(t: &Routes) {
+    let seed = &t.seed;
+    let gw = (
+        "gateway.networking.k8s.io/v1",
+        "Gateway",
+        seed.sys.as_str(),
+        "seedlink",
+    );
+    let get = async || seed.get(gw.0, gw.1, gw.2, gw.3).await.unwrap_or_default();
+    let foreign = json!({"type": "example.net/Audited", "status": "True", "reason": "Audited",
+                         "message": "", "lastTransitionTime": "2026-01-01T00:00:00Z"});
+    let mut status = get().await["status"].clone();
+    status["conditions"]
+        .as_array_mut()
+        .unwrap()
+        .push(foreign.clone());
+    status["listeners"][0]["conditions"]
+        .as_array_mut()
+        .unwrap()
+        .push(foreign.clone());
+    kubeapi::patch_status(
+        &seed.client,
+        gw.0,
+        gw.1,
+        gw.2,
+        gw.3,
+        json!({"status": status}),
+    )
+    .await
+    .unwrap();
+    for ip in ["192.0.2.11", "192.0.2.10"] {
+        let lb = json!({"status": {"loadBalancer": {"ingress": [{"ip": ip}]}}});
+        kubeapi::patch_status(&seed.client, "v1", "Service", &seed.sys, "seedlink", lb)
+            .await
+            .unwrap();
+        eventually(
+            "the foreign conditions kept",
+            Duration::from_secs(20),
+            async || {
+                let st = get().await["status"].clone();
+                let kept = |at: &Value| {
+                    at["conditions"].as_array().is_some_and(|cs| {
+                        cs.iter().any(|c| c["type"] == "example.net/Audited")
+                            && cs.iter().any(|c| c["type"] == "Accepted")
+                    })
+                };
+                st["addresses"][0]["value"] == ip && kept(&st) && kept(&st["listeners"][0])
+            },
+        )
+        .await;
+    }
 }
 
 /// Another controller's entry on the same route's status survives

@@ -89,17 +89,31 @@ pub(super) fn listener_status(
         .map(|k| json!({"group": GATEWAY_GROUP, "kind": k}))
         .collect();
     let no_conflicts = Verdict::no("NoConflicts", "");
+    let ours = vec![
+        condition("Accepted", &l.accepted, generation, &prev),
+        condition("Programmed", &programmed, generation, &prev),
+        condition("ResolvedRefs", &l.resolved, generation, &prev),
+        condition("Conflicted", &no_conflicts, generation, &prev),
+    ];
     json!({
         "name": l.name,
         "attachedRoutes": t.attached(&g.key, &l.name),
         "supportedKinds": kinds,
-        "conditions": [
-            condition("Accepted", &l.accepted, generation, &prev),
-            condition("Programmed", &programmed, generation, &prev),
-            condition("ResolvedRefs", &l.resolved, generation, &prev),
-            condition("Conflicted", &no_conflicts, generation, &prev),
-        ],
+        "conditions": with_foreign(ours, &prev),
     })
+}
+
+/// `ours`, then every condition of `prev` of another type, as it was:
+/// another controller's conditions on a Gateway or a listener stay
+/// (Gateway API v1.7's GatewayPreserveForeignConditions).
+pub(super) fn with_foreign(mut ours: Vec<Condition>, prev: &[Condition]) -> Vec<Condition> {
+    let foreign: Vec<Condition> = prev
+        .iter()
+        .filter(|p| !ours.iter().any(|o| o.type_ == p.type_))
+        .cloned()
+        .collect();
+    ours.extend(foreign);
+    ours
 }
 
 /// A Service's LoadBalancer addresses as Gateway `status.addresses`
@@ -207,8 +221,9 @@ impl StatusWriter {
     /// served; reason `ListenersNotValid` when some or all are not),
     /// `Programmed` (the gateway applied the routes and the Gateway has an
     /// address), and per listener its conditions, `supportedKinds` and
-    /// `attachedRoutes`. The Gateway is seedlink's alone, so the lists are
-    /// replaced whole; unchanged status is not written again.
+    /// `attachedRoutes`. The lists are written whole, with the conditions
+    /// of types seedlink does not write kept as they were (another
+    /// controller's); unchanged status is not written again.
     pub(super) async fn write_gateway(
         &mut self,
         t: &Translation,
@@ -225,10 +240,11 @@ impl StatusWriter {
         let current = serde_json::to_value(&gateway.status).unwrap_or_default();
         let prev = previous_conditions(&current);
         let (accepted, programmed) = gateway_verdicts(g, programmed);
-        let conditions = vec![
+        let ours = vec![
             condition("Accepted", &accepted, generation, &prev),
             condition("Programmed", &programmed, generation, &prev),
         ];
+        let conditions = with_foreign(ours, &prev);
         let listeners: Vec<serde_json::Value> = g
             .listeners
             .iter()
@@ -412,5 +428,38 @@ mod version_tests {
         ] {
             assert_eq!(supported_version(b).0, want, "{b:?}");
         }
+    }
+}
+
+#[cfg(test)]
+mod foreign_tests {
+    use super::*;
+
+    fn c(t: &str, status: &str) -> Condition {
+        Condition {
+            type_: t.into(),
+            status: status.into(),
+            reason: "R".into(),
+            message: String::new(),
+            observed_generation: None,
+            last_transition_time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ),
+        }
+    }
+
+    /// Our types replace theirs as read; another controller's stay.
+    #[test]
+    fn another_controllers_conditions_stay() {
+        let prev = [c("Accepted", "False"), c("example.net/Audited", "True")];
+        let out = with_foreign(vec![c("Accepted", "True")], &prev);
+        let types: Vec<(&str, &str)> = out
+            .iter()
+            .map(|c| (c.type_.as_str(), c.status.as_str()))
+            .collect();
+        assert_eq!(
+            types,
+            [("Accepted", "True"), ("example.net/Audited", "True")]
+        );
     }
 }
