@@ -1887,6 +1887,75 @@ async fn tunnel_clusters_come_from_objects_with_their_health_in_status() {
     bed.stop.cancel();
 }
 
+/// Gateway API v1.7.0's CRDs (standard channel, as released) installed
+/// over v1.6.3's: a route is served through them, and the GatewayClass
+/// says v1.7.0 is supported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_are_served_through_gateway_api_v1_7s_crds() {
+    let api = KubeApi::start_with(kubeapi::Options {
+        crds: true,
+        ..Default::default()
+    });
+    let crds = api.kube_dir.join("crds/gateway-api-v1.7.0");
+    assert!(
+        crds.join("VERSION").exists(),
+        "{} is missing: run scripts/install-peers",
+        crds.display()
+    );
+    let o = std::process::Command::new(api.kube_dir.join("bin/kubectl"))
+        .arg(format!("--kubeconfig={}", api.admin_kubeconfig.display()))
+        .args(["apply", "--server-side", "--force-conflicts", "-f"])
+        .arg(&crds)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let client = api.client().await.unwrap();
+    let gateway = "gateway.networking.k8s.io/v1";
+    for o in [
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "seedlink-system"}}),
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "tenant"}}),
+        json!({"apiVersion": gateway, "kind": "GatewayClass", "metadata": {"name": "seedlink"},
+               "spec": {"controllerName": "seedlink.dev/gateway"}}),
+        json!({"apiVersion": gateway, "kind": "Gateway",
+               "metadata": {"name": "seedlink", "namespace": "seedlink-system"},
+               "spec": {"gatewayClassName": "seedlink",
+                        "listeners": [{"name": "tls", "port": 443, "protocol": "TLS",
+                                       "tls": {"mode": "Passthrough"},
+                                       "allowedRoutes": {"namespaces": {"from": "All"}}}]}}),
+        json!({"apiVersion": gateway, "kind": "TLSRoute",
+               "metadata": {"name": "kube-apiserver", "namespace": "tenant"},
+               "spec": {"parentRefs": [{"name": "seedlink", "namespace": "seedlink-system"}],
+                        "hostnames": ["api.v17.kube.test"],
+                        "rules": [{"backendRefs": [{"name": "kube-apiserver", "port": 443}]}]}}),
+        service("tenant", "kube-apiserver"),
+        slice("tenant", "kube-apiserver", 6443, &[(POD_1, true)]),
+    ] {
+        kubeapi::apply(&client, o).await;
+    }
+    let gw = Gw::start_with_env(
+        "admin: {listen: '127.0.0.1:0'}\nlisteners: [{name: tls, address: '127.0.0.1:0'}]\nkubernetes: {gateway: seedlink-system/seedlink}\n",
+        &[("KUBECONFIG", api.admin_kubeconfig.to_str().unwrap()), ("POD_NAME", "seedlink-0")],
+    );
+    eventually("the route is served", Duration::from_secs(60), async || {
+        let (_, body) = http_get(gw.admin, "/config").await;
+        body.contains("api.v17.kube.test") && body.contains(&format!("{POD_1}:6443"))
+    })
+    .await;
+    eventually("v1.7.0 supported", Duration::from_secs(60), async || {
+        let c = kubeapi::get(&client, gateway, "GatewayClass", "", "seedlink")
+            .await
+            .unwrap_or_default();
+        c["status"]["conditions"].as_array().is_some_and(|cs| {
+            cs.iter().any(|c| {
+                c["type"] == "SupportedVersion"
+                    && c["status"] == "True"
+                    && c["message"].as_str().is_some_and(|m| m.contains("v1.7.0"))
+            })
+        })
+    })
+    .await;
+}
+
 /// Gateway API v1.4.1's experimental TLSRoute CRD (what platforms such as
 /// Kamaji installed before TLSRoute went v1) serves only v1alpha2 and
 /// v1alpha3: seedlink reads routes through the newest version served and

@@ -336,8 +336,9 @@ impl StatusWriter {
 
 /// The Gateway API versions seedlink implements (bundle versions, as the
 /// CRDs' `gateway.networking.k8s.io/bundle-version` annotation names them):
-/// from v1.4 (TLSRoute v1alpha2/v1alpha3) to v1.6 (what it is tested with).
-pub(super) const SUPPORTED_BUNDLES: ((u32, u32), (u32, u32)) = ((1, 4), (1, 6));
+/// from v1.4 (TLSRoute v1alpha2/v1alpha3) to v1.7 (tested with v1.6.3's
+/// CRDs and conformance suite, and with v1.7.0's CRDs).
+pub(super) const SUPPORTED_BUNDLES: ((u32, u32), (u32, u32)) = ((1, 4), (1, 7));
 
 /// The Gateway API features seedlink implements (conformance feature names,
 /// sorted): TLS passthrough only.
@@ -421,7 +422,8 @@ mod version_tests {
             (Some("v1.4.1"), "True"),
             (Some("v1.5.0-rc.1"), "True"),
             (Some("v1.3.0"), "False"),
-            (Some("v1.7.0"), "False"),
+            (Some("v1.7.0"), "True"),
+            (Some("v1.8.0"), "False"),
             (Some("v2.0.0"), "False"),
             (Some("garbage"), "False"),
             (None, "Unknown"),
