@@ -115,14 +115,7 @@ fn enable_onboarding(c: &Cluster, chart: &str, lb: &str) {
             "onboarding.nodeProxy.metricsPort=16911",
         ],
     );
-    c.kubectl_ok(&[
-        "-n",
-        NS,
-        "rollout",
-        "status",
-        "deployment/seedlink-onboard",
-        "--timeout=600s",
-    ]);
+    rolled_out_or_explained(c, "seedlink-onboard");
     let sa = jsonpath(
         c,
         &[
@@ -138,6 +131,26 @@ fn enable_onboarding(c: &Cluster, chart: &str, lb: &str) {
     assert_eq!(
         sa, "seedlink-onboard",
         "the onboarding pod's ServiceAccount"
+    );
+}
+
+/// Waits for `deployment`'s rollout; if it does not finish, fails with
+/// what its pods say: their status, events and logs.
+fn rolled_out_or_explained(c: &Cluster, deployment: &str) {
+    let at = format!("deployment/{deployment}");
+    let o = c.kubectl(&["-n", NS, "rollout", "status", &at, "--timeout=600s"]);
+    if o.status.success() {
+        return;
+    }
+    let selector = format!("app.kubernetes.io/name={deployment}");
+    let pods = c.kubectl(&["-n", NS, "describe", "pods", "-l", &selector]);
+    let logs = c.kubectl(&["-n", NS, "logs", "-l", &selector, "--tail=100", "--prefix"]);
+    panic!(
+        "{at} did not roll out: {}\n--- pods\n{}\n--- logs\n{}{}",
+        String::from_utf8_lossy(&o.stderr),
+        String::from_utf8_lossy(&pods.stdout),
+        String::from_utf8_lossy(&logs.stdout),
+        String::from_utf8_lossy(&logs.stderr),
     );
 }
 
