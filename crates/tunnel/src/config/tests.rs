@@ -369,6 +369,11 @@ fn trust_stays_with_the_cluster_that_held_it() {
     assert!(out[0].1[0].message.contains("reserved"), "{:?}", out[0].1);
     assert_eq!(extra.len(), 1);
     assert_eq!(extra[0].name, "ns-v.t");
+    // Another TunnelCluster of the holder's own namespace may take it.
+    let mut extra = vec![cluster("ns-v.u", &victims), cluster("ns-v.t", &own)];
+    let out = keep_first_trust(&mut extra, &held, &HashSet::new());
+    assert!(out.is_empty(), "{out:?}");
+    assert_eq!(extra.len(), 2);
 }
 
 /// An older TunnelCluster that adds a newer one's TCP frontend address

@@ -90,7 +90,8 @@ pub(super) fn claim_id(bytes: &[u8]) -> String {
 /// it holds, and so does a holder among `extra` that no longer claims it
 /// (it stopped trusting it, and its status keeps it reserved: agents may
 /// still present the revoked CA's certificates, a kube-apiserver may
-/// still dial the old address); a claimant of either is refused here. A
+/// still dial the old address) against any cluster of another namespace;
+/// a claimant of either is refused here. A
 /// holder that is neither (its object was deleted) holds nothing. Without
 /// this, a tenant could edit an older TunnelCluster to claim a newer
 /// tenant's CA, token keys or frontend address and take its agents or its
@@ -144,10 +145,10 @@ fn what_each_takes(
             .any(|(c, keys)| c.name == name && keys.contains(key))
     };
     let exists = |name: &str| extra.iter().any(|c| c.name == name);
-    let keeper = |k: &String, owner: &String| -> Option<&'static str> {
+    let keeper = |k: &String, owner: &String, claimant: &str| -> Option<&'static str> {
         if refused.contains(owner) {
             Some("is refused for now but keeps")
-        } else if !claimed_by(k, owner) && exists(owner) {
+        } else if !claimed_by(k, owner) && exists(owner) && !same_namespace(owner, claimant) {
             Some("stopped using it but keeps reserved (its status.released)")
         } else {
             None
@@ -160,7 +161,7 @@ fn what_each_takes(
             let Some(owner) = held.get(k).filter(|o| **o != c.name) else {
                 continue;
             };
-            match keeper(k, owner) {
+            match keeper(k, owner, &c.name) {
                 Some(how) => kept = Some((owner.clone(), how)),
                 None => steals |= claimed_by(k, owner),
             }
@@ -168,6 +169,16 @@ fn what_each_takes(
         (steals, kept)
     };
     extra.iter().zip(&claims).map(take).collect()
+}
+
+/// Whether two TunnelClusters (`<namespace>.<name>`) are of one
+/// namespace: what one released, the other may take (whoever writes one
+/// writes the other).
+fn same_namespace(a: &str, b: &str) -> bool {
+    match (a.split_once('.'), b.split_once('.')) {
+        (Some((x, _)), Some((y, _))) => x == y,
+        _ => false,
+    }
 }
 
 /// Certificates one `agent_ca` may hold.
