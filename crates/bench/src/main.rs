@@ -8,6 +8,7 @@
 //! bulk download, one byte then close, one byte then stay idle.
 
 mod cipher;
+mod kube_scale;
 mod peers;
 mod procstat;
 mod proxy;
@@ -108,8 +109,9 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         "connect" => scenario::set_tunnel_destination(),
         "tunnel-scale" | "tunnel-flood" => {}
         "cipher" => return cipher::run(),
+        "kube-scale" => return kube_scale::run(&opts).await,
         other => {
-            anyhow::bail!("--scenario {other:?}: use sni, proxy-sni, connect, node-proxy, node-proxy-h2, tunnel, tunnel-scale, tunnel-flood or cipher")
+            anyhow::bail!("--scenario {other:?}: use sni, proxy-sni, connect, node-proxy, node-proxy-h2, tunnel, tunnel-scale, tunnel-flood, kube-scale or cipher")
         }
     }
     let backend = workload::Backend::start().await?;

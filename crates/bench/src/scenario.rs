@@ -95,7 +95,8 @@ pub struct Opts {
     /// to the gateway), or `tunnel` (seedlink tunnel-server + tunnel-agent,
     /// HTTP CONNECT frontend, vs rathole's server + client), or
     /// `tunnel-scale` (one tunnel-server with --clusters clusters and two
-    /// in-process agents each, against one cluster).
+    /// in-process agents each, against one cluster), or `kube-scale` (the
+    /// Kubernetes source at --tenants tenants on a real kube-apiserver).
     #[arg(long, default_value = "sni")]
     pub scenario: String,
     /// Concurrent bulk downloads in the many-streams run (each `bulk_mib /
@@ -106,6 +107,9 @@ pub struct Opts {
     /// agents each), measured against a one-cluster server.
     #[arg(long, default_value_t = 200)]
     pub clusters: usize,
+    /// Tenant counts the kube-scale scenario measures at, growing.
+    #[arg(long, value_delimiter = ',', default_values_t = [10, 100, 1000])]
+    pub tenants: Vec<usize>,
     /// Tunnel scenario: pins each tunnel's two processes, the server to the
     /// first CPU and the agent (rathole's and bore's client) to the second
     /// (`0,0`: both on CPU 0; `0,1`: always apart), so that every target's

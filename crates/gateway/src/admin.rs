@@ -174,7 +174,16 @@ pub fn state(gw: &Gateway) -> serde_json::Value {
         },
         "always_allowed": file.always_allowed,
         "control_planes": control_planes,
+        "sections": sections(&gw.metrics.sections),
     })
+}
+
+/// The added sections (`api/state`'s `sections`).
+pub fn sections(s: &seedlink_net::admin::Sections) -> serde_json::Value {
+    s.state()
+        .into_iter()
+        .map(|(title, lines)| serde_json::json!({"title": title, "lines": lines}))
+        .collect()
 }
 
 type PerControlPlane = std::collections::BTreeMap<String, std::collections::BTreeMap<String, f64>>;

@@ -101,6 +101,8 @@ pub struct StateLabels {
 pub struct Metrics {
     /// The registry served on `/metrics`.
     pub registry: Registry,
+    /// What parts started later add (the Kubernetes source).
+    pub sections: seedlink_net::admin::Sections,
     /// Finished connections.
     pub connections: Family<ConnLabels, Counter>,
     /// Open connections.
@@ -171,6 +173,7 @@ impl Metrics {
                 ])
             }),
             registry: Registry::default(),
+            sections: seedlink_net::admin::Sections::default(),
         };
         m.register_connections(&mut registry);
         m.register_upstreams_and_config(&mut registry);
@@ -270,7 +273,7 @@ impl Metrics {
     /// Renders the OpenMetrics text exposition.
     pub fn encode(&self) -> String {
         // With the process, build and lock metrics every role exports.
-        seedlink_net::admin::encode(&self.registry)
+        self.sections.encode_with(&[&self.registry])
     }
 
     /// The exposition with the per-control-plane gauges of `snap`: every
@@ -326,7 +329,7 @@ impl Metrics {
             "Splice pipes by state: open (each holds 2 file descriptors; the pool keeps them after a burst, up to limits.splice_pipes) and, of those, idle in the pool",
             pool,
         );
-        seedlink_net::admin::encode_all(&[&self.registry, &live])
+        self.sections.encode_with(&[&self.registry, &live])
     }
 }
 

@@ -558,3 +558,48 @@ mod samples_tests {
         assert_eq!(s[1].1, 4.0);
     }
 }
+
+/// What a part started after its role (the Kubernetes source) adds to the
+/// role's admin endpoints: its metrics on `/metrics`, and a summary (name
+/// and value, in order) on the live page under its title.
+pub trait Section: Send + Sync {
+    /// The title the live page shows it under.
+    fn title(&self) -> String;
+    /// Its metrics, encoded with the role's own.
+    fn registry(&self) -> &prometheus_client::registry::Registry;
+    /// Its summary for the live page.
+    fn summary(&self) -> Vec<(String, String)>;
+}
+
+/// A role's added sections; clones share them.
+#[derive(Clone, Default)]
+pub struct Sections(std::sync::Arc<std::sync::Mutex<Vec<std::sync::Arc<dyn Section>>>>);
+
+impl Sections {
+    /// Adds `s`.
+    pub fn add(&self, s: std::sync::Arc<dyn Section>) {
+        crate::sync::lock(&self.0, "admin sections").push(s);
+    }
+
+    /// The sections now.
+    pub fn all(&self) -> Vec<std::sync::Arc<dyn Section>> {
+        crate::sync::lock(&self.0, "admin sections").clone()
+    }
+
+    /// `registries` and every section's, encoded as one exposition.
+    pub fn encode_with(&self, registries: &[&prometheus_client::registry::Registry]) -> String {
+        let all = self.all();
+        let mut regs: Vec<&prometheus_client::registry::Registry> = registries.to_vec();
+        regs.extend(all.iter().map(|s| s.registry()));
+        encode_all(&regs)
+    }
+
+    /// Each section's title and summary, for `api/state`'s `sections`:
+    /// `[{"title": .., "lines": [[name, value], ..]}, ..]`.
+    pub fn state(&self) -> Vec<(String, Vec<(String, String)>)> {
+        self.all()
+            .iter()
+            .map(|s| (s.title(), s.summary()))
+            .collect()
+    }
+}

@@ -1873,6 +1873,146 @@ async fn a_tunnel_clusters_agents_are_checked_by_a_token_review() {
     bed.stop.cancel();
 }
 
+/// Tenant namespaces the connection test serves, and the watches it
+/// lets share one connection (the default is 200; a small cap shows the
+/// spreading with a few namespaces).
+const CONN_TENANTS: usize = 12;
+const CONN_WATCHES: usize = 4;
+
+/// The tunnel-server reaches the API server over HTTP/2: its per-namespace
+/// trust watches (one per tenant namespace) share connections, at most
+/// `watches_per_connection` on each, instead of holding one connection
+/// each as over HTTP/1.1. Every tenant is served through them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_server_connections_do_not_grow_with_tenant_namespaces() {
+    // An API server of its own: the tunnel-server follows every
+    // TunnelCluster's namespace, and the shared one holds other tests'.
+    let api = tokio::task::spawn_blocking(|| {
+        KubeApi::start_with(kubeapi::Options {
+            crds: true,
+            ..Default::default()
+        })
+    })
+    .await
+    .unwrap();
+    let client = api.client().await.unwrap();
+    let sys = "seedlink-system";
+    kubeapi::apply(
+        &client,
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": sys}}),
+    )
+    .await;
+    let token = api.install_rbac(&client, sys).await;
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = FaultProxy::start(api.addr, Fault::Pass).await;
+    let kubeconfig = api.kubeconfig(dir.path(), "tunnel-server", &token, Some(proxy.addr));
+    let mut tenants = Vec::new();
+    for i in 0..CONN_TENANTS {
+        let ns = format!("conn-{i}");
+        let ca = seedlink::demo::Pki::generate(&[]).unwrap().ca_pem;
+        for o in [
+            json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+            json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                   "metadata": {"name": "seedlink-tunnel-trust", "namespace": ns},
+                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                               "name": format!("seedlink-tunnel-trust-{sys}")},
+                   "subjects": [{"kind": "ServiceAccount", "name": "seedlink", "namespace": sys}]}),
+            json!({"apiVersion": "v1", "kind": "ConfigMap",
+                   "metadata": {"name": "agent-ca", "namespace": ns,
+                                "labels": {"seedlink.dev/tunnel-trust": "true"}},
+                   "data": {"ca.crt": ca}}),
+            tunnel_cluster(&ns, json!({"configMap": "agent-ca", "key": "ca.crt"})),
+        ] {
+            kubeapi::apply(&client, o).await;
+        }
+        tenants.push(ns);
+    }
+    let pki = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
+    let (_, leaf) = &pki.servers[0];
+    let (crt, key) = (dir.path().join("tun.pem"), dir.path().join("tun-key.pem"));
+    std::fs::write(&crt, &leaf.cert_pem).unwrap();
+    std::fs::write(&key, &leaf.key_pem).unwrap();
+    let d = dir.path().display();
+    let config = dir.path().join("tunnel.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "agents: {{listen: '127.0.0.1:0', cert: '{}', key: '{}'}}
+admin: {{listen: '127.0.0.1:0'}}
+clusters: []
+frontend_templates:
+  - {{name: uds, protocol: http-connect, unix: '{d}/{{cluster}}.sock'}}
+kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust', watches_per_connection: {CONN_WATCHES}}}
+",
+            crt.display(),
+            key.display()
+        ),
+    )
+    .unwrap();
+    let mut cmd = std::process::Command::new(seedlink_bin());
+    cmd.args(["tunnel-server", "--config"])
+        .arg(&config)
+        .env("KUBECONFIG", &kubeconfig)
+        .env("POD_NAME", "tunnel-0");
+    let (_server, ready) = started(cmd);
+    let admin: SocketAddr = ready["admin"].as_str().unwrap().parse().unwrap();
+    for ns in &tenants {
+        eventually(
+            &format!("{ns} Ready"),
+            Duration::from_secs(60),
+            async || {
+                let o = kubeapi::get(&client, TUNNELS, "TunnelCluster", ns, "tunnel").await;
+                o.and_then(|o| o["status"]["conditions"].as_array().cloned())
+                    .is_some_and(|c| {
+                        c.iter()
+                            .any(|c| c["type"] == "Ready" && c["status"] == "True")
+                    })
+            },
+        )
+        .await;
+    }
+    // The main connection (requests and the TunnelCluster watch) and one
+    // per CONN_WATCHES namespaces; one more of slack for a connection the
+    // API server or a busy machine ended meanwhile. Over HTTP/1.1 it was
+    // one per watch at least: CONN_TENANTS + 1.
+    let accepted = proxy.accepted.load(Ordering::Relaxed);
+    let most = 1 + CONN_TENANTS.div_ceil(CONN_WATCHES) as u64 + 1;
+    assert!(
+        accepted <= most,
+        "{accepted} connections to the API server for {CONN_TENANTS} tenant namespaces (at most {most} expected)"
+    );
+    // The source's metrics and its section of the live page say the same.
+    let clients = 1 + CONN_TENANTS.div_ceil(CONN_WATCHES);
+    let (_, metrics) = http_get(admin, "/metrics").await;
+    let sample = |name: &str| -> f64 {
+        let line = metrics.lines().find(|l| l.starts_with(name));
+        line.and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in:\n{metrics}"))
+    };
+    assert_eq!(
+        sample("seedlink_kubernetes_api_connections{source=\"tunnel\"}"),
+        clients as f64
+    );
+    assert!(sample("seedlink_kubernetes_watches{source=\"tunnel\"}") >= (CONN_TENANTS + 1) as f64);
+    assert!(
+        sample("seedlink_kubernetes_status_writes_total{source=\"tunnel\",outcome=\"written\"}")
+            >= CONN_TENANTS as f64
+    );
+    let (_, state) = http_get(admin, "/api/state").await;
+    let state: Value = serde_json::from_str(&state).unwrap();
+    let section = &state["sections"][0];
+    assert_eq!(section["title"], "Kubernetes source (tunnel)", "{state}");
+    assert!(
+        section["lines"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l[0] == "API server connections"
+                && l[1].as_str() == Some(clients.to_string().as_str())),
+        "{section}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tunnel_clusters_come_from_objects_with_their_health_in_status() {
     let (server, bed) = TunnelObjects::start().await;

@@ -522,6 +522,13 @@ async fn every_metric_the_alerts_name_is_exported() {
     exported.push_str(&seedlink_net::admin::encode(
         &seedlink_kube::onboard::metrics::registry(&[], false, Default::default()),
     ));
+    // The Kubernetes source's, as a gateway or tunnel-server running one
+    // adds them (tests/kubernetes.rs scrapes those).
+    exported.push_str(&seedlink_net::admin::encode(
+        seedlink_net::admin::Section::registry(&seedlink_kube::source::SourceMetrics::new(
+            "tunnel",
+        )),
+    ));
     for n in names {
         // OpenMetrics: a counter's family is named without `_total`.
         let family = n.strip_suffix("_total").unwrap_or(&n);

@@ -15,9 +15,11 @@ use serde_json::json;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use super::api::ApiClients;
 use super::coalesce::{Coalescer, Wake};
 use super::gateway_status::*;
 use super::handle::Handle;
+use super::metrics::SourceMetrics;
 use super::sink::GatewaySink;
 use super::status::*;
 use super::watches::*;
@@ -27,12 +29,14 @@ use crate::translate::{Key, Objects, Translation, Translator};
 
 /// Starts the gateway's source: watches, snapshots into `sink`, status.
 pub fn start_gateway(
-    client: kube::Client,
+    clients: ApiClients,
     settings: GatewaySettings,
     sink: Arc<dyn GatewaySink>,
 ) -> Handle {
     let stop = CancellationToken::new();
-    let w = Watches::new(&client, &stop);
+    let client = clients.main().clone();
+    let metrics = SourceMetrics::new("gateway");
+    let w = Watches::new(&clients, &stop, &metrics);
     let errors = w.tx.errors.clone();
     let (routes_tx, routes_stop) = (w.tx.clone(), stop.clone());
     let kinds = GatewayKinds::watch(&w, &settings);
@@ -44,6 +48,7 @@ pub fn start_gateway(
         campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
     let (synced_tx, synced) = watch::channel(false);
     let writer_leadership = leadership.clone();
+    let writer_metrics = metrics.clone();
     tokio::spawn(async move {
         let (routes, route_resource) = Routes::watch(&client, routes_tx, routes_stop).await;
         let stores = GatewayStores { routes, kinds };
@@ -51,7 +56,12 @@ pub fn start_gateway(
             r = stores.ready() => if r.is_none() { return },
             () = coalescer.stop.cancelled() => return,
         }
-        let mut status = StatusWriter::new(client.clone(), writer_leadership, &settings.identity);
+        let mut status = StatusWriter::new(
+            client.clone(),
+            writer_leadership,
+            &settings.identity,
+            &writer_metrics,
+        );
         status.route_resource = route_resource;
         let mut translator = Translator::default();
         translator.slice_managers = settings.slice_managers.clone();
@@ -72,6 +82,7 @@ pub fn start_gateway(
         leadership,
         stop,
         campaign: std::sync::Mutex::new(campaign_task),
+        metrics,
     }
 }
 
@@ -207,8 +218,10 @@ impl GatewayPasses {
         let mut retry = false;
         loop {
             if wake == Wake::Changed || last.is_none() || retry {
+                let started = tokio::time::Instant::now();
                 let mut pass = self.stores.translate(&mut self.translator, &self.settings);
                 let refused = sink.apply(pass.0.control_planes.clone());
+                self.status.metrics.applied(started.elapsed());
                 retry = not_applied(&refused);
                 pass.0.refused(&refused);
                 let _ = synced.send(true);

@@ -14,6 +14,7 @@ use kube::Resource;
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
+use super::metrics::{back_off, Write};
 use super::status::*;
 use crate::crd::CONTROLLER_NAME;
 use crate::translate::{Key, Translation, Verdict, GATEWAY_GROUP};
@@ -301,7 +302,10 @@ impl StatusWriter {
         self.patch_status_in(api, key, &K::kind(&()), patch).await
     }
 
-    /// [`StatusWriter::patch_status`] through `api` (`kind` names it in logs).
+    /// [`StatusWriter::patch_status`] through `api` (`kind` names it in
+    /// logs): not while the object backs off after a failed write, and
+    /// within the shared budget of writes per second (waiting for it:
+    /// nothing is dropped, a later pass writes what changed since).
     pub(super) async fn patch_status_in<K>(
         &self,
         api: Api<K>,
@@ -312,25 +316,67 @@ impl StatusWriter {
     where
         K: Clone + DeserializeOwned + Debug,
     {
+        let object = (kind.to_string(), key.clone());
+        if self.backing_off(&object) {
+            return true;
+        }
+        let wait = seedlink_net::sync::lock(&self.budget, "status budget")
+            .take(tokio::time::Instant::now());
+        if !wait.is_zero() {
+            self.metrics.budget_waited();
+            tokio::time::sleep(wait).await;
+        }
         let Some(left) = self.leadership.remaining() else {
+            self.metrics.wrote(Write::NotLeader);
             return false;
         };
-        match tokio::time::timeout(
-            left,
-            api.patch_status(&key.name, &status_params(), &Patch::Merge(patch)),
-        )
-        .await
-        {
-            Ok(Ok(_)) => {}
+        let (params, patch) = (status_params(), Patch::Merge(patch));
+        let patched = tokio::time::timeout(left, api.patch_status(&key.name, &params, &patch));
+        let outcome = match patched.await {
+            Ok(Ok(_)) => Write::Written,
             Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
                 tracing::debug!(object = %key, %kind, "status changed meanwhile; written again on the next pass");
+                Write::Conflict
             }
-            Ok(Err(e)) => tracing::warn!(object = %key, %kind, error = %e, "cannot write status"),
+            Ok(Err(e)) => {
+                tracing::warn!(object = %key, %kind, error = %e, "cannot write status; tried again after a back-off");
+                Write::Failed
+            }
             Err(_) => {
-                tracing::debug!(object = %key, %kind, "no longer the status leader: status not written")
+                tracing::debug!(object = %key, %kind, "no longer the status leader: status not written");
+                Write::NotLeader
             }
-        }
+        };
+        self.metrics.wrote(outcome);
+        self.after_write(object, outcome == Write::Failed);
         true
+    }
+
+    /// Whether `object`'s last write failed and its back-off has not
+    /// ended.
+    fn backing_off(&self, object: &(String, Key)) -> bool {
+        let failing = seedlink_net::sync::lock(&self.failing, "status back-off");
+        failing
+            .get(object)
+            .is_some_and(|(_, next)| *next > tokio::time::Instant::now())
+    }
+
+    /// Records a write's outcome: a failure backs the object off (longer
+    /// each time in a row), a success ends its back-off.
+    fn after_write(&self, object: (String, Key), failed: bool) {
+        let mut failing = seedlink_net::sync::lock(&self.failing, "status back-off");
+        let now = tokio::time::Instant::now();
+        if failed {
+            let n = failing.get(&object).map_or(1, |(n, _)| n.saturating_add(1));
+            failing.insert(object, (n, now + back_off(n)));
+            // An object deleted while failing is forgotten an hour after
+            // its back-off ended.
+            failing.retain(|_, (_, next)| *next + Duration::from_secs(3600) > now);
+        } else {
+            failing.remove(&object);
+        }
+        let waiting = failing.values().filter(|(_, next)| *next > now).count();
+        self.metrics.set_backing_off(waiting);
     }
 }
 

@@ -6,6 +6,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use super::metrics::SourceMetrics;
 use super::watches::WatchErrors;
 use crate::leader::Leadership;
 
@@ -21,6 +22,8 @@ pub struct Handle {
     pub(super) stop: CancellationToken,
     /// The lease campaign (which releases a held lease when it stops).
     pub(super) campaign: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The source's metrics.
+    pub(super) metrics: SourceMetrics,
 }
 
 /// Whether a source's first snapshot is applied, and if not, why.
@@ -45,6 +48,12 @@ impl Readiness {
 }
 
 impl Handle {
+    /// The source's metrics and live-page summary, to add to its role's
+    /// admin endpoints.
+    pub fn metrics(&self) -> SourceMetrics {
+        self.metrics.clone()
+    }
+
     /// Waits until every kind was listed once and the first snapshot was
     /// applied, at most `timeout`. Whether that happened.
     pub async fn synced(&self, timeout: Duration) -> bool {

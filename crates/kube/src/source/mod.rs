@@ -11,7 +11,10 @@
 //! | the API server is unreachable | the stores keep the last objects: nothing changes; retries back off |
 //! | a watch expires (410) | re-list; the rebuilt snapshot is diffed, unchanged routes are untouched |
 //!
-//! Its parts, each using only those before it: `watches` (one watch per
+//! Its parts, each using only those before it: `api` (the API server
+//! clients: HTTP/2, watches spread over a few connections), `metrics`
+//! (the source's metrics, the status writes' budget and back-off),
+//! `watches` (one watch per
 //! kind, the TLSRoute version, the watches' errors), `coalesce` (bursts
 //! into one wake-up), `handle` (what a started source returns), `sink`
 //! (where its output goes), `status` (routes', policies' and
@@ -22,34 +25,45 @@
 
 use std::time::Duration;
 
+mod api;
 mod coalesce;
 mod gateway;
 mod gateway_status;
 mod handle;
+mod metrics;
 mod sink;
 mod status;
 mod tunnel;
 mod watches;
 
+pub use api::{ApiClients, WATCHES_PER_CONNECTION};
 pub use coalesce::{MAX_DELAY, QUIET, STATUS_EVERY};
 pub use gateway::{start_gateway, GatewaySettings};
 pub use handle::{Handle, Readiness};
+pub use metrics::{SourceMetrics, WRITES_PER_SEC, WRITE_BURST};
 pub use sink::{BoxFuture, GatewaySink, TunnelSink};
 pub use tunnel::{replica_count, start_tunnel, TunnelSettings};
 pub use watches::{served_route_version, WatchErrors, WATCH_TIMEOUT_SECS};
 
-/// The API client seedlink watches and writes with: the kubeconfig
-/// (`KUBECONFIG`, `~/.kube/config`) or the pod's in-cluster configuration,
-/// with a read timeout. kube-client sets none by default (for exec and
-/// attach, which seedlink does not use); without one, a list or watch
-/// request sent on a pooled connection that died silently would hang until
-/// TCP gave up. No answer byte within `WATCH_TIMEOUT_SECS` plus 15 s (a
-/// watch's server-side end comes before that) ends the request, and the
-/// watcher retries on a new connection.
-pub async fn client() -> Result<kube::Client, kube::Error> {
+/// The API clients seedlink watches and writes with (HTTP/2, see
+/// `api`): the kubeconfig (`KUBECONFIG`, `~/.kube/config`) or the pod's
+/// in-cluster configuration, with a read timeout. kube-client sets none by
+/// default (for exec and attach, which seedlink does not use); without
+/// one, a request sent on a connection that died silently would hang
+/// until TCP gave up. No byte within `WATCH_TIMEOUT_SECS` plus 15 s (the
+/// connection's pings and a watch's server-side end come before that)
+/// ends the connection, and the watches retry on a new one.
+/// `watches_per_connection`: how many per-namespace watches share one
+/// connection.
+pub async fn clients(watches_per_connection: usize) -> Result<ApiClients, kube::Error> {
     let mut config = kube::Config::infer()
         .await
         .map_err(kube::Error::InferConfig)?;
     config.read_timeout = Some(Duration::from_secs(u64::from(WATCH_TIMEOUT_SECS) + 15));
-    kube::Client::try_from(config)
+    ApiClients::new(config, watches_per_connection)
+}
+
+/// The main client of [`clients`].
+pub async fn client() -> Result<kube::Client, kube::Error> {
+    Ok(clients(WATCHES_PER_CONNECTION).await?.main().clone())
 }

@@ -14,6 +14,7 @@ use kube::runtime::events::{Event as RuntimeEvent, EventType, Recorder, Reporter
 use kube::Resource;
 use serde_json::json;
 
+use super::metrics::{Budget, SourceMetrics};
 use super::sink::TunnelSink;
 use crate::crd::{SeedlinkPolicy, CONTROLLER_NAME};
 use crate::leader::Leadership;
@@ -32,6 +33,12 @@ pub(super) struct StatusWriter {
     /// The TLSRoute version read when it is not v1 (status is written
     /// through the same one).
     pub(super) route_resource: Option<kube::api::ApiResource>,
+    pub(super) metrics: SourceMetrics,
+    /// The writes per second all objects share.
+    pub(super) budget: std::sync::Mutex<Budget>,
+    /// Objects whose last write failed: how many times in a row, and
+    /// when the next may be tried.
+    pub(super) failing: std::sync::Mutex<HashMap<(String, Key), (u32, tokio::time::Instant)>>,
 }
 
 /// Events remembered (object, generation, message) so that one is not
@@ -386,6 +393,7 @@ impl StatusWriter {
         client: kube::Client,
         leadership: Leadership,
         identity: &str,
+        metrics: &SourceMetrics,
     ) -> StatusWriter {
         let reporter = Reporter {
             controller: CONTROLLER_NAME.into(),
@@ -397,6 +405,9 @@ impl StatusWriter {
             route_resource: None,
             leadership,
             evented: HashSet::new(),
+            metrics: metrics.clone(),
+            budget: std::sync::Mutex::default(),
+            failing: std::sync::Mutex::default(),
         }
     }
 

@@ -11,9 +11,11 @@ use kube::runtime::reflector::Store;
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
+use super::api::ApiClients;
 use super::coalesce::{Coalescer, Wake};
 use super::gateway::{campaign, not_applied};
 use super::handle::Handle;
+use super::metrics::SourceMetrics;
 use super::sink::TunnelSink;
 use super::status::*;
 use super::watches::*;
@@ -203,12 +205,14 @@ fn follow_kind<K: TrustKind>(
 /// Starts the tunnel-server's source: TunnelClusters and the Secrets and
 /// ConfigMaps they name, clusters into `sink`, status with health.
 pub fn start_tunnel(
-    client: kube::Client,
+    clients: ApiClients,
     settings: TunnelSettings,
     sink: Arc<dyn TunnelSink>,
 ) -> Handle {
     let stop = CancellationToken::new();
-    let mut w = Watches::new(&client, &stop);
+    let client = clients.main().clone();
+    let metrics = SourceMetrics::new("tunnel");
+    let mut w = Watches::new(&clients, &stop, &metrics);
     let errors = w.tx.errors.clone();
     let clusters = w.kind::<crate::crd::TunnelCluster>();
     let replicas = settings.replicas.as_ref().map(|k| {
@@ -226,7 +230,7 @@ pub fn start_tunnel(
     let (leadership, campaign_task) =
         campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
     let (synced_tx, synced) = watch::channel(false);
-    let status = StatusWriter::new(client, leadership.clone(), &settings.identity);
+    let status = StatusWriter::new(client, leadership.clone(), &settings.identity, &metrics);
     tokio::spawn(async move {
         tokio::select! {
             r = clusters.wait_until_ready() => if r.is_err() { return },
@@ -249,6 +253,7 @@ pub fn start_tunnel(
         leadership,
         stop,
         campaign: std::sync::Mutex::new(campaign_task),
+        metrics,
     }
 }
 
@@ -310,7 +315,9 @@ impl TunnelPasses {
                 sink.set_server_count(n);
             }
             if wake == Wake::Changed || last.is_none() || self.applied.is_none() {
+                let started = tokio::time::Instant::now();
                 last = Some(self.pass(sink.as_ref()).await);
+                self.status.metrics.applied(started.elapsed());
                 let _ = synced.send(true);
             }
             if let Some((t, objects)) = &last {

@@ -16,6 +16,8 @@ use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::api::{ApiClients, WatchSlot};
+use super::metrics::SourceMetrics;
 use crate::translate::{Key, GATEWAY_GROUP};
 
 /// What a watch reports to its source: "changed", and its errors.
@@ -23,25 +25,36 @@ use crate::translate::{Key, GATEWAY_GROUP};
 pub(super) struct Changed {
     pub(super) tx: mpsc::Sender<()>,
     pub(super) errors: WatchErrors,
+    /// The watch's place on its connection, held while it runs.
+    pub(super) slot: Option<Arc<WatchSlot>>,
+    pub(super) metrics: SourceMetrics,
 }
 
 /// The watches of one source, all saying "changed" on one channel.
 pub(super) struct Watches {
     pub(super) client: kube::Client,
+    pub(super) clients: ApiClients,
     pub(super) stop: CancellationToken,
     pub(super) tx: Changed,
     pub(super) changed: mpsc::Receiver<()>,
 }
 
 impl Watches {
-    pub(super) fn new(client: &kube::Client, stop: &CancellationToken) -> Watches {
+    pub(super) fn new(
+        clients: &ApiClients,
+        stop: &CancellationToken,
+        metrics: &SourceMetrics,
+    ) -> Watches {
         let (tx, changed) = mpsc::channel(1);
         Watches {
-            client: client.clone(),
+            client: clients.main().clone(),
+            clients: clients.clone(),
             stop: stop.clone(),
             tx: Changed {
                 tx,
                 errors: WatchErrors::default(),
+                slot: None,
+                metrics: metrics.clone(),
             },
             changed,
         }
@@ -82,12 +95,17 @@ impl Watches {
         // A tenant namespace's errors are logged, not shown on the
         // unauthenticated readiness probe (they name the namespace).
         let errors = WatchErrors::default();
+        // One per tenant namespace: spread over the connections.
+        let (client, slot) = self.clients.for_watch();
         let changed = Changed {
             tx: self.tx.tx.clone(),
             errors: errors.clone(),
+            slot: slot.map(Arc::new),
+            metrics: self.tx.metrics.clone(),
         };
+        self.tx.metrics.follow_connections(&self.clients);
         let store = watch_kind(
-            Api::<K>::namespaced(self.client.clone(), namespace),
+            Api::<K>::namespaced(client, namespace),
             watcher::Config::default().labels(selector),
             changed,
             stop.clone(),
@@ -163,26 +181,42 @@ where
         .modify(|o: &mut K| o.meta_mut().managed_fields = None)
         .reflect(writer);
     tokio::spawn(async move {
-        let mut stream = std::pin::pin!(stream);
-        loop {
-            let next = tokio::select! {
-                n = stream.next() => n,
-                () = stop.cancelled() => return,
-            };
-            match next {
-                Some(Ok(_)) => {
-                    changed.errors.clear(&kind);
-                    let _ = changed.tx.try_send(());
-                }
-                Some(Err(e)) => {
-                    tracing::warn!(kind = %kind, error = %e, "kubernetes watch failed; keeping the last objects and retrying");
-                    changed.errors.set(&kind, e.to_string());
-                }
-                None => return,
-            }
-        }
+        let _slot = changed.slot.clone();
+        changed.metrics.watch_started();
+        follow(stream, &kind, &changed, &stop).await;
+        changed.metrics.watch_ended();
     });
     store
+}
+
+/// Follows one kind's watch until it ends or `stop`: "changed" on each
+/// event, its errors recorded.
+async fn follow<K, S>(stream: S, kind: &str, changed: &Changed, stop: &CancellationToken)
+where
+    S: futures_util::Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
+{
+    let mut stream = std::pin::pin!(stream);
+    loop {
+        let next = tokio::select! {
+            n = stream.next() => n,
+            () = stop.cancelled() => return,
+        };
+        match next {
+            Some(Ok(event)) => {
+                if matches!(event, watcher::Event::InitDone) {
+                    changed.metrics.listed(kind);
+                }
+                changed.errors.clear(kind);
+                let _ = changed.tx.try_send(());
+            }
+            Some(Err(e)) => {
+                tracing::warn!(kind = %kind, error = %e, "kubernetes watch failed; keeping the last objects and retrying");
+                changed.metrics.failed(kind);
+                changed.errors.set(kind, e.to_string());
+            }
+            None => return,
+        }
+    }
 }
 
 /// The TLSRoute versions seedlink reads, newest first: the objects are the

@@ -125,11 +125,14 @@ pub async fn kubernetes(
         return Ok(None);
     };
     let settings = gateway_settings(&k, &snap)?;
-    let client = seedlink_kube::source::client().await.map_err(|e| {
-        anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
-    })?;
+    let clients = seedlink_kube::source::clients(seedlink_kube::source::WATCHES_PER_CONNECTION)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
+        })?;
     let handle =
-        seedlink_kube::source::start_gateway(client, settings, Arc::new(KubeSink(gw.clone())));
+        seedlink_kube::source::start_gateway(clients, settings, Arc::new(KubeSink(gw.clone())));
+    gw.metrics.sections.add(Arc::new(handle.metrics()));
     // Not ready before the first complete snapshot, however long the API
     // server takes: a pod started during an outage would otherwise join
     // the load balancer serving none of the routes.

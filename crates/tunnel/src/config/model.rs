@@ -109,6 +109,17 @@ pub struct Kubernetes {
     /// validity). Deleting the TunnelCluster releases its claims at once.
     #[serde(default = "released_trust_hold_default", with = "humantime_serde")]
     pub released_trust_hold: Duration,
+    /// How many of the per-namespace watches (one per tenant namespace
+    /// and kind its TunnelClusters name) share one HTTP/2 connection to
+    /// the API server (default 200, below Go's default cap of 250
+    /// concurrent streams per connection; raise it only to what your API
+    /// server's `--http2-max-streams-per-connection` allows).
+    #[serde(default = "watches_per_connection_default")]
+    pub watches_per_connection: usize,
+}
+
+fn watches_per_connection_default() -> usize {
+    200
 }
 
 fn released_trust_hold_default() -> Duration {

@@ -16,7 +16,11 @@ fn metrics(srv: &Core) -> Answer {
     srv.metrics
         .tasks
         .set(i64::try_from(srv.tasks.len() + srv.frontend_tasks.len()).unwrap_or(i64::MAX));
-    (200, METRICS, admin::encode(&srv.metrics.registry))
+    (
+        200,
+        METRICS,
+        srv.metrics.sections.encode_with(&[&srv.metrics.registry]),
+    )
 }
 
 /// `/config`: the configuration in use and its generation.
@@ -99,6 +103,9 @@ pub fn state(srv: &Core) -> serde_json::Value {
             "agents_moving": srv.agents_moving.load(std::sync::atomic::Ordering::Acquire),
         },
         "clusters": clusters,
+        "sections": srv.metrics.sections.state().into_iter()
+            .map(|(title, lines)| serde_json::json!({"title": title, "lines": lines}))
+            .collect::<Vec<_>>(),
     })
 }
 

@@ -52,6 +52,8 @@ pub struct FrontendLabels {
 pub struct Metrics {
     /// Registry for `/metrics`.
     pub registry: Registry,
+    /// What parts started later add (the Kubernetes source).
+    pub sections: seedlink_net::admin::Sections,
     /// The per-connection failure lines, rate-limited (the rest counted).
     pub refusal_log: seedlink_net::loglimit::LogLimiter,
     agents: Family<ClusterLabel, Gauge>,
@@ -126,6 +128,7 @@ impl Metrics {
         let mut registry = Registry::default();
         let m = Metrics {
             registry: Registry::default(),
+            sections: seedlink_net::admin::Sections::default(),
             agents: Family::default(),
             agent_streams: Family::default(),
             agent_packets: Family::default(),

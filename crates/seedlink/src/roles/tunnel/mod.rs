@@ -334,9 +334,11 @@ impl ServerRole {
             false => None,
             true => Some(super::object_key("kubernetes.lease", &k.lease)?),
         };
-        let client = seedlink_kube::source::client().await.map_err(|e| {
-            anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
-        })?;
+        let clients = seedlink_kube::source::clients(k.watches_per_connection)
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
+            })?;
         let replicas = k
             .replicas
             .as_deref()
@@ -354,8 +356,16 @@ impl ServerRole {
             },
             released_trust_hold: k.released_trust_hold,
         };
-        let handle =
-            seedlink_kube::source::start_tunnel(client, settings, Arc::new(KubeSink(self.clone())));
+        let handle = seedlink_kube::source::start_tunnel(
+            clients,
+            settings,
+            Arc::new(KubeSink(self.clone())),
+        );
+        self.srv
+            .core
+            .metrics
+            .sections
+            .add(Arc::new(handle.metrics()));
         let readiness = handle.readiness();
         self.srv
             .core

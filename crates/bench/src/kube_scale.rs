@@ -1,0 +1,420 @@
+//! `--scenario kube-scale`: the Kubernetes source at growing tenant
+//! counts (`--tenants 10,100,1000`), on a real kube-apiserver and etcd
+//! (the test kit's, with the API server's watch cache on, as in a real
+//! seed).
+//!
+//! Each tenant is a namespace with what a control plane brings: a
+//! TLSRoute, a SeedlinkPolicy, a TunnelCluster with its trust ConfigMap
+//! (a CA of its own) and the RoleBinding that lets the tunnel-server read
+//! it, a Service and its EndpointSlice. At each count a gateway and a
+//! tunnel-server start as the install's ServiceAccount, each through a
+//! proxy that counts its connections to the API server, and the bench
+//! measures:
+//! - cold start: from the process's start until it serves every tenant
+//!   (its `api/state` lists them all);
+//! - memory: the resident set then, and per tenant between counts;
+//! - a change to one tenant (its EndpointSlice gets a new address), from
+//!   the write until the gateway serves the new endpoint, while 10 other
+//!   tenants change every second: p50 and p99, and the gateway's CPU per
+//!   change (all changes counted; it includes answering this bench's
+//!   polls of `api/state` every 50 ms);
+//! - the connections each opened to the API server.
+//!
+//! Not measured here yet: agents (2 per tenant) and a replica's restart
+//! with them (docs/PERFORMANCE.md says so).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures_util::StreamExt;
+use seedlink_testkit::faults::{Fault, FaultProxy};
+use seedlink_testkit::kubeapi::{self, KubeApi};
+use serde_json::{json, Value};
+
+use crate::procstat;
+use crate::scenario::Opts;
+
+const SYS: &str = "seedlink-system";
+const ROUTES: &str = "gateway.networking.k8s.io/v1";
+/// Foreground changes per count.
+const CHANGES: usize = 30;
+/// Other tenants changed per second meanwhile.
+const BACKGROUND_PER_SEC: u64 = 10;
+/// How long anything here waits for seedlink (a bound, not a figure).
+const WAIT: Duration = Duration::from_secs(300);
+
+/// One count's figures.
+struct Row {
+    tenants: usize,
+    gw_cold: Duration,
+    tun_cold: Duration,
+    gw_rss_kib: f64,
+    tun_rss_kib: f64,
+    change_p50: Duration,
+    change_p99: Duration,
+    cpu_ms_per_change: f64,
+    gw_conns: u64,
+    tun_conns: u64,
+}
+
+pub async fn run(opts: &Opts) -> anyhow::Result<()> {
+    let api = tokio::task::spawn_blocking(|| {
+        KubeApi::start_with(kubeapi::Options {
+            crds: true,
+            args: vec!["--watch-cache=true".into()],
+            ..Default::default()
+        })
+    })
+    .await?;
+    let client = api.client().await?;
+    apply(
+        &client,
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": SYS}}),
+    )
+    .await?;
+    let token = api.install_rbac(&client, SYS).await;
+    for o in gateway_objects() {
+        apply(&client, o).await?;
+    }
+    let dir = tempfile::tempdir()?;
+    let mut rows = Vec::new();
+    let mut made = 0;
+    for &n in &opts.tenants {
+        let started = Instant::now();
+        create(&client, made..n).await?;
+        eprintln!(
+            "kube-scale: {n} tenants written in {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        made = n;
+        rows.push(measure(&api, &client, &token, n, dir.path(), opts).await?);
+    }
+    print(&rows);
+    Ok(())
+}
+
+async fn apply(client: &kube::Client, o: Value) -> anyhow::Result<Value> {
+    let what = format!("{} {}", o["kind"], o["metadata"]["name"]);
+    kubeapi::try_apply(client, o).await.with_context(|| what)
+}
+
+/// The class and the named Gateway every route attaches to.
+fn gateway_objects() -> Vec<Value> {
+    vec![
+        json!({"apiVersion": ROUTES, "kind": "GatewayClass", "metadata": {"name": "seedlink"},
+               "spec": {"controllerName": "seedlink.dev/gateway"}}),
+        json!({"apiVersion": ROUTES, "kind": "Gateway",
+               "metadata": {"name": "seedlink", "namespace": SYS},
+               "spec": {"gatewayClassName": "seedlink",
+                        "listeners": [{"name": "tls", "port": 443, "protocol": "TLS",
+                                       "tls": {"mode": "Passthrough"},
+                                       "allowedRoutes": {"namespaces": {"from": "All"}}}]}}),
+    ]
+}
+
+fn ns(i: usize) -> String {
+    format!("t-{i}")
+}
+
+fn host(i: usize) -> String {
+    format!("api.t-{i}.kube.test")
+}
+
+/// Tenant `i`'s objects.
+fn tenant(i: usize) -> anyhow::Result<Vec<Value>> {
+    let ns = ns(i);
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca.self_signed(&rcgen::KeyPair::generate()?)?.pem();
+    Ok(vec![
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": {"name": "seedlink-tunnel-trust", "namespace": ns},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                           "name": format!("seedlink-tunnel-trust-{SYS}")},
+               "subjects": [{"kind": "ServiceAccount", "name": "seedlink", "namespace": SYS}]}),
+        json!({"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": "agent-ca", "namespace": ns,
+                            "labels": {"seedlink.dev/tunnel-trust": "true"}},
+               "data": {"ca.crt": ca}}),
+        json!({"apiVersion": "tunnel.seedlink.dev/v1alpha1", "kind": "TunnelCluster",
+               "metadata": {"name": "tunnel", "namespace": ns},
+               "spec": {"agentCA": {"configMap": "agent-ca", "key": "ca.crt"}}}),
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": "kube-apiserver", "namespace": ns},
+               "spec": {"selector": {"app": "kube-apiserver"},
+                        "ports": [{"name": "https", "port": 443, "targetPort": 6443}]}}),
+        slice(i, 0),
+        json!({"apiVersion": ROUTES, "kind": "TLSRoute",
+               "metadata": {"name": "kube-apiserver", "namespace": ns},
+               "spec": {"parentRefs": [{"name": "seedlink", "namespace": SYS, "sectionName": "tls"}],
+                        "hostnames": [host(i)],
+                        "rules": [{"backendRefs": [{"name": "kube-apiserver", "port": 443}]}]}}),
+        json!({"apiVersion": "policy.seedlink.dev/v1alpha1", "kind": "SeedlinkPolicy",
+               "metadata": {"name": "acl", "namespace": ns},
+               "spec": {"targetRefs": [{"group": "gateway.networking.k8s.io", "kind": "TLSRoute",
+                                        "name": "kube-apiserver"}],
+                        "allowedSourceCIDRs": ["10.0.0.0/8"]}}),
+    ])
+}
+
+/// Tenant `i`'s EndpointSlice at version `v` (its one address changes
+/// with `v`).
+fn slice(i: usize, v: usize) -> Value {
+    json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+           "metadata": {"name": "kube-apiserver-x1", "namespace": ns(i),
+                        "labels": {"kubernetes.io/service-name": "kube-apiserver",
+                                   "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
+           "addressType": "IPv4",
+           "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}],
+           "endpoints": [{"addresses": [address(i, v)], "conditions": {"ready": true}}]})
+}
+
+fn address(i: usize, v: usize) -> String {
+    format!("10.{}.{}.{}", i / 256 % 256, i % 256, v % 250 + 1)
+}
+
+/// Writes tenants `range`, 16 at a time (each tenant's objects in order).
+async fn create(client: &kube::Client, range: std::ops::Range<usize>) -> anyhow::Result<()> {
+    let results: Vec<anyhow::Result<()>> = futures_util::stream::iter(range)
+        .map(|i| async move {
+            for o in tenant(i)? {
+                apply(client, o).await?;
+            }
+            Ok(())
+        })
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    results.into_iter().collect()
+}
+
+/// A started seedlink role and what the bench reads of it.
+struct Role {
+    child: std::process::Child,
+    admin: SocketAddr,
+    proxy: FaultProxy,
+    started: Instant,
+}
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn start(
+    api: &KubeApi,
+    token: &str,
+    role: &str,
+    config: &str,
+    dir: &Path,
+    opts: &Opts,
+) -> anyhow::Result<Role> {
+    let proxy = FaultProxy::start(api.addr, Fault::Pass).await;
+    let kubeconfig = api.kubeconfig(dir, role, token, Some(proxy.addr));
+    let file = dir.join(format!("{role}.yaml"));
+    std::fs::write(&file, config)?;
+    let started = Instant::now();
+    let mut child = std::process::Command::new(&opts.seedlink)
+        .args([role, "--config"])
+        .arg(&file)
+        .env("KUBECONFIG", kubeconfig)
+        .env("POD_NAME", format!("{role}-0"))
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let ready = tokio::task::block_in_place(|| seedlink_testkit::ready_line(&mut child));
+    let admin = ready["admin"]
+        .as_str()
+        .and_then(|a| a.parse().ok())
+        .context("no admin address in the ready line")?;
+    Ok(Role {
+        child,
+        admin,
+        proxy,
+        started,
+    })
+}
+
+/// `api/state` of `admin`.
+async fn state(admin: SocketAddr) -> Value {
+    let (_, body) = seedlink_testkit::http_get(admin, "/api/state").await;
+    serde_json::from_str(&body).unwrap_or(Value::Null)
+}
+
+/// Waits until `count` of the role's `api/state` reaches `n`: the time
+/// from its start.
+async fn served(role: &Role, n: usize, count: fn(&Value) -> usize) -> anyhow::Result<Duration> {
+    let deadline = Instant::now() + WAIT;
+    while Instant::now() < deadline {
+        if count(&state(role.admin).await) >= n {
+            return Ok(role.started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    anyhow::bail!("not every tenant served within {WAIT:?}")
+}
+
+fn control_planes(s: &Value) -> usize {
+    s["control_planes"].as_array().map_or(0, |c| c.len())
+}
+
+fn clusters(s: &Value) -> usize {
+    s["clusters"].as_array().map_or(0, |c| c.len())
+}
+
+async fn measure(
+    api: &KubeApi,
+    client: &kube::Client,
+    token: &str,
+    n: usize,
+    dir: &Path,
+    opts: &Opts,
+) -> anyhow::Result<Row> {
+    let gw_cfg = format!("admin: {{listen: '127.0.0.1:0'}}\nlisteners: [{{name: tls, address: '127.0.0.1:0'}}]\nkubernetes: {{gateway: {SYS}/seedlink}}\n");
+    let sockets = dir.join(format!("sockets-{n}"));
+    std::fs::create_dir_all(&sockets)?;
+    let tun_cfg = format!(
+        "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}'}}\nadmin: {{listen: '127.0.0.1:0'}}\nclusters: []\nfrontend_templates:\n  - {{name: uds, protocol: http-connect, unix: '{s}/{{cluster}}.sock'}}\nkubernetes: {{lease: {SYS}/seedlink-tunnel-status, trust_dir: '{s}/trust'}}\n",
+        crt = server_cert(dir)?.0,
+        key = server_cert(dir)?.1,
+        s = sockets.display()
+    );
+    let gw = start(api, token, "gateway", &gw_cfg, dir, opts).await?;
+    let tun = start(api, token, "tunnel-server", &tun_cfg, dir, opts).await?;
+    let gw_cold = served(&gw, n, control_planes).await?;
+    let tun_cold = served(&tun, n, clusters).await?;
+    let (gw_pid, tun_pid) = (gw.child.id(), tun.child.id());
+    let (gw_rss_kib, tun_rss_kib) = (procstat::rss_kib(&[gw_pid]), procstat::rss_kib(&[tun_pid]));
+    let cpu0 = procstat::cpu_seconds(&[gw_pid]);
+    let (latencies, background) = changes(client, &gw, n).await?;
+    let cpu = procstat::cpu_seconds(&[gw_pid]) - cpu0;
+    let mut sorted = latencies.clone();
+    sorted.sort();
+    let at = |q: f64| sorted[((sorted.len() - 1) as f64 * q).round() as usize];
+    Ok(Row {
+        tenants: n,
+        gw_cold,
+        tun_cold,
+        gw_rss_kib,
+        tun_rss_kib,
+        change_p50: at(0.5),
+        change_p99: at(0.99),
+        cpu_ms_per_change: cpu * 1000.0 / (latencies.len() + background) as f64,
+        gw_conns: gw.proxy.accepted.load(std::sync::atomic::Ordering::Relaxed),
+        tun_conns: tun
+            .proxy
+            .accepted
+            .load(std::sync::atomic::Ordering::Relaxed),
+    })
+}
+
+/// The tunnel-server's certificate and key files (any name: no agent
+/// connects here).
+fn server_cert(dir: &Path) -> anyhow::Result<(String, String)> {
+    let (crt, key) = (dir.join("tun.pem"), dir.join("tun-key.pem"));
+    if !crt.exists() {
+        let k = rcgen::KeyPair::generate()?;
+        let c = rcgen::CertificateParams::new(vec!["tunnel.bench".to_string()])?.self_signed(&k)?;
+        std::fs::write(&crt, c.pem())?;
+        std::fs::write(&key, k.serialize_pem())?;
+    }
+    Ok((crt.display().to_string(), key.display().to_string()))
+}
+
+/// [`CHANGES`] changes to tenant 0, each timed from the write until the
+/// gateway serves it, while other tenants change [`BACKGROUND_PER_SEC`]
+/// times a second: the latencies and how many background changes there
+/// were.
+async fn changes(
+    client: &kube::Client,
+    gw: &Role,
+    n: usize,
+) -> anyhow::Result<(Vec<Duration>, usize)> {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let background = tokio::spawn({
+        let (client, stop) = (client.clone(), stop.clone());
+        async move {
+            let mut made = 0usize;
+            let mut tick = tokio::time::interval(Duration::from_millis(1000 / BACKGROUND_PER_SEC));
+            while !stop.is_cancelled() {
+                tick.tick().await;
+                let i = 1 + made % (n - 1).max(1);
+                if apply(&client, slice(i, made / n + 1)).await.is_ok() {
+                    made += 1;
+                }
+            }
+            made
+        }
+    });
+    let mut latencies = Vec::new();
+    for v in 1..=CHANGES {
+        let want = format!("{}:6443", address(0, v));
+        let t = Instant::now();
+        apply(client, slice(0, v)).await?;
+        let deadline = t + WAIT;
+        loop {
+            let s = state(gw.admin).await;
+            let cp = s["control_planes"].as_array().and_then(|c| {
+                c.iter().find(|c| {
+                    c["hostnames"]
+                        .as_array()
+                        .is_some_and(|h| h.iter().any(|h| h == &host(0)))
+                })
+            });
+            let eps = cp.and_then(|c| c["endpoints"].as_array());
+            if eps.is_some_and(|e| e.iter().any(|e| e["address"] == want)) {
+                break;
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "change {v} not served within {WAIT:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        latencies.push(t.elapsed());
+    }
+    stop.cancel();
+    let made = background.await?;
+    Ok((latencies, made))
+}
+
+fn print(rows: &[Row]) {
+    println!("\n## seedlink-bench (kube-scale): the Kubernetes source on a real kube-apiserver\n");
+    println!("| tenants | gateway cold start | tunnel-server cold start | gateway RSS | tunnel-server RSS | change p50 | change p99 | gateway CPU per change | API connections (gateway, tunnel-server) |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        println!(
+            "| {} | {:.2} s | {:.2} s | {:.1} MiB | {:.1} MiB | {} ms | {} ms | {:.2} ms | {}, {} |",
+            r.tenants,
+            r.gw_cold.as_secs_f64(),
+            r.tun_cold.as_secs_f64(),
+            r.gw_rss_kib / 1024.0,
+            r.tun_rss_kib / 1024.0,
+            r.change_p50.as_millis(),
+            r.change_p99.as_millis(),
+            r.cpu_ms_per_change,
+            r.gw_conns,
+            r.tun_conns
+        );
+    }
+    if let (Some(a), Some(b)) = (rows.first(), rows.last()) {
+        if b.tenants > a.tenants {
+            let per = |x: f64, y: f64| (y - x) / (b.tenants - a.tenants) as f64;
+            println!(
+                "\nper tenant between {} and {}: gateway {:.1} KiB, tunnel-server {:.1} KiB; cost of a change at {} vs {}: {:.2}×",
+                a.tenants,
+                b.tenants,
+                per(a.gw_rss_kib, b.gw_rss_kib),
+                per(a.tun_rss_kib, b.tun_rss_kib),
+                b.tenants,
+                a.tenants,
+                b.cpu_ms_per_change / a.cpu_ms_per_change
+            );
+        }
+    }
+}

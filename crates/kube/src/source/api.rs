@@ -1,0 +1,178 @@
+//! The API server connections: HTTP/2, so that every watch and request of
+//! a replica shares a few connections instead of taking one each.
+//!
+//! kube-client's default client speaks HTTP/1.1 only: each open watch
+//! holds a connection of its own, so a tunnel-server following 1,000
+//! tenant namespaces held about 1,000 connections to the API server. Here
+//! the same layers (base URI, auth with token refresh, extra headers,
+//! kube's retry policy, connect/read/write timeouts) sit on a hyper client
+//! that speaks HTTP/2 (as client-go does), pinging an idle connection
+//! every 30 s. Long-running watches are spread over at most
+//! [`WATCHES_PER_CONNECTION`] per connection: an HTTP/2 server caps the
+//! streams open at once on one connection, and a watch beyond the cap
+//! would wait for a free stream rather than start.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use kube::client::ConfigExt;
+use tower::ServiceBuilder;
+
+/// How many long-running watches share one connection. Go's HTTP/2
+/// server allows 250 concurrent streams per connection unless told
+/// otherwise (kube-apiserver's `--http2-max-streams-per-connection`);
+/// 200 leaves the rest for the requests made meanwhile.
+pub const WATCHES_PER_CONNECTION: usize = 200;
+
+/// How often an idle HTTP/2 connection is pinged, and how long the answer
+/// may take before the connection is given up (and every request on it
+/// retried on a new one): a connection that died silently is noticed
+/// within 45 s, whatever its watches carry.
+const PING_EVERY: Duration = Duration::from_secs(30);
+const PING_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// A replica's API server clients: the main one (short requests and the
+/// fixed watches) and those the per-namespace watches are spread over.
+#[derive(Clone)]
+pub struct ApiClients {
+    main: kube::Client,
+    /// `None`: every watch on `main` (a client handed in whole).
+    config: Option<Arc<kube::Config>>,
+    per_connection: usize,
+    pool: Arc<Mutex<Vec<Slot>>>,
+}
+
+struct Slot {
+    client: kube::Client,
+    watches: Arc<AtomicUsize>,
+}
+
+/// A watch's place on a connection, given back when dropped.
+pub(super) struct WatchSlot(Arc<AtomicUsize>);
+
+impl Drop for WatchSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl From<kube::Client> for ApiClients {
+    fn from(main: kube::Client) -> ApiClients {
+        ApiClients {
+            main,
+            config: None,
+            per_connection: WATCHES_PER_CONNECTION,
+            pool: Arc::default(),
+        }
+    }
+}
+
+impl ApiClients {
+    /// Clients from `config`, at most `per_connection` (at least 1)
+    /// watches on each of the per-namespace connections.
+    pub fn new(config: kube::Config, per_connection: usize) -> Result<ApiClients, kube::Error> {
+        Ok(ApiClients {
+            main: http2_client(&config)?,
+            config: Some(Arc::new(config)),
+            per_connection: per_connection.max(1),
+            pool: Arc::default(),
+        })
+    }
+
+    /// The client for requests and the fixed watches.
+    pub fn main(&self) -> &kube::Client {
+        &self.main
+    }
+
+    /// How many connections' clients exist (the main one included).
+    pub fn connections(&self) -> usize {
+        1 + seedlink_net::sync::lock(&self.pool, "api clients").len()
+    }
+
+    /// A client for one more long-running watch: one with room, or a new
+    /// one (a new connection) when every one is full.
+    pub(super) fn for_watch(&self) -> (kube::Client, Option<WatchSlot>) {
+        let Some(config) = &self.config else {
+            return (self.main.clone(), None);
+        };
+        let mut pool = seedlink_net::sync::lock(&self.pool, "api clients");
+        let room = pool
+            .iter()
+            .find(|s| s.watches.load(Ordering::Relaxed) < self.per_connection);
+        let slot = match room {
+            Some(s) => (s.client.clone(), s.watches.clone()),
+            None => match http2_client(config) {
+                Ok(client) => {
+                    let watches = Arc::new(AtomicUsize::new(0));
+                    pool.push(Slot {
+                        client: client.clone(),
+                        watches: watches.clone(),
+                    });
+                    (client, watches)
+                }
+                // It was built from the same configuration once already.
+                Err(e) => {
+                    tracing::warn!(error = %e, "kubernetes: no new API server client; this watch shares the main one");
+                    return (self.main.clone(), None);
+                }
+            },
+        };
+        slot.1.fetch_add(1, Ordering::Relaxed);
+        (slot.0, Some(WatchSlot(slot.1)))
+    }
+}
+
+/// kube-client's layers on a hyper client that speaks HTTP/2 to an
+/// `https` API server (HTTP/1.1 to a plain `http` one). Through a proxy
+/// (`proxy-url` in the kubeconfig) kube-client's own HTTP/1.1 client is
+/// used.
+fn http2_client(config: &kube::Config) -> Result<kube::Client, kube::Error> {
+    if config.proxy_url.is_some() {
+        return kube::Client::try_from(config.clone());
+    }
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_connect_timeout(config.connect_timeout);
+    let mut tls = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(config.rustls_client_config()?)
+        .https_or_http();
+    if let Some(name) = &config.tls_server_name {
+        let name = rustls::pki_types::ServerName::try_from(name.clone())
+            .map_err(|e| kube::Error::Service(format!("tls-server-name {name:?}: {e}").into()))?;
+        tls = tls.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(name));
+    }
+    // Over TLS, HTTP/2 only: kube-apiserver (Go's net/http) has always
+    // offered it by ALPN, as client-go uses it; offering HTTP/1.1 too
+    // would let a burst of first requests open a connection each before
+    // the first one's protocol is known.
+    let h2 = config.cluster_url.scheme_str() == Some("https");
+    let tls = match h2 {
+        true => tls.enable_http2().wrap_connector(http),
+        false => tls.enable_http1().wrap_connector(http),
+    };
+    let mut timed = hyper_timeout::TimeoutConnector::new(tls);
+    timed.set_read_timeout(config.read_timeout);
+    timed.set_write_timeout(config.write_timeout);
+    let hyper = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .http2_only(h2)
+        .timer(TokioTimer::new())
+        .pool_timer(TokioTimer::new())
+        .http2_keep_alive_interval(PING_EVERY)
+        .http2_keep_alive_timeout(PING_TIMEOUT)
+        .http2_keep_alive_while_idle(true)
+        .build(timed);
+    let retry = config
+        .default_retry
+        .then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry()));
+    let service = ServiceBuilder::new()
+        .layer(config.base_uri_layer())
+        .option_layer(retry)
+        .option_layer(config.auth_layer()?)
+        .layer(config.extra_headers_layer()?)
+        .map_err(tower::BoxError::from)
+        .service(hyper);
+    Ok(kube::Client::new(service, config.default_namespace.clone()))
+}
