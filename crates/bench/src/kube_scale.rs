@@ -57,6 +57,9 @@ struct Row {
     cpu_ms_per_change: f64,
     gw_conns: u64,
     tun_conns: u64,
+    /// The tunnel-server's passes until it served every tenant, and their
+    /// mean duration.
+    tun_passes: (f64, f64),
 }
 
 pub async fn run(opts: &Opts) -> anyhow::Result<()> {
@@ -288,6 +291,7 @@ async fn measure(
     let tun = start(api, token, "tunnel-server", &tun_cfg, dir, opts).await?;
     let gw_cold = served(&gw, n, control_planes).await?;
     let tun_cold = served(&tun, n, clusters).await?;
+    let tun_passes = passes(tun.admin).await;
     let (gw_pid, tun_pid) = (gw.child.id(), tun.child.id());
     let (gw_rss_kib, tun_rss_kib) = (procstat::rss_kib(&[gw_pid]), procstat::rss_kib(&[tun_pid]));
     let cpu0 = procstat::cpu_seconds(&[gw_pid]);
@@ -310,7 +314,23 @@ async fn measure(
             .proxy
             .accepted
             .load(std::sync::atomic::Ordering::Relaxed),
+        tun_passes,
     })
+}
+
+/// The source's passes so far and their mean duration (its
+/// `apply_duration_seconds` histogram).
+async fn passes(admin: SocketAddr) -> (f64, f64) {
+    let (_, text) = seedlink_testkit::http_get(admin, "/metrics").await;
+    let sample = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let count = sample("seedlink_kubernetes_apply_duration_seconds_count");
+    let sum = sample("seedlink_kubernetes_apply_duration_seconds_sum");
+    (count, if count > 0.0 { sum / count } else { 0.0 })
 }
 
 /// The tunnel-server's certificate and key files (any name: no agent
@@ -385,14 +405,16 @@ async fn changes(
 
 fn print(rows: &[Row]) {
     println!("\n## seedlink-bench (kube-scale): the Kubernetes source on a real kube-apiserver\n");
-    println!("| tenants | gateway cold start | tunnel-server cold start | gateway RSS | tunnel-server RSS | change p50 | change p99 | gateway CPU per change | API connections (gateway, tunnel-server) |");
+    println!("| tenants | gateway cold start | tunnel-server cold start (passes, mean pass) | gateway RSS | tunnel-server RSS | change p50 | change p99 | gateway CPU per change | API connections (gateway, tunnel-server) |");
     println!("|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {} | {:.2} s | {:.2} s | {:.1} MiB | {:.1} MiB | {} ms | {} ms | {:.2} ms | {}, {} |",
+            "| {} | {:.2} s | {:.2} s ({}, {:.2} s) | {:.1} MiB | {:.1} MiB | {} ms | {} ms | {:.2} ms | {}, {} |",
             r.tenants,
             r.gw_cold.as_secs_f64(),
             r.tun_cold.as_secs_f64(),
+            r.tun_passes.0,
+            r.tun_passes.1,
             r.gw_rss_kib / 1024.0,
             r.tun_rss_kib / 1024.0,
             r.change_p50.as_millis(),

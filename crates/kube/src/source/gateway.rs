@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::api::ApiClients;
-use super::coalesce::{Coalescer, Wake};
+use super::coalesce::{follow_passes, Coalescer, StatusTask, Wake};
 use super::gateway_status::*;
 use super::handle::Handle;
 use super::metrics::SourceMetrics;
@@ -65,14 +65,20 @@ pub fn start_gateway(
         status.route_resource = route_resource;
         let mut translator = Translator::default();
         translator.slice_managers = settings.slice_managers.clone();
-        let pass = GatewayPasses {
-            translator,
+        let writer = GatewayStatus {
             bundle: bundle_version(&client).await,
             bundle_read: tokio::time::Instant::now(),
             ever: HashSet::new(),
+            stores: stores.clone(),
+            settings: settings.clone(),
+            status,
+        };
+        let pass = GatewayPasses {
+            translator,
             stores,
             settings,
-            status,
+            metrics: writer_metrics,
+            status: follow_passes(writer, coalescer.stop.clone()),
         };
         pass.run(coalescer, sink.as_ref(), &synced_tx).await;
     });
@@ -88,6 +94,7 @@ pub fn start_gateway(
 
 /// The objects the gateway's source reads besides TLSRoutes, each a
 /// watched store.
+#[derive(Clone)]
 pub(super) struct GatewayKinds {
     pub(super) policies: Store<SeedlinkPolicy>,
     pub(super) services: Store<Service>,
@@ -118,6 +125,7 @@ impl GatewayKinds {
 }
 
 /// Every object the gateway's source reads.
+#[derive(Clone)]
 pub(super) struct GatewayStores {
     pub(super) routes: Routes,
     pub(super) kinds: GatewayKinds,
@@ -190,18 +198,15 @@ impl GatewayStores {
     }
 }
 
-/// The gateway source's loop: translate and apply on a change, write
-/// status on every wake-up.
+/// The gateway source's loop: translate and apply on a change (status is
+/// written apart, by [`GatewayStatus`]).
 pub(super) struct GatewayPasses {
     pub(super) stores: GatewayStores,
     pub(super) settings: GatewaySettings,
     pub(super) translator: Translator,
-    pub(super) status: StatusWriter,
-    /// Every Gateway this process has served.
-    pub(super) ever: HashSet<Key>,
-    /// The installed Gateway API bundle, re-read every `BUNDLE_REREAD`.
-    pub(super) bundle: Option<String>,
-    pub(super) bundle_read: tokio::time::Instant,
+    pub(super) metrics: SourceMetrics,
+    /// The latest pass, and whether it was applied, for the status task.
+    pub(super) status: tokio::sync::watch::Sender<Option<Arc<(GatewayPass, bool)>>>,
 }
 
 impl GatewayPasses {
@@ -212,23 +217,21 @@ impl GatewayPasses {
         synced: &watch::Sender<bool>,
     ) {
         let mut wake = Wake::Changed;
-        let mut last: Option<GatewayPass> = None;
+        let mut passed = false;
         // Set when the gateway could not apply anything (its own file is
         // invalid): the next tick tries again, as the file may be fixed.
         let mut retry = false;
         loop {
-            if wake == Wake::Changed || last.is_none() || retry {
+            if wake == Wake::Changed || !passed || retry {
                 let started = tokio::time::Instant::now();
                 let mut pass = self.stores.translate(&mut self.translator, &self.settings);
                 let refused = sink.apply(pass.0.control_planes.clone());
-                self.status.metrics.applied(started.elapsed());
+                self.metrics.applied(started.elapsed());
                 retry = not_applied(&refused);
                 pass.0.refused(&refused);
                 let _ = synced.send(true);
-                last = Some(pass);
-            }
-            if let Some(pass) = &last {
-                self.write_status(pass, !retry).await;
+                self.status.send_replace(Some(Arc::new((pass, !retry))));
+                passed = true;
             }
             wake = coalescer.next().await;
             if wake == Wake::Stop {
@@ -236,7 +239,29 @@ impl GatewayPasses {
             }
         }
     }
+}
 
+/// Writes the gateway source's status from its latest pass.
+pub(super) struct GatewayStatus {
+    pub(super) stores: GatewayStores,
+    pub(super) settings: GatewaySettings,
+    pub(super) status: StatusWriter,
+    /// Every Gateway this process has served.
+    pub(super) ever: HashSet<Key>,
+    /// The installed Gateway API bundle, re-read every `BUNDLE_REREAD`.
+    pub(super) bundle: Option<String>,
+    pub(super) bundle_read: tokio::time::Instant,
+}
+
+impl StatusTask for GatewayStatus {
+    type Pass = (GatewayPass, bool);
+
+    async fn write(&mut self, (pass, applied): &(GatewayPass, bool)) {
+        self.write_status(pass, *applied).await;
+    }
+}
+
+impl GatewayStatus {
     /// Reads the Gateway API bundle version again when it is older than
     /// [`BUNDLE_REREAD`]: an upgrade is noticed within minutes.
     async fn reread_bundle(&mut self) {

@@ -6,7 +6,7 @@
 //!
 //! | event | behaviour |
 //! |---|---|
-//! | objects change | one snapshot 200 ms after the last event, at most 2 s after the first |
+//! | objects change | one snapshot 200 ms after the last event, at most 500 ms after the first |
 //! | an object is invalid | left out, with a status condition and an Event; the others are served |
 //! | the API server is unreachable | the stores keep the last objects: nothing changes; retries back off |
 //! | a watch expires (410) | re-list; the rebuilt snapshot is diffed, unchanged routes are untouched |

@@ -12,7 +12,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::api::ApiClients;
-use super::coalesce::{Coalescer, Wake};
+use super::coalesce::{follow_passes, Coalescer, StatusTask, Wake};
 use super::gateway::{campaign, not_applied};
 use super::handle::Handle;
 use super::metrics::SourceMetrics;
@@ -231,17 +231,26 @@ pub fn start_tunnel(
         campaign(&client, settings.lease.as_ref(), &settings.identity, &stop);
     let (synced_tx, synced) = watch::channel(false);
     let status = StatusWriter::new(client, leadership.clone(), &settings.identity, &metrics);
+    let metrics_for_passes = metrics.clone();
     tokio::spawn(async move {
         tokio::select! {
             r = clusters.wait_until_ready() => if r.is_err() { return },
             () = coalescer.stop.cancelled() => return,
         }
+        let hold = k8s_openapi::jiff::SignedDuration::try_from(settings.released_trust_hold)
+            .unwrap_or(k8s_openapi::jiff::SignedDuration::MAX);
+        let writer = TunnelStatus {
+            status,
+            sink: sink.clone(),
+            hold,
+        };
         let passes = TunnelPasses {
             w,
             clusters,
             replicas,
             settings,
-            status,
+            metrics: metrics_for_passes,
+            status: follow_passes(writer, coalescer.stop.clone()),
             trust: TrustWatches::default(),
             applied: None,
         };
@@ -265,12 +274,33 @@ pub(super) struct TunnelPasses {
     /// The tunnel-server Service's EndpointSlices (`kubernetes.replicas`).
     pub(super) replicas: Option<Store<EndpointSlice>>,
     pub(super) settings: TunnelSettings,
-    pub(super) status: StatusWriter,
+    pub(super) metrics: SourceMetrics,
+    /// The latest pass, for the status task.
+    pub(super) status: watch::Sender<Option<Arc<TunnelPass>>>,
     pub(super) trust: TrustWatches,
     /// What was last handed to the server, and what it refused: an event
     /// that changes none of it (another Secret in the namespace) does
     /// not reload the server.
     pub(super) applied: Option<Applied>,
+}
+
+/// Writes the TunnelClusters' status from the latest pass, with the
+/// server's view of each (agents, dial errors, trust).
+pub(super) struct TunnelStatus {
+    pub(super) status: StatusWriter,
+    pub(super) sink: Arc<dyn TunnelSink>,
+    /// How long a released claim stays reserved.
+    pub(super) hold: k8s_openapi::jiff::SignedDuration,
+}
+
+impl StatusTask for TunnelStatus {
+    type Pass = TunnelPass;
+
+    async fn write(&mut self, (t, objects): &TunnelPass) {
+        self.status
+            .write_tunnels(t, objects, self.sink.as_ref(), self.hold)
+            .await;
+    }
 }
 
 /// The clusters handed to the server, the trust files they name (a CA
@@ -297,7 +327,7 @@ impl TunnelPasses {
         synced: &watch::Sender<bool>,
     ) {
         let mut wake = Wake::Changed;
-        let mut last: Option<TunnelPass> = None;
+        let mut passed = false;
         loop {
             // What could not be applied at all is tried again on a tick.
             if self
@@ -314,19 +344,13 @@ impl TunnelPasses {
             {
                 sink.set_server_count(n);
             }
-            if wake == Wake::Changed || last.is_none() || self.applied.is_none() {
+            if wake == Wake::Changed || !passed || self.applied.is_none() {
                 let started = tokio::time::Instant::now();
-                last = Some(self.pass(sink.as_ref()).await);
-                self.status.metrics.applied(started.elapsed());
+                let pass = self.pass(sink.as_ref()).await;
+                self.metrics.applied(started.elapsed());
                 let _ = synced.send(true);
-            }
-            if let Some((t, objects)) = &last {
-                let hold =
-                    k8s_openapi::jiff::SignedDuration::try_from(self.settings.released_trust_hold)
-                        .unwrap_or(k8s_openapi::jiff::SignedDuration::MAX);
-                self.status
-                    .write_tunnels(t, objects, sink.as_ref(), hold)
-                    .await;
+                self.status.send_replace(Some(Arc::new(pass)));
+                passed = true;
             }
             wake = coalescer.next().await;
             if wake == Wake::Stop {

@@ -225,6 +225,7 @@ where
 pub(super) const ROUTE_VERSIONS: [&str; 3] = ["v1", "v1alpha3", "v1alpha2"];
 
 /// TLSRoutes through the version the installed CRD serves.
+#[derive(Clone)]
 pub(super) enum Routes {
     /// `v1` (Gateway API v1.5 and later, standard channel).
     V1(Store<TlsRoute>),

@@ -111,15 +111,15 @@ pub struct Kubernetes {
     pub released_trust_hold: Duration,
     /// How many of the per-namespace watches (one per tenant namespace
     /// and kind its TunnelClusters name) share one HTTP/2 connection to
-    /// the API server (default 200, below Go's default cap of 250
-    /// concurrent streams per connection; raise it only to what your API
-    /// server's `--http2-max-streams-per-connection` allows).
+    /// the API server (default 90, below kube-apiserver's default cap of
+    /// 100 concurrent streams per connection; raise it only to what your
+    /// API server's `--http2-max-streams-per-connection` allows).
     #[serde(default = "watches_per_connection_default")]
     pub watches_per_connection: usize,
 }
 
 fn watches_per_connection_default() -> usize {
-    200
+    90
 }
 
 fn released_trust_hold_default() -> Duration {
