@@ -69,6 +69,36 @@ fn envoy(
     common::envoy(dir, &cfg)
 }
 
+/// [`envoy`] on four free ports, listening on all of them: started again
+/// on other ports (at most 3 times) if it exits first, as when another
+/// test's listener took a port between `free_port` and Envoy's bind.
+async fn envoy_listening(
+    dir: &std::path::Path,
+    gateway: std::net::SocketAddr,
+    tlvs: [Option<&str>; 4],
+) -> (Proc, [u16; 4]) {
+    for _ in 0..3 {
+        let ports = [free_port(), free_port(), free_port(), free_port()];
+        let senders: Vec<(u16, Option<&str>)> = ports.iter().copied().zip(tlvs).collect();
+        let mut e = envoy(dir, gateway, &senders);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while std::time::Instant::now() < deadline && e.0.try_wait().ok().flatten().is_none() {
+            let mut up = true;
+            for p in ports {
+                up &= tokio::net::TcpStream::connect(("127.0.0.1", p))
+                    .await
+                    .is_ok();
+            }
+            if up {
+                return (e, ports);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+    let log = std::fs::read_to_string(dir.join("envoy.log")).unwrap_or_default();
+    panic!("Envoy did not listen on its ports in 3 starts; its log:\n{log}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_cluster_id_tlv_routes_and_acl_applies() {
     let stop = CancellationToken::new();
@@ -87,20 +117,13 @@ control_planes:
 "
     ));
     let files = write_pki(&pki, gw.dir.path());
-    let ports = [free_port(), free_port(), free_port(), free_port()];
-    let _envoy = envoy(
-        gw.dir.path(),
-        gw.listener("nodes"),
-        &[
-            (ports[0], Some("Yy0wYTFi")), // c-0a1b
-            (ports[1], Some("Yy0yYzNk")), // c-2c3d
-            (ports[2], Some("Yy1mZmZm")), // c-ffff: no such cluster
-            (ports[3], None),
-        ],
-    );
-    for p in ports {
-        wait_listening(format!("127.0.0.1:{p}").parse().unwrap()).await;
-    }
+    let tlvs = [
+        Some("Yy0wYTFi"), // c-0a1b
+        Some("Yy0yYzNk"), // c-2c3d
+        Some("Yy1mZmZm"), // c-ffff: no such cluster
+        None,
+    ];
+    let (_envoy, ports) = envoy_listening(gw.dir.path(), gw.listener("nodes"), tlvs).await;
     let lo = "127.0.0.1".parse().unwrap();
     // Routed by the TLV, TLS end to end with the client certificate.
     let out = curl_mtls(&files, ALPHA, lo, ports[0]);

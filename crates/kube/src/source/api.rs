@@ -129,9 +129,11 @@ impl ApiClients {
 }
 
 /// kube-client's layers on a hyper client that speaks HTTP/2 to an
-/// `https` API server (HTTP/1.1 to a plain `http` one). Through a proxy
-/// (`proxy-url` in the kubeconfig) kube-client's own HTTP/1.1 client is
-/// used.
+/// `https` API server (HTTP/1.1 to a plain `http` one). With a proxy
+/// (`proxy-url` in the kubeconfig, or `HTTPS_PROXY`) kube-client's own
+/// client is asked, which in this build speaks to no proxy (kube's
+/// `http-proxy` feature is off) and refuses the configuration: the role
+/// then stops at start saying so, as before HTTP/2.
 fn http2_client(config: &kube::Config) -> Result<kube::Client, kube::Error> {
     if config.proxy_url.is_some() {
         return kube::Client::try_from(config.clone());
@@ -157,6 +159,11 @@ fn http2_client(config: &kube::Config) -> Result<kube::Client, kube::Error> {
         false => tls.enable_http1().wrap_connector(http),
     };
     let mut timed = hyper_timeout::TimeoutConnector::new(tls);
+    // The connector's own bound covers the TCP connect and the TLS
+    // handshake both (the HTTP connector's, the TCP connect only): a
+    // handshake that stalls would otherwise hold up every request waiting
+    // for this client's one connection.
+    timed.set_connect_timeout(config.connect_timeout);
     timed.set_read_timeout(config.read_timeout);
     timed.set_write_timeout(config.write_timeout);
     let hyper = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
