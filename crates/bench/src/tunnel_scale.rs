@@ -197,6 +197,7 @@ impl Bed {
                     queue_bytes: 4 * 1024 * 1024,
                     flow_control: true,
                     native: true,
+                    replica_addresses: true,
                     egress: None,
                 })?;
                 let run = a.clone();

@@ -251,3 +251,32 @@ pub struct ClusterHealth {
     /// Failed dials by reason since the cluster was added.
     pub dial_errors: Vec<(&'static str, u64)>,
 }
+
+/// Per-replica addresses from the replicas' EndpointSlices: `{ip}` is an
+/// endpoint's address (an IPv6 one in brackets) and `{pod}` the pod it
+/// names; a replica is known by its pod's name, its `serverid`.
+#[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaAddresses {
+    /// `host:port` an agent connects to, e.g. `'{ip}:8091'` (pod addresses
+    /// the shoot can reach) or `'{pod}.tunnel.example.com:443'`.
+    pub address: String,
+    /// The TLS server name there (e.g. `'{pod}.tunnel.example.com'`, for a
+    /// gateway that routes each name to its replica); default: the
+    /// agent's own `--server-name`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_name: Option<String>,
+}
+
+impl ReplicaAddresses {
+    /// The address and server name of the replica at `ip` in pod `pod`.
+    pub fn of(&self, ip: std::net::IpAddr, pod: &str) -> (String, String) {
+        let ip = match ip {
+            std::net::IpAddr::V4(v4) => v4.to_string(),
+            std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+        };
+        let fill = |t: &str| t.replace("{ip}", &ip).replace("{pod}", pod);
+        let name = self.server_name.as_deref().map(fill).unwrap_or_default();
+        (fill(&self.address), name)
+    }
+}

@@ -91,6 +91,7 @@ fn demo_agent(
         queue_bytes: 4 * 1024 * 1024,
         flow_control: true,
         native: true,
+        replica_addresses: true,
         egress: None,
     })?;
     {

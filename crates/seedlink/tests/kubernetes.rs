@@ -1491,17 +1491,24 @@ kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust', repli
 
     /// Replaces the EndpointSlice of the replicas' Service.
     async fn replicas(&self, endpoints: Value) {
-        self.seed
-            .apply(json!({
-                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                "metadata": {"name": "seedlink-internal-x1", "namespace": self.seed.sys,
-                             "labels": {"kubernetes.io/service-name": "seedlink-internal",
-                                        "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
-                "addressType": "IPv4",
-                "ports": [{"name": "kas", "port": 8090, "protocol": "TCP"}],
-                "endpoints": endpoints
-            }))
-            .await;
+        self.seed.replica_slice(endpoints).await;
+    }
+}
+
+impl Seed {
+    /// Replaces the EndpointSlice of the tunnel-server replicas' Service
+    /// (`seedlink-internal` in the install namespace).
+    async fn replica_slice(&self, endpoints: Value) {
+        self.apply(json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "seedlink-internal-x1", "namespace": self.sys,
+                         "labels": {"kubernetes.io/service-name": "seedlink-internal",
+                                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "kas", "port": 8090, "protocol": "TCP"}],
+            "endpoints": endpoints
+        }))
+        .await;
     }
 }
 
@@ -2046,6 +2053,160 @@ async fn tunnel_clusters_come_from_objects_with_their_health_in_status() {
     shoot_a_leaves(&bed, agent_a, &mut b).await;
     let _next = an_upgrade_takes_the_object_made_socket(&bed, server, b).await;
     bed.stop.cancel();
+}
+
+/// The tunnel-server replicas of [`replicas_are_reached_without_a_load_balancer`]:
+/// each "pod" `tunnel-<i>` on 10.99.3.<i> in the seed's network namespace,
+/// its agent port 8091 reached by no load balancer.
+struct NoLb {
+    seed: Seed,
+    pki: seedlink::demo::Pki,
+    shoot: seedlink::demo::Pki,
+}
+
+impl NoLb {
+    /// Pod `i`'s address.
+    fn pod(i: usize) -> String {
+        format!("10.99.3.{i}")
+    }
+
+    /// Writes `name` into the seed's directory: its path.
+    fn file(&self, name: &str, text: &str) -> String {
+        let p = self.seed.dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    }
+
+    /// The frontend socket of replica `i`.
+    fn socket(&self, i: usize) -> String {
+        self.seed
+            .dir
+            .path()
+            .join(format!("r{i}.sock"))
+            .display()
+            .to_string()
+    }
+
+    /// Replicas `1..=n` serving, as their Service's EndpointSlice says.
+    async fn serving(&self, n: usize) {
+        let eps: Vec<Value> = (1..=n)
+            .map(|i| {
+                json!({"addresses": [NoLb::pod(i)], "conditions": {"ready": true},
+                       "targetRef": {"kind": "Pod", "name": format!("tunnel-{i}"), "namespace": self.seed.sys}})
+            })
+            .collect();
+        self.seed.replica_slice(json!(eps)).await;
+    }
+
+    /// Starts replica `i` in the seed's network namespace, as the
+    /// ServiceAccount, telling agents where each replica is.
+    fn replica(&self, i: usize) -> Proc {
+        let (ns, _) = self.seed.net.as_ref().unwrap();
+        ns.run(&[
+            "ip",
+            "addr",
+            "add",
+            &format!("{}/32", NoLb::pod(i)),
+            "dev",
+            "lo",
+        ]);
+        let (_, leaf) = &self.pki.servers[0];
+        let crt = self.file("tun.pem", &leaf.cert_pem);
+        let key = self.file("tun-key.pem", &leaf.key_pem);
+        let ca = self.file("shoot-ca.pem", &self.shoot.ca_pem);
+        let (d, sys) = (self.seed.dir.path().display(), &self.seed.sys);
+        let cfg = self.file(
+            &format!("tunnel-{i}.yaml"),
+            &format!(
+                "agents: {{listen: '{pod}:8091', cert: '{crt}', key: '{key}', keepalive: 1s, keepalive_timeout: 1s}}
+clusters:
+  - name: shoot
+    agent_ca: '{ca}'
+    frontends:
+      - {{name: uds, protocol: http-connect, unix: '{d}/r{i}.sock'}}
+kubernetes: {{lease: {sys}/seedlink-tunnel-status, write_status: false, trust_dir: '{d}/trust-{i}',
+  replicas: {sys}/seedlink-internal, replica_addresses: {{address: '{{ip}}:8091'}}}}
+",
+                pod = NoLb::pod(i)
+            ),
+        );
+        let name = format!("tunnel-{i}");
+        let kc = self.seed.kubeconfig(&name, &self.seed.token);
+        let mut cmd = ns.cmd(&[seedlink_bin()]);
+        cmd.args(["tunnel-server", "--config", &cfg])
+            .env("KUBECONFIG", &kc)
+            .env("POD_NAME", &name);
+        started(cmd).0
+    }
+
+    /// Every replica `1..=n` carries a dial of the shoot's cluster.
+    async fn each_dials(&self, n: usize) {
+        for i in 1..=n {
+            let to = format!("{}:8091", NoLb::pod(1));
+            let s = common::tunnel_env::kas_connect_eventually(
+                &self.socket(i),
+                &to,
+                Duration::from_secs(30),
+            )
+            .await;
+            drop(s);
+        }
+    }
+}
+
+/// HA without a load balancer: 3 tunnel-server replicas, each "pod" on
+/// its own address, tell their agents where each replica is (REPLICAS
+/// with `kubernetes.replica_addresses`, from the replicas' EndpointSlice).
+/// An agent given one replica's address holds a stream to all 3, to 5
+/// when 2 more start, and to 3 again when those 2 drain; every replica
+/// carries the cluster's dials throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_are_reached_without_a_load_balancer() {
+    let bed = NoLb {
+        seed: Seed::own(true).await,
+        pki: seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap(),
+        shoot: seedlink::demo::Pki::generate(&[]).unwrap(),
+    };
+    bed.serving(3).await;
+    let mut replicas: Vec<Proc> = (1..=3).map(|i| bed.replica(i)).collect();
+    let (ns, dialer) = bed.seed.net.as_ref().unwrap();
+    let seed_ca = bed.file("seed-ca.pem", &bed.pki.ca_pem);
+    let crt = bed.file("agent.pem", &bed.shoot.client.cert_pem);
+    let key = bed.file("agent-key.pem", &bed.shoot.client.key_pem);
+    let args = seedlink_testkit::agent_cmd::AgentCmd::new(&format!("{}:8091", NoLb::pod(1)))
+        .mtls(&seed_ca, &crt, &key)
+        .fast_sync()
+        .to_args();
+    let mut cmd = ns.cmd(&[seedlink_bin()]);
+    cmd.args(&args);
+    let (_agent, ready) = started(cmd);
+    let inner: SocketAddr = ready["admin"].as_str().unwrap().parse().unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let admin = FaultProxy::start_with(l, Some(dialer.clone()), inner, Fault::Pass);
+    let holds = |n: usize| {
+        let want = format!("server streams: {n} of {n} replicas ({n} in all)");
+        async move {
+            eventually(&want.clone(), Duration::from_secs(60), async || {
+                http_get(admin.addr, "/readyz").await.1.starts_with(&want)
+            })
+            .await;
+        }
+    };
+    holds(3).await;
+    bed.each_dials(3).await;
+    // Scaled to 5: both new replicas are joined, through their addresses.
+    replicas.extend((4..=5).map(|i| bed.replica(i)));
+    bed.serving(5).await;
+    holds(5).await;
+    bed.each_dials(5).await;
+    // And back to 3: the 2 go (out of the EndpointSlice, then drained).
+    bed.serving(3).await;
+    let gone: Vec<Proc> = replicas.drain(3..).collect();
+    for r in &gone {
+        signal(r.0.id(), "-TERM");
+    }
+    holds(3).await;
+    bed.each_dials(3).await;
 }
 
 /// Gateway API v1.7.0's CRDs (standard channel, as released) installed

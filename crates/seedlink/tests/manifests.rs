@@ -1539,6 +1539,37 @@ fn the_onboarding_controller_renders_under_its_own_service_account() {
         .is_some_and(|n| n.starts_with("seedlink-onboard"))));
 }
 
+/// `tunnelReplicaAddress` and `tunnelReplicaServerName` become the tunnel
+/// file's `kubernetes.replica_addresses` (checked like every file the
+/// chart renders); unset, there is none.
+#[test]
+fn replica_addresses_are_rendered_when_set() {
+    let tunnel_file = |docs: &[Value]| -> Value {
+        let cm = docs
+            .iter()
+            .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "seedlink-config")
+            .unwrap();
+        serde_norway::from_str(cm["data"]["tunnel.yaml"].as_str().unwrap()).unwrap()
+    };
+    let docs = helm_template(&[
+        "--set-json",
+        r#"tunnelReplicaAddress="{pod}.tunnel.example.com:443""#,
+        "--set-json",
+        r#"tunnelReplicaServerName="{pod}.tunnel.example.com""#,
+    ]);
+    check_strictly(&docs);
+    let file = tunnel_file(&docs);
+    assert_eq!(
+        file["kubernetes"]["replica_addresses"],
+        json!({"address": "{pod}.tunnel.example.com:443", "server_name": "{pod}.tunnel.example.com"})
+    );
+    let file = tunnel_file(&helm_template(&[]));
+    assert!(
+        file["kubernetes"].get("replica_addresses").is_none(),
+        "{file}"
+    );
+}
+
 /// `kubeApiserverClientCATrust` is what the shared frontend trusts for
 /// kube-apiservers' client certificates (a rotation's overlap), mounted
 /// alone into the data plane's pods.

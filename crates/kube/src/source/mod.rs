@@ -41,8 +41,10 @@ pub use coalesce::{MAX_DELAY, QUIET, STATUS_EVERY};
 pub use gateway::{start_gateway, GatewaySettings};
 pub use handle::{Handle, Readiness};
 pub use metrics::{SourceMetrics, WRITES_PER_SEC, WRITE_BURST};
-pub use sink::{BoxFuture, GatewaySink, TunnelSink};
-pub use tunnel::{replica_count, start_tunnel, TunnelSettings};
+pub use sink::{BoxFuture, GatewaySink, Replica, TunnelSink};
+pub use tunnel::{
+    replica_addresses, replica_count, start_tunnel, TunnelSettings, MAX_REPLICA_ADDRESSES,
+};
 pub use watches::{served_route_version, WatchErrors, WATCH_TIMEOUT_SECS};
 
 /// The API clients seedlink watches and writes with (HTTP/2, see

@@ -31,8 +31,20 @@ pub trait TunnelSink: Send + Sync + 'static {
         Vec::new()
     }
     /// The tunnel-server replicas counted from their Service's
-    /// EndpointSlices (`kubernetes.replicas`).
-    fn set_server_count(&self, _replicas: u32) {}
+    /// EndpointSlices (`kubernetes.replicas`), and where each is reached
+    /// (`kubernetes.replica_addresses`; empty when not set).
+    fn set_replicas(&self, _count: u32, _at: Vec<Replica>) {}
+}
+
+/// One tunnel-server replica and where agents reach it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replica {
+    /// Its `serverid`: its pod's name.
+    pub server_id: String,
+    /// `host:port`.
+    pub address: String,
+    /// The TLS server name there (empty: the agent's own).
+    pub server_name: String,
 }
 
 /// A boxed future, for the object-safe [`TunnelSink`].

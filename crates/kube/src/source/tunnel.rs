@@ -16,7 +16,7 @@ use super::coalesce::{follow_passes, Coalescer, StatusTask, Wake};
 use super::gateway::{campaign, not_applied};
 use super::handle::Handle;
 use super::metrics::SourceMetrics;
-use super::sink::TunnelSink;
+use super::sink::{Replica, TunnelSink};
 use super::status::*;
 use super::watches::*;
 use crate::translate::Key;
@@ -47,6 +47,43 @@ pub fn replica_count(slices: &[Arc<EndpointSlice>]) -> Option<u32> {
     u32::try_from(seen.len()).ok().filter(|n| *n > 0)
 }
 
+/// Most replicas told to agents with their addresses (the agent keeps no
+/// more than this either).
+pub const MAX_REPLICA_ADDRESSES: usize = 32;
+
+/// Where each counted replica is reached, by `template`: the serving
+/// endpoints (as [`replica_count`] counts them) that name their pod, whose
+/// name is the replica's `serverid`; sorted by it, at most
+/// [`MAX_REPLICA_ADDRESSES`].
+pub fn replica_addresses(
+    slices: &[Arc<EndpointSlice>],
+    template: &seedlink_config::tunnel::ReplicaAddresses,
+) -> Vec<Replica> {
+    let mut at = std::collections::BTreeMap::new();
+    for ep in slices.iter().flat_map(|s| &s.endpoints) {
+        let c = ep.conditions.as_ref();
+        let ready = c.and_then(|c| c.ready) != Some(false);
+        if !c.and_then(|c| c.serving).unwrap_or(ready) {
+            continue;
+        }
+        let pod = ep
+            .target_ref
+            .as_ref()
+            .filter(|r| r.kind.as_deref() == Some("Pod"))
+            .and_then(|r| r.name.clone());
+        let ip = ep.addresses.first().and_then(|a| a.parse().ok());
+        if let (Some(pod), Some(ip)) = (pod, ip) {
+            let (address, server_name) = template.of(ip, &pod);
+            at.entry(pod.clone()).or_insert(Replica {
+                server_id: pod,
+                address,
+                server_name,
+            });
+        }
+    }
+    at.into_values().take(MAX_REPLICA_ADDRESSES).collect()
+}
+
 /// What the tunnel-server's source needs to know.
 #[derive(Debug, Clone)]
 pub struct TunnelSettings {
@@ -64,6 +101,8 @@ pub struct TunnelSettings {
     pub bounds: crate::tunnel::Bounds,
     /// The Service selecting the tunnel-server replicas (`servercount`).
     pub replicas: Option<Key>,
+    /// Where agents reach each replica (`kubernetes.replica_addresses`).
+    pub replica_addresses: Option<seedlink_config::tunnel::ReplicaAddresses>,
     /// How long a claim a cluster stops trusting stays reserved to it
     /// (`status.released`).
     pub released_trust_hold: Duration,
@@ -320,6 +359,22 @@ pub(super) type TunnelPass = (
 );
 
 impl TunnelPasses {
+    /// `servercount`, and where each replica is reached, from the
+    /// replicas' EndpointSlices, when they are read.
+    fn count_replicas(&self, sink: &dyn TunnelSink) {
+        let Some(slices) = self.replicas.as_ref().map(Store::state) else {
+            return;
+        };
+        if let Some(n) = replica_count(&slices) {
+            let at = self.settings.replica_addresses.as_ref();
+            sink.set_replicas(
+                n,
+                at.map(|t| replica_addresses(&slices, t))
+                    .unwrap_or_default(),
+            );
+        }
+    }
+
     pub(super) async fn run(
         mut self,
         mut coalescer: Coalescer,
@@ -337,13 +392,7 @@ impl TunnelPasses {
             {
                 self.applied = None;
             }
-            if let Some(n) = self
-                .replicas
-                .as_ref()
-                .and_then(|r| replica_count(&r.state()))
-            {
-                sink.set_server_count(n);
-            }
+            self.count_replicas(sink.as_ref());
             if wake == Wake::Changed || !passed || self.applied.is_none() {
                 let started = tokio::time::Instant::now();
                 let pass = self.pass(sink.as_ref()).await;
@@ -485,5 +534,57 @@ mod replica_tests {
         assert_eq!(replica_count(&[three, again]), Some(3));
         assert_eq!(replica_count(&[slice(json!([]))]), None);
         assert_eq!(replica_count(&[]), None);
+    }
+
+    /// Each serving endpoint that names its pod is a replica known by the
+    /// pod's name, reached where the template says (an IPv6 address in
+    /// brackets); one naming no pod, or not serving, is not told.
+    #[test]
+    fn replica_addresses_name_each_serving_pod() {
+        let slice: Arc<EndpointSlice> = Arc::new(
+            serde_json::from_value(json!({
+                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": "s"}, "addressType": "IPv4", "endpoints": [
+                    {"addresses": ["10.0.0.2"], "targetRef": {"kind": "Pod", "name": "seedlink-b"}},
+                    {"addresses": ["fd00::1"], "targetRef": {"kind": "Pod", "name": "seedlink-a"},
+                     "conditions": {"ready": false, "serving": true, "terminating": true}},
+                    {"addresses": ["10.0.0.3"], "targetRef": {"kind": "Pod", "name": "seedlink-c"},
+                     "conditions": {"ready": false}},
+                    {"addresses": ["10.0.0.4"]},
+                    {"addresses": ["10.0.0.5"], "targetRef": {"kind": "Node", "name": "n"}}
+                ]
+            }))
+            .unwrap(),
+        );
+        let t = seedlink_config::tunnel::ReplicaAddresses {
+            address: "{ip}:8091".into(),
+            server_name: Some("{pod}.tunnel.example.com".into()),
+        };
+        let at = replica_addresses(&[slice.clone(), slice], &t);
+        let got: Vec<_> = at
+            .iter()
+            .map(|r| {
+                (
+                    r.server_id.as_str(),
+                    r.address.as_str(),
+                    r.server_name.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (
+                    "seedlink-a",
+                    "[fd00::1]:8091",
+                    "seedlink-a.tunnel.example.com"
+                ),
+                (
+                    "seedlink-b",
+                    "10.0.0.2:8091",
+                    "seedlink-b.tunnel.example.com"
+                ),
+            ]
+        );
     }
 }

@@ -82,6 +82,10 @@ pub struct AgentConfig {
     /// (`seedlink-tunnel/1`) before gRPC, `grpc` only gRPC.
     #[serde(default)]
     pub transport: Transport,
+    /// Dial the replicas a seedlink server says where to reach (REPLICAS
+    /// with addresses) directly, besides `server`.
+    #[serde(default = "yes")]
+    pub replica_addresses: bool,
     /// Drain deadline after the first SIGTERM.
     #[serde(default = "thirty_s", with = "humantime_serde")]
     pub drain: Duration,
@@ -323,6 +327,7 @@ impl AgentConfig {
             queue_bytes: 4 * 1024 * 1024,
             flow_control: self.flow_control,
             native: self.transport == Transport::Auto,
+            replica_addresses: self.replica_addresses,
             egress,
         }
     }

@@ -190,6 +190,27 @@ pub(super) async fn open_connect(
     .map_err(|s| ConnectError::Refused(format!("{} {}", s.code(), s.message())))
 }
 
+/// The PING interval on a native stream: the server's (its answer's
+/// `seedlink-keepalive-ms`, at least [`super::core::SERVER_KEEPALIVE_FLOOR`])
+/// when shorter than ours. No server on this transport refuses pings as
+/// too many, and an idle agent pinging at the server's interval notices a
+/// dead stream (a partition, a lost server) when the server does, not at
+/// its own longer interval, which is sized for upstream's gRPC servers.
+pub(super) fn follow_server_keepalive(
+    mut ours: grpc::H2Settings,
+    answer: &tonic::metadata::MetadataMap,
+) -> grpc::H2Settings {
+    let theirs = answer
+        .get(crate::wire::proto::KEEPALIVE_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(|ms| Duration::from_millis(ms).max(super::core::SERVER_KEEPALIVE_FLOOR));
+    if let Some(every) = theirs {
+        ours.keepalive = ours.keepalive.min(every);
+    }
+    ours
+}
+
 /// Reads a duplicate stream until the server ends it (at most 5 s), after
 /// our side ended it.
 pub(super) async fn drain_duplicate(mut inbound: Inbound) {
@@ -203,8 +224,12 @@ impl Agent {
     /// TCP, TLS (SNI, ALPN, client certificate) and, unless the server
     /// agreed to the native transport, HTTP/2 to the server, each step
     /// within `t`; the GOAWAY sniffer watches an HTTP/2 connection.
-    pub(super) async fn open_channel(&self, t: Duration) -> Result<Channel, ConnectError> {
-        let server = &self.opts.server;
+    pub(super) async fn open_channel(
+        &self,
+        t: Duration,
+        target: &super::core::Target,
+    ) -> Result<Channel, ConnectError> {
+        let server = &target.address;
         let tcp = match &self.opts.egress {
             None => tokio::time::timeout(t, TcpStream::connect(server))
                 .await
@@ -219,10 +244,10 @@ impl Agent {
                 .map_err(ConnectError::EgressProxy)?,
         };
         let _ = tcp.set_nodelay(true);
-        let bad_name = || ConnectError::ServerName(self.opts.server_name.clone());
-        let name = rustls::pki_types::ServerName::try_from(self.opts.server_name.clone())
+        let bad_name = || ConnectError::ServerName(target.server_name.clone());
+        let name = rustls::pki_types::ServerName::try_from(target.server_name.clone())
             .map_err(|_| bad_name())?;
-        let origin: http::Uri = format!("https://{}", self.opts.server_name)
+        let origin: http::Uri = format!("https://{}", target.server_name)
             .parse()
             .map_err(|_| bad_name())?;
         let Some(cfg) = &self.user_tls else {
@@ -306,8 +331,9 @@ impl Agent {
                 };
                 // The writer ends when the queue is closed, or when the
                 // server takes nothing for the keepalive interval and timeout.
+                let keepalive = follow_server_keepalive(self.keepalive(), &answer);
                 let (inbound, _writer) =
-                    crate::transport::native::start(*tls, tx.clone(), self.keepalive());
+                    crate::transport::native::start(*tls, tx.clone(), keepalive);
                 Ok((
                     answer,
                     Box::pin(inbound.map(|r| r.map_err(Into::into))),

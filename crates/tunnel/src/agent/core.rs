@@ -59,6 +59,9 @@ pub struct AgentOptions {
     /// Offer the native transport (`seedlink-tunnel/1`) before `h2`; it
     /// needs `flow_control`.
     pub native: bool,
+    /// Dial the replicas a seedlink server says where to reach directly,
+    /// besides `server` (no load balancer needed in front of them).
+    pub replica_addresses: bool,
     /// Leave through this HTTP CONNECT proxy (a private network's only way
     /// out); the proxy resolves the server's name.
     pub egress: Option<seedlink_net::egress::EgressProxy>,
@@ -74,6 +77,11 @@ pub struct Agent {
     /// With the native transport offered: the configuration for usertls.rs.
     pub(super) user_tls: Option<Arc<rustls::ClientConfig>>,
     pub(super) sessions: Mutex<HashMap<String, Arc<LinkDriver>>>,
+    /// Where the servers said each replica is reached (REPLICAS with
+    /// addresses, checked, at most [`crate::wire::MAX_REPLICA_ADDRESSES`]).
+    pub(super) replica_addresses: Mutex<Vec<crate::wire::proto::Replica>>,
+    /// Turns through the replicas to dial (see [`Agent::target`]).
+    pub(super) next_target: std::sync::atomic::AtomicUsize,
     pub(super) known_count: AtomicI64,
     pub(super) draining: AtomicBool,
     /// The PING interval in use (ms): `opts.keepalive`, doubled each time a
@@ -103,6 +111,20 @@ pub(super) const IDENTITY_CHECK: Duration = Duration::from_secs(5);
 /// How long a stream the agent drains must carry nothing, behind its
 /// replacement, before the agent ends it.
 pub(super) const IDLE_BEFORE_CLOSE: Duration = Duration::from_secs(2);
+
+/// Where one connection attempt goes: `--server`, or a replica's own
+/// address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Target {
+    /// `host:port`.
+    pub(super) address: String,
+    /// The TLS server name (SNI, and the name the certificate must have).
+    pub(super) server_name: String,
+}
+
+/// The shortest PING interval a server's answer can set (its
+/// `seedlink-keepalive-ms`).
+pub(super) const SERVER_KEEPALIVE_FLOOR: Duration = Duration::from_secs(1);
 
 /// A stream that lasts this long was a stable one.
 pub(super) const STABLE: Duration = Duration::from_secs(10);

@@ -177,6 +177,15 @@ impl AgentMetrics {
         .inc();
     }
 
+    /// Counts `n` bad packets (or parts of one) with outcome `o`.
+    pub(super) fn bad_packets_add(&self, o: &str, n: u64) {
+        self.bad_packets
+            .get_or_create(&Outcome {
+                outcome: o.to_string(),
+            })
+            .inc_by(n);
+    }
+
     /// Counts a destination connection's end.
     pub(super) fn endpoint_closed(&self, end: ConnEnd) {
         AgentMetrics::count(&self.endpoint_closes, end.label());

@@ -42,7 +42,7 @@ mod metrics;
 mod receive;
 
 pub use self::core::{flap_delay, retry_delay, Agent, AgentOptions};
-use self::core::{HELD_RECHECK, IDENTITY_CHECK, IDLE_BEFORE_CLOSE, KEEPALIVE_CAP};
+use self::core::{Target, HELD_RECHECK, IDENTITY_CHECK, IDLE_BEFORE_CLOSE, KEEPALIVE_CAP};
 pub use connect::ConnectError;
 use connect::{answer, drain_duplicate, Answer, CloseOnDrop};
 use link_driver::LinkDriver;
@@ -84,6 +84,8 @@ impl Agent {
             user_tls: (versions == tls::Versions::UserTls13).then(|| cfg.clone()),
             tls: TlsConnector::from(cfg),
             sessions: Mutex::new(HashMap::new()),
+            replica_addresses: Mutex::new(Vec::new()),
+            next_target: std::sync::atomic::AtomicUsize::new(0),
             known_count: AtomicI64::new(1),
             draining: AtomicBool::new(false),
             keepalive_ms: std::sync::atomic::AtomicU64::new(
@@ -184,7 +186,8 @@ impl Agent {
     /// One connection attempt, counted; the wait before the next and the
     /// back-off after that (`delay`: the back-off now).
     async fn attempt(self: &Arc<Self>, delay: Duration) -> (Duration, Duration) {
-        match self.connect_once().await {
+        let target = self.target();
+        match self.connect_once(&target).await {
             Ok(new) => {
                 let outcome = if new {
                     ServerConnect::Ok
@@ -195,7 +198,7 @@ impl Agent {
                 (self.discovery_wait(), self.opts.sync_interval)
             }
             Err(e) => {
-                tracing::warn!(server = %self.opts.server, reason = e.reason(), error = %e, "cannot connect to the tunnel server");
+                tracing::warn!(server = %target.address, reason = e.reason(), error = %e, "cannot connect to the tunnel server");
                 self.metrics.server_connect(ServerConnect::Error);
                 AgentMetrics::count(&self.metrics.connect_errors, e.reason());
                 retry_delay(
@@ -208,9 +211,27 @@ impl Agent {
         }
     }
 
-    /// A server told us the number of replicas changed: one we do not
-    /// hold yet is looked for at once.
-    fn replicas_changed(&self, server_id: &str, count: i64) {
+    /// A server told us the number of replicas changed, and where each is
+    /// reached (`told`: empty when it does not say): one we do not hold
+    /// yet is looked for at once.
+    fn replicas_changed(
+        &self,
+        server_id: &str,
+        count: i64,
+        told: Vec<crate::wire::proto::Replica>,
+    ) {
+        if self.opts.replica_addresses {
+            let (usable, bad) = usable_replicas(told);
+            if bad > 0 {
+                tracing::warn!(
+                    server_id,
+                    bad,
+                    "replica addresses that cannot be dialled: ignored"
+                );
+                self.metrics.bad_packets_add("bad_replica_address", bad);
+            }
+            *seedlink_net::sync::lock(&self.replica_addresses, "replica addresses") = usable;
+        }
         let was = self.known_count.swap(count, Ordering::AcqRel);
         if was != count {
             tracing::info!(
@@ -223,6 +244,36 @@ impl Agent {
         if i64::try_from(self.held_count()).unwrap_or(i64::MAX) < count {
             self.session_lost.notify_one();
         }
+    }
+
+    /// Where the next attempt goes: in turn, each replica the servers said
+    /// where to reach that no stream is held to, then `--server` (so a
+    /// stale address never keeps the agent from its load balancer).
+    fn target(&self) -> Target {
+        let fallback = Target {
+            address: self.opts.server.clone(),
+            server_name: self.opts.server_name.clone(),
+        };
+        let held: std::collections::HashSet<String> =
+            seedlink_net::sync::lock(&self.sessions, "agent sessions")
+                .iter()
+                .filter(|(_, s)| !s.draining.load(Ordering::Acquire))
+                .map(|(id, _)| id.clone())
+                .collect();
+        let missing: Vec<Target> =
+            seedlink_net::sync::lock(&self.replica_addresses, "replica addresses")
+                .iter()
+                .filter(|r| !held.contains(&r.server_id))
+                .map(|r| Target {
+                    address: r.address.clone(),
+                    server_name: match r.server_name.as_str() {
+                        "" => self.opts.server_name.clone(),
+                        n => n.to_string(),
+                    },
+                })
+                .collect();
+        let turn = self.next_target.fetch_add(1, Ordering::AcqRel) % (missing.len() + 1);
+        missing.into_iter().nth(turn).unwrap_or(fallback)
     }
 
     /// How long to wait before the next discovery dial after a success.
@@ -258,9 +309,9 @@ impl Agent {
         );
     }
 
-    async fn connect_once(self: &Arc<Self>) -> Result<bool, ConnectError> {
+    async fn connect_once(self: &Arc<Self>, target: &Target) -> Result<bool, ConnectError> {
         let t = self.opts.dial_timeout.max(Duration::from_secs(5));
-        let chan = self.open_channel(t).await?;
+        let chan = self.open_channel(t, target).await?;
         let meta = self.request_metadata()?;
         let tx = FairQueue::new();
         // Until the stream is kept, any early return must end it: a queue
@@ -282,6 +333,7 @@ impl Agent {
             server_id,
             servercount = count,
             flow,
+            address = %target.address,
             "connected to tunnel server"
         );
         self.spawn_link(session, inbound, goaway);
@@ -452,6 +504,31 @@ impl Agent {
     }
 }
 
+/// The replicas of a REPLICAS packet an agent can dial: a `serverid`, an
+/// address that is `host:port`, a server name that is empty or a valid
+/// one; at most [`crate::wire::MAX_REPLICA_ADDRESSES`]. The rest are
+/// counted, not kept.
+fn usable_replicas(
+    told: Vec<crate::wire::proto::Replica>,
+) -> (Vec<crate::wire::proto::Replica>, u64) {
+    let n = told.len();
+    let usable: Vec<_> = told
+        .into_iter()
+        .filter(|r| {
+            !r.server_id.is_empty()
+                && r.server_id.len() <= 253
+                && crate::wire::replica_address_ok(&r.address)
+                && (r.server_name.is_empty()
+                    || rustls::pki_types::ServerName::try_from(r.server_name.clone()).is_ok())
+        })
+        .take(crate::wire::MAX_REPLICA_ADDRESSES)
+        .collect();
+    (
+        usable.clone(),
+        u64::try_from(n - usable.len()).unwrap_or(u64::MAX),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -475,6 +552,61 @@ mod tests {
             t += flap_delay(streams, base, cap);
         }
         assert!(streams <= 6, "{streams}");
+    }
+
+    /// What a REPLICAS packet names is kept only when an agent can dial
+    /// it, and only so many: a server cannot make the agent dial or hold
+    /// without bound.
+    #[test]
+    fn only_usable_replica_addresses_are_kept_and_at_most_32() {
+        let r = |id: &str, address: &str, name: &str| crate::wire::proto::Replica {
+            server_id: id.into(),
+            address: address.into(),
+            server_name: name.into(),
+        };
+        let told = vec![
+            r("a", "10.0.0.1:8091", ""),
+            r("b", "[fd00::2]:8091", "b.tunnel.example.com"),
+            r("", "10.0.0.3:8091", ""),
+            r("d", "10.0.0.4", ""),
+            r("e", "10.0.0.5:8091", "not a name"),
+        ];
+        let (kept, bad) = usable_replicas(told);
+        let ids: Vec<_> = kept.iter().map(|r| r.server_id.as_str()).collect();
+        assert_eq!((ids, bad), (vec!["a", "b"], 3));
+        let many = (0..100)
+            .map(|i| r(&format!("s{i}"), "10.0.0.1:1", ""))
+            .collect();
+        let (kept, bad) = usable_replicas(many);
+        assert_eq!((kept.len(), bad), (crate::wire::MAX_REPLICA_ADDRESSES, 68));
+    }
+
+    /// On the native transport the agent pings at the server's interval
+    /// when it is shorter than its own, never below 1 s; a longer one, or
+    /// none, leaves its own.
+    #[test]
+    fn the_ping_interval_follows_a_shorter_server_interval() {
+        let ours = H2Settings {
+            keepalive: Duration::from_secs(60),
+            keepalive_timeout: Duration::from_secs(5),
+        };
+        let answer = |v: Option<&str>| {
+            let mut m = tonic::metadata::MetadataMap::new();
+            if let Some(v) = v {
+                m.insert(crate::wire::proto::KEEPALIVE_HEADER, v.parse().unwrap());
+            }
+            m
+        };
+        let every = |v| connect::follow_server_keepalive(ours, &answer(v)).keepalive;
+        assert_eq!(every(Some("10000")), Duration::from_secs(10));
+        assert_eq!(every(Some("1")), Duration::from_secs(1));
+        assert_eq!(every(Some("600000")), Duration::from_secs(60));
+        assert_eq!(every(Some("soon")), Duration::from_secs(60));
+        assert_eq!(every(None), Duration::from_secs(60));
+        assert_eq!(
+            connect::follow_server_keepalive(ours, &answer(Some("10000"))).keepalive_timeout,
+            Duration::from_secs(5)
+        );
     }
 
     #[test]

@@ -36,8 +36,12 @@ impl Agent {
                 },
                 () = self.shutdown.cancelled() => return,
             };
+            let told = match &p.payload {
+                Some(crate::wire::proto::Payload::Replicas(r)) => r.replicas.clone(),
+                _ => Vec::new(),
+            };
             let (h, applied) = s.with(|m, out| m.on_packet(p, out));
-            self.handled(&s, h, applied.bad_window);
+            self.handled(&s, h, applied.bad_window, told);
             self.start_dials(&s, applied.dials);
             if let Some((id, data, room)) = applied.blocked {
                 // Backpressure (the standard protocol has no per-connection
@@ -72,12 +76,18 @@ impl Agent {
     /// What a packet from the server meant beyond its actions: DRAIN
     /// (look for a replica to replace it), REPLICAS, counters for bad
     /// packets and windows.
-    pub(super) fn handled(&self, s: &LinkDriver, h: link::Handled, bad_window: bool) {
+    pub(super) fn handled(
+        &self,
+        s: &LinkDriver,
+        h: link::Handled,
+        bad_window: bool,
+        told: Vec<crate::wire::proto::Replica>,
+    ) {
         if h == link::Handled::ServerDraining {
             self.start_draining(s, ServerConnect::ServerDraining);
         }
         if let link::Handled::Replicas(n) = h {
-            self.replicas_changed(&s.server_id, n);
+            self.replicas_changed(&s.server_id, n, told);
         }
         if let Some(label) = h.bad_label() {
             AgentMetrics::count(&self.metrics.bad_packets, label);

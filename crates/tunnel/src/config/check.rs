@@ -188,18 +188,7 @@ pub(super) fn check_settings(cfg: &ServerConfig, errs: &mut Problems) {
         );
     }
     if let Some(k) = &cfg.kubernetes {
-        if !object_name(&k.lease) {
-            errs.add(
-                "kubernetes.lease",
-                format!("{:?} is not namespace/name", k.lease),
-            );
-        }
-        if let Some(r) = k.replicas.as_ref().filter(|r| !object_name(r)) {
-            errs.add(
-                "kubernetes.replicas",
-                format!("{r:?} is not namespace/name"),
-            );
-        }
+        check_kubernetes(k, errs);
     }
     if cfg.queue_bytes < 64 * 1024 {
         errs.add("queue_bytes", "at least 65536");
@@ -237,6 +226,45 @@ pub(super) fn check_settings(cfg: &ServerConfig, errs: &mut Problems) {
     let rate = cfg.agents.handshakes_per_source;
     if !(rate.is_finite() && rate >= 0.0) {
         errs.add("agents.handshakes_per_source", "a number ≥ 0");
+    }
+}
+
+/// The `kubernetes` section's names and replica addresses.
+fn check_kubernetes(k: &super::model::Kubernetes, errs: &mut Problems) {
+    if !object_name(&k.lease) {
+        errs.add(
+            "kubernetes.lease",
+            format!("{:?} is not namespace/name", k.lease),
+        );
+    }
+    if let Some(r) = k.replicas.as_ref().filter(|r| !object_name(r)) {
+        errs.add(
+            "kubernetes.replicas",
+            format!("{r:?} is not namespace/name"),
+        );
+    }
+    let Some(a) = &k.replica_addresses else {
+        return;
+    };
+    if k.replicas.is_none() {
+        errs.add(
+            "kubernetes.replica_addresses",
+            "needs kubernetes.replicas (the Service whose EndpointSlices name the replicas)",
+        );
+    }
+    // Filled in for a sample replica, each must be what an agent can use.
+    let (address, name) = a.of(std::net::Ipv4Addr::new(10, 0, 0, 1).into(), "seedlink-0");
+    if !crate::wire::replica_address_ok(&address) {
+        errs.add(
+            "kubernetes.replica_addresses.address",
+            format!("{:?} gives {address:?}, not host:port", a.address),
+        );
+    }
+    if a.server_name.is_some() && rustls::pki_types::ServerName::try_from(name.clone()).is_err() {
+        errs.add(
+            "kubernetes.replica_addresses.server_name",
+            format!("gives {name:?}, not a TLS server name"),
+        );
     }
 }
 

@@ -16,7 +16,7 @@ mod trust;
 
 pub use model::{Admin, AgentEndpoint, Kubernetes, Refused, ServerConfig};
 pub use seedlink_config::tunnel::{
-    Cluster, ClusterLimits, Frontend, FrontendProtocol, TokenAuth, TokenReview,
+    Cluster, ClusterLimits, Frontend, FrontendProtocol, ReplicaAddresses, TokenAuth, TokenReview,
     MEASURED_DIALS_PER_SEC, STRATEGIES,
 };
 pub use trust::{keep_first_trust, trust_claims, trust_holders, MAX_AGENT_CAS};

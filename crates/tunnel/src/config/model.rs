@@ -15,7 +15,8 @@ use serde::Deserialize;
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
-    /// This replica's ID, sent to agents as `serverid` (default: random).
+    /// This replica's ID, sent to agents as `serverid` (default: the pod's
+    /// name from `POD_NAME`, else random).
     #[serde(default)]
     pub server_id: Option<String>,
     /// Replicas behind the agents' address, sent as `servercount`.
@@ -116,6 +117,12 @@ pub struct Kubernetes {
     /// API server's `--http2-max-streams-per-connection` allows).
     #[serde(default = "watches_per_connection_default")]
     pub watches_per_connection: usize,
+    /// Where agents reach each replica by itself, told to seedlink agents
+    /// with the replica count (REPLICAS), so that they hold a stream to
+    /// every replica without a load balancer in front (needs `replicas`).
+    /// Default none: agents find replicas through their `--server` address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_addresses: Option<seedlink_config::tunnel::ReplicaAddresses>,
 }
 
 fn watches_per_connection_default() -> usize {

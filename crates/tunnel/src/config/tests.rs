@@ -222,6 +222,52 @@ kubernetes: {lease: seedlink-system/tunnel}
     assert!(refused.is_empty());
 }
 
+/// Replica addresses are checked at parse: they need the replicas'
+/// Service, an address template that gives `host:port` and a server name
+/// template that gives a TLS name.
+#[test]
+fn replica_addresses_are_checked() {
+    let text = |k: &str| {
+        format!(
+            "agents: {{listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}}
+clusters: []
+kubernetes: {{lease: s/l, {k}}}
+"
+        )
+    };
+    let ok = text("replicas: s/seedlink-internal, replica_addresses: {address: '{ip}:8091', server_name: '{pod}.t.example.com'}");
+    let cfg = ServerConfig::parse(&ok).unwrap();
+    let a = cfg.kubernetes.unwrap().replica_addresses.unwrap();
+    assert_eq!(
+        a.of("fd00::1".parse().unwrap(), "p-0"),
+        (
+            "[fd00::1]:8091".to_string(),
+            "p-0.t.example.com".to_string()
+        )
+    );
+    for (k, why) in [
+        (
+            "replica_addresses: {address: '{ip}:8091'}",
+            "needs kubernetes.replicas",
+        ),
+        (
+            "replicas: s/r, replica_addresses: {address: '{ip}'}",
+            "not host:port",
+        ),
+        (
+            "replicas: s/r, replica_addresses: {address: 'x:{pod}'}",
+            "not host:port",
+        ),
+        (
+            "replicas: s/r, replica_addresses: {address: '{ip}:1', server_name: '{ip} x'}",
+            "not a TLS server name",
+        ),
+    ] {
+        let e = format!("{:#}", ServerConfig::parse(&text(k)).unwrap_err());
+        assert!(e.contains(why), "{k}: {e}");
+    }
+}
+
 /// Two clusters that trust the same agent CA (the same file, a copy, or
 /// another certificate for the same key) or the same token keys: an
 /// agent would be taken for whichever came first. The file's own

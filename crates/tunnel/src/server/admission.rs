@@ -88,9 +88,14 @@ pub(super) async fn admit(
     })
 }
 
-/// Registered after the drain or a hand-over began (its handshake or
-/// TokenReview was under way): it gets the DRAIN the others got.
-pub(super) fn drain_notice_if_moving(srv: &Core, link: &LinkDriver) {
+/// What a stream is told as it opens: where each replica is reached
+/// (REPLICAS, when known and asked for: the agent dials the ones it does
+/// not hold), and DRAIN if it was registered after the drain or a
+/// hand-over began (its handshake or TokenReview was under way).
+pub(super) fn opening_notices(srv: &Core, link: &LinkDriver) {
+    if !srv.replica_addresses.load().is_empty() {
+        link.replicas_notice(&srv.replicas_packet());
+    }
     let moving = srv.agents_moving.load(std::sync::atomic::Ordering::Acquire);
     if srv.accepting.is_cancelled() || moving {
         link.drain_notice();
@@ -387,6 +392,12 @@ pub(super) fn answer_meta(
     for (_, header, version) in agreed.into_iter().filter(|(on, ..)| *on) {
         let v = tonic::metadata::MetadataValue::from_static(version);
         meta.insert(header, v);
+    }
+    if replicas {
+        let ms = srv.agent_h2.keepalive.as_millis().to_string();
+        if let Ok(v) = ms.parse() {
+            meta.insert(crate::wire::proto::KEEPALIVE_HEADER, v);
+        }
     }
     Ok(meta)
 }

@@ -77,6 +77,9 @@ pub struct Core {
     /// replicas counted from their Service's EndpointSlices
     /// (`kubernetes.replicas`) once read.
     pub server_count: std::sync::atomic::AtomicU32,
+    /// Where each replica is reached, told to agents that asked with
+    /// `servercount` (`kubernetes.replica_addresses`; empty: not known).
+    pub replica_addresses: ArcSwap<Vec<crate::wire::proto::Replica>>,
     /// TLS for the agent endpoint (replaced by a reload).
     pub agent_tls: ArcSwap<rustls::ServerConfig>,
     /// HTTP/2 keepalive towards agents.
@@ -119,22 +122,36 @@ impl Core {
         }
     }
 
-    /// Sets `servercount` (the replicas were counted again); a change is
-    /// told to every agent that asked (REPLICAS), so that one holding every
-    /// replica it knew of joins a new one at once. Returns the old count.
-    pub fn set_server_count(&self, count: u32) -> u32 {
+    /// Sets `servercount` and where each replica is reached (the replicas
+    /// were counted again); a change is told to every agent that asked
+    /// (REPLICAS), so that one holding every replica it knew of joins a
+    /// new one at once. Returns the old count.
+    pub fn set_replicas(&self, count: u32, addresses: Vec<crate::wire::proto::Replica>) -> u32 {
         let count = count.max(1);
         let was = self
             .server_count
             .swap(count, std::sync::atomic::Ordering::AcqRel);
-        if was != count {
+        let moved = **self.replica_addresses.load() != addresses;
+        if moved {
+            self.replica_addresses.store(std::sync::Arc::new(addresses));
+        }
+        if was != count || moved {
+            let packet = self.replicas_packet();
             for cluster in self.registry.clusters().iter() {
                 for link in cluster.agents() {
-                    link.replicas_notice(count);
+                    link.replicas_notice(&packet);
                 }
             }
         }
         was
+    }
+
+    /// REPLICAS as it stands: the count and where each replica is reached.
+    pub fn replicas_packet(&self) -> crate::wire::proto::Packet {
+        crate::wire::proto::Packet::replicas_at(
+            i64::from(self.server_count.load(std::sync::atomic::Ordering::Acquire)),
+            self.replica_addresses.load().to_vec(),
+        )
     }
 
     /// Ready: not draining and at least one agent connected.

@@ -15,8 +15,8 @@ use tonic::{Response, Status};
 
 use super::activity::{Activity, Watched};
 use super::admission::{
-    admit, answer_meta, asked, cluster_of_cert, drain_notice_if_moving, response, Admitted,
-    AgentConn, Certs, ConnSlots,
+    admit, answer_meta, asked, cluster_of_cert, opening_notices, response, Admitted, AgentConn,
+    Certs, ConnSlots,
 };
 pub use super::admission::{enter, MAX_AGENT_ID};
 use super::core::Core;
@@ -212,7 +212,7 @@ async fn open_stream(
     };
     let running = Running::new(live);
     let answer = response(&srv, a.to_agent.clone(), a.flow, a.replicas);
-    drain_notice_if_moving(&srv, &a.link);
+    opening_notices(&srv, &a.link);
     tokio::spawn(async move {
         receive(srv, a.cluster, a.link, req.into_inner(), a.probe).await;
         drop(running);
@@ -237,7 +237,7 @@ where
     let Some((a, tls)) = Box::pin(open_native(conn, tls)).await else {
         return;
     };
-    drain_notice_if_moving(&srv, &a.link);
+    opening_notices(&srv, &a.link);
     let (inbound, writer) = native::start(tls, a.to_agent.clone(), srv.agent_h2);
     let grace = srv.settings.handshake_timeout;
     receive(srv, a.cluster, a.link, inbound, a.probe).await;

@@ -265,10 +265,11 @@ impl LinkDriver {
         self.send_soon(Packet::drain());
     }
 
-    /// Tells the agent the number of replicas now, if it asked to be told.
-    pub fn replicas_notice(&self, count: u32) {
+    /// Tells the agent the replicas now (`packet`: REPLICAS), if it asked
+    /// to be told.
+    pub fn replicas_notice(&self, packet: &Packet) {
         if self.replica_updates.load(Ordering::Acquire) {
-            self.send_soon(Packet::replicas(i64::from(count)));
+            self.send_soon(packet.clone());
         }
     }
 

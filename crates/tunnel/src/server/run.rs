@@ -83,8 +83,9 @@ fn new_core(
         gates: seedlink_net::lifecycle::Gates::default(),
         handshaker: seedlink_net::lowprio::runtime("agent-tls"),
         token_slots,
-        server_id: cfg.server_id.clone().unwrap_or_else(random_id),
+        server_id: cfg.server_id.clone().unwrap_or_else(default_server_id),
         server_count: std::sync::atomic::AtomicU32::new(cfg.server_count),
+        replica_addresses: ArcSwap::from_pointee(Vec::new()),
         agent_tls: ArcSwap::from_pointee(agent_tls),
         agent_h2: H2Settings {
             keepalive: cfg.agents.keepalive,
@@ -185,6 +186,17 @@ pub struct Bound {
 }
 
 /// A random ID in UUID form.
+/// `serverid` when the file sets none: the pod's name (`POD_NAME`), which
+/// is also what the replicas' EndpointSlices name each replica by (so
+/// `kubernetes.replica_addresses` can say where each `serverid` is
+/// reached), else a random ID.
+fn default_server_id() -> String {
+    std::env::var("POD_NAME")
+        .ok()
+        .filter(|n| !n.is_empty() && n.parse::<http::HeaderValue>().is_ok())
+        .unwrap_or_else(random_id)
+}
+
 fn random_id() -> String {
     let b: [u8; 16] = rand::random();
     let h: String = b.iter().map(|x| format!("{x:02x}")).collect();

@@ -46,6 +46,13 @@ pub const REPLICAS_HEADER: &str = "seedlink-replicas";
 /// Its value.
 pub const REPLICAS_VERSION: &str = "v1";
 
+/// Answer header (to an agent that asked for REPLICAS, so a seedlink one):
+/// the server's PING interval towards agents, in milliseconds. On the
+/// native transport, where no server refuses pings as too many, the agent
+/// pings at that interval when it is shorter than its own, so an idle
+/// agent notices a dead stream as soon as the server does.
+pub const KEEPALIVE_HEADER: &str = "seedlink-keepalive-ms";
+
 /// One message on either service.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct Packet {
@@ -95,6 +102,25 @@ pub struct Replicas {
     /// The new `servercount`.
     #[prost(int64, tag = "1")]
     pub count: i64,
+    /// Where each replica is reached, when the server knows
+    /// (`kubernetes.replica_addresses`): an agent dials the ones it does not
+    /// hold there instead of through its `--server` address.
+    #[prost(message, repeated, tag = "2")]
+    pub replicas: Vec<Replica>,
+}
+
+/// One server replica and where it is reached (seedlink extension).
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Message)]
+pub struct Replica {
+    /// Its `serverid`.
+    #[prost(string, tag = "1")]
+    pub server_id: String,
+    /// `host:port` to connect to.
+    #[prost(string, tag = "2")]
+    pub address: String,
+    /// The TLS server name there (empty: the agent's own).
+    #[prost(string, tag = "3")]
+    pub server_name: String,
 }
 
 /// Reopens `bytes` of connection `connect_id`'s window (seedlink extension).
@@ -259,7 +285,15 @@ impl Packet {
 
     /// REPLICAS (seedlink extension).
     pub fn replicas(count: i64) -> Packet {
-        Packet::of(PacketType::Replicas, Payload::Replicas(Replicas { count }))
+        Packet::replicas_at(count, Vec::new())
+    }
+
+    /// REPLICAS with where each replica is reached (seedlink extension).
+    pub fn replicas_at(count: i64, replicas: Vec<Replica>) -> Packet {
+        Packet::of(
+            PacketType::Replicas,
+            Payload::Replicas(Replicas { count, replicas }),
+        )
     }
 
     /// DRAIN.

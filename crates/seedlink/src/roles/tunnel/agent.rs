@@ -20,7 +20,8 @@ pub struct AgentArgs {
     #[arg(long, conflicts_with_all = ["server", "server_name", "ca_cert", "agent_cert", "agent_key",
         "alpn_proto", "agent_id", "agent_identifiers", "service_account_token_path", "allow_cidr",
         "allow_port", "deny_cidr", "dial_timeout", "sync_interval", "sync_interval_cap",
-        "keepalive_time", "admin", "admin_token_file", "flow_control", "transport", "drain", "egress_proxy",
+        "keepalive_time", "admin", "admin_token_file", "flow_control", "transport", "replica_addresses",
+        "drain", "egress_proxy",
         "egress_proxy_credentials_file"])]
     pub config: Option<PathBuf>,
     /// The tunnel server (or the gateway in front of it), `host:port`.
@@ -91,6 +92,11 @@ pub struct AgentArgs {
     /// `seedlink-tunnel/1` when the server offers it, else gRPC) or `grpc`.
     #[arg(long, default_value = "auto")]
     pub transport: seedlink_tunnel::agent::config::Transport,
+    /// Dial the replicas a seedlink server says where to reach
+    /// (`kubernetes.replica_addresses`) directly, besides --server: no load
+    /// balancer is needed in front of the replicas.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub replica_addresses: bool,
     /// Drain deadline after the first SIGTERM, seconds.
     #[arg(long, default_value_t = 30.0)]
     pub drain: f64,
@@ -167,6 +173,7 @@ impl AgentArgs {
             admin_token_file: self.admin_token_file.clone(),
             flow_control: self.flow_control,
             transport: self.transport,
+            replica_addresses: self.replica_addresses,
             drain: secs(self.drain, "drain")?,
             egress_proxy: self.egress_proxy.clone(),
             egress_proxy_credentials_file: self.egress_proxy_credentials_file.clone(),

@@ -346,6 +346,7 @@ impl ServerRole {
             .transpose()?;
         let settings = seedlink_kube::source::TunnelSettings {
             replicas,
+            replica_addresses: k.replica_addresses,
             lease,
             identity: super::identity(),
             trust_dir: k.trust_dir,
@@ -419,12 +420,20 @@ impl seedlink_kube::source::TunnelSink for KubeSink {
             .collect()
     }
 
-    fn set_server_count(&self, replicas: u32) {
-        let was = self.0.srv.set_server_count(replicas);
-        if was != replicas {
+    fn set_replicas(&self, count: u32, at: Vec<seedlink_kube::source::Replica>) {
+        let at: Vec<_> = at
+            .into_iter()
+            .map(|r| seedlink_tunnel::proto::Replica {
+                server_id: r.server_id,
+                address: r.address,
+                server_name: r.server_name,
+            })
+            .collect();
+        let was = self.0.srv.set_replicas(count, at);
+        if was != count {
             tracing::info!(
                 was,
-                now = replicas,
+                now = count,
                 "servercount follows the tunnel-server replicas"
             );
         }

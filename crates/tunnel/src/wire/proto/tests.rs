@@ -25,7 +25,7 @@ fn proto_fields() -> BTreeMap<(String, String), u32> {
         let Some((decl, num)) = line.trim_end_matches(';').split_once(" = ") else {
             continue;
         };
-        let mut words = decl.split_whitespace();
+        let mut words = decl.split_whitespace().skip_while(|w| *w == "repeated");
         let (Some(_ty), Some(name)) = (words.next(), words.next()) else {
             continue;
         };
@@ -111,7 +111,46 @@ fn field_numbers_match_the_proto_file() {
             "Packet",
             "replicas",
         ),
-        (tag_of(Replicas { count: 1 }), "Replicas", "count"),
+        (
+            tag_of(Replicas {
+                count: 1,
+                ..Default::default()
+            }),
+            "Replicas",
+            "count",
+        ),
+        (
+            tag_of(Replicas {
+                replicas: vec![Replica::default()],
+                ..Default::default()
+            }),
+            "Replicas",
+            "replicas",
+        ),
+        (
+            tag_of(Replica {
+                server_id: "a".into(),
+                ..Default::default()
+            }),
+            "Replica",
+            "serverID",
+        ),
+        (
+            tag_of(Replica {
+                address: "a".into(),
+                ..Default::default()
+            }),
+            "Replica",
+            "address",
+        ),
+        (
+            tag_of(Replica {
+                server_name: "a".into(),
+                ..Default::default()
+            }),
+            "Replica",
+            "serverName",
+        ),
         (
             tag_of(WindowUpdate {
                 connect_id: 1,
