@@ -2,11 +2,12 @@
 // run unchanged against seedlink. scripts/build-kube-peers compiles this file
 // with `go test -c` into the kube peers' cache; crates/seedlink/tests/gateway_conformance.rs
 // runs the binary. Nothing of the suite is copied here: this is its entry point
-// plus one documented change to its base manifests (see passthroughBase).
+// plus documented changes to two of its manifests (see derived).
 package gwconformance
 
 import (
 	"bytes"
+	"fmt"
 	"io/fs"
 	"testing"
 	"testing/fstest"
@@ -19,34 +20,60 @@ import (
 // that takes a Gateway out of the suite's "namespace ready" checks.
 const skipReadiness = "gateway-api/skip-this-for-readiness"
 
-const derivedBase = "seedlink/base-manifests.yaml"
+// rewritten names the suite's manifests this file changes (see derived);
+// every other one is used as released.
+var rewritten = map[string]bool{
+	"base/manifests.yaml": true,
+	// v1.7.0: its Gateway has an HTTP listener only; what the test checks
+	// (other controllers' conditions kept) holds for any Gateway.
+	"tests/gateway-preserve-foreign-conditions.yaml": true,
+}
 
 func TestConformance(t *testing.T) {
 	opts := conformance.DefaultOptions(t)
-	base, err := passthroughBase()
+	manifests, err := derived()
 	if err != nil {
-		t.Fatalf("deriving the base manifests: %v", err)
+		t.Fatalf("deriving the manifests: %v", err)
 	}
-	// The suite reads a manifest from every FS that has it, so the derived base
-	// lives under its own name.
-	opts.ManifestFS = []fs.FS{base, &conformance.Manifests}
-	opts.BaseManifests = derivedBase
+	// The suite reads a manifest from every FS that has it, so the derived
+	// copy is the only one.
+	opts.ManifestFS = []fs.FS{manifests}
 	conformance.RunConformanceWithOptions(t, opts)
 }
 
-// passthroughBase is the suite's base/manifests.yaml with two changes, both
-// for things outside the GATEWAY-TLS profile that seedlink does not serve:
-//   - a Gateway with no TLS listener (the HTTP and HTTPS Gateways the HTTPRoute
-//     tests use) is marked with the suite's own skip-readiness annotation: seedlink
-//     honestly reports such a Gateway Accepted=False (UnsupportedProtocol), and the
-//     suite's setup would otherwise wait for it to be Programmed;
-//   - the coredns Deployment (the UDPRoute tests' DNS backend; its image is not
-//     built here) is left out.
-func passthroughBase() (fs.FS, error) {
-	raw, err := conformance.Manifests.ReadFile("base/manifests.yaml")
-	if err != nil {
-		return nil, err
-	}
+// derived is a copy of the suite's manifests with two changes to the ones
+// in rewritten, both for things outside the GATEWAY-TLS profile that
+// seedlink does not serve:
+//   - a Gateway with no TLS listener (the HTTP and HTTPS Gateways the
+//     HTTPRoute tests use, the one of GatewayPreserveForeignConditions) is
+//     marked with the suite's own skip-readiness annotation: seedlink
+//     honestly reports such a Gateway Accepted=False (UnsupportedProtocol),
+//     and the suite's setup would otherwise wait for it to be Programmed;
+//   - the coredns Deployment (the UDPRoute tests' DNS backend; its image is
+//     not built here) is left out.
+func derived() (fs.FS, error) {
+	out := fstest.MapFS{}
+	err := fs.WalkDir(conformance.Manifests, ".", func(path string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		raw, err := conformance.Manifests.ReadFile(path)
+		if err != nil {
+			return err
+		}
+		if rewritten[path] {
+			if raw, err = passthrough(raw); err != nil {
+				return fmt.Errorf("%s: %w", path, err)
+			}
+		}
+		out[path] = &fstest.MapFile{Data: raw}
+		return nil
+	})
+	return out, err
+}
+
+// passthrough is one manifest file with the changes derived describes.
+func passthrough(raw []byte) ([]byte, error) {
 	var out bytes.Buffer
 	for _, doc := range bytes.Split(raw, []byte("\n---\n")) {
 		var obj map[string]any
@@ -75,7 +102,7 @@ func passthroughBase() (fs.FS, error) {
 		out.WriteString("---\n")
 		out.Write(b)
 	}
-	return fstest.MapFS{derivedBase: &fstest.MapFile{Data: out.Bytes()}}, nil
+	return out.Bytes(), nil
 }
 
 func hasTLSListener(gw map[string]any) bool {

@@ -139,12 +139,58 @@ fn install_class_mode(cluster: &Cluster) -> String {
     token
 }
 
+/// One version of the suite: its binary in the kube peers' cache, the
+/// CRDs installed over the cluster's (none: the cache's own, the CRDs'
+/// version), the list of echo image names its manifests use, and the
+/// tests expected to pass.
+struct Suite {
+    version: &'static str,
+    bin: &'static str,
+    crds: Option<&'static str>,
+    echo_names: &'static str,
+    /// Tests expected to pass besides [`PASSED`].
+    also_passed: &'static [&'static str],
+    /// Where under `SEEDLINK_CONFORMANCE_DIR` its report goes.
+    docs: &'static str,
+}
+
+/// The suites run one after another: each starts a cluster of its own.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn the_gateway_api_conformance_suite_passes_the_gateway_tls_profile() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    conform(&Suite {
+        version: "the CRDs' version",
+        bin: "bin/gateway-conformance",
+        crds: None,
+        echo_names: "images/echo-basic.names",
+        also_passed: &[],
+        docs: "",
+    });
+}
+
+/// Gateway API v1.7.0's suite, with v1.7.0's CRDs installed over the
+/// cluster's.
+#[test]
+fn the_gateway_api_v1_7_conformance_suite_passes_the_gateway_tls_profile() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    conform(&Suite {
+        version: "v1.7.0, its CRDs installed over the CRDs' version",
+        bin: "bin/gateway-conformance-v1.7.0",
+        crds: Some("crds/gateway-api-v1.7.0"),
+        echo_names: "images/echo-basic-v1.7.0.names",
+        also_passed: ALSO_PASSED_V1_7,
+        docs: "v1.7.0",
+    });
+}
+
+/// A cluster with seedlink installed in class mode, `suite` run against it.
+fn conform(suite: &Suite) {
     let kube = seedlink_testkit::kubeapi::kube_dir();
-    let suite = peer(&kube, "bin/gateway-conformance");
+    let bin = peer(&kube, suite.bin);
     let echo = peer(&kube, "images/echo-basic.oci.tar");
-    let echo_names = std::fs::read_to_string(peer(&kube, "images/echo-basic.names")).unwrap();
+    let echo_names = std::fs::read_to_string(peer(&kube, suite.echo_names)).unwrap();
     let cluster = Cluster::start(Options {
         addresses: pool(),
         kube_proxy: false,
@@ -154,19 +200,60 @@ fn the_gateway_api_conformance_suite_passes_the_gateway_tls_profile() {
     for n in echo_names.split_whitespace() {
         run(&mut cluster.ctr(&["images", "tag", "--force", "localhost/echo-basic:built", n]));
     }
-    let (api, dir) = (&cluster.api, &cluster.dir);
-    let admin = api.admin_kubeconfig.display().to_string();
-    let log = |n: &str| cluster.log(n);
-    let kubectl = |args: &[&str]| cluster.kubectl(args);
+    if let Some(crds) = suite.crds {
+        let dir = peer(&kube, crds);
+        let o = cluster.kubectl(&[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "-f",
+            dir.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let _gw = start_seedlink(&cluster);
+    let (status, text, report_text) = run_suite(&cluster, &bin);
+    let (passed, failed) = (verdicts(&text, "PASS"), verdicts(&text, "FAIL"));
+    if let Ok(to) = std::env::var("SEEDLINK_CONFORMANCE_DIR") {
+        let docs = Path::new(&to).join(suite.docs);
+        write_docs(&docs, suite.version, &report_text, &passed, &failed);
+    }
+    assert!(
+        status.success() && failed.is_empty(),
+        "the conformance suite ({}) failed ({status}): {failed:?}\nlogs in {}\n{}",
+        suite.version,
+        cluster.dir.display(),
+        text.lines()
+            .rev()
+            .take(60)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let mut expected: Vec<&str> = PASSED.iter().chain(suite.also_passed).copied().collect();
+    expected.sort_unstable();
+    assert_eq!(
+        passed, expected,
+        "the tests that pass ({}) changed: update the lists and docs/conformance/",
+        suite.version
+    );
+    check_report(&report_text, expected.len());
+}
 
-    // seedlink: its GatewayClass, and the gateway serving every Gateway of
-    // it, as installed: the `seedlink` ServiceAccount with the RBAC of the
-    // class-mode install (deploy/kustomize/seed-class: the seed install's
-    // roles and the class's), its own token; never the admin's.
-    let token = install_class_mode(&cluster);
-    let installed = api.kubeconfig(dir, "seedlink", &token, None);
+/// seedlink: its GatewayClass, and the gateway serving every Gateway of
+/// it, as installed: the `seedlink` ServiceAccount with the RBAC of the
+/// class-mode install (deploy/kustomize/seed-class: the seed install's
+/// roles and the class's), its own token; never the admin's. Serving once
+/// it declares its features.
+fn start_seedlink(cluster: &Cluster) -> Gw {
+    let token = install_class_mode(cluster);
+    let installed = cluster
+        .api
+        .kubeconfig(&cluster.dir, "seedlink", &token, None);
     let installed = installed.display().to_string();
-    let _gw = Gw::start_with_env(
+    let gw = Gw::start_with_env(
         &format!(
             "admin: {{listen: '127.0.0.1:0'}}
 listeners: [{{name: tls, address: '0.0.0.0:443'}}]
@@ -178,12 +265,11 @@ kubernetes:
         ),
         &[("KUBECONFIG", &installed), ("POD_NAME", "seedlink-0")],
     );
-
     eventually_blocking(
         "seedlink declares its features",
         Duration::from_secs(60),
         || {
-            let o = kubectl(&[
+            let o = cluster.kubectl(&[
                 "get",
                 "gatewayclass",
                 "seedlink",
@@ -196,12 +282,18 @@ kubernetes:
                 .ok_or(names)
         },
     );
-    // The suite, as its own docs run it; the supported features it reads
-    // from the GatewayClass's status, where seedlink declares them.
+    gw
+}
+
+/// The suite, as its own docs run it; the supported features it reads
+/// from the GatewayClass's status, where seedlink declares them. Its exit
+/// status, its log and its report.
+fn run_suite(cluster: &Cluster, bin: &Path) -> (std::process::ExitStatus, String, String) {
+    let dir = &cluster.dir;
+    let admin = cluster.api.admin_kubeconfig.display().to_string();
     let report = dir.join("report.yaml");
     let skip: Vec<&str> = SKIPPED.iter().map(|(t, _)| *t).collect();
-    let out = dir.join("conformance.log");
-    let status = Command::new(&suite)
+    let status = Command::new(bin)
         .env("KUBECONFIG", &admin)
         .args([
             "-test.run",
@@ -226,38 +318,25 @@ kubernetes:
             "seedlink maintainers",
         ])
         .args(["-version", env!("CARGO_PKG_VERSION"), "-mode", "default"])
-        .stdout(log("conformance.log"))
-        .stderr(log("conformance.stderr.log"))
+        .stdout(cluster.log("conformance.log"))
+        .stderr(cluster.log("conformance.stderr.log"))
         .status()
         .unwrap();
-    let text = std::fs::read_to_string(&out).unwrap_or_default();
-    let (passed, failed) = (verdicts(&text, "PASS"), verdicts(&text, "FAIL"));
-    let report_text = std::fs::read_to_string(&report).unwrap_or_default();
-    if let Ok(to) = std::env::var("SEEDLINK_CONFORMANCE_DIR") {
-        write_docs(Path::new(&to), &report_text, &passed, &failed);
-    }
-    assert!(
-        status.success() && failed.is_empty(),
-        "the conformance suite failed ({status}): {failed:?}\nlogs in {}\n{}",
-        dir.display(),
-        text.lines()
-            .rev()
-            .take(60)
-            .collect::<Vec<_>>()
-            .into_iter()
-            .rev()
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
-    assert_eq!(
-        passed, PASSED,
-        "the tests that pass changed: update PASSED and docs/conformance/"
-    );
-    // The report: the profile's core tests all passed but the ones skipped, and why.
+    let text = std::fs::read_to_string(dir.join("conformance.log")).unwrap_or_default();
+    (
+        status,
+        text,
+        std::fs::read_to_string(&report).unwrap_or_default(),
+    )
+}
+
+/// The report: the profile's core tests all passed but the ones skipped,
+/// and why.
+fn check_report(report_text: &str, passed: usize) {
     for needle in [
         "name: GATEWAY-TLS".to_string(),
         "Failed: 0".to_string(),
-        format!("Passed: {}", PASSED.len()),
+        format!("Passed: {passed}"),
         format!("Skipped: {}", SKIPPED.len()),
     ] {
         assert!(
@@ -287,9 +366,17 @@ const PASSED: &[&str] = &[
     "TLSRouteSimpleSameNamespace",
 ];
 
+/// What v1.7.0's suite passes besides [`PASSED`]: its new Gateway tests
+/// (GatewayPreserveForeignConditions on a Gateway with an HTTP listener
+/// only, which it checks all the same: see conformance_test.go).
+const ALSO_PASSED_V1_7: &[&str] = &[
+    "GatewayNameMaximumLength",
+    "GatewayPreserveForeignConditions",
+];
+
 /// docs/conformance/: the suite's report as it wrote it, and a page that
 /// lists every test of the profile with its result (and, if skipped, why).
-fn write_docs(dir: &Path, report: &str, passed: &[&str], failed: &[&str]) {
+fn write_docs(dir: &Path, version: &str, report: &str, passed: &[&str], failed: &[&str]) {
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(
         dir.join(format!(
@@ -299,11 +386,11 @@ fn write_docs(dir: &Path, report: &str, passed: &[&str], failed: &[&str]) {
         report,
     )
     .unwrap();
-    let mut md = String::from(
-        "# Gateway API conformance: GATEWAY-TLS\n\n\
+    let mut md = format!(
+        "# Gateway API conformance: GATEWAY-TLS ({version})\n\n\
          Written by `SEEDLINK_CONFORMANCE_DIR=docs/conformance cargo test -p seedlink --test gateway_conformance`\n\
          (the same run is part of the README's test command); the report beside this page is the\n\
-         suite's own (`sigs.k8s.io/gateway-api/conformance`, the CRDs' version), unchanged.\n\n\
+         suite's own (`sigs.k8s.io/gateway-api/conformance`, {version}), unchanged.\n\n\
          Supported features, as seedlink declares them in the GatewayClass's `status.supportedFeatures`\n\
          (which the suite reads): `Gateway`, `ReferenceGrant`, `TLSRoute` (TLS passthrough).\n\
          Not declared: `TLSRouteModeTerminate`, `TLSRouteModeMixed` (seedlink never terminates TLS),\n\
