@@ -63,6 +63,14 @@ struct Row {
 }
 
 pub async fn run(opts: &Opts) -> anyhow::Result<()> {
+    let rows = scale(opts).await?;
+    print(&rows);
+    Ok(())
+}
+
+/// Every count of `opts.tenants` in turn, on one API server: each count's
+/// figures.
+async fn scale(opts: &Opts) -> anyhow::Result<Vec<Row>> {
     let api = tokio::task::spawn_blocking(|| {
         KubeApi::start_with(kubeapi::Options {
             crds: true,
@@ -94,8 +102,7 @@ pub async fn run(opts: &Opts) -> anyhow::Result<()> {
         made = n;
         rows.push(measure(&api, &client, &token, n, dir.path(), opts).await?);
     }
-    print(&rows);
-    Ok(())
+    Ok(rows)
 }
 
 async fn apply(client: &kube::Client, o: Value) -> anyhow::Result<Value> {
@@ -438,5 +445,39 @@ fn print(rows: &[Row]) {
                 b.cpu_ms_per_change / a.cpu_ms_per_change
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    /// The CI profile of this bench: 200 tenants, with the debug build.
+    /// What it asserts is behaviour, with generous bounds (every tenant
+    /// served by both roles within the bench's wait, every change to one
+    /// tenant served under 10 other changes a second, and the connections
+    /// to the API server within 10 per role); its figures are printed,
+    /// not judged (docs/PERFORMANCE.md has the release build's).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_hundred_tenants_are_served_with_bounded_api_connections() {
+        let opts = crate::scenario::Opts::parse_from([
+            "seedlink-bench",
+            "--scenario",
+            "kube-scale",
+            "--tenants",
+            "200",
+            "--seedlink",
+            seedlink_testkit::seedlink_bin(),
+        ]);
+        let rows = super::scale(&opts).await.unwrap();
+        super::print(&rows);
+        let row = &rows[0];
+        assert_eq!(row.tenants, 200);
+        assert!(
+            row.gw_conns <= 10 && row.tun_conns <= 10,
+            "API server connections: gateway {}, tunnel-server {}",
+            row.gw_conns,
+            row.tun_conns
+        );
     }
 }
