@@ -96,12 +96,19 @@ impl ApiClients {
     }
 
     /// A client for one more long-running watch: one with room, or a new
-    /// one (a new connection) when every one is full.
+    /// one (a new connection) when every one is full. The pool shrinks as
+    /// watches end: at most one connection without a watch is kept.
     pub(super) fn for_watch(&self) -> (kube::Client, Option<WatchSlot>) {
         let Some(config) = &self.config else {
             return (self.main.clone(), None);
         };
         let mut pool = seedlink_net::sync::lock(&self.pool, "api clients");
+        // Connections whose watches all ended (their namespaces' clusters
+        // went) are let go, but one, kept for the next watch.
+        let mut spare = false;
+        pool.retain(|s| {
+            s.watches.load(Ordering::Relaxed) > 0 || !std::mem::replace(&mut spare, true)
+        });
         let room = pool
             .iter()
             .find(|s| s.watches.load(Ordering::Relaxed) < self.per_connection);
@@ -185,4 +192,31 @@ fn http2_client(config: &kube::Config) -> Result<kube::Client, kube::Error> {
         .map_err(tower::BoxError::from)
         .service(hyper);
     Ok(kube::Client::new(service, config.default_namespace.clone()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Watches fill each connection up to the bound, then a new one is
+    /// made; once they end, the idle connections are let go but one.
+    #[test]
+    fn the_pool_grows_by_the_bound_and_shrinks_when_watches_end() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _guard = rt.enter();
+        let config = kube::Config::new("https://127.0.0.1:1".parse().unwrap());
+        let clients = ApiClients::new(config, 2).unwrap();
+        let slots: Vec<_> = (0..5).map(|_| clients.for_watch().1).collect();
+        assert!(slots.iter().all(Option::is_some));
+        assert_eq!(clients.connections(), 1 + 3);
+        drop(slots);
+        let one = clients.for_watch();
+        assert_eq!(clients.connections(), 1 + 1);
+        drop(one);
+        let _again = clients.for_watch();
+        assert_eq!(clients.connections(), 1 + 1);
+    }
 }

@@ -334,6 +334,10 @@ impl StatusWriter {
         let patched = tokio::time::timeout(left, api.patch_status(&key.name, &params, &patch));
         let outcome = match patched.await {
             Ok(Ok(_)) => Write::Written,
+            Ok(Err(kube::Error::Api(s))) if s.code == 404 => {
+                tracing::debug!(object = %key, %kind, "deleted before its status was written");
+                Write::Gone
+            }
             Ok(Err(kube::Error::Api(s))) if s.code == 409 => {
                 tracing::debug!(object = %key, %kind, "status changed meanwhile; written again on the next pass");
                 Write::Conflict
@@ -509,5 +513,68 @@ mod foreign_tests {
             types,
             [("Accepted", "True"), ("example.net/Audited", "True")]
         );
+    }
+}
+
+#[cfg(test)]
+mod write_tests {
+    use super::*;
+    use crate::source::SourceMetrics;
+    use seedlink_net::admin::Section;
+
+    /// An API server that answers every request with `code`.
+    fn answering(code: u16) -> kube::Client {
+        let svc = tower::service_fn(move |_req: http::Request<kube::client::Body>| async move {
+            let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                "reason": "R", "code": code, "message": "m"});
+            let body = serde_json::to_vec(&status).unwrap_or_default();
+            http::Response::builder()
+                .status(code)
+                .body(kube::client::Body::from(body))
+        });
+        kube::Client::new(svc, "default")
+    }
+
+    fn writer(code: u16) -> StatusWriter {
+        StatusWriter::new(
+            answering(code),
+            crate::leader::Leadership::always(),
+            "test",
+            &SourceMetrics::new("gateway"),
+        )
+    }
+
+    fn count(w: &StatusWriter, outcome: &str) -> bool {
+        let text = seedlink_net::admin::encode_all(&[w.metrics.registry()]);
+        text.contains(&format!(
+            "seedlink_kubernetes_status_writes_total{{source=\"gateway\",outcome=\"{outcome}\"}} 1"
+        ))
+    }
+
+    /// A status write to an object deleted meanwhile (404) is `gone`: no
+    /// failure (which the install's alert counts) and no back-off; a 500
+    /// is a failure, and the object then backs off.
+    #[tokio::test]
+    async fn a_deleted_object_is_gone_and_a_refusal_backs_off() {
+        let key = Key {
+            namespace: "tenant".into(),
+            name: "s".into(),
+        };
+        let patch = json!({"status": {}});
+        let gone = writer(404);
+        assert!(
+            gone.patch_status::<k8s_openapi::api::core::v1::Service>(&key, &patch)
+                .await
+        );
+        assert!(count(&gone, "gone") && !count(&gone, "failed"));
+        assert!(!gone.backing_off(&("Service".to_string(), key.clone())));
+        let refused = writer(500);
+        assert!(
+            refused
+                .patch_status::<k8s_openapi::api::core::v1::Service>(&key, &patch)
+                .await
+        );
+        assert!(count(&refused, "failed"));
+        assert!(refused.backing_off(&("Service".to_string(), key)));
     }
 }

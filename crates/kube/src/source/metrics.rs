@@ -38,6 +38,10 @@ pub(super) enum Write {
     Failed,
     /// This replica lost the lease before it could write.
     NotLeader,
+    /// The object was deleted meanwhile (404): nothing to write, no
+    /// back-off (a tenant deleting its objects is no failure of the
+    /// install's).
+    Gone,
 }
 
 impl Write {
@@ -47,6 +51,7 @@ impl Write {
             Write::Conflict => "conflict",
             Write::Failed => "failed",
             Write::NotLeader => "not_leader",
+            Write::Gone => "gone",
         }
     }
 }
@@ -58,6 +63,7 @@ pub struct SourceMetrics {
     registry: Arc<Registry>,
     lists: Family<KindLabels, Counter>,
     errors: Family<KindLabels, Counter>,
+    tenant_errors: Family<KindLabels, Counter>,
     applied_at: Gauge<f64, AtomicU64>,
     apply_seconds: Histogram,
     writes: Family<OutcomeLabels, Counter>,
@@ -80,6 +86,7 @@ impl SourceMetrics {
             registry: Arc::new(Registry::default()),
             lists: Family::default(),
             errors: Family::default(),
+            tenant_errors: Family::default(),
             applied_at: Gauge::default(),
             apply_seconds: Histogram::new([
                 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -101,6 +108,7 @@ impl SourceMetrics {
         let m = self;
         r.register("watch_lists", "Complete lists by kind: the first, and each after a watch ended (expired, 410 Gone, or failed and retried)", m.lists.clone());
         r.register("watch_errors", "Watch and list errors by kind (each retried with back-off; the last objects stay served)", m.errors.clone());
+        r.register("tenant_watch_errors", "Watch and list errors in tenants' namespaces by kind (a RoleBinding missing there: the tenant's object says so)", m.tenant_errors.clone());
         r.register(
             "last_applied_timestamp_seconds",
             "When the last snapshot was applied (Unix time; its age is time() minus this)",
@@ -134,8 +142,14 @@ impl SourceMetrics {
         self.lists.get_or_create(&kind_label(kind)).inc();
     }
 
-    pub(super) fn failed(&self, kind: &str) {
-        self.errors.get_or_create(&kind_label(kind)).inc();
+    /// A watch of `kind` failed, in a tenant's namespace or not.
+    pub(super) fn failed(&self, kind: &str, tenant: bool) {
+        let family = if tenant {
+            &self.tenant_errors
+        } else {
+            &self.errors
+        };
+        family.get_or_create(&kind_label(kind)).inc();
     }
 
     pub(super) fn watch_started(&self) {
@@ -313,6 +327,28 @@ mod tests {
     fn a_failing_object_backs_off_to_five_minutes() {
         let s: Vec<u64> = (1..=8).map(|n| back_off(n).as_secs()).collect();
         assert_eq!(s, [10, 20, 40, 80, 160, 300, 300, 300]);
+    }
+
+    /// A watch failing in a tenant's namespace (its RoleBinding missing)
+    /// is counted apart from the install's watches, which the alert
+    /// `SeedlinkKubernetesWatchFailing` reads: a tenant cannot fire it.
+    #[test]
+    fn tenant_watch_errors_are_counted_apart() {
+        let m = SourceMetrics::new("tunnel");
+        m.failed("ConfigMap", true);
+        m.failed("ConfigMap", true);
+        m.failed("TunnelCluster", false);
+        use seedlink_net::admin::Section;
+        let text = seedlink_net::admin::encode_all(&[m.registry()]);
+        for line in [
+            "seedlink_kubernetes_tenant_watch_errors_total{source=\"tunnel\",kind=\"ConfigMap\"} 2",
+            "seedlink_kubernetes_watch_errors_total{source=\"tunnel\",kind=\"TunnelCluster\"} 1",
+        ] {
+            assert!(text.contains(line), "{line} not in {text}");
+        }
+        assert!(!text.contains(
+            "seedlink_kubernetes_watch_errors_total{source=\"tunnel\",kind=\"ConfigMap\"}"
+        ));
     }
 
     #[test]

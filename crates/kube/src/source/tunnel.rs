@@ -233,7 +233,7 @@ fn follow_kind<K: TrustKind>(
         if let std::collections::hash_map::Entry::Vacant(e) = watched.entry(ns) {
             let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
             let stop = w.stop.child_token();
-            let (store, errors) = w.labelled_in::<K>(e.key(), &selector, &stop);
+            let (store, errors) = w.labelled_in::<K>(e.key(), &selector, &stop, true);
             started.push((store.clone(), errors));
             e.insert((store, stop));
         }
@@ -259,6 +259,7 @@ pub fn start_tunnel(
             &k.namespace,
             &format!("kubernetes.io/service-name={}", k.name),
             &stop,
+            false,
         )
         .0
     });

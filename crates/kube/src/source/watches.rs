@@ -28,6 +28,11 @@ pub(super) struct Changed {
     /// The watch's place on its connection, held while it runs.
     pub(super) slot: Option<Arc<WatchSlot>>,
     pub(super) metrics: SourceMetrics,
+    /// A watch in a tenant's namespace: its errors are counted apart
+    /// (`tenant_watch_errors_total`), so that a tenant cannot fire the
+    /// install's alert (a missing RoleBinding there is said on the
+    /// tenant's own object).
+    pub(super) tenant: bool,
 }
 
 /// The watches of one source, all saying "changed" on one channel.
@@ -55,6 +60,7 @@ impl Watches {
                 errors: WatchErrors::default(),
                 slot: None,
                 metrics: metrics.clone(),
+                tenant: false,
             },
             changed,
         }
@@ -74,13 +80,14 @@ impl Watches {
         )
     }
 
-    /// The objects of kind `K` with label `selector` in `namespace`, until
-    /// `stop`.
+    /// The objects of kind `K` with label `selector` in `namespace` (a
+    /// tenant's, or the install's), until `stop`.
     pub(super) fn labelled_in<K>(
         &self,
         namespace: &str,
         selector: &str,
         stop: &CancellationToken,
+        tenant: bool,
     ) -> (Store<K>, WatchErrors)
     where
         K: Resource<Scope = k8s_openapi::NamespaceResourceScope>
@@ -102,6 +109,7 @@ impl Watches {
             errors: errors.clone(),
             slot: slot.map(Arc::new),
             metrics: self.tx.metrics.clone(),
+            tenant,
         };
         self.tx.metrics.follow_connections(&self.clients);
         let store = watch_kind(
@@ -211,7 +219,7 @@ where
             }
             Some(Err(e)) => {
                 tracing::warn!(kind = %kind, error = %e, "kubernetes watch failed; keeping the last objects and retrying");
-                changed.metrics.failed(kind);
+                changed.metrics.failed(kind, changed.tenant);
                 changed.errors.set(kind, e.to_string());
             }
             None => return,
