@@ -169,7 +169,12 @@ impl GatewayStores {
             services: &services,
             slices: &slices,
         });
-        (t, routes, policies)
+        GatewayPass {
+            t,
+            routes,
+            policies,
+            gateways,
+        }
     }
 
     /// The addresses a Gateway's status names: the named Gateway's are its
@@ -225,10 +230,10 @@ impl GatewayPasses {
             if wake == Wake::Changed || !passed || retry {
                 let started = tokio::time::Instant::now();
                 let mut pass = self.stores.translate(&mut self.translator, &self.settings);
-                let refused = sink.apply(pass.0.control_planes.clone());
+                let refused = sink.apply(pass.t.control_planes.clone());
                 self.metrics.applied(started.elapsed());
                 retry = not_applied(&refused);
-                pass.0.refused(&refused);
+                pass.t.refused(&refused);
                 let _ = synced.send(true);
                 self.status.send_replace(Some(Arc::new((pass, !retry))));
                 passed = true;
@@ -274,16 +279,15 @@ impl GatewayStatus {
     }
 
     /// Writes the routes', policies', Gateways' and classes' status.
-    pub(super) async fn write_status(
-        &mut self,
-        (t, routes, policies): &GatewayPass,
-        applied: bool,
-    ) {
+    pub(super) async fn write_status(&mut self, pass: &GatewayPass, applied: bool) {
+        let t = &pass.t;
         let served = self.served(t);
-        self.status.write(t, routes, policies, &served).await;
-        let objects = self.stores.kinds.gateways.state();
+        self.status
+            .write(t, &pass.routes, &pass.policies, &served)
+            .await;
         for g in &t.gateways {
-            let Some(object) = objects.iter().find(|o| Key::of(o.as_ref()) == g.key) else {
+            let object = pass.gateways.iter().find(|o| Key::of(o.as_ref()) == g.key);
+            let Some(object) = object else {
                 continue;
             };
             let addresses = self.stores.addresses(&self.settings, g);
@@ -334,7 +338,16 @@ pub(super) fn not_applied(refused: &seedlink_config::compile::Refused) -> bool {
 }
 
 /// The last translation and the objects it was made from.
-pub(super) type GatewayPass = (Translation, Vec<Arc<TlsRoute>>, Vec<Arc<SeedlinkPolicy>>);
+/// One translation and the objects it was made from: status is written
+/// from these, never from newer objects (each patch carries the
+/// resourceVersion of the object translated, so a pass older than the
+/// object conflicts and the next pass writes).
+pub(super) struct GatewayPass {
+    pub(super) t: Translation,
+    pub(super) routes: Vec<Arc<TlsRoute>>,
+    pub(super) policies: Vec<Arc<SeedlinkPolicy>>,
+    pub(super) gateways: Vec<Arc<Gateway>>,
+}
 
 /// Campaigns for `lease` (if any) until `stop`.
 pub(super) fn campaign(
