@@ -103,12 +103,7 @@ impl ApiClients {
             return (self.main.clone(), None);
         };
         let mut pool = seedlink_net::sync::lock(&self.pool, "api clients");
-        // Connections whose watches all ended (their namespaces' clusters
-        // went) are let go, but one, kept for the next watch.
-        let mut spare = false;
-        pool.retain(|s| {
-            s.watches.load(Ordering::Relaxed) > 0 || !std::mem::replace(&mut spare, true)
-        });
+        let_idle_go(&mut pool);
         let room = pool
             .iter()
             .find(|s| s.watches.load(Ordering::Relaxed) < self.per_connection);
@@ -133,6 +128,13 @@ impl ApiClients {
         slot.1.fetch_add(1, Ordering::Relaxed);
         (slot.0, Some(WatchSlot(slot.1)))
     }
+}
+
+/// Connections whose watches all ended (their namespaces' clusters went)
+/// are let go, but one, kept for the next watch.
+fn let_idle_go(pool: &mut Vec<Slot>) {
+    let mut spare = false;
+    pool.retain(|s| s.watches.load(Ordering::Relaxed) > 0 || !std::mem::replace(&mut spare, true));
 }
 
 /// kube-client's layers on a hyper client that speaks HTTP/2 to an

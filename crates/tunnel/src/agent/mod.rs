@@ -221,16 +221,7 @@ impl Agent {
         told: Vec<crate::wire::proto::Replica>,
     ) {
         if self.opts.replica_addresses {
-            let (usable, bad) = usable_replicas(told);
-            if bad > 0 {
-                tracing::warn!(
-                    server_id,
-                    bad,
-                    "replica addresses that cannot be dialled: ignored"
-                );
-                self.metrics.bad_packets_add("bad_replica_address", bad);
-            }
-            *seedlink_net::sync::lock(&self.replica_addresses, "replica addresses") = usable;
+            self.take_addresses(server_id, told);
         }
         let was = self.known_count.swap(count, Ordering::AcqRel);
         if was != count {
@@ -244,6 +235,21 @@ impl Agent {
         if i64::try_from(self.held_count()).unwrap_or(i64::MAX) < count {
             self.session_lost.notify_one();
         }
+    }
+
+    /// Keeps where the servers say each replica is (what can be dialled of
+    /// it; the rest counted).
+    fn take_addresses(&self, server_id: &str, told: Vec<crate::wire::proto::Replica>) {
+        let (usable, bad) = usable_replicas(told);
+        if bad > 0 {
+            tracing::warn!(
+                server_id,
+                bad,
+                "replica addresses that cannot be dialled: ignored"
+            );
+            self.metrics.bad_packets_add("bad_replica_address", bad);
+        }
+        *seedlink_net::sync::lock(&self.replica_addresses, "replica addresses") = usable;
     }
 
     /// Where the next attempt goes: in turn, each replica the servers said

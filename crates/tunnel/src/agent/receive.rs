@@ -21,6 +21,15 @@ use super::metrics::{AgentMetrics, ConnEnd, ServerConnect};
 use crate::stream::flow::{self, SendCredit};
 use crate::wire::dial_error;
 
+/// The replicas a REPLICAS packet names with their addresses (none for
+/// any other packet); taken only if the link machine takes the packet.
+fn told_replicas(p: &crate::wire::proto::Packet) -> Vec<crate::wire::proto::Replica> {
+    match &p.payload {
+        Some(crate::wire::proto::Payload::Replicas(r)) => r.replicas.clone(),
+        _ => Vec::new(),
+    }
+}
+
 impl Agent {
     pub(super) async fn serve_link(self: &Arc<Self>, s: Arc<LinkDriver>, mut inbound: Inbound) {
         loop {
@@ -36,10 +45,7 @@ impl Agent {
                 },
                 () = self.shutdown.cancelled() => return,
             };
-            let told = match &p.payload {
-                Some(crate::wire::proto::Payload::Replicas(r)) => r.replicas.clone(),
-                _ => Vec::new(),
-            };
+            let told = told_replicas(&p);
             let (h, applied) = s.with(|m, out| m.on_packet(p, out));
             self.handled(&s, h, applied.bad_window, told);
             self.start_dials(&s, applied.dials);

@@ -243,10 +243,19 @@ fn check_kubernetes(k: &super::model::Kubernetes, errs: &mut Problems) {
             format!("{r:?} is not namespace/name"),
         );
     }
-    let Some(a) = &k.replica_addresses else {
-        return;
-    };
-    if k.replicas.is_none() {
+    if let Some(a) = &k.replica_addresses {
+        check_replica_addresses(a, k.replicas.is_some(), errs);
+    }
+}
+
+/// `kubernetes.replica_addresses`: the replicas' Service named, and
+/// templates that give what an agent can use.
+fn check_replica_addresses(
+    a: &seedlink_config::tunnel::ReplicaAddresses,
+    replicas: bool,
+    errs: &mut Problems,
+) {
+    if !replicas {
         errs.add(
             "kubernetes.replica_addresses",
             "needs kubernetes.replicas (the Service whose EndpointSlices name the replicas)",
