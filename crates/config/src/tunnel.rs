@@ -254,7 +254,8 @@ pub struct ClusterHealth {
 
 /// Per-replica addresses from the replicas' EndpointSlices: `{ip}` is an
 /// endpoint's address (an IPv6 one in brackets) and `{pod}` the pod it
-/// names; a replica is known by its pod's name, its `serverid`.
+/// names; a replica is known by its pod's name (which each server tells
+/// its agents as `seedlink-pod`).
 #[derive(Debug, Clone, PartialEq, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ReplicaAddresses {

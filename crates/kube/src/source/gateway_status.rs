@@ -334,7 +334,12 @@ impl StatusWriter {
         let patched = tokio::time::timeout(left, api.patch_status(&key.name, &params, &patch));
         let outcome = match patched.await {
             Ok(Ok(_)) => Write::Written,
-            Ok(Err(kube::Error::Api(s))) if s.code == 404 => {
+            // The object itself is not found (the Status names it): a
+            // 404 for a resource or subresource the API server does not
+            // serve is a failure.
+            Ok(Err(kube::Error::Api(s)))
+                if s.code == 404 && s.details.as_ref().is_some_and(|d| d.name == key.name) =>
+            {
                 tracing::debug!(object = %key, %kind, "deleted before its status was written");
                 Write::Gone
             }
@@ -522,11 +527,13 @@ mod write_tests {
     use crate::source::SourceMetrics;
     use seedlink_net::admin::Section;
 
-    /// An API server that answers every request with `code`.
-    fn answering(code: u16) -> kube::Client {
+    /// An API server that answers every request with `code`, naming the
+    /// object `s` in its Status when `named`.
+    fn answering(code: u16, named: bool) -> kube::Client {
         let svc = tower::service_fn(move |_req: http::Request<kube::client::Body>| async move {
+            let details = named.then(|| json!({"name": "s", "kind": "services"}));
             let status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                "reason": "R", "code": code, "message": "m"});
+                                "reason": "R", "code": code, "message": "m", "details": details});
             let body = serde_json::to_vec(&status).unwrap_or_default();
             http::Response::builder()
                 .status(code)
@@ -535,9 +542,9 @@ mod write_tests {
         kube::Client::new(svc, "default")
     }
 
-    fn writer(code: u16) -> StatusWriter {
+    fn writer(code: u16, named: bool) -> StatusWriter {
         StatusWriter::new(
-            answering(code),
+            answering(code, named),
             crate::leader::Leadership::always(),
             "test",
             &SourceMetrics::new("gateway"),
@@ -551,9 +558,10 @@ mod write_tests {
         ))
     }
 
-    /// A status write to an object deleted meanwhile (404) is `gone`: no
-    /// failure (which the install's alert counts) and no back-off; a 500
-    /// is a failure, and the object then backs off.
+    /// A status write to an object deleted meanwhile (404 naming it) is
+    /// `gone`: no failure (which the install's alert counts) and no
+    /// back-off; a 404 that names no object (a resource or subresource not
+    /// served) and a 500 are failures, and the object then backs off.
     #[tokio::test]
     async fn a_deleted_object_is_gone_and_a_refusal_backs_off() {
         let key = Key {
@@ -561,20 +569,21 @@ mod write_tests {
             name: "s".into(),
         };
         let patch = json!({"status": {}});
-        let gone = writer(404);
+        let gone = writer(404, true);
         assert!(
             gone.patch_status::<k8s_openapi::api::core::v1::Service>(&key, &patch)
                 .await
         );
         assert!(count(&gone, "gone") && !count(&gone, "failed"));
         assert!(!gone.backing_off(&("Service".to_string(), key.clone())));
-        let refused = writer(500);
-        assert!(
-            refused
-                .patch_status::<k8s_openapi::api::core::v1::Service>(&key, &patch)
-                .await
-        );
-        assert!(count(&refused, "failed"));
-        assert!(refused.backing_off(&("Service".to_string(), key)));
+        for refused in [writer(500, false), writer(404, false)] {
+            assert!(
+                refused
+                    .patch_status::<k8s_openapi::api::core::v1::Service>(&key, &patch)
+                    .await
+            );
+            assert!(count(&refused, "failed"));
+            assert!(refused.backing_off(&("Service".to_string(), key.clone())));
+        }
     }
 }

@@ -39,8 +39,8 @@ pub trait TunnelSink: Send + Sync + 'static {
 /// One tunnel-server replica and where agents reach it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Replica {
-    /// Its `serverid`: its pod's name.
-    pub server_id: String,
+    /// Its pod's name.
+    pub pod: String,
     /// `host:port`.
     pub address: String,
     /// The TLS server name there (empty: the agent's own).

@@ -75,7 +75,7 @@ pub fn replica_addresses(
         if let (Some(pod), Some(ip)) = (pod, ip) {
             let (address, server_name) = template.of(ip, &pod);
             at.entry(pod.clone()).or_insert(Replica {
-                server_id: pod,
+                pod,
                 address,
                 server_name,
             });
@@ -564,13 +564,7 @@ mod replica_tests {
         let at = replica_addresses(&[slice.clone(), slice], &t);
         let got: Vec<_> = at
             .iter()
-            .map(|r| {
-                (
-                    r.server_id.as_str(),
-                    r.address.as_str(),
-                    r.server_name.as_str(),
-                )
-            })
+            .map(|r| (r.pod.as_str(), r.address.as_str(), r.server_name.as_str()))
             .collect();
         assert_eq!(
             got,

@@ -114,6 +114,8 @@ pub(super) struct Answer {
     pub(super) flow: bool,
     /// It will tell us when the number of replicas changes.
     pub(super) replicas: bool,
+    /// The pod it runs in (`seedlink-pod`), if it says.
+    pub(super) pod: Option<String>,
 }
 
 /// What a server's answer says: `serverid`, `servercount` (exactly one
@@ -145,6 +147,11 @@ pub(super) fn answer(meta: &tonic::metadata::MetadataMap) -> Result<Answer, Conn
             crate::wire::proto::REPLICAS_HEADER,
             crate::wire::proto::REPLICAS_VERSION,
         ),
+        pod: meta
+            .get(crate::wire::proto::POD_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .filter(|p| !p.is_empty() && p.len() <= 253)
+            .map(str::to_string),
     })
 }
 

@@ -89,6 +89,9 @@ pub struct Agent {
     pub(super) keepalive_ms: std::sync::atomic::AtomicU64,
     /// A stream to a server ended: replica discovery resumes at once.
     pub(super) session_lost: tokio::sync::Notify,
+    /// A server said there are more replicas than held: discovery resumes
+    /// soon (see `Agent::pause`).
+    pub(super) replicas_told: tokio::sync::Notify,
     /// Streams in a row that ended or were drained soon after they opened
     /// ([`STABLE`]): discovery backs off by them (a server that accepts
     /// and drops every stream is not dialled in a loop).

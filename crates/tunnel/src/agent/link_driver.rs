@@ -115,6 +115,9 @@ pub(super) struct Locked {
 /// lock, and the IO it drives.
 pub(super) struct LinkDriver {
     pub(super) server_id: String,
+    /// The pod its server runs in, when it says (`seedlink-pod`): what
+    /// REPLICAS entries name replicas by.
+    pub(super) pod: Option<String>,
     /// The server said DRAIN: it is going away, so it no longer counts
     /// as held (the agent looks for a replica to replace it).
     pub(super) draining: AtomicBool,
@@ -156,7 +159,7 @@ impl LinkDriver {
     }
 
     pub(super) fn new(
-        server_id: String,
+        (server_id, pod): (String, Option<String>),
         to_server: Arc<FairQueue>,
         flow: bool,
         replicas: bool,
@@ -165,6 +168,7 @@ impl LinkDriver {
         let machine = LinkMachine::new(flow, stall);
         LinkDriver {
             server_id,
+            pod,
             draining: AtomicBool::new(false),
             to_server,
             state: Mutex::new(Locked {

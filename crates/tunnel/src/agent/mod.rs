@@ -92,6 +92,7 @@ impl Agent {
                 u64::try_from(opts_keepalive.as_millis()).unwrap_or(u64::MAX),
             ),
             session_lost: tokio::sync::Notify::new(),
+            replicas_told: tokio::sync::Notify::new(),
             flaps: std::sync::atomic::AtomicU32::new(0),
             draining_streams: std::sync::atomic::AtomicUsize::new(0),
             identity,
@@ -154,21 +155,34 @@ impl Agent {
                 self.opts.sync_interval,
                 self.opts.sync_interval_cap,
             );
-            if !pause.is_zero() && !self.pause(pause, false).await {
+            if !pause.is_zero() && !self.pause(pause, false, false).await {
                 return;
             }
-            let (wait, next) = self.attempt(delay).await;
+            let (wait, next, ok) = self.attempt(delay).await;
             delay = next;
-            if !self.pause(wait, true).await {
+            if !self.pause(wait, true, ok).await {
                 return;
             }
         }
     }
 
     /// Sleeps `d` give or take 10 %, ended early by a lost stream when
-    /// `wake_on_loss`; `false` once the agent shuts down.
-    async fn pause(&self, d: Duration, wake_on_loss: bool) -> bool {
+    /// `wake_on_loss`, and cut to a random part of `--sync-interval` by a
+    /// server's word of more replicas (REPLICAS) when `wake_on_told` (not
+    /// in a back-off after a failed attempt: a server that sends REPLICAS
+    /// without end cannot make the agent dial faster than that); `false`
+    /// once the agent shuts down.
+    async fn pause(&self, d: Duration, wake_on_loss: bool, wake_on_told: bool) -> bool {
         let jitter = 0.9 + rand::random::<f64>() * 0.2;
+        let told = async {
+            if wake_on_told {
+                self.replicas_told.notified().await;
+                let part = 0.1 + rand::random::<f64>() * 0.9;
+                tokio::time::sleep(self.opts.sync_interval.mul_f64(part).min(d)).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
         let lost = async {
             if wake_on_loss {
                 self.session_lost.notified().await;
@@ -179,13 +193,15 @@ impl Agent {
         tokio::select! {
             () = tokio::time::sleep(d.mul_f64(jitter)) => true,
             () = lost => true,
+            () = told => true,
             () = self.shutdown.cancelled() => false,
         }
     }
 
-    /// One connection attempt, counted; the wait before the next and the
-    /// back-off after that (`delay`: the back-off now).
-    async fn attempt(self: &Arc<Self>, delay: Duration) -> (Duration, Duration) {
+    /// One connection attempt, counted; the wait before the next, the
+    /// back-off after that (`delay`: the back-off now), and whether it
+    /// succeeded.
+    async fn attempt(self: &Arc<Self>, delay: Duration) -> (Duration, Duration, bool) {
         let target = self.target();
         match self.connect_once(&target).await {
             Ok(new) => {
@@ -195,18 +211,19 @@ impl Agent {
                     ServerConnect::Duplicate
                 };
                 self.metrics.server_connect(outcome);
-                (self.discovery_wait(), self.opts.sync_interval)
+                (self.discovery_wait(), self.opts.sync_interval, true)
             }
             Err(e) => {
                 tracing::warn!(server = %target.address, reason = e.reason(), error = %e, "cannot connect to the tunnel server");
                 self.metrics.server_connect(ServerConnect::Error);
                 AgentMetrics::count(&self.metrics.connect_errors, e.reason());
-                retry_delay(
+                let (wait, next) = retry_delay(
                     delay,
                     e.timed_out(),
                     self.opts.sync_interval,
                     self.opts.sync_interval_cap,
-                )
+                );
+                (wait, next, false)
             }
         }
     }
@@ -220,7 +237,9 @@ impl Agent {
         count: i64,
         told: Vec<crate::wire::proto::Replica>,
     ) {
-        if self.opts.replica_addresses {
+        // A packet without addresses leaves the last ones (a server that
+        // does not know them says nothing of them).
+        if self.opts.replica_addresses && !told.is_empty() {
             self.take_addresses(server_id, told);
         }
         let was = self.known_count.swap(count, Ordering::AcqRel);
@@ -233,14 +252,19 @@ impl Agent {
             );
         }
         if i64::try_from(self.held_count()).unwrap_or(i64::MAX) < count {
-            self.session_lost.notify_one();
+            self.replicas_told.notify_one();
         }
     }
 
     /// Keeps where the servers say each replica is (what can be dialled of
     /// it; the rest counted).
     fn take_addresses(&self, server_id: &str, told: Vec<crate::wire::proto::Replica>) {
-        let (usable, bad) = usable_replicas(told);
+        let (mut usable, mut bad) = usable_replicas(told);
+        // Never where the destination policy denies (the agent's own host,
+        // link-local, cloud metadata), unless allowed by exact address.
+        let before = usable.len();
+        usable.retain(|r| !self.denied_host(&r.address));
+        bad += u64::try_from(before - usable.len()).unwrap_or(0);
         if bad > 0 {
             tracing::warn!(
                 server_id,
@@ -262,14 +286,14 @@ impl Agent {
         };
         let held: std::collections::HashSet<String> =
             seedlink_net::sync::lock(&self.sessions, "agent sessions")
-                .iter()
-                .filter(|(_, s)| !s.draining.load(Ordering::Acquire))
-                .map(|(id, _)| id.clone())
+                .values()
+                .filter(|s| !s.draining.load(Ordering::Acquire))
+                .filter_map(|s| s.pod.clone())
                 .collect();
         let missing: Vec<Target> =
             seedlink_net::sync::lock(&self.replica_addresses, "replica addresses")
                 .iter()
-                .filter(|r| !held.contains(&r.server_id))
+                .filter(|r| !held.contains(&r.pod))
                 .map(|r| Target {
                     address: r.address.clone(),
                     server_name: match r.server_name.as_str() {
@@ -373,11 +397,12 @@ impl Agent {
             count,
             flow: offered,
             replicas,
+            pod,
         } = answer(meta)?;
         self.known_count.store(count.max(1), Ordering::Release);
         let flow = self.opts.flow_control && offered;
         let stall = self.opts.stall_timeout;
-        let session = LinkDriver::new(server_id, tx, flow, replicas, stall);
+        let session = LinkDriver::new((server_id, pod), tx, flow, replicas, stall);
         Ok((Arc::new(session), count))
     }
 
@@ -521,8 +546,8 @@ fn usable_replicas(
     let usable: Vec<_> = told
         .into_iter()
         .filter(|r| {
-            !r.server_id.is_empty()
-                && r.server_id.len() <= 253
+            !r.pod.is_empty()
+                && r.pod.len() <= 253
                 && crate::wire::replica_address_ok(&r.address)
                 && (r.server_name.is_empty()
                     || rustls::pki_types::ServerName::try_from(r.server_name.clone()).is_ok())
@@ -560,13 +585,114 @@ mod tests {
         assert!(streams <= 6, "{streams}");
     }
 
+    /// An agent that has not connected (its CA a throwaway one), with the
+    /// default deny list.
+    fn idle_agent(dir: &std::path::Path) -> Arc<Agent> {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        let ca = params.self_signed(&key).unwrap();
+        let path = dir.join("ca.pem");
+        std::fs::write(&path, ca.pem()).unwrap();
+        Agent::new(AgentOptions {
+            server: "lb.example:8091".into(),
+            server_name: "tunnel.example".into(),
+            ca: path,
+            identity: None,
+            alpn: Vec::new(),
+            agent_id: "a".into(),
+            identifiers: String::new(),
+            token_path: None,
+            allow: Vec::new(),
+            allow_ports: Vec::new(),
+            deny: DEFAULT_DENY.iter().filter_map(|d| d.parse().ok()).collect(),
+            dial_timeout: Duration::from_secs(5),
+            sync_interval: Duration::from_secs(1),
+            sync_interval_cap: Duration::from_secs(10),
+            keepalive: H2Settings {
+                keepalive: Duration::from_secs(60),
+                keepalive_timeout: Duration::from_secs(5),
+            },
+            stall_timeout: Duration::from_secs(10),
+            queue_bytes: 1 << 20,
+            flow_control: true,
+            native: true,
+            replica_addresses: true,
+            egress: None,
+        })
+        .unwrap()
+    }
+
+    fn replica(pod: &str, address: &str) -> crate::wire::proto::Replica {
+        crate::wire::proto::Replica {
+            pod: pod.into(),
+            address: address.into(),
+            server_name: String::new(),
+        }
+    }
+
+    /// Replicas the agent holds no stream to are dialled in turn with
+    /// `--server`; addresses the destination policy denies are never
+    /// kept; a REPLICAS without addresses leaves the last ones.
+    #[tokio::test]
+    async fn replica_targets_take_turns_with_the_server_and_respect_the_deny_list() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = idle_agent(dir.path());
+        a.replicas_changed(
+            "s",
+            4,
+            vec![
+                replica("p-1", "10.0.0.1:8091"),
+                replica("p-2", "10.0.0.2:8091"),
+                replica("p-3", "127.0.0.1:8091"),
+                replica("p-4", "[::ffff:169.254.169.254]:80"),
+            ],
+        );
+        let mut seen: Vec<String> = (0..6).map(|_| a.target().address).collect();
+        seen.sort();
+        seen.dedup();
+        assert_eq!(seen, ["10.0.0.1:8091", "10.0.0.2:8091", "lb.example:8091"]);
+        a.replicas_changed("s", 4, Vec::new());
+        assert_eq!(seedlink_net::sync::lock(&a.replica_addresses, "t").len(), 2);
+        let text = seedlink_net::admin::encode_all(&[&a.metrics.registry]);
+        assert!(
+            text.contains("outcome=\"bad_replica_address\"} 2"),
+            "{text}"
+        );
+    }
+
+    /// A server's REPLICAS ends a long wait after a success within
+    /// `--sync-interval`, but not a back-off after a failed attempt: a
+    /// server that sends REPLICAS without end cannot make the agent dial
+    /// faster.
+    #[tokio::test(start_paused = true)]
+    async fn replicas_wake_discovery_only_outside_a_back_off() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = idle_agent(dir.path());
+        for (after_success, ends_within) in [(true, 1), (false, 12)] {
+            let started = tokio::time::Instant::now();
+            let paused = tokio::spawn({
+                let a = a.clone();
+                async move { a.pause(Duration::from_secs(10), true, after_success).await }
+            });
+            tokio::task::yield_now().await;
+            a.replicas_told.notify_one();
+            assert!(paused.await.unwrap());
+            let took = started.elapsed();
+            assert!(took <= Duration::from_secs(ends_within), "{took:?}");
+            if !after_success {
+                assert!(took >= Duration::from_secs(9), "{took:?}");
+            }
+        }
+    }
+
     /// What a REPLICAS packet names is kept only when an agent can dial
     /// it, and only so many: a server cannot make the agent dial or hold
     /// without bound.
     #[test]
     fn only_usable_replica_addresses_are_kept_and_at_most_32() {
         let r = |id: &str, address: &str, name: &str| crate::wire::proto::Replica {
-            server_id: id.into(),
+            pod: id.into(),
             address: address.into(),
             server_name: name.into(),
         };
@@ -578,7 +704,7 @@ mod tests {
             r("e", "10.0.0.5:8091", "not a name"),
         ];
         let (kept, bad) = usable_replicas(told);
-        let ids: Vec<_> = kept.iter().map(|r| r.server_id.as_str()).collect();
+        let ids: Vec<_> = kept.iter().map(|r| r.pod.as_str()).collect();
         assert_eq!((ids, bad), (vec!["a", "b"], 3));
         let many = (0..100)
             .map(|i| r(&format!("s{i}"), "10.0.0.1:1", ""))

@@ -190,24 +190,42 @@ pub const DEFAULT_DENY: &[&str] = &[
     "fd00:ec2::254/128",
 ];
 
+/// An IPv4-mapped IPv6 address as the IPv4 address it is.
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        v4 => v4,
+    }
+}
+
 impl Agent {
     /// Whether the policy lets the agent connect to `addr`.
     pub fn allowed(&self, addr: &SocketAddr) -> bool {
-        let ip = match addr.ip() {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
-            v4 => v4,
-        };
-        if self.opts.deny.iter().any(|n| n.contains(&ip))
+        let ip = canonical(addr.ip());
+        if self.denied(ip) {
+            return false;
+        }
+        (self.opts.allow.is_empty() || self.opts.allow.iter().any(|n| n.contains(&ip)))
+            && (self.opts.allow_ports.is_empty() || self.opts.allow_ports.contains(&addr.port()))
+    }
+
+    /// Whether the deny list names `ip` (and no allow rule names exactly it).
+    fn denied(&self, ip: IpAddr) -> bool {
+        self.opts.deny.iter().any(|n| n.contains(&ip))
             && !self
                 .opts
                 .allow
                 .iter()
                 .any(|n| n.prefix_len() == n.max_prefix_len() && n.contains(&ip))
-        {
-            return false;
-        }
-        (self.opts.allow.is_empty() || self.opts.allow.iter().any(|n| n.contains(&ip)))
-            && (self.opts.allow_ports.is_empty() || self.opts.allow_ports.contains(&addr.port()))
+    }
+
+    /// Whether `address` (`host:port`) is an IP address the deny list
+    /// names: a replica there is not dialled (a name is not resolved here).
+    pub(super) fn denied_host(&self, address: &str) -> bool {
+        let host = address.rsplit_once(':').map_or(address, |(h, _)| h);
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        host.parse::<IpAddr>()
+            .is_ok_and(|ip| self.denied(canonical(ip)))
     }
 
     pub(super) async fn dial(

@@ -15,8 +15,8 @@ use serde::Deserialize;
 #[derive(Debug, Clone, Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
-    /// This replica's ID, sent to agents as `serverid` (default: the pod's
-    /// name from `POD_NAME`, else random).
+    /// This replica's ID, sent to agents as `serverid` (default: random,
+    /// one per process).
     #[serde(default)]
     pub server_id: Option<String>,
     /// Replicas behind the agents' address, sent as `servercount`.

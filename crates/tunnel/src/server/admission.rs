@@ -394,12 +394,21 @@ pub(super) fn answer_meta(
         meta.insert(header, v);
     }
     if replicas {
-        let ms = srv.agent_h2.keepalive.as_millis().to_string();
-        if let Ok(v) = ms.parse() {
-            meta.insert(crate::wire::proto::KEEPALIVE_HEADER, v);
-        }
+        seedlink_headers(srv, &mut meta);
     }
     Ok(meta)
+}
+
+/// What a seedlink agent (one that asked for REPLICAS) is told besides:
+/// the PING interval towards agents, and the pod this server runs in.
+fn seedlink_headers(srv: &Core, meta: &mut tonic::metadata::MetadataMap) {
+    let ms = srv.agent_h2.keepalive.as_millis().to_string();
+    if let Ok(v) = ms.parse() {
+        meta.insert(crate::wire::proto::KEEPALIVE_HEADER, v);
+    }
+    if let Some(v) = srv.pod.as_deref().and_then(|p| p.parse().ok()) {
+        meta.insert(crate::wire::proto::POD_HEADER, v);
+    }
 }
 
 /// Counts a refused token and answers the agent: `UNAVAILABLE` when the

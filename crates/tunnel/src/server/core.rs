@@ -73,6 +73,9 @@ pub struct Core {
     pub token_slots: seedlink_net::admin::Slots,
     /// `serverid` sent to agents.
     pub server_id: String,
+    /// The pod this process runs in (`POD_NAME`), told to seedlink agents
+    /// (`seedlink-pod`): REPLICAS entries name replicas by it.
+    pub pod: Option<String>,
     /// `servercount` sent to agents: the configured `server_count`, or the
     /// replicas counted from their Service's EndpointSlices
     /// (`kubernetes.replicas`) once read.

@@ -83,7 +83,12 @@ fn new_core(
         gates: seedlink_net::lifecycle::Gates::default(),
         handshaker: seedlink_net::lowprio::runtime("agent-tls"),
         token_slots,
-        server_id: cfg.server_id.clone().unwrap_or_else(default_server_id),
+        server_id: cfg
+            .server_id
+            .clone()
+            .filter(|id| !id.is_empty())
+            .unwrap_or_else(random_id),
+        pod: pod_name(),
         server_count: std::sync::atomic::AtomicU32::new(cfg.server_count),
         replica_addresses: ArcSwap::from_pointee(Vec::new()),
         agent_tls: ArcSwap::from_pointee(agent_tls),
@@ -186,15 +191,12 @@ pub struct Bound {
 }
 
 /// A random ID in UUID form.
-/// `serverid` when the file sets none: the pod's name (`POD_NAME`), which
-/// is also what the replicas' EndpointSlices name each replica by (so
-/// `kubernetes.replica_addresses` can say where each `serverid` is
-/// reached), else a random ID.
-fn default_server_id() -> String {
+/// The pod this process runs in (`POD_NAME`, a valid header value), by
+/// which the replicas' EndpointSlices name it.
+fn pod_name() -> Option<String> {
     std::env::var("POD_NAME")
         .ok()
         .filter(|n| !n.is_empty() && n.parse::<http::HeaderValue>().is_ok())
-        .unwrap_or_else(random_id)
 }
 
 fn random_id() -> String {

@@ -53,6 +53,12 @@ pub const REPLICAS_VERSION: &str = "v1";
 /// agent notices a dead stream as soon as the server does.
 pub const KEEPALIVE_HEADER: &str = "seedlink-keepalive-ms";
 
+/// Answer header (to an agent that asked for REPLICAS): the name of the
+/// pod the server runs in (`POD_NAME`), which REPLICAS entries name each
+/// replica by. `serverid` stays the process's own, so that the new
+/// process of an in-place binary upgrade is not taken for the old one.
+pub const POD_HEADER: &str = "seedlink-pod";
+
 /// One message on either service.
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct Packet {
@@ -112,9 +118,10 @@ pub struct Replicas {
 /// One server replica and where it is reached (seedlink extension).
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Message)]
 pub struct Replica {
-    /// Its `serverid`.
+    /// Its pod's name (what its answers' `seedlink-pod` says; its
+    /// `serverid` is its process's own).
     #[prost(string, tag = "1")]
-    pub server_id: String,
+    pub pod: String,
     /// `host:port` to connect to.
     #[prost(string, tag = "2")]
     pub address: String,

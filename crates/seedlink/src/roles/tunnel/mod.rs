@@ -424,7 +424,7 @@ impl seedlink_kube::source::TunnelSink for KubeSink {
         let at: Vec<_> = at
             .into_iter()
             .map(|r| seedlink_tunnel::proto::Replica {
-                server_id: r.server_id,
+                pod: r.pod,
                 address: r.address,
                 server_name: r.server_name,
             })

@@ -129,11 +129,11 @@ fn field_numbers_match_the_proto_file() {
         ),
         (
             tag_of(Replica {
-                server_id: "a".into(),
+                pod: "a".into(),
                 ..Default::default()
             }),
             "Replica",
-            "serverID",
+            "pod",
         ),
         (
             tag_of(Replica {
