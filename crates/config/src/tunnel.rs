@@ -271,13 +271,16 @@ pub struct ReplicaAddresses {
 
 impl ReplicaAddresses {
     /// The address and server name of the replica at `ip` in pod `pod`.
+    /// (In `server_name`, an IPv6 `{ip}` has no brackets: a TLS name is
+    /// the bare address.)
     pub fn of(&self, ip: std::net::IpAddr, pod: &str) -> (String, String) {
-        let ip = match ip {
-            std::net::IpAddr::V4(v4) => v4.to_string(),
-            std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+        let bare = ip.to_string();
+        let bracketed = match ip {
+            std::net::IpAddr::V4(_) => bare.clone(),
+            std::net::IpAddr::V6(_) => format!("[{bare}]"),
         };
-        let fill = |t: &str| t.replace("{ip}", &ip).replace("{pod}", pod);
-        let name = self.server_name.as_deref().map(fill).unwrap_or_default();
-        (fill(&self.address), name)
+        let fill = |t: &str, ip: &str| t.replace("{ip}", ip).replace("{pod}", pod);
+        let name = self.server_name.as_deref().map(|t| fill(t, &bare));
+        (fill(&self.address, &bracketed), name.unwrap_or_default())
     }
 }

@@ -47,6 +47,15 @@ pub fn replica_count(slices: &[Arc<EndpointSlice>]) -> Option<u32> {
     u32::try_from(seen.len()).ok().filter(|n| *n > 0)
 }
 
+/// Serving and not terminating: agents are not sent to a replica that
+/// drains (it is still counted while it serves).
+fn takes_new_streams(ep: &k8s_openapi::api::discovery::v1::Endpoint) -> bool {
+    let c = ep.conditions.as_ref();
+    let ready = c.and_then(|c| c.ready) != Some(false);
+    let terminating = c.and_then(|c| c.terminating) == Some(true);
+    !terminating && c.and_then(|c| c.serving).unwrap_or(ready)
+}
+
 /// Most replicas told to agents with their addresses (the agent keeps no
 /// more than this either).
 pub const MAX_REPLICA_ADDRESSES: usize = 32;
@@ -61,9 +70,7 @@ pub fn replica_addresses(
 ) -> Vec<Replica> {
     let mut at = std::collections::BTreeMap::new();
     for ep in slices.iter().flat_map(|s| &s.endpoints) {
-        let c = ep.conditions.as_ref();
-        let ready = c.and_then(|c| c.ready) != Some(false);
-        if !c.and_then(|c| c.serving).unwrap_or(ready) {
+        if !takes_new_streams(ep) {
             continue;
         }
         let pod = ep
@@ -539,7 +546,8 @@ mod replica_tests {
 
     /// Each serving endpoint that names its pod is a replica known by the
     /// pod's name, reached where the template says (an IPv6 address in
-    /// brackets); one naming no pod, or not serving, is not told.
+    /// brackets); one naming no pod, not serving, or terminating (it
+    /// drains) is not told.
     #[test]
     fn replica_addresses_name_each_serving_pod() {
         let slice: Arc<EndpointSlice> = Arc::new(
@@ -547,7 +555,8 @@ mod replica_tests {
                 "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
                 "metadata": {"name": "s"}, "addressType": "IPv4", "endpoints": [
                     {"addresses": ["10.0.0.2"], "targetRef": {"kind": "Pod", "name": "seedlink-b"}},
-                    {"addresses": ["fd00::1"], "targetRef": {"kind": "Pod", "name": "seedlink-a"},
+                    {"addresses": ["fd00::1"], "targetRef": {"kind": "Pod", "name": "seedlink-a"}},
+                    {"addresses": ["10.0.0.9"], "targetRef": {"kind": "Pod", "name": "seedlink-old"},
                      "conditions": {"ready": false, "serving": true, "terminating": true}},
                     {"addresses": ["10.0.0.3"], "targetRef": {"kind": "Pod", "name": "seedlink-c"},
                      "conditions": {"ready": false}},

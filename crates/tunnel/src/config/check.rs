@@ -261,20 +261,37 @@ fn check_replica_addresses(
             "needs kubernetes.replicas (the Service whose EndpointSlices name the replicas)",
         );
     }
-    // Filled in for a sample replica, each must be what an agent can use.
-    let (address, name) = a.of(std::net::Ipv4Addr::new(10, 0, 0, 1).into(), "seedlink-0");
+    // Filled in for a sample replica of each family, each must be what an
+    // agent can use.
+    let v4 = std::net::Ipv4Addr::new(10, 0, 0, 1).into();
+    let v6 = std::net::Ipv6Addr::new(0xfd00, 0, 0, 0, 0, 0, 0, 1).into();
+    let _ = [v4, v6].into_iter().all(|ip| sample_ok(a, ip, errs));
+}
+
+/// The templates filled in for a replica at `ip`: whether both give what
+/// an agent can use (the first problem added if not).
+fn sample_ok(
+    a: &seedlink_config::tunnel::ReplicaAddresses,
+    ip: std::net::IpAddr,
+    errs: &mut Problems,
+) -> bool {
+    let (address, name) = a.of(ip, "seedlink-0");
     if !crate::wire::replica_address_ok(&address) {
         errs.add(
             "kubernetes.replica_addresses.address",
             format!("{:?} gives {address:?}, not host:port", a.address),
         );
+        return false;
     }
-    if a.server_name.is_some() && rustls::pki_types::ServerName::try_from(name.clone()).is_err() {
+    let bad_name = rustls::pki_types::ServerName::try_from(name.clone()).is_err();
+    if a.server_name.is_some() && bad_name {
         errs.add(
             "kubernetes.replica_addresses.server_name",
             format!("gives {name:?}, not a TLS server name"),
         );
+        return false;
     }
+    true
 }
 
 /// The longest `dial_timeout`, `stall_timeout` and keepalive setting: a

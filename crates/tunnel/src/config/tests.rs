@@ -245,6 +245,14 @@ kubernetes: {{lease: s/l, {k}}}
             "p-0.t.example.com".to_string()
         )
     );
+    // A name that is the address: bare, as a TLS name is.
+    let ip_name = seedlink_config::tunnel::ReplicaAddresses {
+        server_name: Some("{ip}".into()),
+        ..a
+    };
+    assert_eq!(ip_name.of("fd00::1".parse().unwrap(), "p-0").1, "fd00::1");
+    let bare = text("replicas: s/r, replica_addresses: {address: '{ip}:1', server_name: '{ip}'}");
+    assert!(ServerConfig::parse(&bare).is_ok());
     for (k, why) in [
         (
             "replica_addresses: {address: '{ip}:8091'}",
@@ -260,6 +268,10 @@ kubernetes: {{lease: s/l, {k}}}
         ),
         (
             "replicas: s/r, replica_addresses: {address: '{ip}:1', server_name: '{ip} x'}",
+            "not a TLS server name",
+        ),
+        (
+            "replicas: s/r, replica_addresses: {address: '{ip}:1', server_name: 'x.{ip}'}",
             "not a TLS server name",
         ),
     ] {
