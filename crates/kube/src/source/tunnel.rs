@@ -21,30 +21,38 @@ use super::status::*;
 use super::watches::*;
 use crate::translate::Key;
 
-/// The replicas a Service's EndpointSlices name: distinct addresses whose
-/// endpoint serves (an unknown condition counts), terminating or not. A
-/// replica being replaced still serves through its preStop wait while its
-/// successor is already Ready and receiving dials: counting both tells the
-/// agents (which hold a stream to each replica they know of) to join the
-/// successor at once, instead of when the old one drains; otherwise dials
-/// the successor gets meanwhile find no agent. Once the old one stops
-/// serving the count drops back. `None` when there is none (a count of 0
-/// is never sent to agents).
+/// The replicas a Service's EndpointSlices name: distinct pods (an
+/// endpoint naming none: distinct addresses) whose endpoint serves (an
+/// unknown condition counts), terminating or not; a dual-stack pod, in an
+/// IPv4 and an IPv6 slice, is one replica. A replica being replaced still
+/// serves through its preStop wait while its successor is already Ready
+/// and receiving dials: counting both tells the agents (which hold a
+/// stream to each replica they know of) to join the successor at once,
+/// instead of when the old one drains; otherwise dials the successor gets
+/// meanwhile find no agent. Once the old one stops serving the count drops
+/// back. `None` when there is none (a count of 0 is never sent to agents).
 pub fn replica_count(slices: &[Arc<EndpointSlice>]) -> Option<u32> {
     let mut seen = HashSet::new();
-    for s in slices {
-        for ep in &s.endpoints {
-            let c = ep.conditions.as_ref();
-            let ready = c.and_then(|c| c.ready) != Some(false);
-            let serving = c.and_then(|c| c.serving).unwrap_or(ready);
-            if serving {
-                if let Some(a) = ep.addresses.first() {
-                    seen.insert(a.clone());
-                }
-            }
+    for ep in slices.iter().flat_map(|s| &s.endpoints) {
+        let c = ep.conditions.as_ref();
+        let ready = c.and_then(|c| c.ready) != Some(false);
+        if !c.and_then(|c| c.serving).unwrap_or(ready) {
+            continue;
+        }
+        let key = pod_of(ep).map(|p| format!("pod/{p}"));
+        if let Some(k) = key.or_else(|| ep.addresses.first().cloned()) {
+            seen.insert(k);
         }
     }
     u32::try_from(seen.len()).ok().filter(|n| *n > 0)
+}
+
+/// The pod an endpoint names, if any.
+fn pod_of(ep: &k8s_openapi::api::discovery::v1::Endpoint) -> Option<String> {
+    ep.target_ref
+        .as_ref()
+        .filter(|r| r.kind.as_deref() == Some("Pod"))
+        .and_then(|r| r.name.clone())
 }
 
 /// Serving and not terminating: agents are not sent to a replica that
@@ -68,27 +76,27 @@ pub fn replica_addresses(
     slices: &[Arc<EndpointSlice>],
     template: &seedlink_config::tunnel::ReplicaAddresses,
 ) -> Vec<Replica> {
-    let mut at = std::collections::BTreeMap::new();
+    // Each pod's address; of a dual-stack pod's, the IPv4 one, whatever
+    // order the slices come in.
+    let mut at: std::collections::BTreeMap<String, std::net::IpAddr> = Default::default();
     for ep in slices.iter().flat_map(|s| &s.endpoints) {
-        if !takes_new_streams(ep) {
-            continue;
-        }
-        let pod = ep
-            .target_ref
-            .as_ref()
-            .filter(|r| r.kind.as_deref() == Some("Pod"))
-            .and_then(|r| r.name.clone());
         let ip = ep.addresses.first().and_then(|a| a.parse().ok());
-        if let (Some(pod), Some(ip)) = (pod, ip) {
+        if let (true, Some(pod), Some(ip)) = (takes_new_streams(ep), pod_of(ep), ip) {
+            let kept = at.entry(pod).or_insert(ip);
+            *kept = (*kept).min(ip);
+        }
+    }
+    at.into_iter()
+        .take(MAX_REPLICA_ADDRESSES)
+        .map(|(pod, ip)| {
             let (address, server_name) = template.of(ip, &pod);
-            at.entry(pod.clone()).or_insert(Replica {
+            Replica {
                 pod,
                 address,
                 server_name,
-            });
-        }
-    }
-    at.into_values().take(MAX_REPLICA_ADDRESSES).collect()
+            }
+        })
+        .collect()
 }
 
 /// What the tunnel-server's source needs to know.
@@ -570,7 +578,20 @@ mod replica_tests {
             address: "{ip}:8091".into(),
             server_name: Some("{pod}.tunnel.example.com".into()),
         };
-        let at = replica_addresses(&[slice.clone(), slice], &t);
+        // seedlink-b is dual-stack: its IPv6 endpoint, in another slice,
+        // first; it is one replica, told by its IPv4 address.
+        let v6: Arc<EndpointSlice> = Arc::new(
+            serde_json::from_value(json!({
+                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": "s6"}, "addressType": "IPv6", "endpoints": [
+                    {"addresses": ["fd00::2"], "targetRef": {"kind": "Pod", "name": "seedlink-b"}}
+                ]
+            }))
+            .unwrap(),
+        );
+        // b, a, old (terminating, still serving) and the two naming no pod.
+        assert_eq!(replica_count(&[v6.clone(), slice.clone()]), Some(5));
+        let at = replica_addresses(&[v6, slice.clone(), slice], &t);
         let got: Vec<_> = at
             .iter()
             .map(|r| (r.pod.as_str(), r.address.as_str(), r.server_name.as_str()))
