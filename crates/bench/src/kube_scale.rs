@@ -17,7 +17,9 @@
 //!   the write until the gateway serves the new endpoint, while 10 other
 //!   tenants change every second: p50 and p99, and the gateway's CPU per
 //!   change (all changes counted; it includes answering this bench's
-//!   polls of `api/state` every 50 ms);
+//!   polls of that one tenant's `api/state?control_plane=` every 50 ms),
+//!   and the mean duration of the gateway's passes meanwhile (translate
+//!   and apply: the source's own work);
 //! - the connections each opened to the API server.
 //!
 //! Not measured here yet: agents (2 per tenant) and a replica's restart
@@ -55,6 +57,8 @@ struct Row {
     change_p50: Duration,
     change_p99: Duration,
     cpu_ms_per_change: f64,
+    /// The gateway's passes during the changes and their mean duration.
+    gw_passes: (f64, f64),
     gw_conns: u64,
     tun_conns: u64,
     /// The tunnel-server's passes until it served every tenant, and their
@@ -182,6 +186,11 @@ fn slice(i: usize, v: usize) -> Value {
            "endpoints": [{"addresses": [address(i, v)], "conditions": {"ready": true}}]})
 }
 
+/// Tenant `i`'s control plane's name (its route's namespace and name).
+fn cp_name(i: usize) -> String {
+    format!("{}.kube-apiserver", ns(i))
+}
+
 fn address(i: usize, v: usize) -> String {
     format!("10.{}.{}.{}", i / 256 % 256, i % 256, v % 250 + 1)
 }
@@ -252,7 +261,11 @@ async fn start(
 
 /// `api/state` of `admin`.
 async fn state(admin: SocketAddr) -> Value {
-    let (_, body) = seedlink_testkit::http_get(admin, "/api/state").await;
+    state_at(admin, "/api/state").await
+}
+
+async fn state_at(admin: SocketAddr, path: &str) -> Value {
+    let (_, body) = seedlink_testkit::http_get(admin, path).await;
     serde_json::from_str(&body).unwrap_or(Value::Null)
 }
 
@@ -302,8 +315,11 @@ async fn measure(
     let (gw_pid, tun_pid) = (gw.child.id(), tun.child.id());
     let (gw_rss_kib, tun_rss_kib) = (procstat::rss_kib(&[gw_pid]), procstat::rss_kib(&[tun_pid]));
     let cpu0 = procstat::cpu_seconds(&[gw_pid]);
+    let passes0 = pass_totals(gw.admin).await;
     let (latencies, background) = changes(client, &gw, n).await?;
     let cpu = procstat::cpu_seconds(&[gw_pid]) - cpu0;
+    let passes1 = pass_totals(gw.admin).await;
+    let gw_passes = mean((passes1.0 - passes0.0, passes1.1 - passes0.1));
     let mut sorted = latencies.clone();
     sorted.sort();
     let at = |q: f64| sorted[((sorted.len() - 1) as f64 * q).round() as usize];
@@ -316,6 +332,7 @@ async fn measure(
         change_p50: at(0.5),
         change_p99: at(0.99),
         cpu_ms_per_change: cpu * 1000.0 / (latencies.len() + background) as f64,
+        gw_passes,
         gw_conns: gw.proxy.accepted.load(std::sync::atomic::Ordering::Relaxed),
         tun_conns: tun
             .proxy
@@ -328,6 +345,16 @@ async fn measure(
 /// The source's passes so far and their mean duration (its
 /// `apply_duration_seconds` histogram).
 async fn passes(admin: SocketAddr) -> (f64, f64) {
+    mean(pass_totals(admin).await)
+}
+
+/// A count and a sum: the count and the mean.
+fn mean((count, sum): (f64, f64)) -> (f64, f64) {
+    (count, if count > 0.0 { sum / count } else { 0.0 })
+}
+
+/// The source's passes so far and their summed duration.
+async fn pass_totals(admin: SocketAddr) -> (f64, f64) {
     let (_, text) = seedlink_testkit::http_get(admin, "/metrics").await;
     let sample = |name: &str| {
         text.lines()
@@ -337,7 +364,7 @@ async fn passes(admin: SocketAddr) -> (f64, f64) {
     };
     let count = sample("seedlink_kubernetes_apply_duration_seconds_count");
     let sum = sample("seedlink_kubernetes_apply_duration_seconds_sum");
-    (count, if count > 0.0 { sum / count } else { 0.0 })
+    (count, sum)
 }
 
 /// The tunnel-server's certificate and key files (any name: no agent
@@ -385,7 +412,11 @@ async fn changes(
         apply(client, slice(0, v)).await?;
         let deadline = t + WAIT;
         loop {
-            let s = state(gw.admin).await;
+            let s = state_at(
+                gw.admin,
+                &format!("/api/state?control_plane={}", cp_name(0)),
+            )
+            .await;
             let cp = s["control_planes"].as_array().and_then(|c| {
                 c.iter().find(|c| {
                     c["hostnames"]
@@ -412,11 +443,11 @@ async fn changes(
 
 fn print(rows: &[Row]) {
     println!("\n## seedlink-bench (kube-scale): the Kubernetes source on a real kube-apiserver\n");
-    println!("| tenants | gateway cold start | tunnel-server cold start (passes, mean pass) | gateway RSS | tunnel-server RSS | change p50 | change p99 | gateway CPU per change | API connections (gateway, tunnel-server) |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| tenants | gateway cold start | tunnel-server cold start (passes, mean pass) | gateway RSS | tunnel-server RSS | change p50 | change p99 | gateway CPU per change | gateway passes meanwhile (mean pass) | API connections (gateway, tunnel-server) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {} | {:.2} s | {:.2} s ({}, {:.2} s) | {:.1} MiB | {:.1} MiB | {} ms | {} ms | {:.2} ms | {}, {} |",
+            "| {} | {:.2} s | {:.2} s ({}, {:.2} s) | {:.1} MiB | {:.1} MiB | {} ms | {} ms | {:.2} ms | {} ({:.2} ms) | {}, {} |",
             r.tenants,
             r.gw_cold.as_secs_f64(),
             r.tun_cold.as_secs_f64(),
@@ -427,6 +458,8 @@ fn print(rows: &[Row]) {
             r.change_p50.as_millis(),
             r.change_p99.as_millis(),
             r.cpu_ms_per_change,
+            r.gw_passes.0,
+            r.gw_passes.1 * 1000.0,
             r.gw_conns,
             r.tun_conns
         );
@@ -435,14 +468,15 @@ fn print(rows: &[Row]) {
         if b.tenants > a.tenants {
             let per = |x: f64, y: f64| (y - x) / (b.tenants - a.tenants) as f64;
             println!(
-                "\nper tenant between {} and {}: gateway {:.1} KiB, tunnel-server {:.1} KiB; cost of a change at {} vs {}: {:.2}×",
+                "\nper tenant between {} and {}: gateway {:.1} KiB, tunnel-server {:.1} KiB; cost of a change at {} vs {}: {:.2}× in CPU, {:.2}× in mean pass",
                 a.tenants,
                 b.tenants,
                 per(a.gw_rss_kib, b.gw_rss_kib),
                 per(a.tun_rss_kib, b.tun_rss_kib),
                 b.tenants,
                 a.tenants,
-                b.cpu_ms_per_change / a.cpu_ms_per_change
+                b.cpu_ms_per_change / a.cpu_ms_per_change,
+                b.gw_passes.1 / a.gw_passes.1
             );
         }
     }

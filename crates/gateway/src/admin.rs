@@ -99,7 +99,13 @@ fn route(gw: &Gateway, req: &Request<Incoming>) -> Response<Full<Bytes>> {
             seedlink_net::admin::METRICS,
         ),
         "/" => typed(seedlink_net::admin::PAGE, seedlink_net::admin::HTML),
-        "/api/state" => typed(state(gw).to_string(), seedlink_net::admin::JSON),
+        "/api/state" => match only_control_plane(req.uri().query()) {
+            Ok(only) => typed(
+                state_of(gw, only.as_deref()).to_string(),
+                seedlink_net::admin::JSON,
+            ),
+            Err(why) => text(StatusCode::BAD_REQUEST, why),
+        },
         "/config" => {
             let body = serde_json::json!({
                 "generation": gw.generation(),
@@ -153,6 +159,28 @@ fn per_control_plane(
 
 /// Every control plane's live state, as the page and scripts read it.
 pub fn state(gw: &Gateway) -> serde_json::Value {
+    state_of(gw, None)
+}
+
+/// The control plane `api/state?control_plane=NAME` asks for: `None`
+/// without the parameter (every control plane). At a thousand tenants the
+/// whole state is about a megabyte; a script watching one control plane
+/// asks for it alone.
+fn only_control_plane(query: Option<&str>) -> Result<Option<String>, &'static str> {
+    let mut only = None;
+    for (k, v) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        match k.as_ref() {
+            "control_plane" if only.is_none() => only = Some(v.into_owned()),
+            "control_plane" => return Err("control_plane: given more than once\n"),
+            _ => return Err("unknown parameter: api/state takes only control_plane\n"),
+        }
+    }
+    Ok(only)
+}
+
+/// [`state`], with only the control plane named `only` when given (none
+/// when no control plane has that name).
+pub fn state_of(gw: &Gateway, only: Option<&str>) -> serde_json::Value {
     let snap = gw.snapshot();
     let counts = Counts::read(gw);
     let now = crate::upstream::now_ms();
@@ -161,7 +189,8 @@ pub fn state(gw: &Gateway) -> serde_json::Value {
         .control_planes
         .iter()
         .map(|c| (c, "file"))
-        .chain(file.from_kubernetes.iter().map(|c| (c, "kubernetes")));
+        .chain(file.from_kubernetes.iter().map(|c| (c, "kubernetes")))
+        .filter(|(c, _)| only.is_none_or(|n| c.name == n));
     let control_planes: Vec<serde_json::Value> = all
         .map(|(c, source)| control_plane_state(&snap, &counts, c, source, now))
         .collect();
@@ -294,5 +323,26 @@ seedlink_gateway_routed_total{listener=\"tls\",protocol=\"tls-sni\"} 9
         assert_eq!(got.len(), 2, "{got:?}");
         assert_eq!(got["a"]["tls / tls-sni"], 5.0);
         assert_eq!(got["b"]["connect / http-connect"], 1.0);
+    }
+}
+
+#[cfg(test)]
+mod query_tests {
+    use super::only_control_plane;
+
+    #[test]
+    fn api_state_takes_one_control_plane_and_nothing_else() {
+        assert_eq!(only_control_plane(None), Ok(None));
+        assert_eq!(only_control_plane(Some("")), Ok(None));
+        assert_eq!(
+            only_control_plane(Some("control_plane=t-0.kube-apiserver")),
+            Ok(Some("t-0.kube-apiserver".into()))
+        );
+        assert_eq!(
+            only_control_plane(Some("control_plane=a%2Eb")),
+            Ok(Some("a.b".into()))
+        );
+        assert!(only_control_plane(Some("control_plane=a&control_plane=b")).is_err());
+        assert!(only_control_plane(Some("cluster=a")).is_err());
     }
 }

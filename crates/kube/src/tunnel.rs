@@ -197,7 +197,7 @@ pub fn translate(
         .map(|c| (Key::of(c.as_ref()), c.as_ref()))
         .collect();
     let mut objects: Vec<&Arc<TunnelCluster>> = objects.iter().collect();
-    objects.sort_by_key(|o| age(o.as_ref()));
+    objects.sort_by_cached_key(|o| age(o.as_ref()));
     let mut out = TunnelTranslation::default();
     for o in objects {
         let key = Key::of(o.as_ref());

@@ -169,23 +169,27 @@ pub struct Diff {
 
 /// Computes what a reload changes, by control-plane name (sorted).
 pub fn diff(old: &ConfigFile, new: &ConfigFile) -> Diff {
-    let all = |f: &'_ ConfigFile| {
+    fn all(f: &ConfigFile) -> HashMap<&str, &ControlPlaneCfg> {
         f.control_planes
             .iter()
             .chain(&f.from_kubernetes)
-            .map(|c| (c.name.clone(), c.clone()))
-            .collect::<HashMap<_, _>>()
-    };
+            .map(|c| (c.name.as_str(), c))
+            .collect()
+    }
     let (o, n) = (all(old), all(new));
     let mut d = Diff::default();
     for (name, cp) in &n {
         match o.get(name) {
-            None => d.added.push(name.clone()),
-            Some(prev) if prev != cp => d.changed.push(name.clone()),
+            None => d.added.push(name.to_string()),
+            Some(prev) if prev != cp => d.changed.push(name.to_string()),
             Some(_) => {}
         }
     }
-    d.removed = o.keys().filter(|k| !n.contains_key(*k)).cloned().collect();
+    d.removed = o
+        .keys()
+        .filter(|k| !n.contains_key(*k))
+        .map(|k| k.to_string())
+        .collect();
     d.added.sort();
     d.removed.sort();
     d.changed.sort();

@@ -68,7 +68,7 @@ impl Translator {
     pub fn translate(&mut self, objects: &Objects<'_>) -> Translation {
         let mut out = Translation::default();
         let mut routes: Vec<&Arc<TlsRoute>> = objects.routes.iter().collect();
-        routes.sort_by_key(|r| age(r.as_ref()));
+        routes.sort_by_cached_key(|r| age(r.as_ref()));
         let services: HashMap<Key, &Service> = objects
             .services
             .iter()
@@ -194,7 +194,7 @@ impl Translator {
         let attached = attached_routes(views, routes);
         let existing: HashSet<Key> = routes.iter().map(|r| Key::of(r.as_ref())).collect();
         let mut policies: Vec<&Arc<SeedlinkPolicy>> = objects.policies.iter().collect();
-        policies.sort_by_key(|p| age(p.as_ref()));
+        policies.sort_by_cached_key(|p| age(p.as_ref()));
         let mut result = HashMap::new();
         let live: HashSet<Key> = policies.iter().map(|p| Key::of(p.as_ref())).collect();
         self.last_good.retain(|k, _| live.contains(k));

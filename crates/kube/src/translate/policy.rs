@@ -2,14 +2,13 @@
 //! targets, the claims a control plane makes, and what the status already
 //! says was accepted.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 
 use gateway_api::tlsroutes::TlsRoute;
-use kube::ResourceExt;
 use seedlink_config::model::{Acl, ControlPlane, DestinationCfg};
 
-use crate::crd::SeedlinkPolicySpec;
+use crate::crd::{SeedlinkPolicy, SeedlinkPolicySpec};
 
 use super::objects::*;
 use super::outcome::*;
@@ -101,10 +100,17 @@ pub(super) fn accepted_by_status(objects: &Objects<'_>, ours: &[Key]) -> HashSet
                 && c.observed_generation == generation
         })
     };
+    // By namespace: a route's policies are in its own namespace, and
+    // looking through every policy for every route would cost tenants².
+    let mut in_namespace: HashMap<&str, Vec<&SeedlinkPolicy>> = HashMap::new();
+    for p in objects.policies {
+        let ns = p.metadata.namespace.as_deref().unwrap_or_default();
+        in_namespace.entry(ns).or_default().push(p.as_ref());
+    }
     let stale_policy = |key: &Key| {
-        objects.policies.iter().any(|p| {
-            p.namespace().as_deref() == Some(key.namespace.as_str())
-                && p.spec.target_refs.iter().any(|t| t.name == key.name)
+        let policies = in_namespace.get(key.namespace.as_str());
+        policies.into_iter().flatten().any(|p| {
+            p.spec.target_refs.iter().any(|t| t.name == key.name)
                 && !p.status.iter().flat_map(|s| &s.ancestors).any(|a| {
                     a.controller_name == crate::crd::CONTROLLER_NAME
                         && a.ancestor_ref.name == key.name

@@ -191,7 +191,7 @@ pub(super) fn class_views<'a>(
         .filter(|g| g.spec.gateway_class_name == class.name)
         .filter(|g| objects.gateway.is_none_or(|n| Key::of(*g) != *n))
         .collect();
-    members.sort_by_key(|g| age(*g));
+    members.sort_by_cached_key(|g| age(*g));
     let addresses = assign(&members, &class.addresses);
     for (g, address) in members.into_iter().zip(addresses) {
         // Without an address (the pool is used up) the listeners are still

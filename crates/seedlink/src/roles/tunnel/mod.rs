@@ -239,12 +239,15 @@ impl ServerRole {
         // TunnelClusters whose objects exist (their status says they hold
         // trust) but that are not among those to apply (refused before
         // the server saw them): they keep what they hold.
+        let named: std::collections::HashSet<&str> =
+            kubernetes.iter().map(|c| c.name.as_str()).collect();
         let refused_holders: std::collections::HashSet<String> =
             seedlink_net::sync::lock(&self.status_held, "tunnel status trust")
                 .values()
-                .filter(|n| !kubernetes.iter().any(|c| &c.name == *n))
+                .filter(|n| !named.contains(n.as_str()))
                 .cloned()
                 .collect();
+        drop(named);
         let mut failed: seedlink_tunnel::config::Refused = Vec::new();
         // Each round refuses at least one more cluster, or ends.
         loop {
