@@ -149,8 +149,17 @@ pub async fn run(ctx: Context, stop: CancellationToken) {
         .graceful_shutdown_on(async move { stop.cancelled().await })
         .run(reconcile, error_policy, Arc::new(ctx))
         .for_each(|r| async move {
-            if let Err(e) = r {
-                tracing::debug!(error = %e, "onboarding: reconcile");
+            match r {
+                Ok(_) => {}
+                // Logged by `error_policy`, with the control plane.
+                Err(e @ kube::runtime::controller::Error::ReconcilerFailed(..)) => {
+                    tracing::debug!(error = %e, "onboarding: reconcile");
+                }
+                // A watch failing (RBAC, a missing CRD, the API server
+                // away) or an object gone: nothing is reconciled until it
+                // recovers, and the operator must see why (the watcher
+                // backs off, so this is not a flood).
+                Err(e) => tracing::warn!(error = %e, "onboarding: controller"),
             }
         })
         .await;

@@ -24,11 +24,13 @@ pub trait TunnelSink: Send + Sync + 'static {
         clusters: Vec<seedlink_config::tunnel::Cluster>,
         status_held: HashMap<String, String>,
     ) -> BoxFuture<'_, seedlink_config::compile::Refused>;
-    /// A served cluster's agents and dial errors.
-    fn health(&self, cluster: &str) -> Option<seedlink_config::tunnel::ClusterHealth>;
-    /// The trust claims of a served cluster (for its `status.trust`).
-    fn trust(&self, _cluster: &str) -> Vec<String> {
-        Vec::new()
+    /// Each served cluster's agents and dial errors, by name (asked once
+    /// per status sweep: one lookup per cluster would cost tenants²).
+    fn health(&self) -> HashMap<String, seedlink_config::tunnel::ClusterHealth>;
+    /// Each served cluster's trust claims (its `status.trust`), sorted,
+    /// by name.
+    fn trust(&self) -> HashMap<String, Vec<String>> {
+        HashMap::new()
     }
     /// The tunnel-server replicas counted from their Service's
     /// EndpointSlices (`kubernetes.replicas`), and where each is reached

@@ -512,6 +512,7 @@ impl StatusWriter {
             return;
         }
         let outcomes: HashMap<&Key, _> = t.outcomes.iter().map(|o| (&o.key, o)).collect();
+        let (mut healths, mut trusts) = (sink.health(), sink.trust());
         let mut patches = Vec::new();
         for o in objects {
             let key = Key::of(o.as_ref());
@@ -519,11 +520,11 @@ impl StatusWriter {
                 continue;
             };
             let current = o.status.clone().unwrap_or_default();
-            let health = outcome.cluster.as_deref().and_then(|c| sink.health(c));
+            let health = outcome.cluster.as_deref().and_then(|c| healths.remove(c));
             let trust = outcome
                 .cluster
                 .as_deref()
-                .map(|c| sink.trust(c))
+                .and_then(|c| trusts.remove(c))
                 .unwrap_or_default();
             let hold = Hold {
                 now: Timestamp::now(),

@@ -413,14 +413,19 @@ impl seedlink_kube::source::TunnelSink for KubeSink {
         Box::pin(self.0.set_kubernetes(clusters, status_held))
     }
 
-    fn trust(&self, cluster: &str) -> Vec<String> {
-        seedlink_net::sync::lock(&self.0.held, "tunnel trust")
-            .iter()
-            .filter(|(_, holder)| holder.as_str() == cluster)
-            .map(|(claim, _)| claim.clone())
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .collect()
+    fn trust(&self) -> HashMap<String, Vec<String>> {
+        let mut by_cluster: HashMap<String, Vec<String>> = HashMap::new();
+        for (claim, holder) in seedlink_net::sync::lock(&self.0.held, "tunnel trust").iter() {
+            by_cluster
+                .entry(holder.clone())
+                .or_default()
+                .push(claim.clone());
+        }
+        for claims in by_cluster.values_mut() {
+            claims.sort();
+            claims.dedup();
+        }
+        by_cluster
     }
 
     fn set_replicas(&self, count: u32, at: Vec<seedlink_kube::source::Replica>) {
@@ -442,14 +447,18 @@ impl seedlink_kube::source::TunnelSink for KubeSink {
         }
     }
 
-    fn health(&self, cluster: &str) -> Option<seedlink_tunnel::server::ClusterHealth> {
+    fn health(&self) -> HashMap<String, seedlink_tunnel::server::ClusterHealth> {
         self.0
             .srv
             .registry
             .clusters()
             .iter()
-            .find(|c| &*c.name == cluster)
-            .map(|c| c.health())
+            .fold(HashMap::new(), |mut by_name, c| {
+                by_name
+                    .entry(c.name.to_string())
+                    .or_insert_with(|| c.health());
+                by_name
+            })
     }
 }
 
