@@ -229,7 +229,7 @@ struct Counts {
 
 impl Counts {
     fn read(gw: &Gateway) -> Counts {
-        let metrics = gw.metrics.encode();
+        let metrics = gw.metrics.encode_own();
         let outcomes = per_control_plane(&metrics, "seedlink_gateway_connections_total", |l| {
             l.get("outcome").cloned()
         });

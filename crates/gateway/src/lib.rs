@@ -402,14 +402,15 @@ impl Gateway {
         self: &Arc<Self>,
         control_planes: Vec<seedlink_config::model::ControlPlane>,
     ) -> seedlink_config::compile::Refused {
-        *seedlink_net::sync::lock(&self.kubernetes, "kubernetes") = control_planes.clone();
+        *seedlink_net::sync::lock(&self.kubernetes, "kubernetes") = control_planes;
         match self.reload_admitting() {
             (Ok(_), refused) => refused,
             (Err(e), _) => {
                 // The file itself is invalid: nothing changed. What is not
                 // served in the running snapshot, as given, is not served.
                 let running = self.snapshot();
-                control_planes
+                let given = seedlink_net::sync::lock(&self.kubernetes, "kubernetes").clone();
+                given
                     .into_iter()
                     .filter(|c| !running.file.from_kubernetes.contains(c))
                     .map(|c| {

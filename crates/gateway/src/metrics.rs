@@ -270,6 +270,16 @@ impl Metrics {
         );
     }
 
+    /// The gateway's own families only, without the process's (read from
+    /// `/proc`) and the sections': what `api/state` takes its counters
+    /// from, on every poll.
+    pub fn encode_own(&self) -> String {
+        let mut text = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+
     /// Renders the OpenMetrics text exposition.
     pub fn encode(&self) -> String {
         // With the process, build and lock metrics every role exports.

@@ -44,6 +44,15 @@ pub fn load(path: &Path, previous: Option<&Snapshot>) -> Result<Snapshot, Errors
 /// Validates `file` completely and compiles it. On failure every problem is
 /// listed, in file order.
 pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot, Errors> {
+    compile_or_return(file, previous).map_err(|e| e.0)
+}
+
+/// [`compile`], giving the file back with the problems (so that a caller
+/// that tries again without some of it need not have copied it first).
+fn compile_or_return(
+    file: ConfigFile,
+    previous: Option<&Snapshot>,
+) -> Result<Snapshot, Box<(Errors, ConfigFile)>> {
     let mut c = Collector(Vec::new());
     let admin = check_admin(&mut c, &file.admin.listen);
     let listeners = check_listeners(&mut c, &file.listeners);
@@ -68,7 +77,7 @@ pub fn compile(file: ConfigFile, previous: Option<&Snapshot>) -> Result<Snapshot
         ..
     } = b;
     if !c.0.is_empty() {
-        return Err(Errors(c.0));
+        return Err(Box::new((Errors(c.0), file)));
     }
     Ok(Snapshot {
         listeners,
@@ -94,12 +103,12 @@ pub type Refused = Vec<(String, Vec<ConfigError>)>;
 /// still compile. Problems of the file itself fail the whole compile, as
 /// in [`compile`].
 pub fn compile_admitting(
-    mut file: ConfigFile,
+    file: ConfigFile,
     previous: Option<&Snapshot>,
 ) -> (Result<Snapshot, Errors>, Refused) {
-    let errors = match compile(file.clone(), previous) {
+    let (errors, mut file) = match compile_or_return(file, previous) {
         Ok(s) => return (Ok(s), Vec::new()),
-        Err(e) => e,
+        Err(e) => *e,
     };
     let (mut bad, own) = by_kubernetes_index(errors, file.from_kubernetes.len());
     if !own.is_empty() {

@@ -230,7 +230,8 @@ impl GatewayPasses {
             if wake == Wake::Changed || !passed || retry {
                 let started = tokio::time::Instant::now();
                 let mut pass = self.stores.translate(&mut self.translator, &self.settings);
-                let refused = sink.apply(pass.t.control_planes.clone());
+                // The gateway keeps them; status reads the outcomes only.
+                let refused = sink.apply(std::mem::take(&mut pass.t.control_planes));
                 self.metrics.applied(started.elapsed());
                 retry = not_applied(&refused);
                 pass.t.refused(&refused);

@@ -437,7 +437,8 @@ impl StatusWriter {
         routes: &[Arc<TlsRoute>],
         served: &[Key],
     ) -> bool {
-        let outcomes: HashMap<&Key, &RouteOutcome> = t.routes.iter().map(|r| (&r.key, r)).collect();
+        let outcomes: HashMap<&Key, &RouteOutcome> =
+            t.routes.iter().map(|r| (&r.key, r.as_ref())).collect();
         for route in routes {
             let key = Key::of(route.as_ref());
             let outcome = outcomes.get(&key).copied();

@@ -22,6 +22,7 @@ use seedlink_config::model::ControlPlane;
 use crate::crd::{SeedlinkPolicy, SeedlinkPolicySpec};
 
 mod backends;
+mod memo;
 mod objects;
 mod outcome;
 mod policy;
@@ -48,6 +49,10 @@ pub struct Translator {
     last_good: HashMap<Key, SeedlinkPolicySpec>,
     /// Who held each name in the last pass (claim → control plane).
     held: HashMap<String, String>,
+    /// Each namespace's share of the last pass.
+    memo: memo::Memo,
+    /// How many namespaces the last pass translated again.
+    pub retranslated: usize,
     /// The `endpointslice.kubernetes.io/managed-by` values whose slices
     /// name upstreams (`kubernetes.endpointslice_managers`).
     pub slice_managers: Vec<String>,
@@ -58,49 +63,44 @@ impl Default for Translator {
         Translator {
             last_good: HashMap::new(),
             held: HashMap::new(),
+            memo: memo::Memo::default(),
+            retranslated: 0,
             slice_managers: vec![seedlink_config::model::ENDPOINTSLICE_CONTROLLER.to_string()],
         }
     }
 }
 
 impl Translator {
-    /// Translates `objects`.
+    /// Translates `objects`: the namespaces whose objects changed since the
+    /// last pass again, the others from what that pass made of them
+    /// ([`memo`]).
     pub fn translate(&mut self, objects: &Objects<'_>) -> Translation {
-        let mut out = Translation::default();
-        let mut routes: Vec<&Arc<TlsRoute>> = objects.routes.iter().collect();
-        routes.sort_by_cached_key(|r| age(r.as_ref()));
-        let services: HashMap<Key, &Service> = objects
-            .services
-            .iter()
-            .map(|s| (Key::of(s.as_ref()), s.as_ref()))
-            .collect();
-        let slices = self.trusted_slices(objects);
         let views = views(objects);
-        let policies = self.policies(objects, &views, &routes, &mut out);
-        let namespaces: HashMap<String, &BTreeMap<String, String>> = objects
-            .namespaces
-            .iter()
-            .map(|n| (n.name_any(), n.labels()))
-            .collect();
-        let grants: Vec<&ReferenceGrant> = objects.grants.iter().map(|g| g.as_ref()).collect();
-        let lookup = Lookup {
-            services: &services,
-            slices: &slices,
-            grants: &grants,
-        };
-        for route in routes {
-            let key = Key::of(route.as_ref());
-            let attached = attach_to_parents(route, &key, &views, &namespaces);
-            if attached.parents.is_empty() {
-                continue;
-            }
-            let (outcome, cp) = serve_route(route, key, attached, &lookup, &policies);
-            out.control_planes.extend(cp);
-            out.routes.push(outcome);
-        }
         let ours: Vec<Key> = views.iter().map(|v| v.key.clone()).collect();
-        let accepted = accepted_by_status(objects, &ours);
-        self.keep_first_claims(&mut out.control_planes, &accepted);
+        let prints = memo::Prints::of(objects, self.settings_print(objects), &self.memo.hasher);
+        let dirty = self.memo.dirty(&prints);
+        let (live, kept) = (&prints.work, self.memo.len());
+        self.last_good
+            .retain(|k, _| live.contains(k.namespace.as_str()));
+        if !dirty.is_empty() {
+            let subset = memo::Subset::of(objects, &dirty, &prints);
+            let parts = self.translate_namespaces(&subset.objects(objects), &views, &ours, &dirty);
+            self.memo.store(parts, &prints);
+        }
+        self.retranslated = dirty.len();
+        tracing::debug!(
+            namespaces = self.memo.len(),
+            translated = dirty.len(),
+            kept,
+            "translation pass"
+        );
+        let routes = self.memo.routes();
+        let mut out = Translation {
+            control_planes: keep_first_claims(&mut self.held, &routes),
+            routes: routes.iter().map(|r| r.outcome.clone()).collect(),
+            policies: self.memo.policies(),
+            gateways: Vec::new(),
+        };
         out.gateways = views
             .into_iter()
             .filter(|v| v.object)
@@ -114,52 +114,77 @@ impl Translator {
         out
     }
 
-    /// Orders `cps` so that a name (host name, destination, service
-    /// address, cluster ID) stays with the route that held it in the last
-    /// pass for as long as that route still claims it: a route that claims
-    /// such a name goes last, whatever its age, and the gateway refuses it
-    /// on the conflict. Without this, a tenant with an old route could add
-    /// another tenant's name at any time and take its traffic. What this
-    /// replica has not held itself (after a restart, or on a new replica)
-    /// is held by the control planes `accepted` by the objects' statuses
-    /// (state in the API server), so every replica decides alike.
-    fn keep_first_claims(&mut self, cps: &mut [ControlPlane], accepted: &HashSet<String>) {
-        let mut claimed: HashMap<String, HashSet<&str>> = HashMap::new();
-        for cp in cps.iter() {
-            for c in claims(cp) {
-                claimed.entry(c).or_default().insert(cp.name.as_str());
+    /// What every namespace's share reads of the settings.
+    fn settings_print(&self, objects: &Objects<'_>) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (objects.gateway, objects.class, objects.listeners).hash(&mut h);
+        self.slice_managers.hash(&mut h);
+        h.finish()
+    }
+
+    /// Translates the namespaces `dirty` (`objects` holds theirs only),
+    /// each into its share.
+    fn translate_namespaces(
+        &mut self,
+        objects: &Objects<'_>,
+        views: &[View<'_>],
+        ours: &[Key],
+        dirty: &memo::Dirty,
+    ) -> HashMap<String, memo::Part> {
+        let mut parts: HashMap<String, memo::Part> = dirty
+            .iter()
+            .map(|ns| (ns.clone(), memo::Part::default()))
+            .collect();
+        let mut routes: Vec<&Arc<TlsRoute>> = objects.routes.iter().collect();
+        routes.sort_by_cached_key(|r| age(r.as_ref()));
+        let services: HashMap<Key, &Service> = objects
+            .services
+            .iter()
+            .map(|s| (Key::of(s.as_ref()), s.as_ref()))
+            .collect();
+        let slices = self.trusted_slices(objects);
+        let mut policy_outcomes = Vec::new();
+        let policies = self.policies(objects, views, &routes, dirty, &mut policy_outcomes);
+        for (age, outcome) in policy_outcomes {
+            if let Some(part) = parts.get_mut(&age.1.namespace) {
+                part.policies.push((age, Arc::new(outcome)));
             }
         }
-        let mut held = self.held.clone();
-        for cp in cps.iter().filter(|cp| accepted.contains(&cp.name)) {
-            for c in claims(cp) {
-                held.entry(c).or_insert_with(|| cp.name.clone());
-            }
-        }
-        let steals = |cp: &ControlPlane| {
-            claims(cp).iter().any(|c| {
-                held.get(c).is_some_and(|owner| {
-                    *owner != cp.name
-                        && claimed
-                            .get(c)
-                            .is_some_and(|who| who.contains(owner.as_str()))
-                })
-            })
+        let namespaces: HashMap<String, &BTreeMap<String, String>> = objects
+            .namespaces
+            .iter()
+            .map(|n| (n.name_any(), n.labels()))
+            .collect();
+        let grants: Vec<&ReferenceGrant> = objects.grants.iter().map(|g| g.as_ref()).collect();
+        let lookup = Lookup {
+            services: &services,
+            slices: &slices,
+            grants: &grants,
         };
-        let order: Vec<bool> = cps.iter().map(steals).collect();
-        drop(claimed);
-        let mut indexed: Vec<(bool, ControlPlane)> =
-            order.into_iter().zip(cps.iter().cloned()).collect();
-        // Stable: ages stay in order within each group.
-        indexed.sort_by_key(|(stealer, _)| *stealer);
-        let mut held = HashMap::new();
-        for (slot, (_, cp)) in cps.iter_mut().zip(indexed) {
-            for c in claims(&cp) {
-                held.entry(c).or_insert_with(|| cp.name.clone());
+        let accepted = accepted_by_status(objects, ours);
+        for route in routes {
+            let key = Key::of(route.as_ref());
+            let attached = attach_to_parents(route, &key, views, &namespaces);
+            if attached.parents.is_empty() {
+                continue;
             }
-            *slot = cp;
+            let age = age(route.as_ref());
+            let (outcome, cp) = serve_route(route, key, attached, &lookup, &policies);
+            let served = cp.map(|cp| memo::Served {
+                claims: claims(&cp),
+                accepted: accepted.contains(&cp.name),
+                cp,
+            });
+            if let Some(part) = parts.get_mut(&age.1.namespace) {
+                part.routes.push(memo::RoutePart {
+                    age,
+                    outcome: Arc::new(outcome),
+                    served,
+                });
+            }
         }
-        self.held = held;
+        parts
     }
 
     /// The policy in force: `spec` if valid (remembered as the last good
@@ -189,7 +214,8 @@ impl Translator {
         objects: &Objects<'_>,
         views: &[View<'_>],
         routes: &[&Arc<TlsRoute>],
-        out: &mut Translation,
+        dirty: &memo::Dirty,
+        out: &mut Vec<(memo::Age, PolicyOutcome)>,
     ) -> HashMap<String, Result<SeedlinkPolicySpec, String>> {
         let attached = attached_routes(views, routes);
         let existing: HashSet<Key> = routes.iter().map(|r| Key::of(r.as_ref())).collect();
@@ -197,9 +223,12 @@ impl Translator {
         policies.sort_by_cached_key(|p| age(p.as_ref()));
         let mut result = HashMap::new();
         let live: HashSet<Key> = policies.iter().map(|p| Key::of(p.as_ref())).collect();
-        self.last_good.retain(|k, _| live.contains(k));
+        // Only this pass's namespaces are here: the others' are kept.
+        self.last_good
+            .retain(|k, _| !dirty.contains(&k.namespace) || live.contains(k));
         for p in policies {
-            let key = Key::of(p.as_ref());
+            let age = age(p.as_ref());
+            let key = age.1.clone();
             let invalid = check_policy(&p.spec);
             let effective = self.effective(&key, &p.spec, invalid.as_deref());
             let mut targets = Vec::new();
@@ -222,15 +251,76 @@ impl Translator {
                     target_verdict(t, &route, &attached, &mut result, (&invalid, &effective));
                 targets.push((t.name.clone(), verdict));
             }
-            out.policies.push(PolicyOutcome {
+            let outcome = PolicyOutcome {
                 key,
                 generation: p.metadata.generation,
                 targets,
                 foreign,
-            });
+            };
+            out.push((age, outcome));
         }
         result
     }
+}
+
+/// The control planes of `routes` (oldest first) in the order the gateway
+/// admits them: a name (host name, destination, service address, cluster
+/// ID) stays with the route that held it in the last pass (`held`) for as
+/// long as that route still claims it. A route that claims such a name
+/// goes last, whatever its age, and the gateway refuses it on the
+/// conflict. Without this, a tenant with an old route could add another
+/// tenant's name at any time and take its traffic. What this replica has
+/// not held itself (after a restart, or on a new replica) is held by the
+/// control planes accepted by the objects' statuses (state in the API
+/// server), so every replica decides alike.
+fn keep_first_claims(
+    held: &mut HashMap<String, String>,
+    routes: &[&memo::RoutePart],
+) -> Vec<ControlPlane> {
+    let served: Vec<&memo::Served> = routes.iter().filter_map(|r| r.served.as_ref()).collect();
+    let mut claimed: HashMap<&str, HashSet<&str>> = HashMap::new();
+    let mut by_status: HashMap<&str, &str> = HashMap::new();
+    for s in &served {
+        for c in &s.claims {
+            claimed.entry(c).or_default().insert(s.cp.name.as_str());
+            if s.accepted && !held.contains_key(c) {
+                by_status.entry(c).or_insert(s.cp.name.as_str());
+            }
+        }
+    }
+    let owner = |c: &str| {
+        held.get(c)
+            .map(String::as_str)
+            .or_else(|| by_status.get(c).copied())
+    };
+    let steals = |s: &memo::Served| {
+        s.claims.iter().any(|c| {
+            owner(c).is_some_and(|o| {
+                o != s.cp.name && claimed.get(c.as_str()).is_some_and(|who| who.contains(o))
+            })
+        })
+    };
+    // Stable: ages stay in order within each group.
+    let (first, last): (Vec<&memo::Served>, Vec<&memo::Served>) =
+        served.iter().partition(|s| !steals(s));
+    let ordered: Vec<&memo::Served> = first.into_iter().chain(last).collect();
+    let mut now: HashMap<&str, &str> = HashMap::new();
+    for s in &ordered {
+        for c in &s.claims {
+            now.entry(c).or_insert(s.cp.name.as_str());
+        }
+    }
+    let same = now.len() == held.len()
+        && now
+            .iter()
+            .all(|(c, o)| held.get(*c).is_some_and(|h| h == o));
+    if !same {
+        *held = now
+            .into_iter()
+            .map(|(c, o)| (c.to_string(), o.to_string()))
+            .collect();
+    }
+    ordered.into_iter().map(|s| s.cp.clone()).collect()
 }
 
 impl Translator {

@@ -17,7 +17,7 @@ use super::outcome::*;
 
 /// The Gateways of a class seedlink serves, each at its own address
 /// (`kubernetes.gateway_class`).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ClassSettings {
     /// The GatewayClass (its `controllerName` must be seedlink's).
     pub name: String,

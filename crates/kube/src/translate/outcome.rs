@@ -161,10 +161,11 @@ pub struct Translation {
     /// a name another route held in the last pass, and still claims, goes
     /// after every other (the first claim keeps a name while it holds it).
     pub control_planes: Vec<ControlPlane>,
-    /// Per attached route.
-    pub routes: Vec<RouteOutcome>,
-    /// Per policy.
-    pub policies: Vec<PolicyOutcome>,
+    /// Per attached route (shared with the translator, which keeps each
+    /// namespace's until it changes).
+    pub routes: Vec<std::sync::Arc<RouteOutcome>>,
+    /// Per policy (shared like the routes').
+    pub policies: Vec<std::sync::Arc<PolicyOutcome>>,
     /// Per Gateway object seedlink serves.
     pub gateways: Vec<GatewayOutcome>,
 }
@@ -206,6 +207,7 @@ impl Translation {
             .collect();
         for r in &mut self.routes {
             if let Some(why) = r.control_plane.as_deref().and_then(|n| by_name.get(n)) {
+                let r = std::sync::Arc::make_mut(r);
                 r.refuse(Verdict::no("UnsupportedValue", why.clone()));
                 r.control_plane = None;
             }

@@ -600,7 +600,11 @@ fn only_the_listeners_allowed_routes_attach() {
             .find(|r| r.key.name == "api")
             .unwrap()
             .clone();
-        (r.accepted.ok, r.accepted.reason, t.control_planes.len())
+        (
+            r.accepted.ok,
+            r.accepted.reason.clone(),
+            t.control_planes.len(),
+        )
     };
     let mut w = one_shoot();
     assert_eq!(verdict(&w), (true, "Accepted".into(), 1));
@@ -1260,3 +1264,5 @@ fn a_policy_on_another_gateways_route_is_left_to_it() {
     assert_eq!(c.targets[0].1.reason, "TargetNotFound");
     assert!(c.foreign.is_empty());
 }
+
+mod memo;

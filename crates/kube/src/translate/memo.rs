@@ -1,0 +1,315 @@
+//! Incremental translation: each namespace's share of a translation (its
+//! routes' outcomes and control planes, its policies' outcomes) is kept
+//! with a fingerprint of what it was made from, and made again only when
+//! that changes. A pass then costs the namespaces that changed, plus a
+//! fingerprint and a copy per unchanged one, not a translation of every
+//! tenant (docs/ARCHITECTURE.md, "What one Kubernetes event costs").
+//!
+//! What a namespace's share reads: its TLSRoutes, SeedlinkPolicies,
+//! Services and EndpointSlices (each by `resourceVersion`, which changes on
+//! every write, status included), its Namespace object (labels, for
+//! `allowedRoutes.namespaces.selector`), the Services and EndpointSlices
+//! of the namespaces its routes' backendRefs name, and what every share
+//! reads (the global fingerprint): Gateways (spec, age and status
+//! addresses), GatewayClasses, ReferenceGrants and the settings. An object
+//! without a `resourceVersion` (never from an API server) makes what reads
+//! it be made again on every pass.
+
+use std::hash::BuildHasher;
+use std::sync::Arc;
+
+// foldhash (hashbrown's hasher, already built) instead of SipHash: a pass
+// hashes every object's identity, and SipHash was a fifth of a pass at
+// 1,000 tenants. Seeded per process, so a tenant cannot aim at a
+// collision.
+use foldhash::fast::RandomState;
+use foldhash::{HashMap, HashSet};
+
+use gateway_api::tlsroutes::TlsRoute;
+use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::Resource;
+use seedlink_config::model::ControlPlane;
+
+use crate::crd::SeedlinkPolicy;
+
+use super::objects::Objects;
+use super::outcome::{Key, PolicyOutcome, RouteOutcome};
+
+/// The namespaces a pass translates again.
+pub(super) type Dirty = HashSet<String>;
+
+/// An object's age key: creation time, then `namespace/name`.
+pub(super) type Age = (Option<k8s_openapi::jiff::Timestamp>, Key);
+
+/// A served route's control plane, the names it claims, and whether the
+/// route's status says seedlink accepted it as it is now.
+#[derive(Debug)]
+pub(super) struct Served {
+    pub(super) cp: ControlPlane,
+    pub(super) claims: Vec<String>,
+    pub(super) accepted: bool,
+}
+
+/// One route's share.
+#[derive(Debug)]
+pub(super) struct RoutePart {
+    pub(super) age: Age,
+    pub(super) outcome: Arc<RouteOutcome>,
+    pub(super) served: Option<Served>,
+}
+
+/// One namespace's share of a translation.
+#[derive(Debug, Default)]
+pub(super) struct Part {
+    /// What it was made from; `None` never matches.
+    fingerprint: Option<u64>,
+    pub(super) routes: Vec<RoutePart>,
+    pub(super) policies: Vec<(Age, Arc<PolicyOutcome>)>,
+}
+
+/// The shares kept from earlier passes.
+#[derive(Debug, Default)]
+pub(super) struct Memo {
+    global: Option<u64>,
+    parts: HashMap<String, Part>,
+    /// The fingerprints' hasher: one seed for the process's life.
+    pub(super) hasher: RandomState,
+}
+
+/// The fingerprints of one pass's objects.
+pub(super) struct Prints<'o> {
+    global: Option<u64>,
+    namespaces: HashMap<&'o str, Option<u64>>,
+    /// Namespaces holding a route or a policy: those with a share.
+    pub(super) work: HashSet<&'o str>,
+    /// (route namespace, backend namespace) for backendRefs across
+    /// namespaces.
+    deps: HashSet<(&'o str, &'o str)>,
+}
+
+/// An object's fingerprint: its kind, identity and `resourceVersion`.
+fn print<K: Resource>(h: &RandomState, kind: u8, o: &K) -> Option<u64> {
+    let m = o.meta();
+    let rv = m.resource_version.as_deref()?;
+    Some(h.hash_one((kind, &m.namespace, &m.name, &m.uid, rv)))
+}
+
+/// Adds `x` to `into` (order does not matter: stores list in any order);
+/// `None` poisons.
+fn add(into: &mut Option<u64>, x: Option<u64>) {
+    *into = match (*into, x) {
+        (Some(a), Some(b)) => Some(a.wrapping_add(b)),
+        _ => None,
+    };
+}
+
+impl<'o> Prints<'o> {
+    /// Fingerprints `objects`; `settings` is folded into the global one.
+    pub(super) fn of(objects: &Objects<'o>, settings: u64, h: &RandomState) -> Prints<'o> {
+        let mut p = Prints {
+            global: Some(settings),
+            namespaces: HashMap::default(),
+            work: HashSet::default(),
+            deps: HashSet::default(),
+        };
+        p.global_objects(objects, h);
+        let mut base: HashMap<&'o str, Option<u64>> = HashMap::default();
+        let mut note = |ns: Option<&'o String>, x: Option<u64>| {
+            let ns = ns.map(String::as_str).unwrap_or_default();
+            add(base.entry(ns).or_insert(Some(0)), x);
+            ns
+        };
+        for r in objects.routes {
+            let ns = note(r.meta().namespace.as_ref(), print(h, 1, r.as_ref()));
+            p.work.insert(ns);
+            p.deps
+                .extend(backend_namespaces(r).filter(|b| *b != ns).map(|b| (ns, b)));
+        }
+        for x in objects.policies {
+            let ns = note(x.meta().namespace.as_ref(), print(h, 2, x.as_ref()));
+            p.work.insert(ns);
+        }
+        for x in objects.services {
+            note(x.meta().namespace.as_ref(), print(h, 3, x.as_ref()));
+        }
+        for x in objects.slices {
+            note(x.meta().namespace.as_ref(), print(h, 4, x.as_ref()));
+        }
+        for x in objects.namespaces {
+            note(x.meta().name.as_ref(), print(h, 5, x.as_ref()));
+        }
+        let mut prints: HashMap<&'o str, Option<u64>> = p
+            .work
+            .iter()
+            .map(|ns| (*ns, base.get(ns).copied().flatten()))
+            .collect();
+        for (a, b) in &p.deps {
+            let theirs = base.get(b).copied().unwrap_or(Some(0));
+            if let Some(mine) = prints.get_mut(a) {
+                add(mine, theirs.map(|t| h.hash_one((b, t))));
+            }
+        }
+        p.namespaces = prints;
+        p
+    }
+
+    /// Gateways (their spec's generation, age and status addresses: what
+    /// the translation reads of them), GatewayClasses and ReferenceGrants.
+    fn global_objects(&mut self, objects: &Objects<'o>, h: &RandomState) {
+        for g in objects.gateways {
+            let m = g.meta();
+            let addresses: Vec<&str> = g
+                .status
+                .iter()
+                .flat_map(|s| s.addresses.iter().flatten())
+                .map(|a| a.value.as_str())
+                .collect();
+            let x = m.generation.map(|gen| {
+                h.hash_one((
+                    &m.namespace,
+                    &m.name,
+                    &m.uid,
+                    gen,
+                    m.creation_timestamp.as_ref().map(|t| t.0),
+                    addresses,
+                ))
+            });
+            add(&mut self.global, x);
+        }
+        for c in objects.classes {
+            add(&mut self.global, print(h, 6, c.as_ref()));
+        }
+        for g in objects.grants {
+            add(&mut self.global, print(h, 7, g.as_ref()));
+        }
+    }
+}
+
+/// The namespaces a route's backendRefs name.
+fn backend_namespaces(r: &TlsRoute) -> impl Iterator<Item = &str> {
+    r.spec
+        .rules
+        .iter()
+        .flat_map(|rule| &rule.backend_refs)
+        .filter_map(|b| b.namespace.as_deref())
+}
+
+impl Memo {
+    /// The namespaces to translate again: those whose fingerprint changed
+    /// (every one when the global fingerprint did). Shares of namespaces
+    /// without a route or a policy any more are dropped.
+    pub(super) fn dirty(&mut self, prints: &Prints<'_>) -> Dirty {
+        if prints.global.is_none() || prints.global != self.global {
+            self.parts.clear();
+            self.global = prints.global;
+        }
+        self.parts.retain(|ns, _| prints.work.contains(ns.as_str()));
+        prints
+            .work
+            .iter()
+            .filter(|ns| {
+                let now = prints.namespaces.get(*ns).copied().flatten();
+                now.is_none() || self.parts.get(**ns).is_none_or(|p| p.fingerprint != now)
+            })
+            .map(|ns| ns.to_string())
+            .collect()
+    }
+
+    /// Keeps `parts`, made from this pass's objects.
+    pub(super) fn store(
+        &mut self,
+        parts: std::collections::HashMap<String, Part>,
+        prints: &Prints<'_>,
+    ) {
+        for (ns, mut part) in parts {
+            part.fingerprint = prints.namespaces.get(ns.as_str()).copied().flatten();
+            self.parts.insert(ns, part);
+        }
+    }
+
+    /// Every route's share, oldest first.
+    pub(super) fn routes(&self) -> Vec<&RoutePart> {
+        let mut all: Vec<&RoutePart> = self.parts.values().flat_map(|p| &p.routes).collect();
+        all.sort_by(|a, b| a.age.cmp(&b.age));
+        all
+    }
+
+    /// Every policy's outcome, oldest first.
+    pub(super) fn policies(&self) -> Vec<Arc<PolicyOutcome>> {
+        let mut all: Vec<&(Age, Arc<PolicyOutcome>)> =
+            self.parts.values().flat_map(|p| &p.policies).collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all.into_iter().map(|(_, o)| o.clone()).collect()
+    }
+
+    /// How many namespaces have a share.
+    pub(super) fn len(&self) -> usize {
+        self.parts.len()
+    }
+}
+
+/// The objects of the namespaces being translated again: their routes,
+/// policies and Namespace objects, and the Services and EndpointSlices of
+/// those namespaces and of the ones their backendRefs name.
+pub(super) struct Subset {
+    routes: Vec<Arc<TlsRoute>>,
+    policies: Vec<Arc<SeedlinkPolicy>>,
+    services: Vec<Arc<Service>>,
+    slices: Vec<Arc<EndpointSlice>>,
+    namespaces: Vec<Arc<Namespace>>,
+}
+
+fn within<K: Resource>(all: &[Arc<K>], wanted: &HashSet<&str>) -> Vec<Arc<K>> {
+    all.iter()
+        .filter(|o| wanted.contains(o.meta().namespace.as_deref().unwrap_or_default()))
+        .cloned()
+        .collect()
+}
+
+impl Subset {
+    pub(super) fn of(
+        objects: &Objects<'_>,
+        dirty: &HashSet<String>,
+        prints: &Prints<'_>,
+    ) -> Subset {
+        let own: HashSet<&str> = dirty.iter().map(String::as_str).collect();
+        let mut read = own.clone();
+        read.extend(
+            prints
+                .deps
+                .iter()
+                .filter(|(a, _)| own.contains(a))
+                .map(|(_, b)| *b),
+        );
+        Subset {
+            routes: within(objects.routes, &own),
+            policies: within(objects.policies, &own),
+            services: within(objects.services, &read),
+            slices: within(objects.slices, &read),
+            namespaces: objects
+                .namespaces
+                .iter()
+                .filter(|n| own.contains(n.meta().name.as_deref().unwrap_or_default()))
+                .cloned()
+                .collect(),
+        }
+    }
+
+    /// `all` with only these objects of the namespaced kinds.
+    pub(super) fn objects<'a>(&'a self, all: &Objects<'a>) -> Objects<'a> {
+        Objects {
+            gateway: all.gateway,
+            class: all.class,
+            gateways: all.gateways,
+            classes: all.classes,
+            listeners: all.listeners,
+            namespaces: &self.namespaces,
+            grants: all.grants,
+            routes: &self.routes,
+            policies: &self.policies,
+            services: &self.services,
+            slices: &self.slices,
+        }
+    }
+}

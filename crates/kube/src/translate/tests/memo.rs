@@ -1,0 +1,201 @@
+//! The incremental translation against a whole one: the same objects, the
+//! same passes, the same result; and only the namespaces that changed are
+//! translated again.
+
+use std::hash::{Hash, Hasher};
+
+use super::*;
+
+/// `o` as an API server gives it: with a `resourceVersion` that changes
+/// whenever its content does (and, for one without, a generation likewise).
+fn stamp<K: kube::Resource + Clone + serde::Serialize>(o: &K) -> K {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    serde_json::to_string(o).unwrap().hash(&mut h);
+    let v = h.finish() >> 1;
+    let mut x = o.clone();
+    x.meta_mut().resource_version = Some(v.to_string());
+    if x.meta().generation.is_none() {
+        x.meta_mut().generation = Some(i64::try_from(v).unwrap());
+    }
+    x
+}
+
+fn stamped<K: kube::Resource + Clone + serde::Serialize>(all: &[Arc<K>]) -> Vec<Arc<K>> {
+    all.iter().map(|o| Arc::new(stamp(o.as_ref()))).collect()
+}
+
+fn versioned(w: &World) -> World {
+    World {
+        routes: stamped(&w.routes),
+        policies: stamped(&w.policies),
+        services: stamped(&w.services),
+        slices: stamped(&w.slices),
+        gateway: w.gateway.as_ref().map(stamp),
+        namespaces: stamped(&w.namespaces),
+        grants: stamped(&w.grants),
+    }
+}
+
+fn tenant(w: &mut World, i: usize) {
+    let ns = format!("t{i}");
+    w.routes.push(route(
+        &ns,
+        "api",
+        &format!("2026-01-01T00:00:{i:02}Z"),
+        &[&format!("api.{i}.example")],
+        "kube-apiserver",
+        443,
+    ));
+    w.services
+        .push(service(&ns, "kube-apiserver", 443, "https"));
+    let address = format!("10.0.0.{}", i + 1);
+    w.slices.push(slice(
+        &ns,
+        "kube-apiserver",
+        "https",
+        &[(address.as_str(), Some(true))],
+    ));
+    w.namespaces.push(namespace(&ns, json!({})));
+}
+
+/// Both translators see the same world: `whole` without versions (every
+/// pass translates everything), `incremental` with them.
+struct Pair {
+    whole: Translator,
+    incremental: Translator,
+}
+
+impl Pair {
+    /// The incremental result (asserted equal to the whole one) and how
+    /// many namespaces it translated again.
+    fn pass(&mut self, w: &World) -> (Translation, usize) {
+        let whole = w.translate(&mut self.whole);
+        let incremental = versioned(w).translate(&mut self.incremental);
+        assert_eq!(incremental, whole);
+        (incremental, self.incremental.retranslated)
+    }
+}
+
+fn set_slice(w: &mut World, ns: &str, address: &str) {
+    w.slices
+        .retain(|s| s.metadata.namespace.as_deref() != Some(ns));
+    w.slices.push(slice(
+        ns,
+        "kube-apiserver",
+        "https",
+        &[(address, Some(true))],
+    ));
+}
+
+/// Five tenants, t0 with a policy, both translators past their first
+/// pass.
+fn five() -> (World, Pair) {
+    let mut w = one_shoot();
+    w.routes.clear();
+    w.services.clear();
+    w.slices.clear();
+    for i in 0..5 {
+        tenant(&mut w, i);
+    }
+    w.policies.push(policy(
+        "t0",
+        "acl",
+        "2026-01-01T00:00:00Z",
+        "api",
+        &["10.1.0.0/16"],
+    ));
+    let mut p = Pair {
+        whole: Translator::default(),
+        incremental: Translator::default(),
+    };
+    assert_eq!(p.pass(&w).1, 5);
+    (w, p)
+}
+
+#[test]
+fn a_pass_translates_only_the_namespaces_that_changed_and_agrees_with_a_whole_one() {
+    let (mut w, mut p) = five();
+    let (t, again) = p.pass(&w);
+    assert_eq!((t.control_planes.len(), again), (5, 0));
+
+    // One tenant's endpoints.
+    set_slice(&mut w, "t1", "10.0.9.1");
+    let (t, again) = p.pass(&w);
+    assert_eq!(again, 1);
+    let t1 = t
+        .control_planes
+        .iter()
+        .find(|c| c.name == "t1.api")
+        .unwrap();
+    assert_eq!(t1.endpoints, vec!["10.0.9.1:6443".to_string()]);
+
+    // One tenant's policy made invalid: its last good one still holds.
+    w.policies[0] = policy("t0", "acl", "2026-01-01T00:00:00Z", "api", &["not a cidr"]);
+    assert_eq!(p.pass(&w).1, 1);
+
+    // A route removed: nothing to translate, its control plane gone.
+    w.routes
+        .retain(|r| r.metadata.namespace.as_deref() != Some("t2"));
+    let (t, again) = p.pass(&w);
+    assert_eq!((t.control_planes.len(), again), (4, 0));
+
+    // A tenant that takes another's name stays refused while the other
+    // holds it, translated again or not.
+    w.routes.push(route(
+        "t5",
+        "api",
+        "2025-01-01T00:00:00Z",
+        &["api.3.example"],
+        "kube-apiserver",
+        443,
+    ));
+    let (t, again) = p.pass(&w);
+    assert_eq!(again, 1);
+    assert_eq!(t.control_planes.last().unwrap().name, "t5.api");
+    assert_eq!(p.pass(&w).1, 0);
+}
+
+#[test]
+fn what_other_namespaces_and_the_gateway_change_translates_the_readers_again() {
+    let (mut w, mut p) = five();
+    // A label on a namespace.
+    w.namespaces[3] = namespace("t3", json!({"team": "x"}));
+    assert_eq!(p.pass(&w).1, 1);
+
+    // A backend in another namespace: its changes translate the route's.
+    let mut r = (*route(
+        "t4",
+        "api",
+        "2026-01-01T00:00:04Z",
+        &["api.4.example"],
+        "kube-apiserver",
+        443,
+    ))
+    .clone();
+    let mut spec = serde_json::to_value(&r.spec).unwrap();
+    spec["rules"][0]["backendRefs"][0]["namespace"] = json!("t1");
+    r.spec = serde_json::from_value(spec).unwrap();
+    w.routes
+        .retain(|r| r.metadata.namespace.as_deref() != Some("t4"));
+    w.routes.push(Arc::new(r));
+    w.grants.push(grant("t1", "t4", None));
+    assert_eq!(
+        p.pass(&w).1,
+        5,
+        "a grant changes what every namespace may read"
+    );
+    set_slice(&mut w, "t1", "10.0.9.2");
+    let (t, again) = p.pass(&w);
+    assert_eq!(again, 2, "t1 and t4, whose route reads t1's Service");
+    let t4 = t
+        .control_planes
+        .iter()
+        .find(|c| c.name == "t4.api")
+        .unwrap();
+    assert_eq!(t4.endpoints, vec!["10.0.9.2:6443".to_string()]);
+
+    // The Gateway: every namespace.
+    w.gateway = gateway(json!({"namespaces": {"from": "Same"}}));
+    let (t, again) = p.pass(&w);
+    assert_eq!((t.control_planes.len(), again), (0, 5));
+}
