@@ -8,10 +8,11 @@
 //! What a namespace's share reads: its TLSRoutes, SeedlinkPolicies,
 //! Services and EndpointSlices (each by `resourceVersion`, which changes on
 //! every write, status included), its Namespace object (labels, for
-//! `allowedRoutes.namespaces.selector`), the Services and EndpointSlices
-//! of the namespaces its routes' backendRefs name, and what every share
-//! reads (the global fingerprint): Gateways (spec, age and status
-//! addresses), GatewayClasses, ReferenceGrants and the settings. An object
+//! `allowedRoutes.namespaces.selector`), the Services, EndpointSlices and
+//! ReferenceGrants of its own namespace and of those its routes'
+//! backendRefs name, and what every share reads (the global
+//! fingerprint): the Gateways seedlink serves (spec, age and status
+//! addresses), its GatewayClass and the settings. An object
 //! without a `resourceVersion` (never from an API server) makes what reads
 //! it be made again on every pass.
 
@@ -104,6 +105,55 @@ fn add(into: &mut Option<u64>, x: Option<u64>) {
     };
 }
 
+/// Per namespace: the fingerprint of everything in it, and of what
+/// another namespace's routes read of it (Services, EndpointSlices and
+/// ReferenceGrants).
+#[derive(Default)]
+struct Bases<'o> {
+    all: HashMap<&'o str, Option<u64>>,
+    backing: HashMap<&'o str, Option<u64>>,
+}
+
+impl<'o> Bases<'o> {
+    fn note(&mut self, ns: Option<&'o String>, x: Option<u64>, backing: bool) -> &'o str {
+        let ns = ns.map(String::as_str).unwrap_or_default();
+        add(self.all.entry(ns).or_insert(Some(0)), x);
+        if backing {
+            add(self.backing.entry(ns).or_insert(Some(0)), x);
+        }
+        ns
+    }
+
+    /// Notes every namespaced object in its namespace, and in `p` the
+    /// namespaces with a share and the backends across namespaces.
+    fn read(&mut self, objects: &Objects<'o>, h: &RandomState, p: &mut Prints<'o>) {
+        for r in objects.routes {
+            let ns = self.note(r.meta().namespace.as_ref(), print(h, 1, r.as_ref()), false);
+            p.work.insert(ns);
+            p.deps
+                .extend(backend_namespaces(r).filter(|b| *b != ns).map(|b| (ns, b)));
+        }
+        for x in objects.policies {
+            let ns = self.note(x.meta().namespace.as_ref(), print(h, 2, x.as_ref()), false);
+            p.work.insert(ns);
+        }
+        for x in objects.services {
+            self.note(x.meta().namespace.as_ref(), print(h, 3, x.as_ref()), true);
+        }
+        for x in objects.slices {
+            self.note(x.meta().namespace.as_ref(), print(h, 4, x.as_ref()), true);
+        }
+        // A grant is read only by routes whose backends are in its
+        // namespace: a tenant's grant is not every tenant's business.
+        for x in objects.grants {
+            self.note(x.meta().namespace.as_ref(), print(h, 7, x.as_ref()), true);
+        }
+        for x in objects.namespaces {
+            self.note(x.meta().name.as_ref(), print(h, 5, x.as_ref()), false);
+        }
+    }
+}
+
 impl<'o> Prints<'o> {
     /// Fingerprints `objects`; `settings` is folded into the global one.
     pub(super) fn of(objects: &Objects<'o>, settings: u64, h: &RandomState) -> Prints<'o> {
@@ -114,76 +164,62 @@ impl<'o> Prints<'o> {
             deps: HashSet::default(),
         };
         p.global_objects(objects, h);
-        let mut base: HashMap<&'o str, Option<u64>> = HashMap::default();
-        let mut note = |ns: Option<&'o String>, x: Option<u64>| {
-            let ns = ns.map(String::as_str).unwrap_or_default();
-            add(base.entry(ns).or_insert(Some(0)), x);
-            ns
-        };
-        for r in objects.routes {
-            let ns = note(r.meta().namespace.as_ref(), print(h, 1, r.as_ref()));
-            p.work.insert(ns);
-            p.deps
-                .extend(backend_namespaces(r).filter(|b| *b != ns).map(|b| (ns, b)));
-        }
-        for x in objects.policies {
-            let ns = note(x.meta().namespace.as_ref(), print(h, 2, x.as_ref()));
-            p.work.insert(ns);
-        }
-        for x in objects.services {
-            note(x.meta().namespace.as_ref(), print(h, 3, x.as_ref()));
-        }
-        for x in objects.slices {
-            note(x.meta().namespace.as_ref(), print(h, 4, x.as_ref()));
-        }
-        for x in objects.namespaces {
-            note(x.meta().name.as_ref(), print(h, 5, x.as_ref()));
-        }
-        let mut prints: HashMap<&'o str, Option<u64>> = p
+        let mut b = Bases::default();
+        b.read(objects, h, &mut p);
+        p.namespaces = p
             .work
             .iter()
-            .map(|ns| (*ns, base.get(ns).copied().flatten()))
+            .map(|ns| (*ns, b.all.get(ns).copied().flatten()))
             .collect();
-        for (a, b) in &p.deps {
-            let theirs = base.get(b).copied().unwrap_or(Some(0));
-            if let Some(mine) = prints.get_mut(a) {
-                add(mine, theirs.map(|t| h.hash_one((b, t))));
+        for (a, dep) in &p.deps {
+            let theirs = b.backing.get(dep).copied().unwrap_or(Some(0));
+            if let Some(mine) = p.namespaces.get_mut(a) {
+                add(mine, theirs.map(|t| h.hash_one((dep, t))));
             }
         }
-        p.namespaces = prints;
         p
     }
 
-    /// Gateways (their spec's generation, age and status addresses: what
-    /// the translation reads of them), GatewayClasses and ReferenceGrants.
+    /// The Gateways seedlink serves (the named one, the served class's:
+    /// their spec's generation, age and status addresses, what the
+    /// translation reads of them) and the served GatewayClass. Other
+    /// Gateways and classes are not read.
     fn global_objects(&mut self, objects: &Objects<'o>, h: &RandomState) {
-        for g in objects.gateways {
-            let m = g.meta();
-            let addresses: Vec<&str> = g
-                .status
-                .iter()
-                .flat_map(|s| s.addresses.iter().flatten())
-                .map(|a| a.value.as_str())
-                .collect();
-            let x = m.generation.map(|gen| {
-                h.hash_one((
-                    &m.namespace,
-                    &m.name,
-                    &m.uid,
-                    gen,
-                    m.creation_timestamp.as_ref().map(|t| t.0),
-                    addresses,
-                ))
-            });
-            add(&mut self.global, x);
+        let served = |g: &gateway_api::gateways::Gateway| {
+            objects.gateway.is_some_and(|k| {
+                g.metadata.name.as_deref() == Some(k.name.as_str())
+                    && g.metadata.namespace.as_deref() == Some(k.namespace.as_str())
+            }) || objects
+                .class
+                .is_some_and(|c| g.spec.gateway_class_name == c.name)
+        };
+        for g in objects.gateways.iter().filter(|g| served(g)) {
+            add(&mut self.global, gateway_print(h, g));
         }
-        for c in objects.classes {
+        let class = objects.class.map(|c| c.name.as_str());
+        for c in objects
+            .classes
+            .iter()
+            .filter(|c| c.metadata.name.as_deref() == class)
+        {
             add(&mut self.global, print(h, 6, c.as_ref()));
         }
-        for g in objects.grants {
-            add(&mut self.global, print(h, 7, g.as_ref()));
-        }
     }
+}
+
+/// A Gateway's fingerprint: what the translation reads of it (its spec's
+/// generation, its age and its status addresses).
+fn gateway_print(h: &RandomState, g: &gateway_api::gateways::Gateway) -> Option<u64> {
+    let m = g.meta();
+    let addresses: Vec<&str> = g
+        .status
+        .iter()
+        .flat_map(|s| s.addresses.iter().flatten())
+        .map(|a| a.value.as_str())
+        .collect();
+    let created = m.creation_timestamp.as_ref().map(|t| t.0);
+    m.generation
+        .map(|gen| h.hash_one((&m.namespace, &m.name, &m.uid, gen, created, addresses)))
 }
 
 /// The namespaces a route's backendRefs name.

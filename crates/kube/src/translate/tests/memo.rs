@@ -181,9 +181,12 @@ fn what_other_namespaces_and_the_gateway_change_translates_the_readers_again() {
     w.grants.push(grant("t1", "t4", None));
     assert_eq!(
         p.pass(&w).1,
-        5,
-        "a grant changes what every namespace may read"
+        2,
+        "t4's new route, and t1 whose grant only t4's route reads"
     );
+    // Another tenant's grant is nobody else's business.
+    w.grants.push(grant("t2", "t0", None));
+    assert_eq!(p.pass(&w).1, 1, "t2 only");
     set_slice(&mut w, "t1", "10.0.9.2");
     let (t, again) = p.pass(&w);
     assert_eq!(again, 2, "t1 and t4, whose route reads t1's Service");
