@@ -20,7 +20,10 @@
 //!   polls of that one tenant's `api/state?control_plane=` every 50 ms),
 //!   and the mean duration of the gateway's passes meanwhile (translate
 //!   and apply: the source's own work);
-//! - the connections each opened to the API server.
+//! - the connections each opened to the API server;
+//! - then a second tunnel-server with `trust_watch: cluster` (bound
+//!   cluster-wide) in the first one's place: its cold start, memory and
+//!   connections.
 //!
 //! Not measured here yet: agents (2 per tenant) and a replica's restart
 //! with them (docs/PERFORMANCE.md says so).
@@ -64,6 +67,9 @@ struct Row {
     /// The tunnel-server's passes until it served every tenant, and their
     /// mean duration.
     tun_passes: (f64, f64),
+    /// The tunnel-server with `trust_watch: cluster`: cold start, RSS and
+    /// connections.
+    tun_cluster: (Duration, f64, u64),
 }
 
 pub async fn run(opts: &Opts) -> anyhow::Result<()> {
@@ -90,6 +96,17 @@ async fn scale(opts: &Opts) -> anyhow::Result<Vec<Row>> {
     )
     .await?;
     let token = api.install_rbac(&client, SYS).await;
+    // For the tunnel-server with `trust_watch: cluster` (the chart's
+    // tunnelTrustWatch=cluster binds the same).
+    apply(
+        &client,
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+               "metadata": {"name": "seedlink-tunnel-trust"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                           "name": format!("seedlink-tunnel-trust-{SYS}")},
+               "subjects": [{"kind": "ServiceAccount", "name": "seedlink", "namespace": SYS}]}),
+    )
+    .await?;
     for o in gateway_objects() {
         apply(&client, o).await?;
     }
@@ -300,15 +317,28 @@ async fn measure(
 ) -> anyhow::Result<Row> {
     let gw_cfg = format!("admin: {{listen: '127.0.0.1:0'}}\nlisteners: [{{name: tls, address: '127.0.0.1:0'}}]\nkubernetes: {{gateway: {SYS}/seedlink}}\n");
     let sockets = dir.join(format!("sockets-{n}"));
-    std::fs::create_dir_all(&sockets)?;
-    let tun_cfg = format!(
-        "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}'}}\nadmin: {{listen: '127.0.0.1:0'}}\nclusters: []\nfrontend_templates:\n  - {{name: uds, protocol: http-connect, unix: '{s}/{{cluster}}.sock'}}\nkubernetes: {{lease: {SYS}/seedlink-tunnel-status, trust_dir: '{s}/trust'}}\n",
-        crt = server_cert(dir)?.0,
-        key = server_cert(dir)?.1,
-        s = sockets.display()
-    );
+    for watch in ["namespaces", "cluster"] {
+        std::fs::create_dir_all(sockets.join(watch))?;
+    }
+    let tun_cfg = |watch: &str| -> anyhow::Result<String> {
+        let s = sockets.join(watch);
+        Ok(format!(
+            "agents: {{listen: '127.0.0.1:0', cert: '{crt}', key: '{key}'}}\nadmin: {{listen: '127.0.0.1:0'}}\nclusters: []\nfrontend_templates:\n  - {{name: uds, protocol: http-connect, unix: '{s}/{{cluster}}.sock'}}\nkubernetes: {{lease: {SYS}/seedlink-tunnel-status, trust_dir: '{s}/trust', trust_watch: {watch}}}\n",
+            crt = server_cert(dir)?.0,
+            key = server_cert(dir)?.1,
+            s = s.display()
+        ))
+    };
     let gw = start(api, token, "gateway", &gw_cfg, dir, opts).await?;
-    let tun = start(api, token, "tunnel-server", &tun_cfg, dir, opts).await?;
+    let tun = start(
+        api,
+        token,
+        "tunnel-server",
+        &tun_cfg("namespaces")?,
+        dir,
+        opts,
+    )
+    .await?;
     let gw_cold = served(&gw, n, control_planes).await?;
     let tun_cold = served(&tun, n, clusters).await?;
     let tun_passes = passes(tun.admin).await;
@@ -319,6 +349,22 @@ async fn measure(
     let (latencies, background) = changes(client, &gw, n).await?;
     let cpu = procstat::cpu_seconds(&[gw_pid]) - cpu0;
     let passes1 = pass_totals(gw.admin).await;
+    let tun_conns = tun
+        .proxy
+        .accepted
+        .load(std::sync::atomic::Ordering::Relaxed);
+    // In its place (one replica writes status, as before), the same
+    // tunnel-server watching the trust cluster-wide.
+    drop(tun);
+    let tun_c = start(api, token, "tunnel-server", &tun_cfg("cluster")?, dir, opts).await?;
+    let tun_cluster = (
+        served(&tun_c, n, clusters).await?,
+        procstat::rss_kib(&[tun_c.child.id()]),
+        tun_c
+            .proxy
+            .accepted
+            .load(std::sync::atomic::Ordering::Relaxed),
+    );
     let gw_passes = mean((passes1.0 - passes0.0, passes1.1 - passes0.1));
     let mut sorted = latencies.clone();
     sorted.sort();
@@ -334,11 +380,9 @@ async fn measure(
         cpu_ms_per_change: cpu * 1000.0 / (latencies.len() + background) as f64,
         gw_passes,
         gw_conns: gw.proxy.accepted.load(std::sync::atomic::Ordering::Relaxed),
-        tun_conns: tun
-            .proxy
-            .accepted
-            .load(std::sync::atomic::Ordering::Relaxed),
+        tun_conns,
         tun_passes,
+        tun_cluster,
     })
 }
 
@@ -464,6 +508,19 @@ fn print(rows: &[Row]) {
             r.tun_conns
         );
     }
+    println!("\nThe tunnel-server with `trust_watch: cluster`:\n");
+    println!("| tenants | cold start | RSS | API connections |");
+    println!("|---|---|---|---|");
+    for r in rows {
+        let (cold, rss, conns) = r.tun_cluster;
+        println!(
+            "| {} | {:.2} s | {:.1} MiB | {} |",
+            r.tenants,
+            cold.as_secs_f64(),
+            rss / 1024.0,
+            conns
+        );
+    }
     if let (Some(a), Some(b)) = (rows.first(), rows.last()) {
         if b.tenants > a.tenants {
             let per = |x: f64, y: f64| (y - x) / (b.tenants - a.tenants) as f64;
@@ -508,10 +565,11 @@ mod tests {
         let row = &rows[0];
         assert_eq!(row.tenants, 200);
         assert!(
-            row.gw_conns <= 10 && row.tun_conns <= 10,
-            "API server connections: gateway {}, tunnel-server {}",
+            row.gw_conns <= 10 && row.tun_conns <= 10 && row.tun_cluster.2 <= 10,
+            "API server connections: gateway {}, tunnel-server {} (trust_watch: cluster {})",
             row.gw_conns,
-            row.tun_conns
+            row.tun_conns,
+            row.tun_cluster.2
         );
     }
 }

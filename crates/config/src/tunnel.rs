@@ -284,3 +284,19 @@ impl ReplicaAddresses {
         (fill(&self.address, &bracketed), name.unwrap_or_default())
     }
 }
+
+/// How the tunnel-server watches the Secrets and ConfigMaps that
+/// TunnelClusters name (`kubernetes.trust_watch`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrustWatch {
+    /// One labelled watch per tenant namespace and kind, read through a
+    /// RoleBinding in each: no grant on any other namespace's Secrets,
+    /// but about one API-server connection per 90 tenant namespaces.
+    #[default]
+    Namespaces,
+    /// One labelled watch of each kind across the cluster, read through a
+    /// ClusterRoleBinding: two watches whatever the tenant count, at the
+    /// price of a grant on every namespace's Secrets.
+    Cluster,
+}

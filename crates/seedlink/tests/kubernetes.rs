@@ -1913,97 +1913,12 @@ const CONN_WATCHES: usize = 4;
 /// each as over HTTP/1.1. Every tenant is served through them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_server_connections_do_not_grow_with_tenant_namespaces() {
-    // An API server of its own: the tunnel-server follows every
-    // TunnelCluster's namespace, and the shared one holds other tests'.
-    let api = tokio::task::spawn_blocking(|| {
-        KubeApi::start_with(kubeapi::Options {
-            crds: true,
-            ..Default::default()
-        })
-    })
-    .await
-    .unwrap();
-    let client = api.client().await.unwrap();
-    let sys = "seedlink-system";
-    kubeapi::apply(
-        &client,
-        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": sys}}),
-    )
-    .await;
-    let token = api.install_rbac(&client, sys).await;
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = FaultProxy::start(api.addr, Fault::Pass).await;
-    let kubeconfig = api.kubeconfig(dir.path(), "tunnel-server", &token, Some(proxy.addr));
-    let mut tenants = Vec::new();
-    for i in 0..CONN_TENANTS {
-        let ns = format!("conn-{i}");
-        let ca = seedlink::demo::Pki::generate(&[]).unwrap().ca_pem;
-        for o in [
-            json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
-            json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-                   "metadata": {"name": "seedlink-tunnel-trust", "namespace": ns},
-                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                               "name": format!("seedlink-tunnel-trust-{sys}")},
-                   "subjects": [{"kind": "ServiceAccount", "name": "seedlink", "namespace": sys}]}),
-            json!({"apiVersion": "v1", "kind": "ConfigMap",
-                   "metadata": {"name": "agent-ca", "namespace": ns,
-                                "labels": {"seedlink.dev/tunnel-trust": "true"}},
-                   "data": {"ca.crt": ca}}),
-            tunnel_cluster(&ns, json!({"configMap": "agent-ca", "key": "ca.crt"})),
-        ] {
-            kubeapi::apply(&client, o).await;
-        }
-        tenants.push(ns);
-    }
-    let pki = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
-    let (_, leaf) = &pki.servers[0];
-    let (crt, key) = (dir.path().join("tun.pem"), dir.path().join("tun-key.pem"));
-    std::fs::write(&crt, &leaf.cert_pem).unwrap();
-    std::fs::write(&key, &leaf.key_pem).unwrap();
-    let d = dir.path().display();
-    let config = dir.path().join("tunnel.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "agents: {{listen: '127.0.0.1:0', cert: '{}', key: '{}'}}
-admin: {{listen: '127.0.0.1:0'}}
-clusters: []
-frontend_templates:
-  - {{name: uds, protocol: http-connect, unix: '{d}/{{cluster}}.sock'}}
-kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust', watches_per_connection: {CONN_WATCHES}}}
-",
-            crt.display(),
-            key.display()
-        ),
-    )
-    .unwrap();
-    let mut cmd = std::process::Command::new(seedlink_bin());
-    cmd.args(["tunnel-server", "--config"])
-        .arg(&config)
-        .env("KUBECONFIG", &kubeconfig)
-        .env("POD_NAME", "tunnel-0");
-    let (_server, ready) = started(cmd);
-    let admin: SocketAddr = ready["admin"].as_str().unwrap().parse().unwrap();
-    for ns in &tenants {
-        eventually(
-            &format!("{ns} Ready"),
-            Duration::from_secs(60),
-            async || {
-                let o = kubeapi::get(&client, TUNNELS, "TunnelCluster", ns, "tunnel").await;
-                o.and_then(|o| o["status"]["conditions"].as_array().cloned())
-                    .is_some_and(|c| {
-                        c.iter()
-                            .any(|c| c["type"] == "Ready" && c["status"] == "True")
-                    })
-            },
-        )
-        .await;
-    }
+    let bed = ConnBed::start("namespaces").await;
     // The main connection (requests and the TunnelCluster watch) and one
     // per CONN_WATCHES namespaces; one more of slack for a connection the
     // API server or a busy machine ended meanwhile. Over HTTP/1.1 it was
     // one per watch at least: CONN_TENANTS + 1.
-    let accepted = proxy.accepted.load(Ordering::Relaxed);
+    let accepted = bed.proxy.accepted.load(Ordering::Relaxed);
     let most = 1 + CONN_TENANTS.div_ceil(CONN_WATCHES) as u64 + 1;
     assert!(
         accepted <= most,
@@ -2011,7 +1926,7 @@ kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust', watch
     );
     // The source's metrics and its section of the live page say the same.
     let clients = 1 + CONN_TENANTS.div_ceil(CONN_WATCHES);
-    let (_, metrics) = http_get(admin, "/metrics").await;
+    let (_, metrics) = http_get(bed.admin, "/metrics").await;
     let sample = |name: &str| -> f64 {
         let line = metrics.lines().find(|l| l.starts_with(name));
         line.and_then(|l| l.rsplit(' ').next()?.parse().ok())
@@ -2026,7 +1941,7 @@ kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust', watch
         sample("seedlink_kubernetes_status_writes_total{source=\"tunnel\",outcome=\"written\"}")
             >= CONN_TENANTS as f64
     );
-    let (_, state) = http_get(admin, "/api/state").await;
+    let (_, state) = http_get(bed.admin, "/api/state").await;
     let state: Value = serde_json::from_str(&state).unwrap();
     let section = &state["sections"][0];
     assert_eq!(section["title"], "Kubernetes source (tunnel)", "{state}");
@@ -2039,6 +1954,149 @@ kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust', watch
                 && l[1].as_str() == Some(clients.to_string().as_str())),
         "{section}"
     );
+}
+
+/// `trust_watch: cluster`: the labelled trust of every tenant namespace
+/// comes from one watch of each kind across the cluster (bound
+/// cluster-wide, no RoleBinding in any tenant namespace), so the
+/// tunnel-server holds one connection whatever the tenant count, and
+/// every tenant is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_wide_trust_watch_holds_one_connection_whatever_the_tenants() {
+    let bed = ConnBed::start("cluster").await;
+    // One (the main one), and one of slack for a connection the API
+    // server or a busy machine ended meanwhile.
+    let accepted = bed.proxy.accepted.load(Ordering::Relaxed);
+    assert!(
+        accepted <= 2,
+        "{accepted} connections to the API server for {CONN_TENANTS} tenant namespaces (at most 2 expected)"
+    );
+    let (_, metrics) = http_get(bed.admin, "/metrics").await;
+    assert!(
+        metrics.contains("seedlink_kubernetes_api_connections{source=\"tunnel\"} 1\n"),
+        "{metrics}"
+    );
+}
+
+/// [`CONN_TENANTS`] tenant namespaces, each with a TunnelCluster naming a
+/// labelled ConfigMap, served by a tunnel-server reaching its own API
+/// server through a proxy that counts connections, its trust watched as
+/// `trust_watch` says (bound per namespace or cluster-wide to match);
+/// started once every tenant is Ready.
+struct ConnBed {
+    proxy: FaultProxy,
+    admin: SocketAddr,
+    _server: Proc,
+    _dir: tempfile::TempDir,
+    _api: KubeApi,
+}
+
+impl ConnBed {
+    async fn start(trust_watch: &str) -> ConnBed {
+        // An API server of its own: the tunnel-server follows every
+        // TunnelCluster's namespace, and the shared one holds other tests'.
+        let api = tokio::task::spawn_blocking(|| {
+            KubeApi::start_with(kubeapi::Options {
+                crds: true,
+                ..Default::default()
+            })
+        })
+        .await
+        .unwrap();
+        let client = api.client().await.unwrap();
+        let sys = "seedlink-system";
+        kubeapi::apply(
+            &client,
+            json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": sys}}),
+        )
+        .await;
+        let token = api.install_rbac(&client, sys).await;
+        let binding = |kind: &str, ns: Option<&str>| {
+            json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": kind,
+                   "metadata": {"name": "seedlink-tunnel-trust", "namespace": ns},
+                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                               "name": format!("seedlink-tunnel-trust-{sys}")},
+                   "subjects": [{"kind": "ServiceAccount", "name": "seedlink", "namespace": sys}]})
+        };
+        let cluster_wide = trust_watch == "cluster";
+        if cluster_wide {
+            kubeapi::apply(&client, binding("ClusterRoleBinding", None)).await;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let proxy = FaultProxy::start(api.addr, Fault::Pass).await;
+        let kubeconfig = api.kubeconfig(dir.path(), "tunnel-server", &token, Some(proxy.addr));
+        let mut tenants = Vec::new();
+        for i in 0..CONN_TENANTS {
+            let ns = format!("conn-{i}");
+            let ca = seedlink::demo::Pki::generate(&[]).unwrap().ca_pem;
+            let mut objects = vec![
+                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
+                json!({"apiVersion": "v1", "kind": "ConfigMap",
+                       "metadata": {"name": "agent-ca", "namespace": ns,
+                                    "labels": {"seedlink.dev/tunnel-trust": "true"}},
+                       "data": {"ca.crt": ca}}),
+                tunnel_cluster(&ns, json!({"configMap": "agent-ca", "key": "ca.crt"})),
+            ];
+            if !cluster_wide {
+                objects.insert(1, binding("RoleBinding", Some(&ns)));
+            }
+            for o in objects {
+                kubeapi::apply(&client, o).await;
+            }
+            tenants.push(ns);
+        }
+        let pki = seedlink::demo::Pki::generate(&["tunnel.seedlink.test"]).unwrap();
+        let (_, leaf) = &pki.servers[0];
+        let (crt, key) = (dir.path().join("tun.pem"), dir.path().join("tun-key.pem"));
+        std::fs::write(&crt, &leaf.cert_pem).unwrap();
+        std::fs::write(&key, &leaf.key_pem).unwrap();
+        let d = dir.path().display();
+        let config = dir.path().join("tunnel.yaml");
+        std::fs::write(
+            &config,
+            format!(
+                "agents: {{listen: '127.0.0.1:0', cert: '{}', key: '{}'}}
+admin: {{listen: '127.0.0.1:0'}}
+clusters: []
+frontend_templates:
+  - {{name: uds, protocol: http-connect, unix: '{d}/{{cluster}}.sock'}}
+kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust', watches_per_connection: {CONN_WATCHES}, trust_watch: {trust_watch}}}
+",
+                crt.display(),
+                key.display()
+            ),
+        )
+        .unwrap();
+        let mut cmd = std::process::Command::new(seedlink_bin());
+        cmd.args(["tunnel-server", "--config"])
+            .arg(&config)
+            .env("KUBECONFIG", &kubeconfig)
+            .env("POD_NAME", "tunnel-0");
+        let (server, ready) = started(cmd);
+        let admin: SocketAddr = ready["admin"].as_str().unwrap().parse().unwrap();
+        for ns in &tenants {
+            eventually(
+                &format!("{ns} Ready"),
+                Duration::from_secs(60),
+                async || {
+                    let o = kubeapi::get(&client, TUNNELS, "TunnelCluster", ns, "tunnel").await;
+                    o.and_then(|o| o["status"]["conditions"].as_array().cloned())
+                        .is_some_and(|c| {
+                            c.iter()
+                                .any(|c| c["type"] == "Ready" && c["status"] == "True")
+                        })
+                },
+            )
+            .await;
+        }
+        ConnBed {
+            proxy,
+            admin,
+            _server: server,
+            _dir: dir,
+            _api: api,
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

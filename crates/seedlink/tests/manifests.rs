@@ -1570,6 +1570,35 @@ fn replica_addresses_are_rendered_when_set() {
     );
 }
 
+/// `tunnelTrustWatch=cluster` becomes the tunnel file's
+/// `kubernetes.trust_watch` and binds `seedlink-tunnel-trust` to the
+/// ServiceAccount cluster-wide; by default the trust is watched per
+/// namespace and bound nowhere by the chart.
+#[test]
+fn a_cluster_wide_trust_watch_is_bound_cluster_wide() {
+    let rendered = |set: &[&str]| -> (Value, bool) {
+        let docs = helm_template(set);
+        check_strictly(&docs);
+        let cm = docs
+            .iter()
+            .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "seedlink-config")
+            .unwrap();
+        let file: Value =
+            serde_norway::from_str(cm["data"]["tunnel.yaml"].as_str().unwrap()).unwrap();
+        let bound = docs.iter().any(|d| {
+            d["kind"] == "ClusterRoleBinding"
+                && d["roleRef"]["name"] == "seedlink-tunnel-trust"
+                && d["subjects"][0]["name"] == "seedlink"
+        });
+        (file["kubernetes"]["trust_watch"].clone(), bound)
+    };
+    assert_eq!(rendered(&[]), (json!("namespaces"), false));
+    assert_eq!(
+        rendered(&["--set", "tunnelTrustWatch=cluster"]),
+        (json!("cluster"), true)
+    );
+}
+
 /// `kubeApiserverClientCATrust` is what the shared frontend trusts for
 /// kube-apiservers' client certificates (a rotation's overlap), mounted
 /// alone into the data plane's pods.

@@ -118,6 +118,9 @@ pub struct TunnelSettings {
     pub replicas: Option<Key>,
     /// Where agents reach each replica (`kubernetes.replica_addresses`).
     pub replica_addresses: Option<seedlink_config::tunnel::ReplicaAddresses>,
+    /// How the labelled Secrets and ConfigMaps are watched
+    /// (`kubernetes.trust_watch`).
+    pub trust_watch: seedlink_config::tunnel::TrustWatch,
     /// How long a claim a cluster stops trusting stays reserved to it
     /// (`status.released`).
     pub released_trust_hold: Duration,
@@ -128,32 +131,76 @@ pub struct TunnelSettings {
 /// never is).
 pub(super) const TRUST_LIST_WAIT: Duration = Duration::from_secs(5);
 
-/// The Secrets and ConfigMaps the tunnel-server reads: per namespace whose
-/// TunnelClusters name one of that kind, only those labelled
-/// `seedlink.dev/tunnel-trust=true` — so it needs no cluster-wide grant,
-/// only a RoleBinding in each such namespace (docs/KUBERNETES.md), and a
-/// namespace whose clusters name only ConfigMaps (as a control plane's
-/// generated one does) needs no grant on its Secrets — started and stopped
-/// as TunnelClusters come and go.
+/// The Secrets and ConfigMaps the tunnel-server reads: only those
+/// labelled `seedlink.dev/tunnel-trust=true`, in the namespaces whose
+/// TunnelClusters name that kind (a namespace whose clusters name only
+/// ConfigMaps, as a control plane's generated one does, has none of its
+/// Secrets read).
+///
+/// By default (`trust_watch: namespaces`) one watch per such namespace
+/// and kind, started and stopped as TunnelClusters come and go: it needs
+/// no cluster-wide grant, only a RoleBinding in each namespace
+/// (docs/KUBERNETES.md). With `trust_watch: cluster`, one watch of each
+/// kind across the cluster, filtered here to the same namespaces: two
+/// watches whatever the tenant count, through a ClusterRoleBinding.
 #[derive(Default)]
 pub(super) struct TrustWatches {
     secrets: HashMap<String, (Store<Secret>, CancellationToken)>,
     config_maps: HashMap<String, (Store<ConfigMap>, CancellationToken)>,
+    /// The cluster-wide watches (`trust_watch: cluster`).
+    cluster: Option<ClusterTrust>,
+}
+
+/// The cluster-wide trust watches, and the namespaces read from them.
+struct ClusterTrust {
+    secrets: Store<Secret>,
+    config_maps: Store<ConfigMap>,
+    errors: WatchErrors,
+    wanted: (HashSet<String>, HashSet<String>),
 }
 
 type Secret = k8s_openapi::api::core::v1::Secret;
 type ConfigMap = k8s_openapi::api::core::v1::ConfigMap;
 
 impl TrustWatches {
+    /// The trust watches `trust_watch` asks for: the cluster-wide ones
+    /// start here, the per-namespace ones as clusters name them.
+    pub(super) fn new(w: &Watches, trust_watch: seedlink_config::tunnel::TrustWatch) -> Self {
+        let cluster = (trust_watch == seedlink_config::tunnel::TrustWatch::Cluster).then(|| {
+            let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
+            ClusterTrust {
+                secrets: w.labelled::<Secret>(&selector),
+                config_maps: w.labelled::<ConfigMap>(&selector),
+                errors: w.tx.errors.clone(),
+                wanted: Default::default(),
+            }
+        });
+        TrustWatches {
+            cluster,
+            ..Default::default()
+        }
+    }
+
     /// Watches exactly the namespaces and kinds `clusters` name; a new
-    /// watch is waited for (bounded) so that its references resolve in
-    /// this pass.
+    /// watch (or, cluster-wide, the first list) is waited for (bounded)
+    /// so that its references resolve in this pass.
     pub(super) async fn follow(
         &mut self,
         w: &Watches,
         clusters: &[Arc<crate::crd::TunnelCluster>],
     ) {
         let (secrets, config_maps) = wanted(clusters);
+        if let Some(c) = &mut self.cluster {
+            c.wanted = (secrets, config_maps);
+            let listed = futures_util::future::join(
+                listed_or_failed((c.secrets.clone(), c.errors.clone())),
+                listed_or_failed((c.config_maps.clone(), c.errors.clone())),
+            );
+            if tokio::time::timeout(TRUST_LIST_WAIT, listed).await.is_err() {
+                tracing::warn!("the labelled Secrets and ConfigMaps not listed yet (is seedlink bound to seedlink-tunnel-trust cluster-wide?)");
+            }
+            return;
+        }
         let new_secrets = follow_kind(w, &mut self.secrets, secrets);
         let new_config_maps = follow_kind(w, &mut self.config_maps, config_maps);
         // Every new watch at once, within one bound: a namespace whose
@@ -171,10 +218,28 @@ impl TrustWatches {
 
     #[allow(clippy::type_complexity)]
     pub(super) fn state(&self) -> (Vec<Arc<Secret>>, Vec<Arc<ConfigMap>>) {
+        if let Some(c) = &self.cluster {
+            return (
+                in_namespaces(&c.secrets, &c.wanted.0),
+                in_namespaces(&c.config_maps, &c.wanted.1),
+            );
+        }
         let secrets = self.secrets.values().flat_map(|(s, _)| s.state());
         let config_maps = self.config_maps.values().flat_map(|(c, _)| c.state());
         (secrets.collect(), config_maps.collect())
     }
+}
+
+/// The objects of `store` in one of `namespaces`.
+fn in_namespaces<K: TrustKind>(store: &Store<K>, namespaces: &HashSet<String>) -> Vec<Arc<K>> {
+    let mut objects = store.state();
+    objects.retain(|o| {
+        o.meta()
+            .namespace
+            .as_ref()
+            .is_some_and(|ns| namespaces.contains(ns))
+    });
+    objects
 }
 
 /// The namespaces whose TunnelClusters name a Secret, and those that
@@ -299,6 +364,7 @@ pub fn start_tunnel(
             sink: sink.clone(),
             hold,
         };
+        let trust = TrustWatches::new(&w, settings.trust_watch);
         let passes = TunnelPasses {
             w,
             clusters,
@@ -306,7 +372,7 @@ pub fn start_tunnel(
             settings,
             metrics: metrics_for_passes,
             status: follow_passes(writer, coalescer.stop.clone()),
-            trust: TrustWatches::default(),
+            trust,
             applied: None,
         };
         passes.run(coalescer, sink, &synced_tx).await;

@@ -51,6 +51,7 @@ impl Watches {
         metrics: &SourceMetrics,
     ) -> Watches {
         let (tx, changed) = mpsc::channel(1);
+        metrics.follow_connections(clients);
         Watches {
             client: clients.main().clone(),
             clients: clients.clone(),
@@ -119,6 +120,22 @@ impl Watches {
             stop.clone(),
         );
         (store, errors)
+    }
+
+    /// The objects of kind `K` with label `selector` in every namespace,
+    /// on the main connection (its errors are the install's: a missing
+    /// cluster-wide grant).
+    pub(super) fn labelled<K>(&self, selector: &str) -> Store<K>
+    where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+    {
+        watch_kind(
+            Api::<K>::all(self.client.clone()),
+            watcher::Config::default().labels(selector),
+            self.tx.clone(),
+            self.stop.clone(),
+        )
     }
 
     /// Every object of kind `K` in `namespace`.

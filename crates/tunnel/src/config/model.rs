@@ -117,6 +117,14 @@ pub struct Kubernetes {
     /// API server's `--http2-max-streams-per-connection` allows).
     #[serde(default = "watches_per_connection_default")]
     pub watches_per_connection: usize,
+    /// How the labelled Secrets and ConfigMaps are watched: `namespaces`
+    /// (default: one watch per tenant namespace and kind, through a
+    /// RoleBinding in each) or `cluster` (one watch of each kind across
+    /// the cluster, through a ClusterRoleBinding: the API-server
+    /// connections stay at two whatever the tenant count). Only the
+    /// namespaces whose TunnelClusters name a kind are read either way.
+    #[serde(default)]
+    pub trust_watch: seedlink_config::tunnel::TrustWatch,
     /// Where agents reach each replica by itself, told to seedlink agents
     /// with the replica count (REPLICAS), so that they hold a stream to
     /// every replica without a load balancer in front (needs `replicas`).

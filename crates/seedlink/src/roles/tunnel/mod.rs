@@ -350,6 +350,7 @@ impl ServerRole {
         let settings = seedlink_kube::source::TunnelSettings {
             replicas,
             replica_addresses: k.replica_addresses,
+            trust_watch: k.trust_watch,
             lease,
             identity: super::identity(),
             trust_dir: k.trust_dir,
