@@ -25,8 +25,9 @@
 //!   cluster-wide) in the first one's place: its cold start, memory and
 //!   connections.
 //!
-//! Not measured here yet: agents (2 per tenant) and a replica's restart
-//! with them (docs/PERFORMANCE.md says so).
+//! No agents connect here: agents (2 per tenant, 2,000 at 1,000 tenants)
+//! and a replica's restart under them are `--scenario tunnel-restart`
+//! (`tunnel_restart.rs`).
 
 use std::net::SocketAddr;
 use std::path::Path;

@@ -15,6 +15,7 @@ mod proxy;
 mod scenario;
 mod tunnel;
 mod tunnel_flood;
+mod tunnel_restart;
 mod tunnel_scale;
 mod workload;
 
@@ -107,16 +108,19 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
             let _ = TUNNEL_SCENARIO.set(());
         }
         "connect" => scenario::set_tunnel_destination(),
-        "tunnel-scale" | "tunnel-flood" => {}
+        "tunnel-scale" | "tunnel-flood" | "tunnel-restart" => {}
         "cipher" => return cipher::run(),
         "kube-scale" => return kube_scale::run(&opts).await,
         other => {
-            anyhow::bail!("--scenario {other:?}: use sni, proxy-sni, connect, node-proxy, node-proxy-h2, tunnel, tunnel-scale, tunnel-flood, kube-scale or cipher")
+            anyhow::bail!("--scenario {other:?}: use sni, proxy-sni, connect, node-proxy, node-proxy-h2, tunnel, tunnel-scale, tunnel-flood, tunnel-restart, kube-scale or cipher")
         }
     }
     let backend = workload::Backend::start().await?;
     if opts.scenario == "tunnel-scale" {
         return tunnel_scale::run(&opts, backend.addr).await;
+    }
+    if opts.scenario == "tunnel-restart" {
+        return tunnel_restart::run(&opts, backend.addr).await;
     }
     if opts.scenario == "tunnel-flood" {
         return tunnel_flood::run(&opts, backend.addr).await;

@@ -95,7 +95,9 @@ pub struct Opts {
     /// to the gateway), or `tunnel` (seedlink tunnel-server + tunnel-agent,
     /// HTTP CONNECT frontend, vs rathole's server + client), or
     /// `tunnel-scale` (one tunnel-server with --clusters clusters and two
-    /// in-process agents each, against one cluster), or `kube-scale` (the
+    /// in-process agents each, against one cluster), or `tunnel-restart`
+    /// (two replicas with --clusters clusters, two agents each holding a
+    /// stream to both; one replica killed and started again), or `kube-scale` (the
     /// Kubernetes source at --tenants tenants on a real kube-apiserver).
     #[arg(long, default_value = "sni")]
     pub scenario: String,
@@ -104,7 +106,8 @@ pub struct Opts {
     #[arg(long)]
     pub streams: Option<usize>,
     /// Clusters on the server in the tunnel-scale scenario (two in-process
-    /// agents each), measured against a one-cluster server.
+    /// agents each), measured against a one-cluster server; on each
+    /// replica in the tunnel-restart scenario.
     #[arg(long, default_value_t = 200)]
     pub clusters: usize,
     /// Tenant counts the kube-scale scenario measures at, growing.

@@ -22,15 +22,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::bail;
 use prost::Message;
-use seedlink_tunnel::agent::{Agent, AgentOptions};
-use seedlink_tunnel::grpc::H2Settings;
+use seedlink_tunnel::agent::Agent;
 use seedlink_tunnel::proto::Packet;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
 use tokio_util::sync::CancellationToken;
 
 use crate::scenario::Opts;
-use crate::tunnel_scale::{admin_get, issue, metric_sum, pct, start_server, write};
+use crate::tunnel_scale::{admin_get, bench_agent, issue, metric_sum, pct, start_server, write};
 use crate::workload::HELLO;
 
 /// How long each phase measures the victim.
@@ -234,7 +233,7 @@ fn start_flood(
 /// client runs on its own machine). The server still gets every frame it
 /// can take: the client only yields the CPU when others need it.
 #[allow(unsafe_code)]
-fn lowest_priority() {
+pub(crate) fn lowest_priority() {
     // SAFETY: gettid and setpriority take no pointers and change only
     // this thread's scheduling priority.
     let r = unsafe {
@@ -290,32 +289,13 @@ impl Bed {
         let (child, admin, agents_at) =
             start_server(&opts.seedlink, &dir.join("server.yaml"), None).await?;
         let (vc, vk) = idents[0].clone();
-        let agent = Agent::new(AgentOptions {
-            server: agents_at.to_string(),
-            server_name: "tunnel.bench".into(),
-            ca: PathBuf::from(&ca_path),
-            identity: Some((vc, vk)),
-            alpn: Vec::new(),
-            agent_id: "victim".into(),
-            identifiers: String::new(),
-            token_path: None,
-            allow: vec!["127.0.0.0/8".parse()?],
-            allow_ports: Vec::new(),
-            deny: Vec::new(),
-            dial_timeout: Duration::from_secs(5),
-            sync_interval: Duration::from_secs(1),
-            sync_interval_cap: Duration::from_secs(5),
-            keepalive: H2Settings {
-                keepalive: Duration::from_secs(30),
-                keepalive_timeout: Duration::from_secs(10),
-            },
-            stall_timeout: Duration::from_secs(10),
-            queue_bytes: 4 * 1024 * 1024,
-            flow_control: true,
-            native: true,
-            replica_addresses: true,
-            egress: None,
-        })?;
+        let agent = bench_agent(
+            agents_at.to_string(),
+            Path::new(&ca_path),
+            (vc, vk),
+            "victim".into(),
+            (Duration::from_secs(1), Duration::from_secs(5)),
+        )?;
         let run = agent.clone();
         tokio::spawn(async move { run.run().await });
         let end = Instant::now() + Duration::from_secs(30);

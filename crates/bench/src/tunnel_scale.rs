@@ -113,6 +113,45 @@ pub(crate) async fn start_server(
     Ok((child, admin, agents_at))
 }
 
+/// A seedlink agent of this bench: to `server` (named `tunnel.bench`,
+/// verified against `ca`) with `identity`, dialling loopback only; its
+/// first reconnect delay and replica-discovery interval `sync`, its
+/// largest `sync_cap`.
+pub(crate) fn bench_agent(
+    server: String,
+    ca: &Path,
+    identity: (PathBuf, PathBuf),
+    agent_id: String,
+    (sync, sync_cap): (Duration, Duration),
+) -> anyhow::Result<Arc<Agent>> {
+    Ok(Agent::new(AgentOptions {
+        server,
+        server_name: "tunnel.bench".into(),
+        ca: ca.to_path_buf(),
+        identity: Some(identity),
+        alpn: Vec::new(),
+        agent_id,
+        identifiers: String::new(),
+        token_path: None,
+        allow: vec!["127.0.0.0/8".parse()?],
+        allow_ports: Vec::new(),
+        deny: Vec::new(),
+        dial_timeout: Duration::from_secs(5),
+        sync_interval: sync,
+        sync_interval_cap: sync_cap,
+        keepalive: H2Settings {
+            keepalive: Duration::from_secs(30),
+            keepalive_timeout: Duration::from_secs(10),
+        },
+        stall_timeout: Duration::from_secs(10),
+        queue_bytes: 4 * 1024 * 1024,
+        flow_control: true,
+        native: true,
+        replica_addresses: true,
+        egress: None,
+    })?)
+}
+
 pub(crate) fn write(dir: &Path, name: &str, text: &str) -> anyhow::Result<String> {
     let p = dir.join(name);
     std::fs::write(&p, text)?;
@@ -173,33 +212,14 @@ impl Bed {
         let mut agents = Vec::new();
         for (i, (c, k)) in idents.iter().enumerate() {
             for j in 0..2 {
-                let a = Agent::new(AgentOptions {
-                    server: agents_at.to_string(),
-                    server_name: "tunnel.bench".into(),
-                    ca: PathBuf::from(&ca_path),
-                    identity: Some((c.clone(), k.clone())),
-                    alpn: Vec::new(),
-                    agent_id: format!("c{i}-a{j}"),
-                    identifiers: String::new(),
-                    token_path: None,
-                    allow: vec!["127.0.0.0/8".parse()?],
-                    allow_ports: Vec::new(),
-                    deny: Vec::new(),
-                    dial_timeout: Duration::from_secs(5),
+                let a = bench_agent(
+                    agents_at.to_string(),
+                    Path::new(&ca_path),
+                    (c.clone(), k.clone()),
+                    format!("c{i}-a{j}"),
                     // Replica discovery off the measured path: once a minute.
-                    sync_interval: Duration::from_secs(60),
-                    sync_interval_cap: Duration::from_secs(60),
-                    keepalive: H2Settings {
-                        keepalive: Duration::from_secs(30),
-                        keepalive_timeout: Duration::from_secs(10),
-                    },
-                    stall_timeout: Duration::from_secs(10),
-                    queue_bytes: 4 * 1024 * 1024,
-                    flow_control: true,
-                    native: true,
-                    replica_addresses: true,
-                    egress: None,
-                })?;
+                    (Duration::from_secs(60), Duration::from_secs(60)),
+                )?;
                 let run = a.clone();
                 tokio::spawn(async move { run.run().await });
                 agents.push(a);
@@ -238,7 +258,7 @@ impl Bed {
 }
 
 /// CONNECT on `sock` to `target`, then the backend's first byte: µs.
-async fn dial_once(sock: &Path, target: SocketAddr) -> anyhow::Result<f64> {
+pub(crate) async fn dial_once(sock: &Path, target: SocketAddr) -> anyhow::Result<f64> {
     let t0 = Instant::now();
     let mut s = UnixStream::connect(sock).await?;
     s.write_all(format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n").as_bytes())
