@@ -6,7 +6,9 @@
 //! Each tenant is a namespace with what a control plane brings: a
 //! TLSRoute, a SeedlinkPolicy, a TunnelCluster with its trust ConfigMap
 //! (a CA of its own) and the RoleBinding that lets the tunnel-server read
-//! it, a Service and its EndpointSlice. At each count a gateway and a
+//! it, a Service and its EndpointSlice, and a Service no route names (as
+//! etcd's or monitoring's in a control plane's namespace) with its
+//! EndpointSlice. At each count a gateway and a
 //! tunnel-server start as the install's ServiceAccount, each through a
 //! proxy that counts its connections to the API server, and the bench
 //! measures:
@@ -21,6 +23,8 @@
 //!   and the mean duration of the gateway's passes meanwhile (translate
 //!   and apply: the source's own work);
 //! - the connections each opened to the API server;
+//! - writes to the slices of the Services no route names, 10 a second:
+//!   the gateway's passes and CPU per write meanwhile;
 //! - then a second tunnel-server with `trust_watch: cluster` (bound
 //!   cluster-wide) in the first one's place: its cold start, memory and
 //!   connections.
@@ -71,6 +75,9 @@ struct Row {
     /// The tunnel-server with `trust_watch: cluster`: cold start, RSS and
     /// connections.
     tun_cluster: (Duration, f64, u64),
+    /// Writes to slices of Services no route names: the gateway's passes
+    /// and CPU per write meanwhile.
+    unrelated: (f64, f64),
 }
 
 pub async fn run(opts: &Opts) -> anyhow::Result<()> {
@@ -179,6 +186,13 @@ fn tenant(i: usize) -> anyhow::Result<Vec<Value>> {
                "spec": {"selector": {"app": "kube-apiserver"},
                         "ports": [{"name": "https", "port": 443, "targetPort": 6443}]}}),
         slice(i, 0),
+        // A Service no route names, as a control plane's namespace holds
+        // many (etcd, monitoring, the VPN): its slice churns too.
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": "etcd-main-client", "namespace": ns},
+               "spec": {"selector": {"app": "etcd"},
+                        "ports": [{"name": "client", "port": 2379}]}}),
+        other_slice(i, 0),
         json!({"apiVersion": ROUTES, "kind": "TLSRoute",
                "metadata": {"name": "kube-apiserver", "namespace": ns},
                "spec": {"parentRefs": [{"name": "seedlink", "namespace": SYS, "sectionName": "tls"}],
@@ -195,12 +209,24 @@ fn tenant(i: usize) -> anyhow::Result<Vec<Value>> {
 /// Tenant `i`'s EndpointSlice at version `v` (its one address changes
 /// with `v`).
 fn slice(i: usize, v: usize) -> Value {
+    slice_of(i, ("kube-apiserver", "https", 6443), v)
+}
+
+/// Tenant `i`'s EndpointSlice of the Service no route names, at version
+/// `v`.
+fn other_slice(i: usize, v: usize) -> Value {
+    slice_of(i, ("etcd-main-client", "client", 2379), v)
+}
+
+/// Tenant `i`'s slice of `service` (its port's name and number) at
+/// version `v`.
+fn slice_of(i: usize, (service, port_name, port): (&str, &str, u16), v: usize) -> Value {
     json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-           "metadata": {"name": "kube-apiserver-x1", "namespace": ns(i),
-                        "labels": {"kubernetes.io/service-name": "kube-apiserver",
+           "metadata": {"name": format!("{service}-x1"), "namespace": ns(i),
+                        "labels": {"kubernetes.io/service-name": service,
                                    "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
            "addressType": "IPv4",
-           "ports": [{"name": "https", "port": 6443, "protocol": "TCP"}],
+           "ports": [{"name": port_name, "port": port, "protocol": "TCP"}],
            "endpoints": [{"addresses": [address(i, v)], "conditions": {"ready": true}}]})
 }
 
@@ -350,6 +376,7 @@ async fn measure(
     let (latencies, background) = changes(client, &gw, n).await?;
     let cpu = procstat::cpu_seconds(&[gw_pid]) - cpu0;
     let passes1 = pass_totals(gw.admin).await;
+    let unrelated = unrelated_churn(client, gw_pid, gw.admin, n).await?;
     let tun_conns = tun
         .proxy
         .accepted
@@ -384,7 +411,31 @@ async fn measure(
         tun_conns,
         tun_passes,
         tun_cluster,
+        unrelated,
     })
+}
+
+/// Writes to the slices of Services no route names: [`CHANGES`] of them,
+/// [`BACKGROUND_PER_SEC`] a second over the tenants; the gateway's passes
+/// and its CPU (ms) per write meanwhile. (A pass still starting from the
+/// changes before is counted.)
+async fn unrelated_churn(
+    client: &kube::Client,
+    gw_pid: u32,
+    admin: SocketAddr,
+    n: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let (cpu0, passes0) = (procstat::cpu_seconds(&[gw_pid]), pass_totals(admin).await);
+    let mut tick = tokio::time::interval(Duration::from_millis(1000 / BACKGROUND_PER_SEC));
+    for k in 0..CHANGES {
+        tick.tick().await;
+        apply(client, other_slice(k % n, k / n + 1)).await?;
+    }
+    // The coalescer's longest wait, so that a pass it woke is counted.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let cpu = procstat::cpu_seconds(&[gw_pid]) - cpu0;
+    let passes = pass_totals(admin).await.0 - passes0.0;
+    Ok((passes, cpu * 1000.0 / CHANGES as f64))
 }
 
 /// The source's passes so far and their mean duration (its
@@ -507,6 +558,15 @@ fn print(rows: &[Row]) {
             r.gw_passes.1 * 1000.0,
             r.gw_conns,
             r.tun_conns
+        );
+    }
+    println!("\nWrites to the slices of Services no route names ({CHANGES} per count, {BACKGROUND_PER_SEC} a second):\n");
+    println!("| tenants | gateway passes meanwhile | gateway CPU per write |");
+    println!("|---|---|---|");
+    for r in rows {
+        println!(
+            "| {} | {} | {:.2} ms |",
+            r.tenants, r.unrelated.0, r.unrelated.1
         );
     }
     println!("\nThe tunnel-server with `trust_watch: cluster`:\n");

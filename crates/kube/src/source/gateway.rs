@@ -103,14 +103,17 @@ pub(super) struct GatewayKinds {
     pub(super) classes: Store<GatewayClass>,
     pub(super) namespaces: Store<Namespace>,
     pub(super) grants: Store<ReferenceGrant>,
+    /// The Services whose events (and their slices') wake a pass.
+    pub(super) interest: Interest,
 }
 
 impl GatewayKinds {
     pub(super) fn watch(w: &Watches, settings: &GatewaySettings) -> GatewayKinds {
+        let interest = Interest::default();
         GatewayKinds {
             policies: w.kind(),
-            services: w.kind(),
-            slices: w.kind(),
+            services: w.kind_where(service_read(&interest)),
+            slices: w.kind_where(slice_read(&interest)),
             // Only the named Gateway's namespace when that is all it
             // serves; every namespace for a class.
             gateways: match (&settings.gateway, &settings.class) {
@@ -120,8 +123,52 @@ impl GatewayKinds {
             classes: w.kind(),
             namespaces: w.kind(),
             grants: w.kind(),
+            interest,
         }
     }
+}
+
+/// The label naming an EndpointSlice's Service.
+const SERVICE_NAME: &str = "kubernetes.io/service-name";
+
+/// Whether a Service is one `interest` holds.
+pub(super) fn service_read(interest: &Interest) -> Relevant<Service> {
+    let interest = interest.clone();
+    Arc::new(move |s: &Service| {
+        interest.counts(
+            s.metadata.namespace.as_deref().unwrap_or_default(),
+            s.metadata.name.as_deref().unwrap_or_default(),
+        )
+    })
+}
+
+/// Whether an EndpointSlice is of a Service `interest` holds (one without
+/// a Service's name is nobody's backend).
+pub(super) fn slice_read(interest: &Interest) -> Relevant<EndpointSlice> {
+    let interest = interest.clone();
+    Arc::new(move |s: &EndpointSlice| {
+        let service = s.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME));
+        service.is_some_and(|name| {
+            interest.counts(s.metadata.namespace.as_deref().unwrap_or_default(), name)
+        })
+    })
+}
+
+/// The Services a pass over `routes` reads: those their backendRefs name
+/// (whether or not the route attaches, or a grant allows it), and the one
+/// the Gateway's addresses come from.
+pub(super) fn services_read(routes: &[Arc<TlsRoute>], settings: &GatewaySettings) -> HashSet<Key> {
+    let mut read: HashSet<Key> = settings.service.iter().cloned().collect();
+    for r in routes {
+        let own = r.metadata.namespace.as_deref().unwrap_or_default();
+        for b in r.spec.rules.iter().flat_map(|rule| &rule.backend_refs) {
+            read.insert(Key {
+                namespace: b.namespace.as_deref().unwrap_or(own).to_string(),
+                name: b.name.clone(),
+            });
+        }
+    }
+    read
 }
 
 /// Every object the gateway's source reads.
@@ -153,6 +200,10 @@ impl GatewayStores {
     ) -> GatewayPass {
         let k = &self.kinds;
         let (routes, policies) = (self.routes.state(), k.policies.state());
+        // Before the Services and slices are read: an event on one the
+        // routes read from now on wakes the next pass, so none is missed
+        // between this read and the next.
+        k.interest.set(services_read(&routes, settings));
         let (services, slices) = (k.services.state(), k.slices.state());
         let (gateways, classes) = (k.gateways.state(), k.classes.state());
         let (namespaces, grants) = (k.namespaces.state(), k.grants.state());

@@ -20,6 +20,43 @@ use super::api::{ApiClients, WatchSlot};
 use super::metrics::SourceMetrics;
 use crate::translate::{Key, GATEWAY_GROUP};
 
+/// The Services a source's pass reads (namespace, name), set before each
+/// pass from what the routes name: an event on any other Service, or on
+/// an EndpointSlice of any other Service, changes nothing translated and
+/// wakes no pass (the object is still kept, for a route that names it
+/// later: that route's own event wakes the pass that reads it). `None`
+/// until the first pass: every event counts.
+#[derive(Clone, Default)]
+pub(super) struct Interest(Arc<std::sync::RwLock<Option<std::collections::HashSet<Key>>>>);
+
+impl Interest {
+    /// From now on only events on these Services (and their slices) count.
+    pub(super) fn set(&self, services: std::collections::HashSet<Key>) {
+        *self
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(services);
+    }
+
+    /// Whether an event on Service `namespace/name` (or one of its slices)
+    /// may change a pass.
+    pub(super) fn counts(&self, namespace: &str, name: &str) -> bool {
+        let set = self
+            .0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        set.as_ref().is_none_or(|s| {
+            s.contains(&Key {
+                namespace: namespace.to_string(),
+                name: name.to_string(),
+            })
+        })
+    }
+}
+
+/// Whether an event's object may change a pass (see [`Interest`]).
+pub(super) type Relevant<K> = Arc<dyn Fn(&K) -> bool + Send + Sync>;
+
 /// What a watch reports to its source: "changed", and its errors.
 #[derive(Clone)]
 pub(super) struct Changed {
@@ -79,6 +116,25 @@ impl Watches {
             self.tx.clone(),
             self.stop.clone(),
         )
+    }
+
+    /// Every object of kind `K`, in every namespace, whose events wake a
+    /// pass only when `relevant` (a list or relist always does).
+    pub(super) fn kind_where<K>(&self, relevant: Relevant<K>) -> Store<K>
+    where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+    {
+        let api = Api::<K>::all(self.client.clone());
+        let (store, stream) = reflected(api, K::DynamicType::default(), watcher::Config::default());
+        spawn_follow(
+            stream,
+            K::kind(&K::DynamicType::default()).to_string(),
+            self.tx.clone(),
+            self.stop.clone(),
+            Some(relevant),
+        );
+        store
     }
 
     /// The objects of kind `K` with label `selector` in `namespace` (a
@@ -196,28 +252,69 @@ where
     K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
 {
     let kind = K::kind(&dyntype).to_string();
+    let (store, stream) = reflected(api, dyntype, config);
+    spawn_follow(stream, kind, changed, stop, None);
+    store
+}
+
+/// A kind's store and the stream that fills it.
+fn reflected<K>(
+    api: Api<K>,
+    dyntype: K::DynamicType,
+    config: watcher::Config,
+) -> (
+    Store<K>,
+    impl futures_util::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+)
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone + Send + Sync,
+{
     let config = config.timeout(WATCH_TIMEOUT_SECS);
     let writer = reflector::store::Writer::new(dyntype);
     let store = writer.as_reader();
     let stream = watcher(api, config)
         .default_backoff()
-        // Kept in memory for every object: nothing here reads who
-        // managed which field.
-        .modify(|o: &mut K| o.meta_mut().managed_fields = None)
+        // Kept in memory for every object: nothing here reads who managed
+        // which field, nor any annotation (`kubectl apply` leaves a copy
+        // of the whole object in one).
+        .modify(|o: &mut K| {
+            let meta = o.meta_mut();
+            meta.managed_fields = None;
+            meta.annotations = None;
+        })
         .reflect(writer);
+    (store, stream)
+}
+
+/// Follows `stream` on a task of its own until it ends or `stop`.
+fn spawn_follow<K, S>(
+    stream: S,
+    kind: String,
+    changed: Changed,
+    stop: CancellationToken,
+    relevant: Option<Relevant<K>>,
+) where
+    K: Send + Sync + 'static,
+    S: futures_util::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+{
     tokio::spawn(async move {
         let _slot = changed.slot.clone();
         changed.metrics.watch_started();
-        follow(stream, &kind, &changed, &stop).await;
+        follow(stream, &kind, &changed, &stop, relevant.as_ref()).await;
         changed.metrics.watch_ended();
     });
-    store
 }
 
 /// Follows one kind's watch until it ends or `stop`: "changed" on each
 /// event, its errors recorded.
-async fn follow<K, S>(stream: S, kind: &str, changed: &Changed, stop: &CancellationToken)
-where
+async fn follow<K, S>(
+    stream: S,
+    kind: &str,
+    changed: &Changed,
+    stop: &CancellationToken,
+    relevant: Option<&Relevant<K>>,
+) where
     S: futures_util::Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
 {
     let mut stream = std::pin::pin!(stream);
@@ -232,7 +329,13 @@ where
                     changed.metrics.listed(kind);
                 }
                 changed.errors.clear(kind);
-                let _ = changed.tx.try_send(());
+                let counts = match (&event, relevant) {
+                    (watcher::Event::Apply(o) | watcher::Event::Delete(o), Some(r)) => r(o),
+                    _ => true,
+                };
+                if counts {
+                    let _ = changed.tx.try_send(());
+                }
             }
             Some(Err(e)) => {
                 tracing::warn!(kind = %kind, error = %e, "kubernetes watch failed; keeping the last objects and retrying");
@@ -400,5 +503,106 @@ mod errors_tests {
         let ended = tokio::time::timeout(std::time::Duration::from_secs(30), waiting).await;
         assert!(ended.is_ok(), "the wait did not end");
         assert!(e.describe().is_some_and(|d| d.contains("Secret: 403")));
+    }
+}
+
+#[cfg(test)]
+mod interest_tests {
+    use super::super::gateway::{service_read, slice_read};
+    use super::*;
+    use k8s_openapi::api::core::v1::Service;
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    use kube::api::ObjectMeta;
+
+    fn meta(ns: &str, name: &str, service: Option<&str>) -> ObjectMeta {
+        ObjectMeta {
+            namespace: Some(ns.into()),
+            name: Some(name.into()),
+            labels: service
+                .map(|s| [("kubernetes.io/service-name".to_string(), s.to_string())].into()),
+            ..Default::default()
+        }
+    }
+
+    /// Whether following `events` wakes a pass.
+    async fn wakes<K: Send + Sync + 'static>(
+        events: Vec<watcher::Event<K>>,
+        relevant: &Relevant<K>,
+    ) -> bool {
+        let (tx, mut rx) = mpsc::channel(1);
+        let changed = Changed {
+            tx,
+            errors: WatchErrors::default(),
+            slot: None,
+            metrics: SourceMetrics::new("test"),
+            tenant: false,
+        };
+        let stream = futures_util::stream::iter(events.into_iter().map(Ok));
+        follow(
+            stream,
+            "test",
+            &changed,
+            &CancellationToken::new(),
+            Some(relevant),
+        )
+        .await;
+        rx.try_recv().is_ok()
+    }
+
+    /// Before the first pass every event counts; after it, only events on
+    /// the Services the routes name and on their slices, and every list
+    /// or relist. (A hostile tenant churning its other Services and slices
+    /// makes no pass.)
+    #[tokio::test]
+    async fn events_on_services_no_route_reads_wake_no_pass() {
+        let interest = Interest::default();
+        let (svc, slice) = (service_read(&interest), slice_read(&interest));
+        let service = |ns: &str, name: &str| Service {
+            metadata: meta(ns, name, None),
+            ..Default::default()
+        };
+        let slice_of = |ns: &str, service: Option<&str>| EndpointSlice {
+            metadata: meta(ns, "x1", service),
+            address_type: "IPv4".into(),
+            endpoints: Vec::new(),
+            ports: None,
+        };
+        assert!(wakes(vec![watcher::Event::Apply(service("t1", "etcd"))], &svc).await);
+        interest.set(
+            [Key {
+                namespace: "t1".into(),
+                name: "kube-apiserver".into(),
+            }]
+            .into(),
+        );
+        let other = vec![
+            watcher::Event::Apply(service("t1", "etcd")),
+            watcher::Event::Delete(service("t2", "kube-apiserver")),
+        ];
+        assert!(!wakes(other, &svc).await);
+        let slices = vec![
+            watcher::Event::Apply(slice_of("t1", Some("etcd"))),
+            watcher::Event::Apply(slice_of("t1", None)),
+            watcher::Event::Delete(slice_of("t2", Some("kube-apiserver"))),
+        ];
+        assert!(!wakes(slices, &slice).await);
+        assert!(
+            wakes(
+                vec![watcher::Event::Apply(service("t1", "kube-apiserver"))],
+                &svc
+            )
+            .await
+        );
+        assert!(
+            wakes(
+                vec![watcher::Event::Delete(slice_of(
+                    "t1",
+                    Some("kube-apiserver")
+                ))],
+                &slice
+            )
+            .await
+        );
+        assert!(wakes(vec![watcher::Event::<Service>::Init], &svc).await);
     }
 }
