@@ -274,6 +274,7 @@ async fn restart(
     )
     .await?;
     let stop = CancellationToken::new();
+    let _during = stop.clone().drop_guard();
     let during = tokio::spawn(dial_loop(
         b.sockets.clone(),
         backend,
@@ -312,6 +313,7 @@ pub async fn run(opts: &Opts, backend: SocketAddr) -> anyhow::Result<()> {
 /// figures.
 async fn restarts(opts: &Opts, backend: SocketAddr) -> anyhow::Result<Vec<Round>> {
     let n = opts.clusters;
+    anyhow::ensure!(n > 0, "--clusters: at least 1");
     let dir = tempfile::tempdir()?;
     let started = Instant::now();
     let pki = Arc::new(Pki::issue(n, dir.path())?);
@@ -323,6 +325,8 @@ async fn restarts(opts: &Opts, backend: SocketAddr) -> anyhow::Result<Vec<Round>
     let mut a = Replica::start(opts, &pki, dir.path(), "a", port_a).await?;
     let b = Replica::start(opts, &pki, dir.path(), "b", port_b).await?;
     let stop = CancellationToken::new();
+    // The agents stop however this ends.
+    let _agents = stop.clone().drop_guard();
     let at = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
     let threads = [
         run_agents(&pki, at(port_a), true, stop.clone())?,

@@ -165,7 +165,7 @@ fn no_key(what: &str, kind: &str, key: &Key, k: &str) -> Verdict {
 fn not_found(what: &str, kind: &str, key: &Key) -> Verdict {
     Verdict::no(
         "ReferenceNotFound",
-        format!("{what}: {kind} {key} not found (it needs the label {TRUST_LABEL}=true, and seedlink a RoleBinding of seedlink-tunnel-trust in its namespace)"),
+        format!("{what}: {kind} {key} not found (it needs the label {TRUST_LABEL}=true, and seedlink a RoleBinding of seedlink-tunnel-trust in its namespace, or with trust_watch: cluster the ClusterRoleBinding)"),
     )
 }
 

@@ -134,7 +134,7 @@ const SERVICE_NAME: &str = "kubernetes.io/service-name";
 /// Whether a Service is one `interest` holds.
 pub(super) fn service_read(interest: &Interest) -> Relevant<Service> {
     let interest = interest.clone();
-    Arc::new(move |s: &Service| {
+    Arc::new(move |s: &Service, _| {
         interest.counts(
             s.metadata.namespace.as_deref().unwrap_or_default(),
             s.metadata.name.as_deref().unwrap_or_default(),
@@ -143,14 +143,26 @@ pub(super) fn service_read(interest: &Interest) -> Relevant<Service> {
 }
 
 /// Whether an EndpointSlice is of a Service `interest` holds (one without
-/// a Service's name is nobody's backend).
+/// a Service's name is nobody's backend), or was when its last event
+/// counted: a slice relabelled away from a Service the routes read, then
+/// deleted or not, changes that Service's endpoints.
 pub(super) fn slice_read(interest: &Interest) -> Relevant<EndpointSlice> {
     let interest = interest.clone();
-    Arc::new(move |s: &EndpointSlice| {
+    let counted: std::sync::Mutex<HashSet<Key>> = Default::default();
+    Arc::new(move |s: &EndpointSlice, deleted: bool| {
+        let ns = s.metadata.namespace.as_deref().unwrap_or_default();
         let service = s.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME));
-        service.is_some_and(|name| {
-            interest.counts(s.metadata.namespace.as_deref().unwrap_or_default(), name)
-        })
+        let now = service.is_some_and(|name| interest.counts(ns, name));
+        let key = Key {
+            namespace: ns.to_string(),
+            name: s.metadata.name.clone().unwrap_or_default(),
+        };
+        let mut counted = seedlink_net::sync::lock(&counted, "slices counted");
+        let before = match now && !deleted {
+            true => !counted.insert(key),
+            false => counted.remove(&key),
+        };
+        now || before
     })
 }
 

@@ -151,12 +151,39 @@ pub(super) struct TrustWatches {
     cluster: Option<ClusterTrust>,
 }
 
-/// The cluster-wide trust watches, and the namespaces read from them.
+/// The cluster-wide trust watches, and the namespaces read from them
+/// (shared with the watches: an event on an object elsewhere wakes no
+/// pass).
 struct ClusterTrust {
     secrets: Store<Secret>,
     config_maps: Store<ConfigMap>,
     errors: WatchErrors,
-    wanted: (HashSet<String>, HashSet<String>),
+    wanted: Wanted,
+    /// Whether the first lists were waited for (once: a missing
+    /// ClusterRoleBinding delays the first pass only).
+    waited: bool,
+}
+
+/// The namespaces whose TunnelClusters name a Secret, and those that name
+/// a ConfigMap.
+type Namespaces = (HashSet<String>, HashSet<String>);
+type Wanted = Arc<std::sync::RwLock<Namespaces>>;
+
+/// Whether an object's namespace is one `pick` takes from `wanted`.
+fn in_wanted<K: kube::Resource>(
+    wanted: &Wanted,
+    pick: fn(&Namespaces) -> &HashSet<String>,
+) -> super::watches::Relevant<K> {
+    let wanted = wanted.clone();
+    Arc::new(move |o: &K, _| {
+        let w = wanted
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        o.meta()
+            .namespace
+            .as_ref()
+            .is_some_and(|ns| pick(&w).contains(ns))
+    })
 }
 
 type Secret = k8s_openapi::api::core::v1::Secret;
@@ -168,11 +195,13 @@ impl TrustWatches {
     pub(super) fn new(w: &Watches, trust_watch: seedlink_config::tunnel::TrustWatch) -> Self {
         let cluster = (trust_watch == seedlink_config::tunnel::TrustWatch::Cluster).then(|| {
             let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
+            let wanted = Wanted::default();
             ClusterTrust {
-                secrets: w.labelled::<Secret>(&selector),
-                config_maps: w.labelled::<ConfigMap>(&selector),
+                secrets: w.labelled_where(&selector, in_wanted(&wanted, |w| &w.0)),
+                config_maps: w.labelled_where(&selector, in_wanted(&wanted, |w| &w.1)),
                 errors: w.tx.errors.clone(),
-                wanted: Default::default(),
+                wanted,
+                waited: false,
             }
         });
         TrustWatches {
@@ -191,13 +220,17 @@ impl TrustWatches {
     ) {
         let (secrets, config_maps) = wanted(clusters);
         if let Some(c) = &mut self.cluster {
-            c.wanted = (secrets, config_maps);
-            let listed = futures_util::future::join(
-                listed_or_failed((c.secrets.clone(), c.errors.clone())),
-                listed_or_failed((c.config_maps.clone(), c.errors.clone())),
-            );
-            if tokio::time::timeout(TRUST_LIST_WAIT, listed).await.is_err() {
-                tracing::warn!("the labelled Secrets and ConfigMaps not listed yet (is seedlink bound to seedlink-tunnel-trust cluster-wide?)");
+            *c.wanted
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = (secrets, config_maps);
+            if !std::mem::replace(&mut c.waited, true) {
+                let listed = futures_util::future::join(
+                    listed_or_failed((c.secrets.clone(), c.errors.clone())),
+                    listed_or_failed((c.config_maps.clone(), c.errors.clone())),
+                );
+                if tokio::time::timeout(TRUST_LIST_WAIT, listed).await.is_err() {
+                    tracing::warn!("the labelled Secrets and ConfigMaps not listed yet (is seedlink bound to seedlink-tunnel-trust cluster-wide?)");
+                }
             }
             return;
         }
@@ -219,9 +252,13 @@ impl TrustWatches {
     #[allow(clippy::type_complexity)]
     pub(super) fn state(&self) -> (Vec<Arc<Secret>>, Vec<Arc<ConfigMap>>) {
         if let Some(c) = &self.cluster {
+            let w = c
+                .wanted
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             return (
-                in_namespaces(&c.secrets, &c.wanted.0),
-                in_namespaces(&c.config_maps, &c.wanted.1),
+                in_namespaces(&c.secrets, &w.0),
+                in_namespaces(&c.config_maps, &w.1),
             );
         }
         let secrets = self.secrets.values().flat_map(|(s, _)| s.state());
@@ -566,6 +603,32 @@ pub(super) fn status_held(
 mod replica_tests {
     use super::*;
     use serde_json::json;
+
+    /// Cluster-wide, only the namespaces whose clusters name a kind are
+    /// read of it, and only their objects' events wake a pass: a labelled
+    /// Secret in a namespace without a cluster, or in one whose clusters
+    /// name only ConfigMaps, is nobody's trust.
+    #[test]
+    fn cluster_wide_trust_is_read_only_where_clusters_name_it() {
+        let secret = |ns: &str| -> Secret {
+            serde_json::from_value(json!({"metadata": {"name": "ca", "namespace": ns}})).unwrap()
+        };
+        let mut writer = kube::runtime::reflector::store::Writer::<Secret>::default();
+        for ns in ["t1", "t2", "nobody"] {
+            writer.apply_watcher_event(&kube::runtime::watcher::Event::Apply(secret(ns)));
+        }
+        let wanted = Wanted::default();
+        *wanted.write().unwrap() = (
+            ["t1".to_string()].into(),
+            ["t1".to_string(), "t2".to_string()].into(),
+        );
+        let read = in_namespaces(&writer.as_reader(), &wanted.read().unwrap().0);
+        let read: Vec<_> = read.iter().map(|s| s.metadata.namespace.clone()).collect();
+        assert_eq!(read, vec![Some("t1".to_string())]);
+        let wakes = in_wanted::<Secret>(&wanted, |w| &w.0);
+        assert!(wakes(&secret("t1"), false));
+        assert!(!wakes(&secret("t2"), false) && !wakes(&secret("nobody"), true));
+    }
 
     /// A namespace is watched for the kinds its TunnelClusters name: a
     /// generated cluster trusting a ConfigMap needs no grant on Secrets.

@@ -54,8 +54,9 @@ impl Interest {
     }
 }
 
-/// Whether an event's object may change a pass (see [`Interest`]).
-pub(super) type Relevant<K> = Arc<dyn Fn(&K) -> bool + Send + Sync>;
+/// Whether an event's object (deleted, or not) may change a pass (see
+/// [`Interest`]).
+pub(super) type Relevant<K> = Arc<dyn Fn(&K, bool) -> bool + Send + Sync>;
 
 /// What a watch reports to its source: "changed", and its errors.
 #[derive(Clone)]
@@ -125,8 +126,18 @@ impl Watches {
         K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
         K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
     {
+        self.all_where(watcher::Config::default(), relevant)
+    }
+
+    /// The objects of kind `K` `config` selects in every namespace, whose
+    /// events wake a pass only when `relevant`.
+    fn all_where<K>(&self, config: watcher::Config, relevant: Relevant<K>) -> Store<K>
+    where
+        K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+        K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+    {
         let api = Api::<K>::all(self.client.clone());
-        let (store, stream) = reflected(api, K::DynamicType::default(), watcher::Config::default());
+        let (store, stream) = reflected(api, K::DynamicType::default(), config);
         spawn_follow(
             stream,
             K::kind(&K::DynamicType::default()).to_string(),
@@ -180,18 +191,13 @@ impl Watches {
 
     /// The objects of kind `K` with label `selector` in every namespace,
     /// on the main connection (its errors are the install's: a missing
-    /// cluster-wide grant).
-    pub(super) fn labelled<K>(&self, selector: &str) -> Store<K>
+    /// cluster-wide grant), whose events wake a pass only when `relevant`.
+    pub(super) fn labelled_where<K>(&self, selector: &str, relevant: Relevant<K>) -> Store<K>
     where
         K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
         K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
     {
-        watch_kind(
-            Api::<K>::all(self.client.clone()),
-            watcher::Config::default().labels(selector),
-            self.tx.clone(),
-            self.stop.clone(),
-        )
+        self.all_where(watcher::Config::default().labels(selector), relevant)
     }
 
     /// Every object of kind `K` in `namespace`.
@@ -330,7 +336,8 @@ async fn follow<K, S>(
                 }
                 changed.errors.clear(kind);
                 let counts = match (&event, relevant) {
-                    (watcher::Event::Apply(o) | watcher::Event::Delete(o), Some(r)) => r(o),
+                    (watcher::Event::Apply(o), Some(r)) => r(o, false),
+                    (watcher::Event::Delete(o), Some(r)) => r(o, true),
                     _ => true,
                 };
                 if counts {
@@ -550,9 +557,8 @@ mod interest_tests {
     }
 
     /// Before the first pass every event counts; after it, only events on
-    /// the Services the routes name and on their slices, and every list
-    /// or relist. (A hostile tenant churning its other Services and slices
-    /// makes no pass.)
+    /// the Services the routes name and on their slices (one relabelled
+    /// away too, once), and every list or relist.
     #[tokio::test]
     async fn events_on_services_no_route_reads_wake_no_pass() {
         let interest = Interest::default();
@@ -593,16 +599,14 @@ mod interest_tests {
             )
             .await
         );
-        assert!(
-            wakes(
-                vec![watcher::Event::Delete(slice_of(
-                    "t1",
-                    Some("kube-apiserver")
-                ))],
-                &slice
-            )
-            .await
-        );
+        let ours = slice_of("t1", Some("kube-apiserver"));
+        assert!(wakes(vec![watcher::Event::Apply(ours.clone())], &slice).await);
+        // Relabelled away from a Service the routes read: its endpoints
+        // changed, once.
+        let away = vec![watcher::Event::Apply(slice_of("t1", Some("etcd")))];
+        assert!(wakes(away.clone(), &slice).await);
+        assert!(!wakes(away, &slice).await);
+        assert!(wakes(vec![watcher::Event::Delete(ours)], &slice).await);
         assert!(wakes(vec![watcher::Event::<Service>::Init], &svc).await);
     }
 }

@@ -121,7 +121,8 @@ pub struct Kubernetes {
     /// (default: one watch per tenant namespace and kind, through a
     /// RoleBinding in each) or `cluster` (one watch of each kind across
     /// the cluster, through a ClusterRoleBinding: the API-server
-    /// connections stay at two whatever the tenant count). Only the
+    /// connections stay at two whatever the tenant count, one without
+    /// `replicas`). Only the
     /// namespaces whose TunnelClusters name a kind are read either way.
     #[serde(default)]
     pub trust_watch: seedlink_config::tunnel::TrustWatch,
