@@ -132,14 +132,7 @@ impl Seed {
     /// SeedlinkControlPlane it can see, so two at once on one API server
     /// would take each other's.
     async fn own(netns: bool) -> Seed {
-        let api = tokio::task::spawn_blocking(|| {
-            KubeApi::start_with(kubeapi::Options {
-                crds: true,
-                ..Default::default()
-            })
-        })
-        .await
-        .unwrap();
+        let api = own_api().await;
         Seed::on(Box::leak(Box::new(api)), netns).await
     }
 
@@ -1991,18 +1984,24 @@ struct ConnBed {
     _api: KubeApi,
 }
 
+/// An API server of this test's own, with seedlink's CRDs (started off
+/// the runtime's threads).
+async fn own_api() -> KubeApi {
+    tokio::task::spawn_blocking(|| {
+        KubeApi::start_with(kubeapi::Options {
+            crds: true,
+            ..Default::default()
+        })
+    })
+    .await
+    .unwrap()
+}
+
 impl ConnBed {
     async fn start(trust_watch: &str) -> ConnBed {
         // An API server of its own: the tunnel-server follows every
         // TunnelCluster's namespace, and the shared one holds other tests'.
-        let api = tokio::task::spawn_blocking(|| {
-            KubeApi::start_with(kubeapi::Options {
-                crds: true,
-                ..Default::default()
-            })
-        })
-        .await
-        .unwrap();
+        let api = own_api().await;
         let client = api.client().await.unwrap();
         let sys = "seedlink-system";
         kubeapi::apply(

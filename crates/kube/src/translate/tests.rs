@@ -397,22 +397,25 @@ fn endpoint_slices_cannot_point_the_gateway_at_itself() {
 /// A tenant's route naming another tenant's Service (a backendRef with a
 /// namespace) gets none of its endpoints: without a ReferenceGrant, which
 /// seedlink does not read yet, it is `RefNotPermitted`.
+/// Route `ns/api` for `host`, made at `age`, whose backend is Service
+/// `kube-apiserver:443` in namespace `backend_ns`.
+fn route_into(ns: &str, age: &str, host: &str, backend_ns: &str) -> Arc<TlsRoute> {
+    let mut r = (*route(ns, "api", age, &[host], "kube-apiserver", 443)).clone();
+    let mut spec = serde_json::to_value(&r.spec).unwrap();
+    spec["rules"][0]["backendRefs"][0]["namespace"] = json!(backend_ns);
+    r.spec = serde_json::from_value(spec).unwrap();
+    Arc::new(r)
+}
+
 #[test]
 fn a_route_cannot_take_another_namespaces_backend() {
     let mut w = one_shoot();
-    let mut r = (*route(
+    w.routes.push(route_into(
         "shoot--evil",
-        "api",
         "2026-01-01T00:00:00Z",
-        &["api.evil.example"],
-        "kube-apiserver",
-        443,
-    ))
-    .clone();
-    let mut spec = serde_json::to_value(&r.spec).unwrap();
-    spec["rules"][0]["backendRefs"][0]["namespace"] = json!("shoot--a");
-    r.spec = serde_json::from_value(spec).unwrap();
-    w.routes.push(Arc::new(r));
+        "api.evil.example",
+        "shoot--a",
+    ));
     let t = w.translate(&mut Translator::default());
     let evil = t
         .routes

@@ -163,21 +163,14 @@ fn what_other_namespaces_and_the_gateway_change_translates_the_readers_again() {
     assert_eq!(p.pass(&w).1, 1);
 
     // A backend in another namespace: its changes translate the route's.
-    let mut r = (*route(
-        "t4",
-        "api",
-        "2026-01-01T00:00:04Z",
-        &["api.4.example"],
-        "kube-apiserver",
-        443,
-    ))
-    .clone();
-    let mut spec = serde_json::to_value(&r.spec).unwrap();
-    spec["rules"][0]["backendRefs"][0]["namespace"] = json!("t1");
-    r.spec = serde_json::from_value(spec).unwrap();
     w.routes
         .retain(|r| r.metadata.namespace.as_deref() != Some("t4"));
-    w.routes.push(Arc::new(r));
+    w.routes.push(route_into(
+        "t4",
+        "2026-01-01T00:00:04Z",
+        "api.4.example",
+        "t1",
+    ));
     w.grants.push(grant("t1", "t4", None));
     assert_eq!(
         p.pass(&w).1,
