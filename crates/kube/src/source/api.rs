@@ -37,6 +37,16 @@ pub const WATCHES_PER_CONNECTION: usize = 90;
 const PING_EVERY: Duration = Duration::from_secs(30);
 const PING_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// How long a request may wait for its answer to start (the response's
+/// head; a watch's comes at once, its events follow in the body).
+/// kube-apiserver ends any request that is not long-running at its
+/// `--request-timeout`, 60 s by default, so an answer not started by then
+/// never will. The pings only prove the connection alive: without this
+/// bound, one request whose answer was lost on a live HTTP/2 connection
+/// waited forever (a controller's first list never done, its replica
+/// never ready); now it fails, and its caller retries it.
+const ANSWER_WITHIN: Duration = Duration::from_secs(70);
+
 /// A replica's API server clients: the main one (short requests and the
 /// fixed watches) and those the per-namespace watches are spread over.
 #[derive(Clone)]
@@ -191,6 +201,15 @@ fn http2_client(config: &kube::Config) -> Result<kube::Client, kube::Error> {
         .option_layer(retry)
         .option_layer(config.auth_layer()?)
         .layer(config.extra_headers_layer()?)
+        .map_future(|answer| async move {
+            match tokio::time::timeout(ANSWER_WITHIN, answer).await {
+                Ok(answer) => answer,
+                Err(_) => Err(tower::BoxError::from(format!(
+                    "the API server did not answer within {} s",
+                    ANSWER_WITHIN.as_secs()
+                ))),
+            }
+        })
         .map_err(tower::BoxError::from)
         .service(hyper);
     Ok(kube::Client::new(service, config.default_namespace.clone()))
@@ -220,5 +239,27 @@ mod tests {
         drop(one);
         let _again = clients.for_watch();
         assert_eq!(clients.connections(), 1 + 1);
+    }
+
+    /// A request the API server takes but never answers fails at the
+    /// bound, on a connection that stays open (time paused: the bound
+    /// passes at once).
+    #[tokio::test(start_paused = true)]
+    async fn a_request_never_answered_fails_at_the_bound() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let held = std::thread::spawn(move || listener.accept().map(|(conn, _)| conn));
+        let config = kube::Config::new(format!("http://{addr}").parse().unwrap());
+        let client = http2_client(&config).unwrap();
+        let request = http::Request::get("/version").body(Vec::new()).unwrap();
+        let err = client.request_text(request).await.unwrap_err();
+        assert!(
+            err.to_string().contains("did not answer within 70 s"),
+            "{err}"
+        );
+        assert!(
+            held.join().unwrap().is_ok(),
+            "the server held the connection"
+        );
     }
 }

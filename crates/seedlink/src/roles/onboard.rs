@@ -369,10 +369,27 @@ async fn mark_listed(watched: Watched, listed: std::sync::Arc<std::sync::atomic:
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     };
-    if store.wait_until_ready().await.is_ok() {
-        listed.store(true, std::sync::atomic::Ordering::Release);
+    let ready = store.wait_until_ready();
+    tokio::pin!(ready);
+    let mut waited = std::time::Duration::ZERO;
+    loop {
+        match tokio::time::timeout(LIST_WARN_EVERY, &mut ready).await {
+            Ok(Ok(())) => break listed.store(true, std::sync::atomic::Ordering::Release),
+            Ok(Err(_)) => break,
+            Err(_) => {
+                waited += LIST_WARN_EVERY;
+                tracing::warn!(
+                    waited_s = waited.as_secs(),
+                    "onboarding: the control planes are not listed yet; not ready"
+                );
+            }
+        }
     }
 }
+
+/// How often a replica whose first list of control planes is not done
+/// says so (its watch's errors, if any, are logged as they come).
+const LIST_WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
 const NOT_LISTED: &str = "not ready: the control planes are not listed yet\n";
 
