@@ -64,7 +64,7 @@ pub struct EndpointState {
 }
 
 /// One upstream endpoint.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Endpoint {
     /// `host:port` as configured.
     pub address: String,
@@ -91,7 +91,7 @@ pub struct ControlPlane {
 }
 
 /// A destination served through `http-connect` listeners.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct DestinationRoute {
     /// Whose ACL applies and whose name labels metrics.
     pub control_plane: Arc<ControlPlane>,
@@ -106,7 +106,7 @@ pub struct DestinationRoute {
 /// wins; else the most specific wildcard, where `*.example.com` matches any
 /// name ending in `.example.com` (`a.example.com`, `a.b.example.com`, not
 /// `example.com`).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct HostRoutes {
     pub(crate) exact: HashMap<String, Arc<ControlPlane>>,
     /// Keyed by the part after `*.`.
@@ -139,14 +139,30 @@ impl HostRoutes {
         };
     }
 
-    fn len(&self) -> usize {
+    /// Who holds `pattern` (as [`HostRoutes::insert`] takes it).
+    pub(crate) fn owner(&self, pattern: &str) -> Option<&Arc<ControlPlane>> {
+        match pattern.strip_prefix("*.") {
+            Some(parent) => self.wildcard.get(parent),
+            None => self.exact.get(pattern),
+        }
+    }
+
+    /// Lets `pattern` go.
+    pub(crate) fn remove(&mut self, pattern: &str) {
+        match pattern.strip_prefix("*.") {
+            Some(parent) => self.wildcard.remove(parent),
+            None => self.exact.remove(pattern),
+        };
+    }
+
+    pub(crate) fn len(&self) -> usize {
         self.exact.len() + self.wildcard.len()
     }
 }
 
 /// SNI → control plane: the names served on every listener, and those
 /// served only on some listening addresses (`served_on`).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct RouteTable {
     /// Served on every SNI listener.
     pub(crate) hosts: HostRoutes,

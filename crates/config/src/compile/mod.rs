@@ -7,6 +7,7 @@ use crate::model::{ConfigFile, ControlPlane as ControlPlaneCfg};
 
 mod checks;
 mod errors;
+mod incremental;
 mod listeners;
 mod routes;
 mod sections;
@@ -101,11 +102,17 @@ pub type Refused = Vec<(String, Vec<ConfigError>)>;
 /// service address or name already taken (by the file, or by one earlier in
 /// the list), is left out and returned with its problems, and the rest
 /// still compile. Problems of the file itself fail the whole compile, as
-/// in [`compile`].
+/// in [`compile`]. When `file` differs from `previous` only in those
+/// control planes, only the new and changed ones are compiled, and a name
+/// stays with the one that holds it ([`incremental`]).
 pub fn compile_admitting(
     file: ConfigFile,
     previous: Option<&Snapshot>,
 ) -> (Result<Snapshot, Errors>, Refused) {
+    if let Some(prev) = previous.filter(|p| incremental::same_but_kubernetes(&file, &p.file)) {
+        let (snapshot, refused) = incremental::recompile(file, prev);
+        return (Ok(snapshot), refused);
+    }
     let (errors, mut file) = match compile_or_return(file, previous) {
         Ok(s) => return (Ok(s), Vec::new()),
         Err(e) => *e,
@@ -129,15 +136,11 @@ fn admit_apart(
     let mut rejected = Vec::new();
     let mut kept = Vec::new();
     for (i, cp) in from_kubernetes.into_iter().enumerate() {
-        let Some(mut problems) = bad.remove(&i) else {
+        let Some(problems) = bad.remove(&i) else {
             kept.push(cp);
             continue;
         };
-        for p in &mut problems {
-            if let Some((_, rest)) = p.path.split_once(']') {
-                p.path = rest.trim_start_matches('.').to_string();
-            }
-        }
+        let problems = problems.into_iter().map(incremental::relative).collect();
         rejected.push((cp.name, problems));
     }
     (kept, rejected)

@@ -21,10 +21,18 @@ pub(super) struct Routes<'a> {
     pub(super) listeners: &'a [ListenerSpec],
     pub(super) control_planes: HashMap<String, Arc<ControlPlane>>,
     pub(super) routes: RouteTable,
-    /// (host pattern, the address it is served at or None for everywhere)
-    /// → control plane.
-    pub(super) owner: HashMap<(String, Option<SocketAddr>), String>,
-    pub(super) dest_owner: HashMap<String, String>,
+    /// What the control planes compiled so far put in `routes`, in order
+    /// (so that one refused can be taken out again: [`Routes::undo`]).
+    pub(super) claims: Vec<Claim>,
+}
+
+/// One entry a control plane put in the route table.
+pub(super) enum Claim {
+    Host(Option<SocketAddr>, String),
+    Destination(String),
+    Service(SocketAddr),
+    Cluster(Vec<u8>),
+    Name(String),
 }
 
 impl<'a> Routes<'a> {
@@ -39,19 +47,37 @@ impl<'a> Routes<'a> {
             listeners,
             control_planes: HashMap::new(),
             routes: RouteTable::default(),
-            owner: HashMap::new(),
-            dest_owner: HashMap::new(),
+            claims: Vec::new(),
+        }
+    }
+
+    /// Takes out of the table what was claimed after the first `kept`
+    /// claims (a control plane refused after it claimed some names).
+    pub(super) fn undo(&mut self, kept: usize) {
+        let r = &mut self.routes;
+        for claim in self.claims.drain(kept..) {
+            match claim {
+                Claim::Host(None, p) => r.hosts.remove(&p),
+                Claim::Host(Some(a), p) => {
+                    if let Some(t) = r.scoped.get_mut(&a) {
+                        t.remove(&p);
+                        if t.len() == 0 {
+                            r.scoped.remove(&a);
+                        }
+                    }
+                }
+                Claim::Destination(d) => drop(r.destinations.remove(&d)),
+                Claim::Service(a) => drop(r.services.remove(&a)),
+                Claim::Cluster(id) => drop(r.clusters.remove(&id)),
+                Claim::Name(n) => drop(self.control_planes.remove(&n)),
+            }
         }
     }
 
     /// A class Gateway's address serves that Gateway's routes only, from
     /// its first moment (before any route is attached to it).
     pub(super) fn exclusive_addresses(&mut self, k: &crate::model::KubernetesSource) {
-        for a in k.gateway_class.iter().flat_map(|g| &g.addresses) {
-            if let Ok(ip) = a.parse::<std::net::IpAddr>() {
-                self.routes.exclusive.insert(crate::routes::canonical(ip));
-            }
-        }
+        self.routes.exclusive.extend(class_addresses(k));
     }
 
     /// The file's control planes, then those from Kubernetes.
@@ -106,9 +132,10 @@ impl<'a> Routes<'a> {
             self.cluster_id(&format!("{at}.cluster_id"), id, &compiled);
         }
         self.host_names(at, cp, &compiled);
-        self.control_planes
-            .entry(cp.name.clone())
-            .or_insert(compiled);
+        if !self.control_planes.contains_key(&cp.name) {
+            self.claims.push(Claim::Name(cp.name.clone()));
+            self.control_planes.insert(cp.name.clone(), compiled);
+        }
     }
 
     /// Its name, and that it is reachable by something.
@@ -173,7 +200,7 @@ impl<'a> Routes<'a> {
         d: &DestinationCfg,
         compiled: &Arc<ControlPlane>,
     ) {
-        let Some(canonical) = self.claim_destination(path, &d.name, &cp.name) else {
+        let Some(canonical) = self.claim_destination(path, &d.name) else {
             return;
         };
         let endpoints = self.destination_endpoints(path, &canonical, d, compiled);
@@ -196,7 +223,7 @@ impl<'a> Routes<'a> {
 
     /// A destination name's canonical form, now owned by control plane
     /// `cp` (none if it is invalid or another one owns it).
-    pub(super) fn claim_destination(&mut self, path: &str, name: &str, cp: &str) -> Option<String> {
+    pub(super) fn claim_destination(&mut self, path: &str, name: &str) -> Option<String> {
         let canonical = match seedlink_proto::destination::parse(name) {
             Ok(dest) => dest.canonical(),
             Err(why) => {
@@ -205,14 +232,16 @@ impl<'a> Routes<'a> {
                 return None;
             }
         };
-        if let Some(other) = self.dest_owner.get(&canonical) {
+        if let Some(other) = self.routes.destinations.get(&canonical) {
+            let other = &other.control_plane.name;
             self.c.err(
                 format!("{path}.name"),
                 format!("destination {canonical:?} is already used by control plane {other:?}"),
             );
             return None;
         }
-        self.dest_owner.insert(canonical.clone(), cp.to_string());
+        // Inserted by the caller, whatever else it finds.
+        self.claims.push(Claim::Destination(canonical.clone()));
         Some(canonical)
     }
 
@@ -268,6 +297,7 @@ impl<'a> Routes<'a> {
             return;
         }
         self.routes.services.insert(sa, compiled.clone());
+        self.claims.push(Claim::Service(sa));
     }
 
     /// A cluster ID (HyperShift's TLV path): valid, one owner.
@@ -283,6 +313,7 @@ impl<'a> Routes<'a> {
             self.routes
                 .clusters
                 .insert(id.as_bytes().to_vec(), compiled.clone());
+            self.claims.push(Claim::Cluster(id.as_bytes().to_vec()));
         }
     }
 
@@ -321,7 +352,7 @@ impl<'a> Routes<'a> {
             );
         }
         for (scope, path, h) in names {
-            self.host_name(scope, path, h, cp, compiled);
+            self.host_name(scope, path, h, compiled);
         }
     }
 
@@ -332,28 +363,37 @@ impl<'a> Routes<'a> {
         scope: Option<SocketAddr>,
         path: String,
         h: &str,
-        cp: &ControlPlaneCfg,
         compiled: &Arc<ControlPlane>,
     ) {
         let Some(pattern) = check_host_pattern(&mut self.c, &path, h) else {
             return;
         };
-        let key = (pattern, scope);
-        if let Some(other) = self.owner.get(&key) {
-            let e = format!(
-                "host name {:?} is already used by control plane {other:?}",
-                key.0
-            );
-            self.c.err(path, e);
-            return;
-        }
-        self.owner.insert(key.clone(), cp.name.clone());
         let table = match scope {
             None => &mut self.routes.hosts,
             Some(a) => self.routes.scoped.entry(a).or_default(),
         };
-        table.insert(key.0, compiled.clone());
+        if let Some(other) = table.owner(&pattern) {
+            let e = format!(
+                "host name {pattern:?} is already used by control plane {:?}",
+                other.name
+            );
+            self.c.err(path, e);
+            return;
+        }
+        table.insert(pattern.clone(), compiled.clone());
+        self.claims.push(Claim::Host(scope, pattern));
     }
+}
+
+/// A class Gateway's addresses (canonical).
+pub(super) fn class_addresses(
+    k: &crate::model::KubernetesSource,
+) -> impl Iterator<Item = std::net::IpAddr> + '_ {
+    k.gateway_class
+        .iter()
+        .flat_map(|g| &g.addresses)
+        .filter_map(|a| a.parse::<std::net::IpAddr>().ok())
+        .map(crate::routes::canonical)
 }
 
 /// A destination's `tunnel_target`: `host:port`, and only where its

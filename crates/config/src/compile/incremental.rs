@@ -1,0 +1,352 @@
+//! Compiling only what changed. When a configuration differs from the
+//! running snapshot's in its control planes from Kubernetes alone (every
+//! pass of the Kubernetes source), the unchanged ones keep what they
+//! compiled to (the same `Arc<ControlPlane>`, so their endpoints' live
+//! state, and their entries in the route table), those gone or changed let
+//! their entries go, and only the new and changed ones are compiled, each
+//! admitted on its own. A pass then costs what changed, plus a copy of the
+//! table, not a compile of every control plane (docs/ARCHITECTURE.md).
+//!
+//! A name stays with the control plane that holds it: a changed one that
+//! now claims a name an unchanged one holds is refused, wherever the two
+//! stand in the list (a full compile, on a reload of the file, decides by
+//! their order). The Kubernetes source keeps first claims itself, so what
+//! it hands over collides only through the file's own names.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+
+use crate::model::{ConfigFile, ControlPlane as ControlPlaneCfg};
+
+use super::errors::{Collector, ConfigError};
+use super::routes::{class_addresses, Routes};
+use super::snapshot::Snapshot;
+use super::Refused;
+
+/// Whether `a` and `b` differ at most in their control planes from
+/// Kubernetes (every field named, so that a new one is not forgotten).
+pub(super) fn same_but_kubernetes(a: &ConfigFile, b: &ConfigFile) -> bool {
+    let ConfigFile {
+        admin,
+        listeners,
+        trusted_load_balancers,
+        always_allowed,
+        timeouts,
+        limits,
+        upstream,
+        control_planes,
+        kubernetes,
+        from_kubernetes: _,
+    } = a;
+    *admin == b.admin
+        && *listeners == b.listeners
+        && *trusted_load_balancers == b.trusted_load_balancers
+        && *always_allowed == b.always_allowed
+        && *timeouts == b.timeouts
+        && *limits == b.limits
+        && *upstream == b.upstream
+        && *control_planes == b.control_planes
+        && *kubernetes == b.kubernetes
+}
+
+/// `file` compiled from `prev` (with which it is [`same_but_kubernetes`]):
+/// the snapshot, and the control planes from Kubernetes refused.
+pub(super) fn recompile(mut file: ConfigFile, prev: &Snapshot) -> (Snapshot, Refused) {
+    let given = std::mem::take(&mut file.from_kubernetes);
+    let kept = unchanged(&given, &prev.file.from_kubernetes);
+    let gone: HashSet<&str> = prev
+        .file
+        .from_kubernetes
+        .iter()
+        .map(|c| c.name.as_str())
+        .filter(|n| !kept.names.contains(n))
+        .collect();
+    let mut b = Routes::new(Collector(Vec::new()), Some(prev), &prev.listeners);
+    b.routes = prev.routes.clone();
+    b.control_planes = prev.control_planes.clone();
+    let_go(&mut b, &gone);
+    let kept = kept.at;
+    let mut admitted = Vec::with_capacity(given.len());
+    let mut refused = Vec::new();
+    for (i, cp) in given.into_iter().enumerate() {
+        if kept.contains(&i) {
+            admitted.push(cp);
+            continue;
+        }
+        let (errors, claims) = (b.c.0.len(), b.claims.len());
+        b.control_plane(&format!("kubernetes[{i}]"), &cp, true);
+        if b.c.0.len() == errors {
+            admitted.push(cp);
+            continue;
+        }
+        b.undo(claims);
+        let problems = b.c.0.drain(errors..).map(relative).collect();
+        refused.push((cp.name, problems));
+    }
+    file.from_kubernetes = admitted;
+    let mut routes = b.routes;
+    routes.exclusive.clear();
+    routes
+        .exclusive
+        .extend(file.kubernetes.iter().flat_map(class_addresses));
+    routes.exclusive.extend(served_on(&file));
+    let snapshot = Snapshot {
+        listeners: prev.listeners.clone(),
+        admin: prev.admin,
+        routes,
+        control_planes: b.control_planes,
+        trusted_lbs: prev.trusted_lbs.clone(),
+        always_allowed: prev.always_allowed.clone(),
+        timeouts: file.timeouts.clone(),
+        limits: file.limits.clone(),
+        upstream: file.upstream.clone(),
+        file,
+    };
+    (snapshot, refused)
+}
+
+/// The control planes of `given` that `before` holds as they are: their
+/// indexes and names (a name given twice is kept once, the first time).
+struct Unchanged<'a> {
+    at: HashSet<usize>,
+    names: HashSet<&'a str>,
+}
+
+fn unchanged<'a>(given: &[ControlPlaneCfg], before: &'a [ControlPlaneCfg]) -> Unchanged<'a> {
+    let before: HashMap<&str, &'a ControlPlaneCfg> =
+        before.iter().map(|c| (c.name.as_str(), c)).collect();
+    let mut kept = Unchanged {
+        at: HashSet::new(),
+        names: HashSet::new(),
+    };
+    for (i, cp) in given.iter().enumerate() {
+        let Some(&was) = before.get(cp.name.as_str()) else {
+            continue;
+        };
+        if was == cp && kept.names.insert(was.name.as_str()) {
+            kept.at.insert(i);
+        }
+    }
+    kept
+}
+
+/// Takes the entries of the control planes `gone` out of the table.
+fn let_go(b: &mut Routes<'_>, gone: &HashSet<&str>) {
+    if gone.is_empty() {
+        return;
+    }
+    let stays = |name: &str| !gone.contains(name);
+    let r = &mut b.routes;
+    for t in std::iter::once(&mut r.hosts).chain(r.scoped.values_mut()) {
+        t.exact.retain(|_, cp| stays(&cp.name));
+        t.wildcard.retain(|_, cp| stays(&cp.name));
+    }
+    r.scoped.retain(|_, t| t.len() > 0);
+    r.destinations.retain(|_, d| stays(&d.control_plane.name));
+    r.services.retain(|_, cp| stays(&cp.name));
+    r.clusters.retain(|_, cp| stays(&cp.name));
+    b.control_planes.retain(|name, _| stays(name));
+}
+
+/// The addresses the control planes' `served_on` name (each checked when
+/// its control plane was admitted), canonical.
+fn served_on(file: &ConfigFile) -> impl Iterator<Item = std::net::IpAddr> + '_ {
+    file.control_planes
+        .iter()
+        .chain(&file.from_kubernetes)
+        .flat_map(|cp| &cp.served_on)
+        .filter_map(|on| on.address.parse::<SocketAddr>().ok())
+        .map(|sa| crate::routes::canonical(sa.ip()))
+}
+
+/// A problem's path relative to its control plane (`kubernetes[i].x` → `x`).
+pub(super) fn relative(mut p: ConfigError) -> ConfigError {
+    if let Some((_, rest)) = p.path.split_once(']') {
+        p.path = rest.trim_start_matches('.').to_string();
+    }
+    p
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::super::{compile, compile_admitting, parse};
+    use super::*;
+
+    const FILE: &str = "
+listeners: [{name: tls, address: '127.0.0.1:0'}, {name: connect, address: '127.0.0.1:0', protocol: http-connect}]
+control_planes:
+  - name: file
+    hostnames: [file.example.com]
+    endpoints: ['127.0.0.1:1']
+";
+
+    fn cp(name: &str, host: &str, dest: &str) -> ControlPlaneCfg {
+        ControlPlaneCfg {
+            name: name.into(),
+            hostnames: vec![host.into()],
+            endpoints: vec!["127.0.0.1:2".into()],
+            destinations: vec![crate::model::DestinationCfg {
+                name: dest.into(),
+                endpoints: None,
+                tunnel_target: None,
+            }],
+            cluster_id: Some(name.into()),
+            ..Default::default()
+        }
+    }
+
+    fn with(kube: Vec<ControlPlaneCfg>) -> ConfigFile {
+        let mut f = parse(FILE).unwrap();
+        f.from_kubernetes = kube;
+        f
+    }
+
+    fn tenants(n: usize) -> Vec<ControlPlaneCfg> {
+        (0..n)
+            .map(|i| {
+                cp(
+                    &format!("t{i}"),
+                    &format!("t{i}.example.com"),
+                    &format!("outbound|443||t{i}.svc"),
+                )
+            })
+            .collect()
+    }
+
+    /// What a snapshot routes, comparable: every name, destination,
+    /// service address and cluster ID with its control plane.
+    fn served(s: &Snapshot) -> Vec<String> {
+        let r = &s.routes;
+        let mut out: Vec<String> = r
+            .hosts
+            .exact
+            .iter()
+            .map(|(k, v)| format!("host {k} {}", v.name))
+            .collect();
+        out.extend(
+            r.destinations
+                .iter()
+                .map(|(k, v)| format!("dest {k} {}", v.control_plane.name)),
+        );
+        out.extend(
+            r.services
+                .iter()
+                .map(|(k, v)| format!("svc {k} {}", v.name)),
+        );
+        out.extend(
+            r.clusters
+                .iter()
+                .map(|(k, v)| format!("id {k:?} {}", v.name)),
+        );
+        out.extend(s.control_planes.keys().map(|k| format!("cp {k}")));
+        out.sort();
+        out
+    }
+
+    /// A pass that adds, changes, removes and refuses control planes
+    /// serves what a compile from nothing serves, and the unchanged ones
+    /// keep what they compiled to.
+    #[test]
+    fn a_pass_serves_what_a_full_compile_serves() {
+        let before = compile(with(tenants(6)), None).unwrap();
+        let mut next = tenants(6);
+        next.remove(2);
+        next[0].hostnames = vec!["moved.example.com".into()];
+        next.push(cp("new", "new.example.com", "outbound|443||new.svc"));
+        // Refused: an endpoint that is no address.
+        let mut bad = cp("bad", "bad.example.com", "outbound|443||bad.svc");
+        bad.endpoints = vec!["no port".into()];
+        next.push(bad);
+        let (full, full_refused) = compile_admitting(with(next.clone()), None);
+        let (pass, refused) = compile_admitting(with(next), Some(&before));
+        let (full, pass) = (full.unwrap(), pass.unwrap());
+        assert_eq!(served(&pass), served(&full));
+        assert_eq!(refused, full_refused);
+        assert_eq!(refused.len(), 1);
+        assert_eq!(pass.file, full.file);
+        assert!(Arc::ptr_eq(
+            &pass.control_planes["t3"],
+            &before.control_planes["t3"]
+        ));
+        assert!(!Arc::ptr_eq(
+            &pass.control_planes["t0"],
+            &before.control_planes["t0"]
+        ));
+        assert!(pass.routes.lookup("bad.example.com").is_none());
+        assert!(pass.routes.lookup("t0.example.com").is_none());
+    }
+
+    /// A changed control plane that claims a name an unchanged one holds
+    /// is refused, even when it comes first; the holder keeps it.
+    #[test]
+    fn a_name_stays_with_its_holder() {
+        let before = compile(with(tenants(3)), None).unwrap();
+        let mut next = tenants(3);
+        next[0].hostnames.push("t2.example.com".into());
+        let (pass, refused) = compile_admitting(with(next), Some(&before));
+        let pass = pass.unwrap();
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert_eq!(refused[0].0, "t0");
+        assert!(
+            refused[0].1[0]
+                .message
+                .contains("already used by control plane \"t2\""),
+            "{refused:?}"
+        );
+        assert_eq!(
+            pass.routes
+                .lookup("t2.example.com")
+                .map(|c| c.name.as_str()),
+            Some("t2")
+        );
+        // Refused as a whole: its old names are let go too.
+        assert!(pass.routes.lookup("t0.example.com").is_none());
+        assert!(!pass.control_planes.contains_key("t0"));
+    }
+
+    /// A control plane refused after claiming some names takes none with
+    /// it: one later in the same pass may claim them.
+    #[test]
+    fn a_refused_control_plane_leaves_nothing_claimed() {
+        let before = compile(with(Vec::new()), None).unwrap();
+        let mut first = cp("first", "shared.example.com", "outbound|443||shared.svc");
+        first.service_addresses = vec!["10.0.0.1:443".into()];
+        first.cluster_id = Some("not a valid id!".into());
+        let mut second = cp("second", "shared.example.com", "outbound|443||shared.svc");
+        second.service_addresses = vec!["10.0.0.1:443".into()];
+        let (pass, refused) = compile_admitting(with(vec![first, second]), Some(&before));
+        let pass = pass.unwrap();
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert_eq!(refused[0].0, "first");
+        assert_eq!(refused[0].1[0].path, "cluster_id");
+        let holder = pass
+            .routes
+            .lookup("shared.example.com")
+            .map(|c| c.name.as_str());
+        assert_eq!(holder, Some("second"));
+        let served = served(&pass);
+        assert!(
+            served.contains(&"dest outbound|443||shared.svc second".to_string()),
+            "{served:?}"
+        );
+        assert!(
+            served.contains(&"svc 10.0.0.1:443 second".to_string()),
+            "{served:?}"
+        );
+    }
+
+    /// A name given twice: the first is kept, the second refused, as in a
+    /// full compile.
+    #[test]
+    fn a_name_given_twice_is_refused_once() {
+        let before = compile(with(tenants(2)), None).unwrap();
+        let mut next = tenants(2);
+        next.push(cp("t1", "other.example.com", "outbound|443||other.svc"));
+        let (pass, refused) = compile_admitting(with(next.clone()), Some(&before));
+        let (full, full_refused) = compile_admitting(with(next), None);
+        assert_eq!(refused, full_refused);
+        assert_eq!(served(&pass.unwrap()), served(&full.unwrap()));
+    }
+}
