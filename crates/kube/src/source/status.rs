@@ -45,6 +45,21 @@ pub(super) struct StatusWriter {
     /// Objects whose last write failed: how many times in a row, and
     /// when the next may be tried.
     pub(super) failing: std::sync::Mutex<HashMap<(String, Key), (u32, tokio::time::Instant)>>,
+    /// Routes whose status was found as wanted, with what it was found
+    /// from: while none of it changes, a pass does not look again.
+    pub(super) settled: HashMap<Key, Settled>,
+}
+
+/// What a route's status was last found right from: the route's
+/// `resourceVersion` (a write to it, by anyone, changes it), its outcome
+/// (shared with the translation's memo, so the same `Arc` while its
+/// namespace was not translated again; held, so its address is never
+/// reused meanwhile) and the Gateways served.
+pub(super) struct Settled {
+    version: Option<String>,
+    /// `None`: the route is not one seedlink serves.
+    outcome: Option<Arc<RouteOutcome>>,
+    served: u64,
 }
 
 /// Events remembered (object, generation, message) so that one is not
@@ -414,6 +429,7 @@ impl StatusWriter {
             metrics: metrics.clone(),
             budget: std::sync::Mutex::default(),
             failing: std::sync::Mutex::default(),
+            settled: HashMap::new(),
         }
     }
 
@@ -437,16 +453,49 @@ impl StatusWriter {
         routes: &[Arc<TlsRoute>],
         served: &[Key],
     ) -> bool {
-        let outcomes: HashMap<&Key, &RouteOutcome> =
-            t.routes.iter().map(|r| (&r.key, r.as_ref())).collect();
+        let outcomes: HashMap<&Key, &Arc<RouteOutcome>> =
+            t.routes.iter().map(|r| (&r.key, r)).collect();
+        let served_print = {
+            use std::hash::{Hash, Hasher};
+            let mut h = std::hash::DefaultHasher::new();
+            served.hash(&mut h);
+            h.finish()
+        };
+        let mut settled = HashMap::with_capacity(routes.len());
         for route in routes {
             let key = Key::of(route.as_ref());
             let outcome = outcomes.get(&key).copied();
+            let version = &route.metadata.resource_version;
+            if let Some((key, was)) = self.settled.remove_entry(&key).filter(|(_, was)| {
+                was.version.is_some()
+                    && was.version == *version
+                    && was.served == served_print
+                    && match (outcome, &was.outcome) {
+                        (Some(o), Some(w)) => Arc::ptr_eq(o, w),
+                        (None, None) => true,
+                        _ => false,
+                    }
+            }) {
+                settled.insert(key, was);
+                continue;
+            }
             if let Some(o) = outcome.filter(|o| !o.accepted.ok) {
                 self.event(route.as_ref(), "TLSRoute", o.generation, &o.accepted)
                     .await;
             }
-            let Some(desired) = route_parents(route, &key, outcome, served) else {
+            let outcome = outcome.cloned();
+            let Some(desired) = route_parents(route, &key, outcome.as_deref(), served) else {
+                // Found as wanted. A refused route is looked at again on
+                // every pass (its Event is retried until it is sent).
+                if outcome.as_ref().is_none_or(|o| o.accepted.ok) {
+                    let version = version.clone();
+                    let was = Settled {
+                        version,
+                        outcome,
+                        served: served_print,
+                    };
+                    settled.insert(key, was);
+                }
                 continue;
             };
             // `status.parents` is one atomic list shared with other
@@ -466,6 +515,8 @@ impl StatusWriter {
                 return false;
             }
         }
+        // The routes gone are forgotten.
+        self.settled = settled;
         true
     }
 
@@ -792,5 +843,134 @@ mod released_tests {
         let out = released(&many, &["sha256:new".into()], h);
         assert_eq!(out.len(), crate::crd::RELEASED_MAX);
         assert!(out.iter().all(|r| r.claim != "sha256:soon"));
+    }
+}
+
+#[cfg(test)]
+mod settled_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::source::SourceMetrics;
+    use crate::translate::{ParentOutcome, Verdict};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// An API server that counts requests and answers each with `route`.
+    fn counting(route: &TlsRoute) -> (kube::Client, Arc<AtomicUsize>) {
+        let body = serde_json::to_vec(route).unwrap();
+        let n = Arc::new(AtomicUsize::new(0));
+        let seen = n.clone();
+        let svc = tower::service_fn(move |_req: http::Request<kube::client::Body>| {
+            seen.fetch_add(1, Ordering::Relaxed);
+            let body = body.clone();
+            async move {
+                http::Response::builder()
+                    .status(200)
+                    .body(kube::client::Body::from(body))
+            }
+        });
+        (kube::Client::new(svc, "default"), n)
+    }
+
+    fn route(version: &str, parents: Option<serde_json::Value>) -> Arc<TlsRoute> {
+        let mut r = serde_json::json!({
+            "apiVersion": "gateway.networking.k8s.io/v1", "kind": "TLSRoute",
+            "metadata": {"name": "r", "namespace": "t", "resourceVersion": version, "generation": 1},
+            "spec": {"hostnames": ["r.example.com"], "parentRefs": [{"name": "gw", "namespace": "gw"}], "rules": []}
+        });
+        if let Some(p) = parents {
+            r["status"] = serde_json::json!({ "parents": p });
+        }
+        Arc::new(serde_json::from_value(r).unwrap())
+    }
+
+    fn outcome(r: &TlsRoute, ok: bool) -> Arc<RouteOutcome> {
+        let verdict = match ok {
+            true => Verdict::yes("Accepted", ""),
+            false => Verdict::no("NotAllowedByListeners", "no"),
+        };
+        let gateway = Key {
+            namespace: "gw".into(),
+            name: "gw".into(),
+        };
+        Arc::new(RouteOutcome {
+            key: Key::of(r),
+            generation: Some(1),
+            parents: vec![ParentOutcome {
+                parent_ref: r.spec.parent_refs.clone().unwrap_or_default()[0].clone(),
+                gateway,
+                accepted: verdict.clone(),
+                listeners: vec!["tls".into()],
+            }],
+            accepted: verdict,
+            resolved: Verdict::yes("ResolvedRefs", ""),
+            control_plane: ok.then(|| "t-r".into()),
+        })
+    }
+
+    /// A route whose status was found right is not looked at again while
+    /// it, its outcome and the Gateways served stay; a new outcome or a
+    /// new version of the route is written at once.
+    #[tokio::test]
+    async fn a_settled_route_is_written_again_when_its_outcome_or_version_changes() {
+        let served = [Key {
+            namespace: "gw".into(),
+            name: "gw".into(),
+        }];
+        let bare = route("1", None);
+        let accepted = outcome(&bare, true);
+        let (client, requests) = counting(&bare);
+        let metrics = SourceMetrics::new("gateway");
+        let mut w = StatusWriter::new(client, Leadership::always(), "test", &metrics);
+        let t = |o: &Arc<RouteOutcome>| Translation {
+            routes: vec![o.clone()],
+            ..Translation::default()
+        };
+        assert!(
+            w.write_routes(&t(&accepted), std::slice::from_ref(&bare), &served)
+                .await
+        );
+        assert_eq!(requests.load(Ordering::Relaxed), 1, "written");
+        // The API server's next version carries what was written.
+        let ours = route_parents(&bare, &Key::of(bare.as_ref()), Some(&accepted), &served).unwrap();
+        let written = route("2", Some(serde_json::to_value(ours).unwrap()));
+        for _ in 0..3 {
+            assert!(
+                w.write_routes(&t(&accepted), std::slice::from_ref(&written), &served)
+                    .await
+            );
+        }
+        assert_eq!(
+            requests.load(Ordering::Relaxed),
+            1,
+            "found right: not written"
+        );
+        assert_eq!(w.settled.len(), 1);
+        // Refused now: a new outcome, written though the route is the same.
+        let refused = outcome(&written, false);
+        assert!(
+            w.write_routes(&t(&refused), std::slice::from_ref(&written), &served)
+                .await
+        );
+        let after_refusal = requests.load(Ordering::Relaxed);
+        assert!(after_refusal >= 2, "written: {after_refusal} requests");
+        // Back to the first outcome, settled again; then someone else
+        // empties the status (a new version): written again.
+        assert!(
+            w.write_routes(&t(&accepted), std::slice::from_ref(&written), &served)
+                .await
+        );
+        let settled = requests.load(Ordering::Relaxed);
+        assert!(
+            w.write_routes(&t(&accepted), &[route("3", None)], &served)
+                .await
+        );
+        assert_eq!(
+            requests.load(Ordering::Relaxed),
+            settled + 1,
+            "written again"
+        );
+        // A route gone is forgotten.
+        assert!(w.write_routes(&t(&accepted), &[], &served).await);
+        assert!(w.settled.is_empty());
     }
 }
