@@ -41,8 +41,23 @@ pub struct ConfigFile {
     /// host name wins a conflict), except that an empty endpoint list is
     /// allowed: a route whose pods are all gone still exists. Shown in
     /// the admin `/config` dump; a file that sets it is refused (unknown key).
-    #[serde(skip_deserializing, default, skip_serializing_if = "Vec::is_empty")]
-    pub from_kubernetes: Vec<ControlPlane>,
+    #[serde(
+        skip_deserializing,
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        serialize_with = "shared_list"
+    )]
+    pub from_kubernetes: Vec<std::sync::Arc<ControlPlane>>,
+}
+
+/// Shared (`Arc`): the source hands the same control plane from pass to
+/// pass while its objects do not change, so passing, comparing (equal
+/// when the same) and dropping one costs no copy.
+fn shared_list<S: serde::Serializer>(
+    list: &[std::sync::Arc<ControlPlane>],
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.collect_seq(list.iter().map(|c| c.as_ref()))
 }
 
 /// Where the gateway's Kubernetes objects are.
@@ -360,7 +375,7 @@ pub enum Balance {
 }
 
 /// One control plane (one shoot's kube-apiserver).
-#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ControlPlane {
     /// Unique name, e.g. the shoot namespace `shoot--project--name`.
@@ -396,7 +411,7 @@ pub struct ControlPlane {
 }
 
 /// Host names served at one listening address only.
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServedOn {
     /// `ip:port`, as connections arrive at it (a `tls` or `auto` listener
@@ -407,7 +422,7 @@ pub struct ServedOn {
 }
 
 /// One destination of a control plane, named as CONNECT requests name it.
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DestinationCfg {
     /// `outbound|<port>||<fqdn>` or `<namespace>--kube-apiserver-socket`.
@@ -424,7 +439,7 @@ pub struct DestinationCfg {
 }
 
 /// A client-IP allow-list.
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Acl {
     /// Allowed client CIDRs (IPv4 and IPv6); a bare address means /32 or /128.

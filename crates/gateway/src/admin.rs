@@ -189,7 +189,11 @@ pub fn state_of(gw: &Gateway, only: Option<&str>) -> serde_json::Value {
         .control_planes
         .iter()
         .map(|c| (c, "file"))
-        .chain(file.from_kubernetes.iter().map(|c| (c, "kubernetes")))
+        .chain(
+            file.from_kubernetes
+                .iter()
+                .map(|c| (c.as_ref(), "kubernetes")),
+        )
         .filter(|(c, _)| only.is_none_or(|n| c.name == n));
     let control_planes: Vec<serde_json::Value> = all
         .map(|(c, source)| control_plane_state(&snap, &counts, c, source, now))

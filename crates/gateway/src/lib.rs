@@ -400,7 +400,7 @@ impl Gateway {
     /// is refused if the file itself is invalid: then nothing changes.
     pub fn set_kubernetes(
         self: &Arc<Self>,
-        control_planes: Vec<seedlink_config::model::ControlPlane>,
+        control_planes: Vec<Arc<seedlink_config::model::ControlPlane>>,
     ) -> seedlink_config::compile::Refused {
         *seedlink_net::sync::lock(&self.kubernetes, "kubernetes") = control_planes;
         match self.reload_admitting() {
@@ -421,7 +421,7 @@ impl Gateway {
                                 e.to_string().replace('\n', "; ")
                             ),
                         };
-                        (c.name, vec![why])
+                        (c.name.clone(), vec![why])
                     })
                     .collect()
             }

@@ -42,7 +42,7 @@ pub struct Gateway {
     pub(crate) routed: Mutex<HashMap<String, u64>>,
     pub(crate) closers: Mutex<HashMap<String, CancellationToken>>,
     /// Control planes from the Kubernetes source, compiled after the file's.
-    pub(crate) kubernetes: Mutex<Vec<seedlink_config::model::ControlPlane>>,
+    pub(crate) kubernetes: Mutex<Vec<Arc<seedlink_config::model::ControlPlane>>>,
     /// The refusals last logged (name, problems).
     pub(crate) refused_logged: Mutex<Vec<(String, String)>>,
     /// When the last reload ended and how (`success`, `failure`).

@@ -15,6 +15,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use crate::model::{ConfigFile, ControlPlane as ControlPlaneCfg};
 
@@ -74,14 +75,14 @@ pub(super) fn recompile(mut file: ConfigFile, prev: &Snapshot) -> (Snapshot, Ref
             continue;
         }
         let (errors, claims) = (b.c.0.len(), b.claims.len());
-        b.control_plane(&format!("kubernetes[{i}]"), &cp, true);
+        b.control_plane(&format!("kubernetes[{i}]"), cp.as_ref(), true);
         if b.c.0.len() == errors {
             admitted.push(cp);
             continue;
         }
         b.undo(claims);
         let problems = b.c.0.drain(errors..).map(relative).collect();
-        refused.push((cp.name, problems));
+        refused.push((cp.name.clone(), problems));
     }
     file.from_kubernetes = admitted;
     let mut routes = b.routes;
@@ -112,8 +113,11 @@ struct Unchanged<'a> {
     names: HashSet<&'a str>,
 }
 
-fn unchanged<'a>(given: &[ControlPlaneCfg], before: &'a [ControlPlaneCfg]) -> Unchanged<'a> {
-    let before: HashMap<&str, &'a ControlPlaneCfg> =
+fn unchanged<'a>(
+    given: &[Arc<ControlPlaneCfg>],
+    before: &'a [Arc<ControlPlaneCfg>],
+) -> Unchanged<'a> {
+    let before: HashMap<&str, &'a Arc<ControlPlaneCfg>> =
         before.iter().map(|c| (c.name.as_str(), c)).collect();
     let mut kept = Unchanged {
         at: HashSet::new(),
@@ -153,7 +157,7 @@ fn let_go(b: &mut Routes<'_>, gone: &HashSet<&str>) {
 fn served_on(file: &ConfigFile) -> impl Iterator<Item = std::net::IpAddr> + '_ {
     file.control_planes
         .iter()
-        .chain(&file.from_kubernetes)
+        .chain(file.from_kubernetes.iter().map(|c| c.as_ref()))
         .flat_map(|cp| &cp.served_on)
         .filter_map(|on| on.address.parse::<SocketAddr>().ok())
         .map(|sa| crate::routes::canonical(sa.ip()))
@@ -199,7 +203,7 @@ control_planes:
 
     fn with(kube: Vec<ControlPlaneCfg>) -> ConfigFile {
         let mut f = parse(FILE).unwrap();
-        f.from_kubernetes = kube;
+        f.from_kubernetes = kube.into_iter().map(Arc::new).collect();
         f
     }
 

@@ -130,9 +130,9 @@ pub fn compile_admitting(
 /// Splits the control planes from Kubernetes into those without problems
 /// and those refused, each with its problems (paths relative to it).
 fn admit_apart(
-    from_kubernetes: Vec<ControlPlaneCfg>,
+    from_kubernetes: Vec<std::sync::Arc<ControlPlaneCfg>>,
     bad: &mut HashMap<usize, Vec<ConfigError>>,
-) -> (Vec<ControlPlaneCfg>, Refused) {
+) -> (Vec<std::sync::Arc<ControlPlaneCfg>>, Refused) {
     let mut rejected = Vec::new();
     let mut kept = Vec::new();
     for (i, cp) in from_kubernetes.into_iter().enumerate() {
@@ -141,7 +141,7 @@ fn admit_apart(
             continue;
         };
         let problems = problems.into_iter().map(incremental::relative).collect();
-        rejected.push((cp.name, problems));
+        rejected.push((cp.name.clone(), problems));
     }
     (kept, rejected)
 }
@@ -184,7 +184,7 @@ pub fn diff(old: &ConfigFile, new: &ConfigFile) -> Diff {
     fn all(f: &ConfigFile) -> HashMap<&str, &ControlPlaneCfg> {
         f.control_planes
             .iter()
-            .chain(&f.from_kubernetes)
+            .chain(f.from_kubernetes.iter().map(|c| c.as_ref()))
             .map(|c| (c.name.as_str(), c))
             .collect()
     }
@@ -193,7 +193,11 @@ pub fn diff(old: &ConfigFile, new: &ConfigFile) -> Diff {
     for (name, cp) in &n {
         match o.get(name) {
             None => d.added.push(name.to_string()),
-            Some(prev) if prev != cp => d.changed.push(name.to_string()),
+            // The same allocation (a control plane from Kubernetes the
+            // source handed again) is equal without a look inside.
+            Some(prev) if !std::ptr::eq(*prev, *cp) && prev != cp => {
+                d.changed.push(name.to_string())
+            }
             Some(_) => {}
         }
     }

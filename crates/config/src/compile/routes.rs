@@ -91,7 +91,7 @@ impl<'a> Routes<'a> {
                 file.from_kubernetes
                     .iter()
                     .enumerate()
-                    .map(|(i, cp)| (format!("kubernetes[{i}]"), cp, true)),
+                    .map(|(i, cp)| (format!("kubernetes[{i}]"), cp.as_ref(), true)),
             );
         for (at, cp, dynamic) in all {
             self.control_plane(&at, cp, dynamic);

@@ -10,7 +10,10 @@ use seedlink_config::ConfigError;
 pub trait GatewaySink: Send + Sync + 'static {
     /// Serves these control planes (besides the file's); returns those it
     /// refused, with its problems. Open connections are never touched.
-    fn apply(&self, control_planes: Vec<ControlPlane>) -> Vec<(String, Vec<ConfigError>)>;
+    fn apply(
+        &self,
+        control_planes: Vec<std::sync::Arc<ControlPlane>>,
+    ) -> Vec<(String, Vec<ConfigError>)>;
 }
 
 /// Where the tunnel-server's clusters go, and what it says of them.

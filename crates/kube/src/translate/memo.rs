@@ -47,7 +47,8 @@ pub(super) type Age = (Option<k8s_openapi::jiff::Timestamp>, Key);
 /// route's status says seedlink accepted it as it is now.
 #[derive(Debug)]
 pub(super) struct Served {
-    pub(super) cp: ControlPlane,
+    /// Shared with every pass's translation while the namespace is kept.
+    pub(super) cp: Arc<ControlPlane>,
     pub(super) claims: Vec<String>,
     pub(super) accepted: bool,
 }

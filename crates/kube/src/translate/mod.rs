@@ -174,7 +174,7 @@ impl Translator {
             let served = cp.map(|cp| memo::Served {
                 claims: claims(&cp),
                 accepted: accepted.contains(&cp.name),
-                cp,
+                cp: Arc::new(cp),
             });
             if let Some(part) = parts.get_mut(&age.1.namespace) {
                 part.routes.push(memo::RoutePart {
@@ -276,7 +276,7 @@ impl Translator {
 fn keep_first_claims(
     held: &mut HashMap<String, String>,
     routes: &[&memo::RoutePart],
-) -> Vec<ControlPlane> {
+) -> Vec<Arc<ControlPlane>> {
     let served: Vec<&memo::Served> = routes.iter().filter_map(|r| r.served.as_ref()).collect();
     let mut claimed: HashMap<&str, HashSet<&str>> = HashMap::new();
     let mut by_status: HashMap<&str, &str> = HashMap::new();

@@ -160,7 +160,7 @@ pub struct Translation {
     /// wins a conflict): oldest route first, except that a route claiming
     /// a name another route held in the last pass, and still claims, goes
     /// after every other (the first claim keeps a name while it holds it).
-    pub control_planes: Vec<ControlPlane>,
+    pub control_planes: Vec<std::sync::Arc<ControlPlane>>,
     /// Per attached route (shared with the translator, which keeps each
     /// namespace's until it changes).
     pub routes: Vec<std::sync::Arc<RouteOutcome>>,

@@ -109,7 +109,7 @@ struct KubeSink(Arc<Gateway>);
 impl seedlink_kube::source::GatewaySink for KubeSink {
     fn apply(
         &self,
-        control_planes: Vec<seedlink_config::model::ControlPlane>,
+        control_planes: Vec<Arc<seedlink_config::model::ControlPlane>>,
     ) -> Vec<(String, Vec<seedlink_config::ConfigError>)> {
         self.0.set_kubernetes(control_planes)
     }
