@@ -28,6 +28,8 @@
 //! - the connections each opened to the API server;
 //! - writes to the slices of the Services no route names, 10 a second:
 //!   the gateway's passes and CPU per write meanwhile;
+//! - tenants' agent CAs replaced (their trust ConfigMaps), 10 a second:
+//!   the tunnel-server's passes, mean pass and CPU per rotation;
 //! - then a second tunnel-server with `trust_watch: cluster` (bound
 //!   cluster-wide) in the first one's place: its cold start, memory and
 //!   connections.
@@ -81,6 +83,9 @@ struct Row {
     /// Writes to slices of Services no route names: the gateway's passes
     /// and CPU per write meanwhile.
     unrelated: (f64, f64),
+    /// Tenants' CAs rotated: the tunnel-server's passes, their mean
+    /// duration and its CPU (ms) per rotation meanwhile.
+    rotations: (f64, f64, f64),
 }
 
 pub async fn run(opts: &Opts) -> anyhow::Result<()> {
@@ -167,9 +172,6 @@ fn host(i: usize) -> String {
 /// Tenant `i`'s objects.
 fn tenant(i: usize) -> anyhow::Result<Vec<Value>> {
     let ns = ns(i);
-    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new())?;
-    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    let ca = ca.self_signed(&rcgen::KeyPair::generate()?)?.pem();
     Ok(vec![
         json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
         json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
@@ -177,10 +179,7 @@ fn tenant(i: usize) -> anyhow::Result<Vec<Value>> {
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                            "name": format!("seedlink-tunnel-trust-{SYS}")},
                "subjects": [{"kind": "ServiceAccount", "name": "seedlink", "namespace": SYS}]}),
-        json!({"apiVersion": "v1", "kind": "ConfigMap",
-               "metadata": {"name": "agent-ca", "namespace": ns,
-                            "labels": {"seedlink.dev/tunnel-trust": "true"}},
-               "data": {"ca.crt": ca}}),
+        trust(&ns)?,
         json!({"apiVersion": "tunnel.seedlink.dev/v1alpha1", "kind": "TunnelCluster",
                "metadata": {"name": "tunnel", "namespace": ns},
                "spec": {"agentCA": {"configMap": "agent-ca", "key": "ca.crt"}}}),
@@ -385,6 +384,7 @@ async fn measure(
     let cpu = procstat::cpu_seconds(&[gw_pid]) - cpu0;
     let passes1 = pass_totals(gw.admin).await;
     let unrelated = unrelated_churn(client, gw_pid, gw.admin, n).await?;
+    let rotations = rotations(client, tun_pid, tun.admin, n).await?;
     let tun_conns = tun
         .proxy
         .accepted
@@ -420,7 +420,42 @@ async fn measure(
         tun_passes,
         tun_cluster,
         unrelated,
+        rotations,
     })
+}
+
+/// [`CHANGES`] tenants' agent CAs replaced (their trust ConfigMap gets a
+/// new CA), [`BACKGROUND_PER_SEC`] a second: the tunnel-server's passes,
+/// their mean duration and its CPU (ms) per rotation meanwhile.
+async fn rotations(
+    client: &kube::Client,
+    pid: u32,
+    admin: SocketAddr,
+    n: usize,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let (cpu0, passes0) = (procstat::cpu_seconds(&[pid]), pass_totals(admin).await);
+    let mut tick = tokio::time::interval(Duration::from_millis(1000 / BACKGROUND_PER_SEC));
+    for k in 0..CHANGES {
+        tick.tick().await;
+        apply(client, trust(&ns(k % n))?).await?;
+    }
+    // The coalescer's longest wait, so that a pass it woke is counted.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let cpu = procstat::cpu_seconds(&[pid]) - cpu0;
+    let passes = pass_totals(admin).await;
+    let (count, pass) = mean((passes.0 - passes0.0, passes.1 - passes0.1));
+    Ok((count, pass * 1000.0, cpu * 1000.0 / CHANGES as f64))
+}
+
+/// Namespace `ns`'s trust ConfigMap, with a new CA.
+fn trust(ns: &str) -> anyhow::Result<Value> {
+    let mut ca = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca = ca.self_signed(&rcgen::KeyPair::generate()?)?.pem();
+    Ok(json!({"apiVersion": "v1", "kind": "ConfigMap",
+              "metadata": {"name": "agent-ca", "namespace": ns,
+                           "labels": {"seedlink.dev/tunnel-trust": "true"}},
+              "data": {"ca.crt": ca}}))
 }
 
 /// Writes to the slices of Services no route names: [`CHANGES`] of them,
@@ -599,6 +634,15 @@ fn print(rows: &[Row]) {
             "| {} | {} | {:.2} ms |",
             r.tenants, r.unrelated.0, r.unrelated.1
         );
+    }
+    println!("\nTenants' agent CAs rotated ({CHANGES} per count, {BACKGROUND_PER_SEC} a second; their trust ConfigMaps):\n");
+    println!(
+        "| tenants | tunnel-server passes meanwhile | mean pass | tunnel-server CPU per rotation |"
+    );
+    println!("|---|---|---|---|");
+    for r in rows {
+        let (passes, pass, cpu) = r.rotations;
+        println!("| {} | {passes} | {pass:.2} ms | {cpu:.2} ms |", r.tenants);
     }
     println!("\nThe tunnel-server with `trust_watch: cluster`:\n");
     println!("| tenants | cold start | RSS | API connections |");

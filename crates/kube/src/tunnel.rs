@@ -212,7 +212,9 @@ pub fn translate(
         let built = build(o, &name, &mut keys, &socket_dir.join(&name), bounds);
         let (cluster, ready) = match built {
             Ok(cluster) => {
-                out.files.append(&mut keys.files);
+                // `extend`, not `append`: append merges the whole map
+                // each time (tenants²).
+                out.files.extend(std::mem::take(&mut keys.files));
                 out.clusters.push(cluster);
                 let ready = Verdict::yes("Serving", "trust loaded and frontends listening");
                 (Some(name), ready)
@@ -602,6 +604,42 @@ fn replace_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
+/// [`materialize`], knowing the files `written` last time (`None`:
+/// unknown, so every file is read and the directory swept): only the
+/// files whose bytes differ from what was written are written, and only
+/// those no longer named are removed (with their directory once empty).
+/// A pass then costs what changed, not a read of every cluster's files.
+pub fn materialize_since(
+    trust_dir: &Path,
+    files: &BTreeMap<PathBuf, Vec<u8>>,
+    written: Option<&BTreeMap<PathBuf, Vec<u8>>>,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    let Some(written) = written else {
+        return materialize(trust_dir, files);
+    };
+    for (path, bytes) in files.iter().filter(|(p, b)| written.get(*p) != Some(*b)) {
+        if let Some(dir) = path.parent() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)?;
+        }
+        replace_file(path, bytes)?;
+    }
+    for path in written.keys().filter(|p| !files.contains_key(*p)) {
+        match std::fs::remove_file(path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        // Its cluster's directory goes with its last file.
+        if let Some(dir) = path.parent().filter(|d| *d != trust_dir) {
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+    Ok(())
+}
+
 /// Writes `files` under `trust_dir` (0700 directories, 0600 files, each
 /// replaced by a rename and only when its bytes change) and removes what
 /// no cluster names any more.
@@ -969,5 +1007,46 @@ mod tests {
         );
         materialize(dir.path(), &BTreeMap::new()).unwrap();
         assert!(!path.parent().unwrap().exists());
+    }
+
+    /// Knowing what was written, a pass writes only the files whose bytes
+    /// changed and removes only those no longer named (with their
+    /// cluster's directory once empty); the result is what a whole
+    /// materialize makes.
+    #[test]
+    fn a_pass_writes_only_what_changed() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let at = |p: &str| dir.path().join(p);
+        let files = |list: &[(&str, &str)]| -> BTreeMap<PathBuf, Vec<u8>> {
+            list.iter()
+                .map(|(p, b)| (at(p), b.as_bytes().to_vec()))
+                .collect()
+        };
+        let before = files(&[("a/ca.crt", "a"), ("b/ca.crt", "b"), ("c/ca.crt", "c")]);
+        materialize_since(dir.path(), &before, None).unwrap();
+        let ino = |p: &str| std::fs::metadata(at(p)).unwrap().ino();
+        let (a, b) = (ino("a/ca.crt"), ino("b/ca.crt"));
+        let after = files(&[("a/ca.crt", "a"), ("b/ca.crt", "b2"), ("d/ca.crt", "d")]);
+        materialize_since(dir.path(), &after, Some(&before)).unwrap();
+        assert_eq!(ino("a/ca.crt"), a, "unchanged: not written");
+        assert_ne!(ino("b/ca.crt"), b, "changed: replaced");
+        assert_eq!(std::fs::read(at("b/ca.crt")).unwrap(), b"b2");
+        assert_eq!(std::fs::read(at("d/ca.crt")).unwrap(), b"d");
+        assert!(!at("c").exists(), "removed with its directory");
+        let mut on_disk: Vec<PathBuf> = walk(dir.path());
+        on_disk.sort();
+        assert_eq!(on_disk, after.keys().cloned().collect::<Vec<_>>());
+    }
+
+    fn walk(dir: &Path) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            match e.path().is_dir() {
+                true => out.extend(walk(&e.path())),
+                false => out.push(e.path()),
+            }
+        }
+        out
     }
 }

@@ -55,18 +55,38 @@ pub(super) fn same_but_kubernetes(a: &ConfigFile, b: &ConfigFile) -> bool {
 pub(super) fn recompile(mut file: ConfigFile, prev: &Snapshot) -> (Snapshot, Refused) {
     let given = std::mem::take(&mut file.from_kubernetes);
     let kept = unchanged(&given, &prev.file.from_kubernetes);
-    let gone: HashSet<&str> = prev
-        .file
-        .from_kubernetes
-        .iter()
-        .map(|c| c.name.as_str())
-        .filter(|n| !kept.names.contains(n))
-        .collect();
+    let gone = gone(&prev.file, &kept);
     let mut b = Routes::new(Collector(Vec::new()), Some(prev), &prev.listeners);
     b.routes = prev.routes.clone();
     b.control_planes = prev.control_planes.clone();
     let_go(&mut b, &gone);
-    let kept = kept.at;
+    let (admitted, refused) = admit(&mut b, given, &kept.at);
+    file.from_kubernetes = admitted;
+    let mut routes = b.routes;
+    routes.exclusive = exclusive(&file);
+    let snapshot = Snapshot {
+        listeners: prev.listeners.clone(),
+        admin: prev.admin,
+        routes,
+        control_planes: b.control_planes,
+        trusted_lbs: prev.trusted_lbs.clone(),
+        always_allowed: prev.always_allowed.clone(),
+        timeouts: file.timeouts.clone(),
+        limits: file.limits.clone(),
+        upstream: file.upstream.clone(),
+        file,
+    };
+    (snapshot, refused)
+}
+
+/// The control planes of `given`: those at `kept` as they are, the
+/// others compiled into `b`, each admitted on its own. The admitted, in
+/// their order, and the refused with their problems.
+fn admit(
+    b: &mut Routes<'_>,
+    given: Vec<Arc<ControlPlaneCfg>>,
+    kept: &HashSet<usize>,
+) -> (Vec<Arc<ControlPlaneCfg>>, Refused) {
     let mut admitted = Vec::with_capacity(given.len());
     let mut refused = Vec::new();
     for (i, cp) in given.into_iter().enumerate() {
@@ -84,26 +104,7 @@ pub(super) fn recompile(mut file: ConfigFile, prev: &Snapshot) -> (Snapshot, Ref
         let problems = b.c.0.drain(errors..).map(relative).collect();
         refused.push((cp.name.clone(), problems));
     }
-    file.from_kubernetes = admitted;
-    let mut routes = b.routes;
-    routes.exclusive.clear();
-    routes
-        .exclusive
-        .extend(file.kubernetes.iter().flat_map(class_addresses));
-    routes.exclusive.extend(served_on(&file));
-    let snapshot = Snapshot {
-        listeners: prev.listeners.clone(),
-        admin: prev.admin,
-        routes,
-        control_planes: b.control_planes,
-        trusted_lbs: prev.trusted_lbs.clone(),
-        always_allowed: prev.always_allowed.clone(),
-        timeouts: file.timeouts.clone(),
-        limits: file.limits.clone(),
-        upstream: file.upstream.clone(),
-        file,
-    };
-    (snapshot, refused)
+    (admitted, refused)
 }
 
 /// The control planes of `given` that `before` holds as they are: their
@@ -134,6 +135,12 @@ fn unchanged<'a>(
     kept
 }
 
+/// The control planes from Kubernetes in `before` not `kept` as they were.
+fn gone<'a>(before: &'a ConfigFile, kept: &Unchanged<'_>) -> HashSet<&'a str> {
+    let names = before.from_kubernetes.iter().map(|c| c.name.as_str());
+    names.filter(|n| !kept.names.contains(n)).collect()
+}
+
 /// Takes the entries of the control planes `gone` out of the table.
 fn let_go(b: &mut Routes<'_>, gone: &HashSet<&str>) {
     if gone.is_empty() {
@@ -150,6 +157,13 @@ fn let_go(b: &mut Routes<'_>, gone: &HashSet<&str>) {
     r.services.retain(|_, cp| stays(&cp.name));
     r.clusters.retain(|_, cp| stays(&cp.name));
     b.control_planes.retain(|name, _| stays(name));
+}
+
+/// The addresses that serve only their own names: a class Gateway's, and
+/// those the control planes' `served_on` name.
+fn exclusive(file: &ConfigFile) -> HashSet<std::net::IpAddr> {
+    let class = file.kubernetes.iter().flat_map(class_addresses);
+    class.chain(served_on(file)).collect()
 }
 
 /// The addresses the control planes' `served_on` name (each checked when

@@ -179,7 +179,9 @@ pub struct Diff {
     pub changed: Vec<String>,
 }
 
-/// Computes what a reload changes, by control-plane name (sorted).
+/// Computes what a reload changes, by control-plane name (sorted). The
+/// same allocation (a control plane from Kubernetes the source handed
+/// again) is equal without a look inside.
 pub fn diff(old: &ConfigFile, new: &ConfigFile) -> Diff {
     fn all(f: &ConfigFile) -> HashMap<&str, &ControlPlaneCfg> {
         f.control_planes
@@ -193,8 +195,6 @@ pub fn diff(old: &ConfigFile, new: &ConfigFile) -> Diff {
     for (name, cp) in &n {
         match o.get(name) {
             None => d.added.push(name.to_string()),
-            // The same allocation (a control plane from Kubernetes the
-            // source handed again) is equal without a look inside.
             Some(prev) if !std::ptr::eq(*prev, *cp) && prev != cp => {
                 d.changed.push(name.to_string())
             }

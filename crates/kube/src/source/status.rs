@@ -456,26 +456,15 @@ impl StatusWriter {
         let outcomes: HashMap<&Key, &Arc<RouteOutcome>> =
             t.routes.iter().map(|r| (&r.key, r)).collect();
         let served_print = {
-            use std::hash::{Hash, Hasher};
-            let mut h = std::hash::DefaultHasher::new();
-            served.hash(&mut h);
-            h.finish()
+            use std::hash::{BuildHasher, BuildHasherDefault};
+            BuildHasherDefault::<std::hash::DefaultHasher>::default().hash_one(served)
         };
         let mut settled = HashMap::with_capacity(routes.len());
         for route in routes {
             let key = Key::of(route.as_ref());
             let outcome = outcomes.get(&key).copied();
             let version = &route.metadata.resource_version;
-            if let Some((key, was)) = self.settled.remove_entry(&key).filter(|(_, was)| {
-                was.version.is_some()
-                    && was.version == *version
-                    && was.served == served_print
-                    && match (outcome, &was.outcome) {
-                        (Some(o), Some(w)) => Arc::ptr_eq(o, w),
-                        (None, None) => true,
-                        _ => false,
-                    }
-            }) {
+            if let Some((key, was)) = self.still_settled(&key, version, outcome, served_print) {
                 settled.insert(key, was);
                 continue;
             }
@@ -498,26 +487,56 @@ impl StatusWriter {
                 }
                 continue;
             };
-            // `status.parents` is one atomic list shared with other
-            // controllers: the patch carries their entries as read, so it
-            // is made conditional on the version they were read from. A
-            // 409 means someone wrote meanwhile: the watch brings the new
-            // version and the next pass writes again from it.
-            let patch = json!({
-                "metadata": {"resourceVersion": route.metadata.resource_version},
-                "status": {"parents": desired}
-            });
-            let written = match &self.route_resource {
-                None => self.patch_status::<TlsRoute>(&key, &patch).await,
-                Some(ar) => self.patch_route_status_as(ar, &key, &patch).await,
-            };
-            if !written {
+            if !self.write_route(route, &key, desired).await {
                 return false;
             }
         }
         // The routes gone are forgotten.
         self.settled = settled;
         true
+    }
+
+    /// Writes route `key`'s `status.parents`; false if that failed.
+    async fn write_route(
+        &self,
+        route: &TlsRoute,
+        key: &Key,
+        desired: Vec<gateway_api::tlsroutes::TlsRouteStatusParents>,
+    ) -> bool {
+        // `status.parents` is one atomic list shared with other
+        // controllers: the patch carries their entries as read, so it is
+        // made conditional on the version they were read from. A 409
+        // means someone wrote meanwhile: the watch brings the new version
+        // and the next pass writes again from it.
+        let patch = json!({
+            "metadata": {"resourceVersion": route.metadata.resource_version},
+            "status": {"parents": desired}
+        });
+        match &self.route_resource {
+            None => self.patch_status::<TlsRoute>(key, &patch).await,
+            Some(ar) => self.patch_route_status_as(ar, key, &patch).await,
+        }
+    }
+
+    /// Route `key`'s entry in `settled`, taken out, if it was found right
+    /// from the same version, outcome and Gateways served.
+    fn still_settled(
+        &mut self,
+        key: &Key,
+        version: &Option<String>,
+        outcome: Option<&Arc<RouteOutcome>>,
+        served: u64,
+    ) -> Option<(Key, Settled)> {
+        self.settled.remove_entry(key).filter(|(_, was)| {
+            was.version.is_some()
+                && was.version == *version
+                && was.served == served
+                && match (outcome, &was.outcome) {
+                    (Some(o), Some(w)) => Arc::ptr_eq(o, w),
+                    (None, None) => true,
+                    _ => false,
+                }
+        })
     }
 
     /// Writes each SeedlinkPolicy's `status.ancestors` where it changed.

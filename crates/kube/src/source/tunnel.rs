@@ -411,6 +411,7 @@ pub fn start_tunnel(
             status: follow_passes(writer, coalescer.stop.clone()),
             trust,
             applied: None,
+            written: None,
         };
         passes.run(coalescer, sink, &synced_tx).await;
     });
@@ -440,6 +441,9 @@ pub(super) struct TunnelPasses {
     /// that changes none of it (another Secret in the namespace) does
     /// not reload the server.
     pub(super) applied: Option<Applied>,
+    /// The trust files last written whole (`None` at first and after a
+    /// failed write: then every file is read and the directory swept).
+    pub(super) written: Option<std::collections::BTreeMap<std::path::PathBuf, Vec<u8>>>,
 }
 
 /// Writes the TunnelClusters' status from the latest pass, with the
@@ -542,11 +546,14 @@ impl TunnelPasses {
             &s.socket_dir,
             &s.bounds,
         );
-        if let Err(e) = crate::tunnel::materialize(&s.trust_dir, &t.files) {
+        let written = self.written.take();
+        let files = crate::tunnel::materialize_since(&s.trust_dir, &t.files, written.as_ref());
+        if let Err(e) = files {
             // Nothing is applied: the running clusters stay.
             tracing::error!(dir = %s.trust_dir.display(), error = %e, "cannot write the clusters' trust files; keeping the running clusters");
             return (t, objects);
         }
+        self.written = Some(t.files.clone());
         let refused = match &self.applied {
             Some((c, f, r)) if *c == t.clusters && *f == t.files => r.clone(),
             _ => {

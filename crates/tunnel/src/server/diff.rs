@@ -1,6 +1,8 @@
 //! The pure part of a reload: which clusters come and go, which frontends
 //! keep listening and which start. No IO, no clock: `run` applies it.
 
+use std::collections::{HashMap, HashSet};
+
 use crate::config::Frontend;
 
 /// What a reload changes, computed from what runs and what the new plan
@@ -34,11 +36,14 @@ pub fn diff(
         ..Changes::default()
     };
     let mut taken = vec![false; planned.len()];
+    let by_name = by_name(planned);
     for (i, r) in running.iter().enumerate() {
-        let same = planned
-            .iter()
-            .enumerate()
-            .position(|(j, f)| !taken[j] && f.0 == r.0 && f.1 == r.1);
+        let candidates = by_name.get(&(r.0, r.1.name.as_str()));
+        let same = candidates
+            .into_iter()
+            .flatten()
+            .copied()
+            .find(|&j| !taken[j] && planned[j].1 == r.1);
         if let Some(j) = same {
             taken[j] = true;
             c.frontends_kept.push((i, j));
@@ -48,11 +53,24 @@ pub fn diff(
     c
 }
 
+/// Planned frontends' indexes by (cluster, name): each running one is
+/// compared with those of its name only, not with every planned one.
+fn by_name<'a>(
+    planned: &[(Option<&'a str>, &'a Frontend)],
+) -> HashMap<(Option<&'a str>, &'a str), Vec<usize>> {
+    let mut by_name: HashMap<_, Vec<usize>> = HashMap::new();
+    for (j, f) in planned.iter().enumerate() {
+        by_name.entry((f.0, f.1.name.as_str())).or_default().push(j);
+    }
+    by_name
+}
+
 /// The names in `names` that `other` lacks.
 fn not_in(names: &[&str], other: &[&str]) -> Vec<String> {
+    let other: HashSet<&str> = other.iter().copied().collect();
     names
         .iter()
-        .filter(|n| !other.contains(n))
+        .filter(|n| !other.contains(*n))
         .map(|n| n.to_string())
         .collect()
 }

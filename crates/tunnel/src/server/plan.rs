@@ -190,14 +190,30 @@ pub(super) fn transport(
 
 /// Reads and checks everything `cfg` refers to.
 pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> {
+    plan_with(cfg, metrics, &PlanCache::default())
+}
+
+/// [`plan`], reusing from `cache` each cluster's trust (its agent CA's
+/// verifier, its token check, its proxy password) while its settings are
+/// the same and none of the files they name was replaced or written (one
+/// `stat` each): a reload costs a read and a parse only for the clusters
+/// that changed, and the others' agents are not checked again.
+pub fn plan_with(
+    cfg: &ServerConfig,
+    metrics: &Metrics,
+    cache: &PlanCache,
+) -> Result<Plan, ServerError> {
     let mut clusters = Vec::new();
     let mut frontends = Vec::new();
     // Every cluster's problem in one pass: a reload that must leave some
     // out leaves them all out at once.
     let mut failed = Vec::new();
+    let mut cached = seedlink_net::sync::lock(&cache.0, "plan cache");
+    let mut next = std::collections::HashMap::with_capacity(cfg.clusters.len());
     for c in &cfg.clusters {
-        match plan_one(c, metrics) {
-            Ok((planned, mut fs)) => {
+        match plan_reusing(c, metrics, &mut cached) {
+            Ok(((planned, mut fs), k)) => {
+                next.insert(c.name.clone(), k);
                 clusters.push(planned);
                 frontends.append(&mut fs);
             }
@@ -207,17 +223,11 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> 
     if !failed.is_empty() {
         return Err(ServerError::InClusters(failed));
     }
-    for f in &cfg.shared_frontends {
-        frontends.push(PlannedFrontend {
-            cluster: None,
-            cfg: f.clone(),
-            transport: transport(
-                f,
-                &format!("shared frontend {}", f.name),
-                f.protocol.is_proxy(),
-            )?,
-        });
-    }
+    // A plan that fails keeps what it did not look at; what it took is
+    // read again the next time (a cost, never a stale trust).
+    *cached = next;
+    drop(cached);
+    frontends.append(&mut shared_frontends(cfg)?);
     let agent_tls = agent_tls(cfg, &clusters)?;
     Ok(Plan {
         clusters,
@@ -226,14 +236,136 @@ pub fn plan(cfg: &ServerConfig, metrics: &Metrics) -> Result<Plan, ServerError> 
     })
 }
 
+/// The frontends clusters share, read and checked.
+fn shared_frontends(cfg: &ServerConfig) -> Result<Vec<PlannedFrontend>, ServerError> {
+    cfg.shared_frontends
+        .iter()
+        .map(|f| {
+            let what = format!("shared frontend {}", f.name);
+            Ok(PlannedFrontend {
+                cluster: None,
+                cfg: f.clone(),
+                transport: transport(f, &what, f.protocol.is_proxy())?,
+            })
+        })
+        .collect()
+}
+
+/// What the clusters of the last plan were planned from, and their trust.
+#[derive(Default)]
+pub struct PlanCache(std::sync::Mutex<std::collections::HashMap<String, Cached>>);
+
+/// One cluster's entry in a [`PlanCache`].
+pub struct Cached {
+    cfg: crate::config::Cluster,
+    stamps: Vec<Option<Stamp>>,
+    trust: Trust,
+}
+
+/// A cluster's trust, as planned.
+struct Trust {
+    verifier: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+    token: Option<Arc<TokenValidator>>,
+    proxy_password: Option<String>,
+}
+
+/// A file as `stat` sees it: a replacement (a rename, as the Kubernetes
+/// source writes) is a new inode; a write in place changes the size or
+/// the modification or change time.
+type Stamp = (u64, u64, u64, i64, i64, i64, i64);
+
+/// The stamps of every file cluster `c`'s trust names (`None`: it cannot
+/// be read as a file now, so nothing is reused).
+fn stamps(c: &crate::config::Cluster) -> Vec<Option<Stamp>> {
+    use std::os::unix::fs::MetadataExt;
+    let token = c.agent_token.as_ref();
+    let review = token.and_then(|t| t.review.as_ref());
+    let files = [
+        c.agent_ca.as_deref(),
+        c.proxy_password_file.as_deref(),
+        token.and_then(|t| t.keys.as_deref()),
+        review.map(|r| r.ca.as_path()),
+        review.and_then(|r| r.token_file.as_deref()),
+        review.and_then(|r| r.cert.as_deref()),
+        review.and_then(|r| r.key.as_deref()),
+    ];
+    files
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            let m = std::fs::metadata(p).ok()?;
+            Some((
+                m.dev(),
+                m.ino(),
+                m.size(),
+                m.mtime(),
+                m.mtime_nsec(),
+                m.ctime(),
+                m.ctime_nsec(),
+            ))
+        })
+        .collect()
+}
+
+/// Cluster `c` and its frontends, with its trust from `cached` where
+/// that still holds (the entry is taken out), and its new entry.
+fn plan_reusing(
+    c: &crate::config::Cluster,
+    metrics: &Metrics,
+    cached: &mut std::collections::HashMap<String, Cached>,
+) -> Result<((PlannedCluster, Vec<PlannedFrontend>), Cached), ServerError> {
+    let stamps = stamps(c);
+    let hit = cached
+        .remove(&c.name)
+        .filter(|k| k.cfg == *c && stamps.iter().all(Option::is_some) && k.stamps == stamps);
+    if let Some(k) = hit {
+        return plan_cached(c, k);
+    }
+    let (p, fs) = plan_one(c, metrics)?;
+    let trust = Trust {
+        verifier: p.conf.verifier.clone(),
+        token: p.conf.token.clone(),
+        proxy_password: p.conf.proxy_password.clone(),
+    };
+    let k = Cached {
+        cfg: c.clone(),
+        stamps,
+        trust,
+    };
+    Ok(((p, fs), k))
+}
+
+/// Cluster `c` planned with the trust of its cache entry `k`.
+fn plan_cached(
+    c: &crate::config::Cluster,
+    k: Cached,
+) -> Result<((PlannedCluster, Vec<PlannedFrontend>), Cached), ServerError> {
+    let t = &k.trust;
+    let planned = PlannedCluster {
+        name: c.name.clone(),
+        conf: conf(
+            c,
+            t.verifier.clone(),
+            t.token.clone(),
+            t.proxy_password.clone(),
+        ),
+        limits: c.limits.into(),
+    };
+    Ok(((planned, cluster_frontends(c)?), k))
+}
+
 /// One cluster and its frontends, read and checked.
 pub(super) fn plan_one(
     c: &crate::config::Cluster,
     metrics: &Metrics,
 ) -> Result<(PlannedCluster, Vec<PlannedFrontend>), ServerError> {
     let planned = plan_cluster(c, metrics)?;
-    let frontends = c
-        .frontends
+    Ok((planned, cluster_frontends(c)?))
+}
+
+/// Cluster `c`'s own frontends, read and checked.
+fn cluster_frontends(c: &crate::config::Cluster) -> Result<Vec<PlannedFrontend>, ServerError> {
+    c.frontends
         .iter()
         .map(|f| {
             Ok(PlannedFrontend {
@@ -242,8 +374,7 @@ pub(super) fn plan_one(
                 transport: transport(f, &format!("cluster {} frontend {}", c.name, f.name), false)?,
             })
         })
-        .collect::<Result<Vec<_>, ServerError>>()?;
-    Ok((planned, frontends))
+        .collect()
 }
 
 /// The agent endpoint's TLS: any cluster's CA verifies a client
@@ -294,20 +425,30 @@ pub(super) fn plan_cluster(
     };
     Ok(PlannedCluster {
         name: c.name.clone(),
-        conf: ClusterConf {
-            strategies: c
-                .strategies
-                .iter()
-                .filter_map(|s| Strategy::from_name(s))
-                .collect(),
-            verifier,
-            token,
-            proxy_password,
-            frontends: c.frontends.iter().map(frontend_label).collect(),
-            client_uri: c.frontend_client_uri.clone(),
-        },
+        conf: conf(c, verifier, token, proxy_password),
         limits: c.limits.into(),
     })
+}
+
+/// Cluster `c`'s settings with its trust.
+fn conf(
+    c: &crate::config::Cluster,
+    verifier: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+    token: Option<Arc<TokenValidator>>,
+    proxy_password: Option<String>,
+) -> ClusterConf {
+    ClusterConf {
+        strategies: c
+            .strategies
+            .iter()
+            .filter_map(|s| Strategy::from_name(s))
+            .collect(),
+        verifier,
+        token,
+        proxy_password,
+        frontends: c.frontends.iter().map(frontend_label).collect(),
+        client_uri: c.frontend_client_uri.clone(),
+    }
 }
 
 /// Counts a cluster's TokenReview outcomes.
@@ -373,4 +514,82 @@ pub(super) fn frontend_label(f: &Frontend) -> String {
         _ => String::new(),
     };
     format!("{} ({:?}, {at})", f.name, f.protocol)
+}
+
+#[cfg(test)]
+mod cache_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn ca() -> String {
+        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        p.self_signed(&rcgen::KeyPair::generate().unwrap())
+            .unwrap()
+            .pem()
+    }
+
+    fn verifiers(p: &Plan) -> Vec<Arc<dyn rustls::server::danger::ClientCertVerifier>> {
+        p.clusters
+            .iter()
+            .map(|c| c.conf.verifier.clone().unwrap())
+            .collect()
+    }
+
+    /// A plan reuses a cluster's trust while its settings and files stay;
+    /// a CA file replaced (a rename, as the Kubernetes source writes) or
+    /// written in place, or other settings, are read again; the other
+    /// cluster keeps its trust throughout.
+    #[test]
+    fn trust_is_read_again_only_where_it_changed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.pem"), dir.path().join("b.pem"));
+        std::fs::write(&a, ca()).unwrap();
+        std::fs::write(&b, ca()).unwrap();
+        let server = rcgen::generate_simple_self_signed(vec!["tunnel".to_string()]).unwrap();
+        let (crt, key) = (dir.path().join("s.pem"), dir.path().join("s-key.pem"));
+        std::fs::write(&crt, server.cert.pem()).unwrap();
+        std::fs::write(&key, server.signing_key.serialize_pem()).unwrap();
+        let cfg = |limit: u32| {
+            crate::config::ServerConfig::parse(&format!(
+                "agents: {{listen: '127.0.0.1:0', cert: '{}', key: '{}'}}\nclusters:\n  - {{name: a, agent_ca: '{}', limits: {{max_agents: {limit}}}}}\n  - {{name: b, agent_ca: '{}'}}\n",
+                crt.display(),
+                key.display(),
+                a.display(),
+                b.display()
+            ))
+            .unwrap()
+        };
+        let (metrics, cache) = (Metrics::new(), PlanCache::default());
+        let first = verifiers(&plan_with(&cfg(4), &metrics, &cache).unwrap());
+        let again = verifiers(&plan_with(&cfg(4), &metrics, &cache).unwrap());
+        assert!(Arc::ptr_eq(&first[0], &again[0]) && Arc::ptr_eq(&first[1], &again[1]));
+        // Replaced by a rename.
+        let new = dir.path().join("a.new");
+        std::fs::write(&new, ca()).unwrap();
+        std::fs::rename(&new, &a).unwrap();
+        let renamed = verifiers(&plan_with(&cfg(4), &metrics, &cache).unwrap());
+        assert!(
+            !Arc::ptr_eq(&again[0], &renamed[0]),
+            "a replaced CA is read"
+        );
+        assert!(Arc::ptr_eq(&again[1], &renamed[1]), "b untouched");
+        // Written in place (a longer file: another size).
+        std::fs::write(&a, format!("{}{}", ca(), ca())).unwrap();
+        let written = verifiers(&plan_with(&cfg(4), &metrics, &cache).unwrap());
+        assert!(
+            !Arc::ptr_eq(&renamed[0], &written[0]),
+            "a rewritten CA is read"
+        );
+        // Another setting of the cluster: planned again.
+        let other = verifiers(&plan_with(&cfg(5), &metrics, &cache).unwrap());
+        assert!(!Arc::ptr_eq(&written[0], &other[0]));
+        assert!(
+            Arc::ptr_eq(&first[1], &other[1]),
+            "b kept its trust throughout"
+        );
+        // A CA gone: the plan fails, as without the cache.
+        std::fs::remove_file(&a).unwrap();
+        assert!(plan_with(&cfg(5), &metrics, &cache).is_err());
+    }
 }

@@ -140,6 +140,8 @@ pub struct TunnelServer {
     fixed: Fixed,
     /// Its listening sockets as a binary upgrade sees them.
     pub(super) sockets: Sockets,
+    /// What each cluster's trust was last read from (`plan_with`).
+    plans: super::plan::PlanCache,
 }
 
 impl std::ops::Deref for TunnelServer {
@@ -257,7 +259,8 @@ impl TunnelServer {
     /// Builds the server (reads every certificate; nothing is bound yet).
     pub fn from_config(cfg: &ServerConfig) -> Result<Arc<TunnelServer>, ServerError> {
         let metrics = Metrics::new();
-        let p = plan(cfg, &metrics)?;
+        let plans = super::plan::PlanCache::default();
+        let p = super::plan::plan_with(cfg, &metrics, &plans)?;
         let clusters = p
             .clusters
             .into_iter()
@@ -280,6 +283,7 @@ impl TunnelServer {
             initial: Mutex::new(Some(p.frontends)),
             running: tokio::sync::Mutex::new(Vec::new()),
             fixed: Fixed::of(cfg),
+            plans,
         }))
     }
 
@@ -558,7 +562,7 @@ impl TunnelServer {
         if Fixed::of(cfg) != self.fixed {
             return Err(ServerError::NeedsRestart);
         }
-        let p = plan(cfg, &self.metrics)?;
+        let p = super::plan::plan_with(cfg, &self.metrics, &self.plans)?;
         // One reload at a time (the lock also guards the frontend list).
         let mut running = self.running.lock().await;
         let old = self.registry.clusters();
@@ -637,12 +641,12 @@ impl TunnelServer {
     ) -> usize {
         let mut rekeyed = 0;
         let mut next = Vec::new();
+        let by_name: std::collections::HashMap<&str, &Arc<Cluster>> =
+            old.iter().map(|o| (&*o.name, o)).collect();
         for c in planned {
-            match old.iter().find(|o| *o.name == *c.name) {
-                Some(o) => {
-                    o.conf.store(Arc::new(c.conf));
-                    o.gate.set(c.limits);
-                    rekeyed += rekey(o);
+            match by_name.get(c.name.as_str()) {
+                Some(&o) => {
+                    rekeyed += update(o, c);
                     next.push(o.clone());
                 }
                 None => next.push(Arc::new(Cluster::new(
@@ -707,6 +711,30 @@ impl TunnelServer {
         self.shutdown.cancel();
         self.tasks.close();
         let _ = tokio::time::timeout(Duration::from_secs(2), self.tasks.wait()).await;
+    }
+}
+
+/// Running cluster `o` takes its planned settings `c`; its agents are
+/// checked again only when its trust is new (read again: a plan reuses
+/// what did not change). How many it disconnected.
+fn update(o: &Arc<Cluster>, c: PlannedCluster) -> usize {
+    let was = o.conf.load_full();
+    let same = same_arc(&was.verifier, &c.conf.verifier) && same_arc(&was.token, &c.conf.token);
+    o.conf.store(Arc::new(c.conf));
+    o.gate.set(c.limits);
+    if same {
+        0
+    } else {
+        rekey(o)
+    }
+}
+
+/// Whether `a` and `b` are both absent or the same allocation.
+fn same_arc<T: ?Sized>(a: &Option<Arc<T>>, b: &Option<Arc<T>>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        (None, None) => true,
+        _ => false,
     }
 }
 
