@@ -89,6 +89,11 @@ fn admit(
 ) -> (Vec<Arc<ControlPlaneCfg>>, Refused) {
     let mut admitted = Vec::with_capacity(given.len());
     let mut refused = Vec::new();
+    // The claims of each refused control plane, undone only at the end:
+    // until then they stand in the way of those after it, as in a full
+    // compile's first attempt (a refused holder's edit never hands its
+    // names to the next claimant).
+    let mut undo = Vec::new();
     for (i, cp) in given.into_iter().enumerate() {
         if kept.contains(&i) {
             admitted.push(cp);
@@ -100,9 +105,12 @@ fn admit(
             admitted.push(cp);
             continue;
         }
-        b.undo(claims);
+        undo.push(claims..b.claims.len());
         let problems = b.c.0.drain(errors..).map(relative).collect();
         refused.push((cp.name.clone(), problems));
+    }
+    for range in undo.into_iter().rev() {
+        b.undo(range);
     }
     (admitted, refused)
 }
@@ -124,11 +132,18 @@ fn unchanged<'a>(
         at: HashSet::new(),
         names: HashSet::new(),
     };
+    // Only a name's first place in `given` may be kept (a later copy is
+    // refused as a duplicate, as in a full compile).
+    let mut seen = HashSet::new();
     for (i, cp) in given.iter().enumerate() {
+        if !seen.insert(cp.name.as_str()) {
+            continue;
+        }
         let Some(&was) = before.get(cp.name.as_str()) else {
             continue;
         };
-        if was == cp && kept.names.insert(was.name.as_str()) {
+        if was == cp {
+            kept.names.insert(was.name.as_str());
             kept.at.insert(i);
         }
     }
@@ -324,8 +339,9 @@ control_planes:
         assert!(!pass.control_planes.contains_key("t0"));
     }
 
-    /// A control plane refused after claiming some names takes none with
-    /// it: one later in the same pass may claim them.
+    /// A control plane refused after claiming some names stands in the
+    /// way of those after it in the same pass, then takes its names with
+    /// it, as a compile from nothing does: the name is nobody's.
     #[test]
     fn a_refused_control_plane_leaves_nothing_claimed() {
         let before = compile(with(Vec::new()), None).unwrap();
@@ -334,24 +350,72 @@ control_planes:
         first.cluster_id = Some("not a valid id!".into());
         let mut second = cp("second", "shared.example.com", "outbound|443||shared.svc");
         second.service_addresses = vec!["10.0.0.1:443".into()];
-        let (pass, refused) = compile_admitting(with(vec![first, second]), Some(&before));
+        let list = vec![first, second];
+        let (pass, refused) = compile_admitting(with(list.clone()), Some(&before));
+        let (full, full_refused) = compile_admitting(with(list), None);
+        let (pass, full) = (pass.unwrap(), full.unwrap());
+        assert_eq!(refused, full_refused);
+        assert_eq!(served(&pass), served(&full));
+        assert_eq!(refused.len(), 2, "{refused:?}");
+        assert!(pass.routes.lookup("shared.example.com").is_none());
+        assert!(!served(&pass)
+            .iter()
+            .any(|s| s.contains("first") || s.contains("second")));
+    }
+
+    /// A holder whose edit is refused does not hand its names to the
+    /// route that keeps claiming them: neither serves the name, as in a
+    /// compile from nothing, and the holder gets it back with its next
+    /// valid edit.
+    #[test]
+    fn a_refused_edit_hands_no_name_to_a_squatter() {
+        let holder = cp("a", "h.example.com", "outbound|443||a.svc");
+        let squatter = cp("b", "h.example.com", "outbound|443||b.svc");
+        let (before, refused) =
+            compile_admitting(with(vec![holder.clone(), squatter.clone()]), None);
+        let before = before.unwrap();
+        assert_eq!(refused.len(), 1);
+        let mut edit = holder.clone();
+        edit.cluster_id = Some("not a valid id!".into());
+        let list = vec![edit, squatter.clone()];
+        let (pass, refused) = compile_admitting(with(list.clone()), Some(&before));
+        let (full, full_refused) = compile_admitting(with(list), None);
         let pass = pass.unwrap();
-        assert_eq!(refused.len(), 1, "{refused:?}");
-        assert_eq!(refused[0].0, "first");
-        assert_eq!(refused[0].1[0].path, "cluster_id");
-        let holder = pass
-            .routes
-            .lookup("shared.example.com")
-            .map(|c| c.name.as_str());
-        assert_eq!(holder, Some("second"));
-        let served = served(&pass);
+        assert_eq!(refused, full_refused);
+        assert_eq!(served(&pass), served(&full.unwrap()));
         assert!(
-            served.contains(&"dest outbound|443||shared.svc second".to_string()),
-            "{served:?}"
+            pass.routes.lookup("h.example.com").is_none(),
+            "the squatter got it"
         );
-        assert!(
-            served.contains(&"svc 10.0.0.1:443 second".to_string()),
-            "{served:?}"
+        let mut fixed = holder;
+        fixed.endpoints = vec!["127.0.0.1:3".into()];
+        let (next, refused) = compile_admitting(with(vec![fixed, squatter]), Some(&pass));
+        let holder_now = next
+            .unwrap()
+            .routes
+            .lookup("h.example.com")
+            .map(|c| c.name.clone());
+        assert_eq!(holder_now.as_deref(), Some("a"));
+        assert_eq!(refused.len(), 1);
+        assert_eq!(refused[0].0, "b");
+    }
+
+    /// A name given twice keeps its first place: a later unchanged copy
+    /// does not win over an earlier changed one.
+    #[test]
+    fn a_later_copy_of_a_name_is_not_kept() {
+        let before = compile(with(tenants(1)), None).unwrap();
+        let mut changed = tenants(1).remove(0);
+        changed.endpoints = vec!["127.0.0.1:9".into()];
+        let list = vec![changed, tenants(1).remove(0)];
+        let (pass, refused) = compile_admitting(with(list.clone()), Some(&before));
+        let (full, full_refused) = compile_admitting(with(list), None);
+        assert_eq!(refused, full_refused);
+        let (pass, full) = (pass.unwrap(), full.unwrap());
+        assert_eq!(served(&pass), served(&full));
+        assert_eq!(
+            pass.control_planes["t0"].endpoints[0].address,
+            "127.0.0.1:9"
         );
     }
 

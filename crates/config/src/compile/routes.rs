@@ -51,11 +51,11 @@ impl<'a> Routes<'a> {
         }
     }
 
-    /// Takes out of the table what was claimed after the first `kept`
-    /// claims (a control plane refused after it claimed some names).
-    pub(super) fn undo(&mut self, kept: usize) {
+    /// Takes out of the table the claims at `range` of the log (a control
+    /// plane refused after it claimed some names).
+    pub(super) fn undo(&mut self, range: std::ops::Range<usize>) {
         let r = &mut self.routes;
-        for claim in self.claims.drain(kept..) {
+        for claim in self.claims.drain(range) {
             match claim {
                 Claim::Host(None, p) => r.hosts.remove(&p),
                 Claim::Host(Some(a), p) => {

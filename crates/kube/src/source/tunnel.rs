@@ -441,10 +441,18 @@ pub(super) struct TunnelPasses {
     /// that changes none of it (another Secret in the namespace) does
     /// not reload the server.
     pub(super) applied: Option<Applied>,
-    /// The trust files last written whole (`None` at first and after a
-    /// failed write: then every file is read and the directory swept).
-    pub(super) written: Option<std::collections::BTreeMap<std::path::PathBuf, Vec<u8>>>,
+    /// The trust files last written, and when the directory was last
+    /// read and swept whole (`None` at first and after a failed write).
+    /// It is swept whole at least every [`SWEEP_EVERY`], so that a file
+    /// removed or changed from outside is put back.
+    pub(super) written: Option<(
+        tokio::time::Instant,
+        std::collections::BTreeMap<std::path::PathBuf, Vec<u8>>,
+    )>,
 }
+
+/// How often a pass reads and sweeps the trust directory whole.
+const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Writes the TunnelClusters' status from the latest pass, with the
 /// server's view of each (agents, dial errors, trust).
@@ -546,14 +554,17 @@ impl TunnelPasses {
             &s.socket_dir,
             &s.bounds,
         );
-        let written = self.written.take();
-        let files = crate::tunnel::materialize_since(&s.trust_dir, &t.files, written.as_ref());
+        let now = tokio::time::Instant::now();
+        let written = self.written.take().filter(|w| now < w.0 + SWEEP_EVERY);
+        let swept = written.as_ref().map_or(now, |w| w.0);
+        let since = written.as_ref().map(|w| &w.1);
+        let files = crate::tunnel::materialize_since(&s.trust_dir, &t.files, since);
         if let Err(e) = files {
             // Nothing is applied: the running clusters stay.
             tracing::error!(dir = %s.trust_dir.display(), error = %e, "cannot write the clusters' trust files; keeping the running clusters");
             return (t, objects);
         }
-        self.written = Some(t.files.clone());
+        self.written = Some((swept, t.files.clone()));
         let refused = match &self.applied {
             Some((c, f, r)) if *c == t.clusters && *f == t.files => r.clone(),
             _ => {

@@ -274,6 +274,9 @@ struct Trust {
 /// the modification or change time.
 type Stamp = (u64, u64, u64, i64, i64, i64, i64);
 
+/// How old a file must be for its stamp to stand for its content.
+const RECENT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The stamps of every file cluster `c`'s trust names (`None`: it cannot
 /// be read as a file now, so nothing is reused).
 fn stamps(c: &crate::config::Cluster) -> Vec<Option<Stamp>> {
@@ -294,6 +297,12 @@ fn stamps(c: &crate::config::Cluster) -> Vec<Option<Stamp>> {
         .flatten()
         .map(|p| {
             let m = std::fs::metadata(p).ok()?;
+            // A file changed within the last seconds is read again: a
+            // write in place of the same size within the clock's
+            // granularity would leave its stamp as it was.
+            if m.modified().ok()?.elapsed().ok()? < RECENT {
+                return None;
+            }
             Some((
                 m.dev(),
                 m.ino(),
@@ -529,6 +538,14 @@ mod cache_tests {
             .pem()
     }
 
+    /// Written a minute ago, as far as its stamp says (a file changed in
+    /// the last seconds is always read again).
+    fn aged(path: &std::path::Path) {
+        let f = std::fs::File::options().write(true).open(path).unwrap();
+        let then = std::time::SystemTime::now() - std::time::Duration::from_secs(60);
+        f.set_modified(then).unwrap();
+    }
+
     fn verifiers(p: &Plan) -> Vec<Arc<dyn rustls::server::danger::ClientCertVerifier>> {
         p.clusters
             .iter()
@@ -546,6 +563,8 @@ mod cache_tests {
         let (a, b) = (dir.path().join("a.pem"), dir.path().join("b.pem"));
         std::fs::write(&a, ca()).unwrap();
         std::fs::write(&b, ca()).unwrap();
+        aged(&a);
+        aged(&b);
         let server = rcgen::generate_simple_self_signed(vec!["tunnel".to_string()]).unwrap();
         let (crt, key) = (dir.path().join("s.pem"), dir.path().join("s-key.pem"));
         std::fs::write(&crt, server.cert.pem()).unwrap();
@@ -567,6 +586,7 @@ mod cache_tests {
         // Replaced by a rename.
         let new = dir.path().join("a.new");
         std::fs::write(&new, ca()).unwrap();
+        aged(&new);
         std::fs::rename(&new, &a).unwrap();
         let renamed = verifiers(&plan_with(&cfg(4), &metrics, &cache).unwrap());
         assert!(
@@ -576,18 +596,25 @@ mod cache_tests {
         assert!(Arc::ptr_eq(&again[1], &renamed[1]), "b untouched");
         // Written in place (a longer file: another size).
         std::fs::write(&a, format!("{}{}", ca(), ca())).unwrap();
+        aged(&a);
         let written = verifiers(&plan_with(&cfg(4), &metrics, &cache).unwrap());
         assert!(
             !Arc::ptr_eq(&renamed[0], &written[0]),
             "a rewritten CA is read"
         );
+        // Written just now: read again, whatever its stamp.
+        std::fs::write(&b, std::fs::read(&b).unwrap()).unwrap();
+        let fresh = verifiers(&plan_with(&cfg(4), &metrics, &cache).unwrap());
+        assert!(
+            !Arc::ptr_eq(&written[1], &fresh[1]),
+            "a file just written is read"
+        );
+        aged(&b);
+        let b_now = verifiers(&plan_with(&cfg(4), &metrics, &cache).unwrap())[1].clone();
         // Another setting of the cluster: planned again.
         let other = verifiers(&plan_with(&cfg(5), &metrics, &cache).unwrap());
         assert!(!Arc::ptr_eq(&written[0], &other[0]));
-        assert!(
-            Arc::ptr_eq(&first[1], &other[1]),
-            "b kept its trust throughout"
-        );
+        assert!(Arc::ptr_eq(&b_now, &other[1]), "b kept its trust");
         // A CA gone: the plan fails, as without the cache.
         std::fs::remove_file(&a).unwrap();
         assert!(plan_with(&cfg(5), &metrics, &cache).is_err());
