@@ -51,3 +51,6 @@ impl Collector {
         self.0.push(ConfigError::new(path, message));
     }
 }
+
+/// Control planes left out of a compile, each with its problems.
+pub type Refused = Vec<(String, Vec<ConfigError>)>;

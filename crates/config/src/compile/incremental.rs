@@ -19,10 +19,9 @@ use std::sync::Arc;
 
 use crate::model::{ConfigFile, ControlPlane as ControlPlaneCfg};
 
-use super::errors::{Collector, ConfigError};
+use super::errors::{Collector, ConfigError, Refused};
 use super::routes::{class_addresses, Routes};
 use super::snapshot::Snapshot;
-use super::Refused;
 
 /// Whether `a` and `b` differ at most in their control planes from
 /// Kubernetes (every field named, so that a new one is not forgotten).

@@ -16,7 +16,7 @@ mod snapshot;
 use checks::*;
 pub use checks::{check_cluster_id, destination_regex, parse_cidr, split_object_name};
 use errors::*;
-pub use errors::{ConfigError, Errors};
+pub use errors::{ConfigError, Errors, Refused};
 pub use listeners::ListenerSpec;
 use listeners::*;
 use routes::*;
@@ -93,9 +93,6 @@ fn compile_or_return(
         file,
     })
 }
-
-/// Control planes left out of a compile, each with its problems.
-pub type Refused = Vec<(String, Vec<ConfigError>)>;
 
 /// Compiles a file whose `from_kubernetes` control planes are each admitted
 /// on their own: one that is invalid, or claims a host name, destination,
