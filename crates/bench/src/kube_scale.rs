@@ -378,6 +378,7 @@ async fn measure(
     // watch event that wakes a pass. In a seed that is once per object
     // ever; measured here is the steady state after it.
     status_written(gw.admin).await?;
+    eprintln!("kube-scale: {n} tenants: changes");
     let cpu0 = procstat::cpu_seconds(&[gw_pid]);
     let passes0 = pass_totals(gw.admin).await;
     let (latencies, background) = changes(client, &gw, n).await?;

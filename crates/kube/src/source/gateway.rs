@@ -36,7 +36,9 @@ pub fn start_gateway(
     let stop = CancellationToken::new();
     let client = clients.main().clone();
     let metrics = SourceMetrics::new("gateway");
-    let w = Watches::new(&clients, &stop, &metrics);
+    let mut w = Watches::new(&clients, &stop, &metrics);
+    let touched = Touched::default();
+    w.tx.touched = Some(touched.clone());
     let errors = w.tx.errors.clone();
     let (routes_tx, routes_stop) = (w.tx.clone(), stop.clone());
     let kinds = GatewayKinds::watch(&w, &settings);
@@ -51,7 +53,12 @@ pub fn start_gateway(
     let writer_metrics = metrics.clone();
     tokio::spawn(async move {
         let (routes, route_resource) = Routes::watch(&client, routes_tx, routes_stop).await;
-        let stores = GatewayStores { routes, kinds };
+        let stores = GatewayStores {
+            routes,
+            kinds,
+            touched,
+            read_from: Arc::default(),
+        };
         tokio::select! {
             r = stores.ready() => if r.is_none() { return },
             () = coalescer.stop.cancelled() => return,
@@ -183,11 +190,39 @@ pub(super) fn services_read(routes: &[Arc<TlsRoute>], settings: &GatewaySettings
     read
 }
 
+/// Whether a store's objects are the ones seen last time: the same
+/// allocations (a reflector store replaces an object's `Arc` on every
+/// event), held so that none is reused meanwhile. One sort of addresses
+/// instead of what is derived from the objects.
+pub(super) struct SameObjects<K>(Vec<Arc<K>>);
+
+impl<K> Default for SameObjects<K> {
+    fn default() -> Self {
+        SameObjects(Vec::new())
+    }
+}
+
+impl<K> SameObjects<K> {
+    /// Whether `now` differs from the objects seen last; remembers `now`.
+    pub(super) fn changed(&mut self, now: &[Arc<K>]) -> bool {
+        let mut now: Vec<Arc<K>> = now.to_vec();
+        now.sort_by_key(|o| Arc::as_ptr(o) as usize);
+        let same =
+            now.len() == self.0.len() && now.iter().zip(&self.0).all(|(a, b)| Arc::ptr_eq(a, b));
+        self.0 = now;
+        !same
+    }
+}
+
 /// Every object the gateway's source reads.
 #[derive(Clone)]
 pub(super) struct GatewayStores {
     pub(super) routes: Routes,
     pub(super) kinds: GatewayKinds,
+    /// The namespaces changed since the last pass.
+    pub(super) touched: Touched,
+    /// The routes the Services read were last taken from.
+    pub(super) read_from: Arc<std::sync::Mutex<SameObjects<TlsRoute>>>,
 }
 
 impl GatewayStores {
@@ -211,15 +246,20 @@ impl GatewayStores {
         settings: &GatewaySettings,
     ) -> GatewayPass {
         let k = &self.kinds;
+        // Before any store is read: what changes after this is in the
+        // next pass's set.
+        let touched = self.touched.take();
         let (routes, policies) = (self.routes.state(), k.policies.state());
         // Before the Services and slices are read: an event on one the
         // routes read from now on wakes the next pass, so none is missed
         // between this read and the next.
-        k.interest.set(services_read(&routes, settings));
+        if seedlink_net::sync::lock(&self.read_from, "routes read").changed(&routes) {
+            k.interest.set(services_read(&routes, settings));
+        }
         let (services, slices) = (k.services.state(), k.slices.state());
         let (gateways, classes) = (k.gateways.state(), k.classes.state());
         let (namespaces, grants) = (k.namespaces.state(), k.grants.state());
-        let t = translator.translate(&Objects {
+        let objects = Objects {
             gateway: settings.gateway.as_ref(),
             class: settings.class.as_ref(),
             gateways: &gateways,
@@ -231,7 +271,8 @@ impl GatewayStores {
             policies: &policies,
             services: &services,
             slices: &slices,
-        });
+        };
+        let t = translator.translate_touched(&objects, touched.as_ref());
         GatewayPass {
             t,
             routes,
@@ -452,4 +493,23 @@ pub struct GatewaySettings {
     pub slice_managers: Vec<String>,
     /// The Service seedlink is exposed by (the named Gateway's addresses).
     pub service: Option<Key>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The same objects in any order are the same; one replaced (its
+    /// content the same or not), added or removed is a change.
+    #[test]
+    fn a_store_is_the_same_while_its_objects_are() {
+        let (a, b) = (Arc::new(1), Arc::new(2));
+        let mut seen = SameObjects::default();
+        assert!(seen.changed(&[a.clone(), b.clone()]));
+        assert!(!seen.changed(&[b.clone(), a.clone()]));
+        assert!(seen.changed(&[a.clone(), Arc::new(2)]));
+        assert!(seen.changed(std::slice::from_ref(&a)));
+        assert!(seen.changed(&[]));
+        assert!(!seen.changed(&[]));
+    }
 }

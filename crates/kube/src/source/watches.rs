@@ -54,6 +54,76 @@ impl Interest {
     }
 }
 
+/// The namespaces whose objects changed since the last pass took them
+/// ([`Touched::take`]), so that a pass translates those (and the ones
+/// whose routes read them) rather than fingerprinting every object. A
+/// watch that lists again (a start, a restart after an error or a gap)
+/// touches everything: objects deleted meanwhile left no event. So does a
+/// set grown past [`MAX_TOUCHED`] (a pass over everything is then the
+/// cheaper one, and the set stays bounded). Cluster-scoped kinds other
+/// than Namespace touch nothing: what a pass reads of them (the served
+/// Gateways and class) is fingerprinted on every pass.
+#[derive(Clone)]
+pub(super) struct Touched(Arc<std::sync::Mutex<Option<std::collections::HashSet<String>>>>);
+
+/// Beyond this many namespaces touched between two passes, the next pass
+/// looks at everything.
+pub(super) const MAX_TOUCHED: usize = 1024;
+
+impl Default for Touched {
+    /// Everything: the first pass looks at every object.
+    fn default() -> Touched {
+        Touched(Arc::new(std::sync::Mutex::new(None)))
+    }
+}
+
+impl Touched {
+    fn set(&self) -> std::sync::MutexGuard<'_, Option<std::collections::HashSet<String>>> {
+        seedlink_net::sync::lock(&self.0, "touched namespaces")
+    }
+
+    /// Objects in `namespace` changed.
+    pub(super) fn namespace(&self, namespace: &str) {
+        let mut set = self.set();
+        if let Some(s) = set.as_mut() {
+            if s.len() >= MAX_TOUCHED {
+                *set = None;
+            } else if !s.contains(namespace) {
+                s.insert(namespace.to_string());
+            }
+        }
+    }
+
+    /// Anything may have changed.
+    pub(super) fn everything(&self) {
+        *self.set() = None;
+    }
+
+    /// What was touched since the last call (`None`: everything), leaving
+    /// nothing touched. Taken before the pass reads the stores: an event
+    /// after this is in the next pass, which it wakes.
+    pub(super) fn take(&self) -> Option<std::collections::HashSet<String>> {
+        self.set().replace(Default::default())
+    }
+
+    /// Notes `event` of a kind (`namespaces`: the Namespace kind, whose
+    /// objects are touched by name).
+    fn note<K: Resource>(&self, event: &watcher::Event<K>, namespaces: bool) {
+        let o = match event {
+            watcher::Event::Apply(o) | watcher::Event::Delete(o) => o,
+            watcher::Event::Init | watcher::Event::InitApply(_) | watcher::Event::InitDone => {
+                return self.everything()
+            }
+        };
+        let m = o.meta();
+        match (&m.namespace, namespaces) {
+            (Some(ns), _) => self.namespace(ns),
+            (None, true) => self.namespace(m.name.as_deref().unwrap_or_default()),
+            (None, false) => {}
+        }
+    }
+}
+
 /// Whether an event's object (deleted, or not) may change a pass (see
 /// [`Interest`]).
 pub(super) type Relevant<K> = Arc<dyn Fn(&K, bool) -> bool + Send + Sync>;
@@ -71,6 +141,9 @@ pub(super) struct Changed {
     /// install's alert (a missing RoleBinding there is said on the
     /// tenant's own object).
     pub(super) tenant: bool,
+    /// Where the source notes the namespaces an event touched, if it
+    /// follows them.
+    pub(super) touched: Option<Touched>,
 }
 
 /// The watches of one source, all saying "changed" on one channel.
@@ -100,6 +173,7 @@ impl Watches {
                 slot: None,
                 metrics: metrics.clone(),
                 tenant: false,
+                touched: None,
             },
             changed,
         }
@@ -178,6 +252,7 @@ impl Watches {
             slot: slot.map(Arc::new),
             metrics: self.tx.metrics.clone(),
             tenant,
+            touched: self.tx.touched.clone(),
         };
         self.tx.metrics.follow_connections(&self.clients);
         let store = watch_kind(
@@ -301,7 +376,7 @@ fn spawn_follow<K, S>(
     stop: CancellationToken,
     relevant: Option<Relevant<K>>,
 ) where
-    K: Send + Sync + 'static,
+    K: Resource + Send + Sync + 'static,
     S: futures_util::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
 {
     tokio::spawn(async move {
@@ -321,8 +396,10 @@ async fn follow<K, S>(
     stop: &CancellationToken,
     relevant: Option<&Relevant<K>>,
 ) where
+    K: Resource,
     S: futures_util::Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
 {
+    let namespaces = kind == "Namespace";
     let mut stream = std::pin::pin!(stream);
     loop {
         let next = tokio::select! {
@@ -341,6 +418,10 @@ async fn follow<K, S>(
                     _ => true,
                 };
                 if counts {
+                    // Noted before the wake: the pass it wakes sees it.
+                    if let Some(t) = &changed.touched {
+                        t.note(&event, namespaces);
+                    }
                     let _ = changed.tx.try_send(());
                 }
             }
@@ -532,7 +613,7 @@ mod interest_tests {
     }
 
     /// Whether following `events` wakes a pass.
-    async fn wakes<K: Send + Sync + 'static>(
+    async fn wakes<K: Resource + Send + Sync + 'static>(
         events: Vec<watcher::Event<K>>,
         relevant: &Relevant<K>,
     ) -> bool {
@@ -543,6 +624,7 @@ mod interest_tests {
             slot: None,
             metrics: SourceMetrics::new("test"),
             tenant: false,
+            touched: None,
         };
         let stream = futures_util::stream::iter(events.into_iter().map(Ok));
         follow(
@@ -608,5 +690,93 @@ mod interest_tests {
         assert!(!wakes(away, &slice).await);
         assert!(wakes(vec![watcher::Event::Delete(ours)], &slice).await);
         assert!(wakes(vec![watcher::Event::<Service>::Init], &svc).await);
+    }
+}
+
+#[cfg(test)]
+mod touched_tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{Namespace, Service};
+    use kube::api::ObjectMeta;
+
+    fn service(ns: &str) -> Service {
+        Service {
+            metadata: ObjectMeta {
+                namespace: Some(ns.into()),
+                name: Some("s".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    fn namespace(name: &str) -> Namespace {
+        Namespace {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    fn set(names: &[&str]) -> Option<std::collections::HashSet<String>> {
+        Some(names.iter().map(|n| n.to_string()).collect())
+    }
+
+    /// Events touch their object's namespace (a Namespace its own name);
+    /// a list, or too many namespaces, touches everything; a take leaves
+    /// nothing touched.
+    #[test]
+    fn events_touch_their_namespaces_and_a_list_touches_everything() {
+        let t = Touched::default();
+        assert_eq!(t.take(), None, "the first pass looks at everything");
+        assert_eq!(t.take(), set(&[]));
+        t.note(&watcher::Event::Apply(service("t1")), false);
+        t.note(&watcher::Event::Delete(service("t2")), false);
+        t.note(&watcher::Event::Apply(namespace("t3")), true);
+        assert_eq!(t.take(), set(&["t1", "t2", "t3"]));
+        t.note(&watcher::Event::Apply(service("t1")), false);
+        t.note(&watcher::Event::<Service>::InitDone, false);
+        t.note(&watcher::Event::Apply(service("t2")), false);
+        assert_eq!(t.take(), None, "a list: objects may be gone unseen");
+        for i in 0..=MAX_TOUCHED {
+            t.namespace(&format!("t{i}"));
+        }
+        assert_eq!(t.take(), None, "bounded");
+    }
+
+    /// An event that wakes no pass touches nothing; one that wakes a pass
+    /// has touched its namespace by then.
+    #[tokio::test]
+    async fn a_woken_pass_sees_what_its_event_touched() {
+        let (tx, mut rx) = mpsc::channel(1);
+        let touched = Touched::default();
+        touched.take();
+        let changed = Changed {
+            tx,
+            errors: WatchErrors::default(),
+            slot: None,
+            metrics: SourceMetrics::new("test"),
+            tenant: false,
+            touched: Some(touched.clone()),
+        };
+        let only_t1: Relevant<Service> =
+            Arc::new(|s: &Service, _| s.metadata.namespace.as_deref() == Some("t1"));
+        let events = vec![
+            watcher::Event::Apply(service("t2")),
+            watcher::Event::Apply(service("t1")),
+        ];
+        let stream = futures_util::stream::iter(events.into_iter().map(Ok));
+        follow(
+            stream,
+            "Service",
+            &changed,
+            &CancellationToken::new(),
+            Some(&only_t1),
+        )
+        .await;
+        assert!(rx.try_recv().is_ok());
+        assert_eq!(touched.take(), set(&["t1"]));
     }
 }

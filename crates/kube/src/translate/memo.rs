@@ -66,8 +66,15 @@ pub(super) struct RoutePart {
 pub(super) struct Part {
     /// What it was made from; `None` never matches.
     fingerprint: Option<u64>,
+    /// The other namespaces its routes' backendRefs name: a change there
+    /// translates it again.
+    deps: Vec<String>,
     pub(super) routes: Vec<RoutePart>,
     pub(super) policies: Vec<(Age, Arc<PolicyOutcome>)>,
+    /// Once kept: where its routes and policies stand in the memo's
+    /// orders (they are moved there).
+    kept: Vec<Age>,
+    kept_policies: Vec<Age>,
 }
 
 /// The shares kept from earlier passes.
@@ -75,6 +82,10 @@ pub(super) struct Part {
 pub(super) struct Memo {
     global: Option<u64>,
     parts: HashMap<String, Part>,
+    /// Every kept route's share and policy's outcome, oldest first: a pass
+    /// reads them in order without sorting every tenant's again.
+    routes: std::collections::BTreeMap<Age, RoutePart>,
+    policies: std::collections::BTreeMap<Age, Arc<PolicyOutcome>>,
     /// The fingerprints' hasher: one seed for the process's life.
     pub(super) hasher: RandomState,
 }
@@ -158,13 +169,7 @@ impl<'o> Bases<'o> {
 impl<'o> Prints<'o> {
     /// Fingerprints `objects`; `settings` is folded into the global one.
     pub(super) fn of(objects: &Objects<'o>, settings: u64, h: &RandomState) -> Prints<'o> {
-        let mut p = Prints {
-            global: Some(settings),
-            namespaces: HashMap::default(),
-            work: HashSet::default(),
-            deps: HashSet::default(),
-        };
-        p.global_objects(objects, h);
+        let mut p = Prints::global(objects, settings, h);
         let mut b = Bases::default();
         b.read(objects, h, &mut p);
         p.namespaces = p
@@ -178,6 +183,23 @@ impl<'o> Prints<'o> {
                 add(mine, theirs.map(|t| h.hash_one((dep, t))));
             }
         }
+        p
+    }
+
+    /// The global fingerprint alone: what every share reads.
+    pub(super) fn global_of(objects: &Objects<'o>, settings: u64, h: &RandomState) -> Option<u64> {
+        Prints::global(objects, settings, h).global
+    }
+
+    /// Prints with only the global fingerprint taken.
+    fn global(objects: &Objects<'o>, settings: u64, h: &RandomState) -> Prints<'o> {
+        let mut p = Prints {
+            global: Some(settings),
+            namespaces: HashMap::default(),
+            work: HashSet::default(),
+            deps: HashSet::default(),
+        };
+        p.global_objects(objects, h);
         p
     }
 
@@ -239,9 +261,17 @@ impl Memo {
     pub(super) fn dirty(&mut self, prints: &Prints<'_>) -> Dirty {
         if prints.global.is_none() || prints.global != self.global {
             self.parts.clear();
+            self.routes.clear();
+            self.policies.clear();
             self.global = prints.global;
         }
-        self.parts.retain(|ns, _| prints.work.contains(ns.as_str()));
+        let gone: Vec<String> = self
+            .parts
+            .keys()
+            .filter(|ns| !prints.work.contains(ns.as_str()))
+            .cloned()
+            .collect();
+        self.forget(&gone.iter().collect::<Vec<_>>());
         prints
             .work
             .iter()
@@ -261,23 +291,64 @@ impl Memo {
     ) {
         for (ns, mut part) in parts {
             part.fingerprint = prints.namespaces.get(ns.as_str()).copied().flatten();
+            part.deps = prints
+                .deps
+                .iter()
+                .filter(|(a, _)| *a == ns)
+                .map(|(_, b)| b.to_string())
+                .collect();
+            self.forget(&[&ns]);
+            for r in std::mem::take(&mut part.routes) {
+                part.kept.push(r.age.clone());
+                self.routes.insert(r.age.clone(), r);
+            }
+            for (age, p) in std::mem::take(&mut part.policies) {
+                part.kept_policies.push(age.clone());
+                self.policies.insert(age, p);
+            }
             self.parts.insert(ns, part);
+        }
+    }
+
+    /// Whether the shares kept were made under the global fingerprint
+    /// `global` (`None` never matches).
+    pub(super) fn holds(&self, global: Option<u64>) -> bool {
+        global.is_some() && self.global == global
+    }
+
+    /// The namespaces `touched`, and those whose routes read one of them.
+    pub(super) fn readers_of(&self, touched: &std::collections::HashSet<String>) -> Dirty {
+        let mut out: Dirty = touched.iter().cloned().collect();
+        for (ns, part) in &self.parts {
+            if part.deps.iter().any(|d| touched.contains(d)) {
+                out.insert(ns.clone());
+            }
+        }
+        out
+    }
+
+    /// Drops the shares of `namespaces`.
+    pub(super) fn forget(&mut self, namespaces: &[&String]) {
+        for ns in namespaces {
+            if let Some(part) = self.parts.remove(ns.as_str()) {
+                for age in &part.kept {
+                    self.routes.remove(age);
+                }
+                for age in &part.kept_policies {
+                    self.policies.remove(age);
+                }
+            }
         }
     }
 
     /// Every route's share, oldest first.
     pub(super) fn routes(&self) -> Vec<&RoutePart> {
-        let mut all: Vec<&RoutePart> = self.parts.values().flat_map(|p| &p.routes).collect();
-        all.sort_by(|a, b| a.age.cmp(&b.age));
-        all
+        self.routes.values().collect()
     }
 
     /// Every policy's outcome, oldest first.
     pub(super) fn policies(&self) -> Vec<Arc<PolicyOutcome>> {
-        let mut all: Vec<&(Age, Arc<PolicyOutcome>)> =
-            self.parts.values().flat_map(|p| &p.policies).collect();
-        all.sort_by(|a, b| a.0.cmp(&b.0));
-        all.into_iter().map(|(_, o)| o.clone()).collect()
+        self.policies.values().cloned().collect()
     }
 
     /// How many namespaces have a share.
@@ -305,25 +376,17 @@ fn within<K: Resource>(all: &[Arc<K>], wanted: &HashSet<&str>) -> Vec<Arc<K>> {
 }
 
 impl Subset {
-    pub(super) fn of(
-        objects: &Objects<'_>,
-        dirty: &HashSet<String>,
-        prints: &Prints<'_>,
-    ) -> Subset {
+    /// The objects of the namespaces `dirty` and what their routes read.
+    pub(super) fn of(objects: &Objects<'_>, dirty: &HashSet<String>) -> Subset {
         let own: HashSet<&str> = dirty.iter().map(String::as_str).collect();
+        let routes = within(objects.routes, &own);
         let mut read = own.clone();
-        read.extend(
-            prints
-                .deps
-                .iter()
-                .filter(|(a, _)| own.contains(a))
-                .map(|(_, b)| *b),
-        );
+        read.extend(routes.iter().flat_map(|r| backend_namespaces(r)));
         Subset {
-            routes: within(objects.routes, &own),
-            policies: within(objects.policies, &own),
             services: within(objects.services, &read),
             slices: within(objects.slices, &read),
+            routes,
+            policies: within(objects.policies, &own),
             namespaces: objects
                 .namespaces
                 .iter()

@@ -48,7 +48,7 @@ pub use outcome::{
 pub struct Translator {
     last_good: HashMap<Key, SeedlinkPolicySpec>,
     /// Who held each name in the last pass (claim → control plane).
-    held: HashMap<String, String>,
+    held: Held,
     /// Each namespace's share of the last pass.
     memo: memo::Memo,
     /// How many namespaces the last pass translated again.
@@ -62,7 +62,7 @@ impl Default for Translator {
     fn default() -> Self {
         Translator {
             last_good: HashMap::new(),
-            held: HashMap::new(),
+            held: Held::default(),
             memo: memo::Memo::default(),
             retranslated: 0,
             slice_managers: vec![seedlink_config::model::ENDPOINTSLICE_CONTROLLER.to_string()],
@@ -75,25 +75,93 @@ impl Translator {
     /// last pass again, the others from what that pass made of them
     /// ([`memo`]).
     pub fn translate(&mut self, objects: &Objects<'_>) -> Translation {
+        self.translate_touched(objects, None)
+    }
+
+    /// [`Translator::translate`], told which namespaces' objects changed
+    /// since the last pass (`None`: it does not know, and fingerprints
+    /// every object): those are translated again, with the namespaces
+    /// whose routes read them, and nothing else is looked at. A change to
+    /// what every namespace reads (the served Gateways, the class, the
+    /// settings) translates everything again either way.
+    pub fn translate_touched(
+        &mut self,
+        objects: &Objects<'_>,
+        touched: Option<&HashSet<String>>,
+    ) -> Translation {
         let views = views(objects);
         let ours: Vec<Key> = views.iter().map(|v| v.key.clone()).collect();
-        let prints = memo::Prints::of(objects, self.settings_print(objects), &self.memo.hasher);
+        let settings = self.settings_print(objects);
+        let kept = self.memo.len();
+        let global = memo::Prints::global_of(objects, settings, &self.memo.hasher);
+        let translated = match touched.filter(|_| self.memo.holds(global)) {
+            Some(touched) => self.pass_touched(objects, &views, &ours, touched, settings),
+            None => self.pass_all(objects, &views, &ours, settings),
+        };
+        self.retranslated = translated;
+        tracing::debug!(
+            namespaces = self.memo.len(),
+            translated,
+            kept,
+            everything = touched.is_none(),
+            "translation pass"
+        );
+        self.assemble(views)
+    }
+
+    /// Fingerprints every object and translates the namespaces whose
+    /// fingerprint changed; how many.
+    fn pass_all(
+        &mut self,
+        objects: &Objects<'_>,
+        views: &[View<'_>],
+        ours: &[Key],
+        settings: u64,
+    ) -> usize {
+        let prints = memo::Prints::of(objects, settings, &self.memo.hasher);
         let dirty = self.memo.dirty(&prints);
-        let (live, kept) = (&prints.work, self.memo.len());
+        let live = &prints.work;
         self.last_good
             .retain(|k, _| live.contains(k.namespace.as_str()));
         if !dirty.is_empty() {
-            let subset = memo::Subset::of(objects, &dirty, &prints);
-            let parts = self.translate_namespaces(&subset.objects(objects), &views, &ours, &dirty);
+            let subset = memo::Subset::of(objects, &dirty);
+            let parts = self.translate_namespaces(&subset.objects(objects), views, ours, &dirty);
             self.memo.store(parts, &prints);
         }
-        self.retranslated = dirty.len();
-        tracing::debug!(
-            namespaces = self.memo.len(),
-            translated = dirty.len(),
-            kept,
-            "translation pass"
-        );
+        dirty.len()
+    }
+
+    /// Translates the namespaces `touched` and those whose routes read
+    /// them; how many. Objects elsewhere are not looked at.
+    fn pass_touched(
+        &mut self,
+        objects: &Objects<'_>,
+        views: &[View<'_>],
+        ours: &[Key],
+        touched: &HashSet<String>,
+        settings: u64,
+    ) -> usize {
+        let candidates = self.memo.readers_of(touched);
+        let subset = memo::Subset::of(objects, &candidates);
+        let sub = subset.objects(objects);
+        let prints = memo::Prints::of(&sub, settings, &self.memo.hasher);
+        // Those without a route or a policy any more have no share.
+        let gone: Vec<&String> = candidates
+            .iter()
+            .filter(|ns| !prints.work.contains(ns.as_str()))
+            .collect();
+        self.memo.forget(&gone);
+        self.last_good.retain(|k, _| !gone.contains(&&k.namespace));
+        let dirty: memo::Dirty = prints.work.iter().map(|ns| ns.to_string()).collect();
+        if !dirty.is_empty() {
+            let parts = self.translate_namespaces(&sub, views, ours, &dirty);
+            self.memo.store(parts, &prints);
+        }
+        dirty.len()
+    }
+
+    /// This pass's translation, from every namespace's share.
+    fn assemble(&mut self, views: Vec<View<'_>>) -> Translation {
         let routes = self.memo.routes();
         let mut out = Translation {
             control_planes: keep_first_claims(&mut self.held, &routes),
@@ -273,11 +341,11 @@ impl Translator {
 /// not held itself (after a restart, or on a new replica) is held by the
 /// control planes accepted by the objects' statuses (state in the API
 /// server), so every replica decides alike.
-fn keep_first_claims(
-    held: &mut HashMap<String, String>,
-    routes: &[&memo::RoutePart],
-) -> Vec<Arc<ControlPlane>> {
+fn keep_first_claims(held: &mut Held, routes: &[&memo::RoutePart]) -> Vec<Arc<ControlPlane>> {
     let served: Vec<&memo::Served> = routes.iter().filter_map(|r| r.served.as_ref()).collect();
+    if holds_its_own(held, &served) {
+        return served.into_iter().map(|s| s.cp.clone()).collect();
+    }
     let mut claimed: HashMap<&str, HashSet<&str>> = HashMap::new();
     let mut by_status: HashMap<&str, &str> = HashMap::new();
     for s in &served {
@@ -321,6 +389,26 @@ fn keep_first_claims(
             .collect();
     }
     ordered.into_iter().map(|s| s.cp.clone()).collect()
+}
+
+/// Claim → the control plane that holds it. foldhash, seeded per process
+/// (as the memo's fingerprints): every pass looks up every claim.
+type Held = foldhash::HashMap<String, String>;
+
+/// Whether every name claimed is held by its claimant, and nothing else is
+/// held: the steady state, where the order is the age order and nothing
+/// changes hands. One lookup per claim, nothing built.
+fn holds_its_own(held: &Held, served: &[&memo::Served]) -> bool {
+    let mut claims = 0usize;
+    for s in served {
+        for c in &s.claims {
+            claims += 1;
+            if held.get(c).is_none_or(|o| *o != s.cp.name) {
+                return false;
+            }
+        }
+    }
+    claims == held.len()
 }
 
 impl Translator {

@@ -150,22 +150,34 @@ struct World {
 
 impl World {
     fn translate(&self, t: &mut Translator) -> Translation {
+        self.translate_touched(t, None)
+    }
+
+    /// [`World::translate`], told which namespaces changed.
+    fn translate_touched(
+        &self,
+        t: &mut Translator,
+        touched: Option<&HashSet<String>>,
+    ) -> Translation {
         let gw = gw();
         let listeners = vec!["tls".to_string()];
         let gateways: Vec<Arc<Gateway>> = self.gateway.iter().cloned().map(Arc::new).collect();
-        t.translate(&Objects {
-            gateway: Some(&gw),
-            class: None,
-            gateways: &gateways,
-            classes: &[],
-            listeners: &listeners,
-            routes: &self.routes,
-            policies: &self.policies,
-            services: &self.services,
-            slices: &self.slices,
-            namespaces: &self.namespaces,
-            grants: &self.grants,
-        })
+        t.translate_touched(
+            &Objects {
+                gateway: Some(&gw),
+                class: None,
+                gateways: &gateways,
+                classes: &[],
+                listeners: &listeners,
+                routes: &self.routes,
+                policies: &self.policies,
+                services: &self.services,
+                slices: &self.slices,
+                namespaces: &self.namespaces,
+                grants: &self.grants,
+            },
+            touched,
+        )
     }
 }
 

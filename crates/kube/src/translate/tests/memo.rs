@@ -58,20 +58,73 @@ fn tenant(w: &mut World, i: usize) {
     w.namespaces.push(namespace(&ns, json!({})));
 }
 
-/// Both translators see the same world: `whole` without versions (every
-/// pass translates everything), `incremental` with them.
+/// The translators see the same world: `whole` without versions (every
+/// pass translates everything), `incremental` with them, and `told` told
+/// which namespaces changed, as the watches tell it.
 struct Pair {
     whole: Translator,
     incremental: Translator,
+    told: Translator,
+    /// The world `told` last saw.
+    last: Option<World>,
+}
+
+/// Each object's namespace (a Namespace's own name) and version.
+fn versions<K: kube::Resource>(all: &[Arc<K>], kind: u8) -> Vec<(u8, String, String, String)> {
+    all.iter()
+        .map(|o| {
+            let m = o.meta();
+            let ns = m.namespace.clone().or(m.name.clone()).unwrap_or_default();
+            let name = m.name.clone().unwrap_or_default();
+            (
+                kind,
+                ns,
+                name,
+                m.resource_version.clone().unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+/// The namespaces whose objects differ between `a` and `b`: what the
+/// watches' events touch.
+fn touched(a: &World, b: &World) -> HashSet<String> {
+    let all = |w: &World| -> HashSet<(u8, String, String, String)> {
+        let mut v = versions(&w.routes, 1);
+        v.extend(versions(&w.policies, 2));
+        v.extend(versions(&w.services, 3));
+        v.extend(versions(&w.slices, 4));
+        v.extend(versions(&w.namespaces, 5));
+        v.extend(versions(&w.grants, 6));
+        v.into_iter().collect()
+    };
+    let (a, b) = (all(a), all(b));
+    a.symmetric_difference(&b).map(|x| x.1.clone()).collect()
 }
 
 impl Pair {
-    /// The incremental result (asserted equal to the whole one) and how
-    /// many namespaces it translated again.
+    fn new() -> Pair {
+        Pair {
+            whole: Translator::default(),
+            incremental: Translator::default(),
+            told: Translator::default(),
+            last: None,
+        }
+    }
+
+    /// The incremental result (asserted equal to the whole one, and to
+    /// the one told what changed, which translates no more) and how many
+    /// namespaces it translated again.
     fn pass(&mut self, w: &World) -> (Translation, usize) {
         let whole = w.translate(&mut self.whole);
-        let incremental = versioned(w).translate(&mut self.incremental);
+        let now = versioned(w);
+        let incremental = now.translate(&mut self.incremental);
         assert_eq!(incremental, whole);
+        let told = self.last.as_ref().map(|last| touched(last, &now));
+        let t = now.translate_touched(&mut self.told, told.as_ref());
+        assert_eq!(t, whole, "told {told:?}");
+        assert_eq!(self.told.retranslated, self.incremental.retranslated);
+        self.last = Some(now);
         (incremental, self.incremental.retranslated)
     }
 }
@@ -104,10 +157,7 @@ fn five() -> (World, Pair) {
         "api",
         &["10.1.0.0/16"],
     ));
-    let mut p = Pair {
-        whole: Translator::default(),
-        incremental: Translator::default(),
-    };
+    let mut p = Pair::new();
     assert_eq!(p.pass(&w).1, 5);
     (w, p)
 }
