@@ -295,12 +295,14 @@ impl GatewayStores {
                 .map(|a| json!({"type": "IPAddress", "value": a.to_string()}))
                 .collect();
         }
+        // Looked up by name: a walk over every Service (thousands in a
+        // seed) on every pass showed in the profile.
         settings
             .service
             .as_ref()
             .and_then(|k| {
-                let services = self.kinds.services.state();
-                services.into_iter().find(|s| Key::of(s.as_ref()) == *k)
+                let at = kube::runtime::reflector::ObjectRef::new(&k.name).within(&k.namespace);
+                self.kinds.services.get(&at)
             })
             .map(|s| addresses(&s))
             .unwrap_or_default()

@@ -31,6 +31,7 @@ mod gateway;
 mod gateway_status;
 mod handle;
 mod metrics;
+mod settled;
 mod sink;
 mod status;
 mod tunnel;

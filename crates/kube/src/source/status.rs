@@ -15,6 +15,7 @@ use kube::Resource;
 use serde_json::json;
 
 use super::metrics::{Budget, SourceMetrics};
+use super::settled::{names, FastMap, Settled, SettledMap};
 use super::sink::TunnelSink;
 use crate::crd::{SeedlinkPolicy, CONTROLLER_NAME};
 use crate::leader::Leadership;
@@ -47,25 +48,9 @@ pub(super) struct StatusWriter {
     pub(super) failing: std::sync::Mutex<HashMap<(String, Key), (u32, tokio::time::Instant)>>,
     /// Routes whose status was found as wanted, with what it was found
     /// from: while none of it changes, a pass does not look again.
-    pub(super) settled: FastMap<Key, Settled>,
+    pub(super) settled: SettledMap<Settled>,
     /// Policies likewise: their `resourceVersion` and outcome.
-    pub(super) settled_policies: FastMap<Key, (String, Arc<crate::translate::PolicyOutcome>)>,
-}
-
-/// A map every pass walks for every tenant: foldhash (seeded per process)
-/// rather than SipHash, whose cost showed in the profile at 1,000 tenants.
-pub(super) type FastMap<K, V> = foldhash::HashMap<K, V>;
-
-/// What a route's status was last found right from: the route's
-/// `resourceVersion` (a write to it, by anyone, changes it), its outcome
-/// (shared with the translation's memo, so the same `Arc` while its
-/// namespace was not translated again; held, so its address is never
-/// reused meanwhile) and the Gateways served.
-pub(super) struct Settled {
-    version: Option<String>,
-    /// `None`: the route is not one seedlink serves.
-    outcome: Option<Arc<RouteOutcome>>,
-    served: u64,
+    pub(super) settled_policies: SettledMap<(String, Arc<crate::translate::PolicyOutcome>)>,
 }
 
 /// Events remembered (object, generation, message) so that one is not
@@ -435,8 +420,8 @@ impl StatusWriter {
             metrics: metrics.clone(),
             budget: std::sync::Mutex::default(),
             failing: std::sync::Mutex::default(),
-            settled: FastMap::default(),
-            settled_policies: FastMap::default(),
+            settled: SettledMap::default(),
+            settled_policies: SettledMap::default(),
         }
     }
 
@@ -460,21 +445,27 @@ impl StatusWriter {
         routes: &[Arc<TlsRoute>],
         served: &[Key],
     ) -> bool {
-        let outcomes: FastMap<&Key, &Arc<RouteOutcome>> =
-            t.routes.iter().map(|r| (&r.key, r)).collect();
+        let outcomes: FastMap<(&str, &str), &Arc<RouteOutcome>> = t
+            .routes
+            .iter()
+            .map(|r| ((r.key.namespace.as_str(), r.key.name.as_str()), r))
+            .collect();
         let served_print = {
             use std::hash::{BuildHasher, BuildHasherDefault};
             BuildHasherDefault::<std::hash::DefaultHasher>::default().hash_one(served)
         };
-        let mut settled = FastMap::with_capacity_and_hasher(routes.len(), Default::default());
+        self.settled.begin();
         for route in routes {
-            let key = Key::of(route.as_ref());
-            let outcome = outcomes.get(&key).copied();
+            let (ns, name) = names(route.as_ref());
+            let outcome = outcomes.get(&(ns, name)).copied();
             let version = &route.metadata.resource_version;
-            if let Some((key, was)) = self.still_settled(&key, version, outcome, served_print) {
-                settled.insert(key, was);
+            if self
+                .settled
+                .still(ns, name, |was| was.holds(version, outcome, served_print))
+            {
                 continue;
             }
+            let key = Key::of(route.as_ref());
             if let Some(o) = outcome.filter(|o| !o.accepted.ok) {
                 self.event(route.as_ref(), "TLSRoute", o.generation, &o.accepted)
                     .await;
@@ -490,7 +481,7 @@ impl StatusWriter {
                         outcome,
                         served: served_print,
                     };
-                    settled.insert(key, was);
+                    self.settled.settle(ns, name, was);
                 }
                 continue;
             };
@@ -499,7 +490,7 @@ impl StatusWriter {
             }
         }
         // The routes gone are forgotten.
-        self.settled = settled;
+        self.settled.end();
         true
     }
 
@@ -525,49 +516,30 @@ impl StatusWriter {
         }
     }
 
-    /// Route `key`'s entry in `settled`, taken out, if it was found right
-    /// from the same version, outcome and Gateways served.
-    fn still_settled(
-        &mut self,
-        key: &Key,
-        version: &Option<String>,
-        outcome: Option<&Arc<RouteOutcome>>,
-        served: u64,
-    ) -> Option<(Key, Settled)> {
-        self.settled.remove_entry(key).filter(|(_, was)| {
-            was.version.is_some()
-                && was.version == *version
-                && was.served == served
-                && match (outcome, &was.outcome) {
-                    (Some(o), Some(w)) => Arc::ptr_eq(o, w),
-                    (None, None) => true,
-                    _ => false,
-                }
-        })
-    }
-
     /// Writes each SeedlinkPolicy's `status.ancestors` where it changed.
     pub(super) async fn write_policies(
         &mut self,
         t: &Translation,
         policies: &[Arc<SeedlinkPolicy>],
     ) {
-        let by_policy: FastMap<&Key, _> = t.policies.iter().map(|p| (&p.key, p)).collect();
-        let mut settled =
-            FastMap::with_capacity_and_hasher(self.settled_policies.len(), Default::default());
+        let by_policy: FastMap<(&str, &str), _> = t
+            .policies
+            .iter()
+            .map(|p| ((p.key.namespace.as_str(), p.key.name.as_str()), p))
+            .collect();
+        self.settled_policies.begin();
         for policy in policies {
-            let key = Key::of(policy.as_ref());
-            let Some(o) = by_policy.get(&key).copied() else {
+            let (ns, name) = names(policy.as_ref());
+            let Some(o) = by_policy.get(&(ns, name)).copied() else {
                 continue;
             };
             let version = policy.metadata.resource_version.as_deref();
-            let was = self.settled_policies.remove_entry(&key);
-            if let Some((key, was)) =
-                was.filter(|(_, (v, w))| Some(v.as_str()) == version && Arc::ptr_eq(w, o))
-            {
-                settled.insert(key, was);
+            if self.settled_policies.still(ns, name, |(v, w)| {
+                Some(v.as_str()) == version && Arc::ptr_eq(w, o)
+            }) {
                 continue;
             }
+            let key = Key::of(policy.as_ref());
             for (_, v) in o.targets.iter().filter(|(_, v)| !v.ok) {
                 self.event(policy.as_ref(), "SeedlinkPolicy", o.generation, v)
                     .await;
@@ -576,7 +548,8 @@ impl StatusWriter {
                 // Found as wanted. One with a refused target is looked at
                 // again on every pass (its Event is retried until sent).
                 if let Some(v) = version.filter(|_| o.targets.iter().all(|(_, v)| v.ok)) {
-                    settled.insert(key, (v.to_string(), o.clone()));
+                    let was = (v.to_string(), o.clone());
+                    self.settled_policies.settle(ns, name, was);
                 }
                 continue;
             };
@@ -589,7 +562,7 @@ impl StatusWriter {
             }
         }
         // The policies gone are forgotten.
-        self.settled_policies = settled;
+        self.settled_policies.end();
     }
 
     /// Writes each TunnelCluster's status: `Ready`, `AgentsConnected`, the
@@ -1014,7 +987,7 @@ mod settled_tests {
         );
         // A route gone is forgotten.
         assert!(w.write_routes(&t(&accepted), &[], &served).await);
-        assert!(w.settled.is_empty());
+        assert_eq!(w.settled.len(), 0);
     }
 }
 
@@ -1080,7 +1053,7 @@ mod settled_policy_tests {
             .await;
         let refused = requests.load(Ordering::Relaxed);
         assert!(refused >= 2, "written: {refused} requests");
-        assert!(w.settled_policies.is_empty());
+        assert_eq!(w.settled_policies.len(), 0);
         // Someone else empties the status (a new version): written again.
         w.write_policies(&t(&accepted), std::slice::from_ref(&written))
             .await;
@@ -1089,6 +1062,6 @@ mod settled_policy_tests {
         assert_eq!(requests.load(Ordering::Relaxed), settled + 1);
         // A policy gone is forgotten.
         w.write_policies(&t(&accepted), &[]).await;
-        assert!(w.settled_policies.is_empty());
+        assert_eq!(w.settled_policies.len(), 0);
     }
 }
