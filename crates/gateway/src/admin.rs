@@ -137,26 +137,6 @@ fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
     r
 }
 
-/// A sample's labels.
-type Labels = std::collections::BTreeMap<String, String>;
-
-/// A metric's samples summed per control plane and per `key` of their
-/// labels (a sample without a control plane or a key is skipped).
-fn per_control_plane(
-    metrics: &str,
-    name: &str,
-    key: impl Fn(&Labels) -> Option<String>,
-) -> PerControlPlane {
-    let mut out = PerControlPlane::new();
-    for (l, v) in seedlink_net::admin::samples(metrics, name) {
-        let (Some(cp), Some(k)) = (l.get("control_plane"), key(&l)) else {
-            continue;
-        };
-        *out.entry(cp.clone()).or_default().entry(k).or_default() += v;
-    }
-    out
-}
-
 /// Every control plane's live state, as the page and scripts read it.
 pub fn state(gw: &Gateway) -> serde_json::Value {
     state_of(gw, None)
@@ -182,7 +162,7 @@ fn only_control_plane(query: Option<&str>) -> Result<Option<String>, &'static st
 /// when no control plane has that name).
 pub fn state_of(gw: &Gateway, only: Option<&str>) -> serde_json::Value {
     let snap = gw.snapshot();
-    let counts = Counts::read(gw);
+    let counts = Counts::read(gw, only);
     let now = crate::upstream::now_ms();
     let file = &snap.file;
     let all = file
@@ -219,39 +199,69 @@ pub fn sections(s: &seedlink_net::admin::Sections) -> serde_json::Value {
         .collect()
 }
 
-type PerControlPlane = std::collections::BTreeMap<String, std::collections::BTreeMap<String, f64>>;
+type PerControlPlane = std::collections::BTreeMap<String, std::collections::BTreeMap<String, u64>>;
 
 /// The counters the state page shows per control plane.
+#[derive(Debug, Default)]
 struct Counts {
     /// Ended connections by outcome.
     outcomes: PerControlPlane,
-    /// Routed connections by listener and protocol.
+    /// Routed connections by `listener / protocol`.
     routed: PerControlPlane,
-    /// Open routed connections by listener and protocol (none: left out).
+    /// Open routed connections by `listener / protocol` (none: left out).
     open_by: PerControlPlane,
 }
 
 impl Counts {
-    fn read(gw: &Gateway) -> Counts {
-        let metrics = gw.metrics.encode_own();
-        let outcomes = per_control_plane(&metrics, "seedlink_gateway_connections_total", |l| {
-            l.get("outcome").cloned()
-        });
-        let by_path = |l: &Labels| Some(format!("{} / {}", l.get("listener")?, l.get("protocol")?));
-        let routed = per_control_plane(&metrics, "seedlink_gateway_routed_total", by_path);
-        let mut open_by = per_control_plane(
-            &metrics,
-            "seedlink_gateway_routed_active_connections",
-            by_path,
-        );
-        for paths in open_by.values_mut() {
-            paths.retain(|_, v| *v > 0.0);
+    /// Every control plane's counters, or `only`'s, read from the
+    /// listeners' handles: one control plane costs a lookup per listener,
+    /// not an encoding of every control plane's metrics (a script polling
+    /// one tenant at a thousand tenants).
+    fn read(gw: &Gateway, only: Option<&str>) -> Counts {
+        Counts::of(&gw.metrics.listeners(), only)
+    }
+
+    /// [`Counts::read`] from `listeners`.
+    fn of(
+        listeners: &[std::sync::Arc<crate::metrics::ListenerMetrics>],
+        only: Option<&str>,
+    ) -> Counts {
+        let mut c = Counts::default();
+        for l in listeners {
+            l.each_cp(only, |cp, h| c.add(l.name(), cp, h));
         }
-        open_by.retain(|_, paths| !paths.is_empty());
-        Counts {
-            outcomes,
-            routed,
-            open_by,
+        c
+    }
+
+    /// What control plane `cp`'s handles `h` on `listener` count.
+    fn add(&mut self, listener: &str, cp: &str, h: &crate::metrics::CpMetrics) {
+        if cp.is_empty() {
+            return; // ended before it was routed
+        }
+        for (outcome, n) in h.ends() {
+            *self
+                .outcomes
+                .entry(cp.to_string())
+                .or_default()
+                .entry(outcome.to_string())
+                .or_default() += n;
+        }
+        for (protocol, n, open) in h.routed() {
+            let path = format!("{listener} / {protocol}");
+            if let Ok(open @ 1..) = u64::try_from(open) {
+                *self
+                    .open_by
+                    .entry(cp.to_string())
+                    .or_default()
+                    .entry(path.clone())
+                    .or_default() += open;
+            }
+            *self
+                .routed
+                .entry(cp.to_string())
+                .or_default()
+                .entry(path)
+                .or_default() += n;
         }
     }
 }
@@ -311,22 +321,47 @@ fn endpoint_state(e: &seedlink_config::routes::Endpoint, now: u64) -> serde_json
 }
 
 #[cfg(test)]
-mod per_control_plane_tests {
+mod counts_tests {
+    use super::Counts;
+
     #[test]
-    fn samples_are_summed_per_control_plane_and_key() {
-        let text = "\
-seedlink_gateway_routed_total{listener=\"tls\",protocol=\"tls-sni\",control_plane=\"a\"} 2
-seedlink_gateway_routed_total{listener=\"tls\",protocol=\"tls-sni\",control_plane=\"a\"} 3
-seedlink_gateway_routed_total{listener=\"connect\",protocol=\"http-connect\",control_plane=\"b\"} 1
-seedlink_gateway_routed_total{listener=\"tls\",control_plane=\"c\"} 7
-seedlink_gateway_routed_total{listener=\"tls\",protocol=\"tls-sni\"} 9
-";
-        let got = super::per_control_plane(text, "seedlink_gateway_routed_total", |l| {
-            Some(format!("{} / {}", l.get("listener")?, l.get("protocol")?))
-        });
-        assert_eq!(got.len(), 2, "{got:?}");
-        assert_eq!(got["a"]["tls / tls-sni"], 5.0);
-        assert_eq!(got["b"]["connect / http-connect"], 1.0);
+    fn one_control_planes_counts_are_its_own_and_the_same_as_in_all() {
+        let m = crate::metrics::Metrics::new();
+        let (tls, connect) = (m.listener("tls"), m.listener("connect"));
+        tls.ended(&m, "a", "ok");
+        tls.ended(&m, "a", "ok");
+        tls.ended(&m, "a", "acl_denied");
+        tls.ended(&m, "", "detect_failed");
+        let _done = tls.routed(&m, "a", "tls-sni");
+        let open = connect.routed(&m, "a", "http-connect");
+        let _b = connect.routed(&m, "b", "http-connect");
+        drop(_done);
+        let all = Counts::of(&m.listeners(), None);
+        let a = Counts::of(&m.listeners(), Some("a"));
+        assert_eq!(a.outcomes["a"]["ok"], 2);
+        assert_eq!(a.outcomes["a"]["acl_denied"], 1);
+        assert_eq!(a.routed["a"]["tls / tls-sni"], 1);
+        assert_eq!(a.routed["a"]["connect / http-connect"], 1);
+        assert_eq!(a.open_by["a"].len(), 1, "{a:?}");
+        assert_eq!(a.open_by["a"]["connect / http-connect"], 1);
+        assert!(!a.routed.contains_key("b") && !a.outcomes.contains_key(""));
+        assert_eq!(all.routed["b"]["connect / http-connect"], 1);
+        for (name, per) in [
+            ("outcomes", &a.outcomes),
+            ("routed", &a.routed),
+            ("open", &a.open_by),
+        ] {
+            let whole = match name {
+                "outcomes" => &all.outcomes,
+                "routed" => &all.routed,
+                _ => &all.open_by,
+            };
+            assert_eq!(per.get("a"), whole.get("a"), "{name}");
+        }
+        drop(open);
+        let a = Counts::of(&m.listeners(), Some("a"));
+        assert!(a.open_by.is_empty(), "{a:?}");
+        assert!(Counts::of(&m.listeners(), Some("none")).routed.is_empty());
     }
 }
 

@@ -296,7 +296,7 @@ impl Gateway {
         let mut per_worker: Vec<Vec<(Arc<ListenerCtx>, std::net::TcpListener)>> =
             (0..self.workers).map(|_| Vec::new()).collect();
         for (spec, socks) in bound.listeners {
-            let metrics = metrics::ListenerMetrics::new(&self.metrics, &spec.name);
+            let metrics = self.metrics.listener(&spec.name);
             let connect_protocol = format!("http-connect:{}", spec.destination_header);
             let lctx = Arc::new(ListenerCtx {
                 spec,
@@ -536,7 +536,7 @@ impl Gateway {
                 () = tokio::time::sleep(grace) => {}
                 () = gw.lifecycle.close_all.cancelled() => return,
             }
-            if gw.snapshot().control_planes.contains_key(&name) {
+            if gw.snapshot().control_planes.contains_key(name.as_str()) {
                 return;
             }
             let token = seedlink_net::sync::lock(&gw.closers, "closers").remove(&name);

@@ -137,6 +137,9 @@ pub struct Metrics {
     /// The per-connection refusal lines, rate-limited; what it drops is
     /// counted as `log_lines_dropped`.
     pub refusal_log: seedlink_net::loglimit::LogLimiter,
+    /// The serving listeners' handles, which `api/state` reads one control
+    /// plane's counters from without encoding every control plane's.
+    listeners: RwLock<Vec<Arc<ListenerMetrics>>>,
 }
 
 impl Default for Metrics {
@@ -174,10 +177,23 @@ impl Metrics {
             }),
             registry: Registry::default(),
             sections: seedlink_net::admin::Sections::default(),
+            listeners: RwLock::new(Vec::new()),
         };
         m.register_connections(&mut registry);
         m.register_upstreams_and_config(&mut registry);
         Metrics { registry, ..m }
+    }
+
+    /// Handles for serving `listener`, kept for [`Metrics::listeners`].
+    pub fn listener(&self, listener: &str) -> Arc<ListenerMetrics> {
+        let l = Arc::new(ListenerMetrics::new(self, listener));
+        seedlink_net::sync::write(&self.listeners, "listener metrics").push(l.clone());
+        l
+    }
+
+    /// The handles of every listener made by [`Metrics::listener`].
+    pub fn listeners(&self) -> Vec<Arc<ListenerMetrics>> {
+        seedlink_net::sync::read(&self.listeners, "listener metrics").clone()
     }
 
     /// The families about client connections.
@@ -304,14 +320,14 @@ impl Metrics {
                 .sum();
             active
                 .get_or_create(&CpLabels {
-                    control_plane: name.clone(),
+                    control_plane: name.to_string(),
                 })
                 .set(i64::from(open));
             let ejected = cp.endpoints.iter().filter(|e| e.ejected(now)).count();
             for (state, n) in [("up", cp.endpoints.len() - ejected), ("ejected", ejected)] {
                 endpoints
                     .get_or_create(&EndpointStateLabels {
-                        control_plane: name.clone(),
+                        control_plane: name.to_string(),
                         state: state.into(),
                     })
                     .set(i64::try_from(n).unwrap_or(i64::MAX));
@@ -375,6 +391,23 @@ pub struct CpMetrics {
     routed: Mutex<HashMap<String, (Counter, Gauge)>>,
 }
 
+impl CpMetrics {
+    /// Ended connections by outcome.
+    pub fn ends(&self) -> Vec<(&'static str, u64)> {
+        let ends = seedlink_net::sync::lock(&self.ends, "metric handles");
+        ends.iter().map(|(o, c)| (*o, c.get())).collect()
+    }
+
+    /// Routed connections by protocol: how many, and how many are open.
+    pub fn routed(&self) -> Vec<(String, u64, i64)> {
+        let routed = seedlink_net::sync::lock(&self.routed, "metric handles");
+        routed
+            .iter()
+            .map(|(p, (count, open))| (p.clone(), count.get(), open.get()))
+            .collect()
+    }
+}
+
 impl ListenerMetrics {
     /// Handles for `listener`.
     pub fn new(m: &Metrics, listener: &str) -> ListenerMetrics {
@@ -394,6 +427,25 @@ impl ListenerMetrics {
                 .clone(),
             detect: Mutex::new(HashMap::new()),
             per_cp: RwLock::new(HashMap::new()),
+        }
+    }
+
+    /// The listener's name.
+    pub fn name(&self) -> &str {
+        &self.listener
+    }
+
+    /// Calls `f` with each control plane's handles on this listener, or
+    /// with `only`'s alone when given (nothing when it has none).
+    pub fn each_cp(&self, only: Option<&str>, mut f: impl FnMut(&str, &CpMetrics)) {
+        let per_cp = seedlink_net::sync::read(&self.per_cp, "metric handles");
+        match only {
+            Some(name) => {
+                if let Some(h) = per_cp.get(name) {
+                    f(name, h)
+                }
+            }
+            None => per_cp.iter().for_each(|(name, h)| f(name, h)),
         }
     }
 

@@ -78,7 +78,7 @@ pub struct ListenerCtx {
     /// The listener's configuration.
     pub spec: ListenerSpec,
     /// Its metric handles.
-    pub metrics: metrics::ListenerMetrics,
+    pub metrics: Arc<metrics::ListenerMetrics>,
     /// The `protocol` label of its CONNECT tunnels
     /// (`http-connect:<destination header>`).
     pub connect_protocol: String,
