@@ -106,11 +106,15 @@ pub struct DestinationRoute {
 /// wins; else the most specific wildcard, where `*.example.com` matches any
 /// name ending in `.example.com` (`a.example.com`, `a.b.example.com`, not
 /// `example.com`).
+///
+/// Keys are shared strings, as in every table of [`RouteTable`]: each pass
+/// of the Kubernetes source copies the table and changes a few entries, and
+/// a copy of a thousand tenants' entries then costs no allocation per key.
 #[derive(Debug, Default, Clone)]
 pub struct HostRoutes {
-    pub(crate) exact: HashMap<String, Arc<ControlPlane>>,
+    pub(crate) exact: HashMap<Arc<str>, Arc<ControlPlane>>,
     /// Keyed by the part after `*.`.
-    pub(crate) wildcard: HashMap<String, Arc<ControlPlane>>,
+    pub(crate) wildcard: HashMap<Arc<str>, Arc<ControlPlane>>,
 }
 
 impl HostRoutes {
@@ -134,8 +138,8 @@ impl HostRoutes {
 
     pub(crate) fn insert(&mut self, pattern: String, cp: Arc<ControlPlane>) {
         match pattern.strip_prefix("*.") {
-            Some(parent) => self.wildcard.insert(parent.to_string(), cp),
-            None => self.exact.insert(pattern, cp),
+            Some(parent) => self.wildcard.insert(parent.into(), cp),
+            None => self.exact.insert(pattern.into(), cp),
         };
     }
 
@@ -172,11 +176,11 @@ pub struct RouteTable {
     /// names served everywhere are not served there.
     pub(crate) exclusive: std::collections::HashSet<std::net::IpAddr>,
     /// Canonical destination string → route.
-    pub(crate) destinations: HashMap<String, DestinationRoute>,
+    pub(crate) destinations: HashMap<Arc<str>, Arc<DestinationRoute>>,
     /// In-cluster service address → control plane (legacy PROXY path).
     pub(crate) services: HashMap<std::net::SocketAddr, Arc<ControlPlane>>,
     /// Cluster ID → control plane (`route_by_tlv` listeners).
-    pub(crate) clusters: HashMap<Vec<u8>, Arc<ControlPlane>>,
+    pub(crate) clusters: HashMap<Arc<[u8]>, Arc<ControlPlane>>,
 }
 
 impl RouteTable {
@@ -209,7 +213,7 @@ impl RouteTable {
 
     /// Finds a destination by its canonical string (one hash lookup).
     pub fn destination(&self, canonical: &str) -> Option<&DestinationRoute> {
-        self.destinations.get(canonical)
+        self.destinations.get(canonical).map(Arc::as_ref)
     }
 
     /// Finds the control plane whose in-cluster service address is `addr`

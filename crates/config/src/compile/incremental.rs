@@ -13,7 +13,7 @@
 //! their order). The Kubernetes source keeps first claims itself, so what
 //! it hands over collides only through the file's own names.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -84,7 +84,7 @@ pub(super) fn recompile(mut file: ConfigFile, prev: &Snapshot) -> (Snapshot, Ref
 fn admit(
     b: &mut Routes<'_>,
     given: Vec<Arc<ControlPlaneCfg>>,
-    kept: &HashSet<usize>,
+    kept: &[bool],
 ) -> (Vec<Arc<ControlPlaneCfg>>, Refused) {
     let mut admitted = Vec::with_capacity(given.len());
     let mut refused = Vec::new();
@@ -94,7 +94,7 @@ fn admit(
     // names to the next claimant).
     let mut undo = Vec::new();
     for (i, cp) in given.into_iter().enumerate() {
-        if kept.contains(&i) {
+        if kept.get(i).copied().unwrap_or(false) {
             admitted.push(cp);
             continue;
         }
@@ -115,25 +115,29 @@ fn admit(
 }
 
 /// The control planes of `given` that `before` holds as they are: their
-/// indexes and names (a name given twice is kept once, the first time).
+/// places and names (a name given twice is kept once, the first time).
 struct Unchanged<'a> {
-    at: HashSet<usize>,
-    names: HashSet<&'a str>,
+    at: Vec<bool>,
+    names: Names<'a>,
 }
+
+/// A set of names. Every pass looks up each of a thousand tenants' names
+/// a few times: foldhash (seeded per process) rather than SipHash.
+type Names<'a> = foldhash::HashSet<&'a str>;
 
 fn unchanged<'a>(
     given: &[Arc<ControlPlaneCfg>],
     before: &'a [Arc<ControlPlaneCfg>],
 ) -> Unchanged<'a> {
-    let before: HashMap<&str, &'a Arc<ControlPlaneCfg>> =
+    let before: foldhash::HashMap<&str, &'a Arc<ControlPlaneCfg>> =
         before.iter().map(|c| (c.name.as_str(), c)).collect();
     let mut kept = Unchanged {
-        at: HashSet::new(),
-        names: HashSet::new(),
+        at: vec![false; given.len()],
+        names: Names::default(),
     };
     // Only a name's first place in `given` may be kept (a later copy is
     // refused as a duplicate, as in a full compile).
-    let mut seen = HashSet::new();
+    let mut seen = Names::default();
     for (i, cp) in given.iter().enumerate() {
         if !seen.insert(cp.name.as_str()) {
             continue;
@@ -141,22 +145,24 @@ fn unchanged<'a>(
         let Some(&was) = before.get(cp.name.as_str()) else {
             continue;
         };
-        if was == cp {
+        // The source hands an unchanged control plane over as the same
+        // `Arc`: no field-by-field comparison for those.
+        if Arc::ptr_eq(was, cp) || was == cp {
             kept.names.insert(was.name.as_str());
-            kept.at.insert(i);
+            kept.at[i] = true;
         }
     }
     kept
 }
 
 /// The control planes from Kubernetes in `before` not `kept` as they were.
-fn gone<'a>(before: &'a ConfigFile, kept: &Unchanged<'_>) -> HashSet<&'a str> {
+fn gone<'a>(before: &'a ConfigFile, kept: &Unchanged<'_>) -> Names<'a> {
     let names = before.from_kubernetes.iter().map(|c| c.name.as_str());
     names.filter(|n| !kept.names.contains(n)).collect()
 }
 
 /// Takes the entries of the control planes `gone` out of the table.
-fn let_go(b: &mut Routes<'_>, gone: &HashSet<&str>) {
+fn let_go(b: &mut Routes<'_>, gone: &Names<'_>) {
     if gone.is_empty() {
         return;
     }

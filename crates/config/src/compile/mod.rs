@@ -180,7 +180,9 @@ pub struct Diff {
 /// same allocation (a control plane from Kubernetes the source handed
 /// again) is equal without a look inside.
 pub fn diff(old: &ConfigFile, new: &ConfigFile) -> Diff {
-    fn all(f: &ConfigFile) -> HashMap<&str, &ControlPlaneCfg> {
+    // foldhash: run on every pass of the Kubernetes source, over every
+    // tenant.
+    fn all(f: &ConfigFile) -> foldhash::HashMap<&str, &ControlPlaneCfg> {
         f.control_planes
             .iter()
             .chain(f.from_kubernetes.iter().map(|c| c.as_ref()))

@@ -19,7 +19,7 @@ pub(super) struct Routes<'a> {
     pub(super) c: Collector,
     pub(super) previous: Option<&'a Snapshot>,
     pub(super) listeners: &'a [ListenerSpec],
-    pub(super) control_planes: HashMap<String, Arc<ControlPlane>>,
+    pub(super) control_planes: HashMap<Arc<str>, Arc<ControlPlane>>,
     pub(super) routes: RouteTable,
     /// What the control planes compiled so far put in `routes`, in order
     /// (so that one refused can be taken out again: [`Routes::undo`]).
@@ -66,10 +66,10 @@ impl<'a> Routes<'a> {
                         }
                     }
                 }
-                Claim::Destination(d) => drop(r.destinations.remove(&d)),
+                Claim::Destination(d) => drop(r.destinations.remove(d.as_str())),
                 Claim::Service(a) => drop(r.services.remove(&a)),
-                Claim::Cluster(id) => drop(r.clusters.remove(&id)),
-                Claim::Name(n) => drop(self.control_planes.remove(&n)),
+                Claim::Cluster(id) => drop(r.clusters.remove(id.as_slice())),
+                Claim::Name(n) => drop(self.control_planes.remove(n.as_str())),
             }
         }
     }
@@ -104,7 +104,7 @@ impl<'a> Routes<'a> {
         self.check_identity(at, cp, dynamic);
         let prev = self
             .previous
-            .and_then(|p| p.control_planes.get(&cp.name))
+            .and_then(|p| p.control_planes.get(cp.name.as_str()))
             .map(|p| p.endpoints.as_slice());
         let endpoints = self.endpoints(&format!("{at}.endpoints"), &cp.endpoints, prev, true);
         if cp.endpoints.len() > 1 && cp.endpoints.iter().any(|e| e.starts_with("local:")) {
@@ -132,9 +132,10 @@ impl<'a> Routes<'a> {
             self.cluster_id(&format!("{at}.cluster_id"), id, &compiled);
         }
         self.host_names(at, cp, &compiled);
-        if !self.control_planes.contains_key(&cp.name) {
+        if !self.control_planes.contains_key(cp.name.as_str()) {
             self.claims.push(Claim::Name(cp.name.clone()));
-            self.control_planes.insert(cp.name.clone(), compiled);
+            self.control_planes
+                .insert(cp.name.as_str().into(), compiled);
         }
     }
 
@@ -149,7 +150,7 @@ impl<'a> Routes<'a> {
                     cp.name
                 ),
             );
-        } else if self.control_planes.contains_key(&cp.name) {
+        } else if self.control_planes.contains_key(cp.name.as_str()) {
             c.err(
                 format!("{at}.name"),
                 format!("duplicate control plane name {:?}", cp.name),
@@ -212,12 +213,12 @@ impl<'a> Routes<'a> {
             );
         }
         self.routes.destinations.insert(
-            canonical,
-            DestinationRoute {
+            canonical.into(),
+            Arc::new(DestinationRoute {
                 control_plane: compiled.clone(),
                 endpoints,
                 tunnel_target,
-            },
+            }),
         );
     }
 
@@ -232,7 +233,7 @@ impl<'a> Routes<'a> {
                 return None;
             }
         };
-        if let Some(other) = self.routes.destinations.get(&canonical) {
+        if let Some(other) = self.routes.destinations.get(canonical.as_str()) {
             let other = &other.control_plane.name;
             self.c.err(
                 format!("{path}.name"),
@@ -312,7 +313,7 @@ impl<'a> Routes<'a> {
         } else {
             self.routes
                 .clusters
-                .insert(id.as_bytes().to_vec(), compiled.clone());
+                .insert(id.as_bytes().into(), compiled.clone());
             self.claims.push(Claim::Cluster(id.as_bytes().to_vec()));
         }
     }

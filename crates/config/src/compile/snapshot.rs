@@ -23,7 +23,7 @@ pub struct Snapshot {
     /// SNI routes.
     pub routes: RouteTable,
     /// Control planes by name.
-    pub control_planes: HashMap<String, Arc<ControlPlane>>,
+    pub control_planes: HashMap<Arc<str>, Arc<ControlPlane>>,
     /// Peers whose PROXY headers are believed.
     pub trusted_lbs: CidrSet,
     /// Clients allowed to every control plane.

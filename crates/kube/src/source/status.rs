@@ -438,7 +438,9 @@ impl StatusWriter {
     }
 
     /// Writes each TLSRoute's `status.parents` where it changed; false
-    /// when a write failed (the rest waits for the next pass).
+    /// once this replica is no longer the leader (the rest is left to the
+    /// next one). A failed write backs that object off and the walk goes
+    /// on.
     pub(super) async fn write_routes(
         &mut self,
         t: &Translation,
@@ -494,7 +496,8 @@ impl StatusWriter {
         true
     }
 
-    /// Writes route `key`'s `status.parents`; false if that failed.
+    /// Writes route `key`'s `status.parents`; false once this replica is
+    /// no longer the leader.
     async fn write_route(
         &self,
         route: &TlsRoute,

@@ -64,10 +64,14 @@ pub(super) fn apply_policy(cp: &mut ControlPlane, spec: &SeedlinkPolicySpec) {
 }
 
 /// Every name a control plane claims, one namespace per kind (a host name
-/// served at one address only is a claim there, not everywhere).
+/// served at one address only is a claim there, not everywhere), each
+/// once: a name given twice (`a.example` and `A.example.`) is one claim,
+/// so the steady-state check that counts claims against the names held
+/// stays on its fast path.
 pub(super) fn claims(cp: &ControlPlane) -> Vec<String> {
     let lower = |s: &str| s.trim_end_matches('.').to_ascii_lowercase();
-    cp.hostnames
+    let mut claims: Vec<String> = cp
+        .hostnames
         .iter()
         .map(|h| format!("host {}", lower(h)))
         .chain(cp.served_on.iter().flat_map(|o| {
@@ -82,7 +86,10 @@ pub(super) fn claims(cp: &ControlPlane) -> Vec<String> {
         )
         .chain(cp.service_addresses.iter().map(|a| format!("service {a}")))
         .chain(cp.cluster_id.iter().map(|i| format!("cluster {i}")))
-        .collect()
+        .collect();
+    claims.sort_unstable();
+    claims.dedup();
+    claims
 }
 
 /// The control planes whose objects' statuses say seedlink accepted them
@@ -148,4 +155,22 @@ pub(super) fn accepted_by_status(objects: &Objects<'_>, ours: &[Key]) -> HashSet
         .filter(|k| !stale_policy(k))
         .map(|k| control_plane_name(&k))
         .collect()
+}
+
+#[cfg(test)]
+mod claims_tests {
+    #[test]
+    fn a_name_given_twice_is_claimed_once() {
+        let cp = seedlink_config::model::ControlPlane {
+            name: "a".into(),
+            hostnames: vec![
+                "api.a.example".into(),
+                "API.a.example.".into(),
+                "b.example".into(),
+            ],
+            ..Default::default()
+        };
+        let claims = super::claims(&cp);
+        assert_eq!(claims, ["host api.a.example", "host b.example"]);
+    }
 }
