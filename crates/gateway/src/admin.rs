@@ -165,19 +165,28 @@ pub fn state_of(gw: &Gateway, only: Option<&str>) -> serde_json::Value {
     let counts = Counts::read(gw, only);
     let now = crate::upstream::now_ms();
     let file = &snap.file;
-    let all = file
-        .control_planes
-        .iter()
-        .map(|c| (c, "file"))
-        .chain(
-            file.from_kubernetes
-                .iter()
-                .map(|c| (c.as_ref(), "kubernetes")),
-        )
-        .filter(|(c, _)| only.is_none_or(|n| c.name == n));
-    let control_planes: Vec<serde_json::Value> = all
-        .map(|(c, source)| control_plane_state(&snap, &counts, c, source, now))
-        .collect();
+    let all = file.control_planes.iter().map(|c| (c, "file")).chain(
+        file.from_kubernetes
+            .iter()
+            .map(|c| (c.as_ref(), "kubernetes")),
+    );
+    let control_planes: Vec<serde_json::Value> = match only {
+        None => all
+            .map(|(c, source)| control_plane_state(&snap, &counts, c, source, now))
+            .collect(),
+        Some(name) => place_of(gw, &snap, name)
+            .and_then(|i| match i.checked_sub(file.control_planes.len()) {
+                None => file.control_planes.get(i).map(|c| (c, "file")),
+                Some(k) => file
+                    .from_kubernetes
+                    .get(k)
+                    .map(|c| (c.as_ref(), "kubernetes")),
+            })
+            .filter(|(c, _)| c.name == name)
+            .map(|(c, source)| control_plane_state(&snap, &counts, c, source, now))
+            .into_iter()
+            .collect(),
+    };
     serde_json::json!({
         "role": "gateway",
         "process": {
@@ -189,6 +198,44 @@ pub fn state_of(gw: &Gateway, only: Option<&str>) -> serde_json::Value {
         "control_planes": control_planes,
         "sections": sections(&gw.metrics.sections),
     })
+}
+
+/// A snapshot's control planes by name: their place in the file's list
+/// followed by the Kubernetes source's. Made once per snapshot that
+/// `api/state?control_plane=` is asked about, so that a script polling one
+/// control plane does not walk every tenant's on each request. Tied to the
+/// snapshot by a weak pointer (whose address is not reused while held).
+pub(crate) type StateIndex = (
+    std::sync::Weak<seedlink_config::Snapshot>,
+    std::sync::Arc<std::collections::HashMap<String, usize>>,
+);
+
+/// Where control plane `name` stands in `snap` (see [`StateIndex`]).
+fn place_of(
+    gw: &Gateway,
+    snap: &std::sync::Arc<seedlink_config::Snapshot>,
+    name: &str,
+) -> Option<usize> {
+    let mut held = seedlink_net::sync::lock(&gw.state_index, "state index");
+    let index = match held.as_ref() {
+        Some((of, index)) if std::ptr::eq(of.as_ptr(), std::sync::Arc::as_ptr(snap)) => {
+            index.clone()
+        }
+        _ => {
+            let file = &snap.file;
+            let names = file.control_planes.iter().map(|c| c.name.clone());
+            let names = names.chain(file.from_kubernetes.iter().map(|c| c.name.clone()));
+            let mut index = std::collections::HashMap::new();
+            for (i, n) in names.enumerate() {
+                index.entry(n).or_insert(i);
+            }
+            let index = std::sync::Arc::new(index);
+            *held = Some((std::sync::Arc::downgrade(snap), index.clone()));
+            index
+        }
+    };
+    drop(held);
+    index.get(name).copied()
 }
 
 /// The added sections (`api/state`'s `sections`).
@@ -383,5 +430,64 @@ mod query_tests {
         );
         assert!(only_control_plane(Some("control_plane=a&control_plane=b")).is_err());
         assert!(only_control_plane(Some("cluster=a")).is_err());
+    }
+}
+
+#[cfg(test)]
+mod state_of_tests {
+    use std::sync::Arc;
+
+    use seedlink_config::model::ControlPlane;
+
+    const FILE: &str = "
+listeners: [{name: tls, address: '127.0.0.1:0'}]
+control_planes:
+  - {name: a, hostnames: [a.example], endpoints: ['127.0.0.1:1']}
+  - {name: b, hostnames: [b.example], endpoints: ['127.0.0.1:2']}
+";
+
+    fn kube(name: &str) -> Arc<ControlPlane> {
+        Arc::new(ControlPlane {
+            name: name.into(),
+            hostnames: vec![format!("{name}.example")],
+            endpoints: vec!["127.0.0.1:3".into()],
+            ..Default::default()
+        })
+    }
+
+    /// The names and sources `api/state?control_plane=name` lists.
+    fn listed(gw: &crate::Gateway, name: &str) -> Vec<(String, String)> {
+        let s = super::state_of(gw, Some(name));
+        let cps = s["control_planes"].as_array().cloned().unwrap_or_default();
+        cps.iter()
+            .map(|c| (c["name"].to_string(), c["source"].to_string()))
+            .collect()
+    }
+
+    /// One control plane is found by name in either list, and the index
+    /// follows each new snapshot.
+    #[test]
+    fn one_control_plane_is_found_in_every_snapshot() {
+        let dir = std::env::temp_dir().join(format!("seedlink-state-of-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("gateway.yaml");
+        std::fs::write(&path, FILE).unwrap();
+        let file = seedlink_config::compile::parse(FILE).unwrap();
+        let snap = seedlink_config::compile(file, None).unwrap();
+        let gw = crate::Gateway::new(snap, Some(path));
+        let one = |n: &str, source: &str| vec![(format!("{n:?}"), format!("{source:?}"))];
+        assert_eq!(listed(&gw, "b"), one("b", "file"));
+        assert!(listed(&gw, "k").is_empty());
+        let refused = gw.set_kubernetes(vec![kube("k"), kube("l")]);
+        assert!(refused.is_empty(), "{refused:?}");
+        assert_eq!(listed(&gw, "k"), one("k", "kubernetes"));
+        assert_eq!(listed(&gw, "l"), one("l", "kubernetes"));
+        assert_eq!(listed(&gw, "a"), one("a", "file"));
+        assert!(gw.set_kubernetes(vec![kube("l")]).is_empty());
+        assert!(listed(&gw, "k").is_empty(), "gone with its snapshot");
+        assert_eq!(listed(&gw, "l"), one("l", "kubernetes"));
+        let all = super::state_of(&gw, None);
+        assert_eq!(all["control_planes"].as_array().map(Vec::len), Some(3));
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

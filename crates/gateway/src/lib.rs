@@ -142,6 +142,7 @@ impl Gateway {
             last_reload: Mutex::new(None),
             handed_over: CancellationToken::new(),
             locals: Mutex::new(HashMap::new()),
+            state_index: Mutex::new(None),
         })
     }
 

@@ -51,6 +51,9 @@ pub struct Gateway {
     /// Cancelled once the sockets were handed to a new process: the admin
     /// endpoint (shared with it) stops accepting here.
     pub(crate) handed_over: CancellationToken,
+    /// `api/state`'s index of control planes by name, for the snapshot it
+    /// was made from (admin.rs `place_of`).
+    pub(crate) state_index: Mutex<Option<crate::admin::StateIndex>>,
 }
 
 /// A routed connection handed to an in-process service (endpoint

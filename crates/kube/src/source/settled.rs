@@ -60,6 +60,10 @@ pub(super) type FastMap<K, V> = foldhash::HashMap<K, V>;
 pub(super) struct SettledMap<V> {
     by_namespace: HashMap<String, HashMap<String, (V, u64)>>,
     walk: u64,
+    /// Objects held.
+    held: usize,
+    /// Objects held that this walk saw.
+    seen: usize,
 }
 
 impl<V> Default for SettledMap<V> {
@@ -67,6 +71,8 @@ impl<V> Default for SettledMap<V> {
         SettledMap {
             by_namespace: HashMap::default(),
             walk: 0,
+            held: 0,
+            seen: 0,
         }
     }
 }
@@ -75,6 +81,7 @@ impl<V> SettledMap<V> {
     /// Starts a walk over the objects.
     pub(super) fn begin(&mut self) {
         self.walk += 1;
+        self.seen = 0;
     }
 
     /// Whether `namespace/name` was found right from what `same` accepts:
@@ -90,11 +97,17 @@ impl<V> SettledMap<V> {
         };
         match names.get_mut(name) {
             Some((v, seen)) if same(v) => {
-                *seen = self.walk;
+                if *seen != self.walk {
+                    *seen = self.walk;
+                    self.seen += 1;
+                }
                 true
             }
             Some(_) => {
-                names.remove(name);
+                if let Some((_, seen)) = names.remove(name) {
+                    self.held = self.held.saturating_sub(1);
+                    self.seen = self.seen.saturating_sub(usize::from(seen == self.walk));
+                }
                 false
             }
             None => false,
@@ -103,26 +116,39 @@ impl<V> SettledMap<V> {
 
     /// `namespace/name` found right from `v`.
     pub(super) fn settle(&mut self, namespace: &str, name: &str, v: V) {
-        self.by_namespace
+        let was = self
+            .by_namespace
             .entry(namespace.to_string())
             .or_default()
             .insert(name.to_string(), (v, self.walk));
+        match was {
+            Some((_, seen)) if seen == self.walk => {}
+            Some(_) => self.seen += 1,
+            None => (self.held, self.seen) = (self.held + 1, self.seen + 1),
+        }
     }
 
     /// Ends a walk that saw every object: those it did not see are gone.
-    /// (A walk cut short leaves them until the next whole one.)
+    /// (A walk cut short leaves them until the next whole one.) When the
+    /// walk saw every object held, the usual case, nothing is looked at.
     pub(super) fn end(&mut self) {
+        if self.seen == self.held {
+            return;
+        }
         let walk = self.walk;
         self.by_namespace.retain(|_, names| {
             names.retain(|_, (_, seen)| *seen == walk);
             !names.is_empty()
         });
+        self.held = self.seen;
     }
 
     /// How many objects are settled.
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
-        self.by_namespace.values().map(|n| n.len()).sum()
+        let n = self.by_namespace.values().map(|n| n.len()).sum();
+        assert_eq!(n, self.held, "the count held");
+        n
     }
 }
 
@@ -155,5 +181,34 @@ mod tests {
         s.end();
         assert_eq!(s.len(), 1, "t1 gone");
         assert!(!s.still("t1", "r", |_| true));
+    }
+
+    /// A walk that saw everything forgets nothing and looks at nothing;
+    /// one object seen twice or settled again counts once.
+    #[test]
+    fn the_count_of_objects_seen_is_kept_through_every_path() {
+        let mut s = SettledMap::default();
+        s.begin();
+        s.settle("a", "r", 1);
+        s.settle("a", "r", 2);
+        s.settle("b", "r", 1);
+        s.end();
+        assert_eq!(s.len(), 2);
+        s.begin();
+        assert!(s.still("a", "r", |v| *v == 2));
+        assert!(s.still("a", "r", |v| *v == 2), "seen twice");
+        assert!(!s.still("b", "r", |v| *v == 9), "changed: forgotten");
+        s.settle("b", "r", 9);
+        s.end();
+        assert_eq!(s.len(), 2);
+        s.begin();
+        assert!(s.still("a", "r", |_| true));
+        s.end();
+        assert_eq!(s.len(), 1, "b not seen: gone");
+        s.begin();
+        s.settle("a", "r", 3);
+        s.settle("c", "r", 1);
+        s.end();
+        assert_eq!(s.len(), 2);
     }
 }

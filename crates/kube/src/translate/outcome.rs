@@ -174,16 +174,32 @@ impl Translation {
     /// Routes accepted on listener `name` of Gateway `gateway` (its
     /// `attachedRoutes`).
     pub fn attached(&self, gateway: &Key, name: &str) -> i32 {
-        let n = self
-            .routes
-            .iter()
-            .filter(|r| {
-                r.parents.iter().any(|p| {
-                    p.accepted.ok && p.gateway == *gateway && p.listeners.iter().any(|l| l == name)
-                })
-            })
-            .count();
-        i32::try_from(n).unwrap_or(i32::MAX)
+        self.attached_by_listener(gateway)
+            .get(name)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Per listener of Gateway `gateway`: the routes accepted on it, in
+    /// one walk over the routes (not one per listener).
+    pub fn attached_by_listener(&self, gateway: &Key) -> HashMap<&str, i32> {
+        let mut counts: HashMap<&str, i32> = HashMap::new();
+        let mut on: Vec<&str> = Vec::new();
+        for r in &self.routes {
+            on.clear();
+            let parents = r.parents.iter();
+            let ours = parents.filter(|p| p.accepted.ok && p.gateway == *gateway);
+            for l in ours.flat_map(|p| &p.listeners) {
+                if !on.contains(&l.as_str()) {
+                    on.push(l);
+                }
+            }
+            for l in &on {
+                let n = counts.entry(l).or_default();
+                *n = n.saturating_add(1);
+            }
+        }
+        counts
     }
 
     /// Marks the routes whose control planes the gateway refused (with the
