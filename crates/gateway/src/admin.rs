@@ -409,6 +409,11 @@ mod counts_tests {
         let a = Counts::of(&m.listeners(), Some("a"));
         assert!(a.open_by.is_empty(), "{a:?}");
         assert!(Counts::of(&m.listeners(), Some("none")).routed.is_empty());
+        // Asked again for a listener's handles, the same ones: nothing is
+        // counted twice.
+        let again = m.listener("tls");
+        assert!(std::sync::Arc::ptr_eq(&again, &tls));
+        assert_eq!(Counts::of(&m.listeners(), Some("a")).outcomes["a"]["ok"], 2);
     }
 }
 

@@ -184,10 +184,16 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
-    /// Handles for serving `listener`, kept for [`Metrics::listeners`].
+    /// Handles for serving `listener`, kept for [`Metrics::listeners`]:
+    /// the same ones for the same name (two sets would each count the
+    /// same counters in `api/state`).
     pub fn listener(&self, listener: &str) -> Arc<ListenerMetrics> {
+        let mut all = seedlink_net::sync::write(&self.listeners, "listener metrics");
+        if let Some(l) = all.iter().find(|l| l.listener == listener) {
+            return l.clone();
+        }
         let l = Arc::new(ListenerMetrics::new(self, listener));
-        seedlink_net::sync::write(&self.listeners, "listener metrics").push(l.clone());
+        all.push(l.clone());
         l
     }
 
@@ -284,16 +290,6 @@ impl Metrics {
             "Time to connect to an upstream endpoint (successful attempts)",
             m.upstream_connect_seconds.clone(),
         );
-    }
-
-    /// The gateway's own families only, without the process's (read from
-    /// `/proc`) and the sections': what `api/state` takes its counters
-    /// from, on every poll.
-    pub fn encode_own(&self) -> String {
-        let mut text = String::new();
-        // Writing to a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
-        text
     }
 
     /// Renders the OpenMetrics text exposition.
@@ -436,16 +432,23 @@ impl ListenerMetrics {
     }
 
     /// Calls `f` with each control plane's handles on this listener, or
-    /// with `only`'s alone when given (nothing when it has none).
+    /// with `only`'s alone when given (nothing when it has none). The
+    /// handles are taken out first: a connection's first routing to a
+    /// control plane (which adds its handles) never waits for `f`.
     pub fn each_cp(&self, only: Option<&str>, mut f: impl FnMut(&str, &CpMetrics)) {
-        let per_cp = seedlink_net::sync::read(&self.per_cp, "metric handles");
-        match only {
-            Some(name) => {
-                if let Some(h) = per_cp.get(name) {
-                    f(name, h)
-                }
+        let taken: Vec<(String, Arc<CpMetrics>)> = {
+            let per_cp = seedlink_net::sync::read(&self.per_cp, "metric handles");
+            match only {
+                Some(name) => per_cp
+                    .get(name)
+                    .map(|h| (name.to_string(), h.clone()))
+                    .into_iter()
+                    .collect(),
+                None => per_cp.iter().map(|(n, h)| (n.clone(), h.clone())).collect(),
             }
-            None => per_cp.iter().for_each(|(name, h)| f(name, h)),
+        };
+        for (name, h) in &taken {
+            f(name, h)
         }
     }
 

@@ -108,6 +108,9 @@ impl<V> SettledMap<V> {
                     self.held = self.held.saturating_sub(1);
                     self.seen = self.seen.saturating_sub(usize::from(seen == self.walk));
                 }
+                if names.is_empty() {
+                    self.by_namespace.remove(namespace);
+                }
                 false
             }
             None => false,
@@ -148,6 +151,10 @@ impl<V> SettledMap<V> {
     pub(super) fn len(&self) -> usize {
         let n = self.by_namespace.values().map(|n| n.len()).sum();
         assert_eq!(n, self.held, "the count held");
+        assert!(
+            self.by_namespace.values().all(|n| !n.is_empty()),
+            "no empty namespace kept"
+        );
         n
     }
 }
