@@ -200,17 +200,8 @@ pub fn state_of(gw: &Gateway, only: Option<&str>) -> serde_json::Value {
     })
 }
 
-/// A snapshot's control planes by name: their place in the file's list
-/// followed by the Kubernetes source's. Made once per snapshot that
-/// `api/state?control_plane=` is asked about, so that a script polling one
-/// control plane does not walk every tenant's on each request. Tied to the
-/// snapshot by a weak pointer (whose address is not reused while held).
-pub(crate) type StateIndex = (
-    std::sync::Weak<seedlink_config::Snapshot>,
-    std::sync::Arc<std::collections::HashMap<String, usize>>,
-);
-
-/// Where control plane `name` stands in `snap` (see [`StateIndex`]).
+/// Where control plane `name` stands in `snap` (see
+/// [`crate::state::StateIndex`]).
 fn place_of(
     gw: &Gateway,
     snap: &std::sync::Arc<seedlink_config::Snapshot>,

@@ -53,8 +53,18 @@ pub struct Gateway {
     pub(crate) handed_over: CancellationToken,
     /// `api/state`'s index of control planes by name, for the snapshot it
     /// was made from (admin.rs `place_of`).
-    pub(crate) state_index: Mutex<Option<crate::admin::StateIndex>>,
+    pub(crate) state_index: Mutex<Option<StateIndex>>,
 }
+
+/// A snapshot's control planes by name: their place in the file's list
+/// followed by the Kubernetes source's. Made once per snapshot that
+/// `api/state?control_plane=` is asked about, so that a script polling one
+/// control plane does not walk every tenant's on each request. Tied to the
+/// snapshot by a weak pointer (whose address is not reused while held).
+pub(crate) type StateIndex = (
+    std::sync::Weak<seedlink_config::Snapshot>,
+    std::sync::Arc<std::collections::HashMap<String, usize>>,
+);
 
 /// A routed connection handed to an in-process service (endpoint
 /// `local:<name>`).
