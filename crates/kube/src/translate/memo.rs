@@ -368,31 +368,24 @@ pub(super) struct Subset {
     namespaces: Vec<Arc<Namespace>>,
 }
 
-fn within<K: Resource>(all: &[Arc<K>], wanted: &HashSet<&str>) -> Vec<Arc<K>> {
-    all.iter()
-        .filter(|o| wanted.contains(o.meta().namespace.as_deref().unwrap_or_default()))
-        .cloned()
-        .collect()
-}
-
 impl Subset {
-    /// The objects of the namespaces `dirty` and what their routes read.
-    pub(super) fn of(objects: &Objects<'_>, dirty: &HashSet<String>) -> Subset {
+    /// The objects of the namespaces `dirty` and what their routes read,
+    /// found through `places` (no walk over every object).
+    pub(super) fn of(
+        objects: &Objects<'_>,
+        dirty: &HashSet<String>,
+        places: &mut super::placed::Places,
+    ) -> Subset {
         let own: HashSet<&str> = dirty.iter().map(String::as_str).collect();
-        let routes = within(objects.routes, &own);
+        let routes = places.routes.within(objects.routes, &own);
         let mut read = own.clone();
         read.extend(routes.iter().flat_map(|r| backend_namespaces(r)));
         Subset {
-            services: within(objects.services, &read),
-            slices: within(objects.slices, &read),
+            services: places.services.within(objects.services, &read),
+            slices: places.slices.within(objects.slices, &read),
             routes,
-            policies: within(objects.policies, &own),
-            namespaces: objects
-                .namespaces
-                .iter()
-                .filter(|n| own.contains(n.meta().name.as_deref().unwrap_or_default()))
-                .cloned()
-                .collect(),
+            policies: places.policies.within(objects.policies, &own),
+            namespaces: places.namespaces.within(objects.namespaces, &own),
         }
     }
 

@@ -25,6 +25,7 @@ mod backends;
 mod memo;
 mod objects;
 mod outcome;
+mod placed;
 mod policy;
 mod views;
 
@@ -51,6 +52,8 @@ pub struct Translator {
     held: Held,
     /// Each namespace's share of the last pass.
     memo: memo::Memo,
+    /// The stores' objects by namespace, for picking a pass's.
+    places: placed::Places,
     /// How many namespaces the last pass translated again.
     pub retranslated: usize,
     /// The `endpointslice.kubernetes.io/managed-by` values whose slices
@@ -64,6 +67,7 @@ impl Default for Translator {
             last_good: HashMap::new(),
             held: Held::default(),
             memo: memo::Memo::default(),
+            places: placed::Places::default(),
             retranslated: 0,
             slice_managers: vec![seedlink_config::model::ENDPOINTSLICE_CONTROLLER.to_string()],
         }
@@ -124,7 +128,7 @@ impl Translator {
         self.last_good
             .retain(|k, _| live.contains(k.namespace.as_str()));
         if !dirty.is_empty() {
-            let subset = memo::Subset::of(objects, &dirty);
+            let subset = memo::Subset::of(objects, &dirty, &mut self.places);
             let parts = self.translate_namespaces(&subset.objects(objects), views, ours, &dirty);
             self.memo.store(parts, &prints);
         }
@@ -142,7 +146,7 @@ impl Translator {
         settings: u64,
     ) -> usize {
         let candidates = self.memo.readers_of(touched);
-        let subset = memo::Subset::of(objects, &candidates);
+        let subset = memo::Subset::of(objects, &candidates, &mut self.places);
         let sub = subset.objects(objects);
         let prints = memo::Prints::of(&sub, settings, &self.memo.hasher);
         // Those without a route or a policy any more have no share.
