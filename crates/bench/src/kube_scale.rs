@@ -22,7 +22,11 @@
 //!   the write until the gateway serves the new endpoint, while 10 other
 //!   tenants change every second: p50 and p99, and the gateway's CPU per
 //!   change (all changes counted; it includes answering this bench's
-//!   polls of that one tenant's `api/state?control_plane=` every 50 ms),
+//!   polls of that one tenant's `api/state?control_plane=` every 50 ms).
+//!   One change starts every [`CHANGE_EVERY`], whatever the latency, so
+//!   that every count runs the same phase (the same time, the same number
+//!   of background changes) and the CPU per change compares like with
+//!   like;
 //!   and the mean duration of the gateway's passes meanwhile (translate
 //!   and apply: the source's own work);
 //! - the connections each opened to the API server;
@@ -57,6 +61,12 @@ const ROUTES: &str = "gateway.networking.k8s.io/v1";
 const CHANGES: usize = 30;
 /// Other tenants changed per second meanwhile.
 const BACKGROUND_PER_SEC: u64 = 10;
+/// One foreground change starts this often (a change not yet served by
+/// then delays the next): the change phase lasts [`CHANGES`] times this at
+/// every count. Before, each change started when the last was served, so a
+/// count whose changes were served sooner had a shorter phase, fewer
+/// background changes and a smaller divisor for the same work.
+const CHANGE_EVERY: Duration = Duration::from_secs(1);
 /// How long anything here waits for seedlink (a bound, not a figure).
 const WAIT: Duration = Duration::from_secs(300);
 
@@ -381,8 +391,15 @@ async fn measure(
     eprintln!("kube-scale: {n} tenants: changes");
     let cpu0 = procstat::cpu_seconds(&[gw_pid]);
     let passes0 = pass_totals(gw.admin).await;
+    let phase = Instant::now();
     let (latencies, background) = changes(client, &gw, n).await?;
     let cpu = procstat::cpu_seconds(&[gw_pid]) - cpu0;
+    eprintln!(
+        "kube-scale: {n} tenants: {} changes and {background} background ones in {:.1} s, gateway CPU {:.0} ms",
+        latencies.len(),
+        phase.elapsed().as_secs_f64(),
+        cpu * 1000.0
+    );
     let passes1 = pass_totals(gw.admin).await;
     let unrelated = unrelated_churn(client, gw_pid, gw.admin, n).await?;
     let rotations = rotations(client, tun_pid, tun.admin, n).await?;
@@ -569,7 +586,10 @@ async fn changes(
         }
     });
     let mut latencies = Vec::new();
+    let mut pace = tokio::time::interval(CHANGE_EVERY);
+    pace.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     for v in 1..=CHANGES {
+        pace.tick().await;
         let want = format!("{}:6443", address(0, v));
         let t = Instant::now();
         apply(client, slice(0, v)).await?;
