@@ -55,7 +55,7 @@ use serde_json::{json, Value};
 use crate::procstat;
 use crate::scenario::Opts;
 
-const SYS: &str = "seedlink-system";
+pub(crate) const SYS: &str = "seedlink-system";
 const ROUTES: &str = "gateway.networking.k8s.io/v1";
 /// Foreground changes per count.
 const CHANGES: usize = 30;
@@ -107,14 +107,7 @@ pub async fn run(opts: &Opts) -> anyhow::Result<()> {
 /// Every count of `opts.tenants` in turn, on one API server: each count's
 /// figures.
 async fn scale(opts: &Opts) -> anyhow::Result<Vec<Row>> {
-    let api = tokio::task::spawn_blocking(|| {
-        KubeApi::start_with(kubeapi::Options {
-            crds: true,
-            args: vec!["--watch-cache=true".into()],
-            ..Default::default()
-        })
-    })
-    .await?;
+    let api = api_server().await?;
     let client = api.client().await?;
     apply(
         &client,
@@ -152,7 +145,21 @@ async fn scale(opts: &Opts) -> anyhow::Result<Vec<Row>> {
     Ok(rows)
 }
 
-async fn apply(client: &kube::Client, o: Value) -> anyhow::Result<Value> {
+/// The test kit's kube-apiserver with the CRDs and its watch cache on, as
+/// in a real seed.
+pub(crate) async fn api_server() -> anyhow::Result<KubeApi> {
+    let api = tokio::task::spawn_blocking(|| {
+        KubeApi::start_with(kubeapi::Options {
+            crds: true,
+            args: vec!["--watch-cache=true".into()],
+            ..Default::default()
+        })
+    })
+    .await?;
+    Ok(api)
+}
+
+pub(crate) async fn apply(client: &kube::Client, o: Value) -> anyhow::Result<Value> {
     let what = format!("{} {}", o["kind"], o["metadata"]["name"]);
     kubeapi::try_apply(client, o).await.with_context(|| what)
 }
@@ -171,7 +178,7 @@ fn gateway_objects() -> Vec<Value> {
     ]
 }
 
-fn ns(i: usize) -> String {
+pub(crate) fn ns(i: usize) -> String {
     format!("t-{i}")
 }
 
@@ -184,15 +191,9 @@ fn tenant(i: usize) -> anyhow::Result<Vec<Value>> {
     let ns = ns(i);
     Ok(vec![
         json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}),
-        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": {"name": "seedlink-tunnel-trust", "namespace": ns},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                           "name": format!("seedlink-tunnel-trust-{SYS}")},
-               "subjects": [{"kind": "ServiceAccount", "name": "seedlink", "namespace": SYS}]}),
+        trust_binding(&ns),
         trust(&ns)?,
-        json!({"apiVersion": "tunnel.seedlink.dev/v1alpha1", "kind": "TunnelCluster",
-               "metadata": {"name": "tunnel", "namespace": ns},
-               "spec": {"agentCA": {"configMap": "agent-ca", "key": "ca.crt"}}}),
+        tunnel_cluster(&ns),
         json!({"apiVersion": "v1", "kind": "Service",
                "metadata": {"name": "kube-apiserver", "namespace": ns},
                "spec": {"selector": {"app": "kube-apiserver"},
@@ -470,10 +471,33 @@ fn trust(ns: &str) -> anyhow::Result<Value> {
     let mut ca = rcgen::CertificateParams::new(Vec::<String>::new())?;
     ca.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
     let ca = ca.self_signed(&rcgen::KeyPair::generate()?)?.pem();
-    Ok(json!({"apiVersion": "v1", "kind": "ConfigMap",
-              "metadata": {"name": "agent-ca", "namespace": ns,
-                           "labels": {"seedlink.dev/tunnel-trust": "true"}},
-              "data": {"ca.crt": ca}}))
+    Ok(trust_of(ns, &ca))
+}
+
+/// Namespace `ns`'s trust ConfigMap holding `ca` (PEM), labelled for the
+/// tunnel-server's trust watch.
+pub(crate) fn trust_of(ns: &str, ca: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "ConfigMap",
+           "metadata": {"name": "agent-ca", "namespace": ns,
+                        "labels": {"seedlink.dev/tunnel-trust": "true"}},
+           "data": {"ca.crt": ca}})
+}
+
+/// Namespace `ns`'s RoleBinding that lets the install's ServiceAccount
+/// read its trust (what onboarding a tenant namespace binds).
+pub(crate) fn trust_binding(ns: &str) -> Value {
+    json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+           "metadata": {"name": "seedlink-tunnel-trust", "namespace": ns},
+           "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                       "name": format!("seedlink-tunnel-trust-{SYS}")},
+           "subjects": [{"kind": "ServiceAccount", "name": "seedlink", "namespace": SYS}]})
+}
+
+/// Namespace `ns`'s TunnelCluster `tunnel`, trusting its `agent-ca`.
+pub(crate) fn tunnel_cluster(ns: &str) -> Value {
+    json!({"apiVersion": "tunnel.seedlink.dev/v1alpha1", "kind": "TunnelCluster",
+           "metadata": {"name": "tunnel", "namespace": ns},
+           "spec": {"agentCA": {"configMap": "agent-ca", "key": "ca.crt"}}})
 }
 
 /// Writes to the slices of Services no route names: [`CHANGES`] of them,

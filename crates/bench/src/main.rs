@@ -100,6 +100,10 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
         opts.tunnel_cpus.is_none() || opts.scenario == "tunnel",
         "--tunnel-cpus applies only to --scenario tunnel (a server and its agent)"
     );
+    anyhow::ensure!(
+        opts.restarted_cpu.is_none() || opts.scenario == "tunnel-restart",
+        "--restarted-cpu applies only to --scenario tunnel-restart"
+    );
     match opts.scenario.as_str() {
         "sni" | "node-proxy" | "node-proxy-h2" => {}
         "proxy-sni" => scenario::set_proxy_v2(),

@@ -110,6 +110,12 @@ pub struct Opts {
     /// replica in the tunnel-restart scenario.
     #[arg(long, default_value_t = 200)]
     pub clusters: usize,
+    /// Where the tunnel-restart scenario's replicas read their clusters:
+    /// `file` (a `clusters` list) or `kubernetes` (TunnelClusters with
+    /// their trust ConfigMaps on a real kube-apiserver, each replica as the
+    /// install's ServiceAccount, trust watched per namespace).
+    #[arg(long, default_value = "file")]
+    pub source: String,
     /// Tenant counts the kube-scale scenario measures at, growing.
     #[arg(long, value_delimiter = ',', default_values_t = [10, 100, 1000])]
     pub tenants: Vec<usize>,
@@ -120,6 +126,13 @@ pub struct Opts {
     /// latency). Unset: the kernel places them.
     #[arg(long, value_delimiter = ',')]
     pub tunnel_cpus: Option<Vec<u32>>,
+    /// tunnel-restart scenario: the replica that is killed and its agents
+    /// run on this CPU only, and everything else (the other replica, its
+    /// agents, the dials, the API server) on the other CPUs, as if on
+    /// nodes of their own (in a seed the agents are the shoots' and each
+    /// replica has its node). Unset: everything shares every CPU.
+    #[arg(long)]
+    pub restarted_cpu: Option<u32>,
     /// Internal: run as a bare forwarder (the `splice-fwd` and `copy-fwd`
     /// yardsticks) listening here.
     #[arg(long, hide = true)]

@@ -18,6 +18,15 @@
 //! other replica's tenants. Their p50 and p99 during the recovery are
 //! compared with the same dials before the kill (quiet).
 //!
+//! With `--source kubernetes` the replicas read their clusters from a real
+//! kube-apiserver (the test kit's, watch cache on) instead of a file: each
+//! cluster a namespace with its TunnelCluster, the trust ConfigMap of its
+//! agents' CA and the RoleBinding that lets the install read it; each
+//! replica runs as the install's ServiceAccount and watches the trust per
+//! namespace (the default), and a restarted replica starts with an empty
+//! `trust_dir`, as a new pod does. Its restart then includes reading every
+//! TunnelCluster and its trust before it knows any agent.
+//!
 //! On this host the agents' client side would take the cores the servers
 //! need: the agents of A run on a thread of their own at nice 19 (in a
 //! seed their TLS handshakes are the shoots' nodes' work), those of B on
@@ -30,18 +39,22 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use futures_util::StreamExt;
+use seedlink_testkit::kubeapi::KubeApi;
 use seedlink_tunnel::agent::Agent;
 use tokio_util::sync::CancellationToken;
 
+use crate::kube_scale::{self, SYS};
 use crate::scenario::Opts;
 use crate::tunnel_scale::{
-    admin_get, bench_agent, dial_once, issue, metric_sum, pct, start_server, write,
+    admin_get, bench_agent, dial_once, issue, metric_sum, pct, start_server_with, write,
 };
 
 /// How long anything here waits for seedlink (a bound, not a figure).
 const WAIT: Duration = Duration::from_secs(120);
-/// Dials through B before the kill, per round.
-const QUIET_DIALS: usize = 400;
+/// Dials through B before the kill, per round (ten seconds of them: the
+/// p99 of a thousand).
+const QUIET_DIALS: usize = 1000;
 /// The pace of the dials through B: what kube-apiservers' logs, exec,
 /// port-forwards and webhooks ask of one replica, not a load of its own
 /// (an open loop would take the cores the recovery needs).
@@ -80,6 +93,81 @@ impl Pki {
     }
 }
 
+/// Where the replicas read their clusters (`--source`).
+enum Source {
+    /// A `clusters` list in each replica's file.
+    File,
+    /// TunnelClusters on this API server, read with this ServiceAccount
+    /// token.
+    Kubernetes { api: Box<KubeApi>, token: String },
+}
+
+impl Source {
+    /// `--source`: for `kubernetes`, an API server holding every
+    /// cluster's objects.
+    async fn of(opts: &Opts, pki: &Pki) -> anyhow::Result<Source> {
+        match opts.source.as_str() {
+            "file" => Ok(Source::File),
+            "kubernetes" => kube_source(pki).await,
+            other => bail!("--source {other:?}: use file or kubernetes"),
+        }
+    }
+}
+
+/// An API server with cluster `i`'s namespace holding its TunnelCluster,
+/// its agents' CA as the trust ConfigMap and the RoleBinding to read it,
+/// and the install's RBAC: the source and the install's token.
+async fn kube_source(pki: &Pki) -> anyhow::Result<Source> {
+    let started = Instant::now();
+    let api = kube_scale::api_server().await?;
+    let client = api.client().await?;
+    let sys =
+        serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": SYS}});
+    kube_scale::apply(&client, sys).await?;
+    let token = api.install_rbac(&client, SYS).await;
+    let cas: Vec<String> = pki.clusters.iter().map(|(ca, _, _)| ca.clone()).collect();
+    let written: Vec<anyhow::Result<()>> = futures_util::stream::iter(cas.into_iter().enumerate())
+        .map(|(i, ca)| write_cluster(client.clone(), i, ca))
+        .buffer_unordered(16)
+        .collect()
+        .await;
+    written.into_iter().collect::<anyhow::Result<()>>()?;
+    eprintln!(
+        "bench: {} TunnelClusters written in {:.1} s",
+        pki.clusters.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(Source::Kubernetes {
+        api: Box::new(api),
+        token,
+    })
+}
+
+/// Cluster `i`'s namespace, RoleBinding, trust (the CA at `ca`) and
+/// TunnelCluster.
+async fn write_cluster(client: kube::Client, i: usize, ca: String) -> anyhow::Result<()> {
+    let ns = kube_scale::ns(i);
+    let ca = std::fs::read_to_string(ca)?;
+    let namespace =
+        serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
+    for o in [
+        namespace,
+        kube_scale::trust_binding(&ns),
+        kube_scale::trust_of(&ns, &ca),
+        kube_scale::tunnel_cluster(&ns),
+    ] {
+        kube_scale::apply(&client, o).await?;
+    }
+    Ok(())
+}
+
+/// What every replica is started from.
+struct Bed {
+    pki: Arc<Pki>,
+    dir: PathBuf,
+    source: Source,
+}
+
 /// One replica's process, its admin address and its clusters' sockets.
 struct Replica {
     child: Child,
@@ -97,13 +185,8 @@ impl Drop for Replica {
 impl Replica {
     /// Starts replica `name` (its sockets under `name`) on agent port
     /// `port`.
-    async fn start(
-        opts: &Opts,
-        pki: &Pki,
-        dir: &Path,
-        name: &str,
-        port: u16,
-    ) -> anyhow::Result<Replica> {
+    async fn start(opts: &Opts, bed: &Bed, name: &str, port: u16) -> anyhow::Result<Replica> {
+        let (pki, dir) = (&bed.pki, bed.dir.as_path());
         let (crt, key) = &pki.server;
         let mut yaml = format!(
             // Every in-process agent connects from loopback: the
@@ -111,8 +194,12 @@ impl Replica {
             // server-wide ones are the defaults (1,024 unauthenticated at
             // once: a reconnecting crowd past it is refused at accept and
             // backs off).
-            "agents: {{listen: '127.0.0.1:{port}', cert: '{crt}', key: '{key}', max_per_source: 10000, max_unauthenticated_per_source: 1024, handshakes_per_source: 0}}\nadmin: {{listen: '127.0.0.1:0'}}\nclusters:\n"
+            "agents: {{listen: '127.0.0.1:{port}', cert: '{crt}', key: '{key}', max_per_source: 10000, max_unauthenticated_per_source: 1024, handshakes_per_source: 0}}\nadmin: {{listen: '127.0.0.1:0'}}\n"
         );
+        if let Source::Kubernetes { api, token } = &bed.source {
+            return Replica::start_kube(opts, bed, name, yaml, (api, token)).await;
+        }
+        yaml.push_str("clusters:\n");
         let mut sockets = Vec::with_capacity(pki.clusters.len());
         for (i, (ca, _, _)) in pki.clusters.iter().enumerate() {
             let sock = dir.join(format!("{name}-{i}.sock"));
@@ -124,7 +211,42 @@ impl Replica {
         }
         let config = dir.join(format!("{name}.yaml"));
         std::fs::write(&config, yaml)?;
-        let (child, admin, _) = start_server(&opts.seedlink, &config, None).await?;
+        let cpu = opts.restarted_cpu.filter(|_| name.starts_with('a'));
+        let (child, admin, _) = start_server_with(&opts.seedlink, &config, None, &[], cpu).await?;
+        Ok(Replica {
+            child,
+            admin,
+            sockets,
+        })
+    }
+
+    /// [`Replica::start`] with the clusters from the API server: the
+    /// frontends from a template, a `trust_dir` of its own (empty, as a
+    /// new pod's), and pod name `tunnel-<first letter of name>`.
+    async fn start_kube(
+        opts: &Opts,
+        bed: &Bed,
+        name: &str,
+        mut yaml: String,
+        (api, token): (&KubeApi, &str),
+    ) -> anyhow::Result<Replica> {
+        let dir = bed.dir.as_path();
+        yaml.push_str(&format!(
+            "clusters: []\nfrontend_templates:\n  - {{name: kas, protocol: http-connect, unix: '{d}/{name}-{{cluster}}.sock'}}\nkubernetes: {{lease: {SYS}/seedlink-tunnel-status, trust_dir: '{d}/{name}-trust'}}\n",
+            d = dir.display()
+        ));
+        let sockets = (0..bed.pki.clusters.len())
+            .map(|i| dir.join(format!("{name}-{}.tunnel.sock", kube_scale::ns(i))))
+            .collect();
+        let config = dir.join(format!("{name}.yaml"));
+        std::fs::write(&config, yaml)?;
+        let pod = format!("tunnel-{}", name.chars().next().unwrap_or('x'));
+        let env = [
+            ("KUBECONFIG", api.kubeconfig(dir, name, token, None).into()),
+            ("POD_NAME", pod.into()),
+        ];
+        let cpu = opts.restarted_cpu.filter(|_| name.starts_with('a'));
+        let (child, admin, _) = start_server_with(&opts.seedlink, &config, None, &env, cpu).await?;
         Ok(Replica {
             child,
             admin,
@@ -181,11 +303,11 @@ fn agent(pki: &Pki, i: usize, j: usize, server: SocketAddr) -> anyhow::Result<Ar
 }
 
 /// Runs every agent's stream to `server` on a thread of its own (at nice
-/// 19 when `low`) until `stop`.
+/// 19 when `low`, on CPU `cpu` only when given) until `stop`.
 fn run_agents(
     pki: &Arc<Pki>,
     server: SocketAddr,
-    low: bool,
+    (low, cpu): (bool, Option<u32>),
     stop: CancellationToken,
 ) -> anyhow::Result<std::thread::JoinHandle<()>> {
     let mut agents = Vec::with_capacity(2 * pki.clusters.len());
@@ -197,6 +319,9 @@ fn run_agents(
     Ok(std::thread::spawn(move || {
         if low {
             crate::tunnel_flood::lowest_priority();
+        }
+        if let Some(cpu) = cpu {
+            pin_thread(cpu);
         }
         let Ok(rt) = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -216,6 +341,42 @@ fn run_agents(
             }
         });
     }))
+}
+
+/// Keeps this thread (and the threads it starts) on CPU `cpu`.
+fn pin_thread(cpu: u32) {
+    if !set_cpus(0, |c| c == cpu) {
+        eprintln!("bench: cannot keep the agents' thread on CPU {cpu}");
+    }
+}
+
+/// Keeps every thread of this process (and what they start: the other
+/// replica, the API server) off CPU `cpu`, on the others.
+fn keep_off(cpu: u32) -> anyhow::Result<()> {
+    anyhow::ensure!(set_cpus(0, |c| c != cpu), "cannot keep off CPU {cpu}");
+    for task in std::fs::read_dir("/proc/self/task")? {
+        let tid = task?.file_name().to_string_lossy().parse::<libc::pid_t>()?;
+        // A thread that ended meanwhile cannot be placed, nor need be.
+        let _ = set_cpus(tid, |c| c != cpu);
+    }
+    Ok(())
+}
+
+/// Places thread `tid` (0: this one) on the CPUs `on` admits (of the
+/// first 64): whether it could.
+#[allow(unsafe_code)]
+fn set_cpus(tid: libc::pid_t, on: impl Fn(u32) -> bool) -> bool {
+    let online = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // SAFETY: the set is a plain bitmask on this stack, CPU_SET writes
+    // within it (every index is below 64 < CPU_SETSIZE), and
+    // sched_setaffinity only reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for c in (0..online.min(64)).filter(|&c| on(c as u32)) {
+            libc::CPU_SET(c, &mut set);
+        }
+        libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
 }
 
 /// A free loopback port (for a replica that must come back on its own).
@@ -259,13 +420,12 @@ struct Round {
 /// Kills `a` and starts it again: the new replica and the figures.
 async fn restart(
     opts: &Opts,
-    pki: &Pki,
-    dir: &Path,
+    bed: &Bed,
     (a, port, round): (Replica, u16, usize),
     b: &Replica,
     backend: SocketAddr,
 ) -> anyhow::Result<(Replica, Round)> {
-    let want = (2 * pki.clusters.len()) as f64;
+    let want = (2 * bed.pki.clusters.len()) as f64;
     let mut quiet = dial_loop(
         b.sockets.clone(),
         backend,
@@ -283,7 +443,7 @@ async fn restart(
     ));
     let killed = Instant::now();
     drop(a);
-    let a = Replica::start(opts, pki, dir, &format!("a{round}"), port).await?;
+    let a = Replica::start(opts, bed, &format!("a{round}"), port).await?;
     let up = killed.elapsed().as_secs_f64();
     a.wait_agents(want).await?;
     let back = killed.elapsed().as_secs_f64();
@@ -305,7 +465,7 @@ async fn restart(
 /// Runs the scenario and prints its table.
 pub async fn run(opts: &Opts, backend: SocketAddr) -> anyhow::Result<()> {
     let rounds = restarts(opts, backend).await?;
-    print(opts.clusters, &rounds);
+    print(opts.clusters, &opts.source, &rounds);
     Ok(())
 }
 
@@ -316,21 +476,29 @@ async fn restarts(opts: &Opts, backend: SocketAddr) -> anyhow::Result<Vec<Round>
     anyhow::ensure!(n > 0, "--clusters: at least 1");
     let dir = tempfile::tempdir()?;
     let started = Instant::now();
+    if let Some(cpu) = opts.restarted_cpu {
+        keep_off(cpu)?;
+    }
     let pki = Arc::new(Pki::issue(n, dir.path())?);
     eprintln!(
         "bench: {n} clusters' certificates in {:.1} s",
         started.elapsed().as_secs_f64()
     );
+    let bed = Bed {
+        source: Source::of(opts, &pki).await?,
+        pki: pki.clone(),
+        dir: dir.path().to_path_buf(),
+    };
     let (port_a, port_b) = (free_port()?, free_port()?);
-    let mut a = Replica::start(opts, &pki, dir.path(), "a", port_a).await?;
-    let b = Replica::start(opts, &pki, dir.path(), "b", port_b).await?;
+    let mut a = Replica::start(opts, &bed, "a", port_a).await?;
+    let b = Replica::start(opts, &bed, "b", port_b).await?;
     let stop = CancellationToken::new();
     // The agents stop however this ends.
     let _agents = stop.clone().drop_guard();
     let at = |p: u16| SocketAddr::from(([127, 0, 0, 1], p));
     let threads = [
-        run_agents(&pki, at(port_a), true, stop.clone())?,
-        run_agents(&pki, at(port_b), false, stop.clone())?,
+        run_agents(&pki, at(port_a), (true, opts.restarted_cpu), stop.clone())?,
+        run_agents(&pki, at(port_b), (false, None), stop.clone())?,
     ];
     let want = (2 * n) as f64;
     a.wait_agents(want).await.context("replica A")?;
@@ -342,7 +510,7 @@ async fn restarts(opts: &Opts, backend: SocketAddr) -> anyhow::Result<Vec<Round>
     );
     let mut rounds = Vec::new();
     for r in 0..opts.rounds {
-        let (next, round) = restart(opts, &pki, dir.path(), (a, port_a, r), &b, backend).await?;
+        let (next, round) = restart(opts, &bed, (a, port_a, r), &b, backend).await?;
         a = next;
         eprintln!(
             "bench: round {}: up {:.2} s, agents back {:.2} s, every cluster dialable {:.2} s; B's dials p99 quiet {:.0} µs, during {:.0} µs ({} dials)",
@@ -363,13 +531,13 @@ async fn restarts(opts: &Opts, backend: SocketAddr) -> anyhow::Result<Vec<Round>
     Ok(rounds)
 }
 
-fn print(n: usize, rounds: &[Round]) {
+fn print(n: usize, source: &str, rounds: &[Round]) {
     let med = |f: &dyn Fn(&Round) -> f64| {
         let mut v: Vec<f64> = rounds.iter().map(f).collect();
         pct(&mut v, 0.5)
     };
     println!(
-        "\n## seedlink-bench (tunnel-restart): medians of {} restarts, {n} clusters, 2 agents each holding a stream to both replicas\n",
+        "\n## seedlink-bench (tunnel-restart): medians of {} restarts, {n} clusters (from {source}), 2 agents each holding a stream to both replicas\n",
         rounds.len()
     );
     println!("| agents | replica A killed → ready | → every agent back | → every cluster dialable | B's dial p50 quiet / during | B's dial p99 quiet / during | p99 ratio |");
@@ -401,12 +569,21 @@ mod tests {
     /// release build's at 1,000 clusters).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_killed_replica_gets_every_agent_back() {
+        one_restart("file", 50).await;
+    }
+
+    /// One restart of a replica serving `clusters` clusters from
+    /// `source`: the figures printed, behaviour asserted.
+    async fn one_restart(source: &str, clusters: usize) {
+        let clusters = clusters.to_string();
         let opts = crate::scenario::Opts::parse_from([
             "seedlink-bench",
             "--scenario",
             "tunnel-restart",
+            "--source",
+            source,
             "--clusters",
-            "50",
+            &clusters,
             "--rounds",
             "1",
             "--seedlink",
@@ -414,8 +591,18 @@ mod tests {
         ]);
         let backend = crate::workload::Backend::start().await.unwrap();
         let rounds = super::restarts(&opts, backend.addr).await.unwrap();
-        super::print(opts.clusters, &rounds);
+        super::print(opts.clusters, &opts.source, &rounds);
         assert_eq!(rounds.len(), 1);
         assert!(rounds[0].during_dials > 0);
+    }
+
+    /// The same with the clusters from a real kube-apiserver (20
+    /// TunnelClusters with their trust, per-namespace trust watches): the
+    /// restarted replica reads them all again, then every agent's stream
+    /// comes back and every cluster is dialable through it, while the
+    /// other replica's dials never fail.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_killed_replica_reading_kubernetes_gets_every_agent_back() {
+        one_restart("kubernetes", 20).await;
     }
 }

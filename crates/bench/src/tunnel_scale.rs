@@ -88,10 +88,30 @@ pub(crate) async fn start_server(
     config: &Path,
     workers: Option<&str>,
 ) -> anyhow::Result<(Child, String, SocketAddr)> {
-    let mut cmd = Command::new(seedlink);
+    start_server_with(seedlink, config, workers, &[], None).await
+}
+
+/// [`start_server`] with more environment variables, and on CPU `cpu`
+/// only when given (through `taskset`, which execs it: the same process).
+pub(crate) async fn start_server_with(
+    seedlink: &Path,
+    config: &Path,
+    workers: Option<&str>,
+    env: &[(&str, std::ffi::OsString)],
+    cpu: Option<u32>,
+) -> anyhow::Result<(Child, String, SocketAddr)> {
+    let mut cmd = match cpu {
+        None => Command::new(seedlink),
+        Some(c) => {
+            let mut t = Command::new("taskset");
+            t.args(["-c", &c.to_string()]).arg(seedlink);
+            t
+        }
+    };
     cmd.args(["tunnel-server", "--config"])
         .arg(config)
         .env("RUST_LOG", "error")
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdout(Stdio::piped());
     match workers {
         Some(n) => cmd.env("TOKIO_WORKER_THREADS", n),
