@@ -174,15 +174,16 @@ pub fn state_of(gw: &Gateway, only: Option<&str>) -> serde_json::Value {
         None => all
             .map(|(c, source)| control_plane_state(&snap, &counts, c, source, now))
             .collect(),
-        Some(name) => place_of(gw, &snap, name)
-            .and_then(|i| match i.checked_sub(file.control_planes.len()) {
+        Some(name) => places_of(gw, &snap)
+            .of_name(name)
+            .filter_map(|i| match i.checked_sub(file.control_planes.len()) {
                 None => file.control_planes.get(i).map(|c| (c, "file")),
                 Some(k) => file
                     .from_kubernetes
                     .get(k)
                     .map(|c| (c.as_ref(), "kubernetes")),
             })
-            .filter(|(c, _)| c.name == name)
+            .find(|(c, _)| c.name == name)
             .map(|(c, source)| control_plane_state(&snap, &counts, c, source, now))
             .into_iter()
             .collect(),
@@ -200,33 +201,25 @@ pub fn state_of(gw: &Gateway, only: Option<&str>) -> serde_json::Value {
     })
 }
 
-/// Where control plane `name` stands in `snap` (see
-/// [`crate::state::StateIndex`]).
-fn place_of(
+/// Where `snap`'s control planes stand (see [`crate::state::StateIndex`]).
+fn places_of(
     gw: &Gateway,
     snap: &std::sync::Arc<seedlink_config::Snapshot>,
-    name: &str,
-) -> Option<usize> {
+) -> std::sync::Arc<crate::state::Places> {
     let mut held = seedlink_net::sync::lock(&gw.state_index, "state index");
-    let index = match held.as_ref() {
-        Some((of, index)) if std::ptr::eq(of.as_ptr(), std::sync::Arc::as_ptr(snap)) => {
-            index.clone()
+    match held.as_ref() {
+        Some((of, places)) if std::ptr::eq(of.as_ptr(), std::sync::Arc::as_ptr(snap)) => {
+            places.clone()
         }
         _ => {
             let file = &snap.file;
-            let names = file.control_planes.iter().map(|c| c.name.clone());
-            let names = names.chain(file.from_kubernetes.iter().map(|c| c.name.clone()));
-            let mut index = std::collections::HashMap::new();
-            for (i, n) in names.enumerate() {
-                index.entry(n).or_insert(i);
-            }
-            let index = std::sync::Arc::new(index);
-            *held = Some((std::sync::Arc::downgrade(snap), index.clone()));
-            index
+            let names = file.control_planes.iter().map(|c| c.name.as_str());
+            let names = names.chain(file.from_kubernetes.iter().map(|c| c.name.as_str()));
+            let places = std::sync::Arc::new(crate::state::Places::of(names));
+            *held = Some((std::sync::Arc::downgrade(snap), places.clone()));
+            places
         }
-    };
-    drop(held);
-    index.get(name).copied()
+    }
 }
 
 /// The added sections (`api/state`'s `sections`).

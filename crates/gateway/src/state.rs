@@ -61,10 +61,40 @@ pub struct Gateway {
 /// `api/state?control_plane=` is asked about, so that a script polling one
 /// control plane does not walk every tenant's on each request. Tied to the
 /// snapshot by a weak pointer (whose address is not reused while held).
-pub(crate) type StateIndex = (
-    std::sync::Weak<seedlink_config::Snapshot>,
-    std::sync::Arc<std::collections::HashMap<String, usize>>,
-);
+pub(crate) type StateIndex = (std::sync::Weak<seedlink_config::Snapshot>, Arc<Places>);
+
+/// Places by a hash of the name, sorted: made from a snapshot of a
+/// thousand tenants at each change, so it copies no name (one hash and
+/// one sort). Two names with the same hash both stay: a lookup yields
+/// every place with the name's hash, and its caller keeps the one whose
+/// name is the name asked for.
+pub(crate) struct Places {
+    hasher: foldhash::fast::RandomState,
+    by_hash: Vec<(u64, usize)>,
+}
+
+impl Places {
+    /// The places of `names`, in their order.
+    pub(crate) fn of<'a>(names: impl Iterator<Item = &'a str>) -> Places {
+        let hasher = foldhash::fast::RandomState::default();
+        let mut by_hash: Vec<(u64, usize)> = names
+            .enumerate()
+            .map(|(i, n)| (std::hash::BuildHasher::hash_one(&hasher, n), i))
+            .collect();
+        by_hash.sort_unstable();
+        Places { hasher, by_hash }
+    }
+
+    /// The places that may hold `name`, first place first.
+    pub(crate) fn of_name(&self, name: &str) -> impl Iterator<Item = usize> + '_ {
+        let h = std::hash::BuildHasher::hash_one(&self.hasher, name);
+        let from = self.by_hash.partition_point(|&(k, _)| k < h);
+        self.by_hash[from..]
+            .iter()
+            .take_while(move |&&(k, _)| k == h)
+            .map(|&(_, i)| i)
+    }
+}
 
 /// A routed connection handed to an in-process service (endpoint
 /// `local:<name>`).
@@ -238,5 +268,34 @@ impl Drop for SourceGuard<'_> {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod places_tests {
+    use super::Places;
+
+    /// Every name is found at its places, first place first (a name given
+    /// twice at both), and a name not given at none that holds it.
+    #[test]
+    fn every_name_is_found_at_its_places_first_first() {
+        let names: Vec<String> = (0..500).map(|i| format!("t-{i}.kube-apiserver")).collect();
+        let mut given: Vec<&str> = names.iter().map(String::as_str).collect();
+        given.push("t-7.kube-apiserver");
+        let places = Places::of(given.iter().copied());
+        for (i, n) in names.iter().enumerate() {
+            let at: Vec<usize> = places
+                .of_name(n)
+                .filter(|&p| given[p] == n.as_str())
+                .collect();
+            let want = match i {
+                7 => vec![7, 500],
+                _ => vec![i],
+            };
+            assert_eq!(at, want, "{n}");
+        }
+        let mut missing = places.of_name("t-500.kube-apiserver");
+        assert!(!missing.any(|p| given[p] == "t-500.kube-apiserver"));
+        assert_eq!(Places::of(std::iter::empty()).of_name("a").count(), 0);
     }
 }
