@@ -53,13 +53,21 @@ pub(super) fn same_but_kubernetes(a: &ConfigFile, b: &ConfigFile) -> bool {
 /// the snapshot, and the control planes from Kubernetes refused.
 pub(super) fn recompile(mut file: ConfigFile, prev: &Snapshot) -> (Snapshot, Refused) {
     let given = std::mem::take(&mut file.from_kubernetes);
-    let kept = unchanged(&given, &prev.file.from_kubernetes);
-    let gone = gone(&prev.file, &kept);
+    let before = &prev.file.from_kubernetes;
+    let held = |name: &str| prev.control_planes.contains_key(name);
+    let (kept, gone) = match in_place(&given, before, held) {
+        Some(found) => found,
+        None => {
+            let kept = unchanged(&given, before);
+            let gone = gone(&prev.file, &kept);
+            (kept.at, gone)
+        }
+    };
     let mut b = Routes::new(Collector(Vec::new()), Some(prev), &prev.listeners);
     b.routes = prev.routes.clone();
     b.control_planes = prev.control_planes.clone();
     let_go(&mut b, &gone);
-    let (admitted, refused) = admit(&mut b, given, &kept.at);
+    let (admitted, refused) = admit(&mut b, given, &kept);
     file.from_kubernetes = admitted;
     let mut routes = b.routes;
     routes.exclusive = exclusive(&file);
@@ -153,6 +161,54 @@ fn unchanged<'a>(
         }
     }
     kept
+}
+
+/// What [`unchanged`] and [`gone`] find, found without a set of every
+/// name when `given` is `before` with some places replaced (the same
+/// length, every other place the same `Arc`): every pass whose changes
+/// are edits, as the source hands over an unchanged control plane as the
+/// same `Arc` in the same place. Only the replaced places are looked at:
+/// one is kept when it equals the control plane `before` had under its
+/// name at a replaced place, and is its name's first replaced place; the
+/// names `before` had at replaced places and no kept place has are gone.
+/// `None` (ask the full comparison) when the lengths differ, or a
+/// replaced place takes a name `held` by the snapshot (a control plane of
+/// the file's, or one at a place not replaced): only the full comparison
+/// knows which of the two places comes first.
+fn in_place<'a>(
+    given: &[Arc<ControlPlaneCfg>],
+    before: &'a [Arc<ControlPlaneCfg>],
+    held: impl Fn(&str) -> bool,
+) -> Option<(Vec<bool>, Names<'a>)> {
+    if given.len() != before.len() {
+        return None;
+    }
+    let replaced: Vec<usize> = (0..given.len())
+        .filter(|&i| !Arc::ptr_eq(&given[i], &before[i]))
+        .collect();
+    let mut at = vec![true; given.len()];
+    let was: foldhash::HashMap<&'a str, &'a Arc<ControlPlaneCfg>> = replaced
+        .iter()
+        .map(|&i| (before[i].name.as_str(), &before[i]))
+        .collect();
+    let mut gone: Names<'a> = was.keys().copied().collect();
+    let mut seen = Names::default();
+    for &i in &replaced {
+        let cp = &given[i];
+        let name = cp.name.as_str();
+        let Some((&name, &w)) = was.get_key_value(name) else {
+            if held(name) {
+                return None;
+            }
+            at[i] = false;
+            continue;
+        };
+        at[i] = seen.insert(name) && (Arc::ptr_eq(w, cp) || **w == **cp);
+        if at[i] {
+            gone.remove(name);
+        }
+    }
+    Some((at, gone))
 }
 
 /// The control planes from Kubernetes in `before` not `kept` as they were.
@@ -422,6 +478,66 @@ control_planes:
             pass.control_planes["t0"].endpoints[0].address,
             "127.0.0.1:9"
         );
+    }
+
+    /// Where `given` is `before` with places replaced, [`in_place`] finds
+    /// what the full comparison finds, or leaves it to it: a place
+    /// replaced by an equal copy, by a change, by a new name, by a name
+    /// another replaced place had, by a copy of a name held at a place
+    /// not replaced, or of one of the file's.
+    #[test]
+    fn replaced_places_are_found_as_the_full_comparison_finds_them() {
+        let before: Vec<Arc<ControlPlaneCfg>> = tenants(8).into_iter().map(Arc::new).collect();
+        let snapshot = compile(with(tenants(8)), None).unwrap();
+        let held = |n: &str| snapshot.control_planes.contains_key(n);
+        let t = |i: usize| Arc::new(tenants(8).remove(i));
+        let mut changed = tenants(8).remove(3);
+        changed.endpoints = vec!["127.0.0.1:9".into()];
+        let new = Arc::new(cp("new", "new.example.com", "outbound|443||new.svc"));
+        let file = Arc::new(cp("file", "f2.example.com", "outbound|443||f2.svc"));
+        // (what, the places replaced and by what, found without the full comparison)
+        type Case<'a> = (&'a str, Vec<(usize, Arc<ControlPlaneCfg>)>, bool);
+        let cases: Vec<Case> = vec![
+            ("nothing replaced", vec![], true),
+            ("an equal copy", vec![(2, t(2))], true),
+            ("a change", vec![(3, Arc::new(changed))], true),
+            ("a new name", vec![(4, new.clone())], true),
+            ("two places swapped", vec![(1, t(5)), (5, t(1))], true),
+            (
+                "a name from another replaced place",
+                vec![(1, t(5)), (5, new)],
+                true,
+            ),
+            ("a copy of a name held elsewhere", vec![(1, t(6))], false),
+            (
+                "a name given twice, both replaced",
+                vec![(1, t(5)), (5, t(5))],
+                true,
+            ),
+            ("the file's name", vec![(7, file)], false),
+        ];
+        for (what, replace, fast) in cases {
+            let mut given = before.clone();
+            for (i, cp) in replace {
+                given[i] = cp;
+            }
+            let found = in_place(&given, &before, held);
+            assert_eq!(found.is_some(), fast, "{what}");
+            let Some((at, gone)) = found else { continue };
+            let kept = unchanged(&given, &before);
+            let mut f = before
+                .iter()
+                .map(|c| c.name.as_str())
+                .filter(|n| !kept.names.contains(n))
+                .collect::<Vec<_>>();
+            let mut g: Vec<&str> = gone.into_iter().collect();
+            f.sort();
+            g.sort();
+            assert_eq!(at, kept.at, "{what}");
+            assert_eq!(g, f, "{what}");
+        }
+        let shorter = &before[1..];
+        assert!(in_place(shorter, &before, held).is_none());
     }
 
     /// A name given twice: the first is kept, the second refused, as in a
