@@ -392,6 +392,9 @@ impl GatewayStatus {
         self.status
             .write(t, &pass.routes, &pass.policies, &served)
             .await;
+        // The counts of Gateways no longer served are let go.
+        let attached = &mut self.status.attached;
+        attached.retain(|k, _| t.gateways.iter().any(|g| g.key == *k));
         for g in &t.gateways {
             let object = pass.gateways.iter().find(|o| Key::of(o.as_ref()) == g.key);
             let Some(object) = object else {

@@ -62,7 +62,7 @@ pub(super) fn gateway_verdicts(
 /// One listener's entry in a Gateway's status (`current`: the status as
 /// read, for the conditions' transition times).
 pub(super) fn listener_status(
-    attached: &std::collections::HashMap<&str, i32>,
+    attached: &crate::translate::AttachedCounts,
     l: &crate::translate::ListenerOutcome,
     gateway_programmed: &Verdict,
     generation: Option<i64>,
@@ -97,7 +97,7 @@ pub(super) fn listener_status(
     ];
     json!({
         "name": l.name,
-        "attachedRoutes": attached.get(l.name.as_str()).copied().unwrap_or(0),
+        "attachedRoutes": attached.get(l.name.as_str()),
         "supportedKinds": kinds,
         "conditions": with_foreign(ours, &prev),
     })
@@ -245,11 +245,12 @@ impl StatusWriter {
             condition("Programmed", &programmed, generation, &prev),
         ];
         let conditions = with_foreign(ours, &prev);
-        let attached = t.attached_by_listener(&g.key);
+        let attached = self.attached.entry(g.key.clone()).or_default();
+        attached.count(t, &g.key);
         let listeners: Vec<serde_json::Value> = g
             .listeners
             .iter()
-            .map(|l| listener_status(&attached, l, &programmed, generation, &current))
+            .map(|l| listener_status(attached, l, &programmed, generation, &current))
             .collect();
         let desired = json!({
             "conditions": conditions,

@@ -41,6 +41,38 @@ impl Settled {
     }
 }
 
+/// The lists a status walk last went through whole, finding every
+/// object's status right (nothing written, nothing refused, no Event to
+/// retry): while a pass hands over the same objects and the same outcomes
+/// (the same `Arc`s in the same places: the stores' lists keep their
+/// order, and the translation's memo keeps an equal outcome's `Arc`) and
+/// the same Gateways served, every object is still right and the walk is
+/// skipped. Any write to any of the objects (a status written, by anyone)
+/// replaces its `Arc` in the store's list.
+pub(super) struct Walked<O, T> {
+    objects: Vec<Arc<O>>,
+    outcomes: Vec<Arc<T>>,
+    served: u64,
+}
+
+impl<O, T> Walked<O, T> {
+    pub(super) fn new(objects: &[Arc<O>], outcomes: &[Arc<T>], served: u64) -> Self {
+        Walked {
+            objects: objects.to_vec(),
+            outcomes: outcomes.to_vec(),
+            served,
+        }
+    }
+
+    /// Whether `objects`, `outcomes` and `served` are the ones walked.
+    pub(super) fn holds(&self, objects: &[Arc<O>], outcomes: &[Arc<T>], served: u64) -> bool {
+        fn same<X>(a: &[Arc<X>], b: &[Arc<X>]) -> bool {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| Arc::ptr_eq(x, y))
+        }
+        self.served == served && same(&self.objects, objects) && same(&self.outcomes, outcomes)
+    }
+}
+
 /// An object's namespace and name, borrowed.
 pub(super) fn names<K: Resource>(o: &K) -> (&str, &str) {
     let m = o.meta();

@@ -51,6 +51,13 @@ pub(super) struct StatusWriter {
     pub(super) settled: SettledMap<Settled>,
     /// Policies likewise: their `resourceVersion` and outcome.
     pub(super) settled_policies: SettledMap<(String, Arc<crate::translate::PolicyOutcome>)>,
+    /// The routes and their outcomes last walked with every status right.
+    pub(super) routes_walked: Option<super::settled::Walked<TlsRoute, RouteOutcome>>,
+    /// The policies likewise.
+    pub(super) policies_walked:
+        Option<super::settled::Walked<SeedlinkPolicy, crate::translate::PolicyOutcome>>,
+    /// Each served Gateway's `attachedRoutes`, kept from pass to pass.
+    pub(super) attached: HashMap<Key, crate::translate::AttachedCounts>,
 }
 
 /// Events remembered (object, generation, message) so that one is not
@@ -422,6 +429,9 @@ impl StatusWriter {
             failing: std::sync::Mutex::default(),
             settled: SettledMap::default(),
             settled_policies: SettledMap::default(),
+            routes_walked: None,
+            policies_walked: None,
+            attached: HashMap::new(),
         }
     }
 
@@ -447,15 +457,24 @@ impl StatusWriter {
         routes: &[Arc<TlsRoute>],
         served: &[Key],
     ) -> bool {
+        let served_print = {
+            use std::hash::{BuildHasher, BuildHasherDefault};
+            BuildHasherDefault::<std::hash::DefaultHasher>::default().hash_one(served)
+        };
+        let walked = self.routes_walked.take();
+        if walked
+            .as_ref()
+            .is_some_and(|w| w.holds(routes, &t.routes, served_print))
+        {
+            self.routes_walked = walked;
+            return true;
+        }
         let outcomes: FastMap<(&str, &str), &Arc<RouteOutcome>> = t
             .routes
             .iter()
             .map(|r| ((r.key.namespace.as_str(), r.key.name.as_str()), r))
             .collect();
-        let served_print = {
-            use std::hash::{BuildHasher, BuildHasherDefault};
-            BuildHasherDefault::<std::hash::DefaultHasher>::default().hash_one(served)
-        };
+        let mut right = true;
         self.settled.begin();
         for route in routes {
             let (ns, name) = names(route.as_ref());
@@ -469,6 +488,7 @@ impl StatusWriter {
             }
             let key = Key::of(route.as_ref());
             if let Some(o) = outcome.filter(|o| !o.accepted.ok) {
+                right = false;
                 self.event(route.as_ref(), "TLSRoute", o.generation, &o.accepted)
                     .await;
             }
@@ -487,12 +507,17 @@ impl StatusWriter {
                 }
                 continue;
             };
+            right = false;
             if !self.write_route(route, &key, desired).await {
                 return false;
             }
         }
         // The routes gone are forgotten.
         self.settled.end();
+        if right {
+            let walked = super::settled::Walked::new(routes, &t.routes, served_print);
+            self.routes_walked = Some(walked);
+        }
         true
     }
 
@@ -525,11 +550,20 @@ impl StatusWriter {
         t: &Translation,
         policies: &[Arc<SeedlinkPolicy>],
     ) {
+        let walked = self.policies_walked.take();
+        if walked
+            .as_ref()
+            .is_some_and(|w| w.holds(policies, &t.policies, 0))
+        {
+            self.policies_walked = walked;
+            return;
+        }
         let by_policy: FastMap<(&str, &str), _> = t
             .policies
             .iter()
             .map(|p| ((p.key.namespace.as_str(), p.key.name.as_str()), p))
             .collect();
+        let mut right = true;
         self.settled_policies.begin();
         for policy in policies {
             let (ns, name) = names(policy.as_ref());
@@ -543,6 +577,7 @@ impl StatusWriter {
                 continue;
             }
             let key = Key::of(policy.as_ref());
+            right &= o.targets.iter().all(|(_, v)| v.ok);
             for (_, v) in o.targets.iter().filter(|(_, v)| !v.ok) {
                 self.event(policy.as_ref(), "SeedlinkPolicy", o.generation, v)
                     .await;
@@ -556,6 +591,7 @@ impl StatusWriter {
                 }
                 continue;
             };
+            right = false;
             let patch = json!({
                 "metadata": {"resourceVersion": policy.metadata.resource_version},
                 "status": {"ancestors": desired}
@@ -566,6 +602,10 @@ impl StatusWriter {
         }
         // The policies gone are forgotten.
         self.settled_policies.end();
+        if right {
+            let walked = super::settled::Walked::new(policies, &t.policies, 0);
+            self.policies_walked = Some(walked);
+        }
     }
 
     /// Writes each TunnelCluster's status: `Ready`, `AgentsConnected`, the
@@ -992,6 +1032,48 @@ mod settled_tests {
         assert!(w.write_routes(&t(&accepted), &[], &served).await);
         assert_eq!(w.settled.len(), 0);
     }
+
+    /// A walk that found every route's status right is skipped while the
+    /// same routes and outcomes come (the same `Arc`s): an equal route or
+    /// outcome in a new `Arc` is walked again, and a walk that met a
+    /// refused route is never skipped.
+    #[tokio::test]
+    async fn a_walk_that_found_everything_right_is_skipped_until_something_is_new() {
+        let served = [Key {
+            namespace: "gw".into(),
+            name: "gw".into(),
+        }];
+        let bare = route("1", None);
+        let accepted = outcome(&bare, true);
+        let ours = route_parents(&bare, &Key::of(bare.as_ref()), Some(&accepted), &served).unwrap();
+        let written = route("2", Some(serde_json::to_value(ours).unwrap()));
+        let (client, requests) = counting(bare.as_ref());
+        let metrics = SourceMetrics::new("gateway");
+        let mut w = StatusWriter::new(client, Leadership::always(), "test", &metrics);
+        let t = |o: &Arc<RouteOutcome>| Translation {
+            routes: vec![o.clone()],
+            ..Translation::default()
+        };
+        let routes = [written.clone()];
+        assert!(w.write_routes(&t(&accepted), &routes, &served).await);
+        assert!(w.routes_walked.is_some(), "every status right: remembered");
+        // What was settled is forgotten behind the walk's back: a skipped
+        // walk does not look.
+        w.settled = SettledMap::default();
+        assert!(w.write_routes(&t(&accepted), &routes, &served).await);
+        assert_eq!(w.settled.len(), 0, "skipped");
+        let copy = [Arc::new(written.as_ref().clone())];
+        assert!(w.write_routes(&t(&accepted), &copy, &served).await);
+        assert_eq!(w.settled.len(), 1, "a new route Arc: walked");
+        w.settled = SettledMap::default();
+        let again = Arc::new(accepted.as_ref().clone());
+        assert!(w.write_routes(&t(&again), &copy, &served).await);
+        assert_eq!(w.settled.len(), 1, "a new outcome Arc: walked");
+        assert_eq!(requests.load(Ordering::Relaxed), 0, "nothing written");
+        let refused = outcome(&written, false);
+        assert!(w.write_routes(&t(&refused), &copy, &served).await);
+        assert!(w.routes_walked.is_none(), "a refused route: never skipped");
+    }
 }
 
 #[cfg(test)]
@@ -1017,6 +1099,7 @@ mod settled_policy_tests {
 
     /// A policy found right is not looked at again while its version and
     /// outcome stay; either changing makes the pass look (and write).
+
     #[tokio::test]
     async fn a_settled_policy_is_written_again_when_its_outcome_or_version_changes() {
         let bare = policy("1", None);

@@ -297,6 +297,14 @@ impl Memo {
                 .filter(|(a, _)| *a == ns)
                 .map(|(_, b)| b.to_string())
                 .collect();
+            for r in &mut part.routes {
+                self.keep_equal(r);
+            }
+            for (age, p) in &mut part.policies {
+                if let Some(old) = self.policies.get(age).filter(|old| **old == *p) {
+                    *p = old.clone();
+                }
+            }
             self.forget(&[&ns]);
             for r in std::mem::take(&mut part.routes) {
                 part.kept.push(r.age.clone());
@@ -307,6 +315,25 @@ impl Memo {
                 self.policies.insert(age, p);
             }
             self.parts.insert(ns, part);
+        }
+    }
+
+    /// A route translated again keeps the outcome and control plane it
+    /// had (the same `Arc`) where they came out equal: the status walks,
+    /// the `attachedRoutes` count and the compile then find it unchanged
+    /// by a pointer comparison (an EndpointSlice's change translates its
+    /// namespace again, and changes its control plane's endpoints alone).
+    fn keep_equal(&self, r: &mut RoutePart) {
+        let Some(old) = self.routes.get(&r.age) else {
+            return;
+        };
+        if *old.outcome == *r.outcome {
+            r.outcome = old.outcome.clone();
+        }
+        if let (Some(was), Some(now)) = (&old.served, &mut r.served) {
+            if *was.cp == *now.cp {
+                now.cp = was.cp.clone();
+            }
         }
     }
 

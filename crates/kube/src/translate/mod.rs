@@ -21,6 +21,7 @@ use seedlink_config::model::ControlPlane;
 
 use crate::crd::{SeedlinkPolicy, SeedlinkPolicySpec};
 
+mod attached;
 mod backends;
 mod memo;
 mod objects;
@@ -29,6 +30,7 @@ mod placed;
 mod policy;
 mod views;
 
+pub use attached::AttachedCounts;
 pub use backends::unroutable;
 use backends::*;
 use objects::*;

@@ -205,6 +205,44 @@ fn a_pass_translates_only_the_namespaces_that_changed_and_agrees_with_a_whole_on
     assert_eq!(p.pass(&w).1, 0);
 }
 
+/// A namespace translated again keeps the `Arc` of every outcome and
+/// control plane that came out equal: a slice's new address replaces its
+/// control plane alone, and a Service no route names replaces nothing.
+#[test]
+fn what_comes_out_equal_keeps_its_arc() {
+    let (mut w, mut p) = five();
+    let (before, _) = p.pass(&w);
+    let route_of = |t: &Translation, ns: &str| {
+        let r = t.routes.iter().find(|r| r.key.namespace == ns);
+        r.cloned().unwrap()
+    };
+    let cp_of = |t: &Translation, name: &str| {
+        let c = t.control_planes.iter().find(|c| c.name == name);
+        c.cloned().unwrap()
+    };
+    set_slice(&mut w, "t0", "10.0.9.1");
+    let (moved, again) = p.pass(&w);
+    assert_eq!(again, 1);
+    assert!(Arc::ptr_eq(
+        &route_of(&before, "t0"),
+        &route_of(&moved, "t0")
+    ));
+    assert!(Arc::ptr_eq(&before.policies[0], &moved.policies[0]));
+    assert!(!Arc::ptr_eq(
+        &cp_of(&before, "t0.api"),
+        &cp_of(&moved, "t0.api")
+    ));
+    // Another Service in the namespace: translated again, all equal.
+    w.services.push(service("t0", "etcd", 2379, "client"));
+    let (same, again) = p.pass(&w);
+    assert_eq!(again, 1);
+    assert!(Arc::ptr_eq(
+        &cp_of(&moved, "t0.api"),
+        &cp_of(&same, "t0.api")
+    ));
+    assert!(Arc::ptr_eq(&route_of(&moved, "t0"), &route_of(&same, "t0")));
+}
+
 #[test]
 fn what_other_namespaces_and_the_gateway_change_translates_the_readers_again() {
     let (mut w, mut p) = five();
