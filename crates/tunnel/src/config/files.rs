@@ -9,6 +9,80 @@ use super::trust::*;
 use seedlink_config::tunnel::{Cluster, Frontend};
 use seedlink_config::ConfigError;
 
+/// A file as `stat` sees it: a replacement (a rename, as the Kubernetes
+/// source writes) is a new inode; a write in place changes the size or
+/// the modification or change time.
+pub(crate) type Stamp = (u64, u64, u64, i64, i64, i64, i64);
+
+/// How old a file must be for its stamp to stand for its content.
+const RECENT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// File `p`'s stamp; `None` when it cannot be read as a file now, or
+/// changed within the last seconds (a write in place of the same size
+/// within the clock's granularity would leave its stamp as it was): then
+/// nothing read from it before stands for it.
+pub(crate) fn stamp(p: &Path) -> Option<Stamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(p).ok()?;
+    if m.modified().ok()?.elapsed().ok()? < RECENT {
+        return None;
+    }
+    Some((
+        m.dev(),
+        m.ino(),
+        m.size(),
+        m.mtime(),
+        m.mtime_nsec(),
+        m.ctime(),
+        m.ctime_nsec(),
+    ))
+}
+
+/// What was read from files, by path and a tag, with each file's stamp
+/// when read. Every pass of the Kubernetes source names a thousand
+/// clusters' trust files, and reading each again (parsing its PEM,
+/// verifying its CA's signature) was most of the tunnel-server's CPU per
+/// pass at a thousand tenants; a file whose stamp stayed is not read again.
+pub(crate) struct ByStamp<T>(std::sync::LazyLock<std::sync::Mutex<ByPath<T>>>);
+
+type ByPath<T> = std::collections::HashMap<(PathBuf, u8), (Stamp, T)>;
+
+/// The most entries a [`ByStamp`] keeps; past it, it starts again (the
+/// files of clusters gone are not kept forever).
+const MOST_KEPT: usize = 65_536;
+
+impl<T: Clone> ByStamp<T> {
+    pub(crate) const fn new() -> Self {
+        ByStamp(std::sync::LazyLock::new(Default::default))
+    }
+
+    /// `read(p)`, or what it gave while `p`'s stamp stays.
+    pub(crate) fn get(&self, p: &Path, tag: u8, read: impl FnOnce(&Path) -> T) -> T {
+        let Some(before) = stamp(p) else {
+            return read(p);
+        };
+        let key = (p.to_path_buf(), tag);
+        if let Some((was, v)) = seedlink_net::sync::lock(&self.0, "files read").get(&key) {
+            if *was == before {
+                return v.clone();
+            }
+        }
+        let v = read(p);
+        // Replaced while it was read: read again next time.
+        if stamp(p) == Some(before) {
+            let mut kept = seedlink_net::sync::lock(&self.0, "files read");
+            if kept.len() >= MOST_KEPT {
+                kept.clear();
+            }
+            kept.insert(key, (before, v.clone()));
+        }
+        v
+    }
+}
+
+/// The checks of [`Kind::check`], by file and kind.
+static CHECKED: ByStamp<Result<(), String>> = ByStamp::new();
+
 /// What a file named by the configuration must hold.
 #[derive(Clone, Copy)]
 pub(super) enum Kind {
@@ -22,8 +96,14 @@ pub(super) enum Kind {
 }
 
 impl Kind {
-    /// Reads `p` and parses it as this kind; why not, if it is not.
+    /// Reads `p` and parses it as this kind; why not, if it is not. A
+    /// file whose stamp stayed since it was checked is not read again.
     fn check(self, p: &Path) -> Result<(), String> {
+        CHECKED.get(p, self as u8, |p| self.read_check(p))
+    }
+
+    /// [`Kind::check`], reading `p`.
+    fn read_check(self, p: &Path) -> Result<(), String> {
         use crate::auth::tls::{load_certs, load_key, load_roots};
         match self {
             Kind::Certs => load_certs(p).map(|_| ()).map_err(|e| e.to_string()),
@@ -135,6 +215,25 @@ impl ServerConfig {
         errs.0
     }
 
+    /// [`ServerConfig::check_files`] of a configuration holding cluster
+    /// `c` alone: the files it and its frontends name, each problem blamed
+    /// on `clusters[0] (<name>)`.
+    pub(super) fn check_cluster_files(c: &Cluster) -> Vec<ConfigError> {
+        let at = format!("clusters[0] ({})", c.name);
+        let mut files = Vec::new();
+        cluster_files(&at, c, &mut files);
+        for (j, f) in c.frontends.iter().enumerate() {
+            frontend_files(&format!("{at}.frontends[{j}] ({})", f.name), f, &mut files);
+        }
+        let mut errs = Problems::default();
+        for (at, p, kind) in files {
+            if let Err(e) = kind.check(p) {
+                errs.add(at, format!("{}: {e}", p.display()));
+            }
+        }
+        errs.0
+    }
+
     /// Every file the configuration names: the key that names it, the
     /// path, what it must hold.
     fn named_files(&self) -> Vec<(String, &Path, Kind)> {
@@ -159,5 +258,49 @@ impl ServerConfig {
             frontend_files(&at, f, &mut files);
         }
         files
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::path::Path;
+    use std::time::{Duration, SystemTime};
+
+    use super::ByStamp;
+
+    /// Writes `text` to `p` with a modification time a minute ago.
+    fn write_old(p: &Path, text: &str) {
+        std::fs::write(p, text).unwrap();
+        let f = std::fs::File::options().write(true).open(p).unwrap();
+        f.set_modified(SystemTime::now() - Duration::from_secs(60))
+            .unwrap();
+    }
+
+    /// A file is read once while its stamp stays; replaced (a rename, a
+    /// new inode) it is read again; changed within the last seconds it is
+    /// read every time.
+    #[test]
+    fn a_file_is_read_again_only_when_its_stamp_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("ca.pem");
+        write_old(&p, "a");
+        let cache: ByStamp<String> = ByStamp::new();
+        let reads = Cell::new(0);
+        let get = || {
+            cache.get(&p, 0, |p| {
+                reads.set(reads.get() + 1);
+                std::fs::read_to_string(p).unwrap()
+            })
+        };
+        assert_eq!((get(), get(), reads.get()), ("a".into(), "a".into(), 1));
+        let next = dir.path().join("ca.pem.new");
+        write_old(&next, "b");
+        std::fs::rename(&next, &p).unwrap();
+        assert_eq!((get(), get(), reads.get()), ("b".into(), "b".into(), 2));
+        std::fs::write(&p, "c").unwrap();
+        assert_eq!((get(), get(), reads.get()), ("c".into(), "c".into(), 4));
+        let other = cache.get(&p, 1, |_| "another tag".to_string());
+        assert_eq!(other, "another tag");
     }
 }

@@ -7,7 +7,7 @@
 //! (YAML in, every check, problems blamed on their paths).
 
 mod check;
-mod files;
+pub(crate) mod files;
 mod model;
 mod parse;
 #[cfg(test)]

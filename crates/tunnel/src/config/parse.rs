@@ -54,18 +54,13 @@ impl ServerConfig {
     /// The files each extra cluster names must read as what they are; a
     /// problem is that cluster's.
     fn blame_files(
-        file: &ServerConfig,
         extra: &[Cluster],
         bad: &mut std::collections::BTreeMap<usize, Vec<ConfigError>>,
     ) {
-        let mut alone = file.clone();
-        alone.shared_frontends.clear();
         for (i, c) in extra.iter().enumerate() {
-            alone.clusters = vec![c.clone()];
-            for e in alone.check_files() {
-                if e.path.starts_with("clusters[") {
-                    bad.entry(i).or_default().push(e);
-                }
+            let problems = Self::check_cluster_files(c);
+            if !problems.is_empty() {
+                bad.entry(i).or_default().extend(problems);
             }
         }
     }
@@ -91,7 +86,7 @@ impl ServerConfig {
         if !own.is_empty() {
             return Err(Errors(own));
         }
-        Self::blame_files(file, extra, &mut bad);
+        Self::blame_files(extra, &mut bad);
         Ok(bad)
     }
 

@@ -17,10 +17,8 @@ pub(super) fn trust_keys(c: &Cluster) -> Vec<(Vec<u8>, &'static str)> {
     use rustls::pki_types::pem::PemObject;
     let mut out = Vec::new();
     if let Some(p) = &c.agent_ca {
-        for der in crate::auth::tls::load_certs(p).unwrap_or_default() {
-            if let Ok((_, x)) = x509_parser::parse_x509_certificate(&der) {
-                out.push((x.tbs_certificate.subject_pki.raw.to_vec(), "agent_ca"));
-            }
+        for k in CA_KEYS.get(p, 0, ca_keys) {
+            out.push((k, "agent_ca"));
         }
     }
     if let Some(p) = c.agent_token.as_ref().and_then(|t| t.keys.as_ref()) {
@@ -32,6 +30,20 @@ pub(super) fn trust_keys(c: &Cluster) -> Vec<(Vec<u8>, &'static str)> {
     }
     out
 }
+
+/// The public keys of the CA certificates in file `p` (none if it does
+/// not read).
+fn ca_keys(p: &std::path::Path) -> Vec<Vec<u8>> {
+    let certs = crate::auth::tls::load_certs(p).unwrap_or_default();
+    certs
+        .iter()
+        .filter_map(|der| x509_parser::parse_x509_certificate(der).ok())
+        .map(|(_, x)| x.tbs_certificate.subject_pki.raw.to_vec())
+        .collect()
+}
+
+/// [`ca_keys`] by file, while the file's stamp stays.
+static CA_KEYS: super::files::ByStamp<Vec<Vec<u8>>> = super::files::ByStamp::new();
 
 /// Who holds each trust claim in `cfg` (claim → cluster name): what
 /// [`keep_first_trust`] is given on the next change.

@@ -258,7 +258,7 @@ pub struct PlanCache(std::sync::Mutex<std::collections::HashMap<String, Cached>>
 /// One cluster's entry in a [`PlanCache`].
 pub struct Cached {
     cfg: crate::config::Cluster,
-    stamps: Vec<Option<Stamp>>,
+    stamps: Vec<Option<crate::config::files::Stamp>>,
     trust: Trust,
 }
 
@@ -269,18 +269,10 @@ struct Trust {
     proxy_password: Option<String>,
 }
 
-/// A file as `stat` sees it: a replacement (a rename, as the Kubernetes
-/// source writes) is a new inode; a write in place changes the size or
-/// the modification or change time.
-type Stamp = (u64, u64, u64, i64, i64, i64, i64);
-
-/// How old a file must be for its stamp to stand for its content.
-const RECENT: std::time::Duration = std::time::Duration::from_secs(2);
-
 /// The stamps of every file cluster `c`'s trust names (`None`: it cannot
-/// be read as a file now, so nothing is reused).
-fn stamps(c: &crate::config::Cluster) -> Vec<Option<Stamp>> {
-    use std::os::unix::fs::MetadataExt;
+/// be read as a file now, or changed within the last seconds, so nothing
+/// is reused).
+fn stamps(c: &crate::config::Cluster) -> Vec<Option<crate::config::files::Stamp>> {
     let token = c.agent_token.as_ref();
     let review = token.and_then(|t| t.review.as_ref());
     let files = [
@@ -295,24 +287,7 @@ fn stamps(c: &crate::config::Cluster) -> Vec<Option<Stamp>> {
     files
         .into_iter()
         .flatten()
-        .map(|p| {
-            let m = std::fs::metadata(p).ok()?;
-            // A file changed within the last seconds is read again: a
-            // write in place of the same size within the clock's
-            // granularity would leave its stamp as it was.
-            if m.modified().ok()?.elapsed().ok()? < RECENT {
-                return None;
-            }
-            Some((
-                m.dev(),
-                m.ino(),
-                m.size(),
-                m.mtime(),
-                m.mtime_nsec(),
-                m.ctime(),
-                m.ctime_nsec(),
-            ))
-        })
+        .map(crate::config::files::stamp)
         .collect()
 }
 
