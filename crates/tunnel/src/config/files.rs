@@ -17,10 +17,14 @@ pub(crate) type Stamp = (u64, u64, u64, i64, i64, i64, i64);
 /// How old a file must be for its stamp to stand for its content.
 const RECENT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// File `p`'s stamp; `None` when it cannot be read as a file now, or
-/// changed within the last seconds (a write in place of the same size
+/// File `p`'s stamp; `None` when it cannot be read as a file now, or was
+/// modified within the last seconds (a write in place of the same size
 /// within the clock's granularity would leave its stamp as it was): then
-/// nothing read from it before stands for it.
+/// nothing read from it before stands for it. Not covered: a writer that
+/// rewrites a file in place with the same size and sets its modification
+/// time back, twice within one tick of the change time (the Kubernetes
+/// source writes by rename; an operator's tool that preserves times, such
+/// as `rsync --inplace -t`, may: touch the file after it).
 pub(crate) fn stamp(p: &Path) -> Option<Stamp> {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(p).ok()?;
@@ -43,31 +47,43 @@ pub(crate) fn stamp(p: &Path) -> Option<Stamp> {
 /// clusters' trust files, and reading each again (parsing its PEM,
 /// verifying its CA's signature) was most of the tunnel-server's CPU per
 /// pass at a thousand tenants; a file whose stamp stayed is not read again.
+/// Only what read well is kept: a failure (a file that does not parse, or
+/// a read that failed for a while: no descriptor left, an I/O error) is
+/// read again on the next pass, so a passing failure never stands for a
+/// file's content. Each entry is small (a path and a few hundred bytes:
+/// callers keep no more), and their number is bounded.
 pub(crate) struct ByStamp<T>(std::sync::LazyLock<std::sync::Mutex<ByPath<T>>>);
 
 type ByPath<T> = std::collections::HashMap<(PathBuf, u8), (Stamp, T)>;
 
 /// The most entries a [`ByStamp`] keeps; past it, it starts again (the
-/// files of clusters gone are not kept forever).
-const MOST_KEPT: usize = 65_536;
+/// files of clusters gone are not kept forever): a few per cluster, for
+/// several thousand clusters.
+const MOST_KEPT: usize = 16_384;
 
 impl<T: Clone> ByStamp<T> {
     pub(crate) const fn new() -> Self {
         ByStamp(std::sync::LazyLock::new(Default::default))
     }
 
-    /// `read(p)`, or what it gave while `p`'s stamp stays.
-    pub(crate) fn get(&self, p: &Path, tag: u8, read: impl FnOnce(&Path) -> T) -> T {
+    /// `read(p)`, or what it gave while `p`'s stamp stays; an `Err` is
+    /// not kept.
+    pub(crate) fn get<E>(
+        &self,
+        p: &Path,
+        tag: u8,
+        read: impl FnOnce(&Path) -> Result<T, E>,
+    ) -> Result<T, E> {
         let Some(before) = stamp(p) else {
             return read(p);
         };
         let key = (p.to_path_buf(), tag);
         if let Some((was, v)) = seedlink_net::sync::lock(&self.0, "files read").get(&key) {
             if *was == before {
-                return v.clone();
+                return Ok(v.clone());
             }
         }
-        let v = read(p);
+        let v = read(p)?;
         // Replaced while it was read: read again next time.
         if stamp(p) == Some(before) {
             let mut kept = seedlink_net::sync::lock(&self.0, "files read");
@@ -76,12 +92,12 @@ impl<T: Clone> ByStamp<T> {
             }
             kept.insert(key, (before, v.clone()));
         }
-        v
+        Ok(v)
     }
 }
 
-/// The checks of [`Kind::check`], by file and kind.
-static CHECKED: ByStamp<Result<(), String>> = ByStamp::new();
+/// The files [`Kind::check`] found right, by file and kind.
+static CHECKED: ByStamp<()> = ByStamp::new();
 
 /// What a file named by the configuration must hold.
 #[derive(Clone, Copy)]
@@ -288,10 +304,11 @@ mod tests {
         let cache: ByStamp<String> = ByStamp::new();
         let reads = Cell::new(0);
         let get = || {
-            cache.get(&p, 0, |p| {
+            let got = cache.get(&p, 0, |p| {
                 reads.set(reads.get() + 1);
-                std::fs::read_to_string(p).unwrap()
-            })
+                std::fs::read_to_string(p)
+            });
+            got.unwrap()
         };
         assert_eq!((get(), get(), reads.get()), ("a".into(), "a".into(), 1));
         let next = dir.path().join("ca.pem.new");
@@ -300,7 +317,13 @@ mod tests {
         assert_eq!((get(), get(), reads.get()), ("b".into(), "b".into(), 2));
         std::fs::write(&p, "c").unwrap();
         assert_eq!((get(), get(), reads.get()), ("c".into(), "c".into(), 4));
-        let other = cache.get(&p, 1, |_| "another tag".to_string());
-        assert_eq!(other, "another tag");
+        let other = cache.get(&p, 1, |_| Ok::<_, ()>("another tag".to_string()));
+        assert_eq!(other, Ok("another tag".to_string()));
+        // A failure is not kept: the next read is made.
+        write_old(&p, "d");
+        let failed = cache.get(&p, 2, |_| Err::<String, _>("no descriptor left"));
+        assert_eq!(failed, Err("no descriptor left"));
+        let read = cache.get(&p, 2, |p| std::fs::read_to_string(p).map_err(|_| "read"));
+        assert_eq!(read, Ok("d".to_string()));
     }
 }

@@ -17,7 +17,8 @@ pub(super) fn trust_keys(c: &Cluster) -> Vec<(Vec<u8>, &'static str)> {
     use rustls::pki_types::pem::PemObject;
     let mut out = Vec::new();
     if let Some(p) = &c.agent_ca {
-        for k in CA_KEYS.get(p, 0, ca_keys) {
+        let keys = CA_KEYS.get(p, 0, ca_keys);
+        for k in keys.unwrap_or_else(|()| every_ca_key(p)) {
             out.push((k, "agent_ca"));
         }
     }
@@ -31,16 +32,39 @@ pub(super) fn trust_keys(c: &Cluster) -> Vec<(Vec<u8>, &'static str)> {
     out
 }
 
-/// The public keys of the CA certificates in file `p` (none if it does
-/// not read).
-fn ca_keys(p: &std::path::Path) -> Vec<Vec<u8>> {
-    let certs = crate::auth::tls::load_certs(p).unwrap_or_default();
+/// The public keys of the CA certificates in file `p`, to be kept by the
+/// file's stamp; `Err` (nothing kept: [`every_ca_key`] reads it, now and
+/// next time) when it does not read, or holds more than
+/// [`MAX_AGENT_CAS`] certificates or [`MOST_KEY_BYTES`] of keys (such a
+/// file is refused anyway, and a cache of it would hold its size).
+fn ca_keys(p: &std::path::Path) -> Result<Vec<Vec<u8>>, ()> {
+    let certs = crate::auth::tls::load_certs(p).map_err(|_| ())?;
+    if certs.len() > MAX_AGENT_CAS {
+        return Err(());
+    }
+    let keys = keys_of(&certs);
+    match keys.iter().map(Vec::len).sum::<usize>() <= MOST_KEY_BYTES {
+        true => Ok(keys),
+        false => Err(()),
+    }
+}
+
+/// The public keys of every certificate in file `p` that parses (none if
+/// it does not read).
+fn every_ca_key(p: &std::path::Path) -> Vec<Vec<u8>> {
+    keys_of(&crate::auth::tls::load_certs(p).unwrap_or_default())
+}
+
+fn keys_of(certs: &[rustls::pki_types::CertificateDer<'_>]) -> Vec<Vec<u8>> {
     certs
         .iter()
         .filter_map(|der| x509_parser::parse_x509_certificate(der).ok())
         .map(|(_, x)| x.tbs_certificate.subject_pki.raw.to_vec())
         .collect()
 }
+
+/// The most bytes of CA keys kept per file: sixteen RSA-4096 keys.
+const MOST_KEY_BYTES: usize = 16 * 600;
 
 /// [`ca_keys`] by file, while the file's stamp stays.
 static CA_KEYS: super::files::ByStamp<Vec<Vec<u8>>> = super::files::ByStamp::new();
