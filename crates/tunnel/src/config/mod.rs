@@ -7,9 +7,10 @@
 //! (YAML in, every check, problems blamed on their paths).
 
 mod check;
-pub(crate) mod files;
+mod files;
 mod model;
 mod parse;
+pub(crate) mod stamp;
 #[cfg(test)]
 mod tests;
 mod trust;

@@ -67,7 +67,7 @@ fn keys_of(certs: &[rustls::pki_types::CertificateDer<'_>]) -> Vec<Vec<u8>> {
 const MOST_KEY_BYTES: usize = 16 * 600;
 
 /// [`ca_keys`] by file, while the file's stamp stays.
-static CA_KEYS: super::files::ByStamp<Vec<Vec<u8>>> = super::files::ByStamp::new();
+static CA_KEYS: super::stamp::ByStamp<Vec<Vec<u8>>> = super::stamp::ByStamp::new();
 
 /// Who holds each trust claim in `cfg` (claim → cluster name): what
 /// [`keep_first_trust`] is given on the next change.

@@ -258,7 +258,7 @@ pub struct PlanCache(std::sync::Mutex<std::collections::HashMap<String, Cached>>
 /// One cluster's entry in a [`PlanCache`].
 pub struct Cached {
     cfg: crate::config::Cluster,
-    stamps: Vec<Option<crate::config::files::Stamp>>,
+    stamps: Vec<Option<crate::config::stamp::Stamp>>,
     trust: Trust,
 }
 
@@ -272,7 +272,7 @@ struct Trust {
 /// The stamps of every file cluster `c`'s trust names (`None`: it cannot
 /// be read as a file now, or changed within the last seconds, so nothing
 /// is reused).
-fn stamps(c: &crate::config::Cluster) -> Vec<Option<crate::config::files::Stamp>> {
+fn stamps(c: &crate::config::Cluster) -> Vec<Option<crate::config::stamp::Stamp>> {
     let token = c.agent_token.as_ref();
     let review = token.and_then(|t| t.review.as_ref());
     let files = [
@@ -287,7 +287,7 @@ fn stamps(c: &crate::config::Cluster) -> Vec<Option<crate::config::files::Stamp>
     files
         .into_iter()
         .flatten()
-        .map(crate::config::files::stamp)
+        .map(crate::config::stamp::stamp)
         .collect()
 }
 
