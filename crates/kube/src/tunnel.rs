@@ -588,7 +588,10 @@ fn tls_files(
     ))
 }
 
-/// Replaces `path` by a file (0600) holding `bytes`, by a rename.
+/// Replaces `path` by a file (0600) holding `bytes`, by a rename; its
+/// readers in this process are told (`seedlink_net::written`): this
+/// directory is written only here, so what they read from a file stands
+/// until it is written again.
 fn replace_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
@@ -601,7 +604,10 @@ fn replace_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
         .open(&tmp)?;
     f.write_all(bytes)?;
     drop(f);
-    std::fs::rename(&tmp, path)
+    let renamed = std::fs::rename(&tmp, path);
+    // Even a failed rename may have replaced it.
+    seedlink_net::written::wrote(path);
+    renamed
 }
 
 /// [`materialize`], knowing the files `written` last time (`None`:
@@ -630,7 +636,7 @@ pub fn materialize_since(
     for path in written.keys().filter(|p| !files.contains_key(*p)) {
         match std::fs::remove_file(path) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-            _ => {}
+            _ => seedlink_net::written::removed(path),
         }
         // Its cluster's directory goes with its last file.
         if let Some(dir) = path.parent().filter(|d| *d != trust_dir) {
@@ -657,6 +663,7 @@ pub fn materialize(trust_dir: &Path, files: &BTreeMap<PathBuf, Vec<u8>>) -> std:
                 .create(dir)?;
         }
         if std::fs::read(path).is_ok_and(|old| old == *bytes) {
+            seedlink_net::written::known(path);
             continue;
         }
         replace_file(path, bytes)?;
@@ -673,6 +680,7 @@ pub fn materialize(trust_dir: &Path, files: &BTreeMap<PathBuf, Vec<u8>>) -> std:
                 kept = true;
             } else {
                 std::fs::remove_file(f.path())?;
+                seedlink_net::written::removed(&f.path());
             }
         }
         if !kept {
@@ -1027,10 +1035,18 @@ mod tests {
         materialize_since(dir.path(), &before, None).unwrap();
         let ino = |p: &str| std::fs::metadata(at(p)).unwrap().ino();
         let (a, b) = (ino("a/ca.crt"), ino("b/ca.crt"));
+        let version = |p: &str| seedlink_net::written::version(&at(p));
+        let (va, vb) = (version("a/ca.crt"), version("b/ca.crt"));
+        assert!(va.is_some() && vb.is_some() && version("c/ca.crt").is_some());
         let after = files(&[("a/ca.crt", "a"), ("b/ca.crt", "b2"), ("d/ca.crt", "d")]);
         materialize_since(dir.path(), &after, Some(&before)).unwrap();
         assert_eq!(ino("a/ca.crt"), a, "unchanged: not written");
         assert_ne!(ino("b/ca.crt"), b, "changed: replaced");
+        // Its readers are told what was written and what went.
+        assert_eq!(version("a/ca.crt"), va);
+        assert!(version("b/ca.crt").is_some() && version("b/ca.crt") != vb);
+        assert_eq!(version("c/ca.crt"), None);
+        assert!(version("d/ca.crt").is_some());
         assert_eq!(std::fs::read(at("b/ca.crt")).unwrap(), b"b2");
         assert_eq!(std::fs::read(at("d/ca.crt")).unwrap(), b"d");
         assert!(!at("c").exists(), "removed with its directory");

@@ -12,6 +12,7 @@
 //! - [`lowprio`]: a runtime on a lower-priority thread (handshakes anyone can ask for).
 //! - [`memtrim`]: gives freed memory back to the system after a burst (glibc).
 //! - [`sync`]: mutex locking that reports poisoning (a bug) instead of skipping work.
+//! - [`written`]: files this process writes itself, versioned, so their readers need no `stat`.
 
 pub mod accept;
 pub mod admin;
@@ -31,3 +32,4 @@ pub mod sockopt;
 mod splice;
 pub mod synblock;
 pub mod sync;
+pub mod written;

@@ -1949,6 +1949,53 @@ async fn api_server_connections_do_not_grow_with_tenant_namespaces() {
     );
 }
 
+/// Past the watches `kubernetes.max_api_connections` leaves (here 2: the
+/// main connection and one of CONN_WATCHES watches), the other tenant
+/// namespaces' trust is listed again on a pace: the connections stay at
+/// the bound, every tenant is still served, and a CA replaced in a
+/// namespace past the bound reaches the server (within the pace's 10 s
+/// interval; the bound here is generous).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trust_past_the_connection_bound_is_listed_on_a_pace() {
+    let bed = ConnBed::start_with("namespaces", "max_api_connections: 2").await;
+    // The two, and one of slack for a connection ended meanwhile.
+    let accepted = bed.proxy.accepted.load(Ordering::Relaxed);
+    assert!(
+        accepted <= 3,
+        "{accepted} connections to the API server for {CONN_TENANTS} tenant namespaces (at most 3 expected)"
+    );
+    let (_, metrics) = http_get(bed.admin, "/metrics").await;
+    let polled = CONN_TENANTS - CONN_WATCHES;
+    for line in [
+        "seedlink_kubernetes_api_connections{source=\"tunnel\"} 2\n".to_string(),
+        format!("seedlink_kubernetes_trust_polled_namespaces{{source=\"tunnel\"}} {polled}\n"),
+    ] {
+        assert!(metrics.contains(&line), "no {line:?} in:\n{metrics}");
+    }
+    // Watched are the first CONN_WATCHES namespaces by name (conn-0,
+    // conn-1, conn-10, conn-11): conn-5 is listed on the pace.
+    let ns = "conn-5";
+    let ca = seedlink::demo::Pki::generate(&[]).unwrap().ca_pem;
+    kubeapi::apply(
+        &bed.client,
+        json!({"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": "agent-ca", "namespace": ns,
+                            "labels": {"seedlink.dev/tunnel-trust": "true"}},
+               "data": {"ca.crt": ca}}),
+    )
+    .await;
+    let file = bed
+        ._dir
+        .path()
+        .join(format!("trust/{ns}.tunnel/configmap-agent-ca-ca.crt"));
+    eventually(
+        "the replaced CA in the server's trust directory",
+        Duration::from_secs(90),
+        async || std::fs::read_to_string(&file).is_ok_and(|t| t == ca),
+    )
+    .await;
+}
+
 /// `trust_watch: cluster`: the labelled trust of every tenant namespace
 /// comes from one watch of each kind across the cluster (bound
 /// cluster-wide, no RoleBinding in any tenant namespace), so the
@@ -1979,6 +2026,7 @@ async fn a_cluster_wide_trust_watch_holds_one_connection_whatever_the_tenants() 
 struct ConnBed {
     proxy: FaultProxy,
     admin: SocketAddr,
+    client: kube::Client,
     _server: Proc,
     _dir: tempfile::TempDir,
     _api: KubeApi,
@@ -1999,6 +2047,11 @@ async fn own_api() -> KubeApi {
 
 impl ConnBed {
     async fn start(trust_watch: &str) -> ConnBed {
+        ConnBed::start_with(trust_watch, "").await
+    }
+
+    /// With `more` in the `kubernetes` section (`key: value`).
+    async fn start_with(trust_watch: &str, more: &str) -> ConnBed {
         // An API server of its own: the tunnel-server follows every
         // TunnelCluster's namespace, and the shared one holds other tests'.
         let api = own_api().await;
@@ -2050,6 +2103,10 @@ impl ConnBed {
         std::fs::write(&crt, &leaf.cert_pem).unwrap();
         std::fs::write(&key, &leaf.key_pem).unwrap();
         let d = dir.path().display();
+        let more = match more {
+            "" => String::new(),
+            m => format!(", {m}"),
+        };
         let config = dir.path().join("tunnel.yaml");
         std::fs::write(
             &config,
@@ -2059,7 +2116,7 @@ admin: {{listen: '127.0.0.1:0'}}
 clusters: []
 frontend_templates:
   - {{name: uds, protocol: http-connect, unix: '{d}/{{cluster}}.sock'}}
-kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust', watches_per_connection: {CONN_WATCHES}, trust_watch: {trust_watch}}}
+kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust', watches_per_connection: {CONN_WATCHES}, trust_watch: {trust_watch}{more}}}
 ",
                 crt.display(),
                 key.display()
@@ -2091,6 +2148,7 @@ kubernetes: {{lease: {sys}/seedlink-tunnel-status, trust_dir: '{d}/trust', watch
         ConnBed {
             proxy,
             admin,
+            client,
             _server: server,
             _dir: dir,
             _api: api,

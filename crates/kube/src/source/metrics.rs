@@ -71,6 +71,7 @@ pub struct SourceMetrics {
     budget_waits: Counter,
     connections: Gauge,
     watches: Gauge,
+    polled: Gauge,
 }
 
 impl SourceMetrics {
@@ -96,6 +97,7 @@ impl SourceMetrics {
             budget_waits: Counter::default(),
             connections: Gauge::default(),
             watches: Gauge::default(),
+            polled: Gauge::default(),
         };
         m.register(&mut r);
         SourceMetrics {
@@ -136,6 +138,17 @@ impl SourceMetrics {
         );
         r.register("api_connections", "Connections' clients to the API server (HTTP/2; the main one and those the per-namespace watches share)", m.connections.clone());
         r.register("watches", "Watches open", m.watches.clone());
+        r.register("trust_polled_namespaces", "Tenant namespaces (and kinds) whose labelled trust is listed again on a pace instead of watched: past kubernetes.max_api_connections' worth of watches", m.polled.clone());
+    }
+
+    /// How many namespaces' trust is listed on a pace now.
+    pub(super) fn polled(&self) -> usize {
+        usize::try_from(self.polled.get()).unwrap_or(0)
+    }
+
+    /// How many namespaces' trust is listed on a pace, not watched.
+    pub(super) fn set_polled(&self, n: usize) {
+        self.polled.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 
     pub(super) fn listed(&self, kind: &str) {
@@ -213,6 +226,10 @@ impl SourceMetrics {
                 self.connections.get().to_string(),
             ),
             ("watches".into(), self.watches.get().to_string()),
+            (
+                "trust listed on a pace (past the watches' connections)".into(),
+                self.polled.get().to_string(),
+            ),
             (
                 "status written".into(),
                 sum(&self.writes, Write::Written).to_string(),

@@ -31,6 +31,7 @@ mod gateway;
 mod gateway_status;
 mod handle;
 mod metrics;
+mod poll;
 mod released;
 mod settled;
 mod sink;

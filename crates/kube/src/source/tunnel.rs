@@ -121,6 +121,10 @@ pub struct TunnelSettings {
     /// How the labelled Secrets and ConfigMaps are watched
     /// (`kubernetes.trust_watch`).
     pub trust_watch: seedlink_config::tunnel::TrustWatch,
+    /// With `trust_watch: namespaces`, the most per-namespace watches
+    /// (what `kubernetes.max_api_connections` leaves beside the main
+    /// connection); the namespaces past them are listed on a pace.
+    pub max_trust_watches: usize,
     /// How long a claim a cluster stops trusting stays reserved to it
     /// (`status.released`).
     pub released_trust_hold: Duration,
@@ -143,12 +147,30 @@ pub(super) const TRUST_LIST_WAIT: Duration = Duration::from_secs(5);
 /// (docs/KUBERNETES.md). With `trust_watch: cluster`, one watch of each
 /// kind across the cluster, filtered here to the same namespaces: two
 /// watches whatever the tenant count, through a ClusterRoleBinding.
+///
+/// Per namespace, at most `most_watches` watches (what
+/// `kubernetes.max_api_connections` leaves beside the main connection);
+/// the namespaces past them are listed again on a pace instead
+/// (`poll.rs`), the first ones come first and keep their watch, and a
+/// watch freed goes to a namespace listed on the pace.
 #[derive(Default)]
 pub(super) struct TrustWatches {
-    secrets: HashMap<String, (Store<Secret>, CancellationToken)>,
-    config_maps: HashMap<String, (Store<ConfigMap>, CancellationToken)>,
+    secrets: HashMap<String, Followed<Secret>>,
+    config_maps: HashMap<String, Followed<ConfigMap>>,
+    /// The most per-namespace watches.
+    most_watches: usize,
+    /// The turns of the lists of the namespaces past them.
+    pace: super::poll::Pace,
     /// The cluster-wide watches (`trust_watch: cluster`).
     cluster: Option<ClusterTrust>,
+}
+
+/// One namespace's labelled objects of one kind: watched, or listed on a
+/// pace (`polled`); until `stop`.
+struct Followed<K: TrustKind> {
+    store: Store<K>,
+    stop: CancellationToken,
+    polled: bool,
 }
 
 /// The cluster-wide trust watches, and the namespaces read from them
@@ -192,7 +214,12 @@ type ConfigMap = k8s_openapi::api::core::v1::ConfigMap;
 impl TrustWatches {
     /// The trust watches `trust_watch` asks for: the cluster-wide ones
     /// start here, the per-namespace ones as clusters name them.
-    pub(super) fn new(w: &Watches, trust_watch: seedlink_config::tunnel::TrustWatch) -> Self {
+    /// Per namespace, at most `most_watches` watches.
+    pub(super) fn new(
+        w: &Watches,
+        trust_watch: seedlink_config::tunnel::TrustWatch,
+        most_watches: usize,
+    ) -> Self {
         let cluster = (trust_watch == seedlink_config::tunnel::TrustWatch::Cluster).then(|| {
             let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
             let wanted = Wanted::default();
@@ -206,6 +233,7 @@ impl TrustWatches {
         });
         TrustWatches {
             cluster,
+            most_watches,
             ..Default::default()
         }
     }
@@ -234,8 +262,14 @@ impl TrustWatches {
             }
             return;
         }
-        let new_secrets = follow_kind(w, &mut self.secrets, secrets);
-        let new_config_maps = follow_kind(w, &mut self.config_maps, config_maps);
+        stop_unwanted(&mut self.secrets, &secrets);
+        stop_unwanted(&mut self.config_maps, &config_maps);
+        let held = counted(&self.secrets, false) + counted(&self.config_maps, false);
+        let mut room = self.most_watches.saturating_sub(held);
+        let pace = &self.pace;
+        let new_secrets = follow_kind(w, &mut self.secrets, secrets, &mut room, pace);
+        let new_config_maps = follow_kind(w, &mut self.config_maps, config_maps, &mut room, pace);
+        self.count_polled(w);
         // Every new watch at once, within one bound: a namespace whose
         // RoleBinding is missing (never listed) costs a pass this wait
         // once, not once per namespace and kind.
@@ -261,10 +295,48 @@ impl TrustWatches {
                 in_namespaces(&c.config_maps, &w.1),
             );
         }
-        let secrets = self.secrets.values().flat_map(|(s, _)| s.state());
-        let config_maps = self.config_maps.values().flat_map(|(c, _)| c.state());
+        let secrets = self.secrets.values().flat_map(|f| f.store.state());
+        let config_maps = self.config_maps.values().flat_map(|f| f.store.state());
         (secrets.collect(), config_maps.collect())
     }
+
+    /// Counts the namespaces listed on the pace, and says so when their
+    /// number changes.
+    fn count_polled(&self, w: &Watches) {
+        let n = counted(&self.secrets, true) + counted(&self.config_maps, true);
+        let was = w.tx.metrics.polled();
+        w.tx.metrics.set_polled(n);
+        if n > 0 && n != was {
+            let every = super::poll::EVERY_AT_LEAST.max(std::time::Duration::from_secs(
+                n as u64 / u64::from(super::poll::PER_SECOND),
+            ));
+            tracing::warn!(
+                polled = n,
+                watches = self.most_watches,
+                every_seconds = every.as_secs(),
+                "kubernetes: more tenant namespaces' trust than kubernetes.max_api_connections leaves watches for; the rest is listed again on a pace (a change there is seen within the interval); raise max_api_connections or watches_per_connection where the API server allows more streams, or use trust_watch: cluster"
+            );
+        }
+    }
+}
+
+/// How many namespaces are listed on the pace (`polled`), or watched.
+fn counted<K: TrustKind>(followed: &HashMap<String, Followed<K>>, polled: bool) -> usize {
+    followed.values().filter(|f| f.polled == polled).count()
+}
+
+/// Stops following the namespaces no longer `wanted`.
+fn stop_unwanted<K: TrustKind>(
+    followed: &mut HashMap<String, Followed<K>>,
+    wanted: &HashSet<String>,
+) {
+    followed.retain(|ns, f| {
+        let keep = wanted.contains(ns);
+        if !keep {
+            f.stop.cancel();
+        }
+        keep
+    });
 }
 
 /// The objects of `store` in one of `namespaces`.
@@ -300,27 +372,7 @@ fn wanted(clusters: &[Arc<crate::crd::TunnelCluster>]) -> (HashSet<String>, Hash
 
 /// What the trust watches are of: a namespaced kind (Secrets,
 /// ConfigMaps).
-trait TrustKind:
-    kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
-    + Clone
-    + std::fmt::Debug
-    + serde::de::DeserializeOwned
-    + Send
-    + Sync
-    + 'static
-{
-}
-
-impl<K> TrustKind for K where
-    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
-        + Clone
-        + std::fmt::Debug
-        + serde::de::DeserializeOwned
-        + Send
-        + Sync
-        + 'static
-{
-}
+use super::watches::Namespaced as TrustKind;
 
 /// Until `store` has its first list, or its watch failed.
 async fn listed_or_failed<K: TrustKind>((store, errors): (Store<K>, WatchErrors)) {
@@ -330,30 +382,59 @@ async fn listed_or_failed<K: TrustKind>((store, errors): (Store<K>, WatchErrors)
     }
 }
 
-/// Keeps one labelled watch of `K` per namespace in `wanted`: stops the
-/// others, starts the missing ones (returned with their errors, to wait
-/// for their lists).
+/// Follows each namespace in `wanted` (those no longer wanted are
+/// stopped already): by a watch while there is `room`, the ones listed on
+/// `pace` first (taking their watch back); else listed on `pace`. Returns
+/// the stores started, with their errors, to wait for their first lists.
+/// Namespaces are taken in name order, so that the same ones are watched
+/// from one start to the next.
 fn follow_kind<K: TrustKind>(
     w: &Watches,
-    watched: &mut HashMap<String, (Store<K>, CancellationToken)>,
+    followed: &mut HashMap<String, Followed<K>>,
     wanted: HashSet<String>,
+    room: &mut usize,
+    pace: &super::poll::Pace,
 ) -> Vec<(Store<K>, WatchErrors)> {
-    watched.retain(|ns, (_, stop)| {
-        let keep = wanted.contains(ns);
-        if !keep {
-            stop.cancel();
-        }
-        keep
-    });
+    let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
     let mut started = Vec::new();
-    for ns in wanted {
-        if let std::collections::hash_map::Entry::Vacant(e) = watched.entry(ns) {
-            let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
-            let stop = w.stop.child_token();
-            let (store, errors) = w.labelled_in::<K>(e.key(), &selector, &stop, true);
-            started.push((store.clone(), errors));
-            e.insert((store, stop));
+    let mut start = |ns: &str, room: &mut usize| {
+        let stop = w.stop.child_token();
+        let polled = *room == 0;
+        let (store, errors) = match polled {
+            false => {
+                *room -= 1;
+                w.labelled_in::<K>(ns, &selector, &stop, true)
+            }
+            true => w.polled_in::<K>(ns, &selector, &stop, pace),
+        };
+        started.push((store.clone(), errors));
+        Followed {
+            store,
+            stop,
+            polled,
         }
+    };
+    let mut promoted: Vec<&String> = followed
+        .iter()
+        .filter(|(_, f)| f.polled)
+        .map(|(ns, _)| ns)
+        .collect();
+    promoted.sort();
+    let promoted: Vec<String> = promoted.into_iter().take(*room).cloned().collect();
+    for ns in promoted {
+        if let Some(f) = followed.get_mut(&ns) {
+            f.stop.cancel();
+            *f = start(&ns, room);
+        }
+    }
+    let mut new: Vec<String> = wanted
+        .into_iter()
+        .filter(|ns| !followed.contains_key(ns))
+        .collect();
+    new.sort();
+    for ns in new {
+        let f = start(&ns, room);
+        followed.insert(ns, f);
     }
     started
 }
@@ -401,7 +482,7 @@ pub fn start_tunnel(
             sink: sink.clone(),
             hold,
         };
-        let trust = TrustWatches::new(&w, settings.trust_watch);
+        let trust = TrustWatches::new(&w, settings.trust_watch, settings.max_trust_watches);
         let passes = TunnelPasses {
             w,
             clusters,

@@ -128,6 +128,30 @@ impl Touched {
 /// [`Interest`]).
 pub(super) type Relevant<K> = Arc<dyn Fn(&K, bool) -> bool + Send + Sync>;
 
+/// A namespaced kind whose objects a source keeps (Secrets, ConfigMaps,
+/// EndpointSlices).
+pub(super) trait Namespaced:
+    Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+    + Clone
+    + DeserializeOwned
+    + Debug
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Namespaced for K where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Debug
+        + Send
+        + Sync
+        + 'static
+{
+}
+
 /// What a watch reports to its source: "changed", and its errors.
 #[derive(Clone)]
 pub(super) struct Changed {
@@ -218,6 +242,7 @@ impl Watches {
             self.tx.clone(),
             self.stop.clone(),
             Some(relevant),
+            true,
         );
         store
     }
@@ -232,14 +257,7 @@ impl Watches {
         tenant: bool,
     ) -> (Store<K>, WatchErrors)
     where
-        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>
-            + Clone
-            + DeserializeOwned
-            + Debug
-            + Send
-            + Sync
-            + 'static,
-        K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+        K: Namespaced,
     {
         // A tenant namespace's errors are logged, not shown on the
         // unauthenticated readiness probe (they name the namespace).
@@ -264,6 +282,38 @@ impl Watches {
         (store, errors)
     }
 
+    /// The objects of kind `K` with label `selector` in tenant namespace
+    /// `namespace`, listed again on `pace` on the main connection instead
+    /// of watched (`poll.rs`: past the watches' connections), until `stop`.
+    pub(super) fn polled_in<K>(
+        &self,
+        namespace: &str,
+        selector: &str,
+        stop: &CancellationToken,
+        pace: &super::poll::Pace,
+    ) -> (Store<K>, WatchErrors)
+    where
+        K: Namespaced,
+    {
+        let errors = WatchErrors::default();
+        let changed = Changed {
+            tx: self.tx.tx.clone(),
+            errors: errors.clone(),
+            slot: None,
+            metrics: self.tx.metrics.clone(),
+            tenant: true,
+            touched: self.tx.touched.clone(),
+        };
+        let writer = reflector::store::Writer::default();
+        let store = writer.as_reader();
+        let api = Api::<K>::namespaced(self.client.clone(), namespace);
+        let stream =
+            super::poll::listed_on_pace(api, selector.to_string(), pace.clone()).reflect(writer);
+        let kind = K::kind(&()).to_string();
+        spawn_follow(stream, kind, changed, stop.clone(), None, false);
+        (store, errors)
+    }
+
     /// The objects of kind `K` with label `selector` in every namespace,
     /// on the main connection (its errors are the install's: a missing
     /// cluster-wide grant), whose events wake a pass only when `relevant`.
@@ -278,14 +328,7 @@ impl Watches {
     /// Every object of kind `K` in `namespace`.
     pub(super) fn in_namespace<K>(&self, namespace: &str) -> Store<K>
     where
-        K: Resource<Scope = k8s_openapi::NamespaceResourceScope>
-            + Clone
-            + DeserializeOwned
-            + Debug
-            + Send
-            + Sync
-            + 'static,
-        K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
+        K: Namespaced,
     {
         watch_kind(
             Api::<K>::namespaced(self.client.clone(), namespace),
@@ -334,7 +377,7 @@ where
 {
     let kind = K::kind(&dyntype).to_string();
     let (store, stream) = reflected(api, dyntype, config);
-    spawn_follow(stream, kind, changed, stop, None);
+    spawn_follow(stream, kind, changed, stop, None, true);
     store
 }
 
@@ -368,22 +411,28 @@ where
     (store, stream)
 }
 
-/// Follows `stream` on a task of its own until it ends or `stop`.
+/// Follows `stream` on a task of its own until it ends or `stop`;
+/// counted among the watches open when it is one (not lists on a pace).
 fn spawn_follow<K, S>(
     stream: S,
     kind: String,
     changed: Changed,
     stop: CancellationToken,
     relevant: Option<Relevant<K>>,
+    watch: bool,
 ) where
     K: Resource + Send + Sync + 'static,
     S: futures_util::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
 {
     tokio::spawn(async move {
         let _slot = changed.slot.clone();
-        changed.metrics.watch_started();
+        if watch {
+            changed.metrics.watch_started();
+        }
         follow(stream, &kind, &changed, &stop, relevant.as_ref()).await;
-        changed.metrics.watch_ended();
+        if watch {
+            changed.metrics.watch_ended();
+        }
     });
 }
 

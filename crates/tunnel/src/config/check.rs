@@ -246,6 +246,12 @@ fn check_kubernetes(k: &super::model::Kubernetes, errs: &mut Problems) {
     if let Some(a) = &k.replica_addresses {
         check_replica_addresses(a, k.replicas.is_some(), errs);
     }
+    if k.max_api_connections == 0 {
+        errs.add(
+            "kubernetes.max_api_connections",
+            "at least 1 (the main connection; each one more carries watches_per_connection trust watches)",
+        );
+    }
 }
 
 /// `kubernetes.replica_addresses`: the replicas' Service named, and

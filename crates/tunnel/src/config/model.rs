@@ -117,6 +117,15 @@ pub struct Kubernetes {
     /// API server's `--http2-max-streams-per-connection` allows).
     #[serde(default = "watches_per_connection_default")]
     pub watches_per_connection: usize,
+    /// The most HTTP/2 connections to the API server (default 10, at
+    /// least 1): the main one, and those the per-namespace trust watches
+    /// share. The namespaces past `(max_api_connections - 1) ×
+    /// watches_per_connection` watches have their labelled trust listed
+    /// again on a pace instead (each at least every 10 s, all together at
+    /// most 20 lists a second): a change there is seen within
+    /// `max(10 s, namespaces past / 20)` seconds instead of at once.
+    #[serde(default = "max_api_connections_default")]
+    pub max_api_connections: usize,
     /// How the labelled Secrets and ConfigMaps are watched: `namespaces`
     /// (default: one watch per tenant namespace and kind, through a
     /// RoleBinding in each) or `cluster` (one watch of each kind across
@@ -136,6 +145,10 @@ pub struct Kubernetes {
 
 fn watches_per_connection_default() -> usize {
     90
+}
+
+fn max_api_connections_default() -> usize {
+    10
 }
 
 fn released_trust_hold_default() -> Duration {

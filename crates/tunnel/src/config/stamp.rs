@@ -20,8 +20,16 @@ const RECENT: std::time::Duration = std::time::Duration::from_secs(2);
 /// time back, twice within one tick of the change time (the Kubernetes
 /// source writes by rename; an operator's tool that preserves times, such
 /// as `rsync --inplace -t`, may: touch the file after it).
+///
+/// A file this process writes itself (the Kubernetes source's trust
+/// files, `seedlink_net::written`) is stamped by its version instead:
+/// no `stat`, and no wait after a write (the writer tells).
 pub(crate) fn stamp(p: &Path) -> Option<Stamp> {
     use std::os::unix::fs::MetadataExt;
+    if let Some(v) = seedlink_net::written::version(p) {
+        // No device is numbered u64::MAX: never a file system's stamp.
+        return Some((u64::MAX, v, 0, 0, 0, 0, 0));
+    }
     let m = std::fs::metadata(p).ok()?;
     if m.modified().ok()?.elapsed().ok()? < RECENT {
         return None;
@@ -139,5 +147,37 @@ mod tests {
         assert_eq!(failed, Err("no descriptor left"));
         let read = cache.get(&p, 2, |p| std::fs::read_to_string(p).map_err(|_| "read"));
         assert_eq!(read, Ok("d".to_string()));
+    }
+
+    /// A file this process writes (and says so) is read once per write,
+    /// even just after it (no wait for the clock), and a change made
+    /// behind the writer's back is not taken: its next write puts it right.
+    #[test]
+    fn a_file_written_here_is_read_once_per_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("ca.pem");
+        std::fs::write(&p, "a").unwrap();
+        seedlink_net::written::wrote(&p);
+        let cache: ByStamp<String> = ByStamp::new();
+        let reads = Cell::new(0);
+        let get = || {
+            cache
+                .get(&p, 0, |p| {
+                    reads.set(reads.get() + 1);
+                    std::fs::read_to_string(p)
+                })
+                .unwrap()
+        };
+        assert_eq!((get(), get(), reads.get()), ("a".into(), "a".into(), 1));
+        std::fs::write(&p, "tampered").unwrap();
+        assert_eq!((get(), reads.get()), ("a".into(), 1));
+        std::fs::write(&p, "b").unwrap();
+        seedlink_net::written::wrote(&p);
+        assert_eq!((get(), get(), reads.get()), ("b".into(), "b".into(), 2));
+        seedlink_net::written::removed(&p);
+        std::fs::write(&p, "c").unwrap();
+        // No longer written here: the file system's stamp, and a file
+        // changed within the last seconds is read every time.
+        assert_eq!((get(), get(), reads.get()), ("c".into(), "c".into(), 4));
     }
 }

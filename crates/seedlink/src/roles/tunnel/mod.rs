@@ -16,11 +16,18 @@ mod agent;
 pub use agent::{agent, AgentArgs};
 
 /// Content hash of the configuration file and every file it names (a
-/// missing file hashes as missing).
-pub fn fingerprint(config: &std::path::Path, cfg: &ServerConfig) -> u64 {
+/// missing file hashes as missing), but those of the clusters from
+/// Kubernetes (`kubernetes`): the source writes their files and applies
+/// them itself, every time it changes them.
+pub fn fingerprint(
+    config: &std::path::Path,
+    cfg: &ServerConfig,
+    kubernetes: &std::collections::HashSet<String>,
+) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    for p in std::iter::once(config.to_path_buf()).chain(cfg.files()) {
+    let files = cfg.files_but(|c| kubernetes.contains(c));
+    for p in std::iter::once(config.to_path_buf()).chain(files) {
         p.hash(&mut h);
         std::fs::read(&p).ok().hash(&mut h);
     }
@@ -49,11 +56,12 @@ fn read_config(
             return (h, Err(e), Vec::new());
         }
     };
+    let names = kubernetes.iter().map(|c| c.name.clone()).collect();
     let mut taken = seedlink_tunnel::config::keep_first_trust(&mut kubernetes, held, refused);
     match ServerConfig::parse_with(&text, kubernetes) {
         (Ok(cfg), mut refused) => {
             refused.append(&mut taken);
-            (fingerprint(config, &cfg), Ok(cfg), refused)
+            (fingerprint(config, &cfg, &names), Ok(cfg), refused)
         }
         (Err(e), _) => {
             let e = anyhow::Error::from(e).context(format!("{}", config.display()));
@@ -136,7 +144,10 @@ pub struct ServerRole {
     opts: TunnelServerOptions,
     /// Fingerprint of the files the running configuration came from.
     seen: Mutex<u64>,
-    /// Files the running configuration names (watched).
+    /// Files the running configuration names (watched), but those of the
+    /// clusters from Kubernetes: the source writes them and applies what
+    /// it wrote, so a watch on them would apply everything a second time
+    /// (at a thousand tenants, a quarter of the CPU of a change).
     files: Mutex<Vec<PathBuf>>,
     /// Clusters from TunnelClusters, added to the file's on every reload.
     kubernetes: Mutex<Vec<seedlink_tunnel::config::Cluster>>,
@@ -173,7 +184,7 @@ impl ServerRole {
         Ok(ServerRole {
             srv,
             bound,
-            seen: Mutex::new(fingerprint(&opts.config, &cfg)),
+            seen: Mutex::new(fingerprint(&opts.config, &cfg, &Default::default())),
             files: Mutex::new(cfg.files()),
             kubernetes: Mutex::new(Vec::new()),
             held: Mutex::new(seedlink_tunnel::config::trust_holders(&cfg)),
@@ -298,7 +309,13 @@ impl ServerRole {
     /// Records what the running configuration is after `cfg` was applied
     /// (its clusters hold their trust from now on).
     fn applied(&self, cfg: &ServerConfig) {
-        *seedlink_net::sync::lock(&self.files, "tunnel files") = cfg.files();
+        let kubernetes: std::collections::HashSet<String> =
+            seedlink_net::sync::lock(&self.kubernetes, "tunnel kubernetes")
+                .iter()
+                .map(|c| c.name.clone())
+                .collect();
+        *seedlink_net::sync::lock(&self.files, "tunnel files") =
+            cfg.files_but(|c| kubernetes.contains(c));
         *seedlink_net::sync::lock(&self.held, "tunnel trust") =
             seedlink_tunnel::config::trust_holders(cfg);
     }
@@ -351,6 +368,10 @@ impl ServerRole {
             replicas,
             replica_addresses: k.replica_addresses,
             trust_watch: k.trust_watch,
+            max_trust_watches: k
+                .max_api_connections
+                .saturating_sub(1)
+                .saturating_mul(k.watches_per_connection.max(1)),
             lease,
             identity: super::identity(),
             trust_dir: k.trust_dir,
