@@ -34,6 +34,7 @@ use crate::wire::proto::Packet;
 pub mod config;
 mod connect;
 mod core;
+mod eyeballs;
 #[cfg(any(test, feature = "harness"))]
 pub mod harness;
 pub mod link;

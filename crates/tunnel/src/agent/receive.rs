@@ -335,25 +335,6 @@ impl Agent {
         if allowed.is_empty() {
             return Err(DialFailure::forbidden(address));
         }
-        connect_any(address, allowed).await
+        super::eyeballs::connect_any(address, allowed).await
     }
-}
-
-/// Connects to the first of `addrs` that answers; the last failure if none
-/// does.
-async fn connect_any(
-    address: &str,
-    addrs: Vec<SocketAddr>,
-) -> Result<TcpStream, dial_error::DialFailure> {
-    let mut last = dial_error::DialFailure::other(format!("dial tcp {address}: no address"));
-    for a in addrs {
-        match TcpStream::connect(a).await {
-            Ok(s) => {
-                let _ = s.set_nodelay(true);
-                return Ok(s);
-            }
-            Err(e) => last = dial_error::DialFailure::io(address, &e),
-        }
-    }
-    Err(last)
 }
