@@ -615,11 +615,14 @@ fn replace_file(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// files whose bytes differ from what was written are written, and only
 /// those no longer named are removed (with their directory once empty).
 /// A pass then costs what changed, not a read of every cluster's files.
+/// `Ok(true)` when a sweep found a file that was not what was written
+/// last (changed or removed from outside) and put it back: what the server
+/// read from it meanwhile is to be read again.
 pub fn materialize_since(
     trust_dir: &Path,
     files: &BTreeMap<PathBuf, Vec<u8>>,
     written: Option<&BTreeMap<PathBuf, Vec<u8>>>,
-) -> std::io::Result<()> {
+) -> std::io::Result<bool> {
     use std::os::unix::fs::DirBuilderExt;
     let Some(written) = written else {
         return materialize(trust_dir, files);
@@ -643,18 +646,20 @@ pub fn materialize_since(
             let _ = std::fs::remove_dir(dir);
         }
     }
-    Ok(())
+    Ok(false)
 }
 
 /// Writes `files` under `trust_dir` (0700 directories, 0600 files, each
 /// replaced by a rename and only when its bytes change) and removes what
-/// no cluster names any more.
-pub fn materialize(trust_dir: &Path, files: &BTreeMap<PathBuf, Vec<u8>>) -> std::io::Result<()> {
+/// no cluster names any more; `Ok(true)` when it wrote a file that was
+/// there with other bytes, or missing.
+pub fn materialize(trust_dir: &Path, files: &BTreeMap<PathBuf, Vec<u8>>) -> std::io::Result<bool> {
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(trust_dir)?;
+    let mut rewrote = false;
     for (path, bytes) in files {
         if let Some(dir) = path.parent() {
             std::fs::DirBuilder::new()
@@ -667,6 +672,7 @@ pub fn materialize(trust_dir: &Path, files: &BTreeMap<PathBuf, Vec<u8>>) -> std:
             continue;
         }
         replace_file(path, bytes)?;
+        rewrote = true;
     }
     // Stale files and directories of removed clusters.
     for dir in std::fs::read_dir(trust_dir)?.flatten() {
@@ -687,7 +693,7 @@ pub fn materialize(trust_dir: &Path, files: &BTreeMap<PathBuf, Vec<u8>>) -> std:
             std::fs::remove_dir(&dir)?;
         }
     }
-    Ok(())
+    Ok(rewrote)
 }
 
 #[cfg(test)]
@@ -1032,14 +1038,14 @@ mod tests {
                 .collect()
         };
         let before = files(&[("a/ca.crt", "a"), ("b/ca.crt", "b"), ("c/ca.crt", "c")]);
-        materialize_since(dir.path(), &before, None).unwrap();
+        assert!(materialize_since(dir.path(), &before, None).unwrap());
         let ino = |p: &str| std::fs::metadata(at(p)).unwrap().ino();
         let (a, b) = (ino("a/ca.crt"), ino("b/ca.crt"));
         let version = |p: &str| seedlink_net::written::version(&at(p));
         let (va, vb) = (version("a/ca.crt"), version("b/ca.crt"));
         assert!(va.is_some() && vb.is_some() && version("c/ca.crt").is_some());
         let after = files(&[("a/ca.crt", "a"), ("b/ca.crt", "b2"), ("d/ca.crt", "d")]);
-        materialize_since(dir.path(), &after, Some(&before)).unwrap();
+        assert!(!materialize_since(dir.path(), &after, Some(&before)).unwrap());
         assert_eq!(ino("a/ca.crt"), a, "unchanged: not written");
         assert_ne!(ino("b/ca.crt"), b, "changed: replaced");
         // Its readers are told what was written and what went.
@@ -1053,6 +1059,12 @@ mod tests {
         let mut on_disk: Vec<PathBuf> = walk(dir.path());
         on_disk.sort();
         assert_eq!(on_disk, after.keys().cloned().collect::<Vec<_>>());
+        // A sweep finds everything as written: nothing to read again. A
+        // file changed from outside is put back, and said so.
+        assert!(!materialize_since(dir.path(), &after, None).unwrap());
+        std::fs::write(at("b/ca.crt"), "tampered").unwrap();
+        assert!(materialize_since(dir.path(), &after, None).unwrap());
+        assert_eq!(std::fs::read(at("b/ca.crt")).unwrap(), b"b2");
     }
 
     fn walk(dir: &Path) -> Vec<PathBuf> {

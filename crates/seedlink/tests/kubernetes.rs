@@ -1994,6 +1994,34 @@ async fn trust_past_the_connection_bound_is_listed_on_a_pace() {
         async || std::fs::read_to_string(&file).is_ok_and(|t| t == ca),
     )
     .await;
+    // Two watched tenants leave: their watches go to the first two
+    // namespaces on the pace (conn-2, conn-3), each taking over once
+    // listed, on the same connections; those tenants stay served.
+    for ns in ["conn-0", "conn-1"] {
+        assert!(kubeapi::delete(&bed.client, TUNNELS, "TunnelCluster", ns, "tunnel").await);
+    }
+    let fewer = format!(
+        "seedlink_kubernetes_trust_polled_namespaces{{source=\"tunnel\"}} {}\n",
+        polled - 2
+    );
+    eventually(
+        "two namespaces watched instead of listed on the pace",
+        Duration::from_secs(60),
+        async || http_get(bed.admin, "/metrics").await.1.contains(&fewer),
+    )
+    .await;
+    for ns in ["conn-2", "conn-3"] {
+        let o = kubeapi::get(&bed.client, TUNNELS, "TunnelCluster", ns, "tunnel").await;
+        let ready = o.and_then(|o| o["status"]["conditions"].as_array().cloned());
+        assert!(
+            ready.is_some_and(|c| c
+                .iter()
+                .any(|c| c["type"] == "Ready" && c["status"] == "True")),
+            "{ns} not Ready"
+        );
+    }
+    let accepted = bed.proxy.accepted.load(Ordering::Relaxed);
+    assert!(accepted <= 3, "{accepted} connections to the API server");
 }
 
 /// `trust_watch: cluster`: the labelled trust of every tenant namespace

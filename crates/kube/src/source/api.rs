@@ -55,6 +55,8 @@ pub struct ApiClients {
     /// `None`: every watch on `main` (a client handed in whole).
     config: Option<Arc<kube::Config>>,
     per_connection: usize,
+    /// The most connections in all, the main one included (at least 1).
+    most: usize,
     pool: Arc<Mutex<Vec<Slot>>>,
 }
 
@@ -78,6 +80,7 @@ impl From<kube::Client> for ApiClients {
             main,
             config: None,
             per_connection: WATCHES_PER_CONNECTION,
+            most: 1,
             pool: Arc::default(),
         }
     }
@@ -85,14 +88,25 @@ impl From<kube::Client> for ApiClients {
 
 impl ApiClients {
     /// Clients from `config`, at most `per_connection` (at least 1)
-    /// watches on each of the per-namespace connections.
-    pub fn new(config: kube::Config, per_connection: usize) -> Result<ApiClients, kube::Error> {
+    /// watches on each of the per-namespace connections, and at most
+    /// `most` connections in all (at least 1: the main one).
+    pub fn new(
+        config: kube::Config,
+        per_connection: usize,
+        most: usize,
+    ) -> Result<ApiClients, kube::Error> {
         Ok(ApiClients {
             main: http2_client(&config)?,
             config: Some(Arc::new(config)),
             per_connection: per_connection.max(1),
+            most: most.max(1),
             pool: Arc::default(),
         })
+    }
+
+    /// How many watches the per-namespace connections carry in all.
+    pub fn watch_room(&self) -> usize {
+        (self.most - 1).saturating_mul(self.per_connection)
     }
 
     /// The client for requests and the fixed watches.
@@ -106,19 +120,29 @@ impl ApiClients {
     }
 
     /// A client for one more long-running watch: one with room, or a new
-    /// one (a new connection) when every one is full. The pool shrinks as
-    /// watches end: at most one connection without a watch is kept.
+    /// one (a new connection) when every one is full, while there are
+    /// fewer than `most`; past that, the least loaded (a watch stopped
+    /// gives its place back only once its task has seen the stop: a
+    /// namespace's watch started meanwhile waits on that connection for a
+    /// free stream, rather than open one more). With `most` 1, the main
+    /// one. The pool shrinks as watches end: at most one connection
+    /// without a watch is kept.
     pub(super) fn for_watch(&self) -> (kube::Client, Option<WatchSlot>) {
         let Some(config) = &self.config else {
             return (self.main.clone(), None);
         };
         let mut pool = seedlink_net::sync::lock(&self.pool, "api clients");
         let_idle_go(&mut pool);
-        let room = pool
-            .iter()
-            .find(|s| s.watches.load(Ordering::Relaxed) < self.per_connection);
+        let load = |s: &Slot| s.watches.load(Ordering::Relaxed);
+        let room = pool.iter().find(|s| load(s) < self.per_connection);
+        let full = 1 + pool.len() >= self.most;
+        let room = match (room, full) {
+            (None, true) => pool.iter().min_by_key(|s| load(s)),
+            (room, _) => room,
+        };
         let slot = match room {
             Some(s) => (s.client.clone(), s.watches.clone()),
+            None if full => return (self.main.clone(), None),
             None => match http2_client(config) {
                 Ok(client) => {
                     let watches = Arc::new(AtomicUsize::new(0));
@@ -219,17 +243,22 @@ fn http2_client(config: &kube::Config) -> Result<kube::Client, kube::Error> {
 mod tests {
     use super::*;
 
+    /// A runtime for the clients' connectors (they connect to nothing).
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    }
+
     /// Watches fill each connection up to the bound, then a new one is
     /// made; once they end, the idle connections are let go but one.
     #[test]
     fn the_pool_grows_by_the_bound_and_shrinks_when_watches_end() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
+        let rt = runtime();
         let _guard = rt.enter();
         let config = kube::Config::new("https://127.0.0.1:1".parse().unwrap());
-        let clients = ApiClients::new(config, 2).unwrap();
+        let clients = ApiClients::new(config, 2, 10).unwrap();
         let slots: Vec<_> = (0..5).map(|_| clients.for_watch().1).collect();
         assert!(slots.iter().all(Option::is_some));
         assert_eq!(clients.connections(), 1 + 3);
@@ -239,6 +268,31 @@ mod tests {
         drop(one);
         let _again = clients.for_watch();
         assert_eq!(clients.connections(), 1 + 1);
+    }
+
+    /// Past the most connections, a watch goes to the least loaded one:
+    /// the count never grows past the bound, whatever the watches.
+    #[test]
+    fn the_connections_never_pass_the_bound() {
+        let rt = runtime();
+        let _guard = rt.enter();
+        let config = kube::Config::new("https://127.0.0.1:1".parse().unwrap());
+        let clients = ApiClients::new(config.clone(), 2, 3).unwrap();
+        assert_eq!(clients.watch_room(), 4);
+        let slots: Vec<_> = (0..7).map(|_| clients.for_watch().1).collect();
+        assert!(slots.iter().all(Option::is_some));
+        assert_eq!(clients.connections(), 3);
+        let loads: Vec<usize> = seedlink_net::sync::lock(&clients.pool, "test")
+            .iter()
+            .map(|s| s.watches.load(Ordering::Relaxed))
+            .collect();
+        assert_eq!(loads.iter().sum::<usize>(), 7);
+        assert!(loads.iter().all(|n| *n >= 3), "{loads:?}");
+        // One connection in all: every watch on the main one.
+        let one = ApiClients::new(config, 2, 1).unwrap();
+        assert_eq!(one.watch_room(), 0);
+        assert!(one.for_watch().1.is_none());
+        assert_eq!(one.connections(), 1);
     }
 
     /// A request the API server takes but never answers fails at the

@@ -59,16 +59,20 @@ pub use watches::{served_route_version, WatchErrors, WATCH_TIMEOUT_SECS};
 /// connection's pings and a watch's server-side end come before that)
 /// ends the connection, and the watches retry on a new one.
 /// `watches_per_connection`: how many per-namespace watches share one
-/// connection.
-pub async fn clients(watches_per_connection: usize) -> Result<ApiClients, kube::Error> {
+/// connection; `most`: how many connections in all (the main one
+/// included).
+pub async fn clients(
+    watches_per_connection: usize,
+    most: usize,
+) -> Result<ApiClients, kube::Error> {
     let mut config = kube::Config::infer()
         .await
         .map_err(kube::Error::InferConfig)?;
     config.read_timeout = Some(Duration::from_secs(u64::from(WATCH_TIMEOUT_SECS) + 15));
-    ApiClients::new(config, watches_per_connection)
+    ApiClients::new(config, watches_per_connection, most)
 }
 
 /// The main client of [`clients`].
 pub async fn client() -> Result<kube::Client, kube::Error> {
-    Ok(clients(WATCHES_PER_CONNECTION).await?.main().clone())
+    Ok(clients(WATCHES_PER_CONNECTION, 1).await?.main().clone())
 }

@@ -31,10 +31,28 @@ pub(super) const PER_SECOND: u32 = 20;
 /// How long a polled namespace waits at least between two lists.
 pub(super) const EVERY_AT_LEAST: Duration = Duration::from_secs(10);
 
+/// How many first lists (of namespaces newly listed on the pace) are
+/// made at once: not paced (a watch's first list is not either), but
+/// bounded, so that a replica starting with thousands of them leaves
+/// room on the main connection for its lease and status.
+const FIRST_AT_ONCE: usize = 16;
+
 /// The turns of the polled namespaces' lists, [`PER_SECOND`] a second,
-/// shared by all of them.
-#[derive(Clone, Default)]
-pub(super) struct Pace(Arc<Mutex<Option<tokio::time::Instant>>>);
+/// shared by all of them, and the first lists' bound.
+#[derive(Clone)]
+pub(super) struct Pace(
+    Arc<Mutex<Option<tokio::time::Instant>>>,
+    Arc<tokio::sync::Semaphore>,
+);
+
+impl Default for Pace {
+    fn default() -> Pace {
+        Pace(
+            Arc::default(),
+            Arc::new(tokio::sync::Semaphore::new(FIRST_AT_ONCE)),
+        )
+    }
+}
 
 impl Pace {
     /// Until this caller's turn, the next free one.
@@ -53,10 +71,16 @@ impl Pace {
 /// What a list found: each object's name and resourceVersion, sorted.
 type Seen = Vec<(Option<String>, Option<String>)>;
 
-/// The objects `api` holds with label `selector`: listed at once, then
-/// again on `pace`; each list that differs from the last yields a watch's
-/// list events (`Init`, `InitApply` each, `InitDone`), each failure a
-/// list error (retried at the next turn).
+/// One polled namespace's state between lists: what the last list found,
+/// and its resourceVersion (`None` before the first list).
+type Polled<K> = (Api<K>, String, Pace, Option<Seen>, Option<String>);
+
+/// The objects `api` holds with label `selector`: listed at once (within
+/// [`FIRST_AT_ONCE`]), then again on `pace`, each time no older than the
+/// last list (a lagging watch cache never takes the objects back in time,
+/// as to a CA revoked since); each list that differs from the last yields
+/// a watch's list events (`Init`, `InitApply` each, `InitDone`), each
+/// failure a list error (retried at the next turn).
 pub(super) fn listed_on_pace<K>(
     api: Api<K>,
     selector: String,
@@ -65,48 +89,64 @@ pub(super) fn listed_on_pace<K>(
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
 {
-    let state = (api, selector, pace, None::<Seen>, true);
-    futures_util::stream::unfold(
-        state,
-        |(api, selector, pace, mut last, mut first)| async move {
-            loop {
-                if !std::mem::replace(&mut first, false) {
-                    tokio::time::sleep(EVERY_AT_LEAST).await;
-                    pace.turn().await;
-                }
-                let params = ListParams::default().labels(&selector).match_any();
-                let events = match api.list(&params).await {
-                    Ok(list) => {
-                        let seen: Seen = list
-                            .items
-                            .iter()
-                            .map(|o| (o.meta().name.clone(), o.meta().resource_version.clone()))
-                            .collect();
-                        let mut seen = seen;
-                        seen.sort();
-                        if last.as_ref() == Some(&seen) {
-                            continue;
-                        }
-                        last = Some(seen);
-                        let objects = list.items.into_iter().map(|mut o| {
-                            // As a watch keeps them (`watches::reflected`).
-                            let meta = o.meta_mut();
-                            meta.managed_fields = None;
-                            meta.annotations = None;
-                            Ok(watcher::Event::InitApply(o))
-                        });
-                        std::iter::once(Ok(watcher::Event::Init))
-                            .chain(objects)
-                            .chain(std::iter::once(Ok(watcher::Event::InitDone)))
-                            .collect()
-                    }
-                    Err(e) => vec![Err(watcher::Error::InitialListFailed(e))],
-                };
-                return Some((events, (api, selector, pace, last, first)));
+    let state: Polled<K> = (api, selector, pace, None, None);
+    futures_util::stream::unfold(state, next_list).flat_map(futures_util::stream::iter)
+}
+
+/// The events of the next list that differs from the last one (or fails).
+async fn next_list<K>(
+    (api, selector, pace, mut last, mut version): Polled<K>,
+) -> Option<(Vec<Result<watcher::Event<K>, watcher::Error>>, Polled<K>)>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + Sync + 'static,
+{
+    loop {
+        let params = ListParams::default().labels(&selector);
+        let listed = match &version {
+            Some(v) => {
+                tokio::time::sleep(EVERY_AT_LEAST).await;
+                pace.turn().await;
+                let params = params.at(v).matching(kube::api::VersionMatch::NotOlderThan);
+                api.list(&params).await
             }
-        },
-    )
-    .flat_map(futures_util::stream::iter)
+            None => {
+                let _permit = pace.1.clone().acquire_owned().await.ok();
+                api.list(&params.match_any()).await
+            }
+        };
+        let list = match listed {
+            Ok(list) => list,
+            Err(e) => {
+                // The next attempt waits its turn on the pace.
+                version.get_or_insert_with(|| "0".into());
+                let failed = vec![Err(watcher::Error::InitialListFailed(e))];
+                return Some((failed, (api, selector, pace, last, version)));
+            }
+        };
+        version = list.metadata.resource_version.clone().or(version);
+        let mut seen: Seen = list
+            .items
+            .iter()
+            .map(|o| (o.meta().name.clone(), o.meta().resource_version.clone()))
+            .collect();
+        seen.sort();
+        if last.as_ref() == Some(&seen) {
+            continue;
+        }
+        last = Some(seen);
+        let objects = list.items.into_iter().map(|mut o| {
+            // As a watch keeps them (`watches::reflected`).
+            let meta = o.meta_mut();
+            meta.managed_fields = None;
+            meta.annotations = None;
+            Ok(watcher::Event::InitApply(o))
+        });
+        let events = std::iter::once(Ok(watcher::Event::Init))
+            .chain(objects)
+            .chain(std::iter::once(Ok(watcher::Event::InitDone)))
+            .collect();
+        return Some((events, (api, selector, pace, last, version)));
+    }
 }
 
 #[cfg(test)]

@@ -121,10 +121,6 @@ pub struct TunnelSettings {
     /// How the labelled Secrets and ConfigMaps are watched
     /// (`kubernetes.trust_watch`).
     pub trust_watch: seedlink_config::tunnel::TrustWatch,
-    /// With `trust_watch: namespaces`, the most per-namespace watches
-    /// (what `kubernetes.max_api_connections` leaves beside the main
-    /// connection); the namespaces past them are listed on a pace.
-    pub max_trust_watches: usize,
     /// How long a claim a cluster stops trusting stays reserved to it
     /// (`status.released`).
     pub released_trust_hold: Duration,
@@ -171,6 +167,42 @@ struct Followed<K: TrustKind> {
     store: Store<K>,
     stop: CancellationToken,
     polled: bool,
+    /// A watch started for a namespace listed on the pace, which takes
+    /// over once it has listed (until then, and should its list fail,
+    /// what the pace read stands: the namespace's trust never reads as
+    /// empty meanwhile).
+    next: Option<(Store<K>, CancellationToken)>,
+}
+
+impl<K: TrustKind> Followed<K> {
+    /// Whether it holds a watch (or one is starting for it).
+    fn watching(&self) -> bool {
+        !self.polled || self.next.is_some()
+    }
+
+    /// Its watch, once listed, takes over from the pace.
+    fn take_over(&mut self) {
+        use futures_util::FutureExt;
+        let listed = self.next.as_ref().is_some_and(|(store, _)| {
+            matches!(store.wait_until_ready().now_or_never(), Some(Ok(())))
+        });
+        if let Some((store, stop)) = self.next.take_if(|_| listed) {
+            self.stop.cancel();
+            *self = Followed {
+                store,
+                stop,
+                polled: false,
+                next: None,
+            };
+        }
+    }
+
+    fn stop(&self) {
+        self.stop.cancel();
+        if let Some((_, stop)) = &self.next {
+            stop.cancel();
+        }
+    }
 }
 
 /// The cluster-wide trust watches, and the namespaces read from them
@@ -264,12 +296,12 @@ impl TrustWatches {
         }
         stop_unwanted(&mut self.secrets, &secrets);
         stop_unwanted(&mut self.config_maps, &config_maps);
-        let held = counted(&self.secrets, false) + counted(&self.config_maps, false);
+        let held =
+            count(&self.secrets, Followed::watching) + count(&self.config_maps, Followed::watching);
         let mut room = self.most_watches.saturating_sub(held);
         let pace = &self.pace;
         let new_secrets = follow_kind(w, &mut self.secrets, secrets, &mut room, pace);
         let new_config_maps = follow_kind(w, &mut self.config_maps, config_maps, &mut room, pace);
-        self.count_polled(w);
         // Every new watch at once, within one bound: a namespace whose
         // RoleBinding is missing (never listed) costs a pass this wait
         // once, not once per namespace and kind.
@@ -281,6 +313,10 @@ impl TrustWatches {
         if tokio::time::timeout(TRUST_LIST_WAIT, listed).await.is_err() {
             tracing::warn!("a TunnelCluster's namespace: its labelled Secrets or ConfigMaps not listed yet (is seedlink's RoleBinding there?)");
         }
+        // The watches that took the place of the pace and have listed.
+        self.secrets.values_mut().for_each(Followed::take_over);
+        self.config_maps.values_mut().for_each(Followed::take_over);
+        self.count_polled(w);
     }
 
     #[allow(clippy::type_complexity)]
@@ -303,7 +339,7 @@ impl TrustWatches {
     /// Counts the namespaces listed on the pace, and says so when their
     /// number changes.
     fn count_polled(&self, w: &Watches) {
-        let n = counted(&self.secrets, true) + counted(&self.config_maps, true);
+        let n = count(&self.secrets, |f| f.polled) + count(&self.config_maps, |f| f.polled);
         let was = w.tx.metrics.polled();
         w.tx.metrics.set_polled(n);
         if n > 0 && n != was {
@@ -320,9 +356,12 @@ impl TrustWatches {
     }
 }
 
-/// How many namespaces are listed on the pace (`polled`), or watched.
-fn counted<K: TrustKind>(followed: &HashMap<String, Followed<K>>, polled: bool) -> usize {
-    followed.values().filter(|f| f.polled == polled).count()
+/// How many of `followed` are `which`.
+fn count<K: TrustKind>(
+    followed: &HashMap<String, Followed<K>>,
+    which: fn(&Followed<K>) -> bool,
+) -> usize {
+    followed.values().filter(|f| which(f)).count()
 }
 
 /// Stops following the namespaces no longer `wanted`.
@@ -333,7 +372,7 @@ fn stop_unwanted<K: TrustKind>(
     followed.retain(|ns, f| {
         let keep = wanted.contains(ns);
         if !keep {
-            f.stop.cancel();
+            f.stop();
         }
         keep
     });
@@ -384,10 +423,10 @@ async fn listed_or_failed<K: TrustKind>((store, errors): (Store<K>, WatchErrors)
 
 /// Follows each namespace in `wanted` (those no longer wanted are
 /// stopped already): by a watch while there is `room`, the ones listed on
-/// `pace` first (taking their watch back); else listed on `pace`. Returns
-/// the stores started, with their errors, to wait for their first lists.
-/// Namespaces are taken in name order, so that the same ones are watched
-/// from one start to the next.
+/// `pace` first (a watch started beside the pace, which takes over once
+/// listed); else listed on `pace`. Returns the stores started, with their
+/// errors, to wait for their first lists. Namespaces are taken in name
+/// order, so that the same ones are watched from one start to the next.
 fn follow_kind<K: TrustKind>(
     w: &Watches,
     followed: &mut HashMap<String, Followed<K>>,
@@ -397,34 +436,29 @@ fn follow_kind<K: TrustKind>(
 ) -> Vec<(Store<K>, WatchErrors)> {
     let selector = format!("{}=true", crate::tunnel::TRUST_LABEL);
     let mut started = Vec::new();
-    let mut start = |ns: &str, room: &mut usize| {
+    followed.values_mut().for_each(Followed::take_over);
+    let mut start = |ns: &str, room: &mut usize, watch: bool| {
         let stop = w.stop.child_token();
-        let polled = *room == 0;
-        let (store, errors) = match polled {
-            false => {
+        let (store, errors) = match watch {
+            true => {
                 *room -= 1;
                 w.labelled_in::<K>(ns, &selector, &stop, true)
             }
-            true => w.polled_in::<K>(ns, &selector, &stop, pace),
+            false => w.polled_in::<K>(ns, &selector, &stop, pace),
         };
         started.push((store.clone(), errors));
-        Followed {
-            store,
-            stop,
-            polled,
-        }
+        (store, stop)
     };
     let mut promoted: Vec<&String> = followed
         .iter()
-        .filter(|(_, f)| f.polled)
+        .filter(|(_, f)| !f.watching())
         .map(|(ns, _)| ns)
         .collect();
     promoted.sort();
     let promoted: Vec<String> = promoted.into_iter().take(*room).cloned().collect();
     for ns in promoted {
         if let Some(f) = followed.get_mut(&ns) {
-            f.stop.cancel();
-            *f = start(&ns, room);
+            f.next = Some(start(&ns, room, true));
         }
     }
     let mut new: Vec<String> = wanted
@@ -433,7 +467,14 @@ fn follow_kind<K: TrustKind>(
         .collect();
     new.sort();
     for ns in new {
-        let f = start(&ns, room);
+        let watch = *room > 0;
+        let (store, stop) = start(&ns, room, watch);
+        let f = Followed {
+            store,
+            stop,
+            polled: !watch,
+            next: None,
+        };
         followed.insert(ns, f);
     }
     started
@@ -482,7 +523,11 @@ pub fn start_tunnel(
             sink: sink.clone(),
             hold,
         };
-        let trust = TrustWatches::new(&w, settings.trust_watch, settings.max_trust_watches);
+        // The watches the connections besides the main one carry, but the
+        // replicas' slices' (on one of them too).
+        let room = w.clients.watch_room();
+        let room = room.saturating_sub(usize::from(settings.replicas.is_some()));
+        let trust = TrustWatches::new(&w, settings.trust_watch, room);
         let passes = TunnelPasses {
             w,
             clusters,
@@ -639,11 +684,16 @@ impl TunnelPasses {
         let written = self.written.take().filter(|w| now < w.0 + SWEEP_EVERY);
         let swept = written.as_ref().map_or(now, |w| w.0);
         let since = written.as_ref().map(|w| &w.1);
-        let files = crate::tunnel::materialize_since(&s.trust_dir, &t.files, since);
-        if let Err(e) = files {
-            // Nothing is applied: the running clusters stay.
-            tracing::error!(dir = %s.trust_dir.display(), error = %e, "cannot write the clusters' trust files; keeping the running clusters");
-            return (t, objects);
+        match crate::tunnel::materialize_since(&s.trust_dir, &t.files, since) {
+            Err(e) => {
+                // Nothing is applied: the running clusters stay.
+                tracing::error!(dir = %s.trust_dir.display(), error = %e, "cannot write the clusters' trust files; keeping the running clusters");
+                return (t, objects);
+            }
+            // A sweep put back a file changed from outside: applied
+            // again, so that nothing read from it meanwhile stands.
+            Ok(true) => self.applied = None,
+            Ok(false) => {}
         }
         self.written = Some((swept, t.files.clone()));
         let refused = match &self.applied {

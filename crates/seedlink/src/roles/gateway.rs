@@ -125,7 +125,8 @@ pub async fn kubernetes(
         return Ok(None);
     };
     let settings = gateway_settings(&k, &snap)?;
-    let clients = seedlink_kube::source::clients(seedlink_kube::source::WATCHES_PER_CONNECTION)
+    // Every watch of the gateway is on the main connection.
+    let clients = seedlink_kube::source::clients(seedlink_kube::source::WATCHES_PER_CONNECTION, 1)
         .await
         .map_err(|e| {
             anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")

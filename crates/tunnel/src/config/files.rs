@@ -105,18 +105,11 @@ impl ServerConfig {
     /// token keys, passwords), for change detection. A TokenReview
     /// `token_file` is not listed: it is read again for every review.
     pub fn files(&self) -> Vec<PathBuf> {
-        self.files_but(|_| false)
-    }
-
-    /// [`ServerConfig::files`] but those of the clusters `skip` names
-    /// (the Kubernetes source's: it writes their files itself and applies
-    /// what it wrote, so watching them would only apply it all again).
-    pub fn files_but(&self, skip: impl Fn(&str) -> bool) -> Vec<PathBuf> {
         let mut out = vec![self.agents.cert.clone(), self.agents.key.clone()];
         let fe = |f: &Frontend, out: &mut Vec<PathBuf>| {
             out.extend(f.cert.iter().chain(&f.key).chain(&f.client_ca).cloned());
         };
-        for c in self.clusters.iter().filter(|c| !skip(&c.name)) {
+        for c in &self.clusters {
             out.extend(c.agent_ca.iter().cloned());
             out.extend(c.proxy_password_file.iter().cloned());
             if let Some(t) = &c.agent_token {

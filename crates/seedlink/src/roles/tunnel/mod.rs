@@ -16,22 +16,28 @@ mod agent;
 pub use agent::{agent, AgentArgs};
 
 /// Content hash of the configuration file and every file it names (a
-/// missing file hashes as missing), but those of the clusters from
-/// Kubernetes (`kubernetes`): the source writes their files and applies
-/// them itself, every time it changes them.
-pub fn fingerprint(
-    config: &std::path::Path,
-    cfg: &ServerConfig,
-    kubernetes: &std::collections::HashSet<String>,
-) -> u64 {
+/// missing file hashes as missing), but those the Kubernetes source
+/// writes (see [`watched_files`]).
+pub fn fingerprint(config: &std::path::Path, cfg: &ServerConfig) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    let files = cfg.files_but(|c| kubernetes.contains(c));
-    for p in std::iter::once(config.to_path_buf()).chain(files) {
+    for p in std::iter::once(config.to_path_buf()).chain(watched_files(cfg)) {
         p.hash(&mut h);
         std::fs::read(&p).ok().hash(&mut h);
     }
     h.finish()
+}
+
+/// The files `cfg` names but those this process writes itself (the
+/// Kubernetes source's trust files, `seedlink_net::written`): the source
+/// applies what it writes, so a watch on them would only apply
+/// everything a second time (at a thousand tenants, a quarter of the CPU
+/// of a change). Told apart by path, not by cluster: an operator's file
+/// is watched whatever a TunnelCluster's name.
+fn watched_files(cfg: &ServerConfig) -> Vec<PathBuf> {
+    let mut files = cfg.files();
+    files.retain(|p| seedlink_net::written::version(p).is_none());
+    files
 }
 
 /// The configuration as it is on disk now, read and parsed once, with its
@@ -56,12 +62,11 @@ fn read_config(
             return (h, Err(e), Vec::new());
         }
     };
-    let names = kubernetes.iter().map(|c| c.name.clone()).collect();
     let mut taken = seedlink_tunnel::config::keep_first_trust(&mut kubernetes, held, refused);
     match ServerConfig::parse_with(&text, kubernetes) {
         (Ok(cfg), mut refused) => {
             refused.append(&mut taken);
-            (fingerprint(config, &cfg, &names), Ok(cfg), refused)
+            (fingerprint(config, &cfg), Ok(cfg), refused)
         }
         (Err(e), _) => {
             let e = anyhow::Error::from(e).context(format!("{}", config.display()));
@@ -144,10 +149,8 @@ pub struct ServerRole {
     opts: TunnelServerOptions,
     /// Fingerprint of the files the running configuration came from.
     seen: Mutex<u64>,
-    /// Files the running configuration names (watched), but those of the
-    /// clusters from Kubernetes: the source writes them and applies what
-    /// it wrote, so a watch on them would apply everything a second time
-    /// (at a thousand tenants, a quarter of the CPU of a change).
+    /// Files the running configuration names (watched), but those the
+    /// Kubernetes source writes ([`watched_files`]).
     files: Mutex<Vec<PathBuf>>,
     /// Clusters from TunnelClusters, added to the file's on every reload.
     kubernetes: Mutex<Vec<seedlink_tunnel::config::Cluster>>,
@@ -184,8 +187,8 @@ impl ServerRole {
         Ok(ServerRole {
             srv,
             bound,
-            seen: Mutex::new(fingerprint(&opts.config, &cfg, &Default::default())),
-            files: Mutex::new(cfg.files()),
+            seen: Mutex::new(fingerprint(&opts.config, &cfg)),
+            files: Mutex::new(watched_files(&cfg)),
             kubernetes: Mutex::new(Vec::new()),
             held: Mutex::new(seedlink_tunnel::config::trust_holders(&cfg)),
             status_held: Mutex::new(HashMap::new()),
@@ -309,13 +312,7 @@ impl ServerRole {
     /// Records what the running configuration is after `cfg` was applied
     /// (its clusters hold their trust from now on).
     fn applied(&self, cfg: &ServerConfig) {
-        let kubernetes: std::collections::HashSet<String> =
-            seedlink_net::sync::lock(&self.kubernetes, "tunnel kubernetes")
-                .iter()
-                .map(|c| c.name.clone())
-                .collect();
-        *seedlink_net::sync::lock(&self.files, "tunnel files") =
-            cfg.files_but(|c| kubernetes.contains(c));
+        *seedlink_net::sync::lock(&self.files, "tunnel files") = watched_files(cfg);
         *seedlink_net::sync::lock(&self.held, "tunnel trust") =
             seedlink_tunnel::config::trust_holders(cfg);
     }
@@ -354,11 +351,14 @@ impl ServerRole {
             false => None,
             true => Some(super::object_key("kubernetes.lease", &k.lease)?),
         };
-        let clients = seedlink_kube::source::clients(k.watches_per_connection)
-            .await
-            .map_err(|e| {
-                anyhow::anyhow!("kubernetes: no usable kubeconfig or in-cluster configuration: {e}")
-            })?;
+        let clients =
+            seedlink_kube::source::clients(k.watches_per_connection, k.max_api_connections)
+                .await
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "kubernetes: no usable kubeconfig or in-cluster configuration: {e}"
+                    )
+                })?;
         let replicas = k
             .replicas
             .as_deref()
@@ -368,10 +368,6 @@ impl ServerRole {
             replicas,
             replica_addresses: k.replica_addresses,
             trust_watch: k.trust_watch,
-            max_trust_watches: k
-                .max_api_connections
-                .saturating_sub(1)
-                .saturating_mul(k.watches_per_connection.max(1)),
             lease,
             identity: super::identity(),
             trust_dir: k.trust_dir,
