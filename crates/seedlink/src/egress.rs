@@ -70,7 +70,23 @@ pub struct Options {
     /// The node-proxy's link and ports, when not its defaults (`dummy`
     /// link `apiserver-proxy`, admin on 9911, metrics on 16910).
     pub node_proxy_host: Option<NodeProxyHost>,
+    /// kube-apiserver's `--goaway-chance` ([`GOAWAY_CHANCE`] by default;
+    /// 0: not rendered).
+    pub goaway_chance: f64,
 }
+
+/// kube-apiserver's `--goaway-chance` as rendered by default: the share
+/// of HTTP/2 requests after which it tells the client (GOAWAY) to open a
+/// new connection for the next ones. Behind the gateway's SNI
+/// passthrough, a connection stays with the replica it was sent to; an
+/// HTTP/2 client (a controller, a kubelet) holds one connection for days,
+/// so without it a new replica (a scale-out, a rollout) takes no load
+/// from the clients already connected (gardener#8810, which Gardener
+/// answered by terminating TLS instead). 0.001 is upstream's suggested
+/// start (the flag's help): about one new connection per thousand
+/// requests, a TLS handshake's cost spread over them; kube-apiserver
+/// takes at most 0.02. Long-running requests (watches) are never cut.
+pub const GOAWAY_CHANCE: f64 = 0.001;
 
 /// Where on the node the node-proxy lives: its link and its ports (one
 /// beside another node proxy, as during a migration from Gardener's
@@ -113,6 +129,7 @@ impl Options {
             egress_api_version: "v1beta1".into(),
             egress_file: "/etc/kubernetes/egress/egress-selector-configuration.yaml".into(),
             kube_apiserver_port: 443,
+            goaway_chance: GOAWAY_CHANCE,
             ..Options::default()
         }
     }
@@ -166,6 +183,12 @@ pub fn render(cfg: &ServerConfig, opts: &Options) -> anyhow::Result<Rendered> {
             );
         }
     };
+    if !(0.0..=0.02).contains(&opts.goaway_chance) {
+        bail!(
+            "--goaway-chance {}: kube-apiserver takes 0 (off) to 0.02",
+            opts.goaway_chance
+        );
+    }
     let frontend = kas_frontend(cluster, &cfg.shared_frontends, opts)?;
     check_texts(cluster, frontend, opts)?;
     let shared = cfg.shared_frontends.iter().any(|f| f.name == frontend.name)
@@ -391,6 +414,15 @@ fn kube_apiserver_args(cluster: &Cluster, opts: &Options) -> Vec<String> {
              kube-apiserver itself never accepts them",
             t.audience
         ));
+    }
+    if opts.goaway_chance > 0.0 {
+        kas.push(format!("--goaway-chance={}", opts.goaway_chance));
+        kas.push(
+            "# spreads HTTP/2 clients over the kube-apiserver replicas behind the gateway's \
+             passthrough: after this share of requests a client is told to reconnect, and its \
+             next connection may reach another replica (0 to 0.02; watches are never cut)"
+                .into(),
+        );
     }
     if let Some(a) = opts.advertise_address {
         kas.push(format!("--advertise-address={a}"));
@@ -838,10 +870,26 @@ kubernetes: {lease: garden/seedlink-tunnel-status}
             v["egressSelections"][1]["connection"]["proxyProtocol"],
             "Direct"
         );
+        let flags = |r: &Rendered| -> Vec<String> {
+            let args = r.kube_apiserver_args.iter();
+            args.filter(|a| !a.starts_with('#')).cloned().collect()
+        };
         assert_eq!(
-            r.kube_apiserver_args,
-            ["--egress-selector-config-file=/etc/kubernetes/egress/egress-selector-configuration.yaml"]
+            flags(&r),
+            [
+                "--egress-selector-config-file=/etc/kubernetes/egress/egress-selector-configuration.yaml",
+                "--goaway-chance=0.001"
+            ]
         );
+        // Off, or past what kube-apiserver takes.
+        let mut o = opts("a", None);
+        o.goaway_chance = 0.0;
+        assert!(!flags(&render(&cfg, &o).unwrap())
+            .iter()
+            .any(|a| a.starts_with("--goaway-chance")));
+        o.goaway_chance = 0.05;
+        let e = format!("{:#}", render(&cfg, &o).unwrap_err());
+        assert!(e.contains("0 (off) to 0.02"), "{e}");
 
         let mut o = opts("b", None);
         o.egress_api_version = "v1alpha1".into();

@@ -86,6 +86,12 @@ pub struct TunnelConfigArgs {
     /// the node-proxy serves on the advertised address.
     #[arg(long, default_value_t = 443)]
     pub kube_apiserver_port: u16,
+    /// kube-apiserver's --goaway-chance, rendered with its flags: the
+    /// share of HTTP/2 requests after which a client is told to reconnect,
+    /// so that its next connection may reach another replica behind the
+    /// gateway's passthrough (0: not rendered; at most 0.02).
+    #[arg(long, default_value_t = crate::egress::GOAWAY_CHANCE)]
+    pub goaway_chance: f64,
     /// Write egress-selector-configuration.yaml, kube-apiserver.args,
     /// tunnel-agent.args, proxy-agent.args, agent.yaml, shoot-config.yaml
     /// (and node-proxy.yaml) into this directory instead of printing.
@@ -130,6 +136,7 @@ pub fn tunnel_config(a: TunnelConfigArgs) -> anyhow::Result<i32> {
         cluster_id: a.cluster_id,
         kube_apiserver_port: a.kube_apiserver_port,
         node_proxy_host: None,
+        goaway_chance: a.goaway_chance,
     };
     let r = crate::egress::render(&cfg, &opts)?;
     match a.out {

@@ -1583,3 +1583,153 @@ impl Drop for NodeCleanup {
         seedlink_testkit::cluster::stop_node(&self.netns, &self.dir);
     }
 }
+
+/// The control plane's name the spreading test reaches its replicas by.
+const SPREAD_NAME: &str = "api.spread.seedlink.test";
+
+/// The `--goaway-chance` flag `tunnel-config` renders at `chance`, for a
+/// cluster of a minimal server configuration.
+fn rendered_goaway(chance: f64) -> String {
+    let cfg = seedlink_tunnel::config::ServerConfig::parse(
+        "agents: {listen: '127.0.0.1:8132', cert: c.pem, key: k.pem}
+clusters:
+  - {name: a, agent_ca: ca.pem, frontends: [{name: uds, protocol: http-connect, unix: /run/seedlink/a.sock}]}
+",
+    )
+    .unwrap();
+    let opts = seedlink::egress::Options {
+        goaway_chance: chance,
+        ..seedlink::egress::Options::new("a")
+    };
+    let r = seedlink::egress::render(&cfg, &opts).unwrap();
+    let mut flags = r.kube_apiserver_args.into_iter();
+    flags
+        .find(|a| a.starts_with("--goaway-chance="))
+        .expect("no --goaway-chance rendered")
+}
+
+/// The bearer token every replica of the spreading test takes (a static
+/// token file): kube-apiserver ends an unauthenticated client's HTTP/2
+/// connection after each request (its mitigation of HTTP/2 floods), so
+/// the client must be one that authenticates, as controllers are.
+const SPREAD_TOKEN: &str = "spread-token";
+
+/// Three kube-apiserver replicas with `flags`, each advertising
+/// 10.1.2.<i> (what `/api` tells a client: which one answered) and
+/// taking [`SPREAD_TOKEN`], behind one gateway as one control plane by
+/// SNI passthrough; with curl's pins of their keys.
+async fn replicas_behind_the_gateway(flags: &[String]) -> (Vec<KubeApi>, Gw, String) {
+    let tokens = tempfile::tempdir().unwrap();
+    let token_file = tokens.path().join("tokens.csv");
+    std::fs::write(&token_file, format!("{SPREAD_TOKEN},spread,spread-uid\n")).unwrap();
+    let starts = (1..=3).map(|i| {
+        let mut args = flags.to_vec();
+        args.push(format!("--advertise-address=10.1.2.{i}"));
+        args.push(format!("--token-auth-file={}", token_file.display()));
+        tokio::task::spawn_blocking(move || {
+            KubeApi::start_with(Options {
+                args,
+                names: vec![SPREAD_NAME.into()],
+                ..Default::default()
+            })
+        })
+    });
+    let apis: Vec<KubeApi> = futures_util::future::join_all(starts)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let pins: Vec<String> = apis
+        .iter()
+        .map(|a| pin_of(&a.dir.join("apiserver.pem")))
+        .collect();
+    let endpoints: Vec<String> = apis.iter().map(|a| format!("'{}'", a.addr)).collect();
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '127.0.0.1:0'}}]
+control_planes:
+  - {{name: spread, hostnames: [{SPREAD_NAME}], endpoints: [{}]}}
+",
+        endpoints.join(", ")
+    ));
+    (apis, gw, pins.join(";"))
+}
+
+/// curl's `--pinnedpubkey` for the certificate in `pem`: the SHA-256 of
+/// its public key (openssl computes it).
+fn pin_of(pem: &Path) -> String {
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg("openssl x509 -in \"$1\" -pubkey -noout | openssl pkey -pubin -outform der | openssl dgst -sha256 -binary | openssl base64 -A")
+        .arg("pin")
+        .arg(pem)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "openssl: {}", text(&out));
+    format!("sha256//{}", String::from_utf8_lossy(&out.stdout).trim())
+}
+
+/// `n` requests from one curl (HTTP/2, one connection for as long as the
+/// server keeps it) through the gateway: how many each replica answered,
+/// by its advertised address.
+fn answered_by(gw: &Gw, pins: &str, n: usize) -> std::collections::BTreeMap<String, usize> {
+    let port = gw.tls.port();
+    let url = format!("https://{SPREAD_NAME}:{port}/api");
+    // Each replica's serving certificate is pinned, not chained: the
+    // test kit's three CAs have the same subject, and OpenSSL, looking an
+    // issuer up by name, checks a certificate against the wrong one.
+    let out = Command::new("curl")
+        .args([
+            "--http2",
+            "-sS",
+            "--fail",
+            "--insecure",
+            "--pinnedpubkey",
+            pins,
+        ])
+        .args(["--resolve", &format!("{SPREAD_NAME}:{port}:127.0.0.1")])
+        .args(["-H", &format!("Authorization: Bearer {SPREAD_TOKEN}")])
+        .args(std::iter::repeat_n(&url, n))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "curl: {}", text(&out));
+    let body = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut by = std::collections::BTreeMap::new();
+    for v in serde_json::Deserializer::from_str(&body).into_iter::<Value>() {
+        let v = v.unwrap();
+        let at = v["serverAddressByClientCIDRs"][0]["serverAddress"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no serverAddress in {v}"));
+        let host = at.rsplit_once(':').map_or(at, |(h, _)| h).to_string();
+        *by.entry(host).or_insert(0) += 1;
+    }
+    by
+}
+
+/// gardener#8810: behind the gateway's passthrough an HTTP/2 client stays
+/// on the replica its connection reached. With the `--goaway-chance`
+/// `tunnel-config` renders (here at kube-apiserver's highest, 0.02, so
+/// that 600 requests see about 12), kube-apiserver tells the client now
+/// and then to reconnect, and its requests spread over the three
+/// replicas; without it, all 600 go to one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn goaway_chance_spreads_one_http2_client_over_the_replicas() {
+    require("curl");
+    const N: usize = 600;
+    let flag = rendered_goaway(0.02);
+    assert_eq!(flag, "--goaway-chance=0.02");
+    let flag_shown = flag.clone();
+    require("openssl");
+    let (apis, gw, pins) = replicas_behind_the_gateway(&[flag]).await;
+    let by = answered_by(&gw, &pins, N);
+    assert_eq!(by.values().sum::<usize>(), N, "{by:?}");
+    assert!(by.len() >= 2, "one replica answered everything: {by:?}");
+    eprintln!("with {flag_shown}: answered by {by:?}");
+    drop((apis, gw));
+    let (apis, gw, pins) = replicas_behind_the_gateway(&[]).await;
+    let by = answered_by(&gw, &pins, N);
+    assert_eq!(by.values().sum::<usize>(), N, "{by:?}");
+    assert_eq!(by.len(), 1, "without the flag, still spread: {by:?}");
+    eprintln!("without it: answered by {by:?}");
+    drop((apis, gw));
+}
