@@ -23,127 +23,158 @@ fn ready_line(child: &mut std::process::Child) -> String {
     line
 }
 
-#[test]
-fn node_proxy_in_a_node_namespace_reaches_the_seed() {
-    let openssl = require("openssl");
-    let (node, seed) = netns_pair("n", "d", 2);
+/// The seed (gateway and an `openssl s_server` kube-apiserver stand-in
+/// requiring a client certificate) and a node running the node-proxy on
+/// `link_kind` with 240.0.0.10, in namespaces `198.18.<net>.0/24` apart.
+struct Bed {
+    node: common::Netns,
+    _seed: common::Netns,
+    dir: tempfile::TempDir,
+    files: seedlink::demo::ClientFiles,
+    _procs: Vec<Proc>,
+}
 
-    let dir = tempfile::tempdir().unwrap();
-    let pki = seedlink::demo::Pki::generate(&[HOST]).unwrap();
-    let files = pki.write_client_files(dir.path()).unwrap();
-    let (cert, key) = (
-        dir.path().join("server.pem"),
-        dir.path().join("server-key.pem"),
-    );
-    std::fs::write(&cert, &pki.servers[0].1.cert_pem).unwrap();
-    std::fs::write(&key, &pki.servers[0].1.key_pem).unwrap();
+impl Bed {
+    fn start(tag: &str, net: u8, link_kind: &str) -> Bed {
+        let openssl = require("openssl");
+        let (node, seed) = netns_pair(&format!("{tag}n"), &format!("{tag}d"), net);
+        let gw_at = format!("198.18.{net}.2:8443");
 
-    // The kube-apiserver stand-in: TLS, client certificate required.
-    let server = seed
-        .cmd(&[
-            openssl.to_str().unwrap(),
-            "s_server",
-            "-quiet",
-            "-accept",
-            "127.0.0.1:6443",
-            "-cert",
-            cert.to_str().unwrap(),
-            "-key",
-            key.to_str().unwrap(),
-            "-CAfile",
-            files.ca.to_str().unwrap(),
-            "-Verify",
-            "1",
-            "-www",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let _server = Proc(server);
-    eventually_blocking("s_server to listen", Duration::from_secs(10), || {
-        seed.run(&["ss", "-ltn"]).contains("127.0.0.1:6443")
-    });
+        let dir = tempfile::tempdir().unwrap();
+        let pki = seedlink::demo::Pki::generate(&[HOST]).unwrap();
+        let files = pki.write_client_files(dir.path()).unwrap();
+        let (cert, key) = (
+            dir.path().join("server.pem"),
+            dir.path().join("server-key.pem"),
+        );
+        std::fs::write(&cert, &pki.servers[0].1.cert_pem).unwrap();
+        std::fs::write(&key, &pki.servers[0].1.key_pem).unwrap();
 
-    // The gateway in the seed namespace.
-    let cfg = dir.path().join("gateway.yaml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "admin: {{listen: '127.0.0.1:9901'}}
-listeners: [{{name: http-proxy, address: '198.18.2.2:8443', protocol: http-connect}}]
+        // The kube-apiserver stand-in: TLS, client certificate required.
+        let server = seed
+            .cmd(&[
+                openssl.to_str().unwrap(),
+                "s_server",
+                "-quiet",
+                "-accept",
+                "127.0.0.1:6443",
+                "-cert",
+                cert.to_str().unwrap(),
+                "-key",
+                key.to_str().unwrap(),
+                "-CAfile",
+                files.ca.to_str().unwrap(),
+                "-Verify",
+                "1",
+                "-www",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let server = Proc(server);
+        eventually_blocking("s_server to listen", Duration::from_secs(10), || {
+            seed.run(&["ss", "-ltn"]).contains("127.0.0.1:6443")
+        });
+
+        // The gateway in the seed namespace.
+        let cfg = dir.path().join("gateway.yaml");
+        std::fs::write(
+            &cfg,
+            format!(
+                "admin: {{listen: '127.0.0.1:9901'}}
+listeners: [{{name: http-proxy, address: '{gw_at}', protocol: http-connect}}]
 control_planes:
   - {{name: shoot--dev--n, endpoints: ['127.0.0.1:6443'], destinations: [{{name: '{DEST}'}}]}}
 "
-        ),
-    )
-    .unwrap();
-    let mut gw = seed
-        .cmd(&[
-            env!("CARGO_BIN_EXE_seedlink"),
-            "gateway",
-            "--config",
-            cfg.to_str().unwrap(),
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
+            ),
+        )
         .unwrap();
-    let line = ready_line(&mut gw);
-    let _gw = Proc(gw);
-    assert!(line.contains("ready"), "{line}");
+        let mut gw = seed
+            .cmd(&[
+                env!("CARGO_BIN_EXE_seedlink"),
+                "gateway",
+                "--config",
+                cfg.to_str().unwrap(),
+            ])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let line = ready_line(&mut gw);
+        let gw = Proc(gw);
+        assert!(line.contains("ready"), "{line}");
 
-    // The node-proxy in the node namespace, on its own bridge link.
-    let mut np = node
-        .cmd(&[
-            env!("CARGO_BIN_EXE_seedlink"),
-            "node-proxy",
-            "--address",
-            "240.0.0.10",
-            "--link-kind",
-            "bridge",
-            "--gateway",
-            "198.18.2.2:8443",
-            "--destination",
-            DEST,
-            "--admin",
-            "127.0.0.1:16910",
-        ])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let line = ready_line(&mut np);
-    let _np = Proc(np);
-    assert!(line.contains("240.0.0.10:443"), "{line}");
-    assert!(node
-        .run(&["ip", "-o", "addr", "show", "dev", "apiserver-proxy"])
-        .contains("240.0.0.10/32"));
+        // The node-proxy in the node namespace, on its own link.
+        let mut np = node
+            .cmd(&[
+                env!("CARGO_BIN_EXE_seedlink"),
+                "node-proxy",
+                "--address",
+                "240.0.0.10",
+                "--link-kind",
+                link_kind,
+                "--gateway",
+                &gw_at,
+                "--destination",
+                DEST,
+                "--admin",
+                "127.0.0.1:16910",
+            ])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let line = ready_line(&mut np);
+        let np = Proc(np);
+        assert!(line.contains("240.0.0.10:443"), "{line}");
+        assert!(node
+            .run(&["ip", "-o", "addr", "show", "dev", "apiserver-proxy"])
+            .contains("240.0.0.10/32"));
+        Bed {
+            node,
+            _seed: seed,
+            dir,
+            files,
+            _procs: vec![server, gw, np],
+        }
+    }
 
+    /// curl in `ns` to the API server at `ip` (by its name): what
+    /// s_server answered, or why not.
+    fn curl_from(&self, ns: &common::Netns, ip: &str) -> String {
+        let out = ns
+            .cmd(&[
+                "curl",
+                "-sS",
+                "--max-time",
+                "10",
+                "--cacert",
+                self.files.ca.to_str().unwrap(),
+                "--cert",
+                self.files.cert.to_str().unwrap(),
+                "--key",
+                self.files.key.to_str().unwrap(),
+                "--resolve",
+                &format!("{HOST}:443:{ip}"),
+                &format!("https://{HOST}/"),
+            ])
+            .output()
+            .unwrap();
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    }
+}
+
+#[test]
+fn node_proxy_in_a_node_namespace_reaches_the_seed() {
+    let bed = Bed::start("", 2, "bridge");
+    let node = &bed.node;
     // curl on the node → 240.0.0.10:443 → CONNECT → gateway → s_server.
-    let out = node
-        .cmd(&[
-            "curl",
-            "-sS",
-            "--max-time",
-            "10",
-            "--cacert",
-            files.ca.to_str().unwrap(),
-            "--cert",
-            files.cert.to_str().unwrap(),
-            "--key",
-            files.key.to_str().unwrap(),
-            "--resolve",
-            &format!("{HOST}:443:240.0.0.10"),
-            &format!("https://{HOST}/"),
-        ])
-        .output()
-        .unwrap();
-    let body = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        body.contains("s_server"),
-        "through the node-proxy: {body}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let body = bed.curl_from(node, "240.0.0.10");
+    assert!(body.contains("s_server"), "through the node-proxy: {body}");
     // Readiness on the node: address present, gateway answering.
     eventually_blocking("node-proxy ready", Duration::from_secs(15), || {
         let r = node
@@ -160,4 +191,95 @@ control_planes:
             .unwrap();
         String::from_utf8_lossy(&r.stdout) == "200"
     });
+    drop(bed.dir);
+}
+
+/// The `kubernetes` Service's ClusterIP in the pods' view.
+const CLUSTER_IP: &str = "10.96.0.1";
+
+/// A pod: a namespace of its own behind a veth pair to the node
+/// (`198.18.<net>.2`, its default route through the node's end).
+fn pod_of(node: &common::Netns, tag: &str, net: u8) -> common::Netns {
+    let pod = common::Netns::new(tag);
+    common::netns_link(node, &pod, net);
+    pod.run(&[
+        "ip",
+        "route",
+        "add",
+        "default",
+        "via",
+        &format!("198.18.{net}.1"),
+    ]);
+    pod
+}
+
+/// Clients in pods' own network namespaces (not the node's, whose
+/// traffic kube-proxy's DNAT catches in OUTPUT) reach their API server
+/// through the node-proxy:
+/// - with kube-proxy's shape: the `kubernetes` ClusterIP translated in
+///   the node's PREROUTING (iptables, as kube-proxy installs it) to the
+///   address the node-proxy serves;
+/// - without iptables: Cilium's socket load balancing translates the
+///   ClusterIP at `connect()` inside the pod, so the packet leaves the pod
+///   already addressed to the backend and the node has no rule at all;
+///   the pod dialling the advertised address itself stands in for it
+///   (the eBPF program is not run here: what the node-proxy sees is the
+///   same).
+///
+/// On the node-proxy's `bridge` link (the kernel here has no `dummy`
+/// link type; where it has, the same runs on `dummy`, Gardener's).
+#[test]
+fn clients_in_pods_own_namespaces_reach_their_api_server() {
+    require("iptables");
+    let mut kinds = vec!["bridge"];
+    let probe = common::Netns::new("dummy");
+    match probe
+        .cmd(&["ip", "link", "add", "probe0", "type", "dummy"])
+        .output()
+    {
+        Ok(o) if o.status.success() => kinds.push("dummy"),
+        Ok(o) => eprintln!(
+            "skipping the dummy link: the kernel has no 'dummy' link type ({})",
+            String::from_utf8_lossy(&o.stderr).trim()
+        ),
+        Err(e) => eprintln!("skipping the dummy link: {e}"),
+    }
+    drop(probe);
+    for (i, kind) in kinds.into_iter().enumerate() {
+        let net = 12 + 2 * u8::try_from(i).unwrap();
+        let bed = Bed::start(&format!("p{i}"), net, kind);
+        let pod = pod_of(&bed.node, &format!("p{i}pod"), net + 1);
+        // Without a rule, the ClusterIP goes nowhere.
+        let before = bed.curl_from(&pod, CLUSTER_IP);
+        assert!(!before.contains("s_server"), "{kind}: {before}");
+        // Cilium's shape: the pod dials the backend itself.
+        let direct = bed.curl_from(&pod, "240.0.0.10");
+        assert!(
+            direct.contains("s_server"),
+            "{kind}, from the pod: {direct}"
+        );
+        // kube-proxy's shape: DNAT in the node's PREROUTING.
+        bed.node.run(&[
+            "iptables",
+            "-t",
+            "nat",
+            "-A",
+            "PREROUTING",
+            "-d",
+            CLUSTER_IP,
+            "-p",
+            "tcp",
+            "--dport",
+            "443",
+            "-j",
+            "DNAT",
+            "--to-destination",
+            "240.0.0.10:443",
+        ]);
+        let natted = bed.curl_from(&pod, CLUSTER_IP);
+        assert!(
+            natted.contains("s_server"),
+            "{kind}, by the ClusterIP: {natted}"
+        );
+    }
 }
