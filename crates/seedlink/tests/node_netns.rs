@@ -1,8 +1,10 @@
 //! node-proxy → gateway across network namespaces: the node-proxy's
 //! interface (a port-less bridge with 240.0.0.10/32) lives in a "node"
 //! namespace, the gateway and an `openssl s_server` kube-apiserver stand-in
-//! (requiring a client certificate) in a "seed" namespace; curl on the node
-//! reaches the server through the advertised address.
+//! (requiring a client certificate) in a "seed" namespace; curl on the node,
+//! and in pods' own namespaces, reaches the server through the advertised
+//! address. And an IPv6-only seed: HAProxy's PROXY v2 TCP6 header into the
+//! gateway's ACL, SNI routing to an IPv6 endpoint.
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
 
 use seedlink_testkit as common;
@@ -282,4 +284,164 @@ fn clients_in_pods_own_namespaces_reach_their_api_server() {
             "{kind}, by the ClusterIP: {natted}"
         );
     }
+}
+
+/// An IPv6-only seed (a namespace whose only addresses besides loopback
+/// are IPv6 ones, on `lo`): the load balancer (HAProxy) connects to the
+/// gateway over IPv6 and sends PROXY v2 with a TCP6 client address, the
+/// control plane's ACL decides on that address, and SNI routes to an IPv6
+/// endpoint (`openssl s_server` requiring a client certificate).
+#[test]
+fn an_ipv6_seed_takes_the_lbs_tcp6_header_and_routes_to_ipv6_endpoints() {
+    let openssl = require("openssl");
+    let haproxy = require("haproxy");
+    let seed = common::Netns::new("v6");
+    for a in [
+        "fd00:6::1",
+        "fd00:6::5",
+        "fd00:6::6",
+        "fd00:6::9",
+        "fd00:6::20",
+    ] {
+        seed.run(&[
+            "ip",
+            "-6",
+            "addr",
+            "add",
+            &format!("{a}/128"),
+            "dev",
+            "lo",
+            "nodad",
+        ]);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let pki = seedlink::demo::Pki::generate(&[HOST]).unwrap();
+    let files = pki.write_client_files(dir.path()).unwrap();
+    let (cert, key) = (
+        dir.path().join("server.pem"),
+        dir.path().join("server-key.pem"),
+    );
+    std::fs::write(&cert, &pki.servers[0].1.cert_pem).unwrap();
+    std::fs::write(&key, &pki.servers[0].1.key_pem).unwrap();
+    let server = seed
+        .cmd(&[
+            openssl.to_str().unwrap(),
+            "s_server",
+            "-quiet",
+            "-accept",
+            "[fd00:6::20]:6443",
+            "-cert",
+            cert.to_str().unwrap(),
+            "-key",
+            key.to_str().unwrap(),
+            "-CAfile",
+            files.ca.to_str().unwrap(),
+            "-Verify",
+            "1",
+            "-www",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _server = Proc(server);
+    eventually_blocking("s_server to listen", Duration::from_secs(10), || {
+        seed.run(&["ss", "-ltn"]).contains("[fd00:6::20]:6443")
+    });
+    let cfg = dir.path().join("gateway.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "admin: {{listen: '[fd00:6::1]:9901'}}
+listeners: [{{name: lb, address: '[fd00:6::1]:8443', proxy_protocol: required}}]
+trusted_load_balancers: ['fd00:6::9/128']
+control_planes:
+  - {{name: v6, hostnames: [{HOST}], endpoints: ['[fd00:6::20]:6443'], acl: {{allow: ['fd00:6::5/128']}}}}
+"
+        ),
+    )
+    .unwrap();
+    let mut gw = seed
+        .cmd(&[
+            env!("CARGO_BIN_EXE_seedlink"),
+            "gateway",
+            "--config",
+            cfg.to_str().unwrap(),
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let line = ready_line(&mut gw);
+    let _gw = Proc(gw);
+    assert!(line.contains("ready"), "{line}");
+    let hap_cfg = dir.path().join("haproxy.cfg");
+    std::fs::write(
+        &hap_cfg,
+        "global
+  maxconn 100
+defaults
+  mode tcp
+  timeout connect 5s
+  timeout client 30s
+  timeout server 30s
+frontend lb
+  bind ipv6@fd00:6::1:443
+  default_backend gw
+backend gw
+  server gw ipv6@fd00:6::1:8443 send-proxy-v2 source [fd00:6::9]:0
+",
+    )
+    .unwrap();
+    let hap = seed
+        .cmd(&[
+            haproxy.to_str().unwrap(),
+            "-db",
+            "-f",
+            hap_cfg.to_str().unwrap(),
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _hap = Proc(hap);
+    eventually_blocking("HAProxy to listen", Duration::from_secs(10), || {
+        seed.run(&["ss", "-ltn"]).contains("[fd00:6::1]:443")
+    });
+    let curl_from = |source: &str| {
+        let out = seed
+            .cmd(&[
+                "curl",
+                "-sS",
+                "--max-time",
+                "10",
+                "--interface",
+                source,
+                "--cacert",
+                files.ca.to_str().unwrap(),
+                "--cert",
+                files.cert.to_str().unwrap(),
+                "--key",
+                files.key.to_str().unwrap(),
+                "--resolve",
+                &format!("{HOST}:443:[fd00:6::1]"),
+                &format!("https://{HOST}/"),
+            ])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    assert!(
+        curl_from("fd00:6::5").contains("s_server"),
+        "the allowed IPv6 client"
+    );
+    assert!(
+        !curl_from("fd00:6::6").contains("s_server"),
+        "the refused IPv6 client got through"
+    );
+    // The refusal was the ACL's, on the header's TCP6 address.
+    let metrics = seed.run(&["curl", "-sS", "http://[fd00:6::1]:9901/metrics"]);
+    assert!(
+        metrics.contains("seedlink_gateway_acl_denied_total{control_plane=\"v6\"} 1"),
+        "{metrics}"
+    );
 }

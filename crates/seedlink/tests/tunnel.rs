@@ -739,3 +739,92 @@ async fn the_agent_leaves_through_a_corporate_egress_proxy() {
         0.0
     );
 }
+
+/// IPv6 end to end: the seed and the shoot joined over IPv6 only
+/// (`fd00:7::/64` on the veth pair), the agent reaches the tunnel-server
+/// through the gateway's SNI passthrough listening on IPv6, the
+/// gateway's endpoint is the server's IPv6 address, and the agent dials
+/// a pod's IPv6 address (a service on `fd00:8::5` in the shoot) for
+/// kube-apiserver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_reach_the_server_and_ipv6_pods_over_ipv6_through_the_gateway() {
+    let env = TunnelEnv::new(56);
+    let dev = |ns: &common::Netns| -> String {
+        let links = ns.run(&["ip", "-o", "link", "show", "type", "veth"]);
+        let name = links.split(':').nth(1).unwrap_or_default().trim();
+        name.split('@').next().unwrap_or_default().to_string()
+    };
+    let (seed_dev, shoot_dev) = (dev(&env.seed), dev(&env.shoot));
+    env.seed.run(&[
+        "ip",
+        "-6",
+        "addr",
+        "add",
+        "fd00:7::1/64",
+        "dev",
+        &seed_dev,
+        "nodad",
+    ]);
+    env.shoot.run(&[
+        "ip",
+        "-6",
+        "addr",
+        "add",
+        "fd00:7::2/64",
+        "dev",
+        &shoot_dev,
+        "nodad",
+    ]);
+    env.shoot.run(&[
+        "ip",
+        "-6",
+        "addr",
+        "add",
+        "fd00:8::5/128",
+        "dev",
+        "lo",
+        "nodad",
+    ]);
+    let pod = common::tunnel_env::spawn_until_up(env.shoot.cmd(&[
+        "python3",
+        "-c",
+        "import http.server, socket, sys\n\
+         class S(http.server.ThreadingHTTPServer): address_family = socket.AF_INET6\n\
+         class H(http.server.BaseHTTPRequestHandler):\n  \
+           def do_GET(self):\n    \
+             b = b'hello from an ipv6 pod\\n'\n    \
+             self.send_response(200); self.send_header('Content-Length', str(len(b))); self.end_headers(); self.wfile.write(b)\n  \
+           def log_message(self, *a): pass\n\
+         s = S(('fd00:8::5', 8001), H)\n\
+         print('up', flush=True)\n\
+         s.serve_forever()\n",
+    ]));
+    let ep = "[fd00:7::1]:8132";
+    let _server = env.server(&env.server_yaml(ep, "", ""), "server");
+    let gw_addr = "[fd00:7::1]:8443";
+    let cfg = env.dir.path().join("gateway.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '{gw_addr}', protocol: tls}}]
+control_planes:
+  - {{name: tunnel, hostnames: [tunnel.seedlink.test], endpoints: ['{ep}']}}
+"
+        ),
+    )
+    .unwrap();
+    let _gw = env.gateway(&cfg);
+    let agent = env.agent(gw_addr, &[]);
+    let s = kas_connect_eventually(&env.uds, "[fd00:8::5]:8001", Duration::from_secs(20)).await;
+    let body = fetch_hello(s).await;
+    assert!(body.contains("hello from an ipv6 pod"), "{body}");
+    assert_eq!(
+        env.agent_metric(
+            &agent.admin(),
+            "seedlink_tunnel_agent_open_server_connections"
+        ),
+        1.0
+    );
+    drop(pod);
+}
