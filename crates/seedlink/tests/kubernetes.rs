@@ -3931,3 +3931,80 @@ async fn shared_frontend_answers(t: &Onboarding, tag: &str) -> bool {
     .unwrap();
     String::from_utf8_lossy(&out.stdout) == "405"
 }
+
+/// The host name of [`ipv6_and_dual_stack_endpoint_slices_are_served`].
+const V6HOST: &str = "api.v6.kube.test";
+
+/// A pod's address in an IPv6 EndpointSlice (on the seed namespace's
+/// loopback; the API server refuses `::1` in a slice).
+const POD_V6: &str = "fd00:99::2";
+
+/// An IPv6 Service's pods, in an IPv6 EndpointSlice of the real API server,
+/// are served at their IPv6 addresses; a dual-stack Service (the same pod
+/// in an IPv4 and an IPv6 slice) at both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipv6_and_dual_stack_endpoint_slices_are_served() {
+    let stop = CancellationToken::new();
+    let pki = Arc::new(seedlink::demo::Pki::generate(&[V6HOST]).unwrap());
+    let seed = Seed::new(true).await;
+    let (ns, dialer) = seed.net.as_ref().unwrap();
+    ns.run(&[
+        "ip",
+        "-6",
+        "addr",
+        "add",
+        &format!("{POD_V6}/128"),
+        "dev",
+        "lo",
+        "nodad",
+    ]);
+    let l6 = dialer.bind(format!("[{POD_V6}]:0").parse().unwrap());
+    let port = l6.local_addr().unwrap().port();
+    let l4 = dialer.bind(format!("{POD_1}:{port}").parse().unwrap());
+    for (l, name) in [(l6, "v6pod"), (l4, "v4pod")] {
+        let config = pki.server_config(0).unwrap();
+        tokio::spawn(seedlink::demo::serve_demo_apiserver(
+            l,
+            name.into(),
+            config,
+            stop.clone(),
+        ));
+    }
+    seed.gateway_object().await;
+    let t = seed.tenant("v6", true).await;
+    let mut v6 = slice(&t, "kube-apiserver", port, &[(POD_V6, true)]);
+    v6["metadata"]["name"] = json!("kube-apiserver-v6");
+    v6["addressType"] = json!("IPv6");
+    for o in [
+        service(&t, "kube-apiserver"),
+        v6,
+        seed.route(&t, "kube-apiserver", V6HOST, "kube-apiserver"),
+    ] {
+        seed.apply(o).await;
+    }
+    let gw = seed.gateway("replica-v6", &seed.token).await;
+    eventually(
+        "served at the pod's IPv6 address",
+        Duration::from_secs(60),
+        async || {
+            get(&pki, gw.tls, V6HOST)
+                .await
+                .is_ok_and(|b| b.contains("v6pod"))
+        },
+    )
+    .await;
+    // Dual-stack: the same pod in an IPv4 slice too; both are endpoints.
+    seed.apply(slice(&t, "kube-apiserver", port, &[(POD_1, true)]))
+        .await;
+    let both = [format!("[{POD_V6}]:{port}"), format!("{POD_1}:{port}")];
+    eventually(
+        "both families' endpoints",
+        Duration::from_secs(60),
+        async || {
+            let (_, config) = http_get(gw.admin, "/config").await;
+            both.iter().all(|e| config.contains(e.as_str()))
+        },
+    )
+    .await;
+    stop.cancel();
+}
