@@ -18,13 +18,35 @@ const MAX_ANSWER_HEAD: usize = 16 * 1024;
 
 /// An egress proxy: where it is, and the `Proxy-Authorization` to send.
 /// Its `Debug` never shows the credentials.
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct EgressProxy {
     /// `host:port` of the proxy.
     pub address: String,
-    /// The `Proxy-Authorization` value (`Basic …`), if credentials are set.
+    /// The `Proxy-Authorization` value (`Basic …`), if credentials are set:
+    /// as read at the start, and, with `credentials_file`, the last value
+    /// the file held that parsed.
     pub authorization: Option<String>,
+    /// Where the credentials are read from, again for every tunnel: a
+    /// rotated password is used from the next connection on, without a
+    /// restart (a read that fails or does not parse keeps the last good
+    /// value, and says so).
+    pub credentials_file: Option<std::path::PathBuf>,
+    /// The last good value read from `credentials_file`.
+    latest: std::sync::Arc<std::sync::Mutex<Option<String>>>,
 }
+
+impl PartialEq for EgressProxy {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.address, &self.authorization, &self.credentials_file)
+            == (
+                &other.address,
+                &other.authorization,
+                &other.credentials_file,
+            )
+    }
+}
+
+impl Eq for EgressProxy {}
 
 /// Why a tunnel through the proxy was not opened.
 #[derive(Debug, thiserror::Error)]
@@ -79,7 +101,51 @@ impl EgressProxy {
         Ok(EgressProxy {
             address: address_of(url)?,
             authorization: credentials.map(basic).transpose()?,
+            credentials_file: None,
+            latest: Default::default(),
         })
+    }
+
+    /// From `http://host:port` (or `host:port`) and, if given, a
+    /// credentials file (`user:password`), read now (an error if it cannot
+    /// be read or parsed) and again for every tunnel.
+    pub fn with_file(url: &str, file: Option<&std::path::Path>) -> Result<EgressProxy, String> {
+        let text = file
+            .map(|p| std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display())))
+            .transpose()?;
+        let authorization = text.as_deref().map(basic).transpose().map_err(|e| {
+            format!(
+                "{}: {e}",
+                file.map(|p| p.display().to_string()).unwrap_or_default()
+            )
+        })?;
+        Ok(EgressProxy {
+            address: address_of(url)?,
+            authorization,
+            credentials_file: file.map(std::path::Path::to_path_buf),
+            latest: Default::default(),
+        })
+    }
+
+    /// The `Proxy-Authorization` to send now: the credentials file read
+    /// again (a small file, once per tunnel), or, when that fails, the last
+    /// good value.
+    pub fn authorization_now(&self) -> Option<String> {
+        let Some(p) = &self.credentials_file else {
+            return self.authorization.clone();
+        };
+        let mut latest = crate::sync::lock(&self.latest, "egress credentials");
+        let read = std::fs::read_to_string(p).map_err(|e| e.to_string());
+        match read.and_then(|t| basic(&t)) {
+            Ok(a) => {
+                *latest = Some(a.clone());
+                Some(a)
+            }
+            Err(e) => {
+                tracing::warn!(file = %p.display(), error = %e, "egress proxy credentials not read; the last good ones are sent");
+                latest.clone().or_else(|| self.authorization.clone())
+            }
+        }
     }
 
     /// Connects to the proxy and asks it for a tunnel to `target`
@@ -96,8 +162,7 @@ impl EgressProxy {
     /// The CONNECT exchange on a connection to the proxy.
     pub async fn handshake(&self, s: &mut TcpStream, target: &str) -> Result<(), EgressError> {
         let auth = self
-            .authorization
-            .as_deref()
+            .authorization_now()
             .map_or(String::new(), |a| format!("Proxy-Authorization: {a}\r\n"));
         let head = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n");
         s.write_all(head.as_bytes())
@@ -213,6 +278,25 @@ mod tests {
             !shown.contains("dXNlcjpzM2NyZXQ") && shown.contains("redacted"),
             "{shown}"
         );
+    }
+
+    /// A credentials file is read again for every tunnel: a rotation is
+    /// sent from then on; a file that no longer reads or parses leaves the
+    /// last good value.
+    #[test]
+    fn rotated_credentials_are_sent_from_the_next_tunnel() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("creds");
+        std::fs::write(&f, "user:one\n").unwrap();
+        let p = EgressProxy::with_file("proxy:3128", Some(&f)).unwrap();
+        assert_eq!(p.authorization_now(), basic("user:one").ok());
+        std::fs::write(&f, "user:two\n").unwrap();
+        assert_eq!(p.authorization_now(), basic("user:two").ok());
+        std::fs::write(&f, "").unwrap();
+        assert_eq!(p.authorization_now(), basic("user:two").ok());
+        std::fs::remove_file(&f).unwrap();
+        assert_eq!(p.authorization_now(), basic("user:two").ok());
+        assert!(EgressProxy::with_file("proxy:3128", Some(&f)).is_err());
     }
 
     async fn answering(answer: &'static [u8]) -> String {

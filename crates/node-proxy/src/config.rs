@@ -253,24 +253,12 @@ impl NodeProxyConfig {
             }
             return Ok(None);
         };
-        let address = seedlink_net::egress::address_of(url)
+        seedlink_net::egress::address_of(url)
             .map_err(|e| ("egress_proxy", format!("{url:?}: {e}")))?;
-        let authorization = match &self.egress_proxy_credentials_file {
-            None => None,
-            Some(p) => {
-                let key = "egress_proxy_credentials_file";
-                let text = std::fs::read_to_string(p)
-                    .map_err(|e| (key, format!("{}: {e}", p.display())))?;
-                Some(
-                    seedlink_net::egress::basic(&text)
-                        .map_err(|e| (key, format!("{}: {e}", p.display())))?,
-                )
-            }
-        };
-        Ok(Some(EgressProxy {
-            address,
-            authorization,
-        }))
+        let file = self.egress_proxy_credentials_file.as_deref();
+        EgressProxy::with_file(url, file)
+            .map(Some)
+            .map_err(|e| ("egress_proxy_credentials_file", e))
     }
 
     /// The health check, its CA read.

@@ -165,6 +165,7 @@ control_planes:
     }
     a_down_api_server_or_a_failing_path_is_not_ready(&via).await;
     wrong_proxy_credentials_are_counted_and_shown(&via, &files).await;
+    rotated_proxy_credentials_are_taken_without_a_restart(&via, &files).await;
     // The egress proxy goes away: the TLV node falls unready within its
     // fall count, and says why.
     drop(tp);
@@ -184,6 +185,27 @@ struct Via {
 }
 
 impl Via {
+    /// A node-proxy on `addr` in `connect` mode through the egress proxy
+    /// with the credentials in `creds`, and `extra`.
+    fn connect_with(&self, addr: &str, creds: &str, extra: &[&str]) -> NodeProxyProc {
+        let mut args = vec![
+            "--address",
+            addr,
+            "--mode",
+            "connect",
+            "--gateway",
+            &self.connect,
+            "--destination",
+            DEST,
+            "--egress-proxy",
+            &self.egress,
+            "--egress-proxy-credentials-file",
+            creds,
+        ];
+        args.extend_from_slice(extra);
+        node_proxy(&args)
+    }
+
     /// A node-proxy on `addr` through the egress proxy with the good
     /// credentials and fast health checks (rise 1, fall 2, every 0.2 s).
     fn start(&self, addr: &str, extra: &[&str]) -> NodeProxyProc {
@@ -306,20 +328,7 @@ async fn wrong_proxy_credentials_are_counted_and_shown(
     via: &Via,
     files: &seedlink::demo::ClientFiles,
 ) {
-    let bad = node_proxy(&[
-        "--address",
-        "127.0.0.87",
-        "--mode",
-        "connect",
-        "--gateway",
-        &via.connect,
-        "--destination",
-        DEST,
-        "--egress-proxy",
-        &via.egress,
-        "--egress-proxy-credentials-file",
-        &via.bad_creds,
-    ]);
+    let bad = via.connect_with("127.0.0.87", &via.bad_creds, &[]);
     wait_readyz(bad.admin, 503, "last_check=egress_proxy_auth_failed").await;
     let out = curl_mtls(files, ALPHA, bad.listen.ip(), bad.listen.port());
     assert!(!out.contains("hello from"), "{out}");
@@ -331,6 +340,25 @@ async fn wrong_proxy_credentials_are_counted_and_shown(
         .await,
         1.0
     );
+}
+
+/// The proxy's credentials rotated in their file are taken without a
+/// restart: a node-proxy whose file holds a wrong password is refused
+/// (407); once the file holds the right one, its next connections
+/// through the proxy (health checks, clients) pass.
+async fn rotated_proxy_credentials_are_taken_without_a_restart(
+    via: &Via,
+    files: &seedlink::demo::ClientFiles,
+) {
+    let rotating = std::path::Path::new(&via.creds).with_file_name("rotating-credentials");
+    std::fs::write(&rotating, "user:wrong\n").unwrap();
+    let fast = ["--health-check-interval", "0.2", "--health-check-rise", "1"];
+    let np = via.connect_with("127.0.0.88", rotating.to_str().unwrap(), &fast);
+    wait_readyz(np.admin, 503, "last_check=egress_proxy_auth_failed").await;
+    std::fs::write(&rotating, "user:s3cret-pw\n").unwrap();
+    wait_readyz(np.admin, 200, "ready").await;
+    let out = curl_mtls(files, ALPHA, np.listen.ip(), np.listen.port());
+    assert!(out.contains("hello from"), "{out}");
 }
 
 /// HyperShift's shared ingress as HyperShift configures it: HAProxy 3.0

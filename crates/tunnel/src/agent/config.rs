@@ -218,13 +218,8 @@ impl AgentConfig {
         let Some(url) = &self.egress_proxy else {
             return Ok(None);
         };
-        let credentials = match &self.egress_proxy_credentials_file {
-            None => None,
-            Some(p) => {
-                Some(std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?)
-            }
-        };
-        seedlink_net::egress::EgressProxy::new(url, credentials.as_deref()).map(Some)
+        let file = self.egress_proxy_credentials_file.as_deref();
+        seedlink_net::egress::EgressProxy::with_file(url, file).map(Some)
     }
 
     /// Every file named, read and parsed as what it must be (CA bundle,
