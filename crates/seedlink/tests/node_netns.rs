@@ -25,6 +25,54 @@ fn ready_line(child: &mut std::process::Child) -> String {
     line
 }
 
+/// The client's files for the test's PKI in `dir`, and the server's
+/// certificate and key (`server.pem`, `server-key.pem`) beside them.
+fn server_files(pki: &seedlink::demo::Pki, dir: &std::path::Path) -> seedlink::demo::ClientFiles {
+    let files = pki.write_client_files(dir).unwrap();
+    std::fs::write(dir.join("server.pem"), &pki.servers[0].1.cert_pem).unwrap();
+    std::fs::write(dir.join("server-key.pem"), &pki.servers[0].1.key_pem).unwrap();
+    files
+}
+
+/// `openssl s_server` in `ns` on `accept` (`host:port`, `[v6]:port`), the
+/// kube-apiserver stand-in: TLS with the certificate in `dir`, a client
+/// certificate of the test's CA required; once it listens.
+fn s_server(
+    ns: &common::Netns,
+    accept: &str,
+    dir: &std::path::Path,
+    files: &seedlink::demo::ClientFiles,
+) -> Proc {
+    let openssl = require("openssl");
+    let (cert, key) = (dir.join("server.pem"), dir.join("server-key.pem"));
+    let server = ns
+        .cmd(&[
+            openssl.to_str().unwrap(),
+            "s_server",
+            "-quiet",
+            "-accept",
+            accept,
+            "-cert",
+            cert.to_str().unwrap(),
+            "-key",
+            key.to_str().unwrap(),
+            "-CAfile",
+            files.ca.to_str().unwrap(),
+            "-Verify",
+            "1",
+            "-www",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let server = Proc(server);
+    eventually_blocking("s_server to listen", Duration::from_secs(10), || {
+        ns.run(&["ss", "-ltn"]).contains(accept)
+    });
+    server
+}
+
 /// The seed (gateway and an `openssl s_server` kube-apiserver stand-in
 /// requiring a client certificate) and a node running the node-proxy on
 /// `link_kind` with 240.0.0.10, in namespaces `198.18.<net>.0/24` apart.
@@ -38,46 +86,15 @@ struct Bed {
 
 impl Bed {
     fn start(tag: &str, net: u8, link_kind: &str) -> Bed {
-        let openssl = require("openssl");
         let (node, seed) = netns_pair(&format!("{tag}n"), &format!("{tag}d"), net);
         let gw_at = format!("198.18.{net}.2:8443");
 
         let dir = tempfile::tempdir().unwrap();
         let pki = seedlink::demo::Pki::generate(&[HOST]).unwrap();
-        let files = pki.write_client_files(dir.path()).unwrap();
-        let (cert, key) = (
-            dir.path().join("server.pem"),
-            dir.path().join("server-key.pem"),
-        );
-        std::fs::write(&cert, &pki.servers[0].1.cert_pem).unwrap();
-        std::fs::write(&key, &pki.servers[0].1.key_pem).unwrap();
+        let files = server_files(&pki, dir.path());
 
         // The kube-apiserver stand-in: TLS, client certificate required.
-        let server = seed
-            .cmd(&[
-                openssl.to_str().unwrap(),
-                "s_server",
-                "-quiet",
-                "-accept",
-                "127.0.0.1:6443",
-                "-cert",
-                cert.to_str().unwrap(),
-                "-key",
-                key.to_str().unwrap(),
-                "-CAfile",
-                files.ca.to_str().unwrap(),
-                "-Verify",
-                "1",
-                "-www",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let server = Proc(server);
-        eventually_blocking("s_server to listen", Duration::from_secs(10), || {
-            seed.run(&["ss", "-ltn"]).contains("127.0.0.1:6443")
-        });
+        let server = s_server(&seed, "127.0.0.1:6443", dir.path(), &files);
 
         // The gateway in the seed namespace.
         let cfg = dir.path().join("gateway.yaml");
@@ -293,7 +310,6 @@ fn clients_in_pods_own_namespaces_reach_their_api_server() {
 /// endpoint (`openssl s_server` requiring a client certificate).
 #[test]
 fn an_ipv6_seed_takes_the_lbs_tcp6_header_and_routes_to_ipv6_endpoints() {
-    let openssl = require("openssl");
     let haproxy = require("haproxy");
     let seed = common::Netns::new("v6");
     for a in [
@@ -316,38 +332,8 @@ fn an_ipv6_seed_takes_the_lbs_tcp6_header_and_routes_to_ipv6_endpoints() {
     }
     let dir = tempfile::tempdir().unwrap();
     let pki = seedlink::demo::Pki::generate(&[HOST]).unwrap();
-    let files = pki.write_client_files(dir.path()).unwrap();
-    let (cert, key) = (
-        dir.path().join("server.pem"),
-        dir.path().join("server-key.pem"),
-    );
-    std::fs::write(&cert, &pki.servers[0].1.cert_pem).unwrap();
-    std::fs::write(&key, &pki.servers[0].1.key_pem).unwrap();
-    let server = seed
-        .cmd(&[
-            openssl.to_str().unwrap(),
-            "s_server",
-            "-quiet",
-            "-accept",
-            "[fd00:6::20]:6443",
-            "-cert",
-            cert.to_str().unwrap(),
-            "-key",
-            key.to_str().unwrap(),
-            "-CAfile",
-            files.ca.to_str().unwrap(),
-            "-Verify",
-            "1",
-            "-www",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let _server = Proc(server);
-    eventually_blocking("s_server to listen", Duration::from_secs(10), || {
-        seed.run(&["ss", "-ltn"]).contains("[fd00:6::20]:6443")
-    });
+    let files = server_files(&pki, dir.path());
+    let _server = s_server(&seed, "[fd00:6::20]:6443", dir.path(), &files);
     let cfg = dir.path().join("gateway.yaml");
     std::fs::write(
         &cfg,
