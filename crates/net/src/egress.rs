@@ -31,18 +31,50 @@ pub struct EgressProxy {
     /// restart (a read that fails or does not parse keeps the last good
     /// value, and says so).
     pub credentials_file: Option<std::path::PathBuf>,
-    /// The last good value read from `credentials_file`.
-    latest: std::sync::Arc<std::sync::Mutex<Option<String>>>,
+    /// The last good value read from `credentials_file`, and the last
+    /// failure logged.
+    latest: std::sync::Arc<std::sync::Mutex<Latest>>,
+}
+
+/// What the credentials file last gave.
+#[derive(Default)]
+struct Latest {
+    value: Option<String>,
+    failure: Option<String>,
+}
+
+/// The most bytes a credentials file is read for (one `user:password`
+/// line).
+const MAX_CREDENTIALS: u64 = 4096;
+
+/// The credentials file's text: a regular file (not a FIFO or a device,
+/// which could stall or never end), at most [`MAX_CREDENTIALS`] bytes.
+fn read_credentials(p: &std::path::Path) -> Result<String, String> {
+    use std::io::Read;
+    let f = std::fs::File::open(p).map_err(|e| e.to_string())?;
+    let meta = f.metadata().map_err(|e| e.to_string())?;
+    if !meta.is_file() {
+        return Err("not a regular file".into());
+    }
+    if meta.len() > MAX_CREDENTIALS {
+        return Err(format!("longer than {MAX_CREDENTIALS} bytes"));
+    }
+    let mut text = String::new();
+    f.take(MAX_CREDENTIALS)
+        .read_to_string(&mut text)
+        .map_err(|e| e.to_string())?;
+    Ok(text)
 }
 
 impl PartialEq for EgressProxy {
+    /// With a credentials file, its path (what it holds changes by itself);
+    /// else the credentials given.
     fn eq(&self, other: &Self) -> bool {
-        (&self.address, &self.authorization, &self.credentials_file)
-            == (
-                &other.address,
-                &other.authorization,
-                &other.credentials_file,
-            )
+        let creds = |p: &EgressProxy| match &p.credentials_file {
+            Some(f) => (Some(f.clone()), None),
+            None => (None, p.authorization.clone()),
+        };
+        self.address == other.address && creds(self) == creds(other)
     }
 }
 
@@ -110,15 +142,13 @@ impl EgressProxy {
     /// credentials file (`user:password`), read now (an error if it cannot
     /// be read or parsed) and again for every tunnel.
     pub fn with_file(url: &str, file: Option<&std::path::Path>) -> Result<EgressProxy, String> {
-        let text = file
-            .map(|p| std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display())))
+        let authorization = file
+            .map(|p| {
+                read_credentials(p)
+                    .and_then(|t| basic(&t))
+                    .map_err(|e| format!("{}: {e}", p.display()))
+            })
             .transpose()?;
-        let authorization = text.as_deref().map(basic).transpose().map_err(|e| {
-            format!(
-                "{}: {e}",
-                file.map(|p| p.display().to_string()).unwrap_or_default()
-            )
-        })?;
         Ok(EgressProxy {
             address: address_of(url)?,
             authorization,
@@ -128,22 +158,35 @@ impl EgressProxy {
     }
 
     /// The `Proxy-Authorization` to send now: the credentials file read
-    /// again (a small file, once per tunnel), or, when that fails, the last
-    /// good value.
-    pub fn authorization_now(&self) -> Option<String> {
-        let Some(p) = &self.credentials_file else {
+    /// again (a small regular file, once per tunnel, on tokio's blocking
+    /// threads: a file that stalls holds up this tunnel alone), or, when
+    /// that fails, the last good value; the failure is logged once until
+    /// it changes or the file reads well again.
+    pub async fn authorization_now(&self) -> Option<String> {
+        let Some(p) = self.credentials_file.clone() else {
             return self.authorization.clone();
         };
+        let read = tokio::task::spawn_blocking({
+            let p = p.clone();
+            move || read_credentials(&p).and_then(|t| basic(&t))
+        })
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()));
         let mut latest = crate::sync::lock(&self.latest, "egress credentials");
-        let read = std::fs::read_to_string(p).map_err(|e| e.to_string());
-        match read.and_then(|t| basic(&t)) {
+        match read {
             Ok(a) => {
-                *latest = Some(a.clone());
+                *latest = Latest {
+                    value: Some(a.clone()),
+                    failure: None,
+                };
                 Some(a)
             }
             Err(e) => {
-                tracing::warn!(file = %p.display(), error = %e, "egress proxy credentials not read; the last good ones are sent");
-                latest.clone().or_else(|| self.authorization.clone())
+                if latest.failure.as_deref() != Some(e.as_str()) {
+                    tracing::warn!(file = %p.display(), error = %e, "egress proxy credentials not read; the last good ones are sent");
+                    latest.failure = Some(e);
+                }
+                latest.value.clone().or_else(|| self.authorization.clone())
             }
         }
     }
@@ -163,6 +206,7 @@ impl EgressProxy {
     pub async fn handshake(&self, s: &mut TcpStream, target: &str) -> Result<(), EgressError> {
         let auth = self
             .authorization_now()
+            .await
             .map_or(String::new(), |a| format!("Proxy-Authorization: {a}\r\n"));
         let head = format!("CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n");
         s.write_all(head.as_bytes())
@@ -283,20 +327,26 @@ mod tests {
     /// A credentials file is read again for every tunnel: a rotation is
     /// sent from then on; a file that no longer reads or parses leaves the
     /// last good value.
-    #[test]
-    fn rotated_credentials_are_sent_from_the_next_tunnel() {
+    #[tokio::test]
+    async fn rotated_credentials_are_sent_from_the_next_tunnel() {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("creds");
         std::fs::write(&f, "user:one\n").unwrap();
         let p = EgressProxy::with_file("proxy:3128", Some(&f)).unwrap();
-        assert_eq!(p.authorization_now(), basic("user:one").ok());
+        assert_eq!(p.authorization_now().await, basic("user:one").ok());
         std::fs::write(&f, "user:two\n").unwrap();
-        assert_eq!(p.authorization_now(), basic("user:two").ok());
+        assert_eq!(p.authorization_now().await, basic("user:two").ok());
         std::fs::write(&f, "").unwrap();
-        assert_eq!(p.authorization_now(), basic("user:two").ok());
+        assert_eq!(p.authorization_now().await, basic("user:two").ok());
+        std::fs::write(&f, "x".repeat(5000)).unwrap();
+        assert_eq!(p.authorization_now().await, basic("user:two").ok());
         std::fs::remove_file(&f).unwrap();
-        assert_eq!(p.authorization_now(), basic("user:two").ok());
+        assert_eq!(p.authorization_now().await, basic("user:two").ok());
         assert!(EgressProxy::with_file("proxy:3128", Some(&f)).is_err());
+        // Not a regular file: refused, never read.
+        let zero = Some(std::path::Path::new("/dev/zero"));
+        let e = EgressProxy::with_file("proxy:3128", zero).unwrap_err();
+        assert!(e.contains("not a regular file"), "{e}");
     }
 
     async fn answering(answer: &'static [u8]) -> String {

@@ -70,8 +70,9 @@ pub struct Options {
     /// The node-proxy's link and ports, when not its defaults (`dummy`
     /// link `apiserver-proxy`, admin on 9911, metrics on 16910).
     pub node_proxy_host: Option<NodeProxyHost>,
-    /// kube-apiserver's `--goaway-chance` ([`GOAWAY_CHANCE`] by default;
-    /// 0: not rendered).
+    /// kube-apiserver's `--goaway-chance` ([`GOAWAY_CHANCE`] from
+    /// [`Options::new`]; 0, as `Options::default()` leaves it: not
+    /// rendered).
     pub goaway_chance: f64,
 }
 

@@ -3993,7 +3993,8 @@ async fn ipv6_and_dual_stack_endpoint_slices_are_served() {
         },
     )
     .await;
-    // Dual-stack: the same pod in an IPv4 slice too; both are endpoints.
+    // Dual-stack: the same Service in an IPv4 slice too; both are
+    // endpoints, and both answer.
     seed.apply(slice(&t, "kube-apiserver", port, &[(POD_1, true)]))
         .await;
     let both = [format!("[{POD_V6}]:{port}"), format!("{POD_1}:{port}")];
@@ -4005,6 +4006,15 @@ async fn ipv6_and_dual_stack_endpoint_slices_are_served() {
             both.iter().all(|e| config.contains(e.as_str()))
         },
     )
+    .await;
+    let answered = std::sync::Mutex::new(std::collections::BTreeSet::new());
+    eventually("both pods answer", Duration::from_secs(60), async || {
+        if let Ok(b) = get(&pki, gw.tls, V6HOST).await {
+            let name = ["v6pod", "v4pod"].into_iter().find(|n| b.contains(n));
+            answered.lock().unwrap().extend(name);
+        }
+        answered.lock().unwrap().len() == 2
+    })
     .await;
     stop.cancel();
 }

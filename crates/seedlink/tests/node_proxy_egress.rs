@@ -344,7 +344,7 @@ async fn wrong_proxy_credentials_are_counted_and_shown(
 
 /// The proxy's credentials rotated in their file are taken without a
 /// restart: a node-proxy whose file holds a wrong password is refused
-/// (407); once the file holds the right one, its next connections
+/// (tinyproxy answers 401); once the file holds the right one, its next connections
 /// through the proxy (health checks, clients) pass.
 async fn rotated_proxy_credentials_are_taken_without_a_restart(
     via: &Via,

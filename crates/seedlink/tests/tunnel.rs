@@ -740,8 +740,9 @@ async fn the_agent_leaves_through_a_corporate_egress_proxy() {
     );
 }
 
-/// IPv6 end to end: the seed and the shoot joined over IPv6 only
-/// (`fd00:7::/64` on the veth pair), the agent reaches the tunnel-server
+/// IPv6 end to end: the seed and the shoot also joined over IPv6
+/// (`fd00:7::/64` on the veth pair) and every address used here an IPv6
+/// one: the agent reaches the tunnel-server
 /// through the gateway's SNI passthrough listening on IPv6, the
 /// gateway's endpoint is the server's IPv6 address, and the agent dials
 /// a pod's IPv6 address (a service on `fd00:8::5` in the shoot) for

@@ -129,7 +129,7 @@ impl Role for AgentRole {
 
     fn reload(&self, forced: bool) -> BoxFut<'_, ()> {
         if forced {
-            tracing::info!("SIGHUP ignored: the tunnel-agent reads its token on every connection, its flags and certificates at start (restart to change them)");
+            tracing::info!("SIGHUP ignored: the tunnel-agent reads its token and its egress proxy's credentials on every connection, its client certificate when it changes, its flags and CA at start (restart to change them)");
         }
         Box::pin(async {})
     }
