@@ -73,6 +73,25 @@ fn s_server(
     server
 }
 
+/// `seedlink gateway --config cfg` in `ns`, once it says it is ready.
+fn gateway_in(ns: &common::Netns, cfg: &std::path::Path) -> Proc {
+    let mut gw = ns
+        .cmd(&[
+            env!("CARGO_BIN_EXE_seedlink"),
+            "gateway",
+            "--config",
+            cfg.to_str().unwrap(),
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let line = ready_line(&mut gw);
+    let gw = Proc(gw);
+    assert!(line.contains("ready"), "{line}");
+    gw
+}
+
 /// The seed (gateway and an `openssl s_server` kube-apiserver stand-in
 /// requiring a client certificate) and a node running the node-proxy on
 /// `link_kind` with 240.0.0.10, in namespaces `198.18.<net>.0/24` apart.
@@ -109,20 +128,7 @@ control_planes:
             ),
         )
         .unwrap();
-        let mut gw = seed
-            .cmd(&[
-                env!("CARGO_BIN_EXE_seedlink"),
-                "gateway",
-                "--config",
-                cfg.to_str().unwrap(),
-            ])
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let line = ready_line(&mut gw);
-        let gw = Proc(gw);
-        assert!(line.contains("ready"), "{line}");
+        let gw = gateway_in(&seed, &cfg);
 
         // The node-proxy in the node namespace, on its own link.
         let mut np = node
@@ -347,20 +353,7 @@ control_planes:
         ),
     )
     .unwrap();
-    let mut gw = seed
-        .cmd(&[
-            env!("CARGO_BIN_EXE_seedlink"),
-            "gateway",
-            "--config",
-            cfg.to_str().unwrap(),
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let line = ready_line(&mut gw);
-    let _gw = Proc(gw);
-    assert!(line.contains("ready"), "{line}");
+    let _gw = gateway_in(&seed, &cfg);
     let hap_cfg = dir.path().join("haproxy.cfg");
     std::fs::write(
         &hap_cfg,

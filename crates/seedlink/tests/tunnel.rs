@@ -536,19 +536,7 @@ async fn agents_reach_the_tunnel_server_through_the_sni_gateway() {
     let ep = env.agent_endpoint(8132);
     let _server = env.server(&env.server_yaml(&ep, "", ""), "server");
     let gw_addr = env.agent_endpoint(8443);
-    let cfg = env.dir.path().join("gateway.yaml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "admin: {{listen: '127.0.0.1:0'}}
-listeners: [{{name: tls, address: '{gw_addr}', protocol: tls}}]
-control_planes:
-  - {{name: tunnel, hostnames: [tunnel.seedlink.test], endpoints: ['{ep}']}}
-"
-        ),
-    )
-    .unwrap();
-    let _gw = env.gateway(&cfg);
+    let _gw = sni_gateway(&env, &gw_addr, &ep);
     let file = env.agent_file(&gw_addr, "alpn_proto: [konnectivity]\n");
     common::assert_valid_config(&file, "tunnel-agent");
     let agent = env.agent_from_file(&file);
@@ -561,6 +549,24 @@ control_planes:
         ),
         1.0
     );
+}
+
+/// `seedlink gateway` in the seed namespace: a TLS listener on `gw_addr`
+/// sending `tunnel.seedlink.test` by SNI to the tunnel-server at `ep`.
+fn sni_gateway(env: &TunnelEnv, gw_addr: &str, ep: &str) -> Proc {
+    let cfg = env.dir.path().join("gateway.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "admin: {{listen: '127.0.0.1:0'}}
+listeners: [{{name: tls, address: '{gw_addr}', protocol: tls}}]
+control_planes:
+  - {{name: tunnel, hostnames: [tunnel.seedlink.test], endpoints: ['{ep}']}}
+"
+        ),
+    )
+    .unwrap();
+    env.gateway(&cfg)
 }
 
 /// A grpcio peer run succeeded and said so (`OK …`); else its output.
@@ -803,19 +809,7 @@ async fn agents_reach_the_server_and_ipv6_pods_over_ipv6_through_the_gateway() {
     let ep = "[fd00:7::1]:8132";
     let _server = env.server(&env.server_yaml(ep, "", ""), "server");
     let gw_addr = "[fd00:7::1]:8443";
-    let cfg = env.dir.path().join("gateway.yaml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "admin: {{listen: '127.0.0.1:0'}}
-listeners: [{{name: tls, address: '{gw_addr}', protocol: tls}}]
-control_planes:
-  - {{name: tunnel, hostnames: [tunnel.seedlink.test], endpoints: ['{ep}']}}
-"
-        ),
-    )
-    .unwrap();
-    let _gw = env.gateway(&cfg);
+    let _gw = sni_gateway(&env, gw_addr, ep);
     let agent = env.agent(gw_addr, &[]);
     let s = kas_connect_eventually(&env.uds, "[fd00:8::5]:8001", Duration::from_secs(20)).await;
     let body = fetch_hello(s).await;
