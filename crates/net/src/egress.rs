@@ -1,6 +1,8 @@
 //! A corporate egress (forward) proxy: leaving a private network by an
 //! HTTP/1.1 `CONNECT host:port` through it, optionally with `Basic`
-//! credentials. Used by the node-proxy (to the gateway) and the
+//! credentials, spoken in cleartext (`http://`) or inside TLS to the proxy
+//! (`https://`, the proxy's certificate checked against a CA file or the
+//! system's trust store). Used by the node-proxy (to the gateway) and the
 //! tunnel-agent (to the tunnel-server).
 //!
 //! Hand-written on `httparse` for the answer: no maintained crate dials
@@ -9,8 +11,11 @@
 //! raw tunnels).
 
 use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
 /// The largest proxy answer head read.
@@ -33,7 +38,20 @@ pub struct EgressProxy {
     pub credentials_file: Option<std::path::PathBuf>,
     /// The last good value read from `credentials_file`, and the last
     /// failure logged.
-    latest: std::sync::Arc<std::sync::Mutex<Latest>>,
+    latest: Arc<std::sync::Mutex<Latest>>,
+    /// For an `https://` proxy: the TLS settings and the name its
+    /// certificate must hold.
+    tls: Option<ProxyTls>,
+}
+
+/// TLS to the proxy itself.
+#[derive(Clone)]
+struct ProxyTls {
+    config: Arc<rustls::ClientConfig>,
+    name: rustls::pki_types::ServerName<'static>,
+    /// The CA file the proxy is checked against (`None`: the system's
+    /// trust store).
+    ca_file: Option<std::path::PathBuf>,
 }
 
 /// What the credentials file last gave.
@@ -66,6 +84,15 @@ fn read_credentials(p: &std::path::Path) -> Result<String, String> {
     Ok(text)
 }
 
+/// Whether `p` reads and parses as a credentials file; the error names
+/// the file.
+pub fn check_credentials_file(p: &std::path::Path) -> Result<(), String> {
+    read_credentials(p)
+        .and_then(|t| basic(&t))
+        .map(drop)
+        .map_err(|e| format!("{}: {e}", p.display()))
+}
+
 impl PartialEq for EgressProxy {
     /// With a credentials file, its path (what it holds changes by itself);
     /// else the credentials given.
@@ -74,7 +101,8 @@ impl PartialEq for EgressProxy {
             Some(f) => (Some(f.clone()), None),
             None => (None, p.authorization.clone()),
         };
-        self.address == other.address && creds(self) == creds(other)
+        let tls = |p: &EgressProxy| p.tls.as_ref().map(|t| t.ca_file.clone());
+        self.address == other.address && creds(self) == creds(other) && tls(self) == tls(other)
     }
 }
 
@@ -99,6 +127,10 @@ pub enum EgressError {
     /// The proxy closed (or failed) before answering.
     #[error("egress proxy closed before answering")]
     Closed,
+    /// TLS to an `https://` proxy failed (its certificate not trusted, or
+    /// not for its name, or the handshake broke).
+    #[error("TLS to egress proxy {0}: {1}")]
+    Tls(String, io::Error),
 }
 
 impl EgressError {
@@ -110,6 +142,7 @@ impl EgressError {
             EgressError::Refused(_) => "egress_proxy_refused",
             EgressError::BadResponse => "egress_proxy_bad_response",
             EgressError::Closed => "egress_proxy_closed",
+            EgressError::Tls(..) => "egress_proxy_tls_failed",
         }
     }
 }
@@ -118,6 +151,7 @@ impl std::fmt::Debug for EgressProxy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EgressProxy")
             .field("address", &self.address)
+            .field("tls", &self.tls.is_some())
             .field(
                 "authorization",
                 &self.authorization.as_ref().map(|_| "<redacted>"),
@@ -127,21 +161,33 @@ impl std::fmt::Debug for EgressProxy {
 }
 
 impl EgressProxy {
-    /// From `http://host:port` (or `host:port`) and, if given, the text of
-    /// a credentials file (`user:password`).
+    /// From `http://host:port`, `https://host:port` (checked against the
+    /// system's trust store) or `host:port`, and, if given, the text of a
+    /// credentials file (`user:password`).
     pub fn new(url: &str, credentials: Option<&str>) -> Result<EgressProxy, String> {
         Ok(EgressProxy {
             address: address_of(url)?,
             authorization: credentials.map(basic).transpose()?,
             credentials_file: None,
             latest: Default::default(),
+            tls: proxy_tls(url, None)?,
         })
     }
 
-    /// From `http://host:port` (or `host:port`) and, if given, a
-    /// credentials file (`user:password`), read now (an error if it cannot
-    /// be read or parsed) and again for every tunnel.
+    /// As [`EgressProxy::open`], with no CA file.
     pub fn with_file(url: &str, file: Option<&std::path::Path>) -> Result<EgressProxy, String> {
+        EgressProxy::open(url, file, None)
+    }
+
+    /// From the proxy's URL, a credentials file (`user:password`) read now
+    /// (an error if it cannot be read or parsed) and again for every
+    /// tunnel, and, for an `https://` proxy, the CA file its certificate is
+    /// checked against (the system's trust store without one).
+    pub fn open(
+        url: &str,
+        file: Option<&std::path::Path>,
+        ca_file: Option<&std::path::Path>,
+    ) -> Result<EgressProxy, String> {
         let authorization = file
             .map(|p| {
                 read_credentials(p)
@@ -154,7 +200,13 @@ impl EgressProxy {
             authorization,
             credentials_file: file.map(std::path::Path::to_path_buf),
             latest: Default::default(),
+            tls: proxy_tls(url, ca_file)?,
         })
+    }
+
+    /// Whether the proxy is spoken to inside TLS.
+    pub fn is_tls(&self) -> bool {
+        self.tls.is_some()
     }
 
     /// The `Proxy-Authorization` to send now: the credentials file read
@@ -194,16 +246,35 @@ impl EgressProxy {
     /// Connects to the proxy and asks it for a tunnel to `target`
     /// (`host:port`; the proxy resolves names). Unbounded in time: callers
     /// wrap it in their deadline.
-    pub async fn connect(&self, target: &str) -> Result<TcpStream, EgressError> {
-        let mut s = TcpStream::connect(&self.address)
+    pub async fn connect(&self, target: &str) -> Result<EgressStream, EgressError> {
+        let s = TcpStream::connect(&self.address)
             .await
             .map_err(|e| EgressError::Unreachable(self.address.clone(), e))?;
+        self.over(s, target).await
+    }
+
+    /// On a connection to the proxy: TLS to it (for an `https://` proxy),
+    /// then the CONNECT exchange. Unbounded in time, as `connect`.
+    pub async fn over(&self, tcp: TcpStream, target: &str) -> Result<EgressStream, EgressError> {
+        let _ = tcp.set_nodelay(true);
+        let Some(tls) = &self.tls else {
+            let mut s = tcp;
+            self.handshake(&mut s, target).await?;
+            return Ok(EgressStream::Plain(s));
+        };
+        let mut s = tokio_rustls::TlsConnector::from(tls.config.clone())
+            .connect(tls.name.clone(), tcp)
+            .await
+            .map_err(|e| EgressError::Tls(self.address.clone(), e))?;
         self.handshake(&mut s, target).await?;
-        Ok(s)
+        Ok(EgressStream::Tls(Box::new(s)))
     }
 
     /// The CONNECT exchange on a connection to the proxy.
-    pub async fn handshake(&self, s: &mut TcpStream, target: &str) -> Result<(), EgressError> {
+    async fn handshake<S>(&self, s: &mut S, target: &str) -> Result<(), EgressError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
         let auth = self
             .authorization_now()
             .await
@@ -212,6 +283,7 @@ impl EgressProxy {
         s.write_all(head.as_bytes())
             .await
             .map_err(|_| EgressError::Closed)?;
+        s.flush().await.map_err(|_| EgressError::Closed)?;
         let (code, rest) = read_answer(s).await?;
         match code {
             200 if rest == 0 => Ok(()),
@@ -222,9 +294,140 @@ impl EgressProxy {
     }
 }
 
+/// The TLS settings for an `https://` proxy URL (`None` for `http://`):
+/// the CA file's certificates, or the system's trust store.
+fn proxy_tls(url: &str, ca_file: Option<&std::path::Path>) -> Result<Option<ProxyTls>, String> {
+    if !url.starts_with("https://") {
+        return match ca_file {
+            Some(_) => Err("a CA file is for an https:// proxy only".into()),
+            None => Ok(None),
+        };
+    }
+    let address = address_of(url)?;
+    let host = address
+        .rsplit_once(':')
+        .map_or(address.as_str(), |(h, _)| h)
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let name = rustls::pki_types::ServerName::try_from(host.to_string())
+        .map_err(|_| format!("{host:?} is not a name or address a certificate can hold"))?;
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_file {
+        Some(p) => {
+            use rustls::pki_types::pem::PemObject;
+            let certs = rustls::pki_types::CertificateDer::pem_file_iter(p)
+                .map_err(|e| format!("{}: {e}", p.display()))?;
+            for c in certs {
+                let c = c.map_err(|e| format!("{}: {e}", p.display()))?;
+                roots.add(c).map_err(|e| format!("{}: {e}", p.display()))?;
+            }
+        }
+        None => {
+            let found = rustls_native_certs::load_native_certs();
+            let (added, _) = roots.add_parsable_certificates(found.certs);
+            if added == 0 {
+                return Err("no CA file given and the system's trust store is empty".into());
+            }
+        }
+    }
+    if roots.is_empty() {
+        return Err("the CA file holds no certificate".into());
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Some(ProxyTls {
+        config: Arc::new(config),
+        name,
+        ca_file: ca_file.map(std::path::Path::to_path_buf),
+    }))
+}
+
+/// A tunnel through the proxy: a plain TCP connection, or one inside TLS
+/// to an `https://` proxy (the tunnelled bytes are TLS of their own: TLS
+/// inside TLS).
+#[derive(Debug)]
+pub enum EgressStream {
+    /// Through an `http://` proxy.
+    Plain(TcpStream),
+    /// Through an `https://` proxy.
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+impl EgressStream {
+    /// The TCP connection underneath.
+    pub fn tcp(&self) -> &TcpStream {
+        match self {
+            EgressStream::Plain(s) => s,
+            EgressStream::Tls(s) => s.get_ref().0,
+        }
+    }
+}
+
+impl AsyncRead for EgressStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            EgressStream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            EgressStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for EgressStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            EgressStream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            EgressStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            EgressStream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            EgressStream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            EgressStream::Plain(s) => s.is_write_vectored(),
+            EgressStream::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            EgressStream::Plain(s) => Pin::new(s).poll_flush(cx),
+            EgressStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            EgressStream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            EgressStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
 /// Reads an answer head: its status, and how many bytes came after it (the
 /// far sides here never speak first, so any such byte is the proxy's).
-async fn read_answer(s: &mut TcpStream) -> Result<(u16, usize), EgressError> {
+async fn read_answer<S: AsyncRead + Unpin>(s: &mut S) -> Result<(u16, usize), EgressError> {
     let mut buf: Vec<u8> = Vec::with_capacity(256);
     let mut chunk = [0u8; 1024];
     loop {
@@ -247,14 +450,14 @@ async fn read_answer(s: &mut TcpStream) -> Result<(u16, usize), EgressError> {
     }
 }
 
-/// `http://host:port` or `host:port` → `host:port`. Only cleartext HTTP
-/// (the tunnelled bytes are TLS of their own); no credentials in the URL.
+/// `http://host:port`, `https://host:port` or `host:port` → `host:port`.
+/// No credentials in the URL, no path.
 pub fn address_of(url: &str) -> Result<String, String> {
     let rest = match url.split_once("://") {
-        Some(("http", rest)) => rest,
+        Some(("http" | "https", rest)) => rest,
         Some((scheme, _)) => {
             return Err(format!(
-                "{scheme}:// is not supported; the proxy is spoken to in cleartext HTTP (http://host:port)"
+                "{scheme}:// is not supported; the proxy is spoken to over http:// or https://"
             ))
         }
         None => url,
@@ -267,13 +470,13 @@ pub fn address_of(url: &str) -> Result<String, String> {
         );
     }
     if rest.contains('/') || rest.contains('?') {
-        return Err("must be http://host:port with no path".into());
+        return Err("must be http(s)://host:port with no path".into());
     }
     match rest.rsplit_once(':') {
         Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p != 0) => {
             Ok(rest.to_string())
         }
-        _ => Err("must be http://host:port".into()),
+        _ => Err("must be http(s)://host:port".into()),
     }
 }
 
@@ -303,9 +506,15 @@ mod tests {
     fn urls_and_credentials_are_checked() {
         assert_eq!(address_of("http://proxy:3128").unwrap(), "proxy:3128");
         assert_eq!(address_of("proxy:3128/").unwrap(), "proxy:3128");
-        assert!(address_of("https://proxy:3128")
+        assert_eq!(address_of("https://proxy:3129").unwrap(), "proxy:3129");
+        assert!(address_of("socks5://proxy:1080")
             .unwrap_err()
-            .contains("https://"));
+            .contains("socks5://"));
+        let ca = Some(std::path::Path::new("/nonexistent/ca.pem"));
+        assert!(EgressProxy::open("http://proxy:3128", None, ca)
+            .unwrap_err()
+            .contains("https:// proxy only"));
+        assert!(EgressProxy::open("https://proxy:3128", None, ca).is_err());
         assert!(address_of("http://u:p@proxy:3128")
             .unwrap_err()
             .contains("credentials"));

@@ -98,12 +98,18 @@ pub struct NodeProxyConfig {
     #[serde(default = "default_cluster_id_tlv")]
     pub cluster_id_tlv: u8,
     /// An HTTP CONNECT forward proxy to reach the gateway through,
-    /// `http://host:port` (or `host:port`).
+    /// `http://host:port` (or `host:port`), or `https://host:port` (TLS to
+    /// the proxy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_proxy: Option<String>,
-    /// A file holding `user:password` for the egress proxy (Basic).
+    /// A file holding `user:password` for the egress proxy (Basic), read
+    /// again for every tunnel.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_proxy_credentials_file: Option<std::path::PathBuf>,
+    /// The CA bundle an `https://` egress proxy's certificate is checked
+    /// against (default: the system's trust store).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_proxy_ca_file: Option<std::path::PathBuf>,
     /// `tcp`, `tunnel`, `tls` or `http`.
     #[serde(default = "default_health_check")]
     pub health_check: String,
@@ -245,20 +251,30 @@ impl NodeProxyConfig {
     /// The egress proxy, its credentials read.
     fn egress(&self) -> Result<Option<EgressProxy>, (&'static str, String)> {
         let Some(url) = &self.egress_proxy else {
-            if self.egress_proxy_credentials_file.is_some() {
-                return Err((
+            for (key, set) in [
+                (
                     "egress_proxy_credentials_file",
-                    "set without egress_proxy".into(),
-                ));
+                    self.egress_proxy_credentials_file.is_some(),
+                ),
+                ("egress_proxy_ca_file", self.egress_proxy_ca_file.is_some()),
+            ] {
+                if set {
+                    return Err((key, "set without egress_proxy".into()));
+                }
             }
             return Ok(None);
         };
         seedlink_net::egress::address_of(url)
             .map_err(|e| ("egress_proxy", format!("{url:?}: {e}")))?;
         let file = self.egress_proxy_credentials_file.as_deref();
-        EgressProxy::with_file(url, file)
+        if let Some(f) = file {
+            seedlink_net::egress::check_credentials_file(f)
+                .map_err(|e| ("egress_proxy_credentials_file", e))?;
+        }
+        let ca = self.egress_proxy_ca_file.as_deref();
+        EgressProxy::open(url, file, ca)
             .map(Some)
-            .map_err(|e| ("egress_proxy_credentials_file", e))
+            .map_err(|e| ("egress_proxy_ca_file", e))
     }
 
     /// The health check, its CA read.

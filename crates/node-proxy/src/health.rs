@@ -55,7 +55,7 @@ fn reason(o: Outcome) -> String {
 async fn tls_and_http(
     h: &HealthCheck,
     kind: CheckKind,
-    gateway: tokio::net::TcpStream,
+    gateway: seedlink_net::egress::EgressStream,
 ) -> Result<(), String> {
     let Some(tls) = &h.tls else {
         return Err("mode_error: no TLS settings for the check".into());

@@ -10,7 +10,9 @@ use bytes::Bytes;
 use h2::client::SendRequest;
 use http::{Method, Request, StatusCode};
 use seedlink_net::copy::{write_all, Transfer};
+use seedlink_net::egress::EgressStream;
 use seedlink_net::h2copy;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::proxy::{Mode, NodeProxy};
@@ -73,6 +75,8 @@ pub enum Outcome {
     EgressProxyClosed,
     /// The egress proxy did not answer in time.
     EgressProxyTimeout,
+    /// TLS to an `https://` egress proxy failed.
+    EgressProxyTls,
 }
 
 impl Outcome {
@@ -102,13 +106,15 @@ impl Outcome {
             Outcome::EgressProxyBadResponse => "egress_proxy_bad_response",
             Outcome::EgressProxyClosed => "egress_proxy_closed",
             Outcome::EgressProxyTimeout => "egress_proxy_timeout",
+            Outcome::EgressProxyTls => "egress_proxy_tls_failed",
         }
     }
 }
 
 /// Connects to the gateway: directly, or through the egress proxy's HTTP
-/// CONNECT tunnel when one is configured.
-pub async fn dial(np: &NodeProxy) -> Result<TcpStream, Outcome> {
+/// CONNECT tunnel when one is configured (inside TLS to an `https://`
+/// proxy).
+pub async fn dial(np: &NodeProxy) -> Result<EgressStream, Outcome> {
     let connected = np
         .resolver
         .connect(
@@ -118,32 +124,30 @@ pub async fn dial(np: &NodeProxy) -> Result<TcpStream, Outcome> {
         .await;
     let log = || np.metrics.refusal_log.allow();
     let Some(egress) = &np.opts.egress else {
-        return connected.map_err(|e| {
+        return connected.map(EgressStream::Plain).map_err(|e| {
             if log() {
                 tracing::warn!(target: "seedlink::refused", gateway = %np.opts.gateway, error = %e, "gateway unreachable");
             }
             Outcome::GatewayUnreachable
         });
     };
-    let mut s = connected.map_err(|e| {
+    let s = connected.map_err(|e| {
         if log() {
             tracing::warn!(target: "seedlink::refused", egress_proxy = %egress.address, error = %e, "egress proxy unreachable");
         }
         Outcome::EgressProxyUnreachable
     })?;
-    let answer = tokio::time::timeout(
-        np.opts.handshake_timeout,
-        egress.handshake(&mut s, &np.opts.gateway),
-    )
-    .await;
+    let answer =
+        tokio::time::timeout(np.opts.handshake_timeout, egress.over(s, &np.opts.gateway)).await;
     use seedlink_net::egress::EgressError as E;
     let why = match answer {
-        Ok(Ok(())) => return Ok(s),
+        Ok(Ok(s)) => return Ok(s),
         // 407 asks for credentials; tinyproxy answers wrong ones with 401.
         Ok(Err(E::Auth(_))) => Outcome::EgressProxyAuth,
         Ok(Err(E::Refused(_))) => Outcome::EgressProxyRefused,
         Ok(Err(E::BadResponse)) => Outcome::EgressProxyBadResponse,
         Ok(Err(E::Closed | E::Unreachable(..))) => Outcome::EgressProxyClosed,
+        Ok(Err(E::Tls(..))) => Outcome::EgressProxyTls,
         Err(_) => Outcome::EgressProxyTimeout,
     };
     if np.metrics.refusal_log.allow() {
@@ -159,23 +163,19 @@ async fn open(
     np: &NodeProxy,
     src: SocketAddr,
     dst: SocketAddr,
-) -> Result<(TcpStream, Vec<u8>), Outcome> {
-    let gateway = dial(np).await?;
+) -> Result<(EgressStream, Vec<u8>), Outcome> {
+    let mut gateway = dial(np).await?;
     let leftover = match np.opts.mode {
-        Mode::Connect => connect(np, &gateway).await?,
+        Mode::Connect => connect(np, &mut gateway).await?,
         Mode::ProxyV2 => {
             let header = proxy_v2(np, src, dst)?;
-            write_all(&gateway, &header)
-                .await
-                .map_err(|_| Outcome::GatewayError)?;
+            send(&mut gateway, &header).await?;
             Vec::new()
         }
         // Carried as a stream on the shared connection by `h2_carry`.
         Mode::Http2Connect => return Err(Outcome::ModeError),
         Mode::ProxyV1 => {
-            write_all(&gateway, proxy_v1(src, dst).as_bytes())
-                .await
-                .map_err(|_| Outcome::GatewayError)?;
+            send(&mut gateway, proxy_v1(src, dst).as_bytes()).await?;
             Vec::new()
         }
     };
@@ -184,7 +184,7 @@ async fn open(
 
 /// Sends the CONNECT and reads its answer, within the handshake deadline:
 /// the bytes that came after the 200's head.
-async fn connect(np: &NodeProxy, gateway: &TcpStream) -> Result<Vec<u8>, Outcome> {
+async fn connect(np: &NodeProxy, gateway: &mut EgressStream) -> Result<Vec<u8>, Outcome> {
     let (name, value) = &np.opts.header;
     let head = format!(
         "CONNECT {a} HTTP/1.1\r\nHost: {a}\r\n{name}: {value}\r\n\r\n",
@@ -242,7 +242,7 @@ fn proxy_v1(src: SocketAddr, dst: SocketAddr) -> String {
 /// A tunnel as a health check opens it: from the node-proxy's own end of
 /// the gateway connection to the advertised address (which the legacy PROXY
 /// port routes by).
-pub async fn open_for_check(np: &NodeProxy) -> Result<(TcpStream, Vec<u8>), Outcome> {
+pub async fn open_for_check(np: &NodeProxy) -> Result<(EgressStream, Vec<u8>), Outcome> {
     let src = SocketAddr::new(np.opts.advertised.ip(), 0);
     open(np, src, np.opts.advertised).await
 }
@@ -263,7 +263,8 @@ fn observe(np: &NodeProxy, result: Result<(), Outcome>) {
             why @ (O::GatewayUnreachable
             | O::EgressProxyUnreachable
             | O::EgressProxyTimeout
-            | O::EgressProxyClosed),
+            | O::EgressProxyClosed
+            | O::EgressProxyTls),
         ) => np.health.record(check, Err(why.reason())),
         Err(_) => return,
     };
@@ -296,24 +297,45 @@ pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> Outco
     if !leftover.is_empty() && write_all(&client, &leftover).await.is_err() {
         return Outcome::ClientError;
     }
-    let t = Transfer::default();
-    match np
-        .copier
-        .run(&client, &gateway, &t.to_upstream, &t.to_client)
-        .await
-    {
+    let copied = match gateway {
+        EgressStream::Plain(gateway) => {
+            let t = Transfer::default();
+            np.copier
+                .run(&client, &gateway, &t.to_upstream, &t.to_client)
+                .await
+        }
+        // Inside TLS to the proxy: copied through user space (no splice).
+        EgressStream::Tls(mut gateway) => {
+            let mut client = client;
+            tokio::io::copy_bidirectional(&mut client, gateway.as_mut())
+                .await
+                .map(drop)
+        }
+    };
+    match copied {
         Ok(()) => Outcome::Ok,
         Err(e) if e.kind() == io::ErrorKind::ConnectionReset => Outcome::Reset,
         Err(_) => Outcome::Error,
     }
 }
 
-/// Sends an HTTP request head and reads the answer's head: its status and
-/// any bytes that came after it, or why that failed.
-async fn exchange_head(stream: &TcpStream, head: &[u8]) -> Result<(u16, Vec<u8>), Outcome> {
-    write_all(stream, head)
+/// Writes `bytes` to the gateway (and flushes them out of TLS to an
+/// `https://` proxy).
+async fn send<S: AsyncWrite + Unpin>(stream: &mut S, bytes: &[u8]) -> Result<(), Outcome> {
+    stream
+        .write_all(bytes)
         .await
         .map_err(|_| Outcome::GatewayError)?;
+    stream.flush().await.map_err(|_| Outcome::GatewayError)
+}
+
+/// Sends an HTTP request head and reads the answer's head: its status and
+/// any bytes that came after it, or why that failed.
+async fn exchange_head<S>(stream: &mut S, head: &[u8]) -> Result<(u16, Vec<u8>), Outcome>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    send(stream, head).await?;
     let mut buf: Vec<u8> = Vec::with_capacity(256);
     loop {
         let mut headers = [httparse::EMPTY_HEADER; 32];
@@ -329,12 +351,10 @@ async fn exchange_head(stream: &TcpStream, head: &[u8]) -> Result<(u16, Vec<u8>)
         if buf.len() >= MAX_RESPONSE_HEAD {
             return Err(Outcome::GatewayBadResponse);
         }
-        stream.readable().await.map_err(|_| Outcome::GatewayError)?;
         let mut chunk = [0u8; 1024];
-        match stream.try_read(&mut chunk) {
+        match stream.read(&mut chunk).await {
             Ok(0) => return Err(Outcome::GatewayClosed),
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
             Err(_) => return Err(Outcome::GatewayError),
         }
     }

@@ -3836,6 +3836,18 @@ async fn a_recreated_control_plane_refuses_the_old_kube_apiserver_certificate(t:
             // As the collector does, again: a pass of the controller that
             // was under way for the old object may write after the first.
             collect_garbage(t, old_uid).await;
+            // Issued for the new object: a write of that old pass could
+            // have put back a certificate for the old one.
+            let secret = t
+                .seed
+                .get("v1", "Secret", &t.a, "kas-kube-apiserver-tunnel")
+                .await;
+            let owner = secret
+                .as_ref()
+                .map(|s| s["metadata"]["ownerReferences"][0]["uid"].clone());
+            if owner.is_none() || owner == Some(serde_json::json!(old_uid)) {
+                return false;
+            }
             let new = kas_client_certificate(t, "new").await;
             !new.is_empty() && new != old && shared_frontend_answers(t, "new").await
         },

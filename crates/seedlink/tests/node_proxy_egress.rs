@@ -116,16 +116,11 @@ async fn apiserver() -> (
     (dir, files, nginx, api)
 }
 
-async fn metric(admin: SocketAddr, prefix: &str) -> f64 {
-    sum_metric(&http_get(admin, "/metrics").await.1, prefix)
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_mode_through_tinyproxy_with_health_checks_and_the_cluster_id_tlv() {
-    let (dir, files, _nginx, api) = apiserver().await;
-    // A control plane whose API server is down: its endpoint refuses.
-    let dead = format!("127.0.0.1:{}", free_port());
-    let gw = Gw::start(&format!(
+/// The gateway the egress tests' node-proxies reach: a CONNECT listener
+/// and a PROXY listener routing by TLV 0x20, and control plane `alpha`
+/// served by `api`; `more` adds control planes.
+fn egress_gateway(api: SocketAddr, more: &str) -> Gw {
+    Gw::start(&format!(
         "admin: {{listen: '127.0.0.1:0'}}
 listeners:
   - {{name: connect, address: '127.0.0.1:0', protocol: http-connect}}
@@ -135,9 +130,23 @@ control_planes:
     endpoints: ['{api}']
     destinations: [{{name: '{DEST}'}}]
     cluster_id: 3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d
-  - {{name: down, endpoints: ['{dead}'], cluster_id: c-down}}
-"
-    ));
+{more}"
+    ))
+}
+
+async fn metric(admin: SocketAddr, prefix: &str) -> f64 {
+    sum_metric(&http_get(admin, "/metrics").await.1, prefix)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_mode_through_tinyproxy_with_health_checks_and_the_cluster_id_tlv() {
+    let (dir, files, _nginx, api) = apiserver().await;
+    // A control plane whose API server is down: its endpoint refuses.
+    let dead = format!("127.0.0.1:{}", free_port());
+    let gw = egress_gateway(
+        api,
+        &format!("  - {{name: down, endpoints: ['{dead}'], cluster_id: c-down}}\n"),
+    );
     let (connect, nodes) = (gw.listener("connect"), gw.listener("nodes"));
     let tp_port = free_port();
     let tp = tinyproxy(dir.path(), tp_port, &[connect.port(), nodes.port()]);
@@ -147,7 +156,9 @@ control_planes:
     let bad_creds = dir.path().join("bad-credentials");
     std::fs::write(&bad_creds, "user:wrong\n").unwrap();
     let via = Via {
+        net: "127.0.0",
         egress: format!("http://127.0.0.1:{tp_port}"),
+        proxy_ca: None,
         creds: creds.display().to_string(),
         bad_creds: bad_creds.display().to_string(),
         ca: files.ca.display().to_string(),
@@ -172,11 +183,70 @@ control_planes:
     wait_readyz(tlv.admin, 503, "last_check=egress_proxy_unreachable").await;
 }
 
+/// The corporate proxy on an https:// address (Squid's `https_port`,
+/// Basic credentials checked by its own helper): TLS to the proxy,
+/// verified against its CA and its IP address; CONNECT inside it; the
+/// node-proxy's tunnel to the gateway inside that. Every mode serves;
+/// wrong and rotated credentials behave as through a cleartext proxy; a
+/// node-proxy that trusts another CA refuses the proxy
+/// (`egress_proxy_tls_failed`) and says so on `/readyz`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_mode_through_an_https_proxy() {
+    let (dir, files, _nginx, api) = apiserver().await;
+    let gw = egress_gateway(api, "");
+    let (connect, nodes) = (gw.listener("connect"), gw.listener("nodes"));
+    let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let squid = common::squid::Squid::files(dir.path(), listen, &[connect.port(), nodes.port()]);
+    let _squid = squid.spawn();
+    wait_listening(listen).await;
+    let creds = dir.path().join("proxy-credentials");
+    std::fs::write(&creds, format!("user:{}\n", common::squid::PASSWORD)).unwrap();
+    let bad_creds = dir.path().join("bad-credentials");
+    std::fs::write(&bad_creds, "user:wrong\n").unwrap();
+    let via = Via {
+        net: "127.0.1",
+        egress: format!("https://{listen}"),
+        proxy_ca: Some(squid.ca.display().to_string()),
+        creds: creds.display().to_string(),
+        bad_creds: bad_creds.display().to_string(),
+        ca: files.ca.display().to_string(),
+        connect: connect.to_string(),
+        nodes: nodes.to_string(),
+    };
+    every_mode_serves_through_the_proxy(&via, &files, &gw).await;
+    let seen = squid.seen();
+    for port in [connect.port(), nodes.port()] {
+        assert!(
+            seen.contains(&format!("CONNECT 127.0.0.1:{port}")),
+            "Squid saw no CONNECT to {port}:\n{seen}"
+        );
+    }
+    wrong_proxy_credentials_are_counted_and_shown(&via, &files).await;
+    rotated_proxy_credentials_are_taken_without_a_restart(&via, &files).await;
+    // The proxy's certificate checked against another CA: refused.
+    let distrusting = Via {
+        proxy_ca: Some(files.ca.display().to_string()),
+        ..via
+    };
+    let np = distrusting.start(
+        &distrusting.addr(89),
+        &["--gateway", &distrusting.connect, "--destination", DEST],
+    );
+    wait_readyz(np.admin, 503, "last_check=egress_proxy_tls_failed").await;
+    let out = curl_mtls(&files, ALPHA, np.listen.ip(), np.listen.port());
+    assert!(!out.contains("hello from"), "{out}");
+}
+
 /// What the node-proxies of the tinyproxy test share: the egress proxy and
 /// its credentials (good and bad), the CA the checks verify against, and
 /// the gateway's two listeners.
 struct Via {
+    /// The first three octets of the node-proxies' loopback addresses
+    /// (each test its own).
+    net: &'static str,
     egress: String,
+    /// `--egress-proxy-ca-file`, for an https:// proxy.
+    proxy_ca: Option<String>,
     creds: String,
     bad_creds: String,
     ca: String,
@@ -185,6 +255,20 @@ struct Via {
 }
 
 impl Via {
+    /// The node-proxy address `<net>.<host>`.
+    fn addr(&self, host: u8) -> String {
+        format!("{}.{host}", self.net)
+    }
+
+    /// `--egress-proxy` and, for an https:// proxy, its CA file.
+    fn proxy_args(&self) -> Vec<&str> {
+        let mut args = vec!["--egress-proxy", self.egress.as_str()];
+        if let Some(ca) = &self.proxy_ca {
+            args.extend_from_slice(&["--egress-proxy-ca-file", ca.as_str()]);
+        }
+        args
+    }
+
     /// A node-proxy on `addr` in `connect` mode through the egress proxy
     /// with the credentials in `creds`, and `extra`.
     fn connect_with(&self, addr: &str, creds: &str, extra: &[&str]) -> NodeProxyProc {
@@ -197,11 +281,10 @@ impl Via {
             &self.connect,
             "--destination",
             DEST,
-            "--egress-proxy",
-            &self.egress,
             "--egress-proxy-credentials-file",
             creds,
         ];
+        args.extend(self.proxy_args());
         args.extend_from_slice(extra);
         node_proxy(&args)
     }
@@ -209,9 +292,8 @@ impl Via {
     /// A node-proxy on `addr` through the egress proxy with the good
     /// credentials and fast health checks (rise 1, fall 2, every 0.2 s).
     fn start(&self, addr: &str, extra: &[&str]) -> NodeProxyProc {
-        let mut args = vec![
-            "--egress-proxy",
-            &self.egress,
+        let mut args = self.proxy_args();
+        args.extend_from_slice(&[
             "--egress-proxy-credentials-file",
             &self.creds,
             "--health-check-interval",
@@ -220,7 +302,7 @@ impl Via {
             "1",
             "--health-check-fall",
             "2",
-        ];
+        ]);
         args.extend_from_slice(extra);
         args.extend_from_slice(&["--address", addr]);
         node_proxy(&args)
@@ -237,7 +319,7 @@ async fn every_mode_serves_through_the_proxy(
     gw: &Gw,
 ) -> NodeProxyProc {
     let tlv = via.start(
-        "127.0.0.81",
+        &via.addr(81),
         &[
             "--mode",
             "proxy-v2",
@@ -269,8 +351,8 @@ async fn every_mode_serves_through_the_proxy(
         )
     };
     let (h1, h2) = (
-        tunnel("127.0.0.82", "connect"),
-        tunnel("127.0.0.83", "http2-connect"),
+        tunnel(&via.addr(82), "connect"),
+        tunnel(&via.addr(83), "http2-connect"),
     );
     for np in [&tlv, &h1, &h2] {
         wait_readyz(np.admin, 200, "ready").await;
@@ -313,13 +395,13 @@ async fn a_down_api_server_or_a_failing_path_is_not_ready(via: &Via) {
         args.extend_from_slice(check);
         via.start(addr, &args)
     };
-    let down = tlv("127.0.0.84", "c-down", &["--health-check", "tls"]);
+    let down = tlv(&via.addr(84), "c-down", &["--health-check", "tls"]);
     wait_readyz(down.admin, 503, "last_check=tls_handshake").await;
     let alpha = "3f1b2c4d-5e6f-4a1b-8c9d-0e1f2a3b4c5d";
     let http_broken = ["--health-check", "http", "--health-check-path", "/broken"];
-    let broken = tlv("127.0.0.85", alpha, &http_broken);
+    let broken = tlv(&via.addr(85), alpha, &http_broken);
     wait_readyz(broken.admin, 503, "last_check=http_status_503").await;
-    let tls_only = tlv("127.0.0.86", alpha, &["--health-check", "tls"]);
+    let tls_only = tlv(&via.addr(86), alpha, &["--health-check", "tls"]);
     wait_readyz(tls_only.admin, 200, "ready").await;
 }
 
@@ -328,7 +410,7 @@ async fn wrong_proxy_credentials_are_counted_and_shown(
     via: &Via,
     files: &seedlink::demo::ClientFiles,
 ) {
-    let bad = via.connect_with("127.0.0.87", &via.bad_creds, &[]);
+    let bad = via.connect_with(&via.addr(87), &via.bad_creds, &[]);
     wait_readyz(bad.admin, 503, "last_check=egress_proxy_auth_failed").await;
     let out = curl_mtls(files, ALPHA, bad.listen.ip(), bad.listen.port());
     assert!(!out.contains("hello from"), "{out}");
@@ -353,7 +435,7 @@ async fn rotated_proxy_credentials_are_taken_without_a_restart(
     let rotating = std::path::Path::new(&via.creds).with_file_name("rotating-credentials");
     std::fs::write(&rotating, "user:wrong\n").unwrap();
     let fast = ["--health-check-interval", "0.2", "--health-check-rise", "1"];
-    let np = via.connect_with("127.0.0.88", rotating.to_str().unwrap(), &fast);
+    let np = via.connect_with(&via.addr(88), rotating.to_str().unwrap(), &fast);
     wait_readyz(np.admin, 503, "last_check=egress_proxy_auth_failed").await;
     std::fs::write(&rotating, "user:s3cret-pw\n").unwrap();
     wait_readyz(np.admin, 200, "ready").await;
@@ -461,7 +543,10 @@ fn egress_and_health_check_settings_are_checked() {
         ("mode: proxy-v2\ncluster_id: 'has space'\n", "cluster_id"),
         ("mode: proxy-v2\ncluster_id_tlv: 3\n", "cluster_id_tlv"),
         ("mode: proxy-v2\negress_proxy: 'http://u:p@proxy:3128'\n", "egress_proxy"),
-        ("mode: proxy-v2\negress_proxy: 'https://proxy:3128'\n", "egress_proxy"),
+        ("mode: proxy-v2\negress_proxy: 'socks5://proxy:1080'\n", "egress_proxy"),
+        ("mode: proxy-v2\negress_proxy: 'http://proxy:3128'\negress_proxy_ca_file: /x.pem\n", "egress_proxy_ca_file"),
+        ("mode: proxy-v2\negress_proxy: 'https://proxy:3129'\negress_proxy_ca_file: /nonexistent.pem\n", "egress_proxy_ca_file"),
+        ("mode: proxy-v2\negress_proxy_ca_file: /x.pem\n", "egress_proxy_ca_file"),
         ("mode: proxy-v2\negress_proxy_credentials_file: /nonexistent\n", "egress_proxy_credentials_file"),
         ("mode: proxy-v2\negress_proxy: 'proxy:3128'\negress_proxy_credentials_file: /nonexistent\n", "egress_proxy_credentials_file"),
         ("mode: proxy-v2\nhealth_check: tunnel\n", "health_check"),

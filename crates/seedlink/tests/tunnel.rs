@@ -746,6 +746,73 @@ async fn the_agent_leaves_through_a_corporate_egress_proxy() {
     );
 }
 
+/// The corporate proxy on an https:// address (Squid's `https_port`, in
+/// the shoot, Basic credentials): the agent speaks TLS to the proxy,
+/// checked against the proxy's CA and its IP address, CONNECT inside it,
+/// and its own TLS to the server inside that. It joins and serves dials;
+/// an agent that trusts another CA refuses the proxy, counted as
+/// `egress_proxy_tls_failed`, and never joins.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_leaves_through_an_https_egress_proxy() {
+    let env = TunnelEnv::new(109);
+    let ep = env.agent_endpoint(8132);
+    let _server = env.server(&env.server_yaml(&ep, "", ""), "server");
+    let d = env.dir.path();
+    let squid = common::squid::Squid::files(d, "127.0.0.1:3129".parse().unwrap(), &[8132]);
+    let args = squid.args();
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let _proxy = Proc(
+        env.shoot
+            .cmd(&args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let creds = d.join("proxy-creds");
+    std::fs::write(&creds, format!("user:{}\n", common::squid::PASSWORD)).unwrap();
+    let through = |ca: &str| {
+        env.agent(
+            &ep,
+            &[
+                "--egress-proxy",
+                "https://127.0.0.1:3129",
+                "--egress-proxy-ca-file",
+                ca,
+                "--egress-proxy-credentials-file",
+                creds.to_str().unwrap(),
+            ],
+        )
+    };
+    let agent = through(squid.ca.to_str().unwrap());
+    let s = kas_connect_eventually(&env.uds, "127.0.0.1:8000", Duration::from_secs(60)).await;
+    assert!(fetch_hello(s).await.contains("hello from the shoot"));
+
+    let distrusting = through(&env.files.seed_ca);
+    eventually("the refusal to be counted", Duration::from_secs(30), async || {
+        env.agent_metric(
+            &distrusting.admin(),
+            "seedlink_tunnel_agent_server_connect_errors_total{outcome=\"egress_proxy_tls_failed\"}",
+        ) >= 1.0
+    })
+    .await;
+    assert_eq!(
+        env.agent_metric(
+            &distrusting.admin(),
+            "seedlink_tunnel_agent_open_server_connections"
+        ),
+        0.0
+    );
+    // Squid logs a tunnel when it ends: the agent's went through it.
+    drop(agent);
+    eventually(
+        "Squid to log the agent's tunnel",
+        Duration::from_secs(30),
+        async || squid.seen().contains(&format!("CONNECT {ep}")),
+    )
+    .await;
+}
+
 /// IPv6 end to end: the seed and the shoot also joined over IPv6
 /// (`fd00:7::/64` on the veth pair) and every address used here an IPv6
 /// one: the agent reaches the tunnel-server

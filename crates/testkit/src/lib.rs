@@ -12,6 +12,7 @@ pub mod eventually;
 pub mod faults;
 pub mod generative;
 pub mod kubeapi;
+pub mod squid;
 pub mod tunnel_env;
 
 pub use eventually::{eventually, eventually_blocking, ok_if};

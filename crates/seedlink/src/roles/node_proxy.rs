@@ -17,6 +17,7 @@ pub struct NodeProxyArgs {
     #[arg(long, conflicts_with_all = ["address", "port", "gateway", "mode", "destination", "header",
         "authority", "admin", "admin_token_file", "metrics", "max_connections", "connect_timeout", "drain", "interface",
         "link_kind", "resync", "cluster_id", "cluster_id_tlv", "egress_proxy", "egress_proxy_credentials_file",
+        "egress_proxy_ca_file",
         "health_check", "health_check_interval", "health_check_timeout", "health_check_rise", "health_check_fall",
         "health_check_ca", "health_check_server_name", "health_check_path"])]
     pub config: Option<std::path::PathBuf>,
@@ -80,12 +81,17 @@ pub struct NodeProxyArgs {
     /// The TLV type of `--cluster-id` (0x20 as HyperShift; 0xE0-0xEF are the spec's application types).
     #[arg(long, default_value = "0x20", value_parser = parse_u8)]
     pub cluster_id_tlv: u8,
-    /// Reach the gateway through this HTTP CONNECT forward proxy, `http://host:port`.
+    /// Reach the gateway through this HTTP CONNECT forward proxy, `http://host:port`, or
+    /// `https://host:port` (TLS to the proxy).
     #[arg(long)]
     pub egress_proxy: Option<String>,
-    /// A file holding `user:password` for the egress proxy (sent as Basic).
+    /// A file holding `user:password` for the egress proxy (sent as Basic; read again for every tunnel).
     #[arg(long)]
     pub egress_proxy_credentials_file: Option<std::path::PathBuf>,
+    /// The CA bundle an `https://` egress proxy's certificate is checked against (default: the
+    /// system's trust store).
+    #[arg(long)]
+    pub egress_proxy_ca_file: Option<std::path::PathBuf>,
     /// What readiness follows: `tcp` (the gateway accepts), `tunnel` (the gateway's 200, CONNECT modes),
     /// `tls` (a TLS handshake with the API server through a tunnel), `http` (and `GET /version` answered 2xx/3xx).
     #[arg(long, default_value = "tcp")]
@@ -183,6 +189,7 @@ impl NodeProxyArgs {
             cluster_id_tlv: self.cluster_id_tlv,
             egress_proxy: self.egress_proxy.clone(),
             egress_proxy_credentials_file: self.egress_proxy_credentials_file.clone(),
+            egress_proxy_ca_file: self.egress_proxy_ca_file.clone(),
             health_check: self.health_check.clone(),
             health_check_interval: secs(self.health_check_interval, "health-check-interval")?,
             health_check_timeout: secs(self.health_check_timeout, "health-check-timeout")?,

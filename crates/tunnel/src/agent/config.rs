@@ -91,14 +91,18 @@ pub struct AgentConfig {
     pub drain: Duration,
     /// Reach the server through this HTTP CONNECT forward proxy,
     /// `http://host:port` (a corporate egress proxy; it resolves the
-    /// server's name). Cleartext to the proxy: the tunnelled bytes are the
-    /// agent's own TLS.
+    /// server's name), or `https://host:port` (TLS to the proxy, the
+    /// agent's own TLS inside it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_proxy: Option<String>,
     /// A file holding `user:password` for the proxy (`Proxy-Authorization:
-    /// Basic`), read at start.
+    /// Basic`), read at start and again for every connection.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_proxy_credentials_file: Option<PathBuf>,
+    /// The CA bundle an `https://` proxy's certificate is checked against
+    /// (default: the system's trust store).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_proxy_ca_file: Option<PathBuf>,
 }
 
 fn one_s() -> Duration {
@@ -209,6 +213,9 @@ impl AgentConfig {
                 "egress_proxy_credentials_file",
                 "set without egress_proxy".into(),
             )),
+            None if self.egress_proxy_ca_file.is_some() => {
+                Some(("egress_proxy_ca_file", "set without egress_proxy".into()))
+            }
             None => None,
         }
     }
@@ -219,7 +226,8 @@ impl AgentConfig {
             return Ok(None);
         };
         let file = self.egress_proxy_credentials_file.as_deref();
-        seedlink_net::egress::EgressProxy::with_file(url, file).map(Some)
+        let ca = self.egress_proxy_ca_file.as_deref();
+        seedlink_net::egress::EgressProxy::open(url, file, ca).map(Some)
     }
 
     /// Every file named, read and parsed as what it must be (CA bundle,
@@ -260,6 +268,15 @@ impl AgentConfig {
                 err("service_account_token_path", p, e);
             }
         }
+        if let (Some(_), Some(url)) = (&self.egress_proxy_ca_file, &self.egress_proxy) {
+            if let Err(e) = seedlink_net::egress::EgressProxy::open(
+                url,
+                None,
+                self.egress_proxy_ca_file.as_deref(),
+            ) {
+                errs.push(ConfigError::new("egress_proxy_ca_file", e));
+            }
+        }
         errs
     }
 
@@ -276,12 +293,9 @@ impl AgentConfig {
             .clone()
             .or(env_agent_id)
             .unwrap_or_else(random_agent_id);
-        let egress = self.egress().map_err(|message| {
-            Errors(vec![ConfigError::new(
-                "egress_proxy_credentials_file",
-                message,
-            )])
-        })?;
+        let egress = self
+            .egress()
+            .map_err(|message| Errors(vec![ConfigError::new("egress_proxy", message)]))?;
         Ok(self.options_with(agent_id, egress))
     }
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use seedlink_net::egress::EgressStream;
 use tokio::net::TcpStream;
 
 use super::core::Agent;
@@ -160,7 +161,7 @@ pub(super) enum Channel {
     /// HTTP/2 (gRPC), with its GOAWAY sniffer.
     Grpc(grpc::Client, crate::transport::goaway::Seen),
     /// The native transport.
-    Native(Box<crate::transport::usertls::UserTls<TcpStream>>),
+    Native(Box<crate::transport::usertls::UserTls<EgressStream>>),
 }
 
 /// Closes a stream's outbound queue when dropped, unless taken out: a
@@ -241,6 +242,7 @@ impl Agent {
             None => tokio::time::timeout(t, TcpStream::connect(server))
                 .await
                 .map_err(|_| ConnectError::ConnectTimeout(server.clone()))?
+                .map(EgressStream::Plain)
                 .map_err(|error| ConnectError::Connect {
                     server: server.clone(),
                     error,
@@ -250,7 +252,7 @@ impl Agent {
                 .map_err(|_| ConnectError::EgressProxyTimeout)?
                 .map_err(ConnectError::EgressProxy)?,
         };
-        let _ = tcp.set_nodelay(true);
+        let _ = tcp.tcp().set_nodelay(true);
         let bad_name = || ConnectError::ServerName(target.server_name.clone());
         let name = rustls::pki_types::ServerName::try_from(target.server_name.clone())
             .map_err(|_| bad_name())?;

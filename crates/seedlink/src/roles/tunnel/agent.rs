@@ -22,7 +22,7 @@ pub struct AgentArgs {
         "allow_port", "deny_cidr", "dial_timeout", "sync_interval", "sync_interval_cap",
         "keepalive_time", "admin", "admin_token_file", "flow_control", "transport", "replica_addresses",
         "drain", "egress_proxy",
-        "egress_proxy_credentials_file"])]
+        "egress_proxy_credentials_file", "egress_proxy_ca_file"])]
     pub config: Option<PathBuf>,
     /// The tunnel server (or the gateway in front of it), `host:port`.
     #[arg(long, required_unless_present = "config")]
@@ -101,13 +101,17 @@ pub struct AgentArgs {
     #[arg(long, default_value_t = 30.0)]
     pub drain: f64,
     /// Reach the server through this HTTP CONNECT forward proxy,
-    /// `http://host:port` (a corporate egress proxy; it resolves the
-    /// server's name).
+    /// `http://host:port` or `https://host:port` (TLS to the proxy; a
+    /// corporate egress proxy, it resolves the server's name).
     #[arg(long)]
     pub egress_proxy: Option<String>,
-    /// A file holding `user:password` for the egress proxy (Basic).
+    /// A file holding `user:password` for the egress proxy (Basic; read again for every connection).
     #[arg(long, requires = "egress_proxy")]
     pub egress_proxy_credentials_file: Option<PathBuf>,
+    /// The CA bundle an `https://` egress proxy's certificate is checked against (default: the
+    /// system's trust store).
+    #[arg(long, requires = "egress_proxy")]
+    pub egress_proxy_ca_file: Option<PathBuf>,
 }
 
 /// A running agent as the supervisor sees it.
@@ -177,6 +181,7 @@ impl AgentArgs {
             drain: secs(self.drain, "drain")?,
             egress_proxy: self.egress_proxy.clone(),
             egress_proxy_credentials_file: self.egress_proxy_credentials_file.clone(),
+            egress_proxy_ca_file: self.egress_proxy_ca_file.clone(),
         })
     }
 }
