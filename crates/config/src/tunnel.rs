@@ -46,6 +46,58 @@ pub struct Cluster {
     /// Limits, so one cluster cannot starve the others.
     #[serde(default)]
     pub limits: ClusterLimits,
+    /// Destinations the tunnel-server dials itself, on the seed's network,
+    /// instead of through the cluster's agents: webhooks and aggregated
+    /// APIs that run beside the control plane. Everything else goes to the
+    /// shoot.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub seed_destinations: Vec<SeedDestination>,
+}
+
+/// A destination in the seed (see [`Cluster::seed_destinations`]): the
+/// host and ports kube-apiserver asks for, and where they are dialled.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SeedDestination {
+    /// The host as kube-apiserver names it in its CONNECT, e.g.
+    /// `webhook.shoot--dev--a.svc` (a webhook's `url`, or an APIService's
+    /// ExternalName Service): a DNS name, matched without regard to case,
+    /// and, for a name ending in `.svc`, with `.cluster.local` after it too.
+    pub host: String,
+    /// The ports it is dialled on (at least one).
+    pub ports: Vec<u16>,
+    /// The addresses dialled, at the asked port. Empty: `host` is looked up
+    /// in the seed's DNS, or, with `service`, the Service is read from the
+    /// API server.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub addresses: Vec<std::net::IpAddr>,
+    /// `<namespace>/<name>` of a seed Service dialled at its ClusterIP, read
+    /// from the API server (the Kubernetes source sets it for a
+    /// TunnelCluster's `seedServices`, always in the object's own
+    /// namespace).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+}
+
+/// The most seed destinations a cluster may have.
+pub const MAX_SEED_DESTINATIONS: usize = 16;
+
+impl SeedDestination {
+    /// Whether `host` (lowercase, without a trailing dot) at `port` is
+    /// this destination.
+    pub fn matches(&self, host: &str, port: u16) -> bool {
+        if !self.ports.contains(&port) {
+            return false;
+        }
+        let mine = self.host.trim_end_matches('.');
+        if host.eq_ignore_ascii_case(mine) {
+            return true;
+        }
+        mine.ends_with(".svc")
+            && host
+                .strip_suffix(".cluster.local")
+                .is_some_and(|h| h.eq_ignore_ascii_case(mine))
+    }
 }
 
 /// The URI that binds kube-apiserver's client certificate to the

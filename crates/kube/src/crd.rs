@@ -152,6 +152,27 @@ pub struct TunnelClusterSpec {
     /// Per-cluster limits; absent fields keep the defaults.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub limits: Option<LimitsSpec>,
+    /// Services of this object's own namespace, in the seed, that
+    /// kube-apiserver reaches through its `cluster` egress (webhooks and
+    /// aggregated APIs beside the control plane): the tunnel-server dials
+    /// them itself at their ClusterIP, not through the agents. Asked for as
+    /// `<name>.<namespace>.svc[.cluster.local]` at one of `ports`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub seed_services: Vec<SeedServiceSpec>,
+}
+
+/// A Service of the TunnelCluster's own namespace dialled in the seed.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SeedServiceSpec {
+    /// The Service's name (there is no namespace field: always the
+    /// object's own).
+    #[schemars(length(min = 1, max = 63))]
+    pub name: String,
+    /// The Service ports kube-apiserver asks for.
+    #[schemars(length(min = 1, max = 16), inner(range(min = 1, max = 65535)))]
+    pub ports: Vec<u16>,
 }
 
 /// One key of a Secret or a ConfigMap in the resource's namespace; exactly
@@ -419,6 +440,13 @@ pub struct TunnelSpec {
     /// certificate from the new one in the next pass (default 0).
     #[serde(default)]
     pub rotation: u64,
+    /// Services of this namespace in the seed that kube-apiserver reaches
+    /// through its `cluster` egress (webhooks and aggregated APIs beside
+    /// the control plane), dialled by the tunnel-server itself: the
+    /// TunnelCluster's `seedServices`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 16))]
+    pub seed_services: Vec<SeedServiceSpec>,
 }
 
 fn yes() -> bool {

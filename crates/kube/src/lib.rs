@@ -13,6 +13,7 @@
 pub mod crd;
 pub mod leader;
 pub mod onboard;
+pub mod seed_services;
 pub mod source;
 pub mod translate;
 pub mod tunnel;

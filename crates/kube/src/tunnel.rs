@@ -319,6 +319,7 @@ fn build(
         .map(|(i, f)| frontend(&format!("frontends[{i}] ({})", f.name), f, keys, sockets))
         .collect::<Result<Vec<_>, _>>()?;
     let limits = within(spec.limits.as_ref(), ceiling);
+    let seed_destinations = seed_services(&spec.seed_services, keys.namespace)?;
     Ok(Cluster {
         name: name.into(),
         agent_ca,
@@ -332,6 +333,58 @@ fn build(
         proxy_password_file: None,
         frontend_client_uri: control_plane(o).map(seedlink_config::tunnel::control_plane_uri),
         limits,
+        seed_destinations,
+    })
+}
+
+/// A TunnelCluster's seed Services as seed destinations: each a Service
+/// of `namespace` (the object's own; the spec cannot name another),
+/// asked for as `<name>.<namespace>.svc` and dialled at its ClusterIP.
+fn seed_services(
+    services: &[crate::crd::SeedServiceSpec],
+    namespace: &str,
+) -> Result<Vec<seedlink_config::tunnel::SeedDestination>, Verdict> {
+    use seedlink_config::tunnel::MAX_SEED_DESTINATIONS;
+    if services.len() > MAX_SEED_DESTINATIONS {
+        return Err(Verdict::no(
+            "InvalidSpec",
+            format!("seedServices: at most {MAX_SEED_DESTINATIONS}"),
+        ));
+    }
+    services
+        .iter()
+        .map(|s| seed_service(s, namespace))
+        .collect()
+}
+
+/// One seed Service of `namespace` as a seed destination.
+fn seed_service(
+    s: &crate::crd::SeedServiceSpec,
+    namespace: &str,
+) -> Result<seedlink_config::tunnel::SeedDestination, Verdict> {
+    let label = (1..=63).contains(&s.name.len())
+        && s.name.starts_with(|c: char| c.is_ascii_lowercase())
+        && !s.name.ends_with('-')
+        && s.name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if !label {
+        return Err(Verdict::no(
+            "InvalidSpec",
+            format!("seedServices: {:?} is not a Service name", s.name),
+        ));
+    }
+    if s.ports.is_empty() || s.ports.len() > 16 || s.ports.contains(&0) {
+        return Err(Verdict::no(
+            "InvalidSpec",
+            format!("seedServices {}: 1 to 16 ports, none 0", s.name),
+        ));
+    }
+    Ok(seedlink_config::tunnel::SeedDestination {
+        host: format!("{}.{namespace}.svc", s.name),
+        ports: s.ports.clone(),
+        addresses: Vec::new(),
+        service: Some(format!("{namespace}/{}", s.name)),
     })
 }
 
@@ -727,6 +780,40 @@ mod tests {
             data: Some(data),
             ..Default::default()
         })
+    }
+
+    /// A TunnelCluster's seed Services are its own namespace's: the name
+    /// is pinned to it (the spec has no namespace), and a name that is no
+    /// Service name (a dot, a slash: another namespace) is refused.
+    #[test]
+    fn seed_services_are_the_objects_own_namespaces() {
+        let svc = |name: &str, ports: &[u16]| crate::crd::SeedServiceSpec {
+            name: name.into(),
+            ports: ports.to_vec(),
+        };
+        let d = seed_services(&[svc("hooks", &[443, 8443])], "shoot--a").unwrap();
+        assert_eq!(d[0].host, "hooks.shoot--a.svc");
+        assert_eq!(d[0].service.as_deref(), Some("shoot--a/hooks"));
+        assert_eq!(d[0].ports, vec![443, 8443]);
+        assert!(d[0].addresses.is_empty());
+        for bad in [
+            "hooks.shoot--b",
+            "shoot--b/hooks",
+            "Hooks",
+            "-x",
+            "x-",
+            "",
+            "1x",
+        ] {
+            assert!(
+                seed_services(&[svc(bad, &[443])], "shoot--a").is_err(),
+                "{bad:?}"
+            );
+        }
+        assert!(seed_services(&[svc("hooks", &[])], "shoot--a").is_err());
+        assert!(seed_services(&[svc("hooks", &[0])], "shoot--a").is_err());
+        let many: Vec<_> = (0..17).map(|i| svc(&format!("s{i}"), &[443])).collect();
+        assert!(seed_services(&many, "shoot--a").is_err());
     }
 
     /// A tenant can lower the operator's ceilings but never raise them;

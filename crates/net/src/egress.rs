@@ -311,28 +311,7 @@ fn proxy_tls(url: &str, ca_file: Option<&std::path::Path>) -> Result<Option<Prox
         .trim_end_matches(']');
     let name = rustls::pki_types::ServerName::try_from(host.to_string())
         .map_err(|_| format!("{host:?} is not a name or address a certificate can hold"))?;
-    let mut roots = rustls::RootCertStore::empty();
-    match ca_file {
-        Some(p) => {
-            use rustls::pki_types::pem::PemObject;
-            let certs = rustls::pki_types::CertificateDer::pem_file_iter(p)
-                .map_err(|e| format!("{}: {e}", p.display()))?;
-            for c in certs {
-                let c = c.map_err(|e| format!("{}: {e}", p.display()))?;
-                roots.add(c).map_err(|e| format!("{}: {e}", p.display()))?;
-            }
-        }
-        None => {
-            let found = rustls_native_certs::load_native_certs();
-            let (added, _) = roots.add_parsable_certificates(found.certs);
-            if added == 0 {
-                return Err("no CA file given and the system's trust store is empty".into());
-            }
-        }
-    }
-    if roots.is_empty() {
-        return Err("the CA file holds no certificate".into());
-    }
+    let roots = roots(ca_file)?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let config = rustls::ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -344,6 +323,29 @@ fn proxy_tls(url: &str, ca_file: Option<&std::path::Path>) -> Result<Option<Prox
         name,
         ca_file: ca_file.map(std::path::Path::to_path_buf),
     }))
+}
+
+/// The CAs a proxy's certificate is checked against: the CA file's, or
+/// the system's trust store.
+fn roots(ca_file: Option<&std::path::Path>) -> Result<rustls::RootCertStore, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    let Some(p) = ca_file else {
+        let found = rustls_native_certs::load_native_certs();
+        let (added, _) = roots.add_parsable_certificates(found.certs);
+        if added == 0 {
+            return Err("no CA file given and the system's trust store is empty".into());
+        }
+        return Ok(roots);
+    };
+    use rustls::pki_types::pem::PemObject;
+    let at = |e: &dyn std::fmt::Display| format!("{}: {e}", p.display());
+    for c in rustls::pki_types::CertificateDer::pem_file_iter(p).map_err(|e| at(&e))? {
+        roots.add(c.map_err(|e| at(&e))?).map_err(|e| at(&e))?;
+    }
+    if roots.is_empty() {
+        return Err(at(&"holds no certificate"));
+    }
+    Ok(roots)
 }
 
 /// A tunnel through the proxy: a plain TCP connection, or one inside TLS

@@ -51,6 +51,13 @@ const KUBERNETES_V6: &str = "fd00:97::1";
 const ADVERTISE_V4: &str = "10.1.2.3";
 const ADVERTISE_V6: &str = "fd00:1:2::3";
 const DEST: &str = "outbound|443||kube-apiserver.shoot--e2e--a.svc.cluster.local";
+/// A webhook and an aggregated API in the seed, beside the control plane:
+/// the shoot's ExternalName Service `seed-hooks` names this host, which
+/// kube-apiserver asks its `cluster` egress for and the tunnel-server
+/// dials in the seed (on this namespace's loopback), not through the
+/// agent. (A webhook given by `url` goes through the `controlplane`
+/// egress instead: kube-apiserver dials it itself.)
+const SEED_HOOKS: &str = "seed-hooks.shoot--e2e--a.svc";
 
 /// How kube-apiserver reaches the tunnel-server.
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -74,6 +81,8 @@ struct Files {
     reviewer_token: PathBuf,
     agent_token: PathBuf,
     apps_ca_pem: String,
+    /// The seed webhook's port (on 127.0.0.1).
+    seed_hooks: u16,
 }
 
 impl Files {
@@ -87,12 +96,18 @@ impl Files {
             dir.join(name)
         };
         let tunnel = seedlink::demo::Pki::generate(&[TUNNEL_NAME]).unwrap();
-        let apps = seedlink::demo::Pki::generate(&["shoot-apps.shoot-system.svc"]).unwrap();
+        let apps = seedlink::demo::Pki::generate(&[
+            "shoot-apps.shoot-system.svc",
+            "seed-hooks.shoot-system.svc",
+        ])
+        .unwrap();
         let kubelet = seedlink::demo::Pki::generate(&[NODE_IP]).unwrap();
         w("tun.pem", &tunnel.servers[0].1.cert_pem);
         w("tun-key.pem", &tunnel.servers[0].1.key_pem);
         w("apps.pem", &apps.servers[0].1.cert_pem);
         w("apps-key.pem", &apps.servers[0].1.key_pem);
+        w("seed-hooks.pem", &apps.servers[1].1.cert_pem);
+        w("seed-hooks-key.pem", &apps.servers[1].1.key_pem);
         w("kubelet-ca.pem", &kubelet.ca_pem);
         w("kubelet.pem", &kubelet.servers[0].1.cert_pem);
         w("kubelet-key.pem", &kubelet.servers[0].1.key_pem);
@@ -114,6 +129,7 @@ impl Files {
             reviewer_token: w("reviewer.token", "not-issued-yet"),
             agent_token: w("agent.token", "not-issued-yet"),
             apps_ca_pem: apps.ca_pem,
+            seed_hooks: free_port(),
         }
     }
 
@@ -156,11 +172,14 @@ clusters:
     agent_token:
       issuer: 'https://kubernetes.default.svc'
       review: {{url: '{kas_url}', ca: '{}', token_file: '{}'}}
+    seed_destinations:
+      - {{host: '{SEED_HOOKS}', ports: [{}], addresses: ['127.0.0.1']}}
 {frontends}{shared}",
             self.p("tun.pem"),
             self.p("tun-key.pem"),
             kas_ca.display(),
             self.reviewer_token.display(),
+            self.seed_hooks,
         )
     }
 }
@@ -693,6 +712,113 @@ async fn the_webhook_and_the_aggregated_api_answer_from_the_shoot(api: &KubeApi)
     assert!(text(&o).contains("hello-from-the-shoot"), "{}", text(&o));
 }
 
+/// The seed's webhook: the same app as the shoot's, on this namespace's
+/// loopback, saying "the seed's" (a name only the tunnel-server's seed
+/// path reaches).
+fn seed_hooks(files: &Files) -> Proc {
+    let mut cmd = Command::new("python3");
+    cmd.arg(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/peers/shoot_apps.py"
+    ))
+    .arg(format!("127.0.0.1:{}", files.seed_hooks))
+    .args([files.p("seed-hooks.pem"), files.p("seed-hooks-key.pem")])
+    .args(["none", "-", "-", "-"])
+    .env("APPS_WHO", "the seed's")
+    .env("APPS_GROUP", "seed.seedlink.test")
+    .env("APPS_PLACE", "the-seed");
+    spawn_until_up(cmd)
+}
+
+/// A ConfigMap in `work` with `labels`.
+fn labelled_configmap(name: &str, labels: Value) -> String {
+    json!({"apiVersion": "v1", "kind": "ConfigMap",
+           "metadata": {"name": name, "namespace": "work", "labels": labels}})
+    .to_string()
+}
+
+/// A webhook and an aggregated API in the seed (the shoot's ExternalName
+/// Service `seed-hooks` names `SEED_HOOKS`) beside the shoot's, under the
+/// one `cluster` egress selector: an object both webhooks select passes
+/// both; one the seed's selects alone is denied by the seed's; the seed's
+/// API answers.
+async fn a_seed_webhook_answers_beside_the_shoots(api: &KubeApi, files: &Files) {
+    let c = api.client().await.unwrap();
+    let ca = serde_json::to_value(k8s_openapi::ByteString(
+        files.apps_ca_pem.as_bytes().to_vec(),
+    ))
+    .unwrap();
+    let port = files.seed_hooks;
+    let svc = json!({"name": "seed-hooks", "namespace": "shoot-system", "port": port});
+    for o in [
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": "seed-hooks", "namespace": "shoot-system"},
+               "spec": {"type": "ExternalName", "externalName": SEED_HOOKS,
+                        "ports": [{"name": "https", "port": port}]}}),
+        json!({"apiVersion": "admissionregistration.k8s.io/v1",
+               "kind": "ValidatingWebhookConfiguration",
+               "metadata": {"name": "seed-webhook"},
+               "webhooks": [{
+                   "name": "seed.demo.seedlink.test",
+                   "failurePolicy": "Fail",
+                   "objectSelector": {"matchLabels": {"seed-hook": "yes"}},
+                   "rules": [{"apiGroups": [""], "apiVersions": ["v1"],
+                              "operations": ["CREATE"], "resources": ["configmaps"]}],
+                   "clientConfig": {"service": {"name": "seed-hooks", "namespace": "shoot-system",
+                                                "path": "/validate", "port": port},
+                                    "caBundle": ca},
+                   "sideEffects": "None",
+                   "admissionReviewVersions": ["v1"],
+                   "timeoutSeconds": 10}]}),
+        json!({"apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
+               "metadata": {"name": "v1.seed.seedlink.test"},
+               "spec": {"group": "seed.seedlink.test", "version": "v1", "service": svc,
+                        "caBundle": ca, "groupPriorityMinimum": 1000, "versionPriority": 15}}),
+    ] {
+        kubeapi::apply(&c, o).await;
+    }
+    let both = json!({"webhook": "fail", "seed-hook": "yes"});
+    eventually("both webhooks admit", Duration::from_secs(60), async || {
+        let o = kubectl_in(
+            api,
+            &["create", "-f", "-"],
+            &labelled_configmap("both-1", both.clone()),
+        );
+        o.status.success().then_some(()).ok_or_else(|| text(&o))
+    })
+    .await;
+    the_seed_webhook_denies(api, "deny-seed-1");
+    eventually(
+        "the seed's API answers",
+        Duration::from_secs(90),
+        async || {
+            let o = kubectl(
+                api,
+                &["get", "--raw", "/apis/seed.seedlink.test/v1/greetings"],
+            );
+            text(&o)
+                .contains("hello-from-the-seed")
+                .then_some(())
+                .ok_or_else(|| text(&o))
+        },
+    )
+    .await;
+}
+
+/// The seed's webhook denies `name` (selected by it alone).
+fn the_seed_webhook_denies(api: &KubeApi, name: &str) {
+    let o = kubectl_in(
+        api,
+        &["create", "-f", "-"],
+        &labelled_configmap(name, json!({"seed-hook": "yes"})),
+    );
+    assert!(
+        !o.status.success() && text(&o).contains("denied by the seed's webhook"),
+        "{}",
+        text(&o)
+    );
+}
+
 /// No agent: the Fail webhook refuses, the Ignore one admits; every other
 /// path answers an error instead of hanging.
 fn without_an_agent_every_path_answers_an_error(api: &KubeApi) {
@@ -764,6 +890,8 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
     // answer below carries what only the shoot's workloads say.
 
     the_webhook_and_the_aggregated_api_answer_from_the_shoot(&api).await;
+    let _seed_hooks = seed_hooks(&files);
+    a_seed_webhook_answers_beside_the_shoots(&api, &files).await;
 
     // The service proxy (to the endpoint) and the node proxy (to the
     // kubelet port).
@@ -862,6 +990,8 @@ async fn kube_apiserver_reaches_the_shoot_only_through_the_tunnel() {
     }
 
     without_an_agent_every_path_answers_an_error(&api);
+    // The seed's webhook needs no agent.
+    the_seed_webhook_denies(&api, "deny-seed-2");
 
     // The agent back: everything works again.
     let _agent = agent(&ns, &rendered);

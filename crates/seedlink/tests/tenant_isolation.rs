@@ -307,6 +307,105 @@ impl Victim {
     }
 }
 
+/// A tenant's seed path (webhooks and aggregated APIs beside its control
+/// plane, dialled by the tunnel-server in the seed) reaches its own
+/// namespace's Services only. A's TunnelCluster names seed Service
+/// `hooks`: pinned to A's namespace (the spec has no namespace field).
+/// - A's kube-apiserver asking for B's seed Service by name is sent to A's
+///   shoot (no agent there: `No agent available`), never dialled in the
+///   seed;
+/// - A's own `hooks` made an ExternalName Service that names B's is
+///   refused as ExternalName (the Service is read from the API server as
+///   seedlink's ServiceAccount, never resolved by DNS);
+/// - a seed Service named with a dot (another namespace) is refused
+///   `InvalidSpec` alone, and B stays served;
+/// - the lookup gives B's Service's ClusterIP only at a port it serves,
+///   and refuses a headless Service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_seed_path_reaches_its_own_namespace_only() {
+    let mut seed = Seed::new("seedpath").await;
+    seed.start();
+    let a = Victim::onboard(&seed, "a").await;
+    let b = Victim::onboard(&seed, "b").await;
+    let service = |ns: &str, name: &str, spec: Value| {
+        json!({"apiVersion": "v1", "kind": "Service",
+               "metadata": {"name": name, "namespace": ns}, "spec": spec})
+    };
+    let https = json!([{"name": "https", "port": 443, "protocol": "TCP"}]);
+    seed.apply(service(
+        &b.ns,
+        "hooks",
+        json!({"selector": {"app": "hooks"}, "ports": https}),
+    ))
+    .await;
+    seed.apply(service(
+        &b.ns,
+        "headless",
+        json!({"clusterIP": "None", "selector": {"app": "hooks"}, "ports": https}),
+    ))
+    .await;
+    let b_hooks = format!("hooks.{}.svc.cluster.local", b.ns);
+    seed.apply(service(
+        &a.ns,
+        "hooks",
+        json!({"type": "ExternalName", "externalName": b_hooks, "ports": https}),
+    ))
+    .await;
+    let agent_ca = json!({"secret": "agent-ca", "key": "ca.crt"});
+    seed.tunnel_cluster(
+        &a.ns,
+        json!({"agentCA": agent_ca, "seedServices": [{"name": "hooks", "ports": [443]}]}),
+    )
+    .await;
+    seed.served(&a.ns).await;
+    let sock = seed.socket(&a.ns);
+    let to_b = kas_connect(&sock, &format!("hooks.{}.svc:443", b.ns))
+        .await
+        .err()
+        .unwrap_or_default();
+    assert!(
+        to_b.starts_with("HTTP/1.1 500") && to_b.contains("No agent available"),
+        "{to_b}"
+    );
+    let own = kas_connect(&sock, &format!("hooks.{}.svc:443", a.ns))
+        .await
+        .err()
+        .unwrap_or_default();
+    assert!(
+        own.starts_with("HTTP/1.1 502") && own.contains("ExternalName"),
+        "{own}"
+    );
+    // Another namespace by a dotted name: refused alone.
+    seed.tunnel_cluster(
+        &a.ns,
+        json!({"agentCA": agent_ca, "seedServices": [{"name": format!("hooks.{}", b.ns), "ports": [443]}]}),
+    )
+    .await;
+    let why = seed.refused(&a.ns).await;
+    assert!(why.contains("seedServices"), "{why}");
+    seed.served(&b.ns).await;
+    // The lookup, on the real API server.
+    let ip = seedlink_kube::seed_services::seed_service_ip(&seed.client, &b.ns, "hooks", 443)
+        .await
+        .unwrap();
+    let svc = kubeapi::get(&seed.client, "v1", "Service", &b.ns, "hooks")
+        .await
+        .unwrap();
+    assert_eq!(svc["spec"]["clusterIP"], ip.to_string());
+    let e = seedlink_kube::seed_services::seed_service_ip(&seed.client, &b.ns, "hooks", 80)
+        .await
+        .unwrap_err();
+    assert!(e.contains("no TCP port 80"), "{e}");
+    let e = seedlink_kube::seed_services::seed_service_ip(&seed.client, &b.ns, "headless", 443)
+        .await
+        .unwrap_err();
+    assert!(e.contains("headless"), "{e}");
+    let e = seedlink_kube::seed_services::seed_service_ip(&seed.client, &b.ns, "none", 443)
+        .await
+        .unwrap_err();
+    assert!(e.contains("no such Service"), "{e}");
+}
+
 /// Finding 1 of the hostile review: an older tenant gives its
 /// TunnelCluster a TCP frontend that validates but cannot bind (the
 /// address is in use). That tenant alone is refused (its status says

@@ -165,6 +165,7 @@ pub fn objects(
         agent_token: None,
         revision: 0,
         rotation: 0,
+        seed_services: Vec::new(),
     });
     if tunnel.enabled {
         out.extend(b.tunnel(&tunnel, settings, agent_ca_pem));
@@ -259,10 +260,13 @@ impl Builder {
             json!({TRUST_LABEL: "true"}),
             json!({"data": {CA_KEY: ca_pem}}),
         );
-        let spec = match &tunnel.agent_token {
+        let mut spec = match &tunnel.agent_token {
             Some(token) => json!({"agentToken": token}),
             None => json!({"agentCA": {"configMap": n.trust, "key": CA_KEY}}),
         };
+        if !tunnel.seed_services.is_empty() {
+            spec["seedServices"] = json!(tunnel.seed_services);
+        }
         let role = trust_role_for(&spec, settings);
         let binding = self.object(
             "rbac.authorization.k8s.io/v1",
@@ -820,6 +824,24 @@ mod tests {
             json!({"name": "kube-apiserver", "port": 443})
         );
         assert_eq!(route["spec"]["parentRefs"][0]["name"], "seedlink");
+    }
+
+    /// The control plane's seed Services pass to its TunnelCluster (its own
+    /// namespace's, as the TunnelCluster's always are).
+    #[test]
+    fn seed_services_pass_to_the_tunnel_cluster() {
+        let mut spec = minimal();
+        spec["tunnel"] = json!({"seedServices": [{"name": "hooks", "ports": [443]}]});
+        let out = objects(&cp(spec), &settings(), "CA PEM").unwrap();
+        let tc = find(&out, "TunnelCluster");
+        assert_eq!(
+            tc["spec"]["seedServices"],
+            json!([{"name": "hooks", "ports": [443]}])
+        );
+        let none = objects(&cp(minimal()), &settings(), "CA PEM").unwrap();
+        assert!(find(&none, "TunnelCluster")["spec"]
+            .get("seedServices")
+            .is_none());
     }
 
     #[test]

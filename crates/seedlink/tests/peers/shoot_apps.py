@@ -5,7 +5,10 @@ their client.
 
 - APPS (HTTPS, the Service `shoot-apps`'s pod):
   - POST /validate: a validating admission webhook (AdmissionReview v1);
-    denies objects whose name starts with "deny-".
+    denies objects whose name starts with "deny-", "denied by the shoot's
+    webhook" (APPS_WHO in the environment names another owner, and
+    APPS_GROUP another API group, the greeting "hello-from-<APPS_PLACE>":
+    the same app serves as a webhook and an aggregated API in the seed).
   - GET /apis/demo.seedlink.test/v1[...]: an aggregated API.
   - GET /hello: the service proxy's target.
 - KUBELET (HTTPS with client certificates, the node's address): the
@@ -26,6 +29,7 @@ Prints "up" when both listen.
 
 import http.server
 import json
+import os
 import socketserver
 import ssl
 import sys
@@ -35,7 +39,9 @@ import time
 (apps_addr, apps_cert, apps_key, kubelet_addr, kubelet_cert, kubelet_key,
  client_ca) = sys.argv[1:8]
 
-GROUP = "demo.seedlink.test"
+GROUP = os.environ.get("APPS_GROUP", "demo.seedlink.test")
+PLACE = os.environ.get("APPS_PLACE", "the-shoot")
+WHO = os.environ.get("APPS_WHO", "the shoot's")
 
 
 def split(addr):
@@ -75,7 +81,7 @@ class Apps(Base):
                 "kind": "GreetingList", "apiVersion": f"{GROUP}/v1",
                 "metadata": {},
                 "items": [{"kind": "Greeting", "apiVersion": f"{GROUP}/v1",
-                           "metadata": {"name": "hello-from-the-shoot"}}]})
+                           "metadata": {"name": f"hello-from-{PLACE}"}}]})
         if path in ("/apis", f"/apis/{GROUP}"):
             return self.answer(200, {
                 "kind": "APIGroup", "apiVersion": "v1", "name": GROUP,
@@ -92,7 +98,7 @@ class Apps(Base):
         allowed = not name.startswith("deny-")
         resp = {"uid": req.get("uid", ""), "allowed": allowed}
         if not allowed:
-            resp["status"] = {"code": 403, "message": "denied by the shoot's webhook"}
+            resp["status"] = {"code": 403, "message": f"denied by {WHO} webhook"}
         return self.answer(200, {"apiVersion": "admission.k8s.io/v1",
                                  "kind": "AdmissionReview", "response": resp})
 

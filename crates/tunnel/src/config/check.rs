@@ -327,6 +327,56 @@ pub(super) fn check_dialing(at: &str, c: &Cluster, errs: &mut Problems) {
             format!("{s:?} is not one of {}", STRATEGIES.join(", ")),
         );
     }
+    check_seed_destinations(at, c, errs);
+}
+
+/// A cluster's seed destinations: at most
+/// [`seedlink_config::tunnel::MAX_SEED_DESTINATIONS`], each a DNS name
+/// with ports, and at most one of `addresses` and `service`.
+fn check_seed_destinations(at: &str, c: &Cluster, errs: &mut Problems) {
+    use seedlink_config::tunnel::MAX_SEED_DESTINATIONS;
+    if c.seed_destinations.len() > MAX_SEED_DESTINATIONS {
+        errs.add(
+            format!("{at}.seed_destinations"),
+            format!("at most {MAX_SEED_DESTINATIONS}"),
+        );
+    }
+    for (i, d) in c.seed_destinations.iter().enumerate() {
+        check_seed_destination(&format!("{at}.seed_destinations[{i}]"), d, errs);
+    }
+}
+
+/// One seed destination: a DNS name, its ports, where it is dialled.
+fn check_seed_destination(
+    at: &str,
+    d: &seedlink_config::tunnel::SeedDestination,
+    errs: &mut Problems,
+) {
+    if !seedlink_proto::connect_head::authority_form(&format!("{}:1", d.host))
+        || d.host.parse::<std::net::IpAddr>().is_ok()
+        || !d.host.contains('.')
+    {
+        errs.add(
+            format!("{at}.host"),
+            format!("{:?} is not a DNS name with a dot", d.host),
+        );
+    }
+    if d.ports.is_empty() || d.ports.len() > 16 || d.ports.contains(&0) {
+        errs.add(format!("{at}.ports"), "1 to 16 ports, none 0");
+    }
+    if !d.addresses.is_empty() && d.service.is_some() {
+        errs.add(at.to_string(), "addresses or service, not both");
+    }
+    if d.addresses.len() > 16 {
+        errs.add(format!("{at}.addresses"), "at most 16");
+    }
+    let service_ok = d.service.as_deref().is_none_or(|s| {
+        s.split_once('/')
+            .is_some_and(|(ns, n)| !ns.is_empty() && !n.is_empty() && !n.contains('/'))
+    });
+    if !service_ok {
+        errs.add(format!("{at}.service"), "must be <namespace>/<name>");
+    }
 }
 
 /// Every cluster: a unique name, a way to authenticate its agents (an

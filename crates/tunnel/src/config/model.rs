@@ -289,6 +289,7 @@ impl ServerConfig {
             frontends,
             proxy_password_file: None,
             frontend_client_uri: None,
+            seed_destinations: Vec::new(),
             limits: ClusterLimits::default(),
         }
     }

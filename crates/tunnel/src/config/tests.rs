@@ -58,6 +58,48 @@ fn timeouts_are_bounded() {
     }
 }
 
+/// Seed destinations: DNS names with ports; addresses or a Service, not
+/// both; each problem named by its key.
+#[test]
+fn seed_destinations_are_checked() {
+    let with = |dests: &str| {
+        let text = cfg("{issuer: i, keys: sa.pub}") + &format!("    seed_destinations: {dests}\n");
+        ServerConfig::parse(&text).map_err(|e| format!("{e:#}"))
+    };
+    with("[{host: hooks.shoot--a.svc, ports: [443], addresses: ['127.0.0.1']}]").unwrap();
+    with("[{host: hooks.seed.example, ports: [443, 8443]}]").unwrap();
+    for (bad, key) in [
+        (
+            "[{host: '10.0.0.1', ports: [443]}]",
+            "seed_destinations[0].host",
+        ),
+        ("[{host: hooks, ports: [443]}]", "seed_destinations[0].host"),
+        (
+            "[{host: 'a/b.svc', ports: [443]}]",
+            "seed_destinations[0].host",
+        ),
+        (
+            "[{host: hooks.a.svc, ports: []}]",
+            "seed_destinations[0].ports",
+        ),
+        (
+            "[{host: hooks.a.svc, ports: [0]}]",
+            "seed_destinations[0].ports",
+        ),
+        (
+            "[{host: hooks.a.svc, ports: [443], addresses: ['10.0.0.1'], service: a/hooks}]",
+            "seed_destinations[0]",
+        ),
+        (
+            "[{host: hooks.a.svc, ports: [443], service: hooks}]",
+            "seed_destinations[0].service",
+        ),
+    ] {
+        let e = with(bad).unwrap_err();
+        assert!(e.contains(key), "{bad}: {e}");
+    }
+}
+
 #[test]
 fn token_checks_are_validated() {
     let ok = ServerConfig::parse(&cfg(
@@ -181,6 +223,7 @@ kubernetes: {lease: seedlink-system/tunnel}
         frontends: Vec::new(),
         proxy_password_file: None,
         frontend_client_uri: None,
+        seed_destinations: Vec::new(),
         limits: ClusterLimits::default(),
     };
     let ca_c = dir.path().join("ca-c.pem");
@@ -335,6 +378,7 @@ clusters:
         frontends: Vec::new(),
         proxy_password_file: None,
         frontend_client_uri: None,
+        seed_destinations: Vec::new(),
         limits: ClusterLimits::default(),
     };
     let fresh = root("f");
@@ -377,6 +421,7 @@ fn trust_stays_with_the_cluster_that_held_it() {
         frontends: Vec::new(),
         proxy_password_file: None,
         frontend_client_uri: None,
+        seed_destinations: Vec::new(),
         limits: ClusterLimits::default(),
     };
     let text = "agents: {listen: '0.0.0.0:8132', cert: c.pem, key: k.pem}\nclusters: []\n";
@@ -460,6 +505,7 @@ fn a_frontend_address_stays_with_its_holder() {
         }],
         proxy_password_file: None,
         frontend_client_uri: None,
+        seed_destinations: Vec::new(),
         limits: ClusterLimits::default(),
     };
     let (x, v) = (ca("x"), ca("v"));

@@ -40,6 +40,8 @@ pub struct ClusterConf {
     /// A URI the client certificate must carry, besides its CN, to select
     /// this cluster on a shared mTLS frontend.
     pub client_uri: Option<String>,
+    /// Destinations dialled by the server itself, on the seed's network.
+    pub seed: Vec<seedlink_config::tunnel::SeedDestination>,
 }
 
 /// One cluster's agents and settings.
@@ -122,6 +124,7 @@ impl Cluster {
                 proxy_password: None,
                 frontends: Vec::new(),
                 client_uri: None,
+                seed: Vec::new(),
             },
             limits,
             metrics::ClusterMetrics::unregistered(),

@@ -101,6 +101,9 @@ pub struct Core {
     /// The configuration in force, for `/config` (it names files only:
     /// no secret is inline), with its generation and last reload.
     pub config: ArcSwap<ConfigView>,
+    /// Where seed Services are looked up (set by the Kubernetes source;
+    /// unset, a seed destination naming a Service is refused).
+    pub services: std::sync::OnceLock<std::sync::Arc<super::seed::Services>>,
 }
 
 /// What `/config` and the live page show of the configuration.

@@ -269,6 +269,11 @@ pub(crate) async fn dial_and_carry<S>(
 where
     S: FrontendIo,
 {
+    let conf = cluster.conf.load();
+    if let Some(dest) = super::seed::matching(&conf.seed, target) {
+        return super::seed::carry(srv, cluster, io, dest, leftover, reply).await;
+    }
+    drop(conf);
     let Some(dialed) = dial_watching(srv, cluster, &mut io, target, &mut leftover).await else {
         return FrontendEnd::FrontendGone;
     };
@@ -288,12 +293,7 @@ where
         refuse(&mut io, &e, reply).await;
         return FrontendEnd::Dial(e);
     }
-    let answered = match reply {
-        Reply::Established => io.write_all(ESTABLISHED).await,
-        Reply::Socks5 => crate::wire::socks5::reply(&mut io, crate::wire::socks5::rep::OK).await,
-        Reply::Forwarded => Ok(()),
-    };
-    if answered.is_err() {
+    if answer_success(&mut io, reply).await.is_err() {
         return FrontendEnd::WriteError;
     }
     cluster.metrics.established(1);
@@ -332,9 +332,18 @@ async fn dial_watching<S: FrontendIo>(
     watching.then_some(dialed)
 }
 
+/// Answers a dial that succeeded as the frontend's protocol does.
+pub(crate) async fn answer_success<S: FrontendIo>(io: &mut S, reply: Reply) -> std::io::Result<()> {
+    match reply {
+        Reply::Established => io.write_all(ESTABLISHED).await,
+        Reply::Socks5 => crate::wire::socks5::reply(io, crate::wire::socks5::rep::OK).await,
+        Reply::Forwarded => Ok(()),
+    }
+}
+
 /// Answers a failed dial as the frontend's protocol does: a SOCKS5 reply
 /// (within 5 s), or an HTTP status with upstream's text.
-async fn refuse<S: FrontendIo>(io: &mut S, e: &DialError, reply: Reply) {
+pub(crate) async fn refuse<S: FrontendIo>(io: &mut S, e: &DialError, reply: Reply) {
     if reply == Reply::Socks5 {
         let _ = tokio::time::timeout(std::time::Duration::from_secs(5), async {
             let _ = crate::wire::socks5::reply(io, e.socks5_reply()).await;
@@ -672,6 +681,13 @@ async fn grpc_dial(
     address: &str,
     inbound: &mut tonic::Streaming<Packet>,
 ) -> Result<Tunnel, DialError> {
+    if super::seed::matching(&cluster.conf.load().seed, address).is_some() {
+        let e = DialError::Seed(format!(
+            "{address} is in the seed: it is served on http-connect frontends, not grpc"
+        ));
+        cluster.metrics.dial_failure(e.reason());
+        return Err(e);
+    }
     let cancel = srv.shutdown.child_token();
     let dialing = dial(cluster, address, srv.dial_settings(), &cancel);
     tokio::pin!(dialing);

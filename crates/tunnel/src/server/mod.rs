@@ -52,6 +52,7 @@ pub mod metrics;
 pub mod plan;
 pub mod registry;
 pub mod run;
+pub mod seed;
 pub mod socks;
 #[cfg(test)]
 mod testing;

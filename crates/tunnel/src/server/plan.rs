@@ -432,6 +432,7 @@ fn conf(
         proxy_password,
         frontends: c.frontends.iter().map(frontend_label).collect(),
         client_uri: c.frontend_client_uri.clone(),
+        seed: c.seed_destinations.clone(),
     }
 }
 

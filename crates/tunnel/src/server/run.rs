@@ -106,6 +106,7 @@ fn new_core(
             generation: 1,
             last_reload: None,
         }),
+        services: std::sync::OnceLock::new(),
     }
 }
 

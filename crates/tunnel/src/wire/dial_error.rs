@@ -136,6 +136,10 @@ pub enum DialError {
     /// A limit of the cluster refused the dial.
     #[error("cluster limit reached: {}", .0.reason())]
     Limited(Limited),
+    /// A seed destination (dialled by the server itself) could not be
+    /// resolved or reached.
+    #[error("seed destination: {0}")]
+    Seed(String),
 }
 
 /// Which limit refused.
@@ -171,7 +175,10 @@ impl DialError {
                 Kind::Exhausted => 503,
                 _ => 502,
             },
-            DialError::AgentGone | DialError::Cancelled | DialError::Protocol(_) => 502,
+            DialError::AgentGone
+            | DialError::Cancelled
+            | DialError::Protocol(_)
+            | DialError::Seed(_) => 502,
             DialError::Limited(_) => 503,
         }
     }
@@ -185,7 +192,7 @@ impl DialError {
         use super::socks5::rep;
         match self {
             DialError::NoAgent | DialError::Unresponsive(_) => rep::NETWORK_UNREACHABLE,
-            DialError::Timeout => rep::HOST_UNREACHABLE,
+            DialError::Timeout | DialError::Seed(_) => rep::HOST_UNREACHABLE,
             DialError::Agent(text) => match classify(text) {
                 Kind::Forbidden => rep::NOT_ALLOWED,
                 Kind::Refused => rep::REFUSED,
@@ -211,6 +218,7 @@ impl DialError {
             DialError::Agent(_) => "error_response",
             DialError::Protocol(_) => "protocol_error",
             DialError::Limited(l) => l.reason(),
+            DialError::Seed(_) => "seed_dial_failed",
         }
     }
 }

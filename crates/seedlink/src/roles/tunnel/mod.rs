@@ -359,6 +359,7 @@ impl ServerRole {
                         "kubernetes: no usable kubeconfig or in-cluster configuration: {e}"
                     )
                 })?;
+        self.look_up_services(clients.main());
         let replicas = k
             .replicas
             .as_deref()
@@ -416,6 +417,33 @@ impl ServerRole {
             let unmet = core.gates.unmet();
             (!unmet.is_empty()).then(|| unmet.join("; "))
         })
+    }
+}
+
+impl ServerRole {
+    /// Seed Services (a TunnelCluster's `seedServices`) are read from the
+    /// API server `client` serves.
+    fn look_up_services(&self, client: &kube::Client) {
+        let lookup = Arc::new(KubeServices(client.clone()));
+        let services = seedlink_tunnel::server::seed::Services::new(lookup);
+        let _ = self.srv.core.services.set(Arc::new(services));
+    }
+}
+
+/// Seed Services read from the API server (a TunnelCluster's
+/// `seedServices`).
+struct KubeServices(kube::Client);
+
+impl seedlink_tunnel::server::seed::ServiceLookup for KubeServices {
+    fn cluster_ip<'a>(
+        &'a self,
+        namespace: &'a str,
+        name: &'a str,
+        port: u16,
+    ) -> seedlink_tunnel::server::seed::BoxFuture<'a, Result<std::net::IpAddr, String>> {
+        Box::pin(seedlink_kube::seed_services::seed_service_ip(
+            &self.0, namespace, name, port,
+        ))
     }
 }
 
