@@ -36,6 +36,10 @@ pub struct ConfigFile {
     /// More control planes from Kubernetes objects (docs/KUBERNETES.md).
     #[serde(default)]
     pub kubernetes: Option<KubernetesSource>,
+    /// The paths each control plane still uses, kept across restarts, and
+    /// the gate that refuses a configuration removing one of them.
+    #[serde(default)]
+    pub migration: Migration,
     /// The control planes the Kubernetes source produced; never read from
     /// the file. Compiled like `control_planes` (after them, so a file's
     /// host name wins a conflict), except that an empty endpoint list is
@@ -58,6 +62,57 @@ fn shared_list<S: serde::Serializer>(
     s: S,
 ) -> Result<S::Ok, S::Error> {
     s.collect_seq(list.iter().map(|c| c.as_ref()))
+}
+
+/// Migration gates (docs/OPERATIONS.md, "Migrating without dropping a
+/// shoot"): a path is a control plane reached through a listener by a
+/// protocol (`routed_total`'s labels); one used within `window` is in use,
+/// and a configuration that removes it (the listener, or the control
+/// plane's routes of that kind) is refused unless it is named in `retire`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Migration {
+    /// Where the last use of each path is kept, written every 30 s and at
+    /// shutdown, read at start (a path used before a restart is still in
+    /// use after it). Without it, the record lives in memory only.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage_file: Option<String>,
+    /// How long after its last use a path counts as in use.
+    #[serde(with = "humantime_serde")]
+    pub window: Duration,
+    /// Paths removed on purpose, although in use: the force.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub retire: Vec<Retire>,
+}
+
+impl Default for Migration {
+    fn default() -> Self {
+        Migration {
+            usage_file: None,
+            window: Duration::from_secs(7 * 24 * 3600),
+            retire: Vec::new(),
+        }
+    }
+}
+
+/// A path removed although in use: a control plane on a listener (`*`
+/// for every control plane on it).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Retire {
+    /// The listener's name.
+    pub listener: String,
+    /// The control plane, or `*`.
+    pub control_plane: String,
+}
+
+impl Migration {
+    /// Whether `retire` names `control_plane` on `listener`.
+    pub fn retires(&self, listener: &str, control_plane: &str) -> bool {
+        self.retire.iter().any(|r| {
+            r.listener == listener && (r.control_plane == "*" || r.control_plane == control_plane)
+        })
+    }
 }
 
 /// Where the gateway's Kubernetes objects are.

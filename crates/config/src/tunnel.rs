@@ -93,10 +93,12 @@ impl SeedDestination {
         if host.eq_ignore_ascii_case(mine) {
             return true;
         }
-        mine.ends_with(".svc")
-            && host
-                .strip_suffix(".cluster.local")
-                .is_some_and(|h| h.eq_ignore_ascii_case(mine))
+        let suffix = ".cluster.local";
+        let cut = host.len().saturating_sub(suffix.len());
+        mine.to_ascii_lowercase().ends_with(".svc")
+            && host.is_char_boundary(cut)
+            && host[cut..].eq_ignore_ascii_case(suffix)
+            && host[..cut].eq_ignore_ascii_case(mine)
     }
 }
 

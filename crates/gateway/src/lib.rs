@@ -11,6 +11,7 @@ pub mod admin;
 mod conn;
 mod h2conn;
 pub mod metrics;
+pub mod paths;
 pub mod state;
 pub mod upstream;
 
@@ -117,6 +118,7 @@ impl Gateway {
         metrics
             .max_connections
             .set(i64::try_from(max_connections).unwrap_or(i64::MAX));
+        let usage = paths::Usage::open(snapshot.file.migration.usage_file.as_deref());
         let copier = Copier::new(mode, snapshot.limits.splice_pipes);
         copier.set_half_closed(snapshot.timeouts.half_closed);
         Arc::new(Gateway {
@@ -143,6 +145,7 @@ impl Gateway {
             handed_over: CancellationToken::new(),
             locals: Mutex::new(HashMap::new()),
             state_index: Mutex::new(None),
+            usage,
         })
     }
 
@@ -294,6 +297,8 @@ impl Gateway {
     /// so the data path has no cross-thread wake-ups). The admin server runs
     /// on the caller's runtime. Then reports ready.
     pub fn serve(self: &Arc<Self>, bound: Bound) -> std::io::Result<()> {
+        self.warn_removed_in_use();
+        self.keep_usage();
         let mut per_worker: Vec<Vec<(Arc<ListenerCtx>, std::net::TcpListener)>> =
             (0..self.workers).map(|_| Vec::new()).collect();
         for (spec, socks) in bound.listeners {
@@ -489,6 +494,10 @@ impl Gateway {
             tracing::debug!("configuration unchanged");
             return Ok((self.generation(), refused));
         }
+        let gated = self.removed_in_use(&old.file, &new.file);
+        if !gated.is_empty() {
+            return Err(Errors(gated));
+        }
         let fixed = restart_only_changes(&old.file, &new.file);
         if !fixed.is_empty() {
             return Err(Errors(
@@ -504,6 +513,81 @@ impl Gateway {
             ));
         }
         Ok((self.swap_in(&old, new), refused))
+    }
+
+    /// The paths in use that `new` removes and `old` still has, unless
+    /// retired (the migration gate, `paths.rs`).
+    fn removed_in_use(
+        &self,
+        old: &seedlink_config::model::ConfigFile,
+        new: &seedlink_config::model::ConfigFile,
+    ) -> Vec<ConfigError> {
+        let now = metrics::unix_now();
+        let since = now.saturating_sub(new.migration.window.as_secs());
+        let in_use = self.usage.now(&self.metrics.listeners());
+        let before: Vec<String> = paths::refusals(&in_use, since, now, old)
+            .into_iter()
+            .map(|e| e.path)
+            .collect();
+        paths::refusals(&in_use, since, now, new)
+            .into_iter()
+            .filter(|e| !before.contains(&e.path))
+            .collect()
+    }
+
+    /// Keeps the record of the paths in use: written every 30 s while the
+    /// gateway runs, within a second of a path's first connection, and at
+    /// drain, so a restart keeps the window.
+    pub fn keep_usage(self: &Arc<Self>) {
+        let gw = Arc::downgrade(self);
+        let new_path = self.metrics.new_path.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    () = tokio::time::sleep(std::time::Duration::from_secs(30)) => {}
+                    () = new_path.notified() => {
+                        // More first connections come together (a restart
+                        // of many shoots): one write for them.
+                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    }
+                }
+                let Some(gw) = gw.upgrade() else { return };
+                gw.save_usage();
+            }
+        });
+    }
+
+    /// Says which paths in use the configuration it starts with removes
+    /// (a listener goes only with a restart, which the gate cannot refuse;
+    /// `check-config` can, before it).
+    fn warn_removed_in_use(&self) {
+        let now = metrics::unix_now();
+        let file = &self.snapshot().file;
+        let since = now.saturating_sub(file.migration.window.as_secs());
+        let in_use = self.usage.now(&self.metrics.listeners());
+        for e in paths::refusals(&in_use, since, now, file) {
+            tracing::error!(path = %e.path, problem = %e.message, "started without a path still in use");
+        }
+    }
+
+    /// Writes the record of the paths in use now (a failure is logged).
+    pub fn save_usage(&self) {
+        let now = metrics::unix_now();
+        let window = self.snapshot().file.migration.window.as_secs();
+        let in_use = self.usage.now(&self.metrics.listeners());
+        if let Err(e) = self.usage.save(&in_use, now.saturating_sub(window)) {
+            tracing::warn!(error = %e, "migration.usage_file not written");
+        }
+    }
+
+    /// The paths in use (within the window) by control plane: listener,
+    /// protocol, last use (Unix seconds).
+    pub fn paths_in_use(&self) -> paths::LastUse {
+        let since =
+            metrics::unix_now().saturating_sub(self.snapshot().file.migration.window.as_secs());
+        let mut all = self.usage.now(&self.metrics.listeners());
+        all.retain(|_, last| *last >= since);
+        all
     }
 
     /// Puts `new` in force in place of `old` (open connections untouched;
@@ -552,7 +636,9 @@ impl Gateway {
     /// then close what is left. Returns how many connections were closed.
     pub async fn drain(&self) -> usize {
         let deadline = self.snapshot().timeouts.drain;
-        self.lifecycle.drain(deadline).await
+        let closed = self.lifecycle.drain(deadline).await;
+        self.save_usage();
+        closed
     }
 }
 

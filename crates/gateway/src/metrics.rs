@@ -140,6 +140,9 @@ pub struct Metrics {
     /// The serving listeners' handles, which `api/state` reads one control
     /// plane's counters from without encoding every control plane's.
     listeners: RwLock<Vec<Arc<ListenerMetrics>>>,
+    /// Told when a path (control plane, listener, protocol) routes its
+    /// first connection: the record of paths in use is written soon after.
+    pub new_path: Arc<tokio::sync::Notify>,
 }
 
 impl Default for Metrics {
@@ -167,6 +170,7 @@ impl Metrics {
             config_generation: Gauge::default(),
             max_connections: Gauge::default(),
             refusal_log: seedlink_net::loglimit::LogLimiter::default(),
+            new_path: Arc::default(),
             upstream_connect_seconds: prometheus_client::metrics::histogram::Histogram::new([
                 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
             ]),
@@ -384,7 +388,19 @@ pub struct CpMetrics {
     /// Bytes towards the client.
     pub to_client: Counter,
     ends: Mutex<HashMap<&'static str, Counter>>,
-    routed: Mutex<HashMap<String, (Counter, Gauge)>>,
+    routed: Mutex<HashMap<String, RoutedBy>>,
+}
+
+/// Connections routed by one protocol: how many, how many are open, and
+/// when the last one was (seconds since the Unix epoch; the migration
+/// gate's record, `paths.rs`).
+type RoutedBy = (Counter, Gauge, Arc<std::sync::atomic::AtomicU64>);
+
+/// Seconds since the Unix epoch, now.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 impl CpMetrics {
@@ -399,7 +415,16 @@ impl CpMetrics {
         let routed = seedlink_net::sync::lock(&self.routed, "metric handles");
         routed
             .iter()
-            .map(|(p, (count, open))| (p.clone(), count.get(), open.get()))
+            .map(|(p, (count, open, _))| (p.clone(), count.get(), open.get()))
+            .collect()
+    }
+
+    /// When each protocol last routed a connection (Unix seconds).
+    pub fn last_routed(&self) -> Vec<(String, u64)> {
+        let routed = seedlink_net::sync::lock(&self.routed, "metric handles");
+        routed
+            .iter()
+            .map(|(p, (_, _, last))| (p.clone(), last.load(std::sync::atomic::Ordering::Relaxed)))
             .collect()
     }
 }
@@ -499,19 +524,22 @@ impl ListenerMetrics {
     pub fn routed(&self, m: &Metrics, cp: &str, protocol: &str) -> Routed {
         let h = self.cp(m, cp);
         let mut routed = seedlink_net::sync::lock(&h.routed, "metric handles");
-        let (count, open) = routed.entry(protocol.to_string()).or_insert_with(|| {
+        let (count, open, last) = routed.entry(protocol.to_string()).or_insert_with(|| {
             let labels = RoutedLabels {
                 listener: self.listener.clone(),
                 protocol: protocol.to_string(),
                 control_plane: cp.to_string(),
             };
+            m.new_path.notify_one();
             (
                 m.routed.get_or_create(&labels).clone(),
                 m.routed_active.get_or_create(&labels).clone(),
+                Arc::default(),
             )
         });
         count.inc();
         open.inc();
+        last.store(unix_now(), std::sync::atomic::Ordering::Relaxed);
         Routed(open.clone())
     }
 

@@ -54,6 +54,8 @@ pub struct Gateway {
     /// `api/state`'s index of control planes by name, for the snapshot it
     /// was made from (admin.rs `place_of`).
     pub(crate) state_index: Mutex<Option<StateIndex>>,
+    /// The record of the paths in use (the migration gate).
+    pub(crate) usage: crate::paths::Usage,
 }
 
 /// A snapshot's control planes by name: their place in the file's list

@@ -61,6 +61,35 @@ pub struct Transfer {
     pub to_client: AtomicU64,
 }
 
+/// Copies both ways between two streams that are not both plain sockets
+/// (TLS on one side: no splice), in user space. Each direction passes its
+/// end on (a FIN, or TLS close_notify); once one has ended, the other has
+/// `half_closed` to end too, so a peer that never closes holds nothing
+/// for longer. An error ends both.
+pub async fn both_ways<A, B>(a: A, b: B, half_closed: Duration) -> io::Result<()>
+where
+    A: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    B: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    use tokio::io::AsyncWriteExt;
+    let (mut ar, mut aw) = tokio::io::split(a);
+    let (mut br, mut bw) = tokio::io::split(b);
+    let up = async {
+        tokio::io::copy(&mut ar, &mut bw).await?;
+        bw.shutdown().await
+    };
+    let down = async {
+        tokio::io::copy(&mut br, &mut aw).await?;
+        aw.shutdown().await
+    };
+    tokio::pin!(up, down);
+    let rest = tokio::select! {
+        r = &mut up => { r?; tokio::time::timeout(half_closed, &mut down).await }
+        r = &mut down => { r?; tokio::time::timeout(half_closed, &mut up).await }
+    };
+    rest.map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "half-closed too long"))?
+}
+
 /// Default of [`Copier::set_half_closed`] (HAProxy's `timeout client-fin`
 /// is commonly 30 s; kube-apiserver answers within its 60 s request timeout).
 pub const DEFAULT_HALF_CLOSED: Duration = Duration::from_secs(60);
@@ -99,6 +128,11 @@ impl Copier {
     pub fn set_half_closed(&self, limit: Duration) {
         let ms = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX).max(1);
         self.half_closed_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// The limit [`Copier::set_half_closed`] set.
+    pub fn half_closed(&self) -> Duration {
+        Duration::from_millis(self.half_closed_ms.load(Ordering::Relaxed))
     }
 
     /// The mode this copier uses.

@@ -248,21 +248,26 @@ impl NodeProxyConfig {
         })
     }
 
+    /// An egress proxy setting given without `egress_proxy`.
+    fn egress_without_proxy(&self) -> Option<&'static str> {
+        [
+            (
+                "egress_proxy_credentials_file",
+                self.egress_proxy_credentials_file.is_some(),
+            ),
+            ("egress_proxy_ca_file", self.egress_proxy_ca_file.is_some()),
+        ]
+        .into_iter()
+        .find_map(|(key, set)| set.then_some(key))
+    }
+
     /// The egress proxy, its credentials read.
     fn egress(&self) -> Result<Option<EgressProxy>, (&'static str, String)> {
         let Some(url) = &self.egress_proxy else {
-            for (key, set) in [
-                (
-                    "egress_proxy_credentials_file",
-                    self.egress_proxy_credentials_file.is_some(),
-                ),
-                ("egress_proxy_ca_file", self.egress_proxy_ca_file.is_some()),
-            ] {
-                if set {
-                    return Err((key, "set without egress_proxy".into()));
-                }
-            }
-            return Ok(None);
+            return match self.egress_without_proxy() {
+                Some(key) => Err((key, "set without egress_proxy".into())),
+                None => Ok(None),
+            };
         };
         seedlink_net::egress::address_of(url)
             .map_err(|e| ("egress_proxy", format!("{url:?}: {e}")))?;
@@ -272,9 +277,13 @@ impl NodeProxyConfig {
                 .map_err(|e| ("egress_proxy_credentials_file", e))?;
         }
         let ca = self.egress_proxy_ca_file.as_deref();
+        let key = match ca {
+            Some(_) => "egress_proxy_ca_file",
+            None => "egress_proxy",
+        };
         EgressProxy::open(url, file, ca)
             .map(Some)
-            .map_err(|e| ("egress_proxy_ca_file", e))
+            .map_err(|e| (key, e))
     }
 
     /// The health check, its CA read.

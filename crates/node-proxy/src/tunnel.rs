@@ -304,12 +304,11 @@ pub async fn carry(np: &NodeProxy, client: TcpStream, peer: SocketAddr) -> Outco
                 .run(&client, &gateway, &t.to_upstream, &t.to_client)
                 .await
         }
-        // Inside TLS to the proxy: copied through user space (no splice).
-        EgressStream::Tls(mut gateway) => {
-            let mut client = client;
-            tokio::io::copy_bidirectional(&mut client, gateway.as_mut())
-                .await
-                .map(drop)
+        // Inside TLS to the proxy: copied through user space (no splice),
+        // with the same bound on a half-closed connection.
+        EgressStream::Tls(gateway) => {
+            let half_closed = np.copier.half_closed();
+            seedlink_net::copy::both_ways(client, gateway, half_closed).await
         }
     };
     match copied {

@@ -116,15 +116,34 @@ fn check_as(file: &std::path::Path, role: ConfigRole) -> Result<String, Vec<Stri
             }),
         ConfigRole::TunnelServer => check_tunnel_file(file).map(|s| format!("tunnel-server: {s}")),
         _ => match seedlink_config::load(file, None) {
-            Ok(s) => Ok(format!(
-                "{} listeners, {} control planes, {} host names",
-                s.listeners.len(),
-                s.control_planes.len(),
-                s.routes.len()
-            )),
+            Ok(s) => match paths_removed_in_use(&s.file) {
+                gated if !gated.is_empty() => Err(lines(&gated)),
+                _ => Ok(format!(
+                    "{} listeners, {} control planes, {} host names",
+                    s.listeners.len(),
+                    s.control_planes.len(),
+                    s.routes.len()
+                )),
+            },
             Err(errors) => Err(lines(&errors.0)),
         },
     }
+}
+
+/// The paths still in use (by the file's `migration.usage_file`, within
+/// its window) that `file` removes without retiring them: the migration
+/// gate, as a reload applies it.
+fn paths_removed_in_use(
+    file: &seedlink_config::model::ConfigFile,
+) -> Vec<seedlink_config::ConfigError> {
+    use seedlink_gateway::paths;
+    let Some(usage) = file.migration.usage_file.as_deref() else {
+        return Vec::new();
+    };
+    let now = seedlink_gateway::metrics::unix_now();
+    let since = now.saturating_sub(file.migration.window.as_secs());
+    let in_use = paths::Usage::open(Some(usage)).now(&[]);
+    paths::refusals(&in_use, since, now, file)
 }
 
 /// What is valid but unsafe in a valid file: an admin endpoint off

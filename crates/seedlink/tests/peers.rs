@@ -376,24 +376,12 @@ backend gw
 
     // HTTP/1.1 CONNECT with the destination header, from two sources.
     let connect = |source: &str| {
-        let out = Command::new(require("curl"))
-            .args(["-sS", "--max-time", "10", "-p", "-x"])
-            .arg(format!("http://127.0.0.1:{lb}"))
-            .args(["--interface", source, "--proxy-header"])
-            .arg(format!("X-Gardener-Destination: {DEST}"))
-            .arg("--cacert")
-            .arg(&files.ca)
-            .arg("--cert")
-            .arg(&files.cert)
-            .arg("--key")
-            .arg(&files.key)
-            .arg(format!("https://{ALPHA}/"))
-            .output()
-            .unwrap();
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
+        curl_through_connect(
+            &format!("127.0.0.1:{lb}"),
+            &format!("X-Gardener-Destination: {DEST}"),
+            &files,
+            ALPHA,
+            &["--interface", source],
         )
     };
     let allowed = connect("127.0.0.5");

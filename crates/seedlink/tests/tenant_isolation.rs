@@ -395,15 +395,15 @@ async fn a_tenants_seed_path_reaches_its_own_namespace_only() {
     let e = seedlink_kube::seed_services::seed_service_ip(&seed.client, &b.ns, "hooks", 80)
         .await
         .unwrap_err();
-    assert!(e.contains("no TCP port 80"), "{e}");
+    assert!(format!("{e:?}").contains("no TCP port 80"), "{e:?}");
     let e = seedlink_kube::seed_services::seed_service_ip(&seed.client, &b.ns, "headless", 443)
         .await
         .unwrap_err();
-    assert!(e.contains("headless"), "{e}");
+    assert!(format!("{e:?}").contains("headless"), "{e:?}");
     let e = seedlink_kube::seed_services::seed_service_ip(&seed.client, &b.ns, "none", 443)
         .await
         .unwrap_err();
-    assert!(e.contains("no such Service"), "{e}");
+    assert!(format!("{e:?}").contains("no such Service"), "{e:?}");
 }
 
 /// Finding 1 of the hostile review: an older tenant gives its

@@ -486,6 +486,38 @@ pub fn curl_mtls(
     )
 }
 
+/// curl through an HTTP CONNECT proxy at `proxy` (`host:port`) sending
+/// the proxy `header`, to `https://<host>/` with the client certificate of
+/// `files`, and `extra` arguments: what curl printed (stdout, then stderr).
+pub fn curl_through_connect(
+    proxy: &str,
+    header: &str,
+    files: &seedlink::demo::ClientFiles,
+    host: &str,
+    extra: &[&str],
+) -> String {
+    let out = Command::new(require("curl"))
+        .args(["-sS", "--max-time", "10", "-p", "-x"])
+        .arg(format!("http://{proxy}"))
+        .args(extra)
+        .arg("--proxy-header")
+        .arg(header)
+        .arg("--cacert")
+        .arg(&files.ca)
+        .arg("--cert")
+        .arg(&files.cert)
+        .arg("--key")
+        .arg(&files.key)
+        .arg(format!("https://{host}/"))
+        .output()
+        .unwrap();
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
 /// HAProxy 3.0 (Debian trixie's, unpacked by scripts/install-peers into
 /// /opt/haproxy3; `$HAPROXY3` overrides): the first HAProxy here with
 /// `fc_pp_tlv` and `set-proxy-v2-tlv-fmt` (2.9+). Missing, the test fails.

@@ -36,6 +36,7 @@ pub(super) fn same_but_kubernetes(a: &ConfigFile, b: &ConfigFile) -> bool {
         upstream,
         control_planes,
         kubernetes,
+        migration,
         from_kubernetes: _,
     } = a;
     *admin == b.admin
@@ -47,6 +48,7 @@ pub(super) fn same_but_kubernetes(a: &ConfigFile, b: &ConfigFile) -> bool {
         && *upstream == b.upstream
         && *control_planes == b.control_planes
         && *kubernetes == b.kubernetes
+        && *migration == b.migration
 }
 
 /// `file` compiled from `prev` (with which it is [`same_but_kubernetes`]):

@@ -224,6 +224,10 @@ pub fn restart_only_changes(old: &ConfigFile, new: &ConfigFile) -> Vec<&'static 
         ("admin", old.admin != new.admin),
         ("kubernetes", old.kubernetes != new.kubernetes),
         (
+            "migration.usage_file",
+            old.migration.usage_file != new.migration.usage_file,
+        ),
+        (
             "limits.max_connections",
             o.max_connections != n.max_connections,
         ),

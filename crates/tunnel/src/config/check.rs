@@ -346,6 +346,12 @@ fn check_seed_destinations(at: &str, c: &Cluster, errs: &mut Problems) {
     }
 }
 
+/// Whether `s` is `<namespace>/<name>`.
+fn namespace_and_name(s: &str) -> bool {
+    s.split_once('/')
+        .is_some_and(|(ns, n)| !ns.is_empty() && !n.is_empty() && !n.contains('/'))
+}
+
 /// One seed destination: a DNS name, its ports, where it is dialled.
 fn check_seed_destination(
     at: &str,
@@ -370,11 +376,7 @@ fn check_seed_destination(
     if d.addresses.len() > 16 {
         errs.add(format!("{at}.addresses"), "at most 16");
     }
-    let service_ok = d.service.as_deref().is_none_or(|s| {
-        s.split_once('/')
-            .is_some_and(|(ns, n)| !ns.is_empty() && !n.is_empty() && !n.contains('/'))
-    });
-    if !service_ok {
+    if !d.service.as_deref().is_none_or(namespace_and_name) {
         errs.add(format!("{at}.service"), "must be <namespace>/<name>");
     }
 }
@@ -400,6 +402,12 @@ pub(super) fn check_clusters(cfg: &ServerConfig, binds: &mut Binds, errs: &mut P
             check_agent_token(&at, t, &mut issuers, errs);
         }
         check_dialing(&at, c, errs);
+        if cfg.kubernetes.is_none() && c.seed_destinations.iter().any(|d| d.service.is_some()) {
+            errs.add(
+                format!("{at}.seed_destinations"),
+                "a service is read from Kubernetes: this file has no kubernetes section (give addresses, or none for DNS)",
+            );
+        }
         for (j, f) in c.frontends.iter().enumerate() {
             let at = format!("{at}.frontends[{j}] ({})", f.name);
             check_frontend(f, &at, false, cfg.agents.listen, binds, errs);

@@ -94,6 +94,10 @@ fn seed_destinations_are_checked() {
             "[{host: hooks.a.svc, ports: [443], service: hooks}]",
             "seed_destinations[0].service",
         ),
+        (
+            "[{host: hooks.a.svc, ports: [443], service: a/hooks}]",
+            "kubernetes section",
+        ),
     ] {
         let e = with(bad).unwrap_err();
         assert!(e.contains(key), "{bad}: {e}");

@@ -103,7 +103,7 @@ pub struct Core {
     pub config: ArcSwap<ConfigView>,
     /// Where seed Services are looked up (set by the Kubernetes source;
     /// unset, a seed destination naming a Service is refused).
-    pub services: std::sync::OnceLock<std::sync::Arc<super::seed::Services>>,
+    pub services: std::sync::OnceLock<std::sync::Arc<super::services::Services>>,
 }
 
 /// What `/config` and the live page show of the configuration.

@@ -37,6 +37,7 @@ pub mod accept;
 pub mod activity;
 pub mod admin;
 pub mod admission;
+pub mod answer;
 pub mod cluster;
 pub mod core;
 pub mod dial;
@@ -53,6 +54,7 @@ pub mod plan;
 pub mod registry;
 pub mod run;
 pub mod seed;
+pub mod services;
 pub mod socks;
 #[cfg(test)]
 mod testing;

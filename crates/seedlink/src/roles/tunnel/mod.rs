@@ -425,7 +425,7 @@ impl ServerRole {
     /// API server `client` serves.
     fn look_up_services(&self, client: &kube::Client) {
         let lookup = Arc::new(KubeServices(client.clone()));
-        let services = seedlink_tunnel::server::seed::Services::new(lookup);
+        let services = seedlink_tunnel::server::services::Services::new(lookup);
         let _ = self.srv.core.services.set(Arc::new(services));
     }
 }
@@ -434,16 +434,26 @@ impl ServerRole {
 /// `seedServices`).
 struct KubeServices(kube::Client);
 
-impl seedlink_tunnel::server::seed::ServiceLookup for KubeServices {
+impl seedlink_tunnel::server::services::ServiceLookup for KubeServices {
     fn cluster_ip<'a>(
         &'a self,
         namespace: &'a str,
         name: &'a str,
         port: u16,
-    ) -> seedlink_tunnel::server::seed::BoxFuture<'a, Result<std::net::IpAddr, String>> {
-        Box::pin(seedlink_kube::seed_services::seed_service_ip(
-            &self.0, namespace, name, port,
-        ))
+    ) -> seedlink_tunnel::server::services::BoxFuture<
+        'a,
+        Result<std::net::IpAddr, seedlink_tunnel::server::services::LookupError>,
+    > {
+        use seedlink_kube::seed_services::{seed_service_ip, SeedServiceError};
+        use seedlink_tunnel::server::services::LookupError;
+        Box::pin(async move {
+            seed_service_ip(&self.0, namespace, name, port)
+                .await
+                .map_err(|e| match e {
+                    SeedServiceError::Refused(why) => LookupError::Refused(why),
+                    SeedServiceError::Unavailable => LookupError::Unavailable,
+                })
+        })
     }
 }
 

@@ -1,0 +1,288 @@
+//! The paths each control plane still uses, and the migration gate.
+//!
+//! A path is a control plane reached through a listener by a protocol:
+//! `routed_total`'s labels (`tls-sni`, `http-connect:<header>`,
+//! `http2-connect`, `proxy-protocol`, `proxy-tlv`). Its last use is kept in
+//! the listeners' metric handles while the process runs and in
+//! `migration.usage_file` across restarts. A path used within
+//! `migration.window` is in use: a configuration that removes it (its
+//! listener, or every route of its kind from a control plane that stays)
+//! is refused by reload and by `check-config`, unless `migration.retire`
+//! names it. Removing a whole control plane is not gated: that is a shoot
+//! leaving, not a path moving.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use seedlink_config::model::{ConfigFile, ControlPlane};
+use seedlink_config::ConfigError;
+
+use crate::metrics::ListenerMetrics;
+
+/// A path: control plane, listener, protocol.
+pub type PathKey = (String, String, String);
+
+/// The last use of each path, in Unix seconds.
+pub type LastUse = BTreeMap<PathKey, u64>;
+
+/// The largest usage file read (a thousand tenants' paths are a few
+/// hundred KiB).
+const MAX_FILE: u64 = 16 * 1024 * 1024;
+
+/// The usage file's format.
+#[derive(serde::Serialize, serde::Deserialize, Default)]
+struct FileFormat {
+    version: u32,
+    paths: Vec<FileEntry>,
+}
+
+impl FileFormat {
+    /// The file's content for `paths`.
+    fn of(paths: &LastUse) -> FileFormat {
+        FileFormat {
+            version: 1,
+            paths: paths
+                .iter()
+                .map(|((cp, l, p), last)| FileEntry {
+                    control_plane: cp.clone(),
+                    listener: l.clone(),
+                    protocol: p.clone(),
+                    last_used: *last,
+                })
+                .collect(),
+        }
+    }
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct FileEntry {
+    control_plane: String,
+    listener: String,
+    protocol: String,
+    /// Unix seconds.
+    last_used: u64,
+}
+
+/// The record: what the usage file held at start, and what was last
+/// written.
+pub struct Usage {
+    file: Option<PathBuf>,
+    loaded: LastUse,
+    written: Mutex<Option<LastUse>>,
+}
+
+impl Usage {
+    /// The record kept in `file` (none: in memory only), read now. A file
+    /// that cannot be read or parsed starts an empty record, with a
+    /// warning (the gate then knows only what this process routes).
+    pub fn open(file: Option<&str>) -> Usage {
+        let file = file.map(PathBuf::from);
+        let loaded = file.as_deref().map(read).unwrap_or_default();
+        Usage {
+            file,
+            loaded,
+            written: Mutex::new(None),
+        }
+    }
+
+    /// The last use of every path: the file's, and this process's since.
+    pub fn now(&self, listeners: &[Arc<ListenerMetrics>]) -> LastUse {
+        let mut all = self.loaded.clone();
+        for l in listeners {
+            l.each_cp(None, |cp, h| {
+                if cp.is_empty() {
+                    return;
+                }
+                for (protocol, last) in h.last_routed() {
+                    let key = (cp.to_string(), l.name().to_string(), protocol);
+                    let e = all.entry(key).or_insert(0);
+                    *e = (*e).max(last);
+                }
+            });
+        }
+        all
+    }
+
+    /// Writes `now` (less what is older than `since`) to the file, if
+    /// there is one and it changed: a new file renamed over the old one.
+    pub fn save(&self, now: &LastUse, since: u64) -> std::io::Result<()> {
+        let Some(file) = &self.file else {
+            return Ok(());
+        };
+        let kept: LastUse = now
+            .iter()
+            .filter(|(_, last)| **last >= since)
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
+        let mut written = seedlink_net::sync::lock(&self.written, "usage file");
+        if written.as_ref() == Some(&kept) {
+            return Ok(());
+        }
+        let text =
+            serde_json::to_vec_pretty(&FileFormat::of(&kept)).map_err(std::io::Error::other)?;
+        let tmp = file.with_extension("tmp");
+        std::fs::write(&tmp, text)?;
+        std::fs::rename(&tmp, file)?;
+        *written = Some(kept);
+        Ok(())
+    }
+}
+
+/// The usage file at `p`; empty (with a warning) when absent, unreadable
+/// or not the format.
+fn read(p: &std::path::Path) -> LastUse {
+    use std::io::Read;
+    let text = std::fs::File::open(p).and_then(|f| {
+        let mut s = String::new();
+        f.take(MAX_FILE).read_to_string(&mut s)?;
+        Ok(s)
+    });
+    let parsed = match text {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return LastUse::new(),
+        Err(e) => Err(e.to_string()),
+        Ok(t) => serde_json::from_str::<FileFormat>(&t).map_err(|e| e.to_string()),
+    };
+    match parsed {
+        Ok(f) => f
+            .paths
+            .into_iter()
+            .map(|e| ((e.control_plane, e.listener, e.protocol), e.last_used))
+            .collect(),
+        Err(e) => {
+            tracing::warn!(file = %p.display(), error = %e, "migration.usage_file not read; paths in use are known from this process's traffic only");
+            LastUse::new()
+        }
+    }
+}
+
+/// Whether `cp` still has routes of the kind `protocol` names.
+fn still_routes(cp: &ControlPlane, protocol: &str) -> bool {
+    match protocol {
+        "tls-sni" => !cp.hostnames.is_empty() || !cp.served_on.is_empty(),
+        "proxy-protocol" => !cp.service_addresses.is_empty(),
+        "proxy-tlv" => cp.cluster_id.is_some(),
+        // `http-connect:<header>` and `http2-connect`.
+        _ => !cp.destinations.is_empty(),
+    }
+}
+
+/// `secs` as a short duration (`3d 4h`, `12m 5s`).
+fn ago(secs: u64) -> String {
+    let (d, h, m, s) = (secs / 86400, secs / 3600 % 24, secs / 60 % 60, secs % 60);
+    match (d, h, m) {
+        (0, 0, 0) => format!("{s}s"),
+        (0, 0, _) => format!("{m}m {s}s"),
+        (0, _, _) => format!("{h}h {m}m"),
+        _ => format!("{d}d {h}h"),
+    }
+}
+
+/// Every path in use (last used at or after `since`) that `new` removes
+/// without retiring it, as a problem naming the key and the use (the
+/// file's control planes only: one from Kubernetes is its tenant's, told
+/// on its own status).
+pub fn refusals(in_use: &LastUse, since: u64, now: u64, new: &ConfigFile) -> Vec<ConfigError> {
+    let mut out = Vec::new();
+    for ((cp, listener, protocol), last) in in_use.iter().filter(|(_, l)| **l >= since) {
+        if new.migration.retires(listener, cp) {
+            continue;
+        }
+        let used = format!(
+            "control plane {cp} used it by {protocol} {} ago; name it in migration.retire to remove it anyway",
+            ago(now.saturating_sub(*last))
+        );
+        if !new.listeners.iter().any(|l| l.name == *listener) {
+            out.push(ConfigError::new(
+                format!("listeners ({listener})"),
+                format!("removed, but {used}"),
+            ));
+        } else if let Some(c) = new.control_planes.iter().find(|c| c.name == *cp) {
+            if !still_routes(c, protocol) {
+                out.push(ConfigError::new(
+                    format!("control_planes ({cp})"),
+                    format!("no longer routes {protocol} (on listener {listener}), but {used}"),
+                ));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn file(text: &str) -> ConfigFile {
+        serde_norway::from_str(text).unwrap()
+    }
+
+    const BEFORE: &str = "listeners:
+  - {name: sni, address: '0.0.0.0:443'}
+  - {name: legacy-vpn, address: '0.0.0.0:8132', protocol: http-connect, destination_header: Reversed-VPN}
+control_planes:
+  - name: a
+    hostnames: [api.a.example]
+    endpoints: ['10.0.0.1:443']
+    destinations: [{name: vpn-seed-server.a}]
+";
+
+    fn used(cp: &str, listener: &str, protocol: &str, at: u64) -> LastUse {
+        [((cp.into(), listener.into(), protocol.into()), at)].into()
+    }
+
+    /// A listener or a control plane's routes of a kind in use are not
+    /// removed silently; retired, or out of the window, or the whole
+    /// control plane gone, they are.
+    #[test]
+    fn a_path_in_use_is_removed_only_when_retired() {
+        let vpn = used("a", "legacy-vpn", "http-connect:Reversed-VPN", 1000);
+        assert!(refusals(&vpn, 0, 1000, &file(BEFORE)).is_empty());
+        let no_listener = BEFORE.replace(
+            "  - {name: legacy-vpn, address: '0.0.0.0:8132', protocol: http-connect, destination_header: Reversed-VPN}\n",
+            "",
+        );
+        let e = refusals(&vpn, 0, 1100, &file(&no_listener));
+        assert_eq!(e.len(), 1);
+        assert_eq!(e[0].path, "listeners (legacy-vpn)");
+        assert!(e[0].message.contains("1m 40s ago"), "{}", e[0].message);
+        // Out of the window: no longer in use.
+        assert!(refusals(&vpn, 1001, 1100, &file(&no_listener)).is_empty());
+        let retired = format!(
+            "{no_listener}migration: {{retire: [{{listener: legacy-vpn, control_plane: '*'}}]}}\n"
+        );
+        assert!(refusals(&vpn, 0, 1100, &file(&retired)).is_empty());
+        let no_destinations = BEFORE.replace("    destinations: [{name: vpn-seed-server.a}]\n", "");
+        let e = refusals(&vpn, 0, 1100, &file(&no_destinations));
+        assert_eq!(e[0].path, "control_planes (a)");
+        let sni = used("a", "sni", "tls-sni", 1000);
+        assert!(refusals(&sni, 0, 1100, &file(&no_destinations)).is_empty());
+        let other = format!("{no_destinations}migration: {{retire: [{{listener: legacy-vpn, control_plane: b}}]}}\n");
+        assert_eq!(refusals(&vpn, 0, 1100, &file(&other)).len(), 1);
+        let gone = "listeners:\n  - {name: sni, address: '0.0.0.0:443'}\n  - {name: legacy-vpn, address: '0.0.0.0:8132', protocol: http-connect}\n";
+        assert!(refusals(&vpn, 0, 1100, &file(gone)).is_empty());
+    }
+
+    /// The record survives a restart: written, read back, entries older
+    /// than the window dropped; a broken file starts an empty record.
+    #[test]
+    fn the_record_is_kept_across_restarts() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("usage.json");
+        let u = Usage::open(p.to_str());
+        assert!(u.loaded.is_empty());
+        let mut now = used("a", "legacy-vpn", "http-connect:Reversed-VPN", 1000);
+        now.extend(used("b", "sni", "tls-sni", 10));
+        u.save(&now, 500).unwrap();
+        let again = Usage::open(p.to_str());
+        assert_eq!(
+            again.loaded,
+            used("a", "legacy-vpn", "http-connect:Reversed-VPN", 1000)
+        );
+        assert_eq!(again.now(&[]), again.loaded);
+        std::fs::write(&p, "not json").unwrap();
+        assert!(Usage::open(p.to_str()).loaded.is_empty());
+        assert_eq!(ago(3 * 86400 + 4 * 3600 + 5), "3d 4h");
+    }
+}
