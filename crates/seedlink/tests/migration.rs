@@ -136,3 +136,123 @@ async fn a_path_still_in_use_is_removed_only_when_retired() {
     assert!(ok, "{said}");
     stop.cancel();
 }
+
+const BETA: &str = "api.beta.migration.test";
+
+/// Envoy as Gardener's istio-ingressgateway: TLS passthrough by SNI
+/// (`tls_inspector`, one filter chain per shoot's name, `tcp_proxy`) for
+/// alpha and beta.
+fn istio_ingress(
+    dir: &std::path::Path,
+    port: u16,
+    shoots: &[(&str, std::net::SocketAddr)],
+) -> Proc {
+    let mut chains = String::new();
+    let mut clusters = String::new();
+    for (i, (name, backend)) in shoots.iter().enumerate() {
+        chains.push_str(&format!(
+            "    - filter_chain_match: {{server_names: ['{name}']}}
+      filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          '@type': type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: shoot{i}
+          cluster: shoot{i}
+"
+        ));
+        clusters.push_str(&format!(
+            "  - name: shoot{i}
+    type: STATIC
+    connect_timeout: 5s
+    load_assignment:
+      cluster_name: shoot{i}
+      endpoints:
+      - lb_endpoints:
+        - endpoint: {{address: {{socket_address: {{address: {}, port_value: {}}}}}}}
+",
+            backend.ip(),
+            backend.port()
+        ));
+    }
+    let cfg = dir.join("istio-ingress.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "static_resources:
+  listeners:
+  - name: tls
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    listener_filters:
+    - name: envoy.filters.listener.tls_inspector
+      typed_config:
+        '@type': type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector
+    filter_chains:
+{chains}  clusters:
+{clusters}"
+        ),
+    )
+    .unwrap();
+    common::envoy(dir, &cfg)
+}
+
+/// curl to `https://<host>/` at `at` (as DNS would resolve the name):
+/// whether the shoot named `who` answered.
+fn answers(
+    files: &seedlink::demo::ClientFiles,
+    host: &str,
+    at: std::net::SocketAddr,
+    who: &str,
+) -> bool {
+    curl_mtls(files, host, at.ip(), at.port()).contains(&format!("hello from {who}"))
+}
+
+/// Istio → seedlink for one shoot, under a request loop: Envoy (as the
+/// istio-ingressgateway) serves alpha and beta; the seedlink gateway runs
+/// beside it with alpha's route. Alpha's name moves to the gateway and
+/// back (each new connection goes where the name points, as after a DNS
+/// change), while beta stays on Envoy: no request of either fails, and
+/// the gateway routed alpha's while its name pointed there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_shoot_moves_from_istio_and_back_with_no_failed_request() {
+    require("envoy");
+    let stop = CancellationToken::new();
+    let pki = seedlink::demo::Pki::generate(&[ALPHA, BETA]).unwrap();
+    let alpha = demo_backend(&pki, 0, "alpha", &stop).await;
+    let beta = demo_backend(&pki, 1, "beta", &stop).await;
+    let dir = tempfile::tempdir().unwrap();
+    let files = write_pki(&pki, dir.path());
+    let port = free_port();
+    let _istio = istio_ingress(dir.path(), port, &[(ALPHA, alpha), (BETA, beta)]);
+    let istio: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_listening(istio).await;
+    let gw = Gw::start(&format!(
+        "admin: {{listen: '127.0.0.1:0'}}
+listeners:
+  - {{name: sni, address: '127.0.0.1:0'}}
+control_planes:
+  - {{name: alpha, hostnames: [{ALPHA}], endpoints: ['{alpha}']}}
+"
+    ));
+    let seedlink = gw.listener("sni");
+    // 3 phases of 60 requests for each shoot: alpha on Istio, on seedlink,
+    // on Istio again.
+    let mut failed = Vec::new();
+    for i in 0..180 {
+        let alpha_at = if (60..120).contains(&i) {
+            seedlink
+        } else {
+            istio
+        };
+        if !answers(&files, ALPHA, alpha_at, "alpha") {
+            failed.push(format!("alpha #{i} at {alpha_at}"));
+        }
+        if !answers(&files, BETA, istio, "beta") {
+            failed.push(format!("beta #{i}"));
+        }
+    }
+    assert!(failed.is_empty(), "{} failed: {failed:?}", failed.len());
+    let routed = "seedlink_gateway_routed_total{listener=\"sni\",protocol=\"tls-sni\",control_plane=\"alpha\"}";
+    assert_eq!(gw.metric(routed).await, 60.0);
+    println!("istio → seedlink → istio: 360 requests, 0 failed");
+    stop.cancel();
+}
