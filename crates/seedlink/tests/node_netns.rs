@@ -316,26 +316,18 @@ fn clients_in_pods_own_namespaces_reach_their_api_server() {
 /// endpoint (`openssl s_server` requiring a client certificate).
 #[test]
 fn an_ipv6_seed_takes_the_lbs_tcp6_header_and_routes_to_ipv6_endpoints() {
-    let haproxy = require("haproxy");
+    require("haproxy");
     let seed = common::Netns::new("v6");
-    for a in [
-        "fd00:6::1",
-        "fd00:6::5",
-        "fd00:6::6",
-        "fd00:6::9",
-        "fd00:6::20",
-    ] {
-        seed.run(&[
-            "ip",
-            "-6",
-            "addr",
-            "add",
-            &format!("{a}/128"),
-            "dev",
-            "lo",
-            "nodad",
-        ]);
-    }
+    on_lo(
+        &seed,
+        &[
+            "fd00:6::1",
+            "fd00:6::5",
+            "fd00:6::6",
+            "fd00:6::9",
+            "fd00:6::20",
+        ],
+    );
     let dir = tempfile::tempdir().unwrap();
     let pki = seedlink::demo::Pki::generate(&[HOST]).unwrap();
     let files = server_files(&pki, dir.path());
@@ -354,38 +346,13 @@ control_planes:
     )
     .unwrap();
     let _gw = gateway_in(&seed, &cfg);
-    let hap_cfg = dir.path().join("haproxy.cfg");
-    std::fs::write(
-        &hap_cfg,
-        "global
-  maxconn 100
-defaults
-  mode tcp
-  timeout connect 5s
-  timeout client 30s
-  timeout server 30s
-frontend lb
+    let proxies = "frontend lb
   bind ipv6@fd00:6::1:443
   default_backend gw
 backend gw
   server gw ipv6@fd00:6::1:8443 send-proxy-v2 source [fd00:6::9]:0
-",
-    )
-    .unwrap();
-    let hap = seed
-        .cmd(&[
-            haproxy.to_str().unwrap(),
-            "-db",
-            "-f",
-            hap_cfg.to_str().unwrap(),
-        ])
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let _hap = Proc(hap);
-    eventually_blocking("HAProxy to listen", Duration::from_secs(10), || {
-        seed.run(&["ss", "-ltn"]).contains("[fd00:6::1]:443")
-    });
+";
+    let _hap = haproxy_lb(&seed, dir.path(), proxies, &["[fd00:6::1]:443"]);
     let curl_from = |source: &str| {
         let out = seed
             .cmd(&[
@@ -423,4 +390,177 @@ backend gw
         metrics.contains("seedlink_gateway_acl_denied_total{control_plane=\"v6\"} 1"),
         "{metrics}"
     );
+}
+
+/// Puts `addresses` (IPv4 as /32, IPv6 as /128 without duplicate address
+/// detection) on `ns`'s loopback.
+fn on_lo(ns: &common::Netns, addresses: &[&str]) {
+    for a in addresses {
+        match a.contains(':') {
+            true => ns.run(&[
+                "ip",
+                "-6",
+                "addr",
+                "add",
+                &format!("{a}/128"),
+                "dev",
+                "lo",
+                "nodad",
+            ]),
+            false => ns.run(&["ip", "addr", "add", &format!("{a}/32"), "dev", "lo"]),
+        };
+    }
+}
+
+/// The second host name of the dual-stack seed, served at an IPv6 endpoint.
+const HOST6: &str = "api.n6.netns.test";
+
+/// HAProxy in `ns` as the seed's load balancer in TCP mode, its
+/// frontends and backends `proxies`; once every address of `listening`
+/// (as `ss` shows it) listens.
+fn haproxy_lb(
+    ns: &common::Netns,
+    dir: &std::path::Path,
+    proxies: &str,
+    listening: &[&str],
+) -> Proc {
+    let cfg = dir.join("haproxy.cfg");
+    std::fs::write(
+        &cfg,
+        format!(
+            "global
+  maxconn 100
+defaults
+  mode tcp
+  timeout connect 5s
+  timeout client 30s
+  timeout server 30s
+{proxies}"
+        ),
+    )
+    .unwrap();
+    let hap = ns
+        .cmd(&[
+            require("haproxy").to_str().unwrap(),
+            "-db",
+            "-f",
+            cfg.to_str().unwrap(),
+        ])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    eventually_blocking("HAProxy to listen", Duration::from_secs(10), || {
+        let ss = ns.run(&["ss", "-ltn"]);
+        listening.iter().all(|a| ss.contains(a))
+    });
+    Proc(hap)
+}
+
+/// HAProxy as a dual-stack load balancer in `ns`: an IPv4 frontend on
+/// 10.66.0.1:443 and an IPv6 one on [fd00:66::1]:443, each sending PROXY
+/// v2 to the gateway's port 8443 over its own family, from 10.66.0.9 and
+/// fd00:66::9; once both listen.
+fn dual_stack_lb(ns: &common::Netns, dir: &std::path::Path) -> Proc {
+    let proxies = "frontend lb4
+  bind 10.66.0.1:443
+  default_backend gw4
+frontend lb6
+  bind ipv6@fd00:66::1:443
+  default_backend gw6
+backend gw4
+  server gw 10.66.0.1:8443 send-proxy-v2 source 10.66.0.9:0
+backend gw6
+  server gw ipv6@fd00:66::1:8443 send-proxy-v2 source [fd00:66::9]:0
+";
+    haproxy_lb(ns, dir, proxies, &["10.66.0.1:443", "[fd00:66::1]:443"])
+}
+
+/// A dual-stack seed in one namespace (IPv4 and IPv6 addresses on `lo`):
+/// the gateway on one listener for both families (`[::]`), behind HAProxy
+/// with a frontend per family sending PROXY v2 (TCP4 and TCP6 client
+/// addresses); control plane `v4` at an IPv4 endpoint and `v6` at an IPv6
+/// one. An allowed client of each family reaches both control planes
+/// through its family's load balancer; a refused one of each family is
+/// refused by the ACL, which reads the header's address of its family.
+#[test]
+fn a_dual_stack_seed_serves_both_families_on_one_listener() {
+    let seed = common::Netns::new("ds");
+    on_lo(
+        &seed,
+        &[
+            "10.66.0.1",
+            "10.66.0.5",
+            "10.66.0.6",
+            "10.66.0.9",
+            "10.66.0.20",
+        ],
+    );
+    on_lo(
+        &seed,
+        &[
+            "fd00:66::1",
+            "fd00:66::5",
+            "fd00:66::6",
+            "fd00:66::9",
+            "fd00:66::20",
+        ],
+    );
+    let (dir, dir6) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let pki = seedlink::demo::Pki::generate(&[HOST, HOST6]).unwrap();
+    let files = server_files(&pki, dir.path());
+    pki.write_client_files(dir6.path()).unwrap();
+    std::fs::write(dir6.path().join("server.pem"), &pki.servers[1].1.cert_pem).unwrap();
+    std::fs::write(
+        dir6.path().join("server-key.pem"),
+        &pki.servers[1].1.key_pem,
+    )
+    .unwrap();
+    let _v4 = s_server(&seed, "10.66.0.20:6443", dir.path(), &files);
+    let _v6 = s_server(&seed, "[fd00:66::20]:6443", dir6.path(), &files);
+    let cfg = dir.path().join("gateway.yaml");
+    let acl = "acl: {allow: ['10.66.0.5/32', 'fd00:66::5/128']}";
+    std::fs::write(
+        &cfg,
+        format!(
+            "admin: {{listen: '127.0.0.1:9901'}}
+listeners: [{{name: lb, address: '[::]:8443', proxy_protocol: required}}]
+trusted_load_balancers: ['10.66.0.9/32', 'fd00:66::9/128']
+control_planes:
+  - {{name: v4, hostnames: [{HOST}], endpoints: ['10.66.0.20:6443'], {acl}}}
+  - {{name: v6, hostnames: [{HOST6}], endpoints: ['[fd00:66::20]:6443'], {acl}}}
+"
+        ),
+    )
+    .unwrap();
+    let _gw = gateway_in(&seed, &cfg);
+    let _lb = dual_stack_lb(&seed, dir.path());
+    let curl = |source: &str, host: &str, lb: &str| {
+        let out = seed
+            .cmd(&["curl", "-sS", "--max-time", "10", "--interface", source])
+            .args(["--cacert", files.ca.to_str().unwrap()])
+            .args(["--cert", files.cert.to_str().unwrap()])
+            .args(["--key", files.key.to_str().unwrap()])
+            .args([
+                "--resolve",
+                &format!("{host}:443:{lb}"),
+                &format!("https://{host}/"),
+            ])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).contains("s_server")
+    };
+    for (allowed, refused, lb) in [
+        ("10.66.0.5", "10.66.0.6", "10.66.0.1"),
+        ("fd00:66::5", "fd00:66::6", "[fd00:66::1]"),
+    ] {
+        for host in [HOST, HOST6] {
+            assert!(curl(allowed, host, lb), "{allowed} to {host}");
+            assert!(!curl(refused, host, lb), "{refused} to {host} got through");
+        }
+    }
+    let metrics = seed.run(&["curl", "-sS", "http://127.0.0.1:9901/metrics"]);
+    for cp in ["v4", "v6"] {
+        let denied = format!("seedlink_gateway_acl_denied_total{{control_plane=\"{cp}\"}} 2");
+        assert!(metrics.contains(&denied), "{denied}\n{metrics}");
+    }
 }
