@@ -162,7 +162,8 @@ fn only_control_plane(query: Option<&str>) -> Result<Option<String>, &'static st
 /// when no control plane has that name).
 pub fn state_of(gw: &Gateway, only: Option<&str>) -> serde_json::Value {
     let snap = gw.snapshot();
-    let counts = Counts::read(gw, only);
+    let mut counts = Counts::read(gw, only);
+    counts.in_use(gw, only);
     let now = crate::upstream::now_ms();
     let file = &snap.file;
     let all = file.control_planes.iter().map(|c| (c, "file")).chain(
@@ -241,9 +242,23 @@ struct Counts {
     routed: PerControlPlane,
     /// Open routed connections by `listener / protocol` (none: left out).
     open_by: PerControlPlane,
+    /// When each path in use (within `migration.window`, before a restart
+    /// too) was last used, by `listener / protocol` (RFC 3339).
+    in_use: std::collections::HashMap<String, std::collections::BTreeMap<String, String>>,
 }
 
 impl Counts {
+    /// The paths in use, of `only` when given (`migration`).
+    fn in_use(&mut self, gw: &Gateway, only: Option<&str>) {
+        for ((cp, listener, protocol), last) in gw.paths_in_use(only) {
+            let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(last);
+            self.in_use.entry(cp).or_default().insert(
+                format!("{listener} / {protocol}"),
+                seedlink_net::admin::rfc3339(at),
+            );
+        }
+    }
+
     /// Every control plane's counters, or `only`'s, read from the
     /// listeners' handles: one control plane costs a lookup per listener,
     /// not an encoding of every control plane's metrics (a script polling
@@ -334,6 +349,7 @@ fn control_plane_state(
         "endpoints": endpoints,
         "outcomes": counts.outcomes.get(&c.name),
         "routed": counts.routed.get(&c.name),
+        "paths_in_use": counts.in_use.get(&c.name),
     })
 }
 

@@ -582,10 +582,10 @@ impl Gateway {
 
     /// The paths in use (within the window) by control plane: listener,
     /// protocol, last use (Unix seconds).
-    pub fn paths_in_use(&self) -> paths::LastUse {
+    pub fn paths_in_use(&self, only: Option<&str>) -> paths::LastUse {
         let since =
             metrics::unix_now().saturating_sub(self.snapshot().file.migration.window.as_secs());
-        let mut all = self.usage.now(&self.metrics.listeners());
+        let mut all = self.usage.now_of(&self.metrics.listeners(), only);
         all.retain(|_, last| *last >= since);
         all
     }

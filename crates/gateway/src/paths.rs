@@ -88,9 +88,22 @@ impl Usage {
 
     /// The last use of every path: the file's, and this process's since.
     pub fn now(&self, listeners: &[Arc<ListenerMetrics>]) -> LastUse {
-        let mut all = self.loaded.clone();
+        self.now_of(listeners, None)
+    }
+
+    /// [`Usage::now`], of control plane `only`'s paths alone when given.
+    pub fn now_of(&self, listeners: &[Arc<ListenerMetrics>], only: Option<&str>) -> LastUse {
+        let mut all: LastUse = match only {
+            None => self.loaded.clone(),
+            Some(cp) => self
+                .loaded
+                .iter()
+                .filter(|((c, _, _), _)| c == cp)
+                .map(|(k, v)| (k.clone(), *v))
+                .collect(),
+        };
         for l in listeners {
-            l.each_cp(None, |cp, h| {
+            l.each_cp(only, |cp, h| {
                 if cp.is_empty() {
                     return;
                 }

@@ -85,6 +85,15 @@ async fn a_path_still_in_use_is_removed_only_when_retired() {
     )
     .await;
 
+    // The control plane's state says which paths it still uses.
+    let (_, shown) = gw.get("/api/state?control_plane=alpha").await;
+    let v: serde_json::Value = serde_json::from_str(&shown).unwrap();
+    let in_use = &v["control_planes"][0]["paths_in_use"];
+    assert!(
+        in_use.get(format!("legacy / {protocol}")).is_some(),
+        "{shown}"
+    );
+
     // Reload without the destination: refused, alpha still served there.
     let failed = "seedlink_gateway_config_reloads_total{result=\"failure\"}";
     let no_destination = config(usage, &a.to_string(), true, false, "");
