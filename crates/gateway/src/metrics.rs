@@ -391,10 +391,9 @@ pub struct CpMetrics {
     routed: Mutex<HashMap<String, RoutedBy>>,
 }
 
-/// Connections routed by one protocol: how many, how many are open, and
-/// when the last one was (seconds since the Unix epoch; the migration
-/// gate's record, `paths.rs`).
-type RoutedBy = (Counter, Gauge, Arc<std::sync::atomic::AtomicU64>);
+/// Connections routed by one protocol: how many, and how many are open
+/// (the migration gate's record reads the count, `paths.rs`).
+type RoutedBy = (Counter, Gauge);
 
 /// Seconds since the Unix epoch, now.
 pub fn unix_now() -> u64 {
@@ -415,16 +414,7 @@ impl CpMetrics {
         let routed = seedlink_net::sync::lock(&self.routed, "metric handles");
         routed
             .iter()
-            .map(|(p, (count, open, _))| (p.clone(), count.get(), open.get()))
-            .collect()
-    }
-
-    /// When each protocol last routed a connection (Unix seconds).
-    pub fn last_routed(&self) -> Vec<(String, u64)> {
-        let routed = seedlink_net::sync::lock(&self.routed, "metric handles");
-        routed
-            .iter()
-            .map(|(p, (_, _, last))| (p.clone(), last.load(std::sync::atomic::Ordering::Relaxed)))
+            .map(|(p, (count, open))| (p.clone(), count.get(), open.get()))
             .collect()
     }
 }
@@ -524,7 +514,7 @@ impl ListenerMetrics {
     pub fn routed(&self, m: &Metrics, cp: &str, protocol: &str) -> Routed {
         let h = self.cp(m, cp);
         let mut routed = seedlink_net::sync::lock(&h.routed, "metric handles");
-        let (count, open, last) = routed.entry(protocol.to_string()).or_insert_with(|| {
+        let (count, open) = routed.entry(protocol.to_string()).or_insert_with(|| {
             let labels = RoutedLabels {
                 listener: self.listener.clone(),
                 protocol: protocol.to_string(),
@@ -534,12 +524,10 @@ impl ListenerMetrics {
             (
                 m.routed.get_or_create(&labels).clone(),
                 m.routed_active.get_or_create(&labels).clone(),
-                Arc::default(),
             )
         });
         count.inc();
         open.inc();
-        last.store(unix_now(), std::sync::atomic::Ordering::Relaxed);
         Routed(open.clone())
     }
 

@@ -64,12 +64,25 @@ struct FileEntry {
     last_used: u64,
 }
 
-/// The record: what the usage file held at start, and what was last
-/// written.
+/// The record: what the usage file held at start, this process's last
+/// uses, and what was last written. A path's last use is when its
+/// `routed_total` was seen to grow: read when the record is asked for
+/// (every 30 s, within a second of a path's first connection, on reload
+/// and on `/api/state`), so routing a connection costs nothing more than
+/// the count; the resolution is that of the asking, which a window of
+/// days does not notice.
 pub struct Usage {
     file: Option<PathBuf>,
     loaded: LastUse,
+    live: Mutex<Live>,
     written: Mutex<Option<LastUse>>,
+}
+
+/// Each path's count when last read, and when it last grew.
+#[derive(Default)]
+struct Live {
+    counts: BTreeMap<PathKey, u64>,
+    last: LastUse,
 }
 
 impl Usage {
@@ -82,6 +95,7 @@ impl Usage {
         Usage {
             file,
             loaded,
+            live: Mutex::default(),
             written: Mutex::new(None),
         }
     }
@@ -93,26 +107,33 @@ impl Usage {
 
     /// [`Usage::now`], of control plane `only`'s paths alone when given.
     pub fn now_of(&self, listeners: &[Arc<ListenerMetrics>], only: Option<&str>) -> LastUse {
-        let mut all: LastUse = match only {
-            None => self.loaded.clone(),
-            Some(cp) => self
-                .loaded
-                .iter()
-                .filter(|((c, _, _), _)| c == cp)
-                .map(|(k, v)| (k.clone(), *v))
-                .collect(),
-        };
+        let now = crate::metrics::unix_now();
+        let mut live = seedlink_net::sync::lock(&self.live, "paths in use");
+        let Live { counts, last } = &mut *live;
         for l in listeners {
             l.each_cp(only, |cp, h| {
                 if cp.is_empty() {
                     return;
                 }
-                for (protocol, last) in h.last_routed() {
+                for (protocol, count, _) in h.routed() {
                     let key = (cp.to_string(), l.name().to_string(), protocol);
-                    let e = all.entry(key).or_insert(0);
-                    *e = (*e).max(last);
+                    if counts.get(&key) != Some(&count) {
+                        counts.insert(key.clone(), count);
+                        last.insert(key, now);
+                    }
                 }
             });
+        }
+        let mine = |(c, _, _): &PathKey| only.is_none_or(|o| o == c);
+        let mut all: LastUse = self
+            .loaded
+            .iter()
+            .filter(|(k, _)| mine(k))
+            .map(|(k, v)| (k.clone(), *v))
+            .collect();
+        for (k, v) in last.iter().filter(|(k, _)| mine(k)) {
+            let e = all.entry(k.clone()).or_insert(0);
+            *e = (*e).max(*v);
         }
         all
     }
