@@ -237,6 +237,11 @@ pub struct Listener {
     /// listener must never be a way into the shoots (docs/SECURITY.md).
     #[serde(default)]
     pub tunnel_frontend: bool,
+    /// A path a migration retires (GEP-08's PROXY port, the `Reversed-VPN`
+    /// listener): each control plane from Kubernetes that used it within
+    /// `migration.window` says so on its status.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub legacy: bool,
 }
 
 fn default_destination_header() -> String {

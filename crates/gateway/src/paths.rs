@@ -201,6 +201,32 @@ fn still_routes(cp: &ControlPlane, protocol: &str) -> bool {
     }
 }
 
+/// Each control plane's paths in use on the `legacy` listeners of
+/// `listeners`, as `listener (protocol)`, sorted; `None` when no listener
+/// is legacy (nothing to tell).
+pub fn legacy(
+    in_use: &LastUse,
+    listeners: &[seedlink_config::model::Listener],
+) -> Option<BTreeMap<String, Vec<String>>> {
+    let legacy: Vec<&str> = listeners
+        .iter()
+        .filter(|l| l.legacy)
+        .map(|l| l.name.as_str())
+        .collect();
+    if legacy.is_empty() {
+        return None;
+    }
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (cp, listener, protocol) in in_use.keys() {
+        if legacy.contains(&listener.as_str()) {
+            out.entry(cp.clone())
+                .or_default()
+                .push(format!("{listener} ({protocol})"));
+        }
+    }
+    Some(out)
+}
+
 /// `secs` as a short duration (`3d 4h`, `12m 5s`).
 fn ago(secs: u64) -> String {
     let (d, h, m, s) = (secs / 86400, secs / 3600 % 24, secs / 60 % 60, secs % 60);

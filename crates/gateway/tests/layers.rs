@@ -2,7 +2,8 @@
 //! by `seedlink-layering` (syn). The rules (docs/ARCHITECTURE.md,
 //! "Layers"):
 //! 1. a module uses its own layer or lower: `metrics` is layer 0;
-//!    `upstream` and `state` (the shared `Gateway`) are layer 1; the
+//!    `upstream`, `paths` (the record of the paths in use) and `state`
+//!    (the shared `Gateway`) are layer 1; the
 //!    connection paths `conn`, `h2conn` and the `admin` endpoint layer 2;
 //!    the crate root, which binds, serves, reloads and drains, layer 3;
 //! 2. the paths keep their direction: `conn` hands HTTP/2 to `h2conn`,
@@ -21,7 +22,7 @@ use seedlink_layering::{does_io, Graph};
 fn layer(m: &str) -> Option<u8> {
     Some(match m.split("::").next().unwrap_or("") {
         "metrics" => 0,
-        "upstream" | "state" => 1,
+        "upstream" | "paths" | "state" => 1,
         "conn" | "h2conn" | "admin" => 2,
         "" => 3,
         _ => return None,

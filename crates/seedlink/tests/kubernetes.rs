@@ -184,6 +184,18 @@ impl Seed {
 
     /// With `own`, through a proxy of its own that starts with that fault.
     async fn start_gateway(&self, pod: &str, token: &str, own: Option<Fault>) -> SeedGw {
+        self.start_gateway_with(pod, token, own, &self.gateway_yaml())
+            .await
+    }
+
+    /// The same from the gateway file `yaml`.
+    async fn start_gateway_with(
+        &self,
+        pod: &str,
+        token: &str,
+        own: Option<Fault>,
+        yaml: &str,
+    ) -> SeedGw {
         let (ns, dialer) = self.net.as_ref().unwrap();
         let api = own.map(|fault| {
             let l = dialer.bind("127.0.0.1:0".parse().unwrap());
@@ -197,7 +209,7 @@ impl Seed {
         };
         let gw = Gw::start_in(
             Some(ns),
-            &self.gateway_yaml(),
+            yaml,
             &[("KUBECONFIG", kc.to_str().unwrap()), ("POD_NAME", pod)],
         );
         let mut bridges = Vec::new();
@@ -539,6 +551,57 @@ async fn routes_follow_the_objects_under_load_through_conflicts_a_410_and_an_out
     a_deleted_route_stops_and_status_was_written_on_change_only(&t).await;
     t.stop.cancel();
 }
+
+/// A control plane from Kubernetes says on its route's status which
+/// legacy paths it used within the migration window: none before its
+/// first connection through the gateway's `legacy` listener, that listener
+/// and protocol after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_says_which_legacy_paths_its_control_plane_still_uses() {
+    let stop = CancellationToken::new();
+    let pki = Arc::new(seedlink::demo::Pki::generate(&[A]).unwrap());
+    let seed = Seed::new(true).await;
+    let port = seed.two_pods(&pki, 0, "a", &stop);
+    seed.gateway_object().await;
+    let a = seed.tenant("shoot--legacy", true).await;
+    seed.apply(service(&a, "kube-apiserver")).await;
+    seed.apply(slice(&a, "kube-apiserver", port, &[(POD_1, true)]))
+        .await;
+    seed.apply(seed.route(&a, "kube-apiserver", A, "kube-apiserver"))
+        .await;
+    let yaml = seed.gateway_yaml().replace(
+        "{name: tls, address: '127.0.0.1:0'}",
+        "{name: tls, address: '127.0.0.1:0', legacy: true}",
+    );
+    let gw = seed
+        .start_gateway_with("replica-l", &seed.token, None, &yaml)
+        .await;
+    let in_use = async |status: &str, text: &str| {
+        let what = format!("{LEGACY} {status} with {text:?}");
+        eventually(&what, Duration::from_secs(60), async || {
+            let c = seed
+                .condition(ROUTES, "TLSRoute", &a, "kube-apiserver", LEGACY)
+                .await
+                .unwrap_or_default();
+            let message = c["message"].as_str().unwrap_or_default();
+            ok_if(c["status"] == status && message.contains(text), || {
+                c.to_string()
+            })
+        })
+        .await;
+    };
+    in_use("False", "no legacy path").await;
+    let answer = eventually("the route to serve", Duration::from_secs(60), async || {
+        get(&pki, gw.tls, A).await.map_err(|e| e.to_string())
+    })
+    .await;
+    assert!(answer.contains("hello from a"), "{answer}");
+    in_use("True", "tls (tls-sni)").await;
+    stop.cancel();
+}
+
+/// The condition a route's status names its legacy paths with.
+const LEGACY: &str = "seedlink.dev/LegacyPathsInUse";
 
 /// What the phases of `routes_follow_the_objects_under_load_…` share.
 /// Fields drop in order: the gateway before the seed it talks to.

@@ -72,7 +72,9 @@ pub fn start_gateway(
         status.route_resource = route_resource;
         let mut translator = Translator::default();
         translator.slice_managers = settings.slice_managers.clone();
+        let (legacy_tx, legacy_rx) = watch::channel(Arc::new(None));
         let writer = GatewayStatus {
+            legacy: legacy_rx,
             bundle: bundle_version(&client).await,
             bundle_read: tokio::time::Instant::now(),
             ever: HashSet::new(),
@@ -86,6 +88,7 @@ pub fn start_gateway(
             settings,
             metrics: writer_metrics,
             status: follow_passes(writer, coalescer.stop.clone()),
+            legacy: legacy_tx,
         };
         pass.run(coalescer, sink.as_ref(), &synced_tx).await;
     });
@@ -318,6 +321,9 @@ pub(super) struct GatewayPasses {
     pub(super) metrics: SourceMetrics,
     /// The latest pass, and whether it was applied, for the status task.
     pub(super) status: tokio::sync::watch::Sender<Option<Arc<(GatewayPass, bool)>>>,
+    /// The control planes' legacy paths in use, as the gateway last told
+    /// them, for the status task.
+    pub(super) legacy: tokio::sync::watch::Sender<Arc<super::sink::LegacyPaths>>,
 }
 
 impl GatewayPasses {
@@ -345,10 +351,24 @@ impl GatewayPasses {
                 self.status.send_replace(Some(Arc::new((pass, !retry))));
                 passed = true;
             }
+            self.tell_legacy(sink);
             wake = coalescer.next().await;
             if wake == Wake::Stop {
                 return;
             }
+        }
+    }
+}
+
+impl GatewayPasses {
+    /// Asks the gateway for the legacy paths in use (each pass and each
+    /// status tick); a change has the status task write the latest pass's
+    /// status again.
+    fn tell_legacy(&self, sink: &dyn GatewaySink) {
+        let legacy = sink.legacy_paths();
+        if **self.legacy.borrow() != legacy {
+            self.legacy.send_replace(Arc::new(legacy));
+            self.status.send_modify(|_| {});
         }
     }
 }
@@ -362,6 +382,8 @@ pub(super) struct GatewayStatus {
     pub(super) ever: HashSet<Key>,
     /// The installed Gateway API bundle, re-read every `BUNDLE_REREAD`.
     pub(super) bundle: Option<String>,
+    /// The control planes' legacy paths in use (from the passes' loop).
+    pub(super) legacy: tokio::sync::watch::Receiver<Arc<super::sink::LegacyPaths>>,
     pub(super) bundle_read: tokio::time::Instant,
 }
 
@@ -389,6 +411,7 @@ impl GatewayStatus {
     pub(super) async fn write_status(&mut self, pass: &GatewayPass, applied: bool) {
         let t = &pass.t;
         let served = self.served(t);
+        self.status.legacy = self.legacy.borrow().clone();
         self.status
             .write(t, &pass.routes, &pass.policies, &served)
             .await;

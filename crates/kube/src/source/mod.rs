@@ -44,7 +44,7 @@ pub use coalesce::{MAX_DELAY, QUIET, STATUS_EVERY};
 pub use gateway::{start_gateway, GatewaySettings};
 pub use handle::{Handle, Readiness};
 pub use metrics::{SourceMetrics, WRITES_PER_SEC, WRITE_BURST};
-pub use sink::{BoxFuture, GatewaySink, Replica, TunnelSink};
+pub use sink::{BoxFuture, GatewaySink, LegacyPaths, Replica, TunnelSink};
 pub use tunnel::{
     replica_addresses, replica_count, start_tunnel, TunnelSettings, MAX_REPLICA_ADDRESSES,
 };

@@ -14,7 +14,16 @@ pub trait GatewaySink: Send + Sync + 'static {
         &self,
         control_planes: Vec<std::sync::Arc<ControlPlane>>,
     ) -> Vec<(String, Vec<ConfigError>)>;
+    /// Each control plane's legacy paths in use (`listener (protocol)`),
+    /// by name; `None` when the gateway has no legacy listener.
+    fn legacy_paths(&self) -> LegacyPaths {
+        None
+    }
 }
+
+/// Each control plane's legacy paths in use, by name; `None`: the gateway
+/// has no legacy listener (its routes' status says nothing of them).
+pub type LegacyPaths = Option<std::collections::BTreeMap<String, Vec<String>>>;
 
 /// Where the tunnel-server's clusters go, and what it says of them.
 pub trait TunnelSink: Send + Sync + 'static {

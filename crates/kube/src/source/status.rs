@@ -59,6 +59,21 @@ pub(super) struct StatusWriter {
         Option<super::settled::Walked<SeedlinkPolicy, crate::translate::PolicyOutcome>>,
     /// Each served Gateway's `attachedRoutes`, kept from pass to pass.
     pub(super) attached: HashMap<Key, crate::translate::AttachedCounts>,
+    /// Each control plane's legacy paths in use, as the gateway last told
+    /// them (a condition on its route's status).
+    pub(super) legacy: Arc<super::sink::LegacyPaths>,
+}
+
+/// The condition a route's status names its control plane's legacy paths
+/// in use with (the gateway's `legacy` listeners, `migration.window`).
+pub const LEGACY_CONDITION: &str = "seedlink.dev/LegacyPathsInUse";
+
+/// The legacy paths control plane `key` (`<namespace>.<name>`) used, if
+/// the gateway has legacy listeners.
+fn legacy_of<'a>(legacy: &'a super::sink::LegacyPaths, key: &Key) -> Option<&'a [String]> {
+    let all = legacy.as_ref()?;
+    let name = format!("{}.{}", key.namespace, key.name);
+    Some(all.get(&name).map_or(&[][..], Vec::as_slice))
 }
 
 /// Events remembered (object, generation, message) so that one is not
@@ -101,6 +116,7 @@ pub(super) fn route_parents(
     key: &Key,
     outcome: Option<&RouteOutcome>,
     served: &[Key],
+    legacy: Option<&[String]>,
 ) -> Option<Vec<gateway_api::tlsroutes::TlsRouteStatusParents>> {
     let current = route
         .status
@@ -122,7 +138,7 @@ pub(super) fn route_parents(
         .iter()
         .flat_map(|o| o.parents.iter().map(move |p| (*o, p)))
     {
-        desired.push(parent_status(o, parent, &ours));
+        desired.push(parent_status(o, parent, &ours, legacy));
     }
     let desired_ours = &desired[theirs..];
     let unchanged = desired_ours.len() == ours.len()
@@ -139,6 +155,7 @@ pub(super) fn parent_status(
     o: &RouteOutcome,
     parent: &crate::translate::ParentOutcome,
     ours: &[gateway_api::tlsroutes::TlsRouteStatusParents],
+    legacy: Option<&[String]>,
 ) -> gateway_api::tlsroutes::TlsRouteStatusParents {
     let p = &parent.parent_ref;
     let prev = ours
@@ -146,11 +163,25 @@ pub(super) fn parent_status(
         .find(|x| parent_eq(&x.parent_ref, p))
         .map(|x| x.conditions.clone())
         .unwrap_or_default();
+    let mut conditions = vec![
+        condition("Accepted", &parent.accepted, o.generation, &prev),
+        condition("ResolvedRefs", &o.resolved, o.generation, &prev),
+    ];
+    if let Some(paths) = legacy {
+        let v = match paths {
+            [] => Verdict::no(
+                "NoneInUse",
+                "no legacy path used within the migration window",
+            ),
+            paths => Verdict::yes(
+                "InUse",
+                format!("used within the migration window: {}", paths.join(", ")),
+            ),
+        };
+        conditions.push(condition(LEGACY_CONDITION, &v, o.generation, &prev));
+    }
     gateway_api::tlsroutes::TlsRouteStatusParents {
-        conditions: vec![
-            condition("Accepted", &parent.accepted, o.generation, &prev),
-            condition("ResolvedRefs", &o.resolved, o.generation, &prev),
-        ],
+        conditions,
         controller_name: CONTROLLER_NAME.into(),
         parent_ref: gateway_api::tlsroutes::TlsRouteStatusParentsParentRef {
             group: p.group.clone(),
@@ -367,6 +398,7 @@ impl StatusWriter {
             routes_walked: None,
             policies_walked: None,
             attached: HashMap::new(),
+            legacy: Arc::new(None),
         }
     }
 
@@ -394,7 +426,8 @@ impl StatusWriter {
     ) -> bool {
         let served_print = {
             use std::hash::{BuildHasher, BuildHasherDefault};
-            BuildHasherDefault::<std::hash::DefaultHasher>::default().hash_one(served)
+            let legacy = self.legacy.as_ref().as_ref();
+            BuildHasherDefault::<std::hash::DefaultHasher>::default().hash_one((served, legacy))
         };
         let walked = self.routes_walked.take();
         if walked
@@ -428,7 +461,9 @@ impl StatusWriter {
                     .await;
             }
             let outcome = outcome.cloned();
-            let Some(desired) = route_parents(route, &key, outcome.as_deref(), served) else {
+            let legacy = legacy_of(&self.legacy, &key);
+            let Some(desired) = route_parents(route, &key, outcome.as_deref(), served, legacy)
+            else {
                 // Found as wanted. A refused route is looked at again on
                 // every pass (its Event is retried until it is sent).
                 if outcome.as_ref().is_none_or(|o| o.accepted.ok) {
@@ -868,7 +903,14 @@ mod settled_tests {
         );
         assert_eq!(requests.load(Ordering::Relaxed), 1, "written");
         // The API server's next version carries what was written.
-        let ours = route_parents(&bare, &Key::of(bare.as_ref()), Some(&accepted), &served).unwrap();
+        let ours = route_parents(
+            &bare,
+            &Key::of(bare.as_ref()),
+            Some(&accepted),
+            &served,
+            None,
+        )
+        .unwrap();
         let written = route("2", Some(serde_json::to_value(ours).unwrap()));
         for _ in 0..3 {
             assert!(
@@ -923,7 +965,14 @@ mod settled_tests {
         }];
         let bare = route("1", None);
         let accepted = outcome(&bare, true);
-        let ours = route_parents(&bare, &Key::of(bare.as_ref()), Some(&accepted), &served).unwrap();
+        let ours = route_parents(
+            &bare,
+            &Key::of(bare.as_ref()),
+            Some(&accepted),
+            &served,
+            None,
+        )
+        .unwrap();
         let written = route("2", Some(serde_json::to_value(ours).unwrap()));
         let (client, requests) = counting(bare.as_ref());
         let metrics = SourceMetrics::new("gateway");

@@ -113,6 +113,11 @@ impl seedlink_kube::source::GatewaySink for KubeSink {
     ) -> Vec<(String, Vec<seedlink_config::ConfigError>)> {
         self.0.set_kubernetes(control_planes)
     }
+
+    fn legacy_paths(&self) -> seedlink_kube::source::LegacyPaths {
+        let listeners = &self.0.snapshot().file.listeners;
+        seedlink_gateway::paths::legacy(&self.0.paths_in_use(None), listeners)
+    }
 }
 
 /// Starts the Kubernetes source when the file has a `kubernetes` section,
