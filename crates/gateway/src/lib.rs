@@ -525,14 +525,11 @@ impl Gateway {
         let now = metrics::unix_now();
         let since = now.saturating_sub(new.migration.window.as_secs());
         let in_use = self.usage.now(&self.metrics.listeners());
-        let before: Vec<String> = paths::refusals(&in_use, since, now, old)
-            .into_iter()
-            .map(|e| e.path)
-            .collect();
-        paths::refusals(&in_use, since, now, new)
-            .into_iter()
-            .filter(|e| !before.contains(&e.path))
-            .collect()
+        let removed = paths::removed(&in_use, since, Some(old), new);
+        for (cp, listener, protocol) in &removed {
+            tracing::warn!(control_plane = %cp, %listener, %protocol, "the new file removes a path still in use");
+        }
+        paths::problems(&removed, new, false)
     }
 
     /// Keeps the record of the paths in use: written every 30 s while the
@@ -565,8 +562,8 @@ impl Gateway {
         let file = &self.snapshot().file;
         let since = now.saturating_sub(file.migration.window.as_secs());
         let in_use = self.usage.now(&self.metrics.listeners());
-        for e in paths::refusals(&in_use, since, now, file) {
-            tracing::error!(path = %e.path, problem = %e.message, "started without a path still in use");
+        for (cp, listener, protocol) in paths::removed(&in_use, since, None, file) {
+            tracing::error!(control_plane = %cp, %listener, %protocol, "started without a path still in use");
         }
     }
 

@@ -30,6 +30,11 @@ pub type LastUse = BTreeMap<PathKey, u64>;
 /// hundred KiB).
 const MAX_FILE: u64 = 16 * 1024 * 1024;
 
+/// The most paths written (the latest used kept): well inside
+/// [`MAX_FILE`] whatever the names (a control plane's name is at most 253
+/// bytes), so churned route names never make the file unreadable.
+const MAX_PATHS: usize = 20_000;
+
 /// The usage file's format.
 #[derive(serde::Serialize, serde::Deserialize, Default)]
 struct FileFormat {
@@ -115,9 +120,11 @@ impl Usage {
                 if cp.is_empty() {
                     return;
                 }
-                for (protocol, count, _) in h.routed() {
+                for (protocol, count, open) in h.routed() {
                     let key = (cp.to_string(), l.name().to_string(), protocol);
-                    if counts.get(&key) != Some(&count) {
+                    // A connection still open is a use (a VPN tunnel held
+                    // for days).
+                    if counts.get(&key) != Some(&count) || open > 0 {
                         counts.insert(key.clone(), count);
                         last.insert(key, now);
                     }
@@ -135,6 +142,8 @@ impl Usage {
             let e = all.entry(k.clone()).or_insert(0);
             *e = (*e).max(*v);
         }
+        // A clock that was once ahead never keeps a path in use for ever.
+        all.values_mut().for_each(|v| *v = (*v).min(now));
         all
     }
 
@@ -144,27 +153,59 @@ impl Usage {
         let Some(file) = &self.file else {
             return Ok(());
         };
-        let kept: LastUse = now
-            .iter()
-            .filter(|(_, last)| **last >= since)
-            .map(|(k, v)| (k.clone(), *v))
-            .collect();
+        let mut kept: Vec<(&PathKey, &u64)> =
+            now.iter().filter(|(_, last)| **last >= since).collect();
+        if kept.len() > MAX_PATHS {
+            kept.sort_by_key(|(_, last)| std::cmp::Reverse(**last));
+            kept.truncate(MAX_PATHS);
+        }
+        let kept: LastUse = kept.into_iter().map(|(k, v)| (k.clone(), *v)).collect();
         let mut written = seedlink_net::sync::lock(&self.written, "usage file");
         if written.as_ref() == Some(&kept) {
             return Ok(());
         }
         let text =
             serde_json::to_vec_pretty(&FileFormat::of(&kept)).map_err(std::io::Error::other)?;
-        let tmp = file.with_extension("tmp");
-        std::fs::write(&tmp, text)?;
-        std::fs::rename(&tmp, file)?;
+        write_replacing(file, &text)?;
         *written = Some(kept);
         Ok(())
     }
 }
 
+/// Replaces `file` by `text`: a new file of this process's own (mode
+/// 0600) beside it, synced, renamed over it; a crash leaves the old file
+/// or the new one, and two processes (a binary upgrade) never write into
+/// the same new file.
+fn write_replacing(file: &std::path::Path, text: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
+    let tmp = file.with_file_name(format!(
+        ".{}.{}.{n}.new",
+        name.unwrap_or_default(),
+        std::process::id()
+    ));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(text)?;
+            f.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, file));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
+}
+
 /// The usage file at `p`; empty (with a warning) when absent, unreadable
-/// or not the format.
+/// or not the format. One that is there but does not read is moved aside
+/// (`<file>.unreadable`), never written over.
 fn read(p: &std::path::Path) -> LastUse {
     use std::io::Read;
     let text = std::fs::File::open(p).and_then(|f| {
@@ -184,7 +225,14 @@ fn read(p: &std::path::Path) -> LastUse {
             .map(|e| ((e.control_plane, e.listener, e.protocol), e.last_used))
             .collect(),
         Err(e) => {
-            tracing::warn!(file = %p.display(), error = %e, "migration.usage_file not read; paths in use are known from this process's traffic only");
+            let aside = p.with_file_name(format!(
+                "{}.unreadable",
+                p.file_name()
+                    .map(|n| n.to_string_lossy())
+                    .unwrap_or_default()
+            ));
+            let moved = std::fs::rename(p, &aside).is_ok();
+            tracing::warn!(file = %p.display(), error = %e, moved_to = ?moved.then_some(&aside), "migration.usage_file not read; paths in use are known from this process's traffic only");
             LastUse::new()
         }
     }
@@ -227,44 +275,69 @@ pub fn legacy(
     Some(out)
 }
 
-/// `secs` as a short duration (`3d 4h`, `12m 5s`).
-fn ago(secs: u64) -> String {
-    let (d, h, m, s) = (secs / 86400, secs / 3600 % 24, secs / 60 % 60, secs % 60);
-    match (d, h, m) {
-        (0, 0, 0) => format!("{s}s"),
-        (0, 0, _) => format!("{m}m {s}s"),
-        (0, _, _) => format!("{h}h {m}m"),
-        _ => format!("{d}d {h}h"),
-    }
+/// Whether `file` still serves the path of control plane `cp` on
+/// `listener` by `protocol`: the listener is there, and a control plane of
+/// the file by that name (if there is one) still routes that kind.
+fn serves(file: &ConfigFile, (cp, listener, protocol): &PathKey) -> bool {
+    file.listeners.iter().any(|l| l.name == *listener)
+        && file
+            .control_planes
+            .iter()
+            .find(|c| c.name == *cp)
+            .is_none_or(|c| still_routes(c, protocol))
 }
 
-/// Every path in use (last used at or after `since`) that `new` removes
-/// without retiring it, as a problem naming the key and the use (the
-/// file's control planes only: one from Kubernetes is its tenant's, told
-/// on its own status).
-pub fn refusals(in_use: &LastUse, since: u64, now: u64, new: &ConfigFile) -> Vec<ConfigError> {
+/// The paths in use (last used at or after `since`) that `new` no longer
+/// serves and does not retire, and, given `old`, that `old` still served
+/// (what this change removes). A whole control plane gone is not a path
+/// removed (a shoot leaving).
+pub fn removed(
+    in_use: &LastUse,
+    since: u64,
+    old: Option<&ConfigFile>,
+    new: &ConfigFile,
+) -> Vec<PathKey> {
+    in_use
+        .iter()
+        .filter(|(_, last)| **last >= since)
+        .map(|(k, _)| k)
+        .filter(|k| !new.migration.retires(&k.1, &k.0))
+        .filter(|k| !serves(new, k) && old.is_none_or(|o| serves(o, k)))
+        .cloned()
+        .collect()
+}
+
+/// The problems `removed` paths make, one per listener and per control
+/// plane of the file. With `names` (`check-config`, the operator's own
+/// tool) every control plane is named; without (a reload, whose problems
+/// may reach tenants' route statuses) those on a removed listener are
+/// counted only, and the log names them.
+pub fn problems(removed: &[PathKey], new: &ConfigFile, names: bool) -> Vec<ConfigError> {
+    let retire = "name it in migration.retire to remove it anyway";
+    let mut by_listener: BTreeMap<&str, Vec<String>> = BTreeMap::new();
     let mut out = Vec::new();
-    for ((cp, listener, protocol), last) in in_use.iter().filter(|(_, l)| **l >= since) {
-        if new.migration.retires(listener, cp) {
-            continue;
-        }
-        let used = format!(
-            "control plane {cp} used it by {protocol} {} ago; name it in migration.retire to remove it anyway",
-            ago(now.saturating_sub(*last))
-        );
-        if !new.listeners.iter().any(|l| l.name == *listener) {
+    for (cp, listener, protocol) in removed {
+        if new.listeners.iter().any(|l| l.name == *listener) {
             out.push(ConfigError::new(
-                format!("listeners ({listener})"),
-                format!("removed, but {used}"),
+                format!("control_planes ({cp})"),
+                format!("no longer routes {protocol} on listener {listener}, which it used within migration.window; {retire}"),
             ));
-        } else if let Some(c) = new.control_planes.iter().find(|c| c.name == *cp) {
-            if !still_routes(c, protocol) {
-                out.push(ConfigError::new(
-                    format!("control_planes ({cp})"),
-                    format!("no longer routes {protocol} (on listener {listener}), but {used}"),
-                ));
-            }
+        } else {
+            by_listener
+                .entry(listener)
+                .or_default()
+                .push(format!("{cp} ({protocol})"));
         }
+    }
+    for (listener, users) in by_listener {
+        let who = match names {
+            true => users.join(", "),
+            false => format!("{} control plane path(s), named in the log", users.len()),
+        };
+        out.push(ConfigError::new(
+            format!("listeners ({listener})"),
+            format!("removed, but used within migration.window by {who}; {retire}"),
+        ));
     }
     out
 }
@@ -298,30 +371,56 @@ control_planes:
     #[test]
     fn a_path_in_use_is_removed_only_when_retired() {
         let vpn = used("a", "legacy-vpn", "http-connect:Reversed-VPN", 1000);
-        assert!(refusals(&vpn, 0, 1000, &file(BEFORE)).is_empty());
+        let before = file(BEFORE);
+        let removed = |since: u64, new: &str| removed(&vpn, since, Some(&before), &file(new));
+        assert!(removed(0, BEFORE).is_empty());
         let no_listener = BEFORE.replace(
             "  - {name: legacy-vpn, address: '0.0.0.0:8132', protocol: http-connect, destination_header: Reversed-VPN}\n",
             "",
         );
-        let e = refusals(&vpn, 0, 1100, &file(&no_listener));
-        assert_eq!(e.len(), 1);
-        assert_eq!(e[0].path, "listeners (legacy-vpn)");
-        assert!(e[0].message.contains("1m 40s ago"), "{}", e[0].message);
+        let gone = removed(0, &no_listener);
+        assert_eq!(gone.len(), 1);
+        // The operator's tool names the control plane; a reload counts it.
+        let named = problems(&gone, &file(&no_listener), true);
+        assert_eq!(named[0].path, "listeners (legacy-vpn)");
+        assert!(
+            named[0].message.contains("a (http-connect:Reversed-VPN)"),
+            "{}",
+            named[0].message
+        );
+        let counted = problems(&gone, &file(&no_listener), false);
+        assert!(
+            !counted[0].message.contains("a (http"),
+            "{}",
+            counted[0].message
+        );
         // Out of the window: no longer in use.
-        assert!(refusals(&vpn, 1001, 1100, &file(&no_listener)).is_empty());
+        assert!(removed(1001, &no_listener).is_empty());
         let retired = format!(
             "{no_listener}migration: {{retire: [{{listener: legacy-vpn, control_plane: '*'}}]}}\n"
         );
-        assert!(refusals(&vpn, 0, 1100, &file(&retired)).is_empty());
+        assert!(removed(0, &retired).is_empty());
+        // Taking the retire out again is no removal: the old file lacked it.
+        let after_retire = removed_since(&vpn, &file(&retired), &file(&no_listener));
+        assert!(after_retire.is_empty());
         let no_destinations = BEFORE.replace("    destinations: [{name: vpn-seed-server.a}]\n", "");
-        let e = refusals(&vpn, 0, 1100, &file(&no_destinations));
+        let e = problems(
+            &removed(0, &no_destinations),
+            &file(&no_destinations),
+            false,
+        );
         assert_eq!(e[0].path, "control_planes (a)");
         let sni = used("a", "sni", "tls-sni", 1000);
-        assert!(refusals(&sni, 0, 1100, &file(&no_destinations)).is_empty());
+        assert!(super::removed(&sni, 0, Some(&before), &file(&no_destinations)).is_empty());
         let other = format!("{no_destinations}migration: {{retire: [{{listener: legacy-vpn, control_plane: b}}]}}\n");
-        assert_eq!(refusals(&vpn, 0, 1100, &file(&other)).len(), 1);
-        let gone = "listeners:\n  - {name: sni, address: '0.0.0.0:443'}\n  - {name: legacy-vpn, address: '0.0.0.0:8132', protocol: http-connect}\n";
-        assert!(refusals(&vpn, 0, 1100, &file(gone)).is_empty());
+        assert_eq!(removed(0, &other).len(), 1);
+        // The whole control plane gone: a shoot leaving, not a path moved.
+        let cp_gone = "listeners:\n  - {name: sni, address: '0.0.0.0:443'}\n  - {name: legacy-vpn, address: '0.0.0.0:8132', protocol: http-connect}\n";
+        assert!(removed(0, cp_gone).is_empty());
+    }
+
+    fn removed_since(in_use: &LastUse, old: &ConfigFile, new: &ConfigFile) -> Vec<PathKey> {
+        removed(in_use, 0, Some(old), new)
     }
 
     /// The record survives a restart: written, read back, entries older
@@ -343,6 +442,8 @@ control_planes:
         assert_eq!(again.now(&[]), again.loaded);
         std::fs::write(&p, "not json").unwrap();
         assert!(Usage::open(p.to_str()).loaded.is_empty());
-        assert_eq!(ago(3 * 86400 + 4 * 3600 + 5), "3d 4h");
+        // Moved aside, not written over.
+        let aside = p.with_file_name("usage.json.unreadable");
+        assert_eq!(std::fs::read_to_string(aside).unwrap(), "not json");
     }
 }

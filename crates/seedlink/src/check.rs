@@ -143,7 +143,7 @@ fn paths_removed_in_use(
     let now = seedlink_gateway::metrics::unix_now();
     let since = now.saturating_sub(file.migration.window.as_secs());
     let in_use = paths::Usage::open(Some(usage)).now(&[]);
-    paths::refusals(&in_use, since, now, file)
+    paths::problems(&paths::removed(&in_use, since, None, file), file, true)
 }
 
 /// What is valid but unsafe in a valid file: an admin endpoint off

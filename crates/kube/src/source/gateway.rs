@@ -347,6 +347,8 @@ impl GatewayPasses {
                 self.metrics.applied(started.elapsed());
                 retry = not_applied(&refused);
                 pass.t.refused(&refused);
+                // Before the pass goes to status: written with it at once.
+                self.tell_legacy(sink);
                 let _ = synced.send(true);
                 self.status.send_replace(Some(Arc::new((pass, !retry))));
                 passed = true;

@@ -115,7 +115,11 @@ impl seedlink_kube::source::GatewaySink for KubeSink {
     }
 
     fn legacy_paths(&self) -> seedlink_kube::source::LegacyPaths {
-        let listeners = &self.0.snapshot().file.listeners;
+        let snap = self.0.snapshot();
+        let listeners = &snap.file.listeners;
+        if !listeners.iter().any(|l| l.legacy) {
+            return None;
+        }
         seedlink_gateway::paths::legacy(&self.0.paths_in_use(None), listeners)
     }
 }
