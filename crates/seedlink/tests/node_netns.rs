@@ -73,25 +73,6 @@ fn s_server(
     server
 }
 
-/// `seedlink gateway --config cfg` in `ns`, once it says it is ready.
-fn gateway_in(ns: &common::Netns, cfg: &std::path::Path) -> Proc {
-    let mut gw = ns
-        .cmd(&[
-            env!("CARGO_BIN_EXE_seedlink"),
-            "gateway",
-            "--config",
-            cfg.to_str().unwrap(),
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let line = ready_line(&mut gw);
-    let gw = Proc(gw);
-    assert!(line.contains("ready"), "{line}");
-    gw
-}
-
 /// The seed (gateway and an `openssl s_server` kube-apiserver stand-in
 /// requiring a client certificate) and a node running the node-proxy on
 /// `link_kind` with 240.0.0.10, in namespaces `198.18.<net>.0/24` apart.
@@ -128,7 +109,7 @@ control_planes:
             ),
         )
         .unwrap();
-        let gw = gateway_in(&seed, &cfg);
+        let gw = common::gateway_in_netns(&seed, &cfg);
 
         // The node-proxy in the node namespace, on its own link.
         let mut np = node
@@ -345,7 +326,7 @@ control_planes:
         ),
     )
     .unwrap();
-    let _gw = gateway_in(&seed, &cfg);
+    let _gw = common::gateway_in_netns(&seed, &cfg);
     let proxies = "frontend lb
   bind ipv6@fd00:6::1:443
   default_backend gw
@@ -532,7 +513,7 @@ control_planes:
         ),
     )
     .unwrap();
-    let _gw = gateway_in(&seed, &cfg);
+    let _gw = common::gateway_in_netns(&seed, &cfg);
     let _lb = dual_stack_lb(&seed, dir.path());
     let curl = |source: &str, host: &str, lb: &str| {
         let out = seed

@@ -7,7 +7,6 @@
 
 use seedlink_testkit as common;
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -158,23 +157,7 @@ control_planes:
         ),
     )
     .unwrap();
-    let mut gw = ns
-        .cmd(&[
-            env!("CARGO_BIN_EXE_seedlink"),
-            "gateway",
-            "--config",
-            cfg.to_str().unwrap(),
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = gw.stdout.take().unwrap();
-    let gw = Proc(gw);
-    let mut line = String::new();
-    BufReader::new(out).read_line(&mut line).unwrap();
-    assert!(line.contains("ready"), "{line}");
-    gw
+    common::gateway_in_netns(ns, &cfg)
 }
 
 #[test]

@@ -549,6 +549,25 @@ pub fn haproxy3_run(dir: &Path, name: &str, cfg: &str) -> Proc {
     )
 }
 
+/// `seedlink gateway --config cfg` in network namespace `ns`, once its
+/// ready line says so.
+pub fn gateway_in_netns(ns: &Netns, cfg: &Path) -> Proc {
+    let mut gw = ns
+        .cmd(&[seedlink_bin(), "gateway", "--config"])
+        .arg(cfg)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    if let Some(out) = gw.stdout.take() {
+        let _ = BufReader::new(out).read_line(&mut line);
+    }
+    let gw = Proc(gw);
+    assert!(line.contains("ready"), "{line}");
+    gw
+}
+
 /// A child process killed when dropped.
 pub struct Proc(pub Child);
 
