@@ -234,7 +234,7 @@ impl Gateway {
         // The keepalive and no-delay settings accepted sockets inherit
         // are this configuration's.
         for l in &socks {
-            seedlink_net::sockopt::tune(socket2::SockRef::from(l), ka).map_err(ctx)?;
+            seedlink_net::sockopt::tune_listener(socket2::SockRef::from(l), ka).map_err(ctx)?;
         }
         if socks.is_empty() {
             if spec.address.port() != 0 {
@@ -760,8 +760,9 @@ fn probe_exclusive(addr: SocketAddr) -> std::io::Result<()> {
     }
 }
 
-/// Binds a listening socket. With `ka`, keepalive and `TCP_NODELAY` are set
-/// on it so that accepted sockets inherit them.
+/// Binds a listening socket. With `ka` (a proxy listener), keepalive and
+/// `TCP_NODELAY` are set on it so that accepted sockets inherit them, and
+/// accept is deferred until the client's first bytes.
 fn bind_tcp(
     addr: SocketAddr,
     reuse_port: bool,
@@ -774,7 +775,7 @@ fn bind_tcp(
         Some(socket2::Protocol::TCP),
     )?;
     if let Some(ka) = ka {
-        seedlink_net::sockopt::tune(socket2::SockRef::from(&sock), ka)?;
+        seedlink_net::sockopt::tune_listener(socket2::SockRef::from(&sock), ka)?;
     }
     sock.set_reuse_address(true)?;
     #[cfg(unix)]

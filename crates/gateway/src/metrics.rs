@@ -514,6 +514,12 @@ impl ListenerMetrics {
     pub fn routed(&self, m: &Metrics, cp: &str, protocol: &str) -> Routed {
         let h = self.cp(m, cp);
         let mut routed = seedlink_net::sync::lock(&h.routed, "metric handles");
+        // Looked up by `&str` first: no allocation once the path is known.
+        if let Some((count, open)) = routed.get(protocol) {
+            count.inc();
+            open.inc();
+            return Routed(open.clone());
+        }
         let (count, open) = routed.entry(protocol.to_string()).or_insert_with(|| {
             let labels = RoutedLabels {
                 listener: self.listener.clone(),

@@ -205,10 +205,12 @@ impl Gateway {
     /// The token that closes open connections of control plane `name` if it
     /// is removed and the removal grace passes.
     pub(crate) fn closer_for(&self, name: &str) -> CancellationToken {
-        seedlink_net::sync::lock(&self.closers, "closers")
-            .entry(name.to_string())
-            .or_default()
-            .clone()
+        let mut closers = seedlink_net::sync::lock(&self.closers, "closers");
+        // Looked up by `&str` first: no allocation once the name is known.
+        if let Some(c) = closers.get(name) {
+            return c.clone();
+        }
+        closers.entry(name.to_string()).or_default().clone()
     }
 }
 

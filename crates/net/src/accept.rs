@@ -33,7 +33,17 @@ impl Listener for UnixListener {
     }
 }
 
+/// Connections accepted in a row before the loop lets the rest of its
+/// runtime go first (see [`accept_loop`]).
+pub const ACCEPT_BATCH: usize = 16;
+
 /// Accepts connections until `shutdown` fires, handing each to `on_conn`.
+///
+/// Every [`ACCEPT_BATCH`] connections it yields, and tokio runs
+/// it again only after the event loop has looked for I/O once: in a
+/// reconnect storm the connections already established get their turn
+/// between every batch of new ones, instead of waiting behind all that
+/// one wake-up's accepts (up to tokio's budget of 128) and their setup.
 ///
 /// Errors that concern one connection (it was reset before we accepted it)
 /// are skipped. Resource errors (EMFILE, ENFILE, ENOBUFS, ENOMEM) pause the
@@ -45,7 +55,12 @@ where
     F: FnMut(L::Stream, L::Peer),
 {
     let mut backoff = Duration::from_millis(10);
+    let mut in_a_row = 0;
     loop {
+        if in_a_row >= ACCEPT_BATCH {
+            in_a_row = 0;
+            tokio::task::yield_now().await;
+        }
         let accepted = tokio::select! {
             biased;
             () = shutdown.cancelled() => return,
@@ -54,6 +69,7 @@ where
         match accepted {
             Ok((stream, peer)) => {
                 backoff = Duration::from_millis(10);
+                in_a_row += 1;
                 on_conn(stream, peer);
             }
             Err(e) if is_connection_error(&e) => {}

@@ -292,7 +292,10 @@ pub(super) async fn read_more(
             return Err(Refusal::ReadError);
         }
         let mut chunk = [0u8; CHUNK];
-        match stream.try_read(&mut chunk[..want]) {
+        // A short read clears the readiness: the copy that follows does
+        // not begin with a read that finds nothing.
+        let read = || stream.try_read(&mut chunk[..want]);
+        match seedlink_net::copy::read_drained(stream, want, read) {
             Ok(0) => return Err(Refusal::Eof),
             Ok(n) => {
                 buf.extend_from_slice(&chunk[..n]);
