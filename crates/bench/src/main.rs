@@ -13,6 +13,7 @@ mod peers;
 mod procstat;
 mod proxy;
 mod scenario;
+mod storm;
 mod tunnel;
 mod tunnel_flood;
 mod tunnel_restart;
@@ -112,11 +113,11 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
             let _ = TUNNEL_SCENARIO.set(());
         }
         "connect" => scenario::set_tunnel_destination(),
-        "tunnel-scale" | "tunnel-flood" | "tunnel-restart" => {}
+        "tunnel-scale" | "tunnel-flood" | "tunnel-restart" | "storm" => {}
         "cipher" => return cipher::run(),
         "kube-scale" => return kube_scale::run(&opts).await,
         other => {
-            anyhow::bail!("--scenario {other:?}: use sni, proxy-sni, connect, node-proxy, node-proxy-h2, tunnel, tunnel-scale, tunnel-flood, tunnel-restart, kube-scale or cipher")
+            anyhow::bail!("--scenario {other:?}: use sni, proxy-sni, storm, connect, node-proxy, node-proxy-h2, tunnel, tunnel-scale, tunnel-flood, tunnel-restart, kube-scale or cipher")
         }
     }
     let backend = workload::Backend::start().await?;
@@ -128,6 +129,9 @@ async fn run(opts: Opts) -> anyhow::Result<()> {
     }
     if opts.scenario == "tunnel-flood" {
         return tunnel_flood::run(&opts, backend.addr).await;
+    }
+    if opts.scenario == "storm" {
+        return storm::run(&opts).await;
     }
     let _ = CONNECT_TARGET.set(backend.addr.to_string());
     let dir = tempfile::tempdir()?;

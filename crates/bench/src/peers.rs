@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 
 use crate::proxy::Proxy;
-use crate::scenario::{proxy_v2, tunnel_destination, Opts, DEST, NODE_GATEWAY, NODE_H2};
-
-/// The SNI every proxy routes to the backend.
-pub const SNI: &str = "api.alpha.example.com";
+use crate::scenario::{
+    proxy_v2, storm_backend, storm_cap, storm_names, tunnel_destination, Opts, DEST, NODE_GATEWAY,
+    NODE_H2, SNI,
+};
 
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
@@ -88,12 +88,19 @@ impl Proxy {
                         "admin: {{listen: '127.0.0.1:0'}}
 listeners: [{{name: tls, address: '{addr}', protocol: {proto}, proxy_protocol: {pp}}}]
 trusted_load_balancers: [127.0.0.0/8]
-limits: {{max_unrouted_per_source: 100000}}
+limits: {{max_unrouted_per_source: 100000{cap}}}
 control_planes:
   - {{name: bench, hostnames: [{SNI}], endpoints: ['{backend}'], destinations: [{{name: '{DEST}'}}]}}
-",
+{storm}",
                         proto = if tunnel_destination().is_some() { "http-connect" } else { "tls" },
                         pp = if proxy_v2() { "required" } else { "off" },
+                        cap = match storm_cap() {
+                            0 => String::new(),
+                            c => format!(", max_connections: {c}, max_connections_per_control_plane: {c}"),
+                        },
+                        storm = storm_names()
+                            .map(|(i, n)| format!("  - {{name: c{i:04}, hostnames: [{n}], endpoints: ['{}']}}\n", storm_backend(backend)))
+                            .collect::<String>(),
                     ),
                 )?;
                 let mut c = Command::new(bin)
@@ -119,7 +126,7 @@ control_planes:
                     &cfg,
                     format!(
                         "global
-  maxconn 9000
+  maxconn {maxconn}
   nbthread {t}
 defaults
   mode tcp
@@ -127,14 +134,37 @@ defaults
   timeout client 60s
   timeout server 60s
 frontend tls
-  bind {addr}{accept_proxy}
+  bind {addr}{accept_proxy} backlog 4096
   tcp-request inspect-delay 5s
   tcp-request content accept if {{ req_ssl_hello_type 1 }}
   use_backend b if {{ req_ssl_sni -i {SNI} }}
-backend b
+{storm_use}backend b
   server s {backend}
-",
+{storm_backends}",
                         accept_proxy = if proxy_v2() { " accept-proxy" } else { "" },
+                        maxconn = match storm_cap() {
+                            0 => 9000,
+                            c => c,
+                        },
+                        storm_use = if storm_names().next().is_some() {
+                            let map = dir.join(format!("haproxy-{idx}.map"));
+                            let lines: String = storm_names()
+                                .map(|(i, n)| format!("{n} c{i:04}\n"))
+                                .collect();
+                            std::fs::write(&map, lines)?;
+                            format!(
+                                "  use_backend %[req_ssl_sni,lower,map({})]\n",
+                                map.display()
+                            )
+                        } else {
+                            String::new()
+                        },
+                        storm_backends = storm_names()
+                            .map(|(i, _)| format!(
+                                "backend c{i:04}\n  server s {}\n",
+                                storm_backend(backend)
+                            ))
+                            .collect::<String>(),
                     ),
                 )?;
                 Command::new(which("haproxy")?)
@@ -144,7 +174,10 @@ backend b
                     .stdout(Stdio::null())
                     .spawn()?
             }
-            "nginx" => {
+            // `nginx-hc`: with `proxy_half_close on`, nginx keeps a
+            // half-closed connection open as seedlink does (by default it
+            // closes both sides at the first FIN).
+            "nginx" | "nginx-hc" => {
                 let cfg = dir.join(format!("nginx-{idx}.conf"));
                 let prefix = dir.join(format!("nginx-{idx}"));
                 std::fs::create_dir_all(prefix.join("logs"))?;
@@ -162,15 +195,35 @@ worker_processes {t};
 worker_rlimit_nofile 20000;
 pid {pid};
 error_log {err} error;
-events {{ worker_connections 10000; }}
+events {{ worker_connections {conns}; }}
 stream {{
-  map $ssl_preread_server_name $up {{ {SNI} b; default blackhole; }}
+  map $ssl_preread_server_name $up {{ {SNI} b; {storm_map}default blackhole; }}
   upstream b {{ server {backend}; }}
   upstream blackhole {{ server 127.0.0.1:1; }}
-  server {{ listen {addr}{pp}; ssl_preread on; proxy_pass $up; }}
+{storm_up}  server {{ listen {addr}{pp} backlog=4096; ssl_preread on; proxy_pass $up;{half_close} }}
 }}
 ",
                         pp = if proxy_v2() { " proxy_protocol" } else { "" },
+                        half_close = if name == "nginx-hc" {
+                            " proxy_half_close on;"
+                        } else {
+                            ""
+                        },
+                        // A worker counts a proxied connection twice (client
+                        // and upstream), and the workers share the cap.
+                        conns = match storm_cap() {
+                            0 => 10000,
+                            c => c * 2 / t.max(1),
+                        },
+                        storm_map = storm_names()
+                            .map(|(i, n)| format!("{n} c{i:04}; "))
+                            .collect::<String>(),
+                        storm_up = storm_names()
+                            .map(|(i, _)| format!(
+                                "  upstream c{i:04} {{ server {}; }}\n",
+                                storm_backend(backend)
+                            ))
+                            .collect::<String>(),
                         pid = prefix.join("nginx.pid").display(),
                         err = prefix.join("logs/error.log").display()
                     ),

@@ -93,11 +93,17 @@ impl Proxy {
 impl Drop for Proxy {
     /// Stops the proxy and its workers, also when the bench fails midway.
     fn drop(&mut self) {
-        for pid in self.pids().into_iter().skip(1) {
-            let _ = Command::new("kill").arg(pid.to_string()).status();
-        }
+        // The master first: nginx's master starts a new worker for one
+        // killed under it, which would then outlive it. SIGKILL: a worker
+        // told to stop gracefully waits for its open connections.
+        let pids = self.pids();
         let _ = self.child.kill();
         let _ = self.child.wait();
+        for pid in pids.into_iter().skip(1 + self.extra.len()) {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
         for c in &mut self.extra {
             let _ = c.kill();
             let _ = c.wait();

@@ -6,6 +6,16 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
+/// The SNI every proxy routes to the backend.
+pub const SNI: &str = "api.alpha.example.com";
+
+/// The name of storm control plane `i`: as long as [`SNI`], so that it
+/// takes its place in the captured ClientHello with every length
+/// unchanged.
+pub fn storm_name(i: usize) -> String {
+    format!("api.c{:04}.example.com", i % 10_000)
+}
+
 /// Set in the reverse-tunnel scenario.
 pub static TUNNEL_SCENARIO: std::sync::OnceLock<()> = std::sync::OnceLock::new();
 /// The CONNECT request target (default `backend:443`).
@@ -29,6 +39,34 @@ pub fn set_proxy_v2() {
 /// Whether proxied connections start with a PROXY v2 header.
 pub fn proxy_v2() -> bool {
     PROXY_V2.get().is_some()
+}
+
+/// Storm scenario: control planes every proxy routes besides the bench's
+/// own (`api.cNNNN.example.com`, each with its own route and upstream
+/// entry, all to the one backend).
+pub static STORM_CPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// Storm scenario's overload phase: the connections each proxy started
+/// now may hold (seedlink's `max_connections`, HAProxy's `maxconn`,
+/// nginx's `worker_connections`); 0: the usual configuration.
+pub static STORM_CAP: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The storm control planes' indexes and names (none outside the storm).
+pub fn storm_names() -> impl Iterator<Item = (usize, String)> {
+    (0..STORM_CPS.load(std::sync::atomic::Ordering::Relaxed)).map(|i| (i, storm_name(i)))
+}
+
+/// Storm scenario: the backend of the storm's control planes (the
+/// bench's own control plane then goes to the probes' echo backend).
+pub static STORM_BACKEND: std::sync::OnceLock<SocketAddr> = std::sync::OnceLock::new();
+
+/// Where the storm control planes go: [`STORM_BACKEND`], else `backend`.
+pub fn storm_backend(backend: SocketAddr) -> SocketAddr {
+    STORM_BACKEND.get().copied().unwrap_or(backend)
+}
+
+/// The cap proxies started now get (0: none).
+pub fn storm_cap() -> usize {
+    STORM_CAP.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Switches the bench to the CONNECT scenario.
@@ -86,7 +124,9 @@ pub struct Opts {
     #[arg(long, default_value_t = 2)]
     pub threads: usize,
     /// `sni` (TLS passthrough), `proxy-sni` (the same behind a PROXY v2
-    /// sender: every proxied connection starts with the header), `connect` (HTTP CONNECT tunnels with the
+    /// sender: every proxied connection starts with the header), `storm`
+    /// (a reconnect storm: waves of clients connecting at once over many
+    /// control planes, then the same against capped proxies), `connect` (HTTP CONNECT tunnels with the
     /// destination header; seedlink's http-connect listener vs Envoy as
     /// Gardener's ingress) or `node-proxy` (seedlink node-proxy vs Envoy with
     /// Gardener's apiserver-proxy config, both in front of one seedlink gateway)
@@ -143,6 +183,25 @@ pub struct Opts {
     /// Internal: `splice` or `buffered`.
     #[arg(long, hide = true, default_value = "splice")]
     pub forward_copy: String,
+    /// Storm scenario: clients that connect at once in each wave and hold
+    /// their connection until all are in (then all close, as after a
+    /// load balancer's failover).
+    #[arg(long, default_value_t = 8000)]
+    pub storm_clients: usize,
+    /// Storm scenario: waves per proxy (clients × waves connections each).
+    #[arg(long, default_value_t = 7)]
+    pub storm_waves: usize,
+    /// Storm scenario: control planes the clients spread over.
+    #[arg(long, default_value_t = 1000)]
+    pub storm_cps: usize,
+    /// Storm scenario's overload phase: the connection cap of the capped
+    /// proxies, below `storm_clients`.
+    #[arg(long, default_value_t = 2000)]
+    pub storm_cap: usize,
+    /// Storm scenario: established connections whose echo round trips are
+    /// timed before and during each wave.
+    #[arg(long, default_value_t = 32)]
+    pub storm_probes: usize,
     /// Print the results as JSON too.
     #[arg(long)]
     pub json: bool,

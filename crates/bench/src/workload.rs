@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpSocket, TcpStream, UnixStream};
+use tokio::net::{TcpSocket, TcpStream, UnixStream};
 use tokio_util::either::Either;
 
 use crate::procstat::{cpu_seconds, rss_kib, wakeups, wakeups_since};
@@ -17,8 +17,38 @@ pub const HELLO: &[u8] = include_bytes!("../../proto/testdata/openssl_client_hel
 
 const BULK: u8 = b'B';
 const ONE_AND_CLOSE: u8 = b'C';
-const ONE_AND_IDLE: u8 = b'I';
-const ECHO: u8 = b'E';
+pub(crate) const ONE_AND_IDLE: u8 = b'I';
+pub(crate) const ECHO: u8 = b'E';
+
+/// Backend connections now open that were asked for one byte then idle
+/// (the storm scenario waits for its clients' close to reach the backend).
+pub(crate) static IDLE_OPEN: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+
+/// Where [`HELLO`]'s server name starts, and its length.
+fn sni_span() -> (usize, usize) {
+    let name = crate::scenario::SNI.as_bytes();
+    // The capture spells it `api.Alpha.example.com`.
+    let at = HELLO
+        .windows(name.len())
+        .position(|w| w.eq_ignore_ascii_case(name))
+        .unwrap_or(0);
+    (at, name.len())
+}
+
+/// [`HELLO`] asking for [`crate::scenario::storm_name`]`(i)`.
+pub(crate) fn hello_for(i: usize) -> Vec<u8> {
+    let (at, len) = sni_span();
+    let mut h = HELLO.to_vec();
+    h[at..at + len].copy_from_slice(&crate::scenario::storm_name(i).as_bytes()[..len]);
+    h
+}
+
+/// Whether `got` is [`HELLO`], its server name aside.
+fn is_hello(got: &[u8]) -> bool {
+    let (at, len) = sni_span();
+    got.len() == HELLO.len() && got[..at] == HELLO[..at] && got[at + len..] == HELLO[at + len..]
+}
 const UPLOAD: u8 = b'U';
 
 /// Where a target listens: TCP on loopback, or a Unix socket (upstream
@@ -60,10 +90,10 @@ fn proxy_v2_header(src: SocketAddr, dst: SocketAddr) -> anyhow::Result<Vec<u8>> 
 }
 
 /// A client connection to a target.
-type Conn = Either<TcpStream, UnixStream>;
+pub(crate) type Conn = Either<TcpStream, UnixStream>;
 
 /// Connects to `t`, over TCP from `src` when given, with a 10 s bound.
-async fn dial(t: &Target, src: Option<IpAddr>) -> anyhow::Result<Conn> {
+pub(crate) async fn dial(t: &Target, src: Option<IpAddr>) -> anyhow::Result<Conn> {
     let c = match t {
         Target::Tcp(addr) | Target::TcpProxyV2(addr) => {
             let sock = TcpSocket::new_v4()?;
@@ -93,21 +123,37 @@ pub struct Backend {
 }
 
 impl Backend {
-    /// Starts the backend on an ephemeral loopback port.
+    /// Starts the backend on an ephemeral loopback port. Its accept queue
+    /// holds 4,096 (as every proxy's does in the bench): a storm's
+    /// upstream connections must not be lost to the backend's.
     pub async fn start() -> anyhow::Result<Backend> {
-        let l = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = l.local_addr()?;
-        tokio::spawn(async move {
-            loop {
-                let Ok((s, _)) = l.accept().await else {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                    continue;
-                };
-                tokio::spawn(async move {
-                    let _ = serve(s).await;
-                });
-            }
-        });
+        Backend::start_on(1).await
+    }
+
+    /// [`Backend::start`] with `sockets` `SO_REUSEPORT` sockets on one
+    /// port (4,096 each): the storm's thousands of upstream connections
+    /// at once, which a kube-apiserver per control plane would take, must
+    /// not overflow one accept queue.
+    pub async fn start_on(sockets: usize) -> anyhow::Result<Backend> {
+        let mut addr: SocketAddr = "127.0.0.1:0".parse()?;
+        for _ in 0..sockets.max(1) {
+            let sock = TcpSocket::new_v4()?;
+            sock.set_reuseport(true)?;
+            sock.bind(addr)?;
+            let l = sock.listen(4096)?;
+            addr = l.local_addr()?;
+            tokio::spawn(async move {
+                loop {
+                    let Ok((s, _)) = l.accept().await else {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    };
+                    tokio::spawn(async move {
+                        let _ = serve(s).await;
+                    });
+                }
+            });
+        }
         Ok(Backend { addr })
     }
 }
@@ -118,7 +164,7 @@ async fn serve(mut s: TcpStream) -> anyhow::Result<()> {
     s.set_nodelay(true)?;
     let mut head = vec![0u8; HELLO.len() + 1];
     s.read_exact(&mut head).await?;
-    if head[..HELLO.len()] != *HELLO {
+    if !is_hello(&head[..HELLO.len()]) {
         bail!("backend received something other than the hello");
     }
     match head[HELLO.len()] {
@@ -143,9 +189,16 @@ async fn serve(mut s: TcpStream) -> anyhow::Result<()> {
             while s.read(&mut sink).await? > 0 {}
         }
         ONE_AND_IDLE => {
-            s.write_all(b"x").await?;
-            let mut sink = [0u8; 64];
-            while s.read(&mut sink).await? > 0 {}
+            IDLE_OPEN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let r = async {
+                s.write_all(b"x").await?;
+                let mut sink = [0u8; 64];
+                while s.read(&mut sink).await? > 0 {}
+                anyhow::Ok(())
+            }
+            .await;
+            IDLE_OPEN.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            r?;
         }
         ECHO => {
             let mut buf = vec![0u8; 64 * 1024];
@@ -422,7 +475,7 @@ async fn bulk(addr: &Target, bytes: u64, tunnel: bool) -> anyhow::Result<u64> {
 
 /// Spreads clients over 127.0.0.2–127.0.0.201 so the rate runs do not
 /// exhaust one source address's ephemeral ports.
-fn src_ip(i: usize) -> IpAddr {
+pub(crate) fn src_ip(i: usize) -> IpAddr {
     IpAddr::V4(Ipv4Addr::new(
         127,
         0,
@@ -591,7 +644,7 @@ pub async fn idle(addr: &Target, pids: &[u32], n: usize, tunnel: bool) -> anyhow
     Ok((after - before) / opened as f64)
 }
 
-fn percentile(v: &mut [f64], p: f64) -> f64 {
+pub(crate) fn percentile(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
