@@ -55,10 +55,10 @@ where
     F: FnMut(L::Stream, L::Peer),
 {
     let mut backoff = Duration::from_millis(10);
-    let mut in_a_row = 0;
+    let mut since_yield = 0;
     loop {
-        if in_a_row >= ACCEPT_BATCH {
-            in_a_row = 0;
+        if since_yield >= ACCEPT_BATCH {
+            since_yield = 0;
             tokio::task::yield_now().await;
         }
         let accepted = tokio::select! {
@@ -69,7 +69,7 @@ where
         match accepted {
             Ok((stream, peer)) => {
                 backoff = Duration::from_millis(10);
-                in_a_row += 1;
+                since_yield += 1;
                 on_conn(stream, peer);
             }
             Err(e) if is_connection_error(&e) => {}

@@ -495,6 +495,10 @@ fn buffered_in<'p>(src: &TcpStream, cap: usize) -> io::Result<Option<Dir<'p>>> {
 /// already seen stays seen (tokio never clears the closed states). The
 /// readiness is taken before the read, so an event that came in meanwhile
 /// (another thread's driver) is not lost: tokio then leaves it set.
+/// `cap` is the most `read` may return (a read that fills it is not
+/// short). As tokio's own `poll_read`, this takes a short read for a
+/// drained queue, which TCP urgent data (a read stops at its mark) can
+/// belie: only the connection that sends it waits for its next bytes.
 pub fn read_drained(
     src: &TcpStream,
     cap: usize,

@@ -328,3 +328,58 @@ async fn a_complete_answer_read_late_is_not_cut() {
         assert!(r.is_ok(), "{mode:?}: {r:?}");
     }
 }
+
+/// Short messages in turn, each sent only after the previous one came
+/// through, then a FIN each way: every short read clears the readiness
+/// (`read_drained`), so each later message and the FIN must still wake
+/// the copy. The last FIN goes out with the close, not a `shutdown`.
+async fn short_messages_then_fins(mode: CopyMode) {
+    let (mut client, pa, pb, mut upstream) = wire().await;
+    let proxy = spawn_proxy(mode, pa, pb);
+    let mut buf = [0u8; 64];
+    for i in 0..50u8 {
+        let msg = [b'q', i];
+        client.write_all(&msg).await.unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(10), upstream.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&buf[..n], &msg, "request {i}");
+        let answer = [b'a', i, i];
+        upstream.write_all(&answer).await.unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(10), client.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(&buf[..n], &answer, "answer {i}");
+    }
+    upstream.shutdown().await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(10), client.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(n, 0, "the upstream's FIN reaches the client");
+    client.shutdown().await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(10), upstream.read(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(n, 0, "the client's FIN reaches the upstream");
+    let (r, _) = tokio::time::timeout(Duration::from_secs(10), proxy)
+        .await
+        .unwrap()
+        .unwrap();
+    r.unwrap();
+}
+
+#[tokio::test]
+async fn short_messages_in_turn_on_a_current_thread_runtime() {
+    short_messages_then_fins(CopyMode::Splice).await;
+    short_messages_then_fins(CopyMode::Buffered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_messages_in_turn_on_a_multi_thread_runtime() {
+    short_messages_then_fins(CopyMode::Splice).await;
+    short_messages_then_fins(CopyMode::Buffered).await;
+}
