@@ -26,14 +26,18 @@ pub(crate) static IDLE_OPEN: std::sync::atomic::AtomicUsize =
     std::sync::atomic::AtomicUsize::new(0);
 
 /// Where [`HELLO`]'s server name starts, and its length.
+/// Found once: the backend checks every connection's hello against it.
 fn sni_span() -> (usize, usize) {
-    let name = crate::scenario::SNI.as_bytes();
-    // The capture spells it `api.Alpha.example.com`.
-    let at = HELLO
-        .windows(name.len())
-        .position(|w| w.eq_ignore_ascii_case(name))
-        .unwrap_or(0);
-    (at, name.len())
+    static SPAN: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    *SPAN.get_or_init(|| {
+        let name = crate::scenario::SNI.as_bytes();
+        // The capture spells it `api.Alpha.example.com`.
+        let at = HELLO
+            .windows(name.len())
+            .position(|w| w.eq_ignore_ascii_case(name))
+            .unwrap_or(0);
+        (at, name.len())
+    })
 }
 
 /// [`HELLO`] asking for [`crate::scenario::storm_name`]`(i)`.
